@@ -1,0 +1,148 @@
+"""autoprec's command line: thin verbs over the library. A user's mistake exits 2 with one line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from autoprec.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def _device(value: str) -> torch.device:
+    try:
+        dev = torch.device(value)
+    except RuntimeError:
+        raise UserError(f"--device: unknown device {value!r}; use cpu or cuda (cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {value}: CUDA is not available here; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {value}: autoprec measures on cpu or cuda, got {dev.type}")
+    return dev
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _out_dir(args: argparse.Namespace, task) -> Path:
+    return Path(args.out) if args.out else Path("results") / task.name
+
+
+def _prepare(args: argparse.Namespace):
+    from autoprec.space import load_space
+    from autoprec.task import load_task, prepare
+
+    task = load_task(args.model)
+    space = load_space(args.space)
+    device = _device(args.device)
+    print(f"autoprec: {task.path} on {device}", file=sys.stderr)
+    return task, space, prepare(task, device)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from autoprec.report import search_summary
+    from autoprec.search import SearchConfig, search
+
+    try:
+        config = SearchConfig(budget=args.budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    task, space, workload = _prepare(args)
+    out = _out_dir(args, task)
+    result = search(workload, space, config, out)
+    (out / "summary.md").write_text(_summary_markdown(result, args), encoding="utf-8")
+    print(search_summary(result))
+    print(f"\nwrote {out / 'policy.json'}, profile.csv, trials.csv, finalists.csv, summary.md (study {result.study_name!r} in {result.storage})")
+    return 0
+
+
+def _summary_markdown(result, args: argparse.Namespace) -> str:
+    from autoprec.report import profile_summary, search_summary
+
+    command = "autoprec search " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "autoprec search"
+    return (
+        f"# autoprec search: {result.policy.measured['model']}\n\n`{command}`\n\n"
+        f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.table, markdown=True)}\n\n"
+        f"dB: output SQNR against fp32; drop: metric drop; x time: the layer's forward+backward time over fp32's.\n"
+    )
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from autoprec.profile import profile
+    from autoprec.report import profile_summary
+
+    task, space, workload = _prepare(args)
+    out = _out_dir(args, task)
+    prof = profile(workload, space)
+    path = prof.save(out)
+    print(profile_summary(prof.table))
+    print(f"\nfp32 metric {prof.fp32_metric:.6g} ({prof.metric_name}) on {prof.device}; wrote {path}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from autoprec.policy import load_policy
+    from autoprec.report import show_policy
+
+    print(show_policy(load_policy(args.policy), markdown=args.markdown))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,profile,show}")
+
+    def model_verb(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = verbs.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("model", help="path to a model.py (build_model, batches, loss_fn; optional evaluate, optimizer)")
+        p.add_argument("--device", default=_default_device(), help="where to measure (default: cuda when available, else cpu)")
+        p.add_argument("--out", help="output directory (default: results/<model name>)")
+        p.add_argument("--space", help="search-space YAML (default: the shipped search_spaces/default.yaml)")
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        return p
+
+    s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
+    s.add_argument("--budget", type=float, required=True, help="largest allowed drop of the metric from all-fp32, in the metric's units")
+    s.add_argument("--trials", type=int, help="trials in the study, counting earlier runs of it (default: the space's)")
+    s.add_argument("--storage", help="Optuna storage URL or journal file (default: <out>/study.journal)")
+    s.add_argument("--study", help="study name (default: the model's name); the same name resumes")
+    s.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    s.set_defaults(func=cmd_search)
+
+    p = model_verb("profile", "measure each layer's sensitivity and speed in each format; write profile.csv")
+    p.set_defaults(func=cmd_profile)
+
+    sh = verbs.add_parser("show", help="print a policy file for a person", description="print a policy file for a person")
+    sh.add_argument("policy", help="path to a policy.json")
+    sh.add_argument("--markdown", action="store_true", help="markdown tables")
+    sh.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sh.set_defaults(func=cmd_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="autoprec: %(message)s")
+    try:
+        return args.func(args)
+    except UserError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"autoprec: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("autoprec: interrupted; a search resumes when run again with the same --study and --storage", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Policy and LossScale: the versioned, validated JSON file a search writes and a training script applies."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoprec.errors import UserError
+from autoprec.formats import FORMATS, Format, parse_format
+
+POLICY_VERSION = 1
+ROOT = ""  # the model itself: its format covers every op not inside a listed layer
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """torch.amp.GradScaler settings. `dynamic=False` keeps the scale at init_scale (steps with inf still skip)."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("init_scale", self.init_scale, self.init_scale > 0 and math.isfinite(self.init_scale), "> 0"),
+            ("growth_factor", self.growth_factor, self.growth_factor > 1.0, "> 1"),
+            ("backoff_factor", self.backoff_factor, 0.0 < self.backoff_factor < 1.0, "in (0, 1)"),
+            ("growth_interval", self.growth_interval, self.growth_interval >= 1, ">= 1"),
+        )
+        for name, value, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"loss_scale.{name} must be {rule}, but got {value!r}")
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"loss_scale.dynamic must be true or false, but got {self.dynamic!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object, *, where: str = "loss_scale") -> LossScale:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where} must be an object with fields {', '.join(fields)}, got {type(data).__name__}")
+        for key in data:
+            if key not in fields:
+                raise ValueError(f"{where}: unknown field {key!r}; allowed fields: {', '.join(fields)}")
+        for key in fields:
+            if key not in data:
+                raise ValueError(f"{where}: missing field {key!r}")
+        kinds = {"dynamic": (bool,), "growth_interval": (int,)}
+        for key, value in data.items():
+            ok_types = kinds.get(key, (int, float))
+            if not isinstance(value, ok_types) or (key != "dynamic" and isinstance(value, bool)):
+                raise ValueError(f"{where}.{key} must be a {ok_types[0].__name__}, but got {value!r}")
+        return cls(**{k: (float(v) if k not in kinds else v) for k, v in data.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Per-layer formats (module name -> format), loss-scale settings, and what the search measured.
+
+    Layers not listed run in whatever precision surrounds them: the policy's root entry ("") when it
+    has one, else the caller's (fp32 unless the caller uses autocast).
+    """
+
+    layers: Mapping[str, Format] = dataclasses.field(default_factory=dict)
+    loss_scale: LossScale = dataclasses.field(default_factory=LossScale)
+    measured: Mapping[str, Any] | None = None
+    version: int = POLICY_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, Mapping):
+            raise ValueError(f"layers must map module names to formats, got {type(self.layers).__name__}")
+        layers = {}
+        for name, fmt in self.layers.items():
+            if not isinstance(name, str):
+                raise ValueError(f"layers keys must be module names (str), got {name!r}")
+            layers[name] = parse_format(fmt, field=f"layers[{name!r}]")
+        object.__setattr__(self, "layers", layers)
+        if isinstance(self.loss_scale, Mapping):
+            object.__setattr__(self, "loss_scale", LossScale.from_dict(self.loss_scale))
+        if not isinstance(self.loss_scale, LossScale):
+            raise ValueError(f"loss_scale must be a LossScale, got {type(self.loss_scale).__name__}")
+        if self.version != POLICY_VERSION:
+            raise ValueError(f"version must be {POLICY_VERSION}, but got {self.version!r}")
+        if self.measured is not None and not isinstance(self.measured, Mapping):
+            raise ValueError(f"measured must be an object, got {type(self.measured).__name__}")
+
+    @property
+    def uses_fp16(self) -> bool:
+        return Format.FP16 in self.layers.values()
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "version": self.version,
+            "layers": {name: fmt.value for name, fmt in self.layers.items()},
+            "loss_scale": self.loss_scale.to_dict(),
+        }
+        if self.measured is not None:
+            data["measured"] = dict(self.measured)
+        return data
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: object) -> Policy:
+        allowed = ("version", "layers", "loss_scale", "measured")
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a policy must be a JSON object with fields {', '.join(allowed)}, got {type(data).__name__}")
+        for key in data:
+            if key not in allowed:
+                raise ValueError(f"unknown field {key!r}; allowed fields: {', '.join(allowed)}")
+        for key in allowed[:3]:
+            if key not in data:
+                raise ValueError(f"missing field {key!r}")
+        version = data["version"]
+        if version != POLICY_VERSION or isinstance(version, bool):
+            raise ValueError(f"version must be {POLICY_VERSION}, but got {version!r}")
+        layers = data["layers"]
+        if not isinstance(layers, Mapping):
+            raise ValueError(f"layers must map module names to one of {', '.join(FORMATS)}, got {type(layers).__name__}")
+        return cls(
+            layers=layers,
+            loss_scale=LossScale.from_dict(data["loss_scale"]),
+            measured=data.get("measured"),
+            version=version,
+        )
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read and validate a policy file; errors name the file, the field and the allowed values."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such policy file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not valid JSON: the file is not UTF-8 text") from None
+    try:
+        return Policy.from_dict(data)
+    except ValueError as exc:
+        raise UserError(f"{path}: {exc}") from None
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the model's structure (parameter names, shapes, module types), not its values."""
+    h = hashlib.sha256()
+    for name, module in model.named_modules():
+        h.update(f"{name}:{type(module).__name__};".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    return h.hexdigest()[:16]

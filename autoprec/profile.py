@@ -1,0 +1,310 @@
+"""Per-layer sensitivity and speed: lower one layer at a time and measure what moves.
+
+For each tunable layer and each offered format, with only that layer lowered: the SQNR of the layer's
+output and of its weight gradient against fp32, the task metric and its drop, whether anything became
+non-finite, whether fp16 overflows, and the layer's own forward+backward time in that format.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from autoprec.apply import apply_policy
+from autoprec.errors import UserError
+from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, autocast_supported, device_name, fp8_shape_problem
+from autoprec.measure import (
+    TimingConfig,
+    evaluate_metric,
+    interleaved_times,
+    metric_name,
+    metric_of,
+    policy_model,
+    probe_times,
+    sqnr_db,
+)
+from autoprec.policy import Policy, model_fingerprint
+from autoprec.space import SearchSpace
+from autoprec.task import Workload, check_loss, map_tensors
+
+COLUMNS = [
+    "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "metric", "metric_drop",
+    "finite", "overflow", "max_abs", "time_ms", "time_spread", "time_vs_fp32",
+]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """`batches`: train batches for the SQNR pass; a format slower than fp32 by `gross_slowdown` in a
+    single probe is timed once rather than interleaved (fp8 emulation on a CPU costs seconds a call)."""
+
+    batches: int = 2
+    timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02)
+    gross_slowdown: float = 4.0
+
+
+@dataclasses.dataclass
+class Profile:
+    """One row per (layer, format); `fp32_metric` is the all-fp32 model's metric."""
+
+    table: pd.DataFrame
+    fp32_metric: float
+    metric_name: str
+    device: str
+    fingerprint: str
+
+    def save(self, out_dir: str | Path) -> Path:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.table.to_csv(out_dir / "profile.csv", index=False)
+        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint")}
+        (out_dir / "profile.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        return out_dir / "profile.csv"
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> Profile:
+        out_dir = Path(out_dir)
+        meta = json.loads((out_dir / "profile.json").read_text(encoding="utf-8"))
+        table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True)
+        table["reason"] = table["reason"].fillna("")
+        return cls(table=table, **meta)
+
+    def layers(self) -> list[str]:
+        return list(dict.fromkeys(self.table["layer"]))
+
+
+def _first_float(out: Any) -> torch.Tensor | None:
+    found: list[torch.Tensor] = []
+    map_tensors(out, lambda t: found.append(t) if t.is_floating_point() else None)
+    return found[0] if found else None
+
+
+def _param_grad(module: torch.nn.Module) -> torch.Tensor | None:
+    grads = [p.grad.detach().flatten().float() for p in module.parameters() if p.grad is not None]
+    return torch.cat(grads) if grads else None
+
+
+class _Capture:
+    """Forward hooks on the tunable layers: their outputs, and the inputs of the first call."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]):
+        modules = dict(model.named_modules())
+        self.modules = {n: modules[n] for n in names}
+        self.outputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        self.inputs: dict[str, tuple[tuple, dict]] = {}
+        self._handles = []
+        for n, m in self.modules.items():
+            self._handles.append(m.register_forward_pre_hook(self._pre(n), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post(n)))
+
+    def _pre(self, name: str):
+        def hook(module, args, kwargs):
+            if name not in self.inputs:
+                self.inputs[name] = map_tensors((args, kwargs), lambda t: t.detach().clone())
+
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            t = _first_float(output)
+            if t is not None:
+                self.outputs[name].append(t.detach().float().clone())
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _forward_backward(workload: Workload, model: torch.nn.Module, batches: int) -> bool:
+    """Loss and backward on the first train batches; True when every loss is finite."""
+    finite = True
+    for batch in workload.train[:batches]:
+        loss = check_loss(workload.task, workload.task.loss_fn(model, batch))
+        finite &= bool(torch.isfinite(loss).item())
+        loss.backward()
+    return finite
+
+
+def _run(workload: Workload, model: torch.nn.Module, names: list[str], batches: int) -> tuple[_Capture, bool]:
+    model.eval()  # no dropout noise: only the format differs between runs
+    cap = _Capture(model, names)
+    try:
+        finite = _forward_backward(workload, model, batches)
+    finally:
+        cap.remove()
+    return cap, finite
+
+
+def static_problem(module: torch.nn.Module, fmt: Format, device: torch.device) -> str | None:
+    """Why a format cannot apply to a module here, known without running it."""
+    if fmt is Format.FP8:
+        return fp8_shape_problem(module)
+    if not autocast_supported(device, fmt):
+        return f"torch.autocast has no {fmt.value} on {device.type}"
+    return None
+
+
+class _Holder(torch.nn.Module):
+    """Wraps a single layer so a policy can name it (and torchao can swap it) for isolated timing."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.layer(*args, **kwargs)
+
+
+def _lowered_by_autocast(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format, device: torch.device) -> bool:
+    args, kwargs = inputs
+    with torch.no_grad(), torch.autocast(device.type, dtype=AUTOCAST_DTYPE[fmt]):
+        out = _first_float(copy.deepcopy(module)(*args, **kwargs))
+    return out is not None and out.dtype == AUTOCAST_DTYPE[fmt]
+
+
+def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format):
+    """One forward+backward of the layer alone in `fmt`, on the inputs it saw in the model."""
+    holder = apply_policy(_Holder(copy.deepcopy(module)).train(), Policy(layers={"layer": fmt}))
+    leaves: list[torch.Tensor] = []
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        t = t.detach().clone().requires_grad_(True)
+        leaves.append(t)
+        return t
+
+    args, kwargs = map_tensors(inputs, leaf)
+
+    def step() -> None:
+        _first_float(holder(*args, **kwargs)).float().sum().backward()
+        holder.zero_grad(set_to_none=True)
+        for t in leaves:
+            t.grad = None
+
+    return step
+
+
+def _time_layer(workload: Workload, module: torch.nn.Module, inputs, formats: list[Format], config: ProfileConfig):
+    work = {fmt: _layer_step(module, inputs, fmt) for fmt in formats}
+    probe = probe_times(work, workload.device, warmup=config.timing.warmup)
+    gross = {f for f in formats if f is not Format.FP32 and probe[f] > config.gross_slowdown * probe[Format.FP32]}
+    timed = interleaved_times({f: w for f, w in work.items() if f not in gross}, workload.device, config.timing)
+    result = {f: (t.median_ms, t.spread) for f, t in timed.items()}
+    result.update({f: (probe[f], float("nan")) for f in gross})  # probed only: the gap dwarfs any noise
+    return result
+
+
+def _shape(module: torch.nn.Module) -> str:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return "x".join(map(str, weight.shape))
+    return "-"
+
+
+def _profile_layer(workload, name, module, formats, ref, fp32_metric, config) -> list[dict]:
+    base = {"layer": name, "type": type(module).__name__, "shape": _shape(module)}
+    rows: dict[Format, dict] = {Format.FP32: {**base, "format": "fp32", "status": "ok", "reason": "",
+                                              "sqnr_db": math.inf, "grad_sqnr_db": math.inf, "metric": fp32_metric,
+                                              "metric_drop": 0.0, "finite": True, "overflow": False}}  # fmt: skip
+    ref_out = torch.cat([o.flatten() for o in ref.outputs[name]])
+    max_abs = float(ref_out.abs().max()) if ref_out.numel() else 0.0
+    rows[Format.FP32]["max_abs"] = max_abs
+    inputs = ref.inputs[name]
+    for fmt in formats:
+        if fmt is Format.FP32:
+            continue
+        row = {**base, "format": fmt.value, "max_abs": max_abs}
+        reason = static_problem(module, fmt, workload.device)
+        if reason is None and fmt in AUTOCAST_DTYPE and not _lowered_by_autocast(module, inputs, fmt, workload.device):
+            reason = f"torch.autocast does not lower {type(module).__name__} to {fmt.value} on {workload.device.type}"
+        if reason is None:
+            try:
+                row.update(_sensitivity(workload, name, fmt, ref, ref_out, fp32_metric, config))
+            except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
+                reason = f"{fmt.value} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        row.update(status="unsupported" if reason else "ok", reason=reason or "")
+        rows[fmt] = row
+    ok = [f for f in formats if rows[f]["status"] == "ok"]
+    times = _time_layer(workload, module, inputs, ok, config)
+    fp32_ms = times[Format.FP32][0]
+    for fmt, row in rows.items():
+        ms, spread = times.get(fmt, (math.nan, math.nan))
+        row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan)
+    return [rows[f] for f in formats if f in rows]
+
+
+def _sensitivity(workload, name, fmt, ref, ref_out, fp32_metric, config) -> dict:
+    model = policy_model(workload, Policy(layers={name: fmt}))
+    run, finite = _run(workload, model, [name], config.batches)
+    out = torch.cat([o.flatten() for o in run.outputs[name]])
+    grad, ref_grad = _param_grad(run.modules[name]), ref.grads[name]
+    finite &= bool(torch.isfinite(out).all()) and (grad is None or bool(torch.isfinite(grad).all()))
+    model.zero_grad(set_to_none=True)
+    metric = metric_of(workload, model)
+    finite &= math.isfinite(metric)
+    overflow = fmt is Format.FP16 and (float(ref_out.abs().max()) > FP16_MAX or not bool(torch.isfinite(out).all()))
+    return {
+        "sqnr_db": sqnr_db(ref_out, out),
+        "grad_sqnr_db": sqnr_db(ref_grad, grad) if grad is not None and ref_grad is not None else math.nan,
+        "metric": metric,
+        "metric_drop": fp32_metric - metric,
+        "finite": finite,
+        "overflow": overflow,
+    }
+
+
+@dataclasses.dataclass
+class _Reference:
+    names: list[str]
+    outputs: dict[str, list[torch.Tensor]]
+    inputs: dict[str, tuple[tuple, dict]]
+    grads: dict[str, torch.Tensor | None]
+
+
+def _reference(workload: Workload, names: list[str], config: ProfileConfig) -> _Reference:
+    model = copy.deepcopy(workload.model)
+    cap, _ = _run(workload, model, names, config.batches)
+    missing = [n for n in names if n not in cap.inputs]
+    if missing:
+        raise UserError(f"{workload.task.path}: layers {', '.join(missing)} are never called by loss_fn; nothing to tune there")
+    grads = {n: _param_grad(cap.modules[n]) for n in names}
+    return _Reference(names=names, outputs=cap.outputs, inputs=cap.inputs, grads=grads)
+
+
+def profile(
+    workload: Workload, space: SearchSpace, config: ProfileConfig = ProfileConfig(), *, progress: bool = True
+) -> Profile:
+    """Profile every tunable layer of the workload's model in every format the space offers."""
+    layers = space.tunable_layers(workload.model)
+    if not layers:
+        raise UserError(
+            f"{workload.task.path}: the model has no layer of the types the search space tunes ({', '.join(space.layers)})"
+        )
+    fp32_metric = evaluate_metric(workload, Policy())
+    if not math.isfinite(fp32_metric):
+        raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
+    ref = _reference(workload, list(layers), config)
+    modules = dict(workload.model.named_modules())
+    rows: list[dict] = []
+    for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
+        formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
+        rows.extend(_profile_layer(workload, name, modules[name], formats, ref, fp32_metric, config))
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    return Profile(
+        table=table,
+        fp32_metric=fp32_metric,
+        metric_name=metric_name(workload),
+        device=device_name(str(workload.device)),
+        fingerprint=model_fingerprint(workload.model),
+    )

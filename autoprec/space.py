@@ -1,0 +1,144 @@
+"""The search space file (YAML): formats offered per layer type, loss-scale ranges, pruning, sampler."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from autoprec.errors import UserError
+from autoprec.formats import Format, parse_format
+
+SAMPLERS = ("tpe", "random")
+_TOP_KEYS = ("default", "layers", "loss_scale", "prune", "sampler", "trials")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleRange:
+    """GradScaler settings the search may pick for a trial with fp16 layers."""
+
+    init_scale_log2: tuple[int, int] = (10, 24)
+    growth_interval: tuple[int, ...] = (200, 500, 1000, 2000)
+    dynamic: tuple[bool, ...] = (True,)
+
+    def __post_init__(self) -> None:
+        lo, hi = self.init_scale_log2
+        if not 0 <= lo <= hi <= 32:
+            raise ValueError(f"loss_scale.init_scale_log2 must be [low, high] with 0 <= low <= high <= 32, got {[lo, hi]}")
+        if not self.growth_interval or any(int(g) < 1 for g in self.growth_interval):
+            raise ValueError(f"loss_scale.growth_interval must be a list of integers >= 1, got {list(self.growth_interval)}")
+        if not self.dynamic or any(not isinstance(d, bool) for d in self.dynamic):
+            raise ValueError(f"loss_scale.dynamic must be a list of true/false, got {list(self.dynamic)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """What the search may choose. `layers` maps a torch.nn class name to the formats offered for it."""
+
+    layers: Mapping[str, tuple[Format, ...]]
+    default: tuple[Format, ...] = (Format.FP32, Format.BF16)
+    loss_scale: LossScaleRange = LossScaleRange()
+    prune_slower_than: float = 1.25
+    sampler: str = "tpe"
+    trials: int = 30
+    source: str = "<built-in>"
+
+    def __post_init__(self) -> None:
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, but got {self.sampler!r}")
+        if self.trials < 1:
+            raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
+        if self.prune_slower_than < 1.0:
+            raise ValueError(f"prune.slower_than must be >= 1.0, but got {self.prune_slower_than!r}")
+        if Format.FP8 in self.default:
+            raise ValueError("default (the model root) cannot be fp8: fp8 applies to nn.Linear layers only")
+        for type_name in self.layers:
+            module_class(type_name)
+
+    def offered(self, module: torch.nn.Module) -> tuple[Format, ...] | None:
+        """Formats offered for a module, or None when its type is not a tunable layer."""
+        for type_name, formats in self.layers.items():
+            if isinstance(module, module_class(type_name)):
+                return formats
+        return None
+
+    def tunable_layers(self, model: torch.nn.Module) -> dict[str, tuple[Format, ...]]:
+        """Outermost modules of a listed type, by name; modules inside a tunable layer follow it."""
+        found: dict[str, tuple[Format, ...]] = {}
+        for name, module in model.named_modules():
+            if not name or any(name.startswith(prefix + ".") for prefix in found):
+                continue
+            formats = self.offered(module)
+            if formats is not None:
+                found[name] = formats
+        return found
+
+
+def module_class(type_name: str) -> type:
+    cls = getattr(torch.nn, type_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise ValueError(f"layers: unknown module type {type_name!r}; use torch.nn class names such as Linear, Conv2d")
+    return cls
+
+
+def _formats(value: Any, field: str) -> tuple[Format, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{field} must be a non-empty list of formats, got {value!r}")
+    formats = tuple(parse_format(v, field=field) for v in value)
+    if Format.FP32 not in formats:
+        raise ValueError(f"{field} must include fp32 (the fallback every layer needs), got {list(value)}")
+    return formats
+
+
+def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a search space must be a mapping with keys {', '.join(_TOP_KEYS)}")
+    unknown = [k for k in data if k not in _TOP_KEYS]
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}; allowed keys: {', '.join(_TOP_KEYS)}")
+    if not isinstance(data.get("layers"), Mapping) or not data["layers"]:
+        raise ValueError("layers must map torch.nn class names to lists of formats")
+    ls = data.get("loss_scale") or {}
+    unknown_ls = [k for k in ls if k not in ("init_scale_log2", "growth_interval", "dynamic")]
+    if unknown_ls:
+        raise ValueError(f"loss_scale: unknown key {unknown_ls[0]!r}; allowed: init_scale_log2, growth_interval, dynamic")
+    prune = data.get("prune") or {}
+    if any(k != "slower_than" for k in prune):
+        raise ValueError(f"prune: unknown key in {sorted(prune)}; allowed: slower_than")
+    defaults = LossScaleRange()
+    return SearchSpace(
+        layers={str(k): _formats(v, f"layers.{k}") for k, v in data["layers"].items()},
+        default=_formats(data.get("default", ["fp32", "bf16"]), "default"),
+        loss_scale=LossScaleRange(
+            init_scale_log2=tuple(ls.get("init_scale_log2", defaults.init_scale_log2)),
+            growth_interval=tuple(int(g) for g in ls.get("growth_interval", defaults.growth_interval)),
+            dynamic=tuple(ls.get("dynamic", defaults.dynamic)),
+        ),
+        prune_slower_than=float(prune.get("slower_than", 1.25)),
+        sampler=str(data.get("sampler", "tpe")),
+        trials=int(data.get("trials", 30)),
+        source=source,
+    )
+
+
+def load_space(path: str | Path | None = None) -> SearchSpace:
+    """Read a search-space YAML file; None reads the shipped default.yaml."""
+    if path is None:
+        resource = importlib.resources.files("autoprec.search_spaces") / "default.yaml"
+        text, source = resource.read_text(encoding="utf-8"), "default.yaml"
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"{path}: no such search-space file")
+        text, source = path.read_text(encoding="utf-8"), str(path)
+    try:
+        return space_from_dict(yaml.safe_load(text), source)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{source}: not valid YAML: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"{source}: {exc}") from None

@@ -1,0 +1,149 @@
+"""model.py -> Task: load the user's file, check the protocol with clear errors, move batches to a device."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import sys
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoprec.errors import UserError
+
+REQUIRED = ("build_model", "batches", "loss_fn")
+OPTIONAL = ("evaluate", "optimizer")
+SPLITS = ("train", "eval")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """The functions a model.py defines; `evaluate` and `optimizer` may be None."""
+
+    path: Path
+    build_model: Callable[[], torch.nn.Module]
+    batches: Callable[[str], Iterable]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module], float] | None = None
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None
+
+    @property
+    def name(self) -> str:
+        """The file's stem, or its folder's name for the conventional `model.py`."""
+        stem = self.path.stem
+        return self.path.parent.name if stem == "model" and self.path.parent.name else stem
+
+
+@dataclasses.dataclass
+class Workload:
+    """A task made ready on one device: the fp32 reference model and the batches, already moved."""
+
+    task: Task
+    device: torch.device
+    model: torch.nn.Module
+    train: list
+    eval: list
+
+
+def load_task(path: str | Path) -> Task:
+    """Import a model.py and check that it defines the required functions."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    module_name = f"_autoprec_model_{uuid.uuid4().hex[:8]}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise UserError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    # Let the file import its own neighbours, as `python model.py` would.
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise UserError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.path.pop(0)
+    funcs = {}
+    for name in REQUIRED + OPTIONAL:
+        fn = getattr(module, name, None)
+        if fn is None and name in REQUIRED:
+            raise UserError(f"{path}: missing required function {name}() (model.py must define {', '.join(REQUIRED)})")
+        if fn is not None and not callable(fn):
+            raise UserError(f"{path}: {name} must be a function, got {type(fn).__name__}")
+        funcs[name] = fn
+    return Task(path=path, **funcs)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply `fn` to every tensor inside a (nested) tensor, tuple, namedtuple, list or dict."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor inside a batch to `device`."""
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def _call(task: Task, what: str, fn: Callable, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"{task.path}: {what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _load_split(task: Task, split: str, device: torch.device) -> list:
+    data = _call(task, f"batches({split!r})", task.batches, split)
+    if data is None or not isinstance(data, Iterable):
+        raise UserError(f"{task.path}: batches({split!r}) must return an iterable of batches, got {type(data).__name__}")
+    items = _call(task, f"iterating batches({split!r})", list, data)
+    return [to_device(b, device) for b in items]
+
+
+def _check_weights(task: Task, model: object) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"{task.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise UserError(f"{task.path}: build_model() must give fp32 weights, but {name} is {p.dtype}")
+
+
+def check_loss(task: Task, loss: object) -> torch.Tensor:
+    """The loss as a tensor, or a UserError when it is not a finite scalar."""
+    if not isinstance(loss, torch.Tensor):
+        raise UserError(f"{task.path}: loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if loss.dim() != 0:
+        raise UserError(f"{task.path}: loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
+    return loss
+
+
+def prepare(task: Task, device: str | torch.device) -> Workload:
+    """Build the fp32 model on `device`, load both splits, and check one loss and the metric's type."""
+    device = torch.device(device)
+    model = _call(task, "build_model()", task.build_model)
+    _check_weights(task, model)
+    model = model.to(device)
+    train = _load_split(task, "train", device)
+    if not train:
+        raise UserError(f"{task.path}: batches('train') yields no batches")
+    evals = _load_split(task, "eval", device)
+    if not evals and task.evaluate is None:
+        raise UserError(f"{task.path}: batches('eval') yields no batches (needed by the default evaluate)")
+    loss = check_loss(task, _call(task, "loss_fn(model, batch)", task.loss_fn, model, train[0]))
+    if not math.isfinite(loss.item()):
+        raise UserError(f"{task.path}: loss_fn gives {loss.item()} for the fp32 model on the first train batch")
+    model.zero_grad(set_to_none=True)
+    return Workload(task=task, device=device, model=model, train=train, eval=evals)
