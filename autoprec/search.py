@@ -200,7 +200,9 @@ def _sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
 
 
 def _study_key(workload: Workload, space: SearchSpace, budget: float) -> dict[str, str]:
-    space_hash = hashlib.sha256(repr(space).encode()).hexdigest()[:12]
+    # What shapes the choices; not the file's path, sampler or trial count.
+    shape = (space.layers, space.default, space.loss_scale, space.prune_slower_than)
+    space_hash = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
     return {
         "budget": repr(float(budget)),
         "device": device_name(str(workload.device)),
