@@ -42,8 +42,9 @@ def _prepare(args: argparse.Namespace):
     task = load_task(args.model)
     space = load_space(args.space)
     device = _device(args.device)
+    workload = prepare(task, device)
     print(f"autoprec: {task.path} on {device}", file=sys.stderr)
-    return task, space, prepare(task, device)
+    return task, space, workload
 
 
 def cmd_search(args: argparse.Namespace) -> int:

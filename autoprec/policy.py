@@ -30,8 +30,14 @@ class LossScale:
     dynamic: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("init_scale", "growth_factor", "backoff_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"loss_scale.{name} must be a finite number, but got {value!r}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
+            raise ValueError(f"loss_scale.growth_interval must be an integer, but got {self.growth_interval!r}")
         checks = (
-            ("init_scale", self.init_scale, self.init_scale > 0 and math.isfinite(self.init_scale), "> 0"),
+            ("init_scale", self.init_scale, self.init_scale > 0, "> 0"),
             ("growth_factor", self.growth_factor, self.growth_factor > 1.0, "> 1"),
             ("backoff_factor", self.backoff_factor, 0.0 < self.backoff_factor < 1.0, "in (0, 1)"),
             ("growth_interval", self.growth_interval, self.growth_interval >= 1, ">= 1"),
@@ -56,11 +62,11 @@ class LossScale:
         for key in fields:
             if key not in data:
                 raise ValueError(f"{where}: missing field {key!r}")
-        kinds = {"dynamic": (bool,), "growth_interval": (int,)}
+        kinds = {"dynamic": ((bool,), "true or false"), "growth_interval": ((int,), "an integer")}
         for key, value in data.items():
-            ok_types = kinds.get(key, (int, float))
+            ok_types, what = kinds.get(key, ((int, float), "a number"))
             if not isinstance(value, ok_types) or (key != "dynamic" and isinstance(value, bool)):
-                raise ValueError(f"{where}.{key} must be a {ok_types[0].__name__}, but got {value!r}")
+                raise ValueError(f"{where}.{key} must be {what}, but got {value!r}")
         return cls(**{k: (float(v) if k not in kinds else v) for k, v in data.items()})
 
 
@@ -90,7 +96,7 @@ class Policy:
             object.__setattr__(self, "loss_scale", LossScale.from_dict(self.loss_scale))
         if not isinstance(self.loss_scale, LossScale):
             raise ValueError(f"loss_scale must be a LossScale, got {type(self.loss_scale).__name__}")
-        if self.version != POLICY_VERSION:
+        if self.version != POLICY_VERSION or isinstance(self.version, bool):
             raise ValueError(f"version must be {POLICY_VERSION}, but got {self.version!r}")
         if self.measured is not None and not isinstance(self.measured, Mapping):
             raise ValueError(f"measured must be an object, got {type(self.measured).__name__}")

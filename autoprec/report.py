@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -43,21 +43,36 @@ def _layer_name(name: str) -> str:
     return "(model root: all else)" if name == ROOT else name
 
 
+def _mapping(value: Any) -> Mapping:
+    """`measured` is free-form provenance: show what is well formed, skip the rest."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
 def layer_rows(policy: Policy) -> list[list[str]]:
-    excluded = (policy.measured or {}).get("excluded", {})
+    excluded = _mapping(_mapping(policy.measured).get("excluded"))
     rows = []
     for name, fmt in policy.layers.items():
-        ruled_out = ", ".join(f"{f} ({why})" for f, why in excluded.get(name, {}).items())
+        ruled_out = ", ".join(f"{f} ({why})" for f, why in _mapping(excluded.get(name)).items())
         rows.append([_layer_name(name), fmt.value, ruled_out])
     return rows
 
 
+def _spread(value: Any) -> str:
+    spread = _number(value)
+    return "-" if math.isnan(spread) else f"±{100 * spread / 2:.1f}%"
+
+
 def result_rows(policy: Policy) -> list[list[Any]]:
-    results = (policy.measured or {}).get("results", {})
-    return [
-        [name, r["metric"], r["metric_drop"], r["step_ms"], f"±{100 * r['spread'] / 2:.1f}%", r["speedup"]]
-        for name, r in results.items()
-    ]
+    results = _mapping(_mapping(policy.measured).get("results"))
+    rows = []
+    for name, r in results.items():
+        r = _mapping(r)
+        rows.append([name, *(_number(r.get(k)) for k in ("metric", "metric_drop", "step_ms")), _spread(r.get("spread")), _number(r.get("speedup"))])
+    return rows
 
 
 RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup"]
@@ -73,7 +88,7 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         f"backoff x{ls.backoff_factor:g}, {'dynamic' if ls.dynamic else 'static'}"
     )
     parts.append(f"loss scaling: {scaler}")
-    m = policy.measured
+    m = _mapping(policy.measured)
     if m:
         parts.append(
             f"measured on {m.get('device', '?')} for {m.get('model', '?')}; metric {m.get('metric', '?')}, "
@@ -82,7 +97,7 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         if m.get("results"):
             parts.append(table(RESULT_HEADERS, result_rows(policy)))
             parts.append(f"step time: {m.get('timing', '')}; speedup = fp32 step time / step time")
-        versions = m.get("versions", {})
+        versions = _mapping(m.get("versions"))
         if versions:
             parts.append("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     return "\n\n".join(parts)
@@ -120,7 +135,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     parts = [table(["layer", "format", "ruled out by the profile"], layer_rows(policy))]
     finals = result.finals
     rows = [
-        [r["candidate"], r["metric"], r["metric_drop"], r["step_ms"], f"±{100 * r['spread'] / 2:.1f}%", r["speedup"],
+        [r["candidate"], r["metric"], r["metric_drop"], r["step_ms"], _spread(r["spread"]), r["speedup"],
          "yes" if r["feasible"] else "no"]
         for _, r in finals.iterrows()
     ]  # fmt: skip

@@ -95,6 +95,12 @@ def _formats(value: Any, field: str) -> tuple[Format, ...]:
     return formats
 
 
+def _number(value: Any, field: str, kind: type) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ValueError(f"{field} must be {'an integer' if kind is int else 'a number'}, but got {value!r}")
+    return kind(value)
+
+
 def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
     if not isinstance(data, Mapping):
         raise ValueError(f"a search space must be a mapping with keys {', '.join(_TOP_KEYS)}")
@@ -119,9 +125,9 @@ def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
             growth_interval=tuple(int(g) for g in ls.get("growth_interval", defaults.growth_interval)),
             dynamic=tuple(ls.get("dynamic", defaults.dynamic)),
         ),
-        prune_slower_than=float(prune.get("slower_than", 1.25)),
+        prune_slower_than=_number(prune.get("slower_than", 1.25), "prune.slower_than", float),
         sampler=str(data.get("sampler", "tpe")),
-        trials=int(data.get("trials", 30)),
+        trials=_number(data.get("trials", 30), "trials", int),
         source=source,
     )
 

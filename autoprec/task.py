@@ -35,7 +35,8 @@ class Task:
     def name(self) -> str:
         """The file's stem, or its folder's name for the conventional `model.py`."""
         stem = self.path.stem
-        return self.path.parent.name if stem == "model" and self.path.parent.name else stem
+        folder = self.path.resolve().parent.name
+        return folder if stem == "model" and folder else stem
 
 
 @dataclasses.dataclass
@@ -60,13 +61,15 @@ def load_task(path: str | Path) -> Task:
         raise UserError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     # Let the file import its own neighbours, as `python model.py` would.
-    sys.path.insert(0, str(path.resolve().parent))
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a model.py that runs argparse or exit() at import
         raise UserError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
     finally:
-        sys.path.pop(0)
+        if folder in sys.path:
+            sys.path.remove(folder)
     funcs = {}
     for name in REQUIRED + OPTIONAL:
         fn = getattr(module, name, None)
@@ -131,7 +134,7 @@ def check_loss(task: Task, loss: object) -> torch.Tensor:
 
 
 def prepare(task: Task, device: str | torch.device) -> Workload:
-    """Build the fp32 model on `device`, load both splits, and check one loss and the metric's type."""
+    """Build the fp32 model on `device`, load both splits, and check the loss on the first train batch."""
     device = torch.device(device)
     model = _call(task, "build_model()", task.build_model)
     _check_weights(task, model)

@@ -1,0 +1,250 @@
+"""autoprec/cli.py: a user's mistake exits 2 with one `autoprec: error:` line and no traceback.
+
+No test here runs a real search or profile: every case fails before anything is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoprec import LossScale, Policy
+from autoprec.cli import EXIT_USER_ERROR, main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """Run the CLI in-process; return (exit code, stdout, stderr)."""
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def search(capsys, tmp_path, model, *extra: str) -> tuple[int, str, str]:
+    """`autoprec search MODEL --budget 0.1 --out TMP ...` (later options win)."""
+    return run(capsys, "search", model, "--budget", "0.1", "--device", "cpu", "--out", tmp_path / "out", *extra)
+
+
+def assert_user_error(code: int, err: str, *parts: str) -> str:
+    """Exit 2, the last stderr line is the one error line, no traceback; return that line."""
+    assert code == EXIT_USER_ERROR == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines, "nothing on stderr"
+    errors = [line for line in lines if line.startswith("autoprec: error:")]
+    assert errors == [lines[-1]], err
+    for part in parts:
+        assert part in lines[-1], lines[-1]
+    return lines[-1]
+
+
+# ---- search: model.py problems -----------------------------------------------------------------
+
+
+def test_search_missing_model(capsys, tmp_path):
+    path = tmp_path / "model.py"
+    code, out, err = search(capsys, tmp_path, path)
+    assert_user_error(code, err, str(path), "no such file")
+    assert out == ""
+    assert not (tmp_path / "out").exists()
+
+
+def test_search_model_import_fails(capsys, tmp_path, write_model):
+    path = write_model('raise RuntimeError("boom")\n')
+    code, _, err = search(capsys, tmp_path, path)
+    assert_user_error(code, err, str(path), "import failed", "RuntimeError: boom")
+
+
+def test_search_model_lacks_a_function(capsys, tmp_path, write_model, mlp_source):
+    path = write_model(mlp_source + "\ndel loss_fn\n")
+    code, _, err = search(capsys, tmp_path, path)
+    assert_user_error(code, err, str(path), "missing required function loss_fn()")
+
+
+def test_search_model_yields_no_batches(capsys, tmp_path, write_model, mlp_source):
+    path = write_model(mlp_source + "\ndef batches(split):\n    return []\n")
+    code, _, err = search(capsys, tmp_path, path)
+    assert_user_error(code, err, str(path), "batches('train') yields no batches")
+
+
+def test_search_loss_not_scalar(capsys, tmp_path, write_model, mlp_source):
+    path = write_model(mlp_source + "\ndef loss_fn(model, batch):\n    return model(batch[0]).sum(0)\n")
+    code, _, err = search(capsys, tmp_path, path)
+    assert_user_error(code, err, str(path), "loss_fn must return a scalar tensor", "shape (4,)")
+
+
+def test_profile_reports_the_same_errors(capsys, tmp_path, write_model, mlp_source):
+    path = write_model(mlp_source + "\ndel batches\n")
+    code, _, err = run(capsys, "profile", path, "--device", "cpu", "--out", tmp_path / "out")
+    assert_user_error(code, err, str(path), "missing required function batches()")
+
+
+# ---- search: option problems -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["-1", "nan", "inf"])
+def test_search_bad_budget(capsys, tmp_path, write_model, mlp_source, budget):
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--budget", budget)
+    assert_user_error(code, err, "budget must be a finite number >= 0", budget)
+
+
+def test_search_bad_trials(capsys, tmp_path, write_model, mlp_source):
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--trials", "0")
+    assert_user_error(code, err, "trials must be >= 1")
+
+
+def test_search_requires_budget(capsys, write_model, mlp_source):
+    with pytest.raises(SystemExit) as info:
+        main(["search", str(write_model(mlp_source))])
+    assert info.value.code == 2
+    assert "--budget" in capsys.readouterr().err
+
+
+def test_search_bad_space(capsys, tmp_path, write_model, mlp_source):
+    space = tmp_path / "space.yaml"
+    space.write_text("layers: {Linr: [fp32]}\n", encoding="utf-8")
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--space", space)
+    assert_user_error(code, err, str(space), "unknown module type 'Linr'")
+
+
+@pytest.mark.parametrize(
+    "device, expected",
+    [("nonsense", "unknown device 'nonsense'"), ("meta", "autoprec measures on cpu or cuda")],
+)
+def test_search_bad_device(capsys, tmp_path, write_model, mlp_source, device, expected):
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--device", device)
+    assert_user_error(code, err, "--device", expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here, so --device cuda is valid")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_search_cuda_unavailable(capsys, tmp_path, write_model, mlp_source, device):
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--device", device)
+    assert_user_error(code, err, f"--device {device}", "CUDA is not available", "--device cpu")
+
+
+def test_cuda_unavailable_mocked(capsys, tmp_path, write_model, mlp_source, monkeypatch):
+    """The same error path on any machine, by mocking the capability check."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--device", "cuda")
+    assert_user_error(code, err, "CUDA is not available")
+
+
+# ---- --debug -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["before-verb", "after-verb"])
+def test_debug_shows_traceback_and_exits_2(capsys, tmp_path, write_model, where):
+    path = write_model('raise RuntimeError("boom")\n')
+    argv = ["search", str(path), "--budget", "0.1", "--out", str(tmp_path / "out")]
+    argv = ["--debug", *argv] if where == "before-verb" else [*argv, "--debug"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" in err and "RuntimeError: boom" in err
+    assert err.strip().splitlines()[-1].startswith("autoprec: error:")
+
+
+# ---- show --------------------------------------------------------------------------------------
+
+
+def test_show_missing_file(capsys, tmp_path):
+    path = tmp_path / "policy.json"
+    code, out, err = run(capsys, "show", path)
+    assert_user_error(code, err, str(path), "no such policy file")
+    assert out == ""
+
+
+def test_show_malformed_json(capsys, tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text('{"version": 1, "layers": {', encoding="utf-8")
+    code, _, err = run(capsys, "show", path)
+    assert_user_error(code, err, str(path), "not valid JSON", "line 1")
+
+
+def test_show_unknown_format(capsys, tmp_path):
+    path = Policy(layers={"fc1": "bf16"}).save(tmp_path / "policy.json")
+    data = json.loads(path.read_text())
+    data["layers"]["fc1"] = "int8"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    code, _, err = run(capsys, "show", path)
+    assert_user_error(code, err, str(path), "layers['fc1']", "'int8'", "fp32, bf16, fp16, fp8")
+
+
+def test_show_malformed_measured(capsys, tmp_path):
+    data = Policy(layers={"fc1": "bf16"}).to_dict()
+    data["measured"] = {"excluded": {"fc1": "fp8"}}
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    code, out, err = run(capsys, "show", path)
+    # `measured` is provenance: a malformed part is skipped, the layers still show, no traceback.
+    assert code == 0 and "Traceback" not in err and "fc1" in out and "bf16" in out
+
+
+def make_policy(tmp_path: Path) -> Path:
+    policy = Policy(
+        layers={"": "bf16", "fc1": "fp16", "fc2": "fp8", "head": "fp32"},
+        loss_scale=LossScale(init_scale=1024.0, growth_interval=500),
+    )
+    return policy.save(tmp_path / "policy.json")
+
+
+def test_show_valid_policy(capsys, tmp_path):
+    code, out, err = run(capsys, "show", make_policy(tmp_path))
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    for name, fmt in [("fc1", "fp16"), ("fc2", "fp8"), ("head", "fp32")]:
+        assert any(line.split()[:2] == [name, fmt] for line in lines), (name, out)
+    assert any(line.startswith("(model root: all else)") and line.split()[4] == "bf16" for line in lines), out
+    assert "loss scaling: init 1024" in out and "every 500" in out
+
+
+def test_show_markdown(capsys, tmp_path):
+    code, out, _ = run(capsys, "show", make_policy(tmp_path), "--markdown")
+    assert code == 0
+    for name, fmt in [("fc1", "fp16"), ("fc2", "fp8"), ("head", "fp32")]:
+        assert f"| {name} | {fmt} |" in out
+
+
+def test_show_policy_without_fp16(capsys, tmp_path):
+    path = Policy(layers={"fc1": "bf16"}).save(tmp_path / "policy.json")
+    code, out, _ = run(capsys, "show", path)
+    assert code == 0 and "loss scaling: off (no fp16 layer)" in out
+
+
+# ---- as a process ------------------------------------------------------------------------------
+
+
+def run_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, *parts: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("autoprec: error:")
+    for part in parts:
+        assert part in lines[0]
+    assert proc.stdout == ""
+
+
+def test_process_module_search_missing_model(tmp_path):
+    proc = run_process([sys.executable, "-m", "autoprec.cli", "search", "missing.py", "--budget", "0.1"], tmp_path)
+    assert_one_error_line(proc, "missing.py: no such file")
+
+
+def test_process_console_script_show_bad_policy(tmp_path):
+    script = Path(sys.executable).with_name("autoprec")
+    if not script.is_file():
+        pytest.skip(f"no autoprec console script next to {sys.executable}")
+    data = Policy(layers={"fc1": "bf16"}).to_dict()
+    data["layers"]["fc1"] = "fp4"
+    (tmp_path / "policy.json").write_text(json.dumps(data), encoding="utf-8")
+    proc = run_process([str(script), "show", "policy.json"], tmp_path)
+    assert_one_error_line(proc, "policy.json", "layers['fc1']", "'fp4'")

@@ -1,0 +1,316 @@
+"""autoprec/policy.py: Policy and LossScale, the policy file's validation and messages, model fingerprint."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.errors import UserError
+from autoprec.formats import Format
+from autoprec.policy import POLICY_VERSION, ROOT, LossScale, Policy, load_policy, model_fingerprint
+
+ALLOWED_FORMATS = "fp32, bf16, fp16, fp8"
+
+VALID = {
+    "version": 1,
+    "layers": {"": "bf16", "fc1": "fp16", "fc2": "fp8", "head": "fp32"},
+    "loss_scale": {"init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 500, "dynamic": True},
+}
+
+
+def valid() -> dict:
+    return copy.deepcopy(VALID)
+
+
+# ---- Policy in code ----------------------------------------------------------------------------
+
+
+def test_policy_defaults_and_formats():
+    policy = Policy(layers={"fc1": "bf16"})
+    assert policy.layers == {"fc1": Format.BF16}
+    assert isinstance(policy.layers["fc1"], Format)
+    assert policy.loss_scale == LossScale()
+    assert policy.version == POLICY_VERSION == 1
+    assert policy.measured is None
+    assert not policy.uses_fp16
+
+
+def test_policy_accepts_format_values_and_reports_fp16():
+    policy = Policy(layers={ROOT: Format.BF16, "head": "fp16"})
+    assert policy.layers == {"": Format.BF16, "head": Format.FP16}
+    assert policy.uses_fp16
+
+
+def test_policy_loss_scale_from_mapping():
+    policy = Policy(layers={}, loss_scale=VALID["loss_scale"])
+    assert policy.loss_scale == LossScale(init_scale=1024.0, growth_interval=500)
+
+
+def test_policy_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Policy().layers = {}  # type: ignore[misc]
+
+
+def test_policy_bad_format_names_layer_value_and_choices():
+    with pytest.raises(ValueError) as info:
+        Policy(layers={"fc1": "int4"})
+    msg = str(info.value)
+    assert "fc1" in msg and "'int4'" in msg and ALLOWED_FORMATS in msg
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"layers": ["fc1"]}, "layers must map module names to formats"),
+        ({"layers": {1: "bf16"}}, "module names (str)"),
+        ({"loss_scale": 3}, "loss_scale must be a LossScale"),
+        ({"version": 2}, "version must be 1, but got 2"),
+        ({"measured": [1]}, "measured must be an object"),
+    ],
+)
+def test_policy_invalid_in_code(kwargs, expected):
+    with pytest.raises(ValueError) as info:
+        Policy(**kwargs)
+    assert expected in str(info.value)
+
+
+def test_policy_save_load_round_trip(tmp_path):
+    policy = Policy(
+        layers={ROOT: "bf16", "fc1": "fp16", "fc2": "fp8", "head": "fp32"},
+        loss_scale=LossScale(init_scale=2.0**12, growth_factor=3.0, backoff_factor=0.25, growth_interval=100, dynamic=False),
+        measured={"device": "cpu: test", "budget": 0.01, "results": {}},
+    )
+    path = policy.save(tmp_path / "sub" / "policy.json")
+    assert path.is_file()
+    loaded = load_policy(path)
+    assert loaded.to_dict() == policy.to_dict()
+    assert loaded == policy
+    assert json.loads(path.read_text())["layers"] == {"": "bf16", "fc1": "fp16", "fc2": "fp8", "head": "fp32"}
+
+
+def test_to_dict_is_plain_json():
+    data = Policy(layers={"fc1": "fp8"}).to_dict()
+    assert data == {"version": 1, "layers": {"fc1": "fp8"}, "loss_scale": LossScale().to_dict()}
+    assert type(data["layers"]["fc1"]) is str and json.loads(json.dumps(data)) == data
+
+
+# ---- load_policy errors ------------------------------------------------------------------------
+
+
+def write(tmp_path, content) -> str:
+    path = tmp_path / "policy.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
+    return str(path)
+
+
+def load_error(path) -> str:
+    with pytest.raises(UserError) as info:
+        load_policy(path)
+    msg = str(info.value)
+    assert str(path) in msg, msg
+    return msg
+
+
+def test_load_policy_valid(tmp_path):
+    policy = load_policy(write(tmp_path, valid()))
+    assert policy.layers["fc2"] is Format.FP8 and policy.loss_scale.growth_interval == 500
+
+
+def test_load_policy_missing_file(tmp_path):
+    assert "no such policy file" in load_error(tmp_path / "nope.json")
+
+
+def test_load_policy_malformed_json(tmp_path):
+    msg = load_error(write(tmp_path, '{"version": 1,\n  "layers": }\n'))
+    assert "not valid JSON" in msg and "line 2 column 13" in msg
+
+
+def test_load_policy_not_utf8(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_bytes(b'{"version": "\xff"}')
+    assert "not UTF-8" in load_error(path)
+
+
+def test_load_policy_not_an_object(tmp_path):
+    msg = load_error(write(tmp_path, "[1, 2]"))
+    assert "must be a JSON object" in msg and "got list" in msg
+
+
+def test_load_policy_unknown_top_level_key(tmp_path):
+    data = valid()
+    data["layer"] = {}
+    msg = load_error(write(tmp_path, data))
+    assert "unknown field 'layer'" in msg and "version, layers, loss_scale, measured" in msg
+
+
+@pytest.mark.parametrize("field", ["version", "layers", "loss_scale"])
+def test_load_policy_missing_field(tmp_path, field):
+    data = valid()
+    del data[field]
+    assert f"missing field {field!r}" in load_error(write(tmp_path, data))
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", True])
+def test_load_policy_wrong_version(tmp_path, version):
+    data = valid()
+    data["version"] = version
+    assert f"version must be 1, but got {version!r}" in load_error(write(tmp_path, data))
+
+
+def test_load_policy_unknown_format(tmp_path):
+    data = valid()
+    data["layers"]["fc1"] = "int8"
+    msg = load_error(write(tmp_path, data))
+    assert "layers['fc1']" in msg and "'int8'" in msg and ALLOWED_FORMATS in msg
+
+
+def test_load_policy_layers_not_an_object(tmp_path):
+    data = valid()
+    data["layers"] = ["fc1", "fc2"]
+    msg = load_error(write(tmp_path, data))
+    assert "layers must map module names" in msg and ALLOWED_FORMATS in msg
+
+
+def test_load_policy_measured_not_an_object(tmp_path):
+    data = valid()
+    data["measured"] = "yesterday"
+    assert "measured must be an object" in load_error(write(tmp_path, data))
+
+
+def test_load_policy_loss_scale_not_an_object(tmp_path):
+    data = valid()
+    data["loss_scale"] = 65536
+    msg = load_error(write(tmp_path, data))
+    assert "loss_scale must be an object" in msg and "growth_interval" in msg
+
+
+def test_load_policy_loss_scale_unknown_field(tmp_path):
+    data = valid()
+    data["loss_scale"]["scale"] = 1.0
+    msg = load_error(write(tmp_path, data))
+    assert "loss_scale: unknown field 'scale'" in msg and "init_scale" in msg
+
+
+@pytest.mark.parametrize("field", ["init_scale", "growth_factor", "backoff_factor", "growth_interval", "dynamic"])
+def test_load_policy_loss_scale_missing_field(tmp_path, field):
+    data = valid()
+    del data["loss_scale"][field]
+    assert f"loss_scale: missing field {field!r}" in load_error(write(tmp_path, data))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("growth_interval", "often"),
+        ("growth_interval", 2.5),
+        ("growth_interval", True),
+        ("init_scale", "big"),
+        ("init_scale", True),
+        ("dynamic", "yes"),
+        ("dynamic", 1),
+        ("backoff_factor", None),
+    ],
+)
+def test_load_policy_loss_scale_wrong_type(tmp_path, field, value):
+    data = valid()
+    data["loss_scale"][field] = value
+    msg = load_error(write(tmp_path, data))
+    assert f"loss_scale.{field} must be" in msg and repr(value) in msg
+
+
+@pytest.mark.parametrize(
+    "field, value, rule",
+    [
+        ("backoff_factor", 1.5, "in (0, 1)"),
+        ("backoff_factor", 0, "in (0, 1)"),
+        ("init_scale", -1, "> 0"),
+        ("init_scale", 0, "> 0"),
+        ("growth_factor", 1.0, "> 1"),
+        ("growth_interval", 0, ">= 1"),
+    ],
+)
+def test_load_policy_loss_scale_out_of_range(tmp_path, field, value, rule):
+    data = valid()
+    data["loss_scale"][field] = value
+    msg = load_error(write(tmp_path, data))
+    assert f"loss_scale.{field} must be {rule}" in msg and str(value) in msg
+
+
+def test_load_policy_loss_scale_nan(tmp_path):
+    data = valid()
+    data["loss_scale"]["init_scale"] = float("nan")
+    assert "loss_scale.init_scale must be a finite number, but got nan" in load_error(write(tmp_path, data))  # json writes NaN
+
+
+# ---- LossScale ---------------------------------------------------------------------------------
+
+
+def test_loss_scale_defaults_match_grad_scaler():
+    ls = LossScale()
+    scaler = torch.amp.GradScaler("cpu")
+    assert ls.init_scale == scaler.get_scale() == 2.0**16
+    assert (ls.growth_factor, ls.backoff_factor, ls.growth_interval, ls.dynamic) == (2.0, 0.5, 2000, True)
+    assert LossScale.from_dict(ls.to_dict()) == ls
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"init_scale": 0.0}, "init_scale"),
+        ({"init_scale": -1.0}, "init_scale"),
+        ({"init_scale": math.inf}, "init_scale"),
+        ({"init_scale": math.nan}, "init_scale"),
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+        ({"backoff_factor": 0.0}, "backoff_factor"),
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"dynamic": "yes"}, "dynamic"),
+    ],
+)
+def test_loss_scale_validation(kwargs, field):
+    with pytest.raises(ValueError) as info:
+        LossScale(**kwargs)
+    msg = str(info.value)
+    assert f"loss_scale.{field}" in msg and repr(next(iter(kwargs.values()))) in msg
+
+
+def test_loss_scale_rejects_infinite_growth_factor():
+    with pytest.raises(ValueError, match="growth_factor"):
+        LossScale(growth_factor=math.inf)
+
+
+def test_loss_scale_from_dict_converts_numbers_to_float():
+    ls = LossScale.from_dict({**VALID["loss_scale"], "init_scale": 1024, "growth_factor": 2})
+    assert isinstance(ls.init_scale, float) and isinstance(ls.growth_factor, float)
+    assert isinstance(ls.growth_interval, int)
+
+
+# ---- model_fingerprint -------------------------------------------------------------------------
+
+
+def mlp(hidden: int = 32, act: type[nn.Module] = nn.ReLU, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, hidden), act(), nn.Linear(hidden, 32), nn.Linear(32, 4))
+
+
+def test_fingerprint_same_architecture_same_hash():
+    a, b = mlp(seed=0), mlp(seed=1)
+    assert not torch.equal(a[0].weight, b[0].weight)
+    assert model_fingerprint(a) == model_fingerprint(b)
+    assert len(model_fingerprint(a)) == 16 and int(model_fingerprint(a), 16) >= 0
+
+
+@pytest.mark.parametrize(
+    "other",
+    [lambda: mlp(hidden=64), lambda: mlp(act=nn.GELU), lambda: nn.Sequential(*mlp())[:3]],
+    ids=["layer-shape", "module-type", "layer-removed"],
+)
+def test_fingerprint_changes_with_structure(other):
+    assert model_fingerprint(other()) != model_fingerprint(mlp())

@@ -1,0 +1,194 @@
+"""autoprec/space.py: the search-space YAML, its errors, and which modules are tunable layers."""
+
+from __future__ import annotations
+
+import shlex
+import textwrap
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from autoprec.cli import build_parser
+from autoprec.errors import UserError
+from autoprec.formats import Format
+from autoprec.space import LossScaleRange, SearchSpace, load_space
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "search_spaces").glob("*.y*ml"))
+FP32, BF16, FP16, FP8 = Format.FP32, Format.BF16, Format.FP16, Format.FP8
+
+
+def write_space(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def space_error(path: Path) -> str:
+    with pytest.raises(UserError) as info:
+        load_space(path)
+    msg = str(info.value)
+    assert str(path) in msg, msg
+    return msg
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def test_load_space_default():
+    space = load_space()
+    assert space.layers["Linear"] == (FP32, BF16, FP16, FP8)
+    assert space.layers["Conv2d"] == (FP32, BF16, FP16)
+    assert FP8 not in space.layers["MultiheadAttention"]
+    assert space.default == (FP32, BF16)
+    assert space.sampler == "tpe" and space.trials >= 1
+    assert space.source == "default.yaml"
+
+
+def test_load_space_default_matches_the_repository_file():
+    assert load_space(REPO / "search_spaces" / "default.yaml").layers == load_space().layers
+
+
+def test_load_space_custom(tmp_path):
+    path = write_space(
+        tmp_path,
+        """\
+        default: [fp32]
+        layers:
+          Linear: [fp32, bf16]
+          Conv2d: [FP32, fp16]      # case-insensitive
+        loss_scale:
+          init_scale_log2: [8, 12]
+          growth_interval: [100]
+          dynamic: [true, false]
+        prune:
+          slower_than: 1.5
+        sampler: random
+        trials: 7
+        """,
+    )
+    space = load_space(path)
+    assert space.layers == {"Linear": (FP32, BF16), "Conv2d": (FP32, FP16)}
+    assert space.default == (FP32,)
+    assert space.loss_scale == LossScaleRange(init_scale_log2=(8, 12), growth_interval=(100,), dynamic=(True, False))
+    assert space.prune_slower_than == 1.5
+    assert (space.sampler, space.trials, space.source) == ("random", 7, str(path))
+
+
+def test_load_space_minimal_uses_defaults(tmp_path):
+    space = load_space(write_space(tmp_path, "layers:\n  Linear: [fp32, fp8]\n"))
+    assert space.layers == {"Linear": (FP32, FP8)}
+    assert space.default == (FP32, BF16)
+    assert space.loss_scale == LossScaleRange()
+    assert (space.sampler, space.trials, space.prune_slower_than) == ("tpe", 30, 1.25)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+SPACE_ERRORS = {
+    "unknown-top-level-key": ("layers: {Linear: [fp32]}\ntrails: 5\n", ["unknown key 'trails'", "allowed keys", "trials"]),
+    "unknown-module-type": ("layers: {Linr: [fp32, bf16]}\n", ["unknown module type 'Linr'", "Linear"]),
+    "not-a-module": ("layers: {Parameter: [fp32]}\n", ["unknown module type 'Parameter'"]),
+    "no-fp32": ("layers: {Linear: [bf16, fp16]}\n", ["layers.Linear must include fp32"]),
+    "unknown-format": ("layers: {Linear: [fp32, fp4]}\n", ["layers.Linear", "'fp4'", "fp32, bf16, fp16, fp8"]),
+    "empty-format-list": ("layers: {Linear: []}\n", ["layers.Linear must be a non-empty list"]),
+    "format-not-a-list": ("layers: {Linear: fp32}\n", ["layers.Linear must be a non-empty list"]),
+    "no-layers": ("trials: 3\n", ["layers must map torch.nn class names"]),
+    "empty-file": ("", ["must be a mapping"]),
+    "not-a-mapping": ("- Linear\n", ["must be a mapping"]),
+    "invalid-yaml": ("layers:\n  Linear: [fp32, bf16\n", ["not valid YAML"]),
+    "bad-sampler": ("layers: {Linear: [fp32]}\nsampler: grid\n", ["sampler must be one of tpe, random", "'grid'"]),
+    "trials-zero": ("layers: {Linear: [fp32]}\ntrials: 0\n", ["trials must be >= 1"]),
+    "trials-not-a-number": ("layers: {Linear: [fp32]}\ntrials: many\n", ["many"]),
+    "default-fp8": ("layers: {Linear: [fp32]}\ndefault: [fp32, fp8]\n", ["default", "cannot be fp8"]),
+    "default-no-fp32": ("layers: {Linear: [fp32]}\ndefault: [bf16]\n", ["default must include fp32"]),
+    "prune-unknown": ("layers: {Linear: [fp32]}\nprune: {slower: 2}\n", ["prune: unknown key", "slower_than"]),
+    "prune-below-one": ("layers: {Linear: [fp32]}\nprune: {slower_than: 0.5}\n", ["prune.slower_than must be >= 1.0"]),
+    "loss-scale-unknown": ("layers: {Linear: [fp32]}\nloss_scale: {init_scale: 5}\n", ["loss_scale: unknown key 'init_scale'"]),
+    "loss-scale-range": (
+        "layers: {Linear: [fp32]}\nloss_scale: {init_scale_log2: [20, 10]}\n",
+        ["loss_scale.init_scale_log2", "[20, 10]"],
+    ),
+    "loss-scale-interval": (
+        "layers: {Linear: [fp32]}\nloss_scale: {growth_interval: [0]}\n",
+        ["loss_scale.growth_interval must be a list of integers >= 1"],
+    ),
+    "loss-scale-dynamic": (
+        "layers: {Linear: [fp32]}\nloss_scale: {dynamic: [maybe]}\n",
+        ["loss_scale.dynamic must be a list of true/false"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SPACE_ERRORS))
+def test_load_space_errors(tmp_path, case):
+    text, expected = SPACE_ERRORS[case]
+    msg = space_error(write_space(tmp_path, text))
+    for part in expected:
+        assert part in msg
+
+
+def test_load_space_missing_file(tmp_path):
+    assert "no such search-space file" in space_error(tmp_path / "nope.yaml")
+
+
+def test_search_space_in_code_validates():
+    with pytest.raises(ValueError, match="unknown module type 'Lstm'"):
+        SearchSpace(layers={"Lstm": (FP32,)})
+    with pytest.raises(ValueError, match="sampler must be one of tpe, random"):
+        SearchSpace(layers={"Linear": (FP32,)}, sampler="cmaes")
+
+
+# ---- tunable layers ----------------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, 2)  # holds out_proj, an nn.Linear subclass
+        self.norm = nn.LayerNorm(16)
+        self.block = nn.Sequential(nn.Conv1d(16, 16, 3), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 4)
+
+
+def test_tunable_layers_outermost_in_model_order():
+    layers = load_space().tunable_layers(Net())
+    assert list(layers) == ["embed", "attn", "block.0", "block.2", "head"]
+    assert "attn.out_proj" not in layers
+    assert layers["embed"] == (FP32, BF16, FP16, FP8)
+    assert layers["attn"] == (FP32, BF16, FP16)
+    assert layers["block.0"] == (FP32, BF16, FP16)
+
+
+def test_tunable_layers_inner_linear_without_attention_in_space():
+    space = SearchSpace(layers={"Linear": (FP32, BF16)})
+    assert list(space.tunable_layers(Net())) == ["embed", "attn.out_proj", "block.2", "head"]
+
+
+def test_tunable_layers_model_itself_is_never_a_layer():
+    space = SearchSpace(layers={"Linear": (FP32, BF16)})
+    assert space.tunable_layers(nn.Linear(4, 4)) == {}
+    assert space.offered(nn.ReLU()) is None
+    assert space.offered(nn.Linear(2, 2)) == (FP32, BF16)
+
+
+# ---- shipped YAML files ------------------------------------------------------------------------
+
+
+def test_search_spaces_are_shipped():
+    assert SHIPPED, "no YAML under search_spaces/"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_space_starts_with_its_command_and_loads(path):
+    first = path.read_text(encoding="utf-8").splitlines()[0]
+    assert first.startswith("# autoprec "), f"{path.name} must start with '# autoprec ...', got {first!r}"
+    argv = shlex.split(first[len("# autoprec ") :])
+    args = build_parser().parse_args(argv)  # a command the CLI accepts (parsed only, not run)
+    if getattr(args, "space", None):
+        assert (REPO / args.space).resolve() == path.resolve()
+    if getattr(args, "model", None):
+        assert (REPO / args.model).is_file(), f"{path.name}: the command's model {args.model} does not exist"
+    assert load_space(path).layers
