@@ -1,0 +1,201 @@
+"""TinyLM: a small byte-level causal transformer trained on CPython's own stdlib sources.
+
+An autoprec example model. The text is a fixed list of pure-Python standard-library
+modules read from the running interpreter's install (no download). The model is a
+2-block pre-norm transformer (d_model 256, 4 heads, context 128, vocab 256 bytes).
+No `evaluate` is defined, so autoprec scores it by -(mean eval loss).
+
+Run it with:
+
+    autoprec search examples/tinylm/model.py --budget 0.02
+
+The trained weights are cached under $AUTOPREC_CACHE (default
+~/.cache/autoprec/examples), keyed by a hash of the training hyper-parameters and
+of the training text.
+"""
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# Modules present (as plain .py files) in every CPython 3.10-3.13 install.
+FILES = sorted(["argparse.py", "calendar.py", "csv.py", "difflib.py", "fractions.py",
+                "heapq.py", "json/decoder.py", "json/encoder.py", "pprint.py",
+                "shlex.py", "string.py", "textwrap.py"])
+HPARAMS = {"files": FILES, "bytes_per_file": 24_000, "eval_frac": 0.1,
+           "d_model": 256, "n_heads": 4, "n_layers": 2, "seq_len": 128,
+           "batch": 16, "n_train_batches": 8, "n_eval_batches": 4,
+           "steps": 300, "lr": 2e-3, "weight_decay": 0.1, "warmup": 20, "seed": 0}
+SPLITS = ("train", "eval")
+
+
+# ---------------------------------------------------------------- data
+
+_DATA = None
+
+
+def _data():
+    """(train_bytes, eval_bytes) as uint8 tensors: the first 90% of each file trains, the rest evals."""
+    global _DATA
+    if _DATA is None:
+        root = os.path.dirname(os.__file__)
+        train, evals = [], []
+        for name in FILES:
+            with open(os.path.join(root, name), "rb") as f:
+                text = f.read(HPARAMS["bytes_per_file"])
+            cut = int(len(text) * (1 - HPARAMS["eval_frac"]))
+            train.append(text[:cut])
+            evals.append(text[cut:])
+        _DATA = tuple(torch.frombuffer(bytearray(b"".join(p)), dtype=torch.uint8).long()
+                      for p in (train, evals))
+    return _DATA
+
+
+def _windows(stream, starts):
+    """(input_ids, target_ids) for windows of seq_len+1 bytes starting at `starts`."""
+    idx = starts[:, None] + torch.arange(HPARAMS["seq_len"] + 1)
+    chunk = stream[idx]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def batches(split):
+    """Fixed, non-overlapping windows: 8 train batches or 4 eval batches of 16 x 128 bytes."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    train, evals = _data()
+    stream, n = (train, HPARAMS["n_train_batches"]) if split == "train" else \
+                (evals, HPARAMS["n_eval_batches"])
+    bs, span = HPARAMS["batch"], HPARAMS["seq_len"] + 1
+    stride = (len(stream) - span) // (n * bs)  # spread the windows over the whole split
+    starts = torch.arange(n * bs) * stride
+    return [_windows(stream, starts[i * bs:(i + 1) * bs]) for i in range(n)]
+
+
+# ---------------------------------------------------------------- model
+
+class Attention(nn.Module):
+    def __init__(self, d, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d, n_heads):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, n_heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, d=HPARAMS["d_model"], n_heads=HPARAMS["n_heads"],
+                 n_layers=HPARAMS["n_layers"], seq_len=HPARAMS["seq_len"], vocab=256):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.pos_emb = nn.Embedding(seq_len, d)
+        self.blocks = nn.ModuleList(Block(d, n_heads) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+
+    def forward(self, ids):
+        x = self.tok_emb(ids) + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def loss_fn(model, batch):
+    ids, targets = batch
+    logits = model(ids).float()  # the loss is always computed in fp32
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------- training + cache
+
+def _cache_path(name, hparams):
+    root = os.environ.get("AUTOPREC_CACHE") or os.path.expanduser("~/.cache/autoprec/examples")
+    digest = hashlib.sha256(json.dumps(hparams, sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.join(root, f"{name}-{digest}.pt")
+
+
+def _save_atomic(state, path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, path)  # atomic: concurrent builders never see a partial file
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _train():
+    """AdamW on seeded random windows of the train split, warmup then cosine decay."""
+    torch.manual_seed(HPARAMS["seed"])
+    gen = torch.Generator().manual_seed(HPARAMS["seed"])
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=HPARAMS["lr"],
+                            weight_decay=HPARAMS["weight_decay"], betas=(0.9, 0.95))
+    steps, warmup = HPARAMS["steps"], HPARAMS["warmup"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 *
+                                              (1 + math.cos(math.pi * min(s, steps) / steps)))
+    train, _ = _data()
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(len(train) - HPARAMS["seq_len"] - 1, (HPARAMS["batch"],), generator=gen)
+        loss = loss_fn(model, _windows(train, starts))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    return model
+
+
+def build_model():
+    """The trained fp32 TinyLM (trains once, about a minute on 2 CPU cores, then loads from the cache)."""
+    text_digest = hashlib.sha256(b"".join(t.to(torch.uint8).numpy().tobytes() for t in _data()))
+    path = _cache_path("tinylm", {**HPARAMS, "text": text_digest.hexdigest()[:16]})
+    model = TinyLM()
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    else:
+        model = _train()
+        _save_atomic(model.state_dict(), path)
+    return model.eval()
