@@ -145,4 +145,9 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
         f"chosen: {m.get('chosen')} (budget {m.get('budget')}, metric {m.get('metric')}); "
         f"device: {m.get('device')}; {m.get('timing')}; speedup = fp32 step time / step time"
     )
+    if m.get("chosen") == "uniform bf16" and any(r[2] for r in layer_rows(policy)):
+        parts.append(
+            "note: the uniform-bf16 baseline measured fastest within budget, so it is the policy, though it "
+            "lowers layers the profile ruled out on their own (a layer timed alone pays for casting its inputs)"
+        )
     return "\n\n".join(parts)
