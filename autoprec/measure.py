@@ -36,7 +36,8 @@ class TimingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Per-step milliseconds: the median over rounds and their relative spread ((max - min) / median)."""
+    """Per-step milliseconds: the median over rounds and their relative spread, the interquartile range
+    over the median (robust to the odd stalled round that (max - min) would report as noise)."""
 
     median_ms: float
     spread: float
@@ -45,7 +46,11 @@ class Timing:
     @classmethod
     def from_samples(cls, samples: list[float]) -> Timing:
         med = statistics.median(samples)
-        spread = (max(samples) - min(samples)) / med if med > 0 else 0.0
+        if len(samples) >= 4:
+            q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+        else:
+            q1, q3 = min(samples), max(samples)
+        spread = (q3 - q1) / med if med > 0 else 0.0
         return cls(median_ms=med, spread=spread, samples_ms=tuple(samples))
 
 

@@ -145,6 +145,16 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
         f"chosen: {m.get('chosen')} (budget {m.get('budget')}, metric {m.get('metric')}); "
         f"device: {m.get('device')}; {m.get('timing')}; speedup = fp32 step time / step time"
     )
+    rows = {r["candidate"]: r for _, r in finals.iterrows()}
+    chosen, ref = rows.get(m.get("chosen")), rows.get("uniform bf16")
+    if chosen is not None and ref is not None and chosen["candidate"] != "uniform bf16":
+        lead = chosen["speedup"] / ref["speedup"] - 1
+        noise = (chosen["spread"] + ref["spread"]) / 2
+        if lead < noise:
+            parts.append(
+                f"note: {chosen['candidate']} leads uniform bf16 by {100 * lead:.1f}%, inside the measured spread "
+                f"({100 * noise:.1f}%): on this device the two are not told apart"
+            )
     if m.get("chosen") == "uniform bf16" and any(r[2] for r in layer_rows(policy)):
         parts.append(
             "note: the uniform-bf16 baseline measured fastest within budget, so it is the policy, though it "

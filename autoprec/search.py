@@ -418,7 +418,7 @@ def _measured(workload, prof, choices, config, finals, best_name, study, where) 
         "excluded": {n: dict(r) for n, r in choices.excluded.items()},
         "fp8": fp8_backend(workload.device),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "timing": f"median of {config.final_timing.rounds} interleaved rounds; spread = (max - min) / median",
+        "timing": f"median of {config.final_timing.rounds} interleaved rounds; spread = interquartile range / median",
         "study": {"name": study.study_name, "storage": where, "trials": len(study.trials)},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -47,7 +47,9 @@ def test_interleaved_times_rotates_and_counts_rounds():
 
 def test_timing_median_and_spread():
     t = Timing.from_samples([1.0, 2.0, 4.0])
-    assert t.median_ms == 2.0 and t.spread == pytest.approx(1.5)
+    assert t.median_ms == 2.0 and t.spread == pytest.approx(1.5)  # few samples: the full range
+    t = Timing.from_samples([10.0, 10.0, 11.0, 12.0, 100.0])  # one stalled round barely moves it
+    assert t.median_ms == 11.0 and t.spread == pytest.approx(2.0 / 11.0)
 
 
 def test_probe_times_takes_the_fastest_call():
