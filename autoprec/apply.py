@@ -1,24 +1,79 @@
-"""apply_policy and grad_scaler: per-module autocast, torchao float8 linears, a GradScaler from the policy."""
+"""apply_policy and grad_scaler: per-module autocast, torchao float8 linears, a GradScaler from the policy.
+
+`apply_policy` checks everything it can before it changes the model (layer names, aliases, fp8 shapes,
+modules whose parent never calls them), so a refused policy leaves the model as it was. It records what
+it did (`applied_summary`): each layer's format, its other names, and which fp8 backend runs it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 import warnings
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from autoprec.formats import AUTOCAST_DTYPE, Format, fp8_shape_problem, has_fp8_kernels
+from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, fp8_backend, fp8_shape_problem
 from autoprec.policy import ROOT, Policy, load_policy
 from autoprec.task import map_tensors
 
 log = logging.getLogger("autoprec")
 
 _FORMAT_ATTR = "_autoprec_format"
-_APPLIED_ATTR = "_autoprec_policy"
+_SUMMARY_ATTR = "_autoprec_applied"
 _LOW = (torch.float16, torch.bfloat16)
+
+# Modules that use a child's parameters directly instead of calling the child, so a format set on the
+# child would silently do nothing: nn.MultiheadAttention passes out_proj.weight to a functional kernel.
+_UNCALLED_CHILDREN: tuple[type[torch.nn.Module], ...] = (torch.nn.MultiheadAttention,)
+
+# Models with a policy applied, so grad_scaler(policy) can name their layers without being given the model.
+_APPLIED_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRecord:
+    """What apply_policy did to one layer the policy lists."""
+
+    name: str  # the name the policy uses
+    format: Format
+    module_type: str  # the type after apply (Float8Linear for fp8 layers)
+    aliases: tuple[str, ...] = ()  # the module object's other names: it runs in this format there too
+    fp8_backend: Fp8Backend | None = None  # kernels or emulation, for fp8 layers
+    wrapped: bool = True  # False when an enclosing listed layer already runs it in this format
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedSummary:
+    """The policy on a model and, per listed layer, what it became; see `applied_summary`."""
+
+    policy: Policy
+    device: str  # where the parameters were when the policy was applied
+    layers: Mapping[str, LayerRecord]
+
+    def fp8_backends(self) -> dict[str, Fp8Backend]:
+        """Each fp8 layer's backend: torchao's kernels or its emulation."""
+        return {name: rec.fp8_backend for name, rec in self.layers.items() if rec.fp8_backend is not None}
+
+    def aliases(self) -> dict[str, tuple[str, ...]]:
+        """Listed layers whose module object is also used under other names."""
+        return {name: rec.aliases for name, rec in self.layers.items() if rec.aliases}
+
+    def __str__(self) -> str:
+        lines = [f"policy applied on {self.device}:"]
+        for name, rec in self.layers.items():
+            extra = [rec.module_type]
+            if rec.fp8_backend is not None:
+                extra.append(str(rec.fp8_backend))
+            if rec.aliases:
+                extra.append("also used as " + ", ".join(map(repr, rec.aliases)))
+            lines.append(f"  {name or '<model>'}: {rec.format} ({'; '.join(extra)})")
+        return "\n".join(lines)
 
 
 def _import_float8() -> Any:
@@ -35,9 +90,8 @@ def _import_float8() -> Any:
     return float8
 
 
-def fp8_backend(device: torch.device | str) -> str:
-    """How fp8 layers run on this device: real kernels or torchao's emulation."""
-    return "torchao float8 kernels" if has_fp8_kernels(device) else "torchao float8 emulation"
+# ---------------------------------------------------------------------------------------------------
+# The forward of a listed layer
 
 
 def _first_device_type(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
@@ -72,44 +126,190 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out if outer_autocast else map_tensors(out, _to_fp32)
 
 
-def _check_layers(model: torch.nn.Module, policy: Policy) -> dict[str, torch.nn.Module]:
-    modules = dict(model.named_modules())
-    missing = [name for name in policy.layers if name not in modules]
+# ---------------------------------------------------------------------------------------------------
+# Checks, all before the model changes
+
+
+def _names_by_module(paths: Mapping[str, torch.nn.Module]) -> dict[int, list[str]]:
+    """Every name of every module object, in model order: a module used at two places has two."""
+    names: dict[int, list[str]] = {}
+    for name, module in paths.items():
+        names.setdefault(id(module), []).append(name)
+    return names
+
+
+def _check_names(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
+    missing = [name for name in policy.layers if name not in paths]
     if missing:
-        known = [n for n in modules if n][:8]
+        known = [n for n in paths if n][:8]
         raise ValueError(
             f"policy names layers the model lacks: {', '.join(map(repr, missing))} "
-            f"(the model has e.g. {', '.join(known)}{', ...' if len(modules) > 9 else ''})"
+            f"(the model has e.g. {', '.join(known)}{', ...' if len(paths) > 9 else ''})"
         )
+
+
+def _check_aliases(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
+    """One module object runs in one format, whichever of its names the policy uses."""
+    seen: dict[int, tuple[str, Format]] = {}
     for name, fmt in policy.layers.items():
-        if fmt is Format.FP8:
-            problem = fp8_shape_problem(modules[name])
-            if problem:
-                raise ValueError(f"layer {name!r} cannot be fp8: {problem}")
-    return modules
+        first = seen.setdefault(id(paths[name]), (name, fmt))
+        if first[1] is not fmt:
+            raise ValueError(
+                f"layers {first[0]!r} and {name!r} are the same module object (used at two places), which runs "
+                f"in one format, but the policy gives it {first[1]} and {fmt}; give both names the same format"
+            )
 
 
-def _convert_fp8(model: torch.nn.Module, names: set[str], device: torch.device) -> None:
+def _check_called(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
+    for name in policy.layers:
+        parts = name.split(".") if name else []
+        for cut in range(len(parts)):
+            parent = ".".join(parts[:cut])
+            if isinstance(paths[parent], _UNCALLED_CHILDREN):
+                raise ValueError(
+                    f"layer {name!r} cannot have its own format: {type(paths[parent]).__name__} {parent or '<model>'!r} "
+                    f"uses its weights directly without calling it, so the format would have no effect; "
+                    f"set the format on {parent!r} instead"
+                )
+
+
+def _check_fp8(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
+    for name, fmt in policy.layers.items():
+        if fmt is not Format.FP8:
+            continue
+        problem = fp8_shape_problem(paths[name])
+        if problem:
+            raise ValueError(f"layer {name!r} cannot be fp8: {problem}")
+        if name == ROOT:
+            # torchao replaces a root Linear by a new object; apply_policy changes the model in place.
+            raise ValueError(
+                "the model itself ('') cannot be fp8: torchao would replace it by a new module, and apply_policy "
+                "works in place; wrap the Linear in nn.Sequential and name its child"
+            )
+
+
+def _check_forwards(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
+    for name in policy.layers:
+        if "forward" in paths[name].__dict__:
+            raise ValueError(f"apply_policy: layer {name!r} already has a per-instance forward; autoprec cannot wrap it")
+
+
+def _check_fresh(model: torch.nn.Module) -> None:
+    # torch.compile's wrapper holds the model as _orig_mod (checked by name: importing dynamo costs a second).
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        raise ValueError(
+            "apply_policy: this model is already compiled; apply the policy to the plain model first, "
+            "then call torch.compile on it"
+        )
+    if hasattr(model, _SUMMARY_ATTR) or any(hasattr(m, _FORMAT_ATTR) for m in model.modules()):
+        raise ValueError("apply_policy: this model already has a policy applied; apply a policy once, to a fresh model")
+
+
+# ---------------------------------------------------------------------------------------------------
+# fp8: torchao Float8Linear, aliases and tied weights kept
+
+
+def _set_submodule(model: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent), attr, module)
+
+
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names of parameters that are one Parameter object (tied weights), grouped."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _untied(model: torch.nn.Module, groups: list[list[str]]) -> list[str] | None:
+    for names in groups:
+        if len({id(model.get_parameter(n)) for n in names}) > 1:
+            return names
+    return None
+
+
+def _convert_fp8(
+    model: torch.nn.Module, modules: list[torch.nn.Module], names: Mapping[int, list[str]], device: torch.device
+) -> Fp8Backend:
+    """Swap `modules` for torchao Float8Linear everywhere they are used; restore them and raise if ties break."""
     float8 = _import_float8()
-    emulate = not has_fp8_kernels(device)
-    config = float8.Float8LinearConfig(emulate=emulate)
-    if emulate and device.type == "cpu" and torch.cuda.is_available():
+    backend = fp8_backend(device)
+    if backend is Fp8Backend.EMULATION and device.type == "cpu" and torch.cuda.is_available():
         warnings.warn(
             "apply_policy: the model is on the CPU, so its fp8 layers use torchao's emulation; "
             "move the model to the GPU before apply_policy to use fp8 kernels",
             stacklevel=3,
         )
-    float8.convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in names, config=config)
-    log.info("fp8 layers %s use %s", sorted(names), fp8_backend(device))
+    originals = {path: m for m in modules for path in names[id(m)]}
+    ties = _tied_groups(model)
+    ids = {id(m) for m in modules}
+    config = float8.Float8LinearConfig(emulate=backend is Fp8Backend.EMULATION)
+    try:
+        # Filter by object, not name: torchao visits each parent's children once, under one name.
+        float8.convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: id(mod) in ids, config=config)
+        for m in modules:
+            # torchao swaps per parent: a module at two places may become two Float8Linears, or stay a Linear
+            # at the second; put the one Float8Linear at every place so the alias stays one object.
+            paths = names[id(m)]
+            new = next(model.get_submodule(p) for p in paths if model.get_submodule(p) is not m)
+            for path in paths:
+                _set_submodule(model, path, new)
+        broken = _untied(model, ties)
+        if broken:
+            owners = [n.rpartition(".")[0] or "<model>" for n in broken]
+            raise ValueError(
+                f"apply_policy: fp8 would untie the weights that {', '.join(map(repr, owners))} share "
+                f"(torchao's Float8Linear did not keep the shared Parameter); give the fp8 one bf16, fp16 or fp32"
+            )
+    except BaseException:
+        for path, original in originals.items():  # a refused policy leaves the model as it was
+            _set_submodule(model, path, original)
+        raise
+    return backend
 
 
-def _nearest_listed_ancestor(name: str, layers: dict[str, Format]) -> Format | None:
-    parts = name.split(".") if name else []
+# ---------------------------------------------------------------------------------------------------
+# apply_policy
+
+
+def _enclosing_format(path: str, paths: Mapping[str, torch.nn.Module], fmts: Mapping[int, Format]) -> Format | None:
+    """The format of the innermost listed module around `path` (by object, so aliases count)."""
+    parts = path.split(".") if path else []
     for cut in range(len(parts) - 1, -1, -1):
-        ancestor = ".".join(parts[:cut])
-        if ancestor in layers:
-            return layers[ancestor]
+        fmt = fmts.get(id(paths[".".join(parts[:cut])]))
+        if fmt is not None:
+            return fmt
     return None
+
+
+def _needs_wrapper(
+    fmt: Format, own_names: list[str], paths: Mapping[str, torch.nn.Module], fmts: Mapping[int, Format]
+) -> bool:
+    # A layer in the same format as the listed layer around it, at every place it is used, is covered by it.
+    if fmt is Format.FP8:
+        return True
+    return any(_enclosing_format(path, paths, fmts) is not fmt for path in own_names)
+
+
+def _param_device(model: torch.nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _warn_aliases(policy: Policy, names: Mapping[int, list[str]], paths: Mapping[str, torch.nn.Module]) -> None:
+    warned: set[int] = set()
+    for name, fmt in policy.layers.items():
+        key = id(paths[name])
+        listed = [n for n in names[key] if n in policy.layers]
+        others = [n for n in names[key] if n not in policy.layers]
+        if others and key not in warned:
+            warned.add(key)
+            warnings.warn(
+                f"apply_policy: layer {' / '.join(map(repr, listed))} is also used as {', '.join(map(repr, others))} "
+                f"(the same module object); it runs in {fmt} at every place",
+                stacklevel=3,
+            )
 
 
 def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.nn.Module:
@@ -117,48 +317,197 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.n
 
     State-dict keys and dtypes do not change: listed modules keep their parameters and get a forward
     that runs under their format; fp8 linears become torchao Float8Linear (a subclass of nn.Linear).
+    Apply before torch.compile. `applied_summary(model)` tells what was done, per layer.
     """
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
-    if any(hasattr(m, _FORMAT_ATTR) for m in model.modules()) or hasattr(model, _APPLIED_ATTR):
-        raise ValueError("apply_policy: this model already has a policy applied; apply a policy once, to a fresh model")
-    _check_layers(model, policy)
-    fp8 = {name for name, fmt in policy.layers.items() if fmt is Format.FP8}
+    _check_fresh(model)
+    paths = dict(model.named_modules(remove_duplicate=False))
+    for check in (_check_names, _check_aliases, _check_called, _check_fp8, _check_forwards):
+        check(policy, paths)
+    names = _names_by_module(paths)
+    _warn_aliases(policy, names, paths)
+    device = _param_device(model)
+    fp8 = list({id(paths[n]): paths[n] for n, f in policy.layers.items() if f is Format.FP8}.values())
+    backend = _convert_fp8(model, fp8, names, device) if fp8 else None
     if fp8:
-        param = next(model.parameters(), None)
-        _convert_fp8(model, fp8, param.device if param is not None else torch.device("cpu"))
-    modules = dict(model.named_modules())
-    for name, fmt in sorted(policy.layers.items(), key=lambda kv: kv[0].count(".") + bool(kv[0])):
-        module = modules[name]
-        if "forward" in module.__dict__:
-            raise ValueError(f"apply_policy: layer {name!r} already has a per-instance forward; autoprec cannot wrap it")
+        paths = dict(model.named_modules(remove_duplicate=False))
+        names = _names_by_module(paths)
+        fp8_names = sorted(n for n, f in policy.layers.items() if f is Format.FP8)
+        log.info("apply_policy: fp8 layers %s use %s", fp8_names, backend)
+    fmts = {id(paths[name]): fmt for name, fmt in policy.layers.items()}
+    records = {}
+    for name, fmt in policy.layers.items():
+        module, own = paths[name], names[id(paths[name])]
+        wrap = _needs_wrapper(fmt, own, paths, fmts)
         setattr(module, _FORMAT_ATTR, fmt)
-        # A layer in the same format as its nearest listed ancestor is already covered by it.
-        if fmt is not Format.FP8 and fmt is _nearest_listed_ancestor(name, policy.layers):
-            continue
-        module.forward = types.MethodType(_policy_forward, module)
-    setattr(model, _APPLIED_ATTR, policy)
+        if wrap and "forward" not in module.__dict__:
+            module.forward = types.MethodType(_policy_forward, module)
+        records[name] = LayerRecord(
+            name=name, format=fmt, module_type=type(module).__name__, aliases=tuple(n for n in own if n != name),
+            fp8_backend=backend if fmt is Format.FP8 else None, wrapped=wrap,
+        )  # fmt: skip
+    setattr(model, _SUMMARY_ATTR, AppliedSummary(policy=policy, device=str(device), layers=records))
+    _APPLIED_MODELS.add(model)
     return model
+
+
+def applied_summary(model: torch.nn.Module) -> AppliedSummary | None:
+    """What apply_policy did to this model (per layer: format, type, aliases, fp8 backend), or None."""
+    return getattr(model, _SUMMARY_ATTR, None)
 
 
 def applied_policy(model: torch.nn.Module) -> Policy | None:
     """The policy apply_policy put on this model, or None."""
-    return getattr(model, _APPLIED_ATTR, None)
+    summary = applied_summary(model)
+    return summary.policy if summary is not None else None
 
 
-def grad_scaler(policy: Policy | str | Path, device: str | torch.device | None = None) -> torch.amp.GradScaler:
+# ---------------------------------------------------------------------------------------------------
+# Loss scaling
+
+DEFAULT_WARN_AFTER_SKIPS = 10
+
+
+def _governing_layer(param_name: str, layers: Mapping[str, Format]) -> str | None:
+    """The innermost listed layer whose format covers this parameter, or None."""
+    parts = param_name.split(".")[:-1]
+    for cut in range(len(parts), -1, -1):
+        name = ".".join(parts[:cut])
+        if name in layers:
+            return name
+    return None
+
+
+def nonfinite_layers(model: torch.nn.Module, policy: Policy) -> list[str]:
+    """The layers whose parameters hold non-finite gradients, as "name (format)": fp16 layers first (an
+    overflow there is the usual cause, and it spreads to every layer before it), then in model order.
+
+    A parameter outside every listed layer is named by its module, marked "not in the policy".
+    One device sync for the whole model.
+    """
+    model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper prefixes every name with _orig_mod
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return []
+    dev = named[0][1].device
+    finite = torch.stack([torch.isfinite(g).all().to(dev) for _, g in named]).tolist()
+    out: list[str] = []
+    for (name, _), ok in zip(named, finite):
+        if ok:
+            continue
+        layer = _governing_layer(name, policy.layers)
+        label = (
+            f"{layer or '<model>'} ({policy.layers[layer]})" if layer is not None
+            else f"{name.rpartition('.')[0] or '<model>'} (not in the policy)"
+        )  # fmt: skip
+        if label not in out:
+            out.append(label)
+    return sorted(out, key=lambda label: not label.endswith(f"({Format.FP16})"))
+
+
+class PolicyGradScaler(torch.amp.GradScaler):
+    """A torch.amp.GradScaler that notices a collapsing loss scale and names the layers behind it.
+
+    After `warn_after_skips` skipped steps in a row, or once the scale falls below 1, it warns once per
+    run of skipped steps, naming the layers whose gradients were non-finite (it needs the model: passed
+    as `model=`, or the one model this policy was applied to). Clean steps cost nothing extra: whether
+    a step was skipped is read from the check GradScaler.step already waited for.
+    """
+
+    def __init__(
+        self, device: str, *, policy: Policy, model: torch.nn.Module | None = None,
+        warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if isinstance(warn_after_skips, bool) or not isinstance(warn_after_skips, int) or warn_after_skips < 1:
+            raise ValueError(f"warn_after_skips must be an integer >= 1, but got {warn_after_skips!r}")
+        super().__init__(device, **kwargs)
+        self.policy = policy
+        self.warn_after_skips = warn_after_skips
+        self._model = weakref.ref(model) if model is not None else None
+        self.skipped_steps = 0  # in total
+        self.consecutive_skips = 0
+        self.last_nonfinite_layers: list[str] = []  # from the latest skipped step
+        self._warned = False
+        self._step_found_inf: bool | None = None
+
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        # GradScaler.step reads these same values right here, so reading them costs no extra sync.
+        found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self._step_found_inf = bool(self._step_found_inf) or found
+        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+
+    def _found_inf(self) -> bool:
+        if self._step_found_inf is not None:
+            return self._step_found_inf
+        # Optimizers that unscale inside their own step (fused, capturable) bypass _maybe_opt_step.
+        found = [v for state in self._per_optimizer_states.values() for v in state["found_inf_per_device"].values()]
+        return bool(sum(v.item() for v in found))
+
+    def _the_model(self) -> torch.nn.Module | None:
+        if self._model is not None:
+            return self._model()
+        # Equal, not only identical: grad_scaler and apply_policy may each have loaded the same file.
+        matches = [m for m in list(_APPLIED_MODELS) if applied_policy(m) == self.policy]
+        return matches[0] if len(matches) == 1 else None
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self.is_enabled() or new_scale is not None or not self._per_optimizer_states:
+            self._step_found_inf = None
+            return super().update(new_scale)
+        skipped = self._found_inf()
+        self._step_found_inf = None
+        model = self._the_model() if skipped else None
+        if model is not None:
+            self.last_nonfinite_layers = nonfinite_layers(model, self.policy)  # grads still hold the step's values
+        super().update()
+        if not skipped:
+            self.consecutive_skips, self._warned = 0, False
+            return
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        scale = self.get_scale()
+        if not self._warned and (self.consecutive_skips >= self.warn_after_skips or scale < 1.0):
+            self._warned = True
+            warnings.warn(self._collapse_message(scale, model is not None), stacklevel=2)
+
+    def _collapse_message(self, scale: float, named: bool) -> str:
+        head = (
+            f"autoprec: the loss scale is collapsing ({self.consecutive_skips} steps skipped in a row, "
+            f"scale now {scale:g}); "
+        )
+        if not named:
+            return head + "pass model= to grad_scaler to learn which layers' gradients were non-finite"
+        where = ", ".join(self.last_nonfinite_layers) or "no parameter (the non-finite values were elsewhere)"
+        return (
+            head + f"non-finite gradients in: {where}. An fp16 layer that overflows is the usual cause: "
+            "set it to bf16 or fp32 in the policy"
+        )
+
+
+def grad_scaler(
+    policy: Policy | str | Path, device: str | torch.device | None = None, *,
+    model: torch.nn.Module | None = None, warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS,
+) -> PolicyGradScaler:  # fmt: skip
     """A GradScaler with the policy's loss-scale settings; disabled when no layer is fp16.
 
     `device` defaults to cuda when available, else cpu. Static scaling (`dynamic: false`) never grows
-    the scale; a step with inf/NaN gradients is still skipped and the scale backs off.
+    the scale; a step with inf/NaN gradients is still skipped and the scale backs off. A scale that
+    collapses (`warn_after_skips` skipped steps in a row, or below 1) warns, naming the layers with
+    non-finite gradients of `model` (or of the one model this policy was applied to).
     """
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     ls = policy.loss_scale
-    return torch.amp.GradScaler(
+    return PolicyGradScaler(
         torch.device(device).type,
+        policy=policy,
+        model=model,
+        warn_after_skips=warn_after_skips,
         init_scale=ls.init_scale,
         growth_factor=ls.growth_factor,
         backoff_factor=ls.backoff_factor,
@@ -167,4 +516,10 @@ def grad_scaler(policy: Policy | str | Path, device: str | torch.device | None =
     )
 
 
-__all__ = ["apply_policy", "applied_policy", "grad_scaler", "fp8_backend", "ROOT"]
+__all__ = [
+    # apply a policy
+    "apply_policy", "applied_policy", "applied_summary", "AppliedSummary", "LayerRecord",
+    "fp8_backend", "Fp8Backend", "ROOT",
+    # loss scaling
+    "grad_scaler", "PolicyGradScaler", "nonfinite_layers",
+]  # fmt: skip

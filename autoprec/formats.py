@@ -59,6 +59,21 @@ def has_fp8_kernels(device: torch.device | str) -> bool:
     return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
+class Fp8Backend(str, enum.Enum):
+    """How torchao runs an fp8 layer on a device; apply_policy logs and records it per layer."""
+
+    KERNELS = "torchao float8 kernels"  # torch._scaled_mm on the GPU's fp8 tensor cores
+    EMULATION = "torchao float8 emulation"  # fp8 rounding and scaling emulated with high-precision matmuls
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def fp8_backend(device: torch.device | str) -> Fp8Backend:
+    """How fp8 layers run on this device: real kernels or torchao's emulation."""
+    return Fp8Backend.KERNELS if has_fp8_kernels(device) else Fp8Backend.EMULATION
+
+
 def autocast_supported(device: torch.device | str, fmt: Format) -> bool:
     """Whether torch.autocast accepts this format's dtype on this device type."""
     if fmt not in AUTOCAST_DTYPE:

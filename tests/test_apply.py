@@ -1,12 +1,14 @@
 import copy
 import json
+import logging
 
 import pytest
 import torch
 from torch import nn
 
 from autoprec import Policy, apply_policy, grad_scaler
-from autoprec.apply import applied_policy
+from autoprec.apply import applied_policy, applied_summary
+from autoprec.formats import Fp8Backend, has_fp8_kernels
 from autoprec.measure import sqnr_db
 from autoprec.policy import LossScale
 
@@ -52,6 +54,50 @@ def test_fp32_layer_inside_bf16_root_disables_autocast_and_casts_inputs_up():
     assert out.dtype == torch.float32  # the root casts back: the caller was not in autocast
 
 
+@pytest.mark.parametrize("user", [torch.bfloat16, torch.float16], ids=["user bf16", "user fp16"])
+@pytest.mark.parametrize(
+    ("fmt", "expected"),
+    [("fp32", (False, torch.float32)), ("bf16", (True, torch.bfloat16)), ("fp16", (True, torch.float16)), (None, None)],
+    ids=["probe fp32", "probe bf16", "probe fp16", "probe unlisted"],
+)
+def test_nested_in_a_users_autocast_each_listed_layer_runs_its_own_format(user, fmt, expected):
+    model = apply_policy(Net(), Policy(layers={"a": "fp32", **({"probe": fmt} if fmt else {})}))
+    with torch.autocast("cpu", dtype=user):
+        out = model(torch.randn(4, 16))
+    enabled, dtype, in_dtype = model.probe.seen[0]
+    assert (enabled, dtype if enabled else torch.float32) == (expected or (True, user))
+    if fmt == "fp32":
+        assert in_dtype == torch.float32
+    assert out.dtype == user  # the head is unlisted: it follows the user's region
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_no_grad_pass_then_a_training_pass_still_gives_gradients():
+    model = apply_policy(Net(), Policy(layers={"": "bf16", "a": "bf16", "probe": "fp16", "head": "fp32"}))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert not model(x).requires_grad
+    model(x).sum().backward()
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) > 0 for p in model.parameters())
+
+
+def test_a_no_grad_call_inside_the_forward_does_not_starve_the_later_call_of_gradients():
+    # Autocast caches weight casts within a region; a cast made under no_grad must not be reused with grad.
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.lin(x)
+            return self.lin(x)
+
+    model = apply_policy(Twice(), Policy(layers={"": "bf16", "lin": "bf16"}))
+    model(torch.randn(2, 8)).sum().backward()
+    assert model.lin.weight.grad is not None and torch.count_nonzero(model.lin.weight.grad) > 0
+
+
 def test_inside_a_users_autocast_the_policy_still_decides_and_outputs_stay_low():
     model = apply_policy(Net(), Policy(layers={"probe": "fp16"}))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -69,17 +115,54 @@ def test_state_dict_keys_and_dtypes_do_not_change():
     Net().load_state_dict(applied.state_dict(), strict=True)
 
 
-def test_fp8_layer_is_torchao_float8_with_torchao_sqnr_thresholds():
+@pytest.mark.parametrize("shape", [(32, 64), (4, 8, 64)], ids=["2d input", "3d input"])
+def test_fp8_layer_is_torchao_float8_with_torchao_sqnr_thresholds(shape):
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(64, 128))
     low = apply_policy(copy.deepcopy(ref), Policy(layers={"0": "fp8"}))
     assert type(low[0]).__name__ == "Float8Linear" and isinstance(low[0], nn.Linear)
-    x = torch.randn(32, 64)
-    y_ref, y = ref(x), low(x)
-    y_ref.sum().backward()
-    y.sum().backward()
+    x = torch.randn(*shape)
+    x_ref, x_low = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y = ref(x_ref), low(x_low)
+    assert y.dtype == torch.float32
+    grad_out = torch.randn_like(y_ref)
+    y_ref.backward(grad_out)
+    y.backward(grad_out)
     assert sqnr_db(y_ref, y) >= 20
     assert sqnr_db(ref[0].weight.grad, low[0].weight.grad) >= 17
+    assert sqnr_db(x_ref.grad, x_low.grad) >= 17
+
+
+def test_fp8_backend_is_logged_and_recorded_per_layer(caplog):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    with caplog.at_level(logging.INFO, logger="autoprec"):
+        apply_policy(model, Policy(layers={"0": "fp8", "2": "bf16"}))
+    assert "fp8 layers ['0'] use torchao float8 emulation" in caplog.text
+    summary = applied_summary(model)
+    assert summary.fp8_backends() == {"0": Fp8Backend.EMULATION}
+    assert summary.layers["0"].module_type == "Float8Linear" and summary.layers["2"].fp8_backend is None
+    assert summary.device == "cpu"
+    assert "0: fp8 (Float8Linear; torchao float8 emulation)" in str(summary)
+
+
+def test_where_fp8_kernels_exist_they_are_chosen_and_recorded(monkeypatch):
+    monkeypatch.setattr("autoprec.formats.has_fp8_kernels", lambda device: True)
+    model = apply_policy(nn.Sequential(nn.Linear(16, 16)), Policy(layers={"0": "fp8"}))
+    assert applied_summary(model).fp8_backends() == {"0": Fp8Backend.KERNELS}
+    assert model[0].config.emulate is False
+
+
+def test_fp8_on_the_cpu_with_a_gpu_present_warns_to_move_the_model_first(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match="move the model to the GPU before apply_policy"):
+        apply_policy(nn.Sequential(nn.Linear(16, 16)), Policy(layers={"0": "fp8"}))
+
+
+def test_the_model_itself_cannot_be_fp8_because_torchao_would_replace_it():
+    model = nn.Linear(16, 16)
+    with pytest.raises(ValueError, match=r"the model itself \(''\) cannot be fp8.*nn.Sequential"):
+        apply_policy(model, Policy(layers={"": "fp8"}))
+    assert type(model) is nn.Linear and applied_summary(model) is None
 
 
 def test_fp8_refuses_shapes_torchao_cannot_run():
@@ -110,6 +193,7 @@ def test_a_layer_in_its_ancestors_format_needs_no_second_wrapper():
     model = apply_policy(Net(), Policy(layers={"": "bf16", "a": "bf16", "probe": "fp32"}))
     assert "forward" in model.__dict__ and "forward" in model.probe.__dict__
     assert "forward" not in model.a.__dict__
+    assert [rec.wrapped for rec in applied_summary(model).layers.values()] == [True, False, True]
 
 
 def test_deepcopy_of_an_applied_model_uses_its_own_weights():
@@ -128,11 +212,16 @@ def test_autocast_state_is_restored_after_an_exception():
         def forward(self, x):
             raise RuntimeError("boom")
 
-    model = nn.Sequential(Boom())
-    apply_policy(model, Policy(layers={"0": "bf16"}))
-    with pytest.raises(RuntimeError, match="boom"):
-        model(torch.randn(1))
-    assert not torch.is_autocast_enabled("cpu")
+    for fmt in ("bf16", "fp32"):
+        model = nn.Sequential(Boom())
+        apply_policy(model, Policy(layers={"0": fmt}))
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(1))
+        assert not torch.is_autocast_enabled("cpu")
+        with torch.autocast("cpu", dtype=torch.float16):  # inside a user's region: theirs comes back
+            with pytest.raises(RuntimeError, match="boom"):
+                model(torch.randn(1))
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
 
 
 def test_grad_scaler_follows_the_policy():
@@ -151,3 +240,36 @@ def test_grad_scaler_reads_a_policy_file(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(Policy(layers={"a": "fp16"}).to_dict()))
     assert grad_scaler(path, "cpu").is_enabled()
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+requires_fp8_kernels = pytest.mark.skipif(
+    not has_fp8_kernels("cuda"), reason="needs a CUDA GPU with fp8 kernels (compute capability 8.9+)"
+)
+
+
+@requires_fp8_kernels
+def test_fp8_kernels_on_the_gpu_keep_torchao_sqnr_thresholds():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(256, 512)).cuda()
+    low = apply_policy(copy.deepcopy(ref), Policy(layers={"0": "fp8"}))
+    assert applied_summary(low).fp8_backends() == {"0": Fp8Backend.KERNELS}
+    assert low[0].config.emulate is False
+    x = torch.randn(64, 256, device="cuda")
+    y_ref, y = ref(x), low(x)
+    y_ref.sum().backward()
+    y.sum().backward()
+    assert sqnr_db(y_ref, y) >= 20
+    assert sqnr_db(ref[0].weight.grad, low[0].weight.grad) >= 17
+
+
+@requires_cuda
+def test_cuda_autocast_follows_the_policy_per_layer():
+    model = apply_policy(Net().cuda(), Policy(layers={"": "bf16", "probe": "fp16", "head": "fp32"}))
+    seen = {}
+    for name in ("a", "probe", "head"):
+        getattr(model, name).register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out.dtype))
+    out = model(torch.randn(4, 16, device="cuda"))
+    out.sum().backward()
+    assert seen == {"a": torch.bfloat16, "probe": torch.float16, "head": torch.float32}
+    assert out.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")
