@@ -5,20 +5,20 @@ formats and loss-scale settings with Optuna for the fastest training step within
 and apply the resulting policy file in one call.
 """
 
-from autoprec.apply import apply_policy, grad_scaler
+from autoprec.apply import applied_summary, apply_policy, grad_scaler
 from autoprec.errors import UserError
 from autoprec.formats import Format
 from autoprec.policy import LossScale, Policy, load_policy
 from autoprec.profile import Profile, ProfileConfig, profile
-from autoprec.search import SearchConfig, SearchResult, search
+from autoprec.search import Mode, SearchConfig, SearchResult, search
 from autoprec.space import SearchSpace, load_space
 from autoprec.task import Task, Workload, load_task, prepare
 
 __all__ = [
     # apply a policy in training
-    "load_policy", "apply_policy", "grad_scaler", "Policy", "LossScale", "Format",
+    "load_policy", "apply_policy", "grad_scaler", "applied_summary", "Policy", "LossScale", "Format",
     # the pipeline
     "load_task", "prepare", "Task", "Workload", "load_space", "SearchSpace",
-    "profile", "Profile", "ProfileConfig", "search", "SearchConfig", "SearchResult",
+    "profile", "Profile", "ProfileConfig", "search", "SearchConfig", "SearchResult", "Mode",
     "UserError",
 ]  # fmt: skip

@@ -47,45 +47,71 @@ def _prepare(args: argparse.Namespace):
     return task, space, workload
 
 
-def cmd_search(args: argparse.Namespace) -> int:
-    from autoprec.report import search_summary
-    from autoprec.search import SearchConfig, search
+def _search_config(args: argparse.Namespace):
+    from autoprec.search import Mode, SearchConfig, parse_mode
 
     try:
-        config = SearchConfig(budget=args.budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study)
+        mode = parse_mode(args.mode)
+        if mode is Mode.WEIGHTS:
+            given = [flag for flag, value in (("--train-steps", args.train_steps), ("--noise-runs", args.noise_runs)) if value is not None]
+            if given:
+                verb = "apply" if len(given) > 1 else "applies"
+                raise ValueError(f"{' and '.join(given)} {verb} only to --mode train (the mode is {mode.value})")
+        train = {k: v for k, v in (("train_steps", args.train_steps), ("noise_runs", args.noise_runs)) if v is not None}
+        return SearchConfig(
+            budget=args.budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode, **train
+        )
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from autoprec.report import plot_all, search_summary
+    from autoprec.search import search
+
+    config = _search_config(args)
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
     result = search(workload, space, config, out)
     (out / "summary.md").write_text(_summary_markdown(result, args), encoding="utf-8")
+    pngs = plot_all(result.profile, out, title=f"{task.name} on {result.profile.device}")
     print(search_summary(result))
-    print(f"\nwrote {out / 'policy.json'}, profile.csv, trials.csv, finalists.csv, summary.md (study {result.study_name!r} in {result.storage})")
+    names = ", ".join(p.name for p in pngs)
+    print(f"\nwrote {out / 'policy.json'}, profile.csv, grad_ranges.csv, trials.csv, finalists.csv, summary.md, {names} "
+          f"(study {result.study_name!r} in {result.storage})")  # fmt: skip
     return 0
 
 
 def _summary_markdown(result, args: argparse.Namespace) -> str:
-    from autoprec.report import profile_summary, search_summary
+    from autoprec.report import gradient_summary, profile_summary, search_summary
 
     command = "autoprec search " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "autoprec search"
+    prof = result.profile
     return (
         f"# autoprec search: {result.policy.measured['model']}\n\n`{command}`\n\n"
         f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
-        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.table, markdown=True)}\n\n"
-        f"dB: output SQNR against fp32; drop: metric drop; x time: the layer's forward+backward time over fp32's.\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.table, markdown=True)}\n\n"
+        f"dB: output SQNR against fp32; drop: metric drop; x time: the layer's forward+backward time over fp32's.\n\n"
+        f"![profile heat map](profile.png)\n\n"
+        f"## Gradient ranges\n\n{gradient_summary(prof.table, prof.advice(), markdown=True)}\n\n"
+        f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
     )
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.profile import profile
-    from autoprec.report import profile_summary
+    from autoprec.report import gradient_summary, plot_all, profile_summary
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
     prof = profile(workload, space)
     path = prof.save(out)
+    pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     print(profile_summary(prof.table))
-    print(f"\nfp32 metric {prof.fp32_metric:.6g} ({prof.metric_name}) on {prof.device}; wrote {path}")
+    print()
+    print(gradient_summary(prof.table, prof.advice()))
+    names = ", ".join(p.name for p in [path.with_name("grad_ranges.csv"), *pngs])
+    print(f"\nfp32 metric {prof.fp32_metric:.6g} ({prof.metric_name}) on {prof.device}; wrote {path}, {names}")
     return 0
 
 
@@ -117,9 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--storage", help="Optuna storage URL or journal file (default: <out>/study.journal)")
     s.add_argument("--study", help="study name (default: the model's name); the same name resumes")
     s.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    s.add_argument("--mode", default="weights", metavar="{weights,train}",
+                   help="what the budget applies to: the metric of the given weights with the policy (weights, "
+                        "default), or after --train-steps training steps against fp32 trained alike (train)")  # fmt: skip
+    s.add_argument("--train-steps", type=int, metavar="K", help="train mode: training steps per candidate (default 50)")
+    s.add_argument("--noise-runs", type=int, metavar="R",
+                   help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)")  # fmt: skip
     s.set_defaults(func=cmd_search)
 
-    p = model_verb("profile", "measure each layer's sensitivity and speed in each format; write profile.csv")
+    p = model_verb("profile", "measure each layer's sensitivity, gradient ranges and speed in each format; write profile.csv, grad_ranges.csv and heat maps")
     p.set_defaults(func=cmd_profile)
 
     sh = verbs.add_parser("show", help="print a policy file for a person", description="print a policy file for a person")

@@ -2,6 +2,9 @@
 
 Every speed number in autoprec comes from `interleaved_times`: warmed up, device synchronised,
 candidates timed in rotating order within each round (so drift hits all alike), median of rounds.
+A step the GradScaler skips (inf/NaN gradients) updates nothing, so throughput counts only effective
+steps. The metric is either that of the given weights with the policy applied, or (train mode) that
+after K training steps from the same weights in the same batch order (`train_and_evaluate`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -122,45 +126,173 @@ def policy_model(workload: Workload, policy: Policy) -> torch.nn.Module:
     return apply_policy(copy.deepcopy(workload.model), policy)
 
 
-class Trainer:
-    """One candidate's model, optimizer and GradScaler, taking training steps over the train batches."""
+def batch_order(n_batches: int, steps: int, seed: int = 0) -> tuple[int, ...]:
+    """Which train batch each of `steps` steps takes: seed 0 cycles through them as given; another seed
+    reshuffles them every pass (a different batch order, for the noise floor)."""
+    if seed == 0:
+        return tuple(i % n_batches for i in range(steps))
+    g = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    while len(order) < steps:
+        order.extend(torch.randperm(n_batches, generator=g).tolist())
+    return tuple(order[:steps])
 
-    def __init__(self, workload: Workload, policy: Policy):
+
+class Trainer:
+    """One candidate's model, optimizer and GradScaler, taking training steps over the train batches.
+
+    `order`: the train-batch indices to take in turn (default: as given, cycling). `skipped` counts the
+    steps the GradScaler skipped because of inf/NaN gradients: their weights did not change.
+    """
+
+    def __init__(self, workload: Workload, policy: Policy, *, order: Sequence[int] | None = None):
         self.workload = workload
         self.model = policy_model(workload, policy).train()
         task = workload.task
         self.optimizer = task.optimizer(self.model) if task.optimizer else torch.optim.AdamW(self.model.parameters())
         self.scaler = grad_scaler(policy, workload.device)
+        self.order = tuple(order) if order is not None else tuple(range(len(workload.train)))
         self._next = 0
         self.steps = 0
-        self.skipped = 0
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=workload.device)
 
     def step(self) -> torch.Tensor:
         """Forward, backward, optimizer step (through the GradScaler); returns the loss without syncing."""
-        batch = self.workload.train[self._next % len(self.workload.train)]
+        batch = self.workload.train[self.order[self._next % len(self.order)]]
         self._next += 1
         self.optimizer.zero_grad(set_to_none=True)
         loss = check_loss(self.workload.task, self.workload.task.loss_fn(self.model, batch))
         self._nonfinite |= ~torch.isfinite(loss.detach())
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
-        self.scaler.update()
+        self._update_scale()
         self.steps += 1
         return loss
+
+    def _update_scale(self) -> None:
+        with warnings.catch_warnings():
+            # The scaler's collapse warning would repeat what the caller counts and reports.
+            warnings.simplefilter("ignore")
+            self.scaler.update()
 
     @property
     def finite(self) -> bool:
         return not bool(self._nonfinite.item())
+
+    @property
+    def skipped(self) -> int:
+        """Steps the GradScaler skipped (inf/NaN gradients); read from the check its step() already made."""
+        return self.scaler.skipped_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """A candidate's training steps as timed: per-call time, whether losses stayed finite, and how many
+    of its steps (from its first, warm-up included) the GradScaler skipped."""
+
+    timing: Timing
+    finite: bool
+    steps: int
+    skipped: int
+
+    @property
+    def skip_fraction(self) -> float:
+        return self.skipped / self.steps if self.steps else 0.0
+
+    @property
+    def effective_ms(self) -> float:
+        """Milliseconds per step that updated the weights: skipped steps are wasted work."""
+        kept = 1.0 - self.skip_fraction
+        return self.timing.median_ms / kept if kept > 0 else math.inf
+
+
+def measure_steps(
+    workload: Workload, policies: Mapping[str, Policy], config: TimingConfig = TimingConfig()
+) -> dict[str, StepStats]:
+    """Training-step time of each policy, interleaved, with finiteness and skipped steps."""
+    trainers = {name: Trainer(workload, policy) for name, policy in policies.items()}
+    return step_stats(trainers, interleaved_times({n: t.step for n, t in trainers.items()}, workload.device, config))
+
+
+def step_stats(trainers: Mapping[str, Trainer], timings: Mapping[str, Timing]) -> dict[str, StepStats]:
+    return {n: StepStats(timings[n], t.finite, t.steps, t.skipped) for n, t in trainers.items()}
 
 
 def time_steps(
     workload: Workload, policies: Mapping[str, Policy], config: TimingConfig = TimingConfig()
 ) -> tuple[dict[str, Timing], dict[str, bool]]:
     """Training-step time of each policy, interleaved; also whether every loss stayed finite."""
-    trainers = {name: Trainer(workload, policy) for name, policy in policies.items()}
-    timings = interleaved_times({name: t.step for name, t in trainers.items()}, workload.device, config)
-    return timings, {name: t.finite for name, t in trainers.items()}
+    stats = measure_steps(workload, policies, config)
+    return {n: s.timing for n, s in stats.items()}, {n: s.finite for n, s in stats.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOutcome:
+    """The metric after training: K steps from the reference weights; `skipped` of them by the GradScaler."""
+
+    metric: float
+    finite: bool
+    steps: int
+    skipped: int
+
+
+def rng_devices(device: torch.device) -> list[int]:
+    """The CUDA device indices torch.random.fork_rng must save and restore for work on `device`."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+def train_and_evaluate(workload: Workload, policy: Policy, steps: int, *, seed: int = 0) -> TrainOutcome:
+    """Train a fresh copy of the reference weights `steps` steps with `policy` (and its GradScaler), then
+    evaluate it with the policy applied. `seed` fixes the batch order (see batch_order) and torch's RNG
+    (dropout), so two policies with the same seed see the same batches and the same masks. The caller's
+    RNG state is left as it was."""
+    with torch.random.fork_rng(devices=rng_devices(workload.device)):
+        torch.manual_seed(seed)
+        trainer = Trainer(workload, policy, order=batch_order(len(workload.train), steps, seed))
+        for _ in range(steps):
+            trainer.step()
+        finite = trainer.finite
+        metric = metric_of(workload, trainer.model) if finite else math.nan
+    return TrainOutcome(metric=metric, finite=finite and math.isfinite(metric), steps=steps, skipped=trainer.skipped)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseFloor:
+    """How much the all-fp32 metric after K training steps moves by chance.
+
+    `metrics[i]`: fp32 trained with seed i (seed 0: the batches in the given order, the run every
+    candidate is compared with; others: reshuffled batches and other dropout masks); `repeat`: seed 0
+    once more (the device's own nondeterminism). `spread`: max - min over all of them.
+    """
+
+    steps: int
+    metrics: tuple[float, ...]
+    repeat: float
+
+    @property
+    def reference(self) -> float:
+        return self.metrics[0]
+
+    @property
+    def spread(self) -> float:
+        values = [*self.metrics, self.repeat]
+        return max(values) - min(values)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"train_steps": self.steps, "spread": self.spread, "fp32_metrics_by_seed": list(self.metrics),
+                "fp32_seed0_repeat": self.repeat}  # fmt: skip
+
+
+def noise_floor(workload: Workload, steps: int, runs: int = 3) -> NoiseFloor:
+    """Train all-fp32 `runs` times (seeds 0..runs-1) and seed 0 once more; see NoiseFloor."""
+    if runs < 1:
+        raise ValueError(f"noise runs must be >= 1, but got {runs!r}")
+    fp32 = Policy()
+    metrics = tuple(train_and_evaluate(workload, fp32, steps, seed=s).metric for s in range(runs))
+    repeat = train_and_evaluate(workload, fp32, steps, seed=0).metric
+    return NoiseFloor(steps=steps, metrics=metrics, repeat=repeat)
 
 
 def default_evaluate(workload: Workload, model: torch.nn.Module) -> float:

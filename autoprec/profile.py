@@ -2,7 +2,9 @@
 
 For each tunable layer and each offered format, with only that layer lowered: the SQNR of the layer's
 output and of its weight gradient against fp32, the task metric and its drop, whether anything became
-non-finite, whether fp16 overflows, and the layer's own forward+backward time in that format.
+non-finite, whether fp16 overflows, and the layer's own forward+backward time in that format. Beside it,
+the layer's gradient ranges (gradients.py): what each format would flush to zero or overflow, per loss
+scale, and from that the loss-scale range for fp16.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tqdm.auto import tqdm
 from autoprec.apply import apply_policy
 from autoprec.errors import UserError
 from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, autocast_supported, device_name, fp8_shape_problem
+from autoprec.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
 from autoprec.measure import (
     TimingConfig,
     evaluate_metric,
@@ -38,47 +41,94 @@ from autoprec.task import Workload, check_loss, map_tensors
 COLUMNS = [
     "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "metric", "metric_drop",
     "finite", "overflow", "max_abs", "time_ms", "time_spread", "time_vs_fp32",
+    # gradient ranges (gradients.py), without loss scaling: largest and smallest nonzero |gradient| of the
+    # layer, the fractions of nonzero gradient elements this format flushes to zero / leaves subnormal /
+    # overflows, and (fp16 rows) the layer's own loss-scale range in log2
+    "grad_amax", "grad_amin", "grad_underflow", "grad_subnormal", "grad_overflow", "scale_low_log2", "scale_high_log2",
 ]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
     """`batches`: train batches for the SQNR pass; a format slower than fp32 by `gross_slowdown` in a
-    single probe is timed once rather than interleaved (fp8 emulation on a CPU costs seconds a call)."""
+    single probe is timed once rather than interleaved (fp8 emulation on a CPU costs seconds a call).
+    `grad_batches`: train batches for the gradient ranges (None: all); `max_underflow`: the fraction of a
+    layer's nonzero gradient elements fp16 may flush to zero at the low end of the loss-scale range."""
 
     batches: int = 2
     timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02)
     gross_slowdown: float = 4.0
+    grad_batches: int | None = 8
+    max_underflow: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.grad_batches is not None and self.grad_batches < 1:
+            raise ValueError(f"grad_batches must be >= 1 or None (all train batches), but got {self.grad_batches!r}")
+        if not 0 <= self.max_underflow < 1:
+            raise ValueError(f"max_underflow must be in [0, 1), but got {self.max_underflow!r}")
 
 
 @dataclasses.dataclass
 class Profile:
-    """One row per (layer, format); `fp32_metric` is the all-fp32 model's metric."""
+    """One row per (layer, format); `fp32_metric` is the all-fp32 model's metric. `grad_ranges`: the
+    per-loss-scale gradient table (gradients.scale_table), saved as grad_ranges.csv; `max_underflow`: the
+    tolerance the loss-scale advice uses."""
 
     table: pd.DataFrame
     fp32_metric: float
     metric_name: str
     device: str
     fingerprint: str
+    grad_ranges: pd.DataFrame | None = None
+    max_underflow: float = 1e-3
 
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.table.to_csv(out_dir / "profile.csv", index=False)
-        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint")}
+        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow")}
+        advice = self.advice()
+        meta["loss_scale_advice"] = advice.to_dict() if advice else None
         (out_dir / "profile.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        if self.grad_ranges is not None:
+            self.grad_ranges.to_csv(out_dir / "grad_ranges.csv", index=False)
         return out_dir / "profile.csv"
 
     @classmethod
     def load(cls, out_dir: str | Path) -> Profile:
         out_dir = Path(out_dir)
         meta = json.loads((out_dir / "profile.json").read_text(encoding="utf-8"))
+        meta.pop("loss_scale_advice", None)  # derived from grad_ranges on demand
         table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True)
         table["reason"] = table["reason"].fillna("")
-        return cls(table=table, **meta)
+        for column in COLUMNS:  # a profile written before a column existed
+            if column not in table:
+                table[column] = math.nan
+        grads = out_dir / "grad_ranges.csv"
+        grad_ranges = pd.read_csv(grads) if grads.is_file() else None
+        return cls(table=table[COLUMNS], grad_ranges=grad_ranges, **meta)
 
     def layers(self) -> list[str]:
         return list(dict.fromkeys(self.table["layer"]))
+
+    def advice(self, layers: list[str] | None = None) -> ScaleAdvice | None:
+        """The loss-scale range for fp16 in the given layers (None: those the profile ran in fp16)."""
+        if self.grad_ranges is None:
+            return None
+        if layers is None:
+            layers = list(dict.fromkeys(self.table.loc[self.table["format"] == Format.FP16.value, "layer"]))
+        return advise(self.grad_ranges, layers, self.max_underflow)
+
+    def predicted_drop(self, layers: dict[str, Any]) -> float:
+        """The sum of the single-layer metric drops of a policy's lowered layers: what the profile predicts
+        for the policy if the layers' effects add up. Layers it did not profile (the model root) count 0."""
+        drops = self.table.set_index(["layer", "format"])["metric_drop"]
+        total = 0.0
+        for name, fmt in layers.items():
+            fmt = str(getattr(fmt, "value", fmt))
+            if fmt != Format.FP32.value and (name, fmt) in drops.index:
+                total += float(drops.loc[(name, fmt)])
+        return total
 
 
 def _first_float(out: Any) -> torch.Tensor | None:
@@ -212,7 +262,7 @@ def _shape(module: torch.nn.Module) -> str:
     return "-"
 
 
-def _profile_layer(workload, name, module, formats, ref, fp32_metric, config) -> list[dict]:
+def _profile_layer(workload, name, module, formats, ref, fp32_metric, config, grads: LayerGradients, grad_table) -> list[dict]:
     base = {"layer": name, "type": type(module).__name__, "shape": _shape(module)}
     rows: dict[Format, dict] = {Format.FP32: {**base, "format": "fp32", "status": "ok", "reason": "",
                                               "sqnr_db": math.inf, "grad_sqnr_db": math.inf, "metric": fp32_metric,
@@ -241,6 +291,7 @@ def _profile_layer(workload, name, module, formats, ref, fp32_metric, config) ->
     for fmt, row in rows.items():
         ms, spread = times.get(fmt, (math.nan, math.nan))
         row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan)
+        row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
     return [rows[f] for f in formats if f in rows]
 
 
@@ -295,11 +346,13 @@ def profile(
     if not math.isfinite(fp32_metric):
         raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
     ref = _reference(workload, list(layers), config)
+    grads = collect(workload, list(layers), config.grad_batches)
+    grad_table = scale_table(grads)
     modules = dict(workload.model.named_modules())
     rows: list[dict] = []
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
         formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
-        rows.extend(_profile_layer(workload, name, modules[name], formats, ref, fp32_metric, config))
+        rows.extend(_profile_layer(workload, name, modules[name], formats, ref, fp32_metric, config, grads[name], grad_table))
     table = pd.DataFrame(rows, columns=COLUMNS)
     return Profile(
         table=table,
@@ -307,4 +360,6 @@ def profile(
         metric_name=metric_name(workload),
         device=device_name(str(workload.device)),
         fingerprint=model_fingerprint(workload.model),
+        grad_ranges=grad_table,
+        max_underflow=config.max_underflow,
     )

@@ -78,6 +78,16 @@ def result_rows(policy: Policy) -> list[list[Any]]:
 RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup"]
 
 
+def mode_text(measured: Mapping) -> str:
+    """`weights mode`, or `train mode: 50 steps, noise floor 0.01` from a policy's `measured` block."""
+    mode = measured.get("mode", "weights")
+    if mode != "train":
+        return f"{mode} mode"
+    noise = _number(measured.get("noise_floor"))
+    floor = "-" if math.isnan(noise) else f"{noise:.4g}"
+    return f"train mode: {measured.get('train_steps', '?')} steps, noise floor {floor}"
+
+
 def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     """A policy for a person: each layer's format, the loss scale, and what it was measured on."""
     table = markdown_table if markdown else text_table
@@ -92,7 +102,7 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     if m:
         parts.append(
             f"measured on {m.get('device', '?')} for {m.get('model', '?')}; metric {m.get('metric', '?')}, "
-            f"budget {m.get('budget', '?')} ({m.get('mode', 'weights')} mode); fp8: {m.get('fp8', '?')}"
+            f"budget {m.get('budget', '?')} ({mode_text(m)}); fp8: {m.get('fp8', '?')}"
         )
         if m.get("results"):
             parts.append(table(RESULT_HEADERS, result_rows(policy)))
@@ -135,16 +145,27 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     parts = [table(["layer", "format", "ruled out by the profile"], layer_rows(policy))]
     finals = result.finals
     rows = [
-        [r["candidate"], r["metric"], r["metric_drop"], r["step_ms"], _spread(r["spread"]), r["speedup"],
-         "yes" if r["feasible"] else "no"]
+        [r["candidate"], r["metric"], r["metric_drop"], r["step_ms"], _spread(r["spread"]), f"{r['skipped']}/{r['steps']}",
+         r["speedup"], "yes" if r["feasible"] else "no"]
         for _, r in finals.iterrows()
     ]  # fmt: skip
-    parts.append(table(RESULT_HEADERS + ["within budget"], rows))
+    parts.append(table(RESULT_HEADERS[:-1] + ["skipped", "speedup", "within budget"], rows))
     m = policy.measured or {}
     parts.append(
-        f"chosen: {m.get('chosen')} (budget {m.get('budget')}, metric {m.get('metric')}); "
-        f"device: {m.get('device')}; {m.get('timing')}; speedup = fp32 step time / step time"
+        f"chosen: {m.get('chosen')} (budget {m.get('budget')}, metric {m.get('metric')}, {mode_text(m)}); "
+        f"device: {m.get('device')}; {m.get('timing')}; speedup = fp32 step time / effective step time"
     )
+    noise = getattr(result, "noise", None)
+    if noise is not None:
+        parts.append(
+            f"noise floor: the fp32 metric after {noise.steps} training steps spans {noise.spread:.4g} over seeds "
+            f"0..{len(noise.metrics) - 1} and a repeat of seed 0 ({', '.join(f'{v:.4g}' for v in (*noise.metrics, noise.repeat))})"
+            + (f"; the budget {m.get('budget')} is below it: the search cannot tell a real loss from noise there"
+               if _number(m.get("budget")) < noise.spread else "")
+        )  # fmt: skip
+    ls = _mapping(m.get("loss_scale_search"))
+    if ls.get("advice"):
+        parts.append(f"loss scale: {ls['advice']}; searched init scales 2^{ls['init_scale_log2'][0]} .. 2^{ls['init_scale_log2'][1]}")
     rows = {r["candidate"]: r for _, r in finals.iterrows()}
     chosen, ref = rows.get(m.get("chosen")), rows.get("uniform bf16")
     if chosen is not None and ref is not None and chosen["candidate"] != "uniform bf16":
@@ -161,3 +182,143 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
             "lowers layers the profile ruled out on their own (a layer timed alone pays for casting its inputs)"
         )
     return "\n\n".join(parts)
+
+
+def gradient_summary(table: pd.DataFrame, advice: Any = None, *, markdown: bool = False) -> str:
+    """Per layer: its gradient magnitudes, what fp16 (unscaled) and fp8 (dynamic scaling) would lose, and
+    the layer's own loss-scale range; then the model's recommended range and the layers that bound it."""
+    fmt_table = markdown_table if markdown else text_table
+    rows = []
+    for name, group in table.groupby("layer", sort=False):
+        by = {r["format"]: r for _, r in group.iterrows()}
+        first = group.iloc[0]
+        fp16, fp8 = by.get("fp16"), by.get("fp8")
+        low = _number(fp16["scale_low_log2"]) if fp16 is not None else math.nan
+        high = _number(fp16["scale_high_log2"]) if fp16 is not None else math.nan
+        scale_range = "-" if fp16 is None else ("overflows at 2^0" if math.isnan(high) else f"2^{low:.0f} .. 2^{high:.0f}")
+        rows.append([
+            name, _number(first["grad_amax"]), _number(first["grad_amin"]),
+            _percent(fp16["grad_underflow"]) if fp16 is not None else "-",
+            _percent(fp16["grad_overflow"]) if fp16 is not None else "-",
+            scale_range,
+            _percent(fp8["grad_underflow"]) if fp8 is not None and fp8["status"] == "ok" else "-",
+        ])  # fmt: skip
+    headers = ["layer", "max |grad|", "min |grad|", "fp16 underflow", "fp16 overflow", "fp16 loss scale", "fp8 e5m2 underflow"]
+    parts = [fmt_table(headers, rows)]
+    parts.append(
+        "underflow / overflow: fraction of the layer's nonzero gradient elements (weight, output and input "
+        "gradients) below fp16's smallest subnormal 2^-24 / above 65504 at loss scale 1; fp8: the gradient "
+        "entering the layer cast to e5m2 with per-tensor dynamic scaling. fp16 loss scale: the layer's range."
+    )
+    if advice is not None:
+        parts.append("loss scale: " + advice.describe())
+    return "\n\n".join(parts)
+
+
+def _percent(value: Any) -> str:
+    v = _number(value)
+    return "-" if math.isnan(v) else f"{100 * v:.3g}%"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window, work without a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _heat_cells(table: pd.DataFrame, layers: list[str], formats: list[str]):
+    """Per (layer, format): SQNR (dB), metric drop, and a label of what went wrong, if anything."""
+    sqnr = [[math.nan] * len(formats) for _ in layers]
+    drop = [[math.nan] * len(formats) for _ in layers]
+    mark = [[""] * len(formats) for _ in layers]
+    for _, r in table.iterrows():
+        i, j = layers.index(r["layer"]), formats.index(r["format"])
+        if r["status"] != "ok":
+            mark[i][j] = "n/a"
+        elif not bool(r["finite"]) or bool(r["overflow"]):
+            mark[i][j] = "inf/nan"
+        elif r["format"] == "fp32":
+            mark[i][j] = "ref"
+        else:
+            sqnr[i][j], drop[i][j] = _number(r["sqnr_db"]), _number(r["metric_drop"])
+    return sqnr, drop, mark
+
+
+def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
+    """A heat map, layers by formats: output SQNR (dB) and metric drop, each cell lowered alone.
+    Cells that went non-finite or overflowed fp16 are red, formats a layer cannot run are grey."""
+    plt = _pyplot()
+    import numpy as np
+
+    layers = list(dict.fromkeys(table["layer"]))
+    formats = list(dict.fromkeys(table["format"]))
+    sqnr, drop, mark = _heat_cells(table, layers, formats)
+    height = 1.2 + 0.45 * len(layers)
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 2.4 * len(formats), height), squeeze=False)
+    finite_drops = [abs(d) for row in drop for d in row if not math.isnan(d)]
+    span = max(finite_drops + [1e-12])
+    panels = [
+        (axes[0][0], sqnr, "viridis", 0.0, 80.0, "output SQNR (dB)", lambda v: f"{v:.0f}"),
+        (axes[0][1], drop, "coolwarm", -span, span, "metric drop", lambda v: f"{v:.3g}"),
+    ]
+    for ax, values, cmap, vmin, vmax, label, text in panels:
+        data = np.ma.masked_invalid(np.array(values, dtype=float))
+        image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
+        ax.set_facecolor("#dddddd")
+        fig.colorbar(image, ax=ax, label=label, fraction=0.05)
+        ax.set_xticks(range(len(formats)), formats)
+        ax.set_yticks(range(len(layers)), layers)
+        ax.set_title(label)
+        for i in range(len(layers)):
+            for j in range(len(formats)):
+                if mark[i][j] == "inf/nan":
+                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color="#d62728", hatch="//", fill=True, alpha=0.8))
+                if mark[i][j]:
+                    ax.text(j, i, mark[i][j], ha="center", va="center", fontsize=8, color="black")
+                elif not math.isnan(values[i][j]):
+                    ax.text(j, i, text(values[i][j]), ha="center", va="center", fontsize=8, color="white" if cmap == "viridis" else "black")
+    fig.suptitle(title or "each layer lowered alone")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: Any, path: Any, *, title: str = "") -> Any:
+    """Per layer, the fraction of its nonzero gradient elements fp16 flushes to zero (solid) and overflows
+    (dashed) against the loss scale; the recommended range shaded."""
+    plt = _pyplot()
+    rows = grad_ranges[(grad_ranges["tensor"] == "all") & (grad_ranges["format"] == "fp16")]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, (name, group) in enumerate(rows.groupby("layer", sort=False)):
+        color = f"C{i % 10}"
+        ax.plot(group["scale_log2"], group["underflow"], "-", color=color, label=f"{name} underflow")
+        ax.plot(group["scale_log2"], group["overflow"], "--", color=color, label=f"{name} overflow")
+    if advice is not None and advice.search_range:
+        lo, hi = advice.search_range
+        ax.axvspan(lo - 0.5, hi + 0.5, color="green", alpha=0.12, label=f"recommended 2^{lo}..2^{hi}")
+    ax.set_xlabel("loss scale (log2)")
+    ax.set_ylabel("fraction of nonzero gradient elements")
+    # symlog: a 0.1% underflow or the first overflowing elements matter as much as the bulk
+    ax.set_yscale("symlog", linthresh=1e-5)
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title or "fp16 gradients: below 2^-24 (solid), above 65504 (dashed)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(prof: Any, out_dir: Any, *, title: str = "") -> list:
+    """profile.png (heat map) and, with gradient ranges, grad_ranges.png, under out_dir."""
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    paths = [plot_profile(prof.table, out_dir / "profile.png", title=title)]
+    if prof.grad_ranges is not None:
+        paths.append(plot_grad_ranges(prof.grad_ranges, prof.advice(), out_dir / "grad_ranges.png", title=title))
+    return paths

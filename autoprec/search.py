@@ -1,10 +1,17 @@
 """The Optuna study: per-layer formats and loss-scale settings, maximising measured training throughput
-subject to the metric dropping by no more than the budget."""
+subject to the metric dropping by no more than the budget.
+
+The budget applies to one of two measurements (`Mode`): the metric of the given weights with the policy
+applied (`weights`, cheap), or the metric after K training steps with the policy and its GradScaler,
+against K steps of fp32 from the same weights in the same batch order (`train`), whose noise floor (the
+fp32 result's own spread over seeds) is measured and reported beside the budget.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import hashlib
 import importlib.metadata
 import json
@@ -22,7 +29,17 @@ from tqdm.auto import tqdm
 from autoprec.apply import fp8_backend
 from autoprec.errors import UserError
 from autoprec.formats import Format, autocast_supported, device_name
-from autoprec.measure import TimingConfig, Trainer, evaluate_metric, interleaved_times, time_steps
+from autoprec.measure import (
+    NoiseFloor,
+    StepStats,
+    TimingConfig,
+    Trainer,
+    evaluate_metric,
+    interleaved_times,
+    measure_steps,
+    noise_floor,
+    train_and_evaluate,
+)
 from autoprec.policy import ROOT, LossScale, Policy, model_fingerprint
 from autoprec.profile import Profile, ProfileConfig, profile
 from autoprec.space import SearchSpace
@@ -33,11 +50,33 @@ log = logging.getLogger("autoprec")
 INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite
 DEFAULT_PARAM = "default"
 LAYER_PARAM = "layer:"
+LS_PARAM = "loss_scale:"
+
+
+class Mode(str, enum.Enum):
+    """What the budget is measured on."""
+
+    WEIGHTS = "weights"  # the metric of the given weights with the policy applied
+    TRAIN = "train"  # the metric after K training steps with the policy (and its GradScaler), vs fp32's
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def parse_mode(value: object) -> Mode:
+    try:
+        return Mode(str(getattr(value, "value", value)).strip().lower())
+    except ValueError:
+        raise ValueError(f"mode must be one of {', '.join(m.value for m in Mode)}, but got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchConfig:
-    """How to search. `trials` counts every trial in the study, so a rerun resumes up to it."""
+    """How to search. `trials` counts every trial in the study, so a rerun resumes up to it.
+
+    `mode`: what the budget applies to (see Mode); in train mode, `train_steps` is K and `noise_runs` the
+    number of fp32 seeds whose spread is the noise floor.
+    """
 
     budget: float
     trials: int | None = None  # None: the search space's `trials`
@@ -49,10 +88,18 @@ class SearchConfig:
     finalists: int = 3
     profile: ProfileConfig = ProfileConfig()
     progress: bool = True
+    mode: Mode = Mode.WEIGHTS
+    train_steps: int = 50
+    noise_runs: int = 3
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
             raise ValueError(f"budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.budget!r}")
+        object.__setattr__(self, "mode", parse_mode(self.mode))
+        for name in ("train_steps", "noise_runs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, but got {value!r}")
         if self.trials is not None and self.trials < 1:
             raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
         if self.finalists < 1:
@@ -61,14 +108,17 @@ class SearchConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Choices:
-    """What the study may pick: root formats, per-layer formats, and why the rest were ruled out."""
+    """What the study may pick: root formats, per-layer formats, and why the rest were ruled out.
+    `loss_scale`: the initial-scale range (log2) searched for fp16 trials and where it came from."""
 
     default: tuple[str, ...]
     layers: Mapping[str, tuple[str, ...]]
     excluded: Mapping[str, Mapping[str, str]]
+    loss_scale: Mapping[str, Any] | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"default": self.default, "layers": self.layers, "excluded": self.excluded}, sort_keys=True)
+        data = {"default": self.default, "layers": self.layers, "excluded": self.excluded, "loss_scale": self.loss_scale}
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Choices:
@@ -77,7 +127,12 @@ class Choices:
             default=tuple(data["default"]),
             layers={k: tuple(v) for k, v in data["layers"].items()},
             excluded=data["excluded"],
+            loss_scale=data.get("loss_scale"),
         )
+
+    @property
+    def fp16_layers(self) -> list[str]:
+        return [name for name, options in self.layers.items() if Format.FP16.value in options]
 
 
 @dataclasses.dataclass
@@ -89,16 +144,29 @@ class SearchResult:
     finals: pd.DataFrame  # one row per re-measured candidate: fp32, uniform bf16, finalists
     study_name: str
     storage: str
+    noise: NoiseFloor | None = None  # train mode: the fp32 result's spread over seeds
 
 
-def _exclusion(row: Mapping[str, Any], budget: float, slower_than: float) -> str | None:
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _exclusion(row: Mapping[str, Any], budget: float | None, slower_than: float) -> str | None:
+    """Why the profile rules a format out for a layer, or None. `budget` None: do not judge the
+    single-layer drop (train mode, whose budget is on another measurement)."""
     if row["status"] != "ok":
         return str(row["reason"])
     if not bool(row["finite"]):
         return "non-finite output, gradient, loss or metric when lowered alone"
     if bool(row["overflow"]):
         return f"fp16 overflows: max |output| {float(row['max_abs']):.4g} > 65504 or inf when lowered"
-    if float(row["metric_drop"]) > budget:
+    grad_overflow = _number(row.get("grad_overflow"))
+    if row["format"] == Format.FP16.value and grad_overflow > 0:
+        return f"fp16 gradients overflow even at loss scale 1 ({100 * grad_overflow:.2g}% of elements above 65504)"
+    if budget is not None and float(row["metric_drop"]) > budget:
         return f"alone drops the metric by {float(row['metric_drop']):.4g} > budget {budget:g}"
     ratio = float(row["time_vs_fp32"])
     if math.isfinite(ratio) and ratio > slower_than:
@@ -106,21 +174,48 @@ def _exclusion(row: Mapping[str, Any], budget: float, slower_than: float) -> str
     return None
 
 
-def build_choices(prof: Profile, space: SearchSpace, budget: float, device: torch.device) -> Choices:
-    """Per-layer choices: the offered formats the profile did not rule out; fp32 always stays."""
+def build_choices(
+    prof: Profile, space: SearchSpace, budget: float, device: torch.device, *, mode: Mode = Mode.WEIGHTS
+) -> Choices:
+    """Per-layer choices: the offered formats the profile did not rule out; fp32 always stays. In train
+    mode a single layer's drop of the given weights' metric rules nothing out: the budget is on training."""
     layers: dict[str, tuple[str, ...]] = {}
     excluded: dict[str, dict[str, str]] = {}
+    judged = budget if parse_mode(mode) is Mode.WEIGHTS else None
     for name, rows in prof.table.groupby("layer", sort=False):
         allowed = []
         for _, row in rows.iterrows():
-            reason = None if row["format"] == Format.FP32.value else _exclusion(row, budget, space.prune_slower_than)
+            reason = None if row["format"] == Format.FP32.value else _exclusion(row, judged, space.prune_slower_than)
             if reason is None:
                 allowed.append(row["format"])
             else:
                 excluded.setdefault(str(name), {})[row["format"]] = reason
         layers[str(name)] = tuple(allowed)
     default = tuple(f.value for f in space.default if autocast_supported(device, f))
-    return Choices(default=default, layers=layers, excluded=excluded)
+    choices = Choices(default=default, layers=layers, excluded=excluded)
+    return dataclasses.replace(choices, loss_scale=loss_scale_choice(prof, choices, space))
+
+
+def loss_scale_choice(prof: Profile, choices: Choices, space: SearchSpace) -> dict[str, Any]:
+    """The initial-scale range to search: the space's, narrowed to the profile's recommendation for the
+    layers that may be fp16. Where the two do not overlap the measurement wins over the file's guess."""
+    lo, hi = space.loss_scale.init_scale_log2
+    advice = prof.advice(choices.fp16_layers) if choices.fp16_layers else None
+    out: dict[str, Any] = {"space": [lo, hi], "recommended": None, "advice": advice.describe() if advice else None}
+    recommended = advice.search_range if advice else None
+    if recommended is None:
+        out["init_scale_log2"] = [lo, hi]
+        return out
+    out["recommended"] = list(recommended)
+    narrowed = (max(lo, recommended[0]), min(hi, recommended[1]))
+    if narrowed[0] > narrowed[1]:
+        log.warning(
+            "the profile recommends loss scales 2^%d..2^%d, outside the search space's init_scale_log2 [%d, %d]; "
+            "searching the recommended range", *recommended, lo, hi,
+        )  # fmt: skip
+        narrowed = recommended
+    out["init_scale_log2"] = list(narrowed)
+    return out
 
 
 def policy_from_params(params: Mapping[str, Any], choices: Choices) -> Policy:
@@ -129,11 +224,14 @@ def policy_from_params(params: Mapping[str, Any], choices: Choices) -> Policy:
     for name, options in choices.layers.items():
         layers[name] = params.get(LAYER_PARAM + name, options[0])
     loss_scale = LossScale()
-    if Format.FP16.value in layers.values() and "loss_scale:init_scale_log2" in params:
+    if Format.FP16.value in layers.values() and LS_PARAM + "init_scale_log2" in params:
+        defaults = LossScale()
         loss_scale = LossScale(
-            init_scale=2.0 ** params["loss_scale:init_scale_log2"],
-            growth_interval=int(params["loss_scale:growth_interval"]),
-            dynamic=bool(params["loss_scale:dynamic"]),
+            init_scale=2.0 ** params[LS_PARAM + "init_scale_log2"],
+            growth_interval=int(params[LS_PARAM + "growth_interval"]),
+            growth_factor=float(params.get(LS_PARAM + "growth_factor", defaults.growth_factor)),
+            backoff_factor=float(params.get(LS_PARAM + "backoff_factor", defaults.backoff_factor)),
+            dynamic=bool(params[LS_PARAM + "dynamic"]),
         )
     return Policy(layers=layers, loss_scale=loss_scale)
 
@@ -146,12 +244,12 @@ def _suggest(trial: optuna.Trial, choices: Choices, space: SearchSpace) -> Polic
         if len(options) > 1:
             params[LAYER_PARAM + name] = trial.suggest_categorical(LAYER_PARAM + name, options)
     if Format.FP16.value in params.values():  # loss scaling matters only with an fp16 layer
-        lo, hi = space.loss_scale.init_scale_log2
-        params["loss_scale:init_scale_log2"] = trial.suggest_int("loss_scale:init_scale_log2", lo, hi)
-        params["loss_scale:growth_interval"] = trial.suggest_categorical(
-            "loss_scale:growth_interval", space.loss_scale.growth_interval
-        )
-        params["loss_scale:dynamic"] = trial.suggest_categorical("loss_scale:dynamic", space.loss_scale.dynamic)
+        ls = space.loss_scale
+        lo, hi = (choices.loss_scale or {}).get("init_scale_log2", ls.init_scale_log2)
+        params[LS_PARAM + "init_scale_log2"] = trial.suggest_int(LS_PARAM + "init_scale_log2", lo, hi)
+        for name, options in (("growth_interval", ls.growth_interval), ("growth_factor", ls.growth_factor),
+                              ("backoff_factor", ls.backoff_factor), ("dynamic", ls.dynamic)):  # fmt: skip
+            params[LS_PARAM + name] = trial.suggest_categorical(LS_PARAM + name, options)
     return policy_from_params(params, choices)
 
 
@@ -199,53 +297,108 @@ def _sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
     return optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.constraints
 
 
-def _study_key(workload: Workload, space: SearchSpace, budget: float) -> dict[str, str]:
-    # What shapes the choices; not the file's path, sampler or trial count.
+def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig) -> dict[str, str]:
+    # What shapes the choices and the measurements; not the file's path, sampler or trial count.
     shape = (space.layers, space.default, space.loss_scale, space.prune_slower_than)
     space_hash = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
     return {
-        "budget": repr(float(budget)),
+        "budget": repr(float(config.budget)),
         "device": device_name(str(workload.device)),
         "model": model_fingerprint(workload.model),
         "space": space_hash,
+        "mode": config.mode.value if config.mode is Mode.WEIGHTS else f"{config.mode.value}, {config.train_steps} steps",
     }
 
 
+_KEY_DEFAULTS = {"mode": Mode.WEIGHTS.value}  # studies made before a key existed
+
+
+class Judge:
+    """The metric a candidate is held to and the fp32 result it is compared with: the given weights'
+    (weights mode), or after K training steps from them (train mode, with the noise floor measured)."""
+
+    def __init__(self, workload: Workload, config: SearchConfig, weights_fp32_metric: float):
+        self.workload, self.config = workload, config
+        self.noise: NoiseFloor | None = None
+        self.fp32_metric = weights_fp32_metric
+        if config.mode is Mode.TRAIN:
+            self.noise = noise_floor(workload, config.train_steps, config.noise_runs)
+            self.fp32_metric = self.noise.reference
+            if not math.isfinite(self.fp32_metric):
+                raise UserError(
+                    f"{workload.task.path}: after {config.train_steps} fp32 training steps the metric is "
+                    f"{self.fp32_metric}; train mode needs a finite one"
+                )
+
+    def metric(self, policy: Policy) -> tuple[float, dict[str, Any]]:
+        """The candidate's metric (NaN when anything went non-finite) and what else was measured on the way."""
+        if self.config.mode is Mode.TRAIN:
+            out = train_and_evaluate(self.workload, policy, self.config.train_steps)
+            return (out.metric if out.finite else math.nan), {"train_skipped": out.skipped}
+        return evaluate_metric(self.workload, policy), {}
+
+    def safe_metric(self, policy: Policy) -> tuple[float, dict[str, Any]]:
+        try:
+            return self.metric(policy)
+        except UserError:
+            raise
+        except Exception as exc:  # e.g. the user's evaluate cannot run some format: infeasible, not fatal
+            return math.nan, {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 class _Objective:
-    def __init__(self, workload: Workload, choices: Choices, space: SearchSpace, fp32_metric: float, config: SearchConfig):
+    def __init__(self, workload: Workload, choices: Choices, space: SearchSpace, judge: Judge, config: SearchConfig):
         self.workload, self.choices, self.space = workload, choices, space
-        self.fp32_metric, self.config = fp32_metric, config
+        self.judge, self.config = judge, config
         self.baseline = Trainer(workload, Policy(layers={ROOT: Format.FP32}))  # timed beside every candidate
 
     def __call__(self, trial: optuna.Trial) -> float:
         policy = _suggest(trial, self.choices, self.space)
-        try:
-            metric = evaluate_metric(self.workload, policy)
-        except Exception as exc:  # e.g. the user's evaluate cannot run some format: infeasible, not fatal
-            trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:300])
-            metric = math.nan
-        drop = self.fp32_metric - metric
+        metric, extra = self.judge.safe_metric(policy)
+        for key, value in extra.items():
+            trial.set_user_attr(key, value)
+        drop = self.judge.fp32_metric - metric
         feasible = math.isfinite(metric) and drop <= self.config.budget
         trial.set_user_attr("metric", metric if math.isfinite(metric) else None)
         trial.set_user_attr("metric_drop", drop if math.isfinite(drop) else None)
         constraint = drop - self.config.budget if math.isfinite(drop) else INFEASIBLE
         if feasible:  # only candidates within budget are worth the time it takes to time them
-            candidate = Trainer(self.workload, policy)
-            t = interleaved_times({"fp32": self.baseline.step, "policy": candidate.step}, self.workload.device, self.config.timing)
-            if not candidate.finite:
-                constraint, feasible = INFEASIBLE, False
-                trial.set_user_attr("error", "non-finite training loss")
-            trial.set_user_attr("step_ms", t["policy"].median_ms)
-            trial.set_user_attr("fp32_step_ms", t["fp32"].median_ms)
-            trial.set_user_attr("spread", max(t["policy"].spread, t["fp32"].spread))
-            trial.set_user_attr("speedup", t["fp32"].median_ms / t["policy"].median_ms)
+            feasible, constraint = self._time(trial, policy, constraint)
         trial.set_user_attr("feasible", feasible)
         trial.set_constraint("metric_drop_over_budget", constraint)
         # Infeasible trials are not timed; the constraint, not this value, keeps them from winning.
         return trial.user_attrs["speedup"] if feasible else 0.0
 
+    def _time(self, trial: optuna.Trial, policy: Policy, constraint: float) -> tuple[bool, float]:
+        try:
+            candidate = Trainer(self.workload, policy)
+            t = interleaved_times({"fp32": self.baseline.step, "policy": candidate.step}, self.workload.device, self.config.timing)
+        except UserError:
+            raise
+        except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
+            trial.set_user_attr("error", f"training step failed: {type(exc).__name__}: {exc}"[:300])
+            return False, INFEASIBLE
+        stats = StepStats(t["policy"], candidate.finite, candidate.steps, candidate.skipped)
+        trial.set_user_attr("step_ms", t["policy"].median_ms)
+        trial.set_user_attr("fp32_step_ms", t["fp32"].median_ms)
+        trial.set_user_attr("spread", max(t["policy"].spread, t["fp32"].spread))
+        trial.set_user_attr("skipped", stats.skipped)
+        trial.set_user_attr("steps", stats.steps)
+        if not stats.finite or not math.isfinite(stats.effective_ms):
+            trial.set_user_attr("error", "non-finite training loss" if not stats.finite else "the GradScaler skipped every step")
+            return False, INFEASIBLE
+        trial.set_user_attr("effective_step_ms", stats.effective_ms)
+        trial.set_user_attr("speedup", t["fp32"].median_ms / stats.effective_ms)
+        return True, constraint
 
-def trials_table(study: optuna.Study, choices: Choices) -> pd.DataFrame:
+
+TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
+               "fp32_step_ms", "speedup", "spread", "train_skipped", "error")  # fmt: skip
+
+
+def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
+    """One row per trial: its formats, loss scale, what it measured, and (with the profile) the drop the
+    sum of single-layer drops predicted for it."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         if t.state != optuna.trial.TrialState.COMPLETE:
@@ -254,11 +407,14 @@ def trials_table(study: optuna.Study, choices: Choices) -> pd.DataFrame:
         policy = policy_from_params(t.params, choices)
         row = {"trial": t.number, "state": t.state.name}
         row.update({("(default)" if n == ROOT else n): f.value for n, f in policy.layers.items()})
-        for key in ("metric", "metric_drop", "feasible", "step_ms", "fp32_step_ms", "speedup", "spread", "error"):
+        if prof is not None:
+            row["predicted_drop"] = prof.predicted_drop(policy.layers)
+        for key in TRIAL_ATTRS:
             row[key] = t.user_attrs.get(key)
         if policy.uses_fp16:
-            row["init_scale"] = policy.loss_scale.init_scale
-            row["growth_interval"] = policy.loss_scale.growth_interval
+            ls = policy.loss_scale
+            row.update(init_scale=ls.init_scale, growth_interval=ls.growth_interval, growth_factor=ls.growth_factor,
+                       backoff_factor=ls.backoff_factor, dynamic=ls.dynamic)  # fmt: skip
         row["duration_s"] = t.duration.total_seconds() if t.duration else None
         rows.append(row)
     return pd.DataFrame(rows)
@@ -281,28 +437,31 @@ def _finalist_policies(study: optuna.Study, choices: Choices, k: int) -> dict[st
 
 
 def remeasure(
-    workload: Workload, candidates: Mapping[str, Policy], fp32_metric: float, budget: float, timing: TimingConfig
+    workload: Workload, candidates: Mapping[str, Policy], judge: Judge, budget: float, timing: TimingConfig
 ) -> pd.DataFrame:
-    """Metric and step time of each candidate, timed interleaved with the others; speedup vs fp32."""
-    timings, finite = time_steps(workload, candidates, timing)
+    """Metric and step time of each candidate, timed interleaved with the others; speedup vs fp32 in
+    effective steps (those the GradScaler did not skip)."""
+    stats = measure_steps(workload, candidates, timing)
     rows = []
     for name, policy in candidates.items():
-        try:
-            metric = evaluate_metric(workload, policy)
-        except Exception:
-            metric = math.nan
-        drop = fp32_metric - metric
+        metric, extra = judge.safe_metric(policy)
+        drop = judge.fp32_metric - metric
+        s = stats[name]
         rows.append({
             "candidate": name,
             "metric": metric,
             "metric_drop": drop,
-            "feasible": math.isfinite(metric) and drop <= budget and finite[name],
-            "step_ms": timings[name].median_ms,
-            "spread": timings[name].spread,
+            "feasible": math.isfinite(metric) and drop <= budget and s.finite and math.isfinite(s.effective_ms),
+            "step_ms": s.timing.median_ms,
+            "skipped": s.skipped,
+            "steps": s.steps,
+            "effective_step_ms": s.effective_ms,
+            "spread": s.timing.spread,
+            "train_skipped": extra.get("train_skipped"),
         })  # fmt: skip
     table = pd.DataFrame(rows)
-    fp32_ms = float(table.loc[table["candidate"] == "fp32", "step_ms"].iloc[0])
-    table["speedup"] = fp32_ms / table["step_ms"]
+    fp32_ms = float(table.loc[table["candidate"] == "fp32", "effective_step_ms"].iloc[0])
+    table["speedup"] = fp32_ms / table["effective_step_ms"]
     return table
 
 
@@ -322,7 +481,8 @@ def _load_or_profile(workload: Workload, space: SearchSpace, out_dir: Path, conf
         cached = Profile.load(out_dir)
         same = cached.fingerprint == model_fingerprint(workload.model) and cached.device == device_name(str(workload.device))
         offered = {(n, f.value) for n, fs in space.tunable_layers(workload.model).items() for f in fs}
-        if same and offered == set(zip(cached.table["layer"], cached.table["format"])):
+        complete = cached.grad_ranges is not None  # written before gradient ranges existed: measure again
+        if same and complete and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)
             return cached
     prof = profile(workload, space, config.profile, progress=config.progress)
@@ -337,12 +497,13 @@ def open_study(workload: Workload, space: SearchSpace, choices: Choices, config:
     study = optuna.create_study(
         study_name=name, storage=storage, direction="maximize", sampler=_sampler(space, config.seed), load_if_exists=True
     )
-    key = _study_key(workload, space, config.budget)
+    key = _study_key(workload, space, config)
     stored = study.user_attrs
     if stored.get("key"):
-        diff = [k for k, v in key.items() if stored["key"].get(k) != v]
+        before = {k: stored["key"].get(k, _KEY_DEFAULTS.get(k)) for k in key}
+        diff = [k for k, v in key.items() if before[k] != v]
         if diff:
-            was = ", ".join(f"{k} {stored['key'].get(k)}, now {key[k]}" for k in diff)
+            was = ", ".join(f"{k} {before[k]}, now {key[k]}" for k in diff)
             raise UserError(
                 f"study {name!r} in {where} was made with a different {' and '.join(diff)} ({was}); "
                 "pass --study NEW_NAME to start another"
@@ -360,15 +521,23 @@ def search(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     prof = _load_or_profile(workload, space, out_dir, config)
-    choices = build_choices(prof, space, config.budget, workload.device)
+    choices = build_choices(prof, space, config.budget, workload.device, mode=config.mode)
     study, choices, where = open_study(workload, space, choices, config, out_dir)
+    judge = Judge(workload, config, prof.fp32_metric)
+    if judge.noise is not None and config.budget < judge.noise.spread:
+        log.warning(
+            "budget %g is below the noise floor %.4g (the fp32 metric's spread over %d seeds after %d training "
+            "steps): the search cannot tell a real loss from noise there",
+            config.budget, judge.noise.spread, config.noise_runs, config.train_steps,
+        )  # fmt: skip
     if not study.trials:
         # Known points first: the baselines and the profile's greedy guess.
         for params in (_uniform_params(choices, "fp32"), _uniform_params(choices, "bf16"), greedy_params(prof, choices, config.budget)):
             study.enqueue_trial({k: v for k, v in params.items() if _is_param(k, choices)}, skip_if_exists=True)
     target = config.trials or space.trials
-    remaining = max(0, target - len([t for t in study.trials if t.state.is_finished()]))
-    objective = _Objective(workload, choices, space, prof.fp32_metric, config)
+    # Completed trials count; one cut short (Ctrl-C, a crash) is run again on resume.
+    remaining = max(0, target - len([t for t in study.trials if t.state is optuna.trial.TrialState.COMPLETE]))
+    objective = _Objective(workload, choices, space, judge, config)
     with tqdm(total=remaining, desc="search trials", unit="trial", disable=not config.progress) as bar:
         def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
             best = max((t.user_attrs.get("speedup", 0.0) for t in study.trials if t.user_attrs.get("feasible")), default=0.0)
@@ -380,16 +549,20 @@ def search(
     every = [ROOT, *choices.layers]
     candidates = {"fp32": Policy(layers=dict.fromkeys(every, "fp32")), "uniform bf16": Policy(layers=dict.fromkeys(every, "bf16"))}
     candidates.update(_finalist_policies(study, choices, config.finalists))
-    finals = remeasure(workload, candidates, prof.fp32_metric, config.budget, config.final_timing)
+    finals = remeasure(workload, candidates, judge, config.budget, config.final_timing)
     winner = finals[finals["feasible"]].sort_values("speedup", ascending=False)
     best_name = str(winner.iloc[0]["candidate"]) if len(winner) else "fp32"
     best = candidates[best_name]
-    policy = Policy(layers=best.layers, loss_scale=best.loss_scale, measured=_measured(workload, prof, choices, config, finals, best_name, study, where))
+    measured = _measured(workload, prof, choices, config, finals, best_name, study, where, judge)
+    policy = Policy(layers=best.layers, loss_scale=best.loss_scale, measured=measured)
     policy.save(out_dir / "policy.json")
-    table = trials_table(study, choices)
+    table = trials_table(study, choices, prof)
     table.to_csv(out_dir / "trials.csv", index=False)
     finals.to_csv(out_dir / "finalists.csv", index=False)
-    return SearchResult(policy=policy, profile=prof, choices=choices, trials=table, finals=finals, study_name=study.study_name, storage=where)
+    return SearchResult(
+        policy=policy, profile=prof, choices=choices, trials=table, finals=finals, study_name=study.study_name,
+        storage=where, noise=judge.noise,
+    )  # fmt: skip
 
 
 def _is_param(key: str, choices: Choices) -> bool:
@@ -398,10 +571,14 @@ def _is_param(key: str, choices: Choices) -> bool:
     return len(choices.layers.get(key[len(LAYER_PARAM):], ())) > 1
 
 
-def _measured(workload, prof, choices, config, finals, best_name, study, where) -> dict[str, Any]:
+def _measured(workload, prof, choices, config, finals, best_name, study, where, judge) -> dict[str, Any]:
     def result(name: str) -> dict[str, float]:
         row = finals[finals["candidate"] == name].iloc[0]
-        return {k: float(row[k]) for k in ("metric", "metric_drop", "step_ms", "spread", "speedup")}
+        out = {k: float(row[k]) for k in ("metric", "metric_drop", "step_ms", "effective_step_ms", "spread", "speedup")}
+        out.update(skipped_steps=int(row["skipped"]), steps=int(row["steps"]))
+        if config.mode is Mode.TRAIN:
+            out["train_skipped_steps"] = int(row["train_skipped"])
+        return out
 
     kept = {n: "; ".join(f"{f}: {r}" for f, r in choices.excluded.get(n, {}).items()) for n, o in choices.layers.items() if o == ("fp32",)}
     return {
@@ -410,7 +587,11 @@ def _measured(workload, prof, choices, config, finals, best_name, study, where) 
         "model": workload.task.name,
         "fingerprint": model_fingerprint(workload.model),
         "budget": config.budget,
-        "mode": "weights",
+        "mode": config.mode.value,
+        "train_steps": config.train_steps if config.mode is Mode.TRAIN else None,
+        "noise_floor": judge.noise.spread if judge.noise else None,
+        "noise": judge.noise.to_dict() if judge.noise else None,
+        "fp32_metric": judge.fp32_metric,
         "metric": prof.metric_name,
         "chosen": best_name,
         "results": {"fp32": result("fp32"), "uniform bf16": result("uniform bf16"), "policy": result(best_name)},
@@ -418,7 +599,11 @@ def _measured(workload, prof, choices, config, finals, best_name, study, where) 
         "excluded": {n: dict(r) for n, r in choices.excluded.items()},
         "fp8": fp8_backend(workload.device),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "timing": f"median of {config.final_timing.rounds} interleaved rounds; spread = interquartile range / median",
+        "timing": (
+            f"median of {config.final_timing.rounds} interleaved rounds; spread = interquartile range / median; "
+            "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
+        ),
+        "loss_scale_search": dict(choices.loss_scale or {}),
         "study": {"name": study.study_name, "storage": where, "trials": len(study.trials)},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

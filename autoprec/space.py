@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +18,36 @@ SAMPLERS = ("tpe", "random")
 _TOP_KEYS = ("default", "layers", "loss_scale", "prune", "sampler", "trials")
 
 
+_LOSS_SCALE_KEYS = ("init_scale_log2", "growth_interval", "growth_factor", "backoff_factor", "dynamic")
+
+
 @dataclasses.dataclass(frozen=True)
 class LossScaleRange:
-    """GradScaler settings the search may pick for a trial with fp16 layers."""
+    """GradScaler settings the search may pick for a trial with fp16 layers. The profile's gradient
+    ranges narrow `init_scale_log2` further (to its recommended range, where the two overlap)."""
 
     init_scale_log2: tuple[int, int] = (10, 24)
     growth_interval: tuple[int, ...] = (200, 500, 1000, 2000)
+    growth_factor: tuple[float, ...] = (2.0,)
+    backoff_factor: tuple[float, ...] = (0.5,)
     dynamic: tuple[bool, ...] = (True,)
 
     def __post_init__(self) -> None:
-        lo, hi = self.init_scale_log2
-        if not 0 <= lo <= hi <= 32:
-            raise ValueError(f"loss_scale.init_scale_log2 must be [low, high] with 0 <= low <= high <= 32, got {[lo, hi]}")
+        bounds = self.init_scale_log2
+        if len(bounds) != 2 or any(isinstance(b, bool) or not isinstance(b, int) for b in bounds) or not 0 <= bounds[0] <= bounds[1] <= 32:
+            raise ValueError(f"loss_scale.init_scale_log2 must be [low, high] integers with 0 <= low <= high <= 32, got {list(bounds)}")
         if not self.growth_interval or any(int(g) < 1 for g in self.growth_interval):
             raise ValueError(f"loss_scale.growth_interval must be a list of integers >= 1, got {list(self.growth_interval)}")
+        _check_factors("growth_factor", self.growth_factor, lambda f: f > 1.0, "> 1")
+        _check_factors("backoff_factor", self.backoff_factor, lambda f: 0.0 < f < 1.0, "in (0, 1)")
         if not self.dynamic or any(not isinstance(d, bool) for d in self.dynamic):
             raise ValueError(f"loss_scale.dynamic must be a list of true/false, got {list(self.dynamic)}")
+
+
+def _check_factors(field: str, values: tuple, ok: Callable[[float], bool], rule: str) -> None:
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if not values or not numbers or not all(ok(float(v)) for v in values):
+        raise ValueError(f"loss_scale.{field} must be a non-empty list of numbers {rule}, got {list(values)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +124,14 @@ def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
     if not isinstance(data.get("layers"), Mapping) or not data["layers"]:
         raise ValueError("layers must map torch.nn class names to lists of formats")
     ls = data.get("loss_scale") or {}
-    unknown_ls = [k for k in ls if k not in ("init_scale_log2", "growth_interval", "dynamic")]
+    if not isinstance(ls, Mapping):
+        raise ValueError(f"loss_scale must be a mapping with keys {', '.join(_LOSS_SCALE_KEYS)}, got {ls!r}")
+    unknown_ls = [k for k in ls if k not in _LOSS_SCALE_KEYS]
     if unknown_ls:
-        raise ValueError(f"loss_scale: unknown key {unknown_ls[0]!r}; allowed: init_scale_log2, growth_interval, dynamic")
+        raise ValueError(f"loss_scale: unknown key {unknown_ls[0]!r}; allowed: {', '.join(_LOSS_SCALE_KEYS)}")
+    for key in _LOSS_SCALE_KEYS:
+        if key in ls and not isinstance(ls[key], list):
+            raise ValueError(f"loss_scale.{key} must be a list, got {ls[key]!r}")
     prune = data.get("prune") or {}
     if any(k != "slower_than" for k in prune):
         raise ValueError(f"prune: unknown key in {sorted(prune)}; allowed: slower_than")
@@ -122,7 +141,9 @@ def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
         default=_formats(data.get("default", ["fp32", "bf16"]), "default"),
         loss_scale=LossScaleRange(
             init_scale_log2=tuple(ls.get("init_scale_log2", defaults.init_scale_log2)),
-            growth_interval=tuple(int(g) for g in ls.get("growth_interval", defaults.growth_interval)),
+            growth_interval=tuple(_number(g, "loss_scale.growth_interval", int) for g in ls.get("growth_interval", defaults.growth_interval)),
+            growth_factor=tuple(ls.get("growth_factor", defaults.growth_factor)),
+            backoff_factor=tuple(ls.get("backoff_factor", defaults.backoff_factor)),
             dynamic=tuple(ls.get("dynamic", defaults.dynamic)),
         ),
         prune_slower_than=_number(prune.get("slower_than", 1.25), "prune.slower_than", float),

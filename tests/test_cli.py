@@ -112,6 +112,22 @@ def test_search_bad_space(capsys, tmp_path, write_model, mlp_source):
 
 
 @pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--mode", "bogus"], "mode must be one of weights, train, but got 'bogus'"),
+        (["--train-steps", "5"], "--train-steps applies only to --mode train"),
+        (["--noise-runs", "2"], "--noise-runs applies only to --mode train"),
+        (["--mode", "train", "--train-steps", "0"], "train_steps must be an integer >= 1, but got 0"),
+        (["--mode", "train", "--noise-runs", "-1"], "noise_runs must be an integer >= 1, but got -1"),
+    ],
+)
+def test_search_bad_mode_options(capsys, tmp_path, write_model, mlp_source, extra, expected):
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), *extra)
+    assert_user_error(code, err, expected)
+    assert not (tmp_path / "out").exists()  # refused before anything was measured
+
+
+@pytest.mark.parametrize(
     "device, expected",
     [("nonsense", "unknown device 'nonsense'"), ("meta", "autoprec measures on cpu or cuda")],
 )

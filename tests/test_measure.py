@@ -88,3 +88,81 @@ def test_metric_is_the_users_evaluate_or_minus_mean_eval_loss(workload):
     with torch.no_grad():
         expected = -sum(workload.task.loss_fn(model, b).item() for b in workload.eval) / len(workload.eval)
     assert default_evaluate(workload, model) == pytest.approx(expected, rel=1e-6)
+
+
+# ---- skipped steps, train mode and the noise floor ------------------------------------------------
+
+from autoprec import LossScale  # noqa: E402
+from autoprec.measure import batch_order, measure_steps, noise_floor, train_and_evaluate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def underflow():
+    return prepare(load_task(MODELS / "underflow_mlp.py"), "cpu")
+
+
+def test_batch_order_keeps_the_given_order_for_seed_0_and_reshuffles_otherwise():
+    assert batch_order(3, 7) == (0, 1, 2, 0, 1, 2, 0)
+    shuffled = batch_order(4, 8, seed=1)
+    assert sorted(shuffled[:4]) == [0, 1, 2, 3] and sorted(shuffled[4:]) == [0, 1, 2, 3]
+    assert shuffled != batch_order(4, 8) and shuffled == batch_order(4, 8, seed=1)
+
+
+def test_a_too_high_loss_scale_skips_steps_and_costs_throughput(workload):
+    # head's gradients overflow fp16 above a scale of about 2^17: from 2^30 the scaler backs off step by
+    # step, and those steps update nothing
+    policy = Policy(layers={"head": "fp16"}, loss_scale=LossScale(init_scale=2.0**30))
+    trainer = Trainer(workload, policy)
+    before = trainer.model.head.weight.detach().clone()
+    trainer.step()
+    assert trainer.skipped == 1 and torch.equal(before, trainer.model.head.weight)
+    for _ in range(15):
+        trainer.step()
+    assert 8 <= trainer.skipped <= 15 and trainer.finite
+    near = Policy(layers={"head": "fp16"}, loss_scale=LossScale(init_scale=2.0**19))
+    stats = measure_steps(workload, {"high": policy, "near": near, "fp32": Policy()}, FAST)
+    assert stats["high"].skipped == stats["high"].steps == 5 and stats["high"].effective_ms == math.inf  # never updated
+    assert 0 < stats["near"].skipped < stats["near"].steps and stats["fp32"].skipped == 0
+    assert stats["near"].effective_ms == pytest.approx(stats["near"].timing.median_ms / (1 - stats["near"].skip_fraction))
+    assert stats["fp32"].effective_ms == stats["fp32"].timing.median_ms
+
+
+def test_without_fp16_nothing_is_skipped(workload):
+    trainer = Trainer(workload, Policy(layers={"": "bf16"}))
+    for _ in range(3):
+        trainer.step()
+    assert not trainer.scaler.is_enabled() and trainer.skipped == 0
+
+
+def test_train_and_evaluate_is_repeatable_and_leaves_the_callers_rng_alone(underflow):
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a = train_and_evaluate(underflow, Policy(), 5)
+    assert torch.equal(torch.rand(1), expected_next)
+    b = train_and_evaluate(underflow, Policy(), 5)
+    assert a == b and a.finite and a.steps == 5 and a.skipped == 0
+    assert a.metric > underflow.task.evaluate(underflow.model)  # training from untrained weights helps
+
+
+def test_fp16_without_loss_scaling_stops_learning_with_tiny_gradients(underflow):
+    fp32 = train_and_evaluate(underflow, Policy(), 15).metric
+    start = underflow.task.evaluate(underflow.model)
+
+    def fp16(log2_scale: int) -> float:
+        ls = LossScale(init_scale=2.0**log2_scale, dynamic=False)
+        return train_and_evaluate(underflow, Policy(layers={"": "fp16"}, loss_scale=ls), 15).metric
+
+    assert fp32 - start > 0.3
+    assert abs(fp16(0) - start) < 0.02  # every gradient flushed to zero: the weights barely move
+    assert abs(fp16(20) - fp32) < 0.02  # the profile's recommended range: trains as fp32 does
+
+
+def test_noise_floor_spans_seeds(underflow):
+    noise = noise_floor(underflow, 10, runs=3)
+    assert len(noise.metrics) == 3 and noise.reference == noise.metrics[0]
+    assert noise.repeat == noise.reference  # the CPU is deterministic
+    assert noise.spread == max(noise.metrics) - min(noise.metrics) >= 0
+    assert noise.to_dict()["train_steps"] == 10
+    with pytest.raises(ValueError, match="noise runs must be >= 1"):
+        noise_floor(underflow, 10, runs=0)

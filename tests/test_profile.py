@@ -1,3 +1,4 @@
+import json
 import math
 from pathlib import Path
 
@@ -71,3 +72,51 @@ def test_a_module_autocast_does_not_lower_is_reported(tmp_path):
     space = space_from_dict({"layers": {"Bilinear": ["fp32", "bf16"]}})
     r = profile(workload, space, FAST, progress=False).table.iloc[1]
     assert r["status"] == "unsupported" and "does not lower Bilinear" in r["reason"]
+
+
+# ---- gradient ranges ----------------------------------------------------------------------------
+
+GRAD_COLUMNS = ["grad_amax", "grad_amin", "grad_underflow", "grad_subnormal", "grad_overflow", "scale_low_log2", "scale_high_log2"]
+
+
+def test_gradient_columns_sit_beside_the_sensitivity_columns(prof):
+    assert set(GRAD_COLUMNS) <= set(COLUMNS)
+    assert {"layer", "format", "sqnr_db", "metric_drop", "finite", "time_ms"} <= set(COLUMNS)
+    big = row(prof, "big", "fp16")
+    # big's output is divided by 1e5 downstream, so its gradients are tiny: fp16 flushes most of them
+    assert big["grad_underflow"] > 0.5 and big["grad_subnormal"] >= big["grad_underflow"]
+    assert 0 < big["scale_low_log2"] <= big["scale_high_log2"] <= 24
+    assert row(prof, "big", "fp32")["grad_underflow"] == 0 and math.isnan(row(prof, "big", "bf16")["scale_low_log2"])
+    assert row(prof, "fc1", "fp16")["grad_overflow"] == 0
+
+
+def test_the_profile_recommends_a_loss_scale_range(prof):
+    advice = prof.advice()
+    assert advice.high_limited_by == ("head",) and advice.low_limited_by == ("big",)
+    assert prof.advice(["fc1"]).search_range[0] < advice.low  # without big, smaller scales suffice
+    assert set(prof.grad_ranges["layer"]) == {"fc1", "big", "head"}
+
+
+def test_gradient_ranges_are_saved_and_loaded(prof, tmp_path):
+    prof.save(tmp_path)
+    assert (tmp_path / "grad_ranges.csv").is_file()
+    meta = json.loads((tmp_path / "profile.json").read_text())
+    assert meta["loss_scale_advice"]["low_limited_by"] == ["big"]
+    back = Profile.load(tmp_path)
+    assert back.advice() == prof.advice()
+
+
+def test_a_profile_from_before_gradient_ranges_still_loads(prof, tmp_path):
+    prof.save(tmp_path)
+    (tmp_path / "grad_ranges.csv").unlink()
+    prof.table.drop(columns=GRAD_COLUMNS).to_csv(tmp_path / "profile.csv", index=False)
+    back = Profile.load(tmp_path)
+    assert list(back.table.columns) == COLUMNS and back.table["grad_amax"].isna().all()
+    assert back.grad_ranges is None and back.advice() is None
+
+
+def test_predicted_drop_sums_the_lowered_layers(prof):
+    drops = {f: row(prof, "fc1", f)["metric_drop"] + row(prof, "big", f)["metric_drop"] for f in ("bf16", "fp8")}
+    assert prof.predicted_drop({"": "bf16", "fc1": "bf16", "big": "bf16", "head": "fp32"}) == pytest.approx(drops["bf16"])
+    assert prof.predicted_drop({"fc1": "fp8", "big": "fp8"}) == pytest.approx(drops["fp8"])
+    assert prof.predicted_drop({"fc1": "fp32"}) == 0.0

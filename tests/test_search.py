@@ -1,15 +1,29 @@
 import json
 import math
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from autoprec import ProfileConfig, SearchConfig, UserError, apply_policy, load_policy, load_task, prepare, search
-from autoprec.measure import TimingConfig, metric_of
+from autoprec import (
+    LossScale,
+    Policy,
+    ProfileConfig,
+    SearchConfig,
+    UserError,
+    apply_policy,
+    grad_scaler,
+    load_policy,
+    load_task,
+    prepare,
+    search,
+)
+from autoprec.gradients import LayerGradients, scale_table
+from autoprec.measure import NoiseFloor, TimingConfig, metric_of
 from autoprec.profile import COLUMNS, Profile
-from autoprec.search import build_choices, greedy_params, policy_from_params
+from autoprec.search import Mode, build_choices, greedy_params, loss_scale_choice, policy_from_params
 from autoprec.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
@@ -21,18 +35,19 @@ FAST = dict(
 )  # fmt: skip
 
 
-def fake_profile(rows: list[tuple]) -> Profile:
-    """rows: (layer, format, metric_drop, time_ms, finite, overflow)."""
+def fake_profile(rows: list[tuple], grad_ranges: pd.DataFrame | None = None) -> Profile:
+    """rows: (layer, format, metric_drop, time_ms, finite, overflow[, grad_overflow])."""
     records = []
-    for layer, fmt, drop, ms, finite, overflow in rows:
+    for layer, fmt, drop, ms, finite, overflow, *grad in rows:
         fp32_ms = next(r[3] for r in rows if r[0] == layer and r[1] == "fp32")
         records.append({
             "layer": layer, "type": "Linear", "shape": "8x8", "format": fmt, "status": "ok", "reason": "",
             "sqnr_db": 40.0, "grad_sqnr_db": 40.0, "metric": 1 - drop, "metric_drop": drop, "finite": finite,
             "overflow": overflow, "max_abs": 1e5 if overflow else 1.0, "time_ms": ms, "time_spread": 0.01,
-            "time_vs_fp32": ms / fp32_ms,
+            "time_vs_fp32": ms / fp32_ms, "grad_overflow": grad[0] if grad else math.nan,
         })  # fmt: skip
-    return Profile(pd.DataFrame(records, columns=COLUMNS), fp32_metric=1.0, metric_name="m", device="cpu", fingerprint="x")
+    table = pd.DataFrame(records, columns=COLUMNS)
+    return Profile(table, fp32_metric=1.0, metric_name="m", device="cpu", fingerprint="x", grad_ranges=grad_ranges)
 
 
 def test_choices_follow_the_measurements_not_a_rule():
@@ -134,3 +149,175 @@ def test_policy_file_is_plain_json(searched):
     _, _, out = searched
     data = json.loads((out / "policy.json").read_text())
     assert set(data) == {"version", "layers", "loss_scale", "measured"} and data["version"] == 1
+
+
+# ---- modes, loss-scale choices ------------------------------------------------------------------
+
+
+def test_mode_and_train_options_are_checked():
+    with pytest.raises(ValueError, match=r"mode must be one of weights, train, but got 'bogus'"):
+        SearchConfig(budget=0.1, mode="bogus")
+    with pytest.raises(ValueError, match=r"train_steps must be an integer >= 1, but got 0"):
+        SearchConfig(budget=0.1, mode="train", train_steps=0)
+    with pytest.raises(ValueError, match=r"noise_runs must be an integer >= 1"):
+        SearchConfig(budget=0.1, mode="train", noise_runs=0)
+    assert SearchConfig(budget=0.1, mode="TRAIN").mode is Mode.TRAIN
+    assert SearchConfig(budget=0.1).mode is Mode.WEIGHTS
+
+
+def test_fp16_whose_gradients_overflow_unscaled_is_ruled_out():
+    prof = fake_profile([("a", "fp32", 0, 1.0, True, False, 0.0), ("a", "fp16", 0, 0.5, True, False, 0.02)])
+    choices = build_choices(prof, SPACE, 0.01, torch.device("cpu"))
+    assert choices.layers["a"] == ("fp32",)
+    assert "gradients overflow even at loss scale 1 (2% of elements above 65504)" in choices.excluded["a"]["fp16"]
+
+
+def test_train_mode_does_not_judge_the_given_weights_drop():
+    prof = fake_profile([("a", "fp32", 0, 1.0, True, False), ("a", "bf16", 0.5, 0.5, True, False)])
+    assert build_choices(prof, SPACE, 0.01, torch.device("cpu")).layers["a"] == ("fp32",)
+    assert build_choices(prof, SPACE, 0.01, torch.device("cpu"), mode="train").layers["a"] == ("fp32", "bf16")
+
+
+def grads_of(values: dict[str, float]) -> pd.DataFrame:
+    records = {}
+    for name, value in values.items():
+        records[name] = LayerGradients(name)
+        records[name].tensors["weight_grad"].add(torch.full((10,), value))
+    return scale_table(records)
+
+
+def test_the_profile_narrows_the_initial_scale_range(caplog):
+    # gradients of 2^-30 need a scale of 2^6 to reach fp16's 2^-24; 2^-2 ones overflow above 2^17
+    prof = fake_profile(
+        [("a", "fp32", 0, 1.0, True, False), ("a", "fp16", 0, 0.5, True, False),
+         ("b", "fp32", 0, 1.0, True, False), ("b", "fp16", 0, 0.5, True, False)],
+        grad_ranges=grads_of({"a": 2.0**-30, "b": 2.0**-2}),
+    )  # fmt: skip
+    choices = build_choices(prof, SPACE, 0.01, torch.device("cpu"))
+    assert choices.loss_scale["recommended"] == [6, 17] and choices.loss_scale["init_scale_log2"] == [10, 17]
+    assert "low end set by a" in choices.loss_scale["advice"]
+    outside = space_from_dict({"layers": {"Linear": ["fp32", "fp16"]}, "loss_scale": {"init_scale_log2": [20, 24]}})
+    assert loss_scale_choice(prof, choices, outside)["init_scale_log2"] == [6, 17]  # measured beats the file's guess
+    assert "outside the search space" in caplog.text
+    no_fp16 = build_choices(fake_profile([("a", "fp32", 0, 1.0, True, False)]), SPACE, 0.01, torch.device("cpu"))
+    assert no_fp16.loss_scale["init_scale_log2"] == [10, 24] and no_fp16.loss_scale["recommended"] is None
+
+
+def test_policy_from_params_reads_every_loss_scale_setting():
+    prof = fake_profile([("a", "fp32", 0, 1.0, True, False), ("a", "fp16", 0, 0.5, True, False)])
+    choices = build_choices(prof, SPACE, 0.01, torch.device("cpu"))
+    params = {"layer:a": "fp16", "loss_scale:init_scale_log2": 11, "loss_scale:growth_interval": 50,
+              "loss_scale:growth_factor": 4.0, "loss_scale:backoff_factor": 0.25, "loss_scale:dynamic": False}  # fmt: skip
+    ls = policy_from_params(params, choices).loss_scale
+    assert (ls.init_scale, ls.growth_interval, ls.growth_factor, ls.backoff_factor, ls.dynamic) == (2048, 50, 4.0, 0.25, False)
+
+
+# ---- train mode, end to end ---------------------------------------------------------------------
+
+FP16_SPACE = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "fp16"]}, "prune": {"slower_than": 100.0}})
+TRAIN = dict(FAST, trials=5, mode="train", train_steps=10, noise_runs=2)
+
+
+def train_plainly(task, policy, steps: int) -> float:
+    """What a user's script does with the written policy: apply it, grad_scaler(policy), train, evaluate."""
+    torch.manual_seed(0)
+    model = apply_policy(task.build_model(), policy)
+    optimizer = task.optimizer(model)
+    scaler = grad_scaler(policy, "cpu")
+    train = list(task.batches("train"))
+    model.train()
+    for i in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(task.loss_fn(model, train[i % len(train)])).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return task.evaluate(model.eval())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    workload = prepare(load_task(MODELS / "underflow_mlp.py"), "cpu")
+    result = search(workload, FP16_SPACE, SearchConfig(budget=0.02, **TRAIN), out)
+    return workload, result, out
+
+
+def test_train_mode_records_mode_steps_and_noise_floor(trained):
+    _, result, out = trained
+    m = load_policy(out / "policy.json").measured
+    assert m["mode"] == "train" and m["train_steps"] == 10
+    assert m["noise_floor"] == result.noise.spread >= 0 and len(m["noise"]["fp32_metrics_by_seed"]) == 2
+    assert m["fp32_metric"] == result.noise.reference
+    assert m["loss_scale_search"]["recommended"][0] >= 12  # ~1e-9 gradients need a large scale
+    assert {"skipped_steps", "steps", "train_skipped_steps", "effective_step_ms"} <= set(m["results"]["policy"])
+
+
+def test_train_mode_trials_use_the_recommended_scales_and_skip_nothing(trained):
+    _, result, _ = trained
+    trials = result.trials
+    assert {"predicted_drop", "skipped", "train_skipped", "effective_step_ms"} <= set(trials.columns)
+    lo, hi = result.choices.loss_scale["init_scale_log2"]
+    fp16 = trials[trials[["fc1", "fc2", "head"]].eq("fp16").any(axis=1)]
+    assert len(fp16), "TPE sampled no fp16 trial"
+    assert fp16["init_scale"].between(2.0**lo, 2.0**hi).all()
+    assert (fp16["train_skipped"] == 0).all() and (fp16["metric_drop"] <= 0.02).all()
+
+
+def trial_policy(row: pd.Series) -> Policy:
+    layers = {"": row["(default)"], **{n: row[n] for n in ("fc1", "fc2", "head")}}
+    if "fp16" not in layers.values():
+        return Policy(layers=layers)
+    ls = LossScale(init_scale=float(row["init_scale"]), growth_interval=int(row["growth_interval"]),
+                   growth_factor=float(row["growth_factor"]), backoff_factor=float(row["backoff_factor"]),
+                   dynamic=bool(row["dynamic"]))  # fmt: skip
+    return Policy(layers=layers, loss_scale=ls)
+
+
+def test_train_mode_result_holds_when_rechecked_with_the_written_policy(trained):
+    workload, result, out = trained
+    task, budget, noise = workload.task, 0.02, result.noise.spread
+    fp32 = train_plainly(task, Policy(), 10)
+    assert fp32 == result.noise.reference
+    assert fp32 - train_plainly(task, load_policy(out / "policy.json"), 10) <= budget + noise
+    # every feasible trial, fp16 ones with their GradScaler included, holds as well
+    for _, row in result.trials[result.trials["feasible"].eq(True)].iterrows():
+        assert fp32 - train_plainly(task, trial_policy(row), 10) <= budget + noise, row["trial"]
+
+
+def test_resuming_in_another_mode_is_refused(trained):
+    workload, _, out = trained
+    with pytest.raises(UserError, match=r"different mode \(mode train, 10 steps, now weights\)"):
+        search(workload, FP16_SPACE, SearchConfig(budget=0.02, **FAST), out)
+
+
+def test_a_budget_below_the_noise_floor_warns(trained, caplog, monkeypatch):
+    workload, result, out = trained
+    module = sys.modules["autoprec.search"]  # the package's `search` attribute is the function
+    monkeypatch.setattr(module, "noise_floor", lambda *a, **k: NoiseFloor(10, (0.5, 0.6), 0.5))
+    search(workload, FP16_SPACE, SearchConfig(budget=0.01, **{**TRAIN, "trials": 1}, study_name="low"), out)
+    assert "budget 0.01 is below the noise floor 0.1" in caplog.text
+
+
+def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_search(tmp_path):
+    # A model that cannot train under autocast (it evaluates fine): the bf16 candidate fails to step,
+    # and that trial is infeasible with the reason, while the search goes on.
+    src = (MODELS / "overflow_mlp.py").read_text().replace(
+        "    def forward(self, x):\n",
+        "    def forward(self, x):\n        if self.training and torch.is_autocast_enabled('cpu'):\n"
+        "            raise RuntimeError('no autocast here')\n",
+    )
+    (tmp_path / "picky.py").write_text(src)
+    workload = prepare(load_task(tmp_path / "picky.py"), "cpu")
+    from autoprec.search import _Objective, Judge
+
+    prof_space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32"]}})
+    choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), prof_space, 0.05, torch.device("cpu"))
+    objective = _Objective(workload, choices, prof_space, Judge(workload, SearchConfig(budget=0.05, **FAST), 0.0), SearchConfig(budget=0.05, **FAST))
+    import optuna
+
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({"default": "bf16"})
+    study.optimize(objective, n_trials=1)
+    trial = study.trials[0]
+    assert trial.state.name == "COMPLETE" and trial.user_attrs["feasible"] is False
+    assert "no autocast here" in trial.user_attrs["error"]

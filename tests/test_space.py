@@ -44,6 +44,8 @@ def test_load_space_default():
     assert space.default == (FP32, BF16)
     assert space.sampler == "tpe" and space.trials >= 1
     assert space.source == "default.yaml"
+    ls = space.loss_scale  # every GradScaler setting is searched, static scaling included
+    assert ls.dynamic == (True, False) and len(ls.growth_factor) > 1 and len(ls.backoff_factor) > 1
 
 
 def test_load_space_default_matches_the_repository_file():
@@ -61,6 +63,8 @@ def test_load_space_custom(tmp_path):
         loss_scale:
           init_scale_log2: [8, 12]
           growth_interval: [100]
+          growth_factor: [2, 4.0]
+          backoff_factor: [0.5, 0.25]
           dynamic: [true, false]
         prune:
           slower_than: 1.5
@@ -71,7 +75,9 @@ def test_load_space_custom(tmp_path):
     space = load_space(path)
     assert space.layers == {"Linear": (FP32, BF16), "Conv2d": (FP32, FP16)}
     assert space.default == (FP32,)
-    assert space.loss_scale == LossScaleRange(init_scale_log2=(8, 12), growth_interval=(100,), dynamic=(True, False))
+    assert space.loss_scale == LossScaleRange(
+        init_scale_log2=(8, 12), growth_interval=(100,), growth_factor=(2, 4.0), backoff_factor=(0.5, 0.25), dynamic=(True, False)
+    )
     assert space.prune_slower_than == 1.5
     assert (space.sampler, space.trials, space.source) == ("random", 7, str(path))
 
@@ -105,7 +111,10 @@ SPACE_ERRORS = {
     "default-no-fp32": ("layers: {Linear: [fp32]}\ndefault: [bf16]\n", ["default must include fp32"]),
     "prune-unknown": ("layers: {Linear: [fp32]}\nprune: {slower: 2}\n", ["prune: unknown key", "slower_than"]),
     "prune-below-one": ("layers: {Linear: [fp32]}\nprune: {slower_than: 0.5}\n", ["prune.slower_than must be >= 1.0"]),
-    "loss-scale-unknown": ("layers: {Linear: [fp32]}\nloss_scale: {init_scale: 5}\n", ["loss_scale: unknown key 'init_scale'"]),
+    "loss-scale-unknown": (
+        "layers: {Linear: [fp32]}\nloss_scale: {init_scale: 5}\n",
+        ["loss_scale: unknown key 'init_scale'", "growth_factor", "backoff_factor"],
+    ),
     "loss-scale-range": (
         "layers: {Linear: [fp32]}\nloss_scale: {init_scale_log2: [20, 10]}\n",
         ["loss_scale.init_scale_log2", "[20, 10]"],
@@ -113,6 +122,22 @@ SPACE_ERRORS = {
     "loss-scale-interval": (
         "layers: {Linear: [fp32]}\nloss_scale: {growth_interval: [0]}\n",
         ["loss_scale.growth_interval must be a list of integers >= 1"],
+    ),
+    "loss-scale-growth-factor": (
+        "layers: {Linear: [fp32]}\nloss_scale: {growth_factor: [2.0, 1.0]}\n",
+        ["loss_scale.growth_factor must be a non-empty list of numbers > 1", "[2.0, 1.0]"],
+    ),
+    "loss-scale-backoff-factor": (
+        "layers: {Linear: [fp32]}\nloss_scale: {backoff_factor: [0.5, 1.5]}\n",
+        ["loss_scale.backoff_factor must be a non-empty list of numbers in (0, 1)", "1.5"],
+    ),
+    "loss-scale-not-a-list": (
+        "layers: {Linear: [fp32]}\nloss_scale: {growth_factor: 2.0}\n",
+        ["loss_scale.growth_factor must be a list", "2.0"],
+    ),
+    "loss-scale-init-not-integers": (
+        "layers: {Linear: [fp32]}\nloss_scale: {init_scale_log2: [10.5, 20]}\n",
+        ["loss_scale.init_scale_log2 must be [low, high] integers"],
     ),
     "loss-scale-dynamic": (
         "layers: {Linear: [fp32]}\nloss_scale: {dynamic: [maybe]}\n",

@@ -1,0 +1,55 @@
+"""autoprec/report.py: the gradient summary, the heat maps, and how a policy's mode is shown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoprec import ProfileConfig, load_task, prepare, profile
+from autoprec.measure import TimingConfig
+from autoprec.report import gradient_summary, mode_text, plot_all, plot_profile
+from autoprec.space import space_from_dict
+
+MODELS = Path(__file__).parent / "models"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def prof():
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}})
+    return profile(workload, space, ProfileConfig(batches=1, timing=TimingConfig(warmup=1, rounds=2, min_block_s=0.0)), progress=False)
+
+
+def test_heat_maps_are_written(prof, tmp_path):
+    paths = plot_all(prof, tmp_path, title="overflow_mlp")
+    assert [p.name for p in paths] == ["profile.png", "grad_ranges.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == PNG and p.stat().st_size > 10_000
+
+
+def test_heat_map_marks_what_went_wrong(prof, tmp_path, monkeypatch):
+    texts = []
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.text
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda self, x, y, s, **kw: texts.append((x, y, s)) or original(self, x, y, s, **kw))
+    plot_profile(prof.table, tmp_path / "p.png")
+    formats, layers = ["fp32", "bf16", "fp16", "fp8"], ["fc1", "big", "head"]
+    at = {(layers[y], formats[x]): s for x, y, s in texts}
+    assert at[("big", "fp16")] == "inf/nan"  # fp16 overflows big's output
+    assert at[("head", "fp8")] == "n/a"  # 4 outputs: no fp8
+    assert at[("fc1", "fp32")] == "ref"
+
+
+def test_gradient_summary_names_the_range_and_its_limits(prof):
+    text = gradient_summary(prof.table, prof.advice())
+    lines = {line.split()[0]: line for line in text.splitlines() if line.split() and line.split()[0] in ("fc1", "big", "head")}
+    assert "2^" in lines["big"] and "%" in lines["big"]
+    assert "low end set by big" in text and "high end set by head" in text
+
+
+def test_mode_text():
+    assert mode_text({}) == "weights mode"
+    assert mode_text({"mode": "train", "train_steps": 20, "noise_floor": 0.0117}) == "train mode: 20 steps, noise floor 0.0117"
