@@ -152,7 +152,8 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     parts.append(table(RESULT_HEADERS[:-1] + ["skipped", "speedup", "within budget"], rows))
     m = policy.measured or {}
     parts.append(
-        f"chosen: {m.get('chosen')} (budget {m.get('budget')}, metric {m.get('metric')}, {mode_text(m)}); "
+        f"chosen: {m.get('chosen')}{f' ({why})' if (why := m.get('why')) else ''}; budget {m.get('budget')}, "
+        f"metric {m.get('metric')}, {mode_text(m)}; "
         f"device: {m.get('device')}; {m.get('timing')}; speedup = fp32 step time / effective step time"
     )
     noise = getattr(result, "noise", None)
@@ -176,10 +177,12 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
                 f"note: {chosen['candidate']} leads uniform bf16 by {100 * lead:.1f}%, inside the measured spread "
                 f"({100 * noise:.1f}%): on this device the two are not told apart"
             )
-    if m.get("chosen") == "uniform bf16" and any(r[2] for r in layer_rows(policy)):
+    excluded = _mapping(m.get("excluded"))
+    overruled = [n for n, f in policy.layers.items() if f.value in _mapping(excluded.get(n))]
+    if m.get("chosen") == "uniform bf16" and overruled:
         parts.append(
-            "note: the uniform-bf16 baseline measured fastest within budget, so it is the policy, though it "
-            "lowers layers the profile ruled out on their own (a layer timed alone pays for casting its inputs)"
+            f"note: the policy is the uniform-bf16 baseline, measured as a whole step, though the profile ruled "
+            f"out bf16 for {', '.join(map(_layer_name, overruled))} on its own (a layer timed alone pays for casting its inputs)"
         )
     return "\n\n".join(parts)
 

@@ -548,12 +548,18 @@ def search(
             study.optimize(objective, n_trials=remaining, callbacks=[callback])
     every = [ROOT, *choices.layers]
     candidates = {"fp32": Policy(layers=dict.fromkeys(every, "fp32")), "uniform bf16": Policy(layers=dict.fromkeys(every, "bf16"))}
-    candidates.update(_finalist_policies(study, choices, config.finalists))
+    finalists = _finalist_policies(study, choices, config.finalists)
+    candidates.update(finalists)
+    if finalists:
+        top_name, top = next(iter(finalists.items()))
+        safer = safer_variant(top, choices)
+        if safer is not None and all(safer.layers != c.layers for c in candidates.values()):
+            candidates[f"{top_name}, fp16/fp8 -> bf16"] = safer
     finals = remeasure(workload, candidates, judge, config.budget, config.final_timing)
-    winner = finals[finals["feasible"]].sort_values("speedup", ascending=False)
-    best_name = str(winner.iloc[0]["candidate"]) if len(winner) else "fp32"
+    best_name, why = choose(finals, candidates)
     best = candidates[best_name]
     measured = _measured(workload, prof, choices, config, finals, best_name, study, where, judge)
+    measured["why"] = why
     policy = Policy(layers=best.layers, loss_scale=best.loss_scale, measured=measured)
     policy.save(out_dir / "policy.json")
     table = trials_table(study, choices, prof)
@@ -563,6 +569,45 @@ def search(
         policy=policy, profile=prof, choices=choices, trials=table, finals=finals, study_name=study.study_name,
         storage=where, noise=judge.noise,
     )  # fmt: skip
+
+
+_RISKY = (Format.FP16, Format.FP8)
+
+
+def _risk(policy: Policy) -> int:
+    """Layers in fp16 (overflow, loss scaling) or fp8 (4 mantissa bits): worth it only for a measured gain."""
+    return sum(fmt in _RISKY for fmt in policy.layers.values())
+
+
+def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
+    """The policy with every fp16/fp8 layer in bf16 where the layer may be bf16, else fp32; None if none."""
+    if not _risk(policy):
+        return None
+    layers = {}
+    for name, fmt in policy.layers.items():
+        if fmt in _RISKY:
+            options = choices.default if name == ROOT else choices.layers.get(name, ())
+            fmt = Format.BF16 if Format.BF16.value in options else Format.FP32
+        layers[name] = fmt
+    return Policy(layers=layers)
+
+
+def choose(finals: pd.DataFrame, candidates: Mapping[str, Policy]) -> tuple[str, str]:
+    """The fastest candidate within budget, unless its lead over one with fewer fp16/fp8 layers is inside
+    the measured spread: then the safer one, since the measurement cannot tell them apart."""
+    feasible = finals[finals["feasible"]].sort_values("speedup", ascending=False)
+    if not len(feasible):
+        return "fp32", "no candidate stayed within budget when re-measured: fp32"
+    top = feasible.iloc[0]
+    tied = [r for _, r in feasible.iterrows() if top["speedup"] / r["speedup"] - 1 < (top["spread"] + r["spread"]) / 2]
+    pick = min(tied, key=lambda r: (_risk(candidates[r["candidate"]]), -r["speedup"]))
+    if pick["candidate"] == top["candidate"]:
+        return str(top["candidate"]), "the fastest within budget"
+    lead = 100 * (top["speedup"] / pick["speedup"] - 1)
+    return str(pick["candidate"]), (
+        f"{top['candidate']} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
+        f"({_risk(candidates[top['candidate']])} against {_risk(candidates[pick['candidate']])}): the safer one"
+    )
 
 
 def _is_param(key: str, choices: Choices) -> bool:

@@ -321,3 +321,28 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
     trial = study.trials[0]
     assert trial.state.name == "COMPLETE" and trial.user_attrs["feasible"] is False
     assert "no autocast here" in trial.user_attrs["error"]
+
+
+def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
+    from autoprec import Policy
+    from autoprec.search import choose, safer_variant
+
+    risky = Policy(layers={"": "fp32", "a": "fp16", "b": "bf16"})
+    choices = build_choices(fake_profile([("a", "fp32", 0, 1, True, False), ("a", "bf16", 0, 1, True, False),
+                                          ("a", "fp16", 0, 1, True, False), ("b", "fp32", 0, 1, True, False),
+                                          ("b", "bf16", 0, 1, True, False)]), SPACE, 0.01, torch.device("cpu"))  # fmt: skip
+    safe = safer_variant(risky, choices)
+    assert {k: v.value for k, v in safe.layers.items()} == {"": "fp32", "a": "bf16", "b": "bf16"}
+    assert safer_variant(safe, choices) is None
+    candidates = {"fp32": Policy(), "risky": risky, "safe": safe}
+
+    def finals(risky_speedup, spread):
+        return pd.DataFrame([
+            {"candidate": "fp32", "speedup": 1.0, "spread": spread, "feasible": True},
+            {"candidate": "risky", "speedup": risky_speedup, "spread": spread, "feasible": True},
+            {"candidate": "safe", "speedup": 1.5, "spread": spread, "feasible": True},
+        ])  # fmt: skip
+
+    name, why = choose(finals(1.53, 0.04), candidates)  # 2% lead, 4% spread: noise
+    assert name == "safe" and "inside the spread" in why
+    assert choose(finals(1.65, 0.04), candidates)[0] == "risky"  # 10% lead: real
