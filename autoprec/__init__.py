@@ -5,7 +5,8 @@ formats and loss-scale settings with Optuna for the fastest training step within
 and apply the resulting policy file in one call.
 """
 
-from autoprec.apply import applied_summary, apply_policy, grad_scaler
+from autoprec.apply import applied_summary, apply_policy
+from autoprec.scaler import grad_scaler
 from autoprec.errors import UserError
 from autoprec.formats import Format
 from autoprec.policy import LossScale, Policy, load_policy

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from autoprec.apply import apply_policy, grad_scaler
+from autoprec.apply import apply_policy
+from autoprec.scaler import grad_scaler
 from autoprec.policy import Policy
 from autoprec.task import Workload, check_loss
 

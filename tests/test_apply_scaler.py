@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import autoprec.apply
+import autoprec.scaler
 from autoprec import LossScale, Policy, apply_policy, grad_scaler
 
 FP16 = Policy(
@@ -139,7 +139,7 @@ def test_clean_steps_never_inspect_gradients(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("nonfinite_layers ran on a clean step")
 
-    monkeypatch.setattr(autoprec.apply, "nonfinite_layers", forbidden)
+    monkeypatch.setattr(autoprec.scaler, "nonfinite_layers", forbidden)
     model = apply_policy(Net(), FP16)
     scaler = grad_scaler(FP16, "cpu", model=model)
     _, scales = _run(model, _batches(3), scaler=scaler)
@@ -182,4 +182,4 @@ def test_layers_are_named_through_a_torch_compile_wrapper():
     compiled = torch.compile(model, backend="aot_eager")  # not run: only its parameter names matter here
     nn.functional.mse_loss(model(torch.randn(2, 8)), torch.zeros(2, 4)).backward()
     _inject_inf(model.a.weight)
-    assert autoprec.apply.nonfinite_layers(compiled, FP16) == ["a (fp16)"]
+    assert autoprec.scaler.nonfinite_layers(compiled, FP16) == ["a (fp16)"]

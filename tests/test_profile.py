@@ -3,7 +3,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from autoprec import ProfileConfig, load_task, prepare, profile
 from autoprec.measure import TimingConfig

@@ -1,0 +1,169 @@
+"""grad_scaler: a torch.amp.GradScaler with the policy's loss-scale settings that, when the scale
+collapses, names the layers whose gradients were non-finite."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoprec.apply import models_with
+from autoprec.formats import Format
+from autoprec.policy import Policy, load_policy
+
+
+DEFAULT_WARN_AFTER_SKIPS = 10
+
+
+def _governing_layer(param_name: str, layers: Mapping[str, Format]) -> str | None:
+    """The innermost listed layer whose format covers this parameter, or None."""
+    parts = param_name.split(".")[:-1]
+    for cut in range(len(parts), -1, -1):
+        name = ".".join(parts[:cut])
+        if name in layers:
+            return name
+    return None
+
+
+def nonfinite_layers(model: torch.nn.Module, policy: Policy) -> list[str]:
+    """The layers whose parameters hold non-finite gradients, as "name (format)": fp16 layers first (an
+    overflow there is the usual cause, and it spreads to every layer before it), then in model order.
+
+    A parameter outside every listed layer is named by its module, marked "not in the policy".
+    One device sync for the whole model.
+    """
+    model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper prefixes every name with _orig_mod
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return []
+    dev = named[0][1].device
+    finite = torch.stack([torch.isfinite(g).all().to(dev) for _, g in named]).tolist()
+    out: list[str] = []
+    for (name, _), ok in zip(named, finite):
+        if ok:
+            continue
+        layer = _governing_layer(name, policy.layers)
+        label = (
+            f"{layer or '<model>'} ({policy.layers[layer]})" if layer is not None
+            else f"{name.rpartition('.')[0] or '<model>'} (not in the policy)"
+        )  # fmt: skip
+        if label not in out:
+            out.append(label)
+    return sorted(out, key=lambda label: not label.endswith(f"({Format.FP16})"))
+
+
+class PolicyGradScaler(torch.amp.GradScaler):
+    """A torch.amp.GradScaler that notices a collapsing loss scale and names the layers behind it.
+
+    After `warn_after_skips` skipped steps in a row, or once the scale falls below 1, it warns once per
+    run of skipped steps, naming the layers whose gradients were non-finite (it needs the model: passed
+    as `model=`, or the one model this policy was applied to). Clean steps cost nothing extra: whether
+    a step was skipped is read from the check GradScaler.step already waited for.
+    """
+
+    def __init__(
+        self, device: str, *, policy: Policy, model: torch.nn.Module | None = None,
+        warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if isinstance(warn_after_skips, bool) or not isinstance(warn_after_skips, int) or warn_after_skips < 1:
+            raise ValueError(f"warn_after_skips must be an integer >= 1, but got {warn_after_skips!r}")
+        super().__init__(device, **kwargs)
+        self.policy = policy
+        self.warn_after_skips = warn_after_skips
+        self._model = weakref.ref(model) if model is not None else None
+        self.skipped_steps = 0  # in total
+        self.consecutive_skips = 0
+        self.last_nonfinite_layers: list[str] = []  # from the latest skipped step
+        self._warned = False
+        self._step_found_inf: bool | None = None
+
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        # GradScaler.step reads these same values right here, so reading them costs no extra sync.
+        found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self._step_found_inf = bool(self._step_found_inf) or found
+        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+
+    def _found_inf(self) -> bool:
+        if self._step_found_inf is not None:
+            return self._step_found_inf
+        # Optimizers that unscale inside their own step (fused, capturable) bypass _maybe_opt_step.
+        found = [v for state in self._per_optimizer_states.values() for v in state["found_inf_per_device"].values()]
+        return bool(sum(v.item() for v in found))
+
+    def _the_model(self) -> torch.nn.Module | None:
+        if self._model is not None:
+            return self._model()
+        # Equal, not only identical: grad_scaler and apply_policy may each have loaded the same file.
+        matches = models_with(self.policy)
+        return matches[0] if len(matches) == 1 else None
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self.is_enabled() or new_scale is not None or not self._per_optimizer_states:
+            self._step_found_inf = None
+            return super().update(new_scale)
+        skipped = self._found_inf()
+        self._step_found_inf = None
+        model = self._the_model() if skipped else None
+        if model is not None:
+            self.last_nonfinite_layers = nonfinite_layers(model, self.policy)  # grads still hold the step's values
+        super().update()
+        if not skipped:
+            self.consecutive_skips, self._warned = 0, False
+            return
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        scale = self.get_scale()
+        if not self._warned and (self.consecutive_skips >= self.warn_after_skips or scale < 1.0):
+            self._warned = True
+            warnings.warn(self._collapse_message(scale, model is not None), stacklevel=2)
+
+    def _collapse_message(self, scale: float, named: bool) -> str:
+        head = (
+            f"autoprec: the loss scale is collapsing ({self.consecutive_skips} steps skipped in a row, "
+            f"scale now {scale:g}); "
+        )
+        if not named:
+            return head + "pass model= to grad_scaler to learn which layers' gradients were non-finite"
+        where = ", ".join(self.last_nonfinite_layers) or "no parameter (the non-finite values were elsewhere)"
+        return (
+            head + f"non-finite gradients in: {where}. An fp16 layer that overflows is the usual cause: "
+            "set it to bf16 or fp32 in the policy"
+        )
+
+
+def grad_scaler(
+    policy: Policy | str | Path, device: str | torch.device | None = None, *,
+    model: torch.nn.Module | None = None, warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS,
+) -> PolicyGradScaler:  # fmt: skip
+    """A GradScaler with the policy's loss-scale settings; disabled when no layer is fp16.
+
+    `device` defaults to cuda when available, else cpu. Static scaling (`dynamic: false`) never grows
+    the scale; a step with inf/NaN gradients is still skipped and the scale backs off. A scale that
+    collapses (`warn_after_skips` skipped steps in a row, or below 1) warns, naming the layers with
+    non-finite gradients of `model` (or of the one model this policy was applied to).
+    """
+    if not isinstance(policy, Policy):
+        policy = load_policy(policy)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ls = policy.loss_scale
+    return PolicyGradScaler(
+        torch.device(device).type,
+        policy=policy,
+        model=model,
+        warn_after_skips=warn_after_skips,
+        init_scale=ls.init_scale,
+        growth_factor=ls.growth_factor,
+        backoff_factor=ls.backoff_factor,
+        growth_interval=ls.growth_interval if ls.dynamic else 2**31 - 1,
+        enabled=policy.uses_fp16,
+    )
+
+
+__all__ = ["grad_scaler", "PolicyGradScaler", "nonfinite_layers", "DEFAULT_WARN_AFTER_SKIPS"]
