@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from autoprec.errors import UserError
+from autoprec.files import write_text
 
 EXIT_USER_ERROR = 2
 
@@ -73,7 +74,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
     result = search(workload, space, config, out)
-    (out / "summary.md").write_text(_summary_markdown(result, args), encoding="utf-8")
+    write_text(out / "summary.md", _summary_markdown(result, args))
     pngs = plot_all(result.profile, out, title=f"{task.name} on {result.profile.device}")
     print(search_summary(result))
     names = ", ".join(p.name for p in pngs)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from autoprec.errors import UserError
+from autoprec.files import write_text
 from autoprec.formats import FORMATS, Format, parse_format
 
 POLICY_VERSION = 1
@@ -118,8 +119,7 @@ class Policy:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-        return path
+        return write_text(path, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
 
     @classmethod
     def from_dict(cls, data: object) -> Policy:

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy
 from autoprec.errors import UserError
+from autoprec.files import write_atomically
 from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, autocast_supported, device_name, fp8_shape_problem
 from autoprec.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
 from autoprec.measure import (
@@ -85,13 +86,15 @@ class Profile:
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.table.to_csv(out_dir / "profile.csv", index=False)
         meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow")}
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None
-        (out_dir / "profile.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(meta, indent=2) + "\n"
+        write_atomically(out_dir / "profile.csv", lambda tmp: self.table.to_csv(tmp, index=False))
+        write_atomically(out_dir / "profile.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
         if self.grad_ranges is not None:
-            self.grad_ranges.to_csv(out_dir / "grad_ranges.csv", index=False)
+            grad_ranges = self.grad_ranges
+            write_atomically(out_dir / "grad_ranges.csv", lambda tmp: grad_ranges.to_csv(tmp, index=False))
         return out_dir / "profile.csv"
 
     @classmethod

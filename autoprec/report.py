@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from autoprec.files import write_atomically
 from autoprec.policy import ROOT, Policy
 
 
@@ -285,7 +286,7 @@ def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
                     ax.text(j, i, text(values[i][j]), ha="center", va="center", fontsize=8, color="white" if cmap == "viridis" else "black")
     fig.suptitle(title or "each layer lowered alone")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return path
 
@@ -311,7 +312,7 @@ def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: Any, path: Any, *, title
     ax.set_title(title or "fp16 gradients: below 2^-24 (solid), above 65504 (dashed)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return path
 

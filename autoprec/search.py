@@ -17,7 +17,10 @@ import importlib.metadata
 import json
 import logging
 import math
-from collections.abc import Mapping
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ from tqdm.auto import tqdm
 
 from autoprec.apply import fp8_backend
 from autoprec.errors import UserError
+from autoprec.files import write_atomically
 from autoprec.formats import Format, autocast_supported, device_name
 from autoprec.measure import (
     NoiseFloor,
@@ -82,6 +86,7 @@ class SearchConfig:
     trials: int | None = None  # None: the search space's `trials`
     seed: int = 0
     storage: str | None = None  # an Optuna storage URL or a journal file path; None: out_dir/study.journal
+    heartbeat_s: int = 60  # database storages: a trial whose worker is silent for 2x this is failed and retried
     study_name: str | None = None  # None: the task's name
     timing: TimingConfig = TimingConfig()
     final_timing: TimingConfig = TimingConfig(rounds=11)
@@ -100,6 +105,8 @@ class SearchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, but got {value!r}")
+        if isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1:
+            raise ValueError(f"heartbeat_s must be an integer >= 1 (seconds), but got {self.heartbeat_s!r}")
         if self.trials is not None and self.trials < 1:
             raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
         if self.finalists < 1:
@@ -281,14 +288,49 @@ def greedy_params(prof: Profile, choices: Choices, budget: float) -> dict[str, s
     return params
 
 
+RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
+
+
 def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
     url = config.storage
     if url is None or "://" not in url:
+        # Optuna's recommended storage for several processes on one machine: a journal file behind a file
+        # lock, no server. It has no heartbeat (optuna 5), so a killed worker's trial stays RUNNING.
         path = Path(url) if url else out_dir / "study.journal"
         path.parent.mkdir(parents=True, exist_ok=True)
         backend = optuna.storages.journal.JournalFileBackend(str(path))
         return optuna.storages.JournalStorage(backend), str(path)
-    return url, url
+    return _database(url, config.heartbeat_s), url
+
+
+def _database(url: str, heartbeat_s: int) -> optuna.storages.RDBStorage:
+    """A database storage with Optuna's heartbeat: each running trial records a beat every `heartbeat_s`;
+    a worker starting a trial fails those silent for twice that and queues them again (RETRIES times)."""
+    import sqlalchemy.exc  # optuna's own dependency
+
+    for attempt in range(3):
+        try:
+            with warnings.catch_warnings():  # heartbeats are "experimental" in optuna 5, and what we need
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=RETRIES)
+                return optuna.storages.RDBStorage(
+                    url, heartbeat_interval=heartbeat_s, grace_period=2 * heartbeat_s, heartbeat_stale_trial_callback=retry
+                )
+        except ImportError:
+            hint = "PostgreSQL: pip install psycopg2-binary"
+            raise UserError(f"--storage {url}: its database driver is not installed ({hint})") from None
+        except sqlalchemy.exc.ArgumentError as exc:
+            raise UserError(
+                f"--storage {url}: not a storage URL Optuna can open ({exc}); use a journal file path, "
+                "sqlite:///PATH or postgresql+psycopg2://USER:PASSWORD@HOST:PORT/DATABASE"
+            ) from None
+        except Exception as exc:
+            # Workers creating a new database's tables at the same moment collide once; the next try finds them.
+            if attempt == 2:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise UserError(f"--storage {url}: cannot open it: {type(exc).__name__}: {first}") from None
+            time.sleep(0.5 + attempt)
+    raise AssertionError("unreachable")
 
 
 def _sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
@@ -490,7 +532,39 @@ def _load_or_profile(workload: Workload, space: SearchSpace, out_dir: Path, conf
     return prof
 
 
-def open_study(workload: Workload, space: SearchSpace, choices: Choices, config: SearchConfig, out_dir: Path):
+KEY_ATTR, CHOICES_ATTR, WORKER_ATTR = "autoprec:key", "autoprec:choices", "autoprec:worker"
+
+
+def _check_key(stored: Mapping[str, Any], key: Mapping[str, str], name: str, where: str) -> None:
+    before = {k: stored.get(k, _KEY_DEFAULTS.get(k)) for k in key}
+    diff = [k for k, v in key.items() if before[k] != v]
+    if diff:
+        was = ", ".join(f"{k} {before[k]}, now {key[k]}" for k in diff)
+        raise UserError(
+            f"study {name!r} in {where} was made with a different {' and '.join(diff)} ({was}); "
+            "pass --study NEW_NAME to start another"
+        )
+
+
+def _first_start(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The lowest-numbered trial that carries a worker's choices: the first one any worker wrote. Trial numbers
+    follow the storage's own order of creation (the journal's log; the database locks the study row), and a
+    worker reads after it writes, so every worker finds the same one."""
+    carrying = (t for t in study.get_trials(deepcopy=False) if CHOICES_ATTR in t.user_attrs)
+    return min(carrying, key=lambda t: t.number, default=None)
+
+
+def open_study(
+    workload: Workload,
+    space: SearchSpace,
+    choices: Choices,
+    config: SearchConfig,
+    out_dir: Path,
+    warm_starts: Callable[[Choices], list[dict[str, Any]]] = lambda choices: [],
+):
+    """Create or join the study. Every worker proposes its choices on the all-fp32 warm-start trial; the first
+    proposal in the storage wins, and only its worker queues the other warm starts (`warm_starts(choices)`).
+    Two workers starting at the same moment may both queue the fp32 trial: it is then measured twice."""
     storage, where = _storage(config, out_dir)
     name = config.study_name or workload.task.name
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -498,20 +572,31 @@ def open_study(workload: Workload, space: SearchSpace, choices: Choices, config:
         study_name=name, storage=storage, direction="maximize", sampler=_sampler(space, config.seed), load_if_exists=True
     )
     key = _study_key(workload, space, config)
-    stored = study.user_attrs
-    if stored.get("key"):
-        before = {k: stored["key"].get(k, _KEY_DEFAULTS.get(k)) for k in key}
-        diff = [k for k, v in key.items() if before[k] != v]
-        if diff:
-            was = ", ".join(f"{k} {before[k]}, now {key[k]}" for k in diff)
-            raise UserError(
-                f"study {name!r} in {where} was made with a different {' and '.join(diff)} ({was}); "
-                "pass --study NEW_NAME to start another"
-            )
-        return study, Choices.from_json(stored["choices"]), where
-    study.set_user_attr("key", key)
-    study.set_user_attr("choices", choices.to_json())
-    return study, choices, where
+    first = _first_start(study)
+    worker = uuid.uuid4().hex
+    if first is None and study.user_attrs.get("key"):  # made before the choices moved from the study onto its first trial
+        _check_key(study.user_attrs["key"], key, name, where)
+        return study, Choices.from_json(study.user_attrs["choices"]), where
+    if first is None:
+        attrs = {KEY_ATTR: key, CHOICES_ATTR: choices.to_json(), WORKER_ATTR: worker}
+        study.enqueue_trial(_warm_params(_uniform_params(choices, "fp32"), choices), user_attrs=attrs)
+        first = _first_start(study)
+        assert first is not None, "a trial this worker queued is missing from the storage"
+        if first.user_attrs[WORKER_ATTR] == worker:
+            for params in warm_starts(choices):
+                study.enqueue_trial(_warm_params(params, choices), skip_if_exists=True)
+    _check_key(first.user_attrs[KEY_ATTR], key, name, where)
+    if first.user_attrs[WORKER_ATTR] != worker:
+        # Workers with one seed would suggest the same policies side by side: `seed` stays with the worker that
+        # started the study, and one that joins (or resumes it) mixes in its own id.
+        seed = (config.seed + int(worker[:8], 16)) % 2**32
+        log.info("joining study %r as another worker; sampler seed %d", name, seed)
+        study.sampler = _sampler(space, seed)
+    return study, Choices.from_json(first.user_attrs[CHOICES_ATTR]), where
+
+
+def _warm_params(params: Mapping[str, Any], choices: Choices) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if _is_param(k, choices)}
 
 
 def search(
@@ -522,7 +607,11 @@ def search(
     out_dir.mkdir(parents=True, exist_ok=True)
     prof = _load_or_profile(workload, space, out_dir, config)
     choices = build_choices(prof, space, config.budget, workload.device, mode=config.mode)
-    study, choices, where = open_study(workload, space, choices, config, out_dir)
+
+    def warm_starts(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
+        return [_uniform_params(agreed, "bf16"), greedy_params(prof, agreed, config.budget)]
+
+    study, choices, where = open_study(workload, space, choices, config, out_dir, warm_starts)
     judge = Judge(workload, config, prof.fp32_metric)
     if judge.noise is not None and config.budget < judge.noise.spread:
         log.warning(
@@ -530,13 +619,10 @@ def search(
             "steps): the search cannot tell a real loss from noise there",
             config.budget, judge.noise.spread, config.noise_runs, config.train_steps,
         )  # fmt: skip
-    if not study.trials:
-        # Known points first: the baselines and the profile's greedy guess.
-        for params in (_uniform_params(choices, "fp32"), _uniform_params(choices, "bf16"), greedy_params(prof, choices, config.budget)):
-            study.enqueue_trial({k: v for k, v in params.items() if _is_param(k, choices)}, skip_if_exists=True)
     target = config.trials or space.trials
-    # Completed trials count; one cut short (Ctrl-C, a crash) is run again on resume.
-    remaining = max(0, target - len([t for t in study.trials if t.state is optuna.trial.TrialState.COMPLETE]))
+    # Completed trials count, in the whole study; one cut short (Ctrl-C, a crash) is run again on resume.
+    complete = (optuna.trial.TrialState.COMPLETE,)
+    remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
     objective = _Objective(workload, choices, space, judge, config)
     with tqdm(total=remaining, desc="search trials", unit="trial", disable=not config.progress) as bar:
         def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -545,7 +631,10 @@ def search(
             bar.update(1)
 
         if remaining:
-            study.optimize(objective, n_trials=remaining, callbacks=[callback])
+            # Other workers complete trials too: stop once the study holds the target. A trial another worker
+            # is still running then also completes, so N workers may overshoot by up to N - 1 trials.
+            stop = optuna.study.MaxTrialsCallback(target, states=complete)
+            study.optimize(objective, n_trials=remaining, callbacks=[stop, callback])
     every = [ROOT, *choices.layers]
     candidates = {"fp32": Policy(layers=dict.fromkeys(every, "fp32")), "uniform bf16": Policy(layers=dict.fromkeys(every, "bf16"))}
     finalists = _finalist_policies(study, choices, config.finalists)
@@ -563,8 +652,8 @@ def search(
     policy = Policy(layers=best.layers, loss_scale=best.loss_scale, measured=measured)
     policy.save(out_dir / "policy.json")
     table = trials_table(study, choices, prof)
-    table.to_csv(out_dir / "trials.csv", index=False)
-    finals.to_csv(out_dir / "finalists.csv", index=False)
+    write_atomically(out_dir / "trials.csv", lambda tmp: table.to_csv(tmp, index=False))
+    write_atomically(out_dir / "finalists.csv", lambda tmp: finals.to_csv(tmp, index=False))
     return SearchResult(
         policy=policy, profile=prof, choices=choices, trials=table, finals=finals, study_name=study.study_name,
         storage=where, noise=judge.noise,

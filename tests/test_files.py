@@ -1,0 +1,27 @@
+from pathlib import Path
+
+import pytest
+
+from autoprec.files import write_atomically, write_text
+
+
+def test_write_text_replaces_the_file_and_leaves_no_temporary(tmp_path: Path):
+    path = tmp_path / "policy.json"
+    path.write_text("old", encoding="utf-8")
+    write_text(path, "new")
+    assert path.read_text(encoding="utf-8") == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["policy.json"]
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path: Path):
+    path = tmp_path / "trials.csv"
+    path.write_text("complete", encoding="utf-8")
+
+    def half(tmp: Path) -> None:
+        tmp.write_text("half", encoding="utf-8")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomically(path, half)
+    assert path.read_text(encoding="utf-8") == "complete"
+    assert [p.name for p in tmp_path.iterdir()] == ["trials.csv"]
