@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy
+from autoprec.cost import Stopwatch
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, autocast_supported, device_name, fp8_shape_problem
@@ -46,6 +47,8 @@ COLUMNS = [
     # layer, the fractions of nonzero gradient elements this format flushes to zero / leaves subnormal /
     # overflows, and (fp16 rows) the layer's own loss-scale range in log2
     "grad_amax", "grad_amin", "grad_underflow", "grad_subnormal", "grad_overflow", "scale_low_log2", "scale_high_log2",
+    # the layer whose timing this row reuses: layers of one type, configuration and input shapes are timed once
+    "timed_as",
 ]  # fmt: skip
 
 
@@ -82,11 +85,12 @@ class Profile:
     fingerprint: str
     grad_ranges: pd.DataFrame | None = None
     max_underflow: float = 1e-3
+    cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict() of the profiling run
 
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow")}
+        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost")}
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None
         text = json.dumps(meta, indent=2) + "\n"
@@ -265,7 +269,17 @@ def _shape(module: torch.nn.Module) -> str:
     return "-"
 
 
-def _profile_layer(workload, name, module, formats, ref, fp32_metric, config, grads: LayerGradients, grad_table) -> list[dict]:
+def _timing_key(module: torch.nn.Module, inputs: tuple[tuple, dict], formats: list[Format]) -> str:
+    """What a layer's isolated step time depends on: its type and configuration, its parameters' shapes and
+    dtypes, the shapes and dtypes of the inputs it saw, and the formats timed; not the values."""
+    params = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    signature = map_tensors(inputs, lambda t: f"tensor{tuple(t.shape)}:{t.dtype}:{t.requires_grad}")
+    return repr((type(module).__qualname__, repr(module), params, signature, [f.value for f in formats]))
+
+
+def _profile_layer(
+    workload, name, module, formats, ref, fp32_metric, config, grads: LayerGradients, grad_table, watch: Stopwatch, timed: dict
+) -> list[dict]:
     base = {"layer": name, "type": type(module).__name__, "shape": _shape(module)}
     rows: dict[Format, dict] = {Format.FP32: {**base, "format": "fp32", "status": "ok", "reason": "",
                                               "sqnr_db": math.inf, "grad_sqnr_db": math.inf, "metric": fp32_metric,
@@ -283,17 +297,25 @@ def _profile_layer(workload, name, module, formats, ref, fp32_metric, config, gr
             reason = f"torch.autocast does not lower {type(module).__name__} to {fmt.value} on {workload.device.type}"
         if reason is None:
             try:
-                row.update(_sensitivity(workload, name, fmt, ref, ref_out, fp32_metric, config))
+                with watch.section("profile: sensitivity (output, gradient, metric per format)"):
+                    row.update(_sensitivity(workload, name, fmt, ref, ref_out, fp32_metric, config))
             except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
                 reason = f"{fmt.value} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         row.update(status="unsupported" if reason else "ok", reason=reason or "")
         rows[fmt] = row
     ok = [f for f in formats if rows[f]["status"] == "ok"]
-    times = _time_layer(workload, module, inputs, ok, config)
+    key = _timing_key(module, inputs, ok)
+    if key in timed:  # a repeated block's layer: its time is the first one's
+        timed_as, times = timed[key]
+        watch.count("profile: layer timings reused (same type, shapes and formats)", len(ok))
+    else:
+        with watch.section("profile: layer timing (forward + backward per format)"):
+            timed_as, times = name, _time_layer(workload, module, inputs, ok, config)
+        timed[key] = (timed_as, times)
     fp32_ms = times[Format.FP32][0]
     for fmt, row in rows.items():
         ms, spread = times.get(fmt, (math.nan, math.nan))
-        row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan)
+        row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan, timed_as=timed_as)
         row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
     return [rows[f] for f in formats if f in rows]
 
@@ -345,17 +367,23 @@ def profile(
         raise UserError(
             f"{workload.task.path}: the model has no layer of the types the search space tunes ({', '.join(space.layers)})"
         )
-    fp32_metric = evaluate_metric(workload, Policy())
-    if not math.isfinite(fp32_metric):
-        raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
-    ref = _reference(workload, list(layers), config)
-    grads = collect(workload, list(layers), config.grad_batches)
-    grad_table = scale_table(grads)
+    watch = Stopwatch()
+    with watch.section("profile: fp32 metric and reference outputs"):
+        fp32_metric = evaluate_metric(workload, Policy())
+        if not math.isfinite(fp32_metric):
+            raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
+        ref = _reference(workload, list(layers), config)
+    with watch.section("profile: gradient ranges"):
+        grads = collect(workload, list(layers), config.grad_batches)
+        grad_table = scale_table(grads)
     modules = dict(workload.model.named_modules())
     rows: list[dict] = []
+    timed: dict[str, tuple[str, dict]] = {}
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
         formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
-        rows.extend(_profile_layer(workload, name, modules[name], formats, ref, fp32_metric, config, grads[name], grad_table))
+        rows.extend(
+            _profile_layer(workload, name, modules[name], formats, ref, fp32_metric, config, grads[name], grad_table, watch, timed)
+        )
     table = pd.DataFrame(rows, columns=COLUMNS)
     return Profile(
         table=table,
@@ -365,4 +393,5 @@ def profile(
         fingerprint=model_fingerprint(workload.model),
         grad_ranges=grad_table,
         max_underflow=config.max_underflow,
+        cost=watch.to_dict(),
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from autoprec.cost import cost_rows
 from autoprec.files import write_atomically
 from autoprec.policy import ROOT, Policy
 
@@ -185,6 +186,9 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
             f"note: the policy is the uniform-bf16 baseline, measured as a whole step, though the profile ruled "
             f"out bf16 for {', '.join(map(_layer_name, overruled))} on its own (a layer timed alone pays for casting its inputs)"
         )
+    cost = getattr(result, "cost", None)
+    if cost:
+        parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(cost)))
     return "\n\n".join(parts)
 
 

@@ -9,6 +9,7 @@ fp32 result's own spread over seeds) is measured and reported beside the budget.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import enum
@@ -30,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from autoprec.apply import fp8_backend
+from autoprec.cost import Stopwatch
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.formats import Format, autocast_supported, device_name
@@ -152,6 +154,7 @@ class SearchResult:
     study_name: str
     storage: str
     noise: NoiseFloor | None = None  # train mode: the fp32 result's spread over seeds
+    cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict(): where this search's time went
 
 
 def _number(value: Any) -> float:
@@ -396,7 +399,15 @@ class _Objective:
 
     def __call__(self, trial: optuna.Trial) -> float:
         policy = _suggest(trial, self.choices, self.space)
-        metric, extra = self.judge.safe_metric(policy)
+        earlier = _same_policy(trial)
+        if earlier is not None:  # samplers propose a policy again: its measurements stand, and cost nothing
+            return self._reuse(trial, earlier)
+        start = time.perf_counter()
+        if self.config.mode is Mode.WEIGHTS and _all_fp32(policy):
+            metric, extra = self.judge.fp32_metric, {}  # the profile measured exactly this model
+        else:
+            metric, extra = self.judge.safe_metric(policy)
+        trial.set_user_attr("evaluate_s", time.perf_counter() - start)
         for key, value in extra.items():
             trial.set_user_attr(key, value)
         drop = self.judge.fp32_metric - metric
@@ -405,11 +416,23 @@ class _Objective:
         trial.set_user_attr("metric_drop", drop if math.isfinite(drop) else None)
         constraint = drop - self.config.budget if math.isfinite(drop) else INFEASIBLE
         if feasible:  # only candidates within budget are worth the time it takes to time them
+            start = time.perf_counter()
             feasible, constraint = self._time(trial, policy, constraint)
+            trial.set_user_attr("measure_s", time.perf_counter() - start)
         trial.set_user_attr("feasible", feasible)
         trial.set_constraint("metric_drop_over_budget", constraint)
         # Infeasible trials are not timed; the constraint, not this value, keeps them from winning.
         return trial.user_attrs["speedup"] if feasible else 0.0
+
+    def _reuse(self, trial: optuna.Trial, earlier: optuna.trial.FrozenTrial) -> float:
+        for key in TRIAL_ATTRS:
+            if key in earlier.user_attrs:
+                trial.set_user_attr(key, earlier.user_attrs[key])
+        trial.set_user_attr("reused_from", earlier.number)
+        for key, value in earlier.system_attrs.items():
+            if key.startswith("constraints:"):
+                trial.set_constraint(key.split(":", 1)[1], value)
+        return trial.user_attrs["speedup"] if trial.user_attrs.get("feasible") else 0.0
 
     def _time(self, trial: optuna.Trial, policy: Policy, constraint: float) -> tuple[bool, float]:
         try:
@@ -436,6 +459,18 @@ class _Objective:
 
 TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
                "fp32_step_ms", "speedup", "spread", "train_skipped", "error")  # fmt: skip
+COST_ATTRS = ("evaluate_s", "measure_s", "reused_from")
+
+
+def _all_fp32(policy: Policy) -> bool:
+    return all(fmt is Format.FP32 for fmt in policy.layers.values())
+
+
+def _same_policy(trial: optuna.Trial) -> optuna.trial.FrozenTrial | None:
+    """A completed trial of the study (any worker's) with exactly these params, or None."""
+    params = trial.params
+    done = trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return next((t for t in done if t.params == params and "feasible" in t.user_attrs), None)
 
 
 def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
@@ -451,7 +486,7 @@ def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = N
         row.update({("(default)" if n == ROOT else n): f.value for n, f in policy.layers.items()})
         if prof is not None:
             row["predicted_drop"] = prof.predicted_drop(policy.layers)
-        for key in TRIAL_ATTRS:
+        for key in (*TRIAL_ATTRS, *COST_ATTRS):
             row[key] = t.user_attrs.get(key)
         if policy.uses_fp16:
             ls = policy.loss_scale
@@ -517,8 +552,12 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _load_or_profile(workload: Workload, space: SearchSpace, out_dir: Path, config: SearchConfig) -> Profile:
-    """Reuse the profile a previous run of the same model on the same device wrote; else measure."""
+def _load_or_profile(
+    workload: Workload, space: SearchSpace, out_dir: Path, config: SearchConfig, *, watch: Stopwatch | None = None
+) -> Profile:
+    """Reuse the profile a previous run of the same model on the same device wrote; else measure. `watch`
+    receives the profiling stages, or a count when the saved profile was reused."""
+    watch = watch or Stopwatch()
     if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
         cached = Profile.load(out_dir)
         same = cached.fingerprint == model_fingerprint(workload.model) and cached.device == device_name(str(workload.device))
@@ -526,8 +565,10 @@ def _load_or_profile(workload: Workload, space: SearchSpace, out_dir: Path, conf
         complete = cached.grad_ranges is not None  # written before gradient ranges existed: measure again
         if same and complete and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)
+            watch.count("profile: reused the one saved in the output folder")
             return cached
     prof = profile(workload, space, config.profile, progress=config.progress)
+    watch.merge(prof.cost)
     prof.save(out_dir)
     return prof
 
@@ -605,14 +646,16 @@ def search(
     """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    prof = _load_or_profile(workload, space, out_dir, config)
+    watch = Stopwatch()
+    prof = _load_or_profile(workload, space, out_dir, config, watch=watch)
     choices = build_choices(prof, space, config.budget, workload.device, mode=config.mode)
 
     def warm_starts(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
         return [_uniform_params(agreed, "bf16"), greedy_params(prof, agreed, config.budget)]
 
     study, choices, where = open_study(workload, space, choices, config, out_dir, warm_starts)
-    judge = Judge(workload, config, prof.fp32_metric)
+    with watch.section("noise floor: fp32 trained over seeds") if config.mode is Mode.TRAIN else contextlib.nullcontext():
+        judge = Judge(workload, config, prof.fp32_metric)
     if judge.noise is not None and config.budget < judge.noise.spread:
         log.warning(
             "budget %g is below the noise floor %.4g (the fp32 metric's spread over %d seeds after %d training "
@@ -635,6 +678,7 @@ def search(
             # is still running then also completes, so N workers may overshoot by up to N - 1 trials.
             stop = optuna.study.MaxTrialsCallback(target, states=complete)
             study.optimize(objective, n_trials=remaining, callbacks=[stop, callback])
+    _trial_costs(study, watch)
     every = [ROOT, *choices.layers]
     candidates = {"fp32": Policy(layers=dict.fromkeys(every, "fp32")), "uniform bf16": Policy(layers=dict.fromkeys(every, "bf16"))}
     finalists = _finalist_policies(study, choices, config.finalists)
@@ -644,11 +688,13 @@ def search(
         safer = safer_variant(top, choices)
         if safer is not None and all(safer.layers != c.layers for c in candidates.values()):
             candidates[f"{top_name}, fp16/fp8 -> bf16"] = safer
-    finals = remeasure(workload, candidates, judge, config.budget, config.final_timing)
+    with watch.section(f"final re-measure of {len(candidates)} candidates"):
+        finals = remeasure(workload, candidates, judge, config.budget, config.final_timing)
     best_name, why = choose(finals, candidates)
     best = candidates[best_name]
     measured = _measured(workload, prof, choices, config, finals, best_name, study, where, judge)
     measured["why"] = why
+    measured["cost"] = watch.to_dict()
     policy = Policy(layers=best.layers, loss_scale=best.loss_scale, measured=measured)
     policy.save(out_dir / "policy.json")
     table = trials_table(study, choices, prof)
@@ -656,8 +702,22 @@ def search(
     write_atomically(out_dir / "finalists.csv", lambda tmp: finals.to_csv(tmp, index=False))
     return SearchResult(
         policy=policy, profile=prof, choices=choices, trials=table, finals=finals, study_name=study.study_name,
-        storage=where, noise=judge.noise,
+        storage=where, noise=judge.noise, cost=watch.to_dict(),
     )  # fmt: skip
+
+
+def _trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
+    """The study's completed trials (every worker's, every run's), split into evaluating the metric, measuring
+    step times, and the rest of each trial's wall time: sampling, the storage, building the candidate."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    evaluate = sum(t.user_attrs.get("evaluate_s", 0.0) for t in done)
+    measure = sum(t.user_attrs.get("measure_s", 0.0) for t in done)
+    wall = sum(t.duration.total_seconds() for t in done if t.duration)
+    fresh = [t for t in done if "reused_from" not in t.user_attrs]
+    watch.add("trials: evaluating the metric", evaluate, sum("evaluate_s" in t.user_attrs for t in fresh))
+    watch.add("trials: measuring step times", measure, sum("measure_s" in t.user_attrs for t in fresh))
+    watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
+    watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
 
 
 _RISKY = (Format.FP16, Format.FP8)

@@ -1,0 +1,111 @@
+"""Where a search's time goes, and the repeated work it keeps out: repeated layer shapes are timed once,
+a policy proposed twice is measured once, the all-fp32 trial reuses the profile's metric."""
+
+import time
+
+import pytest
+
+from autoprec import ProfileConfig, SearchConfig, load_task, prepare, profile, search
+from autoprec.cost import Stopwatch, cost_rows
+from autoprec.measure import TimingConfig
+from autoprec.space import space_from_dict
+
+TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
+FAST_PROFILE = ProfileConfig(batches=1, timing=TINY)
+
+# Three blocks of the same shape, and a head of another: the blocks are timed once, the head apart.
+REPEATED = '''
+from collections import OrderedDict
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    layers = OrderedDict()
+    for i in range(3):
+        layers[f"block{i}"] = nn.Linear(32, 32)
+        layers[f"act{i}"] = nn.ReLU()
+    layers["head"] = nn.Linear(32, 4)
+    return nn.Sequential(layers)
+
+def batches(split):
+    g = torch.Generator().manual_seed(0 if split == "train" else 1)
+    return [(torch.randn(8, 32, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(2)]
+
+def loss_fn(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+'''
+
+
+def test_stopwatch_accumulates_sections_and_counts():
+    watch = Stopwatch()
+    for _ in range(2):
+        with watch.section("work"):
+            time.sleep(0.01)
+    watch.count("avoided", 3)
+    d = watch.to_dict()
+    assert d["counts"] == {"work": 2, "avoided": 3} and d["seconds"]["work"] >= 0.02
+    merged = Stopwatch()
+    merged.add("work", 1.0)
+    merged.merge(d)
+    assert merged.counts["work"] == 3 and merged.counts["avoided"] == 3 and merged.seconds["work"] >= 1.02
+
+
+def test_cost_rows_show_each_stage_with_its_share():
+    rows = cost_rows({"seconds": {"profile": 3.0, "trials": 1.0}, "counts": {"profile": 1, "trials": 4, "reused": 2}})
+    assert rows == [["profile", "3.0", "75%", 1], ["trials", "1.0", "25%", 4], ["reused", "-", "-", 2]]
+
+
+def test_layers_of_one_shape_are_timed_once(write_model):
+    workload = prepare(load_task(write_model(REPEATED)), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}})
+    prof = profile(workload, space, FAST_PROFILE, progress=False)
+    timed_as = prof.table.groupby("layer", sort=False)["timed_as"].first().to_dict()
+    assert timed_as == {"block0": "block0", "block1": "block0", "block2": "block0", "head": "head"}
+    t = prof.table.set_index(["layer", "format"])
+    assert t.loc[("block2", "bf16"), "time_ms"] == t.loc[("block0", "bf16"), "time_ms"]
+    assert t.loc[("block2", "bf16"), "metric_drop"] != t.loc[("block0", "bf16"), "metric_drop"]  # measured per layer
+    assert prof.cost["counts"]["profile: layer timing (forward + backward per format)"] == 2
+    assert prof.cost["counts"]["profile: layer timings reused (same type, shapes and formats)"] == 4
+
+
+@pytest.fixture(scope="module")
+def small_search(tmp_path_factory):
+    # One tunable layer in fp32 or bf16, the root fixed: two policies in all, so eight trials repeat them.
+    source = REPEATED.replace("for i in range(3)", "for i in range(0)")
+    folder = tmp_path_factory.mktemp("cost")
+    (folder / "model.py").write_text(source, encoding="utf-8")
+    workload = prepare(load_task(folder / "model.py"), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100.0}})
+    config = SearchConfig(budget=10.0, trials=8, timing=TINY, final_timing=TINY, finalists=1, progress=False, profile=FAST_PROFILE)
+    return workload, search(workload, space, config, folder / "out")
+
+
+def test_a_repeated_policy_is_measured_once(small_search):
+    _, result = small_search
+    trials = result.trials
+    layers = ["head"]
+    reused = trials["reused_from"].notna()
+    assert len(trials) == 8 and len(trials[layers].drop_duplicates()) == 2 and reused.sum() == 6
+    for _, row in trials[reused].iterrows():
+        source = trials[trials["trial"] == int(row["reused_from"])].iloc[0]
+        assert list(row[layers]) == list(source[layers]) and row["speedup"] == source["speedup"]
+        assert row["metric"] == source["metric"]
+
+
+def test_the_all_fp32_trial_takes_the_profiles_metric(small_search):
+    _, result = small_search
+    first = result.trials.iloc[0]
+    assert first["metric"] == result.profile.fp32_metric and first["evaluate_s"] < 0.01
+
+
+def test_the_search_reports_where_its_time_went(small_search):
+    _, result = small_search
+    cost = result.policy.measured["cost"]
+    assert cost == result.cost
+    names = list(cost["seconds"])
+    assert names[0].startswith("profile:") and names[-1].startswith("final re-measure")
+    assert {"trials: evaluating the metric", "trials: measuring step times", "trials: sampling, storage, the rest"} <= set(names)
+    assert cost["counts"]["trials: a repeated policy, its measurements reused"] >= 1
+    assert all(s >= 0 for s in cost["seconds"].values())
