@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy
 from autoprec.scaler import grad_scaler
@@ -65,9 +66,14 @@ def synchronize(device: torch.device) -> None:
 
 
 def interleaved_times(
-    work: Mapping[str, Callable[[], object]], device: torch.device, config: TimingConfig = TimingConfig()
+    work: Mapping[str, Callable[[], object]],
+    device: torch.device,
+    config: TimingConfig = TimingConfig(),
+    *,
+    progress: str | None = None,
 ) -> dict[str, Timing]:
-    """Time each callable (one unit of work, e.g. one training step) interleaved with the others."""
+    """Time each callable (one unit of work, e.g. one training step) interleaved with the others.
+    `progress`: a label for a progress bar over the rounds (None: no bar)."""
     names = list(work)
     steps: dict[str, int] = {}
     for name in names:
@@ -80,7 +86,7 @@ def interleaved_times(
         once = max(time.perf_counter() - start, 1e-6)
         steps[name] = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / once)))
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(config.rounds):
+    for r in tqdm(range(config.rounds), desc=progress, unit="round", disable=progress is None, leave=False):
         k = r % len(names)
         for name in names[k:] + names[:k]:  # rotate so no candidate always runs first
             synchronize(device)
@@ -208,11 +214,12 @@ class StepStats:
 
 
 def measure_steps(
-    workload: Workload, policies: Mapping[str, Policy], config: TimingConfig = TimingConfig()
+    workload: Workload, policies: Mapping[str, Policy], config: TimingConfig = TimingConfig(), *, progress: str | None = None
 ) -> dict[str, StepStats]:
     """Training-step time of each policy, interleaved, with finiteness and skipped steps."""
     trainers = {name: Trainer(workload, policy) for name, policy in policies.items()}
-    return step_stats(trainers, interleaved_times({n: t.step for n, t in trainers.items()}, workload.device, config))
+    work = {n: t.step for n, t in trainers.items()}
+    return step_stats(trainers, interleaved_times(work, workload.device, config, progress=progress))
 
 
 def step_stats(trainers: Mapping[str, Trainer], timings: Mapping[str, Timing]) -> dict[str, StepStats]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib.resources
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,7 +16,26 @@ from autoprec.errors import UserError
 from autoprec.formats import Format, parse_format
 
 SAMPLERS = ("tpe", "random")
-_TOP_KEYS = ("default", "layers", "loss_scale", "prune", "sampler", "trials")
+_TOP_KEYS = ("default", "layers", "loss_scale", "prune", "sampler", "trials", "layout", "max_params")
+
+
+class Layout(str, enum.Enum):
+    """How per-layer choices become study parameters (choices.py says what each one does)."""
+
+    AUTO = "auto"  # per_layer up to max_params searched layers, else grouped up to max_params groups, else ranked
+    PER_LAYER = "per_layer"  # one categorical per layer
+    GROUPED = "grouped"  # one categorical per role of a repeated block
+    RANKED = "ranked"  # per format, how many of the least sensitive layers take it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def parse_layout(value: object) -> Layout:
+    try:
+        return Layout(str(getattr(value, "value", value)).strip().lower())
+    except ValueError:
+        raise ValueError(f"layout must be one of {', '.join(x.value for x in Layout)}, but got {value!r}") from None
 
 
 _LOSS_SCALE_KEYS = ("init_scale_log2", "growth_interval", "growth_factor", "backoff_factor", "dynamic")
@@ -60,6 +80,8 @@ class SearchSpace:
     prune_slower_than: float = 1.25
     sampler: str = "tpe"
     trials: int = 30
+    layout: Layout = Layout.AUTO  # how per-layer choices become study parameters
+    max_params: int = 16  # auto: per_layer up to this many searched layers, grouped up to this many groups
     source: str = "<built-in>"
 
     def __post_init__(self) -> None:
@@ -67,6 +89,9 @@ class SearchSpace:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, but got {self.sampler!r}")
         if self.trials < 1:
             raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
+        object.__setattr__(self, "layout", parse_layout(self.layout))
+        if self.max_params < 1:
+            raise ValueError(f"max_params must be >= 1, but got {self.max_params!r}")
         if self.prune_slower_than < 1.0:
             raise ValueError(f"prune.slower_than must be >= 1.0, but got {self.prune_slower_than!r}")
         if Format.FP8 in self.default:
@@ -149,6 +174,8 @@ def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
         prune_slower_than=_number(prune.get("slower_than", 1.25), "prune.slower_than", float),
         sampler=str(data.get("sampler", "tpe")),
         trials=_number(data.get("trials", 30), "trials", int),
+        layout=parse_layout(data.get("layout", "auto")),
+        max_params=_number(data.get("max_params", 16), "max_params", int),
         source=source,
     )
 

@@ -28,8 +28,8 @@ HOLDING = "test:holding"  # user attr of a trial held by --sleep, its params cho
 
 
 def _slow_trials(seconds: float) -> None:
-    search_module = importlib.import_module("autoprec.search")  # the package's `search` is the function
-    real = search_module._suggest
+    study_module = importlib.import_module("autoprec.study")
+    real = study_module.suggest
 
     def suggest(trial, choices, space):
         policy = real(trial, choices, space)
@@ -37,7 +37,7 @@ def _slow_trials(seconds: float) -> None:
         time.sleep(seconds)
         return policy
 
-    search_module._suggest = suggest
+    study_module.suggest = suggest
 
 
 def main(argv: list[str]) -> int:

@@ -23,7 +23,8 @@ from autoprec import (
 from autoprec.gradients import LayerGradients, scale_table
 from autoprec.measure import NoiseFloor, TimingConfig, metric_of
 from autoprec.profile import COLUMNS, Profile
-from autoprec.search import Mode, build_choices, greedy_params, loss_scale_choice, policy_from_params
+from autoprec.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
+from autoprec.search import Mode
 from autoprec.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
@@ -112,7 +113,7 @@ def test_search_writes_a_policy_that_applies_within_budget(searched):
     model = apply_policy(load_task(MODELS / "overflow_mlp.py").build_model(), out / "policy.json")
     assert result.profile.fp32_metric - metric_of(workload, model) <= 0.05
     m = policy.measured
-    assert set(m["results"]) == {"fp32", "uniform bf16", "policy"} and m["budget"] == 0.05
+    assert set(m["results"]) == {"fp32", "uniform bf16", "profile greedy", "policy"} and m["budget"] == 0.05
     assert m["results"]["fp32"]["speedup"] == 1.0 and m["results"]["policy"]["step_ms"] > 0
     assert {"torch", "torchao", "optuna"} <= set(m["versions"]) and m["device"].startswith("cpu")
 
@@ -175,7 +176,7 @@ def test_fp16_whose_gradients_overflow_unscaled_is_ruled_out():
 def test_train_mode_does_not_judge_the_given_weights_drop():
     prof = fake_profile([("a", "fp32", 0, 1.0, True, False), ("a", "bf16", 0.5, 0.5, True, False)])
     assert build_choices(prof, SPACE, 0.01, torch.device("cpu")).layers["a"] == ("fp32",)
-    assert build_choices(prof, SPACE, 0.01, torch.device("cpu"), mode="train").layers["a"] == ("fp32", "bf16")
+    assert build_choices(prof, SPACE, 0.01, torch.device("cpu"), judge_drop=False).layers["a"] == ("fp32", "bf16")
 
 
 def grads_of(values: dict[str, float]) -> pd.DataFrame:
@@ -292,7 +293,7 @@ def test_resuming_in_another_mode_is_refused(trained):
 
 def test_a_budget_below_the_noise_floor_warns(trained, caplog, monkeypatch):
     workload, result, out = trained
-    module = sys.modules["autoprec.search"]  # the package's `search` attribute is the function
+    module = sys.modules["autoprec.study"]
     monkeypatch.setattr(module, "noise_floor", lambda *a, **k: NoiseFloor(10, (0.5, 0.6), 0.5))
     search(workload, FP16_SPACE, SearchConfig(budget=0.01, **{**TRAIN, "trials": 1}, study_name="low"), out)
     assert "budget 0.01 is below the noise floor 0.1" in caplog.text
@@ -308,11 +309,11 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
     )
     (tmp_path / "picky.py").write_text(src)
     workload = prepare(load_task(tmp_path / "picky.py"), "cpu")
-    from autoprec.search import _Objective, Judge
+    from autoprec.study import Judge, Objective
 
     prof_space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32"]}})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), prof_space, 0.05, torch.device("cpu"))
-    objective = _Objective(workload, choices, prof_space, Judge(workload, SearchConfig(budget=0.05, **FAST), 0.0), SearchConfig(budget=0.05, **FAST))
+    objective = Objective(workload, choices, prof_space, Judge(workload, SearchConfig(budget=0.05, **FAST), 0.0), SearchConfig(budget=0.05, **FAST))
     import optuna
 
     study = optuna.create_study(direction="maximize")

@@ -23,7 +23,8 @@ import torch
 
 from autoprec import SearchConfig, UserError, load_task, prepare
 from autoprec.profile import Profile
-from autoprec.search import CHOICES_ATTR, RETRIES, Choices, _storage, open_study
+from autoprec.choices import Choices
+from autoprec.study import CHOICES_ATTR, RETRIES, _storage, open_study
 from autoprec.space import space_from_dict
 
 WORKER = Path(__file__).parent / "search_worker.py"
@@ -98,7 +99,7 @@ def test_workers_that_start_at_the_same_moment_search_the_first_stored_choices(t
     theirs = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32",), "big": ("fp32",), "head": ("fp32", "bf16")}, excluded={})
     bf16 = [{"default": "bf16", "layer:fc1": "bf16", "layer:head": "bf16"}]
     study, got_a, _ = open_study(workload, space, mine, config, tmp_path, warm_starts=lambda c: bf16)
-    module = importlib.import_module("autoprec.search")  # the package's `search` is the function
+    module = importlib.import_module("autoprec.study")
     real, calls = module._first_start, []
 
     def stale_first_read(study):

@@ -1,0 +1,382 @@
+"""What the study may pick, and how Optuna's parameters name it.
+
+`Choices` holds, per tunable layer, the offered formats the profile did not rule out (and why the rest
+were), the root's formats, and the loss-scale range. A `Layout` turns them into Optuna parameters:
+
+- `per_layer`: one categorical per layer; exact, and what small models get.
+- `grouped`: one categorical per role of a repeated block (`blocks.*.attn.q`: the same name but for the
+  block index, type and weight shape), so 12 blocks of 9 layers are 9 parameters, not 108. A member that
+  the profile ruled a format out for takes the next safer one (fp16/fp8 -> bf16 -> fp32).
+- `ranked`: per lowered format f, one integer `lowered:f`, the number of layers allowed f that take it,
+  least sensitive first (the profile's single-layer metric drop, then output SQNR); a layer in several
+  formats' sets takes the one it profiled fastest in. A handful of integers whatever the model's size.
+- `auto`: per_layer up to `max_params` searched layers, else grouped up to `max_params` groups, else ranked.
+
+Choices travel with the study (the first trial's attributes), so every worker decodes params alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import optuna
+import torch
+
+from autoprec.formats import Format, autocast_supported
+from autoprec.policy import ROOT, LossScale, Policy
+from autoprec.profile import Profile
+from autoprec.space import Layout, SearchSpace, parse_layout
+
+log = logging.getLogger("autoprec")
+
+DEFAULT_PARAM = "default"
+LAYER_PARAM = "layer:"
+GROUP_PARAM = "group:"
+RANK_PARAM = "lowered:"
+LS_PARAM = "loss_scale:"
+ORDER = tuple(f.value for f in Format)  # fp32, bf16, fp16, fp8: the order options are listed in
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What the study may pick: root formats, per-layer formats, and why the rest were ruled out.
+    `loss_scale`: the initial-scale range (log2) searched for fp16 trials and where it came from.
+    `layout`: how params name the choices (never auto here); `groups`: role -> member layers (grouped);
+    `ranking`: format -> layers allowed it, least sensitive first, and `preference`: layer -> its formats,
+    fastest profiled first (ranked)."""
+
+    default: tuple[str, ...]
+    layers: Mapping[str, tuple[str, ...]]
+    excluded: Mapping[str, Mapping[str, str]]
+    loss_scale: Mapping[str, Any] | None = None
+    layout: str = Layout.PER_LAYER.value
+    groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    ranking: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    preference: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Choices:
+        data = json.loads(text)
+        return cls(
+            default=tuple(data["default"]),
+            layers={k: tuple(v) for k, v in data["layers"].items()},
+            excluded=data["excluded"],
+            loss_scale=data.get("loss_scale"),
+            layout=data.get("layout", Layout.PER_LAYER.value),  # studies made before layouts were per-layer
+            groups={k: tuple(v) for k, v in data.get("groups", {}).items()},
+            ranking={k: tuple(v) for k, v in data.get("ranking", {}).items()},
+            preference={k: tuple(v) for k, v in data.get("preference", {}).items()},
+        )
+
+    @property
+    def fp16_layers(self) -> list[str]:
+        return [name for name, options in self.layers.items() if Format.FP16.value in options]
+
+    @property
+    def searched(self) -> list[str]:
+        """Layers with more than one choice."""
+        return [name for name, options in self.layers.items() if len(options) > 1]
+
+    def describe(self) -> str:
+        """One line for a person: how many parameters stand for how many layers."""
+        n = len(self.searched)
+        if self.layout == Layout.GROUPED.value:
+            return f"grouped: {len(self.groups)} parameters for the roles of {n} searched layers"
+        if self.layout == Layout.RANKED.value:
+            counts = ", ".join(f"{f} 0..{len(v)}" for f, v in self.ranking.items())
+            return f"ranked: {len(self.ranking)} parameters ({counts} least sensitive layers) for {n} searched layers"
+        return f"per_layer: one parameter for each of {n} searched layers"
+
+
+# ------------------------------------------------------------------ what the profile rules out
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _exclusion(row: Mapping[str, Any], budget: float | None, slower_than: float) -> str | None:
+    """Why the profile rules a format out for a layer, or None. `budget` None: do not judge the
+    single-layer drop (train mode, whose budget is on another measurement)."""
+    if row["status"] != "ok":
+        return str(row["reason"])
+    if not bool(row["finite"]):
+        return "non-finite output, gradient, loss or metric when lowered alone"
+    if bool(row["overflow"]):
+        return f"fp16 overflows: max |output| {float(row['max_abs']):.4g} > 65504 or inf when lowered"
+    grad_overflow = _number(row.get("grad_overflow"))
+    if row["format"] == Format.FP16.value and grad_overflow > 0:
+        return f"fp16 gradients overflow even at loss scale 1 ({100 * grad_overflow:.2g}% of elements above 65504)"
+    if budget is not None and float(row["metric_drop"]) > budget:
+        return f"alone drops the metric by {float(row['metric_drop']):.4g} > budget {budget:g}"
+    ratio = float(row["time_vs_fp32"])
+    if math.isfinite(ratio) and ratio > slower_than:
+        return f"measured {ratio:.2f}x the layer's fp32 time on this device"
+    return None
+
+
+def build_choices(prof: Profile, space: SearchSpace, budget: float, device: torch.device, *, judge_drop: bool = True) -> Choices:
+    """Per-layer choices: the offered formats the profile did not rule out; fp32 always stays. With
+    `judge_drop` False (train mode) a single layer's drop of the given weights' metric rules nothing out.
+    The space's layout is resolved here."""
+    layers: dict[str, tuple[str, ...]] = {}
+    excluded: dict[str, dict[str, str]] = {}
+    for name, rows in prof.table.groupby("layer", sort=False):
+        allowed = []
+        for _, row in rows.iterrows():
+            reason = None if row["format"] == Format.FP32.value else _exclusion(row, budget if judge_drop else None, space.prune_slower_than)
+            if reason is None:
+                allowed.append(row["format"])
+            else:
+                excluded.setdefault(str(name), {})[row["format"]] = reason
+        layers[str(name)] = tuple(allowed)
+    default = tuple(f.value for f in space.default if autocast_supported(device, f))
+    choices = Choices(default=default, layers=layers, excluded=excluded)
+    choices = dataclasses.replace(choices, loss_scale=loss_scale_choice(prof, choices, space))
+    return with_layout(choices, prof, space.layout, space.max_params)
+
+
+def loss_scale_choice(prof: Profile, choices: Choices, space: SearchSpace) -> dict[str, Any]:
+    """The initial-scale range to search: the space's, narrowed to the profile's recommendation for the
+    layers that may be fp16. Where the two do not overlap the measurement wins over the file's guess."""
+    lo, hi = space.loss_scale.init_scale_log2
+    advice = prof.advice(choices.fp16_layers) if choices.fp16_layers else None
+    out: dict[str, Any] = {"space": [lo, hi], "recommended": None, "advice": advice.describe() if advice else None}
+    recommended = advice.search_range if advice else None
+    if recommended is None:
+        out["init_scale_log2"] = [lo, hi]
+        return out
+    out["recommended"] = list(recommended)
+    narrowed = (max(lo, recommended[0]), min(hi, recommended[1]))
+    if narrowed[0] > narrowed[1]:
+        log.warning(
+            "the profile recommends loss scales 2^%d..2^%d, outside the search space's init_scale_log2 [%d, %d]; "
+            "searching the recommended range", *recommended, lo, hi,
+        )  # fmt: skip
+        narrowed = recommended
+    out["init_scale_log2"] = list(narrowed)
+    return out
+
+
+# ------------------------------------------------------------------ layouts
+
+
+def role(name: str) -> str:
+    """A layer's name with every block index replaced by `*`: `blocks.3.attn.q` -> `blocks.*.attn.q`."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def group_layers(prof: Profile, layers: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """Searched layers by role, type and weight shape; a role with layers of several shapes or types gets
+    one group per kind, named with the shape (`layers.* [64x32]`)."""
+    kind = prof.table.groupby("layer", sort=False)[["type", "shape"]].first()
+    by_key: dict[tuple[str, str, str], list[str]] = {}
+    for name, options in layers.items():
+        if len(options) > 1:
+            by_key.setdefault((role(name), str(kind.loc[name, "type"]), str(kind.loc[name, "shape"])), []).append(name)
+    kinds_per_role = Counter(r for r, _, _ in by_key)
+    return {
+        (r if kinds_per_role[r] == 1 else f"{r} [{t} {s}]"): tuple(members) for (r, t, s), members in by_key.items()
+    }
+
+
+def _sensitivity_key(rows: Any, name: str, fmt: str) -> tuple[float, float, str]:
+    row = rows.loc[(name, fmt)]
+    drop, sqnr = _number(row["metric_drop"]), _number(row["sqnr_db"])
+    return (drop if math.isfinite(drop) else math.inf, -sqnr if not math.isnan(sqnr) else math.inf, name)
+
+
+def rank_layers(prof: Profile, layers: Mapping[str, tuple[str, ...]]) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """(ranking, preference): per lowered format, the layers allowed it, least sensitive first (single-layer
+    metric drop, then output SQNR, highest first); per layer, its allowed formats by profiled time, fastest first."""
+    rows = prof.table.set_index(["layer", "format"])
+    ranking: dict[str, tuple[str, ...]] = {}
+    for fmt in ORDER[1:]:
+        allowed = [n for n, options in layers.items() if fmt in options and len(options) > 1]
+        if allowed:
+            ranking[fmt] = tuple(sorted(allowed, key=lambda n: _sensitivity_key(rows, n, fmt)))
+    preference = {}
+    for name, options in layers.items():
+        lowered = [f for f in options if f != Format.FP32.value]
+        times = {f: _number(rows.loc[(name, f), "time_ms"]) for f in lowered}
+        preference[name] = tuple(sorted(lowered, key=lambda f: (times[f] if math.isfinite(times[f]) else math.inf, ORDER.index(f))))
+    return ranking, preference
+
+
+def with_layout(choices: Choices, prof: Profile, layout: Layout | str, max_params: int) -> Choices:
+    """`choices` with its layout resolved (auto picks by size) and the groups or ranking it needs."""
+    layout = parse_layout(layout)
+    searched = choices.searched
+    groups = group_layers(prof, choices.layers)
+    if layout is Layout.AUTO:
+        if len(searched) <= max_params:
+            layout = Layout.PER_LAYER
+        elif len(groups) <= max_params:
+            layout = Layout.GROUPED
+        else:
+            layout = Layout.RANKED
+    if layout is Layout.GROUPED:
+        return dataclasses.replace(choices, layout=layout.value, groups=groups)
+    if layout is Layout.RANKED:
+        ranking, preference = rank_layers(prof, choices.layers)
+        return dataclasses.replace(choices, layout=layout.value, ranking=ranking, preference=preference)
+    return dataclasses.replace(choices, layout=Layout.PER_LAYER.value)
+
+
+def _union(options: list[tuple[str, ...]]) -> tuple[str, ...]:
+    present = {f for o in options for f in o}
+    return tuple(f for f in ORDER if f in present)
+
+
+def fit(fmt: str, options: tuple[str, ...]) -> str:
+    """`fmt` where the layer may take it, else the next safer format it may: fp16/fp8 -> bf16 -> fp32."""
+    if fmt in options:
+        return fmt
+    if fmt in (Format.FP16.value, Format.FP8.value) and Format.BF16.value in options:
+        return Format.BF16.value
+    return Format.FP32.value
+
+
+def layer_formats(params: Mapping[str, Any], choices: Choices) -> dict[str, str]:
+    """Each layer's format under `params` (the root not included); a layer with a single choice keeps it."""
+    out = {name: options[0] for name, options in choices.layers.items()}
+    if choices.layout == Layout.GROUPED.value:
+        for group, members in choices.groups.items():
+            fmt = params.get(GROUP_PARAM + group, Format.FP32.value)
+            out.update({m: fit(fmt, choices.layers[m]) for m in members})
+    elif choices.layout == Layout.RANKED.value:
+        taken: dict[str, set[str]] = {}
+        for fmt, order in choices.ranking.items():
+            for name in order[: int(params.get(RANK_PARAM + fmt, 0))]:
+                taken.setdefault(name, set()).add(fmt)
+        for name, fmts in taken.items():
+            out[name] = next(f for f in choices.preference[name] if f in fmts)
+    else:
+        for name, options in choices.layers.items():
+            out[name] = params.get(LAYER_PARAM + name, options[0])
+    return out
+
+
+def policy_from_params(params: Mapping[str, Any], choices: Choices) -> Policy:
+    """The policy a trial's params describe."""
+    layers = {ROOT: params.get(DEFAULT_PARAM, choices.default[0]), **layer_formats(params, choices)}
+    loss_scale = LossScale()
+    if Format.FP16.value in layers.values() and LS_PARAM + "init_scale_log2" in params:
+        defaults = LossScale()
+        loss_scale = LossScale(
+            init_scale=2.0 ** params[LS_PARAM + "init_scale_log2"],
+            growth_interval=int(params[LS_PARAM + "growth_interval"]),
+            growth_factor=float(params.get(LS_PARAM + "growth_factor", defaults.growth_factor)),
+            backoff_factor=float(params.get(LS_PARAM + "backoff_factor", defaults.backoff_factor)),
+            dynamic=bool(params[LS_PARAM + "dynamic"]),
+        )
+    return Policy(layers=layers, loss_scale=loss_scale)
+
+
+def format_params(choices: Choices) -> dict[str, tuple]:
+    """Every format parameter of the layout: name -> its categorical options, or (low, high) for ranked counts."""
+    out: dict[str, tuple] = {}
+    if len(choices.default) > 1:
+        out[DEFAULT_PARAM] = tuple(choices.default)
+    if choices.layout == Layout.GROUPED.value:
+        for group, members in choices.groups.items():
+            out[GROUP_PARAM + group] = _union([choices.layers[m] for m in members])
+    elif choices.layout == Layout.RANKED.value:
+        for fmt, order in choices.ranking.items():
+            out[RANK_PARAM + fmt] = (0, len(order))
+    else:
+        for name in choices.searched:
+            out[LAYER_PARAM + name] = choices.layers[name]
+    return out
+
+
+def suggest(trial: optuna.Trial, choices: Choices, space: SearchSpace) -> Policy:
+    """Ask the trial for every parameter of the layout (and the loss scale when a layer came out fp16)."""
+    params: dict[str, Any] = {}
+    for key, options in format_params(choices).items():
+        if key.startswith(RANK_PARAM):
+            params[key] = trial.suggest_int(key, *options)
+        else:
+            params[key] = trial.suggest_categorical(key, options)
+    if Format.FP16.value in policy_from_params(params, choices).layers.values():  # loss scaling matters only then
+        ls = space.loss_scale
+        lo, hi = (choices.loss_scale or {}).get("init_scale_log2", ls.init_scale_log2)
+        params[LS_PARAM + "init_scale_log2"] = trial.suggest_int(LS_PARAM + "init_scale_log2", lo, hi)
+        for name, options in (("growth_interval", ls.growth_interval), ("growth_factor", ls.growth_factor),
+                              ("backoff_factor", ls.backoff_factor), ("dynamic", ls.dynamic)):  # fmt: skip
+            params[LS_PARAM + name] = trial.suggest_categorical(LS_PARAM + name, options)
+    return policy_from_params(params, choices)
+
+
+def params_for(root: str, layers: Mapping[str, str], choices: Choices) -> dict[str, Any]:
+    """The layout's params nearest to a per-layer assignment (warm starts): exact per layer; per group its
+    members' most common format (ties: the safer); ranked, per format the number of layers assigned it."""
+    params: dict[str, Any] = {}
+    if len(choices.default) > 1:
+        params[DEFAULT_PARAM] = root if root in choices.default else Format.FP32.value
+    if choices.layout == Layout.GROUPED.value:
+        for group, members in choices.groups.items():
+            votes = Counter(layers.get(m, Format.FP32.value) for m in members)
+            params[GROUP_PARAM + group] = min(votes, key=lambda f: (-votes[f], ORDER.index(f)))
+    elif choices.layout == Layout.RANKED.value:
+        for fmt, order in choices.ranking.items():
+            params[RANK_PARAM + fmt] = sum(layers.get(n) == fmt for n in order)
+    else:
+        for name in choices.searched:
+            params[LAYER_PARAM + name] = layers.get(name, Format.FP32.value)
+    return params
+
+
+def uniform_layers(choices: Choices, fmt: str) -> dict[str, str]:
+    """Every layer in `fmt` where it may take it, else fp32."""
+    return {name: fmt if fmt in options else Format.FP32.value for name, options in choices.layers.items()}
+
+
+def uniform_params(choices: Choices, fmt: str) -> dict[str, Any]:
+    return params_for(fmt, uniform_layers(choices, fmt), choices)
+
+
+def greedy_layers(prof: Profile, choices: Choices, budget: float) -> dict[str, str]:
+    """A policy from the profile alone: each layer's fastest allowed format, biggest time saving first,
+    while the sum of single-layer metric drops stays within the budget (an estimate; trials measure)."""
+    layers = dict.fromkeys(choices.layers, Format.FP32.value)
+    moves = []
+    for name, rows in prof.table.groupby("layer", sort=False):
+        fp32_ms = float(rows.loc[rows["format"] == "fp32", "time_ms"].iloc[0])
+        allowed = rows[rows["format"].isin(choices.layers[str(name)]) & (rows["format"] != "fp32")]
+        if len(allowed):
+            best = allowed.sort_values("time_ms").iloc[0]
+            if float(best["time_ms"]) < fp32_ms:
+                moves.append((fp32_ms - float(best["time_ms"]), str(name), best["format"], max(0.0, float(best["metric_drop"]))))
+    spent = 0.0
+    for _saving, name, fmt, drop in sorted(moves, reverse=True):
+        if spent + drop <= budget:
+            layers[name] = fmt
+            spent += drop
+    return layers
+
+
+def greedy_params(prof: Profile, choices: Choices, budget: float) -> dict[str, Any]:
+    return params_for(Format.BF16.value, greedy_layers(prof, choices, budget), choices)
+
+
+def greedy_policy(prof: Profile, choices: Choices, budget: float) -> Policy:
+    """The profile-greedy policy itself (a layout may only approximate it): bf16 root where allowed."""
+    root = Format.BF16.value if Format.BF16.value in choices.default else Format.FP32.value
+    return Policy(layers={ROOT: root, **greedy_layers(prof, choices, budget)})
+
+
+def is_param(key: str, choices: Choices) -> bool:
+    return key in format_params(choices)

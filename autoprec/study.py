@@ -1,0 +1,437 @@
+"""The Optuna study: where it is stored, how workers share it, and the objective every trial runs.
+
+A trial suggests a policy (choices.py), measures its metric against the budget (`Judge`: the given
+weights' metric, or K training steps in train mode) and, when within budget, its training-step speedup
+over fp32, timed interleaved. A single-objective study maximises the speedup under the budget
+constraint (search.py); a two-objective one also minimises the metric drop, for a Pareto front (sweep.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import logging
+import math
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pandas as pd
+from tqdm.auto import tqdm
+
+from autoprec.choices import Choices, is_param, policy_from_params, suggest, uniform_params
+from autoprec.cost import Stopwatch
+from autoprec.errors import UserError
+from autoprec.formats import Format, device_name
+from autoprec.measure import (
+    NoiseFloor,
+    StepStats,
+    TimingConfig,
+    Trainer,
+    evaluate_metric,
+    interleaved_times,
+    noise_floor,
+    train_and_evaluate,
+)
+from autoprec.policy import ROOT, Policy, model_fingerprint
+from autoprec.profile import Profile, ProfileConfig
+from autoprec.space import SearchSpace
+from autoprec.task import Workload
+
+log = logging.getLogger("autoprec")
+
+INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite
+
+
+class Mode(str, enum.Enum):
+    """What the budget is measured on."""
+
+    WEIGHTS = "weights"  # the metric of the given weights with the policy applied
+    TRAIN = "train"  # the metric after K training steps with the policy (and its GradScaler), vs fp32's
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def parse_mode(value: object) -> Mode:
+    try:
+        return Mode(str(getattr(value, "value", value)).strip().lower())
+    except ValueError:
+        raise ValueError(f"mode must be one of {', '.join(m.value for m in Mode)}, but got {value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    """How to search. `trials` counts every trial in the study, so a rerun resumes up to it.
+
+    `mode`: what the budget applies to (see Mode); in train mode, `train_steps` is K and `noise_runs` the
+    number of fp32 seeds whose spread is the noise floor.
+    """
+
+    budget: float
+    trials: int | None = None  # None: the search space's `trials`
+    seed: int = 0
+    storage: str | None = None  # an Optuna storage URL or a journal file path; None: out_dir/study.journal
+    heartbeat_s: int = 60  # database storages: a trial whose worker is silent for 2x this is failed and retried
+    study_name: str | None = None  # None: the task's name
+    timing: TimingConfig = TimingConfig()
+    final_timing: TimingConfig = TimingConfig(rounds=11)
+    finalists: int = 3
+    profile: ProfileConfig = ProfileConfig()
+    progress: bool = True
+    mode: Mode = Mode.WEIGHTS
+    train_steps: int = 50
+    noise_runs: int = 3
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
+            raise ValueError(f"budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.budget!r}")
+        object.__setattr__(self, "mode", parse_mode(self.mode))
+        for name in ("train_steps", "noise_runs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, but got {value!r}")
+        if isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1:
+            raise ValueError(f"heartbeat_s must be an integer >= 1 (seconds), but got {self.heartbeat_s!r}")
+        if self.trials is not None and self.trials < 1:
+            raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
+        if self.finalists < 1:
+            raise ValueError(f"finalists must be >= 1, but got {self.finalists!r}")
+
+
+RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
+
+
+def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
+    url = config.storage
+    if url is None or "://" not in url:
+        # Optuna's recommended storage for several processes on one machine: a journal file behind a file
+        # lock, no server. It has no heartbeat (optuna 5), so a killed worker's trial stays RUNNING.
+        path = Path(url) if url else out_dir / "study.journal"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        backend = optuna.storages.journal.JournalFileBackend(str(path))
+        return optuna.storages.JournalStorage(backend), str(path)
+    return _database(url, config.heartbeat_s), url
+
+
+def _database(url: str, heartbeat_s: int) -> optuna.storages.RDBStorage:
+    """A database storage with Optuna's heartbeat: each running trial records a beat every `heartbeat_s`;
+    a worker starting a trial fails those silent for twice that and queues them again (RETRIES times)."""
+    import sqlalchemy.exc  # optuna's own dependency
+
+    for attempt in range(3):
+        try:
+            with warnings.catch_warnings():  # heartbeats are "experimental" in optuna 5, and what we need
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=RETRIES)
+                return optuna.storages.RDBStorage(
+                    url, heartbeat_interval=heartbeat_s, grace_period=2 * heartbeat_s, heartbeat_stale_trial_callback=retry
+                )
+        except ImportError:
+            hint = "PostgreSQL: pip install psycopg2-binary"
+            raise UserError(f"--storage {url}: its database driver is not installed ({hint})") from None
+        except sqlalchemy.exc.ArgumentError as exc:
+            raise UserError(
+                f"--storage {url}: not a storage URL Optuna can open ({exc}); use a journal file path, "
+                "sqlite:///PATH or postgresql+psycopg2://USER:PASSWORD@HOST:PORT/DATABASE"
+            ) from None
+        except Exception as exc:
+            # Workers creating a new database's tables at the same moment collide once; the next try finds them.
+            if attempt == 2:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise UserError(f"--storage {url}: cannot open it: {type(exc).__name__}: {first}") from None
+            time.sleep(0.5 + attempt)
+    raise AssertionError("unreachable")
+
+
+def _sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
+    if space.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.constraints
+
+
+def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, objectives: int) -> dict[str, str]:
+    # What shapes the choices and the measurements; not the file's path, sampler or trial count.
+    shape = (space.layers, space.default, space.loss_scale, space.prune_slower_than)
+    space_hash = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
+    return {
+        "budget": repr(float(config.budget)),
+        "device": device_name(str(workload.device)),
+        "model": model_fingerprint(workload.model),
+        "space": space_hash,
+        "mode": config.mode.value if config.mode is Mode.WEIGHTS else f"{config.mode.value}, {config.train_steps} steps",
+        "layout": f"{space.layout.value}, max_params {space.max_params}",
+        "objectives": OBJECTIVES[objectives],
+    }
+
+
+OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}
+# Studies made before a key existed: one objective, per-layer parameters (what auto gives small models).
+_KEY_DEFAULTS = {"mode": Mode.WEIGHTS.value, "layout": "auto, max_params 16", "objectives": OBJECTIVES[1]}
+
+
+class Judge:
+    """The metric a candidate is held to and the fp32 result it is compared with: the given weights'
+    (weights mode), or after K training steps from them (train mode, with the noise floor measured)."""
+
+    def __init__(self, workload: Workload, config: SearchConfig, weights_fp32_metric: float):
+        self.workload, self.config = workload, config
+        self.noise: NoiseFloor | None = None
+        self.fp32_metric = weights_fp32_metric
+        if config.mode is Mode.TRAIN:
+            self.noise = noise_floor(workload, config.train_steps, config.noise_runs)
+            self.fp32_metric = self.noise.reference
+            if not math.isfinite(self.fp32_metric):
+                raise UserError(
+                    f"{workload.task.path}: after {config.train_steps} fp32 training steps the metric is "
+                    f"{self.fp32_metric}; train mode needs a finite one"
+                )
+
+    def metric(self, policy: Policy) -> tuple[float, dict[str, Any]]:
+        """The candidate's metric (NaN when anything went non-finite) and what else was measured on the way."""
+        if self.config.mode is Mode.TRAIN:
+            out = train_and_evaluate(self.workload, policy, self.config.train_steps)
+            return (out.metric if out.finite else math.nan), {"train_skipped": out.skipped}
+        return evaluate_metric(self.workload, policy), {}
+
+    def safe_metric(self, policy: Policy) -> tuple[float, dict[str, Any]]:
+        try:
+            return self.metric(policy)
+        except UserError:
+            raise
+        except Exception as exc:  # e.g. the user's evaluate cannot run some format: infeasible, not fatal
+            return math.nan, {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+class Objective:
+    """What a trial measures. One objective: the speedup (0 when over budget or broken). Two: the speedup
+    and the metric drop (INFEASIBLE when not finite), both under the constraint drop <= budget."""
+
+    def __init__(
+        self, workload: Workload, choices: Choices, space: SearchSpace, judge: Judge, config: SearchConfig, *, objectives: int = 1
+    ):
+        if objectives not in OBJECTIVES:
+            raise ValueError(f"objectives must be one of {sorted(OBJECTIVES)}, but got {objectives!r}")
+        self.workload, self.choices, self.space = workload, choices, space
+        self.judge, self.config, self.objectives = judge, config, objectives
+        self.baseline = Trainer(workload, Policy(layers={ROOT: Format.FP32}))  # timed beside every candidate
+
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        policy = suggest(trial, self.choices, self.space)
+        earlier = _same_policy(trial, policy, self.choices)
+        if earlier is not None:  # samplers propose a policy again: its measurements stand, and cost nothing
+            self._reuse(trial, earlier)
+            return self._values(trial)
+        start = time.perf_counter()
+        if self.config.mode is Mode.WEIGHTS and _all_fp32(policy):
+            metric, extra = self.judge.fp32_metric, {}  # the profile measured exactly this model
+        else:
+            metric, extra = self.judge.safe_metric(policy)
+        trial.set_user_attr("evaluate_s", time.perf_counter() - start)
+        for key, value in extra.items():
+            trial.set_user_attr(key, value)
+        drop = self.judge.fp32_metric - metric
+        feasible = math.isfinite(metric) and drop <= self.config.budget
+        trial.set_user_attr("metric", metric if math.isfinite(metric) else None)
+        trial.set_user_attr("metric_drop", drop if math.isfinite(drop) else None)
+        constraint = drop - self.config.budget if math.isfinite(drop) else INFEASIBLE
+        if feasible:  # only candidates within budget are worth the time it takes to time them
+            start = time.perf_counter()
+            feasible, constraint = self._time(trial, policy, constraint)
+            trial.set_user_attr("measure_s", time.perf_counter() - start)
+        trial.set_user_attr("feasible", feasible)
+        trial.set_constraint("metric_drop_over_budget", constraint)
+        return self._values(trial)
+
+    def _values(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        # Infeasible trials are not timed; the constraint, not this value, keeps them from winning.
+        speedup = trial.user_attrs["speedup"] if trial.user_attrs.get("feasible") else 0.0
+        if self.objectives == 1:
+            return speedup
+        drop = trial.user_attrs.get("metric_drop")
+        return speedup, (drop if drop is not None else INFEASIBLE)
+
+    def _reuse(self, trial: optuna.Trial, earlier: optuna.trial.FrozenTrial) -> None:
+        for key in TRIAL_ATTRS:
+            if key in earlier.user_attrs:
+                trial.set_user_attr(key, earlier.user_attrs[key])
+        trial.set_user_attr("reused_from", earlier.number)
+        for key, value in earlier.system_attrs.items():
+            if key.startswith("constraints:"):
+                trial.set_constraint(key.split(":", 1)[1], value)
+
+    def _time(self, trial: optuna.Trial, policy: Policy, constraint: float) -> tuple[bool, float]:
+        try:
+            candidate = Trainer(self.workload, policy)
+            t = interleaved_times({"fp32": self.baseline.step, "policy": candidate.step}, self.workload.device, self.config.timing)
+        except UserError:
+            raise
+        except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
+            trial.set_user_attr("error", f"training step failed: {type(exc).__name__}: {exc}"[:300])
+            return False, INFEASIBLE
+        stats = StepStats(t["policy"], candidate.finite, candidate.steps, candidate.skipped)
+        trial.set_user_attr("step_ms", t["policy"].median_ms)
+        trial.set_user_attr("fp32_step_ms", t["fp32"].median_ms)
+        trial.set_user_attr("spread", max(t["policy"].spread, t["fp32"].spread))
+        trial.set_user_attr("skipped", stats.skipped)
+        trial.set_user_attr("steps", stats.steps)
+        if not stats.finite or not math.isfinite(stats.effective_ms):
+            trial.set_user_attr("error", "non-finite training loss" if not stats.finite else "the GradScaler skipped every step")
+            return False, INFEASIBLE
+        trial.set_user_attr("effective_step_ms", stats.effective_ms)
+        trial.set_user_attr("speedup", t["fp32"].median_ms / stats.effective_ms)
+        return True, constraint
+
+
+TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
+               "fp32_step_ms", "speedup", "spread", "train_skipped", "error")  # fmt: skip
+COST_ATTRS = ("evaluate_s", "measure_s", "reused_from")
+
+
+def _all_fp32(policy: Policy) -> bool:
+    return all(fmt is Format.FP32 for fmt in policy.layers.values())
+
+
+def _same_policy(trial: optuna.Trial, policy: Policy, choices: Choices) -> optuna.trial.FrozenTrial | None:
+    """A completed trial of the study (any worker's) whose params describe this same policy, or None. Grouped
+    and ranked params can name one policy in several ways (a count past every layer a format suits)."""
+    done = trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    for t in done:
+        if "feasible" in t.user_attrs and (t.params == trial.params or policy_from_params(t.params, choices) == policy):
+            return t
+    return None
+
+
+def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
+    """One row per trial: its formats, loss scale, what it measured, and (with the profile) the drop the
+    sum of single-layer drops predicted for it."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        if t.state != optuna.trial.TrialState.COMPLETE:
+            rows.append({"trial": t.number, "state": t.state.name})
+            continue
+        policy = policy_from_params(t.params, choices)
+        row = {"trial": t.number, "state": t.state.name}
+        row.update({("(default)" if n == ROOT else n): f.value for n, f in policy.layers.items()})
+        if prof is not None:
+            row["predicted_drop"] = prof.predicted_drop(policy.layers)
+        for key in (*TRIAL_ATTRS, *COST_ATTRS):
+            row[key] = t.user_attrs.get(key)
+        if policy.uses_fp16:
+            ls = policy.loss_scale
+            row.update(init_scale=ls.init_scale, growth_interval=ls.growth_interval, growth_factor=ls.growth_factor,
+                       backoff_factor=ls.backoff_factor, dynamic=ls.dynamic)  # fmt: skip
+        row["duration_s"] = t.duration.total_seconds() if t.duration else None
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+KEY_ATTR, CHOICES_ATTR, WORKER_ATTR = "autoprec:key", "autoprec:choices", "autoprec:worker"
+
+
+def _check_key(stored: Mapping[str, Any], key: Mapping[str, str], name: str, where: str) -> None:
+    before = {k: stored.get(k, _KEY_DEFAULTS.get(k)) for k in key}
+    diff = [k for k, v in key.items() if before[k] != v]
+    if diff:
+        was = ", ".join(f"{k} {before[k]}, now {key[k]}" for k in diff)
+        raise UserError(
+            f"study {name!r} in {where} was made with a different {' and '.join(diff)} ({was}); "
+            "pass --study NEW_NAME to start another"
+        )
+
+
+def _first_start(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The lowest-numbered trial that carries a worker's choices: the first one any worker wrote. Trial numbers
+    follow the storage's own order of creation (the journal's log; the database locks the study row), and a
+    worker reads after it writes, so every worker finds the same one."""
+    carrying = (t for t in study.get_trials(deepcopy=False) if CHOICES_ATTR in t.user_attrs)
+    return min(carrying, key=lambda t: t.number, default=None)
+
+
+def open_study(
+    workload: Workload,
+    space: SearchSpace,
+    choices: Choices,
+    config: SearchConfig,
+    out_dir: Path,
+    warm_starts: Callable[[Choices], list[dict[str, Any]]] = lambda choices: [],
+    *,
+    objectives: int = 1,
+):
+    """Create or join the study (maximise the speedup; with `objectives=2`, also minimise the metric drop). Every worker proposes its choices on the all-fp32 warm-start trial; the first
+    proposal in the storage wins, and only its worker queues the other warm starts (`warm_starts(choices)`).
+    Two workers starting at the same moment may both queue the fp32 trial: it is then measured twice."""
+    storage, where = _storage(config, out_dir)
+    name = config.study_name or workload.task.name
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    directions = ["maximize", "minimize"][:objectives]
+    study = optuna.create_study(
+        study_name=name, storage=storage, directions=directions, sampler=_sampler(space, config.seed), load_if_exists=True
+    )
+    key = _study_key(workload, space, config, objectives)
+    first = _first_start(study)
+    worker = uuid.uuid4().hex
+    if first is None and study.user_attrs.get("key"):  # made before the choices moved from the study onto its first trial
+        _check_key(study.user_attrs["key"], key, name, where)
+        return study, Choices.from_json(study.user_attrs["choices"]), where
+    if first is None:
+        attrs = {KEY_ATTR: key, CHOICES_ATTR: choices.to_json(), WORKER_ATTR: worker}
+        study.enqueue_trial(_warm_params(uniform_params(choices, "fp32"), choices), user_attrs=attrs)
+        first = _first_start(study)
+        assert first is not None, "a trial this worker queued is missing from the storage"
+        if first.user_attrs[WORKER_ATTR] == worker:
+            for params in warm_starts(choices):
+                study.enqueue_trial(_warm_params(params, choices), skip_if_exists=True)
+    _check_key(first.user_attrs[KEY_ATTR], key, name, where)
+    if first.user_attrs[WORKER_ATTR] != worker:
+        # Workers with one seed would suggest the same policies side by side: `seed` stays with the worker that
+        # started the study, and one that joins (or resumes it) mixes in its own id.
+        seed = (config.seed + int(worker[:8], 16)) % 2**32
+        log.info("joining study %r as another worker; sampler seed %d", name, seed)
+        study.sampler = _sampler(space, seed)
+    return study, Choices.from_json(first.user_attrs[CHOICES_ATTR]), where
+
+
+def _warm_params(params: Mapping[str, Any], choices: Choices) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if is_param(k, choices)}
+
+
+def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
+    """The study's completed trials (every worker's, every run's), split into evaluating the metric, measuring
+    step times, and the rest of each trial's wall time: sampling, the storage, building the candidate."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    evaluate = sum(t.user_attrs.get("evaluate_s", 0.0) for t in done)
+    measure = sum(t.user_attrs.get("measure_s", 0.0) for t in done)
+    wall = sum(t.duration.total_seconds() for t in done if t.duration)
+    fresh = [t for t in done if "reused_from" not in t.user_attrs]
+    watch.add("trials: evaluating the metric", evaluate, sum("evaluate_s" in t.user_attrs for t in fresh))
+    watch.add("trials: measuring step times", measure, sum("measure_s" in t.user_attrs for t in fresh))
+    watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
+    watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
+
+
+
+
+def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> None:
+    """Run trials until the study holds `target` completed ones (every worker's and earlier run's count; one
+    cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the best speedup."""
+    complete = (optuna.trial.TrialState.COMPLETE,)
+    remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
+    with tqdm(total=remaining, desc="search trials", unit="trial", disable=not progress) as bar:
+
+        def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            done = study.get_trials(deepcopy=False, states=complete)
+            best = max((t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible")), default=0.0)
+            bar.set_postfix(best_speedup=f"{best:.3f}")
+            bar.update(1)
+
+        if remaining:
+            # Other workers complete trials too: stop once the study holds the target. A trial another worker
+            # is still running then also completes, so N workers may overshoot by up to N - 1 trials.
+            stop = optuna.study.MaxTrialsCallback(target, states=complete)
+            study.optimize(objective, n_trials=remaining, callbacks=[stop, callback])
