@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import traceback
@@ -48,9 +49,10 @@ def _prepare(args: argparse.Namespace):
     return task, space, workload
 
 
-def _search_config(args: argparse.Namespace):
+def _search_config(args: argparse.Namespace, budget: float | None = None):
     from autoprec.search import Mode, SearchConfig, parse_mode
 
+    budget = args.budget if budget is None else budget
     try:
         mode = parse_mode(args.mode)
         if mode is Mode.WEIGHTS:
@@ -60,7 +62,7 @@ def _search_config(args: argparse.Namespace):
                 raise ValueError(f"{' and '.join(given)} {verb} only to --mode train (the mode is {mode.value})")
         train = {k: v for k, v in (("train_steps", args.train_steps), ("noise_runs", args.noise_runs)) if v is not None}
         return SearchConfig(
-            budget=args.budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode, **train
+            budget=budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode, **train
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -99,6 +101,44 @@ def _summary_markdown(result, args: argparse.Namespace) -> str:
     )
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from autoprec.report import plot_all, plot_pareto, sweep_summary
+    from autoprec.sweep import parse_budgets, sweep
+
+    try:
+        budgets = parse_budgets(args.budgets)
+    except ValueError as exc:
+        raise UserError(f"--budgets: {exc}") from None
+    config = _search_config(args, budget=budgets[-1])
+    task, space, workload = _prepare(args)
+    out = _out_dir(args, task)
+    if config.study_name is None:  # beside a search's study in the same storage, not mixed with it
+        config = dataclasses.replace(config, study_name=f"{task.name}-sweep")
+    result = sweep(workload, space, budgets, config, out)
+    plot_pareto(result, out / "pareto.png", title=f"{task.name} on {result.profile.device}")
+    plot_all(result.profile, out, title=f"{task.name} on {result.profile.device}")
+    write_text(out / "sweep.md", _sweep_markdown(result))
+    print(sweep_summary(result))
+    files = ", ".join(result.table["policy_file"])
+    print(f"\nwrote {out / 'sweep.csv'}, sweep.md, pareto.png, sweep_trials.csv, sweep_finalists.csv, {files} "
+          f"(study {result.study_name!r} in {result.storage})")  # fmt: skip
+    return 0
+
+
+def _sweep_markdown(result) -> str:
+    from autoprec.report import front_rows, markdown_table, profile_summary, sweep_summary
+
+    command = "autoprec sweep " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "autoprec sweep"
+    name = next(iter(result.policies.values())).measured["model"]
+    return (
+        f"# autoprec sweep: {name}\n\n`{command}`\n\n## Policy per budget\n\n{sweep_summary(result, markdown=True)}\n\n"
+        f"![speedup against metric drop](pareto.png)\n\n"
+        f"## Pareto front of the study (trial measurements)\n\n"
+        f"{markdown_table(['trial', 'metric drop', 'speedup', 'spread'], front_rows(result.front))}\n\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.table, markdown=True)}\n"
+    )
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.profile import profile
     from autoprec.report import gradient_summary, plot_all, profile_summary
@@ -127,7 +167,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,profile,show}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show}")
 
     def model_verb(name: str, help_text: str) -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=help_text, description=help_text)
@@ -138,19 +178,28 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         return p
 
+    def study_options(p: argparse.ArgumentParser, default_study: str) -> None:
+        p.add_argument("--trials", type=int, help="trials in the study, counting earlier runs of it (default: the space's)")
+        p.add_argument("--storage", help="Optuna storage URL or journal file (default: <out>/study.journal)")
+        p.add_argument("--study", help=f"study name (default: {default_study}); the same name resumes")
+        p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+        p.add_argument("--mode", default="weights", metavar="{weights,train}",
+                       help="what the budget applies to: the metric of the given weights with the policy (weights, "
+                            "default), or after --train-steps training steps against fp32 trained alike (train)")  # fmt: skip
+        p.add_argument("--train-steps", type=int, metavar="K", help="train mode: training steps per candidate (default 50)")
+        p.add_argument("--noise-runs", type=int, metavar="R",
+                       help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)")  # fmt: skip
+
     s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
     s.add_argument("--budget", type=float, required=True, help="largest allowed drop of the metric from all-fp32, in the metric's units")
-    s.add_argument("--trials", type=int, help="trials in the study, counting earlier runs of it (default: the space's)")
-    s.add_argument("--storage", help="Optuna storage URL or journal file (default: <out>/study.journal)")
-    s.add_argument("--study", help="study name (default: the model's name); the same name resumes")
-    s.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
-    s.add_argument("--mode", default="weights", metavar="{weights,train}",
-                   help="what the budget applies to: the metric of the given weights with the policy (weights, "
-                        "default), or after --train-steps training steps against fp32 trained alike (train)")  # fmt: skip
-    s.add_argument("--train-steps", type=int, metavar="K", help="train mode: training steps per candidate (default 50)")
-    s.add_argument("--noise-runs", type=int, metavar="R",
-                   help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)")  # fmt: skip
+    study_options(s, "the model's name")
     s.set_defaults(func=cmd_search)
+
+    w = model_verb("sweep", "one two-objective study (speedup, metric drop) and a verified policy for each of several budgets")
+    w.add_argument("--budgets", required=True, metavar="B1,B2,...",
+                   help="comma-separated budgets, e.g. 0,0.002,0.005,0.01,0.02 (metric units)")  # fmt: skip
+    study_options(w, "the model's name + '-sweep'")
+    w.set_defaults(func=cmd_sweep)
 
     p = model_verb("profile", "measure each layer's sensitivity, gradient ranges and speed in each format; write profile.csv, grad_ranges.csv and heat maps")
     p.set_defaults(func=cmd_profile)

@@ -330,3 +330,62 @@ def plot_all(prof: Any, out_dir: Any, *, title: str = "") -> list:
     if prof.grad_ranges is not None:
         paths.append(plot_grad_ranges(prof.grad_ranges, prof.advice(), out_dir / "grad_ranges.png", title=title))
     return paths
+
+
+def sweep_summary(result: Any, *, markdown: bool = False) -> str:
+    """The end-of-sweep report: per budget the chosen policy's measured metric and speedup beside uniform
+    bf16 and that budget's profile-greedy policy, all re-measured together."""
+    table = markdown_table if markdown else text_table
+    headers = ["budget", "chosen", "metric", "drop", "speedup", "spread", "uniform bf16", "profile greedy", "formats", "file"]
+    rows = []
+    for _, r in result.table.iterrows():
+        bf16 = f"{r['uniform_bf16_speedup']:.3f}" + ("" if r["uniform_bf16_drop"] <= r["budget"] else " (over)")
+        greedy = f"{r['greedy_speedup']:.3f}" + ("" if r["greedy_drop"] <= r["budget"] else " (over)")
+        rows.append([r["budget"], r["chosen"], r["metric"], r["metric_drop"], r["speedup"], _spread(r["spread"]), bf16, greedy,
+                     f"{r['root']} root; {r['formats']}", r["policy_file"]])  # fmt: skip
+    parts = [table(headers, rows)]
+    first = next(iter(result.policies.values()), None)
+    m = _mapping(first.measured if first else None)
+    parts.append(
+        f"speedup: fp32 step time / effective step time, re-measured together ({m.get('timing', '')}); uniform bf16 and "
+        f"profile greedy: their speedups, '(over)' where their drop exceeds that budget. Study: {len(result.trials)} trials, "
+        f"{len(result.front)} on the Pareto front; {result.choices.describe()}; {mode_text(m)}; device {m.get('device')}"
+    )
+    notes = [f"{r['budget']:g}: {r['why']}" for _, r in result.table.iterrows() if r["why"] != "the fastest within budget"]
+    if notes:
+        parts.append("why:\n" + "\n".join(f"- {n}" for n in notes))
+    if result.cost:
+        parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(result.cost)))
+    return "\n\n".join(parts)
+
+
+def front_rows(front: pd.DataFrame) -> list[list[Any]]:
+    return [[int(r["trial"]), _number(r["metric_drop"]), _number(r["speedup"]), _spread(r["spread"])] for _, r in front.iterrows()]
+
+
+def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
+    """Every timed trial (speedup against metric drop), the Pareto front, the budgets, and each budget's
+    re-measured choice beside uniform bf16."""
+    plt = _pyplot()
+    trials, front, table = result.trials, result.front, result.table
+    fig, ax = plt.subplots(figsize=(8, 5))
+    timed = trials[trials.get("feasible", pd.Series(dtype=bool)).eq(True)] if "feasible" in trials else trials.iloc[0:0]
+    ax.scatter(timed["metric_drop"], timed["speedup"], s=14, color="#999999", label="trials (timed in the study)")
+    if len(front):
+        ax.step(front["metric_drop"], front["speedup"], where="post", color="C0", label="Pareto front (trials)")
+        ax.scatter(front["metric_drop"], front["speedup"], s=22, color="C0")
+    for i, b in enumerate(table["budget"]):
+        ax.axvline(b, color="C3", linestyle=":", linewidth=1, label="budgets" if i == 0 else None)
+    ax.scatter(table["metric_drop"], table["speedup"], marker="*", s=160, color="C3", zorder=3, label="chosen per budget (re-measured)")
+    row = result.finals[result.finals["candidate"] == "uniform bf16"]
+    if len(row):
+        ax.scatter(row["metric_drop"], row["speedup"], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)")
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xlabel("metric drop from fp32 (lower is better)")
+    ax.set_ylabel("training-step speedup over fp32")
+    ax.set_title(title or "speedup against metric drop", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+    return path

@@ -92,6 +92,21 @@ def test_search_bad_budget(capsys, tmp_path, write_model, mlp_source, budget):
     assert_user_error(code, err, "budget must be a finite number >= 0", budget)
 
 
+@pytest.mark.parametrize(
+    ("budgets", "expected"),
+    [("0,x", "--budgets: budgets must be numbers separated by commas, but got 'x'"),
+     ("0,-0.01", "--budgets: every budget must be a finite number >= 0"), (",", "at least one number")],
+)  # fmt: skip
+def test_sweep_bad_budgets(capsys, tmp_path, write_model, mlp_source, budgets, expected):
+    code, _, err = run(capsys, "sweep", write_model(mlp_source), "--budgets", budgets, "--device", "cpu", "--out", tmp_path)
+    assert_user_error(code, err, expected)
+
+
+def test_sweep_reports_model_problems_like_search(capsys, tmp_path):
+    code, _, err = run(capsys, "sweep", tmp_path / "nope.py", "--budgets", "0,0.01", "--device", "cpu")
+    assert_user_error(code, err, "nope.py: no such file")
+
+
 def test_search_bad_trials(capsys, tmp_path, write_model, mlp_source):
     code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--trials", "0")
     assert_user_error(code, err, "trials must be >= 1")

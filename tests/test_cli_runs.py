@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from autoprec import ProfileConfig
+import autoprec.sweep  # noqa: F401  (the fixture patches its module)
+from autoprec import ProfileConfig, load_policy
 from autoprec.cli import main
 from autoprec.measure import TimingConfig
 
@@ -31,8 +32,16 @@ def fast(monkeypatch):
         quick = dataclasses.replace(config, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, finalists=1, progress=False)
         return real_search(workload, space, quick, out)
 
+    sweep_module = sys.modules["autoprec.sweep"]
+    real_sweep = sweep_module.sweep
+
+    def sweep(workload, space, budgets, config, out):
+        quick = dataclasses.replace(config, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, finalists=1, progress=False)
+        return real_sweep(workload, space, budgets, quick, out)
+
     monkeypatch.setattr(profile_module, "profile", profile)
     monkeypatch.setattr(search_module, "search", search)
+    monkeypatch.setattr(sweep_module, "sweep", sweep)
 
 
 def test_profile_writes_csvs_heat_maps_and_a_gradient_summary(fast, capsys, tmp_path):
@@ -57,3 +66,17 @@ def test_train_mode_search_writes_mode_steps_and_noise_floor(fast, capsys, tmp_p
     assert "noise floor" in out and "train mode: 8 steps" in out
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "## Gradient ranges" in summary and "(profile.png)" in summary
+
+
+def test_sweep_writes_a_table_a_pareto_plot_and_a_policy_per_budget(fast, capsys, tmp_path):
+    argv = ["sweep", str(MODELS / "overflow_mlp.py"), "--budgets", "0.3,0,0.05", "--device", "cpu", "--out", str(tmp_path),
+            "--trials", "6"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("sweep.csv", "sweep.md", "pareto.png", "sweep_trials.csv", "profile.png", *(f"policy-budget-{b}.json" for b in ("0", "0.05", "0.3"))):
+        assert (tmp_path / name).is_file(), name
+    assert "profile greedy" in out and "Pareto front" in out and "policy-budget-0.05.json" in out
+    assert load_policy(tmp_path / "policy-budget-0.05.json").measured["budget"] == 0.05
+    md = (tmp_path / "sweep.md").read_text()
+    assert "## Pareto front of the study" in md and "(pareto.png)" in md
+    assert "'overflow_mlp-sweep'" in out  # its own study, beside a search's in the same storage

@@ -1,0 +1,108 @@
+"""Sweep: one two-objective study, a verified policy per budget, speedups that never fall as budgets grow."""
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from autoprec import Policy, ProfileConfig, SearchConfig, apply_policy, load_policy, load_task, prepare
+from autoprec.measure import TimingConfig, metric_of
+from autoprec.space import space_from_dict
+from autoprec.sweep import choose_per_budget, parse_budgets, pareto_front, policy_filename, sweep
+
+MODELS = Path(__file__).parent / "models"
+TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
+BUDGETS = (0.0, 0.01, 0.5)
+
+
+def test_budgets_parse_sorted_without_repeats_and_refuse_bad_values():
+    assert parse_budgets("0.02, 0,0.005,0.02") == (0.0, 0.005, 0.02)
+    assert parse_budgets([0.1, 0]) == (0.0, 0.1)
+    with pytest.raises(ValueError, match=r"numbers separated by commas, but got 'x'"):
+        parse_budgets("0,x")
+    with pytest.raises(ValueError, match=r"finite number >= 0.*'-0.1'"):
+        parse_budgets("0,-0.1")
+    with pytest.raises(ValueError, match="at least one number"):
+        parse_budgets(" , ")
+    assert policy_filename(0.005) == "policy-budget-0.005.json" and policy_filename(0.0) == "policy-budget-0.json"
+
+
+def test_the_front_keeps_trials_no_other_timed_trial_beats_on_both_objectives():
+    trials = pd.DataFrame([
+        {"trial": 0, "feasible": True, "speedup": 1.0, "metric_drop": 0.0},
+        {"trial": 1, "feasible": True, "speedup": 1.5, "metric_drop": 0.01},
+        {"trial": 2, "feasible": True, "speedup": 1.4, "metric_drop": 0.02},  # beaten by 1
+        {"trial": 3, "feasible": True, "speedup": 2.0, "metric_drop": 0.05},
+        {"trial": 4, "feasible": False, "speedup": None, "metric_drop": 0.5},  # over the study's budget: untimed
+        {"trial": 5, "feasible": True, "speedup": 1.0, "metric_drop": 0.0},  # a tie with 0 is not beaten
+    ])  # fmt: skip
+    assert pareto_front(trials)["trial"].tolist() == [0, 5, 1, 3]
+
+
+def test_a_larger_budget_never_chooses_a_slower_policy():
+    candidates = {n: Policy(layers={"a": f}) for n, f in (("fp32", "fp32"), ("x", "bf16"), ("y", "fp16"))}
+    finals = pd.DataFrame([
+        {"candidate": "fp32", "speedup": 1.0, "metric_drop": 0.0, "spread": 0.01, "runs": True},
+        {"candidate": "x", "speedup": 1.50, "metric_drop": 0.001, "spread": 0.10, "runs": True},
+        {"candidate": "y", "speedup": 1.52, "metric_drop": 0.004, "spread": 0.10, "runs": True},
+    ])  # fmt: skip
+    picks = choose_per_budget(finals, candidates, (0.0, 0.002, 0.01))
+    assert [name for name, _ in picks] == ["fp32", "x", "x"]  # y's 1% lead is inside the spread: the safer x
+    # Where the larger budget's safer pick measured slower than a smaller budget's choice, that choice stands.
+    finals["metric_drop"] = [0.0, 0.004, 0.001]  # now y (fp16, 1.52) fits 0.002, and x (bf16, 1.50) only 0.01
+    picks = choose_per_budget(finals, candidates, (0.002, 0.01))
+    assert [n for n, _ in picks] == ["y", "y"] and "kept from the smaller budget" in picks[1][1]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sweep")
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 100.0}})
+    config = SearchConfig(
+        budget=max(BUDGETS), trials=10, timing=TINY, final_timing=TINY, finalists=2, progress=False,
+        profile=ProfileConfig(batches=1, timing=TINY), study_name="s",
+    )  # fmt: skip
+    return workload, sweep(workload, space, BUDGETS, config, folder / "out"), folder / "out"
+
+
+def test_sweep_writes_a_policy_per_budget_that_holds_it_on_a_fresh_model(swept):
+    workload, result, out = swept
+    for name in ("sweep.csv", "sweep_trials.csv", "sweep_finalists.csv", "profile.csv", "study.journal"):
+        assert (out / name).is_file(), name
+    assert list(result.table["budget"]) == list(BUDGETS)
+    fp32 = metric_of(workload, workload.task.build_model())
+    for b in BUDGETS:
+        policy = load_policy(out / policy_filename(b))
+        assert policy.layers == result.policies[b].layers and policy.layers["big"].value != "fp16"  # it overflows
+        m = policy.measured
+        assert m["budget"] == b and set(m["results"]) == {"fp32", "uniform bf16", "profile greedy", "policy"}
+        assert m["sweep"]["budgets"] == list(BUDGETS)
+        lowered = metric_of(workload, apply_policy(workload.task.build_model(), policy))
+        assert fp32 - lowered <= b + 1e-12, b
+
+
+def test_sweep_speedups_do_not_fall_as_the_budget_grows(swept):
+    _, result, _ = swept
+    speedups = result.table["speedup"].tolist()
+    assert all(later >= earlier for earlier, later in zip(speedups, speedups[1:]))
+    assert all(math.isfinite(s) and s > 0 for s in speedups)
+
+
+def test_sweep_study_has_two_objectives_and_a_front_within_the_largest_budget(swept):
+    _, result, out = swept
+    import optuna
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(out / "study.journal")))
+    study = optuna.load_study(study_name="s", storage=storage)
+    assert len(study.directions) == 2 and len(study.trials) >= 10
+    assert len(result.front) >= 1 and (result.front["metric_drop"] <= max(BUDGETS)).all()
+    drops, speeds = result.front["metric_drop"].tolist(), result.front["speedup"].tolist()
+    assert drops == sorted(drops) and speeds == sorted(speeds)  # along the front, more drop buys more speed
+
+
+def test_sweep_refuses_a_study_budget_below_its_largest_budget(swept):
+    workload, _, out = swept
+    with pytest.raises(ValueError, match=r"config.budget=0.01 and budgets up to 0.5"):
+        sweep(workload, space_from_dict({"layers": {"Linear": ["fp32"]}}), BUDGETS, SearchConfig(budget=0.01), out)
