@@ -14,54 +14,31 @@ The trained weights are cached under $AUTOPREC_CACHE (default
 of the training text.
 """
 
-import hashlib
-import json
 import math
 import os
-import tempfile
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-# Modules present (as plain .py files) in every CPython 3.10-3.13 install.
-FILES = sorted(["argparse.py", "calendar.py", "csv.py", "difflib.py", "fractions.py",
-                "heapq.py", "json/decoder.py", "json/encoder.py", "pprint.py",
-                "shlex.py", "string.py", "textwrap.py"])
+import stdlib_text  # beside this file: the text both example language models read
+from stdlib_text import FILES, SPLITS
+
 HPARAMS = {"files": FILES, "bytes_per_file": 24_000, "eval_frac": 0.1,
            "d_model": 256, "n_heads": 4, "n_layers": 2, "seq_len": 128,
            "batch": 16, "n_train_batches": 8, "n_eval_batches": 4,
            "steps": 300, "lr": 2e-3, "weight_decay": 0.1, "warmup": 20, "seed": 0}
-SPLITS = ("train", "eval")
 
 
 # ---------------------------------------------------------------- data
 
-_DATA = None
-
-
 def _data():
-    """(train_bytes, eval_bytes) as uint8 tensors: the first 90% of each file trains, the rest evals."""
-    global _DATA
-    if _DATA is None:
-        root = os.path.dirname(os.__file__)
-        train, evals = [], []
-        for name in FILES:
-            with open(os.path.join(root, name), "rb") as f:
-                text = f.read(HPARAMS["bytes_per_file"])
-            cut = int(len(text) * (1 - HPARAMS["eval_frac"]))
-            train.append(text[:cut])
-            evals.append(text[cut:])
-        _DATA = tuple(torch.frombuffer(bytearray(b"".join(p)), dtype=torch.uint8).long()
-                      for p in (train, evals))
-    return _DATA
+    """(train_bytes, eval_bytes): the first 90% of each file trains, the rest evals."""
+    return stdlib_text.text(HPARAMS["bytes_per_file"], HPARAMS["eval_frac"])
 
 
 def _windows(stream, starts):
-    """(input_ids, target_ids) for windows of seq_len+1 bytes starting at `starts`."""
-    idx = starts[:, None] + torch.arange(HPARAMS["seq_len"] + 1)
-    chunk = stream[idx]
-    return chunk[:, :-1], chunk[:, 1:]
+    return stdlib_text.windows(stream, starts, HPARAMS["seq_len"])
 
 
 def batches(split):
@@ -71,10 +48,7 @@ def batches(split):
     train, evals = _data()
     stream, n = (train, HPARAMS["n_train_batches"]) if split == "train" else \
                 (evals, HPARAMS["n_eval_batches"])
-    bs, span = HPARAMS["batch"], HPARAMS["seq_len"] + 1
-    stride = (len(stream) - span) // (n * bs)  # spread the windows over the whole split
-    starts = torch.arange(n * bs) * stride
-    return [_windows(stream, starts[i * bs:(i + 1) * bs]) for i in range(n)]
+    return stdlib_text.fixed_batches(stream, n, HPARAMS["batch"], HPARAMS["seq_len"])
 
 
 # ---------------------------------------------------------------- model
@@ -147,24 +121,6 @@ def loss_fn(model, batch):
 
 # ---------------------------------------------------------------- training + cache
 
-def _cache_path(name, hparams):
-    root = os.environ.get("AUTOPREC_CACHE") or os.path.expanduser("~/.cache/autoprec/examples")
-    digest = hashlib.sha256(json.dumps(hparams, sort_keys=True).encode()).hexdigest()[:12]
-    return os.path.join(root, f"{name}-{digest}.pt")
-
-
-def _save_atomic(state, path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-        os.replace(tmp, path)  # atomic: concurrent builders never see a partial file
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _train():
     """AdamW on seeded random windows of the train split, warmup then cosine decay."""
     torch.manual_seed(HPARAMS["seed"])
@@ -190,12 +146,11 @@ def _train():
 
 def build_model():
     """The trained fp32 TinyLM (trains once, about a minute on 2 CPU cores, then loads from the cache)."""
-    text_digest = hashlib.sha256(b"".join(t.to(torch.uint8).numpy().tobytes() for t in _data()))
-    path = _cache_path("tinylm", {**HPARAMS, "text": text_digest.hexdigest()[:16]})
+    path = stdlib_text.cache_path("tinylm", {**HPARAMS, "text": stdlib_text.digest(_data())})
     model = TinyLM()
     if os.path.exists(path):
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     else:
         model = _train()
-        _save_atomic(model.state_dict(), path)
+        stdlib_text.save_atomic(model.state_dict(), path)
     return model.eval()

@@ -1,0 +1,73 @@
+"""Byte-level text from CPython's own standard-library sources, for the example language models.
+
+A fixed list of pure-Python modules read from the running interpreter's install (no download): the first
+`1 - eval_frac` of each file trains, the rest evaluates. Shared by model.py (TinyLM) and moe12.py.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+
+import torch
+
+# Modules present (as plain .py files) in every CPython 3.10-3.13 install.
+FILES = sorted(["argparse.py", "calendar.py", "csv.py", "difflib.py", "fractions.py",
+                "heapq.py", "json/decoder.py", "json/encoder.py", "pprint.py",
+                "shlex.py", "string.py", "textwrap.py"])
+SPLITS = ("train", "eval")
+
+_CACHE = {}
+
+
+def text(bytes_per_file, eval_frac):
+    """(train_bytes, eval_bytes) as int64 tensors of byte values."""
+    key = (bytes_per_file, eval_frac)
+    if key not in _CACHE:
+        root = os.path.dirname(os.__file__)
+        train, evals = [], []
+        for name in FILES:
+            with open(os.path.join(root, name), "rb") as f:
+                data = f.read(bytes_per_file)
+            cut = int(len(data) * (1 - eval_frac))
+            train.append(data[:cut])
+            evals.append(data[cut:])
+        _CACHE[key] = tuple(torch.frombuffer(bytearray(b"".join(p)), dtype=torch.uint8).long() for p in (train, evals))
+    return _CACHE[key]
+
+
+def digest(parts):
+    """A short hash of the text, for cache keys: other Python versions ship other sources."""
+    return hashlib.sha256(b"".join(t.to(torch.uint8).numpy().tobytes() for t in parts)).hexdigest()[:16]
+
+
+def windows(stream, starts, seq_len):
+    """(input_ids, target_ids) for windows of seq_len+1 bytes starting at `starts`."""
+    idx = starts[:, None] + torch.arange(seq_len + 1)
+    chunk = stream[idx]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def fixed_batches(stream, n_batches, batch, seq_len):
+    """`n_batches` batches of non-overlapping windows spread evenly over the whole stream."""
+    stride = (len(stream) - seq_len - 1) // (n_batches * batch)
+    starts = torch.arange(n_batches * batch) * stride
+    return [windows(stream, starts[i * batch:(i + 1) * batch], seq_len) for i in range(n_batches)]
+
+
+def cache_path(name, hparams):
+    root = os.environ.get("AUTOPREC_CACHE") or os.path.expanduser("~/.cache/autoprec/examples")
+    key = hashlib.sha256(json.dumps(hparams, sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.join(root, f"{name}-{key}.pt")
+
+
+def save_atomic(state, path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, path)  # atomic: concurrent builders never see a partial file
+    except BaseException:
+        os.unlink(tmp)
+        raise
