@@ -230,14 +230,20 @@ def _lowered_by_autocast(module: torch.nn.Module, inputs: tuple[tuple, dict], fm
 
 
 def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format):
-    """One forward+backward of the layer alone in `fmt`, on the inputs it saw in the model."""
-    holder = apply_policy(_Holder(copy.deepcopy(module)).train(), Policy(layers={"layer": fmt}))
+    """One forward+backward of the layer alone in `fmt`, on the inputs it saw in the model. bf16/fp16 are timed
+    as inside a region of that format (a bf16 model root, say): inputs arrive in it and the output stays in
+    it. A lone lowered layer also pays for casting in and out, but a policy that lowers its neighbours does
+    not, and pruning on that cost would rule out small layers a lowered model runs faster with; the trials,
+    timing whole steps, charge the casts where they happen."""
+    dtype = AUTOCAST_DTYPE.get(fmt)
+    policy = Policy(layers={"": fmt, "layer": fmt} if dtype else {"layer": fmt})
+    holder = apply_policy(_Holder(copy.deepcopy(module)).train(), policy)
     leaves: list[torch.Tensor] = []
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point():
             return t
-        t = t.detach().clone().requires_grad_(True)
+        t = t.detach().to(dtype or t.dtype).clone().requires_grad_(True)
         leaves.append(t)
         return t
 

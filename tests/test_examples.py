@@ -40,3 +40,22 @@ def test_committed_digits_policy_holds_its_budget_on_a_fresh_model(digits, polic
     fp32 = metric_of(digits, digits.task.build_model())
     lowered = metric_of(digits, apply_policy(digits.task.build_model(), policy))
     assert fp32 - lowered <= policy.measured["budget"]
+
+
+def test_moe12_has_109_tunable_linears_in_8_roles_and_keeps_the_contract(monkeypatch):
+    # The untrained model (build_model trains for minutes): its structure is what the layouts depend on.
+    from autoprec.choices import role
+    from autoprec.space import load_space
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "tinylm"))
+    import moe12
+
+    model = moe12.MoE12()
+    layers = load_space().tunable_layers(model)
+    assert len(layers) == 109 and all(type(m).__name__ == "Linear" for n, m in model.named_modules() if n in layers)
+    # q, k, v, o, router, the experts' up and down (both experts share a role), head
+    assert len({role(n) for n in layers}) == 8
+    train, evals = moe12.batches("train"), moe12.batches("eval")
+    assert len(train) == 8 and len(evals) == 4 and train[0][0].shape == (16, 64)
+    loss = moe12.loss_fn(model, train[0])
+    assert loss.ndim == 0 and 5.0 < loss.item() < 6.0  # about ln(256) before training

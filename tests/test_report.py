@@ -53,3 +53,17 @@ def test_gradient_summary_names_the_range_and_its_limits(prof):
 def test_mode_text():
     assert mode_text({}) == "weights mode"
     assert mode_text({"mode": "train", "train_steps": 20, "noise_floor": 0.0117}) == "train mode: 20 steps, noise floor 0.0117"
+
+
+def test_a_policy_of_many_layers_shows_one_row_per_role_and_format():
+    from autoprec import Policy
+    from autoprec.report import layer_rows
+
+    layers = {"": "bf16", **{f"blocks.{i}.q": ("fp32" if i == 3 else "bf16") for i in range(30)}, "head": "fp32"}
+    excluded = {f"blocks.{i}.q": {"fp8": f"measured {1.3 + i / 100:.2f}x the layer's fp32 time on this device"} for i in range(30)}
+    rows = layer_rows(Policy(layers=layers, measured={"excluded": excluded}))
+    assert rows[0][:2] == ["(model root: all else)", "bf16"]
+    assert rows[1] == ["blocks.*.q (29 layers)", "bf16", "fp8 (measured …x the layer's fp32 time on this device)"]
+    assert rows[2][:2] == ["blocks.3.q", "fp32"] and rows[3] == ["head", "fp32", ""]
+    small = layer_rows(Policy(layers={"": "bf16", "blocks.0.q": "bf16"}, measured={"excluded": excluded}))
+    assert small[1] == ["blocks.0.q", "bf16", "fp8 (measured 1.30x the layer's fp32 time on this device)"]
