@@ -14,9 +14,6 @@ The trained weights are cached under $AUTOPREC_CACHE (default
 of the training text.
 """
 
-import math
-import os
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -30,22 +27,13 @@ HPARAMS = {"files": FILES, "bytes_per_file": 24_000, "eval_frac": 0.1,
            "steps": 300, "lr": 2e-3, "weight_decay": 0.1, "warmup": 20, "seed": 0}
 
 
-# ---------------------------------------------------------------- data
-
-def _data():
-    """(train_bytes, eval_bytes): the first 90% of each file trains, the rest evals."""
-    return stdlib_text.text(HPARAMS["bytes_per_file"], HPARAMS["eval_frac"])
-
-
-def _windows(stream, starts):
-    return stdlib_text.windows(stream, starts, HPARAMS["seq_len"])
-
+# ---------------------------------------------------------------- data (stdlib_text.py: the text, windows, training)
 
 def batches(split):
     """Fixed, non-overlapping windows: 8 train batches or 4 eval batches of 16 x 128 bytes."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    train, evals = _data()
+    train, evals = stdlib_text.text(HPARAMS["bytes_per_file"], HPARAMS["eval_frac"])
     stream, n = (train, HPARAMS["n_train_batches"]) if split == "train" else \
                 (evals, HPARAMS["n_eval_batches"])
     return stdlib_text.fixed_batches(stream, n, HPARAMS["batch"], HPARAMS["seq_len"])
@@ -121,36 +109,6 @@ def loss_fn(model, batch):
 
 # ---------------------------------------------------------------- training + cache
 
-def _train():
-    """AdamW on seeded random windows of the train split, warmup then cosine decay."""
-    torch.manual_seed(HPARAMS["seed"])
-    gen = torch.Generator().manual_seed(HPARAMS["seed"])
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=HPARAMS["lr"],
-                            weight_decay=HPARAMS["weight_decay"], betas=(0.9, 0.95))
-    steps, warmup = HPARAMS["steps"], HPARAMS["warmup"]
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 *
-                                              (1 + math.cos(math.pi * min(s, steps) / steps)))
-    train, _ = _data()
-    model.train()
-    for _ in range(steps):
-        starts = torch.randint(len(train) - HPARAMS["seq_len"] - 1, (HPARAMS["batch"],), generator=gen)
-        loss = loss_fn(model, _windows(train, starts))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-    return model
-
-
 def build_model():
     """The trained fp32 TinyLM (trains once, about a minute on 2 CPU cores, then loads from the cache)."""
-    path = stdlib_text.cache_path("tinylm", {**HPARAMS, "text": stdlib_text.digest(_data())})
-    model = TinyLM()
-    if os.path.exists(path):
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    else:
-        model = _train()
-        stdlib_text.save_atomic(model.state_dict(), path)
-    return model.eval()
+    return stdlib_text.trained("tinylm", TinyLM, loss_fn, HPARAMS)

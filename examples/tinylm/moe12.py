@@ -16,7 +16,6 @@ hash of the hyper-parameters and of the training text; training takes a few minu
 """
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -31,7 +30,7 @@ HPARAMS = {"files": FILES, "bytes_per_file": 24_000, "eval_frac": 0.1,
            "steps": 400, "lr": 2e-3, "weight_decay": 0.1, "warmup": 20, "seed": 0}
 
 
-# ---------------------------------------------------------------- data
+# ---------------------------------------------------------------- data (stdlib_text.py: the text, windows, training)
 
 def batches(split):
     """Fixed, non-overlapping windows: 8 train batches or 4 eval batches of 16 x 64 bytes."""
@@ -130,37 +129,6 @@ def loss_fn(model, batch):
 
 # ---------------------------------------------------------------- training + cache
 
-def _train():
-    """AdamW on seeded random windows of the train split, warmup then cosine decay."""
-    torch.manual_seed(HPARAMS["seed"])
-    gen = torch.Generator().manual_seed(HPARAMS["seed"])
-    model = MoE12()
-    opt = torch.optim.AdamW(model.parameters(), lr=HPARAMS["lr"], weight_decay=HPARAMS["weight_decay"], betas=(0.9, 0.95))
-    steps, warmup = HPARAMS["steps"], HPARAMS["warmup"]
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
-    train, _ = stdlib_text.text(HPARAMS["bytes_per_file"], HPARAMS["eval_frac"])
-    model.train()
-    for _ in range(steps):
-        starts = torch.randint(len(train) - HPARAMS["seq_len"] - 1, (HPARAMS["batch"],), generator=gen)
-        loss = loss_fn(model, stdlib_text.windows(train, starts, HPARAMS["seq_len"]))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-    return model
-
-
 def build_model():
-    """The trained fp32 MoE12 (trains once, then loads from the cache)."""
-    text = stdlib_text.text(HPARAMS["bytes_per_file"], HPARAMS["eval_frac"])
-    path = stdlib_text.cache_path("moe12", {**HPARAMS, "text": stdlib_text.digest(text)})
-    model = MoE12()
-    if os.path.exists(path):
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    else:
-        model = _train()
-        stdlib_text.save_atomic(model.state_dict(), path)
-    return model.eval()
+    """The trained fp32 MoE12 (trains once, a few minutes on 2 CPU cores, then loads from the cache)."""
+    return stdlib_text.trained("moe12", MoE12, loss_fn, HPARAMS)

@@ -1,15 +1,17 @@
 """Byte-level text from CPython's own standard-library sources, for the example language models.
 
 A fixed list of pure-Python modules read from the running interpreter's install (no download): the first
-`1 - eval_frac` of each file trains, the rest evaluates. Shared by model.py (TinyLM) and moe12.py.
+`1 - eval_frac` of each file trains, the rest evaluates. Shared by model.py (TinyLM) and moe12.py, with the training recipe and the weights cache they share.
 """
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 
 import torch
+from torch import nn
 
 # Modules present (as plain .py files) in every CPython 3.10-3.13 install.
 FILES = sorted(["argparse.py", "calendar.py", "csv.py", "difflib.py", "fractions.py",
@@ -71,3 +73,40 @@ def save_atomic(state, path):
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def train(make_model, loss_fn, h):
+    """AdamW on seeded random windows of the train split, warmup then cosine decay, gradients clipped at 1.
+    `h`: the hyper-parameters (seed, lr, weight_decay, steps, warmup, batch, seq_len, bytes_per_file, eval_frac)."""
+    torch.manual_seed(h["seed"])
+    gen = torch.Generator().manual_seed(h["seed"])
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=h["lr"], weight_decay=h["weight_decay"], betas=(0.9, 0.95))
+    steps, warmup = h["steps"], h["warmup"]
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    stream, _ = text(h["bytes_per_file"], h["eval_frac"])
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(len(stream) - h["seq_len"] - 1, (h["batch"],), generator=gen)
+        loss = loss_fn(model, windows(stream, starts, h["seq_len"]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    return model
+
+
+def trained(name, make_model, loss_fn, h):
+    """The model trained by `train`, from the cache under $AUTOPREC_CACHE (default ~/.cache/autoprec/examples)
+    when there, keyed by a hash of the hyper-parameters and of the text; in eval mode."""
+    path = cache_path(name, {**h, "text": digest(text(h["bytes_per_file"], h["eval_frac"]))})
+    model = make_model()
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    else:
+        model = train(make_model, loss_fn, h)
+        save_atomic(model.state_dict(), path)
+    return model.eval()
