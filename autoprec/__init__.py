@@ -12,14 +12,15 @@ from autoprec.formats import Format
 from autoprec.policy import LossScale, Policy, load_policy
 from autoprec.profile import Profile, ProfileConfig, profile
 from autoprec.search import Mode, SearchConfig, SearchResult, search
-from autoprec.space import SearchSpace, load_space
+from autoprec.space import Layout, SearchSpace, load_space
+from autoprec.sweep import SweepResult, sweep
 from autoprec.task import Task, Workload, load_task, prepare
 
 __all__ = [
     # apply a policy in training
     "load_policy", "apply_policy", "grad_scaler", "applied_summary", "Policy", "LossScale", "Format",
     # the pipeline
-    "load_task", "prepare", "Task", "Workload", "load_space", "SearchSpace",
-    "profile", "Profile", "ProfileConfig", "search", "SearchConfig", "SearchResult", "Mode",
+    "load_task", "prepare", "Task", "Workload", "load_space", "SearchSpace", "Layout",
+    "profile", "Profile", "ProfileConfig", "search", "SearchConfig", "SearchResult", "Mode", "sweep", "SweepResult",
     "UserError",
 ]  # fmt: skip

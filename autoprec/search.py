@@ -51,6 +51,7 @@ BASELINES = ("fp32", "uniform bf16", "profile greedy")  # re-measured beside eve
 
 __all__ = ["Mode", "SearchConfig", "SearchResult", "parse_mode", "search"]
 
+
 @dataclasses.dataclass
 class SearchResult:
     policy: Policy

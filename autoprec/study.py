@@ -149,7 +149,7 @@ def _database(url: str, heartbeat_s: int) -> optuna.storages.RDBStorage:
     raise AssertionError("unreachable")
 
 
-def _sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
+def sampler_for(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
     if space.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.constraints
@@ -371,7 +371,7 @@ def open_study(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     directions = ["maximize", "minimize"][:objectives]
     study = optuna.create_study(
-        study_name=name, storage=storage, directions=directions, sampler=_sampler(space, config.seed), load_if_exists=True
+        study_name=name, storage=storage, directions=directions, sampler=sampler_for(space, config.seed), load_if_exists=True
     )
     key = _study_key(workload, space, config, objectives)
     first = _first_start(study)
@@ -393,7 +393,7 @@ def open_study(
         # started the study, and one that joins (or resumes it) mixes in its own id.
         seed = (config.seed + int(worker[:8], 16)) % 2**32
         log.info("joining study %r as another worker; sampler seed %d", name, seed)
-        study.sampler = _sampler(space, seed)
+        study.sampler = sampler_for(space, seed)
     return study, Choices.from_json(first.user_attrs[CHOICES_ATTR]), where
 
 
