@@ -93,7 +93,8 @@ class Choices:
             return f"grouped: {len(self.groups)} parameters for the roles of {n} searched layers"
         if self.layout == Layout.RANKED.value:
             counts = ", ".join(f"{f} 0..{len(v)}" for f, v in self.ranking.items())
-            return f"ranked: {len(self.ranking)} parameters ({counts} least sensitive layers) for {n} searched layers"
+            k = len(self.ranking)
+            return f"ranked: {k} parameter{'s' if k != 1 else ''} ({counts} least sensitive layers) for {n} searched layers"
         return f"per_layer: one parameter for each of {n} searched layers"
 
 
@@ -368,14 +369,28 @@ def greedy_layers(prof: Profile, choices: Choices, budget: float) -> dict[str, s
     return layers
 
 
-def greedy_params(prof: Profile, choices: Choices, budget: float) -> dict[str, Any]:
-    return params_for(Format.BF16.value, greedy_layers(prof, choices, budget), choices)
+def greedy_params(prof: Profile, choices: Choices, budget: float, *, root: str = Format.BF16.value) -> dict[str, Any]:
+    return params_for(root, greedy_layers(prof, choices, budget), choices)
 
 
 def greedy_policy(prof: Profile, choices: Choices, budget: float) -> Policy:
-    """The profile-greedy policy itself (a layout may only approximate it): bf16 root where allowed."""
+    """The profile-greedy policy itself (a layout may only approximate it), with a bf16 root where allowed,
+    as AMP would run the rest of the model."""
     root = Format.BF16.value if Format.BF16.value in choices.default else Format.FP32.value
     return Policy(layers={ROOT: root, **greedy_layers(prof, choices, budget)})
+
+
+def warm_starts(prof: Profile, choices: Choices, budget: float) -> list[dict[str, Any]]:
+    """Known points the study measures after all-fp32: uniform bf16 and the profile-greedy layers, each with
+    the root (everything outside the layers: norms, softmax, activations) in bf16 and in fp32. The profile
+    does not time the root, and the devices differ: on a CPU a bf16 root can cost more than lowered layers
+    save, on a GPU it is usually a gain. Duplicates (a single root choice) are dropped."""
+    out: list[dict[str, Any]] = []
+    for root in (Format.BF16.value, Format.FP32.value):
+        for params in (params_for(root, uniform_layers(choices, Format.BF16.value), choices), greedy_params(prof, choices, budget, root=root)):
+            if params not in out:
+                out.append(params)
+    return out
 
 
 def is_param(key: str, choices: Choices) -> bool:

@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from autoprec.apply import fp8_backend
-from autoprec.choices import Choices, build_choices, greedy_params, greedy_policy, policy_from_params, uniform_params
+from autoprec.choices import Choices, build_choices, greedy_policy, policy_from_params, warm_starts
 from autoprec.cost import Stopwatch
 from autoprec.files import write_atomically
 from autoprec.formats import Format, device_name
@@ -80,14 +80,14 @@ def start(
     workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, watch: Stopwatch, *, objectives: int = 1
 ) -> Started:
     """Profile (or reuse the saved profile), derive the choices, create or join the study with its warm
-    starts (all-fp32, uniform bf16, the profile-greedy policy), and measure the noise floor in train mode."""
+    starts (all-fp32, then choices.warm_starts), and measure the noise floor in train mode."""
     prof = _load_or_profile(workload, space, out_dir, config, watch=watch)
     choices = build_choices(prof, space, config.budget, workload.device, judge_drop=config.mode is Mode.WEIGHTS)
 
-    def warm_starts(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
-        return [uniform_params(agreed, "bf16"), greedy_params(prof, agreed, config.budget)]
+    def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
+        return warm_starts(prof, agreed, config.budget)
 
-    study, choices, where = open_study(workload, space, choices, config, out_dir, warm_starts, objectives=objectives)
+    study, choices, where = open_study(workload, space, choices, config, out_dir, known, objectives=objectives)
     log.info("search space: %s", choices.describe())
     with watch.section("noise floor: fp32 trained over seeds") if config.mode is Mode.TRAIN else contextlib.nullcontext():
         judge = Judge(workload, config, prof.fp32_metric)

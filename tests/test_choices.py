@@ -20,6 +20,7 @@ from autoprec.choices import (
     role,
     suggest,
     uniform_params,
+    warm_starts,
     with_layout,
 )
 from autoprec.profile import COLUMNS, Profile
@@ -157,3 +158,14 @@ def test_the_space_file_names_the_layout_and_refuses_an_unknown_one():
         space(layout="sorted")
     with pytest.raises(ValueError, match=r"max_params must be >= 1, but got 0"):
         space(max_params=0)
+
+
+def test_warm_starts_try_uniform_bf16_and_the_greedy_layers_with_the_root_in_bf16_and_in_fp32():
+    prof = blocks(2)
+    choices = build_choices(prof, space(layout="per_layer"), 0.0025, CPU)  # the head fits alone, not with q1
+    starts = warm_starts(prof, choices, 0.0025)
+    roots = [p["default"] for p in starts]
+    assert roots == ["bf16", "bf16", "fp32", "fp32"] and len({str(sorted(p.items())) for p in starts}) == 4
+    assert all(policy_from_params(p, choices).layers[""].value == p["default"] for p in starts)
+    fixed_root = build_choices(prof, space(default=["fp32"], layout="per_layer"), 0.0025, CPU)
+    assert len(warm_starts(prof, fixed_root, 0.0025)) == 2  # one root: the fp32-root copies are the same points
