@@ -15,12 +15,20 @@ def write_atomically(path: str | Path, write: Callable[[Path], object]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
+        # mkstemp makes the file private (0600); an output file gets the mode open() would give it
+        os.chmod(tmp, 0o666 & ~_umask())
         write(Path(tmp))
         os.replace(tmp, path)  # atomic on POSIX and Windows within one file system
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str | Path, text: str) -> Path:

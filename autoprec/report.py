@@ -313,16 +313,30 @@ def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
     return path
 
 
+LEGEND_LAYERS = 12  # beyond this, grad_ranges.png names only the layers that bound the recommended range
+
+
 def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: Any, path: Any, *, title: str = "") -> Any:
     """Per layer, the fraction of its nonzero gradient elements fp16 flushes to zero (solid) and overflows
     (dashed) against the loss scale; the recommended range shaded."""
     plt = _pyplot()
     rows = grad_ranges[(grad_ranges["tensor"] == "all") & (grad_ranges["format"] == "fp16")]
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    for i, (name, group) in enumerate(rows.groupby("layer", sort=False)):
-        color = f"C{i % 10}"
+    layers = list(dict.fromkeys(rows["layer"]))
+    named = layers
+    if len(layers) > LEGEND_LAYERS:  # a legend of every layer would not fit: name those that bound the range
+        bounding = [*(advice.low_limited_by if advice else ()), *(advice.high_limited_by if advice else ()), *(advice.unfit if advice else ())]
+        named = list(dict.fromkeys(n for n in bounding if n in layers))[:LEGEND_LAYERS]
+    for name, group in rows.groupby("layer", sort=False):
+        if name not in named:
+            ax.plot(group["scale_log2"], group["underflow"], "-", color="#bbbbbb", linewidth=0.6)
+            ax.plot(group["scale_log2"], group["overflow"], "--", color="#bbbbbb", linewidth=0.6)
+    for i, name in enumerate(named):
+        group, color = rows[rows["layer"] == name], f"C{i % 10}"
         ax.plot(group["scale_log2"], group["underflow"], "-", color=color, label=f"{name} underflow")
         ax.plot(group["scale_log2"], group["overflow"], "--", color=color, label=f"{name} overflow")
+    if len(named) < len(layers):
+        ax.plot([], [], color="#bbbbbb", label=f"{len(layers) - len(named)} other layers")
     if advice is not None and advice.search_range:
         lo, hi = advice.search_range
         ax.axvspan(lo - 0.5, hi + 0.5, color="green", alpha=0.12, label=f"recommended 2^{lo}..2^{hi}")
@@ -399,10 +413,14 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     if len(row):
         ax.scatter(row["metric_drop"], row["speedup"], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)")
     ax.axhline(1.0, color="black", linewidth=0.6)
-    ax.set_xlabel("metric drop from fp32 (lower is better)")
+    # Drops often sit orders of magnitude below the budgets: symlog shows both, and negative drops too.
+    values = [abs(float(v)) for v in (*timed["metric_drop"], *table["budget"]) if float(v) != 0 and math.isfinite(float(v))]
+    if values:
+        ax.set_xscale("symlog", linthresh=10 ** math.floor(math.log10(min(values))))
+    ax.set_xlabel("metric drop from fp32 (lower is better; symmetric log scale)")
     ax.set_ylabel("training-step speedup over fp32")
     ax.set_title(title or "speedup against metric drop", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)

@@ -8,7 +8,8 @@ speedups compare like with like.
 
     python benchmarks/search_scale.py --out results/cpu-epyc-2core/search-scale [--trials 50] [--budget 0.01]
 
-writes, under --out: profile/ (the shared profile), per_layer/, grouped/, ranked/ (each search's outputs),
+writes, under --out: profile/ (the shared profile), per_layer/, grouped/, ranked/ (each search's outputs but the
+profile),
 curves.csv (best speedup so far after each trial, per layout), final.csv and summary.md.
 """
 
@@ -73,6 +74,8 @@ def main() -> None:
             shutil.copy(out / "profile" / name, folder / name)
         start = time.perf_counter()
         result = search(workload, dataclasses.replace(space, layout=layout), config, folder)
+        for name in ("profile.csv", "profile.json", "grad_ranges.csv"):  # copies of profile/: not kept twice
+            (folder / name).unlink()
         print(f"{layout.value}: {result.choices.describe()}; {time.perf_counter() - start:.0f} s; "
               f"chose {result.policy.measured['chosen']} at {result.policy.measured['results']['policy']['speedup']:.3f}x")  # fmt: skip
         results[layout.value] = result

@@ -25,3 +25,15 @@ def test_a_failed_write_keeps_the_old_file(tmp_path: Path):
         write_atomically(path, half)
     assert path.read_text(encoding="utf-8") == "complete"
     assert [p.name for p in tmp_path.iterdir()] == ["trials.csv"]
+
+
+def test_a_written_file_gets_the_mode_open_would_give_it(tmp_path: Path):
+    import os
+
+    mask = os.umask(0o022)
+    try:
+        write_text(tmp_path / "summary.md", "x")
+        (tmp_path / "plain.md").write_text("x")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "summary.md").stat().st_mode & 0o777 == (tmp_path / "plain.md").stat().st_mode & 0o777 == 0o644
