@@ -173,7 +173,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     m = policy.measured or {}
     parts.append(
         f"chosen: {m.get('chosen')}{f' ({why})' if (why := m.get('why')) else ''}; budget {m.get('budget')}, "
-        f"metric {m.get('metric')}, {mode_text(m)}; "
+        f"metric {m.get('metric')}, {mode_text(m)}; search space {m.get('search_space', 'per layer')}; "
         f"device: {m.get('device')}; {m.get('timing')}; speedup = fp32 step time / effective step time"
     )
     noise = getattr(result, "noise", None)
