@@ -20,14 +20,14 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from autoprec.choices import Choices, greedy_policy
+from autoprec.choices import Choices
 from autoprec.cost import Stopwatch
 from autoprec.files import write_atomically
 from autoprec.formats import Format
 from autoprec.measure import NoiseFloor
 from autoprec.policy import ROOT, Policy
 from autoprec.profile import Profile
-from autoprec.search import choose, finalist_policies, measured_record, remeasure, start
+from autoprec.search import Started, baselines, choose, finalist_policies, measured_record, remeasure, start
 from autoprec.space import SearchSpace
 from autoprec.study import Objective, SearchConfig, run_trials, trial_costs, trials_table
 from autoprec.task import Workload
@@ -99,11 +99,10 @@ def _format_counts(policy: Policy) -> str:
     return ", ".join(f"{f} {counts[f]}" for f in (x.value for x in Format) if f in counts)
 
 
-def _candidates(started, study: optuna.Study, budgets: tuple[float, ...], k: int) -> tuple[dict[str, Policy], dict[float, str]]:
-    """fp32, uniform bf16, each budget's profile-greedy policy and k fastest trials within it, without
-    repeats; and budget -> the name of its greedy policy."""
-    every = [ROOT, *started.choices.layers]
-    candidates = {"fp32": Policy(layers=dict.fromkeys(every, "fp32")), "uniform bf16": Policy(layers=dict.fromkeys(every, "bf16"))}
+def _candidates(started: Started, study: optuna.Study, budgets: tuple[float, ...], k: int) -> tuple[dict[str, Policy], dict[float, str]]:
+    """The baselines (fp32, uniform bf16, each budget's profile-greedy policy) and each budget's k fastest
+    trials within it, without repeats; and budget -> the name of its greedy policy."""
+    candidates: dict[str, Policy] = {}
 
     def add(name: str, policy: Policy) -> str:
         same = next((n for n, p in candidates.items() if p == policy), None)
@@ -111,7 +110,12 @@ def _candidates(started, study: optuna.Study, budgets: tuple[float, ...], k: int
             candidates[name] = policy
         return same or name
 
-    greedy = {b: add(f"profile greedy {b:g}", greedy_policy(started.profile, started.choices, b)) for b in budgets}
+    greedy = {}
+    for b in budgets:
+        for name, policy in baselines(started, b).items():
+            label = add(f"{name} {b:g}" if name == "profile greedy" else name, policy)
+            if name == "profile greedy":
+                greedy[b] = label
     for b in budgets:
         for name, policy in finalist_policies(study, started.choices, k, budget=b).items():
             add(name, policy)
@@ -137,9 +141,9 @@ def choose_per_budget(
 def sweep(
     workload: Workload, space: SearchSpace, budgets: Iterable[float] | str, config: SearchConfig, out_dir: str | Path
 ) -> SweepResult:
-    """Search once for every budget; write sweep.csv, sweep.md's tables (via report), one policy file per
-    budget, sweep_trials.csv and sweep_finalists.csv to out_dir. `config.budget` bounds the study and must be
-    at least the largest budget (the CLI sets it to that)."""
+    """Search once for every budget; write sweep.csv, one policy file per budget, sweep_trials.csv and
+    sweep_finalists.csv to out_dir (the CLI adds sweep.md and pareto.png from the result). `config.budget`
+    bounds the study and must be at least the largest budget (the CLI sets it to that)."""
     budgets = parse_budgets(budgets)
     if budgets[-1] > config.budget:
         raise ValueError(
