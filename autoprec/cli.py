@@ -85,10 +85,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(verb: str) -> str:
+    """The command line as the user typed it, for the markdown reports."""
+    return " ".join(["autoprec", verb, *sys.argv[2:]])
+
+
 def _summary_markdown(result, args: argparse.Namespace) -> str:
     from autoprec.report import gradient_summary, profile_summary, search_summary
 
-    command = "autoprec search " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "autoprec search"
+    command = _command("search")
     prof = result.profile
     return (
         f"# autoprec search: {result.policy.measured['model']}\n\n`{command}`\n\n"
@@ -128,7 +133,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def _sweep_markdown(result) -> str:
     from autoprec.report import front_rows, markdown_table, profile_summary, sweep_summary
 
-    command = "autoprec sweep " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "autoprec sweep"
+    command = _command("sweep")
     name = next(iter(result.policies.values())).measured["model"]
     return (
         f"# autoprec sweep: {name}\n\n`{command}`\n\n## Policy per budget\n\n{sweep_summary(result, markdown=True)}\n\n"

@@ -100,14 +100,14 @@ def start(
     return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge)
 
 
-def baselines(started: Started, budget: float) -> dict[str, Policy]:
+def baselines(prof: Profile, choices: Choices, budget: float) -> dict[str, Policy]:
     """What every result is compared with: all-fp32, uniform bf16 (AMP's choice, whatever the profile said)
     and the profile-greedy policy (each layer's fastest allowed format while the summed drops fit `budget`)."""
-    every = [ROOT, *started.choices.layers]
+    every = [ROOT, *choices.layers]
     return {
         "fp32": Policy(layers=dict.fromkeys(every, "fp32")),
         "uniform bf16": Policy(layers=dict.fromkeys(every, "bf16")),
-        "profile greedy": greedy_policy(started.profile, started.choices, budget),
+        "profile greedy": greedy_policy(prof, choices, budget),
     }
 
 
@@ -210,7 +210,7 @@ def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir
     objective = Objective(workload, choices, space, started.judge, config)
     run_trials(study, objective, config.trials or space.trials, progress=config.progress)
     trial_costs(study, watch)
-    candidates = baselines(started, config.budget)
+    candidates = baselines(started.profile, choices, config.budget)
     finalists = finalist_policies(study, choices, config.finalists)
     candidates.update(finalists)
     if finalists:

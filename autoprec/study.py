@@ -301,10 +301,7 @@ def _same_policy(trial: optuna.Trial, policy: Policy, choices: Choices) -> optun
     """A completed trial of the study (any worker's) whose params describe this same policy, or None. Grouped
     and ranked params can name one policy in several ways (a count past every layer a format suits)."""
     done = trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    for t in done:
-        if "feasible" in t.user_attrs and (t.params == trial.params or policy_from_params(t.params, choices) == policy):
-            return t
-    return None
+    return next((t for t in done if "feasible" in t.user_attrs and policy_from_params(t.params, choices) == policy), None)
 
 
 def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:

@@ -112,7 +112,7 @@ def _candidates(started: Started, study: optuna.Study, budgets: tuple[float, ...
 
     greedy = {}
     for b in budgets:
-        for name, policy in baselines(started, b).items():
+        for name, policy in baselines(started.profile, started.choices, b).items():
             label = add(f"{name} {b:g}" if name == "profile greedy" else name, policy)
             if name == "profile greedy":
                 greedy[b] = label

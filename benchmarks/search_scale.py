@@ -27,10 +27,9 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
-from autoprec import Policy, SearchConfig, load_space, load_task, prepare, profile, search  # noqa: E402
-from autoprec.choices import build_choices, greedy_policy  # noqa: E402
+from autoprec import SearchConfig, load_space, load_task, prepare, profile, search  # noqa: E402
 from autoprec.measure import TimingConfig  # noqa: E402
-from autoprec.search import remeasure  # noqa: E402
+from autoprec.search import baselines, remeasure  # noqa: E402
 from autoprec.space import Layout  # noqa: E402
 from autoprec.study import Judge  # noqa: E402
 
@@ -82,13 +81,7 @@ def main() -> None:
         curves[layout.value] = curve(result.trials)
     pd.DataFrame(curves).rename_axis("trial").to_csv(out / "curves.csv")
     first = next(iter(results.values()))
-    choices = build_choices(first.profile, space, args.budget, device)
-    every = ["", *choices.layers]
-    candidates = {
-        "fp32": Policy(layers=dict.fromkeys(every, "fp32")),
-        "uniform bf16": Policy(layers=dict.fromkeys(every, "bf16")),
-        "profile greedy": greedy_policy(first.profile, choices, args.budget),
-    }
+    candidates = baselines(first.profile, first.choices, args.budget)  # the layout does not change the choices
     for name, result in results.items():
         candidates[f"{name} search"] = dataclasses.replace(result.policy, measured=None)
     judge = Judge(workload, config, first.profile.fp32_metric)
