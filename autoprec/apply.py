@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, fp8_backend, fp8_shape_problem
+from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, fp8_backend, format_problem
 from autoprec.policy import ROOT, Policy, load_policy
 from autoprec.task import map_tensors
 
@@ -117,7 +117,7 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(dev, enabled=False):
             return inner(self, *args, **kwargs)
     outer_autocast = torch.is_autocast_enabled(dev)
-    if fmt is Format.FP8:
+    if fmt.spec.is_fp8:
         out = inner(self, *args, **kwargs)  # Float8Linear follows the surrounding autocast dtype
     else:
         with torch.autocast(dev, dtype=AUTOCAST_DTYPE[fmt]):
@@ -173,19 +173,18 @@ def _check_called(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
                 )
 
 
-def _check_fp8(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
+def _check_formats(policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device) -> None:
+    """Each listed format can run on this module and device (fp8 recipes: Linear, shape, kernels or emulation)."""
     for name, fmt in policy.layers.items():
-        if fmt is not Format.FP8:
-            continue
-        problem = fp8_shape_problem(paths[name])
-        if problem:
-            raise ValueError(f"layer {name!r} cannot be fp8: {problem}")
-        if name == ROOT:
+        if fmt.spec.is_fp8 and name == ROOT:
             # torchao replaces a root Linear by a new object; apply_policy changes the model in place.
             raise ValueError(
-                "the model itself ('') cannot be fp8: torchao would replace it by a new module, and apply_policy "
+                f"the model itself ('') cannot be {fmt}: torchao would replace it by a new module, and apply_policy "
                 "works in place; wrap the Linear in nn.Sequential and name its child"
             )
+        problem = format_problem(fmt, paths[name], device)
+        if problem:
+            raise ValueError(f"layer {name or '<model>'!r} cannot be {fmt} here: {problem}; give it bf16 or fp32")
 
 
 def _check_forwards(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
@@ -230,9 +229,10 @@ def _untied(model: torch.nn.Module, groups: list[list[str]]) -> list[str] | None
 
 
 def _convert_fp8(
-    model: torch.nn.Module, modules: list[torch.nn.Module], names: Mapping[int, list[str]], device: torch.device
+    model: torch.nn.Module, recipes: Mapping[str, list[torch.nn.Module]], names: Mapping[int, list[str]], device: torch.device
 ) -> Fp8Backend:
-    """Swap `modules` for torchao Float8Linear everywhere they are used; restore them and raise if ties break."""
+    """Swap each recipe's modules for torchao Float8Linear of that recipe everywhere they are used; restore
+    them all and raise if ties break."""
     float8 = _import_float8()
     backend = fp8_backend(device)
     if backend is Fp8Backend.EMULATION and device.type == "cpu" and torch.cuda.is_available():
@@ -241,13 +241,17 @@ def _convert_fp8(
             "move the model to the GPU before apply_policy to use fp8 kernels",
             stacklevel=3,
         )
+    modules = [m for group in recipes.values() for m in group]
     originals = {path: m for m in modules for path in names[id(m)]}
     ties = _tied_groups(model)
-    ids = {id(m) for m in modules}
-    config = float8.Float8LinearConfig(emulate=backend is Fp8Backend.EMULATION)
     try:
-        # Filter by object, not name: torchao visits each parent's children once, under one name.
-        float8.convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: id(mod) in ids, config=config)
+        for recipe, group in recipes.items():
+            ids = {id(m) for m in group}
+            config = dataclasses.replace(
+                float8.Float8LinearConfig.from_recipe_name(recipe), emulate=backend is Fp8Backend.EMULATION
+            )
+            # Filter by object, not name: torchao visits each parent's children once, under one name.
+            float8.convert_to_float8_training(model, module_filter_fn=lambda mod, fqn, ids=ids: id(mod) in ids, config=config)
         for m in modules:
             # torchao swaps per parent: a module at two places may become two Float8Linears, or stay a Linear
             # at the second; put the one Float8Linear at every place so the alias stays one object.
@@ -287,7 +291,7 @@ def _needs_wrapper(
     fmt: Format, own_names: list[str], paths: Mapping[str, torch.nn.Module], fmts: Mapping[int, Format]
 ) -> bool:
     # A layer in the same format as the listed layer around it, at every place it is used, is covered by it.
-    if fmt is Format.FP8:
+    if fmt.spec.is_fp8:
         return True
     return any(_enclosing_format(path, paths, fmts) is not fmt for path in own_names)
 
@@ -323,17 +327,22 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.n
         policy = load_policy(policy)
     _check_fresh(model)
     paths = dict(model.named_modules(remove_duplicate=False))
-    for check in (_check_names, _check_aliases, _check_called, _check_fp8, _check_forwards):
+    device = _param_device(model)
+    for check in (_check_names, _check_aliases, _check_called, _check_forwards):
         check(policy, paths)
+    _check_formats(policy, paths, device)
     names = _names_by_module(paths)
     _warn_aliases(policy, names, paths)
-    device = _param_device(model)
-    fp8 = list({id(paths[n]): paths[n] for n, f in policy.layers.items() if f is Format.FP8}.values())
+    recipes: dict[str, dict[int, torch.nn.Module]] = {}
+    for n, f in policy.layers.items():
+        if f.spec.fp8_recipe is not None:
+            recipes.setdefault(f.spec.fp8_recipe, {})[id(paths[n])] = paths[n]
+    fp8 = {recipe: list(group.values()) for recipe, group in recipes.items()}
     backend = _convert_fp8(model, fp8, names, device) if fp8 else None
     if fp8:
         paths = dict(model.named_modules(remove_duplicate=False))
         names = _names_by_module(paths)
-        fp8_names = sorted(n for n, f in policy.layers.items() if f is Format.FP8)
+        fp8_names = sorted(n for n, f in policy.layers.items() if f.spec.is_fp8)
         log.info("apply_policy: fp8 layers %s use %s", fp8_names, backend)
     fmts = {id(paths[name]): fmt for name, fmt in policy.layers.items()}
     records = {}
@@ -345,7 +354,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.n
             module.forward = types.MethodType(_policy_forward, module)
         records[name] = LayerRecord(
             name=name, format=fmt, module_type=type(module).__name__, aliases=tuple(n for n in own if n != name),
-            fp8_backend=backend if fmt is Format.FP8 else None, wrapped=wrap,
+            fp8_backend=backend if fmt.spec.is_fp8 else None, wrapped=wrap,
         )  # fmt: skip
     setattr(model, _SUMMARY_ATTR, AppliedSummary(policy=policy, device=str(device), layers=records))
     _APPLIED_MODELS.add(model)

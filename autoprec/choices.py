@@ -28,7 +28,7 @@ from typing import Any
 import optuna
 import torch
 
-from autoprec.formats import Format, autocast_supported
+from autoprec.formats import FP16_MAX, Format, autocast_supported
 from autoprec.policy import ROOT, LossScale, Policy
 from autoprec.profile import Profile
 from autoprec.space import Layout, SearchSpace, parse_layout
@@ -40,7 +40,7 @@ LAYER_PARAM = "layer:"
 GROUP_PARAM = "group:"
 RANK_PARAM = "lowered:"
 LS_PARAM = "loss_scale:"
-ORDER = tuple(f.value for f in Format)  # fp32, bf16, fp16, fp8: the order options are listed in
+ORDER = tuple(f.value for f in Format)  # fp32, bf16, fp16, the fp8s: the order options are listed in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +116,10 @@ def _exclusion(row: Mapping[str, Any], budget: float | None, slower_than: float)
     if not bool(row["finite"]):
         return "non-finite output, gradient, loss or metric when lowered alone"
     if bool(row["overflow"]):
-        return f"fp16 overflows: max |output| {float(row['max_abs']):.4g} > 65504 or inf when lowered"
+        return f"fp16 overflows: max |output| {float(row['max_abs']):.4g} > {FP16_MAX:g} or inf when lowered"
     grad_overflow = _number(row.get("grad_overflow"))
     if row["format"] == Format.FP16.value and grad_overflow > 0:
-        return f"fp16 gradients overflow even at loss scale 1 ({100 * grad_overflow:.2g}% of elements above 65504)"
+        return f"fp16 gradients overflow even at loss scale 1 ({100 * grad_overflow:.2g}% of elements above {FP16_MAX:g})"
     if budget is not None and float(row["metric_drop"]) > budget:
         return f"alone drops the metric by {float(row['metric_drop']):.4g} > budget {budget:g}"
     ratio = float(row["time_vs_fp32"])
@@ -242,12 +242,12 @@ def _union(options: list[tuple[str, ...]]) -> tuple[str, ...]:
 
 
 def fit(fmt: str, options: tuple[str, ...]) -> str:
-    """`fmt` where the layer may take it, else the next safer format it may: fp16/fp8 -> bf16 -> fp32."""
-    if fmt in options:
-        return fmt
-    if fmt in (Format.FP16.value, Format.FP8.value) and Format.BF16.value in options:
-        return Format.BF16.value
-    return Format.FP32.value
+    """`fmt` where the layer may take it, else the next safer format it may along the formats' fallbacks
+    (fp16/fp8 -> bf16 -> fp32)."""
+    current: Format | None = Format(fmt)
+    while current is not None and current.value not in options:
+        current = current.spec.fallback
+    return current.value if current is not None else Format.FP32.value
 
 
 def layer_formats(params: Mapping[str, Any], choices: Choices) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 
@@ -9,21 +10,24 @@ import torch
 
 
 class Format(str, enum.Enum):
-    """A per-layer precision format; the string value is what files and Optuna params hold."""
+    """A per-layer precision format; the string value is what files and Optuna params hold. What each one
+    means (its dtype or torchao recipe, loss scaling, range, fallback, where it runs) is its `FormatSpec`."""
 
-    FP32 = "fp32"  # autocast off inside the module, inputs cast up to fp32
-    BF16 = "bf16"  # the module's forward runs under torch.autocast(bfloat16)
-    FP16 = "fp16"  # the module's forward runs under torch.autocast(float16)
-    FP8 = "fp8"  # torchao float8 training linear: e4m3 forward, e5m2 gradients, dynamic scaling
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+    FP8_ROWWISE = "fp8-rowwise"
+    FP8_ROWWISE_GW_HP = "fp8-rowwise-gw-hp"
+    MXFP8 = "mxfp8"
 
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def spec(self) -> FormatSpec:
+        return REGISTRY[self]
 
-FORMATS: tuple[str, ...] = tuple(f.value for f in Format)
-
-# Formats that run through torch.autocast and the dtype each one lowers to.
-AUTOCAST_DTYPE: dict[Format, torch.dtype] = {Format.BF16: torch.bfloat16, Format.FP16: torch.float16}
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 2.0**-14
@@ -33,6 +37,104 @@ E5M2_MAX = 57344.0
 
 # torchao's float8 matmul (torch._scaled_mm) needs both weight dimensions divisible by 16.
 FP8_DIM_MULTIPLE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSpec:
+    """Everything autoprec knows about one format. Adding a format is one entry in REGISTRY (and its tests).
+
+    `autocast`: the dtype the layer's forward runs under torch.autocast (bf16, fp16), or None.
+    `fp8_recipe`: the torchao float8 training recipe (Float8LinearConfig.from_recipe_name) that runs it.
+    `loss_scale`: whether it needs a GradScaler (gradients that underflow without one).
+    `max_value`: the largest finite value its forward's low-precision values can hold (None: fp32/bf16 range).
+    `fallback`: the next safer format, when a layout or a variant must lower a layer less.
+    `risky`: fewer mantissa bits or a narrow range: worth choosing only for a measured gain.
+    `linear_only`: runs on nn.Linear only (torchao's float8 swaps Linears).
+    `inside`: what the layer computes in, for the README and `autoprec show`.
+    """
+
+    format: Format
+    inside: str
+    autocast: torch.dtype | None = None
+    fp8_recipe: str | None = None
+    loss_scale: bool = False
+    max_value: float | None = None
+    fallback: Format | None = None
+    risky: bool = False
+    linear_only: bool = False
+    # the fp8 dtype its gradients are cast to with one dynamic scale per tensor, whose underflow the gradient
+    # histograms can count (None: not such a cast; rowwise scales per row, which a histogram cannot follow)
+    tensorwise_grad_dtype: torch.dtype | None = None
+    min_capability: tuple[int, int] | None = None  # CUDA compute capability its kernels need
+    emulated_on_cpu: bool = True  # False: torchao has no working emulation (a device without its kernels refuses it)
+    why_no_emulation: str = ""
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.fp8_recipe is not None or self.format is Format.MXFP8
+
+    def device_problem(self, device: torch.device | str) -> str | None:
+        """Why this format cannot run on `device` at all, or None when it can (maybe emulated)."""
+        dev = torch.device(device)
+        if self.autocast is not None:
+            if not torch.amp.autocast_mode.is_autocast_available(dev.type):
+                return f"torch.autocast is not available on {dev.type}"
+            if dev.type == "cuda" and self.autocast == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                return f"{device_name(str(dev))} has no bf16"
+            return None
+        if self.min_capability is None:
+            return None
+        has = dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= self.min_capability
+        if self.format is Format.MXFP8 and has:
+            # No session has had a Blackwell GPU to build and test it on; refuse rather than run it untested.
+            return "autoprec does not yet run mxfp8 (torchao's mxfp8 training is a prototype it has not been tested with)"
+        if has or self.emulated_on_cpu:
+            return None
+        need = ".".join(map(str, self.min_capability))
+        return f"{self.format.value} needs CUDA compute capability {need}+ kernels on this device; {self.why_no_emulation}"
+
+
+REGISTRY: dict[Format, FormatSpec] = {
+    spec.format: spec
+    for spec in (
+        FormatSpec(Format.FP32, inside="autocast off; inputs arriving in bf16/fp16 are cast to fp32"),
+        FormatSpec(Format.BF16, inside="torch.autocast(bfloat16)", autocast=torch.bfloat16, fallback=Format.FP32),
+        FormatSpec(
+            Format.FP16, inside="torch.autocast(float16), with a GradScaler", autocast=torch.float16, loss_scale=True,
+            max_value=FP16_MAX, fallback=Format.BF16, risky=True,
+        ),
+        FormatSpec(
+            Format.FP8, inside="torchao float8 training, tensorwise: e4m3 forward, e5m2 gradients, one dynamic scale per tensor",
+            fp8_recipe="tensorwise", max_value=E4M3_MAX, fallback=Format.BF16, risky=True, linear_only=True,
+            tensorwise_grad_dtype=torch.float8_e5m2, min_capability=(8, 9),
+        ),
+        FormatSpec(
+            Format.FP8_ROWWISE, inside="torchao float8 training, rowwise: e4m3 everywhere, one scale per row (more accurate, slower)",
+            fp8_recipe="rowwise", max_value=E4M3_MAX, fallback=Format.BF16, risky=True, linear_only=True,
+            min_capability=(8, 9),
+        ),
+        FormatSpec(
+            Format.FP8_ROWWISE_GW_HP,
+            inside="torchao float8 training, rowwise_with_gw_hp: rowwise, the weight gradient in high precision",
+            fp8_recipe="rowwise_with_gw_hp", max_value=E4M3_MAX, fallback=Format.BF16, risky=True, linear_only=True,
+            min_capability=(8, 9), emulated_on_cpu=False,
+            why_no_emulation="torchao's emulation of this recipe fails inside bf16 autocast (weight-gradient dtype mismatch)",
+        ),
+        FormatSpec(
+            Format.MXFP8, inside="MX fp8: e4m3 with one power-of-two scale per 32 elements (Blackwell tensor cores)",
+            max_value=E4M3_MAX, fallback=Format.BF16, risky=True, linear_only=True, min_capability=(10, 0),
+            emulated_on_cpu=False,
+            why_no_emulation="autoprec does not run torchao's mxfp8 training prototype, which needs that hardware",
+        ),
+    )
+}
+
+FORMATS: tuple[str, ...] = tuple(f.value for f in Format)
+FP8_FORMATS: tuple[Format, ...] = tuple(f for f in Format if REGISTRY[f].is_fp8)
+RISKY: tuple[Format, ...] = tuple(f for f in Format if REGISTRY[f].risky)
+
+# Formats that run through torch.autocast and the dtype each one lowers to.
+AUTOCAST_DTYPE: dict[Format, torch.dtype] = {f: s.autocast for f, s in REGISTRY.items() if s.autocast is not None}
 
 
 def parse_format(value: object, *, field: str = "format") -> Format:
@@ -76,25 +178,26 @@ def fp8_backend(device: torch.device | str) -> Fp8Backend:
 
 def autocast_supported(device: torch.device | str, fmt: Format) -> bool:
     """Whether torch.autocast accepts this format's dtype on this device type."""
-    if fmt not in AUTOCAST_DTYPE:
-        return True
-    dtype = AUTOCAST_DTYPE[fmt]
-    dev = torch.device(device)
-    if not torch.amp.autocast_mode.is_autocast_available(dev.type):
-        return False
-    if dev.type == "cuda" and dtype == torch.bfloat16:
-        return torch.cuda.is_bf16_supported()
-    return True
+    return fmt not in AUTOCAST_DTYPE or REGISTRY[fmt].device_problem(device) is None
 
 
-def fp8_shape_problem(module: torch.nn.Module) -> str | None:
-    """Why torchao cannot run this module in fp8, or None when it can."""
+def fp8_shape_problem(module: torch.nn.Module, fmt: Format = Format.FP8) -> str | None:
+    """Why torchao cannot run this module in an fp8 format, or None when it can."""
     if not isinstance(module, torch.nn.Linear):
-        return f"fp8 covers nn.Linear only, not {type(module).__name__}"
+        return f"{fmt.value} covers nn.Linear only, not {type(module).__name__}"
     in_f, out_f = module.in_features, module.out_features
     if in_f % FP8_DIM_MULTIPLE or out_f % FP8_DIM_MULTIPLE:
-        return f"fp8 needs in/out features divisible by {FP8_DIM_MULTIPLE}, got ({in_f}, {out_f})"
+        return f"{fmt.value} needs in/out features divisible by {FP8_DIM_MULTIPLE}, got ({in_f}, {out_f})"
     return None
+
+
+def format_problem(fmt: Format, module: torch.nn.Module, device: torch.device | str) -> str | None:
+    """Why `module` cannot run in `fmt` on `device` (the device, then the module's type and shape), or None."""
+    spec = REGISTRY[fmt]
+    problem = spec.device_problem(device)
+    if problem is None and spec.linear_only:
+        problem = fp8_shape_problem(module, fmt)
+    return problem
 
 
 @functools.lru_cache(maxsize=None)

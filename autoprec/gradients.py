@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from autoprec.formats import Format
 from autoprec.measure import rng_devices
 from autoprec.task import Workload, check_loss, map_tensors
 
@@ -345,9 +346,11 @@ def profile_columns(record: LayerGradients, fmt: str, table: pd.DataFrame, max_u
     if fmt in ("fp16", "bf16"):
         f = hist.fractions(FP16 if fmt == "fp16" else BF16)
         out.update(grad_underflow=f["underflow"], grad_subnormal=f["subnormal"], grad_overflow=f["overflow"])
-    elif fmt == "fp8":
+    elif (spec := Format(fmt).spec).is_fp8:
         g = record.tensors["output_grad"]
-        out.update(grad_underflow=g.dynamic_underflow[E5M2.name] / g.nonzero if g.nonzero else 0.0, grad_subnormal=math.nan)
+        dyn = {torch.float8_e5m2: E5M2.name, torch.float8_e4m3fn: E4M3.name}.get(spec.tensorwise_grad_dtype)
+        under = (g.dynamic_underflow[dyn] / g.nonzero if g.nonzero else 0.0) if dyn else math.nan
+        out.update(grad_underflow=under, grad_subnormal=math.nan, grad_overflow=0.0 if dyn else math.nan)
     if fmt == "fp16":
         low, high, _ = layer_range(table, record.layer, max_underflow)
         out.update(scale_low_log2=math.nan if low is None else low, scale_high_log2=math.nan if high is None else high)

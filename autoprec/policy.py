@@ -104,7 +104,8 @@ class Policy:
 
     @property
     def uses_fp16(self) -> bool:
-        return Format.FP16 in self.layers.values()
+        """Whether any layer's format needs loss scaling (fp16): then the GradScaler is on."""
+        return any(f.spec.loss_scale for f in self.layers.values())
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {

@@ -24,7 +24,7 @@ from autoprec.apply import apply_policy
 from autoprec.cost import Stopwatch
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
-from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, autocast_supported, device_name, fp8_shape_problem
+from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, device_name, format_problem
 from autoprec.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
 from autoprec.measure import (
     TimingConfig,
@@ -203,12 +203,8 @@ def _run(workload: Workload, model: torch.nn.Module, names: list[str], batches: 
 
 
 def static_problem(module: torch.nn.Module, fmt: Format, device: torch.device) -> str | None:
-    """Why a format cannot apply to a module here, known without running it."""
-    if fmt is Format.FP8:
-        return fp8_shape_problem(module)
-    if not autocast_supported(device, fmt):
-        return f"torch.autocast has no {fmt.value} on {device.type}"
-    return None
+    """Why a format cannot apply to a module here, known without running it (formats.format_problem)."""
+    return format_problem(fmt, module, device)
 
 
 class _Holder(torch.nn.Module):

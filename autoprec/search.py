@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from autoprec.apply import fp8_backend
-from autoprec.choices import Choices, build_choices, greedy_policy, policy_from_params, warm_starts
+from autoprec.choices import Choices, build_choices, fit, greedy_policy, policy_from_params, warm_starts
 from autoprec.cost import Stopwatch
 from autoprec.files import write_atomically
 from autoprec.formats import Format, device_name
@@ -237,12 +237,9 @@ def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir
     )  # fmt: skip
 
 
-_RISKY = (Format.FP16, Format.FP8)
-
-
 def _risk(policy: Policy) -> int:
     """Layers in fp16 (overflow, loss scaling) or fp8 (4 mantissa bits): worth it only for a measured gain."""
-    return sum(fmt in _RISKY for fmt in policy.layers.values())
+    return sum(fmt.spec.risky for fmt in policy.layers.values())
 
 
 def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
@@ -251,9 +248,9 @@ def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
         return None
     layers = {}
     for name, fmt in policy.layers.items():
-        if fmt in _RISKY:
+        if fmt.spec.risky:
             options = choices.default if name == ROOT else choices.layers.get(name, ())
-            fmt = Format.BF16 if Format.BF16.value in options else Format.FP32
+            fmt = Format(fit(fmt.spec.fallback.value, options))
         layers[name] = fmt
     return Policy(layers=layers)
 

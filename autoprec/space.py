@@ -94,8 +94,9 @@ class SearchSpace:
             raise ValueError(f"max_params must be >= 1, but got {self.max_params!r}")
         if self.prune_slower_than < 1.0:
             raise ValueError(f"prune.slower_than must be >= 1.0, but got {self.prune_slower_than!r}")
-        if Format.FP8 in self.default:
-            raise ValueError("default (the model root) cannot be fp8: fp8 applies to nn.Linear layers only")
+        linear_only = [f.value for f in self.default if f.spec.linear_only]
+        if linear_only:
+            raise ValueError(f"default (the model root) cannot be {', '.join(linear_only)}: it applies to nn.Linear layers only")
         for type_name in self.layers:
             module_class(type_name)
 

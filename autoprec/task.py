@@ -60,12 +60,16 @@ def load_task(path: str | Path) -> Task:
     if spec is None or spec.loader is None:
         raise UserError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
+    # Registered under its unique name so torch.compile (dynamo), which imports a function's module to read
+    # its globals, can trace the model's and loss's code.
+    sys.modules[module_name] = module
     # Let the file import its own neighbours, as `python model.py` would.
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # SystemExit: a model.py that runs argparse or exit() at import
+        sys.modules.pop(module_name, None)
         raise UserError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
     finally:
         if folder in sys.path:

@@ -1,14 +1,16 @@
 import copy
+import dataclasses
 import json
 import logging
 
 import pytest
 import torch
+from torchao.float8 import Float8LinearConfig
 from torch import nn
 
 from autoprec import Policy, apply_policy, grad_scaler
 from autoprec.apply import applied_policy, applied_summary
-from autoprec.formats import Fp8Backend, has_fp8_kernels
+from autoprec.formats import FP8_FORMATS, Format, Fp8Backend, has_fp8_kernels
 from autoprec.measure import sqnr_db
 from autoprec.policy import LossScale
 
@@ -246,6 +248,39 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 requires_fp8_kernels = pytest.mark.skipif(
     not has_fp8_kernels("cuda"), reason="needs a CUDA GPU with fp8 kernels (compute capability 8.9+)"
 )
+
+
+@pytest.mark.parametrize("fmt", [f.value for f in FP8_FORMATS])
+def test_each_fp8_recipe_keeps_torchao_sqnr_thresholds_or_says_why_it_cannot_run_here(fmt):
+    """On a 256x512 Linear: output SQNR >= 20 dB and weight-gradient SQNR >= 17 dB against fp32 where this
+    device runs the recipe (kernels or torchao's emulation); elsewhere one clear refusal, model untouched."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(256, 512)).to(device)
+    low = copy.deepcopy(ref)
+    problem = Format(fmt).spec.device_problem(device)
+    if problem is not None:
+        with pytest.raises(ValueError, match=rf"layer '0' cannot be {fmt} here: .*give it bf16 or fp32"):
+            apply_policy(low, Policy(layers={"0": fmt}))
+        assert type(low[0]) is nn.Linear
+        return
+    apply_policy(low, Policy(layers={"0": fmt}))
+    assert low[0].config == dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(Format(fmt).spec.fp8_recipe), emulate=low[0].config.emulate
+    )
+    x = torch.randn(64, 256, device=device)
+    y_ref, y = ref(x), low(x)
+    grad_out = torch.randn_like(y_ref)
+    y_ref.backward(grad_out)
+    y.backward(grad_out)
+    assert sqnr_db(y_ref, y) >= 20
+    assert sqnr_db(ref[0].weight.grad, low[0].weight.grad) >= 17
+
+
+def test_two_fp8_recipes_in_one_model_each_get_their_own_config():
+    model = apply_policy(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), Policy(layers={"0": "fp8", "1": "fp8-rowwise"}))
+    assert model[0].config.cast_config_input.scaling_granularity.value == "tensorwise"
+    assert model[1].config.cast_config_input.scaling_granularity.value == "axiswise"
 
 
 @requires_fp8_kernels

@@ -1,0 +1,66 @@
+"""The format registry: one entry per format, and what the other modules read from it."""
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.choices import fit
+from autoprec.formats import FP8_FORMATS, FORMATS, REGISTRY, RISKY, Format, format_problem, parse_format
+
+
+def test_every_format_has_exactly_one_registry_entry_keyed_by_itself():
+    assert set(REGISTRY) == set(Format)
+    assert all(spec.format is fmt for fmt, spec in REGISTRY.items())
+    assert FORMATS == ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp", "mxfp8")
+
+
+def test_fallbacks_end_at_fp32_without_cycles():
+    for fmt in Format:
+        seen, current = [], fmt
+        while current is not None:
+            assert current not in seen, f"fallback cycle through {seen}"
+            seen.append(current)
+            current = current.spec.fallback
+        assert seen[-1] is Format.FP32
+
+
+@pytest.mark.parametrize(
+    ("fmt", "options", "expected"),
+    [("fp8-rowwise", ("fp32", "bf16"), "bf16"), ("fp16", ("fp32",), "fp32"), ("fp8", ("fp32", "fp8"), "fp8")],
+)
+def test_a_layout_falls_back_along_the_registry(fmt, options, expected):
+    assert fit(fmt, options) == expected
+
+
+def test_only_fp16_needs_a_loss_scale_and_the_low_formats_count_as_risky():
+    assert [f for f in Format if f.spec.loss_scale] == [Format.FP16]
+    assert set(RISKY) == {Format.FP16, *FP8_FORMATS}
+    assert set(FP8_FORMATS) == {Format.FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP, Format.MXFP8}
+
+
+def test_fp8_recipes_name_torchao_recipes_that_exist():
+    from torchao.float8 import Float8LinearConfig
+
+    for fmt in FP8_FORMATS:
+        if fmt.spec.fp8_recipe is not None:
+            Float8LinearConfig.from_recipe_name(fmt.spec.fp8_recipe)  # raises for an unknown name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's refusals")
+def test_on_a_cpu_formats_without_emulation_say_why_and_the_rest_run():
+    assert format_problem(Format.FP8, nn.Linear(32, 32), "cpu") is None
+    assert format_problem(Format.FP8_ROWWISE, nn.Linear(32, 32), "cpu") is None
+    gw = format_problem(Format.FP8_ROWWISE_GW_HP, nn.Linear(32, 32), "cpu")
+    assert "needs CUDA compute capability 8.9+" in gw and "emulation" in gw
+    assert "10.0+" in format_problem(Format.MXFP8, nn.Linear(32, 32), "cpu")
+
+
+def test_a_linear_only_format_names_itself_when_the_module_cannot_take_it():
+    assert format_problem(Format.FP8_ROWWISE, nn.Conv1d(16, 16, 3), "cpu") == "fp8-rowwise covers nn.Linear only, not Conv1d"
+    assert "divisible by 16" in format_problem(Format.FP8, nn.Linear(16, 4), "cpu")
+    assert format_problem(Format.BF16, nn.Conv1d(16, 16, 3), "cpu") is None
+
+
+def test_parse_format_lists_every_registered_format_on_a_typo():
+    with pytest.raises(ValueError, match="fp8-rowwise-gw-hp, mxfp8, but got 'fp8-row'"):
+        parse_format("fp8-row")
