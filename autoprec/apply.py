@@ -108,7 +108,7 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
 
 def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward of a module the policy lists: its format inside, the caller's precision outside."""
-    fmt: Format = getattr(self, _FORMAT_ATTR)
+    fmt = Format(getattr(self, _FORMAT_ATTR))
     dev = _first_device_type(self, args, kwargs)
     inner = type(self).forward
     if fmt is Format.FP32:
@@ -349,7 +349,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.n
     for name, fmt in policy.layers.items():
         module, own = paths[name], names[id(paths[name])]
         wrap = _needs_wrapper(fmt, own, paths, fmts)
-        setattr(module, _FORMAT_ATTR, fmt)
+        setattr(module, _FORMAT_ATTR, fmt.value)
         if wrap and "forward" not in module.__dict__:
             module.forward = types.MethodType(_policy_forward, module)
         records[name] = LayerRecord(

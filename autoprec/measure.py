@@ -9,13 +9,14 @@ after K training steps from the same weights in the same batch order (`train_and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -128,6 +129,52 @@ def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float(20 * torch.log10(torch.linalg.vector_norm(ref) / noise))
 
 
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """What one timed training step runs: a policy, and whether fp32 matmuls may use TF32 (CUDA only; a
+    process-wide setting, not a per-layer format, so it is set around each of this candidate's steps)."""
+
+    policy: Policy
+    tf32: bool = False
+
+
+def as_candidate(value: Policy | Candidate) -> Candidate:
+    return value if isinstance(value, Candidate) else Candidate(value)
+
+
+@contextlib.contextmanager
+def matmul_precision(device: torch.device, tf32: bool) -> Iterator[None]:
+    """fp32 matmuls strict (IEEE) or TF32 for the duration of one step on CUDA, the caller's setting restored
+    after; on other devices nothing changes (TF32 is a CUDA tensor-core mode)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@contextlib.contextmanager
+def compile_scope(compiled: bool, candidates: int) -> Iterator[None]:
+    """Where compiled candidates are built and stepped. torch.compile keeps its compiled code per code object
+    (the model class's forward) and, past `recompile_limit` (8) variants, silently runs the rest eagerly: a
+    search that compiles dozens of candidates of one model would time most of them uncompiled. So each set of
+    candidates timed together starts from empty caches (torch.compiler.reset(); the compiled kernels stay in
+    inductor's on-disk cache, so a graph seen before compiles fast) with room for all of them."""
+    if not compiled:
+        yield
+        return
+    import torch._dynamo  # noqa: PLC0415 (costly; only compiled measurement needs it)
+
+    torch.compiler.reset()
+    limit = max(8, 4 * candidates)
+    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit)):
+        yield
+
+
 def policy_model(workload: Workload, policy: Policy) -> torch.nn.Module:
     """A fresh copy of the fp32 reference model with `policy` applied."""
     return apply_policy(copy.deepcopy(workload.model), policy)
@@ -149,31 +196,55 @@ class Trainer:
     """One candidate's model, optimizer and GradScaler, taking training steps over the train batches.
 
     `order`: the train-batch indices to take in turn (default: as given, cycling). `skipped` counts the
-    steps the GradScaler skipped because of inf/NaN gradients: their weights did not change.
+    steps the GradScaler skipped because of inf/NaN gradients: their weights did not change. `compiled`:
+    the loss sees `torch.compile(model)` after the policy is applied, as a user who compiles trains;
+    `first_step_s` is then the first step's wall time, which holds the compilation. `tf32`: fp32 matmuls
+    may use TF32 (CUDA); otherwise they are strict IEEE fp32 on CUDA, whatever the process's setting.
     """
 
-    def __init__(self, workload: Workload, policy: Policy, *, order: Sequence[int] | None = None):
+    def __init__(
+        self,
+        workload: Workload,
+        policy: Policy | Candidate,
+        *,
+        order: Sequence[int] | None = None,
+        compiled: bool = False,
+    ):
+        candidate = as_candidate(policy)
         self.workload = workload
-        self.model = policy_model(workload, policy).train()
+        self.tf32 = candidate.tf32
+        self.model = policy_model(workload, candidate.policy).train()
+        self.compiled = compiled
+        self._forward_model = torch.compile(self.model) if compiled else self.model
+        self.first_step_s: float | None = None
         task = workload.task
         self.optimizer = task.optimizer(self.model) if task.optimizer else torch.optim.AdamW(self.model.parameters())
-        self.scaler = grad_scaler(policy, workload.device)
+        self.scaler = grad_scaler(candidate.policy, workload.device)
         self.order = tuple(order) if order is not None else tuple(range(len(workload.train)))
         self._next = 0
         self.steps = 0
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=workload.device)
 
     def step(self) -> torch.Tensor:
-        """Forward, backward, optimizer step (through the GradScaler); returns the loss without syncing."""
+        """Forward, backward, optimizer step (through the GradScaler); returns the loss without syncing
+        (but for the first step of a compiled model, timed to the end as its compilation)."""
+        first = self.steps == 0
+        if first:
+            synchronize(self.workload.device)
+            start = time.perf_counter()
         batch = self.workload.train[self.order[self._next % len(self.order)]]
         self._next += 1
         self.optimizer.zero_grad(set_to_none=True)
-        loss = check_loss(self.workload.task, self.workload.task.loss_fn(self.model, batch))
-        self._nonfinite |= ~torch.isfinite(loss.detach())
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
+        with matmul_precision(self.workload.device, self.tf32):
+            loss = check_loss(self.workload.task, self.workload.task.loss_fn(self._forward_model, batch))
+            self._nonfinite |= ~torch.isfinite(loss.detach())
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
         self._update_scale()
         self.steps += 1
+        if first:
+            synchronize(self.workload.device)
+            self.first_step_s = time.perf_counter() - start
         return loss
 
     def _update_scale(self) -> None:
@@ -195,12 +266,14 @@ class Trainer:
 @dataclasses.dataclass(frozen=True)
 class StepStats:
     """A candidate's training steps as timed: per-call time, whether losses stayed finite, and how many
-    of its steps (from its first, warm-up included) the GradScaler skipped."""
+    of its steps (from its first, warm-up included) the GradScaler skipped. `compile_s`: the first step's
+    seconds when the model was compiled (None when eager)."""
 
     timing: Timing
     finite: bool
     steps: int
     skipped: int
+    compile_s: float | None = None
 
     @property
     def skip_fraction(self) -> float:
@@ -214,24 +287,26 @@ class StepStats:
 
 
 def measure_steps(
-    workload: Workload, policies: Mapping[str, Policy], config: TimingConfig = TimingConfig(), *, progress: str | None = None
+    workload: Workload,
+    policies: Mapping[str, Policy | Candidate],
+    config: TimingConfig = TimingConfig(),
+    *,
+    progress: str | None = None,
+    compiled: bool = False,
 ) -> dict[str, StepStats]:
-    """Training-step time of each policy, interleaved, with finiteness and skipped steps."""
-    trainers = {name: Trainer(workload, policy) for name, policy in policies.items()}
-    work = {n: t.step for n, t in trainers.items()}
-    return step_stats(trainers, interleaved_times(work, workload.device, config, progress=progress))
+    """Training-step time of each policy (or Candidate), interleaved, with finiteness and skipped steps;
+    `compiled`: each model under torch.compile, its compilation in the warm-up (see compile_scope)."""
+    with compile_scope(compiled, len(policies)):
+        trainers = {name: Trainer(workload, policy, compiled=compiled) for name, policy in policies.items()}
+        work = {n: t.step for n, t in trainers.items()}
+        return step_stats(trainers, interleaved_times(work, workload.device, config, progress=progress))
 
 
 def step_stats(trainers: Mapping[str, Trainer], timings: Mapping[str, Timing]) -> dict[str, StepStats]:
-    return {n: StepStats(timings[n], t.finite, t.steps, t.skipped) for n, t in trainers.items()}
-
-
-def time_steps(
-    workload: Workload, policies: Mapping[str, Policy], config: TimingConfig = TimingConfig()
-) -> tuple[dict[str, Timing], dict[str, bool]]:
-    """Training-step time of each policy, interleaved; also whether every loss stayed finite."""
-    stats = measure_steps(workload, policies, config)
-    return {n: s.timing for n, s in stats.items()}, {n: s.finite for n, s in stats.items()}
+    return {
+        n: StepStats(timings[n], t.finite, t.steps, t.skipped, t.first_step_s if t.compiled else None)
+        for n, t in trainers.items()
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +326,7 @@ def rng_devices(device: torch.device) -> list[int]:
     return [device.index if device.index is not None else torch.cuda.current_device()]
 
 
-def train_and_evaluate(workload: Workload, policy: Policy, steps: int, *, seed: int = 0) -> TrainOutcome:
+def train_and_evaluate(workload: Workload, policy: Policy | Candidate, steps: int, *, seed: int = 0) -> TrainOutcome:
     """Train a fresh copy of the reference weights `steps` steps with `policy` (and its GradScaler), then
     evaluate it with the policy applied. `seed` fixes the batch order (see batch_order) and torch's RNG
     (dropout), so two policies with the same seed see the same batches and the same masks. The caller's
@@ -262,7 +337,8 @@ def train_and_evaluate(workload: Workload, policy: Policy, steps: int, *, seed: 
         for _ in range(steps):
             trainer.step()
         finite = trainer.finite
-        metric = metric_of(workload, trainer.model) if finite else math.nan
+        with matmul_precision(workload.device, trainer.tf32):
+            metric = metric_of(workload, trainer.model) if finite else math.nan
     return TrainOutcome(metric=metric, finite=finite and math.isfinite(metric), steps=steps, skipped=trainer.skipped)
 
 
@@ -322,9 +398,13 @@ def metric_of(workload: Workload, model: torch.nn.Module) -> float:
         model.train(was_training)
 
 
-def evaluate_metric(workload: Workload, policy: Policy) -> float:
-    """The metric of the reference weights with `policy` applied."""
-    return metric_of(workload, policy_model(workload, policy))
+def evaluate_metric(workload: Workload, policy: Policy | Candidate) -> float:
+    """The metric of the reference weights with `policy` applied, eagerly: compilation fuses kernels for speed
+    and moves the numbers only at rounding level, and compiling every candidate's evaluation would double the
+    compilations a search pays."""
+    candidate = as_candidate(policy)
+    with matmul_precision(workload.device, candidate.tf32):
+        return metric_of(workload, policy_model(workload, candidate.policy))
 
 
 def metric_name(workload: Workload) -> str:

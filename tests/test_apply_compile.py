@@ -140,3 +140,17 @@ def test_inductor_on_cuda_with_fp8_kernels_or_emulation():
     assert counters["stats"]["unique_graphs"] == 1
     expected = Fp8Backend.KERNELS if has_fp8_kernels(device) else Fp8Backend.EMULATION
     assert applied_summary(compiled._orig_mod).fp8_backends() == {"b": expected}
+
+
+def test_models_with_different_policies_compiled_in_one_process_each_run_their_own_formats():
+    """torch.compile keeps one cache per forward code object for every model of a class; its guards must tell
+    the policies apart (a format kept as an Enum on the module was not told apart: the second model ran the
+    first one's graph)."""
+    x = _batches(1)[0]
+    # layer k's format is base-3 digit k of i: every combination of fp32/bf16/fp16 over a, b, head in turn
+    policies = [Policy(layers={n: ("fp32", "bf16", "fp16")[i // 3**k % 3] for k, n in enumerate(("a", "b", "head"))}) for i in range(8)]
+    for policy in policies:
+        model = apply_policy(Net(), policy)
+        expected = model(x)
+        assert torch.equal(torch.compile(model, backend="aot_eager")(x), expected), policy.layers
+    assert counters["stats"]["unique_graphs"] == len(policies)

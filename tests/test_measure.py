@@ -13,8 +13,8 @@ from autoprec.measure import (
     evaluate_metric,
     interleaved_times,
     probe_times,
+    measure_steps,
     sqnr_db,
-    time_steps,
 )
 
 MODELS = Path(__file__).parent / "models"
@@ -76,10 +76,40 @@ def test_fp16_policy_steps_through_an_enabled_grad_scaler(workload):
     assert trainer.steps == 1
 
 
-def test_time_steps_reports_each_policy(workload):
-    timings, finite = time_steps(workload, {"fp32": Policy(), "bf16": Policy(layers={"": "bf16"})}, FAST)
-    assert set(timings) == {"fp32", "bf16"} and all(t.median_ms > 0 for t in timings.values())
-    assert finite == {"fp32": True, "bf16": True}
+def test_measure_steps_reports_each_policy(workload):
+    stats = measure_steps(workload, {"fp32": Policy(), "bf16": Policy(layers={"": "bf16"})}, FAST)
+    assert set(stats) == {"fp32", "bf16"} and all(s.timing.median_ms > 0 for s in stats.values())
+    assert {n: s.finite for n, s in stats.items()} == {"fp32": True, "bf16": True}
+    assert all(s.compile_s is None for s in stats.values())  # eager: nothing compiled
+
+
+def test_compiled_measurement_compiles_every_candidate_even_past_dynamos_recompile_limit(workload):
+    """Eleven policies of one model class: with torch.compile's default limit of 8 variants per code object the
+    last ones would run eagerly; each must run as a compiled graph of its own."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    names = [n for n, m in workload.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    policies = {"fp32": Policy()}
+    for i in range(1, 11):  # ten distinct policies: layer b's format is base-3 digit b of i
+        policies[f"p{i}"] = Policy(layers={n: ("fp32", "bf16", "fp16")[i // 3**b % 3] for b, n in enumerate(names)})
+    assert len({str(p.layers) for p in policies.values()}) == 11
+    counters.clear()
+    stats = measure_steps(workload, policies, TimingConfig(warmup=1, rounds=1, min_block_s=0.0), compiled=True)
+    assert counters["stats"]["unique_graphs"] >= 11  # one forward graph per candidate, none run eagerly
+    assert all(s.compile_s is not None and s.compile_s > 0 for s in stats.values())
+    assert torch._dynamo.config.recompile_limit == 8  # the raised limit was scoped to the measurement
+
+
+def test_a_compiled_policy_trains_without_recompiling_after_its_first_step(workload):
+    import torch._dynamo
+
+    trainer = Trainer(workload, Policy(layers={"": "bf16", "big": "fp32"}), compiled=True)
+    trainer.step()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # any recompile from here on raises
+        for _ in range(2 * len(workload.train)):
+            trainer.step()
+    assert trainer.finite and trainer.first_step_s > 0
 
 
 def test_metric_is_the_users_evaluate_or_minus_mean_eval_loss(workload):
