@@ -160,6 +160,18 @@ def _check_aliases(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None
             )
 
 
+def uncalled_children(model: torch.nn.Module) -> set[str]:
+    """Names of the modules inside a module that uses their weights without calling them (MultiheadAttention's
+    out_proj): a format set on them would do nothing, so apply_policy refuses them."""
+    return {
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if isinstance(module, _UNCALLED_CHILDREN)
+        for child, _ in module.named_modules()
+        if child
+    }
+
+
 def _check_called(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
     for name in policy.layers:
         parts = name.split(".") if name else []

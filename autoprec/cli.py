@@ -33,6 +33,17 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _compile(args: argparse.Namespace) -> bool:
+    """--compile / --no-compile as given; by default compiled on CUDA (how GPU training runs, and where fp8
+    pays only compiled) and eager elsewhere (inductor's CPU code is not what a CPU user is likely to train with)."""
+    if args.compile is not None:
+        return bool(args.compile)
+    try:
+        return torch.device(args.device).type == "cuda"
+    except RuntimeError:  # a bad --device is reported by _device, with the choices
+        return False
+
+
 def _out_dir(args: argparse.Namespace, task) -> Path:
     return Path(args.out) if args.out else Path("results") / task.name
 
@@ -45,7 +56,8 @@ def _prepare(args: argparse.Namespace):
     space = load_space(args.space)
     device = _device(args.device)
     workload = prepare(task, device)
-    print(f"autoprec: {task.path} on {device}", file=sys.stderr)
+    how = "compiled" if _compile(args) else "eager"
+    print(f"autoprec: {task.path} on {device}, {how}", file=sys.stderr)
     return task, space, workload
 
 
@@ -62,8 +74,9 @@ def _search_config(args: argparse.Namespace, budget: float | None = None):
                 raise ValueError(f"{' and '.join(given)} {verb} only to --mode train (the mode is {mode.value})")
         train = {k: v for k, v in (("train_steps", args.train_steps), ("noise_runs", args.noise_runs)) if v is not None}
         return SearchConfig(
-            budget=budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode, **train
-        )
+            budget=budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode,
+            compile=_compile(args), **train,
+        )  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -145,12 +158,12 @@ def _sweep_markdown(result) -> str:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autoprec.profile import profile
+    from autoprec.profile import ProfileConfig, profile
     from autoprec.report import gradient_summary, plot_all, profile_summary
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
-    prof = profile(workload, space)
+    prof = profile(workload, space, ProfileConfig(compile=_compile(args)))
     path = prof.save(out)
     pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     print(profile_summary(prof.table))
@@ -180,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default=_default_device(), help="where to measure (default: cuda when available, else cpu)")
         p.add_argument("--out", help="output directory (default: results/<model name>)")
         p.add_argument("--space", help="search-space YAML (default: the shipped search_spaces/default.yaml)")
+        p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="time steps with the model under torch.compile, as users who compile train "
+                            "(default: on for cuda, off for cpu)")  # fmt: skip
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         return p
 

@@ -28,6 +28,7 @@ from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, device_name, form
 from autoprec.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
 from autoprec.measure import (
     TimingConfig,
+    compile_scope,
     evaluate_metric,
     interleaved_times,
     metric_name,
@@ -64,6 +65,7 @@ class ProfileConfig:
     gross_slowdown: float = 4.0
     grad_batches: int | None = 8
     max_underflow: float = 1e-3
+    compile: bool = False  # time each layer's step under torch.compile (SearchConfig.compile sets it)
 
     def __post_init__(self) -> None:
         if self.grad_batches is not None and self.grad_batches < 1:
@@ -86,11 +88,12 @@ class Profile:
     grad_ranges: pd.DataFrame | None = None
     max_underflow: float = 1e-3
     cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict() of the profiling run
+    compiled: bool = False  # layer times measured under torch.compile
 
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost")}
+        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled")}
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None
         text = json.dumps(meta, indent=2) + "\n"
@@ -225,7 +228,7 @@ def _lowered_by_autocast(module: torch.nn.Module, inputs: tuple[tuple, dict], fm
     return out is not None and out.dtype == AUTOCAST_DTYPE[fmt]
 
 
-def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format):
+def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format, compiled: bool = False):
     """One forward+backward of the layer alone in `fmt`, on the inputs it saw in the model. bf16/fp16 are timed
     as inside a region of that format (a bf16 model root, say): inputs arrive in it and the output stays in
     it. A lone lowered layer also pays for casting in and out, but a policy that lowers its neighbours does
@@ -234,6 +237,7 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     dtype = AUTOCAST_DTYPE.get(fmt)
     policy = Policy(layers={"": fmt, "layer": fmt} if dtype else {"layer": fmt})
     holder = apply_policy(_Holder(copy.deepcopy(module)).train(), policy)
+    run = torch.compile(holder) if compiled else holder
     leaves: list[torch.Tensor] = []
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -246,7 +250,7 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     args, kwargs = map_tensors(inputs, leaf)
 
     def step() -> None:
-        _first_float(holder(*args, **kwargs)).float().sum().backward()
+        _first_float(run(*args, **kwargs)).float().sum().backward()
         holder.zero_grad(set_to_none=True)
         for t in leaves:
             t.grad = None
@@ -254,14 +258,31 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     return step
 
 
-def _time_layer(workload: Workload, module: torch.nn.Module, inputs, formats: list[Format], config: ProfileConfig):
-    work = {fmt: _layer_step(module, inputs, fmt) for fmt in formats}
-    probe = probe_times(work, workload.device, warmup=config.timing.warmup)
-    gross = {f for f in formats if f is not Format.FP32 and probe[f] > config.gross_slowdown * probe[Format.FP32]}
-    timed = interleaved_times({f: w for f, w in work.items() if f not in gross}, workload.device, config.timing)
+def _time_layer(
+    workload: Workload, module: torch.nn.Module, inputs, formats: list[Format], config: ProfileConfig
+) -> tuple[dict[Format, tuple[float, float]], dict[Format, str]]:
+    """(format -> (median ms, spread)) of the layer's step in each format, and (format -> why) for those whose
+    step failed here (a compiler that cannot build a format's kernels, say): a finding, not a crash."""
+    failed: dict[Format, str] = {}
+    with compile_scope(config.compile, len(formats)):
+        work = {fmt: _layer_step(module, inputs, fmt, config.compile) for fmt in formats}
+        probe = {}
+        for fmt, fn in work.items():
+            try:
+                probe.update(probe_times({fmt: fn}, workload.device, warmup=config.timing.warmup))
+            except Exception as exc:
+                if fmt is Format.FP32:
+                    raise
+                failed[fmt] = f"{fmt.value} step failed{' compiled' if config.compile else ''}: {type(exc).__name__}: {_first_line(exc)}"
+        gross = {f for f in probe if f is not Format.FP32 and probe[f] > config.gross_slowdown * probe[Format.FP32]}
+        timed = interleaved_times({f: w for f, w in work.items() if f in probe and f not in gross}, workload.device, config.timing)
     result = {f: (t.median_ms, t.spread) for f, t in timed.items()}
     result.update({f: (probe[f], float("nan")) for f in gross})  # probed only: the gap dwarfs any noise
-    return result
+    return result, failed
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 def _shape(module: torch.nn.Module) -> str:
@@ -302,18 +323,22 @@ def _profile_layer(
                 with watch.section("profile: sensitivity (output, gradient, metric per format)"):
                     row.update(_sensitivity(workload, name, fmt, ref, ref_out, fp32_metric, config))
             except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
-                reason = f"{fmt.value} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                reason = f"{fmt.value} failed: {type(exc).__name__}: {_first_line(exc)}"
         row.update(status="unsupported" if reason else "ok", reason=reason or "")
         rows[fmt] = row
     ok = [f for f in formats if rows[f]["status"] == "ok"]
     key = _timing_key(module, inputs, ok)
     if key in timed:  # a repeated block's layer: its time is the first one's
-        timed_as, times = timed[key]
+        timed_as, times, failed = timed[key]
         watch.count("profile: layer timings reused (same type, shapes and formats)", len(ok))
     else:
-        with watch.section("profile: layer timing (forward + backward per format)"):
-            timed_as, times = name, _time_layer(workload, module, inputs, ok, config)
-        timed[key] = (timed_as, times)
+        stage = "profile: layer timing (forward + backward per format" + (", compiled)" if config.compile else ")")
+        with watch.section(stage):
+            times, failed = _time_layer(workload, module, inputs, ok, config)
+        timed_as = name
+        timed[key] = (timed_as, times, failed)
+    for fmt, reason in failed.items():
+        rows[fmt].update(status="unsupported", reason=reason)
     fp32_ms = times[Format.FP32][0]
     for fmt, row in rows.items():
         ms, spread = times.get(fmt, (math.nan, math.nan))
@@ -380,7 +405,7 @@ def profile(
         grad_table = scale_table(grads)
     modules = dict(workload.model.named_modules())
     rows: list[dict] = []
-    timed: dict[str, tuple[str, dict]] = {}
+    timed: dict[str, tuple[str, dict, dict]] = {}
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
         formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
         rows.extend(
@@ -396,4 +421,5 @@ def profile(
         grad_ranges=grad_table,
         max_underflow=config.max_underflow,
         cost=watch.to_dict(),
+        compiled=config.compile,
     )

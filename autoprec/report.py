@@ -187,7 +187,16 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     ls = _mapping(m.get("loss_scale_search"))
     if ls.get("advice"):
         parts.append(f"loss scale: {ls['advice']}; searched init scales 2^{ls['init_scale_log2'][0]} .. 2^{ls['init_scale_log2'][1]}")
+    for name, why in _mapping(m.get("alternatives_not_measured")).items():
+        parts.append(f"{name}: {why}")
     rows = {r["candidate"]: r for _, r in finals.iterrows()}
+    tf32, picked = rows.get("TF32"), rows.get(m.get("chosen"))
+    if tf32 is not None and picked is not None and tf32["feasible"] and tf32["speedup"] > picked["speedup"]:
+        parts.append(
+            f"note: TF32 measured {tf32['speedup'] / picked['speedup']:.2f}x the chosen policy's speed within budget; it is a "
+            "process-wide setting, not a per-layer format: torch.set_float32_matmul_precision('high') in your script "
+            "also speeds the policy's fp32 layers"
+        )
     chosen, ref = rows.get(m.get("chosen")), rows.get("uniform bf16")
     if chosen is not None and ref is not None and chosen["candidate"] != "uniform bf16":
         lead = chosen["speedup"] / ref["speedup"] - 1

@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,13 @@ import pandas as pd
 import torch
 
 from autoprec.apply import fp8_backend
-from autoprec.choices import Choices, build_choices, fit, greedy_policy, policy_from_params, warm_starts
+from autoprec.alternatives import NOT_A_POLICY, Alternatives, alternatives
+from autoprec.alternatives import FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY
+from autoprec.choices import Choices, build_choices, fit, policy_from_params, warm_starts
 from autoprec.cost import Stopwatch
 from autoprec.files import write_atomically
 from autoprec.formats import Format, device_name
-from autoprec.measure import NoiseFloor, TimingConfig, measure_steps
+from autoprec.measure import Candidate, NoiseFloor, TimingConfig, measure_steps
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.profile import Profile, profile
 from autoprec.space import SearchSpace
@@ -47,7 +50,8 @@ from autoprec.task import Workload
 
 log = logging.getLogger("autoprec")
 
-BASELINES = ("fp32", "uniform bf16", "profile greedy")  # re-measured beside every result
+
+ALTERNATIVES = (FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY)  # re-measured beside every result, in this order
 
 __all__ = ["Mode", "SearchConfig", "SearchResult", "parse_mode", "search"]
 
@@ -100,33 +104,27 @@ def start(
     return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge)
 
 
-def baselines(prof: Profile, choices: Choices, budget: float) -> dict[str, Policy]:
-    """What every result is compared with: all-fp32, uniform bf16 (AMP's choice, whatever the profile said)
-    and the profile-greedy policy (each layer's fastest allowed format while the summed drops fit `budget`)."""
-    every = [ROOT, *choices.layers]
-    return {
-        "fp32": Policy(layers=dict.fromkeys(every, "fp32")),
-        "uniform bf16": Policy(layers=dict.fromkeys(every, "bf16")),
-        "profile greedy": greedy_policy(prof, choices, budget),
-    }
+def baselines(workload: Workload, prof: Profile, choices: Choices, budget: float) -> Alternatives:
+    """What every result is compared with, measured in the same run: alternatives.alternatives."""
+    return alternatives(workload.model, workload.device, prof, choices, budget)
 
 
 def finalist_policies(
     study: optuna.Study, choices: Choices, k: int, *, budget: float | None = None
-) -> dict[str, Policy]:
+) -> dict[str, Candidate]:
     """The k fastest distinct feasible policies of the study (with `budget`: among those whose drop fits it)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     good = [t for t in done if t.user_attrs.get("feasible")]
     if budget is not None:
         good = [t for t in good if t.user_attrs.get("metric_drop") is not None and t.user_attrs["metric_drop"] <= budget]
-    picked: dict[str, Policy] = {}
+    picked: dict[str, Candidate] = {}
     seen = set()
     for t in sorted(good, key=lambda t: -t.user_attrs["speedup"]):
         policy = policy_from_params(t.params, choices)
         key = json.dumps(policy.to_dict(), sort_keys=True)
         if key not in seen:
             seen.add(key)
-            picked[f"trial {t.number}"] = policy
+            picked[f"trial {t.number}"] = Candidate(policy)
         if len(picked) == k:
             break
     return picked
@@ -134,20 +132,21 @@ def finalist_policies(
 
 def remeasure(
     workload: Workload,
-    candidates: Mapping[str, Policy],
+    candidates: Mapping[str, Candidate],
     judge: Judge,
     budget: float,
     timing: TimingConfig,
     *,
     progress: str | None = None,
+    compiled: bool = False,
 ) -> pd.DataFrame:
     """Metric and step time of each candidate, timed interleaved with the others; speedup vs fp32 in
     effective steps (those the GradScaler did not skip). `runs`: the metric and every loss were finite and
     some step updated the weights; `feasible`: that, and the drop within `budget`."""
-    stats = measure_steps(workload, candidates, timing, progress=progress)
+    stats = measure_steps(workload, candidates, timing, progress=progress, compiled=compiled)
     rows = []
-    for name, policy in candidates.items():
-        metric, extra = judge.safe_metric(policy)
+    for name, candidate in candidates.items():
+        metric, extra = judge.safe_metric(candidate)
         drop = judge.fp32_metric - metric
         s = stats[name]
         rows.append({
@@ -161,6 +160,7 @@ def remeasure(
             "steps": s.steps,
             "effective_step_ms": s.effective_ms,
             "spread": s.timing.spread,
+            "compile_s": s.compile_s,
             "train_skipped": extra.get("train_skipped"),
         })  # fmt: skip
     table = pd.DataFrame(rows)
@@ -187,7 +187,11 @@ def _load_or_profile(
     watch = watch or Stopwatch()
     if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
         cached = Profile.load(out_dir)
-        same = cached.fingerprint == model_fingerprint(workload.model) and cached.device == device_name(str(workload.device))
+        same = (
+            cached.fingerprint == model_fingerprint(workload.model)
+            and cached.device == device_name(str(workload.device))
+            and cached.compiled == config.compile
+        )
         offered = {(n, f.value) for n, fs in space.tunable_layers(workload.model).items() for f in fs}
         complete = cached.grad_ranges is not None  # written before gradient ranges existed: measure again
         if same and complete and offered == set(zip(cached.table["layer"], cached.table["format"])):
@@ -210,20 +214,19 @@ def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir
     objective = Objective(workload, choices, space, started.judge, config)
     run_trials(study, objective, config.trials or space.trials, progress=config.progress)
     trial_costs(study, watch)
-    candidates = baselines(started.profile, choices, config.budget)
+    alts = baselines(workload, started.profile, choices, config.budget)
+    candidates = dict(alts.candidates)
     finalists = finalist_policies(study, choices, config.finalists)
     candidates.update(finalists)
     if finalists:
         top_name, top = next(iter(finalists.items()))
-        safer = safer_variant(top, choices)
-        if safer is not None and all(safer.layers != c.layers for c in candidates.values()):
-            candidates[f"{top_name}, fp16/fp8 -> bf16"] = safer
-    with watch.section(f"final re-measure of {len(candidates)} candidates"):
-        label = f"re-measuring {len(candidates)} candidates" if config.progress else None
-        finals = remeasure(workload, candidates, started.judge, config.budget, config.final_timing, progress=label)
+        safer = safer_variant(top.policy, choices)
+        if safer is not None and all(safer.layers != c.policy.layers or c.tf32 for c in candidates.values()):
+            candidates[f"{top_name}, fp16/fp8 -> bf16"] = Candidate(safer)
+    finals = final_remeasure(workload, candidates, started.judge, config, watch)
     best_name, why = choose(finals, candidates)
-    best = candidates[best_name]
-    measured = measured_record(workload, started, config, finals, best_name, config.budget)
+    best = candidates[best_name].policy
+    measured = measured_record(workload, started, config, finals, best_name, config.budget, notes=alts.notes)
     measured["why"] = why
     measured["cost"] = watch.to_dict()
     policy = Policy(layers=best.layers, loss_scale=best.loss_scale, measured=measured)
@@ -237,8 +240,26 @@ def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir
     )  # fmt: skip
 
 
-def _risk(policy: Policy) -> int:
+def final_remeasure(
+    workload: Workload, candidates: Mapping[str, Candidate], judge: Judge, config: SearchConfig, watch: Stopwatch
+) -> pd.DataFrame:
+    """The finalists and the alternatives re-measured together (remeasure), the compilation timed apart."""
+    label = f"re-measuring {len(candidates)} candidates" if config.progress else None
+    start = time.perf_counter()
+    finals = remeasure(
+        workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile
+    )
+    seconds = time.perf_counter() - start
+    compiling = float(finals["compile_s"].fillna(0.0).sum())
+    if compiling:
+        watch.add(f"final re-measure: compiling {len(candidates)} candidates (first step)", compiling)
+    watch.add(f"final re-measure of {len(candidates)} candidates", seconds - compiling)
+    return finals
+
+
+def _risk(policy: Policy | Candidate) -> int:
     """Layers in fp16 (overflow, loss scaling) or fp8 (4 mantissa bits): worth it only for a measured gain."""
+    policy = policy.policy if isinstance(policy, Candidate) else policy
     return sum(fmt.spec.risky for fmt in policy.layers.values())
 
 
@@ -255,16 +276,23 @@ def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
     return Policy(layers=layers)
 
 
-def choose(finals: pd.DataFrame, candidates: Mapping[str, Policy]) -> tuple[str, str]:
+def choose(finals: pd.DataFrame, candidates: Mapping[str, Policy | Candidate]) -> tuple[str, str]:
     """The fastest candidate within budget, unless its lead over one with fewer fp16/fp8 layers is inside
-    the measured spread: then the safer one, since the measurement cannot tell them apart."""
-    feasible = finals[finals["feasible"]].sort_values("speedup", ascending=False)
+    the measured spread: then the safer one, since the measurement cannot tell them apart; but never one
+    measured slower than the fastest alternative (fp32, uniform bf16, fp8 everywhere, profile greedy) within
+    budget. TF32 is not a policy and is never chosen."""
+    feasible = finals[finals["feasible"] & ~finals["candidate"].isin(NOT_A_POLICY)].sort_values("speedup", ascending=False)
     if not len(feasible):
         return "fp32", "no candidate stayed within budget when re-measured: fp32"
     top = feasible.iloc[0]
+    alts = feasible[feasible["candidate"].isin(ALTERNATIVES)]
+    floor = float(alts["speedup"].max()) if len(alts) else 0.0
     tied = [r for _, r in feasible.iterrows() if top["speedup"] / r["speedup"] - 1 < (top["spread"] + r["spread"]) / 2]
+    tied = [r for r in tied if r["speedup"] >= floor]
     pick = min(tied, key=lambda r: (_risk(candidates[r["candidate"]]), -r["speedup"]))
     if pick["candidate"] == top["candidate"]:
+        if top["candidate"] in ALTERNATIVES:
+            return str(top["candidate"]), f"the fastest within budget is an alternative, {top['candidate']}: no searched policy beat it"
         return str(top["candidate"]), "the fastest within budget"
     lead = 100 * (top["speedup"] / pick["speedup"] - 1)
     return str(pick["candidate"]), (
@@ -282,10 +310,12 @@ def measured_record(
     budget: float,
     *,
     compared: Mapping[str, str] | None = None,
+    notes: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The policy file's `measured`: the device, versions, budget, and the re-measured results of the policy
-    and of `compared` (label -> candidate in `finals`; default the BASELINES under their own names)."""
-    compared = compared or {name: name for name in BASELINES}
+    and of `compared` (label -> candidate in `finals`; default the alternatives measured, under their own
+    names); `notes`: alternatives not measured, and why."""
+    compared = compared or {name: name for name in ALTERNATIVES if name in set(finals["candidate"])}
     prof, choices, judge, study = started.profile, started.choices, started.judge, started.study
 
     def result(name: str) -> dict[str, float]:
@@ -316,9 +346,12 @@ def measured_record(
         "kept_fp32": kept,
         "excluded": {n: dict(r) for n, r in choices.excluded.items()},
         "fp8": fp8_backend(workload.device),
+        "compiled": config.compile,
+        "alternatives_not_measured": dict(notes or {}),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "timing": (
-            f"median of {config.final_timing.rounds} interleaved rounds; spread = interquartile range / median; "
+            ("torch.compile(model) after apply_policy, compilation excluded (warm-up); " if config.compile else "eager; ")
+            + f"median of {config.final_timing.rounds} interleaved rounds; spread = interquartile range / median; "
             "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
         ),
         "loss_scale_search": dict(choices.loss_scale or {}),

@@ -33,6 +33,7 @@ from autoprec.measure import (
     StepStats,
     TimingConfig,
     Trainer,
+    compile_scope,
     evaluate_metric,
     interleaved_times,
     noise_floor,
@@ -87,6 +88,9 @@ class SearchConfig:
     mode: Mode = Mode.WEIGHTS
     train_steps: int = 50
     noise_runs: int = 3
+    # Step times (the profile's layers, every trial, the re-measure) with the model under torch.compile, as
+    # users who compile train; the CLI's default on CUDA. The metric is evaluated eagerly either way.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
@@ -102,6 +106,8 @@ class SearchConfig:
             raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
         if self.finalists < 1:
             raise ValueError(f"finalists must be >= 1, but got {self.finalists!r}")
+        if self.compile != self.profile.compile:  # one switch: the profile's layer timings follow the search's
+            object.__setattr__(self, "profile", dataclasses.replace(self.profile, compile=self.compile))
 
 
 RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
@@ -167,12 +173,13 @@ def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, obj
         "mode": config.mode.value if config.mode is Mode.WEIGHTS else f"{config.mode.value}, {config.train_steps} steps",
         "layout": f"{space.layout.value}, max_params {space.max_params}",
         "objectives": OBJECTIVES[objectives],
+        "compile": "compiled" if config.compile else "eager",
     }
 
 
 OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}
 # Studies made before a key existed: one objective, per-layer parameters (what auto gives small models).
-_KEY_DEFAULTS = {"mode": Mode.WEIGHTS.value, "layout": "auto, max_params 16", "objectives": OBJECTIVES[1]}
+_KEY_DEFAULTS = {"mode": Mode.WEIGHTS.value, "layout": "auto, max_params 16", "objectives": OBJECTIVES[1], "compile": "eager"}
 
 
 class Judge:
@@ -219,7 +226,8 @@ class Objective:
             raise ValueError(f"objectives must be one of {sorted(OBJECTIVES)}, but got {objectives!r}")
         self.workload, self.choices, self.space = workload, choices, space
         self.judge, self.config, self.objectives = judge, config, objectives
-        self.baseline = Trainer(workload, Policy(layers={ROOT: Format.FP32}))  # timed beside every candidate
+        # timed beside every candidate (compiled: recompiled in each trial's compile_scope, mostly from cache)
+        self.baseline = Trainer(workload, Policy(layers={ROOT: Format.FP32}), compiled=config.compile)
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = suggest(trial, self.choices, self.space)
@@ -267,14 +275,18 @@ class Objective:
 
     def _time(self, trial: optuna.Trial, policy: Policy, constraint: float) -> tuple[bool, float]:
         try:
-            candidate = Trainer(self.workload, policy)
-            t = interleaved_times({"fp32": self.baseline.step, "policy": candidate.step}, self.workload.device, self.config.timing)
+            with compile_scope(self.config.compile, 2):
+                candidate = Trainer(self.workload, policy, compiled=self.config.compile)
+                work = {"fp32": self.baseline.step, "policy": candidate.step}
+                t = interleaved_times(work, self.workload.device, self.config.timing)
         except UserError:
             raise
         except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
             trial.set_user_attr("error", f"training step failed: {type(exc).__name__}: {exc}"[:300])
             return False, INFEASIBLE
         stats = StepStats(t["policy"], candidate.finite, candidate.steps, candidate.skipped)
+        if candidate.compiled:
+            trial.set_user_attr("compile_s", candidate.first_step_s)
         trial.set_user_attr("step_ms", t["policy"].median_ms)
         trial.set_user_attr("fp32_step_ms", t["fp32"].median_ms)
         trial.set_user_attr("spread", max(t["policy"].spread, t["fp32"].spread))
@@ -290,7 +302,7 @@ class Objective:
 
 TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
                "fp32_step_ms", "speedup", "spread", "train_skipped", "error")  # fmt: skip
-COST_ATTRS = ("evaluate_s", "measure_s", "reused_from")
+COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "reused_from")
 
 
 def _all_fp32(policy: Policy) -> bool:
@@ -402,12 +414,15 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
     """The study's completed trials (every worker's, every run's), split into evaluating the metric, measuring
     step times, and the rest of each trial's wall time: sampling, the storage, building the candidate."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    evaluate = sum(t.user_attrs.get("evaluate_s", 0.0) for t in done)
-    measure = sum(t.user_attrs.get("measure_s", 0.0) for t in done)
+    fresh = [t for t in done if "reused_from" not in t.user_attrs]  # a reused trial copies its source's seconds
+    evaluate = sum(t.user_attrs.get("evaluate_s", 0.0) for t in fresh)
+    measure = sum(t.user_attrs.get("measure_s", 0.0) for t in fresh)
+    compiling = sum(t.user_attrs.get("compile_s") or 0.0 for t in fresh)
     wall = sum(t.duration.total_seconds() for t in done if t.duration)
-    fresh = [t for t in done if "reused_from" not in t.user_attrs]
     watch.add("trials: evaluating the metric", evaluate, sum("evaluate_s" in t.user_attrs for t in fresh))
-    watch.add("trials: measuring step times", measure, sum("measure_s" in t.user_attrs for t in fresh))
+    if compiling:
+        watch.add("trials: compiling the candidate (its first step)", compiling, sum("compile_s" in t.user_attrs for t in fresh))
+    watch.add("trials: measuring step times", measure - compiling, sum("measure_s" in t.user_attrs for t in fresh))
     watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
     watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
 

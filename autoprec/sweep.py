@@ -27,7 +27,9 @@ from autoprec.formats import Format
 from autoprec.measure import NoiseFloor
 from autoprec.policy import ROOT, Policy
 from autoprec.profile import Profile
-from autoprec.search import Started, baselines, choose, finalist_policies, measured_record, remeasure, start
+from autoprec.alternatives import GREEDY
+from autoprec.measure import Candidate
+from autoprec.search import ALTERNATIVES, Started, baselines, choose, final_remeasure, finalist_policies, measured_record, start
 from autoprec.space import SearchSpace
 from autoprec.study import Objective, SearchConfig, run_trials, trial_costs, trials_table
 from autoprec.task import Workload
@@ -99,31 +101,35 @@ def _format_counts(policy: Policy) -> str:
     return ", ".join(f"{f} {counts[f]}" for f in (x.value for x in Format) if f in counts)
 
 
-def _candidates(started: Started, study: optuna.Study, budgets: tuple[float, ...], k: int) -> tuple[dict[str, Policy], dict[float, str]]:
-    """The baselines (fp32, uniform bf16, each budget's profile-greedy policy) and each budget's k fastest
-    trials within it, without repeats; and budget -> the name of its greedy policy."""
-    candidates: dict[str, Policy] = {}
+def _candidates(
+    workload: Workload, started: Started, study: optuna.Study, budgets: tuple[float, ...], k: int
+) -> tuple[dict[str, Candidate], dict[float, str], dict[str, str]]:
+    """The alternatives (each budget with its own profile-greedy policy) and each budget's k fastest trials
+    within it, without repeats; budget -> the name of its greedy policy; the alternatives not measured."""
+    candidates: dict[str, Candidate] = {}
 
-    def add(name: str, policy: Policy) -> str:
-        same = next((n for n, p in candidates.items() if p == policy), None)
+    def add(name: str, candidate: Candidate) -> str:
+        same = next((n for n, c in candidates.items() if c == candidate), None)
         if same is None:
-            candidates[name] = policy
+            candidates[name] = candidate
         return same or name
 
-    greedy = {}
+    greedy, notes = {}, {}
     for b in budgets:
-        for name, policy in baselines(started.profile, started.choices, b).items():
-            label = add(f"{name} {b:g}" if name == "profile greedy" else name, policy)
-            if name == "profile greedy":
+        alts = baselines(workload, started.profile, started.choices, b)
+        notes.update(alts.notes)
+        for name, candidate in alts.candidates.items():
+            label = add(f"{name} {b:g}" if name == GREEDY else name, candidate)
+            if name == GREEDY:
                 greedy[b] = label
     for b in budgets:
         for name, policy in finalist_policies(study, started.choices, k, budget=b).items():
             add(name, policy)
-    return candidates, greedy
+    return candidates, greedy, notes
 
 
 def choose_per_budget(
-    finals: pd.DataFrame, candidates: Mapping[str, Policy], budgets: tuple[float, ...]
+    finals: pd.DataFrame, candidates: Mapping[str, Candidate], budgets: tuple[float, ...]
 ) -> list[tuple[str, str]]:
     """(candidate, why) per budget, ascending: search.choose among the re-measured candidates within it; where
     that measured slower than the previous budget's choice (noise, or the safer pick), the previous stands."""
@@ -158,16 +164,14 @@ def sweep(
     objective = Objective(workload, choices, space, started.judge, config, objectives=OBJECTIVES)
     run_trials(study, objective, config.trials or space.trials, progress=config.progress)
     trial_costs(study, watch)
-    candidates, greedy = _candidates(started, study, budgets, config.finalists)
-    with watch.section(f"final re-measure of {len(candidates)} candidates"):
-        label = f"re-measuring {len(candidates)} candidates" if config.progress else None
-        finals = remeasure(workload, candidates, started.judge, config.budget, config.final_timing, progress=label)
+    candidates, greedy, notes = _candidates(workload, started, study, budgets, config.finalists)
+    finals = final_remeasure(workload, candidates, started.judge, config, watch)
     rows, policies = [], {}
     for b, (name, why) in zip(budgets, choose_per_budget(finals, candidates, budgets)):
-        compared = {"fp32": "fp32", "uniform bf16": "uniform bf16", "profile greedy": greedy[b]}
-        measured = measured_record(workload, started, config, finals, name, b, compared=compared)
+        compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
+        measured = measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes)
         measured.update(why=why, cost=watch.to_dict(), sweep={"budgets": list(budgets), "study_budget": config.budget})
-        chosen = candidates[name]
+        chosen = candidates[name].policy
         policy = Policy(layers=chosen.layers, loss_scale=chosen.loss_scale, measured=measured)
         policy.save(out_dir / policy_filename(b))
         policies[b] = policy

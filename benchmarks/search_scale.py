@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
 from autoprec import SearchConfig, load_space, load_task, prepare, profile, search  # noqa: E402
-from autoprec.measure import TimingConfig  # noqa: E402
+from autoprec.measure import Candidate, TimingConfig  # noqa: E402
 from autoprec.search import baselines, remeasure  # noqa: E402
 from autoprec.space import Layout  # noqa: E402
 from autoprec.study import Judge  # noqa: E402
@@ -81,9 +81,10 @@ def main() -> None:
         curves[layout.value] = curve(result.trials)
     pd.DataFrame(curves).rename_axis("trial").to_csv(out / "curves.csv")
     first = next(iter(results.values()))
-    candidates = baselines(first.profile, first.choices, args.budget)  # the layout does not change the choices
+    # the layout does not change the choices
+    candidates = dict(baselines(workload, first.profile, first.choices, args.budget).candidates)
     for name, result in results.items():
-        candidates[f"{name} search"] = dataclasses.replace(result.policy, measured=None)
+        candidates[f"{name} search"] = Candidate(dataclasses.replace(result.policy, measured=None))
     judge = Judge(workload, config, first.profile.fp32_metric)
     final = remeasure(workload, candidates, judge, args.budget, TimingConfig(rounds=args.rounds), progress="final re-measure")
     final.to_csv(out / "final.csv", index=False)

@@ -1,0 +1,84 @@
+"""What a user would run instead of a tuned policy, measured beside every result in the same run.
+
+- `fp32`: strict IEEE fp32 matmuls (on CUDA, whatever the process's TF32 setting);
+- `TF32` (CUDA only): fp32 with TF32 tensor-core matmuls, `torch.set_float32_matmul_precision("high")`;
+- `uniform bf16`: every layer and the root under bf16 autocast, what AMP does;
+- `fp8 everywhere`: torchao's float8 training (tensorwise) on every Linear its own size filter accepts
+  (`_auto_filter_for_recipe`: fixed thresholds from H100 benchmarks, not measured on this model or device),
+  the rest under bf16 autocast, as torchao's README recommends;
+- `profile greedy`: autoprec's own shortcut, each layer's fastest allowed format while the summed
+  single-layer drops fit the budget; the search has to beat it to be worth its trials.
+
+TF32 is a process-wide setting, not a per-layer format, so it is measured and shown but never becomes the
+policy: where it wins, the summary says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from autoprec.choices import Choices, greedy_policy
+from autoprec.formats import Format, format_problem
+from autoprec.measure import Candidate
+from autoprec.policy import ROOT, Policy
+from autoprec.profile import Profile
+
+FP32 = "fp32"
+TF32 = "TF32"
+BF16 = "uniform bf16"
+FP8_EVERYWHERE = "fp8 everywhere (torchao filter)"
+GREEDY = "profile greedy"
+
+NOT_A_POLICY = frozenset({TF32})  # measured for comparison; cannot be written as a per-layer policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternatives:
+    """The candidates (name -> Candidate) and, per alternative left out, why (shown under the table)."""
+
+    candidates: dict[str, Candidate]
+    notes: dict[str, str]
+
+
+def torchao_fp8_layers(model: torch.nn.Module, device: torch.device) -> tuple[list[str], int]:
+    """(names of the Linears torchao's tensorwise auto filter converts and autoprec can apply, number of
+    Linears looked at). Linears inside a module that never calls them (MultiheadAttention's out_proj) are
+    left out, as apply_policy refuses them."""
+    from autoprec.apply import _import_float8, uncalled_children  # noqa: PLC0415 (torchao only when needed)
+
+    accept = _import_float8()._auto_filter_for_recipe("tensorwise", filter_fqns=[])
+    skip = uncalled_children(model)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n and n not in skip]
+    chosen = [n for n, m in linears if accept(m, n) and format_problem(Format.FP8, m, device) is None]
+    return chosen, len(linears)
+
+
+def alternatives(model: torch.nn.Module, device: torch.device, prof: Profile, choices: Choices, budget: float) -> Alternatives:
+    """The alternatives every search and sweep result is re-measured beside (see the module's docstring)."""
+    every = [ROOT, *choices.layers]
+    fp32 = Policy(layers=dict.fromkeys(every, "fp32"))
+    out: dict[str, Candidate] = {FP32: Candidate(fp32)}
+    notes: dict[str, str] = {}
+    if device.type == "cuda":
+        out[TF32] = Candidate(fp32, tf32=True)
+    else:
+        notes[TF32] = f"TF32 is a CUDA tensor-core mode; not measured on {device.type}"
+    out[BF16] = Candidate(Policy(layers=dict.fromkeys(every, "bf16")))
+    try:
+        fp8_layers, n_linear = torchao_fp8_layers(model, device)
+    except Exception as exc:  # an older torchao without the filter: say so rather than guess its thresholds
+        logging.getLogger("autoprec").debug("torchao's fp8 filter unavailable", exc_info=True)
+        fp8_layers, n_linear = [], 0
+        notes[FP8_EVERYWHERE] = f"not measured: torchao's auto filter is unavailable ({type(exc).__name__})"
+    if fp8_layers:
+        out[FP8_EVERYWHERE] = Candidate(Policy(layers={ROOT: "bf16", **dict.fromkeys(fp8_layers, "fp8")}))
+    elif FP8_EVERYWHERE not in notes:
+        notes[FP8_EVERYWHERE] = (
+            f"same as uniform bf16 here: torchao's size filter (H100 thresholds) converts none of the model's "
+            f"{n_linear} Linears"
+        )
+    out[GREEDY] = Candidate(greedy_policy(prof, choices, budget))
+    return Alternatives(candidates=out, notes=notes)
