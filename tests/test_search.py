@@ -347,3 +347,67 @@ def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
     name, why = choose(finals(1.53, 0.04), candidates)  # 2% lead, 4% spread: noise
     assert name == "safe" and "inside the spread" in why
     assert choose(finals(1.65, 0.04), candidates)[0] == "risky"  # 10% lead: real
+
+
+def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
+    """A safer finalist tied with the top one is still refused when an alternative measured faster than it."""
+    from autoprec.search import choose
+
+    candidates = {
+        "fp32": Policy(),
+        "uniform bf16": Policy(layers={"": "bf16"}),
+        "trial 3": Policy(layers={"": "bf16", "a": "fp8", "b": "fp8"}),
+        "trial 5": Policy(layers={"": "bf16", "a": "bf16"}),
+    }
+    finals = pd.DataFrame([
+        {"candidate": "fp32", "speedup": 1.0, "spread": 0.04, "feasible": True},
+        {"candidate": "uniform bf16", "speedup": 1.49, "spread": 0.04, "feasible": True},
+        {"candidate": "trial 3", "speedup": 1.50, "spread": 0.04, "feasible": True},
+        {"candidate": "trial 5", "speedup": 1.46, "spread": 0.04, "feasible": True},  # safer, tied, but below bf16
+    ])  # fmt: skip
+    name, why = choose(finals, candidates)
+    assert name == "uniform bf16" and "inside the spread" in why
+    finals.loc[finals["candidate"] == "trial 3", "speedup"] = 1.7  # a real lead: the searched policy
+    assert choose(finals, candidates) == ("trial 3", "the fastest within budget")
+    finals.loc[finals["candidate"] == "trial 3", "feasible"] = False
+    name, why = choose(finals, candidates)
+    assert name == "uniform bf16" and "is an alternative" in why
+
+
+def test_tf32_is_measured_but_never_chosen_as_the_policy():
+    from autoprec.measure import Candidate
+    from autoprec.search import choose
+
+    fp32 = Policy(layers={"": "fp32"})
+    candidates = {"fp32": Candidate(fp32), "TF32": Candidate(fp32, tf32=True)}
+    finals = pd.DataFrame([
+        {"candidate": "fp32", "speedup": 1.0, "spread": 0.01, "feasible": True},
+        {"candidate": "TF32", "speedup": 3.0, "spread": 0.01, "feasible": True},
+    ])  # fmt: skip
+    assert choose(finals, candidates)[0] == "fp32"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compiled")
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget=0.05, compile=True, **{**FAST, "trials": 3})
+    return workload, search(workload, SPACE, config, out), out
+
+
+def test_a_compiled_search_times_compiled_steps_and_says_so(compiled):
+    workload, result, out = compiled
+    m = result.policy.measured
+    assert m["compiled"] is True and m["timing"].startswith("torch.compile(model) after apply_policy")
+    assert result.profile.compiled and json.loads((out / "profile.json").read_text())["compiled"] is True
+    assert "profile: layer timing (forward + backward per format, compiled)" in result.cost["seconds"]
+    timed = result.trials[result.trials["feasible"].eq(True) & result.trials["reused_from"].isna()]
+    assert len(timed) and (timed["compile_s"] > 0).all()
+    assert any(k.startswith("final re-measure: compiling") for k in result.cost["seconds"])
+    assert result.finals["compile_s"].gt(0).all()
+
+
+def test_a_compiled_and_an_eager_search_are_different_studies(compiled):
+    workload, _, out = compiled
+    with pytest.raises(UserError, match=r"compile compiled, now eager"):
+        search(workload, SPACE, SearchConfig(budget=0.05, compile=False, **{**FAST, "trials": 3}), out)

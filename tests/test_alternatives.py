@@ -1,0 +1,47 @@
+"""The alternatives every result is measured beside: what each one is, and what is left out and why."""
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autoprec import load_task, prepare
+from autoprec.alternatives import BF16, FP32, FP8_EVERYWHERE, GREEDY, TF32, alternatives, torchao_fp8_layers
+from autoprec.choices import build_choices
+from autoprec.profile import ProfileConfig, profile
+from autoprec.space import space_from_dict
+
+MODELS = Path(__file__).parent / "models"
+SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "trials": 3})
+
+
+class Wide(nn.Module):
+    """One Linear past torchao's tensorwise thresholds (N = 2048 > 1024), one below them, one not divisible by
+    16, and a MultiheadAttention whose out_proj is a Linear it never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 2048)
+        self.down = nn.Linear(2048, 64)
+        self.odd = nn.Linear(2048, 2050)
+        self.attn = nn.MultiheadAttention(2048, 8)
+
+
+def test_fp8_everywhere_takes_the_linears_torchaos_own_filter_accepts():
+    layers, looked_at = torchao_fp8_layers(Wide(), torch.device("cpu"))
+    assert layers == ["up"]  # down: K 2048 <= 4096 and N 64 <= 1024; odd: not divisible by 16; attn.out_proj: never called
+    assert looked_at == 3
+
+
+def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the_rest():
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    tiny = ProfileConfig(batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0))
+    prof = profile(workload, SPACE, tiny, progress=False)
+    choices = build_choices(prof, SPACE, 0.05, workload.device)
+    alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
+    assert list(alts.candidates) == [FP32, BF16, GREEDY]
+    assert "CUDA" in alts.notes[TF32]
+    assert "converts none of the model's 3 Linears" in alts.notes[FP8_EVERYWHERE]
+    fp32 = alts.candidates[FP32]
+    assert not fp32.tf32 and {f.value for f in fp32.policy.layers.values()} == {"fp32"}
+    assert {f.value for f in alts.candidates[BF16].policy.layers.values()} == {"bf16"}
