@@ -82,14 +82,14 @@ def _search_config(args: argparse.Namespace, budget: float | None = None):
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from autoprec.report import plot_all, search_summary
+    from autoprec.report import plot_all, search_markdown, search_summary
     from autoprec.search import search
 
     config = _search_config(args)
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
     result = search(workload, space, config, out)
-    write_text(out / "summary.md", _summary_markdown(result, args))
+    write_text(out / "summary.md", search_markdown(result, _command("search")))
     pngs = plot_all(result.profile, out, title=f"{task.name} on {result.profile.device}")
     print(search_summary(result))
     names = ", ".join(p.name for p in pngs)
@@ -101,22 +101,6 @@ def cmd_search(args: argparse.Namespace) -> int:
 def _command(verb: str) -> str:
     """The command line as the user typed it, for the markdown reports."""
     return " ".join(["autoprec", verb, *sys.argv[2:]])
-
-
-def _summary_markdown(result, args: argparse.Namespace) -> str:
-    from autoprec.report import gradient_summary, profile_summary, search_summary
-
-    command = _command("search")
-    prof = result.profile
-    return (
-        f"# autoprec search: {result.policy.measured['model']}\n\n`{command}`\n\n"
-        f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
-        f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.table, markdown=True)}\n\n"
-        f"dB: output SQNR against fp32; drop: metric drop; x time: the layer's forward+backward time over fp32's.\n\n"
-        f"![profile heat map](profile.png)\n\n"
-        f"## Gradient ranges\n\n{gradient_summary(prof.table, prof.advice(), markdown=True)}\n\n"
-        f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
-    )
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

@@ -170,9 +170,39 @@ def compile_scope(compiled: bool, candidates: int) -> Iterator[None]:
     import torch._dynamo  # noqa: PLC0415 (costly; only compiled measurement needs it)
 
     torch.compiler.reset()
-    limit = max(8, 4 * candidates)
+    limit = max(64, 16 * candidates)  # regional compilation: one variant per distinct block policy
     with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit)):
         yield
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of a transformer-like model: the children of a ModuleList or Sequential that share a class
+    with a sibling and have children of their own (not a lone Linear), outermost ones only."""
+    found: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = list(module.children())
+        for child in children:
+            same = sum(type(c) is type(child) for c in children)
+            if same >= 2 and any(True for _ in child.children()):
+                found.append(child)
+                inside.update(id(m) for m in child.modules())
+    return found
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile as large models are trained (torchtitan compiles each transformer block): each repeated
+    block compiled on its own, so a 12-block model compiles one block's graph per distinct block policy, not
+    the whole unrolled model per candidate, and candidates that share a block's formats share its code. A
+    model without repeated blocks is compiled whole. The model is changed in place (nn.Module.compile)."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        return torch.compile(model)
+    for block in blocks:
+        block.compile()
+    return model
 
 
 def policy_model(workload: Workload, policy: Policy) -> torch.nn.Module:
@@ -215,7 +245,7 @@ class Trainer:
         self.tf32 = candidate.tf32
         self.model = policy_model(workload, candidate.policy).train()
         self.compiled = compiled
-        self._forward_model = torch.compile(self.model) if compiled else self.model
+        self._forward_model = compile_model(self.model) if compiled else self.model
         self.first_step_s: float | None = None
         task = workload.task
         self.optimizer = task.optimizer(self.model) if task.optimizer else torch.optim.AdamW(self.model.parameters())

@@ -434,3 +434,17 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return path
+
+
+def search_markdown(result: Any, command: str) -> str:
+    """summary.md of a search: the command, the policy and every measured candidate, the profile, the gradients."""
+    prof = result.profile
+    return (
+        f"# autoprec search: {result.policy.measured['model']}\n\n`{command}`\n\n"
+        f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.table, markdown=True)}\n\n"
+        f"dB: output SQNR against fp32; drop: metric drop; x time: the layer's forward+backward time over fp32's.\n\n"
+        f"![profile heat map](profile.png)\n\n"
+        f"## Gradient ranges\n\n{gradient_summary(prof.table, prof.advice(), markdown=True)}\n\n"
+        f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
+    )

@@ -217,6 +217,8 @@ def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir
     alts = baselines(workload, started.profile, choices, config.budget)
     candidates = dict(alts.candidates)
     finalists = finalist_policies(study, choices, config.finalists)
+    # a finalist that is an alternative (the all-fp32 warm start, say) is measured once, under the alternative's name
+    finalists = {n: c for n, c in finalists.items() if c not in candidates.values()}
     candidates.update(finalists)
     if finalists:
         top_name, top = next(iter(finalists.items()))
@@ -350,7 +352,11 @@ def measured_record(
         "alternatives_not_measured": dict(notes or {}),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "timing": (
-            ("torch.compile(model) after apply_policy, compilation excluded (warm-up); " if config.compile else "eager; ")
+            (
+                "compiled after apply_policy (each repeated block, else the whole model), compilation excluded (warm-up); "
+                if config.compile
+                else "eager; "
+            )
             + f"median of {config.final_timing.rounds} interleaved rounds; spread = interquartile range / median; "
             "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
         ),

@@ -1,10 +1,11 @@
 """What autoprec's per-module autocast costs: an all-bf16 policy against hand-written torch.autocast.
 
-    python benchmarks/overhead.py [--device cuda] [--width 256] [--depth 4] [--batch 64] [--rounds 15]
+    python benchmarks/overhead.py [--device cuda] [--width 256] [--depth 4] [--batch 64] [--rounds 15] [--compile]
 
 Every candidate takes full training steps (forward, backward, AdamW step) on its own copy of the same
 fp32 model, timed interleaved by autoprec.measure.interleaved_times. Printed, not asserted; the goal is
-the all-bf16 policy at most 3% slower than torch.autocast around the whole model.
+the all-bf16 policy at most 3% slower than torch.autocast around the whole model. --compile: every model
+under torch.compile (applied after the policy), as GPU training runs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autoprec import Policy, apply_policy  # noqa: E402
-from autoprec.measure import TimingConfig, interleaved_times  # noqa: E402
+from autoprec.measure import TimingConfig, compile_scope, interleaved_times  # noqa: E402
 from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
 
 
@@ -48,9 +49,12 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def step_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], autocast: bool) -> Callable[[], None]:
+def step_fn(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], autocast: bool, compiled: bool = False
+) -> Callable[[], None]:
     """One training step; `autocast` wraps forward and loss the way a hand-written AMP loop does."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = torch.compile(model) if compiled else model
     x, y = batch
     dev = x.device.type
 
@@ -71,6 +75,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--compile", action="store_true", help="torch.compile every model (after the policy)")
     args = parser.parse_args()
     device = parse_device(args.device)
     print_header("overhead: all-bf16 policy vs torch.autocast(bfloat16) around the whole model", device)
@@ -86,15 +91,18 @@ def main() -> None:
         # No root entry: every Linear gets its own autocast region, the worst case for per-module overhead.
         "policy bf16 per layer": Policy(layers=dict.fromkeys(names, "bf16")),
     }
-    work = {
-        "fp32": step_fn(copy.deepcopy(base), batch, autocast=False),
-        "torch.autocast bf16": step_fn(copy.deepcopy(base), batch, autocast=True),
-        # The baseline again: how far apart one configuration measures from itself (the noise floor).
-        "torch.autocast bf16 again": step_fn(copy.deepcopy(base), batch, autocast=True),
-        **{name: step_fn(apply_policy(copy.deepcopy(base), p), batch, autocast=False) for name, p in policies.items()},
-    }
-    print(f"model: {args.depth} MLP blocks of width {args.width} ({len(names)} Linear layers), batch {args.batch}")
-    times = interleaved_times(work, device, TimingConfig(warmup=3, rounds=args.rounds, min_block_s=0.1))
+    c = args.compile
+    print(f"model: {args.depth} MLP blocks of width {args.width} ({len(names)} Linear layers), batch {args.batch}; "
+          f"torch.compile: {'on' if c else 'off'}")  # fmt: skip
+    with compile_scope(c, 5):  # every candidate compiled, none left eager
+        work = {
+            "fp32": step_fn(copy.deepcopy(base), batch, autocast=False, compiled=c),
+            "torch.autocast bf16": step_fn(copy.deepcopy(base), batch, autocast=True, compiled=c),
+            # The baseline again: how far apart one configuration measures from itself (the noise floor).
+            "torch.autocast bf16 again": step_fn(copy.deepcopy(base), batch, autocast=True, compiled=c),
+            **{n: step_fn(apply_policy(copy.deepcopy(base), p), batch, autocast=False, compiled=c) for n, p in policies.items()},
+        }
+        times = interleaved_times(work, device, TimingConfig(warmup=3, rounds=args.rounds, min_block_s=0.1))
     ref = times["torch.autocast bf16"].median_ms
     for name, t in times.items():
         print(f"  {name:24s} {fmt_timing(t)}   x{t.median_ms / ref:.3f} of torch.autocast")

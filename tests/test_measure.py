@@ -196,3 +196,24 @@ def test_noise_floor_spans_seeds(underflow):
     assert noise.to_dict()["train_steps"] == 10
     with pytest.raises(ValueError, match="noise runs must be >= 1"):
         noise_floor(underflow, 10, runs=0)
+
+
+def test_repeated_blocks_are_compiled_one_by_one_and_other_models_whole():
+    from torch import nn
+
+    from autoprec.measure import compile_model, repeated_blocks
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+    blocks = nn.ModuleList([Block(), Block(), Block()])
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), *blocks)  # two Linears: siblings, but no children
+    assert repeated_blocks(model) == list(blocks)
+    assert compile_model(model) is model and all(b._compiled_call_impl is not None for b in blocks)
+    flat = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    assert repeated_blocks(flat) == [] and compile_model(flat) is not flat  # whole-model torch.compile
