@@ -5,7 +5,7 @@ formats and loss-scale settings with Optuna for the fastest training step within
 and apply the resulting policy file in one call.
 """
 
-from autoprec.apply import applied_summary, apply_policy
+from autoprec.apply import applied_summary, apply_policy, compile_model
 from autoprec.scaler import grad_scaler
 from autoprec.errors import UserError
 from autoprec.formats import Format
@@ -18,7 +18,7 @@ from autoprec.task import Task, Workload, load_task, prepare
 
 __all__ = [
     # apply a policy in training
-    "load_policy", "apply_policy", "grad_scaler", "applied_summary", "Policy", "LossScale", "Format",
+    "load_policy", "apply_policy", "compile_model", "grad_scaler", "applied_summary", "Policy", "LossScale", "Format",
     # the pipeline
     "load_task", "prepare", "Task", "Workload", "load_space", "SearchSpace", "Layout",
     "profile", "Profile", "ProfileConfig", "search", "SearchConfig", "SearchResult", "Mode", "sweep", "SweepResult",

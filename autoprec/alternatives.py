@@ -16,12 +16,11 @@ policy: where it wins, the summary says so.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 
 from autoprec.choices import Choices, greedy_policy
-from autoprec.formats import Format, format_problem
+from autoprec.formats import Format, Fp8Backend, device_name, format_problem, fp8_backend
 from autoprec.measure import Candidate
 from autoprec.policy import ROOT, Policy
 from autoprec.profile import Profile
@@ -56,8 +55,11 @@ def torchao_fp8_layers(model: torch.nn.Module, device: torch.device) -> tuple[li
     return chosen, len(linears)
 
 
-def alternatives(model: torch.nn.Module, device: torch.device, prof: Profile, choices: Choices, budget: float) -> Alternatives:
-    """The alternatives every search and sweep result is re-measured beside (see the module's docstring)."""
+def alternatives(
+    model: torch.nn.Module, device: torch.device, prof: Profile, choices: Choices, budget: float, *, fp8_offered: bool = True
+) -> Alternatives:
+    """The alternatives every search and sweep result is re-measured beside (see the module's docstring).
+    `fp8_offered`: whether the search space offers fp8 at all; where it does not, fp8 everywhere is left out."""
     every = [ROOT, *choices.layers]
     fp32 = Policy(layers=dict.fromkeys(every, "fp32"))
     out: dict[str, Candidate] = {FP32: Candidate(fp32)}
@@ -67,12 +69,19 @@ def alternatives(model: torch.nn.Module, device: torch.device, prof: Profile, ch
     else:
         notes[TF32] = f"TF32 is a CUDA tensor-core mode; not measured on {device.type}"
     out[BF16] = Candidate(Policy(layers=dict.fromkeys(every, "bf16")))
-    try:
-        fp8_layers, n_linear = torchao_fp8_layers(model, device)
-    except Exception as exc:  # an older torchao without the filter: say so rather than guess its thresholds
-        logging.getLogger("autoprec").debug("torchao's fp8 filter unavailable", exc_info=True)
-        fp8_layers, n_linear = [], 0
-        notes[FP8_EVERYWHERE] = f"not measured: torchao's auto filter is unavailable ({type(exc).__name__})"
+    fp8_layers, n_linear = [], 0
+    if not fp8_offered:
+        notes[FP8_EVERYWHERE] = "not measured: the search space offers no fp8"
+    elif fp8_backend(device) is Fp8Backend.EMULATION:
+        notes[FP8_EVERYWHERE] = (
+            f"not measured: {device_name(str(device))} has no fp8 kernels, and torchao's emulation runs "
+            "high-precision matmuls plus the fp8 casts"
+        )
+    else:
+        try:
+            fp8_layers, n_linear = torchao_fp8_layers(model, device)
+        except (ImportError, AttributeError) as exc:  # a torchao without the filter: say so, do not guess its thresholds
+            notes[FP8_EVERYWHERE] = f"not measured: this torchao has no _auto_filter_for_recipe ({type(exc).__name__}: {exc})"
     if fp8_layers:
         out[FP8_EVERYWHERE] = Candidate(Policy(layers={ROOT: "bf16", **dict.fromkeys(fp8_layers, "fp8")}))
     elif FP8_EVERYWHERE not in notes:

@@ -196,7 +196,10 @@ def _check_formats(policy: Policy, paths: Mapping[str, torch.nn.Module], device:
             )
         problem = format_problem(fmt, paths[name], device)
         if problem:
-            raise ValueError(f"layer {name or '<model>'!r} cannot be {fmt} here: {problem}; give it bf16 or fp32")
+            safer = fmt.spec.fallback
+            while safer is not None and format_problem(safer, paths[name], device) is not None:
+                safer = safer.spec.fallback
+            raise ValueError(f"layer {name or '<model>'!r} cannot be {fmt} here: {problem}; give it {safer or Format.FP32}")
 
 
 def _check_forwards(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
@@ -373,6 +376,37 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.n
     return model
 
 
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of a transformer-like model: the children of a ModuleList or Sequential that share a class
+    with a sibling and have children of their own (not a lone Linear), outermost ones only."""
+    found: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = list(module.children())
+        for child in children:
+            same = sum(type(c) is type(child) for c in children)
+            if same >= 2 and any(True for _ in child.children()):
+                found.append(child)
+                inside.update(id(m) for m in child.modules())
+    return found
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Compile a model after apply_policy the way autoprec's compiled search measured it, as large models are
+    trained (torchtitan compiles each transformer block): each repeated block compiled on its own (in place,
+    nn.Module.compile), so a 12-block model compiles one block graph per distinct block policy rather than
+    the whole unrolled model; a model without repeated blocks is compiled whole (torch.compile(model),
+    returned). Use the returned model."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        return torch.compile(model)
+    for block in blocks:
+        block.compile()
+    return model
+
+
 def applied_summary(model: torch.nn.Module) -> AppliedSummary | None:
     """What apply_policy did to this model (per layer: format, type, aliases, fp8 backend), or None."""
     return getattr(model, _SUMMARY_ATTR, None)
@@ -390,6 +424,6 @@ def models_with(policy: Policy) -> list[torch.nn.Module]:
 
 
 __all__ = [
-    "apply_policy", "applied_policy", "applied_summary", "models_with", "AppliedSummary", "LayerRecord",
+    "apply_policy", "compile_model", "repeated_blocks", "applied_policy", "applied_summary", "models_with", "AppliedSummary", "LayerRecord",
     "fp8_backend", "Fp8Backend", "ROOT",
 ]  # fmt: skip

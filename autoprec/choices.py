@@ -79,7 +79,7 @@ class Choices:
 
     @property
     def fp16_layers(self) -> list[str]:
-        return [name for name, options in self.layers.items() if Format.FP16.value in options]
+        return [name for name, options in self.layers.items() if any(Format(f).spec.loss_scale for f in options)]
 
     @property
     def searched(self) -> list[str]:
@@ -274,7 +274,7 @@ def policy_from_params(params: Mapping[str, Any], choices: Choices) -> Policy:
     """The policy a trial's params describe."""
     layers = {ROOT: params.get(DEFAULT_PARAM, choices.default[0]), **layer_formats(params, choices)}
     loss_scale = LossScale()
-    if Format.FP16.value in layers.values() and LS_PARAM + "init_scale_log2" in params:
+    if any(Format(f).spec.loss_scale for f in layers.values()) and LS_PARAM + "init_scale_log2" in params:
         defaults = LossScale()
         loss_scale = LossScale(
             init_scale=2.0 ** params[LS_PARAM + "init_scale_log2"],
@@ -311,7 +311,7 @@ def suggest(trial: optuna.Trial, choices: Choices, space: SearchSpace) -> Policy
             params[key] = trial.suggest_int(key, *options)
         else:
             params[key] = trial.suggest_categorical(key, options)
-    if Format.FP16.value in policy_from_params(params, choices).layers.values():  # loss scaling matters only then
+    if policy_from_params(params, choices).uses_fp16:  # loss scaling matters only then
         ls = space.loss_scale
         lo, hi = (choices.loss_scale or {}).get("init_scale_log2", ls.init_scale_log2)
         params[LS_PARAM + "init_scale_log2"] = trial.suggest_int(LS_PARAM + "init_scale_log2", lo, hi)

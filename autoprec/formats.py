@@ -66,7 +66,7 @@ class FormatSpec:
     # histograms can count (None: not such a cast; rowwise scales per row, which a histogram cannot follow)
     tensorwise_grad_dtype: torch.dtype | None = None
     min_capability: tuple[int, int] | None = None  # CUDA compute capability its kernels need
-    emulated_on_cpu: bool = True  # False: torchao has no working emulation (a device without its kernels refuses it)
+    emulation_works: bool = True  # False: no working emulation, so a device without its kernels refuses it
     why_no_emulation: str = ""
 
     @property
@@ -88,7 +88,7 @@ class FormatSpec:
         if self.format is Format.MXFP8 and has:
             # No session has had a Blackwell GPU to build and test it on; refuse rather than run it untested.
             return "autoprec does not yet run mxfp8 (torchao's mxfp8 training is a prototype it has not been tested with)"
-        if has or self.emulated_on_cpu:
+        if has or self.emulation_works:
             return None
         need = ".".join(map(str, self.min_capability))
         return f"{self.format.value} needs CUDA compute capability {need}+ kernels on this device; {self.why_no_emulation}"
@@ -117,13 +117,13 @@ REGISTRY: dict[Format, FormatSpec] = {
             Format.FP8_ROWWISE_GW_HP,
             inside="torchao float8 training, rowwise_with_gw_hp: rowwise, the weight gradient in high precision",
             fp8_recipe="rowwise_with_gw_hp", max_value=E4M3_MAX, fallback=Format.BF16, risky=True, linear_only=True,
-            min_capability=(8, 9), emulated_on_cpu=False,
+            min_capability=(8, 9), emulation_works=False,
             why_no_emulation="torchao's emulation of this recipe fails inside bf16 autocast (weight-gradient dtype mismatch)",
         ),
         FormatSpec(
             Format.MXFP8, inside="MX fp8: e4m3 with one power-of-two scale per 32 elements (Blackwell tensor cores)",
             max_value=E4M3_MAX, fallback=Format.BF16, risky=True, linear_only=True, min_capability=(10, 0),
-            emulated_on_cpu=False,
+            emulation_works=False,
             why_no_emulation="autoprec does not run torchao's mxfp8 training prototype, which needs that hardware",
         ),
     )
@@ -158,7 +158,8 @@ def is_cuda(device: torch.device | str) -> bool:
 def has_fp8_kernels(device: torch.device | str) -> bool:
     """True where torch._scaled_mm has real fp8 kernels: CUDA devices of compute capability 8.9+."""
     dev = torch.device(device)
-    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= (8, 9)
+    need = REGISTRY[Format.FP8].min_capability
+    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= need
 
 
 class Fp8Backend(str, enum.Enum):

@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from autoprec.apply import apply_policy
+from autoprec.apply import apply_policy, compile_model
 from autoprec.scaler import grad_scaler
 from autoprec.policy import Policy
+from autoprec.errors import UserError
 from autoprec.task import Workload, check_loss
 
 
@@ -144,17 +145,19 @@ def as_candidate(value: Policy | Candidate) -> Candidate:
 
 @contextlib.contextmanager
 def matmul_precision(device: torch.device, tf32: bool) -> Iterator[None]:
-    """fp32 matmuls strict (IEEE) or TF32 for the duration of one step on CUDA, the caller's setting restored
-    after; on other devices nothing changes (TF32 is a CUDA tensor-core mode)."""
+    """fp32 matmuls and cuDNN convolutions strict (IEEE) or TF32 for the duration of one step on CUDA, the
+    caller's settings restored after; on other devices nothing changes (TF32 is a CUDA tensor-core mode)."""
     if device.type != "cuda":
         yield
         return
-    before = torch.get_float32_matmul_precision()
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = tf32
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
 
 
 @contextlib.contextmanager
@@ -171,38 +174,15 @@ def compile_scope(compiled: bool, candidates: int) -> Iterator[None]:
 
     torch.compiler.reset()
     limit = max(64, 16 * candidates)  # regional compilation: one variant per distinct block policy
-    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit)):
+    config = torch._dynamo.config
+    # torch 2.7 renamed cache_size_limit to recompile_limit (the old names stay as aliases for a while)
+    new = hasattr(config, "recompile_limit")
+    names = ("recompile_limit", "accumulated_recompile_limit") if new else ("cache_size_limit", "accumulated_cache_size_limit")
+    patch = {names[0]: limit, names[1]: max(256, 4 * limit)}
+    if hasattr(config, "fail_on_cache_limit_hit"):  # past the limit: an error (the candidate fails), never eager
+        patch["fail_on_cache_limit_hit"] = True
+    with config.patch(**patch):
         yield
-
-
-def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks of a transformer-like model: the children of a ModuleList or Sequential that share a class
-    with a sibling and have children of their own (not a lone Linear), outermost ones only."""
-    found: list[torch.nn.Module] = []
-    inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
-            continue
-        children = list(module.children())
-        for child in children:
-            same = sum(type(c) is type(child) for c in children)
-            if same >= 2 and any(True for _ in child.children()):
-                found.append(child)
-                inside.update(id(m) for m in child.modules())
-    return found
-
-
-def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile as large models are trained (torchtitan compiles each transformer block): each repeated
-    block compiled on its own, so a 12-block model compiles one block's graph per distinct block policy, not
-    the whole unrolled model per candidate, and candidates that share a block's formats share its code. A
-    model without repeated blocks is compiled whole. The model is changed in place (nn.Module.compile)."""
-    blocks = repeated_blocks(model)
-    if not blocks:
-        return torch.compile(model)
-    for block in blocks:
-        block.compile()
-    return model
 
 
 def policy_model(workload: Workload, policy: Policy) -> torch.nn.Module:
@@ -325,11 +305,38 @@ def measure_steps(
     compiled: bool = False,
 ) -> dict[str, StepStats]:
     """Training-step time of each policy (or Candidate), interleaved, with finiteness and skipped steps;
-    `compiled`: each model under torch.compile, its compilation in the warm-up (see compile_scope)."""
+    `compiled`: each model under torch.compile, its compilation in the warm-up (see compile_scope). A
+    candidate that cannot be built or take a step is left out of the timing: `failed` gets its error."""
+    stats, _ = measure_steps_or_fail(workload, policies, config, progress=progress, compiled=compiled)
+    return stats
+
+
+def measure_steps_or_fail(
+    workload: Workload,
+    policies: Mapping[str, Policy | Candidate],
+    config: TimingConfig = TimingConfig(),
+    *,
+    progress: str | None = None,
+    compiled: bool = False,
+) -> tuple[dict[str, StepStats], dict[str, str]]:
+    """measure_steps, and (name -> "Error: message") for the candidates whose model or first step failed (the
+    user's code in a format it cannot run, a compiler error): a finding about that candidate, not a crash."""
+    failed: dict[str, str] = {}
     with compile_scope(compiled, len(policies)):
-        trainers = {name: Trainer(workload, policy, compiled=compiled) for name, policy in policies.items()}
+        trainers = {}
+        for name, policy in policies.items():
+            try:
+                trainer = Trainer(workload, policy, compiled=compiled)
+                trainer.step()  # builds (and compiles) now, so a failure is this candidate's alone
+            except Exception as exc:
+                if isinstance(exc, UserError):
+                    raise
+                failed[name] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+                continue
+            trainers[name] = trainer
         work = {n: t.step for n, t in trainers.items()}
-        return step_stats(trainers, interleaved_times(work, workload.device, config, progress=progress))
+        timings = interleaved_times(work, workload.device, config, progress=progress) if work else {}
+        return step_stats(trainers, timings), failed
 
 
 def step_stats(trainers: Mapping[str, Trainer], timings: Mapping[str, Timing]) -> dict[str, StepStats]:

@@ -24,12 +24,13 @@ from autoprec.apply import apply_policy
 from autoprec.cost import Stopwatch
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
-from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, device_name, format_problem
+from autoprec.formats import AUTOCAST_DTYPE, Format, device_name, format_problem
 from autoprec.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
 from autoprec.measure import (
     TimingConfig,
     compile_scope,
     evaluate_metric,
+    matmul_precision,
     interleaved_times,
     metric_name,
     metric_of,
@@ -265,7 +266,7 @@ def _time_layer(
     step failed here (a compiler that cannot build a format's kernels, say): a finding, not a crash."""
     failed: dict[Format, str] = {}
     with compile_scope(config.compile, len(formats)):
-        work = {fmt: _layer_step(module, inputs, fmt, config.compile) for fmt in formats}
+        work = {fmt: _strict(workload.device, _layer_step(module, inputs, fmt, config.compile)) for fmt in formats}
         probe = {}
         for fmt, fn in work.items():
             try:
@@ -279,6 +280,16 @@ def _time_layer(
     result = {f: (t.median_ms, t.spread) for f, t in timed.items()}
     result.update({f: (probe[f], float("nan")) for f in gross})  # probed only: the gap dwarfs any noise
     return result, failed
+
+
+def _strict(device: torch.device, step):
+    """The step with strict fp32 matmuls (CUDA), as the trials' fp32 baseline, whatever the process's TF32 setting."""
+
+    def run() -> None:
+        with matmul_precision(device, False):
+            step()
+
+    return run
 
 
 def _first_line(exc: BaseException) -> str:
@@ -356,7 +367,9 @@ def _sensitivity(workload, name, fmt, ref, ref_out, fp32_metric, config) -> dict
     model.zero_grad(set_to_none=True)
     metric = metric_of(workload, model)
     finite &= math.isfinite(metric)
-    overflow = fmt is Format.FP16 and (float(ref_out.abs().max()) > FP16_MAX or not bool(torch.isfinite(out).all()))
+    # an autocast format with a narrow range (fp16) saturates to inf: fp8's scaled casts do not
+    limit = fmt.spec.max_value if fmt.spec.autocast is not None else None
+    overflow = limit is not None and (float(ref_out.abs().max()) > limit or not bool(torch.isfinite(out).all()))
     return {
         "sqnr_db": sqnr_db(ref_out, out),
         "grad_sqnr_db": sqnr_db(ref_grad, grad) if grad is not None and ref_grad is not None else math.nan,

@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from autoprec.alternatives import BF16, TF32
 from autoprec.choices import role
 from autoprec.cost import cost_rows
 from autoprec.files import write_atomically
@@ -122,7 +123,8 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     if m:
         parts.append(
             f"measured on {m.get('device', '?')} for {m.get('model', '?')}; metric {m.get('metric', '?')}, "
-            f"budget {m.get('budget', '?')} ({mode_text(m)}); fp8: {m.get('fp8', '?')}"
+            f"budget {m.get('budget', '?')} ({mode_text(m)}); fp8: {m.get('fp8', '?')}; "
+            f"step times {'compiled' if m.get('compiled') else 'eager'}"
         )
         if m.get("results"):
             parts.append(table(RESULT_HEADERS, result_rows(policy)))
@@ -190,15 +192,15 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     for name, why in _mapping(m.get("alternatives_not_measured")).items():
         parts.append(f"{name}: {why}")
     rows = {r["candidate"]: r for _, r in finals.iterrows()}
-    tf32, picked = rows.get("TF32"), rows.get(m.get("chosen"))
+    tf32, picked = rows.get(TF32), rows.get(m.get("chosen"))
     if tf32 is not None and picked is not None and tf32["feasible"] and tf32["speedup"] > picked["speedup"]:
         parts.append(
             f"note: TF32 measured {tf32['speedup'] / picked['speedup']:.2f}x the chosen policy's speed within budget; it is a "
             "process-wide setting, not a per-layer format: torch.set_float32_matmul_precision('high') in your script "
             "also speeds the policy's fp32 layers"
         )
-    chosen, ref = rows.get(m.get("chosen")), rows.get("uniform bf16")
-    if chosen is not None and ref is not None and chosen["candidate"] != "uniform bf16":
+    chosen, ref = rows.get(m.get("chosen")), rows.get(BF16)
+    if chosen is not None and ref is not None and chosen["candidate"] != BF16:
         lead = chosen["speedup"] / ref["speedup"] - 1
         noise = (chosen["spread"] + ref["spread"]) / 2
         if lead < noise:
@@ -208,7 +210,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
             )
     excluded = _mapping(m.get("excluded"))
     overruled = [n for n, f in policy.layers.items() if f.value in _mapping(excluded.get(n))]
-    if m.get("chosen") == "uniform bf16" and overruled:
+    if m.get("chosen") == BF16 and overruled:
         parts.append(
             f"note: the policy is the uniform-bf16 baseline, measured as a whole step, though the profile ruled "
             f"out bf16 for {', '.join(map(_layer_name, overruled))} on its own (a layer timed alone is not the whole step)"
@@ -418,7 +420,7 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     for i, b in enumerate(table["budget"]):
         ax.axvline(b, color="C3", linestyle=":", linewidth=1, label="budgets" if i == 0 else None)
     ax.scatter(table["metric_drop"], table["speedup"], marker="*", s=160, color="C3", zorder=3, label="chosen per budget (re-measured)")
-    row = result.finals[result.finals["candidate"] == "uniform bf16"]
+    row = result.finals[result.finals["candidate"] == BF16]
     if len(row):
         ax.scatter(row["metric_drop"], row["speedup"], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)")
     ax.axhline(1.0, color="black", linewidth=0.6)

@@ -16,7 +16,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,10 @@ from autoprec.alternatives import NOT_A_POLICY, Alternatives, alternatives
 from autoprec.alternatives import FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY
 from autoprec.choices import Choices, build_choices, fit, policy_from_params, warm_starts
 from autoprec.cost import Stopwatch
+from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.formats import Format, device_name
-from autoprec.measure import Candidate, NoiseFloor, TimingConfig, measure_steps
+from autoprec.measure import Candidate, NoiseFloor, TimingConfig, measure_steps_or_fail
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.profile import Profile, profile
 from autoprec.space import SearchSpace
@@ -104,21 +105,23 @@ def start(
     return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge)
 
 
-def baselines(workload: Workload, prof: Profile, choices: Choices, budget: float) -> Alternatives:
+def baselines(workload: Workload, space: SearchSpace, prof: Profile, choices: Choices, budget: float) -> Alternatives:
     """What every result is compared with, measured in the same run: alternatives.alternatives."""
-    return alternatives(workload.model, workload.device, prof, choices, budget)
+    fp8_offered = any(Format.FP8 in formats for formats in space.layers.values())
+    return alternatives(workload.model, workload.device, prof, choices, budget, fp8_offered=fp8_offered)
 
 
 def finalist_policies(
-    study: optuna.Study, choices: Choices, k: int, *, budget: float | None = None
+    study: optuna.Study, choices: Choices, k: int, *, budget: float | None = None, exclude: Collection[Candidate] = ()
 ) -> dict[str, Candidate]:
-    """The k fastest distinct feasible policies of the study (with `budget`: among those whose drop fits it)."""
+    """The k fastest distinct feasible policies of the study (with `budget`: among those whose drop fits it),
+    leaving out those in `exclude` (the alternatives, measured under their own names)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     good = [t for t in done if t.user_attrs.get("feasible")]
     if budget is not None:
         good = [t for t in good if t.user_attrs.get("metric_drop") is not None and t.user_attrs["metric_drop"] <= budget]
     picked: dict[str, Candidate] = {}
-    seen = set()
+    seen = {json.dumps(c.policy.to_dict(), sort_keys=True) for c in exclude if not c.tf32}
     for t in sorted(good, key=lambda t: -t.user_attrs["speedup"]):
         policy = policy_from_params(t.params, choices)
         key = json.dumps(policy.to_dict(), sort_keys=True)
@@ -143,25 +146,29 @@ def remeasure(
     """Metric and step time of each candidate, timed interleaved with the others; speedup vs fp32 in
     effective steps (those the GradScaler did not skip). `runs`: the metric and every loss were finite and
     some step updated the weights; `feasible`: that, and the drop within `budget`."""
-    stats = measure_steps(workload, candidates, timing, progress=progress, compiled=compiled)
+    stats, failed = measure_steps_or_fail(workload, candidates, timing, progress=progress, compiled=compiled)
+    if FP32 in failed:
+        raise UserError(f"{workload.task.path}: the all-fp32 training step failed: {failed[FP32]}")
     rows = []
     for name, candidate in candidates.items():
         metric, extra = judge.safe_metric(candidate)
         drop = judge.fp32_metric - metric
-        s = stats[name]
+        s = stats.get(name)
+        runs = s is not None and math.isfinite(metric) and s.finite and math.isfinite(s.effective_ms)
         rows.append({
             "candidate": name,
             "metric": metric,
             "metric_drop": drop,
-            "runs": math.isfinite(metric) and s.finite and math.isfinite(s.effective_ms),
-            "feasible": math.isfinite(metric) and drop <= budget and s.finite and math.isfinite(s.effective_ms),
-            "step_ms": s.timing.median_ms,
-            "skipped": s.skipped,
-            "steps": s.steps,
-            "effective_step_ms": s.effective_ms,
-            "spread": s.timing.spread,
-            "compile_s": s.compile_s,
+            "runs": runs,
+            "feasible": runs and drop <= budget,
+            "step_ms": s.timing.median_ms if s else math.nan,
+            "skipped": s.skipped if s else 0,
+            "steps": s.steps if s else 0,
+            "effective_step_ms": s.effective_ms if s else math.nan,
+            "spread": s.timing.spread if s else math.nan,
+            "compile_s": s.compile_s if s else None,
             "train_skipped": extra.get("train_skipped"),
+            "error": failed.get(name) or extra.get("error"),
         })  # fmt: skip
     table = pd.DataFrame(rows)
     fp32_ms = float(table.loc[table["candidate"] == "fp32", "effective_step_ms"].iloc[0])
@@ -214,11 +221,10 @@ def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir
     objective = Objective(workload, choices, space, started.judge, config)
     run_trials(study, objective, config.trials or space.trials, progress=config.progress)
     trial_costs(study, watch)
-    alts = baselines(workload, started.profile, choices, config.budget)
+    alts = baselines(workload, space, started.profile, choices, config.budget)
     candidates = dict(alts.candidates)
-    finalists = finalist_policies(study, choices, config.finalists)
-    # a finalist that is an alternative (the all-fp32 warm start, say) is measured once, under the alternative's name
-    finalists = {n: c for n, c in finalists.items() if c not in candidates.values()}
+    # a trial that is an alternative (the all-fp32 warm start, say) is measured once, under the alternative's name
+    finalists = finalist_policies(study, choices, config.finalists, exclude=list(candidates.values()))
     candidates.update(finalists)
     if finalists:
         top_name, top = next(iter(finalists.items()))
@@ -278,22 +284,24 @@ def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
     return Policy(layers=layers)
 
 
-def choose(finals: pd.DataFrame, candidates: Mapping[str, Policy | Candidate]) -> tuple[str, str]:
+def choose(
+    finals: pd.DataFrame, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
+) -> tuple[str, str]:
     """The fastest candidate within budget, unless its lead over one with fewer fp16/fp8 layers is inside
     the measured spread: then the safer one, since the measurement cannot tell them apart; but never one
-    measured slower than the fastest alternative (fp32, uniform bf16, fp8 everywhere, profile greedy) within
-    budget. TF32 is not a policy and is never chosen."""
+    measured slower than the fastest of `alternatives` (fp32, uniform bf16, fp8 everywhere, profile greedy; a
+    sweep names each budget's own greedy policy) within budget. TF32 is not a policy and is never chosen."""
     feasible = finals[finals["feasible"] & ~finals["candidate"].isin(NOT_A_POLICY)].sort_values("speedup", ascending=False)
     if not len(feasible):
         return "fp32", "no candidate stayed within budget when re-measured: fp32"
     top = feasible.iloc[0]
-    alts = feasible[feasible["candidate"].isin(ALTERNATIVES)]
+    alts = feasible[feasible["candidate"].isin(list(alternatives))]
     floor = float(alts["speedup"].max()) if len(alts) else 0.0
     tied = [r for _, r in feasible.iterrows() if top["speedup"] / r["speedup"] - 1 < (top["spread"] + r["spread"]) / 2]
     tied = [r for r in tied if r["speedup"] >= floor]
     pick = min(tied, key=lambda r: (_risk(candidates[r["candidate"]]), -r["speedup"]))
     if pick["candidate"] == top["candidate"]:
-        if top["candidate"] in ALTERNATIVES:
+        if top["candidate"] in alternatives:
             return str(top["candidate"]), f"the fastest within budget is an alternative, {top['candidate']}: no searched policy beat it"
         return str(top["candidate"]), "the fastest within budget"
     lead = 100 * (top["speedup"] / pick["speedup"] - 1)
@@ -326,6 +334,8 @@ def measured_record(
         out = {k: (float(row[k]) if math.isfinite(float(row[k])) else None)
                for k in ("metric", "metric_drop", "step_ms", "effective_step_ms", "spread", "speedup")}  # fmt: skip
         out.update(skipped_steps=int(row["skipped"]), steps=int(row["steps"]))
+        if isinstance(row.get("error"), str):
+            out["error"] = row["error"]
         if config.mode is Mode.TRAIN:
             out["train_skipped_steps"] = int(row["train_skipped"])
         return out
@@ -350,7 +360,8 @@ def measured_record(
         "fp8": fp8_backend(workload.device),
         "compiled": config.compile,
         "alternatives_not_measured": dict(notes or {}),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        # on CUDA every candidate but TF32 ran strict (measure.matmul_precision); elsewhere the process's setting
+        "float32_matmul_precision": "highest" if workload.device.type == "cuda" else torch.get_float32_matmul_precision(),
         "timing": (
             (
                 "compiled after apply_policy (each repeated block, else the whole model), compilation excluded (warm-up); "

@@ -27,7 +27,7 @@ from autoprec.formats import Format
 from autoprec.measure import NoiseFloor
 from autoprec.policy import ROOT, Policy
 from autoprec.profile import Profile
-from autoprec.alternatives import GREEDY
+from autoprec.alternatives import BF16, GREEDY
 from autoprec.measure import Candidate
 from autoprec.search import ALTERNATIVES, Started, baselines, choose, final_remeasure, finalist_policies, measured_record, start
 from autoprec.space import SearchSpace
@@ -102,7 +102,7 @@ def _format_counts(policy: Policy) -> str:
 
 
 def _candidates(
-    workload: Workload, started: Started, study: optuna.Study, budgets: tuple[float, ...], k: int
+    workload: Workload, space: SearchSpace, started: Started, study: optuna.Study, budgets: tuple[float, ...], k: int
 ) -> tuple[dict[str, Candidate], dict[float, str], dict[str, str]]:
     """The alternatives (each budget with its own profile-greedy policy) and each budget's k fastest trials
     within it, without repeats; budget -> the name of its greedy policy; the alternatives not measured."""
@@ -116,27 +116,28 @@ def _candidates(
 
     greedy, notes = {}, {}
     for b in budgets:
-        alts = baselines(workload, started.profile, started.choices, b)
+        alts = baselines(workload, space, started.profile, started.choices, b)
         notes.update(alts.notes)
         for name, candidate in alts.candidates.items():
             label = add(f"{name} {b:g}" if name == GREEDY else name, candidate)
             if name == GREEDY:
                 greedy[b] = label
     for b in budgets:
-        for name, policy in finalist_policies(study, started.choices, k, budget=b).items():
+        for name, policy in finalist_policies(study, started.choices, k, budget=b, exclude=list(candidates.values())).items():
             add(name, policy)
     return candidates, greedy, notes
 
 
 def choose_per_budget(
-    finals: pd.DataFrame, candidates: Mapping[str, Candidate], budgets: tuple[float, ...]
+    finals: pd.DataFrame, candidates: Mapping[str, Candidate], budgets: tuple[float, ...], greedy: Mapping[float, str]
 ) -> list[tuple[str, str]]:
     """(candidate, why) per budget, ascending: search.choose among the re-measured candidates within it; where
     that measured slower than the previous budget's choice (noise, or the safer pick), the previous stands."""
     speed = dict(zip(finals["candidate"], finals["speedup"]))
     picks: list[tuple[str, str]] = []
     for b in budgets:
-        name, why = choose(finals.assign(feasible=finals["runs"] & (finals["metric_drop"] <= b)), candidates)
+        alternatives = [a for a in ALTERNATIVES if a != GREEDY] + [greedy[b]]
+        name, why = choose(finals.assign(feasible=finals["runs"] & (finals["metric_drop"] <= b)), candidates, alternatives)
         if picks and speed[name] < speed[picks[-1][0]]:
             before = picks[-1][0]
             name, why = before, f"kept from the smaller budget: {before} measured faster than {name}, this budget's pick"
@@ -164,10 +165,10 @@ def sweep(
     objective = Objective(workload, choices, space, started.judge, config, objectives=OBJECTIVES)
     run_trials(study, objective, config.trials or space.trials, progress=config.progress)
     trial_costs(study, watch)
-    candidates, greedy, notes = _candidates(workload, started, study, budgets, config.finalists)
+    candidates, greedy, notes = _candidates(workload, space, started, study, budgets, config.finalists)
     finals = final_remeasure(workload, candidates, started.judge, config, watch)
     rows, policies = [], {}
-    for b, (name, why) in zip(budgets, choose_per_budget(finals, candidates, budgets)):
+    for b, (name, why) in zip(budgets, choose_per_budget(finals, candidates, budgets, greedy)):
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
         measured = measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes)
         measured.update(why=why, cost=watch.to_dict(), sweep={"budgets": list(budgets), "study_budget": config.budget})
@@ -200,8 +201,8 @@ def _row(budget: float, name: str, why: str, finals: pd.DataFrame, policy: Polic
         "step_ms": r["effective_step_ms"],
         "spread": r["spread"],
         "speedup": r["speedup"],
-        "uniform_bf16_speedup": by.loc["uniform bf16", "speedup"],
-        "uniform_bf16_drop": by.loc["uniform bf16", "metric_drop"],
+        "uniform_bf16_speedup": by.loc[BF16, "speedup"],
+        "uniform_bf16_drop": by.loc[BF16, "metric_drop"],
         "greedy_speedup": by.loc[greedy, "speedup"],
         "greedy_drop": by.loc[greedy, "metric_drop"],
         "formats": _format_counts(policy),

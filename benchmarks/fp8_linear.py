@@ -8,7 +8,7 @@ kernels (any CPU, GPUs below compute capability 8.9) torchao emulates fp8 and is
 default shapes are small; --full runs 256 to 8192 anywhere. torchao's fp8 is meant to run under
 torch.compile, which fuses its casts: --compile compiles every candidate (inductor). Every fp8 format the
 registry has (tensorwise, rowwise, rowwise with a high-precision weight gradient, mxfp8) runs where this
-device can run it; the others are listed with the reason. Printed, not asserted.
+device can run it (mxfp8 nowhere yet); the others are listed with the reason. Printed, not asserted.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def main() -> None:
     pd.DataFrame(curves).rename_axis("trial").to_csv(out / "curves.csv")
     first = next(iter(results.values()))
     # the layout does not change the choices
-    candidates = dict(baselines(workload, first.profile, first.choices, args.budget).candidates)
+    candidates = dict(baselines(workload, space, first.profile, first.choices, args.budget).candidates)
     for name, result in results.items():
         candidates[f"{name} search"] = Candidate(dataclasses.replace(result.policy, measured=None))
     judge = Judge(workload, config, first.profile.fp32_metric)

@@ -34,6 +34,7 @@ def test_fp8_everywhere_takes_the_linears_torchaos_own_filter_accepts():
 
 
 def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the_rest():
+    """TF32 is CUDA's; fp8 everywhere would run torchao's emulation on a CPU, or the space may offer no fp8."""
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     tiny = ProfileConfig(batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0))
     prof = profile(workload, SPACE, tiny, progress=False)
@@ -41,7 +42,22 @@ def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert list(alts.candidates) == [FP32, BF16, GREEDY]
     assert "CUDA" in alts.notes[TF32]
-    assert "converts none of the model's 3 Linears" in alts.notes[FP8_EVERYWHERE]
+    assert "no fp8 kernels" in alts.notes[FP8_EVERYWHERE]  # emulation: never worth timing
+    assert "offers no fp8" in alternatives(workload.model, workload.device, prof, choices, 0.05, fp8_offered=False).notes[FP8_EVERYWHERE]
     fp32 = alts.candidates[FP32]
     assert not fp32.tf32 and {f.value for f in fp32.policy.layers.values()} == {"fp32"}
     assert {f.value for f in alts.candidates[BF16].policy.layers.values()} == {"bf16"}
+
+
+def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(monkeypatch):
+    monkeypatch.setattr("autoprec.formats.has_fp8_kernels", lambda device: True)  # as on an H100
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    tiny = ProfileConfig(batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0))
+    prof = profile(workload, SPACE, tiny, progress=False)
+    choices = build_choices(prof, SPACE, 0.05, workload.device)
+    monkeypatch.setattr("autoprec.alternatives.torchao_fp8_layers", lambda model, device: (["fc1", "big"], 3))
+    alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
+    assert {n: f.value for n, f in alts.candidates[FP8_EVERYWHERE].policy.layers.items()} == {"": "bf16", "fc1": "fp8", "big": "fp8"}
+    monkeypatch.setattr("autoprec.alternatives.torchao_fp8_layers", lambda model, device: ([], 3))
+    alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
+    assert FP8_EVERYWHERE not in alts.candidates and "converts none of the model's 3 Linears" in alts.notes[FP8_EVERYWHERE]

@@ -154,3 +154,24 @@ def test_models_with_different_policies_compiled_in_one_process_each_run_their_o
         expected = model(x)
         assert torch.equal(torch.compile(model, backend="aot_eager")(x), expected), policy.layers
     assert counters["stats"]["unique_graphs"] == len(policies)
+
+
+def test_repeated_blocks_are_compiled_one_by_one_and_other_models_whole():
+    from torch import nn
+
+    from autoprec.apply import compile_model, repeated_blocks
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+    blocks = nn.ModuleList([Block(), Block(), Block()])
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), *blocks)  # two Linears: siblings, but no children
+    assert repeated_blocks(model) == list(blocks)
+    assert compile_model(model) is model and all(b._compiled_call_impl is not None for b in blocks)
+    flat = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    assert repeated_blocks(flat) == [] and compile_model(flat) is not flat  # whole-model torch.compile

@@ -59,3 +59,59 @@ def test_moe12_has_109_tunable_linears_in_8_roles_and_keeps_the_contract(monkeyp
     assert len(train) == 8 and len(evals) == 4 and train[0][0].shape == (16, 64)
     loss = moe12.loss_fn(model, train[0])
     assert loss.ndim == 0 and 5.0 < loss.item() < 6.0  # about ln(256) before training
+
+
+GPT2 = ROOT / "examples" / "gpt2" / "model.py"
+
+
+@pytest.fixture(scope="module")
+def gpt2_tiny(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("AUTOPREC_CACHE", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch_module.setenv("AUTOPREC_GPT2_SIZE", "tiny")
+    return prepare(load_task(GPT2), "cpu")
+
+
+def test_gpt2_small_is_the_gpt2_small_architecture_with_a_byte_vocabulary(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("AUTOPREC_GPT2_SIZE", raising=False)
+    task = load_task(GPT2)  # imports the module; build_model (minutes of training) is not called
+    module = __import__("sys").modules[task.build_model.__module__]
+    model = module.GPT()
+    assert module.SIZE == "small" and len(model.h) == 12 and model.wte.embedding_dim == 768
+    assert 84e6 < sum(p.numel() for p in model.parameters()) < 87e6  # 124M less GPT-2's 50257-token embedding
+    assert model.lm_head.weight is model.wte.weight  # tied, as in GPT-2
+    assert len([m for m in model.modules() if isinstance(m, torch.nn.Linear)]) == 49
+
+
+def test_gpt2_refuses_an_unknown_size(monkeypatch):
+    monkeypatch.setenv("AUTOPREC_GPT2_SIZE", "huge")
+    with pytest.raises(Exception, match=r"AUTOPREC_GPT2_SIZE must be one of tiny, small, 1b, but got 'huge'"):
+        load_task(GPT2)
+
+
+def test_a_policy_applied_then_compiled_trains_without_recompiling_after_the_first_step(gpt2_tiny):
+    """The README's order on the GPT example: apply_policy, torch.compile(model), train; the first step compiles
+    and none after it recompiles (lowered layers, an fp8 layer and a bf16 root included)."""
+    import torch
+    import torch._dynamo
+
+    from autoprec import Policy
+
+    torch._dynamo.reset()
+    policy = Policy(layers={"": "bf16", "h.0.c_fc": "fp8", "h.1.attn.c_attn": "fp32", "lm_head": "bf16"})
+    model = torch.compile(apply_policy(gpt2_tiny.task.build_model(), policy).train())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        loss = gpt2_tiny.task.loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    losses = [step(gpt2_tiny.train[0])]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        losses += [step(b) for b in gpt2_tiny.train * 2]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    torch._dynamo.reset()

@@ -64,3 +64,17 @@ def test_a_linear_only_format_names_itself_when_the_module_cannot_take_it():
 def test_parse_format_lists_every_registered_format_on_a_typo():
     with pytest.raises(ValueError, match="fp8-rowwise-gw-hp, mxfp8, but got 'fp8-row'"):
         parse_format("fp8-row")
+
+
+def test_on_a_blackwell_gpu_mxfp8_is_still_refused_and_says_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "does not yet run mxfp8" in Format.MXFP8.spec.device_problem("cuda")
+    assert Format.FP8_ROWWISE_GW_HP.spec.device_problem("cuda") is None  # fp8 kernels: every torchao recipe runs
+
+
+def test_below_compute_capability_8_9_tensorwise_fp8_is_emulated_and_gw_hp_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    assert Format.FP8.spec.device_problem("cuda") is None
+    assert "8.9+" in Format.FP8_ROWWISE_GW_HP.spec.device_problem("cuda")

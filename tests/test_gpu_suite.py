@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_suite_smoke_runs_every_part_and_writes_the_summary(tmp_path):
+def test_gpu_suite_smoke_runs_the_tests_the_benchmarks_and_a_compiled_search_and_writes_the_summary(tmp_path):
     out = tmp_path / "suite"
     env_cache = {"AUTOPREC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(

@@ -151,7 +151,8 @@ def test_a_too_high_loss_scale_skips_steps_and_costs_throughput(workload):
     assert 8 <= trainer.skipped <= 15 and trainer.finite
     near = Policy(layers={"head": "fp16"}, loss_scale=LossScale(init_scale=2.0**19))
     stats = measure_steps(workload, {"high": policy, "near": near, "fp32": Policy()}, FAST)
-    assert stats["high"].skipped == stats["high"].steps == 5 and stats["high"].effective_ms == math.inf  # never updated
+    # the first step that builds the candidate, 1 warm-up, 1 probe and 3 rounds of 1 step: none updated the weights
+    assert stats["high"].skipped == stats["high"].steps == 6 and stats["high"].effective_ms == math.inf
     assert 0 < stats["near"].skipped < stats["near"].steps and stats["fp32"].skipped == 0
     assert stats["near"].effective_ms == pytest.approx(stats["near"].timing.median_ms / (1 - stats["near"].skip_fraction))
     assert stats["fp32"].effective_ms == stats["fp32"].timing.median_ms
@@ -198,22 +199,26 @@ def test_noise_floor_spans_seeds(underflow):
         noise_floor(underflow, 10, runs=0)
 
 
-def test_repeated_blocks_are_compiled_one_by_one_and_other_models_whole():
-    from torch import nn
+def test_a_candidate_whose_step_fails_is_reported_and_the_others_are_timed(workload):
+    from autoprec.measure import measure_steps_or_fail
 
-    from autoprec.measure import compile_model, repeated_blocks
+    stats, failed = measure_steps_or_fail(workload, {"fp32": Policy(), "bad": Policy(layers={"fc1": "fp8-rowwise-gw-hp"})}, FAST)
+    assert set(stats) == {"fp32"} and set(failed) == {"bad"}
+    assert failed["bad"].startswith("ValueError: layer 'fc1' cannot be fp8-rowwise-gw-hp here")
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
 
-        def forward(self, x):
-            return x + self.fc(x)
+def test_matmul_precision_sets_strict_or_tf32_on_cuda_and_restores_the_callers_settings():
+    from autoprec.measure import matmul_precision
 
-    blocks = nn.ModuleList([Block(), Block(), Block()])
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), *blocks)  # two Linears: siblings, but no children
-    assert repeated_blocks(model) == list(blocks)
-    assert compile_model(model) is model and all(b._compiled_call_impl is not None for b in blocks)
-    flat = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
-    assert repeated_blocks(flat) == [] and compile_model(flat) is not flat  # whole-model torch.compile
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+        with matmul_precision(torch.device("cuda"), tf32=False):  # settable without a GPU
+            assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+        with matmul_precision(torch.device("cpu"), tf32=False):  # no TF32 on a CPU: nothing changes
+            assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]

@@ -38,7 +38,7 @@ def space_error(path: Path) -> str:
 
 def test_load_space_default():
     space = load_space()
-    assert space.layers["Linear"] == (FP32, BF16, FP16, FP8)
+    assert space.layers["Linear"] == (FP32, BF16, FP16, FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP)
     assert space.layers["Conv2d"] == (FP32, BF16, FP16)
     assert FP8 not in space.layers["MultiheadAttention"]
     assert space.default == (FP32, BF16)
@@ -182,7 +182,7 @@ def test_tunable_layers_outermost_in_model_order():
     layers = load_space().tunable_layers(Net())
     assert list(layers) == ["embed", "attn", "block.0", "block.2", "head"]
     assert "attn.out_proj" not in layers
-    assert layers["embed"] == (FP32, BF16, FP16, FP8)
+    assert layers["embed"] == (FP32, BF16, FP16, FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP)
     assert layers["attn"] == (FP32, BF16, FP16)
     assert layers["block.0"] == (FP32, BF16, FP16)
 

@@ -47,12 +47,30 @@ def test_a_larger_budget_never_chooses_a_slower_policy():
         {"candidate": "x", "speedup": 1.50, "metric_drop": 0.001, "spread": 0.10, "runs": True},
         {"candidate": "y", "speedup": 1.52, "metric_drop": 0.004, "spread": 0.10, "runs": True},
     ])  # fmt: skip
-    picks = choose_per_budget(finals, candidates, (0.0, 0.002, 0.01))
+    no_greedy = dict.fromkeys((0.0, 0.002, 0.01), "profile greedy")  # not among the candidates here
+    picks = choose_per_budget(finals, candidates, (0.0, 0.002, 0.01), no_greedy)
     assert [name for name, _ in picks] == ["fp32", "x", "x"]  # y's 1% lead is inside the spread: the safer x
     # Where the larger budget's safer pick measured slower than a smaller budget's choice, that choice stands.
     finals["metric_drop"] = [0.0, 0.004, 0.001]  # now y (fp16, 1.52) fits 0.002, and x (bf16, 1.50) only 0.01
-    picks = choose_per_budget(finals, candidates, (0.002, 0.01))
+    picks = choose_per_budget(finals, candidates, (0.002, 0.01), no_greedy)
     assert [n for n, _ in picks] == ["y", "y"] and "kept from the smaller budget" in picks[1][1]
+
+
+def test_each_budgets_greedy_policy_is_a_floor_its_choice_never_falls_below():
+    candidates = {
+        "fp32": Policy(layers={"a": "fp32"}),
+        "profile greedy 0.01": Policy(layers={"a": "fp16", "b": "fp16"}),
+        "trial 4": Policy(layers={"a": "bf16"}),  # safer, tied with the greedy policy but measured slower
+        "trial 7": Policy(layers={"a": "fp16", "b": "fp16", "c": "fp16"}),
+    }
+    finals = pd.DataFrame([
+        {"candidate": "fp32", "speedup": 1.0, "metric_drop": 0.0, "spread": 0.01, "runs": True},
+        {"candidate": "profile greedy 0.01", "speedup": 1.50, "metric_drop": 0.004, "spread": 0.04, "runs": True},
+        {"candidate": "trial 4", "speedup": 1.48, "metric_drop": 0.001, "spread": 0.04, "runs": True},
+        {"candidate": "trial 7", "speedup": 1.51, "metric_drop": 0.005, "spread": 0.04, "runs": True},
+    ])  # fmt: skip
+    [(name, why)] = choose_per_budget(finals, candidates, (0.01,), {0.01: "profile greedy 0.01"})
+    assert name == "profile greedy 0.01" and "inside the spread" in why
 
 
 @pytest.fixture(scope="module")
