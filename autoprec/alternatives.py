@@ -5,7 +5,8 @@
 - `uniform bf16`: every layer and the root under bf16 autocast, what AMP does;
 - `fp8 everywhere`: torchao's float8 training (tensorwise) on every Linear its own size filter accepts
   (`_auto_filter_for_recipe`: fixed thresholds from H100 benchmarks, not measured on this model or device),
-  the rest under bf16 autocast, as torchao's README recommends;
+  the rest under bf16 autocast, as torchao's README recommends; measured only where fp8 has kernels (emulation
+  is never faster) and the search space offers tensorwise `fp8`;
 - `profile greedy`: autoprec's own shortcut, each layer's fastest allowed format while the summed
   single-layer drops fit the budget; the search has to beat it to be worth its trials.
 
@@ -71,7 +72,7 @@ def alternatives(
     out[BF16] = Candidate(Policy(layers=dict.fromkeys(every, "bf16")))
     fp8_layers, n_linear = [], 0
     if not fp8_offered:
-        notes[FP8_EVERYWHERE] = "not measured: the search space offers no fp8"
+        notes[FP8_EVERYWHERE] = "not measured: the search space offers no tensorwise fp8"
     elif fp8_backend(device) is Fp8Backend.EMULATION:
         notes[FP8_EVERYWHERE] = (
             f"not measured: {device_name(str(device))} has no fp8 kernels, and torchao's emulation runs "

@@ -305,9 +305,12 @@ def measure_steps(
     compiled: bool = False,
 ) -> dict[str, StepStats]:
     """Training-step time of each policy (or Candidate), interleaved, with finiteness and skipped steps;
-    `compiled`: each model under torch.compile, its compilation in the warm-up (see compile_scope). A
-    candidate that cannot be built or take a step is left out of the timing: `failed` gets its error."""
-    stats, _ = measure_steps_or_fail(workload, policies, config, progress=progress, compiled=compiled)
+    `compiled`: each model under torch.compile, its compilation in the warm-up (see compile_scope). Raises
+    naming the first candidate that cannot be built or take a step (measure_steps_or_fail reports them)."""
+    stats, failed = measure_steps_or_fail(workload, policies, config, progress=progress, compiled=compiled)
+    if failed:
+        name, error = next(iter(failed.items()))
+        raise RuntimeError(f"candidate {name!r} cannot take a training step: {error}")
     return stats
 
 

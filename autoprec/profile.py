@@ -260,7 +260,7 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
 
 
 def _time_layer(
-    workload: Workload, module: torch.nn.Module, inputs, formats: list[Format], config: ProfileConfig
+    workload: Workload, name: str, module: torch.nn.Module, inputs, formats: list[Format], config: ProfileConfig
 ) -> tuple[dict[Format, tuple[float, float]], dict[Format, str]]:
     """(format -> (median ms, spread)) of the layer's step in each format, and (format -> why) for those whose
     step failed here (a compiler that cannot build a format's kernels, say): a finding, not a crash."""
@@ -273,7 +273,11 @@ def _time_layer(
                 probe.update(probe_times({fmt: fn}, workload.device, warmup=config.timing.warmup))
             except Exception as exc:
                 if fmt is Format.FP32:
-                    raise
+                    hint = "; run with --no-compile to measure eagerly" if config.compile else ""
+                    raise UserError(
+                        f"{workload.task.path}: the fp32 step of layer {name!r} failed{' compiled' if config.compile else ''}: "
+                        f"{type(exc).__name__}: {_first_line(exc)}{hint}"
+                    ) from exc
                 failed[fmt] = f"{fmt.value} step failed{' compiled' if config.compile else ''}: {type(exc).__name__}: {_first_line(exc)}"
         gross = {f for f in probe if f is not Format.FP32 and probe[f] > config.gross_slowdown * probe[Format.FP32]}
         timed = interleaved_times({f: w for f, w in work.items() if f in probe and f not in gross}, workload.device, config.timing)
@@ -345,7 +349,7 @@ def _profile_layer(
     else:
         stage = "profile: layer timing (forward + backward per format" + (", compiled)" if config.compile else ")")
         with watch.section(stage):
-            times, failed = _time_layer(workload, module, inputs, ok, config)
+            times, failed = _time_layer(workload, name, module, inputs, ok, config)
         timed_as = name
         timed[key] = (timed_as, times, failed)
     for fmt, reason in failed.items():

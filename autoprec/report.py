@@ -128,6 +128,8 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         )
         if m.get("results"):
             parts.append(table(RESULT_HEADERS, result_rows(policy)))
+            failed = [f"{n} failed: {_mapping(r).get('error')}" for n, r in _mapping(m["results"]).items() if _mapping(r).get("error")]
+            parts.extend(failed)
             parts.append(f"step time: {m.get('timing', '')}; speedup = fp32 step time / step time")
         versions = _mapping(m.get("versions"))
         if versions:
@@ -191,6 +193,9 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
         parts.append(f"loss scale: {ls['advice']}; searched init scales 2^{ls['init_scale_log2'][0]} .. 2^{ls['init_scale_log2'][1]}")
     for name, why in _mapping(m.get("alternatives_not_measured")).items():
         parts.append(f"{name}: {why}")
+    for _, r in finals.iterrows():
+        if isinstance(r.get("error"), str):
+            parts.append(f"{r['candidate']} failed: {r['error']}")
     rows = {r["candidate"]: r for _, r in finals.iterrows()}
     tf32, picked = rows.get(TF32), rows.get(m.get("chosen"))
     if tf32 is not None and picked is not None and tf32["feasible"] and tf32["speedup"] > picked["speedup"]:

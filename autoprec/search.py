@@ -148,7 +148,8 @@ def remeasure(
     some step updated the weights; `feasible`: that, and the drop within `budget`."""
     stats, failed = measure_steps_or_fail(workload, candidates, timing, progress=progress, compiled=compiled)
     if FP32 in failed:
-        raise UserError(f"{workload.task.path}: the all-fp32 training step failed: {failed[FP32]}")
+        hint = "; run with --no-compile to measure eagerly" if compiled else ""
+        raise UserError(f"{workload.task.path}: the all-fp32 training step failed{' compiled' if compiled else ''}: {failed[FP32]}{hint}")
     rows = []
     for name, candidate in candidates.items():
         metric, extra = judge.safe_metric(candidate)
@@ -297,7 +298,7 @@ def choose(
     top = feasible.iloc[0]
     alts = feasible[feasible["candidate"].isin(list(alternatives))]
     floor = float(alts["speedup"].max()) if len(alts) else 0.0
-    tied = [r for _, r in feasible.iterrows() if top["speedup"] / r["speedup"] - 1 < (top["spread"] + r["spread"]) / 2]
+    tied = [r for _, r in feasible.iterrows() if top["speedup"] / r["speedup"] - 1 <= (top["spread"] + r["spread"]) / 2]
     tied = [r for r in tied if r["speedup"] >= floor]
     pick = min(tied, key=lambda r: (_risk(candidates[r["candidate"]]), -r["speedup"]))
     if pick["candidate"] == top["candidate"]:
@@ -337,7 +338,8 @@ def measured_record(
         if isinstance(row.get("error"), str):
             out["error"] = row["error"]
         if config.mode is Mode.TRAIN:
-            out["train_skipped_steps"] = int(row["train_skipped"])
+            skipped = row["train_skipped"]
+            out["train_skipped_steps"] = int(skipped) if skipped is not None and math.isfinite(float(skipped)) else None
         return out
 
     kept = {n: "; ".join(f"{f}: {r}" for f, r in choices.excluded.get(n, {}).items()) for n, o in choices.layers.items() if o == ("fp32",)}

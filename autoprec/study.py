@@ -229,7 +229,8 @@ class Objective:
             raise ValueError(f"objectives must be one of {sorted(OBJECTIVES)}, but got {objectives!r}")
         self.workload, self.choices, self.space = workload, choices, space
         self.judge, self.config, self.objectives = judge, config, objectives
-        self.baseline = Trainer(workload, Policy(layers={ROOT: Format.FP32}))  # timed beside every eager candidate
+        # timed beside every eager candidate; a compiled search builds a compiled one per trial instead
+        self.baseline = None if config.compile else Trainer(workload, Policy(layers={ROOT: Format.FP32}))
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = suggest(trial, self.choices, self.space)
@@ -281,7 +282,14 @@ class Objective:
                 # compile_scope empties the compile caches, so a compiled fp32 baseline is built (mostly from
                 # inductor's on-disk cache) in every trial, and its compilation counted with the candidate's
                 fp32 = Policy(layers={ROOT: Format.FP32})
-                baseline = Trainer(self.workload, fp32, compiled=True) if self.config.compile else self.baseline
+                baseline = Trainer(self.workload, fp32, compiled=True) if self.baseline is None else self.baseline
+                try:
+                    baseline.step()  # the fp32 baseline failing is no fault of the candidate's
+                except Exception as exc:
+                    how = "compiled " if self.config.compile else ""
+                    hint = "; run with --no-compile to measure eagerly" if self.config.compile else ""
+                    raise UserError(f"{self.workload.task.path}: the {how}all-fp32 training step failed: "
+                                    f"{type(exc).__name__}: {exc}{hint}") from exc  # fmt: skip
                 candidate = Trainer(self.workload, policy, compiled=self.config.compile)
                 work = {"fp32": baseline.step, "policy": candidate.step}
                 t = interleaved_times(work, self.workload.device, self.config.timing)

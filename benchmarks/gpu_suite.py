@@ -116,19 +116,20 @@ def summary(out: Path) -> str:
     for path in sorted(out.glob("search-*/result.json")):
         r = json.loads(path.read_text(encoding="utf-8"))
         device = r["device"]
-        by = {f["candidate"]: f for f in r["finals"]}
-        bf16 = by[BF16]["effective_step_ms"]
-        ms = [by[c]["effective_step_ms"] if c in by else float("nan") for c in COLUMNS]
-        chosen = by[r["chosen"]]
-        ratio = [bf16 / by[c]["effective_step_ms"] if c in by else float("nan") for c in (FP32, FP8_EVERYWHERE)]
-        rows.append([r["model"], *ms, chosen["effective_step_ms"], *ratio, bf16 / chosen["effective_step_ms"],
+        # a candidate that failed or never ran has no step time (null): NaN, shown as "-"
+        ms = {f["candidate"]: float("nan") if f["effective_step_ms"] is None else f["effective_step_ms"] for f in r["finals"]}
+        bf16 = ms.get(BF16, float("nan"))
+        chosen = next(f for f in r["finals"] if f["candidate"] == r["chosen"])
+        ratio = [bf16 / ms.get(c, float("nan")) for c in (FP32, FP8_EVERYWHERE, r["chosen"])]
+        rows.append([r["model"], *(ms.get(c, float("nan")) for c in COLUMNS), ms[r["chosen"]], *ratio,
                      chosen["metric_drop"], r["chosen"], round(r["wall_s"])])  # fmt: skip
     text = (
         f"# autoprec GPU suite: {device}\n\n`python benchmarks/gpu_suite.py --out {out}`\n\n"
         + markdown_table(headers, rows)
         + f"\n\nStep times are effective training-step milliseconds (compiled, re-measured together, interleaved); "
         f"x / bf16 is the speedup over uniform bf16 autocast (above 1: faster); a missing alternative (nan) was not "
-        f"measured here (TF32 needs CUDA; fp8 everywhere is absent where torchao's filter converts no layer). "
+        f"measured here (TF32 needs CUDA; fp8 everywhere needs fp8 kernels, tensorwise fp8 in the space and a layer "
+        f"torchao's filter converts) or failed (search-<model>/finalists.csv says why). "
         f"Budget {BUDGET} on -(mean eval loss). Per model: search-<model>/summary.md.\n"
     )
     (out / "summary.md").write_text(text, encoding="utf-8")

@@ -43,7 +43,7 @@ def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the
     assert list(alts.candidates) == [FP32, BF16, GREEDY]
     assert "CUDA" in alts.notes[TF32]
     assert "no fp8 kernels" in alts.notes[FP8_EVERYWHERE]  # emulation: never worth timing
-    assert "offers no fp8" in alternatives(workload.model, workload.device, prof, choices, 0.05, fp8_offered=False).notes[FP8_EVERYWHERE]
+    assert "offers no tensorwise fp8" in alternatives(workload.model, workload.device, prof, choices, 0.05, fp8_offered=False).notes[FP8_EVERYWHERE]
     fp32 = alts.candidates[FP32]
     assert not fp32.tf32 and {f.value for f in fp32.policy.layers.values()} == {"fp32"}
     assert {f.value for f in alts.candidates[BF16].policy.layers.values()} == {"bf16"}

@@ -411,3 +411,26 @@ def test_a_compiled_and_an_eager_search_are_different_studies(compiled):
     workload, _, out = compiled
     with pytest.raises(UserError, match=r"compile compiled, now eager"):
         search(workload, SPACE, SearchConfig(budget=0.05, compile=False, **{**FAST, "trials": 3}), out)
+
+
+@pytest.mark.parametrize("mode", ["weights", "train"])
+def test_an_alternative_that_cannot_train_is_a_row_with_its_error_not_a_crash(tmp_path, mode):
+    # A model that cannot train under autocast: uniform bf16 (an alternative, never a trial here) fails in the
+    # re-measure; the search still writes a policy, and the table and the policy file say why.
+    src = (MODELS / "overflow_mlp.py").read_text().replace(
+        "    def forward(self, x):\n",
+        "    def forward(self, x):\n        if self.training and torch.is_autocast_enabled('cpu'):\n"
+        "            raise RuntimeError('no autocast here')\n",
+    )
+    (tmp_path / "picky.py").write_text(src)
+    workload = prepare(load_task(tmp_path / "picky.py"), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "fp16"]}, "trials": 2})
+    train = {"mode": "train", "train_steps": 2, "noise_runs": 1} if mode == "train" else {}
+    result = search(workload, space, SearchConfig(budget=0.05, **{**FAST, "trials": 2}, **train), tmp_path / "out")
+    row = result.finals.set_index("candidate").loc["uniform bf16"]
+    assert not row["runs"] and "no autocast here" in row["error"]
+    assert "no autocast here" in result.policy.measured["results"]["uniform bf16"]["error"]
+    from autoprec.report import search_summary, show_policy
+
+    assert "uniform bf16 failed: RuntimeError: no autocast here" in search_summary(result)
+    assert "uniform bf16 failed: RuntimeError: no autocast here" in show_policy(result.policy)
