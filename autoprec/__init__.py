@@ -1,26 +1,41 @@
 """autoprec: automatic per-layer precision tuning for PyTorch training.
 
-Profile each layer's sensitivity and speed in fp32/bf16/fp16/fp8 on your device, search per-layer
-formats and loss-scale settings with Optuna for the fastest training step within an accuracy budget,
-and apply the resulting policy file in one call.
+`import autoprec` is the runtime a training script needs: load a policy file, apply it to a model, compile,
+and the GradScaler it asks for. It imports torch only (torchao when an fp8 layer is applied) and prints
+nothing. The tuner that writes policies (profile each layer, search with Optuna, sweep budgets) is
+`autoprec.tune`, with its own dependencies; the `autoprec` command line runs it.
 """
 
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
 from autoprec.apply import applied_summary, apply_policy, compile_model
-from autoprec.scaler import grad_scaler
 from autoprec.errors import UserError
 from autoprec.formats import Format
 from autoprec.policy import LossScale, Policy, load_policy
-from autoprec.profile import Profile, ProfileConfig, profile
-from autoprec.search import Mode, SearchConfig, SearchResult, search
-from autoprec.space import Layout, SearchSpace, load_space
-from autoprec.sweep import SweepResult, sweep
-from autoprec.task import Task, Workload, load_task, prepare
+from autoprec.scaler import grad_scaler
 
 __all__ = [
-    # apply a policy in training
-    "load_policy", "apply_policy", "compile_model", "grad_scaler", "applied_summary", "Policy", "LossScale", "Format",
-    # the pipeline
-    "load_task", "prepare", "Task", "Workload", "load_space", "SearchSpace", "Layout",
-    "profile", "Profile", "ProfileConfig", "search", "SearchConfig", "SearchResult", "Mode", "sweep", "SweepResult",
-    "UserError",
+    "load_policy", "apply_policy", "compile_model", "grad_scaler", "applied_summary", "Policy", "LossScale",
+    "Format", "UserError",
 ]  # fmt: skip
+
+# The tuner's names, once importable from here; they live in autoprec.tune now.
+_MOVED = (
+    "load_task", "prepare", "Task", "Workload", "load_space", "SearchSpace", "Layout", "profile", "Profile",
+    "ProfileConfig", "search", "SearchConfig", "SearchResult", "Mode", "sweep", "SweepResult",
+)  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"autoprec.{name} has moved to autoprec.tune.{name}; import it from there (the old name goes away in 0.3)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module("autoprec.tune"), name)
+    raise AttributeError(f"module 'autoprec' has no attribute {name!r}")

@@ -20,7 +20,7 @@ import torch
 
 from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, fp8_backend, format_problem
 from autoprec.policy import ROOT, Policy, load_policy
-from autoprec.task import map_tensors
+from autoprec.tensors import map_tensors
 
 log = logging.getLogger("autoprec")
 

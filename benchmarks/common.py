@@ -9,7 +9,7 @@ import platform
 import torch
 
 from autoprec.formats import device_name, fp8_backend
-from autoprec.measure import Timing
+from autoprec.tune.measure import Timing
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:

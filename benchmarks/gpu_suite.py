@@ -37,7 +37,7 @@ PARTS = ("tests", "bench", "tinylm", "gpt2")
 MODELS = {"tinylm": ROOT / "examples" / "tinylm" / "model.py", "gpt2": ROOT / "examples" / "gpt2" / "model.py"}
 BUDGET = 0.02
 TRIALS = {"tinylm": 24, "gpt2": 16}  # what fits a 9-minute piece on an H100 is the goal; --trials overrides
-from autoprec.alternatives import BF16, FP8_EVERYWHERE, FP32, TF32  # noqa: E402
+from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, TF32  # noqa: E402
 
 COLUMNS = (FP32, TF32, BF16, FP8_EVERYWHERE)
 
@@ -72,12 +72,12 @@ def part_bench(out: Path, args: argparse.Namespace) -> int:
 def part_search(name: str, out: Path, args: argparse.Namespace) -> int:
     if args.smoke:
         os.environ["AUTOPREC_GPT2_SIZE"] = "tiny"  # read when model.py is imported, just below
-    from autoprec import SearchConfig, load_space, load_task, prepare, search
-    from autoprec.space import space_from_dict
+    from autoprec.tune import SearchConfig, load_space, load_task, prepare, search
+    from autoprec.tune.space import space_from_dict
     from autoprec.files import write_text
-    from autoprec.report import plot_all, search_markdown
-    from autoprec.measure import TimingConfig
-    from autoprec.profile import ProfileConfig
+    from autoprec.tune.report import plot_all, search_markdown
+    from autoprec.tune.measure import TimingConfig
+    from autoprec.tune.profiler import ProfileConfig
 
     import torch
 
@@ -108,7 +108,7 @@ def part_search(name: str, out: Path, args: argparse.Namespace) -> int:
 def summary(out: Path) -> str:
     """One row per searched model: step time of each alternative and of the policy, speedup over uniform bf16,
     the policy's metric drop and the search's wall time."""
-    from autoprec.report import markdown_table
+    from autoprec.tune.report import markdown_table
 
     headers = ["model", *(f"{c} ms" for c in COLUMNS), "policy ms", *(f"{c} / bf16" for c in ("fp32", "fp8 everywhere", "policy")),
                "policy drop", "chosen", "search s"]  # fmt: skip

@@ -3,7 +3,7 @@ searches against that table.
 
 The model (benchmarks/models/mlp8.py) has 8 Linear layers; each may be fp32, bf16 or fp16 (the root stays
 fp32), so there are 3^8 = 6561 policies. Each one's metric is evaluated and its training step timed against
-fp32 (interleaved, autoprec.measure; a policy that a first probe already finds more than 1.5x slower than fp32
+fp32 (interleaved, autoprec.tune.measure; a policy that a first probe already finds more than 1.5x slower than fp32
 keeps the probe's ratio, as it cannot be near the optimum). The true optimum under a budget is the fastest
 policy in the table within it. Searches then run against the table instead of the device, so many seeds are
 cheap and every method sees the same numbers:
@@ -43,13 +43,14 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
-from autoprec import Policy, load_task, prepare, profile  # noqa: E402
-from autoprec.choices import Choices, build_choices, greedy_params, suggest, uniform_params  # noqa: E402
-from autoprec.measure import StepStats, TimingConfig, Trainer, evaluate_metric, interleaved_times, probe_times  # noqa: E402
+from autoprec import Policy
+from autoprec.tune import load_task, prepare, profile  # noqa: E402
+from autoprec.tune.choices import Choices, build_choices, greedy_params, suggest, uniform_params  # noqa: E402
+from autoprec.tune.measure import StepStats, TimingConfig, Trainer, evaluate_metric, interleaved_times, probe_times  # noqa: E402
 from autoprec.policy import ROOT, model_fingerprint  # noqa: E402
-from autoprec.space import space_from_dict  # noqa: E402
+from autoprec.tune.space import space_from_dict  # noqa: E402
 from autoprec.formats import device_name  # noqa: E402
-from autoprec.study import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
+from autoprec.tune.study import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
 
 MODEL = Path(__file__).parent / "models" / "mlp8.py"
 FORMATS = ("fp32", "bf16", "fp16")

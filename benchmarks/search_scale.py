@@ -27,11 +27,11 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
-from autoprec import SearchConfig, load_space, load_task, prepare, profile, search  # noqa: E402
-from autoprec.measure import Candidate, TimingConfig  # noqa: E402
-from autoprec.search import baselines, remeasure  # noqa: E402
-from autoprec.space import Layout  # noqa: E402
-from autoprec.study import Judge  # noqa: E402
+from autoprec.tune import SearchConfig, load_space, load_task, prepare, profile, search  # noqa: E402
+from autoprec.tune.measure import Candidate, TimingConfig  # noqa: E402
+from autoprec.tune.searcher import baselines, remeasure  # noqa: E402
+from autoprec.tune.space import Layout  # noqa: E402
+from autoprec.tune.study import Judge  # noqa: E402
 
 MODEL = Path(__file__).parents[1] / "examples" / "tinylm" / "moe12.py"
 LAYOUTS = (Layout.PER_LAYER, Layout.GROUPED, Layout.RANKED)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from autoprec import ProfileConfig, SearchConfig, load_task, prepare, search
-from autoprec.measure import TimingConfig
-from autoprec.space import space_from_dict
+from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, search
+from autoprec.tune.measure import TimingConfig
+from autoprec.tune.space import space_from_dict
 
 MODEL = Path(__file__).parent / "models" / "overflow_mlp.py"
 SPACE = {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100}}
@@ -28,7 +28,7 @@ HOLDING = "test:holding"  # user attr of a trial held by --sleep, its params cho
 
 
 def _slow_trials(seconds: float) -> None:
-    study_module = importlib.import_module("autoprec.study")
+    study_module = importlib.import_module("autoprec.tune.study")
     real = study_module.suggest
 
     def suggest(trial, choices, space):

@@ -5,11 +5,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from autoprec import load_task, prepare
-from autoprec.alternatives import BF16, FP32, FP8_EVERYWHERE, GREEDY, TF32, alternatives, torchao_fp8_layers
-from autoprec.choices import build_choices
-from autoprec.profile import ProfileConfig, profile
-from autoprec.space import space_from_dict
+from autoprec.tune import load_task, prepare
+from autoprec.tune.alternatives import BF16, FP32, FP8_EVERYWHERE, GREEDY, TF32, alternatives, torchao_fp8_layers
+from autoprec.tune.choices import build_choices
+from autoprec.tune.profiler import ProfileConfig, profile
+from autoprec.tune.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "trials": 3})
@@ -55,9 +55,9 @@ def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(mo
     tiny = ProfileConfig(batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0))
     prof = profile(workload, SPACE, tiny, progress=False)
     choices = build_choices(prof, SPACE, 0.05, workload.device)
-    monkeypatch.setattr("autoprec.alternatives.torchao_fp8_layers", lambda model, device: (["fc1", "big"], 3))
+    monkeypatch.setattr("autoprec.tune.alternatives.torchao_fp8_layers", lambda model, device: (["fc1", "big"], 3))
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert {n: f.value for n, f in alts.candidates[FP8_EVERYWHERE].policy.layers.items()} == {"": "bf16", "fc1": "fp8", "big": "fp8"}
-    monkeypatch.setattr("autoprec.alternatives.torchao_fp8_layers", lambda model, device: ([], 3))
+    monkeypatch.setattr("autoprec.tune.alternatives.torchao_fp8_layers", lambda model, device: ([], 3))
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert FP8_EVERYWHERE not in alts.candidates and "converts none of the model's 3 Linears" in alts.notes[FP8_EVERYWHERE]

@@ -11,7 +11,7 @@ from torch import nn
 from autoprec import Policy, apply_policy, grad_scaler
 from autoprec.apply import applied_policy, applied_summary
 from autoprec.formats import FP8_FORMATS, Format, Fp8Backend, has_fp8_kernels
-from autoprec.measure import sqnr_db
+from autoprec.tune.measure import sqnr_db
 from autoprec.policy import LossScale
 
 

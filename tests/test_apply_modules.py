@@ -8,7 +8,7 @@ from torch import nn
 
 from autoprec import Policy, apply_policy
 from autoprec.apply import applied_summary
-from autoprec.measure import sqnr_db
+from autoprec.tune.measure import sqnr_db
 
 
 class TiedLM(nn.Module):

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from autoprec.choices import (
+from autoprec.tune.choices import (
     Choices,
     build_choices,
     fit,
@@ -23,8 +23,8 @@ from autoprec.choices import (
     warm_starts,
     with_layout,
 )
-from autoprec.profile import COLUMNS, Profile
-from autoprec.space import Layout, load_space, space_from_dict
+from autoprec.tune.profiler import COLUMNS, Profile
+from autoprec.tune.space import Layout, load_space, space_from_dict
 
 CPU = torch.device("cpu")
 

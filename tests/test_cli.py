@@ -1,4 +1,4 @@
-"""autoprec/cli.py: a user's mistake exits 2 with one `autoprec: error:` line and no traceback.
+"""autoprec/tune/cli.py: a user's mistake exits 2 with one `autoprec: error:` line and no traceback.
 
 No test here runs a real search or profile: every case fails before anything is measured.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autoprec import LossScale, Policy
-from autoprec.cli import EXIT_USER_ERROR, main
+from autoprec.tune.cli import EXIT_USER_ERROR, main
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -266,7 +266,7 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, *parts: str) -> Non
 
 
 def test_process_module_search_missing_model(tmp_path):
-    proc = run_process([sys.executable, "-m", "autoprec.cli", "search", "missing.py", "--budget", "0.1"], tmp_path)
+    proc = run_process([sys.executable, "-m", "autoprec.tune.cli", "search", "missing.py", "--budget", "0.1"], tmp_path)
     assert_one_error_line(proc, "missing.py: no such file")
 
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-import autoprec.sweep  # noqa: F401  (the fixture patches its module)
-from autoprec import ProfileConfig, load_policy
-from autoprec.cli import main
-from autoprec.measure import TimingConfig
+import autoprec.tune.sweeper  # noqa: F401  (the fixture patches its module)
+from autoprec import load_policy
+from autoprec.tune import ProfileConfig
+from autoprec.tune.cli import main
+from autoprec.tune.measure import TimingConfig
 
 MODELS = Path(__file__).parent / "models"
 TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
@@ -22,7 +23,7 @@ FAST_PROFILE = ProfileConfig(batches=1, timing=TINY)
 @pytest.fixture
 def fast(monkeypatch):
     """The verbs' own code path, with short timing: profile() and search() get fast configs."""
-    profile_module, search_module = sys.modules["autoprec.profile"], sys.modules["autoprec.search"]
+    profile_module, search_module = sys.modules["autoprec.tune.profiler"], sys.modules["autoprec.tune.searcher"]
     real_profile, real_search = profile_module.profile, search_module.search
 
     def profile(workload, space, config=None, **kw):
@@ -32,7 +33,7 @@ def fast(monkeypatch):
         quick = dataclasses.replace(config, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, finalists=1, progress=False)
         return real_search(workload, space, quick, out)
 
-    sweep_module = sys.modules["autoprec.sweep"]
+    sweep_module = sys.modules["autoprec.tune.sweeper"]
     real_sweep = sweep_module.sweep
 
     def sweep(workload, space, budgets, config, out):

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from autoprec import ProfileConfig, SearchConfig, load_task, prepare, profile, search
-from autoprec.cost import Stopwatch, cost_rows
-from autoprec.measure import TimingConfig
-from autoprec.space import space_from_dict
+from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, profile, search
+from autoprec.tune.cost import Stopwatch, cost_rows
+from autoprec.tune.measure import TimingConfig
+from autoprec.tune.space import space_from_dict
 
 TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
 FAST_PROFILE = ProfileConfig(batches=1, timing=TINY)

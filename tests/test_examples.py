@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from autoprec import apply_policy, load_policy, load_task, prepare
-from autoprec.measure import metric_of
+from autoprec import apply_policy, load_policy
+from autoprec.tune import load_task, prepare
+from autoprec.tune.measure import metric_of
 
 ROOT = Path(__file__).parents[1]
 DIGITS = ROOT / "examples" / "digits" / "model.py"
@@ -44,8 +45,8 @@ def test_committed_digits_policy_holds_its_budget_on_a_fresh_model(digits, polic
 
 def test_moe12_has_109_tunable_linears_in_8_roles_and_keeps_the_contract(monkeypatch):
     # The untrained model (build_model trains for minutes): its structure is what the layouts depend on.
-    from autoprec.choices import role
-    from autoprec.space import load_space
+    from autoprec.tune.choices import role
+    from autoprec.tune.space import load_space
 
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "tinylm"))
     import moe12

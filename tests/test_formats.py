@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.choices import fit
+from autoprec.tune.choices import fit
 from autoprec.formats import FP8_FORMATS, FORMATS, REGISTRY, RISKY, Format, format_problem, parse_format
 
 

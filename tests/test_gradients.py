@@ -1,4 +1,4 @@
-"""autoprec/gradients.py: exact per-scale underflow/overflow fractions, the hooks, and the loss-scale advice."""
+"""autoprec/tune/gradients.py: exact per-scale underflow/overflow fractions, the hooks, and the loss-scale advice."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from autoprec import load_task, prepare
-from autoprec.gradients import (
+from autoprec.tune import load_task, prepare
+from autoprec.tune.gradients import (
     BF16,
     E4M3,
     E5M2,

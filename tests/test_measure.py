@@ -4,8 +4,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoprec import Policy, load_task, prepare
-from autoprec.measure import (
+from autoprec import Policy
+from autoprec.tune import load_task, prepare
+from autoprec.tune.measure import (
     TimingConfig,
     Timing,
     Trainer,
@@ -123,7 +124,7 @@ def test_metric_is_the_users_evaluate_or_minus_mean_eval_loss(workload):
 # ---- skipped steps, train mode and the noise floor ------------------------------------------------
 
 from autoprec import LossScale  # noqa: E402
-from autoprec.measure import batch_order, measure_steps, noise_floor, train_and_evaluate  # noqa: E402
+from autoprec.tune.measure import batch_order, measure_steps, noise_floor, train_and_evaluate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,7 @@ def test_noise_floor_spans_seeds(underflow):
 
 
 def test_a_candidate_whose_step_fails_is_reported_and_the_others_are_timed(workload):
-    from autoprec.measure import measure_steps_or_fail
+    from autoprec.tune.measure import measure_steps_or_fail
 
     stats, failed = measure_steps_or_fail(workload, {"fp32": Policy(), "bad": Policy(layers={"fc1": "fp8-rowwise-gw-hp"})}, FAST)
     assert set(stats) == {"fp32"} and set(failed) == {"bad"}
@@ -208,7 +209,7 @@ def test_a_candidate_whose_step_fails_is_reported_and_the_others_are_timed(workl
 
 
 def test_matmul_precision_sets_strict_or_tf32_on_cuda_and_restores_the_callers_settings():
-    from autoprec.measure import matmul_precision
+    from autoprec.tune.measure import matmul_precision
 
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from autoprec import ProfileConfig, load_task, prepare, profile
-from autoprec.measure import TimingConfig
-from autoprec.profile import COLUMNS, Profile
-from autoprec.space import space_from_dict
+from autoprec.tune import ProfileConfig, load_task, prepare, profile
+from autoprec.tune.measure import TimingConfig
+from autoprec.tune.profiler import COLUMNS, Profile
+from autoprec.tune.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
 FAST = ProfileConfig(batches=2, timing=TimingConfig(warmup=1, rounds=2, min_block_s=0.0))

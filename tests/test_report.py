@@ -1,4 +1,4 @@
-"""autoprec/report.py: the gradient summary, the heat maps, and how a policy's mode is shown."""
+"""autoprec/tune/report.py: the gradient summary, the heat maps, and how a policy's mode is shown."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from autoprec import ProfileConfig, load_task, prepare, profile
-from autoprec.measure import TimingConfig
-from autoprec.report import gradient_summary, mode_text, plot_all, plot_profile
-from autoprec.space import space_from_dict
+from autoprec.tune import ProfileConfig, load_task, prepare, profile
+from autoprec.tune.measure import TimingConfig
+from autoprec.tune.report import gradient_summary, mode_text, plot_all, plot_profile
+from autoprec.tune.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -57,7 +57,7 @@ def test_mode_text():
 
 def test_a_policy_of_many_layers_shows_one_row_per_role_and_format():
     from autoprec import Policy
-    from autoprec.report import layer_rows
+    from autoprec.tune.report import layer_rows
 
     layers = {"": "bf16", **{f"blocks.{i}.q": ("fp32" if i == 3 else "bf16") for i in range(30)}, "head": "fp32"}
     excluded = {f"blocks.{i}.q": {"fp8": f"measured {1.3 + i / 100:.2f}x the layer's fp32 time on this device"} for i in range(30)}

@@ -7,25 +7,14 @@ import pandas as pd
 import pytest
 import torch
 
-from autoprec import (
-    LossScale,
-    Policy,
-    ProfileConfig,
-    SearchConfig,
-    UserError,
-    apply_policy,
-    grad_scaler,
-    load_policy,
-    load_task,
-    prepare,
-    search,
-)
-from autoprec.gradients import LayerGradients, scale_table
-from autoprec.measure import NoiseFloor, TimingConfig, metric_of
-from autoprec.profile import COLUMNS, Profile
-from autoprec.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
-from autoprec.search import Mode
-from autoprec.space import space_from_dict
+from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, load_policy
+from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, search
+from autoprec.tune.gradients import LayerGradients, scale_table
+from autoprec.tune.measure import NoiseFloor, TimingConfig, metric_of
+from autoprec.tune.profiler import COLUMNS, Profile
+from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
+from autoprec.tune.searcher import Mode
+from autoprec.tune.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "trials": 6})
@@ -293,7 +282,7 @@ def test_resuming_in_another_mode_is_refused(trained):
 
 def test_a_budget_below_the_noise_floor_warns(trained, caplog, monkeypatch):
     workload, result, out = trained
-    module = sys.modules["autoprec.study"]
+    module = sys.modules["autoprec.tune.study"]
     monkeypatch.setattr(module, "noise_floor", lambda *a, **k: NoiseFloor(10, (0.5, 0.6), 0.5))
     search(workload, FP16_SPACE, SearchConfig(budget=0.01, **{**TRAIN, "trials": 1}, study_name="low"), out)
     assert "budget 0.01 is below the noise floor 0.1" in caplog.text
@@ -309,7 +298,7 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
     )
     (tmp_path / "picky.py").write_text(src)
     workload = prepare(load_task(tmp_path / "picky.py"), "cpu")
-    from autoprec.study import Judge, Objective
+    from autoprec.tune.study import Judge, Objective
 
     prof_space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32"]}})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), prof_space, 0.05, torch.device("cpu"))
@@ -326,7 +315,7 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
 
 def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
     from autoprec import Policy
-    from autoprec.search import choose, safer_variant
+    from autoprec.tune.searcher import choose, safer_variant
 
     risky = Policy(layers={"": "fp32", "a": "fp16", "b": "bf16"})
     choices = build_choices(fake_profile([("a", "fp32", 0, 1, True, False), ("a", "bf16", 0, 1, True, False),
@@ -351,7 +340,7 @@ def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
 
 def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
     """A safer finalist tied with the top one is still refused when an alternative measured faster than it."""
-    from autoprec.search import choose
+    from autoprec.tune.searcher import choose
 
     candidates = {
         "fp32": Policy(),
@@ -375,8 +364,8 @@ def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
 
 
 def test_tf32_is_measured_but_never_chosen_as_the_policy():
-    from autoprec.measure import Candidate
-    from autoprec.search import choose
+    from autoprec.tune.measure import Candidate
+    from autoprec.tune.searcher import choose
 
     fp32 = Policy(layers={"": "fp32"})
     candidates = {"fp32": Candidate(fp32), "TF32": Candidate(fp32, tf32=True)}
@@ -430,7 +419,7 @@ def test_an_alternative_that_cannot_train_is_a_row_with_its_error_not_a_crash(tm
     row = result.finals.set_index("candidate").loc["uniform bf16"]
     assert not row["runs"] and "no autocast here" in row["error"]
     assert "no autocast here" in result.policy.measured["results"]["uniform bf16"]["error"]
-    from autoprec.report import search_summary, show_policy
+    from autoprec.tune.report import search_summary, show_policy
 
     assert "uniform bf16 failed: RuntimeError: no autocast here" in search_summary(result)
     assert "uniform bf16 failed: RuntimeError: no autocast here" in show_policy(result.policy)

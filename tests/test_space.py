@@ -1,4 +1,4 @@
-"""autoprec/space.py: the search-space YAML, its errors, and which modules are tunable layers."""
+"""autoprec/tune/space.py: the search-space YAML, its errors, and which modules are tunable layers."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from autoprec.cli import build_parser
+from autoprec.tune.cli import build_parser
 from autoprec.errors import UserError
 from autoprec.formats import Format
-from autoprec.space import LossScaleRange, SearchSpace, load_space
+from autoprec.tune.space import LossScaleRange, SearchSpace, load_space
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "search_spaces").glob("*.y*ml"))

@@ -6,10 +6,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from autoprec import Policy, ProfileConfig, SearchConfig, apply_policy, load_policy, load_task, prepare
-from autoprec.measure import TimingConfig, metric_of
-from autoprec.space import space_from_dict
-from autoprec.sweep import choose_per_budget, parse_budgets, pareto_front, policy_filename, sweep
+from autoprec import Policy, apply_policy, load_policy
+from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare
+from autoprec.tune.measure import TimingConfig, metric_of
+from autoprec.tune.space import space_from_dict
+from autoprec.tune.sweeper import choose_per_budget, parse_budgets, pareto_front, policy_filename, sweep
 
 MODELS = Path(__file__).parent / "models"
 TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)

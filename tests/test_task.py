@@ -1,4 +1,4 @@
-"""autoprec/task.py: loading a model.py, the protocol checks and their messages, batch-to-device."""
+"""autoprec/tune/task.py: loading a model.py, the protocol checks and their messages, batch-to-device."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autoprec.errors import UserError
-from autoprec.task import load_task, map_tensors, prepare, to_device
+from autoprec.tune.task import load_task, map_tensors, prepare, to_device
 
 
 def user_error(fn, *args) -> str:

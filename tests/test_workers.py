@@ -21,11 +21,12 @@ import optuna
 import pytest
 import torch
 
-from autoprec import SearchConfig, UserError, load_task, prepare
-from autoprec.profile import Profile
-from autoprec.choices import Choices
-from autoprec.study import CHOICES_ATTR, RETRIES, _storage, open_study
-from autoprec.space import space_from_dict
+from autoprec import UserError
+from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune.profiler import Profile
+from autoprec.tune.choices import Choices
+from autoprec.tune.study import CHOICES_ATTR, RETRIES, _storage, open_study
+from autoprec.tune.space import space_from_dict
 
 WORKER = Path(__file__).parent / "search_worker.py"
 HOLDING = "test:holding"  # search_worker.py marks a trial it holds with --sleep
@@ -99,7 +100,7 @@ def test_workers_that_start_at_the_same_moment_search_the_first_stored_choices(t
     theirs = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32",), "big": ("fp32",), "head": ("fp32", "bf16")}, excluded={})
     bf16 = [{"default": "bf16", "layer:fc1": "bf16", "layer:head": "bf16"}]
     study, got_a, _ = open_study(workload, space, mine, config, tmp_path, warm_starts=lambda c: bf16)
-    module = importlib.import_module("autoprec.study")
+    module = importlib.import_module("autoprec.tune.study")
     real, calls = module._first_start, []
 
     def stale_first_read(study):

@@ -5,7 +5,7 @@ Regenerates the files next to this script (CPU, a few minutes; accuracy numbers 
     python results/cpu-xeon-2core/additivity/run.py
 
 For each example: every tunable layer lowered alone to each format it can run (the profile's metric_drop,
-measured the same way: autoprec.measure.evaluate_metric), then 40 seeded random policies (each layer a
+measured the same way: autoprec.tune.measure.evaluate_metric), then 40 seeded random policies (each layer a
 random runnable format, the model root fp32 so that every lowered op belongs to a profiled layer), their
 measured drop against the sum of their layers' single drops. Also the searched studies committed beside
 this folder: their trials, root format included (the profile does not cover the root, so it predicts
@@ -23,11 +23,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from autoprec import Policy, load_space, load_task, prepare
+from autoprec import Policy
+from autoprec.tune import load_space, load_task, prepare
 from autoprec.formats import Format
-from autoprec.measure import evaluate_metric
-from autoprec.profile import Profile, static_problem
-from autoprec.report import markdown_table
+from autoprec.tune.measure import evaluate_metric
+from autoprec.tune.profiler import Profile, static_problem
+from autoprec.tune.report import markdown_table
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from autoprec import LossScale, Policy, SearchConfig, load_task, prepare, search
-from autoprec.measure import TimingConfig, measure_steps, noise_floor, train_and_evaluate
-from autoprec.report import gradient_summary, markdown_table, plot_all
-from autoprec.space import space_from_dict
+from autoprec import LossScale, Policy
+from autoprec.tune import SearchConfig, load_task, prepare, search
+from autoprec.tune.measure import TimingConfig, measure_steps, noise_floor, train_and_evaluate
+from autoprec.tune.report import gradient_summary, markdown_table, plot_all
+from autoprec.tune.space import space_from_dict
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]

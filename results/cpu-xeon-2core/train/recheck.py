@@ -18,8 +18,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from autoprec import LossScale, Policy, apply_policy, grad_scaler, load_policy, load_task
-from autoprec.report import markdown_table
+from autoprec import LossScale, Policy, apply_policy, grad_scaler, load_policy
+from autoprec.tune import load_task
+from autoprec.tune.report import markdown_table
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]

@@ -24,11 +24,11 @@ import optuna
 import pandas as pd
 from tqdm.auto import tqdm
 
-from autoprec.choices import Choices, is_param, policy_from_params, suggest, uniform_params
-from autoprec.cost import Stopwatch
+from autoprec.tune.choices import Choices, is_param, policy_from_params, suggest, uniform_params
+from autoprec.tune.cost import Stopwatch
 from autoprec.errors import UserError
 from autoprec.formats import Format, device_name
-from autoprec.measure import (
+from autoprec.tune.measure import (
     NoiseFloor,
     StepStats,
     TimingConfig,
@@ -40,9 +40,9 @@ from autoprec.measure import (
     train_and_evaluate,
 )
 from autoprec.policy import ROOT, Policy, model_fingerprint
-from autoprec.profile import Profile, ProfileConfig
-from autoprec.space import SearchSpace
-from autoprec.task import Workload
+from autoprec.tune.profiler import Profile, ProfileConfig
+from autoprec.tune.space import SearchSpace
+from autoprec.tune.task import Workload
 
 log = logging.getLogger("autoprec")
 

@@ -21,8 +21,8 @@ import pandas as pd
 import torch
 
 from autoprec.formats import Format
-from autoprec.measure import rng_devices
-from autoprec.task import Workload, check_loss, map_tensors
+from autoprec.tune.measure import rng_devices
+from autoprec.tune.task import Workload, check_loss, map_tensors
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from autoprec.errors import UserError
+from autoprec.tensors import map_tensors  # noqa: F401 (the tuner's modules import it from here too)
 
 REQUIRED = ("build_model", "batches", "loss_fn")
 OPTIONAL = ("evaluate", "optimizer")
@@ -83,19 +84,6 @@ def load_task(path: str | Path) -> Task:
             raise UserError(f"{path}: {name} must be a function, got {type(fn).__name__}")
         funcs[name] = fn
     return Task(path=path, **funcs)
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply `fn` to every tensor inside a (nested) tensor, tuple, namedtuple, list or dict."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
-    return obj
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

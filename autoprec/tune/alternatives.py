@@ -20,11 +20,11 @@ import dataclasses
 
 import torch
 
-from autoprec.choices import Choices, greedy_policy
+from autoprec.tune.choices import Choices, greedy_policy
 from autoprec.formats import Format, Fp8Backend, device_name, format_problem, fp8_backend
-from autoprec.measure import Candidate
+from autoprec.tune.measure import Candidate
 from autoprec.policy import ROOT, Policy
-from autoprec.profile import Profile
+from autoprec.tune.profiler import Profile
 
 FP32 = "fp32"
 TF32 = "TF32"

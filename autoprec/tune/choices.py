@@ -30,8 +30,8 @@ import torch
 
 from autoprec.formats import FP16_MAX, Format, autocast_supported
 from autoprec.policy import ROOT, LossScale, Policy
-from autoprec.profile import Profile
-from autoprec.space import Layout, SearchSpace, parse_layout
+from autoprec.tune.profiler import Profile
+from autoprec.tune.space import Layout, SearchSpace, parse_layout
 
 log = logging.getLogger("autoprec")
 

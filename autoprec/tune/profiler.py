@@ -21,12 +21,12 @@ import torch
 from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy
-from autoprec.cost import Stopwatch
+from autoprec.tune.cost import Stopwatch
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.formats import AUTOCAST_DTYPE, Format, device_name, format_problem
-from autoprec.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
-from autoprec.measure import (
+from autoprec.tune.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
+from autoprec.tune.measure import (
     TimingConfig,
     compile_scope,
     evaluate_metric,
@@ -39,8 +39,8 @@ from autoprec.measure import (
     sqnr_db,
 )
 from autoprec.policy import Policy, model_fingerprint
-from autoprec.space import SearchSpace
-from autoprec.task import Workload, check_loss, map_tensors
+from autoprec.tune.space import SearchSpace
+from autoprec.tune.task import Workload, check_loss, map_tensors
 
 COLUMNS = [
     "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "metric", "metric_drop",

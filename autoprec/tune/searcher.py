@@ -25,18 +25,18 @@ import pandas as pd
 import torch
 
 from autoprec.apply import fp8_backend
-from autoprec.alternatives import NOT_A_POLICY, Alternatives, alternatives
-from autoprec.alternatives import FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY
-from autoprec.choices import Choices, build_choices, fit, policy_from_params, warm_starts
-from autoprec.cost import Stopwatch
+from autoprec.tune.alternatives import NOT_A_POLICY, Alternatives, alternatives
+from autoprec.tune.alternatives import FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY
+from autoprec.tune.choices import Choices, build_choices, fit, policy_from_params, warm_starts
+from autoprec.tune.cost import Stopwatch
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.formats import Format, device_name
-from autoprec.measure import Candidate, NoiseFloor, TimingConfig, measure_steps_or_fail
+from autoprec.tune.measure import Candidate, NoiseFloor, TimingConfig, measure_steps_or_fail
 from autoprec.policy import ROOT, Policy, model_fingerprint
-from autoprec.profile import Profile, profile
-from autoprec.space import SearchSpace
-from autoprec.study import (
+from autoprec.tune.profiler import Profile, profile
+from autoprec.tune.space import SearchSpace
+from autoprec.tune.study import (
     Judge,
     Mode,
     Objective,
@@ -47,7 +47,7 @@ from autoprec.study import (
     trial_costs,
     trials_table,
 )
-from autoprec.task import Workload
+from autoprec.tune.task import Workload
 
 log = logging.getLogger("autoprec")
 

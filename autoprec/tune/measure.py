@@ -25,7 +25,7 @@ from autoprec.apply import apply_policy, compile_model
 from autoprec.scaler import grad_scaler
 from autoprec.policy import Policy
 from autoprec.errors import UserError
-from autoprec.task import Workload, check_loss
+from autoprec.tune.task import Workload, check_loss
 
 
 @dataclasses.dataclass(frozen=True)

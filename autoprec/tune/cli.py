@@ -49,8 +49,8 @@ def _out_dir(args: argparse.Namespace, task) -> Path:
 
 
 def _prepare(args: argparse.Namespace):
-    from autoprec.space import load_space
-    from autoprec.task import load_task, prepare
+    from autoprec.tune.space import load_space
+    from autoprec.tune.task import load_task, prepare
 
     task = load_task(args.model)
     space = load_space(args.space)
@@ -62,7 +62,7 @@ def _prepare(args: argparse.Namespace):
 
 
 def _search_config(args: argparse.Namespace, budget: float | None = None):
-    from autoprec.search import Mode, SearchConfig, parse_mode
+    from autoprec.tune.searcher import Mode, SearchConfig, parse_mode
 
     budget = args.budget if budget is None else budget
     try:
@@ -82,8 +82,8 @@ def _search_config(args: argparse.Namespace, budget: float | None = None):
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from autoprec.report import plot_all, search_markdown, search_summary
-    from autoprec.search import search
+    from autoprec.tune.report import plot_all, search_markdown, search_summary
+    from autoprec.tune.searcher import search
 
     config = _search_config(args)
     task, space, workload = _prepare(args)
@@ -104,8 +104,8 @@ def _command(verb: str) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from autoprec.report import plot_all, plot_pareto, sweep_summary
-    from autoprec.sweep import parse_budgets, sweep
+    from autoprec.tune.report import plot_all, plot_pareto, sweep_summary
+    from autoprec.tune.sweeper import parse_budgets, sweep
 
     try:
         budgets = parse_budgets(args.budgets)
@@ -128,7 +128,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _sweep_markdown(result) -> str:
-    from autoprec.report import front_rows, markdown_table, profile_summary, sweep_summary
+    from autoprec.tune.report import front_rows, markdown_table, profile_summary, sweep_summary
 
     command = _command("sweep")
     name = next(iter(result.policies.values())).measured["model"]
@@ -142,8 +142,8 @@ def _sweep_markdown(result) -> str:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autoprec.profile import ProfileConfig, profile
-    from autoprec.report import gradient_summary, plot_all, profile_summary
+    from autoprec.tune.profiler import ProfileConfig, profile
+    from autoprec.tune.report import gradient_summary, plot_all, profile_summary
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
@@ -160,7 +160,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from autoprec.policy import load_policy
-    from autoprec.report import show_policy
+    from autoprec.tune.report import show_policy
 
     print(show_policy(load_policy(args.policy), markdown=args.markdown))
     return 0

@@ -20,19 +20,19 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from autoprec.choices import Choices
-from autoprec.cost import Stopwatch
+from autoprec.tune.choices import Choices
+from autoprec.tune.cost import Stopwatch
 from autoprec.files import write_atomically
 from autoprec.formats import Format
-from autoprec.measure import NoiseFloor
+from autoprec.tune.measure import NoiseFloor
 from autoprec.policy import ROOT, Policy
-from autoprec.profile import Profile
-from autoprec.alternatives import BF16, GREEDY
-from autoprec.measure import Candidate
-from autoprec.search import ALTERNATIVES, Started, baselines, choose, final_remeasure, finalist_policies, measured_record, start
-from autoprec.space import SearchSpace
-from autoprec.study import Objective, SearchConfig, run_trials, trial_costs, trials_table
-from autoprec.task import Workload
+from autoprec.tune.profiler import Profile
+from autoprec.tune.alternatives import BF16, GREEDY
+from autoprec.tune.measure import Candidate
+from autoprec.tune.searcher import ALTERNATIVES, Started, baselines, choose, final_remeasure, finalist_policies, measured_record, start
+from autoprec.tune.space import SearchSpace
+from autoprec.tune.study import Objective, SearchConfig, run_trials, trial_costs, trials_table
+from autoprec.tune.task import Workload
 
 OBJECTIVES = 2  # speedup (maximise), metric drop (minimise)
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pandas as pd
 
-from autoprec.alternatives import BF16, TF32
-from autoprec.choices import role
-from autoprec.cost import cost_rows
+from autoprec.tune.alternatives import BF16, TF32
+from autoprec.tune.choices import role
+from autoprec.tune.cost import cost_rows
 from autoprec.files import write_atomically
 from autoprec.policy import ROOT, Policy
 

@@ -1,0 +1,35 @@
+"""`import autoprec` is the runtime: torch only, silent; the tuner's names moved to autoprec.tune with a deprecation."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def test_importing_the_runtime_pulls_in_no_tuner_library_and_prints_nothing():
+    code = (
+        "import sys, autoprec\n"
+        "print(sorted(m for m in ('optuna', 'pandas', 'matplotlib', 'torchao', 'yaml', 'autoprec.tune') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]" and proc.stderr == ""
+
+
+def test_the_tuners_old_names_still_work_with_a_deprecation_naming_the_new_place():
+    import autoprec
+    import autoprec.tune
+
+    with pytest.warns(DeprecationWarning, match=r"autoprec.search has moved to autoprec.tune.search"):
+        assert autoprec.search is autoprec.tune.search
+    with pytest.raises(AttributeError, match="no attribute 'serch'"):
+        autoprec.serch  # noqa: B018
+
+
+def test_the_tuner_functions_do_not_shadow_their_modules():
+    import importlib
+
+    import autoprec.tune
+
+    assert callable(autoprec.tune.search) and callable(autoprec.tune.profile) and callable(autoprec.tune.sweep)
+    assert importlib.import_module("autoprec.tune.searcher").search is autoprec.tune.search
+    assert importlib.import_module("autoprec.tune.profiler").profile is autoprec.tune.profile
