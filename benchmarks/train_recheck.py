@@ -1,6 +1,6 @@
 """Re-check the train-mode searches committed here with a plain training loop, outside the search.
 
-    python results/cpu-xeon-2core/train/recheck.py
+    python benchmarks/train_recheck.py [--out DIR]  (default: results/cpu-xeon-2core/train)
 
 For each train-mode policy.json (digits/ and tinylm/ here, ../loss-scale/underflow_mlp/): K training steps (K = measured.train_steps) from the
 model's own build_model() weights, the train batches in their given order, the task's optimizer (or
@@ -12,6 +12,7 @@ trial (with its GradScaler settings) is re-checked too. Writes recheck.md next t
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -22,8 +23,8 @@ from autoprec import LossScale, Policy, apply_policy, grad_scaler, load_policy
 from autoprec.tune import load_task
 from autoprec.tune.report import markdown_table
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "results/cpu-xeon-2core/train"  # where the files are written (and, for a re-check, read): --out
 # model -> (model.py, the folder with its train-mode policy.json)
 MODELS = {
     "digits": (ROOT / "examples/digits/model.py", HERE / "digits"),
@@ -87,6 +88,11 @@ def candidates(folder: Path, policy: Policy) -> list[tuple[str, Policy, float]]:
 
 
 def main() -> None:
+    global HERE
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE, help=f"output folder (default: {HERE.relative_to(ROOT)})")
+    HERE = parser.parse_args().out
+    HERE.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, (path, folder) in MODELS.items():
         policy_path = folder / "policy.json"
@@ -107,7 +113,7 @@ def main() -> None:
                "re-check drop", "skipped", "within budget + noise"]  # fmt: skip
     text = (
         "# Train-mode results re-checked outside the search (CPU)\n\n"
-        "`python results/cpu-xeon-2core/train/recheck.py`: K steps from build_model()'s weights with "
+        "`python benchmarks/train_recheck.py [--out DIR]  (default: results/cpu-xeon-2core/train)`: K steps from build_model()'s weights with "
         "apply_policy + grad_scaler(policy), batches in their given order, against K fp32 steps.\n\n"
         + markdown_table(headers, rows) + "\n"
     )

@@ -2,7 +2,7 @@
 
 Regenerates the files next to this script (CPU, a few minutes; accuracy numbers only, no timings):
 
-    python results/cpu-xeon-2core/additivity/run.py
+    python benchmarks/additivity.py [--out DIR]  (default: results/cpu-xeon-2core/additivity)
 
 For each example: every tunable layer lowered alone to each format it can run (the profile's metric_drop,
 measured the same way: autoprec.tune.measure.evaluate_metric), then 40 seeded random policies (each layer a
@@ -14,6 +14,7 @@ nothing for it).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import random
@@ -30,8 +31,8 @@ from autoprec.tune.measure import evaluate_metric
 from autoprec.tune.profiler import Profile, static_problem
 from autoprec.tune.report import markdown_table
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "results/cpu-xeon-2core/additivity"  # where the files are written (and, for a re-check, read): --out
 DEVICE_DIR = HERE.parent
 N_RANDOM = 40
 BUDGETS = {"digits": 0.01, "digits (eval loss)": 0.01, "tinylm": 0.02}
@@ -102,6 +103,11 @@ def searched_trials(model: str, prof: Profile, folder: str) -> pd.DataFrame | No
 
 
 def main() -> None:
+    global HERE
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE, help=f"output folder (default: {HERE.relative_to(ROOT)})")
+    HERE = parser.parse_args().out
+    HERE.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     rows = []
     for model, workload in workloads().items():
@@ -137,7 +143,7 @@ def main() -> None:
     out.to_csv(HERE / "additivity.csv", index=False)
     text = (
         "# Does the sum of single-layer drops predict a policy's drop? (CPU)\n\n"
-        "`python results/cpu-xeon-2core/additivity/run.py`; see this script's docstring for the method. "
+        "`python benchmarks/additivity.py [--out DIR]  (default: results/cpu-xeon-2core/additivity)`; see this script's docstring for the method. "
         "predicted: the sum of the policy's layers' single-layer metric drops (weights mode, from the "
         "profile); measured: the policy's own drop (weights mode, or after K training steps for the train-mode "
         "studies). The last two columns count policies on the wrong side of the budget.\n\n"

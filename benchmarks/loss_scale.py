@@ -2,7 +2,7 @@
 
 Regenerates the files next to this script (CPU, a few minutes):
 
-    python results/cpu-xeon-2core/loss-scale/run.py
+    python benchmarks/loss_scale.py [--out DIR]  (default: results/cpu-xeon-2core/loss-scale)
 
 1. The profile's recommended loss-scale range and the layers that bound it (profile.csv, grad_ranges.csv).
 2. A train-mode search (K = 20 steps, budget 0.02 accuracy) over a space that offers fp32 or fp16 per
@@ -16,6 +16,7 @@ Regenerates the files next to this script (CPU, a few minutes):
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -29,8 +30,8 @@ from autoprec.tune.measure import TimingConfig, measure_steps, noise_floor, trai
 from autoprec.tune.report import gradient_summary, markdown_table, plot_all
 from autoprec.tune.space import space_from_dict
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "results/cpu-xeon-2core/loss-scale"  # where the files are written (and, for a re-check, read): --out
 MODEL = ROOT / "tests/models/underflow_mlp.py"
 K, BUDGET = 20, 0.02
 SPACE = {
@@ -76,6 +77,11 @@ def best_fp16_trial(trials: pd.DataFrame) -> pd.Series | None:
 
 
 def main() -> None:
+    global HERE
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE, help=f"output folder (default: {HERE.relative_to(ROOT)})")
+    HERE = parser.parse_args().out
+    HERE.mkdir(parents=True, exist_ok=True)
     workload = prepare(load_task(MODEL), "cpu")
     result = run_search(workload)
     advice = result.profile.advice()
@@ -88,7 +94,7 @@ def main() -> None:
     lines = [
         "# Loss scaling for a model with tiny gradients (underflow_mlp, CPU)",
         "",
-        "`python results/cpu-xeon-2core/loss-scale/run.py`: tests/models/underflow_mlp.py weights its loss by "
+        "`python benchmarks/loss_scale.py [--out DIR]  (default: results/cpu-xeon-2core/loss-scale)`: tests/models/underflow_mlp.py weights its loss by "
         "2^-24, so its gradients are ~1e-9, below fp16's smallest subnormal (2^-24 = 6e-8).",
         "",
         "## What the profile recommends",
