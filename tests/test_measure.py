@@ -124,7 +124,7 @@ def test_metric_is_the_users_evaluate_or_minus_mean_eval_loss(workload):
 # ---- skipped steps, train mode and the noise floor ------------------------------------------------
 
 from autoprec import LossScale  # noqa: E402
-from autoprec.tune.measure import batch_order, measure_steps, noise_floor, train_and_evaluate  # noqa: E402
+from autoprec.tune.measure import batch_order, noise_floor, train_and_evaluate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
