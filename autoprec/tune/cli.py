@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="autoprec: %(message)s")
+    if args.verb in ("search", "sweep") and not args.debug:  # process-wide settings belong here, not in the library
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress bar shows the trials
     try:
         return args.func(args)
     except UserError as exc:

@@ -391,7 +391,6 @@ def open_study(
     Two workers starting at the same moment may both queue the fp32 trial: it is then measured twice."""
     storage, where = _storage(config, out_dir)
     name = config.study_name or workload.task.name
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     directions = ["maximize", "minimize"][:objectives]
     study = optuna.create_study(
         study_name=name, storage=storage, directions=directions, sampler=sampler_for(space, config.seed), load_if_exists=True
