@@ -112,6 +112,28 @@ def test_search_bad_trials(capsys, tmp_path, write_model, mlp_source):
     assert_user_error(code, err, "trials must be >= 1")
 
 
+def test_search_bad_seed_is_refused_before_anything_is_profiled(capsys, tmp_path, write_model, mlp_source):
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--seed", "-1")
+    assert_user_error(code, err, "seed must be an integer from 0 to 2**32 - 1", "-1")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("return None", "evaluate() must return a number (higher is better), but returned NoneType None"),
+        ("return 'good'", "but returned str 'good'"),
+        ("return torch.tensor([0.5, 0.5])", "but returned a tensor of shape (2,)"),
+        ("return True", "but returned bool True"),
+        ("raise KeyError('accuracy')", "evaluate() failed on the fp32 model: KeyError: 'accuracy'"),
+    ],
+)
+def test_a_broken_evaluate_is_one_line_naming_the_file(capsys, tmp_path, write_model, mlp_source, body, expected):
+    path = write_model(mlp_source + f"\n\ndef evaluate(model):\n    {body}\n")
+    code, _, err = search(capsys, tmp_path, path)
+    assert_user_error(code, err, str(path), expected)
+
+
 def test_search_requires_budget(capsys, write_model, mlp_source):
     with pytest.raises(SystemExit) as info:
         main(["search", str(write_model(mlp_source))])
@@ -124,6 +146,23 @@ def test_search_bad_space(capsys, tmp_path, write_model, mlp_source):
     space.write_text("layers: {Linr: [fp32]}\n", encoding="utf-8")
     code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--space", space)
     assert_user_error(code, err, str(space), "unknown module type 'Linr'")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("layers: {Linear: [fp32]}\nloss_scale: {growth_factor: [.inf]}\n", "growth_factor must be a non-empty list of numbers > 1"),
+        ("layers: {Linear: [fp32]}\nloss_scale: {backoff_factor: [.nan]}\n", "backoff_factor must be a non-empty list"),
+        ("layers: {Linear: [fp32]}\nprune: {slower_than: .nan}\n", "slower_than must be a finite number, but got nan"),
+        ("layers: {Linear: [fp32]}\nprune: {slower_than: .inf}\n", "slower_than must be a finite number, but got inf"),
+    ],
+)
+def test_a_non_finite_number_in_the_space_is_refused_before_profiling(capsys, tmp_path, write_model, mlp_source, text, expected):
+    space = tmp_path / "space.yaml"
+    space.write_text(text, encoding="utf-8")
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--space", space)
+    assert_user_error(code, err, str(space), expected)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

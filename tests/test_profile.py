@@ -119,3 +119,28 @@ def test_predicted_drop_sums_the_lowered_layers(prof):
     assert prof.predicted_drop({"": "bf16", "fc1": "bf16", "big": "bf16", "head": "fp32"}) == pytest.approx(drops["bf16"])
     assert prof.predicted_drop({"fc1": "fp8", "big": "fp8"}) == pytest.approx(drops["fp8"])
     assert prof.predicted_drop({"fc1": "fp32"}) == 0.0
+
+
+def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_saved_profile_is_reused(tmp_path, write_model):
+    """nn.Sequential names its layers "0", "2": read back as integers they never matched, so every rerun and
+    every worker profiled again and rewrote the shared profile."""
+    from autoprec.tune import SearchConfig
+    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune.searcher import _load_or_profile
+
+    path = write_model(
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n\n"
+        "def batches(split):\n    g = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]\n\n"
+        "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
+    )
+    workload = prepare(load_task(path), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
+    config = SearchConfig(budget=0.1, progress=False, profile=FAST)
+    _load_or_profile(workload, space, tmp_path, config)
+    loaded = Profile.load(tmp_path)
+    assert loaded.layers() == ["0", "2"] and set(loaded.grad_ranges["layer"]) == {"0", "2"}
+    watch = Stopwatch()
+    _load_or_profile(workload, space, tmp_path, config, watch=watch)
+    assert watch.counts == {"profile: reused the one saved in the output folder": 1}

@@ -425,6 +425,17 @@ def default_evaluate(workload: Workload, model: torch.nn.Module) -> float:
     return -float(torch.stack(losses).mean().item())
 
 
+def _as_metric(workload: Workload, value: object) -> float:
+    """evaluate()'s return value as a float; anything but a real number (or a one-element tensor) is the
+    user's bug, named in one line."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        return float(value.item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r:.60}"
+    raise UserError(f"{workload.task.path}: evaluate() must return a number (higher is better), but returned {shown}")
+
+
 def metric_of(workload: Workload, model: torch.nn.Module) -> float:
     """The task's metric (higher is better) of `model`, in eval mode without gradients."""
     was_training = model.training
@@ -433,7 +444,7 @@ def metric_of(workload: Workload, model: torch.nn.Module) -> float:
         with torch.no_grad():
             if workload.task.evaluate is None:
                 return default_evaluate(workload, model)
-            return float(workload.task.evaluate(model))
+            return _as_metric(workload, workload.task.evaluate(model))
     finally:
         model.train(was_training)
 

@@ -110,13 +110,14 @@ class Profile:
         out_dir = Path(out_dir)
         meta = json.loads((out_dir / "profile.json").read_text(encoding="utf-8"))
         meta.pop("loss_scale_advice", None)  # derived from grad_ranges on demand
-        table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True)
+        # layer names are strings even when they look like numbers (nn.Sequential's "0", "2")
+        table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True, dtype={"layer": str, "timed_as": str})
         table["reason"] = table["reason"].fillna("")
         for column in COLUMNS:  # a profile written before a column existed
             if column not in table:
                 table[column] = math.nan
         grads = out_dir / "grad_ranges.csv"
-        grad_ranges = pd.read_csv(grads) if grads.is_file() else None
+        grad_ranges = pd.read_csv(grads, dtype={"layer": str}) if grads.is_file() else None
         return cls(table=table[COLUMNS], grad_ranges=grad_ranges, **meta)
 
     def layers(self) -> list[str]:
@@ -413,7 +414,13 @@ def profile(
         )
     watch = Stopwatch()
     with watch.section("profile: fp32 metric and reference outputs"):
-        fp32_metric = evaluate_metric(workload, Policy())
+        try:
+            fp32_metric = evaluate_metric(workload, Policy())
+        except UserError:
+            raise
+        except Exception as exc:  # the user's evaluate() (or loss_fn) failing on the plain fp32 model is their bug
+            what = "evaluate()" if workload.task.evaluate is not None else "loss_fn() on the eval batches"
+            raise UserError(f"{workload.task.path}: {what} failed on the fp32 model: {type(exc).__name__}: {exc}") from exc
         if not math.isfinite(fp32_metric):
             raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
         ref = _reference(workload, list(layers), config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib.resources
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ class LossScaleRange:
 
 
 def _check_factors(field: str, values: tuple, ok: Callable[[float], bool], rule: str) -> None:
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
     if not values or not numbers or not all(ok(float(v)) for v in values):
         raise ValueError(f"loss_scale.{field} must be a non-empty list of numbers {rule}, got {list(values)}")
 
@@ -92,7 +93,7 @@ class SearchSpace:
         object.__setattr__(self, "layout", parse_layout(self.layout))
         if self.max_params < 1:
             raise ValueError(f"max_params must be >= 1, but got {self.max_params!r}")
-        if self.prune_slower_than < 1.0:
+        if not math.isfinite(self.prune_slower_than) or self.prune_slower_than < 1.0:
             raise ValueError(f"prune.slower_than must be >= 1.0, but got {self.prune_slower_than!r}")
         linear_only = [f.value for f in self.default if f.spec.linear_only]
         if linear_only:
@@ -136,8 +137,10 @@ def _formats(value: Any, field: str) -> tuple[Format, ...]:
 
 
 def _number(value: Any, field: str, kind: type) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise ValueError(f"{field} must be {'an integer' if kind is int else 'a number'}, but got {value!r}")
+    # .inf and .nan are YAML numbers: refused here, before anything is profiled
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    if bad or (kind is int and value != int(value)):
+        raise ValueError(f"{field} must be {'an integer' if kind is int else 'a finite number'}, but got {value!r}")
     return kind(value)
 
 

@@ -102,6 +102,8 @@ class SearchConfig:
                 raise ValueError(f"{name} must be an integer >= 1, but got {value!r}")
         if isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1:
             raise ValueError(f"heartbeat_s must be an integer >= 1 (seconds), but got {self.heartbeat_s!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an integer from 0 to 2**32 - 1 (Optuna's sampler seed), but got {self.seed!r}")
         if self.trials is not None and self.trials < 1:
             raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
         if self.finalists < 1:
