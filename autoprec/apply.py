@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, fp8_backend, format_problem
-from autoprec.policy import ROOT, Policy, load_policy
+from autoprec.policy import ROOT, Policy, load_policy, model_fingerprint
 from autoprec.tensors import map_tensors
 
 log = logging.getLogger("autoprec")
@@ -331,6 +331,19 @@ def _warn_aliases(policy: Policy, names: Mapping[int, list[str]], paths: Mapping
             )
 
 
+def _warn_other_model(policy: Policy, model: torch.nn.Module) -> None:
+    """A policy measured on one model applied to another whose layer names happen to match: say so."""
+    measured = policy.measured if isinstance(policy.measured, Mapping) else {}
+    expected = measured.get("fingerprint")
+    if isinstance(expected, str) and expected != model_fingerprint(model):
+        warnings.warn(
+            f"apply_policy: this policy was measured on {measured.get('model', 'another model')!r} (fingerprint {expected}), "
+            f"and this model's structure differs ({model_fingerprint(model)}): its formats and speedups were not "
+            "measured on it",
+            stacklevel=3,
+        )
+
+
 def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.nn.Module:
     """Put a policy on a model in place (also accepts a policy file's path) and return the model.
 
@@ -348,6 +361,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.n
     _check_formats(policy, paths, device)
     names = _names_by_module(paths)
     _warn_aliases(policy, names, paths)
+    _warn_other_model(policy, model)
     recipes: dict[str, dict[int, torch.nn.Module]] = {}
     for n, f in policy.layers.items():
         if f.spec.fp8_recipe is not None:

@@ -150,6 +150,10 @@ class Policy:
 def load_policy(path: str | Path) -> Policy:
     """Read and validate a policy file; errors name the file, the field and the allowed values."""
     path = Path(path)
+    if path.is_dir():
+        inside = path / "policy.json"
+        hint = f"; did you mean {inside}?" if inside.is_file() else "; give the path of a policy .json file"
+        raise UserError(f"{path}: a folder, not a policy file{hint}")
     if not path.is_file():
         raise UserError(f"{path}: no such policy file")
     try:

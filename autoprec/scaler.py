@@ -148,6 +148,8 @@ def grad_scaler(
     collapses (`warn_after_skips` skipped steps in a row, or below 1) warns, naming the layers with
     non-finite gradients of `model` (or of the one model this policy was applied to).
     """
+    if isinstance(policy, dict):
+        raise TypeError("grad_scaler takes a Policy or a policy file's path, not a dict; use Policy.from_dict(data)")
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
     if device is None:

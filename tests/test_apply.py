@@ -308,3 +308,14 @@ def test_cuda_autocast_follows_the_policy_per_layer():
     out.sum().backward()
     assert seen == {"a": torch.bfloat16, "probe": torch.float16, "head": torch.float32}
     assert out.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")
+
+
+def test_a_policy_measured_on_another_model_warns_when_applied():
+    policy = Policy(layers={"a": "bf16"}, measured={"model": "digits", "fingerprint": "0123456789abcdef"})
+    with pytest.warns(UserWarning, match=r"measured on 'digits' \(fingerprint 0123456789abcdef\).*structure differs"):
+        apply_policy(Net(), policy)
+
+
+def test_grad_scaler_given_a_dict_says_what_it_takes():
+    with pytest.raises(TypeError, match=r"Policy or a policy file's path, not a dict; use Policy.from_dict"):
+        grad_scaler({"layers": {"a": "fp16"}})

@@ -318,3 +318,51 @@ def test_process_console_script_show_bad_policy(tmp_path):
     (tmp_path / "policy.json").write_text(json.dumps(data), encoding="utf-8")
     proc = run_process([str(script), "show", "policy.json"], tmp_path)
     assert_one_error_line(proc, "policy.json", "layers['fc1']", "'fp4'")
+
+
+# ---- issue 12: results kept apart, torn files, user code that fails late --------------------------
+
+
+def test_a_nan_fp32_loss_on_a_later_train_batch_is_one_line(capsys, tmp_path, write_model, mlp_source):
+    path = write_model(mlp_source + (
+        "\n\n_loss = loss_fn\n\ndef loss_fn(model, batch):\n    loss = _loss(model, batch)\n"
+        "    return loss * float('nan') if float(batch[0][0, 0]) == float(batches('train')[1][0][0, 0]) else loss\n"
+    ))  # fmt: skip
+    code, _, err = search(capsys, tmp_path, path)
+    assert_user_error(code, err, str(path), "loss_fn returns nan for the fp32 model on train batch 1 (of 2)")
+
+
+def test_an_out_folder_with_another_models_results_is_refused_before_anything_is_written(capsys, tmp_path, write_model, mlp_source):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "profile.json").write_text(json.dumps({"fingerprint": "0123456789abcdef", "device": "cpu"}))
+    before = (out / "profile.json").read_text()
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source))
+    assert_user_error(code, err, f"--out {out} holds the results of another model", "pick another --out, nothing was written")
+    assert sorted(p.name for p in out.iterdir()) == ["profile.json"] and (out / "profile.json").read_text() == before
+    code, _, err = run(capsys, "profile", write_model(mlp_source), "--device", "cpu", "--out", out)
+    assert_user_error(code, err, "holds the results of another model")
+
+
+@pytest.mark.parametrize("what", ["out is a file", "policy.json is a folder", "storage is a folder"])
+def test_paths_in_the_way_are_refused_before_profiling(capsys, tmp_path, write_model, mlp_source, what):
+    out = tmp_path / "out"
+    extra: list = []
+    if what == "out is a file":
+        out.write_text("x")
+        expected = "a file, not a folder"
+    elif what == "policy.json is a folder":
+        (out / "policy.json").mkdir(parents=True)
+        expected = "a folder is in the way of the results file"
+    else:
+        (tmp_path / "j").mkdir()
+        extra = ["--storage", tmp_path / "j"]
+        expected = "a folder; give a journal file's path"
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), *extra)
+    assert_user_error(code, err, expected)
+
+
+def test_show_on_a_folder_points_at_its_policy_file(capsys, tmp_path):
+    (tmp_path / "policy.json").write_text(json.dumps(Policy(layers={"a": "bf16"}).to_dict()))
+    code, _, err = run(capsys, "show", tmp_path)
+    assert_user_error(code, err, "a folder, not a policy file", f"did you mean {tmp_path / 'policy.json'}?")

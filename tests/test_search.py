@@ -423,3 +423,18 @@ def test_an_alternative_that_cannot_train_is_a_row_with_its_error_not_a_crash(tm
 
     assert "uniform bf16 failed: RuntimeError: no autocast here" in search_summary(result)
     assert "uniform bf16 failed: RuntimeError: no autocast here" in show_policy(result.policy)
+
+
+def test_a_journal_with_a_torn_last_line_keeps_every_complete_trial_and_says_what_was_dropped(tmp_path, caplog):
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    out = tmp_path / "out"
+    search(workload, SPACE, SearchConfig(budget=0.05, **{**FAST, "trials": 2}), out)
+    journal = out / "study.journal"
+    data = journal.read_bytes()
+    journal.write_bytes(data[:-25])  # the last record cut short, as by a kill mid-write
+    with caplog.at_level("WARNING", logger="autoprec"):
+        again = search(workload, SPACE, SearchConfig(budget=0.05, **{**FAST, "trials": 3}), out)
+    assert "study.journal: its last line was cut short" in caplog.text and "is dropped" in caplog.text
+    assert (again.trials["state"] == "COMPLETE").sum() >= 2
+    third = search(workload, SPACE, SearchConfig(budget=0.05, **{**FAST, "trials": 3}), out)  # parses cleanly now
+    assert len(third.trials) == len(again.trials)

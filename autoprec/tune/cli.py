@@ -145,8 +145,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.tune.profiler import ProfileConfig, profile
     from autoprec.tune.report import gradient_summary, plot_all, profile_summary
 
+    from autoprec.tune.searcher import check_out_dir
+
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
+    check_out_dir(workload, out)
     prof = profile(workload, space, ProfileConfig(compile=_compile(args)))
     path = prof.save(out)
     pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")

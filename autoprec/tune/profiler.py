@@ -197,6 +197,21 @@ def _forward_backward(workload: Workload, model: torch.nn.Module, batches: int) 
     return finite
 
 
+def _check_fp32_losses(workload: Workload) -> None:
+    """The fp32 model's loss is finite on every batch the search uses: a NaN on train batch 2 would otherwise
+    be blamed on every format of every layer, and on fp32 itself."""
+    model = copy.deepcopy(workload.model).eval()
+    with torch.no_grad():
+        for split, batches in (("train", workload.train), ("eval", workload.eval)):
+            for i, batch in enumerate(batches):
+                loss = check_loss(workload.task, workload.task.loss_fn(model, batch))
+                if not bool(torch.isfinite(loss).all()):
+                    raise UserError(
+                        f"{workload.task.path}: loss_fn returns {float(loss)} for the fp32 model on {split} batch {i} "
+                        f"(of {len(batches)}); every batch must give a finite loss before precision can be judged"
+                    )
+
+
 def _run(workload: Workload, model: torch.nn.Module, names: list[str], batches: int) -> tuple[_Capture, bool]:
     model.eval()  # no dropout noise: only the format differs between runs
     cap = _Capture(model, names)
@@ -423,6 +438,7 @@ def profile(
             raise UserError(f"{workload.task.path}: {what} failed on the fp32 model: {type(exc).__name__}: {exc}") from exc
         if not math.isfinite(fp32_metric):
             raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
+        _check_fp32_losses(workload)
         ref = _reference(workload, list(layers), config)
     with watch.section("profile: gradient ranges"):
         grads = collect(workload, list(layers), config.grad_batches)

@@ -81,6 +81,32 @@ class Started:
     judge: Judge
 
 
+def check_out_dir(workload: Workload, out_dir: Path) -> None:
+    """Refuse, before anything is written, an output folder that holds another model's results (its saved
+    profile or policy file names another model or structure), or whose policy.json cannot be written."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir}: a file, not a folder; give a folder for the results")
+    mine = (workload.task.name, model_fingerprint(workload.model))
+    for name, read in (("profile.json", lambda d: (d.get("model"), d.get("fingerprint"))),
+                       ("policy.json", lambda d: (d.get("measured", {}).get("model"), d.get("measured", {}).get("fingerprint")))):  # fmt: skip
+        path = out_dir / name
+        if path.is_dir():
+            raise UserError(f"{path}: a folder is in the way of the results file; move it or pick another --out")
+        try:
+            theirs = read(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else None
+        except (ValueError, AttributeError, OSError):
+            continue  # unreadable: the profile is measured again, the policy written anew
+        if theirs is None:
+            continue
+        model, fingerprint = theirs
+        if fingerprint is not None and fingerprint != mine[1] or (model is not None and model != mine[0] and fingerprint is None):
+            raise UserError(
+                f"--out {out_dir} holds the results of another model ({name}: {model or '?'}, structure {fingerprint}); "
+                f"{workload.task.path} is {mine[0]} ({mine[1]}): pick another --out, nothing was written"
+            )
+
+
 def start(
     workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, watch: Stopwatch, *, objectives: int = 1
 ) -> Started:
@@ -215,6 +241,7 @@ def _load_or_profile(
 def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path) -> SearchResult:
     """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir."""
     out_dir = Path(out_dir)
+    check_out_dir(workload, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch)

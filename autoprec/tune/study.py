@@ -124,10 +124,36 @@ def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
         # Optuna's recommended storage for several processes on one machine: a journal file behind a file
         # lock, no server. It has no heartbeat (optuna 5), so a killed worker's trial stays RUNNING.
         path = Path(url) if url else out_dir / "study.journal"
+        if path.is_dir():
+            raise UserError(f"--storage {path}: a folder; give a journal file's path (or a database URL)")
         path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(path)
         backend = optuna.storages.journal.JournalFileBackend(str(path))
         return optuna.storages.JournalStorage(backend), str(path)
     return _database(url, config.heartbeat_s), url
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """A journal whose last line was cut short (a killed process, a full disk) ends without a newline: Optuna
+    would append the next record onto it and every later run would fail to parse the file. Under the journal's
+    own lock (so no worker is mid-write), cut the torn tail off and say so; every complete record stays."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    lock = optuna.storages.journal.JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        with open(path, "rb+") as fh:
+            data = fh.read()
+            if data.endswith(b"\n"):
+                return
+            keep = data.rfind(b"\n") + 1
+            fh.truncate(keep)
+        log.warning(
+            "%s: its last line was cut short (%d bytes, a write interrupted by a kill or a full disk) and is dropped; "
+            "every complete trial before it is kept", path, len(data) - keep,
+        )  # fmt: skip
+    finally:
+        lock.release()
 
 
 def _database(url: str, heartbeat_s: int) -> optuna.storages.RDBStorage:

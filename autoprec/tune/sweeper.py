@@ -29,7 +29,17 @@ from autoprec.policy import ROOT, Policy
 from autoprec.tune.profiler import Profile
 from autoprec.tune.alternatives import BF16, GREEDY
 from autoprec.tune.measure import Candidate
-from autoprec.tune.searcher import ALTERNATIVES, Started, baselines, choose, final_remeasure, finalist_policies, measured_record, start
+from autoprec.tune.searcher import (
+    ALTERNATIVES,
+    Started,
+    baselines,
+    check_out_dir,
+    choose,
+    final_remeasure,
+    finalist_policies,
+    measured_record,
+    start,
+)
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.study import Objective, SearchConfig, run_trials, trial_costs, trials_table
 from autoprec.tune.task import Workload
@@ -158,6 +168,7 @@ def sweep(
             f"config.budget={config.budget!r} and budgets up to {budgets[-1]!r}"
         )
     out_dir = Path(out_dir)
+    check_out_dir(workload, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=OBJECTIVES)
