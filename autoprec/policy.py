@@ -162,6 +162,8 @@ def load_policy(path: str | Path) -> Policy:
         raise UserError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not valid JSON: the file is not UTF-8 text") from None
+    except RecursionError:
+        raise UserError(f"{path}: not a policy file: its JSON nests too deeply to read") from None
     try:
         return Policy.from_dict(data)
     except ValueError as exc:

@@ -366,3 +366,28 @@ def test_show_on_a_folder_points_at_its_policy_file(capsys, tmp_path):
     (tmp_path / "policy.json").write_text(json.dumps(Policy(layers={"a": "bf16"}).to_dict()))
     code, _, err = run(capsys, "show", tmp_path)
     assert_user_error(code, err, "a folder, not a policy file", f"did you mean {tmp_path / 'policy.json'}?")
+
+
+@pytest.mark.parametrize(
+    "storage, expected",
+    [("sqlite://", "an in-memory database dies with this process"), ("sqlite:///:memory:", "an in-memory database")],
+)
+def test_an_in_memory_storage_is_refused(capsys, tmp_path, write_model, mlp_source, storage, expected):
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--storage", storage)
+    assert_user_error(code, err, expected, "sqlite:///study.db")
+
+
+def test_an_out_folder_that_cannot_be_written_is_one_line(capsys, tmp_path, write_model, mlp_source):
+    code, _, err = run(capsys, "search", write_model(mlp_source), "--budget", "0.1", "--device", "cpu", "--out", "/proc/autoprec")
+    assert_user_error(code, err, "--out /proc/autoprec: cannot write results there", "pick another --out")
+
+
+def test_a_binary_space_file_and_a_deeply_nested_policy_are_one_line(capsys, tmp_path, write_model, mlp_source):
+    space = tmp_path / "space.yaml"
+    space.write_bytes(b"\xff\xfe\x00binary")
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--space", space)
+    assert_user_error(code, err, str(space), "not UTF-8 text")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = run(capsys, "show", deep)
+    assert_user_error(code, err, str(deep), "nests too deeply")

@@ -144,3 +144,38 @@ def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_save
     watch = Stopwatch()
     _load_or_profile(workload, space, tmp_path, config, watch=watch)
     assert watch.counts == {"profile: reused the one saved in the output folder": 1}
+
+
+def test_a_layer_the_loss_never_calls_is_left_out_with_a_warning(tmp_path, write_model, caplog):
+    """A pretrained model's unused head (a pooler) must not refuse the whole model."""
+    path = write_model(
+        "import torch\nfrom torch import nn\n\nclass Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(8, 4)\n        self.pooler = nn.Linear(8, 8)  # never called\n\n"
+        "    def forward(self, x):\n        return self.fc(x)\n\n"
+        "def build_model():\n    torch.manual_seed(0)\n    return Net()\n\n"
+        "def batches(split):\n    g = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]\n\n"
+        "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
+    )
+    workload = prepare(load_task(path), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
+    with caplog.at_level("WARNING", logger="autoprec"):
+        prof = profile(workload, space, FAST, progress=False)
+    assert prof.layers() == ["fc"] and prof.uncalled == ["pooler"]
+    assert "layers pooler are never called by loss_fn; they are left out of the search" in caplog.text
+    prof.save(tmp_path / "p")
+    assert Profile.load(tmp_path / "p").uncalled == ["pooler"]
+
+
+def test_a_corrupt_saved_profile_is_measured_again(tmp_path, caplog):
+    from autoprec.tune import SearchConfig
+    from autoprec.tune.searcher import _load_or_profile
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
+    (tmp_path / "profile.csv").write_text("garbage\n\x00")
+    (tmp_path / "profile.json").write_text("{not json")
+    with caplog.at_level("WARNING", logger="autoprec"):
+        prof = _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.1, progress=False, profile=FAST))
+    assert "the saved profile cannot be read" in caplog.text and prof.layers() == ["fc1", "big", "head"]
+    assert Profile.load(tmp_path).layers() == ["fc1", "big", "head"]  # the repaired files

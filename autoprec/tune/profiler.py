@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ from autoprec.tune.measure import (
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload, check_loss, map_tensors
+
+log = logging.getLogger("autoprec")
 
 COLUMNS = [
     "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "metric", "metric_drop",
@@ -90,11 +93,12 @@ class Profile:
     max_underflow: float = 1e-3
     cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict() of the profiling run
     compiled: bool = False  # layer times measured under torch.compile
+    uncalled: list[str] = dataclasses.field(default_factory=list)  # tunable layers loss_fn never calls: left out
 
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled")}
+        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled", "uncalled")}
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None
         text = json.dumps(meta, indent=2) + "\n"
@@ -406,16 +410,17 @@ class _Reference:
     outputs: dict[str, list[torch.Tensor]]
     inputs: dict[str, tuple[tuple, dict]]
     grads: dict[str, torch.Tensor | None]
+    uncalled: list[str] = dataclasses.field(default_factory=list)  # tunable layers loss_fn never calls
 
 
 def _reference(workload: Workload, names: list[str], config: ProfileConfig) -> _Reference:
     model = copy.deepcopy(workload.model)
     cap, _ = _run(workload, model, names, config.batches)
     missing = [n for n in names if n not in cap.inputs]
-    if missing:
+    if len(missing) == len(names):
         raise UserError(f"{workload.task.path}: layers {', '.join(missing)} are never called by loss_fn; nothing to tune there")
     grads = {n: _param_grad(cap.modules[n]) for n in names}
-    return _Reference(names=names, outputs=cap.outputs, inputs=cap.inputs, grads=grads)
+    return _Reference(names=[n for n in names if n not in missing], outputs=cap.outputs, inputs=cap.inputs, grads=grads, uncalled=missing)
 
 
 def profile(
@@ -440,6 +445,12 @@ def profile(
             raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
         _check_fp32_losses(workload)
         ref = _reference(workload, list(layers), config)
+        if ref.uncalled:  # unused heads of a pretrained model (a pooler): nothing to measure, nothing to tune
+            log.warning(
+                "%s: layers %s are never called by loss_fn; they are left out of the search (and run in the model's "
+                "default format)", workload.task.path, ", ".join(ref.uncalled),
+            )  # fmt: skip
+            layers = {n: f for n, f in layers.items() if n not in ref.uncalled}
     with watch.section("profile: gradient ranges"):
         grads = collect(workload, list(layers), config.grad_batches)
         grad_table = scale_table(grads)
@@ -462,4 +473,5 @@ def profile(
         max_underflow=config.max_underflow,
         cost=watch.to_dict(),
         compiled=config.compile,
+        uncalled=list(ref.uncalled),
     )

@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -105,6 +106,11 @@ def check_out_dir(workload: Workload, out_dir: Path) -> None:
                 f"--out {out_dir} holds the results of another model ({name}: {model or '?'}, structure {fingerprint}); "
                 f"{workload.task.path} is {mine[0]} ({mine[1]}): pick another --out, nothing was written"
             )
+    try:  # writable, before minutes of profiling and trials
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out_dir).close()
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: cannot write results there ({exc.strerror or exc}); pick another --out") from None
 
 
 def start(
@@ -219,14 +225,20 @@ def _load_or_profile(
     """Reuse the profile a previous run of the same model on the same device wrote; else measure. `watch`
     receives the profiling stages, or a count when the saved profile was reused."""
     watch = watch or Stopwatch()
+    cached = None
     if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
-        cached = Profile.load(out_dir)
+        try:
+            cached = Profile.load(out_dir)
+        except Exception as exc:  # a torn or hand-edited file: measuring again is the repair
+            log.warning("%s: the saved profile cannot be read (%s: %s); profiling again", out_dir, type(exc).__name__, exc)
+    if cached is not None:
         same = (
             cached.fingerprint == model_fingerprint(workload.model)
             and cached.device == device_name(str(workload.device))
             and cached.compiled == config.compile
         )
-        offered = {(n, f.value) for n, fs in space.tunable_layers(workload.model).items() for f in fs}
+        tunable = space.tunable_layers(workload.model).items()
+        offered = {(n, f.value) for n, fs in tunable for f in fs if n not in cached.uncalled}
         complete = cached.grad_ranges is not None  # written before gradient ranges existed: measure again
         if same and complete and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)

@@ -193,7 +193,10 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         path = Path(path)
         if not path.is_file():
             raise UserError(f"{path}: no such search-space file")
-        text, source = path.read_text(encoding="utf-8"), str(path)
+        try:
+            text, source = path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not a search-space YAML file: it is not UTF-8 text") from None
     try:
         return space_from_dict(yaml.safe_load(text), source)
     except yaml.YAMLError as exc:

@@ -130,6 +130,11 @@ def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
         _drop_torn_tail(path)
         backend = optuna.storages.journal.JournalFileBackend(str(path))
         return optuna.storages.JournalStorage(backend), str(path)
+    if url.startswith("sqlite://") and url.removeprefix("sqlite://") in ("", "/", "/:memory:"):
+        raise UserError(
+            f"--storage {url}: an in-memory database dies with this process and no other worker can reach it; "
+            "give a file (sqlite:///study.db) or leave --storage out for <out>/study.journal"
+        )
     return _database(url, config.heartbeat_s), url
 
 
