@@ -31,6 +31,8 @@ _MOVED = (
 
 
 def __getattr__(name: str) -> Any:
+    if name == "tune":  # autoprec.tune without importing it first, as the README writes it
+        return importlib.import_module("autoprec.tune")
     if name in _MOVED:
         warnings.warn(
             f"autoprec.{name} has moved to autoprec.tune.{name}; import it from there (the old name goes away in 0.3)",

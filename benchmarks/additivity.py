@@ -1,6 +1,6 @@
 """How well does the sum of single-layer metric drops predict the drop of a whole policy?
 
-Regenerates the files next to this script (CPU, a few minutes; accuracy numbers only, no timings):
+Regenerates the files in --out (by default the committed folder) (CPU, a few minutes; accuracy numbers only, no timings):
 
     python benchmarks/additivity.py [--out DIR]  (default: results/cpu-xeon-2core/additivity)
 

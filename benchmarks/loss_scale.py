@@ -1,6 +1,6 @@
 """Loss scaling for a model whose fp16 gradients underflow without it (tests/models/underflow_mlp.py).
 
-Regenerates the files next to this script (CPU, a few minutes):
+Regenerates the files in --out (by default the committed folder) (CPU, a few minutes):
 
     python benchmarks/loss_scale.py [--out DIR]  (default: results/cpu-xeon-2core/loss-scale)
 

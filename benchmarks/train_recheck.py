@@ -7,7 +7,7 @@ model's own build_model() weights, the train batches in their given order, the t
 AdamW), written as a user would write it with apply_policy(model, policy) and grad_scaler(policy); and
 the same K steps in fp32. The drop between the two evaluations must stay within the budget plus the
 noise floor the search reported. Where the chosen policy has no fp16 layer, the fastest feasible fp16
-trial (with its GradScaler settings) is re-checked too. Writes recheck.md next to this script.
+trial (with its GradScaler settings) is re-checked too. Reads the committed train-mode policies; writes recheck.md to --out (by default beside them).
 """
 
 from __future__ import annotations

@@ -338,10 +338,10 @@ def test_an_out_folder_with_another_models_results_is_refused_before_anything_is
     (out / "profile.json").write_text(json.dumps({"fingerprint": "0123456789abcdef", "device": "cpu"}))
     before = (out / "profile.json").read_text()
     code, _, err = search(capsys, tmp_path, write_model(mlp_source))
-    assert_user_error(code, err, f"--out {out} holds the results of another model", "pick another --out, nothing was written")
+    assert_user_error(code, err, f"--out {out} holds results of another model structure", "pick another --out", "nothing was written")
     assert sorted(p.name for p in out.iterdir()) == ["profile.json"] and (out / "profile.json").read_text() == before
     code, _, err = run(capsys, "profile", write_model(mlp_source), "--device", "cpu", "--out", out)
-    assert_user_error(code, err, "holds the results of another model")
+    assert_user_error(code, err, "holds results of another model structure")
 
 
 @pytest.mark.parametrize("what", ["out is a file", "policy.json is a folder", "storage is a folder"])
@@ -360,6 +360,19 @@ def test_paths_in_the_way_are_refused_before_profiling(capsys, tmp_path, write_m
         expected = "a folder; give a journal file's path"
     code, _, err = search(capsys, tmp_path, write_model(mlp_source), *extra)
     assert_user_error(code, err, expected)
+    assert not (out / "profile.csv").exists() if out.is_dir() else True  # refused before profiling
+
+
+def test_an_sqlite_file_given_as_a_journal_is_refused_untouched(capsys, tmp_path, write_model, mlp_source):
+    import sqlite3
+
+    db = tmp_path / "study.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("create table t (x)")
+    before = db.read_bytes()
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--storage", db)
+    assert_user_error(code, err, "an SQLite database, not a journal file", f"sqlite:///{db}")
+    assert db.read_bytes() == before
 
 
 def test_show_on_a_folder_points_at_its_policy_file(capsys, tmp_path):
@@ -375,6 +388,7 @@ def test_show_on_a_folder_points_at_its_policy_file(capsys, tmp_path):
 def test_an_in_memory_storage_is_refused(capsys, tmp_path, write_model, mlp_source, storage, expected):
     code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--storage", storage)
     assert_user_error(code, err, expected, "sqlite:///study.db")
+    assert not (tmp_path / "out" / "profile.csv").exists()  # refused before profiling
 
 
 def test_an_out_folder_that_cannot_be_written_is_one_line(capsys, tmp_path, write_model, mlp_source):

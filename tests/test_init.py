@@ -33,3 +33,9 @@ def test_the_tuner_functions_do_not_shadow_their_modules():
     assert callable(autoprec.tune.search) and callable(autoprec.tune.profile) and callable(autoprec.tune.sweep)
     assert importlib.import_module("autoprec.tune.searcher").search is autoprec.tune.search
     assert importlib.import_module("autoprec.tune.profiler").profile is autoprec.tune.profile
+
+
+def test_autoprec_tune_is_reachable_from_a_plain_import_autoprec():
+    code = "import autoprec\nprint(callable(autoprec.tune.search))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "True"

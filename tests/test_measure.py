@@ -223,3 +223,12 @@ def test_matmul_precision_sets_strict_or_tf32_on_cuda_and_restores_the_callers_s
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_evaluate_may_return_numpy_scalars_and_one_element_arrays(workload):
+    import numpy as np
+
+    from autoprec.tune.measure import _as_metric
+
+    assert _as_metric(workload, np.float32(0.5)) == 0.5 and _as_metric(workload, np.int64(3)) == 3.0
+    assert _as_metric(workload, np.array([0.25])) == 0.25 and _as_metric(workload, torch.tensor(0.75)) == 0.75

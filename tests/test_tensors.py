@@ -62,3 +62,22 @@ def test_a_lowered_root_returns_the_models_own_output_type():
     out = model(torch.randn(3, 8), labels=torch.tensor([0, 1, 2]))
     assert type(out) is DictOutput and out.loss.dtype == torch.float32 and out.logits.dtype == torch.float32
     out.loss.backward()
+
+
+def test_a_rebuilt_dataclass_keeps_fields_set_after_construction_and_runs_no_post_init_again():
+    @dataclasses.dataclass
+    class WithExtras:
+        x: torch.Tensor
+        scale: dataclasses.InitVar[float] = 1.0
+        aux: object = dataclasses.field(default=None, init=False)
+
+        def __post_init__(self, scale):
+            if not isinstance(self.x, torch.Tensor):
+                raise TypeError("x must be a tensor")
+
+    obj = WithExtras(torch.ones(2), 2.0)
+    obj.aux = "set later"
+    out = map_tensors(obj, lambda t: None)  # what the profiler's collecting passes do
+    assert type(out) is WithExtras and out.x is None and out.aux == "set later" and obj.x is not None
+    same = map_tensors(obj, lambda t: t)  # nothing changed: the very object, shared state kept
+    assert same is obj

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import numbers
 import statistics
 import time
 import warnings
@@ -430,8 +431,10 @@ def _as_metric(workload: Workload, value: object) -> float:
     user's bug, named in one line."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
         return float(value.item())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy's scalars register as Real
         return float(value)
+    if getattr(value, "size", None) == 1 and getattr(getattr(value, "dtype", None), "kind", "x") in "fiu":
+        return float(value.item())  # a one-element numpy array
     shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r:.60}"
     raise UserError(f"{workload.task.path}: evaluate() must return a number (higher is better), but returned {shown}")
 

@@ -204,16 +204,29 @@ def _forward_backward(workload: Workload, model: torch.nn.Module, batches: int) 
 def _check_fp32_losses(workload: Workload) -> None:
     """The fp32 model's loss is finite on every batch the search uses: a NaN on train batch 2 would otherwise
     be blamed on every format of every layer, and on fp32 itself."""
-    model = copy.deepcopy(workload.model).eval()
-    with torch.no_grad():
-        for split, batches in (("train", workload.train), ("eval", workload.eval)):
+    model = workload.model
+    splits = [("train", workload.train)] + ([("eval", workload.eval)] if workload.task.evaluate is None else [])
+    was_training = model.training
+    model.eval()
+    try:
+        for split, batches in splits:
             for i, batch in enumerate(batches):
-                loss = check_loss(workload.task, workload.task.loss_fn(model, batch))
+                try:  # with gradients on: a loss may differentiate inside (a gradient penalty)
+                    loss = check_loss(workload.task, workload.task.loss_fn(model, batch)).detach()
+                except UserError:
+                    raise
+                except Exception as exc:
+                    raise UserError(
+                        f"{workload.task.path}: loss_fn failed for the fp32 model on {split} batch {i}: {type(exc).__name__}: {exc}"
+                    ) from exc
                 if not bool(torch.isfinite(loss).all()):
                     raise UserError(
                         f"{workload.task.path}: loss_fn returns {float(loss)} for the fp32 model on {split} batch {i} "
                         f"(of {len(batches)}); every batch must give a finite loss before precision can be judged"
                     )
+    finally:
+        model.train(was_training)
+        model.zero_grad(set_to_none=True)
 
 
 def _run(workload: Workload, model: torch.nn.Module, names: list[str], batches: int) -> tuple[_Capture, bool]:
@@ -447,8 +460,8 @@ def profile(
         ref = _reference(workload, list(layers), config)
         if ref.uncalled:  # unused heads of a pretrained model (a pooler): nothing to measure, nothing to tune
             log.warning(
-                "%s: layers %s are never called by loss_fn; they are left out of the search (and run in the model's "
-                "default format)", workload.task.path, ", ".join(ref.uncalled),
+                "%s: layers %s are not called by loss_fn on the first %d train batches (eval mode); they are left out of "
+                "the search and run in the model's default format", workload.task.path, ", ".join(ref.uncalled), config.batches,
             )  # fmt: skip
             layers = {n: f for n, f in layers.items() if n not in ref.uncalled}
     with watch.section("profile: gradient ranges"):

@@ -42,6 +42,7 @@ from autoprec.tune.study import (
     Mode,
     Objective,
     SearchConfig,
+    check_storage,
     open_study,
     parse_mode,
     run_trials,
@@ -103,8 +104,9 @@ def check_out_dir(workload: Workload, out_dir: Path) -> None:
         model, fingerprint = theirs
         if fingerprint is not None and fingerprint != mine[1] or (model is not None and model != mine[0] and fingerprint is None):
             raise UserError(
-                f"--out {out_dir} holds the results of another model ({name}: {model or '?'}, structure {fingerprint}); "
-                f"{workload.task.path} is {mine[0]} ({mine[1]}): pick another --out, nothing was written"
+                f"--out {out_dir} holds results of another model structure ({name}: {model or 'a model'} {fingerprint}; "
+                f"{workload.task.path} is {mine[0]} {mine[1]}): pick another --out, or remove profile.*, policy.json and "
+                "study.journal there to start over; nothing was written"
             )
     try:  # writable, before minutes of profiling and trials
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -254,6 +256,7 @@ def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir
     """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir."""
     out_dir = Path(out_dir)
     check_out_dir(workload, out_dir)
+    check_storage(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch)

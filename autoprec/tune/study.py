@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import json
 import logging
 import math
 import time
@@ -123,19 +124,28 @@ def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
     if url is None or "://" not in url:
         # Optuna's recommended storage for several processes on one machine: a journal file behind a file
         # lock, no server. It has no heartbeat (optuna 5), so a killed worker's trial stays RUNNING.
+        check_storage(config)
         path = Path(url) if url else out_dir / "study.journal"
-        if path.is_dir():
-            raise UserError(f"--storage {path}: a folder; give a journal file's path (or a database URL)")
         path.parent.mkdir(parents=True, exist_ok=True)
         _drop_torn_tail(path)
         backend = optuna.storages.journal.JournalFileBackend(str(path))
         return optuna.storages.JournalStorage(backend), str(path)
+    check_storage(config)
+    return _database(url, config.heartbeat_s), url
+
+
+def check_storage(config: SearchConfig) -> None:
+    """What can be told about --storage without opening it (a folder, an in-memory database), before profiling."""
+    url = config.storage
+    if url is None:
+        return
+    if "://" not in url and Path(url).is_dir():
+        raise UserError(f"--storage {url}: a folder; give a journal file's path (or a database URL)")
     if url.startswith("sqlite://") and url.removeprefix("sqlite://") in ("", "/", "/:memory:"):
         raise UserError(
             f"--storage {url}: an in-memory database dies with this process and no other worker can reach it; "
             "give a file (sqlite:///study.db) or leave --storage out for <out>/study.journal"
         )
-    return _database(url, config.heartbeat_s), url
 
 
 def _drop_torn_tail(path: Path) -> None:
@@ -144,6 +154,17 @@ def _drop_torn_tail(path: Path) -> None:
     own lock (so no worker is mid-write), cut the torn tail off and say so; every complete record stays."""
     if not path.is_file() or path.stat().st_size == 0:
         return
+    with open(path, "rb") as fh:
+        head = fh.readline(4096)
+    if head.startswith(b"SQLite format 3\0"):
+        raise UserError(f"--storage {path}: an SQLite database, not a journal file; pass it as sqlite:///{path}")
+    try:
+        json.loads(head)
+    except ValueError:
+        raise UserError(
+            f"--storage {path}: not an Optuna journal file (its first line is not a journal record); "
+            "give a journal file's path or a database URL such as sqlite:///study.db"
+        ) from None
     lock = optuna.storages.journal.JournalFileSymlinkLock(str(path))
     lock.acquire()
     try:

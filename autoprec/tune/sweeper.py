@@ -41,7 +41,7 @@ from autoprec.tune.searcher import (
     start,
 )
 from autoprec.tune.space import SearchSpace
-from autoprec.tune.study import Objective, SearchConfig, run_trials, trial_costs, trials_table
+from autoprec.tune.study import Objective, SearchConfig, check_storage, run_trials, trial_costs, trials_table
 from autoprec.tune.task import Workload
 
 OBJECTIVES = 2  # speedup (maximise), metric drop (minimise)
@@ -169,6 +169,7 @@ def sweep(
         )
     out_dir = Path(out_dir)
     check_out_dir(workload, out_dir)
+    check_storage(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=OBJECTIVES)
