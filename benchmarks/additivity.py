@@ -14,7 +14,6 @@ nothing for it).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import random
@@ -30,6 +29,8 @@ from autoprec.formats import Format
 from autoprec.tune.measure import evaluate_metric
 from autoprec.tune.profiler import Profile, static_problem
 from autoprec.tune.report import markdown_table
+
+from common import out_folder  # noqa: E402 (beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/additivity"  # where the files are written (and, for a re-check, read): --out
@@ -104,10 +105,7 @@ def searched_trials(model: str, prof: Profile, folder: str) -> pd.DataFrame | No
 
 def main() -> None:
     global HERE
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--out", type=Path, default=HERE, help=f"output folder (default: {HERE.relative_to(ROOT)})")
-    HERE = parser.parse_args().out
-    HERE.mkdir(parents=True, exist_ok=True)
+    HERE = out_folder(__doc__, HERE, ROOT)
     torch.manual_seed(0)
     rows = []
     for model, workload in workloads().items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import platform
+from pathlib import Path
 
 import torch
 
@@ -42,3 +43,13 @@ def print_header(title: str, device: torch.device) -> None:
 
 def fmt_timing(t: Timing) -> str:
     return f"{t.median_ms:9.3f} ms (spread {t.spread:.1%})"
+
+
+def out_folder(doc: str | None, default: Path, root: Path) -> Path:
+    """The --out folder of an experiment script (created), `default` (a committed results folder) if not given."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, default=default, help=f"output folder (default: {default.relative_to(root)})")
+    out = parser.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+

@@ -16,7 +16,6 @@ Regenerates the files in --out (by default the committed folder) (CPU, a few min
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -29,6 +28,8 @@ from autoprec.tune import SearchConfig, load_task, prepare, search
 from autoprec.tune.measure import TimingConfig, measure_steps, noise_floor, train_and_evaluate
 from autoprec.tune.report import gradient_summary, markdown_table, plot_all
 from autoprec.tune.space import space_from_dict
+
+from common import out_folder  # noqa: E402 (beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/loss-scale"  # where the files are written (and, for a re-check, read): --out
@@ -78,10 +79,7 @@ def best_fp16_trial(trials: pd.DataFrame) -> pd.Series | None:
 
 def main() -> None:
     global HERE
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--out", type=Path, default=HERE, help=f"output folder (default: {HERE.relative_to(ROOT)})")
-    HERE = parser.parse_args().out
-    HERE.mkdir(parents=True, exist_ok=True)
+    HERE = out_folder(__doc__, HERE, ROOT)
     workload = prepare(load_task(MODEL), "cpu")
     result = run_search(workload)
     advice = result.profile.advice()

@@ -12,7 +12,6 @@ trial (with its GradScaler settings) is re-checked too. Reads the committed trai
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -22,6 +21,8 @@ import torch
 from autoprec import LossScale, Policy, apply_policy, grad_scaler, load_policy
 from autoprec.tune import load_task
 from autoprec.tune.report import markdown_table
+
+from common import out_folder  # noqa: E402 (beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/train"  # where the files are written (and, for a re-check, read): --out
@@ -89,10 +90,7 @@ def candidates(folder: Path, policy: Policy) -> list[tuple[str, Policy, float]]:
 
 def main() -> None:
     global HERE
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--out", type=Path, default=HERE, help=f"output folder (default: {HERE.relative_to(ROOT)})")
-    HERE = parser.parse_args().out
-    HERE.mkdir(parents=True, exist_ok=True)
+    HERE = out_folder(__doc__, HERE, ROOT)
     rows = []
     for name, (path, folder) in MODELS.items():
         policy_path = folder / "policy.json"

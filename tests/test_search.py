@@ -288,16 +288,21 @@ def test_a_budget_below_the_noise_floor_warns(trained, caplog, monkeypatch):
     assert "budget 0.01 is below the noise floor 0.1" in caplog.text
 
 
-def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_search(tmp_path):
-    # A model that cannot train under autocast (it evaluates fine): the bf16 candidate fails to step,
-    # and that trial is infeasible with the reason, while the search goes on.
+def picky_model(tmp_path):
+    """overflow_mlp.py, but its forward refuses to train under autocast (it evaluates fine)."""
     src = (MODELS / "overflow_mlp.py").read_text().replace(
         "    def forward(self, x):\n",
         "    def forward(self, x):\n        if self.training and torch.is_autocast_enabled('cpu'):\n"
         "            raise RuntimeError('no autocast here')\n",
     )
     (tmp_path / "picky.py").write_text(src)
-    workload = prepare(load_task(tmp_path / "picky.py"), "cpu")
+    return tmp_path / "picky.py"
+
+
+def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_search(tmp_path):
+    # A model that cannot train under autocast (it evaluates fine): the bf16 candidate fails to step,
+    # and that trial is infeasible with the reason, while the search goes on.
+    workload = prepare(load_task(picky_model(tmp_path)), "cpu")
     from autoprec.tune.study import Judge, Objective
 
     prof_space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32"]}})
@@ -406,13 +411,7 @@ def test_a_compiled_and_an_eager_search_are_different_studies(compiled):
 def test_an_alternative_that_cannot_train_is_a_row_with_its_error_not_a_crash(tmp_path, mode):
     # A model that cannot train under autocast: uniform bf16 (an alternative, never a trial here) fails in the
     # re-measure; the search still writes a policy, and the table and the policy file say why.
-    src = (MODELS / "overflow_mlp.py").read_text().replace(
-        "    def forward(self, x):\n",
-        "    def forward(self, x):\n        if self.training and torch.is_autocast_enabled('cpu'):\n"
-        "            raise RuntimeError('no autocast here')\n",
-    )
-    (tmp_path / "picky.py").write_text(src)
-    workload = prepare(load_task(tmp_path / "picky.py"), "cpu")
+    workload = prepare(load_task(picky_model(tmp_path)), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "fp16"]}, "trials": 2})
     train = {"mode": "train", "train_steps": 2, "noise_runs": 1} if mode == "train" else {}
     result = search(workload, space, SearchConfig(budget=0.05, **{**FAST, "trials": 2}, **train), tmp_path / "out")
