@@ -67,3 +67,11 @@ def test_a_policy_of_many_layers_shows_one_row_per_role_and_format():
     assert rows[2][:2] == ["blocks.3.q", "fp32"] and rows[3] == ["head", "fp32", ""]
     small = layer_rows(Policy(layers={"": "bf16", "blocks.0.q": "bf16"}, measured={"excluded": excluded}))
     assert small[1] == ["blocks.0.q", "bf16", "fp8 (measured 1.30x the layer's fp32 time on this device)"]
+
+
+def test_show_says_what_each_format_in_the_policy_means():
+    from autoprec import Policy
+    from autoprec.tune.report import show_policy
+
+    text = show_policy(Policy(layers={"": "bf16", "fc": "fp8-rowwise"}))
+    assert "formats: bf16 = torch.autocast(bfloat16); fp8-rowwise = torchao float8 training, rowwise" in text

@@ -13,6 +13,7 @@ from autoprec.tune.alternatives import BF16, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.cost import cost_rows
 from autoprec.files import write_atomically
+from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 
 
@@ -119,6 +120,9 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         f"backoff x{ls.backoff_factor:g}, {'dynamic' if ls.dynamic else 'static'}"
     )
     parts.append(f"loss scaling: {scaler}")
+    used = sorted(set(policy.layers.values()), key=list(Format).index)
+    if used:
+        parts.append("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used))
     m = _mapping(policy.measured)
     if m:
         parts.append(
