@@ -169,3 +169,10 @@ def test_warm_starts_try_uniform_bf16_and_the_greedy_layers_with_the_root_in_bf1
     assert all(policy_from_params(p, choices).layers[""].value == p["default"] for p in starts)
     fixed_root = build_choices(prof, space(default=["fp32"], layout="per_layer"), 0.0025, CPU)
     assert len(warm_starts(prof, fixed_root, 0.0025)) == 2  # one root: the fp32-root copies are the same points
+
+
+def test_describe_says_when_the_profile_left_only_the_root_to_search():
+    from autoprec.tune.choices import Choices
+
+    choices = Choices(default=("fp32", "bf16"), layers={"a": ("fp32",), "b": ("fp32",)}, excluded={})
+    assert choices.describe() == "no layer has a format left beside fp32 after the profile: only the model root's format is searched"

@@ -89,6 +89,8 @@ class Choices:
     def describe(self) -> str:
         """One line for a person: how many parameters stand for how many layers."""
         n = len(self.searched)
+        if n == 0:
+            return "no layer has a format left beside fp32 after the profile: only the model root's format is searched"
         if self.layout == Layout.GROUPED.value:
             return f"grouped: {len(self.groups)} parameters for the roles of {n} searched layers"
         if self.layout == Layout.RANKED.value:
