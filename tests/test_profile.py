@@ -121,6 +121,16 @@ def test_predicted_drop_sums_the_lowered_layers(prof):
     assert prof.predicted_drop({"fc1": "fp32"}) == 0.0
 
 
+def small_task(model_code: str) -> str:
+    """A model.py: `model_code` (defining build_model) with one seeded batch of 4 x 8 features, 4 classes."""
+    return (
+        "import torch\nfrom torch import nn\n\n" + model_code + "\n"
+        "def batches(split):\n    g = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]\n\n"
+        "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
+    )
+
+
 def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_saved_profile_is_reused(tmp_path, write_model):
     """nn.Sequential names its layers "0", "2": read back as integers they never matched, so every rerun and
     every worker profiled again and rewrote the shared profile."""
@@ -128,13 +138,7 @@ def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_save
     from autoprec.tune.cost import Stopwatch
     from autoprec.tune.searcher import _load_or_profile
 
-    path = write_model(
-        "import torch\nfrom torch import nn\n\n"
-        "def build_model():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n\n"
-        "def batches(split):\n    g = torch.Generator().manual_seed(0)\n"
-        "    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]\n\n"
-        "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
-    )
+    path = write_model(small_task("def build_model():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"))
     workload = prepare(load_task(path), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
     config = SearchConfig(budget=0.1, progress=False, profile=FAST)
@@ -148,15 +152,12 @@ def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_save
 
 def test_a_layer_the_loss_never_calls_is_left_out_with_a_warning(tmp_path, write_model, caplog):
     """A pretrained model's unused head (a pooler) must not refuse the whole model."""
-    path = write_model(
-        "import torch\nfrom torch import nn\n\nclass Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    path = write_model(small_task(
+        "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
         "        self.fc = nn.Linear(8, 4)\n        self.pooler = nn.Linear(8, 8)  # never called\n\n"
         "    def forward(self, x):\n        return self.fc(x)\n\n"
-        "def build_model():\n    torch.manual_seed(0)\n    return Net()\n\n"
-        "def batches(split):\n    g = torch.Generator().manual_seed(0)\n"
-        "    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]\n\n"
-        "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
-    )
+        "def build_model():\n    torch.manual_seed(0)\n    return Net()\n"
+    ))
     workload = prepare(load_task(path), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
     with caplog.at_level("WARNING", logger="autoprec"):
