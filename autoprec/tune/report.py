@@ -266,13 +266,11 @@ def _percent(value: Any) -> str:
     return "-" if math.isnan(v) else f"{100 * v:.3g}%"
 
 
-def _pyplot():
-    import matplotlib
+def _figure(figsize: tuple[float, float]):
+    """A Figure of its own, drawn without pyplot: no backend chosen, no window, no state left in the process."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # files only: never open a window, work without a display
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=figsize)
 
 
 def _heat_cells(table: pd.DataFrame, layers: list[str], formats: list[str]):
@@ -296,14 +294,15 @@ def _heat_cells(table: pd.DataFrame, layers: list[str], formats: list[str]):
 def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
     """A heat map, layers by formats: output SQNR (dB) and metric drop, each cell lowered alone.
     Cells that went non-finite or overflowed fp16 are red, formats a layer cannot run are grey."""
-    plt = _pyplot()
     import numpy as np
+    from matplotlib.patches import Rectangle
 
     layers = list(dict.fromkeys(table["layer"]))
     formats = list(dict.fromkeys(table["format"]))
     sqnr, drop, mark = _heat_cells(table, layers, formats)
     height = 1.2 + 0.45 * len(layers)
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 2.4 * len(formats), height), squeeze=False)
+    fig = _figure((4 + 2.4 * len(formats), height))
+    axes = fig.subplots(1, 2, squeeze=False)
     finite_drops = [abs(d) for row in drop for d in row if not math.isnan(d)]
     span = max(finite_drops + [1e-12])
     panels = [
@@ -321,7 +320,7 @@ def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
         for i in range(len(layers)):
             for j in range(len(formats)):
                 if mark[i][j] == "inf/nan":
-                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color="#d62728", hatch="//", fill=True, alpha=0.8))
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, color="#d62728", hatch="//", fill=True, alpha=0.8))
                 if mark[i][j]:
                     ax.text(j, i, mark[i][j], ha="center", va="center", fontsize=8, color="black")
                 elif not math.isnan(values[i][j]):
@@ -329,7 +328,6 @@ def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
     fig.suptitle(title or "each layer lowered alone")
     fig.tight_layout()
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
     return path
 
 
@@ -339,9 +337,9 @@ LEGEND_LAYERS = 12  # beyond this, grad_ranges.png names only the layers that bo
 def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: Any, path: Any, *, title: str = "") -> Any:
     """Per layer, the fraction of its nonzero gradient elements fp16 flushes to zero (solid) and overflows
     (dashed) against the loss scale; the recommended range shaded."""
-    plt = _pyplot()
     rows = grad_ranges[(grad_ranges["tensor"] == "all") & (grad_ranges["format"] == "fp16")]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig = _figure((10, 4.5))
+    ax = fig.subplots()
     layers = list(dict.fromkeys(rows["layer"]))
     named = layers
     if len(layers) > LEGEND_LAYERS:  # a legend of every layer would not fit: name those that bound the range
@@ -369,7 +367,6 @@ def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: Any, path: Any, *, title
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
     return path
 
 
@@ -418,9 +415,9 @@ def front_rows(front: pd.DataFrame) -> list[list[Any]]:
 def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     """Every timed trial (speedup against metric drop), the Pareto front, the budgets, and each budget's
     re-measured choice beside uniform bf16."""
-    plt = _pyplot()
     trials, front, table = result.trials, result.front, result.table
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = _figure((8, 5))
+    ax = fig.subplots()
     timed = trials[trials.get("feasible", pd.Series(dtype=bool)).eq(True)] if "feasible" in trials else trials.iloc[0:0]
     ax.scatter(timed["metric_drop"], timed["speedup"], s=14, color="#999999", label="trials (timed in the study)")
     if len(front):
@@ -443,7 +440,6 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
     return path
 
 
