@@ -1,62 +1,39 @@
-"""Search: profile, run the study, re-measure the finalists, write a verified policy.
-
-The budget applies to one of two measurements (`Mode`): the metric of the given weights with the policy
-applied (`weights`, cheap), or the metric after K training steps with the policy and its GradScaler,
-against K steps of fp32 from the same weights in the same batch order (`train`), whose noise floor (the
-fp32 result's own spread over seeds) is measured and reported beside the budget.
-"""
+"""Search: the pipeline (pipeline.py) with one budget and one objective, the training-step speedup; writes
+policy.json, trials.csv and finalists.csv."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
-import importlib.metadata
-import json
-import logging
-import math
-import tempfile
-import time
-from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-import optuna
 import pandas as pd
-import torch
 
-from autoprec.apply import fp8_backend
-from autoprec.tune.alternatives import NOT_A_POLICY, Alternatives, alternatives
-from autoprec.tune.alternatives import FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY
-from autoprec.tune.choices import Choices, build_choices, fit, policy_from_params, warm_starts
-from autoprec.tune.cost import Stopwatch
-from autoprec.errors import UserError
-from autoprec.files import write_atomically
-from autoprec.formats import Format, device_name
-from autoprec.tune.measure import Candidate, NoiseFloor, TimingConfig, measure_steps_or_fail
-from autoprec.policy import ROOT, Policy, model_fingerprint
-from autoprec.tune.profiler import Profile, profile
-from autoprec.tune.space import SearchSpace
-from autoprec.tune.study import (
-    Judge,
-    Mode,
-    Objective,
-    SearchConfig,
-    check_storage,
-    open_study,
-    parse_mode,
-    run_trials,
-    trial_costs,
-    trials_table,
+from autoprec.policy import Policy
+from autoprec.tune.choices import Choices
+from autoprec.tune.measure import NoiseFloor
+from autoprec.tune.pipeline import (  # noqa: F401 (the search's steps, importable from here as before)
+    ALTERNATIVES,
+    Plan,
+    Started,
+    _load_or_profile,
+    baselines,
+    check_out_dir,
+    choose,
+    final_remeasure,
+    finalist_policies,
+    measured_record,
+    remeasure,
+    run,
+    safer_variant,
+    start,
 )
+from autoprec.tune.profiler import Profile
+from autoprec.tune.space import SearchSpace
+from autoprec.tune.study import Mode, SearchConfig, parse_mode
 from autoprec.tune.task import Workload
 
-log = logging.getLogger("autoprec")
-
-
-ALTERNATIVES = (FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY)  # re-measured beside every result, in this order
-
-__all__ = ["Mode", "SearchConfig", "SearchResult", "parse_mode", "search"]
+__all__ = ["Mode", "SearchConfig", "SearchResult", "parse_mode", "search", "search_plan"]
 
 
 @dataclasses.dataclass
@@ -65,358 +42,25 @@ class SearchResult:
     profile: Profile
     choices: Choices
     trials: pd.DataFrame
-    finals: pd.DataFrame  # one row per re-measured candidate: fp32, uniform bf16, profile greedy, finalists
+    finals: pd.DataFrame  # one row per re-measured candidate: the alternatives and the finalists
     study_name: str
     storage: str
     noise: NoiseFloor | None = None  # train mode: the fp32 result's spread over seeds
     cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict(): where this search's time went
 
 
-@dataclasses.dataclass
-class Started:
-    """A study ready for trials: the profile, the agreed choices, the study, where it lives, the judge."""
-
-    profile: Profile
-    choices: Choices
-    study: optuna.Study
-    storage: str
-    judge: Judge
-
-
-def check_out_dir(workload: Workload, out_dir: Path) -> None:
-    """Refuse, before anything is written, an output folder that holds another model's results (its saved
-    profile or policy file names another model or structure), or whose policy.json cannot be written."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir}: a file, not a folder; give a folder for the results")
-    mine = (workload.task.name, model_fingerprint(workload.model))
-    for name, read in (("profile.json", lambda d: (d.get("model"), d.get("fingerprint"))),
-                       ("policy.json", lambda d: (d.get("measured", {}).get("model"), d.get("measured", {}).get("fingerprint")))):  # fmt: skip
-        path = out_dir / name
-        if path.is_dir():
-            raise UserError(f"{path}: a folder is in the way of the results file; move it or pick another --out")
-        try:
-            theirs = read(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else None
-        except (ValueError, AttributeError, OSError):
-            continue  # unreadable: the profile is measured again, the policy written anew
-        if theirs is None:
-            continue
-        model, fingerprint = theirs
-        if fingerprint is not None and fingerprint != mine[1] or (model is not None and model != mine[0] and fingerprint is None):
-            raise UserError(
-                f"--out {out_dir} holds results of another model structure ({name}: {model or 'a model'} {fingerprint}; "
-                f"{workload.task.path} is {mine[0]} {mine[1]}): pick another --out, or remove profile.*, policy.json and "
-                "study.journal there to start over; nothing was written"
-            )
-    try:  # writable, before minutes of profiling and trials
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out_dir).close()
-    except OSError as exc:
-        raise UserError(f"--out {out_dir}: cannot write results there ({exc.strerror or exc}); pick another --out") from None
-
-
-def start(
-    workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, watch: Stopwatch, *, objectives: int = 1
-) -> Started:
-    """Profile (or reuse the saved profile), derive the choices, create or join the study with its warm
-    starts (all-fp32, then choices.warm_starts), and measure the noise floor in train mode."""
-    prof = _load_or_profile(workload, space, out_dir, config, watch=watch)
-    choices = build_choices(prof, space, config.budget, workload.device, judge_drop=config.mode is Mode.WEIGHTS)
-
-    def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
-        return warm_starts(prof, agreed, config.budget)
-
-    study, choices, where = open_study(workload, space, choices, config, out_dir, known, objectives=objectives)
-    log.info("search space: %s", choices.describe())
-    with watch.section("noise floor: fp32 trained over seeds") if config.mode is Mode.TRAIN else contextlib.nullcontext():
-        judge = Judge(workload, config, prof.fp32_metric)
-    if judge.noise is not None and config.budget < judge.noise.spread:
-        log.warning(
-            "budget %g is below the noise floor %.4g (the fp32 metric's spread over %d seeds after %d training "
-            "steps): the search cannot tell a real loss from noise there",
-            config.budget, judge.noise.spread, config.noise_runs, config.train_steps,
-        )  # fmt: skip
-    return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge)
-
-
-def baselines(workload: Workload, space: SearchSpace, prof: Profile, choices: Choices, budget: float) -> Alternatives:
-    """What every result is compared with, measured in the same run: alternatives.alternatives."""
-    fp8_offered = any(Format.FP8 in formats for formats in space.layers.values())
-    return alternatives(workload.model, workload.device, prof, choices, budget, fp8_offered=fp8_offered)
-
-
-def finalist_policies(
-    study: optuna.Study, choices: Choices, k: int, *, budget: float | None = None, exclude: Collection[Candidate] = ()
-) -> dict[str, Candidate]:
-    """The k fastest distinct feasible policies of the study (with `budget`: among those whose drop fits it),
-    leaving out those in `exclude` (the alternatives, measured under their own names)."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    good = [t for t in done if t.user_attrs.get("feasible")]
-    if budget is not None:
-        good = [t for t in good if t.user_attrs.get("metric_drop") is not None and t.user_attrs["metric_drop"] <= budget]
-    picked: dict[str, Candidate] = {}
-    seen = {json.dumps(c.policy.to_dict(), sort_keys=True) for c in exclude if not c.tf32}
-    for t in sorted(good, key=lambda t: -t.user_attrs["speedup"]):
-        policy = policy_from_params(t.params, choices)
-        key = json.dumps(policy.to_dict(), sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            picked[f"trial {t.number}"] = Candidate(policy)
-        if len(picked) == k:
-            break
-    return picked
-
-
-def remeasure(
-    workload: Workload,
-    candidates: Mapping[str, Candidate],
-    judge: Judge,
-    budget: float,
-    timing: TimingConfig,
-    *,
-    progress: str | None = None,
-    compiled: bool = False,
-) -> pd.DataFrame:
-    """Metric and step time of each candidate, timed interleaved with the others; speedup vs fp32 in
-    effective steps (those the GradScaler did not skip). `runs`: the metric and every loss were finite and
-    some step updated the weights; `feasible`: that, and the drop within `budget`."""
-    stats, failed = measure_steps_or_fail(workload, candidates, timing, progress=progress, compiled=compiled)
-    if FP32 in failed:
-        hint = "; run with --no-compile to measure eagerly" if compiled else ""
-        raise UserError(f"{workload.task.path}: the all-fp32 training step failed{' compiled' if compiled else ''}: {failed[FP32]}{hint}")
-    rows = []
-    for name, candidate in candidates.items():
-        metric, extra = judge.safe_metric(candidate)
-        drop = judge.fp32_metric - metric
-        s = stats.get(name)
-        runs = s is not None and math.isfinite(metric) and s.finite and math.isfinite(s.effective_ms)
-        rows.append({
-            "candidate": name,
-            "metric": metric,
-            "metric_drop": drop,
-            "runs": runs,
-            "feasible": runs and drop <= budget,
-            "step_ms": s.timing.median_ms if s else math.nan,
-            "skipped": s.skipped if s else 0,
-            "steps": s.steps if s else 0,
-            "effective_step_ms": s.effective_ms if s else math.nan,
-            "spread": s.timing.spread if s else math.nan,
-            "compile_s": s.compile_s if s else None,
-            "train_skipped": extra.get("train_skipped"),
-            "error": failed.get(name) or extra.get("error"),
-        })  # fmt: skip
-    table = pd.DataFrame(rows)
-    fp32_ms = float(table.loc[table["candidate"] == "fp32", "effective_step_ms"].iloc[0])
-    table["speedup"] = fp32_ms / table["effective_step_ms"]
-    return table
-
-
-def _versions() -> dict[str, str]:
-    out = {"torch": torch.__version__, "optuna": optuna.__version__}
-    for dist in ("torchao", "autoprec"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
-def _load_or_profile(
-    workload: Workload, space: SearchSpace, out_dir: Path, config: SearchConfig, *, watch: Stopwatch | None = None
-) -> Profile:
-    """Reuse the profile a previous run of the same model on the same device wrote; else measure. `watch`
-    receives the profiling stages, or a count when the saved profile was reused."""
-    watch = watch or Stopwatch()
-    cached = None
-    if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
-        try:
-            cached = Profile.load(out_dir)
-        except Exception as exc:  # a torn or hand-edited file: measuring again is the repair
-            log.warning("%s: the saved profile cannot be read (%s: %s); profiling again", out_dir, type(exc).__name__, exc)
-    if cached is not None:
-        same = (
-            cached.fingerprint == model_fingerprint(workload.model)
-            and cached.device == device_name(str(workload.device))
-            and cached.compiled == config.compile
-        )
-        tunable = space.tunable_layers(workload.model).items()
-        offered = {(n, f.value) for n, fs in tunable for f in fs if n not in cached.uncalled}
-        complete = cached.grad_ranges is not None  # written before gradient ranges existed: measure again
-        if same and complete and offered == set(zip(cached.table["layer"], cached.table["format"])):
-            log.info("reusing the profile in %s", out_dir)
-            watch.count("profile: reused the one saved in the output folder")
-            return cached
-    prof = profile(workload, space, config.profile, progress=config.progress)
-    watch.merge(prof.cost)
-    prof.save(out_dir)
-    return prof
+def search_plan(budget: float) -> Plan:
+    return Plan(
+        budgets=(budget,), objectives=1, policy_file=lambda b: "policy.json", trials_file="trials.csv", finalists_file="finalists.csv"
+    )
 
 
 def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path) -> SearchResult:
     """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir."""
-    out_dir = Path(out_dir)
-    check_out_dir(workload, out_dir)
-    check_storage(config)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    watch = Stopwatch()
-    started = start(workload, space, config, out_dir, watch)
-    study, choices = started.study, started.choices
-    objective = Objective(workload, choices, space, started.judge, config)
-    run_trials(study, objective, config.trials or space.trials, progress=config.progress)
-    trial_costs(study, watch)
-    alts = baselines(workload, space, started.profile, choices, config.budget)
-    candidates = dict(alts.candidates)
-    # a trial that is an alternative (the all-fp32 warm start, say) is measured once, under the alternative's name
-    finalists = finalist_policies(study, choices, config.finalists, exclude=list(candidates.values()))
-    candidates.update(finalists)
-    if finalists:
-        top_name, top = next(iter(finalists.items()))
-        safer = safer_variant(top.policy, choices)
-        if safer is not None and all(safer.layers != c.policy.layers or c.tf32 for c in candidates.values()):
-            candidates[f"{top_name}, fp16/fp8 -> bf16"] = Candidate(safer)
-    finals = final_remeasure(workload, candidates, started.judge, config, watch)
-    best_name, why = choose(finals, candidates)
-    best = candidates[best_name].policy
-    measured = measured_record(workload, started, config, finals, best_name, config.budget, notes=alts.notes)
-    measured["why"] = why
-    measured["cost"] = watch.to_dict()
-    policy = Policy(layers=best.layers, loss_scale=best.loss_scale, measured=measured)
-    policy.save(out_dir / "policy.json")
-    table = trials_table(study, choices, started.profile)
-    write_atomically(out_dir / "trials.csv", lambda tmp: table.to_csv(tmp, index=False))
-    write_atomically(out_dir / "finalists.csv", lambda tmp: finals.to_csv(tmp, index=False))
+    done = run(workload, space, config, out_dir, search_plan(config.budget))
+    started = done.started
     return SearchResult(
-        policy=policy, profile=started.profile, choices=choices, trials=table, finals=finals,
-        study_name=study.study_name, storage=started.storage, noise=started.judge.noise, cost=watch.to_dict(),
+        policy=done.chosen[0].policy, profile=started.profile, choices=started.choices, trials=done.trials,
+        finals=done.finals, study_name=started.study.study_name, storage=started.storage, noise=started.judge.noise,
+        cost=done.cost,
     )  # fmt: skip
-
-
-def final_remeasure(
-    workload: Workload, candidates: Mapping[str, Candidate], judge: Judge, config: SearchConfig, watch: Stopwatch
-) -> pd.DataFrame:
-    """The finalists and the alternatives re-measured together (remeasure), the compilation timed apart."""
-    label = f"re-measuring {len(candidates)} candidates" if config.progress else None
-    start = time.perf_counter()
-    finals = remeasure(
-        workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile
-    )
-    seconds = time.perf_counter() - start
-    compiling = float(finals["compile_s"].fillna(0.0).sum())
-    if compiling:
-        watch.add(f"final re-measure: compiling {len(candidates)} candidates (first step)", compiling)
-    watch.add(f"final re-measure of {len(candidates)} candidates", seconds - compiling)
-    return finals
-
-
-def _risk(policy: Policy | Candidate) -> int:
-    """Layers in fp16 (overflow, loss scaling) or fp8 (4 mantissa bits): worth it only for a measured gain."""
-    policy = policy.policy if isinstance(policy, Candidate) else policy
-    return sum(fmt.spec.risky for fmt in policy.layers.values())
-
-
-def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
-    """The policy with every fp16/fp8 layer in bf16 where the layer may be bf16, else fp32; None if none."""
-    if not _risk(policy):
-        return None
-    layers = {}
-    for name, fmt in policy.layers.items():
-        if fmt.spec.risky:
-            options = choices.default if name == ROOT else choices.layers.get(name, ())
-            fmt = Format(fit(fmt.spec.fallback.value, options))
-        layers[name] = fmt
-    return Policy(layers=layers)
-
-
-def choose(
-    finals: pd.DataFrame, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
-) -> tuple[str, str]:
-    """The fastest candidate within budget, unless its lead over one with fewer fp16/fp8 layers is inside
-    the measured spread: then the safer one, since the measurement cannot tell them apart; but never one
-    measured slower than the fastest of `alternatives` (fp32, uniform bf16, fp8 everywhere, profile greedy; a
-    sweep names each budget's own greedy policy) within budget. TF32 is not a policy and is never chosen."""
-    feasible = finals[finals["feasible"] & ~finals["candidate"].isin(NOT_A_POLICY)].sort_values("speedup", ascending=False)
-    if not len(feasible):
-        return "fp32", "no candidate stayed within budget when re-measured: fp32"
-    top = feasible.iloc[0]
-    alts = feasible[feasible["candidate"].isin(list(alternatives))]
-    floor = float(alts["speedup"].max()) if len(alts) else 0.0
-    tied = [r for _, r in feasible.iterrows() if top["speedup"] / r["speedup"] - 1 <= (top["spread"] + r["spread"]) / 2]
-    tied = [r for r in tied if r["speedup"] >= floor]
-    pick = min(tied, key=lambda r: (_risk(candidates[r["candidate"]]), -r["speedup"]))
-    if pick["candidate"] == top["candidate"]:
-        if top["candidate"] in alternatives:
-            return str(top["candidate"]), f"the fastest within budget is an alternative, {top['candidate']}: no searched policy beat it"
-        return str(top["candidate"]), "the fastest within budget"
-    lead = 100 * (top["speedup"] / pick["speedup"] - 1)
-    return str(pick["candidate"]), (
-        f"{top['candidate']} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
-        f"({_risk(candidates[top['candidate']])} against {_risk(candidates[pick['candidate']])}): the safer one"
-    )
-
-
-def measured_record(
-    workload: Workload,
-    started: Started,
-    config: SearchConfig,
-    finals: pd.DataFrame,
-    best_name: str,
-    budget: float,
-    *,
-    compared: Mapping[str, str] | None = None,
-    notes: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """The policy file's `measured`: the device, versions, budget, and the re-measured results of the policy
-    and of `compared` (label -> candidate in `finals`; default the alternatives measured, under their own
-    names); `notes`: alternatives not measured, and why."""
-    compared = compared or {name: name for name in ALTERNATIVES if name in set(finals["candidate"])}
-    prof, choices, judge, study = started.profile, started.choices, started.judge, started.study
-
-    def result(name: str) -> dict[str, float]:
-        row = finals[finals["candidate"] == name].iloc[0]
-        # JSON has no inf/NaN: a candidate that broke (non-finite metric, every step skipped) records null
-        out = {k: (float(row[k]) if math.isfinite(float(row[k])) else None)
-               for k in ("metric", "metric_drop", "step_ms", "effective_step_ms", "spread", "speedup")}  # fmt: skip
-        out.update(skipped_steps=int(row["skipped"]), steps=int(row["steps"]))
-        if isinstance(row.get("error"), str):
-            out["error"] = row["error"]
-        if config.mode is Mode.TRAIN:
-            skipped = row["train_skipped"]
-            out["train_skipped_steps"] = int(skipped) if skipped is not None and math.isfinite(float(skipped)) else None
-        return out
-
-    kept = {n: "; ".join(f"{f}: {r}" for f, r in choices.excluded.get(n, {}).items()) for n, o in choices.layers.items() if o == ("fp32",)}
-    return {
-        "device": device_name(str(workload.device)),
-        "versions": _versions(),
-        "model": workload.task.name,
-        "fingerprint": model_fingerprint(workload.model),
-        "budget": budget,
-        "mode": config.mode.value,
-        "train_steps": config.train_steps if config.mode is Mode.TRAIN else None,
-        "noise_floor": judge.noise.spread if judge.noise else None,
-        "noise": judge.noise.to_dict() if judge.noise else None,
-        "fp32_metric": judge.fp32_metric,
-        "metric": prof.metric_name,
-        "chosen": best_name,
-        "results": {**{label: result(name) for label, name in compared.items()}, "policy": result(best_name)},
-        "kept_fp32": kept,
-        "excluded": {n: dict(r) for n, r in choices.excluded.items()},
-        "fp8": fp8_backend(workload.device),
-        "compiled": config.compile,
-        "alternatives_not_measured": dict(notes or {}),
-        # on CUDA every candidate but TF32 ran strict (measure.matmul_precision); elsewhere the process's setting
-        "float32_matmul_precision": "highest" if workload.device.type == "cuda" else torch.get_float32_matmul_precision(),
-        "timing": (
-            (
-                "compiled after apply_policy (each repeated block, else the whole model), compilation excluded (warm-up); "
-                if config.compile
-                else "eager; "
-            )
-            + f"median of {config.final_timing.rounds} interleaved rounds; spread = interquartile range / median; "
-            "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
-        ),
-        "loss_scale_search": dict(choices.loss_scale or {}),
-        "search_space": choices.describe(),
-        "study": {"name": study.study_name, "storage": started.storage, "trials": len(study.trials)},
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }

@@ -13,35 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import optuna
 import pandas as pd
 
-from autoprec.tune.choices import Choices
-from autoprec.tune.cost import Stopwatch
 from autoprec.files import write_atomically
 from autoprec.formats import Format
-from autoprec.tune.measure import NoiseFloor
 from autoprec.policy import ROOT, Policy
+from autoprec.tune.alternatives import BF16
+from autoprec.tune.choices import Choices
+from autoprec.tune.measure import NoiseFloor
+from autoprec.tune.pipeline import Chosen, Plan, choose_per_budget, run  # noqa: F401 (choose_per_budget: importable here as before)
 from autoprec.tune.profiler import Profile
-from autoprec.tune.alternatives import BF16, GREEDY
-from autoprec.tune.measure import Candidate
-from autoprec.tune.searcher import (
-    ALTERNATIVES,
-    Started,
-    baselines,
-    check_out_dir,
-    choose,
-    final_remeasure,
-    finalist_policies,
-    measured_record,
-    start,
-)
 from autoprec.tune.space import SearchSpace
-from autoprec.tune.study import Objective, SearchConfig, check_storage, run_trials, trial_costs, trials_table
+from autoprec.tune.study import SearchConfig
 from autoprec.tune.task import Workload
 
 OBJECTIVES = 2  # speedup (maximise), metric drop (minimise)
@@ -111,48 +98,11 @@ def _format_counts(policy: Policy) -> str:
     return ", ".join(f"{f} {counts[f]}" for f in (x.value for x in Format) if f in counts)
 
 
-def _candidates(
-    workload: Workload, space: SearchSpace, started: Started, study: optuna.Study, budgets: tuple[float, ...], k: int
-) -> tuple[dict[str, Candidate], dict[float, str], dict[str, str]]:
-    """The alternatives (each budget with its own profile-greedy policy) and each budget's k fastest trials
-    within it, without repeats; budget -> the name of its greedy policy; the alternatives not measured."""
-    candidates: dict[str, Candidate] = {}
-
-    def add(name: str, candidate: Candidate) -> str:
-        same = next((n for n, c in candidates.items() if c == candidate), None)
-        if same is None:
-            candidates[name] = candidate
-        return same or name
-
-    greedy, notes = {}, {}
-    for b in budgets:
-        alts = baselines(workload, space, started.profile, started.choices, b)
-        notes.update(alts.notes)
-        for name, candidate in alts.candidates.items():
-            label = add(f"{name} {b:g}" if name == GREEDY else name, candidate)
-            if name == GREEDY:
-                greedy[b] = label
-    for b in budgets:
-        for name, policy in finalist_policies(study, started.choices, k, budget=b, exclude=list(candidates.values())).items():
-            add(name, policy)
-    return candidates, greedy, notes
-
-
-def choose_per_budget(
-    finals: pd.DataFrame, candidates: Mapping[str, Candidate], budgets: tuple[float, ...], greedy: Mapping[float, str]
-) -> list[tuple[str, str]]:
-    """(candidate, why) per budget, ascending: search.choose among the re-measured candidates within it; where
-    that measured slower than the previous budget's choice (noise, or the safer pick), the previous stands."""
-    speed = dict(zip(finals["candidate"], finals["speedup"]))
-    picks: list[tuple[str, str]] = []
-    for b in budgets:
-        alternatives = [a for a in ALTERNATIVES if a != GREEDY] + [greedy[b]]
-        name, why = choose(finals.assign(feasible=finals["runs"] & (finals["metric_drop"] <= b)), candidates, alternatives)
-        if picks and speed[name] < speed[picks[-1][0]]:
-            before = picks[-1][0]
-            name, why = before, f"kept from the smaller budget: {before} measured faster than {name}, this budget's pick"
-        picks.append((name, why))
-    return picks
+def sweep_plan(budgets: tuple[float, ...]) -> Plan:
+    return Plan(
+        budgets=budgets, objectives=OBJECTIVES, policy_file=policy_filename, trials_file="sweep_trials.csv",
+        finalists_file="sweep_finalists.csv",
+    )  # fmt: skip
 
 
 def sweep(
@@ -161,53 +111,23 @@ def sweep(
     """Search once for every budget; write sweep.csv, one policy file per budget, sweep_trials.csv and
     sweep_finalists.csv to out_dir (the CLI adds sweep.md and pareto.png from the result). `config.budget`
     bounds the study and must be at least the largest budget (the CLI sets it to that)."""
-    budgets = parse_budgets(budgets)
-    if budgets[-1] > config.budget:
-        raise ValueError(
-            f"config.budget bounds the sweep's study and must be >= the largest budget, but got "
-            f"config.budget={config.budget!r} and budgets up to {budgets[-1]!r}"
-        )
-    out_dir = Path(out_dir)
-    check_out_dir(workload, out_dir)
-    check_storage(config)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    watch = Stopwatch()
-    started = start(workload, space, config, out_dir, watch, objectives=OBJECTIVES)
-    study, choices = started.study, started.choices
-    objective = Objective(workload, choices, space, started.judge, config, objectives=OBJECTIVES)
-    run_trials(study, objective, config.trials or space.trials, progress=config.progress)
-    trial_costs(study, watch)
-    candidates, greedy, notes = _candidates(workload, space, started, study, budgets, config.finalists)
-    finals = final_remeasure(workload, candidates, started.judge, config, watch)
-    rows, policies = [], {}
-    for b, (name, why) in zip(budgets, choose_per_budget(finals, candidates, budgets, greedy)):
-        compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
-        measured = measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes)
-        measured.update(why=why, cost=watch.to_dict(), sweep={"budgets": list(budgets), "study_budget": config.budget})
-        chosen = candidates[name].policy
-        policy = Policy(layers=chosen.layers, loss_scale=chosen.loss_scale, measured=measured)
-        policy.save(out_dir / policy_filename(b))
-        policies[b] = policy
-        rows.append(_row(b, name, why, finals, chosen, greedy[b]))
-    table = pd.DataFrame(rows)
-    trials = trials_table(study, choices, started.profile)
-    front = pareto_front(trials)
-    write_atomically(out_dir / "sweep.csv", lambda tmp: table.to_csv(tmp, index=False))
-    write_atomically(out_dir / "sweep_trials.csv", lambda tmp: trials.to_csv(tmp, index=False))
-    write_atomically(out_dir / "sweep_finalists.csv", lambda tmp: finals.to_csv(tmp, index=False))
+    done = run(workload, space, config, out_dir, sweep_plan(parse_budgets(budgets)))
+    started = done.started
+    table = pd.DataFrame([_row(c, done.finals) for c in done.chosen])
+    write_atomically(Path(out_dir) / "sweep.csv", lambda tmp: table.to_csv(tmp, index=False))
     return SweepResult(
-        table=table, policies=policies, front=front, trials=trials, finals=finals, profile=started.profile,
-        choices=choices, study_name=study.study_name, storage=started.storage, noise=started.judge.noise,
-        cost=watch.to_dict(),
+        table=table, policies={c.budget: c.policy for c in done.chosen}, front=pareto_front(done.trials),
+        trials=done.trials, finals=done.finals, profile=started.profile, choices=started.choices,
+        study_name=started.study.study_name, storage=started.storage, noise=started.judge.noise, cost=done.cost,
     )  # fmt: skip
 
 
-def _row(budget: float, name: str, why: str, finals: pd.DataFrame, policy: Policy, greedy: str) -> dict[str, Any]:
+def _row(chosen: Chosen, finals: pd.DataFrame) -> dict[str, Any]:
     by = finals.set_index("candidate")
-    r = by.loc[name]
+    r, greedy, policy = by.loc[chosen.name], chosen.greedy, chosen.policy
     return {
-        "budget": budget,
-        "chosen": name,
+        "budget": chosen.budget,
+        "chosen": chosen.name,
         "metric": r["metric"],
         "metric_drop": r["metric_drop"],
         "step_ms": r["effective_step_ms"],
@@ -219,6 +139,6 @@ def _row(budget: float, name: str, why: str, finals: pd.DataFrame, policy: Polic
         "greedy_drop": by.loc[greedy, "metric_drop"],
         "formats": _format_counts(policy),
         "root": policy.layers.get(ROOT, Format.FP32).value,
-        "policy_file": policy_filename(budget),
-        "why": why,
+        "policy_file": chosen.file.name,
+        "why": chosen.why,
     }

@@ -1,0 +1,64 @@
+"""The pipeline search and sweep share: its plan is checked before anything is written, and every budget gets
+the same kinds of candidates (its greedy floor, its fastest trials, the safer variant of its fastest)."""
+
+import types
+from pathlib import Path
+
+import pytest
+
+from autoprec import Policy
+from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune import pipeline
+from autoprec.tune.alternatives import BF16, FP32, GREEDY, Alternatives
+from autoprec.tune.choices import Choices
+from autoprec.tune.measure import Candidate
+from autoprec.tune.searcher import search_plan
+from autoprec.tune.space import space_from_dict
+from autoprec.tune.sweeper import sweep_plan
+
+MODELS = Path(__file__).parent / "models"
+
+
+def test_a_plan_that_cannot_run_is_refused_before_anything_is_written(tmp_path):
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32"]}})
+    with pytest.raises(ValueError, match=r"ascending and not empty, but got \(0.1, 0.0\)"):
+        pipeline.run(workload, space, SearchConfig(budget=0.1), tmp_path / "a", sweep_plan((0.1, 0.0)))
+    with pytest.raises(ValueError, match=r"config.budget=0.01 and budgets up to 0.5"):
+        pipeline.run(workload, space, SearchConfig(budget=0.01), tmp_path / "b", sweep_plan((0.0, 0.5)))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_search_and_sweep_plans_differ_only_in_budgets_objectives_and_file_names():
+    one, many = search_plan(0.01), sweep_plan((0.0, 0.01))
+    assert (one.budgets, one.objectives, one.policy_file(0.01), one.trials_file) == ((0.01,), 1, "policy.json", "trials.csv")
+    assert (many.objectives, many.policy_file(0.01), many.trials_file) == (2, "policy-budget-0.01.json", "sweep_trials.csv")
+    assert one.greedy_name(0.01) == GREEDY and many.greedy_name(0.01) == f"{GREEDY} 0.01"
+
+
+def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_of_its_fastest(monkeypatch):
+    choices = Choices(default=("fp32", "bf16"), layers={"a": ("fp32", "bf16", "fp16"), "b": ("fp32", "bf16", "fp16")}, excluded={})
+    fp32 = Policy(layers={"": "fp32", "a": "fp32", "b": "fp32"})
+    greedy = {0.0: Policy(layers={"": "fp32", "a": "fp32", "b": "bf16"}), 0.1: Policy(layers={"": "fp32", "a": "bf16", "b": "bf16"})}
+    trials = {  # budget -> its fastest trials, fastest first
+        0.0: {"trial 3": Candidate(Policy(layers={"": "fp32", "a": "fp16", "b": "fp32"}))},
+        0.1: {"trial 7": Candidate(Policy(layers={"": "fp32", "a": "fp16", "b": "fp16"})), "trial 3": Candidate(fp32)},
+    }
+
+    def baselines(workload, space, prof, choices, budget):
+        return Alternatives(candidates={FP32: Candidate(fp32), GREEDY: Candidate(greedy[budget])}, notes={BF16: "left out here"})
+
+    def finalists(study, choices, k, *, budget, exclude):
+        return {n: c for n, c in trials[budget].items() if c not in exclude}
+
+    monkeypatch.setattr(pipeline, "baselines", baselines)
+    monkeypatch.setattr(pipeline, "finalist_policies", finalists)
+    started = types.SimpleNamespace(profile=None, choices=choices, study=None)
+    candidates, greedy_names, notes = pipeline.gather_candidates(None, None, started, sweep_plan((0.0, 0.1)), 2)
+    assert greedy_names == {0.0: "profile greedy 0", 0.1: "profile greedy 0.1"} and notes == {BF16: "left out here"}
+    assert candidates["trial 3, fp16/fp8 -> bf16"].policy.layers["a"].value == "bf16"  # the 0 budget's fastest, made safer
+    # the 0.1 budget's safer variant is its greedy policy, already there: measured once, under that name
+    assert "trial 7, fp16/fp8 -> bf16" not in candidates and "trial 7" in candidates
+    assert list(candidates) == ["fp32", "profile greedy 0", "profile greedy 0.1", "trial 3", "trial 3, fp16/fp8 -> bf16", "trial 7"]
+    one, _, _ = pipeline.gather_candidates(None, None, started, search_plan(0.1), 2)
+    assert list(one) == ["fp32", GREEDY, "trial 7"]  # one budget: the greedy policy keeps its plain name
