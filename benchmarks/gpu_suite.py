@@ -72,7 +72,8 @@ def part_bench(out: Path, args: argparse.Namespace) -> int:
 def part_search(name: str, out: Path, args: argparse.Namespace) -> int:
     if args.smoke:
         os.environ["AUTOPREC_GPT2_SIZE"] = "tiny"  # read when model.py is imported, just below
-    from autoprec.tune import SearchConfig, load_space, load_task, prepare, search
+    from autoprec.tune import SearchConfig, load_space, load_task, prepare
+    from autoprec.tune.searcher import search
     from autoprec.tune.space import space_from_dict
     from autoprec.files import write_text
     from autoprec.tune.report import plot_all, search_markdown

@@ -24,7 +24,8 @@ from pathlib import Path
 import pandas as pd
 
 from autoprec import LossScale, Policy
-from autoprec.tune import SearchConfig, load_task, prepare, search
+from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune.searcher import search
 from autoprec.tune.measure import TimingConfig, measure_steps, noise_floor, train_and_evaluate
 from autoprec.tune.report import gradient_summary, markdown_table, plot_all
 from autoprec.tune.space import space_from_dict

@@ -27,7 +27,8 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
-from autoprec.tune import SearchConfig, load_space, load_task, prepare, profile, search  # noqa: E402
+from autoprec.tune import SearchConfig, load_space, load_task, prepare, profile  # noqa: E402
+from autoprec.tune.searcher import search  # noqa: E402
 from autoprec.tune.measure import Candidate, TimingConfig  # noqa: E402
 from autoprec.tune.searcher import baselines, remeasure  # noqa: E402
 from autoprec.tune.space import Layout  # noqa: E402

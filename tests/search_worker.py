@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, search
+from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare
+from autoprec.tune.searcher import search
 from autoprec.tune.measure import TimingConfig
 from autoprec.tune.space import space_from_dict
 

@@ -94,8 +94,9 @@ def test_search_bad_budget(capsys, tmp_path, write_model, mlp_source, budget):
 
 @pytest.mark.parametrize(
     ("budgets", "expected"),
-    [("0,x", "--budgets: budgets must be numbers separated by commas, but got 'x'"),
-     ("0,-0.01", "--budgets: every budget must be a finite number >= 0"), (",", "at least one number")],
+    [("0,x", "--budgets 0,x: a budget must be a number in the metric's units (0.01) or a percentage of the fp32 metric (1%), but got 'x'"),
+     ("0,-0.01", "--budgets 0,-0.01: a budget must be a finite number >= 0"), ("0,-1%", "but got '-1%'"),
+     (",", "at least one number")],
 )  # fmt: skip
 def test_sweep_bad_budgets(capsys, tmp_path, write_model, mlp_source, budgets, expected):
     code, _, err = run(capsys, "sweep", write_model(mlp_source), "--budgets", budgets, "--device", "cpu", "--out", tmp_path)
@@ -134,11 +135,15 @@ def test_a_broken_evaluate_is_one_line_naming_the_file(capsys, tmp_path, write_m
     assert_user_error(code, err, str(path), expected)
 
 
-def test_search_requires_budget(capsys, write_model, mlp_source):
+def test_search_takes_one_budget(capsys, tmp_path, write_model, mlp_source):
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--budget", "1%,2%")
+    assert_user_error(code, err, "--budget 1%,2%: one budget; for several, run autoprec sweep --budgets 1%,2%")
+
+
+def test_version_names_the_installed_package(capsys):
     with pytest.raises(SystemExit) as info:
-        main(["search", str(write_model(mlp_source))])
-    assert info.value.code == 2
-    assert "--budget" in capsys.readouterr().err
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("autoprec ")
 
 
 def test_search_bad_space(capsys, tmp_path, write_model, mlp_source):
@@ -304,8 +309,9 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, *parts: str) -> Non
     assert proc.stdout == ""
 
 
-def test_process_module_search_missing_model(tmp_path):
-    proc = run_process([sys.executable, "-m", "autoprec.tune.cli", "search", "missing.py", "--budget", "0.1"], tmp_path)
+@pytest.mark.parametrize("module", ["autoprec", "autoprec.tune.cli"])
+def test_process_module_search_missing_model(tmp_path, module):
+    proc = run_process([sys.executable, "-m", module, "search", "missing.py", "--budget", "0.1"], tmp_path)
     assert_one_error_line(proc, "missing.py: no such file")
 
 

@@ -29,16 +29,16 @@ def fast(monkeypatch):
     def profile(workload, space, config=None, **kw):
         return real_profile(workload, space, FAST_PROFILE, progress=False)
 
-    def search(workload, space, config, out):
+    def search(workload, space, config, out, **kw):
         quick = dataclasses.replace(config, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, finalists=1, progress=False)
-        return real_search(workload, space, quick, out)
+        return real_search(workload, space, quick, out, **kw)
 
     sweep_module = sys.modules["autoprec.tune.sweeper"]
     real_sweep = sweep_module.sweep
 
-    def sweep(workload, space, budgets, config, out):
+    def sweep(workload, space, budgets, config, out, **kw):
         quick = dataclasses.replace(config, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, finalists=1, progress=False)
-        return real_sweep(workload, space, budgets, quick, out)
+        return real_sweep(workload, space, budgets, quick, out, **kw)
 
     monkeypatch.setattr(profile_module, "profile", profile)
     monkeypatch.setattr(search_module, "search", search)
@@ -81,3 +81,70 @@ def test_sweep_writes_a_table_a_pareto_plot_and_a_policy_per_budget(fast, capsys
     md = (tmp_path / "sweep.md").read_text()
     assert "## Pareto front of the study" in md and "(pareto.png)" in md
     assert "'overflow_mlp-sweep'" in out  # its own study, beside a search's in the same storage
+
+
+# ---- the default and relative budgets, --json, --quiet, autoprec's own log prefix ---------------------------
+
+
+def test_search_without_a_budget_allows_one_percent_of_the_fp32_metric_and_says_so(fast, capsys, tmp_path):
+    assert main(["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--trials", "2"]) == 0
+    out, err = capsys.readouterr()
+    measured = load_policy(tmp_path / "policy.json").measured
+    fp32 = measured["fp32_metric"]
+    assert measured["budget"] == pytest.approx(0.01 * abs(fp32)) and measured["budget"] > 0
+    assert measured["budget_given"] == f"1% of |fp32 metric {fp32:.6g}| = {0.01 * abs(fp32):.6g}"
+    assert f"budget {measured['budget_given']} (the default; --budget sets another)" in err
+    assert f"budget {measured['budget_given']}" in out and measured["budget_given"] in (tmp_path / "summary.md").read_text()
+
+
+def test_json_prints_the_result_as_one_object_and_quiet_prints_nothing(fast, capsys, tmp_path):
+    argv = ["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--trials", "2", "--budget", "0.05"]
+    assert main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)  # the whole of stdout is one object
+    assert result["policy_file"] == str(tmp_path / "policy.json")
+    assert result["policy"] == json.loads((tmp_path / "policy.json").read_text())
+    assert "on cpu, eager" not in err  # stderr holds no chatter either, only the progress bars (off here)
+    assert main([*argv, "--quiet"]) == 0  # the study is finished: its result stands, nothing re-measured
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [f"autoprec: study 'overflow_mlp' is finished and its result in {tmp_path} stands "
+                                              "(nothing re-measured); pass --remeasure to re-measure its finalists and "
+                                              "choose again, or --trials N for more trials"]  # fmt: skip
+    assert json.loads((tmp_path / "policy.json").read_text()) == result["policy"]
+    assert main(["show", str(tmp_path / "policy.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == result["policy"]["layers"]
+
+
+def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(fast, capsys, tmp_path):
+    argv = ["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--trials", "2", "--budget", "0.05"]
+    assert main(argv) == 0
+    first = (tmp_path / "policy.json").read_text()
+    assert main(argv) == 0 and (tmp_path / "policy.json").read_text() == first  # byte for byte: not even rewritten
+    assert "its result in" in capsys.readouterr().err
+    assert main([*argv, "--remeasure"]) == 0
+    again = json.loads((tmp_path / "policy.json").read_text())["measured"]
+    assert again["created"] >= json.loads(first)["measured"]["created"] and "its result in" not in capsys.readouterr().err
+    assert main([*argv[:-2], "--budget", "0.05", "--trials", "3"]) == 0  # more trials: a new result is measured
+    assert json.loads((tmp_path / "policy.json").read_text())["measured"]["study"]["trials"] == 3
+
+
+def test_a_sweep_takes_relative_budgets_beside_absolute_ones(fast, capsys, tmp_path):
+    argv = ["sweep", str(MODELS / "overflow_mlp.py"), "--budgets", "0,1%", "--device", "cpu", "--out", str(tmp_path), "--trials", "2", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["budgets"]
+    fp32 = rows[0]["policy"]["measured"]["fp32_metric"]
+    assert [r["budget"] for r in rows] == [0.0, pytest.approx(0.01 * abs(fp32))]
+    assert rows[0]["budget_given"] is None and rows[1]["budget_given"].startswith("1% of |fp32 metric")
+    assert all(Path(r["policy_file"]).is_file() for r in rows)
+
+
+def test_only_autoprecs_own_log_lines_carry_its_prefix():
+    """torchao's or transformers' warnings printed as `autoprec: ...` looked like our errors. A fresh process:
+    the root logger has no handler there, as in the command line."""
+    import subprocess
+
+    code = ("import logging\nfrom autoprec.tune.cli import _log_setup\n_log_setup(False)\n"
+            "logging.getLogger('autoprec.tune.study').warning('ours')\nlogging.getLogger('torchao.float8').warning('theirs')\n"
+            "logging.getLogger('autoprec').info('not at the default level')\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stderr.splitlines()[-2:] == ["autoprec: ours", "theirs"], proc.stderr

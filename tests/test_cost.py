@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, profile, search
+from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, profile
+from autoprec.tune.searcher import search
 from autoprec.tune.cost import Stopwatch, cost_rows
 from autoprec.tune.measure import TimingConfig
 from autoprec.tune.space import space_from_dict

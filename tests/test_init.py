@@ -31,7 +31,8 @@ def test_the_tuner_functions_do_not_shadow_their_modules():
     import autoprec.tune
 
     assert callable(autoprec.tune.search) and callable(autoprec.tune.profile) and callable(autoprec.tune.sweep)
-    assert importlib.import_module("autoprec.tune.searcher").search is autoprec.tune.search
+    assert importlib.import_module("autoprec.tune.api").search is autoprec.tune.search
+    assert callable(importlib.import_module("autoprec.tune.searcher").search)
     assert importlib.import_module("autoprec.tune.profiler").profile is autoprec.tune.profile
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, load_policy
-from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, search
+from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare
+from autoprec.tune.searcher import search
 from autoprec.tune.gradients import LayerGradients, scale_table
 from autoprec.tune.measure import NoiseFloor, TimingConfig, metric_of
 from autoprec.tune.profiler import COLUMNS, Profile

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import json
 import logging
 import sys
 import traceback
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 from autoprec.errors import UserError
-from autoprec.files import write_text
+from autoprec.tune.task import default_device
 
 EXIT_USER_ERROR = 2
 
@@ -27,10 +29,6 @@ def _device(value: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise UserError(f"--device {value}: autoprec measures on cpu or cuda, got {dev.type}")
     return dev
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _compile(args: argparse.Namespace) -> bool:
@@ -57,14 +55,20 @@ def _prepare(args: argparse.Namespace):
     device = _device(args.device)
     workload = prepare(task, device)
     how = "compiled" if _compile(args) else "eager"
-    print(f"autoprec: {task.path} on {device}, {how}", file=sys.stderr)
+    _say(args, f"autoprec: {task.path} on {device}, {how}")
     return task, space, workload
 
 
-def _search_config(args: argparse.Namespace, budget: float | None = None):
+def _say(args: argparse.Namespace, line: str) -> None:
+    """A progress line on stderr, unless --quiet or --json (stdout then holds only the result)."""
+    if not (args.quiet or args.json):
+        print(line, file=sys.stderr)
+
+
+def _search_config(args: argparse.Namespace, budget: float = 0.0):
+    """The settings, checked before the model is loaded; the budget is filled in once it is resolved."""
     from autoprec.tune.searcher import Mode, SearchConfig, parse_mode
 
-    budget = args.budget if budget is None else budget
     try:
         mode = parse_mode(args.mode)
         if mode is Mode.WEIGHTS:
@@ -75,26 +79,53 @@ def _search_config(args: argparse.Namespace, budget: float | None = None):
         train = {k: v for k, v in (("train_steps", args.train_steps), ("noise_runs", args.noise_runs)) if v is not None}
         return SearchConfig(
             budget=budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode,
-            compile=_compile(args), **train,
+            compile=_compile(args), progress=not args.quiet, remeasure=args.remeasure, **train,
         )  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
 
-def cmd_search(args: argparse.Namespace) -> int:
-    from autoprec.tune.report import plot_all, search_markdown, search_summary
-    from autoprec.tune.searcher import search
+def _budgets(args: argparse.Namespace, flag: str, value: str):
+    from autoprec.tune.budget import parse_budget_list
 
+    try:
+        return parse_budget_list(value)
+    except ValueError as exc:
+        raise UserError(f"{flag} {value}: {exc}") from None
+
+
+def _resolve(args: argparse.Namespace, workload, specs, flag: str):
+    """Absolute budgets (resolving relative ones against the fp32 metric), said on stderr where not absolute."""
+    from autoprec.tune.api import resolve_budgets
+
+    resolved, given = resolve_budgets(workload, specs)
+    for b in resolved:
+        if b in given:
+            default = " (the default; --budget sets another)" if flag == "--budget" and args.budget is None else ""
+            _say(args, f"autoprec: budget {given[b]}{default}")
+    return resolved, given
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from autoprec.tune.api import search_and_report
+    from autoprec.tune.budget import DEFAULT
+
+    specs = _budgets(args, "--budget", DEFAULT if args.budget is None else args.budget)
+    if len(specs) != 1:
+        raise UserError(f"--budget {args.budget}: one budget; for several, run autoprec sweep --budgets {args.budget}")
     config = _search_config(args)
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
-    result = search(workload, space, config, out)
-    write_text(out / "summary.md", search_markdown(result, _command("search")))
-    pngs = plot_all(result.profile, out, title=f"{task.name} on {result.profile.device}")
-    print(search_summary(result))
-    names = ", ".join(p.name for p in pngs)
-    print(f"\nwrote {out / 'policy.json'}, profile.csv, grad_ranges.csv, trials.csv, finalists.csv, summary.md, {names} "
-          f"(study {result.study_name!r} in {result.storage})")  # fmt: skip
+    (budget,), given = _resolve(args, workload, specs, "--budget")
+    config = dataclasses.replace(config, budget=budget)
+    result = search_and_report(workload, space, config, out, command=_command("search"), given=given.get(budget))
+    if args.json:
+        print(json.dumps({"policy_file": str(out / "policy.json"), "policy": result.policy.to_dict()}, allow_nan=False))
+        return 0
+    if not args.quiet:
+        print(result.summary())
+        print(f"\nwrote {out / 'policy.json'}, profile.csv, grad_ranges.csv, trials.csv, finalists.csv, summary.md, profile.png, "
+              f"grad_ranges.png (study {result.study_name!r} in {result.storage})")  # fmt: skip
     return 0
 
 
@@ -104,41 +135,30 @@ def _command(verb: str) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from autoprec.tune.report import plot_all, plot_pareto, sweep_summary
-    from autoprec.tune.sweeper import parse_budgets, sweep
+    from autoprec.tune.api import sweep_and_report
+    from autoprec.tune.sweeper import parse_budgets
 
-    try:
-        budgets = parse_budgets(args.budgets)
-    except ValueError as exc:
-        raise UserError(f"--budgets: {exc}") from None
-    config = _search_config(args, budget=budgets[-1])
+    specs = _budgets(args, "--budgets", args.budgets)
+    config = _search_config(args)
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
+    resolved, given = _resolve(args, workload, specs, "--budgets")
+    budgets = parse_budgets(resolved)
+    config = dataclasses.replace(config, budget=budgets[-1])
     if config.study_name is None:  # beside a search's study in the same storage, not mixed with it
         config = dataclasses.replace(config, study_name=f"{task.name}-sweep")
-    result = sweep(workload, space, budgets, config, out)
-    plot_pareto(result, out / "pareto.png", title=f"{task.name} on {result.profile.device}")
-    plot_all(result.profile, out, title=f"{task.name} on {result.profile.device}")
-    write_text(out / "sweep.md", _sweep_markdown(result))
-    print(sweep_summary(result))
-    files = ", ".join(result.table["policy_file"])
-    print(f"\nwrote {out / 'sweep.csv'}, sweep.md, pareto.png, sweep_trials.csv, sweep_finalists.csv, {files} "
-          f"(study {result.study_name!r} in {result.storage})")  # fmt: skip
+    result = sweep_and_report(workload, space, budgets, config, out, command=_command("sweep"), given=given)
+    if args.json:
+        rows = [{"budget": b, "budget_given": given.get(b), "policy_file": str(out / name), "policy": p.to_dict()}
+                for (b, p), name in zip(result.policies.items(), result.table["policy_file"])]  # fmt: skip
+        print(json.dumps({"sweep_csv": str(out / "sweep.csv"), "budgets": rows}, allow_nan=False))
+        return 0
+    if not args.quiet:
+        print(result.summary())
+        files = ", ".join(result.table["policy_file"])
+        print(f"\nwrote {out / 'sweep.csv'}, sweep.md, pareto.png, sweep_trials.csv, sweep_finalists.csv, {files} "
+              f"(study {result.study_name!r} in {result.storage})")  # fmt: skip
     return 0
-
-
-def _sweep_markdown(result) -> str:
-    from autoprec.tune.report import front_rows, markdown_table, profile_summary, sweep_summary
-
-    command = _command("sweep")
-    name = next(iter(result.policies.values())).measured["model"]
-    return (
-        f"# autoprec sweep: {name}\n\n`{command}`\n\n## Policy per budget\n\n{sweep_summary(result, markdown=True)}\n\n"
-        f"![speedup against metric drop](pareto.png)\n\n"
-        f"## Pareto front of the study (trial measurements)\n\n"
-        f"{markdown_table(['trial', 'metric drop', 'speedup', 'spread'], front_rows(result.front))}\n\n"
-        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.table, markdown=True)}\n"
-    )
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -150,9 +170,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
     check_out_dir(workload, out)
-    prof = profile(workload, space, ProfileConfig(compile=_compile(args)))
+    prof = profile(workload, space, ProfileConfig(compile=_compile(args)), progress=not args.quiet)
     path = prof.save(out)
     pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
+    if args.json:
+        print(json.dumps({"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric, "metric": prof.metric_name}))
+        return 0
+    if args.quiet:
+        return 0
     print(profile_summary(prof.table))
     print()
     print(gradient_summary(prof.table, prof.advice()))
@@ -165,25 +190,74 @@ def cmd_show(args: argparse.Namespace) -> int:
     from autoprec.policy import load_policy
     from autoprec.tune.report import show_policy
 
-    print(show_policy(load_policy(args.policy), markdown=args.markdown))
+    policy = load_policy(args.policy)
+    print(json.dumps(policy.to_dict(), indent=2) if args.json else show_policy(policy, markdown=args.markdown))
     return 0
+
+
+GLOBAL_FLAGS = (
+    ("--debug", "show tracebacks and debug logs"),
+    ("--quiet", "no progress bars and no tables: warnings, errors and the exit code only"),
+    ("--json", "print the result as one JSON object on stdout (progress stays on stderr)"),
+)
+
+
+def _global_flags(p: argparse.ArgumentParser) -> None:
+    """The top-level flags, accepted after the verb too (`autoprec search m.py --json`)."""
+    for flag, _ in GLOBAL_FLAGS:
+        p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("autoprec")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged (as Python's last-resort handler does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _log_setup(debug: bool) -> None:
+    """autoprec's own log lines, and only those, carry its prefix: torchao's or transformers' lines keep
+    theirs (the root logger gets no handler, so Python's last-resort one prints their warnings as they are).
+    Process-wide, so the CLI's job, not the library's."""
+    logger = logging.getLogger("autoprec")
+    handler = _Stderr()
+    handler.setFormatter(logging.Formatter("autoprec: %(message)s"))
+    logger.handlers[:] = [h for h in logger.handlers if not isinstance(h, _Stderr)] + [handler]
+    logger.setLevel(logging.DEBUG if debug else logging.WARNING)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--version", action="version", version=f"autoprec {_version()}")
+    for flag, text in GLOBAL_FLAGS:
+        parser.add_argument(flag, action="store_true", help=text)
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show}")
 
     def model_verb(name: str, help_text: str) -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=help_text, description=help_text)
         p.add_argument("model", help="path to a model.py (build_model, batches, loss_fn; optional evaluate, optimizer)")
-        p.add_argument("--device", default=_default_device(), help="where to measure (default: cuda when available, else cpu)")
+        p.add_argument("--device", default=str(default_device()), help="where to measure (default: cuda when available, else cpu)")
         p.add_argument("--out", help="output directory (default: results/<model name>)")
         p.add_argument("--space", help="search-space YAML (default: the shipped search_spaces/default.yaml)")
         p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="time steps with the model under torch.compile, as users who compile train "
                             "(default: on for cuda, off for cpu)")  # fmt: skip
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        _global_flags(p)
         return p
 
     def study_options(p: argparse.ArgumentParser, default_study: str) -> None:
@@ -191,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--storage", help="Optuna storage URL or journal file (default: <out>/study.journal)")
         p.add_argument("--study", help=f"study name (default: {default_study}); the same name resumes")
         p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+        p.add_argument("--remeasure", action="store_true",
+                       help="rerunning a finished study keeps the result it wrote; this re-measures its finalists and "
+                            "chooses again")  # fmt: skip
         p.add_argument("--mode", default="weights", metavar="{weights,train}",
                        help="what the budget applies to: the metric of the given weights with the policy (weights, "
                             "default), or after --train-steps training steps against fp32 trained alike (train)")  # fmt: skip
@@ -199,13 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)")  # fmt: skip
 
     s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
-    s.add_argument("--budget", type=float, required=True, help="largest allowed drop of the metric from all-fp32, in the metric's units")
+    s.add_argument("--budget", metavar="B",
+                   help="largest allowed drop of the metric from all-fp32: in the metric's units (0.01) or relative to "
+                        "the fp32 metric's magnitude (1%%); default 1%%")  # fmt: skip
     study_options(s, "the model's name")
     s.set_defaults(func=cmd_search)
 
     w = model_verb("sweep", "one two-objective study (speedup, metric drop) and a verified policy for each of several budgets")
     w.add_argument("--budgets", required=True, metavar="B1,B2,...",
-                   help="comma-separated budgets, e.g. 0,0.002,0.005,0.01,0.02 (metric units)")  # fmt: skip
+                   help="comma-separated budgets, e.g. 0,0.002,0.005,0.01,0.02 (metric units) or 0,0.5%%,1%%,2%% "
+                        "(of the fp32 metric)")  # fmt: skip
     study_options(w, "the model's name + '-sweep'")
     w.set_defaults(func=cmd_sweep)
 
@@ -215,14 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     sh = verbs.add_parser("show", help="print a policy file for a person", description="print a policy file for a person")
     sh.add_argument("policy", help="path to a policy.json")
     sh.add_argument("--markdown", action="store_true", help="markdown tables")
-    sh.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    _global_flags(sh)
     sh.set_defaults(func=cmd_show)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="autoprec: %(message)s")
+    _log_setup(args.debug)
     if args.verb in ("search", "sweep") and not args.debug:  # process-wide settings belong here, not in the library
         import optuna
 

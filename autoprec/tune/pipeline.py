@@ -69,6 +69,7 @@ class Plan:
     policy_file: Callable[[float], str]
     trials_file: str
     finalists_file: str
+    given: Mapping[float, str] = dataclasses.field(default_factory=dict)  # budget -> how the user gave it, if relative
 
     @property
     def is_sweep(self) -> bool:
@@ -121,7 +122,11 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=plan.objectives)
     objective = Objective(workload, started.choices, space, started.judge, config, objectives=plan.objectives)
-    run_trials(started.study, objective, config.trials or space.trials, progress=config.progress)
+    ran = run_trials(started.study, objective, config.trials or space.trials, progress=config.progress)
+    if not ran and not config.remeasure:
+        earlier = _earlier_result(out_dir, plan, started)
+        if earlier is not None:
+            return earlier
     trial_costs(started.study, watch)
     candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists)
     finals = final_remeasure(workload, candidates, started.judge, config, watch)
@@ -129,7 +134,9 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     for b, (name, why) in zip(plan.budgets, choose_per_budget(finals, candidates, plan.budgets, greedy)):
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
         measured = measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes)
-        measured.update(why=why, cost=watch.to_dict())
+        measured.update(why=why, cost=watch.to_dict(), greedy=greedy[b])
+        if b in plan.given:
+            measured["budget_given"] = plan.given[b]
         if plan.is_sweep:
             measured["sweep"] = {"budgets": list(plan.budgets), "study_budget": config.budget}
         picked = candidates[name].policy
@@ -140,6 +147,38 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
     write_atomically(out_dir / plan.finalists_file, lambda tmp: finals.to_csv(tmp, index=False))
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
+
+
+def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
+    """The result an earlier run of this finished study wrote to out_dir, when every file of it is there and
+    it was chosen from the study as it stands (the same trial count: no worker added trials since); else
+    None, and the finalists are re-measured. Rerunning the same command must not swap a policy on new noise."""
+    study = started.study
+    chosen = []
+    for b in plan.budgets:
+        path = out_dir / plan.policy_file(b)
+        try:
+            policy = Policy.from_dict(json.loads(path.read_text(encoding="utf-8")))
+            m = dict(policy.measured or {})
+            same = (m.get("budget") == b and m.get("study", {}).get("name") == study.study_name
+                    and m.get("study", {}).get("trials") == len(study.trials) and "greedy" in m)  # fmt: skip
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not same:
+            return None
+        chosen.append(Chosen(budget=b, name=m["chosen"], why=m.get("why", ""), policy=policy, file=path, greedy=m["greedy"]))
+    try:
+        finals = pd.read_csv(out_dir / plan.finalists_file)
+    except (OSError, ValueError):
+        return None
+    if not {c.name for c in chosen} | {c.greedy for c in chosen} <= set(finals["candidate"]):
+        return None
+    log.warning(
+        "study %r is finished and its result in %s stands (nothing re-measured); pass --remeasure to re-measure its "
+        "finalists and choose again, or --trials N for more trials", study.study_name, out_dir,
+    )  # fmt: skip
+    trials = trials_table(study, started.choices, started.profile)
+    return Run(started=started, candidates={}, finals=finals, chosen=chosen, trials=trials, cost=dict(chosen[0].policy.measured.get("cost") or {}))
 
 
 def gather_candidates(

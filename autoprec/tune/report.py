@@ -127,7 +127,7 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     if m:
         parts.append(
             f"measured on {m.get('device', '?')} for {m.get('model', '?')}; metric {m.get('metric', '?')}, "
-            f"budget {m.get('budget', '?')} ({mode_text(m)}); fp8: {m.get('fp8', '?')}; "
+            f"budget {m.get('budget_given') or m.get('budget', '?')} ({mode_text(m)}); fp8: {m.get('fp8', '?')}; "
             f"step times {'compiled' if m.get('compiled') else 'eager'}"
         )
         if m.get("results"):
@@ -180,7 +180,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     parts.append(table(RESULT_HEADERS[:-1] + ["skipped", "speedup", "within budget"], rows))
     m = policy.measured or {}
     parts.append(
-        f"chosen: {m.get('chosen')}{f' ({why})' if (why := m.get('why')) else ''}; budget {m.get('budget')}, "
+        f"chosen: {m.get('chosen')}{f' ({why})' if (why := m.get('why')) else ''}; budget {m.get('budget_given') or m.get('budget')}, "
         f"metric {m.get('metric')}, {mode_text(m)}; search space {m.get('search_space', 'per layer')}; "
         f"device: {m.get('device')}; {m.get('timing')}; speedup = fp32 step time / effective step time"
     )
@@ -390,7 +390,8 @@ def sweep_summary(result: Any, *, markdown: bool = False) -> str:
     for _, r in result.table.iterrows():
         bf16 = f"{r['uniform_bf16_speedup']:.3f}" + ("" if r["uniform_bf16_drop"] <= r["budget"] else " (over)")
         greedy = f"{r['greedy_speedup']:.3f}" + ("" if r["greedy_drop"] <= r["budget"] else " (over)")
-        rows.append([r["budget"], r["chosen"], r["metric"], r["metric_drop"], r["speedup"], _spread(r["spread"]), bf16, greedy,
+        given = r.get("budget_given")
+        rows.append([given if isinstance(given, str) else r["budget"], r["chosen"], r["metric"], r["metric_drop"], r["speedup"], _spread(r["spread"]), bf16, greedy,
                      f"{r['root']} root; {r['formats']}", r["policy_file"]])  # fmt: skip
     parts = [table(headers, rows)]
     first = next(iter(result.policies.values()), None)
@@ -454,4 +455,16 @@ def search_markdown(result: Any, command: str) -> str:
         f"![profile heat map](profile.png)\n\n"
         f"## Gradient ranges\n\n{gradient_summary(prof.table, prof.advice(), markdown=True)}\n\n"
         f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
+    )
+
+
+def sweep_markdown(result: Any, command: str) -> str:
+    """sweep.md: the command, the policy per budget, the Pareto plot and front, the profile."""
+    name = next(iter(result.policies.values())).measured["model"]
+    return (
+        f"# autoprec sweep: {name}\n\n`{command}`\n\n## Policy per budget\n\n{sweep_summary(result, markdown=True)}\n\n"
+        f"![speedup against metric drop](pareto.png)\n\n"
+        f"## Pareto front of the study (trial measurements)\n\n"
+        f"{markdown_table(['trial', 'metric drop', 'speedup', 'spread'], front_rows(result.front))}\n\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.table, markdown=True)}\n"
     )

@@ -48,16 +48,27 @@ class SearchResult:
     noise: NoiseFloor | None = None  # train mode: the fp32 result's spread over seeds
     cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict(): where this search's time went
 
+    def summary(self, *, markdown: bool = False) -> str:
+        """The table the command line prints: each layer's format, then every re-measured candidate."""
+        from autoprec.tune.report import search_summary
 
-def search_plan(budget: float) -> Plan:
+        return search_summary(self, markdown=markdown)
+
+
+def search_plan(budget: float, given: str | None = None) -> Plan:
+    """`given`: how the user gave the budget where it was not the absolute number (`1% of |fp32 metric ...|`)."""
     return Plan(
-        budgets=(budget,), objectives=1, policy_file=lambda b: "policy.json", trials_file="trials.csv", finalists_file="finalists.csv"
-    )
+        budgets=(budget,), objectives=1, policy_file=lambda b: "policy.json", trials_file="trials.csv",
+        finalists_file="finalists.csv", given={budget: given} if given else {},
+    )  # fmt: skip
 
 
-def search(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path) -> SearchResult:
-    """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir."""
-    done = run(workload, space, config, out_dir, search_plan(config.budget))
+def search(
+    workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path, *, given: str | None = None
+) -> SearchResult:
+    """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir.
+    `given`: how the user gave `config.budget`, when relative (recorded in the policy)."""
+    done = run(workload, space, config, out_dir, search_plan(config.budget, given))
     started = done.started
     return SearchResult(
         policy=done.chosen[0].policy, profile=started.profile, choices=started.choices, trials=done.trials,

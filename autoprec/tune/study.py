@@ -92,6 +92,9 @@ class SearchConfig:
     # Step times (the profile's layers, every trial, the re-measure) with the model under torch.compile, as
     # users who compile train; the CLI's default on CUDA. The metric is evaluated eagerly either way.
     compile: bool = False
+    # A rerun of a finished study (no trials left to run) keeps the result it wrote; True re-measures its
+    # finalists and chooses again, on new timing noise.
+    remeasure: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
@@ -497,9 +500,10 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
 
 
 
-def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> None:
+def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:
     """Run trials until the study holds `target` completed ones (every worker's and earlier run's count; one
-    cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the best speedup."""
+    cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the best speedup.
+    Returns how many trials this call set out to run (0: the study was finished already)."""
     complete = (optuna.trial.TrialState.COMPLETE,)
     remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
     with tqdm(total=remaining, desc="search trials", unit="trial", disable=not progress) as bar:
@@ -515,3 +519,4 @@ def run_trials(study: optuna.Study, objective: Objective, target: int, *, progre
             # is still running then also completes, so N workers may overshoot by up to N - 1 trials.
             stop = optuna.study.MaxTrialsCallback(target, states=complete)
             study.optimize(objective, n_trials=remaining, callbacks=[stop, callback])
+    return remaining

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,12 @@ class SweepResult:
     storage: str
     noise: NoiseFloor | None = None
     cost: dict[str, Any] | None = None
+
+    def summary(self, *, markdown: bool = False) -> str:
+        """The table the command line prints: per budget, the chosen policy beside uniform bf16 and greedy."""
+        from autoprec.tune.report import sweep_summary
+
+        return sweep_summary(self, markdown=markdown)
 
 
 def parse_budgets(value: str | Iterable[float]) -> tuple[float, ...]:
@@ -98,20 +104,27 @@ def _format_counts(policy: Policy) -> str:
     return ", ".join(f"{f} {counts[f]}" for f in (x.value for x in Format) if f in counts)
 
 
-def sweep_plan(budgets: tuple[float, ...]) -> Plan:
+def sweep_plan(budgets: tuple[float, ...], given: Mapping[float, str] | None = None) -> Plan:
+    """`given`: budget -> how the user gave it, where it was relative."""
     return Plan(
         budgets=budgets, objectives=OBJECTIVES, policy_file=policy_filename, trials_file="sweep_trials.csv",
-        finalists_file="sweep_finalists.csv",
+        finalists_file="sweep_finalists.csv", given=dict(given or {}),
     )  # fmt: skip
 
 
 def sweep(
-    workload: Workload, space: SearchSpace, budgets: Iterable[float] | str, config: SearchConfig, out_dir: str | Path
+    workload: Workload,
+    space: SearchSpace,
+    budgets: Iterable[float] | str,
+    config: SearchConfig,
+    out_dir: str | Path,
+    *,
+    given: Mapping[float, str] | None = None,
 ) -> SweepResult:
     """Search once for every budget; write sweep.csv, one policy file per budget, sweep_trials.csv and
     sweep_finalists.csv to out_dir (the CLI adds sweep.md and pareto.png from the result). `config.budget`
     bounds the study and must be at least the largest budget (the CLI sets it to that)."""
-    done = run(workload, space, config, out_dir, sweep_plan(parse_budgets(budgets)))
+    done = run(workload, space, config, out_dir, sweep_plan(parse_budgets(budgets), given))
     started = done.started
     table = pd.DataFrame([_row(c, done.finals) for c in done.chosen])
     write_atomically(Path(out_dir) / "sweep.csv", lambda tmp: table.to_csv(tmp, index=False))
@@ -127,6 +140,7 @@ def _row(chosen: Chosen, finals: pd.DataFrame) -> dict[str, Any]:
     r, greedy, policy = by.loc[chosen.name], chosen.greedy, chosen.policy
     return {
         "budget": chosen.budget,
+        "budget_given": (policy.measured or {}).get("budget_given"),
         "chosen": chosen.name,
         "metric": r["metric"],
         "metric_drop": r["metric_drop"],

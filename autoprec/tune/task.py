@@ -23,7 +23,8 @@ SPLITS = ("train", "eval")
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """The functions a model.py defines; `evaluate` and `optimizer` may be None."""
+    """The functions a model.py defines (or api.task_from_objects gives); `evaluate` and `optimizer` may be None.
+    `path` names the task in error messages."""
 
     path: Path
     build_model: Callable[[], torch.nn.Module]
@@ -31,10 +32,13 @@ class Task:
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     evaluate: Callable[[torch.nn.Module], float] | None = None
     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None
+    label: str | None = None  # the name of a task built in Python (api.task_from_objects), which has no file
 
     @property
     def name(self) -> str:
-        """The file's stem, or its folder's name for the conventional `model.py`."""
+        """The given label, else the file's stem, or its folder's name for the conventional `model.py`."""
+        if self.label:
+            return self.label
         stem = self.path.stem
         folder = self.path.resolve().parent.name
         return folder if stem == "model" and folder else stem
@@ -49,6 +53,11 @@ class Workload:
     model: torch.nn.Module
     train: list
     eval: list
+
+
+def default_device() -> torch.device:
+    """Where the tuner measures unless told: the GPU when there is one (the command line and the Python API)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_task(path: str | Path) -> Task:

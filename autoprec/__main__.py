@@ -1,0 +1,7 @@
+"""`python -m autoprec ...`: the command line, as the `autoprec` script runs it."""
+
+import sys
+
+from autoprec.tune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,216 @@
+"""The tuner from Python: search (or sweep) a model you hold in a notebook or a script, no model.py needed.
+
+    result = autoprec.tune.search(model, loss_fn, train_batches, eval_batches, budget="1%", out="results/net")
+    policy = result.policy          # an autoprec.Policy; result.summary() is the table the CLI prints
+
+The command line and these functions are one code path: both resolve the budget with `resolve_budgets` and
+run `search_and_report` / `sweep_and_report`, which write the same files.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoprec.files import write_text
+from autoprec.formats import Format
+from autoprec.policy import ROOT, Policy
+from autoprec.tune import searcher, sweeper
+from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_list
+from autoprec.tune.measure import evaluate_metric
+from autoprec.tune.space import SearchSpace, load_space
+from autoprec.tune.study import SearchConfig
+from autoprec.tune.task import Task, Workload, default_device, prepare
+
+log = logging.getLogger("autoprec")
+
+__all__ = ["search", "sweep", "search_and_report", "sweep_and_report", "resolve_budgets", "task_from_objects"]
+
+
+def resolve_budgets(workload: Workload, budgets: Sequence[Budget]) -> tuple[tuple[float, ...], dict[float, str]]:
+    """Each budget as an absolute metric drop, and for the relative ones how it was resolved (for the policy
+    and the output). A relative budget costs one evaluation of the fp32 model."""
+    if not any(b.relative for b in budgets):
+        return tuple(b.resolve(0.0) for b in budgets), {}
+    fp32 = evaluate_metric(workload, Policy(layers={ROOT: Format.FP32}))
+    if fp32 == 0:
+        log.warning("the fp32 metric is 0, so a relative budget allows no drop at all; give an absolute budget instead")
+    resolved = tuple(b.resolve(fp32) for b in budgets)
+    return resolved, {r: b.describe(fp32) for r, b in zip(resolved, budgets) if b.relative}
+
+
+def search_and_report(
+    workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path, *, command: str, given: str | None = None
+) -> searcher.SearchResult:
+    """searcher.search, then summary.md and the heat maps beside its files (what `autoprec search` writes)."""
+    from autoprec.tune.report import plot_all, search_markdown
+
+    out_dir = Path(out_dir)
+    result = searcher.search(workload, space, config, out_dir, given=given)
+    write_text(out_dir / "summary.md", search_markdown(result, command))
+    plot_all(result.profile, out_dir, title=f"{workload.task.name} on {result.profile.device}")
+    return result
+
+
+def sweep_and_report(
+    workload: Workload,
+    space: SearchSpace,
+    budgets: Sequence[float],
+    config: SearchConfig,
+    out_dir: str | Path,
+    *,
+    command: str,
+    given: Mapping[float, str] | None = None,
+) -> sweeper.SweepResult:
+    """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes)."""
+    from autoprec.tune.report import plot_all, plot_pareto, sweep_markdown
+
+    out_dir = Path(out_dir)
+    result = sweeper.sweep(workload, space, budgets, config, out_dir, given=given)
+    title = f"{workload.task.name} on {result.profile.device}"
+    plot_pareto(result, out_dir / "pareto.png", title=title)
+    plot_all(result.profile, out_dir, title=title)
+    write_text(out_dir / "sweep.md", sweep_markdown(result, command))
+    return result
+
+
+def task_from_objects(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    train_batches: Iterable,
+    eval_batches: Iterable = (),
+    *,
+    evaluate: Callable[[torch.nn.Module], float] | None = None,
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+    name: str | None = None,
+) -> Task:
+    """A Task from objects in memory, checked as a model.py is. The search works on a copy of `model`: the
+    caller's model, its device and its weights are left as they were."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for what, fn in (("loss_fn", loss_fn), ("evaluate", evaluate), ("optimizer", optimizer)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{what} must be a function, got {type(fn).__name__}")
+    splits = {"train": train_batches, "eval": eval_batches}
+    label = name or type(model).__name__
+    return Task(
+        path=Path(label), build_model=lambda: copy.deepcopy(model), batches=lambda split: splits[split], loss_fn=loss_fn,
+        evaluate=evaluate, optimizer=optimizer, label=label,
+    )  # fmt: skip
+
+
+def _config(
+    *, trials: int | None, seed: int, compile: bool | None, device: torch.device, progress: bool, **more: Any
+) -> SearchConfig:
+    compiled = device.type == "cuda" if compile is None else bool(compile)  # the CLI's default: compiled on CUDA
+    return SearchConfig(budget=0.0, trials=trials, seed=seed, compile=compiled, progress=progress, **more)
+
+
+def _workload(model, loss_fn, train_batches, eval_batches, evaluate, optimizer, name, device) -> Workload:
+    task = task_from_objects(model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name)
+    return prepare(task, torch.device(device) if device is not None else default_device())
+
+
+def _space(space: SearchSpace | str | Path | None) -> SearchSpace:
+    return space if isinstance(space, SearchSpace) else load_space(space)
+
+
+def search(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    train_batches: Iterable,
+    eval_batches: Iterable = (),
+    *,
+    evaluate: Callable[[torch.nn.Module], float] | None = None,
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+    budget: float | str | Budget = DEFAULT,
+    trials: int | None = None,
+    device: str | torch.device | None = None,
+    out: str | Path | None = None,
+    space: SearchSpace | str | Path | None = None,
+    seed: int = 0,
+    compile: bool | None = None,
+    progress: bool = True,
+    name: str | None = None,
+    **config: Any,
+) -> searcher.SearchResult:
+    """Search per-layer formats for `model` (fp32, left untouched) and return the result: `.policy` (an
+    autoprec.Policy to apply), `.summary()` (the CLI's table), `.trials` and `.finals` (its CSVs).
+
+    `loss_fn(model, batch)` returns a scalar; `evaluate(model)` returns the metric (higher is better; default
+    -(mean eval loss) over `eval_batches`). `budget`: the largest allowed metric drop from fp32, in the metric's
+    units (0.01) or relative to the fp32 metric ("1%", the default). `trials`: default the search space's.
+    `device`: default cuda when available. `out`: a folder for the files `autoprec search` writes (policy.json,
+    summary.md, the CSVs, the heat maps, the study, which a rerun resumes); None keeps nothing on disk.
+    `space`: a SearchSpace or a space YAML file. `compile`: time compiled steps (default: on CUDA). Further
+    keywords go to SearchConfig (mode, train_steps, finalists, storage, study_name, ...).
+    """
+    if isinstance(model, Workload):  # the low-level signature autoprec.tune.search had before 0.2
+        warnings.warn(
+            "autoprec.tune.search(workload, space, config, out_dir) has moved to autoprec.tune.searcher.search; "
+            "autoprec.tune.search now takes (model, loss_fn, train_batches, eval_batches, ...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return searcher.search(model, loss_fn, train_batches, eval_batches)  # type: ignore[arg-type]
+    spec = parse_budget(budget)
+    the_space = _space(space)
+    workload = _workload(model, loss_fn, train_batches, eval_batches, evaluate, optimizer, name, device)
+    base = _config(trials=trials, seed=seed, compile=compile, device=workload.device, progress=progress, **config)
+    (absolute,), given = resolve_budgets(workload, [spec])
+    settings = dataclasses.replace(base, budget=absolute)
+    command = f"autoprec.tune.search({workload.task.name}, budget={str(spec)!r}, seed={seed})"
+    if out is not None:
+        return search_and_report(workload, the_space, settings, out, command=command, given=given.get(absolute))
+    with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
+        return searcher.search(workload, the_space, settings, folder, given=given.get(absolute))
+
+
+def sweep(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    train_batches: Iterable,
+    eval_batches: Iterable = (),
+    *,
+    budgets: str | Sequence[float | str | Budget],
+    evaluate: Callable[[torch.nn.Module], float] | None = None,
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+    trials: int | None = None,
+    device: str | torch.device | None = None,
+    out: str | Path | None = None,
+    space: SearchSpace | str | Path | None = None,
+    seed: int = 0,
+    compile: bool | None = None,
+    progress: bool = True,
+    name: str | None = None,
+    **config: Any,
+) -> sweeper.SweepResult:
+    """One two-objective study and a verified policy per budget (`budgets`: "0,0.5%,1%" or a list); the
+    other arguments as `search`. The result's `.policies` maps each absolute budget to its policy."""
+    if isinstance(model, Workload):  # the low-level signature autoprec.tune.sweep had before 0.2
+        warnings.warn(
+            "autoprec.tune.sweep(workload, space, budgets, config, out_dir) has moved to autoprec.tune.sweeper.sweep; "
+            "autoprec.tune.sweep now takes (model, loss_fn, train_batches, eval_batches, budgets=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return sweeper.sweep(model, loss_fn, train_batches, eval_batches, budgets)  # type: ignore[arg-type]
+    specs = parse_budget_list(budgets)
+    the_space = _space(space)
+    workload = _workload(model, loss_fn, train_batches, eval_batches, evaluate, optimizer, name, device)
+    base = _config(trials=trials, seed=seed, compile=compile, device=workload.device, progress=progress, **config)
+    resolved, given = resolve_budgets(workload, specs)
+    settings = dataclasses.replace(base, budget=max(resolved), study_name=base.study_name or f"{workload.task.name}-sweep")
+    command = f"autoprec.tune.sweep({workload.task.name}, budgets={', '.join(map(str, specs))!r}, seed={seed})"
+    if out is not None:
+        return sweep_and_report(workload, the_space, resolved, settings, out, command=command, given=given)
+    with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
+        return sweeper.sweep(workload, the_space, resolved, settings, folder, given=given)
