@@ -125,7 +125,7 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
     again = json.loads((tmp_path / "policy.json").read_text())["measured"]
     assert again["created"] >= json.loads(first)["measured"]["created"] and "its result in" not in capsys.readouterr().err
     assert main([*argv[:-2], "--budget", "0.05", "--trials", "3"]) == 0  # more trials: a new result is measured
-    assert json.loads((tmp_path / "policy.json").read_text())["measured"]["study"]["trials"] == 3
+    assert json.loads((tmp_path / "policy.json").read_text())["measured"]["study"]["complete"] == 3
 
 
 def test_a_sweep_takes_relative_budgets_beside_absolute_ones(fast, capsys, tmp_path):

@@ -149,9 +149,13 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
 
 
+def _complete(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+
+
 def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
     """The result an earlier run of this finished study wrote to out_dir, when every file of it is there and
-    it was chosen from the study as it stands (the same trial count: no worker added trials since); else
+    it was chosen from the study as it stands (as many complete trials: no worker added one since); else
     None, and the finalists are re-measured. Rerunning the same command must not swap a policy on new noise."""
     study = started.study
     chosen = []
@@ -161,7 +165,7 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
             policy = Policy.from_dict(json.loads(path.read_text(encoding="utf-8")))
             m = dict(policy.measured or {})
             same = (m.get("budget") == b and m.get("study", {}).get("name") == study.study_name
-                    and m.get("study", {}).get("trials") == len(study.trials) and "greedy" in m)  # fmt: skip
+                    and m.get("study", {}).get("complete") == _complete(study) and "greedy" in m)  # fmt: skip
         except (OSError, ValueError, AttributeError):
             return None
         if not same:
@@ -543,6 +547,6 @@ def measured_record(
         ),
         "loss_scale_search": dict(choices.loss_scale or {}),
         "search_space": choices.describe(),
-        "study": {"name": study.study_name, "storage": started.storage, "trials": len(study.trials)},
+        "study": {"name": study.study_name, "storage": started.storage, "trials": len(study.trials), "complete": _complete(study)},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -1,0 +1,105 @@
+"""The Python API: a search from a model and its batches, the same code path (and study) as the command line."""
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+import autoprec.tune
+from autoprec import Policy
+from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare
+from autoprec.tune.cli import main
+from autoprec.tune.measure import TimingConfig
+from autoprec.tune.space import space_from_dict
+
+MODELS = Path(__file__).parent / "models"
+TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
+FAST = {"timing": TINY, "final_timing": TINY, "profile": ProfileConfig(batches=1, timing=TINY), "finalists": 1, "progress": False}
+SPACE = {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1e6}, "sampler": "random"}  # no timing prunes: the choices are the same every run
+
+
+def overflow_task():
+    return load_task(MODELS / "overflow_mlp.py")
+
+
+def test_a_search_from_python_returns_the_policy_writes_the_clis_files_and_leaves_the_model_alone(tmp_path):
+    task = overflow_task()
+    model = task.build_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = autoprec.tune.search(
+        model, task.loss_fn, task.batches("train"), task.batches("eval"), evaluate=task.evaluate, budget=0.05, trials=3,
+        device="cpu", out=tmp_path, space=space_from_dict(SPACE), name="net", **FAST,
+    )  # fmt: skip
+    assert isinstance(result.policy, Policy) and result.policy.layers["big"].value != "fp16"  # it overflows fp16
+    for name in ("policy.json", "summary.md", "trials.csv", "finalists.csv", "profile.csv", "profile.png", "study.journal"):
+        assert (tmp_path / name).is_file(), name
+    assert json.loads((tmp_path / "policy.json").read_text()) == result.policy.to_dict()
+    assert result.policy.measured["model"] == "net" and result.policy.measured["budget"] == 0.05
+    assert "uniform bf16" in result.summary() and "| uniform bf16 |" in result.summary(markdown=True)
+    assert "autoprec.tune.search(net, budget='0.05', seed=0)" in (tmp_path / "summary.md").read_text()
+    # the caller's model: same weights, same object types, not wrapped, still on its device
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model.fc1) is torch.nn.Linear and next(model.parameters()).device.type == "cpu"
+
+
+def test_without_out_nothing_is_kept_on_disk_and_the_default_budget_is_relative(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    task = overflow_task()
+    result = autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), task.batches("eval"),
+                                  evaluate=task.evaluate, trials=2, device="cpu", space=space_from_dict(SPACE), **FAST)  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+    m = result.policy.measured
+    assert m["budget"] == pytest.approx(0.01 * abs(m["fp32_metric"])) and m["budget_given"].startswith("1% of |fp32 metric")
+
+
+def test_the_api_and_the_command_line_run_the_same_study_from_the_same_seed(tmp_path, monkeypatch):
+    """One code path: from the same profile (the API reuses the one the CLI saved, as a rerun would: its timings
+    shape the greedy warm start) and a seeded random sampler, both propose the same policies in the same order."""
+    import shutil
+
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text(json.dumps(SPACE), encoding="utf-8")  # JSON is YAML
+    searcher = sys.modules["autoprec.tune.searcher"]
+    real = searcher.search
+
+    def quick(workload, space, config, out, **kw):  # the CLI's settings, with the same short timings as the API's
+        import dataclasses
+
+        return real(workload, space, dataclasses.replace(config, **FAST), out, **kw)
+
+    monkeypatch.setattr(searcher, "search", quick)
+    argv = ["search", str(MODELS / "overflow_mlp.py"), "--budget", "0.05", "--trials", "5", "--seed", "7", "--device", "cpu",
+            "--out", str(tmp_path / "cli"), "--space", str(space_file), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    monkeypatch.setattr(searcher, "search", real)
+    (tmp_path / "api").mkdir()
+    for name in ("profile.csv", "profile.json", "grad_ranges.csv"):
+        shutil.copy(tmp_path / "cli" / name, tmp_path / "api" / name)
+    task = overflow_task()
+    autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), task.batches("eval"), evaluate=task.evaluate,
+                         budget=0.05, trials=5, seed=7, device="cpu", out=tmp_path / "api", space=space_file,
+                         name="overflow_mlp", **FAST)  # fmt: skip
+    formats = ["(default)", "fc1", "big", "head"]
+    cli, api = (pd.read_csv(tmp_path / d / "trials.csv")[formats] for d in ("cli", "api"))
+    assert len(cli) == 5 and cli.equals(api)
+
+
+def test_the_low_level_call_autoprec_tune_search_had_still_works_with_a_deprecation(tmp_path):
+    workload = prepare(overflow_task(), "cpu")
+    config = SearchConfig(budget=0.05, trials=1, **FAST)
+    with pytest.warns(DeprecationWarning, match=r"moved to autoprec.tune.searcher.search"):
+        result = autoprec.tune.search(workload, space_from_dict(SPACE), config, tmp_path)
+    assert (tmp_path / "policy.json").is_file() and isinstance(result.policy, Policy)
+
+
+def test_a_wrong_argument_is_named():
+    task = overflow_task()
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
+        autoprec.tune.search(task.build_model, task.loss_fn, [])
+    with pytest.raises(ValueError, match=r"budget must be .* but got '-1%'"):
+        autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), budget="-1%")
+    with pytest.raises(TypeError, match="evaluate must be a function, got float"):
+        autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), evaluate=0.5)

@@ -1,0 +1,31 @@
+"""Budgets as users give them: absolute in the metric's units, or relative to the fp32 metric's magnitude."""
+
+import pytest
+
+from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_list
+
+
+def test_absolute_and_relative_budgets_parse_and_resolve_against_the_fp32_metric():
+    assert parse_budget("0.01") == Budget(0.01) and parse_budget(0.02) == Budget(0.02) and parse_budget(0) == Budget(0.0)
+    one = parse_budget(" 1% ")
+    assert one == Budget(0.01, relative=True) and str(one) == "1%"
+    assert one.resolve(-2.5) == pytest.approx(0.025)  # a loss-like metric (higher is better, so negative)
+    assert parse_budget("0.01").resolve(123.0) == 0.01
+    assert one.describe(0.9) == "1% of |fp32 metric 0.9| = 0.009"
+    assert parse_budget(DEFAULT) == one and parse_budget(one) is one
+
+
+@pytest.mark.parametrize("text", ["-0.1", "-1%", "nan", "inf", "1e999%", "x", "%", "1 %%"])
+def test_a_budget_that_is_no_finite_non_negative_number_is_refused_naming_it(text):
+    with pytest.raises(ValueError, match="budget must be") as info:
+        parse_budget(text)
+    assert repr(text) in str(info.value)
+
+
+def test_budget_lists_take_commas_or_sequences_and_refuse_an_empty_one():
+    assert parse_budget_list("0, 0.5%,0.01") == (Budget(0.0), Budget(0.005, relative=True), Budget(0.01))
+    assert parse_budget_list([0, "2%"]) == (Budget(0.0), Budget(0.02, relative=True))
+    with pytest.raises(ValueError, match="at least one number"):
+        parse_budget_list(" , ")
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        Budget(float("nan"))
