@@ -107,20 +107,18 @@ def task_from_objects(
     )  # fmt: skip
 
 
-def _config(
-    *, trials: int | None, seed: int, compile: bool | None, device: torch.device, progress: bool, **more: Any
-) -> SearchConfig:
-    compiled = device.type == "cuda" if compile is None else bool(compile)  # the CLI's default: compiled on CUDA
-    return SearchConfig(budget=0.0, trials=trials, seed=seed, compile=compiled, progress=progress, **more)
-
-
-def _workload(model, loss_fn, train_batches, eval_batches, evaluate, optimizer, name, device) -> Workload:
+def _setup(
+    model, loss_fn, train_batches, eval_batches, *, evaluate, optimizer, name, device, space, trials, seed, compile, progress,
+    config: Mapping[str, Any],
+) -> tuple[Workload, SearchSpace, SearchConfig]:
+    """The workload (a copy of the model, its batches on the device), the space, and the settings with the
+    budget still to be resolved; compiled by default on CUDA, as the command line."""
+    the_space = space if isinstance(space, SearchSpace) else load_space(space)
     task = task_from_objects(model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name)
-    return prepare(task, torch.device(device) if device is not None else default_device())
-
-
-def _space(space: SearchSpace | str | Path | None) -> SearchSpace:
-    return space if isinstance(space, SearchSpace) else load_space(space)
+    workload = prepare(task, torch.device(device) if device is not None else default_device())
+    compiled = workload.device.type == "cuda" if compile is None else bool(compile)
+    settings = SearchConfig(budget=0.0, trials=trials, seed=seed, compile=compiled, progress=progress, **config)
+    return workload, the_space, settings
 
 
 def search(
@@ -162,9 +160,10 @@ def search(
         )
         return searcher.search(model, loss_fn, train_batches, eval_batches)  # type: ignore[arg-type]
     spec = parse_budget(budget)
-    the_space = _space(space)
-    workload = _workload(model, loss_fn, train_batches, eval_batches, evaluate, optimizer, name, device)
-    base = _config(trials=trials, seed=seed, compile=compile, device=workload.device, progress=progress, **config)
+    workload, the_space, base = _setup(
+        model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, device=device,
+        space=space, trials=trials, seed=seed, compile=compile, progress=progress, config=config,
+    )  # fmt: skip
     (absolute,), given = resolve_budgets(workload, [spec])
     settings = dataclasses.replace(base, budget=absolute)
     command = f"autoprec.tune.search({workload.task.name}, budget={str(spec)!r}, seed={seed})"
@@ -204,9 +203,10 @@ def sweep(
         )
         return sweeper.sweep(model, loss_fn, train_batches, eval_batches, budgets)  # type: ignore[arg-type]
     specs = parse_budget_list(budgets)
-    the_space = _space(space)
-    workload = _workload(model, loss_fn, train_batches, eval_batches, evaluate, optimizer, name, device)
-    base = _config(trials=trials, seed=seed, compile=compile, device=workload.device, progress=progress, **config)
+    workload, the_space, base = _setup(
+        model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, device=device,
+        space=space, trials=trials, seed=seed, compile=compile, progress=progress, config=config,
+    )  # fmt: skip
     resolved, given = resolve_budgets(workload, specs)
     settings = dataclasses.replace(base, budget=max(resolved), study_name=base.study_name or f"{workload.task.name}-sweep")
     command = f"autoprec.tune.sweep({workload.task.name}, budgets={', '.join(map(str, specs))!r}, seed={seed})"
