@@ -30,14 +30,20 @@ _MOVED = (
 )  # fmt: skip
 
 
+# search and sweep keep the signatures they had here: the pipeline's steps, autoprec.tune.searcher's and sweeper's
+_HOME = {"search": "autoprec.tune.searcher", "sweep": "autoprec.tune.sweeper"}
+
+
 def __getattr__(name: str) -> Any:
     if name == "tune":  # autoprec.tune without importing it first, as the README writes it
         return importlib.import_module("autoprec.tune")
     if name in _MOVED:
         warnings.warn(
-            f"autoprec.{name} has moved to autoprec.tune.{name}; import it from there (the old name goes away in 0.3)",
+            f"autoprec.{name} has moved to {_HOME.get(name, 'autoprec.tune')}.{name}; import it from there (the old name "
+            "goes away in 0.3)",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(importlib.import_module("autoprec.tune"), name)
+        # search and sweep keep the signatures they had here: the steps, now autoprec.tune.searcher/sweeper's
+        return getattr(importlib.import_module(_HOME.get(name, "autoprec.tune")), name)
     raise AttributeError(f"module 'autoprec' has no attribute {name!r}")

@@ -46,13 +46,18 @@ def test_a_search_from_python_returns_the_policy_writes_the_clis_files_and_leave
 
 
 def test_without_out_nothing_is_kept_on_disk_and_the_default_budget_is_relative(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+    import tempfile
+
+    monkeypatch.chdir(tmp_path / "cwd" if (tmp_path / "cwd").mkdir() is None else tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     task = overflow_task()
     result = autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), task.batches("eval"),
                                   evaluate=task.evaluate, trials=2, device="cpu", space=space_from_dict(SPACE), **FAST)  # fmt: skip
-    assert list(tmp_path.iterdir()) == []
+    assert list((tmp_path / "cwd").iterdir()) == [] and list((tmp_path / "tmp").iterdir()) == []
+    assert result.storage.startswith("not kept")
     m = result.policy.measured
-    assert m["budget"] == pytest.approx(0.01 * abs(m["fp32_metric"])) and m["budget_given"].startswith("1% of |fp32 metric")
+    assert m["budget"] == float(f"{0.01 * abs(m['fp32_metric']):.4g}") and m["budget_given"].startswith("1% of |fp32 metric")
 
 
 def test_the_api_and_the_command_line_run_the_same_study_from_the_same_seed(tmp_path, monkeypatch):
@@ -91,8 +96,11 @@ def test_the_low_level_call_autoprec_tune_search_had_still_works_with_a_deprecat
     workload = prepare(overflow_task(), "cpu")
     config = SearchConfig(budget=0.05, trials=1, **FAST)
     with pytest.warns(DeprecationWarning, match=r"moved to autoprec.tune.searcher.search"):
-        result = autoprec.tune.search(workload, space_from_dict(SPACE), config, tmp_path)
-    assert (tmp_path / "policy.json").is_file() and isinstance(result.policy, Policy)
+        result = autoprec.tune.search(workload, space_from_dict(SPACE), config, out_dir=tmp_path / "a")
+    assert (tmp_path / "a" / "policy.json").is_file() and isinstance(result.policy, Policy)
+    with pytest.warns(DeprecationWarning, match=r"moved to autoprec.tune.sweeper.sweep"):
+        swept = autoprec.tune.sweep(workload, space_from_dict(SPACE), [0, 0.05], config, tmp_path / "b")
+    assert sorted(swept.policies) == [0, 0.05] and (tmp_path / "b" / "sweep.csv").is_file()
 
 
 def test_a_wrong_argument_is_named():
@@ -101,5 +109,7 @@ def test_a_wrong_argument_is_named():
         autoprec.tune.search(task.build_model, task.loss_fn, [])
     with pytest.raises(ValueError, match=r"budget must be .* but got '-1%'"):
         autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), budget="-1%")
+    with pytest.raises(TypeError, match="sweep\\(\\) needs budgets="):
+        autoprec.tune.sweep(task.build_model(), task.loss_fn, task.batches("train"))
     with pytest.raises(TypeError, match="evaluate must be a function, got float"):
         autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), evaluate=0.5)

@@ -411,3 +411,16 @@ def test_a_binary_space_file_and_a_deeply_nested_policy_are_one_line(capsys, tmp
     deep.write_text("[" * 100_000 + "]" * 100_000)
     code, _, err = run(capsys, "show", deep)
     assert_user_error(code, err, str(deep), "nests too deeply")
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [("raise KeyError('accuracy')", "evaluate() failed on the fp32 model: KeyError: 'accuracy'"),
+     ("return float('nan')", "the all-fp32 model's metric is nan; it must be finite")],
+)  # fmt: skip
+def test_the_default_relative_budget_reports_a_broken_evaluate_in_one_line_too(capsys, tmp_path, write_model, mlp_source, body, expected):
+    """Resolving `1%` evaluates the fp32 model before the profile does: the same one-line errors."""
+    path = write_model(mlp_source + f"\n\ndef evaluate(model):\n    {body}\n")
+    for verb, extra in (("search", ()), ("sweep", ("--budgets", "0,1%"))):
+        code, _, err = run(capsys, verb, path, "--device", "cpu", "--out", tmp_path / verb, *extra)
+        assert_user_error(code, err, str(path), expected)

@@ -19,8 +19,10 @@ def test_the_tuners_old_names_still_work_with_a_deprecation_naming_the_new_place
     import autoprec
     import autoprec.tune
 
-    with pytest.warns(DeprecationWarning, match=r"autoprec.search has moved to autoprec.tune.search"):
-        assert autoprec.search is autoprec.tune.search
+    with pytest.warns(DeprecationWarning, match=r"autoprec.search has moved to autoprec.tune.searcher.search"):
+        assert autoprec.search is autoprec.tune.searcher.search  # the signature it had: (workload, space, config, out_dir)
+    with pytest.warns(DeprecationWarning, match=r"autoprec.Policy|autoprec.load_task has moved to autoprec.tune.load_task"):
+        assert autoprec.load_task is autoprec.tune.load_task
     with pytest.raises(AttributeError, match="no attribute 'serch'"):
         autoprec.serch  # noqa: B018
 

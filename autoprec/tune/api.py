@@ -21,30 +21,34 @@ from typing import Any
 import torch
 
 from autoprec.files import write_text
-from autoprec.formats import Format
-from autoprec.policy import ROOT, Policy
 from autoprec.tune import searcher, sweeper
 from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_list
-from autoprec.tune.measure import evaluate_metric
+from autoprec.tune.profiler import checked_fp32_metric
 from autoprec.tune.space import SearchSpace, load_space
 from autoprec.tune.study import SearchConfig
 from autoprec.tune.task import Task, Workload, default_device, prepare
 
 log = logging.getLogger("autoprec")
 
+NOT_KEPT = "not kept (out=None: the study lived in a temporary folder, removed)"
+
 __all__ = ["search", "sweep", "search_and_report", "sweep_and_report", "resolve_budgets", "task_from_objects"]
 
 
 def resolve_budgets(workload: Workload, budgets: Sequence[Budget]) -> tuple[tuple[float, ...], dict[float, str]]:
     """Each budget as an absolute metric drop, and for the relative ones how it was resolved (for the policy
-    and the output). A relative budget costs one evaluation of the fp32 model."""
+    and the output). A relative budget costs one evaluation of the fp32 model, and is rounded to 4 significant
+    digits: a rerun, or a worker on another machine, whose evaluation differs in the last bits must resolve to the
+    same budget, or it would be refused as another study."""
     if not any(b.relative for b in budgets):
         return tuple(b.resolve(0.0) for b in budgets), {}
-    fp32 = evaluate_metric(workload, Policy(layers={ROOT: Format.FP32}))
+    fp32 = checked_fp32_metric(workload)
     if fp32 == 0:
         log.warning("the fp32 metric is 0, so a relative budget allows no drop at all; give an absolute budget instead")
-    resolved = tuple(b.resolve(fp32) for b in budgets)
-    return resolved, {r: b.describe(fp32) for r, b in zip(resolved, budgets) if b.relative}
+    resolved = tuple(float(f"{b.resolve(fp32):.4g}") if b.relative else b.resolve(fp32) for b in budgets)
+    absolute = {r for r, b in zip(resolved, budgets) if not b.relative}  # given as a number too: say nothing more
+    given = {r: b.describe(fp32) for r, b in zip(resolved, budgets) if b.relative and r not in absolute}
+    return resolved, given
 
 
 def search_and_report(
@@ -158,7 +162,8 @@ def search(
             DeprecationWarning,
             stacklevel=2,
         )
-        return searcher.search(model, loss_fn, train_batches, eval_batches)  # type: ignore[arg-type]
+        out_dir = config.pop("out_dir") if "out_dir" in config else eval_batches
+        return searcher.search(model, loss_fn, train_batches, out_dir, **config)  # type: ignore[arg-type]
     spec = parse_budget(budget)
     workload, the_space, base = _setup(
         model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, device=device,
@@ -170,7 +175,8 @@ def search(
     if out is not None:
         return search_and_report(workload, the_space, settings, out, command=command, given=given.get(absolute))
     with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
-        return searcher.search(workload, the_space, settings, folder, given=given.get(absolute))
+        result = searcher.search(workload, the_space, settings, folder, given=given.get(absolute))
+    return dataclasses.replace(result, storage=NOT_KEPT)
 
 
 def sweep(
@@ -178,8 +184,8 @@ def sweep(
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
     train_batches: Iterable,
     eval_batches: Iterable = (),
-    *,
-    budgets: str | Sequence[float | str | Budget],
+    *old: Any,
+    budgets: str | float | Sequence[float | str | Budget] | None = None,
     evaluate: Callable[[torch.nn.Module], float] | None = None,
     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
     trials: int | None = None,
@@ -201,8 +207,15 @@ def sweep(
             DeprecationWarning,
             stacklevel=2,
         )
-        return sweeper.sweep(model, loss_fn, train_batches, eval_batches, budgets)  # type: ignore[arg-type]
-    specs = parse_budget_list(budgets)
+        # (workload, space, budgets, config, out_dir), positional or by keyword
+        settings = config.pop("config", eval_batches)
+        out_dir = old[0] if old else config.pop("out_dir")
+        return sweeper.sweep(model, loss_fn, train_batches, settings, out_dir, **config)  # type: ignore[arg-type]
+    if old:
+        raise TypeError(f"sweep() takes 4 positional arguments (model, loss_fn, train_batches, eval_batches), but got {4 + len(old)}")
+    if budgets is None:
+        raise TypeError("sweep() needs budgets=, e.g. budgets='0,0.5%,1%' or budgets=[0, 0.01]")
+    specs = parse_budget_list([budgets] if isinstance(budgets, (int, float)) else budgets)
     workload, the_space, base = _setup(
         model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, device=device,
         space=space, trials=trials, seed=seed, compile=compile, progress=progress, config=config,
@@ -213,4 +226,5 @@ def sweep(
     if out is not None:
         return sweep_and_report(workload, the_space, resolved, settings, out, command=command, given=given)
     with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
-        return sweeper.sweep(workload, the_space, resolved, settings, folder, given=given)
+        result = sweeper.sweep(workload, the_space, resolved, settings, folder, given=given)
+    return dataclasses.replace(result, storage=NOT_KEPT)

@@ -30,7 +30,7 @@ class Budget:
         """How the absolute budget came about, for the output: `1% of |fp32 metric 0.953| = 0.00953`."""
         if not self.relative:
             return f"{self.value:g} (absolute, in the metric's units)"
-        return f"{self} of |fp32 metric {fp32_metric:.6g}| = {self.resolve(fp32_metric):.6g}"
+        return f"{self} of |fp32 metric {fp32_metric:.6g}| = {self.resolve(fp32_metric):.4g}"
 
 
 def parse_budget(value: object) -> Budget:

@@ -99,7 +99,7 @@ def _resolve(args: argparse.Namespace, workload, specs, flag: str):
     from autoprec.tune.api import resolve_budgets
 
     resolved, given = resolve_budgets(workload, specs)
-    for b in resolved:
+    for b in dict.fromkeys(resolved):
         if b in given:
             default = " (the default; --budget sets another)" if flag == "--budget" and args.budget is None else ""
             _say(args, f"autoprec: budget {given[b]}{default}")

@@ -130,6 +130,10 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     trial_costs(started.study, watch)
     candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists)
     finals = final_remeasure(workload, candidates, started.judge, config, watch)
+    # the tables first, the policy files last: a policy file marks a complete result (see _earlier_result)
+    trials = trials_table(started.study, started.choices, started.profile)
+    write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
+    write_atomically(out_dir / plan.finalists_file, lambda tmp: finals.to_csv(tmp, index=False))
     chosen = []
     for b, (name, why) in zip(plan.budgets, choose_per_budget(finals, candidates, plan.budgets, greedy)):
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
@@ -143,9 +147,6 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         policy = Policy(layers=picked.layers, loss_scale=picked.loss_scale, measured=measured)
         file = policy.save(out_dir / plan.policy_file(b))
         chosen.append(Chosen(budget=b, name=name, why=why, policy=policy, file=file, greedy=greedy[b]))
-    trials = trials_table(started.study, started.choices, started.profile)
-    write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
-    write_atomically(out_dir / plan.finalists_file, lambda tmp: finals.to_csv(tmp, index=False))
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
 
 
@@ -165,7 +166,8 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
             policy = Policy.from_dict(json.loads(path.read_text(encoding="utf-8")))
             m = dict(policy.measured or {})
             same = (m.get("budget") == b and m.get("study", {}).get("name") == study.study_name
-                    and m.get("study", {}).get("complete") == _complete(study) and "greedy" in m)  # fmt: skip
+                    and m.get("study", {}).get("complete") == _complete(study) and "greedy" in m
+                    and m.get("study", {}).get("storage") == started.storage)  # fmt: skip
         except (OSError, ValueError, AttributeError):
             return None
         if not same:
@@ -209,6 +211,8 @@ def gather_candidates(
             label = add(plan.greedy_name(b) if name == GREEDY else name, candidate)
             if name == GREEDY:
                 greedy[b] = label
+                if label != plan.greedy_name(b):
+                    notes[plan.greedy_name(b)] = f"the same policy as {label}, measured once under that name"
     for b in plan.budgets:
         finalists = finalist_policies(started.study, started.choices, k, budget=b, exclude=list(candidates.values()))
         for name, candidate in finalists.items():

@@ -436,6 +436,21 @@ def _reference(workload: Workload, names: list[str], config: ProfileConfig) -> _
     return _Reference(names=[n for n in names if n not in missing], outputs=cap.outputs, inputs=cap.inputs, grads=grads, uncalled=missing)
 
 
+def checked_fp32_metric(workload: Workload) -> float:
+    """The all-fp32 model's metric, or one UserError naming the file when the user's evaluate() (or loss_fn on
+    the eval batches) fails on it or gives a non-finite number: their bug, not a format's."""
+    try:
+        fp32_metric = evaluate_metric(workload, Policy())
+    except UserError:
+        raise
+    except Exception as exc:
+        what = "evaluate()" if workload.task.evaluate is not None else "loss_fn() on the eval batches"
+        raise UserError(f"{workload.task.path}: {what} failed on the fp32 model: {type(exc).__name__}: {exc}") from exc
+    if not math.isfinite(fp32_metric):
+        raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
+    return fp32_metric
+
+
 def profile(
     workload: Workload, space: SearchSpace, config: ProfileConfig = ProfileConfig(), *, progress: bool = True
 ) -> Profile:
@@ -447,15 +462,7 @@ def profile(
         )
     watch = Stopwatch()
     with watch.section("profile: fp32 metric and reference outputs"):
-        try:
-            fp32_metric = evaluate_metric(workload, Policy())
-        except UserError:
-            raise
-        except Exception as exc:  # the user's evaluate() (or loss_fn) failing on the plain fp32 model is their bug
-            what = "evaluate()" if workload.task.evaluate is not None else "loss_fn() on the eval batches"
-            raise UserError(f"{workload.task.path}: {what} failed on the fp32 model: {type(exc).__name__}: {exc}") from exc
-        if not math.isfinite(fp32_metric):
-            raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
+        fp32_metric = checked_fp32_metric(workload)
         _check_fp32_losses(workload)
         ref = _reference(workload, list(layers), config)
         if ref.uncalled:  # unused heads of a pretrained model (a pooler): nothing to measure, nothing to tune
