@@ -136,7 +136,7 @@ def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_save
     every worker profiled again and rewrote the shared profile."""
     from autoprec.tune import SearchConfig
     from autoprec.tune.cost import Stopwatch
-    from autoprec.tune.searcher import _load_or_profile
+    from autoprec.tune.pipeline import _load_or_profile
 
     path = write_model(small_task("def build_model():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"))
     workload = prepare(load_task(path), "cpu")
@@ -170,7 +170,7 @@ def test_a_layer_the_loss_never_calls_is_left_out_with_a_warning(tmp_path, write
 
 def test_a_corrupt_saved_profile_is_measured_again(tmp_path, caplog):
     from autoprec.tune import SearchConfig
-    from autoprec.tune.searcher import _load_or_profile
+    from autoprec.tune.pipeline import _load_or_profile
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})

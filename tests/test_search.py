@@ -321,7 +321,7 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
 
 def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
     from autoprec import Policy
-    from autoprec.tune.searcher import choose, safer_variant
+    from autoprec.tune.pipeline import choose, safer_variant
 
     risky = Policy(layers={"": "fp32", "a": "fp16", "b": "bf16"})
     choices = build_choices(fake_profile([("a", "fp32", 0, 1, True, False), ("a", "bf16", 0, 1, True, False),
@@ -346,7 +346,7 @@ def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
 
 def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
     """A safer finalist tied with the top one is still refused when an alternative measured faster than it."""
-    from autoprec.tune.searcher import choose
+    from autoprec.tune.pipeline import choose
 
     candidates = {
         "fp32": Policy(),
@@ -371,7 +371,7 @@ def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
 
 def test_tf32_is_measured_but_never_chosen_as_the_policy():
     from autoprec.tune.measure import Candidate
-    from autoprec.tune.searcher import choose
+    from autoprec.tune.pipeline import choose
 
     fp32 = Policy(layers={"": "fp32"})
     candidates = {"fp32": Candidate(fp32), "TF32": Candidate(fp32, tf32=True)}

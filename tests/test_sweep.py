@@ -10,7 +10,8 @@ from autoprec import Policy, apply_policy, load_policy
 from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare
 from autoprec.tune.measure import TimingConfig, metric_of
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.sweeper import choose_per_budget, parse_budgets, pareto_front, policy_filename, sweep
+from autoprec.tune.pipeline import choose_per_budget
+from autoprec.tune.sweeper import parse_budgets, pareto_front, policy_filename, sweep
 
 MODELS = Path(__file__).parent / "models"
 TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)

@@ -67,7 +67,7 @@ def _say(args: argparse.Namespace, line: str) -> None:
 
 def _search_config(args: argparse.Namespace, budget: float = 0.0):
     """The settings, checked before the model is loaded; the budget is filled in once it is resolved."""
-    from autoprec.tune.searcher import Mode, SearchConfig, parse_mode
+    from autoprec.tune.study import Mode, SearchConfig, parse_mode
 
     try:
         mode = parse_mode(args.mode)
@@ -165,7 +165,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.tune.profiler import ProfileConfig, profile
     from autoprec.tune.report import gradient_summary, plot_all, profile_summary
 
-    from autoprec.tune.searcher import check_out_dir
+    from autoprec.tune.pipeline import check_out_dir
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
@@ -217,9 +217,6 @@ def _version() -> str:
 
 class _Stderr(logging.StreamHandler):
     """Writes to whatever sys.stderr is when a line is logged (as Python's last-resort handler does)."""
-
-    def __init__(self) -> None:
-        super().__init__()
 
     @property
     def stream(self):  # type: ignore[override]

@@ -57,6 +57,8 @@ from autoprec.tune.task import Workload
 
 log = logging.getLogger("autoprec")
 
+ALTERNATIVES = (FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY)  # re-measured beside every result, in this order
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -70,6 +72,10 @@ class Plan:
     trials_file: str
     finalists_file: str
     given: Mapping[float, str] = dataclasses.field(default_factory=dict)  # budget -> how the user gave it, if relative
+
+    def __post_init__(self) -> None:
+        if not self.budgets or list(self.budgets) != sorted(self.budgets):
+            raise ValueError(f"plan.budgets must be ascending and not empty, but got {self.budgets!r}")
 
     @property
     def is_sweep(self) -> bool:
@@ -94,6 +100,17 @@ class Chosen:
 
 
 @dataclasses.dataclass
+class Started:
+    """A study ready for trials: the profile, the agreed choices, the study, where it lives, the judge."""
+
+    profile: Profile
+    choices: Choices
+    study: optuna.Study
+    storage: str
+    judge: Judge
+
+
+@dataclasses.dataclass
 class Run:
     """What the pipeline measured: the study's start, every re-measured candidate (`finals`), each budget's
     choice, the trials table, and where the time went."""
@@ -108,8 +125,6 @@ class Run:
 
 def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path, plan: Plan) -> Run:
     """Profile, search, re-measure, choose and write (see the module's docstring)."""
-    if not plan.budgets or list(plan.budgets) != sorted(plan.budgets):
-        raise ValueError(f"plan.budgets must be ascending and not empty, but got {plan.budgets!r}")
     if plan.budgets[-1] > config.budget:
         raise ValueError(
             f"config.budget bounds the study and must be >= the largest budget, but got "
@@ -165,12 +180,11 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
         try:
             policy = Policy.from_dict(json.loads(path.read_text(encoding="utf-8")))
             m = dict(policy.measured or {})
-            same = (m.get("budget") == b and m.get("study", {}).get("name") == study.study_name
-                    and m.get("study", {}).get("complete") == _complete(study) and "greedy" in m
-                    and m.get("study", {}).get("storage") == started.storage)  # fmt: skip
+            record = m.get("study") or {}
+            written = (m.get("budget"), record.get("name"), record.get("storage"), record.get("complete"))
         except (OSError, ValueError, AttributeError):
             return None
-        if not same:
+        if written != (b, study.study_name, started.storage, _complete(study)) or "greedy" not in m:
             return None
         chosen.append(Chosen(budget=b, name=m["chosen"], why=m.get("why", ""), policy=policy, file=path, greedy=m["greedy"]))
     try:
@@ -241,19 +255,6 @@ def choose_per_budget(
             name, why = before, f"kept from the smaller budget: {before} measured faster than {name}, this budget's pick"
         picks.append((name, why))
     return picks
-
-
-ALTERNATIVES = (FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY)  # re-measured beside every result, in this order
-
-@dataclasses.dataclass
-class Started:
-    """A study ready for trials: the profile, the agreed choices, the study, where it lives, the judge."""
-
-    profile: Profile
-    choices: Choices
-    study: optuna.Study
-    storage: str
-    judge: Judge
 
 
 def check_out_dir(workload: Workload, out_dir: Path) -> None:

@@ -12,22 +12,7 @@ import pandas as pd
 from autoprec.policy import Policy
 from autoprec.tune.choices import Choices
 from autoprec.tune.measure import NoiseFloor
-from autoprec.tune.pipeline import (  # noqa: F401 (the search's steps, importable from here as before)
-    ALTERNATIVES,
-    Plan,
-    Started,
-    _load_or_profile,
-    baselines,
-    check_out_dir,
-    choose,
-    final_remeasure,
-    finalist_policies,
-    measured_record,
-    remeasure,
-    run,
-    safer_variant,
-    start,
-)
+from autoprec.tune.pipeline import Plan, run
 from autoprec.tune.profiler import Profile
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.study import Mode, SearchConfig, parse_mode

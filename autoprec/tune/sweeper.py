@@ -25,7 +25,7 @@ from autoprec.policy import ROOT, Policy
 from autoprec.tune.alternatives import BF16
 from autoprec.tune.choices import Choices
 from autoprec.tune.measure import NoiseFloor
-from autoprec.tune.pipeline import Chosen, Plan, choose_per_budget, run  # noqa: F401 (choose_per_budget: importable here as before)
+from autoprec.tune.pipeline import Chosen, Plan, run
 from autoprec.tune.profiler import Profile
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.study import SearchConfig
