@@ -61,8 +61,10 @@ class PolicyGradScaler(torch.amp.GradScaler):
 
     After `warn_after_skips` skipped steps in a row, or once the scale falls below 1, it warns once per
     run of skipped steps, naming the layers whose gradients were non-finite (it needs the model: passed
-    as `model=`, or the one model this policy was applied to). Clean steps cost nothing extra: whether
-    a step was skipped is read from the check GradScaler.step already waited for.
+    as `model=`, or the one model this policy was applied to). It uses GradScaler's public API only: a
+    skipped step is one whose optimizer step never ran (seen through the optimizer's step hook), so clean
+    steps cost nothing extra; a fused optimizer, which runs its step and skips inside it, is read off the
+    scale (one sync per update).
     """
 
     def __init__(
@@ -79,22 +81,29 @@ class PolicyGradScaler(torch.amp.GradScaler):
         self.consecutive_skips = 0
         self.last_nonfinite_layers: list[str] = []  # from the latest skipped step
         self._warned = False
-        self._step_found_inf: bool | None = None
+        # Since the last update: whether step() was called, and whether every optimizer's own step ran (None:
+        # unknown, an optimizer that unscales inside its own step ran regardless).
+        self._stepped = False
+        self._all_ran: bool | None = True
+        self._scale_seen = float(kwargs.get("init_scale", 2.0**16))  # the scale after the last update
 
-    def _maybe_opt_step(
-        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        # GradScaler.step reads these same values right here, so reading them costs no extra sync.
-        found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
-        self._step_found_inf = bool(self._step_found_inf) or found
-        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-
-    def _found_inf(self) -> bool:
-        if self._step_found_inf is not None:
-            return self._step_found_inf
-        # Optimizers that unscale inside their own step (fused, capturable) bypass _maybe_opt_step.
-        found = [v for state in self._per_optimizer_states.values() for v in state["found_inf_per_device"].values()]
-        return bool(sum(v.item() for v in found))
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """GradScaler.step, noting whether the optimizer's step ran (a skipped step never calls it) through the
+        optimizer's public step hook: no extra device sync."""
+        if not self.is_enabled():
+            return super().step(optimizer, *args, **kwargs)
+        ran = []
+        handle = optimizer.register_step_pre_hook(lambda *_: ran.append(True))
+        try:
+            out = super().step(optimizer, *args, **kwargs)
+        finally:
+            handle.remove()
+        self._stepped = True
+        if optimizer.defaults.get("fused"):  # it takes the scaler's inf check into its own step, and always runs
+            self._all_ran = None
+        elif self._all_ran is not None:
+            self._all_ran = bool(ran)
+        return out
 
     def _the_model(self) -> torch.nn.Module | None:
         if self._model is not None:
@@ -104,21 +113,35 @@ class PolicyGradScaler(torch.amp.GradScaler):
         return matches[0] if len(matches) == 1 else None
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        if not self.is_enabled() or new_scale is not None or not self._per_optimizer_states:
-            self._step_found_inf = None
-            return super().update(new_scale)
-        skipped = self._found_inf()
-        self._step_found_inf = None
-        model = self._the_model() if skipped else None
-        if model is not None:
-            self.last_nonfinite_layers = nonfinite_layers(model, self.policy)  # grads still hold the step's values
+        stepped, all_ran = self._stepped, self._all_ran
+        self._stepped, self._all_ran = False, True
+        if not self.is_enabled() or new_scale is not None or not stepped:
+            super().update(new_scale)
+            if self.is_enabled():
+                self._scale_seen = self.get_scale()
+            return
+        # A skipped step is known without a sync when the optimizer's step did not run; a fused optimizer's is
+        # read off the scale, which backs off exactly when a step had inf/NaN gradients (static scaling too).
+        skipped = not all_ran if all_ran is not None else None
+        model = self._the_model() if skipped is not False else None
+        # gradients still hold the step's values; for the fused case this is spent only when the scale backs off
+        layers = nonfinite_layers(model, self.policy) if model is not None and skipped else None
         super().update()
+        if skipped is None:
+            scale = self.get_scale()
+            skipped = scale < self._scale_seen
+            self._scale_seen = scale
+            if skipped and model is not None:
+                layers = nonfinite_layers(model, self.policy)
         if not skipped:
             self.consecutive_skips, self._warned = 0, False
             return
+        if layers is not None:
+            self.last_nonfinite_layers = layers
         self.skipped_steps += 1
         self.consecutive_skips += 1
         scale = self.get_scale()
+        self._scale_seen = scale
         if not self._warned and (self.consecutive_skips >= self.warn_after_skips or scale < 1.0):
             self._warned = True
             warnings.warn(self._collapse_message(scale, model is not None), stacklevel=2)

@@ -39,9 +39,10 @@ def _inject_inf(param):
         param.grad[0, 0] = float("inf")
 
 
-def _run(model, batches, *, scaler=None, bad_steps=(), skip_steps=(), inf_param="b"):
-    """Adam steps; `bad_steps` get an inf in one gradient, `skip_steps` skip the optimizer (the control)."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+def _run(model, batches, *, scaler=None, bad_steps=(), skip_steps=(), inf_param="b", fused=False):
+    """Adam steps; `bad_steps` get an inf in one gradient, `skip_steps` skip the optimizer (the control).
+    `fused`: Adam's fused kernel, which takes the scaler's inf check into its own step."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **({"fused": True} if fused else {}))
     scales = []
     for i, (x, y) in enumerate(batches):
         opt.zero_grad(set_to_none=True)
@@ -80,6 +81,21 @@ def test_an_inf_gradient_skips_that_step_exactly_like_a_control_that_skipped_it(
     assert scales == [2.0**10 * 2.0**c * 0.5**s for c, s in zip(clean, skipped)]
     assert scaler.skipped_steps == 1 and scaler.consecutive_skips == 0
     assert scaler.last_nonfinite_layers == ["b (bf16)"]  # as the policy names it
+
+
+def test_a_fused_optimizer_that_runs_its_own_inf_check_is_counted_and_named_the_same():
+    """Fused Adam's step always runs (it skips inside, reading the scaler's inf flags): the skip is read off the
+    scale instead, and clean steps still never look at the gradients."""
+    runs = {}
+    for fused in (False, True):
+        model = apply_policy(Net(), FP16)
+        scaler = grad_scaler(FP16, "cpu", model=model)
+        opt, scales = _run(model, _batches(5), scaler=scaler, bad_steps={1, 2}, fused=fused)
+        runs[fused] = (scales, scaler.skipped_steps, scaler.last_nonfinite_layers, [p.detach().clone() for p in model.parameters()])
+    assert runs[True][:3] == runs[False][:3] == (runs[False][0], 2, ["b (bf16)"])
+    assert runs[False][0] == [2.0**11, 2.0**10, 2.0**9, 2.0**10, 2.0**11]
+    for fused_p, plain_p in zip(runs[True][3], runs[False][3]):
+        torch.testing.assert_close(fused_p, plain_p)
 
 
 def test_a_collapsing_scale_warns_once_per_run_of_skips_naming_the_layer():
