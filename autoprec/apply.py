@@ -196,9 +196,7 @@ def _check_formats(policy: Policy, paths: Mapping[str, torch.nn.Module], device:
             )
         problem = format_problem(fmt, paths[name], device)
         if problem:
-            safer = fmt.spec.fallback
-            while safer is not None and format_problem(safer, paths[name], device) is not None:
-                safer = safer.spec.fallback
+            safer = next((f for f in fmt.fallbacks() if format_problem(f, paths[name], device) is None), None)
             raise ValueError(f"layer {name or '<model>'!r} cannot be {fmt} here: {problem}; give it {safer or Format.FP32}")
 
 

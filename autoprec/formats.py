@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -28,12 +29,16 @@ class Format(str, enum.Enum):
     def spec(self) -> FormatSpec:
         return REGISTRY[self]
 
+    def fallbacks(self) -> Iterator[Format]:
+        """The safer formats after this one, in order (fp16/fp8 -> bf16 -> fp32)."""
+        current = self.spec.fallback
+        while current is not None:
+            yield current
+            current = current.spec.fallback
 
-FP16_MAX = 65504.0
-FP16_MIN_NORMAL = 2.0**-14
-FP16_MIN_SUBNORMAL = 2.0**-24
-E4M3_MAX = 448.0
-E5M2_MAX = 57344.0
+
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 # torchao's float8 matmul (torch._scaled_mm) needs both weight dimensions divisible by 16.
 FP8_DIM_MULTIPLE = 16
@@ -84,7 +89,7 @@ class FormatSpec:
             return None
         if self.min_capability is None:
             return None
-        has = dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= self.min_capability
+        has = _has_capability(dev, self.min_capability)
         if self.format is Format.MXFP8 and has:
             # No session has had a Blackwell GPU to build and test it on; refuse rather than run it untested.
             return "autoprec does not yet run mxfp8 (torchao's mxfp8 training is a prototype it has not been tested with)"
@@ -147,19 +152,18 @@ def parse_format(value: object, *, field: str = "format") -> Format:
         raise ValueError(f"{field} must be one of {', '.join(FORMATS)}, but got {value!r}") from None
 
 
-def device_type(device: torch.device | str) -> str:
-    return torch.device(device).type
+def default_device() -> torch.device:
+    """Where autoprec works unless told: the GPU when there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def is_cuda(device: torch.device | str) -> bool:
-    return device_type(device) == "cuda"
+def _has_capability(dev: torch.device, need: tuple[int, int]) -> bool:
+    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= need
 
 
 def has_fp8_kernels(device: torch.device | str) -> bool:
     """True where torch._scaled_mm has real fp8 kernels: CUDA devices of compute capability 8.9+."""
-    dev = torch.device(device)
-    need = REGISTRY[Format.FP8].min_capability
-    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= need
+    return _has_capability(torch.device(device), REGISTRY[Format.FP8].min_capability)
 
 
 class Fp8Backend(str, enum.Enum):

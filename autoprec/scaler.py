@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from autoprec.apply import models_with
-from autoprec.formats import Format
+from autoprec.formats import Format, default_device
 from autoprec.policy import Policy, load_policy
 
 
@@ -176,7 +176,7 @@ def grad_scaler(
     if not isinstance(policy, Policy):
         policy = load_policy(policy)
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = default_device()
     ls = policy.loss_scale
     return PolicyGradScaler(
         torch.device(device).type,

@@ -27,7 +27,8 @@ from autoprec import Policy
 from autoprec.tune import load_space, load_task, prepare
 from autoprec.formats import Format
 from autoprec.tune.measure import evaluate_metric
-from autoprec.tune.profiler import Profile, static_problem
+from autoprec.formats import format_problem
+from autoprec.tune.profiler import Profile
 from autoprec.tune.report import markdown_table
 
 from common import out_folder  # noqa: E402 (beside this script)
@@ -51,7 +52,7 @@ def runnable(workload) -> dict[str, list[str]]:
     modules = dict(workload.model.named_modules())
     out = {}
     for name, formats in load_space().tunable_layers(workload.model).items():
-        out[name] = [f.value for f in formats if f is Format.FP32 or static_problem(modules[name], f, workload.device) is None]
+        out[name] = [f.value for f in formats if f is Format.FP32 or format_problem(f, modules[name], workload.device) is None]
     return out
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from autoprec.formats import device_name, fp8_backend
+from autoprec.formats import default_device, device_name, fp8_backend
 from autoprec.tune.measure import Timing
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
-    default = "cuda" if torch.cuda.is_available() else "cpu"
+    default = str(default_device())
     parser.add_argument("--device", default=default, help=f"cpu or cuda[:N] (default here: {default})")
 
 

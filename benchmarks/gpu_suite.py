@@ -37,6 +37,9 @@ PARTS = ("tests", "bench", "tinylm", "gpt2")
 MODELS = {"tinylm": ROOT / "examples" / "tinylm" / "model.py", "gpt2": ROOT / "examples" / "gpt2" / "model.py"}
 BUDGET = 0.02
 TRIALS = {"tinylm": 24, "gpt2": 16}  # what fits a 9-minute piece on an H100 is the goal; --trials overrides
+import torch  # noqa: E402
+
+from autoprec.formats import default_device  # noqa: E402
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, TF32  # noqa: E402
 
 COLUMNS = (FP32, TF32, BF16, FP8_EVERYWHERE)
@@ -72,15 +75,12 @@ def part_bench(out: Path, args: argparse.Namespace) -> int:
 def part_search(name: str, out: Path, args: argparse.Namespace) -> int:
     if args.smoke:
         os.environ["AUTOPREC_GPT2_SIZE"] = "tiny"  # read when model.py is imported, just below
-    from autoprec.tune import SearchConfig, load_space, load_task, prepare
-    from autoprec.tune.searcher import search
-    from autoprec.tune.space import space_from_dict
     from autoprec.files import write_text
-    from autoprec.tune.report import plot_all, search_markdown
+    from autoprec.tune import SearchConfig, load_space, load_task, prepare
+    from autoprec.tune.api import search_and_report
     from autoprec.tune.measure import TimingConfig
     from autoprec.tune.profiler import ProfileConfig
-
-    import torch
+    from autoprec.tune.space import space_from_dict
 
     device = torch.device(args.device)
     task = load_task(MODELS[name])
@@ -92,12 +92,10 @@ def part_search(name: str, out: Path, args: argparse.Namespace) -> int:
         extra = dict(timing=tiny, final_timing=tiny, finalists=1, profile=ProfileConfig(batches=1, timing=tiny))
         space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "fp8"]}, "trials": trials})
     config = SearchConfig(budget=BUDGET, trials=trials, compile=True, progress=not args.smoke, **extra)
-    start = time.perf_counter()
-    result = search(prepare(task, device), space, config, folder)
-    wall = time.perf_counter() - start
     command = f"python benchmarks/gpu_suite.py --out {args.out} --part {name}" + (" --smoke" if args.smoke else "")
-    write_text(folder / "summary.md", search_markdown(result, command))
-    plot_all(result.profile, folder, title=f"{name} on {result.profile.device}")
+    start = time.perf_counter()
+    result = search_and_report(prepare(task, device), space, config, folder, command=command)
+    wall = time.perf_counter() - start  # the reports' drawing included: a second or two beside the search
     row = {"model": name + (" (tiny)" if args.smoke and name == "gpt2" else ""), "wall_s": wall, "trials": trials,
            "chosen": result.policy.measured["chosen"], "device": result.profile.device,
            "finals": json.loads(result.finals.to_json(orient="records"))}  # fmt: skip
@@ -145,9 +143,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: the whole path on a CPU in minutes")
     parser.add_argument("--trials", type=int, help="trials per search (default: tinylm 24, gpt2 16; smoke 2)")
     args = parser.parse_args()
-    import torch
-
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = args.device or str(default_device())
     if not args.smoke and args.device == "cpu":
         print("gpu_suite: the full suite is for a GPU; on a CPU run it with --smoke", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from autoprec.errors import UserError
-from autoprec.tune.task import load_task, map_tensors, prepare, to_device
+from autoprec.tensors import map_tensors
+from autoprec.tune.task import load_task, prepare, to_device
 
 
 def user_error(fn, *args) -> str:

@@ -246,10 +246,8 @@ def _union(options: list[tuple[str, ...]]) -> tuple[str, ...]:
 def fit(fmt: str, options: tuple[str, ...]) -> str:
     """`fmt` where the layer may take it, else the next safer format it may along the formats' fallbacks
     (fp16/fp8 -> bf16 -> fp32)."""
-    current: Format | None = Format(fmt)
-    while current is not None and current.value not in options:
-        current = current.spec.fallback
-    return current.value if current is not None else Format.FP32.value
+    first = Format(fmt)
+    return next((f.value for f in (first, *first.fallbacks()) if f.value in options), Format.FP32.value)
 
 
 def layer_formats(params: Mapping[str, Any], choices: Choices) -> dict[str, str]:

@@ -22,7 +22,8 @@ import torch
 
 from autoprec.formats import Format
 from autoprec.tune.measure import rng_devices
-from autoprec.tune.task import Workload, check_loss, map_tensors
+from autoprec.tensors import map_tensors
+from autoprec.tune.task import Workload, check_loss
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from autoprec.apply import apply_policy, compile_model
 from autoprec.scaler import grad_scaler
 from autoprec.policy import Policy
-from autoprec.errors import UserError
+from autoprec.errors import UserError, describe
 from autoprec.tune.task import Workload, check_loss
 
 
@@ -297,6 +297,12 @@ class StepStats:
         return self.timing.median_ms / kept if kept > 0 else math.inf
 
 
+def fp32_step_failed(workload: Workload, what: str, detail: str, *, compiled: bool) -> UserError:
+    """The fp32 step failing is the user's code, not a format's: one message wherever it is found."""
+    hint = "; run with --no-compile to measure eagerly" if compiled else ""
+    return UserError(f"{workload.task.path}: the {'compiled ' if compiled else ''}{what} failed: {detail}{hint}")
+
+
 def measure_steps(
     workload: Workload,
     policies: Mapping[str, Policy | Candidate],
@@ -335,7 +341,7 @@ def measure_steps_or_fail(
             except Exception as exc:
                 if isinstance(exc, UserError):
                     raise
-                failed[name] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+                failed[name] = describe(exc)
                 continue
             trainers[name] = trainer
         work = {n: t.step for n, t in trainers.items()}

@@ -39,7 +39,7 @@ from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A_POLICY, TF32, Alternatives, alternatives
 from autoprec.tune.choices import Choices, build_choices, fit, policy_from_params, warm_starts
 from autoprec.tune.cost import Stopwatch
-from autoprec.tune.measure import Candidate, TimingConfig, measure_steps_or_fail
+from autoprec.tune.measure import Candidate, TimingConfig, fp32_step_failed, measure_steps_or_fail
 from autoprec.tune.profiler import Profile, profile
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.study import (
@@ -131,9 +131,8 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
             f"config.budget={config.budget!r} and budgets up to {plan.budgets[-1]!r}"
         )
     out_dir = Path(out_dir)
-    check_out_dir(workload, out_dir)
-    check_storage(config)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_out_dir(workload, out_dir)  # also makes the folder
+    check_storage(config)  # before minutes of profiling; opening the study checks it again
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=plan.objectives)
     objective = Objective(workload, started.choices, space, started.judge, config, objectives=plan.objectives)
@@ -356,8 +355,7 @@ def remeasure(
     some step updated the weights; `feasible`: that, and the drop within `budget`."""
     stats, failed = measure_steps_or_fail(workload, candidates, timing, progress=progress, compiled=compiled)
     if FP32 in failed:
-        hint = "; run with --no-compile to measure eagerly" if compiled else ""
-        raise UserError(f"{workload.task.path}: the all-fp32 training step failed{' compiled' if compiled else ''}: {failed[FP32]}{hint}")
+        raise fp32_step_failed(workload, "all-fp32 training step", failed[FP32], compiled=compiled)
     rows = []
     for name, candidate in candidates.items():
         metric, extra = judge.safe_metric(candidate)

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy
 from autoprec.tune.cost import Stopwatch
-from autoprec.errors import UserError
+from autoprec.errors import UserError, describe
 from autoprec.files import write_atomically
 from autoprec.formats import AUTOCAST_DTYPE, Format, device_name, format_problem
 from autoprec.tune.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
@@ -31,6 +31,7 @@ from autoprec.tune.measure import (
     TimingConfig,
     compile_scope,
     evaluate_metric,
+    fp32_step_failed,
     matmul_precision,
     interleaved_times,
     metric_name,
@@ -41,7 +42,8 @@ from autoprec.tune.measure import (
 )
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tune.space import SearchSpace
-from autoprec.tune.task import Workload, check_loss, map_tensors
+from autoprec.tensors import map_tensors
+from autoprec.tune.task import Workload, check_loss
 
 log = logging.getLogger("autoprec")
 
@@ -202,10 +204,11 @@ def _forward_backward(workload: Workload, model: torch.nn.Module, batches: int) 
 
 
 def _check_fp32_losses(workload: Workload) -> None:
-    """The fp32 model's loss is finite on every batch the search uses: a NaN on train batch 2 would otherwise
-    be blamed on every format of every layer, and on fp32 itself."""
+    """The fp32 model's loss is finite on every train batch: a NaN on train batch 2 would otherwise be blamed on
+    every format of every layer, and on fp32 itself. (The eval batches' losses are the default metric, whose
+    check already ran.)"""
     model = workload.model
-    splits = [("train", workload.train)] + ([("eval", workload.eval)] if workload.task.evaluate is None else [])
+    splits = [("train", workload.train)]
     was_training = model.training
     model.eval()
     try:
@@ -237,11 +240,6 @@ def _run(workload: Workload, model: torch.nn.Module, names: list[str], batches: 
     finally:
         cap.remove()
     return cap, finite
-
-
-def static_problem(module: torch.nn.Module, fmt: Format, device: torch.device) -> str | None:
-    """Why a format cannot apply to a module here, known without running it (formats.format_problem)."""
-    return format_problem(fmt, module, device)
 
 
 class _Holder(torch.nn.Module):
@@ -306,12 +304,8 @@ def _time_layer(
                 probe.update(probe_times({fmt: fn}, workload.device, warmup=config.timing.warmup))
             except Exception as exc:
                 if fmt is Format.FP32:
-                    hint = "; run with --no-compile to measure eagerly" if config.compile else ""
-                    raise UserError(
-                        f"{workload.task.path}: the fp32 step of layer {name!r} failed{' compiled' if config.compile else ''}: "
-                        f"{type(exc).__name__}: {_first_line(exc)}{hint}"
-                    ) from exc
-                failed[fmt] = f"{fmt.value} step failed{' compiled' if config.compile else ''}: {type(exc).__name__}: {_first_line(exc)}"
+                    raise fp32_step_failed(workload, f"fp32 step of layer {name!r}", describe(exc, 200), compiled=config.compile) from exc
+                failed[fmt] = f"{fmt.value} step failed{' compiled' if config.compile else ''}: {describe(exc, 200)}"
         gross = {f for f in probe if f is not Format.FP32 and probe[f] > config.gross_slowdown * probe[Format.FP32]}
         timed = interleaved_times({f: w for f, w in work.items() if f in probe and f not in gross}, workload.device, config.timing)
     result = {f: (t.median_ms, t.spread) for f, t in timed.items()}
@@ -327,10 +321,6 @@ def _strict(device: torch.device, step):
             step()
 
     return run
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 def _shape(module: torch.nn.Module) -> str:
@@ -363,7 +353,7 @@ def _profile_layer(
         if fmt is Format.FP32:
             continue
         row = {**base, "format": fmt.value, "max_abs": max_abs}
-        reason = static_problem(module, fmt, workload.device)
+        reason = format_problem(fmt, module, workload.device)
         if reason is None and fmt in AUTOCAST_DTYPE and not _lowered_by_autocast(module, inputs, fmt, workload.device):
             reason = f"torch.autocast does not lower {type(module).__name__} to {fmt.value} on {workload.device.type}"
         if reason is None:
@@ -371,7 +361,7 @@ def _profile_layer(
                 with watch.section("profile: sensitivity (output, gradient, metric per format)"):
                     row.update(_sensitivity(workload, name, fmt, ref, ref_out, fp32_metric, config))
             except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
-                reason = f"{fmt.value} failed: {type(exc).__name__}: {_first_line(exc)}"
+                reason = f"{fmt.value} failed: {describe(exc, 200)}"
         row.update(status="unsupported" if reason else "ok", reason=reason or "")
         rows[fmt] = row
     ok = [f for f in formats if rows[f]["status"] == "ok"]

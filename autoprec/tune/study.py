@@ -27,17 +27,18 @@ from tqdm.auto import tqdm
 
 from autoprec.tune.choices import Choices, is_param, policy_from_params, suggest, uniform_params
 from autoprec.tune.cost import Stopwatch
-from autoprec.errors import UserError
+from autoprec.errors import UserError, describe
 from autoprec.formats import Format, device_name
 from autoprec.tune.measure import (
     NoiseFloor,
-    StepStats,
     TimingConfig,
     Trainer,
     compile_scope,
     evaluate_metric,
+    fp32_step_failed,
     interleaved_times,
     noise_floor,
+    step_stats,
     train_and_evaluate,
 )
 from autoprec.policy import ROOT, Policy, model_fingerprint
@@ -124,16 +125,15 @@ RETRIES = 3  # how often a trial whose worker died is run again before it stays 
 
 def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
     url = config.storage
+    check_storage(config)
     if url is None or "://" not in url:
         # Optuna's recommended storage for several processes on one machine: a journal file behind a file
         # lock, no server. It has no heartbeat (optuna 5), so a killed worker's trial stays RUNNING.
-        check_storage(config)
         path = Path(url) if url else out_dir / "study.journal"
         path.parent.mkdir(parents=True, exist_ok=True)
         _drop_torn_tail(path)
         backend = optuna.storages.journal.JournalFileBackend(str(path))
         return optuna.storages.JournalStorage(backend), str(path)
-    check_storage(config)
     return _database(url, config.heartbeat_s), url
 
 
@@ -209,8 +209,7 @@ def _database(url: str, heartbeat_s: int) -> optuna.storages.RDBStorage:
         except Exception as exc:
             # Workers creating a new database's tables at the same moment collide once; the next try finds them.
             if attempt == 2:
-                first = (str(exc).strip().splitlines() or [""])[0]
-                raise UserError(f"--storage {url}: cannot open it: {type(exc).__name__}: {first}") from None
+                raise UserError(f"--storage {url}: cannot open it: {describe(exc, None)}") from None
             time.sleep(0.5 + attempt)
     raise AssertionError("unreachable")
 
@@ -343,10 +342,7 @@ class Objective:
                 try:
                     baseline.step()  # the fp32 baseline failing is no fault of the candidate's
                 except Exception as exc:
-                    how = "compiled " if self.config.compile else ""
-                    hint = "; run with --no-compile to measure eagerly" if self.config.compile else ""
-                    raise UserError(f"{self.workload.task.path}: the {how}all-fp32 training step failed: "
-                                    f"{type(exc).__name__}: {exc}{hint}") from exc  # fmt: skip
+                    raise fp32_step_failed(self.workload, "all-fp32 training step", describe(exc), compiled=self.config.compile) from exc
                 candidate = Trainer(self.workload, policy, compiled=self.config.compile)
                 work = {"fp32": baseline.step, "policy": candidate.step}
                 t = interleaved_times(work, self.workload.device, self.config.timing)
@@ -355,7 +351,7 @@ class Objective:
         except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
             trial.set_user_attr("error", f"training step failed: {type(exc).__name__}: {exc}"[:300])
             return False, INFEASIBLE
-        stats = StepStats(t["policy"], candidate.finite, candidate.steps, candidate.skipped)
+        stats = step_stats({"policy": candidate}, t)["policy"]
         if candidate.compiled:
             trial.set_user_attr("compile_s", candidate.first_step_s + baseline.first_step_s)
         trial.set_user_attr("step_ms", t["policy"].median_ms)

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from autoprec.errors import UserError
-from autoprec.tensors import map_tensors  # noqa: F401 (the tuner's modules import it from here too)
+from autoprec.formats import default_device  # noqa: F401 (the command line and the Python API take it from here)
+from autoprec.tensors import map_tensors
 
 REQUIRED = ("build_model", "batches", "loss_fn")
 OPTIONAL = ("evaluate", "optimizer")
@@ -53,11 +54,6 @@ class Workload:
     model: torch.nn.Module
     train: list
     eval: list
-
-
-def default_device() -> torch.device:
-    """Where the tuner measures unless told: the GPU when there is one (the command line and the Python API)."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_task(path: str | Path) -> Task:

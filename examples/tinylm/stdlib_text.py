@@ -110,8 +110,8 @@ def trained(name, make_model, loss_fn, h, device="cpu"):
     kind = torch.device(device).type
     key = {**h, "text": digest(text(h["bytes_per_file"], h["eval_frac"]))}
     path = cache_path(name, key if kind == "cpu" else {**key, "trained_on": kind})
-    model = make_model()
     if os.path.exists(path):
+        model = make_model()  # built only here: train() builds its own (a 1.2B model takes a while to initialise)
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     else:
         model = train(make_model, loss_fn, h, device)
