@@ -4,7 +4,7 @@ folder, and each writes the profile, the policy and the tables when it finishes.
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,23 +12,17 @@ from pathlib import Path
 def write_atomically(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Call `write(tmp)` on a temporary file in `path`'s folder, then rename it over `path`."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    # Created as open() would create it (mode 0666 less the umask; mkstemp's would be private, 0600), under a
+    # name no other writer picks.
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
-        # mkstemp makes the file private (0600); an output file gets the mode open() would give it
-        os.chmod(tmp, 0o666 & ~_umask())
         write(Path(tmp))
         os.replace(tmp, path)  # atomic on POSIX and Windows within one file system
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it
-    os.umask(mask)
-    return mask
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -69,13 +69,14 @@ class PolicyGradScaler(torch.amp.GradScaler):
 
     def __init__(
         self, device: str, *, policy: Policy, model: torch.nn.Module | None = None,
-        warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS, **kwargs: Any,
+        warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS, warn: bool = True, **kwargs: Any,
     ) -> None:  # fmt: skip
         if isinstance(warn_after_skips, bool) or not isinstance(warn_after_skips, int) or warn_after_skips < 1:
             raise ValueError(f"warn_after_skips must be an integer >= 1, but got {warn_after_skips!r}")
         super().__init__(device, **kwargs)
         self.policy = policy
         self.warn_after_skips = warn_after_skips
+        self.warn = warn  # False: count skipped steps, name no layers, warn never (a caller that reports them itself)
         self._model = weakref.ref(model) if model is not None else None
         self.skipped_steps = 0  # in total
         self.consecutive_skips = 0
@@ -123,7 +124,7 @@ class PolicyGradScaler(torch.amp.GradScaler):
         # A skipped step is known without a sync when the optimizer's step did not run; a fused optimizer's is
         # read off the scale, which backs off exactly when a step had inf/NaN gradients (static scaling too).
         skipped = not all_ran if all_ran is not None else None
-        model = self._the_model() if skipped is not False else None
+        model = self._the_model() if skipped is not False and self.warn else None
         # gradients still hold the step's values; for the fused case this is spent only when the scale backs off
         layers = nonfinite_layers(model, self.policy) if model is not None and skipped else None
         super().update()
@@ -142,7 +143,7 @@ class PolicyGradScaler(torch.amp.GradScaler):
         self.consecutive_skips += 1
         scale = self.get_scale()
         self._scale_seen = scale
-        if not self._warned and (self.consecutive_skips >= self.warn_after_skips or scale < 1.0):
+        if self.warn and not self._warned and (self.consecutive_skips >= self.warn_after_skips or scale < 1.0):
             self._warned = True
             warnings.warn(self._collapse_message(scale, model is not None), stacklevel=2)
 
@@ -162,14 +163,15 @@ class PolicyGradScaler(torch.amp.GradScaler):
 
 def grad_scaler(
     policy: Policy | str | Path, device: str | torch.device | None = None, *,
-    model: torch.nn.Module | None = None, warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS,
+    model: torch.nn.Module | None = None, warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS, warn: bool = True,
 ) -> PolicyGradScaler:  # fmt: skip
     """A GradScaler with the policy's loss-scale settings; disabled when no layer is fp16.
 
     `device` defaults to cuda when available, else cpu. Static scaling (`dynamic: false`) never grows
     the scale; a step with inf/NaN gradients is still skipped and the scale backs off. A scale that
     collapses (`warn_after_skips` skipped steps in a row, or below 1) warns, naming the layers with
-    non-finite gradients of `model` (or of the one model this policy was applied to).
+    non-finite gradients of `model` (or of the one model this policy was applied to); `warn=False` only counts
+    the skipped steps (`skipped_steps`), for a caller that reports them itself.
     """
     if isinstance(policy, dict):
         raise TypeError("grad_scaler takes a Policy or a policy file's path, not a dict; use Policy.from_dict(data)")
@@ -183,6 +185,7 @@ def grad_scaler(
         policy=policy,
         model=model,
         warn_after_skips=warn_after_skips,
+        warn=warn,
         init_scale=ls.init_scale,
         growth_factor=ls.growth_factor,
         backoff_factor=ls.backoff_factor,

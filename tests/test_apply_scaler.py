@@ -162,6 +162,16 @@ def test_clean_steps_never_inspect_gradients(monkeypatch):
     assert scales == [2.0**11, 2.0**12, 2.0**13] and scaler.skipped_steps == 0
 
 
+def test_a_scaler_told_not_to_warn_counts_skips_without_warning_or_looking_at_gradients(monkeypatch):
+    monkeypatch.setattr(autoprec.scaler, "nonfinite_layers", lambda *a: pytest.fail("looked at the gradients"))
+    model = apply_policy(Net(), FP16)
+    scaler = grad_scaler(FP16, "cpu", model=model, warn=False, warn_after_skips=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        _run(model, _batches(4), scaler=scaler, bad_steps={0, 1, 2})
+    assert scaler.skipped_steps == 3 and scaler.consecutive_skips == 0
+
+
 def test_a_disabled_scaler_steps_and_updates_as_a_no_op():
     policy = Policy(layers={"a": "bf16"})
     model = apply_policy(Net(), policy)

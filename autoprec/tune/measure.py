@@ -16,7 +16,6 @@ import math
 import numbers
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -230,7 +229,8 @@ class Trainer:
         self.first_step_s: float | None = None
         task = workload.task
         self.optimizer = task.optimizer(self.model) if task.optimizer else torch.optim.AdamW(self.model.parameters())
-        self.scaler = grad_scaler(candidate.policy, workload.device)
+        # its collapse warning would repeat what the caller counts and reports
+        self.scaler = grad_scaler(candidate.policy, workload.device, warn=False)
         self.order = tuple(order) if order is not None else tuple(range(len(workload.train)))
         self._next = 0
         self.steps = 0
@@ -251,18 +251,12 @@ class Trainer:
             self._nonfinite |= ~torch.isfinite(loss.detach())
             self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)
-        self._update_scale()
+        self.scaler.update()
         self.steps += 1
         if first:
             synchronize(self.workload.device)
             self.first_step_s = time.perf_counter() - start
         return loss
-
-    def _update_scale(self) -> None:
-        with warnings.catch_warnings():
-            # The scaler's collapse warning would repeat what the caller counts and reports.
-            warnings.simplefilter("ignore")
-            self.scaler.update()
 
     @property
     def finite(self) -> bool:
