@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -413,7 +413,7 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     returned). Use the returned model."""
     blocks = repeated_blocks(model)
     if not blocks:
-        return torch.compile(model)
+        return cast(torch.nn.Module, torch.compile(model))  # an OptimizedModule, typed as a callable by torch
     for block in blocks:
         block.compile()
     return model

@@ -163,7 +163,8 @@ def _has_capability(dev: torch.device, need: tuple[int, int]) -> bool:
 
 def has_fp8_kernels(device: torch.device | str) -> bool:
     """True where torch._scaled_mm has real fp8 kernels: CUDA devices of compute capability 8.9+."""
-    return _has_capability(torch.device(device), REGISTRY[Format.FP8].min_capability)
+    need = REGISTRY[Format.FP8].min_capability
+    return need is not None and _has_capability(torch.device(device), need)
 
 
 class Fp8Backend(str, enum.Enum):

@@ -68,7 +68,10 @@ class LossScale:
             ok_types, what = kinds.get(key, ((int, float), "a number"))
             if not isinstance(value, ok_types) or (key != "dynamic" and isinstance(value, bool)):
                 raise ValueError(f"{where}.{key} must be {what}, but got {value!r}")
-        return cls(**{k: (float(v) if k not in kinds else v) for k, v in data.items()})
+        return cls(
+            init_scale=float(data["init_scale"]), growth_factor=float(data["growth_factor"]),
+            backoff_factor=float(data["backoff_factor"]), growth_interval=data["growth_interval"], dynamic=data["dynamic"],
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
