@@ -17,14 +17,13 @@ from pathlib import Path
 
 import torch
 
-from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare
+from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.searcher import search
-from autoprec.tune.measure import TimingConfig
 from autoprec.tune.space import space_from_dict
+from short_timing import FAST_PROFILE, TINY
 
 MODEL = Path(__file__).parent / "models" / "overflow_mlp.py"
 SPACE = {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100}}
-TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
 HOLDING = "test:holding"  # user attr of a trial held by --sleep, its params chosen
 
 
@@ -55,7 +54,7 @@ def main(argv: list[str]) -> int:
         _slow_trials(args.sleep)
     config = SearchConfig(
         budget=0.5, trials=args.trials, storage=args.storage, study_name=args.study, heartbeat_s=args.heartbeat,
-        timing=TINY, final_timing=TINY, finalists=1, progress=False, profile=ProfileConfig(batches=1, timing=TINY),
+        timing=TINY, final_timing=TINY, finalists=1, progress=False, profile=FAST_PROFILE,
     )  # fmt: skip
     workload = prepare(load_task(MODEL), torch.device("cpu"))
     result = search(workload, space_from_dict(SPACE), config, args.out)

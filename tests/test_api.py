@@ -10,14 +10,13 @@ import torch
 
 import autoprec.tune
 from autoprec import Policy
-from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare
+from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.cli import main
-from autoprec.tune.measure import TimingConfig
 from autoprec.tune.space import space_from_dict
+from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
-TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
-FAST = {"timing": TINY, "final_timing": TINY, "profile": ProfileConfig(batches=1, timing=TINY), "finalists": 1, "progress": False}
+FAST = {"timing": TINY, "final_timing": TINY, "profile": FAST_PROFILE, "finalists": 1, "progress": False}
 SPACE = {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1e6}, "sampler": "random"}  # no timing prunes: the choices are the same every run
 
 

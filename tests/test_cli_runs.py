@@ -11,13 +11,10 @@ import pytest
 
 import autoprec.tune.sweeper  # noqa: F401  (the fixture patches its module)
 from autoprec import load_policy
-from autoprec.tune import ProfileConfig
 from autoprec.tune.cli import main
-from autoprec.tune.measure import TimingConfig
+from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
-TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
-FAST_PROFILE = ProfileConfig(batches=1, timing=TINY)
 
 
 @pytest.fixture

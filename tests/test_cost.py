@@ -5,14 +5,12 @@ import time
 
 import pytest
 
-from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, profile
+from autoprec.tune import SearchConfig, load_task, prepare, profile
 from autoprec.tune.searcher import search
 from autoprec.tune.cost import Stopwatch, cost_rows
-from autoprec.tune.measure import TimingConfig
 from autoprec.tune.space import space_from_dict
+from short_timing import FAST_PROFILE, TINY
 
-TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
-FAST_PROFILE = ProfileConfig(batches=1, timing=TINY)
 
 # Three blocks of the same shape, and a head of another: the blocks are timed once, the head apart.
 REPEATED = '''

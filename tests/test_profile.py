@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
-from autoprec.tune.measure import TimingConfig
 from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.space import space_from_dict
+from short_timing import TINY
 
 MODELS = Path(__file__).parent / "models"
-FAST = ProfileConfig(batches=2, timing=TimingConfig(warmup=1, rounds=2, min_block_s=0.0))
+FAST = ProfileConfig(batches=2, timing=TINY)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.tune import ProfileConfig, load_task, prepare, profile
-from autoprec.tune.measure import TimingConfig
+from autoprec.tune import load_task, prepare, profile
 from autoprec.tune.report import gradient_summary, mode_text, plot_all, plot_profile
 from autoprec.tune.space import space_from_dict
+from short_timing import FAST_PROFILE
 
 MODELS = Path(__file__).parent / "models"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -19,7 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def prof():
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}})
-    return profile(workload, space, ProfileConfig(batches=1, timing=TimingConfig(warmup=1, rounds=2, min_block_s=0.0)), progress=False)
+    return profile(workload, space, FAST_PROFILE, progress=False)
 
 
 def test_heat_maps_are_written(prof, tmp_path):

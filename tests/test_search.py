@@ -8,21 +8,21 @@ import pytest
 import torch
 
 from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, load_policy
-from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare
+from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.searcher import search
 from autoprec.tune.gradients import LayerGradients, scale_table
-from autoprec.tune.measure import NoiseFloor, TimingConfig, metric_of
+from autoprec.tune.measure import NoiseFloor, metric_of
 from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
 from autoprec.tune.searcher import Mode
 from autoprec.tune.space import space_from_dict
+from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "trials": 6})
-TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
 FAST = dict(
     trials=6, timing=TINY, final_timing=TINY, finalists=2, progress=False,
-    profile=ProfileConfig(batches=1, timing=TINY),
+    profile=FAST_PROFILE,
 )  # fmt: skip
 
 

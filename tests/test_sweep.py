@@ -7,14 +7,14 @@ import pandas as pd
 import pytest
 
 from autoprec import Policy, apply_policy, load_policy
-from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare
-from autoprec.tune.measure import TimingConfig, metric_of
+from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune.measure import metric_of
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.pipeline import choose_per_budget
 from autoprec.tune.sweeper import parse_budgets, pareto_front, policy_filename, sweep
+from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
-TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
 BUDGETS = (0.0, 0.01, 0.5)
 
 
@@ -82,7 +82,7 @@ def swept(tmp_path_factory):
     space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 100.0}})
     config = SearchConfig(
         budget=max(BUDGETS), trials=10, timing=TINY, final_timing=TINY, finalists=2, progress=False,
-        profile=ProfileConfig(batches=1, timing=TINY), study_name="s",
+        profile=FAST_PROFILE, study_name="s",
     )  # fmt: skip
     return workload, sweep(workload, space, BUDGETS, config, folder / "out"), folder / "out"
 
