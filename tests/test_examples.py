@@ -35,7 +35,15 @@ def test_digits_follows_the_contract(digits):
     assert metric_of(digits, digits.model) >= 0.95  # build_model trains to a useful metric
 
 
-@pytest.mark.parametrize("policy_path", sorted(ROOT.glob("results/*/digits/policy.json")), ids=lambda p: p.parts[-3])
+COMMITTED_DIGITS = sorted(ROOT.glob("results/*/digits/policy.json"))
+
+
+def test_the_committed_digits_policies_are_found():
+    """Without this, moving results/ would turn the next test into a silent skip (an empty parameter set)."""
+    assert COMMITTED_DIGITS, "no results/*/digits/policy.json: the committed runs moved or were removed"
+
+
+@pytest.mark.parametrize("policy_path", COMMITTED_DIGITS, ids=lambda p: p.parts[-3])
 def test_committed_digits_policy_holds_its_budget_on_a_fresh_model(digits, policy_path):
     policy = load_policy(policy_path)
     fp32 = metric_of(digits, digits.task.build_model())

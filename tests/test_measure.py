@@ -54,9 +54,12 @@ def test_timing_median_and_spread():
 
 
 def test_probe_times_takes_the_fastest_call():
+    import time
+
+    sleeps = iter([0.0, 0.0, 0.06, 0.002, 0.06])  # two warm-up calls, then a slow, a fast and a slow one
     calls = []
-    probe = probe_times({"x": lambda: calls.append(1)}, torch.device("cpu"), warmup=2, repeats=3)
-    assert len(calls) == 5 and probe["x"] >= 0
+    probe = probe_times({"x": lambda: calls.append(time.sleep(next(sleeps)))}, torch.device("cpu"), warmup=2, repeats=3)
+    assert len(calls) == 5 and 2.0 <= probe["x"] < 30.0  # the 2 ms call, not the median (60) or the mean (41)
 
 
 def test_trainer_steps_update_weights_and_track_finiteness(workload):
