@@ -8,11 +8,12 @@ it did (`applied_summary`): each layer's format, its other names, and which fp8 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import types
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -124,6 +125,24 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             out = inner(self, *args, **kwargs)
     # Outside any autocast the caller's code expects fp32, as it did before the policy.
     return out if outer_autocast else map_tensors(out, _to_fp32)
+
+
+_FORWARDS: dict[type[torch.nn.Module], Callable[..., Any]] = {}
+
+
+def _policy_forward_for(cls: type[torch.nn.Module]) -> Callable[..., Any]:
+    """_policy_forward under the name and signature of `cls.forward`: code that inspects `model.forward` (HF
+    Trainer drops the batch's columns the forward does not name) sees the model's own parameters. One function
+    per class, shared by its instances, so torch.compile sees the same function in every repeated block."""
+
+    if cls not in _FORWARDS:
+
+        @functools.wraps(cls.forward)
+        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _policy_forward(self, *args, **kwargs)
+
+        _FORWARDS[cls] = forward
+    return _FORWARDS[cls]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -378,7 +397,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.n
         wrap = _needs_wrapper(fmt, own, paths, fmts)
         setattr(module, _FORMAT_ATTR, fmt.value)
         if wrap and "forward" not in module.__dict__:
-            module.forward = types.MethodType(_policy_forward, module)
+            module.forward = types.MethodType(_policy_forward_for(type(module)), module)
         records[name] = LayerRecord(
             name=name, format=fmt, module_type=type(module).__name__, aliases=tuple(n for n in own if n != name),
             fp8_backend=backend if fmt.spec.is_fp8 else None, wrapped=wrap,

@@ -73,7 +73,8 @@ def _check_factors(field: str, values: tuple, ok: Callable[[float], bool], rule:
 
 @dataclasses.dataclass(frozen=True)
 class SearchSpace:
-    """What the search may choose. `layers` maps a torch.nn class name to the formats offered for it."""
+    """What the search may choose. `layers` maps a torch.nn class name, or a module class's import path
+    (transformers.pytorch_utils.Conv1D), to the formats offered for it."""
 
     layers: Mapping[str, tuple[Format, ...]]
     default: tuple[Format, ...] = (Format.FP32, Format.BF16)
@@ -99,12 +100,12 @@ class SearchSpace:
         if linear_only:
             raise ValueError(f"default (the model root) cannot be {', '.join(linear_only)}: it applies to nn.Linear layers only")
         for type_name in self.layers:
-            module_class(type_name)
+            check_type_name(type_name)
 
     def offered(self, module: torch.nn.Module) -> tuple[Format, ...] | None:
         """Formats offered for a module, or None when its type is not a tunable layer."""
         for type_name, formats in self.layers.items():
-            if isinstance(module, module_class(type_name)):
+            if is_instance(module, type_name):
                 return formats
         return None
 
@@ -120,11 +121,28 @@ class SearchSpace:
         return found
 
 
-def module_class(type_name: str) -> type:
+def check_type_name(type_name: str) -> None:
+    """A torch.nn class name (Linear), or the import path of any module class
+    (transformers.pytorch_utils.Conv1D). A path is not imported: a package that is not installed has no
+    such layers in the model, so the entry matches nothing (one space file serves several environments)."""
+    if "." in type_name:
+        if not all(part.isidentifier() for part in type_name.split(".")):
+            raise ValueError(f"layers: {type_name!r} is not an import path such as transformers.pytorch_utils.Conv1D")
+        return
     cls = getattr(torch.nn, type_name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
-        raise ValueError(f"layers: unknown module type {type_name!r}; use torch.nn class names such as Linear, Conv2d")
-    return cls
+        raise ValueError(
+            f"layers: unknown module type {type_name!r}; use torch.nn class names such as Linear, Conv2d, or the import "
+            "path of another library's class, such as transformers.pytorch_utils.Conv1D"
+        )
+
+
+def is_instance(module: torch.nn.Module, type_name: str) -> bool:
+    """Whether `module` is of the listed type or a subclass of it; an import path is matched against the
+    classes' own module and name, so nothing is imported."""
+    if "." not in type_name:
+        return isinstance(module, getattr(torch.nn, type_name))
+    return any(f"{cls.__module__}.{cls.__qualname__}" == type_name for cls in type(module).__mro__)
 
 
 def _formats(value: Any, field: str) -> tuple[Format, ...]:
@@ -151,7 +169,7 @@ def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r}; allowed keys: {', '.join(_TOP_KEYS)}")
     if not isinstance(data.get("layers"), Mapping) or not data["layers"]:
-        raise ValueError("layers must map torch.nn class names to lists of formats")
+        raise ValueError("layers must map torch.nn class names (or import paths of module classes) to lists of formats")
     ls = data.get("loss_scale") or {}
     if not isinstance(ls, Mapping):
         raise ValueError(f"loss_scale must be a mapping with keys {', '.join(_LOSS_SCALE_KEYS)}, got {ls!r}")
