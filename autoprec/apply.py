@@ -133,7 +133,7 @@ _FORWARDS: dict[type[torch.nn.Module], Callable[..., Any]] = {}
 def _policy_forward_for(cls: type[torch.nn.Module]) -> Callable[..., Any]:
     """_policy_forward under the name and signature of `cls.forward`: code that inspects `model.forward` (HF
     Trainer drops the batch's columns the forward does not name) sees the model's own parameters. One function
-    per class, shared by its instances, so torch.compile sees the same function in every repeated block."""
+    per class, shared by its instances."""
 
     if cls not in _FORWARDS:
 
