@@ -1,0 +1,67 @@
+"""Hugging Face Trainer under an autoprec policy.
+
+    from autoprec.integrations.transformers import PolicyTrainer
+
+    trainer = PolicyTrainer(policy="results/gpt2/policy.json", model=model, args=args, train_dataset=data)
+    trainer.train()
+
+PolicyTrainer is a `transformers.Trainer` that moves the model to the training device and applies the policy
+before Trainer sees it, and, when the policy has fp16 layers, hands the policy's GradScaler (its loss-scale
+settings) to Trainer's accelerator: the loss is scaled before backward, gradients unscaled before clipping, a
+step with inf/NaN gradients skipped (the learning-rate schedule with it) and the scale updated. Leave
+TrainingArguments' `bf16`/`fp16` off: they put the whole model under one autocast, around the policy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from autoprec.apply import apply_policy
+from autoprec.formats import Format
+from autoprec.policy import ROOT, Policy, load_policy
+from autoprec.scaler import PolicyGradScaler, grad_scaler
+
+__all__ = ["PolicyTrainer"]
+
+
+class PolicyTrainer(transformers.Trainer):
+    """transformers.Trainer training `model` under `policy` (a Policy or a policy file); every other argument
+    is Trainer's. `autoprec_scaler` is the policy's GradScaler (disabled when no layer is fp16)."""
+
+    def __init__(self, *, policy: Policy | str | Path, model: torch.nn.Module, args: transformers.TrainingArguments | None = None, **kwargs: Any):
+        policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        args = args if args is not None else transformers.TrainingArguments(output_dir="trainer_output")
+        _warn_conflicts(policy, args)
+        model = apply_policy(model.to(args.device), policy)  # on its device first, as apply_policy asks
+        super().__init__(model=model, args=args, **kwargs)
+        self.autoprec_scaler: PolicyGradScaler = grad_scaler(policy, args.device, model=model)
+        if self.autoprec_scaler.is_enabled():
+            # accelerate scales the loss in backward and steps, skips and updates through its scaler
+            self.accelerator.scaler = self.autoprec_scaler
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if self.autoprec_scaler.is_enabled() and self.accelerator.sync_gradients:
+            # before Trainer clips: accelerate unscales only under its own fp16 mode, and a clip of scaled
+            # gradients would shrink every step by the loss scale
+            self.autoprec_scaler.unscale_(getattr(self.optimizer, "optimizer", self.optimizer))
+        return loss
+
+
+def _warn_conflicts(policy: Policy, args: transformers.TrainingArguments) -> None:
+    flags = [name for name in ("bf16", "fp16") if getattr(args, name, False)]
+    if not flags:
+        return
+    root = policy.layers.get(ROOT, Format.FP32)
+    warnings.warn(
+        f"TrainingArguments({flags[0]}=True) puts the whole model under {flags[0]} autocast, around the policy: its "
+        f"layers keep their formats, but everything else runs in {flags[0]} where the policy says {root}; set "
+        f"{flags[0]}=False to train as the policy was measured"
+        + ("; the policy's GradScaler replaces the one fp16=True makes" if "fp16" in flags and policy.uses_fp16 else ""),
+        stacklevel=3,
+    )
