@@ -1,0 +1,56 @@
+"""Lightning under an autoprec policy: a precision plugin.
+
+    from autoprec.integrations.lightning import PolicyPrecision
+
+    trainer = lightning.Trainer(plugins=[PolicyPrecision("results/mymodel/policy.json")], ...)
+    trainer.fit(module, data)
+
+The plugin applies the policy to the LightningModule when the strategy converts it (on its device, before any
+DDP wrapper), runs the forward as the policy says (no whole-model autocast around it) and, for fp16 layers,
+scales the loss with the policy's GradScaler: gradients unscaled before clipping, a step with inf/NaN gradients
+skipped, the scale updated. Pass it instead of Trainer's `precision=`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from autoprec.apply import apply_policy
+from autoprec.formats import default_device
+from autoprec.policy import Policy, load_policy
+from autoprec.scaler import grad_scaler
+
+__all__ = ["PolicyPrecision"]
+
+
+class PolicyPrecision(MixedPrecision):
+    """Lightning's mixed-precision plugin with the policy in place of one autocast: `policy` is a Policy or a
+    policy file, `device` the accelerator type ("cuda", "cpu"; default cuda when available). `scaler` is the
+    policy's GradScaler, disabled (every call a no-op) when no layer is fp16."""
+
+    def __init__(self, policy: Policy | str | Path, device: str | None = None) -> None:
+        self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        device = device or default_device().type
+        super().__init__("16-mixed", device, scaler=grad_scaler(self.policy, device))
+        self.precision = "autoprec-policy"  # what trainer.precision reports: per layer, not one dtype
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        target = torch.device(self.device, torch.cuda.current_device()) if self.device == "cuda" else torch.device(self.device)
+        model = apply_policy(module.to(target), self.policy)
+        # a fresh scaler that knows the model, to name the layers if the scale collapses (nothing has trained yet:
+        # a checkpoint's scaler state is loaded after this)
+        self.scaler = grad_scaler(self.policy, self.device, model=model)
+        return model
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        yield  # the policy's own wrappers set each layer's precision
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() if self.policy.uses_fp16 else {}

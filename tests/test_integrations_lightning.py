@@ -1,0 +1,72 @@
+"""Lightning under a policy: the plugin applies it, and its GradScaler really scales: a step with an inf gradient
+is skipped where plain Lightning's weights turn non-finite, and clipped SGD steps match unscaled training."""
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec import LossScale, Policy, apply_policy
+
+L = pytest.importorskip("lightning")
+from autoprec.integrations.lightning import PolicyPrecision  # noqa: E402
+
+POLICY = Policy(layers={"": "fp32", "body.0": "fp16"}, loss_scale=LossScale(init_scale=2.0**8, growth_interval=1000))
+
+
+class Module(L.LightningModule):
+    def __init__(self, inf_step=None, lr=1e-2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.inf_step, self.lr, self.calls = inf_step, lr, 0
+
+    def forward(self, x):
+        return self.body(x)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        if self.calls == self.inf_step:
+            self.body[2].weight.register_hook(lambda g: g * float("inf") if self.calls == self.inf_step + 1 else g)
+        self.calls += 1
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def loader():
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, generator=g), torch.randn(4, generator=g)) for _ in range(16)]
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def fit(module, **trainer):
+    settings = dict(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, gradient_clip_val=1.0)  # fmt: skip
+    L.Trainer(**{**settings, **trainer}).fit(module, loader())
+    return module
+
+
+def test_the_plugin_applies_the_policy_and_skips_the_inf_step():
+    plugin = PolicyPrecision(POLICY, device="cpu")
+    module = fit(Module(inf_step=1), plugins=[plugin])
+    assert "forward" in module.body[0].__dict__  # applied: the fp16 layer is wrapped
+    assert plugin.scaler.is_enabled() and plugin.scaler.skipped_steps == 1 and plugin.scaler.get_scale() == 2.0**7
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_plain_lightning_with_the_same_inf_step_is_the_control_that_breaks():
+    module = fit(Module(inf_step=1))
+    assert not all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_scaled_training_matches_unscaled_training_with_the_policy_applied_by_hand():
+    """Control: the policy applied by hand, no scaler. Clipped SGD agrees: gradients are unscaled before clipping."""
+    scaled = fit(Module(lr=0.5), plugins=[PolicyPrecision(POLICY, device="cpu")])
+    control = Module(lr=0.5)
+    apply_policy(control, POLICY)
+    fit(control)
+    assert not torch.equal(scaled.body[0].weight, Module().body[0].weight)  # it trained
+    for (name, a), b in zip(scaled.state_dict().items(), control.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
