@@ -124,3 +124,35 @@ def test_a_policy_applied_then_compiled_trains_without_recompiling_after_the_fir
         losses += [step(b) for b in gpt2_tiny.train * 2]
     assert all(torch.isfinite(torch.tensor(losses)))
     torch._dynamo.reset()
+
+
+HF_GPT2 = ROOT / "examples" / "hf_gpt2"
+
+
+def test_the_hf_gpt2_example_searches_conv1d_with_the_natural_loss_and_trains_under_trainer(monkeypatch, tmp_path):
+    """The untrained model (build_model trains for a minute): the contract, GPT-2's Conv1D layers in the default
+    space, and train.py's PolicyTrainer run with an fp16 layer, whose GradScaler is on."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+
+    from autoprec import Policy
+    from autoprec.tune.space import load_space
+
+    task = load_task(HF_GPT2 / "model.py")
+    example = __import__("sys").modules[task.build_model.__module__]
+    model = example.untrained()
+    layers = load_space().tunable_layers(model)
+    assert sum(type(m).__name__ == "Conv1D" for n, m in model.named_modules() if n in layers) == 8 and "lm_head" in layers
+    train = task.batches("train")
+    assert len(train) == 4 and set(train[0]) == {"input_ids", "labels"} and train[0]["input_ids"].shape == (16, 64)
+    loss = task.loss_fn(model, train[0])
+    assert loss.ndim == 0 and 5.0 < loss.item() < 6.0  # about ln(256) before training
+    monkeypatch.syspath_prepend(str(HF_GPT2))
+    monkeypatch.chdir(tmp_path)
+    import train as script
+
+    policy = Policy(layers={"": "bf16", "transformer.h.0.mlp.c_fc": "fp16"})
+    trainer = script.train(policy, 2, model=model)
+    assert trainer.autoprec_scaler.is_enabled() and trainer.state.global_step == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
