@@ -156,3 +156,39 @@ def test_the_hf_gpt2_example_searches_conv1d_with_the_natural_loss_and_trains_un
     trainer = script.train(policy, 2, model=model)
     assert trainer.autoprec_scaler.is_enabled() and trainer.state.global_step == 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_hf_bert_example_keeps_the_contract_with_dict_batches_and_an_accuracy():
+    """The untrained classifier (build_model trains for a minute): the contract and its layers."""
+    pytest.importorskip("transformers")
+    from autoprec.tune.space import load_space
+
+    task = load_task(ROOT / "examples" / "hf_bert" / "model.py")
+    example = __import__("sys").modules[task.build_model.__module__]
+    model = example.untrained()
+    assert len(load_space().tunable_layers(model)) == 2 * 6 + 2  # per block q, k, v, out, up, down; pooler, classifier
+    train = task.batches("train")
+    assert len(train) == 4 and set(train[0]) == {"input_ids", "labels"} and train[0]["input_ids"].shape == (32, 64)
+    assert [b["labels"].tolist() for b in task.batches("eval")] == [b["labels"].tolist() for b in task.batches("eval")]
+    loss = task.loss_fn(model, train[0])
+    assert loss.ndim == 0 and 1.0 < loss.item() < 2.0  # about ln(4) before training
+    model.eval()
+    assert 0.0 <= task.evaluate(model) <= 1.0
+
+
+def test_the_lightning_example_trains_the_digits_model_under_the_plugin(digits, monkeypatch, tmp_path):
+    pytest.importorskip("lightning")
+    import importlib.util
+
+    import torch
+
+    from autoprec import Policy
+
+    spec = importlib.util.spec_from_file_location("digits_lightning", ROOT / "examples" / "digits" / "train_lightning.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.chdir(tmp_path)
+    net = digits.task.build_model()
+    module, plugin = script.fit(Policy(layers={"": "bf16", "fc1": "fp16"}), 2, net=net)
+    assert module.net is net and "forward" in net.fc1.__dict__  # the policy is on self.net, as submodule="net" says
+    assert plugin.scaler.is_enabled() and all(torch.isfinite(p).all() for p in net.parameters())

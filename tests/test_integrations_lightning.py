@@ -70,3 +70,22 @@ def test_scaled_training_matches_unscaled_training_with_the_policy_applied_by_ha
     assert not torch.equal(scaled.body[0].weight, Module().body[0].weight)  # it trained
     for (name, a), b in zip(scaled.state_dict().items(), control.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_policy_goes_on_the_named_submodule_and_a_wrong_name_says_what_there_is():
+    class Wrapper(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Module().body
+
+        def training_step(self, batch, i):
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    policy = Policy(layers={"0": "fp16"})
+    wrapper = fit(Wrapper(), plugins=[PolicyPrecision(policy, device="cpu", submodule="net")])
+    assert "forward" in wrapper.net[0].__dict__
+    with pytest.raises(ValueError, match=r"submodule='body'\): the LightningModule has no such submodule \(its children: net\)"):
+        fit(Wrapper(), plugins=[PolicyPrecision(policy, device="cpu", submodule="body")])

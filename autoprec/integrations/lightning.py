@@ -31,22 +31,31 @@ __all__ = ["PolicyPrecision"]
 
 class PolicyPrecision(MixedPrecision):
     """Lightning's mixed-precision plugin with the policy in place of one autocast: `policy` is a Policy or a
-    policy file, `device` the accelerator type ("cuda", "cpu"; default cuda when available). `scaler` is the
-    policy's GradScaler, disabled (every call a no-op) when no layer is fp16."""
+    policy file, `device` the accelerator type ("cuda", "cpu"; default cuda when available), `submodule` where
+    the searched model sits inside the LightningModule (`"net"` for `self.net`; default the LightningModule
+    itself). `scaler` is the policy's GradScaler, disabled (every call a no-op) when no layer is fp16."""
 
-    def __init__(self, policy: Policy | str | Path, device: str | None = None) -> None:
+    def __init__(self, policy: Policy | str | Path, device: str | None = None, *, submodule: str = "") -> None:
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        self.submodule = submodule
         device = device or default_device().type
         super().__init__("16-mixed", device, scaler=grad_scaler(self.policy, device))
         self.precision = "autoprec-policy"  # what trainer.precision reports: per layer, not one dtype
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         target = torch.device(self.device, torch.cuda.current_device()) if self.device == "cuda" else torch.device(self.device)
-        model = apply_policy(module.to(target), self.policy)
+        module = module.to(target)
+        try:
+            searched = module.get_submodule(self.submodule)
+        except AttributeError:
+            children = ", ".join(name for name, _ in module.named_children()) or "none"
+            raise ValueError(f"PolicyPrecision(submodule={self.submodule!r}): the LightningModule has no such submodule "
+                             f"(its children: {children}); name the attribute that holds the searched model") from None
+        apply_policy(searched, self.policy)
         # a fresh scaler that knows the model, to name the layers if the scale collapses (nothing has trained yet:
         # a checkpoint's scaler state is loaded after this)
-        self.scaler = grad_scaler(self.policy, self.device, model=model)
-        return model
+        self.scaler = grad_scaler(self.policy, self.device, model=searched)
+        return module
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
