@@ -62,3 +62,31 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
     assert list(candidates) == ["fp32", "profile greedy 0", "profile greedy 0.1", "trial 3", "trial 3, fp16/fp8 -> bf16", "trial 7"]
     one, _, _ = pipeline.gather_candidates(None, None, started, search_plan(0.1), 2)
     assert list(one) == ["fp32", GREEDY, "trial 7"]  # one budget: the greedy policy keeps its plain name
+
+
+def test_a_noisy_final_remeasure_is_timed_again_twice_as_long_and_said(monkeypatch, caplog):
+    import pandas as pd
+
+    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune.report import noisiest
+
+    def table(spread):
+        return pd.DataFrame([{"candidate": "fp32", "runs": True, "spread": 0.02, "compile_s": None},
+                             {"candidate": "x", "runs": True, "spread": spread, "compile_s": None},
+                             {"candidate": "broken", "runs": False, "spread": 3.0, "compile_s": None}])  # fmt: skip
+
+    config = SearchConfig(budget=0.1, progress=False)
+    for spreads, warnings in (([0.1], 0), ([0.8, 0.1], 1), ([0.8, 0.6], 2)):
+        calls = []
+
+        def remeasure(workload, candidates, judge, budget, timing, calls=calls, spreads=spreads, **kw):
+            calls.append(timing.rounds)
+            return table(spreads[len(calls) - 1])
+
+        monkeypatch.setattr(pipeline, "remeasure", remeasure)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="autoprec"):
+            finals = pipeline.final_remeasure(None, {}, None, config, Stopwatch())
+        rounds = config.final_timing.rounds
+        assert calls == [rounds, 2 * rounds][: len(spreads)] and noisiest(finals) == spreads[-1]  # a failed run's spread ignored
+        assert len([r for r in caplog.records if "spread up to" in r.message]) == warnings

@@ -438,3 +438,15 @@ def test_a_journal_with_a_torn_last_line_keeps_every_complete_trial_and_says_wha
     assert (again.trials["state"] == "COMPLETE").sum() >= 2
     third = search(workload, SPACE, SearchConfig(budget=0.05, **{**FAST, "trials": 3}), out)  # parses cleanly now
     assert len(third.trials) == len(again.trials)
+
+
+def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
+    import dataclasses
+
+    from autoprec.tune.report import search_summary
+
+    _, result, _ = searched
+    quiet = dataclasses.replace(result, finals=result.finals.assign(spread=0.01))
+    loud = dataclasses.replace(result, finals=result.finals.assign(spread=0.9))
+    assert "too wide to rank" not in search_summary(quiet)
+    assert "note: step times spread up to ±45.0% even when timed twice as long: too wide to rank" in search_summary(loud)

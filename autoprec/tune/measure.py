@@ -28,6 +28,11 @@ from autoprec.errors import UserError, describe
 from autoprec.tune.task import Workload, check_loss
 
 
+# A spread (interquartile range / median) beyond which step times cannot rank candidates a few percent apart:
+# a loaded machine, a throttling GPU. The final re-measure then times again once, and says so if it stays.
+NOISY_SPREAD = 0.25
+
+
 @dataclasses.dataclass(frozen=True)
 class TimingConfig:
     """How long to time: `rounds` interleaved rounds of at least `min_block_s` seconds per candidate."""

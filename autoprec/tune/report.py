@@ -12,6 +12,7 @@ import pandas as pd
 from autoprec.tune.alternatives import BF16, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.cost import cost_rows
+from autoprec.tune.measure import NOISY_SPREAD
 from autoprec.files import write_atomically
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
@@ -166,6 +167,12 @@ def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
     return fmt_table(headers, rows)
 
 
+def noisiest(finals: pd.DataFrame) -> float:
+    """The widest step-time spread among the re-measured candidates that ran (0 when none did)."""
+    spreads = finals.loc[finals["runs"].astype(bool), "spread"].dropna()
+    return float(spreads.max()) if len(spreads) else 0.0
+
+
 def search_summary(result: Any, *, markdown: bool = False) -> str:
     """The end-of-search report: layer formats, then fp32 / uniform bf16 / policy measured side by side."""
     policy = result.policy
@@ -207,6 +214,12 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
             f"note: TF32 measured {tf32['speedup'] / picked['speedup']:.2f}x the chosen policy's speed within budget; it is a "
             "process-wide setting, not a per-layer format: torch.set_float32_matmul_precision('high') in your script "
             "also speeds the policy's fp32 layers"
+        )
+    if noisiest(finals) > NOISY_SPREAD:
+        parts.append(
+            f"note: step times spread up to {_spread(noisiest(finals))} even when timed twice as long: too wide to rank "
+            "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
+            "rerun on a quieter machine with --remeasure"
         )
     chosen, ref = rows.get(m.get("chosen")), rows.get(BF16)
     if chosen is not None and ref is not None and chosen["candidate"] != BF16:
