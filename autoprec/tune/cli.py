@@ -186,6 +186,27 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from autoprec.policy import load_policy
+    from autoprec.tune.export import export
+
+    policy = load_policy(args.policy)
+    source = Path(args.policy)
+    out = Path(args.out) if args.out else source.with_name(f"{source.stem}_{args.to}.py")
+    try:
+        left_out = export(policy, args.to, out, source=str(source))
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
+    if args.json:
+        print(json.dumps({"file": str(out), "not_expressed": left_out}))
+        return 0
+    if not args.quiet:
+        print(f"wrote {out}")
+        for line in left_out:
+            print(f"not expressed: {line}")
+    return 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from autoprec.policy import load_policy
     from autoprec.tune.report import show_policy
@@ -243,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autoprec {_version()}")
     for flag, text in GLOBAL_FLAGS:
         parser.add_argument(flag, action="store_true", help=text)
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show,export}")
 
     def model_verb(name: str, help_text: str) -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=help_text, description=help_text)
@@ -294,6 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--markdown", action="store_true", help="markdown tables")
     _global_flags(sh)
     sh.set_defaults(func=cmd_show)
+
+    from autoprec.tune.export import TARGETS  # noqa: PLC0415 (light: the policy and formats only)
+
+    ex = verbs.add_parser("export", help="write a policy's fp8 layers for another training tool",
+                          description="write a policy's fp8 layers for another training tool; what it cannot express is listed")  # fmt: skip
+    ex.add_argument("policy", help="path to a policy.json")
+    ex.add_argument("--to", required=True, choices=TARGETS, help="torchao: a module_filter_fn file for convert_to_float8_training")
+    ex.add_argument("--out", help="the file to write (default: beside the policy, <name>_<target>.py)")
+    _global_flags(ex)
+    ex.set_defaults(func=cmd_export)
     return parser
 
 
