@@ -1,0 +1,47 @@
+"""One rank of tests/test_distributed.py: a policy-applied model trained under DDP or FSDP2 (fully_shard) on the
+CPU with gloo; writes what the test checks (its parameters after training, the checkpoint's dtypes) to a file."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoprec import Policy, apply_policy, grad_scaler
+
+POLICY = Policy(layers={"": "bf16", "0": "fp32", "2": "fp16"})
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def run(rank, world, wrap, out, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = apply_policy(build(), POLICY)
+        if wrap == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = grad_scaler(POLICY, "cpu")
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        state = model.module.state_dict() if wrap == "ddp" else {k: v.full_tensor() for k, v in model.state_dict().items()}
+        torch.save({"state": state, "dtypes": {k: str(v.dtype) for k, v in state.items()}, "skipped": scaler.skipped_steps},
+                   os.path.join(out, f"rank{rank}.pt"))  # fmt: skip
+    finally:
+        dist.destroy_process_group()

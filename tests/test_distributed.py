@@ -1,0 +1,54 @@
+"""A policy-applied model under DDP and FSDP2 on the CPU (gloo, two processes): it trains, the ranks agree, the
+checkpoint stays fp32, and the weights are what the same training in one process on both ranks' data gives."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import distributed_worker as worker
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_a_policy_applied_model_trains_under_data_parallelism_with_ranks_agreeing_and_fp32_checkpoints(tmp_path, wrap):
+    mp.spawn(worker.run, args=(2, wrap, str(tmp_path), free_port()), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for name, value in ranks[0]["state"].items():
+        torch.testing.assert_close(value, ranks[1]["state"][name], rtol=0, atol=0, msg=name)  # one model, not two
+    assert set(ranks[0]["dtypes"].values()) == {"torch.float32"}  # checkpoints stay fp32 under the policy
+    before = worker.build().state_dict()
+    assert any(not torch.equal(ranks[0]["state"][k], before[k]) for k in before)  # it trained
+    assert list(ranks[0]["state"]) == list(before)  # the plain model's keys: loads into it strictly
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == 0
+    control = single_process_control()
+    for name, value in ranks[0]["state"].items():
+        torch.testing.assert_close(value, control[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def single_process_control():
+    """The same steps in one process on both ranks' batches at once: what averaging the ranks' gradients gives."""
+    from torch import nn
+
+    from autoprec import apply_policy, grad_scaler
+
+    model = apply_policy(worker.build(), worker.POLICY)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = grad_scaler(worker.POLICY, "cpu")
+    gens = [torch.Generator().manual_seed(100 + rank) for rank in range(2)]
+    for _ in range(3):
+        pairs = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for g in gens]
+        x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    return model.state_dict()
