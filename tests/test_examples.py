@@ -176,6 +176,25 @@ def test_the_hf_bert_example_keeps_the_contract_with_dict_batches_and_an_accurac
     assert 0.0 <= task.evaluate(model) <= 1.0
 
 
+def test_the_hf_bert_example_trains_under_hf_trainer_with_default_arguments_and_a_policy(tmp_path):
+    pytest.importorskip("accelerate")
+    import torch
+    import transformers
+
+    from autoprec import Policy
+    from autoprec.integrations.transformers import PolicyTrainer
+
+    task = load_task(ROOT / "examples" / "hf_bert" / "model.py")
+    model = __import__("sys").modules[task.build_model.__module__].untrained()
+    rows = [{"input_ids": ids, "labels": label} for b in task.batches("train") for ids, label in zip(b["input_ids"], b["labels"])]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[])  # defaults otherwise
+    policy = Policy(layers={"": "bf16", "classifier": "fp32", "bert.encoder.layer.0.intermediate.dense": "fp16"})
+    trainer = PolicyTrainer(policy=policy, model=model, args=args, train_dataset=rows)
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.autoprec_scaler.is_enabled()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_the_lightning_example_trains_the_digits_model_under_the_plugin(digits, monkeypatch, tmp_path):
     pytest.importorskip("lightning")
     import importlib.util
