@@ -56,6 +56,12 @@ def nonfinite_layers(model: torch.nn.Module, policy: Policy) -> list[str]:
     return sorted(out, key=lambda label: not label.endswith(f"({Format.FP16})"))
 
 
+def _checks_inf_itself(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused (and other amp-aware) optimizers take GradScaler's inf flags into their own step, which then always
+    runs; GradScaler.step branches on the same attribute."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) or optimizer.defaults.get("fused"))
+
+
 class PolicyGradScaler(torch.amp.GradScaler):
     """A torch.amp.GradScaler that notices a collapsing loss scale and names the layers behind it.
 
@@ -93,18 +99,27 @@ class PolicyGradScaler(torch.amp.GradScaler):
         optimizer's public step hook: no extra device sync."""
         if not self.is_enabled():
             return super().step(optimizer, *args, **kwargs)
-        ran = []
-        handle = optimizer.register_step_pre_hook(lambda *_: ran.append(True))
+        ran: list[bool] = []
+        try:
+            handle = optimizer.register_step_pre_hook(lambda *_: ran.append(True))
+        except AttributeError:  # a wrapper that is not a torch Optimizer inside (accelerate's): read the scale instead
+            handle = None
         try:
             out = super().step(optimizer, *args, **kwargs)
         finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
         self._stepped = True
-        if optimizer.defaults.get("fused"):  # it takes the scaler's inf check into its own step, and always runs
+        if handle is None or _checks_inf_itself(optimizer):  # its step runs regardless: read off the scale
             self._all_ran = None
         elif self._all_ran is not None:
-            self._all_ran = bool(ran)
+            self._all_ran = self._all_ran and bool(ran)  # one optimizer skipped: the step counts as skipped
         return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self.is_enabled():
+            self._scale_seen = self.get_scale()  # a resumed run's scale, for the next comparison
 
     def _the_model(self) -> torch.nn.Module | None:
         if self._model is not None:

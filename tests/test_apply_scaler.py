@@ -209,3 +209,27 @@ def test_layers_are_named_through_a_torch_compile_wrapper():
     nn.functional.mse_loss(model(torch.randn(2, 8)), torch.zeros(2, 4)).backward()
     _inject_inf(model.a.weight)
     assert autoprec.scaler.nonfinite_layers(compiled, FP16) == ["a (fp16)"]
+
+
+def test_a_skip_in_one_of_two_optimizers_counts_as_a_skipped_step():
+    model = apply_policy(Net(), FP16)
+    scaler = grad_scaler(FP16, "cpu", model=model)
+    opt_a = torch.optim.SGD(model.a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model.b.parameters(), lr=0.1)
+    x, y = _batches(1)[0]
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    _inject_inf(model.a.weight)  # only the first optimizer's gradients
+    scaler.step(opt_a)
+    scaler.step(opt_b)  # this one runs
+    scaler.update()
+    assert scaler.skipped_steps == 1 and scaler.get_scale() == 2.0**9
+
+
+def test_a_resumed_fused_run_compares_against_the_loaded_scale():
+    """A clean fused step after load_state_dict is not a skip, though the loaded scale is below init_scale."""
+    model = apply_policy(Net(), FP16)
+    scaler = grad_scaler(FP16, "cpu", model=model)
+    state = grad_scaler(FP16, "cpu").state_dict()
+    scaler.load_state_dict({**state, "scale": 2.0**4})  # a run whose scale fell
+    _, scales = _run(model, _batches(1), scaler=scaler, fused=True)
+    assert scales == [2.0**5] and scaler.skipped_steps == 0
