@@ -127,7 +127,7 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out if outer_autocast else map_tensors(out, _to_fp32)
 
 
-_FORWARDS: dict[type[torch.nn.Module], Callable[..., Any]] = {}
+_FORWARDS: weakref.WeakKeyDictionary[type[torch.nn.Module], Callable[..., Any]] = weakref.WeakKeyDictionary()
 
 
 def _policy_forward_for(cls: type[torch.nn.Module]) -> Callable[..., Any]:
@@ -141,6 +141,9 @@ def _policy_forward_for(cls: type[torch.nn.Module]) -> Callable[..., Any]:
         def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             return _policy_forward(self, *args, **kwargs)
 
+        # Its own name, not `forward`: pickle stores a bound method as getattr(obj, name), which would restore the
+        # class's plain forward and silently drop the format. Pickling a policy-applied model fails instead.
+        forward.__name__ = forward.__qualname__ = "_autoprec_policy_forward"
         _FORWARDS[cls] = forward
     return _FORWARDS[cls]
 

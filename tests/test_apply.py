@@ -319,3 +319,15 @@ def test_a_policy_measured_on_another_model_warns_when_applied():
 def test_grad_scaler_given_a_dict_says_what_it_takes():
     with pytest.raises(TypeError, match=r"Policy or a policy file's path, not a dict; use Policy.from_dict"):
         grad_scaler({"layers": {"a": "fp16"}})
+
+
+def test_pickling_a_policy_applied_model_fails_loudly_rather_than_dropping_the_policy():
+    """A bound forward is pickled by name: under `forward`, unpickling would give back the class's plain forward
+    with the format silently gone. Checkpoints are state_dicts, which stay plain (test_apply_checkpoint)."""
+    import pickle
+
+    from torch import nn
+
+    model = apply_policy(nn.Sequential(nn.Linear(4, 4)), Policy(layers={"0": "bf16"}))
+    with pytest.raises(AttributeError, match="_autoprec_policy_forward"):
+        pickle.loads(pickle.dumps(model))
