@@ -217,3 +217,21 @@ def test_shipped_space_starts_with_its_command_and_loads(path):
     if getattr(args, "model", None):
         assert (REPO / args.model).is_file(), f"{path.name}: the command's model {args.model} does not exist"
     assert load_space(path).layers
+
+
+def test_a_class_by_import_path_matches_where_it_is_defined_or_re_exported_and_subclasses_too():
+    from torch import nn
+
+    from autoprec.tune.space import is_instance
+
+    class Custom(nn.Linear):  # a subclass of a listed class is that type
+        pass
+
+    assert is_instance(nn.Linear(2, 2), "torch.nn.Linear") and is_instance(Custom(2, 2), "torch.nn.modules.linear.Linear")
+    assert is_instance(Custom(2, 2), "torch.nn.Linear") and not is_instance(nn.Conv1d(1, 1, 1), "torch.nn.Linear")
+    assert not is_instance(nn.Linear(2, 2), "not_a_package_here.Linear")  # a package not installed matches nothing
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    layer = Conv1D(4, 2)
+    assert is_instance(layer, "transformers.pytorch_utils.Conv1D") and is_instance(layer, "transformers.Conv1D") is hasattr(transformers, "Conv1D")

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import importlib.resources
 import math
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -138,11 +139,29 @@ def check_type_name(type_name: str) -> None:
 
 
 def is_instance(module: torch.nn.Module, type_name: str) -> bool:
-    """Whether `module` is of the listed type or a subclass of it; an import path is matched against the
-    classes' own module and name, so nothing is imported."""
+    """Whether `module` is of the listed type or a subclass of it. An import path names the class where it is
+    defined or re-exported (transformers.Conv1D, torch.nn.Linear): looked up in packages already imported (a
+    model of that library has imported it), else matched against the classes' own module and name."""
     if "." not in type_name:
         return isinstance(module, getattr(torch.nn, type_name))
-    return any(f"{cls.__module__}.{cls.__qualname__}" == type_name for cls in type(module).__mro__)
+    cls = _loaded_class(type_name)
+    if cls is not None:
+        return isinstance(module, cls)
+    return any(f"{c.__module__}.{c.__qualname__}" == type_name for c in type(module).__mro__)
+
+
+def _loaded_class(path: str) -> type | None:
+    """The class at `path` when its package is already imported (nothing is imported here), else None."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        owner = sys.modules.get(".".join(parts[:cut]))
+        if owner is None:
+            continue
+        value: Any = owner
+        for attr in parts[cut:]:
+            value = getattr(value, attr, None)
+        return value if isinstance(value, type) else None
+    return None
 
 
 def _formats(value: Any, field: str) -> tuple[Format, ...]:
