@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 
 from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, fp8_backend, format_problem
-from autoprec.policy import ROOT, Policy, load_policy, model_fingerprint
+from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
 from autoprec.tensors import map_tensors
 
 log = logging.getLogger("autoprec")
@@ -371,8 +371,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path) -> torch.n
     that runs under their format; fp8 linears become torchao Float8Linear (a subclass of nn.Linear).
     Apply before torch.compile. `applied_summary(model)` tells what was done, per layer.
     """
-    if not isinstance(policy, Policy):
-        policy = load_policy(policy)
+    policy = as_policy(policy, caller="apply_policy")
     _check_fresh(model)
     paths = dict(model.named_modules(remove_duplicate=False))
     device = _param_device(model)

@@ -150,6 +150,15 @@ class Policy:
         )
 
 
+def as_policy(value: Policy | str | Path, *, caller: str) -> Policy:
+    """A Policy given as itself or as a policy file's path; `caller` names the function in the error for a dict."""
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, Mapping):
+        raise TypeError(f"{caller} takes a Policy or a policy file's path, not a dict; use Policy.from_dict(data)")
+    return load_policy(value)
+
+
 def load_policy(path: str | Path) -> Policy:
     """Read and validate a policy file; errors name the file, the field and the allowed values."""
     path = Path(path)

@@ -13,7 +13,7 @@ import torch
 
 from autoprec.apply import models_with
 from autoprec.formats import Format, default_device
-from autoprec.policy import Policy, load_policy
+from autoprec.policy import Policy, as_policy
 
 
 DEFAULT_WARN_AFTER_SKIPS = 10
@@ -188,10 +188,7 @@ def grad_scaler(
     non-finite gradients of `model` (or of the one model this policy was applied to); `warn=False` only counts
     the skipped steps (`skipped_steps`), for a caller that reports them itself.
     """
-    if isinstance(policy, dict):
-        raise TypeError("grad_scaler takes a Policy or a policy file's path, not a dict; use Policy.from_dict(data)")
-    if not isinstance(policy, Policy):
-        policy = load_policy(policy)
+    policy = as_policy(policy, caller="grad_scaler")
     if device is None:
         device = default_device()
     ls = policy.loss_scale

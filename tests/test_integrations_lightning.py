@@ -89,3 +89,16 @@ def test_the_policy_goes_on_the_named_submodule_and_a_wrong_name_says_what_there
     assert "forward" in wrapper.net[0].__dict__
     with pytest.raises(ValueError, match=r"submodule='body'\): the LightningModule has no such submodule \(its children: net\)"):
         fit(Wrapper(), plugins=[PolicyPrecision(policy, device="cpu", submodule="body")])
+
+
+def test_fit_then_validate_converts_once_and_keeps_the_scaler():
+    """Lightning converts the module on every entry point: the second time finds the policy already on it."""
+    plugin = PolicyPrecision(POLICY, device="cpu")
+    module = Module(inf_step=1)
+    module.validation_step = lambda batch, i=0: nn.functional.mse_loss(module(batch[0]), batch[1])
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, plugins=[plugin])  # fmt: skip
+    trainer.fit(module, loader())
+    scaler = plugin.scaler
+    trainer.validate(module, loader())
+    assert plugin.scaler is scaler and scaler.skipped_steps == 1

@@ -61,12 +61,27 @@ def test_plain_trainer_with_the_same_inf_step_is_the_control_that_breaks(tmp_pat
     assert not all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_under_accelerates_own_fp16_mode_the_gradients_are_unscaled_once(tmp_path, monkeypatch):
+    """fp16=True on a GPU turns on accelerate's native AMP, whose clipping unscales (with the scaler it holds, ours):
+    PolicyTrainer must not unscale first, or GradScaler refuses a second unscale_. Simulated on the CPU."""
+    import accelerate
+
+    monkeypatch.setattr(accelerate.Accelerator, "mixed_precision", property(lambda self: "fp16"))
+    model = gpt2()
+    trainer = PolicyTrainer(policy=POLICY, model=model, args=arguments(tmp_path), train_dataset=data())
+    trainer.accelerator.native_amp = True
+    trainer.train()  # a second unscale_ would raise here
+    assert trainer.state.global_step == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_trainers_own_precision_flags_are_said_to_conflict_with_the_policy(tmp_path):
     with pytest.warns(UserWarning, match=r"bf16=True\) puts the whole model under bf16 autocast.*the policy says fp32"):
         PolicyTrainer(policy=POLICY, model=gpt2(), args=arguments(tmp_path, bf16=True), train_dataset=data())
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         PolicyTrainer(policy=Policy(layers={"": "bf16"}), model=gpt2(), args=arguments(tmp_path), train_dataset=data())
+        # bf16=True around a policy whose root is bf16 changes nothing: no warning
+        PolicyTrainer(policy=Policy(layers={"": "bf16"}), model=gpt2(), args=arguments(tmp_path, bf16=True), train_dataset=data())
 
 
 def test_scaled_training_matches_unscaled_training_step_for_step(tmp_path):

@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Generator
 from pathlib import Path
-from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from autoprec.apply import apply_policy
+from autoprec.apply import applied_policy, apply_policy
 from autoprec.formats import default_device
-from autoprec.policy import Policy, load_policy
+from autoprec.policy import Policy, as_policy
 from autoprec.scaler import grad_scaler
 
 __all__ = ["PolicyPrecision"]
@@ -36,30 +35,35 @@ class PolicyPrecision(MixedPrecision):
     itself). `scaler` is the policy's GradScaler, disabled (every call a no-op) when no layer is fp16."""
 
     def __init__(self, policy: Policy | str | Path, device: str | None = None, *, submodule: str = "") -> None:
-        self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        self.policy = as_policy(policy, caller="PolicyPrecision")
         self.submodule = submodule
         device = device or default_device().type
         super().__init__("16-mixed", device, scaler=grad_scaler(self.policy, device))
-        self.precision = "autoprec-policy"  # what trainer.precision reports: per layer, not one dtype
+        self.precision = "autoprec-policy"  # type: ignore[assignment]  # trainer.precision: per layer, not one dtype
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        target = torch.device(self.device, torch.cuda.current_device()) if self.device == "cuda" else torch.device(self.device)
-        module = module.to(target)
+        module = module.to(self._root_device(module))  # apply_policy wants the model on its device
         try:
             searched = module.get_submodule(self.submodule)
         except AttributeError:
             children = ", ".join(name for name, _ in module.named_children()) or "none"
             raise ValueError(f"PolicyPrecision(submodule={self.submodule!r}): the LightningModule has no such submodule "
                              f"(its children: {children}); name the attribute that holds the searched model") from None
+        if applied_policy(searched) == self.policy:
+            return module  # converted for an earlier fit (Lightning converts on every fit, validate, test, predict)
         apply_policy(searched, self.policy)
         # a fresh scaler that knows the model, to name the layers if the scale collapses (nothing has trained yet:
         # a checkpoint's scaler state is loaded after this)
         self.scaler = grad_scaler(self.policy, self.device, model=searched)
         return module
 
+    def _root_device(self, module: torch.nn.Module) -> torch.device:
+        """The strategy's device (a CPU run on a GPU machine runs on the CPU), else this plugin's."""
+        try:
+            return torch.device(module.trainer.strategy.root_device)  # type: ignore[union-attr,arg-type]
+        except (AttributeError, RuntimeError):  # not attached to a Trainer
+            return torch.device(self.device, torch.cuda.current_device()) if self.device == "cuda" else torch.device(self.device)
+
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         yield  # the policy's own wrappers set each layer's precision
-
-    def state_dict(self) -> dict[str, Any]:
-        return super().state_dict() if self.policy.uses_fp16 else {}

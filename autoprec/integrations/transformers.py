@@ -23,7 +23,7 @@ import transformers
 
 from autoprec.apply import apply_policy
 from autoprec.formats import Format
-from autoprec.policy import ROOT, Policy, load_policy
+from autoprec.policy import ROOT, Policy, as_policy
 from autoprec.scaler import PolicyGradScaler, grad_scaler
 
 __all__ = ["PolicyTrainer"]
@@ -34,10 +34,12 @@ class PolicyTrainer(transformers.Trainer):
     is Trainer's. `autoprec_scaler` is the policy's GradScaler (disabled when no layer is fp16)."""
 
     def __init__(self, *, policy: Policy | str | Path, model: torch.nn.Module, args: transformers.TrainingArguments | None = None, **kwargs: Any):
-        policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        policy = as_policy(policy, caller="PolicyTrainer")
         args = args if args is not None else transformers.TrainingArguments(output_dir="trainer_output")
         _warn_conflicts(policy, args)
-        model = apply_policy(model.to(args.device), policy)  # on its device first, as apply_policy asks
+        if getattr(model, "hf_device_map", None) is None:  # a model HF placed across devices stays where it is
+            model = model.to(args.device)
+        model = apply_policy(model, policy)  # on its device first, as apply_policy asks
         super().__init__(model=model, args=args, **kwargs)
         self.autoprec_scaler: PolicyGradScaler = grad_scaler(policy, args.device, model=model)
         if self.autoprec_scaler.is_enabled():
@@ -46,18 +48,21 @@ class PolicyTrainer(transformers.Trainer):
 
     def training_step(self, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         loss = super().training_step(model, inputs, *args, **kwargs)
-        if self.autoprec_scaler.is_enabled() and self.accelerator.sync_gradients:
-            # before Trainer clips: accelerate unscales only under its own fp16 mode, and a clip of scaled
-            # gradients would shrink every step by the loss scale
-            self.autoprec_scaler.unscale_(getattr(self.optimizer, "optimizer", self.optimizer))
+        accelerate_unscales = self.accelerator.native_amp and self.accelerator.mixed_precision == "fp16"
+        if self.autoprec_scaler.is_enabled() and self.accelerator.sync_gradients and not accelerate_unscales:
+            # before Trainer clips: accelerate unscales (with our scaler) only under its own fp16 mode, and a clip
+            # of scaled gradients would shrink every step by the loss scale
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps the torch optimizer
+            assert inner is not None, "Trainer steps with an optimizer"
+            self.autoprec_scaler.unscale_(inner)
         return loss
 
 
 def _warn_conflicts(policy: Policy, args: transformers.TrainingArguments) -> None:
-    flags = [name for name in ("bf16", "fp16") if getattr(args, name, False)]
+    root = policy.layers.get(ROOT, Format.FP32)
+    flags = [name for name in ("bf16", "fp16") if getattr(args, name, False) and name != root.value]
     if not flags:
         return
-    root = policy.layers.get(ROOT, Format.FP32)
     warnings.warn(
         f"TrainingArguments({flags[0]}=True) puts the whole model under {flags[0]} autocast, around the policy: its "
         f"layers keep their formats, but everything else runs in {flags[0]} where the policy says {root}; set "
