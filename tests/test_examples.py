@@ -148,9 +148,12 @@ def test_the_hf_gpt2_example_searches_conv1d_with_the_natural_loss_and_trains_un
     assert len(train) == 4 and set(train[0]) == {"input_ids", "labels"} and train[0]["input_ids"].shape == (16, 64)
     loss = task.loss_fn(model, train[0])
     assert loss.ndim == 0 and 5.0 < loss.item() < 6.0  # about ln(256) before training
-    monkeypatch.syspath_prepend(str(HF_GPT2))
+    import importlib.util
+
     monkeypatch.chdir(tmp_path)
-    import train as script
+    spec = importlib.util.spec_from_file_location("hf_gpt2_train", HF_GPT2 / "train.py")  # no bare `train` module
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
 
     policy = Policy(layers={"": "bf16", "transformer.h.0.mlp.c_fc": "fp16"})
     trainer = script.train(policy, 2, model=model)

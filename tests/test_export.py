@@ -54,3 +54,10 @@ def test_the_export_verb_writes_beside_the_policy_and_lists_what_it_left_out(tmp
     with pytest.raises(SystemExit):  # argparse names the choices
         main(["export", str(tmp_path / "policy.json"), "--to", "megatron"])
     assert "invalid choice: 'megatron'" in capsys.readouterr().err
+
+
+def test_a_policy_without_fp8_layers_says_the_file_converts_nothing(tmp_path):
+    left_out = export(Policy(layers={"a": "bf16"}), "torchao", tmp_path / "p.py")
+    assert left_out[-1] == "the policy has no fp8 layer: the file's convert(model) changes nothing"
+    model = load(tmp_path / "p.py").convert(Net())
+    assert all(type(m) in (nn.Linear, nn.Sequential, Net) for m in model.modules())

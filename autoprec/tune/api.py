@@ -26,7 +26,8 @@ from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_lis
 from autoprec.tune.profiler import checked_fp32_metric
 from autoprec.tune.space import SearchSpace, load_space
 from autoprec.tune.study import SearchConfig
-from autoprec.tune.task import Task, Workload, default_device, prepare
+from autoprec.formats import default_device
+from autoprec.tune.task import Task, Workload, prepare
 
 log = logging.getLogger("autoprec")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from autoprec.errors import UserError
-from autoprec.tune.task import default_device
+from autoprec.formats import default_device
 
 EXIT_USER_ERROR = 2
 

@@ -37,8 +37,10 @@ def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
             recipes.setdefault(fmt.spec.fp8_recipe, []).append(name)
     missing = not_expressed(policy)
     header = "\n".join(f"  - {line}" for line in missing) or "  (nothing: every listed layer is fp8 or fp32)"
+    if not recipes:
+        header += "\n\nThe policy has no fp8 layer: convert(model) changes nothing."
     layers = json.dumps(recipes, indent=4)
-    return f'''"""torchao float8 training for the fp8 layers of {source} (written by `autoprec export --to torchao`).
+    return f'''"""torchao float8 training for the fp8 layers of {source!r} (written by `autoprec export --to torchao`).
 
     from this_file import convert
     model = convert(model)   # before torch.compile, after moving the model to its device
@@ -67,8 +69,12 @@ def convert(model):
 
 
 def export(policy: Policy, target: str, out: str | Path, *, source: str = "a policy") -> list[str]:
-    """Write `policy` for `target` to `out`; returns what the target could not express."""
+    """Write `policy` for `target` to `out`; returns what the target could not express (and says when nothing
+    is left to convert)."""
     if target not in TARGETS:
         raise ValueError(f"--to {target!r}: one of {', '.join(TARGETS)}")
     write_text(out, torchao_source(policy, source=source))
-    return not_expressed(policy)
+    left_out = not_expressed(policy)
+    if not any(fmt.spec.fp8_recipe is not None for fmt in policy.layers.values()):
+        left_out.append("the policy has no fp8 layer: the file's convert(model) changes nothing")
+    return left_out

@@ -349,7 +349,7 @@ class Objective:
         except UserError:
             raise
         except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
-            trial.set_user_attr("error", f"training step failed: {type(exc).__name__}: {exc}"[:300])
+            trial.set_user_attr("error", f"training step failed: {describe(exc)}")
             return False, INFEASIBLE
         stats = step_stats({"policy": candidate}, t)["policy"]
         if candidate.compiled:

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from autoprec.errors import UserError
-from autoprec.formats import default_device  # noqa: F401 (the command line and the Python API take it from here)
 from autoprec.tensors import map_tensors
 
 REQUIRED = ("build_model", "batches", "loss_fn")
