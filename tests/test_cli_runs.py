@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 import autoprec.tune.sweeper  # noqa: F401  (the fixture patches its module)
@@ -150,3 +151,15 @@ def test_only_autoprecs_own_log_lines_carry_its_prefix():
             "logging.getLogger('autoprec').info('not at the default level')\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stderr.splitlines()[-2:] == ["autoprec: ours", "theirs"], proc.stderr
+
+
+def test_exclude_keeps_a_layer_out_of_the_profile_and_a_typo_is_one_line(fast, capsys, tmp_path):
+    argv = ["profile", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--exclude", "he*"]
+    assert main(argv) == 0
+    layers = set(pd.read_csv(tmp_path / "profile.csv")["layer"].astype(str))
+    assert "head" not in layers and {"fc1", "big"} <= layers
+    capsys.readouterr()
+    assert main([*argv[:-1], "haed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["autoprec: error: --exclude 'haed' matches no module of the model (its modules include fc1, big, head); "
+                   "patterns are fnmatch, e.g. pooler or '*.lm_head'"]  # fmt: skip

@@ -12,7 +12,7 @@ from torch import nn
 from autoprec.tune.cli import build_parser
 from autoprec.errors import UserError
 from autoprec.formats import Format
-from autoprec.tune.space import LossScaleRange, SearchSpace, load_space
+from autoprec.tune.space import LossScaleRange, SearchSpace, load_space, space_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "search_spaces").glob("*.y*ml"))
@@ -235,3 +235,21 @@ def test_a_class_by_import_path_matches_where_it_is_defined_or_re_exported_and_s
 
     layer = Conv1D(4, 2)
     assert is_instance(layer, "transformers.pytorch_utils.Conv1D") and is_instance(layer, "transformers.Conv1D") is hasattr(transformers, "Conv1D")
+
+
+def test_excluded_modules_and_everything_inside_them_are_not_layers():
+    from torch import nn
+
+    model = nn.Sequential()
+    model.add_module("encoder", nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model.add_module("pooler", nn.Sequential(nn.Linear(4, 4)))
+    model.add_module("head", nn.Linear(4, 2))
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "exclude": ["pooler", "*.1"]})
+    assert list(space.tunable_layers(model)) == ["encoder.0", "head"]  # pooler.0 sits inside pooler
+    more = space.with_excludes(["head"], model)
+    assert list(more.tunable_layers(model)) == ["encoder.0"] and more.exclude == ("pooler", "*.1", "head")
+    with pytest.raises(ValueError, match=r"exclude 'poolr' matches no module of the model \(its modules include encoder"):
+        space.with_excludes(["poolr"], model)
+    for bad in ("pooler", [3], [""]):
+        with pytest.raises(ValueError, match="exclude must be a list of module-name patterns"):
+            space_from_dict({"layers": {"Linear": ["fp32"]}, "exclude": bad})

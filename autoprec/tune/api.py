@@ -113,14 +113,15 @@ def task_from_objects(
 
 
 def _setup(
-    model, loss_fn, train_batches, eval_batches, *, evaluate, optimizer, name, device, space, trials, seed, compile, progress,
-    config: Mapping[str, Any],
+    model, loss_fn, train_batches, eval_batches, *, evaluate, optimizer, name, device, space, exclude, trials, seed, compile,
+    progress, config: Mapping[str, Any],
 ) -> tuple[Workload, SearchSpace, SearchConfig]:
     """The workload (a copy of the model, its batches on the device), the space, and the settings with the
     budget still to be resolved; compiled by default on CUDA, as the command line."""
     the_space = space if isinstance(space, SearchSpace) else load_space(space)
     task = task_from_objects(model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name)
     workload = prepare(task, torch.device(device) if device is not None else default_device())
+    the_space = the_space.with_excludes(tuple(exclude), workload.model)
     compiled = workload.device.type == "cuda" if compile is None else bool(compile)
     settings = SearchConfig(budget=0.0, trials=trials, seed=seed, compile=compiled, progress=progress, **config)
     return workload, the_space, settings
@@ -139,6 +140,7 @@ def search(
     device: str | torch.device | None = None,
     out: str | Path | None = None,
     space: SearchSpace | str | Path | None = None,
+    exclude: Sequence[str] = (),
     seed: int = 0,
     compile: bool | None = None,
     progress: bool = True,
@@ -153,7 +155,8 @@ def search(
     units (0.01) or relative to the fp32 metric ("1%", the default). `trials`: default the search space's.
     `device`: default cuda when available. `out`: a folder for the files `autoprec search` writes (policy.json,
     summary.md, the CSVs, the heat maps, the study, which a rerun resumes); None keeps nothing on disk.
-    `space`: a SearchSpace or a space YAML file. `compile`: time compiled steps (default: on CUDA). Further
+    `space`: a SearchSpace or a space YAML file; `exclude`: module-name patterns kept out of the search (as
+    --exclude). `compile`: time compiled steps (default: on CUDA). Further
     keywords go to SearchConfig (mode, train_steps, finalists, storage, study_name, ...).
     """
     if isinstance(model, Workload):  # the low-level signature autoprec.tune.search had before 0.2
@@ -168,7 +171,7 @@ def search(
     spec = parse_budget(budget)
     workload, the_space, base = _setup(
         model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, device=device,
-        space=space, trials=trials, seed=seed, compile=compile, progress=progress, config=config,
+        space=space, exclude=exclude, trials=trials, seed=seed, compile=compile, progress=progress, config=config,
     )  # fmt: skip
     (absolute,), given = resolve_budgets(workload, [spec])
     settings = dataclasses.replace(base, budget=absolute)
@@ -193,6 +196,7 @@ def sweep(
     device: str | torch.device | None = None,
     out: str | Path | None = None,
     space: SearchSpace | str | Path | None = None,
+    exclude: Sequence[str] = (),
     seed: int = 0,
     compile: bool | None = None,
     progress: bool = True,
@@ -219,7 +223,7 @@ def sweep(
     specs = parse_budget_list([budgets] if isinstance(budgets, (int, float)) else budgets)
     workload, the_space, base = _setup(
         model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, device=device,
-        space=space, trials=trials, seed=seed, compile=compile, progress=progress, config=config,
+        space=space, exclude=exclude, trials=trials, seed=seed, compile=compile, progress=progress, config=config,
     )  # fmt: skip
     resolved, given = resolve_budgets(workload, specs)
     settings = dataclasses.replace(base, budget=max(resolved), study_name=base.study_name or f"{workload.task.name}-sweep")

@@ -54,6 +54,10 @@ def _prepare(args: argparse.Namespace):
     space = load_space(args.space)
     device = _device(args.device)
     workload = prepare(task, device)
+    try:
+        space = space.with_excludes(args.exclude or (), workload.model)
+    except ValueError as exc:
+        raise UserError(f"--{exc}") from None
     how = "compiled" if _compile(args) else "eager"
     _say(args, f"autoprec: {task.path} on {device}, {how}")
     return task, space, workload
@@ -272,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default=str(default_device()), help="where to measure (default: cuda when available, else cpu)")
         p.add_argument("--out", help="output directory (default: results/<model name>)")
         p.add_argument("--space", help="search-space YAML (default: the shipped search_spaces/default.yaml)")
+        p.add_argument("--exclude", action="append", metavar="PATTERN",
+                       help="keep modules whose name matches (fnmatch: pooler, '*.lm_head') out of the search, with "
+                            "everything inside them; repeatable; added to the space file's exclude list")  # fmt: skip
         p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                        help="time steps with the model under torch.compile, as users who compile train "
                             "(default: on for cuda, off for cpu)")  # fmt: skip

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib.resources
+import fnmatch
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from autoprec.errors import UserError
 from autoprec.formats import Format, parse_format
 
 SAMPLERS = ("tpe", "random")
-_TOP_KEYS = ("default", "layers", "loss_scale", "prune", "sampler", "trials", "layout", "max_params")
+_TOP_KEYS = ("default", "layers", "loss_scale", "prune", "sampler", "trials", "layout", "max_params", "exclude")
 
 
 class Layout(str, enum.Enum):
@@ -85,6 +86,9 @@ class SearchSpace:
     trials: int = 30
     layout: Layout = Layout.AUTO  # how per-layer choices become study parameters
     max_params: int = 16  # auto: per_layer up to this many searched layers, grouped up to this many groups
+    # Module-name patterns (fnmatch: `pooler`, `*.lm_head`, `encoder.layer.1[01].*`) kept out of the search, with
+    # everything inside them: they run in the model root's format, as unlisted modules do.
+    exclude: tuple[str, ...] = ()
     source: str = "<built-in>"
 
     def __post_init__(self) -> None:
@@ -102,6 +106,23 @@ class SearchSpace:
             raise ValueError(f"default (the model root) cannot be {', '.join(linear_only)}: it applies to nn.Linear layers only")
         for type_name in self.layers:
             check_type_name(type_name)
+        if any(not isinstance(p, str) or not p.strip() for p in self.exclude):
+            raise ValueError(f"exclude must be a list of module-name patterns such as pooler or *.lm_head, got {list(self.exclude)}")
+
+    def excluded(self, name: str) -> bool:
+        """Whether a module, or a module it sits inside, matches an `exclude` pattern."""
+        parts = name.split(".")
+        return any(fnmatch.fnmatchcase(".".join(parts[:cut]), pattern) for cut in range(1, len(parts) + 1) for pattern in self.exclude)
+
+    def with_excludes(self, patterns: Sequence[str], model: torch.nn.Module) -> SearchSpace:
+        """This space with `patterns` (a --exclude option, the Python API's `exclude=`) excluded too. A pattern
+        that matches no module of `model` is a typo that would exclude nothing: refused, naming some names."""
+        names = [n for n, _ in model.named_modules() if n]
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise ValueError(f"exclude {pattern!r} matches no module of the model (its modules include "
+                                 f"{', '.join(names[:6])}); patterns are fnmatch, e.g. pooler or '*.lm_head'")  # fmt: skip
+        return dataclasses.replace(self, exclude=self.exclude + tuple(patterns)) if patterns else self
 
     def offered(self, module: torch.nn.Module) -> tuple[Format, ...] | None:
         """Formats offered for a module, or None when its type is not a tunable layer."""
@@ -114,7 +135,7 @@ class SearchSpace:
         """Outermost modules of a listed type, by name; modules inside a tunable layer follow it."""
         found: dict[str, tuple[Format, ...]] = {}
         for name, module in model.named_modules():
-            if not name or any(name.startswith(prefix + ".") for prefix in found):
+            if not name or any(name.startswith(prefix + ".") for prefix in found) or self.excluded(name):
                 continue
             formats = self.offered(module)
             if formats is not None:
@@ -181,6 +202,12 @@ def _number(value: Any, field: str, kind: type) -> Any:
     return kind(value)
 
 
+def _patterns(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or any(not isinstance(v, str) for v in value):
+        raise ValueError(f"exclude must be a list of module-name patterns such as [pooler, '*.lm_head'], got {value!r}")
+    return tuple(value)
+
+
 def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
     if not isinstance(data, Mapping):
         raise ValueError(f"a search space must be a mapping with keys {', '.join(_TOP_KEYS)}")
@@ -217,6 +244,7 @@ def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
         trials=_number(data.get("trials", 30), "trials", int),
         layout=parse_layout(data.get("layout", "auto")),
         max_params=_number(data.get("max_params", 16), "max_params", int),
+        exclude=_patterns(data.get("exclude", [])),
         source=source,
     )
 

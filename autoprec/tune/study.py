@@ -222,7 +222,7 @@ def sampler_for(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
 
 def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, objectives: int) -> dict[str, str]:
     # What shapes the choices and the measurements; not the file's path, sampler or trial count.
-    shape = (space.layers, space.default, space.loss_scale, space.prune_slower_than)
+    shape = (space.layers, space.default, space.loss_scale, space.prune_slower_than) + ((space.exclude,) if space.exclude else ())
     space_hash = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
     return {
         "budget": repr(float(config.budget)),
