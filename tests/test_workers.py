@@ -193,6 +193,15 @@ def test_two_workers_on_postgresql_finish_one_study(tmp_path, postgres_url):
     check_two_workers_share_one_study(optuna.load_study(study_name="pg-two", storage=postgres_url), reports, target=5)
 
 
+def test_rerunning_a_finished_study_on_postgresql_keeps_its_result(tmp_path, postgres_url):
+    """Issue 12's rerun case through a database storage: nothing re-measured, the policy file left as it was."""
+    args = ("--storage", postgres_url, "--study", "pg-rerun", "--trials", "3")
+    finish(start_worker(tmp_path / "out", *args))
+    first = (tmp_path / "out" / "policy.json").read_bytes()
+    finish(start_worker(tmp_path / "out", *args))
+    assert (tmp_path / "out" / "policy.json").read_bytes() == first
+
+
 @pytest.fixture
 def heartbeat_url(request, tmp_path):
     """A database storage (Optuna's heartbeat needs one): the PostgreSQL server, or SQLite where it is missing."""
