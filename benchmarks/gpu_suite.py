@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 from autoprec.formats import default_device  # noqa: E402
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, TF32  # noqa: E402
+from autoprec.tune.records import Measured  # noqa: E402
 
 COLUMNS = (FP32, TF32, BF16, FP8_EVERYWHERE)
 
@@ -97,8 +98,8 @@ def part_search(name: str, out: Path, args: argparse.Namespace) -> int:
     result = search_and_report(prepare(task, device), space, config, folder, command=command)
     wall = time.perf_counter() - start  # the reports' drawing included: a second or two beside the search
     row = {"model": name + (" (tiny)" if args.smoke and name == "gpt2" else ""), "wall_s": wall, "trials": trials,
-           "chosen": result.policy.measured["chosen"], "device": result.profile.device,
-           "finals": json.loads(result.finals.to_json(orient="records"))}  # fmt: skip
+           "chosen": Measured.of(result.policy).chosen, "device": result.profile.device,
+           "finals": json.loads(result.finals.to_frame().to_json(orient="records"))}  # fmt: skip
     write_text(folder / "result.json", json.dumps(row, indent=2) + "\n")
     print(f"{name}: chose {row['chosen']} in {wall:.0f} s ({trials} trials)")
     return 0

@@ -110,9 +110,9 @@ def main() -> None:
         f"Chosen: {measured['chosen']}, layers {json.dumps(result.policy.to_dict()['layers'])}, loss scale "
         f"{json.dumps(result.policy.loss_scale.to_dict())} ({'used' if result.policy.uses_fp16 else 'GradScaler off: no fp16 layer'}); "
         f"skipped steps while timed {measured['results']['policy']['skipped_steps']} of {measured['results']['policy']['steps']}, "
-        f"while training {measured['results']['policy']['train_skipped_steps']} of {K}.",
+        f"while training {measured['results']['policy'].get('train_skipped_steps')} of {K}.",
     ]
-    finals = result.finals[["candidate", "metric_drop", "skipped", "steps", "train_skipped", "speedup", "feasible"]]
+    finals = result.finals.to_frame()[["candidate", "metric_drop", "skipped", "steps", "train_skipped", "speedup", "feasible"]]
     lines += [
         "",
         "The finalists, re-measured (speedup: measured on this noisy shared 2-core CPU, where fp16 matmuls "

@@ -31,6 +31,7 @@ from autoprec.tune import SearchConfig, load_space, load_task, prepare, profile 
 from autoprec.tune.searcher import search  # noqa: E402
 from autoprec.tune.measure import Candidate, TimingConfig  # noqa: E402
 from autoprec.tune.pipeline import baselines, remeasure  # noqa: E402
+from autoprec.tune.records import Measured  # noqa: E402
 from autoprec.tune.space import Layout  # noqa: E402
 from autoprec.tune.study import Judge  # noqa: E402
 
@@ -76,8 +77,9 @@ def main() -> None:
         result = search(workload, dataclasses.replace(space, layout=layout), config, folder)
         for name in ("profile.csv", "profile.json", "grad_ranges.csv"):  # copies of profile/: not kept twice
             (folder / name).unlink()
+        chosen = Measured.of(result.policy)
         print(f"{layout.value}: {result.choices.describe()}; {time.perf_counter() - start:.0f} s; "
-              f"chose {result.policy.measured['chosen']} at {result.policy.measured['results']['policy']['speedup']:.3f}x")  # fmt: skip
+              f"chose {chosen.chosen} at {chosen.results['policy'].speedup:.3f}x")  # fmt: skip
         results[layout.value] = result
         curves[layout.value] = curve(result.trials)
     pd.DataFrame(curves).rename_axis("trial").to_csv(out / "curves.csv")
@@ -88,10 +90,10 @@ def main() -> None:
         candidates[f"{name} search"] = Candidate(dataclasses.replace(result.policy, measured=None))
     judge = Judge(workload, config, first.profile.fp32_metric)
     final = remeasure(workload, candidates, judge, args.budget, TimingConfig(rounds=args.rounds), progress="final re-measure")
-    final.to_csv(out / "final.csv", index=False)
+    final.to_csv(out / "final.csv")
     rows = ["| candidate | metric drop | within budget | speedup over fp32 | spread |", "|---|---|---|---|---|"]
-    for _, r in final.iterrows():
-        rows.append(f"| {r['candidate']} | {r['metric_drop']:.4g} | {'yes' if r['feasible'] else 'no'} | {r['speedup']:.3f} | ±{50 * r['spread']:.1f}% |")
+    for r in final:
+        rows.append(f"| {r.candidate} | {r.metric_drop:.4g} | {'yes' if r.feasible else 'no'} | {r.speedup:.3f} | ±{50 * r.spread:.1f}% |")
     reach = ["| layout | parameters | best after 10 / 25 / 50 trials (trial timing) | search time |", "|---|---|---|---|"]
     for name, result in results.items():
         c = curves[name]

@@ -20,6 +20,7 @@ import torch
 
 from autoprec import LossScale, Policy, apply_policy, grad_scaler, load_policy
 from autoprec.tune import load_task
+from autoprec.tune.records import Measured
 from autoprec.tune.report import markdown_table
 
 from common import out_folder  # noqa: E402 (beside this script)
@@ -80,8 +81,8 @@ def fastest_fp16_trial(folder: Path, layers: list[str]) -> tuple[str, Policy, fl
 
 def candidates(folder: Path, policy: Policy) -> list[tuple[str, Policy, float]]:
     """The chosen policy and, where it has no fp16 layer, the fastest fp16 trial (to re-check a GradScaler)."""
-    m = policy.measured
-    out = [(str(m["chosen"]), policy, m["results"]["policy"]["metric_drop"])]
+    m = Measured.of(policy)
+    out = [(str(m.chosen), policy, m.results["policy"].metric_drop)]
     if not policy.uses_fp16:
         extra = fastest_fp16_trial(folder, [n for n in policy.layers if n])
         out += [extra] if extra else []
@@ -96,15 +97,17 @@ def main() -> None:
         policy_path = folder / "policy.json"
         if not policy_path.is_file():
             continue
-        m = load_policy(policy_path).measured
-        task, k = load_task(path), m["train_steps"]
+        m = Measured.of(load_policy(policy_path))
+        if m.mode != "train" or m.train_steps is None or m.budget is None or m.noise_floor is None:
+            raise SystemExit(f"{policy_path}: not a train-mode search's policy (no train steps, budget and noise floor)")
+        task, k = load_task(path), m.train_steps
         fp32, _ = train(task, Policy(), k)
-        allowed = m["budget"] + m["noise_floor"]
+        allowed = m.budget + m.noise_floor
         for label, policy, searched_drop in candidates(folder, load_policy(policy_path)):
             lowered, skipped = train(task, policy, k)
             drop = fp32 - lowered
             kind = "fp16 + GradScaler" if policy.uses_fp16 else "no fp16"
-            rows.append([name, k, f"{label} ({kind})", m["budget"], m["noise_floor"], searched_drop,
+            rows.append([name, k, f"{label} ({kind})", m.budget, m.noise_floor, searched_drop,
                          fp32, lowered, drop, skipped, "yes" if drop <= allowed else "NO"])  # fmt: skip
             print(json.dumps(rows[-1]))
     headers = ["model", "K", "policy", "budget", "noise floor", "search's drop", "fp32 re-check", "policy re-check",

@@ -15,6 +15,7 @@ from autoprec.tune.measure import Candidate
 from autoprec.tune.searcher import search_plan
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.sweeper import sweep_plan
+from builders import finals
 
 MODELS = Path(__file__).parent / "models"
 
@@ -65,15 +66,11 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
 
 
 def test_a_noisy_final_remeasure_is_timed_again_twice_as_long_and_said(monkeypatch, caplog):
-    import pandas as pd
-
     from autoprec.tune.cost import Stopwatch
-    from autoprec.tune.report import noisiest
 
     def table(spread):
-        return pd.DataFrame([{"candidate": "fp32", "runs": True, "spread": 0.02, "compile_s": None},
-                             {"candidate": "x", "runs": True, "spread": spread, "compile_s": None},
-                             {"candidate": "broken", "runs": False, "spread": 3.0, "compile_s": None}])  # fmt: skip
+        return finals({"candidate": "fp32", "spread": 0.02}, {"candidate": "x", "spread": spread},
+                      {"candidate": "broken", "runs": False, "feasible": False, "spread": 3.0})  # fmt: skip
 
     config = SearchConfig(budget=0.1, progress=False)
     for spreads, warnings in (([0.1], 0), ([0.8, 0.1], 1), ([0.8, 0.6], 2)):
@@ -86,7 +83,7 @@ def test_a_noisy_final_remeasure_is_timed_again_twice_as_long_and_said(monkeypat
         monkeypatch.setattr(pipeline, "remeasure", remeasure)
         caplog.clear()
         with caplog.at_level("WARNING", logger="autoprec"):
-            finals = pipeline.final_remeasure(None, {}, None, config, Stopwatch())
+            measured = pipeline.final_remeasure(None, {}, None, config, Stopwatch())
         rounds = config.final_timing.rounds
-        assert calls == [rounds, 2 * rounds][: len(spreads)] and noisiest(finals) == spreads[-1]  # a failed run's spread ignored
+        assert calls == [rounds, 2 * rounds][: len(spreads)] and measured.noisiest() == spreads[-1]  # a failed run's spread ignored
         assert len([r for r in caplog.records if "spread up to" in r.message]) == warnings

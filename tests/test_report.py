@@ -51,8 +51,12 @@ def test_gradient_summary_names_the_range_and_its_limits(prof):
 
 
 def test_mode_text():
-    assert mode_text({}) == "weights mode"
-    assert mode_text({"mode": "train", "train_steps": 20, "noise_floor": 0.0117}) == "train mode: 20 steps, noise floor 0.0117"
+    from autoprec.tune.records import Measured
+
+    assert mode_text(Measured.from_dict({})) == "weights mode"
+    train = Measured.from_dict({"mode": "train", "train_steps": 20, "noise_floor": 0.0117})
+    assert mode_text(train) == "train mode: 20 steps, noise floor 0.0117"
+    assert mode_text(Measured(mode="train")) == "train mode: ? steps, noise floor -"
 
 
 def test_a_policy_of_many_layers_shows_one_row_per_role_and_format():

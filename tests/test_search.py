@@ -16,6 +16,7 @@ from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
 from autoprec.tune.searcher import Mode
 from autoprec.tune.space import space_from_dict
+from builders import finals
 from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
@@ -111,7 +112,7 @@ def test_search_writes_a_policy_that_applies_within_budget(searched):
 def test_the_fp16_overflowing_layer_is_never_given_fp16(searched):
     _, result, _ = searched
     assert "fp16" not in result.choices.layers["big"]
-    assert "fp16" not in set(result.trials.get("big", pd.Series(dtype=str)).dropna())
+    assert "fp16" not in set(result.trials["big"].dropna()) and result.trials["big"].notna().any()
     assert result.policy.layers["big"].value != "fp16"
 
 
@@ -332,16 +333,16 @@ def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
     assert safer_variant(safe, choices) is None
     candidates = {"fp32": Policy(), "risky": risky, "safe": safe}
 
-    def finals(risky_speedup, spread):
-        return pd.DataFrame([
+    def measured(risky_speedup, spread):
+        return finals(
             {"candidate": "fp32", "speedup": 1.0, "spread": spread, "feasible": True},
             {"candidate": "risky", "speedup": risky_speedup, "spread": spread, "feasible": True},
             {"candidate": "safe", "speedup": 1.5, "spread": spread, "feasible": True},
-        ])  # fmt: skip
+        )  # fmt: skip
 
-    name, why = choose(finals(1.53, 0.04), candidates)  # 2% lead, 4% spread: noise
+    name, why = choose(measured(1.53, 0.04), candidates)  # 2% lead, 4% spread: noise
     assert name == "safe" and "inside the spread" in why
-    assert choose(finals(1.65, 0.04), candidates)[0] == "risky"  # 10% lead: real
+    assert choose(measured(1.65, 0.04), candidates)[0] == "risky"  # 10% lead: real
 
 
 def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
@@ -354,18 +355,18 @@ def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
         "trial 3": Policy(layers={"": "bf16", "a": "fp8", "b": "fp8"}),
         "trial 5": Policy(layers={"": "bf16", "a": "bf16"}),
     }
-    finals = pd.DataFrame([
+    rows = [
         {"candidate": "fp32", "speedup": 1.0, "spread": 0.04, "feasible": True},
         {"candidate": "uniform bf16", "speedup": 1.49, "spread": 0.04, "feasible": True},
         {"candidate": "trial 3", "speedup": 1.50, "spread": 0.04, "feasible": True},
         {"candidate": "trial 5", "speedup": 1.46, "spread": 0.04, "feasible": True},  # safer, tied, but below bf16
-    ])  # fmt: skip
-    name, why = choose(finals, candidates)
+    ]  # fmt: skip
+    name, why = choose(finals(*rows), candidates)
     assert name == "uniform bf16" and "inside the spread" in why
-    finals.loc[finals["candidate"] == "trial 3", "speedup"] = 1.7  # a real lead: the searched policy
-    assert choose(finals, candidates) == ("trial 3", "the fastest within budget")
-    finals.loc[finals["candidate"] == "trial 3", "feasible"] = False
-    name, why = choose(finals, candidates)
+    rows[2]["speedup"] = 1.7  # a real lead: the searched policy
+    assert choose(finals(*rows), candidates) == ("trial 3", "the fastest within budget")
+    rows[2]["feasible"] = False
+    name, why = choose(finals(*rows), candidates)
     assert name == "uniform bf16" and "is an alternative" in why
 
 
@@ -375,11 +376,11 @@ def test_tf32_is_measured_but_never_chosen_as_the_policy():
 
     fp32 = Policy(layers={"": "fp32"})
     candidates = {"fp32": Candidate(fp32), "TF32": Candidate(fp32, tf32=True)}
-    finals = pd.DataFrame([
+    measured = finals(
         {"candidate": "fp32", "speedup": 1.0, "spread": 0.01, "feasible": True},
         {"candidate": "TF32", "speedup": 3.0, "spread": 0.01, "feasible": True},
-    ])  # fmt: skip
-    assert choose(finals, candidates)[0] == "fp32"
+    )  # fmt: skip
+    assert choose(measured, candidates)[0] == "fp32"
 
 
 @pytest.fixture(scope="module")
@@ -399,7 +400,7 @@ def test_a_compiled_search_times_compiled_steps_and_says_so(compiled):
     timed = result.trials[result.trials["feasible"].eq(True) & result.trials["reused_from"].isna()]
     assert len(timed) and (timed["compile_s"] > 0).all()
     assert any(k.startswith("final re-measure: compiling") for k in result.cost["seconds"])
-    assert result.finals["compile_s"].gt(0).all()
+    assert all(r.compile_s > 0 for r in result.finals)
 
 
 def test_a_compiled_and_an_eager_search_are_different_studies(compiled):
@@ -416,8 +417,8 @@ def test_an_alternative_that_cannot_train_is_a_row_with_its_error_not_a_crash(tm
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "fp16"]}, "trials": 2})
     train = {"mode": "train", "train_steps": 2, "noise_runs": 1} if mode == "train" else {}
     result = search(workload, space, SearchConfig(budget=0.05, **{**FAST, "trials": 2}, **train), tmp_path / "out")
-    row = result.finals.set_index("candidate").loc["uniform bf16"]
-    assert not row["runs"] and "no autocast here" in row["error"]
+    row = result.finals.by_name("uniform bf16")
+    assert not row.runs and "no autocast here" in row.error
     assert "no autocast here" in result.policy.measured["results"]["uniform bf16"]["error"]
     from autoprec.tune.report import search_summary, show_policy
 
@@ -446,7 +447,7 @@ def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
     from autoprec.tune.report import search_summary
 
     _, result, _ = searched
-    quiet = dataclasses.replace(result, finals=result.finals.assign(spread=0.01))
-    loud = dataclasses.replace(result, finals=result.finals.assign(spread=0.9))
+    quiet = dataclasses.replace(result, finals=result.finals.replace(spread=0.01))
+    loud = dataclasses.replace(result, finals=result.finals.replace(spread=0.9))
     assert "too wide to rank" not in search_summary(quiet)
     assert "note: step times spread up to ±45.0% even when timed twice as long: too wide to rank" in search_summary(loud)

@@ -12,6 +12,7 @@ from autoprec.tune.measure import metric_of
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.pipeline import choose_per_budget
 from autoprec.tune.sweeper import parse_budgets, pareto_front, policy_filename, sweep
+from builders import finals
 from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
@@ -42,19 +43,37 @@ def test_the_front_keeps_trials_no_other_timed_trial_beats_on_both_objectives():
     assert pareto_front(trials)["trial"].tolist() == [0, 5, 1, 3]
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_the_front_matches_a_brute_force_check_of_every_pair(seed):
+    import random
+
+    rng = random.Random(seed)
+    # few distinct values, so that ties in one objective or both are common
+    rows = [{"trial": i, "feasible": rng.random() < 0.9, "speedup": rng.choice([1.0, 1.2, 1.5, 2.0]),
+             "metric_drop": rng.choice([0.0, 0.01, 0.02])} for i in range(40)]  # fmt: skip
+
+    def beaten(r):
+        return any(o["speedup"] >= r["speedup"] and o["metric_drop"] <= r["metric_drop"]
+                   and (o["speedup"] > r["speedup"] or o["metric_drop"] < r["metric_drop"]) for o in rows if o["feasible"])  # fmt: skip
+
+    expected = {r["trial"] for r in rows if r["feasible"] and not beaten(r)}
+    front = pareto_front(pd.DataFrame(rows))
+    assert set(front["trial"]) == expected and front["metric_drop"].is_monotonic_increasing
+
+
 def test_a_larger_budget_never_chooses_a_slower_policy():
     candidates = {n: Policy(layers={"a": f}) for n, f in (("fp32", "fp32"), ("x", "bf16"), ("y", "fp16"))}
-    finals = pd.DataFrame([
+    rows = [
         {"candidate": "fp32", "speedup": 1.0, "metric_drop": 0.0, "spread": 0.01, "runs": True},
         {"candidate": "x", "speedup": 1.50, "metric_drop": 0.001, "spread": 0.10, "runs": True},
         {"candidate": "y", "speedup": 1.52, "metric_drop": 0.004, "spread": 0.10, "runs": True},
-    ])  # fmt: skip
+    ]  # fmt: skip
     no_greedy = dict.fromkeys((0.0, 0.002, 0.01), "profile greedy")  # not among the candidates here
-    picks = choose_per_budget(finals, candidates, (0.0, 0.002, 0.01), no_greedy)
+    picks = choose_per_budget(finals(*rows), candidates, (0.0, 0.002, 0.01), no_greedy)
     assert [name for name, _ in picks] == ["fp32", "x", "x"]  # y's 1% lead is inside the spread: the safer x
     # Where the larger budget's safer pick measured slower than a smaller budget's choice, that choice stands.
-    finals["metric_drop"] = [0.0, 0.004, 0.001]  # now y (fp16, 1.52) fits 0.002, and x (bf16, 1.50) only 0.01
-    picks = choose_per_budget(finals, candidates, (0.002, 0.01), no_greedy)
+    rows[1]["metric_drop"], rows[2]["metric_drop"] = 0.004, 0.001  # now y (fp16, 1.52) fits 0.002, x (bf16) only 0.01
+    picks = choose_per_budget(finals(*rows), candidates, (0.002, 0.01), no_greedy)
     assert [n for n, _ in picks] == ["y", "y"] and "kept from the smaller budget" in picks[1][1]
 
 
@@ -65,13 +84,13 @@ def test_each_budgets_greedy_policy_is_a_floor_its_choice_never_falls_below():
         "trial 4": Policy(layers={"a": "bf16"}),  # safer, tied with the greedy policy but measured slower
         "trial 7": Policy(layers={"a": "fp16", "b": "fp16", "c": "fp16"}),
     }
-    finals = pd.DataFrame([
+    measured = finals(
         {"candidate": "fp32", "speedup": 1.0, "metric_drop": 0.0, "spread": 0.01, "runs": True},
         {"candidate": "profile greedy 0.01", "speedup": 1.50, "metric_drop": 0.004, "spread": 0.04, "runs": True},
         {"candidate": "trial 4", "speedup": 1.48, "metric_drop": 0.001, "spread": 0.04, "runs": True},
         {"candidate": "trial 7", "speedup": 1.51, "metric_drop": 0.005, "spread": 0.04, "runs": True},
-    ])  # fmt: skip
-    [(name, why)] = choose_per_budget(finals, candidates, (0.01,), {0.01: "profile greedy 0.01"})
+    )  # fmt: skip
+    [(name, why)] = choose_per_budget(measured, candidates, (0.01,), {0.01: "profile greedy 0.01"})
     assert name == "profile greedy 0.01" and "inside the spread" in why
 
 
@@ -91,7 +110,7 @@ def test_sweep_writes_a_policy_per_budget_that_holds_it_on_a_fresh_model(swept):
     workload, result, out = swept
     for name in ("sweep.csv", "sweep_trials.csv", "sweep_finalists.csv", "profile.csv", "study.journal"):
         assert (out / name).is_file(), name
-    assert list(result.table["budget"]) == list(BUDGETS)
+    assert [r.budget for r in result.table] == list(BUDGETS)
     fp32 = metric_of(workload, workload.task.build_model())
     for b in BUDGETS:
         policy = load_policy(out / policy_filename(b))
@@ -105,7 +124,7 @@ def test_sweep_writes_a_policy_per_budget_that_holds_it_on_a_fresh_model(swept):
 
 def test_sweep_speedups_do_not_fall_as_the_budget_grows(swept):
     _, result, _ = swept
-    speedups = result.table["speedup"].tolist()
+    speedups = [r.speedup for r in result.table]
     assert all(later >= earlier for earlier, later in zip(speedups, speedups[1:]))
     assert all(math.isfinite(s) and s > 0 for s in speedups)
 

@@ -148,7 +148,8 @@ def search(
     **config: Any,
 ) -> searcher.SearchResult:
     """Search per-layer formats for `model` (fp32, left untouched) and return the result: `.policy` (an
-    autoprec.Policy to apply), `.summary()` (the CLI's table), `.trials` and `.finals` (its CSVs).
+    autoprec.Policy to apply), `.summary()` (the CLI's table), `.finals` (records.Finals: every re-measured
+    candidate) and `.trials` (trials.csv's rows, a DataFrame).
 
     `loss_fn(model, batch)` returns a scalar; `evaluate(model)` returns the metric (higher is better; default
     -(mean eval loss) over `eval_batches`). `budget`: the largest allowed metric drop from fp32, in the metric's

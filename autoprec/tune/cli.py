@@ -154,12 +154,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     result = sweep_and_report(workload, space, budgets, config, out, command=_command("sweep"), given=given)
     if args.json:
         rows = [{"budget": b, "budget_given": given.get(b), "policy_file": str(out / name), "policy": p.to_dict()}
-                for (b, p), name in zip(result.policies.items(), result.table["policy_file"])]  # fmt: skip
+                for (b, p), name in zip(result.policies.items(), (r.policy_file for r in result.table))]  # fmt: skip
         print(json.dumps({"sweep_csv": str(out / "sweep.csv"), "budgets": rows}, allow_nan=False))
         return 0
     if not args.quiet:
         print(result.summary())
-        files = ", ".join(result.table["policy_file"])
+        files = ", ".join(r.policy_file for r in result.table)
         print(f"\nwrote {out / 'sweep.csv'}, sweep.md, pareto.png, sweep_trials.csv, sweep_finalists.csv, {files} "
               f"(study {result.study_name!r} in {result.storage})")  # fmt: skip
     return 0

@@ -25,10 +25,9 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
-import pandas as pd
 import torch
 
 from autoprec.apply import fp8_backend
@@ -41,7 +40,7 @@ from autoprec.tune.choices import Choices, build_choices, fit, policy_from_param
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import NOISY_SPREAD, Candidate, TimingConfig, fp32_step_failed, measure_steps_or_fail
 from autoprec.tune.profiler import Profile, profile
-from autoprec.tune.report import noisiest
+from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.study import (
     Judge,
@@ -55,6 +54,9 @@ from autoprec.tune.study import (
     trials_table,
 )
 from autoprec.tune.task import Workload
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger("autoprec")
 
@@ -118,9 +120,9 @@ class Run:
 
     started: Started
     candidates: dict[str, Candidate]
-    finals: pd.DataFrame
+    finals: Finals
     chosen: list[Chosen]
-    trials: pd.DataFrame
+    trials: pd.DataFrame  # trials.csv's rows
     cost: dict[str, Any]
 
 
@@ -148,18 +150,17 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     # the tables first, the policy files last: a policy file marks a complete result (see _earlier_result)
     trials = trials_table(started.study, started.choices, started.profile)
     write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
-    write_atomically(out_dir / plan.finalists_file, lambda tmp: finals.to_csv(tmp, index=False))
+    finals.to_csv(out_dir / plan.finalists_file)
     chosen = []
     for b, (name, why) in zip(plan.budgets, choose_per_budget(finals, candidates, plan.budgets, greedy)):
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
-        measured = measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes)
-        measured.update(why=why, cost=watch.to_dict(), greedy=greedy[b])
-        if b in plan.given:
-            measured["budget_given"] = plan.given[b]
-        if plan.is_sweep:
-            measured["sweep"] = {"budgets": list(plan.budgets), "study_budget": config.budget}
+        measured = dataclasses.replace(
+            measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes),
+            why=why, cost=watch.to_dict(), greedy=greedy[b], budget_given=plan.given.get(b),
+            sweep={"budgets": list(plan.budgets), "study_budget": config.budget} if plan.is_sweep else None,
+        )  # fmt: skip
         picked = candidates[name].policy
-        policy = Policy(layers=picked.layers, loss_scale=picked.loss_scale, measured=measured)
+        policy = Policy(layers=picked.layers, loss_scale=picked.loss_scale, measured=measured.to_dict())
         file = policy.save(out_dir / plan.policy_file(b))
         chosen.append(Chosen(budget=b, name=name, why=why, policy=policy, file=file, greedy=greedy[b]))
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
@@ -179,26 +180,26 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
         path = out_dir / plan.policy_file(b)
         try:
             policy = Policy.from_dict(json.loads(path.read_text(encoding="utf-8")))
-            m = dict(policy.measured or {})
-            record = m.get("study") or {}
-            written = (m.get("budget"), record.get("name"), record.get("storage"), record.get("complete"))
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError):
             return None
-        if written != (b, study.study_name, started.storage, _complete(study)) or "greedy" not in m:
+        m = Measured.of(policy)
+        written = (m.budget, m.study.name, m.study.storage, m.study.complete)
+        if written != (b, study.study_name, started.storage, _complete(study)) or m.greedy is None or m.chosen is None:
             return None
-        chosen.append(Chosen(budget=b, name=m["chosen"], why=m.get("why", ""), policy=policy, file=path, greedy=m["greedy"]))
+        chosen.append(Chosen(budget=b, name=m.chosen, why=m.why or "", policy=policy, file=path, greedy=m.greedy))
     try:
-        finals = pd.read_csv(out_dir / plan.finalists_file)
+        finals = Finals.read_csv(out_dir / plan.finalists_file)
     except (OSError, ValueError):
         return None
-    if not {c.name for c in chosen} | {c.greedy for c in chosen} <= set(finals["candidate"]):
+    if not {c.name for c in chosen} | {c.greedy for c in chosen} <= set(finals.names):
         return None
     log.warning(
         "study %r is finished and its result in %s stands (nothing re-measured); pass --remeasure to re-measure its "
         "finalists and choose again, or --trials N for more trials", study.study_name, out_dir,
     )  # fmt: skip
     trials = trials_table(study, started.choices, started.profile)
-    return Run(started=started, candidates={}, finals=finals, chosen=chosen, trials=trials, cost=dict(chosen[0].policy.measured.get("cost") or {}))
+    cost = dict(Measured.of(chosen[0].policy).cost)
+    return Run(started=started, candidates={}, finals=finals, chosen=chosen, trials=trials, cost=cost)
 
 
 def gather_candidates(
@@ -240,17 +241,16 @@ def gather_candidates(
 
 
 def choose_per_budget(
-    finals: pd.DataFrame, candidates: Mapping[str, Candidate], budgets: tuple[float, ...], greedy: Mapping[float, str]
+    finals: Finals, candidates: Mapping[str, Candidate], budgets: tuple[float, ...], greedy: Mapping[float, str]
 ) -> list[tuple[str, str]]:
     """(candidate, why) per budget, ascending: `choose` among the re-measured candidates within it, never below
     that budget's own profile-greedy policy; where that measured slower than the previous budget's choice
     (noise, or the safer pick), the previous stands."""
-    speed = dict(zip(finals["candidate"], finals["speedup"]))
     picks: list[tuple[str, str]] = []
     for b in budgets:
         floor = [a for a in ALTERNATIVES if a != GREEDY] + [greedy[b]]
-        name, why = choose(finals.assign(feasible=finals["runs"] & (finals["metric_drop"] <= b)), candidates, floor)
-        if picks and speed[name] < speed[picks[-1][0]]:
+        name, why = choose(finals.within(b), candidates, floor)
+        if picks and finals.by_name(name).speedup < finals.by_name(picks[-1][0]).speedup:
             before = picks[-1][0]
             name, why = before, f"kept from the smaller budget: {before} measured faster than {name}, this budget's pick"
         picks.append((name, why))
@@ -350,38 +350,37 @@ def remeasure(
     *,
     progress: str | None = None,
     compiled: bool = False,
-) -> pd.DataFrame:
+) -> Finals:
     """Metric and step time of each candidate, timed interleaved with the others; speedup vs fp32 in
-    effective steps (those the GradScaler did not skip). `runs`: the metric and every loss were finite and
-    some step updated the weights; `feasible`: that, and the drop within `budget`."""
+    effective steps (those the GradScaler did not skip); see records.Measurement."""
     stats, failed = measure_steps_or_fail(workload, candidates, timing, progress=progress, compiled=compiled)
     if FP32 in failed:
         raise fp32_step_failed(workload, "all-fp32 training step", failed[FP32], compiled=compiled)
+    fp32_ms = stats[FP32].effective_ms
     rows = []
     for name, candidate in candidates.items():
         metric, extra = judge.safe_metric(candidate)
         drop = judge.fp32_metric - metric
         s = stats.get(name)
         runs = s is not None and math.isfinite(metric) and s.finite and math.isfinite(s.effective_ms)
-        rows.append({
-            "candidate": name,
-            "metric": metric,
-            "metric_drop": drop,
-            "runs": runs,
-            "feasible": runs and drop <= budget,
-            "step_ms": s.timing.median_ms if s else math.nan,
-            "skipped": s.skipped if s else 0,
-            "steps": s.steps if s else 0,
-            "effective_step_ms": s.effective_ms if s else math.nan,
-            "spread": s.timing.spread if s else math.nan,
-            "compile_s": s.compile_s if s else None,
-            "train_skipped": extra.get("train_skipped"),
-            "error": failed.get(name) or extra.get("error"),
-        })  # fmt: skip
-    table = pd.DataFrame(rows)
-    fp32_ms = float(table.loc[table["candidate"] == "fp32", "effective_step_ms"].iloc[0])
-    table["speedup"] = fp32_ms / table["effective_step_ms"]
-    return table
+        effective_ms = s.effective_ms if s else math.nan
+        rows.append(Measurement(
+            candidate=name,
+            metric=metric,
+            metric_drop=drop,
+            runs=runs,
+            feasible=runs and drop <= budget,
+            step_ms=s.timing.median_ms if s else math.nan,
+            skipped=s.skipped if s else 0,
+            steps=s.steps if s else 0,
+            effective_step_ms=effective_ms,
+            spread=s.timing.spread if s else math.nan,
+            compile_s=s.compile_s if s else None,
+            train_skipped=extra.get("train_skipped"),
+            error=failed.get(name) or extra.get("error"),
+            speedup=fp32_ms / effective_ms if effective_ms else math.inf,
+        ))  # fmt: skip
+    return Finals(rows)
 
 
 def _versions() -> dict[str, str]:
@@ -427,27 +426,27 @@ def _load_or_profile(
 
 def final_remeasure(
     workload: Workload, candidates: Mapping[str, Candidate], judge: Judge, config: SearchConfig, watch: Stopwatch
-) -> pd.DataFrame:
+) -> Finals:
     """The finalists and the alternatives re-measured together (remeasure), the compilation timed apart."""
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     start = time.perf_counter()
     finals = remeasure(
         workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile
     )
-    spread = noisiest(finals)
+    spread = finals.noisiest()
     if spread > NOISY_SPREAD:  # a loaded machine: time once more, twice as long, before anything is chosen
         rounds = 2 * config.final_timing.rounds
         log.warning("step times spread up to ±%.0f%%, too wide to rank the candidates; timing them again with %d rounds",
                     50 * spread, rounds)  # fmt: skip
         timing = dataclasses.replace(config.final_timing, rounds=rounds)
         finals = remeasure(workload, candidates, judge, config.budget, timing, progress=label, compiled=config.compile)
-        if noisiest(finals) > NOISY_SPREAD:
+        if finals.noisiest() > NOISY_SPREAD:
             log.warning(
                 "step times still spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
-                "chosen; rerun on a quieter machine with --remeasure for a ranking", 50 * noisiest(finals),
+                "chosen; rerun on a quieter machine with --remeasure for a ranking", 50 * finals.noisiest(),
             )  # fmt: skip
     seconds = time.perf_counter() - start
-    compiling = float(finals["compile_s"].fillna(0.0).sum())
+    compiling = sum(r.compile_s or 0.0 for r in finals)
     if compiling:
         watch.add(f"final re-measure: compiling {len(candidates)} candidates (first step)", compiling)
     watch.add(f"final re-measure of {len(candidates)} candidates", seconds - compiling)
@@ -474,29 +473,27 @@ def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
 
 
 def choose(
-    finals: pd.DataFrame, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
+    finals: Finals, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
 ) -> tuple[str, str]:
     """The fastest candidate within budget, unless its lead over one with fewer fp16/fp8 layers is inside
     the measured spread: then the safer one, since the measurement cannot tell them apart; but never one
     measured slower than the fastest of `alternatives` (fp32, uniform bf16, fp8 everywhere, profile greedy; a
     sweep names each budget's own greedy policy) within budget. TF32 is not a policy and is never chosen."""
-    feasible = finals[finals["feasible"] & ~finals["candidate"].isin(NOT_A_POLICY)].sort_values("speedup", ascending=False)
-    if not len(feasible):
+    feasible = sorted((r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY), key=lambda r: -r.speedup)
+    if not feasible:
         return "fp32", "no candidate stayed within budget when re-measured: fp32"
-    top = feasible.iloc[0]
-    alts = feasible[feasible["candidate"].isin(list(alternatives))]
-    floor = float(alts["speedup"].max()) if len(alts) else 0.0
-    tied = [r for _, r in feasible.iterrows() if top["speedup"] / r["speedup"] - 1 <= (top["spread"] + r["spread"]) / 2]
-    tied = [r for r in tied if r["speedup"] >= floor]
-    pick = min(tied, key=lambda r: (_risk(candidates[r["candidate"]]), -r["speedup"]))
-    if pick["candidate"] == top["candidate"]:
-        if top["candidate"] in alternatives:
-            return str(top["candidate"]), f"the fastest within budget is an alternative, {top['candidate']}: no searched policy beat it"
-        return str(top["candidate"]), "the fastest within budget"
-    lead = 100 * (top["speedup"] / pick["speedup"] - 1)
-    return str(pick["candidate"]), (
-        f"{top['candidate']} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
-        f"({_risk(candidates[top['candidate']])} against {_risk(candidates[pick['candidate']])}): the safer one"
+    top = feasible[0]
+    floor = max((r.speedup for r in feasible if r.candidate in alternatives), default=0.0)
+    tied = [r for r in feasible if top.speedup / r.speedup - 1 <= (top.spread + r.spread) / 2 and r.speedup >= floor]
+    pick = min(tied, key=lambda r: (_risk(candidates[r.candidate]), -r.speedup))
+    if pick is top:
+        if top.candidate in alternatives:
+            return top.candidate, f"the fastest within budget is an alternative, {top.candidate}: no searched policy beat it"
+        return top.candidate, "the fastest within budget"
+    lead = 100 * (top.speedup / pick.speedup - 1)
+    return pick.candidate, (
+        f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
+        f"({_risk(candidates[top.candidate])} against {_risk(candidates[pick.candidate])}): the safer one"
     )
 
 
@@ -504,55 +501,47 @@ def measured_record(
     workload: Workload,
     started: Started,
     config: SearchConfig,
-    finals: pd.DataFrame,
+    finals: Finals,
     best_name: str,
     budget: float,
     *,
     compared: Mapping[str, str] | None = None,
     notes: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
+) -> Measured:
     """The policy file's `measured`: the device, versions, budget, and the re-measured results of the policy
     and of `compared` (label -> candidate in `finals`; default the alternatives measured, under their own
     names); `notes`: alternatives not measured, and why."""
-    compared = compared or {name: name for name in ALTERNATIVES if name in set(finals["candidate"])}
+    compared = compared or {name: name for name in ALTERNATIVES if name in finals.names}
     prof, choices, judge, study = started.profile, started.choices, started.judge, started.study
+    train = config.mode is Mode.TRAIN
 
-    def result(name: str) -> dict[str, float]:
-        row = finals[finals["candidate"] == name].iloc[0]
-        # JSON has no inf/NaN: a candidate that broke (non-finite metric, every step skipped) records null
-        out = {k: (float(row[k]) if math.isfinite(float(row[k])) else None)
-               for k in ("metric", "metric_drop", "step_ms", "effective_step_ms", "spread", "speedup")}  # fmt: skip
-        out.update(skipped_steps=int(row["skipped"]), steps=int(row["steps"]))
-        if isinstance(row.get("error"), str):
-            out["error"] = row["error"]
-        if config.mode is Mode.TRAIN:
-            skipped = row["train_skipped"]
-            out["train_skipped_steps"] = int(skipped) if skipped is not None and math.isfinite(float(skipped)) else None
-        return out
+    def result(name: str) -> Result:
+        r = Result.of(finals.by_name(name))
+        return r if train else dataclasses.replace(r, train_skipped_steps=None)
 
     kept = {n: "; ".join(f"{f}: {r}" for f, r in choices.excluded.get(n, {}).items()) for n, o in choices.layers.items() if o == ("fp32",)}
-    return {
-        "device": device_name(str(workload.device)),
-        "versions": _versions(),
-        "model": workload.task.name,
-        "fingerprint": model_fingerprint(workload.model),
-        "budget": budget,
-        "mode": config.mode.value,
-        "train_steps": config.train_steps if config.mode is Mode.TRAIN else None,
-        "noise_floor": judge.noise.spread if judge.noise else None,
-        "noise": judge.noise.to_dict() if judge.noise else None,
-        "fp32_metric": judge.fp32_metric,
-        "metric": prof.metric_name,
-        "chosen": best_name,
-        "results": {**{label: result(name) for label, name in compared.items()}, "policy": result(best_name)},
-        "kept_fp32": kept,
-        "excluded": {n: dict(r) for n, r in choices.excluded.items()},
-        "fp8": fp8_backend(workload.device),
-        "compiled": config.compile,
-        "alternatives_not_measured": dict(notes or {}),
+    return Measured(
+        device=device_name(str(workload.device)),
+        versions=_versions(),
+        model=workload.task.name,
+        fingerprint=model_fingerprint(workload.model),
+        budget=budget,
+        mode=config.mode.value,
+        train_steps=config.train_steps if train else None,
+        noise_floor=judge.noise.spread if judge.noise else None,
+        noise=judge.noise.to_dict() if judge.noise else None,
+        fp32_metric=judge.fp32_metric,
+        metric=prof.metric_name,
+        chosen=best_name,
+        results={**{label: result(name) for label, name in compared.items()}, "policy": result(best_name)},
+        kept_fp32=kept,
+        excluded={n: dict(r) for n, r in choices.excluded.items()},
+        fp8=fp8_backend(workload.device),
+        compiled=config.compile,
+        alternatives_not_measured=dict(notes or {}),
         # on CUDA every candidate but TF32 ran strict (measure.matmul_precision); elsewhere the process's setting
-        "float32_matmul_precision": "highest" if workload.device.type == "cuda" else torch.get_float32_matmul_precision(),
-        "timing": (
+        float32_matmul_precision="highest" if workload.device.type == "cuda" else torch.get_float32_matmul_precision(),
+        timing=(
             (
                 "compiled after apply_policy (each repeated block, else the whole model), compilation excluded (warm-up); "
                 if config.compile
@@ -561,8 +550,8 @@ def measured_record(
             + f"median of {config.final_timing.rounds} interleaved rounds; spread = interquartile range / median; "
             "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
         ),
-        "loss_scale_search": dict(choices.loss_scale or {}),
-        "search_space": choices.describe(),
-        "study": {"name": study.study_name, "storage": started.storage, "trials": len(study.trials), "complete": _complete(study)},
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+        loss_scale_search=dict(choices.loss_scale or {}),
+        search_space=choices.describe(),
+        study=StudyRef(name=study.study_name, storage=started.storage, trials=len(study.trials), complete=_complete(study)),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
@@ -13,6 +13,7 @@ from autoprec.tune.alternatives import BF16, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.cost import cost_rows
 from autoprec.tune.measure import NOISY_SPREAD
+from autoprec.tune.records import Finals, Measured
 from autoprec.files import write_atomically
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
@@ -50,11 +51,6 @@ def _layer_name(name: str) -> str:
     return "(model root: all else)" if name == ROOT else name
 
 
-def _mapping(value: Any) -> Mapping:
-    """`measured` is free-form provenance: show what is well formed, skip the rest."""
-    return value if isinstance(value, Mapping) else {}
-
-
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
@@ -65,11 +61,11 @@ COMPACT_ABOVE = 24  # layers: beyond this, the layers of one block role that agr
 def layer_rows(policy: Policy) -> list[list[str]]:
     """[layer, format, what the profile ruled out] per layer; in a policy of more than COMPACT_ABOVE layers,
     the layers of one role (`blocks.*.attn.q`) with the same format and the same reasons share one row."""
-    excluded = _mapping(_mapping(policy.measured).get("excluded"))
+    excluded = Measured.of(policy).excluded
     rows: dict[tuple[str, str, str], list[str]] = {}
     compact = len(policy.layers) > COMPACT_ABOVE
     for name, fmt in policy.layers.items():
-        reasons = _mapping(excluded.get(name))
+        reasons = excluded.get(name, {})
         # compact: numbers differ from layer to layer (1.31x, 1.34x), the reason does not
         ruled_out = ", ".join(f"{f} ({_NUMBER.sub('…', str(why)) if compact else why})" for f, why in reasons.items())
         label = role(name) if compact and name != ROOT else name
@@ -90,25 +86,23 @@ def _spread(value: Any) -> str:
 
 
 def result_rows(policy: Policy) -> list[list[Any]]:
-    results = _mapping(_mapping(policy.measured).get("results"))
-    rows = []
-    for name, r in results.items():
-        r = _mapping(r)
-        rows.append([name, *(_number(r.get(k)) for k in ("metric", "metric_drop", "step_ms")), _spread(r.get("spread")), _number(r.get("speedup"))])
-    return rows
+    return [[name, _number(r.metric), _number(r.metric_drop), _number(r.step_ms), _spread(r.spread), _number(r.speedup)]
+            for name, r in Measured.of(policy).results.items()]  # fmt: skip
 
 
 RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup"]
 
 
-def mode_text(measured: Mapping) -> str:
+def mode_text(m: Measured) -> str:
     """`weights mode`, or `train mode: 50 steps, noise floor 0.01` from a policy's `measured` block."""
-    mode = measured.get("mode", "weights")
-    if mode != "train":
-        return f"{mode} mode"
-    noise = _number(measured.get("noise_floor"))
-    floor = "-" if math.isnan(noise) else f"{noise:.4g}"
-    return f"train mode: {measured.get('train_steps', '?')} steps, noise floor {floor}"
+    if m.mode != "train":
+        return f"{m.mode} mode"
+    floor = "-" if m.noise_floor is None else f"{m.noise_floor:.4g}"
+    return f"train mode: {m.train_steps if m.train_steps is not None else '?'} steps, noise floor {floor}"
+
+
+def _budget(m: Measured) -> str:
+    return m.budget_given or (f"{m.budget:g}" if m.budget is not None else "?")
 
 
 def show_policy(policy: Policy, *, markdown: bool = False) -> str:
@@ -124,21 +118,18 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     used = sorted(set(policy.layers.values()), key=list(Format).index)
     if used:
         parts.append("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used))
-    m = _mapping(policy.measured)
-    if m:
+    if policy.measured:
+        m = Measured.of(policy)
         parts.append(
-            f"measured on {m.get('device', '?')} for {m.get('model', '?')}; metric {m.get('metric', '?')}, "
-            f"budget {m.get('budget_given') or m.get('budget', '?')} ({mode_text(m)}); fp8: {m.get('fp8', '?')}; "
-            f"step times {'compiled' if m.get('compiled') else 'eager'}"
+            f"measured on {m.device or '?'} for {m.model or '?'}; metric {m.metric or '?'}, "
+            f"budget {_budget(m)} ({mode_text(m)}); fp8: {m.fp8 or '?'}; step times {'compiled' if m.compiled else 'eager'}"
         )
-        if m.get("results"):
+        if m.results:
             parts.append(table(RESULT_HEADERS, result_rows(policy)))
-            failed = [f"{n} failed: {_mapping(r).get('error')}" for n, r in _mapping(m["results"]).items() if _mapping(r).get("error")]
-            parts.extend(failed)
-            parts.append(f"step time: {m.get('timing', '')}; speedup = fp32 step time / step time")
-        versions = _mapping(m.get("versions"))
-        if versions:
-            parts.append("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+            parts.extend(f"{n} failed: {r.error}" for n, r in m.results.items() if r.error)
+            parts.append(f"step time: {m.timing or ''}; speedup = fp32 step time / step time")
+        if m.versions:
+            parts.append("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
     return "\n\n".join(parts)
 
 
@@ -167,72 +158,62 @@ def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
     return fmt_table(headers, rows)
 
 
-def noisiest(finals: pd.DataFrame) -> float:
-    """The widest step-time spread among the re-measured candidates that ran (0 when none did)."""
-    spreads = finals.loc[finals["runs"].astype(bool), "spread"].dropna()
-    return float(spreads.max()) if len(spreads) else 0.0
-
-
 def search_summary(result: Any, *, markdown: bool = False) -> str:
     """The end-of-search report: layer formats, then fp32 / uniform bf16 / policy measured side by side."""
     policy = result.policy
     table = markdown_table if markdown else text_table
     parts = [table(["layer", "format", "ruled out by the profile"], layer_rows(policy))]
-    finals = result.finals
+    finals: Finals = result.finals
     rows = [
-        [r["candidate"], r["metric"], r["metric_drop"], r["step_ms"], _spread(r["spread"]), f"{r['skipped']}/{r['steps']}",
-         r["speedup"], "yes" if r["feasible"] else "no"]
-        for _, r in finals.iterrows()
+        [r.candidate, r.metric, r.metric_drop, r.step_ms, _spread(r.spread), f"{r.skipped}/{r.steps}", r.speedup,
+         "yes" if r.feasible else "no"]
+        for r in finals
     ]  # fmt: skip
     parts.append(table(RESULT_HEADERS[:-1] + ["skipped", "speedup", "within budget"], rows))
-    m = policy.measured or {}
+    m = Measured.of(policy)
     parts.append(
-        f"chosen: {m.get('chosen')}{f' ({why})' if (why := m.get('why')) else ''}; budget {m.get('budget_given') or m.get('budget')}, "
-        f"metric {m.get('metric')}, {mode_text(m)}; search space {m.get('search_space', 'per layer')}; "
-        f"device: {m.get('device')}; {m.get('timing')}; speedup = fp32 step time / effective step time"
+        f"chosen: {m.chosen}{f' ({m.why})' if m.why else ''}; budget {_budget(m)}, "
+        f"metric {m.metric}, {mode_text(m)}; search space {m.search_space or 'per layer'}; "
+        f"device: {m.device}; {m.timing}; speedup = fp32 step time / effective step time"
     )
     noise = getattr(result, "noise", None)
     if noise is not None:
         parts.append(
             f"noise floor: the fp32 metric after {noise.steps} training steps spans {noise.spread:.4g} over seeds "
             f"0..{len(noise.metrics) - 1} and a repeat of seed 0 ({', '.join(f'{v:.4g}' for v in (*noise.metrics, noise.repeat))})"
-            + (f"; the budget {m.get('budget')} is below it: the search cannot tell a real loss from noise there"
-               if _number(m.get("budget")) < noise.spread else "")
+            + (f"; the budget {m.budget} is below it: the search cannot tell a real loss from noise there"
+               if m.budget is not None and m.budget < noise.spread else "")
         )  # fmt: skip
-    ls = _mapping(m.get("loss_scale_search"))
+    ls = m.loss_scale_search
     if ls.get("advice"):
         parts.append(f"loss scale: {ls['advice']}; searched init scales 2^{ls['init_scale_log2'][0]} .. 2^{ls['init_scale_log2'][1]}")
-    for name, why in _mapping(m.get("alternatives_not_measured")).items():
+    for name, why in m.alternatives_not_measured.items():
         parts.append(f"{name}: {why}")
-    for _, r in finals.iterrows():
-        if isinstance(r.get("error"), str):
-            parts.append(f"{r['candidate']} failed: {r['error']}")
-    rows = {r["candidate"]: r for _, r in finals.iterrows()}
-    tf32, picked = rows.get(TF32), rows.get(m.get("chosen"))
-    if tf32 is not None and picked is not None and tf32["feasible"] and tf32["speedup"] > picked["speedup"]:
+    parts.extend(f"{r.candidate} failed: {r.error}" for r in finals if r.error)
+    tf32, picked = finals.get(TF32), finals.get(m.chosen)
+    if tf32 is not None and picked is not None and tf32.feasible and tf32.speedup > picked.speedup:
         parts.append(
-            f"note: TF32 measured {tf32['speedup'] / picked['speedup']:.2f}x the chosen policy's speed within budget; it is a "
+            f"note: TF32 measured {tf32.speedup / picked.speedup:.2f}x the chosen policy's speed within budget; it is a "
             "process-wide setting, not a per-layer format: torch.set_float32_matmul_precision('high') in your script "
             "also speeds the policy's fp32 layers"
         )
-    if noisiest(finals) > NOISY_SPREAD:
+    if finals.noisiest() > NOISY_SPREAD:
         parts.append(
-            f"note: step times spread up to {_spread(noisiest(finals))} even when timed twice as long: too wide to rank "
+            f"note: step times spread up to {_spread(finals.noisiest())} even when timed twice as long: too wide to rank "
             "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
             "rerun on a quieter machine with --remeasure"
         )
-    chosen, ref = rows.get(m.get("chosen")), rows.get(BF16)
-    if chosen is not None and ref is not None and chosen["candidate"] != BF16:
-        lead = chosen["speedup"] / ref["speedup"] - 1
-        noise = (chosen["spread"] + ref["spread"]) / 2
-        if lead < noise:
+    ref = finals.get(BF16)
+    if picked is not None and ref is not None and picked.candidate != BF16:
+        lead = picked.speedup / ref.speedup - 1
+        noise_share = (picked.spread + ref.spread) / 2
+        if lead < noise_share:
             parts.append(
-                f"note: {chosen['candidate']} leads uniform bf16 by {100 * lead:.1f}%, inside the measured spread "
-                f"({100 * noise:.1f}%): on this device the two are not told apart"
+                f"note: {picked.candidate} leads uniform bf16 by {100 * lead:.1f}%, inside the measured spread "
+                f"({100 * noise_share:.1f}%): on this device the two are not told apart"
             )
-    excluded = _mapping(m.get("excluded"))
-    overruled = [n for n, f in policy.layers.items() if f.value in _mapping(excluded.get(n))]
-    if m.get("chosen") == BF16 and overruled:
+    overruled = [n for n, f in policy.layers.items() if f.value in m.excluded.get(n, {})]
+    if m.chosen == BF16 and overruled:
         parts.append(
             f"note: the policy is the uniform-bf16 baseline, measured as a whole step, though the profile ruled "
             f"out bf16 for {', '.join(map(_layer_name, overruled))} on its own (a layer timed alone is not the whole step)"
@@ -400,21 +381,20 @@ def sweep_summary(result: Any, *, markdown: bool = False) -> str:
     table = markdown_table if markdown else text_table
     headers = ["budget", "chosen", "metric", "drop", "speedup", "spread", "uniform bf16", "profile greedy", "formats", "file"]
     rows = []
-    for _, r in result.table.iterrows():
-        bf16 = f"{r['uniform_bf16_speedup']:.3f}" + ("" if r["uniform_bf16_drop"] <= r["budget"] else " (over)")
-        greedy = f"{r['greedy_speedup']:.3f}" + ("" if r["greedy_drop"] <= r["budget"] else " (over)")
-        given = r.get("budget_given")
-        rows.append([given if isinstance(given, str) else r["budget"], r["chosen"], r["metric"], r["metric_drop"], r["speedup"], _spread(r["spread"]), bf16, greedy,
-                     f"{r['root']} root; {r['formats']}", r["policy_file"]])  # fmt: skip
+    for r in result.table:
+        bf16 = f"{r.uniform_bf16_speedup:.3f}" + ("" if r.uniform_bf16_drop <= r.budget else " (over)")
+        greedy = f"{r.greedy_speedup:.3f}" + ("" if r.greedy_drop <= r.budget else " (over)")
+        rows.append([r.budget_given or r.budget, r.chosen, r.metric, r.metric_drop, r.speedup, _spread(r.spread), bf16, greedy,
+                     f"{r.root} root; {r.formats}", r.policy_file])  # fmt: skip
     parts = [table(headers, rows)]
     first = next(iter(result.policies.values()), None)
-    m = _mapping(first.measured if first else None)
+    m = Measured.of(first) if first else Measured()
     parts.append(
-        f"speedup: fp32 step time / effective step time, re-measured together ({m.get('timing', '')}); uniform bf16 and "
+        f"speedup: fp32 step time / effective step time, re-measured together ({m.timing or ''}); uniform bf16 and "
         f"profile greedy: their speedups, '(over)' where their drop exceeds that budget. Study: {len(result.trials)} trials, "
-        f"{len(result.front)} on the Pareto front; {result.choices.describe()}; {mode_text(m)}; device {m.get('device')}"
+        f"{len(result.front)} on the Pareto front; {result.choices.describe()}; {mode_text(m)}; device {m.device}"
     )
-    notes = [f"{r['budget']:g}: {r['why']}" for _, r in result.table.iterrows() if r["why"] != "the fastest within budget"]
+    notes = [f"{r.budget:g}: {r.why}" for r in result.table if r.why != "the fastest within budget"]
     if notes:
         parts.append("why:\n" + "\n".join(f"- {n}" for n in notes))
     if result.cost:
@@ -437,15 +417,16 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     if len(front):
         ax.step(front["metric_drop"], front["speedup"], where="post", color="C0", label="Pareto front (trials)")
         ax.scatter(front["metric_drop"], front["speedup"], s=22, color="C0")
-    for i, b in enumerate(table["budget"]):
-        ax.axvline(b, color="C3", linestyle=":", linewidth=1, label="budgets" if i == 0 else None)
-    ax.scatter(table["metric_drop"], table["speedup"], marker="*", s=160, color="C3", zorder=3, label="chosen per budget (re-measured)")
-    row = result.finals[result.finals["candidate"] == BF16]
-    if len(row):
-        ax.scatter(row["metric_drop"], row["speedup"], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)")
+    for i, r in enumerate(table):
+        ax.axvline(r.budget, color="C3", linestyle=":", linewidth=1, label="budgets" if i == 0 else None)
+    ax.scatter([r.metric_drop for r in table], [r.speedup for r in table], marker="*", s=160, color="C3", zorder=3,
+               label="chosen per budget (re-measured)")  # fmt: skip
+    bf16 = result.finals.get(BF16)
+    if bf16 is not None:
+        ax.scatter([bf16.metric_drop], [bf16.speedup], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)")
     ax.axhline(1.0, color="black", linewidth=0.6)
     # Drops often sit orders of magnitude below the budgets: symlog shows both, and negative drops too.
-    values = [abs(float(v)) for v in (*timed["metric_drop"], *table["budget"]) if float(v) != 0 and math.isfinite(float(v))]
+    values = [abs(float(v)) for v in (*timed["metric_drop"], *(r.budget for r in table)) if float(v) != 0 and math.isfinite(float(v))]
     if values:
         ax.set_xscale("symlog", linthresh=10 ** math.floor(math.log10(min(values))))
     ax.set_xlabel("metric drop from fp32 (lower is better; symmetric log scale)")
@@ -461,7 +442,7 @@ def search_markdown(result: Any, command: str) -> str:
     """summary.md of a search: the command, the policy and every measured candidate, the profile, the gradients."""
     prof = result.profile
     return (
-        f"# autoprec search: {result.policy.measured['model']}\n\n`{command}`\n\n"
+        f"# autoprec search: {Measured.of(result.policy).model}\n\n`{command}`\n\n"
         f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
         f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.table, markdown=True)}\n\n"
         f"dB: output SQNR against fp32; drop: metric drop; x time: the layer's forward+backward time over fp32's.\n\n"
@@ -473,7 +454,7 @@ def search_markdown(result: Any, command: str) -> str:
 
 def sweep_markdown(result: Any, command: str) -> str:
     """sweep.md: the command, the policy per budget, the Pareto plot and front, the profile."""
-    name = next(iter(result.policies.values())).measured["model"]
+    name = Measured.of(next(iter(result.policies.values()))).model
     return (
         f"# autoprec sweep: {name}\n\n`{command}`\n\n## Policy per budget\n\n{sweep_summary(result, markdown=True)}\n\n"
         f"![speedup against metric drop](pareto.png)\n\n"

@@ -14,6 +14,7 @@ from autoprec.tune.choices import Choices
 from autoprec.tune.measure import NoiseFloor
 from autoprec.tune.pipeline import Plan, run
 from autoprec.tune.profiler import Profile
+from autoprec.tune.records import Finals
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.study import Mode, SearchConfig, parse_mode
 from autoprec.tune.task import Workload
@@ -27,7 +28,7 @@ class SearchResult:
     profile: Profile
     choices: Choices
     trials: pd.DataFrame
-    finals: pd.DataFrame  # one row per re-measured candidate: the alternatives and the finalists
+    finals: Finals  # every re-measured candidate: the alternatives and the finalists (finals.to_frame(): a DataFrame)
     study_name: str
     storage: str
     noise: NoiseFloor | None = None  # train mode: the fp32 result's spread over seeds

@@ -27,6 +27,7 @@ from autoprec.tune.choices import Choices
 from autoprec.tune.measure import NoiseFloor
 from autoprec.tune.pipeline import Chosen, Plan, run
 from autoprec.tune.profiler import Profile
+from autoprec.tune.records import Finals, Measured
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.study import SearchConfig
 from autoprec.tune.task import Workload
@@ -34,16 +35,39 @@ from autoprec.tune.task import Workload
 OBJECTIVES = 2  # speedup (maximise), metric drop (minimise)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BudgetRow:
+    """One budget's result, a row of sweep.csv: the chosen candidate's re-measured numbers beside uniform
+    bf16's and this budget's profile-greedy policy's, from the same re-measure."""
+
+    budget: float
+    budget_given: str | None  # how the user gave it, where relative
+    chosen: str
+    metric: float
+    metric_drop: float
+    step_ms: float  # effective: skipped steps count as time without progress
+    spread: float
+    speedup: float
+    uniform_bf16_speedup: float
+    uniform_bf16_drop: float
+    greedy_speedup: float
+    greedy_drop: float
+    formats: str  # "bf16 100, fp32 9": the listed layers' formats, the root not counted
+    root: str
+    policy_file: str
+    why: str
+
+
 @dataclasses.dataclass
 class SweepResult:
     """`table`: one row per budget (sweep.csv); `policies`: budget -> its policy; `front`: the study's
     Pareto-optimal trials; `finals`: every re-measured candidate."""
 
-    table: pd.DataFrame
+    table: list[BudgetRow]
     policies: dict[float, Policy]
     front: pd.DataFrame
     trials: pd.DataFrame
-    finals: pd.DataFrame
+    finals: Finals
     profile: Profile
     choices: Choices
     study_name: str
@@ -84,15 +108,15 @@ def pareto_front(trials: pd.DataFrame) -> pd.DataFrame:
     if "feasible" not in trials:
         return trials.iloc[0:0]
     timed = trials[trials["feasible"].eq(True)].dropna(subset=["speedup", "metric_drop"])
-    keep = []
-    for i, row in timed.iterrows():
-        dominated = (
-            (timed["speedup"] >= row["speedup"]) & (timed["metric_drop"] <= row["metric_drop"])
-            & ((timed["speedup"] > row["speedup"]) | (timed["metric_drop"] < row["metric_drop"]))
-        )  # fmt: skip
-        if not dominated.any():
+    # by drop (then speedup, fastest first): a trial is on the front when no trial of a smaller drop, or of
+    # the same drop, is faster; equal trials all stay (one sort, one pass)
+    ordered = timed.sort_values(["metric_drop", "speedup"], ascending=[True, False], kind="stable")
+    keep, best = [], -math.inf
+    for i, drop, speed in zip(ordered.index, ordered["metric_drop"], ordered["speedup"]):
+        if speed > best or (keep and speed == best and drop == timed.at[keep[-1], "metric_drop"]):
             keep.append(i)
-    return timed.loc[keep].sort_values(["metric_drop", "speedup"])
+            best = speed
+    return timed.loc[keep].sort_values(["metric_drop", "speedup"], kind="stable")
 
 
 def _format_counts(policy: Policy) -> str:
@@ -126,8 +150,9 @@ def sweep(
     bounds the study and must be at least the largest budget (the CLI sets it to that)."""
     done = run(workload, space, config, out_dir, sweep_plan(parse_budgets(budgets), given))
     started = done.started
-    table = pd.DataFrame([_row(c, done.finals) for c in done.chosen])
-    write_atomically(Path(out_dir) / "sweep.csv", lambda tmp: table.to_csv(tmp, index=False))
+    table = [_row(c, done.finals) for c in done.chosen]
+    frame = pd.DataFrame([dataclasses.asdict(r) for r in table])
+    write_atomically(Path(out_dir) / "sweep.csv", lambda tmp: frame.to_csv(tmp, index=False))
     return SweepResult(
         table=table, policies={c.budget: c.policy for c in done.chosen}, front=pareto_front(done.trials),
         trials=done.trials, finals=done.finals, profile=started.profile, choices=started.choices,
@@ -135,24 +160,12 @@ def sweep(
     )  # fmt: skip
 
 
-def _row(chosen: Chosen, finals: pd.DataFrame) -> dict[str, Any]:
-    by = finals.set_index("candidate")
-    r, greedy, policy = by.loc[chosen.name], chosen.greedy, chosen.policy
-    return {
-        "budget": chosen.budget,
-        "budget_given": (policy.measured or {}).get("budget_given"),
-        "chosen": chosen.name,
-        "metric": r["metric"],
-        "metric_drop": r["metric_drop"],
-        "step_ms": r["effective_step_ms"],
-        "spread": r["spread"],
-        "speedup": r["speedup"],
-        "uniform_bf16_speedup": by.loc[BF16, "speedup"],
-        "uniform_bf16_drop": by.loc[BF16, "metric_drop"],
-        "greedy_speedup": by.loc[greedy, "speedup"],
-        "greedy_drop": by.loc[greedy, "metric_drop"],
-        "formats": _format_counts(policy),
-        "root": policy.layers.get(ROOT, Format.FP32).value,
-        "policy_file": chosen.file.name,
-        "why": chosen.why,
-    }
+def _row(chosen: Chosen, finals: Finals) -> BudgetRow:
+    r, bf16, greedy, policy = finals.by_name(chosen.name), finals.by_name(BF16), finals.by_name(chosen.greedy), chosen.policy
+    return BudgetRow(
+        budget=chosen.budget, budget_given=Measured.of(policy).budget_given, chosen=chosen.name, metric=r.metric,
+        metric_drop=r.metric_drop, step_ms=r.effective_step_ms, spread=r.spread, speedup=r.speedup,
+        uniform_bf16_speedup=bf16.speedup, uniform_bf16_drop=bf16.metric_drop, greedy_speedup=greedy.speedup,
+        greedy_drop=greedy.metric_drop, formats=_format_counts(policy), root=policy.layers.get(ROOT, Format.FP32).value,
+        policy_file=chosen.file.name, why=chosen.why,
+    )  # fmt: skip

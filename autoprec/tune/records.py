@@ -1,0 +1,340 @@
+"""Typed records that flow between the tuner's stages, in place of dicts and DataFrames:
+
+- `Measurement`: one candidate re-measured beside the others (a row of finalists.csv);
+- `Finals`: all of them, in the order they were measured, looked up by name;
+- `Result`: what a policy file keeps of one measurement (`measured.results[label]`);
+- `Measured`: a policy file's `measured` block, written by the pipeline and read by the reports.
+
+The runtime's `Policy.measured` stays a plain mapping (it is provenance, and a training script needs none of
+this); `Measured.of(policy)` is its typed view, tolerant of files from older versions or edited by hand.
+pandas appears only where a table meets a CSV file (`Finals.to_frame`, `Finals.read_csv`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, overload
+
+from autoprec.files import write_atomically
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from autoprec.policy import Policy
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One re-measured candidate. `runs`: the metric and every loss were finite and some step updated the
+    weights; `feasible`: that, and the drop within the budget it was measured for; `speedup`: fp32's
+    effective step time over this one's; `spread`: the step time's interquartile range over its median;
+    `skipped` of `steps`: steps the GradScaler skipped while timed; `train_skipped`: while trained (train mode)."""
+
+    candidate: str
+    metric: float
+    metric_drop: float
+    runs: bool
+    feasible: bool
+    step_ms: float
+    skipped: int
+    steps: int
+    effective_step_ms: float
+    spread: float
+    compile_s: float | None = None
+    train_skipped: int | None = None
+    error: str | None = None
+    speedup: float = math.nan
+
+    def within(self, budget: float) -> Measurement:
+        """The same measurement judged against another budget."""
+        return dataclasses.replace(self, feasible=self.runs and self.metric_drop <= budget)
+
+
+class Finals(Sequence[Measurement]):
+    """The re-measured candidates, in measuring order; `finals[i]` by position, `finals.get(name)` by name."""
+
+    def __init__(self, rows: Iterable[Measurement] = ()) -> None:
+        self._rows = tuple(rows)
+        self._by_name = {r.candidate: r for r in self._rows}
+        if len(self._by_name) != len(self._rows):
+            raise ValueError(f"each candidate is measured once, but got {[r.candidate for r in self._rows]}")
+
+    @overload
+    def __getitem__(self, index: int) -> Measurement: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Measurement]: ...
+    def __getitem__(self, index: int | slice) -> Measurement | Sequence[Measurement]:
+        return self._rows[index]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[Measurement]:
+        return iter(self._rows)
+
+    def __repr__(self) -> str:
+        return f"Finals({list(self._rows)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Finals) and self._rows == other._rows
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def get(self, name: str | None) -> Measurement | None:
+        return self._by_name.get(name) if name is not None else None
+
+    def by_name(self, name: str) -> Measurement:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no candidate {name!r} was re-measured; the candidates are {self.names}") from None
+
+    def within(self, budget: float) -> Finals:
+        """Every measurement judged against `budget` (a sweep judges one re-measure against each of its budgets)."""
+        return Finals(r.within(budget) for r in self._rows)
+
+    def replace(self, **changes: Any) -> Finals:
+        """Every row with `changes` (tests and what-if reports)."""
+        return Finals(dataclasses.replace(r, **changes) for r in self._rows)
+
+    def noisiest(self) -> float:
+        """The widest step-time spread among the candidates that ran (0 when none did)."""
+        spreads = [r.spread for r in self._rows if r.runs and math.isfinite(r.spread)]
+        return max(spreads, default=0.0)
+
+    def to_frame(self) -> pd.DataFrame:
+        """A DataFrame with one row per candidate and the fields as columns (finalists.csv)."""
+        import pandas as pd
+
+        columns = [f.name for f in dataclasses.fields(Measurement)]
+        return pd.DataFrame([dataclasses.asdict(r) for r in self._rows], columns=columns)
+
+    def to_csv(self, path: str | Path) -> None:
+        frame = self.to_frame()
+        write_atomically(path, lambda tmp: frame.to_csv(tmp, index=False))
+
+    @classmethod
+    def read_csv(cls, path: str | Path) -> Finals:
+        """Read what `to_csv` wrote (finalists.csv); a missing column or a malformed value raises ValueError."""
+        import pandas as pd
+
+        frame = pd.read_csv(path, dtype={"candidate": str, "error": str})
+        rows = []
+        for record in frame.to_dict("records"):
+            try:
+                rows.append(Measurement(
+                    candidate=str(record["candidate"]), metric=float(record["metric"]),
+                    metric_drop=float(record["metric_drop"]), runs=_flag(record["runs"]),
+                    feasible=_flag(record["feasible"]), step_ms=float(record["step_ms"]),
+                    skipped=int(record["skipped"]), steps=int(record["steps"]),
+                    effective_step_ms=float(record["effective_step_ms"]), spread=float(record["spread"]),
+                    compile_s=_optional(record.get("compile_s"), float), train_skipped=_optional(record.get("train_skipped"), int),
+                    error=_optional(record.get("error"), str), speedup=float(record["speedup"]),
+                ))  # fmt: skip
+            except KeyError as exc:
+                raise ValueError(f"{path}: no column {exc.args[0]!r}") from None
+        return cls(rows)
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        if value not in ("True", "False"):
+            raise ValueError(f"expected True or False, got {value!r}")
+        return value == "True"
+    return bool(value)
+
+
+def _optional(value: Any, kind: type) -> Any:
+    """None for a missing or empty CSV cell (NaN), else the value as `kind`."""
+    if value is None or isinstance(value, float) and math.isnan(value):
+        return None
+    return kind(value)
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if math.isfinite(float(value)) else None  # JSON has no inf/NaN: null
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Result:
+    """A measurement as a policy file keeps it; None where the number was not finite (a candidate that broke)."""
+
+    metric: float | None = None
+    metric_drop: float | None = None
+    step_ms: float | None = None
+    effective_step_ms: float | None = None
+    spread: float | None = None
+    speedup: float | None = None
+    skipped_steps: int | None = None
+    steps: int | None = None
+    train_skipped_steps: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, m: Measurement) -> Result:
+        return cls(
+            metric=_finite(m.metric), metric_drop=_finite(m.metric_drop), step_ms=_finite(m.step_ms),
+            effective_step_ms=_finite(m.effective_step_ms), spread=_finite(m.spread), speedup=_finite(m.speedup),
+            skipped_steps=m.skipped, steps=m.steps, train_skipped_steps=m.train_skipped, error=m.error,
+        )  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {k: v for k, v in out.items() if v is not None or k not in ("error", "train_skipped_steps")}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Result:
+        data = _mapping(data)
+        return cls(
+            metric=_number(data.get("metric")), metric_drop=_number(data.get("metric_drop")),
+            step_ms=_number(data.get("step_ms")), effective_step_ms=_number(data.get("effective_step_ms")),
+            spread=_number(data.get("spread")), speedup=_number(data.get("speedup")),
+            skipped_steps=_count(data.get("skipped_steps")), steps=_count(data.get("steps")),
+            train_skipped_steps=_count(data.get("train_skipped_steps")), error=_text(data.get("error")),
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StudyRef:
+    """Which Optuna study a result came from, and how many of its trials there were when it was chosen."""
+
+    name: str | None = None
+    storage: str | None = None
+    trials: int | None = None
+    complete: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measured:
+    """A policy file's `measured` block: where, on what and how the policy was chosen, and the re-measured
+    results of the policy (`results["policy"]`) and of what it was compared with. Every field has a default
+    so that a block from an older version, or edited by hand, reads as far as it is well formed; fields this
+    version does not know are kept in `extra` and written back."""
+
+    device: str | None = None
+    versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    model: str | None = None
+    fingerprint: str | None = None
+    budget: float | None = None
+    budget_given: str | None = None  # how the user gave it, where relative ("1% of |fp32 metric| ...")
+    mode: str = "weights"
+    train_steps: int | None = None
+    noise_floor: float | None = None
+    noise: Mapping[str, Any] | None = None
+    fp32_metric: float | None = None
+    metric: str | None = None
+    chosen: str | None = None
+    why: str | None = None
+    greedy: str | None = None  # the name of this budget's profile-greedy candidate
+    results: Mapping[str, Result] = dataclasses.field(default_factory=dict)
+    kept_fp32: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    excluded: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    fp8: str | None = None
+    compiled: bool = False
+    alternatives_not_measured: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    float32_matmul_precision: str | None = None
+    timing: str | None = None
+    loss_scale_search: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    search_space: str | None = None
+    study: StudyRef = StudyRef()
+    sweep: Mapping[str, Any] | None = None
+    cost: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    created: str | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def policy_result(self) -> Result | None:
+        return self.results.get("policy")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object a policy file holds; optional fields left unset are not written."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extra":
+                continue
+            if f.name in ("budget_given", "why", "greedy", "sweep", "created") and value is None:
+                continue
+            if f.name == "results":
+                value = {k: r.to_dict() for k, r in value.items()}
+            elif f.name == "study":
+                value = {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
+            elif isinstance(value, Mapping):
+                value = _plain(value)
+            out[f.name] = value
+        return {**out, **{k: v for k, v in self.extra.items() if k not in out}}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Measured:
+        """Read leniently: a field of the wrong type takes its default, as if it were missing."""
+        data = _mapping(data)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        study = _mapping(data.get("study"))
+        noise = data.get("noise")
+        sweep = data.get("sweep")
+        return cls(
+            device=_text(data.get("device")),
+            versions={str(k): str(v) for k, v in _mapping(data.get("versions")).items()},
+            model=_text(data.get("model")),
+            fingerprint=_text(data.get("fingerprint")),
+            budget=_number(data.get("budget")),
+            budget_given=_text(data.get("budget_given")),
+            mode=_text(data.get("mode")) or "weights",
+            train_steps=_count(data.get("train_steps")),
+            noise_floor=_number(data.get("noise_floor")),
+            noise=noise if isinstance(noise, Mapping) else None,
+            fp32_metric=_number(data.get("fp32_metric")),
+            metric=_text(data.get("metric")),
+            chosen=_text(data.get("chosen")),
+            why=_text(data.get("why")),
+            greedy=_text(data.get("greedy")),
+            results={str(k): Result.from_dict(v) for k, v in _mapping(data.get("results")).items()},
+            kept_fp32={str(k): str(v) for k, v in _mapping(data.get("kept_fp32")).items()},
+            excluded={str(k): {str(f): str(w) for f, w in _mapping(v).items()} for k, v in _mapping(data.get("excluded")).items()},
+            fp8=_text(data.get("fp8")),
+            compiled=data.get("compiled") is True,
+            alternatives_not_measured={str(k): str(v) for k, v in _mapping(data.get("alternatives_not_measured")).items()},
+            float32_matmul_precision=_text(data.get("float32_matmul_precision")),
+            timing=_text(data.get("timing")),
+            loss_scale_search=dict(_mapping(data.get("loss_scale_search"))),
+            search_space=_text(data.get("search_space")),
+            study=StudyRef(name=_text(study.get("name")), storage=_text(study.get("storage")),
+                           trials=_count(study.get("trials")), complete=_count(study.get("complete"))),  # fmt: skip
+            sweep=sweep if isinstance(sweep, Mapping) else None,
+            cost=dict(_mapping(data.get("cost"))),
+            created=_text(data.get("created")),
+            extra={k: v for k, v in data.items() if k not in known},
+        )
+
+    @classmethod
+    def of(cls, policy: Policy) -> Measured:
+        """The typed view of `policy.measured` (all defaults when the policy has none)."""
+        return cls.from_dict(policy.measured)
+
+
+def _mapping(value: Any) -> Mapping:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _plain(value: Any) -> Any:
+    """Nested mappings as plain dicts (json writes any Mapping only when it is a dict)."""
+    return {k: _plain(v) for k, v in value.items()} if isinstance(value, Mapping) else value
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

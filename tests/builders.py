@@ -1,0 +1,15 @@
+"""Records built by hand for the tests of what reads them (choosing, reporting): only the fields a test is about
+are given, the rest take values of a candidate that ran cleanly."""
+
+from autoprec.tune.records import Finals, Measurement
+
+
+def measurement(candidate: str, **fields) -> Measurement:
+    values = dict(metric=1.0, metric_drop=0.0, runs=True, feasible=True, step_ms=10.0, skipped=0, steps=10,
+                  effective_step_ms=10.0, spread=0.01, speedup=1.0)  # fmt: skip
+    return Measurement(candidate=candidate, **{**values, **fields})
+
+
+def finals(*rows: dict) -> Finals:
+    """finals({"candidate": "fp32", "speedup": 1.0}, ...)."""
+    return Finals(measurement(**row) for row in rows)

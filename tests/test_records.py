@@ -1,0 +1,94 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from autoprec import Policy, load_policy
+from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
+from builders import finals, measurement
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def test_a_measured_block_reads_back_as_the_record_that_wrote_it():
+    m = Measured(
+        device="cpu (test)", model="mlp", fingerprint="abc", budget=0.01, budget_given="1% of |fp32 metric| 1",
+        mode="train", train_steps=20, noise_floor=0.002, fp32_metric=0.9, metric="accuracy", chosen="trial 3",
+        why="the fastest within budget", greedy="profile greedy", compiled=True,
+        results={"fp32": Result(speedup=1.0, steps=10, skipped_steps=0), "policy": Result(speedup=1.4, error="x")},
+        excluded={"head": {"fp8": "too small"}}, study=StudyRef(name="s", storage="journal", trials=5, complete=4),
+        cost={"seconds": {"profile": 1.5}, "counts": {"profile": 1}},
+    )  # fmt: skip
+    data = json.loads(json.dumps(m.to_dict()))  # through JSON, as a policy file holds it
+    assert Measured.from_dict(data) == m
+    assert Measured.of(Policy(measured=data)).policy_result == Result(speedup=1.4, error="x")
+
+
+def test_a_malformed_or_unknown_field_reads_as_missing_and_unknown_ones_are_written_back():
+    m = Measured.from_dict({"budget": "0.01", "compiled": "yes", "results": {"policy": {"speedup": "fast", "steps": 3.5}},
+                            "study": [1], "from_the_future": {"a": 1}})  # fmt: skip
+    assert m.budget is None and m.compiled is False and m.study == StudyRef()
+    assert m.results["policy"] == Result()
+    assert m.to_dict()["from_the_future"] == {"a": 1}
+    assert Measured.from_dict(None) == Measured() and Measured.of(Policy()) == Measured()
+
+
+def test_every_committed_policy_file_reads_as_a_record():
+    files = sorted(RESULTS.rglob("policy*.json"))
+    assert len(files) >= 10  # the committed results are there (a move would otherwise pass silently)
+    for path in files:
+        m = Measured.of(load_policy(path))
+        assert m.chosen and m.budget is not None and m.device, path
+        assert m.policy_result is not None and m.policy_result.speedup and m.policy_result.speedup > 0, path
+
+
+def test_a_result_keeps_null_where_a_number_was_not_finite_and_leaves_out_what_was_not_measured():
+    broken = measurement("x", metric=math.nan, metric_drop=math.inf, runs=False, speedup=math.nan, error="boom")
+    r = Result.of(broken)
+    assert r.metric is None and r.metric_drop is None and r.speedup is None and r.error == "boom"
+    assert "train_skipped_steps" not in Result.of(measurement("y")).to_dict() and "error" not in Result.of(measurement("y")).to_dict()
+    assert Result.of(measurement("z", train_skipped=2)).to_dict()["train_skipped_steps"] == 2
+
+
+def test_finals_look_up_by_name_and_refuse_a_candidate_measured_twice():
+    f = finals({"candidate": "fp32"}, {"candidate": "x", "speedup": 1.5})
+    assert f.names == ["fp32", "x"] and f.by_name("x").speedup == 1.5 and f.get("y") is None and f[1].candidate == "x"
+    with pytest.raises(KeyError, match=r"no candidate 'y' was re-measured; the candidates are \['fp32', 'x'\]"):
+        f.by_name("y")
+    with pytest.raises(ValueError, match="each candidate is measured once"):
+        finals({"candidate": "fp32"}, {"candidate": "fp32"})
+
+
+def test_finals_judged_against_another_budget_and_their_noisiest_spread():
+    f = finals({"candidate": "a", "metric_drop": 0.001, "spread": 0.1},
+               {"candidate": "b", "metric_drop": 0.01, "spread": 0.2},
+               {"candidate": "broken", "runs": False, "metric_drop": 0.0, "spread": 9.0})  # fmt: skip
+    assert [r.feasible for r in f.within(0.005)] == [True, False, False]
+    assert [r.feasible for r in f.within(0.05)] == [True, True, False]  # a candidate that did not run never fits
+    assert f.noisiest() == 0.2 and Finals().noisiest() == 0.0  # the failed run's spread is not the machine's
+
+
+def test_finals_round_trip_through_csv_with_empty_cells_and_errors(tmp_path):
+    f = Finals([
+        measurement("fp32", compile_s=1.25, train_skipped=0),
+        measurement("x, fp16/fp8 -> bf16", metric=math.nan, runs=False, feasible=False, speedup=math.nan,
+                    error="RuntimeError: no, really"),
+    ])  # fmt: skip
+    f.to_csv(tmp_path / "finalists.csv")
+    back = Finals.read_csv(tmp_path / "finalists.csv")
+    assert back.names == f.names and back[0] == f[0]
+    assert back[1].error == "RuntimeError: no, really" and math.isnan(back[1].metric) and back[1].compile_s is None
+    assert list(f.to_frame().columns)[:3] == ["candidate", "metric", "metric_drop"]
+
+
+def test_a_finalists_file_of_an_older_version_is_refused_by_name(tmp_path):
+    path = tmp_path / "finalists.csv"
+    path.write_text("candidate,metric,speedup\nfp32,1.0,1.0\n")
+    with pytest.raises(ValueError, match=r"finalists.csv: no column 'metric_drop'"):
+        Finals.read_csv(path)
+
+
+def test_a_measurement_needs_every_measured_field():
+    with pytest.raises(TypeError):
+        Measurement(candidate="x", metric=1.0)  # type: ignore[call-arg]
