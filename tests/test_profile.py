@@ -3,6 +3,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
 from autoprec.tune.profiler import COLUMNS, Profile
@@ -16,7 +17,8 @@ FAST = ProfileConfig(batches=2, timing=TINY)
 @pytest.fixture(scope="module")
 def prof():
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}})
+    # no format ruled out for its speed (fp16 and fp8 are slow on most CPUs): every one is measured through
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}, "prune": {"slower_than": 1e9}})
     return profile(workload, space, FAST, progress=False)
 
 
@@ -180,3 +182,71 @@ def test_a_corrupt_saved_profile_is_measured_again(tmp_path, caplog):
         prof = _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.1, progress=False, profile=FAST))
     assert "the saved profile cannot be read" in caplog.text and prof.layers() == ["fc1", "big", "head"]
     assert Profile.load(tmp_path).layers() == ["fc1", "big", "head"]  # the repaired files
+
+
+# ---- the metric only where it can matter --------------------------------------------------------
+
+
+def _fixed_times(ratios):
+    """A stand-in for the layer timing: fp32 1 ms, each other format `ratios[format]` times that."""
+
+    def time_layer(workload, name, module, inputs, formats, config):
+        return {f: (1.0 if f.value == "fp32" else ratios[f.value], 0.0) for f in formats}, {}
+
+    return time_layer
+
+
+def test_the_metric_is_evaluated_only_for_formats_the_profile_has_not_ruled_out(monkeypatch):
+    from autoprec.tune import profiler
+    from autoprec.tune.choices import build_choices
+
+    calls = []
+    real = profiler.metric_of
+    monkeypatch.setattr(profiler, "metric_of", lambda w, m: calls.append(1) or real(w, m))
+    monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 2.0, "fp16": 0.5}))
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1.25}})
+    prof = profile(workload, space, FAST, progress=False)
+    t = prof.table.set_index(["layer", "format"])
+    # bf16 at 2x fp32's time: ruled out by its timing, neither run nor evaluated; fp16 of `big` overflows when
+    # run: ruled out, not evaluated; the rest measured
+    assert t.loc[("fc1", "bf16"), "metric_source"] == "not measured: measured 2.00x the layer's fp32 time on this device"
+    assert math.isnan(t.loc[("fc1", "bf16"), "metric_drop"]) and math.isnan(t.loc[("fc1", "bf16"), "sqnr_db"])  # not run at all
+    assert t.loc[("fc1", "fp16"), "sqnr_db"] > 50 and t.loc[("big", "fp16"), "overflow"] is True  # run, then ruled out
+    assert t.loc[("big", "fp16"), "metric_source"].startswith("not measured: non-finite output")
+    assert t.loc[("fc1", "fp16"), "metric_source"] == "measured" and math.isfinite(t.loc[("fc1", "fp16"), "metric_drop"])
+    assert len(calls) == 2 == prof.cost["counts"]["profile: metric per format (one layer lowered)"]  # fc1, head in fp16
+    assert prof.cost["counts"]["profile: metric not evaluated (format already ruled out)"] == 4
+    choices = build_choices(prof, space, 0.05, torch.device("cpu"))
+    assert choices.layers["fc1"] == ("fp32", "fp16") and "2.00x" in choices.excluded["fc1"]["bf16"]
+
+
+def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_ruled_out(tmp_path, monkeypatch):
+    from autoprec.tune import SearchConfig
+    from autoprec.tune import profiler
+    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune.pipeline import _load_or_profile
+
+    monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 2.0}))
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget=0.1, progress=False, profile=FAST)
+    strict = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1.25}})
+    _load_or_profile(workload, strict, tmp_path, config)
+    watch = Stopwatch()
+    _load_or_profile(workload, strict, tmp_path, config, watch=watch)
+    assert watch.counts == {"profile: reused the one saved in the output folder": 1}
+    lenient = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 3.0}})
+    again = _load_or_profile(workload, lenient, tmp_path, config, watch=Stopwatch())  # bf16 is in play now: measured
+    assert (again.table.loc[again.table["format"] == "bf16", "metric_source"] == "measured").all()
+
+
+def test_a_profile_saved_before_metrics_could_be_skipped_reads_as_all_measured(prof, tmp_path):
+    prof.save(tmp_path)
+    path = tmp_path / "profile.csv"
+    import pandas as pd
+
+    old = pd.read_csv(path).drop(columns=["metric_source"])
+    old.to_csv(path, index=False)
+    back = Profile.load(tmp_path).table
+    assert (back.loc[back["status"] == "ok", "metric_source"] == "measured").all()
+    assert (back.loc[back["status"] != "ok", "metric_source"] == "").all()

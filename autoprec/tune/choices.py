@@ -28,9 +28,9 @@ from typing import Any
 import optuna
 import torch
 
-from autoprec.formats import FP16_MAX, Format, autocast_supported
+from autoprec.formats import Format, autocast_supported
 from autoprec.policy import ROOT, LossScale, Policy
-from autoprec.tune.profiler import Profile
+from autoprec.tune.profiler import Profile, as_float, ruled_out
 from autoprec.tune.space import Layout, SearchSpace, parse_layout
 
 log = logging.getLogger("autoprec")
@@ -103,33 +103,6 @@ class Choices:
 # ------------------------------------------------------------------ what the profile rules out
 
 
-def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _exclusion(row: Mapping[str, Any], budget: float | None, slower_than: float) -> str | None:
-    """Why the profile rules a format out for a layer, or None. `budget` None: do not judge the
-    single-layer drop (train mode, whose budget is on another measurement)."""
-    if row["status"] != "ok":
-        return str(row["reason"])
-    if not bool(row["finite"]):
-        return "non-finite output, gradient, loss or metric when lowered alone"
-    if bool(row["overflow"]):
-        return f"fp16 overflows: max |output| {float(row['max_abs']):.4g} > {FP16_MAX:g} or inf when lowered"
-    grad_overflow = _number(row.get("grad_overflow"))
-    if row["format"] == Format.FP16.value and grad_overflow > 0:
-        return f"fp16 gradients overflow even at loss scale 1 ({100 * grad_overflow:.2g}% of elements above {FP16_MAX:g})"
-    if budget is not None and float(row["metric_drop"]) > budget:
-        return f"alone drops the metric by {float(row['metric_drop']):.4g} > budget {budget:g}"
-    ratio = float(row["time_vs_fp32"])
-    if math.isfinite(ratio) and ratio > slower_than:
-        return f"measured {ratio:.2f}x the layer's fp32 time on this device"
-    return None
-
-
 def build_choices(prof: Profile, space: SearchSpace, budget: float, device: torch.device, *, judge_drop: bool = True) -> Choices:
     """Per-layer choices: the offered formats the profile did not rule out; fp32 always stays. With
     `judge_drop` False (train mode) a single layer's drop of the given weights' metric rules nothing out.
@@ -139,7 +112,7 @@ def build_choices(prof: Profile, space: SearchSpace, budget: float, device: torc
     for name, rows in prof.table.groupby("layer", sort=False):
         allowed = []
         for _, row in rows.iterrows():
-            reason = None if row["format"] == Format.FP32.value else _exclusion(row, budget if judge_drop else None, space.prune_slower_than)
+            reason = None if row["format"] == Format.FP32.value else ruled_out(row, budget if judge_drop else None, space.prune_slower_than)
             if reason is None:
                 allowed.append(row["format"])
             else:
@@ -197,7 +170,7 @@ def group_layers(prof: Profile, layers: Mapping[str, tuple[str, ...]]) -> dict[s
 
 def _sensitivity_key(rows: Any, name: str, fmt: str) -> tuple[float, float, str]:
     row = rows.loc[(name, fmt)]
-    drop, sqnr = _number(row["metric_drop"]), _number(row["sqnr_db"])
+    drop, sqnr = as_float(row["metric_drop"]), as_float(row["sqnr_db"])
     return (drop if math.isfinite(drop) else math.inf, -sqnr if not math.isnan(sqnr) else math.inf, name)
 
 
@@ -213,7 +186,7 @@ def rank_layers(prof: Profile, layers: Mapping[str, tuple[str, ...]]) -> tuple[d
     preference = {}
     for name, options in layers.items():
         lowered = [f for f in options if f != Format.FP32.value]
-        times = {f: _number(rows.loc[(name, f), "time_ms"]) for f in lowered}
+        times = {f: as_float(rows.loc[(name, f), "time_ms"]) for f in lowered}
         preference[name] = tuple(sorted(lowered, key=lambda f: (times[f] if math.isfinite(times[f]) else math.inf, ORDER.index(f))))
     return ranking, preference
 

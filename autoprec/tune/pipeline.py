@@ -39,7 +39,7 @@ from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A
 from autoprec.tune.choices import Choices, build_choices, fit, policy_from_params, warm_starts
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import NOISY_SPREAD, Candidate, TimingConfig, fp32_step_failed, measure_steps_or_fail
-from autoprec.tune.profiler import Profile, profile
+from autoprec.tune.profiler import Profile, profile, ruled_out
 from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.study import (
@@ -414,7 +414,10 @@ def _load_or_profile(
         tunable = space.tunable_layers(workload.model).items()
         offered = {(n, f.value) for n, fs in tunable for f in fs if n not in cached.uncalled}
         complete = cached.grad_ranges is not None  # written before gradient ranges existed: measure again
-        if same and complete and offered == set(zip(cached.table["layer"], cached.table["format"])):
+        # a cell whose metric was skipped as ruled out must still be ruled out under this space's prune rule
+        skipped = cached.table[cached.table["metric_source"].str.startswith("not measured")]
+        still_out = all(ruled_out(row, None, space.prune_slower_than) is not None for _, row in skipped.iterrows())
+        if same and complete and still_out and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)
             watch.count("profile: reused the one saved in the output folder")
             return cached

@@ -14,9 +14,11 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
@@ -25,7 +27,7 @@ from autoprec.apply import apply_policy
 from autoprec.tune.cost import Stopwatch
 from autoprec.errors import UserError, describe
 from autoprec.files import write_atomically
-from autoprec.formats import AUTOCAST_DTYPE, Format, device_name, format_problem
+from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, device_name, format_problem
 from autoprec.tune.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
 from autoprec.tune.measure import (
     TimingConfig,
@@ -56,7 +58,13 @@ COLUMNS = [
     "grad_amax", "grad_amin", "grad_underflow", "grad_subnormal", "grad_overflow", "scale_low_log2", "scale_high_log2",
     # the layer whose timing this row reuses: layers of one type, configuration and input shapes are timed once
     "timed_as",
+    # "measured", or why the metric was not evaluated: a format the profile already rules out (slower than
+    # fp32 by more than the space's prune.slower_than, non-finite, overflowing) is never chosen, whatever its drop
+    "metric_source",
 ]  # fmt: skip
+
+MEASURED = "measured"
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +127,9 @@ class Profile:
         # layer names are strings even when they look like numbers (nn.Sequential's "0", "2")
         table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True, dtype={"layer": str, "timed_as": str})
         table["reason"] = table["reason"].fillna("")
+        if "metric_source" not in table:  # written before the metric could be skipped: every ok cell was measured
+            table["metric_source"] = table["status"].eq("ok").map({True: MEASURED, False: ""})
+        table["metric_source"] = table["metric_source"].fillna("")
         for column in COLUMNS:  # a profile written before a column existed
             if column not in table:
                 table[column] = math.nan
@@ -338,13 +349,55 @@ def _timing_key(module: torch.nn.Module, inputs: tuple[tuple, dict], formats: li
     return repr((type(module).__qualname__, repr(module), params, signature, [f.value for f in formats]))
 
 
+def ruled_out(row: Mapping[str, Any], budget: float | None, slower_than: float) -> str | None:
+    """Why the profile rules a format out for a layer (a row of the table), or None. `budget` None: do not
+    judge the single-layer drop (train mode, whose budget is on another measurement; or before it is known)."""
+    if row["status"] != "ok":
+        return str(row["reason"])
+    if flag(row.get("finite")) is False:
+        return "non-finite output, gradient, loss or metric when lowered alone"
+    if flag(row.get("overflow")) is True:
+        return f"fp16 overflows: max |output| {float(row['max_abs']):.4g} > {FP16_MAX:g} or inf when lowered"
+    grad_overflow = as_float(row.get("grad_overflow"))
+    if row["format"] == Format.FP16.value and grad_overflow > 0:
+        return f"fp16 gradients overflow even at loss scale 1 ({100 * grad_overflow:.2g}% of elements above {FP16_MAX:g})"
+    drop = as_float(row.get("metric_drop"))
+    if budget is not None and drop > budget:
+        return f"alone drops the metric by {drop:.4g} > budget {budget:g}"
+    ratio = as_float(row.get("time_vs_fp32"))
+    if math.isfinite(ratio) and ratio > slower_than:
+        return f"measured {ratio:.2f}x the layer's fp32 time on this device"
+    return None
+
+
+def flag(value: Any) -> bool | None:
+    """A True/False cell of the table; None where it was not measured (empty)."""
+    return bool(value) if isinstance(value, (bool, np.bool_)) else None
+
+
+def as_float(value: Any) -> float:
+    """A table cell as a float; NaN where it holds none (empty, text)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def _profile_layer(
-    workload, name, module, formats, ref, fp32_metric, config, grads: LayerGradients, grad_table, watch: Stopwatch, timed: dict
+    workload, name, module, formats, ref, fp32_metric, config, grads: LayerGradients, grad_table, watch: Stopwatch, timed: dict,
+    slower_than: float,
 ) -> list[dict]:
+    """The layer's rows, cheapest measurement first: what cannot run, the layer's own step time per format
+    (shared by layers of one type and shapes), the gradient ranges; then, only for formats still in play, the
+    output and gradient SQNR (a forward and backward of the model per format), and, for formats still in play
+    after that, the metric (an evaluation per format). A format ruled out on the way (slower than fp32 beyond
+    `slower_than`, fp16 gradients overflowing, non-finite, overflowing) is never chosen whatever the rest
+    would say, so the rest is not measured, and `metric_source` says why."""
     base = {"layer": name, "type": type(module).__name__, "shape": _shape(module)}
     rows: dict[Format, dict] = {Format.FP32: {**base, "format": "fp32", "status": "ok", "reason": "",
                                               "sqnr_db": math.inf, "grad_sqnr_db": math.inf, "metric": fp32_metric,
-                                              "metric_drop": 0.0, "finite": True, "overflow": False}}  # fmt: skip
+                                              "metric_drop": 0.0, "finite": True, "overflow": False,
+                                              "metric_source": MEASURED}}  # fmt: skip
     ref_out = torch.cat([o.flatten() for o in ref.outputs[name]])
     max_abs = float(ref_out.abs().max()) if ref_out.numel() else 0.0
     rows[Format.FP32]["max_abs"] = max_abs
@@ -352,18 +405,11 @@ def _profile_layer(
     for fmt in formats:
         if fmt is Format.FP32:
             continue
-        row = {**base, "format": fmt.value, "max_abs": max_abs}
         reason = format_problem(fmt, module, workload.device)
         if reason is None and fmt in AUTOCAST_DTYPE and not _lowered_by_autocast(module, inputs, fmt, workload.device):
             reason = f"torch.autocast does not lower {type(module).__name__} to {fmt.value} on {workload.device.type}"
-        if reason is None:
-            try:
-                with watch.section("profile: sensitivity (output, gradient, metric per format)"):
-                    row.update(_sensitivity(workload, name, fmt, ref, ref_out, fp32_metric, config))
-            except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
-                reason = f"{fmt.value} failed: {describe(exc, 200)}"
-        row.update(status="unsupported" if reason else "ok", reason=reason or "")
-        rows[fmt] = row
+        rows[fmt] = {**base, "format": fmt.value, "max_abs": max_abs, "status": "unsupported" if reason else "ok",
+                     "reason": reason or "", "finite": None, "overflow": None, "metric_source": ""}  # fmt: skip
     ok = [f for f in formats if rows[f]["status"] == "ok"]
     key = _timing_key(module, inputs, ok)
     if key in timed:  # a repeated block's layer: its time is the first one's
@@ -382,26 +428,49 @@ def _profile_layer(
         ms, spread = times.get(fmt, (math.nan, math.nan))
         row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan, timed_as=timed_as)
         row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
+    for fmt, row in rows.items():
+        if fmt is Format.FP32 or row["status"] != "ok":
+            continue
+        if _skip(row, slower_than, watch):
+            continue
+        try:
+            with watch.section("profile: output and gradient SQNR per format"):
+                row.update(_sensitivity(workload, name, fmt, ref, ref_out, config))
+            if _skip(row, slower_than, watch):
+                continue
+            with watch.section("profile: metric per format (one layer lowered)"):
+                metric = metric_of(workload, policy_model(workload, Policy(layers={name: fmt})))
+        except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
+            row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
+            continue
+        row.update(metric=metric, metric_drop=fp32_metric - metric, metric_source=MEASURED, finite=row["finite"] and math.isfinite(metric))
     return [rows[f] for f in formats if f in rows]
 
 
-def _sensitivity(workload, name, fmt, ref, ref_out, fp32_metric, config) -> dict:
+def _skip(row: dict, slower_than: float, watch: Stopwatch) -> bool:
+    """True (and the row says why) when what is known of the format already rules it out."""
+    reason = ruled_out(row, None, slower_than)
+    if reason is None:
+        return False
+    row.update(metric=math.nan, metric_drop=math.nan, metric_source=f"not measured: {reason}")
+    watch.count("profile: metric not evaluated (format already ruled out)")
+    return True
+
+
+def _sensitivity(workload, name, fmt, ref, ref_out, config) -> dict:
+    """Output and weight-gradient SQNR of the layer lowered alone, and whether anything went non-finite or
+    fp16 overflowed, over the first train batches; the metric comes later (_profile_layer), where it counts."""
     model = policy_model(workload, Policy(layers={name: fmt}))
     run, finite = _run(workload, model, [name], config.batches)
     out = torch.cat([o.flatten() for o in run.outputs[name]])
     grad, ref_grad = _param_grad(run.modules[name]), ref.grads[name]
     finite &= bool(torch.isfinite(out).all()) and (grad is None or bool(torch.isfinite(grad).all()))
-    model.zero_grad(set_to_none=True)
-    metric = metric_of(workload, model)
-    finite &= math.isfinite(metric)
     # an autocast format with a narrow range (fp16) saturates to inf: fp8's scaled casts do not
     limit = fmt.spec.max_value if fmt.spec.autocast is not None else None
     overflow = limit is not None and (float(ref_out.abs().max()) > limit or not bool(torch.isfinite(out).all()))
     return {
         "sqnr_db": sqnr_db(ref_out, out),
         "grad_sqnr_db": sqnr_db(ref_grad, grad) if grad is not None and ref_grad is not None else math.nan,
-        "metric": metric,
-        "metric_drop": fp32_metric - metric,
         "finite": finite,
         "overflow": overflow,
     }
@@ -469,9 +538,10 @@ def profile(
     timed: dict[str, tuple[str, dict, dict]] = {}
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
         formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
-        rows.extend(
-            _profile_layer(workload, name, modules[name], formats, ref, fp32_metric, config, grads[name], grad_table, watch, timed)
-        )
+        rows.extend(_profile_layer(
+            workload, name, modules[name], formats, ref, fp32_metric, config, grads[name], grad_table, watch, timed,
+            space.prune_slower_than,
+        ))  # fmt: skip
     table = pd.DataFrame(rows, columns=COLUMNS)
     return Profile(
         table=table,

@@ -13,6 +13,7 @@ from autoprec.tune.alternatives import BF16, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.cost import cost_rows
 from autoprec.tune.measure import NOISY_SPREAD
+from autoprec.tune.profiler import flag
 from autoprec.tune.records import Finals, Measured
 from autoprec.files import write_atomically
 from autoprec.formats import Format
@@ -150,7 +151,7 @@ def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
             r = by.get(f)
             if r is None or r["status"] != "ok":
                 row += ["n/a", "", ""]
-            elif not bool(r["finite"]) or bool(r["overflow"]):
+            elif flag(r["finite"]) is False or flag(r["overflow"]) is True:
                 row += ["inf/nan", "", float(r["time_vs_fp32"])]
             else:
                 row += [float(r["sqnr_db"]), float(r["metric_drop"]), float(r["time_vs_fp32"])]
@@ -276,8 +277,10 @@ def _heat_cells(table: pd.DataFrame, layers: list[str], formats: list[str]):
         i, j = layers.index(r["layer"]), formats.index(r["format"])
         if r["status"] != "ok":
             mark[i][j] = "n/a"
-        elif not bool(r["finite"]) or bool(r["overflow"]):
+        elif flag(r["finite"]) is False or flag(r["overflow"]) is True:
             mark[i][j] = "inf/nan"
+        elif str(r["metric_source"]).startswith("not measured"):
+            mark[i][j] = "ruled out"
         elif r["format"] == "fp32":
             mark[i][j] = "ref"
         else:
@@ -287,7 +290,8 @@ def _heat_cells(table: pd.DataFrame, layers: list[str], formats: list[str]):
 
 def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
     """A heat map, layers by formats: output SQNR (dB) and metric drop, each cell lowered alone.
-    Cells that went non-finite or overflowed fp16 are red, formats a layer cannot run are grey."""
+    Cells that went non-finite or overflowed fp16 are red, formats a layer cannot run are grey, and formats its
+    timing already ruled out (not run, so no numbers) say "ruled out"."""
     import numpy as np
     from matplotlib.patches import Rectangle
 
@@ -445,7 +449,9 @@ def search_markdown(result: Any, command: str) -> str:
         f"# autoprec search: {Measured.of(result.policy).model}\n\n`{command}`\n\n"
         f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
         f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.table, markdown=True)}\n\n"
-        f"dB: output SQNR against fp32; drop: metric drop; x time: the layer's forward+backward time over fp32's.\n\n"
+        f"dB: output SQNR against fp32; drop: metric drop (- where not evaluated: the format was already ruled out "
+        f"there, slower than fp32 beyond prune.slower_than, non-finite or overflowing); x time: the layer's "
+        f"forward+backward time over fp32's.\n\n"
         f"![profile heat map](profile.png)\n\n"
         f"## Gradient ranges\n\n{gradient_summary(prof.table, prof.advice(), markdown=True)}\n\n"
         f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
