@@ -42,8 +42,44 @@ def test_interleaved_times_rotates_and_counts_rounds():
     work = {name: (lambda n=name: order.append(n)) for name in "abc"}
     times = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=0, rounds=3, min_block_s=0.0))
     assert set(times) == {"a", "b", "c"} and all(len(t.samples_ms) == 3 for t in times.values())
-    timed = order[3:]  # after one calibration call each
+    timed = order[3:]  # after one sizing call each
     assert timed[:3] == ["a", "b", "c"] and timed[3:6] == ["b", "c", "a"] and timed[6:] == ["c", "a", "b"]
+
+
+def test_warmup_counts_every_call_before_the_rounds_and_the_last_one_sizes_the_blocks():
+    calls = {"a": 0}
+    work = {"a": lambda: calls.__setitem__("a", calls["a"] + 1)}
+    interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=3, rounds=2, min_block_s=0.0))
+    assert calls["a"] == 3 + 2  # three warm-up calls (no extra sizing call), one step per round
+    calls["a"] = 0
+    interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=3, rounds=2, min_block_s=0.0), warmed={"a"})
+    assert calls["a"] == 1 + 2  # warmed up before: one call to size the blocks
+
+
+def test_a_sequential_test_stops_the_rounds_once_enough_but_never_before_min_rounds():
+    from autoprec.tune.measure import MIN_ROUNDS
+
+    work = {"a": lambda: None, "b": lambda: None}
+    config = TimingConfig(warmup=0, rounds=9, min_block_s=0.0)
+    asked = []
+
+    def enough(samples):
+        asked.append(len(samples["a"]))
+        return len(samples["a"]) >= 4
+
+    times = interleaved_times(work, torch.device("cpu"), config, enough=enough)
+    assert asked == [MIN_ROUNDS, 4] and all(len(t.samples_ms) == 4 for t in times.values())
+    never = interleaved_times(work, torch.device("cpu"), config, enough=lambda s: False)
+    assert all(len(t.samples_ms) == 9 for t in never.values())
+
+
+def test_the_final_remeasure_is_settled_once_every_candidates_rounds_agree_and_not_before_five():
+    from autoprec.tune.measure import SETTLED_FINAL_ROUNDS, all_settled
+
+    tight = [10.0, 10.1, 9.9, 10.05, 10.0]
+    assert all_settled({"a": tight, "b": [20.0, 20.1, 19.9, 20.0, 20.2]})
+    assert not all_settled({"a": tight[:SETTLED_FINAL_ROUNDS - 1], "b": tight[:SETTLED_FINAL_ROUNDS - 1]})
+    assert not all_settled({"a": tight, "b": [20.0, 26.0, 19.0, 22.0, 20.5]})  # one candidate still noisy
 
 
 def test_timing_median_and_spread():
@@ -155,8 +191,9 @@ def test_a_too_high_loss_scale_skips_steps_and_costs_throughput(workload):
     assert 8 <= trainer.skipped <= 15 and trainer.finite
     near = Policy(layers={"head": "fp16"}, loss_scale=LossScale(init_scale=2.0**19))
     stats = measure_steps(workload, {"high": policy, "near": near, "fp32": Policy()}, FAST)
-    # the first step that builds the candidate, 1 warm-up, 1 probe and 3 rounds of 1 step: none updated the weights
-    assert stats["high"].skipped == stats["high"].steps == 6 and stats["high"].effective_ms == math.inf
+    # the first step that builds the candidate, 1 warm-up (which sizes the blocks) and 3 rounds of 1 step: none
+    # updated the weights
+    assert stats["high"].skipped == stats["high"].steps == 5 and stats["high"].effective_ms == math.inf
     assert 0 < stats["near"].skipped < stats["near"].steps and stats["fp32"].skipped == 0
     assert stats["near"].effective_ms == pytest.approx(stats["near"].timing.median_ms / (1 - stats["near"].skip_fraction))
     assert stats["fp32"].effective_ms == stats["fp32"].timing.median_ms

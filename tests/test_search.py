@@ -320,6 +320,55 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
     assert "no autocast here" in trial.user_attrs["error"]
 
 
+@pytest.mark.parametrize("objectives", [1, 2])
+def test_a_trials_timing_stops_early_when_its_rounds_say_it_is_slower_than_the_best_or_settled(objectives):
+    import optuna
+
+    from autoprec.tune.study import Judge, Objective
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget=0.05, **FAST)
+    choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), SPACE, 0.05, torch.device("cpu"))
+    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0), config, objectives=objectives)
+    study = optuna.create_study(directions=["maximize"] * objectives)
+    best = optuna.trial.create_trial(values=[2.0] * objectives, user_attrs={"feasible": True, "speedup": 2.0})
+    study.add_trial(best)
+    enough = objective._settled(study.ask())
+
+    def rounds(*speedups, fp32=10.0):
+        return {"fp32": [fp32] * len(speedups), "policy": [fp32 / s for s in speedups]}
+
+    # every round slower than the best trial: a search stops; a sweep keeps timing (its front needs the number)
+    assert enough(rounds(1.2, 1.6, 1.9)) is (objectives == 1)
+    assert not enough(rounds(1.2, 1.6, 2.4))  # one round says it may win, and the rounds disagree: time on
+    assert enough(rounds(2.4, 2.45, 2.5))  # within SETTLED of each other: settled
+    assert enough(rounds(1.0, 1.02, 1.04))  # settled, whatever the best
+
+
+def test_the_eager_fp32_baseline_is_warmed_up_in_full_once_then_with_one_call(monkeypatch):
+    import optuna
+
+    from autoprec.tune import study as study_module
+    from autoprec.tune.study import Judge, Objective
+
+    real, seen = study_module.interleaved_times, []
+
+    def spy(work, device, config, **kw):
+        seen.append(tuple(kw.get("warmed", ())))
+        return real(work, device, config, **kw)
+
+    monkeypatch.setattr(study_module, "interleaved_times", spy)
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget=1e9, **FAST)  # every trial within budget: every one is timed
+    choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), SPACE, 1e9, torch.device("cpu"))
+    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0), config)
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({"default": "bf16"})
+    study.enqueue_trial({"default": "fp32"})
+    study.optimize(objective, n_trials=2)
+    assert seen == [(), ("fp32",)]
+
+
 def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
     from autoprec import Policy
     from autoprec.tune.pipeline import choose, safer_variant

@@ -16,7 +16,7 @@ import math
 import numbers
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -35,7 +35,8 @@ NOISY_SPREAD = 0.25
 
 @dataclasses.dataclass(frozen=True)
 class TimingConfig:
-    """How long to time: `rounds` interleaved rounds of at least `min_block_s` seconds per candidate."""
+    """How long to time: `warmup` calls per candidate first (the last one sizes the blocks), then `rounds`
+    interleaved rounds of at least `min_block_s` seconds per candidate."""
 
     warmup: int = 3
     rounds: int = 7
@@ -78,17 +79,22 @@ def interleaved_times(
     config: TimingConfig = TimingConfig(),
     *,
     progress: str | None = None,
+    enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
+    warmed: Collection[str] = (),
 ) -> dict[str, Timing]:
     """Time each callable (one unit of work, e.g. one training step) interleaved with the others.
-    `progress`: a label for a progress bar over the rounds (None: no bar)."""
+    `progress`: a label for a progress bar over the rounds (None: no bar). `enough(samples)`: asked after each
+    round from MIN_ROUNDS on, with each callable's per-step milliseconds so far; True stops early (a
+    sequential test: the answer is already clear), else the rounds run to `config.rounds`. `warmed`: callables
+    warmed up before (a baseline timed again beside each new candidate): one warm-up call each."""
     names = list(work)
     steps: dict[str, int] = {}
     for name in names:
-        for _ in range(config.warmup):
+        for _ in range(0 if name in warmed else config.warmup - 1):
             work[name]()
         synchronize(device)
         start = time.perf_counter()
-        work[name]()
+        work[name]()  # the last warm-up call (or one more) sizes the blocks
         synchronize(device)
         once = max(time.perf_counter() - start, 1e-6)
         steps[name] = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / once)))
@@ -102,7 +108,24 @@ def interleaved_times(
                 work[name]()
             synchronize(device)
             samples[name].append((time.perf_counter() - start) * 1e3 / steps[name])
+        if enough is not None and r + 1 >= MIN_ROUNDS and r + 1 < config.rounds and enough(samples):
+            break
     return {name: Timing.from_samples(samples[name]) for name in names}
+
+
+MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
+# Rounds agreeing within this (relative range or spread) settle a timing: a trial's (study.Objective) after
+# MIN_ROUNDS, the final re-measure's (every candidate's spread) after SETTLED_FINAL_ROUNDS.
+SETTLED = 0.05
+SETTLED_FINAL_ROUNDS = 5
+
+
+def all_settled(samples: Mapping[str, Sequence[float]]) -> bool:
+    """The final re-measure's sequential test: from SETTLED_FINAL_ROUNDS rounds on, every candidate's spread
+    (Timing.spread) is within SETTLED, so more rounds would not change a ranking the spreads allow."""
+    if min(len(v) for v in samples.values()) < SETTLED_FINAL_ROUNDS:
+        return False
+    return all(Timing.from_samples(list(v)).spread <= SETTLED for v in samples.values())
 
 
 def probe_times(
@@ -327,9 +350,11 @@ def measure_steps_or_fail(
     *,
     progress: str | None = None,
     compiled: bool = False,
+    enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
 ) -> tuple[dict[str, StepStats], dict[str, str]]:
     """measure_steps, and (name -> "Error: message") for the candidates whose model or first step failed (the
-    user's code in a format it cannot run, a compiler error): a finding about that candidate, not a crash."""
+    user's code in a format it cannot run, a compiler error): a finding about that candidate, not a crash.
+    `enough`: as interleaved_times'."""
     failed: dict[str, str] = {}
     with compile_scope(compiled, len(policies)):
         trainers = {}
@@ -344,7 +369,7 @@ def measure_steps_or_fail(
                 continue
             trainers[name] = trainer
         work = {n: t.step for n, t in trainers.items()}
-        timings = interleaved_times(work, workload.device, config, progress=progress) if work else {}
+        timings = interleaved_times(work, workload.device, config, progress=progress, enough=enough) if work else {}
         return step_stats(trainers, timings), failed
 
 

@@ -23,7 +23,7 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,14 @@ from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A_POLICY, TF32, Alternatives, alternatives
 from autoprec.tune.choices import Choices, build_choices, fit, policy_from_params, warm_starts
 from autoprec.tune.cost import Stopwatch
-from autoprec.tune.measure import NOISY_SPREAD, Candidate, TimingConfig, fp32_step_failed, measure_steps_or_fail
+from autoprec.tune.measure import (
+    NOISY_SPREAD,
+    Candidate,
+    TimingConfig,
+    all_settled,
+    fp32_step_failed,
+    measure_steps_or_fail,
+)
 from autoprec.tune.profiler import Profile, profile, ruled_out
 from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
 from autoprec.tune.space import SearchSpace
@@ -350,10 +357,11 @@ def remeasure(
     *,
     progress: str | None = None,
     compiled: bool = False,
+    enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
 ) -> Finals:
     """Metric and step time of each candidate, timed interleaved with the others; speedup vs fp32 in
     effective steps (those the GradScaler did not skip); see records.Measurement."""
-    stats, failed = measure_steps_or_fail(workload, candidates, timing, progress=progress, compiled=compiled)
+    stats, failed = measure_steps_or_fail(workload, candidates, timing, progress=progress, compiled=compiled, enough=enough)
     if FP32 in failed:
         raise fp32_step_failed(workload, "all-fp32 training step", failed[FP32], compiled=compiled)
     fp32_ms = stats[FP32].effective_ms
@@ -433,9 +441,11 @@ def final_remeasure(
     """The finalists and the alternatives re-measured together (remeasure), the compilation timed apart."""
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     start = time.perf_counter()
+    # stops early once every candidate's rounds agree (measure.all_settled); a loaded machine times on
     finals = remeasure(
-        workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile
-    )
+        workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile,
+        enough=all_settled,
+    )  # fmt: skip
     spread = finals.noisiest()
     if spread > NOISY_SPREAD:  # a loaded machine: time once more, twice as long, before anything is chosen
         rounds = 2 * config.final_timing.rounds

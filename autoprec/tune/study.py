@@ -14,10 +14,11 @@ import hashlib
 import json
 import logging
 import math
+import statistics
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from autoprec.tune.cost import Stopwatch
 from autoprec.errors import UserError, describe
 from autoprec.formats import Format, device_name
 from autoprec.tune.measure import (
+    SETTLED,
     NoiseFloor,
     TimingConfig,
     Trainer,
@@ -287,6 +289,7 @@ class Objective:
         self.judge, self.config, self.objectives = judge, config, objectives
         # timed beside every eager candidate; a compiled search builds a compiled one per trial instead
         self.baseline = None if config.compile else Trainer(workload, Policy(layers={ROOT: Format.FP32}))
+        self._baseline_warm = False  # after its first timing, the baseline needs one warm-up call, not config.warmup
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = suggest(trial, self.choices, self.space)
@@ -314,6 +317,23 @@ class Objective:
         trial.set_user_attr("feasible", feasible)
         trial.set_constraint("metric_drop_over_budget", constraint)
         return self._values(trial)
+
+    def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
+        """When a trial's timing may stop early (a sequential test over the rounds so far): every round measured
+        the candidate slower than the best trial so far (a search: it is not the fastest; a sweep keeps timing,
+        since a slower candidate with a smaller drop may still be on its front), or the per-round speedups
+        agree within SETTLED."""
+        best = _best_speedup(trial.study) if self.objectives == 1 else -math.inf  # a sweep: never "slower"
+
+        def enough(samples: Mapping[str, Sequence[float]]) -> bool:
+            ratios = [f / p for f, p in zip(samples["fp32"], samples["policy"]) if p > 0]
+            if not ratios:
+                return False
+            if max(ratios) < best:
+                return True
+            return (max(ratios) - min(ratios)) / statistics.median(ratios) <= SETTLED
+
+        return enough
 
     def _values(self, trial: optuna.Trial) -> float | tuple[float, float]:
         # Infeasible trials are not timed; the constraint, not this value, keeps them from winning.
@@ -345,13 +365,16 @@ class Objective:
                     raise fp32_step_failed(self.workload, "all-fp32 training step", describe(exc), compiled=self.config.compile) from exc
                 candidate = Trainer(self.workload, policy, compiled=self.config.compile)
                 work = {"fp32": baseline.step, "policy": candidate.step}
-                t = interleaved_times(work, self.workload.device, self.config.timing)
+                warmed = ("fp32",) if self._baseline_warm else ()
+                t = interleaved_times(work, self.workload.device, self.config.timing, enough=self._settled(trial), warmed=warmed)
+                self._baseline_warm = self.baseline is not None
         except UserError:
             raise
         except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
             trial.set_user_attr("error", f"training step failed: {describe(exc)}")
             return False, INFEASIBLE
         stats = step_stats({"policy": candidate}, t)["policy"]
+        trial.set_user_attr("rounds", len(t["policy"].samples_ms))
         if candidate.compiled:
             trial.set_user_attr("compile_s", candidate.first_step_s + baseline.first_step_s)
         trial.set_user_attr("step_ms", t["policy"].median_ms)
@@ -369,7 +392,8 @@ class Objective:
 
 TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
                "fp32_step_ms", "speedup", "spread", "train_skipped", "error")  # fmt: skip
-COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "reused_from")
+COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "rounds", "reused_from")
+
 
 
 def _all_fp32(policy: Policy) -> bool:
@@ -490,10 +514,19 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
         watch.add("trials: compiling the candidate and the fp32 baseline (first steps)", compiling,
                   sum("compile_s" in t.user_attrs for t in fresh))  # fmt: skip
     watch.add("trials: measuring step times", measure - compiling, sum("measure_s" in t.user_attrs for t in fresh))
+    rounds = sum(t.user_attrs.get("rounds") or 0 for t in fresh)
+    if rounds:
+        watch.count("trials: timing rounds (a trial stops early once its ranking is clear)", rounds)
     watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
     watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
 
 
+
+
+def _best_speedup(study: optuna.Study) -> float:
+    """The highest speedup among the study's completed trials within budget (0 before there is one)."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return max((t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible")), default=0.0)
 
 
 def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:
@@ -505,9 +538,7 @@ def run_trials(study: optuna.Study, objective: Objective, target: int, *, progre
     with tqdm(total=remaining, desc="search trials", unit="trial", disable=not progress) as bar:
 
         def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-            done = study.get_trials(deepcopy=False, states=complete)
-            best = max((t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible")), default=0.0)
-            bar.set_postfix(best_speedup=f"{best:.3f}")
+            bar.set_postfix(best_speedup=f"{_best_speedup(study):.3f}")
             bar.update(1)
 
         if remaining:
