@@ -44,7 +44,9 @@ def fast(monkeypatch):
 
 
 def test_profile_writes_csvs_heat_maps_and_a_gradient_summary(fast, capsys, tmp_path):
-    code = main(["profile", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path)])
+    space = tmp_path / "space.yaml"  # nothing ruled out for its speed (fp16 is slow on CPUs): fp16 runs, and overflows
+    space.write_text("default: [fp32]\nlayers: {Linear: [fp32, bf16, fp16]}\nprune: {slower_than: 100}\n", encoding="utf-8")
+    code = main(["profile", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--space", str(space)])
     out = capsys.readouterr().out
     assert code == 0
     for name in ("profile.csv", "profile.json", "grad_ranges.csv", "profile.png", "grad_ranges.png"):

@@ -236,8 +236,9 @@ def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_rul
     _load_or_profile(workload, strict, tmp_path, config, watch=watch)
     assert watch.counts == {"profile: reused the one saved in the output folder": 1}
     lenient = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 3.0}})
-    again = _load_or_profile(workload, lenient, tmp_path, config, watch=Stopwatch())  # bf16 is in play now: measured
-    assert (again.table.loc[again.table["format"] == "bf16", "metric_source"] == "measured").all()
+    again = _load_or_profile(workload, lenient, tmp_path, config, watch=Stopwatch())  # bf16 is in play now: judged
+    sources = again.table.loc[again.table["format"] == "bf16", "metric_source"]
+    assert not sources.str.startswith("not measured").any() and sources.str.startswith(("measured", "predicted")).all()
 
 
 def test_a_profile_saved_before_metrics_could_be_skipped_reads_as_all_measured(prof, tmp_path):
@@ -250,3 +251,59 @@ def test_a_profile_saved_before_metrics_could_be_skipped_reads_as_all_measured(p
     back = Profile.load(tmp_path).table
     assert (back.loc[back["status"] == "ok", "metric_source"] == "measured").all()
     assert (back.loc[back["status"] != "ok", "metric_source"] == "").all()
+
+
+def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found_alone(monkeypatch):
+    """Group testing against the drops it is given: a group within the tolerance predicts equal shares, a group
+    over it is halved, and the one sensitive layer is measured alone, in 7 evaluations rather than 8."""
+    from autoprec.formats import Format
+    from autoprec.tune import profiler
+    from autoprec.tune.cost import Stopwatch
+
+    drops = {f"l{i}": (0.0001 if i < 4 else 0.0) for i in range(8)}
+    drops["l5"] = 0.05
+    evaluated = []
+
+    def metric_of(workload, policy):
+        evaluated.append(sorted(policy.layers))
+        return 1.0 - sum(drops[n] for n in policy.layers)
+
+    monkeypatch.setattr(profiler, "policy_model", lambda workload, policy: policy)
+    monkeypatch.setattr(profiler, "metric_of", metric_of)
+
+    def pending():
+        return [{"layer": n, "format": "bf16", "finite": True, "metric_source": profiler.PENDING} for n in drops]
+
+    rows, watch = pending(), Stopwatch()
+    profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, watch)
+    by = {r["layer"]: r for r in rows}
+    assert len(evaluated) == 7  # all 8, l0-3 (within: predicted), l4-7, l4-5, l4, l5, l6-7 (within)
+    assert by["l5"]["metric_source"] == by["l4"]["metric_source"] == "measured" and by["l5"]["metric_drop"] == pytest.approx(0.05)
+    for name in ("l0", "l1", "l2", "l3", "l6", "l7"):
+        assert by[name]["metric_source"].startswith("predicted: its 4 layers" if name < "l4" else "predicted: its 2 layers")
+        assert by[name]["metric_drop"] == pytest.approx(drops[name])  # equal shares: exact where the drops are equal
+    assert watch.counts["profile: single-layer metrics predicted from a group's"] == 6
+    evaluated.clear()
+    rows = pending()
+    profiler._judge_group(None, rows, Format.BF16, 1.0, None, Stopwatch())  # no tolerance: each alone
+    assert len(evaluated) == 8 and all(r["metric_source"] == "measured" for r in rows)
+
+
+def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_only_as_precise(tmp_path):
+    from autoprec.tune import SearchConfig
+    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune.pipeline import _load_or_profile
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
+    loose = SearchConfig(budget=0.5, progress=False, profile=FAST)
+    prof = _load_or_profile(workload, space, tmp_path, loose)
+    bf16 = prof.table[prof.table["format"] == "bf16"]
+    assert prof.group_tolerance == pytest.approx(0.05) and bf16["metric_source"].str.startswith("predicted").all()
+    assert Profile.load(tmp_path).group_tolerance == pytest.approx(0.05)
+    watch = Stopwatch()
+    _load_or_profile(workload, space, tmp_path, loose, watch=watch)
+    assert watch.counts == {"profile: reused the one saved in the output folder": 1}
+    watch = Stopwatch()
+    tight = _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.05, progress=False, profile=FAST), watch=watch)
+    assert "profile: reused the one saved in the output folder" not in watch.counts and tight.group_tolerance == pytest.approx(0.005)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def prof():
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}})
+    # nothing ruled out for its speed (fp16 and fp8 are slow on CPUs): every measurement is there to show
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}, "prune": {"slower_than": 1e9}})
     return profile(workload, space, FAST_PROFILE, progress=False)
 
 
@@ -35,12 +37,20 @@ def test_heat_map_marks_what_went_wrong(prof, tmp_path, monkeypatch):
 
     original = matplotlib.axes.Axes.text
     monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda self, x, y, s, **kw: texts.append((x, y, s)) or original(self, x, y, s, **kw))
-    plot_profile(prof.table, tmp_path / "p.png")
+    table = prof.table.copy()
+    slow = (table["layer"] == "fc1") & (table["format"] == "bf16")
+    table.loc[slow, ["metric_source", "sqnr_db", "metric_drop"]] = ["not measured: measured 2.00x the layer's fp32 time", math.nan, math.nan]
+    plot_profile(table, tmp_path / "p.png")
     formats, layers = ["fp32", "bf16", "fp16", "fp8"], ["fc1", "big", "head"]
     at = {(layers[y], formats[x]): s for x, y, s in texts}
     assert at[("big", "fp16")] == "inf/nan"  # fp16 overflows big's output
     assert at[("head", "fp8")] == "n/a"  # 4 outputs: no fp8
     assert at[("fc1", "fp32")] == "ref"
+    assert at[("fc1", "bf16")] == "ruled out"  # its timing ruled it out: nothing else was measured
+    from autoprec.tune.report import profile_summary
+
+    fc1 = next(line for line in profile_summary(table).splitlines() if line.startswith("fc1"))
+    assert "ruled out" in fc1 and "inf/nan" not in fc1
 
 
 def test_gradient_summary_names_the_range_and_its_limits(prof):

@@ -340,7 +340,8 @@ def test_a_trials_timing_stops_early_when_its_rounds_say_it_is_slower_than_the_b
 
     # every round slower than the best trial: a search stops; a sweep keeps timing (its front needs the number)
     assert enough(rounds(1.2, 1.6, 1.9)) is (objectives == 1)
-    assert not enough(rounds(1.2, 1.6, 2.4))  # one round says it may win, and the rounds disagree: time on
+    assert enough(rounds(2.1, 2.6, 2.9)) is (objectives == 1)  # every round faster: the new best, a finalist
+    assert not enough(rounds(1.2, 1.6, 2.4))  # the rounds straddle the best and disagree: time on
     assert enough(rounds(2.4, 2.45, 2.5))  # within SETTLED of each other: settled
     assert enough(rounds(1.0, 1.02, 1.04))  # settled, whatever the best
 
@@ -360,13 +361,17 @@ def test_the_eager_fp32_baseline_is_warmed_up_in_full_once_then_with_one_call(mo
     monkeypatch.setattr(study_module, "interleaved_times", spy)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=1e9, **FAST)  # every trial within budget: every one is timed
-    choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), SPACE, 1e9, torch.device("cpu"))
+    prof = fake_profile([("fc1", "fp32", 0, 1.0, True, False), ("fc1", "bf16", 0, 0.5, True, False)])
+    choices = build_choices(prof, SPACE, 1e9, torch.device("cpu"))
     objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0), config)
     study = optuna.create_study(direction="maximize")
-    study.enqueue_trial({"default": "bf16"})
-    study.enqueue_trial({"default": "fp32"})
-    study.optimize(objective, n_trials=2)
-    assert seen == [(), ("fp32",)]
+    for params in ({"default": "fp32", "layer:fc1": "fp32"}, {"default": "bf16", "layer:fc1": "fp32"},
+                   {"default": "bf16", "layer:fc1": "bf16"}):  # fmt: skip
+        study.enqueue_trial(params)
+    study.optimize(objective, n_trials=3)
+    assert seen == [(), ("fp32",)]  # the all-fp32 trial is the baseline itself: not timed
+    fp32 = study.trials[0]
+    assert fp32.user_attrs["speedup"] == 1.0 and fp32.user_attrs["feasible"] and "step_ms" not in fp32.user_attrs
 
 
 def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
@@ -446,7 +451,7 @@ def test_a_compiled_search_times_compiled_steps_and_says_so(compiled):
     assert m["compiled"] is True and m["timing"].startswith("compiled after apply_policy")
     assert result.profile.compiled and json.loads((out / "profile.json").read_text())["compiled"] is True
     assert "profile: layer timing (forward + backward per format, compiled)" in result.cost["seconds"]
-    timed = result.trials[result.trials["feasible"].eq(True) & result.trials["reused_from"].isna()]
+    timed = result.trials[result.trials["step_ms"].notna() & result.trials["reused_from"].isna()]  # all-fp32: not timed
     assert len(timed) and (timed["compile_s"] > 0).all()
     assert any(k.startswith("final re-measure: compiling") for k in result.cost["seconds"])
     assert all(r.compile_s > 0 for r in result.finals)

@@ -46,12 +46,15 @@ class Stopwatch:
 
 
 def cost_rows(cost: Mapping[str, Mapping[str, float]]) -> list[list[object]]:
-    """[stage, seconds, share of the total, count] rows, in the order the stages ran."""
+    """[stage, seconds, share of the total, count] rows, in the order the stages ran, then their total, then
+    what was counted but took no time of its own (work avoided)."""
     seconds, counts = cost.get("seconds", {}), cost.get("counts", {})
     total = sum(seconds.values())
     rows: list[list[object]] = []
     for name, s in seconds.items():
         rows.append([name, f"{s:.1f}", f"{100 * s / total:.0f}%" if total > 0 else "-", counts.get(name, "")])
+    if seconds:
+        rows.append(["total", f"{total:.1f}", "100%", ""])
     for name, n in counts.items():
         if name not in seconds:
             rows.append([name, "-", "-", n])

@@ -68,6 +68,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("autoprec")
 
 ALTERNATIVES = (FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY)  # re-measured beside every result, in this order
+# A search's profile lowers a format's layers together first and predicts their single-layer drops where the
+# group's drop is within this share of the budget (ProfileConfig.group_tolerance; set one to override).
+GROUP_SHARE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +410,9 @@ def _load_or_profile(
     """Reuse the profile a previous run of the same model on the same device wrote; else measure. `watch`
     receives the profiling stages, or a count when the saved profile was reused."""
     watch = watch or Stopwatch()
+    settings = config.profile
+    if settings.group_tolerance is None:
+        settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * config.budget)
     cached = None
     if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
         try:
@@ -425,11 +431,14 @@ def _load_or_profile(
         # a cell whose metric was skipped as ruled out must still be ruled out under this space's prune rule
         skipped = cached.table[cached.table["metric_source"].str.startswith("not measured")]
         still_out = all(ruled_out(row, None, space.prune_slower_than) is not None for _, row in skipped.iterrows())
-        if same and complete and still_out and offered == set(zip(cached.table["layer"], cached.table["format"])):
+        # drops it predicted from groups are as precise as its tolerance: no coarser than this search's
+        predicted = cached.table["metric_source"].str.startswith("predicted").any()
+        precise = not predicted or (cached.group_tolerance is not None and cached.group_tolerance <= settings.group_tolerance)
+        if same and complete and still_out and precise and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)
             watch.count("profile: reused the one saved in the output folder")
             return cached
-    prof = profile(workload, space, config.profile, progress=config.progress)
+    prof = profile(workload, space, settings, progress=config.progress)
     watch.merge(prof.cost)
     prof.save(out_dir)
     return prof

@@ -64,6 +64,7 @@ COLUMNS = [
 ]  # fmt: skip
 
 MEASURED = "measured"
+PENDING = "pending"  # in play after the SQNR pass: its metric is judged with the others of its format (_judge_group)
 
 
 
@@ -72,7 +73,10 @@ class ProfileConfig:
     """`batches`: train batches for the SQNR pass; a format slower than fp32 by `gross_slowdown` in a
     single probe is timed once rather than interleaved (fp8 emulation on a CPU costs seconds a call).
     `grad_batches`: train batches for the gradient ranges (None: all); `max_underflow`: the fraction of a
-    layer's nonzero gradient elements fp16 may flush to zero at the low end of the loss-scale range."""
+    layer's nonzero gradient elements fp16 may flush to zero at the low end of the loss-scale range.
+    `group_tolerance`: None evaluates the metric with each layer lowered alone; a number (a search sets a tenth
+    of its budget) first lowers a format's layers together and takes each one's share of a drop within it
+    (see `_judge_group`)."""
 
     batches: int = 2
     timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02)
@@ -80,8 +84,11 @@ class ProfileConfig:
     grad_batches: int | None = 8
     max_underflow: float = 1e-3
     compile: bool = False  # time each layer's step under torch.compile (SearchConfig.compile sets it)
+    group_tolerance: float | None = None
 
     def __post_init__(self) -> None:
+        if self.group_tolerance is not None and not (math.isfinite(self.group_tolerance) and self.group_tolerance >= 0):
+            raise ValueError(f"group_tolerance must be a finite number >= 0 or None, but got {self.group_tolerance!r}")
         if self.grad_batches is not None and self.grad_batches < 1:
             raise ValueError(f"grad_batches must be >= 1 or None (all train batches), but got {self.grad_batches!r}")
         if not 0 <= self.max_underflow < 1:
@@ -104,11 +111,13 @@ class Profile:
     cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict() of the profiling run
     compiled: bool = False  # layer times measured under torch.compile
     uncalled: list[str] = dataclasses.field(default_factory=list)  # tunable layers loss_fn never calls: left out
+    group_tolerance: float | None = None  # ProfileConfig's: the drops it predicted are that precise
 
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled", "uncalled")}
+        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled",
+                                              "uncalled", "group_tolerance")}  # fmt: skip
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None
         text = json.dumps(meta, indent=2) + "\n"
@@ -389,10 +398,11 @@ def _profile_layer(
 ) -> list[dict]:
     """The layer's rows, cheapest measurement first: what cannot run, the layer's own step time per format
     (shared by layers of one type and shapes), the gradient ranges; then, only for formats still in play, the
-    output and gradient SQNR (a forward and backward of the model per format), and, for formats still in play
-    after that, the metric (an evaluation per format). A format ruled out on the way (slower than fp32 beyond
-    `slower_than`, fp16 gradients overflowing, non-finite, overflowing) is never chosen whatever the rest
-    would say, so the rest is not measured, and `metric_source` says why."""
+    output and gradient SQNR (a forward and backward of the model per format); formats still in play after that
+    are left PENDING for the metric, which `profile` judges per format over all layers (_judge_group). A format
+    ruled out on the way (slower than fp32 beyond `slower_than`, fp16 gradients overflowing, non-finite,
+    overflowing) is never chosen whatever the rest would say, so the rest is not measured, and `metric_source`
+    says why."""
     base = {"layer": name, "type": type(module).__name__, "shape": _shape(module)}
     rows: dict[Format, dict] = {Format.FP32: {**base, "format": "fp32", "status": "ok", "reason": "",
                                               "sqnr_db": math.inf, "grad_sqnr_db": math.inf, "metric": fp32_metric,
@@ -436,15 +446,51 @@ def _profile_layer(
         try:
             with watch.section("profile: output and gradient SQNR per format"):
                 row.update(_sensitivity(workload, name, fmt, ref, ref_out, config))
-            if _skip(row, slower_than, watch):
-                continue
-            with watch.section("profile: metric per format (one layer lowered)"):
-                metric = metric_of(workload, policy_model(workload, Policy(layers={name: fmt})))
         except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
             row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
             continue
-        row.update(metric=metric, metric_drop=fp32_metric - metric, metric_source=MEASURED, finite=row["finite"] and math.isfinite(metric))
+        if not _skip(row, slower_than, watch):
+            row["metric_source"] = PENDING
     return [rows[f] for f in formats if f in rows]
+
+
+def _judge_group(workload: Workload, group: list[dict], fmt: Format, fp32_metric: float, tolerance: float | None, watch: Stopwatch) -> None:
+    """Fill in the metric of each row of `group` (one format, layers whose metric is pending). Alone, a layer's
+    is measured. Several are lowered together first: where their drop is within `tolerance`, each layer takes
+    an equal share of it (single-layer drops add up closely: results/*/additivity), its `metric_source` says so,
+    and the group cost one evaluation instead of one per layer; else the group is halved and each half judged
+    alike, so a sensitive layer is found in about 2 log2(n) evaluations and measured alone."""
+    alone = len(group) == 1 or tolerance is None
+    if alone and len(group) > 1:
+        for row in group:
+            _judge_group(workload, [row], fmt, fp32_metric, None, watch)
+        return
+    stage = "profile: metric per format (one layer lowered)" if alone else "profile: metric per format (layers lowered together)"
+    try:
+        with watch.section(stage):
+            metric = metric_of(workload, policy_model(workload, Policy(layers={r["layer"]: fmt for r in group})))
+    except Exception as exc:
+        if not alone:  # which layer cannot run it: the halves will say
+            metric = math.nan
+        else:
+            group[0].update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
+            return
+    drop = fp32_metric - metric
+    if alone:
+        row = group[0]
+        row.update(metric=metric, metric_drop=drop, metric_source=MEASURED, finite=row["finite"] and math.isfinite(metric))
+        return
+    assert tolerance is not None
+    if math.isfinite(drop) and abs(drop) <= tolerance:
+        share = drop / len(group)
+        source = f"predicted: its {len(group)} layers lowered together dropped the metric by {drop:.4g} (within {tolerance:.4g}); an equal share"
+        for row in group:
+            row.update(metric=fp32_metric - share, metric_drop=share, metric_source=source)
+        watch.count("profile: single-layer metrics predicted from a group's", len(group))
+        return
+    half = len(group) // 2
+    _judge_group(workload, group[:half], fmt, fp32_metric, tolerance, watch)
+    _judge_group(workload, group[half:], fmt, fp32_metric, tolerance, watch)
 
 
 def _skip(row: dict, slower_than: float, watch: Stopwatch) -> bool:
@@ -542,6 +588,10 @@ def profile(
             workload, name, modules[name], formats, ref, fp32_metric, config, grads[name], grad_table, watch, timed,
             space.prune_slower_than,
         ))  # fmt: skip
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        pending = [r for r in rows if r["format"] == fmt and r["metric_source"] == PENDING]
+        if pending:
+            _judge_group(workload, pending, Format(fmt), fp32_metric, config.group_tolerance, watch)
     table = pd.DataFrame(rows, columns=COLUMNS)
     return Profile(
         table=table,
@@ -554,4 +604,5 @@ def profile(
         cost=watch.to_dict(),
         compiled=config.compile,
         uncalled=list(ref.uncalled),
+        group_tolerance=config.group_tolerance,
     )

@@ -153,6 +153,8 @@ def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
                 row += ["n/a", "", ""]
             elif flag(r["finite"]) is False or flag(r["overflow"]) is True:
                 row += ["inf/nan", "", float(r["time_vs_fp32"])]
+            elif str(r["metric_source"]).startswith("not measured"):
+                row += ["ruled out", "", float(r["time_vs_fp32"])]
             else:
                 row += [float(r["sqnr_db"]), float(r["metric_drop"]), float(r["time_vs_fp32"])]
         rows.append(row)

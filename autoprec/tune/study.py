@@ -310,7 +310,9 @@ class Objective:
         trial.set_user_attr("metric", metric if math.isfinite(metric) else None)
         trial.set_user_attr("metric_drop", drop if math.isfinite(drop) else None)
         constraint = drop - self.config.budget if math.isfinite(drop) else INFEASIBLE
-        if feasible:  # only candidates within budget are worth the time it takes to time them
+        if feasible and _all_fp32(policy):  # the fp32 baseline itself: 1.0 by definition, nothing to time
+            trial.set_user_attr("speedup", 1.0)
+        elif feasible:  # only candidates within budget are worth the time it takes to time them
             start = time.perf_counter()
             feasible, constraint = self._time(trial, policy, constraint)
             trial.set_user_attr("measure_s", time.perf_counter() - start)
@@ -319,17 +321,18 @@ class Objective:
         return self._values(trial)
 
     def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
-        """When a trial's timing may stop early (a sequential test over the rounds so far): every round measured
-        the candidate slower than the best trial so far (a search: it is not the fastest; a sweep keeps timing,
-        since a slower candidate with a smaller drop may still be on its front), or the per-round speedups
-        agree within SETTLED."""
-        best = _best_speedup(trial.study) if self.objectives == 1 else -math.inf  # a sweep: never "slower"
+        """When a trial's timing may stop early (a sequential test over the rounds so far): in a search, every
+        round measured the candidate on one side of the best trial so far (slower: not the fastest; faster: the
+        new best, a finalist, re-measured at full length anyway); in a search or a sweep (whose front also keeps
+        slower trials with smaller drops), the per-round speedups agree within SETTLED. Only a candidate whose
+        rounds straddle the best so far, or disagree, is timed on."""
+        best = _best_speedup(trial.study) if self.objectives == 1 else None
 
         def enough(samples: Mapping[str, Sequence[float]]) -> bool:
             ratios = [f / p for f, p in zip(samples["fp32"], samples["policy"]) if p > 0]
             if not ratios:
                 return False
-            if max(ratios) < best:
+            if best is not None and (max(ratios) < best or min(ratios) > best):
                 return True
             return (max(ratios) - min(ratios)) / statistics.median(ratios) <= SETTLED
 
