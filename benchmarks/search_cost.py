@@ -64,7 +64,10 @@ def compare(name: str, device, out: Path, against: Path | None) -> list[list[obj
     if earlier is not None and earlier.is_file():
         candidates["earlier search"] = Candidate(_bare(load_policy(earlier)))
     config = SearchConfig(budget=budget, progress=False)
-    judge = Judge(workload, config, Measured.of(load_policy(out / name / "policy.json")).fp32_metric or 0.0)
+    fp32_metric = Measured.of(load_policy(out / name / "policy.json")).fp32_metric
+    if fp32_metric is None:
+        raise SystemExit(f"{out / name / 'policy.json'}: no measured.fp32_metric to compare the drops against")
+    judge = Judge(workload, config, fp32_metric)
     finals = remeasure(workload, candidates, judge, budget, config.final_timing, progress=f"re-measuring {name}")
     return [[name, r.candidate, r.metric_drop, r.speedup, f"±{50 * r.spread:.1f}%", "yes" if r.feasible else "no"] for r in finals]
 

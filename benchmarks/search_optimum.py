@@ -12,7 +12,8 @@ cheap and every method sees the same numbers:
 - TPE, all 3^8: Optuna's TPESampler (multivariate, with the budget as its constraint), nothing else;
 - autoprec: what `autoprec search` does: the profile's choices (formats that alone break the budget or
   measured slower than fp32 by more than 1.25x ruled out), the warm starts (all-fp32, uniform bf16, the
-  profile-greedy policy) and TPE;
+  profile-greedy policy) and TPE; the profile judged per budget as a search does (single-layer drops by group
+  testing within a tenth of the budget, pipeline.GROUP_SHARE);
 - autoprec, random sampler: the same choices and warm starts, sampled at random (what the sampler adds).
 
     python benchmarks/search_optimum.py --out results/cpu-epyc-2core/search-optimum
@@ -44,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
 from autoprec import Policy
-from autoprec.tune import load_task, prepare, profile  # noqa: E402
+from autoprec.tune import ProfileConfig, load_task, prepare, profile  # noqa: E402
+from autoprec.tune.pipeline import GROUP_SHARE  # noqa: E402
 from autoprec.tune.choices import Choices, build_choices, greedy_params, suggest, uniform_params  # noqa: E402
 from autoprec.tune.measure import StepStats, TimingConfig, Trainer, evaluate_metric, interleaved_times, probe_times  # noqa: E402
 from autoprec.policy import ROOT, model_fingerprint  # noqa: E402
@@ -183,18 +185,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     print_header("search against the true optimum of every measured policy (mlp8: 8 layers x fp32/bf16/fp16)", device)
     workload = prepare(load_task(MODEL), device)
-    prof = profile(workload, SPACE)
+    prof = profile(workload, SPACE)  # every drop measured alone: the table's layer names, the marginal table
     prof.save(out / "profile")
+    budgets = [float(b) for b in args.budgets.split(",")]
+    # the profile a search at each budget judges its choices and warm starts by (group testing, as pipeline does)
+    searched = {b: profile(workload, SPACE, ProfileConfig(group_tolerance=GROUP_SHARE * b), progress=False) for b in budgets}
     names = sorted(prof.layers())
     start = time.perf_counter()
     table = measure_table(workload, names, out / "policies.csv")
     print(f"table: {len(table)} policies in {time.perf_counter() - start:.0f} s; "
           f"{(table['timed'] == 'interleaved').sum()} timed interleaved, the rest probed")  # fmt: skip
-    budgets = [float(b) for b in args.budgets.split(",")]
     records = []
     for budget in budgets:
         for seed in tqdm(range(args.seeds), desc=f"replaying searches, budget {budget:g}", unit="seed"):
-            for name, choices, sampler, warm in methods(prof, names, budget, seed, device):
+            for name, choices, sampler, warm in methods(searched[budget], names, budget, seed, device):
                 curve = replay(table, choices, budget, sampler, warm, max(CHECKPOINTS))
                 records += [{"budget": budget, "method": name, "seed": seed, "trials": n, "best": curve[n - 1][0],
                              "best_policy": curve[n - 1][1]} for n in CHECKPOINTS]  # fmt: skip
@@ -208,7 +212,7 @@ def main() -> None:
         f"{interleaved['spread'].median():.1%}; {len(table) - len(interleaved)} more than {PROBED_ABOVE}x slower than fp32 in a "
         f"first probe keep that ratio). Metric: -(mean eval loss); budget = the largest drop. Each method ran {args.seeds} "
         f"seeds against the table; the counts include warm starts.\n\n"
-        + "".join(f"Profile choices at budget {b:g}: {json.dumps(dict(build_choices(prof, SPACE, b, device).layers))}\n\n" for b in budgets)
+        + "".join(f"Profile choices at budget {b:g}: {json.dumps(dict(build_choices(searched[b], SPACE, b, device).layers))}\n\n" for b in budgets)
         + marginal(table, prof) + "\n" + summarise(runs, budgets, table)
     )
     (out / "summary.md").write_text(text, encoding="utf-8")

@@ -55,7 +55,7 @@ def test_stopwatch_accumulates_sections_and_counts():
 
 def test_cost_rows_show_each_stage_with_its_share():
     rows = cost_rows({"seconds": {"profile": 3.0, "trials": 1.0}, "counts": {"profile": 1, "trials": 4, "reused": 2}})
-    assert rows == [["profile", "3.0", "75%", 1], ["trials", "1.0", "25%", 4], ["total", "4.0", "100%", ""], ["reused", "-", "-", 2]]
+    assert rows == [["profile", "3.0", "75%", 1], ["trials", "1.0", "25%", 4], ["total of the stages above", "4.0", "100%", ""], ["reused", "-", "-", 2]]
 
 
 def test_layers_of_one_shape_are_timed_once(write_model):

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -236,7 +237,9 @@ def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_rul
     _load_or_profile(workload, strict, tmp_path, config, watch=watch)
     assert watch.counts == {"profile: reused the one saved in the output folder": 1}
     lenient = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 3.0}})
-    again = _load_or_profile(workload, lenient, tmp_path, config, watch=Stopwatch())  # bf16 is in play now: judged
+    watch = Stopwatch()
+    again = _load_or_profile(workload, lenient, tmp_path, config, watch=watch)  # bf16 is in play now: judged
+    assert "profile: reused the one saved in the output folder" not in watch.counts
     sources = again.table.loc[again.table["format"] == "bf16", "metric_source"]
     assert not sources.str.startswith("not measured").any() and sources.str.startswith(("measured", "predicted")).all()
 
@@ -254,37 +257,28 @@ def test_a_profile_saved_before_metrics_could_be_skipped_reads_as_all_measured(p
 
 
 def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found_alone(monkeypatch):
-    """Group testing against the drops it is given: a group within the tolerance predicts equal shares, a group
-    over it is halved, and the one sensitive layer is measured alone, in 7 evaluations rather than 8."""
+    """Group testing against the drops it is given: a group within the tolerance has one member (the lowest
+    SQNR; here all tie, so the first) measured alone and the rest predicted as equal shares; a group over it is
+    halved, and the one sensitive layer is measured alone."""
     from autoprec.formats import Format
     from autoprec.tune import profiler
     from autoprec.tune.cost import Stopwatch
 
     drops = {f"l{i}": (0.0001 if i < 4 else 0.0) for i in range(8)}
     drops["l5"] = 0.05
-    evaluated = []
-
-    def metric_of(workload, policy):
-        evaluated.append(sorted(policy.layers))
-        return 1.0 - sum(drops[n] for n in policy.layers)
-
-    monkeypatch.setattr(profiler, "policy_model", lambda workload, policy: policy)
-    monkeypatch.setattr(profiler, "metric_of", metric_of)
-
-    def pending():
-        return [{"layer": n, "format": "bf16", "finite": True, "metric_source": profiler.PENDING} for n in drops]
-
-    rows, watch = pending(), Stopwatch()
+    evaluated = _fake_group_metric(monkeypatch, drops)
+    rows, watch = _pending(drops), Stopwatch()
     profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, watch)
     by = {r["layer"]: r for r in rows}
-    assert len(evaluated) == 7  # all 8, l0-3 (within: predicted), l4-7, l4-5, l4, l5, l6-7 (within)
-    assert by["l5"]["metric_source"] == by["l4"]["metric_source"] == "measured" and by["l5"]["metric_drop"] == pytest.approx(0.05)
-    for name in ("l0", "l1", "l2", "l3", "l6", "l7"):
-        assert by[name]["metric_source"].startswith("predicted: its 4 layers" if name < "l4" else "predicted: its 2 layers")
-        assert by[name]["metric_drop"] == pytest.approx(drops[name])  # equal shares: exact where the drops are equal
-    assert watch.counts["profile: single-layer metrics predicted from a group's"] == 6
+    # all 8; l0-3 (within) and its probe l0; l4-7; l4-5, l4, l5; l6-7 (within) and its probe l6
+    assert len(evaluated) == 9
+    assert [n for n in drops if by[n]["metric_source"] == "measured"] == ["l0", "l4", "l5", "l6"]
+    assert by["l1"]["metric_source"].startswith("predicted: its 4 layers lowered together dropped the metric by 0.0004")
+    assert by["l7"]["metric_source"].startswith("predicted: its 2 layers")
+    assert all(by[n]["metric_drop"] == pytest.approx(drops[n]) for n in drops)  # equal shares: exact here
+    assert watch.counts["profile: single-layer metrics predicted from a group's"] == 4
     evaluated.clear()
-    rows = pending()
+    rows = _pending(drops)
     profiler._judge_group(None, rows, Format.BF16, 1.0, None, Stopwatch())  # no tolerance: each alone
     assert len(evaluated) == 8 and all(r["metric_source"] == "measured" for r in rows)
 
@@ -299,7 +293,8 @@ def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_on
     loose = SearchConfig(budget=0.5, progress=False, profile=FAST)
     prof = _load_or_profile(workload, space, tmp_path, loose)
     bf16 = prof.table[prof.table["format"] == "bf16"]
-    assert prof.group_tolerance == pytest.approx(0.05) and bf16["metric_source"].str.startswith("predicted").all()
+    assert prof.group_tolerance == pytest.approx(0.05)
+    assert (bf16["metric_source"] == "measured").sum() == 1 and bf16["metric_source"].str.startswith("predicted").sum() == 2
     assert Profile.load(tmp_path).group_tolerance == pytest.approx(0.05)
     watch = Stopwatch()
     _load_or_profile(workload, space, tmp_path, loose, watch=watch)
@@ -307,3 +302,91 @@ def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_on
     watch = Stopwatch()
     tight = _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.05, progress=False, profile=FAST), watch=watch)
     assert "profile: reused the one saved in the output folder" not in watch.counts and tight.group_tolerance == pytest.approx(0.005)
+
+
+def _fake_group_metric(monkeypatch, drops, fails=()):
+    """profiler's metric_of as the sum of the lowered layers' `drops` (from 1.0), raising for layers in `fails`."""
+    from autoprec.tune import profiler
+
+    evaluated = []
+
+    def metric_of(workload, policy):
+        evaluated.append(sorted(policy.layers))
+        if set(policy.layers) & set(fails):
+            raise RuntimeError("no kernel for that shape")
+        return 1.0 - sum(drops[n] for n in policy.layers)
+
+    monkeypatch.setattr(profiler, "policy_model", lambda workload, policy: policy)
+    monkeypatch.setattr(profiler, "metric_of", metric_of)
+    return evaluated
+
+
+def _pending(drops, sqnr=None):
+    from autoprec.tune import profiler
+
+    return [{"layer": n, "format": "bf16", "finite": True, "metric_source": profiler.PENDING,
+             "sqnr_db": (sqnr or {}).get(n, 50.0), "grad_sqnr_db": 50.0} for n in drops]  # fmt: skip
+
+
+def test_a_sensitive_layer_whose_drop_others_cancel_is_caught_by_the_lowest_sqnr_probe(monkeypatch):
+    from autoprec.formats import Format
+    from autoprec.tune import profiler
+    from autoprec.tune.cost import Stopwatch
+
+    drops = {"a": 0.05, "b": -0.05, "c": 0.0, "d": 0.0}  # together: 0, within any tolerance
+    _fake_group_metric(monkeypatch, drops)
+    rows = _pending(drops, sqnr={"a": 30.0})  # the sensitive layer has the lowest SQNR
+    profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, Stopwatch())
+    by = {r["layer"]: r for r in rows}
+    assert by["a"]["metric_source"] == "measured" and by["a"]["metric_drop"] == pytest.approx(0.05)
+    assert by["b"]["metric_drop"] == pytest.approx(-0.05)  # the rest halved down to b alone, measured
+    assert all(by[n]["metric_drop"] == pytest.approx(drops[n]) for n in drops)
+
+
+def test_a_group_that_fails_or_goes_non_finite_is_halved_down_to_the_layer_that_cannot_run(monkeypatch):
+    from autoprec.formats import Format
+    from autoprec.tune import profiler
+    from autoprec.tune.cost import Stopwatch
+
+    drops = {"a": 0.0, "b": 0.0, "c": math.nan, "d": 0.0}
+    _fake_group_metric(monkeypatch, drops, fails=("a",))
+    rows = _pending(drops)
+    profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, Stopwatch())
+    by = {r["layer"]: r for r in rows}
+    assert by["a"]["status"] == "unsupported" and "no kernel for that shape" in by["a"]["reason"]
+    assert by["c"]["metric_source"] == "measured" and by["c"]["finite"] is False  # NaN: non-finite, ruled out later
+    assert by["b"]["metric_drop"] == 0 and by["d"]["metric_drop"] == 0
+
+
+def test_a_users_error_in_evaluate_is_raised_at_once_not_halved_through(monkeypatch):
+    from autoprec import UserError
+    from autoprec.formats import Format
+    from autoprec.tune import profiler
+    from autoprec.tune.cost import Stopwatch
+
+    calls = []
+
+    def metric_of(workload, policy):
+        calls.append(1)
+        raise UserError("model.py: evaluate() failed")
+
+    monkeypatch.setattr(profiler, "policy_model", lambda workload, policy: policy)
+    monkeypatch.setattr(profiler, "metric_of", metric_of)
+    with pytest.raises(UserError, match="evaluate"):
+        profiler._judge_group(None, _pending({"a": 0, "b": 0, "c": 0}), Format.BF16, 1.0, 0.001, Stopwatch())
+    assert len(calls) == 1
+
+
+def test_a_profile_of_autoprec_profile_measured_alone_is_reused_by_any_search(tmp_path):
+    from autoprec.tune import SearchConfig
+    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune.pipeline import _load_or_profile
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
+    alone = SearchConfig(budget=0.5, progress=False, profile=dataclasses.replace(FAST, grouped=False))
+    first = _load_or_profile(workload, space, tmp_path, alone)
+    assert first.group_tolerance is None and (first.table["metric_source"] == "measured").all()
+    watch = Stopwatch()
+    _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.001, progress=False, profile=FAST), watch=watch)
+    assert watch.counts == {"profile: reused the one saved in the output folder": 1}  # every drop measured: precise

@@ -327,23 +327,29 @@ def test_a_trials_timing_stops_early_when_its_rounds_say_it_is_slower_than_the_b
     from autoprec.tune.study import Judge, Objective
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    config = SearchConfig(budget=0.05, **FAST)
+    config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), SPACE, 0.05, torch.device("cpu"))
     objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0), config, objectives=objectives)
     study = optuna.create_study(directions=["maximize"] * objectives)
-    best = optuna.trial.create_trial(values=[2.0] * objectives, user_attrs={"feasible": True, "speedup": 2.0})
-    study.add_trial(best)
-    enough = objective._settled(study.ask())
+
+    def timed(speedup, **attrs):
+        study.add_trial(optuna.trial.create_trial(values=[speedup] * objectives, user_attrs={"feasible": True, "speedup": speedup, **attrs}))
 
     def rounds(*speedups, fp32=10.0):
         return {"fp32": [fp32] * len(speedups), "policy": [fp32 / s for s in speedups]}
 
-    # every round slower than the best trial: a search stops; a sweep keeps timing (its front needs the number)
-    assert enough(rounds(1.2, 1.6, 1.9)) is (objectives == 1)
-    assert enough(rounds(2.1, 2.6, 2.9)) is (objectives == 1)  # every round faster: the new best, a finalist
-    assert not enough(rounds(1.2, 1.6, 2.4))  # the rounds straddle the best and disagree: time on
+    timed(2.0)
+    timed(2.0, reused_from=0)  # a repeat is not a second finalist
+    enough = objective._settled(study.ask())
+    assert not enough(rounds(1.2, 1.6, 1.9)) and not enough(rounds(2.1, 2.6, 2.9))  # fewer than 2 timed: no marks
+    timed(1.5)
+    enough = objective._settled(study.ask())
+    # every round slower than the 2nd fastest (1.5): not a finalist, a search stops; a sweep keeps timing
+    assert enough(rounds(1.1, 1.3, 1.45)) is (objectives == 1)
+    assert enough(rounds(2.1, 2.6, 2.9)) is (objectives == 1)  # every round faster than the fastest: a finalist
+    assert not enough(rounds(1.2, 1.6, 1.9))  # the rounds straddle the 2nd fastest and disagree: time on
     assert enough(rounds(2.4, 2.45, 2.5))  # within SETTLED of each other: settled
-    assert enough(rounds(1.0, 1.02, 1.04))  # settled, whatever the best
+    assert enough(rounds(1.0, 1.02, 1.04))  # settled, whatever the marks
 
 
 def test_the_eager_fp32_baseline_is_warmed_up_in_full_once_then_with_one_call(monkeypatch):

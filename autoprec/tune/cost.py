@@ -54,7 +54,7 @@ def cost_rows(cost: Mapping[str, Mapping[str, float]]) -> list[list[object]]:
     for name, s in seconds.items():
         rows.append([name, f"{s:.1f}", f"{100 * s / total:.0f}%" if total > 0 else "-", counts.get(name, "")])
     if seconds:
-        rows.append(["total", f"{total:.1f}", "100%", ""])
+        rows.append(["total of the stages above", f"{total:.1f}", "100%", ""])
     for name, n in counts.items():
         if name not in seconds:
             rows.append([name, "-", "-", n])

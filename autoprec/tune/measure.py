@@ -123,7 +123,7 @@ SETTLED_FINAL_ROUNDS = 5
 def all_settled(samples: Mapping[str, Sequence[float]]) -> bool:
     """The final re-measure's sequential test: from SETTLED_FINAL_ROUNDS rounds on, every candidate's spread
     (Timing.spread) is within SETTLED, so more rounds would not change a ranking the spreads allow."""
-    if min(len(v) for v in samples.values()) < SETTLED_FINAL_ROUNDS:
+    if min((len(v) for v in samples.values()), default=0) < SETTLED_FINAL_ROUNDS:
         return False
     return all(Timing.from_samples(list(v)).spread <= SETTLED for v in samples.values())
 

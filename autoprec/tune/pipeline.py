@@ -41,6 +41,8 @@ from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import (
     NOISY_SPREAD,
     Candidate,
+    SETTLED,
+    SETTLED_FINAL_ROUNDS,
     TimingConfig,
     all_settled,
     fp32_step_failed,
@@ -69,7 +71,8 @@ log = logging.getLogger("autoprec")
 
 ALTERNATIVES = (FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY)  # re-measured beside every result, in this order
 # A search's profile lowers a format's layers together first and predicts their single-layer drops where the
-# group's drop is within this share of the budget (ProfileConfig.group_tolerance; set one to override).
+# group's drop is within this share of its smallest budget (ProfileConfig.group_tolerance sets another;
+# ProfileConfig(grouped=False) measures each alone).
 GROUP_SHARE = 0.1
 
 
@@ -147,7 +150,7 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     check_out_dir(workload, out_dir)  # also makes the folder
     check_storage(config)  # before minutes of profiling; opening the study checks it again
     watch = Stopwatch()
-    started = start(workload, space, config, out_dir, watch, objectives=plan.objectives)
+    started = start(workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0])
     objective = Objective(workload, started.choices, space, started.judge, config, objectives=plan.objectives)
     ran = run_trials(started.study, objective, config.trials or space.trials, progress=config.progress)
     if not ran and not config.remeasure:
@@ -300,11 +303,13 @@ def check_out_dir(workload: Workload, out_dir: Path) -> None:
 
 
 def start(
-    workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, watch: Stopwatch, *, objectives: int = 1
+    workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, watch: Stopwatch, *, objectives: int = 1,
+    smallest_budget: float | None = None,
 ) -> Started:
-    """Profile (or reuse the saved profile), derive the choices, create or join the study with its warm
-    starts (all-fp32, then choices.warm_starts), and measure the noise floor in train mode."""
-    prof = _load_or_profile(workload, space, out_dir, config, watch=watch)
+    """Profile (or reuse the saved profile; its drops as precise as `smallest_budget` needs, default the
+    config's), derive the choices, create or join the study with its warm starts (all-fp32, then
+    choices.warm_starts), and measure the noise floor in train mode."""
+    prof = _load_or_profile(workload, space, out_dir, config, watch=watch, budget=smallest_budget)
     choices = build_choices(prof, space, config.budget, workload.device, judge_drop=config.mode is Mode.WEIGHTS)
 
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
@@ -380,7 +385,7 @@ def remeasure(
             metric=metric,
             metric_drop=drop,
             runs=runs,
-            feasible=runs and drop <= budget,
+            feasible=False,  # judged below, by Measurement.within
             step_ms=s.timing.median_ms if s else math.nan,
             skipped=s.skipped if s else 0,
             steps=s.steps if s else 0,
@@ -390,8 +395,9 @@ def remeasure(
             train_skipped=extra.get("train_skipped"),
             error=failed.get(name) or extra.get("error"),
             speedup=fp32_ms / effective_ms if effective_ms else math.inf,
+            rounds=len(s.timing.samples_ms) if s else 0,
         ))  # fmt: skip
-    return Finals(rows)
+    return Finals(rows).within(budget)
 
 
 def _versions() -> dict[str, str]:
@@ -405,14 +411,16 @@ def _versions() -> dict[str, str]:
 
 
 def _load_or_profile(
-    workload: Workload, space: SearchSpace, out_dir: Path, config: SearchConfig, *, watch: Stopwatch | None = None
+    workload: Workload, space: SearchSpace, out_dir: Path, config: SearchConfig, *, watch: Stopwatch | None = None,
+    budget: float | None = None,
 ) -> Profile:
     """Reuse the profile a previous run of the same model on the same device wrote; else measure. `watch`
-    receives the profiling stages, or a count when the saved profile was reused."""
+    receives the profiling stages, or a count when the saved profile was reused. `budget`: the smallest budget
+    its drops serve (default config.budget), a tenth of which is the group tolerance (GROUP_SHARE)."""
     watch = watch or Stopwatch()
     settings = config.profile
-    if settings.group_tolerance is None:
-        settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * config.budget)
+    if settings.group_tolerance is None and settings.grouped:
+        settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * (config.budget if budget is None else budget))
     cached = None
     if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
         try:
@@ -433,7 +441,8 @@ def _load_or_profile(
         still_out = all(ruled_out(row, None, space.prune_slower_than) is not None for _, row in skipped.iterrows())
         # drops it predicted from groups are as precise as its tolerance: no coarser than this search's
         predicted = cached.table["metric_source"].str.startswith("predicted").any()
-        precise = not predicted or (cached.group_tolerance is not None and cached.group_tolerance <= settings.group_tolerance)
+        wanted = settings.group_tolerance
+        precise = not predicted or (cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted)
         if same and complete and still_out and precise and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)
             watch.count("profile: reused the one saved in the output folder")
@@ -569,7 +578,9 @@ def measured_record(
                 if config.compile
                 else "eager; "
             )
-            + f"median of {config.final_timing.rounds} interleaved rounds; spread = interquartile range / median; "
+            + f"median of {max((r.rounds for r in finals), default=0)} interleaved rounds (up to {config.final_timing.rounds}, "
+            f"stopped after {SETTLED_FINAL_ROUNDS} once every spread was within {SETTLED:.0%}; twice as many on a noisy "
+            "machine); spread = interquartile range / median; "
             "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
         ),
         loss_scale_search=dict(choices.loss_scale or {}),

@@ -74,9 +74,10 @@ class ProfileConfig:
     single probe is timed once rather than interleaved (fp8 emulation on a CPU costs seconds a call).
     `grad_batches`: train batches for the gradient ranges (None: all); `max_underflow`: the fraction of a
     layer's nonzero gradient elements fp16 may flush to zero at the low end of the loss-scale range.
-    `group_tolerance`: None evaluates the metric with each layer lowered alone; a number (a search sets a tenth
-    of its budget) first lowers a format's layers together and takes each one's share of a drop within it
-    (see `_judge_group`)."""
+    `group_tolerance`: None evaluates the metric with each layer lowered alone; a number first lowers a format's
+    layers together and takes each one's share of a drop within it (see `_judge_group`). A search sets it to a
+    tenth of its smallest budget when None and `grouped` (pipeline.GROUP_SHARE); `grouped=False` has a search
+    measure every drop alone."""
 
     batches: int = 2
     timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02)
@@ -85,6 +86,7 @@ class ProfileConfig:
     max_underflow: float = 1e-3
     compile: bool = False  # time each layer's step under torch.compile (SearchConfig.compile sets it)
     group_tolerance: float | None = None
+    grouped: bool = True
 
     def __post_init__(self) -> None:
         if self.group_tolerance is not None and not (math.isfinite(self.group_tolerance) and self.group_tolerance >= 0):
@@ -456,41 +458,55 @@ def _profile_layer(
 
 def _judge_group(workload: Workload, group: list[dict], fmt: Format, fp32_metric: float, tolerance: float | None, watch: Stopwatch) -> None:
     """Fill in the metric of each row of `group` (one format, layers whose metric is pending). Alone, a layer's
-    is measured. Several are lowered together first: where their drop is within `tolerance`, each layer takes
-    an equal share of it (single-layer drops add up closely: results/*/additivity), its `metric_source` says so,
-    and the group cost one evaluation instead of one per layer; else the group is halved and each half judged
-    alike, so a sensitive layer is found in about 2 log2(n) evaluations and measured alone."""
-    alone = len(group) == 1 or tolerance is None
-    if alone and len(group) > 1:
+    is measured. Several are lowered together first: where their drop is within `tolerance`, the member with
+    the lowest SQNR (the likeliest to matter) is measured alone too, and if it is within the tolerance as well
+    the others take equal shares of the rest of the group's drop (single-layer drops add up closely:
+    results/*/additivity); `metric_source` says so. That costs two evaluations instead of one per layer. A group
+    (or its probe) over the tolerance is halved and each half judged alike, so a sensitive layer is found in
+    about 2 log2(n) evaluations and measured alone. The probe guards against the one way a group hides a
+    sensitive layer: others whose drops are negative and cancel its own."""
+    if len(group) <= 1 or tolerance is None:
         for row in group:
-            _judge_group(workload, [row], fmt, fp32_metric, None, watch)
+            _measure_alone(workload, row, fmt, fp32_metric, watch)
         return
-    stage = "profile: metric per format (one layer lowered)" if alone else "profile: metric per format (layers lowered together)"
     try:
-        with watch.section(stage):
+        with watch.section("profile: metric per format (layers lowered together)"):
             metric = metric_of(workload, policy_model(workload, Policy(layers={r["layer"]: fmt for r in group})))
-    except Exception as exc:
-        if not alone:  # which layer cannot run it: the halves will say
-            metric = math.nan
-        else:
-            group[0].update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
-            return
+    except UserError:
+        raise
+    except Exception as exc:  # which layer cannot run it: the halves will say
+        log.debug("%s: %d layers lowered together failed (%s); halving", fmt.value, len(group), describe(exc, 200))
+        metric = math.nan
     drop = fp32_metric - metric
-    if alone:
-        row = group[0]
-        row.update(metric=metric, metric_drop=drop, metric_source=MEASURED, finite=row["finite"] and math.isfinite(metric))
-        return
-    assert tolerance is not None
     if math.isfinite(drop) and abs(drop) <= tolerance:
-        share = drop / len(group)
-        source = f"predicted: its {len(group)} layers lowered together dropped the metric by {drop:.4g} (within {tolerance:.4g}); an equal share"
-        for row in group:
-            row.update(metric=fp32_metric - share, metric_drop=share, metric_source=source)
-        watch.count("profile: single-layer metrics predicted from a group's", len(group))
-        return
+        probe = min(group, key=lambda r: min(as_float(r.get("sqnr_db")), as_float(r.get("grad_sqnr_db"))))
+        _measure_alone(workload, probe, fmt, fp32_metric, watch)
+        probed = as_float(probe.get("metric_drop"))
+        if probe["metric_source"] == MEASURED and abs(probed) <= tolerance:
+            rest = [r for r in group if r is not probe]
+            share = (drop - probed) / len(rest)
+            source = (f"predicted: its {len(group)} layers lowered together dropped the metric by {drop:.4g} (within "
+                      f"{tolerance:.4g}), {probe['layer']} alone by {probed:.4g}; an equal share of the rest")  # fmt: skip
+            for row in rest:
+                row.update(metric=fp32_metric - share, metric_drop=share, metric_source=source)
+            watch.count("profile: single-layer metrics predicted from a group's", len(rest))
+            return
+        group = [r for r in group if r is not probe]  # the probe is measured: judge the others without it
     half = len(group) // 2
     _judge_group(workload, group[:half], fmt, fp32_metric, tolerance, watch)
     _judge_group(workload, group[half:], fmt, fp32_metric, tolerance, watch)
+
+
+def _measure_alone(workload: Workload, row: dict, fmt: Format, fp32_metric: float, watch: Stopwatch) -> None:
+    try:
+        with watch.section("profile: metric per format (one layer lowered)"):
+            metric = metric_of(workload, policy_model(workload, Policy(layers={row["layer"]: fmt})))
+    except UserError:
+        raise
+    except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
+        row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
+        return
+    row.update(metric=metric, metric_drop=fp32_metric - metric, metric_source=MEASURED, finite=row["finite"] and math.isfinite(metric))
 
 
 def _skip(row: dict, slower_than: float, watch: Stopwatch) -> bool:

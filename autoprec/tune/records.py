@@ -18,6 +18,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
+import numpy as np
+
 from autoprec.files import write_atomically
 
 if TYPE_CHECKING:
@@ -31,7 +33,8 @@ class Measurement:
     """One re-measured candidate. `runs`: the metric and every loss were finite and some step updated the
     weights; `feasible`: that, and the drop within the budget it was measured for; `speedup`: fp32's
     effective step time over this one's; `spread`: the step time's interquartile range over its median;
-    `skipped` of `steps`: steps the GradScaler skipped while timed; `train_skipped`: while trained (train mode)."""
+    `skipped` of `steps`: steps the GradScaler skipped while timed; `train_skipped`: while trained (train mode);
+    `rounds`: the interleaved timing rounds its median is of (0: not timed)."""
 
     candidate: str
     metric: float
@@ -47,6 +50,7 @@ class Measurement:
     train_skipped: int | None = None
     error: str | None = None
     speedup: float = math.nan
+    rounds: int = 0
 
     def within(self, budget: float) -> Measurement:
         """The same measurement judged against another budget."""
@@ -67,6 +71,11 @@ class Finals(Sequence[Measurement]):
     @overload
     def __getitem__(self, index: slice) -> Sequence[Measurement]: ...
     def __getitem__(self, index: int | slice) -> Measurement | Sequence[Measurement]:
+        if isinstance(index, str):  # the DataFrame this was before 0.2
+            raise TypeError(
+                f"finals[{index!r}]: finals are records now, not a DataFrame; use finals.by_name(candidate) for one "
+                "candidate's Measurement, or finals.to_frame() for the table"
+            )
         return self._rows[index]
 
     def __len__(self) -> int:
@@ -116,7 +125,8 @@ class Finals(Sequence[Measurement]):
         columns = [f.name for f in dataclasses.fields(Measurement)]
         return pd.DataFrame([dataclasses.asdict(r) for r in self._rows], columns=columns)
 
-    def to_csv(self, path: str | Path) -> None:
+    def to_csv(self, path: str | Path, **_pandas: Any) -> None:
+        """finalists.csv (pandas' to_csv keywords such as index=False, which this always is, are accepted)."""
         frame = self.to_frame()
         write_atomically(path, lambda tmp: frame.to_csv(tmp, index=False))
 
@@ -127,7 +137,7 @@ class Finals(Sequence[Measurement]):
 
         frame = pd.read_csv(path, dtype={"candidate": str, "error": str})
         rows = []
-        for record in frame.to_dict("records"):
+        for i, record in enumerate(frame.to_dict("records")):
             try:
                 rows.append(Measurement(
                     candidate=str(record["candidate"]), metric=float(record["metric"]),
@@ -137,18 +147,22 @@ class Finals(Sequence[Measurement]):
                     effective_step_ms=float(record["effective_step_ms"]), spread=float(record["spread"]),
                     compile_s=_optional(record.get("compile_s"), float), train_skipped=_optional(record.get("train_skipped"), int),
                     error=_optional(record.get("error"), str), speedup=float(record["speedup"]),
+                    rounds=_optional(record.get("rounds"), int) or 0,
                 ))  # fmt: skip
             except KeyError as exc:
                 raise ValueError(f"{path}: no column {exc.args[0]!r}") from None
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{path}: row {i + 2} ({record.get('candidate')!r}) is malformed: {exc}") from None
         return cls(rows)
 
 
 def _flag(value: Any) -> bool:
-    if isinstance(value, str):
-        if value not in ("True", "False"):
-            raise ValueError(f"expected True or False, got {value!r}")
+    """A True/False CSV cell; anything else (an empty cell, text) is malformed."""
+    if isinstance(value, str) and value in ("True", "False"):
         return value == "True"
-    return bool(value)
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"expected True or False, got {value!r}")
 
 
 def _optional(value: Any, kind: type) -> Any:

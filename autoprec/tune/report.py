@@ -13,7 +13,7 @@ from autoprec.tune.alternatives import BF16, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.cost import cost_rows
 from autoprec.tune.measure import NOISY_SPREAD
-from autoprec.tune.profiler import flag
+from autoprec.tune.profiler import as_float, flag
 from autoprec.tune.records import Finals, Measured
 from autoprec.files import write_atomically
 from autoprec.formats import Format
@@ -52,10 +52,6 @@ def _layer_name(name: str) -> str:
     return "(model root: all else)" if name == ROOT else name
 
 
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-
-
 COMPACT_ABOVE = 24  # layers: beyond this, the layers of one block role that agree share a row
 
 
@@ -82,12 +78,12 @@ _NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
 def _spread(value: Any) -> str:
-    spread = _number(value)
+    spread = as_float(value)
     return "-" if math.isnan(spread) else f"±{100 * spread / 2:.1f}%"
 
 
 def result_rows(policy: Policy) -> list[list[Any]]:
-    return [[name, _number(r.metric), _number(r.metric_drop), _number(r.step_ms), _spread(r.spread), _number(r.speedup)]
+    return [[name, as_float(r.metric), as_float(r.metric_drop), as_float(r.step_ms), _spread(r.spread), as_float(r.speedup)]
             for name, r in Measured.of(policy).results.items()]  # fmt: skip
 
 
@@ -236,11 +232,11 @@ def gradient_summary(table: pd.DataFrame, advice: Any = None, *, markdown: bool 
         by = {r["format"]: r for _, r in group.iterrows()}
         first = group.iloc[0]
         fp16, fp8 = by.get("fp16"), by.get("fp8")
-        low = _number(fp16["scale_low_log2"]) if fp16 is not None else math.nan
-        high = _number(fp16["scale_high_log2"]) if fp16 is not None else math.nan
+        low = as_float(fp16["scale_low_log2"]) if fp16 is not None else math.nan
+        high = as_float(fp16["scale_high_log2"]) if fp16 is not None else math.nan
         scale_range = "-" if fp16 is None else ("overflows at 2^0" if math.isnan(high) else f"2^{low:.0f} .. 2^{high:.0f}")
         rows.append([
-            name, _number(first["grad_amax"]), _number(first["grad_amin"]),
+            name, as_float(first["grad_amax"]), as_float(first["grad_amin"]),
             _percent(fp16["grad_underflow"]) if fp16 is not None else "-",
             _percent(fp16["grad_overflow"]) if fp16 is not None else "-",
             scale_range,
@@ -259,7 +255,7 @@ def gradient_summary(table: pd.DataFrame, advice: Any = None, *, markdown: bool 
 
 
 def _percent(value: Any) -> str:
-    v = _number(value)
+    v = as_float(value)
     return "-" if math.isnan(v) else f"{100 * v:.3g}%"
 
 
@@ -286,7 +282,7 @@ def _heat_cells(table: pd.DataFrame, layers: list[str], formats: list[str]):
         elif r["format"] == "fp32":
             mark[i][j] = "ref"
         else:
-            sqnr[i][j], drop[i][j] = _number(r["sqnr_db"]), _number(r["metric_drop"])
+            sqnr[i][j], drop[i][j] = as_float(r["sqnr_db"]), as_float(r["metric_drop"])
     return sqnr, drop, mark
 
 
@@ -409,7 +405,7 @@ def sweep_summary(result: Any, *, markdown: bool = False) -> str:
 
 
 def front_rows(front: pd.DataFrame) -> list[list[Any]]:
-    return [[int(r["trial"]), _number(r["metric_drop"]), _number(r["speedup"]), _spread(r["spread"])] for _, r in front.iterrows()]
+    return [[int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), _spread(r["spread"])] for _, r in front.iterrows()]
 
 
 def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:

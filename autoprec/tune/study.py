@@ -321,18 +321,20 @@ class Objective:
         return self._values(trial)
 
     def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
-        """When a trial's timing may stop early (a sequential test over the rounds so far): in a search, every
-        round measured the candidate on one side of the best trial so far (slower: not the fastest; faster: the
-        new best, a finalist, re-measured at full length anyway); in a search or a sweep (whose front also keeps
-        slower trials with smaller drops), the per-round speedups agree within SETTLED. Only a candidate whose
-        rounds straddle the best so far, or disagree, is timed on."""
-        best = _best_speedup(trial.study) if self.objectives == 1 else None
+        """When a trial's timing may stop early (a sequential test over the rounds so far). In a search with at
+        least `finalists` timed trials: every round measured the candidate slower than the k-th fastest of them
+        (it would not be a finalist), or faster than the fastest (a finalist for sure, re-measured with the
+        others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the per-round
+        speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on."""
+        k = self.config.finalists
+        speeds = sorted(_feasible_speedups(trial.study), reverse=True) if self.objectives == 1 else []
+        marks = (speeds[k - 1], speeds[0]) if len(speeds) >= k and speeds[k - 1] > 0 else None
 
         def enough(samples: Mapping[str, Sequence[float]]) -> bool:
             ratios = [f / p for f, p in zip(samples["fp32"], samples["policy"]) if p > 0]
             if not ratios:
                 return False
-            if best is not None and (max(ratios) < best or min(ratios) > best):
+            if marks is not None and (max(ratios) < marks[0] or min(ratios) > marks[1]):
                 return True
             return (max(ratios) - min(ratios)) / statistics.median(ratios) <= SETTLED
 
@@ -526,10 +528,15 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
 
 
 
+def _feasible_speedups(study: optuna.Study) -> list[float]:
+    """The speedups of the study's completed trials within budget, each policy once (not the repeats)."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return [t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible") and "reused_from" not in t.user_attrs]
+
+
 def _best_speedup(study: optuna.Study) -> float:
     """The highest speedup among the study's completed trials within budget (0 before there is one)."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return max((t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible")), default=0.0)
+    return max(_feasible_speedups(study), default=0.0)
 
 
 def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:

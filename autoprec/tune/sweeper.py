@@ -111,12 +111,12 @@ def pareto_front(trials: pd.DataFrame) -> pd.DataFrame:
     # by drop (then speedup, fastest first): a trial is on the front when no trial of a smaller drop, or of
     # the same drop, is faster; equal trials all stay (one sort, one pass)
     ordered = timed.sort_values(["metric_drop", "speedup"], ascending=[True, False], kind="stable")
-    keep, best = [], -math.inf
+    keep, best, best_drop = [], -math.inf, math.nan
     for i, drop, speed in zip(ordered.index, ordered["metric_drop"], ordered["speedup"]):
-        if speed > best or (keep and speed == best and drop == timed.at[keep[-1], "metric_drop"]):
+        if speed > best or (speed == best and drop == best_drop):
             keep.append(i)
-            best = speed
-    return timed.loc[keep].sort_values(["metric_drop", "speedup"], kind="stable")
+            best, best_drop = speed, drop
+    return ordered.loc[keep].sort_values(["metric_drop", "speedup"], kind="stable")
 
 
 def _format_counts(policy: Policy) -> str:
