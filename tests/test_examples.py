@@ -70,6 +70,26 @@ def test_moe12_has_109_tunable_linears_in_8_roles_and_keeps_the_contract(monkeyp
     assert loss.ndim == 0 and 5.0 < loss.item() < 6.0  # about ln(256) before training
 
 
+def test_minilm_is_the_minilm_l6_shape_with_37_linears_and_keeps_the_contract():
+    # The untrained encoder (build_model trains for minutes): its structure is what the search-cost case needs.
+    import torch
+
+    from autoprec.tune.space import load_space
+
+    task = load_task(ROOT / "examples" / "minilm" / "model.py")  # build_model is not called
+    module = __import__("sys").modules[task.build_model.__module__]
+    torch.manual_seed(0)
+    model = module.Encoder()
+    layers = load_space().tunable_layers(model)
+    assert len(layers) == 37 and len(model.bert.encoder.layer) == 6 and model.head.in_features == 384
+    train, evals = module.batches("train"), module.batches("eval")
+    assert len(train) == len(evals) == 4 and train[0]["query"].shape == train[0]["key"].shape == (32, 48)
+    assert torch.equal(train[0]["query"][:, 12:], train[0]["key"][:, :36])  # the key: the window 12 bytes on
+    loss = task.loss_fn(model, train[0])
+    assert loss.ndim == 0 and torch.isfinite(loss) and loss.item() > 2.0  # about ln(32) before training
+    assert 0.0 <= task.evaluate(model.eval()) <= 1.0
+
+
 GPT2 = ROOT / "examples" / "gpt2" / "model.py"
 
 
