@@ -188,7 +188,8 @@ def main() -> None:
     prof = profile(workload, SPACE)  # every drop measured alone: the table's layer names, the marginal table
     prof.save(out / "profile")
     budgets = [float(b) for b in args.budgets.split(",")]
-    # the profile a search at each budget judges its choices and warm starts by (group testing, as pipeline does)
+    # the profile a search at each budget judges its choices and warm starts by (group testing, as pipeline does);
+    # each is measured anew, so its timings (and so its choices) may also differ from the first by timing noise
     searched = {b: profile(workload, SPACE, ProfileConfig(group_tolerance=GROUP_SHARE * b), progress=False) for b in budgets}
     names = sorted(prof.layers())
     start = time.perf_counter()

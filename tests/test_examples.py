@@ -76,6 +76,7 @@ def test_minilm_is_the_minilm_l6_shape_with_37_linears_and_keeps_the_contract():
 
     from autoprec.tune.space import load_space
 
+    pytest.importorskip("transformers")
     task = load_task(ROOT / "examples" / "minilm" / "model.py")  # build_model is not called
     module = __import__("sys").modules[task.build_model.__module__]
     torch.manual_seed(0)
@@ -87,7 +88,8 @@ def test_minilm_is_the_minilm_l6_shape_with_37_linears_and_keeps_the_contract():
     assert torch.equal(train[0]["query"][:, 12:], train[0]["key"][:, :36])  # the key: the window 12 bytes on
     loss = task.loss_fn(model, train[0])
     assert loss.ndim == 0 and torch.isfinite(loss) and loss.item() > 2.0  # about ln(32) before training
-    assert 0.0 <= task.evaluate(model.eval()) <= 1.0
+    accuracy = task.evaluate(model.eval())
+    assert accuracy in {i / 128 for i in range(129)}  # top-1 over the 128 eval queries
 
 
 GPT2 = ROOT / "examples" / "gpt2" / "model.py"

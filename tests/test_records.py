@@ -110,3 +110,10 @@ def test_a_malformed_finalists_row_is_refused_with_its_row_and_candidate(tmp_pat
     (tmp_path / "f.csv").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"f.csv: row 3 \('x'\) is malformed: expected True or False"):
         Finals.read_csv(tmp_path / "f.csv")
+
+
+def test_a_finalists_file_written_before_rounds_were_recorded_reads_with_rounds_0():
+    older = sorted(RESULTS.glob("cpu-epyc-2core/search-scale/*/finalists.csv"))
+    assert older  # committed by an earlier version, without a rounds column
+    for path in older:
+        assert all(r.rounds == 0 for r in Finals.read_csv(path))

@@ -109,6 +109,13 @@ def test_search_writes_a_policy_that_applies_within_budget(searched):
     assert {"torch", "torchao", "optuna"} <= set(m["versions"]) and m["device"].startswith("cpu")
 
 
+def test_the_policy_says_how_many_rounds_its_finalists_were_timed(searched):
+    _, result, _ = searched
+    rounds = {r.rounds for r in result.finals if r.runs}
+    assert len(rounds) == 1 and 1 <= min(rounds) <= 2 * TINY.rounds  # all timed together (twice as long if noisy)
+    assert result.policy.measured["timing"].startswith(f"eager; median of {min(rounds)} interleaved rounds (up to {TINY.rounds}")
+
+
 def test_the_fp16_overflowing_layer_is_never_given_fp16(searched):
     _, result, _ = searched
     assert "fp16" not in result.choices.layers["big"]
@@ -321,7 +328,7 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
 
 
 @pytest.mark.parametrize("objectives", [1, 2])
-def test_a_trials_timing_stops_early_when_its_rounds_say_it_is_slower_than_the_best_or_settled(objectives):
+def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finalists_or_settle(objectives):
     import optuna
 
     from autoprec.tune.study import Judge, Objective
@@ -338,11 +345,20 @@ def test_a_trials_timing_stops_early_when_its_rounds_say_it_is_slower_than_the_b
     def rounds(*speedups, fp32=10.0):
         return {"fp32": [fp32] * len(speedups), "policy": [fp32 / s for s in speedups]}
 
-    timed(2.0)
-    timed(2.0, reused_from=0)  # a repeat is not a second finalist
+    timed(2.0, rounds=3)
+    timed(2.0, rounds=3, reused_from=0)  # a repeat is not a second finalist
+    timed(3.0)  # the all-fp32 trial or a repeat: not timed (no rounds), not counted
     enough = objective._settled(study.ask())
     assert not enough(rounds(1.2, 1.6, 1.9)) and not enough(rounds(2.1, 2.6, 2.9))  # fewer than 2 timed: no marks
-    timed(1.5)
+    study.enqueue_trial({"default": "bf16"})
+    warm = study.ask()  # a warm start (enqueued: an alternative, perhaps) is not counted either
+    for key, value in {"feasible": True, "speedup": 2.5, "rounds": 3}.items():
+        warm.set_user_attr(key, value)
+    study.tell(warm, [2.5] * objectives)
+    assert "fixed_params" in study.trials[-1].system_attrs
+    enough = objective._settled(study.ask())
+    assert not enough(rounds(1.1, 1.3, 1.45))
+    timed(1.5, rounds=7)
     enough = objective._settled(study.ask())
     # every round slower than the 2nd fastest (1.5): not a finalist, a search stops; a sweep keeps timing
     assert enough(rounds(1.1, 1.3, 1.45)) is (objectives == 1)

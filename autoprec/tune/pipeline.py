@@ -72,7 +72,7 @@ log = logging.getLogger("autoprec")
 ALTERNATIVES = (FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY)  # re-measured beside every result, in this order
 # A search's profile lowers a format's layers together first and predicts their single-layer drops where the
 # group's drop is within this share of its smallest budget (ProfileConfig.group_tolerance sets another;
-# ProfileConfig(grouped=False) measures each alone).
+# ProfileConfig(group_testing=False) measures each alone).
 GROUP_SHARE = 0.1
 
 
@@ -419,7 +419,7 @@ def _load_or_profile(
     its drops serve (default config.budget), a tenth of which is the group tolerance (GROUP_SHARE)."""
     watch = watch or Stopwatch()
     settings = config.profile
-    if settings.group_tolerance is None and settings.grouped:
+    if settings.group_tolerance is None and settings.group_testing:
         settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * (config.budget if budget is None else budget))
     cached = None
     if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
@@ -441,7 +441,7 @@ def _load_or_profile(
         still_out = all(ruled_out(row, None, space.prune_slower_than) is not None for _, row in skipped.iterrows())
         # drops it predicted from groups are as precise as its tolerance: no coarser than this search's
         predicted = cached.table["metric_source"].str.startswith("predicted").any()
-        wanted = settings.group_tolerance
+        wanted = settings.group_tolerance if settings.group_testing else None
         precise = not predicted or (cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted)
         if same and complete and still_out and precise and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)

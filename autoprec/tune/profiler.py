@@ -76,8 +76,8 @@ class ProfileConfig:
     layer's nonzero gradient elements fp16 may flush to zero at the low end of the loss-scale range.
     `group_tolerance`: None evaluates the metric with each layer lowered alone; a number first lowers a format's
     layers together and takes each one's share of a drop within it (see `_judge_group`). A search sets it to a
-    tenth of its smallest budget when None and `grouped` (pipeline.GROUP_SHARE); `grouped=False` has a search
-    measure every drop alone."""
+    tenth of its smallest budget when None and `group_testing` (pipeline.GROUP_SHARE); `group_testing=False`
+    measures every drop alone, whatever the tolerance."""
 
     batches: int = 2
     timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02)
@@ -86,7 +86,7 @@ class ProfileConfig:
     max_underflow: float = 1e-3
     compile: bool = False  # time each layer's step under torch.compile (SearchConfig.compile sets it)
     group_tolerance: float | None = None
-    grouped: bool = True
+    group_testing: bool = True
 
     def __post_init__(self) -> None:
         if self.group_tolerance is not None and not (math.isfinite(self.group_tolerance) and self.group_tolerance >= 0):
@@ -465,7 +465,7 @@ def _judge_group(workload: Workload, group: list[dict], fmt: Format, fp32_metric
     (or its probe) over the tolerance is halved and each half judged alike, so a sensitive layer is found in
     about 2 log2(n) evaluations and measured alone. The probe guards against the one way a group hides a
     sensitive layer: others whose drops are negative and cancel its own."""
-    if len(group) <= 1 or tolerance is None:
+    if len(group) <= 2 or tolerance is None:  # two alone cost what a pair and its probe do, and are exact
         for row in group:
             _measure_alone(workload, row, fmt, fp32_metric, watch)
         return
@@ -479,7 +479,7 @@ def _judge_group(workload: Workload, group: list[dict], fmt: Format, fp32_metric
         metric = math.nan
     drop = fp32_metric - metric
     if math.isfinite(drop) and abs(drop) <= tolerance:
-        probe = min(group, key=lambda r: min(as_float(r.get("sqnr_db")), as_float(r.get("grad_sqnr_db"))))
+        probe = min(group, key=_lowest_sqnr)
         _measure_alone(workload, probe, fmt, fp32_metric, watch)
         probed = as_float(probe.get("metric_drop"))
         if probe["metric_source"] == MEASURED and abs(probed) <= tolerance:
@@ -495,6 +495,12 @@ def _judge_group(workload: Workload, group: list[dict], fmt: Format, fp32_metric
     half = len(group) // 2
     _judge_group(workload, group[:half], fmt, fp32_metric, tolerance, watch)
     _judge_group(workload, group[half:], fmt, fp32_metric, tolerance, watch)
+
+
+def _lowest_sqnr(row: dict) -> float:
+    """The lower of a row's output and gradient SQNR; -inf where neither is known (the most suspect)."""
+    known = [v for v in (as_float(row.get("sqnr_db")), as_float(row.get("grad_sqnr_db"))) if not math.isnan(v)]
+    return min(known, default=-math.inf)
 
 
 def _measure_alone(workload: Workload, row: dict, fmt: Format, fp32_metric: float, watch: Stopwatch) -> None:
@@ -607,7 +613,8 @@ def profile(
     for fmt in dict.fromkeys(r["format"] for r in rows):
         pending = [r for r in rows if r["format"] == fmt and r["metric_source"] == PENDING]
         if pending:
-            _judge_group(workload, pending, Format(fmt), fp32_metric, config.group_tolerance, watch)
+            tolerance = config.group_tolerance if config.group_testing else None
+            _judge_group(workload, pending, Format(fmt), fp32_metric, tolerance, watch)
     table = pd.DataFrame(rows, columns=COLUMNS)
     return Profile(
         table=table,
@@ -620,5 +627,5 @@ def profile(
         cost=watch.to_dict(),
         compiled=config.compile,
         uncalled=list(ref.uncalled),
-        group_tolerance=config.group_tolerance,
+        group_tolerance=config.group_tolerance if config.group_testing else None,
     )

@@ -125,8 +125,10 @@ class Finals(Sequence[Measurement]):
         columns = [f.name for f in dataclasses.fields(Measurement)]
         return pd.DataFrame([dataclasses.asdict(r) for r in self._rows], columns=columns)
 
-    def to_csv(self, path: str | Path, **_pandas: Any) -> None:
-        """finalists.csv (pandas' to_csv keywords such as index=False, which this always is, are accepted)."""
+    def to_csv(self, path: str | Path, *, index: bool = False) -> None:
+        """finalists.csv; `index=False` (what it always is) is accepted, as the DataFrame this was before 0.2 took it."""
+        if index:
+            raise TypeError("Finals.to_csv writes no index column; use finals.to_frame().to_csv(...) for pandas' options")
         frame = self.to_frame()
         write_atomically(path, lambda tmp: frame.to_csv(tmp, index=False))
 

@@ -151,6 +151,8 @@ def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
                 row += ["inf/nan", "", float(r["time_vs_fp32"])]
             elif str(r["metric_source"]).startswith("not measured"):
                 row += ["ruled out", "", float(r["time_vs_fp32"])]
+            elif str(r["metric_source"]).startswith("predicted"):
+                row += [float(r["sqnr_db"]), f"~{float(r['metric_drop']):.3g}", float(r["time_vs_fp32"])]
             else:
                 row += [float(r["sqnr_db"]), float(r["metric_drop"]), float(r["time_vs_fp32"])]
         rows.append(row)
@@ -447,9 +449,10 @@ def search_markdown(result: Any, command: str) -> str:
         f"# autoprec search: {Measured.of(result.policy).model}\n\n`{command}`\n\n"
         f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
         f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.table, markdown=True)}\n\n"
-        f"dB: output SQNR against fp32; drop: metric drop (- where not evaluated: the format was already ruled out "
-        f"there, slower than fp32 beyond prune.slower_than, non-finite or overflowing); x time: the layer's "
-        f"forward+backward time over fp32's.\n\n"
+        f"dB: output SQNR against fp32; drop: metric drop with the layer lowered alone (~: predicted, an equal share "
+        f"of its group's drop; `ruled out`: not run, the format already was: slower than fp32 beyond "
+        f"prune.slower_than, non-finite or overflowing; profile.csv's metric_source says which); x time: the "
+        f"layer's forward+backward time over fp32's.\n\n"
         f"![profile heat map](profile.png)\n\n"
         f"## Gradient ranges\n\n{gradient_summary(prof.table, prof.advice(), markdown=True)}\n\n"
         f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"

@@ -322,12 +322,12 @@ class Objective:
 
     def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
         """When a trial's timing may stop early (a sequential test over the rounds so far). In a search with at
-        least `finalists` timed trials: every round measured the candidate slower than the k-th fastest of them
-        (it would not be a finalist), or faster than the fastest (a finalist for sure, re-measured with the
-        others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the per-round
+        least `finalists` timed sampled trials (_sampled_speedups): every round measured the candidate slower
+        than the k-th fastest of them (it would not be a finalist), or faster than the fastest (a finalist for
+        sure, re-measured with the others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the per-round
         speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on."""
         k = self.config.finalists
-        speeds = sorted(_feasible_speedups(trial.study), reverse=True) if self.objectives == 1 else []
+        speeds = sorted(_sampled_speedups(trial.study), reverse=True) if self.objectives == 1 else []
         marks = (speeds[k - 1], speeds[0]) if len(speeds) >= k and speeds[k - 1] > 0 else None
 
         def enough(samples: Mapping[str, Sequence[float]]) -> bool:
@@ -532,6 +532,15 @@ def _feasible_speedups(study: optuna.Study) -> list[float]:
     """The speedups of the study's completed trials within budget, each policy once (not the repeats)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     return [t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible") and "reused_from" not in t.user_attrs]
+
+
+def _sampled_speedups(study: optuna.Study) -> list[float]:
+    """The speedups of the timed trials the sampler proposed: not the warm starts (enqueued; some are the
+    alternatives, never finalists under a trial's name) nor repeats. Fewer and lower than all finalists' could
+    be, so a mark taken from them stops a trial early only where it is surely not a finalist."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return [t.user_attrs["speedup"] for t in done if t.user_attrs.get("feasible") and t.user_attrs.get("rounds")
+            and "reused_from" not in t.user_attrs and "fixed_params" not in t.system_attrs]  # fmt: skip
 
 
 def _best_speedup(study: optuna.Study) -> float:
