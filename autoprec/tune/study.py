@@ -400,7 +400,6 @@ TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps
 COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "rounds", "reused_from")
 
 
-
 def _all_fp32(policy: Policy) -> bool:
     return all(fmt is Format.FP32 for fmt in policy.layers.values())
 
@@ -526,14 +525,6 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
     watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
 
 
-
-
-def _feasible_speedups(study: optuna.Study) -> list[float]:
-    """The speedups of the study's completed trials within budget, each policy once (not the repeats)."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return [t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible") and "reused_from" not in t.user_attrs]
-
-
 def _sampled_speedups(study: optuna.Study) -> list[float]:
     """The speedups of the timed trials the sampler proposed: not the warm starts (enqueued; some are the
     alternatives, never finalists under a trial's name) nor repeats. Fewer and lower than all finalists' could
@@ -545,7 +536,8 @@ def _sampled_speedups(study: optuna.Study) -> list[float]:
 
 def _best_speedup(study: optuna.Study) -> float:
     """The highest speedup among the study's completed trials within budget (0 before there is one)."""
-    return max(_feasible_speedups(study), default=0.0)
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return max((t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible")), default=0.0)
 
 
 def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:
