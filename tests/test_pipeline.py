@@ -49,7 +49,7 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
     def baselines(workload, space, prof, choices, budget):
         return Alternatives(candidates={FP32: Candidate(fp32), GREEDY: Candidate(greedy[budget])}, notes={BF16: "left out here"})
 
-    def finalists(study, choices, k, *, budget, exclude):
+    def finalists(study, choices, k, *, budget, exclude, goal):
         return {n: c for n, c in trials[budget].items() if c not in exclude}
 
     monkeypatch.setattr(pipeline, "baselines", baselines)

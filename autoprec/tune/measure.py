@@ -25,6 +25,7 @@ from autoprec.apply import apply_policy, compile_model
 from autoprec.scaler import grad_scaler
 from autoprec.policy import Policy
 from autoprec.errors import UserError, describe
+from autoprec.tune import memory
 from autoprec.tune.task import Workload, check_loss
 
 
@@ -286,6 +287,23 @@ class Trainer:
             self.first_step_s = time.perf_counter() - start
         return loss
 
+    def state(self) -> Iterator[torch.Tensor]:
+        """What the candidate keeps between steps: parameters, buffers, optimizer state."""
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+        for per_param in self.optimizer.state.values():
+            yield from (v for v in per_param.values() if isinstance(v, torch.Tensor))
+
+    def peak_memory(self) -> int | None:
+        """Bytes at the peak of one more training step (see memory.py): the state, plus the rise over the step
+        with the gradients freed first. None where the device has no measurement (or a profiler of the user's
+        runs). Taken after the warm-up, so the optimizer state exists and a compiled model is compiled."""
+        if self.steps == 0:
+            self.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        rise = memory.rise_bytes(self.workload.device, self.step)
+        return None if rise is None else memory.state_bytes(self.state()) + rise
+
     @property
     def finite(self) -> bool:
         return not bool(self._nonfinite.item())
@@ -300,13 +318,15 @@ class Trainer:
 class StepStats:
     """A candidate's training steps as timed: per-call time, whether losses stayed finite, and how many
     of its steps (from its first, warm-up included) the GradScaler skipped. `compile_s`: the first step's
-    seconds when the model was compiled (None when eager)."""
+    seconds when the model was compiled (None when eager). `peak_bytes`: one step's peak memory after the
+    timing (Trainer.peak_memory; None where not measured)."""
 
     timing: Timing
     finite: bool
     steps: int
     skipped: int
     compile_s: float | None = None
+    peak_bytes: int | None = None
 
     @property
     def skip_fraction(self) -> float:
@@ -370,7 +390,19 @@ def measure_steps_or_fail(
             trainers[name] = trainer
         work = {n: t.step for n, t in trainers.items()}
         timings = interleaved_times(work, workload.device, config, progress=progress, enough=enough) if work else {}
-        return step_stats(trainers, timings), failed
+        stats = step_stats(trainers, timings)  # the timed steps' counts, before the memory's extra step
+        # after the timing, never inside it
+        return {n: dataclasses.replace(s, peak_bytes=peak_memory_or_none(trainers[n])) for n, s in stats.items()}, failed
+
+
+def peak_memory_or_none(trainer: Trainer) -> int | None:
+    """trainer.peak_memory(); None if that extra step fails (it just ran in the timing: a fault of the moment)."""
+    try:
+        return trainer.peak_memory()
+    except UserError:
+        raise
+    except Exception:
+        return None
 
 
 def step_stats(trainers: Mapping[str, Trainer], timings: Mapping[str, Timing]) -> dict[str, StepStats]:

@@ -36,6 +36,7 @@ from autoprec.files import write_atomically
 from autoprec.formats import Format, device_name
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A_POLICY, TF32, Alternatives, alternatives
+from autoprec.tune import memory
 from autoprec.tune.choices import Choices, build_choices, fit, policy_from_params, warm_starts
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import (
@@ -52,6 +53,7 @@ from autoprec.tune.profiler import Profile, profile, ruled_out
 from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.study import (
+    Goal,
     Judge,
     Mode,
     Objective,
@@ -158,14 +160,15 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         if earlier is not None:
             return earlier
     trial_costs(started.study, watch)
-    candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists)
+    candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists, goal=config.objective)
     finals = final_remeasure(workload, candidates, started.judge, config, watch)
     # the tables first, the policy files last: a policy file marks a complete result (see _earlier_result)
     trials = trials_table(started.study, started.choices, started.profile)
     write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
     finals.to_csv(out_dir / plan.finalists_file)
     chosen = []
-    for b, (name, why) in zip(plan.budgets, choose_per_budget(finals, candidates, plan.budgets, greedy)):
+    picks = choose_per_budget(finals, candidates, plan.budgets, greedy, goal=config.objective)
+    for b, (name, why) in zip(plan.budgets, picks):
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
         measured = dataclasses.replace(
             measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes),
@@ -216,12 +219,12 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
 
 
 def gather_candidates(
-    workload: Workload, space: SearchSpace, started: Started, plan: Plan, k: int
+    workload: Workload, space: SearchSpace, started: Started, plan: Plan, k: int, *, goal: Goal = Goal.SPEED
 ) -> tuple[dict[str, Candidate], dict[float, str], dict[str, str]]:
     """What is re-measured: the alternatives (each budget with its own profile-greedy policy), then per budget
     its k fastest trials within it and the safer variant of the fastest (its fp16/fp8 layers in bf16), each
     policy once, under the first name it came by (a trial that is an alternative, the all-fp32 warm start say,
-    is measured as the alternative). Returns the candidates, budget -> its greedy candidate's name, and the
+    is measured as the alternative; with Goal.MEMORY, the k smallest in peak memory). Returns the candidates, budget -> its greedy candidate's name, and the
     alternatives not measured with why."""
     candidates: dict[str, Candidate] = {}
 
@@ -242,7 +245,7 @@ def gather_candidates(
                 if label != plan.greedy_name(b):
                     notes[plan.greedy_name(b)] = f"the same policy as {label}, measured once under that name"
     for b in plan.budgets:
-        finalists = finalist_policies(started.study, started.choices, k, budget=b, exclude=list(candidates.values()))
+        finalists = finalist_policies(started.study, started.choices, k, budget=b, exclude=list(candidates.values()), goal=goal)
         for name, candidate in finalists.items():
             add(name, candidate)
         if finalists:
@@ -254,20 +257,29 @@ def gather_candidates(
 
 
 def choose_per_budget(
-    finals: Finals, candidates: Mapping[str, Candidate], budgets: tuple[float, ...], greedy: Mapping[float, str]
+    finals: Finals, candidates: Mapping[str, Candidate], budgets: tuple[float, ...], greedy: Mapping[float, str], *,
+    goal: Goal = Goal.SPEED,
 ) -> list[tuple[str, str]]:
-    """(candidate, why) per budget, ascending: `choose` among the re-measured candidates within it, never below
-    that budget's own profile-greedy policy; where that measured slower than the previous budget's choice
-    (noise, or the safer pick), the previous stands."""
+    """(candidate, why) per budget, ascending: `choose` (Goal.MEMORY: `choose_smallest`) among the re-measured
+    candidates within it, never below that budget's own profile-greedy policy; where that measured worse than the
+    previous budget's choice (noise, or the safer pick), the previous stands."""
     picks: list[tuple[str, str]] = []
     for b in budgets:
         floor = [a for a in ALTERNATIVES if a != GREEDY] + [greedy[b]]
-        name, why = choose(finals.within(b), candidates, floor)
-        if picks and finals.by_name(name).speedup < finals.by_name(picks[-1][0]).speedup:
+        pick = choose_smallest if goal is Goal.MEMORY else choose
+        name, why = pick(finals.within(b), candidates, floor)
+        if picks and _worse(finals.by_name(name), finals.by_name(picks[-1][0]), goal):
             before = picks[-1][0]
-            name, why = before, f"kept from the smaller budget: {before} measured faster than {name}, this budget's pick"
+            better = "smaller" if goal is Goal.MEMORY else "faster"
+            name, why = before, f"kept from the smaller budget: {before} measured {better} than {name}, this budget's pick"
         picks.append((name, why))
     return picks
+
+
+def _worse(a: Measurement, b: Measurement, goal: Goal) -> bool:
+    if goal is Goal.MEMORY:
+        return a.peak_bytes is not None and b.peak_bytes is not None and a.peak_bytes > b.peak_bytes
+    return a.speedup < b.speedup
 
 
 def check_out_dir(workload: Workload, out_dir: Path) -> None:
@@ -335,17 +347,24 @@ def baselines(workload: Workload, space: SearchSpace, prof: Profile, choices: Ch
 
 
 def finalist_policies(
-    study: optuna.Study, choices: Choices, k: int, *, budget: float | None = None, exclude: Collection[Candidate] = ()
+    study: optuna.Study, choices: Choices, k: int, *, budget: float | None = None, exclude: Collection[Candidate] = (),
+    goal: Goal = Goal.SPEED,
 ) -> dict[str, Candidate]:
-    """The k fastest distinct feasible policies of the study (with `budget`: among those whose drop fits it),
-    leaving out those in `exclude` (the alternatives, measured under their own names)."""
+    """The k fastest (Goal.MEMORY: smallest in peak memory) distinct feasible policies of the study (with
+    `budget`: among those whose drop fits it), leaving out those in `exclude` (the alternatives, measured under
+    their own names)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     good = [t for t in done if t.user_attrs.get("feasible")]
     if budget is not None:
         good = [t for t in good if t.user_attrs.get("metric_drop") is not None and t.user_attrs["metric_drop"] <= budget]
     picked: dict[str, Candidate] = {}
     seen = {json.dumps(c.policy.to_dict(), sort_keys=True) for c in exclude if not c.tf32}
-    for t in sorted(good, key=lambda t: -t.user_attrs["speedup"]):
+    if goal is Goal.MEMORY:
+        good = [t for t in good if t.user_attrs.get("peak_bytes") is not None]
+        order = sorted(good, key=lambda t: (t.user_attrs["peak_bytes"], -t.user_attrs["speedup"]))
+    else:
+        order = sorted(good, key=lambda t: -t.user_attrs["speedup"])
+    for t in order:
         policy = policy_from_params(t.params, choices)
         key = json.dumps(policy.to_dict(), sort_keys=True)
         if key not in seen:
@@ -366,13 +385,16 @@ def remeasure(
     progress: str | None = None,
     compiled: bool = False,
     enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
+    max_memory: int | None = None,
 ) -> Finals:
-    """Metric and step time of each candidate, timed interleaved with the others; speedup vs fp32 in
-    effective steps (those the GradScaler did not skip); see records.Measurement."""
+    """Metric, step time and peak memory of each candidate, timed interleaved with the others; speedup vs fp32
+    in effective steps (those the GradScaler did not skip), memory saving vs fp32's peak, and whether the peak fits
+    `max_memory` (bytes; None: no limit); see records.Measurement."""
     stats, failed = measure_steps_or_fail(workload, candidates, timing, progress=progress, compiled=compiled, enough=enough)
     if FP32 in failed:
         raise fp32_step_failed(workload, "all-fp32 training step", failed[FP32], compiled=compiled)
     fp32_ms = stats[FP32].effective_ms
+    fp32_peak = stats[FP32].peak_bytes
     rows = []
     for name, candidate in candidates.items():
         metric, extra = judge.safe_metric(candidate)
@@ -396,6 +418,9 @@ def remeasure(
             error=failed.get(name) or extra.get("error"),
             speedup=fp32_ms / effective_ms if effective_ms else math.inf,
             rounds=len(s.timing.samples_ms) if s else 0,
+            peak_bytes=s.peak_bytes if s else None,
+            memory_saving=memory.saving(s.peak_bytes if s else None, fp32_peak),
+            fits=max_memory is None or (s is not None and s.peak_bytes is not None and s.peak_bytes <= max_memory),
         ))  # fmt: skip
     return Finals(rows).within(budget)
 
@@ -462,7 +487,7 @@ def final_remeasure(
     # stops early once every candidate's rounds agree (measure.all_settled); a loaded machine times on
     finals = remeasure(
         workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile,
-        enough=all_settled,
+        enough=all_settled, max_memory=config.max_memory,
     )  # fmt: skip
     spread = finals.noisiest()
     if spread > NOISY_SPREAD:  # a loaded machine: time once more, twice as long, before anything is chosen
@@ -470,7 +495,8 @@ def final_remeasure(
         log.warning("step times spread up to ±%.0f%%, too wide to rank the candidates; timing them again with %d rounds",
                     50 * spread, rounds)  # fmt: skip
         timing = dataclasses.replace(config.final_timing, rounds=rounds)
-        finals = remeasure(workload, candidates, judge, config.budget, timing, progress=label, compiled=config.compile)
+        finals = remeasure(workload, candidates, judge, config.budget, timing, progress=label, compiled=config.compile,
+                           max_memory=config.max_memory)  # fmt: skip
         if finals.noisiest() > NOISY_SPREAD:
             log.warning(
                 "step times still spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
@@ -512,7 +538,7 @@ def choose(
     sweep names each budget's own greedy policy) within budget. TF32 is not a policy and is never chosen."""
     feasible = sorted((r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY), key=lambda r: -r.speedup)
     if not feasible:
-        return "fp32", "no candidate stayed within budget when re-measured: fp32"
+        return "fp32", _nothing_feasible(finals)
     top = feasible[0]
     floor = max((r.speedup for r in feasible if r.candidate in alternatives), default=0.0)
     tied = [r for r in feasible if top.speedup / r.speedup - 1 <= (top.spread + r.spread) / 2 and r.speedup >= floor]
@@ -526,6 +552,36 @@ def choose(
         f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
         f"({_risk(candidates[top.candidate])} against {_risk(candidates[pick.candidate])}): the safer one"
     )
+
+
+# Peaks closer than this share are the same memory to a user (an allocator's rounding, a small buffer): among them
+# the fastest is chosen.
+MEMORY_TIE = 0.01
+
+
+def choose_smallest(
+    finals: Finals, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
+) -> tuple[str, str]:
+    """Goal.MEMORY's choice: the candidate within budget (and --max-memory) with the smallest peak memory; among
+    those within MEMORY_TIE of it, `choose`'s (the fastest, or the safer inside the spread). Every alternative
+    within budget is a candidate here, so none with a smaller peak is passed over."""
+    feasible = [r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY and r.peak_bytes is not None]
+    if not feasible:
+        return "fp32", _nothing_feasible(finals)
+    least = min(r.peak_bytes for r in feasible if r.peak_bytes is not None)
+    tied = Finals(r for r in feasible if r.peak_bytes is not None and r.peak_bytes <= least * (1 + MEMORY_TIE))
+    name, why = choose(tied, candidates, ())
+    peak = finals.by_name(name)
+    saved = f", {100 * peak.memory_saving:.0f}% less than fp32" if math.isfinite(peak.memory_saving) else ""
+    among = f"; among the {len(tied)} within {MEMORY_TIE:.0%} of it: {why}" if len(tied) > 1 else ""
+    return name, f"the smallest peak memory within budget ({memory.human_bytes(peak.peak_bytes)}{saved}){among}"
+
+
+def _nothing_feasible(finals: Finals) -> str:
+    over = [r.candidate for r in finals if r.runs and not r.fits]
+    if over:
+        return f"no candidate stayed within budget and --max-memory when re-measured ({len(over)} ran but needed more memory): fp32"
+    return "no candidate stayed within budget when re-measured: fp32"
 
 
 def measured_record(
@@ -583,6 +639,9 @@ def measured_record(
             "machine); spread = interquartile range / median; "
             "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
         ),
+        memory=memory.source(workload.device) or memory.not_measured(workload.device),
+        max_memory=config.max_memory,
+        objective=config.objective.value,
         loss_scale_search=dict(choices.loss_scale or {}),
         search_space=choices.describe(),
         study=StudyRef(name=study.study_name, storage=started.storage, trials=len(study.trials), complete=_complete(study)),

@@ -34,7 +34,9 @@ class Measurement:
     weights; `feasible`: that, and the drop within the budget it was measured for; `speedup`: fp32's
     effective step time over this one's; `spread`: the step time's interquartile range over its median;
     `skipped` of `steps`: steps the GradScaler skipped while timed; `train_skipped`: while trained (train mode);
-    `rounds`: the interleaved timing rounds its median is of (0: not timed)."""
+    `rounds`: the interleaved timing rounds its median is of (0: not timed); `peak_bytes`: one training step's peak
+    memory (memory.py; None: not measured), `memory_saving` the share of fp32's it saves; `fits`: within
+    --max-memory (always, without one); `feasible` needs it too."""
 
     candidate: str
     metric: float
@@ -51,10 +53,13 @@ class Measurement:
     error: str | None = None
     speedup: float = math.nan
     rounds: int = 0
+    peak_bytes: int | None = None
+    memory_saving: float = math.nan
+    fits: bool = True
 
     def within(self, budget: float) -> Measurement:
-        """The same measurement judged against another budget."""
-        return dataclasses.replace(self, feasible=self.runs and self.metric_drop <= budget)
+        """The same measurement judged against another budget (and, as measured, the memory limit)."""
+        return dataclasses.replace(self, feasible=self.runs and self.fits and self.metric_drop <= budget)
 
 
 class Finals(Sequence[Measurement]):
@@ -150,6 +155,9 @@ class Finals(Sequence[Measurement]):
                     compile_s=_optional(record.get("compile_s"), float), train_skipped=_optional(record.get("train_skipped"), int),
                     error=_optional(record.get("error"), str), speedup=float(record["speedup"]),
                     rounds=_optional(record.get("rounds"), int) or 0,
+                    peak_bytes=_optional(record.get("peak_bytes"), int),
+                    memory_saving=_optional(record.get("memory_saving"), float) or math.nan,
+                    fits=_flag(record["fits"]) if "fits" in record else True,  # written before --max-memory: no limit
                 ))  # fmt: skip
             except KeyError as exc:
                 raise ValueError(f"{path}: no column {exc.args[0]!r}") from None
@@ -192,6 +200,8 @@ class Result:
     steps: int | None = None
     train_skipped_steps: int | None = None
     error: str | None = None
+    peak_bytes: int | None = None
+    memory_saving: float | None = None
 
     @classmethod
     def of(cls, m: Measurement) -> Result:
@@ -199,11 +209,12 @@ class Result:
             metric=_finite(m.metric), metric_drop=_finite(m.metric_drop), step_ms=_finite(m.step_ms),
             effective_step_ms=_finite(m.effective_step_ms), spread=_finite(m.spread), speedup=_finite(m.speedup),
             skipped_steps=m.skipped, steps=m.steps, train_skipped_steps=m.train_skipped, error=m.error,
+            peak_bytes=m.peak_bytes, memory_saving=_finite(m.memory_saving),
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        return {k: v for k, v in out.items() if v is not None or k not in ("error", "train_skipped_steps")}
+        return {k: v for k, v in out.items() if v is not None or k not in ("error", "train_skipped_steps", "peak_bytes", "memory_saving")}
 
     @classmethod
     def from_dict(cls, data: Any) -> Result:
@@ -214,6 +225,7 @@ class Result:
             spread=_number(data.get("spread")), speedup=_number(data.get("speedup")),
             skipped_steps=_count(data.get("skipped_steps")), steps=_count(data.get("steps")),
             train_skipped_steps=_count(data.get("train_skipped_steps")), error=_text(data.get("error")),
+            peak_bytes=_count(data.get("peak_bytes")), memory_saving=_number(data.get("memory_saving")),
         )  # fmt: skip
 
 
@@ -257,6 +269,9 @@ class Measured:
     alternatives_not_measured: Mapping[str, str] = dataclasses.field(default_factory=dict)
     float32_matmul_precision: str | None = None
     timing: str | None = None
+    memory: str | None = None  # how peak memory was measured (memory.source), or why not
+    max_memory: int | None = None  # --max-memory in bytes
+    objective: str = "speed"  # what the search optimised within the budget: speed, or memory
     loss_scale_search: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     search_space: str | None = None
     study: StudyRef = StudyRef()
@@ -276,7 +291,7 @@ class Measured:
             value = getattr(self, f.name)
             if f.name == "extra":
                 continue
-            if f.name in ("budget_given", "why", "greedy", "sweep", "created") and value is None:
+            if f.name in ("budget_given", "why", "greedy", "sweep", "created", "memory", "max_memory") and value is None:
                 continue
             if f.name == "results":
                 value = {k: r.to_dict() for k, r in value.items()}
@@ -319,6 +334,9 @@ class Measured:
             alternatives_not_measured={str(k): str(v) for k, v in _mapping(data.get("alternatives_not_measured")).items()},
             float32_matmul_precision=_text(data.get("float32_matmul_precision")),
             timing=_text(data.get("timing")),
+            memory=_text(data.get("memory")),
+            max_memory=_count(data.get("max_memory")),
+            objective=_text(data.get("objective")) or "speed",
             loss_scale_search=dict(_mapping(data.get("loss_scale_search"))),
             search_space=_text(data.get("search_space")),
             study=StudyRef(name=_text(study.get("name")), storage=_text(study.get("storage")),

@@ -26,6 +26,7 @@ import optuna
 import pandas as pd
 from tqdm.auto import tqdm
 
+from autoprec.tune import memory
 from autoprec.tune.choices import Choices, is_param, policy_from_params, suggest, uniform_params
 from autoprec.tune.cost import Stopwatch
 from autoprec.errors import UserError, describe
@@ -40,6 +41,7 @@ from autoprec.tune.measure import (
     fp32_step_failed,
     interleaved_times,
     noise_floor,
+    peak_memory_or_none,
     step_stats,
     train_and_evaluate,
 )
@@ -61,6 +63,23 @@ class Mode(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class Goal(str, enum.Enum):
+    """What a search optimises within the budget (and --max-memory)."""
+
+    SPEED = "speed"  # the training-step speedup over fp32, maximised
+    MEMORY = "memory"  # one training step's peak memory, minimised (for a model or batch that must fit)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def parse_goal(value: object) -> Goal:
+    try:
+        return Goal(str(getattr(value, "value", value)).strip().lower())
+    except ValueError:
+        raise ValueError(f"objective must be one of {', '.join(g.value for g in Goal)}, but got {value!r}") from None
 
 
 def parse_mode(value: object) -> Mode:
@@ -98,11 +117,18 @@ class SearchConfig:
     # A rerun of a finished study (no trials left to run) keeps the result it wrote; True re-measures its
     # finalists and chooses again, on new timing noise.
     remeasure: bool = False
+    # What the search optimises within the budget: speed, or peak memory (Goal); and the most peak memory a
+    # candidate may need, in bytes (memory.parse_limit reads "40GB", "0.8"): above it, a candidate is infeasible.
+    objective: Goal = Goal.SPEED
+    max_memory: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
             raise ValueError(f"budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.budget!r}")
         object.__setattr__(self, "mode", parse_mode(self.mode))
+        object.__setattr__(self, "objective", parse_goal(self.objective))
+        if self.max_memory is not None and (isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 1):
+            raise ValueError(f"max_memory must be a number of bytes >= 1 (memory.parse_limit reads '40GB'), but got {self.max_memory!r}")
         for name in ("train_steps", "noise_runs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -223,7 +249,8 @@ def sampler_for(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
 
 
 def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, objectives: int) -> dict[str, str]:
-    # What shapes the choices and the measurements; not the file's path, sampler or trial count.
+    # What shapes the choices, the measurements and which trials are feasible; not the file's path, sampler or
+    # trial count.
     shape = (space.layers, space.default, space.loss_scale, space.prune_slower_than) + ((space.exclude,) if space.exclude else ())
     space_hash = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
     return {
@@ -233,14 +260,27 @@ def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, obj
         "space": space_hash,
         "mode": config.mode.value if config.mode is Mode.WEIGHTS else f"{config.mode.value}, {config.train_steps} steps",
         "layout": f"{space.layout.value}, max_params {space.max_params}",
-        "objectives": OBJECTIVES[objectives],
+        "objectives": objective_names(objectives, config.objective),
         "compile": "compiled" if config.compile else "eager",
+        "max_memory": str(config.max_memory) if config.max_memory else "none",
     }
 
 
 OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}
+
+
+def objective_names(objectives: int, goal: Goal) -> str:
+    """The study's objectives in words: `speedup`, `peak memory, metric drop`."""
+    return OBJECTIVES[objectives].replace("speedup", "peak memory") if goal is Goal.MEMORY else OBJECTIVES[objectives]
+
+
+def directions(objectives: int, goal: Goal) -> list[str]:
+    return ["minimize" if goal is Goal.MEMORY else "maximize", "minimize"][:objectives]
+
+
 # Studies made before a key existed: one objective, per-layer parameters (what auto gives small models).
-_KEY_DEFAULTS = {"mode": Mode.WEIGHTS.value, "layout": "auto, max_params 16", "objectives": OBJECTIVES[1], "compile": "eager"}
+_KEY_DEFAULTS = {"mode": Mode.WEIGHTS.value, "layout": "auto, max_params 16", "objectives": OBJECTIVES[1], "compile": "eager",
+                 "max_memory": "none"}  # fmt: skip
 
 
 class Judge:
@@ -278,7 +318,9 @@ class Judge:
 
 class Objective:
     """What a trial measures. One objective: the speedup (0 when over budget or broken). Two: the speedup
-    and the metric drop (INFEASIBLE when not finite), both under the constraint drop <= budget."""
+    and the metric drop (INFEASIBLE when not finite), both under the constraint drop <= budget. With
+    Goal.MEMORY, the peak memory in MiB (INFEASIBLE when not measured) takes the speedup's place; with a
+    memory limit, peak <= limit is a second constraint."""
 
     def __init__(
         self, workload: Workload, choices: Choices, space: SearchSpace, judge: Judge, config: SearchConfig, *, objectives: int = 1
@@ -290,6 +332,8 @@ class Objective:
         # timed beside every eager candidate; a compiled search builds a compiled one per trial instead
         self.baseline = None if config.compile else Trainer(workload, Policy(layers={ROOT: Format.FP32}))
         self._baseline_warm = False  # after its first timing, the baseline needs one warm-up call, not config.warmup
+        self._fp32_peak: int | None = None
+        self._fp32_peak_known = False  # measured once: the same fp32 model needs the same memory every time
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = suggest(trial, self.choices, self.space)
@@ -312,13 +356,50 @@ class Objective:
         constraint = drop - self.config.budget if math.isfinite(drop) else INFEASIBLE
         if feasible and _all_fp32(policy):  # the fp32 baseline itself: 1.0 by definition, nothing to time
             trial.set_user_attr("speedup", 1.0)
+            self._record_memory(trial, self.fp32_peak(None))
         elif feasible:  # only candidates within budget are worth the time it takes to time them
             start = time.perf_counter()
             feasible, constraint = self._time(trial, policy, constraint)
             trial.set_user_attr("measure_s", time.perf_counter() - start)
+        over = self._over_memory(trial) if feasible else 0.0  # a trial not timed has no peak: its drop rules it out
+        feasible = feasible and over <= 0
         trial.set_user_attr("feasible", feasible)
         trial.set_constraint("metric_drop_over_budget", constraint)
+        if self.config.max_memory is not None:
+            trial.set_constraint("peak_memory_over_limit", over)
         return self._values(trial)
+
+    def fp32_peak(self, baseline: Trainer | None) -> int | None:
+        """The all-fp32 model's peak memory per step (measured once): from `baseline` after its timing, or from
+        a Trainer built for it (compiled as the search's candidates are)."""
+        if not self._fp32_peak_known:
+            trainer = baseline or self.baseline
+            if trainer is None:
+                with compile_scope(self.config.compile, 1):
+                    trainer = Trainer(self.workload, Policy(layers={ROOT: Format.FP32}), compiled=self.config.compile)
+                    self._fp32_peak = peak_memory_or_none(trainer)
+            else:
+                self._fp32_peak = peak_memory_or_none(trainer)
+            self._fp32_peak_known = True
+        return self._fp32_peak
+
+    def _record_memory(self, trial: optuna.Trial, peak: int | None) -> None:
+        trial.set_user_attr("peak_bytes", peak)
+        saved = memory.saving(peak, self.fp32_peak(None))
+        trial.set_user_attr("memory_saving", saved if math.isfinite(saved) else None)
+
+    def _over_memory(self, trial: optuna.Trial) -> float:
+        """How far the trial's peak is over --max-memory, as a share of it (<= 0: it fits; INFEASIBLE: no peak)."""
+        limit = self.config.max_memory
+        if limit is None:
+            return 0.0
+        peak = trial.user_attrs.get("peak_bytes")
+        if peak is None:
+            trial.set_user_attr("error", "peak memory not measured, so it cannot be shown to fit --max-memory")
+            return INFEASIBLE
+        if peak > limit:
+            trial.set_user_attr("error", f"peak memory {memory.human_bytes(peak)} over --max-memory {memory.human_bytes(limit)}")
+        return (peak - limit) / limit
 
     def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
         """When a trial's timing may stop early (a sequential test over the rounds so far). In a search with at
@@ -327,7 +408,8 @@ class Objective:
         sure, re-measured with the others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the per-round
         speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on."""
         k = self.config.finalists
-        speeds = sorted(_sampled_speedups(trial.study), reverse=True) if self.objectives == 1 else []
+        ranked_by_speed = self.objectives == 1 and self.config.objective is Goal.SPEED
+        speeds = sorted(_sampled_speedups(trial.study), reverse=True) if ranked_by_speed else []
         marks = (speeds[k - 1], speeds[0]) if len(speeds) >= k and speeds[k - 1] > 0 else None
 
         def enough(samples: Mapping[str, Sequence[float]]) -> bool:
@@ -342,11 +424,16 @@ class Objective:
 
     def _values(self, trial: optuna.Trial) -> float | tuple[float, float]:
         # Infeasible trials are not timed; the constraint, not this value, keeps them from winning.
-        speedup = trial.user_attrs["speedup"] if trial.user_attrs.get("feasible") else 0.0
+        feasible = trial.user_attrs.get("feasible")
+        if self.config.objective is Goal.MEMORY:
+            peak = trial.user_attrs.get("peak_bytes")
+            first = peak / 2**20 if feasible and peak is not None else INFEASIBLE
+        else:
+            first = trial.user_attrs["speedup"] if feasible else 0.0
         if self.objectives == 1:
-            return speedup
+            return first
         drop = trial.user_attrs.get("metric_drop")
-        return speedup, (drop if drop is not None else INFEASIBLE)
+        return first, (drop if drop is not None else INFEASIBLE)
 
     def _reuse(self, trial: optuna.Trial, earlier: optuna.trial.FrozenTrial) -> None:
         for key in TRIAL_ATTRS:
@@ -373,12 +460,15 @@ class Objective:
                 warmed = ("fp32",) if self._baseline_warm else ()
                 t = interleaved_times(work, self.workload.device, self.config.timing, enough=self._settled(trial), warmed=warmed)
                 self._baseline_warm = self.baseline is not None
+                stats = step_stats({"policy": candidate}, t)["policy"]  # the timed steps, before the memory's
+                self.fp32_peak(baseline)  # after the timing, never inside it; as the candidate's
+                peak = peak_memory_or_none(candidate)
         except UserError:
             raise
         except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
             trial.set_user_attr("error", f"training step failed: {describe(exc)}")
             return False, INFEASIBLE
-        stats = step_stats({"policy": candidate}, t)["policy"]
+        self._record_memory(trial, peak)
         trial.set_user_attr("rounds", len(t["policy"].samples_ms))
         if candidate.compiled:
             trial.set_user_attr("compile_s", candidate.first_step_s + baseline.first_step_s)
@@ -396,7 +486,7 @@ class Objective:
 
 
 TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
-               "fp32_step_ms", "speedup", "spread", "train_skipped", "error")  # fmt: skip
+               "fp32_step_ms", "speedup", "spread", "peak_bytes", "memory_saving", "train_skipped", "error")  # fmt: skip
 COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "rounds", "reused_from")
 
 
@@ -472,9 +562,8 @@ def open_study(
     Two workers starting at the same moment may both queue the fp32 trial: it is then measured twice."""
     storage, where = _storage(config, out_dir)
     name = config.study_name or workload.task.name
-    directions = ["maximize", "minimize"][:objectives]
     study = optuna.create_study(
-        study_name=name, storage=storage, directions=directions, sampler=sampler_for(space, config.seed), load_if_exists=True
+        study_name=name, storage=storage, directions=directions(objectives, config.objective), sampler=sampler_for(space, config.seed), load_if_exists=True
     )
     key = _study_key(workload, space, config, objectives)
     first = _first_start(study)
@@ -540,6 +629,13 @@ def _best_speedup(study: optuna.Study) -> float:
     return max((t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible")), default=0.0)
 
 
+def _smallest_peak(study: optuna.Study) -> int | None:
+    """The smallest peak memory among the study's completed trials within budget (None before there is one)."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return min((t.user_attrs["peak_bytes"] for t in done if t.user_attrs.get("feasible") and t.user_attrs.get("peak_bytes")),
+               default=None)  # fmt: skip
+
+
 def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:
     """Run trials until the study holds `target` completed ones (every worker's and earlier run's count; one
     cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the best speedup.
@@ -549,7 +645,10 @@ def run_trials(study: optuna.Study, objective: Objective, target: int, *, progre
     with tqdm(total=remaining, desc="search trials", unit="trial", disable=not progress) as bar:
 
         def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-            bar.set_postfix(best_speedup=f"{_best_speedup(study):.3f}")
+            if objective.config.objective is Goal.MEMORY:
+                bar.set_postfix(smallest_peak=memory.human_bytes(_smallest_peak(study)))
+            else:
+                bar.set_postfix(best_speedup=f"{_best_speedup(study):.3f}")
             bar.update(1)
 
         if remaining:

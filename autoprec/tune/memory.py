@@ -1,0 +1,207 @@
+"""Peak memory of one training step: what a candidate needs to train, measured on the device, never estimated.
+
+    peak = state + the most the live tensor bytes rose during one step above where they stood when it began
+
+`state` is what a candidate keeps between steps: its parameters, buffers and optimizer state (counted exactly,
+each storage once). The rise is measured with the gradients freed first, so it holds the gradients, the
+activations saved for backward, the casts to lower formats and every temporary. The batch is the same for every
+candidate and is not counted. How the rise is measured depends on the device (`source` says it in words):
+
+- CUDA: the caching allocator's own peak (`torch.cuda.max_memory_allocated`, reset before the step): every
+  tensor on the device, compiled kernels' buffers included. Not seen: blocks the allocator caches but no tensor
+  uses (`memory_reserved`), cuBLAS/cuDNN/NCCL workspaces and the CUDA context.
+- CPU: every allocation and free of the CPU tensor allocator during the step, traced by the autograd
+  profiler's memory records and summed in time order. Not seen: the process's other memory (Python objects, allocator
+  caching, library scratch space such as oneDNN's), so it is not the process's resident size.
+- Other devices: not measured (None), and every report says so.
+
+`parse_limit` reads `--max-memory`: a size ("40GB", "512MiB") or a share of the device's memory ("0.8", "80%").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import os
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+
+from autoprec.errors import UserError
+
+CUDA_SOURCE = "CUDA allocator peak (torch.cuda.max_memory_allocated) over one training step, plus the model and optimizer state"
+CPU_SOURCE = (
+    "CPU tensor allocations traced by the autograd profiler over one training step, plus the model and optimizer "
+    "state (not the process's resident memory)"
+)
+
+
+def source(device: torch.device) -> str | None:
+    """How peak memory is measured on `device`, in words; None where it is not (see the module's docstring)."""
+    if device.type == "cuda":
+        return CUDA_SOURCE
+    if device.type == "cpu":
+        return CPU_SOURCE
+    return None
+
+
+def not_measured(device: torch.device) -> str:
+    return f"not measured on {device.type}: autoprec reads peak memory from the CUDA allocator or, on CPU, the autograd profiler"
+
+
+def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a tied weight, a view: counted once)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            size = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage: count its elements
+            key, size = ("", id(t)), t.numel() * t.element_size()
+        if key[1] == 0 or key not in seen:
+            seen.add(key)
+            total += size
+    return total
+
+
+def rise_bytes(device: torch.device, step: Callable[[], object]) -> int | None:
+    """The most the live tensor bytes on `device` rose above their level at the start of `step()`; None where
+    this device has no measurement."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
+    if device.type == "cpu":
+        return _traced_rise(step)
+    return None
+
+
+def _traced_rise(step: Callable[[], object]) -> int | None:
+    """The CPU allocator's allocations and frees during `step()`, as the autograd profiler records them (its
+    memory records, each thread's in order, merged by time), summed in order; the highest running total is the
+    rise. None when a profiler is already running (the user's own): one cannot nest, and theirs must not be
+    disturbed. The profiler's CPU-only recorder is used where torch has it: torch.profiler's (Kineto) prints
+    lines to stderr at every start and stop, once per candidate."""
+    if torch.autograd._profiler_enabled():
+        return None
+    enable, disable = getattr(torch.autograd, "_enable_profiler_legacy", None), getattr(torch.autograd, "_disable_profiler_legacy", None)
+    if enable is None or disable is None:
+        return _kineto_rise(step)
+    config = torch.autograd.ProfilerConfig(
+        torch.autograd.ProfilerState.CPU, False, True, False, False, False, torch._C._profiler._ExperimentalConfig()
+    )  # ProfilerConfig(state, record_shapes, profile_memory, with_stack, with_flops, with_modules, experimental)
+    enable(config)
+    try:
+        step()
+    finally:
+        threads = disable()
+    start = next(r for records in threads for r in records if r.name() == "__start_profile")
+    per_thread = [[(r.cpu_elapsed_us(start), r.cpu_memory_usage()) for r in records if r.kind() == "memory_alloc"]
+                  for records in threads]  # fmt: skip
+    return _highest_total(nbytes for _, nbytes in heapq.merge(*per_thread, key=lambda e: e[0]))
+
+
+def _kineto_rise(step: Callable[[], object]) -> int:
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 (costly; only a measurement needs it)
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    return _highest_total(nbytes for _, nbytes in events)
+
+
+def _highest_total(changes: Iterable[int]) -> int:
+    """The highest running total of allocations (+) and frees (-), from 0."""
+    level = peak = 0
+    for nbytes in changes:
+        level += nbytes
+        peak = max(peak, level)
+    return peak
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """`--max-memory`: the most peak memory a candidate may need, in bytes, and how the user gave it."""
+
+    bytes: int
+    given: str
+
+    def describe(self) -> str:
+        shown = human_bytes(self.bytes)
+        return shown if self.given.replace(" ", "").upper() in (shown.replace(" ", "").upper(), str(self.bytes)) else f"{shown} ({self.given})"
+
+    def fits(self, peak: int | None) -> bool:
+        """A candidate whose peak was not measured cannot be shown to fit."""
+        return peak is not None and peak <= self.bytes
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
+
+
+def device_total(device: torch.device) -> int | None:
+    """The device's memory in bytes: the GPU's, or the machine's RAM for the CPU; None where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def parse_limit(value: str | int | float, device: torch.device) -> Limit:
+    """`--max-memory` as a Limit: a size with a unit ("40GB", "40 GiB", "512MB"; decimal units are powers of 1000,
+    binary ones of 1024) or a share of the device's memory ("0.8" or "80%")."""
+    text = str(value).strip()
+    hint = "give a size such as 40GB or 512MiB, or a share of the device's memory such as 0.8 or 80%"
+    if source(device) is None:
+        raise UserError(f"--max-memory {text}: peak memory is {not_measured(device)}; leave --max-memory out")
+    match = _SIZE.match(text)
+    if not match or (match.group(2).upper() not in _UNITS and match.group(2) != "%"):
+        raise UserError(f"--max-memory {text!r}: not a size; {hint}")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    if unit == "%" or not unit:
+        share = number / 100 if unit == "%" else number
+        if not 0 < share <= 1:
+            raise UserError(f"--max-memory {text}: a share of the device's memory must be in (0, 1] (or 1%..100%); "
+                            f"for an absolute size add a unit, such as {text}GB")  # fmt: skip
+        total = device_total(device)
+        if total is None:
+            raise UserError(f"--max-memory {text}: this device's total memory is unknown; give a size such as 40GB")
+        return Limit(bytes=int(share * total), given=text)
+    size = number * _UNITS[unit]
+    if not math.isfinite(size) or size < 1:
+        raise UserError(f"--max-memory {text}: must be at least 1 byte; {hint}")
+    return Limit(bytes=int(size), given=text)
+
+
+def human_bytes(n: float | None) -> str:
+    """1536 -> '1.5 KiB'; None or NaN -> '-'."""
+    if n is None or (isinstance(n, float) and not math.isfinite(n)):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def saving(peak: int | None, fp32_peak: int | None) -> float:
+    """The share of fp32's peak a candidate saves (0.25: a quarter less); NaN where either was not measured."""
+    if peak is None or not fp32_peak:
+        return math.nan
+    return 1.0 - peak / fp32_peak
