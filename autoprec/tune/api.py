@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from autoprec.files import write_text
-from autoprec.tune import searcher, sweeper
+from autoprec.tune import memory, searcher, sweeper
 from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_list
 from autoprec.tune.profiler import checked_fp32_metric
 from autoprec.tune.space import SearchSpace, load_space
@@ -123,6 +123,9 @@ def _setup(
     workload = prepare(task, torch.device(device) if device is not None else default_device())
     the_space = the_space.with_excludes(tuple(exclude), workload.model)
     compiled = workload.device.type == "cuda" if compile is None else bool(compile)
+    config = dict(config)
+    if isinstance(config.get("max_memory"), (str, float)):  # "40GB", 0.8: as --max-memory; an int is bytes
+        config["max_memory"] = memory.parse_limit(config["max_memory"], workload.device).bytes
     settings = SearchConfig(budget=0.0, trials=trials, seed=seed, compile=compiled, progress=progress, **config)
     return workload, the_space, settings
 
@@ -158,7 +161,8 @@ def search(
     summary.md, the CSVs, the heat maps, the study, which a rerun resumes); None keeps nothing on disk.
     `space`: a SearchSpace or a space YAML file; `exclude`: module-name patterns kept out of the search (as
     --exclude). `compile`: time compiled steps (default: on CUDA). Further
-    keywords go to SearchConfig (mode, train_steps, finalists, storage, study_name, ...).
+    keywords go to SearchConfig (mode, train_steps, finalists, storage, study_name, objective="memory",
+    max_memory="40GB" (a size, a share of the device's memory such as 0.8, or bytes), ...).
     """
     if isinstance(model, Workload):  # the low-level signature autoprec.tune.search had before 0.2
         warnings.warn(

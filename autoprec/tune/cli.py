@@ -71,8 +71,10 @@ def _say(args: argparse.Namespace, line: str) -> None:
 
 def _search_config(args: argparse.Namespace, budget: float = 0.0):
     """The settings, checked before the model is loaded; the budget is filled in once it is resolved."""
-    from autoprec.tune.study import Mode, SearchConfig, parse_mode
+    from autoprec.tune import memory
+    from autoprec.tune.study import Mode, SearchConfig, parse_goal, parse_mode
 
+    limit = None if args.max_memory is None else memory.parse_limit(args.max_memory, _device(args.device)).bytes
     try:
         mode = parse_mode(args.mode)
         if mode is Mode.WEIGHTS:
@@ -83,7 +85,8 @@ def _search_config(args: argparse.Namespace, budget: float = 0.0):
         train = {k: v for k, v in (("train_steps", args.train_steps), ("noise_runs", args.noise_runs)) if v is not None}
         return SearchConfig(
             budget=budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode,
-            compile=_compile(args), progress=not args.quiet, remeasure=args.remeasure, **train,
+            compile=_compile(args), progress=not args.quiet, remeasure=args.remeasure, objective=parse_goal(args.objective),
+            max_memory=limit, **train,
         )  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -299,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--train-steps", type=int, metavar="K", help="train mode: training steps per candidate (default 50)")
         p.add_argument("--noise-runs", type=int, metavar="R",
                        help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)")  # fmt: skip
+        p.add_argument("--max-memory", metavar="SIZE",
+                       help="the most peak memory a training step may need: a size (40GB, 512MiB) or a share of the "
+                            "device's memory (0.8, 80%%); candidates above it are infeasible")  # fmt: skip
+        p.add_argument("--objective", default="speed", metavar="{speed,memory}",
+                       help="what to optimise within the budget: training-step speed (default), or the smallest peak "
+                            "memory (for a model or batch that must fit)")  # fmt: skip
 
     s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
     s.add_argument("--budget", metavar="B",

@@ -13,6 +13,7 @@ from autoprec.tune.alternatives import BF16, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.cost import cost_rows
 from autoprec.tune.measure import NOISY_SPREAD
+from autoprec.tune.memory import human_bytes
 from autoprec.tune.profiler import as_float, flag
 from autoprec.tune.records import Finals, Measured
 from autoprec.files import write_atomically
@@ -82,12 +83,25 @@ def _spread(value: Any) -> str:
     return "-" if math.isnan(spread) else f"±{100 * spread / 2:.1f}%"
 
 
+def _saved(value: Any) -> str:
+    saving = as_float(value)
+    return "-" if math.isnan(saving) else f"{-100 * saving:+.0f}%"  # a saving of 0.25: the peak is -25%
+
+
 def result_rows(policy: Policy) -> list[list[Any]]:
-    return [[name, as_float(r.metric), as_float(r.metric_drop), as_float(r.step_ms), _spread(r.spread), as_float(r.speedup)]
+    return [[name, as_float(r.metric), as_float(r.metric_drop), as_float(r.step_ms), _spread(r.spread), as_float(r.speedup),
+             human_bytes(r.peak_bytes), _saved(r.memory_saving)]
             for name, r in Measured.of(policy).results.items()]  # fmt: skip
 
 
-RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup"]
+RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup", "peak memory", "vs fp32"]
+
+
+def memory_text(m: Measured) -> str:
+    """How peak memory was measured, and the limit, for the line under a results table."""
+    limit = f"; --max-memory {human_bytes(m.max_memory)}" if m.max_memory else ""
+    goal = "; chosen for the smallest peak memory within budget" if m.objective == "memory" else ""
+    return f"peak memory: {m.memory or 'not recorded'}{limit}{goal}; vs fp32: the peak's change from all-fp32's"
 
 
 def mode_text(m: Measured) -> str:
@@ -125,6 +139,7 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
             parts.append(table(RESULT_HEADERS, result_rows(policy)))
             parts.extend(f"{n} failed: {r.error}" for n, r in m.results.items() if r.error)
             parts.append(f"step time: {m.timing or ''}; speedup = fp32 step time / step time")
+            parts.append(memory_text(m))
         if m.versions:
             parts.append("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
     return "\n\n".join(parts)
@@ -167,16 +182,20 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     finals: Finals = result.finals
     rows = [
         [r.candidate, r.metric, r.metric_drop, r.step_ms, _spread(r.spread), f"{r.skipped}/{r.steps}", r.speedup,
-         "yes" if r.feasible else "no"]
+         human_bytes(r.peak_bytes), _saved(r.memory_saving), _verdict(r)]
         for r in finals
     ]  # fmt: skip
-    parts.append(table(RESULT_HEADERS[:-1] + ["skipped", "speedup", "within budget"], rows))
+    parts.append(table(RESULT_HEADERS[:5] + ["skipped", "speedup", "peak memory", "vs fp32", "within budget"], rows))
     m = Measured.of(policy)
     parts.append(
         f"chosen: {m.chosen}{f' ({m.why})' if m.why else ''}; budget {_budget(m)}, "
         f"metric {m.metric}, {mode_text(m)}; search space {m.search_space or 'per layer'}; "
         f"device: {m.device}; {m.timing}; speedup = fp32 step time / effective step time"
     )
+    parts.append(memory_text(m))
+    over = [r.candidate for r in finals if r.runs and not r.fits]
+    if over and m.max_memory:
+        parts.append(f"would not fit --max-memory {human_bytes(m.max_memory)}: {', '.join(over)}")
     noise = getattr(result, "noise", None)
     if noise is not None:
         parts.append(
@@ -223,6 +242,12 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     if cost:
         parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(cost)))
     return "\n\n".join(parts)
+
+
+def _verdict(r: Any) -> str:
+    if r.feasible:
+        return "yes"
+    return "no: over --max-memory" if r.runs and not r.fits else "no"
 
 
 def gradient_summary(table: pd.DataFrame, advice: Any = None, *, markdown: bool = False) -> str:
@@ -383,13 +408,15 @@ def sweep_summary(result: Any, *, markdown: bool = False) -> str:
     """The end-of-sweep report: per budget the chosen policy's measured metric and speedup beside uniform
     bf16 and that budget's profile-greedy policy, all re-measured together."""
     table = markdown_table if markdown else text_table
-    headers = ["budget", "chosen", "metric", "drop", "speedup", "spread", "uniform bf16", "profile greedy", "formats", "file"]
+    headers = ["budget", "chosen", "metric", "drop", "speedup", "spread", "peak memory", "vs fp32", "uniform bf16", "profile greedy",
+               "formats", "file"]  # fmt: skip
     rows = []
     for r in result.table:
         bf16 = f"{r.uniform_bf16_speedup:.3f}" + ("" if r.uniform_bf16_drop <= r.budget else " (over)")
         greedy = f"{r.greedy_speedup:.3f}" + ("" if r.greedy_drop <= r.budget else " (over)")
-        rows.append([r.budget_given or r.budget, r.chosen, r.metric, r.metric_drop, r.speedup, _spread(r.spread), bf16, greedy,
-                     f"{r.root} root; {r.formats}", r.policy_file])  # fmt: skip
+        rows.append([r.budget_given or r.budget, r.chosen, r.metric, r.metric_drop, r.speedup, _spread(r.spread),
+                     human_bytes(r.peak_bytes), _saved(r.memory_saving), bf16, greedy, f"{r.root} root; {r.formats}",
+                     r.policy_file])  # fmt: skip
     parts = [table(headers, rows)]
     first = next(iter(result.policies.values()), None)
     m = Measured.of(first) if first else Measured()
@@ -398,7 +425,11 @@ def sweep_summary(result: Any, *, markdown: bool = False) -> str:
         f"profile greedy: their speedups, '(over)' where their drop exceeds that budget. Study: {len(result.trials)} trials, "
         f"{len(result.front)} on the Pareto front; {result.choices.describe()}; {mode_text(m)}; device {m.device}"
     )
-    notes = [f"{r.budget:g}: {r.why}" for r in result.table if r.why != "the fastest within budget"]
+    parts.append(memory_text(m))
+    over = [r.candidate for r in result.finals if r.runs and not r.fits]
+    if over and m.max_memory:
+        parts.append(f"would not fit --max-memory {human_bytes(m.max_memory)}: {', '.join(over)}")
+    notes = [f"{r.budget:g}: {r.why}" for r in result.table if r.why not in ("the fastest within budget",)]
     if notes:
         parts.append("why:\n" + "\n".join(f"- {n}" for n in notes))
     if result.cost:
@@ -407,35 +438,63 @@ def sweep_summary(result: Any, *, markdown: bool = False) -> str:
 
 
 def front_rows(front: pd.DataFrame) -> list[list[Any]]:
-    return [[int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), _spread(r["spread"])] for _, r in front.iterrows()]
+    peaks = front["peak_bytes"] if "peak_bytes" in front else [None] * len(front)
+    return [[int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), _spread(r["spread"]), _bytes_cell(p)]
+            for (_, r), p in zip(front.iterrows(), peaks)]  # fmt: skip
+
+
+FRONT_HEADERS = ["trial", "metric drop", "speedup", "spread", "peak memory"]
+
+
+def _bytes_cell(value: Any) -> str:
+    n = as_float(value)
+    return human_bytes(None if math.isnan(n) else n)
 
 
 def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
-    """Every timed trial (speedup against metric drop), the Pareto front, the budgets, and each budget's
-    re-measured choice beside uniform bf16."""
+    """Every timed trial (speedup, or peak memory for a memory sweep, against metric drop), the Pareto front,
+    the budgets, and each budget's re-measured choice beside uniform bf16. Where peak memory was measured, the
+    trials are coloured by it."""
     trials, front, table = result.trials, result.front, result.table
-    fig = _figure((8, 5))
+    first = next(iter(result.policies.values()), None)
+    by_memory = first is not None and Measured.of(first).objective == "memory"
+    fig = _figure((8.8, 5))
     ax = fig.subplots()
     timed = trials[trials.get("feasible", pd.Series(dtype=bool)).eq(True)] if "feasible" in trials else trials.iloc[0:0]
-    ax.scatter(timed["metric_drop"], timed["speedup"], s=14, color="#999999", label="trials (timed in the study)")
+    mib = 2.0**20
+
+    def y_of(frame: pd.DataFrame) -> Any:
+        return frame["peak_bytes"].astype(float) / mib if by_memory else frame["speedup"]
+
+    peaks = timed["peak_bytes"].astype(float) / mib if "peak_bytes" in timed else pd.Series(dtype=float)
+    if len(timed) and peaks.notna().any():
+        dots = ax.scatter(timed["metric_drop"], y_of(timed), s=16, c=peaks, cmap="viridis_r", label="trials (timed in the study)")
+        fig.colorbar(dots, ax=ax, label="peak memory per step (MiB)", fraction=0.05)
+    else:
+        ax.scatter(timed["metric_drop"], y_of(timed) if len(timed) else [], s=14, color="#999999", label="trials (timed in the study)")
     if len(front):
-        ax.step(front["metric_drop"], front["speedup"], where="post", color="C0", label="Pareto front (trials)")
-        ax.scatter(front["metric_drop"], front["speedup"], s=22, color="C0")
+        ax.step(front["metric_drop"], y_of(front), where="post", color="C0", label="Pareto front (trials)")
     for i, r in enumerate(table):
         ax.axvline(r.budget, color="C3", linestyle=":", linewidth=1, label="budgets" if i == 0 else None)
-    ax.scatter([r.metric_drop for r in table], [r.speedup for r in table], marker="*", s=160, color="C3", zorder=3,
+    chosen_y = [(r.peak_bytes or math.nan) / mib if by_memory else r.speedup for r in table]
+    ax.scatter([r.metric_drop for r in table], chosen_y, marker="*", s=160, color="C3", zorder=3,
                label="chosen per budget (re-measured)")  # fmt: skip
     bf16 = result.finals.get(BF16)
     if bf16 is not None:
-        ax.scatter([bf16.metric_drop], [bf16.speedup], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)")
-    ax.axhline(1.0, color="black", linewidth=0.6)
+        y = (bf16.peak_bytes or math.nan) / mib if by_memory else bf16.speedup
+        ax.scatter([bf16.metric_drop], [y], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)")
+    fp32 = result.finals.get("fp32")
+    if not by_memory:
+        ax.axhline(1.0, color="black", linewidth=0.6)
+    elif fp32 is not None and fp32.peak_bytes:
+        ax.axhline(fp32.peak_bytes / mib, color="black", linewidth=0.6, label="fp32's peak")
     # Drops often sit orders of magnitude below the budgets: symlog shows both, and negative drops too.
     values = [abs(float(v)) for v in (*timed["metric_drop"], *(r.budget for r in table)) if float(v) != 0 and math.isfinite(float(v))]
     if values:
         ax.set_xscale("symlog", linthresh=10 ** math.floor(math.log10(min(values))))
     ax.set_xlabel("metric drop from fp32 (lower is better; symmetric log scale)")
-    ax.set_ylabel("training-step speedup over fp32")
-    ax.set_title(title or "speedup against metric drop", fontsize=10)
+    ax.set_ylabel("peak memory per training step (MiB)" if by_memory else "training-step speedup over fp32")
+    ax.set_title(title or ("peak memory" if by_memory else "speedup") + " against metric drop", fontsize=10)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
@@ -466,6 +525,6 @@ def sweep_markdown(result: Any, command: str) -> str:
         f"# autoprec sweep: {name}\n\n`{command}`\n\n## Policy per budget\n\n{sweep_summary(result, markdown=True)}\n\n"
         f"![speedup against metric drop](pareto.png)\n\n"
         f"## Pareto front of the study (trial measurements)\n\n"
-        f"{markdown_table(['trial', 'metric drop', 'speedup', 'spread'], front_rows(result.front))}\n\n"
+        f"{markdown_table(FRONT_HEADERS, front_rows(result.front))}\n\n"
         f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.table, markdown=True)}\n"
     )

@@ -29,10 +29,10 @@ from autoprec.tune.pipeline import Chosen, Plan, run
 from autoprec.tune.profiler import Profile
 from autoprec.tune.records import Finals, Measured
 from autoprec.tune.space import SearchSpace
-from autoprec.tune.study import SearchConfig
+from autoprec.tune.study import Goal, SearchConfig
 from autoprec.tune.task import Workload
 
-OBJECTIVES = 2  # speedup (maximise), metric drop (minimise)
+OBJECTIVES = 2  # speedup (maximise; Goal.MEMORY: peak memory, minimise), metric drop (minimise)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,8 @@ class BudgetRow:
     uniform_bf16_drop: float
     greedy_speedup: float
     greedy_drop: float
+    peak_bytes: int | None  # the chosen policy's peak memory per step (None: not measured on this device)
+    memory_saving: float  # the share of fp32's peak it saves
     formats: str  # "bf16 100, fp32 9": the listed layers' formats, the root not counted
     root: str
     policy_file: str
@@ -103,20 +105,25 @@ def policy_filename(budget: float) -> str:
     return f"policy-budget-{budget:g}.json"
 
 
-def pareto_front(trials: pd.DataFrame) -> pd.DataFrame:
-    """The timed (feasible) trials no other timed trial beats in both speedup and metric drop, by drop."""
-    if "feasible" not in trials:
+def pareto_front(trials: pd.DataFrame, goal: Goal = Goal.SPEED) -> pd.DataFrame:
+    """The timed (feasible) trials no other timed trial beats in both speedup (Goal.MEMORY: peak memory) and
+    metric drop, by drop."""
+    column = "peak_bytes" if goal is Goal.MEMORY else "speedup"
+    if "feasible" not in trials or column not in trials:
         return trials.iloc[0:0]
-    timed = trials[trials["feasible"].eq(True)].dropna(subset=["speedup", "metric_drop"])
-    # by drop (then speedup, fastest first): a trial is on the front when no trial of a smaller drop, or of
-    # the same drop, is faster; equal trials all stay (one sort, one pass)
-    ordered = timed.sort_values(["metric_drop", "speedup"], ascending=[True, False], kind="stable")
+    timed = trials[trials["feasible"].eq(True)].dropna(subset=[column, "metric_drop"])
+    # by drop (then the best value first): a trial is on the front when no trial of a smaller drop, or of the
+    # same drop, is better; equal trials all stay (one sort, one pass). Memory is better smaller: negated.
+    sign = -1.0 if goal is Goal.MEMORY else 1.0
+    ordered = timed.assign(_value=sign * timed[column].astype(float))
+    ordered = ordered.sort_values(["metric_drop", "_value"], ascending=[True, False], kind="stable")
     keep, best, best_drop = [], -math.inf, math.nan
-    for i, drop, speed in zip(ordered.index, ordered["metric_drop"], ordered["speedup"]):
-        if speed > best or (speed == best and drop == best_drop):
+    for i, drop, value in zip(ordered.index, ordered["metric_drop"], ordered["_value"]):
+        if value > best or (value == best and drop == best_drop):
             keep.append(i)
-            best, best_drop = speed, drop
-    return ordered.loc[keep].sort_values(["metric_drop", "speedup"], kind="stable")
+            best, best_drop = value, drop
+    front = ordered.loc[keep].sort_values(["metric_drop", "_value"], ascending=[True, True], kind="stable")
+    return front.drop(columns="_value")
 
 
 def _format_counts(policy: Policy) -> str:
@@ -154,7 +161,7 @@ def sweep(
     frame = pd.DataFrame([dataclasses.asdict(r) for r in table])
     write_atomically(Path(out_dir) / "sweep.csv", lambda tmp: frame.to_csv(tmp, index=False))
     return SweepResult(
-        table=table, policies={c.budget: c.policy for c in done.chosen}, front=pareto_front(done.trials),
+        table=table, policies={c.budget: c.policy for c in done.chosen}, front=pareto_front(done.trials, config.objective),
         trials=done.trials, finals=done.finals, profile=started.profile, choices=started.choices,
         study_name=started.study.study_name, storage=started.storage, noise=started.judge.noise, cost=done.cost,
     )  # fmt: skip
@@ -166,6 +173,6 @@ def _row(chosen: Chosen, finals: Finals) -> BudgetRow:
         budget=chosen.budget, budget_given=Measured.of(policy).budget_given, chosen=chosen.name, metric=r.metric,
         metric_drop=r.metric_drop, step_ms=r.effective_step_ms, spread=r.spread, speedup=r.speedup,
         uniform_bf16_speedup=bf16.speedup, uniform_bf16_drop=bf16.metric_drop, greedy_speedup=greedy.speedup,
-        greedy_drop=greedy.metric_drop, formats=_format_counts(policy), root=policy.layers.get(ROOT, Format.FP32).value,
+        greedy_drop=greedy.metric_drop, peak_bytes=r.peak_bytes, memory_saving=r.memory_saving, formats=_format_counts(policy), root=policy.layers.get(ROOT, Format.FP32).value,
         policy_file=chosen.file.name, why=chosen.why,
     )  # fmt: skip
