@@ -117,3 +117,26 @@ def test_a_finalists_file_written_before_rounds_were_recorded_reads_with_rounds_
     assert older  # committed by an earlier version, without a rounds column
     for path in older:
         assert all(r.rounds == 0 for r in Finals.read_csv(path))
+
+
+def test_peak_memory_and_the_limit_round_trip_and_a_candidate_that_does_not_fit_is_never_feasible(tmp_path):
+    f = Finals([measurement("fp32", peak_bytes=1000, memory_saving=0.0),
+                measurement("x", peak_bytes=2500, memory_saving=-1.5, fits=False, feasible=False),
+                measurement("y")])  # fmt: skip
+    f.to_csv(tmp_path / "finalists.csv")
+    back = Finals.read_csv(tmp_path / "finalists.csv")
+    assert back[0] == f[0] and back[1].peak_bytes == 2500 and back[1].fits is False and back[2].peak_bytes is None
+    assert [r.feasible for r in back.within(1.0)] == [True, False, True]  # any budget: x needs too much memory
+    r = Result.of(back[1])
+    assert r.peak_bytes == 2500 and r.memory_saving == -1.5
+    assert "peak_bytes" not in Result.of(back[2]).to_dict()  # not measured: left out, as train_skipped_steps
+    m = Measured(memory="CUDA allocator peak", max_memory=40 * 10**9, objective="memory", results={"policy": r})
+    assert Measured.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert Measured.from_dict({}).objective == "speed" and "max_memory" not in Measured().to_dict()
+
+
+def test_a_finalists_file_written_before_peak_memory_reads_as_not_measured_and_fitting():
+    older = sorted(RESULTS.glob("cpu-epyc-avx2-2core/search-cost/*/finalists.csv"))
+    assert older  # committed by an earlier version, without peak_bytes and fits columns
+    for path in older:
+        assert all(r.peak_bytes is None and r.fits for r in Finals.read_csv(path))

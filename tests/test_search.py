@@ -527,3 +527,95 @@ def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
     loud = dataclasses.replace(result, finals=result.finals.replace(spread=0.9))
     assert "too wide to rank" not in search_summary(quiet)
     assert "note: step times spread up to ±45.0% even when timed twice as long: too wide to rank" in search_summary(loud)
+
+
+# ---- peak memory: measured for every timed candidate, a limit, an objective ----------------------------------
+
+
+def test_every_re_measured_candidate_and_timed_trial_records_its_peak_memory(searched):
+    _, result, out = searched
+    ran = [r for r in result.finals if r.runs]
+    assert ran and all(r.peak_bytes and r.peak_bytes > 0 for r in ran)
+    assert result.finals.by_name("fp32").memory_saving == 0.0
+    timed = result.trials[result.trials["rounds"].notna()]
+    assert len(timed) and timed["peak_bytes"].notna().all()
+    m = result.policy.measured
+    assert m["memory"].startswith("CPU tensor allocations") and m["objective"] == "speed" and "max_memory" not in m
+    assert m["results"]["policy"]["peak_bytes"] == result.finals.by_name(m["chosen"]).peak_bytes
+    assert "peak memory" in result.summary() and "peak_bytes" in (out / "finalists.csv").read_text().splitlines()[0]
+
+
+def fake_peak(trainer) -> int:
+    """A made-up peak memory (no device needed, exact): 4000 bytes per fp32 layer and 2000 per lowered one."""
+    root = trainer.policy.layers.get("", "fp32")
+    formats = [trainer.policy.layers.get(name, root) for name in ("fc1", "big", "head")]
+    return sum(4000 if str(getattr(f, "value", f)) == "fp32" else 2000 for f in formats)
+
+
+@pytest.fixture
+def fake_memory(monkeypatch):
+    from autoprec.tune.measure import Trainer
+
+    monkeypatch.setattr(Trainer, "peak_memory", fake_peak)
+
+
+def test_a_memory_limit_makes_every_candidate_over_it_infeasible(tmp_path, fake_memory):
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    result = search(workload, SPACE, SearchConfig(budget=0.05, max_memory=9000, **FAST), tmp_path)
+    fp32 = result.finals.by_name("fp32")
+    assert fp32.peak_bytes == 12000 and not fp32.fits and not fp32.feasible  # fp32 itself does not fit
+    for r in result.finals:
+        assert r.fits == (r.peak_bytes is not None and r.peak_bytes <= 9000)
+    assert result.finals.by_name(result.policy.measured["chosen"]).fits
+    over = result.trials[result.trials["peak_bytes"].gt(9000)]
+    assert len(over) and not over["feasible"].any() and over["error"].str.contains("over --max-memory").all()
+    assert result.policy.measured["max_memory"] == 9000
+    assert "would not fit --max-memory" in result.summary() and "no: over --max-memory" in result.summary()
+
+
+def test_the_memory_objective_chooses_the_smallest_peak_within_budget(tmp_path, fake_memory):
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    result = search(workload, SPACE, SearchConfig(budget=0.05, objective="memory", **FAST), tmp_path)
+    feasible = [r for r in result.finals if r.feasible and r.candidate != "TF32"]
+    chosen = result.finals.by_name(result.policy.measured["chosen"])
+    assert chosen.peak_bytes == min(r.peak_bytes for r in feasible)
+    assert chosen.peak_bytes < 12000 and "smallest peak memory" in result.policy.measured["why"]
+    assert result.policy.measured["objective"] == "memory"
+    assert [d.name for d in result_study_directions(tmp_path)] == ["MINIMIZE"]
+
+
+def result_study_directions(out):
+    import optuna
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(out / "study.journal")))
+    return optuna.load_study(study_name="overflow_mlp", storage=storage).directions
+
+
+def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():
+    from autoprec.tune.pipeline import choose_smallest
+
+    candidates = {"fp32": Policy(), "uniform bf16": Policy(layers={"": "bf16"}), "trial 1": Policy(layers={"": "bf16", "a": "fp32"})}
+    rows = [
+        {"candidate": "fp32", "speedup": 1.0, "peak_bytes": 1000, "memory_saving": 0.0},
+        {"candidate": "uniform bf16", "speedup": 1.5, "peak_bytes": 604, "memory_saving": 0.396},
+        {"candidate": "trial 1", "speedup": 1.2, "peak_bytes": 600, "memory_saving": 0.4},  # within 1% of bf16: a tie
+    ]
+    name, why = choose_smallest(finals(*rows), candidates)
+    assert name == "uniform bf16" and "smallest peak memory" in why and "among the 2" in why
+    rows[2]["peak_bytes"] = 500  # a real saving: the smaller wins although slower
+    assert choose_smallest(finals(*rows), candidates)[0] == "trial 1"
+    rows[2]["fits"] = rows[1]["fits"] = rows[0]["fits"] = False
+    gone = finals(*rows).within(0.01)
+    name, why = choose_smallest(gone, candidates)
+    assert name == "fp32" and "--max-memory" in why
+
+
+def test_memory_settings_are_checked_and_a_new_limit_is_another_study(tmp_path, fake_memory):
+    with pytest.raises(ValueError, match=r"objective must be one of speed, memory, but got 'fast'"):
+        SearchConfig(budget=0.1, objective="fast")
+    with pytest.raises(ValueError, match=r"max_memory must be a number of bytes >= 1.*'40GB'"):
+        SearchConfig(budget=0.1, max_memory="40GB")
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    search(workload, SPACE, SearchConfig(budget=0.05, max_memory=20000, **{**FAST, "trials": 2}), tmp_path)
+    with pytest.raises(UserError, match=r"different max_memory \(max_memory 20000, now 30000\).*--study"):
+        search(workload, SPACE, SearchConfig(budget=0.05, max_memory=30000, **{**FAST, "trials": 2}), tmp_path)

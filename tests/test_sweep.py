@@ -145,3 +145,24 @@ def test_sweep_refuses_a_study_budget_below_its_largest_budget(swept):
     workload, _, out = swept
     with pytest.raises(ValueError, match=r"config.budget=0.01 and budgets up to 0.5"):
         sweep(workload, space_from_dict({"layers": {"Linear": ["fp32"]}}), BUDGETS, SearchConfig(budget=0.01), out)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_brute_force(seed):
+    import random
+
+    from autoprec.tune.study import Goal
+
+    rng = random.Random(seed)
+    rows = [{"trial": i, "feasible": rng.random() < 0.9, "speedup": rng.choice([1.0, 1.5]), "peak_bytes": rng.choice([100, 200, 300]),
+             "metric_drop": rng.choice([0.0, 0.01, 0.02])} for i in range(40)]  # fmt: skip
+
+    def beaten(r):
+        return any(o["peak_bytes"] <= r["peak_bytes"] and o["metric_drop"] <= r["metric_drop"]
+                   and (o["peak_bytes"] < r["peak_bytes"] or o["metric_drop"] < r["metric_drop"]) for o in rows if o["feasible"])  # fmt: skip
+
+    expected = {r["trial"] for r in rows if r["feasible"] and not beaten(r)}
+    front = pareto_front(pd.DataFrame(rows), Goal.MEMORY)
+    assert set(front["trial"]) == expected and front["metric_drop"].is_monotonic_increasing
+    assert "_value" not in front
+    assert pareto_front(pd.DataFrame(rows).drop(columns="peak_bytes"), Goal.MEMORY).empty  # from before peaks were measured

@@ -125,7 +125,7 @@ def _setup(
     compiled = workload.device.type == "cuda" if compile is None else bool(compile)
     config = dict(config)
     if isinstance(config.get("max_memory"), (str, float)):  # "40GB", 0.8: as --max-memory; an int is bytes
-        config["max_memory"] = memory.parse_limit(config["max_memory"], workload.device).bytes
+        config["max_memory"] = memory.parse_limit(config["max_memory"], workload.device)
     settings = SearchConfig(budget=0.0, trials=trials, seed=seed, compile=compiled, progress=progress, **config)
     return workload, the_space, settings
 

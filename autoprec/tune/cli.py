@@ -74,7 +74,7 @@ def _search_config(args: argparse.Namespace, budget: float = 0.0):
     from autoprec.tune import memory
     from autoprec.tune.study import Mode, SearchConfig, parse_goal, parse_mode
 
-    limit = None if args.max_memory is None else memory.parse_limit(args.max_memory, _device(args.device)).bytes
+    limit = None if args.max_memory is None else memory.parse_limit(args.max_memory, _device(args.device))
     try:
         mode = parse_mode(args.mode)
         if mode is Mode.WEIGHTS:

@@ -252,6 +252,7 @@ class Trainer:
         candidate = as_candidate(policy)
         self.workload = workload
         self.tf32 = candidate.tf32
+        self.policy = candidate.policy
         self.model = policy_model(workload, candidate.policy).train()
         self.compiled = compiled
         self._forward_model = compile_model(self.model) if compiled else self.model

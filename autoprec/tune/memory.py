@@ -20,7 +20,6 @@ candidate and is not counted. How the rise is measured depends on the device (`s
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import os
@@ -130,22 +129,6 @@ def _highest_total(changes: Iterable[int]) -> int:
     return peak
 
 
-@dataclasses.dataclass(frozen=True)
-class Limit:
-    """`--max-memory`: the most peak memory a candidate may need, in bytes, and how the user gave it."""
-
-    bytes: int
-    given: str
-
-    def describe(self) -> str:
-        shown = human_bytes(self.bytes)
-        return shown if self.given.replace(" ", "").upper() in (shown.replace(" ", "").upper(), str(self.bytes)) else f"{shown} ({self.given})"
-
-    def fits(self, peak: int | None) -> bool:
-        """A candidate whose peak was not measured cannot be shown to fit."""
-        return peak is not None and peak <= self.bytes
-
-
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
@@ -163,8 +146,8 @@ def device_total(device: torch.device) -> int | None:
     return None
 
 
-def parse_limit(value: str | int | float, device: torch.device) -> Limit:
-    """`--max-memory` as a Limit: a size with a unit ("40GB", "40 GiB", "512MB"; decimal units are powers of 1000,
+def parse_limit(value: str | int | float, device: torch.device) -> int:
+    """`--max-memory` in bytes: a size with a unit ("40GB", "40 GiB", "512MB"; decimal units are powers of 1000,
     binary ones of 1024) or a share of the device's memory ("0.8" or "80%")."""
     text = str(value).strip()
     hint = "give a size such as 40GB or 512MiB, or a share of the device's memory such as 0.8 or 80%"
@@ -182,11 +165,11 @@ def parse_limit(value: str | int | float, device: torch.device) -> Limit:
         total = device_total(device)
         if total is None:
             raise UserError(f"--max-memory {text}: this device's total memory is unknown; give a size such as 40GB")
-        return Limit(bytes=int(share * total), given=text)
+        return int(share * total)
     size = number * _UNITS[unit]
     if not math.isfinite(size) or size < 1:
         raise UserError(f"--max-memory {text}: must be at least 1 byte; {hint}")
-    return Limit(bytes=int(size), given=text)
+    return int(size)
 
 
 def human_bytes(n: float | None) -> str:
@@ -200,8 +183,8 @@ def human_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
-def saving(peak: int | None, fp32_peak: int | None) -> float:
-    """The share of fp32's peak a candidate saves (0.25: a quarter less); NaN where either was not measured."""
+def saving(peak: int | None, fp32_peak: int | None) -> float | None:
+    """The share of fp32's peak a candidate saves (0.25: a quarter less); None where either was not measured."""
     if peak is None or not fp32_peak:
-        return math.nan
+        return None
     return 1.0 - peak / fp32_peak

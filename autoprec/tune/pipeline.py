@@ -168,6 +168,8 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     finals.to_csv(out_dir / plan.finalists_file)
     chosen = []
     picks = choose_per_budget(finals, candidates, plan.budgets, greedy, goal=config.objective)
+    for b, (name, _) in zip(plan.budgets, picks):
+        _warn_unfit(finals.within(b), name, b, config.max_memory)
     for b, (name, why) in zip(plan.budgets, picks):
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
         measured = dataclasses.replace(
@@ -180,6 +182,19 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         file = policy.save(out_dir / plan.policy_file(b))
         chosen.append(Chosen(budget=b, name=name, why=why, policy=policy, file=file, greedy=greedy[b]))
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
+
+
+def _warn_unfit(finals: Finals, name: str, budget: float, limit: int | None) -> None:
+    """Say so when the candidate written for `budget` does not fit --max-memory: nothing within budget did."""
+    if limit is None or finals.by_name(name).fits:
+        return
+    within = [r for r in finals if r.runs and r.metric_drop <= budget and r.peak_bytes is not None]
+    least = min(within, key=lambda r: r.peak_bytes or 0, default=None)
+    smallest = f"; the smallest peak within budget was {memory.human_bytes(least.peak_bytes)} ({least.candidate})" if least else ""
+    log.warning(
+        "no candidate within budget %g fits --max-memory %s%s; the policy written is %s, which does not fit either: "
+        "lower the batch size, or raise --max-memory", budget, memory.human_bytes(limit), smallest, name,
+    )  # fmt: skip
 
 
 def _complete(study: optuna.Study) -> int:
@@ -572,7 +587,7 @@ def choose_smallest(
     tied = Finals(r for r in feasible if r.peak_bytes is not None and r.peak_bytes <= least * (1 + MEMORY_TIE))
     name, why = choose(tied, candidates, ())
     peak = finals.by_name(name)
-    saved = f", {100 * peak.memory_saving:.0f}% less than fp32" if math.isfinite(peak.memory_saving) else ""
+    saved = f", {100 * peak.memory_saving:.0f}% less than fp32" if peak.memory_saving is not None else ""
     among = f"; among the {len(tied)} within {MEMORY_TIE:.0%} of it: {why}" if len(tied) > 1 else ""
     return name, f"the smallest peak memory within budget ({memory.human_bytes(peak.peak_bytes)}{saved}){among}"
 

@@ -54,7 +54,7 @@ class Measurement:
     speedup: float = math.nan
     rounds: int = 0
     peak_bytes: int | None = None
-    memory_saving: float = math.nan
+    memory_saving: float | None = None
     fits: bool = True
 
     def within(self, budget: float) -> Measurement:
@@ -156,7 +156,7 @@ class Finals(Sequence[Measurement]):
                     error=_optional(record.get("error"), str), speedup=float(record["speedup"]),
                     rounds=_optional(record.get("rounds"), int) or 0,
                     peak_bytes=_optional(record.get("peak_bytes"), int),
-                    memory_saving=_optional(record.get("memory_saving"), float) or math.nan,
+                    memory_saving=_optional(record.get("memory_saving"), float),
                     fits=_flag(record["fits"]) if "fits" in record else True,  # written before --max-memory: no limit
                 ))  # fmt: skip
             except KeyError as exc:
@@ -209,7 +209,7 @@ class Result:
             metric=_finite(m.metric), metric_drop=_finite(m.metric_drop), step_ms=_finite(m.step_ms),
             effective_step_ms=_finite(m.effective_step_ms), spread=_finite(m.spread), speedup=_finite(m.speedup),
             skipped_steps=m.skipped, steps=m.steps, train_skipped_steps=m.train_skipped, error=m.error,
-            peak_bytes=m.peak_bytes, memory_saving=_finite(m.memory_saving),
+            peak_bytes=m.peak_bytes, memory_saving=m.memory_saving,
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:

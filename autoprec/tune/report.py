@@ -85,7 +85,10 @@ def _spread(value: Any) -> str:
 
 def _saved(value: Any) -> str:
     saving = as_float(value)
-    return "-" if math.isnan(saving) else f"{-100 * saving:+.0f}%"  # a saving of 0.25: the peak is -25%
+    if math.isnan(saving):
+        return "-"
+    text = f"{-100 * saving:+.0f}%"  # a saving of 0.25: the peak is -25%
+    return "0%" if text in ("+0%", "-0%") else text
 
 
 def result_rows(policy: Policy) -> list[list[Any]]:
@@ -99,7 +102,7 @@ RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup", "peak me
 
 def memory_text(m: Measured) -> str:
     """How peak memory was measured, and the limit, for the line under a results table."""
-    limit = f"; --max-memory {human_bytes(m.max_memory)}" if m.max_memory else ""
+    limit = f"; --max-memory {human_bytes(m.max_memory)} ({m.max_memory:,} bytes)" if m.max_memory else ""
     goal = "; chosen for the smallest peak memory within budget" if m.objective == "memory" else ""
     return f"peak memory: {m.memory or 'not recorded'}{limit}{goal}; vs fp32: the peak's change from all-fp32's"
 
@@ -227,7 +230,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     if picked is not None and ref is not None and picked.candidate != BF16:
         lead = picked.speedup / ref.speedup - 1
         noise_share = (picked.spread + ref.spread) / 2
-        if lead < noise_share:
+        if 0 <= lead < noise_share:
             parts.append(
                 f"note: {picked.candidate} leads uniform bf16 by {100 * lead:.1f}%, inside the measured spread "
                 f"({100 * noise_share:.1f}%): on this device the two are not told apart"

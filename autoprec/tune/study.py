@@ -385,8 +385,7 @@ class Objective:
 
     def _record_memory(self, trial: optuna.Trial, peak: int | None) -> None:
         trial.set_user_attr("peak_bytes", peak)
-        saved = memory.saving(peak, self.fp32_peak(None))
-        trial.set_user_attr("memory_saving", saved if math.isfinite(saved) else None)
+        trial.set_user_attr("memory_saving", memory.saving(peak, self.fp32_peak(None)))
 
     def _over_memory(self, trial: optuna.Trial) -> float:
         """How far the trial's peak is over --max-memory, as a share of it (<= 0: it fits; INFEASIBLE: no peak)."""

@@ -53,7 +53,7 @@ class BudgetRow:
     greedy_speedup: float
     greedy_drop: float
     peak_bytes: int | None  # the chosen policy's peak memory per step (None: not measured on this device)
-    memory_saving: float  # the share of fp32's peak it saves
+    memory_saving: float | None  # the share of fp32's peak it saves
     formats: str  # "bf16 100, fp32 9": the listed layers' formats, the root not counted
     root: str
     policy_file: str
