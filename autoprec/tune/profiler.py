@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy
+from autoprec.tune import memory
 from autoprec.tune.cost import Stopwatch
 from autoprec.errors import UserError, describe
 from autoprec.files import write_atomically
@@ -52,6 +53,9 @@ log = logging.getLogger("autoprec")
 COLUMNS = [
     "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "metric", "metric_drop",
     "finite", "overflow", "max_abs", "time_ms", "time_spread", "time_vs_fp32",
+    # the most the live tensor bytes rose over the layer's isolated forward + backward after its timing (its output,
+    # what it saves for backward, its gradients and casts; memory.py); empty where the device has no measurement
+    "step_peak_bytes",
     # gradient ranges (gradients.py), without loss scaling: largest and smallest nonzero |gradient| of the
     # layer, the fractions of nonzero gradient elements this format flushes to zero / leaves subnormal /
     # overflows, and (fp16 rows) the layer's own loss-scale range in log2
@@ -315,8 +319,9 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
 def _time_layer(
     workload: Workload, name: str, module: torch.nn.Module, inputs, formats: list[Format], config: ProfileConfig
 ) -> tuple[dict[Format, tuple[float, float]], dict[Format, str]]:
-    """(format -> (median ms, spread)) of the layer's step in each format, and (format -> why) for those whose
-    step failed here (a compiler that cannot build a format's kernels, say): a finding, not a crash."""
+    """(format -> (median ms, spread, peak bytes)) of the layer's step in each format, and (format -> why) for those
+    whose step failed here (a compiler that cannot build a format's kernels, say): a finding, not a crash. The
+    peak (memory.rise_bytes, None where not measured) is of one more step after the timing."""
     failed: dict[Format, str] = {}
     with compile_scope(config.compile, len(formats)):
         work = {fmt: _strict(workload.device, _layer_step(module, inputs, fmt, config.compile)) for fmt in formats}
@@ -330,8 +335,9 @@ def _time_layer(
                 failed[fmt] = f"{fmt.value} step failed{' compiled' if config.compile else ''}: {describe(exc, 200)}"
         gross = {f for f in probe if f is not Format.FP32 and probe[f] > config.gross_slowdown * probe[Format.FP32]}
         timed = interleaved_times({f: w for f, w in work.items() if f in probe and f not in gross}, workload.device, config.timing)
-    result = {f: (t.median_ms, t.spread) for f, t in timed.items()}
-    result.update({f: (probe[f], float("nan")) for f in gross})  # probed only: the gap dwarfs any noise
+        peaks = {f: memory.rise_bytes(workload.device, work[f]) for f in probe}
+    result = {f: (t.median_ms, t.spread, peaks[f]) for f, t in timed.items()}
+    result.update({f: (probe[f], float("nan"), peaks[f]) for f in gross})  # probed only: the gap dwarfs any noise
     return result, failed
 
 
@@ -437,8 +443,9 @@ def _profile_layer(
         rows[fmt].update(status="unsupported", reason=reason)
     fp32_ms = times[Format.FP32][0]
     for fmt, row in rows.items():
-        ms, spread = times.get(fmt, (math.nan, math.nan))
-        row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan, timed_as=timed_as)
+        ms, spread, peak = times.get(fmt, (math.nan, math.nan, None))
+        row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan, timed_as=timed_as,
+                   step_peak_bytes=peak if peak is not None else math.nan)  # fmt: skip
         row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
     for fmt, row in rows.items():
         if fmt is Format.FP32 or row["status"] != "ok":
