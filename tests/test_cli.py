@@ -424,3 +424,32 @@ def test_the_default_relative_budget_reports_a_broken_evaluate_in_one_line_too(c
     for verb, extra in (("search", ()), ("sweep", ("--budgets", "0,1%"))):
         code, _, err = run(capsys, verb, path, "--device", "cpu", "--out", tmp_path / verb, *extra)
         assert_user_error(code, err, str(path), expected)
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--max-memory", "lots"], "--max-memory 'lots': not a size; give a size such as 40GB"),
+        (["--max-memory", "40"], "--max-memory 40: a share of the device's memory must be in (0, 1]"),
+        (["--max-memory", "0%"], "--max-memory 0%: a share"),
+        (["--objective", "fast"], "objective must be one of speed, memory, but got 'fast'"),
+    ],
+)
+def test_bad_memory_options_are_one_line_before_anything_is_measured(capsys, tmp_path, write_model, mlp_source, extra, expected):
+    for verb in ("search", "sweep"):
+        budget = ["--budget", "0.1"] if verb == "search" else ["--budgets", "0,0.1"]
+        code, _, err = run(capsys, verb, write_model(mlp_source), *budget, "--device", "cpu", "--out", tmp_path / "out", *extra)
+        assert_user_error(code, err, expected)
+        assert not (tmp_path / "out").exists()
+
+
+def test_show_prints_each_results_peak_memory_and_how_it_was_measured(capsys, tmp_path):
+    measured = {"device": "cpu", "memory": "CPU tensor allocations traced by the autograd profiler", "max_memory": 3 * 2**30,
+                "results": {"fp32": {"speedup": 1.0, "peak_bytes": 2 * 2**30, "memory_saving": 0.0},
+                            "policy": {"speedup": 1.5, "peak_bytes": 3 * 2**29, "memory_saving": 0.25}}}  # fmt: skip
+    path = Policy(layers={"fc1": "bf16"}, measured=measured).save(tmp_path / "policy.json")
+    code, out, _ = run(capsys, "show", path)
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith("policy"))
+    assert "1.5 GiB" in row and "-25%" in row
+    assert "peak memory: CPU tensor allocations traced by the autograd profiler; --max-memory 3 GiB" in out
