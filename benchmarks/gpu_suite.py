@@ -108,6 +108,7 @@ def part_search(name: str, out: Path, args: argparse.Namespace) -> int:
 def summary(out: Path) -> str:
     """One row per searched model: step time of each alternative and of the policy, speedup over uniform bf16,
     the policy's metric drop and the search's wall time."""
+    from autoprec.tune.memory import human_bytes
     from autoprec.tune.report import markdown_table
 
     headers = ["model", *(f"{c} ms" for c in COLUMNS), "policy ms", *(f"{c} / bf16" for c in ("fp32", "fp8 everywhere", "policy")),
@@ -123,9 +124,17 @@ def summary(out: Path) -> str:
         ratio = [bf16 / ms.get(c, float("nan")) for c in (FP32, FP8_EVERYWHERE, r["chosen"])]
         rows.append([r["model"], *(ms.get(c, float("nan")) for c in COLUMNS), ms[r["chosen"]], *ratio,
                      chosen["metric_drop"], r["chosen"], round(r["wall_s"])])  # fmt: skip
+    memory_rows = []
+    for path in sorted(out.glob("search-*/result.json")):
+        r = json.loads(path.read_text(encoding="utf-8"))
+        peak = {f["candidate"]: f.get("peak_bytes") for f in r["finals"]}  # absent in results from before memory
+        memory_rows.append([r["model"], *(human_bytes(peak.get(c)) for c in (FP32, BF16, FP8_EVERYWHERE, r["chosen"]))])
     text = (
         f"# autoprec GPU suite: {device}\n\n`python benchmarks/gpu_suite.py --out {out}`\n\n"
         + markdown_table(headers, rows)
+        + "\n\nPeak memory per training step (the model and optimizer state plus the step's peak above it; "
+        "autoprec.tune.memory: the CUDA allocator's peak on a GPU, '-' where not measured):\n\n"
+        + markdown_table(["model", "fp32", "uniform bf16", "fp8 everywhere", "policy"], memory_rows)
         + f"\n\nStep times are effective training-step milliseconds (compiled, re-measured together, interleaved); "
         f"x / bf16 is the speedup over uniform bf16 autocast (above 1: faster); a missing alternative (nan) was not "
         f"measured here (TF32 needs CUDA; fp8 everywhere needs fp8 kernels, tensorwise fp8 in the space and a layer "

@@ -27,3 +27,6 @@ def test_gpu_suite_smoke_runs_the_tests_the_benchmarks_and_a_compiled_search_and
     assert policy["measured"]["compiled"] is True
     summary = (out / "summary.md").read_text()
     assert "| gpt2 (tiny) |" in summary and "policy / bf16" in summary
+    assert "Peak memory per training step" in summary
+    row = next(line for line in summary.splitlines() if line.startswith("| gpt2 (tiny) |") and "iB" in line)
+    assert row.count("iB") >= 3  # fp32, uniform bf16 and the policy measured on this CPU (fp8 everywhere: not here)
