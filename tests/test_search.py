@@ -16,7 +16,7 @@ from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
 from autoprec.tune.searcher import Mode
 from autoprec.tune.space import space_from_dict
-from builders import finals
+from builders import finals, made_up_peak
 from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
@@ -545,18 +545,11 @@ def test_every_re_measured_candidate_and_timed_trial_records_its_peak_memory(sea
     assert "peak memory" in result.summary() and "peak_bytes" in (out / "finalists.csv").read_text().splitlines()[0]
 
 
-def fake_peak(trainer) -> int:
-    """A made-up peak memory (no device needed, exact): 4000 bytes per fp32 layer and 2000 per lowered one."""
-    root = trainer.policy.layers.get("", "fp32")
-    formats = [trainer.policy.layers.get(name, root) for name in ("fc1", "big", "head")]
-    return sum(4000 if str(getattr(f, "value", f)) == "fp32" else 2000 for f in formats)
-
-
 @pytest.fixture
 def fake_memory(monkeypatch):
     from autoprec.tune.measure import Trainer
 
-    monkeypatch.setattr(Trainer, "peak_memory", fake_peak)
+    monkeypatch.setattr(Trainer, "peak_memory", made_up_peak)
 
 
 def test_a_memory_limit_makes_every_candidate_over_it_infeasible(tmp_path, fake_memory):

@@ -12,7 +12,7 @@ from autoprec.tune.measure import metric_of
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.pipeline import choose_per_budget
 from autoprec.tune.sweeper import parse_budgets, pareto_front, policy_filename, sweep
-from builders import finals
+from builders import finals, made_up_peak
 from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
@@ -166,3 +166,20 @@ def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_br
     assert set(front["trial"]) == expected and front["metric_drop"].is_monotonic_increasing
     assert "_value" not in front
     assert pareto_front(pd.DataFrame(rows).drop(columns="peak_bytes"), Goal.MEMORY).empty  # from before peaks were measured
+
+
+def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of_peak_and_drop(tmp_path, monkeypatch):
+    from autoprec.tune.measure import Trainer
+
+    monkeypatch.setattr(Trainer, "peak_memory", made_up_peak)
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100.0}})
+    config = SearchConfig(budget=max(BUDGETS), trials=8, timing=TINY, final_timing=TINY, finalists=2, progress=False,
+                          profile=FAST_PROFILE, study_name="m", objective="memory")  # fmt: skip
+    result = sweep(workload, space, BUDGETS, config, tmp_path / "out")
+    for row in result.table:
+        within = [r.peak_bytes for r in result.finals.within(row.budget) if r.feasible and r.candidate != "TF32"]
+        assert row.peak_bytes == min(within)
+    peaks = [row.peak_bytes for row in result.table]
+    assert peaks == sorted(peaks, reverse=True)  # a larger budget never needs more memory
+    assert len(result.front) and result.front["peak_bytes"].notna().all()

@@ -7,9 +7,11 @@ each storage once). The rise is measured with the gradients freed first, so it h
 activations saved for backward, the casts to lower formats and every temporary. The batch is the same for every
 candidate and is not counted. How the rise is measured depends on the device (`source` says it in words):
 
-- CUDA: the caching allocator's own peak (`torch.cuda.max_memory_allocated`, reset before the step): every
-  tensor on the device, compiled kernels' buffers included. Not seen: blocks the allocator caches but no tensor
-  uses (`memory_reserved`), cuBLAS/cuDNN/NCCL workspaces and the CUDA context.
+- CUDA: the caching allocator's own peak (`torch.cuda.max_memory_allocated`): every tensor on the device,
+  compiled kernels' buffers included. Not seen: blocks the allocator caches but no tensor uses
+  (`memory_reserved`), cuBLAS/cuDNN/NCCL workspaces and the CUDA context. torch keeps one peak per device and
+  has no scoped one, so it is reset before each measured step (`torch.cuda.reset_peak_memory_stats`): a peak the
+  caller reads across a search starts over there.
 - CPU: every allocation and free of the CPU tensor allocator during the step, traced by the autograd
   profiler's memory records and summed in time order. Not seen: the process's other memory (Python objects, allocator
   caching, library scratch space such as oneDNN's), so it is not the process's resident size.
