@@ -30,13 +30,6 @@ EXAMPLES = ["examples/digits/model.py", "examples/tinylm/model.py", "examples/mi
 POLICIES = {"fp32": Policy(), "uniform bf16": Policy(layers={"": Format.BF16}), "uniform fp16": Policy(layers={"": Format.FP16})}
 
 
-def _change(saving: float | None) -> str:
-    if saving is None:
-        return "-"
-    text = f"{-100 * saving:+.0f}%"
-    return "0%" if text in ("+0%", "-0%") else text
-
-
 def _first_tensor(batch: object) -> torch.Tensor:
     """The batch's first tensor (inputs of a tuple, a dict's first value), to show the batch's shape."""
     if isinstance(batch, torch.Tensor):
@@ -67,7 +60,7 @@ def main() -> int:
                     trainer.step()
                 peaks[name] = trainer.peak_memory()
                 state = memory.state_bytes(trainer.state())
-        changes = [_change(memory.saving(peaks[n], peaks["fp32"])) for n in POLICIES if n != "fp32"]
+        changes = [memory.format_change(memory.saving(peaks[n], peaks["fp32"])) for n in POLICIES if n != "fp32"]
         batch = "x".join(map(str, _first_tensor(workload.train[0]).shape))
         rows.append([workload.task.name, batch, memory.human_bytes(state), *(memory.human_bytes(p) for p in peaks.values()), *changes])
         print(f"{workload.task.name}: " + ", ".join(f"{n} {memory.human_bytes(p)}" for n, p in peaks.items()), file=sys.stderr)

@@ -112,3 +112,22 @@ def test_a_wrong_argument_is_named():
         autoprec.tune.sweep(task.build_model(), task.loss_fn, task.batches("train"))
     with pytest.raises(TypeError, match="evaluate must be a function, got float"):
         autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), evaluate=0.5)
+
+
+@pytest.mark.parametrize("limit, expected", [("1GB", 10**9), (2e9, 2 * 10**9), (3 * 2**30, 3 * 2**30)])
+def test_max_memory_from_python_takes_a_size_or_a_number_of_bytes(tmp_path, limit, expected):
+    task = overflow_task()
+    result = autoprec.tune.search(
+        task.build_model(), task.loss_fn, task.batches("train"), task.batches("eval"), evaluate=task.evaluate, budget=0.05,
+        trials=2, device="cpu", out=tmp_path, space=space_from_dict(SPACE), max_memory=limit, **FAST,
+    )  # fmt: skip
+    assert result.policy.measured["max_memory"] == expected
+    assert result.finals.by_name(result.policy.measured["chosen"]).fits  # a tiny MLP needs far less
+
+
+def test_a_malformed_max_memory_from_python_is_refused_before_anything_runs(tmp_path):
+    task = overflow_task()
+    with pytest.raises(autoprec.UserError, match=r"--max-memory 'lots': not a size"):
+        autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), task.batches("eval"), device="cpu",
+                             out=tmp_path / "o", max_memory="lots", **FAST)  # fmt: skip
+    assert not (tmp_path / "o").exists()

@@ -6,7 +6,7 @@ from autoprec import Policy
 from autoprec.errors import UserError
 from autoprec.formats import Format
 from autoprec.tune import load_task, memory, prepare
-from autoprec.tune.measure import Trainer
+from autoprec.tune.measure import MEMORY_TRIES, Trainer
 
 CPU = torch.device("cpu")
 
@@ -134,3 +134,53 @@ def test_human_bytes_and_saving():
     assert memory.human_bytes(3 * 2**30) == "3 GiB" and memory.human_bytes(None) == "-"
     assert memory.saving(75, 100) == pytest.approx(0.25)
     assert memory.saving(None, 100) is None and memory.saving(75, None) is None
+
+
+def test_without_the_legacy_recorder_the_kineto_profiler_measures_the_same(monkeypatch):
+    monkeypatch.delattr(torch.autograd, "_enable_profiler_legacy")
+
+    def step():
+        keep = torch.empty(1000, dtype=torch.float32)
+        torch.empty(500, dtype=torch.float32)  # freed at once
+        return keep
+
+    assert memory.rise_bytes(CPU, step) == 4000 + 2000
+
+
+UNEVEN = WIDE.replace(
+    "return [(torch.randn(4096, 64, generator=g), torch.randint(0, 4, (4096,), generator=g))]",
+    "return [(torch.randn(n, 64, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in (16, 4096, 512)]",
+)
+
+
+def test_every_candidate_is_measured_on_the_largest_batch_wherever_its_order_stands(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(UNEVEN, encoding="utf-8")
+    uneven = prepare(load_task(path), "cpu")
+    one, two = Trainer(uneven, Policy()), Trainer(uneven, Policy())
+    one.step()
+    for _ in range(2):
+        two.step()  # the next batch in order: the 4096-row one for `one`, the 512-row one for `two`
+    assert one.peak_memory() == two.peak_memory()
+    assert one._next == 1 and two._next == 2  # the measured step took the largest batch, out of order
+
+
+def test_a_step_the_grad_scaler_skipped_is_measured_again_and_given_up_after_the_tries(wide, monkeypatch):
+    trainer = Trainer(wide, Policy())
+    trainer.step()
+    real = trainer.step
+    skips = {"left": 1}
+
+    def step(index=None):
+        out = real(index)
+        if skips["left"]:  # as GradScaler.step does on inf gradients: the optimizer's step did not run
+            skips["left"] -= 1
+            trainer.scaler.skipped_steps += 1
+        return out
+
+    monkeypatch.setattr(trainer, "step", step)
+    before = trainer.steps
+    assert trainer.peak_memory() == Trainer(wide, Policy()).peak_memory()
+    assert trainer.steps == before + 2  # the skipped step, then the one measured
+    skips["left"] = MEMORY_TRIES
+    assert trainer.peak_memory() is None

@@ -3,6 +3,7 @@ import math
 import sys
 from pathlib import Path
 
+import optuna
 import pandas as pd
 import pytest
 import torch
@@ -564,6 +565,9 @@ def test_a_memory_limit_makes_every_candidate_over_it_infeasible(tmp_path, fake_
     assert len(over) and not over["feasible"].any() and over["error"].str.contains("over --max-memory").all()
     assert result.policy.measured["max_memory"] == 9000
     assert "would not fit --max-memory" in result.summary() and "no: over --max-memory" in result.summary()
+    done = load_study(tmp_path).get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    keys = {"constraints:metric_drop_over_budget", "constraints:peak_memory_over_limit"}
+    assert done and all(keys <= set(t.system_attrs) for t in done)  # the sampler needs the same constraints on every trial
 
 
 def test_the_memory_objective_chooses_the_smallest_peak_within_budget(tmp_path, fake_memory):
@@ -574,14 +578,27 @@ def test_the_memory_objective_chooses_the_smallest_peak_within_budget(tmp_path, 
     assert chosen.peak_bytes == min(r.peak_bytes for r in feasible)
     assert chosen.peak_bytes < 12000 and "smallest peak memory" in result.policy.measured["why"]
     assert result.policy.measured["objective"] == "memory"
-    assert [d.name for d in result_study_directions(tmp_path)] == ["MINIMIZE"]
+    assert [d.name for d in load_study(tmp_path).directions] == ["MINIMIZE"]
 
 
-def result_study_directions(out):
-    import optuna
-
+def load_study(out):
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(out / "study.journal")))
-    return optuna.load_study(study_name="overflow_mlp", storage=storage).directions
+    return optuna.load_study(study_name="overflow_mlp", storage=storage)
+
+
+def test_a_study_from_before_memory_limits_resumes_without_a_limit_and_is_refused_with_one(tmp_path, fake_memory, monkeypatch):
+    from autoprec.tune import study
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    key = study._study_key
+    with monkeypatch.context() as older:  # the key as an earlier version wrote it, without max_memory
+        older.setattr(study, "_study_key", lambda *a: {k: v for k, v in key(*a).items() if k != "max_memory"})
+        search(workload, SPACE, SearchConfig(budget=0.05, **{**FAST, "trials": 2}), tmp_path)
+    assert "max_memory" not in min(load_study(tmp_path).trials, key=lambda t: t.number).user_attrs[study.KEY_ATTR]
+    resumed = search(workload, SPACE, SearchConfig(budget=0.05, **{**FAST, "trials": 3}), tmp_path).trials
+    assert resumed["state"].eq("COMPLETE").sum() == 3  # one more trial in the same study
+    with pytest.raises(UserError, match=r"different max_memory \(max_memory none, now 9000\)"):
+        search(workload, SPACE, SearchConfig(budget=0.05, max_memory=9000, **{**FAST, "trials": 3}), tmp_path)
 
 
 def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():

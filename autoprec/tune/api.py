@@ -124,8 +124,11 @@ def _setup(
     the_space = the_space.with_excludes(tuple(exclude), workload.model)
     compiled = workload.device.type == "cuda" if compile is None else bool(compile)
     config = dict(config)
-    if isinstance(config.get("max_memory"), (str, float)):  # "40GB", 0.8: as --max-memory; an int is bytes
-        config["max_memory"] = memory.parse_limit(config["max_memory"], workload.device)
+    limit = config.get("max_memory")
+    if isinstance(limit, str) or (isinstance(limit, float) and 0 < limit <= 1):  # "40GB", "80%", 0.8: as --max-memory
+        config["max_memory"] = memory.parse_limit(str(limit), workload.device)
+    elif isinstance(limit, (int, float)) and not isinstance(limit, bool):  # a number of bytes (40e9 too)
+        config["max_memory"] = memory.parse_limit(f"{float(limit)!r}B", workload.device)
     settings = SearchConfig(budget=0.0, trials=trials, seed=seed, compile=compiled, progress=progress, **config)
     return workload, the_space, settings
 
@@ -162,7 +165,8 @@ def search(
     `space`: a SearchSpace or a space YAML file; `exclude`: module-name patterns kept out of the search (as
     --exclude). `compile`: time compiled steps (default: on CUDA). Further
     keywords go to SearchConfig (mode, train_steps, finalists, storage, study_name, objective="memory",
-    max_memory="40GB" (a size, a share of the device's memory such as 0.8, or bytes), ...).
+    max_memory="40GB" (a size as --max-memory takes it, a share of the device's memory such as 0.8 or "80%", or a
+    number of bytes), ...).
     """
     if isinstance(model, Workload):  # the low-level signature autoprec.tune.search had before 0.2
         warnings.warn(

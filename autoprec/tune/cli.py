@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     study_options(s, "the model's name")
     s.set_defaults(func=cmd_search)
 
-    w = model_verb("sweep", "one two-objective study (speedup, metric drop) and a verified policy for each of several budgets")
+    w = model_verb("sweep", "one two-objective study (speedup or peak memory, and metric drop) and a verified policy for each of several budgets")
     w.add_argument("--budgets", required=True, metavar="B1,B2,...",
                    help="comma-separated budgets, e.g. 0,0.002,0.005,0.01,0.02 (metric units) or 0,0.5%%,1%%,2%% "
                         "(of the fp32 metric)")  # fmt: skip

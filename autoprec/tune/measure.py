@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import math
 import numbers
 import statistics
@@ -28,6 +29,8 @@ from autoprec.errors import UserError, describe
 from autoprec.tune import memory
 from autoprec.tune.task import Workload, check_loss
 
+
+log = logging.getLogger("autoprec")
 
 # A spread (interquartile range / median) beyond which step times cannot rank candidates a few percent apart:
 # a loaded machine, a throttling GPU. The final re-measure then times again once, and says so if it stays.
@@ -266,15 +269,19 @@ class Trainer:
         self.steps = 0
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=workload.device)
 
-    def step(self) -> torch.Tensor:
-        """Forward, backward, optimizer step (through the GradScaler); returns the loss without syncing
-        (but for the first step of a compiled model, timed to the end as its compilation)."""
+    def step(self, batch_index: int | None = None) -> torch.Tensor:
+        """Forward, backward, optimizer step (through the GradScaler) on the next batch in `order` (or on train
+        batch `batch_index`, the order left where it was); returns the loss without syncing (but for the first step
+        of a compiled model, timed to the end as its compilation)."""
         first = self.steps == 0
         if first:
             synchronize(self.workload.device)
             start = time.perf_counter()
-        batch = self.workload.train[self.order[self._next % len(self.order)]]
-        self._next += 1
+        if batch_index is None:
+            batch = self.workload.train[self.order[self._next % len(self.order)]]
+            self._next += 1
+        else:
+            batch = self.workload.train[batch_index]
         self.optimizer.zero_grad(set_to_none=True)
         with matmul_precision(self.workload.device, self.tf32):
             loss = check_loss(self.workload.task, self.workload.task.loss_fn(self._forward_model, batch))
@@ -297,13 +304,23 @@ class Trainer:
 
     def peak_memory(self) -> int | None:
         """Bytes at the peak of one more training step (see memory.py): the state, plus the rise over the step
-        with the gradients freed first. None where the device has no measurement (or a profiler of the user's
-        runs). Taken after the warm-up, so the optimizer state exists and a compiled model is compiled."""
+        with the gradients freed first. Every candidate is measured on the same batch, the largest (batches may
+        differ in size), and on a step that updated the weights: a step the GradScaler skips never runs the
+        optimizer's step, whose temporaries may be the peak, so it is measured again (up to MEMORY_TRIES). None
+        where the device has no measurement, a profiler of the user's runs, or every try was skipped. Taken after
+        the warm-up, so the optimizer state exists and a compiled model is compiled."""
         if self.steps == 0:
             self.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        rise = memory.rise_bytes(self.workload.device, self.step)
-        return None if rise is None else memory.state_bytes(self.state()) + rise
+        index = largest_batch(self.workload)
+        for _ in range(MEMORY_TRIES):
+            self.optimizer.zero_grad(set_to_none=True)
+            skipped = self.scaler.skipped_steps
+            rise = memory.rise_bytes(self.workload.device, lambda: self.step(index))
+            if rise is None:
+                return None
+            if self.scaler.skipped_steps == skipped:
+                return memory.state_bytes(self.state()) + rise
+        return None
 
     @property
     def finite(self) -> bool:
@@ -354,10 +371,10 @@ def measure_steps(
     progress: str | None = None,
     compiled: bool = False,
 ) -> dict[str, StepStats]:
-    """Training-step time of each policy (or Candidate), interleaved, with finiteness and skipped steps;
+    """Training-step time of each policy (or Candidate), interleaved, with finiteness and skipped steps (no peak memory);
     `compiled`: each model under torch.compile, its compilation in the warm-up (see compile_scope). Raises
     naming the first candidate that cannot be built or take a step (measure_steps_or_fail reports them)."""
-    stats, failed = measure_steps_or_fail(workload, policies, config, progress=progress, compiled=compiled)
+    stats, failed = measure_steps_or_fail(workload, policies, config, progress=progress, compiled=compiled, peak_memory=False)
     if failed:
         name, error = next(iter(failed.items()))
         raise RuntimeError(f"candidate {name!r} cannot take a training step: {error}")
@@ -372,10 +389,12 @@ def measure_steps_or_fail(
     progress: str | None = None,
     compiled: bool = False,
     enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
+    peak_memory: bool = True,
 ) -> tuple[dict[str, StepStats], dict[str, str]]:
     """measure_steps, and (name -> "Error: message") for the candidates whose model or first step failed (the
     user's code in a format it cannot run, a compiler error): a finding about that candidate, not a crash.
-    `enough`: as interleaved_times'."""
+    `enough`: as interleaved_times'. `peak_memory`: each candidate's peak memory, from one more step after the
+    timing (StepStats.peak_bytes)."""
     failed: dict[str, str] = {}
     with compile_scope(compiled, len(policies)):
         trainers = {}
@@ -392,17 +411,42 @@ def measure_steps_or_fail(
         work = {n: t.step for n, t in trainers.items()}
         timings = interleaved_times(work, workload.device, config, progress=progress, enough=enough) if work else {}
         stats = step_stats(trainers, timings)  # the timed steps' counts, before the memory's extra step
+        if not peak_memory:
+            return stats, failed
         # after the timing, never inside it
-        return {n: dataclasses.replace(s, peak_bytes=peak_memory_or_none(trainers[n])) for n, s in stats.items()}, failed
+        return {n: dataclasses.replace(s, peak_bytes=peak_memory_or_none(trainers[n], n)) for n, s in stats.items()}, failed
 
 
-def peak_memory_or_none(trainer: Trainer) -> int | None:
-    """trainer.peak_memory(); None if that extra step fails (it just ran in the timing: a fault of the moment)."""
+MEMORY_TRIES = 3  # steps the GradScaler skips before peak memory is given up (None) for a candidate
+
+
+def largest_batch(workload: Workload) -> int:
+    """The index of the train batch with the most tensor bytes (the first of equals): what peak memory is measured on."""
+    sizes = [memory.state_bytes(map_tensors_flat(batch)) for batch in workload.train]
+    return max(range(len(sizes)), key=lambda i: (sizes[i], -i))
+
+
+def map_tensors_flat(value: object) -> Iterator[torch.Tensor]:
+    """Every tensor in a batch (nested tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from map_tensors_flat(v)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from map_tensors_flat(v)
+
+
+def peak_memory_or_none(trainer: Trainer, name: str = "a candidate") -> int | None:
+    """trainer.peak_memory(); None, with a warning naming the candidate and the error, if that extra step fails (it
+    just ran in the timing, so this is the measurement's fault, not the candidate's)."""
     try:
         return trainer.peak_memory()
     except UserError:
         raise
-    except Exception:
+    except Exception as exc:
+        log.warning("peak memory of %s not measured: %s", name, describe(exc))
         return None
 
 

@@ -93,11 +93,14 @@ def _traced_rise(step: Callable[[], object]) -> int | None:
     if torch.autograd._profiler_enabled():
         return None
     enable, disable = getattr(torch.autograd, "_enable_profiler_legacy", None), getattr(torch.autograd, "_disable_profiler_legacy", None)
-    if enable is None or disable is None:
+    try:  # private API: another torch version may lack it or take other arguments
+        config = torch.autograd.ProfilerConfig(
+            torch.autograd.ProfilerState.CPU, False, True, False, False, False, torch._C._profiler._ExperimentalConfig()
+        )  # ProfilerConfig(state, record_shapes, profile_memory, with_stack, with_flops, with_modules, experimental)
+    except (AttributeError, TypeError):
+        config = None
+    if enable is None or disable is None or config is None:
         return _kineto_rise(step)
-    config = torch.autograd.ProfilerConfig(
-        torch.autograd.ProfilerState.CPU, False, True, False, False, False, torch._C._profiler._ExperimentalConfig()
-    )  # ProfilerConfig(state, record_shapes, profile_memory, with_stack, with_flops, with_modules, experimental)
     enable(config)
     try:
         step()
@@ -131,8 +134,10 @@ def _highest_total(changes: Iterable[int]) -> int:
     return peak
 
 
+MIB = 2**20
+# decimal units are powers of 1000; binary ones, and the bare letters Slurm and Docker use (40G), of 1024
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # fmt: skip
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
 
 
@@ -149,10 +154,10 @@ def device_total(device: torch.device) -> int | None:
 
 
 def parse_limit(value: str | int | float, device: torch.device) -> int:
-    """`--max-memory` in bytes: a size with a unit ("40GB", "40 GiB", "512MB"; decimal units are powers of 1000,
-    binary ones of 1024) or a share of the device's memory ("0.8" or "80%")."""
+    """`--max-memory` in bytes: a size with a unit ("40GB", "40 GiB", "40G", "512MB"; decimal units are powers of
+    1000, binary ones and the bare letters K, M, G, T of 1024) or a share of the device's memory ("0.8" or "80%")."""
     text = str(value).strip()
-    hint = "give a size such as 40GB or 512MiB, or a share of the device's memory such as 0.8 or 80%"
+    hint = "give a size such as 40GB, 40GiB or 512MiB, or a share of the device's memory such as 0.8 or 80%"
     if source(device) is None:
         raise UserError(f"--max-memory {text}: peak memory is {not_measured(device)}; leave --max-memory out")
     match = _SIZE.match(text)
@@ -167,6 +172,8 @@ def parse_limit(value: str | int | float, device: torch.device) -> int:
         total = device_total(device)
         if total is None:
             raise UserError(f"--max-memory {text}: this device's total memory is unknown; give a size such as 40GB")
+        if share * total < 1:
+            raise UserError(f"--max-memory {text}: under 1 byte of this device's {human_bytes(total)}; {hint}")
         return int(share * total)
     size = number * _UNITS[unit]
     if not math.isfinite(size) or size < 1:
@@ -179,10 +186,18 @@ def human_bytes(n: float | None) -> str:
     if n is None or (isinstance(n, float) and not math.isfinite(n)):
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        if abs(n) < 1000 or unit == "GiB":  # 1000 to 1023 of a unit shows as 0.98 of the next, not as 1e+03
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}" if abs(n) < 1000 else f"{n:,.0f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_change(saving: float | None) -> str:
+    """A saving as the peak's change from fp32's: 0.25 -> '-25%', -0.1 -> '+10%', None -> '-'."""
+    if saving is None or saving != saving:
+        return "-"
+    text = f"{-100 * saving:+.0f}%"
+    return "0%" if text in ("+0%", "-0%") else text
 
 
 def saving(peak: int | None, fp32_peak: int | None) -> float | None:

@@ -2,9 +2,10 @@
 the saved profile), run the Optuna study, gather each budget's finalists beside the alternatives, re-measure
 them together, choose per budget, and write a verified policy per budget with the trial and finalist tables.
 
-A search is this pipeline with one budget and one objective (the speedup); a sweep has several budgets and a
-second objective (the metric drop), so the study's Pareto front serves every budget. `Plan` holds what
-differs: the budgets, the objectives, the file names.
+A search is this pipeline with one budget and one objective (the speedup, or the peak memory with
+`SearchConfig.objective` Goal.MEMORY); a sweep has several budgets and a second objective (the metric drop), so
+the study's Pareto front serves every budget. `Plan` holds what differs: the budgets, the objectives, the file
+names. A memory limit (`SearchConfig.max_memory`) is a second constraint beside the budget.
 
 The budget applies to one of two measurements (`Mode`): the metric of the given weights with the policy
 applied (`weights`, cheap), or the metric after K training steps with the policy and its GradScaler,
@@ -81,7 +82,8 @@ GROUP_SHARE = 0.1
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What differs between a search and a sweep. `budgets`: ascending, the largest one bounds the study
-    (`SearchConfig.budget`); `objectives`: 1 (speedup) or 2 (speedup and metric drop, a Pareto front);
+    (`SearchConfig.budget`); `objectives`: 1 (speedup, or peak memory: SearchConfig.objective) or 2 (that and
+    the metric drop, a Pareto front);
     the files written: one policy per budget, the trials table, the re-measured finalists."""
 
     budgets: tuple[float, ...]
@@ -148,6 +150,8 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
             f"config.budget bounds the study and must be >= the largest budget, but got "
             f"config.budget={config.budget!r} and budgets up to {plan.budgets[-1]!r}"
         )
+    if config.objective is Goal.MEMORY and memory.source(workload.device) is None:
+        raise UserError(f"--objective memory: peak memory is {memory.not_measured(workload.device)}; use --objective speed")
     out_dir = Path(out_dir)
     check_out_dir(workload, out_dir)  # also makes the folder
     check_storage(config)  # before minutes of profiling; opening the study checks it again
@@ -168,8 +172,8 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     finals.to_csv(out_dir / plan.finalists_file)
     chosen = []
     picks = choose_per_budget(finals, candidates, plan.budgets, greedy, goal=config.objective)
-    for b, (name, _) in zip(plan.budgets, picks):
-        _warn_unfit(finals.within(b), name, b, config.max_memory)
+    for name, b in {name: b for b, (name, _) in reversed(list(zip(plan.budgets, picks)))}.items():
+        _warn_unfit(finals.within(b), name, b, config.max_memory)  # once per policy, at its smallest budget
     for b, (name, why) in zip(plan.budgets, picks):
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
         measured = dataclasses.replace(
@@ -186,14 +190,16 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
 
 def _warn_unfit(finals: Finals, name: str, budget: float, limit: int | None) -> None:
     """Say so when the candidate written for `budget` does not fit --max-memory: nothing within budget did."""
-    if limit is None or finals.by_name(name).fits:
+    written = finals.by_name(name)
+    if limit is None or written.fits:
         return
     within = [r for r in finals if r.runs and r.metric_drop <= budget and r.peak_bytes is not None]
     least = min(within, key=lambda r: r.peak_bytes or 0, default=None)
     smallest = f"; the smallest peak within budget was {memory.human_bytes(least.peak_bytes)} ({least.candidate})" if least else ""
+    why = "whose peak was not measured" if written.peak_bytes is None else "which does not fit either"
     log.warning(
-        "no candidate within budget %g fits --max-memory %s%s; the policy written is %s, which does not fit either: "
-        "lower the batch size, or raise --max-memory", budget, memory.human_bytes(limit), smallest, name,
+        "no candidate within budget %g fits --max-memory %s%s; the policy written is %s, %s: lower the batch size, "
+        "or raise --max-memory", budget, memory.human_bytes(limit), smallest, name, why,
     )  # fmt: skip
 
 
@@ -237,9 +243,9 @@ def gather_candidates(
     workload: Workload, space: SearchSpace, started: Started, plan: Plan, k: int, *, goal: Goal = Goal.SPEED
 ) -> tuple[dict[str, Candidate], dict[float, str], dict[str, str]]:
     """What is re-measured: the alternatives (each budget with its own profile-greedy policy), then per budget
-    its k fastest trials within it and the safer variant of the fastest (its fp16/fp8 layers in bf16), each
-    policy once, under the first name it came by (a trial that is an alternative, the all-fp32 warm start say,
-    is measured as the alternative; with Goal.MEMORY, the k smallest in peak memory). Returns the candidates, budget -> its greedy candidate's name, and the
+    its k fastest trials within it (Goal.MEMORY: the k smallest in peak memory) and the safer variant of the
+    first of them (its fp16/fp8 layers in bf16), each policy once, under the first name it came by (a trial
+    that is an alternative, the all-fp32 warm start say, is measured as the alternative). Returns the candidates, budget -> its greedy candidate's name, and the
     alternatives not measured with why."""
     candidates: dict[str, Candidate] = {}
 
@@ -292,8 +298,8 @@ def choose_per_budget(
 
 
 def _worse(a: Measurement, b: Measurement, goal: Goal) -> bool:
-    if goal is Goal.MEMORY:
-        return a.peak_bytes is not None and b.peak_bytes is not None and a.peak_bytes > b.peak_bytes
+    if goal is Goal.MEMORY:  # beyond the tie choose_smallest allows, or a larger budget would undo its own rule
+        return a.peak_bytes is not None and b.peak_bytes is not None and a.peak_bytes > b.peak_bytes * (1 + MEMORY_TIE)
     return a.speedup < b.speedup
 
 
@@ -593,9 +599,12 @@ def choose_smallest(
 
 
 def _nothing_feasible(finals: Finals) -> str:
-    over = [r.candidate for r in finals if r.runs and not r.fits]
+    over = [r.candidate for r in finals if r.runs and not r.fits and r.peak_bytes is not None]
+    unknown = [r.candidate for r in finals if r.runs and r.peak_bytes is None]
     if over:
         return f"no candidate stayed within budget and --max-memory when re-measured ({len(over)} ran but needed more memory): fp32"
+    if unknown and any(not r.fits for r in finals):
+        return f"no candidate stayed within budget with its peak memory measured ({len(unknown)} ran without one): fp32"
     return "no candidate stayed within budget when re-measured: fp32"
 
 

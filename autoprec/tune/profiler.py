@@ -54,8 +54,9 @@ COLUMNS = [
     "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "metric", "metric_drop",
     "finite", "overflow", "max_abs", "time_ms", "time_spread", "time_vs_fp32",
     # the most the live tensor bytes rose over the layer's isolated forward + backward after its timing (its output,
-    # what it saves for backward, its gradients and casts; memory.py); empty where the device has no measurement
-    "step_peak_bytes",
+    # what it saves for backward, its gradients and casts; memory.py; no state, unlike a whole step's peak); empty
+    # where the device has no measurement
+    "step_rise_bytes",
     # gradient ranges (gradients.py), without loss scaling: largest and smallest nonzero |gradient| of the
     # layer, the fractions of nonzero gradient elements this format flushes to zero / leaves subnormal /
     # overflows, and (fp16 rows) the layer's own loss-scale range in log2
@@ -318,7 +319,7 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
 
 def _time_layer(
     workload: Workload, name: str, module: torch.nn.Module, inputs, formats: list[Format], config: ProfileConfig
-) -> tuple[dict[Format, tuple[float, float]], dict[Format, str]]:
+) -> tuple[dict[Format, tuple[float, float, int | None]], dict[Format, str]]:
     """(format -> (median ms, spread, peak bytes)) of the layer's step in each format, and (format -> why) for those
     whose step failed here (a compiler that cannot build a format's kernels, say): a finding, not a crash. The
     peak (memory.rise_bytes, None where not measured) is of one more step after the timing."""
@@ -335,10 +336,18 @@ def _time_layer(
                 failed[fmt] = f"{fmt.value} step failed{' compiled' if config.compile else ''}: {describe(exc, 200)}"
         gross = {f for f in probe if f is not Format.FP32 and probe[f] > config.gross_slowdown * probe[Format.FP32]}
         timed = interleaved_times({f: w for f, w in work.items() if f in probe and f not in gross}, workload.device, config.timing)
-        peaks = {f: memory.rise_bytes(workload.device, work[f]) for f in probe}
+        peaks = {f: _rise_or_none(workload.device, work[f]) for f in probe}
     result = {f: (t.median_ms, t.spread, peaks[f]) for f, t in timed.items()}
     result.update({f: (probe[f], float("nan"), peaks[f]) for f in gross})  # probed only: the gap dwarfs any noise
     return result, failed
+
+
+def _rise_or_none(device: torch.device, step) -> int | None:
+    """memory.rise_bytes of one more layer step; None if it fails (the step just ran in the timing)."""
+    try:
+        return memory.rise_bytes(device, step)
+    except Exception:
+        return None
 
 
 def _strict(device: torch.device, step):
@@ -445,7 +454,7 @@ def _profile_layer(
     for fmt, row in rows.items():
         ms, spread, peak = times.get(fmt, (math.nan, math.nan, None))
         row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan, timed_as=timed_as,
-                   step_peak_bytes=peak if peak is not None else math.nan)  # fmt: skip
+                   step_rise_bytes=peak if peak is not None else math.nan)  # fmt: skip
         row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
     for fmt, row in rows.items():
         if fmt is Format.FP32 or row["status"] != "ok":

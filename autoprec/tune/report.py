@@ -13,7 +13,7 @@ from autoprec.tune.alternatives import BF16, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.cost import cost_rows
 from autoprec.tune.measure import NOISY_SPREAD
-from autoprec.tune.memory import human_bytes
+from autoprec.tune.memory import MIB, format_change, human_bytes
 from autoprec.tune.profiler import as_float, flag
 from autoprec.tune.records import Finals, Measured
 from autoprec.files import write_atomically
@@ -85,16 +85,16 @@ def _spread(value: Any) -> str:
 
 def _saved(value: Any) -> str:
     saving = as_float(value)
-    if math.isnan(saving):
-        return "-"
-    text = f"{-100 * saving:+.0f}%"  # a saving of 0.25: the peak is -25%
-    return "0%" if text in ("+0%", "-0%") else text
+    return format_change(None if math.isnan(saving) else saving)
 
 
 def result_rows(policy: Policy) -> list[list[Any]]:
+    """One row per result; the memory columns only where some result has a peak (not in files from before)."""
+    results = Measured.of(policy).results
+    peaks = any(r.peak_bytes is not None for r in results.values())
     return [[name, as_float(r.metric), as_float(r.metric_drop), as_float(r.step_ms), _spread(r.spread), as_float(r.speedup),
-             human_bytes(r.peak_bytes), _saved(r.memory_saving)]
-            for name, r in Measured.of(policy).results.items()]  # fmt: skip
+             *((human_bytes(r.peak_bytes), _saved(r.memory_saving)) if peaks else ())]
+            for name, r in results.items()]  # fmt: skip
 
 
 RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup", "peak memory", "vs fp32"]
@@ -139,10 +139,12 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
             f"budget {_budget(m)} ({mode_text(m)}); fp8: {m.fp8 or '?'}; step times {'compiled' if m.compiled else 'eager'}"
         )
         if m.results:
-            parts.append(table(RESULT_HEADERS, result_rows(policy)))
+            rows = result_rows(policy)
+            parts.append(table(RESULT_HEADERS[: len(rows[0])], rows))
             parts.extend(f"{n} failed: {r.error}" for n, r in m.results.items() if r.error)
             parts.append(f"step time: {m.timing or ''}; speedup = fp32 step time / step time")
-            parts.append(memory_text(m))
+            if m.memory:
+                parts.append(memory_text(m))
         if m.versions:
             parts.append("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
     return "\n\n".join(parts)
@@ -196,9 +198,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
         f"device: {m.device}; {m.timing}; speedup = fp32 step time / effective step time"
     )
     parts.append(memory_text(m))
-    over = [r.candidate for r in finals if r.runs and not r.fits]
-    if over and m.max_memory:
-        parts.append(f"would not fit --max-memory {human_bytes(m.max_memory)}: {', '.join(over)}")
+    parts.extend(_unfit_lines(finals, m))
     noise = getattr(result, "noise", None)
     if noise is not None:
         parts.append(
@@ -214,20 +214,21 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
         parts.append(f"{name}: {why}")
     parts.extend(f"{r.candidate} failed: {r.error}" for r in finals if r.error)
     tf32, picked = finals.get(TF32), finals.get(m.chosen)
-    if tf32 is not None and picked is not None and tf32.feasible and tf32.speedup > picked.speedup:
+    speed = m.objective == "speed"  # the notes below are about ranking by speed
+    if speed and tf32 is not None and picked is not None and tf32.feasible and tf32.speedup > picked.speedup:
         parts.append(
             f"note: TF32 measured {tf32.speedup / picked.speedup:.2f}x the chosen policy's speed within budget; it is a "
             "process-wide setting, not a per-layer format: torch.set_float32_matmul_precision('high') in your script "
             "also speeds the policy's fp32 layers"
         )
-    if finals.noisiest() > NOISY_SPREAD:
+    if speed and finals.noisiest() > NOISY_SPREAD:
         parts.append(
             f"note: step times spread up to {_spread(finals.noisiest())} even when timed twice as long: too wide to rank "
             "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
             "rerun on a quieter machine with --remeasure"
         )
     ref = finals.get(BF16)
-    if picked is not None and ref is not None and picked.candidate != BF16:
+    if speed and picked is not None and ref is not None and picked.candidate != BF16:
         lead = picked.speedup / ref.speedup - 1
         noise_share = (picked.spread + ref.spread) / 2
         if 0 <= lead < noise_share:
@@ -250,7 +251,19 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
 def _verdict(r: Any) -> str:
     if r.feasible:
         return "yes"
-    return "no: over --max-memory" if r.runs and not r.fits else "no"
+    if r.runs and not r.fits:
+        return "no: peak not measured" if r.peak_bytes is None else "no: over --max-memory"
+    return "no"
+
+
+def _unfit_lines(finals: Finals, m: Measured) -> list[str]:
+    """Which re-measured candidates (the alternatives among them) --max-memory refused, and why."""
+    if not m.max_memory:
+        return []
+    over = [r.candidate for r in finals if r.runs and not r.fits and r.peak_bytes is not None]
+    unknown = [r.candidate for r in finals if r.runs and not r.fits and r.peak_bytes is None]
+    lines = [f"would not fit --max-memory {human_bytes(m.max_memory)}: {', '.join(over)}"] if over else []
+    return lines + ([f"peak memory not measured, so not shown to fit: {', '.join(unknown)}"] if unknown else [])
 
 
 def gradient_summary(table: pd.DataFrame, advice: Any = None, *, markdown: bool = False) -> str:
@@ -429,9 +442,7 @@ def sweep_summary(result: Any, *, markdown: bool = False) -> str:
         f"{len(result.front)} on the Pareto front; {result.choices.describe()}; {mode_text(m)}; device {m.device}"
     )
     parts.append(memory_text(m))
-    over = [r.candidate for r in result.finals if r.runs and not r.fits]
-    if over and m.max_memory:
-        parts.append(f"would not fit --max-memory {human_bytes(m.max_memory)}: {', '.join(over)}")
+    parts.extend(_unfit_lines(result.finals, m))
     notes = [f"{r.budget:g}: {r.why}" for r in result.table if r.why not in ("the fastest within budget",)]
     if notes:
         parts.append("why:\n" + "\n".join(f"- {n}" for n in notes))
@@ -464,22 +475,22 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     fig = _figure((8.8, 5))
     ax = fig.subplots()
     timed = trials[trials.get("feasible", pd.Series(dtype=bool)).eq(True)] if "feasible" in trials else trials.iloc[0:0]
-    mib = 2.0**20
+    mib = float(MIB)
 
     def y_of(frame: pd.DataFrame) -> Any:
         return frame["peak_bytes"].astype(float) / mib if by_memory else frame["speedup"]
 
-    peaks = timed["peak_bytes"].astype(float) / mib if "peak_bytes" in timed else pd.Series(dtype=float)
-    if len(timed) and peaks.notna().any():
-        dots = ax.scatter(timed["metric_drop"], y_of(timed), s=16, c=peaks, cmap="viridis_r", label="trials (timed in the study)")
+    peaks = timed["peak_bytes"].astype(float) / mib if "peak_bytes" in timed else pd.Series(math.nan, index=timed.index)
+    shown = timed[peaks.notna()] if by_memory else timed  # a memory plot has no place for a trial without a peak
+    ax.scatter(shown["metric_drop"], y_of(shown) if len(shown) else [], s=14, color="#999999", label="trials (timed in the study)")
+    if not by_memory and peaks.notna().any():  # coloured by peak where measured; grey beneath: no peak (older trials)
+        dots = ax.scatter(timed["metric_drop"], timed["speedup"], s=16, c=peaks, cmap="viridis_r", plotnonfinite=False)
         fig.colorbar(dots, ax=ax, label="peak memory per step (MiB)", fraction=0.05)
-    else:
-        ax.scatter(timed["metric_drop"], y_of(timed) if len(timed) else [], s=14, color="#999999", label="trials (timed in the study)")
     if len(front):
         ax.step(front["metric_drop"], y_of(front), where="post", color="C0", label="Pareto front (trials)")
     for i, r in enumerate(table):
         ax.axvline(r.budget, color="C3", linestyle=":", linewidth=1, label="budgets" if i == 0 else None)
-    chosen_y = [(r.peak_bytes or math.nan) / mib if by_memory else r.speedup for r in table]
+    chosen_y = [(r.peak_bytes if r.peak_bytes is not None else math.nan) / mib if by_memory else r.speedup for r in table]
     ax.scatter([r.metric_drop for r in table], chosen_y, marker="*", s=160, color="C3", zorder=3,
                label="chosen per budget (re-measured)")  # fmt: skip
     bf16 = result.finals.get(BF16)
@@ -526,7 +537,7 @@ def sweep_markdown(result: Any, command: str) -> str:
     name = Measured.of(next(iter(result.policies.values()))).model
     return (
         f"# autoprec sweep: {name}\n\n`{command}`\n\n## Policy per budget\n\n{sweep_summary(result, markdown=True)}\n\n"
-        f"![speedup against metric drop](pareto.png)\n\n"
+        f"![the trials against metric drop](pareto.png)\n\n"
         f"## Pareto front of the study (trial measurements)\n\n"
         f"{markdown_table(FRONT_HEADERS, front_rows(result.front))}\n\n"
         f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.table, markdown=True)}\n"

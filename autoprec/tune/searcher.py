@@ -1,5 +1,5 @@
-"""Search: the pipeline (pipeline.py) with one budget and one objective, the training-step speedup; writes
-policy.json, trials.csv and finalists.csv."""
+"""Search: the pipeline (pipeline.py) with one budget and one objective, the training-step speedup (or, with
+`--objective memory`, the peak memory); writes policy.json, trials.csv and finalists.csv."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 A trial suggests a policy (choices.py), measures its metric against the budget (`Judge`: the given
 weights' metric, or K training steps in train mode) and, when within budget, its training-step speedup
-over fp32, timed interleaved. A single-objective study maximises the speedup under the budget
-constraint (search.py); a two-objective one also minimises the metric drop, for a Pareto front (sweep.py).
+over fp32, timed interleaved, and its peak memory per step (memory.py). A single-objective study maximises
+the speedup (Goal.MEMORY: minimises the peak) under the budget constraint, and --max-memory's (searcher.py);
+a two-objective one also minimises the metric drop, for a Pareto front (sweeper.py).
 """
 
 from __future__ import annotations
@@ -364,6 +365,8 @@ class Objective:
         over = self._over_memory(trial) if feasible else 0.0  # a trial not timed has no peak: its drop rules it out
         feasible = feasible and over <= 0
         trial.set_user_attr("feasible", feasible)
+        if self.config.max_memory is None and over > 0:  # the memory objective without a peak: infeasible through
+            constraint = max(constraint, INFEASIBLE)  # the one constraint every trial has
         trial.set_constraint("metric_drop_over_budget", constraint)
         if self.config.max_memory is not None:
             trial.set_constraint("peak_memory_over_limit", over)
@@ -377,9 +380,9 @@ class Objective:
             if trainer is None:
                 with compile_scope(self.config.compile, 1):
                     trainer = Trainer(self.workload, Policy(layers={ROOT: Format.FP32}), compiled=self.config.compile)
-                    self._fp32_peak = peak_memory_or_none(trainer)
+                    self._fp32_peak = peak_memory_or_none(trainer, "the fp32 baseline")
             else:
-                self._fp32_peak = peak_memory_or_none(trainer)
+                self._fp32_peak = peak_memory_or_none(trainer, "the fp32 baseline")
             self._fp32_peak_known = True
         return self._fp32_peak
 
@@ -388,14 +391,16 @@ class Objective:
         trial.set_user_attr("memory_saving", memory.saving(peak, self.fp32_peak(None)))
 
     def _over_memory(self, trial: optuna.Trial) -> float:
-        """How far the trial's peak is over --max-memory, as a share of it (<= 0: it fits; INFEASIBLE: no peak)."""
+        """How far the trial's peak is over --max-memory, as a share of it (<= 0: it fits); INFEASIBLE where the peak
+        was not measured but is needed (a limit, or the memory objective)."""
         limit = self.config.max_memory
-        if limit is None:
-            return 0.0
         peak = trial.user_attrs.get("peak_bytes")
-        if peak is None:
-            trial.set_user_attr("error", "peak memory not measured, so it cannot be shown to fit --max-memory")
+        if peak is None and (limit is not None or self.config.objective is Goal.MEMORY):
+            needs = "--max-memory" if limit is not None else "--objective memory"
+            trial.set_user_attr("error", f"peak memory not measured, which {needs} needs")
             return INFEASIBLE
+        if limit is None or peak is None:
+            return 0.0
         if peak > limit:
             trial.set_user_attr("error", f"peak memory {memory.human_bytes(peak)} over --max-memory {memory.human_bytes(limit)}")
         return (peak - limit) / limit
@@ -426,7 +431,7 @@ class Objective:
         feasible = trial.user_attrs.get("feasible")
         if self.config.objective is Goal.MEMORY:
             peak = trial.user_attrs.get("peak_bytes")
-            first = peak / 2**20 if feasible and peak is not None else INFEASIBLE
+            first = peak / memory.MIB if feasible and peak is not None else INFEASIBLE
         else:
             first = trial.user_attrs["speedup"] if feasible else 0.0
         if self.objectives == 1:
@@ -461,7 +466,7 @@ class Objective:
                 self._baseline_warm = self.baseline is not None
                 stats = step_stats({"policy": candidate}, t)["policy"]  # the timed steps, before the memory's
                 self.fp32_peak(baseline)  # after the timing, never inside it; as the candidate's
-                peak = peak_memory_or_none(candidate)
+                peak = peak_memory_or_none(candidate, f"trial {trial.number}")
         except UserError:
             raise
         except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
@@ -556,7 +561,8 @@ def open_study(
     *,
     objectives: int = 1,
 ):
-    """Create or join the study (maximise the speedup; with `objectives=2`, also minimise the metric drop). Every worker proposes its choices on the all-fp32 warm-start trial; the first
+    """Create or join the study (maximise the speedup, or minimise the peak memory with Goal.MEMORY; with
+    `objectives=2`, also minimise the metric drop). Every worker proposes its choices on the all-fp32 warm-start trial; the first
     proposal in the storage wins, and only its worker queues the other warm starts (`warm_starts(choices)`).
     Two workers starting at the same moment may both queue the fp32 trial: it is then measured twice."""
     storage, where = _storage(config, out_dir)
