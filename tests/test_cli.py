@@ -453,3 +453,13 @@ def test_show_prints_each_results_peak_memory_and_how_it_was_measured(capsys, tm
     row = next(line for line in out.splitlines() if line.startswith("policy"))
     assert "1.5 GiB" in row and "-25%" in row
     assert "peak memory: CPU tensor allocations traced by the autograd profiler; --max-memory 3 GiB" in out
+
+
+def test_valid_memory_options_reach_the_search_settings():
+    from autoprec.tune.cli import _search_config, build_parser
+    from autoprec.tune.study import Goal
+
+    args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--max-memory", "40G", "--objective", "memory"])
+    config = _search_config(args)
+    assert config.max_memory == 40 * 2**30 and config.objective is Goal.MEMORY
+    assert _search_config(build_parser().parse_args(["sweep", "m.py", "--budgets", "0", "--device", "cpu"])).max_memory is None

@@ -93,7 +93,7 @@ def test_bf16_training_needs_less_peak_memory_than_fp32_when_activations_dominat
     assert bf16 < 0.8 * fp32
 
 
-def test_the_extra_step_counts_in_the_trainer_but_not_before_its_first_step(wide):
+def test_a_trainer_that_never_stepped_takes_a_first_step_before_its_peak_is_measured(wide):
     trainer = Trainer(wide, Policy())
     trainer.peak_memory()
     assert trainer.steps == 2  # a first step to build the optimizer state, then the measured one

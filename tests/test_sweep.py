@@ -183,3 +183,21 @@ def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of
     peaks = [row.peak_bytes for row in result.table]
     assert peaks == sorted(peaks, reverse=True)  # a larger budget never needs more memory
     assert len(result.front) and result.front["peak_bytes"].notna().all()
+
+
+def test_in_a_memory_sweep_a_peak_within_the_tie_of_the_smaller_budgets_pick_is_no_worse():
+    from autoprec.tune.study import Goal
+
+    candidates = {n: Policy(layers={"a": f}) for n, f in (("fp32", "fp32"), ("x", "bf16"), ("y", "fp16"))}
+    rows = [
+        {"candidate": "fp32", "peak_bytes": 1000, "metric_drop": 0.0, "speedup": 1.0},
+        {"candidate": "x", "peak_bytes": 600, "metric_drop": 0.001, "speedup": 1.2},
+        {"candidate": "y", "peak_bytes": 605, "metric_drop": 0.004, "speedup": 1.5},  # within 1% of x: a tie, faster
+    ]  # fmt: skip
+    no_greedy = dict.fromkeys((0.002, 0.01), "profile greedy")
+    picks = choose_per_budget(finals(*rows), candidates, (0.002, 0.01), no_greedy, goal=Goal.MEMORY)
+    # the tie goes to the faster: 1% more is not "more memory", so the larger budget is not sent back to x
+    assert [name for name, _ in picks] == ["x", "y"] and "kept" not in picks[1][1]
+    rows[2]["peak_bytes"] = 700  # beyond the tie: y is worse, and the larger budget chooses x itself
+    picks = choose_per_budget(finals(*rows), candidates, (0.002, 0.01), no_greedy, goal=Goal.MEMORY)
+    assert [name for name, _ in picks] == ["x", "x"]
