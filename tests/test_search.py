@@ -298,6 +298,19 @@ def test_a_budget_below_the_noise_floor_warns(trained, caplog, monkeypatch):
     assert "budget 0.01 is below the noise floor 0.1" in caplog.text
 
 
+def test_a_finished_train_mode_study_whose_result_stands_measures_no_noise_floor_again(tmp_path, monkeypatch):
+    workload = prepare(load_task(MODELS / "underflow_mlp.py"), "cpu")
+    result = search(workload, FP16_SPACE, SearchConfig(budget=0.02, **{**TRAIN, "trials": 2}), tmp_path)
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("the noise floor was measured again")
+
+    monkeypatch.setattr(sys.modules["autoprec.tune.study"], "noise_floor", measured_again)
+    again = search(workload, FP16_SPACE, SearchConfig(budget=0.02, **{**TRAIN, "trials": 2}), tmp_path)
+    assert again.noise == result.noise and again.policy.measured["noise"] == result.policy.measured["noise"]
+    assert NoiseFloor.from_dict({"train_steps": 10, "fp32_metrics_by_seed": "x"}) is None  # a hand-edited file: measure
+
+
 def picky_model(tmp_path):
     """overflow_mlp.py, but its forward refuses to train under autocast (it evaluates fine)."""
     src = (MODELS / "overflow_mlp.py").read_text().replace(

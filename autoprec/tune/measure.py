@@ -516,6 +516,20 @@ class NoiseFloor:
         return {"train_steps": self.steps, "spread": self.spread, "fp32_metrics_by_seed": list(self.metrics),
                 "fp32_seed0_repeat": self.repeat}  # fmt: skip
 
+    @classmethod
+    def from_dict(cls, data: object) -> NoiseFloor | None:
+        """What to_dict wrote (a policy file's `measured.noise`); None where it is missing or malformed."""
+        if not isinstance(data, Mapping):
+            return None
+        try:
+            metrics = tuple(float(v) for v in data["fp32_metrics_by_seed"])
+            steps, repeat = data["train_steps"], float(data["fp32_seed0_repeat"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if isinstance(steps, bool) or not isinstance(steps, int) or not metrics:
+            return None
+        return cls(steps=steps, metrics=metrics, repeat=repeat)
+
 
 def noise_floor(workload: Workload, steps: int, runs: int = 3) -> NoiseFloor:
     """Train all-fp32 `runs` times (seeds 0..runs-1) and seed 0 once more; see NoiseFloor."""

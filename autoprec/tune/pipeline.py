@@ -15,7 +15,6 @@ fp32 result's own spread over seeds) is measured and reported beside the budget.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -43,6 +42,7 @@ from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import (
     NOISY_SPREAD,
     Candidate,
+    NoiseFloor,
     SETTLED,
     SETTLED_FINAL_ROUNDS,
     TimingConfig,
@@ -158,7 +158,10 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0])
     objective = Objective(workload, started.choices, space, started.judge, config, objectives=plan.objectives)
-    ran = run_trials(started.study, objective, config.trials or space.trials, progress=config.progress)
+    target = config.trials or space.trials
+    if _complete(started.study) < target or config.remeasure:
+        started.judge.measure()  # before the trials (its own line in the cost table); a result that stands needs none
+    ran = run_trials(started.study, objective, target, progress=config.progress)
     if not ran and not config.remeasure:
         earlier = _earlier_result(out_dir, plan, started)
         if earlier is not None:
@@ -220,6 +223,11 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
         except (OSError, ValueError):
             return None
         m = Measured.of(policy)
+        if started.judge.config.mode is Mode.TRAIN:
+            noise = NoiseFloor.from_dict(m.noise)
+            if noise is None:
+                return None
+            started.judge.known(noise)
         written = (m.budget, m.study.name, m.study.storage, m.study.complete)
         if written != (b, study.study_name, started.storage, _complete(study)) or m.greedy is None or m.chosen is None:
             return None
@@ -341,7 +349,7 @@ def start(
 ) -> Started:
     """Profile (or reuse the saved profile; its drops as precise as `smallest_budget` needs, default the
     config's), derive the choices, create or join the study with its warm starts (all-fp32, then
-    choices.warm_starts), and measure the noise floor in train mode."""
+    choices.warm_starts), and the judge (whose noise floor, in train mode, is measured when first needed)."""
     prof = _load_or_profile(workload, space, out_dir, config, watch=watch, budget=smallest_budget)
     choices = build_choices(prof, space, config.budget, workload.device, judge_drop=config.mode is Mode.WEIGHTS)
 
@@ -350,14 +358,7 @@ def start(
 
     study, choices, where = open_study(workload, space, choices, config, out_dir, known, objectives=objectives)
     log.info("search space: %s", choices.describe())
-    with watch.section("noise floor: fp32 trained over seeds") if config.mode is Mode.TRAIN else contextlib.nullcontext():
-        judge = Judge(workload, config, prof.fp32_metric)
-    if judge.noise is not None and config.budget < judge.noise.spread:
-        log.warning(
-            "budget %g is below the noise floor %.4g (the fp32 metric's spread over %d seeds after %d training "
-            "steps): the search cannot tell a real loss from noise there",
-            config.budget, judge.noise.spread, config.noise_runs, config.train_steps,
-        )  # fmt: skip
+    judge = Judge(workload, config, prof.fp32_metric, watch=watch)
     return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge)
 
 

@@ -286,20 +286,50 @@ _KEY_DEFAULTS = {"mode": Mode.WEIGHTS.value, "layout": "auto, max_params 16", "o
 
 class Judge:
     """The metric a candidate is held to and the fp32 result it is compared with: the given weights'
-    (weights mode), or after K training steps from them (train mode, with the noise floor measured)."""
+    (weights mode), or after K training steps from them (train mode, with the noise floor measured). In train
+    mode the noise floor is measured when first needed (`measure()`, or reading `noise` or `fp32_metric`), so a
+    finished study whose result stands costs none: `known()` takes the one its policy file recorded."""
 
-    def __init__(self, workload: Workload, config: SearchConfig, weights_fp32_metric: float):
-        self.workload, self.config = workload, config
-        self.noise: NoiseFloor | None = None
-        self.fp32_metric = weights_fp32_metric
-        if config.mode is Mode.TRAIN:
-            self.noise = noise_floor(workload, config.train_steps, config.noise_runs)
-            self.fp32_metric = self.noise.reference
-            if not math.isfinite(self.fp32_metric):
-                raise UserError(
-                    f"{workload.task.path}: after {config.train_steps} fp32 training steps the metric is "
-                    f"{self.fp32_metric}; train mode needs a finite one"
-                )
+    def __init__(self, workload: Workload, config: SearchConfig, weights_fp32_metric: float, *, watch: Stopwatch | None = None):
+        self.workload, self.config, self._watch = workload, config, watch
+        self._weights_metric = weights_fp32_metric
+        self._noise: NoiseFloor | None = None
+        self._ready = config.mode is not Mode.TRAIN
+
+    @property
+    def noise(self) -> NoiseFloor | None:
+        self.measure()
+        return self._noise
+
+    @property
+    def fp32_metric(self) -> float:
+        self.measure()
+        return self._noise.reference if self._noise is not None else self._weights_metric
+
+    def known(self, noise: NoiseFloor) -> None:
+        """The noise floor an earlier run measured for this same study (its policy file's `measured.noise`)."""
+        self._noise, self._ready = noise, True
+
+    def measure(self) -> None:
+        """Train mode: the noise floor (fp32 over seeds), once; a warning where the budget is below it."""
+        if self._ready:
+            return
+        config = self.config
+        watch = self._watch or Stopwatch()
+        with watch.section("noise floor: fp32 trained over seeds"):
+            noise = noise_floor(self.workload, config.train_steps, config.noise_runs)
+        if not math.isfinite(noise.reference):
+            raise UserError(
+                f"{self.workload.task.path}: after {config.train_steps} fp32 training steps the metric is "
+                f"{noise.reference}; train mode needs a finite one"
+            )
+        self._noise, self._ready = noise, True
+        if config.budget < noise.spread:
+            log.warning(
+                "budget %g is below the noise floor %.4g (the fp32 metric's spread over %d seeds after %d training "
+                "steps): the search cannot tell a real loss from noise there",
+                config.budget, noise.spread, config.noise_runs, config.train_steps,
+            )  # fmt: skip
 
     def metric(self, policy: Policy) -> tuple[float, dict[str, Any]]:
         """The candidate's metric (NaN when anything went non-finite) and what else was measured on the way."""
