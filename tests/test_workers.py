@@ -243,3 +243,26 @@ def test_a_worker_killed_mid_trial_is_failed_retried_and_the_study_finishes(tmp_
     assert retried[0].params == dead.params and dead.params  # the same policy, measured again
     assert {n: (trials[n].params, trials[n].values) for n in before} == before  # completed trials intact
     assert len([t for t in trials.values() if t.state is optuna.trial.TrialState.COMPLETE]) >= 5
+
+
+def test_a_study_on_postgresql_refuses_another_budget_model_or_memory_limit_before_any_trial(tmp_path, postgres_url):
+    """Issue 12's siblings through a database storage: joining a study with other settings is one clear error,
+    as with a journal file, and the study keeps only its own trials."""
+    from autoprec.tune.searcher import search
+    from search_worker import MODEL, SPACE
+    from short_timing import FAST_PROFILE, TINY
+
+    fast = dict(trials=2, storage=postgres_url, study_name="pg-key", timing=TINY, final_timing=TINY, finalists=1,
+                progress=False, profile=FAST_PROFILE)  # fmt: skip
+    space = space_from_dict(SPACE)
+    mlp = prepare(load_task(MODEL), "cpu")
+    search(mlp, space, SearchConfig(budget=0.5, **fast), tmp_path / "a")
+    with pytest.raises(UserError, match=r"study 'pg-key' in postgresql.* different budget .*--study NEW_NAME"):
+        search(mlp, space, SearchConfig(budget=0.2, **fast), tmp_path / "a")
+    with pytest.raises(UserError, match=r"different max_memory \(max_memory none, now 1000000000\)"):
+        search(mlp, space, SearchConfig(budget=0.5, max_memory=10**9, **fast), tmp_path / "a")
+    other = prepare(load_task(Path(__file__).parent / "models" / "underflow_mlp.py"), "cpu")
+    with pytest.raises(UserError, match=r"different (model|space)"):
+        search(other, space, SearchConfig(budget=0.5, **fast), tmp_path / "b")
+    study = optuna.load_study(study_name="pg-key", storage=postgres_url)
+    assert len(study.get_trials(states=COMPLETE)) == 2  # nothing was added by the refused runs
