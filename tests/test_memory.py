@@ -169,18 +169,18 @@ def test_a_step_the_grad_scaler_skipped_is_measured_again_and_given_up_after_the
     trainer = Trainer(wide, Policy())
     trainer.step()
     real = trainer.step
-    skips = {"left": 1}
+    calls, skip = {"n": 0}, set()
 
     def step(index=None):
         out = real(index)
-        if skips["left"]:  # as GradScaler.step does on inf gradients: the optimizer's step did not run
-            skips["left"] -= 1
+        calls["n"] += 1
+        if calls["n"] in skip:  # as GradScaler.step does on inf gradients: the optimizer's step did not run
             trainer.scaler.skipped_steps += 1
         return out
 
     monkeypatch.setattr(trainer, "step", step)
-    before = trainer.steps
+    skip.add(2)  # call 1: the unmeasured step on the largest batch; call 2: the first measured one, skipped
     assert trainer.peak_memory() == Trainer(wide, Policy()).peak_memory()
-    assert trainer.steps == before + 2  # the skipped step, then the one measured
-    skips["left"] = MEMORY_TRIES
-    assert trainer.peak_memory() is None
+    assert calls["n"] == 3  # measured again once
+    calls["n"], skip = 0, set(range(2, 2 + MEMORY_TRIES))
+    assert trainer.peak_memory() is None and calls["n"] == 1 + MEMORY_TRIES

@@ -308,7 +308,17 @@ def test_a_finished_train_mode_study_whose_result_stands_measures_no_noise_floor
     monkeypatch.setattr(sys.modules["autoprec.tune.study"], "noise_floor", measured_again)
     again = search(workload, FP16_SPACE, SearchConfig(budget=0.02, **{**TRAIN, "trials": 2}), tmp_path)
     assert again.noise == result.noise and again.policy.measured["noise"] == result.policy.measured["noise"]
-    assert NoiseFloor.from_dict({"train_steps": 10, "fp32_metrics_by_seed": "x"}) is None  # a hand-edited file: measure
+    for edited in ({"train_steps": 10, "fp32_metrics_by_seed": "12", "fp32_seed0_repeat": 1.0},
+                   {"train_steps": 10, "fp32_metrics_by_seed": [1.0, float("nan")], "fp32_seed0_repeat": 1.0},
+                   {"train_steps": True, "fp32_metrics_by_seed": [1.0], "fp32_seed0_repeat": 1.0}):  # fmt: skip
+        assert NoiseFloor.from_dict(edited) is None  # a hand-edited file: the noise floor is measured again
+    assert NoiseFloor.from_dict(result.noise.to_dict()) == result.noise
+    # a policy file whose noise floor is of another step count is not this study's result: measured again
+    data = json.loads((tmp_path / "policy.json").read_text())
+    data["measured"]["noise"]["train_steps"] = 999
+    (tmp_path / "policy.json").write_text(json.dumps(data))
+    with pytest.raises(AssertionError, match="the noise floor was measured again"):
+        search(workload, FP16_SPACE, SearchConfig(budget=0.02, **{**TRAIN, "trials": 2}), tmp_path)
 
 
 def picky_model(tmp_path):

@@ -10,6 +10,7 @@ run `search_and_report` / `sweep_and_report`, which write the same files.
 from __future__ import annotations
 
 import copy
+import numbers
 import dataclasses
 import logging
 import tempfile
@@ -127,8 +128,9 @@ def _setup(
     limit = config.get("max_memory")
     if isinstance(limit, str) or (isinstance(limit, float) and 0 < limit <= 1):  # "40GB", "80%", 0.8: as --max-memory
         config["max_memory"] = memory.parse_limit(str(limit), workload.device)
-    elif isinstance(limit, (int, float)) and not isinstance(limit, bool):  # a number of bytes (40e9 too)
-        config["max_memory"] = memory.parse_limit(f"{float(limit)!r}B", workload.device)
+    elif isinstance(limit, numbers.Real) and not isinstance(limit, bool):  # a number of bytes (40e9, a numpy int too)
+        size = int(limit) if isinstance(limit, numbers.Integral) else limit
+        config["max_memory"] = memory.parse_limit(f"{size}B", workload.device)
     settings = SearchConfig(budget=0.0, trials=trials, seed=seed, compile=compiled, progress=progress, **config)
     return workload, the_space, settings
 

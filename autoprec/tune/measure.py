@@ -309,17 +309,18 @@ class Trainer:
         optimizer's step, whose temporaries may be the peak, so it is measured again (up to MEMORY_TRIES). None
         where the device has no measurement, a profiler of the user's runs, or every try was skipped. Taken after
         the warm-up, so the optimizer state exists and a compiled model is compiled."""
-        if self.steps == 0:
-            self.step()
         index = largest_batch(self.workload)
+        self.step(index)  # unmeasured: the optimizer state exists, and a compiled model has seen this batch's shape
         for _ in range(MEMORY_TRIES):
             self.optimizer.zero_grad(set_to_none=True)
+            state = memory.state_bytes(self.state())  # before the step: state it creates is in the rise
             skipped = self.scaler.skipped_steps
             rise = memory.rise_bytes(self.workload.device, lambda: self.step(index))
             if rise is None:
                 return None
             if self.scaler.skipped_steps == skipped:
-                return memory.state_bytes(self.state()) + rise
+                return state + rise
+        log.warning("peak memory not measured: the GradScaler skipped %d steps in a row (inf/NaN gradients)", MEMORY_TRIES)
         return None
 
     @property
@@ -422,7 +423,7 @@ MEMORY_TRIES = 3  # steps the GradScaler skips before peak memory is given up (N
 
 def largest_batch(workload: Workload) -> int:
     """The index of the train batch with the most tensor bytes (the first of equals): what peak memory is measured on."""
-    sizes = [memory.state_bytes(map_tensors_flat(batch)) for batch in workload.train]
+    sizes = [sum(t.numel() * t.element_size() for t in map_tensors_flat(batch)) for batch in workload.train]
     return max(range(len(sizes)), key=lambda i: (sizes[i], -i))
 
 
@@ -521,14 +522,13 @@ class NoiseFloor:
         """What to_dict wrote (a policy file's `measured.noise`); None where it is missing or malformed."""
         if not isinstance(data, Mapping):
             return None
-        try:
-            metrics = tuple(float(v) for v in data["fp32_metrics_by_seed"])
-            steps, repeat = data["train_steps"], float(data["fp32_seed0_repeat"])
-        except (KeyError, TypeError, ValueError):
+        seeds, steps, repeat = data.get("fp32_metrics_by_seed"), data.get("train_steps"), data.get("fp32_seed0_repeat")
+        numbers_ = [*seeds, repeat] if isinstance(seeds, (list, tuple)) and seeds else []
+        if not numbers_ or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers_):
             return None
-        if isinstance(steps, bool) or not isinstance(steps, int) or not metrics:
+        if isinstance(steps, bool) or not isinstance(steps, int):
             return None
-        return cls(steps=steps, metrics=metrics, repeat=repeat)
+        return cls(steps=steps, metrics=tuple(float(v) for v in seeds), repeat=float(repeat))
 
 
 def noise_floor(workload: Workload, steps: int, runs: int = 3) -> NoiseFloor:

@@ -167,8 +167,8 @@ def parse_limit(value: str | int | float, device: torch.device) -> int:
     if unit == "%" or not unit:
         share = number / 100 if unit == "%" else number
         if not 0 < share <= 1:
-            raise UserError(f"--max-memory {text}: a share of the device's memory must be in (0, 1] (or 1%..100%); "
-                            f"for an absolute size add a unit, such as {text}GB")  # fmt: skip
+            unit_hint = "" if unit == "%" else f"; for an absolute size add a unit, such as {text}GB"
+            raise UserError(f"--max-memory {text}: a share of the device's memory must be in (0, 1] (or 1%..100%){unit_hint}")
         total = device_total(device)
         if total is None:
             raise UserError(f"--max-memory {text}: this device's total memory is unknown; give a size such as 40GB")
@@ -186,7 +186,7 @@ def human_bytes(n: float | None) -> str:
     if n is None or (isinstance(n, float) and not math.isfinite(n)):
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1000 or unit == "GiB":  # 1000 to 1023 of a unit shows as 0.98 of the next, not as 1e+03
+        if abs(n) < 999.5 or unit == "GiB":  # 999.5 to 1023 of a unit shows as 0.98 of the next, not as 1e+03
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}" if abs(n) < 1000 else f"{n:,.0f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -150,8 +150,9 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
             f"config.budget bounds the study and must be >= the largest budget, but got "
             f"config.budget={config.budget!r} and budgets up to {plan.budgets[-1]!r}"
         )
-    if config.objective is Goal.MEMORY and memory.source(workload.device) is None:
-        raise UserError(f"--objective memory: peak memory is {memory.not_measured(workload.device)}; use --objective speed")
+    if memory.source(workload.device) is None and (config.objective is Goal.MEMORY or config.max_memory is not None):
+        flag = "--objective memory" if config.objective is Goal.MEMORY else "--max-memory"
+        raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
     out_dir = Path(out_dir)
     check_out_dir(workload, out_dir)  # also makes the folder
     check_storage(config)  # before minutes of profiling; opening the study checks it again
@@ -166,6 +167,7 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         earlier = _earlier_result(out_dir, plan, started)
         if earlier is not None:
             return earlier
+    started.judge.measure()  # a no-op once measured; else now, not inside the final re-measure's time
     trial_costs(started.study, watch)
     candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists, goal=config.objective)
     finals = final_remeasure(workload, candidates, started.judge, config, watch)
@@ -214,8 +216,8 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
     """The result an earlier run of this finished study wrote to out_dir, when every file of it is there and
     it was chosen from the study as it stands (as many complete trials: no worker added one since); else
     None, and the finalists are re-measured. Rerunning the same command must not swap a policy on new noise."""
-    study = started.study
-    chosen = []
+    study, config = started.study, started.judge.config
+    chosen, noise = [], None
     for b in plan.budgets:
         path = out_dir / plan.policy_file(b)
         try:
@@ -223,11 +225,10 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
         except (OSError, ValueError):
             return None
         m = Measured.of(policy)
-        if started.judge.config.mode is Mode.TRAIN:
+        if config.mode is Mode.TRAIN:  # the noise floor it was judged against: this study's own, or measure again
             noise = NoiseFloor.from_dict(m.noise)
-            if noise is None:
+            if noise is None or noise.steps != config.train_steps or len(noise.metrics) != config.noise_runs:
                 return None
-            started.judge.known(noise)
         written = (m.budget, m.study.name, m.study.storage, m.study.complete)
         if written != (b, study.study_name, started.storage, _complete(study)) or m.greedy is None or m.chosen is None:
             return None
@@ -238,6 +239,8 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
         return None
     if not {c.name for c in chosen} | {c.greedy for c in chosen} <= set(finals.names):
         return None
+    if noise is not None:  # every file matched: the result stands with the noise floor it recorded
+        started.judge.known(noise)
     log.warning(
         "study %r is finished and its result in %s stands (nothing re-measured); pass --remeasure to re-measure its "
         "finalists and choose again, or --trials N for more trials", study.study_name, out_dir,
