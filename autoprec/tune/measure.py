@@ -266,6 +266,7 @@ class Trainer:
         self.scaler = grad_scaler(candidate.policy, workload.device, warn=False)
         self.order = tuple(order) if order is not None else tuple(range(len(workload.train)))
         self._next = 0
+        self._stepped: set[int] = set()  # the train batches stepped on (a compiled model has seen their shapes)
         self.steps = 0
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=workload.device)
 
@@ -278,10 +279,10 @@ class Trainer:
             synchronize(self.workload.device)
             start = time.perf_counter()
         if batch_index is None:
-            batch = self.workload.train[self.order[self._next % len(self.order)]]
+            batch_index = self.order[self._next % len(self.order)]
             self._next += 1
-        else:
-            batch = self.workload.train[batch_index]
+        batch = self.workload.train[batch_index]
+        self._stepped.add(batch_index)
         self.optimizer.zero_grad(set_to_none=True)
         with matmul_precision(self.workload.device, self.tf32):
             loss = check_loss(self.workload.task, self.workload.task.loss_fn(self._forward_model, batch))
@@ -307,10 +308,12 @@ class Trainer:
         with the gradients freed first. Every candidate is measured on the same batch, the largest (batches may
         differ in size), and on a step that updated the weights: a step the GradScaler skips never runs the
         optimizer's step, whose temporaries may be the peak, so it is measured again (up to MEMORY_TRIES). None
-        where the device has no measurement, a profiler of the user's runs, or every try was skipped. Taken after
-        the warm-up, so the optimizer state exists and a compiled model is compiled."""
+        where the device has no measurement, a profiler of the user's runs, or every try was skipped. Taken after a
+        step on that batch (one more if the timing took none), so the optimizer state exists and a compiled model
+        is compiled for its shapes."""
         index = largest_batch(self.workload)
-        self.step(index)  # unmeasured: the optimizer state exists, and a compiled model has seen this batch's shape
+        if index not in self._stepped:  # unmeasured: the optimizer state exists, a compiled model has seen its shape
+            self.step(index)
         for _ in range(MEMORY_TRIES):
             self.optimizer.zero_grad(set_to_none=True)
             state = memory.state_bytes(self.state())  # before the step: state it creates is in the rise
