@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 from autoprec import Policy  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.tune import load_task, memory, prepare  # noqa: E402
-from autoprec.tune.measure import Trainer, compile_scope  # noqa: E402
+from autoprec.tensors import map_tensors  # noqa: E402
+from autoprec.tune.measure import Trainer, compile_scope, largest_batch  # noqa: E402
 from autoprec.tune.report import markdown_table  # noqa: E402
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
@@ -30,12 +31,10 @@ EXAMPLES = ["examples/digits/model.py", "examples/tinylm/model.py", "examples/mi
 POLICIES = {"fp32": Policy(), "uniform bf16": Policy(layers={"": Format.BF16}), "uniform fp16": Policy(layers={"": Format.FP16})}
 
 
-def _first_tensor(batch: object) -> torch.Tensor:
-    """The batch's first tensor (inputs of a tuple, a dict's first value), to show the batch's shape."""
-    if isinstance(batch, torch.Tensor):
-        return batch
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
-    return next((t for t in map(_first_tensor, items) if t.numel()), torch.empty(0))
+def _first_shape(batch: object) -> str:
+    shapes: list[torch.Size] = []
+    map_tensors(batch, lambda t: shapes.append(t.shape) or t)
+    return "x".join(map(str, shapes[0])) if shapes else "?"
 
 
 def main() -> int:
@@ -61,7 +60,7 @@ def main() -> int:
                 peaks[name] = trainer.peak_memory()
                 state = memory.state_bytes(trainer.state())
         changes = [memory.format_change(memory.saving(peaks[n], peaks["fp32"])) for n in POLICIES if n != "fp32"]
-        batch = "x".join(map(str, _first_tensor(workload.train[0]).shape))
+        batch = _first_shape(workload.train[largest_batch(workload)])  # the batch Trainer.peak_memory measures
         rows.append([workload.task.name, batch, memory.human_bytes(state), *(memory.human_bytes(p) for p in peaks.values()), *changes])
         print(f"{workload.task.name}: " + ", ".join(f"{n} {memory.human_bytes(p)}" for n, p in peaks.items()), file=sys.stderr)
     print(markdown_table(headers, rows))

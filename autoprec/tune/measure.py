@@ -26,6 +26,7 @@ from autoprec.apply import apply_policy, compile_model
 from autoprec.scaler import grad_scaler
 from autoprec.policy import Policy
 from autoprec.errors import UserError, describe
+from autoprec.tensors import map_tensors
 from autoprec.tune import memory
 from autoprec.tune.task import Workload, check_loss
 
@@ -426,20 +427,15 @@ MEMORY_TRIES = 3  # steps the GradScaler skips before peak memory is given up (N
 
 def largest_batch(workload: Workload) -> int:
     """The index of the train batch with the most tensor bytes (the first of equals): what peak memory is measured on."""
-    sizes = [sum(t.numel() * t.element_size() for t in map_tensors_flat(batch)) for batch in workload.train]
+    sizes = [batch_bytes(batch) for batch in workload.train]
     return max(range(len(sizes)), key=lambda i: (sizes[i], -i))
 
 
-def map_tensors_flat(value: object) -> Iterator[torch.Tensor]:
-    """Every tensor in a batch (nested tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from map_tensors_flat(v)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from map_tensors_flat(v)
+def batch_bytes(batch: object) -> int:
+    """The bytes of every tensor in a (nested) batch."""
+    sizes: list[int] = []
+    map_tensors(batch, lambda t: sizes.append(t.numel() * t.element_size()) or t)  # `or t`: nothing is copied
+    return sum(sizes)
 
 
 def peak_memory_or_none(trainer: Trainer, name: str = "a candidate") -> int | None:

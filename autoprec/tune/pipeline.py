@@ -603,7 +603,7 @@ def choose_smallest(
 
 
 def _nothing_feasible(finals: Finals) -> str:
-    over = [r.candidate for r in finals if r.runs and not r.fits and r.peak_bytes is not None]
+    over = [r.candidate for r in finals if r.over_memory]
     unknown = [r.candidate for r in finals if r.runs and r.peak_bytes is None]
     if over:
         return f"no candidate stayed within budget and --max-memory when re-measured ({len(over)} ran but needed more memory): fp32"

@@ -57,6 +57,16 @@ class Measurement:
     memory_saving: float | None = None
     fits: bool = True
 
+    @property
+    def over_memory(self) -> bool:
+        """It ran and its measured peak is over --max-memory."""
+        return self.runs and not self.fits and self.peak_bytes is not None
+
+    @property
+    def unshown_to_fit(self) -> bool:
+        """It ran, but without a measured peak it cannot be shown to fit --max-memory."""
+        return self.runs and not self.fits and self.peak_bytes is None
+
     def within(self, budget: float) -> Measurement:
         """The same measurement judged against another budget (and, as measured, the memory limit)."""
         return dataclasses.replace(self, feasible=self.runs and self.fits and self.metric_drop <= budget)

@@ -251,8 +251,8 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
 def _verdict(r: Any) -> str:
     if r.feasible:
         return "yes"
-    if r.runs and not r.fits:
-        return "no: peak not measured" if r.peak_bytes is None else "no: over --max-memory"
+    if r.over_memory or r.unshown_to_fit:
+        return "no: over --max-memory" if r.over_memory else "no: peak not measured"
     return "no"
 
 
@@ -260,8 +260,8 @@ def _unfit_lines(finals: Finals, m: Measured) -> list[str]:
     """Which re-measured candidates (the alternatives among them) --max-memory refused, and why."""
     if not m.max_memory:
         return []
-    over = [r.candidate for r in finals if r.runs and not r.fits and r.peak_bytes is not None]
-    unknown = [r.candidate for r in finals if r.runs and not r.fits and r.peak_bytes is None]
+    over = [r.candidate for r in finals if r.over_memory]
+    unknown = [r.candidate for r in finals if r.unshown_to_fit]
     lines = [f"would not fit --max-memory {human_bytes(m.max_memory)}: {', '.join(over)}"] if over else []
     return lines + ([f"peak memory not measured, so not shown to fit: {', '.join(unknown)}"] if unknown else [])
 

@@ -10,7 +10,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -34,11 +34,19 @@ class Layout(str, enum.Enum):
         return self.value
 
 
-def parse_layout(value: object) -> Layout:
+E = TypeVar("E", bound=enum.Enum)
+
+
+def parse_option(kind: type[E], value: object, name: str) -> E:
+    """One of a string enum's values (a member, or its text in any case), or a ValueError naming the choices."""
     try:
-        return Layout(str(getattr(value, "value", value)).strip().lower())
+        return kind(str(getattr(value, "value", value)).strip().lower())
     except ValueError:
-        raise ValueError(f"layout must be one of {', '.join(x.value for x in Layout)}, but got {value!r}") from None
+        raise ValueError(f"{name} must be one of {', '.join(x.value for x in kind)}, but got {value!r}") from None
+
+
+def parse_layout(value: object) -> Layout:
+    return parse_option(Layout, value, "layout")
 
 
 _LOSS_SCALE_KEYS = ("init_scale_log2", "growth_interval", "growth_factor", "backoff_factor", "dynamic")

@@ -9,6 +9,7 @@ a two-objective one also minimises the metric drop, for a Pareto front (sweeper.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -48,7 +49,7 @@ from autoprec.tune.measure import (
 )
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.profiler import Profile, ProfileConfig
-from autoprec.tune.space import SearchSpace
+from autoprec.tune.space import SearchSpace, parse_option
 from autoprec.tune.task import Workload
 
 log = logging.getLogger("autoprec")
@@ -77,17 +78,11 @@ class Goal(str, enum.Enum):
 
 
 def parse_goal(value: object) -> Goal:
-    try:
-        return Goal(str(getattr(value, "value", value)).strip().lower())
-    except ValueError:
-        raise ValueError(f"objective must be one of {', '.join(g.value for g in Goal)}, but got {value!r}") from None
+    return parse_option(Goal, value, "objective")
 
 
 def parse_mode(value: object) -> Mode:
-    try:
-        return Mode(str(getattr(value, "value", value)).strip().lower())
-    except ValueError:
-        raise ValueError(f"mode must be one of {', '.join(m.value for m in Mode)}, but got {value!r}") from None
+    return parse_option(Mode, value, "mode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,11 +402,8 @@ class Objective:
         a Trainer built for it (compiled as the search's candidates are)."""
         if not self._fp32_peak_known:
             trainer = baseline or self.baseline
-            if trainer is None:
-                with compile_scope(self.config.compile, 1):
-                    trainer = Trainer(self.workload, Policy(layers={ROOT: Format.FP32}), compiled=self.config.compile)
-                    self._fp32_peak = peak_memory_or_none(trainer, "the fp32 baseline")
-            else:
+            with compile_scope(self.config.compile, 1) if trainer is None else contextlib.nullcontext():
+                trainer = trainer or Trainer(self.workload, Policy(layers={ROOT: Format.FP32}), compiled=self.config.compile)
                 self._fp32_peak = peak_memory_or_none(trainer, "the fp32 baseline")
             self._fp32_peak_known = True
         return self._fp32_peak
