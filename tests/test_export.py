@@ -1,5 +1,5 @@
-"""`autoprec export --to torchao`: the file, loaded and run with torchao, converts exactly the policy's fp8 layers
-with their recipes, and lists what it cannot express."""
+"""`autoprec export`: each target's file, loaded by that tool (torchao, torchtitan, Megatron-core), converts exactly
+the policy's fp8 layers it can express, in their recipes, and lists what it cannot express."""
 
 import importlib.util
 import json
@@ -40,7 +40,7 @@ def test_the_torchao_file_converts_exactly_the_policys_fp8_layers_with_their_rec
     assert converted["a"] == converted["e.0"] == Float8LinearConfig.from_recipe_name("tensorwise")
     assert converted["b"] == Float8LinearConfig.from_recipe_name("rowwise")
     assert [type(m) for m in (model.c, model.d, model.f)] == [nn.Linear] * 3
-    assert len(left_out) == 2 and "model root" in left_out[0] and "bf16" in left_out[0] and "'c' runs in bf16" in left_out[1]
+    assert len(left_out) == 2 and "model root" in left_out[0] and "bf16" in left_out[0] and "layer 'c' runs in bf16" in left_out[1]
     assert all(line in (tmp_path / "policy_torchao.py").read_text() for line in left_out)  # in the file, too
 
 
@@ -52,12 +52,149 @@ def test_the_export_verb_writes_beside_the_policy_and_lists_what_it_left_out(tmp
     assert main(["export", str(tmp_path / "policy.json"), "--to", "torchao", "--out", str(tmp_path / "x.py"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["file"] == str(tmp_path / "x.py")
     with pytest.raises(SystemExit):  # argparse names the choices
-        main(["export", str(tmp_path / "policy.json"), "--to", "megatron"])
-    assert "invalid choice: 'megatron'" in capsys.readouterr().err
+        main(["export", str(tmp_path / "policy.json"), "--to", "transformer-engine"])
+    assert "invalid choice: 'transformer-engine'" in capsys.readouterr().err
 
 
 def test_a_policy_without_fp8_layers_says_the_file_converts_nothing(tmp_path):
-    left_out = export(Policy(layers={"a": "bf16"}), "torchao", tmp_path / "p.py")
+    left_out = export(Policy(layers={"a": "bf16", "b": "bf16"}), "torchao", tmp_path / "p.py")
+    assert left_out[0].startswith("2 layers ('a', 'b') run in bf16: not a torchao float8 recipe")  # one line per reason
     assert left_out[-1] == "the policy has no fp8 layer: the file's convert(model) changes nothing"
     model = load(tmp_path / "p.py").convert(Net())
     assert all(type(m) in (nn.Linear, nn.Sequential, Net) for m in model.modules())
+
+
+# --- torchtitan (0.3): its own model config, its own converter, on the CPU (emulate=True, eager) ---
+
+TITAN_POLICY = Policy(layers={"": "bf16", "layers.0.feed_forward.w1": "fp8-rowwise", "layers.0.feed_forward.w3": "fp8-rowwise",
+                              "layers.1.feed_forward.w2": "fp8-rowwise-gw-hp", "layers.1.attention.wo": "fp8",
+                              "layers.0.attention.wo": "fp32", "lm_head": "bf16"})  # fmt: skip
+
+
+@pytest.fixture
+def llama3():
+    """torchtitan's llama3 debug model registry; its rowwise converter sets an inductor flag, restored after."""
+    from torch._inductor import config
+
+    llama3 = pytest.importorskip("torchtitan.models.llama3", reason="torchtitan needs Python 3.11 (the test extra has it)")
+    saved = config.get_config_copy()
+    yield llama3.model_registry
+    config.load_config(saved)
+
+
+def converted(model_config):
+    from torchtitan.components.quantization.float8 import Float8Linear
+    from torchtitan.models.common.linear import Linear
+
+    return {fqn for fqn, config, _, _ in model_config.traverse(Linear.Config) if isinstance(config, Float8Linear.Config)}
+
+
+def test_the_torchtitan_file_converts_exactly_the_policys_rowwise_layers_with_their_recipes(tmp_path, llama3):
+    import torch
+    from torchtitan.models.common.linear import Linear
+
+    left_out = export(TITAN_POLICY, "torchtitan", tmp_path / "p_torchtitan.py")
+    exported = load(tmp_path / "p_torchtitan.py")
+    config = llama3("debugmodel").model
+    with torch.device("meta"):  # the config's fqns are the built model's module names, which a search lists
+        modules = {n for n, m in config.build().named_modules() if isinstance(m, torch.nn.Linear)}
+    assert modules == {fqn for fqn, *_ in config.traverse(Linear.Config)}
+    converters = exported.float8_converters(config, emulate=True)
+    assert [c.recipe_name for c in converters] == ["rowwise", "rowwise_with_gw_hp"]
+    assert converted(llama3("debugmodel", converters=converters[:1]).model) == {"layers.0.feed_forward.w1", "layers.0.feed_forward.w3"}
+    assert converted(llama3("debugmodel", converters=converters[1:]).model) == {"layers.1.feed_forward.w2"}
+    assert converted(llama3("debugmodel", converters=converters).model) == {
+        "layers.0.feed_forward.w1", "layers.0.feed_forward.w3", "layers.1.feed_forward.w2"}  # fmt: skip
+    assert len(left_out) == 3 and "model root" in left_out[0] and "'lm_head' runs in bf16" in left_out[1]
+    assert "layer 'layers.1.attention.wo' runs in fp8 recipe 'tensorwise'" in left_out[2]
+    assert all(line in (tmp_path / "p_torchtitan.py").read_text() for line in left_out)
+
+
+def test_the_torchtitan_file_refuses_a_model_config_without_the_policys_layers(tmp_path, llama3):
+    export(Policy(layers={"blocks.0.fc": "fp8-rowwise"}), "torchtitan", tmp_path / "p.py")
+    with pytest.raises(ValueError, match=r"\['blocks.0.fc'\] are not Linear layers of this model config .*another model"):
+        load(tmp_path / "p.py").float8_converters(llama3("debugmodel").model, emulate=True)
+
+
+def test_the_torchtitan_file_refuses_a_skip_filter_that_would_catch_an_fp8_layer(tmp_path, llama3):
+    export(Policy(layers={"out_proj": "fp8-rowwise"}), "torchtitan", tmp_path / "p.py")
+
+    class Config:  # a model config whose Linear 'out' is a substring of the fp8 layer 'out_proj'
+        def traverse(self, _cls):
+            return iter([("out", None, None, None), ("out_proj", None, None, None)])
+
+    with pytest.raises(ValueError, match="filter 'out' would also skip fp8 layer 'out_proj'"):
+        load(tmp_path / "p.py").filter_fqns(Config(), "rowwise")
+
+
+def test_a_policy_without_rowwise_layers_gives_torchtitan_no_converter(tmp_path, llama3):
+    left_out = export(Policy(layers={"layers.0.attention.wo": "fp8"}), "torchtitan", tmp_path / "p.py")
+    assert load(tmp_path / "p.py").float8_converters(llama3("debugmodel").model) == []
+    assert left_out[-1].endswith("float8_converters() returns []") and "tensorwise" in left_out[0]
+
+
+# --- Megatron-core: its TransformerConfig validates the fields, its own layer rule says which layers run fp8 ---
+
+def megatron_policy(blocks):
+    """blocks: per transformer layer, (qkv, proj, fc1, fc2) formats."""
+    roles = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+    return {f"decoder.layers.{i}.{role}": fmt for i, formats in enumerate(blocks) for role, fmt in zip(roles, formats)}
+
+
+def megatron_fp8_layers(exported, count):
+    """Which transformer layers Megatron-core runs in fp8 under the exported TransformerConfig fields."""
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=count, hidden_size=64, num_attention_heads=4, **exported["transformer_config"])
+    return [i for i in range(count) if config.fp8 and not is_first_last_bf16_layer(config, i)], config
+
+
+def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_layers(tmp_path):
+    import dataclasses as dc
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    t, b, r = "fp8", "bf16", "fp8-rowwise"
+    layers = megatron_policy([(t,) * 4, (b,) * 4, (t,) * 4, (t,) * 4, (t,) * 4, (t, t, t, b), (r,) * 4])
+    left_out = export(Policy(layers={"": "bf16", **layers, "output_layer": "fp8"}), "megatron", tmp_path / "m.json")
+    exported = json.loads((tmp_path / "m.json").read_text())
+    assert exported["stack"] == "decoder.layers" and exported["num_layers"] == 7 and exported["fp8_layers"] == [2, 3, 4]
+    fp8, config = megatron_fp8_layers(exported, 7)
+    assert fp8 == [2, 3, 4] and config.bf16 and (config.fp8, config.fp8_recipe) == ("hybrid", "tensorwise")
+    # every argument names a TransformerConfig field by Megatron's own argparse metadata, with the exported value
+    flags = {}
+    for field in dc.fields(TransformerConfig):
+        names = field.metadata.get("argparse_meta", {}).get("arg_names", ["--" + field.name.replace("_", "-")])
+        flags.update(dict.fromkeys(names, field.name))
+    words, parsed = exported["arguments"].split(), {}
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True
+            parsed[flags[word]] = int(value) if isinstance(value, str) and value.isdigit() else value
+    assert parsed == {k: v for k, v in exported["transformer_config"].items() if v is not False}
+    assert left_out == exported["not_expressed"] and len(left_out) == 4
+    assert "layer 'output_layer' runs in fp8 outside the transformer layers (decoder.layers.N)" in left_out[0]
+    assert left_out[1].startswith("layer decoder.layers.0: wholly fp8 in the policy, but") and "run is 2 to 4" in left_out[1]
+    assert left_out[2].startswith("layer decoder.layers.5: fp8 in 3 of its 4 listed layers")
+    assert left_out[3].startswith("layer decoder.layers.6: 'decoder.layers.6.attn.qkv', ") and "no twin" in left_out[3]
+
+
+@pytest.mark.parametrize("blocks, root, expected", [
+    ([("fp8",) * 4] * 3, "fp32", [0, 1, 2]),  # every layer: no first/last settings at all
+    ([("bf16",) * 4] * 3, "bf16", []),  # no fp8: fp8 unset
+    ([("fp8",) * 4, ("fp8", "fp8", "fp8", "fp32"), ("fp8",) * 4, ("fp8",) * 4], "fp32", [2, 3]),
+], ids=["all", "none", "end"])  # fmt: skip
+def test_the_megatron_fp8_layers_are_what_megatron_runs(tmp_path, blocks, root, expected):
+    left_out = export(Policy(layers={"": root, **megatron_policy(blocks)}), "megatron", tmp_path / "m.json")
+    exported = json.loads((tmp_path / "m.json").read_text())
+    assert megatron_fp8_layers(exported, len(blocks))[0] == expected == exported["fp8_layers"]
+    assert ("first_last_layers_bf16" in exported["transformer_config"]) == (0 < len(expected) < len(blocks))
+    assert not left_out if expected in ([0, 1, 2], []) else len(left_out) == 2
+
+
+def test_the_export_verb_names_each_targets_file(tmp_path, capsys):
+    POLICY.save(tmp_path / "policy.json")
+    for target, name in (("torchtitan", "policy_torchtitan.py"), ("megatron", "policy_megatron.json")):
+        assert main(["export", str(tmp_path / "policy.json"), "--to", target, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["file"] == str(tmp_path / name) and (tmp_path / name).exists()

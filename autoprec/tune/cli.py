@@ -195,11 +195,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from autoprec.policy import load_policy
-    from autoprec.tune.export import export
+    from autoprec.tune.export import default_path, export
 
     policy = load_policy(args.policy)
     source = Path(args.policy)
-    out = Path(args.out) if args.out else source.with_name(f"{source.stem}_{args.to}.py")
+    out = Path(args.out) if args.out else default_path(source, args.to)
     try:
         left_out = export(policy, args.to, out, source=str(source))
     except OSError as exc:
@@ -337,8 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex = verbs.add_parser("export", help="write a policy's fp8 layers for another training tool",
                           description="write a policy's fp8 layers for another training tool; what it cannot express is listed")  # fmt: skip
     ex.add_argument("policy", help="path to a policy.json")
-    ex.add_argument("--to", required=True, choices=TARGETS, help="torchao: a module_filter_fn file for convert_to_float8_training")
-    ex.add_argument("--out", help="the file to write (default: beside the policy, <name>_<target>.py)")
+    ex.add_argument("--to", required=True, choices=TARGETS, help="torchao: a module_filter_fn file for convert_to_float8_training; torchtitan: "
+                    "Float8LinearConverter configs whose filter_fqns convert exactly the policy's fp8 layers; megatron: "
+                    "TransformerConfig fields and Megatron-LM arguments (fp8 per transformer layer)")
+    ex.add_argument("--out", help="the file to write (default: beside the policy, <name>_<target>.py, or .json for megatron)")
     _global_flags(ex)
     ex.set_defaults(func=cmd_export)
     return parser

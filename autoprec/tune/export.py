@@ -1,42 +1,77 @@
 """A policy's fp8 layers in another training tool's terms (`autoprec export`). What the target cannot express
-(bf16 or fp16 layers, a lowered model root) is listed, never dropped silently.
+(bf16 or fp16 layers, a lowered model root, a recipe or a layer set the tool has no setting for) is listed, never
+dropped silently; nothing is put in fp8 that the policy did not measure in that recipe.
 
 - `torchao`: a Python file with the fp8 layers per recipe, a `module_filter_fn` per recipe for
   `torchao.float8.convert_to_float8_training`, and `convert(model)` that applies them all.
+- `torchtitan`: a Python file whose `float8_converters(model_config)` gives torchtitan's
+  `Float8LinearConverter.Config` per recipe, its `filter_fqns` (substrings of the layers to skip) computed from
+  that model config so that exactly the policy's fp8 layers convert. torchtitan 0.3 offers rowwise recipes only.
+- `megatron`: a JSON file of Megatron-core `TransformerConfig` fields and the Megatron-LM arguments that say the
+  same. Megatron (through Transformer Engine) runs fp8 per transformer layer, in one contiguous run: the first and
+  last layers may stay in the model's dtype. The export takes the longest run of layers that the policy runs wholly
+  in torchao's tensorwise recipe (Megatron's `tensorwise`: dynamic per-tensor scales, e4m3 forward, e5m2 gradients).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 
-TARGETS = ("torchao",)
+SUFFIXES = {"torchao": ".py", "torchtitan": ".py", "megatron": ".json"}  # target -> the written file's suffix
+TARGETS = tuple(SUFFIXES)
+TORCHTITAN_RECIPES = ("rowwise", "rowwise_with_gw_hp")  # Float8LinearConverter.Config.recipe_name in torchtitan 0.3
+# torchao recipe -> Megatron's (fp8 format, fp8_recipe) that computes the same: only tensorwise has a twin there
+MEGATRON_RECIPES = {"tensorwise": ("hybrid", "tensorwise")}
+_NUMBERED = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")  # 'blocks.3.attn.qkv': block 3 of 'blocks'
 
 
-def not_expressed(policy: Policy) -> list[str]:
-    """What an fp8-only target leaves out: each non-fp8, non-fp32 layer and a lowered root, as lines."""
-    lines = []
+def _layers(names: list[str], verb: str = "runs") -> str:
+    """"layer 'a' runs" or "3 layers ('a', 'b', 'c') run": one line per reason, however many layers."""
+    if len(names) == 1:
+        return f"layer {names[0]!r} {verb}"
+    return f"{len(names)} layers ({', '.join(repr(n) for n in names)}) {verb.removesuffix('s')}"
+
+
+def not_expressed(policy: Policy, tool: str = "torchao") -> list[str]:
+    """What an fp8-only target leaves out: a lowered root and the non-fp8, non-fp32 layers per format, as lines."""
+    lines, by_format = [], {}
     for name, fmt in policy.layers.items():
-        if fmt.spec.fp8_recipe is not None or fmt is Format.FP32:
-            continue
-        where = "the model root (every op outside a listed layer)" if name == ROOT else f"layer {name!r}"
-        lines.append(f"{where} runs in {fmt.value}: not a torchao float8 recipe, so not in the export; run it with "
-                     "autocast or autoprec.apply_policy")  # fmt: skip
+        if fmt.spec.fp8_recipe is None and fmt is not Format.FP32:
+            by_format.setdefault(fmt, []).append(name)
+    why = f"not a {tool} float8 recipe, so not in the export; run it with autocast or autoprec.apply_policy"
+    for fmt, names in by_format.items():
+        if ROOT in names:
+            lines.append(f"the model root (every op outside a listed layer) runs in {fmt.value}: {why}")
+            names = [n for n in names if n != ROOT]
+        if names:
+            lines.append(f"{_layers(names)} in {fmt.value}: {why}")
     return lines
 
 
-def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
-    """The torchao file's text (see the module docstring)."""
+def fp8_layers(policy: Policy) -> dict[str, list[str]]:
+    """torchao recipe -> the policy's layers in it, in the policy's order."""
     recipes: dict[str, list[str]] = {}
     for name, fmt in policy.layers.items():
         if fmt.spec.fp8_recipe is not None:
             recipes.setdefault(fmt.spec.fp8_recipe, []).append(name)
-    missing = not_expressed(policy)
-    header = "\n".join(f"  - {line}" for line in missing) or "  (nothing: every listed layer is fp8 or fp32)"
+    return recipes
+
+
+def _header(lines: list[str]) -> str:
+    return "\n".join(f"  - {line}" for line in lines) or "  (nothing: every listed layer is fp8 or fp32)"
+
+
+def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
+    """The torchao file's text (see the module docstring)."""
+    recipes = fp8_layers(policy)
+    header = _header(not_expressed(policy))
     if not recipes:
         header += "\n\nThe policy has no fp8 layer: convert(model) changes nothing."
     layers = json.dumps(recipes, indent=4)
@@ -68,13 +103,183 @@ def convert(model):
 '''
 
 
+def torchtitan_not_expressed(policy: Policy) -> list[str]:
+    lines = not_expressed(policy, "torchtitan")
+    for recipe, names in fp8_layers(policy).items():
+        if recipe not in TORCHTITAN_RECIPES:
+            lines.append(f"{_layers(names)} in fp8 recipe {recipe!r}: torchtitan's float8 converter offers "
+                         f"{' and '.join(TORCHTITAN_RECIPES)} only, so they are left out (torchtitan trains them in "
+                         "its mixed-precision dtype)")  # fmt: skip
+    return lines
+
+
+def torchtitan_source(policy: Policy, *, source: str = "a policy") -> str:
+    """The torchtitan file's text (see the module docstring)."""
+    recipes = {r: names for r, names in fp8_layers(policy).items() if r in TORCHTITAN_RECIPES}
+    header = _header(torchtitan_not_expressed(policy))
+    if not recipes:
+        header += "\n\nNo fp8 layer of the policy has a torchtitan recipe: float8_converters() returns []."
+    layers = json.dumps(recipes, indent=4)
+    return f'''"""torchtitan float8 training for the fp8 layers of {source!r} (written by `autoprec export --to torchtitan`).
+
+In a torchtitan (0.3) config function, the model config first, then the converters computed from it:
+
+    from this_file import float8_converters
+    spec = model_registry("8B", converters=float8_converters(model_registry("8B").model))
+
+Each converter is torchtitan's Float8LinearConverter.Config for one recipe; its filter_fqns (substrings of the
+layers torchtitan skips) name every Linear of the model config but this policy's fp8 layers in that recipe, so
+exactly those convert. `options` go to every converter (emulate=True, model_compile_enabled=...).
+
+Not expressed here:
+{header}
+"""
+
+from torchtitan.components.quantization.float8 import Float8LinearConverter
+from torchtitan.models.common.linear import Linear
+
+FP8_LAYERS = {layers}  # torchtitan recipe -> the fully qualified names of its Linear layers
+
+
+def filter_fqns(model_config, recipe):
+    """Every Linear of `model_config` but the policy's `recipe` layers; refuses names the config lacks."""
+    names = [fqn for fqn, _config, _parent, _attr in model_config.traverse(Linear.Config)]
+    keep = FP8_LAYERS[recipe]
+    missing = sorted(set(keep) - set(names))
+    if missing:
+        raise ValueError(f"policy layers {{missing[:5]}} are not Linear layers of this model config "
+                         f"(it has {{len(names)}}, such as {{names[:3]}}): the policy was searched on another model")
+    skip = [name for name in names if name not in keep]
+    clash = [(s, k) for s in skip for k in keep if s in k]  # torchtitan skips every fqn that contains a filter
+    if clash:
+        raise ValueError(f"filter {{clash[0][0]!r}} would also skip fp8 layer {{clash[0][1]!r}}: "
+                         "torchtitan's filter_fqns match substrings, so this layer set cannot be written")
+    return skip
+
+
+def float8_converters(model_config, **options):
+    return [Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=filter_fqns(model_config, recipe), **options)
+            for recipe in FP8_LAYERS]
+'''
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronExport:
+    """What `--to megatron` writes: the block stack found in the policy's layer names, the transformer layers that
+    run in fp8, Megatron-core TransformerConfig fields and the Megatron-LM arguments that say the same."""
+
+    stack: str | None
+    num_layers: int
+    fp8_layers: tuple[int, ...]
+    transformer_config: dict[str, object]
+    arguments: str
+    not_expressed: tuple[str, ...]
+
+    def to_dict(self, source: str) -> dict[str, object]:
+        return {"written_by": "autoprec export --to megatron", "policy": source, **dataclasses.asdict(self),
+                "fp8_layers": list(self.fp8_layers), "not_expressed": list(self.not_expressed)}  # fmt: skip
+
+
+def _blocks(policy: Policy) -> tuple[str | None, dict[int, dict[str, Format]], dict[str, Format]]:
+    """(the numbered stack with the most blocks, its blocks' listed layers, the listed layers outside it)."""
+    stacks: dict[str, dict[int, dict[str, Format]]] = {}
+    for name, fmt in policy.layers.items():
+        match = _NUMBERED.match(name)
+        if match:
+            stacks.setdefault(match["stack"], {}).setdefault(int(match["index"]), {})[name] = fmt
+    if not stacks:
+        return None, {}, {n: f for n, f in policy.layers.items() if n != ROOT}
+    stack = max(stacks, key=lambda s: len(stacks[s]))  # the first among equals: dicts keep the policy's order
+    inside = stacks[stack]
+    listed = {n for block in inside.values() for n in block}
+    return stack, inside, {n: f for n, f in policy.layers.items() if n != ROOT and n not in listed}
+
+
+def _longest_run(indices: set[int], count: int) -> tuple[int, int]:
+    """The longest [start, stop) of consecutive members of `indices` in range(count); the first among equals."""
+    best, start = (0, 0), None
+    for i in range(count + 1):
+        if i < count and i in indices:
+            start = i if start is None else start
+        elif start is not None:
+            best = max(best, (start, i), key=lambda r: r[1] - r[0])
+            start = None
+    return best
+
+
+def megatron_export(policy: Policy) -> MegatronExport:
+    """The Megatron settings closest to `policy` that run no layer in fp8 the policy did not (module docstring)."""
+    root = policy.layers.get(ROOT, Format.FP32)
+    stack, blocks, outside = _blocks(policy)
+    count = max(blocks, default=-1) + 1
+    whole = {i for i, block in blocks.items() if all(f.spec.fp8_recipe in MEGATRON_RECIPES for f in block.values())}
+    start, stop = _longest_run(whole, count)
+    lines = []
+    model_dtype = root if root in (Format.BF16, Format.FP16) else Format.FP32
+    other_dtype: dict[Format, list[str]] = {}  # the model root sets the model's dtype, so it is never listed here
+    for name, fmt in policy.layers.items():
+        if fmt.spec.fp8_recipe is None and fmt is not model_dtype:
+            other_dtype.setdefault(fmt, []).append(name)
+    for fmt, names in other_dtype.items():
+        lines.append(f"{_layers(names)} in {fmt.value}: Megatron runs every layer outside fp8 in the model's dtype "
+                     f"({model_dtype.value} here)")  # fmt: skip
+    fp8_outside = [name for name, fmt in outside.items() if fmt.spec.fp8_recipe is not None]
+    if fp8_outside:
+        lines.append(f"{_layers(fp8_outside)} in fp8 outside the transformer layers ({stack or 'none found'}.N), "
+                     "where Megatron runs no fp8; left in the model's dtype")  # fmt: skip
+    for i in sorted(blocks):
+        fp8 = [n for n, f in blocks[i].items() if f.spec.fp8_recipe is not None]
+        other_recipe = [n for n in fp8 if blocks[i][n].spec.fp8_recipe not in MEGATRON_RECIPES]
+        if other_recipe:
+            lines.append(f"layer {stack}.{i}: {', '.join(repr(n) for n in other_recipe)} run in an fp8 recipe Megatron "
+                         f"has no twin for (it has {', '.join(MEGATRON_RECIPES)} of torchao's); the layer is left "
+                         "out of fp8")  # fmt: skip
+        elif fp8 and i not in whole:
+            lines.append(f"layer {stack}.{i}: fp8 in {len(fp8)} of its {len(blocks[i])} listed layers; Megatron runs "
+                         "a transformer layer's linears all in fp8 or none, so it is left out of fp8")  # fmt: skip
+        elif i in whole and not start <= i < stop:
+            lines.append(f"layer {stack}.{i}: wholly fp8 in the policy, but Megatron runs fp8 in one contiguous run "
+                         f"of layers (the first and last N outside it); exported outside fp8, the run is {start} to "
+                         f"{stop - 1}")  # fmt: skip
+    config: dict[str, object] = {"bf16": model_dtype is Format.BF16, "fp16": model_dtype is Format.FP16}
+    args = [f"--{model_dtype.value}"] if model_dtype is not Format.FP32 else []
+    if stop > start:
+        fmt_name, recipe = MEGATRON_RECIPES["tensorwise"]
+        config.update(fp8=fmt_name, fp8_recipe=recipe)
+        args += ["--fp8-format", fmt_name, "--fp8-recipe", recipe]
+        if start > 0 or stop < count:
+            config.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start,
+                          num_layers_at_end_in_bf16=count - stop)  # fmt: skip
+            args += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
+                     "--num-layers-at-end-in-bf16", str(count - stop)]  # fmt: skip
+    elif fp8_layers(policy):
+        lines.append("no transformer layer runs wholly in Megatron's fp8 under the policy: the export sets no fp8")
+    return MegatronExport(stack=stack, num_layers=count, fp8_layers=tuple(range(start, stop)),
+                          transformer_config=config, arguments=" ".join(args), not_expressed=tuple(lines))  # fmt: skip
+
+
+def default_path(policy_path: Path, target: str) -> Path:
+    """Beside the policy: <name>_<target><suffix>."""
+    return policy_path.with_name(f"{policy_path.stem}_{target}{SUFFIXES[target]}")
+
+
 def export(policy: Policy, target: str, out: str | Path, *, source: str = "a policy") -> list[str]:
     """Write `policy` for `target` to `out`; returns what the target could not express (and says when nothing
     is left to convert)."""
     if target not in TARGETS:
         raise ValueError(f"--to {target!r}: one of {', '.join(TARGETS)}")
-    write_text(out, torchao_source(policy, source=source))
-    left_out = not_expressed(policy)
-    if not any(fmt.spec.fp8_recipe is not None for fmt in policy.layers.values()):
-        left_out.append("the policy has no fp8 layer: the file's convert(model) changes nothing")
-    return left_out
+    if target == "megatron":
+        exported = megatron_export(policy)
+        write_text(out, json.dumps(exported.to_dict(source), indent=2) + "\n")
+        return list(exported.not_expressed)
+    if target == "torchtitan":
+        write_text(out, torchtitan_source(policy, source=source))
+        left_out = torchtitan_not_expressed(policy)
+        converts = any(r in TORCHTITAN_RECIPES for r in fp8_layers(policy))
+        nothing = "the policy has no fp8 layer torchtitan can run: the file's float8_converters() returns []"
+    else:
+        write_text(out, torchao_source(policy, source=source))
+        left_out = not_expressed(policy)
+        converts = bool(fp8_layers(policy))
+        nothing = "the policy has no fp8 layer: the file's convert(model) changes nothing"
+    return left_out if converts else [*left_out, nothing]
