@@ -1,4 +1,6 @@
 
+import gc
+
 import pytest
 import torch
 
@@ -55,6 +57,22 @@ def test_a_step_that_frees_what_it_allocates_before_allocating_more_rises_by_the
             torch.empty(n, dtype=torch.float64)  # freed at once: never two alive
 
     assert memory.rise_bytes(CPU, step) == 3000 * 8
+
+
+@pytest.mark.parametrize("recorder", ["legacy", "kineto"])
+def test_no_automatic_garbage_collection_runs_inside_the_recorded_step_and_the_collector_is_resumed(recorder, monkeypatch):
+    # a collection inside the step would free earlier work's tensors, which the recorder cannot count
+    if recorder == "kineto":
+        monkeypatch.setattr(torch.autograd, "_enable_profiler_legacy", None)
+    seen = []
+    assert memory.rise_bytes(CPU, lambda: seen.append(gc.isenabled())) is not None
+    assert seen == [False] and gc.isenabled()
+    gc.disable()  # a caller that paused it itself finds it paused after
+    try:
+        memory.rise_bytes(CPU, lambda: None)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_a_profiler_of_the_users_is_left_alone_and_nothing_is_measured():

@@ -22,11 +22,13 @@ candidate and is not counted. How the rise is measured depends on the device (`s
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import math
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -101,11 +103,12 @@ def _traced_rise(step: Callable[[], object]) -> int | None:
         config = None
     if enable is None or disable is None or config is None:
         return _kineto_rise(step)
-    enable(config)
-    try:
-        step()
-    finally:
-        threads = disable()
+    with _collector_paused():
+        enable(config)
+        try:
+            step()
+        finally:
+            threads = disable()
     start = next(r for records in threads for r in records if r.name() == "__start_profile")
     per_thread = [[(r.cpu_elapsed_us(start), r.cpu_memory_usage()) for r in records if r.kind() == "memory_alloc"]
                   for records in threads]  # fmt: skip
@@ -115,7 +118,7 @@ def _traced_rise(step: Callable[[], object]) -> int | None:
 def _kineto_rise(step: Callable[[], object]) -> int:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 (costly; only a measurement needs it)
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _collector_paused(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted(
         (e.start_ns(), e.nbytes())
@@ -123,6 +126,21 @@ def _kineto_rise(step: Callable[[], object]) -> int:
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     )
     return _highest_total(nbytes for _, nbytes in events)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for one recorded step, then resumed as it was. A collection that
+    ran inside the step would free garbage of earlier work (tensors allocated before the recording started): the
+    recorder cannot count those frees, and torch's CPU allocator prints a warning for the first one. Paused, the
+    step's record holds its own allocations only, the same in every run. Explicit gc.collect() calls still run."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _highest_total(changes: Iterable[int]) -> int:
