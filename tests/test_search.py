@@ -16,6 +16,7 @@ from autoprec.tune.measure import NoiseFloor, metric_of
 from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
 from autoprec.tune.searcher import Mode
+from autoprec.tune.study import INFEASIBLE
 from autoprec.tune.space import space_from_dict
 from builders import finals, made_up_peak
 from short_timing import FAST_PROFILE, TINY
@@ -591,6 +592,11 @@ def test_a_memory_limit_makes_every_candidate_over_it_infeasible(tmp_path, fake_
     done = load_study(tmp_path).get_trials(states=(optuna.trial.TrialState.COMPLETE,))
     keys = {"constraints:metric_drop_over_budget", "constraints:peak_memory_over_limit"}
     assert done and all(keys <= set(t.system_attrs) for t in done)  # the sampler needs the same constraints on every trial
+    for t in done:  # both as shares of their limits: the sampler sums them to rank infeasible trials
+        if t.user_attrs.get("peak_bytes") is not None:
+            assert t.system_attrs["constraints:peak_memory_over_limit"] == pytest.approx(t.user_attrs["peak_bytes"] / 9000 - 1)
+        if t.system_attrs["constraints:metric_drop_over_budget"] < INFEASIBLE:
+            assert t.system_attrs["constraints:metric_drop_over_budget"] == pytest.approx(t.user_attrs["metric_drop"] / 0.05 - 1)
 
 
 def test_the_memory_objective_chooses_the_smallest_peak_within_budget(tmp_path, fake_memory):

@@ -57,6 +57,13 @@ log = logging.getLogger("autoprec")
 INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite
 
 
+def over_budget(drop: float, budget: float) -> float:
+    """The drop's excess over the budget as a share of it (<= 0: within), as the peak's over --max-memory is: the
+    sampler ranks infeasible trials by the sum of the two, which needs them in the same (no) unit. A zero budget
+    leaves the plain excess."""
+    return (drop - budget) / budget if budget > 0 else drop - budget
+
+
 class Mode(str, enum.Enum):
     """What the budget is measured on."""
 
@@ -379,7 +386,7 @@ class Objective:
         feasible = math.isfinite(metric) and drop <= self.config.budget
         trial.set_user_attr("metric", metric if math.isfinite(metric) else None)
         trial.set_user_attr("metric_drop", drop if math.isfinite(drop) else None)
-        constraint = drop - self.config.budget if math.isfinite(drop) else INFEASIBLE
+        constraint = over_budget(drop, self.config.budget) if math.isfinite(drop) else INFEASIBLE
         if feasible and _all_fp32(policy):  # the fp32 baseline itself: 1.0 by definition, nothing to time
             trial.set_user_attr("speedup", 1.0)
             self._record_memory(trial, self.fp32_peak(None))
