@@ -70,6 +70,8 @@ class FormatSpec:
     # the fp8 dtype its gradients are cast to with one dynamic scale per tensor, whose underflow the gradient
     # histograms can count (None: not such a cast; rowwise scales per row, which a histogram cannot follow)
     tensorwise_grad_dtype: torch.dtype | None = None
+    # torchao can all-gather its weights in fp8 under FSDP2 (enable_fsdp_float8_all_gather: tensorwise scales only)
+    fsdp_fp8_all_gather: bool = False
     min_capability: tuple[int, int] | None = None  # CUDA compute capability its kernels need
     emulation_works: bool = True  # False: no working emulation, so a device without its kernels refuses it
     why_no_emulation: str = ""
@@ -111,7 +113,7 @@ REGISTRY: dict[Format, FormatSpec] = {
         FormatSpec(
             Format.FP8, inside="torchao float8 training, tensorwise: e4m3 forward, e5m2 gradients, one dynamic scale per tensor",
             fp8_recipe="tensorwise", max_value=E4M3_MAX, fallback=Format.BF16, risky=True, linear_only=True,
-            tensorwise_grad_dtype=torch.float8_e5m2, min_capability=(8, 9),
+            tensorwise_grad_dtype=torch.float8_e5m2, fsdp_fp8_all_gather=True, min_capability=(8, 9),
         ),
         FormatSpec(
             Format.FP8_ROWWISE, inside="torchao float8 training, rowwise: e4m3 everywhere, one scale per row (more accurate, slower)",

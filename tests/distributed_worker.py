@@ -1,6 +1,7 @@
 """One rank of tests/test_distributed.py: a policy-applied model trained under DDP or FSDP2 (fully_shard) on the
 CPU with gloo; writes what the test checks (its parameters after training, the checkpoint's dtypes) to a file."""
 
+import functools
 import os
 
 import torch
@@ -10,6 +11,12 @@ from torch import nn
 from autoprec import Policy, apply_policy, grad_scaler
 
 POLICY = Policy(layers={"": "bf16", "0": "fp32", "2": "fp16"})
+# fsdp2-fp8: FSDP2 all-gathering the fp8 layers' weights in fp8 (torchao's tensorwise recipe, emulated on a CPU)
+FP8_POLICY = Policy(layers={"": "bf16", "0": "fp8", "2": "fp8"})
+
+
+def policy_of(wrap):
+    return FP8_POLICY if wrap == "fsdp2-fp8" else POLICY
 
 
 def build():
@@ -17,11 +24,34 @@ def build():
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
+def record_all_gathers():
+    """The dtypes torchao hands FSDP2 to all-gather for its fp8 weights, one per all-gather."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    seen, original = [], WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+    @functools.wraps(original)  # FSDP2 checks the hook's signature
+    def recording(self, *args, **kwargs):
+        inputs, metadata = original(self, *args, **kwargs)
+        seen.extend(str(t.dtype) for t in inputs)
+        return inputs, metadata
+
+    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = recording  # this worker process only
+    return seen
+
+
+def plain(t):
+    """A checkpointable tensor: torchao's fp8-all-gather weight wrapper unwrapped to the tensor it holds."""
+    return getattr(t, "_tensor", t).detach().clone()
+
+
 def run(rank, world, wrap, out, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = apply_policy(build(), POLICY)
+        policy = policy_of(wrap)
+        model = apply_policy(build(), policy, fsdp_fp8_all_gather=wrap == "fsdp2-fp8")
+        gathered = record_all_gathers() if wrap == "fsdp2-fp8" else []
         if wrap == "ddp":
             model = nn.parallel.DistributedDataParallel(model)
         else:
@@ -32,7 +62,7 @@ def run(rank, world, wrap, out, port):
                     fully_shard(layer)
             fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        scaler = grad_scaler(POLICY, "cpu")
+        scaler = grad_scaler(policy, "cpu")
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         for _ in range(3):
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -40,8 +70,8 @@ def run(rank, world, wrap, out, port):
             scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
             scaler.step(opt)
             scaler.update()
-        state = model.module.state_dict() if wrap == "ddp" else {k: v.full_tensor() for k, v in model.state_dict().items()}
-        torch.save({"state": state, "dtypes": {k: str(v.dtype) for k, v in state.items()}, "skipped": scaler.skipped_steps},
-                   os.path.join(out, f"rank{rank}.pt"))  # fmt: skip
+        state = model.module.state_dict() if wrap == "ddp" else {k: plain(v.full_tensor()) for k, v in model.state_dict().items()}
+        torch.save({"state": state, "dtypes": {k: str(v.dtype) for k, v in state.items()}, "skipped": scaler.skipped_steps,
+                    "all_gathered": gathered}, os.path.join(out, f"rank{rank}.pt"))  # fmt: skip
     finally:
         dist.destroy_process_group()

@@ -147,6 +147,27 @@ def test_fp8_backend_is_logged_and_recorded_per_layer(caplog):
     assert "0: fp8 (Float8Linear; torchao float8 emulation)" in str(summary)
 
 
+def test_fsdp_fp8_all_gather_is_set_on_the_tensorwise_fp8_layers_only():
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 16))
+    apply_policy(model, Policy(layers={"0": "fp8", "2": "fp8-rowwise", "3": "bf16"}), fsdp_fp8_all_gather=True)
+    assert [m.config.enable_fsdp_float8_all_gather for m in (model[0], model[2])] == [True, False]
+    assert isinstance(model[0].weight, WeightWithDynamicFloat8CastTensor)
+    assert not isinstance(model[2].weight, WeightWithDynamicFloat8CastTensor)
+    summary = applied_summary(model)
+    assert [summary.layers[n].fsdp_fp8_all_gather for n in ("0", "2", "3")] == [True, False, False]
+    assert "0: fp8 (Float8Linear; torchao float8 emulation; fp8 all-gather under FSDP2)" in str(summary)
+    plain = nn.Sequential(nn.Linear(16, 32))
+    apply_policy(plain, Policy(layers={"0": "fp8"}))  # off unless asked: a plain weight
+    assert not plain[0].config.enable_fsdp_float8_all_gather and type(plain[0].weight) is nn.Parameter
+
+
+def test_fsdp_fp8_all_gather_without_a_tensorwise_layer_warns_that_nothing_gathers_in_fp8():
+    with pytest.warns(UserWarning, match="no layer of this policy runs in fp8 \\(tensorwise\\)"):
+        apply_policy(nn.Sequential(nn.Linear(16, 32)), Policy(layers={"0": "fp8-rowwise"}), fsdp_fp8_all_gather=True)
+
+
 def test_where_fp8_kernels_exist_they_are_chosen_and_recorded(monkeypatch):
     monkeypatch.setattr("autoprec.formats.has_fp8_kernels", lambda device: True)
     model = apply_policy(nn.Sequential(nn.Linear(16, 16)), Policy(layers={"0": "fp8"}))

@@ -1,5 +1,6 @@
 """A policy-applied model under DDP and FSDP2 on the CPU (gloo, two processes): it trains, the ranks agree, the
-checkpoint stays fp32, and the weights are what the same training in one process on both ranks' data gives."""
+checkpoint stays fp32, and the weights are what the same training in one process on both ranks' data gives. Under
+FSDP2 with fsdp_fp8_all_gather, the fp8 layers' weights are all-gathered in fp8 (torchao's emulation on a CPU)."""
 
 import socket
 
@@ -18,7 +19,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2", "fsdp2-fp8"])
 def test_a_policy_applied_model_trains_under_data_parallelism_with_ranks_agreeing_and_fp32_checkpoints(tmp_path, wrap):
     mp.spawn(worker.run, args=(2, wrap, str(tmp_path), free_port()), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
@@ -29,26 +30,30 @@ def test_a_policy_applied_model_trains_under_data_parallelism_with_ranks_agreein
     assert any(not torch.equal(ranks[0]["state"][k], before[k]) for k in before)  # it trained
     assert list(ranks[0]["state"]) == list(before)  # the plain model's keys: loads into it strictly
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == 0
-    control = single_process_control()
+    gathered = ranks[0]["all_gathered"]  # fsdp2-fp8: each fp8 layer's weight, every forward (and backward), in fp8
+    assert gathered == [] if wrap != "fsdp2-fp8" else len(gathered) >= 2 * 3 and set(gathered) == {"torch.float8_e4m3fn"}
+    control = single_process_control(wrap)
     for name, value in ranks[0]["state"].items():
         torch.testing.assert_close(value, control[name], rtol=1e-3, atol=1e-4, msg=name)
 
 
-def single_process_control():
-    """The same steps in one process on both ranks' batches at once: what averaging the ranks' gradients gives."""
+def single_process_control(wrap):
+    """The same steps in one process: each rank's batch forward and backward on its own (fp8's tensorwise scales
+    are per batch), their gradients averaged, as data parallelism averages them."""
     from torch import nn
 
     from autoprec import apply_policy, grad_scaler
 
-    model = apply_policy(worker.build(), worker.POLICY)
+    policy = worker.policy_of(wrap)
+    model = apply_policy(worker.build(), policy)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = grad_scaler(worker.POLICY, "cpu")
+    scaler = grad_scaler(policy, "cpu")
     gens = [torch.Generator().manual_seed(100 + rank) for rank in range(2)]
     for _ in range(3):
-        pairs = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for g in gens]
-        x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
         opt.zero_grad(set_to_none=True)
-        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        for g in gens:
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            scaler.scale(nn.functional.mse_loss(model(x), y) / len(gens)).backward()
         scaler.step(opt)
         scaler.update()
     return model.state_dict()
