@@ -395,7 +395,9 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *, fsdp_fp
         if f.spec.fp8_recipe is not None:
             recipes.setdefault(f.spec.fp8_recipe, {})[id(paths[n])] = paths[n]
     fp8 = {recipe: list(group.values()) for recipe, group in recipes.items()}
-    gathered = frozenset(f.spec.fp8_recipe for f in policy.layers.values() if f.spec.fsdp_fp8_all_gather) if fsdp_fp8_all_gather else frozenset()
+    gathered = frozenset(
+        f.spec.fp8_recipe for f in policy.layers.values() if fsdp_fp8_all_gather and f.spec.fsdp_fp8_all_gather and f.spec.fp8_recipe
+    )
     if fsdp_fp8_all_gather and not gathered:
         warnings.warn(
             "apply_policy: fsdp_fp8_all_gather=True, but no layer of this policy runs in fp8 (tensorwise), the recipe "
