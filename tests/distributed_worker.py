@@ -45,12 +45,15 @@ def plain(t):
     return getattr(t, "_tensor", t).detach().clone()
 
 
-def run(rank, world, wrap, out, port):
+def run(rank, world, wrap, out, port, device="cpu"):
+    """`device` "cuda": one GPU per rank, NCCL, and the model moved there before the policy (fp8 kernels)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     try:
         policy = policy_of(wrap)
-        model = apply_policy(build(), policy, fsdp_fp8_all_gather=wrap == "fsdp2-fp8")
+        model = apply_policy(build().to(device), policy, fsdp_fp8_all_gather=wrap == "fsdp2-fp8")
         gathered = record_all_gathers() if wrap == "fsdp2-fp8" else []
         if wrap == "ddp":
             model = nn.parallel.DistributedDataParallel(model)
@@ -62,15 +65,16 @@ def run(rank, world, wrap, out, port):
                     fully_shard(layer)
             fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        scaler = grad_scaler(policy, "cpu")
+        scaler = grad_scaler(policy, device)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         for _ in range(3):
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
             opt.zero_grad(set_to_none=True)
             scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
             scaler.step(opt)
             scaler.update()
         state = model.module.state_dict() if wrap == "ddp" else {k: plain(v.full_tensor()) for k, v in model.state_dict().items()}
+        state = {k: v.cpu() for k, v in state.items()}
         torch.save({"state": state, "dtypes": {k: str(v.dtype) for k, v in state.items()}, "skipped": scaler.skipped_steps,
                     "all_gathered": gathered}, os.path.join(out, f"rank{rank}.pt"))  # fmt: skip
     finally:
