@@ -59,6 +59,8 @@ def test_the_export_verb_writes_beside_the_policy_and_lists_what_it_left_out(tmp
 def test_a_policy_without_fp8_layers_says_the_file_converts_nothing(tmp_path):
     left_out = export(Policy(layers={"a": "bf16", "b": "bf16"}), "torchao", tmp_path / "p.py")
     assert left_out[0].startswith("2 layers ('a', 'b') run in bf16: not a torchao float8 recipe")  # one line per reason
+    many = export(Policy(layers={f"l{i}": "bf16" for i in range(9)}), "torchao", tmp_path / "q.py")
+    assert many[0].startswith("9 layers ('l0', 'l1', 'l2', 'l3', 'l4', 'l5' and 3 more) run in bf16")
     assert left_out[-1] == "the policy has no fp8 layer: the file's convert(model) changes nothing"
     model = load(tmp_path / "p.py").convert(Net())
     assert all(type(m) in (nn.Linear, nn.Sequential, Net) for m in model.modules())

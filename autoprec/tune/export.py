@@ -32,11 +32,15 @@ MEGATRON_RECIPES = {"tensorwise": ("hybrid", "tensorwise")}
 _NUMBERED = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")  # 'blocks.3.attn.qkv': block 3 of 'blocks'
 
 
+SHOWN = 6  # layer names per line; the rest are counted (the policy file lists them all)
+
+
 def _layers(names: list[str], verb: str = "runs") -> str:
     """"layer 'a' runs" or "3 layers ('a', 'b', 'c') run": one line per reason, however many layers."""
     if len(names) == 1:
         return f"layer {names[0]!r} {verb}"
-    return f"{len(names)} layers ({', '.join(repr(n) for n in names)}) {verb.removesuffix('s')}"
+    shown = ", ".join(repr(n) for n in names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+    return f"{len(names)} layers ({shown}) {verb.removesuffix('s')}"
 
 
 def not_expressed(policy: Policy, tool: str = "torchao") -> list[str]:
