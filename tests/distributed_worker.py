@@ -19,6 +19,9 @@ def policy_of(wrap):
     return FP8_POLICY if wrap == "fsdp2-fp8" else POLICY
 
 
+BATCH = 16  # fp8 kernels need the weight-gradient matmul's inner dimension (the batch) divisible by 16
+
+
 def build():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
@@ -68,7 +71,7 @@ def run(rank, world, wrap, out, port, device="cpu"):
         scaler = grad_scaler(policy, device)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         for _ in range(3):
-            x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
+            x, y = torch.randn(BATCH, 16, generator=g).to(device), torch.randn(BATCH, 4, generator=g).to(device)
             opt.zero_grad(set_to_none=True)
             scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
             scaler.step(opt)

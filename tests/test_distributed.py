@@ -52,7 +52,7 @@ def single_process_control(wrap):
     for _ in range(3):
         opt.zero_grad(set_to_none=True)
         for g in gens:
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            x, y = torch.randn(worker.BATCH, 16, generator=g), torch.randn(worker.BATCH, 4, generator=g)
             scaler.scale(nn.functional.mse_loss(model(x), y) / len(gens)).backward()
         scaler.step(opt)
         scaler.update()

@@ -85,28 +85,46 @@ def llama3():
 
 
 def converted(model_config):
+    """fqn -> the torchao config torchtitan converted that Linear with."""
     from torchtitan.components.quantization.float8 import Float8Linear
     from torchtitan.models.common.linear import Linear
 
-    return {fqn for fqn, config, _, _ in model_config.traverse(Linear.Config) if isinstance(config, Float8Linear.Config)}
+    return {fqn: config._torchao_config for fqn, config, _, _ in model_config.traverse(Linear.Config)
+            if isinstance(config, Float8Linear.Config)}  # fmt: skip
 
 
-def test_the_torchtitan_file_converts_exactly_the_policys_rowwise_layers_with_their_recipes(tmp_path, llama3):
+@pytest.fixture
+def fp8_capable(monkeypatch, llama3):
+    """torchtitan builds a converter only where fp8 kernels are (or with emulate=True, which drops the recipe):
+    the conversion itself is of configs, so a CPU can check it once the capability check says yes."""
+    import torchtitan.components.quantization.float8 as titan_float8
+
+    monkeypatch.setattr(titan_float8, "has_cuda_capability", lambda *args: True)
+    return llama3
+
+
+def test_the_torchtitan_file_converts_exactly_the_policys_rowwise_layers_with_their_recipes(tmp_path, fp8_capable):
     import torch
+    from torchao.float8 import Float8LinearConfig
     from torchtitan.models.common.linear import Linear
 
+    llama3 = fp8_capable
     left_out = export(TITAN_POLICY, "torchtitan", tmp_path / "p_torchtitan.py")
     exported = load(tmp_path / "p_torchtitan.py")
     config = llama3("debugmodel").model
     with torch.device("meta"):  # the config's fqns are the built model's module names, which a search lists
         modules = {n for n, m in config.build().named_modules() if isinstance(m, torch.nn.Linear)}
     assert modules == {fqn for fqn, *_ in config.traverse(Linear.Config)}
-    converters = exported.float8_converters(config, emulate=True)
+    converters = exported.float8_converters(config)
     assert [c.recipe_name for c in converters] == ["rowwise", "rowwise_with_gw_hp"]
-    assert converted(llama3("debugmodel", converters=converters[:1]).model) == {"layers.0.feed_forward.w1", "layers.0.feed_forward.w3"}
-    assert converted(llama3("debugmodel", converters=converters[1:]).model) == {"layers.1.feed_forward.w2"}
+    rowwise, gw_hp = (Float8LinearConfig.from_recipe_name(r) for r in ("rowwise", "rowwise_with_gw_hp"))
+    assert converted(llama3("debugmodel", converters=converters[:1]).model) == {
+        "layers.0.feed_forward.w1": rowwise, "layers.0.feed_forward.w3": rowwise}  # fmt: skip
+    assert converted(llama3("debugmodel", converters=converters[1:]).model) == {"layers.1.feed_forward.w2": gw_hp}
     assert converted(llama3("debugmodel", converters=converters).model) == {
-        "layers.0.feed_forward.w1", "layers.0.feed_forward.w3", "layers.1.feed_forward.w2"}  # fmt: skip
+        "layers.0.feed_forward.w1": rowwise, "layers.0.feed_forward.w3": rowwise, "layers.1.feed_forward.w2": gw_hp}  # fmt: skip
+    with pytest.raises(ValueError, match="emulate=True makes torchtitan convert with torchao's default"):
+        exported.float8_converters(config, emulate=True)  # it would drop the recipe: refused
     assert len(left_out) == 3 and "model root" in left_out[0] and "'lm_head' runs in bf16" in left_out[1]
     assert "layer 'layers.1.attention.wo' runs in fp8 recipe 'tensorwise'" in left_out[2]
     assert all(line in (tmp_path / "p_torchtitan.py").read_text() for line in left_out)
@@ -115,7 +133,7 @@ def test_the_torchtitan_file_converts_exactly_the_policys_rowwise_layers_with_th
 def test_the_torchtitan_file_refuses_a_model_config_without_the_policys_layers(tmp_path, llama3):
     export(Policy(layers={"blocks.0.fc": "fp8-rowwise"}), "torchtitan", tmp_path / "p.py")
     with pytest.raises(ValueError, match=r"\['blocks.0.fc'\] are not Linear layers of this model config .*another model"):
-        load(tmp_path / "p.py").float8_converters(llama3("debugmodel").model, emulate=True)
+        load(tmp_path / "p.py").float8_converters(llama3("debugmodel").model)
 
 
 def test_the_torchtitan_file_refuses_a_skip_filter_that_would_catch_an_fp8_layer(tmp_path, llama3):
@@ -177,9 +195,10 @@ def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_laye
     assert parsed == {k: v for k, v in exported["transformer_config"].items() if v is not False}
     assert left_out == exported["not_expressed"] and len(left_out) == 4
     assert "layer 'output_layer' runs in fp8 outside the transformer layers (decoder.layers.N)" in left_out[0]
-    assert left_out[1].startswith("layer decoder.layers.0: wholly fp8 in the policy, but") and "run is 2 to 4" in left_out[1]
-    assert left_out[2].startswith("layer decoder.layers.5: fp8 in 3 of its 4 listed layers")
-    assert left_out[3].startswith("layer decoder.layers.6: 'decoder.layers.6.attn.qkv', ") and "no twin" in left_out[3]
+    assert left_out[1].startswith("transformer layers decoder.layers.{0}: wholly fp8 in the policy, but") and "here 2-4" in left_out[1]
+    assert left_out[2].startswith("transformer layers decoder.layers.{5}: some linears in fp8 and some not")
+    assert left_out[3].startswith("transformer layers decoder.layers.{6}: a linear in an fp8 recipe Megatron has no twin")
+    assert "for a model of 7 transformer layers (taken from the policy's layer names" in exported["notes"][0]
 
 
 @pytest.mark.parametrize("blocks, root, expected", [
@@ -193,6 +212,34 @@ def test_the_megatron_fp8_layers_are_what_megatron_runs(tmp_path, blocks, root, 
     assert megatron_fp8_layers(exported, len(blocks))[0] == expected == exported["fp8_layers"]
     assert ("first_last_layers_bf16" in exported["transformer_config"]) == (0 < len(expected) < len(blocks))
     assert not left_out if expected in ([0, 1, 2], []) else len(left_out) == 2
+
+
+def test_a_layer_missing_a_role_the_others_list_is_not_wholly_fp8(tmp_path):
+    layers = megatron_policy([("fp8",) * 4] * 4)
+    del layers["decoder.layers.2.mlp.fc1"]  # excluded from the search: it runs in the model's dtype, not fp8
+    left_out = export(Policy(layers=layers), "megatron", tmp_path / "m.json")
+    exported = json.loads((tmp_path / "m.json").read_text())
+    assert megatron_fp8_layers(exported, 4)[0] == [0, 1] == exported["fp8_layers"]
+    assert left_out == ["transformer layers decoder.layers.{2}: some linears in fp8 and some not, or unlisted (Megatron "
+                        "runs a layer's linears all in fp8 or none); left out of fp8",
+                        "transformer layers decoder.layers.{3}: wholly fp8 in the policy, but Megatron runs fp8 in one "
+                        "contiguous run of layers, here 0-1; left out of fp8"]  # fmt: skip
+
+
+def test_num_layers_counts_the_models_layers_beyond_the_policys(tmp_path, capsys):
+    layers = megatron_policy([("bf16",) * 4] + [("fp8",) * 4] * 5)  # the policy names 6 layers, the model has 9
+    export(Policy(layers=layers), "megatron", tmp_path / "m.json", num_layers=9)
+    exported = json.loads((tmp_path / "m.json").read_text())
+    assert megatron_fp8_layers(exported, 9)[0] == [1, 2, 3, 4, 5] == exported["fp8_layers"]  # 6-8 stay out of fp8
+    assert exported["transformer_config"]["num_layers_at_end_in_bf16"] == 3
+    assert "decoder.layers.{6-8}: not in the policy" in exported["not_expressed"][-1]
+    assert "(given)" in exported["notes"][0]
+    POLICY.save(tmp_path / "policy.json")
+    Policy(layers=layers).save(tmp_path / "six.json")
+    assert main(["export", str(tmp_path / "six.json"), "--to", "megatron", "--num-layers", "5"]) == 2
+    assert "--num-layers 5: the policy names transformer layer 5 of 'decoder.layers'; give at least 6" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "policy.json"), "--to", "torchao", "--num-layers", "5"]) == 2
+    assert "--num-layers is for --to megatron" in capsys.readouterr().err
 
 
 def test_the_export_verb_names_each_targets_file(tmp_path, capsys):

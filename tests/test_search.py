@@ -16,7 +16,7 @@ from autoprec.tune.measure import NoiseFloor, metric_of
 from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
 from autoprec.tune.searcher import Mode
-from autoprec.tune.study import INFEASIBLE
+from autoprec.tune.study import INFEASIBLE, over_budget
 from autoprec.tune.space import space_from_dict
 from builders import finals, made_up_peak
 from short_timing import FAST_PROFILE, TINY
@@ -597,6 +597,12 @@ def test_a_memory_limit_makes_every_candidate_over_it_infeasible(tmp_path, fake_
             assert t.system_attrs["constraints:peak_memory_over_limit"] == pytest.approx(t.user_attrs["peak_bytes"] / 9000 - 1)
         if t.system_attrs["constraints:metric_drop_over_budget"] < INFEASIBLE:
             assert t.system_attrs["constraints:metric_drop_over_budget"] == pytest.approx(t.user_attrs["metric_drop"] / 0.05 - 1)
+
+
+def test_the_drop_constraint_is_a_share_of_the_budget_that_stays_below_a_broken_metrics():
+    assert over_budget(0.03, 0.02) == pytest.approx(0.5) and over_budget(0.01, 0.02) == pytest.approx(-0.5)
+    assert over_budget(0.5, 0.0) == 0.5  # a zero budget: the plain excess
+    assert over_budget(1.0, 1e-12) < INFEASIBLE  # a tiny budget still ranks a finite drop before a non-finite one
 
 
 def test_the_memory_objective_chooses_the_smallest_peak_within_budget(tmp_path, fake_memory):

@@ -201,7 +201,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     source = Path(args.policy)
     out = Path(args.out) if args.out else default_path(source, args.to)
     try:
-        left_out = export(policy, args.to, out, source=str(source))
+        left_out = export(policy, args.to, out, source=str(source), num_layers=args.num_layers)
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
     if args.json:
@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Float8LinearConverter configs whose filter_fqns convert exactly the policy's fp8 layers; megatron: "
                     "TransformerConfig fields and Megatron-LM arguments (fp8 per transformer layer)")
     ex.add_argument("--out", help="the file to write (default: beside the policy, <name>_<target>.py, or .json for megatron)")
+    ex.add_argument("--num-layers", type=int, metavar="N",
+                    help="megatron: the model's transformer layers (default: as many as the policy names)")
     _global_flags(ex)
     ex.set_defaults(func=cmd_export)
     return parser

@@ -20,6 +20,7 @@ import json
 import re
 from pathlib import Path
 
+from autoprec.errors import UserError
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
@@ -112,8 +113,8 @@ def torchtitan_not_expressed(policy: Policy) -> list[str]:
     for recipe, names in fp8_layers(policy).items():
         if recipe not in TORCHTITAN_RECIPES:
             lines.append(f"{_layers(names)} in fp8 recipe {recipe!r}: torchtitan's float8 converter offers "
-                         f"{' and '.join(TORCHTITAN_RECIPES)} only, so they are left out (torchtitan trains them in "
-                         "its mixed-precision dtype)")  # fmt: skip
+                         f"{' and '.join(TORCHTITAN_RECIPES)} only, so not in the export (torchtitan trains in its "
+                         "mixed-precision dtype what it does not convert)")  # fmt: skip
     return lines
 
 
@@ -126,14 +127,15 @@ def torchtitan_source(policy: Policy, *, source: str = "a policy") -> str:
     layers = json.dumps(recipes, indent=4)
     return f'''"""torchtitan float8 training for the fp8 layers of {source!r} (written by `autoprec export --to torchtitan`).
 
-In a torchtitan (0.3) config function, the model config first, then the converters computed from it:
+For torchtitan 0.3. In a config function, the model config first, then the converters computed from it:
 
     from this_file import float8_converters
     spec = model_registry("8B", converters=float8_converters(model_registry("8B").model))
 
 Each converter is torchtitan's Float8LinearConverter.Config for one recipe; its filter_fqns (substrings of the
 layers torchtitan skips) name every Linear of the model config but this policy's fp8 layers in that recipe, so
-exactly those convert. `options` go to every converter (emulate=True, model_compile_enabled=...).
+exactly those convert. `options` go to every converter (model_compile_enabled=..., say). torchtitan's
+emulate=True is refused: it converts with torchao's default (tensorwise) settings, not the recipe named.
 
 Not expressed here:
 {header}
@@ -162,6 +164,9 @@ def filter_fqns(model_config, recipe):
 
 
 def float8_converters(model_config, **options):
+    if options.get("emulate"):
+        raise ValueError("emulate=True makes torchtitan convert with torchao's default (tensorwise) settings, not this "
+                         "policy's rowwise recipes: run on a GPU with fp8 kernels (compute capability 8.9+)")
     return [Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=filter_fqns(model_config, recipe), **options)
             for recipe in FP8_LAYERS]
 '''
@@ -170,7 +175,8 @@ def float8_converters(model_config, **options):
 @dataclasses.dataclass(frozen=True)
 class MegatronExport:
     """What `--to megatron` writes: the block stack found in the policy's layer names, the transformer layers that
-    run in fp8, Megatron-core TransformerConfig fields and the Megatron-LM arguments that say the same."""
+    run in fp8, Megatron-core TransformerConfig fields and the Megatron-LM arguments that say the same, for a model
+    of `num_layers` transformer layers."""
 
     stack: str | None
     num_layers: int
@@ -178,24 +184,26 @@ class MegatronExport:
     transformer_config: dict[str, object]
     arguments: str
     not_expressed: tuple[str, ...]
+    notes: tuple[str, ...] = ()
 
     def to_dict(self, source: str) -> dict[str, object]:
         return {"written_by": "autoprec export --to megatron", "policy": source, **dataclasses.asdict(self),
-                "fp8_layers": list(self.fp8_layers), "not_expressed": list(self.not_expressed)}  # fmt: skip
+                "fp8_layers": list(self.fp8_layers), "not_expressed": list(self.not_expressed), "notes": list(self.notes)}  # fmt: skip
 
 
 def _blocks(policy: Policy) -> tuple[str | None, dict[int, dict[str, Format]], dict[str, Format]]:
-    """(the numbered stack with the most blocks, its blocks' listed layers, the listed layers outside it)."""
+    """(the numbered stack with the most blocks, its blocks' listed layers by role (the name after the block's
+    number), the listed layers outside it)."""
     stacks: dict[str, dict[int, dict[str, Format]]] = {}
     for name, fmt in policy.layers.items():
         match = _NUMBERED.match(name)
         if match:
-            stacks.setdefault(match["stack"], {}).setdefault(int(match["index"]), {})[name] = fmt
+            stacks.setdefault(match["stack"], {}).setdefault(int(match["index"]), {})[match["rest"]] = fmt
     if not stacks:
         return None, {}, {n: f for n, f in policy.layers.items() if n != ROOT}
     stack = max(stacks, key=lambda s: len(stacks[s]))  # the first among equals: dicts keep the policy's order
     inside = stacks[stack]
-    listed = {n for block in inside.values() for n in block}
+    listed = {f"{stack}.{i}.{role}" for i, block in inside.items() for role in block}
     return stack, inside, {n: f for n, f in policy.layers.items() if n != ROOT and n not in listed}
 
 
@@ -211,12 +219,35 @@ def _longest_run(indices: set[int], count: int) -> tuple[int, int]:
     return best
 
 
-def megatron_export(policy: Policy) -> MegatronExport:
-    """The Megatron settings closest to `policy` that run no layer in fp8 the policy did not (module docstring)."""
+def _spans(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    spans: list[list[int]] = []
+    for i in sorted(indices):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronExport:
+    """The Megatron settings closest to `policy` that run no layer in fp8 the policy did not (module docstring).
+    A transformer layer runs fp8 only if the policy lists every role any layer of the stack lists (attention and
+    MLP linears, say) and runs each in tensorwise fp8: Megatron would put an unlisted linear in fp8 too.
+    `num_layers`: the model's transformer layers (default: as many as the policy names); Megatron counts the
+    bf16 layers at the end from it."""
     root = policy.layers.get(ROOT, Format.FP32)
     stack, blocks, outside = _blocks(policy)
-    count = max(blocks, default=-1) + 1
-    whole = {i for i, block in blocks.items() if all(f.spec.fp8_recipe in MEGATRON_RECIPES for f in block.values())}
+    named = max(blocks, default=-1) + 1
+    if num_layers is not None and num_layers < 1:
+        raise UserError(f"--num-layers {num_layers}: a count of transformer layers, at least 1")
+    if num_layers is not None and num_layers < named:
+        raise UserError(f"--num-layers {num_layers}: the policy names transformer layer {named - 1} of {stack!r}; "
+                        f"give at least {named}")  # fmt: skip
+    count = named if num_layers is None else num_layers
+    roles = {role for block in blocks.values() for role in block}
+    whole = {i for i, block in blocks.items()
+             if set(block) == roles and all(f.spec.fp8_recipe in MEGATRON_RECIPES for f in block.values())}  # fmt: skip
     start, stop = _longest_run(whole, count)
     lines = []
     model_dtype = root if root in (Format.BF16, Format.FP16) else Format.FP32
@@ -229,24 +260,28 @@ def megatron_export(policy: Policy) -> MegatronExport:
                      f"({model_dtype.value} here)")  # fmt: skip
     fp8_outside = [name for name, fmt in outside.items() if fmt.spec.fp8_recipe is not None]
     if fp8_outside:
-        lines.append(f"{_layers(fp8_outside)} in fp8 outside the transformer layers ({stack or 'none found'}.N), "
-                     "where Megatron runs no fp8; left in the model's dtype")  # fmt: skip
-    for i in sorted(blocks):
-        fp8 = [n for n, f in blocks[i].items() if f.spec.fp8_recipe is not None]
-        other_recipe = [n for n in fp8 if blocks[i][n].spec.fp8_recipe not in MEGATRON_RECIPES]
-        if other_recipe:
-            lines.append(f"layer {stack}.{i}: {', '.join(repr(n) for n in other_recipe)} run in an fp8 recipe Megatron "
-                         f"has no twin for (it has {', '.join(MEGATRON_RECIPES)} of torchao's); the layer is left "
-                         "out of fp8")  # fmt: skip
+        where = f"outside the transformer layers ({stack}.N)" if stack else "with no numbered stack of transformer layers"
+        lines.append(f"{_layers(fp8_outside)} in fp8 {where}, where Megatron runs no fp8; left in the model's dtype")
+    reasons: dict[str, list[int]] = {}
+    for i in range(count):
+        block = blocks.get(i, {})
+        fp8 = [role for role, f in block.items() if f.spec.fp8_recipe is not None]
+        if any(block[role].spec.fp8_recipe not in MEGATRON_RECIPES for role in fp8):
+            why = f"a linear in an fp8 recipe Megatron has no twin for (it has torchao's {', '.join(MEGATRON_RECIPES)} only)"
         elif fp8 and i not in whole:
-            lines.append(f"layer {stack}.{i}: fp8 in {len(fp8)} of its {len(blocks[i])} listed layers; Megatron runs "
-                         "a transformer layer's linears all in fp8 or none, so it is left out of fp8")  # fmt: skip
+            why = "some linears in fp8 and some not, or unlisted (Megatron runs a layer's linears all in fp8 or none)"
         elif i in whole and not start <= i < stop:
-            lines.append(f"layer {stack}.{i}: wholly fp8 in the policy, but Megatron runs fp8 in one contiguous run "
-                         f"of layers (the first and last N outside it); exported outside fp8, the run is {start} to "
-                         f"{stop - 1}")  # fmt: skip
+            why = f"wholly fp8 in the policy, but Megatron runs fp8 in one contiguous run of layers, here {start}-{stop - 1}"
+        elif i not in blocks and start < stop:
+            why = "not in the policy"
+        else:
+            continue
+        reasons.setdefault(why, []).append(i)
+    for why, indices in reasons.items():
+        lines.append(f"transformer layers {stack}.{{{_spans(indices)}}}: {why}; left out of fp8")
     config: dict[str, object] = {"bf16": model_dtype is Format.BF16, "fp16": model_dtype is Format.FP16}
     args = [f"--{model_dtype.value}"] if model_dtype is not Format.FP32 else []
+    notes = []
     if stop > start:
         fmt_name, recipe = MEGATRON_RECIPES["tensorwise"]
         config.update(fp8=fmt_name, fp8_recipe=recipe)
@@ -256,10 +291,21 @@ def megatron_export(policy: Policy) -> MegatronExport:
                           num_layers_at_end_in_bf16=count - stop)  # fmt: skip
             args += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
                      "--num-layers-at-end-in-bf16", str(count - stop)]  # fmt: skip
+            notes.append("with pipeline parallelism, Megatron requires each of the two bf16 counts to be at most "
+                         "num_layers / pipeline stages")  # fmt: skip
+        counted = "given" if num_layers is not None else "taken from the policy's layer names (--num-layers to set it)"
+        notes.insert(0, f"for a model of {count} transformer layers ({counted}): Megatron counts the fp8 layers from "
+                        "num_layers, so with more layers the extra ones would run in fp8")  # fmt: skip
+        notes.append("every linear of a transformer layer is taken to be in the policy: one it does not list runs in "
+                     "the model's dtype under the policy, but in fp8 under Megatron (the policy file does not say "
+                     "which linears a search left out)")  # fmt: skip
+        notes.append("Megatron runs its multi-token-prediction layers and a multimodal projector in fp8 whenever fp8 "
+                     "is on; they are outside this layer count")  # fmt: skip
     elif fp8_layers(policy):
         lines.append("no transformer layer runs wholly in Megatron's fp8 under the policy: the export sets no fp8")
     return MegatronExport(stack=stack, num_layers=count, fp8_layers=tuple(range(start, stop)),
-                          transformer_config=config, arguments=" ".join(args), not_expressed=tuple(lines))  # fmt: skip
+                          transformer_config=config, arguments=" ".join(args), not_expressed=tuple(lines),
+                          notes=tuple(notes))  # fmt: skip
 
 
 def default_path(policy_path: Path, target: str) -> Path:
@@ -267,13 +313,15 @@ def default_path(policy_path: Path, target: str) -> Path:
     return policy_path.with_name(f"{policy_path.stem}_{target}{SUFFIXES[target]}")
 
 
-def export(policy: Policy, target: str, out: str | Path, *, source: str = "a policy") -> list[str]:
+def export(policy: Policy, target: str, out: str | Path, *, source: str = "a policy", num_layers: int | None = None) -> list[str]:
     """Write `policy` for `target` to `out`; returns what the target could not express (and says when nothing
-    is left to convert)."""
+    is left to convert). `num_layers`: the model's transformer layers, for megatron only."""
     if target not in TARGETS:
         raise ValueError(f"--to {target!r}: one of {', '.join(TARGETS)}")
+    if num_layers is not None and target != "megatron":
+        raise UserError(f"--num-layers is for --to megatron (it counts the bf16 layers at the end), not --to {target}")
     if target == "megatron":
-        exported = megatron_export(policy)
+        exported = megatron_export(policy, num_layers)
         write_text(out, json.dumps(exported.to_dict(source), indent=2) + "\n")
         return list(exported.not_expressed)
     if target == "torchtitan":

@@ -133,7 +133,9 @@ def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused for one recorded step, then resumed as it was. A collection that
     ran inside the step would free garbage of earlier work (tensors allocated before the recording started): the
     recorder cannot count those frees, and torch's CPU allocator prints a warning for the first one. Paused, the
-    step's record holds its own allocations only, the same in every run. Explicit gc.collect() calls still run."""
+    step's record holds its own allocations only, the same in every run. Explicit gc.collect() calls still run.
+    The collector is process-wide: other threads' automatic collections wait for this one step too, and it is
+    resumed only if it was running (nesting-safe)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -60,8 +60,8 @@ INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not 
 def over_budget(drop: float, budget: float) -> float:
     """The drop's excess over the budget as a share of it (<= 0: within), as the peak's over --max-memory is: the
     sampler ranks infeasible trials by the sum of the two, which needs them in the same (no) unit. A zero budget
-    leaves the plain excess."""
-    return (drop - budget) / budget if budget > 0 else drop - budget
+    leaves the plain excess. Kept below INFEASIBLE, which ranks a non-finite metric last."""
+    return min((drop - budget) / budget if budget > 0 else drop - budget, INFEASIBLE / 2)
 
 
 class Mode(str, enum.Enum):
