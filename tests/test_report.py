@@ -74,13 +74,16 @@ def test_a_policy_of_many_layers_shows_one_row_per_role_and_format():
     from autoprec.tune.report import layer_rows
 
     layers = {"": "bf16", **{f"blocks.{i}.q": ("fp32" if i == 3 else "bf16") for i in range(30)}, "head": "fp32"}
-    excluded = {f"blocks.{i}.q": {"fp8": f"measured {1.3 + i / 100:.2f}x the layer's fp32 time on this device"} for i in range(30)}
+    excluded = {f"blocks.{i}.q": {"fp8": f"measured {1.3 + i / 100:.2f}x the layer's fp32 time on this device",
+                                  "fp8-rowwise": "needs CUDA compute capability 8.9+"} for i in range(30)}  # fmt: skip
     rows = layer_rows(Policy(layers=layers, measured={"excluded": excluded}))
     assert rows[0][:2] == ["(model root: all else)", "bf16"]
-    assert rows[1] == ["blocks.*.q (29 layers)", "bf16", "fp8 (measured …x the layer's fp32 time on this device)"]
+    # a number the layers differ in shows as its range; one they share, as itself
+    assert rows[1] == ["blocks.*.q (29 layers)", "bf16",
+                       "fp8 (measured 1.30-1.59x the layer's fp32 time on this device), fp8-rowwise (needs CUDA compute capability 8.9+)"]
     assert rows[2][:2] == ["blocks.3.q", "fp32"] and rows[3] == ["head", "fp32", ""]
     small = layer_rows(Policy(layers={"": "bf16", "blocks.0.q": "bf16"}, measured={"excluded": excluded}))
-    assert small[1] == ["blocks.0.q", "bf16", "fp8 (measured 1.30x the layer's fp32 time on this device)"]
+    assert small[1][2].startswith("fp8 (measured 1.30x the layer's fp32 time on this device)")
 
 
 def test_show_says_what_each_format_in_the_policy_means():

@@ -58,21 +58,30 @@ COMPACT_ABOVE = 24  # layers: beyond this, the layers of one block role that agr
 
 def layer_rows(policy: Policy) -> list[list[str]]:
     """[layer, format, what the profile ruled out] per layer; in a policy of more than COMPACT_ABOVE layers,
-    the layers of one role (`blocks.*.attn.q`) with the same format and the same reasons share one row."""
+    the layers of one role (`blocks.*.attn.q`) with the same format and the same reasons share one row, where a
+    number that differs between them (1.31x, 1.34x) shows as their range (1.31-1.34x)."""
     excluded = Measured.of(policy).excluded
-    rows: dict[tuple[str, str, str], list[str]] = {}
+    rows: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
     compact = len(policy.layers) > COMPACT_ABOVE
     for name, fmt in policy.layers.items():
         reasons = excluded.get(name, {})
-        # compact: numbers differ from layer to layer (1.31x, 1.34x), the reason does not
-        ruled_out = ", ".join(f"{f} ({_NUMBER.sub('…', str(why)) if compact else why})" for f, why in reasons.items())
+        ruled_out = ", ".join(f"{f} ({why})" for f, why in reasons.items())
         label = role(name) if compact and name != ROOT else name
-        rows.setdefault((label, fmt.value, ruled_out), []).append(name)
+        key = _NUMBER.sub("#", ruled_out) if compact else ruled_out
+        rows.setdefault((label, fmt.value, key), []).append((name, ruled_out))
     out = []
-    for (label, fmt, ruled_out), names in rows.items():
+    for (label, fmt, _), members in rows.items():
+        names = [n for n, _ in members]
         shown = _layer_name(names[0]) if len(names) == 1 else f"{label} ({len(names)} layers)"
-        out.append([shown, fmt, ruled_out])
+        out.append([shown, fmt, _number_ranges([text for _, text in members])])
     return out
+
+
+def _number_ranges(texts: Sequence[str]) -> str:
+    """Texts equal but for their numbers, as the first one with each number that varies shown as min-max."""
+    columns = list(zip(*(_NUMBER.findall(t) for t in texts)))
+    spans = iter(c[0] if len(set(c)) == 1 else f"{min(c, key=float)}-{max(c, key=float)}" for c in columns)
+    return _NUMBER.sub(lambda _: next(spans), texts[0])
 
 
 _NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
