@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import json
 import math
@@ -6,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from autoprec import Policy
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
 from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.space import space_from_dict
@@ -401,3 +403,68 @@ def test_each_layer_timing_records_how_far_its_isolated_step_rose():
     fc1 = timed[(timed["layer"] == "fc1") & (timed["format"] == "fp32")].iloc[0]
     # at least fc1's fp32 output (8 x 64) and its weight gradient (64 x 32) are alive at once during backward
     assert fc1["step_rise_bytes"] >= (8 * 64 + 64 * 32) * 4
+
+
+class _Twice(torch.nn.Module):
+    """fc runs twice per forward, and its output is changed in place after it: the cases a replay must get right."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(32, 32)
+        self.mid = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.mul_(2.0)
+        h = self.mid(torch.tanh(self.fc(torch.tanh(h))))
+        return self.head(torch.tanh(h))
+
+
+def _in_model(workload, name, fmt, batches=2):
+    """The brute-force measurement the replay stands in for: the whole model with only `name` in `fmt`, forward and
+    backward on the first train batches; the layer's outputs and its weight gradient."""
+    from autoprec.tune.measure import policy_model
+    from autoprec.tune.profiler import _first_float, _param_grad
+
+    model = policy_model(workload, Policy(layers={name: fmt})).eval()
+    module, outs = dict(model.named_modules())[name], []
+    handle = module.register_forward_hook(lambda m, a, out: outs.append(_first_float(out).detach().float().flatten().clone()))
+    for batch in workload.train[:batches]:
+        workload.task.loss_fn(model, batch).backward()
+    handle.remove()
+    return torch.cat(outs), _param_grad(module)
+
+
+def _task_of(model_fn):
+    from autoprec.tune.api import task_from_objects
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 32, generator=g), torch.randint(0, 16, (8,), generator=g)) for _ in range(2)]
+    return task_from_objects(model_fn(), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).float(), b[1]), data, data)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8"])
+def test_the_layer_replay_gives_the_whole_models_output_and_nearly_its_gradient_sqnr(fmt):
+    from autoprec.formats import Format
+    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.profiler import _replay, _run
+
+    workload = prepare(_task_of(_Twice), "cpu")
+    cap, _ = _run(workload, copy.deepcopy(workload.model), ["fc", "mid", "head"], 2)
+    assert [len(cap.calls[n]) for n in ("fc", "mid", "head")] == [4, 2, 2]  # every call of every batch
+    for name in ("fc", "mid", "head"):
+        fp32_out, fp32_grad = _in_model(workload, name, "fp32")
+        ref = _replay(workload.model.get_submodule(name), cap.calls[name], Format.FP32)
+        # fp32 replayed alone is the model's own layer: the recorded inputs and output gradients are right
+        torch.testing.assert_close(ref.output, fp32_out)
+        torch.testing.assert_close(ref.grad, fp32_grad)
+        out, grad = _in_model(workload, name, fmt)
+        low = _replay(workload.model.get_submodule(name), cap.calls[name], Format(fmt))
+        # A layer called once sees the same inputs alone as in the model: the same output. Its gradient in the
+        # model also carries the lowered output's effect downstream: a fraction of a dB here. fc runs twice, and its
+        # second call sees its own lowered output in the model but the fp32 one here: a few dB apart.
+        out_tol, grad_tol = (2.0, 5.0) if name == "fc" else (0.01, 1.0)
+        assert sqnr_db(fp32_out, low.output) == pytest.approx(sqnr_db(fp32_out, out), abs=out_tol)
+        assert sqnr_db(fp32_grad, low.grad) == pytest.approx(sqnr_db(fp32_grad, grad), abs=grad_tol)

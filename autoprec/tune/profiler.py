@@ -176,10 +176,14 @@ class Profile:
         return total
 
 
-def _first_float(out: Any) -> torch.Tensor | None:
+def _float_tensors(out: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_tensors(out, lambda t: found.append(t) if t.is_floating_point() else None)
-    return found[0] if found else None
+    return found
+
+
+def _first_float(out: Any) -> torch.Tensor | None:
+    return next(iter(_float_tensors(out)), None)
 
 
 def _param_grad(module: torch.nn.Module) -> torch.Tensor | None:
@@ -187,14 +191,22 @@ def _param_grad(module: torch.nn.Module) -> torch.Tensor | None:
     return torch.cat(grads) if grads else None
 
 
+@dataclasses.dataclass
+class _Call:
+    """One call of a layer in the fp32 model: its inputs, and the gradient of the loss with respect to each of its
+    floating outputs (map_tensors order; None where none flowed back)."""
+
+    inputs: tuple[tuple, dict]
+    grads: list[torch.Tensor | None]
+
+
 class _Capture:
-    """Forward hooks on the tunable layers: their outputs, and the inputs of the first call."""
+    """Hooks on the tunable layers: every call's inputs and, once backward has run, its output gradients."""
 
     def __init__(self, model: torch.nn.Module, names: list[str]):
         modules = dict(model.named_modules())
         self.modules = {n: modules[n] for n in names}
-        self.outputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        self.inputs: dict[str, tuple[tuple, dict]] = {}
+        self.calls: dict[str, list[_Call]] = {n: [] for n in names}
         self._handles = []
         for n, m in self.modules.items():
             self._handles.append(m.register_forward_pre_hook(self._pre(n), with_kwargs=True))
@@ -202,18 +214,26 @@ class _Capture:
 
     def _pre(self, name: str):
         def hook(module, args, kwargs):
-            if name not in self.inputs:
-                self.inputs[name] = map_tensors((args, kwargs), lambda t: t.detach().clone())
+            self.calls[name].append(_Call(map_tensors((args, kwargs), lambda t: t.detach().clone()), []))
 
         return hook
 
     def _post(self, name: str):
         def hook(module, args, output):
-            t = _first_float(output)
-            if t is not None:
-                self.outputs[name].append(t.detach().float().clone())
+            call = self.calls[name][-1]
+            for i, t in enumerate(_float_tensors(output)):
+                call.grads.append(None)
+                if t.requires_grad:  # a hook on the tensor, not the module: an in-place op after it does no harm
+                    t.register_hook(self._keep(call, i))
 
         return hook
+
+    @staticmethod
+    def _keep(call: _Call, i: int):
+        def keep(grad: torch.Tensor) -> None:
+            call.grads[i] = grad.detach().clone()
+
+        return keep
 
     def remove(self) -> None:
         for h in self._handles:
@@ -415,7 +435,7 @@ def _profile_layer(
 ) -> list[dict]:
     """The layer's rows, cheapest measurement first: what cannot run, the layer's own step time per format
     (shared by layers of one type and shapes), the gradient ranges; then, only for formats still in play, the
-    output and gradient SQNR (a forward and backward of the model per format); formats still in play after that
+    output and gradient SQNR (the layer alone, replayed on its calls in the fp32 model: _replay); formats still in play after that
     are left PENDING for the metric, which `profile` judges per format over all layers (_judge_group). A format
     ruled out on the way (slower than fp32 beyond `slower_than`, fp16 gradients overflowing, non-finite,
     overflowing) is never chosen whatever the rest would say, so the rest is not measured, and `metric_source`
@@ -425,10 +445,11 @@ def _profile_layer(
                                               "sqnr_db": math.inf, "grad_sqnr_db": math.inf, "metric": fp32_metric,
                                               "metric_drop": 0.0, "finite": True, "overflow": False,
                                               "metric_source": MEASURED}}  # fmt: skip
-    ref_out = torch.cat([o.flatten() for o in ref.outputs[name]])
-    max_abs = float(ref_out.abs().max()) if ref_out.numel() else 0.0
+    calls = ref.calls[name]
+    fp32 = _replay(module, calls, Format.FP32)
+    max_abs = _max_abs(fp32.output)
     rows[Format.FP32]["max_abs"] = max_abs
-    inputs = ref.inputs[name]
+    inputs = calls[0].inputs
     for fmt in formats:
         if fmt is Format.FP32:
             continue
@@ -463,7 +484,7 @@ def _profile_layer(
             continue
         try:
             with watch.section("profile: output and gradient SQNR per format"):
-                row.update(_sensitivity(workload, name, fmt, ref, ref_out, config))
+                row.update(_sensitivity(module, calls, fmt, fp32))
         except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
             row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
             continue
@@ -541,21 +562,56 @@ def _skip(row: dict, slower_than: float, watch: Stopwatch) -> bool:
     return True
 
 
-def _sensitivity(workload, name, fmt, ref, ref_out, config) -> dict:
-    """Output and weight-gradient SQNR of the layer lowered alone, and whether anything went non-finite or
-    fp16 overflowed, over the first train batches; the metric comes later (_profile_layer), where it counts."""
-    model = policy_model(workload, Policy(layers={name: fmt}))
-    run, finite = _run(workload, model, [name], config.batches)
-    out = torch.cat([o.flatten() for o in run.outputs[name]])
-    grad, ref_grad = _param_grad(run.modules[name]), ref.grads[name]
-    finite &= bool(torch.isfinite(out).all()) and (grad is None or bool(torch.isfinite(grad).all()))
+@dataclasses.dataclass(frozen=True)
+class _Replay:
+    """The layer run alone on its recorded calls (`_replay`): its first floating output of each call, flattened
+    and concatenated in fp32; its parameters' gradient, concatenated (None without one); all finite."""
+
+    output: torch.Tensor
+    grad: torch.Tensor | None
+    finite: bool
+
+
+def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format) -> _Replay:
+    """The layer alone in `fmt` on each of its calls in the fp32 model: forward on the inputs it saw there, backward
+    from the output gradients the fp32 model gave it. With only this layer lowered, the model feeds it exactly these
+    inputs, so its output is what the model would compute; its gradient differs from the model's only in what the
+    lowered output changes downstream, which the metric measures (tests/test_profile.py: a fraction of a dB). A
+    layer the model calls more than once is the exception: a later call sees its own lowered output there, fp32
+    here, so its SQNRs come out a few dB high. One layer step per call instead of a forward and backward of the
+    whole model per layer and format."""
+    holder = apply_policy(_Holder(copy.deepcopy(module)).eval(), Policy(layers={"layer": fmt}))  # eval: as recorded
+    outputs = []
+    for call in calls:
+        args, kwargs = map_tensors(call.inputs, lambda t: t.clone())  # a layer that writes its input in place
+        floats = _float_tensors(holder(*args, **kwargs))
+        if floats:
+            outputs.append(floats[0].detach().float().flatten())
+        pairs = [(t, g.to(t.dtype)) for t, g in zip(floats, call.grads) if g is not None and t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    output = torch.cat(outputs) if outputs else torch.zeros(0)
+    grad = _param_grad(holder.layer)
+    finite = bool(torch.isfinite(output).all()) and (grad is None or bool(torch.isfinite(grad).all()))
+    return _Replay(output=output, grad=grad, finite=finite)
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def _sensitivity(module: torch.nn.Module, calls: list[_Call], fmt: Format, ref: _Replay) -> dict:
+    """Output and weight-gradient SQNR of the layer in `fmt` against fp32 (each `_replay`ed on the fp32 model's
+    calls over the first train batches), and whether anything went non-finite or fp16 overflowed; the metric comes
+    later (_profile_layer), where it counts."""
+    run = _replay(module, calls, fmt)
     # an autocast format with a narrow range (fp16) saturates to inf: fp8's scaled casts do not
     limit = fmt.spec.max_value if fmt.spec.autocast is not None else None
-    overflow = limit is not None and (float(ref_out.abs().max()) > limit or not bool(torch.isfinite(out).all()))
+    overflow = limit is not None and (_max_abs(ref.output) > limit or not bool(torch.isfinite(run.output).all()))
     return {
-        "sqnr_db": sqnr_db(ref_out, out),
-        "grad_sqnr_db": sqnr_db(ref_grad, grad) if grad is not None and ref_grad is not None else math.nan,
-        "finite": finite,
+        "sqnr_db": sqnr_db(ref.output, run.output),
+        "grad_sqnr_db": sqnr_db(ref.grad, run.grad) if run.grad is not None and ref.grad is not None else math.nan,
+        "finite": run.finite,
         "overflow": overflow,
     }
 
@@ -563,20 +619,17 @@ def _sensitivity(workload, name, fmt, ref, ref_out, config) -> dict:
 @dataclasses.dataclass
 class _Reference:
     names: list[str]
-    outputs: dict[str, list[torch.Tensor]]
-    inputs: dict[str, tuple[tuple, dict]]
-    grads: dict[str, torch.Tensor | None]
+    calls: dict[str, list[_Call]]
     uncalled: list[str] = dataclasses.field(default_factory=list)  # tunable layers loss_fn never calls
 
 
 def _reference(workload: Workload, names: list[str], config: ProfileConfig) -> _Reference:
     model = copy.deepcopy(workload.model)
     cap, _ = _run(workload, model, names, config.batches)
-    missing = [n for n in names if n not in cap.inputs]
+    missing = [n for n in names if not cap.calls[n]]
     if len(missing) == len(names):
         raise UserError(f"{workload.task.path}: layers {', '.join(missing)} are never called by loss_fn; nothing to tune there")
-    grads = {n: _param_grad(cap.modules[n]) for n in names}
-    return _Reference(names=[n for n in names if n not in missing], outputs=cap.outputs, inputs=cap.inputs, grads=grads, uncalled=missing)
+    return _Reference(names=[n for n in names if n not in missing], calls=cap.calls, uncalled=missing)
 
 
 def checked_fp32_metric(workload: Workload) -> float:
