@@ -53,6 +53,7 @@ from autoprec.tune.measure import (
 from autoprec.tune.profiler import Profile, profile, ruled_out
 from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
 from autoprec.tune.space import SearchSpace
+from autoprec.tune.speed import LayerTimes
 from autoprec.tune.study import (
     Goal,
     Judge,
@@ -158,7 +159,8 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     check_storage(config)  # before minutes of profiling; opening the study checks it again
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0])
-    objective = Objective(workload, started.choices, space, started.judge, config, objectives=plan.objectives)
+    layer_times = LayerTimes.from_table(started.profile.table.to_dict("records"))
+    objective = Objective(workload, started.choices, space, started.judge, config, objectives=plan.objectives, layer_times=layer_times)
     target = config.trials or space.trials
     if _complete(started.study) < target or config.remeasure:
         started.judge.measure()  # before the trials (its own line in the cost table); a result that stands needs none

@@ -50,6 +50,7 @@ from autoprec.tune.measure import (
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.profiler import Profile, ProfileConfig
 from autoprec.tune.space import SearchSpace, parse_option
+from autoprec.tune.speed import LayerTimes, Timed, fit
 from autoprec.tune.task import Workload
 
 log = logging.getLogger("autoprec")
@@ -124,6 +125,9 @@ class SearchConfig:
     # candidate may need, in bytes (memory.parse_limit reads "40GB", "0.8"): above it, a candidate is infeasible.
     objective: Goal = Goal.SPEED
     max_memory: int | None = None
+    # Leave untimed a trial whose speedup, predicted from the profile's layer times, cannot make it a finalist
+    # (speed.py; a single-objective speed search without --max-memory, once enough trials are timed).
+    predict_speed: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
@@ -356,12 +360,16 @@ class Objective:
     memory limit, peak <= limit is a second constraint."""
 
     def __init__(
-        self, workload: Workload, choices: Choices, space: SearchSpace, judge: Judge, config: SearchConfig, *, objectives: int = 1
+        self, workload: Workload, choices: Choices, space: SearchSpace, judge: Judge, config: SearchConfig, *, objectives: int = 1,
+        layer_times: LayerTimes | None = None,
     ):
         if objectives not in OBJECTIVES:
             raise ValueError(f"objectives must be one of {sorted(OBJECTIVES)}, but got {objectives!r}")
         self.workload, self.choices, self.space = workload, choices, space
         self.judge, self.config, self.objectives = judge, config, objectives
+        # what predicts a trial's speedup (speed.py): only a speed search without a memory limit may skip timing
+        predicts = config.predict_speed and objectives == 1 and config.objective is Goal.SPEED and config.max_memory is None
+        self.layer_times = layer_times if predicts else None
         # timed beside every eager candidate; a compiled search builds a compiled one per trial instead
         self.baseline = None if config.compile else Trainer(workload, Policy(layers={ROOT: Format.FP32}))
         self._baseline_warm = False  # after its first timing, the baseline needs one warm-up call, not config.warmup
@@ -390,6 +398,8 @@ class Objective:
         if feasible and _all_fp32(policy):  # the fp32 baseline itself: 1.0 by definition, nothing to time
             trial.set_user_attr("speedup", 1.0)
             self._record_memory(trial, self.fp32_peak(None))
+        elif feasible and self._predicted_too_slow(trial, policy):
+            pass  # its predicted speedup is its value; it is never a finalist
         elif feasible:  # only candidates within budget are worth the time it takes to time them
             start = time.perf_counter()
             feasible, constraint = self._time(trial, policy, constraint)
@@ -434,16 +444,37 @@ class Objective:
             trial.set_user_attr("error", f"peak memory {memory.human_bytes(peak)} over --max-memory {memory.human_bytes(limit)}")
         return (peak - limit) / limit
 
+    def _predicted_too_slow(self, trial: optuna.Trial, policy: Policy) -> bool:
+        """Whether the profile's layer times, fitted on the trials timed so far (speed.fit), predict this candidate
+        slower than the k-th fastest sampled trial even with the fit's error in its favour: then it is not timed,
+        and its predicted speedup (`predicted_speedup`, also its `speedup`) is what the sampler learns from."""
+        if self.layer_times is None:
+            return False
+        features = self.layer_times.features(policy)
+        mark = _finalist_mark(trial.study, self.config.finalists)
+        if features is None or mark is None:
+            return False
+        speed_fit = fit(_timed(trial.study, self.choices, self.layer_times))
+        if speed_fit is None or not speed_fit.covers(features):
+            return False
+        predicted = speed_fit.speedup(features)
+        if predicted * (1 + speed_fit.margin) >= mark:
+            return False
+        trial.set_user_attr("predicted_speedup", predicted)
+        trial.set_user_attr("speedup", predicted)
+        trial.set_user_attr("untimed", f"predicted {predicted:.3f}x (fit error {speed_fit.error:.1%}), below the "
+                                       f"k-th sampled trial's {mark:.3f}x")  # fmt: skip
+        return True
+
     def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
         """When a trial's timing may stop early (a sequential test over the rounds so far). In a search with at
         least `finalists` timed sampled trials (_sampled_speedups): every round measured the candidate slower
         than the k-th fastest of them (it would not be a finalist), or faster than the fastest (a finalist for
         sure, re-measured with the others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the per-round
         speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on."""
-        k = self.config.finalists
         ranked_by_speed = self.objectives == 1 and self.config.objective is Goal.SPEED
-        speeds = sorted(_sampled_speedups(trial.study), reverse=True) if ranked_by_speed else []
-        marks = (speeds[k - 1], speeds[0]) if len(speeds) >= k and speeds[k - 1] > 0 else None
+        kth = _finalist_mark(trial.study, self.config.finalists) if ranked_by_speed else None
+        marks = (kth, max(_sampled_speedups(trial.study))) if kth is not None else None
 
         def enough(samples: Mapping[str, Sequence[float]]) -> bool:
             ratios = [f / p for f, p in zip(samples["fp32"], samples["policy"]) if p > 0]
@@ -519,7 +550,8 @@ class Objective:
 
 
 TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
-               "fp32_step_ms", "speedup", "spread", "peak_bytes", "memory_saving", "train_skipped", "error")  # fmt: skip
+               "fp32_step_ms", "speedup", "spread", "peak_bytes", "memory_saving", "train_skipped", "error",
+               "predicted_speedup", "untimed")  # fmt: skip
 COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "rounds", "reused_from")
 
 
@@ -646,6 +678,9 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
         watch.count("trials: timing rounds (a trial stops early once its ranking is clear)", rounds)
     watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
     watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
+    untimed = sum("untimed" in t.user_attrs for t in fresh)
+    if untimed:
+        watch.count("trials: not timed (the profile's layer times predict them too slow to be finalists)", untimed)
 
 
 def _sampled_speedups(study: optuna.Study) -> list[float]:
@@ -655,6 +690,27 @@ def _sampled_speedups(study: optuna.Study) -> list[float]:
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     return [t.user_attrs["speedup"] for t in done if t.user_attrs.get("feasible") and t.user_attrs.get("rounds")
             and "reused_from" not in t.user_attrs and "fixed_params" not in t.system_attrs]  # fmt: skip
+
+
+def _finalist_mark(study: optuna.Study, k: int) -> float | None:
+    """The k-th fastest sampled trial's speedup (_sampled_speedups): a trial surely slower is not a finalist; None
+    before k are timed."""
+    speeds = sorted(_sampled_speedups(study), reverse=True)
+    return speeds[k - 1] if len(speeds) >= k and speeds[k - 1] > 0 else None
+
+
+def _timed(study: optuna.Study, choices: Choices, layer_times: LayerTimes) -> list[Timed]:
+    """The study's trials timed beside fp32 (not repeats), as speed.fit takes them."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    out = []
+    for t in done:
+        step, fp32 = t.user_attrs.get("step_ms"), t.user_attrs.get("fp32_step_ms")
+        if not t.user_attrs.get("rounds") or "reused_from" in t.user_attrs or step is None or fp32 is None:
+            continue
+        features = layer_times.features(policy_from_params(t.params, choices))
+        if features is not None:
+            out.append(Timed(features, fp32, step))
+    return out
 
 
 def _best_speedup(study: optuna.Study) -> float:
