@@ -51,6 +51,7 @@ from autoprec.tune.choices import Choices, build_choices, greedy_params, suggest
 from autoprec.tune.measure import StepStats, TimingConfig, Trainer, evaluate_metric, interleaved_times, probe_times  # noqa: E402
 from autoprec.policy import ROOT, model_fingerprint  # noqa: E402
 from autoprec.tune.space import space_from_dict  # noqa: E402
+from autoprec.tune.speed import LayerTimes, Timed, too_slow  # noqa: E402
 from autoprec.formats import device_name  # noqa: E402
 from autoprec.tune.study import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
 
@@ -64,6 +65,7 @@ SPACE = space_from_dict({
 TIMING = TimingConfig(warmup=1, rounds=5, min_block_s=0.02)
 PROBED_ABOVE = 1.5  # a first probe this much slower than fp32: its ratio is kept, not refined
 CHECKPOINTS = (25, 50)
+FINALISTS = 3  # SearchConfig's default: the prediction's mark is the k-th fastest timed trial
 
 
 def key(layers: dict) -> str:
@@ -99,36 +101,62 @@ def measure_table(workload, names: list[str], path: Path) -> pd.DataFrame:
     return table
 
 
-def replay(table: pd.DataFrame, choices: Choices, budget: float, sampler, warm: list[dict], trials: int) -> list[tuple[float, str]]:
-    """(best feasible speedup, its policy) after each trial of a study that reads the table instead of measuring."""
+def replay(
+    table: pd.DataFrame, choices: Choices, budget: float, sampler, warm: list[dict], trials: int, layer_times: LayerTimes | None = None,
+) -> list[tuple[float, str, int]]:
+    """(best feasible speedup, its policy, trials untimed so far) after each trial of a study that reads the table
+    instead of measuring. With `layer_times`, as a search that predicts speed (study.Objective): a feasible
+    trial that speed.too_slow finds below the k-th fastest timed trial is told its predicted speedup, is never the
+    best (it is not re-measured), and does not join the fit."""
     by_key = table.set_index("policy")
     study = optuna.create_study(direction="maximize", sampler=sampler)
     for params in warm:
         study.enqueue_trial(params)
     best, curve = (0.0, "none"), []
+    timed: list[Timed] = []
+    speeds: list[float] = []  # timed trials' speedups (not all-fp32): the mark is the k-th fastest
+    told: dict[str, float] = {}  # a policy proposed again reuses its first trial's value, as a search does
+    untimed = 0
     for _ in range(trials):
         trial = study.ask()
-        policy = key(suggest(trial, choices, SPACE).layers)
-        row = by_key.loc[policy]
+        policy = suggest(trial, choices, SPACE)
+        name = key(policy.layers)
+        row = by_key.loc[name]
         trial.set_constraint("metric_drop_over_budget", float(row["metric_drop"]) - budget)
-        value = float(row["speedup"]) if row["metric_drop"] <= budget else 0.0
-        study.tell(trial, value)
-        best = max(best, (value, policy))
-        curve.append(best)
+        feasible = row["metric_drop"] <= budget
+        value = float(row["speedup"]) if feasible else 0.0
+        lowered = any(str(getattr(f, "value", f)) != "fp32" for f in policy.layers.values())
+        if name not in told and feasible and lowered and layer_times is not None:
+            ranked = sorted(speeds, reverse=True)
+            found = too_slow(timed, layer_times.features(policy), ranked[FINALISTS - 1] if len(ranked) >= FINALISTS else None)
+            if found is None:  # timed: it joins the fit and the mark
+                speeds.append(value)
+                features = layer_times.features(policy)
+                if features is not None:
+                    timed.append(Timed(features, 100.0, 100.0 / value))
+            else:
+                untimed += 1
+                told[name] = found[0]
+        study.tell(trial, told.setdefault(name, value))
+        if told[name] == value:  # untimed trials are never the answer: they are not re-measured
+            best = max(best, (value, name))
+        curve.append((*best, untimed))
     return curve
 
 
 def methods(prof, names: list[str], budget: float, seed: int, device):
-    """(name, choices, sampler, warm starts) per method."""
+    """(name, choices, sampler, warm starts, the profile's layer times where the method predicts speed) per method."""
     fixed_scale = {"init_scale_log2": [16, 16]}
     everything = Choices(default=("fp32",), layers=dict.fromkeys(names, FORMATS), excluded={}, loss_scale=fixed_scale)
     pruned = dataclasses.replace(build_choices(prof, SPACE, budget, device), loss_scale=fixed_scale)
     warm = [uniform_params(pruned, "fp32"), uniform_params(pruned, "bf16"), greedy_params(prof, pruned, budget)]
+    times = LayerTimes.from_table(prof.table.to_dict("records"))
     return [
-        ("random, all 3^8", everything, optuna.samplers.RandomSampler(seed=seed), []),
-        ("TPE, all 3^8", everything, sampler_for(SPACE, seed), []),
-        ("autoprec (profile choices, warm starts, TPE)", pruned, sampler_for(SPACE, seed), warm),
-        ("autoprec's choices and warm starts, random sampler", pruned, optuna.samplers.RandomSampler(seed=seed), warm),
+        ("random, all 3^8", everything, optuna.samplers.RandomSampler(seed=seed), [], None),
+        ("TPE, all 3^8", everything, sampler_for(SPACE, seed), [], None),
+        ("autoprec (profile choices, warm starts, TPE)", pruned, sampler_for(SPACE, seed), warm, None),
+        ("autoprec, trials predicted too slow left untimed", pruned, sampler_for(SPACE, seed), warm, times),
+        ("autoprec's choices and warm starts, random sampler", pruned, optuna.samplers.RandomSampler(seed=seed), warm, None),
     ]
 
 
@@ -163,12 +191,14 @@ def summarise(runs: pd.DataFrame, budgets: list[float], table: pd.DataFrame) -> 
             f"{best['metric_drop']:.3g}, spread {best['spread']:.1%}); {len(ties)} feasible policies are tied with it "
             f"(its lead inside its spread), down to {ties['speedup'].min():.3f}x.\n"
         )
-        rows = ["| method | trials | best found / optimum: median [q1, q3] | runs that found a tied policy |", "|---|---|---|---|"]
+        rows = ["| method | trials | best found / optimum: median [q1, q3] | runs that found a tied policy | trials not timed (mean) |",
+                "|---|---|---|---|---|"]  # fmt: skip
         for (method, n), group in runs[runs["budget"] == budget].groupby(["method", "trials"], sort=False):
             ratio = (group["best"] / best["speedup"]).tolist()
             q = statistics.quantiles(ratio, n=4, method="inclusive") if len(ratio) > 1 else [ratio[0]] * 3
             hits = group["best_policy"].isin(set(ties["policy"])).sum()
-            rows.append(f"| {method} | {n} | {q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}] | {hits}/{len(group)} |")
+            untimed = group["untimed"].mean() if "untimed" in group else 0.0
+            rows.append(f"| {method} | {n} | {q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}] | {hits}/{len(group)} | {untimed:.1f} |")
         lines.append("\n".join(rows) + "\n")
     return "\n".join(lines)
 
@@ -179,6 +209,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="folder for policies.csv, runs.csv, summary.md")
     parser.add_argument("--budgets", default="0,0.0002", help="metric-drop budgets to replay (default 0,0.0002)")
     parser.add_argument("--seeds", type=int, default=20, help="searches per method and budget (default 20)")
+    parser.add_argument("--table", type=Path, help="a policies.csv measured before (another run's --out), replayed as it "
+                                                   "is instead of measuring one; the summary names it")  # fmt: skip
     args = parser.parse_args()
     device = parse_device(args.device)
     out = Path(args.out)
@@ -193,22 +225,29 @@ def main() -> None:
     searched = {b: profile(workload, SPACE, ProfileConfig(group_tolerance=GROUP_SHARE * b), progress=False) for b in budgets}
     names = sorted(prof.layers())
     start = time.perf_counter()
-    table = measure_table(workload, names, out / "policies.csv")
-    print(f"table: {len(table)} policies in {time.perf_counter() - start:.0f} s; "
-          f"{(table['timed'] == 'interleaved').sum()} timed interleaved, the rest probed")  # fmt: skip
+    if args.table is not None:  # measured by another run (perhaps on another machine): the summary says so
+        table, where = pd.read_csv(args.table), f"the table {args.table} (measured by an earlier run, replayed as it is)"
+        missing = [n for n in names if n not in table.columns]
+        if missing:
+            raise SystemExit(f"--table {args.table}: no column for layers {missing}; it was measured for another model")
+    else:
+        table, where = measure_table(workload, names, out / "policies.csv"), "the table policies.csv"
+        print(f"table: {len(table)} policies in {time.perf_counter() - start:.0f} s; "
+              f"{(table['timed'] == 'interleaved').sum()} timed interleaved, the rest probed")  # fmt: skip
     records = []
     for budget in budgets:
         for seed in tqdm(range(args.seeds), desc=f"replaying searches, budget {budget:g}", unit="seed"):
-            for name, choices, sampler, warm in methods(searched[budget], names, budget, seed, device):
-                curve = replay(table, choices, budget, sampler, warm, max(CHECKPOINTS))
+            for name, choices, sampler, warm, times in methods(searched[budget], names, budget, seed, device):
+                curve = replay(table, choices, budget, sampler, warm, max(CHECKPOINTS), times)
                 records += [{"budget": budget, "method": name, "seed": seed, "trials": n, "best": curve[n - 1][0],
-                             "best_policy": curve[n - 1][1]} for n in CHECKPOINTS]  # fmt: skip
+                             "best_policy": curve[n - 1][1], "untimed": curve[n - 1][2]} for n in CHECKPOINTS]  # fmt: skip
     runs = pd.DataFrame(records)
     runs.to_csv(out / "runs.csv", index=False)
     interleaved = table[table["timed"] == "interleaved"]
     text = (
-        f"# Search against the true optimum\n\n`python benchmarks/search_optimum.py --out {args.out}`\n\n"
-        f"Device: {prof.device}. Model: benchmarks/models/mlp8.py, 8 Linear layers x {{fp32, bf16, fp16}}, root fp32: "
+        f"# Search against the true optimum\n\n`python benchmarks/search_optimum.py --out {args.out}"
+        + (f" --table {args.table}" if args.table else "") + "`\n\n"
+        f"Device of the profiles: {prof.device}; the policies' metrics and speedups: {where}. Model: benchmarks/models/mlp8.py, 8 Linear layers x {{fp32, bf16, fp16}}, root fp32: "
         f"{len(table)} policies, each evaluated and timed against fp32 ({len(interleaved)} interleaved, median spread "
         f"{interleaved['spread'].median():.1%}; {len(table) - len(interleaved)} more than {PROBED_ABOVE}x slower than fp32 in a "
         f"first probe keep that ratio). Metric: -(mean eval loss); budget = the largest drop. Each method ran {args.seeds} "

@@ -9,7 +9,7 @@ from autoprec.formats import Format
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import build_choices, policy_from_params
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.speed import MARGIN, MIN_FIT, LayerTimes, Timed, fit, format_of
+from autoprec.tune.speed import MARGIN, MIN_FIT, LayerTimes, Timed, fit, format_of, too_slow
 from autoprec.tune.study import Judge, Objective, _finalist_mark
 from test_search import fake_profile
 
@@ -70,6 +70,16 @@ def test_a_fit_predicts_only_for_a_root_setting_it_has_seen_timed():
     lowered_root = fit([t for t in _timed(2.0, 3.0) if t.features[1] == 1.0])  # the root's term is the constant part
     assert lowered_root.root_ms == pytest.approx(3.0) and lowered_root.per_ms == pytest.approx(2.0)
     assert lowered_root.covers((0.0, 1.0)) and not lowered_root.covers((3.0, 0.0))
+
+
+def test_a_candidate_is_left_untimed_only_where_even_its_margin_keeps_it_below_the_mark():
+    timed = _timed(per_ms=2.0, root_ms=3.0)  # an exact fit: the margin is MARGIN
+    predicted = 100.0 / (100.0 - 2.0 * 1.0 - 3.0)  # features (1.0, 1.0)
+    assert too_slow(timed, (1.0, 1.0), predicted * (1 + MARGIN) * 1.001)[0] == pytest.approx(predicted)
+    assert too_slow(timed, (1.0, 1.0), predicted * (1 + MARGIN) * 0.999) is None  # might be a finalist: timed
+    assert too_slow(timed, (1.0, 1.0), None) is None  # no mark yet
+    assert too_slow(timed, None, 2.0) is None  # a format without a profiled time
+    assert too_slow(timed[:3], (1.0, 1.0), 2.0) is None  # too few trials to fit
 
 
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "layout": "per_layer"})

@@ -8,8 +8,9 @@ constant. Fitted by least squares on the trials the search has timed so far:
 
     fp32 step ms - step ms  =  c * sum over layers of (fp32 ms - format ms)  +  r * (root lowered)
 
-A candidate is left untimed (study.Objective) only where its root setting was timed and its predicted speedup, raised by the fit's worst relative
-error on those trials (at least MARGIN), is still below the k-th fastest sampled trial: it would not be a finalist.
+A candidate is left untimed (study.Objective) only where its root setting was timed and its predicted speedup, raised
+by the fit's worst relative error on those trials (at least MARGIN), is still below the k-th fastest timed trial: k
+faster candidates are re-measured at the end (study._finalist_mark).
 """
 
 from __future__ import annotations
@@ -118,3 +119,16 @@ def fit(timed: Sequence[Timed]) -> SpeedFit | None:
     partial = SpeedFit(per_ms, root_ms, fp32_ms, 0.0, roots)
     errors = [partial.speedup(t.features, t.fp32_ms) / (t.fp32_ms / t.step_ms) - 1 for t in points]
     return dataclasses.replace(partial, error=max(abs(e) for e in errors))
+
+
+def too_slow(timed: Sequence[Timed], features: tuple[float, float] | None, mark: float | None) -> tuple[float, SpeedFit] | None:
+    """(predicted speedup, the fit) of a candidate not worth timing: `timed` fitted (fit), its root setting among
+    theirs, and even raised by the fit's margin it stays below `mark` (the k-th fastest timed trial's speedup);
+    None where it must be timed (no features, no mark or fit yet, or it might be a finalist)."""
+    if features is None or mark is None:
+        return None
+    speed_fit = fit(timed)
+    if speed_fit is None or not speed_fit.covers(features):
+        return None
+    predicted = speed_fit.speedup(features)
+    return (predicted, speed_fit) if predicted * (1 + speed_fit.margin) < mark else None

@@ -50,7 +50,7 @@ from autoprec.tune.measure import (
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.profiler import Profile, ProfileConfig
 from autoprec.tune.space import SearchSpace, parse_option
-from autoprec.tune.speed import LayerTimes, Timed, fit
+from autoprec.tune.speed import LayerTimes, Timed, too_slow
 from autoprec.tune.task import Workload
 
 log = logging.getLogger("autoprec")
@@ -446,35 +446,30 @@ class Objective:
 
     def _predicted_too_slow(self, trial: optuna.Trial, policy: Policy) -> bool:
         """Whether the profile's layer times, fitted on the trials timed so far (speed.fit), predict this candidate
-        slower than the k-th fastest sampled trial even with the fit's error in its favour: then it is not timed,
+        slower than the k-th fastest timed trial even with the fit's error in its favour: then it is not timed,
         and its predicted speedup (`predicted_speedup`, also its `speedup`) is what the sampler learns from."""
         if self.layer_times is None:
             return False
-        features = self.layer_times.features(policy)
         mark = _finalist_mark(trial.study, self.config.finalists)
-        if features is None or mark is None:
+        found = too_slow(_timed(trial.study, self.choices, self.layer_times), self.layer_times.features(policy), mark)
+        if found is None:
             return False
-        speed_fit = fit(_timed(trial.study, self.choices, self.layer_times))
-        if speed_fit is None or not speed_fit.covers(features):
-            return False
-        predicted = speed_fit.speedup(features)
-        if predicted * (1 + speed_fit.margin) >= mark:
-            return False
+        predicted, speed_fit = found
         trial.set_user_attr("predicted_speedup", predicted)
         trial.set_user_attr("speedup", predicted)
         trial.set_user_attr("untimed", f"predicted {predicted:.3f}x (fit error {speed_fit.error:.1%}), below the "
-                                       f"k-th sampled trial's {mark:.3f}x")  # fmt: skip
+                                       f"k-th fastest timed trial's {mark:.3f}x")  # fmt: skip
         return True
 
     def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
         """When a trial's timing may stop early (a sequential test over the rounds so far). In a search with at
-        least `finalists` timed sampled trials (_sampled_speedups): every round measured the candidate slower
-        than the k-th fastest of them (it would not be a finalist), or faster than the fastest (a finalist for
-        sure, re-measured with the others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the per-round
-        speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on."""
+        least `finalists` timed trials (_finalist_mark): every round measured the candidate slower than the k-th
+        fastest of them (its number does not matter), or faster than the fastest (a finalist for sure, re-measured
+        with the others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the
+        per-round speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on."""
         ranked_by_speed = self.objectives == 1 and self.config.objective is Goal.SPEED
         kth = _finalist_mark(trial.study, self.config.finalists) if ranked_by_speed else None
-        marks = (kth, max(_sampled_speedups(trial.study))) if kth is not None else None
+        marks = (kth, max(_timed_speedups(trial.study))) if kth is not None else None
 
         def enough(samples: Mapping[str, Sequence[float]]) -> bool:
             ratios = [f / p for f, p in zip(samples["fp32"], samples["policy"]) if p > 0]
@@ -683,19 +678,20 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
         watch.count("trials: not timed (the profile's layer times predict them too slow to be finalists)", untimed)
 
 
-def _sampled_speedups(study: optuna.Study) -> list[float]:
-    """The speedups of the timed trials the sampler proposed: not the warm starts (enqueued; some are the
-    alternatives, never finalists under a trial's name) nor repeats. Fewer and lower than all finalists' could
-    be, so a mark taken from them stops a trial early only where it is surely not a finalist."""
+def _timed_speedups(study: optuna.Study) -> list[float]:
+    """The speedups of the study's trials timed within budget, warm starts included (not the all-fp32 baseline,
+    which is not timed, nor repeats)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return [t.user_attrs["speedup"] for t in done if t.user_attrs.get("feasible") and t.user_attrs.get("rounds")
-            and "reused_from" not in t.user_attrs and "fixed_params" not in t.system_attrs]  # fmt: skip
+    return [t.user_attrs["speedup"] for t in done
+            if t.user_attrs.get("feasible") and t.user_attrs.get("rounds") and "reused_from" not in t.user_attrs]  # fmt: skip
 
 
 def _finalist_mark(study: optuna.Study, k: int) -> float | None:
-    """The k-th fastest sampled trial's speedup (_sampled_speedups): a trial surely slower is not a finalist; None
-    before k are timed."""
-    speeds = sorted(_sampled_speedups(study), reverse=True)
+    """The k-th fastest timed trial's speedup (_timed_speedups); None before k are timed. A candidate surely slower
+    needs no precise number: each of those k is re-measured at the end (an alternative always is; a searched policy
+    faster than the candidate ranks above it for the k finalists' places), or the candidate takes a place itself
+    and is re-measured with them."""
+    speeds = sorted(_timed_speedups(study), reverse=True)
     return speeds[k - 1] if len(speeds) >= k and speeds[k - 1] > 0 else None
 
 
