@@ -456,12 +456,12 @@ def test_the_layer_replay_gives_the_whole_models_output_and_nearly_its_gradient_
     assert [len(cap.calls[n]) for n in ("fc", "mid", "head")] == [4, 2, 2]  # every call of every batch
     for name in ("fc", "mid", "head"):
         fp32_out, fp32_grad = _in_model(workload, name, "fp32")
-        ref = _replay(workload.model.get_submodule(name), cap.calls[name], Format.FP32)
+        ref = _replay(workload.model.get_submodule(name), cap.calls[name], Format.FP32, workload.device)
         # fp32 replayed alone is the model's own layer: the recorded inputs and output gradients are right
         torch.testing.assert_close(ref.output, fp32_out)
         torch.testing.assert_close(ref.grad, fp32_grad)
         out, grad = _in_model(workload, name, fmt)
-        low = _replay(workload.model.get_submodule(name), cap.calls[name], Format(fmt))
+        low = _replay(workload.model.get_submodule(name), cap.calls[name], Format(fmt), workload.device)
         # A layer called once sees the same inputs alone as in the model: the same output. Its gradient in the
         # model also carries the lowered output's effect downstream: a fraction of a dB here. fc runs twice, and its
         # second call sees its own lowered output in the model but the fp32 one here: a few dB apart.

@@ -446,7 +446,7 @@ def _profile_layer(
                                               "metric_drop": 0.0, "finite": True, "overflow": False,
                                               "metric_source": MEASURED}}  # fmt: skip
     calls = ref.calls[name]
-    fp32 = _replay(module, calls, Format.FP32)
+    fp32 = _replay(module, calls, Format.FP32, workload.device)
     max_abs = _max_abs(fp32.output)
     rows[Format.FP32]["max_abs"] = max_abs
     inputs = calls[0].inputs
@@ -484,7 +484,7 @@ def _profile_layer(
             continue
         try:
             with watch.section("profile: output and gradient SQNR per format"):
-                row.update(_sensitivity(module, calls, fmt, fp32))
+                row.update(_sensitivity(module, calls, fmt, fp32, workload.device))
         except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
             row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
             continue
@@ -572,15 +572,22 @@ class _Replay:
     finite: bool
 
 
-def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format) -> _Replay:
+def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format, device: torch.device) -> _Replay:
     """The layer alone in `fmt` on each of its calls in the fp32 model: forward on the inputs it saw there, backward
     from the output gradients the fp32 model gave it. With only this layer lowered, the model feeds it exactly these
     inputs, so its output is what the model would compute; its gradient differs from the model's only in what the
     lowered output changes downstream, which the metric measures (tests/test_profile.py: a fraction of a dB). A
     layer the model calls more than once is the exception: a later call sees its own lowered output there, fp32
     here, so its SQNRs come out a few dB high. One layer step per call instead of a forward and backward of the
-    whole model per layer and format."""
+    whole model per layer and format. fp32 matmuls are strict (no TF32), as the trials' fp32 baseline's."""
     holder = apply_policy(_Holder(copy.deepcopy(module)).eval(), Policy(layers={"layer": fmt}))  # eval: as recorded
+    with matmul_precision(device, False):
+        outputs, grad = _replay_calls(holder, calls)
+    finite = bool(torch.isfinite(outputs).all()) and (grad is None or bool(torch.isfinite(grad).all()))
+    return _Replay(output=outputs, grad=grad, finite=finite)
+
+
+def _replay_calls(holder: _Holder, calls: list[_Call]) -> tuple[torch.Tensor, torch.Tensor | None]:
     outputs = []
     for call in calls:
         args, kwargs = map_tensors(call.inputs, lambda t: t.clone())  # a layer that writes its input in place
@@ -590,21 +597,18 @@ def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format) -> _Replay
         pairs = [(t, g.to(t.dtype)) for t, g in zip(floats, call.grads) if g is not None and t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-    output = torch.cat(outputs) if outputs else torch.zeros(0)
-    grad = _param_grad(holder.layer)
-    finite = bool(torch.isfinite(output).all()) and (grad is None or bool(torch.isfinite(grad).all()))
-    return _Replay(output=output, grad=grad, finite=finite)
+    return (torch.cat(outputs) if outputs else torch.zeros(0)), _param_grad(holder.layer)
 
 
 def _max_abs(t: torch.Tensor) -> float:
     return float(t.abs().max()) if t.numel() else 0.0
 
 
-def _sensitivity(module: torch.nn.Module, calls: list[_Call], fmt: Format, ref: _Replay) -> dict:
+def _sensitivity(module: torch.nn.Module, calls: list[_Call], fmt: Format, ref: _Replay, device: torch.device) -> dict:
     """Output and weight-gradient SQNR of the layer in `fmt` against fp32 (each `_replay`ed on the fp32 model's
     calls over the first train batches), and whether anything went non-finite or fp16 overflowed; the metric comes
     later (_profile_layer), where it counts."""
-    run = _replay(module, calls, fmt)
+    run = _replay(module, calls, fmt, device)
     # an autocast format with a narrow range (fp16) saturates to inf: fp8's scaled casts do not
     limit = fmt.spec.max_value if fmt.spec.autocast is not None else None
     overflow = limit is not None and (_max_abs(ref.output) > limit or not bool(torch.isfinite(run.output).all()))
