@@ -65,6 +65,7 @@ SPACE = space_from_dict({
 TIMING = TimingConfig(warmup=1, rounds=5, min_block_s=0.02)
 PROBED_ABOVE = 1.5  # a first probe this much slower than fp32: its ratio is kept, not refined
 CHECKPOINTS = (25, 50)
+BUDGETS = "0,0.0002"
 FINALISTS = 3  # SearchConfig's default: the prediction's mark is the k-th fastest timed trial
 
 
@@ -207,7 +208,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_flag(parser)
     parser.add_argument("--out", required=True, help="folder for policies.csv, runs.csv, summary.md")
-    parser.add_argument("--budgets", default="0,0.0002", help="metric-drop budgets to replay (default 0,0.0002)")
+    parser.add_argument("--budgets", default=BUDGETS, help=f"metric-drop budgets to replay (default {BUDGETS})")
     parser.add_argument("--seeds", type=int, default=20, help="searches per method and budget (default 20)")
     parser.add_argument("--table", type=Path, help="a policies.csv measured before (another run's --out), replayed as it "
                                                    "is instead of measuring one; the summary names it")  # fmt: skip
@@ -246,7 +247,7 @@ def main() -> None:
     interleaved = table[table["timed"] == "interleaved"]
     text = (
         f"# Search against the true optimum\n\n`python benchmarks/search_optimum.py --out {args.out}"
-        + (f" --table {args.table}" if args.table else "") + "`\n\n"
+        + (f" --budgets {args.budgets}" if args.budgets != BUDGETS else "") + (f" --table {args.table}" if args.table else "") + "`\n\n"
         f"Device of the profiles: {prof.device}; the policies' metrics and speedups: {where}. Model: benchmarks/models/mlp8.py, 8 Linear layers x {{fp32, bf16, fp16}}, root fp32: "
         f"{len(table)} policies, each evaluated and timed against fp32 ({len(interleaved)} interleaved, median spread "
         f"{interleaved['spread'].median():.1%}; {len(table) - len(interleaved)} more than {PROBED_ABOVE}x slower than fp32 in a "
