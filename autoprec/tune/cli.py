@@ -86,7 +86,7 @@ def _search_config(args: argparse.Namespace, budget: float = 0.0):
         return SearchConfig(
             budget=budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode,
             compile=_compile(args), progress=not args.quiet, remeasure=args.remeasure, objective=parse_goal(args.objective),
-            max_memory=limit, **train,
+            max_memory=limit, predict_speed=not getattr(args, "time_every_trial", False), **train,
         )  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -314,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest allowed drop of the metric from all-fp32: in the metric's units (0.01) or relative to "
                         "the fp32 metric's magnitude (1%%); default 1%%")  # fmt: skip
     study_options(s, "the model's name")
+    s.add_argument("--time-every-trial", action="store_true",
+                   help="time every trial, also one the profile's layer times predict too slow to be a finalist "
+                        "(by default those are left untimed)")  # fmt: skip
     s.set_defaults(func=cmd_search)
 
     w = model_verb("sweep", "one two-objective study (speedup or peak memory, and metric drop) and a verified policy for each of several budgets")
