@@ -53,7 +53,7 @@ from autoprec.policy import ROOT, model_fingerprint  # noqa: E402
 from autoprec.tune.space import space_from_dict  # noqa: E402
 from autoprec.tune.speed import LayerTimes, Timed, too_slow  # noqa: E402
 from autoprec.formats import device_name  # noqa: E402
-from autoprec.tune.study import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
+from autoprec.tune.study import SearchConfig, sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
 
 MODEL = Path(__file__).parent / "models" / "mlp8.py"
 FORMATS = ("fp32", "bf16", "fp16")
@@ -66,7 +66,7 @@ TIMING = TimingConfig(warmup=1, rounds=5, min_block_s=0.02)
 PROBED_ABOVE = 1.5  # a first probe this much slower than fp32: its ratio is kept, not refined
 CHECKPOINTS = (25, 50)
 BUDGETS = "0,0.0002"
-FINALISTS = 3  # SearchConfig's default: the prediction's mark is the k-th fastest timed trial
+FINALISTS = SearchConfig(budget=0.0).finalists  # the prediction's mark is the k-th fastest timed trial
 
 
 def key(layers: dict) -> str:
@@ -129,7 +129,8 @@ def replay(
         lowered = any(str(getattr(f, "value", f)) != "fp32" for f in policy.layers.values())
         if name not in told and feasible and lowered and layer_times is not None:
             ranked = sorted(speeds, reverse=True)
-            found = too_slow(timed, layer_times.features(policy), ranked[FINALISTS - 1] if len(ranked) >= FINALISTS else None)
+            mark = ranked[FINALISTS - 1] if len(ranked) >= FINALISTS and ranked[FINALISTS - 1] > 0 else None  # as _finalist_mark
+            found = too_slow(timed, layer_times.features(policy), mark)
             if found is None:  # timed: it joins the fit and the mark
                 speeds.append(value)
                 features = layer_times.features(policy)

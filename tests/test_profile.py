@@ -468,3 +468,45 @@ def test_the_layer_replay_gives_the_whole_models_output_and_nearly_its_gradient_
         out_tol, grad_tol = (2.0, 5.0) if name == "fc" else (0.01, 1.0)
         assert sqnr_db(fp32_out, low.output) == pytest.approx(sqnr_db(fp32_out, out), abs=out_tol)
         assert sqnr_db(fp32_grad, low.grad) == pytest.approx(sqnr_db(fp32_grad, grad), abs=grad_tol)
+
+
+def test_a_layer_called_twice_is_measured_in_the_whole_model():
+    from autoprec.tune.measure import sqnr_db
+
+    workload = prepare(_task_of(_Twice), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
+    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+    for name in ("fc", "mid"):  # fc runs twice a batch: the whole model; mid once: its replay, the same to 0.01 dB
+        fp32_out, fp32_grad = _in_model(workload, name, "fp32")
+        out, grad = _in_model(workload, name, "bf16")
+        assert table.loc[(name, "bf16"), "sqnr_db"] == pytest.approx(sqnr_db(fp32_out, out), abs=1e-3 if name == "fc" else 0.01)
+        assert table.loc[(name, "bf16"), "grad_sqnr_db"] == pytest.approx(sqnr_db(fp32_grad, grad), abs=1e-3 if name == "fc" else 1.0)
+
+
+class _Recurrent(torch.nn.Module):
+    """Layers with several outputs, one of them unused downstream."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = torch.nn.LSTM(32, 32, batch_first=True)
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h, _ = self.lstm(x.view(x.shape[0], 4, 8).repeat(1, 1, 4))
+        a, _ = self.attn(h, h, h)
+        return self.head(a.mean(1))
+
+
+def test_the_replay_of_layers_with_several_outputs_is_the_models_own_in_fp32():
+    from autoprec.formats import Format
+    from autoprec.tune.profiler import _replay, _run
+
+    workload = prepare(_task_of(_Recurrent), "cpu")
+    cap, _ = _run(workload, copy.deepcopy(workload.model), ["lstm", "attn"], 2)
+    for name in ("lstm", "attn"):
+        fp32_out, fp32_grad = _in_model(workload, name, "fp32")
+        ref = _replay(workload.model.get_submodule(name), cap.calls[name], Format.FP32, workload.device)
+        torch.testing.assert_close(ref.output, fp32_out)
+        torch.testing.assert_close(ref.grad, fp32_grad)

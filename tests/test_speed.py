@@ -1,3 +1,5 @@
+import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -9,7 +11,7 @@ from autoprec.formats import Format
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import build_choices, policy_from_params
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.speed import MARGIN, MIN_FIT, LayerTimes, Timed, fit, format_of, too_slow
+from autoprec.tune.speed import MARGIN, MIN_FIT, Features, LayerTimes, Timed, fit, format_of, too_slow
 from autoprec.tune.study import Judge, Objective, _finalist_mark
 from test_search import fake_profile
 
@@ -24,62 +26,82 @@ def test_a_layer_runs_in_its_own_format_else_its_nearest_listed_parents_else_the
     assert format_of(Policy(), "head") is Format.FP32
 
 
-def test_a_policys_features_sum_its_layers_savings_and_say_whether_the_root_is_lowered():
+def test_a_policys_features_sum_its_layers_savings_and_name_its_root_format():
     times = LayerTimes.from_table([
         {"layer": "a", "format": "fp32", "time_ms": 10.0}, {"layer": "a", "format": "bf16", "time_ms": 4.0},
         {"layer": "b", "format": "fp32", "time_ms": 6.0}, {"layer": "b", "format": "bf16", "time_ms": 5.0},
-        {"layer": "b", "format": "fp16", "time_ms": math.nan},  # not timed: no prediction for a policy using it
+        {"layer": "b", "format": "fp16", "time_ms": math.nan},  # not timed: no prediction for a policy listing it
     ])  # fmt: skip
-    assert times.features(Policy(layers={"": "bf16"})) == (7.0, 1.0)
-    assert times.features(Policy(layers={"a": "bf16", "b": "fp32"})) == (6.0, 0.0)
+    assert times.features(Policy(layers={"": "bf16"})) == Features(7.0, Format.BF16)
+    assert times.features(Policy(layers={"a": "bf16", "b": "fp32"})) == Features(6.0, Format.FP32)
     assert times.features(Policy(layers={"a": "bf16", "b": "fp16"})) is None
+    # b only inherits fp16 from the root, which autocast would not lower it to: it runs fp32 and saves nothing
+    assert times.features(Policy(layers={"": "fp16", "a": "bf16"})) == Features(6.0, Format.FP16)
 
 
-def _timed(per_ms, root_ms, fp32_ms=100.0, noise=()):
-    features = [(s, r) for s in (0.0, 2.0, 5.0, 8.0, 11.0) for r in (0.0, 1.0)]
+ROOTS = (Format.FP32, Format.BF16)
+
+
+def _timed(per_ms, root_ms, fp32_ms=100.0, noise=(), roots=ROOTS):
+    """Trials whose step is made of `per_ms` per ms of summed saving and `root_ms` for a lowered root, times (1 + noise)."""
+    features = [Features(s, r) for s in (0.0, 2.0, 5.0, 8.0, 11.0) for r in roots]
     noise = list(noise) or [0.0] * len(features)
-    return [Timed(f, fp32_ms, (fp32_ms - per_ms * f[0] - root_ms * f[1]) * (1 + e)) for f, e in zip(features, noise)]
+    return [Timed(f, fp32_ms, (fp32_ms - per_ms * f.saving_ms - (root_ms if f.root is not Format.FP32 else 0.0)) * (1 + e))
+            for f, e in zip(features, noise)]  # fmt: skip
 
 
 def test_the_fit_recovers_the_savings_a_step_was_made_of():
     speed_fit = fit(_timed(per_ms=2.0, root_ms=3.0))
-    assert speed_fit.per_ms == pytest.approx(2.0) and speed_fit.root_ms == pytest.approx(3.0)
+    assert speed_fit.per_ms == pytest.approx(2.0) and speed_fit.root_ms == pytest.approx({Format.FP32: 0.0, Format.BF16: 3.0})
     assert speed_fit.error == pytest.approx(0.0, abs=1e-9) and speed_fit.margin == MARGIN
-    assert speed_fit.speedup((5.0, 1.0)) == pytest.approx(100.0 / (100.0 - 10.0 - 3.0))
+    assert speed_fit.speedup(Features(5.0, Format.BF16)) == pytest.approx(100.0 / (100.0 - 10.0 - 3.0))
 
 
-def test_the_fits_error_is_its_worst_relative_miss_and_widens_the_margin():
+def test_the_fits_error_is_its_worst_miss_on_a_trial_left_out():
     noise = [0.0, 0.3, -0.05, 0.0, 0.02, 0.0, 0.0, 0.01, 0.0, -0.02]
     timed = _timed(per_ms=2.0, root_ms=3.0, noise=noise)
     speed_fit = fit(timed)
-    misses = [speed_fit.speedup(t.features, t.fp32_ms) * t.step_ms / t.fp32_ms - 1 for t in timed]
-    assert speed_fit.error == pytest.approx(max(abs(m) for m in misses)) and speed_fit.error > MARGIN
+    in_sample = max(abs(speed_fit.speedup(t.features, t.fp32_ms) * t.step_ms / t.fp32_ms - 1) for t in timed)
+    assert speed_fit.error > in_sample > MARGIN  # a trial left out is predicted worse than one fitted on
     assert speed_fit.margin == speed_fit.error
 
 
 def test_no_fit_from_too_few_trials_or_where_lowering_saves_nothing():
     assert fit(_timed(2.0, 3.0)[: 2 * MIN_FIT - 3]) is None  # MIN_FIT - 1 of them lower a layer
     assert fit(_timed(per_ms=-1.0, root_ms=0.0)) is None
+    broken = _timed(2.0, 3.0)
+    assert fit([dataclasses.replace(t, step_ms=math.nan) for t in broken]) is None
+    assert fit(broken + [dataclasses.replace(broken[3], fp32_ms=math.inf)]) == fit(broken)  # a non-finite trial is left out
 
 
+def test_no_fit_where_the_trials_cannot_tell_the_layers_saving_from_the_roots():
+    # every trial with a bf16 root and one summed saving: any split of the step between the two fits them exactly
+    same = [Timed(Features(20.0, Format.BF16), 100.0, 100.0 - 20.0 - 30.0 * f) for f in (0.99, 1.0, 1.01, 1.0, 1.02)]
+    assert fit(same) is None
+    assert too_slow(same, Features(15.0, Format.BF16), 10.0) is None
 
-def test_a_fit_predicts_only_for_a_root_setting_it_has_seen_timed():
-    fp32_root = fit([t for t in _timed(2.0, 3.0) if t.features[1] == 0.0])
-    assert fp32_root.root_ms == 0.0 and fp32_root.per_ms == pytest.approx(2.0)
-    assert fp32_root.covers((3.0, 0.0)) and not fp32_root.covers((3.0, 1.0))
-    lowered_root = fit([t for t in _timed(2.0, 3.0) if t.features[1] == 1.0])  # the root's term is the constant part
-    assert lowered_root.root_ms == pytest.approx(3.0) and lowered_root.per_ms == pytest.approx(2.0)
-    assert lowered_root.covers((0.0, 1.0)) and not lowered_root.covers((3.0, 0.0))
+
+def test_a_fit_predicts_only_for_a_root_format_it_has_seen_timed_twice():
+    fp32_root = fit(_timed(2.0, 3.0, roots=(Format.FP32,)))
+    assert fp32_root.root_ms == {Format.FP32: 0.0} and fp32_root.per_ms == pytest.approx(2.0)
+    assert fp32_root.covers(Features(3.0, Format.FP32)) and not fp32_root.covers(Features(3.0, Format.BF16))
+    bf16_root = fit(_timed(2.0, 3.0, roots=(Format.BF16,)))  # the root's term is the constant part
+    assert bf16_root.root_ms == pytest.approx({Format.BF16: 3.0}) and bf16_root.per_ms == pytest.approx(2.0)
+    assert bf16_root.covers(Features(0.0, Format.BF16)) and not bf16_root.covers(Features(3.0, Format.FP32))
+    # a bf16 root timed is no evidence for an fp16 one, and an fp16 root timed once fixes its term alone
+    once = fit(_timed(2.0, 3.0) + [Timed(Features(4.0, Format.FP16), 100.0, 80.0)])
+    assert not once.covers(Features(3.0, Format.FP16)) and once.covers(Features(3.0, Format.BF16))
 
 
 def test_a_candidate_is_left_untimed_only_where_even_its_margin_keeps_it_below_the_mark():
     timed = _timed(per_ms=2.0, root_ms=3.0)  # an exact fit: the margin is MARGIN
-    predicted = 100.0 / (100.0 - 2.0 * 1.0 - 3.0)  # features (1.0, 1.0)
-    assert too_slow(timed, (1.0, 1.0), predicted * (1 + MARGIN) * 1.001)[0] == pytest.approx(predicted)
-    assert too_slow(timed, (1.0, 1.0), predicted * (1 + MARGIN) * 0.999) is None  # might be a finalist: timed
-    assert too_slow(timed, (1.0, 1.0), None) is None  # no mark yet
+    candidate = Features(1.0, Format.BF16)
+    predicted = 100.0 / (100.0 - 2.0 * 1.0 - 3.0)
+    assert too_slow(timed, candidate, predicted * (1 + MARGIN) * 1.001)[0] == pytest.approx(predicted)
+    assert too_slow(timed, candidate, predicted * (1 + MARGIN) * 0.999) is None  # might be among the answers: timed
+    assert too_slow(timed, candidate, None) is None  # no mark yet
     assert too_slow(timed, None, 2.0) is None  # a format without a profiled time
-    assert too_slow(timed[:3], (1.0, 1.0), 2.0) is None  # too few trials to fit
+    assert too_slow(timed[:3], candidate, 2.0) is None  # too few trials to fit
 
 
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "layout": "per_layer"})
@@ -89,9 +111,14 @@ PROFILE = [("fc1", "fp32", 0, 10.0, True, False), ("fc1", "bf16", 0, 4.0, True, 
            ("head", "fp32", 0, 2.0, True, False), ("head", "bf16", 0, 1.8, True, False)]  # fmt: skip
 
 
-def _searched(monkeypatch, *, predict_speed: bool):
-    """A study of overflow_mlp whose step times come from a known formula (the layer savings twice over, the root
-    5 ms), so which trials the prediction leaves untimed is deterministic."""
+def _truth(features):
+    """The made-up step time of `_searched`: the layer savings twice over, 5 ms for a bf16 root."""
+    return 100.0 / (100.0 - 2.0 * features.saving_ms - (5.0 if features.root is Format.BF16 else 0.0))
+
+
+def _searched(monkeypatch, *, trials=40, **config):
+    """A study of overflow_mlp whose step times come from a known formula (_truth), so which trials the prediction
+    leaves untimed is deterministic; returns it, the choices, the layer times and the trials timed."""
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     prof = fake_profile(PROFILE)
     choices = build_choices(prof, SPACE, 1.0, workload.device)
@@ -99,37 +126,49 @@ def _searched(monkeypatch, *, predict_speed: bool):
     timed = []
 
     def fake_time(self, trial, policy, constraint):
-        saving, root = times.features(policy)
-        step = 100.0 - 2.0 * saving - 5.0 * root
+        speedup = _truth(times.features(policy))
         timed.append(trial.number)
-        for key, value in dict(step_ms=step, fp32_step_ms=100.0, rounds=3, spread=0.0, speedup=100.0 / step).items():
+        for key, value in dict(step_ms=100.0 / speedup, fp32_step_ms=100.0, rounds=3, spread=0.0, speedup=speedup).items():
             trial.set_user_attr(key, value)
         return True, constraint
 
     monkeypatch.setattr(Objective, "_time", fake_time)
-    config = SearchConfig(budget=1.0, finalists=2, progress=False, predict_speed=predict_speed)
+    monkeypatch.setattr(Objective, "_over_memory", lambda self, trial: 0.0)  # no peak measured here
+    config = SearchConfig(**{"budget": 1.0, "finalists": 2, "progress": False, **config})
     objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=3))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study.optimize(objective, n_trials=40)
+    study.optimize(objective, n_trials=trials)
     return study, choices, times, timed
 
 
-def test_a_trial_predicted_too_slow_to_be_a_finalist_is_not_timed(monkeypatch):
-    study, choices, times, timed = _searched(monkeypatch, predict_speed=True)
+def test_a_trial_predicted_too_slow_to_be_among_the_answers_is_not_timed(monkeypatch):
+    study, choices, times, timed = _searched(monkeypatch)
     untimed = [t for t in study.trials if "untimed" in t.user_attrs]
-    assert untimed and len(timed) < len(study.trials) - len(untimed) + 1
+    assert untimed and set(timed).isdisjoint(t.number for t in untimed)
     for t in untimed:
-        assert t.number not in timed
-        saving, root = times.features(policy_from_params(t.params, choices))
-        truth = 100.0 / (100.0 - 2.0 * saving - 5.0 * root)
+        truth = _truth(times.features(policy_from_params(t.params, choices)))
         assert t.user_attrs["predicted_speedup"] == pytest.approx(truth) == t.user_attrs["speedup"]  # the fit is exact here
         before = optuna.create_study(direction="maximize")
         before.add_trials([s for s in study.trials if s.number < t.number])
-        assert truth * (1 + MARGIN) < _finalist_mark(before, 2)  # surely not a finalist when it was skipped
-    # the two fastest policies were timed, whatever came first
-    best = sorted(study.trials, key=lambda t: -t.user_attrs["speedup"])[:2]
-    assert all("untimed" not in t.user_attrs for t in best)
+        assert truth * (1 + MARGIN) < _finalist_mark(before, 2)  # surely slower than 2 timed ones when it was skipped
+    # the two truly fastest policies the sampler proposed were timed
+    proposed = {json.dumps(t.params, sort_keys=True): t.params for t in study.trials}
+    fastest = sorted(proposed.values(), key=lambda p: -_truth(times.features(policy_from_params(p, choices))))[:2]
+    timed_params = [study.trials[n].params for n in timed]
+    assert all(p in timed_params for p in fastest)
+
+
+def test_a_repeat_of_an_untimed_trial_is_judged_again_not_reused(monkeypatch):
+    study, choices, times, timed = _searched(monkeypatch)
+    repeats = [t for t in study.trials if "reevaluated_from" in t.user_attrs]
+    assert repeats  # policies left untimed and proposed again
+    for t in repeats:
+        first = study.trials[t.user_attrs["reevaluated_from"]]
+        assert "untimed" in first.user_attrs and "reused_from" not in t.user_attrs
+        assert t.user_attrs["metric"] == first.user_attrs["metric"] and "evaluate_s" not in t.user_attrs  # not evaluated again
+    assert not any("untimed" in study.trials[t.user_attrs["reused_from"]].user_attrs
+                   for t in study.trials if "reused_from" in t.user_attrs)  # fmt: skip
 
 
 def test_without_prediction_every_new_policy_is_timed(monkeypatch):
@@ -138,3 +177,27 @@ def test_without_prediction_every_new_policy_is_timed(monkeypatch):
     new = {t.number for t in study.trials if "reused_from" not in t.user_attrs}
     fp32 = {t.number for t in study.trials if set(t.params.values()) == {"fp32"}}  # the baseline itself: never timed
     assert set(timed) == new - fp32 and len(timed) > 5
+
+
+@pytest.mark.parametrize("config", [{"max_memory": 10**9}, {"objective": "memory"}])
+def test_a_search_held_to_memory_times_every_trial(monkeypatch, config):
+    control, *_ = _searched(monkeypatch, trials=20)  # the same proposals (a random sampler) leave some untimed
+    assert any("untimed" in t.user_attrs for t in control.trials)
+    study, *_ = _searched(monkeypatch, trials=20, **config)  # each needs a measured peak
+    assert not any("untimed" in t.user_attrs for t in study.trials)
+
+
+def test_a_sweep_times_every_trial():
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    prof = fake_profile(PROFILE)
+    config = SearchConfig(budget=1.0, progress=False)
+    choices = build_choices(prof, SPACE, 1.0, workload.device)
+    times = LayerTimes.from_table(prof.table.to_dict("records"))
+    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, objectives=2, layer_times=times)
+    assert objective.layer_times is None  # its front keeps slower trials with smaller drops
+    assert Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times).layer_times is times
+
+
+def test_predict_speed_must_be_a_bool():
+    with pytest.raises(ValueError, match="predict_speed must be True or False, but got 'no'"):
+        SearchConfig(budget=0.1, predict_speed="no")

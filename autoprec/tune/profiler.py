@@ -69,6 +69,7 @@ COLUMNS = [
 ]  # fmt: skip
 
 MEASURED = "measured"
+SQNR_STAGE = "profile: output and gradient SQNR per format"
 PENDING = "pending"  # in play after the SQNR pass: its metric is judged with the others of its format (_judge_group)
 
 
@@ -198,6 +199,7 @@ class _Call:
 
     inputs: tuple[tuple, dict]
     grads: list[torch.Tensor | None]
+    batch: int = 0
 
 
 class _Capture:
@@ -207,6 +209,7 @@ class _Capture:
         modules = dict(model.named_modules())
         self.modules = {n: modules[n] for n in names}
         self.calls: dict[str, list[_Call]] = {n: [] for n in names}
+        self.batch = 0  # the train batch being run (_forward_backward counts them)
         self._handles = []
         for n, m in self.modules.items():
             self._handles.append(m.register_forward_pre_hook(self._pre(n), with_kwargs=True))
@@ -214,7 +217,7 @@ class _Capture:
 
     def _pre(self, name: str):
         def hook(module, args, kwargs):
-            self.calls[name].append(_Call(map_tensors((args, kwargs), lambda t: t.detach().clone()), []))
+            self.calls[name].append(_Call(map_tensors((args, kwargs), lambda t: t.detach().clone()), [], self.batch))
 
         return hook
 
@@ -235,15 +238,22 @@ class _Capture:
 
         return keep
 
+    def called_again(self, name: str) -> bool:
+        """Whether the model calls the layer more than once in one batch (a shared layer)."""
+        batches = [c.batch for c in self.calls[name]]
+        return len(batches) > len(set(batches))
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
 
 
-def _forward_backward(workload: Workload, model: torch.nn.Module, batches: int) -> bool:
-    """Loss and backward on the first train batches; True when every loss is finite."""
+def _forward_backward(workload: Workload, model: torch.nn.Module, batches: int, cap: _Capture | None = None) -> bool:
+    """Loss and backward on the first train batches (`cap` told which one runs); True when every loss is finite."""
     finite = True
-    for batch in workload.train[:batches]:
+    for i, batch in enumerate(workload.train[:batches]):
+        if cap is not None:
+            cap.batch = i
         loss = check_loss(workload.task, workload.task.loss_fn(model, batch))
         finite &= bool(torch.isfinite(loss).item())
         loss.backward()
@@ -283,7 +293,7 @@ def _run(workload: Workload, model: torch.nn.Module, names: list[str], batches: 
     model.eval()  # no dropout noise: only the format differs between runs
     cap = _Capture(model, names)
     try:
-        finite = _forward_backward(workload, model, batches)
+        finite = _forward_backward(workload, model, batches, cap)
     finally:
         cap.remove()
     return cap, finite
@@ -446,7 +456,13 @@ def _profile_layer(
                                               "metric_drop": 0.0, "finite": True, "overflow": False,
                                               "metric_source": MEASURED}}  # fmt: skip
     calls = ref.calls[name]
-    fp32 = _replay(module, calls, Format.FP32, workload.device)
+    with watch.section("profile: SQNR reference (each layer alone in fp32 on its recorded calls)"):
+        try:
+            fp32 = _replay(module, calls, Format.FP32, workload.device)
+        except Exception as exc:
+            if isinstance(exc, UserError):
+                raise
+            raise fp32_step_failed(workload, f"fp32 step of layer {name!r} alone", describe(exc, 200), compiled=False) from exc
     max_abs = _max_abs(fp32.output)
     rows[Format.FP32]["max_abs"] = max_abs
     inputs = calls[0].inputs
@@ -483,8 +499,11 @@ def _profile_layer(
         if _skip(row, slower_than, watch):
             continue
         try:
-            with watch.section("profile: output and gradient SQNR per format"):
-                row.update(_sensitivity(module, calls, fmt, fp32, workload.device))
+            with watch.section(SQNR_STAGE):
+                if name in ref.shared:  # a later call sees its own lowered output: only the whole model has it
+                    row.update(_sensitivity_in_model(workload, name, fmt, fp32, config.batches))
+                else:
+                    row.update(_sensitivity(module, calls, fmt, fp32, workload.device))
         except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
             row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
             continue
@@ -576,10 +595,11 @@ def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format, device: to
     """The layer alone in `fmt` on each of its calls in the fp32 model: forward on the inputs it saw there, backward
     from the output gradients the fp32 model gave it. With only this layer lowered, the model feeds it exactly these
     inputs, so its output is what the model would compute; its gradient differs from the model's only in what the
-    lowered output changes downstream, which the metric measures (tests/test_profile.py: a fraction of a dB). A
-    layer the model calls more than once is the exception: a later call sees its own lowered output there, fp32
-    here, so its SQNRs come out a few dB high. One layer step per call instead of a forward and backward of the
-    whole model per layer and format. fp32 matmuls are strict (no TF32), as the trials' fp32 baseline's."""
+    lowered output changes downstream, which the metric measures (tests/test_profile.py: a fraction of a dB). Not
+    for a layer the model calls more than once a batch: a later call sees its own lowered output there, fp32 here
+    (a few dB apart), so _sensitivity_in_model measures it. One layer step per call instead of a forward and
+    backward of the whole model per layer and format. fp32 matmuls are strict (no TF32), as the trials' fp32
+    baseline's."""
     holder = apply_policy(_Holder(copy.deepcopy(module)).eval(), Policy(layers={"layer": fmt}))  # eval: as recorded
     with matmul_precision(device, False):
         outputs, grad = _replay_calls(holder, calls)
@@ -608,7 +628,10 @@ def _sensitivity(module: torch.nn.Module, calls: list[_Call], fmt: Format, ref: 
     """Output and weight-gradient SQNR of the layer in `fmt` against fp32 (each `_replay`ed on the fp32 model's
     calls over the first train batches), and whether anything went non-finite or fp16 overflowed; the metric comes
     later (_profile_layer), where it counts."""
-    run = _replay(module, calls, fmt, device)
+    return _sensitivity_of(_replay(module, calls, fmt, device), fmt, ref)
+
+
+def _sensitivity_of(run: _Replay, fmt: Format, ref: _Replay) -> dict:
     # an autocast format with a narrow range (fp16) saturates to inf: fp8's scaled casts do not
     limit = fmt.spec.max_value if fmt.spec.autocast is not None else None
     overflow = limit is not None and (_max_abs(ref.output) > limit or not bool(torch.isfinite(run.output).all()))
@@ -620,11 +643,28 @@ def _sensitivity(module: torch.nn.Module, calls: list[_Call], fmt: Format, ref: 
     }
 
 
+def _sensitivity_in_model(workload: Workload, name: str, fmt: Format, ref: _Replay, batches: int) -> dict:
+    """_sensitivity measured in the whole model with only `name` in `fmt` (forward and backward on the first train
+    batches): for a layer the model calls more than once per batch, whose later calls see its own lowered output."""
+    model = policy_model(workload, Policy(layers={name: fmt})).eval()  # eval: as recorded
+    module, outputs = model.get_submodule(name), []  # after apply_policy: torchao may have swapped it
+    handle = module.register_forward_hook(lambda m, args, out: outputs.append(_first_float(out).detach().float().flatten().clone()))
+    try:
+        with matmul_precision(workload.device, False):
+            finite = _forward_backward(workload, model, batches)
+    finally:
+        handle.remove()
+    run = _Replay(torch.cat(outputs), _param_grad(module), True)
+    finite = finite and bool(torch.isfinite(run.output).all()) and (run.grad is None or bool(torch.isfinite(run.grad).all()))
+    return _sensitivity_of(dataclasses.replace(run, finite=finite), fmt, ref)
+
+
 @dataclasses.dataclass
 class _Reference:
     names: list[str]
     calls: dict[str, list[_Call]]
     uncalled: list[str] = dataclasses.field(default_factory=list)  # tunable layers loss_fn never calls
+    shared: set[str] = dataclasses.field(default_factory=set)  # layers called more than once in a batch
 
 
 def _reference(workload: Workload, names: list[str], config: ProfileConfig) -> _Reference:
@@ -633,7 +673,8 @@ def _reference(workload: Workload, names: list[str], config: ProfileConfig) -> _
     missing = [n for n in names if not cap.calls[n]]
     if len(missing) == len(names):
         raise UserError(f"{workload.task.path}: layers {', '.join(missing)} are never called by loss_fn; nothing to tune there")
-    return _Reference(names=[n for n in names if n not in missing], calls=cap.calls, uncalled=missing)
+    shared = {n for n in names if cap.called_again(n)}
+    return _Reference(names=[n for n in names if n not in missing], calls=cap.calls, uncalled=missing, shared=shared)
 
 
 def checked_fp32_metric(workload: Workload) -> float:
@@ -661,7 +702,7 @@ def profile(
             f"{workload.task.path}: the model has no layer of the types the search space tunes ({', '.join(space.layers)})"
         )
     watch = Stopwatch()
-    with watch.section("profile: fp32 metric and reference outputs"):
+    with watch.section("profile: fp32 metric and the reference pass (each layer's inputs and output gradients)"):
         fp32_metric = checked_fp32_metric(workload)
         _check_fp32_losses(workload)
         ref = _reference(workload, list(layers), config)

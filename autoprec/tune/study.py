@@ -140,6 +140,8 @@ class SearchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, but got {value!r}")
+        if not isinstance(self.predict_speed, bool):
+            raise ValueError(f"predict_speed must be True or False, but got {self.predict_speed!r}")
         if isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1:
             raise ValueError(f"heartbeat_s must be an integer >= 1 (seconds), but got {self.heartbeat_s!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
@@ -354,7 +356,8 @@ class Judge:
 
 
 class Objective:
-    """What a trial measures. One objective: the speedup (0 when over budget or broken). Two: the speedup
+    """What a trial measures. One objective: the speedup (0 when over budget or broken; predicted, not timed, for
+    a trial the profile's layer times put out of the running: _predicted_too_slow). Two: the speedup
     and the metric drop (INFEASIBLE when not finite), both under the constraint drop <= budget. With
     Goal.MEMORY, the peak memory in MiB (INFEASIBLE when not measured) takes the speedup's place; with a
     memory limit, peak <= limit is a second constraint."""
@@ -379,15 +382,20 @@ class Objective:
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = suggest(trial, self.choices, self.space)
         earlier = _same_policy(trial, policy, self.choices)
-        if earlier is not None:  # samplers propose a policy again: its measurements stand, and cost nothing
-            self._reuse(trial, earlier)
+        if earlier is not None and "untimed" not in earlier.user_attrs:  # samplers propose a policy again: its
+            self._reuse(trial, earlier)  # measurements stand, and cost nothing
             return self._values(trial)
         start = time.perf_counter()
-        if self.config.mode is Mode.WEIGHTS and _all_fp32(policy):
+        if earlier is not None:  # left untimed before: its metric stands; whether to time it is decided anew
+            metric = earlier.user_attrs["metric"]
+            extra = {k: earlier.user_attrs[k] for k in ("train_skipped",) if k in earlier.user_attrs}
+            trial.set_user_attr("reevaluated_from", earlier.number)
+        elif self.config.mode is Mode.WEIGHTS and _all_fp32(policy):
             metric, extra = self.judge.fp32_metric, {}  # the profile measured exactly this model
         else:
             metric, extra = self.judge.safe_metric(policy)
-        trial.set_user_attr("evaluate_s", time.perf_counter() - start)
+        if earlier is None:
+            trial.set_user_attr("evaluate_s", time.perf_counter() - start)
         for key, value in extra.items():
             trial.set_user_attr(key, value)
         drop = self.judge.fp32_metric - metric
@@ -399,7 +407,7 @@ class Objective:
             trial.set_user_attr("speedup", 1.0)
             self._record_memory(trial, self.fp32_peak(None))
         elif feasible and self._predicted_too_slow(trial, policy):
-            pass  # its predicted speedup is its value; it is never a finalist
+            pass  # its predicted speedup is its value (a finalist only where k faster ones are alternatives)
         elif feasible:  # only candidates within budget are worth the time it takes to time them
             start = time.perf_counter()
             feasible, constraint = self._time(trial, policy, constraint)
@@ -547,7 +555,7 @@ class Objective:
 TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
                "fp32_step_ms", "speedup", "spread", "peak_bytes", "memory_saving", "train_skipped", "error",
                "predicted_speedup", "untimed")  # fmt: skip
-COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "rounds", "reused_from")
+COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "rounds", "reused_from", "reevaluated_from")
 
 
 def _all_fp32(policy: Policy) -> bool:
@@ -558,7 +566,8 @@ def _same_policy(trial: optuna.Trial, policy: Policy, choices: Choices) -> optun
     """A completed trial of the study (any worker's) whose params describe this same policy, or None. Grouped
     and ranked params can name one policy in several ways (a count past every layer a format suits)."""
     done = trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return next((t for t in done if "feasible" in t.user_attrs and policy_from_params(t.params, choices) == policy), None)
+    same = [t for t in done if "feasible" in t.user_attrs and policy_from_params(t.params, choices) == policy]
+    return next((t for t in same if "untimed" not in t.user_attrs), same[0] if same else None)  # a timed one first
 
 
 def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
