@@ -510,3 +510,32 @@ def test_the_replay_of_layers_with_several_outputs_is_the_models_own_in_fp32():
         ref = _replay(workload.model.get_submodule(name), cap.calls[name], Format.FP32, workload.device)
         torch.testing.assert_close(ref.output, fp32_out)
         torch.testing.assert_close(ref.grad, fp32_grad)
+
+
+class _Siamese(torch.nn.Module):
+    """fc encodes two inputs a batch, neither from the other: no call sees fc's own output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.head(torch.cat([torch.tanh(self.fc(x)), torch.tanh(self.fc(x.flip(0)))], dim=1))
+
+
+def test_only_a_layer_fed_its_own_output_leaves_the_replay():
+    from autoprec.formats import Format
+    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.profiler import _replay, _run
+
+    assert _run(prepare(_task_of(_Twice), "cpu"), _Twice(), ["fc", "mid", "head"], 2)[0].fed_back == {"fc"}
+    workload = prepare(_task_of(_Siamese), "cpu")
+    cap, _ = _run(workload, copy.deepcopy(workload.model), ["fc", "head"], 2)
+    assert cap.fed_back == set() and len(cap.calls["fc"]) == 4  # called twice a batch, on inputs of its own
+    fp32_out, fp32_grad = _in_model(workload, "fc", "fp32")
+    out, grad = _in_model(workload, "fc", "bf16")
+    low = _replay(workload.model.get_submodule("fc"), cap.calls["fc"], Format.BF16, workload.device)
+    assert sqnr_db(fp32_out, low.output) == pytest.approx(sqnr_db(fp32_out, out), abs=0.01)  # the replay is exact
+    assert sqnr_db(fp32_grad, low.grad) == pytest.approx(sqnr_db(fp32_grad, grad), abs=1.0)

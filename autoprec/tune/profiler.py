@@ -203,12 +203,16 @@ class _Call:
 
 
 class _Capture:
-    """Hooks on the tunable layers: every call's inputs and, once backward has run, its output gradients."""
+    """Hooks on the tunable layers: every call's inputs and, once backward has run, its output gradients; and which
+    layers are fed their own output (`fed_back`): a later call in the batch whose inputs derive from an earlier one's
+    output (a layer applied twice in a row), unlike one called again on other inputs (a siamese encoder)."""
 
     def __init__(self, model: torch.nn.Module, names: list[str]):
         modules = dict(model.named_modules())
         self.modules = {n: modules[n] for n in names}
         self.calls: dict[str, list[_Call]] = {n: [] for n in names}
+        self.fed_back: set[str] = set()
+        self._produced: dict[str, set] = {n: set() for n in names}  # autograd nodes of this batch's outputs
         self.batch = 0  # the train batch being run (_forward_backward counts them)
         self._handles = []
         for n, m in self.modules.items():
@@ -217,7 +221,12 @@ class _Capture:
 
     def _pre(self, name: str):
         def hook(module, args, kwargs):
-            self.calls[name].append(_Call(map_tensors((args, kwargs), lambda t: t.detach().clone()), [], self.batch))
+            calls = self.calls[name]
+            if calls and calls[-1].batch != self.batch:
+                self._produced[name].clear()
+            if self._produced[name] and name not in self.fed_back and _derives_from((args, kwargs), self._produced[name]):
+                self.fed_back.add(name)
+            calls.append(_Call(map_tensors((args, kwargs), lambda t: t.detach().clone()), [], self.batch))
 
         return hook
 
@@ -226,6 +235,8 @@ class _Capture:
             call = self.calls[name][-1]
             for i, t in enumerate(_float_tensors(output)):
                 call.grads.append(None)
+                # an output autograd does not track (no grad_fn) could feed a later call unseen: count it as fed back
+                self._produced[name].add(t.grad_fn if t.grad_fn is not None else _UNTRACKED)
                 if t.requires_grad:  # a hook on the tensor, not the module: an in-place op after it does no harm
                     t.register_hook(self._keep(call, i))
 
@@ -238,14 +249,30 @@ class _Capture:
 
         return keep
 
-    def called_again(self, name: str) -> bool:
-        """Whether the model calls the layer more than once in one batch (a shared layer)."""
-        batches = [c.batch for c in self.calls[name]]
-        return len(batches) > len(set(batches))
-
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+_UNTRACKED = object()
+
+
+def _derives_from(inputs: Any, nodes: set) -> bool:
+    """Whether any tensor in `inputs` was computed from one of the autograd `nodes` (or they hold _UNTRACKED)."""
+    if _UNTRACKED in nodes:
+        return True
+    stack: list = []
+    map_tensors(inputs, lambda t: stack.append(t.grad_fn) if t.grad_fn is not None else None)
+    seen: set = set()
+    while stack:
+        node = stack.pop()
+        if node in nodes:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 def _forward_backward(workload: Workload, model: torch.nn.Module, batches: int, cap: _Capture | None = None) -> bool:
@@ -500,7 +527,7 @@ def _profile_layer(
             continue
         try:
             with watch.section(SQNR_STAGE):
-                if name in ref.shared:  # a later call sees its own lowered output: only the whole model has it
+                if name in ref.fed_back:  # a later call sees its own lowered output: only the whole model has it
                     row.update(_sensitivity_in_model(workload, name, fmt, fp32, config.batches))
                 else:
                     row.update(_sensitivity(module, calls, fmt, fp32, workload.device))
@@ -596,10 +623,9 @@ def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format, device: to
     from the output gradients the fp32 model gave it. With only this layer lowered, the model feeds it exactly these
     inputs, so its output is what the model would compute; its gradient differs from the model's only in what the
     lowered output changes downstream, which the metric measures (tests/test_profile.py: a fraction of a dB). Not
-    for a layer the model calls more than once a batch: a later call sees its own lowered output there, fp32 here
-    (a few dB apart), so _sensitivity_in_model measures it. One layer step per call instead of a forward and
-    backward of the whole model per layer and format. fp32 matmuls are strict (no TF32), as the trials' fp32
-    baseline's."""
+    for a layer fed its own output (_Capture.fed_back): a later call sees its own lowered output there, fp32 here (a
+    few dB apart), so _sensitivity_in_model measures it. One layer step per call instead of a forward and backward
+    of the whole model per layer and format. fp32 matmuls are strict (no TF32), as the trials' fp32 baseline's."""
     holder = apply_policy(_Holder(copy.deepcopy(module)).eval(), Policy(layers={"layer": fmt}))  # eval: as recorded
     with matmul_precision(device, False):
         outputs, grad = _replay_calls(holder, calls)
@@ -645,7 +671,7 @@ def _sensitivity_of(run: _Replay, fmt: Format, ref: _Replay) -> dict:
 
 def _sensitivity_in_model(workload: Workload, name: str, fmt: Format, ref: _Replay, batches: int) -> dict:
     """_sensitivity measured in the whole model with only `name` in `fmt` (forward and backward on the first train
-    batches): for a layer the model calls more than once per batch, whose later calls see its own lowered output."""
+    batches): for a layer fed its own output, whose later calls see its own lowered output there."""
     model = policy_model(workload, Policy(layers={name: fmt})).eval()  # eval: as recorded
     module, outputs = model.get_submodule(name), []  # after apply_policy: torchao may have swapped it
     handle = module.register_forward_hook(lambda m, args, out: outputs.append(_first_float(out).detach().float().flatten().clone()))
@@ -664,7 +690,7 @@ class _Reference:
     names: list[str]
     calls: dict[str, list[_Call]]
     uncalled: list[str] = dataclasses.field(default_factory=list)  # tunable layers loss_fn never calls
-    shared: set[str] = dataclasses.field(default_factory=set)  # layers called more than once in a batch
+    fed_back: set[str] = dataclasses.field(default_factory=set)  # layers a later call feeds their own output (_Capture)
 
 
 def _reference(workload: Workload, names: list[str], config: ProfileConfig) -> _Reference:
@@ -673,8 +699,7 @@ def _reference(workload: Workload, names: list[str], config: ProfileConfig) -> _
     missing = [n for n in names if not cap.calls[n]]
     if len(missing) == len(names):
         raise UserError(f"{workload.task.path}: layers {', '.join(missing)} are never called by loss_fn; nothing to tune there")
-    shared = {n for n in names if cap.called_again(n)}
-    return _Reference(names=[n for n in names if n not in missing], calls=cap.calls, uncalled=missing, shared=shared)
+    return _Reference(names=[n for n in names if n not in missing], calls=cap.calls, uncalled=missing, fed_back=cap.fed_back)
 
 
 def checked_fp32_metric(workload: Workload) -> float:
