@@ -539,3 +539,32 @@ def test_only_a_layer_fed_its_own_output_leaves_the_replay():
     low = _replay(workload.model.get_submodule("fc"), cap.calls["fc"], Format.BF16, workload.device)
     assert sqnr_db(fp32_out, low.output) == pytest.approx(sqnr_db(fp32_out, out), abs=0.01)  # the replay is exact
     assert sqnr_db(fp32_grad, low.grad) == pytest.approx(sqnr_db(fp32_grad, grad), abs=1.0)
+
+
+def test_a_layer_that_cannot_run_alone_is_measured_in_the_whole_model(monkeypatch):
+    from autoprec.tune import profiler
+    from autoprec.tune.measure import sqnr_db
+
+    replay = profiler._replay
+
+    def no_mid(module, calls, fmt, device):  # as for a layer that needs state its parent sets
+        if module.out_features == 32 and len(calls) == 2:  # mid: fc (32 wide too) runs four times
+            raise RuntimeError("needs its parent")
+        return replay(module, calls, fmt, device)
+
+    monkeypatch.setattr(profiler, "_replay", no_mid)
+    workload = prepare(_task_of(_Twice), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
+    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+    fp32_out, fp32_grad = _in_model(workload, "mid", "fp32")
+    out, grad = _in_model(workload, "mid", "bf16")
+    assert table.loc[("mid", "bf16"), "sqnr_db"] == pytest.approx(sqnr_db(fp32_out, out), abs=1e-3)
+    assert table.loc[("mid", "bf16"), "grad_sqnr_db"] == pytest.approx(sqnr_db(fp32_grad, grad), abs=1e-3)
+
+
+def test_an_earlier_output_autograd_does_not_track_counts_as_fed_back():
+    from autoprec.tune.profiler import _run
+
+    model = _Siamese()
+    model.fc.requires_grad_(False)  # frozen, on data: its outputs carry no graph to search
+    assert _run(prepare(_task_of(_Siamese), "cpu"), model, ["fc", "head"], 2)[0].fed_back == {"fc"}

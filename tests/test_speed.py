@@ -3,6 +3,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 
@@ -64,6 +65,26 @@ def test_the_fits_error_is_its_worst_miss_on_a_trial_left_out():
     in_sample = max(abs(speed_fit.speedup(t.features, t.fp32_ms) * t.step_ms / t.fp32_ms - 1) for t in timed)
     assert speed_fit.error > in_sample > MARGIN  # a trial left out is predicted worse than one fitted on
     assert speed_fit.margin == speed_fit.error
+
+
+def test_the_leave_one_out_error_is_that_of_refitting_without_each_trial():
+    rng = np.random.default_rng(0)
+    timed = _timed(per_ms=2.0, root_ms=3.0, noise=rng.normal(0, 0.03, 10).tolist())
+    misses = []
+    for i, t in enumerate(timed):  # brute force: solve without trial i, predict it
+        rest = timed[:i] + timed[i + 1 :]
+        x = np.array([[r.features.saving_ms, float(r.features.root is Format.BF16)] for r in rest])
+        coef = np.linalg.lstsq(x, np.array([r.fp32_ms - r.step_ms for r in rest]), rcond=None)[0]
+        predicted_step = t.fp32_ms - coef[0] * t.features.saving_ms - coef[1] * float(t.features.root is Format.BF16)
+        misses.append(abs(predicted_step / t.step_ms - 1))  # actual speedup over predicted
+    assert fit(timed).error == pytest.approx(max(misses))
+
+
+def test_the_margin_covers_a_trial_that_ran_faster_than_predicted():
+    timed = _timed(per_ms=2.0, root_ms=3.0)
+    fast = dataclasses.replace(timed[5], step_ms=timed[5].step_ms * 0.8)  # ran 1.25x its prediction's speed
+    speed_fit = fit(timed[:5] + [fast] + timed[6:])
+    assert speed_fit.error >= 0.2  # so a prediction raised by it reaches what such a trial did
 
 
 def test_no_fit_from_too_few_trials_or_where_lowering_saves_nothing():

@@ -204,8 +204,10 @@ class _Call:
 
 class _Capture:
     """Hooks on the tunable layers: every call's inputs and, once backward has run, its output gradients; and which
-    layers are fed their own output (`fed_back`): a later call in the batch whose inputs derive from an earlier one's
-    output (a layer applied twice in a row), unlike one called again on other inputs (a siamese encoder)."""
+    layers are fed their own output (`fed_back`): a later call in the batch whose inputs derive, in the autograd graph,
+    from an earlier one's output (a layer applied twice in a row), unlike one called again on other inputs (a siamese
+    encoder). An earlier output autograd does not track (no_grad, a frozen layer on data) counts as fed back, to be
+    safe; a path autograd cannot see (through .detach() or argmax) is missed, and such a layer reads a few dB high."""
 
     def __init__(self, model: torch.nn.Module, names: list[str]):
         modules = dict(model.named_modules())
@@ -483,13 +485,19 @@ def _profile_layer(
                                               "metric_drop": 0.0, "finite": True, "overflow": False,
                                               "metric_source": MEASURED}}  # fmt: skip
     calls = ref.calls[name]
-    with watch.section("profile: SQNR reference (each layer alone in fp32 on its recorded calls)"):
-        try:
-            fp32 = _replay(module, calls, Format.FP32, workload.device)
-        except Exception as exc:
-            if isinstance(exc, UserError):
-                raise
-            raise fp32_step_failed(workload, f"fp32 step of layer {name!r} alone", describe(exc, 200), compiled=False) from exc
+    in_model = name in ref.fed_back  # its later calls see its own lowered output: only the whole model has them
+    with watch.section("profile: SQNR reference (each layer in fp32, alone on its recorded calls)"):
+        fp32 = None
+        if not in_model:
+            try:
+                fp32 = _replay(module, calls, Format.FP32, workload.device)
+            except Exception as exc:  # it cannot run alone (state its parent sets, say): the whole model measures it
+                if isinstance(exc, UserError):
+                    raise
+                log.debug("%s cannot be replayed alone (%s); its SQNR is measured in the whole model", name, describe(exc, 200))
+                in_model = True
+        if fp32 is None:
+            fp32 = _in_model_run(workload, name, Format.FP32, config.batches)
     max_abs = _max_abs(fp32.output)
     rows[Format.FP32]["max_abs"] = max_abs
     inputs = calls[0].inputs
@@ -527,8 +535,8 @@ def _profile_layer(
             continue
         try:
             with watch.section(SQNR_STAGE):
-                if name in ref.fed_back:  # a later call sees its own lowered output: only the whole model has it
-                    row.update(_sensitivity_in_model(workload, name, fmt, fp32, config.batches))
+                if in_model:
+                    row.update(_sensitivity_of(_in_model_run(workload, name, fmt, config.batches), fmt, fp32))
                 else:
                     row.update(_sensitivity(module, calls, fmt, fp32, workload.device))
         except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
@@ -624,7 +632,7 @@ def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format, device: to
     inputs, so its output is what the model would compute; its gradient differs from the model's only in what the
     lowered output changes downstream, which the metric measures (tests/test_profile.py: a fraction of a dB). Not
     for a layer fed its own output (_Capture.fed_back): a later call sees its own lowered output there, fp32 here (a
-    few dB apart), so _sensitivity_in_model measures it. One layer step per call instead of a forward and backward
+    few dB apart), so _in_model_run measures it. One layer step per call instead of a forward and backward
     of the whole model per layer and format. fp32 matmuls are strict (no TF32), as the trials' fp32 baseline's."""
     holder = apply_policy(_Holder(copy.deepcopy(module)).eval(), Policy(layers={"layer": fmt}))  # eval: as recorded
     with matmul_precision(device, False):
@@ -669,20 +677,26 @@ def _sensitivity_of(run: _Replay, fmt: Format, ref: _Replay) -> dict:
     }
 
 
-def _sensitivity_in_model(workload: Workload, name: str, fmt: Format, ref: _Replay, batches: int) -> dict:
-    """_sensitivity measured in the whole model with only `name` in `fmt` (forward and backward on the first train
-    batches): for a layer fed its own output, whose later calls see its own lowered output there."""
+def _in_model_run(workload: Workload, name: str, fmt: Format, batches: int) -> _Replay:
+    """What _replay gives, measured in the whole model with only `name` in `fmt` (forward and backward on the first
+    train batches): for a layer fed its own output, or one that cannot run alone."""
     model = policy_model(workload, Policy(layers={name: fmt})).eval()  # eval: as recorded
     module, outputs = model.get_submodule(name), []  # after apply_policy: torchao may have swapped it
-    handle = module.register_forward_hook(lambda m, args, out: outputs.append(_first_float(out).detach().float().flatten().clone()))
+
+    def keep(module: torch.nn.Module, args: Any, out: Any) -> None:
+        first = _first_float(out)
+        if first is not None:
+            outputs.append(first.detach().float().flatten().clone())
+
+    handle = module.register_forward_hook(keep)
     try:
         with matmul_precision(workload.device, False):
             finite = _forward_backward(workload, model, batches)
     finally:
         handle.remove()
-    run = _Replay(torch.cat(outputs), _param_grad(module), True)
-    finite = finite and bool(torch.isfinite(run.output).all()) and (run.grad is None or bool(torch.isfinite(run.grad).all()))
-    return _sensitivity_of(dataclasses.replace(run, finite=finite), fmt, ref)
+    output, grad = (torch.cat(outputs) if outputs else torch.zeros(0)), _param_grad(module)
+    finite = finite and bool(torch.isfinite(output).all()) and (grad is None or bool(torch.isfinite(grad).all()))
+    return _Replay(output, grad, finite)
 
 
 @dataclasses.dataclass

@@ -8,9 +8,10 @@ about a constant. Fitted by least squares on the trials the search has timed so 
 
     fp32 step ms - step ms  =  c * sum over layers of (fp32 ms - format ms)  +  r[root format]  (r[fp32] = 0)
 
-A candidate is left untimed (study.Objective) only where its root format was among the timed trials' and its
-predicted speedup, raised by the fit's error (the worst leave-one-out miss on those trials, at least MARGIN), is
-still below the k-th fastest timed trial: k faster candidates are re-measured at the end (study._finalist_mark).
+A candidate is left untimed (study.Objective) only where its root format was among the timed trials' (a lowered one
+twice) and its predicted speedup, raised by the fit's error (the most a trial left out of the fit ran faster or
+slower than predicted, at least MARGIN), is still below the k-th fastest timed trial: k faster candidates are
+re-measured at the end (study._finalist_mark).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class LayerTimes:
 
     def features(self, policy: Policy) -> Features | None:
         """`policy`'s Features; None where a layer it lists runs in a format the profile has no time for. A layer
-        that only inherits such a format (a root format autocast does not lower it to) runs in fp32: saves 0."""
+        that only inherits such a format is counted as saving nothing: mostly a root format autocast does not lower
+        it to, so it runs fp32 (where its timing failed instead, the fit's error absorbs the difference)."""
         total = 0.0
         for name, savings in self.saving_ms.items():
             saving = savings.get(format_of(policy, name))
@@ -111,53 +113,58 @@ class SpeedFit:
         return max(MARGIN, self.error)
 
 
-def _solve(points: Sequence[Timed]) -> SpeedFit | None:
-    """The least-squares fit (error 0: not yet judged); None where the points cannot determine it (fewer distinct
-    savings than two, a root format's term not separable from the saving's) or lowering layers saves nothing."""
-    roots = sorted({t.features.root for t in points}, key=lambda f: f.value)
-    lowered = [f for f in roots if f is not Format.FP32]
+def _design(points: Sequence[Timed]) -> tuple[np.ndarray, np.ndarray, list[Format]]:
+    """The least-squares problem: a column for the summed saving and one per lowered root format; the savings."""
+    lowered = sorted({t.features.root for t in points} - {Format.FP32}, key=lambda f: f.value)
     x = np.array([[t.features.saving_ms] + [float(t.features.root is f) for f in lowered] for t in points], dtype=float)
-    y = np.array([t.fp32_ms - t.step_ms for t in points], dtype=float)
-    if len({t.features.saving_ms for t in points}) < 2 or np.linalg.matrix_rank(x) < x.shape[1]:
-        return None
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]
-    if not coef[0] > 0:
-        return None
-    root_ms = {Format.FP32: 0.0} if Format.FP32 in roots else {}
-    root_ms.update({f: float(c) for f, c in zip(lowered, coef[1:])})
-    return SpeedFit(float(coef[0]), root_ms, float(np.median([t.fp32_ms for t in points])), 0.0)
+    return x, np.array([t.fp32_ms - t.step_ms for t in points], dtype=float), lowered
 
 
 def fit(timed: Sequence[Timed]) -> SpeedFit | None:
-    """Least squares on the timed trials, judged by leaving each one out in turn (the worst relative miss of its
-    predicted speedup is the fit's error); None with fewer than MIN_FIT finite trials that lower a layer, or where
-    the fit, or a fit without one of them, is not determined (_solve). A lowered root format timed once has its
-    term rest on that trial alone: it is not judged, and not covered."""
+    """Least squares on the timed trials, judged by leaving each one out in turn (closed form: the fit without
+    trial i misses it by e_i / (1 - h_ii)); its error is the worst of those misses, as actual over predicted speedup,
+    so a prediction raised by it covers the fastest a trial ran beyond its prediction. None with fewer than MIN_FIT
+    finite trials that lower a layer, or where the trials, or all but one of them, cannot determine the fit (fewer
+    than two distinct summed savings, a root format's term not separable from the saving's) or say lowering layers
+    saves nothing. A lowered root format timed once has its term rest on that trial alone: it is not judged, and not
+    covered."""
     points = [t for t in timed if t.fp32_ms > 0 and t.step_ms > 0 and math.isfinite(t.fp32_ms) and math.isfinite(t.step_ms)]
     if sum(t.features.saving_ms != 0 for t in points) < MIN_FIT:
         return None
-    whole = _solve(points)
-    if whole is None:
+    savings = Counter(t.features.saving_ms for t in points)
+    if len(savings) < 2 or len(savings) == 2 and min(savings.values()) == 1:  # one left out leaves a single saving
         return None
+    x, y, lowered = _design(points)
+    if np.linalg.matrix_rank(x) < x.shape[1]:
+        return None
+    inverse = np.linalg.inv(x.T @ x)
+    coef = inverse @ x.T @ y
+    residual = y - x @ coef
+    leverage = np.einsum("ij,jk,ik->i", x, inverse, x)
     counts = Counter(t.features.root for t in points)
-    judged = [i for i, t in enumerate(points) if t.features.root is Format.FP32 or counts[t.features.root] > 1]
     misses = []
-    for i in judged:
-        rest = _solve(points[:i] + points[i + 1 :])
-        if rest is None:
+    for i, t in enumerate(points):
+        if t.features.root is not Format.FP32 and counts[t.features.root] < 2:
+            continue  # its root's term rests on it alone
+        if leverage[i] > 1 - 1e-9:  # the others cannot determine the fit
             return None
-        left_out = points[i]
-        misses.append(abs(rest.speedup(left_out.features, left_out.fp32_ms) * left_out.step_ms / left_out.fp32_ms - 1))
-    error = max(misses, default=math.inf)
-    if not math.isfinite(error):
+        without = coef - inverse @ x[i] * residual[i] / (1 - leverage[i])
+        if not without[0] > 0:
+            return None
+        predicted_step = t.fp32_ms - (y[i] - residual[i] / (1 - leverage[i]))
+        if predicted_step <= 0:
+            return None
+        misses.append(abs(predicted_step / t.step_ms - 1))  # actual speedup / predicted - 1
+    if not coef[0] > 0 or not misses or not all(math.isfinite(m) for m in misses):
         return None
-    covered = {f: ms for f, ms in whole.root_ms.items() if f is Format.FP32 or counts[f] > 1}
-    return dataclasses.replace(whole, root_ms=covered, error=error)
+    root_ms = {Format.FP32: 0.0} if Format.FP32 in counts else {}
+    root_ms.update({f: float(c) for f, c in zip(lowered, coef[1:]) if counts[f] > 1})
+    return SpeedFit(float(coef[0]), root_ms, float(np.median([t.fp32_ms for t in points])), max(misses))
 
 
 def too_slow(timed: Sequence[Timed], features: Features | None, mark: float | None) -> tuple[float, SpeedFit] | None:
-    """(predicted speedup, the fit) of a candidate not worth timing: `timed` fitted (fit), its root format among
-    theirs, and even raised by the fit's margin it stays below `mark` (the k-th fastest timed trial's speedup);
+    """(predicted speedup, the fit) of a candidate not worth timing: `timed` fitted (fit), its root format covered
+    (SpeedFit.covers), and even raised by the fit's margin it stays below `mark` (the k-th fastest timed trial's speedup);
     None where it must be timed (no features, no mark or fit yet, or it might be among the answers)."""
     if features is None or mark is None:
         return None

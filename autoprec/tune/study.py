@@ -682,9 +682,18 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
         watch.count("trials: timing rounds (a trial stops early once its ranking is clear)", rounds)
     watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
     watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
-    untimed = sum("untimed" in t.user_attrs for t in fresh)
+    # policies, not trials: one proposed again is judged again (reevaluated_from), and counts once, as timed if ever
+    timed = {_params_key(t) for t in fresh if t.user_attrs.get("rounds")}
+    untimed = {_params_key(t) for t in fresh if "untimed" in t.user_attrs} - timed
     if untimed:
-        watch.count("trials: not timed (the profile's layer times predict them too slow to be finalists)", untimed)
+        watch.count("trials: policies not timed (the profile's layer times predict them too slow to be finalists)", len(untimed))
+    again = sum("reevaluated_from" in t.user_attrs for t in fresh)
+    if again:
+        watch.count("trials: a policy left untimed, proposed again and judged again", again)
+
+
+def _params_key(trial: optuna.trial.FrozenTrial) -> str:
+    return json.dumps(trial.params, sort_keys=True, default=str)
 
 
 def _timed_speedups(study: optuna.Study) -> list[float]:
