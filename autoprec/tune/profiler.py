@@ -625,6 +625,11 @@ class _Replay:
     grad: torch.Tensor | None
     finite: bool
 
+    @classmethod
+    def of(cls, output: torch.Tensor, grad: torch.Tensor | None, *, losses_finite: bool = True) -> _Replay:
+        finite = losses_finite and bool(torch.isfinite(output).all()) and (grad is None or bool(torch.isfinite(grad).all()))
+        return cls(output, grad, finite)
+
 
 def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format, device: torch.device) -> _Replay:
     """The layer alone in `fmt` on each of its calls in the fp32 model: forward on the inputs it saw there, backward
@@ -637,8 +642,7 @@ def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format, device: to
     holder = apply_policy(_Holder(copy.deepcopy(module)).eval(), Policy(layers={"layer": fmt}))  # eval: as recorded
     with matmul_precision(device, False):
         outputs, grad = _replay_calls(holder, calls)
-    finite = bool(torch.isfinite(outputs).all()) and (grad is None or bool(torch.isfinite(grad).all()))
-    return _Replay(output=outputs, grad=grad, finite=finite)
+    return _Replay.of(outputs, grad)
 
 
 def _replay_calls(holder: _Holder, calls: list[_Call]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -695,8 +699,7 @@ def _in_model_run(workload: Workload, name: str, fmt: Format, batches: int) -> _
     finally:
         handle.remove()
     output, grad = (torch.cat(outputs) if outputs else torch.zeros(0)), _param_grad(module)
-    finite = finite and bool(torch.isfinite(output).all()) and (grad is None or bool(torch.isfinite(grad).all()))
-    return _Replay(output, grad, finite)
+    return _Replay.of(output, grad, losses_finite=finite)
 
 
 @dataclasses.dataclass
