@@ -73,6 +73,48 @@ def test_a_sequential_test_stops_the_rounds_once_enough_but_never_before_min_rou
     assert all(len(t.samples_ms) == 9 for t in never.values())
 
 
+def test_more_rounds_are_pooled_with_the_first_on_the_same_warm_callables_and_keep_the_rotation():
+    order = []
+    work = {name: (lambda n=name: order.append(n)) for name in "ab"}
+    asked = []
+
+    def more(samples):
+        asked.append({n: len(v) for n, v in samples.items()})
+        return 3
+
+    times = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=2, rounds=2, min_block_s=0.0), more=more)
+    assert asked == [{"a": 2, "b": 2}]  # asked once, after the rounds
+    assert all(len(t.samples_ms) == 5 for t in times.values())  # the extra rounds pooled with the first two
+    assert order[4:] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]  # no warm-up again; round 3 rotates on
+    none = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=0, rounds=2, min_block_s=0.0), more=lambda s: 0)
+    assert all(len(t.samples_ms) == 2 for t in none.values())
+
+
+def test_more_rounds_only_when_a_spread_is_too_wide_to_rank(caplog):
+    from autoprec.tune.measure import NOISY_SPREAD, more_if_noisy, noisiest
+
+    calm = {"a": [10.0, 10.2, 9.9, 10.1, 10.0], "b": [20.0, 20.5, 19.8, 20.1, 20.0]}
+    loud = dict(calm, b=[20.0, 35.0, 12.0, 28.0, 20.0])
+    assert noisiest(calm) < NOISY_SPREAD < noisiest(loud) and noisiest({}) == 0.0
+    with caplog.at_level("WARNING", logger="autoprec"):
+        assert more_if_noisy(11)(calm) == 0 and not caplog.records
+        assert more_if_noisy(11)(loud) == 11
+    assert "timing 11 rounds more" in caplog.records[0].message
+
+
+def test_a_sequential_test_may_stop_the_extra_rounds_too():
+    work = {"a": lambda: None}
+    asked = []
+
+    def enough(samples):
+        asked.append(len(samples["a"]))
+        return len(samples["a"]) >= 6
+
+    times = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=0, rounds=4, min_block_s=0.0),
+                              enough=lambda s: enough(s) and len(s["a"]) > 4, more=lambda s: 10)  # fmt: skip
+    assert len(times["a"].samples_ms) == 6 and asked == [3, 5, 6]  # not asked at the first pass's last round
+
+
 def test_the_final_remeasure_is_settled_once_every_candidates_rounds_agree_and_not_before_five():
     from autoprec.tune.measure import SETTLED_FINAL_ROUNDS, all_settled
 

@@ -114,7 +114,7 @@ def test_search_writes_a_policy_that_applies_within_budget(searched):
 def test_the_policy_says_how_many_rounds_its_finalists_were_timed(searched):
     _, result, _ = searched
     rounds = {r.rounds for r in result.finals if r.runs}
-    assert len(rounds) == 1 and 1 <= min(rounds) <= 2 * TINY.rounds  # all timed together (twice as long if noisy)
+    assert len(rounds) == 1 and 1 <= min(rounds) <= 2 * TINY.rounds  # all timed together (twice the rounds if noisy)
     assert result.policy.measured["timing"].startswith(f"eager; median of {min(rounds)} interleaved rounds (up to {TINY.rounds}")
 
 
@@ -548,7 +548,7 @@ def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
     quiet = dataclasses.replace(result, finals=result.finals.replace(spread=0.01))
     loud = dataclasses.replace(result, finals=result.finals.replace(spread=0.9))
     assert "too wide to rank" not in search_summary(quiet)
-    assert "note: step times spread up to ±45.0% even when timed twice as long: too wide to rank" in search_summary(loud)
+    assert "note: step times spread up to ±45.0% even over twice the rounds: too wide to rank" in search_summary(loud)
 
 
 # ---- peak memory: measured for every timed candidate, a limit, an objective ----------------------------------

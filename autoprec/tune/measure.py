@@ -34,7 +34,7 @@ from autoprec.tune.task import Workload, check_loss
 log = logging.getLogger("autoprec")
 
 # A spread (interquartile range / median) beyond which step times cannot rank candidates a few percent apart:
-# a loaded machine, a throttling GPU. The final re-measure then times again once, and says so if it stays.
+# a loaded machine, a throttling GPU. The final re-measure then times on as long again, and says so if it stays.
 NOISY_SPREAD = 0.25
 
 
@@ -86,12 +86,15 @@ def interleaved_times(
     progress: str | None = None,
     enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
     warmed: Collection[str] = (),
+    more: Callable[[Mapping[str, Sequence[float]]], int] | None = None,
 ) -> dict[str, Timing]:
     """Time each callable (one unit of work, e.g. one training step) interleaved with the others.
     `progress`: a label for a progress bar over the rounds (None: no bar). `enough(samples)`: asked after each
     round from MIN_ROUNDS on, with each callable's per-step milliseconds so far; True stops early (a
     sequential test: the answer is already clear), else the rounds run to `config.rounds`. `warmed`: callables
-    warmed up before (a baseline timed again beside each new candidate): one warm-up call each."""
+    warmed up before (a baseline timed again beside each new candidate): one warm-up call each. `more(samples)`:
+    asked once when the rounds end, how many rounds to time on, pooled with these (more_if_noisy), `enough`
+    still asked after each; 0: none."""
     names = list(work)
     steps: dict[str, int] = {}
     for name in names:
@@ -104,18 +107,46 @@ def interleaved_times(
         once = max(time.perf_counter() - start, 1e-6)
         steps[name] = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / once)))
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in tqdm(range(config.rounds), desc=progress, unit="round", disable=progress is None, leave=False):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:  # rotate so no candidate always runs first
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(steps[name]):
-                work[name]()
-            synchronize(device)
-            samples[name].append((time.perf_counter() - start) * 1e3 / steps[name])
-        if enough is not None and r + 1 >= MIN_ROUNDS and r + 1 < config.rounds and enough(samples):
-            break
+
+    def rounds(first: int, last: int) -> None:
+        for r in tqdm(range(first, last), desc=progress, unit="round", disable=progress is None, leave=False):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:  # rotate so no candidate always runs first
+                synchronize(device)
+                start = time.perf_counter()
+                for _ in range(steps[name]):
+                    work[name]()
+                synchronize(device)
+                samples[name].append((time.perf_counter() - start) * 1e3 / steps[name])
+            if enough is not None and r + 1 >= MIN_ROUNDS and r + 1 < last and enough(samples):
+                return
+
+    rounds(0, config.rounds)
+    done = min(map(len, samples.values()), default=0)
+    extra = more(samples) if more is not None and done else 0
+    if extra > 0:  # the same warm models and block sizes: no rebuilding, recompiling or warming again
+        rounds(done, done + extra)
     return {name: Timing.from_samples(samples[name]) for name in names}
+
+
+def noisiest(samples: Mapping[str, Sequence[float]]) -> float:
+    """The widest spread (Timing.spread) among the callables' samples so far (0 when none)."""
+    return max((Timing.from_samples(list(v)).spread for v in samples.values() if v), default=0.0)
+
+
+def more_if_noisy(rounds: int) -> Callable[[Mapping[str, Sequence[float]]], int]:
+    """interleaved_times' `more`: `rounds` more rounds when a spread is beyond NOISY_SPREAD (a loaded machine), so
+    the median and spread come from twice the rounds, at the cost of those rounds alone; else none."""
+
+    def more(samples: Mapping[str, Sequence[float]]) -> int:
+        spread = noisiest(samples)
+        if spread <= NOISY_SPREAD:
+            return 0
+        log.warning("step times spread up to ±%.0f%%, too wide to rank the candidates; timing %d rounds more",
+                    50 * spread, rounds)  # fmt: skip
+        return rounds
+
+    return more
 
 
 MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
@@ -394,11 +425,12 @@ def measure_steps_or_fail(
     progress: str | None = None,
     compiled: bool = False,
     enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
+    more: Callable[[Mapping[str, Sequence[float]]], int] | None = None,
     peak_memory: bool = True,
 ) -> tuple[dict[str, StepStats], dict[str, str]]:
     """measure_steps, and (name -> "Error: message") for the candidates whose model or first step failed (the
     user's code in a format it cannot run, a compiler error): a finding about that candidate, not a crash.
-    `enough`: as interleaved_times'. `peak_memory`: each candidate's peak memory, from one more step after the
+    `enough`, `more`: as interleaved_times'. `peak_memory`: each candidate's peak memory, from one more step after the
     timing (StepStats.peak_bytes)."""
     failed: dict[str, str] = {}
     with compile_scope(compiled, len(policies)):
@@ -414,7 +446,7 @@ def measure_steps_or_fail(
                 continue
             trainers[name] = trainer
         work = {n: t.step for n, t in trainers.items()}
-        timings = interleaved_times(work, workload.device, config, progress=progress, enough=enough) if work else {}
+        timings = interleaved_times(work, workload.device, config, progress=progress, enough=enough, more=more) if work else {}
         stats = step_stats(trainers, timings)  # the timed steps' counts, before the memory's extra step
         if not peak_memory:
             return stats, failed

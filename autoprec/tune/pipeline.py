@@ -49,6 +49,7 @@ from autoprec.tune.measure import (
     all_settled,
     fp32_step_failed,
     measure_steps_or_fail,
+    more_if_noisy,
 )
 from autoprec.tune.profiler import Profile, profile, ruled_out
 from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
@@ -412,12 +413,15 @@ def remeasure(
     progress: str | None = None,
     compiled: bool = False,
     enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
+    more: Callable[[Mapping[str, Sequence[float]]], int] | None = None,
     max_memory: int | None = None,
 ) -> Finals:
     """Metric, step time and peak memory of each candidate, timed interleaved with the others; speedup vs fp32
     in effective steps (those the GradScaler did not skip), memory saving vs fp32's peak, and whether the peak fits
-    `max_memory` (bytes; None: no limit); see records.Measurement."""
-    stats, failed = measure_steps_or_fail(workload, candidates, timing, progress=progress, compiled=compiled, enough=enough)
+    `max_memory` (bytes; None: no limit); see records.Measurement. `enough`, `more`: as measure.interleaved_times'."""
+    stats, failed = measure_steps_or_fail(
+        workload, candidates, timing, progress=progress, compiled=compiled, enough=enough, more=more
+    )
     if FP32 in failed:
         raise fp32_step_failed(workload, "all-fp32 training step", failed[FP32], compiled=compiled)
     fp32_ms = stats[FP32].effective_ms
@@ -511,24 +515,17 @@ def final_remeasure(
     """The finalists and the alternatives re-measured together (remeasure), the compilation timed apart."""
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     start = time.perf_counter()
-    # stops early once every candidate's rounds agree (measure.all_settled); a loaded machine times on
+    # stops early once every candidate's rounds agree (measure.all_settled); a loaded machine times on as long again,
+    # pooled with the first rounds, before anything is chosen (measure.more_if_noisy)
     finals = remeasure(
         workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile,
-        enough=all_settled, max_memory=config.max_memory,
+        enough=all_settled, more=more_if_noisy(config.final_timing.rounds), max_memory=config.max_memory,
     )  # fmt: skip
-    spread = finals.noisiest()
-    if spread > NOISY_SPREAD:  # a loaded machine: time once more, twice as long, before anything is chosen
-        rounds = 2 * config.final_timing.rounds
-        log.warning("step times spread up to ±%.0f%%, too wide to rank the candidates; timing them again with %d rounds",
-                    50 * spread, rounds)  # fmt: skip
-        timing = dataclasses.replace(config.final_timing, rounds=rounds)
-        finals = remeasure(workload, candidates, judge, config.budget, timing, progress=label, compiled=config.compile,
-                           max_memory=config.max_memory)  # fmt: skip
-        if finals.noisiest() > NOISY_SPREAD:
-            log.warning(
-                "step times still spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
-                "chosen; rerun on a quieter machine with --remeasure for a ranking", 50 * finals.noisiest(),
-            )  # fmt: skip
+    if finals.noisiest() > NOISY_SPREAD:
+        log.warning(
+            "step times still spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
+            "chosen; rerun on a quieter machine with --remeasure for a ranking", 50 * finals.noisiest(),
+        )  # fmt: skip
     seconds = time.perf_counter() - start
     compiling = sum(r.compile_s or 0.0 for r in finals)
     if compiling:

@@ -232,7 +232,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
         )
     if speed and finals.noisiest() > NOISY_SPREAD:
         parts.append(
-            f"note: step times spread up to {_spread(finals.noisiest())} even when timed twice as long: too wide to rank "
+            f"note: step times spread up to {_spread(finals.noisiest())} even over twice the rounds: too wide to rank "
             "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
             "rerun on a quieter machine with --remeasure"
         )
