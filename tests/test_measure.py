@@ -82,10 +82,11 @@ def test_more_rounds_are_pooled_with_the_first_on_the_same_warm_callables_and_ke
         asked.append({n: len(v) for n, v in samples.items()})
         return 3
 
-    times = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=2, rounds=2, min_block_s=0.0), more=more)
-    assert asked == [{"a": 2, "b": 2}]  # asked once, after the rounds
-    assert all(len(t.samples_ms) == 5 for t in times.values())  # the extra rounds pooled with the first two
-    assert order[4:] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]  # no warm-up again; round 3 rotates on
+    times = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=2, rounds=3, min_block_s=0.0), more=more)
+    assert asked == [{"a": 3, "b": 3}]  # asked once, after the rounds
+    assert all(len(t.samples_ms) == 6 for t in times.values())  # the extra rounds pooled with the first three
+    assert order[4:] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b", "b", "a"]  # no warm-up again; round 4 rotates on
+    assert interleaved_times({}, torch.device("cpu"), TimingConfig(warmup=0, rounds=2), more=more) == {}
     none = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=0, rounds=2, min_block_s=0.0), more=lambda s: 0)
     assert all(len(t.samples_ms) == 2 for t in none.values())
 

@@ -96,6 +96,8 @@ def interleaved_times(
     asked once when the rounds end, how many rounds to time on, pooled with these (more_if_noisy), `enough`
     still asked after each; 0: none."""
     names = list(work)
+    if not names:
+        return {}
     steps: dict[str, int] = {}
     for name in names:
         for _ in range(0 if name in warmed else config.warmup - 1):
@@ -122,8 +124,8 @@ def interleaved_times(
                 return
 
     rounds(0, config.rounds)
-    done = min(map(len, samples.values()), default=0)
-    extra = more(samples) if more is not None and done else 0
+    done = min(map(len, samples.values()))
+    extra = more(samples) if more is not None else 0
     if extra > 0:  # the same warm models and block sizes: no rebuilding, recompiling or warming again
         rounds(done, done + extra)
     return {name: Timing.from_samples(samples[name]) for name in names}
@@ -136,7 +138,8 @@ def noisiest(samples: Mapping[str, Sequence[float]]) -> float:
 
 def more_if_noisy(rounds: int) -> Callable[[Mapping[str, Sequence[float]]], int]:
     """interleaved_times' `more`: `rounds` more rounds when a spread is beyond NOISY_SPREAD (a loaded machine), so
-    the median and spread come from twice the rounds, at the cost of those rounds alone; else none."""
+    the median and spread come from up to twice the rounds (the sequential test may stop them sooner), at the cost
+    of those rounds alone; else none."""
 
     def more(samples: Mapping[str, Sequence[float]]) -> int:
         spread = noisiest(samples)
