@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from timings import MODES, FormatClock, using
+
 # A valid model.py: Linear(16, 32) -> ReLU -> Linear(32, 32) -> Linear(32, 4), named fc1, act, fc2,
 # head; two seeded batches of 8 per split; cross-entropy loss; no evaluate, so the default metric
 # (-(mean eval loss)) applies.
@@ -63,3 +65,32 @@ def write_model(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--timings", choices=sorted(MODES), default="faster",
+        help="the device the suite's step times come from (tests/timings.py): 'faster' (every lowered format faster than "
+        "fp32, as on a GPU) or 'slower' (every one slower, as on an AVX2-only CPU); every test must pass under both",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def device_timings(request: pytest.FixtureRequest):
+    """Every step time of the session comes from a FormatClock (tests/timings.py), never from this machine's speed."""
+    with using(FormatClock(MODES[request.config.getoption("--timings")])) as clock:
+        yield clock
+
+
+@pytest.fixture
+def timings(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FormatClock]:
+    """`timings("faster" | "slower" | factors, noise=0.0, seed=0)` makes this test's step times come from that device:
+    for a test whose assertion needs lowered formats faster (or slower) than fp32."""
+    from autoprec.tune import measure
+
+    def use(mode: str | dict[str, float], *, noise: float = 0.0, seed: int = 0) -> FormatClock:
+        clock = FormatClock(MODES[mode] if isinstance(mode, str) else mode, noise=noise, seed=seed)
+        monkeypatch.setattr(measure, "CLOCK", clock)
+        return clock
+
+    return use

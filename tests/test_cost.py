@@ -12,6 +12,7 @@ from autoprec.tune.searcher import search
 from autoprec.tune.cost import Stopwatch, cost_rows
 from autoprec.tune.space import space_from_dict
 from short_timing import FAST_PROFILE, TINY
+from timings import FASTER, FormatClock, using
 
 
 # Three blocks of the same shape, and a head of another: the blocks are timed once, the head apart.
@@ -82,7 +83,7 @@ def small_search(tmp_path_factory):
     config = SearchConfig(budget=10.0, trials=8, timing=TINY, final_timing=TINY, finalists=1, progress=False, profile=FAST_PROFILE)
     trial_evaluations = []  # the policies the trials evaluated (the final re-measure passes Candidates)
     real = Judge.safe_metric
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, using(FormatClock(FASTER)):  # bf16 must pay for the search to offer it
         mp.setattr(Judge, "safe_metric", lambda judge, p: (trial_evaluations.append(p) if isinstance(p, Policy) else None, real(judge, p))[1])
         result = search(workload, space, config, folder / "out")
     return workload, result, trial_evaluations

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autoprec import Policy
-from autoprec.tune import load_task, prepare
+from autoprec.tune import load_task, measure, prepare
 from autoprec.tune.measure import (
     TimingConfig,
     Timing,
@@ -132,13 +132,38 @@ def test_timing_median_and_spread():
     assert t.median_ms == 11.0 and t.spread == pytest.approx(2.0 / 11.0)
 
 
-def test_probe_times_takes_the_fastest_call():
+class ScriptedClock:
+    """Each call takes the next of `seconds`."""
+
+    def __init__(self, seconds):
+        self.seconds = iter(seconds)
+
+    def time(self, work, calls, device):
+        for _ in range(calls):
+            work()
+        return sum(next(self.seconds) for _ in range(calls))
+
+
+def test_probe_times_takes_the_fastest_call(monkeypatch):
+    monkeypatch.setattr(measure, "CLOCK", ScriptedClock([0.06, 0.002, 0.06]))  # a slow, a fast and a slow call
+    calls = []
+    probe = probe_times({"x": lambda: calls.append(1)}, torch.device("cpu"), warmup=2, repeats=3)
+    assert len(calls) == 5 and probe["x"] == pytest.approx(2.0)  # the 2 ms call, not the median (60) or the mean (41)
+
+
+def test_the_device_clock_runs_the_work_and_reads_the_wall_time_it_took():
     import time
 
-    sleeps = iter([0.0, 0.0, 0.06, 0.002, 0.06])  # two warm-up calls, then a slow, a fast and a slow one
     calls = []
-    probe = probe_times({"x": lambda: calls.append(time.sleep(next(sleeps)))}, torch.device("cpu"), warmup=2, repeats=3)
-    assert len(calls) == 5 and 2.0 <= probe["x"] < 30.0  # the 2 ms call, not the median (60) or the mean (41)
+    seconds = measure.DeviceClock().time(lambda: calls.append(time.sleep(0.01)), 3, torch.device("cpu"))
+    assert len(calls) == 3 and seconds >= 0.03  # a lower bound only: a busy machine takes longer, never shorter
+
+
+def test_every_step_time_is_read_through_the_clock(monkeypatch):
+    # interleaved_times: the sizing call, then a block per round, each priced by the clock and per step
+    monkeypatch.setattr(measure, "CLOCK", ScriptedClock([0.001] + [0.004, 0.002, 0.003]))
+    t = interleaved_times({"x": lambda: None}, torch.device("cpu"), TimingConfig(warmup=1, rounds=3, min_block_s=0.0))
+    assert t["x"].samples_ms == pytest.approx((4.0, 2.0, 3.0)) and t["x"].median_ms == pytest.approx(3.0)
 
 
 def test_trainer_steps_update_weights_and_track_finiteness(workload):

@@ -209,7 +209,7 @@ def test_the_metric_is_evaluated_only_for_formats_the_profile_has_not_ruled_out(
     monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 2.0, "fp16": 0.5}))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1.25}})
-    prof = profile(workload, space, FAST, progress=False)
+    prof = profile(workload, space, dataclasses.replace(FAST, numerics="offered"), progress=False)  # as a search's own
     t = prof.table.set_index(["layer", "format"])
     # bf16 at 2x fp32's time: ruled out by its timing, neither run nor evaluated; fp16 of `big` overflows when
     # run: ruled out, not evaluated; the rest measured
@@ -224,6 +224,27 @@ def test_the_metric_is_evaluated_only_for_formats_the_profile_has_not_ruled_out(
     assert choices.layers["fc1"] == ("fp32", "fp16") and "2.00x" in choices.excluded["fc1"]["bf16"]
 
 
+@pytest.mark.parametrize("slow", ["bf16", "fp16"])
+def test_numerics_are_measured_for_every_format_however_slow_it_runs_here(monkeypatch, slow):
+    """A CPU where a format is slower than fp32 still flags the layer whose fp16 output overflows, and every layer x
+    format has its SQNR; speed rules out only what the search offers."""
+    from autoprec.tune import profiler
+    from autoprec.tune.choices import build_choices
+
+    monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 0.5, "fp16": 0.5, slow: 300.0}))
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1.25}})
+    prof = profile(workload, space, FAST, progress=False)
+    t = prof.table.set_index(["layer", "format"])
+    assert bool(t.loc[("big", "fp16"), "overflow"]) is True  # flagged whatever fp16's speed here
+    for layer in ("fc1", "big", "head"):  # run and judged: an SQNR, or the finding that it went non-finite
+        row = t.loc[(layer, slow)]
+        assert profiler.flag(row["finite"]) is not None and (math.isfinite(row["sqnr_db"]) or not row["finite"]), (layer, slow)
+    assert t.loc[("fc1", slow), "metric_source"] == "measured" and math.isfinite(t.loc[("fc1", slow), "metric_drop"])
+    choices = build_choices(prof, space, 0.05, torch.device("cpu"))
+    assert slow not in choices.layers["fc1"] and "300.00x" in choices.excluded["fc1"][slow]  # never offered
+
+
 def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_ruled_out(tmp_path, monkeypatch):
     from autoprec.tune import SearchConfig
     from autoprec.tune import profiler
@@ -232,7 +253,7 @@ def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_rul
 
     monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 2.0}))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    config = SearchConfig(budget=0.1, progress=False, profile=FAST)
+    config = SearchConfig(budget=0.1, progress=False, profile=dataclasses.replace(FAST, numerics="offered"))
     strict = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1.25}})
     _load_or_profile(workload, strict, tmp_path, config)
     watch = Stopwatch()

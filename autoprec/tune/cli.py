@@ -72,6 +72,7 @@ def _say(args: argparse.Namespace, line: str) -> None:
 def _search_config(args: argparse.Namespace, budget: float = 0.0):
     """The settings, checked before the model is loaded; the budget is filled in once it is resolved."""
     from autoprec.tune import memory
+    from autoprec.tune.profiler import ProfileConfig
     from autoprec.tune.study import Mode, SearchConfig, parse_goal, parse_mode
 
     limit = None if args.max_memory is None else memory.parse_limit(args.max_memory, _device(args.device))
@@ -86,7 +87,8 @@ def _search_config(args: argparse.Namespace, budget: float = 0.0):
         return SearchConfig(
             budget=budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode,
             compile=_compile(args), progress=not args.quiet, remeasure=args.remeasure, objective=parse_goal(args.objective),
-            max_memory=limit, predict_speed=not getattr(args, "time_every_trial", False), **train,
+            max_memory=limit, predict_speed=not getattr(args, "time_every_trial", False),
+            profile=ProfileConfig(numerics=args.numerics), **train,
         )  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -305,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-memory", metavar="SIZE",
                        help="the most peak memory a training step may need: a size (40GB, 512MiB) or a share of the "
                             "device's memory (0.8, 80%%); candidates above it are infeasible")  # fmt: skip
+        p.add_argument("--numerics", choices=("offered", "all"), default="offered",
+                       help="the profile's numerics (SQNR, overflow, metric drop) for the formats the timing keeps in "
+                            "play (offered, default: minutes saved) or for every format the device can run (all), "
+                            "as `autoprec profile` measures them")  # fmt: skip
         p.add_argument("--objective", default="speed", metavar="{speed,memory}",
                        help="what to optimise within the budget: training-step speed (default), or the smallest peak "
                             "memory (for a model or batch that must fit)")  # fmt: skip

@@ -18,6 +18,7 @@ import numbers
 import statistics
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -78,6 +79,42 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One unit of timed work (a training step, a layer's forward and backward) and the model it runs, so that a
+    clock standing in for a device (tests, replays) can price it by the formats applied to that model."""
+
+    run: Callable[[], object]
+    model: torch.nn.Module | None = None
+
+    def __call__(self) -> object:
+        return self.run()
+
+
+class Clock(Protocol):
+    """Times `calls` calls of one unit of work on `device`: the seconds they took in all. Every step time in
+    autoprec is read through CLOCK, so nothing that decides on speed reads the machine but through it."""
+
+    def time(self, work: Callable[[], object], calls: int, device: torch.device) -> float: ...
+
+
+class DeviceClock:
+    """The real clock: wall time between two device synchronisations."""
+
+    def time(self, work: Callable[[], object], calls: int, device: torch.device) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        synchronize(device)
+        return time.perf_counter() - start
+
+
+# The clock step times are read from. Library code never replaces it; the tests put a clock there that prices a
+# step by its formats (tests/timings.py), so that what they assert never depends on which formats this machine runs fast.
+CLOCK: Clock = DeviceClock()
+
+
 def interleaved_times(
     work: Mapping[str, Callable[[], object]],
     device: torch.device,
@@ -102,11 +139,7 @@ def interleaved_times(
     for name in names:
         for _ in range(0 if name in warmed else config.warmup - 1):
             work[name]()
-        synchronize(device)
-        start = time.perf_counter()
-        work[name]()  # the last warm-up call (or one more) sizes the blocks
-        synchronize(device)
-        once = max(time.perf_counter() - start, 1e-6)
+        once = max(CLOCK.time(work[name], 1, device), 1e-6)  # the last warm-up call (or one more) sizes the blocks
         steps[name] = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / once)))
     samples: dict[str, list[float]] = {name: [] for name in names}
 
@@ -114,12 +147,7 @@ def interleaved_times(
         for r in tqdm(range(first, last), desc=progress, unit="round", disable=progress is None, leave=False):
             k = r % len(names)
             for name in names[k:] + names[:k]:  # rotate so no candidate always runs first
-                synchronize(device)
-                start = time.perf_counter()
-                for _ in range(steps[name]):
-                    work[name]()
-                synchronize(device)
-                samples[name].append((time.perf_counter() - start) * 1e3 / steps[name])
+                samples[name].append(CLOCK.time(work[name], steps[name], device) * 1e3 / steps[name])
             if enough is not None and r + 1 >= MIN_ROUNDS and r + 1 < last and enough(samples):
                 return
 
@@ -175,14 +203,7 @@ def probe_times(
     for name, fn in work.items():
         for _ in range(warmup):
             fn()
-        best = math.inf
-        for _ in range(repeats):
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        out[name] = best * 1e3
+        out[name] = min(CLOCK.time(fn, 1, device) for _ in range(repeats)) * 1e3
     return out
 
 
@@ -331,6 +352,10 @@ class Trainer:
             self.first_step_s = time.perf_counter() - start
         return loss
 
+    def __call__(self) -> torch.Tensor:
+        """A Step (what a Clock times): the next training step; `model` is the model it trains."""
+        return self.step()
+
     def state(self) -> Iterator[torch.Tensor]:
         """What the candidate keeps between steps: parameters, buffers, optimizer state."""
         yield from self.model.parameters()
@@ -448,7 +473,7 @@ def measure_steps_or_fail(
                 failed[name] = describe(exc)
                 continue
             trainers[name] = trainer
-        work = {n: t.step for n, t in trainers.items()}
+        work: dict[str, Callable[[], object]] = dict(trainers)  # a Trainer is a Step: its call, its model
         timings = interleaved_times(work, workload.device, config, progress=progress, enough=enough, more=more) if work else {}
         stats = step_stats(trainers, timings)  # the timed steps' counts, before the memory's extra step
         if not peak_memory:

@@ -31,6 +31,7 @@ from autoprec.files import write_atomically
 from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, device_name, format_problem
 from autoprec.tune.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
 from autoprec.tune.measure import (
+    Step,
     TimingConfig,
     compile_scope,
     evaluate_metric,
@@ -74,6 +75,9 @@ PENDING = "pending"  # in play after the SQNR pass: its metric is judged with th
 
 
 
+NUMERICS = ("all", "offered")  # ProfileConfig.numerics
+
+
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
     """`batches`: train batches for the SQNR pass; a format slower than fp32 by `gross_slowdown` in a
@@ -93,6 +97,10 @@ class ProfileConfig:
     compile: bool = False  # time each layer's step under torch.compile (SearchConfig.compile sets it)
     group_tolerance: float | None = None
     group_testing: bool = True
+    # "all": every layer x format this device can run or emulate has its numerics (SQNR, finiteness, overflow, metric
+    # drop), however slow it runs here: they do not depend on the device's speed. "offered": only the formats the
+    # timing keeps in play (a search's own profile: minutes saved); the others say "not measured" and why.
+    numerics: str = "all"
 
     def __post_init__(self) -> None:
         if self.group_tolerance is not None and not (math.isfinite(self.group_tolerance) and self.group_tolerance >= 0):
@@ -101,6 +109,8 @@ class ProfileConfig:
             raise ValueError(f"grad_batches must be >= 1 or None (all train batches), but got {self.grad_batches!r}")
         if not 0 <= self.max_underflow < 1:
             raise ValueError(f"max_underflow must be in [0, 1), but got {self.max_underflow!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, but got {self.numerics!r}")
 
 
 @dataclasses.dataclass
@@ -346,7 +356,7 @@ def _lowered_by_autocast(module: torch.nn.Module, inputs: tuple[tuple, dict], fm
     return out is not None and out.dtype == AUTOCAST_DTYPE[fmt]
 
 
-def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format, compiled: bool = False):
+def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format, compiled: bool = False) -> Step:
     """One forward+backward of the layer alone in `fmt`, on the inputs it saw in the model. bf16/fp16 are timed
     as inside a region of that format (a bf16 model root, say): inputs arrive in it and the output stays in
     it. A lone lowered layer also pays for casting in and out, but a policy that lowers its neighbours does
@@ -373,7 +383,7 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
         for t in leaves:
             t.grad = None
 
-    return step
+    return Step(step, holder)
 
 
 def _time_layer(
@@ -409,14 +419,14 @@ def _rise_or_none(device: torch.device, step) -> int | None:
         return None
 
 
-def _strict(device: torch.device, step):
+def _strict(device: torch.device, step: Step) -> Step:
     """The step with strict fp32 matmuls (CUDA), as the trials' fp32 baseline, whatever the process's TF32 setting."""
 
     def run() -> None:
         with matmul_precision(device, False):
             step()
 
-    return run
+    return Step(run, step.model)
 
 
 def _shape(module: torch.nn.Module) -> str:
@@ -528,10 +538,13 @@ def _profile_layer(
         row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan, timed_as=timed_as,
                    step_rise_bytes=peak if peak is not None else math.nan)  # fmt: skip
         row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
+    # numerics do not depend on the device's speed: only a search's own profile ("offered") leaves a slow format's out
+    numerics_slower_than = slower_than if config.numerics == "offered" else math.inf
     for fmt, row in rows.items():
         if fmt is Format.FP32 or row["status"] != "ok":
             continue
-        if _skip(row, slower_than, watch):
+        # "all": the SQNR of every format that runs, even one its gradient ranges already rule out (a map, not a choice)
+        if config.numerics == "offered" and _skip(row, numerics_slower_than, watch):
             continue
         try:
             with watch.section(SQNR_STAGE):
@@ -542,7 +555,7 @@ def _profile_layer(
         except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
             row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
             continue
-        if not _skip(row, slower_than, watch):
+        if not _skip(row, numerics_slower_than, watch):
             row["metric_source"] = PENDING
     return [rows[f] for f in formats if f in rows]
 

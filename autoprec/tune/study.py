@@ -110,7 +110,7 @@ class SearchConfig:
     timing: TimingConfig = TimingConfig()
     final_timing: TimingConfig = TimingConfig(rounds=11)
     finalists: int = 3
-    profile: ProfileConfig = ProfileConfig()
+    profile: ProfileConfig = ProfileConfig(numerics="offered")  # a format the timing rules out is not offered: its numerics wait
     progress: bool = True
     mode: Mode = Mode.WEIGHTS
     train_steps: int = 50
@@ -523,7 +523,7 @@ class Objective:
                 except Exception as exc:
                     raise fp32_step_failed(self.workload, "all-fp32 training step", describe(exc), compiled=self.config.compile) from exc
                 candidate = Trainer(self.workload, policy, compiled=self.config.compile)
-                work = {"fp32": baseline.step, "policy": candidate.step}
+                work = {"fp32": baseline, "policy": candidate}  # Steps: a clock sees each one's model
                 warmed = ("fp32",) if self._baseline_warm else ()
                 t = interleaved_times(work, self.workload.device, self.config.timing, enough=self._settled(trial), warmed=warmed)
                 self._baseline_warm = self.baseline is not None
