@@ -79,11 +79,51 @@ def test_a_policy_of_many_layers_shows_one_row_per_role_and_format():
     rows = layer_rows(Policy(layers=layers, measured={"excluded": excluded}))
     assert rows[0][:2] == ["(model root: all else)", "bf16"]
     # a number the layers differ in shows as its range; one they share, as itself
-    assert rows[1] == ["blocks.*.q (29 layers)", "bf16",
-                       "fp8 (measured 1.30-1.59x the layer's fp32 time on this device), fp8-rowwise (needs CUDA compute capability 8.9+)"]
+    assert rows[1] == ["blocks.*.q (29 layers)", "bf16", "fp8 1.3-1.59x, fp8-rowwise [1]"]
     assert rows[2][:2] == ["blocks.3.q", "fp32"] and rows[3] == ["head", "fp32", ""]
     small = layer_rows(Policy(layers={"": "bf16", "blocks.0.q": "bf16"}, measured={"excluded": excluded}))
-    assert small[1][2].startswith("fp8 (measured 1.30x the layer's fp32 time on this device)")
+    assert small[1][2] == "fp8 1.3x, fp8-rowwise [1]"
+
+
+LONG = ("needs CUDA compute capability 8.9+ kernels on this device; torchao's emulation of this recipe fails inside bf16 "
+        "autocast (a long reason that once ran to 400 characters a row, four times over)")  # fmt: skip
+
+
+def test_the_layer_table_says_each_reason_once_groups_alike_layers_and_fits_120_columns():
+    from autoprec import Policy
+    from autoprec.tune.report import LayerTable, WIDTH
+
+    layers = {"": "bf16", "fc1": "bf16", "fc2": "bf16", "fc3": "bf16", "head": "bf16"}
+    excluded = {
+        "fc1": {"fp8": "measured 6.39x the layer's fp32 time on this device", "fp8-rowwise-gw-hp": f"fp8-rowwise-gw-hp {LONG}"},
+        **{n: {"fp8": "measured 3.21x the layer's fp32 time on this device", "fp8-rowwise-gw-hp": f"fp8-rowwise-gw-hp {LONG}"}
+           for n in ("fc2", "fc3")},
+        "head": {"fp8": "fp8 needs in/out features divisible by 16, got (1024, 10)",
+                 "fp8-rowwise": "fp8-rowwise needs in/out features divisible by 16, got (1024, 10)",
+                 "fp8-rowwise-gw-hp": f"fp8-rowwise-gw-hp {LONG}"},
+    }  # fmt: skip
+    table = LayerTable(Policy(layers=layers, measured={"excluded": excluded}))
+    assert table.rows == [
+        ["(model root: all else)", "bf16", ""],
+        ["fc1", "bf16", "fp8 6.39x, fp8-rowwise-gw-hp [1]"],
+        ["fc2, fc3", "bf16", "fp8 3.21x, fp8-rowwise-gw-hp [1]"],  # the same formats and reasons: one row
+        ["head", "bf16", "fp8 [2], fp8-rowwise [2], fp8-rowwise-gw-hp [1]"],  # one reason, whichever format says it
+    ]
+    text = table.render()
+    assert text.count("needs CUDA compute capability") == 1 and text.count("divisible by 16") == 1
+    assert "[1] " + LONG in text and "[2] needs in/out features divisible by 16, got (1024, 10)" in text
+    assert "Nx: the profile measured the layer N times slower" in text
+    table_lines = text.split("\n\n")[0].splitlines()
+    assert all(len(line) <= WIDTH for line in table_lines)
+
+
+def test_a_text_table_wraps_its_last_column_to_the_width_under_itself():
+    from autoprec.tune.report import text_table
+
+    text = text_table(["layer", "reason"], [["fc1", "word " * 60], ["fc2", "short"]], width=60)
+    lines = text.splitlines()
+    assert all(len(line) <= 60 for line in lines) and len(lines) > 4
+    assert lines[2].startswith("fc1    word") and lines[3].startswith(" " * 7 + "word") and lines[-1].startswith("fc2    short")
 
 
 def test_show_says_what_each_format_in_the_policy_means():
@@ -92,3 +132,23 @@ def test_show_says_what_each_format_in_the_policy_means():
 
     text = show_policy(Policy(layers={"": "bf16", "fc": "fp8-rowwise"}))
     assert "formats: bf16 = torch.autocast(bfloat16); fp8-rowwise = torchao float8 training, rowwise" in text
+
+
+def test_the_summarys_first_line_says_plainly_when_the_answer_is_a_tie_inside_the_noise():
+    import types
+
+    from autoprec import Policy
+    from autoprec.tune.report import headline, show_policy
+    from builders import finals
+
+    rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.7, "feasible": True, "metric_drop": 0.0},
+                  {"candidate": "uniform bf16", "speedup": 1.59, "spread": 1.03, "feasible": True, "metric_drop": 0.0})  # fmt: skip
+    tied = Policy(layers={"": "bf16"}, measured={"chosen": "uniform bf16", "not_separated": ["fp32"], "budget": 0.01})
+    line = headline(types.SimpleNamespace(policy=tied, finals=rows))
+    assert line.startswith("a tie inside the noise: uniform bf16") and "fp32" in line and "--remeasure" in line
+    assert "±51.5%" in line  # the widest spread of the tied candidates, as the results table writes it
+    assert "not separated" in show_policy(tied) and "not as the fastest" in show_policy(tied)
+    clear = Policy(layers={"": "bf16"}, measured={"chosen": "uniform bf16", "budget": 0.01})
+    line = headline(types.SimpleNamespace(policy=clear, finals=rows))
+    assert line.startswith("chosen: uniform bf16, 1.59x fp32") and "tie" not in line
+    assert "not separated" not in show_policy(clear)

@@ -445,6 +445,26 @@ def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
     assert choose(measured(1.65, 0.04), candidates)[0] == "risky"  # 10% lead: real
 
 
+def test_a_searched_policy_not_separated_from_an_alternative_is_never_chosen_over_it():
+    """Under load (spreads ±60%), a bf16/fp32 mix measured 2.15x against uniform bf16's 1.60x is a tie: the alternative
+    is chosen and the tie recorded, never the policy written as faster than what the user had."""
+    from autoprec.tune.pipeline import choose, not_separated
+
+    candidates = {"fp32": Policy(), "uniform bf16": Policy(layers={"": "bf16"}),
+                  "trial 7": Policy(layers={"": "bf16", "a": "fp32"})}  # fmt: skip
+    rows = [
+        {"candidate": "fp32", "speedup": 1.0, "spread": 1.2, "feasible": True},
+        {"candidate": "uniform bf16", "speedup": 1.60, "spread": 1.2, "feasible": True},
+        {"candidate": "trial 7", "speedup": 2.15, "spread": 1.2, "feasible": True},  # no more fp16/fp8 than bf16
+    ]
+    name, why = choose(finals(*rows), candidates)
+    assert name == "uniform bf16" and "not separated from the alternative uniform bf16" in why
+    assert set(not_separated(finals(*rows), name)) == {"fp32", "trial 7"}
+    for row in rows:
+        row["spread"] = 0.04  # a quiet machine: the lead is real
+    assert choose(finals(*rows), candidates)[0] == "trial 7" and not_separated(finals(*rows), "trial 7") == []
+
+
 def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
     """A safer finalist tied with the top one is still refused when an alternative measured faster than it."""
     from autoprec.tune.pipeline import choose

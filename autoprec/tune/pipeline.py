@@ -187,6 +187,7 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         measured = dataclasses.replace(
             measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes),
             why=why, cost=watch.to_dict(), greedy=greedy[b], budget_given=plan.given.get(b),
+            not_separated=tuple(not_separated(finals.within(b), name)) if config.objective is Goal.SPEED else (),
             sweep={"budgets": list(plan.budgets), "study_budget": config.budget} if plan.is_sweep else None,
         )  # fmt: skip
         picked = candidates[name].policy
@@ -556,26 +557,49 @@ def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
 def choose(
     finals: Finals, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
 ) -> tuple[str, str]:
-    """The fastest candidate within budget, unless its lead over one with fewer fp16/fp8 layers is inside
-    the measured spread: then the safer one, since the measurement cannot tell them apart; but never one
-    measured slower than the fastest of `alternatives` (fp32, uniform bf16, fp8 everywhere, profile greedy; a
-    sweep names each budget's own greedy policy) within budget. TF32 is not a policy and is never chosen."""
+    """The fastest candidate within budget, unless its lead is inside the measured spread (the measurement cannot
+    tell them apart) over an alternative (what the user would run without autoprec: it is chosen, so a policy is
+    never written as faster than an alternative it was not separated from) or over one with fewer fp16/fp8 layers
+    (the safer one is chosen); and never one measured slower than the fastest of `alternatives` (fp32, uniform
+    bf16, fp8 everywhere, profile greedy; a sweep names each budget's own greedy policy) within budget. TF32 is not
+    a policy and is never chosen."""
     feasible = sorted((r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY), key=lambda r: -r.speedup)
     if not feasible:
         return "fp32", _nothing_feasible(finals)
     top = feasible[0]
     floor = max((r.speedup for r in feasible if r.candidate in alternatives), default=0.0)
-    tied = [r for r in feasible if top.speedup / r.speedup - 1 <= (top.spread + r.spread) / 2 and r.speedup >= floor]
-    pick = min(tied, key=lambda r: (_risk(candidates[r.candidate]), -r.speedup))
+    tied = [r for r in feasible if not separated(top, r) and r.speedup >= floor]
+    pick = min(tied, key=lambda r: (r.candidate not in alternatives, _risk(candidates[r.candidate]), -r.speedup))
     if pick is top:
         if top.candidate in alternatives:
             return top.candidate, f"the fastest within budget is an alternative, {top.candidate}: no searched policy beat it"
         return top.candidate, "the fastest within budget"
     lead = 100 * (top.speedup / pick.speedup - 1)
+    if pick.candidate in alternatives and top.candidate not in alternatives:
+        return pick.candidate, (
+            f"{top.candidate} measured {lead:.1f}% faster, inside the spread: not separated from the alternative "
+            f"{pick.candidate}, which is chosen"
+        )
     return pick.candidate, (
         f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
         f"({_risk(candidates[top.candidate])} against {_risk(candidates[pick.candidate])}): the safer one"
     )
+
+
+def separated(a: Measurement, b: Measurement) -> bool:
+    """Whether the step times tell a and b apart: the faster one's lead is beyond their mean spread."""
+    fast, slow = (a, b) if a.speedup >= b.speedup else (b, a)
+    return fast.speedup / slow.speedup - 1 > (fast.spread + slow.spread) / 2
+
+
+def not_separated(finals: Finals, name: str) -> list[str]:
+    """The candidates within budget (policies, not TF32) whose speed the measurement cannot tell from `name`'s:
+    the chosen one is a tie with them inside the noise (the summary's first line and `autoprec show` say so)."""
+    pick = finals.get(name)
+    if pick is None or not pick.feasible or not math.isfinite(pick.speedup):
+        return []
+    return [r.candidate for r in finals if r.candidate != name and r.feasible and r.candidate not in NOT_A_POLICY
+            and math.isfinite(r.speedup) and not separated(pick, r)]  # fmt: skip
 
 
 # Peaks closer than this share are the same memory to a user (an allocator's rounding, a small buffer): among them

@@ -271,6 +271,9 @@ class Measured:
     chosen: str | None = None
     why: str | None = None
     greedy: str | None = None  # the name of this budget's profile-greedy candidate
+    # the candidates within budget whose step times could not be told from the chosen one's (pipeline.not_separated):
+    # a tie inside the noise, chosen as the alternative or the safer one, not measured faster than them
+    not_separated: tuple[str, ...] = ()
     results: Mapping[str, Result] = dataclasses.field(default_factory=dict)
     kept_fp32: Mapping[str, str] = dataclasses.field(default_factory=dict)
     excluded: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
@@ -303,7 +306,9 @@ class Measured:
                 continue
             if f.name in ("budget_given", "why", "greedy", "sweep", "created", "memory", "max_memory") and value is None:
                 continue
-            if f.name == "results":
+            if f.name == "not_separated":
+                value = list(value)
+            elif f.name == "results":
                 value = {k: r.to_dict() for k, r in value.items()}
             elif f.name == "study":
                 value = {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
@@ -336,6 +341,8 @@ class Measured:
             chosen=_text(data.get("chosen")),
             why=_text(data.get("why")),
             greedy=_text(data.get("greedy")),
+            not_separated=tuple(str(n) for n in data.get("not_separated") or () if isinstance(n, str))
+            if isinstance(data.get("not_separated"), list) else (),
             results={str(k): Result.from_dict(v) for k, v in _mapping(data.get("results")).items()},
             kept_fp32={str(k): str(v) for k, v in _mapping(data.get("kept_fp32")).items()},
             excluded={str(k): {str(f): str(w) for f, w in _mapping(v).items()} for k, v in _mapping(data.get("excluded")).items()},

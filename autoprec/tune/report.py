@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
 
-from autoprec.tune.alternatives import BF16, TF32
+from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.cost import cost_rows
 from autoprec.tune.measure import NOISY_SPREAD
@@ -19,6 +20,9 @@ from autoprec.tune.records import Finals, Measured
 from autoprec.files import write_atomically
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
+
+
+WIDTH = 120  # columns a printed table keeps to (text_table wraps its last column to fit)
 
 
 def _cell(value: Any) -> str:
@@ -31,16 +35,26 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain aligned table; numbers right-aligned."""
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, width: int = WIDTH) -> str:
+    """A plain aligned table; numbers right-aligned; a last column of text that would run past `width` columns
+    is wrapped onto continuation lines under itself."""
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     numeric = [all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in rows) for i in range(len(headers))]
+    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    if headers and not numeric[-1] and indent + widths[-1] > width:
+        widths[-1] = max(len(headers[-1]), width - indent, 20)
 
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+    def line(values: Sequence[str]) -> list[str]:
+        *rest, last = values
+        parts = [last] if numeric[-1] else (textwrap.wrap(last, widths[-1], break_on_hyphens=False) or [""])
+        first = "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip([*rest, parts[0]], widths, numeric))
+        return [first.rstrip()] + [(" " * indent + p).rstrip() for p in parts[1:]]
 
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+    out = line(headers) + line(["-" * w for w in widths])
+    for r in cells:
+        out += line(r)
+    return "\n".join(out)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -54,27 +68,65 @@ def _layer_name(name: str) -> str:
 
 
 COMPACT_ABOVE = 24  # layers: beyond this, the layers of one block role that agree share a row
+_SLOWER = re.compile(r"^measured (?P<ratio>[\d.]+)x the layer's fp32 time on this device$")
+SLOWER_NOTE = "Nx: the profile measured the layer N times slower in that format than in fp32 on this device"
+
+
+class LayerTable:
+    """The policy's layers as rows [layer, format, what the profile ruled out] and a legend: each reason is said once,
+    as [k] in the rows, and a slowdown as its factor (fp8 3.2x). Layers with the same format and the same ruled-out
+    cell share a row; in a policy of more than COMPACT_ABOVE layers, so do the layers of one role (`blocks.*.attn.q`)
+    whose cells differ only in numbers, which show as their range (1.31-1.34x)."""
+
+    def __init__(self, policy: Policy):
+        excluded = Measured.of(policy).excluded
+        self.legend: dict[str, int] = {}
+        self.slower = False
+        compact = len(policy.layers) > COMPACT_ABOVE
+        rows: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
+        for name, fmt in policy.layers.items():
+            cell = ", ".join(self._tag(f, why) for f, why in excluded.get(name, {}).items())
+            label = role(name) if compact and name != ROOT else ""
+            key = _NUMBER.sub("#", cell) if compact else cell
+            rows.setdefault((label, fmt.value, key), []).append((name, cell))
+        self.rows = []
+        for (label, fmt, _), members in rows.items():
+            self.rows.append([_layers_label(label, [n for n, _ in members]), fmt, _number_ranges([c for _, c in members])])
+
+    def _tag(self, fmt: str, why: str) -> str:
+        slower = _SLOWER.match(why)
+        if slower:
+            self.slower = True
+            return f"{fmt} {float(slower['ratio']):.3g}x"
+        text = why[len(fmt) + 1 :] if why.startswith(fmt + " ") else why  # "fp8 needs ..." and "fp8-rowwise needs ..." alike
+        return f"{fmt} [{self.legend.setdefault(text, len(self.legend) + 1)}]"
+
+    def notes(self) -> list[str]:
+        """The legend's lines, each reason once."""
+        lines = [f"[{k}] {text}" for text, k in self.legend.items()]
+        return ([SLOWER_NOTE] if self.slower else []) + lines
+
+    def render(self, *, markdown: bool = False) -> str:
+        table = markdown_table(["layer", "format", "ruled out by the profile"], self.rows) if markdown else text_table(
+            ["layer", "format", "ruled out by the profile"], self.rows)  # fmt: skip
+        return "\n".join([table, "", *self.notes()]) if self.notes() else table
+
+
+SHARED_ROW_NAMES = 40  # characters of layer names a shared row lists before it counts them instead
+
+
+def _layers_label(label: str, names: list[str]) -> str:
+    if len(names) == 1:
+        return _layer_name(names[0])
+    if label:
+        return f"{label} ({len(names)} layers)"
+    listed = ", ".join(_layer_name(n) for n in names)
+    return listed if len(listed) <= SHARED_ROW_NAMES else f"{_layer_name(names[0])} and {len(names) - 1} more like it"
 
 
 def layer_rows(policy: Policy) -> list[list[str]]:
-    """[layer, format, what the profile ruled out] per layer; in a policy of more than COMPACT_ABOVE layers,
-    the layers of one role (`blocks.*.attn.q`) with the same format and the same reasons share one row, where a
-    number that differs between them (1.31x, 1.34x) shows as their range (1.31-1.34x)."""
-    excluded = Measured.of(policy).excluded
-    rows: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
-    compact = len(policy.layers) > COMPACT_ABOVE
-    for name, fmt in policy.layers.items():
-        reasons = excluded.get(name, {})
-        ruled_out = ", ".join(f"{f} ({why})" for f, why in reasons.items())
-        label = role(name) if compact and name != ROOT else name
-        key = _NUMBER.sub("#", ruled_out) if compact else ruled_out
-        rows.setdefault((label, fmt.value, key), []).append((name, ruled_out))
-    out = []
-    for (label, fmt, _), members in rows.items():
-        names = [n for n, _ in members]
-        shown = _layer_name(names[0]) if len(names) == 1 else f"{label} ({len(names)} layers)"
-        out.append([shown, fmt, _number_ranges([text for _, text in members])])
-    return out
+    """LayerTable's rows (its legend apart)."""
+    return LayerTable(policy).rows
 
 
 def _number_ranges(texts: Sequence[str]) -> str:
@@ -131,7 +183,7 @@ def _budget(m: Measured) -> str:
 def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     """A policy for a person: each layer's format, the loss scale, and what it was measured on."""
     table = markdown_table if markdown else text_table
-    parts = [table(["layer", "format", "ruled out by the profile"], layer_rows(policy))]
+    parts = [LayerTable(policy).render(markdown=markdown)]
     ls = policy.loss_scale
     scaler = "off (no fp16 layer)" if not policy.uses_fp16 else (
         f"init {ls.init_scale:g}, growth x{ls.growth_factor:g} every {ls.growth_interval} clean steps, "
@@ -147,6 +199,12 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
             f"measured on {m.device or '?'} for {m.model or '?'}; metric {m.metric or '?'}, "
             f"budget {_budget(m)} ({mode_text(m)}); fp8: {m.fp8 or '?'}; step times {'compiled' if m.compiled else 'eager'}"
         )
+        if m.not_separated:
+            parts.append(
+                f"not separated: the step times measured could not tell {m.chosen or 'this policy'} from "
+                f"{_names(list(m.not_separated))} (inside their spread); it was chosen as the "
+                f"{_kind(m)}, not as the fastest"
+            )
         if m.results:
             rows = result_rows(policy)
             parts.append(table(RESULT_HEADERS[: len(rows[0])], rows))
@@ -192,7 +250,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     """The end-of-search report: layer formats, then fp32 / uniform bf16 / policy measured side by side."""
     policy = result.policy
     table = markdown_table if markdown else text_table
-    parts = [table(["layer", "format", "ruled out by the profile"], layer_rows(policy))]
+    parts = [headline(result), LayerTable(policy).render(markdown=markdown)]
     finals: Finals = result.finals
     rows = [
         [r.candidate, r.metric, r.metric_drop, r.step_ms, _spread(r.spread), f"{r.skipped}/{r.steps}", r.speedup,
@@ -255,6 +313,37 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     if cost:
         parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(cost)))
     return "\n\n".join(parts)
+
+
+def headline(result: Any) -> str:
+    """The summary's first line: what was chosen and how much faster than fp32, or, when the step times could not
+    tell it from other candidates within budget, that the answer is a tie inside the noise and what to do."""
+    m = Measured.of(result.policy)
+    finals: Finals = result.finals
+    picked = finals.get(m.chosen)
+    if picked is None or not picked.feasible:
+        return f"chosen: {m.chosen} ({m.why or 'nothing else within budget'})"
+    speed = f"{picked.speedup:.2f}x fp32's training-step speed ({_spread(picked.spread)})"
+    if m.objective != "speed" or not m.not_separated:
+        return f"chosen: {m.chosen}, {speed}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}"
+    others = [n for n in m.not_separated if n in finals.names]
+    noise = max([picked.spread] + [finals.by_name(n).spread for n in others])
+    return (
+        f"a tie inside the noise: {m.chosen} ({speed}) and {_names(others)} measured within their spread (up to "
+        f"{_spread(noise)}): this machine's timing cannot rank them, so {m.chosen}, the "
+        f"{_kind(m)}, is chosen; to rank them, rerun with --remeasure "
+        "on a quiet machine"
+    )
+
+
+def _kind(m: Measured) -> str:
+    """What a choice among ties is: an alternative the user would run anyway, or the searched policy with fewer fp16/fp8 layers."""
+    return "alternative" if m.chosen in {FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY, m.greedy} else "safer one"
+
+
+def _names(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return shown
 
 
 def _verdict(r: Any) -> str:
