@@ -683,3 +683,28 @@ def test_memory_settings_are_checked_and_a_new_limit_is_another_study(tmp_path, 
     search(workload, SPACE, SearchConfig(budget=0.05, max_memory=20000, **{**FAST, "trials": 2}), tmp_path)
     with pytest.raises(UserError, match=r"different max_memory \(max_memory 20000, now 30000\).*--study"):
         search(workload, SPACE, SearchConfig(budget=0.05, max_memory=30000, **{**FAST, "trials": 2}), tmp_path)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_alternative_it_was_not_separated_from(tmp_path, timings, seed):
+    """A search beside a CPU hog (step times x exp(N(0, 0.8)): spreads around ±50%) on a device where every bf16 layer
+    pays: what it writes is an alternative, or measured faster than the fastest alternative and separated from it by
+    the spread; and its true step time (the clock's, without noise) is never slower than the faster of fp32 and
+    uniform bf16 by more than its measured spread."""
+    import copy
+
+    from autoprec.tune.alternatives import BF16, FP32
+    from autoprec.tune.pipeline import separated
+
+    clock = timings("faster", noise=0.8, seed=seed)
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    result = search(workload, SPACE, SearchConfig(budget=0.05, **FAST), tmp_path)
+    m = result.policy.measured
+    alternatives = [result.finals.by_name(a) for a in (FP32, BF16, m["greedy"]) if a in result.finals.names]
+    fastest = max((r for r in alternatives if r.feasible), key=lambda r: r.speedup)
+    picked = result.finals.by_name(m["chosen"])
+    if m["chosen"] not in {r.candidate for r in alternatives}:
+        assert separated(picked, fastest) and picked.speedup > fastest.speedup, fastest.candidate
+    true_s = {name: clock.seconds(apply_policy(copy.deepcopy(workload.model), policy))
+              for name, policy in (("chosen", result.policy), (FP32, Policy()), (BF16, Policy(layers={"": "bf16"})))}  # fmt: skip
+    assert true_s["chosen"] / min(true_s[FP32], true_s[BF16]) - 1 <= picked.spread

@@ -570,6 +570,14 @@ def choose(
     floor = max((r.speedup for r in feasible if r.candidate in alternatives), default=0.0)
     tied = [r for r in feasible if not separated(top, r) and r.speedup >= floor]
     pick = min(tied, key=lambda r: (r.candidate not in alternatives, _risk(candidates[r.candidate]), -r.speedup))
+    fastest = max((r for r in feasible if r.candidate in alternatives), key=lambda r: r.speedup, default=None)
+    if pick.candidate not in alternatives and fastest is not None and not separated(pick, fastest):
+        # separation is not transitive: a safer pick tied with the top may be tied with the alternative too
+        lead = 100 * (pick.speedup / fastest.speedup - 1)
+        return fastest.candidate, (
+            f"{pick.candidate} measured {lead:.1f}% faster, inside the spread: not separated from the alternative "
+            f"{fastest.candidate}, which is chosen"
+        )
     if pick is top:
         if top.candidate in alternatives:
             return top.candidate, f"the fastest within budget is an alternative, {top.candidate}: no searched policy beat it"
