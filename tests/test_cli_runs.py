@@ -165,3 +165,12 @@ def test_exclude_keeps_a_layer_out_of_the_profile_and_a_typo_is_one_line(fast, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["autoprec: error: --exclude 'haed' matches no module of the model (its modules include fc1, big, head); "
                    "patterns are fnmatch, e.g. pooler or '*.lm_head'"]  # fmt: skip
+
+
+def test_budget_minus_zero_is_the_same_study_as_budget_zero(fast, capsys, tmp_path):
+    argv = ["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--trials", "1", "--quiet"]
+    assert main([*argv, "--budget", "0"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--budget=-0"]) == 0  # the finished study, not refused as another one
+    assert "is finished and its result" in capsys.readouterr().err
+    assert load_policy(tmp_path / "policy.json").measured["budget"] == 0 and "-0" not in (tmp_path / "policy.json").read_text()
