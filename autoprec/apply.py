@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import pickle
 import types
 import warnings
 import weakref
@@ -26,6 +27,7 @@ from autoprec.tensors import map_tensors
 log = logging.getLogger("autoprec")
 
 _FORMAT_ATTR = "_autoprec_format"
+_NO_PICKLE_ATTR = "_autoprec_no_pickle"
 _SUMMARY_ATTR = "_autoprec_applied"
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -144,11 +146,36 @@ def _policy_forward_for(cls: type[torch.nn.Module]) -> Callable[..., Any]:
         def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             return _policy_forward(self, *args, **kwargs)
 
-        # Its own name, not `forward`: pickle stores a bound method as getattr(obj, name), which would restore the
-        # class's plain forward and silently drop the format. Pickling a policy-applied model fails instead.
+        # Its own name, not `forward`: pickle stores a bound method as getattr(obj, name), which under `forward`
+        # would give back the class's plain forward, the format silently gone. No name can be found on a fresh
+        # object without adding an attribute to the user's class, so pickling such a module is refused at save
+        # time (_NoPickle); under this name, a file written another way still fails to load, loudly.
         forward.__name__ = forward.__qualname__ = "_autoprec_policy_forward"
         _FORWARDS[cls] = forward
     return _FORWARDS[cls]
+
+
+class _NoPickle:
+    """Kept on each module whose forward apply_policy wraps: pickling it (torch.save(model), multiprocessing)
+    raises at save time, saying to save the state_dict. The bound forward it would hold cannot be unpickled
+    (see _policy_forward_for), so the file written would only fail later, in torch.load. Copies (deepcopy, as
+    the search makes of candidates) are not pickles and keep working."""
+
+    def __init__(self, layer: str):
+        self.layer = layer
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise pickle.PicklingError(
+            f"a model with an autoprec policy applied cannot be pickled whole (torch.save(model)): layer "
+            f"{self.layer or '<model>'!r} runs through a per-instance forward that would not load; save "
+            "model.state_dict() instead, load it into a fresh model and call apply_policy on that"
+        )
+
+    def __deepcopy__(self, memo: dict) -> _NoPickle:
+        return self
+
+    def __copy__(self) -> _NoPickle:
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -418,6 +445,7 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *, fsdp_fp
         setattr(module, _FORMAT_ATTR, fmt.value)
         if wrap and "forward" not in module.__dict__:
             module.forward = types.MethodType(_policy_forward_for(type(module)), module)
+            setattr(module, _NO_PICKLE_ATTR, _NoPickle(name))
         records[name] = LayerRecord(
             name=name, format=fmt, module_type=type(module).__name__, aliases=tuple(n for n in own if n != name),
             fp8_backend=backend if fmt.spec.is_fp8 else None, wrapped=wrap,

@@ -114,6 +114,24 @@ def test_a_wrong_argument_is_named():
         autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), evaluate=0.5)
 
 
+def test_a_sys_exit_or_a_wrong_optimizer_in_the_functions_given_is_a_user_error_before_anything_runs(tmp_path):
+    """As from a model.py: sys.exit() in evaluate (first called to resolve the relative budget) would end the
+    caller's script silently; an optimizer hook given the model instead of its parameters is found on the
+    first batch, not after the profile."""
+    task = overflow_task()
+    model, train, held_out = task.build_model(), task.batches("train"), task.batches("eval")
+
+    def evaluate(model):
+        sys.exit(0)
+
+    with pytest.raises(autoprec.UserError, match=r"^MLP: evaluate\(\) called sys.exit\(0\)"):
+        autoprec.tune.search(model, task.loss_fn, train, held_out, evaluate=evaluate, device="cpu", out=tmp_path / "a", name="MLP", **FAST)
+    with pytest.raises(autoprec.UserError, match=r"optimizer\(model\) raised TypeError.*model.parameters\(\)"):
+        autoprec.tune.search(model, task.loss_fn, train, held_out, optimizer=lambda m: torch.optim.SGD(m, lr=0.1), device="cpu",
+                             out=tmp_path / "b", **FAST)  # fmt: skip
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("limit, expected", [("1GB", 10**9), (2e9, 2 * 10**9), (3 * 2**30, 3 * 2**30)])
 def test_max_memory_from_python_takes_a_size_or_a_number_of_bytes(tmp_path, limit, expected):
     task = overflow_task()

@@ -29,3 +29,21 @@ def test_budget_lists_take_commas_or_sequences_and_refuse_an_empty_one():
         parse_budget_list(" , ")
     with pytest.raises(ValueError, match="finite number >= 0"):
         Budget(float("nan"))
+
+
+@pytest.mark.parametrize("given", ["-0", "-0.0", "-0%", -0.0, " -0e5 "])
+def test_minus_zero_is_the_budget_zero_with_its_sign_dropped(given):
+    """`--budget=-0` passes the >= 0 check; with its sign kept it printed as "-0" and named another study than
+    `--budget 0` (the study records repr(budget))."""
+    import math
+
+    from autoprec.tune.study import SearchConfig
+    from autoprec.tune.sweeper import parse_budgets
+
+    budget = parse_budget(given)
+    assert budget.value == 0 and math.copysign(1.0, budget.value) == 1.0
+    assert str(budget) in ("0", "0%") and repr(budget.resolve(1.0)) == "0.0"
+    assert math.copysign(1.0, Budget(-0.0).value) == 1.0
+    assert [repr(b) for b in parse_budgets([-0.0, 0.1])] == ["0.0", "0.1"] and parse_budgets("-0") == (0.0,)
+    assert repr(parse_budgets("-0")[0]) == "0.0"
+    assert repr(SearchConfig(budget=-0.0).budget) == "0.0"

@@ -315,6 +315,18 @@ def test_process_module_search_missing_model(tmp_path, module):
     assert_one_error_line(proc, "missing.py: no such file")
 
 
+def test_process_model_calling_sys_exit_0_exits_2_with_one_line_not_0(tmp_path, write_model, mlp_source):
+    """sys.exit(0) in build_model ended autoprec with exit 0 (success), no policy and no word. Under --json, what
+    the model printed first goes to stderr: stdout stays empty on an error."""
+    path = write_model(mlp_source + "\n\ndef build_model():\n    print('building')\n    raise SystemExit(0)\n")
+    proc = run_process([sys.executable, "-m", "autoprec", "profile", str(path), "--device", "cpu", "--json"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.splitlines()[0] == "building"
+    assert proc.stderr.splitlines()[1:] == [f"autoprec: error: {path}: build_model() called sys.exit(0) (SystemExit), which would "
+                                            "end autoprec without a result; raise an exception instead, and keep exits under "
+                                            "`if __name__ == '__main__':`"]  # fmt: skip
+
+
 def test_process_console_script_show_bad_policy(tmp_path):
     script = Path(sys.executable).with_name("autoprec")
     if not script.is_file():
@@ -416,7 +428,8 @@ def test_a_binary_space_file_and_a_deeply_nested_policy_are_one_line(capsys, tmp
 @pytest.mark.parametrize(
     "body, expected",
     [("raise KeyError('accuracy')", "evaluate() failed on the fp32 model: KeyError: 'accuracy'"),
-     ("return float('nan')", "the all-fp32 model's metric is nan; it must be finite")],
+     ("return float('nan')", "the all-fp32 model's metric is nan; it must be finite"),
+     ("raise SystemExit(0)", "evaluate() called sys.exit(0) (SystemExit), which would end autoprec without a result")],
 )  # fmt: skip
 def test_the_default_relative_budget_reports_a_broken_evaluate_in_one_line_too(capsys, tmp_path, write_model, mlp_source, body, expected):
     """Resolving `1%` evaluates the fp32 model before the profile does: the same one-line errors."""
@@ -424,6 +437,14 @@ def test_the_default_relative_budget_reports_a_broken_evaluate_in_one_line_too(c
     for verb, extra in (("search", ()), ("sweep", ("--budgets", "0,1%"))):
         code, _, err = run(capsys, verb, path, "--device", "cpu", "--out", tmp_path / verb, *extra)
         assert_user_error(code, err, str(path), expected)
+
+
+def test_ctrl_c_inside_the_models_code_still_interrupts_with_130(capsys, tmp_path, write_model, mlp_source):
+    """Only SystemExit is made a user error: a KeyboardInterrupt from inside loss_fn stays an interrupt."""
+    path = write_model(mlp_source + "\n\ndef loss_fn(model, batch):\n    raise KeyboardInterrupt\n")
+    code, out, err = search(capsys, tmp_path, path, "--json")
+    assert code == 130 and out == "" and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("autoprec: interrupted")
 
 
 @pytest.mark.parametrize(

@@ -165,3 +165,33 @@ def test_exclude_keeps_a_layer_out_of_the_profile_and_a_typo_is_one_line(fast, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["autoprec: error: --exclude 'haed' matches no module of the model (its modules include fc1, big, head); "
                    "patterns are fnmatch, e.g. pooler or '*.lm_head'"]  # fmt: skip
+
+
+def test_json_stdout_stays_one_object_when_the_model_prints(fast, capsys, tmp_path, write_model, mlp_source):
+    """A model.py that prints (at import, in build_model, in loss_fn) under --json: its lines go to stderr, so
+    stdout still parses as the one result object."""
+    source = "print('loading my model')\n" + mlp_source + (
+        "\n_build, _loss = build_model, loss_fn\n"
+        "\ndef build_model():\n    print('building')\n    return _build()\n"
+        "\ndef loss_fn(model, batch):\n    print('loss')\n    return _loss(model, batch)\n"
+    )
+    path = write_model(source)
+    assert main(["profile", str(path), "--device", "cpu", "--out", str(tmp_path / "p"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["profile_csv"] == str(tmp_path / "p" / "profile.csv")
+    assert "loading my model" in err and "building" in err and "loss" in err
+    argv = ["search", str(path), "--device", "cpu", "--out", str(tmp_path / "s"), "--trials", "1", "--budget", "0.05", "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["policy_file"] == str(tmp_path / "s" / "policy.json") and "building" in err
+    assert main(["profile", str(path), "--device", "cpu", "--out", str(tmp_path / "p")]) == 0  # without --json: as it printed
+    assert "building" in capsys.readouterr().out
+
+
+def test_budget_minus_zero_is_the_same_study_as_budget_zero(fast, capsys, tmp_path):
+    argv = ["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--trials", "1", "--quiet"]
+    assert main([*argv, "--budget", "0"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--budget=-0"]) == 0  # the finished study, not refused as another one
+    assert "is finished and its result" in capsys.readouterr().err
+    assert load_policy(tmp_path / "policy.json").measured["budget"] == 0 and "-0" not in (tmp_path / "policy.json").read_text()

@@ -75,8 +75,26 @@ def test_under_accelerates_own_fp16_mode_the_gradients_are_unscaled_once(tmp_pat
 
 
 def test_trainers_own_precision_flags_are_said_to_conflict_with_the_policy(tmp_path):
+    unrooted = Policy(layers={"transformer.h.0.mlp.c_fc": "fp16"})  # the layers it does not name run under the flag
     with pytest.warns(UserWarning, match=r"bf16=True\) puts the whole model under bf16 autocast.*the policy says fp32"):
-        PolicyTrainer(policy=POLICY, model=gpt2(), args=arguments(tmp_path, bf16=True), train_dataset=data())
+        PolicyTrainer(policy=unrooted, model=gpt2(), args=arguments(tmp_path, bf16=True), train_dataset=data())
+
+
+def test_trainers_precision_flag_around_a_policy_naming_the_model_is_said_to_change_nothing_inside_it(tmp_path):
+    """A searched policy names the model itself (''): its wrapper sets the format inside (fp32: autocast off), so
+    bf16=True changes no layer; the warning must not claim the whole model runs in bf16."""
+    with pytest.warns(UserWarning) as caught:
+        trainer = PolicyTrainer(policy=POLICY, model=gpt2(), args=arguments(tmp_path, bf16=True), train_dataset=data())
+    text = " ".join(str(w.message) for w in caught if "TrainingArguments" in str(w.message))
+    assert "bf16=True) does not change how the model runs" in text and "names the model itself (fp32)" in text
+    assert "whole model" not in text and "everything else runs in bf16" not in text
+    seen = {}  # the claim, checked: under Trainer's bf16 autocast every linear still runs as the policy says
+    for name in ("transformer.h.1.mlp.c_fc", "lm_head"):
+        trainer.model.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
+    batch = {k: torch.stack([d[k] for d in data(2)]) for k in ("input_ids", "labels")}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trainer.model(**batch)
+    assert seen == {"transformer.h.1.mlp.c_fc": torch.float32, "lm_head": torch.float32}
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         PolicyTrainer(policy=Policy(layers={"": "bf16"}), model=gpt2(), args=arguments(tmp_path), train_dataset=data())

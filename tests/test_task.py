@@ -107,6 +107,40 @@ def test_load_task_model_calls_sys_exit(write_model, mlp_source):
     assert str(path) in msg and "SystemExit" in msg
 
 
+@pytest.mark.parametrize(
+    "name, addition, call",
+    [
+        ("build_model()", "\ndef build_model():\n    sys.exit(0)\n", lambda task, work: task.build_model()),
+        ("loss_fn()", "\ndef loss_fn(model, batch):\n    sys.exit(0)\n", lambda task, work: task.loss_fn(work.model, work.train[0])),
+        ("evaluate()", "\ndef evaluate(model):\n    sys.exit(0)\n", lambda task, work: task.evaluate(work.model)),
+        ("batches()", "\ndef batches(split):\n    sys.exit(0)\n", lambda task, work: task.batches("train")),
+        ("optimizer()", "\ndef optimizer(model):\n    sys.exit(0)\n", lambda task, work: task.optimizer(work.model)),
+    ],
+    ids=["build_model", "loss_fn", "evaluate", "batches", "optimizer"],
+)
+def test_sys_exit_inside_a_model_function_is_one_user_error(write_model, mlp_source, name, addition, call):
+    """sys.exit(0) in build_model, loss_fn or evaluate, wherever autoprec calls it (a profile's later loss, the
+    final metric), would end autoprec silently with a success code and no policy: it is a UserError naming
+    the function and the file."""
+    work = prepare(load_task(write_model(mlp_source)), "cpu")  # a valid workload to call the broken function on
+    path = write_model("import sys\n" + mlp_source + addition, name="broken/model.py")
+    task = load_task(path)
+    msg = user_error(call, task, work)
+    assert str(path) in msg and name in msg and "sys.exit(0)" in msg
+
+
+def test_sys_exit_in_build_model_stops_prepare_with_a_user_error(write_model, mlp_source):
+    path = write_model("import sys\n" + mlp_source + "\ndef build_model():\n    sys.exit(3)\n")
+    msg = user_error(prepare, load_task(path), "cpu")
+    assert str(path) in msg and "build_model()" in msg and "sys.exit(3)" in msg
+
+
+def test_keyboard_interrupt_in_a_model_function_is_not_swallowed(write_model, mlp_source):
+    path = write_model(mlp_source + "\ndef build_model():\n    raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        prepare(load_task(path), "cpu")
+
+
 # ---- Task.name ---------------------------------------------------------------------------------
 
 
@@ -200,6 +234,43 @@ PREPARE_ERRORS = {
         "\ndef build_model():\n    raise KeyError('checkpoint')\n",
         ["build_model() raised KeyError", "checkpoint"],
     ),
+    # Each below used to pass prepare and fail later with a traceback, some only after the whole profile.
+    "build-model-on-meta": (
+        "\n_real = build_model\ndef build_model():\n    return _real().to('meta')\n",
+        ["build_model()", "meta device", "fc1.weight", "load_state_dict"],
+    ),
+    "loss-detached": (
+        "\n_loss = loss_fn\ndef loss_fn(model, batch):\n    return _loss(model, batch).detach()\n",
+        ["loss_fn(model, batch)", "does not require grad", "detach"],
+    ),
+    "loss-int64": (
+        "\ndef loss_fn(model, batch):\n    return (model(batch[0]).argmax(1) != batch[1]).sum()\n",
+        ["loss_fn(model, batch)", "torch.int64", "floating-point"],
+    ),
+    "loss-bool": (
+        "\ndef loss_fn(model, batch):\n    return (model(batch[0]).argmax(1) != batch[1]).any()\n",
+        ["loss_fn(model, batch)", "torch.bool", "floating-point"],
+    ),
+    "loss-complex": (
+        "\n_loss = loss_fn\ndef loss_fn(model, batch):\n    return _loss(model, batch) * (1 + 1j)\n",
+        ["loss_fn(model, batch)", "torch.complex64", "floating-point"],
+    ),
+    "optimizer-given-the-model": (
+        "\ndef optimizer(model):\n    return torch.optim.SGD(model, lr=0.1)\n",
+        ["optimizer(model) raised TypeError", "model.parameters()"],
+    ),
+    "optimizer-not-an-optimizer": (
+        "\ndef optimizer(model):\n    return model.parameters()\n",
+        ["optimizer(model) must return a torch.optim.Optimizer", "got generator", "model.parameters()"],
+    ),
+    "optimizer-of-another-model": (
+        "\ndef optimizer(model):\n    return torch.optim.SGD(build_model().parameters(), lr=0.1)\n",
+        ["optimizer(model) optimizes none of the parameters of the model it is given", "model.parameters()"],
+    ),
+    "optimizer-raises": (
+        "\ndef optimizer(model):\n    raise ValueError('no lr given')\n",
+        ["optimizer(model) raised ValueError", "no lr given"],
+    ),
 }
 
 
@@ -208,10 +279,12 @@ def test_prepare_errors(write_model, mlp_source, case):
     addition, expected = PREPARE_ERRORS[case]
     path = write_model(mlp_source + addition)
     task = load_task(path)
+    # Raised by prepare, whose workload everything else needs: before anything is profiled or measured.
     msg = user_error(prepare, task, "cpu")
     assert str(path) in msg
     for part in expected:
         assert part in msg
+    assert "\n" not in msg
 
 
 # ---- map_tensors / to_device -------------------------------------------------------------------

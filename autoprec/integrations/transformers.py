@@ -9,7 +9,8 @@ PolicyTrainer is a `transformers.Trainer` that moves the model to the training d
 before Trainer sees it, and, when the policy has fp16 layers, hands the policy's GradScaler (its loss-scale
 settings) to Trainer's accelerator: the loss is scaled before backward, gradients unscaled before clipping, a
 step with inf/NaN gradients skipped (the learning-rate schedule with it) and the scale updated. Leave
-TrainingArguments' `bf16`/`fp16` off: they put the whole model under one autocast, around the policy.
+TrainingArguments' `bf16`/`fp16` off: they put the model under one autocast, around the policy, which changes the
+layers the policy does not name (none, when it names the model itself, as a searched policy does).
 """
 
 from __future__ import annotations
@@ -63,10 +64,22 @@ def _warn_conflicts(policy: Policy, args: transformers.TrainingArguments) -> Non
     flags = [name for name in ("bf16", "fp16") if getattr(args, name, False) and name != root.value]
     if not flags:
         return
+    flag = flags[0]
+    if ROOT in policy.layers:
+        # The model's own wrapper sets its format inside (fp32: autocast off), so Trainer's autocast stops at it.
+        what = (
+            f"does not change how the model runs: the policy names the model itself ({root}), whose format holds "
+            f"inside it, so every layer runs as the policy says and {flag} autocast reaches only code outside the "
+            f"model's forward (a loss computed from its outputs); set {flag}=False, which trains the model the same"
+        )
+    else:
+        what = (
+            f"puts the whole model under {flag} autocast, around the policy: its layers keep their formats, but "
+            f"everything else runs in {flag} where the policy says {root}; set {flag}=False to train as the policy "
+            "was measured"
+        )
     warnings.warn(
-        f"TrainingArguments({flags[0]}=True) puts the whole model under {flags[0]} autocast, around the policy: its "
-        f"layers keep their formats, but everything else runs in {flags[0]} where the policy says {root}; set "
-        f"{flags[0]}=False to train as the policy was measured"
+        f"TrainingArguments({flag}=True) {what}"
         + ("; the policy's GradScaler replaces the one fp16=True makes" if "fp16" in flags and policy.uses_fp16 else ""),
         stacklevel=3,
     )

@@ -28,7 +28,7 @@ from autoprec.tune.profiler import checked_fp32_metric
 from autoprec.tune.space import SearchSpace, load_space
 from autoprec.tune.study import SearchConfig
 from autoprec.formats import default_device
-from autoprec.tune.task import Task, Workload, prepare
+from autoprec.tune.task import Task, Workload, guard_exit, prepare
 
 log = logging.getLogger("autoprec")
 
@@ -107,9 +107,12 @@ def task_from_objects(
             raise TypeError(f"{what} must be a function, got {type(fn).__name__}")
     splits = {"train": train_batches, "eval": eval_batches}
     label = name or type(model).__name__
+    # A SystemExit inside them is a UserError, as from a model.py: it would end the caller's script with no result
+    hooks = (("loss_fn", loss_fn), ("evaluate", evaluate), ("optimizer", optimizer))
+    guarded = {what: guard_exit(label, what, fn) for what, fn in hooks if fn is not None}
     return Task(
-        path=Path(label), build_model=lambda: copy.deepcopy(model), batches=lambda split: splits[split], loss_fn=loss_fn,
-        evaluate=evaluate, optimizer=optimizer, label=label,
+        path=Path(label), build_model=lambda: copy.deepcopy(model), batches=lambda split: splits[split],
+        loss_fn=guarded["loss_fn"], evaluate=guarded.get("evaluate"), optimizer=guarded.get("optimizer"), label=label,
     )  # fmt: skip
 
 

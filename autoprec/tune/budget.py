@@ -19,6 +19,8 @@ class Budget:
     def __post_init__(self) -> None:
         if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value) or self.value < 0:
             raise ValueError(f"a budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.value!r}")
+        # -0.0 passes `>= 0` but prints as "-0" and repr()s apart from 0.0, which names the study: the same budget
+        object.__setattr__(self, "value", float(self.value) + 0.0)
 
     def resolve(self, fp32_metric: float) -> float:
         return self.value * abs(fp32_metric) if self.relative else float(self.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -61,6 +62,11 @@ def _prepare(args: argparse.Namespace):
     how = "compiled" if _compile(args) else "eager"
     _say(args, f"autoprec: {task.path} on {device}, {how}")
     return task, space, workload
+
+
+def _print_json(args: argparse.Namespace, result: object, **options) -> None:
+    """--json's one result object, on the stdout main was given: the user's own prints went to stderr meanwhile."""
+    print(json.dumps(result, **options), file=getattr(args, "result_stdout", None) or sys.stdout)
 
 
 def _say(args: argparse.Namespace, line: str) -> None:
@@ -129,7 +135,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, budget=budget)
     result = search_and_report(workload, space, config, out, command=_command("search"), given=given.get(budget))
     if args.json:
-        print(json.dumps({"policy_file": str(out / "policy.json"), "policy": result.policy.to_dict()}, allow_nan=False))
+        _print_json(args, {"policy_file": str(out / "policy.json"), "policy": result.policy.to_dict()}, allow_nan=False)
         return 0
     if not args.quiet:
         print(result.summary())
@@ -160,7 +166,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.json:
         rows = [{"budget": b, "budget_given": given.get(b), "policy_file": str(out / name), "policy": p.to_dict()}
                 for (b, p), name in zip(result.policies.items(), (r.policy_file for r in result.table))]  # fmt: skip
-        print(json.dumps({"sweep_csv": str(out / "sweep.csv"), "budgets": rows}, allow_nan=False))
+        _print_json(args, {"sweep_csv": str(out / "sweep.csv"), "budgets": rows}, allow_nan=False)
         return 0
     if not args.quiet:
         print(result.summary())
@@ -183,7 +189,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     path = prof.save(out)
     pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     if args.json:
-        print(json.dumps({"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric, "metric": prof.metric_name}))
+        _print_json(args, {"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric, "metric": prof.metric_name})
         return 0
     if args.quiet:
         return 0
@@ -207,7 +213,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
     if args.json:
-        print(json.dumps({"file": str(out), "not_expressed": left_out}))
+        _print_json(args, {"file": str(out), "not_expressed": left_out})
         return 0
     if not args.quiet:
         print(f"wrote {out}")
@@ -221,7 +227,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     from autoprec.tune.report import show_policy
 
     policy = load_policy(args.policy)
-    print(json.dumps(policy.to_dict(), indent=2) if args.json else show_policy(policy, markdown=args.markdown))
+    if args.json:
+        _print_json(args, policy.to_dict(), indent=2)
+    else:
+        print(show_policy(policy, markdown=args.markdown))
     return 0
 
 
@@ -364,8 +373,13 @@ def main(argv: list[str] | None = None) -> int:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress bar shows the trials
+    args.result_stdout = sys.stdout
+    # Under --json stdout holds the one result object: a model.py that prints (at import, in build_model, in
+    # loss_fn) prints to stderr. Process-wide, so here, in the CLI, which owns the process, not in the library.
+    to_stderr = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
-        return args.func(args)
+        with to_stderr:
+            return args.func(args)
     except UserError as exc:
         if args.debug:
             traceback.print_exc()

@@ -132,6 +132,7 @@ class SearchConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
             raise ValueError(f"budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.budget!r}")
+        object.__setattr__(self, "budget", float(self.budget) + 0.0)  # -0.0 would name another study than 0.0
         object.__setattr__(self, "mode", parse_mode(self.mode))
         object.__setattr__(self, "objective", parse_goal(self.objective))
         if self.max_memory is not None and (isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 1):

@@ -90,7 +90,7 @@ def parse_budgets(value: str | Iterable[float]) -> tuple[float, ...]:
     budgets = []
     for item in items:
         try:
-            b = float(item)
+            b = float(item) + 0.0  # -0.0 is 0.0: one budget, one policy file name
         except (TypeError, ValueError):
             raise ValueError(f"budgets must be numbers separated by commas, but got {item!r} in {value!r}") from None
         if not math.isfinite(b) or b < 0:

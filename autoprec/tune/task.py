@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from autoprec.errors import UserError
+from autoprec.errors import UserError, describe
 from autoprec.tensors import map_tensors
 
 REQUIRED = ("build_model", "batches", "loss_fn")
@@ -86,8 +87,27 @@ def load_task(path: str | Path) -> Task:
             raise UserError(f"{path}: missing required function {name}() (model.py must define {', '.join(REQUIRED)})")
         if fn is not None and not callable(fn):
             raise UserError(f"{path}: {name} must be a function, got {type(fn).__name__}")
-        funcs[name] = fn
+        funcs[name] = None if fn is None else guard_exit(path, name, fn)
     return Task(path=path, **funcs)
+
+
+def guard_exit(where: str | Path, name: str, fn: Callable) -> Callable:
+    """`fn` (one of the user's functions), with a SystemExit from inside it made a UserError: sys.exit() in a
+    loss_fn or an evaluate (argparse's exit too) would otherwise end autoprec, wherever it calls it, with the
+    model's exit code (0: success) and no result. Only SystemExit: KeyboardInterrupt and errors pass as they are."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit as exc:
+            shown = "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
+            raise UserError(
+                f"{where}: {name}() called {shown} (SystemExit), which would end autoprec without a result; "
+                "raise an exception instead, and keep exits under `if __name__ == '__main__':`"
+            ) from None
+
+    return call
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -95,13 +115,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
-def _call(task: Task, what: str, fn: Callable, *args: Any) -> Any:
+def _call(task: Task, what: str, fn: Callable, *args: Any, fix: str = "") -> Any:
     try:
         return fn(*args)
     except UserError:
         raise
     except Exception as exc:
-        raise UserError(f"{task.path}: {what} raised {type(exc).__name__}: {exc}") from exc
+        raise UserError(f"{task.path}: {what} raised {describe(exc)}{fix}") from exc
 
 
 def _load_split(task: Task, split: str, device: torch.device) -> list:
@@ -115,22 +135,53 @@ def _load_split(task: Task, split: str, device: torch.device) -> list:
 def _check_weights(task: Task, model: object) -> None:
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"{task.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.is_meta:  # no values to copy to the device, evaluate or train
+            raise UserError(
+                f"{task.path}: build_model() gives a model on the meta device ({name} has no values); build it on "
+                "the CPU, or call model.to_empty(device='cpu') and load_state_dict(...) before returning it"
+            )
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype != torch.float32:
             raise UserError(f"{task.path}: build_model() must give fp32 weights, but {name} is {p.dtype}")
 
 
 def check_loss(task: Task, loss: object) -> torch.Tensor:
-    """The loss as a tensor, or a UserError when it is not a finite scalar."""
+    """The loss as a tensor, or a UserError when it is not a real floating-point scalar."""
     if not isinstance(loss, torch.Tensor):
         raise UserError(f"{task.path}: loss_fn must return a scalar tensor, got {type(loss).__name__}")
     if loss.dim() != 0:
         raise UserError(f"{task.path}: loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
+    if not loss.is_floating_point():  # integers and bools have no gradient; a complex loss is not minimised
+        fix = "return its .real or .abs()" if loss.is_complex() else "compute it with a differentiable function (F.cross_entropy), not argmax or =="
+        raise UserError(f"{task.path}: loss_fn(model, batch) must return a real floating-point loss, got {loss.dtype}; {fix}")
     return loss
 
 
+_OPTIMIZER_FIX = "; optimizer(model) must return a torch.optim.Optimizer over model.parameters(), e.g. torch.optim.AdamW(model.parameters())"
+
+
+def _check_optimizer(task: Task, model: torch.nn.Module) -> None:
+    """optimizer(model) on the reference model, as training steps will call it on each candidate's copy."""
+    if task.optimizer is None:
+        return
+    optimizer = _call(task, "optimizer(model)", task.optimizer, model, fix=_OPTIMIZER_FIX)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(
+            f"{task.path}: optimizer(model) must return a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            "return e.g. torch.optim.AdamW(model.parameters())"
+        )
+    given = {id(p) for p in model.parameters()}
+    if not any(id(p) in given for group in optimizer.param_groups for p in group["params"]):
+        raise UserError(
+            f"{task.path}: optimizer(model) optimizes none of the parameters of the model it is given; build it "
+            "from that model: torch.optim.AdamW(model.parameters())"
+        )
+
+
 def prepare(task: Task, device: str | torch.device) -> Workload:
-    """Build the fp32 model on `device`, load both splits, and check the loss on the first train batch."""
+    """Build the fp32 model on `device`, load both splits, and check the loss on the first train batch and the
+    optimizer: a mistake there is found now, before anything is profiled."""
     device = torch.device(device)
     model = _call(task, "build_model()", task.build_model)
     _check_weights(task, model)
@@ -141,8 +192,16 @@ def prepare(task: Task, device: str | torch.device) -> Workload:
     evals = _load_split(task, "eval", device)
     if not evals and task.evaluate is None:
         raise UserError(f"{task.path}: batches('eval') yields no batches (needed by the default evaluate)")
-    loss = check_loss(task, _call(task, "loss_fn(model, batch)", task.loss_fn, model, train[0]))
+    with torch.enable_grad():  # as in a training step, whatever the caller's grad mode
+        loss = check_loss(task, _call(task, "loss_fn(model, batch)", task.loss_fn, model, train[0]))
     if not math.isfinite(loss.item()):
         raise UserError(f"{task.path}: loss_fn gives {loss.item()} for the fp32 model on the first train batch")
+    if not loss.requires_grad:
+        raise UserError(
+            f"{task.path}: loss_fn(model, batch) gives a loss that does not require grad, so no training step can "
+            "backpropagate it; compute it from the model's output without .detach(), .item() or torch.no_grad(), "
+            "and leave the parameters requires_grad=True"
+        )
+    _check_optimizer(task, model)
     model.zero_grad(set_to_none=True)
     return Workload(task=task, device=device, model=model, train=train, eval=evals)
