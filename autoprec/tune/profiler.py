@@ -552,7 +552,9 @@ def _profile_layer(
                     row.update(_sensitivity_of(_in_model_run(workload, name, fmt, config.batches), fmt, fp32))
                 else:
                     row.update(_sensitivity(module, calls, fmt, fp32, workload.device))
-        except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
+        except Exception as exc:  # a format a layer cannot run in is a finding, not a crash; the user's mistake is not
+            if isinstance(exc, UserError):
+                raise
             row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
             continue
         if not _skip(row, numerics_slower_than, watch):
