@@ -447,6 +447,15 @@ def test_ctrl_c_inside_the_models_code_still_interrupts_with_130(capsys, tmp_pat
     assert err.strip().splitlines()[-1].startswith("autoprec: interrupted")
 
 
+def test_ctrl_c_names_only_the_options_that_were_given_to_resume_with(capsys, tmp_path, write_model, mlp_source):
+    path = write_model(mlp_source + "\n\ndef loss_fn(model, batch):\n    raise KeyboardInterrupt\n")
+    code, _, err = run(capsys, "search", path, "--device", "cpu", "--out", tmp_path / "out")
+    assert code == 130 and err.strip().splitlines()[-1] == (
+        "autoprec: interrupted; the trials so far are stored: run the same command again (with the same --out) to resume")
+    code, _, err = run(capsys, "profile", path, "--device", "cpu", "--out", tmp_path / "p")
+    assert code == 130 and err.strip().splitlines()[-1] == "autoprec: interrupted"
+
+
 @pytest.mark.parametrize(
     "extra, expected",
     [

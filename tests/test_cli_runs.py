@@ -127,6 +127,9 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
     assert len(calls) == 1 and "its result in" in capsys.readouterr().err
     assert main([*argv, "--remeasure"]) == 0 and len(calls) == 2
     assert "its result in" not in capsys.readouterr().err
+    cost = json.loads((tmp_path / "policy.json").read_text())["measured"]["cost"]  # no trial ran: none is charged to it
+    assert not any(name.startswith("trials:") for name in cost["seconds"])
+    assert cost["counts"]["trials: run earlier, none now (their time is in the earlier run's table)"] == 2
     assert main([*argv, "--storage", str(tmp_path / "other.journal")]) == 0 and len(calls) == 3  # another study: measured
     assert main(argv) == 0 and len(calls) == 4  # the policy there is the other storage's: not this study's result
     assert main([*argv[:-2], "--budget", "0.05", "--trials", "3"]) == 0 and len(calls) == 5  # more trials: measured again

@@ -152,3 +152,12 @@ def test_the_summarys_first_line_says_plainly_when_the_answer_is_a_tie_inside_th
     line = headline(types.SimpleNamespace(policy=clear, finals=rows))
     assert line.startswith("chosen: uniform bf16, 1.59x fp32") and "tie" not in line
     assert "not separated" not in show_policy(clear)
+
+
+def test_show_speaks_of_the_fp8_backend_only_for_a_policy_that_runs_fp8():
+    from autoprec import Policy
+    from autoprec.tune.report import show_policy
+
+    measured = {"device": "cpu", "fp8": "emulation", "chosen": "uniform bf16"}
+    assert "fp8: emulation" not in show_policy(Policy(layers={"": "bf16"}, measured=measured))
+    assert "fp8: emulation" in show_policy(Policy(layers={"": "bf16", "fc": "fp8"}, measured=measured))

@@ -386,8 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autoprec: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("autoprec: interrupted; a search resumes when run again with the same --study and --storage", file=sys.stderr)
+        print(f"autoprec: interrupted{_resume_hint(args)}", file=sys.stderr)
         return 130
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """How to go on after Ctrl-C: the trials done so far are stored, so the same command resumes a search."""
+    if args.verb not in ("search", "sweep"):
+        return ""
+    given = [flag for flag, value in (("--out", args.out), ("--study", args.study), ("--storage", args.storage)) if value]
+    same = f" (with the same {', '.join(given)})" if given else ""
+    return f"; the trials so far are stored: run the same command again{same} to resume"
 
 
 if __name__ == "__main__":

@@ -171,7 +171,10 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         if earlier is not None:
             return earlier
     started.judge.measure()  # a no-op once measured; else now, not inside the final re-measure's time
-    trial_costs(started.study, watch)
+    if ran:
+        trial_costs(started.study, watch)
+    else:  # a finished study re-measured (--remeasure): its trials' time was spent by the earlier run, not this one
+        watch.count("trials: run earlier, none now (their time is in the earlier run's table)", _complete(started.study))
     candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists, goal=config.objective)
     finals = final_remeasure(workload, candidates, started.judge, config, watch)
     # the tables first, the policy files last: a policy file marks a complete result (see _earlier_result)

@@ -197,7 +197,9 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         m = Measured.of(policy)
         parts.append(
             f"measured on {m.device or '?'} for {m.model or '?'}; metric {m.metric or '?'}, "
-            f"budget {_budget(m)} ({mode_text(m)}); fp8: {m.fp8 or '?'}; step times {'compiled' if m.compiled else 'eager'}"
+            f"budget {_budget(m)} ({mode_text(m)}); "
+            + (f"fp8: {m.fp8 or '?'}; " if any(f.spec.is_fp8 for f in policy.layers.values()) else "")  # only where it runs fp8
+            + f"step times {'compiled' if m.compiled else 'eager'}"
         )
         if m.not_separated:
             parts.append(
