@@ -35,7 +35,11 @@ COMPLETE = (optuna.trial.TrialState.COMPLETE,)
 
 
 def start_worker(out: Path, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(WORKER), "--out", str(out), *args]
+    from autoprec.tune import measure
+    from timings import MODES
+
+    timings = next((k for k, v in MODES.items() if v == getattr(measure.CLOCK, "factors", None)), "faster")  # the suite's
+    cmd = [sys.executable, str(WORKER), "--out", str(out), "--timings", timings, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
