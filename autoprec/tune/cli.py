@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from autoprec.errors import UserError
+from autoprec.errors import UserError, printable
 from autoprec.formats import default_device
 
 EXIT_USER_ERROR = 2
@@ -207,10 +207,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"file": str(out), "not_expressed": left_out}))
         return 0
-    if not args.quiet:
-        print(f"wrote {out}")
+    if not args.quiet:  # the path and the lines name the policy's file and layers: escaped, as show prints them
+        print(f"wrote {printable(str(out))}")
         for line in left_out:
-            print(f"not expressed: {line}")
+            print(f"not expressed: {printable(line)}")
     return 0
 
 
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"autoprec: error: {exc}", file=sys.stderr)
+        print(f"autoprec: error: {printable(str(exc))}", file=sys.stderr)  # a path or a value from a file, escaped
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("autoprec: interrupted; a search resumes when run again with the same --study and --storage", file=sys.stderr)
