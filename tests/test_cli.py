@@ -475,7 +475,7 @@ def test_time_every_trial_turns_the_speed_prediction_off_for_a_search():
         parser.parse_args(["sweep", "m.py", "--budgets", "0.1", "--time-every-trial"])
 
 
-# ---- what a received policy holds cannot drive the terminal -------------------------------------------------------
+# ---- what a received policy holds cannot drive the terminal; the storage password is never written ----------
 
 CONTROL = "\x1b]0;title\x07\x1b[2J\r\x9b31m\u2028\u202e\x00"  # a title, a clear screen, a carriage return, C1, bidi
 
@@ -521,3 +521,13 @@ def test_a_number_too_long_for_python_is_one_line_in_show_and_export(capsys, tmp
         code, out, err = run(capsys, "show", path, *extra)
         assert code == 0 and err == "" and "policy" in out
 
+
+@pytest.mark.parametrize("form", ["--storage", "--storage=", "--stor"])
+def test_the_command_written_to_the_reports_hides_the_storage_password(monkeypatch, form):
+    from autoprec.tune.cli import _command
+
+    url = "postgresql+psycopg2://alice:s3cret-pw@db.example:5432/autoprec"
+    given = [f"{form}{url}"] if form.endswith("=") else [form, url]
+    monkeypatch.setattr(sys, "argv", ["autoprec", "search", "model.py", *given, "--budget", "1%"])
+    command = _command("search", url)
+    assert "s3cret" not in command and "alice:***@db.example:5432/autoprec" in command and command.endswith("--budget 1%")

@@ -125,7 +125,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     out = _out_dir(args, task)
     (budget,), given = _resolve(args, workload, specs, "--budget")
     config = dataclasses.replace(config, budget=budget)
-    result = search_and_report(workload, space, config, out, command=_command("search"), given=given.get(budget))
+    result = search_and_report(workload, space, config, out, command=_command("search", config.storage), given=given.get(budget))
     if args.json:
         print(json.dumps({"policy_file": str(out / "policy.json"), "policy": result.policy.to_dict()}, allow_nan=False))
         return 0
@@ -136,9 +136,13 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command(verb: str) -> str:
-    """The command line as the user typed it, for the markdown reports."""
-    return " ".join(["autoprec", verb, *sys.argv[2:]])
+def _command(verb: str, storage: str | None) -> str:
+    """The command line as the user typed it, for the markdown reports; a database password in --storage (in
+    whatever form the option was given: --storage URL, --storage=URL, --stor URL) hidden."""
+    from autoprec.tune.credentials import hide_credentials
+
+    args = sys.argv[2:] if not storage else [arg.replace(storage, hide_credentials(storage)) for arg in sys.argv[2:]]
+    return " ".join(["autoprec", verb, *args])
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -154,7 +158,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, budget=budgets[-1])
     if config.study_name is None:  # beside a search's study in the same storage, not mixed with it
         config = dataclasses.replace(config, study_name=f"{task.name}-sweep")
-    result = sweep_and_report(workload, space, budgets, config, out, command=_command("sweep"), given=given)
+    result = sweep_and_report(workload, space, budgets, config, out, command=_command("sweep", config.storage), given=given)
     if args.json:
         rows = [{"budget": b, "budget_given": given.get(b), "policy_file": str(out / name), "policy": p.to_dict()}
                 for (b, p), name in zip(result.policies.items(), (r.policy_file for r in result.table))]  # fmt: skip
