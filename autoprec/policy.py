@@ -6,18 +6,35 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from autoprec.errors import UserError
-from autoprec.files import write_text
+from autoprec.errors import UserError, shown
+from autoprec.files import read_json, write_text
 from autoprec.formats import FORMATS, Format, parse_format
 
 POLICY_VERSION = 1
 ROOT = ""  # the model itself: its format covers every op not inside a listed layer
+# A layer's name as torch's named_modules() gives it: attribute names, ModuleList indices and ModuleDict keys
+# (letters, digits, _ and -) joined by dots. Nothing else: a name is printed, exported and matched, never code,
+# and quotes, backslashes, spaces and control characters have no place in one.
+MODULE_PATH = re.compile(r"[\w-]+(?:\.[\w-]+)*")
+FLOAT32_MAX = 3.4028234663852886e38  # GradScaler keeps the scale in a float32 tensor
+INT32_MAX = 2**31 - 1  # and counts clean steps in an int32 one
+
+
+def check_layer_name(name: object) -> str:
+    """`name` if it is the model root ("") or a module path (MODULE_PATH); else a ValueError naming it."""
+    if not isinstance(name, str):
+        raise ValueError(f"layers keys must be module names (str), got {shown(name)}")
+    if name != ROOT and not MODULE_PATH.fullmatch(name):
+        raise ValueError(f"layers key {shown(name)} is not a module path: names of letters, digits, _ and - joined by "
+                         "dots, as torch names modules (blocks.3.attn.qkv), or \"\" for the model root")  # fmt: skip
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,19 +50,19 @@ class LossScale:
     def __post_init__(self) -> None:
         for name in ("init_scale", "growth_factor", "backoff_factor"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"loss_scale.{name} must be a finite number, but got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+                raise ValueError(f"loss_scale.{name} must be a finite number, but got {shown(value)}")
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
-            raise ValueError(f"loss_scale.growth_interval must be an integer, but got {self.growth_interval!r}")
+            raise ValueError(f"loss_scale.growth_interval must be an integer, but got {shown(self.growth_interval)}")
         checks = (
-            ("init_scale", self.init_scale, self.init_scale > 0, "> 0"),
+            ("init_scale", self.init_scale, 0 < self.init_scale <= FLOAT32_MAX, f"> 0 and at most {FLOAT32_MAX:g} (float32)"),
             ("growth_factor", self.growth_factor, self.growth_factor > 1.0, "> 1"),
             ("backoff_factor", self.backoff_factor, 0.0 < self.backoff_factor < 1.0, "in (0, 1)"),
-            ("growth_interval", self.growth_interval, self.growth_interval >= 1, ">= 1"),
+            ("growth_interval", self.growth_interval, 1 <= self.growth_interval <= INT32_MAX, f">= 1 and at most {INT32_MAX}"),
         )
         for name, value, ok, rule in checks:
             if not ok:
-                raise ValueError(f"loss_scale.{name} must be {rule}, but got {value!r}")
+                raise ValueError(f"loss_scale.{name} must be {rule}, but got {shown(value)}")
         if not isinstance(self.dynamic, bool):
             raise ValueError(f"loss_scale.dynamic must be true or false, but got {self.dynamic!r}")
 
@@ -67,7 +84,10 @@ class LossScale:
         for key, value in data.items():
             ok_types, what = kinds.get(key, ((int, float), "a number"))
             if not isinstance(value, ok_types) or (key != "dynamic" and isinstance(value, bool)):
-                raise ValueError(f"{where}.{key} must be {what}, but got {value!r}")
+                raise ValueError(f"{where}.{key} must be {what}, but got {shown(value)}")
+        for key in ("init_scale", "growth_factor", "backoff_factor"):
+            if not _finite(data[key]):  # an integer past float's range: float() would raise OverflowError
+                raise ValueError(f"{where}.{key} must be a finite number, but got {shown(data[key])}")
         return cls(
             init_scale=float(data["init_scale"]), growth_factor=float(data["growth_factor"]),
             backoff_factor=float(data["backoff_factor"]), growth_interval=data["growth_interval"], dynamic=data["dynamic"],
@@ -92,8 +112,7 @@ class Policy:
             raise ValueError(f"layers must map module names to formats, got {type(self.layers).__name__}")
         layers = {}
         for name, fmt in self.layers.items():
-            if not isinstance(name, str):
-                raise ValueError(f"layers keys must be module names (str), got {name!r}")
+            check_layer_name(name)
             layers[name] = parse_format(fmt, field=f"layers[{name!r}]")
         object.__setattr__(self, "layers", layers)
         if isinstance(self.loss_scale, Mapping):
@@ -150,6 +169,13 @@ class Policy:
         )
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def as_policy(value: Policy | str | Path, *, caller: str) -> Policy:
     """A Policy given as itself or as a policy file's path; `caller` names the function in the error for a dict."""
     if isinstance(value, Policy):
@@ -168,14 +194,7 @@ def load_policy(path: str | Path) -> Policy:
         raise UserError(f"{path}: a folder, not a policy file{hint}")
     if not path.is_file():
         raise UserError(f"{path}: no such policy file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not valid JSON: the file is not UTF-8 text") from None
-    except RecursionError:
-        raise UserError(f"{path}: not a policy file: its JSON nests too deeply to read") from None
+    data = read_json(path)
     try:
         return Policy.from_dict(data)
     except ValueError as exc:

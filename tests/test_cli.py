@@ -503,3 +503,61 @@ def test_time_every_trial_turns_the_speed_prediction_off_for_a_search():
     assert _search_config(parser.parse_args(["search", "m.py", "--time-every-trial"])).predict_speed is False
     with pytest.raises(SystemExit):  # a sweep never predicts (its front keeps slower trials): no such flag there
         parser.parse_args(["sweep", "m.py", "--budgets", "0.1", "--time-every-trial"])
+
+
+# ---- what a received policy holds cannot drive the terminal; the storage password is never written ----------
+
+CONTROL = "\x1b]0;title\x07\x1b[2J\r\x9b31m\u2028\u202e\x00"  # a title, a clear screen, a carriage return, C1, bidi
+
+
+def printable_lines(text: str) -> bool:
+    return all(ch.isprintable() for line in text.split("\n") for ch in line)
+
+
+def test_show_prints_text_from_a_policy_with_its_control_characters_escaped(capsys, tmp_path):
+    measured = {"device": f"cpu{CONTROL}", "model": CONTROL, "metric": CONTROL, "budget_given": CONTROL, "fp8": CONTROL,
+                "timing": CONTROL, "memory": CONTROL, "versions": {CONTROL: CONTROL}, "excluded": {"fc1": {"fp8": CONTROL}},
+                "results": {f"trial{CONTROL}": {"speedup": 1.5, "peak_bytes": 2**20, "error": f"boom{CONTROL}"}}}  # fmt: skip
+    path = Policy(layers={"fc1": "fp16"}, measured=measured).save(tmp_path / "policy.json")
+    for extra in ((), ("--markdown",), ("--json",)):
+        code, out, err = run(capsys, "show", path, *extra)
+        assert code == 0 and printable_lines(out + err), (extra, out)
+    code, out, _ = run(capsys, "show", path)
+    assert "boom\\x1b]0;title\\x07\\x1b[2J\\r\\x9b31m\\u2028\\u202e\\x00" in out  # escaped, not dropped
+
+
+def test_an_error_about_a_path_or_a_layer_name_is_one_printable_line(capsys, tmp_path):
+    code, _, err = run(capsys, "show", tmp_path / f"policy{CONTROL}.json")
+    assert_user_error(code, err, "no such policy file") and printable_lines(err)
+    data = Policy(layers={"fc1": "bf16"}).to_dict()
+    data["layers"][f"fc{CONTROL}"] = "bf16"
+    (tmp_path / "policy.json").write_text(json.dumps(data), encoding="utf-8")
+    for verb in (["show"], ["export", "--to", "torchao"]):
+        code, out, err = run(capsys, verb[0], tmp_path / "policy.json", *verb[1:])
+        assert_user_error(code, err, "not a module path") and printable_lines(err) and out == ""
+
+
+def test_a_number_too_long_for_python_is_one_line_in_show_and_export(capsys, tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(Policy(layers={"fc1": "bf16"}).to_dict())[:-1] + ', "measured": {"budget": ' + "9" * 5000 + "}}")
+    for verb in (["show"], ["export", "--to", "megatron"]):
+        code, _, err = run(capsys, verb[0], path, *verb[1:])
+        assert_user_error(code, err, str(path), "4300 digits")
+    big = 10**400  # read, but past float's range: the numbers show as not measured
+    measured = {"budget": big, "max_memory": big, "mode": "train", "train_steps": big, "noise_floor": big, "memory": "traced",
+                "results": {"policy": {k: big for k in ("metric", "step_ms", "peak_bytes", "memory_saving", "speedup", "spread")}}}  # fmt: skip
+    Policy(layers={"fc1": "fp16"}, measured=measured).save(path)
+    for extra in ((), ("--markdown",)):
+        code, out, err = run(capsys, "show", path, *extra)
+        assert code == 0 and err == "" and "policy" in out
+
+
+@pytest.mark.parametrize("form", ["--storage", "--storage=", "--stor"])
+def test_the_command_written_to_the_reports_hides_the_storage_password(monkeypatch, form):
+    from autoprec.tune.cli import _command
+
+    url = "postgresql+psycopg2://alice:s3cret-pw@db.example:5432/autoprec"
+    given = [f"{form}{url}"] if form.endswith("=") else [form, url]
+    monkeypatch.setattr(sys, "argv", ["autoprec", "search", "model.py", *given, "--budget", "1%"])
+    command = _command("search", url)
+    assert "s3cret" not in command and "alice:***@db.example:5432/autoprec" in command and command.endswith("--budget 1%")

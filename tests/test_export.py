@@ -1,15 +1,19 @@
 """`autoprec export`: each target's file, loaded by that tool (torchao, torchtitan, Megatron-core), converts exactly
 the policy's fp8 layers it can express, in their recipes, and lists what it cannot express."""
 
+import ast
 import importlib.util
 import json
+import sys
+import types
 
 import pytest
 from torch import nn
 
-from autoprec import Policy
+from autoprec import Policy, UserError
+from autoprec.formats import Format
 from autoprec.tune.cli import main
-from autoprec.tune.export import export
+from autoprec.tune.export import TARGETS, export
 
 POLICY = Policy(layers={"": "bf16", "a": "fp8", "b": "fp8-rowwise", "c": "bf16", "d": "fp32", "e.0": "fp8"})
 
@@ -247,3 +251,108 @@ def test_the_export_verb_names_each_targets_file(tmp_path, capsys):
     for target, name in (("torchtitan", "policy_torchtitan.py"), ("megatron", "policy_megatron.json")):
         assert main(["export", str(tmp_path / "policy.json"), "--to", target, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["file"] == str(tmp_path / name) and (tmp_path / name).exists()
+
+
+# --- nothing read from a policy becomes code, and nothing printed or written drives a terminal ---
+
+HOSTILE = 'x"""+str(__import__("os").system("touch pwned"))+"""'  # closes a docstring that quotes it with repr()
+HOSTILE_SOURCE = 'p"""\n__import__("os").system("touch pwned")\n"""\x1b]0;title\x07\r\x1b[2J.json'
+
+
+def sneaked(layers: dict[str, str]) -> Policy:
+    """A Policy holding names its validation refuses, as if one got past it: the export must not lean on it."""
+    policy = Policy(layers={"a": "bf16"})
+    object.__setattr__(policy, "layers", {name: Format(fmt) for name, fmt in layers.items()})
+    return policy
+
+
+def code_shape(text: str) -> str:
+    """The file's syntax tree with every string blanked: what the file runs, whatever data it holds."""
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            node.value = ""
+    return ast.dump(tree)
+
+
+def printable_lines(text: str) -> bool:
+    return all(ch.isprintable() for line in text.split("\n") for ch in line)
+
+
+@pytest.fixture
+def titan_stub(monkeypatch):
+    """Just the two names a torchtitan export imports, so that importing one needs no torchtitan."""
+    names = {"torchtitan.components.quantization.float8": "Float8LinearConverter", "torchtitan.models.common.linear": "Linear"}
+    for path, attr in names.items():
+        parts = path.split(".")
+        for i in range(1, len(parts) + 1):
+            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        setattr(sys.modules[path], attr, type(attr, (), {}))
+
+
+@pytest.mark.parametrize("target", ["torchao", "torchtitan"])
+def test_no_text_from_a_policy_becomes_code_in_an_exported_file(tmp_path, monkeypatch, titan_stub, target):
+    fp8 = {'y"""+str(__import__("os").system("touch pwned"))+"""': "fp8-rowwise", "b\n)\nimport os#": "fp8-rowwise",
+           "d\u2028e\\": "fp8-rowwise-gw-hp", "\U0001d465\udcff": "fp8-rowwise"}  # fmt: skip
+    hostile = {HOSTILE: "bf16", "\x1b]0;title\x07": "fp16", **fp8}
+    plain = {"a": "bf16", "c": "fp16", **{f"l{i}": fmt for i, fmt in enumerate(fp8.values())}}
+    export(sneaked(hostile), target, tmp_path / "hostile.py", source=HOSTILE_SOURCE)
+    export(sneaked(plain), target, tmp_path / "plain.py", source="policy.json")
+    text = (tmp_path / "hostile.py").read_text(encoding="utf-8")
+    assert code_shape(text) == code_shape((tmp_path / "plain.py").read_text(encoding="utf-8"))  # the policy's text is data only
+    assert printable_lines(text) and "\\x1b]0;title\\x07" in text  # its comments show it escaped
+    monkeypatch.chdir(tmp_path)
+    module = load(tmp_path / "hostile.py")
+    assert not (tmp_path / "pwned").exists()
+    recipes = {"fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
+    assert module.FP8_LAYERS == {r: [n for n, f in fp8.items() if recipes[f] == r] for r in recipes.values()}  # exactly
+
+
+def test_the_export_verb_refuses_a_policy_whose_layer_name_is_not_a_module_path(tmp_path, capsys):
+    data = POLICY.to_dict()
+    data["layers"][HOSTILE] = "bf16"
+    (tmp_path / "policy.json").write_text(json.dumps(data), encoding="utf-8")
+    for target in TARGETS:
+        assert main(["export", str(tmp_path / "policy.json"), "--to", target]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and repr(HOSTILE) in err[0] and "not a module path" in err[0], err
+    assert [p.name for p in tmp_path.iterdir()] == ["policy.json"]  # nothing written
+
+
+@pytest.mark.parametrize("out", [True, False], ids=["--out", "beside the policy"])
+def test_a_policy_file_name_becomes_no_code_and_is_printed_escaped(tmp_path, capsys, monkeypatch, titan_stub, out):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / 'f"""\nimport os\x1b[2J'
+    folder.mkdir()
+    path = POLICY.save(folder / HOSTILE_SOURCE)
+    for target in TARGETS:
+        written = tmp_path / f"exported_{target}{'.json' if target == 'megatron' else '.py'}"
+        assert main(["export", str(path), "--to", target, *(["--out", str(written)] if out else [])]) == 0
+        printed = capsys.readouterr()
+        assert printable_lines(printed.out + printed.err) and "wrote " in printed.out
+        if not out:
+            written = path.with_name(f"{path.stem}_{target}{written.suffix}")
+        if target == "megatron":
+            assert json.loads(written.read_text(encoding="utf-8"))["policy"] == str(path)
+        else:
+            assert printable_lines(written.read_text(encoding="utf-8"))
+            load(written)
+        assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize(
+    "layers, num_layers, expected",
+    [({"blocks.99999999999999.fc": "fp8"}, None, "'blocks.99999999999999.fc' is transformer layer 99999999999999"),
+     ({f"blocks.{'9' * 5000}.fc": "fp8"}, None, "transformer layer"),
+     ({"blocks.0.fc": "fp8"}, 100_000_000_000, "--num-layers 100000000000: at most 100000")],
+    ids=["index", "5000-digit index", "--num-layers"],
+)  # fmt: skip
+def test_a_megatron_layer_count_past_any_model_is_refused_not_counted_to(tmp_path, capsys, layers, num_layers, expected):
+    policy = Policy(layers=layers)
+    with pytest.raises(UserError) as info:
+        export(policy, "megatron", tmp_path / "m.json", num_layers=num_layers)
+    assert expected in str(info.value) and "at most 100000" in str(info.value) and len(str(info.value)) < 400
+    policy.save(tmp_path / "policy.json")
+    extra = [] if num_layers is None else ["--num-layers", str(num_layers)]
+    assert main(["export", str(tmp_path / "policy.json"), "--to", "megatron", *extra]) == 2
+    assert expected in capsys.readouterr().err and not (tmp_path / "policy_megatron.json").exists()

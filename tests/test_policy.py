@@ -248,6 +248,63 @@ def test_load_policy_loss_scale_nan(tmp_path):
     assert "loss_scale.init_scale must be a finite number, but got nan" in load_error(write(tmp_path, data))  # json writes NaN
 
 
+# ---- what a policy file may hold: module names, numbers Python can read --------------------------
+
+HOSTILE_NAME = 'x"""+str(__import__("os").system("touch pwned"))+"""'
+
+
+@pytest.mark.parametrize("name", ["", "fc1", "0", "blocks.3.attn.qkv", "encoder.layer.11.output.dense", "conv-1.bn_2", "ñorm"])
+def test_a_layer_name_is_a_module_path(name):
+    assert list(Policy(layers={name: "bf16"}).layers) == [name]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [HOSTILE_NAME, "a..b", ".a", "a.", "a b", "fc1\n", "\x1b]0;title\x07", "\x1b[2J", "a\rb", "a/b", "a'b", "a\\b", "a\u202eb"],
+)
+def test_a_layer_name_that_is_not_a_module_path_is_refused_by_name_and_rule(tmp_path, name):
+    with pytest.raises(ValueError) as info:
+        Policy(layers={name: "bf16"})
+    assert repr(name) in str(info.value) and "module path" in str(info.value)
+    data = valid()
+    data["layers"][name] = "bf16"
+    msg = load_error(write(tmp_path, data))
+    assert repr(name) in msg and "blocks.3.attn.qkv" in msg and len(msg.splitlines()) == 1
+    assert all(ch.isprintable() for ch in msg)  # the message itself cannot drive a terminal
+
+
+def test_a_long_layer_name_is_shown_cut_short():
+    with pytest.raises(ValueError) as info:
+        Policy(layers={"a b" * 10_000: "bf16"})
+    assert len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize("where", ["measured", "loss_scale", "layers"])
+def test_a_number_too_long_for_python_to_read_is_one_error_naming_the_file(tmp_path, where):
+    big = "9" * 5000  # past Python's int max str digits (4300): json.loads raises a bare ValueError
+    text = json.dumps(valid()).replace('"growth_interval": 500', f'"growth_interval": {big}' if where == "loss_scale" else '"growth_interval": 500')
+    text = text.replace('"fc1": "fp16"', f'"fc1": {big}' if where == "layers" else '"fc1": "fp16"')
+    if where == "measured":
+        text = text[:-1] + f', "measured": {{"budget": {big}}}}}'
+    msg = load_error(write(tmp_path, text))
+    assert "4300 digits" in msg and len(msg.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "field, value, rule",
+    [("init_scale", 10**400, "a finite number"), ("init_scale", 1e39, "at most"), ("growth_factor", 10**400, "a finite number"),
+     ("growth_interval", 2**31, "at most 2147483647"), ("growth_interval", 10**4000, "at most 2147483647")],
+    ids=["init_scale-10e400", "init_scale-1e39", "growth_factor-10e400", "growth_interval-2e31", "growth_interval-10e4000"],
+)  # fmt: skip
+def test_a_loss_scale_number_grad_scaler_cannot_hold_is_refused(tmp_path, field, value, rule):
+    """GradScaler keeps the scale in a float32 tensor and counts clean steps in an int32 one: beyond those, a
+    policy would load and then fail in the training loop (OverflowError, RuntimeError) instead."""
+    data = valid()
+    data["loss_scale"][field] = value
+    msg = load_error(write(tmp_path, data))
+    assert f"loss_scale.{field} must be" in msg and rule in msg and len(msg) < 400
+
+
 # ---- LossScale ---------------------------------------------------------------------------------
 
 

@@ -34,6 +34,14 @@ def test_a_malformed_or_unknown_field_reads_as_missing_and_unknown_ones_are_writ
     assert Measured.from_dict(None) == Measured() and Measured.of(Policy()) == Measured()
 
 
+def test_a_number_past_floats_or_int64s_range_reads_as_missing():
+    big = 10**400  # a JSON integer Python reads, that float() cannot hold (OverflowError)
+    m = Measured.from_dict({"budget": big, "fp32_metric": big, "max_memory": big, "train_steps": 2**63,
+                            "results": {"policy": {"speedup": big, "metric": big, "peak_bytes": big, "steps": 3}}})  # fmt: skip
+    assert m.budget is None and m.fp32_metric is None and m.max_memory is None and m.train_steps is None
+    assert m.results["policy"] == Result(steps=3)
+
+
 def test_every_committed_policy_file_reads_as_a_record():
     files = sorted(RESULTS.rglob("policy*.json"))
     assert len(files) >= 10  # the committed results are there (a move would otherwise pass silently)

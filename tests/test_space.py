@@ -253,3 +253,15 @@ def test_excluded_modules_and_everything_inside_them_are_not_layers():
     for bad in ("pooler", [3], [""]):
         with pytest.raises(ValueError, match="exclude must be a list of module-name patterns"):
             space_from_dict({"layers": {"Linear": ["fp32"]}, "exclude": bad})
+
+
+def test_a_tunable_module_whose_name_a_policy_cannot_hold_is_refused_by_name_before_anything_runs():
+    """A ModuleDict key may be any string; a policy file names layers by module paths (policy.MODULE_PATH)."""
+    from torch import nn
+
+    model = nn.Module()
+    model.d = nn.ModuleDict({"a b": nn.Linear(4, 4), "conv-1": nn.Linear(4, 4)})
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}})
+    with pytest.raises(UserError, match=r"module 'd.a b' of the model: .* --exclude 'd.a b'"):
+        space.tunable_layers(model)
+    assert list(space.with_excludes(["d.a b"], model).tunable_layers(model)) == ["d.conv-1"]

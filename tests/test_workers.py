@@ -137,6 +137,41 @@ def test_storage_and_heartbeat_mistakes_name_the_value(tmp_path):
         SearchConfig(budget=0.1, heartbeat_s=0)
 
 
+
+def test_a_database_password_is_in_neither_the_storage_recorded_nor_any_storage_error(tmp_path, monkeypatch):
+    """`where` is what the policy's measured.study.storage, the summary and the CLI's last line carry."""
+    import sqlalchemy.exc
+
+    url = "postgresql+psycopg2://alice:s3cret-pw@db.example:5432/autoprec"
+    shown = "postgresql+psycopg2://alice:***@db.example:5432/autoprec"
+    study_module = importlib.import_module("autoprec.tune.study")
+    monkeypatch.setattr(study_module.time, "sleep", lambda s: None)
+    memory = optuna.storages.InMemoryStorage()
+    monkeypatch.setattr(study_module, "_database", lambda *args: memory)
+    workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), torch.device("cpu"))
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
+    choices = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32", "bf16"), "big": ("fp32",), "head": ("fp32",)}, excluded={})
+    _, _, where = open_study(workload, space, choices, SearchConfig(budget=0.1, storage=url, study_name="s"), tmp_path)
+    assert where == shown
+    with pytest.raises(UserError) as info:  # the same study with another budget: the refusal names the storage
+        open_study(workload, space, choices, SearchConfig(budget=0.2, storage=url, study_name="s"), tmp_path)
+    assert shown in str(info.value) and "s3cret" not in str(info.value)
+    errors = [ImportError("No module named 'psycopg2'"), sqlalchemy.exc.ArgumentError(f"Could not parse SQLAlchemy URL from string '{url}'"),
+              RuntimeError(f"connection to {url} failed: password s3cret-pw refused")]  # fmt: skip
+    monkeypatch.undo()
+    monkeypatch.setattr(study_module.time, "sleep", lambda s: None)
+    for error in errors:
+
+        class Failing(optuna.storages.RDBStorage):
+            def __init__(self, *args, error=error, **kwargs):
+                raise error
+
+        monkeypatch.setattr(optuna.storages, "RDBStorage", Failing)
+        with pytest.raises(UserError) as info:
+            _storage(SearchConfig(budget=0.1, storage=url), tmp_path)
+        assert shown in str(info.value) and "s3cret" not in str(info.value), str(info.value)
+
+
 # --- PostgreSQL on loopback --------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from autoprec.errors import UserError
+from autoprec.errors import UserError, printable
 from autoprec.formats import default_device
 
 EXIT_USER_ERROR = 2
@@ -133,7 +133,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     out = _out_dir(args, task)
     (budget,), given = _resolve(args, workload, specs, "--budget")
     config = dataclasses.replace(config, budget=budget)
-    result = search_and_report(workload, space, config, out, command=_command("search"), given=given.get(budget))
+    result = search_and_report(workload, space, config, out, command=_command("search", config.storage), given=given.get(budget))
     if args.json:
         _print_json(args, {"policy_file": str(out / "policy.json"), "policy": result.policy.to_dict()}, allow_nan=False)
         return 0
@@ -144,9 +144,13 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command(verb: str) -> str:
-    """The command line as the user typed it, for the markdown reports."""
-    return " ".join(["autoprec", verb, *sys.argv[2:]])
+def _command(verb: str, storage: str | None) -> str:
+    """The command line as the user typed it, for the markdown reports; a database password in --storage (in
+    whatever form the option was given: --storage URL, --storage=URL, --stor URL) hidden."""
+    from autoprec.tune.credentials import hide_credentials
+
+    args = sys.argv[2:] if not storage else [arg.replace(storage, hide_credentials(storage)) for arg in sys.argv[2:]]
+    return " ".join(["autoprec", verb, *args])
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -162,7 +166,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, budget=budgets[-1])
     if config.study_name is None:  # beside a search's study in the same storage, not mixed with it
         config = dataclasses.replace(config, study_name=f"{task.name}-sweep")
-    result = sweep_and_report(workload, space, budgets, config, out, command=_command("sweep"), given=given)
+    result = sweep_and_report(workload, space, budgets, config, out, command=_command("sweep", config.storage), given=given)
     if args.json:
         rows = [{"budget": b, "budget_given": given.get(b), "policy_file": str(out / name), "policy": p.to_dict()}
                 for (b, p), name in zip(result.policies.items(), (r.policy_file for r in result.table))]  # fmt: skip
@@ -215,10 +219,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(args, {"file": str(out), "not_expressed": left_out})
         return 0
-    if not args.quiet:
-        print(f"wrote {out}")
+    if not args.quiet:  # the path and the lines name the policy's file and layers: escaped, as show prints them
+        print(f"wrote {printable(str(out))}")
         for line in left_out:
-            print(f"not expressed: {line}")
+            print(f"not expressed: {printable(line)}")
     return 0
 
 
@@ -383,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"autoprec: error: {exc}", file=sys.stderr)
+        print(f"autoprec: error: {printable(str(exc))}", file=sys.stderr)  # a path or a value from a file, escaped
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"autoprec: interrupted{_resume_hint(args)}", file=sys.stderr)

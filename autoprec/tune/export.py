@@ -11,6 +11,10 @@ dropped silently; nothing is put in fp8 that the policy did not measure in that 
   same. Megatron (through Transformer Engine) runs fp8 per transformer layer, in one contiguous run: the first and
   last layers may stay in the model's dtype. The export takes the longest run of layers that the policy runs wholly
   in torchao's tensorwise recipe (Megatron's `tensorwise`: dynamic per-tensor scales, e4m3 forward, e5m2 gradients).
+
+Nothing read from a policy becomes code in a written Python file: the layer names are JSON text inside string
+literals (repr), parsed at import; the policy file's name and the lines about what is left out are comments, their
+non-printable characters escaped (errors.printable); the docstrings hold no text from the policy.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import json
 import re
 from pathlib import Path
 
-from autoprec.errors import UserError
+from autoprec.errors import UserError, printable, shown
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
@@ -31,6 +35,7 @@ TORCHTITAN_RECIPES = ("rowwise", "rowwise_with_gw_hp")  # Float8LinearConverter.
 # torchao recipe -> Megatron's (fp8 format, fp8_recipe) that computes the same: only tensorwise has a twin there
 MEGATRON_RECIPES = {"tensorwise": ("hybrid", "tensorwise")}
 _NUMBERED = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")  # 'blocks.3.attn.qkv': block 3 of 'blocks'
+MAX_LAYERS = 100_000  # transformer layers a megatron export counts: models have hundreds; the export walks them
 
 
 SHOWN = 6  # layer names per line; the rest are counted (the policy file lists them all)
@@ -69,29 +74,42 @@ def fp8_layers(policy: Policy) -> dict[str, list[str]]:
     return recipes
 
 
-def _header(lines: list[str]) -> str:
-    return "\n".join(f"  - {line}" for line in lines) or "  (nothing: every listed layer is fp8 or fp32)"
+def _comments(source: str, title: str, lines: list[str], last: str | None) -> str:
+    """The policy file's name and what is not expressed, as comment lines: escaped (errors.printable), so that
+    no line break or control character from the policy or its file name reaches the code or a terminal."""
+    out = [f"# policy file: {printable(source)}", f"# {title}:"]
+    out += [f"#   - {printable(line)}" for line in lines] or ["#   (nothing: every listed layer is fp8 or fp32)"]
+    return "\n".join(out + (["#", f"# {last}"] if last else []))
+
+
+def _json_literal(value: object) -> str:
+    """Python source for `json.loads(<value as JSON>)`, the JSON text in string literals (repr escapes every quote,
+    backslash and line break; json.dumps writes ASCII): a layer name is data here, whatever it holds."""
+    lines = json.dumps(value, indent=4).splitlines(keepends=True)
+    return "json.loads(\n" + "".join(f"    {line!r}\n" for line in lines) + ")"
 
 
 def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
     """The torchao file's text (see the module docstring)."""
     recipes = fp8_layers(policy)
-    header = _header(not_expressed(policy))
-    if not recipes:
-        header += "\n\nThe policy has no fp8 layer: convert(model) changes nothing."
-    layers = json.dumps(recipes, indent=4)
-    return f'''"""torchao float8 training for the fp8 layers of {source!r} (written by `autoprec export --to torchao`).
+    last = None if recipes else "The policy has no fp8 layer: convert(model) changes nothing."
+    header = _comments(source, "not expressed here (torchao's float8 conversion knows fp8 recipes only)", not_expressed(policy), last)
+    return f'''"""torchao float8 training for a policy's fp8 layers (written by `autoprec export --to torchao`).
 
     from this_file import convert
     model = convert(model)   # before torch.compile, after moving the model to its device
 
-Not expressed here (torchao's float8 conversion knows fp8 recipes only):
-{header}
+The comments below name the policy file and what the file leaves out.
 """
+
+{header}
+
+import json
 
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-FP8_LAYERS = {layers}  # torchao recipe -> the fully qualified names of its nn.Linear layers
+# torchao recipe -> the fully qualified names of its nn.Linear layers
+FP8_LAYERS = {_json_literal(recipes)}
 
 
 def module_filter_fn(recipe):
@@ -121,11 +139,9 @@ def torchtitan_not_expressed(policy: Policy) -> list[str]:
 def torchtitan_source(policy: Policy, *, source: str = "a policy") -> str:
     """The torchtitan file's text (see the module docstring)."""
     recipes = {r: names for r, names in fp8_layers(policy).items() if r in TORCHTITAN_RECIPES}
-    header = _header(torchtitan_not_expressed(policy))
-    if not recipes:
-        header += "\n\nNo fp8 layer of the policy has a torchtitan recipe: float8_converters() returns []."
-    layers = json.dumps(recipes, indent=4)
-    return f'''"""torchtitan float8 training for the fp8 layers of {source!r} (written by `autoprec export --to torchtitan`).
+    last = None if recipes else "No fp8 layer of the policy has a torchtitan recipe: float8_converters() returns []."
+    header = _comments(source, "not expressed here", torchtitan_not_expressed(policy), last)
+    return f'''"""torchtitan float8 training for a policy's fp8 layers (written by `autoprec export --to torchtitan`).
 
 For torchtitan 0.3. In a config function, the model config first, then the converters computed from it:
 
@@ -137,14 +153,18 @@ layers torchtitan skips) name every Linear of the model config but this policy's
 exactly those convert. `options` go to every converter (model_compile_enabled=..., say). torchtitan's
 emulate=True is refused: it converts with torchao's default (tensorwise) settings, not the recipe named.
 
-Not expressed here:
-{header}
+The comments below name the policy file and what the file leaves out.
 """
+
+{header}
+
+import json
 
 from torchtitan.components.quantization.float8 import Float8LinearConverter
 from torchtitan.models.common.linear import Linear
 
-FP8_LAYERS = {layers}  # torchtitan recipe -> the fully qualified names of its Linear layers
+# torchtitan recipe -> the fully qualified names of its Linear layers
+FP8_LAYERS = {_json_literal(recipes)}
 
 
 def filter_fqns(model_config, recipe):
@@ -198,7 +218,12 @@ def _blocks(policy: Policy) -> tuple[str | None, dict[int, dict[str, Format]], d
     for name, fmt in policy.layers.items():
         match = _NUMBERED.match(name)
         if match:
-            stacks.setdefault(match["stack"], {}).setdefault(int(match["index"]), {})[match["rest"]] = fmt
+            digits = match["index"].lstrip("0") or "0"
+            if len(digits) > len(str(MAX_LAYERS)) or int(digits) >= MAX_LAYERS:  # int() only of a short one
+                index = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
+                raise UserError(f"layer {shown(name)} is transformer layer {index} of {shown(match['stack'])}: a "
+                                f"Megatron export counts at most {MAX_LAYERS} transformer layers")  # fmt: skip
+            stacks.setdefault(match["stack"], {}).setdefault(int(digits), {})[match["rest"]] = fmt
     if not stacks:
         return None, {}, {n: f for n, f in policy.layers.items() if n != ROOT}
     stack = max(stacks, key=lambda s: len(stacks[s]))  # the first among equals: dicts keep the policy's order
@@ -241,6 +266,8 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
     named = max(blocks, default=-1) + 1
     if num_layers is not None and num_layers < 1:
         raise UserError(f"--num-layers {num_layers}: a count of transformer layers, at least 1")
+    if num_layers is not None and num_layers > MAX_LAYERS:
+        raise UserError(f"--num-layers {num_layers}: at most {MAX_LAYERS} transformer layers (models have hundreds)")
     if num_layers is not None and num_layers < named:
         raise UserError(f"--num-layers {num_layers}: the policy names transformer layer {named - 1} of {stack!r}; "
                         f"give at least {named}")  # fmt: skip

@@ -380,11 +380,17 @@ def _plain(value: Any) -> Any:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range: no measurement, read as missing
+        return None
 
 
 def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    # beyond int64, not a count of anything measured (bytes, steps, trials): read as missing, so no table overflows
+    return value if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63 else None
 
 
 def _text(value: Any) -> str | None:

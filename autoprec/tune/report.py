@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -17,6 +17,7 @@ from autoprec.tune.measure import NOISY_SPREAD
 from autoprec.tune.memory import MIB, format_change, human_bytes
 from autoprec.tune.profiler import as_float, flag
 from autoprec.tune.records import Finals, Measured
+from autoprec.errors import printable
 from autoprec.files import write_atomically
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
@@ -180,9 +181,22 @@ def _budget(m: Measured) -> str:
     return m.budget_given or (f"{m.budget:g}" if m.budget is not None else "?")
 
 
+def _printable_tree(value: Any, depth: int = 4) -> Any:
+    """`value` with every string in it, key or value, escaped (errors.printable), `depth` mappings down: what
+    show prints lies at most three down (results.<name>.error); deeper, nothing is printed."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, Mapping) and depth > 0:
+        return {_printable_tree(k, 0): _printable_tree(v, depth - 1) for k, v in value.items()}
+    return value
+
+
 def show_policy(policy: Policy, *, markdown: bool = False) -> str:
-    """A policy for a person: each layer's format, the loss scale, and what it was measured on."""
+    """A policy for a person: each layer's format, the loss scale, and what it was measured on. A received
+    policy's text is printed escaped: a control character in it cannot set the title or clear the screen."""
     table = markdown_table if markdown else text_table
+    if policy.measured:
+        policy = Policy(layers=policy.layers, loss_scale=policy.loss_scale, measured=_printable_tree(policy.measured))
     parts = [LayerTable(policy).render(markdown=markdown)]
     ls = policy.loss_scale
     scaler = "off (no fp16 layer)" if not policy.uses_fp16 else (

@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 import torch
 import yaml
 
-from autoprec.errors import UserError
+from autoprec.errors import UserError, shown
 from autoprec.formats import Format, parse_format
+from autoprec.policy import MODULE_PATH
 
 SAMPLERS = ("tpe", "random")
 _TOP_KEYS = ("default", "layers", "loss_scale", "prune", "sampler", "trials", "layout", "max_params", "exclude")
@@ -147,6 +148,9 @@ class SearchSpace:
                 continue
             formats = self.offered(module)
             if formats is not None:
+                if not MODULE_PATH.fullmatch(name):  # torch takes any ModuleDict key; a policy file does not
+                    raise UserError(f"module {shown(name)} of the model: a policy names layers by letters, digits, _ and - "
+                                    f"joined by dots; rename it, or leave it out of the search with --exclude {shown(name)}")  # fmt: skip
                 found[name] = formats
         return found
 

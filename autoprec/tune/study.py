@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from autoprec.tune import memory
 from autoprec.tune.choices import Choices, is_param, policy_from_params, suggest, uniform_params
 from autoprec.tune.cost import Stopwatch
+from autoprec.tune.credentials import hide_credentials, hide_credentials_in
 from autoprec.errors import UserError, describe
 from autoprec.formats import Format, device_name
 from autoprec.tune.measure import (
@@ -172,7 +173,7 @@ def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
         _drop_torn_tail(path)
         backend = optuna.storages.journal.JournalFileBackend(str(path))
         return optuna.storages.JournalStorage(backend), str(path)
-    return _database(url, config.heartbeat_s), url
+    return _database(url, config.heartbeat_s), hide_credentials(url)  # what is written and printed: no password
 
 
 def check_storage(config: SearchConfig) -> None:
@@ -228,6 +229,7 @@ def _database(url: str, heartbeat_s: int) -> optuna.storages.RDBStorage:
     a worker starting a trial fails those silent for twice that and queues them again (RETRIES times)."""
     import sqlalchemy.exc  # optuna's own dependency
 
+    shown = hide_credentials(url)  # no message carries the password
     for attempt in range(3):
         try:
             with warnings.catch_warnings():  # heartbeats are "experimental" in optuna 5, and what we need
@@ -238,16 +240,16 @@ def _database(url: str, heartbeat_s: int) -> optuna.storages.RDBStorage:
                 )
         except ImportError:
             hint = "PostgreSQL: pip install psycopg2-binary"
-            raise UserError(f"--storage {url}: its database driver is not installed ({hint})") from None
+            raise UserError(f"--storage {shown}: its database driver is not installed ({hint})") from None
         except sqlalchemy.exc.ArgumentError as exc:
             raise UserError(
-                f"--storage {url}: not a storage URL Optuna can open ({exc}); use a journal file path, "
+                f"--storage {shown}: not a storage URL Optuna can open ({hide_credentials_in(str(exc), url)}); use a journal file path, "
                 "sqlite:///PATH or postgresql+psycopg2://USER:PASSWORD@HOST:PORT/DATABASE"
             ) from None
         except Exception as exc:
             # Workers creating a new database's tables at the same moment collide once; the next try finds them.
             if attempt == 2:
-                raise UserError(f"--storage {url}: cannot open it: {describe(exc, None)}") from None
+                raise UserError(f"--storage {shown}: cannot open it: {hide_credentials_in(describe(exc, None), url)}") from None
             time.sleep(0.5 + attempt)
     raise AssertionError("unreachable")
 
