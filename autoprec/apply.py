@@ -82,7 +82,7 @@ class AppliedSummary:
         return "\n".join(lines)
 
 
-def _import_float8() -> Any:
+def import_float8() -> Any:
     """torchao.float8, imported with its loader's noise (missing CUDA extensions on CPU) kept out of the logs."""
     noisy = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in noisy]
@@ -299,7 +299,7 @@ def _convert_fp8(
 ) -> Fp8Backend:
     """Swap each recipe's modules for torchao Float8Linear of that recipe everywhere they are used (the recipes in
     `all_gather` with their weights all-gathered in fp8 under FSDP2); restore them all and raise if ties break."""
-    float8 = _import_float8()
+    float8 = import_float8()
     backend = fp8_backend(device)
     if backend is Fp8Backend.EMULATION and device.type == "cpu" and torch.cuda.is_available():
         warnings.warn(

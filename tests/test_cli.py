@@ -338,6 +338,15 @@ def test_process_console_script_show_bad_policy(tmp_path):
     assert_one_error_line(proc, "policy.json", "layers['fc1']", "'fp4'")
 
 
+def test_a_model_py_that_imports_torchao_first_prints_none_of_its_loader_noise(tmp_path, write_model, mlp_source):
+    """transformers imports torchao before autoprec can: its 'Failed to load ..._C_mxfp8.so' and pytree deprecation
+    lines must not reach the user's terminal (the CLI imports torchao first, quietly)."""
+    path = write_model("import torchao\n" + mlp_source)
+    proc = run_process([sys.executable, "-m", "autoprec", "profile", str(path), "--device", "cpu", "--out", str(tmp_path / "out"),
+                        "--quiet"], tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == ""
+
+
 # ---- issue 12: results kept apart, torn files, user code that fails late --------------------------
 
 

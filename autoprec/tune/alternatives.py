@@ -47,9 +47,9 @@ def torchao_fp8_layers(model: torch.nn.Module, device: torch.device) -> tuple[li
     """(names of the Linears torchao's tensorwise auto filter converts and autoprec can apply, number of
     Linears looked at). Linears inside a module that never calls them (MultiheadAttention's out_proj) are
     left out, as apply_policy refuses them."""
-    from autoprec.apply import _import_float8, uncalled_children  # noqa: PLC0415 (torchao only when needed)
+    from autoprec.apply import import_float8, uncalled_children  # noqa: PLC0415 (torchao only when needed)
 
-    accept = _import_float8()._auto_filter_for_recipe("tensorwise", filter_fqns=[])
+    accept = import_float8()._auto_filter_for_recipe("tensorwise", filter_fqns=[])
     skip = uncalled_children(model)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n and n not in skip]
     chosen = [n for n, m in linears if accept(m, n) and format_problem(Format.FP8, m, device) is None]

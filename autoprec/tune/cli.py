@@ -47,10 +47,22 @@ def _out_dir(args: argparse.Namespace, task) -> Path:
     return Path(args.out) if args.out else Path("results") / task.name
 
 
+def _quiet_torchao() -> None:
+    """Import torchao before model.py does (through transformers, say), with its loader's noise (CUDA extensions a CPU
+    lacks, pytree deprecations) kept out of the output: imported first by the user's libraries, it prints it."""
+    from autoprec.apply import import_float8
+
+    try:
+        import_float8()
+    except ImportError:  # torchao is a dependency; a broken install shows where fp8 is used, not here
+        pass
+
+
 def _prepare(args: argparse.Namespace):
     from autoprec.tune.space import load_space
     from autoprec.tune.task import load_task, prepare
 
+    _quiet_torchao()
     task = load_task(args.model)
     space = load_space(args.space)
     device = _device(args.device)
