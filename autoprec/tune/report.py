@@ -467,7 +467,7 @@ def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
         image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
         ax.set_facecolor("#dddddd")
         fig.colorbar(image, ax=ax, label=label, fraction=0.05)
-        ax.set_xticks(range(len(formats)), formats)
+        ax.set_xticks(range(len(formats)), formats, rotation=30, ha="right")  # the fp8 recipes' long names overlap level
         ax.set_yticks(range(len(layers)), layers)
         ax.set_title(label)
         for i in range(len(layers)):
