@@ -381,6 +381,43 @@ def test_an_sqlite_file_given_as_a_journal_is_refused_untouched(capsys, tmp_path
     assert db.read_bytes() == before
 
 
+@pytest.mark.parametrize("what", ["json", "csv", "devnull", "fifo", "bad line"])
+def test_a_storage_that_is_not_a_journal_file_is_one_line_before_profiling_and_left_untouched(capsys, tmp_path, write_model, mlp_source, what):
+    import os
+
+    path = tmp_path / "storage"
+    if what == "json":
+        path.write_bytes(b'{"a": 1}')  # once taken for a journal with a torn tail, and wiped
+        expected = "not an Optuna journal file"
+    elif what == "csv":
+        path.write_bytes(b"a,b\n1,2\n")
+        expected = "not an Optuna journal file"
+    elif what == "devnull":
+        path = Path(os.devnull)
+        expected = "not a regular file (a device)"
+    elif what == "fifo":
+        os.mkfifo(path)
+        expected = "not a regular file (a FIFO)"
+    else:
+        record = b'{"op_code":0,"worker_id":"w","study_name":"s","directions":[1]}\n'
+        path.write_bytes(record + b"oops\n" + record)
+        expected = "line 2 is not an Optuna journal record"
+    before = path.read_bytes() if path.is_file() else None
+    code, out, err = search(capsys, tmp_path, write_model(mlp_source), "--storage", path)
+    assert_user_error(code, err, f"--storage {path}: {expected}")
+    assert out == "" and not (tmp_path / "out" / "profile.csv").exists()  # refused before profiling
+    assert before is None or path.read_bytes() == before
+
+
+def test_a_bad_default_journal_in_out_is_refused_before_profiling(capsys, tmp_path, write_model, mlp_source):
+    journal = tmp_path / "out" / "study.journal"
+    journal.parent.mkdir()
+    journal.write_bytes(b"{}")
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source))
+    assert_user_error(code, err, f"{journal}: not an Optuna journal file")
+    assert journal.read_bytes() == b"{}" and not (tmp_path / "out" / "profile.csv").exists()
+
+
 def test_show_on_a_folder_points_at_its_policy_file(capsys, tmp_path):
     (tmp_path / "policy.json").write_text(json.dumps(Policy(layers={"a": "bf16"}).to_dict()))
     code, _, err = run(capsys, "show", tmp_path)

@@ -157,7 +157,7 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
     out_dir = Path(out_dir)
     check_out_dir(workload, out_dir)  # also makes the folder
-    check_storage(config)  # before minutes of profiling; opening the study checks it again
+    check_storage(config, out_dir)  # before minutes of profiling; opening the study checks it again
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0])
     layer_times = LayerTimes.from_table(started.profile.table.to_dict("records"))
