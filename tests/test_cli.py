@@ -418,6 +418,34 @@ def test_a_bad_default_journal_in_out_is_refused_before_profiling(capsys, tmp_pa
     assert journal.read_bytes() == b"{}" and not (tmp_path / "out" / "profile.csv").exists()
 
 
+@pytest.mark.parametrize("name, folder", [("...py", "__"), ("..py", "_"), ("a.b.py", "a.b"), ("x\\y.py", "x_y")])
+def test_the_default_out_folder_never_leaves_results(name, folder):
+    import argparse
+
+    from autoprec.tune.cli import _out_dir, folder_name
+    from autoprec.tune.task import Task
+
+    task = Task(path=Path("/models") / name, build_model=lambda: None, batches=lambda s: [], loss_fn=lambda m, b: None)
+    assert _out_dir(argparse.Namespace(out=None), task) == Path("results") / folder
+    assert _out_dir(argparse.Namespace(out="mine"), task) == Path("mine")
+    assert folder_name("") == "_" and folder_name(".") == "_" and folder_name("a/../b") == "a_.._b"
+
+
+@pytest.mark.parametrize("verb", ["search", "sweep", "profile"])
+def test_a_model_named_dot_dot_py_writes_under_results_not_into_the_current_folder(capsys, tmp_path, write_model, mlp_source,
+                                                                                   monkeypatch, verb):  # fmt: skip
+    model = write_model(mlp_source, name="...py")  # its stem is "..": results/.. is the current folder
+    cwd = tmp_path / "cwd"
+    (cwd / "results").mkdir(parents=True)
+    (cwd / "results" / "__").write_text("in the way")  # stops the run at the folder check, before any measuring
+    monkeypatch.chdir(cwd)
+    extra = ["--budgets", "0.1"] if verb == "sweep" else ["--budget", "0.1"] if verb == "search" else []
+    code, _, err = run(capsys, verb, model, "--device", "cpu", *extra)
+    assert_user_error(code, err, f"--out {Path('results') / '__'}: a file, not a folder")
+    assert "'..' is not a folder name" in err and "results/__" in err
+    assert sorted(p.name for p in cwd.iterdir()) == ["results"]
+
+
 def test_show_on_a_folder_points_at_its_policy_file(capsys, tmp_path):
     (tmp_path / "policy.json").write_text(json.dumps(Policy(layers={"a": "bf16"}).to_dict()))
     code, _, err = run(capsys, "show", tmp_path)

@@ -43,7 +43,22 @@ def _compile(args: argparse.Namespace) -> bool:
 
 
 def _out_dir(args: argparse.Namespace, task) -> Path:
-    return Path(args.out) if args.out else Path("results") / task.name
+    """--out, else results/<the model's name>, a name made safe to stay inside results/ (said when changed)."""
+    if args.out:
+        return Path(args.out)
+    name = folder_name(task.name)
+    if name != task.name:
+        logging.getLogger("autoprec").warning(
+            "the model's name %r is not a folder name inside results/: writing to results/%s (--out sets another)", task.name, name
+        )
+    return Path("results") / name
+
+
+def folder_name(name: str) -> str:
+    """`name` as one folder name that cannot leave its parent: path separators become "_", and so do the dots
+    of "." and ".." (a model file named "...py" has the stem ".."), and an empty name is "_"."""
+    name = name.replace("/", "_").replace("\\", "_")  # POSIX's and Windows' separators, on either
+    return "_" * max(1, len(name)) if name in ("", ".", "..") else name
 
 
 def _prepare(args: argparse.Namespace):
