@@ -446,6 +446,21 @@ def test_a_model_named_dot_dot_py_writes_under_results_not_into_the_current_fold
     assert sorted(p.name for p in cwd.iterdir()) == ["results"]
 
 
+@pytest.mark.parametrize("verb", ["search", "sweep", "profile"])
+def test_an_out_folder_a_run_for_another_model_holds_is_refused_before_anything_is_written(capsys, tmp_path, write_model,
+                                                                                          mlp_source, verb):  # fmt: skip
+    from autoprec.files import claim_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    other = {"model": "other", "fingerprint": "0123456789abcdef", "path": "/elsewhere/other.py"}
+    extra = ["--budgets", "0.1"] if verb == "sweep" else ["--budget", "0.1"] if verb == "search" else []
+    with claim_folder(out, other, key="fingerprint"):  # as a run of another model started a moment before
+        code, out_text, err = run(capsys, verb, write_model(mlp_source), "--device", "cpu", "--out", out, *extra)
+    assert_user_error(code, err, f"--out {out}: a run for another model is writing there now", "/elsewhere/other.py")
+    assert out_text == "" and not [p for p in out.iterdir() if not p.name.startswith(".autoprec.claim")]
+
+
 def test_show_on_a_folder_points_at_its_policy_file(capsys, tmp_path):
     (tmp_path / "policy.json").write_text(json.dumps(Policy(layers={"a": "bf16"}).to_dict()))
     code, _, err = run(capsys, "show", tmp_path)

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,67 @@ def test_a_written_file_gets_the_mode_open_would_give_it(tmp_path: Path):
     finally:
         os.umask(mask)
     assert (tmp_path / "summary.md").stat().st_mode & 0o777 == (tmp_path / "plain.md").stat().st_mode & 0o777 == 0o644
+
+
+# ---- claim_folder: one owner's live runs at a time ---------------------------------------------------------------
+
+
+def test_a_live_claim_refuses_another_owner_and_admits_the_same_one(tmp_path: Path):
+    from autoprec.files import Taken, claim_folder
+
+    a, b = {"model": "a", "fingerprint": "1"}, {"model": "b", "fingerprint": "2"}
+    with claim_folder(tmp_path, a, key="fingerprint"):
+        with pytest.raises(Taken) as taken:
+            with claim_folder(tmp_path, b, key="fingerprint"):
+                pytest.fail("a second owner got the folder while the first held it")
+        assert taken.value.owner["model"] == "a" and taken.value.owner["pid"] == os.getpid()
+        with claim_folder(tmp_path, dict(a), key="fingerprint"):  # another worker (or a resume) of the same owner
+            pass
+    with claim_folder(tmp_path, b, key="fingerprint"):  # released: the folder is free again
+        pass
+
+
+def test_the_check_runs_under_the_claim_and_only_when_no_one_holds_the_folder(tmp_path: Path):
+    from autoprec.files import claim_folder
+
+    calls = []
+    with claim_folder(tmp_path, {"k": "1"}, key="k", check=lambda: calls.append("first")):
+        with claim_folder(tmp_path, {"k": "1"}, key="k", check=lambda: calls.append("joined")):
+            pass
+    assert calls == ["first"]
+
+    def refuse() -> None:
+        raise ValueError("results of another model")
+
+    with pytest.raises(ValueError, match="another model"):
+        with claim_folder(tmp_path, {"k": "2"}, key="k", check=refuse):
+            pass
+    with claim_folder(tmp_path, {"k": "3"}, key="k"):  # the refused one holds nothing
+        pass
+
+
+def test_a_claim_of_a_killed_process_does_not_block(tmp_path: Path):
+    import signal
+    import subprocess
+    import sys
+
+    from autoprec.files import claim_folder
+
+    code = (
+        "import sys; from autoprec.files import claim_folder\n"
+        f"with claim_folder({str(tmp_path)!r}, {{'k': 'other'}}, key='k'):\n"
+        "    print('held', flush=True); sys.stdin.read()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "held\n"
+        from autoprec.files import Taken
+
+        with pytest.raises(Taken):
+            with claim_folder(tmp_path, {"k": "mine"}, key="k"):
+                pass
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    with claim_folder(tmp_path, {"k": "mine"}, key="k"):  # the OS dropped the dead process's lock
+        pass

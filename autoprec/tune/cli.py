@@ -187,14 +187,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.tune.profiler import ProfileConfig, profile
     from autoprec.tune.report import gradient_summary, plot_all, profile_summary
 
-    from autoprec.tune.pipeline import check_out_dir
+    from autoprec.tune.pipeline import claim_out_dir
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
-    check_out_dir(workload, out)
-    prof = profile(workload, space, ProfileConfig(compile=_compile(args)), progress=not args.quiet)
-    path = prof.save(out)
-    pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
+    with claim_out_dir(workload, out):
+        prof = profile(workload, space, ProfileConfig(compile=_compile(args)), progress=not args.quiet)
+        path = prof.save(out)
+        pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     if args.json:
         print(json.dumps({"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric, "metric": prof.metric_name}))
         return 0

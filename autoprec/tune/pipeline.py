@@ -15,6 +15,7 @@ fp32 result's own spread over seeds) is measured and reported beside the budget.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -23,7 +24,7 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ import torch
 
 from autoprec.apply import fp8_backend
 from autoprec.errors import UserError
-from autoprec.files import write_atomically
+from autoprec.files import Taken, claim_folder, write_atomically
 from autoprec.formats import Format, device_name
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A_POLICY, TF32, Alternatives, alternatives
@@ -156,7 +157,11 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         flag = "--objective memory" if config.objective is Goal.MEMORY else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
     out_dir = Path(out_dir)
-    check_out_dir(workload, out_dir)  # also makes the folder
+    with claim_out_dir(workload, out_dir):  # also makes the folder
+        return _run(workload, space, config, out_dir, plan)
+
+
+def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, plan: Plan) -> Run:
     check_storage(config, out_dir)  # before minutes of profiling; opening the study checks it again
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0])
@@ -347,6 +352,26 @@ def check_out_dir(workload: Workload, out_dir: Path) -> None:
         tempfile.TemporaryFile(dir=out_dir).close()
     except OSError as exc:
         raise UserError(f"--out {out_dir}: cannot write results there ({exc.strerror or exc}); pick another --out") from None
+
+
+@contextlib.contextmanager
+def claim_out_dir(workload: Workload, out_dir: Path) -> Iterator[None]:
+    """check_out_dir, and the folder held for this model until the block ends (files.claim_folder): a run of another
+    model started at the same moment is refused, where both passed the check before either wrote, and one's results
+    replaced the other's. Other workers and reruns of the same model (its fingerprint) share the folder."""
+    out_dir = Path(out_dir)
+    check_out_dir(workload, out_dir)  # makes the folder: the claim lives in it
+    mine = {"model": workload.task.name, "fingerprint": model_fingerprint(workload.model), "path": str(workload.task.path)}
+    try:
+        with claim_folder(out_dir, mine, key="fingerprint", check=lambda: check_out_dir(workload, out_dir)):
+            yield
+    except Taken as taken:
+        theirs = taken.owner
+        who = f"{theirs.get('model', 'a model')} {theirs.get('fingerprint', '')}, from {theirs.get('path', '?')}, process {theirs.get('pid', '?')}"
+        raise UserError(
+            f"--out {out_dir}: a run for another model is writing there now ({who}; {workload.task.path} is {mine['model']} "
+            f"{mine['fingerprint']}): pick another --out, or wait for that run to end; nothing was written"
+        ) from None
 
 
 def start(
