@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from autoprec.errors import UserError
+
 try:
     import fcntl
 except ImportError:  # Windows has no flock: a folder is then guarded only by the results already in it
@@ -19,18 +21,26 @@ except ImportError:  # Windows has no flock: a folder is then guarded only by th
 
 
 def write_atomically(path: str | Path, write: Callable[[Path], object]) -> Path:
-    """Call `write(tmp)` on a temporary file in `path`'s folder, then rename it over `path`."""
+    """Call `write(tmp)` on a temporary file in `path`'s folder, then rename it over `path`. A write that fails
+    (a full disk, a folder that cannot be written) is a UserError naming `path`, which is left as it was."""
     path = Path(path)
     # Created as open() would create it (mode 0666 less the umask; mkstemp's would be private, 0600), under a
     # name no other writer picks.
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
-        write(Path(tmp))
-        os.replace(tmp, path)  # atomic on POSIX and Windows within one file system
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        try:
+            write(Path(tmp))
+            os.replace(tmp, path)  # atomic on POSIX and Windows within one file system
+        except BaseException:
+            with contextlib.suppress(OSError):
+                Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise UserError(
+            f"{path}: cannot write it ({exc.strerror or exc}); nothing was written there: free some space or fix the "
+            "folder's permissions (or pick another folder), and run again"
+        ) from exc
     return path
 
 

@@ -1,8 +1,10 @@
+import errno
 import os
 from pathlib import Path
 
 import pytest
 
+from autoprec.errors import UserError
 from autoprec.files import write_atomically, write_text
 
 
@@ -14,18 +16,38 @@ def test_write_text_replaces_the_file_and_leaves_no_temporary(tmp_path: Path):
     assert [p.name for p in tmp_path.iterdir()] == ["policy.json"]
 
 
-def test_a_failed_write_keeps_the_old_file(tmp_path: Path):
+@pytest.mark.parametrize("old", ["complete", None])
+def test_a_full_disk_is_one_line_naming_the_file_which_is_left_as_it_was(tmp_path: Path, old):
     path = tmp_path / "trials.csv"
-    path.write_text("complete", encoding="utf-8")
+    if old is not None:
+        path.write_text(old, encoding="utf-8")
 
     def half(tmp: Path) -> None:
         tmp.write_text("half", encoding="utf-8")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(UserError) as err:  # was the raw OSError: a traceback from the CLI
         write_atomically(path, half)
-    assert path.read_text(encoding="utf-8") == "complete"
-    assert [p.name for p in tmp_path.iterdir()] == ["trials.csv"]
+    message = str(err.value)
+    assert message.startswith(f"{path}: cannot write it (No space left on device)") and "\n" not in message
+    assert isinstance(err.value.__cause__, OSError)
+    assert [p.name for p in tmp_path.iterdir()] == (["trials.csv"] if old else [])  # no half-written file
+    assert old is None or path.read_text(encoding="utf-8") == old
+
+
+def test_a_write_interrupted_by_ctrl_c_leaves_no_temporary_and_stays_an_interrupt(tmp_path: Path):
+    def interrupted(tmp: Path) -> None:
+        tmp.write_text("half", encoding="utf-8")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(tmp_path / "policy.json", interrupted)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_that_is_gone_is_one_line_too(tmp_path: Path):
+    with pytest.raises(UserError, match="cannot write it"):
+        write_text(tmp_path / "gone" / "summary.md", "x")
 
 
 def test_a_written_file_gets_the_mode_open_would_give_it(tmp_path: Path):

@@ -73,6 +73,20 @@ def test_a_torn_last_line_is_cut_and_every_complete_record_is_kept(tmp_path, cap
     assert trials_in(path) == before
 
 
+def test_a_journal_whose_only_record_is_torn_is_emptied_and_opened(tmp_path):
+    # a disk full at the study's very first write: nothing complete to keep, and the file begins as only Optuna's does
+    path = tmp_path / "study.journal"
+    real_journal(path, trials=1)
+    path.write_bytes(path.read_bytes()[:30])
+    open_storage(path, tmp_path)
+    assert path.read_bytes() == b""
+    for content in (b"{", b'{"op_code"'):  # too little to tell it from another file: refused, unchanged
+        path.write_bytes(content)
+        with pytest.raises(UserError, match="not an Optuna journal"):
+            open_storage(path, tmp_path)
+        assert path.read_bytes() == content
+
+
 def test_an_intact_or_empty_journal_is_opened_untouched(tmp_path, caplog):
     path = tmp_path / "study.journal"
     real_journal(path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import importlib.metadata
 import json
 import logging
@@ -158,7 +159,36 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
     out_dir = Path(out_dir)
     with claim_out_dir(workload, out_dir):  # also makes the folder
-        return _run(workload, space, config, out_dir, plan)
+        try:
+            return _run(workload, space, config, out_dir, plan)
+        except UserError:
+            raise
+        except Exception as exc:
+            full = _disk_full(exc)
+            if full is None:
+                raise
+            # Optuna's own write of the study (or a compiler's cache) on a full disk: every complete trial is kept,
+            # and a torn journal record is dropped on the next run (study._drop_torn_tail)
+            where = f"writing {full.filename}" if full.filename else f"writing the study ({config.storage or out_dir / 'study.journal'})"
+            raise UserError(
+                f"--out {out_dir}: no space left on the device ({where}); free some space and run the same command "
+                "again: the study resumes from its complete trials"
+            ) from exc
+
+
+FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}  # a full disk, or the user's quota
+
+
+def _disk_full(exc: BaseException | None) -> OSError | None:
+    """The full-disk OSError behind `exc`, if any: Optuna, failing to record a trial, raises an AssertionError of its
+    own from inside the OSError's handling."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno in FULL:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, plan: Plan) -> Run:

@@ -234,8 +234,10 @@ def _journal_tail(path: Path, label: str, data: bytes) -> int:
         if record is None:
             _refuse_line(path, label, number)
         records.append(record)
-    torn = tail.startswith(RECORD_START) or RECORD_START.startswith(tail)
-    if tail and not (records and torn):
+    # after complete records, any start of one (a write cut a few bytes in); alone in the file (a disk full at the
+    # study's first write), no less than its opening key, which no file but Optuna's journal starts with
+    torn = tail.startswith(RECORD_START) or bool(records) and RECORD_START.startswith(tail)
+    if tail and not torn:
         _refuse_line(path, label, len(records) + 1)
     _replay(records, label)
     return len(tail)
