@@ -402,6 +402,86 @@ def test_an_sqlite_file_given_as_a_journal_is_refused_untouched(capsys, tmp_path
     assert db.read_bytes() == before
 
 
+@pytest.mark.parametrize("what", ["json", "csv", "devnull", "fifo", "bad line"])
+def test_a_storage_that_is_not_a_journal_file_is_one_line_before_profiling_and_left_untouched(capsys, tmp_path, write_model, mlp_source, what):
+    import os
+
+    path = tmp_path / "storage"
+    if what == "json":
+        path.write_bytes(b'{"a": 1}')  # once taken for a journal with a torn tail, and wiped
+        expected = "not an Optuna journal file"
+    elif what == "csv":
+        path.write_bytes(b"a,b\n1,2\n")
+        expected = "not an Optuna journal file"
+    elif what == "devnull":
+        path = Path(os.devnull)
+        expected = "not a regular file (a device)"
+    elif what == "fifo":
+        os.mkfifo(path)
+        expected = "not a regular file (a FIFO)"
+    else:
+        record = b'{"op_code":0,"worker_id":"w","study_name":"s","directions":[1]}\n'
+        path.write_bytes(record + b"oops\n" + record)
+        expected = "line 2 is not an Optuna journal record"
+    before = path.read_bytes() if path.is_file() else None
+    code, out, err = search(capsys, tmp_path, write_model(mlp_source), "--storage", path)
+    assert_user_error(code, err, f"--storage {path}: {expected}")
+    assert out == "" and not (tmp_path / "out" / "profile.csv").exists()  # refused before profiling
+    assert before is None or path.read_bytes() == before
+
+
+def test_a_bad_default_journal_in_out_is_refused_before_profiling(capsys, tmp_path, write_model, mlp_source):
+    journal = tmp_path / "out" / "study.journal"
+    journal.parent.mkdir()
+    journal.write_bytes(b"{}")
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source))
+    assert_user_error(code, err, f"{journal}: not an Optuna journal file")
+    assert journal.read_bytes() == b"{}" and not (tmp_path / "out" / "profile.csv").exists()
+
+
+@pytest.mark.parametrize("name, folder", [("...py", "__"), ("..py", "_"), ("a.b.py", "a.b"), ("x\\y.py", "x_y")])
+def test_the_default_out_folder_never_leaves_results(name, folder):
+    import argparse
+
+    from autoprec.tune.cli import _out_dir, folder_name
+    from autoprec.tune.task import Task
+
+    task = Task(path=Path("/models") / name, build_model=lambda: None, batches=lambda s: [], loss_fn=lambda m, b: None)
+    assert _out_dir(argparse.Namespace(out=None), task) == Path("results") / folder
+    assert _out_dir(argparse.Namespace(out="mine"), task) == Path("mine")
+    assert folder_name("") == "_" and folder_name(".") == "_" and folder_name("a/../b") == "a_.._b"
+
+
+@pytest.mark.parametrize("verb", ["search", "sweep", "profile"])
+def test_a_model_named_dot_dot_py_writes_under_results_not_into_the_current_folder(capsys, tmp_path, write_model, mlp_source,
+                                                                                   monkeypatch, verb):  # fmt: skip
+    model = write_model(mlp_source, name="...py")  # its stem is "..": results/.. is the current folder
+    cwd = tmp_path / "cwd"
+    (cwd / "results").mkdir(parents=True)
+    (cwd / "results" / "__").write_text("in the way")  # stops the run at the folder check, before any measuring
+    monkeypatch.chdir(cwd)
+    extra = ["--budgets", "0.1"] if verb == "sweep" else ["--budget", "0.1"] if verb == "search" else []
+    code, _, err = run(capsys, verb, model, "--device", "cpu", *extra)
+    assert_user_error(code, err, f"--out {Path('results') / '__'}: a file, not a folder")
+    assert "'..' is not a folder name" in err and "results/__" in err
+    assert sorted(p.name for p in cwd.iterdir()) == ["results"]
+
+
+@pytest.mark.parametrize("verb", ["search", "sweep", "profile"])
+def test_an_out_folder_a_run_for_another_model_holds_is_refused_before_anything_is_written(capsys, tmp_path, write_model,
+                                                                                          mlp_source, verb):  # fmt: skip
+    from autoprec.files import claim_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    other = {"model": "other", "fingerprint": "0123456789abcdef", "path": "/elsewhere/other.py"}
+    extra = ["--budgets", "0.1"] if verb == "sweep" else ["--budget", "0.1"] if verb == "search" else []
+    with claim_folder(out, other, key="fingerprint"):  # as a run of another model started a moment before
+        code, out_text, err = run(capsys, verb, write_model(mlp_source), "--device", "cpu", "--out", out, *extra)
+    assert_user_error(code, err, f"--out {out}: a run for another model is writing there now", "/elsewhere/other.py")
+    assert out_text == "" and not [p for p in out.iterdir() if not p.name.startswith(".autoprec.claim")]
+
+
 def test_show_on_a_folder_points_at_its_policy_file(capsys, tmp_path):
     (tmp_path / "policy.json").write_text(json.dumps(Policy(layers={"a": "bf16"}).to_dict()))
     code, _, err = run(capsys, "show", tmp_path)

@@ -200,3 +200,57 @@ def test_budget_minus_zero_is_the_same_study_as_budget_zero(fast, capsys, tmp_pa
     assert "is finished and its result" in capsys.readouterr().err
     budget = load_policy(tmp_path / "policy.json").measured["budget"]
     assert budget == 0 and math.copysign(1.0, budget) == 1.0  # written as 0, not -0.0
+
+
+def disk_full() -> OSError:
+    import errno
+    import os
+
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_writing_results_is_one_line_naming_the_file_and_leaves_no_partial_file(fast, capsys, tmp_path, monkeypatch):
+    write = Path.write_text
+
+    def full(self, data, *args, **kwargs):  # profile.json's write: half its bytes, then the disk is full
+        write(self, data[: len(data) // 2], *args, **kwargs)
+        raise disk_full()
+
+    monkeypatch.setattr(Path, "write_text", full)  # was a traceback
+
+
+    out = tmp_path / "out"
+    code = main(["profile", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"autoprec: error: {out / 'profile.json'}: cannot write it (No space left on device)")
+    assert not (out / "profile.json").exists() and not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("room", [0, 20], ids=["its-first-record", "mid-search"])
+def test_a_full_disk_writing_the_study_is_one_line_and_a_rerun_resumes(fast, capsys, tmp_path, monkeypatch, room):
+    import optuna
+
+    append = optuna.storages.journal.JournalFileBackend.append_logs
+    appends = []
+
+    out = tmp_path / "out"
+    argv = ["search", str(MODELS / "overflow_mlp.py"), "--budget", "0.3", "--device", "cpu", "--out", str(out), "--trials", "3", "--quiet"]
+    def full(self, logs):  # Optuna's own append, after `room` of them: half a record reaches the file, then the disk is full
+        appends.append(len(logs))
+        if len(appends) <= room:
+            return append(self, logs)
+        text = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode()
+        with open(self._file_path, "ab") as fh:
+            fh.write(text[: len(text) // 2])
+        raise disk_full()
+
+    with monkeypatch.context() as m:
+        m.setattr(optuna.storages.journal.JournalFileBackend, "append_logs", full)  # was a raw OSError
+        code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"autoprec: error: --out {out}: no space left on the device (writing the study ({out / 'study.journal'}))")
+    assert "run the same command again" in line and len(appends) > room
+    assert main(argv) == 0  # space freed: the same command runs (the journal's torn tail is dropped)

@@ -44,7 +44,22 @@ def _compile(args: argparse.Namespace) -> bool:
 
 
 def _out_dir(args: argparse.Namespace, task) -> Path:
-    return Path(args.out) if args.out else Path("results") / task.name
+    """--out, else results/<the model's name>, a name made safe to stay inside results/ (said when changed)."""
+    if args.out:
+        return Path(args.out)
+    name = folder_name(task.name)
+    if name != task.name:
+        logging.getLogger("autoprec").warning(
+            "the model's name %r is not a folder name inside results/: writing to results/%s (--out sets another)", task.name, name
+        )
+    return Path("results") / name
+
+
+def folder_name(name: str) -> str:
+    """`name` as one folder name that cannot leave its parent: path separators become "_", and so do the dots
+    of "." and ".." (a model file named "...py" has the stem ".."), and an empty name is "_"."""
+    name = name.replace("/", "_").replace("\\", "_")  # POSIX's and Windows' separators, on either
+    return "_" * max(1, len(name)) if name in ("", ".", "..") else name
 
 
 def _quiet_torchao() -> None:
@@ -196,14 +211,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.tune.profiler import ProfileConfig, profile
     from autoprec.tune.report import gradient_summary, plot_all, profile_summary
 
-    from autoprec.tune.pipeline import check_out_dir
+    from autoprec.tune.pipeline import claim_out_dir
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
-    check_out_dir(workload, out)
-    prof = profile(workload, space, ProfileConfig(compile=_compile(args)), progress=not args.quiet)
-    path = prof.save(out)
-    pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
+    with claim_out_dir(workload, out):
+        prof = profile(workload, space, ProfileConfig(compile=_compile(args)), progress=not args.quiet)
+        path = prof.save(out)
+        pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     if args.json:
         _print_json(args, {"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric, "metric": prof.metric_name})
         return 0

@@ -15,15 +15,17 @@ fp32 result's own spread over seeds) is measured and reported beside the budget.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import errno
 import importlib.metadata
 import json
 import logging
 import math
 import tempfile
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +34,7 @@ import torch
 
 from autoprec.apply import fp8_backend
 from autoprec.errors import UserError
-from autoprec.files import write_atomically
+from autoprec.files import Taken, claim_folder, write_atomically
 from autoprec.formats import Format, device_name
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A_POLICY, TF32, Alternatives, alternatives
@@ -156,8 +158,41 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         flag = "--objective memory" if config.objective is Goal.MEMORY else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
     out_dir = Path(out_dir)
-    check_out_dir(workload, out_dir)  # also makes the folder
-    check_storage(config)  # before minutes of profiling; opening the study checks it again
+    with claim_out_dir(workload, out_dir):  # also makes the folder
+        try:
+            return _run(workload, space, config, out_dir, plan)
+        except UserError:
+            raise
+        except Exception as exc:
+            full = _disk_full(exc)
+            if full is None:
+                raise
+            # Optuna's own write of the study (or a compiler's cache) on a full disk: every complete trial is kept,
+            # and a torn journal record is dropped on the next run (study._drop_torn_tail)
+            where = f"writing {full.filename}" if full.filename else f"writing the study ({config.storage or out_dir / 'study.journal'})"
+            raise UserError(
+                f"--out {out_dir}: no space left on the device ({where}); free some space and run the same command "
+                "again: the study resumes from its complete trials"
+            ) from exc
+
+
+FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}  # a full disk, or the user's quota
+
+
+def _disk_full(exc: BaseException | None) -> OSError | None:
+    """The full-disk OSError behind `exc`, if any: Optuna, failing to record a trial, raises an AssertionError of its
+    own from inside the OSError's handling."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno in FULL:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, plan: Plan) -> Run:
+    check_storage(config, out_dir)  # before minutes of profiling; opening the study checks it again
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0])
     layer_times = LayerTimes.from_table(started.profile.table.to_dict("records"))
@@ -351,6 +386,26 @@ def check_out_dir(workload: Workload, out_dir: Path) -> None:
         tempfile.TemporaryFile(dir=out_dir).close()
     except OSError as exc:
         raise UserError(f"--out {out_dir}: cannot write results there ({exc.strerror or exc}); pick another --out") from None
+
+
+@contextlib.contextmanager
+def claim_out_dir(workload: Workload, out_dir: Path) -> Iterator[None]:
+    """check_out_dir, and the folder held for this model until the block ends (files.claim_folder): a run of another
+    model started at the same moment is refused, where both passed the check before either wrote, and one's results
+    replaced the other's. Other workers and reruns of the same model (its fingerprint) share the folder."""
+    out_dir = Path(out_dir)
+    check_out_dir(workload, out_dir)  # makes the folder: the claim lives in it
+    mine = {"model": workload.task.name, "fingerprint": model_fingerprint(workload.model), "path": str(workload.task.path)}
+    try:
+        with claim_folder(out_dir, mine, key="fingerprint", check=lambda: check_out_dir(workload, out_dir)):
+            yield
+    except Taken as taken:
+        theirs = taken.owner
+        who = f"{theirs.get('model', 'a model')} {theirs.get('fingerprint', '')}, from {theirs.get('path', '?')}, process {theirs.get('pid', '?')}"
+        raise UserError(
+            f"--out {out_dir}: a run for another model is writing there now ({who}; {workload.task.path} is {mine['model']} "
+            f"{mine['fingerprint']}): pick another --out, or wait for that run to end; nothing was written"
+        ) from None
 
 
 def start(

@@ -16,13 +16,14 @@ import hashlib
 import json
 import logging
 import math
+import stat
 import statistics
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import optuna
 import pandas as pd
@@ -164,25 +165,40 @@ RETRIES = 3  # how often a trial whose worker died is run again before it stays 
 
 def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
     url = config.storage
-    check_storage(config)
     if url is None or "://" not in url:
         # Optuna's recommended storage for several processes on one machine: a journal file behind a file
         # lock, no server. It has no heartbeat (optuna 5), so a killed worker's trial stays RUNNING.
         path = Path(url) if url else out_dir / "study.journal"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_torn_tail(path)
-        backend = optuna.storages.journal.JournalFileBackend(str(path))
+        label = _journal_label(config, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _drop_torn_tail(path, label)  # first refuses, unchanged, what is not an Optuna journal (_check_journal)
+            backend = optuna.storages.journal.JournalFileBackend(str(path))  # creates the file when missing
+        except OSError as exc:
+            raise UserError(
+                f"{label}: cannot make or open it ({exc.strerror or exc}); give a journal file's path in a folder "
+                "that can be written, or a database URL such as sqlite:///study.db"
+            ) from None
         return optuna.storages.JournalStorage(backend), str(path)
+    check_storage(config)
     return _database(url, config.heartbeat_s), hide_credentials(url)  # what is written and printed: no password
 
 
-def check_storage(config: SearchConfig) -> None:
-    """What can be told about --storage without opening it (a folder, an in-memory database), before profiling."""
+def _journal_label(config: SearchConfig, path: Path) -> str:
+    return f"--storage {path}" if config.storage else str(path)
+
+
+def check_storage(config: SearchConfig, out_dir: Path | None = None) -> None:
+    """What can be told about --storage before profiling, without changing it: a folder, a device or a FIFO, an
+    in-memory database, a file that is not an Optuna journal or holds a line that is not one of its records
+    (with `out_dir`, the default out_dir/study.journal is read too)."""
     url = config.storage
+    if url is None and out_dir is not None:
+        _check_journal(Path(out_dir) / "study.journal", _journal_label(config, Path(out_dir) / "study.journal"))
     if url is None:
         return
-    if "://" not in url and Path(url).is_dir():
-        raise UserError(f"--storage {url}: a folder; give a journal file's path (or a database URL)")
+    if "://" not in url:
+        _check_journal(Path(url), _journal_label(config, Path(url)))
     if url.startswith("sqlite://") and url.removeprefix("sqlite://") in ("", "/", "/:memory:"):
         raise UserError(
             f"--storage {url}: an in-memory database dies with this process and no other worker can reach it; "
@@ -190,35 +206,127 @@ def check_storage(config: SearchConfig) -> None:
         )
 
 
-def _drop_torn_tail(path: Path) -> None:
+# Optuna's journal (optuna.storages.journal, checked against optuna 5): one JSON object per line, written whole
+# by one append of json.dumps(record, separators=(",", ":")) + "\n", whose first keys are an int "op_code" and a
+# str "worker_id". A line without its newline is one Optuna has not finished writing and does not read.
+RECORD_START = b'{"op_code":'
+
+
+def _is_record(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:  # UnicodeDecodeError included: a binary file
+        return None
+    if not isinstance(record, dict) or type(record.get("op_code")) is not int or not isinstance(record.get("worker_id"), str):
+        return None
+    return record
+
+
+def _journal_tail(path: Path, label: str, data: bytes) -> int:
+    """How many bytes at the end of `data` (the journal file's content) are a torn record: the start of one
+    Optuna did not finish writing, after its last complete line. Refuses (UserError, the file unchanged) a file
+    that is not an Optuna journal, or one with a line that is not a record Optuna can read back."""
+    if data.startswith(b"SQLite format 3\0"):
+        raise UserError(f"{label}: an SQLite database, not a journal file; pass it as sqlite:///{path}")
+    end = data.rfind(b"\n") + 1
+    tail = data[end:]
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(data[:end].split(b"\n")[:-1], start=1):
+        record = _is_record(line)
+        if record is None:
+            _refuse_line(path, label, number)
+        records.append(record)
+    # after complete records, any start of one (a write cut a few bytes in); alone in the file (a disk full at the
+    # study's first write), no less than its opening key, which no file but Optuna's journal starts with
+    torn = tail.startswith(RECORD_START) or bool(records) and RECORD_START.startswith(tail)
+    if tail and not torn:
+        _refuse_line(path, label, len(records) + 1)
+    _replay(records, label)
+    return len(tail)
+
+
+def _refuse_line(path: Path, label: str, number: int) -> NoReturn:
+    if number == 1:
+        raise UserError(
+            f"{label}: not an Optuna journal file (its first line is not a journal record); nothing was changed: "
+            "give a journal file's path (a new one is made) or a database URL such as sqlite:///study.db"
+        )
+    raise UserError(
+        f"{label}: line {number} is not an Optuna journal record (a stray write or a hand edit); nothing was changed: "
+        f"remove that line if Optuna did not write it (or restore the file), or give another journal file's path"
+    )
+
+
+class _Lines(optuna.storages.journal.BaseJournalBackend):
+    """Records already read, served to Optuna's own replay one at a time, so that the one it cannot apply is known."""
+
+    def __init__(self, records: Sequence[dict[str, Any]]) -> None:
+        self.records, self.line = records, 0
+
+    def read_logs(self, log_number_from: int):
+        for line, record in enumerate(self.records[log_number_from:], start=log_number_from + 1):
+            self.line = line
+            yield record
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        raise AssertionError("a replay to check a journal writes nothing")
+
+
+def _replay(records: Sequence[dict[str, Any]], label: str) -> None:
+    """Replay the records as Optuna will (a hand-edited field, an op_code it does not know), naming the line."""
+    lines = _Lines(records)
+    try:
+        optuna.storages.JournalStorage(lines)
+    except Exception as exc:
+        raise UserError(
+            f"{label}: line {lines.line} is not an Optuna journal record Optuna can replay ({describe(exc, 120)}; a hand "
+            "edit?); nothing was changed: restore the file, or give another journal file's path"
+        ) from None
+
+
+def _check_journal(path: Path, label: str) -> int:
+    """Refuse, unchanged, a path that is not an Optuna journal file (see _journal_tail), or not a regular file (a
+    folder, /dev/null, a FIFO, whose reads would block). Returns the size of a torn tail (0: none, or no file)."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return 0  # made when the study is opened
+    except OSError as exc:
+        raise UserError(f"{label}: cannot read it ({exc.strerror or exc}); give a journal file's path") from None
+    if stat.S_ISDIR(mode):
+        raise UserError(f"{label}: a folder; give a journal file's path (or a database URL)")
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise UserError(
+            f"{label}: not a regular file ({kind}); Optuna's journal is a file it appends to and reads back: give a "
+            "journal file's path or a database URL such as sqlite:///study.db"
+        )
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{label}: cannot read it ({exc.strerror or exc}); give a journal file's path") from None
+    return _journal_tail(path, label, data)
+
+
+def _drop_torn_tail(path: Path, label: str) -> None:
     """A journal whose last line was cut short (a killed process, a full disk) ends without a newline: Optuna
     would append the next record onto it and every later run would fail to parse the file. Under the journal's
-    own lock (so no worker is mid-write), cut the torn tail off and say so; every complete record stays."""
-    if not path.is_file() or path.stat().st_size == 0:
+    own lock (so no worker is mid-write), cut the torn tail off and say so; every complete record stays. Only
+    the start of a record after the last complete one is ever cut (_journal_tail)."""
+    if not _check_journal(path, label):
         return
-    with open(path, "rb") as fh:
-        head = fh.readline(4096)
-    if head.startswith(b"SQLite format 3\0"):
-        raise UserError(f"--storage {path}: an SQLite database, not a journal file; pass it as sqlite:///{path}")
-    try:
-        json.loads(head)
-    except ValueError:
-        raise UserError(
-            f"--storage {path}: not an Optuna journal file (its first line is not a journal record); "
-            "give a journal file's path or a database URL such as sqlite:///study.db"
-        ) from None
     lock = optuna.storages.journal.JournalFileSymlinkLock(str(path))
     lock.acquire()
     try:
         with open(path, "rb+") as fh:
             data = fh.read()
-            if data.endswith(b"\n"):
+            torn = _journal_tail(path, label, data)  # again: a worker may have finished the line meanwhile
+            if not torn:
                 return
-            keep = data.rfind(b"\n") + 1
-            fh.truncate(keep)
+            fh.truncate(len(data) - torn)
         log.warning(
             "%s: its last line was cut short (%d bytes, a write interrupted by a kill or a full disk) and is dropped; "
-            "every complete trial before it is kept", path, len(data) - keep,
+            "every complete trial before it is kept", path, torn,
         )  # fmt: skip
     finally:
         lock.release()

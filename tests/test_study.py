@@ -1,0 +1,187 @@
+"""autoprec/tune/study.py: opening --storage. A file that is not an Optuna journal is refused with its bytes unchanged;
+a journal's torn last line is the only thing ever cut, and every record Optuna wrote before it stays."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autoprec import UserError
+from autoprec.tune.study import SearchConfig, _storage, check_storage
+
+
+def config(path: Path | str) -> SearchConfig:
+    return SearchConfig(budget=0.1, storage=str(path))
+
+
+def open_storage(path: Path | str, out: Path) -> str:
+    """Check --storage as the pipeline does before profiling, then open it; return where the study lives."""
+    check_storage(config(path))
+    return _storage(config(path), out)[1]
+
+
+def real_journal(path: Path, trials: int = 3) -> None:
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    study = optuna.create_study(study_name="s", storage=storage)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=trials)
+
+
+def trials_in(path: Path) -> list[float]:
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    return [t.params["x"] for t in optuna.load_study(study_name="s", storage=storage).trials if t.params]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"a": 1}',  # one line of JSON, no newline: once read as a journal with a torn tail and wiped
+        b'{"a": 1}\n',
+        b'{"a": 1}\n{"b": 2}',
+        b"name,score\nresnet,0.91\nvit,0.93",  # a CSV
+        bytes(range(256)) * 4,  # a binary file
+        b'["op_code", "worker_id"]\n',  # JSON, but not a record
+        b'{"op_code": "x", "worker_id": "w"}\n',  # a record's keys, but not Optuna's types
+    ],
+    ids=["json-line", "json-line-newline", "json-torn", "csv", "binary", "json-list", "wrong-types"],
+)
+def test_a_file_that_is_not_an_optuna_journal_is_refused_with_its_bytes_unchanged(tmp_path, content):
+    path = tmp_path / "results.json"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match="not an Optuna journal") as err:
+        open_storage(path, tmp_path)
+    message = str(err.value)
+    assert str(path) in message and "\n" not in message and "give a journal file's path" in message
+    assert path.read_bytes() == content
+    assert not Path(f"{path}.lock").exists()
+
+
+def test_a_torn_last_line_is_cut_and_every_complete_record_is_kept(tmp_path, caplog):
+    path = tmp_path / "study.journal"
+    real_journal(path)
+    whole = path.read_bytes()
+    before = trials_in(path)
+    last = whole.rstrip(b"\n").rfind(b"\n") + 1
+    path.write_bytes(whole[: last + 25])  # the last record cut short, as by a kill mid-write
+    with caplog.at_level("WARNING", logger="autoprec"):
+        open_storage(path, tmp_path)
+    assert path.read_bytes() == whole[:last]  # exactly the torn bytes are gone
+    assert "its last line was cut short (25 bytes" in caplog.text
+    assert trials_in(path) == before
+
+
+def test_a_journal_whose_only_record_is_torn_is_emptied_and_opened(tmp_path):
+    # a disk full at the study's very first write: nothing complete to keep, and the file begins as only Optuna's does
+    path = tmp_path / "study.journal"
+    real_journal(path, trials=1)
+    path.write_bytes(path.read_bytes()[:30])
+    open_storage(path, tmp_path)
+    assert path.read_bytes() == b""
+    for content in (b"{", b'{"op_code"'):  # too little to tell it from another file: refused, unchanged
+        path.write_bytes(content)
+        with pytest.raises(UserError, match="not an Optuna journal"):
+            open_storage(path, tmp_path)
+        assert path.read_bytes() == content
+
+
+def test_an_intact_or_empty_journal_is_opened_untouched(tmp_path, caplog):
+    path = tmp_path / "study.journal"
+    real_journal(path)
+    whole = path.read_bytes()
+    empty = tmp_path / "empty.journal"
+    empty.touch()
+    with caplog.at_level("WARNING", logger="autoprec"):
+        assert open_storage(path, tmp_path) == str(path)
+        assert open_storage(empty, tmp_path) == str(empty)
+    assert path.read_bytes() == whole and empty.read_bytes() == b""
+    assert not [r for r in caplog.records if r.name == "autoprec"]
+
+
+def test_a_torn_tail_that_does_not_begin_like_an_optuna_record_is_not_cut(tmp_path):
+    path = tmp_path / "study.journal"
+    real_journal(path)
+    content = path.read_bytes() + b"a note typed at the end"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=r"line \d+ is not an Optuna journal record") as err:
+        open_storage(path, tmp_path)
+    assert str(path) in str(err.value)
+    assert path.read_bytes() == content
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"not json at all\n", b'{"a": 1}\n', b"\n", b'{"op_code": 4}\n'],
+    ids=["text", "json", "blank", "no-worker"],
+)
+def test_one_bad_line_inside_a_journal_names_the_file_and_the_line_and_changes_nothing(tmp_path, bad):
+    path = tmp_path / "study.journal"
+    real_journal(path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    content = b"".join(lines[:3] + [bad] + lines[3:])
+    path.write_bytes(content)
+    with pytest.raises(UserError) as err:
+        open_storage(path, tmp_path)
+    message = str(err.value)
+    assert f"{path}: line 4 is not an Optuna journal record" in message and "\n" not in message
+    assert path.read_bytes() == content
+
+
+@pytest.mark.parametrize(
+    "bad", [b'{"op_code":99,"worker_id":"w"}\n', b'{"op_code":4,"worker_id":"w"}\n'], ids=["unknown-op", "no-study-id"]
+)
+def test_a_record_optuna_cannot_replay_names_its_line_too(tmp_path, bad):
+    # a record's shape with a hand-edited op_code or a field missing: Optuna's replay raised AssertionError/KeyError
+    path = tmp_path / "study.journal"
+    real_journal(path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    content = b"".join(lines[:5] + [bad] + lines[5:])
+    path.write_bytes(content)
+    with pytest.raises(UserError, match="line 6 is not an Optuna journal record Optuna can replay") as err:
+        open_storage(path, tmp_path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    assert path.read_bytes() == content
+
+
+def test_a_bad_last_complete_line_is_not_cut_either(tmp_path):
+    path = tmp_path / "study.journal"
+    real_journal(path)
+    content = path.read_bytes() + b"stray\n"
+    path.write_bytes(content)
+    lines = content.count(b"\n")
+    with pytest.raises(UserError, match=f"line {lines} is not an Optuna journal record"):
+        open_storage(path, tmp_path)
+    assert path.read_bytes() == content
+
+
+def test_non_regular_files_are_refused_in_one_line_before_anything_is_opened(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening a FIFO to read it would wait for a writer forever
+    for path, what in ((folder, "a folder"), (Path(os.devnull), "not a regular file"), (fifo, "not a regular file")):
+        with pytest.raises(UserError, match=what) as err:
+            check_storage(config(path))
+        assert str(path) in str(err.value) and "\n" not in str(err.value)
+        with pytest.raises(UserError, match=what):
+            _storage(config(path), tmp_path)
+
+
+def test_a_journal_whose_folder_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    path = tmp_path / "file" / "study.journal"
+    with pytest.raises(UserError, match="cannot") as err:
+        open_storage(path, tmp_path)
+    assert str(path) in str(err.value)
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_a_valid_record_line_is_accepted_as_optuna_writes_it(tmp_path):
+    # the format checked is the installed Optuna's: json.dumps with an int op_code and a str worker_id first
+    path = tmp_path / "study.journal"
+    real_journal(path, trials=1)
+    first = json.loads(path.read_bytes().splitlines()[0])
+    assert isinstance(first["op_code"], int) and isinstance(first["worker_id"], str)
+    assert path.read_bytes().startswith(b'{"op_code":')
