@@ -185,3 +185,15 @@ def test_a_valid_record_line_is_accepted_as_optuna_writes_it(tmp_path):
     first = json.loads(path.read_bytes().splitlines()[0])
     assert isinstance(first["op_code"], int) and isinstance(first["worker_id"], str)
     assert path.read_bytes().startswith(b'{"op_code":')
+
+
+def test_a_journal_nested_deeper_than_python_reads_is_refused_in_one_line_unchanged(tmp_path):
+    from autoprec.tune.study import check_storage
+    from autoprec.tune import SearchConfig
+
+    path = tmp_path / "study.journal"
+    path.write_text("[" * 5000 + "\n", encoding="utf-8")
+    before = path.read_bytes()
+    with pytest.raises(UserError, match="not an Optuna journal"):
+        check_storage(SearchConfig(budget=0.1, storage=str(path)))
+    assert path.read_bytes() == before

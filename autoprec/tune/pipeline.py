@@ -34,7 +34,7 @@ import torch
 
 from autoprec.apply import fp8_backend
 from autoprec.errors import UserError
-from autoprec.files import Taken, claim_folder, write_atomically
+from autoprec.files import Taken, claim_folder, read_json, write_atomically
 from autoprec.formats import Format, device_name
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A_POLICY, TF32, Alternatives, alternatives
@@ -263,8 +263,8 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
     for b in plan.budgets:
         path = out_dir / plan.policy_file(b)
         try:
-            policy = Policy.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError):
+            policy = Policy.from_dict(read_json(path))
+        except (OSError, ValueError):  # a UserError from read_json too: unreadable, so measured again
             return None
         m = Measured.of(policy)
         if config.mode is Mode.TRAIN:  # the noise floor it was judged against: this study's own, or measure again
@@ -369,7 +369,7 @@ def check_out_dir(workload: Workload, out_dir: Path) -> None:
         if path.is_dir():
             raise UserError(f"{path}: a folder is in the way of the results file; move it or pick another --out")
         try:
-            theirs = read(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else None
+            theirs = read(read_json(path)) if path.is_file() else None
         except (ValueError, AttributeError, OSError):
             continue  # unreadable: the profile is measured again, the policy written anew
         if theirs is None:

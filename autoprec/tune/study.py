@@ -215,7 +215,7 @@ RECORD_START = b'{"op_code":'
 def _is_record(line: bytes) -> dict[str, Any] | None:
     try:
         record = json.loads(line)
-    except ValueError:  # UnicodeDecodeError included: a binary file
+    except (ValueError, RecursionError):  # UnicodeDecodeError included (a binary file); nesting past Python's depth
         return None
     if not isinstance(record, dict) or type(record.get("op_code")) is not int or not isinstance(record.get("worker_id"), str):
         return None
