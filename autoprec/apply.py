@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, fp8_backend, format_problem
+from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
 from autoprec.tensors import map_tensors
 
@@ -294,7 +294,10 @@ def _untied(model: torch.nn.Module, groups: list[list[str]]) -> list[str] | None
 
 
 def _convert_fp8(
-    model: torch.nn.Module, recipes: Mapping[str, list[torch.nn.Module]], names: Mapping[int, list[str]], device: torch.device,
+    model: torch.nn.Module,
+    recipes: Mapping[str, list[torch.nn.Module]],
+    names: Mapping[int, list[str]],
+    device: torch.device,
     all_gather: frozenset[str] = frozenset(),
 ) -> Fp8Backend:
     """Swap each recipe's modules for torchao Float8Linear of that recipe everywhere they are used (the recipes in
@@ -314,7 +317,8 @@ def _convert_fp8(
         for recipe, group in recipes.items():
             ids = {id(m) for m in group}
             config = dataclasses.replace(
-                float8.Float8LinearConfig.from_recipe_name(recipe), emulate=backend is Fp8Backend.EMULATION,
+                float8.Float8LinearConfig.from_recipe_name(recipe),
+                emulate=backend is Fp8Backend.EMULATION,
                 enable_fsdp_float8_all_gather=recipe in all_gather,
             )
             # Filter by object, not name: torchao visits each parent's children once, under one name.
@@ -354,9 +358,7 @@ def _enclosing_format(path: str, paths: Mapping[str, torch.nn.Module], fmts: Map
     return None
 
 
-def _needs_wrapper(
-    fmt: Format, own_names: list[str], paths: Mapping[str, torch.nn.Module], fmts: Mapping[int, Format]
-) -> bool:
+def _needs_wrapper(fmt: Format, own_names: list[str], paths: Mapping[str, torch.nn.Module], fmts: Mapping[int, Format]) -> bool:
     # A layer in the same format as the listed layer around it, at every place it is used, is covered by it.
     if fmt.spec.is_fp8:
         return True
@@ -423,7 +425,9 @@ def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *, fsdp_fp
             recipes.setdefault(f.spec.fp8_recipe, {})[id(paths[n])] = paths[n]
     fp8 = {recipe: list(group.values()) for recipe, group in recipes.items()}
     gathered = frozenset(
-        f.spec.fp8_recipe for f in policy.layers.values() if fsdp_fp8_all_gather and f.spec.fsdp_fp8_all_gather and f.spec.fp8_recipe
+        f.spec.fp8_recipe
+        for f in policy.layers.values()
+        if fsdp_fp8_all_gather and f.spec.fsdp_fp8_all_gather and f.spec.fp8_recipe
     )
     if fsdp_fp8_all_gather and not gathered:
         warnings.warn(

@@ -66,7 +66,9 @@ def read_json(path: str | Path) -> object:
         raise UserError(f"{path}: not readable JSON: it nests too deeply to read") from None
     except ValueError:  # int(): more digits than sys.get_int_max_str_digits(), a guard against slow conversion
         digits = sys.get_int_max_str_digits()
-        raise UserError(f"{path}: not readable JSON: it holds a number of more than {digits} digits, which no field takes") from None
+        raise UserError(
+            f"{path}: not readable JSON: it holds a number of more than {digits} digits, which no field takes"
+        ) from None
 
 
 CLAIM = ".autoprec.claim"  # the owner holding the folder (JSON); each live run keeps a shared flock on it
@@ -82,7 +84,9 @@ class Taken(Exception):
 
 
 @contextlib.contextmanager
-def claim_folder(folder: str | Path, owner: Mapping[str, Any], *, key: str, check: Callable[[], None] = lambda: None) -> Iterator[None]:
+def claim_folder(
+    folder: str | Path, owner: Mapping[str, Any], *, key: str, check: Callable[[], None] = lambda: None
+) -> Iterator[None]:
     """Hold `folder` (which must exist) for `owner` until the block ends. Raises Taken when a live process holds
     it for an owner whose `key` differs; one with the same `key` (another worker, a resume) shares it. `check`
     runs, under the claim, only when no one holds the folder: what a finished run left there is judged by it

@@ -15,7 +15,6 @@ from autoprec.apply import models_with
 from autoprec.formats import Format, default_device
 from autoprec.policy import Policy, as_policy
 
-
 DEFAULT_WARN_AFTER_SKIPS = 10
 
 
@@ -163,10 +162,7 @@ class PolicyGradScaler(torch.amp.GradScaler):
             warnings.warn(self._collapse_message(scale, model is not None), stacklevel=2)
 
     def _collapse_message(self, scale: float, named: bool) -> str:
-        head = (
-            f"autoprec: the loss scale is collapsing ({self.consecutive_skips} steps skipped in a row, "
-            f"scale now {scale:g}); "
-        )
+        head = f"autoprec: the loss scale is collapsing ({self.consecutive_skips} steps skipped in a row, scale now {scale:g}); "
         if not named:
             return head + "pass model= to grad_scaler to learn which layers' gradients were non-finite"
         where = ", ".join(self.last_nonfinite_layers) or "no parameter (the non-finite values were elsewhere)"

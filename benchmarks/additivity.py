@@ -22,16 +22,14 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from common import out_folder  # noqa: E402 (beside this script)
 
 from autoprec import Policy
+from autoprec.formats import Format, format_problem
 from autoprec.tune import load_space, load_task, prepare
-from autoprec.formats import Format
 from autoprec.tune.measure import evaluate_metric
-from autoprec.formats import format_problem
 from autoprec.tune.profiler import Profile
 from autoprec.tune.report import markdown_table
-
-from common import out_folder  # noqa: E402 (beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/additivity"  # where the files are written (and, for a re-check, read): --out
@@ -125,7 +123,13 @@ def main() -> None:
         pd.DataFrame([{"layer": n, "format": f, "metric_drop": d} for (n, f), d in singles.items()]).to_csv(
             HERE / f"single_{slug}.csv", index=False
         )
-        rows.append({"model": model, "policies": "random, root fp32", **stats(table["predicted_drop"], table["measured_drop"], BUDGETS[model])})
+        rows.append(
+            {
+                "model": model,
+                "policies": "random, root fp32",
+                **stats(table["predicted_drop"], table["measured_drop"], BUDGETS[model]),
+            }
+        )
     for model, folder, mode in (("digits", "digits", "weights"), ("tinylm", "tinylm", "weights"),
                                 ("digits", "train/digits", "train"), ("tinylm", "train/tinylm", "train")):  # fmt: skip
         prof_dir = DEVICE_DIR / folder if (DEVICE_DIR / folder / "profile.json").is_file() else None
@@ -146,7 +150,8 @@ def main() -> None:
         "predicted: the sum of the policy's layers' single-layer metric drops (weights mode, from the "
         "profile); measured: the policy's own drop (weights mode, or after K training steps for the train-mode "
         "studies). The last two columns count policies on the wrong side of the budget.\n\n"
-        + markdown_table(list(out.columns), out.values.tolist()) + "\n"
+        + markdown_table(list(out.columns), out.values.tolist())
+        + "\n"
     )
     (HERE / "summary.md").write_text(text, encoding="utf-8")
     print(text)

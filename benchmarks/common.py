@@ -37,8 +37,10 @@ def _version(package: str) -> str:
 def print_header(title: str, device: torch.device) -> None:
     print(title)
     print(f"device: {device_name(str(device))} ({device}); fp8 runs on {fp8_backend(device)}")
-    print(f"torch {torch.__version__}, torchao {_version('torchao')}, python {platform.python_version()}, "
-          f"{torch.get_num_threads()} CPU threads")
+    print(
+        f"torch {torch.__version__}, torchao {_version('torchao')}, python {platform.python_version()}, "
+        f"{torch.get_num_threads()} CPU threads"
+    )
 
 
 def fmt_timing(t: Timing) -> str:
@@ -52,4 +54,3 @@ def out_folder(doc: str | None, default: Path, root: Path) -> Path:
     out = parser.parse_args().out
     out.mkdir(parents=True, exist_ok=True)
     return out
-

@@ -23,10 +23,11 @@ from torch import nn
 # This checkout's autoprec, whatever the working directory (a script's sys.path starts at benchmarks/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
+
 from autoprec import Policy, apply_policy  # noqa: E402
 from autoprec.formats import FP8_FORMATS  # noqa: E402
 from autoprec.tune.measure import TimingConfig, compile_scope, interleaved_times  # noqa: E402
-from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
 
 FULL_SHAPES = (256, 1024, 2048, 4096, 8192)
 CPU_SHAPES = (256, 1024, 2048)  # emulated fp8 at 4096+ takes minutes per shape on a small CPU

@@ -22,15 +22,14 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+from common import out_folder  # noqa: E402 (beside this script)
 
 from autoprec import LossScale, Policy
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune.searcher import search
 from autoprec.tune.measure import TimingConfig, measure_steps, noise_floor, train_and_evaluate
 from autoprec.tune.report import gradient_summary, markdown_table, plot_all
+from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
-
-from common import out_folder  # noqa: E402 (beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/loss-scale"  # where the files are written (and, for a re-check, read): --out

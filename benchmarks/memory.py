@@ -19,13 +19,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import add_device_flag, parse_device, print_header  # noqa: E402
+
 from autoprec import Policy  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
-from autoprec.tune import load_task, memory, prepare  # noqa: E402
 from autoprec.tensors import map_tensors  # noqa: E402
+from autoprec.tune import load_task, memory, prepare  # noqa: E402
 from autoprec.tune.measure import Trainer, compile_scope, largest_batch  # noqa: E402
 from autoprec.tune.report import markdown_table  # noqa: E402
-from common import add_device_flag, parse_device, print_header  # noqa: E402
 
 EXAMPLES = ["examples/digits/model.py", "examples/tinylm/model.py", "examples/minilm/model.py"]
 POLICIES = {"fp32": Policy(), "uniform bf16": Policy(layers={"": Format.BF16}), "uniform fp16": Policy(layers={"": Format.FP16})}
@@ -61,7 +62,9 @@ def main() -> int:
                 state = memory.state_bytes(trainer.state())
         changes = [memory.format_change(memory.saving(peaks[n], peaks["fp32"])) for n in POLICIES if n != "fp32"]
         batch = _first_shape(workload.train[largest_batch(workload)])  # the batch Trainer.peak_memory measures
-        rows.append([workload.task.name, batch, memory.human_bytes(state), *(memory.human_bytes(p) for p in peaks.values()), *changes])
+        rows.append(
+            [workload.task.name, batch, memory.human_bytes(state), *(memory.human_bytes(p) for p in peaks.values()), *changes]
+        )
         print(f"{workload.task.name}: " + ", ".join(f"{n} {memory.human_bytes(p)}" for n, p in peaks.items()), file=sys.stderr)
     print(markdown_table(headers, rows))
     print("\nstate: parameters, buffers and optimizer state (the same in every format: the weights stay fp32); "

@@ -22,9 +22,10 @@ from torch import nn
 # This checkout's autoprec, whatever the working directory (a script's sys.path starts at benchmarks/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
+
 from autoprec import Policy, apply_policy  # noqa: E402
 from autoprec.tune.measure import TimingConfig, compile_scope, interleaved_times  # noqa: E402
-from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
 
 
 class Block(nn.Module):
@@ -109,8 +110,10 @@ def main() -> None:
     ratio = times["policy all-bf16"].median_ms / ref
     noise = abs(times["torch.autocast bf16 again"].median_ms / ref - 1)
     verdict = "within" if ratio <= 1.03 else "over"
-    print(f"all-bf16 policy / torch.autocast = {ratio:.3f} ({verdict} the 3% goal); "
-          f"the baseline measured twice differs by {noise:.1%}: differences below that are noise")
+    print(
+        f"all-bf16 policy / torch.autocast = {ratio:.3f} ({verdict} the 3% goal); "
+        f"the baseline measured twice differs by {noise:.1%}: differences below that are noise"
+    )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def compare(name: str, device, out: Path, against: Path | None) -> list[list[obj
         raise SystemExit(f"{out / name / 'policy.json'}: no measured.fp32_metric to compare the drops against")
     judge = Judge(workload, config, fp32_metric)
     finals = remeasure(workload, candidates, judge, budget, config.final_timing, progress=f"re-measuring {name}")
-    return [[name, r.candidate, r.metric_drop, r.speedup, f"±{50 * r.spread:.1f}%", "yes" if r.feasible else "no"] for r in finals]
+    return [
+        [name, r.candidate, r.metric_drop, r.speedup, f"±{50 * r.spread:.1f}%", "yes" if r.feasible else "no"] for r in finals
+    ]
 
 
 def _bare(policy: Policy) -> Policy:
@@ -95,7 +97,9 @@ def main() -> int:
         r = search_one(name, device, args.out)
         (args.out / name / "result.json").write_text(json.dumps(r, indent=2) + "\n", encoding="utf-8")
         rows.append([name, r["budget"], round(r["wall_s"]), r["chosen"], r["speedup"], r["metric_drop"]])
-        costs.append(f"### {name}\n\n" + markdown_table(["where the time went", "seconds", "share", "count"], cost_rows(r["cost"])))
+        costs.append(
+            f"### {name}\n\n" + markdown_table(["where the time went", "seconds", "share", "count"], cost_rows(r["cost"]))
+        )
         compared += compare(name, device, args.out, args.against)
     against = f" --against {args.against}" if args.against else ""
     text = (
@@ -104,7 +108,9 @@ def main() -> int:
         + markdown_table(["model", "budget", "search s", "chosen", "speedup (search's re-measure)", "drop"], rows)
         + "\n\n## The answers re-measured together (one interleaved run per model)\n\n"
         + markdown_table(["model", "policy", "metric drop", "speedup over fp32", "spread", "within budget"], compared)
-        + "\n\n## Where the time went\n\n" + "\n\n".join(costs) + "\n"
+        + "\n\n## Where the time went\n\n"
+        + "\n\n".join(costs)
+        + "\n"
     )
     (args.out / "summary.md").write_text(text, encoding="utf-8")
     print(text)

@@ -45,14 +45,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
 from autoprec import Policy
+from autoprec.formats import device_name  # noqa: E402
+from autoprec.policy import ROOT, model_fingerprint  # noqa: E402
 from autoprec.tune import ProfileConfig, load_task, prepare, profile  # noqa: E402
-from autoprec.tune.pipeline import GROUP_SHARE  # noqa: E402
 from autoprec.tune.choices import Choices, build_choices, greedy_params, suggest, uniform_params  # noqa: E402
 from autoprec.tune.measure import StepStats, TimingConfig, Trainer, evaluate_metric, interleaved_times, probe_times  # noqa: E402
-from autoprec.policy import ROOT, model_fingerprint  # noqa: E402
+from autoprec.tune.pipeline import GROUP_SHARE  # noqa: E402
 from autoprec.tune.space import space_from_dict  # noqa: E402
 from autoprec.tune.speed import LayerTimes, Timed, too_slow  # noqa: E402
-from autoprec.formats import device_name  # noqa: E402
 from autoprec.tune.study import SearchConfig, sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
 
 MODEL = Path(__file__).parent / "models" / "mlp8.py"
@@ -93,7 +93,11 @@ def measure_table(workload, names: list[str], path: Path) -> pd.DataFrame:
         else:
             t = interleaved_times({"fp32": baseline.step, "policy": trainer.step}, workload.device, TIMING)
             stats = StepStats(t["policy"], trainer.finite, trainer.steps, trainer.skipped)
-            speedup, spread, how = t["fp32"].median_ms / stats.effective_ms, max(t["fp32"].spread, t["policy"].spread), "interleaved"
+            speedup, spread, how = (
+                t["fp32"].median_ms / stats.effective_ms,
+                max(t["fp32"].spread, t["policy"].spread),
+                "interleaved",
+            )
         rows.append({"policy": " ".join(combo), **dict(zip(names, combo)), "metric": metric,
                      "metric_drop": fp32_metric - metric, "speedup": speedup, "spread": spread, "timed": how})  # fmt: skip
     table = pd.DataFrame(rows)
@@ -103,7 +107,13 @@ def measure_table(workload, names: list[str], path: Path) -> pd.DataFrame:
 
 
 def replay(
-    table: pd.DataFrame, choices: Choices, budget: float, sampler, warm: list[dict], trials: int, layer_times: LayerTimes | None = None,
+    table: pd.DataFrame,
+    choices: Choices,
+    budget: float,
+    sampler,
+    warm: list[dict],
+    trials: int,
+    layer_times: LayerTimes | None = None,
 ) -> list[tuple[float, str, int]]:
     """(best feasible speedup, its policy, trials untimed so far) after each trial of a study that reads the table
     instead of measuring. With `layer_times`, as a search that predicts speed (study.Objective): a feasible
@@ -248,14 +258,21 @@ def main() -> None:
     interleaved = table[table["timed"] == "interleaved"]
     text = (
         f"# Search against the true optimum\n\n`python benchmarks/search_optimum.py --out {args.out}"
-        + (f" --budgets {args.budgets}" if args.budgets != BUDGETS else "") + (f" --table {args.table}" if args.table else "") + "`\n\n"
+        + (f" --budgets {args.budgets}" if args.budgets != BUDGETS else "")
+        + (f" --table {args.table}" if args.table else "")
+        + "`\n\n"
         f"Device of the profiles: {prof.device}; the policies' metrics and speedups: {where}. Model: benchmarks/models/mlp8.py, 8 Linear layers x {{fp32, bf16, fp16}}, root fp32: "
         f"{len(table)} policies, each evaluated and timed against fp32 ({len(interleaved)} interleaved, median spread "
         f"{interleaved['spread'].median():.1%}; {len(table) - len(interleaved)} more than {PROBED_ABOVE}x slower than fp32 in a "
         f"first probe keep that ratio). Metric: -(mean eval loss); budget = the largest drop. Each method ran {args.seeds} "
         f"seeds against the table; the counts include warm starts.\n\n"
-        + "".join(f"Profile choices at budget {b:g}: {json.dumps(dict(build_choices(searched[b], SPACE, b, device).layers))}\n\n" for b in budgets)
-        + marginal(table, prof) + "\n" + summarise(runs, budgets, table)
+        + "".join(
+            f"Profile choices at budget {b:g}: {json.dumps(dict(build_choices(searched[b], SPACE, b, device).layers))}\n\n"
+            for b in budgets
+        )
+        + marginal(table, prof)
+        + "\n"
+        + summarise(runs, budgets, table)
     )
     (out / "summary.md").write_text(text, encoding="utf-8")
     print(text)

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
 from autoprec.tune import SearchConfig, load_space, load_task, prepare, profile  # noqa: E402
-from autoprec.tune.searcher import search  # noqa: E402
 from autoprec.tune.measure import Candidate, TimingConfig  # noqa: E402
 from autoprec.tune.pipeline import baselines, remeasure  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
+from autoprec.tune.searcher import search  # noqa: E402
 from autoprec.tune.space import Layout  # noqa: E402
 from autoprec.tune.study import Judge  # noqa: E402
 
@@ -93,7 +93,9 @@ def main() -> None:
     final.to_csv(out / "final.csv")
     rows = ["| candidate | metric drop | within budget | speedup over fp32 | spread |", "|---|---|---|---|---|"]
     for r in final:
-        rows.append(f"| {r.candidate} | {r.metric_drop:.4g} | {'yes' if r.feasible else 'no'} | {r.speedup:.3f} | ±{50 * r.spread:.1f}% |")
+        rows.append(
+            f"| {r.candidate} | {r.metric_drop:.4g} | {'yes' if r.feasible else 'no'} | {r.speedup:.3f} | ±{50 * r.spread:.1f}% |"
+        )
     reach = ["| layout | parameters | best after 10 / 25 / 50 trials (trial timing) | search time |", "|---|---|---|---|"]
     for name, result in results.items():
         c = curves[name]
@@ -105,7 +107,10 @@ def main() -> None:
         f"--budget {args.budget:g}`\n\nDevice: {first.profile.device}. Model: examples/tinylm/moe12.py (12 blocks, 109 Linears), "
         f"metric {first.profile.metric_name}, budget {args.budget:g}, {args.trials} trials per layout (seed 0, warm starts "
         f"included), one shared profile.\n\n## Final re-measure, all together ({args.rounds} interleaved rounds)\n\n"
-        + "\n".join(rows) + "\n\n## How fast each layout got there\n\n" + "\n".join(reach) + "\n"
+        + "\n".join(rows)
+        + "\n\n## How fast each layout got there\n\n"
+        + "\n".join(reach)
+        + "\n"
     )
     (out / "summary.md").write_text(text, encoding="utf-8")
     print(text)

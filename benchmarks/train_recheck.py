@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from common import out_folder  # noqa: E402 (beside this script)
 
 from autoprec import LossScale, Policy, apply_policy, grad_scaler, load_policy
 from autoprec.tune import load_task
 from autoprec.tune.records import Measured
 from autoprec.tune.report import markdown_table
-
-from common import out_folder  # noqa: E402 (beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/train"  # where the files are written (and, for a re-check, read): --out
@@ -116,7 +115,8 @@ def main() -> None:
         "# Train-mode results re-checked outside the search (CPU)\n\n"
         "`python benchmarks/train_recheck.py [--out DIR]  (default: results/cpu-xeon-2core/train)`: K steps from build_model()'s weights with "
         "apply_policy + grad_scaler(policy), batches in their given order, against K fp32 steps.\n\n"
-        + markdown_table(headers, rows) + "\n"
+        + markdown_table(headers, rows)
+        + "\n"
     )
     (HERE / "recheck.md").write_text(text, encoding="utf-8")
     print(text)

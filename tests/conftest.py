@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from timings import MODES, FormatClock, using
 
 # A valid model.py: Linear(16, 32) -> ReLU -> Linear(32, 32) -> Linear(32, 4), named fc1, act, fc2,

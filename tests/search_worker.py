@@ -16,13 +16,12 @@ import time
 from pathlib import Path
 
 import torch
-
-from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune.searcher import search
-from autoprec.tune.space import space_from_dict
-from autoprec.tune import measure
 from short_timing import FAST_PROFILE, TINY
 from timings import MODES, FormatClock
+
+from autoprec.tune import SearchConfig, load_task, measure, prepare
+from autoprec.tune.searcher import search
+from autoprec.tune.space import space_from_dict
 
 MODEL = Path(__file__).parent / "models" / "overflow_mlp.py"
 SPACE = {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100}}

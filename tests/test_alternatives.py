@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from autoprec.tune import load_task, prepare
-from autoprec.tune.alternatives import BF16, FP32, FP8_EVERYWHERE, GREEDY, TF32, alternatives, torchao_fp8_layers
+from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32, alternatives, torchao_fp8_layers
 from autoprec.tune.choices import build_choices
 from autoprec.tune.profiler import ProfileConfig, profile
 from autoprec.tune.space import space_from_dict
@@ -43,7 +43,10 @@ def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the
     assert list(alts.candidates) == [FP32, BF16, GREEDY]
     assert "CUDA" in alts.notes[TF32]
     assert "no fp8 kernels" in alts.notes[FP8_EVERYWHERE]  # emulation: never worth timing
-    assert "offers no tensorwise fp8" in alternatives(workload.model, workload.device, prof, choices, 0.05, fp8_offered=False).notes[FP8_EVERYWHERE]
+    assert (
+        "offers no tensorwise fp8"
+        in alternatives(workload.model, workload.device, prof, choices, 0.05, fp8_offered=False).notes[FP8_EVERYWHERE]
+    )
     fp32 = alts.candidates[FP32]
     assert not fp32.tf32 and {f.value for f in fp32.policy.layers.values()} == {"fp32"}
     assert {f.value for f in alts.candidates[BF16].policy.layers.values()} == {"bf16"}
@@ -57,7 +60,11 @@ def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(mo
     choices = build_choices(prof, SPACE, 0.05, workload.device)
     monkeypatch.setattr("autoprec.tune.alternatives.torchao_fp8_layers", lambda model, device: (["fc1", "big"], 3))
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
-    assert {n: f.value for n, f in alts.candidates[FP8_EVERYWHERE].policy.layers.items()} == {"": "bf16", "fc1": "fp8", "big": "fp8"}
+    assert {n: f.value for n, f in alts.candidates[FP8_EVERYWHERE].policy.layers.items()} == {
+        "": "bf16",
+        "fc1": "fp8",
+        "big": "fp8",
+    }
     monkeypatch.setattr("autoprec.tune.alternatives.torchao_fp8_layers", lambda model, device: ([], 3))
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert FP8_EVERYWHERE not in alts.candidates and "converts none of the model's 3 Linears" in alts.notes[FP8_EVERYWHERE]

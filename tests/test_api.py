@@ -7,17 +7,22 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from short_timing import FAST_PROFILE, TINY
 
 import autoprec.tune
 from autoprec import Policy
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.cli import main
 from autoprec.tune.space import space_from_dict
-from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
 FAST = {"timing": TINY, "final_timing": TINY, "profile": FAST_PROFILE, "finalists": 1, "progress": False}
-SPACE = {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1e6}, "sampler": "random"}  # no timing prunes: the choices are the same every run
+SPACE = {
+    "default": ["fp32", "bf16"],
+    "layers": {"Linear": ["fp32", "bf16", "fp16"]},
+    "prune": {"slower_than": 1e6},
+    "sampler": "random",
+}  # no timing prunes: the choices are the same every run
 
 
 def overflow_task():
@@ -125,7 +130,9 @@ def test_a_sys_exit_or_a_wrong_optimizer_in_the_functions_given_is_a_user_error_
         sys.exit(0)
 
     with pytest.raises(autoprec.UserError, match=r"^MLP: evaluate\(\) called sys.exit\(0\)"):
-        autoprec.tune.search(model, task.loss_fn, train, held_out, evaluate=evaluate, device="cpu", out=tmp_path / "a", name="MLP", **FAST)
+        autoprec.tune.search(
+            model, task.loss_fn, train, held_out, evaluate=evaluate, device="cpu", out=tmp_path / "a", name="MLP", **FAST
+        )
     with pytest.raises(autoprec.UserError, match=r"optimizer\(model\) raised TypeError.*model.parameters\(\)"):
         autoprec.tune.search(model, task.loss_fn, train, held_out, optimizer=lambda m: torch.optim.SGD(m, lr=0.1), device="cpu",
                              out=tmp_path / "b", **FAST)  # fmt: skip

@@ -5,14 +5,14 @@ import logging
 
 import pytest
 import torch
-from torchao.float8 import Float8LinearConfig
 from torch import nn
+from torchao.float8 import Float8LinearConfig
 
 from autoprec import Policy, apply_policy, grad_scaler
 from autoprec.apply import applied_policy, applied_summary
 from autoprec.formats import FP8_FORMATS, Format, Fp8Backend, has_fp8_kernels
-from autoprec.tune.measure import sqnr_db
 from autoprec.policy import LossScale
+from autoprec.tune.measure import sqnr_db
 
 
 class Probe(nn.Module):
@@ -352,7 +352,9 @@ def test_saving_a_policy_applied_model_whole_is_refused_at_save_time_pointing_at
     torch.manual_seed(0)
     model = apply_policy(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), Policy(layers={"": "bf16", "2": "fp32"}))
     for save in (lambda m: torch.save(m, io.BytesIO()), pickle.dumps, lambda m: torch.save(m[2], io.BytesIO())):
-        with pytest.raises(pickle.PicklingError, match=r"policy applied cannot be pickled whole.*save model.state_dict\(\).*apply_policy"):
+        with pytest.raises(
+            pickle.PicklingError, match=r"policy applied cannot be pickled whole.*save model.state_dict\(\).*apply_policy"
+        ):
             save(model)
     buffer = io.BytesIO()  # what to do instead: the state_dict, loaded into a fresh model that gets the policy again
     torch.save(model.state_dict(), buffer)

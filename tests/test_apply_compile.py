@@ -148,7 +148,9 @@ def test_models_with_different_policies_compiled_in_one_process_each_run_their_o
     first one's graph)."""
     x = _batches(1)[0]
     # layer k's format is base-3 digit k of i: every combination of fp32/bf16/fp16 over a, b, head in turn
-    policies = [Policy(layers={n: ("fp32", "bf16", "fp16")[i // 3**k % 3] for k, n in enumerate(("a", "b", "head"))}) for i in range(8)]
+    policies = [
+        Policy(layers={n: ("fp32", "bf16", "fp16")[i // 3**k % 3] for k, n in enumerate(("a", "b", "head"))}) for i in range(8)
+    ]
     for policy in policies:
         model = apply_policy(Net(), policy)
         expected = model(x)

@@ -91,7 +91,12 @@ def test_a_fused_optimizer_that_runs_its_own_inf_check_is_counted_and_named_the_
         model = apply_policy(Net(), FP16)
         scaler = grad_scaler(FP16, "cpu", model=model)
         opt, scales = _run(model, _batches(5), scaler=scaler, bad_steps={1, 2}, fused=fused)
-        runs[fused] = (scales, scaler.skipped_steps, scaler.last_nonfinite_layers, [p.detach().clone() for p in model.parameters()])
+        runs[fused] = (
+            scales,
+            scaler.skipped_steps,
+            scaler.last_nonfinite_layers,
+            [p.detach().clone() for p in model.parameters()],
+        )
     assert runs[True][:3] == runs[False][:3] == (runs[False][0], 2, ["b (bf16)"])
     assert runs[False][0] == [2.0**11, 2.0**10, 2.0**9, 2.0**10, 2.0**11]
     for fused_p, plain_p in zip(runs[True][3], runs[False][3]):

@@ -156,7 +156,10 @@ def test_search_bad_space(capsys, tmp_path, write_model, mlp_source):
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("layers: {Linear: [fp32]}\nloss_scale: {growth_factor: [.inf]}\n", "growth_factor must be a non-empty list of numbers > 1"),
+        (
+            "layers: {Linear: [fp32]}\nloss_scale: {growth_factor: [.inf]}\n",
+            "growth_factor must be a non-empty list of numbers > 1",
+        ),
         ("layers: {Linear: [fp32]}\nloss_scale: {backoff_factor: [.nan]}\n", "backoff_factor must be a non-empty list"),
         ("layers: {Linear: [fp32]}\nprune: {slower_than: .nan}\n", "slower_than must be a finite number, but got nan"),
         ("layers: {Linear: [fp32]}\nprune: {slower_than: .inf}\n", "slower_than must be a finite number, but got inf"),
@@ -359,13 +362,17 @@ def test_a_nan_fp32_loss_on_a_later_train_batch_is_one_line(capsys, tmp_path, wr
     assert_user_error(code, err, str(path), "loss_fn returns nan for the fp32 model on train batch 1 (of 2)")
 
 
-def test_an_out_folder_with_another_models_results_is_refused_before_anything_is_written(capsys, tmp_path, write_model, mlp_source):
+def test_an_out_folder_with_another_models_results_is_refused_before_anything_is_written(
+    capsys, tmp_path, write_model, mlp_source
+):
     out = tmp_path / "out"
     out.mkdir()
     (out / "profile.json").write_text(json.dumps({"fingerprint": "0123456789abcdef", "device": "cpu"}))
     before = (out / "profile.json").read_text()
     code, _, err = search(capsys, tmp_path, write_model(mlp_source))
-    assert_user_error(code, err, f"--out {out} holds results of another model structure", "pick another --out", "nothing was written")
+    assert_user_error(
+        code, err, f"--out {out} holds results of another model structure", "pick another --out", "nothing was written"
+    )
     assert sorted(p.name for p in out.iterdir()) == ["profile.json"] and (out / "profile.json").read_text() == before
     code, _, err = run(capsys, "profile", write_model(mlp_source), "--device", "cpu", "--out", out)
     assert_user_error(code, err, "holds results of another model structure")
@@ -403,7 +410,9 @@ def test_an_sqlite_file_given_as_a_journal_is_refused_untouched(capsys, tmp_path
 
 
 @pytest.mark.parametrize("what", ["json", "csv", "devnull", "fifo", "bad line"])
-def test_a_storage_that_is_not_a_journal_file_is_one_line_before_profiling_and_left_untouched(capsys, tmp_path, write_model, mlp_source, what):
+def test_a_storage_that_is_not_a_journal_file_is_one_line_before_profiling_and_left_untouched(
+    capsys, tmp_path, write_model, mlp_source, what
+):
     import os
 
     path = tmp_path / "storage"
@@ -520,7 +529,9 @@ def test_a_binary_space_file_and_a_deeply_nested_policy_are_one_line(capsys, tmp
      ("return float('nan')", "the all-fp32 model's metric is nan; it must be finite"),
      ("raise SystemExit(0)", "evaluate() called sys.exit(0) (SystemExit), which would end autoprec without a result")],
 )  # fmt: skip
-def test_the_default_relative_budget_reports_a_broken_evaluate_in_one_line_too(capsys, tmp_path, write_model, mlp_source, body, expected):
+def test_the_default_relative_budget_reports_a_broken_evaluate_in_one_line_too(
+    capsys, tmp_path, write_model, mlp_source, body, expected
+):
     """Resolving `1%` evaluates the fp32 model before the profile does: the same one-line errors."""
     path = write_model(mlp_source + f"\n\ndef evaluate(model):\n    {body}\n")
     for verb, extra in (("search", ()), ("sweep", ("--budgets", "0,1%"))):
@@ -540,7 +551,8 @@ def test_ctrl_c_names_only_the_options_that_were_given_to_resume_with(capsys, tm
     path = write_model(mlp_source + "\n\ndef loss_fn(model, batch):\n    raise KeyboardInterrupt\n")
     code, _, err = run(capsys, "search", path, "--device", "cpu", "--out", tmp_path / "out")
     assert code == 130 and err.strip().splitlines()[-1] == (
-        "autoprec: interrupted; the trials so far are stored: run the same command again (with the same --out) to resume")
+        "autoprec: interrupted; the trials so far are stored: run the same command again (with the same --out) to resume"
+    )
     code, _, err = run(capsys, "profile", path, "--device", "cpu", "--out", tmp_path / "p")
     assert code == 130 and err.strip().splitlines()[-1] == "autoprec: interrupted"
 

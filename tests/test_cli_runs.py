@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from short_timing import FAST_PROFILE, TINY
 
 import autoprec.tune.sweeper  # noqa: F401  (the fixture patches its module)
 from autoprec import load_policy
 from autoprec.tune.cli import main
-from short_timing import FAST_PROFILE, TINY
 
 MODELS = Path(__file__).parent / "models"
 
@@ -75,7 +75,14 @@ def test_sweep_writes_a_table_a_pareto_plot_and_a_policy_per_budget(fast, capsys
             "--trials", "6"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for name in ("sweep.csv", "sweep.md", "pareto.png", "sweep_trials.csv", "profile.png", *(f"policy-budget-{b}.json" for b in ("0", "0.05", "0.3"))):
+    for name in (
+        "sweep.csv",
+        "sweep.md",
+        "pareto.png",
+        "sweep_trials.csv",
+        "profile.png",
+        *(f"policy-budget-{b}.json" for b in ("0", "0.05", "0.3")),
+    ):
         assert (tmp_path / name).is_file(), name
     assert "profile greedy" in out and "Pareto front" in out and "policy-budget-0.05.json" in out
     assert load_policy(tmp_path / "policy-budget-0.05.json").measured["budget"] == 0.05
@@ -100,7 +107,18 @@ def test_search_without_a_budget_allows_one_percent_of_the_fp32_metric_and_says_
 
 
 def test_json_prints_the_result_as_one_object_and_quiet_prints_nothing(fast, capsys, tmp_path):
-    argv = ["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--trials", "2", "--budget", "0.05"]
+    argv = [
+        "search",
+        str(MODELS / "overflow_mlp.py"),
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--trials",
+        "2",
+        "--budget",
+        "0.05",
+    ]
     assert main([*argv, "--json"]) == 0
     out, err = capsys.readouterr()
     result = json.loads(out)  # the whole of stdout is one object
@@ -121,7 +139,18 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
     pipeline = sys.modules["autoprec.tune.pipeline"]
     real, calls = pipeline.final_remeasure, []
     monkeypatch.setattr(pipeline, "final_remeasure", lambda *a, **k: calls.append(1) or real(*a, **k))
-    argv = ["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--trials", "2", "--budget", "0.05"]
+    argv = [
+        "search",
+        str(MODELS / "overflow_mlp.py"),
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--trials",
+        "2",
+        "--budget",
+        "0.05",
+    ]
     assert main(argv) == 0 and len(calls) == 1
     first = (tmp_path / "policy.json").read_text()
     assert main(argv) == 0 and (tmp_path / "policy.json").read_text() == first  # byte for byte: not even rewritten
@@ -138,7 +167,19 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
 
 
 def test_a_sweep_takes_relative_budgets_beside_absolute_ones(fast, capsys, tmp_path):
-    argv = ["sweep", str(MODELS / "overflow_mlp.py"), "--budgets", "0,1%", "--device", "cpu", "--out", str(tmp_path), "--trials", "2", "--json"]
+    argv = [
+        "sweep",
+        str(MODELS / "overflow_mlp.py"),
+        "--budgets",
+        "0,1%",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--trials",
+        "2",
+        "--json",
+    ]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)["budgets"]
     fp32 = rows[0]["policy"]["measured"]["fp32_metric"]
@@ -174,10 +215,14 @@ def test_exclude_keeps_a_layer_out_of_the_profile_and_a_typo_is_one_line(fast, c
 def test_json_stdout_stays_one_object_when_the_model_prints(fast, capsys, tmp_path, write_model, mlp_source):
     """A model.py that prints (at import, in build_model, in loss_fn) under --json: its lines go to stderr, so
     stdout still parses as the one result object."""
-    source = "print('loading my model')\n" + mlp_source + (
-        "\n_build, _loss = build_model, loss_fn\n"
-        "\ndef build_model():\n    print('building')\n    return _build()\n"
-        "\ndef loss_fn(model, batch):\n    print('loss')\n    return _loss(model, batch)\n"
+    source = (
+        "print('loading my model')\n"
+        + mlp_source
+        + (
+            "\n_build, _loss = build_model, loss_fn\n"
+            "\ndef build_model():\n    print('building')\n    return _build()\n"
+            "\ndef loss_fn(model, batch):\n    print('loss')\n    return _loss(model, batch)\n"
+        )
     )
     path = write_model(source)
     assert main(["profile", str(path), "--device", "cpu", "--out", str(tmp_path / "p"), "--json"]) == 0
@@ -218,12 +263,15 @@ def test_a_full_disk_writing_results_is_one_line_naming_the_file_and_leaves_no_p
 
     monkeypatch.setattr(Path, "write_text", full)  # was a traceback
 
-
     out = tmp_path / "out"
     code = main(["profile", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(out), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith(f"autoprec: error: {out / 'profile.json'}: cannot write it (No space left on device)")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"autoprec: error: {out / 'profile.json'}: cannot write it (No space left on device)")
+    )
     assert not (out / "profile.json").exists() and not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
 
 
@@ -235,7 +283,20 @@ def test_a_full_disk_writing_the_study_is_one_line_and_a_rerun_resumes(fast, cap
     appends = []
 
     out = tmp_path / "out"
-    argv = ["search", str(MODELS / "overflow_mlp.py"), "--budget", "0.3", "--device", "cpu", "--out", str(out), "--trials", "3", "--quiet"]
+    argv = [
+        "search",
+        str(MODELS / "overflow_mlp.py"),
+        "--budget",
+        "0.3",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--trials",
+        "3",
+        "--quiet",
+    ]
+
     def full(self, logs):  # Optuna's own append, after `room` of them: half a record reaches the file, then the disk is full
         appends.append(len(logs))
         if len(appends) <= room:
@@ -251,6 +312,8 @@ def test_a_full_disk_writing_the_study_is_one_line_and_a_rerun_resumes(fast, cap
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     line = err.strip().splitlines()[-1]
-    assert line.startswith(f"autoprec: error: --out {out}: no space left on the device (writing the study ({out / 'study.journal'}))")
+    assert line.startswith(
+        f"autoprec: error: --out {out}: no space left on the device (writing the study ({out / 'study.journal'}))"
+    )
     assert "run the same command again" in line and len(appends) > room
     assert main(argv) == 0  # space freed: the same command runs (the journal's torn tail is dropped)

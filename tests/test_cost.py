@@ -4,19 +4,18 @@ a policy proposed twice is measured once, the all-fp32 trial reuses the profile'
 import time
 
 import pytest
-
-from autoprec import Policy
-from autoprec.tune import SearchConfig, load_task, prepare, profile
-from autoprec.tune.study import Judge
-from autoprec.tune.searcher import search
-from autoprec.tune.cost import Stopwatch, cost_rows
-from autoprec.tune.space import space_from_dict
 from short_timing import FAST_PROFILE, TINY
 from timings import FASTER, FormatClock, using
 
+from autoprec import Policy
+from autoprec.tune import SearchConfig, load_task, prepare, profile
+from autoprec.tune.cost import Stopwatch, cost_rows
+from autoprec.tune.searcher import search
+from autoprec.tune.space import space_from_dict
+from autoprec.tune.study import Judge
 
 # Three blocks of the same shape, and a head of another: the blocks are timed once, the head apart.
-REPEATED = '''
+REPEATED = """
 from collections import OrderedDict
 import torch
 from torch import nn
@@ -37,7 +36,7 @@ def batches(split):
 def loss_fn(model, batch):
     x, y = batch
     return nn.functional.cross_entropy(model(x), y)
-'''
+"""
 
 
 def test_stopwatch_accumulates_sections_and_counts():
@@ -56,7 +55,12 @@ def test_stopwatch_accumulates_sections_and_counts():
 
 def test_cost_rows_show_each_stage_with_its_share():
     rows = cost_rows({"seconds": {"profile": 3.0, "trials": 1.0}, "counts": {"profile": 1, "trials": 4, "reused": 2}})
-    assert rows == [["profile", "3.0", "75%", 1], ["trials", "1.0", "25%", 4], ["total of the stages above", "4.0", "100%", ""], ["reused", "-", "-", 2]]
+    assert rows == [
+        ["profile", "3.0", "75%", 1],
+        ["trials", "1.0", "25%", 4],
+        ["total of the stages above", "4.0", "100%", ""],
+        ["reused", "-", "-", 2],
+    ]
 
 
 def test_layers_of_one_shape_are_timed_once(write_model):
@@ -80,11 +84,17 @@ def small_search(tmp_path_factory):
     (folder / "model.py").write_text(source, encoding="utf-8")
     workload = prepare(load_task(folder / "model.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100.0}})
-    config = SearchConfig(budget=10.0, trials=8, timing=TINY, final_timing=TINY, finalists=1, progress=False, profile=FAST_PROFILE)
+    config = SearchConfig(
+        budget=10.0, trials=8, timing=TINY, final_timing=TINY, finalists=1, progress=False, profile=FAST_PROFILE
+    )
     trial_evaluations = []  # the policies the trials evaluated (the final re-measure passes Candidates)
     real = Judge.safe_metric
     with pytest.MonkeyPatch.context() as mp, using(FormatClock(FASTER)):  # bf16 must pay for the search to offer it
-        mp.setattr(Judge, "safe_metric", lambda judge, p: (trial_evaluations.append(p) if isinstance(p, Policy) else None, real(judge, p))[1])
+        mp.setattr(
+            Judge,
+            "safe_metric",
+            lambda judge, p: (trial_evaluations.append(p) if isinstance(p, Policy) else None, real(judge, p))[1],
+        )
         result = search(workload, space, config, folder / "out")
     return workload, result, trial_evaluations
 

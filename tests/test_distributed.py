@@ -4,11 +4,10 @@ FSDP2 with fsdp_fp8_all_gather, the fp8 layers' weights are all-gathered in fp8 
 
 import socket
 
+import distributed_worker as worker
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import distributed_worker as worker
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 

@@ -44,7 +44,9 @@ def test_the_torchao_file_converts_exactly_the_policys_fp8_layers_with_their_rec
     assert converted["a"] == converted["e.0"] == Float8LinearConfig.from_recipe_name("tensorwise")
     assert converted["b"] == Float8LinearConfig.from_recipe_name("rowwise")
     assert [type(m) for m in (model.c, model.d, model.f)] == [nn.Linear] * 3
-    assert len(left_out) == 2 and "model root" in left_out[0] and "bf16" in left_out[0] and "layer 'c' runs in bf16" in left_out[1]
+    assert (
+        len(left_out) == 2 and "model root" in left_out[0] and "bf16" in left_out[0] and "layer 'c' runs in bf16" in left_out[1]
+    )
     assert all(line in (tmp_path / "policy_torchao.py").read_text() for line in left_out)  # in the file, too
 
 
@@ -159,6 +161,7 @@ def test_a_policy_without_rowwise_layers_gives_torchtitan_no_converter(tmp_path,
 
 # --- Megatron-core: its TransformerConfig validates the fields, its own layer rule says which layers run fp8 ---
 
+
 def megatron_policy(blocks):
     """blocks: per transformer layer, (qkv, proj, fc1, fc2) formats."""
     roles = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
@@ -199,7 +202,10 @@ def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_laye
     assert parsed == {k: v for k, v in exported["transformer_config"].items() if v is not False}
     assert left_out == exported["not_expressed"] and len(left_out) == 4
     assert "layer 'output_layer' runs in fp8 outside the transformer layers (decoder.layers.N)" in left_out[0]
-    assert left_out[1].startswith("transformer layers decoder.layers.{0}: wholly fp8 in the policy, but") and "here 2-4" in left_out[1]
+    assert (
+        left_out[1].startswith("transformer layers decoder.layers.{0}: wholly fp8 in the policy, but")
+        and "here 2-4" in left_out[1]
+    )
     assert left_out[2].startswith("transformer layers decoder.layers.{5}: some linears in fp8 and some not")
     assert left_out[3].startswith("transformer layers decoder.layers.{6}: a linear in an fp8 recipe Megatron has no twin")
     assert "for a model of 7 transformer layers (taken from the policy's layer names" in exported["notes"][0]

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from autoprec.formats import FORMATS, FP8_FORMATS, REGISTRY, RISKY, Format, format_problem, parse_format
 from autoprec.tune.choices import fit
-from autoprec.formats import FP8_FORMATS, FORMATS, REGISTRY, RISKY, Format, format_problem, parse_format
 
 
 def test_every_format_has_exactly_one_registry_entry_keyed_by_itself():

@@ -12,12 +12,16 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from autoprec.integrations.transformers import PolicyTrainer  # noqa: E402
 
-POLICY = Policy(layers={"": "fp32", "transformer.h.0.mlp.c_fc": "fp16"}, loss_scale=LossScale(init_scale=2.0**8, growth_interval=1000))
+POLICY = Policy(
+    layers={"": "fp32", "transformer.h.0.mlp.c_fc": "fp16"}, loss_scale=LossScale(init_scale=2.0**8, growth_interval=1000)
+)
 
 
 def gpt2():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -109,10 +113,14 @@ def test_scaled_training_matches_unscaled_training_step_for_step(tmp_path):
     from autoprec import apply_policy
 
     scaled = gpt2()
-    trainer = PolicyTrainer(policy=POLICY, model=scaled, args=arguments(tmp_path / "a", optim="sgd", learning_rate=0.1), train_dataset=data())
+    trainer = PolicyTrainer(
+        policy=POLICY, model=scaled, args=arguments(tmp_path / "a", optim="sgd", learning_rate=0.1), train_dataset=data()
+    )
     trainer.train()
     control = apply_policy(gpt2(), POLICY)
-    transformers.Trainer(model=control, args=arguments(tmp_path / "b", optim="sgd", learning_rate=0.1), train_dataset=data()).train()
+    transformers.Trainer(
+        model=control, args=arguments(tmp_path / "b", optim="sgd", learning_rate=0.1), train_dataset=data()
+    ).train()
     assert trainer.autoprec_scaler.skipped_steps == 0
     moved = [(a - gpt2().state_dict()[n]).abs().max().item() for n, a in scaled.state_dict().items() if a.is_floating_point()]
     assert max(moved) > 1e-3  # it trained

@@ -7,14 +7,14 @@ import torch
 from autoprec import Policy
 from autoprec.tune import load_task, measure, prepare
 from autoprec.tune.measure import (
-    TimingConfig,
     Timing,
+    TimingConfig,
     Trainer,
     default_evaluate,
     evaluate_metric,
     interleaved_times,
-    probe_times,
     measure_steps,
+    probe_times,
     sqnr_db,
 )
 
@@ -121,7 +121,7 @@ def test_the_final_remeasure_is_settled_once_every_candidates_rounds_agree_and_n
 
     tight = [10.0, 10.1, 9.9, 10.05, 10.0]
     assert all_settled({"a": tight, "b": [20.0, 20.1, 19.9, 20.0, 20.2]})
-    assert not all_settled({"a": tight[:SETTLED_FINAL_ROUNDS - 1], "b": tight[:SETTLED_FINAL_ROUNDS - 1]})
+    assert not all_settled({"a": tight[: SETTLED_FINAL_ROUNDS - 1], "b": tight[: SETTLED_FINAL_ROUNDS - 1]})
     assert not all_settled({"a": tight, "b": [20.0, 26.0, 19.0, 22.0, 20.5]})  # one candidate still noisy
 
 

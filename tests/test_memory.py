@@ -1,4 +1,3 @@
-
 import gc
 
 import pytest
@@ -14,7 +13,7 @@ CPU = torch.device("cpu")
 
 # Activations (4096 x 512 per hidden layer) outweigh the weights, as in training with real batches: lowering the
 # matmuls to bf16 must show in the peak.
-WIDE = '''
+WIDE = """
 import torch
 from torch import nn
 
@@ -29,7 +28,7 @@ def batches(split):
 def loss_fn(model, batch):
     x, y = batch
     return nn.functional.cross_entropy(model(x), y)
-'''
+"""
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,16 @@ import types
 from pathlib import Path
 
 import pytest
+from builders import finals
 
 from autoprec import Policy
-from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune import pipeline
+from autoprec.tune import SearchConfig, load_task, pipeline, prepare
 from autoprec.tune.alternatives import BF16, FP32, GREEDY, Alternatives
 from autoprec.tune.choices import Choices
 from autoprec.tune.measure import Candidate
 from autoprec.tune.searcher import search_plan
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.sweeper import sweep_plan
-from builders import finals
 
 MODELS = Path(__file__).parent / "models"
 
@@ -38,9 +37,14 @@ def test_search_and_sweep_plans_differ_only_in_budgets_objectives_and_file_names
 
 
 def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_of_its_fastest(monkeypatch):
-    choices = Choices(default=("fp32", "bf16"), layers={"a": ("fp32", "bf16", "fp16"), "b": ("fp32", "bf16", "fp16")}, excluded={})
+    choices = Choices(
+        default=("fp32", "bf16"), layers={"a": ("fp32", "bf16", "fp16"), "b": ("fp32", "bf16", "fp16")}, excluded={}
+    )
     fp32 = Policy(layers={"": "fp32", "a": "fp32", "b": "fp32"})
-    greedy = {0.0: Policy(layers={"": "fp32", "a": "fp32", "b": "bf16"}), 0.1: Policy(layers={"": "fp32", "a": "bf16", "b": "bf16"})}
+    greedy = {
+        0.0: Policy(layers={"": "fp32", "a": "fp32", "b": "bf16"}),
+        0.1: Policy(layers={"": "fp32", "a": "bf16", "b": "bf16"}),
+    }
     trials = {  # budget -> its fastest trials, fastest first
         0.0: {"trial 3": Candidate(Policy(layers={"": "fp32", "a": "fp16", "b": "fp32"}))},
         0.1: {"trial 7": Candidate(Policy(layers={"": "fp32", "a": "fp16", "b": "fp16"})), "trial 3": Candidate(fp32)},
@@ -60,7 +64,14 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
     assert candidates["trial 3, fp16/fp8 -> bf16"].policy.layers["a"].value == "bf16"  # the 0 budget's fastest, made safer
     # the 0.1 budget's safer variant is its greedy policy, already there: measured once, under that name
     assert "trial 7, fp16/fp8 -> bf16" not in candidates and "trial 7" in candidates
-    assert list(candidates) == ["fp32", "profile greedy 0", "profile greedy 0.1", "trial 3", "trial 3, fp16/fp8 -> bf16", "trial 7"]
+    assert list(candidates) == [
+        "fp32",
+        "profile greedy 0",
+        "profile greedy 0.1",
+        "trial 3",
+        "trial 3, fp16/fp8 -> bf16",
+        "trial 7",
+    ]
     one, _, _ = pipeline.gather_candidates(None, None, started, search_plan(0.1), 2)
     assert list(one) == ["fp32", GREEDY, "trial 7"]  # one budget: the greedy policy keeps its plain name
 
@@ -90,7 +101,9 @@ def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_no
         assert len([r for r in caplog.records if "still spread up to" in r.message]) == warnings
 
 
-def test_an_out_folder_a_live_run_holds_for_another_model_is_refused_and_the_same_model_may_join(tmp_path, write_model, mlp_source):
+def test_an_out_folder_a_live_run_holds_for_another_model_is_refused_and_the_same_model_may_join(
+    tmp_path, write_model, mlp_source
+):
     # Two models started together on one --out both passed check_out_dir (nothing written yet) and one's results
     # replaced the other's: the folder is now claimed before anything is written, for as long as a run lasts.
     from autoprec import UserError

@@ -282,7 +282,9 @@ def test_a_long_layer_name_is_shown_cut_short():
 @pytest.mark.parametrize("where", ["measured", "loss_scale", "layers"])
 def test_a_number_too_long_for_python_to_read_is_one_error_naming_the_file(tmp_path, where):
     big = "9" * 5000  # past Python's int max str digits (4300): json.loads raises a bare ValueError
-    text = json.dumps(valid()).replace('"growth_interval": 500', f'"growth_interval": {big}' if where == "loss_scale" else '"growth_interval": 500')
+    text = json.dumps(valid()).replace(
+        '"growth_interval": 500', f'"growth_interval": {big}' if where == "loss_scale" else '"growth_interval": 500'
+    )
     text = text.replace('"fc1": "fp16"', f'"fc1": {big}' if where == "layers" else '"fc1": "fp16"')
     if where == "measured":
         text = text[:-1] + f', "measured": {{"budget": {big}}}}}'

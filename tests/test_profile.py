@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from short_timing import TINY
 
 from autoprec import Policy
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
 from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.space import space_from_dict
-from short_timing import TINY
 
 MODELS = Path(__file__).parent / "models"
 FAST = ProfileConfig(batches=2, timing=TINY)
@@ -80,7 +80,15 @@ def test_a_module_autocast_does_not_lower_is_reported(tmp_path):
 
 # ---- gradient ranges ----------------------------------------------------------------------------
 
-GRAD_COLUMNS = ["grad_amax", "grad_amin", "grad_underflow", "grad_subnormal", "grad_overflow", "scale_low_log2", "scale_high_log2"]
+GRAD_COLUMNS = [
+    "grad_amax",
+    "grad_amin",
+    "grad_underflow",
+    "grad_subnormal",
+    "grad_overflow",
+    "scale_low_log2",
+    "scale_high_log2",
+]
 
 
 def test_gradient_columns_sit_beside_the_sensitivity_columns(prof):
@@ -143,7 +151,11 @@ def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_save
     from autoprec.tune.cost import Stopwatch
     from autoprec.tune.pipeline import _load_or_profile
 
-    path = write_model(small_task("def build_model():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"))
+    path = write_model(
+        small_task(
+            "def build_model():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
+        )
+    )
     workload = prepare(load_task(path), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
     config = SearchConfig(budget=0.1, progress=False, profile=FAST)
@@ -157,12 +169,14 @@ def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_save
 
 def test_a_layer_the_loss_never_calls_is_left_out_with_a_warning(tmp_path, write_model, caplog):
     """A pretrained model's unused head (a pooler) must not refuse the whole model."""
-    path = write_model(small_task(
-        "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
-        "        self.fc = nn.Linear(8, 4)\n        self.pooler = nn.Linear(8, 8)  # never called\n\n"
-        "    def forward(self, x):\n        return self.fc(x)\n\n"
-        "def build_model():\n    torch.manual_seed(0)\n    return Net()\n"
-    ))
+    path = write_model(
+        small_task(
+            "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        self.fc = nn.Linear(8, 4)\n        self.pooler = nn.Linear(8, 8)  # never called\n\n"
+            "    def forward(self, x):\n        return self.fc(x)\n\n"
+            "def build_model():\n    torch.manual_seed(0)\n    return Net()\n"
+        )
+    )
     workload = prepare(load_task(path), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
     with caplog.at_level("WARNING", logger="autoprec"):
@@ -246,8 +260,7 @@ def test_numerics_are_measured_for_every_format_however_slow_it_runs_here(monkey
 
 
 def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_ruled_out(tmp_path, monkeypatch):
-    from autoprec.tune import SearchConfig
-    from autoprec.tune import profiler
+    from autoprec.tune import SearchConfig, profiler
     from autoprec.tune.cost import Stopwatch
     from autoprec.tune.pipeline import _load_or_profile
 
@@ -323,7 +336,9 @@ def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_on
     assert watch.counts == {"profile: reused the one saved in the output folder": 1}
     watch = Stopwatch()
     tight = _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.05, progress=False, profile=FAST), watch=watch)
-    assert "profile: reused the one saved in the output folder" not in watch.counts and tight.group_tolerance == pytest.approx(0.005)
+    assert "profile: reused the one saved in the output folder" not in watch.counts and tight.group_tolerance == pytest.approx(
+        0.005
+    )
 
 
 def _fake_group_metric(monkeypatch, drops, fails=()):
@@ -501,7 +516,9 @@ def test_a_layer_called_twice_is_measured_in_the_whole_model():
         fp32_out, fp32_grad = _in_model(workload, name, "fp32")
         out, grad = _in_model(workload, name, "bf16")
         assert table.loc[(name, "bf16"), "sqnr_db"] == pytest.approx(sqnr_db(fp32_out, out), abs=1e-3 if name == "fc" else 0.01)
-        assert table.loc[(name, "bf16"), "grad_sqnr_db"] == pytest.approx(sqnr_db(fp32_grad, grad), abs=1e-3 if name == "fc" else 1.0)
+        assert table.loc[(name, "bf16"), "grad_sqnr_db"] == pytest.approx(
+            sqnr_db(fp32_grad, grad), abs=1e-3 if name == "fc" else 1.0
+        )
 
 
 class _Recurrent(torch.nn.Module):

@@ -3,10 +3,10 @@ import math
 from pathlib import Path
 
 import pytest
+from builders import finals, measurement
 
 from autoprec import Policy, load_policy
 from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
-from builders import finals, measurement
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -55,7 +55,10 @@ def test_a_result_keeps_null_where_a_number_was_not_finite_and_leaves_out_what_w
     broken = measurement("x", metric=math.nan, metric_drop=math.inf, runs=False, speedup=math.nan, error="boom")
     r = Result.of(broken)
     assert r.metric is None and r.metric_drop is None and r.speedup is None and r.error == "boom"
-    assert "train_skipped_steps" not in Result.of(measurement("y")).to_dict() and "error" not in Result.of(measurement("y")).to_dict()
+    assert (
+        "train_skipped_steps" not in Result.of(measurement("y")).to_dict()
+        and "error" not in Result.of(measurement("y")).to_dict()
+    )
     assert Result.of(measurement("z", train_skipped=2)).to_dict()["train_skipped_steps"] == 2
 
 

@@ -6,11 +6,11 @@ import math
 from pathlib import Path
 
 import pytest
+from short_timing import FAST_PROFILE
 
 from autoprec.tune import load_task, prepare, profile
 from autoprec.tune.report import gradient_summary, mode_text, plot_all, plot_profile
 from autoprec.tune.space import space_from_dict
-from short_timing import FAST_PROFILE
 
 MODELS = Path(__file__).parent / "models"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -36,10 +36,16 @@ def test_heat_map_marks_what_went_wrong(prof, tmp_path, monkeypatch):
     import matplotlib.axes
 
     original = matplotlib.axes.Axes.text
-    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda self, x, y, s, **kw: texts.append((x, y, s)) or original(self, x, y, s, **kw))
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "text", lambda self, x, y, s, **kw: texts.append((x, y, s)) or original(self, x, y, s, **kw)
+    )
     table = prof.table.copy()
     slow = (table["layer"] == "fc1") & (table["format"] == "bf16")
-    table.loc[slow, ["metric_source", "sqnr_db", "metric_drop"]] = ["not measured: measured 2.00x the layer's fp32 time", math.nan, math.nan]
+    table.loc[slow, ["metric_source", "sqnr_db", "metric_drop"]] = [
+        "not measured: measured 2.00x the layer's fp32 time",
+        math.nan,
+        math.nan,
+    ]
     plot_profile(table, tmp_path / "p.png")
     formats, layers = ["fp32", "bf16", "fp16", "fp8"], ["fc1", "big", "head"]
     at = {(layers[y], formats[x]): s for x, y, s in texts}
@@ -91,7 +97,7 @@ LONG = ("needs CUDA compute capability 8.9+ kernels on this device; torchao's em
 
 def test_the_layer_table_says_each_reason_once_groups_alike_layers_and_fits_120_columns():
     from autoprec import Policy
-    from autoprec.tune.report import LayerTable, WIDTH
+    from autoprec.tune.report import WIDTH, LayerTable
 
     layers = {"": "bf16", "fc1": "bf16", "fc2": "bf16", "fc3": "bf16", "head": "bf16"}
     excluded = {
@@ -137,9 +143,10 @@ def test_show_says_what_each_format_in_the_policy_means():
 def test_the_summarys_first_line_says_plainly_when_the_answer_is_a_tie_inside_the_noise():
     import types
 
+    from builders import finals
+
     from autoprec import Policy
     from autoprec.tune.report import headline, show_policy
-    from builders import finals
 
     rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.7, "feasible": True, "metric_drop": 0.0},
                   {"candidate": "uniform bf16", "speedup": 1.59, "spread": 1.03, "feasible": True, "metric_drop": 0.0})  # fmt: skip

@@ -7,20 +7,19 @@ import optuna
 import pandas as pd
 import pytest
 import torch
-
-from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, load_policy
-from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune.searcher import search
-from autoprec.tune.gradients import LayerGradients, scale_table
-from autoprec.tune.measure import NoiseFloor, metric_of
-from autoprec.tune.profiler import COLUMNS, Profile
-from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
-from autoprec.tune.searcher import Mode
-from autoprec.tune.study import INFEASIBLE, over_budget
-from autoprec.tune.space import space_from_dict
 from builders import finals, made_up_peak
 from short_timing import FAST_PROFILE, TINY
 from timings import FASTER, FormatClock, using
+
+from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, load_policy
+from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
+from autoprec.tune.gradients import LayerGradients, scale_table
+from autoprec.tune.measure import NoiseFloor, metric_of
+from autoprec.tune.profiler import COLUMNS, Profile
+from autoprec.tune.searcher import Mode, search
+from autoprec.tune.space import space_from_dict
+from autoprec.tune.study import INFEASIBLE, over_budget
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "trials": 6})
@@ -47,8 +46,12 @@ def fake_profile(rows: list[tuple], grad_ranges: pd.DataFrame | None = None) -> 
 
 def test_choices_follow_the_measurements_not_a_rule():
     # The same layer: where fp16 measured fast and bf16 slow, fp16 is kept and bf16 dropped; and vice versa.
-    fast_fp16 = fake_profile([("a", "fp32", 0, 1.0, True, False), ("a", "bf16", 0, 2.0, True, False), ("a", "fp16", 0, 0.5, True, False)])
-    fast_bf16 = fake_profile([("a", "fp32", 0, 1.0, True, False), ("a", "bf16", 0, 0.5, True, False), ("a", "fp16", 0, 2.0, True, False)])
+    fast_fp16 = fake_profile(
+        [("a", "fp32", 0, 1.0, True, False), ("a", "bf16", 0, 2.0, True, False), ("a", "fp16", 0, 0.5, True, False)]
+    )
+    fast_bf16 = fake_profile(
+        [("a", "fp32", 0, 1.0, True, False), ("a", "bf16", 0, 0.5, True, False), ("a", "fp16", 0, 2.0, True, False)]
+    )
     cpu = torch.device("cpu")
     assert build_choices(fast_fp16, SPACE, 0.01, cpu).layers["a"] == ("fp32", "fp16")
     assert build_choices(fast_bf16, SPACE, 0.01, cpu).layers["a"] == ("fp32", "bf16")
@@ -77,7 +80,9 @@ def test_greedy_takes_the_biggest_savings_within_the_summed_drops():
 
 
 def test_policy_from_params_fixes_single_choice_layers_and_sets_loss_scale():
-    prof = fake_profile([("a", "fp32", 0, 1.0, True, False), ("a", "fp16", 0, 0.5, True, False), ("b", "fp32", 0, 1.0, True, False)])
+    prof = fake_profile(
+        [("a", "fp32", 0, 1.0, True, False), ("a", "fp16", 0, 0.5, True, False), ("b", "fp32", 0, 1.0, True, False)]
+    )
     choices = build_choices(prof, SPACE, 0.01, torch.device("cpu"))
     params = {"default": "bf16", "layer:a": "fp16", "loss_scale:init_scale_log2": 12,
               "loss_scale:growth_interval": 500, "loss_scale:dynamic": True}  # fmt: skip
@@ -326,10 +331,14 @@ def test_a_finished_train_mode_study_whose_result_stands_measures_no_noise_floor
 
 def picky_model(tmp_path):
     """overflow_mlp.py, but its forward refuses to train under autocast (it evaluates fine)."""
-    src = (MODELS / "overflow_mlp.py").read_text().replace(
-        "    def forward(self, x):\n",
-        "    def forward(self, x):\n        if self.training and torch.is_autocast_enabled('cpu'):\n"
-        "            raise RuntimeError('no autocast here')\n",
+    src = (
+        (MODELS / "overflow_mlp.py")
+        .read_text()
+        .replace(
+            "    def forward(self, x):\n",
+            "    def forward(self, x):\n        if self.training and torch.is_autocast_enabled('cpu'):\n"
+            "            raise RuntimeError('no autocast here')\n",
+        )
     )
     (tmp_path / "picky.py").write_text(src)
     return tmp_path / "picky.py"
@@ -343,7 +352,9 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
 
     prof_space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32"]}})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), prof_space, 0.05, torch.device("cpu"))
-    objective = Objective(workload, choices, prof_space, Judge(workload, SearchConfig(budget=0.05, **FAST), 0.0), SearchConfig(budget=0.05, **FAST))
+    objective = Objective(
+        workload, choices, prof_space, Judge(workload, SearchConfig(budget=0.05, **FAST), 0.0), SearchConfig(budget=0.05, **FAST)
+    )
     import optuna
 
     study = optuna.create_study(direction="maximize")
@@ -367,7 +378,9 @@ def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finali
     study = optuna.create_study(directions=["maximize"] * objectives)
 
     def timed(speedup, **attrs):
-        study.add_trial(optuna.trial.create_trial(values=[speedup] * objectives, user_attrs={"feasible": True, "speedup": speedup, **attrs}))
+        study.add_trial(
+            optuna.trial.create_trial(values=[speedup] * objectives, user_attrs={"feasible": True, "speedup": speedup, **attrs})
+        )
 
     def rounds(*speedups, fp32=10.0):
         return {"fp32": [fp32] * len(speedups), "policy": [fp32 / s for s in speedups]}
@@ -438,7 +451,7 @@ def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
             {"candidate": "fp32", "speedup": 1.0, "spread": spread, "feasible": True},
             {"candidate": "risky", "speedup": risky_speedup, "spread": spread, "feasible": True},
             {"candidate": "safe", "speedup": 1.5, "spread": spread, "feasible": True},
-        )  # fmt: skip
+        )
 
     name, why = choose(measured(1.53, 0.04), candidates)  # 2% lead, 4% spread: noise
     assert name == "safe" and "inside the spread" in why
@@ -480,7 +493,7 @@ def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
         {"candidate": "uniform bf16", "speedup": 1.49, "spread": 0.04, "feasible": True},
         {"candidate": "trial 3", "speedup": 1.50, "spread": 0.04, "feasible": True},
         {"candidate": "trial 5", "speedup": 1.46, "spread": 0.04, "feasible": True},  # safer, tied, but below bf16
-    ]  # fmt: skip
+    ]
     name, why = choose(finals(*rows), candidates)
     assert name == "uniform bf16" and "inside the spread" in why
     rows[2]["speedup"] = 1.7  # a real lead: the searched policy
@@ -499,7 +512,7 @@ def test_tf32_is_measured_but_never_chosen_as_the_policy():
     measured = finals(
         {"candidate": "fp32", "speedup": 1.0, "spread": 0.01, "feasible": True},
         {"candidate": "TF32", "speedup": 3.0, "spread": 0.01, "feasible": True},
-    )  # fmt: skip
+    )
     assert choose(measured, candidates)[0] == "fp32"
 
 
@@ -658,7 +671,11 @@ def test_a_study_from_before_memory_limits_resumes_without_a_limit_and_is_refuse
 def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():
     from autoprec.tune.pipeline import choose_smallest
 
-    candidates = {"fp32": Policy(), "uniform bf16": Policy(layers={"": "bf16"}), "trial 1": Policy(layers={"": "bf16", "a": "fp32"})}
+    candidates = {
+        "fp32": Policy(),
+        "uniform bf16": Policy(layers={"": "bf16"}),
+        "trial 1": Policy(layers={"": "bf16", "a": "fp32"}),
+    }
     rows = [
         {"candidate": "fp32", "speedup": 1.0, "peak_bytes": 1000, "memory_saving": 0.0},
         {"candidate": "uniform bf16", "speedup": 1.5, "peak_bytes": 604, "memory_saving": 0.396},
@@ -686,7 +703,9 @@ def test_memory_settings_are_checked_and_a_new_limit_is_another_study(tmp_path, 
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_alternative_it_was_not_separated_from(tmp_path, timings, seed):
+def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_alternative_it_was_not_separated_from(
+    tmp_path, timings, seed
+):
     """A search beside a CPU hog (step times x exp(N(0, 0.8)): spreads around ±50%) on a device where every bf16 layer
     pays: what it writes is an alternative, or measured faster than the fastest alternative and separated from it by
     the spread; and its true step time (the clock's, without noise) is never slower than the faster of fp32 and

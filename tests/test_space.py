@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from autoprec.tune.cli import build_parser
 from autoprec.errors import UserError
 from autoprec.formats import Format
+from autoprec.tune.cli import build_parser
 from autoprec.tune.space import LossScaleRange, SearchSpace, load_space, space_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,7 +234,9 @@ def test_a_class_by_import_path_matches_where_it_is_defined_or_re_exported_and_s
     from transformers.pytorch_utils import Conv1D
 
     layer = Conv1D(4, 2)
-    assert is_instance(layer, "transformers.pytorch_utils.Conv1D") and is_instance(layer, "transformers.Conv1D") is hasattr(transformers, "Conv1D")
+    assert is_instance(layer, "transformers.pytorch_utils.Conv1D") and is_instance(layer, "transformers.Conv1D") is hasattr(
+        transformers, "Conv1D"
+    )
 
 
 def test_excluded_modules_and_everything_inside_them_are_not_layers():

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 import pytest
+from test_search import fake_profile
 
 from autoprec import Policy
 from autoprec.formats import Format
@@ -14,7 +15,6 @@ from autoprec.tune.choices import build_choices, policy_from_params
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.speed import MARGIN, MIN_FIT, Features, LayerTimes, Timed, fit, format_of, too_slow
 from autoprec.tune.study import Judge, Objective, _finalist_mark
-from test_search import fake_profile
 
 MODELS = Path(__file__).parent / "models"
 

@@ -188,8 +188,8 @@ def test_a_valid_record_line_is_accepted_as_optuna_writes_it(tmp_path):
 
 
 def test_a_journal_nested_deeper_than_python_reads_is_refused_in_one_line_unchanged(tmp_path):
-    from autoprec.tune.study import check_storage
     from autoprec.tune import SearchConfig
+    from autoprec.tune.study import check_storage
 
     path = tmp_path / "study.journal"
     path.write_text("[" * 5000 + "\n", encoding="utf-8")

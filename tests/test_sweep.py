@@ -5,15 +5,15 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from builders import finals, made_up_peak
+from short_timing import FAST_PROFILE, TINY
 
 from autoprec import Policy, apply_policy, load_policy
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.measure import metric_of
-from autoprec.tune.space import space_from_dict
 from autoprec.tune.pipeline import choose_per_budget
-from autoprec.tune.sweeper import parse_budgets, pareto_front, policy_filename, sweep
-from builders import finals, made_up_peak
-from short_timing import FAST_PROFILE, TINY
+from autoprec.tune.space import space_from_dict
+from autoprec.tune.sweeper import pareto_front, parse_budgets, policy_filename, sweep
 
 MODELS = Path(__file__).parent / "models"
 BUDGETS = (0.0, 0.01, 0.5)
@@ -67,7 +67,7 @@ def test_a_larger_budget_never_chooses_a_slower_policy():
         {"candidate": "fp32", "speedup": 1.0, "metric_drop": 0.0, "spread": 0.01, "runs": True},
         {"candidate": "x", "speedup": 1.50, "metric_drop": 0.001, "spread": 0.10, "runs": True},
         {"candidate": "y", "speedup": 1.52, "metric_drop": 0.004, "spread": 0.10, "runs": True},
-    ]  # fmt: skip
+    ]
     no_greedy = dict.fromkeys((0.0, 0.002, 0.01), "profile greedy")  # not among the candidates here
     picks = choose_per_budget(finals(*rows), candidates, (0.0, 0.002, 0.01), no_greedy)
     assert [name for name, _ in picks] == ["fp32", "x", "x"]  # y's 1% lead is inside the spread: the safer x
@@ -89,7 +89,7 @@ def test_each_budgets_greedy_policy_is_a_floor_its_choice_never_falls_below():
         {"candidate": "profile greedy 0.01", "speedup": 1.50, "metric_drop": 0.004, "spread": 0.04, "runs": True},
         {"candidate": "trial 4", "speedup": 1.48, "metric_drop": 0.001, "spread": 0.04, "runs": True},
         {"candidate": "trial 7", "speedup": 1.51, "metric_drop": 0.005, "spread": 0.04, "runs": True},
-    )  # fmt: skip
+    )
     [(name, why)] = choose_per_budget(measured, candidates, (0.01,), {0.01: "profile greedy 0.01"})
     assert name == "profile greedy 0.01" and "inside the spread" in why
 
@@ -98,7 +98,9 @@ def test_each_budgets_greedy_policy_is_a_floor_its_choice_never_falls_below():
 def swept(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sweep")
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 100.0}})
+    space = space_from_dict(
+        {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 100.0}}
+    )
     config = SearchConfig(
         budget=max(BUDGETS), trials=10, timing=TINY, final_timing=TINY, finalists=2, progress=False,
         profile=FAST_PROFILE, study_name="s",
@@ -173,7 +175,9 @@ def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of
 
     monkeypatch.setattr(Trainer, "peak_memory", made_up_peak)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100.0}})
+    space = space_from_dict(
+        {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100.0}}
+    )
     config = SearchConfig(budget=max(BUDGETS), trials=8, timing=TINY, final_timing=TINY, finalists=2, progress=False,
                           profile=FAST_PROFILE, study_name="m", objective="memory")  # fmt: skip
     result = sweep(workload, space, BUDGETS, config, tmp_path / "out")
@@ -193,7 +197,7 @@ def test_in_a_memory_sweep_a_peak_within_the_tie_of_the_smaller_budgets_pick_is_
         {"candidate": "fp32", "peak_bytes": 1000, "metric_drop": 0.0, "speedup": 1.0},
         {"candidate": "x", "peak_bytes": 600, "metric_drop": 0.001, "speedup": 1.2},
         {"candidate": "y", "peak_bytes": 605, "metric_drop": 0.004, "speedup": 1.5},  # within 1% of x: a tie, faster
-    ]  # fmt: skip
+    ]
     no_greedy = dict.fromkeys((0.002, 0.01), "profile greedy")
     picks = choose_per_budget(finals(*rows), candidates, (0.002, 0.01), no_greedy, goal=Goal.MEMORY)
     # the tie goes to the faster: 1% more is not "more memory", so the larger budget is not sent back to x

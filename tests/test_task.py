@@ -30,10 +30,7 @@ def test_load_task_reads_the_functions(write_model, mlp_source):
 
 
 def test_load_task_reads_optional_functions(write_model, mlp_source):
-    source = mlp_source + (
-        "\ndef evaluate(model):\n    return 1.0\n"
-        "\ndef optimizer(model):\n    return 'my optimizer'\n"
-    )
+    source = mlp_source + ("\ndef evaluate(model):\n    return 1.0\n\ndef optimizer(model):\n    return 'my optimizer'\n")
     task = load_task(write_model(source))
     assert task.evaluate(None) == 1.0
     assert task.optimizer(None) == "my optimizer"
@@ -111,7 +108,11 @@ def test_load_task_model_calls_sys_exit(write_model, mlp_source):
     "name, addition, call",
     [
         ("build_model()", "\ndef build_model():\n    sys.exit(0)\n", lambda task, work: task.build_model()),
-        ("loss_fn()", "\ndef loss_fn(model, batch):\n    sys.exit(0)\n", lambda task, work: task.loss_fn(work.model, work.train[0])),
+        (
+            "loss_fn()",
+            "\ndef loss_fn(model, batch):\n    sys.exit(0)\n",
+            lambda task, work: task.loss_fn(work.model, work.train[0]),
+        ),
         ("evaluate()", "\ndef evaluate(model):\n    sys.exit(0)\n", lambda task, work: task.evaluate(work.model)),
         ("batches()", "\ndef batches(split):\n    sys.exit(0)\n", lambda task, work: task.batches("train")),
         ("optimizer()", "\ndef optimizer(model):\n    sys.exit(0)\n", lambda task, work: task.optimizer(work.model)),

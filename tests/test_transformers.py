@@ -14,7 +14,9 @@ transformers = pytest.importorskip("transformers")
 
 def gpt2():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -52,7 +54,9 @@ def test_the_default_space_finds_gpt2s_conv1d_matmuls_and_offers_no_fp8_for_them
     model = gpt2()
     layers = load_space().tunable_layers(model)
     conv1d = [n for n in layers if n.startswith("transformer.h.")]
-    assert conv1d == [f"transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert conv1d == [
+        f"transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
     assert {tuple(f.value for f in layers[n]) for n in conv1d} == {("fp32", "bf16", "fp16")}
     assert "lm_head" in layers  # an nn.Linear
     # by import path only: a short name that is not torch.nn's is refused, with the way to name it

@@ -23,10 +23,10 @@ import torch
 
 from autoprec import UserError
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune.profiler import Profile
 from autoprec.tune.choices import Choices
-from autoprec.tune.study import CHOICES_ATTR, RETRIES, _storage, open_study
+from autoprec.tune.profiler import Profile
 from autoprec.tune.space import space_from_dict
+from autoprec.tune.study import CHOICES_ATTR, RETRIES, _storage, open_study
 
 WORKER = Path(__file__).parent / "search_worker.py"
 HOLDING = "test:holding"  # search_worker.py marks a trial it holds with --sleep
@@ -35,8 +35,9 @@ COMPLETE = (optuna.trial.TrialState.COMPLETE,)
 
 
 def start_worker(out: Path, *args: str) -> subprocess.Popen:
-    from autoprec.tune import measure
     from timings import MODES
+
+    from autoprec.tune import measure
 
     timings = next((k for k, v in MODES.items() if v == getattr(measure.CLOCK, "factors", None)), "faster")  # the suite's
     cmd = [sys.executable, str(WORKER), "--out", str(out), "--timings", timings, *args]
@@ -100,7 +101,9 @@ def test_workers_that_start_at_the_same_moment_search_the_first_stored_choices(t
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), torch.device("cpu"))
     space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
     config = SearchConfig(budget=0.1, study_name="race")
-    mine = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32", "bf16"), "big": ("fp32",), "head": ("fp32", "bf16")}, excluded={})
+    mine = Choices(
+        default=("fp32", "bf16"), layers={"fc1": ("fp32", "bf16"), "big": ("fp32",), "head": ("fp32", "bf16")}, excluded={}
+    )
     theirs = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32",), "big": ("fp32",), "head": ("fp32", "bf16")}, excluded={})
     bf16 = [{"default": "bf16", "layer:fc1": "bf16", "layer:head": "bf16"}]
     study, got_a, _ = open_study(workload, space, mine, config, tmp_path, warm_starts=lambda c: bf16)
@@ -137,7 +140,6 @@ def test_storage_and_heartbeat_mistakes_name_the_value(tmp_path):
         SearchConfig(budget=0.1, heartbeat_s=0)
 
 
-
 def test_a_database_password_is_in_neither_the_storage_recorded_nor_any_storage_error(tmp_path, monkeypatch):
     """`where` is what the policy's measured.study.storage, the summary and the CLI's last line carry."""
     import sqlalchemy.exc
@@ -150,7 +152,9 @@ def test_a_database_password_is_in_neither_the_storage_recorded_nor_any_storage_
     monkeypatch.setattr(study_module, "_database", lambda *args: memory)
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), torch.device("cpu"))
     space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
-    choices = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32", "bf16"), "big": ("fp32",), "head": ("fp32",)}, excluded={})
+    choices = Choices(
+        default=("fp32", "bf16"), layers={"fc1": ("fp32", "bf16"), "big": ("fp32",), "head": ("fp32",)}, excluded={}
+    )
     _, _, where = open_study(workload, space, choices, SearchConfig(budget=0.1, storage=url, study_name="s"), tmp_path)
     assert where == shown
     with pytest.raises(UserError) as info:  # the same study with another budget: the refusal names the storage
@@ -277,7 +281,9 @@ def test_a_worker_killed_mid_trial_is_failed_retried_and_the_study_finishes(tmp_
         finish(procs[1])
     trials = {t.number: t for t in optuna.load_study(study_name="pg-killed", storage=heartbeat_url).trials}
     assert trials[dead.number].state is optuna.trial.TrialState.FAIL  # its heartbeat stopped
-    retried = [t for t in trials.values() if optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == dead.number]
+    retried = [
+        t for t in trials.values() if optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == dead.number
+    ]
     assert retried and retried[0].state is optuna.trial.TrialState.COMPLETE
     assert retried[0].params == dead.params and dead.params  # the same policy, measured again
     assert {n: (trials[n].params, trials[n].values) for n in before} == before  # completed trials intact
@@ -287,9 +293,10 @@ def test_a_worker_killed_mid_trial_is_failed_retried_and_the_study_finishes(tmp_
 def test_a_study_on_postgresql_refuses_another_budget_model_or_memory_limit_before_any_trial(tmp_path, postgres_url):
     """Issue 12's siblings through a database storage: joining a study with other settings is one clear error,
     as with a journal file, and the study keeps only its own trials."""
-    from autoprec.tune.searcher import search
     from search_worker import MODEL, SPACE
     from short_timing import FAST_PROFILE, TINY
+
+    from autoprec.tune.searcher import search
 
     fast = dict(trials=2, storage=postgres_url, study_name="pg-key", timing=TINY, final_timing=TINY, finalists=1,
                 progress=False, profile=FAST_PROFILE)  # fmt: skip

@@ -47,8 +47,10 @@ class PolicyPrecision(MixedPrecision):
             searched = module.get_submodule(self.submodule)
         except AttributeError:
             children = ", ".join(name for name, _ in module.named_children()) or "none"
-            raise ValueError(f"PolicyPrecision(submodule={self.submodule!r}): the LightningModule has no such submodule "
-                             f"(its children: {children}); name the attribute that holds the searched model") from None
+            raise ValueError(
+                f"PolicyPrecision(submodule={self.submodule!r}): the LightningModule has no such submodule "
+                f"(its children: {children}); name the attribute that holds the searched model"
+            ) from None
         if applied_policy(searched) == self.policy:
             return module  # converted for an earlier fit (Lightning converts on every fit, validate, test, predict)
         apply_policy(searched, self.policy)

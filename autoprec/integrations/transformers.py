@@ -34,7 +34,14 @@ class PolicyTrainer(transformers.Trainer):
     """transformers.Trainer training `model` under `policy` (a Policy or a policy file); every other argument
     is Trainer's. `autoprec_scaler` is the policy's GradScaler (disabled when no layer is fp16)."""
 
-    def __init__(self, *, policy: Policy | str | Path, model: torch.nn.Module, args: transformers.TrainingArguments | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        policy: Policy | str | Path,
+        model: torch.nn.Module,
+        args: transformers.TrainingArguments | None = None,
+        **kwargs: Any,
+    ):
         policy = as_policy(policy, caller="PolicyTrainer")
         args = args if args is not None else transformers.TrainingArguments(output_dir="trainer_output")
         _warn_conflicts(policy, args)

@@ -20,10 +20,10 @@ import dataclasses
 
 import torch
 
-from autoprec.tune.choices import Choices, greedy_policy
 from autoprec.formats import Format, Fp8Backend, device_name, format_problem, fp8_backend
-from autoprec.tune.measure import Candidate
 from autoprec.policy import ROOT, Policy
+from autoprec.tune.choices import Choices, greedy_policy
+from autoprec.tune.measure import Candidate
 from autoprec.tune.profiler import Profile
 
 FP32 = "fp32"
@@ -87,8 +87,7 @@ def alternatives(
         out[FP8_EVERYWHERE] = Candidate(Policy(layers={ROOT: "bf16", **dict.fromkeys(fp8_layers, "fp8")}))
     elif FP8_EVERYWHERE not in notes:
         notes[FP8_EVERYWHERE] = (
-            f"same as uniform bf16 here: torchao's size filter (H100 thresholds) converts none of the model's "
-            f"{n_linear} Linears"
+            f"same as uniform bf16 here: torchao's size filter (H100 thresholds) converts none of the model's {n_linear} Linears"
         )
     out[GREEDY] = Candidate(greedy_policy(prof, choices, budget))
     return Alternatives(candidates=out, notes=notes)

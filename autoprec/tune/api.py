@@ -10,9 +10,9 @@ run `search_and_report` / `sweep_and_report`, which write the same files.
 from __future__ import annotations
 
 import copy
-import numbers
 import dataclasses
 import logging
+import numbers
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from autoprec.files import write_text
+from autoprec.formats import default_device
 from autoprec.tune import memory, searcher, sweeper
 from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_list
 from autoprec.tune.profiler import checked_fp32_metric
 from autoprec.tune.space import SearchSpace, load_space
 from autoprec.tune.study import SearchConfig
-from autoprec.formats import default_device
 from autoprec.tune.task import Task, Workload, guard_exit, prepare
 
 log = logging.getLogger("autoprec")
@@ -117,8 +117,22 @@ def task_from_objects(
 
 
 def _setup(
-    model, loss_fn, train_batches, eval_batches, *, evaluate, optimizer, name, device, space, exclude, trials, seed, compile,
-    progress, config: Mapping[str, Any],
+    model,
+    loss_fn,
+    train_batches,
+    eval_batches,
+    *,
+    evaluate,
+    optimizer,
+    name,
+    device,
+    space,
+    exclude,
+    trials,
+    seed,
+    compile,
+    progress,
+    config: Mapping[str, Any],
 ) -> tuple[Workload, SearchSpace, SearchConfig]:
     """The workload (a copy of the model, its batches on the device), the space, and the settings with the
     budget still to be resolved; compiled by default on CUDA, as the command line."""
@@ -231,7 +245,9 @@ def sweep(
         out_dir = old[0] if old else config.pop("out_dir")
         return sweeper.sweep(model, loss_fn, train_batches, settings, out_dir, **config)  # type: ignore[arg-type]
     if old:
-        raise TypeError(f"sweep() takes 4 positional arguments (model, loss_fn, train_batches, eval_batches), but got {4 + len(old)}")
+        raise TypeError(
+            f"sweep() takes 4 positional arguments (model, loss_fn, train_batches, eval_batches), but got {4 + len(old)}"
+        )
     if budgets is None:
         raise TypeError("sweep() needs budgets=, e.g. budgets='0,0.5%,1%' or budgets=[0, 0.01]")
     specs = parse_budget_list([budgets] if isinstance(budgets, (int, float)) else budgets)

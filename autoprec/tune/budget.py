@@ -17,7 +17,12 @@ class Budget:
     relative: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value) or self.value < 0:
+        if (
+            isinstance(self.value, bool)
+            or not isinstance(self.value, (int, float))
+            or not math.isfinite(self.value)
+            or self.value < 0
+        ):
             raise ValueError(f"a budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.value!r}")
         # -0.0 passes `>= 0` but prints as "-0" and repr()s apart from 0.0, which names the study: the same budget
         object.__setattr__(self, "value", float(self.value) + 0.0)

@@ -112,7 +112,11 @@ def build_choices(prof: Profile, space: SearchSpace, budget: float, device: torc
     for name, rows in prof.table.groupby("layer", sort=False):
         allowed = []
         for _, row in rows.iterrows():
-            reason = None if row["format"] == Format.FP32.value else ruled_out(row, budget if judge_drop else None, space.prune_slower_than)
+            reason = (
+                None
+                if row["format"] == Format.FP32.value
+                else ruled_out(row, budget if judge_drop else None, space.prune_slower_than)
+            )
             if reason is None:
                 allowed.append(row["format"])
             else:
@@ -163,9 +167,7 @@ def group_layers(prof: Profile, layers: Mapping[str, tuple[str, ...]]) -> dict[s
         if len(options) > 1:
             by_key.setdefault((role(name), str(kind.loc[name, "type"]), str(kind.loc[name, "shape"])), []).append(name)
     kinds_per_role = Counter(r for r, _, _ in by_key)
-    return {
-        (r if kinds_per_role[r] == 1 else f"{r} [{t} {s}]"): tuple(members) for (r, t, s), members in by_key.items()
-    }
+    return {(r if kinds_per_role[r] == 1 else f"{r} [{t} {s}]"): tuple(members) for (r, t, s), members in by_key.items()}
 
 
 def _sensitivity_key(rows: Any, name: str, fmt: str) -> tuple[float, float, str]:
@@ -174,7 +176,9 @@ def _sensitivity_key(rows: Any, name: str, fmt: str) -> tuple[float, float, str]
     return (drop if math.isfinite(drop) else math.inf, -sqnr if not math.isnan(sqnr) else math.inf, name)
 
 
-def rank_layers(prof: Profile, layers: Mapping[str, tuple[str, ...]]) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+def rank_layers(
+    prof: Profile, layers: Mapping[str, tuple[str, ...]]
+) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
     """(ranking, preference): per lowered format, the layers allowed it, least sensitive first (single-layer
     metric drop, then output SQNR, highest first); per layer, its allowed formats by profiled time, fastest first."""
     rows = prof.table.set_index(["layer", "format"])
@@ -187,7 +191,9 @@ def rank_layers(prof: Profile, layers: Mapping[str, tuple[str, ...]]) -> tuple[d
     for name, options in layers.items():
         lowered = [f for f in options if f != Format.FP32.value]
         times = {f: as_float(rows.loc[(name, f), "time_ms"]) for f in lowered}
-        preference[name] = tuple(sorted(lowered, key=lambda f: (times[f] if math.isfinite(times[f]) else math.inf, ORDER.index(f))))
+        preference[name] = tuple(
+            sorted(lowered, key=lambda f: (times[f] if math.isfinite(times[f]) else math.inf, ORDER.index(f)))
+        )
     return ranking, preference
 
 
@@ -360,7 +366,10 @@ def warm_starts(prof: Profile, choices: Choices, budget: float) -> list[dict[str
     save, on a GPU it is usually a gain. Duplicates (a single root choice) are dropped."""
     out: list[dict[str, Any]] = []
     for root in (Format.BF16.value, Format.FP32.value):
-        for params in (params_for(root, uniform_layers(choices, Format.BF16.value), choices), greedy_params(prof, choices, budget, root=root)):
+        for params in (
+            params_for(root, uniform_layers(choices, Format.BF16.value), choices),
+            greedy_params(prof, choices, budget, root=root),
+        ):
             if params not in out:
                 out.append(params)
     return out

@@ -50,7 +50,9 @@ def _out_dir(args: argparse.Namespace, task) -> Path:
     name = folder_name(task.name)
     if name != task.name:
         logging.getLogger("autoprec").warning(
-            "the model's name %r is not a folder name inside results/: writing to results/%s (--out sets another)", task.name, name
+            "the model's name %r is not a folder name inside results/: writing to results/%s (--out sets another)",
+            task.name,
+            name,
         )
     return Path("results") / name
 
@@ -112,7 +114,11 @@ def _search_config(args: argparse.Namespace, budget: float = 0.0):
     try:
         mode = parse_mode(args.mode)
         if mode is Mode.WEIGHTS:
-            given = [flag for flag, value in (("--train-steps", args.train_steps), ("--noise-runs", args.noise_runs)) if value is not None]
+            given = [
+                flag
+                for flag, value in (("--train-steps", args.train_steps), ("--noise-runs", args.noise_runs))
+                if value is not None
+            ]
             if given:
                 verb = "apply" if len(given) > 1 else "applies"
                 raise ValueError(f"{' and '.join(given)} {verb} only to --mode train (the mode is {mode.value})")
@@ -208,10 +214,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from autoprec.tune.pipeline import claim_out_dir
     from autoprec.tune.profiler import ProfileConfig, profile
     from autoprec.tune.report import gradient_summary, plot_all, profile_summary
-
-    from autoprec.tune.pipeline import claim_out_dir
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
@@ -220,7 +225,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         path = prof.save(out)
         pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     if args.json:
-        _print_json(args, {"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric, "metric": prof.metric_name})
+        _print_json(
+            args, {"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric, "metric": prof.metric_name}
+        )
         return 0
     if args.quiet:
         return 0
@@ -309,7 +316,9 @@ def _log_setup(debug: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device.")
+    parser = argparse.ArgumentParser(
+        prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device."
+    )
     parser.add_argument("--version", action="version", version=f"autoprec {_version()}")
     for flag, text in GLOBAL_FLAGS:
         parser.add_argument(flag, action="store_true", help=text)
@@ -318,7 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     def model_verb(name: str, help_text: str) -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=help_text, description=help_text)
         p.add_argument("model", help="path to a model.py (build_model, batches, loss_fn; optional evaluate, optimizer)")
-        p.add_argument("--device", default=str(default_device()), help="where to measure (default: cuda when available, else cpu)")
+        p.add_argument(
+            "--device", default=str(default_device()), help="where to measure (default: cuda when available, else cpu)"
+        )
         p.add_argument("--out", help="output directory (default: results/<model name>)")
         p.add_argument("--space", help="search-space YAML (default: the shipped search_spaces/default.yaml)")
         p.add_argument("--exclude", action="append", metavar="PATTERN",
@@ -365,14 +376,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(by default those are left untimed)")  # fmt: skip
     s.set_defaults(func=cmd_search)
 
-    w = model_verb("sweep", "one two-objective study (speedup or peak memory, and metric drop) and a verified policy for each of several budgets")
+    w = model_verb(
+        "sweep",
+        "one two-objective study (speedup or peak memory, and metric drop) and a verified policy for each of several budgets",
+    )
     w.add_argument("--budgets", required=True, metavar="B1,B2,...",
                    help="comma-separated budgets, e.g. 0,0.002,0.005,0.01,0.02 (metric units) or 0,0.5%%,1%%,2%% "
                         "(of the fp32 metric)")  # fmt: skip
     study_options(w, "the model's name + '-sweep'")
     w.set_defaults(func=cmd_sweep)
 
-    p = model_verb("profile", "measure each layer's sensitivity, gradient ranges and speed in each format; write profile.csv, grad_ranges.csv and heat maps")
+    p = model_verb(
+        "profile",
+        "measure each layer's sensitivity, gradient ranges and speed in each format; write profile.csv, grad_ranges.csv and heat maps",
+    )
     p.set_defaults(func=cmd_profile)
 
     sh = verbs.add_parser("show", help="print a policy file for a person", description="print a policy file for a person")
@@ -386,12 +403,21 @@ def build_parser() -> argparse.ArgumentParser:
     ex = verbs.add_parser("export", help="write a policy's fp8 layers for another training tool",
                           description="write a policy's fp8 layers for another training tool; what it cannot express is listed")  # fmt: skip
     ex.add_argument("policy", help="path to a policy.json")
-    ex.add_argument("--to", required=True, choices=TARGETS, help="torchao: a module_filter_fn file for convert_to_float8_training; torchtitan: "
-                    "Float8LinearConverter configs whose filter_fqns convert exactly the policy's fp8 layers; megatron: "
-                    "TransformerConfig fields and Megatron-LM arguments (fp8 per transformer layer)")
+    ex.add_argument(
+        "--to",
+        required=True,
+        choices=TARGETS,
+        help="torchao: a module_filter_fn file for convert_to_float8_training; torchtitan: "
+        "Float8LinearConverter configs whose filter_fqns convert exactly the policy's fp8 layers; megatron: "
+        "TransformerConfig fields and Megatron-LM arguments (fp8 per transformer layer)",
+    )
     ex.add_argument("--out", help="the file to write (default: beside the policy, <name>_<target>.py, or .json for megatron)")
-    ex.add_argument("--num-layers", type=int, metavar="N",
-                    help="megatron: the model's transformer layers (default: as many as the policy names)")
+    ex.add_argument(
+        "--num-layers",
+        type=int,
+        metavar="N",
+        help="megatron: the model's transformer layers (default: as many as the policy names)",
+    )
     _global_flags(ex)
     ex.set_defaults(func=cmd_export)
     return parser

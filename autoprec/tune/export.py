@@ -42,7 +42,7 @@ SHOWN = 6  # layer names per line; the rest are counted (the policy file lists t
 
 
 def _layers(names: list[str], verb: str = "runs") -> str:
-    """"layer 'a' runs" or "3 layers ('a', 'b', 'c') run": one line per reason, however many layers."""
+    """ "layer 'a' runs" or "3 layers ('a', 'b', 'c') run": one line per reason, however many layers."""
     if len(names) == 1:
         return f"layer {names[0]!r} {verb}"
     shown = ", ".join(repr(n) for n in names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
@@ -93,7 +93,9 @@ def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
     """The torchao file's text (see the module docstring)."""
     recipes = fp8_layers(policy)
     last = None if recipes else "The policy has no fp8 layer: convert(model) changes nothing."
-    header = _comments(source, "not expressed here (torchao's float8 conversion knows fp8 recipes only)", not_expressed(policy), last)
+    header = _comments(
+        source, "not expressed here (torchao's float8 conversion knows fp8 recipes only)", not_expressed(policy), last
+    )
     return f'''"""torchao float8 training for a policy's fp8 layers (written by `autoprec export --to torchao`).
 
     from this_file import convert

@@ -21,8 +21,8 @@ import pandas as pd
 import torch
 
 from autoprec.formats import Format
-from autoprec.tune.measure import rng_devices
 from autoprec.tensors import map_tensors
+from autoprec.tune.measure import rng_devices
 from autoprec.tune.task import Workload, check_loss
 
 
@@ -227,7 +227,9 @@ def scale_table(records: Mapping[str, LayerGradients]) -> pd.DataFrame:
                 for k in SCALES_LOG2:
                     rows.append({"layer": name, "tensor": tensor, "format": rng.name, "scale_log2": k,
                                  "nonzero": hist.nonzero, **hist.fractions(rng, k)})  # fmt: skip
-    return pd.DataFrame(rows, columns=["layer", "tensor", "format", "scale_log2", "nonzero", "underflow", "subnormal", "overflow"])
+    return pd.DataFrame(
+        rows, columns=["layer", "tensor", "format", "scale_log2", "nonzero", "underflow", "subnormal", "overflow"]
+    )
 
 
 def layer_range(table: pd.DataFrame, layer: str, max_underflow: float) -> tuple[int | None, int | None, float]:
@@ -291,7 +293,10 @@ class ScaleAdvice:
             lo, hi = self.search_range
             parts.append(f"recommended loss scale 2^{lo} .. 2^{hi}")
             parts.append(f"low end set by {', '.join(self.low_limited_by)}")
-            parts.append(f"high end set by {', '.join(self.high_limited_by)}" + (" (no overflow up to 2^24)" if self.high == max(SCALES_LOG2) else ""))
+            parts.append(
+                f"high end set by {', '.join(self.high_limited_by)}"
+                + (" (no overflow up to 2^24)" if self.high == max(SCALES_LOG2) else "")
+            )
         if self.unfit:
             parts.append(f"fp16 gradients overflow even at 2^0 in {', '.join(self.unfit)}")
         if self.note:
@@ -318,7 +323,9 @@ def advise(table: pd.DataFrame | None, layers: Iterable[str] | None = None, max_
         for n, (_, hi, floor) in fit.items() if floor > max_underflow
     ]  # fmt: skip
     if low > high:
-        notes.append(f"no one scale suits every layer (2^{low} > 2^{high}): the search keeps 2^{high} and the budget judges the underflow")
+        notes.append(
+            f"no one scale suits every layer (2^{low} > 2^{high}): the search keeps 2^{high} and the budget judges the underflow"
+        )
     return ScaleAdvice(
         low=low,
         high=high,

@@ -24,13 +24,12 @@ import torch
 from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy, compile_model
-from autoprec.scaler import grad_scaler
-from autoprec.policy import Policy
 from autoprec.errors import UserError, describe
+from autoprec.policy import Policy
+from autoprec.scaler import grad_scaler
 from autoprec.tensors import map_tensors
 from autoprec.tune import memory
 from autoprec.tune.task import Workload, check_loss
-
 
 log = logging.getLogger("autoprec")
 
@@ -583,7 +582,9 @@ class NoiseFloor:
             return None
         seeds, steps, repeat = data.get("fp32_metrics_by_seed"), data.get("train_steps"), data.get("fp32_seed0_repeat")
         numbers_ = [*seeds, repeat] if isinstance(seeds, (list, tuple)) and seeds else []
-        if not numbers_ or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers_):
+        if not numbers_ or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers_
+        ):
             return None
         if isinstance(steps, bool) or not isinstance(steps, int):
             return None
@@ -615,7 +616,9 @@ def _as_metric(workload: Workload, value: object) -> float:
         return float(value)
     if getattr(value, "size", None) == 1 and getattr(getattr(value, "dtype", None), "kind", "x") in "fiu":
         return float(value.item())  # a one-element numpy array
-    shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r:.60}"
+    shown = (
+        f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r:.60}"
+    )
     raise UserError(f"{workload.task.path}: evaluate() must return a number (higher is better), but returned {shown}")
 
 

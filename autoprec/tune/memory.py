@@ -94,7 +94,10 @@ def _traced_rise(step: Callable[[], object]) -> int | None:
     lines to stderr at every start and stop, once per candidate."""
     if torch.autograd._profiler_enabled():
         return None
-    enable, disable = getattr(torch.autograd, "_enable_profiler_legacy", None), getattr(torch.autograd, "_disable_profiler_legacy", None)
+    enable, disable = (
+        getattr(torch.autograd, "_enable_profiler_legacy", None),
+        getattr(torch.autograd, "_disable_profiler_legacy", None),
+    )
     try:  # private API: another torch version may lack it or take other arguments
         config = torch.autograd.ProfilerConfig(
             torch.autograd.ProfilerState.CPU, False, True, False, False, False, torch._C._profiler._ExperimentalConfig()

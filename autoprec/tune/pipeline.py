@@ -37,16 +37,16 @@ from autoprec.errors import UserError
 from autoprec.files import Taken, claim_folder, read_json, write_atomically
 from autoprec.formats import Format, device_name
 from autoprec.policy import ROOT, Policy, model_fingerprint
-from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A_POLICY, TF32, Alternatives, alternatives
 from autoprec.tune import memory
+from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A_POLICY, TF32, Alternatives, alternatives
 from autoprec.tune.choices import Choices, build_choices, fit, policy_from_params, warm_starts
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import (
     NOISY_SPREAD,
-    Candidate,
-    NoiseFloor,
     SETTLED,
     SETTLED_FINAL_ROUNDS,
+    Candidate,
+    NoiseFloor,
     TimingConfig,
     all_settled,
     fp32_step_failed,
@@ -169,7 +169,11 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
                 raise
             # Optuna's own write of the study (or a compiler's cache) on a full disk: every complete trial is kept,
             # and a torn journal record is dropped on the next run (study._drop_torn_tail)
-            where = f"writing {full.filename}" if full.filename else f"writing the study ({config.storage or out_dir / 'study.journal'})"
+            where = (
+                f"writing {full.filename}"
+                if full.filename
+                else f"writing the study ({config.storage or out_dir / 'study.journal'})"
+            )
             raise UserError(
                 f"--out {out_dir}: no space left on the device ({where}); free some space and run the same command "
                 "again: the study resumes from its complete trials"
@@ -196,7 +200,9 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0])
     layer_times = LayerTimes.from_table(started.profile.table.to_dict("records"))
-    objective = Objective(workload, started.choices, space, started.judge, config, objectives=plan.objectives, layer_times=layer_times)
+    objective = Objective(
+        workload, started.choices, space, started.judge, config, objectives=plan.objectives, layer_times=layer_times
+    )
     target = config.trials or space.trials
     if _complete(started.study) < target or config.remeasure:
         started.judge.measure()  # before the trials (its own line in the cost table); a result that stands needs none
@@ -242,7 +248,9 @@ def _warn_unfit(finals: Finals, name: str, budget: float, limit: int | None) -> 
         return
     within = [r for r in finals if r.runs and r.metric_drop <= budget and r.peak_bytes is not None]
     least = min(within, key=lambda r: r.peak_bytes or 0, default=None)
-    smallest = f"; the smallest peak within budget was {memory.human_bytes(least.peak_bytes)} ({least.candidate})" if least else ""
+    smallest = (
+        f"; the smallest peak within budget was {memory.human_bytes(least.peak_bytes)} ({least.candidate})" if least else ""
+    )
     why = "whose peak was not measured" if written.peak_bytes is None else "which does not fit either"
     log.warning(
         "no candidate within budget %g fits --max-memory %s%s; the policy written is %s, %s: lower the batch size, "
@@ -331,7 +339,11 @@ def gather_candidates(
 
 
 def choose_per_budget(
-    finals: Finals, candidates: Mapping[str, Candidate], budgets: tuple[float, ...], greedy: Mapping[float, str], *,
+    finals: Finals,
+    candidates: Mapping[str, Candidate],
+    budgets: tuple[float, ...],
+    greedy: Mapping[float, str],
+    *,
     goal: Goal = Goal.SPEED,
 ) -> list[tuple[str, str]]:
     """(candidate, why) per budget, ascending: `choose` (Goal.MEMORY: `choose_smallest`) among the re-measured
@@ -409,7 +421,13 @@ def claim_out_dir(workload: Workload, out_dir: Path) -> Iterator[None]:
 
 
 def start(
-    workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, watch: Stopwatch, *, objectives: int = 1,
+    workload: Workload,
+    space: SearchSpace,
+    config: SearchConfig,
+    out_dir: Path,
+    watch: Stopwatch,
+    *,
+    objectives: int = 1,
     smallest_budget: float | None = None,
 ) -> Started:
     """Profile (or reuse the saved profile; its drops as precise as `smallest_budget` needs, default the
@@ -434,7 +452,12 @@ def baselines(workload: Workload, space: SearchSpace, prof: Profile, choices: Ch
 
 
 def finalist_policies(
-    study: optuna.Study, choices: Choices, k: int, *, budget: float | None = None, exclude: Collection[Candidate] = (),
+    study: optuna.Study,
+    choices: Choices,
+    k: int,
+    *,
+    budget: float | None = None,
+    exclude: Collection[Candidate] = (),
     goal: Goal = Goal.SPEED,
 ) -> dict[str, Candidate]:
     """The k fastest (Goal.MEMORY: smallest in peak memory) distinct feasible policies of the study (with
@@ -526,7 +549,12 @@ def _versions() -> dict[str, str]:
 
 
 def _load_or_profile(
-    workload: Workload, space: SearchSpace, out_dir: Path, config: SearchConfig, *, watch: Stopwatch | None = None,
+    workload: Workload,
+    space: SearchSpace,
+    out_dir: Path,
+    config: SearchConfig,
+    *,
+    watch: Stopwatch | None = None,
     budget: float | None = None,
 ) -> Profile:
     """Reuse the profile a previous run of the same model on the same device wrote; else measure. `watch`
@@ -557,7 +585,9 @@ def _load_or_profile(
         # drops it predicted from groups are as precise as its tolerance: no coarser than this search's
         predicted = cached.table["metric_source"].str.startswith("predicted").any()
         wanted = settings.group_tolerance if settings.group_testing else None
-        precise = not predicted or (cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted)
+        precise = not predicted or (
+            cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted
+        )
         if same and complete and still_out and precise and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)
             watch.count("profile: reused the one saved in the output folder")
@@ -695,7 +725,9 @@ def _nothing_feasible(finals: Finals) -> str:
     over = [r.candidate for r in finals if r.over_memory]
     unknown = [r.candidate for r in finals if r.runs and r.peak_bytes is None]
     if over:
-        return f"no candidate stayed within budget and --max-memory when re-measured ({len(over)} ran but needed more memory): fp32"
+        return (
+            f"no candidate stayed within budget and --max-memory when re-measured ({len(over)} ran but needed more memory): fp32"
+        )
     if unknown and any(not r.fits for r in finals):
         return f"no candidate stayed within budget with its peak memory measured ({len(unknown)} ran without one): fp32"
     return "no candidate stayed within budget when re-measured: fp32"
@@ -723,7 +755,11 @@ def measured_record(
         r = Result.of(finals.by_name(name))
         return r if train else dataclasses.replace(r, train_skipped_steps=None)
 
-    kept = {n: "; ".join(f"{f}: {r}" for f, r in choices.excluded.get(n, {}).items()) for n, o in choices.layers.items() if o == ("fp32",)}
+    kept = {
+        n: "; ".join(f"{f}: {r}" for f, r in choices.excluded.get(n, {}).items())
+        for n, o in choices.layers.items()
+        if o == ("fp32",)
+    }
     return Measured(
         device=device_name(str(workload.device)),
         versions=_versions(),

@@ -24,11 +24,13 @@ import torch
 from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy
-from autoprec.tune import memory
-from autoprec.tune.cost import Stopwatch
 from autoprec.errors import UserError, describe
 from autoprec.files import write_atomically
 from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, device_name, format_problem
+from autoprec.policy import Policy, model_fingerprint
+from autoprec.tensors import map_tensors
+from autoprec.tune import memory
+from autoprec.tune.cost import Stopwatch
 from autoprec.tune.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
 from autoprec.tune.measure import (
     Step,
@@ -36,17 +38,15 @@ from autoprec.tune.measure import (
     compile_scope,
     evaluate_metric,
     fp32_step_failed,
-    matmul_precision,
     interleaved_times,
+    matmul_precision,
     metric_name,
     metric_of,
     policy_model,
     probe_times,
     sqnr_db,
 )
-from autoprec.policy import Policy, model_fingerprint
 from autoprec.tune.space import SearchSpace
-from autoprec.tensors import map_tensors
 from autoprec.tune.task import Workload, check_loss
 
 log = logging.getLogger("autoprec")
@@ -72,7 +72,6 @@ COLUMNS = [
 MEASURED = "measured"
 SQNR_STAGE = "profile: output and gradient SQNR per format"
 PENDING = "pending"  # in play after the SQNR pass: its metric is judged with the others of its format (_judge_group)
-
 
 
 NUMERICS = ("all", "offered")  # ProfileConfig.numerics
@@ -401,10 +400,14 @@ def _time_layer(
                 probe.update(probe_times({fmt: fn}, workload.device, warmup=config.timing.warmup))
             except Exception as exc:
                 if fmt is Format.FP32:
-                    raise fp32_step_failed(workload, f"fp32 step of layer {name!r}", describe(exc, 200), compiled=config.compile) from exc
+                    raise fp32_step_failed(
+                        workload, f"fp32 step of layer {name!r}", describe(exc, 200), compiled=config.compile
+                    ) from exc
                 failed[fmt] = f"{fmt.value} step failed{' compiled' if config.compile else ''}: {describe(exc, 200)}"
         gross = {f for f in probe if f is not Format.FP32 and probe[f] > config.gross_slowdown * probe[Format.FP32]}
-        timed = interleaved_times({f: w for f, w in work.items() if f in probe and f not in gross}, workload.device, config.timing)
+        timed = interleaved_times(
+            {f: w for f, w in work.items() if f in probe and f not in gross}, workload.device, config.timing
+        )
         peaks = {f: _rise_or_none(workload.device, work[f]) for f in probe}
     result = {f: (t.median_ms, t.spread, peaks[f]) for f, t in timed.items()}
     result.update({f: (probe[f], float("nan"), peaks[f]) for f in gross})  # probed only: the gap dwarfs any noise
@@ -482,7 +485,17 @@ def as_float(value: Any) -> float:
 
 
 def _profile_layer(
-    workload, name, module, formats, ref, fp32_metric, config, grads: LayerGradients, grad_table, watch: Stopwatch, timed: dict,
+    workload,
+    name,
+    module,
+    formats,
+    ref,
+    fp32_metric,
+    config,
+    grads: LayerGradients,
+    grad_table,
+    watch: Stopwatch,
+    timed: dict,
     slower_than: float,
 ) -> list[dict]:
     """The layer's rows, cheapest measurement first: what cannot run, the layer's own step time per format
@@ -565,7 +578,9 @@ def _profile_layer(
     return [rows[f] for f in formats if f in rows]
 
 
-def _judge_group(workload: Workload, group: list[dict], fmt: Format, fp32_metric: float, tolerance: float | None, watch: Stopwatch) -> None:
+def _judge_group(
+    workload: Workload, group: list[dict], fmt: Format, fp32_metric: float, tolerance: float | None, watch: Stopwatch
+) -> None:
     """Fill in the metric of each row of `group` (one format, layers whose metric is pending). Alone, a layer's
     is measured. Several are lowered together first: where their drop is within `tolerance`, the member with
     the lowest SQNR (the likeliest to matter) is measured alone too, and if it is within the tolerance as well
@@ -621,7 +636,9 @@ def _measure_alone(workload: Workload, row: dict, fmt: Format, fp32_metric: floa
     except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
         row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
         return
-    row.update(metric=metric, metric_drop=fp32_metric - metric, metric_source=MEASURED, finite=row["finite"] and math.isfinite(metric))
+    row.update(
+        metric=metric, metric_drop=fp32_metric - metric, metric_source=MEASURED, finite=row["finite"] and math.isfinite(metric)
+    )
 
 
 def _skip(row: dict, slower_than: float, watch: Stopwatch) -> bool:
@@ -752,9 +769,7 @@ def checked_fp32_metric(workload: Workload) -> float:
     return fp32_metric
 
 
-def profile(
-    workload: Workload, space: SearchSpace, config: ProfileConfig = ProfileConfig(), *, progress: bool = True
-) -> Profile:
+def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = ProfileConfig(), *, progress: bool = True) -> Profile:
     """Profile every tunable layer of the workload's model in every format the space offers."""
     layers = space.tunable_layers(workload.model)
     if not layers:

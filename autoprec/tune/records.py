@@ -224,7 +224,11 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        return {k: v for k, v in out.items() if v is not None or k not in ("error", "train_skipped_steps", "peak_bytes", "memory_saving")}
+        return {
+            k: v
+            for k, v in out.items()
+            if v is not None or k not in ("error", "train_skipped_steps", "peak_bytes", "memory_saving")
+        }
 
     @classmethod
     def from_dict(cls, data: Any) -> Result:
@@ -342,10 +346,13 @@ class Measured:
             why=_text(data.get("why")),
             greedy=_text(data.get("greedy")),
             not_separated=tuple(str(n) for n in data.get("not_separated") or () if isinstance(n, str))
-            if isinstance(data.get("not_separated"), list) else (),
+            if isinstance(data.get("not_separated"), list)
+            else (),
             results={str(k): Result.from_dict(v) for k, v in _mapping(data.get("results")).items()},
             kept_fp32={str(k): str(v) for k, v in _mapping(data.get("kept_fp32")).items()},
-            excluded={str(k): {str(f): str(w) for f, w in _mapping(v).items()} for k, v in _mapping(data.get("excluded")).items()},
+            excluded={
+                str(k): {str(f): str(w) for f, w in _mapping(v).items()} for k, v in _mapping(data.get("excluded")).items()
+            },
             fp8=_text(data.get("fp8")),
             compiled=data.get("compiled") is True,
             alternatives_not_measured={str(k): str(v) for k, v in _mapping(data.get("alternatives_not_measured")).items()},
@@ -356,8 +363,12 @@ class Measured:
             objective=_text(data.get("objective")) or "speed",
             loss_scale_search=dict(_mapping(data.get("loss_scale_search"))),
             search_space=_text(data.get("search_space")),
-            study=StudyRef(name=_text(study.get("name")), storage=_text(study.get("storage")),
-                           trials=_count(study.get("trials")), complete=_count(study.get("complete"))),  # fmt: skip
+            study=StudyRef(
+                name=_text(study.get("name")),
+                storage=_text(study.get("storage")),
+                trials=_count(study.get("trials")),
+                complete=_count(study.get("complete")),
+            ),
             sweep=sweep if isinstance(sweep, Mapping) else None,
             cost=dict(_mapping(data.get("cost"))),
             created=_text(data.get("created")),

@@ -10,6 +10,10 @@ from typing import Any
 
 import pandas as pd
 
+from autoprec.errors import printable
+from autoprec.files import write_atomically
+from autoprec.formats import Format
+from autoprec.policy import ROOT, Policy
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.cost import cost_rows
@@ -17,11 +21,6 @@ from autoprec.tune.measure import NOISY_SPREAD
 from autoprec.tune.memory import MIB, format_change, human_bytes
 from autoprec.tune.profiler import as_float, flag
 from autoprec.tune.records import Finals, Measured
-from autoprec.errors import printable
-from autoprec.files import write_atomically
-from autoprec.formats import Format
-from autoprec.policy import ROOT, Policy
-
 
 WIDTH = 120  # columns a printed table keeps to (text_table wraps its last column to fit)
 
@@ -199,9 +198,13 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         policy = Policy(layers=policy.layers, loss_scale=policy.loss_scale, measured=_printable_tree(policy.measured))
     parts = [LayerTable(policy).render(markdown=markdown)]
     ls = policy.loss_scale
-    scaler = "off (no fp16 layer)" if not policy.uses_fp16 else (
-        f"init {ls.init_scale:g}, growth x{ls.growth_factor:g} every {ls.growth_interval} clean steps, "
-        f"backoff x{ls.backoff_factor:g}, {'dynamic' if ls.dynamic else 'static'}"
+    scaler = (
+        "off (no fp16 layer)"
+        if not policy.uses_fp16
+        else (
+            f"init {ls.init_scale:g}, growth x{ls.growth_factor:g} every {ls.growth_interval} clean steps, "
+            f"backoff x{ls.backoff_factor:g}, {'dynamic' if ls.dynamic else 'static'}"
+        )
     )
     parts.append(f"loss scaling: {scaler}")
     used = sorted(set(policy.layers.values()), key=list(Format).index)
@@ -292,7 +295,9 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
         )  # fmt: skip
     ls = m.loss_scale_search
     if ls.get("advice"):
-        parts.append(f"loss scale: {ls['advice']}; searched init scales 2^{ls['init_scale_log2'][0]} .. 2^{ls['init_scale_log2'][1]}")
+        parts.append(
+            f"loss scale: {ls['advice']}; searched init scales 2^{ls['init_scale_log2'][0]} .. 2^{ls['init_scale_log2'][1]}"
+        )
     for name, why in m.alternatives_not_measured.items():
         parts.append(f"{name}: {why}")
     parts.extend(f"{r.candidate} failed: {r.error}" for r in finals if r.error)
@@ -477,7 +482,15 @@ def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
                 if mark[i][j]:
                     ax.text(j, i, mark[i][j], ha="center", va="center", fontsize=8, color="black")
                 elif not math.isnan(values[i][j]):
-                    ax.text(j, i, text(values[i][j]), ha="center", va="center", fontsize=8, color="white" if cmap == "viridis" else "black")
+                    ax.text(
+                        j,
+                        i,
+                        text(values[i][j]),
+                        ha="center",
+                        va="center",
+                        fontsize=8,
+                        color="white" if cmap == "viridis" else "black",
+                    )
     fig.suptitle(title or "each layer lowered alone")
     fig.tight_layout()
     write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
@@ -496,7 +509,11 @@ def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: Any, path: Any, *, title
     layers = list(dict.fromkeys(rows["layer"]))
     named = layers
     if len(layers) > LEGEND_LAYERS:  # a legend of every layer would not fit: name those that bound the range
-        bounding = [*(advice.low_limited_by if advice else ()), *(advice.high_limited_by if advice else ()), *(advice.unfit if advice else ())]
+        bounding = [
+            *(advice.low_limited_by if advice else ()),
+            *(advice.high_limited_by if advice else ()),
+            *(advice.unfit if advice else ()),
+        ]
         named = list(dict.fromkeys(n for n in bounding if n in layers))[:LEGEND_LAYERS]
     for name, group in rows.groupby("layer", sort=False):
         if name not in named:
@@ -596,7 +613,9 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
 
     peaks = timed["peak_bytes"].astype(float) / mib if "peak_bytes" in timed else pd.Series(math.nan, index=timed.index)
     shown = timed[peaks.notna()] if by_memory else timed  # a memory plot has no place for a trial without a peak
-    ax.scatter(shown["metric_drop"], y_of(shown) if len(shown) else [], s=14, color="#999999", label="trials (timed in the study)")
+    ax.scatter(
+        shown["metric_drop"], y_of(shown) if len(shown) else [], s=14, color="#999999", label="trials (timed in the study)"
+    )
     if not by_memory and peaks.notna().any():  # coloured by peak where measured; grey beneath: no peak (older trials)
         dots = ax.scatter(timed["metric_drop"], timed["speedup"], s=16, c=peaks, cmap="viridis_r", plotnonfinite=False)
         fig.colorbar(dots, ax=ax, label="peak memory per step (MiB)", fraction=0.05)
@@ -617,7 +636,9 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     elif fp32 is not None and fp32.peak_bytes:
         ax.axhline(fp32.peak_bytes / mib, color="black", linewidth=0.6, label="fp32's peak")
     # Drops often sit orders of magnitude below the budgets: symlog shows both, and negative drops too.
-    values = [abs(float(v)) for v in (*timed["metric_drop"], *(r.budget for r in table)) if float(v) != 0 and math.isfinite(float(v))]
+    values = [
+        abs(float(v)) for v in (*timed["metric_drop"], *(r.budget for r in table)) if float(v) != 0 and math.isfinite(float(v))
+    ]
     if values:
         ax.set_xscale("symlog", linthresh=10 ** math.floor(math.log10(min(values))))
     ax.set_xlabel("metric drop from fp32 (lower is better; symmetric log scale)")

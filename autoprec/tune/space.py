@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib.resources
 import fnmatch
+import importlib.resources
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -66,8 +66,14 @@ class LossScaleRange:
 
     def __post_init__(self) -> None:
         bounds = self.init_scale_log2
-        if len(bounds) != 2 or any(isinstance(b, bool) or not isinstance(b, int) for b in bounds) or not 0 <= bounds[0] <= bounds[1] <= 32:
-            raise ValueError(f"loss_scale.init_scale_log2 must be [low, high] integers with 0 <= low <= high <= 32, got {list(bounds)}")
+        if (
+            len(bounds) != 2
+            or any(isinstance(b, bool) or not isinstance(b, int) for b in bounds)
+            or not 0 <= bounds[0] <= bounds[1] <= 32
+        ):
+            raise ValueError(
+                f"loss_scale.init_scale_log2 must be [low, high] integers with 0 <= low <= high <= 32, got {list(bounds)}"
+            )
         if not self.growth_interval or any(int(g) < 1 for g in self.growth_interval):
             raise ValueError(f"loss_scale.growth_interval must be a list of integers >= 1, got {list(self.growth_interval)}")
         _check_factors("growth_factor", self.growth_factor, lambda f: f > 1.0, "> 1")
@@ -116,12 +122,16 @@ class SearchSpace:
         for type_name in self.layers:
             check_type_name(type_name)
         if any(not isinstance(p, str) or not p.strip() for p in self.exclude):
-            raise ValueError(f"exclude must be a list of module-name patterns such as pooler or *.lm_head, got {list(self.exclude)}")
+            raise ValueError(
+                f"exclude must be a list of module-name patterns such as pooler or *.lm_head, got {list(self.exclude)}"
+            )
 
     def excluded(self, name: str) -> bool:
         """Whether a module, or a module it sits inside, matches an `exclude` pattern."""
         parts = name.split(".")
-        return any(fnmatch.fnmatchcase(".".join(parts[:cut]), pattern) for cut in range(1, len(parts) + 1) for pattern in self.exclude)
+        return any(
+            fnmatch.fnmatchcase(".".join(parts[:cut]), pattern) for cut in range(1, len(parts) + 1) for pattern in self.exclude
+        )
 
     def with_excludes(self, patterns: Sequence[str], model: torch.nn.Module) -> SearchSpace:
         """This space with `patterns` (a --exclude option, the Python API's `exclude=`) excluded too. A pattern
@@ -246,7 +256,9 @@ def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
         default=_formats(data.get("default", ["fp32", "bf16"]), "default"),
         loss_scale=LossScaleRange(
             init_scale_log2=tuple(ls.get("init_scale_log2", defaults.init_scale_log2)),
-            growth_interval=tuple(_number(g, "loss_scale.growth_interval", int) for g in ls.get("growth_interval", defaults.growth_interval)),
+            growth_interval=tuple(
+                _number(g, "loss_scale.growth_interval", int) for g in ls.get("growth_interval", defaults.growth_interval)
+            ),
             growth_factor=tuple(ls.get("growth_factor", defaults.growth_factor)),
             backoff_factor=tuple(ls.get("backoff_factor", defaults.backoff_factor)),
             dynamic=tuple(ls.get("dynamic", defaults.dynamic)),

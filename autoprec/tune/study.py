@@ -29,12 +29,13 @@ import optuna
 import pandas as pd
 from tqdm.auto import tqdm
 
+from autoprec.errors import UserError, describe
+from autoprec.formats import Format, device_name
+from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune import memory
 from autoprec.tune.choices import Choices, is_param, policy_from_params, suggest, uniform_params
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.credentials import hide_credentials, hide_credentials_in
-from autoprec.errors import UserError, describe
-from autoprec.formats import Format, device_name
 from autoprec.tune.measure import (
     SETTLED,
     NoiseFloor,
@@ -49,7 +50,6 @@ from autoprec.tune.measure import (
     step_stats,
     train_and_evaluate,
 )
-from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune.profiler import Profile, ProfileConfig
 from autoprec.tune.space import SearchSpace, parse_option
 from autoprec.tune.speed import LayerTimes, Timed, too_slow
@@ -137,8 +137,12 @@ class SearchConfig:
         object.__setattr__(self, "budget", float(self.budget) + 0.0)  # -0.0 would name another study than 0.0
         object.__setattr__(self, "mode", parse_mode(self.mode))
         object.__setattr__(self, "objective", parse_goal(self.objective))
-        if self.max_memory is not None and (isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 1):
-            raise ValueError(f"max_memory must be a number of bytes >= 1 (memory.parse_limit reads '40GB'), but got {self.max_memory!r}")
+        if self.max_memory is not None and (
+            isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 1
+        ):
+            raise ValueError(
+                f"max_memory must be a number of bytes >= 1 (memory.parse_limit reads '40GB'), but got {self.max_memory!r}"
+            )
         for name in ("train_steps", "noise_runs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -474,7 +478,14 @@ class Objective:
     memory limit, peak <= limit is a second constraint."""
 
     def __init__(
-        self, workload: Workload, choices: Choices, space: SearchSpace, judge: Judge, config: SearchConfig, *, objectives: int = 1,
+        self,
+        workload: Workload,
+        choices: Choices,
+        space: SearchSpace,
+        judge: Judge,
+        config: SearchConfig,
+        *,
+        objectives: int = 1,
         layer_times: LayerTimes | None = None,
     ):
         if objectives not in OBJECTIVES:
@@ -632,7 +643,9 @@ class Objective:
                 try:
                     baseline.step()  # the fp32 baseline failing is no fault of the candidate's
                 except Exception as exc:
-                    raise fp32_step_failed(self.workload, "all-fp32 training step", describe(exc), compiled=self.config.compile) from exc
+                    raise fp32_step_failed(
+                        self.workload, "all-fp32 training step", describe(exc), compiled=self.config.compile
+                    ) from exc
                 candidate = Trainer(self.workload, policy, compiled=self.config.compile)
                 work = {"fp32": baseline, "policy": candidate}  # Steps: a clock sees each one's model
                 warmed = ("fp32",) if self._baseline_warm else ()
@@ -744,7 +757,11 @@ def open_study(
     storage, where = _storage(config, out_dir)
     name = config.study_name or workload.task.name
     study = optuna.create_study(
-        study_name=name, storage=storage, directions=directions(objectives, config.objective), sampler=sampler_for(space, config.seed), load_if_exists=True
+        study_name=name,
+        storage=storage,
+        directions=directions(objectives, config.objective),
+        sampler=sampler_for(space, config.seed),
+        load_if_exists=True,
     )
     key = _study_key(workload, space, config, objectives)
     first = _first_start(study)

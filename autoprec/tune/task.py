@@ -153,12 +153,18 @@ def check_loss(task: Task, loss: object) -> torch.Tensor:
     if loss.dim() != 0:
         raise UserError(f"{task.path}: loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}")
     if not loss.is_floating_point():  # integers and bools have no gradient; a complex loss is not minimised
-        fix = "return its .real or .abs()" if loss.is_complex() else "compute it with a differentiable function (F.cross_entropy), not argmax or =="
+        fix = (
+            "return its .real or .abs()"
+            if loss.is_complex()
+            else "compute it with a differentiable function (F.cross_entropy), not argmax or =="
+        )
         raise UserError(f"{task.path}: loss_fn(model, batch) must return a real floating-point loss, got {loss.dtype}; {fix}")
     return loss
 
 
-_OPTIMIZER_FIX = "; optimizer(model) must return a torch.optim.Optimizer over model.parameters(), e.g. torch.optim.AdamW(model.parameters())"
+_OPTIMIZER_FIX = (
+    "; optimizer(model) must return a torch.optim.Optimizer over model.parameters(), e.g. torch.optim.AdamW(model.parameters())"
+)
 
 
 def _check_optimizer(task: Task, model: torch.nn.Module) -> None:

@@ -35,7 +35,7 @@ def batches(split):
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     x_tr, y_tr, x_ev, y_ev = _DIGITS._data()
     x, y, bs = (x_tr, y_tr, HPARAMS["batch"]) if split == "train" else (x_ev, y_ev, 180)
-    return [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]
+    return [(x[i : i + bs], y[i : i + bs]) for i in range(0, len(x), bs)]
 
 
 def _model():
@@ -68,7 +68,7 @@ def build_model():
     x, y, _, _ = _DIGITS._data()
     for _ in range(HPARAMS["epochs"]):
         for i in range(0, len(x), HPARAMS["batch"]):
-            loss = loss_fn(model, (x[i:i + HPARAMS["batch"]], y[i:i + HPARAMS["batch"]]))
+            loss = loss_fn(model, (x[i : i + HPARAMS["batch"]], y[i : i + HPARAMS["batch"]]))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

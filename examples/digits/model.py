@@ -20,8 +20,16 @@ import tempfile
 import torch
 from torch import nn
 
-HPARAMS = {"hidden": 1024, "epochs": 10, "lr": 1e-3, "weight_decay": 0.01,
-           "batch": 256, "n_eval": 360, "seed": 0, "split_seed": 0}
+HPARAMS = {
+    "hidden": 1024,
+    "epochs": 10,
+    "lr": 1e-3,
+    "weight_decay": 0.01,
+    "batch": 256,
+    "n_eval": 360,
+    "seed": 0,
+    "split_seed": 0,
+}
 SPLITS = ("train", "eval")
 
 
@@ -35,6 +43,7 @@ def _data():
     global _DATA
     if _DATA is None:
         from sklearn.datasets import load_digits
+
         x, y = load_digits(return_X_y=True)
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(HPARAMS["split_seed"]))
         x = torch.tensor(x, dtype=torch.float32)[perm]
@@ -53,10 +62,11 @@ def batches(split):
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     x_tr, y_tr, x_ev, y_ev = _data()
     x, y, bs = (x_tr, y_tr, HPARAMS["batch"]) if split == "train" else (x_ev, y_ev, 180)
-    return [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]
+    return [(x[i : i + bs], y[i : i + bs]) for i in range(0, len(x), bs)]
 
 
 # ---------------------------------------------------------------- model
+
 
 class MLP(nn.Module):
     def __init__(self, hidden=HPARAMS["hidden"]):
@@ -93,6 +103,7 @@ def evaluate(model):
 
 # ---------------------------------------------------------------- training + cache
 
+
 def _cache_path(name, hparams):
     root = os.environ.get("AUTOPREC_CACHE") or os.path.expanduser("~/.cache/autoprec/examples")
     digest = hashlib.sha256(json.dumps(hparams, sort_keys=True).encode()).hexdigest()[:12]
@@ -114,8 +125,7 @@ def _save_atomic(state, path):
 def _train():
     torch.manual_seed(HPARAMS["seed"])
     model = MLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=HPARAMS["lr"],
-                            weight_decay=HPARAMS["weight_decay"])
+    opt = torch.optim.AdamW(model.parameters(), lr=HPARAMS["lr"], weight_decay=HPARAMS["weight_decay"])
     x, y, _, _ = _data()
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(HPARAMS["seed"]))
     x, y = x[order], y[order]  # one fixed shuffle, same order every epoch
@@ -123,7 +133,7 @@ def _train():
     model.train()
     for _ in range(HPARAMS["epochs"]):
         for i in range(0, len(x), bs):
-            loss = loss_fn(model, (x[i:i + bs], y[i:i + bs]))
+            loss = loss_fn(model, (x[i : i + bs], y[i : i + bs]))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

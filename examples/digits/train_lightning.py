@@ -1,7 +1,7 @@
 """Fine-tune the digits model under Lightning with a policy autoprec wrote, through autoprec's precision plugin.
 
-    autoprec search examples/digits/model.py --budget 0.01          # writes results/digits/policy.json
-    python examples/digits/train_lightning.py results/digits/policy.json --steps 50
+autoprec search examples/digits/model.py --budget 0.01          # writes results/digits/policy.json
+python examples/digits/train_lightning.py results/digits/policy.json --steps 50
 """
 
 import argparse
@@ -53,8 +53,10 @@ def main():
     module.net.eval()
     with torch.no_grad():
         accuracy = example.evaluate(module.net)
-    print(f"accuracy {accuracy:.4f} after {args.steps} steps under {args.policy}; GradScaler "
-          f"{'on' if plugin.scaler.is_enabled() else 'off (no fp16 layer)'}, {plugin.scaler.skipped_steps} steps skipped")
+    print(
+        f"accuracy {accuracy:.4f} after {args.steps} steps under {args.policy}; GradScaler "
+        f"{'on' if plugin.scaler.is_enabled() else 'off (no fp16 layer)'}, {plugin.scaler.skipped_steps} steps skipped"
+    )
 
 
 if __name__ == "__main__":

@@ -29,12 +29,44 @@ finally:
 
 _COMMON = {"files": stdlib_text.FILES, "eval_frac": 0.1, "lr": 6e-4, "weight_decay": 0.1, "seed": 0}
 SIZES = {
-    "tiny": {"d_model": 64, "n_heads": 4, "n_layers": 2, "seq_len": 64, "batch": 8, "bytes_per_file": 8_000,
-             "n_train_batches": 2, "n_eval_batches": 2, "steps": 40, "warmup": 5, "lr": 2e-3},
-    "small": {"d_model": 768, "n_heads": 12, "n_layers": 12, "seq_len": 256, "batch": 16, "bytes_per_file": 24_000,
-              "n_train_batches": 8, "n_eval_batches": 4, "steps": 400, "warmup": 40},
-    "1b": {"d_model": 2048, "n_heads": 16, "n_layers": 24, "seq_len": 256, "batch": 16, "bytes_per_file": 24_000,
-           "n_train_batches": 8, "n_eval_batches": 4, "steps": 200, "warmup": 20, "lr": 3e-4},
+    "tiny": {
+        "d_model": 64,
+        "n_heads": 4,
+        "n_layers": 2,
+        "seq_len": 64,
+        "batch": 8,
+        "bytes_per_file": 8_000,
+        "n_train_batches": 2,
+        "n_eval_batches": 2,
+        "steps": 40,
+        "warmup": 5,
+        "lr": 2e-3,
+    },
+    "small": {
+        "d_model": 768,
+        "n_heads": 12,
+        "n_layers": 12,
+        "seq_len": 256,
+        "batch": 16,
+        "bytes_per_file": 24_000,
+        "n_train_batches": 8,
+        "n_eval_batches": 4,
+        "steps": 400,
+        "warmup": 40,
+    },
+    "1b": {
+        "d_model": 2048,
+        "n_heads": 16,
+        "n_layers": 24,
+        "seq_len": 256,
+        "batch": 16,
+        "bytes_per_file": 24_000,
+        "n_train_batches": 8,
+        "n_eval_batches": 4,
+        "steps": 200,
+        "warmup": 20,
+        "lr": 3e-4,
+    },
 }
 SIZE = os.environ.get("AUTOPREC_GPT2_SIZE", "small")
 if SIZE not in SIZES:

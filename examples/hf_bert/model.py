@@ -23,8 +23,21 @@ finally:
     sys.path.remove(_TINYLM)
 
 CLASSES = ["argparse.py", "calendar.py", "csv.py", "difflib.py"]
-HPARAMS = {"classes": CLASSES, "bytes_per_file": 16_000, "eval_frac": 0.2, "seq_len": 64, "hidden": 128, "layers": 2,
-           "heads": 4, "batch": 32, "n_train_batches": 4, "n_eval_batches": 4, "steps": 300, "lr": 1e-3, "seed": 0}
+HPARAMS = {
+    "classes": CLASSES,
+    "bytes_per_file": 16_000,
+    "eval_frac": 0.2,
+    "seq_len": 64,
+    "hidden": 128,
+    "layers": 2,
+    "heads": 4,
+    "batch": 32,
+    "n_train_batches": 4,
+    "n_eval_batches": 4,
+    "steps": 300,
+    "lr": 1e-3,
+    "seed": 0,
+}
 SPLITS = ("train", "eval")
 
 

@@ -26,9 +26,23 @@ try:
 finally:
     sys.path.remove(_TINYLM)
 
-HPARAMS = {"files": stdlib_text.FILES, "bytes_per_file": 12_000, "eval_frac": 0.1, "n_embd": 128, "n_head": 4,
-           "n_layer": 2, "seq_len": 64, "batch": 16, "n_train_batches": 4, "n_eval_batches": 4, "steps": 200,
-           "warmup": 20, "lr": 2e-3, "weight_decay": 0.1, "seed": 0}
+HPARAMS = {
+    "files": stdlib_text.FILES,
+    "bytes_per_file": 12_000,
+    "eval_frac": 0.1,
+    "n_embd": 128,
+    "n_head": 4,
+    "n_layer": 2,
+    "seq_len": 64,
+    "batch": 16,
+    "n_train_batches": 4,
+    "n_eval_batches": 4,
+    "steps": 200,
+    "warmup": 20,
+    "lr": 2e-3,
+    "weight_decay": 0.1,
+    "seed": 0,
+}
 
 
 def batches(split):
@@ -37,7 +51,9 @@ def batches(split):
         raise ValueError(f"unknown split {split!r}; expected one of {stdlib_text.SPLITS}")
     train, evals = stdlib_text.text(HPARAMS["bytes_per_file"], HPARAMS["eval_frac"])
     stream, n = (train, HPARAMS["n_train_batches"]) if split == "train" else (evals, HPARAMS["n_eval_batches"])
-    return [{"input_ids": ids, "labels": ids} for ids, _ in stdlib_text.fixed_batches(stream, n, HPARAMS["batch"], HPARAMS["seq_len"])]
+    return [
+        {"input_ids": ids, "labels": ids} for ids, _ in stdlib_text.fixed_batches(stream, n, HPARAMS["batch"], HPARAMS["seq_len"])
+    ]
 
 
 def loss_fn(model, batch):
@@ -55,6 +71,7 @@ def untrained():
 
 def build_model():
     """The trained fp32 model (trains once, then loads from the cache)."""
+
     def window_loss(model, window):  # the training recipe's batches are (input, next-byte) windows
         return model(input_ids=window[0], labels=window[0]).loss
 

@@ -1,7 +1,7 @@
 """Train the example under HF Trainer with a policy autoprec wrote, default TrainingArguments but for the length.
 
-    autoprec search examples/hf_gpt2/model.py --budget 0.02      # writes results/hf_gpt2/policy.json
-    python examples/hf_gpt2/train.py results/hf_gpt2/policy.json --steps 50
+autoprec search examples/hf_gpt2/model.py --budget 0.02      # writes results/hf_gpt2/policy.json
+python examples/hf_gpt2/train.py results/hf_gpt2/policy.json --steps 50
 """
 
 import argparse
@@ -46,9 +46,11 @@ def main():
     net = example.build_model()
     before = eval_loss(net)
     trainer = train(args.policy, args.steps, net)
-    print(f"eval loss {before:.4f} -> {eval_loss(net):.4f} after {args.steps} steps under {args.policy}; "
-          f"GradScaler {'on' if trainer.autoprec_scaler.is_enabled() else 'off (no fp16 layer)'}, "
-          f"{trainer.autoprec_scaler.skipped_steps} steps skipped")
+    print(
+        f"eval loss {before:.4f} -> {eval_loss(net):.4f} after {args.steps} steps under {args.policy}; "
+        f"GradScaler {'on' if trainer.autoprec_scaler.is_enabled() else 'off (no fp16 layer)'}, "
+        f"{trainer.autoprec_scaler.skipped_steps} steps skipped"
+    )
 
 
 if __name__ == "__main__":

@@ -14,32 +14,45 @@ The trained weights are cached under $AUTOPREC_CACHE (default
 of the training text.
 """
 
+import stdlib_text  # beside this file: the text both example language models read
 import torch
+from stdlib_text import FILES, SPLITS
 from torch import nn
 from torch.nn import functional as F
 
-import stdlib_text  # beside this file: the text both example language models read
-from stdlib_text import FILES, SPLITS
-
-HPARAMS = {"files": FILES, "bytes_per_file": 24_000, "eval_frac": 0.1,
-           "d_model": 256, "n_heads": 4, "n_layers": 2, "seq_len": 128,
-           "batch": 16, "n_train_batches": 8, "n_eval_batches": 4,
-           "steps": 300, "lr": 2e-3, "weight_decay": 0.1, "warmup": 20, "seed": 0}
+HPARAMS = {
+    "files": FILES,
+    "bytes_per_file": 24_000,
+    "eval_frac": 0.1,
+    "d_model": 256,
+    "n_heads": 4,
+    "n_layers": 2,
+    "seq_len": 128,
+    "batch": 16,
+    "n_train_batches": 8,
+    "n_eval_batches": 4,
+    "steps": 300,
+    "lr": 2e-3,
+    "weight_decay": 0.1,
+    "warmup": 20,
+    "seed": 0,
+}
 
 
 # ---------------------------------------------------------------- data (stdlib_text.py: the text, windows, training)
+
 
 def batches(split):
     """Fixed, non-overlapping windows: 8 train batches or 4 eval batches of 16 x 128 bytes."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     train, evals = stdlib_text.text(HPARAMS["bytes_per_file"], HPARAMS["eval_frac"])
-    stream, n = (train, HPARAMS["n_train_batches"]) if split == "train" else \
-                (evals, HPARAMS["n_eval_batches"])
+    stream, n = (train, HPARAMS["n_train_batches"]) if split == "train" else (evals, HPARAMS["n_eval_batches"])
     return stdlib_text.fixed_batches(stream, n, HPARAMS["batch"], HPARAMS["seq_len"])
 
 
 # ---------------------------------------------------------------- model
+
 
 class Attention(nn.Module):
     def __init__(self, d, n_heads):
@@ -80,8 +93,14 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, d=HPARAMS["d_model"], n_heads=HPARAMS["n_heads"],
-                 n_layers=HPARAMS["n_layers"], seq_len=HPARAMS["seq_len"], vocab=256):
+    def __init__(
+        self,
+        d=HPARAMS["d_model"],
+        n_heads=HPARAMS["n_heads"],
+        n_layers=HPARAMS["n_layers"],
+        seq_len=HPARAMS["seq_len"],
+        vocab=256,
+    ):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, d)
         self.pos_emb = nn.Embedding(seq_len, d)
@@ -108,6 +127,7 @@ def loss_fn(model, batch):
 
 
 # ---------------------------------------------------------------- training + cache
+
 
 def build_model():
     """The trained fp32 TinyLM (trains once, about a minute on 2 CPU cores, then loads from the cache)."""

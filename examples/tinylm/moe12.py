@@ -17,20 +17,35 @@ hash of the hyper-parameters and of the training text; training takes a few minu
 
 import math
 
+import stdlib_text  # beside this file: the text both example language models read
 import torch
+from stdlib_text import FILES, SPLITS
 from torch import nn
 from torch.nn import functional as F
 
-import stdlib_text  # beside this file: the text both example language models read
-from stdlib_text import FILES, SPLITS
-
-HPARAMS = {"files": FILES, "bytes_per_file": 24_000, "eval_frac": 0.1,
-           "d_model": 128, "n_heads": 4, "n_layers": 12, "n_experts": 2, "d_expert": 256, "seq_len": 64,
-           "batch": 16, "n_train_batches": 8, "n_eval_batches": 4,
-           "steps": 400, "lr": 2e-3, "weight_decay": 0.1, "warmup": 20, "seed": 0}
+HPARAMS = {
+    "files": FILES,
+    "bytes_per_file": 24_000,
+    "eval_frac": 0.1,
+    "d_model": 128,
+    "n_heads": 4,
+    "n_layers": 12,
+    "n_experts": 2,
+    "d_expert": 256,
+    "seq_len": 64,
+    "batch": 16,
+    "n_train_batches": 8,
+    "n_eval_batches": 4,
+    "steps": 400,
+    "lr": 2e-3,
+    "weight_decay": 0.1,
+    "warmup": 20,
+    "seed": 0,
+}
 
 
 # ---------------------------------------------------------------- data (stdlib_text.py: the text, windows, training)
+
 
 def batches(split):
     """Fixed, non-overlapping windows: 8 train batches or 4 eval batches of 16 x 64 bytes."""
@@ -42,6 +57,7 @@ def batches(split):
 
 
 # ---------------------------------------------------------------- model
+
 
 class Attention(nn.Module):
     def __init__(self, d, n_heads):
@@ -128,6 +144,7 @@ def loss_fn(model, batch):
 
 
 # ---------------------------------------------------------------- training + cache
+
 
 def build_model():
     """The trained fp32 MoE12 (trains once, a few minutes on 2 CPU cores, then loads from the cache)."""

@@ -14,9 +14,22 @@ import torch
 from torch import nn
 
 # Modules present (as plain .py files) in every CPython 3.10-3.13 install.
-FILES = sorted(["argparse.py", "calendar.py", "csv.py", "difflib.py", "fractions.py",
-                "heapq.py", "json/decoder.py", "json/encoder.py", "pprint.py",
-                "shlex.py", "string.py", "textwrap.py"])
+FILES = sorted(
+    [
+        "argparse.py",
+        "calendar.py",
+        "csv.py",
+        "difflib.py",
+        "fractions.py",
+        "heapq.py",
+        "json/decoder.py",
+        "json/encoder.py",
+        "pprint.py",
+        "shlex.py",
+        "string.py",
+        "textwrap.py",
+    ]
+)
 SPLITS = ("train", "eval")
 
 _CACHE = {}
@@ -54,7 +67,7 @@ def fixed_batches(stream, n_batches, batch, seq_len):
     """`n_batches` batches of non-overlapping windows spread evenly over the whole stream."""
     stride = (len(stream) - seq_len - 1) // (n_batches * batch)
     starts = torch.arange(n_batches * batch) * stride
-    return [windows(stream, starts[i * batch:(i + 1) * batch], seq_len) for i in range(n_batches)]
+    return [windows(stream, starts[i * batch : (i + 1) * batch], seq_len) for i in range(n_batches)]
 
 
 def cache_path(name, hparams):
