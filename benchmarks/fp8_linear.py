@@ -27,7 +27,8 @@ from common import add_device_flag, fmt_timing, parse_device, print_header  # no
 
 from autoprec import Policy, apply_policy  # noqa: E402
 from autoprec.formats import FP8_FORMATS  # noqa: E402
-from autoprec.tune.measure import TimingConfig, compile_scope, interleaved_times  # noqa: E402
+from autoprec.tune.config import TimingConfig
+from autoprec.tune.measure import compile_scope, interleaved_times  # noqa: E402
 
 FULL_SHAPES = (256, 1024, 2048, 4096, 8192)
 CPU_SHAPES = (256, 1024, 2048)  # emulated fp8 at 4096+ takes minutes per shape on a small CPU

@@ -79,8 +79,7 @@ def part_search(name: str, out: Path, args: argparse.Namespace) -> int:
     from autoprec.files import write_text
     from autoprec.tune import SearchConfig, load_space, load_task, prepare
     from autoprec.tune.api import search_and_report
-    from autoprec.tune.measure import TimingConfig
-    from autoprec.tune.profiler import ProfileConfig
+    from autoprec.tune.config import ProfileConfig, TimingConfig
     from autoprec.tune.space import space_from_dict
 
     device = torch.device(args.device)

@@ -26,7 +26,8 @@ from common import out_folder  # noqa: E402 (beside this script)
 
 from autoprec import LossScale, Policy
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune.measure import TimingConfig, measure_steps, noise_floor, train_and_evaluate
+from autoprec.tune.config import TimingConfig
+from autoprec.tune.measure import measure_steps, noise_floor, train_and_evaluate
 from autoprec.tune.report import gradient_summary, markdown_table, plot_all
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict

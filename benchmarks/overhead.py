@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
 
 from autoprec import Policy, apply_policy  # noqa: E402
-from autoprec.tune.measure import TimingConfig, compile_scope, interleaved_times  # noqa: E402
+from autoprec.tune.config import TimingConfig
+from autoprec.tune.measure import compile_scope, interleaved_times  # noqa: E402
 
 
 class Block(nn.Module):

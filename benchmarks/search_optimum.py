@@ -13,7 +13,7 @@ cheap and every method sees the same numbers:
 - autoprec: what `autoprec search` does: the profile's choices (formats that alone break the budget or
   measured slower than fp32 by more than 1.25x ruled out), the warm starts (all-fp32, uniform bf16, the
   profile-greedy policy) and TPE; the profile judged per budget as a search does (single-layer drops by group
-  testing within a tenth of the budget, pipeline.GROUP_SHARE);
+  testing within a tenth of the budget, config.GROUP_SHARE);
 - autoprec, random sampler: the same choices and warm starts, sampled at random (what the sampler adds).
 
     python benchmarks/search_optimum.py --out results/cpu-epyc-2core/search-optimum
@@ -49,11 +49,15 @@ from autoprec.formats import device_name  # noqa: E402
 from autoprec.policy import ROOT, model_fingerprint  # noqa: E402
 from autoprec.tune import ProfileConfig, load_task, prepare, profile  # noqa: E402
 from autoprec.tune.choices import Choices, build_choices, greedy_params, suggest, uniform_params  # noqa: E402
-from autoprec.tune.measure import StepStats, TimingConfig, Trainer, evaluate_metric, interleaved_times, probe_times  # noqa: E402
-from autoprec.tune.pipeline import GROUP_SHARE  # noqa: E402
+from autoprec.tune.config import (
+    GROUP_SHARE,  # noqa: E402
+    SearchConfig,
+    TimingConfig,
+)
+from autoprec.tune.measure import StepStats, Trainer, evaluate_metric, interleaved_times, probe_times  # noqa: E402
 from autoprec.tune.space import space_from_dict  # noqa: E402
 from autoprec.tune.speed import LayerTimes, Timed, too_slow  # noqa: E402
-from autoprec.tune.study import SearchConfig, sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
+from autoprec.tune.study import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
 
 MODEL = Path(__file__).parent / "models" / "mlp8.py"
 FORMATS = ("fp32", "bf16", "fp16")

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
 from autoprec.tune import SearchConfig, load_space, load_task, prepare, profile  # noqa: E402
-from autoprec.tune.measure import Candidate, TimingConfig  # noqa: E402
+from autoprec.tune.config import TimingConfig
+from autoprec.tune.measure import Candidate  # noqa: E402
 from autoprec.tune.pipeline import baselines, remeasure  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
 from autoprec.tune.searcher import search  # noqa: E402

@@ -8,7 +8,8 @@ from torch import nn
 from autoprec.tune import load_task, prepare
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32, alternatives, torchao_fp8_layers
 from autoprec.tune.choices import build_choices
-from autoprec.tune.profiler import ProfileConfig, profile
+from autoprec.tune.config import ProfileConfig
+from autoprec.tune.profiler import profile
 from autoprec.tune.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"

@@ -37,7 +37,7 @@ def test_minus_zero_is_the_budget_zero_with_its_sign_dropped(given):
     `--budget 0` (the study records repr(budget))."""
     import math
 
-    from autoprec.tune.study import SearchConfig
+    from autoprec.tune.config import SearchConfig
     from autoprec.tune.sweeper import parse_budgets
 
     budget = parse_budget(given)

@@ -588,7 +588,7 @@ def test_show_prints_each_results_peak_memory_and_how_it_was_measured(capsys, tm
 
 def test_valid_memory_options_reach_the_search_settings():
     from autoprec.tune.cli import _search_config, build_parser
-    from autoprec.tune.study import Goal
+    from autoprec.tune.config import Goal
 
     args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--max-memory", "40G", "--objective", "memory"])
     config = _search_config(args)

@@ -6,9 +6,9 @@ import torch
 
 from autoprec import Policy
 from autoprec.tune import load_task, measure, prepare
+from autoprec.tune.config import TimingConfig
 from autoprec.tune.measure import (
     Timing,
-    TimingConfig,
     Trainer,
     default_evaluate,
     evaluate_metric,
@@ -57,7 +57,7 @@ def test_warmup_counts_every_call_before_the_rounds_and_the_last_one_sizes_the_b
 
 
 def test_a_sequential_test_stops_the_rounds_once_enough_but_never_before_min_rounds():
-    from autoprec.tune.measure import MIN_ROUNDS
+    from autoprec.tune.config import MIN_ROUNDS
 
     work = {"a": lambda: None, "b": lambda: None}
     config = TimingConfig(warmup=0, rounds=9, min_block_s=0.0)
@@ -92,7 +92,8 @@ def test_more_rounds_are_pooled_with_the_first_on_the_same_warm_callables_and_ke
 
 
 def test_more_rounds_only_when_a_spread_is_too_wide_to_rank(caplog):
-    from autoprec.tune.measure import NOISY_SPREAD, more_if_noisy, noisiest
+    from autoprec.tune.config import NOISY_SPREAD
+    from autoprec.tune.measure import more_if_noisy, noisiest
 
     calm = {"a": [10.0, 10.2, 9.9, 10.1, 10.0], "b": [20.0, 20.5, 19.8, 20.1, 20.0]}
     loud = dict(calm, b=[20.0, 35.0, 12.0, 28.0, 20.0])
@@ -117,7 +118,8 @@ def test_a_sequential_test_may_stop_the_extra_rounds_too():
 
 
 def test_the_final_remeasure_is_settled_once_every_candidates_rounds_agree_and_not_before_five():
-    from autoprec.tune.measure import SETTLED_FINAL_ROUNDS, all_settled
+    from autoprec.tune.config import SETTLED_FINAL_ROUNDS
+    from autoprec.tune.measure import all_settled
 
     tight = [10.0, 10.1, 9.9, 10.05, 10.0]
     assert all_settled({"a": tight, "b": [20.0, 20.1, 19.9, 20.0, 20.2]})

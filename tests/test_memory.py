@@ -7,7 +7,8 @@ from autoprec import Policy
 from autoprec.errors import UserError
 from autoprec.formats import Format
 from autoprec.tune import load_task, memory, prepare
-from autoprec.tune.measure import MEMORY_TRIES, Trainer
+from autoprec.tune.config import MEMORY_TRIES
+from autoprec.tune.measure import Trainer
 
 CPU = torch.device("cpu")
 

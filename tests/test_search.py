@@ -14,10 +14,11 @@ from timings import FASTER, FormatClock, using
 from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, load_policy
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
+from autoprec.tune.config import Mode
 from autoprec.tune.gradients import LayerGradients, scale_table
 from autoprec.tune.measure import NoiseFloor, metric_of
 from autoprec.tune.profiler import COLUMNS, Profile
-from autoprec.tune.searcher import Mode, search
+from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.study import INFEASIBLE, over_budget
 

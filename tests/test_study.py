@@ -11,7 +11,8 @@ import optuna
 import pytest
 
 from autoprec import UserError
-from autoprec.tune.study import SearchConfig, _storage, check_storage
+from autoprec.tune.config import SearchConfig
+from autoprec.tune.study import _storage, check_storage
 
 
 def config(path: Path | str) -> SearchConfig:

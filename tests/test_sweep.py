@@ -153,7 +153,7 @@ def test_sweep_refuses_a_study_budget_below_its_largest_budget(swept):
 def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_brute_force(seed):
     import random
 
-    from autoprec.tune.study import Goal
+    from autoprec.tune.config import Goal
 
     rng = random.Random(seed)
     rows = [{"trial": i, "feasible": rng.random() < 0.9, "speedup": rng.choice([1.0, 1.5]), "peak_bytes": rng.choice([100, 200, 300]),
@@ -190,7 +190,7 @@ def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of
 
 
 def test_in_a_memory_sweep_a_peak_within_the_tie_of_the_smaller_budgets_pick_is_no_worse():
-    from autoprec.tune.study import Goal
+    from autoprec.tune.config import Goal
 
     candidates = {n: Policy(layers={"a": f}) for n, f in (("fp32", "fp32"), ("x", "bf16"), ("y", "fp16"))}
     rows = [

@@ -24,9 +24,10 @@ import torch
 from autoprec import UserError
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import Choices
+from autoprec.tune.config import RETRIES
 from autoprec.tune.profiler import Profile
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.study import CHOICES_ATTR, RETRIES, _storage, open_study
+from autoprec.tune.study import CHOICES_ATTR, _storage, open_study
 
 WORKER = Path(__file__).parent / "search_worker.py"
 HOLDING = "test:holding"  # search_worker.py marks a trial it holds with --sleep

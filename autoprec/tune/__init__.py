@@ -9,8 +9,9 @@ A training script does not need this package: `import autoprec` (the runtime) ap
 
 from autoprec.tune.api import search, sweep
 from autoprec.tune.budget import Budget, parse_budget
-from autoprec.tune.profiler import Profile, ProfileConfig, profile
-from autoprec.tune.searcher import Mode, SearchConfig, SearchResult
+from autoprec.tune.config import Mode, ProfileConfig, SearchConfig
+from autoprec.tune.profiler import Profile, profile
+from autoprec.tune.searcher import SearchResult
 from autoprec.tune.space import Layout, SearchSpace, load_space
 from autoprec.tune.sweeper import SweepResult
 from autoprec.tune.task import Task, Workload, load_task, prepare

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import numbers
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,11 +22,11 @@ import torch
 
 from autoprec.files import write_text
 from autoprec.formats import default_device
-from autoprec.tune import memory, searcher, sweeper
+from autoprec.tune import searcher, sweeper
 from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_list
+from autoprec.tune.config import SearchConfig, search_config
 from autoprec.tune.profiler import checked_fp32_metric
 from autoprec.tune.space import SearchSpace, load_space
-from autoprec.tune.study import SearchConfig
 from autoprec.tune.task import Task, Workload, guard_exit, prepare
 
 log = logging.getLogger("autoprec")
@@ -140,15 +139,7 @@ def _setup(
     task = task_from_objects(model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name)
     workload = prepare(task, torch.device(device) if device is not None else default_device())
     the_space = the_space.with_excludes(tuple(exclude), workload.model)
-    compiled = workload.device.type == "cuda" if compile is None else bool(compile)
-    config = dict(config)
-    limit = config.get("max_memory")
-    if isinstance(limit, str) or (isinstance(limit, float) and 0 < limit <= 1):  # "40GB", "80%", 0.8: as --max-memory
-        config["max_memory"] = memory.parse_limit(str(limit), workload.device)
-    elif isinstance(limit, numbers.Real) and not isinstance(limit, bool):  # a number of bytes (40e9, a numpy int too)
-        size = int(limit) if isinstance(limit, numbers.Integral) else limit
-        config["max_memory"] = memory.parse_limit(f"{size}B", workload.device)
-    settings = SearchConfig(budget=0.0, trials=trials, seed=seed, compile=compiled, progress=progress, **config)
+    settings = search_config(device=workload.device, compile=compile, trials=trials, seed=seed, progress=progress, **config)
     return workload, the_space, settings
 
 

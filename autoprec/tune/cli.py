@@ -33,14 +33,10 @@ def _device(value: str) -> torch.device:
 
 
 def _compile(args: argparse.Namespace) -> bool:
-    """--compile / --no-compile as given; by default compiled on CUDA (how GPU training runs, and where fp8
-    pays only compiled) and eager elsewhere (inductor's CPU code is not what a CPU user is likely to train with)."""
-    if args.compile is not None:
-        return bool(args.compile)
-    try:
-        return torch.device(args.device).type == "cuda"
-    except RuntimeError:  # a bad --device is reported by _device, with the choices
-        return False
+    """--compile / --no-compile as given, else the device's default (config.default_compile)."""
+    from autoprec.tune.config import default_compile
+
+    return bool(args.compile) if args.compile is not None else default_compile(args.device)
 
 
 def _out_dir(args: argparse.Namespace, task) -> Path:
@@ -105,29 +101,17 @@ def _say(args: argparse.Namespace, line: str) -> None:
 
 
 def _search_config(args: argparse.Namespace, budget: float = 0.0):
-    """The settings, checked before the model is loaded; the budget is filled in once it is resolved."""
-    from autoprec.tune import memory
-    from autoprec.tune.profiler import ProfileConfig
-    from autoprec.tune.study import Mode, SearchConfig, parse_goal, parse_mode
+    """The settings, checked before the model is loaded (config.search_config, as the Python API builds them); the
+    budget is filled in once it is resolved."""
+    from autoprec.tune.config import search_config
 
-    limit = None if args.max_memory is None else memory.parse_limit(args.max_memory, _device(args.device))
     try:
-        mode = parse_mode(args.mode)
-        if mode is Mode.WEIGHTS:
-            given = [
-                flag
-                for flag, value in (("--train-steps", args.train_steps), ("--noise-runs", args.noise_runs))
-                if value is not None
-            ]
-            if given:
-                verb = "apply" if len(given) > 1 else "applies"
-                raise ValueError(f"{' and '.join(given)} {verb} only to --mode train (the mode is {mode.value})")
-        train = {k: v for k, v in (("train_steps", args.train_steps), ("noise_runs", args.noise_runs)) if v is not None}
-        return SearchConfig(
-            budget=budget, trials=args.trials, seed=args.seed, storage=args.storage, study_name=args.study, mode=mode,
-            compile=_compile(args), progress=not args.quiet, remeasure=args.remeasure, objective=parse_goal(args.objective),
-            max_memory=limit, predict_speed=not getattr(args, "time_every_trial", False),
-            profile=ProfileConfig(numerics=args.numerics), **train,
+        return search_config(
+            device=_device(args.device), budget=budget, compile=args.compile, mode=args.mode, train_steps=args.train_steps,
+            noise_runs=args.noise_runs, max_memory=args.max_memory, numerics=args.numerics,
+            spell=lambda name: "--" + name.replace("_", "-"), trials=args.trials, seed=args.seed, storage=args.storage,
+            study_name=args.study, progress=not args.quiet, remeasure=args.remeasure, objective=args.objective,
+            predict_speed=not getattr(args, "time_every_trial", False),
         )  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -214,8 +198,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from autoprec.tune.config import ProfileConfig
     from autoprec.tune.pipeline import claim_out_dir
-    from autoprec.tune.profiler import ProfileConfig, profile
+    from autoprec.tune.profiler import profile
     from autoprec.tune.report import gradient_summary, plot_all, profile_summary
 
     task, space, workload = _prepare(args)

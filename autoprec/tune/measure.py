@@ -29,28 +29,10 @@ from autoprec.policy import Policy
 from autoprec.scaler import grad_scaler
 from autoprec.tensors import map_tensors
 from autoprec.tune import memory
+from autoprec.tune.config import MEMORY_TRIES, MIN_ROUNDS, NOISY_SPREAD, SETTLED, SETTLED_FINAL_ROUNDS, TimingConfig
 from autoprec.tune.task import Workload, check_loss
 
 log = logging.getLogger("autoprec")
-
-# A spread (interquartile range / median) beyond which step times cannot rank candidates a few percent apart:
-# a loaded machine, a throttling GPU. The final re-measure then times on as long again, and says so if it stays.
-NOISY_SPREAD = 0.25
-
-
-@dataclasses.dataclass(frozen=True)
-class TimingConfig:
-    """How long to time: `warmup` calls per candidate first (the last one sizes the blocks), then `rounds`
-    interleaved rounds of at least `min_block_s` seconds per candidate."""
-
-    warmup: int = 3
-    rounds: int = 7
-    min_block_s: float = 0.05
-    max_steps_per_block: int = 50
-
-    def __post_init__(self) -> None:
-        if self.warmup < 0 or self.rounds < 1 or self.min_block_s < 0 or self.max_steps_per_block < 1:
-            raise ValueError(f"TimingConfig needs warmup >= 0, rounds >= 1, min_block_s >= 0, got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,13 +159,6 @@ def more_if_noisy(rounds: int) -> Callable[[Mapping[str, Sequence[float]]], int]
         return rounds
 
     return more
-
-
-MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
-# Rounds agreeing within this (relative range or spread) settle a timing: a trial's (study.Objective) after
-# MIN_ROUNDS, the final re-measure's (every candidate's spread) after SETTLED_FINAL_ROUNDS.
-SETTLED = 0.05
-SETTLED_FINAL_ROUNDS = 5
 
 
 def all_settled(samples: Mapping[str, Sequence[float]]) -> bool:
@@ -479,9 +454,6 @@ def measure_steps_or_fail(
             return stats, failed
         # after the timing, never inside it
         return {n: dataclasses.replace(s, peak_bytes=peak_memory_or_none(trainers[n], n)) for n, s in stats.items()}, failed
-
-
-MEMORY_TRIES = 3  # steps the GradScaler skips before peak memory is given up (None) for a candidate
 
 
 def largest_batch(workload: Workload) -> int:

@@ -40,35 +40,24 @@ from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune import memory
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, NOT_A_POLICY, TF32, Alternatives, alternatives
 from autoprec.tune.choices import Choices, build_choices, fit, policy_from_params, warm_starts
-from autoprec.tune.cost import Stopwatch
-from autoprec.tune.measure import (
+from autoprec.tune.config import (
+    GROUP_SHARE,
+    MEMORY_TIE,
     NOISY_SPREAD,
     SETTLED,
     SETTLED_FINAL_ROUNDS,
-    Candidate,
-    NoiseFloor,
+    Goal,
+    Mode,
+    SearchConfig,
     TimingConfig,
-    all_settled,
-    fp32_step_failed,
-    measure_steps_or_fail,
-    more_if_noisy,
 )
+from autoprec.tune.cost import Stopwatch
+from autoprec.tune.measure import Candidate, NoiseFloor, all_settled, fp32_step_failed, measure_steps_or_fail, more_if_noisy
 from autoprec.tune.profiler import Profile, profile, ruled_out
 from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes
-from autoprec.tune.study import (
-    Goal,
-    Judge,
-    Mode,
-    Objective,
-    SearchConfig,
-    check_storage,
-    open_study,
-    run_trials,
-    trial_costs,
-    trials_table,
-)
+from autoprec.tune.study import Judge, Objective, check_storage, open_study, run_trials, trial_costs, trials_table
 from autoprec.tune.task import Workload
 
 if TYPE_CHECKING:
@@ -77,10 +66,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("autoprec")
 
 ALTERNATIVES = (FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY)  # re-measured beside every result, in this order
-# A search's profile lowers a format's layers together first and predicts their single-layer drops where the
-# group's drop is within this share of its smallest budget (ProfileConfig.group_tolerance sets another;
-# ProfileConfig(group_testing=False) measures each alone).
-GROUP_SHARE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -696,11 +681,6 @@ def not_separated(finals: Finals, name: str) -> list[str]:
         return []
     return [r.candidate for r in finals if r.candidate != name and r.feasible and r.candidate not in NOT_A_POLICY
             and math.isfinite(r.speedup) and not separated(pick, r)]  # fmt: skip
-
-
-# Peaks closer than this share are the same memory to a user (an allocator's rounding, a small buffer): among them
-# the fastest is chosen.
-MEMORY_TIE = 0.01
 
 
 def choose_smallest(

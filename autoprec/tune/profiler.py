@@ -30,11 +30,11 @@ from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, device_name, form
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tensors import map_tensors
 from autoprec.tune import memory
+from autoprec.tune.config import ProfileConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
 from autoprec.tune.measure import (
     Step,
-    TimingConfig,
     compile_scope,
     evaluate_metric,
     fp32_step_failed,
@@ -72,44 +72,6 @@ COLUMNS = [
 MEASURED = "measured"
 SQNR_STAGE = "profile: output and gradient SQNR per format"
 PENDING = "pending"  # in play after the SQNR pass: its metric is judged with the others of its format (_judge_group)
-
-
-NUMERICS = ("all", "offered")  # ProfileConfig.numerics
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileConfig:
-    """`batches`: train batches for the SQNR pass; a format slower than fp32 by `gross_slowdown` in a
-    single probe is timed once rather than interleaved (fp8 emulation on a CPU costs seconds a call).
-    `grad_batches`: train batches for the gradient ranges (None: all); `max_underflow`: the fraction of a
-    layer's nonzero gradient elements fp16 may flush to zero at the low end of the loss-scale range.
-    `group_tolerance`: None evaluates the metric with each layer lowered alone; a number first lowers a format's
-    layers together and takes each one's share of a drop within it (see `_judge_group`). A search sets it to a
-    tenth of its smallest budget when None and `group_testing` (pipeline.GROUP_SHARE); `group_testing=False`
-    measures every drop alone, whatever the tolerance."""
-
-    batches: int = 2
-    timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02)
-    gross_slowdown: float = 4.0
-    grad_batches: int | None = 8
-    max_underflow: float = 1e-3
-    compile: bool = False  # time each layer's step under torch.compile (SearchConfig.compile sets it)
-    group_tolerance: float | None = None
-    group_testing: bool = True
-    # "all": every layer x format this device can run or emulate has its numerics (SQNR, finiteness, overflow, metric
-    # drop), however slow it runs here: they do not depend on the device's speed. "offered": only the formats the
-    # timing keeps in play (a search's own profile: minutes saved); the others say "not measured" and why.
-    numerics: str = "all"
-
-    def __post_init__(self) -> None:
-        if self.group_tolerance is not None and not (math.isfinite(self.group_tolerance) and self.group_tolerance >= 0):
-            raise ValueError(f"group_tolerance must be a finite number >= 0 or None, but got {self.group_tolerance!r}")
-        if self.grad_batches is not None and self.grad_batches < 1:
-            raise ValueError(f"grad_batches must be >= 1 or None (all train batches), but got {self.grad_batches!r}")
-        if not 0 <= self.max_underflow < 1:
-            raise ValueError(f"max_underflow must be in [0, 1), but got {self.max_underflow!r}")
-        if self.numerics not in NUMERICS:
-            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, but got {self.numerics!r}")
 
 
 @dataclasses.dataclass

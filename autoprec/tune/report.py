@@ -16,8 +16,8 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32
 from autoprec.tune.choices import role
+from autoprec.tune.config import NOISY_SPREAD
 from autoprec.tune.cost import cost_rows
-from autoprec.tune.measure import NOISY_SPREAD
 from autoprec.tune.memory import MIB, format_change, human_bytes
 from autoprec.tune.profiler import as_float, flag
 from autoprec.tune.records import Finals, Measured

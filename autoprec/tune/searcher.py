@@ -11,12 +11,12 @@ import pandas as pd
 
 from autoprec.policy import Policy
 from autoprec.tune.choices import Choices
+from autoprec.tune.config import Mode, SearchConfig, parse_mode
 from autoprec.tune.measure import NoiseFloor
 from autoprec.tune.pipeline import Plan, run
 from autoprec.tune.profiler import Profile
 from autoprec.tune.records import Finals
 from autoprec.tune.space import SearchSpace
-from autoprec.tune.study import Mode, SearchConfig, parse_mode
 from autoprec.tune.task import Workload
 
 __all__ = ["Mode", "SearchConfig", "SearchResult", "parse_mode", "search", "search_plan"]

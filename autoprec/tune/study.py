@@ -10,8 +10,6 @@ a two-objective one also minimises the metric drop, for a Pareto front (sweeper.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import hashlib
 import json
 import logging
@@ -34,12 +32,11 @@ from autoprec.formats import Format, device_name
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune import memory
 from autoprec.tune.choices import Choices, is_param, policy_from_params, suggest, uniform_params
+from autoprec.tune.config import RETRIES, SETTLED, Goal, Mode, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.credentials import hide_credentials, hide_credentials_in
 from autoprec.tune.measure import (
-    SETTLED,
     NoiseFloor,
-    TimingConfig,
     Trainer,
     compile_scope,
     evaluate_metric,
@@ -50,8 +47,8 @@ from autoprec.tune.measure import (
     step_stats,
     train_and_evaluate,
 )
-from autoprec.tune.profiler import Profile, ProfileConfig
-from autoprec.tune.space import SearchSpace, parse_option
+from autoprec.tune.profiler import Profile
+from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes, Timed, too_slow
 from autoprec.tune.task import Workload
 
@@ -65,106 +62,6 @@ def over_budget(drop: float, budget: float) -> float:
     sampler ranks infeasible trials by the sum of the two, which needs them in the same (no) unit. A zero budget
     leaves the plain excess. Kept below INFEASIBLE, which ranks a non-finite metric last."""
     return min((drop - budget) / budget if budget > 0 else drop - budget, INFEASIBLE / 2)
-
-
-class Mode(str, enum.Enum):
-    """What the budget is measured on."""
-
-    WEIGHTS = "weights"  # the metric of the given weights with the policy applied
-    TRAIN = "train"  # the metric after K training steps with the policy (and its GradScaler), vs fp32's
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Goal(str, enum.Enum):
-    """What a search optimises within the budget (and --max-memory)."""
-
-    SPEED = "speed"  # the training-step speedup over fp32, maximised
-    MEMORY = "memory"  # one training step's peak memory, minimised (for a model or batch that must fit)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-def parse_goal(value: object) -> Goal:
-    return parse_option(Goal, value, "objective")
-
-
-def parse_mode(value: object) -> Mode:
-    return parse_option(Mode, value, "mode")
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchConfig:
-    """How to search. `trials` counts every trial in the study, so a rerun resumes up to it.
-
-    `mode`: what the budget applies to (see Mode); in train mode, `train_steps` is K and `noise_runs` the
-    number of fp32 seeds whose spread is the noise floor.
-    """
-
-    budget: float
-    trials: int | None = None  # None: the search space's `trials`
-    seed: int = 0
-    storage: str | None = None  # an Optuna storage URL or a journal file path; None: out_dir/study.journal
-    heartbeat_s: int = 60  # database storages: a trial whose worker is silent for 2x this is failed and retried
-    study_name: str | None = None  # None: the task's name
-    timing: TimingConfig = TimingConfig()
-    final_timing: TimingConfig = TimingConfig(rounds=11)
-    finalists: int = 3
-    profile: ProfileConfig = ProfileConfig(numerics="offered")  # a format the timing rules out is not offered: its numerics wait
-    progress: bool = True
-    mode: Mode = Mode.WEIGHTS
-    train_steps: int = 50
-    noise_runs: int = 3
-    # Step times (the profile's layers, every trial, the re-measure) with the model under torch.compile, as
-    # users who compile train; the CLI's default on CUDA. The metric is evaluated eagerly either way.
-    compile: bool = False
-    # A rerun of a finished study (no trials left to run) keeps the result it wrote; True re-measures its
-    # finalists and chooses again, on new timing noise.
-    remeasure: bool = False
-    # What the search optimises within the budget: speed, or peak memory (Goal); and the most peak memory a
-    # candidate may need, in bytes (memory.parse_limit reads "40GB", "0.8"): above it, a candidate is infeasible.
-    objective: Goal = Goal.SPEED
-    max_memory: int | None = None
-    # Leave untimed a trial whose speedup, predicted from the profile's layer times, cannot make it a finalist
-    # (speed.py; a single-objective speed search without --max-memory, once enough trials are timed).
-    predict_speed: bool = True
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
-            raise ValueError(f"budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.budget!r}")
-        object.__setattr__(self, "budget", float(self.budget) + 0.0)  # -0.0 would name another study than 0.0
-        object.__setattr__(self, "mode", parse_mode(self.mode))
-        object.__setattr__(self, "objective", parse_goal(self.objective))
-        if self.max_memory is not None and (
-            isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 1
-        ):
-            raise ValueError(
-                f"max_memory must be a number of bytes >= 1 (memory.parse_limit reads '40GB'), but got {self.max_memory!r}"
-            )
-        for name in ("train_steps", "noise_runs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, but got {value!r}")
-        if not isinstance(self.predict_speed, bool):
-            raise ValueError(f"predict_speed must be True or False, but got {self.predict_speed!r}")
-        if isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1:
-            raise ValueError(f"heartbeat_s must be an integer >= 1 (seconds), but got {self.heartbeat_s!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be an integer from 0 to 2**32 - 1 (Optuna's sampler seed), but got {self.seed!r}")
-        if self.trials is not None and self.trials < 1:
-            raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
-        if self.finalists < 1:
-            raise ValueError(f"finalists must be >= 1, but got {self.finalists!r}")
-        if self.profile.compile and not self.compile:
-            raise ValueError("profile=ProfileConfig(compile=True) needs compile=True: one switch compiles the profile's "
-                             "layer timings, the trials and the re-measure; set SearchConfig(compile=True)")  # fmt: skip
-        if self.compile != self.profile.compile:  # one switch: the profile's layer timings follow the search's
-            object.__setattr__(self, "profile", dataclasses.replace(self.profile, compile=self.compile))
-
-
-RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
 
 
 def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:

@@ -24,12 +24,12 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.alternatives import BF16
 from autoprec.tune.choices import Choices
+from autoprec.tune.config import Goal, SearchConfig
 from autoprec.tune.measure import NoiseFloor
 from autoprec.tune.pipeline import Chosen, Plan, run
 from autoprec.tune.profiler import Profile
 from autoprec.tune.records import Finals, Measured
 from autoprec.tune.space import SearchSpace
-from autoprec.tune.study import Goal, SearchConfig
 from autoprec.tune.task import Workload
 
 OBJECTIVES = 2  # speedup (maximise; Goal.MEMORY: peak memory, minimise), metric drop (minimise)

@@ -1,0 +1,261 @@
+"""Everything that configures the tuner, in one place: the enums of what a budget is measured on and what a search
+optimises, the dataclasses a timing, a profile and a search take, and the tuning constants, each with why it has its
+value. The command line and the Python API build a SearchConfig through `search_config` alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoprec.tune.space import parse_option
+
+# ---- tuning constants --------------------------------------------------------------------------------------------
+
+# A spread (interquartile range / median) beyond which step times cannot rank candidates a few percent apart:
+# a loaded machine, a throttling GPU. The final re-measure then times on as long again, and says so if it stays.
+NOISY_SPREAD = 0.25
+
+MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
+# Rounds agreeing within this (relative range or spread) settle a timing: a trial's (study.Objective) after
+# MIN_ROUNDS, the final re-measure's (every candidate's spread) after SETTLED_FINAL_ROUNDS.
+SETTLED = 0.05
+SETTLED_FINAL_ROUNDS = 5
+
+MEMORY_TRIES = 3  # steps the GradScaler skips before peak memory is given up (None) for a candidate
+
+# A search's profile lowers a format's layers together first and predicts their single-layer drops where the
+# group's drop is within this share of its smallest budget (ProfileConfig.group_tolerance sets another;
+# ProfileConfig(group_testing=False) measures each alone).
+GROUP_SHARE = 0.1
+
+# Peaks closer than this share are the same memory to a user (an allocator's rounding, a small buffer): among them
+# the fastest is chosen.
+MEMORY_TIE = 0.01
+
+RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
+
+
+# ---- what a budget is measured on, what a search optimises -------------------------------------------------------
+
+
+class Mode(str, enum.Enum):
+    """What the budget is measured on."""
+
+    WEIGHTS = "weights"  # the metric of the given weights with the policy applied
+    TRAIN = "train"  # the metric after K training steps with the policy (and its GradScaler), vs fp32's
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Goal(str, enum.Enum):
+    """What a search optimises within the budget (and --max-memory)."""
+
+    SPEED = "speed"  # the training-step speedup over fp32, maximised
+    MEMORY = "memory"  # one training step's peak memory, minimised (for a model or batch that must fit)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def parse_goal(value: object) -> Goal:
+    return parse_option(Goal, value, "objective")
+
+
+def parse_mode(value: object) -> Mode:
+    return parse_option(Mode, value, "mode")
+
+
+# ---- the configurations ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingConfig:
+    """How long to time: `warmup` calls per candidate first (the last one sizes the blocks), then `rounds`
+    interleaved rounds of at least `min_block_s` seconds per candidate."""
+
+    warmup: int = 3
+    rounds: int = 7
+    min_block_s: float = 0.05
+    max_steps_per_block: int = 50
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.rounds < 1 or self.min_block_s < 0 or self.max_steps_per_block < 1:
+            raise ValueError(f"TimingConfig needs warmup >= 0, rounds >= 1, min_block_s >= 0, got {self}")
+
+
+NUMERICS = ("all", "offered")  # ProfileConfig.numerics
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """`batches`: train batches for the SQNR pass; a format slower than fp32 by `gross_slowdown` in a
+    single probe is timed once rather than interleaved (fp8 emulation on a CPU costs seconds a call).
+    `grad_batches`: train batches for the gradient ranges (None: all); `max_underflow`: the fraction of a
+    layer's nonzero gradient elements fp16 may flush to zero at the low end of the loss-scale range.
+    `group_tolerance`: None evaluates the metric with each layer lowered alone; a number first lowers a format's
+    layers together and takes each one's share of a drop within it (see `_judge_group`). A search sets it to a
+    tenth of its smallest budget when None and `group_testing` (GROUP_SHARE); `group_testing=False`
+    measures every drop alone, whatever the tolerance."""
+
+    batches: int = 2
+    timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02)
+    gross_slowdown: float = 4.0
+    grad_batches: int | None = 8
+    max_underflow: float = 1e-3
+    compile: bool = False  # time each layer's step under torch.compile (SearchConfig.compile sets it)
+    group_tolerance: float | None = None
+    group_testing: bool = True
+    # "all": every layer x format this device can run or emulate has its numerics (SQNR, finiteness, overflow, metric
+    # drop), however slow it runs here: they do not depend on the device's speed. "offered": only the formats the
+    # timing keeps in play (a search's own profile: minutes saved); the others say "not measured" and why.
+    numerics: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.group_tolerance is not None and not (math.isfinite(self.group_tolerance) and self.group_tolerance >= 0):
+            raise ValueError(f"group_tolerance must be a finite number >= 0 or None, but got {self.group_tolerance!r}")
+        if self.grad_batches is not None and self.grad_batches < 1:
+            raise ValueError(f"grad_batches must be >= 1 or None (all train batches), but got {self.grad_batches!r}")
+        if not 0 <= self.max_underflow < 1:
+            raise ValueError(f"max_underflow must be in [0, 1), but got {self.max_underflow!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, but got {self.numerics!r}")
+
+
+SEARCH_PROFILE = ProfileConfig(numerics="offered")  # a search's own: a format its timing rules out waits for its numerics
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    """How to search. `trials` counts every trial in the study, so a rerun resumes up to it.
+
+    `mode`: what the budget applies to (see Mode); in train mode, `train_steps` is K and `noise_runs` the
+    number of fp32 seeds whose spread is the noise floor.
+    """
+
+    budget: float
+    trials: int | None = None  # None: the search space's `trials`
+    seed: int = 0
+    storage: str | None = None  # an Optuna storage URL or a journal file path; None: out_dir/study.journal
+    heartbeat_s: int = 60  # database storages: a trial whose worker is silent for 2x this is failed and retried
+    study_name: str | None = None  # None: the task's name
+    timing: TimingConfig = TimingConfig()
+    final_timing: TimingConfig = TimingConfig(rounds=11)
+    finalists: int = 3
+    profile: ProfileConfig = SEARCH_PROFILE
+    progress: bool = True
+    mode: Mode = Mode.WEIGHTS
+    train_steps: int = 50
+    noise_runs: int = 3
+    # Step times (the profile's layers, every trial, the re-measure) with the model under torch.compile, as
+    # users who compile train; the CLI's default on CUDA. The metric is evaluated eagerly either way.
+    compile: bool = False
+    # A rerun of a finished study (no trials left to run) keeps the result it wrote; True re-measures its
+    # finalists and chooses again, on new timing noise.
+    remeasure: bool = False
+    # What the search optimises within the budget: speed, or peak memory (Goal); and the most peak memory a
+    # candidate may need, in bytes (memory.parse_limit reads "40GB", "0.8"): above it, a candidate is infeasible.
+    objective: Goal = Goal.SPEED
+    max_memory: int | None = None
+    # Leave untimed a trial whose speedup, predicted from the profile's layer times, cannot make it a finalist
+    # (speed.py; a single-objective speed search without --max-memory, once enough trials are timed).
+    predict_speed: bool = True
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
+            raise ValueError(f"budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.budget!r}")
+        object.__setattr__(self, "budget", float(self.budget) + 0.0)  # -0.0 would name another study than 0.0
+        object.__setattr__(self, "mode", parse_mode(self.mode))
+        object.__setattr__(self, "objective", parse_goal(self.objective))
+        if self.max_memory is not None and (
+            isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 1
+        ):
+            raise ValueError(
+                f"max_memory must be a number of bytes >= 1 (memory.parse_limit reads '40GB'), but got {self.max_memory!r}"
+            )
+        for name in ("train_steps", "noise_runs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, but got {value!r}")
+        if not isinstance(self.predict_speed, bool):
+            raise ValueError(f"predict_speed must be True or False, but got {self.predict_speed!r}")
+        if isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1:
+            raise ValueError(f"heartbeat_s must be an integer >= 1 (seconds), but got {self.heartbeat_s!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an integer from 0 to 2**32 - 1 (Optuna's sampler seed), but got {self.seed!r}")
+        if self.trials is not None and self.trials < 1:
+            raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
+        if self.finalists < 1:
+            raise ValueError(f"finalists must be >= 1, but got {self.finalists!r}")
+        if self.profile.compile and not self.compile:
+            raise ValueError("profile=ProfileConfig(compile=True) needs compile=True: one switch compiles the profile's "
+                             "layer timings, the trials and the re-measure; set SearchConfig(compile=True)")  # fmt: skip
+        if self.compile != self.profile.compile:  # one switch: the profile's layer timings follow the search's
+            object.__setattr__(self, "profile", dataclasses.replace(self.profile, compile=self.compile))
+
+
+def default_compile(device: object) -> bool:
+    """Whether step times are compiled when the user does not say: on CUDA (how GPU training runs, and where fp8 pays
+    only compiled), not elsewhere (inductor's CPU code is not what a CPU user is likely to train with)."""
+    try:
+        return torch.device(device).type == "cuda"  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):  # a bad device is reported where it is used, with the choices
+        return False
+
+
+def search_config(
+    *,
+    device: object,
+    budget: float = 0.0,
+    compile: bool | None = None,
+    mode: object = Mode.WEIGHTS,
+    train_steps: int | None = None,
+    noise_runs: int | None = None,
+    max_memory: object = None,
+    numerics: str | None = None,
+    spell: Callable[[str], str] = str,
+    **settings: Any,
+) -> SearchConfig:
+    """THE builder of a SearchConfig, for the command line and the Python API alike: the compile default for the
+    device, `max_memory` as --max-memory reads it (a size "40GB", a share 0.8 or "80%", or a number of bytes), and
+    train-mode settings refused in weights mode. `settings`: SearchConfig's other fields. Raises ValueError naming
+    the setting as `spell` writes it (the CLI: its flag) and shows it as one line."""
+    the_mode = parse_mode(mode)
+    if the_mode is Mode.WEIGHTS:
+        given = [spell(n) for n, value in (("train_steps", train_steps), ("noise_runs", noise_runs)) if value is not None]
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ValueError(f"{' and '.join(given)} {verb} only to {spell('mode')} train (the mode is {the_mode.value})")
+    train = {k: v for k, v in (("train_steps", train_steps), ("noise_runs", noise_runs)) if v is not None}
+    if numerics is not None:
+        settings["profile"] = dataclasses.replace(settings.get("profile", SEARCH_PROFILE), numerics=numerics)
+    return SearchConfig(
+        budget=budget,
+        mode=the_mode,
+        compile=default_compile(device) if compile is None else bool(compile),
+        max_memory=_memory_limit(max_memory, device),
+        **train,
+        **settings,
+    )
+
+
+def _memory_limit(limit: object, device: object) -> int | None:
+    from autoprec.tune import memory  # noqa: PLC0415 (torch's device queries only where a limit is given)
+
+    if limit is None:
+        return None
+    dev = torch.device(device)  # type: ignore[arg-type]
+    if isinstance(limit, str) or (isinstance(limit, float) and 0 < limit <= 1):  # "40GB", "80%", 0.8
+        return memory.parse_limit(str(limit), dev)
+    if isinstance(limit, numbers.Real) and not isinstance(limit, bool):  # a number of bytes (40e9, a numpy int too)
+        size = int(limit) if isinstance(limit, numbers.Integral) else limit
+        return memory.parse_limit(f"{size}B", dev)
+    raise ValueError(
+        f"max_memory must be a size ('40GB'), a share of the device's memory (0.8, '80%') or bytes, but got {limit!r}"
+    )
