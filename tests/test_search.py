@@ -7,7 +7,7 @@ import optuna
 import pandas as pd
 import pytest
 import torch
-from builders import finals, made_up_peak
+from builders import made_up_peak
 from short_timing import FAST_PROFILE, TINY
 from timings import FASTER, FormatClock, using
 
@@ -434,89 +434,6 @@ def test_the_eager_fp32_baseline_is_warmed_up_in_full_once_then_with_one_call(mo
     assert fp32.user_attrs["speedup"] == 1.0 and fp32.user_attrs["feasible"] and "step_ms" not in fp32.user_attrs
 
 
-def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
-    from autoprec import Policy
-    from autoprec.tune.pipeline import choose, safer_variant
-
-    risky = Policy(layers={"": "fp32", "a": "fp16", "b": "bf16"})
-    choices = build_choices(fake_profile([("a", "fp32", 0, 1, True, False), ("a", "bf16", 0, 1, True, False),
-                                          ("a", "fp16", 0, 1, True, False), ("b", "fp32", 0, 1, True, False),
-                                          ("b", "bf16", 0, 1, True, False)]), SPACE, 0.01, torch.device("cpu"))  # fmt: skip
-    safe = safer_variant(risky, choices)
-    assert {k: v.value for k, v in safe.layers.items()} == {"": "fp32", "a": "bf16", "b": "bf16"}
-    assert safer_variant(safe, choices) is None
-    candidates = {"fp32": Policy(), "risky": risky, "safe": safe}
-
-    def measured(risky_speedup, spread):
-        return finals(
-            {"candidate": "fp32", "speedup": 1.0, "spread": spread, "feasible": True},
-            {"candidate": "risky", "speedup": risky_speedup, "spread": spread, "feasible": True},
-            {"candidate": "safe", "speedup": 1.5, "spread": spread, "feasible": True},
-        )
-
-    name, why = choose(measured(1.53, 0.04), candidates)  # 2% lead, 4% spread: noise
-    assert name == "safe" and "inside the spread" in why
-    assert choose(measured(1.65, 0.04), candidates)[0] == "risky"  # 10% lead: real
-
-
-def test_a_searched_policy_not_separated_from_an_alternative_is_never_chosen_over_it():
-    """Under load (spreads ±60%), a bf16/fp32 mix measured 2.15x against uniform bf16's 1.60x is a tie: the alternative
-    is chosen and the tie recorded, never the policy written as faster than what the user had."""
-    from autoprec.tune.pipeline import choose, not_separated
-
-    candidates = {"fp32": Policy(), "uniform bf16": Policy(layers={"": "bf16"}),
-                  "trial 7": Policy(layers={"": "bf16", "a": "fp32"})}  # fmt: skip
-    rows = [
-        {"candidate": "fp32", "speedup": 1.0, "spread": 1.2, "feasible": True},
-        {"candidate": "uniform bf16", "speedup": 1.60, "spread": 1.2, "feasible": True},
-        {"candidate": "trial 7", "speedup": 2.15, "spread": 1.2, "feasible": True},  # no more fp16/fp8 than bf16
-    ]
-    name, why = choose(finals(*rows), candidates)
-    assert name == "uniform bf16" and "not separated from the alternative uniform bf16" in why
-    assert set(not_separated(finals(*rows), name)) == {"fp32", "trial 7"}
-    for row in rows:
-        row["spread"] = 0.04  # a quiet machine: the lead is real
-    assert choose(finals(*rows), candidates)[0] == "trial 7" and not_separated(finals(*rows), "trial 7") == []
-
-
-def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
-    """A safer finalist tied with the top one is still refused when an alternative measured faster than it."""
-    from autoprec.tune.pipeline import choose
-
-    candidates = {
-        "fp32": Policy(),
-        "uniform bf16": Policy(layers={"": "bf16"}),
-        "trial 3": Policy(layers={"": "bf16", "a": "fp8", "b": "fp8"}),
-        "trial 5": Policy(layers={"": "bf16", "a": "bf16"}),
-    }
-    rows = [
-        {"candidate": "fp32", "speedup": 1.0, "spread": 0.04, "feasible": True},
-        {"candidate": "uniform bf16", "speedup": 1.49, "spread": 0.04, "feasible": True},
-        {"candidate": "trial 3", "speedup": 1.50, "spread": 0.04, "feasible": True},
-        {"candidate": "trial 5", "speedup": 1.46, "spread": 0.04, "feasible": True},  # safer, tied, but below bf16
-    ]
-    name, why = choose(finals(*rows), candidates)
-    assert name == "uniform bf16" and "inside the spread" in why
-    rows[2]["speedup"] = 1.7  # a real lead: the searched policy
-    assert choose(finals(*rows), candidates) == ("trial 3", "the fastest within budget")
-    rows[2]["feasible"] = False
-    name, why = choose(finals(*rows), candidates)
-    assert name == "uniform bf16" and "is an alternative" in why
-
-
-def test_tf32_is_measured_but_never_chosen_as_the_policy():
-    from autoprec.tune.measure import Candidate
-    from autoprec.tune.pipeline import choose
-
-    fp32 = Policy(layers={"": "fp32"})
-    candidates = {"fp32": Candidate(fp32), "TF32": Candidate(fp32, tf32=True)}
-    measured = finals(
-        {"candidate": "fp32", "speedup": 1.0, "spread": 0.01, "feasible": True},
-        {"candidate": "TF32", "speedup": 3.0, "spread": 0.01, "feasible": True},
-    )
-    assert choose(measured, candidates)[0] == "fp32"
-
-
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("compiled")
@@ -669,29 +586,6 @@ def test_a_study_from_before_memory_limits_resumes_without_a_limit_and_is_refuse
         search(workload, SPACE, SearchConfig(budget=0.05, max_memory=9000, **{**FAST, "trials": 3}), tmp_path)
 
 
-def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():
-    from autoprec.tune.pipeline import choose_smallest
-
-    candidates = {
-        "fp32": Policy(),
-        "uniform bf16": Policy(layers={"": "bf16"}),
-        "trial 1": Policy(layers={"": "bf16", "a": "fp32"}),
-    }
-    rows = [
-        {"candidate": "fp32", "speedup": 1.0, "peak_bytes": 1000, "memory_saving": 0.0},
-        {"candidate": "uniform bf16", "speedup": 1.5, "peak_bytes": 604, "memory_saving": 0.396},
-        {"candidate": "trial 1", "speedup": 1.2, "peak_bytes": 600, "memory_saving": 0.4},  # within 1% of bf16: a tie
-    ]
-    name, why = choose_smallest(finals(*rows), candidates)
-    assert name == "uniform bf16" and "smallest peak memory" in why and "among the 2" in why
-    rows[2]["peak_bytes"] = 500  # a real saving: the smaller wins although slower
-    assert choose_smallest(finals(*rows), candidates)[0] == "trial 1"
-    rows[2]["fits"] = rows[1]["fits"] = rows[0]["fits"] = False
-    gone = finals(*rows).within(0.01)
-    name, why = choose_smallest(gone, candidates)
-    assert name == "fp32" and "--max-memory" in why
-
-
 def test_memory_settings_are_checked_and_a_new_limit_is_another_study(tmp_path, fake_memory):
     with pytest.raises(ValueError, match=r"objective must be one of speed, memory, but got 'fast'"):
         SearchConfig(budget=0.1, objective="fast")
@@ -714,7 +608,7 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
     import copy
 
     from autoprec.tune.alternatives import BF16, FP32
-    from autoprec.tune.pipeline import separated
+    from autoprec.tune.choose import separated
 
     clock = timings("faster", noise=0.8, seed=seed)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")

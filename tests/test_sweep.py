@@ -10,8 +10,8 @@ from short_timing import FAST_PROFILE, TINY
 
 from autoprec import Policy, apply_policy, load_policy
 from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune.choose import choose_per_budget
 from autoprec.tune.measure import metric_of
-from autoprec.tune.pipeline import choose_per_budget
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.sweeper import pareto_front, parse_budgets, policy_filename, sweep
 

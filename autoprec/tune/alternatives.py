@@ -31,6 +31,7 @@ TF32 = "TF32"
 BF16 = "uniform bf16"
 FP8_EVERYWHERE = "fp8 everywhere (torchao filter)"
 GREEDY = "profile greedy"
+ALTERNATIVES = (FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY)  # re-measured beside every result, in this order
 
 NOT_A_POLICY = frozenset({TF32})  # measured for comparison; cannot be written as a per-layer policy
 

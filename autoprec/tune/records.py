@@ -275,7 +275,7 @@ class Measured:
     chosen: str | None = None
     why: str | None = None
     greedy: str | None = None  # the name of this budget's profile-greedy candidate
-    # the candidates within budget whose step times could not be told from the chosen one's (pipeline.not_separated):
+    # the candidates within budget whose step times could not be told from the chosen one's (choose.not_separated):
     # a tie inside the noise, chosen as the alternative or the safer one, not measured faster than them
     not_separated: tuple[str, ...] = ()
     results: Mapping[str, Result] = dataclasses.field(default_factory=dict)
