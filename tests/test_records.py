@@ -105,14 +105,6 @@ def test_a_measurement_needs_every_measured_field():
         Measurement(candidate="x", metric=1.0)  # type: ignore[call-arg]
 
 
-def test_finals_say_how_to_read_them_where_a_dataframe_was_used(tmp_path):
-    f = finals({"candidate": "fp32", "rounds": 5})
-    with pytest.raises(TypeError, match=r"finals\['speedup'\]: finals are records now.*by_name.*to_frame"):
-        f["speedup"]  # noqa: B018
-    f.to_csv(tmp_path / "f.csv", index=False)  # as a DataFrame was written
-    assert Finals.read_csv(tmp_path / "f.csv")[0].rounds == 5
-
-
 def test_a_malformed_finalists_row_is_refused_with_its_row_and_candidate(tmp_path):
     f = finals({"candidate": "fp32"}, {"candidate": "x"})
     f.to_csv(tmp_path / "f.csv")

@@ -86,11 +86,6 @@ class Finals(Sequence[Measurement]):
     @overload
     def __getitem__(self, index: slice) -> Sequence[Measurement]: ...
     def __getitem__(self, index: int | slice) -> Measurement | Sequence[Measurement]:
-        if isinstance(index, str):  # the DataFrame this was before 0.2
-            raise TypeError(
-                f"finals[{index!r}]: finals are records now, not a DataFrame; use finals.by_name(candidate) for one "
-                "candidate's Measurement, or finals.to_frame() for the table"
-            )
         return self._rows[index]
 
     def __len__(self) -> int:
@@ -140,10 +135,8 @@ class Finals(Sequence[Measurement]):
         columns = [f.name for f in dataclasses.fields(Measurement)]
         return pd.DataFrame([dataclasses.asdict(r) for r in self._rows], columns=columns)
 
-    def to_csv(self, path: str | Path, *, index: bool = False) -> None:
-        """finalists.csv; `index=False` (what it always is) is accepted, as the DataFrame this was before 0.2 took it."""
-        if index:
-            raise TypeError("Finals.to_csv writes no index column; use finals.to_frame().to_csv(...) for pandas' options")
+    def to_csv(self, path: str | Path) -> None:
+        """finalists.csv (to_frame's table, no index column)."""
         frame = self.to_frame()
         write_atomically(path, lambda tmp: frame.to_csv(tmp, index=False))
 
