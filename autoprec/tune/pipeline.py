@@ -285,6 +285,9 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
         chosen.append(Chosen(budget=b, name=m.chosen, why=m.why or "", policy=policy, file=path, greedy=m.greedy))
     try:
         finals = Finals.read_csv(out_dir / plan.finalists_file)
+    except OtherVersion as exc:
+        log.warning("%s; re-measuring the finalists", exc)
+        return None
     except (OSError, ValueError):
         return None
     if not {c.name for c in chosen} | {c.greedy for c in chosen} <= set(finals.names):
