@@ -74,7 +74,7 @@ def read_json(path: str | Path) -> object:
 
 class OtherVersion(ValueError):
     """A file another autoprec version wrote: its format version is not the one this version reads (or it has
-    none). Never read field by field: the pipeline measures it again, a study of another version is refused."""
+    none). Never read field by field: the pipeline measures such a profile or finalists file again."""
 
 
 def check_version(path: str | Path, found: object, expected: int) -> None:
