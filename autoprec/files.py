@@ -1,7 +1,8 @@
 """Output files written so that a reader never sees half of one: several search workers share one output
 folder, and each writes the profile, the policy and the tables when it finishes. A JSON file read so that
-whatever it holds is a one-line error naming it, not a traceback. And the folder claimed for one owner (one model)
-while its runs write there."""
+whatever it holds is a one-line error naming it, not a traceback. The format version a machine-written file
+carries, checked as it is read (`check_version`). And the folder claimed for one owner (one model) while its runs
+write there."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from autoprec.errors import UserError
+from autoprec.errors import UserError, shown
 
 try:
     import fcntl
@@ -69,6 +70,18 @@ def read_json(path: str | Path) -> object:
         raise UserError(
             f"{path}: not readable JSON: it holds a number of more than {digits} digits, which no field takes"
         ) from None
+
+
+class OtherVersion(ValueError):
+    """A file another autoprec version wrote: its format version is not the one this version reads (or it has
+    none). Never read field by field: the pipeline measures such a profile or finalists file again."""
+
+
+def check_version(path: str | Path, found: object, expected: int) -> None:
+    """Raise OtherVersion naming `path` unless the format version it holds, `found`, is `expected`."""
+    if found != expected or isinstance(found, bool):
+        was = "none" if found is None else shown(found, 20)
+        raise OtherVersion(f"{path}: written by another autoprec version (format version {was}; this version reads {expected})")
 
 
 CLAIM = ".autoprec.claim"  # the owner holding the folder (JSON); each live run keeps a shared flock on it

@@ -90,6 +90,16 @@ def stats(predicted: pd.Series, measured: pd.Series, budget: float) -> dict[str,
     }
 
 
+def committed_profile(folder: Path) -> Profile | None:
+    """The profile table a committed run wrote (its drops only: no fp32 metric, device or fingerprint). Read as a table,
+    not with Profile.load, which reads the current profile format only; these records of past runs keep theirs."""
+    path = folder / "profile.csv"
+    if not path.is_file():
+        return None
+    table = pd.read_csv(path, dtype={"layer": str})
+    return Profile(table=table, fp32_metric=math.nan, metric_name="", device="", fingerprint="")
+
+
 def searched_trials(model: str, prof: Profile, folder: str) -> pd.DataFrame | None:
     """(predicted, measured) for a committed study's trials; predicted from its own profile."""
     path = DEVICE_DIR / folder / "trials.csv"
@@ -132,10 +142,9 @@ def main() -> None:
         )
     for model, folder, mode in (("digits", "digits", "weights"), ("tinylm", "tinylm", "weights"),
                                 ("digits", "train/digits", "train"), ("tinylm", "train/tinylm", "train")):  # fmt: skip
-        prof_dir = DEVICE_DIR / folder if (DEVICE_DIR / folder / "profile.json").is_file() else None
-        if prof_dir is None:
+        prof = committed_profile(DEVICE_DIR / folder)
+        if prof is None:
             continue
-        prof = Profile.load(prof_dir)
         trials = searched_trials(model, prof, folder)
         if trials is None:
             continue

@@ -27,8 +27,8 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
-from autoprec.tune import SearchConfig, load_space, load_task, prepare, profile  # noqa: E402
-from autoprec.tune.config import TimingConfig
+from autoprec.tune import Profile, SearchConfig, load_space, load_task, prepare, profile  # noqa: E402
+from autoprec.tune.config import TimingConfig  # noqa: E402
 from autoprec.tune.measure import Candidate  # noqa: E402
 from autoprec.tune.pipeline import baselines, remeasure  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
@@ -50,6 +50,14 @@ def curve(trials: pd.DataFrame) -> list[float]:
     return out
 
 
+def _readable_profile(folder: Path) -> bool:
+    try:
+        Profile.load(folder)
+    except (OSError, ValueError):  # missing, or written by another autoprec version (files.OtherVersion)
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_flag(parser)
@@ -63,7 +71,7 @@ def main() -> None:
     print_header(f"search layouts on 109 layers (moe12), budget {args.budget:g}, {args.trials} trials each", device)
     workload = prepare(load_task(MODEL), device)
     space = load_space()
-    if not (out / "profile" / "profile.csv").is_file():
+    if not _readable_profile(out / "profile"):  # none yet, or another version's: profiled once, shared by every layout
         start = time.perf_counter()
         profile(workload, space).save(out / "profile")
         print(f"profiled in {time.perf_counter() - start:.0f} s")

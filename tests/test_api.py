@@ -11,7 +11,7 @@ from short_timing import FAST_PROFILE, TINY
 
 import autoprec.tune
 from autoprec import Policy
-from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune import load_task
 from autoprec.tune.cli import main
 from autoprec.tune.space import space_from_dict
 
@@ -96,17 +96,6 @@ def test_the_api_and_the_command_line_run_the_same_study_from_the_same_seed(tmp_
     assert len(cli) == 5 and cli.equals(api)
 
 
-def test_the_low_level_call_autoprec_tune_search_had_still_works_with_a_deprecation(tmp_path):
-    workload = prepare(overflow_task(), "cpu")
-    config = SearchConfig(budget=0.05, trials=1, **FAST)
-    with pytest.warns(DeprecationWarning, match=r"moved to autoprec.tune.searcher.search"):
-        result = autoprec.tune.search(workload, space_from_dict(SPACE), config, out_dir=tmp_path / "a")
-    assert (tmp_path / "a" / "policy.json").is_file() and isinstance(result.policy, Policy)
-    with pytest.warns(DeprecationWarning, match=r"moved to autoprec.tune.sweeper.sweep"):
-        swept = autoprec.tune.sweep(workload, space_from_dict(SPACE), [0, 0.05], config, tmp_path / "b")
-    assert sorted(swept.policies) == [0, 0.05] and (tmp_path / "b" / "sweep.csv").is_file()
-
-
 def test_a_wrong_argument_is_named():
     task = overflow_task()
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
@@ -115,6 +104,8 @@ def test_a_wrong_argument_is_named():
         autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), budget="-1%")
     with pytest.raises(TypeError, match="sweep\\(\\) needs budgets="):
         autoprec.tune.sweep(task.build_model(), task.loss_fn, task.batches("train"))
+    with pytest.raises(TypeError, match="positional arguments"):  # budgets and the rest by keyword only
+        autoprec.tune.sweep(task.build_model(), task.loss_fn, task.batches("train"), task.batches("eval"), [0, 0.05])
     with pytest.raises(TypeError, match="evaluate must be a function, got float"):
         autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), evaluate=0.5)
 

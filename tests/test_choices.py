@@ -145,12 +145,6 @@ def test_every_layout_suggests_through_optuna_and_round_trips_through_json(layou
     assert all(set(p.layers) == {"", *choices.layers} for p in policies)
 
 
-def test_choices_from_before_layouts_read_as_per_layer():
-    old = '{"default": ["fp32"], "excluded": {}, "layers": {"a": ["fp32", "bf16"]}, "loss_scale": null}'
-    choices = Choices.from_json(old)
-    assert choices.layout == "per_layer" and policy_from_params({"layer:a": "bf16"}, choices).layers["a"].value == "bf16"
-
-
 def test_the_space_file_names_the_layout_and_refuses_an_unknown_one():
     assert load_space().layout is Layout.AUTO and load_space().max_params == 16
     assert space(layout="Ranked").layout is Layout.RANKED

@@ -166,6 +166,35 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
     assert json.loads((tmp_path / "policy.json").read_text())["measured"]["study"]["complete"] == 3
 
 
+def test_a_finished_studys_finalists_file_of_another_version_is_re_measured_with_one_line(fast, capsys, tmp_path, monkeypatch):
+    pipeline = sys.modules["autoprec.tune.pipeline"]
+    real, calls = pipeline.final_remeasure, []
+    monkeypatch.setattr(pipeline, "final_remeasure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    argv = [
+        "search",
+        str(MODELS / "overflow_mlp.py"),
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        "--trials",
+        "2",
+        "--budget",
+        "0.05",
+    ]
+    assert main(argv) == 0 and len(calls) == 1
+    capsys.readouterr()
+    path = tmp_path / "finalists.csv"
+    pd.read_csv(path).drop(columns="version").to_csv(path, index=False)  # as a version without the column wrote it
+    assert main(argv) == 0 and len(calls) == 2  # its result does not stand: the finalists are measured again
+    err = capsys.readouterr().err
+    assert (
+        f"autoprec: {path}: written by another autoprec version (format version none; this version reads 1); re-measuring the finalists"
+        in err.splitlines()
+    )
+    assert "its result in" not in err and pd.read_csv(path)["version"].eq(1).all()
+
+
 def test_a_sweep_takes_relative_budgets_beside_absolute_ones(fast, capsys, tmp_path):
     argv = [
         "sweep",

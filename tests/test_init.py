@@ -1,4 +1,4 @@
-"""`import autoprec` is the runtime: torch only, silent; the tuner's names moved to autoprec.tune with a deprecation."""
+"""`import autoprec` is the runtime: torch only, silent; the tuner is autoprec.tune, reached from it on first use."""
 
 import subprocess
 import sys
@@ -13,18 +13,6 @@ def test_importing_the_runtime_pulls_in_no_tuner_library_and_prints_nothing():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]" and proc.stderr == ""
-
-
-def test_the_tuners_old_names_still_work_with_a_deprecation_naming_the_new_place():
-    import autoprec
-    import autoprec.tune
-
-    with pytest.warns(DeprecationWarning, match=r"autoprec.search has moved to autoprec.tune.searcher.search"):
-        assert autoprec.search is autoprec.tune.searcher.search  # the signature it had: (workload, space, config, out_dir)
-    with pytest.warns(DeprecationWarning, match=r"autoprec.Policy|autoprec.load_task has moved to autoprec.tune.load_task"):
-        assert autoprec.load_task is autoprec.tune.load_task
-    with pytest.raises(AttributeError, match="no attribute 'serch'"):
-        autoprec.serch  # noqa: B018
 
 
 def test_the_tuner_functions_do_not_shadow_their_modules():
@@ -42,3 +30,10 @@ def test_autoprec_tune_is_reachable_from_a_plain_import_autoprec():
     code = "import autoprec\nprint(callable(autoprec.tune.search))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "True"
+
+
+def test_the_runtime_serves_no_tuner_name_but_autoprec_tune():
+    import autoprec
+
+    with pytest.raises(AttributeError, match="no attribute 'search'"):  # the tuner's functions are autoprec.tune's
+        autoprec.search  # noqa: B018

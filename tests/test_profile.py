@@ -9,6 +9,7 @@ import torch
 from short_timing import TINY
 
 from autoprec import Policy
+from autoprec.files import OtherVersion
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
 from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.space import space_from_dict
@@ -118,15 +119,6 @@ def test_gradient_ranges_are_saved_and_loaded(prof, tmp_path):
     assert back.advice() == prof.advice()
 
 
-def test_a_profile_from_before_gradient_ranges_still_loads(prof, tmp_path):
-    prof.save(tmp_path)
-    (tmp_path / "grad_ranges.csv").unlink()
-    prof.table.drop(columns=GRAD_COLUMNS).to_csv(tmp_path / "profile.csv", index=False)
-    back = Profile.load(tmp_path)
-    assert list(back.table.columns) == COLUMNS and back.table["grad_amax"].isna().all()
-    assert back.grad_ranges is None and back.advice() is None
-
-
 def test_predicted_drop_sums_the_lowered_layers(prof):
     drops = {f: row(prof, "fc1", f)["metric_drop"] + row(prof, "big", f)["metric_drop"] for f in ("bf16", "fp8")}
     assert prof.predicted_drop({"": "bf16", "fc1": "bf16", "big": "bf16", "head": "fp32"}) == pytest.approx(drops["bf16"])
@@ -199,6 +191,45 @@ def test_a_corrupt_saved_profile_is_measured_again(tmp_path, caplog):
         prof = _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.1, progress=False, profile=FAST))
     assert "the saved profile cannot be read" in caplog.text and prof.layers() == ["fc1", "big", "head"]
     assert Profile.load(tmp_path).layers() == ["fc1", "big", "head"]  # the repaired files
+
+
+def test_a_saved_profile_of_another_version_or_none_is_measured_again_with_one_warning(tmp_path, caplog):
+    """Its numbers may mean something else in this version: never read, measured again, and the line says why."""
+    from autoprec.tune import SearchConfig
+    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune.pipeline import _load_or_profile
+    from autoprec.tune.profiler import PROFILE_VERSION
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
+    config = SearchConfig(budget=0.1, progress=False, profile=FAST)
+    _load_or_profile(workload, space, tmp_path, config)
+    meta = json.loads((tmp_path / "profile.json").read_text())
+    assert meta["version"] == PROFILE_VERSION
+    for other, shown in (
+        ({**meta, "version": PROFILE_VERSION + 1}, str(PROFILE_VERSION + 1)),
+        (meta | {"version": None}, "none"),
+    ):
+        (tmp_path / "profile.json").write_text(json.dumps(other))
+        with pytest.raises(OtherVersion, match=rf"profile.json: written by another autoprec version \(format version {shown};"):
+            Profile.load(tmp_path)
+        caplog.clear()
+        watch = Stopwatch()
+        with caplog.at_level("INFO", logger="autoprec"):
+            _load_or_profile(workload, space, tmp_path, config, watch=watch)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{tmp_path / 'profile.json'}: written by another autoprec version (format version {shown}; this version "
+            f"reads {PROFILE_VERSION}); profiling again"
+        ]
+        assert "profile: reused the one saved in the output folder" not in watch.counts
+        assert json.loads((tmp_path / "profile.json").read_text())["version"] == PROFILE_VERSION  # measured and saved anew
+
+
+def test_a_saved_profile_needs_its_gradient_ranges(prof, tmp_path):
+    prof.save(tmp_path)
+    (tmp_path / "grad_ranges.csv").unlink()
+    with pytest.raises(FileNotFoundError, match="grad_ranges.csv"):  # the pipeline then measures it again
+        Profile.load(tmp_path)
 
 
 # ---- the metric only where it can matter --------------------------------------------------------
@@ -278,18 +309,6 @@ def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_rul
     assert "profile: reused the one saved in the output folder" not in watch.counts
     sources = again.table.loc[again.table["format"] == "bf16", "metric_source"]
     assert not sources.str.startswith("not measured").any() and sources.str.startswith(("measured", "predicted")).all()
-
-
-def test_a_profile_saved_before_metrics_could_be_skipped_reads_as_all_measured(prof, tmp_path):
-    prof.save(tmp_path)
-    path = tmp_path / "profile.csv"
-    import pandas as pd
-
-    old = pd.read_csv(path).drop(columns=["metric_source"])
-    old.to_csv(path, index=False)
-    back = Profile.load(tmp_path).table
-    assert (back.loc[back["status"] == "ok", "metric_source"] == "measured").all()
-    assert (back.loc[back["status"] != "ok", "metric_source"] == "").all()
 
 
 def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found_alone(monkeypatch):

@@ -2,11 +2,13 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from builders import finals, measurement
 
 from autoprec import Policy, load_policy
-from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
+from autoprec.files import OtherVersion
+from autoprec.tune.records import FINALS_VERSION, Finals, Measured, Measurement, Result, StudyRef
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -93,24 +95,27 @@ def test_finals_round_trip_through_csv_with_empty_cells_and_errors(tmp_path):
     assert list(f.to_frame().columns)[:3] == ["candidate", "metric", "metric_drop"]
 
 
-def test_a_finalists_file_of_an_older_version_is_refused_by_name(tmp_path):
+def test_a_finalists_file_of_another_version_or_none_is_refused_as_another_versions(tmp_path):
     path = tmp_path / "finalists.csv"
-    path.write_text("candidate,metric,speedup\nfp32,1.0,1.0\n")
-    with pytest.raises(ValueError, match=r"finalists.csv: no column 'metric_drop'"):
+    finals({"candidate": "fp32"}).to_csv(path)
+    assert path.read_text().splitlines()[0].endswith(",version") and Finals.read_csv(path).names == ["fp32"]
+    frame = pd.read_csv(path)
+    for other, shown in ((frame.drop(columns="version"), "none"), (frame.assign(version=2), "2")):
+        other.to_csv(path, index=False)
+        with pytest.raises(OtherVersion, match=rf"finalists.csv: written by another autoprec version \(format version {shown}; "):
+            Finals.read_csv(path)
+
+
+def test_a_finalists_file_of_this_version_missing_a_column_is_refused_by_name(tmp_path):
+    path = tmp_path / "finalists.csv"
+    finals({"candidate": "fp32"}).to_frame().drop(columns="rounds").assign(version=FINALS_VERSION).to_csv(path, index=False)
+    with pytest.raises(ValueError, match=r"finalists.csv: no column 'rounds'"):
         Finals.read_csv(path)
 
 
 def test_a_measurement_needs_every_measured_field():
     with pytest.raises(TypeError):
         Measurement(candidate="x", metric=1.0)  # type: ignore[call-arg]
-
-
-def test_finals_say_how_to_read_them_where_a_dataframe_was_used(tmp_path):
-    f = finals({"candidate": "fp32", "rounds": 5})
-    with pytest.raises(TypeError, match=r"finals\['speedup'\]: finals are records now.*by_name.*to_frame"):
-        f["speedup"]  # noqa: B018
-    f.to_csv(tmp_path / "f.csv", index=False)  # as a DataFrame was written
-    assert Finals.read_csv(tmp_path / "f.csv")[0].rounds == 5
 
 
 def test_a_malformed_finalists_row_is_refused_with_its_row_and_candidate(tmp_path):
@@ -121,13 +126,6 @@ def test_a_malformed_finalists_row_is_refused_with_its_row_and_candidate(tmp_pat
     (tmp_path / "f.csv").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"f.csv: row 3 \('x'\) is malformed: expected True or False"):
         Finals.read_csv(tmp_path / "f.csv")
-
-
-def test_a_finalists_file_written_before_rounds_were_recorded_reads_with_rounds_0():
-    older = sorted(RESULTS.glob("cpu-epyc-2core/search-scale/*/finalists.csv"))
-    assert older  # committed by an earlier version, without a rounds column
-    for path in older:
-        assert all(r.rounds == 0 for r in Finals.read_csv(path))
 
 
 def test_peak_memory_and_the_limit_round_trip_and_a_candidate_that_does_not_fit_is_never_feasible(tmp_path):
@@ -144,10 +142,3 @@ def test_peak_memory_and_the_limit_round_trip_and_a_candidate_that_does_not_fit_
     m = Measured(memory="CUDA allocator peak", max_memory=40 * 10**9, objective="memory", results={"policy": r})
     assert Measured.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     assert Measured.from_dict({}).objective == "speed" and "max_memory" not in Measured().to_dict()
-
-
-def test_a_finalists_file_written_before_peak_memory_reads_as_not_measured_and_fitting():
-    older = sorted(RESULTS.glob("cpu-epyc-avx2-2core/search-cost-baseline/*/finalists.csv"))
-    assert older  # committed by an earlier version (7dfaf12), without peak_bytes and fits columns: never rewritten
-    for path in older:
-        assert all(r.peak_bytes is None and r.fits for r in Finals.read_csv(path))

@@ -571,21 +571,6 @@ def load_study(out):
     return optuna.load_study(study_name="overflow_mlp", storage=storage)
 
 
-def test_a_study_from_before_memory_limits_resumes_without_a_limit_and_is_refused_with_one(tmp_path, fake_memory, monkeypatch):
-    from autoprec.tune import study
-
-    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    key = study._study_key
-    with monkeypatch.context() as older:  # the key as an earlier version wrote it, without max_memory
-        older.setattr(study, "_study_key", lambda *a: {k: v for k, v in key(*a).items() if k != "max_memory"})
-        search(workload, SPACE, SearchConfig(budget=0.05, **{**FAST, "trials": 2}), tmp_path)
-    assert "max_memory" not in min(load_study(tmp_path).trials, key=lambda t: t.number).user_attrs[study.KEY_ATTR]
-    resumed = search(workload, SPACE, SearchConfig(budget=0.05, **{**FAST, "trials": 3}), tmp_path).trials
-    assert resumed["state"].eq("COMPLETE").sum() == 3  # one more trial in the same study
-    with pytest.raises(UserError, match=r"different max_memory \(max_memory none, now 9000\)"):
-        search(workload, SPACE, SearchConfig(budget=0.05, max_memory=9000, **{**FAST, "trials": 3}), tmp_path)
-
-
 def test_memory_settings_are_checked_and_a_new_limit_is_another_study(tmp_path, fake_memory):
     with pytest.raises(ValueError, match=r"objective must be one of speed, memory, but got 'fast'"):
         SearchConfig(budget=0.1, objective="fast")

@@ -198,3 +198,46 @@ def test_a_journal_nested_deeper_than_python_reads_is_refused_in_one_line_unchan
     with pytest.raises(UserError, match="not an Optuna journal"):
         check_storage(SearchConfig(budget=0.1, storage=str(path)))
     assert path.read_bytes() == before
+
+
+# ---- a study another autoprec version made ---------------------------------------------------------------------------
+
+
+def open_overflow_study(out: Path, **settings):
+    """open_study on a tiny model (no profile needed: the choices are given), as the pipeline calls it."""
+    from autoprec.tune import load_task, prepare
+    from autoprec.tune.choices import Choices
+    from autoprec.tune.space import space_from_dict
+    from autoprec.tune.study import open_study
+
+    workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
+    choices = Choices(default=("fp32",), layers={"fc1": ("fp32", "bf16")}, excluded={})
+    return open_study(workload, space, choices, SearchConfig(budget=0.1, **settings), out)
+
+
+def test_a_study_another_version_made_is_refused_in_one_line_naming_the_journal_and_what_to_do(tmp_path, monkeypatch):
+    from autoprec.tune import study
+
+    with monkeypatch.context() as other:
+        other.setattr(study, "STUDY_VERSION", study.STUDY_VERSION + 1)
+        open_overflow_study(tmp_path)
+    journal = tmp_path / "study.journal"
+    with pytest.raises(UserError) as err:
+        open_overflow_study(tmp_path)
+    assert str(err.value) == (
+        f"study 'overflow_mlp' in {journal} was made by another autoprec version (study format version "
+        f"{study.STUDY_VERSION + 1}; this version makes {study.STUDY_VERSION}): pass --study NEW_NAME to start another, "
+        f"or delete {journal} to start over"
+    )
+    assert open_overflow_study(tmp_path, study_name="fresh")[0].study_name == "fresh"  # the same journal, a new name
+
+
+def test_a_study_whose_trials_carry_no_key_is_another_versions_and_refused_in_a_database_too(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    made = optuna.create_study(study_name="overflow_mlp", storage=url)  # as an autoprec without the key on trial 0
+    made.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    with pytest.raises(
+        UserError, match=rf"made by another autoprec version \(study format version none; .*delete the study from {url} "
+    ):
+        open_overflow_study(tmp_path, storage=url)

@@ -167,7 +167,7 @@ def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_br
     front = pareto_front(pd.DataFrame(rows), Goal.MEMORY)
     assert set(front["trial"]) == expected and front["metric_drop"].is_monotonic_increasing
     assert "_value" not in front
-    assert pareto_front(pd.DataFrame(rows).drop(columns="peak_bytes"), Goal.MEMORY).empty  # from before peaks were measured
+    assert pareto_front(pd.DataFrame(rows).drop(columns="peak_bytes"), Goal.MEMORY).empty  # no peak measured: no front
 
 
 def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of_peak_and_drop(tmp_path, monkeypatch):

@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import logging
 import tempfile
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -178,15 +177,6 @@ def search(
     max_memory="40GB" (a size as --max-memory takes it, a share of the device's memory such as 0.8 or "80%", or a
     number of bytes), ...).
     """
-    if isinstance(model, Workload):  # the low-level signature autoprec.tune.search had before 0.2
-        warnings.warn(
-            "autoprec.tune.search(workload, space, config, out_dir) has moved to autoprec.tune.searcher.search; "
-            "autoprec.tune.search now takes (model, loss_fn, train_batches, eval_batches, ...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        out_dir = config.pop("out_dir") if "out_dir" in config else eval_batches
-        return searcher.search(model, loss_fn, train_batches, out_dir, **config)  # type: ignore[arg-type]
     spec = parse_budget(budget)
     workload, the_space, base = _setup(
         model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, device=device,
@@ -207,7 +197,7 @@ def sweep(
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
     train_batches: Iterable,
     eval_batches: Iterable = (),
-    *old: Any,
+    *,
     budgets: str | float | Sequence[float | str | Budget] | None = None,
     evaluate: Callable[[torch.nn.Module], float] | None = None,
     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
@@ -224,21 +214,6 @@ def sweep(
 ) -> sweeper.SweepResult:
     """One two-objective study and a verified policy per budget (`budgets`: "0,0.5%,1%" or a list); the
     other arguments as `search`. The result's `.policies` maps each absolute budget to its policy."""
-    if isinstance(model, Workload):  # the low-level signature autoprec.tune.sweep had before 0.2
-        warnings.warn(
-            "autoprec.tune.sweep(workload, space, budgets, config, out_dir) has moved to autoprec.tune.sweeper.sweep; "
-            "autoprec.tune.sweep now takes (model, loss_fn, train_batches, eval_batches, budgets=...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        # (workload, space, budgets, config, out_dir), positional or by keyword
-        settings = config.pop("config", eval_batches)
-        out_dir = old[0] if old else config.pop("out_dir")
-        return sweeper.sweep(model, loss_fn, train_batches, settings, out_dir, **config)  # type: ignore[arg-type]
-    if old:
-        raise TypeError(
-            f"sweep() takes 4 positional arguments (model, loss_fn, train_batches, eval_batches), but got {4 + len(old)}"
-        )
     if budgets is None:
         raise TypeError("sweep() needs budgets=, e.g. budgets='0,0.5%,1%' or budgets=[0, 0.01]")
     specs = parse_budget_list([budgets] if isinstance(budgets, (int, float)) else budgets)

@@ -70,11 +70,11 @@ class Choices:
             default=tuple(data["default"]),
             layers={k: tuple(v) for k, v in data["layers"].items()},
             excluded=data["excluded"],
-            loss_scale=data.get("loss_scale"),
-            layout=data.get("layout", Layout.PER_LAYER.value),  # studies made before layouts were per-layer
-            groups={k: tuple(v) for k, v in data.get("groups", {}).items()},
-            ranking={k: tuple(v) for k, v in data.get("ranking", {}).items()},
-            preference={k: tuple(v) for k, v in data.get("preference", {}).items()},
+            loss_scale=data["loss_scale"],
+            layout=data["layout"],
+            groups={k: tuple(v) for k, v in data["groups"].items()},
+            ranking={k: tuple(v) for k, v in data["ranking"].items()},
+            preference={k: tuple(v) for k, v in data["preference"].items()},
         )
 
     @property

@@ -34,7 +34,7 @@ import torch
 
 from autoprec.apply import fp8_backend
 from autoprec.errors import UserError
-from autoprec.files import Taken, claim_folder, read_json, write_atomically
+from autoprec.files import OtherVersion, Taken, claim_folder, read_json, write_atomically
 from autoprec.formats import Format, device_name
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tune import memory
@@ -274,6 +274,9 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
         chosen.append(Chosen(budget=b, name=m.chosen, why=m.why or "", policy=policy, file=path, greedy=m.greedy))
     try:
         finals = Finals.read_csv(out_dir / plan.finalists_file)
+    except OtherVersion as exc:
+        log.warning("%s; re-measuring the finalists", exc)
+        return None
     except (OSError, ValueError):
         return None
     if not {c.name for c in chosen} | {c.greedy for c in chosen} <= set(finals.names):
@@ -527,6 +530,8 @@ def _load_or_profile(
     if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
         try:
             cached = Profile.load(out_dir)
+        except OtherVersion as exc:  # its numbers may mean something else here: measured again, not read
+            log.warning("%s; profiling again", exc)
         except Exception as exc:  # a torn or hand-edited file: measuring again is the repair
             log.warning("%s: the saved profile cannot be read (%s: %s); profiling again", out_dir, type(exc).__name__, exc)
     if cached is not None:
@@ -537,7 +542,6 @@ def _load_or_profile(
         )
         tunable = space.tunable_layers(workload.model).items()
         offered = {(n, f.value) for n, fs in tunable for f in fs if n not in cached.uncalled}
-        complete = cached.grad_ranges is not None  # written before gradient ranges existed: measure again
         # a cell whose metric was skipped as ruled out must still be ruled out under this space's prune rule
         skipped = cached.table[cached.table["metric_source"].str.startswith("not measured")]
         still_out = all(ruled_out(row, None, space.prune_slower_than) is not None for _, row in skipped.iterrows())
@@ -547,7 +551,7 @@ def _load_or_profile(
         precise = not predicted or (
             cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted
         )
-        if same and complete and still_out and precise and offered == set(zip(cached.table["layer"], cached.table["format"])):
+        if same and still_out and precise and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)
             watch.count("profile: reused the one saved in the output folder")
             return cached

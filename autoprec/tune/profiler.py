@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy
 from autoprec.errors import UserError, describe
-from autoprec.files import write_atomically
+from autoprec.files import check_version, write_atomically
 from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, device_name, format_problem
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tensors import map_tensors
@@ -69,6 +69,10 @@ COLUMNS = [
     "metric_source",
 ]  # fmt: skip
 
+# profile.json's "version": the format of profile.json, profile.csv and grad_ranges.csv together. Raise it when any of
+# them changes (a column, a field, what a value means); Profile.load reads no other, and a search measures again.
+PROFILE_VERSION = 1
+
 MEASURED = "measured"
 SQNR_STAGE = "profile: output and gradient SQNR per format"
 PENDING = "pending"  # in play after the SQNR pass: its metric is judged with the others of its format (_judge_group)
@@ -95,8 +99,9 @@ class Profile:
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        meta = {k: getattr(self, k) for k in ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled",
-                                              "uncalled", "group_tolerance")}  # fmt: skip
+        fields = ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled", "uncalled",
+                  "group_tolerance")  # fmt: skip
+        meta: dict[str, Any] = {"version": PROFILE_VERSION, **{k: getattr(self, k) for k in fields}}
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None
         text = json.dumps(meta, indent=2) + "\n"
@@ -109,20 +114,20 @@ class Profile:
 
     @classmethod
     def load(cls, out_dir: str | Path) -> Profile:
+        """What `save` wrote to out_dir, at this PROFILE_VERSION (files.OtherVersion for another, or none)."""
         out_dir = Path(out_dir)
         meta = json.loads((out_dir / "profile.json").read_text(encoding="utf-8"))
+        check_version(out_dir / "profile.json", meta.get("version") if isinstance(meta, dict) else None, PROFILE_VERSION)
+        del meta["version"]
         meta.pop("loss_scale_advice", None)  # derived from grad_ranges on demand
         # layer names are strings even when they look like numbers (nn.Sequential's "0", "2")
         table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True, dtype={"layer": str, "timed_as": str})
+        missing = [c for c in COLUMNS if c not in table]
+        if missing:
+            raise ValueError(f"{out_dir / 'profile.csv'}: no column {missing[0]!r}")
         table["reason"] = table["reason"].fillna("")
-        if "metric_source" not in table:  # written before the metric could be skipped: every ok cell was measured
-            table["metric_source"] = table["status"].eq("ok").map({True: MEASURED, False: ""})
         table["metric_source"] = table["metric_source"].fillna("")
-        for column in COLUMNS:  # a profile written before a column existed
-            if column not in table:
-                table[column] = math.nan
-        grads = out_dir / "grad_ranges.csv"
-        grad_ranges = pd.read_csv(grads, dtype={"layer": str}) if grads.is_file() else None
+        grad_ranges = pd.read_csv(out_dir / "grad_ranges.csv", dtype={"layer": str})  # profile() always measures them
         return cls(table=table[COLUMNS], grad_ranges=grad_ranges, **meta)
 
     def layers(self) -> list[str]:

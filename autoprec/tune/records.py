@@ -6,7 +6,8 @@
 - `Measured`: a policy file's `measured` block, written by the pipeline and read by the reports.
 
 The runtime's `Policy.measured` stays a plain mapping (it is provenance, and a training script needs none of
-this); `Measured.of(policy)` is its typed view, tolerant of files from older versions or edited by hand.
+this); `Measured.of(policy)` is its typed view, lenient: a policy edited or written by hand reads as far as it is
+well formed.
 pandas appears only where a table meets a CSV file (`Finals.to_frame`, `Finals.read_csv`).
 """
 
@@ -20,12 +21,17 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from autoprec.files import write_atomically
+from autoprec.files import check_version, write_atomically
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from autoprec.policy import Policy
+
+
+# finalists.csv's last column, `version`, on every row: the format of its columns. Raise it when a column is added,
+# removed or means something else; Finals.read_csv reads no other (the pipeline then re-measures the finalists).
+FINALS_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,11 +92,6 @@ class Finals(Sequence[Measurement]):
     @overload
     def __getitem__(self, index: slice) -> Sequence[Measurement]: ...
     def __getitem__(self, index: int | slice) -> Measurement | Sequence[Measurement]:
-        if isinstance(index, str):  # the DataFrame this was before 0.2
-            raise TypeError(
-                f"finals[{index!r}]: finals are records now, not a DataFrame; use finals.by_name(candidate) for one "
-                "candidate's Measurement, or finals.to_frame() for the table"
-            )
         return self._rows[index]
 
     def __len__(self) -> int:
@@ -140,19 +141,20 @@ class Finals(Sequence[Measurement]):
         columns = [f.name for f in dataclasses.fields(Measurement)]
         return pd.DataFrame([dataclasses.asdict(r) for r in self._rows], columns=columns)
 
-    def to_csv(self, path: str | Path, *, index: bool = False) -> None:
-        """finalists.csv; `index=False` (what it always is) is accepted, as the DataFrame this was before 0.2 took it."""
-        if index:
-            raise TypeError("Finals.to_csv writes no index column; use finals.to_frame().to_csv(...) for pandas' options")
-        frame = self.to_frame()
+    def to_csv(self, path: str | Path) -> None:
+        """finalists.csv: to_frame's table and a `version` column (FINALS_VERSION), no index column."""
+        frame = self.to_frame().assign(version=FINALS_VERSION)
         write_atomically(path, lambda tmp: frame.to_csv(tmp, index=False))
 
     @classmethod
     def read_csv(cls, path: str | Path) -> Finals:
-        """Read what `to_csv` wrote (finalists.csv); a missing column or a malformed value raises ValueError."""
+        """Read what `to_csv` wrote (finalists.csv): files.OtherVersion for a file of another FINALS_VERSION (or
+        none), ValueError for a missing column or a malformed value."""
         import pandas as pd
 
         frame = pd.read_csv(path, dtype={"candidate": str, "error": str})
+        for found in dict.fromkeys(frame["version"].tolist()) if "version" in frame else (None,):
+            check_version(path, found, FINALS_VERSION)
         rows = []
         for i, record in enumerate(frame.to_dict("records")):
             try:
@@ -162,12 +164,10 @@ class Finals(Sequence[Measurement]):
                     feasible=_flag(record["feasible"]), step_ms=float(record["step_ms"]),
                     skipped=int(record["skipped"]), steps=int(record["steps"]),
                     effective_step_ms=float(record["effective_step_ms"]), spread=float(record["spread"]),
-                    compile_s=_optional(record.get("compile_s"), float), train_skipped=_optional(record.get("train_skipped"), int),
-                    error=_optional(record.get("error"), str), speedup=float(record["speedup"]),
-                    rounds=_optional(record.get("rounds"), int) or 0,
-                    peak_bytes=_optional(record.get("peak_bytes"), int),
-                    memory_saving=_optional(record.get("memory_saving"), float),
-                    fits=_flag(record["fits"]) if "fits" in record else True,  # written before --max-memory: no limit
+                    compile_s=_optional(record["compile_s"], float), train_skipped=_optional(record["train_skipped"], int),
+                    error=_optional(record["error"], str), speedup=float(record["speedup"]), rounds=int(record["rounds"]),
+                    peak_bytes=_optional(record["peak_bytes"], int), memory_saving=_optional(record["memory_saving"], float),
+                    fits=_flag(record["fits"]),
                 ))  # fmt: skip
             except KeyError as exc:
                 raise ValueError(f"{path}: no column {exc.args[0]!r}") from None
@@ -257,8 +257,8 @@ class StudyRef:
 class Measured:
     """A policy file's `measured` block: where, on what and how the policy was chosen, and the re-measured
     results of the policy (`results["policy"]`) and of what it was compared with. Every field has a default
-    so that a block from an older version, or edited by hand, reads as far as it is well formed; fields this
-    version does not know are kept in `extra` and written back."""
+    so that a block edited or written by hand reads as far as it is well formed (the block is provenance, which
+    the runtime never needs); fields this version does not know are kept in `extra` and written back."""
 
     device: str | None = None
     versions: Mapping[str, str] = dataclasses.field(default_factory=dict)

@@ -150,7 +150,7 @@ def _saved(value: Any) -> str:
 
 
 def result_rows(policy: Policy) -> list[list[Any]]:
-    """One row per result; the memory columns only where some result has a peak (not in files from before)."""
+    """One row per result; the memory columns only where some result has a measured peak."""
     results = Measured.of(policy).results
     peaks = any(r.peak_bytes is not None for r in results.values())
     return [[name, as_float(r.metric), as_float(r.metric_drop), as_float(r.step_ms), _spread(r.spread), as_float(r.speedup),
@@ -616,7 +616,7 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     ax.scatter(
         shown["metric_drop"], y_of(shown) if len(shown) else [], s=14, color="#999999", label="trials (timed in the study)"
     )
-    if not by_memory and peaks.notna().any():  # coloured by peak where measured; grey beneath: no peak (older trials)
+    if not by_memory and peaks.notna().any():  # coloured by peak where measured; grey beneath: trials without a measured peak
         dots = ax.scatter(timed["metric_drop"], timed["speedup"], s=16, c=peaks, cmap="viridis_r", plotnonfinite=False)
         fig.colorbar(dots, ax=ax, label="peak memory per step (MiB)", fraction=0.05)
     if len(front):

@@ -27,7 +27,7 @@ import optuna
 import pandas as pd
 from tqdm.auto import tqdm
 
-from autoprec.errors import UserError, describe
+from autoprec.errors import UserError, describe, printable
 from autoprec.formats import Format, device_name
 from autoprec.policy import ROOT, Policy, model_fingerprint
 from autoprec.tune import memory
@@ -269,12 +269,18 @@ def sampler_for(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
     return optuna.samplers.TPESampler(seed=seed, multivariate=True)  # reads trial.constraints
 
 
+# The study key's "version": the format of what a study holds (its key, the choices on its first trial, the parameters
+# and user attributes of its trials). Raise it when any of them changes; a study of another version is refused.
+STUDY_VERSION = 1
+
+
 def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, objectives: int) -> dict[str, str]:
     # What shapes the choices, the measurements and which trials are feasible; not the file's path, sampler or
     # trial count.
     shape = (space.layers, space.default, space.loss_scale, space.prune_slower_than) + ((space.exclude,) if space.exclude else ())
     space_hash = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
     return {
+        "version": str(STUDY_VERSION),
         "budget": repr(float(config.budget)),
         "device": device_name(str(workload.device)),
         "model": model_fingerprint(workload.model),
@@ -297,11 +303,6 @@ def objective_names(objectives: int, goal: Goal) -> str:
 
 def directions(objectives: int, goal: Goal) -> list[str]:
     return ["minimize" if goal is Goal.MEMORY else "maximize", "minimize"][:objectives]
-
-
-# Studies made before a key existed: one objective, per-layer parameters (what auto gives small models).
-_KEY_DEFAULTS = {"mode": Mode.WEIGHTS.value, "layout": "auto, max_params 16", "objectives": OBJECTIVES[1], "compile": "eager",
-                 "max_memory": "none"}  # fmt: skip
 
 
 class Judge:
@@ -619,10 +620,16 @@ KEY_ATTR, CHOICES_ATTR, WORKER_ATTR = "autoprec:key", "autoprec:choices", "autop
 
 
 def _check_key(stored: Mapping[str, Any], key: Mapping[str, str], name: str, where: str) -> None:
-    before = {k: stored.get(k, _KEY_DEFAULTS.get(k)) for k in key}
-    diff = [k for k, v in key.items() if before[k] != v]
+    if stored.get("version") != key["version"]:  # its trials may mean something else here: never resumed
+        was = printable(str(stored["version"]))[:20] if "version" in stored else "none"
+        start_over = f"delete the study from {where}" if "://" in where else f"delete {where}"  # a database, or a journal
+        raise UserError(
+            f"study {name!r} in {where} was made by another autoprec version (study format version {was}; this version "
+            f"makes {key['version']}): pass --study NEW_NAME to start another, or {start_over} to start over"
+        )
+    diff = [k for k, v in key.items() if stored.get(k) != v]
     if diff:
-        was = ", ".join(f"{k} {before[k]}, now {key[k]}" for k in diff)
+        was = ", ".join(f"{k} {stored.get(k)}, now {key[k]}" for k in diff)
         raise UserError(
             f"study {name!r} in {where} was made with a different {' and '.join(diff)} ({was}); "
             "pass --study NEW_NAME to start another"
@@ -663,9 +670,10 @@ def open_study(
     key = _study_key(workload, space, config, objectives)
     first = _first_start(study)
     worker = uuid.uuid4().hex
-    if first is None and study.user_attrs.get("key"):  # made before the choices moved from the study onto its first trial
-        _check_key(study.user_attrs["key"], key, name, where)
-        return study, Choices.from_json(study.user_attrs["choices"]), where
+    # Every study this version makes has its key on its first trial: one holding anything but none that carries it
+    # is another version's. Read again first: another worker may have written its first trial since.
+    if first is None and (study.user_attrs or study.get_trials(deepcopy=False)) and _first_start(study) is None:
+        _check_key({}, key, name, where)
     if first is None:
         attrs = {KEY_ATTR: key, CHOICES_ATTR: choices.to_json(), WORKER_ATTR: worker}
         study.enqueue_trial(_warm_params(uniform_params(choices, "fp32"), choices), user_attrs=attrs)
