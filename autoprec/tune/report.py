@@ -104,7 +104,7 @@ class LayerTable:
     def notes(self) -> list[str]:
         """The legend's lines, each reason once."""
         lines = [f"[{k}] {text}" for text, k in self.legend.items()]
-        return ([SLOWER_NOTE] if self.slower else []) + lines
+        return [textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in ([SLOWER_NOTE] if self.slower else []) + lines]
 
     def render(self, *, markdown: bool = False) -> str:
         table = markdown_table(["layer", "format", "ruled out by the profile"], self.rows) if markdown else text_table(
@@ -269,7 +269,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     """The end-of-search report: layer formats, then fp32 / uniform bf16 / policy measured side by side."""
     policy = result.policy
     table = markdown_table if markdown else text_table
-    parts = [headline(result), LayerTable(policy).render(markdown=markdown)]
+    parts = [textwrap.fill(headline(result), WIDTH), LayerTable(policy).render(markdown=markdown)]
     finals: Finals = result.finals
     rows = [
         [r.candidate, r.metric, r.metric_drop, r.step_ms, _spread(r.spread), f"{r.skipped}/{r.steps}", r.speedup,
