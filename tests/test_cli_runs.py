@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -197,4 +198,6 @@ def test_budget_minus_zero_is_the_same_study_as_budget_zero(fast, capsys, tmp_pa
     capsys.readouterr()
     assert main([*argv, "--budget=-0"]) == 0  # the finished study, not refused as another one
     assert "is finished and its result" in capsys.readouterr().err
-    assert load_policy(tmp_path / "policy.json").measured["budget"] == 0 and "-0" not in (tmp_path / "policy.json").read_text()
+    budget = load_policy(tmp_path / "policy.json").measured["budget"]
+    # the sign, not the text: a metric drop in the same file may read -0.04 (it did under torch 2.11)
+    assert budget == 0 and math.copysign(1.0, budget) == 1.0
