@@ -14,6 +14,7 @@ DIGITS = ROOT / "examples" / "digits" / "model.py"
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory, monkeypatch_module):
+    pytest.importorskip("sklearn", reason="the digits example loads scikit-learn's bundled data (the test extra has it)")
     monkeypatch_module.setenv("AUTOPREC_CACHE", str(tmp_path_factory.mktemp("cache")))
     return prepare(load_task(DIGITS), "cpu")
 

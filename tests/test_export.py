@@ -170,6 +170,7 @@ def megatron_policy(blocks):
 
 def megatron_fp8_layers(exported, count):
     """Which transformer layers Megatron-core runs in fp8 under the exported TransformerConfig fields."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (the test extra has it)")
     from megatron.core.fp8_utils import is_first_last_bf16_layer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -180,6 +181,7 @@ def megatron_fp8_layers(exported, count):
 def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_layers(tmp_path):
     import dataclasses as dc
 
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (the test extra has it)")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     t, b, r = "fp8", "bf16", "fp8-rowwise"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
+import sys
 import textwrap
 from pathlib import Path
 
@@ -50,6 +52,14 @@ def test_load_space_default():
 
 def test_load_space_default_matches_the_repository_file():
     assert load_space(REPO / "search_spaces" / "default.yaml").layers == load_space().layers
+
+
+def test_load_space_default_from_a_source_checkout_without_the_installed_package(monkeypatch):
+    # autoprec run uninstalled from a checkout (PYTHONPATH=the checkout, as on the GPU machine) has no package
+    # autoprec.search_spaces (pyproject maps it from search_spaces/ at install): the checkout's file is the default
+    monkeypatch.setitem(sys.modules, "autoprec.search_spaces", None)  # importing it now raises ModuleNotFoundError
+    space = load_space()
+    assert space == dataclasses.replace(load_space(REPO / "search_spaces" / "default.yaml"), source="default.yaml")
 
 
 def test_load_space_custom(tmp_path):

@@ -276,7 +276,10 @@ def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
 def load_space(path: str | Path | None = None) -> SearchSpace:
     """Read a search-space YAML file; None reads the shipped default.yaml."""
     if path is None:
-        resource = importlib.resources.files("autoprec.search_spaces") / "default.yaml"
+        try:
+            resource = importlib.resources.files("autoprec.search_spaces") / "default.yaml"
+        except ModuleNotFoundError:  # uninstalled, run from a checkout on PYTHONPATH: the package is its search_spaces/
+            resource = Path(__file__).resolve().parents[2] / "search_spaces" / "default.yaml"
         text, source = resource.read_text(encoding="utf-8"), "default.yaml"
     else:
         path = Path(path)
