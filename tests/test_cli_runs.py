@@ -54,6 +54,15 @@ def test_profile_writes_csvs_heat_maps_and_a_gradient_summary(fast, capsys, tmp_
         assert (tmp_path / name).is_file(), name
     assert "fp16 loss scale" in out and "recommended loss scale 2^" in out and "high end set by head" in out
     assert "inf/nan" in out  # big overflows fp16
+    # it ends with the short answer: which layer breaks, worst first; big's fp16 output overflows
+    last = out.rstrip().split("\n\n")[-1].splitlines()
+    assert last[0].startswith("which layer breaks, worst first")
+    row = last[last.index(next(line for line in last if line.startswith("-----"))) + 1].split()
+    assert row[:3] == ["big", "fp16", "fprop"] and "overflow" in " ".join(row)
+    argv = ["profile", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--space", str(space)]
+    assert main([*argv, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["breaks"]
+    assert found[0]["layer"] == "big" and found[0]["gemm"] == "fprop" and found[0]["sqnr_db"] is None  # non-finite: null
 
 
 def test_train_mode_search_writes_mode_steps_and_noise_floor(fast, capsys, tmp_path):

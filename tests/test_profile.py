@@ -636,3 +636,194 @@ def test_a_slowdown_measured_inside_wide_noise_rules_nothing_out():
     assert ruled_out({**row, "time_spread": 1.5}, None, 1.25) is None
     assert ruled_out({**row, "time_spread": 0.1}, None, 1.25) == "measured 2.00x the layer's fp32 time on this device"
     assert ruled_out({**row, "time_spread": math.nan}, None, 1.25) is not None  # probed only: the gap dwarfs the noise
+
+
+# ---- the three GEMMs: fprop (sqnr_db), dgrad (dgrad_sqnr_db), wgrad (grad_sqnr_db) ----------------------------------
+
+
+class _Proj(torch.nn.Module):
+    """proj, a Linear(256, 512), between two others: a gradient flows into its inputs (dgrad) and out of its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(32, 256)
+        self.proj = torch.nn.Linear(256, 512)
+        self.head = torch.nn.Linear(512, 16)
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.gelu(self.proj(torch.nn.functional.gelu(self.inp(x)))))
+
+
+GEMM_FORMATS = ["bf16", "fp8", "fp8-rowwise"]  # fp8-rowwise-gw-hp cannot be emulated (formats.py): not on a CPU
+
+
+@pytest.fixture(scope="module")
+def proj_profile():
+    workload = prepare(_task_of(_Proj), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", *GEMM_FORMATS]}, "prune": {"slower_than": 1e9}})
+    return workload, profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+
+
+def _dgrad_by_hand(workload, fmt):
+    """proj's input gradient over the first two train batches, by torch.autograd.grad on proj alone in `fmt`, from the
+    inputs and output gradients hooks record in the fp32 model: what dgrad_sqnr_db compares."""
+    from autoprec import apply_policy
+
+    model, xs, gs = copy.deepcopy(workload.model).eval(), [], []
+
+    def record(module, args, out):
+        xs.append(args[0].detach().clone())
+        out.register_hook(lambda g: gs.append(g.detach().clone()))
+
+    model.proj.register_forward_hook(record)
+    for batch in workload.train[:2]:
+        workload.task.loss_fn(model, batch).backward()
+    layer = apply_policy(torch.nn.Sequential(copy.deepcopy(workload.model.proj)).eval(), Policy(layers={"0": fmt}))
+    dx = []
+    for x, g in zip(xs, gs):  # one call a batch: forward and backward order agree
+        x = x.clone().requires_grad_(True)
+        y = layer(x)
+        dx.append(torch.autograd.grad(y, x, g.to(y.dtype))[0].float().flatten())
+    return torch.cat(dx)
+
+
+@pytest.mark.parametrize("fmt", GEMM_FORMATS)
+def test_each_gemms_sqnr_is_measured_against_an_fp32_control(proj_profile, fmt):
+    from autoprec.tune.measure import sqnr_db
+
+    workload, table = proj_profile
+    r = table.loc[("proj", fmt)]
+    assert r["status"] == "ok" and bool(r["finite"])
+    if fmt == "bf16":  # 8 mantissa bits: all three GEMMs about 50 dB
+        assert min(r["sqnr_db"], r["dgrad_sqnr_db"], r["grad_sqnr_db"]) > 40
+    else:  # e4m3 forward (3 bits); gradients e5m2 (tensorwise, 2 bits) or e4m3 (rowwise): finite, measured
+        assert r["sqnr_db"] >= 20 and 15 < r["dgrad_sqnr_db"] < 40 and 15 < r["grad_sqnr_db"] < 40
+    expected = sqnr_db(_dgrad_by_hand(workload, "fp32"), _dgrad_by_hand(workload, fmt))
+    assert r["dgrad_sqnr_db"] == pytest.approx(expected, abs=1e-3)
+    assert table.loc[("proj", "fp32"), "dgrad_sqnr_db"] == math.inf
+    # the first layer runs on data: no gradient flows into its inputs in the model, so it has no dgrad to judge
+    assert math.isnan(table.loc[("inp", fmt), "dgrad_sqnr_db"]) and math.isnan(table.loc[("inp", "fp32"), "dgrad_sqnr_db"])
+
+
+class _Residual(torch.nn.Module):
+    """mid's input also bypasses it: the input's whole gradient is mid's share plus the residual's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(32, 32)
+        self.mid = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return self.head(torch.tanh(h + self.mid(h)))
+
+
+def test_the_whole_models_dgrad_is_the_layers_share_of_its_inputs_gradient():
+    from autoprec.formats import Format
+    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.profiler import _in_model_run, _replay, _run
+
+    workload = prepare(_task_of(_Residual), "cpu")
+    cap, _ = _run(workload, copy.deepcopy(workload.model), ["mid"], 2)
+    mid = workload.model.get_submodule("mid")
+    replayed = _replay(mid, cap.calls["mid"], Format.FP32, workload.device).dgrad
+    in_model = _in_model_run(workload, "mid", Format.FP32, 2).dgrad
+    torch.testing.assert_close(in_model, replayed)  # mid's share, as its replay computes it
+    model, hs = copy.deepcopy(workload.model).eval(), []
+    model.mid.register_forward_pre_hook(lambda m, args: hs.append(args[0]))
+    whole = torch.cat([torch.autograd.grad(workload.task.loss_fn(model, b), hs[-1])[0].flatten() for b in workload.train[:2]])
+    assert sqnr_db(whole, in_model) < 20  # not the input's whole gradient: the residual's share is left out
+    low = _replay(mid, cap.calls["mid"], Format.BF16, workload.device).dgrad
+    assert sqnr_db(replayed, low) == pytest.approx(
+        sqnr_db(in_model, _in_model_run(workload, "mid", Format.BF16, 2).dgrad), abs=1.0
+    )
+
+
+def test_a_layer_fed_its_own_output_has_its_dgrad_measured_in_the_whole_model():
+    from autoprec.tune.measure import policy_model, sqnr_db
+
+    workload = prepare(_task_of(_Twice), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
+    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+
+    def dgrad(fmt):  # fc's second call reads tanh(fc(x)) (its first reads data): its input gradient by autograd.grad
+        model, inputs, out = policy_model(workload, Policy(layers={"fc": fmt})).eval(), [], []
+        model.get_submodule("fc").register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+        for batch in workload.train[:2]:
+            loss = workload.task.loss_fn(model, batch)
+            out.append(torch.autograd.grad(loss, inputs[-1])[0].float().flatten())
+        return torch.cat(out)
+
+    assert table.loc[("fc", "bf16"), "dgrad_sqnr_db"] == pytest.approx(sqnr_db(dgrad("fp32"), dgrad("bf16")), abs=1e-3)
+    assert 35 < table.loc[("fc", "bf16"), "dgrad_sqnr_db"] < 70
+
+
+def test_a_non_finite_input_gradient_makes_the_row_non_finite():
+    from autoprec.tune.profiler import _Replay
+
+    out, grad = torch.ones(4), torch.ones(4)
+    assert _Replay.of(out, grad, torch.ones(4)).finite
+    assert not _Replay.of(out, grad, torch.tensor([1.0, math.inf, 0.0, 0.0])).finite
+    assert not _Replay.of(out, grad, torch.tensor([math.nan])).finite
+
+
+# ---- a layer whose weight gradient breaks in fp8 while its forward does not --------------------------------------
+
+WGRAD_FORMATS = ["fp32", "bf16", "fp16", "fp8", "fp8-rowwise"]
+
+
+def _wgrad_profile(path):
+    workload = prepare(load_task(path), "cpu")
+    space = space_from_dict({"layers": {"Linear": WGRAD_FORMATS}, "prune": {"slower_than": 1e9}})
+    return profile(workload, space, FAST, progress=False).table
+
+
+@pytest.fixture(scope="module")
+def wgrad_table():
+    return _wgrad_profile(MODELS / "wgrad_breaks.py")
+
+
+def test_a_weight_gradient_that_breaks_in_fp8_is_found_while_the_forward_is_fine(wgrad_table):
+    t = wgrad_table.set_index(["layer", "format"])
+    for fmt in ("fp8", "fp8-rowwise"):  # the quiet samples' inputs flush to zero: the weight gradient loses their half
+        r = t.loc[("proj", fmt)]
+        assert r["grad_sqnr_db"] < 6 and r["sqnr_db"] >= 20 and r["dgrad_sqnr_db"] >= 20 and bool(r["finite"]), fmt
+        for layer in ("inp", "head"):
+            assert t.loc[(layer, fmt), "grad_sqnr_db"] >= 20, (layer, fmt)
+    assert t.loc[("proj", "bf16"), "grad_sqnr_db"] > 40  # bf16 has fp32's range
+
+
+def test_the_weight_gradient_breaks_because_of_the_quiet_samples(tmp_path):
+    src = (MODELS / "wgrad_breaks.py").read_text()
+    assert "QUIET = 1e-6" in src
+    (tmp_path / "loud.py").write_text(src.replace("QUIET = 1e-6", "QUIET = 1.0"))
+    t = _wgrad_profile(tmp_path / "loud.py").set_index(["layer", "format"])
+    assert t.loc[("proj", "fp8"), "grad_sqnr_db"] >= 20 and t.loc[("proj", "fp8-rowwise"), "grad_sqnr_db"] >= 20
+
+
+def test_which_layer_breaks_names_the_layer_and_its_weight_gradient_first(wgrad_table):
+    from autoprec.tune.report import breaks, breaks_summary
+
+    found = breaks(wgrad_table)
+    assert [(b.layer, b.format, b.gemm) for b in found] == [("proj", "fp8-rowwise", "wgrad"), ("proj", "fp8", "wgrad")]
+    text = breaks_summary(wgrad_table).splitlines()
+    first = text[text.index(next(line for line in text if line.startswith("-----"))) + 1].split()
+    assert first[:3] == ["proj", "fp8-rowwise", "wgrad"] and float(first[3]) < 6
+    assert max(len(line) for line in text) <= 120
+
+
+def test_measuring_the_input_gradient_in_the_whole_model_leaves_the_layers_computation_as_it_was():
+    """The taps change nothing the layer computes: the output and weight gradient are the untapped model's, bit for
+    bit; and attn(h, h, h) still gets one tensor three times (attention checks `query is key` for its packed
+    self-attention projection), so its input gradient is h's once a call."""
+    from autoprec.formats import Format
+    from autoprec.tune.profiler import _in_model_run
+
+    workload = prepare(_task_of(_Recurrent), "cpu")
+    out, grad = _in_model(workload, "attn", "fp32")
+    run = _in_model_run(workload, "attn", Format.FP32, 2)
+    assert torch.equal(run.output, out) and torch.equal(run.grad, grad)
+    assert run.dgrad is not None and run.dgrad.numel() == out.numel()  # h's gradient, once a call: 8 x 4 x 32, like its output

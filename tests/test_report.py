@@ -168,3 +168,65 @@ def test_show_speaks_of_the_fp8_backend_only_for_a_policy_that_runs_fp8():
     measured = {"device": "cpu", "fp8": "emulation", "chosen": "uniform bf16"}
     assert "fp8: emulation" not in show_policy(Policy(layers={"": "bf16"}, measured=measured))
     assert "fp8: emulation" in show_policy(Policy(layers={"": "bf16", "fc": "fp8"}, measured=measured))
+
+
+# ---- which layer breaks --------------------------------------------------------------------------------------------
+
+
+def _gemm_table(rows):
+    """A profile table of (layer, format, fprop dB, dgrad dB, wgrad dB, finite, overflow, metric drop); fp32 rows added."""
+    import pandas as pd
+
+    out = []
+    for layer in dict.fromkeys(r[0] for r in rows):
+        out.append({"layer": layer, "format": "fp32", "status": "ok", "sqnr_db": math.inf, "dgrad_sqnr_db": math.inf,
+                    "grad_sqnr_db": math.inf, "finite": True, "overflow": False, "max_abs": 1.0, "metric_drop": 0.0})  # fmt: skip
+    for layer, fmt, fprop, dgrad, wgrad, finite, overflow, drop in rows:
+        out.append({"layer": layer, "format": fmt, "status": "ok", "sqnr_db": fprop, "dgrad_sqnr_db": dgrad,
+                    "grad_sqnr_db": wgrad, "finite": finite, "overflow": overflow, "max_abs": 9e4, "metric_drop": drop})  # fmt: skip
+    return pd.DataFrame(out)
+
+
+def test_a_profile_where_nothing_breaks_says_so_in_one_line():
+    from autoprec.tune.report import breaks_summary
+
+    table = _gemm_table([("fc1", "bf16", 50.0, 50.0, 50.0, True, False, 0.0), ("fc1", "fp8", 29.0, 24.0, 20.0, True, False, 0.01),
+                         ("fc1", "fp16", 69.0, 30.0, 69.0, True, False, 0.0)])  # fmt: skip
+    text = breaks_summary(table)
+    assert text == (
+        "which layer breaks: none; every GEMM measured is finite, its SQNR against fp32 >= 20 dB (fp8) / 30 dB (bf16, fp16)"
+    )
+    assert len(text) <= 120
+
+
+def test_which_layer_breaks_lists_non_finite_first_then_the_lowest_sqnr_within_the_width():
+    from autoprec.tune.report import WIDTH, breaks, breaks_summary
+
+    table = _gemm_table([
+        ("fc1", "fp8", 28.0, 12.0, 19.9, True, False, 0.001),  # dgrad and wgrad under fp8's 20 dB
+        ("fc1", "bf16", 50.0, 29.0, 50.0, True, False, 0.0),  # dgrad under 16-bit formats' 30 dB
+        ("big", "fp16", math.nan, 6.0, 3.0, False, True, math.nan),  # overflows: its output non-finite
+        ("big", "fp8", 29.0, 25.0, math.nan, False, False, math.nan),  # the weight gradient non-finite
+        ("head", "fp8", 30.0, 25.0, 25.0, False, False, math.nan),  # every GEMM finite: the loss or metric was not
+        ("ok", "fp8", 20.0, 20.0, 20.0, True, False, 0.5),  # at the floor: not broken
+    ])  # fmt: skip
+    found = [(b.layer, b.format, b.gemm) for b in breaks(table)]
+    assert found == [("big", "fp16", "fprop"), ("big", "fp8", "wgrad"), ("head", "fp8", "-"),
+                     ("big", "fp16", "wgrad"), ("big", "fp16", "dgrad"), ("fc1", "fp8", "dgrad"),
+                     ("fc1", "fp8", "wgrad"), ("fc1", "bf16", "dgrad")]  # fmt: skip
+    text = breaks_summary(table)
+    assert "fp16 overflow: max |output| 9e+04 > 65504" in text and "non-finite loss or metric" in text
+    assert all(len(line) <= WIDTH for line in text.splitlines())
+    short = breaks_summary(table, limit=3)
+    assert "and 5 more" in short and "fc1" not in short.split("and 5 more")[0].split("-----")[-1]
+    # a budget adds the rows whose single-layer drop is over it, after those the GEMMs break
+    over = breaks(table, budget=0.1)
+    assert (over[-1].layer, over[-1].gemm, over[-1].why) == ("ok", "-", "metric drop over the budget 0.1")
+
+
+def test_a_gemm_the_layer_does_not_run_is_not_judged():
+    from autoprec.tune.report import breaks
+
+    table = _gemm_table([("first", "fp8", 29.0, math.nan, 25.0, False, False, math.nan)])
+    table.loc[table["format"] == "fp32", "dgrad_sqnr_db"] = math.nan  # on data: no gradient into its inputs
+    assert [(b.gemm, b.why) for b in breaks(table)] == [("-", "non-finite loss or metric")]

@@ -201,7 +201,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.tune.config import ProfileConfig
     from autoprec.tune.pipeline import claim_out_dir
     from autoprec.tune.profiler import profile
-    from autoprec.tune.report import gradient_summary, plot_all, profile_summary
+    from autoprec.tune.report import breaks, breaks_summary, gradient_summary, plot_all, profile_summary
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
@@ -210,9 +210,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         path = prof.save(out)
         pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     if args.json:
-        _print_json(
-            args, {"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric, "metric": prof.metric_name}
-        )
+        found = [b.to_dict() for b in breaks(prof.table)]
+        _print_json(args, {"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric,
+                           "metric": prof.metric_name, "breaks": found})  # fmt: skip
         return 0
     if args.quiet:
         return 0
@@ -221,6 +221,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(gradient_summary(prof.table, prof.advice()))
     names = ", ".join(p.name for p in [path.with_name("grad_ranges.csv"), *pngs])
     print(f"\nfp32 metric {prof.fp32_metric:.6g} ({prof.metric_name}) on {prof.device}; wrote {path}, {names}")
+    print()
+    print(breaks_summary(prof.table))  # last: the short answer to "which layer breaks?"
     return 0
 
 

@@ -1,10 +1,10 @@
 """Per-layer sensitivity and speed: lower one layer at a time and measure what moves.
 
-For each tunable layer and each offered format, with only that layer lowered: the SQNR of the layer's
-output and of its weight gradient against fp32, the task metric and its drop, whether anything became
-non-finite, whether fp16 overflows, and the layer's own forward+backward time in that format. Beside it,
-the layer's gradient ranges (gradients.py): what each format would flush to zero or overflow, per loss
-scale, and from that the loss-scale range for fp16.
+For each tunable layer and each offered format, with only that layer lowered: the SQNR against fp32 of each of
+its three GEMMs' results (its output, fprop; the gradient it sends to its inputs, dgrad; its weight gradient,
+wgrad), the task metric and its drop, whether anything became non-finite, whether fp16 overflows, and the layer's
+own forward+backward time in that format. Beside it, the layer's gradient ranges (gradients.py): what each format
+would flush to zero or overflow, per loss scale, and from that the loss-scale range for fp16.
 """
 
 from __future__ import annotations
@@ -52,8 +52,12 @@ from autoprec.tune.task import Workload, check_loss
 log = logging.getLogger("autoprec")
 
 COLUMNS = [
-    "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "metric", "metric_drop",
-    "finite", "overflow", "max_abs", "time_ms", "time_spread", "time_vs_fp32",
+    # SQNR (dB) against fp32 of each GEMM's result, the layer replayed alone (or, fed its own output, in the whole model):
+    # sqnr_db its output (fprop), grad_sqnr_db its parameters' gradient (wgrad), dgrad_sqnr_db the gradient it sends to
+    # its inputs (dgrad; empty where none flows back in the model: a first layer on data). inf: equal; empty with
+    # finite False: that result went non-finite
+    "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "dgrad_sqnr_db", "metric",
+    "metric_drop", "finite", "overflow", "max_abs", "time_ms", "time_spread", "time_vs_fp32",
     # the most the live tensor bytes rose over the layer's isolated forward + backward after its timing (its output,
     # what it saves for backward, its gradients and casts; memory.py; no state, unlike a whole step's peak); empty
     # where the device has no measurement
@@ -69,9 +73,11 @@ COLUMNS = [
     "metric_source",
 ]  # fmt: skip
 
+SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqnr_db"}  # each GEMM's column
+
 # profile.json's "version": the format of profile.json, profile.csv and grad_ranges.csv together. Raise it when any of
 # them changes (a column, a field, what a value means); Profile.load reads no other, and a search measures again.
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: dgrad_sqnr_db
 
 MEASURED = "measured"
 SQNR_STAGE = "profile: output and gradient SQNR per format"
@@ -171,11 +177,13 @@ def _param_grad(module: torch.nn.Module) -> torch.Tensor | None:
 @dataclasses.dataclass
 class _Call:
     """One call of a layer in the fp32 model: its inputs, and the gradient of the loss with respect to each of its
-    floating outputs (map_tensors order; None where none flowed back)."""
+    floating outputs (map_tensors order; None where none flowed back); `needs_grad`: whether each floating input
+    required a gradient there (map_tensors order), so a replay computes the input gradients (dgrad) the model does."""
 
     inputs: tuple[tuple, dict]
     grads: list[torch.Tensor | None]
     batch: int = 0
+    needs_grad: list[bool] = dataclasses.field(default_factory=list)
 
 
 class _Capture:
@@ -204,7 +212,8 @@ class _Capture:
                 self._produced[name].clear()
             if self._produced[name] and name not in self.fed_back and _derives_from((args, kwargs), self._produced[name]):
                 self.fed_back.add(name)
-            calls.append(_Call(map_tensors((args, kwargs), lambda t: t.detach().clone()), [], self.batch))
+            needs = [t.requires_grad for t in _float_tensors((args, kwargs))]
+            calls.append(_Call(map_tensors((args, kwargs), lambda t: t.detach().clone()), [], self.batch, needs))
 
         return hook
 
@@ -474,7 +483,7 @@ def _profile_layer(
     says why."""
     base = {"layer": name, "type": type(module).__name__, "shape": _shape(module)}
     rows: dict[Format, dict] = {Format.FP32: {**base, "format": "fp32", "status": "ok", "reason": "",
-                                              "sqnr_db": math.inf, "grad_sqnr_db": math.inf, "metric": fp32_metric,
+                                              "sqnr_db": math.inf, "metric": fp32_metric,
                                               "metric_drop": 0.0, "finite": True, "overflow": False,
                                               "metric_source": MEASURED}}  # fmt: skip
     calls = ref.calls[name]
@@ -492,7 +501,9 @@ def _profile_layer(
         if fp32 is None:
             fp32 = _in_model_run(workload, name, Format.FP32, config.batches)
     max_abs = _max_abs(fp32.output)
-    rows[Format.FP32]["max_abs"] = max_abs
+    # fp32 against itself: inf where the GEMM runs, empty where it does not (no gradient into the inputs, no parameters')
+    rows[Format.FP32].update(max_abs=max_abs, grad_sqnr_db=math.inf if fp32.grad is not None else math.nan,
+                             dgrad_sqnr_db=math.inf if fp32.dgrad is not None else math.nan)  # fmt: skip
     inputs = calls[0].inputs
     for fmt in formats:
         if fmt is Format.FP32:
@@ -589,8 +600,8 @@ def _judge_group(
 
 
 def _lowest_sqnr(row: dict) -> float:
-    """The lower of a row's output and gradient SQNR; -inf where neither is known (the most suspect)."""
-    known = [v for v in (as_float(row.get("sqnr_db")), as_float(row.get("grad_sqnr_db"))) if not math.isnan(v)]
+    """The lowest of a row's SQNRs (fprop, dgrad, wgrad); -inf where none is known (the most suspect)."""
+    known = [v for v in (as_float(row.get(k)) for k in SQNR_COLUMNS.values()) if not math.isnan(v)]
     return min(known, default=-math.inf)
 
 
@@ -621,43 +632,101 @@ def _skip(row: dict, slower_than: float, watch: Stopwatch) -> bool:
 @dataclasses.dataclass(frozen=True)
 class _Replay:
     """The layer run alone on its recorded calls (`_replay`): its first floating output of each call, flattened
-    and concatenated in fp32; its parameters' gradient, concatenated (None without one); all finite."""
+    and concatenated in fp32 (fprop); its parameters' gradient, concatenated (wgrad; None without one); the gradient
+    it sent to each floating input that needed one, concatenated over the calls (dgrad; None where none did); all
+    finite."""
 
     output: torch.Tensor
     grad: torch.Tensor | None
     finite: bool
+    dgrad: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, output: torch.Tensor, grad: torch.Tensor | None, *, losses_finite: bool = True) -> _Replay:
-        finite = losses_finite and bool(torch.isfinite(output).all()) and (grad is None or bool(torch.isfinite(grad).all()))
-        return cls(output, grad, finite)
+    def of(
+        cls, output: torch.Tensor, grad: torch.Tensor | None, dgrad: torch.Tensor | None = None, *, losses_finite: bool = True
+    ) -> _Replay:
+        finite = losses_finite and all(t is None or bool(torch.isfinite(t).all()) for t in (output, grad, dgrad))
+        return cls(output, grad, finite, dgrad)
 
 
 def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format, device: torch.device) -> _Replay:
     """The layer alone in `fmt` on each of its calls in the fp32 model: forward on the inputs it saw there, backward
     from the output gradients the fp32 model gave it. With only this layer lowered, the model feeds it exactly these
-    inputs, so its output is what the model would compute; its gradient differs from the model's only in what the
+    inputs, so its output is what the model would compute; its gradients differ from the model's only in what the
     lowered output changes downstream, which the metric measures (tests/test_profile.py: a fraction of a dB). Not
     for a layer fed its own output (_Capture.fed_back): a later call sees its own lowered output there, fp32 here (a
     few dB apart), so _in_model_run measures it. One layer step per call instead of a forward and backward
     of the whole model per layer and format. fp32 matmuls are strict (no TF32), as the trials' fp32 baseline's."""
     holder = apply_policy(_Holder(copy.deepcopy(module)).eval(), Policy(layers={"layer": fmt}))  # eval: as recorded
     with matmul_precision(device, False):
-        outputs, grad = _replay_calls(holder, calls)
-    return _Replay.of(outputs, grad)
+        outputs, grad, dgrad = _replay_calls(holder, calls)
+    return _Replay.of(outputs, grad, dgrad)
 
 
-def _replay_calls(holder: _Holder, calls: list[_Call]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    outputs = []
+def _replay_calls(holder: _Holder, calls: list[_Call]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    outputs, taps = [], _Taps()
     for call in calls:
-        args, kwargs = map_tensors(call.inputs, lambda t: t.clone())  # a layer that writes its input in place
+        args, kwargs = _replay_inputs(call, taps)
         floats = _float_tensors(holder(*args, **kwargs))
         if floats:
             outputs.append(floats[0].detach().float().flatten())
         pairs = [(t, g.to(t.dtype)) for t, g in zip(floats, call.grads) if g is not None and t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-    return (torch.cat(outputs) if outputs else torch.zeros(0)), _param_grad(holder.layer)
+    return (torch.cat(outputs) if outputs else torch.zeros(0)), _param_grad(holder.layer), taps.gradient()
+
+
+def _replay_inputs(call: _Call, taps: _Taps) -> tuple[tuple, dict]:
+    """The call's inputs, copied (a layer may write its input in place); a leaf where the model's input needed a
+    gradient, so backward computes the input gradients (dgrad) the model does, and no other."""
+    needs = iter(call.needs_grad)
+
+    def prepare(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        return taps.leaf(t) if t.is_floating_point() and next(needs, False) else t
+
+    return map_tensors(call.inputs, prepare)
+
+
+class _Taps:
+    """The gradient a layer sends to its inputs, call after call: a leaf (replay) or a tap (in the model: an alias of
+    the input that only this layer reads, so its gradient is this layer's share, not the input's total, which a
+    residual adds to) per floating input that needs a gradient, in call and map_tensors order."""
+
+    def __init__(self) -> None:
+        self._leaves: list[tuple[int, torch.Tensor]] = []  # (slot, leaf): its .grad is read at the end
+        self._grads: list[torch.Tensor | None] = []
+        self._sizes: list[int] = []
+
+    def leaf(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().requires_grad_(True)
+        self._leaves.append((len(self._grads), t))
+        self._sizes.append(t.numel())
+        self._grads.append(None)
+        return t
+
+    def tap(self, t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_floating_point() and t.requires_grad):
+            return t
+        i = len(self._grads)
+        self._grads.append(None)
+        self._sizes.append(t.numel())
+        alias = t.view_as(t)
+
+        def keep(grad: torch.Tensor) -> None:
+            self._grads[i] = grad.detach().float().flatten().clone()
+
+        alias.register_hook(keep)
+        return alias
+
+    def gradient(self) -> torch.Tensor | None:
+        """Every input gradient, concatenated (zeros where one never flowed back); None where none did."""
+        for i, t in self._leaves:
+            if t.grad is not None:
+                self._grads[i] = t.grad.detach().float().flatten()
+        if all(g is None for g in self._grads):
+            return None
+        return torch.cat([g if g is not None else torch.zeros(n) for g, n in zip(self._grads, self._sizes)])
 
 
 def _max_abs(t: torch.Tensor) -> float:
@@ -677,31 +746,51 @@ def _sensitivity_of(run: _Replay, fmt: Format, ref: _Replay) -> dict:
     overflow = limit is not None and (_max_abs(ref.output) > limit or not bool(torch.isfinite(run.output).all()))
     return {
         "sqnr_db": sqnr_db(ref.output, run.output),
-        "grad_sqnr_db": sqnr_db(ref.grad, run.grad) if run.grad is not None and ref.grad is not None else math.nan,
+        "grad_sqnr_db": _sqnr_or_nan(ref.grad, run.grad),
+        "dgrad_sqnr_db": _sqnr_or_nan(ref.dgrad, run.dgrad),
         "finite": run.finite,
         "overflow": overflow,
     }
+
+
+def _sqnr_or_nan(ref: torch.Tensor | None, other: torch.Tensor | None) -> float:
+    """sqnr_db; NaN where either side has no such result (no parameters, no gradient into the inputs)."""
+    if ref is None or other is None or ref.numel() != other.numel():
+        return math.nan
+    return sqnr_db(ref, other)
 
 
 def _in_model_run(workload: Workload, name: str, fmt: Format, batches: int) -> _Replay:
     """What _replay gives, measured in the whole model with only `name` in `fmt` (forward and backward on the first
     train batches): for a layer fed its own output, or one that cannot run alone."""
     model = policy_model(workload, Policy(layers={name: fmt})).eval()  # eval: as recorded
-    module, outputs = model.get_submodule(name), []  # after apply_policy: torchao may have swapped it
+    module, outputs, taps = model.get_submodule(name), [], _Taps()  # after apply_policy: torchao may have swapped it
 
     def keep(module: torch.nn.Module, args: Any, out: Any) -> None:
         first = _first_float(out)
         if first is not None:
             outputs.append(first.detach().float().flatten().clone())
 
-    handle = module.register_forward_hook(keep)
+    def tap(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        aliases: dict[int, torch.Tensor] = {}  # one tensor passed twice stays one (attention's `query is key` path)
+
+        def alias(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in aliases:
+                aliases[id(t)] = taps.tap(t)
+            return aliases[id(t)]
+
+        return map_tensors((args, kwargs), alias)
+
+    # prepended: the inputs as the model passes them, before any hook of the policy's
+    handles = [module.register_forward_hook(keep), module.register_forward_pre_hook(tap, with_kwargs=True, prepend=True)]
     try:
         with matmul_precision(workload.device, False):
             finite = _forward_backward(workload, model, batches)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     output, grad = (torch.cat(outputs) if outputs else torch.zeros(0)), _param_grad(module)
-    return _Replay.of(output, grad, losses_finite=finite)
+    return _Replay.of(output, grad, taps.gradient(), losses_finite=finite)
 
 
 @dataclasses.dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import textwrap
@@ -12,14 +13,14 @@ import pandas as pd
 
 from autoprec.errors import printable
 from autoprec.files import write_atomically
-from autoprec.formats import Format
+from autoprec.formats import FP16_MAX, Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32
 from autoprec.tune.choices import role
-from autoprec.tune.config import NOISY_SPREAD
+from autoprec.tune.config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
 from autoprec.tune.cost import cost_rows
 from autoprec.tune.memory import MIB, format_change, human_bytes
-from autoprec.tune.profiler import as_float, flag
+from autoprec.tune.profiler import SQNR_COLUMNS, as_float, flag
 from autoprec.tune.records import Finals, Measured
 
 WIDTH = 120  # columns a printed table keeps to (text_table wraps its last column to fit)
@@ -263,6 +264,103 @@ def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
                 row += [float(r["sqnr_db"]), float(r["metric_drop"]), float(r["time_vs_fp32"])]
         rows.append(row)
     return fmt_table(headers, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Break:
+    """One GEMM of one layer in one format that breaks (`breaks`); gemm "-": the row as a whole (its loss or metric)."""
+
+    layer: str
+    format: str
+    gemm: str  # fprop, dgrad, wgrad (profiler.SQNR_COLUMNS) or "-"
+    sqnr_db: float  # NaN: non-finite, or no GEMM
+    metric_drop: float
+    why: str
+    rank: int  # 0 non-finite or overflowing, 1 below its floor, 2 over the budget: worst first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                for k, v in dataclasses.asdict(self).items() if k != "rank"}  # fmt: skip
+
+
+def break_floor(fmt: str) -> float:
+    """The SQNR (dB) below which a GEMM result in `fmt` counts as broken (config.BREAK_SQNR_DB_*); -inf for fp32."""
+    try:
+        spec = Format(fmt).spec
+    except ValueError:
+        return -math.inf
+    if spec.format is Format.FP32:
+        return -math.inf
+    return BREAK_SQNR_DB_FP8 if spec.is_fp8 else BREAK_SQNR_DB_16BIT
+
+
+def breaks(table: pd.DataFrame, budget: float | None = None) -> list[Break]:
+    """The GEMMs of the profile (fprop, dgrad, wgrad per layer and format) that break, worst first: non-finite or
+    overflowing fp16, then SQNR against fp32 below the format's floor (break_floor), lowest first, then (with a
+    `budget`) a single-layer metric drop over it, largest first. A GEMM the layer does not run in fp32 (no gradient
+    into the inputs of a first layer) is not judged."""
+    runs: dict[str, set[str]] = {}
+    for _, r in table[table["format"] == Format.FP32.value].iterrows():
+        runs[r["layer"]] = {g for g, col in SQNR_COLUMNS.items() if not math.isnan(as_float(r.get(col)))}
+    found: list[Break] = []
+    for _, r in table.iterrows():
+        fmt, layer = str(r["format"]), str(r["layer"])
+        if fmt == Format.FP32.value or r["status"] != "ok":
+            continue
+        drop, floor, finite = as_float(r.get("metric_drop")), break_floor(fmt), flag(r.get("finite"))
+        mine: list[Break] = []
+        for gemm, col in SQNR_COLUMNS.items():
+            if gemm not in runs.get(layer, set(SQNR_COLUMNS)):
+                continue
+            sqnr = as_float(r.get(col))
+            if gemm == "fprop" and flag(r.get("overflow")) is True:
+                why = f"fp16 overflow: max |output| {as_float(r.get('max_abs')):.3g} > {FP16_MAX:g}"
+                mine.append(Break(layer, fmt, gemm, sqnr, drop, why, 0))
+            elif math.isnan(sqnr):  # measured and non-finite, or not measured (a format ruled out first)
+                if finite is False:
+                    mine.append(Break(layer, fmt, gemm, sqnr, drop, "non-finite", 0))
+            elif sqnr < floor:
+                mine.append(Break(layer, fmt, gemm, sqnr, drop, f"below {floor:g} dB", 1))
+        if finite is False and not any(b.rank == 0 for b in mine):
+            mine.append(Break(layer, fmt, "-", math.nan, drop, "non-finite loss or metric", 0))
+        if budget is not None and drop > budget:
+            mine.append(Break(layer, fmt, "-", math.nan, drop, f"metric drop over the budget {budget:g}", 2))
+        found.extend(mine)
+    return sorted(found, key=lambda b: (b.rank, b.sqnr_db if b.rank == 1 else 0.0, -b.metric_drop if b.rank == 2 else 0.0))
+
+
+def breaks_summary(table: pd.DataFrame, *, budget: float | None = None, limit: int = BREAK_ROWS) -> str:
+    """The answer to "which layer breaks?" in a few lines: `breaks`, at most `limit` rows and a count of the rest;
+    one line when nothing does."""
+    found = breaks(table, budget)
+    floors = f"{BREAK_SQNR_DB_FP8:g} dB (fp8) / {BREAK_SQNR_DB_16BIT:g} dB (bf16, fp16)"
+    over = f", no metric drop over {budget:g}" if budget is not None else ""
+    if not found:
+        line = f"which layer breaks: none; every GEMM measured is finite, its SQNR against fp32 >= {floors}{over}"
+        return textwrap.fill(line, WIDTH)
+    over = f", or the metric drops over {budget:g}" if budget is not None else ""
+    title = ("which layer breaks, worst first (fprop: the layer's output; dgrad: the gradient it sends to its inputs; "
+             f"wgrad: its weight gradient): a GEMM result non-finite, or its SQNR against fp32 below {floors}{over}")  # fmt: skip
+    rows = [[b.layer, b.format, b.gemm, _sqnr_cell(b), _drop_cell(b.metric_drop), b.why] for b in found[:limit]]
+    parts = [textwrap.fill(title, WIDTH), text_table(["layer", "format", "GEMM", "SQNR dB", "metric drop", "why"], rows)]
+    if len(found) > limit:
+        parts.append(f"and {len(found) - limit} more (profile.csv: sqnr_db, dgrad_sqnr_db, grad_sqnr_db per layer and format)")
+    notes = ["metric drop: the layer lowered alone in the given weights, untrained: a broken dgrad or wgrad shows in "
+             "training only (search --mode train)"]  # fmt: skip
+    if any(b.format == Format.FP16.value and b.gemm in ("dgrad", "wgrad") for b in found[:limit]):
+        notes.append("fp16 gradients are replayed at loss scale 1: a GradScaler lifts those flushed to zero (gradient ranges)")
+    parts.extend(textwrap.fill(n, WIDTH) for n in notes)
+    return "\n".join(parts)
+
+
+def _sqnr_cell(b: Break) -> str:
+    if math.isnan(b.sqnr_db):
+        return "-" if b.gemm == "-" else "nan"
+    return f"{b.sqnr_db:.1f}"
+
+
+def _drop_cell(drop: float) -> str:
+    return "-" if math.isnan(drop) else f"{drop:.3g}"
 
 
 def search_summary(result: Any, *, markdown: bool = False) -> str:
