@@ -112,3 +112,22 @@ def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():
     gone = finals(*rows).within(0.01)
     name, why = choose_smallest(gone, candidates)
     assert name == "fp32" and "--max-memory" in why
+
+
+def test_among_tied_candidates_the_safer_comes_before_an_alternative_with_fp8_layers():
+    """fp8 everywhere (an alternative, all layers fp8) tied with a searched bf16 policy: the bf16 one, safer."""
+    from autoprec.tune.choose import choose
+
+    candidates = {"fp32": Policy(), "fp8 everywhere (torchao filter)": Policy(layers={"": "bf16", "a": "fp8", "b": "fp8"}),
+                  "trial 4": Policy(layers={"": "bf16"})}  # fmt: skip
+    candidates["trial 9"] = Policy(layers={"": "bf16", "a": "fp8", "b": "fp8", "c": "fp8"})
+    rows = [
+        {"candidate": "fp32", "speedup": 1.0, "spread": 0.04, "feasible": True},
+        {"candidate": "fp8 everywhere (torchao filter)", "speedup": 1.50, "spread": 0.04, "feasible": True},
+        {"candidate": "trial 4", "speedup": 1.51, "spread": 0.04, "feasible": True},
+        {"candidate": "trial 9", "speedup": 1.55, "spread": 0.04, "feasible": True},
+    ]
+    name, why = choose(finals(*rows), candidates)
+    assert name == "trial 4" and "the safer one" in why
+    rows[2]["speedup"] = 1.49  # measured below the fastest alternative: never chosen over it
+    assert choose(finals(*rows), candidates)[0] == "fp8 everywhere (torchao filter)"

@@ -31,3 +31,11 @@ def test_a_message_quoting_the_url_or_its_password_is_scrubbed():
     scrubbed = hide_credentials_in(text, url)
     assert not any(secret in scrubbed for secret in ("p@ss-word", "p%40ss-word", "q-secret"))
     assert "postgresql+psycopg2://alice:***@db:5432/a?password=***" in scrubbed
+
+
+def test_an_at_sign_in_the_path_or_query_is_not_taken_for_the_users():
+    from autoprec.tune.credentials import hide_credentials
+
+    assert hide_credentials("postgresql://u:pw@h/db?x=a@b") == "postgresql://u:***@h/db?x=a@b"
+    assert hide_credentials("sqlite:////tmp/a:b@c/db") == "sqlite:////tmp/a:b@c/db"
+    assert hide_credentials("postgresql://u:p@ss@h:5432/db") == "postgresql://u:***@h:5432/db"

@@ -827,3 +827,30 @@ def test_measuring_the_input_gradient_in_the_whole_model_leaves_the_layers_compu
     run = _in_model_run(workload, "attn", Format.FP32, 2)
     assert torch.equal(run.output, out) and torch.equal(run.grad, grad)
     assert run.dgrad is not None and run.dgrad.numel() == out.numel()  # h's gradient, once a call: 8 x 4 x 32, like its output
+
+
+def test_a_search_profiles_only_the_offered_formats_numerics_and_a_profile_alone_all_of_them():
+    from autoprec.tune import SearchConfig
+
+    assert SearchConfig(budget=0.1, profile=ProfileConfig(batches=4)).profile.numerics == "offered"
+    assert SearchConfig(budget=0.1, profile=ProfileConfig(numerics="all")).profile.numerics == "all"
+    assert ProfileConfig().numerics is None  # profile() reads None as "all"
+
+
+def test_a_saved_profile_that_left_numerics_unmeasured_does_not_serve_a_search_that_asks_for_all(tmp_path, monkeypatch):
+    from autoprec.tune import SearchConfig, profiler
+    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune.pipeline import _load_or_profile
+
+    monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 2.0}))
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1.25}})
+    offered = SearchConfig(budget=0.1, progress=False, profile=dataclasses.replace(FAST, numerics="offered"))
+    assert _load_or_profile(workload, space, tmp_path, offered).numerics == "offered"
+    watch = Stopwatch()
+    again = _load_or_profile(
+        workload, space, tmp_path, dataclasses.replace(offered, profile=dataclasses.replace(FAST, numerics="all")), watch=watch
+    )
+    assert "profile: reused the one saved in the output folder" not in watch.counts and again.numerics == "all"
+    t = again.table.set_index(["layer", "format"])
+    assert not math.isnan(t.loc[("fc1", "bf16"), "sqnr_db"])  # measured now, though slower than fp32 here

@@ -154,7 +154,7 @@ def test_the_summarys_first_line_says_plainly_when_the_answer_is_a_tie_inside_th
     line = headline(types.SimpleNamespace(policy=tied, finals=rows))
     assert line.startswith("a tie inside the noise: uniform bf16") and "fp32" in line and "--remeasure" in line
     assert "±51.5%" in line  # the widest spread of the tied candidates, as the results table writes it
-    assert "not separated" in show_policy(tied) and "not as the fastest" in show_policy(tied)
+    assert "not separated" in show_policy(tied) and "not shown faster than them" in show_policy(tied)
     clear = Policy(layers={"": "bf16"}, measured={"chosen": "uniform bf16", "budget": 0.01})
     line = headline(types.SimpleNamespace(policy=clear, finals=rows))
     assert line.startswith("chosen: uniform bf16, 1.59x fp32") and "tie" not in line
@@ -230,3 +230,40 @@ def test_a_gemm_the_layer_does_not_run_is_not_judged():
     table = _gemm_table([("first", "fp8", 29.0, math.nan, 25.0, False, False, math.nan)])
     table.loc[table["format"] == "fp32", "dgrad_sqnr_db"] = math.nan  # on data: no gradient into its inputs
     assert [(b.gemm, b.why) for b in breaks(table)] == [("-", "non-finite loss or metric")]
+
+
+def test_a_compact_table_keeps_each_formats_reasons_apart_and_says_each_once():
+    """30 layers of one role whose reasons differ only in numbers share a row; one format's reason never lands under
+    another's, and the legend has one line per reason, its numbers as ranges."""
+    from autoprec import Policy
+    from autoprec.tune.report import LayerTable
+
+    layers = {"": "bf16", **{f"blocks.{i}.fc": "bf16" for i in range(30)}}
+    excluded = {
+        f"blocks.{i}.fc": {"fp16": "fp16 gradients overflow even at loss scale 1 (0.5% of elements above 65504)",
+                           "fp8": f"alone drops the metric by {0.01 + i / 1000:.3g} > budget 0.01"}
+        for i in range(30)
+    }  # fmt: skip
+    table = LayerTable(Policy(layers=layers, measured={"excluded": excluded}))
+    assert table.rows[1] == ["blocks.*.fc (30 layers)", "bf16", "fp16 [1], fp8 [2]"]
+    notes = table.notes()
+    assert len(notes) == 2 and notes[0].startswith("[1] gradients overflow even at loss scale 1")
+    assert notes[1] == "[2] alone drops the metric by 0.01-0.039 > budget 0.01"
+
+
+def test_a_tie_among_equally_safe_searched_policies_is_not_called_the_safer_one():
+    import types
+
+    from builders import finals
+
+    from autoprec import Policy
+    from autoprec.tune.report import headline
+
+    rows = finals(
+        {"candidate": "trial 3", "speedup": 1.50, "spread": 0.04}, {"candidate": "trial 5", "speedup": 1.48, "spread": 0.04}
+    )
+    policy = Policy(
+        layers={"": "bf16"}, measured={"chosen": "trial 3", "not_separated": ["trial 5"], "why": "the fastest within budget"}
+    )
+    line = headline(types.SimpleNamespace(policy=policy, finals=rows))
+    assert "the fastest measured, is chosen" in line and "safer" not in line

@@ -588,7 +588,7 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
 ):
     """A search beside a CPU hog (step times x exp(N(0, 0.8)): spreads around ±50%) on a device where every bf16 layer
     pays: what it writes is an alternative, or measured faster than the fastest alternative and separated from it by
-    the spread; and its true step time (the clock's, without noise) is never slower than the faster of fp32 and
+    the spread (else, a safer policy than that alternative, with the tie recorded); and its true step time (the clock's, without noise) is never slower than the faster of fp32 and
     uniform bf16 by more than its measured spread."""
     import copy
 
@@ -603,7 +603,9 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
     fastest = max((r for r in alternatives if r.feasible), key=lambda r: r.speedup)
     picked = result.finals.by_name(m["chosen"])
     if m["chosen"] not in {r.candidate for r in alternatives}:
-        assert separated(picked, fastest) and picked.speedup > fastest.speedup, fastest.candidate
+        # separated from it and faster, or (a safer policy than a riskier alternative) the tie is recorded and said
+        clear = separated(picked, fastest) and picked.speedup > fastest.speedup
+        assert clear or fastest.candidate in m["not_separated"], fastest.candidate
     true_s = {name: clock.seconds(apply_policy(copy.deepcopy(workload.model), policy))
               for name, policy in (("chosen", result.policy), (FP32, Policy()), (BF16, Policy(layers={"": "bf16"})))}  # fmt: skip
     assert true_s["chosen"] / min(true_s[FP32], true_s[BF16]) - 1 <= picked.spread

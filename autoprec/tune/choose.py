@@ -54,10 +54,17 @@ def choose(
     top = feasible[0]
     floor = max((r.speedup for r in feasible if r.candidate in alternatives), default=0.0)
     tied = [r for r in feasible if not separated(top, r) and r.speedup >= floor]
-    pick = min(tied, key=lambda r: (r.candidate not in alternatives, _risk(candidates[r.candidate]), -r.speedup))
+    # the fewest fp16/fp8 layers first; among equally safe ones, what the user would run anyway (an alternative)
+    pick = min(tied, key=lambda r: (_risk(candidates[r.candidate]), r.candidate not in alternatives, -r.speedup))
     fastest = max((r for r in feasible if r.candidate in alternatives), key=lambda r: r.speedup, default=None)
-    if pick.candidate not in alternatives and fastest is not None and not separated(pick, fastest):
-        # separation is not transitive: a safer pick tied with the top may be tied with the alternative too
+    if (
+        pick.candidate not in alternatives
+        and fastest is not None
+        and not separated(pick, fastest)
+        and _risk(candidates[fastest.candidate]) <= _risk(candidates[pick.candidate])
+    ):
+        # separation is not transitive: a safer pick tied with the top may be tied with the alternative too; the
+        # alternative is written then, unless it has more fp16/fp8 layers (the tie is recorded either way)
         lead = 100 * (pick.speedup / fastest.speedup - 1)
         return fastest.candidate, (
             f"{pick.candidate} measured {lead:.1f}% faster, inside the spread: not separated from the alternative "

@@ -124,7 +124,7 @@ class ProfileConfig:
     # "all": every layer x format this device can run or emulate has its numerics (SQNR, finiteness, overflow, metric
     # drop), however slow it runs here: they do not depend on the device's speed. "offered": only the formats the
     # timing keeps in play (a search's own profile: minutes saved); the others say "not measured" and why.
-    numerics: str = "all"
+    numerics: str | None = None  # None: "all" for a profile on its own, "offered" for a search's (SearchConfig)
 
     def __post_init__(self) -> None:
         if self.group_tolerance is not None and not (math.isfinite(self.group_tolerance) and self.group_tolerance >= 0):
@@ -133,7 +133,7 @@ class ProfileConfig:
             raise ValueError(f"grad_batches must be >= 1 or None (all train batches), but got {self.grad_batches!r}")
         if not 0 <= self.max_underflow < 1:
             raise ValueError(f"max_underflow must be in [0, 1), but got {self.max_underflow!r}")
-        if self.numerics not in NUMERICS:
+        if self.numerics is not None and self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, but got {self.numerics!r}")
 
 
@@ -205,6 +205,8 @@ class SearchConfig:
         if self.profile.compile and not self.compile:
             raise ValueError("profile=ProfileConfig(compile=True) needs compile=True: one switch compiles the profile's "
                              "layer timings, the trials and the re-measure; set SearchConfig(compile=True)")  # fmt: skip
+        if self.profile.numerics is None:  # a search's own profile: the numerics of formats it does not offer wait
+            object.__setattr__(self, "profile", dataclasses.replace(self.profile, numerics="offered"))
         if self.compile != self.profile.compile:  # one switch: the profile's layer timings follow the search's
             object.__setattr__(self, "profile", dataclasses.replace(self.profile, compile=self.compile))
 

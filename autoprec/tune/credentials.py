@@ -14,12 +14,17 @@ _SECRET_PARAM = re.compile(r"(?P<key>[?&][^=&#]*(?:pass|pwd|secret|token)[^=&#]*
 def _secrets(url: str) -> tuple[str, list[str]]:
     """(`url` with its secrets hidden, the secrets). A file path (no ://) is kept as it is. The password is all
     from the user's ':' to the last '@' (SQLAlchemy stops at the first '@', so a password with an unencoded '@'
-    would show its tail); a user part with a '/' is a path (sqlite:////tmp/a:b@c/db), no credentials."""
+    would show its tail), unless that '@' is in the query (?x=a@b); a user part with a '/' is a path
+    (sqlite:////tmp/a:b@c/db), no credentials."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url, []
     secrets = []
     user_info, at, host = rest.rpartition("@")
+    if any(c in user_info for c in "?#"):  # that '@' is in the query or fragment: the user's ends the authority
+        authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+        user_info, at, host = authority.rpartition("@")
+        host += rest[len(authority) :]
     user, colon, password = user_info.partition(":")
     if at and colon and "/" not in user:
         secrets.append(password)

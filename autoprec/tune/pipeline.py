@@ -201,7 +201,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         if earlier is not None:
             return earlier
     started.judge.measure()  # a no-op once measured; else now, not inside the final re-measure's time
-    if ran:
+    if ran or not config.remeasure:  # trials of an interrupted run, or other workers', belong to this result
         trial_costs(started.study, watch)
     else:  # a finished study re-measured (--remeasure): its trials' time was spent by the earlier run, not this one
         watch.count("trials: run earlier, none now (their time is in the earlier run's table)", _complete(started.study))
@@ -551,7 +551,9 @@ def _load_or_profile(
         precise = not predicted or (
             cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted
         )
-        if same and still_out and precise and offered == set(zip(cached.table["layer"], cached.table["format"])):
+        # numerics asked of every format: a profile that left some unmeasured ("offered") does not serve
+        numerics = cached.numerics == "all" or settings.numerics == "offered"
+        if same and still_out and precise and numerics and offered == set(zip(cached.table["layer"], cached.table["format"])):
             log.info("reusing the profile in %s", out_dir)
             watch.count("profile: reused the one saved in the output folder")
             return cached

@@ -101,12 +101,13 @@ class Profile:
     compiled: bool = False  # layer times measured under torch.compile
     uncalled: list[str] = dataclasses.field(default_factory=list)  # tunable layers loss_fn never calls: left out
     group_tolerance: float | None = None  # ProfileConfig's: the drops it predicted are that precise
+    numerics: str = "all"  # ProfileConfig's: "offered" left the numerics of formats its timing ruled out unmeasured
 
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         fields = ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled", "uncalled",
-                  "group_tolerance")  # fmt: skip
+                  "group_tolerance", "numerics")  # fmt: skip
         meta: dict[str, Any] = {"version": PROFILE_VERSION, **{k: getattr(self, k) for k in fields}}
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None
@@ -533,12 +534,13 @@ def _profile_layer(
                    step_rise_bytes=peak if peak is not None else math.nan)  # fmt: skip
         row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
     # numerics do not depend on the device's speed: only a search's own profile ("offered") leaves a slow format's out
-    numerics_slower_than = slower_than if config.numerics == "offered" else math.inf
+    numerics = config.numerics or "all"  # a profile on its own measures them all (a search's config says "offered")
+    numerics_slower_than = slower_than if numerics == "offered" else math.inf
     for fmt, row in rows.items():
         if fmt is Format.FP32 or row["status"] != "ok":
             continue
         # "all": the SQNR of every format that runs, even one its gradient ranges already rule out (a map, not a choice)
-        if config.numerics == "offered" and _skip(row, numerics_slower_than, watch):
+        if numerics == "offered" and _skip(row, numerics_slower_than, watch):
             continue
         try:
             with watch.section(SQNR_STAGE):
@@ -873,4 +875,5 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         compiled=config.compile,
         uncalled=list(ref.uncalled),
         group_tolerance=config.group_tolerance if config.group_testing else None,
+        numerics=config.numerics or "all",
     )

@@ -84,22 +84,28 @@ class LayerTable:
         self.legend: dict[str, int] = {}
         self.slower = False
         compact = len(policy.layers) > COMPACT_ABOVE
-        rows: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
+        # grouped by the reasons themselves (numbers masked in compact mode), before any legend number is given
+        rows: dict[tuple, list[tuple[str, dict[str, str]]]] = {}
         for name, fmt in policy.layers.items():
-            cell = ", ".join(self._tag(f, why) for f, why in excluded.get(name, {}).items())
+            reasons = dict(excluded.get(name, {}))
             label = role(name) if compact and name != ROOT else ""
-            key = _NUMBER.sub("#", cell) if compact else cell
-            rows.setdefault((label, fmt.value, key), []).append((name, cell))
+            key = tuple((f, _NUMBER.sub("#", why) if compact else why) for f, why in reasons.items())
+            rows.setdefault((label, fmt.value, key), []).append((name, reasons))
         self.rows = []
-        for (label, fmt, _), members in rows.items():
-            self.rows.append([_layers_label(label, [n for n, _ in members]), fmt, _number_ranges([c for _, c in members])])
+        for (label, fmt, key), members in rows.items():
+            cell = ", ".join(self._tag(f, [r[f] for _, r in members]) for f, _ in key)
+            self.rows.append([_layers_label(label, [n for n, _ in members]), fmt, cell])
 
-    def _tag(self, fmt: str, why: str) -> str:
-        slower = _SLOWER.match(why)
-        if slower:
+    def _tag(self, fmt: str, whys: list[str]) -> str:
+        """`fmt`'s cell for a row: its slowdown (a range over the row's layers), or [k] of its reason in the legend."""
+        slower = [_SLOWER.match(why) for why in whys]
+        if all(slower):
             self.slower = True
-            return f"{fmt} {float(slower['ratio']):.3g}x"
-        text = why[len(fmt) + 1 :] if why.startswith(fmt + " ") else why  # "fp8 needs ..." and "fp8-rowwise needs ..." alike
+            ratios = sorted(float(m["ratio"]) for m in slower if m)
+            span = f"{ratios[0]:.3g}" if ratios[0] == ratios[-1] else f"{ratios[0]:.3g}-{ratios[-1]:.3g}"
+            return f"{fmt} {span}x"
+        texts = [why[len(fmt) + 1 :] if why.startswith(fmt + " ") else why for why in whys]  # "fp8 needs", "fp8-rowwise needs"
+        text = _number_ranges(texts)
         return f"{fmt} [{self.legend.setdefault(text, len(self.legend) + 1)}]"
 
     def notes(self) -> list[str]:
@@ -110,7 +116,10 @@ class LayerTable:
     def render(self, *, markdown: bool = False) -> str:
         table = markdown_table(["layer", "format", "ruled out by the profile"], self.rows) if markdown else text_table(
             ["layer", "format", "ruled out by the profile"], self.rows)  # fmt: skip
-        return "\n".join([table, "", *self.notes()]) if self.notes() else table
+        notes = self.notes()
+        if not notes:
+            return table
+        return "\n".join([table, "", *(f"- {line}" for line in notes)]) if markdown else "\n".join([table, "", *notes])
 
 
 SHARED_ROW_NAMES = 40  # characters of layer names a shared row lists before it counts them instead
@@ -222,8 +231,8 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         if m.not_separated:
             parts.append(
                 f"not separated: the step times measured could not tell {m.chosen or 'this policy'} from "
-                f"{_names(list(m.not_separated))} (inside their spread); it was chosen as the "
-                f"{_kind(m)}, not as the fastest"
+                f"{_names(list(m.not_separated))} (inside their spread); it was chosen as the {_kind(m)}, and is "
+                "not shown faster than them"
             )
         if m.results:
             rows = result_rows(policy)
@@ -456,8 +465,14 @@ def headline(result: Any) -> str:
 
 
 def _kind(m: Measured) -> str:
-    """What a choice among ties is: an alternative the user would run anyway, or the searched policy with fewer fp16/fp8 layers."""
-    return "alternative" if m.chosen in {FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY, m.greedy} else "safer one"
+    """What a choice among ties is, from the decision's own reason (choose.choose's `why`): the alternative the user
+    would run anyway, the one with fewer fp16/fp8 layers, or simply the fastest measured."""
+    why = m.why or ""
+    if "the safer one" in why:
+        return "safer one"
+    if m.chosen in {FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY, m.greedy}:
+        return "alternative"
+    return "fastest measured"
 
 
 def _names(names: Sequence[str]) -> str:
