@@ -17,8 +17,8 @@ import math
 import numbers
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -33,6 +33,9 @@ from autoprec.tune.config import MEMORY_TRIES, MIN_ROUNDS, NOISY_SPREAD, SETTLED
 from autoprec.tune.task import Workload, check_loss
 
 log = logging.getLogger("autoprec")
+
+# What names the timed callables (a candidate's name, a layer's Format): the timings come back under the same keys.
+Key = TypeVar("Key", bound=Hashable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +100,15 @@ CLOCK: Clock = DeviceClock()
 
 
 def interleaved_times(
-    work: Mapping[str, Callable[[], object]],
+    work: Mapping[Key, Callable[[], object]],
     device: torch.device,
     config: TimingConfig = TimingConfig(),
     *,
     progress: str | None = None,
-    enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
-    warmed: Collection[str] = (),
-    more: Callable[[Mapping[str, Sequence[float]]], int] | None = None,
-) -> dict[str, Timing]:
+    enough: Callable[[Mapping[Key, Sequence[float]]], bool] | None = None,
+    warmed: Collection[Key] = (),
+    more: Callable[[Mapping[Key, Sequence[float]]], int] | None = None,
+) -> dict[Key, Timing]:
     """Time each callable (one unit of work, e.g. one training step) interleaved with the others.
     `progress`: a label for a progress bar over the rounds (None: no bar). `enough(samples)`: asked after each
     round from MIN_ROUNDS on, with each callable's per-step milliseconds so far; True stops early (a
@@ -116,13 +119,13 @@ def interleaved_times(
     names = list(work)
     if not names:
         return {}
-    steps: dict[str, int] = {}
+    steps: dict[Key, int] = {}
     for name in names:
         for _ in range(0 if name in warmed else config.warmup - 1):
             work[name]()
         once = max(CLOCK.time(work[name], 1, device), 1e-6)  # the last warm-up call (or one more) sizes the blocks
         steps[name] = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / once)))
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    samples: dict[Key, list[float]] = {name: [] for name in names}
 
     def rounds(first: int, last: int) -> None:
         for r in tqdm(range(first, last), desc=progress, unit="round", disable=progress is None, leave=False):
@@ -170,10 +173,10 @@ def all_settled(samples: Mapping[str, Sequence[float]]) -> bool:
 
 
 def probe_times(
-    work: Mapping[str, Callable[[], object]], device: torch.device, *, warmup: int = 2, repeats: int = 3
-) -> dict[str, float]:
+    work: Mapping[Key, Callable[[], object]], device: torch.device, *, warmup: int = 2, repeats: int = 3
+) -> dict[Key, float]:
     """The fastest of a few calls each after warm-up, in ms: enough to spot a format many times slower."""
-    out = {}
+    out: dict[Key, float] = {}
     for name, fn in work.items():
         for _ in range(warmup):
             fn()

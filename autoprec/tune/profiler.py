@@ -361,7 +361,7 @@ def _time_layer(
     failed: dict[Format, str] = {}
     with compile_scope(config.compile, len(formats)):
         work = {fmt: _strict(workload.device, _layer_step(module, inputs, fmt, config.compile)) for fmt in formats}
-        probe = {}
+        probe: dict[Format, float] = {}
         for fmt, fn in work.items():
             try:
                 probe.update(probe_times({fmt: fn}, workload.device, warmup=config.timing.warmup))
