@@ -243,10 +243,10 @@ def compile_scope(compiled: bool, candidates: int) -> Iterator[None]:
     # torch 2.7 renamed cache_size_limit to recompile_limit (the old names stay as aliases for a while)
     new = hasattr(config, "recompile_limit")
     names = ("recompile_limit", "accumulated_recompile_limit") if new else ("cache_size_limit", "accumulated_cache_size_limit")
-    patch = {names[0]: limit, names[1]: max(256, 4 * limit)}
+    patch: dict[str, int | bool] = {names[0]: limit, names[1]: max(256, 4 * limit)}
     if hasattr(config, "fail_on_cache_limit_hit"):  # past the limit: an error (the candidate fails), never eager
         patch["fail_on_cache_limit_hit"] = True
-    with config.patch(**patch):
+    with config.patch(patch):  # the dict form: torch types the keyword form's values as dicts
         yield
 
 
@@ -468,7 +468,12 @@ def largest_batch(workload: Workload) -> int:
 def batch_bytes(batch: object) -> int:
     """The bytes of every tensor in a (nested) batch."""
     sizes: list[int] = []
-    map_tensors(batch, lambda t: sizes.append(t.numel() * t.element_size()) or t)  # `or t`: nothing is copied
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel() * t.element_size())
+        return t  # the same tensor: nothing is copied
+
+    map_tensors(batch, count)
     return sum(sizes)
 
 
@@ -556,10 +561,9 @@ class NoiseFloor:
         if not isinstance(data, Mapping):
             return None
         seeds, steps, repeat = data.get("fp32_metrics_by_seed"), data.get("train_steps"), data.get("fp32_seed0_repeat")
-        numbers_ = [*seeds, repeat] if isinstance(seeds, (list, tuple)) and seeds else []
-        if not numbers_ or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers_
-        ):
+        if not isinstance(seeds, (list, tuple)) or not seeds or not isinstance(repeat, (int, float)):
+            return None
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in [*seeds, repeat]):
             return None
         if isinstance(steps, bool) or not isinstance(steps, int):
             return None
@@ -589,8 +593,9 @@ def _as_metric(workload: Workload, value: object) -> float:
         return float(value.item())
     if isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy's scalars register as Real
         return float(value)
-    if getattr(value, "size", None) == 1 and getattr(getattr(value, "dtype", None), "kind", "x") in "fiu":
-        return float(value.item())  # a one-element numpy array
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "size", None) == 1 and getattr(getattr(value, "dtype", None), "kind", "x") in "fiu":
+        return float(item())  # a one-element numpy array
     shown = (
         f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r:.60}"
     )
