@@ -344,7 +344,10 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     args, kwargs = map_tensors(inputs, leaf)
 
     def step() -> None:
-        _first_float(run(*args, **kwargs)).float().sum().backward()
+        out = _first_float(run(*args, **kwargs))
+        if out is None:  # nothing to take a gradient of: the step fails, naming why
+            raise ValueError(f"{type(module).__name__} returned no floating-point tensor to backpropagate from")
+        out.float().sum().backward()
         holder.zero_grad(set_to_none=True)
         for t in leaves:
             t.grad = None
