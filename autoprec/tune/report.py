@@ -90,8 +90,8 @@ class LayerTable:
             key = _NUMBER.sub("#", cell) if compact else cell
             rows.setdefault((label, fmt.value, key), []).append((name, cell))
         self.rows = []
-        for (label, fmt, _), members in rows.items():
-            self.rows.append([_layers_label(label, [n for n, _ in members]), fmt, _number_ranges([c for _, c in members])])
+        for (label, value, _), members in rows.items():
+            self.rows.append([_layers_label(label, [n for n, _ in members]), value, _number_ranges([c for _, c in members])])
 
     def _tag(self, fmt: str, why: str) -> str:
         slower = _SLOWER.match(why)
