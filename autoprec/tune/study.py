@@ -21,9 +21,10 @@ import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import optuna
+import optuna.storages.journal  # `import optuna` loads it too, but mypy sees a submodule only where it is imported
 import pandas as pd
 from tqdm.auto import tqdm
 
@@ -301,8 +302,9 @@ def objective_names(objectives: int, goal: Goal) -> str:
     return OBJECTIVES[objectives].replace("speedup", "peak memory") if goal is Goal.MEMORY else OBJECTIVES[objectives]
 
 
-def directions(objectives: int, goal: Goal) -> list[str]:
-    return ["minimize" if goal is Goal.MEMORY else "maximize", "minimize"][:objectives]
+def directions(objectives: int, goal: Goal) -> list[Literal["minimize", "maximize"]]:
+    first: Literal["minimize", "maximize"] = "minimize" if goal is Goal.MEMORY else "maximize"
+    return [first, "minimize"][:objectives]
 
 
 class Judge:
