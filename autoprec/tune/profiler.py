@@ -141,7 +141,7 @@ class Profile:
             layers = list(dict.fromkeys(self.table.loc[self.table["format"] == Format.FP16.value, "layer"]))
         return advise(self.grad_ranges, layers, self.max_underflow)
 
-    def predicted_drop(self, layers: dict[str, Any]) -> float:
+    def predicted_drop(self, layers: Mapping[str, Format | str]) -> float:
         """The sum of the single-layer metric drops of a policy's lowered layers: what the profile predicts
         for the policy if the layers' effects add up. Layers it did not profile (the model root) count 0."""
         drops = self.table.set_index(["layer", "format"])["metric_drop"]

@@ -37,6 +37,7 @@ from autoprec.tune.config import RETRIES, SETTLED, Goal, Mode, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.credentials import hide_credentials, hide_credentials_in
 from autoprec.tune.measure import (
+    Candidate,
     NoiseFloor,
     Trainer,
     compile_scope,
@@ -354,14 +355,14 @@ class Judge:
                 config.budget, noise.spread, config.noise_runs, config.train_steps,
             )  # fmt: skip
 
-    def metric(self, policy: Policy) -> tuple[float, dict[str, Any]]:
+    def metric(self, policy: Policy | Candidate) -> tuple[float, dict[str, Any]]:
         """The candidate's metric (NaN when anything went non-finite) and what else was measured on the way."""
         if self.config.mode is Mode.TRAIN:
             out = train_and_evaluate(self.workload, policy, self.config.train_steps)
             return (out.metric if out.finite else math.nan), {"train_skipped": out.skipped}
         return evaluate_metric(self.workload, policy), {}
 
-    def safe_metric(self, policy: Policy) -> tuple[float, dict[str, Any]]:
+    def safe_metric(self, policy: Policy | Candidate) -> tuple[float, dict[str, Any]]:
         try:
             return self.metric(policy)
         except UserError:
