@@ -562,7 +562,8 @@ class Objective:
             return False, INFEASIBLE
         self._record_memory(trial, peak)
         trial.set_user_attr("rounds", len(t["policy"].samples_ms))
-        if candidate.compiled:
+        if candidate.compiled and candidate.first_step_s is not None and baseline.first_step_s is not None:
+            # both have a first step by now (the baseline's above, the candidate's in the timing): always true
             trial.set_user_attr("compile_s", candidate.first_step_s + baseline.first_step_s)
         trial.set_user_attr("step_ms", t["policy"].median_ms)
         trial.set_user_attr("fp32_step_ms", t["fp32"].median_ms)
