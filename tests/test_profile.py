@@ -636,3 +636,20 @@ def test_a_slowdown_measured_inside_wide_noise_rules_nothing_out():
     assert ruled_out({**row, "time_spread": 1.5}, None, 1.25) is None
     assert ruled_out({**row, "time_spread": 0.1}, None, 1.25) == "measured 2.00x the layer's fp32 time on this device"
     assert ruled_out({**row, "time_spread": math.nan}, None, 1.25) is not None  # probed only: the gap dwarfs the noise
+
+
+def test_a_layer_step_whose_layer_returns_no_floating_tensor_fails_saying_so():
+    from autoprec.formats import Format
+    from autoprec.tune.profiler import _layer_step
+
+    class Argmax(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x).argmax(-1)  # integers: nothing to take a gradient of
+
+    step = _layer_step(Argmax(), ((torch.randn(2, 4),), {}), Format.FP32)
+    with pytest.raises(ValueError, match="Argmax returned no floating-point tensor"):
+        step()
