@@ -16,7 +16,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -30,6 +30,7 @@ _FORMAT_ATTR = "_autoprec_format"
 _NO_PICKLE_ATTR = "_autoprec_no_pickle"
 _SUMMARY_ATTR = "_autoprec_applied"
 _LOW = (torch.float16, torch.bfloat16)
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)  # apply_policy returns the model it was given, of its own type
 
 # Modules that use a child's parameters directly instead of calling the child, so a format set on the
 # child would silently do nothing: nn.MultiheadAttention passes out_proj.weight to a functional kernel.
@@ -398,7 +399,7 @@ def _warn_other_model(policy: Policy, model: torch.nn.Module) -> None:
         )
 
 
-def apply_policy(model: torch.nn.Module, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool = False) -> torch.nn.Module:
+def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool = False) -> ModelT:
     """Put a policy on a model in place (also accepts a policy file's path) and return the model.
 
     State-dict keys and dtypes do not change: listed modules keep their parameters and get a forward

@@ -854,3 +854,20 @@ def test_a_saved_profile_that_left_numerics_unmeasured_does_not_serve_a_search_t
     assert "profile: reused the one saved in the output folder" not in watch.counts and again.numerics == "all"
     t = again.table.set_index(["layer", "format"])
     assert not math.isnan(t.loc[("fc1", "bf16"), "sqnr_db"])  # measured now, though slower than fp32 here
+
+
+def test_a_layer_step_whose_layer_returns_no_floating_tensor_fails_saying_so():
+    from autoprec.formats import Format
+    from autoprec.tune.profiler import _layer_step
+
+    class Argmax(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x).argmax(-1)  # integers: nothing to take a gradient of
+
+    step = _layer_step(Argmax(), ((torch.randn(2, 4),), {}), Format.FP32)
+    with pytest.raises(ValueError, match="Argmax returned no floating-point tensor"):
+        step()

@@ -63,15 +63,16 @@ def alternatives(
     """The alternatives every search and sweep result is re-measured beside (see the module's docstring).
     `fp8_offered`: whether the search space offers fp8 at all; where it does not, fp8 everywhere is left out."""
     every = [ROOT, *choices.layers]
-    fp32 = Policy(layers=dict.fromkeys(every, "fp32"))
+    fp32 = Policy(layers=dict.fromkeys(every, Format.FP32))
     out: dict[str, Candidate] = {FP32: Candidate(fp32)}
     notes: dict[str, str] = {}
     if device.type == "cuda":
         out[TF32] = Candidate(fp32, tf32=True)
     else:
         notes[TF32] = f"TF32 is a CUDA tensor-core mode; not measured on {device.type}"
-    out[BF16] = Candidate(Policy(layers=dict.fromkeys(every, "bf16")))
-    fp8_layers, n_linear = [], 0
+    out[BF16] = Candidate(Policy(layers=dict.fromkeys(every, Format.BF16)))
+    fp8_layers: list[str] = []
+    n_linear = 0
     if not fp8_offered:
         notes[FP8_EVERYWHERE] = "not measured: the search space offers no tensorwise fp8"
     elif fp8_backend(device) is Fp8Backend.EMULATION:
@@ -85,7 +86,7 @@ def alternatives(
         except (ImportError, AttributeError) as exc:  # a torchao without the filter: say so, do not guess its thresholds
             notes[FP8_EVERYWHERE] = f"not measured: this torchao has no _auto_filter_for_recipe ({type(exc).__name__}: {exc})"
     if fp8_layers:
-        out[FP8_EVERYWHERE] = Candidate(Policy(layers={ROOT: "bf16", **dict.fromkeys(fp8_layers, "fp8")}))
+        out[FP8_EVERYWHERE] = Candidate(Policy(layers={ROOT: Format.BF16, **dict.fromkeys(fp8_layers, Format.FP8)}))
     elif FP8_EVERYWHERE not in notes:
         notes[FP8_EVERYWHERE] = (
             f"same as uniform bf16 here: torchao's size filter (H100 thresholds) converts none of the model's {n_linear} Linears"

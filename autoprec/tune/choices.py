@@ -355,8 +355,8 @@ def greedy_params(prof: Profile, choices: Choices, budget: float, *, root: str =
 def greedy_policy(prof: Profile, choices: Choices, budget: float) -> Policy:
     """The profile-greedy policy itself (a layout may only approximate it), with a bf16 root where allowed,
     as AMP would run the rest of the model."""
-    root = Format.BF16.value if Format.BF16.value in choices.default else Format.FP32.value
-    return Policy(layers={ROOT: root, **greedy_layers(prof, choices, budget)})
+    root = Format.BF16 if Format.BF16.value in choices.default else Format.FP32
+    return Policy(layers={ROOT: root, **{name: Format(fmt) for name, fmt in greedy_layers(prof, choices, budget).items()}})
 
 
 def warm_starts(prof: Profile, choices: Choices, budget: float) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
         return None
     layers = {}
     for name, fmt in policy.layers.items():
-        if fmt.spec.risky:
+        if fmt.spec.risky and fmt.spec.fallback is not None:  # always: only fp32, not risky, has none
             options = choices.default if name == ROOT else choices.layers.get(name, ())
             fmt = Format(fit(fmt.spec.fallback.value, options))
         layers[name] = fmt

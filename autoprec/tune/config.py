@@ -211,18 +211,18 @@ class SearchConfig:
             object.__setattr__(self, "profile", dataclasses.replace(self.profile, compile=self.compile))
 
 
-def default_compile(device: object) -> bool:
+def default_compile(device: str | torch.device) -> bool:
     """Whether step times are compiled when the user does not say: on CUDA (how GPU training runs, and where fp8 pays
     only compiled), not elsewhere (inductor's CPU code is not what a CPU user is likely to train with)."""
     try:
-        return torch.device(device).type == "cuda"  # type: ignore[arg-type]
+        return torch.device(device).type == "cuda"
     except (RuntimeError, TypeError):  # a bad device is reported where it is used, with the choices
         return False
 
 
 def search_config(
     *,
-    device: object,
+    device: str | torch.device,
     budget: float = 0.0,
     compile: bool | None = None,
     mode: object = Mode.WEIGHTS,
@@ -243,7 +243,9 @@ def search_config(
         if given:
             verb = "apply" if len(given) > 1 else "applies"
             raise ValueError(f"{' and '.join(given)} {verb} only to {spell('mode')} train (the mode is {the_mode.value})")
-    train = {k: v for k, v in (("train_steps", train_steps), ("noise_runs", noise_runs)) if v is not None}
+    for name, value in (("train_steps", train_steps), ("noise_runs", noise_runs)):
+        if value is not None:  # None: SearchConfig's default
+            settings[name] = value
     if numerics is not None:
         settings["profile"] = dataclasses.replace(settings.get("profile", SEARCH_PROFILE), numerics=numerics)
     return SearchConfig(
@@ -251,17 +253,16 @@ def search_config(
         mode=the_mode,
         compile=default_compile(device) if compile is None else bool(compile),
         max_memory=_memory_limit(max_memory, device),
-        **train,
         **settings,
     )
 
 
-def _memory_limit(limit: object, device: object) -> int | None:
+def _memory_limit(limit: object, device: str | torch.device) -> int | None:
     from autoprec.tune import memory  # noqa: PLC0415 (torch's device queries only where a limit is given)
 
     if limit is None:
         return None
-    dev = torch.device(device)  # type: ignore[arg-type]
+    dev = torch.device(device)
     if isinstance(limit, str) or (isinstance(limit, float) and 0 < limit <= 1):  # "40GB", "80%", 0.8
         return memory.parse_limit(str(limit), dev)
     if isinstance(limit, numbers.Real) and not isinstance(limit, bool):  # a number of bytes (40e9, a numpy int too)

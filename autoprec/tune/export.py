@@ -51,7 +51,8 @@ def _layers(names: list[str], verb: str = "runs") -> str:
 
 def not_expressed(policy: Policy, tool: str = "torchao") -> list[str]:
     """What an fp8-only target leaves out: a lowered root and the non-fp8, non-fp32 layers per format, as lines."""
-    lines, by_format = [], {}
+    lines: list[str] = []
+    by_format: dict[Format, list[str]] = {}
     for name, fmt in policy.layers.items():
         if fmt.spec.fp8_recipe is None and fmt is not Format.FP32:
             by_format.setdefault(fmt, []).append(name)

@@ -285,7 +285,8 @@ class ScaleAdvice:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ScaleAdvice:
-        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()})
+        fields: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()}
+        return cls(**fields)
 
     def describe(self) -> str:
         parts = []
@@ -314,7 +315,8 @@ def advise(table: pd.DataFrame | None, layers: Iterable[str] | None = None, max_
         return None
     ranges = {n: layer_range(table, n, max_underflow) for n in names}
     unfit = tuple(n for n, (_, hi, _) in ranges.items() if hi is None)
-    fit = {n: r for n, r in ranges.items() if r[1] is not None}
+    # layer_range gives low and high both or neither: the layers with a high are those with a low
+    fit = {n: (lo, hi, floor) for n, (lo, hi, floor) in ranges.items() if lo is not None and hi is not None}
     if not fit:
         return ScaleAdvice(None, None, unfit=unfit, max_underflow=max_underflow)
     low, high = max(lo for lo, _, _ in fit.values()), min(hi for _, hi, _ in fit.values())
@@ -356,7 +358,8 @@ def profile_columns(record: LayerGradients, fmt: str, table: pd.DataFrame, max_u
         out.update(grad_underflow=f["underflow"], grad_subnormal=f["subnormal"], grad_overflow=f["overflow"])
     elif (spec := Format(fmt).spec).is_fp8:
         g = record.tensors["output_grad"]
-        dyn = {torch.float8_e5m2: E5M2.name, torch.float8_e4m3fn: E4M3.name}.get(spec.tensorwise_grad_dtype)
+        grad_dtype = spec.tensorwise_grad_dtype
+        dyn = None if grad_dtype is None else {torch.float8_e5m2: E5M2.name, torch.float8_e4m3fn: E4M3.name}.get(grad_dtype)
         under = (g.dynamic_underflow[dyn] / g.nonzero if g.nonzero else 0.0) if dyn else math.nan
         out.update(grad_underflow=under, grad_subnormal=math.nan, grad_overflow=0.0 if dyn else math.nan)
     if fmt == "fp16":

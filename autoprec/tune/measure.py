@@ -17,8 +17,8 @@ import math
 import numbers
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -33,6 +33,9 @@ from autoprec.tune.config import MEMORY_TRIES, MIN_ROUNDS, NOISY_SPREAD, SETTLED
 from autoprec.tune.task import Workload, check_loss
 
 log = logging.getLogger("autoprec")
+
+# What names the timed callables (a candidate's name, a layer's Format): the timings come back under the same keys.
+Key = TypeVar("Key", bound=Hashable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +100,15 @@ CLOCK: Clock = DeviceClock()
 
 
 def interleaved_times(
-    work: Mapping[str, Callable[[], object]],
+    work: Mapping[Key, Callable[[], object]],
     device: torch.device,
     config: TimingConfig = TimingConfig(),
     *,
     progress: str | None = None,
-    enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
-    warmed: Collection[str] = (),
-    more: Callable[[Mapping[str, Sequence[float]]], int] | None = None,
-) -> dict[str, Timing]:
+    enough: Callable[[Mapping[Key, Sequence[float]]], bool] | None = None,
+    warmed: Collection[Key] = (),
+    more: Callable[[Mapping[Key, Sequence[float]]], int] | None = None,
+) -> dict[Key, Timing]:
     """Time each callable (one unit of work, e.g. one training step) interleaved with the others.
     `progress`: a label for a progress bar over the rounds (None: no bar). `enough(samples)`: asked after each
     round from MIN_ROUNDS on, with each callable's per-step milliseconds so far; True stops early (a
@@ -116,13 +119,13 @@ def interleaved_times(
     names = list(work)
     if not names:
         return {}
-    steps: dict[str, int] = {}
+    steps: dict[Key, int] = {}
     for name in names:
         for _ in range(0 if name in warmed else config.warmup - 1):
             work[name]()
         once = max(CLOCK.time(work[name], 1, device), 1e-6)  # the last warm-up call (or one more) sizes the blocks
         steps[name] = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / once)))
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    samples: dict[Key, list[float]] = {name: [] for name in names}
 
     def rounds(first: int, last: int) -> None:
         for r in tqdm(range(first, last), desc=progress, unit="round", disable=progress is None, leave=False):
@@ -170,10 +173,10 @@ def all_settled(samples: Mapping[str, Sequence[float]]) -> bool:
 
 
 def probe_times(
-    work: Mapping[str, Callable[[], object]], device: torch.device, *, warmup: int = 2, repeats: int = 3
-) -> dict[str, float]:
+    work: Mapping[Key, Callable[[], object]], device: torch.device, *, warmup: int = 2, repeats: int = 3
+) -> dict[Key, float]:
     """The fastest of a few calls each after warm-up, in ms: enough to spot a format many times slower."""
-    out = {}
+    out: dict[Key, float] = {}
     for name, fn in work.items():
         for _ in range(warmup):
             fn()
@@ -240,10 +243,10 @@ def compile_scope(compiled: bool, candidates: int) -> Iterator[None]:
     # torch 2.7 renamed cache_size_limit to recompile_limit (the old names stay as aliases for a while)
     new = hasattr(config, "recompile_limit")
     names = ("recompile_limit", "accumulated_recompile_limit") if new else ("cache_size_limit", "accumulated_cache_size_limit")
-    patch = {names[0]: limit, names[1]: max(256, 4 * limit)}
+    patch: dict[str, int | bool] = {names[0]: limit, names[1]: max(256, 4 * limit)}
     if hasattr(config, "fail_on_cache_limit_hit"):  # past the limit: an error (the candidate fails), never eager
         patch["fail_on_cache_limit_hit"] = True
-    with config.patch(**patch):
+    with config.patch(patch):  # the dict form: torch types the keyword form's values as dicts
         yield
 
 
@@ -465,7 +468,12 @@ def largest_batch(workload: Workload) -> int:
 def batch_bytes(batch: object) -> int:
     """The bytes of every tensor in a (nested) batch."""
     sizes: list[int] = []
-    map_tensors(batch, lambda t: sizes.append(t.numel() * t.element_size()) or t)  # `or t`: nothing is copied
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel() * t.element_size())
+        return t  # the same tensor: nothing is copied
+
+    map_tensors(batch, count)
     return sum(sizes)
 
 
@@ -553,10 +561,9 @@ class NoiseFloor:
         if not isinstance(data, Mapping):
             return None
         seeds, steps, repeat = data.get("fp32_metrics_by_seed"), data.get("train_steps"), data.get("fp32_seed0_repeat")
-        numbers_ = [*seeds, repeat] if isinstance(seeds, (list, tuple)) and seeds else []
-        if not numbers_ or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers_
-        ):
+        if not isinstance(seeds, (list, tuple)) or not seeds or not isinstance(repeat, (int, float)):
+            return None
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in [*seeds, repeat]):
             return None
         if isinstance(steps, bool) or not isinstance(steps, int):
             return None
@@ -586,8 +593,9 @@ def _as_metric(workload: Workload, value: object) -> float:
         return float(value.item())
     if isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy's scalars register as Real
         return float(value)
-    if getattr(value, "size", None) == 1 and getattr(getattr(value, "dtype", None), "kind", "x") in "fiu":
-        return float(value.item())  # a one-element numpy array
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "size", None) == 1 and getattr(getattr(value, "dtype", None), "kind", "x") in "fiu":
+        return float(item())  # a one-element numpy array
     shown = (
         f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{type(value).__name__} {value!r:.60}"
     )

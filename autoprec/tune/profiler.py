@@ -148,7 +148,7 @@ class Profile:
             layers = list(dict.fromkeys(self.table.loc[self.table["format"] == Format.FP16.value, "layer"]))
         return advise(self.grad_ranges, layers, self.max_underflow)
 
-    def predicted_drop(self, layers: dict[str, Any]) -> float:
+    def predicted_drop(self, layers: Mapping[str, Format | str]) -> float:
         """The sum of the single-layer metric drops of a policy's lowered layers: what the profile predicts
         for the policy if the layers' effects add up. Layers it did not profile (the model root) count 0."""
         drops = self.table.set_index(["layer", "format"])["metric_drop"]
@@ -354,7 +354,10 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     args, kwargs = map_tensors(inputs, leaf)
 
     def step() -> None:
-        _first_float(run(*args, **kwargs)).float().sum().backward()
+        out = _first_float(run(*args, **kwargs))
+        if out is None:  # nothing to take a gradient of: the step fails, naming why
+            raise ValueError(f"{type(module).__name__} returned no floating-point tensor to backpropagate from")
+        out.float().sum().backward()
         holder.zero_grad(set_to_none=True)
         for t in leaves:
             t.grad = None
@@ -371,7 +374,7 @@ def _time_layer(
     failed: dict[Format, str] = {}
     with compile_scope(config.compile, len(formats)):
         work = {fmt: _strict(workload.device, _layer_step(module, inputs, fmt, config.compile)) for fmt in formats}
-        probe = {}
+        probe: dict[Format, float] = {}
         for fmt, fn in work.items():
             try:
                 probe.update(probe_times({fmt: fn}, workload.device, warmup=config.timing.warmup))

@@ -7,7 +7,8 @@ import math
 import re
 import textwrap
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 
@@ -19,9 +20,18 @@ from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
 from autoprec.tune.cost import cost_rows
+from autoprec.tune.gradients import ScaleAdvice
 from autoprec.tune.memory import MIB, format_change, human_bytes
-from autoprec.tune.profiler import SQNR_COLUMNS, as_float, flag
-from autoprec.tune.records import Finals, Measured
+from autoprec.tune.profiler import SQNR_COLUMNS, Profile, as_float, flag
+from autoprec.tune.records import Finals, Measured, Measurement
+
+if TYPE_CHECKING:  # the results import this module to print themselves; matplotlib only where a plot is drawn
+    from matplotlib.figure import Figure
+
+    from autoprec.tune.searcher import SearchResult
+    from autoprec.tune.sweeper import BudgetRow, SweepResult
+
+PathT = TypeVar("PathT", str, Path)  # a plot returns the path it was given
 
 WIDTH = 120  # columns a printed table keeps to (text_table wraps its last column to fit)
 
@@ -92,9 +102,9 @@ class LayerTable:
             key = tuple((f, _NUMBER.sub("#", why) if compact else why) for f, why in reasons.items())
             rows.setdefault((label, fmt.value, key), []).append((name, reasons))
         self.rows = []
-        for (label, fmt, key), members in rows.items():
+        for (label, value, key), members in rows.items():
             cell = ", ".join(self._tag(f, [r[f] for _, r in members]) for f, _ in key)
-            self.rows.append([_layers_label(label, [n for n, _ in members]), fmt, cell])
+            self.rows.append([_layers_label(label, [n for n, _ in members]), value, cell])
 
     def _tag(self, fmt: str, whys: list[str]) -> str:
         """`fmt`'s cell for a row: its slowdown (a range over the row's layers), or [k] of its reason in the legend."""
@@ -372,7 +382,7 @@ def _drop_cell(drop: float) -> str:
     return "-" if math.isnan(drop) else f"{drop:.3g}"
 
 
-def search_summary(result: Any, *, markdown: bool = False) -> str:
+def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
     """The end-of-search report: layer formats, then fp32 / uniform bf16 / policy measured side by side."""
     policy = result.policy
     table = markdown_table if markdown else text_table
@@ -392,7 +402,7 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
     )
     parts.append(memory_text(m))
     parts.extend(_unfit_lines(finals, m))
-    noise = getattr(result, "noise", None)
+    noise = result.noise
     if noise is not None:
         parts.append(
             f"noise floor: the fp32 metric after {noise.steps} training steps spans {noise.spread:.4g} over seeds "
@@ -437,13 +447,12 @@ def search_summary(result: Any, *, markdown: bool = False) -> str:
             f"note: the policy is the uniform-bf16 baseline, measured as a whole step, though the profile ruled "
             f"out bf16 for {', '.join(map(_layer_name, overruled))} on its own (a layer timed alone is not the whole step)"
         )
-    cost = getattr(result, "cost", None)
-    if cost:
-        parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(cost)))
+    if result.cost:
+        parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(result.cost)))
     return "\n\n".join(parts)
 
 
-def headline(result: Any) -> str:
+def headline(result: SearchResult) -> str:
     """The summary's first line: what was chosen and how much faster than fp32, or, when the step times could not
     tell it from other candidates within budget, that the answer is a tie inside the noise and what to do."""
     m = Measured.of(result.policy)
@@ -480,7 +489,7 @@ def _names(names: Sequence[str]) -> str:
     return shown
 
 
-def _verdict(r: Any) -> str:
+def _verdict(r: Measurement) -> str:
     if r.feasible:
         return "yes"
     if r.over_memory or r.unshown_to_fit:
@@ -498,7 +507,7 @@ def _unfit_lines(finals: Finals, m: Measured) -> list[str]:
     return lines + ([f"peak memory not measured, so not shown to fit: {', '.join(unknown)}"] if unknown else [])
 
 
-def gradient_summary(table: pd.DataFrame, advice: Any = None, *, markdown: bool = False) -> str:
+def gradient_summary(table: pd.DataFrame, advice: ScaleAdvice | None = None, *, markdown: bool = False) -> str:
     """Per layer: its gradient magnitudes, what fp16 (unscaled) and fp8 (dynamic scaling) would lose, and
     the layer's own loss-scale range; then the model's recommended range and the layers that bound it."""
     fmt_table = markdown_table if markdown else text_table
@@ -534,14 +543,16 @@ def _percent(value: Any) -> str:
     return "-" if math.isnan(v) else f"{100 * v:.3g}%"
 
 
-def _figure(figsize: tuple[float, float]):
+def _figure(figsize: tuple[float, float]) -> Figure:
     """A Figure of its own, drawn without pyplot: no backend chosen, no window, no state left in the process."""
     from matplotlib.figure import Figure
 
     return Figure(figsize=figsize)
 
 
-def _heat_cells(table: pd.DataFrame, layers: list[str], formats: list[str]):
+def _heat_cells(
+    table: pd.DataFrame, layers: list[str], formats: list[str]
+) -> tuple[list[list[float]], list[list[float]], list[list[str]]]:
     """Per (layer, format): SQNR (dB), metric drop, and a label of what went wrong, if anything."""
     sqnr = [[math.nan] * len(formats) for _ in layers]
     drop = [[math.nan] * len(formats) for _ in layers]
@@ -561,7 +572,7 @@ def _heat_cells(table: pd.DataFrame, layers: list[str], formats: list[str]):
     return sqnr, drop, mark
 
 
-def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
+def plot_profile(table: pd.DataFrame, path: PathT, *, title: str = "") -> PathT:
     """A heat map, layers by formats: output SQNR (dB) and metric drop, each cell lowered alone.
     Cells that went non-finite or overflowed fp16 are red, formats a layer cannot run are grey, and formats its
     timing already ruled out (not run, so no numbers) say "ruled out"."""
@@ -613,7 +624,7 @@ def plot_profile(table: pd.DataFrame, path: Any, *, title: str = "") -> Any:
 LEGEND_LAYERS = 12  # beyond this, grad_ranges.png names only the layers that bound the recommended range
 
 
-def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: Any, path: Any, *, title: str = "") -> Any:
+def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: ScaleAdvice | None, path: PathT, *, title: str = "") -> PathT:
     """Per layer, the fraction of its nonzero gradient elements fp16 flushes to zero (solid) and overflows
     (dashed) against the loss scale; the recommended range shaded."""
     rows = grad_ranges[(grad_ranges["tensor"] == "all") & (grad_ranges["format"] == "fp16")]
@@ -653,18 +664,16 @@ def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: Any, path: Any, *, title
     return path
 
 
-def plot_all(prof: Any, out_dir: Any, *, title: str = "") -> list:
+def plot_all(prof: Profile, out_dir: str | Path, *, title: str = "") -> list[Path]:
     """profile.png (heat map) and, with gradient ranges, grad_ranges.png, under out_dir."""
-    from pathlib import Path
-
-    out_dir = Path(out_dir)
-    paths = [plot_profile(prof.table, out_dir / "profile.png", title=title)]
+    folder = Path(out_dir)
+    paths = [plot_profile(prof.table, folder / "profile.png", title=title)]
     if prof.grad_ranges is not None:
-        paths.append(plot_grad_ranges(prof.grad_ranges, prof.advice(), out_dir / "grad_ranges.png", title=title))
+        paths.append(plot_grad_ranges(prof.grad_ranges, prof.advice(), folder / "grad_ranges.png", title=title))
     return paths
 
 
-def sweep_summary(result: Any, *, markdown: bool = False) -> str:
+def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
     """The end-of-sweep report: per budget the chosen policy's measured metric and speedup beside uniform
     bf16 and that budget's profile-greedy policy, all re-measured together."""
     table = markdown_table if markdown else text_table
@@ -709,16 +718,21 @@ def _bytes_cell(value: Any) -> str:
     return human_bytes(None if math.isnan(n) else n)
 
 
-def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
+def plot_pareto(result: SweepResult, path: PathT, *, title: str = "") -> PathT:
     """Every timed trial (speedup, or peak memory for a memory sweep, against metric drop), the Pareto front,
     the budgets, and each budget's re-measured choice beside uniform bf16. Where peak memory was measured, the
     trials are coloured by it."""
-    trials, front, table = result.trials, result.front, result.table
+    # `table` and `timed` annotated: mypy defers this function (sweeper and this module import each other) and then
+    # cannot infer them for the comprehension below
+    trials, front = result.trials, result.front
+    table: list[BudgetRow] = result.table
     first = next(iter(result.policies.values()), None)
     by_memory = first is not None and Measured.of(first).objective == "memory"
     fig = _figure((8.8, 5))
     ax = fig.subplots()
-    timed = trials[trials.get("feasible", pd.Series(dtype=bool)).eq(True)] if "feasible" in trials else trials.iloc[0:0]
+    timed: pd.DataFrame = (
+        trials[trials.get("feasible", pd.Series(dtype=bool)).eq(True)] if "feasible" in trials else trials.iloc[0:0]
+    )
     mib = float(MIB)
 
     def y_of(frame: pd.DataFrame) -> Any:
@@ -763,7 +777,7 @@ def plot_pareto(result: Any, path: Any, *, title: str = "") -> Any:
     return path
 
 
-def search_markdown(result: Any, command: str) -> str:
+def search_markdown(result: SearchResult, command: str) -> str:
     """summary.md of a search: the command, the policy and every measured candidate, the profile, the gradients."""
     prof = result.profile
     return (
@@ -780,7 +794,7 @@ def search_markdown(result: Any, command: str) -> str:
     )
 
 
-def sweep_markdown(result: Any, command: str) -> str:
+def sweep_markdown(result: SweepResult, command: str) -> str:
     """sweep.md: the command, the policy per budget, the Pareto plot and front, the profile."""
     name = Measured.of(next(iter(result.policies.values()))).model
     return (

@@ -21,9 +21,10 @@ import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import optuna
+import optuna.storages.journal  # `import optuna` loads it too, but mypy sees a submodule only where it is imported
 import pandas as pd
 from tqdm.auto import tqdm
 
@@ -36,6 +37,7 @@ from autoprec.tune.config import RETRIES, SETTLED, Goal, Mode, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.credentials import hide_credentials, hide_credentials_in
 from autoprec.tune.measure import (
+    Candidate,
     NoiseFloor,
     Trainer,
     compile_scope,
@@ -301,8 +303,9 @@ def objective_names(objectives: int, goal: Goal) -> str:
     return OBJECTIVES[objectives].replace("speedup", "peak memory") if goal is Goal.MEMORY else OBJECTIVES[objectives]
 
 
-def directions(objectives: int, goal: Goal) -> list[str]:
-    return ["minimize" if goal is Goal.MEMORY else "maximize", "minimize"][:objectives]
+def directions(objectives: int, goal: Goal) -> list[Literal["minimize", "maximize"]]:
+    first: Literal["minimize", "maximize"] = "minimize" if goal is Goal.MEMORY else "maximize"
+    return [first, "minimize"][:objectives]
 
 
 class Judge:
@@ -352,14 +355,14 @@ class Judge:
                 config.budget, noise.spread, config.noise_runs, config.train_steps,
             )  # fmt: skip
 
-    def metric(self, policy: Policy) -> tuple[float, dict[str, Any]]:
+    def metric(self, policy: Policy | Candidate) -> tuple[float, dict[str, Any]]:
         """The candidate's metric (NaN when anything went non-finite) and what else was measured on the way."""
         if self.config.mode is Mode.TRAIN:
             out = train_and_evaluate(self.workload, policy, self.config.train_steps)
             return (out.metric if out.finite else math.nan), {"train_skipped": out.skipped}
         return evaluate_metric(self.workload, policy), {}
 
-    def safe_metric(self, policy: Policy) -> tuple[float, dict[str, Any]]:
+    def safe_metric(self, policy: Policy | Candidate) -> tuple[float, dict[str, Any]]:
         try:
             return self.metric(policy)
         except UserError:
@@ -559,7 +562,8 @@ class Objective:
             return False, INFEASIBLE
         self._record_memory(trial, peak)
         trial.set_user_attr("rounds", len(t["policy"].samples_ms))
-        if candidate.compiled:
+        if candidate.compiled and candidate.first_step_s is not None and baseline.first_step_s is not None:
+            # both have a first step by now (the baseline's above, the candidate's in the timing): always true
             trial.set_user_attr("compile_s", candidate.first_step_s + baseline.first_step_s)
         trial.set_user_attr("step_ms", t["policy"].median_ms)
         trial.set_user_attr("fp32_step_ms", t["fp32"].median_ms)

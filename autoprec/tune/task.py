@@ -80,15 +80,31 @@ def load_task(path: str | Path) -> Task:
     finally:
         if folder in sys.path:
             sys.path.remove(folder)
-    funcs = {}
-    for name in REQUIRED + OPTIONAL:
+
+    def optional(name: str) -> Callable | None:
         fn = getattr(module, name, None)
-        if fn is None and name in REQUIRED:
-            raise UserError(f"{path}: missing required function {name}() (model.py must define {', '.join(REQUIRED)})")
-        if fn is not None and not callable(fn):
+        if fn is None:
+            return None
+        if not callable(fn):
             raise UserError(f"{path}: {name} must be a function, got {type(fn).__name__}")
-        funcs[name] = None if fn is None else guard_exit(path, name, fn)
-    return Task(path=path, **funcs)
+        return guard_exit(path, name, fn)
+
+    def required(name: str) -> Callable:
+        fn = optional(name)
+        if fn is None:
+            raise UserError(f"{path}: missing required function {name}() (model.py must define {', '.join(REQUIRED)})")
+        return fn
+
+    # Checked in the order of REQUIRED + OPTIONAL (keyword arguments are evaluated left to right), so the first
+    # problem reported is the same as a loop over them would find.
+    return Task(
+        path=path,
+        build_model=required("build_model"),
+        batches=required("batches"),
+        loss_fn=required("loss_fn"),
+        evaluate=optional("evaluate"),
+        optimizer=optional("optimizer"),
+    )
 
 
 def guard_exit(where: str | Path, name: str, fn: Callable) -> Callable:
