@@ -662,3 +662,20 @@ def test_the_command_written_to_the_reports_hides_the_storage_password(monkeypat
     monkeypatch.setattr(sys, "argv", ["autoprec", "search", "model.py", *given, "--budget", "1%"])
     command = _command("search", url)
     assert "s3cret" not in command and "alice:***@db.example:5432/autoprec" in command and command.endswith("--budget 1%")
+
+
+def test_inductors_kernel_notes_are_kept_out_of_the_output_unless_debug(capsys, tmp_path, write_model, mlp_source):
+    """--compile made inductor print a dozen 'bf16 and fp16 are mixed in the scheduler node' UserWarnings."""
+    body = (
+        "\n\nimport warnings\n_loss = loss_fn\n\ndef loss_fn(model, batch):\n"
+        "    warnings.warn_explicit('bf16 and fp16 are mixed in the scheduler node.', UserWarning, 'cpp.py', 1,"
+        " module='torch._inductor.codegen.cpp')\n    return _loss(model, batch)\n"
+    )
+    import warnings
+
+    path = write_model(mlp_source + body)
+    for flags, out, shown in (((), "p", False), (("--debug",), "d", True)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            code, _, _ = run(capsys, *flags, "profile", path, "--device", "cpu", "--out", tmp_path / out, "--quiet")
+        assert code == 0 and any("scheduler node" in str(w.message) for w in seen) is shown, flags

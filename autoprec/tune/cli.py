@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -422,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     # loss_fn) prints to stderr. Process-wide, so here, in the CLI, which owns the process, not in the library.
     to_stderr = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
-        with to_stderr:
+        with to_stderr, warnings.catch_warnings():
+            if not args.debug:  # inductor's notes on the kernels it generates (--compile) say nothing to a user
+                warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._inductor")
             return args.func(args)
     except UserError as exc:
         if args.debug:
