@@ -57,7 +57,7 @@ from autoprec.tune.config import (
 from autoprec.tune.measure import StepStats, Trainer, evaluate_metric, interleaved_times, probe_times  # noqa: E402
 from autoprec.tune.space import space_from_dict  # noqa: E402
 from autoprec.tune.speed import LayerTimes, Timed, too_slow  # noqa: E402
-from autoprec.tune.study import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
+from autoprec.tune.storage import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
 
 MODEL = Path(__file__).parent / "models" / "mlp8.py"
 FORMATS = ("fp32", "bf16", "fp16")
@@ -120,7 +120,7 @@ def replay(
     layer_times: LayerTimes | None = None,
 ) -> list[tuple[float, str, int]]:
     """(best feasible speedup, its policy, trials untimed so far) after each trial of a study that reads the table
-    instead of measuring. With `layer_times`, as a search that predicts speed (study.Objective): a feasible
+    instead of measuring. With `layer_times`, as a search that predicts speed (objective.Objective): a feasible
     trial that speed.too_slow finds below the k-th fastest timed trial is told its predicted speedup, is never the
     best (it is not re-measured), and does not join the fit."""
     by_key = table.set_index("policy")

@@ -29,7 +29,7 @@ HOLDING = "test:holding"  # user attr of a trial held by --sleep, its params cho
 
 
 def _slow_trials(seconds: float) -> None:
-    study_module = importlib.import_module("autoprec.tune.study")
+    study_module = importlib.import_module("autoprec.tune.objective")
     real = study_module.suggest
 
     def suggest(trial, choices, space):

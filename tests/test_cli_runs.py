@@ -232,7 +232,7 @@ def test_only_autoprecs_own_log_lines_carry_its_prefix():
     import subprocess
 
     code = ("import logging\nfrom autoprec.tune.cli import _log_setup\n_log_setup(False)\n"
-            "logging.getLogger('autoprec.tune.study').warning('ours')\nlogging.getLogger('torchao.float8').warning('theirs')\n"
+            "logging.getLogger('autoprec.tune.objective').warning('ours')\nlogging.getLogger('torchao.float8').warning('theirs')\n"
             "logging.getLogger('autoprec').info('not at the default level')\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stderr.splitlines()[-2:] == ["autoprec: ours", "theirs"], proc.stderr

@@ -10,9 +10,9 @@ from timings import FASTER, FormatClock, using
 from autoprec import Policy
 from autoprec.tune import SearchConfig, load_task, prepare, profile
 from autoprec.tune.cost import Stopwatch, cost_rows
+from autoprec.tune.objective import Judge
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.study import Judge
 
 # Three blocks of the same shape, and a head of another: the blocks are timed once, the head apart.
 REPEATED = """

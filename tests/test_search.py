@@ -17,10 +17,10 @@ from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choic
 from autoprec.tune.config import Mode
 from autoprec.tune.gradients import LayerGradients, scale_table
 from autoprec.tune.measure import NoiseFloor, metric_of
+from autoprec.tune.objective import INFEASIBLE, over_budget
 from autoprec.tune.profiler import COLUMNS, Profile
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.study import INFEASIBLE, over_budget
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "trials": 6})
@@ -301,7 +301,7 @@ def test_resuming_in_another_mode_is_refused(trained):
 
 def test_a_budget_below_the_noise_floor_warns(trained, caplog, monkeypatch):
     workload, result, out = trained
-    module = sys.modules["autoprec.tune.study"]
+    module = sys.modules["autoprec.tune.objective"]
     monkeypatch.setattr(module, "noise_floor", lambda *a, **k: NoiseFloor(10, (0.5, 0.6), 0.5))
     search(workload, FP16_SPACE, SearchConfig(budget=0.01, **{**TRAIN, "trials": 1}, study_name="low"), out)
     assert "budget 0.01 is below the noise floor 0.1" in caplog.text
@@ -314,7 +314,7 @@ def test_a_finished_train_mode_study_whose_result_stands_measures_no_noise_floor
     def measured_again(*args, **kwargs):
         raise AssertionError("the noise floor was measured again")
 
-    monkeypatch.setattr(sys.modules["autoprec.tune.study"], "noise_floor", measured_again)
+    monkeypatch.setattr(sys.modules["autoprec.tune.objective"], "noise_floor", measured_again)
     again = search(workload, FP16_SPACE, SearchConfig(budget=0.02, **{**TRAIN, "trials": 2}), tmp_path)
     assert again.noise == result.noise and again.policy.measured["noise"] == result.policy.measured["noise"]
     for edited in ({"train_steps": 10, "fp32_metrics_by_seed": "12", "fp32_seed0_repeat": 1.0},
@@ -349,7 +349,7 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
     # A model that cannot train under autocast (it evaluates fine): the bf16 candidate fails to step,
     # and that trial is infeasible with the reason, while the search goes on.
     workload = prepare(load_task(picky_model(tmp_path)), "cpu")
-    from autoprec.tune.study import Judge, Objective
+    from autoprec.tune.objective import Judge, Objective
 
     prof_space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32"]}})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), prof_space, 0.05, torch.device("cpu"))
@@ -370,7 +370,7 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
 def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finalists_or_settle(objectives):
     import optuna
 
-    from autoprec.tune.study import Judge, Objective
+    from autoprec.tune.objective import Judge, Objective
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})
@@ -409,8 +409,8 @@ def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finali
 def test_the_eager_fp32_baseline_is_warmed_up_in_full_once_then_with_one_call(monkeypatch):
     import optuna
 
-    from autoprec.tune import study as study_module
-    from autoprec.tune.study import Judge, Objective
+    from autoprec.tune import objective as study_module
+    from autoprec.tune.objective import Judge, Objective
 
     real, seen = study_module.interleaved_times, []
 

@@ -12,9 +12,10 @@ from autoprec import Policy
 from autoprec.formats import Format
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import build_choices, policy_from_params
+from autoprec.tune.objective import Judge, Objective
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.speed import MARGIN, MIN_FIT, Features, LayerTimes, Timed, fit, format_of, too_slow
-from autoprec.tune.study import Judge, Objective, _finalist_mark
+from autoprec.tune.trials import finalist_mark as _finalist_mark
 
 MODELS = Path(__file__).parent / "models"
 

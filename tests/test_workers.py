@@ -27,7 +27,7 @@ from autoprec.tune.choices import Choices
 from autoprec.tune.config import RETRIES
 from autoprec.tune.profiler import Profile
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.study import CHOICES_ATTR, _storage, open_study
+from autoprec.tune.storage import CHOICES_ATTR, _storage, open_study
 
 WORKER = Path(__file__).parent / "search_worker.py"
 HOLDING = "test:holding"  # search_worker.py marks a trial it holds with --sleep
@@ -108,7 +108,7 @@ def test_workers_that_start_at_the_same_moment_search_the_first_stored_choices(t
     theirs = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32",), "big": ("fp32",), "head": ("fp32", "bf16")}, excluded={})
     bf16 = [{"default": "bf16", "layer:fc1": "bf16", "layer:head": "bf16"}]
     study, got_a, _ = open_study(workload, space, mine, config, tmp_path, warm_starts=lambda c: bf16)
-    module = importlib.import_module("autoprec.tune.study")
+    module = importlib.import_module("autoprec.tune.storage")
     real, calls = module._first_start, []
 
     def stale_first_read(study):
@@ -147,7 +147,7 @@ def test_a_database_password_is_in_neither_the_storage_recorded_nor_any_storage_
 
     url = "postgresql+psycopg2://alice:s3cret-pw@db.example:5432/autoprec"
     shown = "postgresql+psycopg2://alice:***@db.example:5432/autoprec"
-    study_module = importlib.import_module("autoprec.tune.study")
+    study_module = importlib.import_module("autoprec.tune.storage")
     monkeypatch.setattr(study_module.time, "sleep", lambda s: None)
     memory = optuna.storages.InMemoryStorage()
     monkeypatch.setattr(study_module, "_database", lambda *args: memory)

@@ -22,7 +22,7 @@ from autoprec.tune.space import parse_option
 NOISY_SPREAD = 0.25
 
 MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
-# Rounds agreeing within this (relative range or spread) settle a timing: a trial's (study.Objective) after
+# Rounds agreeing within this (relative range or spread) settle a timing: a trial's (objective.Objective) after
 # MIN_ROUNDS, the final re-measure's (every candidate's spread) after SETTLED_FINAL_ROUNDS.
 SETTLED = 0.05
 SETTLED_FINAL_ROUNDS = 5

@@ -59,12 +59,14 @@ from autoprec.tune.config import (
 )
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import Candidate, NoiseFloor, all_settled, fp32_step_failed, measure_steps_or_fail, more_if_noisy
+from autoprec.tune.objective import Judge, Objective, run_trials
 from autoprec.tune.profiler import Profile, profile, ruled_out
 from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes
-from autoprec.tune.study import Judge, Objective, check_storage, open_study, run_trials, trial_costs, trials_table
+from autoprec.tune.storage import check_storage, open_study
 from autoprec.tune.task import Workload
+from autoprec.tune.trials import trial_costs, trials_table
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -8,7 +8,7 @@ about a constant. Fitted by least squares on the trials the search has timed so 
 
     fp32 step ms - step ms  =  c * sum over layers of (fp32 ms - format ms)  +  r[root format]  (r[fp32] = 0)
 
-A candidate is left untimed (study.Objective) only where its root format was among the timed trials' (a lowered one
+A candidate is left untimed (objective.Objective) only where its root format was among the timed trials' (a lowered one
 twice) and its predicted speedup, raised by the fit's error (the most a trial left out of the fit ran faster or
 slower than predicted, at least MARGIN), is still below the k-th fastest timed trial: k faster candidates are
 re-measured at the end (study._finalist_mark).

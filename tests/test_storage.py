@@ -1,4 +1,4 @@
-"""autoprec/tune/study.py: opening --storage. A file that is not an Optuna journal is refused with its bytes unchanged;
+"""autoprec/tune/storage.py: opening --storage. A file that is not an Optuna journal is refused with its bytes unchanged;
 a journal's torn last line is the only thing ever cut, and every record Optuna wrote before it stays."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from autoprec import UserError
 from autoprec.tune.config import SearchConfig
-from autoprec.tune.study import _storage, check_storage
+from autoprec.tune.storage import _storage, check_storage
 
 
 def config(path: Path | str) -> SearchConfig:
@@ -190,7 +190,7 @@ def test_a_valid_record_line_is_accepted_as_optuna_writes_it(tmp_path):
 
 def test_a_journal_nested_deeper_than_python_reads_is_refused_in_one_line_unchanged(tmp_path):
     from autoprec.tune import SearchConfig
-    from autoprec.tune.study import check_storage
+    from autoprec.tune.storage import check_storage
 
     path = tmp_path / "study.journal"
     path.write_text("[" * 5000 + "\n", encoding="utf-8")
@@ -208,7 +208,7 @@ def open_overflow_study(out: Path, **settings):
     from autoprec.tune import load_task, prepare
     from autoprec.tune.choices import Choices
     from autoprec.tune.space import space_from_dict
-    from autoprec.tune.study import open_study
+    from autoprec.tune.storage import open_study
 
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
@@ -217,7 +217,7 @@ def open_overflow_study(out: Path, **settings):
 
 
 def test_a_study_another_version_made_is_refused_in_one_line_naming_the_journal_and_what_to_do(tmp_path, monkeypatch):
-    from autoprec.tune import study
+    from autoprec.tune import storage as study
 
     with monkeypatch.context() as other:
         other.setattr(study, "STUDY_VERSION", study.STUDY_VERSION + 1)

@@ -1,0 +1,365 @@
+"""The objective every trial runs, and the loop that runs the trials (where the study lives: storage.py; what its trials
+say: trials.py).
+
+A trial suggests a policy (choices.py), measures its metric against the budget (`Judge`: the given
+weights' metric, or K training steps in train mode) and, when within budget, its training-step speedup
+over fp32, timed interleaved, and its peak memory per step (memory.py). A single-objective study maximises
+the speedup (Goal.MEMORY: minimises the peak) under the budget constraint, and --max-memory's (searcher.py);
+a two-objective one also minimises the metric drop, for a Pareto front (sweeper.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import optuna
+import optuna.storages.journal  # `import optuna` loads it too, but mypy sees a submodule only where it is imported
+from tqdm.auto import tqdm
+
+from autoprec.errors import UserError, describe
+from autoprec.formats import Format
+from autoprec.policy import ROOT, Policy
+from autoprec.tune import memory
+from autoprec.tune.choices import Choices, policy_from_params, suggest
+from autoprec.tune.config import SETTLED, Goal, Mode, SearchConfig
+from autoprec.tune.cost import Stopwatch
+from autoprec.tune.measure import (
+    Candidate,
+    NoiseFloor,
+    Trainer,
+    compile_scope,
+    evaluate_metric,
+    fp32_step_failed,
+    interleaved_times,
+    noise_floor,
+    peak_memory_or_none,
+    step_stats,
+    train_and_evaluate,
+)
+from autoprec.tune.space import SearchSpace
+from autoprec.tune.speed import LayerTimes, too_slow
+from autoprec.tune.storage import OBJECTIVES
+from autoprec.tune.task import Workload
+from autoprec.tune.trials import TRIAL_ATTRS, best_speedup, finalist_mark, smallest_peak, timed_speedups, timed_trials
+
+log = logging.getLogger("autoprec")
+
+INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite
+
+
+def over_budget(drop: float, budget: float) -> float:
+    """The drop's excess over the budget as a share of it (<= 0: within), as the peak's over --max-memory is: the
+    sampler ranks infeasible trials by the sum of the two, which needs them in the same (no) unit. A zero budget
+    leaves the plain excess. Kept below INFEASIBLE, which ranks a non-finite metric last."""
+    return min((drop - budget) / budget if budget > 0 else drop - budget, INFEASIBLE / 2)
+
+
+class Judge:
+    """The metric a candidate is held to and the fp32 result it is compared with: the given weights'
+    (weights mode), or after K training steps from them (train mode, with the noise floor measured). In train
+    mode the noise floor is measured when first needed (`measure()`, or reading `noise` or `fp32_metric`), so a
+    finished study whose result stands costs none: `known()` takes the one its policy file recorded."""
+
+    def __init__(self, workload: Workload, config: SearchConfig, weights_fp32_metric: float, *, watch: Stopwatch | None = None):
+        self.workload, self.config, self._watch = workload, config, watch
+        self._weights_metric = weights_fp32_metric
+        self._noise: NoiseFloor | None = None
+        self._ready = config.mode is not Mode.TRAIN
+
+    @property
+    def noise(self) -> NoiseFloor | None:
+        self.measure()
+        return self._noise
+
+    @property
+    def fp32_metric(self) -> float:
+        self.measure()
+        return self._noise.reference if self._noise is not None else self._weights_metric
+
+    def known(self, noise: NoiseFloor) -> None:
+        """The noise floor an earlier run measured for this same study (its policy file's `measured.noise`)."""
+        self._noise, self._ready = noise, True
+
+    def measure(self) -> None:
+        """Train mode: the noise floor (fp32 over seeds), once; a warning where the budget is below it."""
+        if self._ready:
+            return
+        config = self.config
+        watch = self._watch or Stopwatch()
+        with watch.section("noise floor: fp32 trained over seeds"):
+            noise = noise_floor(self.workload, config.train_steps, config.noise_runs)
+        if not math.isfinite(noise.reference):
+            raise UserError(
+                f"{self.workload.task.path}: after {config.train_steps} fp32 training steps the metric is "
+                f"{noise.reference}; train mode needs a finite one"
+            )
+        self._noise, self._ready = noise, True
+        if config.budget < noise.spread:
+            log.warning(
+                "budget %g is below the noise floor %.4g (the fp32 metric's spread over %d seeds after %d training "
+                "steps): the search cannot tell a real loss from noise there",
+                config.budget, noise.spread, config.noise_runs, config.train_steps,
+            )  # fmt: skip
+
+    def metric(self, policy: Policy | Candidate) -> tuple[float, dict[str, Any]]:
+        """The candidate's metric (NaN when anything went non-finite) and what else was measured on the way."""
+        if self.config.mode is Mode.TRAIN:
+            out = train_and_evaluate(self.workload, policy, self.config.train_steps)
+            return (out.metric if out.finite else math.nan), {"train_skipped": out.skipped}
+        return evaluate_metric(self.workload, policy), {}
+
+    def safe_metric(self, policy: Policy | Candidate) -> tuple[float, dict[str, Any]]:
+        try:
+            return self.metric(policy)
+        except UserError:
+            raise
+        except Exception as exc:  # e.g. the user's evaluate cannot run some format: infeasible, not fatal
+            return math.nan, {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+class Objective:
+    """What a trial measures. One objective: the speedup (0 when over budget or broken; predicted, not timed, for
+    a trial the profile's layer times put out of the running: _predicted_too_slow). Two: the speedup
+    and the metric drop (INFEASIBLE when not finite), both under the constraint drop <= budget. With
+    Goal.MEMORY, the peak memory in MiB (INFEASIBLE when not measured) takes the speedup's place; with a
+    memory limit, peak <= limit is a second constraint."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        choices: Choices,
+        space: SearchSpace,
+        judge: Judge,
+        config: SearchConfig,
+        *,
+        objectives: int = 1,
+        layer_times: LayerTimes | None = None,
+    ):
+        if objectives not in OBJECTIVES:
+            raise ValueError(f"objectives must be one of {sorted(OBJECTIVES)}, but got {objectives!r}")
+        self.workload, self.choices, self.space = workload, choices, space
+        self.judge, self.config, self.objectives = judge, config, objectives
+        # what predicts a trial's speedup (speed.py): only a speed search without a memory limit may skip timing
+        predicts = config.predict_speed and objectives == 1 and config.objective is Goal.SPEED and config.max_memory is None
+        self.layer_times = layer_times if predicts else None
+        # timed beside every eager candidate; a compiled search builds a compiled one per trial instead
+        self.baseline = None if config.compile else Trainer(workload, Policy(layers={ROOT: Format.FP32}))
+        self._baseline_warm = False  # after its first timing, the baseline needs one warm-up call, not config.warmup
+        self._fp32_peak: int | None = None
+        self._fp32_peak_known = False  # measured once: the same fp32 model needs the same memory every time
+
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        policy = suggest(trial, self.choices, self.space)
+        earlier = _same_policy(trial, policy, self.choices)
+        if earlier is not None and "untimed" not in earlier.user_attrs:  # samplers propose a policy again: its
+            self._reuse(trial, earlier)  # measurements stand, and cost nothing
+            return self._values(trial)
+        start = time.perf_counter()
+        if earlier is not None:  # left untimed before: its metric stands; whether to time it is decided anew
+            metric = earlier.user_attrs["metric"]
+            extra = {k: earlier.user_attrs[k] for k in ("train_skipped",) if k in earlier.user_attrs}
+            trial.set_user_attr("reevaluated_from", earlier.number)
+        elif self.config.mode is Mode.WEIGHTS and _all_fp32(policy):
+            metric, extra = self.judge.fp32_metric, {}  # the profile measured exactly this model
+        else:
+            metric, extra = self.judge.safe_metric(policy)
+        if earlier is None:
+            trial.set_user_attr("evaluate_s", time.perf_counter() - start)
+        for key, value in extra.items():
+            trial.set_user_attr(key, value)
+        drop = self.judge.fp32_metric - metric
+        feasible = math.isfinite(metric) and drop <= self.config.budget
+        trial.set_user_attr("metric", metric if math.isfinite(metric) else None)
+        trial.set_user_attr("metric_drop", drop if math.isfinite(drop) else None)
+        constraint = over_budget(drop, self.config.budget) if math.isfinite(drop) else INFEASIBLE
+        if feasible and _all_fp32(policy):  # the fp32 baseline itself: 1.0 by definition, nothing to time
+            trial.set_user_attr("speedup", 1.0)
+            self._record_memory(trial, self.fp32_peak(None))
+        elif feasible and self._predicted_too_slow(trial, policy):
+            pass  # its predicted speedup is its value (a finalist only where k faster ones are alternatives)
+        elif feasible:  # only candidates within budget are worth the time it takes to time them
+            start = time.perf_counter()
+            feasible, constraint = self._time(trial, policy, constraint)
+            trial.set_user_attr("measure_s", time.perf_counter() - start)
+        over = self._over_memory(trial) if feasible else 0.0  # a trial not timed has no peak: its drop rules it out
+        feasible = feasible and over <= 0
+        trial.set_user_attr("feasible", feasible)
+        if self.config.max_memory is None and over > 0:  # the memory objective without a peak: infeasible through
+            constraint = max(constraint, INFEASIBLE)  # the one constraint every trial has
+        trial.set_constraint("metric_drop_over_budget", constraint)
+        if self.config.max_memory is not None:
+            trial.set_constraint("peak_memory_over_limit", over)
+        return self._values(trial)
+
+    def fp32_peak(self, baseline: Trainer | None) -> int | None:
+        """The all-fp32 model's peak memory per step (measured once): from `baseline` after its timing, or from
+        a Trainer built for it (compiled as the search's candidates are)."""
+        if not self._fp32_peak_known:
+            trainer = baseline or self.baseline
+            with compile_scope(self.config.compile, 1) if trainer is None else contextlib.nullcontext():
+                trainer = trainer or Trainer(self.workload, Policy(layers={ROOT: Format.FP32}), compiled=self.config.compile)
+                self._fp32_peak = peak_memory_or_none(trainer, "the fp32 baseline")
+            self._fp32_peak_known = True
+        return self._fp32_peak
+
+    def _record_memory(self, trial: optuna.Trial, peak: int | None) -> None:
+        trial.set_user_attr("peak_bytes", peak)
+        trial.set_user_attr("memory_saving", memory.saving(peak, self.fp32_peak(None)))
+
+    def _over_memory(self, trial: optuna.Trial) -> float:
+        """How far the trial's peak is over --max-memory, as a share of it (<= 0: it fits); INFEASIBLE where the peak
+        was not measured but is needed (a limit, or the memory objective)."""
+        limit = self.config.max_memory
+        peak = trial.user_attrs.get("peak_bytes")
+        if peak is None and (limit is not None or self.config.objective is Goal.MEMORY):
+            needs = "--max-memory" if limit is not None else "--objective memory"
+            trial.set_user_attr("error", f"peak memory not measured, which {needs} needs")
+            return INFEASIBLE
+        if limit is None or peak is None:
+            return 0.0
+        if peak > limit:
+            trial.set_user_attr("error", f"peak memory {memory.human_bytes(peak)} over --max-memory {memory.human_bytes(limit)}")
+        return (peak - limit) / limit
+
+    def _predicted_too_slow(self, trial: optuna.Trial, policy: Policy) -> bool:
+        """Whether the profile's layer times, fitted on the trials timed so far (speed.fit), predict this candidate
+        slower than the k-th fastest timed trial even with the fit's error in its favour: then it is not timed,
+        and its predicted speedup (`predicted_speedup`, also its `speedup`) is what the sampler learns from."""
+        if self.layer_times is None:
+            return False
+        mark = finalist_mark(trial.study, self.config.finalists)
+        found = too_slow(timed_trials(trial.study, self.choices, self.layer_times), self.layer_times.features(policy), mark)
+        if found is None:
+            return False
+        predicted, speed_fit = found
+        trial.set_user_attr("predicted_speedup", predicted)
+        trial.set_user_attr("speedup", predicted)
+        trial.set_user_attr("untimed", f"predicted {predicted:.3f}x (fit error {speed_fit.error:.1%}), below the "
+                                       f"k-th fastest timed trial's {mark:.3f}x")  # fmt: skip
+        return True
+
+    def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
+        """When a trial's timing may stop early (a sequential test over the rounds so far). In a search with at
+        least `finalists` timed trials (finalist_mark): every round measured the candidate slower than the k-th
+        fastest of them (its number does not matter), or faster than the fastest (a finalist for sure, re-measured
+        with the others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the
+        per-round speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on."""
+        ranked_by_speed = self.objectives == 1 and self.config.objective is Goal.SPEED
+        kth = finalist_mark(trial.study, self.config.finalists) if ranked_by_speed else None
+        marks = (kth, max(timed_speedups(trial.study))) if kth is not None else None
+
+        def enough(samples: Mapping[str, Sequence[float]]) -> bool:
+            ratios = [f / p for f, p in zip(samples["fp32"], samples["policy"]) if p > 0]
+            if not ratios:
+                return False
+            if marks is not None and (max(ratios) < marks[0] or min(ratios) > marks[1]):
+                return True
+            return (max(ratios) - min(ratios)) / statistics.median(ratios) <= SETTLED
+
+        return enough
+
+    def _values(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        # Infeasible trials are not timed; the constraint, not this value, keeps them from winning.
+        feasible = trial.user_attrs.get("feasible")
+        if self.config.objective is Goal.MEMORY:
+            peak = trial.user_attrs.get("peak_bytes")
+            first = peak / memory.MIB if feasible and peak is not None else INFEASIBLE
+        else:
+            first = trial.user_attrs["speedup"] if feasible else 0.0
+        if self.objectives == 1:
+            return first
+        drop = trial.user_attrs.get("metric_drop")
+        return first, (drop if drop is not None else INFEASIBLE)
+
+    def _reuse(self, trial: optuna.Trial, earlier: optuna.trial.FrozenTrial) -> None:
+        for key in TRIAL_ATTRS:
+            if key in earlier.user_attrs:
+                trial.set_user_attr(key, earlier.user_attrs[key])
+        trial.set_user_attr("reused_from", earlier.number)
+        for key, value in earlier.system_attrs.items():
+            if key.startswith("constraints:"):
+                trial.set_constraint(key.split(":", 1)[1], value)
+
+    def _time(self, trial: optuna.Trial, policy: Policy, constraint: float) -> tuple[bool, float]:
+        try:
+            with compile_scope(self.config.compile, 2):
+                # compile_scope empties the compile caches, so a compiled fp32 baseline is built (mostly from
+                # inductor's on-disk cache) in every trial, and its compilation counted with the candidate's
+                fp32 = Policy(layers={ROOT: Format.FP32})
+                baseline = Trainer(self.workload, fp32, compiled=True) if self.baseline is None else self.baseline
+                try:
+                    baseline.step()  # the fp32 baseline failing is no fault of the candidate's
+                except Exception as exc:
+                    raise fp32_step_failed(
+                        self.workload, "all-fp32 training step", describe(exc), compiled=self.config.compile
+                    ) from exc
+                candidate = Trainer(self.workload, policy, compiled=self.config.compile)
+                work = {"fp32": baseline, "policy": candidate}  # Steps: a clock sees each one's model
+                warmed = ("fp32",) if self._baseline_warm else ()
+                t = interleaved_times(work, self.workload.device, self.config.timing, enough=self._settled(trial), warmed=warmed)
+                self._baseline_warm = self.baseline is not None
+                stats = step_stats({"policy": candidate}, t)["policy"]  # the timed steps, before the memory's
+                self.fp32_peak(baseline)  # after the timing, never inside it; as the candidate's
+                peak = peak_memory_or_none(candidate, f"trial {trial.number}")
+        except UserError:
+            raise
+        except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
+            trial.set_user_attr("error", f"training step failed: {describe(exc)}")
+            return False, INFEASIBLE
+        self._record_memory(trial, peak)
+        trial.set_user_attr("rounds", len(t["policy"].samples_ms))
+        if candidate.compiled and candidate.first_step_s is not None and baseline.first_step_s is not None:
+            # both have a first step by now (the baseline's above, the candidate's in the timing): always true
+            trial.set_user_attr("compile_s", candidate.first_step_s + baseline.first_step_s)
+        trial.set_user_attr("step_ms", t["policy"].median_ms)
+        trial.set_user_attr("fp32_step_ms", t["fp32"].median_ms)
+        trial.set_user_attr("spread", max(t["policy"].spread, t["fp32"].spread))
+        trial.set_user_attr("skipped", stats.skipped)
+        trial.set_user_attr("steps", stats.steps)
+        if not stats.finite or not math.isfinite(stats.effective_ms):
+            trial.set_user_attr("error", "non-finite training loss" if not stats.finite else "the GradScaler skipped every step")
+            return False, INFEASIBLE
+        trial.set_user_attr("effective_step_ms", stats.effective_ms)
+        trial.set_user_attr("speedup", t["fp32"].median_ms / stats.effective_ms)
+        return True, constraint
+
+
+def _all_fp32(policy: Policy) -> bool:
+    return all(fmt is Format.FP32 for fmt in policy.layers.values())
+
+
+def _same_policy(trial: optuna.Trial, policy: Policy, choices: Choices) -> optuna.trial.FrozenTrial | None:
+    """A completed trial of the study (any worker's) whose params describe this same policy, or None. Grouped
+    and ranked params can name one policy in several ways (a count past every layer a format suits)."""
+    done = trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    same = [t for t in done if "feasible" in t.user_attrs and policy_from_params(t.params, choices) == policy]
+    return next((t for t in same if "untimed" not in t.user_attrs), same[0] if same else None)  # a timed one first
+
+
+def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:
+    """Run trials until the study holds `target` completed ones (every worker's and earlier run's count; one
+    cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the best speedup.
+    Returns how many trials this call set out to run (0: the study was finished already)."""
+    complete = (optuna.trial.TrialState.COMPLETE,)
+    remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
+    with tqdm(total=remaining, desc="search trials", unit="trial", disable=not progress) as bar:
+
+        def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            if objective.config.objective is Goal.MEMORY:
+                bar.set_postfix(smallest_peak=memory.human_bytes(smallest_peak(study)))
+            else:
+                bar.set_postfix(best_speedup=f"{best_speedup(study):.3f}")
+            bar.update(1)
+
+        if remaining:
+            # Other workers complete trials too: stop once the study holds the target. A trial another worker
+            # is still running then also completes, so N workers may overshoot by up to N - 1 trials.
+            stop = optuna.study.MaxTrialsCallback(target, states=complete)
+            study.optimize(objective, n_trials=remaining, callbacks=[stop, callback])
+    return remaining

@@ -1,0 +1,125 @@
+"""The study's trials read back: the trial table (trials.csv), where their time went, and the queries the search
+asks of them (the best speedup so far, the k-th fastest timed trial, the trials a speed fit learns from)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import optuna
+import optuna.storages.journal  # `import optuna` loads it too, but mypy sees a submodule only where it is imported
+import pandas as pd
+
+from autoprec.policy import ROOT
+from autoprec.tune.choices import Choices, policy_from_params
+from autoprec.tune.cost import Stopwatch
+from autoprec.tune.profiler import Profile
+from autoprec.tune.speed import LayerTimes, Timed
+
+log = logging.getLogger("autoprec")
+
+TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
+               "fp32_step_ms", "speedup", "spread", "peak_bytes", "memory_saving", "train_skipped", "error",
+               "predicted_speedup", "untimed")  # fmt: skip
+COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "rounds", "reused_from", "reevaluated_from")
+
+
+def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
+    """One row per trial: its formats, loss scale, what it measured, and (with the profile) the drop the
+    sum of single-layer drops predicted for it."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        if t.state != optuna.trial.TrialState.COMPLETE:
+            rows.append({"trial": t.number, "state": t.state.name})
+            continue
+        policy = policy_from_params(t.params, choices)
+        row = {"trial": t.number, "state": t.state.name}
+        row.update({("(default)" if n == ROOT else n): f.value for n, f in policy.layers.items()})
+        if prof is not None:
+            row["predicted_drop"] = prof.predicted_drop(policy.layers)
+        for key in (*TRIAL_ATTRS, *COST_ATTRS):
+            row[key] = t.user_attrs.get(key)
+        if policy.uses_fp16:
+            ls = policy.loss_scale
+            row.update(init_scale=ls.init_scale, growth_interval=ls.growth_interval, growth_factor=ls.growth_factor,
+                       backoff_factor=ls.backoff_factor, dynamic=ls.dynamic)  # fmt: skip
+        row["duration_s"] = t.duration.total_seconds() if t.duration else None
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
+    """The study's completed trials (every worker's, every run's), split into evaluating the metric, measuring
+    step times, and the rest of each trial's wall time: sampling, the storage, building the candidate."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    fresh = [t for t in done if "reused_from" not in t.user_attrs]  # a reused trial measured nothing
+    evaluate = sum(t.user_attrs.get("evaluate_s", 0.0) for t in fresh)
+    measure = sum(t.user_attrs.get("measure_s", 0.0) for t in fresh)
+    compiling = sum(t.user_attrs.get("compile_s") or 0.0 for t in fresh)
+    wall = sum(t.duration.total_seconds() for t in done if t.duration)
+    watch.add("trials: evaluating the metric", evaluate, sum("evaluate_s" in t.user_attrs for t in fresh))
+    if compiling:
+        watch.add("trials: compiling the candidate and the fp32 baseline (first steps)", compiling,
+                  sum("compile_s" in t.user_attrs for t in fresh))  # fmt: skip
+    watch.add("trials: measuring step times", measure - compiling, sum("measure_s" in t.user_attrs for t in fresh))
+    rounds = sum(t.user_attrs.get("rounds") or 0 for t in fresh)
+    if rounds:
+        watch.count("trials: timing rounds (a trial stops early once its ranking is clear)", rounds)
+    watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
+    watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
+    # policies, not trials: one proposed again is judged again (reevaluated_from), and counts once, as timed if ever
+    timed = {_params_key(t) for t in fresh if t.user_attrs.get("rounds")}
+    untimed = {_params_key(t) for t in fresh if "untimed" in t.user_attrs} - timed
+    if untimed:
+        watch.count("trials: policies not timed (the profile's layer times predict them too slow to be finalists)", len(untimed))
+    again = sum("reevaluated_from" in t.user_attrs for t in fresh)
+    if again:
+        watch.count("trials: a policy left untimed, proposed again and judged again", again)
+
+
+def _params_key(trial: optuna.trial.FrozenTrial) -> str:
+    return json.dumps(trial.params, sort_keys=True, default=str)
+
+
+def timed_speedups(study: optuna.Study) -> list[float]:
+    """The speedups of the study's trials timed within budget, warm starts included (not the all-fp32 baseline,
+    which is not timed, nor repeats)."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return [t.user_attrs["speedup"] for t in done
+            if t.user_attrs.get("feasible") and t.user_attrs.get("rounds") and "reused_from" not in t.user_attrs]  # fmt: skip
+
+
+def finalist_mark(study: optuna.Study, k: int) -> float | None:
+    """The k-th fastest timed trial's speedup (timed_speedups); None before k are timed. A candidate surely slower
+    needs no precise number: each of those k is re-measured at the end (an alternative always is; a searched policy
+    faster than the candidate ranks above it for the k finalists' places), or the candidate takes a place itself
+    and is re-measured with them."""
+    speeds = sorted(timed_speedups(study), reverse=True)
+    return speeds[k - 1] if len(speeds) >= k and speeds[k - 1] > 0 else None
+
+
+def timed_trials(study: optuna.Study, choices: Choices, layer_times: LayerTimes) -> list[Timed]:
+    """The study's trials timed beside fp32 (not repeats), as speed.fit takes them."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    out = []
+    for t in done:
+        step, fp32 = t.user_attrs.get("step_ms"), t.user_attrs.get("fp32_step_ms")
+        if not t.user_attrs.get("rounds") or "reused_from" in t.user_attrs or step is None or fp32 is None:
+            continue
+        features = layer_times.features(policy_from_params(t.params, choices))
+        if features is not None:
+            out.append(Timed(features, fp32, step))
+    return out
+
+
+def best_speedup(study: optuna.Study) -> float:
+    """The highest speedup among the study's completed trials within budget (0 before there is one)."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return max((t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible")), default=0.0)
+
+
+def smallest_peak(study: optuna.Study) -> int | None:
+    """The smallest peak memory among the study's completed trials within budget (None before there is one)."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return min((t.user_attrs["peak_bytes"] for t in done if t.user_attrs.get("feasible") and t.user_attrs.get("peak_bytes")),
+               default=None)  # fmt: skip
