@@ -115,19 +115,13 @@ def test_search_without_a_budget_allows_one_percent_of_the_fp32_metric_and_says_
     assert f"budget {measured['budget_given']}" in out and measured["budget_given"] in (tmp_path / "summary.md").read_text()
 
 
+def small_search_argv(out) -> list[str]:
+    """`autoprec search` of tests/models/overflow_mlp.py: 2 trials, budget 0.05, into `out`."""
+    return ["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(out), "--trials", "2", "--budget", "0.05"]
+
+
 def test_json_prints_the_result_as_one_object_and_quiet_prints_nothing(fast, capsys, tmp_path):
-    argv = [
-        "search",
-        str(MODELS / "overflow_mlp.py"),
-        "--device",
-        "cpu",
-        "--out",
-        str(tmp_path),
-        "--trials",
-        "2",
-        "--budget",
-        "0.05",
-    ]
+    argv = small_search_argv(tmp_path)
     assert main([*argv, "--json"]) == 0
     out, err = capsys.readouterr()
     result = json.loads(out)  # the whole of stdout is one object
@@ -148,18 +142,7 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
     pipeline = sys.modules["autoprec.tune.pipeline"]
     real, calls = pipeline.final_remeasure, []
     monkeypatch.setattr(pipeline, "final_remeasure", lambda *a, **k: calls.append(1) or real(*a, **k))
-    argv = [
-        "search",
-        str(MODELS / "overflow_mlp.py"),
-        "--device",
-        "cpu",
-        "--out",
-        str(tmp_path),
-        "--trials",
-        "2",
-        "--budget",
-        "0.05",
-    ]
+    argv = small_search_argv(tmp_path)
     assert main(argv) == 0 and len(calls) == 1
     first = (tmp_path / "policy.json").read_text()
     assert main(argv) == 0 and (tmp_path / "policy.json").read_text() == first  # byte for byte: not even rewritten
@@ -179,18 +162,7 @@ def test_a_finished_studys_finalists_file_of_another_version_is_re_measured_with
     pipeline = sys.modules["autoprec.tune.pipeline"]
     real, calls = pipeline.final_remeasure, []
     monkeypatch.setattr(pipeline, "final_remeasure", lambda *a, **k: calls.append(1) or real(*a, **k))
-    argv = [
-        "search",
-        str(MODELS / "overflow_mlp.py"),
-        "--device",
-        "cpu",
-        "--out",
-        str(tmp_path),
-        "--trials",
-        "2",
-        "--budget",
-        "0.05",
-    ]
+    argv = small_search_argv(tmp_path)
     assert main(argv) == 0 and len(calls) == 1
     capsys.readouterr()
     path = tmp_path / "finalists.csv"
