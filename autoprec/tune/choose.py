@@ -65,24 +65,25 @@ def choose(
     ):
         # separation is not transitive: a safer pick tied with the top may be tied with the alternative too; the
         # alternative is written then, unless it has more fp16/fp8 layers (the tie is recorded either way)
-        lead = 100 * (pick.speedup / fastest.speedup - 1)
-        return fastest.candidate, (
-            f"{pick.candidate} measured {lead:.1f}% faster, inside the spread: not separated from the alternative "
-            f"{fastest.candidate}, which is chosen"
-        )
+        return fastest.candidate, _tied_with_alternative(pick, fastest)
     if pick is top:
         if top.candidate in alternatives:
             return top.candidate, f"the fastest within budget is an alternative, {top.candidate}: no searched policy beat it"
         return top.candidate, "the fastest within budget"
-    lead = 100 * (top.speedup / pick.speedup - 1)
     if pick.candidate in alternatives and top.candidate not in alternatives:
-        return pick.candidate, (
-            f"{top.candidate} measured {lead:.1f}% faster, inside the spread: not separated from the alternative "
-            f"{pick.candidate}, which is chosen"
-        )
+        return pick.candidate, _tied_with_alternative(top, pick)
+    lead = 100 * (top.speedup / pick.speedup - 1)
     return pick.candidate, (
         f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
         f"({_risk(candidates[top.candidate])} against {_risk(candidates[pick.candidate])}): the safer one"
+    )
+
+
+def _tied_with_alternative(policy: Measurement, alternative: Measurement) -> str:
+    lead = 100 * (policy.speedup / alternative.speedup - 1)
+    return (
+        f"{policy.candidate} measured {lead:.1f}% faster, inside the spread: not separated from the alternative "
+        f"{alternative.candidate}, which is chosen"
     )
 
 

@@ -137,9 +137,6 @@ class ProfileConfig:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, but got {self.numerics!r}")
 
 
-SEARCH_PROFILE = ProfileConfig(numerics="offered")  # a search's own: a format its timing rules out waits for its numerics
-
-
 @dataclasses.dataclass(frozen=True)
 class SearchConfig:
     """How to search. `trials` counts every trial in the study, so a rerun resumes up to it.
@@ -157,7 +154,7 @@ class SearchConfig:
     timing: TimingConfig = TimingConfig()
     final_timing: TimingConfig = TimingConfig(rounds=11)
     finalists: int = 3
-    profile: ProfileConfig = SEARCH_PROFILE
+    profile: ProfileConfig = ProfileConfig()  # numerics None: "offered" (__post_init__)
     progress: bool = True
     mode: Mode = Mode.WEIGHTS
     train_steps: int = 50
@@ -247,7 +244,7 @@ def search_config(
         if value is not None:  # None: SearchConfig's default
             settings[name] = value
     if numerics is not None:
-        settings["profile"] = dataclasses.replace(settings.get("profile", SEARCH_PROFILE), numerics=numerics)
+        settings["profile"] = dataclasses.replace(settings.get("profile", ProfileConfig()), numerics=numerics)
     return SearchConfig(
         budget=budget,
         mode=the_mode,
