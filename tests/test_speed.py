@@ -14,7 +14,7 @@ from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import build_choices, policy_from_params
 from autoprec.tune.objective import Judge, Objective
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.speed import MARGIN, MIN_FIT, Features, LayerTimes, Timed, fit, format_of, too_slow
+from autoprec.tune.speed import ALL, MARGIN, MIN_FIT, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
 from autoprec.tune.trials import finalist_mark as _finalist_mark
 
 MODELS = Path(__file__).parent / "models"
@@ -34,11 +34,13 @@ def test_a_policys_features_sum_its_layers_savings_and_name_its_root_format():
         {"layer": "b", "format": "fp32", "time_ms": 6.0}, {"layer": "b", "format": "bf16", "time_ms": 5.0},
         {"layer": "b", "format": "fp16", "time_ms": math.nan},  # not timed: no prediction for a policy listing it
     ])  # fmt: skip
-    assert times.features(Policy(layers={"": "bf16"})) == Features(7.0, Format.BF16)
-    assert times.features(Policy(layers={"a": "bf16", "b": "fp32"})) == Features(6.0, Format.FP32)
+    bf16 = Format.BF16
+    assert times.features(Policy(layers={"": "bf16"})) == Features(7.0, bf16, ((bf16, 7.0),))
+    assert times.features(Policy(layers={"a": "bf16", "b": "fp32"})) == Features(6.0, Format.FP32, ((bf16, 6.0),))
     assert times.features(Policy(layers={"a": "bf16", "b": "fp16"})) is None
     # b only inherits fp16 from the root, which autocast would not lower it to: it runs fp32 and saves nothing
-    assert times.features(Policy(layers={"": "fp16", "a": "bf16"})) == Features(6.0, Format.FP16)
+    assert times.features(Policy(layers={"": "fp16", "a": "bf16"})) == Features(6.0, Format.FP16, ((bf16, 6.0),))
+    assert times.features(Policy(layers={"": "fp16", "a": "bf16"})).terms() == {"bf16": 6.0}
 
 
 ROOTS = (Format.FP32, Format.BF16)
@@ -54,43 +56,74 @@ def _timed(per_ms, root_ms, fp32_ms=100.0, noise=(), roots=ROOTS):
 
 def test_the_fit_recovers_the_savings_a_step_was_made_of():
     speed_fit = fit(_timed(per_ms=2.0, root_ms=3.0))
-    assert speed_fit.per_ms == pytest.approx(2.0) and speed_fit.root_ms == pytest.approx({Format.FP32: 0.0, Format.BF16: 3.0})
+    assert speed_fit.per_ms == pytest.approx({ALL: 2.0}) and speed_fit.root_ms == pytest.approx({Format.FP32: 0.0, Format.BF16: 3.0})
     assert speed_fit.error == pytest.approx(0.0, abs=1e-9) and speed_fit.margin == MARGIN
     assert speed_fit.speedup(Features(5.0, Format.BF16)) == pytest.approx(100.0 / (100.0 - 10.0 - 3.0))
 
 
-def test_the_fits_error_is_its_worst_miss_on_a_trial_left_out():
-    noise = [0.0, 0.3, -0.05, 0.0, 0.02, 0.0, 0.0, 0.01, 0.0, -0.02]
+def test_the_fits_error_is_the_most_a_trial_left_out_ran_faster_than_predicted():
+    noise = [0.0, 0.03, -0.05, 0.0, 0.02, 0.0, 0.0, 0.01, 0.0, -0.02]
     timed = _timed(per_ms=2.0, root_ms=3.0, noise=noise)
     speed_fit = fit(timed)
-    in_sample = max(abs(speed_fit.speedup(t.features, t.fp32_ms) * t.step_ms / t.fp32_ms - 1) for t in timed)
-    assert speed_fit.error > in_sample > MARGIN  # a trial left out is predicted worse than one fitted on
-    assert speed_fit.margin == speed_fit.error
+    faster = max(speed_fit.speedup(t.features, t.fp32_ms) ** -1 * t.fp32_ms / t.step_ms - 1 for t in timed)
+    assert speed_fit.outliers == 0 and speed_fit.error > faster > 0.05 - 1e-9  # left out, it is predicted worse
+    assert speed_fit.margin == max(MARGIN, speed_fit.error)
 
 
 def test_the_leave_one_out_error_is_that_of_refitting_without_each_trial():
     rng = np.random.default_rng(0)
     timed = _timed(per_ms=2.0, root_ms=3.0, noise=rng.normal(0, 0.03, 10).tolist())
-    misses = []
+    misses, both = [], []
     for i, t in enumerate(timed):  # brute force: solve without trial i, predict it
         rest = timed[:i] + timed[i + 1 :]
         x = np.array([[r.features.saving_ms, float(r.features.root is Format.BF16)] for r in rest])
         coef = np.linalg.lstsq(x, np.array([r.fp32_ms - r.step_ms for r in rest]), rcond=None)[0]
         predicted_step = t.fp32_ms - coef[0] * t.features.saving_ms - coef[1] * float(t.features.root is Format.BF16)
-        misses.append(abs(predicted_step / t.step_ms - 1))  # actual speedup over predicted
-    assert fit(timed).error == pytest.approx(max(misses))
+        misses.append(max(0.0, predicted_step / t.step_ms - 1))  # actual speedup over predicted, where it ran faster
+        both.append(abs(predicted_step / t.step_ms - 1))
+    speed_fit = fit(timed)
+    assert speed_fit.outliers == 0
+    assert speed_fit.error == pytest.approx(max(misses)) and speed_fit.typical == pytest.approx(np.median(both))
 
 
 def test_the_margin_covers_a_trial_that_ran_faster_than_predicted():
-    timed = _timed(per_ms=2.0, root_ms=3.0)
-    fast = dataclasses.replace(timed[5], step_ms=timed[5].step_ms * 0.8)  # ran 1.25x its prediction's speed
+    timed = _timed(per_ms=2.0, root_ms=3.0, noise=[0.01, -0.01] * 5)
+    fast = dataclasses.replace(timed[5], step_ms=timed[5].step_ms * 0.9)  # ran 1.11x its prediction's speed
     speed_fit = fit(timed[:5] + [fast] + timed[6:])
-    assert speed_fit.error >= 0.2  # so a prediction raised by it reaches what such a trial did
+    assert speed_fit.outliers == 0 and speed_fit.error >= 0.1  # so a prediction raised by it reaches what such a trial did
 
 
-def test_no_fit_from_too_few_trials_or_where_lowering_saves_nothing():
+def test_a_trial_timed_during_a_load_spike_is_left_out_of_the_fit():
+    timed = _timed(per_ms=2.0, root_ms=3.0, noise=[0.01, -0.01] * 5)
+    spike = dataclasses.replace(timed[4], step_ms=timed[4].step_ms * 10)  # ten times slower: another process ran
+    speed_fit = fit(timed[:4] + [spike] + timed[5:])
+    assert speed_fit.outliers == 1
+    assert speed_fit.per_ms[ALL] == pytest.approx(2.0, rel=0.05) and speed_fit.error < 0.05
+    assert fit(timed[:4] + timed[5:]).per_ms == pytest.approx(speed_fit.per_ms)
+
+
+def test_each_format_has_its_own_term_so_one_the_profile_misjudges_does_not_spoil_the_rest():
+    # the profile says fp8 saves time, whole steps say each ms of it costs 2: bf16 alone would not fit both
+    bf16, fp8 = Format.BF16, Format.FP8
+    cases = [(b, f) for b in (0.0, 3.0, 6.0, 9.0) for f in (0.0, 2.0, 4.0)]
+    timed = [Timed(Features(b + f, Format.FP32, tuple((k, v) for k, v in ((bf16, b), (fp8, f)) if v)), 100.0,
+                   100.0 - 1.5 * b + 2.0 * f) for b, f in cases]  # fmt: skip
+    speed_fit = fit(timed)
+    assert speed_fit.per_ms == pytest.approx({"bf16": 1.5, "fp8": -2.0}) and speed_fit.error == pytest.approx(0.0, abs=1e-9)
+    assert speed_fit.speedup(Features(6.0, Format.FP32, ((fp8, 6.0),))) == pytest.approx(100.0 / 112.0)
+    # a format timed in one trial only: its trial stays out, and a policy using it is not predicted
+    fp16 = Features(2.0, Format.FP32, ((Format.FP16, 2.0),))
+    once = fit([*timed, Timed(fp16, 100.0, 50.0)])
+    assert once.per_ms == pytest.approx(speed_fit.per_ms) and not once.covers(fp16)
+
+
+def test_a_fit_says_so_where_lowering_costs_time():
+    slower = fit(_timed(per_ms=-1.0, root_ms=0.0))  # an AVX2-only CPU's bf16: each ms of profiled saving costs one
+    assert slower.per_ms == pytest.approx({ALL: -1.0}) and slower.speedup(Features(10.0, Format.FP32)) == pytest.approx(100 / 110)
+
+
+def test_no_fit_from_too_few_trials_or_from_non_finite_ones():
     assert fit(_timed(2.0, 3.0)[: 2 * MIN_FIT - 3]) is None  # MIN_FIT - 1 of them lower a layer
-    assert fit(_timed(per_ms=-1.0, root_ms=0.0)) is None
     broken = _timed(2.0, 3.0)
     assert fit([dataclasses.replace(t, step_ms=math.nan) for t in broken]) is None
     assert fit(broken + [dataclasses.replace(broken[3], fp32_ms=math.inf)]) == fit(broken)  # a non-finite trial is left out
@@ -105,10 +138,10 @@ def test_no_fit_where_the_trials_cannot_tell_the_layers_saving_from_the_roots():
 
 def test_a_fit_predicts_only_for_a_root_format_it_has_seen_timed_twice():
     fp32_root = fit(_timed(2.0, 3.0, roots=(Format.FP32,)))
-    assert fp32_root.root_ms == {Format.FP32: 0.0} and fp32_root.per_ms == pytest.approx(2.0)
+    assert fp32_root.root_ms == {Format.FP32: 0.0} and fp32_root.per_ms == pytest.approx({ALL: 2.0})
     assert fp32_root.covers(Features(3.0, Format.FP32)) and not fp32_root.covers(Features(3.0, Format.BF16))
     bf16_root = fit(_timed(2.0, 3.0, roots=(Format.BF16,)))  # the root's term is the constant part
-    assert bf16_root.root_ms == pytest.approx({Format.BF16: 3.0}) and bf16_root.per_ms == pytest.approx(2.0)
+    assert bf16_root.root_ms == pytest.approx({Format.BF16: 3.0}) and bf16_root.per_ms == pytest.approx({ALL: 2.0})
     assert bf16_root.covers(Features(0.0, Format.BF16)) and not bf16_root.covers(Features(3.0, Format.FP32))
     # a bf16 root timed is no evidence for an fp16 one, and an fp16 root timed once fixes its term alone
     once = fit(_timed(2.0, 3.0) + [Timed(Features(4.0, Format.FP16), 100.0, 80.0)])
@@ -223,3 +256,37 @@ def test_a_sweep_times_every_trial():
 def test_predict_speed_must_be_a_bool():
     with pytest.raises(ValueError, match="predict_speed must be True or False, but got 'no'"):
         SearchConfig(budget=0.1, predict_speed="no")
+
+
+def test_the_search_may_stop_once_no_untried_policy_can_beat_the_best_beyond_the_noise():
+    timed = _timed(per_ms=2.0, root_ms=3.0)  # an exact fit: its typical miss is 0
+    best = (100.0 / (100.0 - 22.0 - 3.0), 0.0)  # the fastest of them: saving 11 ms, bf16 root
+    slower = [Features(s, Format.BF16) for s in (1.0, 4.0, 10.0)]
+    found = ceiling(timed, slower, best)
+    assert found is not None and found.untried == 3 and found.predicted == pytest.approx(100.0 / (100.0 - 20.0 - 3.0))
+    faster = Features(12.0, Format.BF16)  # 100 / 73: beyond the best by 2.7%
+    assert ceiling(timed, [*slower, faster], best) is None
+    assert ceiling(timed, [*slower, faster], (best[0], 0.06)) is not None  # inside the best's half-spread (3%)
+    assert ceiling(timed, [*slower, Features(1.0, Format.FP16)], best) is None  # a root format the fit has not seen
+    assert ceiling(timed, [*slower, None], best) is None  # a policy the profile has no time for
+    assert ceiling(timed[:3], slower, best) is None  # no fit yet
+
+
+def test_a_search_stops_once_its_fit_says_no_untried_policy_can_win(monkeypatch):
+    from autoprec.tune.objective import run_trials
+
+    study, choices, times, timed = _searched(monkeypatch, trials=0)  # its fake timing, and a study with no trial yet
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget=1.0, finalists=2, progress=False, trials=40)
+    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
+    run_trials(study, objective, 40, progress=False)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert objective.stopped is not None and len(done) < 40
+    # the fastest policy of the space (every layer and the root bf16) was timed before the search stopped
+    timed_params = [study.trials[n].params for n in timed]
+    assert {"default": "bf16", "layer:fc1": "bf16", "layer:big": "bf16", "layer:head": "bf16"} in timed_params
+
+
+def test_a_time_budget_must_be_positive_seconds():
+    with pytest.raises(ValueError, match="time_budget must be a number of seconds > 0 or None, but got 0"):
+        SearchConfig(budget=0.1, time_budget=0)

@@ -18,6 +18,7 @@ Choices travel with the study (the first trial's attributes), so every worker de
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -280,6 +281,19 @@ def format_params(choices: Choices) -> dict[str, tuple]:
         for name in choices.searched:
             out[LAYER_PARAM + name] = choices.layers[name]
     return out
+
+
+def format_assignments(choices: Choices, limit: int) -> list[dict[str, Any]] | None:
+    """Every combination of the layout's format params (the loss scale aside), or None where there are more than
+    `limit`: what a stopping rule may check one by one."""
+    params = format_params(choices)
+    domains = [
+        [(key, n) for n in range(options[0], options[1] + 1)] if key.startswith(RANK_PARAM) else [(key, o) for o in options]
+        for key, options in params.items()
+    ]
+    if math.prod(len(d) for d in domains) > limit:
+        return None
+    return [dict(combo) for combo in itertools.product(*domains)]
 
 
 def suggest(trial: optuna.Trial, choices: Choices, space: SearchSpace) -> Policy:

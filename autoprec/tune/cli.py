@@ -8,6 +8,7 @@ import dataclasses
 import importlib.metadata
 import json
 import logging
+import math
 import sys
 import traceback
 import warnings
@@ -112,10 +113,20 @@ def _search_config(args: argparse.Namespace, budget: float = 0.0):
             noise_runs=args.noise_runs, max_memory=args.max_memory, numerics=args.numerics,
             spell=lambda name: "--" + name.replace("_", "-"), trials=args.trials, seed=args.seed, storage=args.storage,
             study_name=args.study, progress=not args.quiet, remeasure=args.remeasure, objective=args.objective,
-            predict_speed=not getattr(args, "time_every_trial", False),
+            predict_speed=not getattr(args, "time_every_trial", False), time_budget=_time_budget(args),
         )  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def _time_budget(args: argparse.Namespace) -> float | None:
+    """--time-budget MINUTES as SearchConfig's seconds."""
+    minutes = getattr(args, "time_budget", None)
+    if minutes is None:
+        return None
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise UserError(f"--time-budget {minutes:g}: give the minutes the whole search may take, a number > 0, e.g. 10")
+    return minutes * 60.0
 
 
 def _budgets(args: argparse.Namespace, flag: str, value: str):
@@ -361,7 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     study_options(s, "the model's name")
     s.add_argument("--time-every-trial", action="store_true",
                    help="time every trial, also one the profile's layer times predict too slow to be a finalist "
-                        "(by default those are left untimed)")  # fmt: skip
+                        "(by default those are left untimed, and the trials stop once none untried can win)")  # fmt: skip
+    s.add_argument("--time-budget", type=float, metavar="MINUTES",
+                   help="minutes the whole search may take: the trials stop where the final re-measure still fits, "
+                        "and the answer is chosen from what was measured (default: no limit but --trials)")  # fmt: skip
     s.set_defaults(func=cmd_search)
 
     w = model_verb(

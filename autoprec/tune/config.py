@@ -38,6 +38,14 @@ GROUP_SHARE = 0.1
 # the fastest is chosen.
 MEMORY_TIE = 0.01
 
+# The search stops early (speed.ceiling) once no untried policy can beat the best timed trial beyond the noise; it
+# checks the untried policies one by one, so only where the layout's format choices number at most this.
+STOP_ENUMERATE = 20_000
+# The final re-measure times on past its sequential test no longer than this share of the search's time before it
+# (at least SETTLED_FINAL_ROUNDS rounds): on a noisy machine the candidates it cannot separate are reported as ties.
+# With a time budget, the trials stop where that share of their time still fits.
+FINAL_SHARE = 0.25
+
 RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
 
 # "Which layer breaks" (report.breaks_summary): a GEMM result (fprop, dgrad, wgrad) whose SQNR against fp32 is below its
@@ -172,6 +180,9 @@ class SearchConfig:
     # Leave untimed a trial whose speedup, predicted from the profile's layer times, cannot make it a finalist
     # (speed.py; a single-objective speed search without --max-memory, once enough trials are timed).
     predict_speed: bool = True
+    # Seconds the whole search may take (--time-budget, in minutes there): the trials stop where the final re-measure
+    # still fits (FINAL_SHARE), and the answer is chosen from what was measured. None: no limit but --trials.
+    time_budget: float | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
@@ -189,6 +200,11 @@ class SearchConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, but got {value!r}")
+        if self.time_budget is not None and not (
+            isinstance(self.time_budget, (int, float)) and not isinstance(self.time_budget, bool)
+            and math.isfinite(self.time_budget) and self.time_budget > 0
+        ):  # fmt: skip
+            raise ValueError(f"time_budget must be a number of seconds > 0 or None, but got {self.time_budget!r}")
         if not isinstance(self.predict_speed, bool):
             raise ValueError(f"predict_speed must be True or False, but got {self.predict_speed!r}")
         if isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1:

@@ -26,8 +26,8 @@ from autoprec.errors import UserError, describe
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import memory
-from autoprec.tune.choices import Choices, policy_from_params, suggest
-from autoprec.tune.config import SETTLED, Goal, Mode, SearchConfig
+from autoprec.tune.choices import Choices, format_assignments, policy_from_params, suggest
+from autoprec.tune.config import SETTLED, STOP_ENUMERATE, Goal, Mode, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import (
     Candidate,
@@ -43,10 +43,20 @@ from autoprec.tune.measure import (
     train_and_evaluate,
 )
 from autoprec.tune.space import SearchSpace
-from autoprec.tune.speed import LayerTimes, too_slow
+from autoprec.tune.speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune.storage import OBJECTIVES
 from autoprec.tune.task import Workload
-from autoprec.tune.trials import TRIAL_ATTRS, best_speedup, finalist_mark, smallest_peak, timed_speedups, timed_trials
+from autoprec.tune.trials import (
+    TRIAL_ATTRS,
+    best_speedup,
+    best_timed,
+    finalist_mark,
+    formats_key,
+    smallest_peak,
+    timed_formats,
+    timed_speedups,
+    timed_trials,
+)
 
 log = logging.getLogger("autoprec")
 
@@ -153,6 +163,37 @@ class Objective:
         self._baseline_warm = False  # after its first timing, the baseline needs one warm-up call, not config.warmup
         self._fp32_peak: int | None = None
         self._fp32_peak_known = False  # measured once: the same fp32 model needs the same memory every time
+        self.deadline: float | None = None  # time.perf_counter() past which no trial starts (a time budget)
+        self.stopped: str | None = None  # why the trials stopped before their number: should_stop
+        self._policies: list[tuple[str, Features | None]] | None = None  # every policy's formats and features
+
+    def should_stop(self, study: optuna.Study) -> bool:
+        """Whether to run no more trials: past the deadline, or (a speed search predicting step times) every policy
+        timed, or none untried can beat the best timed trial beyond the noise (speed.ceiling). Sets `stopped`."""
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            self.stopped = "the time budget: the rest of it is the final re-measure's"
+            return True
+        best = best_timed(study) if self.layer_times is not None else None
+        if best is None or self.layer_times is None:
+            return False
+        if self._policies is None:
+            assignments = format_assignments(self.choices, STOP_ENUMERATE) or []  # none: too many to check
+            policies = {
+                formats_key(p): self.layer_times.features(p) for p in (policy_from_params(a, self.choices) for a in assignments)
+            }
+            self._policies = list(policies.items())
+        if not self._policies:
+            return False
+        tried = timed_formats(study, self.choices)
+        untried = [features for key, features in self._policies if key not in tried]
+        if not untried:
+            self.stopped = "every policy of the search space was timed"
+            return True
+        found = ceiling(timed_trials(study, self.choices, self.layer_times), untried, best)
+        if found is None:
+            return False
+        self.stopped = found.describe()
+        return True
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = suggest(trial, self.choices, self.space)
@@ -344,10 +385,13 @@ def _same_policy(trial: optuna.Trial, policy: Policy, choices: Choices) -> optun
 
 def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:
     """Run trials until the study holds `target` completed ones (every worker's and earlier run's count; one
-    cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the best speedup.
-    Returns how many trials this call set out to run (0: the study was finished already)."""
+    cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the best speedup; fewer
+    where `objective.should_stop` says so (its `stopped` says why). Returns how many trials this call set out to run
+    (0: the study was finished, or stopped, already)."""
     complete = (optuna.trial.TrialState.COMPLETE,)
     remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
+    if remaining and objective.should_stop(study):  # a run resumed after an early stop: nothing left worth timing
+        return 0
     with tqdm(total=remaining, desc="search trials", unit="trial", disable=not progress) as bar:
 
         def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -356,6 +400,8 @@ def run_trials(study: optuna.Study, objective: Objective, target: int, *, progre
             else:
                 bar.set_postfix(best_speedup=f"{best_speedup(study):.3f}")
             bar.update(1)
+            if objective.should_stop(study):
+                study.stop()
 
         if remaining:
             # Other workers complete trials too: stop once the study holds the target. A trial another worker

@@ -48,6 +48,7 @@ from autoprec.tune.alternatives import (
 from autoprec.tune.choices import Choices, build_choices, policy_from_params, warm_starts
 from autoprec.tune.choose import choose_per_budget, not_separated, safer_variant
 from autoprec.tune.config import (
+    FINAL_SHARE,
     GROUP_SHARE,
     NOISY_SPREAD,
     SETTLED,
@@ -188,6 +189,7 @@ def _disk_full(exc: BaseException | None) -> OSError | None:
 
 def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, plan: Plan) -> Run:
     check_storage(config, out_dir)  # before minutes of profiling; opening the study checks it again
+    began = time.perf_counter()
     watch = Stopwatch()
     started = start(workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0])
     layer_times = LayerTimes.from_table(started.profile.table.to_dict("records"))
@@ -197,7 +199,15 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     target = config.trials or space.trials
     if _complete(started.study) < target or config.remeasure:
         started.judge.measure()  # before the trials (its own line in the cost table); a result that stands needs none
+    if config.time_budget is not None:  # the trials stop where the final re-measure's share still fits
+        objective.deadline = began + config.time_budget / (1 + FINAL_SHARE)
     ran = run_trials(started.study, objective, target, progress=config.progress)
+    stopped = None
+    if objective.stopped is not None and _complete(started.study) < target:
+        left = target - _complete(started.study)
+        stopped = f"stopped after {_complete(started.study)} of {target} trials: {objective.stopped}"
+        log.info("search: %s", stopped)
+        watch.count("trials: not run, the search stopped early (why: the summary's `trials:` line)", left)
     if not ran and not config.remeasure:
         earlier = _earlier_result(out_dir, plan, started)
         if earlier is not None:
@@ -208,7 +218,9 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     else:  # a finished study re-measured (--remeasure): its trials' time was spent by the earlier run, not this one
         watch.count("trials: run earlier, none now (their time is in the earlier run's table)", _complete(started.study))
     candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists, goal=config.objective)
-    finals = final_remeasure(workload, candidates, started.judge, config, watch)
+    spent = time.perf_counter() - began
+    cap = FINAL_SHARE * spent if config.time_budget is None else min(FINAL_SHARE * spent, max(0.0, config.time_budget - spent))
+    finals = final_remeasure(workload, candidates, started.judge, config, watch, cap_s=cap)
     # the tables first, the policy files last: a policy file marks a complete result (see _earlier_result)
     trials = trials_table(started.study, started.choices, started.profile)
     write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
@@ -221,7 +233,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
         measured = dataclasses.replace(
             measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes),
-            why=why, cost=watch.to_dict(), greedy=greedy[b], budget_given=plan.given.get(b),
+            why=why, cost=watch.to_dict(), greedy=greedy[b], budget_given=plan.given.get(b), stopped=stopped,
             not_separated=tuple(not_separated(finals.within(b), name)) if config.objective is Goal.SPEED else (),
             sweep={"budgets": list(plan.budgets), "study_budget": config.budget} if plan.is_sweep else None,
         )  # fmt: skip
@@ -426,7 +438,7 @@ def finalist_policies(
 ) -> dict[str, Candidate]:
     """The k fastest (Goal.MEMORY: smallest in peak memory) distinct feasible policies of the study (with
     `budget`: among those whose drop fits it), leaving out those in `exclude` (the alternatives, measured under
-    their own names)."""
+    their own names) and, by speed, those whose timing is separated below the fastest trial's (_beaten)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     good = [t for t in done if t.user_attrs.get("feasible")]
     if budget is not None:
@@ -438,6 +450,7 @@ def finalist_policies(
         order = sorted(good, key=lambda t: (t.user_attrs["peak_bytes"], -t.user_attrs["speedup"]))
     else:
         order = sorted(good, key=lambda t: -t.user_attrs["speedup"])
+        order = [t for t in order if not _beaten(t, order[0])] if order else []
     for t in order:
         policy = policy_from_params(t.params, choices)
         key = json.dumps(policy.to_dict(), sort_keys=True)
@@ -447,6 +460,18 @@ def finalist_policies(
         if len(picked) == k:
             break
     return picked
+
+
+def _beaten(trial: optuna.trial.FrozenTrial, best: optuna.trial.FrozenTrial) -> bool:
+    """Whether the trial's timing is separated below the best's (the fast end of its spread under the slow end of
+    the best's): it cannot win the final re-measure, so it is not timed there. An untimed trial (a prediction) has
+    no spread of its own."""
+
+    def spread(t: optuna.trial.FrozenTrial) -> float:
+        value = t.user_attrs.get("spread")
+        return value / 2 if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
+
+    return trial.user_attrs["speedup"] * (1 + spread(trial)) < best.user_attrs["speedup"] * (1 - spread(best))
 
 
 def remeasure(
@@ -566,17 +591,40 @@ def _load_or_profile(
 
 
 def final_remeasure(
-    workload: Workload, candidates: Mapping[str, Candidate], judge: Judge, config: SearchConfig, watch: Stopwatch
+    workload: Workload,
+    candidates: Mapping[str, Candidate],
+    judge: Judge,
+    config: SearchConfig,
+    watch: Stopwatch,
+    *,
+    cap_s: float | None = None,
 ) -> Finals:
-    """The finalists and the alternatives re-measured together (remeasure), the compilation timed apart."""
+    """The finalists and the alternatives re-measured together (remeasure), the compilation timed apart. `cap_s`:
+    seconds of timing after which it stops once SETTLED_FINAL_ROUNDS rounds are in (FINAL_SHARE of the search)."""
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     start = time.perf_counter()
-    # stops early once every candidate's rounds agree (measure.all_settled); a loaded machine times on as long again,
-    # pooled with the first rounds, before anything is chosen (measure.more_if_noisy)
+    capped = []
+
+    def enough(samples: Mapping[str, Sequence[float]]) -> bool:
+        # stops early once every candidate's rounds agree (measure.all_settled), or once past the cap: the
+        # candidates it has not separated by then are reported as ties, the safer one chosen (choose.py)
+        if all_settled(samples):
+            return True
+        over = (
+            cap_s is not None and time.perf_counter() - start > cap_s and min(map(len, samples.values())) >= SETTLED_FINAL_ROUNDS
+        )
+        if over:
+            capped.append(min(map(len, samples.values())))
+        return over
+
+    # a loaded machine times on as long again, pooled with the first rounds, within the cap (measure.more_if_noisy)
     finals = remeasure(
         workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile,
-        enough=all_settled, more=more_if_noisy(config.final_timing.rounds), max_memory=config.max_memory,
+        enough=enough, more=more_if_noisy(config.final_timing.rounds), max_memory=config.max_memory,
     )  # fmt: skip
+    watch.count("final re-measure: whole-step timings (each round: every candidate's)", sum(r.rounds for r in finals))
+    if capped:
+        watch.count(f"final re-measure: rounds stopped at its cap ({FINAL_SHARE:.0%} of the search's time before it)", capped[0])
     if finals.noisiest() > NOISY_SPREAD:
         log.warning(
             "step times still spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
@@ -645,8 +693,8 @@ def measured_record(
                 else "eager; "
             )
             + f"median of {max((r.rounds for r in finals), default=0)} interleaved rounds (up to {config.final_timing.rounds}, "
-            f"stopped after {SETTLED_FINAL_ROUNDS} once every spread was within {SETTLED:.0%}; twice as many on a noisy "
-            "machine); spread = interquartile range / median; "
+            f"stopped after {SETTLED_FINAL_ROUNDS} once every spread was within {SETTLED:.0%}; up to twice as many on a "
+            f"noisy machine, within {FINAL_SHARE:.0%} of the search's time); spread = interquartile range / median; "
             "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
         ),
         memory=memory.source(workload.device) or memory.not_measured(workload.device),

@@ -278,6 +278,8 @@ class Measured:
     # the candidates within budget whose step times could not be told from the chosen one's (choose.not_separated):
     # a tie inside the noise, chosen as the alternative or the safer one, not measured faster than them
     not_separated: tuple[str, ...] = ()
+    # why the trials ended before --trials (the stopping rule, the time budget: objective.Objective.should_stop)
+    stopped: str | None = None
     results: Mapping[str, Result] = dataclasses.field(default_factory=dict)
     kept_fp32: Mapping[str, str] = dataclasses.field(default_factory=dict)
     excluded: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
@@ -308,7 +310,10 @@ class Measured:
             value = getattr(self, f.name)
             if f.name == "extra":
                 continue
-            if f.name in ("budget_given", "why", "greedy", "sweep", "created", "memory", "max_memory") and value is None:
+            if (
+                f.name in ("budget_given", "why", "greedy", "stopped", "sweep", "created", "memory", "max_memory")
+                and value is None
+            ):
                 continue
             if f.name == "not_separated":
                 value = list(value)
@@ -348,6 +353,7 @@ class Measured:
             not_separated=tuple(str(n) for n in data.get("not_separated") or () if isinstance(n, str))
             if isinstance(data.get("not_separated"), list)
             else (),
+            stopped=_text(data.get("stopped")),
             results={str(k): Result.from_dict(v) for k, v in _mapping(data.get("results")).items()},
             kept_fp32={str(k): str(v) for k, v in _mapping(data.get("kept_fp32")).items()},
             excluded={

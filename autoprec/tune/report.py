@@ -401,6 +401,8 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
         f"device: {m.device}; {m.timing}; speedup = fp32 step time / effective step time"
     )
     parts.append(memory_text(m))
+    if m.stopped:
+        parts.append(f"trials: {m.stopped}")
     parts.extend(_unfit_lines(finals, m))
     noise = result.noise
     if noise is not None:
@@ -428,7 +430,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
         )
     if speed and finals.noisiest() > NOISY_SPREAD:
         parts.append(
-            f"note: step times spread up to {_spread(finals.noisiest())} even over twice the rounds: too wide to rank "
+            f"note: step times spread up to {_spread(finals.noisiest())} even over more rounds: too wide to rank "
             "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
             "rerun on a quieter machine with --remeasure"
         )

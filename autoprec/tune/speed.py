@@ -1,17 +1,22 @@
 """A trial's speedup predicted from the profile's layer timings, so a search need not time a candidate that cannot be
-among its answers.
+among its answers, and knows when no untried policy can be.
 
 The profile times each layer alone in each format. On one device, what a whole step saves over fp32 follows the
-sum of its layers' savings closely but not one to one (the casts between formats, what autocast lowers outside
-the layers, the optimizer's share), and lowering the model root (everything outside the layers) to a format adds
-about a constant. Fitted by least squares on the trials the search has timed so far:
+sum of its layers' savings, but not one to one and not alike for every format (the casts between formats, what
+autocast lowers outside the layers, the optimizer's share; torchao's fp8 emulation, whose cost an isolated layer
+shows badly), and lowering the model root (everything outside the layers) to a format adds about a constant.
+Fitted by least squares on the trials the search has timed so far, one term per lowered format:
 
-    fp32 step ms - step ms  =  c * sum over layers of (fp32 ms - format ms)  +  r[root format]  (r[fp32] = 0)
+    fp32 step ms - step ms  =  sum over formats f of c[f] * (sum over layers in f of (fp32 ms - f ms))  +  r[root]
 
-A candidate is left untimed (objective.Objective) only where its root format was among the timed trials' (a lowered one
-twice) and its predicted speedup, raised by the fit's error (the most a trial left out of the fit ran faster or
-slower than predicted, at least MARGIN), is still below the k-th fastest timed trial: k faster candidates are
-re-measured at the end (study._finalist_mark).
+A trial far slower than the fit (a load spike during its timing) is left out of it (OUTLIER). A format or lowered root
+format seen in fewer than two timed trials has its term rest on one: such trials stay out of the fit and a policy
+using it is not predicted (SpeedFit.covers). The fit's error is the most a trial left out of the fit ran FASTER
+than predicted (at least MARGIN): a prediction raised by it is what no candidate is expected to beat.
+
+A candidate is left untimed (objective.Objective) where, raised by that error, it is still below the k-th fastest
+timed trial: k faster candidates are re-measured at the end (trials.finalist_mark). The search stops (`ceiling`)
+once no untried policy, raised so, can beat the best timed trial beyond that trial's own spread.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -28,14 +33,26 @@ from autoprec.policy import ROOT, Policy
 
 MARGIN = 0.10  # the least relative error a prediction is granted, however well the fit went
 MIN_FIT = 4  # timed trials with a layer lowered before a prediction is made
+OUTLIER = 4.0  # a trial slower than its fit by this many robust standard deviations (1.4826 MAD) is left out
+OUTLIER_SHARE = 0.2  # ... but never more than this share of the trials: beyond it the fit itself is in doubt
+ALL = "all"  # the one term of Features made without a split per format
 
 
 @dataclasses.dataclass(frozen=True)
 class Features:
-    """What a policy's step time is predicted from: its layers' summed saving over fp32 in ms, and its root's format."""
+    """What a policy's step time is predicted from: its layers' summed saving over fp32 in ms, its root's format,
+    and the saving split per lowered format (empty: one term for all of it)."""
 
     saving_ms: float
     root: Format
+    by_format: tuple[tuple[Format, float], ...] = ()
+
+    def terms(self) -> dict[str, float]:
+        """The saving per fitted term: per lowered format in the policy (a layer saving nothing still names its
+        format: the fit must have seen it), else ALL."""
+        if self.by_format:
+            return {f.value: ms for f, ms in self.by_format}
+        return {ALL: self.saving_ms} if self.saving_ms != 0 else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +75,16 @@ class LayerTimes:
         """`policy`'s Features; None where a layer it lists runs in a format the profile has no time for. A layer
         that only inherits such a format is counted as saving nothing: mostly a root format autocast does not lower
         it to, so it runs fp32 (where its timing failed instead, the fit's error absorbs the difference)."""
-        total = 0.0
+        total, by_format = 0.0, dict[Format, float]()
         for name, savings in self.saving_ms.items():
-            saving = savings.get(format_of(policy, name))
+            fmt = format_of(policy, name)
+            saving = savings.get(fmt)
             if saving is None and name in policy.layers:
                 return None
+            if saving is not None and fmt is not Format.FP32:
+                by_format[fmt] = by_format.get(fmt, 0.0) + saving
             total += saving or 0.0
-        return Features(total, policy.layers.get(ROOT, Format.FP32))
+        return Features(total, policy.layers.get(ROOT, Format.FP32), tuple(sorted(by_format.items(), key=lambda i: i[0].value)))
 
 
 def format_of(policy: Policy, name: str) -> Format:
@@ -81,31 +101,37 @@ def format_of(policy: Policy, name: str) -> Format:
 
 @dataclasses.dataclass(frozen=True)
 class Timed:
-    """A trial as timed: its Features, the fp32 baseline's and its own step ms."""
+    """A trial as timed: its Features, the fp32 baseline's and its own step ms, and its timing's spread."""
 
     features: Features
     fp32_ms: float
     step_ms: float
+    spread: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeedFit:
-    """The fitted saving per ms of summed layer saving (`per_ms`) and per lowered root format (`root_ms`); the fp32
-    step (the trials' median); the worst relative miss of a speedup predicted for a trial left out of the fit."""
+    """The fitted saving per ms of summed layer saving, per term (`per_ms`: a lowered format, or ALL) and per
+    lowered root format (`root_ms`); the fp32 step (the trials' median); the worst relative amount by which a trial
+    left out of the fit ran faster than predicted; the trials left out as outliers."""
 
-    per_ms: float
+    per_ms: Mapping[str, float]
     root_ms: Mapping[Format, float]
     fp32_ms: float
     error: float
+    outliers: int = 0
+    typical: float = 0.0  # the median relative miss, either way, of a trial left out: what the fit cannot resolve
 
     def covers(self, features: Features) -> bool:
-        """Whether the fit has seen this root format timed (a lowered one twice): it says nothing of another."""
-        return features.root in self.root_ms
+        """Whether the fit has seen this root format and every lowered format timed (each twice): it says nothing
+        of another."""
+        return features.root in self.root_ms and all(term in self.per_ms for term in features.terms())
 
     def speedup(self, features: Features, fp32_ms: float | None = None) -> float:
         """The predicted speedup over fp32 (of a step of `fp32_ms`, default the trials' median)."""
         base = self.fp32_ms if fp32_ms is None else fp32_ms
-        step = base - self.per_ms * features.saving_ms - self.root_ms.get(features.root, 0.0)
+        saved = sum(self.per_ms.get(term, 0.0) * ms for term, ms in features.terms().items())
+        step = base - saved - self.root_ms.get(features.root, 0.0)
         return base / step if step > 0 else math.inf
 
     @property
@@ -113,57 +139,84 @@ class SpeedFit:
         return max(MARGIN, self.error)
 
 
-def _design(points: Sequence[Timed]) -> tuple[np.ndarray, np.ndarray, list[Format]]:
-    """The least-squares problem: a column for the summed saving and one per lowered root format; the savings."""
+def _covered(points: Sequence[Timed]) -> list[Timed]:
+    """The points whose every term (lowered format, lowered root) is seen in at least two of them, repeatedly
+    (leaving one out may leave another term alone)."""
+    while True:
+        counts = Counter(term for t in points for term in (*t.features.terms(), t.features.root.value))
+        kept = [t for t in points if all(counts[term] >= 2 for term in t.features.terms())
+                and (t.features.root is Format.FP32 or counts[t.features.root.value] >= 2)]  # fmt: skip
+        if len(kept) == len(points):
+            return kept
+        points = kept
+
+
+def _design(points: Sequence[Timed]) -> tuple[np.ndarray, np.ndarray, list[str], list[Format]]:
+    """The least-squares problem: a column per term's saving and one per lowered root format; the savings."""
+    terms = sorted({term for t in points for term in t.features.terms()})
     lowered = sorted({t.features.root for t in points} - {Format.FP32}, key=lambda f: f.value)
-    x = np.array([[t.features.saving_ms] + [float(t.features.root is f) for f in lowered] for t in points], dtype=float)
-    return x, np.array([t.fp32_ms - t.step_ms for t in points], dtype=float), lowered
+    rows = [
+        [t.features.terms().get(term, 0.0) for term in terms] + [float(t.features.root is f) for f in lowered] for t in points
+    ]
+    x = np.array(rows, dtype=float).reshape(len(points), len(terms) + len(lowered))
+    return x, np.array([t.fp32_ms - t.step_ms for t in points], dtype=float), terms, lowered
+
+
+def _solve(points: Sequence[Timed]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[Format]] | None:
+    """(x, y, coefficients, terms, lowered roots), or None where the points cannot determine them."""
+    x, y, terms, lowered = _design(points)
+    if not terms or np.linalg.matrix_rank(x) < x.shape[1]:
+        return None
+    return x, y, np.linalg.lstsq(x, y, rcond=None)[0], terms, lowered
 
 
 def fit(timed: Sequence[Timed]) -> SpeedFit | None:
-    """Least squares on the timed trials, judged by leaving each one out in turn (closed form: the fit without
-    trial i misses it by e_i / (1 - h_ii)); its error is the worst of those misses, as actual over predicted speedup,
-    so a prediction raised by it covers the fastest a trial ran beyond its prediction. None with fewer than MIN_FIT
-    finite trials that lower a layer, or where the trials, or all but one of them, cannot determine the fit (fewer
-    than two distinct summed savings, a root format's term not separable from the saving's) or say lowering layers
-    saves nothing. A lowered root format timed once has its term rest on that trial alone: it is not judged, and not
-    covered."""
+    """Least squares on the timed trials, outliers left out (OUTLIER), judged by leaving each one out in turn
+    (closed form: the fit without trial i misses it by e_i / (1 - h_ii)); its error is the most a trial left out
+    ran faster than its prediction, as actual over predicted speedup. None with fewer than MIN_FIT finite trials
+    that lower a layer, or where the trials, or all but one of them, cannot determine the fit (fewer than two
+    distinct savings, a root format's term not separable from the layers')."""
     points = [t for t in timed if t.fp32_ms > 0 and t.step_ms > 0 and math.isfinite(t.fp32_ms) and math.isfinite(t.step_ms)]
-    if sum(t.features.saving_ms != 0 for t in points) < MIN_FIT:
+    points = _covered(points)
+    if sum(bool(t.features.terms()) for t in points) < MIN_FIT:
         return None
-    savings = Counter(t.features.saving_ms for t in points)
-    if len(savings) < 2 or len(savings) == 2 and min(savings.values()) == 1:  # one left out leaves a single saving
+    solved = _solve(points)
+    if solved is None:
         return None
-    x, y, lowered = _design(points)
-    if np.linalg.matrix_rank(x) < x.shape[1]:
-        return None
-    inverse = np.linalg.inv(x.T @ x)
-    coef = inverse @ x.T @ y
+    x, y, coef, terms, lowered = solved
     residual = y - x @ coef
+    scale = 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
+    # only a trial that ran slower: load slows a step down, never up, and one that ran faster is the fit's error
+    far = [i for i in range(len(points)) if scale > 0 and residual[i] < -OUTLIER * scale]
+    outliers = 0
+    if far and len(far) <= OUTLIER_SHARE * len(points):
+        kept = _covered([t for i, t in enumerate(points) if i not in far])
+        again = _solve(kept) if sum(bool(t.features.terms()) for t in kept) >= MIN_FIT else None
+        if again is not None:
+            outliers, points = len(points) - len(kept), kept
+            x, y, coef, terms, lowered = again
+            residual = y - x @ coef
+    inverse = np.linalg.pinv(x.T @ x)
     leverage = np.einsum("ij,jk,ik->i", x, inverse, x)
-    counts = Counter(t.features.root for t in points)
-    misses = []
+    misses, both = [], []
     for i, t in enumerate(points):
-        if t.features.root is not Format.FP32 and counts[t.features.root] < 2:
-            continue  # its root's term rests on it alone
         if leverage[i] > 1 - 1e-9:  # the others cannot determine the fit
-            return None
-        without = coef - inverse @ x[i] * residual[i] / (1 - leverage[i])
-        if not without[0] > 0:
             return None
         predicted_step = t.fp32_ms - (y[i] - residual[i] / (1 - leverage[i]))
         if predicted_step <= 0:
             return None
-        misses.append(abs(predicted_step / t.step_ms - 1))  # actual speedup / predicted - 1
-    if not coef[0] > 0 or not misses or not all(math.isfinite(m) for m in misses):
+        misses.append(max(0.0, predicted_step / t.step_ms - 1))  # actual speedup / predicted - 1, where it ran faster
+        both.append(abs(predicted_step / t.step_ms - 1))
+    if not misses or not all(math.isfinite(m) for m in misses):
         return None
-    root_ms = {Format.FP32: 0.0} if Format.FP32 in counts else {}
-    root_ms.update({f: float(c) for f, c in zip(lowered, coef[1:]) if counts[f] > 1})
-    return SpeedFit(float(coef[0]), root_ms, float(np.median([t.fp32_ms for t in points])), max(misses))
+    root_ms = {Format.FP32: 0.0} if any(t.features.root is Format.FP32 for t in points) else {}
+    root_ms.update({f: float(c) for f, c in zip(lowered, coef[len(terms) :])})
+    per_ms = {term: float(c) for term, c in zip(terms, coef)}
+    return SpeedFit(per_ms, root_ms, float(np.median([t.fp32_ms for t in points])), max(misses), outliers, float(np.median(both)))
 
 
 def too_slow(timed: Sequence[Timed], features: Features | None, mark: float | None) -> tuple[float, SpeedFit] | None:
-    """(predicted speedup, the fit) of a candidate not worth timing: `timed` fitted (fit), its root format covered
+    """(predicted speedup, the fit) of a candidate not worth timing: `timed` fitted (fit), its formats covered
     (SpeedFit.covers), and even raised by the fit's margin it stays below `mark` (the k-th fastest timed trial's speedup);
     None where it must be timed (no features, no mark or fit yet, or it might be among the answers)."""
     if features is None or mark is None:
@@ -173,3 +226,38 @@ def too_slow(timed: Sequence[Timed], features: Features | None, mark: float | No
         return None
     predicted = speed_fit.speedup(features)
     return (predicted, speed_fit) if predicted * (1 + speed_fit.margin) < mark else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceiling:
+    """Why the search may stop: no untried policy's predicted speedup is beyond the best timed trial's by more than
+    the noise (the fit's typical miss, or that trial's half-spread, whichever is wider): timed, it could not be told
+    from the best, and a tie goes to the safer candidate anyway (choose.py)."""
+
+    predicted: float
+    best: float
+    noise: float
+    untried: int
+
+    def describe(self) -> str:
+        return (f"no untried policy can beat the best timed trial ({self.best:.3f}x) beyond the noise (±{self.noise:.0%}): "
+                f"the fastest of the {self.untried} untried is predicted {self.predicted:.3f}x")  # fmt: skip
+
+
+def ceiling(timed: Sequence[Timed], untried: Iterable[Features | None], best: tuple[float, float]) -> Ceiling | None:
+    """A Ceiling where no untried policy can, by the fit of `timed`, beat `best` (the best timed trial within budget:
+    its speedup and spread) beyond the noise; None where one might (or the fit, or a prediction for one of them, is
+    missing: a policy the fit cannot predict might be the fastest)."""
+    speed_fit = fit(timed)
+    if speed_fit is None:
+        return None
+    best_speedup, spread = best
+    noise = max(speed_fit.typical, spread / 2 if math.isfinite(spread) else 0.0)
+    fastest, count = 0.0, 0
+    for features in untried:
+        if features is None or not speed_fit.covers(features):
+            return None
+        fastest, count = max(fastest, speed_fit.speedup(features)), count + 1
+    if fastest > best_speedup * (1 + noise):
+        return None
+    return Ceiling(fastest, best_speedup, noise, count)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import statistics
 
 import optuna
 import optuna.storages.journal  # `import optuna` loads it too, but mypy sees a submodule only where it is imported
 import pandas as pd
 
-from autoprec.policy import ROOT
+from autoprec.policy import ROOT, Policy
 from autoprec.tune.choices import Choices, policy_from_params
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.profiler import Profile
@@ -65,6 +67,13 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
     rounds = sum(t.user_attrs.get("rounds") or 0 for t in fresh)
     if rounds:
         watch.count("trials: timing rounds (a trial stops early once its ranking is clear)", rounds)
+        # each round times the candidate and the fp32 baseline: a block of whole training steps each
+        watch.count("trials: whole-step timings (each round: the candidate's and the fp32 baseline's)", 2 * rounds)
+        spreads = [t.user_attrs["spread"] for t in fresh if isinstance(t.user_attrs.get("spread"), (int, float))]
+        spreads = [x for x in spreads if math.isfinite(x)]
+        if spreads:
+            noise = f"±{50 * statistics.median(spreads):.0f}%"
+            watch.count(f"trials: this device's timing noise, the timed trials' median spread {noise}", len(spreads))
     watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
     watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
     # policies, not trials: one proposed again is judged again (reevaluated_from), and counts once, as timed if ever
@@ -108,8 +117,31 @@ def timed_trials(study: optuna.Study, choices: Choices, layer_times: LayerTimes)
             continue
         features = layer_times.features(policy_from_params(t.params, choices))
         if features is not None:
-            out.append(Timed(features, fp32, step))
+            spread = t.user_attrs.get("spread")
+            out.append(Timed(features, fp32, step, spread if isinstance(spread, (int, float)) else 0.0))
     return out
+
+
+def formats_key(policy: Policy) -> str:
+    """What a speed prediction tells policies apart by: their formats (not their loss scale)."""
+    return json.dumps({name: fmt.value for name, fmt in policy.layers.items()}, sort_keys=True)
+
+
+def timed_formats(study: optuna.Study, choices: Choices) -> set[str]:
+    """The formats_key of every policy the study has timed (any loss scale)."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return {formats_key(policy_from_params(t.params, choices)) for t in done if t.user_attrs.get("rounds")}
+
+
+def best_timed(study: optuna.Study) -> tuple[float, float] | None:
+    """(speedup, spread) of the fastest trial timed within budget (not a prediction, not a repeat); None before one."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    timed = [t for t in done if t.user_attrs.get("feasible") and t.user_attrs.get("rounds") and "reused_from" not in t.user_attrs]
+    if not timed:
+        return None
+    best = max(timed, key=lambda t: t.user_attrs["speedup"])
+    spread = best.user_attrs.get("spread")
+    return best.user_attrs["speedup"], spread if isinstance(spread, (int, float)) and math.isfinite(spread) else 0.0
 
 
 def best_speedup(study: optuna.Study) -> float:
