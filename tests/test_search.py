@@ -18,7 +18,7 @@ from autoprec.tune.config import Mode
 from autoprec.tune.gradients import LayerGradients, scale_table
 from autoprec.tune.measure import NoiseFloor, metric_of
 from autoprec.tune.objective import INFEASIBLE, over_budget
-from autoprec.tune.profiler import COLUMNS, Profile
+from autoprec.tune.profile_data import COLUMNS, Profile
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
 

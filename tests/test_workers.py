@@ -25,7 +25,7 @@ from autoprec import UserError
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import Choices
 from autoprec.tune.config import RETRIES
-from autoprec.tune.profiler import Profile
+from autoprec.tune.profile_data import Profile
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.storage import CHOICES_ATTR, _storage, open_study
 

@@ -60,7 +60,8 @@ from autoprec.tune.config import (
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import Candidate, NoiseFloor, all_settled, fp32_step_failed, measure_steps_or_fail, more_if_noisy
 from autoprec.tune.objective import Judge, Objective, run_trials
-from autoprec.tune.profiler import Profile, profile, ruled_out
+from autoprec.tune.profile_data import Profile, ruled_out
+from autoprec.tune.profiler import profile
 from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes

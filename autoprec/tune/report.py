@@ -22,7 +22,7 @@ from autoprec.tune.config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_
 from autoprec.tune.cost import cost_rows
 from autoprec.tune.gradients import ScaleAdvice
 from autoprec.tune.memory import MIB, format_change, human_bytes
-from autoprec.tune.profiler import SQNR_COLUMNS, Profile, as_float, flag
+from autoprec.tune.profile_data import SQNR_COLUMNS, Profile, as_float, flag
 from autoprec.tune.records import Finals, Measured, Measurement
 
 if TYPE_CHECKING:  # the results import this module to print themselves; matplotlib only where a plot is drawn
@@ -291,7 +291,7 @@ class Break:
 
     layer: str
     format: str
-    gemm: str  # fprop, dgrad, wgrad (profiler.SQNR_COLUMNS) or "-"
+    gemm: str  # fprop, dgrad, wgrad (profile_data.SQNR_COLUMNS) or "-"
     sqnr_db: float  # NaN: non-finite, or no GEMM
     metric_drop: float
     why: str

@@ -27,7 +27,7 @@ from autoprec.tune.choices import Choices
 from autoprec.tune.config import Goal, SearchConfig
 from autoprec.tune.measure import NoiseFloor
 from autoprec.tune.pipeline import Chosen, Plan, run
-from autoprec.tune.profiler import Profile
+from autoprec.tune.profile_data import Profile
 from autoprec.tune.records import Finals, Measured
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload
