@@ -200,7 +200,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.tune.config import ProfileConfig
-    from autoprec.tune.pipeline import claim_out_dir
+    from autoprec.tune.out_dir import claim_out_dir
     from autoprec.tune.profiler import profile
     from autoprec.tune.report import breaks, breaks_summary, gradient_summary, plot_all, profile_summary
 

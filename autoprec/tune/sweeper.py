@@ -26,9 +26,9 @@ from autoprec.tune.alternatives import BF16
 from autoprec.tune.choices import Choices
 from autoprec.tune.config import Goal, SearchConfig
 from autoprec.tune.measure import NoiseFloor
-from autoprec.tune.pipeline import Chosen, Plan, run
+from autoprec.tune.pipeline import Plan, run
 from autoprec.tune.profile_data import Profile
-from autoprec.tune.records import Finals, Measured
+from autoprec.tune.records import Chosen, Finals, Measured
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload
 
