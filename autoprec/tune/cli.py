@@ -201,8 +201,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.tune.config import ProfileConfig
     from autoprec.tune.out_dir import claim_out_dir
+    from autoprec.tune.plots import plot_all
     from autoprec.tune.profiler import profile
-    from autoprec.tune.report import breaks, breaks_summary, gradient_summary, plot_all, profile_summary
+    from autoprec.tune.report import breaks, breaks_summary, gradient_summary, profile_summary
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
