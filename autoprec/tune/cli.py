@@ -173,7 +173,7 @@ def _command(verb: str, storage: str | None) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from autoprec.tune.api import sweep_and_report
-    from autoprec.tune.sweeper import parse_budgets
+    from autoprec.tune.budget import parse_budgets
 
     specs = _budgets(args, "--budgets", args.budgets)
     config = _search_config(args)

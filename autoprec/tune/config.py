@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from autoprec.tune.budget import check_budget
 from autoprec.tune.space import parse_option
 
 # ---- tuning constants --------------------------------------------------------------------------------------------
@@ -174,9 +175,7 @@ class SearchConfig:
     predict_speed: bool = True
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
-            raise ValueError(f"budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.budget!r}")
-        object.__setattr__(self, "budget", float(self.budget) + 0.0)  # -0.0 would name another study than 0.0
+        object.__setattr__(self, "budget", check_budget(self.budget, what="budget"))  # -0.0 would name another study
         object.__setattr__(self, "mode", parse_mode(self.mode))
         object.__setattr__(self, "objective", parse_goal(self.objective))
         if self.max_memory is not None and (

@@ -42,6 +42,7 @@ from autoprec.tune.alternatives import (
     Alternatives,
     alternatives,
 )
+from autoprec.tune.budget import check_ascending
 from autoprec.tune.choices import Choices, build_choices, policy_from_params, warm_starts
 from autoprec.tune.choose import choose_per_budget, not_separated, safer_variant
 from autoprec.tune.config import (
@@ -86,8 +87,7 @@ class Plan:
     given: Mapping[float, str] = dataclasses.field(default_factory=dict)  # budget -> how the user gave it, if relative
 
     def __post_init__(self) -> None:
-        if not self.budgets or list(self.budgets) != sorted(self.budgets):
-            raise ValueError(f"plan.budgets must be ascending and not empty, but got {self.budgets!r}")
+        check_ascending(self.budgets, what="plan.budgets")
 
     @property
     def is_sweep(self) -> bool:
