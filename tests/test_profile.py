@@ -671,14 +671,6 @@ def test_measuring_the_input_gradient_in_the_whole_model_leaves_the_layers_compu
     assert run.dgrad is not None and run.dgrad.numel() == out.numel()  # h's gradient, once a call: 8 x 4 x 32, like its output
 
 
-def test_a_search_profiles_only_the_offered_formats_numerics_and_a_profile_alone_all_of_them():
-    from autoprec.tune import SearchConfig
-
-    assert SearchConfig(budget=0.1, profile=ProfileConfig(batches=4)).profile.numerics == "offered"
-    assert SearchConfig(budget=0.1, profile=ProfileConfig(numerics="all")).profile.numerics == "all"
-    assert ProfileConfig().numerics is None  # profile() reads None as "all"
-
-
 def test_a_layer_step_whose_layer_returns_no_floating_tensor_fails_saying_so():
     from autoprec.formats import Format
     from autoprec.tune.profiler import _layer_step

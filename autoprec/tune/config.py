@@ -119,7 +119,7 @@ class ProfileConfig:
     gross_slowdown: float = 4.0
     grad_batches: int | None = 8
     max_underflow: float = 1e-3
-    compile: bool = False  # time each layer's step under torch.compile (SearchConfig.compile sets it)
+    compile: bool = False  # time each layer's step under torch.compile (in a search: SearchConfig.compile)
     group_tolerance: float | None = None
     group_testing: bool = True
     # "all": every layer x format this device can run or emulate has its numerics (SQNR, finiteness, overflow, metric
@@ -203,8 +203,12 @@ class SearchConfig:
                              "layer timings, the trials and the re-measure; set SearchConfig(compile=True)")  # fmt: skip
         if self.profile.numerics is None:  # a search's own profile: the numerics of formats it does not offer wait
             object.__setattr__(self, "profile", dataclasses.replace(self.profile, numerics="offered"))
-        if self.compile != self.profile.compile:  # one switch: the profile's layer timings follow the search's
-            object.__setattr__(self, "profile", dataclasses.replace(self.profile, compile=self.compile))
+
+    @property
+    def profile_settings(self) -> ProfileConfig:
+        """The profile this search measures: `profile`, its layer timings compiled as the search's steps are. One
+        switch, `compile`, owns that: `profile.compile` is read only to refuse True without it."""
+        return self.profile if self.profile.compile == self.compile else dataclasses.replace(self.profile, compile=self.compile)
 
 
 def default_compile(device: str | torch.device) -> bool:

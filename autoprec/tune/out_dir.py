@@ -110,7 +110,7 @@ def load_or_profile(
     receives the profiling stages, or a count when the saved profile was reused. `budget`: the smallest budget
     its drops serve (default config.budget), a tenth of which is the group tolerance (GROUP_SHARE)."""
     watch = watch or Stopwatch()
-    settings = config.profile
+    settings = config.profile_settings
     if settings.group_tolerance is None and settings.group_testing:
         settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * (config.budget if budget is None else budget))
     cached = None
