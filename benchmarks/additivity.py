@@ -28,7 +28,7 @@ from autoprec import Policy
 from autoprec.formats import Format, format_problem
 from autoprec.tune import load_space, load_task, prepare
 from autoprec.tune.measure import evaluate_metric
-from autoprec.tune.profiler import Profile
+from autoprec.tune.profile_data import Profile
 from autoprec.tune.report import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,8 @@ from autoprec import LossScale, Policy
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.config import TimingConfig
 from autoprec.tune.measure import measure_steps, noise_floor, train_and_evaluate
-from autoprec.tune.report import gradient_summary, markdown_table, plot_all
+from autoprec.tune.plots import plot_all
+from autoprec.tune.report import gradient_summary, markdown_table
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
 

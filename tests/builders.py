@@ -1,5 +1,5 @@
 """Records built by hand for the tests of what reads them (choosing, reporting): only the fields a test is about
-are given, the rest take values of a candidate that ran cleanly."""
+are given, the rest take values of a candidate that ran cleanly. And `small_task`, a model.py around a given model."""
 
 from autoprec.tune.records import Finals, Measurement
 
@@ -21,3 +21,13 @@ def made_up_peak(trainer) -> int:
     root = trainer.policy.layers.get("", "fp32")
     formats = [trainer.policy.layers.get(name, root) for name in ("fc1", "big", "head")]
     return sum(4000 if str(getattr(f, "value", f)) == "fp32" else 2000 for f in formats)
+
+
+def small_task(model_code: str) -> str:
+    """A model.py: `model_code` (defining build_model) with one seeded batch of 4 x 8 features, 4 classes."""
+    return (
+        "import torch\nfrom torch import nn\n\n" + model_code + "\n"
+        "def batches(split):\n    g = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]\n\n"
+        "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
+    )

@@ -2,7 +2,7 @@
 
 import pytest
 
-from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_list
+from autoprec.tune.budget import DEFAULT, Budget, check_ascending, parse_budget, parse_budget_list, parse_budgets
 
 
 def test_absolute_and_relative_budgets_parse_and_resolve_against_the_fp32_metric():
@@ -38,7 +38,6 @@ def test_minus_zero_is_the_budget_zero_with_its_sign_dropped(given):
     import math
 
     from autoprec.tune.config import SearchConfig
-    from autoprec.tune.sweeper import parse_budgets
 
     budget = parse_budget(given)
     assert budget.value == 0 and math.copysign(1.0, budget.value) == 1.0
@@ -47,3 +46,28 @@ def test_minus_zero_is_the_budget_zero_with_its_sign_dropped(given):
     assert [repr(b) for b in parse_budgets([-0.0, 0.1])] == ["0.0", "0.1"] and parse_budgets("-0") == (0.0,)
     assert repr(parse_budgets("-0")[0]) == "0.0"
     assert repr(SearchConfig(budget=-0.0).budget) == "0.0"
+
+
+def test_budgets_parse_sorted_without_repeats_and_refuse_bad_values():
+    assert parse_budgets("0.02, 0,0.005,0.02") == (0.0, 0.005, 0.02)
+    assert parse_budgets([0.1, 0]) == (0.0, 0.1)
+    with pytest.raises(ValueError, match=r"numbers separated by commas, but got 'x'"):
+        parse_budgets("0,x")
+    with pytest.raises(ValueError, match=r"finite number >= 0.*'-0.1'"):
+        parse_budgets("0,-0.1")
+    with pytest.raises(ValueError, match="at least one number"):
+        parse_budgets(" , ")
+
+
+def test_one_rule_says_what_a_budget_is_wherever_it_is_given():
+    """Budget, the configuration and an absolute budget list ask check_budget: True is no budget in any of them (the
+    configuration once took it for 1.0), and a plan's budgets must ascend."""
+    from autoprec.tune.config import SearchConfig
+
+    for make in (Budget, lambda v: SearchConfig(budget=v), parse_budget):
+        with pytest.raises(ValueError, match=r"budget must be a finite number >= 0 .*but got True"):
+            make(True)
+    with pytest.raises(ValueError, match=r"plan.budgets must be ascending and not empty, but got \(0.1, 0.0\)"):
+        check_ascending((0.1, 0.0), what="plan.budgets")
+    with pytest.raises(ValueError, match="must be ascending and not empty"):
+        check_ascending(())

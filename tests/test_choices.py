@@ -23,7 +23,7 @@ from autoprec.tune.choices import (
     warm_starts,
     with_layout,
 )
-from autoprec.tune.profiler import COLUMNS, Profile
+from autoprec.tune.profile_data import COLUMNS, Profile
 from autoprec.tune.space import Layout, load_space, space_from_dict
 
 CPU = torch.device("cpu")

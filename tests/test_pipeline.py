@@ -99,26 +99,3 @@ def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_no
         rounds = config.final_timing.rounds
         assert calls == [(rounds, rounds)] and measured.noisiest() == spread  # one re-measure; a failed run's spread ignored
         assert len([r for r in caplog.records if "still spread up to" in r.message]) == warnings
-
-
-def test_an_out_folder_a_live_run_holds_for_another_model_is_refused_and_the_same_model_may_join(
-    tmp_path, write_model, mlp_source
-):
-    # Two models started together on one --out both passed check_out_dir (nothing written yet) and one's results
-    # replaced the other's: the folder is now claimed before anything is written, for as long as a run lasts.
-    from autoprec import UserError
-
-    mine = prepare(load_task(write_model(mlp_source, "a/model.py")), "cpu")
-    other = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    out = tmp_path / "out"
-    with pipeline.claim_out_dir(mine, out):
-        with pytest.raises(UserError) as err:
-            with pipeline.claim_out_dir(other, out):
-                pytest.fail("another model got the folder while a run held it")
-        message = str(err.value)
-        assert f"--out {out}: a run for another model is writing there now" in message and "\n" not in message
-        assert str(MODELS / "overflow_mlp.py") in message and str(mine.task.path) in message
-        with pipeline.claim_out_dir(mine, out):  # a second worker of the same model, or a resume
-            pass
-    with pipeline.claim_out_dir(other, out):  # the run ended and left no results: the folder is free
-        pass

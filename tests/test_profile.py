@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from short_timing import TINY
+from builders import small_task
+from short_timing import TINY, fixed_layer_times
 
 from autoprec import Policy
-from autoprec.files import OtherVersion
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
-from autoprec.tune.profiler import COLUMNS, Profile
+from autoprec.tune.profile_data import COLUMNS, Profile
 from autoprec.tune.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
@@ -126,39 +126,6 @@ def test_predicted_drop_sums_the_lowered_layers(prof):
     assert prof.predicted_drop({"fc1": "fp32"}) == 0.0
 
 
-def small_task(model_code: str) -> str:
-    """A model.py: `model_code` (defining build_model) with one seeded batch of 4 x 8 features, 4 classes."""
-    return (
-        "import torch\nfrom torch import nn\n\n" + model_code + "\n"
-        "def batches(split):\n    g = torch.Generator().manual_seed(0)\n"
-        "    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]\n\n"
-        "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
-    )
-
-
-def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_saved_profile_is_reused(tmp_path, write_model):
-    """nn.Sequential names its layers "0", "2": read back as integers they never matched, so every rerun and
-    every worker profiled again and rewrote the shared profile."""
-    from autoprec.tune import SearchConfig
-    from autoprec.tune.cost import Stopwatch
-    from autoprec.tune.pipeline import _load_or_profile
-
-    path = write_model(
-        small_task(
-            "def build_model():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
-        )
-    )
-    workload = prepare(load_task(path), "cpu")
-    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
-    config = SearchConfig(budget=0.1, progress=False, profile=FAST)
-    _load_or_profile(workload, space, tmp_path, config)
-    loaded = Profile.load(tmp_path)
-    assert loaded.layers() == ["0", "2"] and set(loaded.grad_ranges["layer"]) == {"0", "2"}
-    watch = Stopwatch()
-    _load_or_profile(workload, space, tmp_path, config, watch=watch)
-    assert watch.counts == {"profile: reused the one saved in the output folder": 1}
-
-
 def test_a_layer_the_loss_never_calls_is_left_out_with_a_warning(tmp_path, write_model, caplog):
     """A pretrained model's unused head (a pooler) must not refuse the whole model."""
     path = write_model(
@@ -179,52 +146,6 @@ def test_a_layer_the_loss_never_calls_is_left_out_with_a_warning(tmp_path, write
     assert Profile.load(tmp_path / "p").uncalled == ["pooler"]
 
 
-def test_a_corrupt_saved_profile_is_measured_again(tmp_path, caplog):
-    from autoprec.tune import SearchConfig
-    from autoprec.tune.pipeline import _load_or_profile
-
-    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
-    (tmp_path / "profile.csv").write_text("garbage\n\x00")
-    (tmp_path / "profile.json").write_text("{not json")
-    with caplog.at_level("WARNING", logger="autoprec"):
-        prof = _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.1, progress=False, profile=FAST))
-    assert "the saved profile cannot be read" in caplog.text and prof.layers() == ["fc1", "big", "head"]
-    assert Profile.load(tmp_path).layers() == ["fc1", "big", "head"]  # the repaired files
-
-
-def test_a_saved_profile_of_another_version_or_none_is_measured_again_with_one_warning(tmp_path, caplog):
-    """Its numbers may mean something else in this version: never read, measured again, and the line says why."""
-    from autoprec.tune import SearchConfig
-    from autoprec.tune.cost import Stopwatch
-    from autoprec.tune.pipeline import _load_or_profile
-    from autoprec.tune.profiler import PROFILE_VERSION
-
-    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
-    config = SearchConfig(budget=0.1, progress=False, profile=FAST)
-    _load_or_profile(workload, space, tmp_path, config)
-    meta = json.loads((tmp_path / "profile.json").read_text())
-    assert meta["version"] == PROFILE_VERSION
-    for other, shown in (
-        ({**meta, "version": PROFILE_VERSION + 1}, str(PROFILE_VERSION + 1)),
-        (meta | {"version": None}, "none"),
-    ):
-        (tmp_path / "profile.json").write_text(json.dumps(other))
-        with pytest.raises(OtherVersion, match=rf"profile.json: written by another autoprec version \(format version {shown};"):
-            Profile.load(tmp_path)
-        caplog.clear()
-        watch = Stopwatch()
-        with caplog.at_level("INFO", logger="autoprec"):
-            _load_or_profile(workload, space, tmp_path, config, watch=watch)
-        assert [r.getMessage() for r in caplog.records] == [
-            f"{tmp_path / 'profile.json'}: written by another autoprec version (format version {shown}; this version "
-            f"reads {PROFILE_VERSION}); profiling again"
-        ]
-        assert "profile: reused the one saved in the output folder" not in watch.counts
-        assert json.loads((tmp_path / "profile.json").read_text())["version"] == PROFILE_VERSION  # measured and saved anew
-
-
 def test_a_saved_profile_needs_its_gradient_ranges(prof, tmp_path):
     prof.save(tmp_path)
     (tmp_path / "grad_ranges.csv").unlink()
@@ -235,15 +156,6 @@ def test_a_saved_profile_needs_its_gradient_ranges(prof, tmp_path):
 # ---- the metric only where it can matter --------------------------------------------------------
 
 
-def _fixed_times(ratios):
-    """A stand-in for the layer timing: fp32 1 ms, each other format `ratios[format]` times that."""
-
-    def time_layer(workload, name, module, inputs, formats, config):
-        return {f: (1.0 if f.value == "fp32" else ratios[f.value], 0.0, None) for f in formats}, {}
-
-    return time_layer
-
-
 def test_the_metric_is_evaluated_only_for_formats_the_profile_has_not_ruled_out(monkeypatch):
     from autoprec.tune import profiler
     from autoprec.tune.choices import build_choices
@@ -251,7 +163,7 @@ def test_the_metric_is_evaluated_only_for_formats_the_profile_has_not_ruled_out(
     calls = []
     real = profiler.metric_of
     monkeypatch.setattr(profiler, "metric_of", lambda w, m: calls.append(1) or real(w, m))
-    monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 2.0, "fp16": 0.5}))
+    monkeypatch.setattr(profiler, "_time_layer", fixed_layer_times({"bf16": 2.0, "fp16": 0.5}))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1.25}})
     prof = profile(workload, space, dataclasses.replace(FAST, numerics="offered"), progress=False)  # as a search's own
@@ -275,8 +187,9 @@ def test_numerics_are_measured_for_every_format_however_slow_it_runs_here(monkey
     format has its SQNR; speed rules out only what the search offers."""
     from autoprec.tune import profiler
     from autoprec.tune.choices import build_choices
+    from autoprec.tune.profile_data import flag
 
-    monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 0.5, "fp16": 0.5, slow: 300.0}))
+    monkeypatch.setattr(profiler, "_time_layer", fixed_layer_times({"bf16": 0.5, "fp16": 0.5, slow: 300.0}))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1.25}})
     prof = profile(workload, space, FAST, progress=False)
@@ -284,31 +197,10 @@ def test_numerics_are_measured_for_every_format_however_slow_it_runs_here(monkey
     assert bool(t.loc[("big", "fp16"), "overflow"]) is True  # flagged whatever fp16's speed here
     for layer in ("fc1", "big", "head"):  # run and judged: an SQNR, or the finding that it went non-finite
         row = t.loc[(layer, slow)]
-        assert profiler.flag(row["finite"]) is not None and (math.isfinite(row["sqnr_db"]) or not row["finite"]), (layer, slow)
+        assert flag(row["finite"]) is not None and (math.isfinite(row["sqnr_db"]) or not row["finite"]), (layer, slow)
     assert t.loc[("fc1", slow), "metric_source"] == "measured" and math.isfinite(t.loc[("fc1", slow), "metric_drop"])
     choices = build_choices(prof, space, 0.05, torch.device("cpu"))
     assert slow not in choices.layers["fc1"] and "300.00x" in choices.excluded["fc1"][slow]  # never offered
-
-
-def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_ruled_out(tmp_path, monkeypatch):
-    from autoprec.tune import SearchConfig, profiler
-    from autoprec.tune.cost import Stopwatch
-    from autoprec.tune.pipeline import _load_or_profile
-
-    monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 2.0}))
-    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    config = SearchConfig(budget=0.1, progress=False, profile=dataclasses.replace(FAST, numerics="offered"))
-    strict = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1.25}})
-    _load_or_profile(workload, strict, tmp_path, config)
-    watch = Stopwatch()
-    _load_or_profile(workload, strict, tmp_path, config, watch=watch)
-    assert watch.counts == {"profile: reused the one saved in the output folder": 1}
-    lenient = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 3.0}})
-    watch = Stopwatch()
-    again = _load_or_profile(workload, lenient, tmp_path, config, watch=watch)  # bf16 is in play now: judged
-    assert "profile: reused the one saved in the output folder" not in watch.counts
-    sources = again.table.loc[again.table["format"] == "bf16", "metric_source"]
-    assert not sources.str.startswith("not measured").any() and sources.str.startswith(("measured", "predicted")).all()
 
 
 def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found_alone(monkeypatch):
@@ -335,29 +227,6 @@ def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found
     rows = _pending(drops)
     profiler._judge_group(None, rows, Format.BF16, 1.0, None, Stopwatch())  # no tolerance: each alone
     assert len(evaluated) == 8 and all(r["metric_source"] == "measured" for r in rows)
-
-
-def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_only_as_precise(tmp_path):
-    from autoprec.tune import SearchConfig
-    from autoprec.tune.cost import Stopwatch
-    from autoprec.tune.pipeline import _load_or_profile
-
-    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
-    loose = SearchConfig(budget=0.5, progress=False, profile=FAST)
-    prof = _load_or_profile(workload, space, tmp_path, loose)
-    bf16 = prof.table[prof.table["format"] == "bf16"]
-    assert prof.group_tolerance == pytest.approx(0.05)
-    assert (bf16["metric_source"] == "measured").sum() == 1 and bf16["metric_source"].str.startswith("predicted").sum() == 2
-    assert Profile.load(tmp_path).group_tolerance == pytest.approx(0.05)
-    watch = Stopwatch()
-    _load_or_profile(workload, space, tmp_path, loose, watch=watch)
-    assert watch.counts == {"profile: reused the one saved in the output folder": 1}
-    watch = Stopwatch()
-    tight = _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.05, progress=False, profile=FAST), watch=watch)
-    assert "profile: reused the one saved in the output folder" not in watch.counts and tight.group_tolerance == pytest.approx(
-        0.005
-    )
 
 
 def _fake_group_metric(monkeypatch, drops, fails=()):
@@ -431,22 +300,6 @@ def test_a_users_error_in_evaluate_is_raised_at_once_not_halved_through(monkeypa
     with pytest.raises(UserError, match="evaluate"):
         profiler._judge_group(None, _pending({"a": 0, "b": 0, "c": 0}), Format.BF16, 1.0, 0.001, Stopwatch())
     assert len(calls) == 1
-
-
-def test_a_profile_of_autoprec_profile_measured_alone_is_reused_by_any_search(tmp_path):
-    from autoprec.tune import SearchConfig
-    from autoprec.tune.cost import Stopwatch
-    from autoprec.tune.pipeline import _load_or_profile
-
-    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
-    # group_testing=False wins over a tolerance: every drop measured alone
-    alone = SearchConfig(budget=0.5, progress=False, profile=dataclasses.replace(FAST, group_testing=False, group_tolerance=0.1))
-    first = _load_or_profile(workload, space, tmp_path, alone)
-    assert first.group_tolerance is None and (first.table["metric_source"] == "measured").all()
-    watch = Stopwatch()
-    _load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.001, progress=False, profile=FAST), watch=watch)
-    assert watch.counts == {"profile: reused the one saved in the output folder": 1}  # every drop measured: precise
 
 
 def test_each_layer_timing_records_how_far_its_isolated_step_rose():
@@ -625,17 +478,6 @@ def test_an_earlier_output_autograd_does_not_track_counts_as_fed_back():
     model = _Siamese()
     model.fc.requires_grad_(False)  # frozen, on data: its outputs carry no graph to search
     assert _run(prepare(_task_of(_Siamese), "cpu"), model, ["fc", "head"], 2)[0].fed_back == {"fc"}
-
-
-def test_a_slowdown_measured_inside_wide_noise_rules_nothing_out():
-    """On a loaded machine a layer's format timed at 2x fp32 with rounds spread ±75% may be as fast as fp32: it stays
-    in play (the search times whole steps); measured quietly, or probed many times slower, it is ruled out."""
-    from autoprec.tune.profiler import ruled_out
-
-    row = {"status": "ok", "format": "bf16", "time_vs_fp32": 2.0}
-    assert ruled_out({**row, "time_spread": 1.5}, None, 1.25) is None
-    assert ruled_out({**row, "time_spread": 0.1}, None, 1.25) == "measured 2.00x the layer's fp32 time on this device"
-    assert ruled_out({**row, "time_spread": math.nan}, None, 1.25) is not None  # probed only: the gap dwarfs the noise
 
 
 # ---- the three GEMMs: fprop (sqnr_db), dgrad (dgrad_sqnr_db), wgrad (grad_sqnr_db) ----------------------------------
@@ -827,33 +669,6 @@ def test_measuring_the_input_gradient_in_the_whole_model_leaves_the_layers_compu
     run = _in_model_run(workload, "attn", Format.FP32, 2)
     assert torch.equal(run.output, out) and torch.equal(run.grad, grad)
     assert run.dgrad is not None and run.dgrad.numel() == out.numel()  # h's gradient, once a call: 8 x 4 x 32, like its output
-
-
-def test_a_search_profiles_only_the_offered_formats_numerics_and_a_profile_alone_all_of_them():
-    from autoprec.tune import SearchConfig
-
-    assert SearchConfig(budget=0.1, profile=ProfileConfig(batches=4)).profile.numerics == "offered"
-    assert SearchConfig(budget=0.1, profile=ProfileConfig(numerics="all")).profile.numerics == "all"
-    assert ProfileConfig().numerics is None  # profile() reads None as "all"
-
-
-def test_a_saved_profile_that_left_numerics_unmeasured_does_not_serve_a_search_that_asks_for_all(tmp_path, monkeypatch):
-    from autoprec.tune import SearchConfig, profiler
-    from autoprec.tune.cost import Stopwatch
-    from autoprec.tune.pipeline import _load_or_profile
-
-    monkeypatch.setattr(profiler, "_time_layer", _fixed_times({"bf16": 2.0}))
-    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1.25}})
-    offered = SearchConfig(budget=0.1, progress=False, profile=dataclasses.replace(FAST, numerics="offered"))
-    assert _load_or_profile(workload, space, tmp_path, offered).numerics == "offered"
-    watch = Stopwatch()
-    again = _load_or_profile(
-        workload, space, tmp_path, dataclasses.replace(offered, profile=dataclasses.replace(FAST, numerics="all")), watch=watch
-    )
-    assert "profile: reused the one saved in the output folder" not in watch.counts and again.numerics == "all"
-    t = again.table.set_index(["layer", "format"])
-    assert not math.isnan(t.loc[("fc1", "bf16"), "sqnr_db"])  # measured now, though slower than fp32 here
 
 
 def test_a_layer_step_whose_layer_returns_no_floating_tensor_fails_saying_so():

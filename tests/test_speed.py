@@ -56,7 +56,9 @@ def _timed(per_ms, root_ms, fp32_ms=100.0, noise=(), roots=ROOTS):
 
 def test_the_fit_recovers_the_savings_a_step_was_made_of():
     speed_fit = fit(_timed(per_ms=2.0, root_ms=3.0))
-    assert speed_fit.per_ms == pytest.approx({ALL: 2.0}) and speed_fit.root_ms == pytest.approx({Format.FP32: 0.0, Format.BF16: 3.0})
+    assert speed_fit.per_ms == pytest.approx({ALL: 2.0}) and speed_fit.root_ms == pytest.approx(
+        {Format.FP32: 0.0, Format.BF16: 3.0}
+    )
     assert speed_fit.error == pytest.approx(0.0, abs=1e-9) and speed_fit.margin == MARGIN
     assert speed_fit.speedup(Features(5.0, Format.BF16)) == pytest.approx(100.0 / (100.0 - 10.0 - 3.0))
 

@@ -12,7 +12,7 @@ import pytest
 
 from autoprec import UserError
 from autoprec.tune.config import SearchConfig
-from autoprec.tune.storage import _storage, check_storage
+from autoprec.tune.storage import check_storage, study_storage
 
 
 def config(path: Path | str) -> SearchConfig:
@@ -22,7 +22,7 @@ def config(path: Path | str) -> SearchConfig:
 def open_storage(path: Path | str, out: Path) -> str:
     """Check --storage as the pipeline does before profiling, then open it; return where the study lives."""
     check_storage(config(path))
-    return _storage(config(path), out)[1]
+    return study_storage(config(path), out)[1]
 
 
 def real_journal(path: Path, trials: int = 3) -> None:
@@ -167,7 +167,7 @@ def test_non_regular_files_are_refused_in_one_line_before_anything_is_opened(tmp
             check_storage(config(path))
         assert str(path) in str(err.value) and "\n" not in str(err.value)
         with pytest.raises(UserError, match=what):
-            _storage(config(path), tmp_path)
+            study_storage(config(path), tmp_path)
 
 
 def test_a_journal_whose_folder_cannot_be_made_is_one_line(tmp_path):

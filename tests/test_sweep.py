@@ -13,21 +13,13 @@ from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choose import choose_per_budget
 from autoprec.tune.measure import metric_of
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.sweeper import pareto_front, parse_budgets, policy_filename, sweep
+from autoprec.tune.sweeper import pareto_front, policy_filename, sweep
 
 MODELS = Path(__file__).parent / "models"
 BUDGETS = (0.0, 0.01, 0.5)
 
 
-def test_budgets_parse_sorted_without_repeats_and_refuse_bad_values():
-    assert parse_budgets("0.02, 0,0.005,0.02") == (0.0, 0.005, 0.02)
-    assert parse_budgets([0.1, 0]) == (0.0, 0.1)
-    with pytest.raises(ValueError, match=r"numbers separated by commas, but got 'x'"):
-        parse_budgets("0,x")
-    with pytest.raises(ValueError, match=r"finite number >= 0.*'-0.1'"):
-        parse_budgets("0,-0.1")
-    with pytest.raises(ValueError, match="at least one number"):
-        parse_budgets(" , ")
+def test_each_budgets_policy_file_is_named_by_the_budget():
     assert policy_filename(0.005) == "policy-budget-0.005.json" and policy_filename(0.0) == "policy-budget-0.json"
 
 

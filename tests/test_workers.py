@@ -25,9 +25,9 @@ from autoprec import UserError
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import Choices
 from autoprec.tune.config import RETRIES
-from autoprec.tune.profiler import Profile
+from autoprec.tune.profile_data import Profile
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.storage import CHOICES_ATTR, _storage, open_study
+from autoprec.tune.storage import CHOICES_ATTR, open_study, study_storage
 
 WORKER = Path(__file__).parent / "search_worker.py"
 HOLDING = "test:holding"  # search_worker.py marks a trial it holds with --sleep
@@ -125,7 +125,7 @@ def test_workers_that_start_at_the_same_moment_search_the_first_stored_choices(t
 
 def test_database_storages_record_heartbeats_and_retry_silent_trials(tmp_path):
     config = SearchConfig(budget=0.1, storage=f"sqlite:///{tmp_path / 'study.db'}", heartbeat_s=5)
-    storage, where = _storage(config, tmp_path)
+    storage, where = study_storage(config, tmp_path)
     assert where == config.storage
     assert storage.get_heartbeat_interval() == 5 and storage.grace_period == 10
     assert storage.get_heartbeat_stale_trial_callback()._max_retry == RETRIES
@@ -133,10 +133,10 @@ def test_database_storages_record_heartbeats_and_retry_silent_trials(tmp_path):
 
 def test_storage_and_heartbeat_mistakes_name_the_value(tmp_path):
     with pytest.raises(UserError, match=r"--storage foo://bar: not a storage URL .* sqlite:///PATH"):
-        _storage(SearchConfig(budget=0.1, storage="foo://bar"), tmp_path)
+        study_storage(SearchConfig(budget=0.1, storage="foo://bar"), tmp_path)
     if importlib.util.find_spec("pg8000") is None:  # a PostgreSQL driver nobody here installs
         with pytest.raises(UserError, match="--storage postgresql\\+pg8000://.*driver is not installed"):
-            _storage(SearchConfig(budget=0.1, storage="postgresql+pg8000://u@127.0.0.1:1/db"), tmp_path)
+            study_storage(SearchConfig(budget=0.1, storage="postgresql+pg8000://u@127.0.0.1:1/db"), tmp_path)
     with pytest.raises(ValueError, match="heartbeat_s must be an integer >= 1 .* got 0"):
         SearchConfig(budget=0.1, heartbeat_s=0)
 
@@ -173,7 +173,7 @@ def test_a_database_password_is_in_neither_the_storage_recorded_nor_any_storage_
 
         monkeypatch.setattr(optuna.storages, "RDBStorage", Failing)
         with pytest.raises(UserError) as info:
-            _storage(SearchConfig(budget=0.1, storage=url), tmp_path)
+            study_storage(SearchConfig(budget=0.1, storage=url), tmp_path)
         assert shown in str(info.value) and "s3cret" not in str(info.value), str(info.value)
 
 

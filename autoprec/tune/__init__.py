@@ -10,7 +10,8 @@ A training script does not need this package: `import autoprec` (the runtime) ap
 from autoprec.tune.api import search, sweep
 from autoprec.tune.budget import Budget, parse_budget
 from autoprec.tune.config import Mode, ProfileConfig, SearchConfig
-from autoprec.tune.profiler import Profile, profile
+from autoprec.tune.profile_data import Profile
+from autoprec.tune.profiler import profile
 from autoprec.tune.searcher import SearchResult
 from autoprec.tune.space import Layout, SearchSpace, load_space
 from autoprec.tune.sweeper import SweepResult

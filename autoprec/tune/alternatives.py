@@ -24,7 +24,7 @@ from autoprec.formats import Format, Fp8Backend, device_name, format_problem, fp
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.choices import Choices, greedy_policy
 from autoprec.tune.measure import Candidate
-from autoprec.tune.profiler import Profile
+from autoprec.tune.profile_data import Profile
 
 FP32 = "fp32"
 TF32 = "TF32"

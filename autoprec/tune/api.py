@@ -55,7 +55,8 @@ def search_and_report(
     workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path, *, command: str, given: str | None = None
 ) -> searcher.SearchResult:
     """searcher.search, then summary.md and the heat maps beside its files (what `autoprec search` writes)."""
-    from autoprec.tune.report import plot_all, search_markdown
+    from autoprec.tune.plots import plot_all
+    from autoprec.tune.report import search_markdown
 
     out_dir = Path(out_dir)
     result = searcher.search(workload, space, config, out_dir, given=given)
@@ -75,7 +76,8 @@ def sweep_and_report(
     given: Mapping[float, str] | None = None,
 ) -> sweeper.SweepResult:
     """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes)."""
-    from autoprec.tune.report import plot_all, plot_pareto, sweep_markdown
+    from autoprec.tune.plots import plot_all, plot_pareto
+    from autoprec.tune.report import sweep_markdown
 
     out_dir = Path(out_dir)
     result = sweeper.sweep(workload, space, budgets, config, out_dir, given=given)

@@ -1,12 +1,36 @@
 """The accuracy budget as a user gives it: absolute, in the metric's units (`0.01`), or relative to the fp32
-metric's magnitude (`1%`), resolved to an absolute drop once the fp32 metric is measured."""
+metric's magnitude (`1%`), resolved to an absolute drop once the fp32 metric is measured.
+
+What a valid budget is, and a valid list of them, is said here only (`check_budget`, `parse_budgets`,
+`check_ascending`): the configuration, the sweep and the pipeline ask this module."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable, Sequence
 
 DEFAULT = "1%"  # what `autoprec search model.py` uses without --budget: 1% of the fp32 metric's magnitude
+
+
+def check_budget(value: object, *, what: str = "a budget", shown: object = None) -> float:
+    """`value` as an absolute budget: a finite number >= 0 (True is no number), -0.0 as 0.0, since -0.0 prints as
+    "-0" and repr()s apart from 0.0, which names the study. Else a ValueError: `what` must be ..., naming `shown`
+    (default `value`), as the user gave it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        got = value if shown is None else shown
+        raise ValueError(f"{what} must be a finite number >= 0 (the largest allowed metric drop), but got {got!r}")
+    return float(value) + 0.0
+
+
+def check_ascending(budgets: Sequence[float], *, what: str = "budgets") -> None:
+    """Budgets in the order a plan needs them: ascending, at least one."""
+    if not budgets or list(budgets) != sorted(budgets):
+        raise ValueError(f"{what} must be ascending and not empty, but got {budgets!r}")
+
+
+def _none_listed(value: object) -> ValueError:
+    return ValueError(f"budgets must list at least one number, such as 0,0.005,0.01, but got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,15 +41,7 @@ class Budget:
     relative: bool = False
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.value, bool)
-            or not isinstance(self.value, (int, float))
-            or not math.isfinite(self.value)
-            or self.value < 0
-        ):
-            raise ValueError(f"a budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.value!r}")
-        # -0.0 passes `>= 0` but prints as "-0" and repr()s apart from 0.0, which names the study: the same budget
-        object.__setattr__(self, "value", float(self.value) + 0.0)
+        object.__setattr__(self, "value", check_budget(self.value))  # a float, -0.0 as 0.0
 
     def resolve(self, fp32_metric: float) -> float:
         return self.value * abs(fp32_metric) if self.relative else float(self.value)
@@ -52,14 +68,28 @@ def parse_budget(value: object) -> Budget:
         raise ValueError(
             f"a budget must be a number in the metric's units (0.01) or a percentage of the fp32 metric (1%), but got {value!r}"
         ) from None
-    if isinstance(number, bool) or not math.isfinite(number) or number < 0:
-        raise ValueError(f"a budget must be a finite number >= 0 (the largest allowed metric drop), but got {value!r}")
-    return Budget(number / 100 if relative else float(number), relative=relative)
+    number = check_budget(number, shown=value)
+    return Budget(number / 100 if relative else number, relative=relative)
 
 
 def parse_budget_list(value: object) -> tuple[Budget, ...]:
     """Budgets from "0,0.5%,1%" (commas) or a sequence of numbers and strings."""
     items = [v for v in str(value).split(",") if v.strip()] if isinstance(value, str) else list(value)  # type: ignore[call-overload]
     if not items:
-        raise ValueError(f"budgets must list at least one number, such as 0,0.005,0.01, but got {value!r}")
+        raise _none_listed(value)
     return tuple(parse_budget(item) for item in items)
+
+
+def parse_budgets(value: str | Iterable[float]) -> tuple[float, ...]:
+    """Absolute budgets from "0,0.002,0.01" or numbers: finite, >= 0, sorted, duplicates dropped."""
+    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+    budgets = []
+    for item in items:
+        try:
+            number = float(item)
+        except (TypeError, ValueError):
+            raise ValueError(f"budgets must be numbers separated by commas, but got {item!r} in {value!r}") from None
+        budgets.append(check_budget(number, what="every budget", shown=item))  # -0.0 is 0.0: one budget, one file name
+    if not budgets:
+        raise _none_listed(value)
+    return tuple(sorted(set(budgets)))

@@ -31,7 +31,7 @@ import torch
 
 from autoprec.formats import Format, autocast_supported
 from autoprec.policy import ROOT, LossScale, Policy
-from autoprec.tune.profiler import Profile, as_float, ruled_out
+from autoprec.tune.profile_data import Profile, as_float, ruled_out
 from autoprec.tune.space import Layout, SearchSpace, parse_layout
 
 log = logging.getLogger("autoprec")

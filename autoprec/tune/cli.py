@@ -184,7 +184,7 @@ def _command(verb: str, storage: str | None) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from autoprec.tune.api import sweep_and_report
-    from autoprec.tune.sweeper import parse_budgets
+    from autoprec.tune.budget import parse_budgets
 
     specs = _budgets(args, "--budgets", args.budgets)
     config = _search_config(args)
@@ -211,9 +211,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.tune.config import ProfileConfig
-    from autoprec.tune.pipeline import claim_out_dir
+    from autoprec.tune.out_dir import claim_out_dir
+    from autoprec.tune.plots import plot_all
     from autoprec.tune.profiler import profile
-    from autoprec.tune.report import breaks, breaks_summary, gradient_summary, plot_all, profile_summary
+    from autoprec.tune.report import breaks, breaks_summary, gradient_summary, profile_summary
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from autoprec.tune.budget import check_budget
 from autoprec.tune.space import parse_option
 
 # ---- tuning constants --------------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class ProfileConfig:
     gross_slowdown: float = 4.0
     grad_batches: int | None = 8
     max_underflow: float = 1e-3
-    compile: bool = False  # time each layer's step under torch.compile (SearchConfig.compile sets it)
+    compile: bool = False  # time each layer's step under torch.compile (in a search: SearchConfig.compile)
     group_tolerance: float | None = None
     group_testing: bool = True
     # "all": every layer x format this device can run or emulate has its numerics (SQNR, finiteness, overflow, metric
@@ -185,9 +186,7 @@ class SearchConfig:
     time_budget: float | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget >= 0):
-            raise ValueError(f"budget must be a finite number >= 0 (the largest allowed metric drop), but got {self.budget!r}")
-        object.__setattr__(self, "budget", float(self.budget) + 0.0)  # -0.0 would name another study than 0.0
+        object.__setattr__(self, "budget", check_budget(self.budget, what="budget"))  # -0.0 would name another study
         object.__setattr__(self, "mode", parse_mode(self.mode))
         object.__setattr__(self, "objective", parse_goal(self.objective))
         if self.max_memory is not None and (
@@ -220,8 +219,12 @@ class SearchConfig:
                              "layer timings, the trials and the re-measure; set SearchConfig(compile=True)")  # fmt: skip
         if self.profile.numerics is None:  # a search's own profile: the numerics of formats it does not offer wait
             object.__setattr__(self, "profile", dataclasses.replace(self.profile, numerics="offered"))
-        if self.compile != self.profile.compile:  # one switch: the profile's layer timings follow the search's
-            object.__setattr__(self, "profile", dataclasses.replace(self.profile, compile=self.compile))
+
+    @property
+    def profile_settings(self) -> ProfileConfig:
+        """The profile this search measures: `profile`, its layer timings compiled as the search's steps are. One
+        switch, `compile`, owns that: `profile.compile` is read only to refuse True without it."""
+        return self.profile if self.profile.compile == self.compile else dataclasses.replace(self.profile, compile=self.compile)
 
 
 def default_compile(device: str | torch.device) -> bool:

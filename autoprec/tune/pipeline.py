@@ -15,17 +15,14 @@ fp32 result's own spread over seeds) is measured and reported beside the budget.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
-import errno
 import importlib.metadata
 import json
 import logging
 import math
-import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +31,7 @@ import torch
 
 from autoprec.apply import fp8_backend
 from autoprec.errors import UserError
-from autoprec.files import OtherVersion, Taken, claim_folder, read_json, write_atomically
+from autoprec.files import write_atomically
 from autoprec.formats import Format, device_name
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tune import memory
@@ -45,11 +42,11 @@ from autoprec.tune.alternatives import (
     Alternatives,
     alternatives,
 )
+from autoprec.tune.budget import check_ascending
 from autoprec.tune.choices import Choices, build_choices, policy_from_params, warm_starts
 from autoprec.tune.choose import choose_per_budget, not_separated, safer_variant
 from autoprec.tune.config import (
     FINAL_SHARE,
-    GROUP_SHARE,
     NOISY_SPREAD,
     SETTLED,
     SETTLED_FINAL_ROUNDS,
@@ -59,10 +56,11 @@ from autoprec.tune.config import (
     TimingConfig,
 )
 from autoprec.tune.cost import Stopwatch
-from autoprec.tune.measure import Candidate, NoiseFloor, all_settled, fp32_step_failed, measure_steps_or_fail, more_if_noisy
+from autoprec.tune.measure import Candidate, all_settled, fp32_step_failed, measure_steps_or_fail, more_if_noisy
 from autoprec.tune.objective import Judge, Objective, run_trials
-from autoprec.tune.profiler import Profile, profile, ruled_out
-from autoprec.tune.records import Finals, Measured, Measurement, Result, StudyRef
+from autoprec.tune.out_dir import claim_out_dir, disk_full, earlier_result, load_or_profile
+from autoprec.tune.profile_data import Profile
+from autoprec.tune.records import Chosen, Finals, Measured, Measurement, Result, StudyRef
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes
 from autoprec.tune.storage import check_storage, open_study
@@ -90,8 +88,7 @@ class Plan:
     given: Mapping[float, str] = dataclasses.field(default_factory=dict)  # budget -> how the user gave it, if relative
 
     def __post_init__(self) -> None:
-        if not self.budgets or list(self.budgets) != sorted(self.budgets):
-            raise ValueError(f"plan.budgets must be ascending and not empty, but got {self.budgets!r}")
+        check_ascending(self.budgets, what="plan.budgets")
 
     @property
     def is_sweep(self) -> bool:
@@ -100,19 +97,6 @@ class Plan:
     def greedy_name(self, budget: float) -> str:
         """Each budget has its own profile-greedy policy; with one budget it keeps the plain name."""
         return GREEDY if len(self.budgets) == 1 else f"{GREEDY} {budget:g}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Chosen:
-    """One budget's result: the candidate chosen (its name among the re-measured), why, the policy written
-    (with `measured`), the file it went to, and the name of that budget's profile-greedy candidate."""
-
-    budget: float
-    name: str
-    why: str
-    policy: Policy
-    file: Path
-    greedy: str
 
 
 @dataclasses.dataclass
@@ -156,7 +140,7 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
         except UserError:
             raise
         except Exception as exc:
-            full = _disk_full(exc)
+            full = disk_full(exc)
             if full is None:
                 raise
             # Optuna's own write of the study (or a compiler's cache) on a full disk: every complete trial is kept,
@@ -170,21 +154,6 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
                 f"--out {out_dir}: no space left on the device ({where}); free some space and run the same command "
                 "again: the study resumes from its complete trials"
             ) from exc
-
-
-FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}  # a full disk, or the user's quota
-
-
-def _disk_full(exc: BaseException | None) -> OSError | None:
-    """The full-disk OSError behind `exc`, if any: Optuna, failing to record a trial, raises an AssertionError of its
-    own from inside the OSError's handling."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, OSError) and exc.errno in FULL:
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, plan: Plan) -> Run:
@@ -266,44 +235,22 @@ def _complete(study: optuna.Study) -> int:
 
 
 def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
-    """The result an earlier run of this finished study wrote to out_dir, when every file of it is there and
-    it was chosen from the study as it stands (as many complete trials: no worker added one since); else
-    None, and the finalists are re-measured. Rerunning the same command must not swap a policy on new noise."""
-    study, config = started.study, started.judge.config
-    chosen, noise = [], None
-    for b in plan.budgets:
-        path = out_dir / plan.policy_file(b)
-        try:
-            policy = Policy.from_dict(read_json(path))
-        except (OSError, ValueError):  # a UserError from read_json too: unreadable, so measured again
-            return None
-        m = Measured.of(policy)
-        if config.mode is Mode.TRAIN:  # the noise floor it was judged against: this study's own, or measure again
-            noise = NoiseFloor.from_dict(m.noise)
-            if noise is None or noise.steps != config.train_steps or len(noise.metrics) != config.noise_runs:
-                return None
-        written = (m.budget, m.study.name, m.study.storage, m.study.complete)
-        if written != (b, study.study_name, started.storage, _complete(study)) or m.greedy is None or m.chosen is None:
-            return None
-        chosen.append(Chosen(budget=b, name=m.chosen, why=m.why or "", policy=policy, file=path, greedy=m.greedy))
-    try:
-        finals = Finals.read_csv(out_dir / plan.finalists_file)
-    except OtherVersion as exc:
-        log.warning("%s; re-measuring the finalists", exc)
+    """The result an earlier run of this finished study wrote to out_dir, where it stands (out_dir.earlier_result);
+    else None, and the finalists are re-measured."""
+    study = started.study
+    files = {b: out_dir / plan.policy_file(b) for b in plan.budgets}
+    now = StudyRef(name=study.study_name, storage=started.storage, complete=_complete(study))
+    earlier = earlier_result(files, out_dir / plan.finalists_file, now, started.judge.config)
+    if earlier is None:
         return None
-    except (OSError, ValueError):
-        return None
-    if not {c.name for c in chosen} | {c.greedy for c in chosen} <= set(finals.names):
-        return None
-    if noise is not None:  # every file matched: the result stands with the noise floor it recorded
-        started.judge.known(noise)
+    if earlier.noise is not None:  # every file matched: the result stands with the noise floor it recorded
+        started.judge.known(earlier.noise)
     log.warning(
         "study %r is finished and its result in %s stands (nothing re-measured); pass --remeasure to re-measure its "
         "finalists and choose again, or --trials N for more trials", study.study_name, out_dir,
     )  # fmt: skip
     trials = trials_table(study, started.choices, started.profile)
-    cost = dict(Measured.of(chosen[0].policy).cost)
-    return Run(started=started, candidates={}, finals=finals, chosen=chosen, trials=trials, cost=cost)
+    return Run(started=started, candidates={}, finals=earlier.finals, chosen=earlier.chosen, trials=trials, cost=earlier.cost)
 
 
 def gather_candidates(
@@ -344,58 +291,6 @@ def gather_candidates(
     return candidates, greedy, notes
 
 
-def check_out_dir(workload: Workload, out_dir: Path) -> None:
-    """Refuse, before anything is written, an output folder that holds another model's results (its saved
-    profile or policy file names another model or structure), or whose policy.json cannot be written."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir}: a file, not a folder; give a folder for the results")
-    mine = (workload.task.name, model_fingerprint(workload.model))
-    for name, read in (("profile.json", lambda d: (d.get("model"), d.get("fingerprint"))),
-                       ("policy.json", lambda d: (d.get("measured", {}).get("model"), d.get("measured", {}).get("fingerprint")))):  # fmt: skip
-        path = out_dir / name
-        if path.is_dir():
-            raise UserError(f"{path}: a folder is in the way of the results file; move it or pick another --out")
-        try:
-            theirs = read(read_json(path)) if path.is_file() else None
-        except (ValueError, AttributeError, OSError):
-            continue  # unreadable: the profile is measured again, the policy written anew
-        if theirs is None:
-            continue
-        model, fingerprint = theirs
-        if fingerprint is not None and fingerprint != mine[1] or (model is not None and model != mine[0] and fingerprint is None):
-            raise UserError(
-                f"--out {out_dir} holds results of another model structure ({name}: {model or 'a model'} {fingerprint}; "
-                f"{workload.task.path} is {mine[0]} {mine[1]}): pick another --out, or remove profile.*, policy.json and "
-                "study.journal there to start over; nothing was written"
-            )
-    try:  # writable, before minutes of profiling and trials
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out_dir).close()
-    except OSError as exc:
-        raise UserError(f"--out {out_dir}: cannot write results there ({exc.strerror or exc}); pick another --out") from None
-
-
-@contextlib.contextmanager
-def claim_out_dir(workload: Workload, out_dir: Path) -> Iterator[None]:
-    """check_out_dir, and the folder held for this model until the block ends (files.claim_folder): a run of another
-    model started at the same moment is refused, where both passed the check before either wrote, and one's results
-    replaced the other's. Other workers and reruns of the same model (its fingerprint) share the folder."""
-    out_dir = Path(out_dir)
-    check_out_dir(workload, out_dir)  # makes the folder: the claim lives in it
-    mine = {"model": workload.task.name, "fingerprint": model_fingerprint(workload.model), "path": str(workload.task.path)}
-    try:
-        with claim_folder(out_dir, mine, key="fingerprint", check=lambda: check_out_dir(workload, out_dir)):
-            yield
-    except Taken as taken:
-        theirs = taken.owner
-        who = f"{theirs.get('model', 'a model')} {theirs.get('fingerprint', '')}, from {theirs.get('path', '?')}, process {theirs.get('pid', '?')}"
-        raise UserError(
-            f"--out {out_dir}: a run for another model is writing there now ({who}; {workload.task.path} is {mine['model']} "
-            f"{mine['fingerprint']}): pick another --out, or wait for that run to end; nothing was written"
-        ) from None
-
-
 def start(
     workload: Workload,
     space: SearchSpace,
@@ -409,7 +304,7 @@ def start(
     """Profile (or reuse the saved profile; its drops as precise as `smallest_budget` needs, default the
     config's), derive the choices, create or join the study with its warm starts (all-fp32, then
     choices.warm_starts), and the judge (whose noise floor, in train mode, is measured when first needed)."""
-    prof = _load_or_profile(workload, space, out_dir, config, watch=watch, budget=smallest_budget)
+    prof = load_or_profile(workload, space, out_dir, config, watch=watch, budget=smallest_budget)
     choices = build_choices(prof, space, config.budget, workload.device, judge_drop=config.mode is Mode.WEIGHTS)
 
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
@@ -535,59 +430,6 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             out[dist] = "not installed"
     return out
-
-
-def _load_or_profile(
-    workload: Workload,
-    space: SearchSpace,
-    out_dir: Path,
-    config: SearchConfig,
-    *,
-    watch: Stopwatch | None = None,
-    budget: float | None = None,
-) -> Profile:
-    """Reuse the profile a previous run of the same model on the same device wrote; else measure. `watch`
-    receives the profiling stages, or a count when the saved profile was reused. `budget`: the smallest budget
-    its drops serve (default config.budget), a tenth of which is the group tolerance (GROUP_SHARE)."""
-    watch = watch or Stopwatch()
-    settings = config.profile
-    if settings.group_tolerance is None and settings.group_testing:
-        settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * (config.budget if budget is None else budget))
-    cached = None
-    if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
-        try:
-            cached = Profile.load(out_dir)
-        except OtherVersion as exc:  # its numbers may mean something else here: measured again, not read
-            log.warning("%s; profiling again", exc)
-        except Exception as exc:  # a torn or hand-edited file: measuring again is the repair
-            log.warning("%s: the saved profile cannot be read (%s: %s); profiling again", out_dir, type(exc).__name__, exc)
-    if cached is not None:
-        same = (
-            cached.fingerprint == model_fingerprint(workload.model)
-            and cached.device == device_name(str(workload.device))
-            and cached.compiled == config.compile
-        )
-        tunable = space.tunable_layers(workload.model).items()
-        offered = {(n, f.value) for n, fs in tunable for f in fs if n not in cached.uncalled}
-        # a cell whose metric was skipped as ruled out must still be ruled out under this space's prune rule
-        skipped = cached.table[cached.table["metric_source"].str.startswith("not measured")]
-        still_out = all(ruled_out(row, None, space.prune_slower_than) is not None for _, row in skipped.iterrows())
-        # drops it predicted from groups are as precise as its tolerance: no coarser than this search's
-        predicted = cached.table["metric_source"].str.startswith("predicted").any()
-        wanted = settings.group_tolerance if settings.group_testing else None
-        precise = not predicted or (
-            cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted
-        )
-        # numerics asked of every format: a profile that left some unmeasured ("offered") does not serve
-        numerics = cached.numerics == "all" or settings.numerics == "offered"
-        if same and still_out and precise and numerics and offered == set(zip(cached.table["layer"], cached.table["format"])):
-            log.info("reusing the profile in %s", out_dir)
-            watch.count("profile: reused the one saved in the output folder")
-            return cached
-    prof = profile(workload, space, settings, progress=config.progress)
-    watch.merge(prof.cost)
-    prof.save(out_dir)
-    return prof
 
 
 def final_remeasure(

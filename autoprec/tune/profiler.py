@@ -5,34 +5,32 @@ its three GEMMs' results (its output, fprop; the gradient it sends to its inputs
 wgrad), the task metric and its drop, whether anything became non-finite, whether fp16 overflows, and the layer's
 own forward+backward time in that format. Beside it, the layer's gradient ranges (gradients.py): what each format
 would flush to zero or overflow, per loss scale, and from that the loss-scale range for fp16.
+
+What it writes (the table, `Profile`) and the rules the rest of the tuner reads it by are profile_data.py's: reading a
+profile needs none of the measuring here.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import math
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
 from autoprec.apply import apply_policy
 from autoprec.errors import UserError, describe
-from autoprec.files import check_version, write_atomically
-from autoprec.formats import AUTOCAST_DTYPE, FP16_MAX, Format, device_name, format_problem
+from autoprec.formats import AUTOCAST_DTYPE, Format, device_name, format_problem
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tensors import map_tensors
 from autoprec.tune import memory
 from autoprec.tune.config import ProfileConfig
 from autoprec.tune.cost import Stopwatch
-from autoprec.tune.gradients import LayerGradients, ScaleAdvice, advise, collect, profile_columns, scale_table
+from autoprec.tune.gradients import LayerGradients, collect, profile_columns, scale_table
 from autoprec.tune.measure import (
     Step,
     compile_scope,
@@ -46,118 +44,15 @@ from autoprec.tune.measure import (
     probe_times,
     sqnr_db,
 )
+from autoprec.tune.profile_data import COLUMNS, SQNR_COLUMNS, Profile, as_float, ruled_out
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload, check_loss
 
 log = logging.getLogger("autoprec")
 
-COLUMNS = [
-    # SQNR (dB) against fp32 of each GEMM's result, the layer replayed alone (or, fed its own output, in the whole model):
-    # sqnr_db its output (fprop), grad_sqnr_db its parameters' gradient (wgrad), dgrad_sqnr_db the gradient it sends to
-    # its inputs (dgrad; empty where none flows back in the model: a first layer on data). inf: equal; empty with
-    # finite False: that result went non-finite
-    "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "dgrad_sqnr_db", "metric",
-    "metric_drop", "finite", "overflow", "max_abs", "time_ms", "time_spread", "time_vs_fp32",
-    # the most the live tensor bytes rose over the layer's isolated forward + backward after its timing (its output,
-    # what it saves for backward, its gradients and casts; memory.py; no state, unlike a whole step's peak); empty
-    # where the device has no measurement
-    "step_rise_bytes",
-    # gradient ranges (gradients.py), without loss scaling: largest and smallest nonzero |gradient| of the
-    # layer, the fractions of nonzero gradient elements this format flushes to zero / leaves subnormal /
-    # overflows, and (fp16 rows) the layer's own loss-scale range in log2
-    "grad_amax", "grad_amin", "grad_underflow", "grad_subnormal", "grad_overflow", "scale_low_log2", "scale_high_log2",
-    # the layer whose timing this row reuses: layers of one type, configuration and input shapes are timed once
-    "timed_as",
-    # "measured", or why the metric was not evaluated: a format the profile already rules out (slower than
-    # fp32 by more than the space's prune.slower_than, non-finite, overflowing) is never chosen, whatever its drop
-    "metric_source",
-]  # fmt: skip
-
-SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqnr_db"}  # each GEMM's column
-
-# profile.json's "version": the format of profile.json, profile.csv and grad_ranges.csv together. Raise it when any of
-# them changes (a column, a field, what a value means); Profile.load reads no other, and a search measures again.
-PROFILE_VERSION = 2  # 2: dgrad_sqnr_db
-
 MEASURED = "measured"
 SQNR_STAGE = "profile: output and gradient SQNR per format"
 PENDING = "pending"  # in play after the SQNR pass: its metric is judged with the others of its format (_judge_group)
-
-
-@dataclasses.dataclass
-class Profile:
-    """One row per (layer, format); `fp32_metric` is the all-fp32 model's metric. `grad_ranges`: the
-    per-loss-scale gradient table (gradients.scale_table), saved as grad_ranges.csv; `max_underflow`: the
-    tolerance the loss-scale advice uses."""
-
-    table: pd.DataFrame
-    fp32_metric: float
-    metric_name: str
-    device: str
-    fingerprint: str
-    grad_ranges: pd.DataFrame | None = None
-    max_underflow: float = 1e-3
-    cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict() of the profiling run
-    compiled: bool = False  # layer times measured under torch.compile
-    uncalled: list[str] = dataclasses.field(default_factory=list)  # tunable layers loss_fn never calls: left out
-    group_tolerance: float | None = None  # ProfileConfig's: the drops it predicted are that precise
-    numerics: str = "all"  # ProfileConfig's: "offered" left the numerics of formats its timing ruled out unmeasured
-
-    def save(self, out_dir: str | Path) -> Path:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fields = ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled", "uncalled",
-                  "group_tolerance", "numerics")  # fmt: skip
-        meta: dict[str, Any] = {"version": PROFILE_VERSION, **{k: getattr(self, k) for k in fields}}
-        advice = self.advice()
-        meta["loss_scale_advice"] = advice.to_dict() if advice else None
-        text = json.dumps(meta, indent=2) + "\n"
-        write_atomically(out_dir / "profile.csv", lambda tmp: self.table.to_csv(tmp, index=False))
-        write_atomically(out_dir / "profile.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
-        if self.grad_ranges is not None:
-            grad_ranges = self.grad_ranges
-            write_atomically(out_dir / "grad_ranges.csv", lambda tmp: grad_ranges.to_csv(tmp, index=False))
-        return out_dir / "profile.csv"
-
-    @classmethod
-    def load(cls, out_dir: str | Path) -> Profile:
-        """What `save` wrote to out_dir, at this PROFILE_VERSION (files.OtherVersion for another, or none)."""
-        out_dir = Path(out_dir)
-        meta = json.loads((out_dir / "profile.json").read_text(encoding="utf-8"))
-        check_version(out_dir / "profile.json", meta.get("version") if isinstance(meta, dict) else None, PROFILE_VERSION)
-        del meta["version"]
-        meta.pop("loss_scale_advice", None)  # derived from grad_ranges on demand
-        # layer names are strings even when they look like numbers (nn.Sequential's "0", "2")
-        table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True, dtype={"layer": str, "timed_as": str})
-        missing = [c for c in COLUMNS if c not in table]
-        if missing:
-            raise ValueError(f"{out_dir / 'profile.csv'}: no column {missing[0]!r}")
-        table["reason"] = table["reason"].fillna("")
-        table["metric_source"] = table["metric_source"].fillna("")
-        grad_ranges = pd.read_csv(out_dir / "grad_ranges.csv", dtype={"layer": str})  # profile() always measures them
-        return cls(table=table[COLUMNS], grad_ranges=grad_ranges, **meta)
-
-    def layers(self) -> list[str]:
-        return list(dict.fromkeys(self.table["layer"]))
-
-    def advice(self, layers: list[str] | None = None) -> ScaleAdvice | None:
-        """The loss-scale range for fp16 in the given layers (None: those the profile ran in fp16)."""
-        if self.grad_ranges is None:
-            return None
-        if layers is None:
-            layers = list(dict.fromkeys(self.table.loc[self.table["format"] == Format.FP16.value, "layer"]))
-        return advise(self.grad_ranges, layers, self.max_underflow)
-
-    def predicted_drop(self, layers: Mapping[str, Format | str]) -> float:
-        """The sum of the single-layer metric drops of a policy's lowered layers: what the profile predicts
-        for the policy if the layers' effects add up. Layers it did not profile (the model root) count 0."""
-        drops = self.table.set_index(["layer", "format"])["metric_drop"]
-        total = 0.0
-        for name, fmt in layers.items():
-            fmt = str(getattr(fmt, "value", fmt))
-            if fmt != Format.FP32.value and (name, fmt) in drops.index:
-                total += float(drops.loc[(name, fmt)])
-        return total
 
 
 def _float_tensors(out: Any) -> list[torch.Tensor]:
@@ -425,43 +320,6 @@ def _timing_key(module: torch.nn.Module, inputs: tuple[tuple, dict], formats: li
     params = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
     signature = map_tensors(inputs, lambda t: f"tensor{tuple(t.shape)}:{t.dtype}:{t.requires_grad}")
     return repr((type(module).__qualname__, repr(module), params, signature, [f.value for f in formats]))
-
-
-def ruled_out(row: Mapping[str, Any], budget: float | None, slower_than: float) -> str | None:
-    """Why the profile rules a format out for a layer (a row of the table), or None. `budget` None: do not
-    judge the single-layer drop (train mode, whose budget is on another measurement; or before it is known)."""
-    if row["status"] != "ok":
-        return str(row["reason"])
-    if flag(row.get("finite")) is False:
-        return "non-finite output, gradient, loss or metric when lowered alone"
-    if flag(row.get("overflow")) is True:
-        return f"fp16 overflows: max |output| {float(row['max_abs']):.4g} > {FP16_MAX:g} or inf when lowered"
-    grad_overflow = as_float(row.get("grad_overflow"))
-    if row["format"] == Format.FP16.value and grad_overflow > 0:
-        return f"fp16 gradients overflow even at loss scale 1 ({100 * grad_overflow:.2g}% of elements above {FP16_MAX:g})"
-    drop = as_float(row.get("metric_drop"))
-    if budget is not None and drop > budget:
-        return f"alone drops the metric by {drop:.4g} > budget {budget:g}"
-    ratio = as_float(row.get("time_vs_fp32"))
-    spread = as_float(row.get("time_spread"))  # NaN where probed only: many times slower, beyond any noise
-    # measured inside wide noise (a loaded machine), a slowdown rules nothing out: the search's whole steps judge it
-    fast_end = ratio * (1 - spread / 2) if math.isfinite(spread) else ratio
-    if math.isfinite(ratio) and fast_end > slower_than:
-        return f"measured {ratio:.2f}x the layer's fp32 time on this device"
-    return None
-
-
-def flag(value: Any) -> bool | None:
-    """A True/False cell of the table; None where it was not measured (empty)."""
-    return bool(value) if isinstance(value, (bool, np.bool_)) else None
-
-
-def as_float(value: Any) -> float:
-    """A table cell as a float; NaN where it holds none (empty, text)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def _profile_layer(

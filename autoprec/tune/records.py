@@ -3,7 +3,8 @@
 - `Measurement`: one candidate re-measured beside the others (a row of finalists.csv);
 - `Finals`: all of them, in the order they were measured, looked up by name;
 - `Result`: what a policy file keeps of one measurement (`measured.results[label]`);
-- `Measured`: a policy file's `measured` block, written by the pipeline and read by the reports.
+- `Measured`: a policy file's `measured` block, written by the pipeline and read by the reports;
+- `Chosen`: one budget's result, the policy file written for it.
 
 The runtime's `Policy.measured` stays a plain mapping (it is provenance, and a training script needs none of
 this); `Measured.of(policy)` is its typed view, lenient: a policy edited or written by hand reads as far as it is
@@ -241,6 +242,19 @@ class Result:
             train_skipped_steps=_count(data.get("train_skipped_steps")), error=_text(data.get("error")),
             peak_bytes=_count(data.get("peak_bytes")), memory_saving=_number(data.get("memory_saving")),
         )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    """One budget's result: the candidate chosen (its name among the re-measured), why, the policy written
+    (with `measured`), the file it went to, and the name of that budget's profile-greedy candidate."""
+
+    budget: float
+    name: str
+    why: str
+    policy: Policy
+    file: Path
+    greedy: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ from autoprec.tune.choices import Choices
 from autoprec.tune.config import Mode, SearchConfig, parse_mode
 from autoprec.tune.measure import NoiseFloor
 from autoprec.tune.pipeline import Plan, run
-from autoprec.tune.profiler import Profile
+from autoprec.tune.profile_data import Profile
 from autoprec.tune.records import Finals
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload

@@ -29,7 +29,7 @@ from autoprec.tune.task import Workload
 log = logging.getLogger("autoprec")
 
 
-def _storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
+def study_storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
     url = config.storage
     if url is None or "://" not in url:
         # Optuna's recommended storage for several processes on one machine: a journal file behind a file
@@ -313,7 +313,7 @@ def open_study(
     `objectives=2`, also minimise the metric drop). Every worker proposes its choices on the all-fp32 warm-start trial; the first
     proposal in the storage wins, and only its worker queues the other warm starts (`warm_starts(choices)`).
     Two workers starting at the same moment may both queue the fp32 trial: it is then measured twice."""
-    storage, where = _storage(config, out_dir)
+    storage, where = study_storage(config, out_dir)
     name = config.study_name or workload.task.name
     study = optuna.create_study(
         study_name=name,

@@ -23,12 +23,13 @@ from autoprec.files import write_atomically
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.alternatives import BF16
+from autoprec.tune.budget import parse_budgets
 from autoprec.tune.choices import Choices
 from autoprec.tune.config import Goal, SearchConfig
 from autoprec.tune.measure import NoiseFloor
-from autoprec.tune.pipeline import Chosen, Plan, run
-from autoprec.tune.profiler import Profile
-from autoprec.tune.records import Finals, Measured
+from autoprec.tune.pipeline import Plan, run
+from autoprec.tune.profile_data import Profile
+from autoprec.tune.records import Chosen, Finals, Measured
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload
 
@@ -82,23 +83,6 @@ class SweepResult:
         from autoprec.tune.report import sweep_summary
 
         return sweep_summary(self, markdown=markdown)
-
-
-def parse_budgets(value: str | Iterable[float]) -> tuple[float, ...]:
-    """Budgets from "0,0.002,0.01" or numbers: finite, >= 0, sorted, duplicates dropped."""
-    items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
-    budgets = []
-    for item in items:
-        try:
-            b = float(item) + 0.0  # -0.0 is 0.0: one budget, one policy file name
-        except (TypeError, ValueError):
-            raise ValueError(f"budgets must be numbers separated by commas, but got {item!r} in {value!r}") from None
-        if not math.isfinite(b) or b < 0:
-            raise ValueError(f"every budget must be a finite number >= 0 (the largest allowed metric drop), but got {item!r}")
-        budgets.append(b)
-    if not budgets:
-        raise ValueError(f"budgets must list at least one number, such as 0,0.005,0.01, but got {value!r}")
-    return tuple(sorted(set(budgets)))
 
 
 def policy_filename(budget: float) -> str:

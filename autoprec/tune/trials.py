@@ -15,7 +15,7 @@ import pandas as pd
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.choices import Choices, policy_from_params
 from autoprec.tune.cost import Stopwatch
-from autoprec.tune.profiler import Profile
+from autoprec.tune.profile_data import Profile
 from autoprec.tune.speed import LayerTimes, Timed
 
 log = logging.getLogger("autoprec")

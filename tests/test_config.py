@@ -1,0 +1,33 @@
+"""autoprec/tune/config.py: what a search is configured with, and what each setting means for the others."""
+
+import dataclasses
+
+import pytest
+
+from autoprec.tune import ProfileConfig, SearchConfig
+
+
+def test_budget_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"budget must be .*>= 0.*-0.5"):
+        SearchConfig(budget=-0.5)
+
+
+def test_a_search_profiles_only_the_offered_formats_numerics_and_a_profile_alone_all_of_them():
+    assert SearchConfig(budget=0.1, profile=ProfileConfig(batches=4)).profile.numerics == "offered"
+    assert SearchConfig(budget=0.1, profile=ProfileConfig(numerics="all")).profile.numerics == "all"
+    assert ProfileConfig().numerics is None  # profile() reads None as "all"
+
+
+def test_compile_is_one_switch_the_search_owns_and_its_configs_stay_as_given():
+    """The profile's layer timings are compiled as the search's steps are: derived from SearchConfig.compile, never
+    written back into the frozen config (which kept a second copy in step by mutating it)."""
+    given = ProfileConfig(batches=4, numerics="all")
+    config = SearchConfig(budget=0.1, compile=True, profile=given)
+    assert config.profile is given and config.profile.compile is False  # as the caller gave it
+    assert config.profile_settings.compile is True and config.profile_settings.batches == 4
+    eager = SearchConfig(budget=0.1, profile=given)
+    assert eager.profile_settings is given  # nothing to derive
+    assert dataclasses.replace(config, compile=False).profile_settings.compile is False  # follows the switch
+    with pytest.raises(ValueError, match=r"profile=ProfileConfig\(compile=True\) needs compile=True"):
+        SearchConfig(budget=0.1, profile=ProfileConfig(compile=True))
+    assert SearchConfig(budget=0.1, compile=True, profile=ProfileConfig(compile=True)).profile_settings.compile is True
