@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, format_problem, fp8_backend
+from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, Fp8Gemms, float8_linear_config, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
 from autoprec.tensors import map_tensors
 
@@ -124,7 +124,14 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(dev, enabled=False):
             return inner(self, *args, **kwargs)
     outer_autocast = torch.is_autocast_enabled(dev)
-    if fmt.spec.is_fp8:
+    weight = getattr(self, "weight", None)
+    cast = fmt.spec.fp8.input_dtype(weight.dtype) if fmt.spec.fp8 is not None and isinstance(weight, torch.Tensor) else None
+    if cast is not None:
+        # a per-GEMM mix: torchao's high-precision GEMMs need operands of one dtype (Fp8Gemms.input_dtype)
+        args, kwargs = map_tensors((args, kwargs), lambda t: t.to(cast) if t.is_floating_point() else t)
+        with torch.autocast(dev, enabled=False):
+            out = inner(self, *args, **kwargs)
+    elif fmt.spec.is_fp8:
         out = inner(self, *args, **kwargs)  # Float8Linear follows the surrounding autocast dtype
     else:
         with torch.autocast(dev, dtype=AUTOCAST_DTYPE[fmt]):
@@ -296,10 +303,10 @@ def _untied(model: torch.nn.Module, groups: list[list[str]]) -> list[str] | None
 
 def _convert_fp8(
     model: torch.nn.Module,
-    recipes: Mapping[str, list[torch.nn.Module]],
+    recipes: Mapping[Fp8Gemms, list[torch.nn.Module]],
     names: Mapping[int, list[str]],
     device: torch.device,
-    all_gather: frozenset[str] = frozenset(),
+    all_gather: frozenset[Fp8Gemms] = frozenset(),
 ) -> Fp8Backend:
     """Swap each recipe's modules for torchao Float8Linear of that recipe everywhere they are used (the recipes in
     `all_gather` with their weights all-gathered in fp8 under FSDP2); restore them all and raise if ties break."""
@@ -318,7 +325,7 @@ def _convert_fp8(
         for recipe, group in recipes.items():
             ids = {id(m) for m in group}
             config = dataclasses.replace(
-                float8.Float8LinearConfig.from_recipe_name(recipe),
+                float8_linear_config(recipe.to_json()),
                 emulate=backend is Fp8Backend.EMULATION,
                 enable_fsdp_float8_all_gather=recipe in all_gather,
             )
@@ -408,7 +415,7 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
     layer.
 
     `fsdp_fp8_all_gather=True`: under FSDP2, the weights of fp8 layers whose recipe torchao can all-gather in fp8
-    (tensorwise, `fp8`) are all-gathered in fp8, a quarter of fp32's traffic; other layers gather in their own dtype.
+    (tensorwise: `fp8`, `fp8-fwd-dgrad`) are all-gathered in fp8, a quarter of fp32's traffic; other layers gather in their own dtype.
     """
     policy = as_policy(policy, caller="apply_policy")
     _check_fresh(model)
@@ -420,15 +427,13 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
     names = _names_by_module(paths)
     _warn_aliases(policy, names, paths)
     _warn_other_model(policy, model)
-    recipes: dict[str, dict[int, torch.nn.Module]] = {}
+    recipes: dict[Fp8Gemms, dict[int, torch.nn.Module]] = {}
     for n, f in policy.layers.items():
-        if f.spec.fp8_recipe is not None:
-            recipes.setdefault(f.spec.fp8_recipe, {})[id(paths[n])] = paths[n]
+        if f.spec.fp8 is not None:
+            recipes.setdefault(f.spec.fp8, {})[id(paths[n])] = paths[n]
     fp8 = {recipe: list(group.values()) for recipe, group in recipes.items()}
     gathered = frozenset(
-        f.spec.fp8_recipe
-        for f in policy.layers.values()
-        if fsdp_fp8_all_gather and f.spec.fsdp_fp8_all_gather and f.spec.fp8_recipe
+        f.spec.fp8 for f in policy.layers.values() if fsdp_fp8_all_gather and f.spec.fsdp_fp8_all_gather and f.spec.fp8
     )
     if fsdp_fp8_all_gather and not gathered:
         warnings.warn(
@@ -454,7 +459,7 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
         records[name] = LayerRecord(
             name=name, format=fmt, module_type=type(module).__name__, aliases=tuple(n for n in own if n != name),
             fp8_backend=backend if fmt.spec.is_fp8 else None, wrapped=wrap,
-            fsdp_fp8_all_gather=fmt.spec.fp8_recipe in gathered,
+            fsdp_fp8_all_gather=fmt.spec.fp8 in gathered,
         )  # fmt: skip
     setattr(model, _SUMMARY_ATTR, AppliedSummary(policy=policy, device=str(device), layers=records))
     _APPLIED_MODELS.add(model)

@@ -6,13 +6,14 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 
 class Format(str, enum.Enum):
     """A per-layer precision format; the string value is what files and Optuna params hold. What each one
-    means (its dtype or torchao recipe, loss scaling, range, fallback, where it runs) is its `FormatSpec`."""
+    means (its dtype or torchao fp8 GEMMs, loss scaling, range, fallback, where it runs) is its `FormatSpec`."""
 
     FP32 = "fp32"
     BF16 = "bf16"
@@ -20,6 +21,10 @@ class Format(str, enum.Enum):
     FP8 = "fp8"
     FP8_ROWWISE = "fp8-rowwise"
     FP8_ROWWISE_GW_HP = "fp8-rowwise-gw-hp"
+    FP8_FWD = "fp8-fwd"
+    FP8_FWD_DGRAD = "fp8-fwd-dgrad"
+    FP8_ROWWISE_FWD = "fp8-rowwise-fwd"
+    FP8_ROWWISE_FWD_DGRAD = "fp8-rowwise-fwd-dgrad"
     MXFP8 = "mxfp8"
 
     def __str__(self) -> str:
@@ -45,11 +50,80 @@ FP8_DIM_MULTIPLE = 16
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Gemms:
+    """Which of an nn.Linear's three GEMMs torchao runs in fp8, and how it scales their operands: fprop (the
+    output), dgrad (the input's gradient), wgrad (the weight's gradient). torchao leaves both operands of a GEMM
+    that is not fp8 uncast: it runs in high precision. `recipe`: torchao's recipe of that name
+    (Float8LinearConfig.from_recipe_name), where this is one (torchtitan and Megatron know recipes by name);
+    `float8_linear_config` builds the others from per-operand cast configs."""
+
+    scaling: str  # "tensorwise": one scale per tensor, e5m2 gradients; "rowwise": one per row, e4m3 throughout
+    fprop: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+    recipe: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """What float8_linear_config reads (and `autoprec export --to torchao` writes as data)."""
+        return dataclasses.asdict(self)
+
+    @property
+    def high_precision(self) -> tuple[str, ...]:
+        """The GEMMs it keeps in high precision, by name."""
+        return tuple(g for g in ("fprop", "dgrad", "wgrad") if not getattr(self, g))
+
+    def input_dtype(self, weight_dtype: torch.dtype) -> torch.dtype | None:
+        """What a per-GEMM mix casts the layer's input to, autocast off inside the layer, so that each
+        high-precision GEMM gets operands of one dtype (torchao's do not cast them): the weight's dtype where dgrad
+        is high precision (it multiplies the output's gradient by the stored weight), else bf16 (wgrad multiplies
+        the output's gradient by the input). None: torchao's recipes follow the surrounding autocast, as before."""
+        if self.recipe is not None:
+            return None
+        return weight_dtype if not self.dgrad else torch.bfloat16
+
+
+def float8_linear_config(gemms: dict) -> Any:
+    """torchao's Float8LinearConfig for an Fp8Gemms (its to_json()): the one place that builds it, for apply_policy
+    and, its source copied, for the file `autoprec export --to torchao` writes. Scales and dtypes follow torchao's
+    recipes: tensorwise casts the gradient to e5m2, rowwise casts everything to e4m3 with power-of-two scales."""
+    from torchao.float8.config import (
+        CastConfig,
+        Float8LinearConfig,
+        ScalingGranularity,
+        ScalingType,
+        e4m3_dtype,
+        e5m2_dtype,
+    )
+
+    if gemms["recipe"] is not None:
+        return Float8LinearConfig.from_recipe_name(gemms["recipe"])
+    rowwise = gemms["scaling"] == "rowwise"
+    granularity = ScalingGranularity.AXISWISE if rowwise else ScalingGranularity.TENSORWISE
+
+    def cast(gemm, dtype):
+        # a new CastConfig per operand: torchao fills in a missing target dtype in place
+        if not gemms[gemm]:
+            return CastConfig(scaling_type=ScalingType.DISABLED, target_dtype=dtype)
+        return CastConfig(scaling_granularity=granularity, target_dtype=dtype)
+
+    grad = e4m3_dtype if rowwise else e5m2_dtype
+    return Float8LinearConfig(
+        cast_config_input=cast("fprop", e4m3_dtype),
+        cast_config_weight=cast("fprop", e4m3_dtype),
+        cast_config_grad_output=cast("dgrad", grad),
+        cast_config_weight_for_grad_input=cast("dgrad", e4m3_dtype),
+        cast_config_input_for_grad_weight=cast("wgrad", e4m3_dtype),
+        cast_config_grad_output_for_grad_weight=cast("wgrad", grad),
+        round_scales_to_power_of_2=rowwise,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class FormatSpec:
     """Everything autoprec knows about one format. Adding a format is one entry in REGISTRY (and its tests).
 
     `autocast`: the dtype the layer's forward runs under torch.autocast (bf16, fp16), or None.
-    `fp8_recipe`: the torchao float8 training recipe (Float8LinearConfig.from_recipe_name) that runs it.
+    `fp8`: the GEMMs torchao's float8 training runs in fp8 and their scaling (a recipe, or a per-GEMM mix).
     `loss_scale`: whether it needs a GradScaler (gradients that underflow without one).
     `max_value`: the largest finite value its forward's low-precision values can hold (None: fp32/bf16 range).
     `fallback`: the next safer format, when a layout or a variant must lower a layer less.
@@ -61,7 +135,7 @@ class FormatSpec:
     format: Format
     inside: str
     autocast: torch.dtype | None = None
-    fp8_recipe: str | None = None
+    fp8: Fp8Gemms | None = None
     loss_scale: bool = False
     max_value: float | None = None
     fallback: Format | None = None
@@ -78,7 +152,7 @@ class FormatSpec:
 
     @property
     def is_fp8(self) -> bool:
-        return self.fp8_recipe is not None or self.format is Format.MXFP8
+        return self.fp8 is not None or self.format is Format.MXFP8
 
     def device_problem(self, device: torch.device | str) -> str | None:
         """Why this format cannot run on `device` at all, or None when it can (maybe emulated)."""
@@ -118,7 +192,7 @@ REGISTRY: dict[Format, FormatSpec] = {
         FormatSpec(
             Format.FP8,
             inside="torchao float8 training, tensorwise: e4m3 forward, e5m2 gradients, one dynamic scale per tensor",
-            fp8_recipe="tensorwise",
+            fp8=Fp8Gemms("tensorwise", recipe="tensorwise"),
             max_value=E4M3_MAX,
             fallback=Format.BF16,
             risky=True,
@@ -130,7 +204,7 @@ REGISTRY: dict[Format, FormatSpec] = {
         FormatSpec(
             Format.FP8_ROWWISE,
             inside="torchao float8 training, rowwise: e4m3 everywhere, one scale per row (more accurate, slower)",
-            fp8_recipe="rowwise",
+            fp8=Fp8Gemms("rowwise", recipe="rowwise"),
             max_value=E4M3_MAX,
             fallback=Format.BF16,
             risky=True,
@@ -140,7 +214,7 @@ REGISTRY: dict[Format, FormatSpec] = {
         FormatSpec(
             Format.FP8_ROWWISE_GW_HP,
             inside="torchao float8 training, rowwise_with_gw_hp: rowwise, the weight gradient in high precision",
-            fp8_recipe="rowwise_with_gw_hp",
+            fp8=Fp8Gemms("rowwise", wgrad=False, recipe="rowwise_with_gw_hp"),
             max_value=E4M3_MAX,
             fallback=Format.BF16,
             risky=True,
@@ -148,6 +222,51 @@ REGISTRY: dict[Format, FormatSpec] = {
             min_capability=(8, 9),
             emulation_works=False,
             why_no_emulation="torchao's emulation of this recipe fails inside bf16 autocast (weight-gradient dtype mismatch)",
+        ),
+        FormatSpec(
+            Format.FP8_FWD,
+            inside="torchao float8, tensorwise, forward only: e4m3 output GEMM; both gradient GEMMs in the weight's "
+            "dtype (fp32 master weights: fp32)",
+            fp8=Fp8Gemms("tensorwise", dgrad=False, wgrad=False),
+            max_value=E4M3_MAX,
+            fallback=Format.BF16,
+            risky=True,
+            linear_only=True,
+            min_capability=(8, 9),
+        ),
+        FormatSpec(
+            Format.FP8_FWD_DGRAD,
+            inside="torchao float8, tensorwise, forward and input gradient: e4m3 forward, e5m2 gradient; the weight "
+            "gradient in bf16",
+            fp8=Fp8Gemms("tensorwise", wgrad=False),
+            max_value=E4M3_MAX,
+            fallback=Format.BF16,
+            risky=True,
+            linear_only=True,
+            tensorwise_grad_dtype=torch.float8_e5m2,  # cast once per tensor for dgrad
+            fsdp_fp8_all_gather=True,  # the weight is cast tensorwise wherever it is fp8, and wgrad never reads it
+            min_capability=(8, 9),
+        ),
+        FormatSpec(
+            Format.FP8_ROWWISE_FWD,
+            inside="torchao float8, rowwise, forward only: e4m3 output GEMM, one scale per row; both gradient GEMMs "
+            "in the weight's dtype (fp32 master weights: fp32)",
+            fp8=Fp8Gemms("rowwise", dgrad=False, wgrad=False),
+            max_value=E4M3_MAX,
+            fallback=Format.BF16,
+            risky=True,
+            linear_only=True,
+            min_capability=(8, 9),
+        ),
+        FormatSpec(
+            Format.FP8_ROWWISE_FWD_DGRAD,
+            inside="torchao float8, rowwise, forward and input gradient: e4m3, one scale per row; the weight gradient in bf16",
+            fp8=Fp8Gemms("rowwise", wgrad=False),
+            max_value=E4M3_MAX,
+            fallback=Format.BF16,
+            risky=True,
+            linear_only=True,
+            min_capability=(8, 9),
         ),
         FormatSpec(
             Format.MXFP8,

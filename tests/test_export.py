@@ -2,6 +2,7 @@
 the policy's fp8 layers it can express, in their recipes, and lists what it cannot express."""
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -48,6 +49,39 @@ def test_the_torchao_file_converts_exactly_the_policys_fp8_layers_with_their_rec
         len(left_out) == 2 and "model root" in left_out[0] and "bf16" in left_out[0] and "layer 'c' runs in bf16" in left_out[1]
     )
     assert all(line in (tmp_path / "policy_torchao.py").read_text() for line in left_out)  # in the file, too
+
+
+PER_GEMM_POLICY = Policy(layers={"a": "fp8-fwd", "b": "fp8-fwd-dgrad", "c": "fp8-rowwise-fwd",
+                                 "d": "fp8-rowwise-fwd-dgrad", "e.0": "fp8-fwd-dgrad", "f": "fp8"})  # fmt: skip
+
+
+def test_the_torchao_file_gives_each_per_gemm_layer_the_config_apply_policy_gives_it(tmp_path):
+    from torchao.float8.float8_linear import Float8Linear
+
+    from autoprec import apply_policy
+
+    left_out = export(PER_GEMM_POLICY, "torchao", tmp_path / "p.py")
+    exported = load(tmp_path / "p.py")
+    assert left_out == [] and exported.FP8_LAYERS["fp8-fwd-dgrad"] == ["b", "e.0"]
+    model, applied = exported.convert(Net()), apply_policy(Net(), PER_GEMM_POLICY)
+    converted = {n: m.config for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert set(converted) == set(PER_GEMM_POLICY.layers)
+    for name, config in converted.items():  # apply_policy emulates here; the file leaves that to torchao's default
+        assert config == dataclasses.replace(applied.get_submodule(name).config, emulate=False), name
+    assert converted["a"].cast_config_grad_output.scaling_type.value == "disabled"  # forward only: no gradient cast
+    assert converted["b"].cast_config_input_for_grad_weight.scaling_type.value == "disabled"  # wgrad high precision
+
+
+def test_torchtitan_and_megatron_say_they_cannot_express_a_per_gemm_mix(tmp_path):
+    left_out = export(PER_GEMM_POLICY, "torchtitan", tmp_path / "t.py")
+    assert "layer 'a' runs in fp8-fwd, fp8 per GEMM (no torchao recipe): torchtitan's float8 converter offers" in left_out[0]
+    assert len(left_out) == 6 and left_out[-1].startswith("the policy has no fp8 layer torchtitan can run")
+    blocks = megatron_policy([("fp8",) * 4, ("fp8", "fp8-fwd-dgrad", "fp8", "fp8")])
+    left_out = export(Policy(layers=blocks), "megatron", tmp_path / "m.json")
+    assert json.loads((tmp_path / "m.json").read_text())["fp8_layers"] == [0]
+    assert left_out == ["transformer layers decoder.layers.{1}: a linear in an fp8 recipe Megatron has no twin for (it "
+                        "has torchao's tensorwise only, and no per-GEMM mix: all three GEMMs of a linear in fp8); left "
+                        "out of fp8"]  # fmt: skip
 
 
 def test_the_export_verb_writes_beside_the_policy_and_lists_what_it_left_out(tmp_path, capsys):

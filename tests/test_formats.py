@@ -4,14 +4,27 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.formats import FORMATS, FP8_FORMATS, REGISTRY, RISKY, Format, format_problem, parse_format
+from autoprec.formats import (
+    FORMATS,
+    FP8_FORMATS,
+    REGISTRY,
+    RISKY,
+    Format,
+    Fp8Gemms,
+    float8_linear_config,
+    format_problem,
+    parse_format,
+)
 from autoprec.tune.choices import fit
 
 
 def test_every_format_has_exactly_one_registry_entry_keyed_by_itself():
     assert set(REGISTRY) == set(Format)
     assert all(spec.format is fmt for fmt, spec in REGISTRY.items())
-    assert FORMATS == ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp", "mxfp8")
+    assert FORMATS == (
+        "fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp",
+        "fp8-fwd", "fp8-fwd-dgrad", "fp8-rowwise-fwd", "fp8-rowwise-fwd-dgrad", "mxfp8",
+    )  # fmt: skip
 
 
 def test_fallbacks_end_at_fp32_without_cycles():
@@ -35,21 +48,53 @@ def test_a_layout_falls_back_along_the_registry(fmt, options, expected):
 def test_only_fp16_needs_a_loss_scale_and_the_low_formats_count_as_risky():
     assert [f for f in Format if f.spec.loss_scale] == [Format.FP16]
     assert set(RISKY) == {Format.FP16, *FP8_FORMATS}
-    assert set(FP8_FORMATS) == {Format.FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP, Format.MXFP8}
+    assert set(FP8_FORMATS) == {
+        Format.FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP, Format.MXFP8,
+        Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD,
+    }  # fmt: skip
 
 
-def test_fp8_recipes_name_torchao_recipes_that_exist():
-    from torchao.float8 import Float8LinearConfig
+def test_fp8_recipes_name_torchao_recipes_that_exist_and_every_per_gemm_mix_is_a_config_torchao_accepts():
+    from torchao.float8 import Float8LinearConfig, ScalingType
 
     for fmt in FP8_FORMATS:
-        if fmt.spec.fp8_recipe is not None:
-            Float8LinearConfig.from_recipe_name(fmt.spec.fp8_recipe)  # raises for an unknown name
+        gemms = fmt.spec.fp8
+        if gemms is None:
+            continue
+        if gemms.recipe is not None:
+            Float8LinearConfig.from_recipe_name(gemms.recipe)  # raises for an unknown name
+        config = float8_linear_config(gemms.to_json())  # torchao checks both operands of a GEMM agree
+        fp8 = {"fprop": config.cast_config_input, "dgrad": config.cast_config_grad_output,
+               "wgrad": config.cast_config_input_for_grad_weight}  # fmt: skip
+        assert {g for g, c in fp8.items() if c.scaling_type is ScalingType.DISABLED} == set(gemms.high_precision), fmt
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_per_gemm_builder_gives_torchaos_own_recipe_where_every_gemm_is_fp8(recipe):
+    """One function builds every config: with all three GEMMs in fp8 it must be torchao's recipe of that scaling, so
+    the per-GEMM mixes differ from the whole-layer formats only in the GEMMs they keep in high precision."""
+    from torchao.float8 import Float8LinearConfig
+
+    assert float8_linear_config(Fp8Gemms(recipe).to_json()) == Float8LinearConfig.from_recipe_name(recipe)
+
+
+def test_each_per_gemm_mix_keeps_fp8s_safety_settings():
+    for fmt in (Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD):
+        spec = fmt.spec
+        assert spec.risky and spec.linear_only and spec.fallback is Format.BF16 and not spec.loss_scale
+        assert spec.min_capability == (8, 9) and spec.emulation_works
+        tensorwise_grad = spec.fp8.scaling == "tensorwise" and spec.fp8.dgrad  # the gradient is cast per tensor
+        assert (spec.tensorwise_grad_dtype is not None) == tensorwise_grad, fmt
+        assert spec.fsdp_fp8_all_gather == (spec.fp8.scaling == "tensorwise" and spec.fp8.dgrad), fmt  # hp dgrad reads it
+        assert "divisible by 16" in format_problem(fmt, nn.Linear(16, 4), "cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's refusals")
 def test_on_a_cpu_formats_without_emulation_say_why_and_the_rest_run():
     assert format_problem(Format.FP8, nn.Linear(32, 32), "cpu") is None
     assert format_problem(Format.FP8_ROWWISE, nn.Linear(32, 32), "cpu") is None
+    for fmt in (Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD):
+        assert format_problem(fmt, nn.Linear(32, 32), "cpu") is None  # emulated: the per-GEMM mixes run here
     gw = format_problem(Format.FP8_ROWWISE_GW_HP, nn.Linear(32, 32), "cpu")
     assert "needs CUDA compute capability 8.9+" in gw and "emulation" in gw
     assert "10.0+" in format_problem(Format.MXFP8, nn.Linear(32, 32), "cpu")
@@ -62,7 +107,7 @@ def test_a_linear_only_format_names_itself_when_the_module_cannot_take_it():
 
 
 def test_parse_format_lists_every_registered_format_on_a_typo():
-    with pytest.raises(ValueError, match="fp8-rowwise-gw-hp, mxfp8, but got 'fp8-row'"):
+    with pytest.raises(ValueError, match="fp8-rowwise-fwd-dgrad, mxfp8, but got 'fp8-row'"):
         parse_format("fp8-row")
 
 

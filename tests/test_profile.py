@@ -614,7 +614,7 @@ def test_a_non_finite_input_gradient_makes_the_row_non_finite():
 
 # ---- a layer whose weight gradient breaks in fp8 while its forward does not --------------------------------------
 
-WGRAD_FORMATS = ["fp32", "bf16", "fp16", "fp8", "fp8-rowwise"]
+WGRAD_FORMATS = ["fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-fwd-dgrad", "fp8-rowwise-fwd-dgrad"]
 
 
 def _wgrad_profile(path):
@@ -636,6 +636,21 @@ def test_a_weight_gradient_that_breaks_in_fp8_is_found_while_the_forward_is_fine
         for layer in ("inp", "head"):
             assert t.loc[(layer, fmt), "grad_sqnr_db"] >= 20, (layer, fmt)
     assert t.loc[("proj", "bf16"), "grad_sqnr_db"] > 40  # bf16 has fp32's range
+
+
+def test_a_per_gemm_format_keeps_the_breaking_weight_gradient_in_high_precision_and_stays(wgrad_table):
+    """proj's wgrad breaks in fp8 and fp8-rowwise, so the profile rules both out for it; fp8-fwd-dgrad and
+    fp8-rowwise-fwd-dgrad keep that GEMM in bf16 (as good as the bf16 layer's, within 1 dB) and their fp8 forward
+    above 20 dB, and stay offered."""
+    from autoprec.tune.profiler import ruled_out
+
+    t = wgrad_table.set_index(["layer", "format"])
+    for fmt in ("fp8", "fp8-rowwise"):
+        assert "its wgrad GEMM measures" in ruled_out(t.loc[("proj", fmt)].to_dict() | {"format": fmt}, None, 1e9)
+    for fmt in ("fp8-fwd-dgrad", "fp8-rowwise-fwd-dgrad"):
+        r = t.loc[("proj", fmt)]
+        assert r["grad_sqnr_db"] >= t.loc[("proj", "bf16"), "grad_sqnr_db"] - 1 and r["sqnr_db"] >= 20, fmt
+        assert ruled_out(r.to_dict() | {"format": fmt}, None, 1e9) is None, fmt
 
 
 def test_the_weight_gradient_breaks_because_of_the_quiet_samples(tmp_path):

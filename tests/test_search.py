@@ -341,6 +341,22 @@ def picky_model(tmp_path):
     return tmp_path / "picky.py"
 
 
+def test_offered_fp8_per_gemm_a_search_keeps_the_breaking_weight_gradient_high_precision_and_the_forward_fp8(tmp_path):
+    """wgrad_breaks.py: proj's weight gradient breaks in fp8 and fp8-rowwise (the profile rules them out for it), its
+    forward does not: with fp8 priced faster, the search gives proj a format that keeps wgrad in high precision and
+    runs its forward in fp8, and the other layers plain fp8."""
+    workload = prepare(load_task(MODELS / "wgrad_breaks.py"), "cpu")
+    offered = ["fp32", "bf16", "fp8", "fp8-rowwise", "fp8-fwd-dgrad", "fp8-rowwise-fwd-dgrad"]
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": offered}, "trials": 6})
+    with using(FormatClock(FASTER)):
+        result = search(workload, space, SearchConfig(budget=0.05, **FAST), tmp_path)
+    assert {"fp8", "fp8-rowwise"}.isdisjoint(result.choices.layers["proj"])
+    assert "its wgrad GEMM measures" in result.choices.excluded["proj"]["fp8"]
+    gemms = result.policy.layers["proj"].spec.fp8
+    assert gemms is not None and gemms.fprop and "wgrad" in gemms.high_precision, result.policy.layers
+    assert result.policy.layers["inp"].spec.fp8 is not None and not result.policy.layers["inp"].spec.fp8.high_precision
+
+
 def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_search(tmp_path):
     # A model that cannot train under autocast (it evaluates fine): the bf16 candidate fails to step,
     # and that trial is infeasible with the reason, while the search goes on.

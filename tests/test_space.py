@@ -35,12 +35,17 @@ def space_error(path: Path) -> str:
     return msg
 
 
+# What default.yaml offers an nn.Linear: the whole-layer formats, then fp8 per GEMM
+LINEAR = (FP32, BF16, FP16, FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP,
+          Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD)  # fmt: skip
+
+
 # ---- loading -----------------------------------------------------------------------------------
 
 
 def test_load_space_default():
     space = load_space()
-    assert space.layers["Linear"] == (FP32, BF16, FP16, FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP)
+    assert space.layers["Linear"] == LINEAR
     assert space.layers["Conv2d"] == (FP32, BF16, FP16)
     assert FP8 not in space.layers["MultiheadAttention"]
     assert space.default == (FP32, BF16)
@@ -192,7 +197,7 @@ def test_tunable_layers_outermost_in_model_order():
     layers = load_space().tunable_layers(Net())
     assert list(layers) == ["embed", "attn", "block.0", "block.2", "head"]
     assert "attn.out_proj" not in layers
-    assert layers["embed"] == (FP32, BF16, FP16, FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP)
+    assert layers["embed"] == LINEAR
     assert layers["attn"] == (FP32, BF16, FP16)
     assert layers["block.0"] == (FP32, BF16, FP16)
 

@@ -29,8 +29,14 @@ FIXED = 0.1  # the share of a step no format changes (the optimizer, the data, t
 
 
 def factor(fmt: Format, factors: Mapping[str, float]) -> float:
+    """A layer's factor in `fmt`: an fp8 per-GEMM mix pays per GEMM (fprop, dgrad, wgrad a third each), fp8 for
+    its fp8 GEMMs, and for the others bf16's ("half") or, where they run in the weight's fp32, fp32's (1)."""
     if fmt is Format.FP32:
         return 1.0
+    gemms = fmt.spec.fp8
+    if gemms is not None and gemms.high_precision:
+        hp = factors["half"] if gemms.input_dtype(torch.float32) == torch.bfloat16 else 1.0
+        return sum(hp if g in gemms.high_precision else factors["fp8"] for g in ("fprop", "dgrad", "wgrad")) / 3
     return factors["fp8"] if fmt.spec.is_fp8 else factors["half"]
 
 

@@ -2,15 +2,18 @@
 (bf16 or fp16 layers, a lowered model root, a recipe or a layer set the tool has no setting for) is listed, never
 dropped silently; nothing is put in fp8 that the policy did not measure in that recipe.
 
-- `torchao`: a Python file with the fp8 layers per recipe, a `module_filter_fn` per recipe for
-  `torchao.float8.convert_to_float8_training`, and `convert(model)` that applies them all.
+- `torchao`: a Python file with the fp8 layers per recipe (or per-GEMM mix: its format's name), each one's GEMMs
+  as data, the one function that builds their Float8LinearConfig (autoprec.formats.float8_linear_config, its source
+  copied), a `module_filter_fn` per recipe for `torchao.float8.convert_to_float8_training`, and `convert(model)`.
 - `torchtitan`: a Python file whose `float8_converters(model_config)` gives torchtitan's
   `Float8LinearConverter.Config` per recipe, its `filter_fqns` (substrings of the layers to skip) computed from
-  that model config so that exactly the policy's fp8 layers convert. torchtitan 0.3 offers rowwise recipes only.
+  that model config so that exactly the policy's fp8 layers convert. torchtitan 0.3 offers rowwise recipes only,
+  by name: no per-GEMM mix (fp8-fwd, fp8-fwd-dgrad, ...).
 - `megatron`: a JSON file of Megatron-core `TransformerConfig` fields and the Megatron-LM arguments that say the
   same. Megatron (through Transformer Engine) runs fp8 per transformer layer, in one contiguous run: the first and
   last layers may stay in the model's dtype. The export takes the longest run of layers that the policy runs wholly
-  in torchao's tensorwise recipe (Megatron's `tensorwise`: dynamic per-tensor scales, e4m3 forward, e5m2 gradients).
+  in torchao's tensorwise recipe (Megatron's `tensorwise`: dynamic per-tensor scales, e4m3 forward, e5m2 gradients);
+  it has no per-GEMM mix (Transformer Engine runs all three GEMMs of a linear in fp8 or none).
 
 Nothing read from a policy becomes code in a written Python file: the layer names are JSON text inside string
 literals (repr), parsed at import; the policy file's name and the lines about what is left out are comments, their
@@ -20,13 +23,14 @@ non-printable characters escaped (errors.printable); the docstrings hold no text
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import re
 from pathlib import Path
 
 from autoprec.errors import UserError, printable, shown
 from autoprec.files import write_text
-from autoprec.formats import Format
+from autoprec.formats import Format, float8_linear_config
 from autoprec.policy import ROOT, Policy
 
 SUFFIXES = {"torchao": ".py", "torchtitan": ".py", "megatron": ".json"}  # target -> the written file's suffix
@@ -36,6 +40,13 @@ TORCHTITAN_RECIPES = ("rowwise", "rowwise_with_gw_hp")  # Float8LinearConverter.
 MEGATRON_RECIPES = {"tensorwise": ("hybrid", "tensorwise")}
 _NUMBERED = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")  # 'blocks.3.attn.qkv': block 3 of 'blocks'
 MAX_LAYERS = 100_000  # transformer layers a megatron export counts: models have hundreds; the export walks them
+
+
+def recipe_key(fmt: Format) -> str | None:
+    """How the export names an fp8 format's GEMMs: torchao's recipe name, or the format's own name for a per-GEMM
+    mix torchao has no recipe for; None for a format torchao's float8 training does not run."""
+    gemms = fmt.spec.fp8
+    return None if gemms is None else gemms.recipe or fmt.value
 
 
 SHOWN = 6  # layer names per line; the rest are counted (the policy file lists them all)
@@ -54,7 +65,7 @@ def not_expressed(policy: Policy, tool: str = "torchao") -> list[str]:
     lines: list[str] = []
     by_format: dict[Format, list[str]] = {}
     for name, fmt in policy.layers.items():
-        if fmt.spec.fp8_recipe is None and fmt is not Format.FP32:
+        if recipe_key(fmt) is None and fmt is not Format.FP32:
             by_format.setdefault(fmt, []).append(name)
     why = f"not a {tool} float8 recipe, so not in the export; run it with autocast or autoprec.apply_policy"
     for fmt, names in by_format.items():
@@ -67,12 +78,18 @@ def not_expressed(policy: Policy, tool: str = "torchao") -> list[str]:
 
 
 def fp8_layers(policy: Policy) -> dict[str, list[str]]:
-    """torchao recipe -> the policy's layers in it, in the policy's order."""
+    """torchao recipe (recipe_key) -> the policy's layers in it, in the policy's order."""
     recipes: dict[str, list[str]] = {}
     for name, fmt in policy.layers.items():
-        if fmt.spec.fp8_recipe is not None:
-            recipes.setdefault(fmt.spec.fp8_recipe, []).append(name)
+        key = recipe_key(fmt)
+        if key is not None:
+            recipes.setdefault(key, []).append(name)
     return recipes
+
+
+def fp8_gemms(policy: Policy) -> dict[str, dict[str, object]]:
+    """recipe_key -> its GEMMs as float8_linear_config reads them, for the policy's fp8 formats."""
+    return {key: fmt.spec.fp8.to_json() for fmt in policy.layers.values() if fmt.spec.fp8 and (key := recipe_key(fmt))}
 
 
 def _comments(source: str, title: str, lines: list[str], last: str | None) -> str:
@@ -93,6 +110,8 @@ def _json_literal(value: object) -> str:
 def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
     """The torchao file's text (see the module docstring)."""
     recipes = fp8_layers(policy)
+    gemms = fp8_gemms(policy)
+    builder = inspect.getsource(float8_linear_config)  # autoprec's own code: one builder for apply_policy and this file
     last = None if recipes else "The policy has no fp8 layer: convert(model) changes nothing."
     header = _comments(
         source, "not expressed here (torchao's float8 conversion knows fp8 recipes only)", not_expressed(policy), last
@@ -107,13 +126,24 @@ The comments below name the policy file and what the file leaves out.
 
 {header}
 
+from __future__ import annotations
+
 import json
+from typing import Any
 
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from torchao.float8 import convert_to_float8_training
 
-# torchao recipe -> the fully qualified names of its nn.Linear layers
+# torchao recipe (or autoprec's name for a per-GEMM mix) -> the fully qualified names of its nn.Linear layers
 FP8_LAYERS = {_json_literal(recipes)}
 
+# the same keys -> which GEMMs run in fp8 (fprop, dgrad, wgrad; the others in high precision) and their scaling.
+# torchao runs a high-precision GEMM on its operands as they come: under torch.autocast with fp32 weights, a mix
+# whose dgrad is high precision (fp8-fwd, fp8-rowwise-fwd) fails on the weight's dtype (autoprec.apply_policy casts
+# such a layer's input to its weight's dtype); keep its weights in the input's dtype, or run it outside autocast.
+FP8_GEMMS = {_json_literal(gemms)}
+
+
+{builder}
 
 def module_filter_fn(recipe):
     """For convert_to_float8_training: True for the layers this policy runs in `recipe`."""
@@ -123,7 +153,7 @@ def module_filter_fn(recipe):
 
 def convert(model):
     for recipe in FP8_LAYERS:
-        config = Float8LinearConfig.from_recipe_name(recipe)
+        config = float8_linear_config(FP8_GEMMS[recipe])
         model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn(recipe))
     return model
 '''
@@ -131,9 +161,11 @@ def convert(model):
 
 def torchtitan_not_expressed(policy: Policy) -> list[str]:
     lines = not_expressed(policy, "torchtitan")
+    per_gemm = {fmt.value for fmt in policy.layers.values() if fmt.spec.fp8 is not None and fmt.spec.fp8.recipe is None}
     for recipe, names in fp8_layers(policy).items():
         if recipe not in TORCHTITAN_RECIPES:
-            lines.append(f"{_layers(names)} in fp8 recipe {recipe!r}: torchtitan's float8 converter offers "
+            what = f"{recipe}, fp8 per GEMM (no torchao recipe)" if recipe in per_gemm else f"fp8 recipe {recipe!r}"
+            lines.append(f"{_layers(names)} in {what}: torchtitan's float8 converter offers "
                          f"{' and '.join(TORCHTITAN_RECIPES)} only, so not in the export (torchtitan trains in its "
                          "mixed-precision dtype what it does not convert)")  # fmt: skip
     return lines
@@ -277,27 +309,28 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
     count = named if num_layers is None else num_layers
     roles = {role for block in blocks.values() for role in block}
     whole = {i for i, block in blocks.items()
-             if set(block) == roles and all(f.spec.fp8_recipe in MEGATRON_RECIPES for f in block.values())}  # fmt: skip
+             if set(block) == roles and all(recipe_key(f) in MEGATRON_RECIPES for f in block.values())}  # fmt: skip
     start, stop = _longest_run(whole, count)
     lines = []
     model_dtype = root if root in (Format.BF16, Format.FP16) else Format.FP32
     other_dtype: dict[Format, list[str]] = {}  # the model root sets the model's dtype, so it is never listed here
     for name, fmt in policy.layers.items():
-        if fmt.spec.fp8_recipe is None and fmt is not model_dtype:
+        if recipe_key(fmt) is None and fmt is not model_dtype:
             other_dtype.setdefault(fmt, []).append(name)
     for fmt, names in other_dtype.items():
         lines.append(f"{_layers(names)} in {fmt.value}: Megatron runs every layer outside fp8 in the model's dtype "
                      f"({model_dtype.value} here)")  # fmt: skip
-    fp8_outside = [name for name, fmt in outside.items() if fmt.spec.fp8_recipe is not None]
+    fp8_outside = [name for name, fmt in outside.items() if recipe_key(fmt) is not None]
     if fp8_outside:
         where = f"outside the transformer layers ({stack}.N)" if stack else "with no numbered stack of transformer layers"
         lines.append(f"{_layers(fp8_outside)} in fp8 {where}, where Megatron runs no fp8; left in the model's dtype")
     reasons: dict[str, list[int]] = {}
     for i in range(count):
         block = blocks.get(i, {})
-        fp8 = [role for role, f in block.items() if f.spec.fp8_recipe is not None]
-        if any(block[role].spec.fp8_recipe not in MEGATRON_RECIPES for role in fp8):
-            why = f"a linear in an fp8 recipe Megatron has no twin for (it has torchao's {', '.join(MEGATRON_RECIPES)} only)"
+        fp8 = [role for role, f in block.items() if recipe_key(f) is not None]
+        if any(recipe_key(block[role]) not in MEGATRON_RECIPES for role in fp8):
+            why = (f"a linear in an fp8 recipe Megatron has no twin for (it has torchao's {', '.join(MEGATRON_RECIPES)} "
+                   "only, and no per-GEMM mix: all three GEMMs of a linear in fp8)")  # fmt: skip
         elif fp8 and i not in whole:
             why = "some linears in fp8 and some not, or unlisted (Megatron runs a layer's linears all in fp8 or none)"
         elif i in whole and not start <= i < stop:
