@@ -56,7 +56,9 @@ def _timed(per_ms, root_ms, fp32_ms=100.0, noise=(), roots=ROOTS):
 
 def test_the_fit_recovers_the_savings_a_step_was_made_of():
     speed_fit = fit(_timed(per_ms=2.0, root_ms=3.0))
-    assert speed_fit.per_ms == pytest.approx({ALL: 2.0}) and speed_fit.root_ms == pytest.approx({Format.FP32: 0.0, Format.BF16: 3.0})
+    assert speed_fit.per_ms == pytest.approx({ALL: 2.0}) and speed_fit.root_ms == pytest.approx(
+        {Format.FP32: 0.0, Format.BF16: 3.0}
+    )
     assert speed_fit.error == pytest.approx(0.0, abs=1e-9) and speed_fit.margin == MARGIN
     assert speed_fit.speedup(Features(5.0, Format.BF16)) == pytest.approx(100.0 / (100.0 - 10.0 - 3.0))
 
@@ -290,3 +292,15 @@ def test_a_search_stops_once_its_fit_says_no_untried_policy_can_win(monkeypatch)
 def test_a_time_budget_must_be_positive_seconds():
     with pytest.raises(ValueError, match="time_budget must be a number of seconds > 0 or None, but got 0"):
         SearchConfig(budget=0.1, time_budget=0)
+
+
+def test_past_its_deadline_a_search_runs_no_more_trials(monkeypatch):
+    from autoprec.tune.objective import run_trials
+
+    study, choices, times, timed = _searched(monkeypatch, trials=0)
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget=1.0, finalists=2, progress=False, trials=10, predict_speed=False)
+    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
+    objective.deadline = 0.0  # long past
+    run_trials(study, objective, 10, progress=False)
+    assert not study.trials and objective.stopped.startswith("the time budget")  # checked before the first
