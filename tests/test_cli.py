@@ -679,3 +679,10 @@ def test_inductors_kernel_notes_are_kept_out_of_the_output_unless_debug(capsys, 
             warnings.simplefilter("always")
             code, _, _ = run(capsys, *flags, "profile", path, "--device", "cpu", "--out", tmp_path / out, "--quiet")
         assert code == 0 and any("scheduler node" in str(w.message) for w in seen) is shown, flags
+
+
+@pytest.mark.parametrize("minutes", ["0", "-1", "nan"])
+def test_search_time_budget_must_be_positive_minutes(capsys, tmp_path, minutes):
+    code, _, err = search(capsys, tmp_path, tmp_path / "model.py", "--time-budget", minutes)
+    assert_user_error(code, err, f"--time-budget {float(minutes):g}", "a number > 0")
+    assert not (tmp_path / "out").exists()  # refused before the model is loaded

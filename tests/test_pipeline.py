@@ -99,3 +99,23 @@ def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_no
         rounds = config.final_timing.rounds
         assert calls == [(rounds, rounds)] and measured.noisiest() == spread  # one re-measure; a failed run's spread ignored
         assert len([r for r in caplog.records if "still spread up to" in r.message]) == warnings
+
+
+def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
+    import optuna
+
+    from autoprec.tune.choices import LAYER_PARAM
+    from autoprec.tune.config import Goal
+    from autoprec.tune.pipeline import finalist_policies
+
+    choices = Choices(default=("fp32",), layers={"a": ("fp32", "bf16", "fp16"), "b": ("fp32", "bf16")}, excluded={})
+    study = optuna.create_study(direction="maximize")
+    dist = {LAYER_PARAM + "a": optuna.distributions.CategoricalDistribution(["fp32", "bf16", "fp16"]),
+            LAYER_PARAM + "b": optuna.distributions.CategoricalDistribution(["fp32", "bf16"])}  # fmt: skip
+    for (a, b), speedup, spread in [(("bf16", "bf16"), 2.0, 0.10), (("fp16", "bf16"), 1.85, 0.10), (("bf16", "fp32"), 1.5, 0.10)]:
+        attrs = {"feasible": True, "speedup": speedup, "spread": spread, "metric_drop": 0.0, "rounds": 3}
+        params = {LAYER_PARAM + "a": a, LAYER_PARAM + "b": b}
+        study.add_trial(optuna.trial.create_trial(value=speedup, params=params, distributions=dist, user_attrs=attrs))
+    # 1.85 * 1.05 reaches 2.0 * 0.95: inside the spreads, re-measured; 1.5 * 1.05 does not
+    assert list(finalist_policies(study, choices, 3)) == ["trial 0", "trial 1"]
+    assert list(finalist_policies(study, choices, 3, goal=Goal.MEMORY)) == []  # by memory: no peaks here, none

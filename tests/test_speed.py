@@ -292,3 +292,15 @@ def test_a_search_stops_once_its_fit_says_no_untried_policy_can_win(monkeypatch)
 def test_a_time_budget_must_be_positive_seconds():
     with pytest.raises(ValueError, match="time_budget must be a number of seconds > 0 or None, but got 0"):
         SearchConfig(budget=0.1, time_budget=0)
+
+
+def test_past_its_deadline_a_search_runs_no_more_trials(monkeypatch):
+    from autoprec.tune.objective import run_trials
+
+    study, choices, times, timed = _searched(monkeypatch, trials=0)
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget=1.0, finalists=2, progress=False, trials=10, predict_speed=False)
+    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
+    objective.deadline = 0.0  # long past
+    run_trials(study, objective, 10, progress=False)
+    assert not study.trials and objective.stopped.startswith("the time budget")  # checked before the first
