@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -8,7 +9,7 @@ from builders import finals, measurement
 
 from autoprec import Policy, load_policy
 from autoprec.files import OtherVersion
-from autoprec.tune.records import FINALS_VERSION, Finals, Measured, Measurement, Result, StudyRef
+from autoprec.tune.records import FINALS_VERSION, Finals, Measured, Measurement, Result, StudyRef, TrialRecord
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -142,3 +143,73 @@ def test_peak_memory_and_the_limit_round_trip_and_a_candidate_that_does_not_fit_
     m = Measured(memory="CUDA allocator peak", max_memory=40 * 10**9, objective="memory", results={"policy": r})
     assert Measured.from_dict(json.loads(json.dumps(m.to_dict()))) == m
     assert Measured.from_dict({}).objective == "speed" and "max_memory" not in Measured().to_dict()
+
+
+def test_a_trial_record_round_trips_through_the_attributes_optuna_stores_as_json():
+    record = TrialRecord(metric=0.9, metric_drop=0.01, feasible=True, step_ms=5.0, skipped=0, steps=12,
+                         effective_step_ms=5.0, fp32_step_ms=10.0, speedup=2.0, spread=0.04, peak_bytes=2**40,
+                         memory_saving=0.25, train_skipped=1, error="x", predicted_speedup=1.9, untimed="why",
+                         evaluate_s=0.5, measure_s=1.5, compile_s=0.25, rounds=3, reused_from=4, reevaluated_from=2)  # fmt: skip
+    attrs = json.loads(json.dumps(record.to_attrs()))
+    assert set(attrs) == {f.name for f in dataclasses.fields(TrialRecord)}  # the keys are the field names
+    assert TrialRecord.from_attrs(attrs) == record
+    measured = record.to_attrs(costs=False)  # what a repeat copies: not the time this trial took, nor where from
+    assert "evaluate_s" not in measured and "reused_from" not in measured and measured["speedup"] == 2.0
+
+
+def test_a_trial_record_reads_a_missing_or_malformed_attribute_as_unset_and_ignores_bookkeeping():
+    attrs = {"speedup": 1.5, "feasible": 1, "rounds": 2.0, "steps": True, "error": 3, "autoprec:worker": "w", "metric": None}
+    record = TrialRecord.from_attrs(attrs)
+    assert record == TrialRecord(speedup=1.5)  # a wrong type reads as missing; the study's own keys are not a trial's
+    assert record.to_attrs() == {"speedup": 1.5}  # only what is set
+    assert TrialRecord.from_attrs({}) == TrialRecord() and not TrialRecord().timed
+
+
+def test_a_trial_record_is_timed_only_where_the_trial_itself_was_timed():
+    assert TrialRecord(rounds=3).timed and not TrialRecord(rounds=0).timed
+    assert not TrialRecord(rounds=3, reused_from=1).timed  # a repeat copies the rounds, measures nothing
+
+
+class _Trial:  # what TrialRecord.write needs of an optuna.Trial
+    def __init__(self):
+        self.user_attrs = {}
+
+    def set_user_attr(self, key, value):
+        self.user_attrs[key] = value
+
+
+def test_the_trial_writer_refuses_a_name_or_a_value_the_record_would_not_read_back():
+    trial = _Trial()
+    TrialRecord.write(trial, speedup=2.0, peak_bytes=None, rounds=3, error="e")
+    assert trial.user_attrs == {"speedup": 2.0, "peak_bytes": None, "rounds": 3, "error": "e"}  # None is written too
+    assert TrialRecord.of(trial) == TrialRecord(speedup=2.0, rounds=3, error="e")
+    with pytest.raises(TypeError, match="speedp.*speedup"):
+        TrialRecord.write(trial, speedp=1.0)  # a typo fails loudly, naming the fields
+    with pytest.raises(TypeError, match="rounds"):
+        TrialRecord.write(trial, rounds=2.5)
+    with pytest.raises(TypeError, match="feasible"):
+        TrialRecord.write(trial, feasible=1)
+    assert trial.user_attrs == {"speedup": 2.0, "peak_bytes": None, "rounds": 3, "error": "e"}  # nothing half-written
+
+
+def _journal_attrs(path):
+    """Each trial's user attributes as an Optuna journal holds them: JSON lines, each an operation (4: a trial created
+    with some, 8: one set on a trial; trial ids count the created trials)."""
+    trials: list[dict] = []
+    for line in path.read_text().splitlines():
+        op = json.loads(line)
+        if op["op_code"] == 4:
+            trials.append(dict(op.get("user_attrs") or {}))
+        elif op["op_code"] == 8:
+            trials[op["trial_id"]].update(op["user_attr"])
+    return trials
+
+
+def test_every_committed_studys_trials_read_back_as_records_with_every_measurement_kept():
+    fields = {f.name for f in dataclasses.fields(TrialRecord)}
+    trials = [(path, attrs) for path in sorted(RESULTS.rglob("*.journal")) for attrs in _journal_attrs(path)]
+    assert sum("speedup" in attrs for _, attrs in trials) > 100
+    for path, attrs in trials:
+        measured = {k: v for k, v in attrs.items() if k in fields and v is not None}
+        assert set(attrs) - fields <= {"autoprec:key", "autoprec:choices", "autoprec:worker", "key", "choices"}, path
+        assert TrialRecord.from_attrs(attrs).to_attrs() == measured, path

@@ -4,7 +4,8 @@
 - `Finals`: all of them, in the order they were measured, looked up by name;
 - `Result`: what a policy file keeps of one measurement (`measured.results[label]`);
 - `Measured`: a policy file's `measured` block, written by the pipeline and read by the reports;
-- `Chosen`: one budget's result, the policy file written for it.
+- `Chosen`: one budget's result, the policy file written for it;
+- `TrialRecord`: what one search trial measured, as its Optuna user attributes hold it (trials.csv's columns).
 
 The runtime's `Policy.measured` stays a plain mapping (it is provenance, and a training script needs none of
 this); `Measured.of(policy)` is its typed view, lenient: a policy edited or written by hand reads as far as it is
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from types import NoneType
+from typing import TYPE_CHECKING, Any, Protocol, get_args, get_type_hints, overload
 
 import numpy as np
 
@@ -28,6 +30,13 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from autoprec.policy import Policy
+
+
+class _Attributed(Protocol):
+    """An optuna.Trial or FrozenTrial, as far as TrialRecord reads and writes them."""
+
+    @property
+    def user_attrs(self) -> Mapping[str, Any]: ...
 
 
 # finalists.csv's last column, `version`, on every row: the format of its columns. Raise it when a column is added,
@@ -426,3 +435,107 @@ def _count(value: Any) -> int | None:
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _real(value: Any) -> float | None:
+    """A JSON number as stored (an int stays one), so that what a trial wrote reads back as written."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _flag_or_none(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+_COST = {"cost": True}  # a TrialRecord field that says what the trial cost, not what the policy measured
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialRecord:
+    """What one search trial measured (objective.Objective writes it field by field as it measures, `write`), kept
+    as its Optuna user attributes: one attribute per field, of the same name, a JSON value; None and missing alike
+    mean not measured. Its fields, in order, are trials.csv's measurement columns.
+
+    `metric`, `metric_drop`: None where not finite; `feasible`: within budget (and --max-memory), and it ran;
+    `step_ms`, `fp32_step_ms`: the candidate's and fp32's median step times, timed together `rounds` times, `spread`
+    the wider of their interquartile ranges over the median; `skipped` of `steps`: steps the GradScaler skipped while
+    timed, `effective_step_ms` the step time per step that updated the weights; `speedup`: fp32's over that (1.0 for
+    the all-fp32 trial, not timed; the prediction for an untimed one); `peak_bytes`, `memory_saving`: as in
+    Measurement; `train_skipped`: steps skipped while trained (train mode); `error`: why it broke or does not fit;
+    `predicted_speedup`, `untimed`: the speed model's prediction and why it left the trial untimed.
+    What it cost (not copied to a repeat): `evaluate_s`, `measure_s`, `compile_s` (within measure_s); `reused_from`:
+    a repeat of that trial's policy, its measurements copied; `reevaluated_from`: one left untimed, judged again."""
+
+    metric: float | None = None
+    metric_drop: float | None = None
+    feasible: bool | None = None
+    step_ms: float | None = None
+    skipped: int | None = None
+    steps: int | None = None
+    effective_step_ms: float | None = None
+    fp32_step_ms: float | None = None
+    speedup: float | None = None
+    spread: float | None = None
+    peak_bytes: int | None = None
+    memory_saving: float | None = None
+    train_skipped: int | None = None
+    error: str | None = None
+    predicted_speedup: float | None = None
+    untimed: str | None = None
+    evaluate_s: float | None = dataclasses.field(default=None, metadata=_COST)
+    measure_s: float | None = dataclasses.field(default=None, metadata=_COST)
+    compile_s: float | None = dataclasses.field(default=None, metadata=_COST)
+    rounds: int | None = dataclasses.field(default=None, metadata=_COST)
+    reused_from: int | None = dataclasses.field(default=None, metadata=_COST)
+    reevaluated_from: int | None = dataclasses.field(default=None, metadata=_COST)
+
+    @property
+    def timed(self) -> bool:
+        """Timed beside fp32 in this trial (some rounds), not a repeat that copied an earlier trial's timing."""
+        return bool(self.rounds) and self.reused_from is None
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any]) -> TrialRecord:
+        """Read leniently: a missing attribute, or one of the wrong type, is unset; others (the study's own) are not read."""
+        return cls(**{name: _TRIAL_READERS[name](attrs.get(name)) for name in _TRIAL_READERS})
+
+    @classmethod
+    def of(cls, trial: _Attributed) -> TrialRecord:
+        """The record of an optuna.Trial (while it runs) or FrozenTrial."""
+        return cls.from_attrs(trial.user_attrs)
+
+    def to_attrs(self, *, costs: bool = True) -> dict[str, Any]:
+        """The set fields as attributes (`costs=False`: only the measurements, what a repeat of the policy copies)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None and (costs or not f.metadata.get("cost"))
+        }
+
+    @staticmethod
+    def write(trial: _Writable, **fields: Any) -> None:
+        """Store `fields` as the trial's attributes (None too: measured as missing). TypeError, before anything is
+        written, for a name that is no field or a value from_attrs would not read back as given."""
+        for name, value in fields.items():
+            if name not in _TRIAL_READERS:
+                raise TypeError(f"a trial has no field {name!r}; its fields are {list(_TRIAL_READERS)}")
+            if value is not None and _TRIAL_READERS[name](value) is not value:
+                raise TypeError(f"trial field {name} is {_TRIAL_KINDS[name].__name__} or None, but got {value!r}")
+        for name, value in fields.items():
+            trial.set_user_attr(name, value)
+
+
+class _Writable(_Attributed, Protocol):
+    def set_user_attr(self, key: str, value: Any) -> None: ...
+
+
+def _kind(hint: Any) -> type:
+    """`float` of `float | None`."""
+    (kind,) = (t for t in get_args(hint) if t is not NoneType)
+    return kind
+
+
+_TRIAL_KINDS: dict[str, type] = {name: _kind(hint) for name, hint in get_type_hints(TrialRecord).items()}
+# each kind's reader returns the value itself where it is of that kind (JSON's, as stored), None otherwise
+_TRIAL_READERS: dict[str, Callable[[Any], Any]] = {
+    name: {bool: _flag_or_none, int: _count, float: _real, str: _text}[kind] for name, kind in _TRIAL_KINDS.items()
+}
