@@ -42,12 +42,12 @@ from autoprec.tune.measure import (
     step_stats,
     train_and_evaluate,
 )
+from autoprec.tune.records import TrialRecord
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune.storage import OBJECTIVES
 from autoprec.tune.task import Workload
 from autoprec.tune.trials import (
-    TRIAL_ATTRS,
     best_speedup,
     best_timed,
     finalist_mark,
@@ -198,39 +198,40 @@ class Objective:
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = suggest(trial, self.choices, self.space)
         earlier = _same_policy(trial, policy, self.choices)
-        if earlier is not None and "untimed" not in earlier.user_attrs:  # samplers propose a policy again: its
-            self._reuse(trial, earlier)  # measurements stand, and cost nothing
+        if earlier is not None and earlier[1].untimed is None:  # samplers propose a policy again: its
+            self._reuse(trial, *earlier)  # measurements stand, and cost nothing
             return self._values(trial)
         start = time.perf_counter()
-        if earlier is not None:  # left untimed before: its metric stands; whether to time it is decided anew
-            metric = earlier.user_attrs["metric"]
-            extra = {k: earlier.user_attrs[k] for k in ("train_skipped",) if k in earlier.user_attrs}
-            trial.set_user_attr("reevaluated_from", earlier.number)
+        if earlier is not None:  # left untimed before (so within budget): its metric stands; whether to time it is
+            before = earlier[1]  # decided anew
+            metric = before.metric if before.metric is not None else math.nan
+            extra: dict[str, Any] = {} if before.train_skipped is None else {"train_skipped": before.train_skipped}
+            TrialRecord.write(trial, reevaluated_from=earlier[0].number)
         elif self.config.mode is Mode.WEIGHTS and _all_fp32(policy):
             metric, extra = self.judge.fp32_metric, {}  # the profile measured exactly this model
         else:
             metric, extra = self.judge.safe_metric(policy)
         if earlier is None:
-            trial.set_user_attr("evaluate_s", time.perf_counter() - start)
-        for key, value in extra.items():
-            trial.set_user_attr(key, value)
+            TrialRecord.write(trial, evaluate_s=time.perf_counter() - start)
+        TrialRecord.write(trial, **extra)
         drop = self.judge.fp32_metric - metric
         feasible = math.isfinite(metric) and drop <= self.config.budget
-        trial.set_user_attr("metric", metric if math.isfinite(metric) else None)
-        trial.set_user_attr("metric_drop", drop if math.isfinite(drop) else None)
+        TrialRecord.write(
+            trial, metric=metric if math.isfinite(metric) else None, metric_drop=drop if math.isfinite(drop) else None
+        )
         constraint = over_budget(drop, self.config.budget) if math.isfinite(drop) else INFEASIBLE
         if feasible and _all_fp32(policy):  # the fp32 baseline itself: 1.0 by definition, nothing to time
-            trial.set_user_attr("speedup", 1.0)
+            TrialRecord.write(trial, speedup=1.0)
             self._record_memory(trial, self.fp32_peak(None))
         elif feasible and self._predicted_too_slow(trial, policy):
             pass  # its predicted speedup is its value (a finalist only where k faster ones are alternatives)
         elif feasible:  # only candidates within budget are worth the time it takes to time them
             start = time.perf_counter()
             feasible, constraint = self._time(trial, policy, constraint)
-            trial.set_user_attr("measure_s", time.perf_counter() - start)
+            TrialRecord.write(trial, measure_s=time.perf_counter() - start)
         over = self._over_memory(trial) if feasible else 0.0  # a trial not timed has no peak: its drop rules it out
         feasible = feasible and over <= 0
-        trial.set_user_attr("feasible", feasible)
+        TrialRecord.write(trial, feasible=feasible)
         if self.config.max_memory is None and over > 0:  # the memory objective without a peak: infeasible through
             constraint = max(constraint, INFEASIBLE)  # the one constraint every trial has
         trial.set_constraint("metric_drop_over_budget", constraint)
@@ -250,22 +251,23 @@ class Objective:
         return self._fp32_peak
 
     def _record_memory(self, trial: optuna.Trial, peak: int | None) -> None:
-        trial.set_user_attr("peak_bytes", peak)
-        trial.set_user_attr("memory_saving", memory.saving(peak, self.fp32_peak(None)))
+        TrialRecord.write(trial, peak_bytes=peak, memory_saving=memory.saving(peak, self.fp32_peak(None)))
 
     def _over_memory(self, trial: optuna.Trial) -> float:
         """How far the trial's peak is over --max-memory, as a share of it (<= 0: it fits); INFEASIBLE where the peak
         was not measured but is needed (a limit, or the memory objective)."""
         limit = self.config.max_memory
-        peak = trial.user_attrs.get("peak_bytes")
+        peak = TrialRecord.of(trial).peak_bytes
         if peak is None and (limit is not None or self.config.objective is Goal.MEMORY):
             needs = "--max-memory" if limit is not None else "--objective memory"
-            trial.set_user_attr("error", f"peak memory not measured, which {needs} needs")
+            TrialRecord.write(trial, error=f"peak memory not measured, which {needs} needs")
             return INFEASIBLE
         if limit is None or peak is None:
             return 0.0
         if peak > limit:
-            trial.set_user_attr("error", f"peak memory {memory.human_bytes(peak)} over --max-memory {memory.human_bytes(limit)}")
+            TrialRecord.write(
+                trial, error=f"peak memory {memory.human_bytes(peak)} over --max-memory {memory.human_bytes(limit)}"
+            )
         return (peak - limit) / limit
 
     def _predicted_too_slow(self, trial: optuna.Trial, policy: Policy) -> bool:
@@ -279,10 +281,9 @@ class Objective:
         if found is None:
             return False
         predicted, speed_fit = found
-        trial.set_user_attr("predicted_speedup", predicted)
-        trial.set_user_attr("speedup", predicted)
-        trial.set_user_attr("untimed", f"predicted {predicted:.3f}x (fit error {speed_fit.error:.1%}), below the "
-                                       f"k-th fastest timed trial's {mark:.3f}x")  # fmt: skip
+        TrialRecord.write(trial, predicted_speedup=predicted, speedup=predicted,
+                          untimed=f"predicted {predicted:.3f}x (fit error {speed_fit.error:.1%}), below the "
+                                  f"k-th fastest timed trial's {mark:.3f}x")  # fmt: skip
         return True
 
     def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
@@ -307,22 +308,22 @@ class Objective:
 
     def _values(self, trial: optuna.Trial) -> float | tuple[float, float]:
         # Infeasible trials are not timed; the constraint, not this value, keeps them from winning.
-        feasible = trial.user_attrs.get("feasible")
+        record = TrialRecord.of(trial)
         if self.config.objective is Goal.MEMORY:
-            peak = trial.user_attrs.get("peak_bytes")
-            first = peak / memory.MIB if feasible and peak is not None else INFEASIBLE
+            peak = record.peak_bytes
+            first = peak / memory.MIB if record.feasible and peak is not None else INFEASIBLE
+        elif record.feasible:
+            assert record.speedup is not None, "a trial within budget has a speedup: measured, predicted or fp32's 1.0"
+            first = record.speedup
         else:
-            first = trial.user_attrs["speedup"] if feasible else 0.0
+            first = 0.0
         if self.objectives == 1:
             return first
-        drop = trial.user_attrs.get("metric_drop")
+        drop = record.metric_drop
         return first, (drop if drop is not None else INFEASIBLE)
 
-    def _reuse(self, trial: optuna.Trial, earlier: optuna.trial.FrozenTrial) -> None:
-        for key in TRIAL_ATTRS:
-            if key in earlier.user_attrs:
-                trial.set_user_attr(key, earlier.user_attrs[key])
-        trial.set_user_attr("reused_from", earlier.number)
+    def _reuse(self, trial: optuna.Trial, earlier: optuna.trial.FrozenTrial, before: TrialRecord) -> None:
+        TrialRecord.write(trial, **before.to_attrs(costs=False), reused_from=earlier.number)
         for key, value in earlier.system_attrs.items():
             if key.startswith("constraints:"):
                 trial.set_constraint(key.split(":", 1)[1], value)
@@ -351,23 +352,21 @@ class Objective:
         except UserError:
             raise
         except Exception as exc:  # a step the user's code cannot take in this format: infeasible, not fatal
-            trial.set_user_attr("error", f"training step failed: {describe(exc)}")
+            TrialRecord.write(trial, error=f"training step failed: {describe(exc)}")
             return False, INFEASIBLE
         self._record_memory(trial, peak)
-        trial.set_user_attr("rounds", len(t["policy"].samples_ms))
+        TrialRecord.write(trial, rounds=len(t["policy"].samples_ms))
         if candidate.compiled and candidate.first_step_s is not None and baseline.first_step_s is not None:
             # both have a first step by now (the baseline's above, the candidate's in the timing): always true
-            trial.set_user_attr("compile_s", candidate.first_step_s + baseline.first_step_s)
-        trial.set_user_attr("step_ms", t["policy"].median_ms)
-        trial.set_user_attr("fp32_step_ms", t["fp32"].median_ms)
-        trial.set_user_attr("spread", max(t["policy"].spread, t["fp32"].spread))
-        trial.set_user_attr("skipped", stats.skipped)
-        trial.set_user_attr("steps", stats.steps)
+            TrialRecord.write(trial, compile_s=candidate.first_step_s + baseline.first_step_s)
+        TrialRecord.write(trial, step_ms=t["policy"].median_ms, fp32_step_ms=t["fp32"].median_ms,
+                          spread=max(t["policy"].spread, t["fp32"].spread), skipped=stats.skipped, steps=stats.steps)  # fmt: skip
         if not stats.finite or not math.isfinite(stats.effective_ms):
-            trial.set_user_attr("error", "non-finite training loss" if not stats.finite else "the GradScaler skipped every step")
+            TrialRecord.write(
+                trial, error="non-finite training loss" if not stats.finite else "the GradScaler skipped every step"
+            )
             return False, INFEASIBLE
-        trial.set_user_attr("effective_step_ms", stats.effective_ms)
-        trial.set_user_attr("speedup", t["fp32"].median_ms / stats.effective_ms)
+        TrialRecord.write(trial, effective_step_ms=stats.effective_ms, speedup=t["fp32"].median_ms / stats.effective_ms)
         return True, constraint
 
 
@@ -375,12 +374,13 @@ def _all_fp32(policy: Policy) -> bool:
     return all(fmt is Format.FP32 for fmt in policy.layers.values())
 
 
-def _same_policy(trial: optuna.Trial, policy: Policy, choices: Choices) -> optuna.trial.FrozenTrial | None:
-    """A completed trial of the study (any worker's) whose params describe this same policy, or None. Grouped
-    and ranked params can name one policy in several ways (a count past every layer a format suits)."""
+def _same_policy(trial: optuna.Trial, policy: Policy, choices: Choices) -> tuple[optuna.trial.FrozenTrial, TrialRecord] | None:
+    """A completed trial of the study (any worker's) whose params describe this same policy, and its record; or None.
+    Grouped and ranked params can name one policy in several ways (a count past every layer a format suits)."""
     done = trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    same = [t for t in done if "feasible" in t.user_attrs and policy_from_params(t.params, choices) == policy]
-    return next((t for t in same if "untimed" not in t.user_attrs), same[0] if same else None)  # a timed one first
+    judged = [(t, TrialRecord.of(t)) for t in done]
+    same = [(t, r) for t, r in judged if r.feasible is not None and policy_from_params(t.params, choices) == policy]
+    return next((found for found in same if found[1].untimed is None), same[0] if same else None)  # a timed one first
 
 
 def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:

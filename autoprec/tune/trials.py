@@ -1,8 +1,10 @@
-"""The study's trials read back: the trial table (trials.csv), where their time went, and the queries the search
-asks of them (the best speedup so far, the k-th fastest timed trial, the trials a speed fit learns from)."""
+"""The study's trials read back (each as its records.TrialRecord): the trial table (trials.csv), where their time
+went, and the queries the search asks of them (the best speedup so far, the k-th fastest timed trial, the trials a
+speed fit learns from)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -16,14 +18,15 @@ from autoprec.policy import ROOT, Policy
 from autoprec.tune.choices import Choices, policy_from_params
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.profile_data import Profile
+from autoprec.tune.records import TrialRecord
 from autoprec.tune.speed import LayerTimes, Timed
 
 log = logging.getLogger("autoprec")
 
-TRIAL_ATTRS = ("metric", "metric_drop", "feasible", "step_ms", "skipped", "steps", "effective_step_ms",
-               "fp32_step_ms", "speedup", "spread", "peak_bytes", "memory_saving", "train_skipped", "error",
-               "predicted_speedup", "untimed")  # fmt: skip
-COST_ATTRS = ("evaluate_s", "measure_s", "compile_s", "rounds", "reused_from", "reevaluated_from")
+
+def _complete(study: optuna.Study) -> list[tuple[optuna.trial.FrozenTrial, TrialRecord]]:
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return [(t, TrialRecord.of(t)) for t in done]
 
 
 def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
@@ -39,8 +42,8 @@ def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = N
         row.update({("(default)" if n == ROOT else n): f.value for n, f in policy.layers.items()})
         if prof is not None:
             row["predicted_drop"] = prof.predicted_drop(policy.layers)
-        for key in (*TRIAL_ATTRS, *COST_ATTRS):
-            row[key] = t.user_attrs.get(key)
+        record = TrialRecord.of(t)
+        row.update({f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
         if policy.uses_fp16:
             ls = policy.loss_scale
             row.update(init_scale=ls.init_scale, growth_interval=ls.growth_interval, growth_factor=ls.growth_factor,
@@ -53,35 +56,34 @@ def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = N
 def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
     """The study's completed trials (every worker's, every run's), split into evaluating the metric, measuring
     step times, and the rest of each trial's wall time: sampling, the storage, building the candidate."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    fresh = [t for t in done if "reused_from" not in t.user_attrs]  # a reused trial measured nothing
-    evaluate = sum(t.user_attrs.get("evaluate_s", 0.0) for t in fresh)
-    measure = sum(t.user_attrs.get("measure_s", 0.0) for t in fresh)
-    compiling = sum(t.user_attrs.get("compile_s") or 0.0 for t in fresh)
-    wall = sum(t.duration.total_seconds() for t in done if t.duration)
-    watch.add("trials: evaluating the metric", evaluate, sum("evaluate_s" in t.user_attrs for t in fresh))
+    done = _complete(study)
+    fresh = [(t, r) for t, r in done if r.reused_from is None]  # a reused trial measured nothing
+    evaluate = sum(r.evaluate_s or 0.0 for _, r in fresh)
+    measure = sum(r.measure_s or 0.0 for _, r in fresh)
+    compiling = sum(r.compile_s or 0.0 for _, r in fresh)
+    wall = sum(t.duration.total_seconds() for t, _ in done if t.duration)
+    watch.add("trials: evaluating the metric", evaluate, sum(r.evaluate_s is not None for _, r in fresh))
     if compiling:
         watch.add("trials: compiling the candidate and the fp32 baseline (first steps)", compiling,
-                  sum("compile_s" in t.user_attrs for t in fresh))  # fmt: skip
-    watch.add("trials: measuring step times", measure - compiling, sum("measure_s" in t.user_attrs for t in fresh))
-    rounds = sum(t.user_attrs.get("rounds") or 0 for t in fresh)
+                  sum(r.compile_s is not None for _, r in fresh))  # fmt: skip
+    watch.add("trials: measuring step times", measure - compiling, sum(r.measure_s is not None for _, r in fresh))
+    rounds = sum(r.rounds or 0 for _, r in fresh)
     if rounds:
         watch.count("trials: timing rounds (a trial stops early once its ranking is clear)", rounds)
         # each round times the candidate and the fp32 baseline: a block of whole training steps each
         watch.count("trials: whole-step timings (each round: the candidate's and the fp32 baseline's)", 2 * rounds)
-        spreads = [t.user_attrs["spread"] for t in fresh if isinstance(t.user_attrs.get("spread"), (int, float))]
-        spreads = [x for x in spreads if math.isfinite(x)]
+        spreads = [r.spread for _, r in fresh if r.spread is not None and math.isfinite(r.spread)]
         if spreads:
             noise = f"±{50 * statistics.median(spreads):.0f}%"
             watch.count(f"trials: this device's timing noise, the timed trials' median spread {noise}", len(spreads))
     watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
     watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
     # policies, not trials: one proposed again is judged again (reevaluated_from), and counts once, as timed if ever
-    timed = {_params_key(t) for t in fresh if t.user_attrs.get("rounds")}
-    untimed = {_params_key(t) for t in fresh if "untimed" in t.user_attrs} - timed
+    timed = {_params_key(t) for t, r in fresh if r.timed}
+    untimed = {_params_key(t) for t, r in fresh if r.untimed is not None} - timed
     if untimed:
         watch.count("trials: policies not timed (the profile's layer times predict them too slow to be finalists)", len(untimed))
-    again = sum("reevaluated_from" in t.user_attrs for t in fresh)
+    again = sum(r.reevaluated_from is not None for _, r in fresh)
     if again:
         watch.count("trials: a policy left untimed, proposed again and judged again", again)
 
@@ -93,9 +95,7 @@ def _params_key(trial: optuna.trial.FrozenTrial) -> str:
 def timed_speedups(study: optuna.Study) -> list[float]:
     """The speedups of the study's trials timed within budget, warm starts included (not the all-fp32 baseline,
     which is not timed, nor repeats)."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return [t.user_attrs["speedup"] for t in done
-            if t.user_attrs.get("feasible") and t.user_attrs.get("rounds") and "reused_from" not in t.user_attrs]  # fmt: skip
+    return [r.speedup for _, r in _complete(study) if r.feasible and r.timed and r.speedup is not None]
 
 
 def finalist_mark(study: optuna.Study, k: int) -> float | None:
@@ -109,16 +109,13 @@ def finalist_mark(study: optuna.Study, k: int) -> float | None:
 
 def timed_trials(study: optuna.Study, choices: Choices, layer_times: LayerTimes) -> list[Timed]:
     """The study's trials timed beside fp32 (not repeats), as speed.fit takes them."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     out = []
-    for t in done:
-        step, fp32 = t.user_attrs.get("step_ms"), t.user_attrs.get("fp32_step_ms")
-        if not t.user_attrs.get("rounds") or "reused_from" in t.user_attrs or step is None or fp32 is None:
+    for t, r in _complete(study):
+        if not r.timed or r.step_ms is None or r.fp32_step_ms is None:
             continue
         features = layer_times.features(policy_from_params(t.params, choices))
         if features is not None:
-            spread = t.user_attrs.get("spread")
-            out.append(Timed(features, fp32, step, spread if isinstance(spread, (int, float)) else 0.0))
+            out.append(Timed(features, r.fp32_step_ms, r.step_ms, r.spread if r.spread is not None else 0.0))
     return out
 
 
@@ -129,29 +126,23 @@ def formats_key(policy: Policy) -> str:
 
 def timed_formats(study: optuna.Study, choices: Choices) -> set[str]:
     """The formats_key of every policy the study has timed (any loss scale)."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return {formats_key(policy_from_params(t.params, choices)) for t in done if t.user_attrs.get("rounds")}
+    return {formats_key(policy_from_params(t.params, choices)) for t, r in _complete(study) if r.rounds}
 
 
 def best_timed(study: optuna.Study) -> tuple[float, float] | None:
     """(speedup, spread) of the fastest trial timed within budget (not a prediction, not a repeat); None before one."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    timed = [t for t in done if t.user_attrs.get("feasible") and t.user_attrs.get("rounds") and "reused_from" not in t.user_attrs]
+    timed = [(r.speedup, r.spread) for _, r in _complete(study) if r.feasible and r.timed and r.speedup is not None]
     if not timed:
         return None
-    best = max(timed, key=lambda t: t.user_attrs["speedup"])
-    spread = best.user_attrs.get("spread")
-    return best.user_attrs["speedup"], spread if isinstance(spread, (int, float)) and math.isfinite(spread) else 0.0
+    speedup, spread = max(timed, key=lambda pair: pair[0])
+    return speedup, spread if spread is not None and math.isfinite(spread) else 0.0
 
 
 def best_speedup(study: optuna.Study) -> float:
     """The highest speedup among the study's completed trials within budget (0 before there is one)."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return max((t.user_attrs.get("speedup", 0.0) for t in done if t.user_attrs.get("feasible")), default=0.0)
+    return max((r.speedup or 0.0 for _, r in _complete(study) if r.feasible), default=0.0)
 
 
 def smallest_peak(study: optuna.Study) -> int | None:
     """The smallest peak memory among the study's completed trials within budget (None before there is one)."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return min((t.user_attrs["peak_bytes"] for t in done if t.user_attrs.get("feasible") and t.user_attrs.get("peak_bytes")),
-               default=None)  # fmt: skip
+    return min((r.peak_bytes for _, r in _complete(study) if r.feasible and r.peak_bytes), default=None)
