@@ -60,7 +60,7 @@ from autoprec.tune.measure import Candidate, all_settled, fp32_step_failed, meas
 from autoprec.tune.objective import Judge, Objective, run_trials
 from autoprec.tune.out_dir import claim_out_dir, disk_full, earlier_result, load_or_profile
 from autoprec.tune.profile_data import Profile
-from autoprec.tune.records import Chosen, Finals, Measured, Measurement, Result, StudyRef
+from autoprec.tune.records import Chosen, Finals, Measured, Measurement, Result, StudyRef, TrialRecord
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes
 from autoprec.tune.storage import check_storage, open_study
@@ -335,18 +335,19 @@ def finalist_policies(
     `budget`: among those whose drop fits it), leaving out those in `exclude` (the alternatives, measured under
     their own names) and, by speed, those whose timing is separated below the fastest trial's (_beaten)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    good = [t for t in done if t.user_attrs.get("feasible")]
+    good = [(t, r) for t, r in ((t, TrialRecord.of(t)) for t in done) if r.feasible]
     if budget is not None:
-        good = [t for t in good if t.user_attrs.get("metric_drop") is not None and t.user_attrs["metric_drop"] <= budget]
+        good = [(t, r) for t, r in good if r.metric_drop is not None and r.metric_drop <= budget]
     picked: dict[str, Candidate] = {}
     seen = {json.dumps(c.policy.to_dict(), sort_keys=True) for c in exclude if not c.tf32}
     if goal is Goal.MEMORY:
-        good = [t for t in good if t.user_attrs.get("peak_bytes") is not None]
-        order = sorted(good, key=lambda t: (t.user_attrs["peak_bytes"], -t.user_attrs["speedup"]))
+        order = sorted(
+            [(t, r) for t, r in good if r.peak_bytes is not None], key=lambda tr: (tr[1].peak_bytes or 0, -_speedup(tr[1]))
+        )
     else:
-        order = sorted(good, key=lambda t: -t.user_attrs["speedup"])
-        order = [t for t in order if not _beaten(t, order[0])] if order else []
-    for t in order:
+        order = sorted(good, key=lambda tr: -_speedup(tr[1]))
+        order = [(t, r) for t, r in order if not _beaten(r, order[0][1])]
+    for t, _ in order:
         policy = policy_from_params(t.params, choices)
         key = json.dumps(policy.to_dict(), sort_keys=True)
         if key not in seen:
@@ -357,16 +358,19 @@ def finalist_policies(
     return picked
 
 
-def _beaten(trial: optuna.trial.FrozenTrial, best: optuna.trial.FrozenTrial) -> bool:
+def _speedup(record: TrialRecord) -> float:
+    return record.speedup if record.speedup is not None else 0.0  # every trial within budget has one
+
+
+def _beaten(trial: TrialRecord, best: TrialRecord) -> bool:
     """Whether the trial's timing is separated below the best's (the fast end of its spread under the slow end of
     the best's): it cannot win the final re-measure, so it is not timed there. An untimed trial (a prediction) has
     no spread of its own."""
 
-    def spread(t: optuna.trial.FrozenTrial) -> float:
-        value = t.user_attrs.get("spread")
-        return value / 2 if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
+    def spread(r: TrialRecord) -> float:
+        return r.spread / 2 if r.spread is not None and math.isfinite(r.spread) else 0.0
 
-    return trial.user_attrs["speedup"] * (1 + spread(trial)) < best.user_attrs["speedup"] * (1 - spread(best))
+    return _speedup(trial) * (1 + spread(trial)) < _speedup(best) * (1 - spread(best))
 
 
 def remeasure(
