@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the results import this module to print themselves
 WIDTH = 120  # columns a printed table keeps to (text_table wraps its last column to fit)
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
@@ -41,7 +41,7 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, width: int = WIDTH) -> str:
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, width: int = WIDTH) -> str:
     """A plain aligned table; numbers right-aligned; a last column of text that would run past `width` columns
     is wrapped onto continuation lines under itself."""
     cells = [[_cell(v) for v in row] for row in rows]
@@ -63,7 +63,7 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, width: 
     return "\n".join(out)
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
     return "\n".join(out)
@@ -154,17 +154,17 @@ def _number_ranges(texts: Sequence[str]) -> str:
 _NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
-def _spread(value: Any) -> str:
+def _spread(value: float | None) -> str:
     spread = as_float(value)
     return "-" if math.isnan(spread) else f"±{100 * spread / 2:.1f}%"
 
 
-def _saved(value: Any) -> str:
+def _saved(value: float | None) -> str:
     saving = as_float(value)
     return format_change(None if math.isnan(saving) else saving)
 
 
-def result_rows(policy: Policy) -> list[list[Any]]:
+def result_rows(policy: Policy) -> list[list[object]]:
     """One row per result; the memory columns only where some result has a measured peak."""
     results = Measured.of(policy).results
     peaks = any(r.peak_bytes is not None for r in results.values())
@@ -261,7 +261,7 @@ def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
     for name, group in table.groupby("layer", sort=False):
         by = {r["format"]: r for _, r in group.iterrows()}
         first = group.iloc[0]
-        row: list[Any] = [name, first["type"], first["shape"], float(by["fp32"]["time_ms"])]
+        row: list[object] = [name, first["type"], first["shape"], float(by["fp32"]["time_ms"])]
         for f in formats:
             if f == "fp32":
                 continue
@@ -535,7 +535,7 @@ def gradient_summary(table: pd.DataFrame, advice: ScaleAdvice | None = None, *, 
     return "\n\n".join(parts)
 
 
-def _percent(value: Any) -> str:
+def _percent(value: float | None) -> str:
     v = as_float(value)
     return "-" if math.isnan(v) else f"{100 * v:.3g}%"
 
@@ -571,7 +571,7 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
     return "\n\n".join(parts)
 
 
-def front_rows(front: pd.DataFrame) -> list[list[Any]]:
+def front_rows(front: pd.DataFrame) -> list[list[object]]:
     peaks = front["peak_bytes"] if "peak_bytes" in front else [None] * len(front)
     return [[int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), _spread(r["spread"]), _bytes_cell(p)]
             for (_, r), p in zip(front.iterrows(), peaks)]  # fmt: skip
@@ -580,7 +580,7 @@ def front_rows(front: pd.DataFrame) -> list[list[Any]]:
 FRONT_HEADERS = ["trial", "metric drop", "speedup", "spread", "peak memory"]
 
 
-def _bytes_cell(value: Any) -> str:
+def _bytes_cell(value: float | None) -> str:
     n = as_float(value)
     return human_bytes(None if math.isnan(n) else n)
 
