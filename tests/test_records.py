@@ -213,3 +213,26 @@ def test_every_committed_studys_trials_read_back_as_records_with_every_measureme
         measured = {k: v for k, v in attrs.items() if k in fields and v is not None}
         assert set(attrs) - fields <= {"autoprec:key", "autoprec:choices", "autoprec:worker", "key", "choices"}, path
         assert TrialRecord.from_attrs(attrs).to_attrs() == measured, path
+
+
+def test_trials_csv_has_a_column_per_trial_record_field_in_the_order_committed_tables_have():
+    import optuna
+
+    from autoprec.tune.choices import LAYER_PARAM, Choices
+    from autoprec.tune.trials import trials_table
+
+    committed = pd.read_csv(RESULTS / "cpu-epyc-avx2-2core/search-cost/digits/trials.csv", nrows=0).columns.tolist()
+    measured = committed[committed.index("metric") : committed.index("reevaluated_from") + 1]
+    choices = Choices(default=("fp32",), layers={"a": ("fp32", "bf16")}, excluded={})
+    study = optuna.create_study(direction="maximize")
+    attrs = {"speedup": 1.5, "feasible": True, "rounds": 3, "untimed": None, "autoprec:worker": "w"}
+    dist = {LAYER_PARAM + "a": optuna.distributions.CategoricalDistribution(["fp32", "bf16"])}
+    study.add_trial(
+        optuna.trial.create_trial(value=1.5, params={LAYER_PARAM + "a": "bf16"}, distributions=dist, user_attrs=attrs)
+    )
+    table = trials_table(study, choices)
+    columns = table.columns.tolist()
+    assert columns[columns.index("metric") : columns.index("reevaluated_from") + 1] == measured
+    assert measured == [f.name for f in dataclasses.fields(TrialRecord)] and "autoprec:worker" not in columns
+    row = table.iloc[0]
+    assert (row["speedup"], row["feasible"], row["rounds"], row["a"]) == (1.5, True, 3, "bf16") and pd.isna(row["metric"])
