@@ -312,11 +312,8 @@ class Objective:
         if self.config.objective is Goal.MEMORY:
             peak = record.peak_bytes
             first = peak / memory.MIB if record.feasible and peak is not None else INFEASIBLE
-        elif record.feasible:
-            assert record.speedup is not None, "a trial within budget has a speedup: measured, predicted or fp32's 1.0"
-            first = record.speedup
-        else:
-            first = 0.0
+        else:  # a trial within budget always has a speedup: measured, predicted, copied, or fp32's 1.0
+            first = record.speedup if record.feasible and record.speedup is not None else 0.0
         if self.objectives == 1:
             return first
         drop = record.metric_drop
