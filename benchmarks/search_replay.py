@@ -405,6 +405,7 @@ def main() -> int:
         "re-measure's (default: 22 interleaved rounds), also each trial's (7 rounds beside an fp32 step that "
         "moved 5x under the load), or none",
     )
+    parser.add_argument("--summary-only", action="store_true", help="rewrite <out>/summary.md from <out>/runs.csv, run nothing")
     parser.add_argument("--searches", default="as is,every", help="'as is' (the search), 'every' (time every trial), or both")
     args = parser.parse_args()
     model_py = args.model or (args.trace / "model.py" if (args.trace / "model.py").is_file() else MODELS.get(args.trace.name))
@@ -415,6 +416,11 @@ def main() -> int:
         parser.error(f"--searches: {args.searches!r}; valid: 'as is', 'every', or both comma-separated")
     truth = Truth.fit(Trace.load(args.trace), args.recorded)
     trials = args.trials or truth.trace.n_trials
+    if args.summary_only:
+        text = summarize(pd.read_csv(args.out / "runs.csv"), truth, args, trials, Path(model_py))
+        (args.out / "summary.md").write_text(text, encoding="utf-8")
+        print(text)
+        return 0
     print_header("search replay: cost and answer on a recorded device", torch.device("cpu"))
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -432,11 +438,10 @@ def main() -> int:
                 keep=keep,
             )
             rows.append(r)
+            pd.DataFrame(rows).to_csv(args.out / "runs.csv", index=False)  # each run as it ends: a long run cut short keeps them
             print(f"seed {seed}, {r['search']}: {r['chosen']} [{r['formats']}] true {r['true_step_ms']:.0f} ms, "
                   f"{r['whole_steps_timed']} whole steps timed, {r['real_s']:.0f} s real", file=sys.stderr)  # fmt: skip
-    runs = pd.DataFrame(rows)
-    runs.to_csv(args.out / "runs.csv", index=False)
-    text = summarize(runs, truth, args, trials, model_py)
+    text = summarize(pd.DataFrame(rows), truth, args, trials, Path(model_py))
     (args.out / "summary.md").write_text(text, encoding="utf-8")
     print(text)
     return 0
@@ -454,12 +459,13 @@ def summarize(runs: pd.DataFrame, truth: Truth, args: argparse.Namespace, trials
         same = "-"
         if r["search"] == "as is" and r["seed"] in ref.index:
             ref_ms, ref_spread = ref.loc[r["seed"], "true_step_ms"], ref.loc[r["seed"], "spread"]
+            diff = f"{100 * (r['true_step_ms'] / ref_ms - 1):+.1f}%"
             if r["true_step_ms"] == ref_ms:
                 same = "yes (same time)"
             elif abs(r["true_step_ms"] - ref_ms) <= ref_spread / 2 * ref_ms:
-                same = f"within ±{50 * ref_spread:.0f}%"
+                same = f"within ±{50 * ref_spread:.0f}% ({diff})"
             else:
-                same = "no"
+                same = f"no ({diff})"
         table.append([
             r["seed"], r["search"], r["chosen"], r["formats"], f"{r['true_step_ms']:.1f}", f"{r['true_speedup']:.3f}",
             r["whole_steps_timed"], f"{r['replayed_s_timed']:.0f}", r["whole_steps_run"], f"{r['replayed_s_run']:.0f}",
@@ -470,6 +476,18 @@ def summarize(runs: pd.DataFrame, truth: Truth, args: argparse.Namespace, trials
         means.append([kind, len(group), f"{group['whole_steps_timed'].mean():.0f}", f"{group['replayed_s_timed'].mean():.0f}",
                       f"{group['whole_steps_run'].mean():.0f}", f"{group['replayed_s_run'].mean():.0f}",
                       f"{group['true_step_ms'].mean():.1f}", f"{group['real_s'].mean():.0f}"])  # fmt: skip
+    verdict = ""
+    as_is, every = runs[runs["search"] == "as is"], runs[runs["search"] == "time every trial"]
+    if len(as_is) and len(every):
+        agree = sum(str(row[-1]).startswith(("yes", "within")) for row in table if row[1] == "as is")
+        exact = sum(str(row[-1]).startswith("yes") for row in table if row[1] == "as is")
+        steps = as_is["whole_steps_timed"].mean() / every["whole_steps_timed"].mean()
+        verdict = (
+            f"\n\nAs is against timing every trial: the same answer in {agree} of {len(as_is)} seeds ({exact} the same true "
+            f"step time, the rest within the reference's spread); whole steps timed {steps:.2f}x the reference's "
+            f"({as_is['whole_steps_timed'].mean():.0f} against {every['whole_steps_timed'].mean():.0f} on average), replayed "
+            f"seconds in them {as_is['replayed_s_timed'].mean() / every['replayed_s_timed'].mean():.2f}x."
+        )
     roots = ", ".join(f"{f} {100 * v:+.1f}%" for f, v in truth.root.items() if f != "fp32")
     noise = ("" if args.noise == 1.0 else f" --noise {args.noise:g}") + (
         "" if args.max_spread == MAX_SPREAD else f" --max-spread {args.max_spread:g}"
@@ -520,6 +538,7 @@ def summarize(runs: pd.DataFrame, truth: Truth, args: argparse.Namespace, trials
             ],
             means,
         )  # fmt: skip
+        + verdict
         + "\n\nwhole steps timed: training steps of the user's model the clock priced (the trials' and the final re-measure's "
         "rounds and block-sizing calls); whole steps run: every Trainer.step (warm-ups, the first step that builds a "
         "candidate, peak memory), the untimed ones priced without noise; same answer: the chosen policy's true step time "
