@@ -8,19 +8,25 @@ ReplayClock below stands in for autoprec.tune.measure.CLOCK and prices each time
 - a profile layer step (its model: the profiler's holder of one layer): the trace's time_ms for that layer's shape and
   format, times noise of the row's time_spread;
 - a whole training step (its model: the user's model with a policy applied): the policy's TRUE step time times noise
-  drawn from its recorded spread. TRUE: for a policy the trace timed, its recorded median as a ratio to the fp32 step
-  timed beside it (the final re-measure's where it was a finalist: 22 interleaved rounds; else the median over its
-  trials), times the trace's fp32 step (the re-measure's); for any other policy, the ground-truth model
+  drawn from its recorded spread. TRUE, as a ratio to the trace's fp32 step (the final re-measure's): for a policy the
+  final re-measure timed (22 interleaved rounds), its recorded step / fp32 step; for any other, the ground-truth model
 
       1 - step / fp32 step  =  a * (sum over layers of the profile's fp32 ms - format ms)  +  b[root format]
+                               - e * (layers lowered under an fp32 root)
 
-  fitted once by least squares to ALL the recorded ratios (trials and finalists). It is the replay's device, fitted
-  to everything recorded, not the search's own prediction (autoprec/tune/speed.py), which fits only the trials it timed.
+  fitted once by least squares to ALL the recorded timings (every timed trial and every finalist, weighted by their
+  rounds). It is the replay's device, fitted to everything recorded, not the search's own prediction
+  (autoprec/tune/speed.py), which fits only the trials it has timed, and has no e term: the trace shows that on this
+  CPU an fp32 root with lowered layers runs slower than fp32 (each lowered layer casts back), however much they save.
+  A single trial's median is not served as it is by default (`--recorded all` does): 7 rounds beside an fp32 step
+  that moved from 221 to 1113 ms under the load make a jagged device (one trial of 3 rounds would be the optimum,
+  2.4x) whose needles no prediction can see; the final re-measure's 22 rounds, one interleaved run, are served.
 
 Noise: each call's price times exp(N(0, sigma)), sigma = spread / 1.349 (a lognormal whose IQR / median is the
 recorded spread; spread = IQR / median), from a numpy Generator seeded per run; independent per call (the recorded
 load moved fp32 and policy alike within a round, which interleaving cancels: independent noise is the harsher case).
-A policy the trace never timed takes the median of the recorded whole-step spreads.
+A policy with no recorded spread takes the median of the recorded whole-step spreads; every spread is capped at
+--max-spread (1.05, the re-measure's widest): the profile's 5-round spreads reach 3.3.
 
 The clock runs the work before pricing it (the model trains, its losses are checked, the GradScaler counts skipped
 steps: step_stats needs them), so the real part (metric evaluations, numerics, Optuna) costs this CPU's time, and
