@@ -56,6 +56,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -69,7 +70,7 @@ from common import print_header  # noqa: E402
 from autoprec.apply import applied_policy  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.policy import ROOT  # noqa: E402
-from autoprec.tune import SearchConfig, load_space, load_task, measure, prepare, searcher  # noqa: E402
+from autoprec.tune import SearchConfig, load_space, load_task, measure, pipeline, prepare, searcher  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
 from autoprec.tune.report import markdown_table  # noqa: E402
 from autoprec.tune.speed import format_of  # noqa: E402
@@ -253,6 +254,8 @@ class Truth:
 class Tally:
     whole_timed: int = 0  # whole training steps the clock timed
     whole_timed_s: float = 0.0  # their replayed seconds (with noise)
+    final_timed: int = 0  # of them, in the final re-measure (pipeline.final_remeasure)
+    final_timed_s: float = 0.0
     whole_run: int = 0  # every whole training step run (Trainer.step): warm-ups, builds, peak memory too
     whole_run_s: float = 0.0  # their replayed seconds (noiseless for the ones the clock did not time)
     layer_timed: int = 0  # profile layer steps the clock timed
@@ -268,6 +271,7 @@ class ReplayClock:
         self.rng = np.random.default_rng(seed)
         self.tally = Tally()
         self.timing = False  # inside time(): Trainer.step's count leaves these to the clock's own
+        self.final = False  # inside the final re-measure
 
     def key(self, model: torch.nn.Module) -> tuple[str, ...]:
         policy = applied_policy(model)
@@ -305,6 +309,9 @@ class ReplayClock:
         if kind == "whole":
             self.tally.whole_timed += calls
             self.tally.whole_timed_s += seconds
+            if self.final:
+                self.tally.final_timed += calls
+                self.tally.final_timed_s += seconds
             self.tally.whole_run_s += seconds
         elif kind == "layer":
             self.tally.layer_timed += calls
@@ -322,18 +329,26 @@ class ReplayClock:
 
 @contextlib.contextmanager
 def replaying(clock: ReplayClock) -> Iterator[None]:
-    """measure.CLOCK is `clock`, and every Trainer.step is counted by it, inside; both restored after."""
-    before, step = measure.CLOCK, measure.Trainer.step
+    """measure.CLOCK is `clock`, every Trainer.step is counted by it, and it knows when the final re-measure runs
+    (pipeline.final_remeasure), inside; all restored after."""
+    before, step, final = measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure
 
     def counted(self: measure.Trainer, batch_index: int | None = None) -> torch.Tensor:
         clock.step_run(self)
         return step(self, batch_index)
 
-    measure.CLOCK, measure.Trainer.step = clock, counted  # type: ignore[method-assign]
+    def final_phase(*args: Any, **kwargs: Any) -> Any:
+        clock.final = True
+        try:
+            return final(*args, **kwargs)
+        finally:
+            clock.final = False
+
+    measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure = clock, counted, final_phase  # type: ignore[method-assign]
     try:
         yield
     finally:
-        measure.CLOCK, measure.Trainer.step = before, step  # type: ignore[method-assign]
+        measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure = before, step, final  # type: ignore[method-assign]
 
 
 # ---- the runs -------------------------------------------------------------------------------------------------------
@@ -372,6 +387,8 @@ def run_one(
         "recorded": key in truth.recorded, "spread": truth.spread(key),
         "measured_speedup": m.results["policy"].speedup if "policy" in m.results else math.nan,
         "whole_steps_timed": tally.whole_timed, "replayed_s_timed": tally.whole_timed_s,
+        "trial_steps_timed": tally.whole_timed - tally.final_timed, "final_steps_timed": tally.final_timed,
+        "replayed_s_final": tally.final_timed_s,
         "whole_steps_run": tally.whole_run, "replayed_s_run": tally.whole_run_s,
         "layer_steps_timed": tally.layer_timed, "replayed_s_layers": tally.layer_timed_s, "other_calls": tally.other,
         "trials": len(done), "trials_timed": timed, "trials_untimed": untimed, "trials_reused": len(done) - len(fresh),
@@ -474,12 +491,15 @@ def summarize(runs: pd.DataFrame, truth: Truth, args: argparse.Namespace, trials
                 same = f"no ({diff})"
         table.append([
             r["seed"], r["search"], r["chosen"], r["formats"], f"{r['true_step_ms']:.1f}", f"{r['true_speedup']:.3f}",
-            r["whole_steps_timed"], f"{r['replayed_s_timed']:.0f}", r["whole_steps_run"], f"{r['replayed_s_run']:.0f}",
+            f"{r['whole_steps_timed']} ({r['trial_steps_timed']} + {r['final_steps_timed']})", f"{r['replayed_s_timed']:.0f}",
+            r["whole_steps_run"], f"{r['replayed_s_run']:.0f}",
             f"{r['trials_timed']}/{r['trials_untimed']}/{r['trials_reused']}", f"{r['real_s']:.0f}", same,
         ])  # fmt: skip
     means = []
     for kind, group in runs.groupby("search", sort=False):
-        means.append([kind, len(group), f"{group['whole_steps_timed'].mean():.0f}", f"{group['replayed_s_timed'].mean():.0f}",
+        means.append([kind, len(group), f"{group['whole_steps_timed'].mean():.0f}",
+                      f"{group['trial_steps_timed'].mean():.0f} + {group['final_steps_timed'].mean():.0f}",
+                      f"{group['replayed_s_timed'].mean():.0f}",
                       f"{group['whole_steps_run'].mean():.0f}", f"{group['replayed_s_run'].mean():.0f}",
                       f"{group['true_step_ms'].mean():.1f}", f"{group['real_s'].mean():.0f}"])  # fmt: skip
     verdict = ""
@@ -520,7 +540,7 @@ def summarize(runs: pd.DataFrame, truth: Truth, args: argparse.Namespace, trials
                 "formats (root, layers)",
                 "true step ms",
                 "true speedup",
-                "whole steps timed",
+                "whole steps timed (trials + final)",
                 "replayed s (timed)",
                 "whole steps run",
                 "replayed s (all steps)",
@@ -536,6 +556,7 @@ def summarize(runs: pd.DataFrame, truth: Truth, args: argparse.Namespace, trials
                 "search",
                 "runs",
                 "mean whole steps timed",
+                "of which trials + final",
                 "mean replayed s (timed)",
                 "mean whole steps run",
                 "mean replayed s (all steps)",

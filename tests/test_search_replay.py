@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy, apply_policy
-from autoprec.tune import measure
+from autoprec.tune import measure, pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -87,9 +87,9 @@ def test_noise_is_seeded_and_median_preserving(truth):
     assert sorted(a)[200] == pytest.approx(0.455295, rel=0.15)
 
 
-def test_every_trainer_step_is_counted_and_the_clock_restored(truth):
+def test_replaying_swaps_the_clock_the_step_count_and_the_final_phase_and_restores_them(truth):
     clock = search_replay.ReplayClock(truth, Digits, seed=0, noise=0.0)
-    before = measure.CLOCK, measure.Trainer.step
+    before = measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure
     with search_replay.replaying(clock):
-        assert measure.CLOCK is clock and measure.Trainer.step is not before[1]
-    assert (measure.CLOCK, measure.Trainer.step) == before
+        assert measure.CLOCK is clock and measure.Trainer.step is not before[1] and pipeline.final_remeasure is not before[2]
+    assert (measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure) == before
