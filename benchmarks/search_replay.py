@@ -73,6 +73,7 @@ from autoprec.policy import ROOT  # noqa: E402
 from autoprec.tune import SearchConfig, load_space, load_task, measure, pipeline, prepare, searcher  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
 from autoprec.tune.report import markdown_table  # noqa: E402
+from autoprec.tune.space import SearchSpace  # noqa: E402
 from autoprec.tune.speed import format_of  # noqa: E402
 
 IQR_PER_SIGMA = 1.349  # a normal's interquartile range in sigmas
@@ -107,6 +108,7 @@ class Trace:
     fp32_ms: float
     budget: float
     n_trials: int
+    profile_formats: tuple[str, ...] = ()  # every format profile.csv has a row for
 
     @classmethod
     def load(cls, folder: Path) -> Trace:
@@ -138,7 +140,13 @@ class Trace:
             if key is not None:
                 finalists[key] = Point(float(r.step_ms) / fp32_ms, float(r.spread), int(r.rounds))
         return cls(layers, layer_ms, shape_of, {k: tuple(v) for k, v in timed.items()}, finalists, fp32_ms,
-                   float(measured["budget"]), len(trials))  # fmt: skip
+                   float(measured["budget"]), len(trials), tuple(dict.fromkeys(map(str, prof["format"]))))  # fmt: skip
+
+    @property
+    def formats(self) -> set[str]:
+        """Every format the trace names: the profile's (timed or not) and the policies'."""
+        named = {f for _, f in self.layer_ms} | {f for k in [*self.trials, *self.finalists] for f in k}
+        return named | set(self.profile_formats)
 
     def points(self) -> list[tuple[tuple[str, ...], Point]]:
         return [(k, p) for k, ps in self.trials.items() for p in ps] + list(self.finalists.items())
@@ -354,6 +362,18 @@ def replaying(clock: ReplayClock) -> Iterator[None]:
 # ---- the runs -------------------------------------------------------------------------------------------------------
 
 
+def replay_space(trace: Trace) -> SearchSpace:
+    """This repository's default space (its own file: an editable install may resolve the package's to another
+    checkout), narrowed to the formats the trace recorded: one it never timed has no price on the replayed device."""
+    space = load_space(ROOT_DIR / "search_spaces" / "default.yaml")
+    traced = set(trace.formats)
+    layers = {t: tuple(f for f in fs if f.value in traced) for t, fs in space.layers.items()}
+    dropped = sorted({f.value for fs in space.layers.values() for f in fs} - traced)
+    if dropped:
+        print(f"the replay offers no {', '.join(dropped)}: the trace did not record them", file=sys.stderr)
+    return dataclasses.replace(space, layers=layers, default=tuple(f for f in space.default if f.value in traced))
+
+
 def run_one(
     model_py: Path,
     truth: Truth,
@@ -371,7 +391,7 @@ def run_one(
     config = SearchConfig(budget=truth.trace.budget, trials=trials, seed=seed, progress=False, predict_speed=not every)
     with tempfile.TemporaryDirectory(prefix="autoprec-replay-") as folder, replaying(clock):
         start = time.perf_counter()
-        result = searcher.search(workload, load_space(), config, keep or folder)
+        result = searcher.search(workload, replay_space(truth.trace), config, keep or folder)
         wall = time.perf_counter() - start
     m = Measured.of(result.policy)
     key = clock.key(measure.policy_model(workload, result.policy))
@@ -410,6 +430,8 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=None, help="the traced model.py (default: the trace folder's, or "
                                                                  f"for {', '.join(MODELS)} the bundled example)")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1: the sampler's and the noise's (default 5)")
+    parser.add_argument("--seed-list", default=None, help="these seeds instead (comma-separated), e.g. to finish a cut run")
+    parser.add_argument("--append", action="store_true", help="add to <out>/runs.csv's runs instead of replacing them")
     parser.add_argument("--trials", type=int, default=None, help="default: as many as the trace ran")
     parser.add_argument("--noise", type=float, default=1.0, help="the recorded spreads times this (0: noiseless)")
     parser.add_argument(
@@ -446,8 +468,10 @@ def main() -> int:
         return 0
     print_header("search replay: cost and answer on a recorded device", torch.device("cpu"))
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for seed in range(args.seeds):
+    seeds = [int(x) for x in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
+    earlier = pd.read_csv(args.out / "runs.csv").to_dict("records") if args.append and (args.out / "runs.csv").is_file() else []
+    rows: list[dict] = list(earlier)
+    for seed in seeds:
         for kind in kinds:
             keep = args.out / "runs" / f"seed{seed}-{kind.replace(' ', '-')}" if args.keep else None
             r = run_one(
@@ -518,7 +542,7 @@ def summarize(runs: pd.DataFrame, truth: Truth, args: argparse.Namespace, trials
     noise = ("" if args.noise == 1.0 else f" --noise {args.noise:g}") + (
         "" if args.max_spread == MAX_SPREAD else f" --max-spread {args.max_spread:g}"
     )
-    cmd = (f"python benchmarks/search_replay.py --trace {args.trace} --out {args.out} --seeds {args.seeds} "
+    cmd = (f"python benchmarks/search_replay.py --trace {args.trace} --out {args.out} --seeds {runs['seed'].nunique()} "
            f"--trials {trials}{noise}" + (f" --recorded {args.recorded}" if args.recorded != "finalists" else ""))  # fmt: skip
     return (
         f"# Search replay: {trace.layers and args.trace.name}\n\n`{cmd}`\n\n"
