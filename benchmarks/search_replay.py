@@ -549,7 +549,7 @@ def summarize(runs: pd.DataFrame, truth: Truth, args: argparse.Namespace, trials
         f"Model {model_py.relative_to(ROOT_DIR) if model_py.is_relative_to(ROOT_DIR) else model_py}, budget "
         f"{trace.budget:g}, {trials} trials. Step times replayed from `{args.trace}` (the recorded device); the real "
         f"part (profile numerics, metric evaluations, Optuna, the steps themselves, executed but priced by the trace) ran "
-        f"on this machine: {measure_device()}.\n\n"
+        f"on this machine: {measure_device()}, shared with other work (its real seconds vary with that load).\n\n"
         f"Replayed device: fp32 step {trace.fp32_ms:.1f} ms; {len(truth.recorded)} policies served as recorded "
         f"(--recorded {args.recorded}); the rest from 1 - step/fp32 = {truth.per_ms:.5f} x (summed layer saving, ms) + "
         f"root term ({roots}) - {truth.per_fp32_root_layer:.3f} x (layers lowered under an fp32 root), fitted to all "
@@ -598,9 +598,15 @@ def summarize(runs: pd.DataFrame, truth: Truth, args: argparse.Namespace, trials
 
 
 def measure_device() -> str:
+    """This CPU, with the bf16 instructions that decide its real steps' speed (Linux: /proc/cpuinfo's flags)."""
     from autoprec.formats import device_name
 
-    return f"{device_name('cpu')}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        flags = set(line.split(":", 1)[-1].split())
+    bf16 = ", ".join(f for f in ("amx_bf16", "avx512_bf16", "amx_fp16") if f in flags) or "no bf16 instructions listed"
+    return f"{device_name('cpu')} ({bf16}), {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 if __name__ == "__main__":
