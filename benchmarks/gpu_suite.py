@@ -73,6 +73,7 @@ DEADLINE_S = 480.0
 SEARCH_SHARE = 0.7  # of the time left, a search's --time-budget: its final re-measure compiles beyond its budget
 TEST_CHUNK = 8  # test files per pytest process: a killed part loses one chunk, not the suite
 MARGIN = 1.25  # a chunk or policy starts only where the slowest before it, times this, still fits
+SHARE = {"tests": 2.0}  # a part's weight when parts share a command's time (the others: 1); what one leaves, the next gets
 PACK_WARN = 15 * 2**20  # the device returns files of at most 16 MiB
 import torch  # noqa: E402
 
@@ -130,7 +131,7 @@ def part_tests(out: Path, args: argparse.Namespace, until: float) -> int:
             skipped.append(i)
             continue
         start = time.time()
-        rc = run(base + chunk, log_file, timeout=max(1.0, left(until)))
+        rc = run(base + chunk, log_file, timeout=max(1.0, left(args._until)))  # the hard deadline: resumable
         slowest = max(slowest, time.time() - start)
         if rc is None:
             skipped.append(i)
@@ -160,7 +161,7 @@ def part_bench(out: Path, args: argparse.Namespace, until: float) -> int:
         if marker.is_file():
             status |= int(marker.read_text() or 1) != 0
             continue
-        rc = run(cmd, out / f"{name}.txt", timeout=max(1.0, left(until))) if left(until) > 5 else None
+        rc = run(cmd, out / f"{name}.txt", timeout=max(1.0, left(args._until))) if left(args._until) > 5 else None
         if rc is None:
             skipped.append(name)
             continue
@@ -207,8 +208,9 @@ def part_search(name: str, out: Path, args: argparse.Namespace, until: float) ->
     workload = workload_of(name, args)
     budget_s = max(30.0, SEARCH_SHARE * left(until))
     space, config = search_settings(name, args, time_budget=None if args.smoke else budget_s)
-    print(f"gpu_suite: {name}: {config.trials} trials, --time-budget {budget_s / 60:.1f} min of the "
-          f"{left(until):.0f} s left", flush=True)  # fmt: skip
+    limit = "no --time-budget (smoke)" if args.smoke else f"--time-budget {budget_s / 60:.1f} min"
+    print(f"gpu_suite: {name}: {config.trials} trials, {limit}, {left(until):.0f} s this part's share of the time left",
+          flush=True)  # fmt: skip
     command = f"python benchmarks/gpu_suite.py --out {args.out} --part {name}" + (" --smoke" if args.smoke else "")
     start = time.perf_counter()
     result = search_and_report(workload, space, config, folder, command=command)
@@ -408,7 +410,8 @@ def tables_summary(out: Path) -> str:
 
 
 def run_part(part: str, out: Path, args: argparse.Namespace, until: float) -> int:
-    """One part in this process (the child), planning with the time left before `until`."""
+    """One part in this process (the child), planning with the time left before `until` (its share of the command's
+    time: the parts after it get theirs); a test chunk or benchmark is stopped only at args._until (the deadline)."""
     if part == "tests":
         return part_tests(out, args, until)
     if part == "bench":
@@ -427,17 +430,17 @@ def finished(out: Path, part: str) -> bool:
         return False
 
 
-def child(part: str, out: Path, args: argparse.Namespace, until: float) -> tuple[str, int | None]:
-    """Run the part in a child process, its output echoed and kept in logs/<part>.txt, stopped at `until`: (what
-    became of it, its exit code or None when stopped)."""
+def child(part: str, out: Path, args: argparse.Namespace, aim: float, until: float) -> tuple[str, int | None]:
+    """Run the part in a child process that plans to end by `aim`, its output echoed and kept in logs/<part>.txt,
+    stopped at `until` (the deadline): (what became of it, its exit code or None when stopped)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--part", part, "--device", args.device,
-           "--_until", repr(until)]  # fmt: skip
+           "--_aim", repr(aim), "--_until", repr(until)]  # fmt: skip
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--trials", str(args.trials)] if args.trials else []
     cmd += ["--policies", str(args.policies)] if args.policies else []
     (out / "logs").mkdir(exist_ok=True)
     log = open(out / "logs" / f"{part}.txt", "a", encoding="utf-8")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0)
 
     def echo() -> None:
         assert proc.stdout is not None
@@ -452,7 +455,7 @@ def child(part: str, out: Path, args: argparse.Namespace, until: float) -> tuple
         rc: int | None = proc.wait(timeout=max(1.0, left(until) + 5))  # the child stops itself first, where it can
     except subprocess.TimeoutExpired:
         rc = None
-        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the pytest or benchmark it runs goes too
+        os.killpg(proc.pid, signal.SIGTERM)  # its own group (not session: the device ends it with the call): pytest too
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -496,7 +499,8 @@ def main() -> int:
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S,
                         help=f"seconds the whole command may take, packing aside (default {DEADLINE_S:.0f})")  # fmt: skip
     parser.add_argument("--pack", type=Path, help="folder ($OUT on the device) for suite.tar.gz, summary.md and status.json")
-    parser.add_argument("--_until", type=float, help=argparse.SUPPRESS)  # a child: run the one part until then
+    parser.add_argument("--_aim", type=float, help=argparse.SUPPRESS)  # a child: run the one part, planned to end then
+    parser.add_argument("--_until", type=float, help=argparse.SUPPRESS)  # and stopped then
     args = parser.parse_args()
     args.device = args.device or str(default_device())
     if not args.smoke and args.device == "cpu":
@@ -513,18 +517,35 @@ def main() -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args._until is not None:
-        return run_part(names[0], out, args, args._until)
+    if args._aim is not None:
+        return run_part(names[0], out, args, args._aim)
     parts = [p for p in (PARTS if "all" in names else names) if p != "summary"]
     if args.smoke:
         parts = [p for p in parts if p not in SMOKE_LEFT_OUT]
     until = began + args.deadline_s
-    status_path = out / "status.json"
-    try:
-        status = json.loads(status_path.read_text(encoding="utf-8"))
+    try:  # an earlier run's, kept for the parts this one does not run
+        status = json.loads((out / "status.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         status = {}
-    code = 0
+    try:
+        run_parts(parts, out, args, until, status)
+    finally:  # whatever happened, what there is comes back
+        text = summary(out) + tables_summary(out)
+        (out / "summary.md").write_text(text, encoding="utf-8")
+        print(text)
+        print(
+            "gpu_suite: parts: "
+            + "; ".join(f"{p} {status[p]['state']} ({status[p]['wall_s']:.0f} s)" for p in parts if p in status)
+        )
+        if args.pack is not None:
+            files = pack(out, args.pack)
+            print(f"gpu_suite: packed {', '.join(str(f) for f in files)} after {time.time() - began:.0f} s", flush=True)
+    return 1 if any(s.get("rc") not in (0, None) for p, s in status.items() if p in parts) else 0
+
+
+def run_parts(parts: list[str], out: Path, args: argparse.Namespace, until: float, status: dict) -> None:
+    """Each part in a child process, each given its share of the time left (SHARE), all stopped at `until`; what
+    became of each in `status` and status.json."""
     for part in parts:
         start = time.time()
         if finished(out, part):
@@ -532,24 +553,16 @@ def main() -> int:
         elif left(until) < 15:
             state, rc = "not started: no time left before the deadline; run it in the next call", None
         else:
-            state, rc = child(part, out, args, until)
-        code |= 1 if rc not in (0, None) else 0
+            todo = sum(SHARE.get(p, 1.0) for p in parts[parts.index(part) :] if not finished(out, p))
+            state, rc = child(part, out, args, time.time() + left(until) * SHARE.get(part, 1.0) / todo, until)
         wall = time.time() - start
         text = (
             (out / "status" / f"{part}.json").read_text(encoding="utf-8") if (out / "status" / f"{part}.json").is_file() else "{}"
         )
         status[part] = {"state": state, "wall_s": round(wall, 1), "note": json.loads(text).get("note", ""),
-                        "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
-        status_path.write_text(json.dumps(status, indent=2) + "\n", encoding="utf-8")
+                        "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"), "rc": rc}  # fmt: skip
+        (out / "status.json").write_text(json.dumps(status, indent=2) + "\n", encoding="utf-8")
         print(f"gpu_suite: part {part}: {state} ({wall:.0f} s)", flush=True)
-    text = summary(out) + tables_summary(out)
-    (out / "summary.md").write_text(text, encoding="utf-8")
-    print(text)
-    print("gpu_suite: parts: " + "; ".join(f"{p} {status[p]['state']} ({status[p]['wall_s']:.0f} s)" for p in parts), flush=True)
-    if args.pack is not None:
-        files = pack(out, args.pack)
-        print(f"gpu_suite: packed {', '.join(str(f) for f in files)} after {time.time() - began:.0f} s", flush=True)
-    return 1 if code else 0
 
 
 if __name__ == "__main__":
