@@ -1,9 +1,11 @@
 """The GPU suite's --smoke run on a CPU: the same parts and files as on a GPU, tiny, so it cannot rot while no
 GPU is at hand (its numbers mean nothing)."""
 
+import csv
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -13,7 +15,7 @@ def test_gpu_suite_smoke_runs_the_tests_the_benchmarks_and_a_compiled_search_and
     out = tmp_path / "suite"
     env_cache = {"AUTOPREC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_suite.py", "--smoke", "--device", "cpu", "--out", str(out)],
+        [sys.executable, "benchmarks/gpu_suite.py", "--smoke", "--device", "cpu", "--out", str(out), "--pack", str(tmp_path / "pack")],
         cwd=ROOT, capture_output=True, text=True, env={**__import__("os").environ, **env_cache}, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -30,3 +32,31 @@ def test_gpu_suite_smoke_runs_the_tests_the_benchmarks_and_a_compiled_search_and
     assert "Peak memory per training step" in summary
     row = next(line for line in summary.splitlines() if line.startswith("| gpt2 (tiny) |") and "iB" in line)
     assert row.count("iB") >= 3  # fp32, uniform bf16 and the policy measured on this CPU (fp8 everywhere: not here)
+    # the timing tables a replay serves: each profiled layer x format, and whole steps of fp32, uniform bf16 and a
+    # random policy, each timed beside fp32 with its spread and samples
+    layers = list(csv.DictReader(open(out / "tables-gpt2" / "layer_times.csv")))
+    assert layers and {"layer", "format", "time_ms", "time_spread"} <= set(layers[0])
+    steps = list(csv.DictReader(open(out / "tables-gpt2" / "step_times.csv")))
+    assert [r["policy"] for r in steps] == ["fp32", "uniform bf16", "random 1"]
+    for r in steps:
+        assert r["state"] == "COMPLETE" and float(r["step_ms"]) > 0 and float(r["fp32_step_ms"]) > 0, r
+        assert len(r["samples_ms"].split()) == int(r["rounds"]) and r["(default)"] in ("fp32", "bf16")
+    assert "Timing tables for a replay" in summary
+    status = json.loads((out / "status.json").read_text())
+    assert {p: s["state"] for p, s in status.items()} == dict.fromkeys(["tests", "bench", "gpt2", "tables-gpt2"], "complete")
+    assert sorted(f.name for f in (tmp_path / "pack").iterdir()) == ["status.json", "suite.tar.gz", "summary.md"]
+    with tarfile.open(tmp_path / "pack" / "suite.tar.gz") as tar:
+        assert "suite/tables-gpt2/step_times.csv" in tar.getnames()
+
+
+def test_gpu_suite_refuses_an_unknown_part_and_packs_what_there_is_when_no_time_is_left(tmp_path):
+    def suite(*args):
+        cmd = [sys.executable, "benchmarks/gpu_suite.py", "--smoke", "--device", "cpu", "--out", str(tmp_path / "out"), *args]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    proc = suite("--part", "gpt2,gtp2")
+    assert proc.returncode == 2 and "unknown gtp2" in proc.stderr and "tables-gpt2" in proc.stderr
+    proc = suite("--part", "tests,gpt2", "--deadline-s", "1", "--pack", str(tmp_path / "pack"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    status = json.loads((tmp_path / "pack" / "status.json").read_text())
+    assert set(status) == {"tests", "gpt2"} and all(s["state"].startswith("not started") for s in status.values())
