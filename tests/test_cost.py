@@ -11,6 +11,8 @@ from autoprec import Policy
 from autoprec.tune import SearchConfig, load_task, prepare, profile
 from autoprec.tune.cost import Stopwatch, cost_rows
 from autoprec.tune.objective import Judge
+from autoprec.tune.records import Measured
+from autoprec.tune.report import search_summary
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
 
@@ -78,14 +80,22 @@ def test_layers_of_one_shape_are_timed_once(write_model):
 
 @pytest.fixture(scope="module")
 def small_search(tmp_path_factory):
-    # One tunable layer in fp32 or bf16, the root fixed: two policies in all, so eight trials repeat them.
+    # One tunable layer in fp32 or bf16, the root fixed: two policies in all, so eight trials repeat them (every trial
+    # timed: with its speed predicted, the search would stop once both policies are known, as the test below shows).
     source = REPEATED.replace("for i in range(3)", "for i in range(0)")
     folder = tmp_path_factory.mktemp("cost")
     (folder / "model.py").write_text(source, encoding="utf-8")
     workload = prepare(load_task(folder / "model.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100.0}})
     config = SearchConfig(
-        budget=10.0, trials=8, timing=TINY, final_timing=TINY, finalists=1, progress=False, profile=FAST_PROFILE
+        budget=10.0,
+        trials=8,
+        timing=TINY,
+        final_timing=TINY,
+        finalists=1,
+        progress=False,
+        profile=FAST_PROFILE,
+        predict_speed=False,
     )
     trial_evaluations = []  # the policies the trials evaluated (the final re-measure passes Candidates)
     real = Judge.safe_metric
@@ -97,6 +107,22 @@ def small_search(tmp_path_factory):
         )
         result = search(workload, space, config, folder / "out")
     return workload, result, trial_evaluations
+
+
+def test_a_search_stops_once_every_policy_of_its_space_is_known(small_search, tmp_path):
+    workload, before, _ = small_search
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100.0}})
+    config = SearchConfig(budget=10.0, trials=8, timing=TINY, final_timing=TINY, finalists=1, progress=False,
+                          profile=FAST_PROFILE)  # fmt: skip
+    with using(FormatClock(FASTER)):
+        result = search(workload, space, config, tmp_path / "out")
+    measured = Measured.of(result.policy)
+    assert (
+        len(result.trials) == 2 and measured.stopped == "stopped after 2 of 8 trials: every policy of the search space was timed"
+    )
+    assert measured.cost["counts"]["trials: not run, the search stopped early (why: the summary's `trials:` line)"] == 6
+    assert "trials: stopped after 2 of 8 trials" in search_summary(result)
+    assert len(before.trials) == 8 and Measured.of(before.policy).stopped is None  # every trial timed: no stop
 
 
 def test_a_repeated_policy_is_measured_once(small_search):

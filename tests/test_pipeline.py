@@ -119,3 +119,43 @@ def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
     # 1.85 * 1.05 reaches 2.0 * 0.95: inside the spreads, re-measured; 1.5 * 1.05 does not
     assert list(finalist_policies(study, choices, 3)) == ["trial 0", "trial 1"]
     assert list(finalist_policies(study, choices, 3, goal=Goal.MEMORY)) == []  # by memory: no peaks here, none
+
+
+def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_times_no_more(monkeypatch):
+    from autoprec.tune.config import SETTLED_FINAL_ROUNDS
+    from autoprec.tune.cost import Stopwatch
+
+    loud = {"fp32": [10.0, 10.1, 10.0, 9.0, 12.0], "x": [10.0, 20.0, 5.0, 9.0, 14.0]}  # unsettled: spreads wide
+    asked = []
+
+    def remeasure(workload, candidates, judge, budget, timing, **kw):
+        short = {k: v[: SETTLED_FINAL_ROUNDS - 1] for k, v in loud.items()}
+        asked.append((kw["enough"](short), kw["enough"](loud), kw["more"](loud)))
+        return finals({"candidate": "fp32", "spread": 0.02, "rounds": 5}, {"candidate": "x", "spread": 0.6, "rounds": 5})
+
+    monkeypatch.setattr(pipeline, "remeasure", remeasure)
+    config, watch = SearchConfig(budget=0.1, progress=False), Stopwatch()
+    pipeline.final_remeasure(None, {}, None, config, watch, cap_s=0.0)  # a cap long spent
+    # fewer rounds than SETTLED_FINAL_ROUNDS: on; then stopped at the cap, and no more rounds (no warning promising them)
+    assert asked == [(False, True, 0)]
+    assert any("stopped at its cap" in name for name in watch.counts)
+    assert watch.counts["final re-measure: whole-step timings (each round: every candidate's)"] == 10
+    asked.clear()
+    pipeline.final_remeasure(None, {}, None, config, Stopwatch(), cap_s=None)  # no cap: the noisy machine's rounds
+    assert asked == [(False, False, config.final_timing.rounds)]
+
+
+def test_the_final_cap_is_a_share_of_the_whole_search_and_none_when_only_re_measuring():
+    import time
+
+    from autoprec.tune.config import FINAL_SHARE
+    from autoprec.tune.cost import Stopwatch
+
+    watch = Stopwatch()
+    watch.add("profile: layer timing", 30.0)
+    watch.add("trials: measuring step times (an earlier run's trials too)", 50.0)
+    now = time.perf_counter()
+    assert pipeline._final_cap(SearchConfig(budget=0.1), watch, now, ran=3) == pytest.approx(FINAL_SHARE * 80.0, rel=1e-3)
+    assert pipeline._final_cap(SearchConfig(budget=0.1, remeasure=True), watch, now, ran=0) is None
+    within = pipeline._final_cap(SearchConfig(budget=0.1, time_budget=10.0), watch, now - 4.0, ran=3)
+    assert 5.9 < within <= 6.0  # what is left of the time budget, less than the share

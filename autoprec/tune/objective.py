@@ -185,7 +185,8 @@ class Objective:
         if not self._policies:
             return False
         tried = timed_formats(study, self.choices)
-        untried = [features for key, features in self._policies if key not in tried]
+        tried.add(formats_key(Policy(layers=dict.fromkeys(policy_from_params({}, self.choices).layers, Format.FP32))))
+        untried = [features for key, features in self._policies if key not in tried]  # all-fp32: 1.0x, never timed
         if not untried:
             self.stopped = "every policy of the search space was timed"
             return True

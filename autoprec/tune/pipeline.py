@@ -166,7 +166,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         workload, started.choices, space, started.judge, config, objectives=plan.objectives, layer_times=layer_times
     )
     target = config.trials or space.trials
-    if _complete(started.study) < target or config.remeasure:
+    if (_complete(started.study) < target and not objective.should_stop(started.study)) or config.remeasure:
         started.judge.measure()  # before the trials (its own line in the cost table); a result that stands needs none
     if config.time_budget is not None:  # the trials stop where the final re-measure's share still fits
         objective.deadline = began + config.time_budget / (1 + FINAL_SHARE)
@@ -187,9 +187,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     else:  # a finished study re-measured (--remeasure): its trials' time was spent by the earlier run, not this one
         watch.count("trials: run earlier, none now (their time is in the earlier run's table)", _complete(started.study))
     candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists, goal=config.objective)
-    spent = time.perf_counter() - began
-    cap = FINAL_SHARE * spent if config.time_budget is None else min(FINAL_SHARE * spent, max(0.0, config.time_budget - spent))
-    finals = final_remeasure(workload, candidates, started.judge, config, watch, cap_s=cap)
+    finals = final_remeasure(workload, candidates, started.judge, config, watch, cap_s=_final_cap(config, watch, began, ran))
     # the tables first, the policy files last: a policy file marks a complete result (see _earlier_result)
     trials = trials_table(started.study, started.choices, started.profile)
     write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
@@ -211,6 +209,19 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         file = policy.save(out_dir / plan.policy_file(b))
         chosen.append(Chosen(budget=b, name=name, why=why, policy=policy, file=file, greedy=greedy[b]))
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
+
+
+def _final_cap(config: SearchConfig, watch: Stopwatch, began: float, ran: int) -> float | None:
+    """Seconds the final re-measure may time past its sequential test: FINAL_SHARE of the search's time (the profile
+    and every trial of the study, earlier runs' too: the stopwatch's stages so far), within what is left of
+    --time-budget. None (no cap) for --remeasure of a finished study: re-measuring is then the whole point."""
+    if config.remeasure and not ran:
+        return None
+    spent = max(sum(watch.seconds.values()), time.perf_counter() - began)
+    cap = FINAL_SHARE * spent
+    if config.time_budget is not None:
+        cap = min(cap, max(0.0, config.time_budget - (time.perf_counter() - began)))
+    return cap
 
 
 def _warn_unfit(finals: Finals, name: str, budget: float, limit: int | None) -> None:
@@ -247,7 +258,8 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
         started.judge.known(earlier.noise)
     log.warning(
         "study %r is finished and its result in %s stands (nothing re-measured); pass --remeasure to re-measure its "
-        "finalists and choose again, or --trials N for more trials", study.study_name, out_dir,
+        "finalists and choose again, or --trials N for more trials (--time-every-trial past an early stop)",
+        study.study_name, out_dir,
     )  # fmt: skip
     trials = trials_table(study, started.choices, started.profile)
     return Run(started=started, candidates={}, finals=earlier.finals, chosen=earlier.chosen, trials=trials, cost=earlier.cost)
@@ -363,14 +375,15 @@ def _speedup(record: TrialRecord) -> float:
 
 
 def _beaten(trial: TrialRecord, best: TrialRecord) -> bool:
-    """Whether the trial's timing is separated below the best's (the fast end of its spread under the slow end of
-    the best's): it cannot win the final re-measure, so it is not timed there. An untimed trial (a prediction) has
-    no spread of its own."""
+    """Whether the trial's timing is separated below the best's (its fast end under the best's slow end, each by
+    half the wider spread, at least SETTLED): it cannot win the final re-measure, so it is not timed there."""
 
     def spread(r: TrialRecord) -> float:
-        return r.spread / 2 if r.spread is not None and math.isfinite(r.spread) else 0.0
+        return r.spread if r.spread is not None and math.isfinite(r.spread) else 0.0
 
-    return _speedup(trial) * (1 + spread(trial)) < _speedup(best) * (1 - spread(best))
+    # a few rounds' spread understates the noise: the wider of the two, and at least SETTLED, on both sides
+    half = max(spread(trial), spread(best), SETTLED) / 2
+    return _speedup(trial) * (1 + half) < _speedup(best) * (1 - half)
 
 
 def remeasure(
@@ -449,7 +462,11 @@ def final_remeasure(
     seconds of timing after which it stops once SETTLED_FINAL_ROUNDS rounds are in (FINAL_SHARE of the search)."""
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     start = time.perf_counter()
-    capped = []
+    capped: list[int] = []
+    noisy = more_if_noisy(config.final_timing.rounds)
+
+    def more(samples: Mapping[str, Sequence[float]]) -> int:
+        return 0 if capped else noisy(samples)  # past the cap: no more rounds, and no warning that promises them
 
     def enough(samples: Mapping[str, Sequence[float]]) -> bool:
         # stops early once every candidate's rounds agree (measure.all_settled), or once past the cap: the
@@ -459,14 +476,14 @@ def final_remeasure(
         over = (
             cap_s is not None and time.perf_counter() - start > cap_s and min(map(len, samples.values())) >= SETTLED_FINAL_ROUNDS
         )
-        if over:
+        if over and not capped:
             capped.append(min(map(len, samples.values())))
         return over
 
     # a loaded machine times on as long again, pooled with the first rounds, within the cap (measure.more_if_noisy)
     finals = remeasure(
         workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile,
-        enough=enough, more=more_if_noisy(config.final_timing.rounds), max_memory=config.max_memory,
+        enough=enough, more=more, max_memory=config.max_memory,
     )  # fmt: skip
     watch.count("final re-measure: whole-step timings (each round: every candidate's)", sum(r.rounds for r in finals))
     if capped:

@@ -16,7 +16,7 @@ than predicted (at least MARGIN): a prediction raised by it is what no candidate
 
 A candidate is left untimed (objective.Objective) where, raised by that error, it is still below the k-th fastest
 timed trial: k faster candidates are re-measured at the end (trials.finalist_mark). The search stops (`ceiling`)
-once no untried policy, raised so, can beat the best timed trial beyond that trial's own spread.
+once no untried policy, raised so, can beat the best timed trial beyond that trial's own half-spread.
 """
 
 from __future__ import annotations
@@ -101,12 +101,11 @@ def format_of(policy: Policy, name: str) -> Format:
 
 @dataclasses.dataclass(frozen=True)
 class Timed:
-    """A trial as timed: its Features, the fp32 baseline's and its own step ms, and its timing's spread."""
+    """A trial as timed: its Features, the fp32 baseline's and its own step ms."""
 
     features: Features
     fp32_ms: float
     step_ms: float
-    spread: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +119,6 @@ class SpeedFit:
     fp32_ms: float
     error: float
     outliers: int = 0
-    typical: float = 0.0  # the median relative miss, either way, of a trial left out: what the fit cannot resolve
 
     def covers(self, features: Features) -> bool:
         """Whether the fit has seen this root format and every lowered format timed (each twice): it says nothing
@@ -143,9 +141,9 @@ def _covered(points: Sequence[Timed]) -> list[Timed]:
     """The points whose every term (lowered format, lowered root) is seen in at least two of them, repeatedly
     (leaving one out may leave another term alone)."""
     while True:
-        counts = Counter(term for t in points for term in (*t.features.terms(), t.features.root.value))
+        counts = Counter(term for t in points for term in (*t.features.terms(), ("root", t.features.root)))
         kept = [t for t in points if all(counts[term] >= 2 for term in t.features.terms())
-                and (t.features.root is Format.FP32 or counts[t.features.root.value] >= 2)]  # fmt: skip
+                and (t.features.root is Format.FP32 or counts[("root", t.features.root)] >= 2)]  # fmt: skip
         if len(kept) == len(points):
             return kept
         points = kept
@@ -193,12 +191,12 @@ def fit(timed: Sequence[Timed]) -> SpeedFit | None:
         kept = _covered([t for i, t in enumerate(points) if i not in far])
         again = _solve(kept) if sum(bool(t.features.terms()) for t in kept) >= MIN_FIT else None
         if again is not None:
-            outliers, points = len(points) - len(kept), kept
+            outliers, points = len(far), kept
             x, y, coef, terms, lowered = again
             residual = y - x @ coef
     inverse = np.linalg.pinv(x.T @ x)
     leverage = np.einsum("ij,jk,ik->i", x, inverse, x)
-    misses, both = [], []
+    misses = []
     for i, t in enumerate(points):
         if leverage[i] > 1 - 1e-9:  # the others cannot determine the fit
             return None
@@ -206,13 +204,12 @@ def fit(timed: Sequence[Timed]) -> SpeedFit | None:
         if predicted_step <= 0:
             return None
         misses.append(max(0.0, predicted_step / t.step_ms - 1))  # actual speedup / predicted - 1, where it ran faster
-        both.append(abs(predicted_step / t.step_ms - 1))
     if not misses or not all(math.isfinite(m) for m in misses):
         return None
     root_ms = {Format.FP32: 0.0} if any(t.features.root is Format.FP32 for t in points) else {}
     root_ms.update({f: float(c) for f, c in zip(lowered, coef[len(terms) :])})
     per_ms = {term: float(c) for term, c in zip(terms, coef)}
-    return SpeedFit(per_ms, root_ms, float(np.median([t.fp32_ms for t in points])), max(misses), outliers, float(np.median(both)))
+    return SpeedFit(per_ms, root_ms, float(np.median([t.fp32_ms for t in points])), max(misses), outliers)
 
 
 def too_slow(timed: Sequence[Timed], features: Features | None, mark: float | None) -> tuple[float, SpeedFit] | None:
@@ -230,34 +227,37 @@ def too_slow(timed: Sequence[Timed], features: Features | None, mark: float | No
 
 @dataclasses.dataclass(frozen=True)
 class Ceiling:
-    """Why the search may stop: no untried policy's predicted speedup is beyond the best timed trial's by more than
-    the noise (the fit's typical miss, or that trial's half-spread, whichever is wider): timed, it could not be told
+    """Why the search may stop: even raised by the fit's margin (as too_slow raises a candidate), no untried policy's
+    predicted speedup is beyond the best timed trial's raised by its own half-spread: timed, none could be told
     from the best, and a tie goes to the safer candidate anyway (choose.py)."""
 
     predicted: float
+    margin: float
     best: float
     noise: float
     untried: int
 
     def describe(self) -> str:
-        return (f"no untried policy can beat the best timed trial ({self.best:.3f}x) beyond the noise (±{self.noise:.0%}): "
-                f"the fastest of the {self.untried} untried is predicted {self.predicted:.3f}x")  # fmt: skip
+        return (f"none of the {self.untried} untried policies can beat the best timed trial ({self.best:.3f}x, "
+                f"±{self.noise:.0%}) beyond its noise: the fastest is predicted {self.predicted:.3f}x, "
+                f"+{self.margin:.0%} the fit's error")  # fmt: skip
 
 
 def ceiling(timed: Sequence[Timed], untried: Iterable[Features | None], best: tuple[float, float]) -> Ceiling | None:
-    """A Ceiling where no untried policy can, by the fit of `timed`, beat `best` (the best timed trial within budget:
-    its speedup and spread) beyond the noise; None where one might (or the fit, or a prediction for one of them, is
-    missing: a policy the fit cannot predict might be the fastest)."""
+    """A Ceiling where no untried policy, its prediction from the fit of `timed` raised by the fit's margin, can beat
+    `best` (the best timed trial within budget: its speedup and spread) raised by its half-spread; None where one
+    might (or the fit, or a prediction for one of them, is missing: a policy the fit cannot predict might be the
+    fastest, and with none untried there is nothing to rule on)."""
     speed_fit = fit(timed)
     if speed_fit is None:
         return None
     best_speedup, spread = best
-    noise = max(speed_fit.typical, spread / 2 if math.isfinite(spread) else 0.0)
+    noise = spread / 2 if math.isfinite(spread) else 0.0
     fastest, count = 0.0, 0
     for features in untried:
         if features is None or not speed_fit.covers(features):
             return None
         fastest, count = max(fastest, speed_fit.speedup(features)), count + 1
-    if fastest > best_speedup * (1 + noise):
+    if not count or fastest * (1 + speed_fit.margin) > best_speedup * (1 + noise):
         return None
-    return Ceiling(fastest, best_speedup, noise, count)
+    return Ceiling(fastest, speed_fit.margin, best_speedup, noise, count)

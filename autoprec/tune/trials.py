@@ -115,7 +115,7 @@ def timed_trials(study: optuna.Study, choices: Choices, layer_times: LayerTimes)
             continue
         features = layer_times.features(policy_from_params(t.params, choices))
         if features is not None:
-            out.append(Timed(features, r.fp32_step_ms, r.step_ms, r.spread if r.spread is not None else 0.0))
+            out.append(Timed(features, r.fp32_step_ms, r.step_ms))
     return out
 
 
