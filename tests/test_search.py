@@ -621,3 +621,22 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
     true_s = {name: clock.seconds(apply_policy(copy.deepcopy(workload.model), policy))
               for name, policy in (("chosen", result.policy), (FP32, Policy()), (BF16, Policy(layers={"": "bf16"})))}  # fmt: skip
     assert true_s["chosen"] / min(true_s[FP32], true_s[BF16]) - 1 <= picked.spread
+
+
+def test_on_a_noisy_device_a_trial_is_timed_the_fewest_rounds():
+    import optuna
+
+    from autoprec.tune.config import NOISY_SPREAD
+    from autoprec.tune.objective import Judge, Objective
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})
+    choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), SPACE, 0.05, torch.device("cpu"))
+    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0), config)
+    straddling = {"fp32": [10.0] * 3, "policy": [10.0 / 1.2, 10.0 / 1.6, 10.0 / 2.2]}  # rounds that disagree
+    for spread, stops in ((0.05, False), (2 * NOISY_SPREAD, True)):
+        study = optuna.create_study(direction="maximize")
+        for speedup in (1.5, 1.7, 1.9):  # three trials timed, each as spread as the device
+            attrs = {"feasible": True, "speedup": speedup, "rounds": 3, "spread": spread}
+            study.add_trial(optuna.trial.create_trial(value=speedup, user_attrs=attrs))
+        assert objective._settled(study.ask())(straddling) is stops

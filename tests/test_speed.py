@@ -326,3 +326,17 @@ def test_past_its_deadline_a_search_runs_no_more_trials(monkeypatch):
     objective.deadline = 0.0  # long past
     run_trials(study, objective, 10, progress=False)
     assert not study.trials and objective.stopped.startswith("the time budget")  # checked before the first
+
+
+def test_on_a_noisy_device_the_search_stops_once_no_untried_prediction_is_beyond_the_best_by_the_noise():
+    timed = _timed(per_ms=2.0, root_ms=3.0)
+    fast = dataclasses.replace(timed[5], step_ms=timed[5].step_ms * 0.7)  # a wide fit error: 1.4x its prediction
+    noisy_fit = timed[:5] + [fast] + timed[6:]
+    best = (100.0 / (100.0 - 22.0 - 3.0), 0.0)  # 1.333x
+    close = [Features(s, Format.BF16) for s in (1.0, 7.0, 10.0)]  # the fastest predicted 1.299x
+    assert ceiling(noisy_fit, close, best) is None  # its error keeps a quiet device's search going
+    assert ceiling(noisy_fit, [*close, Features(12.0, Format.BF16)], best, noisy=0.1) is None  # 1.370x: beyond ±5%
+    found = ceiling(noisy_fit, close, best, noisy=0.5)  # timings spread ±25%: none could be told from the best
+    assert found is not None and found.noisy and found.noise == 0.25 and "too wide to tell" in found.describe()
+    beyond = Features(20.0, Format.BF16)  # predicted 100 / 57 = 1.75x: beyond the best by more than the noise
+    assert ceiling(noisy_fit, [*close, beyond], best, noisy=0.5) is None

@@ -27,7 +27,7 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import memory
 from autoprec.tune.choices import Choices, format_assignments, policy_from_params, suggest
-from autoprec.tune.config import SETTLED, STOP_ENUMERATE, Goal, Mode, SearchConfig
+from autoprec.tune.config import NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Goal, Mode, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import (
     Candidate,
@@ -50,6 +50,7 @@ from autoprec.tune.task import Workload
 from autoprec.tune.trials import (
     best_speedup,
     best_timed,
+    device_noise,
     finalist_mark,
     formats_key,
     smallest_peak,
@@ -190,7 +191,9 @@ class Objective:
         if not untried:
             self.stopped = "every policy of the search space was timed"
             return True
-        found = ceiling(timed_trials(study, self.choices, self.layer_times), untried, best)
+        noise = device_noise(study)
+        noisy = noise if noise is not None and noise > NOISY_SPREAD else None  # no timing here ranks them
+        found = ceiling(timed_trials(study, self.choices, self.layer_times), untried, best, noisy=noisy)
         if found is None:
             return False
         self.stopped = found.describe()
@@ -292,15 +295,21 @@ class Objective:
         least `finalists` timed trials (finalist_mark): every round measured the candidate slower than the k-th
         fastest of them (its number does not matter), or faster than the fastest (a finalist for sure, re-measured
         with the others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the
-        per-round speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on."""
+        per-round speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on,
+        unless the device's timings so far spread beyond NOISY_SPREAD (trials.device_noise): there more rounds would
+        not rank it, and MIN_ROUNDS are enough for the speed model and the final re-measure to judge it."""
         ranked_by_speed = self.objectives == 1 and self.config.objective is Goal.SPEED
         kth = finalist_mark(trial.study, self.config.finalists) if ranked_by_speed else None
         marks = (kth, max(timed_speedups(trial.study))) if kth is not None else None
+        noise = device_noise(trial.study)
+        noisy = noise is not None and noise > NOISY_SPREAD  # more rounds would not rank it: the re-measure decides
 
         def enough(samples: Mapping[str, Sequence[float]]) -> bool:
             ratios = [f / p for f, p in zip(samples["fp32"], samples["policy"]) if p > 0]
             if not ratios:
                 return False
+            if noisy:
+                return True
             if marks is not None and (max(ratios) < marks[0] or min(ratios) > marks[1]):
                 return True
             return (max(ratios) - min(ratios)) / statistics.median(ratios) <= SETTLED

@@ -227,27 +227,36 @@ def too_slow(timed: Sequence[Timed], features: Features | None, mark: float | No
 
 @dataclasses.dataclass(frozen=True)
 class Ceiling:
-    """Why the search may stop: even raised by the fit's margin (as too_slow raises a candidate), no untried policy's
-    predicted speedup is beyond the best timed trial's raised by its own half-spread: timed, none could be told
-    from the best, and a tie goes to the safer candidate anyway (choose.py)."""
+    """Why the search may stop: no untried policy's predicted speedup, raised by the fit's margin (as too_slow raises
+    a candidate), is beyond the best timed trial's raised by its half-spread; or, on a noisy device (`noisy`: its
+    trials' timings spread beyond what can rank candidates), none is predicted beyond the best by more than that
+    noise itself. Timed, none could be told from the best, and a tie goes to the safer candidate (choose.py)."""
 
     predicted: float
     margin: float
     best: float
     noise: float
     untried: int
+    noisy: bool = False
 
     def describe(self) -> str:
+        if self.noisy:
+            return (f"this device's timing noise (±{self.noise:.0%}) is too wide to tell any of the {self.untried} untried "
+                    f"policies from the best timed trial ({self.best:.3f}x): the fastest is predicted "
+                    f"{self.predicted:.3f}x")  # fmt: skip
         return (f"none of the {self.untried} untried policies can beat the best timed trial ({self.best:.3f}x, "
                 f"±{self.noise:.0%}) beyond its noise: the fastest is predicted {self.predicted:.3f}x, "
                 f"+{self.margin:.0%} the fit's error")  # fmt: skip
 
 
-def ceiling(timed: Sequence[Timed], untried: Iterable[Features | None], best: tuple[float, float]) -> Ceiling | None:
+def ceiling(
+    timed: Sequence[Timed], untried: Iterable[Features | None], best: tuple[float, float], *, noisy: float | None = None
+) -> Ceiling | None:
     """A Ceiling where no untried policy, its prediction from the fit of `timed` raised by the fit's margin, can beat
-    `best` (the best timed trial within budget: its speedup and spread) raised by its half-spread; None where one
-    might (or the fit, or a prediction for one of them, is missing: a policy the fit cannot predict might be the
-    fastest, and with none untried there is nothing to rule on)."""
+    `best` (the best timed trial within budget: its speedup and spread) raised by its half-spread; or, `noisy` given
+    (the device's timing spread, where it is beyond what can rank candidates), where none is predicted beyond the best
+    by more than half of it; None where one might (or the fit, or a prediction for one of them, is missing: a policy
+    the fit cannot predict might be the fastest, and with none untried there is nothing to rule on)."""
     speed_fit = fit(timed)
     if speed_fit is None:
         return None
@@ -258,6 +267,10 @@ def ceiling(timed: Sequence[Timed], untried: Iterable[Features | None], best: tu
         if features is None or not speed_fit.covers(features):
             return None
         fastest, count = max(fastest, speed_fit.speedup(features)), count + 1
-    if not count or fastest * (1 + speed_fit.margin) > best_speedup * (1 + noise):
+    if not count:
         return None
-    return Ceiling(fastest, speed_fit.margin, best_speedup, noise, count)
+    if fastest * (1 + speed_fit.margin) <= best_speedup * (1 + noise):
+        return Ceiling(fastest, speed_fit.margin, best_speedup, noise, count)
+    if noisy is not None and fastest <= best_speedup * (1 + max(noise, noisy / 2)):
+        return Ceiling(fastest, speed_fit.margin, best_speedup, max(noise, noisy / 2), count, noisy=True)
+    return None

@@ -138,6 +138,13 @@ def best_timed(study: optuna.Study) -> tuple[float, float] | None:
     return speedup, spread if spread is not None and math.isfinite(spread) else 0.0
 
 
+def device_noise(study: optuna.Study, least: int = 3) -> float | None:
+    """This device's timing noise as the search has seen it: the median spread of its timed trials; None before
+    `least` of them."""
+    spreads = [r.spread for _, r in _complete(study) if r.timed and r.spread is not None and math.isfinite(r.spread)]
+    return statistics.median(spreads) if len(spreads) >= least else None
+
+
 def best_speedup(study: optuna.Study) -> float:
     """The highest speedup among the study's completed trials within budget (0 before there is one)."""
     return max((r.speedup or 0.0 for _, r in _complete(study) if r.feasible), default=0.0)
