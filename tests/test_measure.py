@@ -91,13 +91,17 @@ def test_more_rounds_are_pooled_with_the_first_on_the_same_warm_callables_and_ke
     assert all(len(t.samples_ms) == 2 for t in none.values())
 
 
-def test_the_noisiest_spread_is_the_widest_of_the_candidates():
+def test_more_rounds_only_when_a_spread_is_too_wide_to_rank(caplog):
     from autoprec.tune.config import NOISY_SPREAD
-    from autoprec.tune.measure import noisiest
+    from autoprec.tune.measure import more_if_noisy, noisiest
 
     calm = {"a": [10.0, 10.2, 9.9, 10.1, 10.0], "b": [20.0, 20.5, 19.8, 20.1, 20.0]}
     loud = dict(calm, b=[20.0, 35.0, 12.0, 28.0, 20.0])
     assert noisiest(calm) < NOISY_SPREAD < noisiest(loud) and noisiest({}) == 0.0
+    with caplog.at_level("WARNING", logger="autoprec"):
+        assert more_if_noisy(11)(calm) == 0 and not caplog.records
+        assert more_if_noisy(11)(loud) == 11
+    assert "timing 11 rounds more" in caplog.records[0].message
 
 
 def test_a_sequential_test_may_stop_the_extra_rounds_too():

@@ -76,7 +76,7 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
     assert list(one) == ["fp32", GREEDY, "trial 7"]  # one budget: the greedy policy keeps its plain name
 
 
-def test_a_noisy_final_remeasure_is_not_timed_on_and_says_its_candidates_are_ties(monkeypatch, caplog):
+def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_noisy(monkeypatch, caplog):
     from autoprec.tune.cost import Stopwatch
 
     def table(spread):
@@ -84,11 +84,12 @@ def test_a_noisy_final_remeasure_is_not_timed_on_and_says_its_candidates_are_tie
                       {"candidate": "broken", "runs": False, "feasible": False, "spread": 3.0})  # fmt: skip
 
     config = SearchConfig(budget=0.1, progress=False)
+    loud = {"fp32": [10.0, 10.1, 10.0], "x": [10.0, 20.0, 5.0]}
     for spread, warnings in ((0.1, 0), (0.6, 1)):
         calls = []
 
         def remeasure(workload, candidates, judge, budget, timing, calls=calls, spread=spread, **kw):
-            calls.append((timing.rounds, kw.get("more")))  # no rounds more for a noisy machine
+            calls.append((timing.rounds, kw["more"](loud)))  # how many rounds more a noisy first pass gets
             return table(spread)
 
         monkeypatch.setattr(pipeline, "remeasure", remeasure)
@@ -96,8 +97,8 @@ def test_a_noisy_final_remeasure_is_not_timed_on_and_says_its_candidates_are_tie
         with caplog.at_level("WARNING", logger="autoprec"):
             measured = pipeline.final_remeasure(None, {}, None, config, Stopwatch())
         rounds = config.final_timing.rounds
-        assert calls == [(rounds, None)] and measured.noisiest() == spread  # one re-measure; a failed run's spread ignored
-        assert len([r for r in caplog.records if "spread up to" in r.message and "ties" in r.message]) == warnings
+        assert calls == [(rounds, rounds)] and measured.noisiest() == spread  # one re-measure; a failed run's spread ignored
+        assert len([r for r in caplog.records if "still spread up to" in r.message]) == warnings
 
 
 def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
@@ -129,19 +130,19 @@ def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_ti
 
     def remeasure(workload, candidates, judge, budget, timing, **kw):
         short = {k: v[: SETTLED_FINAL_ROUNDS - 1] for k, v in loud.items()}
-        asked.append((kw["enough"](short), kw["enough"](loud)))
+        asked.append((kw["enough"](short), kw["enough"](loud), kw["more"](loud)))
         return finals({"candidate": "fp32", "spread": 0.02, "rounds": 5}, {"candidate": "x", "spread": 0.6, "rounds": 5})
 
     monkeypatch.setattr(pipeline, "remeasure", remeasure)
     config, watch = SearchConfig(budget=0.1, progress=False), Stopwatch()
     pipeline.final_remeasure(None, {}, None, config, watch, cap_s=0.0)  # a cap long spent
-    # fewer rounds than SETTLED_FINAL_ROUNDS: on; then stopped at the cap
-    assert asked == [(False, True)]
+    # fewer rounds than SETTLED_FINAL_ROUNDS: on; then stopped at the cap, and no more rounds (no warning promising them)
+    assert asked == [(False, True, 0)]
     assert any("stopped at its cap" in name for name in watch.counts)
     assert watch.counts["final re-measure: whole-step timings (each round: every candidate's)"] == 10
     asked.clear()
-    pipeline.final_remeasure(None, {}, None, config, Stopwatch(), cap_s=None)  # no cap: on to final_timing.rounds
-    assert asked == [(False, False)]
+    pipeline.final_remeasure(None, {}, None, config, Stopwatch(), cap_s=None)  # no cap: the noisy machine's rounds
+    assert asked == [(False, False, config.final_timing.rounds)]
 
 
 def test_the_final_cap_is_a_share_of_the_whole_search_and_none_when_only_re_measuring():

@@ -21,7 +21,7 @@ from autoprec.tune.space import parse_option
 # A spread (interquartile range / median) beyond which step times cannot rank candidates a few percent apart:
 # a loaded machine, a throttling GPU. Where the trials' timings spread beyond it, a trial is timed MIN_ROUNDS only and
 # the search may stop once no untried policy is predicted beyond the best by more than the noise; the final
-# re-measure says so, and candidates closer than the spread count as ties.
+# re-measure times on as long again (within FINAL_SHARE), and says so if it stays.
 NOISY_SPREAD = 0.25
 
 MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds

@@ -29,7 +29,7 @@ from autoprec.policy import Policy
 from autoprec.scaler import grad_scaler
 from autoprec.tensors import map_tensors
 from autoprec.tune import memory
-from autoprec.tune.config import MEMORY_TRIES, MIN_ROUNDS, SETTLED, SETTLED_FINAL_ROUNDS, TimingConfig
+from autoprec.tune.config import MEMORY_TRIES, MIN_ROUNDS, NOISY_SPREAD, SETTLED, SETTLED_FINAL_ROUNDS, TimingConfig
 from autoprec.tune.task import Workload, check_loss
 
 log = logging.getLogger("autoprec")
@@ -114,7 +114,7 @@ def interleaved_times(
     round from MIN_ROUNDS on, with each callable's per-step milliseconds so far; True stops early (a
     sequential test: the answer is already clear), else the rounds run to `config.rounds`. `warmed`: callables
     warmed up before (a baseline timed again beside each new candidate): one warm-up call each. `more(samples)`:
-    asked once when the rounds end, how many rounds to time on, pooled with these, `enough`
+    asked once when the rounds end, how many rounds to time on, pooled with these (more_if_noisy), `enough`
     still asked after each; 0: none."""
     names = list(work)
     if not names:
@@ -146,6 +146,22 @@ def interleaved_times(
 def noisiest(samples: Mapping[str, Sequence[float]]) -> float:
     """The widest spread (Timing.spread) among the callables' samples so far (0 when none)."""
     return max((Timing.from_samples(list(v)).spread for v in samples.values() if v), default=0.0)
+
+
+def more_if_noisy(rounds: int) -> Callable[[Mapping[str, Sequence[float]]], int]:
+    """interleaved_times' `more`: `rounds` more rounds when a spread is beyond NOISY_SPREAD (a loaded machine), so
+    the median and spread come from up to twice the rounds (the sequential test may stop them sooner), at the cost
+    of those rounds alone; else none."""
+
+    def more(samples: Mapping[str, Sequence[float]]) -> int:
+        spread = noisiest(samples)
+        if spread <= NOISY_SPREAD:
+            return 0
+        log.warning("step times spread up to ±%.0f%%, too wide to rank the candidates; timing %d rounds more",
+                    50 * spread, rounds)  # fmt: skip
+        return rounds
+
+    return more
 
 
 def all_settled(samples: Mapping[str, Sequence[float]]) -> bool:

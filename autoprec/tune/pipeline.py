@@ -56,7 +56,7 @@ from autoprec.tune.config import (
     TimingConfig,
 )
 from autoprec.tune.cost import Stopwatch
-from autoprec.tune.measure import Candidate, all_settled, fp32_step_failed, measure_steps_or_fail
+from autoprec.tune.measure import Candidate, all_settled, fp32_step_failed, measure_steps_or_fail, more_if_noisy
 from autoprec.tune.objective import Judge, Objective, run_trials
 from autoprec.tune.out_dir import claim_out_dir, disk_full, earlier_result, load_or_profile
 from autoprec.tune.profile_data import Profile
@@ -463,6 +463,10 @@ def final_remeasure(
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     start = time.perf_counter()
     capped: list[int] = []
+    noisy = more_if_noisy(config.final_timing.rounds)
+
+    def more(samples: Mapping[str, Sequence[float]]) -> int:
+        return 0 if capped else noisy(samples)  # past the cap: no more rounds, and no warning that promises them
 
     def enough(samples: Mapping[str, Sequence[float]]) -> bool:
         # stops early once every candidate's rounds agree (measure.all_settled), or once past the cap: the
@@ -476,17 +480,17 @@ def final_remeasure(
             capped.append(min(map(len, samples.values())))
         return over
 
-    # a loaded machine is not timed on past final_timing.rounds: what its spreads cannot separate is reported as a tie
+    # a loaded machine times on as long again, pooled with the first rounds, within the cap (measure.more_if_noisy)
     finals = remeasure(
         workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile,
-        enough=enough, max_memory=config.max_memory,
+        enough=enough, more=more, max_memory=config.max_memory,
     )  # fmt: skip
     watch.count("final re-measure: whole-step timings (each round: every candidate's)", sum(r.rounds for r in finals))
     if capped:
         watch.count(f"final re-measure: rounds stopped at its cap ({FINAL_SHARE:.0%} of the search's time before it)", capped[0])
     if finals.noisiest() > NOISY_SPREAD:
         log.warning(
-            "step times spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
+            "step times still spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
             "chosen; rerun on a quieter machine with --remeasure for a ranking", 50 * finals.noisiest(),
         )  # fmt: skip
     seconds = time.perf_counter() - start
@@ -552,8 +556,8 @@ def measured_record(
                 else "eager; "
             )
             + f"median of {max((r.rounds for r in finals), default=0)} interleaved rounds (up to {config.final_timing.rounds}, "
-            f"stopped after {SETTLED_FINAL_ROUNDS} once every spread was within {SETTLED:.0%}, or past "
-            f"{FINAL_SHARE:.0%} of the search's time); spread = interquartile range / median; "
+            f"stopped after {SETTLED_FINAL_ROUNDS} once every spread was within {SETTLED:.0%}; up to twice as many on a "
+            f"noisy machine, within {FINAL_SHARE:.0%} of the search's time); spread = interquartile range / median; "
             "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
         ),
         memory=memory.source(workload.device) or memory.not_measured(workload.device),

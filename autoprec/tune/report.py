@@ -425,7 +425,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
         )
     if speed and finals.noisiest() > NOISY_SPREAD:
         parts.append(
-            f"note: step times spread up to {_spread(finals.noisiest())}: too wide to rank "
+            f"note: step times spread up to {_spread(finals.noisiest())} even over more rounds: too wide to rank "
             "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
             "rerun on a quieter machine with --remeasure"
         )
