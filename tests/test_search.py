@@ -92,11 +92,16 @@ def test_policy_from_params_fixes_single_choice_layers_and_sets_loss_scale():
     assert policy.loss_scale.init_scale == 4096 and policy.loss_scale.growth_interval == 500
 
 
+# every trial timed: the tests below count trials, and a space that --timings slower shrinks to two policies would
+# stop early (tests/test_cost.py and tests/test_speed.py test the stopping rule)
+TIMED = {**FAST, "predict_speed": False}
+
+
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     out = tmp_path_factory.mktemp("search")
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    result = search(workload, SPACE, SearchConfig(budget=0.05, **FAST), out)
+    result = search(workload, SPACE, SearchConfig(budget=0.05, **TIMED), out)
     return workload, result, out
 
 
@@ -136,10 +141,9 @@ def test_baselines_are_evaluated_first(searched):
 
 def test_rerun_resumes_the_study(searched):
     workload, result, out = searched
-    again = search(workload, SPACE, SearchConfig(budget=0.05, **FAST), out)
+    again = search(workload, SPACE, SearchConfig(budget=0.05, **TIMED), out)
     assert len(again.trials) == 6  # the target was reached: no new trials
-    # every trial timed (no stopping rule: it may say none untried can win, and --trials is a maximum)
-    more = search(workload, SPACE, SearchConfig(budget=0.05, **{**FAST, "trials": 7, "predict_speed": False}), out)
+    more = search(workload, SPACE, SearchConfig(budget=0.05, **{**TIMED, "trials": 7}), out)
     assert len(more.trials) == 7
 
 
