@@ -132,7 +132,7 @@ def test_json_prints_the_result_as_one_object_and_quiet_prints_nothing(fast, cap
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [f"autoprec: study 'overflow_mlp' is finished and its result in {tmp_path} stands "
                                               "(nothing re-measured); pass --remeasure to re-measure its finalists and "
-                                              "choose again, or --trials N for more trials"]  # fmt: skip
+                                              "choose again, or --trials N for more trials (--time-every-trial past an early stop)"]  # fmt: skip
     assert json.loads((tmp_path / "policy.json").read_text()) == result["policy"]
     assert main(["show", str(tmp_path / "policy.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layers"] == result["policy"]["layers"]
