@@ -1,7 +1,7 @@
 """A search beside a CPU hog, its written policy re-measured on the quiet machine: is it ever slower than what the
 user had (uniform bf16, fp32) by more than the re-measured spread?
 
-    python benchmarks/loaded_search.py --out results/<device>/loaded-search [--model examples/digits/model.py]
+    python benchmarks/loaded_search.py --out results/<device>/loaded-search [--model examples/digits/model.py] [--trials N]
 
 1. `autoprec search MODEL` runs with one busy process per core beside it (the load issue 31 saw: spreads of ±50%
    and more), writing its policy.json under --out.
@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("--model", default="examples/digits/model.py", help="model.py to search (default: the quick start's)")
     parser.add_argument("--budget", default="0.01")
     parser.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="busy processes beside the search")
+    parser.add_argument("--trials", type=int, default=None, help="the search's --trials (default: the space's)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -70,6 +71,7 @@ def main() -> int:
         "--out",
         str(args.out / "search"),
         "--quiet",
+        *(["--trials", str(args.trials)] if args.trials else []),
     ]
     start = time.perf_counter()
     try:
@@ -100,7 +102,9 @@ def main() -> int:
     lines = [
         "# A search beside a CPU hog, re-measured quiet",
         "",
-        f"`python benchmarks/loaded_search.py --out {args.out} --model {args.model} --budget {args.budget} --hogs {args.hogs}`",
+        f"`python benchmarks/loaded_search.py --out {args.out} --model {args.model} --budget {args.budget} --hogs {args.hogs}"
+        + (f" --trials {args.trials}" if args.trials else "")
+        + "`",
         "",
         f"device: {m.get('device')}; the search took {searched_s:.1f} s beside {args.hogs} busy processes",
         "",

@@ -31,3 +31,18 @@ def small_task(model_code: str) -> str:
         "    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]\n\n"
         "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
     )
+
+
+def every_format_profile():
+    """A profile of tests/models/overflow_mlp.py in fp32, bf16, fp16 and fp8 with nothing ruled out for its speed
+    (fp16 and fp8 are slow on CPUs): every measurement is there for a report or a figure to show."""
+    from pathlib import Path
+
+    from short_timing import FAST_PROFILE
+
+    from autoprec.tune import load_task, prepare, profile
+    from autoprec.tune.space import space_from_dict
+
+    workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}, "prune": {"slower_than": 1e9}})
+    return profile(workload, space, FAST_PROFILE, progress=False)

@@ -6,11 +6,9 @@ import math
 from pathlib import Path
 
 import pytest
-from short_timing import FAST_PROFILE
+from builders import every_format_profile
 
-from autoprec.tune import load_task, prepare, profile
 from autoprec.tune.plots import plot_all, plot_profile
-from autoprec.tune.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -18,10 +16,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def prof():
-    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    # nothing ruled out for its speed (fp16 and fp8 are slow on CPUs): every measurement is there to show
-    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}, "prune": {"slower_than": 1e9}})
-    return profile(workload, space, FAST_PROFILE, progress=False)
+    return every_format_profile()
 
 
 def test_heat_maps_are_written(prof, tmp_path):
