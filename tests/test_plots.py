@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 from builders import every_format_profile
 
 from autoprec.tune.plots import plot_all, plot_profile
 
-MODELS = Path(__file__).parent / "models"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

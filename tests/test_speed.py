@@ -332,11 +332,16 @@ def test_on_a_noisy_device_the_search_stops_once_no_untried_prediction_is_beyond
     timed = _timed(per_ms=2.0, root_ms=3.0)
     fast = dataclasses.replace(timed[5], step_ms=timed[5].step_ms * 0.7)  # a wide fit error: 1.4x its prediction
     noisy_fit = timed[:5] + [fast] + timed[6:]
-    best = (100.0 / (100.0 - 22.0 - 3.0), 0.0)  # 1.333x
-    close = [Features(s, Format.BF16) for s in (1.0, 7.0, 10.0)]  # the fastest predicted 1.299x
-    assert ceiling(noisy_fit, close, best) is None  # its error keeps a quiet device's search going
-    assert ceiling(noisy_fit, [*close, Features(12.0, Format.BF16)], best, noisy=0.1) is None  # 1.370x: beyond ±5%
-    found = ceiling(noisy_fit, close, best, noisy=0.5)  # timings spread ±25%: none could be told from the best
+    speed_fit = fit(noisy_fit)
+    assert speed_fit.margin > 0.25
+    untried = [Features(s, Format.BF16) for s in (1.0, 4.0, 7.0)]
+    fastest = max(speed_fit.speedup(f) for f in untried)
+    # timings spread 50% (±25%): the best raised by 25%, a prediction by its margin but no more than that 25%
+    edge = fastest  # its margin (over 25%) is capped at 25%: fastest * 1.25 against the best * 1.25
+    found = ceiling(noisy_fit, untried, (edge * 1.001, 0.0), noisy=0.5)
     assert found is not None and found.noisy and found.noise == 0.25 and "too wide to tell" in found.describe()
-    beyond = Features(20.0, Format.BF16)  # predicted 100 / 57 = 1.75x: beyond the best by more than the noise
-    assert ceiling(noisy_fit, [*close, beyond], best, noisy=0.5) is None
+    assert ceiling(noisy_fit, untried, (edge * 0.999, 0.0), noisy=0.5) is None  # just beyond the noise: on
+    assert ceiling(noisy_fit, untried, (edge * 1.001, 0.0)) is None  # a quiet device: its fit's error keeps it going
+    # a narrower noise lifts the prediction by less, and the best by less too
+    assert ceiling(noisy_fit, untried, (fastest * 1.001, 0.0), noisy=0.3) is not None
+    assert ceiling(noisy_fit, untried, (fastest * 0.999, 0.0), noisy=0.3) is None

@@ -19,7 +19,8 @@ from autoprec.tune.space import parse_option
 # ---- tuning constants --------------------------------------------------------------------------------------------
 
 # A spread (interquartile range / median) beyond which step times cannot rank candidates a few percent apart:
-# a loaded machine, a throttling GPU. Where the trials' timings spread beyond it, a trial is timed MIN_ROUNDS only and
+# a loaded machine, a throttling GPU. Where the trials' timings spread beyond it (trials.device_noise), a trial is timed
+# trials.NOISE_ROUNDS only and
 # the search may stop once no untried policy is predicted beyond the best by more than the noise; the final
 # re-measure times on as long again (within FINAL_SHARE), and says so if it stays.
 NOISY_SPREAD = 0.25

@@ -48,6 +48,7 @@ from autoprec.tune.speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune.storage import OBJECTIVES
 from autoprec.tune.task import Workload
 from autoprec.tune.trials import (
+    NOISE_ROUNDS,
     best_speedup,
     best_timed,
     device_noise,
@@ -297,7 +298,7 @@ class Objective:
         with the others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the
         per-round speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on,
         unless the device's timings so far spread beyond NOISY_SPREAD (trials.device_noise): there more rounds would
-        not rank it, and MIN_ROUNDS are enough for the speed model and the final re-measure to judge it."""
+        not rank it, and NOISE_ROUNDS are enough for the speed model and the final re-measure to judge it."""
         ranked_by_speed = self.objectives == 1 and self.config.objective is Goal.SPEED
         kth = finalist_mark(trial.study, self.config.finalists) if ranked_by_speed else None
         marks = (kth, max(timed_speedups(trial.study))) if kth is not None else None
@@ -308,7 +309,7 @@ class Objective:
             ratios = [f / p for f, p in zip(samples["fp32"], samples["policy"]) if p > 0]
             if not ratios:
                 return False
-            if noisy:
+            if noisy and len(ratios) >= NOISE_ROUNDS:  # enough for an interquartile spread, which device_noise reads
                 return True
             if marks is not None and (max(ratios) < marks[0] or min(ratios) > marks[1]):
                 return True

@@ -254,8 +254,8 @@ def ceiling(
 ) -> Ceiling | None:
     """A Ceiling where no untried policy, its prediction from the fit of `timed` raised by the fit's margin, can beat
     `best` (the best timed trial within budget: its speedup and spread) raised by its half-spread; or, `noisy` given
-    (the device's timing spread, where it is beyond what can rank candidates), where none is predicted beyond the best
-    by more than half of it; None where one might (or the fit, or a prediction for one of them, is missing: a policy
+    (the device's timing spread, where it is beyond what can rank candidates), where none, raised by the fit's margin
+    but by no more than half that spread, is beyond the best raised by half of it; None where one might (or the fit, or a prediction for one of them, is missing: a policy
     the fit cannot predict might be the fastest, and with none untried there is nothing to rule on)."""
     speed_fit = fit(timed)
     if speed_fit is None:
@@ -271,6 +271,7 @@ def ceiling(
         return None
     if fastest * (1 + speed_fit.margin) <= best_speedup * (1 + noise):
         return Ceiling(fastest, speed_fit.margin, best_speedup, noise, count)
-    if noisy is not None and fastest <= best_speedup * (1 + max(noise, noisy / 2)):
-        return Ceiling(fastest, speed_fit.margin, best_speedup, max(noise, noisy / 2), count, noisy=True)
+    # noisy: the device's noise bounds both the best's measurement and how far the fit's error may lift a prediction
+    if noisy is not None and fastest * (1 + min(speed_fit.margin, noisy / 2)) <= best_speedup * (1 + noisy / 2):
+        return Ceiling(fastest, speed_fit.margin, best_speedup, noisy / 2, count, noisy=True)
     return None

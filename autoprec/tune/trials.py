@@ -138,10 +138,14 @@ def best_timed(study: optuna.Study) -> tuple[float, float] | None:
     return speedup, spread if spread is not None and math.isfinite(spread) else 0.0
 
 
-def device_noise(study: optuna.Study, least: int = 3) -> float | None:
-    """This device's timing noise as the search has seen it: the median spread of its timed trials; None before
-    `least` of them."""
-    spreads = [r.spread for _, r in _complete(study) if r.timed and r.spread is not None and math.isfinite(r.spread)]
+NOISE_ROUNDS = 4  # a spread from fewer rounds is their full range (measure.Timing), not an interquartile range
+
+
+def device_noise(study: optuna.Study, least: int = 5) -> float | None:
+    """This device's timing noise as the search has seen it: the median spread of its trials timed at least
+    NOISE_ROUNDS rounds (an interquartile range: one stalled round does not widen it); None before `least` of them."""
+    spreads = [r.spread for _, r in _complete(study)
+               if r.timed and (r.rounds or 0) >= NOISE_ROUNDS and r.spread is not None and math.isfinite(r.spread)]  # fmt: skip
     return statistics.median(spreads) if len(spreads) >= least else None
 
 
