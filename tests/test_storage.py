@@ -112,17 +112,23 @@ def test_a_torn_tail_that_does_not_begin_like_an_optuna_record_is_not_cut(tmp_pa
     assert path.read_bytes() == content
 
 
+def journal_with(tmp_path, bad: bytes, *, at: int):
+    """A real study's journal with `bad` inserted as its line `at` + 1: (its path, its bytes)."""
+    path = tmp_path / "study.journal"
+    real_journal(path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    content = b"".join(lines[:at] + [bad] + lines[at:])
+    path.write_bytes(content)
+    return path, content
+
+
 @pytest.mark.parametrize(
     "bad",
     [b"not json at all\n", b'{"a": 1}\n', b"\n", b'{"op_code": 4}\n'],
     ids=["text", "json", "blank", "no-worker"],
 )
 def test_one_bad_line_inside_a_journal_names_the_file_and_the_line_and_changes_nothing(tmp_path, bad):
-    path = tmp_path / "study.journal"
-    real_journal(path)
-    lines = path.read_bytes().splitlines(keepends=True)
-    content = b"".join(lines[:3] + [bad] + lines[3:])
-    path.write_bytes(content)
+    path, content = journal_with(tmp_path, bad, at=3)
     with pytest.raises(UserError) as err:
         open_storage(path, tmp_path)
     message = str(err.value)
@@ -135,11 +141,7 @@ def test_one_bad_line_inside_a_journal_names_the_file_and_the_line_and_changes_n
 )
 def test_a_record_optuna_cannot_replay_names_its_line_too(tmp_path, bad):
     # a record's shape with a hand-edited op_code or a field missing: Optuna's replay raised AssertionError/KeyError
-    path = tmp_path / "study.journal"
-    real_journal(path)
-    lines = path.read_bytes().splitlines(keepends=True)
-    content = b"".join(lines[:5] + [bad] + lines[5:])
-    path.write_bytes(content)
+    path, content = journal_with(tmp_path, bad, at=5)
     with pytest.raises(UserError, match="line 6 is not an Optuna journal record Optuna can replay") as err:
         open_storage(path, tmp_path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
