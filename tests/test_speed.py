@@ -12,9 +12,11 @@ from autoprec import Policy
 from autoprec.formats import Format
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import build_choices, policy_from_params
+from autoprec.tune.config import NOISY_SPREAD
 from autoprec.tune.objective import Judge, Objective
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.speed import ALL, MARGIN, MIN_FIT, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
+from autoprec.tune.trials import NOISE_ROUNDS
 from autoprec.tune.trials import finalist_mark as _finalist_mark
 
 MODELS = Path(__file__).parent / "models"
@@ -172,9 +174,10 @@ def _truth(features):
     return 100.0 / (100.0 - 2.0 * features.saving_ms - (5.0 if features.root is Format.BF16 else 0.0))
 
 
-def _searched(monkeypatch, *, trials=40, **config):
+def _searched(monkeypatch, *, trials=40, rounds=3, spread=0.0, **config):
     """A study of overflow_mlp whose step times come from a known formula (_truth), so which trials the prediction
-    leaves untimed is deterministic; returns it, the choices, the layer times and the trials timed."""
+    leaves untimed is deterministic, each timed `rounds` rounds spread `spread`; returns it, the choices, the layer
+    times and the trials timed."""
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     prof = fake_profile(PROFILE)
     choices = build_choices(prof, SPACE, 1.0, workload.device)
@@ -184,7 +187,9 @@ def _searched(monkeypatch, *, trials=40, **config):
     def fake_time(self, trial, policy, constraint):
         speedup = _truth(times.features(policy))
         timed.append(trial.number)
-        for key, value in dict(step_ms=100.0 / speedup, fp32_step_ms=100.0, rounds=3, spread=0.0, speedup=speedup).items():
+        for key, value in dict(
+            step_ms=100.0 / speedup, fp32_step_ms=100.0, rounds=rounds, spread=spread, speedup=speedup
+        ).items():
             trial.set_user_attr(key, value)
         return True, constraint
 
@@ -328,20 +333,54 @@ def test_past_its_deadline_a_search_runs_no_more_trials(monkeypatch):
     assert not study.trials and objective.stopped.startswith("the time budget")  # checked before the first
 
 
-def test_on_a_noisy_device_the_search_stops_once_no_untried_prediction_is_beyond_the_best_by_the_noise():
-    timed = _timed(per_ms=2.0, root_ms=3.0)
-    fast = dataclasses.replace(timed[5], step_ms=timed[5].step_ms * 0.7)  # a wide fit error: 1.4x its prediction
-    noisy_fit = timed[:5] + [fast] + timed[6:]
-    speed_fit = fit(noisy_fit)
-    assert speed_fit.margin > 0.25
-    untried = [Features(s, Format.BF16) for s in (1.0, 4.0, 7.0)]
-    fastest = max(speed_fit.speedup(f) for f in untried)
-    # timings spread 50% (±25%): the best raised by 25%, a prediction by its margin but no more than that 25%
-    edge = fastest  # its margin (over 25%) is capped at 25%: fastest * 1.25 against the best * 1.25
-    found = ceiling(noisy_fit, untried, (edge * 1.001, 0.0), noisy=0.5)
-    assert found is not None and found.noisy and found.noise == 0.25 and "too wide to tell" in found.describe()
-    assert ceiling(noisy_fit, untried, (edge * 0.999, 0.0), noisy=0.5) is None  # just beyond the noise: on
-    assert ceiling(noisy_fit, untried, (edge * 1.001, 0.0)) is None  # a quiet device: its fit's error keeps it going
-    # a narrower noise lifts the prediction by less, and the best by less too
-    assert ceiling(noisy_fit, untried, (fastest * 1.001, 0.0), noisy=0.3) is not None
-    assert ceiling(noisy_fit, untried, (fastest * 0.999, 0.0), noisy=0.3) is None
+def test_on_a_noisy_device_the_search_stops_once_its_noise_is_read(monkeypatch):
+    from autoprec.tune.objective import run_trials
+
+    def search(spread):
+        study, choices, times, timed = _searched(monkeypatch, trials=0, rounds=NOISE_ROUNDS, spread=spread)
+        workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+        config = SearchConfig(budget=1.0, finalists=2, progress=False, trials=40)
+        objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
+        run_trials(study, objective, 40, progress=False)
+        return objective.stopped, timed
+
+    # five trials timed NOISE_ROUNDS rounds read the device's noise (trials.device_noise): beyond NOISY_SPREAD,
+    # more trials' timings could not rank the policies, and the search stops there
+    stopped, timed = search(2 * NOISY_SPREAD)
+    assert len(timed) == 5 and stopped.startswith("this device's step times spread ±25%, too wide")
+    stopped, timed = search(NOISY_SPREAD)  # at the edge: quiet enough to search on, to its fit's own stop
+    assert stopped.startswith("none of the")
+
+
+def test_a_term_per_format_gives_way_to_one_for_all_where_it_predicts_the_trials_left_out_no_better():
+    # the whole step follows the summed saving alike for both formats, timed with 15% noise: a term per format
+    # would follow the noise
+    rng = np.random.default_rng(0)
+    bf16, fp16 = Format.BF16, Format.FP16
+    cases = [(b, f, r) for b in (0.0, 3.0, 6.0, 9.0) for f in (0.0, 2.0, 4.0) for r in ROOTS if b or f]
+    timed = [Timed(Features(b + f, r, tuple((k, v) for k, v in ((bf16, b), (fp16, f)) if v)), 100.0,
+                   (100.0 - 2.0 * (b + f) - (3.0 if r is bf16 else 0.0)) * math.exp(rng.normal(0, 0.15)))
+             for b, f, r in cases]  # fmt: skip
+    speed_fit = fit(timed)
+    assert speed_fit.model == "all" and set(speed_fit.per_ms) == {ALL}
+    # it still predicts only for the formats it has seen, each twice
+    assert speed_fit.covers(Features(4.0, bf16, ((fp16, 4.0),)))
+    assert not speed_fit.covers(Features(4.0, bf16, ((Format.FP8, 4.0),)))
+    exact = [Timed(t.features, 100.0, 100.0 - 2.0 * t.features.saving_ms - (3.0 if t.features.root is bf16 else 0.0))
+             for t in timed]  # fmt: skip
+    assert fit(exact).model == "all"  # a tie: the simpler model
+
+
+def test_where_lowering_under_an_fp32_root_costs_what_it_saves_under_a_lowered_one_a_term_per_root_says_so():
+    # under an fp32 root each lowered layer casts its inputs and outputs: a ms of its saving costs half a ms;
+    # under a bf16 root a ms saved saves two
+    bf16 = Format.BF16
+    slope = {Format.FP32: -0.5, bf16: 2.0}
+    timed = [Timed(Features(s, r, ((bf16, s),)), 100.0, 100.0 - slope[r] * s - (3.0 if r is bf16 else 0.0))
+             for s in (2.0, 5.0, 8.0, 11.0) for r in ROOTS]  # fmt: skip
+    speed_fit = fit(timed)
+    assert speed_fit.model == "root" and speed_fit.error == pytest.approx(0.0, abs=1e-9)
+    assert speed_fit.per_ms == pytest.approx({"all under fp32": -0.5, "all under bf16": 2.0})
+    assert speed_fit.speedup(Features(6.0, Format.FP32, ((bf16, 6.0),))) == pytest.approx(100.0 / 103.0)
+    assert speed_fit.speedup(Features(6.0, bf16, ((bf16, 6.0),))) == pytest.approx(100.0 / 85.0)
+    assert not speed_fit.covers(Features(6.0, Format.FP16, ((bf16, 6.0),)))  # a root format it has not seen

@@ -19,10 +19,10 @@ from autoprec.tune.space import parse_option
 # ---- tuning constants --------------------------------------------------------------------------------------------
 
 # A spread (interquartile range / median) beyond which step times cannot rank candidates a few percent apart:
-# a loaded machine, a throttling GPU. Where the trials' timings spread beyond it (trials.device_noise), a trial is timed
-# trials.NOISE_ROUNDS only and
-# the search may stop once no untried policy is predicted beyond the best by more than the noise; the final
-# re-measure times on as long again (within FINAL_SHARE), and says so if it stays.
+# a loaded machine, a throttling GPU. A trial whose rounds spread beyond it, or any trial once the trials' timings do
+# (trials.device_noise), is timed trials.NOISE_ROUNDS only; once they do, a search predicting step times stops
+# (objective.Objective.should_stop), and the final re-measure times on as long again (within FINAL_SHARE), and says
+# so if it stays.
 NOISY_SPREAD = 0.25
 
 MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
@@ -47,8 +47,10 @@ MEMORY_TIE = 0.01
 STOP_ENUMERATE = 20_000
 # The final re-measure times on past its sequential test no longer than this share of the search's time before it
 # (at least SETTLED_FINAL_ROUNDS rounds): on a noisy machine the candidates it cannot separate are reported as ties.
-# With a time budget, the trials stop where that share of their time still fits.
-FINAL_SHARE = 0.25
+# As long as the search before it: where the trials stop early on a noisy device, the final re-measure's rounds are
+# what decides, and a median of a few rounds at ±25% or more ranks by chance. With a time budget, the trials stop
+# where that share of their time still fits.
+FINAL_SHARE = 1.0
 
 RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
 

@@ -38,6 +38,7 @@ from autoprec.tune.measure import (
     fp32_step_failed,
     interleaved_times,
     noise_floor,
+    noisiest,
     peak_memory_or_none,
     step_stats,
     train_and_evaluate,
@@ -170,14 +171,22 @@ class Objective:
         self._policies: list[tuple[str, Features | None]] | None = None  # every policy's formats and features
 
     def should_stop(self, study: optuna.Study) -> bool:
-        """Whether to run no more trials: past the deadline, or (a speed search predicting step times) every policy
-        timed, or none untried can beat the best timed trial beyond the noise (speed.ceiling). Sets `stopped`."""
+        """Whether to run no more trials: past the deadline, or (a speed search predicting step times) on a device
+        whose timings spread too wide to rank trials (trials.device_noise beyond NOISY_SPREAD), or with every policy
+        timed, or where none untried can beat the best timed trial beyond the noise (speed.ceiling). Sets `stopped`."""
         if self.deadline is not None and time.perf_counter() >= self.deadline:
             self.stopped = "the time budget: the rest of it is the final re-measure's"
             return True
         best = best_timed(study) if self.layer_times is not None else None
         if best is None or self.layer_times is None:
             return False
+        noise = device_noise(study)
+        if noise is not None and noise > NOISY_SPREAD:
+            # a trial's few rounds resolve only what differs by about the noise: more trials buy no ranking, and the
+            # final re-measure's many rounds of the few best decide (a tie going to the safer candidate)
+            self.stopped = (f"this device's step times spread ±{noise / 2:.0%}, too wide for a trial's timing to rank "
+                            f"policies: the final re-measure decides among the fastest timed trials and the alternatives")  # fmt: skip
+            return True
         if self._policies is None:
             assignments = format_assignments(self.choices, STOP_ENUMERATE) or []  # none: too many to check
             policies = {
@@ -192,9 +201,7 @@ class Objective:
         if not untried:
             self.stopped = "every policy of the search space was timed"
             return True
-        noise = device_noise(study)
-        noisy = noise if noise is not None and noise > NOISY_SPREAD else None  # no timing here ranks them
-        found = ceiling(timed_trials(study, self.choices, self.layer_times), untried, best, noisy=noisy)
+        found = ceiling(timed_trials(study, self.choices, self.layer_times), untried, best)
         if found is None:
             return False
         self.stopped = found.describe()
@@ -297,8 +304,9 @@ class Objective:
         fastest of them (its number does not matter), or faster than the fastest (a finalist for sure, re-measured
         with the others). In a search or a sweep (whose front also keeps slower trials with smaller drops): the
         per-round speedups agree within SETTLED. A candidate whose rounds straddle those marks, or disagree, is timed on,
-        unless the device's timings so far spread beyond NOISY_SPREAD (trials.device_noise): there more rounds would
-        not rank it, and NOISE_ROUNDS are enough for the speed model and the final re-measure to judge it."""
+        unless its rounds (or the device's timings so far: trials.device_noise) spread beyond NOISY_SPREAD after
+        NOISE_ROUNDS: there more rounds would not rank it, and NOISE_ROUNDS are enough for the device's noise to be
+        read and for the final re-measure to judge it."""
         ranked_by_speed = self.objectives == 1 and self.config.objective is Goal.SPEED
         kth = finalist_mark(trial.study, self.config.finalists) if ranked_by_speed else None
         marks = (kth, max(timed_speedups(trial.study))) if kth is not None else None
@@ -309,8 +317,8 @@ class Objective:
             ratios = [f / p for f, p in zip(samples["fp32"], samples["policy"]) if p > 0]
             if not ratios:
                 return False
-            if noisy and len(ratios) >= NOISE_ROUNDS:  # enough for an interquartile spread, which device_noise reads
-                return True
+            if len(ratios) >= NOISE_ROUNDS and (noisy or noisiest(samples) > NOISY_SPREAD):  # an interquartile
+                return True  # spread from NOISE_ROUNDS on (device_noise reads it): beyond NOISY_SPREAD, they stay wide
             if marks is not None and (max(ratios) < marks[0] or min(ratios) > marks[1]):
                 return True
             return (max(ratios) - min(ratios)) / statistics.median(ratios) <= SETTLED

@@ -381,9 +381,10 @@ def _beaten(trial: TrialRecord, best: TrialRecord) -> bool:
     def spread(r: TrialRecord) -> float:
         return r.spread if r.spread is not None and math.isfinite(r.spread) else 0.0
 
-    # a few rounds' spread understates the noise: the wider of the two, and at least SETTLED, on both sides
+    # a few rounds' spread understates the noise: the wider of the two, and at least SETTLED, on both sides; as a
+    # factor each way (a spread past 2 would put 1 - half below zero, and beat nothing however far apart they ran)
     half = max(spread(trial), spread(best), SETTLED) / 2
-    return _speedup(trial) * (1 + half) < _speedup(best) * (1 - half)
+    return _speedup(trial) * (1 + half) < _speedup(best) / (1 + half)
 
 
 def remeasure(

@@ -5,14 +5,16 @@ The profile times each layer alone in each format. On one device, what a whole s
 sum of its layers' savings, but not one to one and not alike for every format (the casts between formats, what
 autocast lowers outside the layers, the optimizer's share; torchao's fp8 emulation, whose cost an isolated layer
 shows badly), and lowering the model root (everything outside the layers) to a format adds about a constant.
-Fitted by least squares on the trials the search has timed so far, one term per lowered format:
+Fitted by least squares on the trials the search has timed so far:
 
-    fp32 step ms - step ms  =  sum over formats f of c[f] * (sum over layers in f of (fp32 ms - f ms))  +  r[root]
+    fp32 step ms - step ms  =  sum over terms t of c[t] * (the policy's summed layer saving in t)  +  r[root]
 
-A trial far slower than the fit (a load spike during its timing) is left out of it (OUTLIER). A format or lowered root
-format seen in fewer than two timed trials has its term rest on one: such trials stay out of the fit and a policy
-using it is not predicted (SpeedFit.covers). The fit's error is the most a trial left out of the fit ran FASTER
-than predicted (at least MARGIN): a prediction raised by it is what no candidate is expected to beat.
+with one term for every lowered format, one per root format, or one per lowered format (MODELS): the one that
+predicts the trials left out of it best, the simpler on a near tie (MODEL_TIE). A trial far slower than the fit (a
+load spike during its timing) is left out of it (OUTLIER). A format or lowered root format seen in fewer than two
+timed trials has its term rest on one: such trials stay out of the fit and a policy using it is not predicted
+(SpeedFit.covers). The fit's error is the most a trial left out of the fit ran FASTER than predicted (at least
+MARGIN): a prediction raised by it is what no candidate is expected to beat.
 
 A candidate is left untimed (objective.Objective) where, raised by that error, it is still below the k-th fastest
 timed trial: k faster candidates are re-measured at the end (trials.finalist_mark). The search stops (`ceiling`)
@@ -25,6 +27,7 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -35,6 +38,7 @@ MARGIN = 0.10  # the least relative error a prediction is granted, however well 
 MIN_FIT = 4  # timed trials with a layer lowered before a prediction is made
 OUTLIER = 4.0  # a trial slower than its fit by this many robust standard deviations (1.4826 MAD) is left out
 OUTLIER_SHARE = 0.2  # ... but never more than this share of the trials: beyond it the fit itself is in doubt
+MODEL_TIE = 0.05  # a model predicting the trials left out less than this much better than a simpler one is not preferred
 ALL = "all"  # the one term of Features made without a split per format
 
 
@@ -110,25 +114,30 @@ class Timed:
 
 @dataclasses.dataclass(frozen=True)
 class SpeedFit:
-    """The fitted saving per ms of summed layer saving, per term (`per_ms`: a lowered format, or ALL) and per
-    lowered root format (`root_ms`); the fp32 step (the trials' median); the worst relative amount by which a trial
-    left out of the fit ran faster than predicted; the trials left out as outliers."""
+    """The fitted saving per ms of summed layer saving, per term of its `model` (`per_ms`: see _columns) and per
+    lowered root format (`root_ms`); the fp32 step (the trials' median); the worst relative amount by which a
+    trial left out of the fit ran faster than predicted; the trials left out as outliers; the terms (lowered formats)
+    the fit has seen timed twice, which alone it predicts for (`seen`; default per_ms's)."""
 
     per_ms: Mapping[str, float]
     root_ms: Mapping[Format, float]
     fp32_ms: float
     error: float
     outliers: int = 0
+    model: Model = "format"
+    seen: frozenset[str] | None = None
 
     def covers(self, features: Features) -> bool:
         """Whether the fit has seen this root format and every lowered format timed (each twice): it says nothing
         of another."""
-        return features.root in self.root_ms and all(term in self.per_ms for term in features.terms())
+        seen = self.seen if self.seen is not None else frozenset(self.per_ms)
+        return (features.root in self.root_ms and all(term in seen for term in features.terms())
+                and all(term in self.per_ms for term in _columns(features, self.model)))  # fmt: skip
 
     def speedup(self, features: Features, fp32_ms: float | None = None) -> float:
         """The predicted speedup over fp32 (of a step of `fp32_ms`, default the trials' median)."""
         base = self.fp32_ms if fp32_ms is None else fp32_ms
-        saved = sum(self.per_ms.get(term, 0.0) * ms for term, ms in features.terms().items())
+        saved = sum(self.per_ms.get(term, 0.0) * ms for term, ms in _columns(features, self.model).items())
         step = base - saved - self.root_ms.get(features.root, 0.0)
         return base / step if step > 0 else math.inf
 
@@ -149,20 +158,36 @@ def _covered(points: Sequence[Timed]) -> list[Timed]:
         points = kept
 
 
-def _design(points: Sequence[Timed]) -> tuple[np.ndarray, np.ndarray, list[str], list[Format]]:
-    """The least-squares problem: a column per term's saving and one per lowered root format; the savings."""
-    terms = sorted({term for t in points for term in t.features.terms()})
+Model = Literal["all", "root", "format"]
+MODELS: tuple[Model, ...] = ("all", "root", "format")  # fit's models, simplest first (MODEL_TIE)
+
+
+def _columns(features: Features, model: Model) -> dict[str, float]:
+    """A policy's savings per fitted term under `model`: "format", one per lowered format (Features.terms); "all",
+    one for all of them; "root", one for all of them per root format (under an fp32 root each lowered layer casts its
+    inputs and outputs, under a lowered root they are in its format already)."""
+    terms = features.terms()
+    if model == "format" or not terms:
+        return terms
+    return {ALL if model == "all" else f"{ALL} under {features.root.value}": features.saving_ms}
+
+
+def _design(points: Sequence[Timed], model: Model) -> tuple[np.ndarray, np.ndarray, list[str], list[Format]]:
+    """The least-squares problem: a column per term's saving (_columns) and one per lowered root format; the
+    savings."""
+    columns = [_columns(t.features, model) for t in points]
+    terms = sorted({term for c in columns for term in c})
     lowered = sorted({t.features.root for t in points} - {Format.FP32}, key=lambda f: f.value)
     rows = [
-        [t.features.terms().get(term, 0.0) for term in terms] + [float(t.features.root is f) for f in lowered] for t in points
+        [c.get(term, 0.0) for term in terms] + [float(t.features.root is f) for f in lowered] for t, c in zip(points, columns)
     ]
     x = np.array(rows, dtype=float).reshape(len(points), len(terms) + len(lowered))
     return x, np.array([t.fp32_ms - t.step_ms for t in points], dtype=float), terms, lowered
 
 
-def _solve(points: Sequence[Timed]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[Format]] | None:
+def _solve(points: Sequence[Timed], model: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[Format]] | None:
     """(x, y, coefficients, terms, lowered roots), or None where the points cannot determine them."""
-    x, y, terms, lowered = _design(points)
+    x, y, terms, lowered = _design(points, model)
     if not terms or np.linalg.matrix_rank(x) < x.shape[1]:
         return None
     return x, y, np.linalg.lstsq(x, y, rcond=None)[0], terms, lowered
@@ -171,14 +196,32 @@ def _solve(points: Sequence[Timed]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 def fit(timed: Sequence[Timed]) -> SpeedFit | None:
     """Least squares on the timed trials, outliers left out (OUTLIER), judged by leaving each one out in turn
     (closed form: the fit without trial i misses it by e_i / (1 - h_ii)); its error is the most a trial left out
-    ran faster than its prediction, as actual over predicted speedup. None with fewer than MIN_FIT finite trials
-    that lower a layer, or where the trials, or all but one of them, cannot determine the fit (fewer than two
-    distinct savings, a root format's term not separable from the layers')."""
+    ran faster than its prediction, as actual over predicted speedup. Of three models (MODELS: one term for every
+    lowered format, one per root format, one per lowered format), the one that predicts the trials left out best,
+    the simpler on a tie: on a noisy device a term per format follows the noise, and its predictions for the
+    policies between the trials swing far. None with fewer than MIN_FIT finite trials that lower a layer, or where
+    the trials, or all but one of them, cannot determine any model (fewer than two distinct savings, a root format's
+    term not separable from the layers')."""
     points = [t for t in timed if t.fp32_ms > 0 and t.step_ms > 0 and math.isfinite(t.fp32_ms) and math.isfinite(t.step_ms)]
     points = _covered(points)
     if sum(bool(t.features.terms()) for t in points) < MIN_FIT:
         return None
-    solved = _solve(points)
+    seen = frozenset(term for t in points for term in t.features.terms())
+    # with one format, a term per format is the one for all
+    models: tuple[Model, ...] = MODELS if len(seen) > 1 else ("format", "root")
+    fits = [found for found in (_fit(points, model) for model in models) if found is not None]
+    if not fits:
+        return None
+    best = min(accuracy for _, accuracy in fits)
+    # the simplest whose accuracy is about the best's (as cross-validation's one-standard-error rule prefers)
+    speed_fit = next(f for f, accuracy in fits if accuracy <= best * (1 + MODEL_TIE) + 1e-12)
+    return dataclasses.replace(speed_fit, seen=seen)
+
+
+def _fit(points: Sequence[Timed], model: Model) -> tuple[SpeedFit, float] | None:
+    """fit's `model` and its leave-one-out accuracy (the root mean square of the log
+    of predicted over actual step); None where the points cannot determine it."""
+    solved = _solve(points, model)
     if solved is None:
         return None
     x, y, coef, terms, lowered = solved
@@ -189,14 +232,14 @@ def fit(timed: Sequence[Timed]) -> SpeedFit | None:
     outliers = 0
     if far and len(far) <= OUTLIER_SHARE * len(points):
         kept = _covered([t for i, t in enumerate(points) if i not in far])
-        again = _solve(kept) if sum(bool(t.features.terms()) for t in kept) >= MIN_FIT else None
+        again = _solve(kept, model) if sum(bool(t.features.terms()) for t in kept) >= MIN_FIT else None
         if again is not None:
             outliers, points = len(far), kept
             x, y, coef, terms, lowered = again
             residual = y - x @ coef
     inverse = np.linalg.pinv(x.T @ x)
     leverage = np.einsum("ij,jk,ik->i", x, inverse, x)
-    misses = []
+    misses, logs = [], []
     for i, t in enumerate(points):
         if leverage[i] > 1 - 1e-9:  # the others cannot determine the fit
             return None
@@ -204,12 +247,15 @@ def fit(timed: Sequence[Timed]) -> SpeedFit | None:
         if predicted_step <= 0:
             return None
         misses.append(max(0.0, predicted_step / t.step_ms - 1))  # actual speedup / predicted - 1, where it ran faster
+        logs.append(math.log(predicted_step / t.step_ms))
     if not misses or not all(math.isfinite(m) for m in misses):
         return None
     root_ms = {Format.FP32: 0.0} if any(t.features.root is Format.FP32 for t in points) else {}
     root_ms.update({f: float(c) for f, c in zip(lowered, coef[len(terms) :])})
     per_ms = {term: float(c) for term, c in zip(terms, coef)}
-    return SpeedFit(per_ms, root_ms, float(np.median([t.fp32_ms for t in points])), max(misses), outliers)
+    fp32_ms = float(np.median([t.fp32_ms for t in points]))
+    accuracy = math.sqrt(sum(v * v for v in logs) / len(logs))
+    return SpeedFit(per_ms, root_ms, fp32_ms, max(misses), outliers, model=model), accuracy
 
 
 def too_slow(timed: Sequence[Timed], features: Features | None, mark: float | None) -> tuple[float, SpeedFit] | None:
@@ -228,35 +274,25 @@ def too_slow(timed: Sequence[Timed], features: Features | None, mark: float | No
 @dataclasses.dataclass(frozen=True)
 class Ceiling:
     """Why the search may stop: no untried policy's predicted speedup, raised by the fit's margin (as too_slow raises
-    a candidate), is beyond the best timed trial's raised by its half-spread; or, on a noisy device (`noisy`: its
-    trials' timings spread beyond what can rank candidates), none is predicted beyond the best by more than that
-    noise itself. Timed, none could be told from the best, and a tie goes to the safer candidate (choose.py)."""
+    a candidate), is beyond the best timed trial's raised by its half-spread."""
 
     predicted: float
     margin: float
     best: float
     noise: float
     untried: int
-    noisy: bool = False
 
     def describe(self) -> str:
-        if self.noisy:
-            return (f"this device's timing noise (±{self.noise:.0%}) is too wide to tell any of the {self.untried} untried "
-                    f"policies from the best timed trial ({self.best:.3f}x): the fastest is predicted "
-                    f"{self.predicted:.3f}x")  # fmt: skip
         return (f"none of the {self.untried} untried policies can beat the best timed trial ({self.best:.3f}x, "
                 f"±{self.noise:.0%}) beyond its noise: the fastest is predicted {self.predicted:.3f}x, "
                 f"+{self.margin:.0%} the fit's error")  # fmt: skip
 
 
-def ceiling(
-    timed: Sequence[Timed], untried: Iterable[Features | None], best: tuple[float, float], *, noisy: float | None = None
-) -> Ceiling | None:
+def ceiling(timed: Sequence[Timed], untried: Iterable[Features | None], best: tuple[float, float]) -> Ceiling | None:
     """A Ceiling where no untried policy, its prediction from the fit of `timed` raised by the fit's margin, can beat
-    `best` (the best timed trial within budget: its speedup and spread) raised by its half-spread; or, `noisy` given
-    (the device's timing spread, where it is beyond what can rank candidates), where none, raised by the fit's margin
-    but by no more than half that spread, is beyond the best raised by half of it; None where one might (or the fit, or a prediction for one of them, is missing: a policy
-    the fit cannot predict might be the fastest, and with none untried there is nothing to rule on)."""
+    `best` (the best timed trial within budget: its speedup and spread) raised by its half-spread; None where one
+    might (or the fit, or a prediction for one of them, is missing: a policy the fit cannot predict might be the
+    fastest, and with none untried there is nothing to rule on)."""
     speed_fit = fit(timed)
     if speed_fit is None:
         return None
@@ -267,11 +303,6 @@ def ceiling(
         if features is None or not speed_fit.covers(features):
             return None
         fastest, count = max(fastest, speed_fit.speedup(features)), count + 1
-    if not count:
+    if not count or fastest * (1 + speed_fit.margin) > best_speedup * (1 + noise):
         return None
-    if fastest * (1 + speed_fit.margin) <= best_speedup * (1 + noise):
-        return Ceiling(fastest, speed_fit.margin, best_speedup, noise, count)
-    # noisy: the device's noise bounds both the best's measurement and how far the fit's error may lift a prediction
-    if noisy is not None and fastest * (1 + min(speed_fit.margin, noisy / 2)) <= best_speedup * (1 + noisy / 2):
-        return Ceiling(fastest, speed_fit.margin, best_speedup, noisy / 2, count, noisy=True)
-    return None
+    return Ceiling(fastest, speed_fit.margin, best_speedup, noise, count)
