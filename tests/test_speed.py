@@ -16,7 +16,7 @@ from autoprec.tune.config import NOISY_SPREAD
 from autoprec.tune.objective import Judge, Objective
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.speed import ALL, MARGIN, MIN_FIT, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
-from autoprec.tune.trials import NOISE_ROUNDS
+from autoprec.tune.trials import NOISE_ROUNDS, device_noise
 from autoprec.tune.trials import finalist_mark as _finalist_mark
 
 MODELS = Path(__file__).parent / "models"
@@ -336,20 +336,28 @@ def test_past_its_deadline_a_search_runs_no_more_trials(monkeypatch):
 def test_on_a_noisy_device_the_search_stops_once_its_noise_is_read(monkeypatch):
     from autoprec.tune.objective import run_trials
 
-    def search(spread):
-        study, choices, times, timed = _searched(monkeypatch, trials=0, rounds=NOISE_ROUNDS, spread=spread)
+    def search(spread, study=None, trials=40, **config):
+        new, choices, times, timed = _searched(monkeypatch, trials=0, rounds=NOISE_ROUNDS, spread=spread)
         workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-        config = SearchConfig(budget=1.0, finalists=2, progress=False, trials=40)
+        config = SearchConfig(**{"budget": 1.0, "finalists": 2, "progress": False, "trials": trials, **config})
         objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
-        run_trials(study, objective, 40, progress=False)
-        return objective.stopped, timed
+        study = study or new
+        run_trials(study, objective, trials, progress=False)
+        return objective.stopped, timed, study
 
     # five trials timed NOISE_ROUNDS rounds read the device's noise (trials.device_noise): beyond NOISY_SPREAD,
     # more trials' timings could not rank the policies, and the search stops there
-    stopped, timed = search(2 * NOISY_SPREAD)
-    assert len(timed) == 5 and stopped.startswith("this device's step times spread ±25%, too wide")
-    stopped, timed = search(NOISY_SPREAD)  # at the edge: quiet enough to search on, to its fit's own stop
+    stopped, timed, study = search(2 * NOISY_SPREAD)
+    assert len(timed) == 5 and stopped.startswith("the trials' step times spread ±25%, too wide")
+    # a rerun reads the noise from its own trials (none yet): the earlier run's noise does not stop it
+    assert device_noise(study) > NOISY_SPREAD and device_noise(study, since=len(study.trials)) is None
+    stopped, timed, _ = search(0.0, study)
+    assert stopped is not None and stopped.startswith("none of the")  # its fit's own stop
+    stopped, timed, _ = search(NOISY_SPREAD)  # at the edge: quiet enough to search on
     assert stopped.startswith("none of the")
+    # timing every trial, nothing stops it
+    stopped, timed, _ = search(2 * NOISY_SPREAD, trials=8, predict_speed=False)
+    assert stopped is None and len(timed) > 5  # past the five that stopped the predicting search (less repeats)
 
 
 def test_a_term_per_format_gives_way_to_one_for_all_where_it_predicts_the_trials_left_out_no_better():
@@ -369,6 +377,12 @@ def test_a_term_per_format_gives_way_to_one_for_all_where_it_predicts_the_trials
     exact = [Timed(t.features, 100.0, 100.0 - 2.0 * t.features.saving_ms - (3.0 if t.features.root is bf16 else 0.0))
              for t in timed]  # fmt: skip
     assert fit(exact).model == "all"  # a tie: the simpler model
+    # a load spike is left out of every model alike, so none is judged on fewer trials than another
+    spiked = [dataclasses.replace(timed[3], step_ms=timed[3].step_ms * 10), *timed[:3], *timed[4:]]
+    with_spike = fit(spiked)
+    assert with_spike.outliers == 1 and with_spike.model == "all"
+    without = fit(timed[:3] + timed[4:])
+    assert with_spike.per_ms == pytest.approx(without.per_ms) and with_spike.root_ms == pytest.approx(without.root_ms)
 
 
 def test_where_lowering_under_an_fp32_root_costs_what_it_saves_under_a_lowered_one_a_term_per_root_says_so():

@@ -48,9 +48,12 @@ STOP_ENUMERATE = 20_000
 # The final re-measure times on past its sequential test no longer than this share of the search's time before it
 # (at least SETTLED_FINAL_ROUNDS rounds): on a noisy machine the candidates it cannot separate are reported as ties.
 # As long as the search before it: where the trials stop early on a noisy device, the final re-measure's rounds are
-# what decides, and a median of a few rounds at ±25% or more ranks by chance. With a time budget, the trials stop
-# where that share of their time still fits.
+# what decides, and a median of a few rounds at ±25% or more ranks by chance.
 FINAL_SHARE = 1.0
+# With a time budget, no trial starts once only this share of the trials' time is left for the final re-measure
+# (which never runs past the budget either): a quiet device's settles in a few rounds, and a noisy device's trials
+# stop on their own much sooner (objective.Objective.should_stop), leaving it the rest.
+BUDGET_FINAL_SHARE = 0.25
 
 RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
 
@@ -187,7 +190,7 @@ class SearchConfig:
     # (speed.py; a single-objective speed search without --max-memory, once enough trials are timed).
     predict_speed: bool = True
     # Seconds the whole search may take (--time-budget, in minutes there): the trials stop where the final re-measure
-    # still fits (FINAL_SHARE), and the answer is chosen from what was measured. None: no limit but --trials.
+    # still fits (BUDGET_FINAL_SHARE), and the answer is chosen from what was measured. None: no limit but --trials.
     time_budget: float | None = None
 
     def __post_init__(self) -> None:

@@ -169,6 +169,7 @@ class Objective:
         self.deadline: float | None = None  # time.perf_counter() past which no trial starts (a time budget)
         self.stopped: str | None = None  # why the trials stopped before their number: should_stop
         self._policies: list[tuple[str, Features | None]] | None = None  # every policy's formats and features
+        self.since = 0  # the first trial number of this run (run_trials): the device's noise is read from its trials
 
     def should_stop(self, study: optuna.Study) -> bool:
         """Whether to run no more trials: past the deadline, or (a speed search predicting step times) on a device
@@ -180,12 +181,13 @@ class Objective:
         best = best_timed(study) if self.layer_times is not None else None
         if best is None or self.layer_times is None:
             return False
-        noise = device_noise(study)
+        noise = device_noise(study, since=self.since)
         if noise is not None and noise > NOISY_SPREAD:
             # a trial's few rounds resolve only what differs by about the noise: more trials buy no ranking, and the
             # final re-measure's many rounds of the few best decide (a tie going to the safer candidate)
-            self.stopped = (f"this device's step times spread ±{noise / 2:.0%}, too wide for a trial's timing to rank "
-                            f"policies: the final re-measure decides among the fastest timed trials and the alternatives")  # fmt: skip
+            self.stopped = (f"the trials' step times spread ±{noise / 2:.0%}, too wide for a trial's timing to rank "
+                            f"policies. The final re-measure decides among the fastest timed trials and the "
+                            f"alternatives; a rerun on a quieter machine searches on")  # fmt: skip
             return True
         if self._policies is None:
             assignments = format_assignments(self.choices, STOP_ENUMERATE) or []  # none: too many to check
@@ -310,7 +312,7 @@ class Objective:
         ranked_by_speed = self.objectives == 1 and self.config.objective is Goal.SPEED
         kth = finalist_mark(trial.study, self.config.finalists) if ranked_by_speed else None
         marks = (kth, max(timed_speedups(trial.study))) if kth is not None else None
-        noise = device_noise(trial.study)
+        noise = device_noise(trial.study, since=self.since)
         noisy = noise is not None and noise > NOISY_SPREAD  # more rounds would not rank it: the re-measure decides
 
         def enough(samples: Mapping[str, Sequence[float]]) -> bool:
@@ -405,6 +407,7 @@ def run_trials(study: optuna.Study, objective: Objective, target: int, *, progre
     where `objective.should_stop` says so (its `stopped` says why). Returns how many trials this call set out to run
     (0: the study was finished, or stopped, already)."""
     complete = (optuna.trial.TrialState.COMPLETE,)
+    objective.since = len(study.get_trials(deepcopy=False))  # an earlier run's noise need not be this machine's now
     remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
     if remaining and objective.should_stop(study):  # a run resumed after an early stop: nothing left worth timing
         return 0

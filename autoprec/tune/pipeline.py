@@ -46,6 +46,7 @@ from autoprec.tune.budget import check_ascending
 from autoprec.tune.choices import Choices, build_choices, policy_from_params, warm_starts
 from autoprec.tune.choose import choose_per_budget, not_separated, safer_variant
 from autoprec.tune.config import (
+    BUDGET_FINAL_SHARE,
     FINAL_SHARE,
     NOISY_SPREAD,
     SETTLED,
@@ -169,7 +170,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     if (_complete(started.study) < target and not objective.should_stop(started.study)) or config.remeasure:
         started.judge.measure()  # before the trials (its own line in the cost table); a result that stands needs none
     if config.time_budget is not None:  # the trials stop where the final re-measure's share still fits
-        objective.deadline = began + config.time_budget / (1 + FINAL_SHARE)
+        objective.deadline = began + config.time_budget / (1 + BUDGET_FINAL_SHARE)
     ran = run_trials(started.study, objective, target, progress=config.progress)
     stopped = None
     if objective.stopped is not None and _complete(started.study) < target:
@@ -375,8 +376,9 @@ def _speedup(record: TrialRecord) -> float:
 
 
 def _beaten(trial: TrialRecord, best: TrialRecord) -> bool:
-    """Whether the trial's timing is separated below the best's (its fast end under the best's slow end, each by
-    half the wider spread, at least SETTLED): it cannot win the final re-measure, so it is not timed there."""
+    """Whether the trial's timing is separated below the best's (its fast end under the best's slow end, each by a
+    factor of 1 + half the wider spread, at least SETTLED): it cannot win the final re-measure, so it is not timed
+    there."""
 
     def spread(r: TrialRecord) -> float:
         return r.spread if r.spread is not None and math.isfinite(r.spread) else 0.0

@@ -11,14 +11,16 @@ Fitted by least squares on the trials the search has timed so far:
 
 with one term for every lowered format, one per root format, or one per lowered format (MODELS): the one that
 predicts the trials left out of it best, the simpler on a near tie (MODEL_TIE). A trial far slower than the fit (a
-load spike during its timing) is left out of it (OUTLIER). A format or lowered root format seen in fewer than two
-timed trials has its term rest on one: such trials stay out of the fit and a policy using it is not predicted
-(SpeedFit.covers). The fit's error is the most a trial left out of the fit ran FASTER than predicted (at least
-MARGIN): a prediction raised by it is what no candidate is expected to beat.
+load spike during its timing: slower than even the richest model explains) is left out of every model (OUTLIER). A
+format or lowered root format seen in fewer than two timed trials has its term rest on one: such trials stay out of
+the fit and a policy using it is not predicted (SpeedFit.covers). The fit's error is the most a trial left out of
+the fit ran FASTER than predicted (at least MARGIN): a prediction raised by it is what no candidate is expected to
+beat.
 
 A candidate is left untimed (objective.Objective) where, raised by that error, it is still below the k-th fastest
 timed trial: k faster candidates are re-measured at the end (trials.finalist_mark). The search stops (`ceiling`)
-once no untried policy, raised so, can beat the best timed trial beyond that trial's own half-spread.
+once no untried policy, raised so, can beat the best timed trial beyond that trial's own half-spread (and, on a
+device too noisy for a trial's timing to rank policies, once that noise is read: objective.Objective.should_stop).
 """
 
 from __future__ import annotations
@@ -194,49 +196,61 @@ def _solve(points: Sequence[Timed], model: Model) -> tuple[np.ndarray, np.ndarra
 
 
 def fit(timed: Sequence[Timed]) -> SpeedFit | None:
-    """Least squares on the timed trials, outliers left out (OUTLIER), judged by leaving each one out in turn
+    """Least squares on the timed trials, outliers left out (_outliers), judged by leaving each one out in turn
     (closed form: the fit without trial i misses it by e_i / (1 - h_ii)); its error is the most a trial left out
     ran faster than its prediction, as actual over predicted speedup. Of three models (MODELS: one term for every
     lowered format, one per root format, one per lowered format), the one that predicts the trials left out best,
-    the simpler on a tie: on a noisy device a term per format follows the noise, and its predictions for the
-    policies between the trials swing far. None with fewer than MIN_FIT finite trials that lower a layer, or where
-    the trials, or all but one of them, cannot determine any model (fewer than two distinct savings, a root format's
-    term not separable from the layers')."""
+    the simpler on a near tie, each fitted and judged on the same trials: on a noisy device a term per format follows
+    the noise, and its predictions for the policies between the trials swing far. None with fewer than MIN_FIT finite
+    trials that lower a layer, or where the trials, or all but one of them, cannot determine any model (fewer than
+    two distinct savings, a root format's term not separable from the layers')."""
     points = [t for t in timed if t.fp32_ms > 0 and t.step_ms > 0 and math.isfinite(t.fp32_ms) and math.isfinite(t.step_ms)]
     points = _covered(points)
     if sum(bool(t.features.terms()) for t in points) < MIN_FIT:
         return None
-    seen = frozenset(term for t in points for term in t.features.terms())
     # with one format, a term per format is the one for all
-    models: tuple[Model, ...] = MODELS if len(seen) > 1 else ("format", "root")
+    models: tuple[Model, ...] = MODELS if len({term for t in points for term in t.features.terms()}) > 1 else ("format", "root")
+    points, outliers = _outliers(points, models)
     fits = [found for found in (_fit(points, model) for model in models) if found is not None]
     if not fits:
         return None
     best = min(accuracy for _, accuracy in fits)
     # the simplest whose accuracy is about the best's (as cross-validation's one-standard-error rule prefers)
     speed_fit = next(f for f, accuracy in fits if accuracy <= best * (1 + MODEL_TIE) + 1e-12)
-    return dataclasses.replace(speed_fit, seen=seen)
+    seen = frozenset(term for t in points for term in t.features.terms())  # the formats the fit has seen, twice
+    return dataclasses.replace(speed_fit, outliers=outliers, seen=seen)
+
+
+def _outliers(points: Sequence[Timed], models: Sequence[Model]) -> tuple[list[Timed], int]:
+    """The trials every model is fitted on, and how many were left out: those slower than the richest model the trials
+    determine by OUTLIER robust standard deviations (what not even it explains is a load spike), unless they are more
+    than OUTLIER_SHARE of them or the rest cannot determine a model (then none is left out)."""
+    for model in reversed(models):
+        solved = _solve(points, model)
+        if solved is None:
+            continue
+        x, y, coef, _, _ = solved
+        residual = y - x @ coef
+        scale = 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
+        # only a trial that ran slower: load slows a step down, never up, and one that ran faster is the fit's error
+        far = {i for i in range(len(points)) if scale > 0 and residual[i] < -OUTLIER * scale}
+        if not far or len(far) > OUTLIER_SHARE * len(points):
+            break
+        kept = _covered([t for i, t in enumerate(points) if i not in far])
+        if sum(bool(t.features.terms()) for t in kept) >= MIN_FIT and any(_solve(kept, m) is not None for m in models):
+            return kept, len(far)
+        break
+    return list(points), 0
 
 
 def _fit(points: Sequence[Timed], model: Model) -> tuple[SpeedFit, float] | None:
-    """fit's `model` and its leave-one-out accuracy (the root mean square of the log
-    of predicted over actual step); None where the points cannot determine it."""
+    """fit's `model` on `points` and its leave-one-out accuracy (the root mean square of the log of predicted over
+    actual step); None where the points cannot determine it."""
     solved = _solve(points, model)
     if solved is None:
         return None
     x, y, coef, terms, lowered = solved
     residual = y - x @ coef
-    scale = 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
-    # only a trial that ran slower: load slows a step down, never up, and one that ran faster is the fit's error
-    far = [i for i in range(len(points)) if scale > 0 and residual[i] < -OUTLIER * scale]
-    outliers = 0
-    if far and len(far) <= OUTLIER_SHARE * len(points):
-        kept = _covered([t for i, t in enumerate(points) if i not in far])
-        again = _solve(kept, model) if sum(bool(t.features.terms()) for t in kept) >= MIN_FIT else None
-        if again is not None:
-            outliers, points = len(far), kept
-            x, y, coef, terms, lowered = again
-            residual = y - x @ coef
     inverse = np.linalg.pinv(x.T @ x)
     leverage = np.einsum("ij,jk,ik->i", x, inverse, x)
     misses, logs = [], []
@@ -255,7 +269,7 @@ def _fit(points: Sequence[Timed], model: Model) -> tuple[SpeedFit, float] | None
     per_ms = {term: float(c) for term, c in zip(terms, coef)}
     fp32_ms = float(np.median([t.fp32_ms for t in points]))
     accuracy = math.sqrt(sum(v * v for v in logs) / len(logs))
-    return SpeedFit(per_ms, root_ms, fp32_ms, max(misses), outliers, model=model), accuracy
+    return SpeedFit(per_ms, root_ms, fp32_ms, max(misses), model=model), accuracy
 
 
 def too_slow(timed: Sequence[Timed], features: Features | None, mark: float | None) -> tuple[float, SpeedFit] | None:

@@ -141,11 +141,13 @@ def best_timed(study: optuna.Study) -> tuple[float, float] | None:
 NOISE_ROUNDS = 4  # a spread from fewer rounds is their full range (measure.Timing), not an interquartile range
 
 
-def device_noise(study: optuna.Study, least: int = 5) -> float | None:
-    """This device's timing noise as the search has seen it: the median spread of its trials timed at least
-    NOISE_ROUNDS rounds (an interquartile range: one stalled round does not widen it); None before `least` of them."""
-    spreads = [r.spread for _, r in _complete(study)
-               if r.timed and (r.rounds or 0) >= NOISE_ROUNDS and r.spread is not None and math.isfinite(r.spread)]  # fmt: skip
+def device_noise(study: optuna.Study, least: int = 5, *, since: int = 0) -> float | None:
+    """This device's timing noise as the search has seen it: the median spread of its trials (numbered `since` on:
+    this run's, where an earlier run's machine may have been busier) timed at least NOISE_ROUNDS rounds (an
+    interquartile range: one stalled round does not widen it); None before `least` of them."""
+    spreads = [r.spread for t, r in _complete(study)
+               if t.number >= since and r.timed and (r.rounds or 0) >= NOISE_ROUNDS and r.spread is not None
+               and math.isfinite(r.spread)]  # fmt: skip
     return statistics.median(spreads) if len(spreads) >= least else None
 
 
