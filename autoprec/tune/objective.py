@@ -407,7 +407,11 @@ def run_trials(study: optuna.Study, objective: Objective, target: int, *, progre
     where `objective.should_stop` says so (its `stopped` says why). Returns how many trials this call set out to run
     (0: the study was finished, or stopped, already)."""
     complete = (optuna.trial.TrialState.COMPLETE,)
-    objective.since = len(study.get_trials(deepcopy=False))  # an earlier run's noise need not be this machine's now
+    # an earlier run's noise need not be this machine's now (this run's warm starts, enqueued, are numbered after it)
+    finished = study.get_trials(
+        deepcopy=False, states=(complete[0], optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    )
+    objective.since = max((t.number for t in finished), default=-1) + 1
     remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
     if remaining and objective.should_stop(study):  # a run resumed after an early stop: nothing left worth timing
         return 0
