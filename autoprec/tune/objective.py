@@ -54,6 +54,7 @@ from autoprec.tune.trials import (
     best_timed,
     device_noise,
     finalist_mark,
+    first_of_run,
     formats_key,
     smallest_peak,
     timed_formats,
@@ -169,7 +170,7 @@ class Objective:
         self.deadline: float | None = None  # time.perf_counter() past which no trial starts (a time budget)
         self.stopped: str | None = None  # why the trials stopped before their number: should_stop
         self._policies: list[tuple[str, Features | None]] | None = None  # every policy's formats and features
-        self.since = 0  # the first trial number of this run (run_trials): the device's noise is read from its trials
+        self.since = 0  # this run's first trial number (trials.first_of_run): the device's noise is read from its trials
 
     def should_stop(self, study: optuna.Study) -> bool:
         """Whether to run no more trials: past the deadline, or (a speed search predicting step times) on a device
@@ -407,11 +408,7 @@ def run_trials(study: optuna.Study, objective: Objective, target: int, *, progre
     where `objective.should_stop` says so (its `stopped` says why). Returns how many trials this call set out to run
     (0: the study was finished, or stopped, already)."""
     complete = (optuna.trial.TrialState.COMPLETE,)
-    # an earlier run's noise need not be this machine's now (this run's warm starts, enqueued, are numbered after it)
-    finished = study.get_trials(
-        deepcopy=False, states=(complete[0], optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
-    )
-    objective.since = max((t.number for t in finished), default=-1) + 1
+    objective.since = first_of_run(study)  # an earlier run's noise need not be this machine's now
     remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
     if remaining and objective.should_stop(study):  # a run resumed after an early stop: nothing left worth timing
         return 0

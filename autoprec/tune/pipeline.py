@@ -66,7 +66,7 @@ from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes
 from autoprec.tune.storage import check_storage, open_study
 from autoprec.tune.task import Workload
-from autoprec.tune.trials import trial_costs, trials_table
+from autoprec.tune.trials import first_of_run, trial_costs, trials_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -166,6 +166,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     objective = Objective(
         workload, started.choices, space, started.judge, config, objectives=plan.objectives, layer_times=layer_times
     )
+    objective.since = first_of_run(started.study)  # as run_trials sets it: should_stop reads this run's trials
     target = config.trials or space.trials
     if (_complete(started.study) < target and not objective.should_stop(started.study)) or config.remeasure:
         started.judge.measure()  # before the trials (its own line in the cost table); a result that stands needs none

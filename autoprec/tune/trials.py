@@ -138,6 +138,13 @@ def best_timed(study: optuna.Study) -> tuple[float, float] | None:
     return speedup, spread if spread is not None and math.isfinite(spread) else 0.0
 
 
+def first_of_run(study: optuna.Study) -> int:
+    """The number of the first trial a run starting now adds: after every finished one (earlier runs'); the warm
+    starts it enqueued before starting are numbered after them, and count as its own."""
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    return max((t.number for t in study.get_trials(deepcopy=False, states=states)), default=-1) + 1
+
+
 NOISE_ROUNDS = 4  # a spread from fewer rounds is their full range (measure.Timing), not an interquartile range
 
 
