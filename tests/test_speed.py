@@ -16,7 +16,7 @@ from autoprec.tune.config import NOISY_SPREAD
 from autoprec.tune.objective import Judge, Objective
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.speed import ALL, MARGIN, MIN_FIT, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
-from autoprec.tune.trials import NOISE_ROUNDS, device_noise
+from autoprec.tune.trials import NOISE_ROUNDS, device_noise, first_of_run
 from autoprec.tune.trials import finalist_mark as _finalist_mark
 
 MODELS = Path(__file__).parent / "models"
@@ -353,7 +353,7 @@ def test_on_a_noisy_device_the_search_stops_once_its_noise_is_read(monkeypatch):
     stopped, timed, study = search(2 * NOISY_SPREAD, new)
     assert len(timed) == 5 and stopped.startswith("the trials' step times spread ±25%, too wide")
     # a rerun reads the noise from its own trials (none yet): the earlier run's noise does not stop it
-    assert device_noise(study) > NOISY_SPREAD and device_noise(study, since=len(study.trials)) is None
+    assert device_noise(study) > NOISY_SPREAD and device_noise(study, since=first_of_run(study)) is None
     stopped, timed, _ = search(0.0, study)
     assert stopped is not None and stopped.startswith("none of the")  # its fit's own stop
     stopped, timed, _ = search(NOISY_SPREAD)  # at the edge: quiet enough to search on
@@ -386,6 +386,41 @@ def test_a_term_per_format_gives_way_to_one_for_all_where_it_predicts_the_trials
     assert with_spike.outliers == 1 and with_spike.model == "all"
     without = fit(timed[:3] + timed[4:])
     assert with_spike.per_ms == pytest.approx(without.per_ms) and with_spike.root_ms == pytest.approx(without.root_ms)
+
+
+def test_every_model_is_judged_on_the_same_trials():
+    # one slope for all formats, timed with 5% noise and about one trial in eight slowed 1.5x by load: where each
+    # model left out its own outliers, one judged on fewer trials won (here a slope per root format, one trial fewer)
+    rng = np.random.default_rng(357)
+    bf16, fp16 = Format.BF16, Format.FP16
+    timed = []
+    for b, f, r in [(b, f, r) for b in (0.0, 3.0, 6.0, 9.0) for f in (0.0, 2.0, 4.0) for r in ROOTS if b or f]:
+        step = (100.0 - 2.0 * (b + f) - (3.0 if r is bf16 else 0.0)) * math.exp(rng.normal(0, 0.05))
+        if rng.random() < 0.12:
+            step *= 1.5
+        timed.append(Timed(Features(b + f, r, tuple((k, v) for k, v in ((bf16, b), (fp16, f)) if v)), 100.0, step))
+    assert fit(timed).model == "all"
+
+
+def test_a_load_spike_is_found_even_where_a_term_per_format_could_absorb_it():
+    # seven trials over three formats, one slope for all: a term per format has trials to spare for a spike, so a
+    # trial slowed 1.5x by load is found by what the others predict for it, wherever it falls
+    bf16, fp16, fp8 = Format.BF16, Format.FP16, Format.FP8
+    cases = [
+        (3.0, 0.0, 0.0),
+        (6.0, 0.0, 0.0),
+        (0.0, 2.0, 0.0),
+        (0.0, 4.0, 0.0),
+        (0.0, 0.0, 5.0),
+        (0.0, 0.0, 8.0),
+        (3.0, 2.0, 5.0),
+    ]
+    for spike in range(len(cases)):
+        timed = [Timed(Features(b + f + e, Format.FP32, tuple((k, v) for k, v in ((bf16, b), (fp16, f), (fp8, e)) if v)),
+                       100.0, (100.0 - 2.0 * (b + f + e)) * (1 + 0.01 * (-1) ** i) * (1.5 if i == spike else 1.0))
+                 for i, (b, f, e) in enumerate(cases)]  # fmt: skip
+        speed_fit = fit(timed)
+        assert speed_fit.outliers == 1 and speed_fit.per_ms == pytest.approx({ALL: 2.0}, rel=0.05), spike
 
 
 def test_where_lowering_under_an_fp32_root_costs_what_it_saves_under_a_lowered_one_a_term_per_root_says_so():

@@ -11,7 +11,7 @@ Fitted by least squares on the trials the search has timed so far:
 
 with one term for every lowered format, one per root format, or one per lowered format (MODELS): the one that
 predicts the trials left out of it best, the simpler on a near tie (MODEL_TIE). A trial far slower than the fit (a
-load spike during its timing: slower than even the richest model explains) is left out of every model (OUTLIER). A
+load spike during its timing) is left out of every model alike (OUTLIER, _outliers). A
 format or lowered root format seen in fewer than two timed trials has its term rest on one: such trials stay out of
 the fit and a policy using it is not predicted (SpeedFit.covers). The fit's error is the most a trial left out of
 the fit ran FASTER than predicted (at least MARGIN): a prediction raised by it is what no candidate is expected to
@@ -222,25 +222,38 @@ def fit(timed: Sequence[Timed]) -> SpeedFit | None:
 
 
 def _outliers(points: Sequence[Timed], models: Sequence[Model]) -> tuple[list[Timed], int]:
-    """The trials every model is fitted on, and how many were left out: those slower than the richest model the trials
-    determine by OUTLIER robust standard deviations (what not even it explains is a load spike), unless they are more
-    than OUTLIER_SHARE of them or the rest cannot determine a model (then none is left out)."""
-    for model in reversed(models):
+    """The trials every model is fitted on, and how many were left out: those that ran slower than the model predicting
+    the trials best (the median of its leave-one-out misses, which a spike barely moves; the simpler on a tie)
+    predicts them without them, by OUTLIER robust standard deviations (a load spike), unless they are more than
+    OUTLIER_SHARE of the trials or the rest cannot be fitted. Left out of every model alike, each is judged on the
+    same trials; left out by its leave-one-out miss, a spike a model with a term to spare would absorb is found too."""
+    best: tuple[float, set[int]] | None = None
+    for model in models:
         solved = _solve(points, model)
         if solved is None:
             continue
         x, y, coef, _, _ = solved
-        residual = y - x @ coef
-        scale = 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
+        leverage = _leverage(x)
+        if leverage.max() > 1 - 1e-9:  # the others cannot determine the fit
+            continue
+        miss = (y - x @ coef) / (1 - leverage)  # the saving measured minus the one predicted without the trial
+        score = float(np.median(np.abs(miss)))
+        if best is not None and score >= best[0]:
+            continue
+        scale = 1.4826 * float(np.median(np.abs(miss - np.median(miss))))
         # only a trial that ran slower: load slows a step down, never up, and one that ran faster is the fit's error
-        far = {i for i in range(len(points)) if scale > 0 and residual[i] < -OUTLIER * scale}
-        if not far or len(far) > OUTLIER_SHARE * len(points):
-            break
-        kept = _covered([t for i, t in enumerate(points) if i not in far])
-        if sum(bool(t.features.terms()) for t in kept) >= MIN_FIT and any(_solve(kept, m) is not None for m in models):
-            return kept, len(far)
-        break
-    return list(points), 0
+        best = (score, {i for i in range(len(points)) if scale > 0 and miss[i] < -OUTLIER * scale})
+    if best is None or not best[1] or len(best[1]) > OUTLIER_SHARE * len(points):
+        return list(points), 0
+    kept = _covered([t for i, t in enumerate(points) if i not in best[1]])
+    if sum(bool(t.features.terms()) for t in kept) < MIN_FIT or all(_fit(kept, m) is None for m in models):
+        return list(points), 0
+    return kept, len(points) - len(kept)
+
+
+def _leverage(x: np.ndarray) -> np.ndarray:
+    """Each row's leverage in the least-squares fit of x (the diagonal of the hat matrix)."""
+    return np.einsum("ij,jk,ik->i", x, np.linalg.pinv(x.T @ x), x)
 
 
 def _fit(points: Sequence[Timed], model: Model) -> tuple[SpeedFit, float] | None:
@@ -251,8 +264,7 @@ def _fit(points: Sequence[Timed], model: Model) -> tuple[SpeedFit, float] | None
         return None
     x, y, coef, terms, lowered = solved
     residual = y - x @ coef
-    inverse = np.linalg.pinv(x.T @ x)
-    leverage = np.einsum("ij,jk,ik->i", x, inverse, x)
+    leverage = _leverage(x)
     misses, logs = [], []
     for i, t in enumerate(points):
         if leverage[i] > 1 - 1e-9:  # the others cannot determine the fit
