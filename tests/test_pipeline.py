@@ -159,3 +159,30 @@ def test_the_final_cap_is_a_share_of_the_whole_search_and_none_when_only_re_meas
     assert pipeline._final_cap(SearchConfig(budget=0.1, remeasure=True), watch, now, ran=0) is None
     within = pipeline._final_cap(SearchConfig(budget=0.1, time_budget=10.0), watch, now - 4.0, ran=3)
     assert 5.9 < within <= 6.0  # what is left of the time budget, less than the share
+
+
+def test_a_time_budget_keeps_four_fifths_of_it_for_the_trials(monkeypatch, tmp_path):
+    import time
+
+    from short_timing import FAST_PROFILE, TINY
+
+    from autoprec.tune.config import BUDGET_FINAL_SHARE
+    from autoprec.tune.searcher import search
+
+    class Deadline(Exception):
+        pass
+
+    def trials(study, objective, target, *, progress=True):
+        raise Deadline(objective.deadline)  # what the trials were given, and nothing run
+
+    monkeypatch.setattr(pipeline, "run_trials", trials)
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
+    config = SearchConfig(budget=0.05, time_budget=100.0, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, progress=False)
+    before = time.perf_counter()
+    with pytest.raises(Deadline) as given:
+        search(workload, space, config, tmp_path)
+    after = time.perf_counter()
+    # from the search's start (after `before`, before `after`): the final re-measure keeps a quarter of the trials' time
+    share = 100.0 / (1 + BUDGET_FINAL_SHARE)
+    assert BUDGET_FINAL_SHARE == 0.25 and before + share <= given.value.args[0] <= after + share
