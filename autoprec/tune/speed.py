@@ -210,14 +210,17 @@ def fit(timed: Sequence[Timed]) -> SpeedFit | None:
         return None
     # with one format, a term per format is the one for all
     models: tuple[Model, ...] = MODELS if len({term for t in points for term in t.features.terms()}) > 1 else ("format", "root")
-    points, outliers = _outliers(points, models)
-    fits = [found for found in (_fit(points, model) for model in models) if found is not None]
+    kept, outliers = _outliers(points, models)
+    fits = [found for found in (_fit(kept, model) for model in models) if found is not None]
+    if not fits and outliers:  # none fits the rest: every trial stays in
+        kept, outliers = points, 0
+        fits = [found for found in (_fit(kept, model) for model in models) if found is not None]
     if not fits:
         return None
     best = min(accuracy for _, accuracy in fits)
     # the simplest whose accuracy is about the best's (as cross-validation's one-standard-error rule prefers)
     speed_fit = next(f for f, accuracy in fits if accuracy <= best * (1 + MODEL_TIE) + 1e-12)
-    seen = frozenset(term for t in points for term in t.features.terms())  # the formats the fit has seen, twice
+    seen = frozenset(term for t in kept for term in t.features.terms())  # the formats the fit has seen, twice
     return dataclasses.replace(speed_fit, outliers=outliers, seen=seen)
 
 
@@ -225,8 +228,9 @@ def _outliers(points: Sequence[Timed], models: Sequence[Model]) -> tuple[list[Ti
     """The trials every model is fitted on, and how many were left out: those that ran slower than the model predicting
     the trials best (the median of its leave-one-out misses, which a spike barely moves; the simpler on a tie)
     predicts them without them, by OUTLIER robust standard deviations (a load spike), unless they are more than
-    OUTLIER_SHARE of the trials or the rest cannot be fitted. Left out of every model alike, each is judged on the
-    same trials; left out by its leave-one-out miss, a spike a model with a term to spare would absorb is found too."""
+    OUTLIER_SHARE of the trials or too few are left (fit keeps them all where no model fits the rest). Left out of
+    every model alike, each is judged on the same trials; left out by its leave-one-out miss, a spike a model with a
+    term to spare would absorb is found too."""
     best: tuple[float, set[int]] | None = None
     for model in models:
         solved = _solve(points, model)
@@ -246,7 +250,7 @@ def _outliers(points: Sequence[Timed], models: Sequence[Model]) -> tuple[list[Ti
     if best is None or not best[1] or len(best[1]) > OUTLIER_SHARE * len(points):
         return list(points), 0
     kept = _covered([t for i, t in enumerate(points) if i not in best[1]])
-    if sum(bool(t.features.terms()) for t in kept) < MIN_FIT or all(_fit(kept, m) is None for m in models):
+    if sum(bool(t.features.terms()) for t in kept) < MIN_FIT:
         return list(points), 0
     return kept, len(points) - len(kept)
 
