@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import pickle
 import types
 import warnings
@@ -113,6 +114,22 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in _LOW else t
 
 
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    return next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+
+
+def _padded(args: tuple, kwargs: dict, pad: int) -> tuple[tuple, dict]:
+    """A Linear's call with its input flattened to rows and `pad` zero rows added (Fp8Gemms.rows_to_pad)."""
+
+    def pad_rows(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t.reshape(-1, t.shape[-1]), (0, 0, 0, pad))
+
+    if args:
+        return (pad_rows(args[0]), *args[1:]), kwargs
+    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return args, {**kwargs, key: pad_rows(kwargs[key])}
+
+
 def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward of a module the policy lists: its format inside, the caller's precision outside."""
     fmt = Format(getattr(self, _FORMAT_ATTR))
@@ -125,14 +142,22 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             return inner(self, *args, **kwargs)
     outer_autocast = torch.is_autocast_enabled(dev)
     weight = getattr(self, "weight", None)
-    cast = fmt.spec.fp8.input_dtype(weight.dtype) if fmt.spec.fp8 is not None and isinstance(weight, torch.Tensor) else None
-    if cast is not None:
-        # a per-GEMM mix: torchao's high-precision GEMMs need operands of one dtype (Fp8Gemms.input_dtype)
+    x = _first_tensor(args, kwargs)
+    if fmt.spec.fp8 is not None and x is not None and x.numel() == 0:
+        # no rows (an MoE expert given no tokens): torchao's dynamic scale, an amax, fails on an empty tensor
+        fmt, inner = fmt.spec.fallback or Format.BF16, torch.nn.Linear.forward
+    if fmt.spec.fp8 is not None and isinstance(weight, torch.Tensor) and x is not None:
+        # Fp8Gemms.input_dtype: the same dtypes into torchao on every device, whatever autocast torchao can see
+        cast = fmt.spec.fp8.input_dtype(weight.dtype, torch.get_autocast_dtype(dev) if outer_autocast else None)
         args, kwargs = map_tensors((args, kwargs), lambda t: t.to(cast) if t.is_floating_point() else t)
+        rows = math.prod(x.shape[:-1])
+        pad = fmt.spec.fp8.rows_to_pad(rows)
+        if pad:  # a ragged batch (an epoch's last): padded so that CUDA's fp8 GEMMs take it, the padding cut off
+            args, kwargs = _padded(args, kwargs, pad)
         with torch.autocast(dev, enabled=False):
             out = inner(self, *args, **kwargs)
-    elif fmt.spec.is_fp8:
-        out = inner(self, *args, **kwargs)  # Float8Linear follows the surrounding autocast dtype
+        if pad:
+            out = out[:rows].reshape(*x.shape[:-1], out.shape[-1])
     else:
         with torch.autocast(dev, dtype=AUTOCAST_DTYPE[fmt]):
             out = inner(self, *args, **kwargs)

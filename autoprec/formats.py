@@ -45,7 +45,9 @@ class Format(str, enum.Enum):
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
-# torchao's float8 matmul (torch._scaled_mm) needs both weight dimensions divisible by 16.
+# CUDA's fp8 GEMM (torch._scaled_mm, ATen's cuda/ScaledBlas.cpp) needs mat1's inner dimension and both of mat2's
+# divisible by 16: in torchao's three GEMMs that is the weight's two dimensions and, in the weight gradient
+# (grad_output^T @ input), the batch's token count.
 FP8_DIM_MULTIPLE = 16
 
 
@@ -72,14 +74,23 @@ class Fp8Gemms:
         """The GEMMs it keeps in high precision, by name."""
         return tuple(g for g in ("fprop", "dgrad", "wgrad") if not getattr(self, g))
 
-    def input_dtype(self, weight_dtype: torch.dtype) -> torch.dtype | None:
-        """What a per-GEMM mix casts the layer's input to, autocast off inside the layer, so that each
-        high-precision GEMM gets operands of one dtype (torchao's do not cast them): the weight's dtype where dgrad
-        is high precision (it multiplies the output's gradient by the stored weight), else bf16 (wgrad multiplies
-        the output's gradient by the input). None: torchao's recipes follow the surrounding autocast, as before."""
+    def input_dtype(self, weight_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:
+        """What the layer's input is cast to, autocast off inside the layer, so torchao computes the same on every
+        device (its Float8Linear reads CUDA's autocast state only, so on a CPU it would not follow the caller's).
+        A recipe: the caller's autocast dtype, as torchao's own forward casts under CUDA autocast, else the
+        weight's. A per-GEMM mix: operands of one dtype for each high-precision GEMM (torchao's do not cast them):
+        the weight's dtype where dgrad is high precision (it multiplies the output's gradient by the stored
+        weight), else bf16 (wgrad multiplies the output's gradient by the input)."""
         if self.recipe is not None:
-            return None
+            return autocast_dtype or weight_dtype
         return weight_dtype if not self.dgrad else torch.bfloat16
+
+    def rows_to_pad(self, rows: int) -> int:
+        """Zero rows to add to a call of `rows` rows (the batch's tokens) so that CUDA runs its fp8 GEMMs: the
+        weight gradient's inner dimension is the rows. Zero rows raise no dynamic scale (an amax) and add nothing to
+        the weight's gradient, so the numerics are the unpadded call's; only a ragged call (an epoch's last batch)
+        pays the copy."""
+        return -rows % FP8_DIM_MULTIPLE if self.wgrad else 0
 
 
 def float8_linear_config(gemms: dict) -> Any:
@@ -220,8 +231,6 @@ REGISTRY: dict[Format, FormatSpec] = {
             risky=True,
             linear_only=True,
             min_capability=(8, 9),
-            emulation_works=False,
-            why_no_emulation="torchao's emulation of this recipe fails inside bf16 autocast (weight-gradient dtype mismatch)",
         ),
         FormatSpec(
             Format.FP8_FWD,

@@ -8,10 +8,12 @@ an earlier one and `del name` removes a function, so each test shows only what i
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import gpu_contract
 import pytest
 from timings import MODES, FormatClock, using
 
@@ -72,6 +74,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the device the suite's step times come from (tests/timings.py): 'faster' (every lowered format faster than "
         "fp32, as on a GPU) or 'slower' (every one slower, as on an AVX2-only CPU); every test must pass under both",
     )  # fmt: skip
+    parser.addoption(
+        "--gpu-contract", action="store_true",
+        help="run every test under CUDA's rules (tests/gpu_contract.py): fp8 through torchao's kernel path and CUDA's "
+        "torch._scaled_mm checks, torchao reading autocast as on CUDA, TF32 set through torch's new API",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_contract(request: pytest.FixtureRequest):
+    """`--gpu-contract`: the whole session under CUDA's rules (tests/gpu_contract.py)."""
+    with gpu_contract.enforced() if request.config.getoption("--gpu-contract") else contextlib.nullcontext():
+        yield
+
+
+@pytest.fixture
+def gpu_contract_on(request: pytest.FixtureRequest):
+    """This test under CUDA's rules (tests/gpu_contract.py), whatever the session's option."""
+    with contextlib.nullcontext() if request.config.getoption("--gpu-contract") else gpu_contract.enforced():
+        yield
+
+
+@pytest.fixture
+def no_gpu_contract():
+    """This test of a CPU's own behaviour (torchao's emulation, a CPU's refusals) without CUDA's rules, whatever the
+    session's option."""
+    with gpu_contract.lifted():
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

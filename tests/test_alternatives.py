@@ -34,7 +34,7 @@ def test_fp8_everywhere_takes_the_linears_torchaos_own_filter_accepts():
     assert looked_at == 3
 
 
-def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the_rest():
+def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the_rest(no_gpu_contract):
     """TF32 is CUDA's; fp8 everywhere would run torchao's emulation on a CPU, or the space may offer no fp8."""
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     tiny = ProfileConfig(batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0))

@@ -9,7 +9,7 @@ from torch import nn
 
 from autoprec import Policy, apply_policy, grad_scaler
 from autoprec.apply import applied_policy, applied_summary
-from autoprec.formats import FP8_FORMATS, Format, Fp8Backend, float8_linear_config, has_fp8_kernels
+from autoprec.formats import FP8_FORMATS, Format, Fp8Backend, float8_linear_config, fp8_backend, has_fp8_kernels
 from autoprec.policy import LossScale
 from autoprec.tune.measure import sqnr_db
 
@@ -138,12 +138,12 @@ def test_fp8_backend_is_logged_and_recorded_per_layer(caplog):
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     with caplog.at_level(logging.INFO, logger="autoprec"):
         apply_policy(model, Policy(layers={"0": "fp8", "2": "bf16"}))
-    assert "fp8 layers ['0'] use torchao float8 emulation" in caplog.text
+    assert f"fp8 layers ['0'] use {fp8_backend('cpu')}" in caplog.text  # emulation, or kernels under --gpu-contract
     summary = applied_summary(model)
-    assert summary.fp8_backends() == {"0": Fp8Backend.EMULATION}
+    assert summary.fp8_backends() == {"0": fp8_backend("cpu")}
     assert summary.layers["0"].module_type == "Float8Linear" and summary.layers["2"].fp8_backend is None
     assert summary.device == "cpu"
-    assert "0: fp8 (Float8Linear; torchao float8 emulation)" in str(summary)
+    assert f"0: fp8 (Float8Linear; {fp8_backend('cpu')})" in str(summary)
 
 
 def test_fsdp_fp8_all_gather_is_set_on_the_tensorwise_fp8_layers_only():
@@ -156,7 +156,7 @@ def test_fsdp_fp8_all_gather_is_set_on_the_tensorwise_fp8_layers_only():
     assert not isinstance(model[2].weight, WeightWithDynamicFloat8CastTensor)
     summary = applied_summary(model)
     assert [summary.layers[n].fsdp_fp8_all_gather for n in ("0", "2", "3")] == [True, False, False]
-    assert "0: fp8 (Float8Linear; torchao float8 emulation; fp8 all-gather under FSDP2)" in str(summary)
+    assert f"0: fp8 (Float8Linear; {fp8_backend('cpu')}; fp8 all-gather under FSDP2)" in str(summary)
     plain = nn.Sequential(nn.Linear(16, 32))
     apply_policy(plain, Policy(layers={"0": "fp8"}))  # off unless asked: a plain weight
     assert not plain[0].config.enable_fsdp_float8_all_gather and type(plain[0].weight) is nn.Parameter
@@ -174,7 +174,7 @@ def test_where_fp8_kernels_exist_they_are_chosen_and_recorded(monkeypatch):
     assert model[0].config.emulate is False
 
 
-def test_fp8_on_the_cpu_with_a_gpu_present_warns_to_move_the_model_first(monkeypatch):
+def test_fp8_on_the_cpu_with_a_gpu_present_warns_to_move_the_model_first(monkeypatch, no_gpu_contract):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.warns(UserWarning, match="move the model to the GPU before apply_policy"):
         apply_policy(nn.Sequential(nn.Linear(16, 16)), Policy(layers={"0": "fp8"}))

@@ -13,6 +13,7 @@ from autoprec.formats import (
     Fp8Gemms,
     float8_linear_config,
     format_problem,
+    has_fp8_kernels,
     parse_format,
 )
 from autoprec.tune.choices import fit
@@ -90,13 +91,10 @@ def test_each_per_gemm_mix_keeps_fp8s_safety_settings():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's refusals")
-def test_on_a_cpu_formats_without_emulation_say_why_and_the_rest_run():
-    assert format_problem(Format.FP8, nn.Linear(32, 32), "cpu") is None
-    assert format_problem(Format.FP8_ROWWISE, nn.Linear(32, 32), "cpu") is None
-    for fmt in (Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD):
-        assert format_problem(fmt, nn.Linear(32, 32), "cpu") is None  # emulated: the per-GEMM mixes run here
-    gw = format_problem(Format.FP8_ROWWISE_GW_HP, nn.Linear(32, 32), "cpu")
-    assert "needs CUDA compute capability 8.9+" in gw and "emulation" in gw
+def test_on_a_cpu_every_fp8_format_is_emulated_and_mxfp8_says_why_it_is_not(no_gpu_contract):
+    for fmt in FP8_FORMATS:
+        if fmt is not Format.MXFP8:  # apply_policy casts their inputs, so torchao's emulation runs each recipe
+            assert format_problem(fmt, nn.Linear(32, 32), "cpu") is None, fmt
     assert "10.0+" in format_problem(Format.MXFP8, nn.Linear(32, 32), "cpu")
 
 
@@ -111,15 +109,16 @@ def test_parse_format_lists_every_registered_format_on_a_typo():
         parse_format("fp8-row")
 
 
-def test_on_a_blackwell_gpu_mxfp8_is_still_refused_and_says_why(monkeypatch):
+def test_on_a_blackwell_gpu_mxfp8_is_still_refused_and_says_why(monkeypatch, no_gpu_contract):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert "does not yet run mxfp8" in Format.MXFP8.spec.device_problem("cuda")
     assert Format.FP8_ROWWISE_GW_HP.spec.device_problem("cuda") is None  # fp8 kernels: every torchao recipe runs
 
 
-def test_below_compute_capability_8_9_tensorwise_fp8_is_emulated_and_gw_hp_refused(monkeypatch):
+def test_below_compute_capability_8_9_every_fp8_recipe_is_emulated(monkeypatch, no_gpu_contract):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
     assert Format.FP8.spec.device_problem("cuda") is None
-    assert "8.9+" in Format.FP8_ROWWISE_GW_HP.spec.device_problem("cuda")
+    assert Format.FP8_ROWWISE_GW_HP.spec.device_problem("cuda") is None
+    assert not has_fp8_kernels("cuda")

@@ -35,7 +35,7 @@ def factor(fmt: Format, factors: Mapping[str, float]) -> float:
         return 1.0
     gemms = fmt.spec.fp8
     if gemms is not None and gemms.high_precision:
-        hp = factors["half"] if gemms.input_dtype(torch.float32) == torch.bfloat16 else 1.0
+        hp = factors["half"] if gemms.input_dtype(torch.float32, None) == torch.bfloat16 else 1.0
         return sum(hp if g in gemms.high_precision else factors["fp8"] for g in ("fprop", "dgrad", "wgrad")) / 3
     return factors["fp8"] if fmt.spec.is_fp8 else factors["half"]
 
