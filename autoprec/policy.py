@@ -201,6 +201,17 @@ def load_policy(path: str | Path) -> Policy:
         raise UserError(f"{path}: {exc}") from None
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """A short hash of the model's values (parameters and buffers, by name): two builds of one structure with other
+    weights (retrained, another seed) differ, so a profile or study measured on one is not reused for the other."""
+    h = hashlib.sha256()
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        data = t.detach().to("cpu").contiguous()
+        h.update(f"{name}:{data.dtype}:{tuple(data.shape)};".encode())
+        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()[:16]
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
     """A short hash of the model's structure (parameter names, shapes, module types), not its values."""
     h = hashlib.sha256()

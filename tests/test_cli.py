@@ -212,6 +212,14 @@ def test_cuda_unavailable_mocked(capsys, tmp_path, write_model, mlp_source, monk
     assert_user_error(code, err, "CUDA is not available")
 
 
+def test_a_gpu_index_past_the_gpus_present_is_refused_in_one_line(capsys, tmp_path, write_model, mlp_source, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--device", "cuda:2")
+    assert_user_error(code, err, "--device cuda:2: this machine has 2 GPUs (cuda:0 to cuda:1)")
+    assert not (tmp_path / "out").exists()
+
+
 # ---- --debug -----------------------------------------------------------------------------------
 
 

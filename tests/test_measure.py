@@ -313,12 +313,12 @@ def test_noise_floor_spans_seeds(underflow):
 def test_a_candidate_whose_step_fails_is_reported_and_the_others_are_timed(workload):
     from autoprec.tune.measure import measure_steps_or_fail
 
-    stats, failed = measure_steps_or_fail(workload, {"fp32": Policy(), "bad": Policy(layers={"fc1": "fp8-rowwise-gw-hp"})}, FAST)
+    stats, failed = measure_steps_or_fail(workload, {"fp32": Policy(), "bad": Policy(layers={"fc1": "mxfp8"})}, FAST)
     assert set(stats) == {"fp32"} and set(failed) == {"bad"}
-    assert failed["bad"].startswith("ValueError: layer 'fc1' cannot be fp8-rowwise-gw-hp here")
+    assert failed["bad"].startswith("ValueError: layer 'fc1' cannot be mxfp8 here")
 
 
-def test_matmul_precision_sets_strict_or_tf32_on_cuda_and_restores_the_callers_settings():
+def test_matmul_precision_sets_strict_or_tf32_on_cuda_and_restores_the_callers_settings(no_gpu_contract):
     from autoprec.tune.measure import matmul_precision
 
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
@@ -335,6 +335,30 @@ def test_matmul_precision_sets_strict_or_tf32_on_cuda_and_restores_the_callers_s
         torch.backends.cudnn.allow_tf32 = before[1]
 
 
+def test_matmul_precision_set_through_torchs_new_api_is_saved_set_and_restored_through_it(no_gpu_contract):
+    """A model.py that sets `torch.backends.cuda.matmul.fp32_precision = "tf32"` (torch's API since 2.9): torch's
+    legacy getter then raises, and every CUDA step used to fail on it."""
+    from autoprec.tune.measure import float32_matmul_precision, matmul_precision
+
+    legacy = torch.get_float32_matmul_precision()
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = matmul.fp32_precision, conv.fp32_precision
+    try:
+        matmul.fp32_precision = conv.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError):
+            torch.get_float32_matmul_precision()  # what the CUDA path read before
+        assert float32_matmul_precision() == "high"
+        with matmul_precision(torch.device("cuda"), tf32=False):  # settable without a GPU
+            assert matmul.fp32_precision == "ieee" and conv.fp32_precision == "ieee"
+        assert matmul.fp32_precision == "tf32" and conv.fp32_precision == "tf32"
+        with matmul_precision(torch.device("cuda"), tf32=True):
+            assert matmul.fp32_precision == "tf32"
+        assert float32_matmul_precision() == "high"
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = before
+        torch.set_float32_matmul_precision(legacy)  # the legacy API's view again, for the rest of the session
+
+
 def test_evaluate_may_return_numpy_scalars_and_one_element_arrays(workload):
     import numpy as np
 
@@ -342,3 +366,33 @@ def test_evaluate_may_return_numpy_scalars_and_one_element_arrays(workload):
 
     assert _as_metric(workload, np.float32(0.5)) == 0.5 and _as_metric(workload, np.int64(3)) == 3.0
     assert _as_metric(workload, np.array([0.25])) == 0.25 and _as_metric(workload, torch.tensor(0.75)) == 0.75
+
+
+def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monkeypatch, write_model, mlp_source):
+    """Batches of 8, 8 and 5 rows: under torch.compile the 5-row batch compiles a graph of its own, which inside a
+    timed round would be counted as step time; it is taken in the warm-up and counted as compile time."""
+    from autoprec.tune import load_task, measure, prepare
+    from autoprec.tune.measure import Trainer, measure_steps_or_fail
+
+    source = mlp_source + (
+        "\ndef batches(split):\n    g = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in (8, 8, 5)]\n"
+    )
+    workload = prepare(load_task(write_model(source)), "cpu")
+    assert workload.shape_batches == (0, 2)
+    monkeypatch.setattr(measure, "compile_model", lambda model: model)  # compiled in name: what is stepped is the point
+    seen = []
+    real_time = measure.CLOCK.time
+
+    def time(work, calls, device):
+        seen.append(set(work._stepped))  # the batches each candidate had stepped on when a timing began
+        return real_time(work, calls, device)
+
+    monkeypatch.setattr(measure.CLOCK, "time", time)
+    stats, failed = measure_steps_or_fail(workload, {"fp32": Policy()}, FAST, compiled=True, peak_memory=False)
+    assert not failed and seen and all(2 in stepped for stepped in seen)
+    assert stats["fp32"].compile_s is not None and stats["fp32"].compile_s > 0
+    eager = Trainer(workload, Policy())
+    eager.step()
+    eager.warm_shapes()
+    assert eager._stepped == {0, 2} and eager.steps == 2

@@ -65,6 +65,26 @@ def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_save
     assert watch.counts == {"profile: reused the one saved in the output folder": 1}
 
 
+def test_a_saved_profile_of_the_same_structure_with_other_weights_is_measured_again(tmp_path, write_model):
+    """A GPU machine retrains the GPT-2 example on every fresh start: same structure, other weights, other
+    sensitivities; the profile of the old weights must not be read as this model's."""
+    from autoprec.tune import SearchConfig
+    from autoprec.tune.cost import Stopwatch
+
+    source = "def build_model():\n    torch.manual_seed({seed})\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
+    config = SearchConfig(budget=0.1, progress=False, profile=FAST)
+    first = prepare(load_task(write_model(small_task(source.format(seed=0)), "a/model.py")), "cpu")
+    load_or_profile(first, space, tmp_path, config)
+    assert Profile.load(tmp_path).weights == first.weights
+    other = prepare(load_task(write_model(small_task(source.format(seed=1)), "b/model.py")), "cpu")
+    assert other.weights != first.weights
+    watch = Stopwatch()
+    load_or_profile(other, space, tmp_path, config, watch=watch)
+    assert "profile: reused the one saved in the output folder" not in watch.counts
+    assert Profile.load(tmp_path).weights == other.weights
+
+
 def test_a_corrupt_saved_profile_is_measured_again(tmp_path, caplog):
     from autoprec.tune import SearchConfig
 

@@ -1,6 +1,8 @@
+import copy
 import dataclasses
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -152,6 +154,16 @@ def test_resuming_with_another_budget_is_refused(searched):
     workload, _, out = searched
     with pytest.raises(UserError, match=r"different budget.*--study"):
         search(workload, SPACE, SearchConfig(budget=0.2, **FAST), out)
+
+
+def test_resuming_with_other_weights_of_the_same_structure_is_refused(searched, tmp_path):
+    workload, _, out = searched
+    out = shutil.copytree(out, tmp_path / "out")  # the search's own folder stays as it was for the other tests
+    other = dataclasses.replace(workload, model=copy.deepcopy(workload.model))
+    with torch.no_grad():
+        next(other.model.parameters()).add_(1.0)  # retrained: the same structure, other values
+    with pytest.raises(UserError, match=r"different model weights \(model weights \w+, now \w+\).*--study"):
+        search(other, SPACE, SearchConfig(budget=0.05, **FAST), out)
 
 
 def test_policy_file_is_plain_json(searched):

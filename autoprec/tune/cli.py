@@ -29,6 +29,9 @@ def _device(value: str) -> torch.device:
         raise UserError(f"--device: unknown device {value!r}; use cpu or cuda (cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {value}: CUDA is not available here; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise UserError(f"--device {value}: this machine has {count} GPU{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
     if dev.type not in ("cpu", "cuda"):
         raise UserError(f"--device {value}: autoprec measures on cpu or cuda, got {dev.type}")
     return dev

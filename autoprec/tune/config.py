@@ -31,6 +31,12 @@ MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a s
 SETTLED = 0.05
 SETTLED_FINAL_ROUNDS = 5
 
+# The train batches of shapes the first ones do not show (an epoch's ragged last batch, another sequence length),
+# the first of each: the profile runs them too, so a format that fails on a shape fails there, not in a trial; and a
+# compiled candidate takes a step on each before its timing, so a recompilation for a new shape is compile time, not
+# step time. Past this many (text of many lengths, where torch.compile goes dynamic after the second) the rest are
+# left to the timing.
+SHAPE_BATCHES = 4
 MEMORY_TRIES = 3  # steps the GradScaler skips before peak memory is given up (None) for a candidate
 
 # A search's profile lowers a format's layers together first and predicts their single-layer drops where the

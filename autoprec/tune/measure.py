@@ -208,21 +208,50 @@ def as_candidate(value: Policy | Candidate) -> Candidate:
     return value if isinstance(value, Candidate) else Candidate(value)
 
 
+def _new_precision_api() -> bool:
+    """Whether the process set fp32 precision through torch's per-backend API (torch >= 2.9:
+    `torch.backends.cuda.matmul.fp32_precision = "tf32"`), after which torch's legacy getters raise rather than
+    mix the two; the legacy API (`torch.set_float32_matmul_precision`) is read and set where it still answers."""
+    try:
+        torch.get_float32_matmul_precision()
+        torch.backends.cudnn.allow_tf32  # noqa: B018 (the read is the test: it raises once the APIs are mixed)
+    except RuntimeError:
+        return True
+    return False
+
+
+def float32_matmul_precision() -> str:
+    """The process's fp32 matmul setting, in the legacy API's words ("highest", "high"), whichever API set it."""
+    if not _new_precision_api():
+        return torch.get_float32_matmul_precision()
+    return "high" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "highest"
+
+
 @contextlib.contextmanager
 def matmul_precision(device: torch.device, tf32: bool) -> Iterator[None]:
     """fp32 matmuls and cuDNN convolutions strict (IEEE) or TF32 for the duration of one step on CUDA, the
-    caller's settings restored after; on other devices nothing changes (TF32 is a CUDA tensor-core mode)."""
+    caller's settings restored after, through the API the caller used (see _new_precision_api); on other devices
+    nothing changes (TF32 is a CUDA tensor-core mode)."""
     if device.type != "cuda":
         yield
         return
-    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    if _new_precision_api():
+        matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv  # type: ignore[attr-defined]
+        before = matmul.fp32_precision, conv.fp32_precision
+        matmul.fp32_precision = conv.fp32_precision = "tf32" if tf32 else "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision, conv.fp32_precision = before
+        return
+    legacy = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = tf32
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before[0])
-        torch.backends.cudnn.allow_tf32 = before[1]
+        torch.set_float32_matmul_precision(legacy[0])
+        torch.backends.cudnn.allow_tf32 = legacy[1]
 
 
 @contextlib.contextmanager
@@ -329,6 +358,18 @@ class Trainer:
             self.first_step_s = time.perf_counter() - start
         return loss
 
+    def warm_shapes(self) -> None:
+        """One step on each train-batch shape not yet stepped on (Workload.shape_batches), its wall time added to
+        `first_step_s`: a compiled model compiles a new shape's graph here, so compile time is never step time."""
+        for index in self.workload.shape_batches:
+            if index in self._stepped:
+                continue
+            synchronize(self.workload.device)
+            start = time.perf_counter()
+            self.step(index)
+            synchronize(self.workload.device)
+            self.first_step_s = (self.first_step_s or 0.0) + time.perf_counter() - start
+
     def __call__(self) -> torch.Tensor:
         """A Step (what a Clock times): the next training step; `model` is the model it trains."""
         return self.step()
@@ -376,8 +417,8 @@ class Trainer:
 @dataclasses.dataclass(frozen=True)
 class StepStats:
     """A candidate's training steps as timed: per-call time, whether losses stayed finite, and how many
-    of its steps (from its first, warm-up included) the GradScaler skipped. `compile_s`: the first step's
-    seconds when the model was compiled (None when eager). `peak_bytes`: one step's peak memory after the
+    of its steps (from its first, warm-up included) the GradScaler skipped. `compile_s`: the seconds of the first
+    step and of the first on each other batch shape (Trainer.warm_shapes) when the model was compiled (None when eager). `peak_bytes`: one step's peak memory after the
     timing (Trainer.peak_memory; None where not measured)."""
 
     timing: Timing
@@ -444,6 +485,8 @@ def measure_steps_or_fail(
             try:
                 trainer = Trainer(workload, policy, compiled=compiled)
                 trainer.step()  # builds (and compiles) now, so a failure is this candidate's alone
+                if compiled:
+                    trainer.warm_shapes()  # and for every batch shape, outside the timed rounds
             except Exception as exc:
                 if isinstance(exc, UserError):
                     raise

@@ -124,6 +124,7 @@ def load_or_profile(
     if cached is not None:
         same = (
             cached.fingerprint == model_fingerprint(workload.model)
+            and cached.weights == workload.weights  # other weights (a retrained model): other sensitivities
             and cached.device == device_name(str(workload.device))
             and cached.compiled == config.compile
         )

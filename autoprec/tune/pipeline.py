@@ -57,7 +57,14 @@ from autoprec.tune.config import (
     TimingConfig,
 )
 from autoprec.tune.cost import Stopwatch
-from autoprec.tune.measure import Candidate, all_settled, fp32_step_failed, measure_steps_or_fail, more_if_noisy
+from autoprec.tune.measure import (
+    Candidate,
+    all_settled,
+    float32_matmul_precision,
+    fp32_step_failed,
+    measure_steps_or_fail,
+    more_if_noisy,
+)
 from autoprec.tune.objective import Judge, Objective, run_trials
 from autoprec.tune.out_dir import claim_out_dir, disk_full, earlier_result, load_or_profile
 from autoprec.tune.profile_data import Profile
@@ -552,7 +559,7 @@ def measured_record(
         compiled=config.compile,
         alternatives_not_measured=dict(notes or {}),
         # on CUDA every candidate but TF32 ran strict (measure.matmul_precision); elsewhere the process's setting
-        float32_matmul_precision="highest" if workload.device.type == "cuda" else torch.get_float32_matmul_precision(),
+        float32_matmul_precision="highest" if workload.device.type == "cuda" else float32_matmul_precision(),
         timing=(
             (
                 "compiled after apply_policy (each repeated block, else the whole model), compilation excluded (warm-up); "

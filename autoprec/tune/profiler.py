@@ -159,9 +159,10 @@ def _derives_from(inputs: Any, nodes: set) -> bool:
 
 
 def _forward_backward(workload: Workload, model: torch.nn.Module, batches: int, cap: _Capture | None = None) -> bool:
-    """Loss and backward on the first train batches (`cap` told which one runs); True when every loss is finite."""
+    """Loss and backward on the first train batches and one of each other batch shape (Workload.profile_batches;
+    `cap` told which one runs); True when every loss is finite."""
     finite = True
-    for i, batch in enumerate(workload.train[:batches]):
+    for i, batch in enumerate(workload.profile_batches(batches)):
         if cap is not None:
             cap.batch = i
         loss = check_loss(workload.task, workload.task.loss_fn(model, batch))
@@ -730,6 +731,7 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         metric_name=metric_name(workload),
         device=device_name(str(workload.device)),
         fingerprint=model_fingerprint(workload.model),
+        weights=workload.weights,
         grad_ranges=grad_table,
         max_underflow=config.max_underflow,
         cost=watch.to_dict(),

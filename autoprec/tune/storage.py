@@ -249,6 +249,7 @@ def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, obj
         "budget": repr(float(config.budget)),
         "device": device_name(str(workload.device)),
         "model": model_fingerprint(workload.model),
+        "model weights": workload.weights,  # a rebuilt model with other weights (retrained) is another study
         "space": space_hash,
         "mode": config.mode.value if config.mode is Mode.WEIGHTS else f"{config.mode.value}, {config.train_steps} steps",
         "layout": f"{space.layout.value}, max_params {space.max_params}",

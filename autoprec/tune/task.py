@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from autoprec.errors import UserError, describe
+from autoprec.policy import weights_digest
 from autoprec.tensors import map_tensors
+from autoprec.tune.config import SHAPE_BATCHES
 
 REQUIRED = ("build_model", "batches", "loss_fn")
 OPTIONAL = ("evaluate", "optimizer")
@@ -54,6 +56,38 @@ class Workload:
     model: torch.nn.Module
     train: list
     eval: list
+
+    @functools.cached_property
+    def shape_batches(self) -> tuple[int, ...]:
+        """The index of the first train batch of each distinct set of tensor shapes, in order (at most 1 +
+        config.SHAPE_BATCHES): where the profile and a compiled candidate's warm-up meet every shape the training
+        steps will."""
+        first: dict[tuple, int] = {}
+        for i, batch in enumerate(self.train):
+            first.setdefault(batch_shapes(batch), i)
+        return tuple(first.values())[: 1 + SHAPE_BATCHES]
+
+    def profile_batches(self, batches: int) -> list:
+        """The first `batches` train batches, then the first of each shape they do not show (shape_batches)."""
+        return self.train[:batches] + [self.train[i] for i in self.shape_batches if i >= batches]
+
+    @functools.cached_property
+    def weights(self) -> str:
+        """The reference model's weights digest (policy.weights_digest), taken once: the model is never trained in
+        place (every candidate trains a copy)."""
+        return weights_digest(self.model)
+
+
+def batch_shapes(batch: object) -> tuple:
+    """The shapes of a (nested) batch's tensors, in map_tensors order: what a compiled model specialises on."""
+    shapes: list[tuple[int, ...]] = []
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    map_tensors(batch, note)
+    return tuple(shapes)
 
 
 def load_task(path: str | Path) -> Task:
