@@ -186,3 +186,21 @@ def test_a_time_budget_keeps_four_fifths_of_it_for_the_trials(monkeypatch, tmp_p
     # from the search's start (after `before`, before `after`): the final re-measure keeps a quarter of the trials' time
     share = 100.0 / (1 + BUDGET_FINAL_SHARE)
     assert BUDGET_FINAL_SHARE == 0.25 and before + share <= given.value.args[0] <= after + share
+
+
+def test_a_full_disk_while_a_database_holds_the_study_names_it_without_its_password(tmp_path, monkeypatch):
+    import errno
+
+    from autoprec import UserError
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32"]}})
+    url = "postgresql+psycopg2://alice:s3cret-pw@db.example:5432/autoprec"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # no file name: the study's write, say
+
+    monkeypatch.setattr(pipeline, "_run", full)
+    with pytest.raises(UserError, match="no space left") as err:
+        pipeline.run(workload, space, SearchConfig(budget=0.1, storage=url), tmp_path / "out", search_plan(0.1))
+    assert "s3cret" not in str(err.value) and "alice:***@db.example:5432/autoprec" in str(err.value)

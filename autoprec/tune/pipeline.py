@@ -57,6 +57,7 @@ from autoprec.tune.config import (
     TimingConfig,
 )
 from autoprec.tune.cost import Stopwatch
+from autoprec.tune.credentials import hide_credentials
 from autoprec.tune.measure import (
     Candidate,
     all_settled,
@@ -156,7 +157,7 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
             where = (
                 f"writing {full.filename}"
                 if full.filename
-                else f"writing the study ({config.storage or out_dir / 'study.journal'})"
+                else f"writing the study ({hide_credentials(config.storage or str(out_dir / 'study.journal'))})"
             )
             raise UserError(
                 f"--out {out_dir}: no space left on the device ({where}); free some space and run the same command "
