@@ -386,7 +386,9 @@ def test_an_out_folder_with_another_models_results_is_refused_before_anything_is
     assert_user_error(code, err, "holds results of another model structure")
 
 
-@pytest.mark.parametrize("what", ["out is a file", "policy.json is a folder", "storage is a folder"])
+@pytest.mark.parametrize(
+    "what", ["out is a file", "policy.json is a folder", "storage is a folder", "storage's folder is a file"]
+)
 def test_paths_in_the_way_are_refused_before_profiling(capsys, tmp_path, write_model, mlp_source, what):
     out = tmp_path / "out"
     extra: list = []
@@ -396,13 +398,18 @@ def test_paths_in_the_way_are_refused_before_profiling(capsys, tmp_path, write_m
     elif what == "policy.json is a folder":
         (out / "policy.json").mkdir(parents=True)
         expected = "a folder is in the way of the results file"
-    else:
+    elif what == "storage is a folder":
         (tmp_path / "j").mkdir()
         extra = ["--storage", tmp_path / "j"]
         expected = "a folder; give a journal file's path"
+    else:  # the journal cannot be made, even by root: once refused only after the whole profile
+        (tmp_path / "afile").write_text("x")
+        extra = ["--storage", tmp_path / "afile" / "study.journal"]
+        expected = f"--storage {tmp_path / 'afile' / 'study.journal'}: cannot make it: {tmp_path / 'afile'} is a file"
     code, _, err = search(capsys, tmp_path, write_model(mlp_source), *extra)
     assert_user_error(code, err, expected)
     assert not (out / "profile.csv").exists() if out.is_dir() else True  # refused before profiling
+    assert not (out / "profile.json").exists() if out.is_dir() else True
 
 
 def test_an_sqlite_file_given_as_a_journal_is_refused_untouched(capsys, tmp_path, write_model, mlp_source):

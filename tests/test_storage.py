@@ -181,6 +181,43 @@ def test_a_journal_whose_folder_cannot_be_made_is_one_line(tmp_path):
     assert (tmp_path / "file").read_text() == "x"
 
 
+def test_a_journal_that_cannot_be_written_is_refused_by_the_check_before_profiling(tmp_path):
+    # the check the pipeline makes before the profile, not only the study's opening after it
+    (tmp_path / "afile").write_text("x")
+    for path in (tmp_path / "afile" / "study.journal", tmp_path / "afile" / "deeper" / "study.journal"):
+        with pytest.raises(UserError, match="cannot make it") as err:
+            check_storage(config(path))
+        assert str(path) in str(err.value) and f"{tmp_path / 'afile'} is a file" in str(err.value)
+        assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="is a file"):  # the default journal in --out, too
+        check_storage(SearchConfig(budget=0.1), tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "x"
+    # a journal that can be written passes, and the check leaves nothing behind (opening the study makes the file)
+    check_storage(config(tmp_path / "new" / "study.journal"))
+    real_journal(tmp_path / "study.journal", trials=1)
+    before = (tmp_path / "study.journal").read_bytes()
+    check_storage(config(tmp_path / "study.journal"))
+    assert (tmp_path / "study.journal").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "study.journal"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+@pytest.mark.parametrize("exists", [False, True])
+def test_a_journal_in_a_read_only_folder_is_refused_by_the_check_before_profiling(tmp_path, exists):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if exists:
+        real_journal(folder / "study.journal", trials=1)  # writable itself, but Optuna's lock goes beside it
+    before = sorted(folder.iterdir())
+    folder.chmod(0o555)
+    try:
+        with pytest.raises(UserError, match="cannot write there"):
+            check_storage(config(folder / "study.journal"))
+    finally:
+        folder.chmod(0o755)
+    assert sorted(folder.iterdir()) == before
+
+
 def test_a_valid_record_line_is_accepted_as_optuna_writes_it(tmp_path):
     # the format checked is the installed Optuna's: json.dumps with an int op_code and a str worker_id first
     path = tmp_path / "study.journal"

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import stat
+import tempfile
 import time
 import uuid
 import warnings
@@ -41,10 +42,7 @@ def study_storage(config: SearchConfig, out_dir: Path) -> tuple[Any, str]:
             _drop_torn_tail(path, label)  # first refuses, unchanged, what is not an Optuna journal (_check_journal)
             backend = optuna.storages.journal.JournalFileBackend(str(path))  # creates the file when missing
         except OSError as exc:
-            raise UserError(
-                f"{label}: cannot make or open it ({exc.strerror or exc}); give a journal file's path in a folder "
-                "that can be written, or a database URL such as sqlite:///study.db"
-            ) from None
+            raise UserError(f"{label}: cannot make or open it ({exc.strerror or exc}); {_CANNOT_MAKE}") from None
         return optuna.storages.JournalStorage(backend), str(path)
     check_storage(config)
     return _database(url, config.heartbeat_s), hide_credentials(url)  # what is written and printed: no password
@@ -56,20 +54,45 @@ def _journal_label(config: SearchConfig, path: Path) -> str:
 
 def check_storage(config: SearchConfig, out_dir: Path | None = None) -> None:
     """What can be told about --storage before profiling, without changing it: a folder, a device or a FIFO, an
-    in-memory database, a file that is not an Optuna journal or holds a line that is not one of its records
-    (with `out_dir`, the default out_dir/study.journal is read too)."""
+    in-memory database, a file that is not an Optuna journal or holds a line that is not one of its records, a
+    journal that cannot be written (with `out_dir`, the default out_dir/study.journal is checked too)."""
     url = config.storage
     if url is None and out_dir is not None:
-        _check_journal(Path(out_dir) / "study.journal", _journal_label(config, Path(out_dir) / "study.journal"))
+        journal = Path(out_dir) / "study.journal"
+        _check_journal(journal, _journal_label(config, journal))
+        _check_writable(journal, _journal_label(config, journal))
     if url is None:
         return
     if "://" not in url:
         _check_journal(Path(url), _journal_label(config, Path(url)))
+        _check_writable(Path(url), _journal_label(config, Path(url)))
     if url.startswith("sqlite://") and url.removeprefix("sqlite://") in ("", "/", "/:memory:"):
         raise UserError(
             f"--storage {url}: an in-memory database dies with this process and no other worker can reach it; "
             "give a file (sqlite:///study.db) or leave --storage out for <out>/study.journal"
         )
+
+
+_CANNOT_MAKE = "give a journal file's path in a folder that can be written, or a database URL such as sqlite:///study.db"
+
+
+def _check_writable(path: Path, label: str) -> None:
+    """Optuna appends to the journal, makes it (and study_storage its folders) when missing, and locks it with a
+    symlink beside it: a folder that cannot be written, a read-only filesystem or a file where a folder should
+    be would fail the study's first write, after the whole profile. Tried here, leaving nothing behind: the
+    journal opened to append (nothing written) and a nameless temporary file in the nearest folder that exists.
+    Call after _check_journal, which refuses what is not a regular file (opening a FIFO would block)."""
+    try:
+        folder = next(p for p in path.absolute().parents if p.exists())  # "/" at the latest
+        if not folder.is_dir():
+            raise UserError(f"{label}: cannot make it: {folder} is a file, not a folder; {_CANNOT_MAKE}")
+        if path.is_file():
+            with open(path, "ab"):
+                pass
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UserError(f"{label}: cannot write there ({exc.strerror or exc}); {_CANNOT_MAKE}") from None
 
 
 # Optuna's journal (optuna.storages.journal, checked against optuna 5): one JSON object per line, written whole
