@@ -153,6 +153,14 @@ def test_search_bad_space(capsys, tmp_path, write_model, mlp_source):
     assert_user_error(code, err, str(space), "unknown module type 'Linr'")
 
 
+def test_a_space_file_nested_5000_deep_is_one_line_not_a_recursion_error(capsys, tmp_path, write_model, mlp_source):
+    space = tmp_path / "space.yaml"
+    space.write_text("layers: {Linear: [fp32]}\nexclude: " + "[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--space", space)
+    assert_user_error(code, err, str(space), "nested deeper than 32 levels")
+    assert "RecursionError" not in err and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [

@@ -282,3 +282,52 @@ def test_a_tunable_module_whose_name_a_policy_cannot_hold_is_refused_by_name_bef
     with pytest.raises(UserError, match=r"module 'd.a b' of the model: .* --exclude 'd.a b'"):
         space.tunable_layers(model)
     assert list(space.with_excludes(["d.a b"], model).tunable_layers(model)) == ["d.conv-1"]
+
+
+def billion_laughs(levels: int = 9) -> str:
+    """`exclude:` as a list of aliases of aliases: ten 'lol's, each level ten of the one before (10**levels in all)."""
+    lines = [
+        "layers: {Linear: [fp32, bf16]}",
+        "exclude:",
+        '  - &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]',
+    ]
+    lines += [f"  - &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("levels", [6, 9])
+def test_a_yaml_alias_bomb_is_one_line_before_anything_is_built(tmp_path, monkeypatch, levels):
+    import autoprec.tune.space as space_module
+
+    def built(*args, **kwargs):
+        raise AssertionError("a space was built from the bomb")  # before: every walk over it took gigabytes and hours
+
+    monkeypatch.setattr(space_module, "space_from_dict", built)
+    path = write_space(tmp_path, billion_laughs(levels))
+    msg = space_error(path)
+    assert "more than 100000 values once its aliases are expanded" in msg and "\n" not in msg and len(msg) < 400
+
+
+def test_aliases_that_stay_small_and_an_alias_inside_itself_are_read_as_before_or_refused(tmp_path):
+    path = write_space(tmp_path, "layers: {Linear: &f [fp32, bf16], Conv2d: *f}\nexclude: &e [pooler]\n")
+    assert load_space(path).layers == {"Linear": (FP32, BF16), "Conv2d": (FP32, BF16)}
+    msg = space_error(write_space(tmp_path, "layers: {Linear: [fp32]}\nexclude: &e [pooler, *e]\n"))
+    assert "the alias *e is inside what it names" in msg
+
+
+@pytest.mark.parametrize("depth", [33, 5000])
+def test_a_space_file_nested_too_deep_is_one_line(tmp_path, depth):
+    # 5000 levels: once a RecursionError traceback out of PyYAML's composer
+    path = write_space(tmp_path, "layers: {Linear: [fp32]}\nexclude: " + "[" * depth + "]" * depth + "\n")
+    msg = space_error(path)
+    assert "nested deeper than 32 levels (line 2)" in msg and "\n" not in msg
+    nested = "layers: {Linear: [fp32]}\nexclude: " + "[" * 30 + "]" * 30 + "\n"  # deep, within the bound: read
+    assert "exclude must be a list of module-name patterns" in space_error(write_space(tmp_path, nested))
+
+
+def test_a_space_file_larger_than_any_search_space_is_refused_unread(tmp_path):
+    path = write_space(tmp_path, "layers: {Linear: [fp32, bf16]}\n")
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(("# " + "x" * 1000 + "\n") * 1100)  # over 1 MiB of comments: valid YAML, loaded before
+    msg = space_error(path)
+    assert "over 1048576 bytes, too large for a search-space file" in msg

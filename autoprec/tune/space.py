@@ -273,6 +273,50 @@ def space_from_dict(data: Any, source: str = "<dict>") -> SearchSpace:
     )
 
 
+# What a search-space file may be, far past any real one (default.yaml: 3 KiB, 3 levels, under a hundred values), so
+# that a hostile file is one line: its size, its nesting (PyYAML composes nodes recursively: thousands of levels are
+# a RecursionError), and what its aliases expand to (a "billion laughs" of aliases of aliases is a few lines that
+# any walk over it, a message quoting it included, takes gigabytes and hours to go through).
+MAX_SPACE_BYTES = 1 << 20
+MAX_SPACE_DEPTH = 32
+MAX_SPACE_VALUES = 100_000
+
+
+def _check_bounds(text: str) -> None:
+    """Refuse, from the YAML's event stream (read without recursion, nothing built), a document nested deeper than
+    MAX_SPACE_DEPTH or holding more than MAX_SPACE_VALUES values once each alias stands for what it names."""
+    sizes: dict[str, int] = {}  # anchor -> the values it stands for
+    open_nodes: list[tuple[str | None, int]] = [(None, 0)]  # (its anchor, values so far) of each collection being read
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            open_nodes.append((event.anchor, 1))
+            if len(open_nodes) - 1 > MAX_SPACE_DEPTH:
+                raise ValueError(
+                    f"nested deeper than {MAX_SPACE_DEPTH} levels (line {event.start_mark.line + 1}); a search "
+                    "space is three levels deep (see default.yaml): write it as one"
+                )
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, size = open_nodes.pop()
+        elif isinstance(event, yaml.AliasEvent):
+            anchor, size = None, sizes.get(event.anchor or "", 0)
+            if any(event.anchor == a for a, _ in open_nodes):
+                raise ValueError(f"the alias *{event.anchor} is inside what it names (a loop); write the values out")
+        elif isinstance(event, yaml.ScalarEvent):
+            anchor, size = event.anchor, 1
+        else:
+            continue
+        if anchor is not None:
+            sizes[anchor] = size
+        parent_anchor, so_far = open_nodes.pop()
+        open_nodes.append((parent_anchor, so_far + size))
+        if so_far + size > MAX_SPACE_VALUES:
+            raise ValueError(
+                f"more than {MAX_SPACE_VALUES} values once its aliases are expanded (aliases of aliases, a "
+                "'billion laughs'?); a search space holds a few hundred: write its values out"
+            )
+
+
 def load_space(path: str | Path | None = None) -> SearchSpace:
     """Read a search-space YAML file; None reads the shipped default.yaml."""
     if path is None:
@@ -286,10 +330,18 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         if not path.is_file():
             raise UserError(f"{path}: no such search-space file")
         try:
-            text, source = path.read_text(encoding="utf-8"), str(path)
+            with open(path, "rb") as fh:
+                data = fh.read(MAX_SPACE_BYTES + 1)  # no more: a file may be any size
+            if len(data) > MAX_SPACE_BYTES:
+                raise UserError(
+                    f"{path}: over {MAX_SPACE_BYTES} bytes, too large for a search-space file (default.yaml is a few "
+                    "KiB); give the search-space file itself"
+                )
+            text, source = data.decode("utf-8"), str(path)
         except UnicodeDecodeError:
             raise UserError(f"{path}: not a search-space YAML file: it is not UTF-8 text") from None
     try:
+        _check_bounds(text)
         return space_from_dict(yaml.safe_load(text), source)
     except yaml.YAMLError as exc:
         raise UserError(f"{source}: not valid YAML: {exc}") from None
