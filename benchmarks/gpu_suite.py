@@ -1,12 +1,16 @@
 """The GPU suite: everything autoprec must show on a GPU, in parts that each end inside one device call.
 
-    python benchmarks/gpu_suite.py --out results/<device> --part <part>[,<part>...] [--pack $OUT]
+    python benchmarks/gpu_suite.py --gpu h100 --part <part>[,<part>...] [--pack $OUT]   # writes results/h100
     python benchmarks/gpu_suite.py --out DIR --smoke --device cpu                  # every part, tiny, on a CPU
 
-On the device machine (one line, the wheels from ../shared/tools/device-wheels.sh carried in .whl/; see
-benchmarks/GPU_PLAN.md for the calls of a 30-minute session and what to do with what comes back):
+--gpu names the GPU the command expects (h100 by default, h200 where only that is lent) and is refused on any
+other, so results/<gpu>/ never mixes two devices' numbers; a tables part whose rows were timed on another device
+times them all again.
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 AUTOPREC_CACHE=/tmp/autoprec-cache || exit 1; python3 benchmarks/gpu_suite.py --out results/h200 --part tests,bench --pack $OUT
+On the device machine (one line, the wheels from ../shared/tools/device-wheels.sh carried in .whl/; see
+benchmarks/GPU_PLAN.md for the calls of a session and what to do with what comes back):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 AUTOPREC_CACHE=/tmp/autoprec-cache || exit 1; python3 benchmarks/gpu_suite.py --gpu h100 --part tests,bench --pack $OUT
 
 Parts, each writing under --out:
 
@@ -40,14 +44,17 @@ status.json (the device returns at most 8 files from $OUT).
 
 --smoke shrinks everything (gpt2 at AUTOPREC_GPT2_SIZE=tiny with Linears in fp32 or fp8 only, 2 trials, short
 timing, the CUDA tests only, one small benchmark shape, 1 random policy in the tables; tinylm and its tables are left
-out) so CI runs the whole path on a CPU; its numbers mean nothing.
+out) so CI runs the whole path on a CPU; its numbers mean nothing. It has no deadline (unless --deadline-s is
+given): its work is bounded by those sizes, so a loaded machine finishes it later, never less of it.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -70,11 +77,20 @@ BUDGET = 0.02
 TRIALS = {"tinylm": 24, "gpt2": 16}  # what fits a device call on an H100 is the goal; --trials overrides
 POLICIES = 12  # random policies per model in the tables (beside fp32 and uniform bf16); --policies overrides
 DEADLINE_S = 480.0
+# The suite searches fewer formats than the default space: fp32 and bf16 roots; Linears in fp32, bf16, the two fp8
+# recipes and the per-GEMM mix the published rooflines favour where wgrad's small GEMMs lose (fp8-fwd-dgrad).
+# Every format of every Linear shape is a compiled graph in the profile and per block policy in the trials, which on
+# the device's 10-minute calls is the budget (benchmarks/compile_count.py counts them; GPU_PLAN.md prices them).
+GPU_SPACE = {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp8", "fp8-rowwise", "fp8-fwd-dgrad"]}}
 SEARCH_SHARE = 0.7  # of the time left, a search's --time-budget: its final re-measure compiles beyond its budget
 TEST_CHUNK = 8  # test files per pytest process: a killed part loses one chunk, not the suite
 MARGIN = 1.25  # a chunk or policy starts only where the slowest before it, times this, still fits
 SHARE = {"tests": 2.0}  # a part's weight when parts share a command's time (the others: 1); what one leaves, the next gets
-PACK_WARN = 15 * 2**20  # the device returns files of at most 16 MiB
+PACK_WARN = 15 * 2**20
+GPUS = {
+    "h100": "H100",
+    "h200": "H200",
+}  # --gpu: the name torch.cuda.get_device_name must contain  # the device returns files of at most 16 MiB
 import torch  # noqa: E402
 
 from autoprec.formats import default_device  # noqa: E402
@@ -86,6 +102,11 @@ COLUMNS = (FP32, TF32, BF16, FP8_EVERYWHERE)
 
 def left(until: float) -> float:
     return until - time.time()
+
+
+def wait_s(until: float, extra: float = 0.0) -> float | None:
+    """A subprocess timeout that ends at `until` (at least a second), or None where there is no deadline (--smoke)."""
+    return None if math.isinf(until) else max(1.0, left(until) + extra)
 
 
 def note(out: Path, part: str, *, complete: bool, text: str) -> None:
@@ -131,7 +152,7 @@ def part_tests(out: Path, args: argparse.Namespace, until: float) -> int:
             skipped.append(i)
             continue
         start = time.time()
-        rc = run(base + chunk, log_file, timeout=max(1.0, left(args._until)))  # the hard deadline: resumable
+        rc = run(base + chunk, log_file, timeout=wait_s(args._until))  # the hard deadline: resumable
         slowest = max(slowest, time.time() - start)
         if rc is None:
             skipped.append(i)
@@ -161,7 +182,7 @@ def part_bench(out: Path, args: argparse.Namespace, until: float) -> int:
         if marker.is_file():
             status |= int(marker.read_text() or 1) != 0
             continue
-        rc = run(cmd, out / f"{name}.txt", timeout=max(1.0, left(args._until))) if left(args._until) > 5 else None
+        rc = run(cmd, out / f"{name}.txt", timeout=wait_s(args._until)) if left(args._until) > 5 else None
         if rc is None:
             skipped.append(name)
             continue
@@ -174,12 +195,14 @@ def part_bench(out: Path, args: argparse.Namespace, until: float) -> int:
 
 def search_settings(name: str, args: argparse.Namespace, time_budget: float | None = None):  # type: ignore[no-untyped-def]
     """The search's space and settings, shared by the search part and the tables (whose profile is the search's)."""
-    from autoprec.tune import SearchConfig, load_space
+    from autoprec.tune import SearchConfig
     from autoprec.tune.config import ProfileConfig, TimingConfig
     from autoprec.tune.space import space_from_dict
 
     trials = args.trials or (2 if args.smoke else TRIALS[name])
-    extra, space = {}, load_space()
+    extra: dict[str, object] = {}
+    # the suite's space (GPU_SPACE): each format more is a compiled graph per distinct block policy (GPU_PLAN.md)
+    space = space_from_dict({**GPU_SPACE, "trials": trials})
     if args.smoke:  # every compile costs seconds on a CPU: fewer formats, trials and rounds
         tiny = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
         extra = dict(timing=tiny, final_timing=tiny, finalists=1, profile=ProfileConfig(batches=1, timing=tiny))
@@ -208,6 +231,9 @@ def part_search(name: str, out: Path, args: argparse.Namespace, until: float) ->
     workload = workload_of(name, args)
     budget_s = max(30.0, SEARCH_SHARE * left(until))
     space, config = search_settings(name, args, time_budget=None if args.smoke else budget_s)
+    # A fresh machine trains the example's weights again (on a GPU, not bit for bit): one study per weights digest, so
+    # a machine with the same weights resumes it and one with other weights starts its own instead of being refused.
+    config = dataclasses.replace(config, study_name=f"{name}-{workload.weights}")
     limit = "no --time-budget (smoke)" if args.smoke else f"--time-budget {budget_s / 60:.1f} min"
     print(f"gpu_suite: {name}: {config.trials} trials, {limit}, {left(until):.0f} s this part's share of the time left",
           flush=True)  # fmt: skip
@@ -289,10 +315,9 @@ def part_tables(name: str, out: Path, args: argparse.Namespace, until: float) ->
     layer_names = sorted({k for p in policies.values() for k in json.loads(formats_of(p))}, key=lambda k: (k != "(default)", k))
     fields = [*STEP_FIELDS[:3], *layer_names, *STEP_FIELDS[3:]]
     path = folder / "step_times.csv"
-    done: dict[str, dict[str, str]] = {}
-    if path.is_file():  # an earlier run's rows, kept where they are the same policies (the same choices)
-        with open(path, newline="", encoding="utf-8") as f:
-            done = {r["policy"]: r for r in csv.DictReader(f) if set(r) == set(fields)}
+    done = kept_rows(folder, prof.device, fields)
+    write_text(folder / "device.json", json.dumps({"device": prof.device, "compiled": config.compile, "timing":
+               config.timing.__dict__, "choices": json.loads(choices.to_json())}, indent=2, default=str) + "\n")  # fmt: skip
     slowest, skipped = 0.0, []
     for number, (label, policy) in enumerate(policies.items()):
         formats = json.loads(formats_of(policy))
@@ -333,14 +358,30 @@ def part_tables(name: str, out: Path, args: argparse.Namespace, until: float) ->
         path.with_suffix(".tmp").replace(path)
         print(f"gpu_suite: tables-{name}: {label}: {row.get('speedup', float('nan')):.3f}x fp32 in {row['measure_s']:.0f} s",
               flush=True)  # fmt: skip
-    write_text(folder / "device.json", json.dumps({"device": prof.device, "compiled": config.compile, "timing":
-               config.timing.__dict__, "choices": json.loads(choices.to_json())}, indent=2, default=str) + "\n")  # fmt: skip
     timed = sum(1 for r in done.values() if r["policy"] in policies)
     text = f"{len(rows)} layer x format times, {timed} of {len(policies)} policies timed" + (
         f"; not timed: {len(skipped)} (the deadline): run the same command again for them" if skipped else ""
     )
     note(out, f"tables-{name}", complete=not skipped, text=text)
     return 0
+
+
+def kept_rows(folder: Path, device: str, fields: list[str]) -> dict[str, dict[str, str]]:
+    """An earlier run's step_times.csv rows by policy, to resume: those of the same columns (the same choices), and
+    none where they were timed on another device (device.json; a fresh machine of another kind): timed again."""
+    path = folder / "step_times.csv"
+    if not path.is_file():
+        return {}
+    try:
+        measured_on = str(json.loads((folder / "device.json").read_text(encoding="utf-8"))["device"])
+    except (OSError, ValueError, KeyError, TypeError):
+        measured_on = None  # no record of where: not reused either
+    if measured_on != device:
+        print(f"gpu_suite: {folder.name}: step_times.csv was timed on {measured_on or 'an unrecorded device'}, this is "
+              f"{device}: timing every policy again", flush=True)  # fmt: skip
+        return {}
+    with open(path, newline="", encoding="utf-8") as f:
+        return {r["policy"]: r for r in csv.DictReader(f) if set(r) == set(fields)}
 
 
 def summary(out: Path) -> str:
@@ -434,7 +475,7 @@ def child(part: str, out: Path, args: argparse.Namespace, aim: float, until: flo
     """Run the part in a child process that plans to end by `aim`, its output echoed and kept in logs/<part>.txt,
     stopped at `until` (the deadline): (what became of it, its exit code or None when stopped)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--part", part, "--device", args.device,
-           "--_aim", repr(aim), "--_until", repr(until)]  # fmt: skip
+           "--gpu", args.gpu, "--_aim", repr(aim), "--_until", repr(until)]  # fmt: skip
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--trials", str(args.trials)] if args.trials else []
     cmd += ["--policies", str(args.policies)] if args.policies else []
@@ -452,7 +493,7 @@ def child(part: str, out: Path, args: argparse.Namespace, aim: float, until: flo
     reader = threading.Thread(target=echo, daemon=True)
     reader.start()
     try:
-        rc: int | None = proc.wait(timeout=max(1.0, left(until) + 5))  # the child stops itself first, where it can
+        rc: int | None = proc.wait(timeout=wait_s(until, 5))  # the child stops itself first, where it can
     except subprocess.TimeoutExpired:
         rc = None
         os.killpg(proc.pid, signal.SIGTERM)  # its own group (not session: the device ends it with the call): pytest too
@@ -487,17 +528,33 @@ def pack(out: Path, folder: Path) -> list[Path]:
     return files
 
 
+def gpu_problem(args: argparse.Namespace) -> str | None:
+    """Why this command should not run here: --smoke without --out, or a GPU other than the one --gpu names."""
+    if args.smoke:
+        return None if args.out else "--smoke needs --out DIR (a smoke run's numbers mean nothing in results/)"
+    name = torch.cuda.get_device_name(torch.device(args.device)) if torch.device(args.device).type == "cuda" else args.device
+    if GPUS[args.gpu] not in name:
+        other = next((g for g, tag in GPUS.items() if tag in name), None)
+        hint = f"run with --gpu {other} (results/{other})" if other else f"this suite knows {', '.join(sorted(GPUS))}"
+        return f"--gpu {args.gpu}: this machine's device is {name}, not an {GPUS[args.gpu]}; {hint}"
+    return None
+
+
 def main() -> int:
     began = time.time()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output folder, e.g. results/h200")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100",
+                        help="the GPU this command expects (default h100; h200 where only that is lent): refused on "
+                        "another, so no folder mixes two devices' numbers")  # fmt: skip
+    parser.add_argument("--out", help="output folder (default results/<gpu>; required with --smoke)")
     parser.add_argument("--part", default="all", help=f"parts, comma-separated: {', '.join(PARTS)}, summary or all (default)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: the whole path on a CPU in minutes")
     parser.add_argument("--trials", type=int, help="trials per search (default: tinylm 24, gpt2 16; smoke 2)")
     parser.add_argument("--policies", type=int, help=f"random policies per model in the tables (default {POLICIES}; smoke 1)")
-    parser.add_argument("--deadline-s", type=float, default=DEADLINE_S,
-                        help=f"seconds the whole command may take, packing aside (default {DEADLINE_S:.0f})")  # fmt: skip
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help=f"seconds the whole command may take, packing aside (default {DEADLINE_S:.0f}; --smoke: none, "
+                        "its work is bounded by its sizes, so a loaded machine finishes it later, never less of it)")  # fmt: skip
     parser.add_argument("--pack", type=Path, help="folder ($OUT on the device) for suite.tar.gz, summary.md and status.json")
     parser.add_argument("--_aim", type=float, help=argparse.SUPPRESS)  # a child: run the one part, planned to end then
     parser.add_argument("--_until", type=float, help=argparse.SUPPRESS)  # and stopped then
@@ -512,17 +569,22 @@ def main() -> int:
         print(f"gpu_suite: --part {args.part}: unknown {', '.join(unknown) or 'nothing'}; choose from "
               f"{', '.join(PARTS)}, summary, all (comma-separated)", file=sys.stderr)  # fmt: skip
         return 2
-    if not args.deadline_s > 0:
+    if args.deadline_s is not None and not args.deadline_s > 0:
         print(f"gpu_suite: --deadline-s {args.deadline_s}: give a number of seconds > 0, e.g. 480", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    problem = gpu_problem(args)
+    if problem:
+        print(f"gpu_suite: {problem}", file=sys.stderr)
+        return 2
+    out = Path(args.out or ROOT / "results" / args.gpu)
     out.mkdir(parents=True, exist_ok=True)
     if args._aim is not None:
         return run_part(names[0], out, args, args._aim)
     parts = [p for p in (PARTS if "all" in names else names) if p != "summary"]
     if args.smoke:
         parts = [p for p in parts if p not in SMOKE_LEFT_OUT]
-    until = began + args.deadline_s
+    deadline = args.deadline_s if args.deadline_s is not None else (math.inf if args.smoke else DEADLINE_S)
+    until = began + deadline
     try:  # an earlier run's, kept for the parts this one does not run
         status = json.loads((out / "status.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

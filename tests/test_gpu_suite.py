@@ -15,9 +15,23 @@ def test_gpu_suite_smoke_runs_the_tests_the_benchmarks_and_a_compiled_search_and
     out = tmp_path / "suite"
     env_cache = {"AUTOPREC_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_suite.py", "--smoke", "--device", "cpu", "--out", str(out), "--pack", str(tmp_path / "pack")],
-        cwd=ROOT, capture_output=True, text=True, env={**__import__("os").environ, **env_cache}, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "benchmarks/gpu_suite.py",
+            "--smoke",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--pack",
+            str(tmp_path / "pack"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, **env_cache},
+        timeout=3600,
+    )  # fmt: skip  (a hang guard only: --smoke has no deadline, its work is bounded by its sizes, so load only slows it)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("tests.txt", "fp8_linear.txt", "overhead.txt", "summary.md", "search-gpt2/policy.json"):
         assert (out / name).is_file(), name
@@ -52,7 +66,7 @@ def test_gpu_suite_smoke_runs_the_tests_the_benchmarks_and_a_compiled_search_and
 def test_gpu_suite_refuses_an_unknown_part_and_packs_what_there_is_when_no_time_is_left(tmp_path):
     def suite(*args):
         cmd = [sys.executable, "benchmarks/gpu_suite.py", "--smoke", "--device", "cpu", "--out", str(tmp_path / "out"), *args]
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)  # a hang guard only
 
     proc = suite("--part", "gpt2,gtp2")
     assert proc.returncode == 2 and "unknown gtp2" in proc.stderr and "tables-gpt2" in proc.stderr
@@ -60,3 +74,42 @@ def test_gpu_suite_refuses_an_unknown_part_and_packs_what_there_is_when_no_time_
     assert proc.returncode == 0, proc.stderr[-2000:]
     status = json.loads((tmp_path / "pack" / "status.json").read_text())
     assert set(status) == {"tests", "gpt2"} and all(s["state"].startswith("not started") for s in status.values())
+
+
+def _suite_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_suite_refuses_a_gpu_other_than_the_one_its_command_names(monkeypatch):
+    import argparse
+
+    import torch
+
+    suite = _suite_module()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    args = argparse.Namespace(smoke=False, out=None, device="cuda", gpu="h100")
+    assert suite.gpu_problem(args) == (
+        "--gpu h100: this machine's device is NVIDIA H200, not an H100; run with --gpu h200 (results/h200)"
+    )
+    assert suite.gpu_problem(argparse.Namespace(smoke=False, out=None, device="cuda", gpu="h200")) is None
+    assert "needs --out" in suite.gpu_problem(argparse.Namespace(smoke=True, out=None, device="cpu", gpu="h100"))
+
+
+def test_a_tables_folder_timed_on_another_device_is_timed_again(tmp_path):
+    """A fresh machine of another kind resumes the same folder: its rows are not this device's numbers."""
+    suite = _suite_module()
+    fields = ["trial", "policy", "state", "step_ms"]
+    with open(tmp_path / "step_times.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerow({"trial": 0, "policy": "fp32", "state": "COMPLETE", "step_ms": 1.5})
+    assert suite.kept_rows(tmp_path, "NVIDIA H100 80GB HBM3", fields) == {}  # no device.json: where is unknown
+    (tmp_path / "device.json").write_text(json.dumps({"device": "NVIDIA H200"}))
+    assert suite.kept_rows(tmp_path, "NVIDIA H100 80GB HBM3", fields) == {}
+    assert suite.kept_rows(tmp_path, "NVIDIA H200", fields)["fp32"]["step_ms"] == "1.5"
+    assert suite.kept_rows(tmp_path, "NVIDIA H200", [*fields, "layer"]) == {}  # other columns: other choices

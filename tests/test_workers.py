@@ -31,7 +31,7 @@ from autoprec.tune.storage import CHOICES_ATTR, open_study, study_storage
 
 WORKER = Path(__file__).parent / "search_worker.py"
 HOLDING = "test:holding"  # search_worker.py marks a trial it holds with --sleep
-TIMEOUT_S = 90  # per worker process: a hung worker fails the test instead of hanging the suite
+TIMEOUT_S = 900  # per worker process: a hung worker fails the test instead of hanging the suite (load only slows one)
 COMPLETE = (optuna.trial.TrialState.COMPLETE,)
 
 
@@ -213,7 +213,7 @@ def postgres_url():
     data, port = root / "data", _free_port()
 
     def run(*cmd: str) -> None:
-        done = subprocess.run([*as_user, *cmd], capture_output=True, text=True, timeout=60)
+        done = subprocess.run([*as_user, *cmd], capture_output=True, text=True, timeout=600)  # a hang guard
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
 
