@@ -338,3 +338,43 @@ def test_to_device_single_tensor():
     t = torch.ones(3)
     assert to_device(t, torch.device("cpu")) is t
     assert to_device(t, torch.device("meta")).device.type == "meta"
+
+
+BATCHNORM_SOURCE = """
+import torch
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 4))
+
+
+def batches(split):
+    g = torch.Generator().manual_seed(0 if split == "train" else 1)
+    return [(3 * torch.randn(32, 8, generator=g) + 1, torch.randint(0, 4, (32,), generator=g)) for _ in range(2)]
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def evaluate(model):
+    model.eval()
+    with torch.no_grad():
+        return -sum(loss_fn(model, b).item() for b in batches("eval"))
+"""
+
+
+def test_the_recorded_fp32_metric_is_the_users_own_evaluation_of_build_model(write_model):
+    """A BatchNorm model: prepare's check of the loss ran a train-mode pass, which moved the running statistics, so
+    the fp32 metric the budget is measured from was not evaluate(build_model())'s (issue 38, a U-Net)."""
+    from autoprec.tune.profiler import checked_fp32_metric
+
+    task = load_task(write_model(BATCHNORM_SOURCE))
+    workload = prepare(task, "cpu")
+    fresh = task.build_model()
+    for (name, mine), theirs in zip(workload.model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(mine, theirs), name  # the running statistics too
+    assert checked_fp32_metric(workload) == task.evaluate(task.build_model())

@@ -248,8 +248,14 @@ def prepare(task: Task, device: str | torch.device) -> Workload:
     evals = _load_split(task, "eval", device)
     if not evals and task.evaluate is None:
         raise UserError(f"{task.path}: batches('eval') yields no batches (needed by the default evaluate)")
-    with torch.enable_grad():  # as in a training step, whatever the caller's grad mode
+    # The check must leave the model as built: a train-mode pass updates BatchNorm's running statistics (the fp32
+    # metric, from which the budget is measured, moved by it) and draws from the random generators (dropout).
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
         loss = check_loss(task, _call(task, "loss_fn(model, batch)", task.loss_fn, model, train[0]))
+    with torch.no_grad():
+        for buffer, before in buffers:
+            buffer.copy_(before)
     if not math.isfinite(loss.item()):
         raise UserError(f"{task.path}: loss_fn gives {loss.item()} for the fp32 model on the first train batch")
     if not loss.requires_grad:
