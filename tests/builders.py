@@ -1,5 +1,8 @@
 """Records built by hand for the tests of what reads them (choosing, reporting): only the fields a test is about
-are given, the rest take values of a candidate that ran cleanly. And `small_task`, a model.py around a given model."""
+are given, the rest take values of a candidate that ran cleanly. And `small_task`, a model.py around a given model;
+`WithNoFp16Kernel`, a model with a layer type that cannot run in fp16."""
+
+import torch
 
 from autoprec.tune.records import Finals, Measurement
 
@@ -46,3 +49,31 @@ def every_format_profile():
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}, "prune": {"slower_than": 1e9}})
     return profile(workload, space, FAST_PROFILE, progress=False)
+
+
+class NoFp16Kernel(torch.nn.Module):
+    """A layer type this device has no fp16 kernel for, as oneDNN's LSTM on a CPU with bf16 kernels but not fp16
+    (issue 38): its forward fails under fp16 autocast, as the real one does, and runs in bf16. Offered in a search
+    space by its import path (builders.NoFp16Kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16:
+            raise RuntimeError("could not create a primitive descriptor for the fp16 forward propagation primitive")
+        return x @ self.weight
+
+
+class WithNoFp16Kernel(torch.nn.Module):
+    """32 features in, 16 out: `rnn`, a NoFp16Kernel, then a Linear `head`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = NoFp16Kernel()
+        self.head = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.rnn(x)))

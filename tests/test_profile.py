@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import small_task
+from builders import NoFp16Kernel, WithNoFp16Kernel, small_task
 from short_timing import TINY, fixed_layer_times
 
 from autoprec import Policy
@@ -701,3 +701,39 @@ def test_a_layer_step_whose_layer_returns_no_floating_tensor_fails_saying_so():
     step = _layer_step(Argmax(), ((torch.randn(2, 4),), {}), Format.FP32)
     with pytest.raises(ValueError, match="Argmax returned no floating-point tensor"):
         step()
+
+
+# ---- a format a layer cannot run in on this device ----------------------------------------------
+
+
+NO_FP16 = f"{NoFp16Kernel.__module__}.{NoFp16Kernel.__qualname__}"  # a layer type by its import path
+
+
+def test_a_format_whose_forward_fails_on_a_layer_is_ruled_out_for_it_with_the_error_as_reason():
+    workload = prepare(_task_of(WithNoFp16Kernel), "cpu")
+    space = space_from_dict({"layers": {NO_FP16: ["fp32", "bf16", "fp16"], "Linear": ["fp32", "fp16"]}})
+    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+    r = table.loc[("rnn", "fp16")]
+    assert r["status"] == "unsupported" and r["reason"].startswith("fp16 failed: RuntimeError: could not create a primitive")
+    assert math.isnan(r["time_ms"])
+    assert table.loc[("rnn", "bf16"), "status"] == "ok" and table.loc[("head", "fp16"), "status"] == "ok"
+
+
+def test_a_format_whose_layer_step_cannot_even_be_built_is_ruled_out_for_it_with_the_error_as_reason(monkeypatch):
+    from autoprec.formats import Format
+    from autoprec.tune import profiler
+
+    layer_step = profiler._layer_step
+
+    def refusing(module, inputs, fmt, compiled=False):  # as a converter that refuses the layer (torchao, say)
+        if fmt is Format.BF16 and isinstance(module, NoFp16Kernel):
+            raise NotImplementedError("cannot convert NoFp16Kernel")
+        return layer_step(module, inputs, fmt, compiled)
+
+    monkeypatch.setattr(profiler, "_layer_step", refusing)
+    workload = prepare(_task_of(WithNoFp16Kernel), "cpu")
+    space = space_from_dict({"layers": {NO_FP16: ["fp32", "bf16"], "Linear": ["fp32", "bf16"]}})
+    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+    r = table.loc[("rnn", "bf16")]
+    assert r["status"] == "unsupported" and "NotImplementedError: cannot convert NoFp16Kernel" in r["reason"]
+    assert table.loc[("head", "bf16"), "status"] == "ok"

@@ -10,7 +10,7 @@ import optuna
 import pandas as pd
 import pytest
 import torch
-from builders import made_up_peak
+from builders import NoFp16Kernel, WithNoFp16Kernel, made_up_peak
 from short_timing import FAST_PROFILE, TINY
 from timings import FASTER, FormatClock, using
 
@@ -673,3 +673,53 @@ def test_on_a_noisy_device_a_trial_is_timed_the_fewest_rounds_an_interquartile_s
         assert enough(wide)  # its own rounds are as noisy: more would not rank it either
         for samples in (close, wide):  # never fewer than NOISE_ROUNDS
             assert not enough({k: v[: NOISE_ROUNDS - 1] for k, v in samples.items()})
+
+
+# ---- a format a layer cannot run in on this device (issue 38) -----------------------------------
+
+
+def _seq_task(model: torch.nn.Module, shape: tuple[int, ...]):
+    from autoprec.tune.api import task_from_objects
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(*shape, generator=g), torch.randint(0, 4, (shape[0],), generator=g)) for _ in range(2)]
+    return task_from_objects(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).float(), b[1]), data, data)
+
+
+def test_a_layer_type_with_no_fp16_kernel_here_searches_to_a_policy_that_keeps_it_out_of_fp16(tmp_path):
+    workload = prepare(_seq_task(WithNoFp16Kernel(), (8, 32)), "cpu")
+    offered = ["fp32", "bf16", "fp16"]
+    no_fp16 = f"{NoFp16Kernel.__module__}.{NoFp16Kernel.__qualname__}"
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {no_fp16: offered, "Linear": offered}, "trials": 6})
+    result = search(workload, space, SearchConfig(budget=0.05, **FAST), tmp_path)
+    assert result.choices.excluded["rnn"]["fp16"].startswith("fp16 failed: RuntimeError: could not create a primitive")
+    assert (tmp_path / "policy.json").is_file() and str(result.policy.layers.get("rnn", "fp32")) != "fp16"
+
+
+class _Recurrent(torch.nn.Module):
+    """An LSTM, a GRU and a BatchNorm: on a CPU with bf16 kernels but no fp16 LSTM (an AMD EPYC with avx512_bf16),
+    the default space's fp16 LSTM failed the profile with oneDNN's error."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = torch.nn.LSTM(8, 16, batch_first=True)
+        self.gru = torch.nn.GRU(16, 16, batch_first=True)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h, _ = self.gru(self.lstm(x)[0])
+        return self.head(self.norm(h.mean(1)))
+
+
+def test_an_lstm_a_gru_and_a_batchnorm_search_to_a_policy_in_the_default_space(tmp_path):
+    from autoprec.tune.space import load_space
+
+    workload = prepare(_seq_task(_Recurrent(), (8, 3, 8)), "cpu")
+    space = dataclasses.replace(load_space(), trials=4)
+    result = search(workload, space, SearchConfig(budget=0.05, **{**FAST, "trials": 4}), tmp_path)
+    assert (tmp_path / "policy.json").is_file() and {"lstm", "gru", "head"} <= set(result.choices.layers)
+    table = result.profile.table
+    failed = table[(table["status"] == "unsupported") & table["reason"].str.contains("failed", na=False)]
+    assert failed["reason"].str.startswith(tuple(f"{f} failed: " for f in failed["format"])).all()  # its error, one line

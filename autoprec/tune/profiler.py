@@ -221,11 +221,21 @@ class _Holder(torch.nn.Module):
         return self.layer(*args, **kwargs)
 
 
-def _lowered_by_autocast(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format, device: torch.device) -> bool:
+def _autocast_problem(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format, device: torch.device) -> str | None:
+    """Why autocast cannot run `module` in `fmt` on its first recorded call (it leaves it in fp32, or the forward
+    fails: a CPU without fp16 LSTM kernels, say), or None. A failure is a finding about this layer and format,
+    not a crash; a user's mistake (UserError) is not."""
     args, kwargs = inputs
-    with torch.no_grad(), torch.autocast(device.type, dtype=AUTOCAST_DTYPE[fmt]):
-        out = _first_float(copy.deepcopy(module)(*args, **kwargs))
-    return out is not None and out.dtype == AUTOCAST_DTYPE[fmt]
+    try:
+        with torch.no_grad(), torch.autocast(device.type, dtype=AUTOCAST_DTYPE[fmt]):
+            out = _first_float(copy.deepcopy(module)(*args, **kwargs))
+    except UserError:
+        raise
+    except Exception as exc:
+        return f"{fmt.value} failed: {describe(exc, 200)}"
+    if out is None or out.dtype != AUTOCAST_DTYPE[fmt]:
+        return f"torch.autocast does not lower {type(module).__name__} to {fmt.value} on {device.type}"
+    return None
 
 
 def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format, compiled: bool = False) -> Step:
@@ -269,11 +279,12 @@ def _time_layer(
     peak (memory.rise_bytes, None where not measured) is of one more step after the timing."""
     failed: dict[Format, str] = {}
     with compile_scope(config.compile, len(formats)):
-        work = {fmt: _strict(workload.device, _layer_step(module, inputs, fmt, config.compile)) for fmt in formats}
+        work: dict[Format, Step] = {}
         probe: dict[Format, float] = {}
-        for fmt, fn in work.items():
-            try:
-                probe.update(probe_times({fmt: fn}, workload.device, warmup=config.timing.warmup))
+        for fmt in formats:
+            try:  # building the step converts the layer (torchao may refuse it): a finding too
+                work[fmt] = _strict(workload.device, _layer_step(module, inputs, fmt, config.compile))
+                probe.update(probe_times({fmt: work[fmt]}, workload.device, warmup=config.timing.warmup))
             except Exception as exc:
                 if fmt is Format.FP32:
                     raise fp32_step_failed(
@@ -372,8 +383,8 @@ def _profile_layer(
         if fmt is Format.FP32:
             continue
         reason = format_problem(fmt, module, workload.device)
-        if reason is None and fmt in AUTOCAST_DTYPE and not _lowered_by_autocast(module, inputs, fmt, workload.device):
-            reason = f"torch.autocast does not lower {type(module).__name__} to {fmt.value} on {workload.device.type}"
+        if reason is None and fmt in AUTOCAST_DTYPE:
+            reason = _autocast_problem(module, inputs, fmt, workload.device)
         rows[fmt] = {**base, "format": fmt.value, "max_abs": max_abs, "status": "unsupported" if reason else "ok",
                      "reason": reason or "", "finite": None, "overflow": None, "metric_source": ""}  # fmt: skip
     ok = [f for f in formats if rows[f]["status"] == "ok"]
