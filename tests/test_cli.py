@@ -709,3 +709,19 @@ def test_search_time_budget_must_be_positive_minutes(capsys, tmp_path, minutes):
     code, _, err = search(capsys, tmp_path, tmp_path / "model.py", "--time-budget", minutes)
     assert_user_error(code, err, f"--time-budget {float(minutes):g}", "a number > 0")
     assert not (tmp_path / "out").exists()  # refused before the model is loaded
+
+
+@pytest.mark.parametrize("flags", [(), ("--json",)])
+def test_show_into_a_reader_that_stops_early_ends_quietly_as_unix_tools_do(tmp_path, flags):
+    """`autoprec show policy.json | head` ended in a BrokenPipeError traceback (issue 38)."""
+    from autoprec.tune.cli import EXIT_BROKEN_PIPE
+
+    # 20,000 layers, no two alike: well over a pipe's buffer (64 KiB), so the writer is still writing when the reader goes
+    path = Policy(layers={f"m{i}": ("bf16", "fp16")[i % 2] for i in range(20_000)}).save(tmp_path / "policy.json")
+    argv = [sys.executable, "-m", "autoprec", *flags, "show", str(path)]
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline()  # what `head -1` reads
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=1800) == EXIT_BROKEN_PIPE == 141 and err == "", err  # as `cat big | head` ends

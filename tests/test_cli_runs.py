@@ -329,3 +329,58 @@ def test_a_full_disk_writing_the_study_is_one_line_and_a_rerun_resumes(fast, cap
     )
     assert "run the same command again" in line and len(appends) > room
     assert main(argv) == 0  # space freed: the same command runs (the journal's torn tail is dropped)
+
+
+LIBRARY_NOISE = """
+
+import logging
+import warnings
+
+import torch.utils._pytree
+
+# What libraries say when model.py imports them (transformers, torchao), from their own files: a deprecation warning,
+# and pytree's log line through torch's handler; a line that reaches the root, which has no handler; and one through
+# a handler a library sets up as it is imported (transformers'), logged later, as the model is built.
+_LIB = torch.utils._pytree.__file__
+warnings.warn_explicit("libwarn: an old API is deprecated", FutureWarning, _LIB, 1, module="torch.utils._pytree")
+
+
+def _library_log(name, level, message):
+    log = logging.getLogger(name)
+    log.handle(log.makeRecord(name, level, _LIB, 1, message, (), None))
+
+
+_library_log("torch.utils._pytree", logging.WARNING, "liblog-torch: register_constant() on Enum subclasses is deprecated")
+_library_log("torchao.fake", logging.WARNING, "liblog-root: failed to load an extension")
+_library_log("torchao.fake", logging.ERROR, "liberror: a library's error")
+logging.getLogger("fakelib").addHandler(logging.StreamHandler())
+logging.getLogger("fakelib").propagate = False
+warnings.warn("mine-warn: the user's own")
+logging.getLogger("mine").warning("mine-log: the user's own")
+_build = build_model
+
+
+def build_model():
+    _library_log("fakelib.modeling", logging.WARNING, "liblog-own-handler: some weights were not initialized")
+    return _build()
+"""
+
+
+def test_library_warnings_are_kept_out_of_the_output_unless_debug(tmp_path, write_model, mlp_source):
+    """torch's pytree deprecation notices reached the terminal for any model.py that imports transformers (issue 38);
+    the user's own warnings, and a library's errors, still show."""
+    import subprocess
+
+    path = write_model(mlp_source + LIBRARY_NOISE)
+    space = tmp_path / "space.yaml"
+    space.write_text("default: [fp32]\nlayers: {Linear: [fp32, bf16]}\n", encoding="utf-8")
+    library = ("libwarn:", "liblog-torch:", "liblog-root:", "liblog-own-handler:")
+    for flags, shown in (((), False), (("--debug",), True)):
+        argv = [sys.executable, "-m", "autoprec", *flags, "profile", str(path), "--device", "cpu", "--quiet",
+                "--space", str(space), "--out", str(tmp_path / f"out{len(flags)}")]  # fmt: skip
+        proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=1800)  # a hang guard only
+        assert proc.returncode == 0, proc.stderr
+        for text in library:
+            assert (text in proc.stderr) is shown, (flags, text, proc.stderr)
+        for text in ("mine-warn:", "mine-log:", "liberror:"):
+            assert text in proc.stderr, (flags, text, proc.stderr)

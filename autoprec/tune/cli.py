@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import logging
 import math
+import os
+import select
+import site
 import sys
+import sysconfig
 import traceback
 import warnings
 from pathlib import Path
@@ -20,6 +25,8 @@ from autoprec.errors import UserError, printable
 from autoprec.formats import default_device
 
 EXIT_USER_ERROR = 2
+# What the shell reports for a Unix tool that SIGPIPE ended (128 + 13): `autoprec show p.json | head` stops as `cat` does
+EXIT_BROKEN_PIPE = 141
 
 
 def _device(value: str) -> torch.device:
@@ -82,6 +89,8 @@ def _prepare(args: argparse.Namespace):
 
     _quiet_torchao()
     task = load_task(args.model)
+    if getattr(args, "library_noise", None) is not None:  # a library model.py imported may have set up its own handler
+        args.library_noise.cover()
     space = load_space(args.space)
     device = _device(args.device)
     workload = prepare(task, device)
@@ -318,6 +327,90 @@ def _log_setup(debug: bool) -> None:
     logger.setLevel(logging.DEBUG if debug else logging.WARNING)
 
 
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[tuple[str, ...], str]:
+    """(where installed packages and the standard library live, where autoprec lives), each ending in a separator."""
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.update(getattr(site, "getsitepackages", list)())
+    roots.add(site.getusersitepackages())
+    own = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots), os.path.join(own, "")
+
+
+@functools.lru_cache(maxsize=4096)
+def _from_library(path: str) -> bool:
+    """Whether a warning or log record from the file `path` is a library's: a file of an installed package or of
+    the standard library, not autoprec's own (installed too) and not the user's (model.py and their modules)."""
+    if path.startswith("<"):
+        return path.startswith("<frozen")  # importlib's frames: an extension module's import
+    roots, own = _library_roots()
+    real = os.path.realpath(path)
+    return not real.startswith(own) and real.startswith(roots)
+
+
+class _LibraryNoise(logging.Filter):
+    """Libraries' warnings and log lines below ERROR kept out of the output for the command's duration (--debug shows
+    them): torch's pytree deprecation notices when model.py imports transformers or torchao, say, are for those
+    libraries' maintainers, not about the user's run, and nothing the user can act on. Process-wide, so the CLI's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._covered: list[logging.Handler] = []
+        self._shown = warnings.showwarning
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not _from_library(record.pathname)
+
+    def cover(self) -> None:
+        """Filter every log handler there is now: the last-resort one (the root has none), torch's, and those a
+        library that model.py imported set up (transformers'). One set up later prints as it would."""
+        handlers = [logging.lastResort, *logging.getLogger().handlers]
+        for logger in list(logging.Logger.manager.loggerDict.values()):
+            if isinstance(logger, logging.Logger):
+                handlers.extend(logger.handlers)
+        for handler in handlers:
+            if handler is not None and self not in handler.filters:
+                handler.addFilter(self)
+                self._covered.append(handler)
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if not _from_library(filename):
+            self._shown(message, category, filename, lineno, file, line)
+
+    def __enter__(self) -> _LibraryNoise:
+        self.cover()
+        self._shown = warnings.showwarning  # inside main's warnings.catch_warnings(), which puts it back
+        warnings.showwarning = self._show
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handler in self._covered:
+            handler.removeFilter(self)
+        self._covered.clear()
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it, so a BrokenPipeError is ours to stop on, not one from a
+    pipe or socket the model's own code uses. Where poll cannot tell (Windows), it is taken to be stdout's."""
+    try:
+        poller = select.poll()
+        poller.register(sys.__stdout__.fileno(), select.POLLOUT)  # type: ignore[union-attr]
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return True
+
+
+def _silence_stdout() -> None:
+    """stdout pointed at devnull, so the interpreter's flush of what is still buffered at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno())  # type: ignore[union-attr]
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device."
@@ -441,10 +534,21 @@ def main(argv: list[str] | None = None) -> int:
     # loss_fn) prints to stderr. Process-wide, so here, in the CLI, which owns the process, not in the library.
     to_stderr = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
-        with to_stderr, warnings.catch_warnings():
+        with to_stderr, warnings.catch_warnings(), contextlib.ExitStack() as stack:
             if not args.debug:  # inductor's notes on the kernels it generates (--compile) say nothing to a user
                 warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._inductor")
-            return args.func(args)
+                args.library_noise = stack.enter_context(_LibraryNoise())
+            code = args.func(args)
+            for stream in (sys.stdout, args.result_stdout):  # here, where a reader that has gone is handled below
+                stream.flush()
+            return code
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise
+        # `autoprec show p.json | head`: the reader has what it wanted. Unix tools die of SIGPIPE there, without a
+        # word, and the shell reports 141; the same here, so `set -o pipefail` sees the output was cut short.
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except UserError as exc:
         if args.debug:
             traceback.print_exc()
