@@ -53,6 +53,18 @@ LONG = ("needs CUDA compute capability 8.9+ kernels on this device; torchao's em
         "autocast (a long reason that once ran to 400 characters a row, four times over)")  # fmt: skip
 
 
+def test_a_layer_never_lists_the_format_it_runs_in_as_ruled_out():
+    """Uniform bf16 chosen as a whole, where the profile measured one layer slower in bf16 alone: the table showed
+    that layer as `bf16` with "bf16 2.67x" ruled out (issue 38)."""
+    from autoprec import Policy
+    from autoprec.tune.report import LayerTable
+
+    slow = "measured 2.67x the layer's fp32 time on this device"
+    excluded = {"fc1": {"bf16": slow, "fp8": "measured 3.1x the layer's fp32 time on this device"}}
+    table = LayerTable(Policy(layers={"": "bf16", "fc1": "bf16"}, measured={"excluded": excluded}))
+    assert table.rows[1] == ["fc1", "bf16", "fp8 3.1x"]
+
+
 def test_the_layer_table_says_each_reason_once_groups_alike_layers_and_fits_120_columns():
     from autoprec import Policy
     from autoprec.tune.report import WIDTH, LayerTable

@@ -436,3 +436,18 @@ def test_where_lowering_under_an_fp32_root_costs_what_it_saves_under_a_lowered_o
     assert speed_fit.speedup(Features(6.0, Format.FP32, ((bf16, 6.0),))) == pytest.approx(100.0 / 103.0)
     assert speed_fit.speedup(Features(6.0, bf16, ((bf16, 6.0),))) == pytest.approx(100.0 / 85.0)
     assert not speed_fit.covers(Features(6.0, Format.FP16, ((bf16, 6.0),)))  # a root format it has not seen
+
+
+def test_the_progress_bars_best_speedup_is_a_timed_trials_never_a_prediction(monkeypatch):
+    """The bar showed 1.93x where no re-measured candidate reached 1.54x (issue 38): a prediction is not a timing."""
+    from autoprec.tune.trials import best_speedup
+
+    study, *_ = _searched(monkeypatch)
+    untimed = next(t for t in study.trials if "untimed" in t.user_attrs)
+    copy = optuna.create_study(direction="maximize")
+    copy.add_trials(study.trials)
+    best = best_speedup(copy)
+    boasted = {**untimed.user_attrs, "speedup": 99.0, "predicted_speedup": 99.0}
+    copy.add_trial(optuna.trial.create_trial(params=untimed.params, distributions=untimed.distributions, value=99.0,
+                                             user_attrs=boasted))  # fmt: skip
+    assert 0 < best_speedup(copy) == best < 99

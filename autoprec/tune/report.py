@@ -92,7 +92,9 @@ class LayerTable:
         # grouped by the reasons themselves (numbers masked in compact mode), before any legend number is given
         rows: dict[tuple, list[tuple[str, dict[str, str]]]] = {}
         for name, fmt in policy.layers.items():
-            reasons = dict(excluded.get(name, {}))
+            # the format a layer runs in is not "ruled out" for it: a whole policy (uniform bf16, an alternative) was
+            # measured and chosen over the profile's single-layer verdict
+            reasons = {f: why for f, why in excluded.get(name, {}).items() if f != fmt.value}
             label = role(name) if compact and name != ROOT else ""
             key = tuple((f, _NUMBER.sub("#", why) if compact else why) for f, why in reasons.items())
             rows.setdefault((label, fmt.value, key), []).append((name, reasons))

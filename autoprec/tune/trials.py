@@ -159,8 +159,9 @@ def device_noise(study: optuna.Study, least: int = 5, *, since: int = 0) -> floa
 
 
 def best_speedup(study: optuna.Study) -> float:
-    """The highest speedup among the study's completed trials within budget (0 before there is one)."""
-    return max((r.speedup or 0.0 for _, r in _complete(study) if r.feasible), default=0.0)
+    """The highest speedup timed among the study's completed trials within budget (0 before there is one): a trial's
+    own short timing, never a prediction (an untimed trial's), and re-measured before any choice."""
+    return max((r.speedup or 0.0 for _, r in _complete(study) if r.feasible and r.timed), default=0.0)
 
 
 def smallest_peak(study: optuna.Study) -> int | None:
