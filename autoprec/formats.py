@@ -75,15 +75,8 @@ class Fp8Gemms:
         return tuple(g for g in ("fprop", "dgrad", "wgrad") if not getattr(self, g))
 
     def input_dtype(self, weight_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:
-        """What the layer's input is cast to, autocast off inside the layer, so torchao computes the same on every
-        device (its Float8Linear reads CUDA's autocast state only, so on a CPU it would not follow the caller's).
-        A recipe: the caller's autocast dtype, as torchao's own forward casts under CUDA autocast, else the
-        weight's. A per-GEMM mix: operands of one dtype for each high-precision GEMM (torchao's do not cast them):
-        the weight's dtype where dgrad is high precision (it multiplies the output's gradient by the stored
-        weight), else bf16 (wgrad multiplies the output's gradient by the input)."""
-        if self.recipe is not None:
-            return autocast_dtype or weight_dtype
-        return weight_dtype if not self.dgrad else torch.bfloat16
+        """What the layer's input is cast to, autocast off inside the layer: fp8_input_dtype."""
+        return fp8_input_dtype(self.to_json(), weight_dtype, autocast_dtype)
 
     def rows_to_pad(self, rows: int) -> int:
         """Zero rows to add to a call of `rows` rows (the batch's tokens) so that CUDA runs its fp8 GEMMs: the
@@ -91,6 +84,19 @@ class Fp8Gemms:
         the weight's gradient, so the numerics are the unpadded call's; only a ragged call (an epoch's last batch)
         pays the copy."""
         return -rows % FP8_DIM_MULTIPLE if self.wgrad else 0
+
+
+def fp8_input_dtype(gemms: dict, weight_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """What an fp8 layer's input is cast to, autocast off inside the layer, for an Fp8Gemms (its to_json()): the one
+    rule for apply_policy and, its source copied, the file `autoprec export --to torchao` writes. It makes torchao
+    compute the same on every device (its Float8Linear reads CUDA's autocast state only, so on a CPU it would not
+    follow the caller's). A recipe: the caller's autocast dtype, as torchao's own forward casts under CUDA autocast,
+    else the weight's. A per-GEMM mix: operands of one dtype for each high-precision GEMM (torchao's do not cast
+    them): the weight's dtype where dgrad is high precision (it multiplies the output's gradient by the stored
+    weight), else bf16 (wgrad multiplies the output's gradient by the input)."""
+    if gemms["recipe"] is not None:
+        return autocast_dtype or weight_dtype
+    return weight_dtype if not gemms["dgrad"] else torch.bfloat16
 
 
 def float8_linear_config(gemms: dict) -> Any:
@@ -344,10 +350,33 @@ def autocast_supported(device: torch.device | str, fmt: Format) -> bool:
     return fmt not in AUTOCAST_DTYPE or REGISTRY[fmt].device_problem(device) is None
 
 
+def _linear_losses(module: torch.nn.Linear) -> list[str]:
+    """What of this Linear torchao's Float8Linear would drop: it replaces the layer by a plain Linear built from its
+    weight and bias, so a subclass's own forward (a LoRA adapter, a scale, a gate) and anything else it holds
+    would silently vanish from the output and the state_dict. Empty for nn.Linear and the subclasses that are it."""
+    lost = []
+    if type(module).forward is not torch.nn.Linear.forward:
+        lost.append("its own forward")
+    params = [n for n, _ in module.named_parameters(recurse=False, remove_duplicate=False) if n not in ("weight", "bias")]
+    buffers = [n for n, _ in module.named_buffers(recurse=False)]
+    children = [n for n, _ in module.named_children()]
+    for kind, names in (("parameters", params), ("buffers", buffers), ("child modules", children)):
+        if names:
+            lost.append(f"its {kind} {', '.join(names)}")
+    return lost
+
+
 def fp8_shape_problem(module: torch.nn.Module, fmt: Format = Format.FP8) -> str | None:
-    """Why torchao cannot run this module in an fp8 format, or None when it can."""
+    """Why torchao cannot run this module in an fp8 format, or None when it can. apply_policy refuses what this
+    names and the profile rules it out, so the search never offers a format apply_policy would refuse."""
     if not isinstance(module, torch.nn.Linear):
         return f"{fmt.value} covers nn.Linear only, not {type(module).__name__}"
+    lost = _linear_losses(module)
+    if lost:
+        return (
+            f"{fmt.value} would replace this {type(module).__name__} by torchao's Float8Linear, a plain Linear of its "
+            f"weight and bias, dropping {' and '.join(lost)}"
+        )
     in_f, out_f = module.in_features, module.out_features
     if in_f % FP8_DIM_MULTIPLE or out_f % FP8_DIM_MULTIPLE:
         return f"{fmt.value} needs in/out features divisible by {FP8_DIM_MULTIPLE}, got ({in_f}, {out_f})"

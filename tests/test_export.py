@@ -2,6 +2,7 @@
 the policy's fp8 layers it can express, in their recipes, and lists what it cannot express."""
 
 import ast
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -9,10 +10,11 @@ import sys
 import types
 
 import pytest
+import torch
 from torch import nn
 
 from autoprec import Policy, UserError
-from autoprec.formats import Format
+from autoprec.formats import FP8_FORMATS, Format
 from autoprec.tune.cli import main
 from autoprec.tune.export import TARGETS, export
 
@@ -70,6 +72,36 @@ def test_the_torchao_file_gives_each_per_gemm_layer_the_config_apply_policy_give
         assert config == dataclasses.replace(applied.get_submodule(name).config, emulate=False), name
     assert converted["a"].cast_config_grad_output.scaling_type.value == "disabled"  # forward only: no gradient cast
     assert converted["b"].cast_config_input_for_grad_weight.scaling_type.value == "disabled"  # wgrad high precision
+
+
+ALL_FP8 = [f.value for f in FP8_FORMATS if f.spec.fp8 is not None]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["outside autocast", "under bf16 autocast"])
+@pytest.mark.parametrize("fmt", ALL_FP8)
+def test_the_torchao_file_trains_as_its_docstring_says_inside_and_outside_autocast(tmp_path, fmt, autocast, gpu_contract_on):
+    """Every per-GEMM mix crashed under bf16 autocast (torchao's high-precision GEMMs got bf16 and fp32 operands),
+    though the file's header said to run it with autocast: the file is executed as it says, forward and backward,
+    under CUDA's rules (the file leaves emulation to torchao's default: its kernels), and computes what apply_policy
+    computes there."""
+    from autoprec import apply_policy
+
+    policy = Policy(layers={"a": fmt, "b": fmt})
+    export(policy, "torchao", tmp_path / "p.py")
+    assert "inside or outside torch.autocast" in (tmp_path / "p.py").read_text()
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    net.a, net.b = nn.Linear(32, 32), nn.Linear(32, 32)
+    exported, applied = load(tmp_path / "p.py").convert(copy.deepcopy(net)), apply_policy(copy.deepcopy(net), policy)
+    x = torch.randn(16, 32)
+    outs = []
+    for model in (exported, applied):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = model(x)
+        y.float().sum().backward()
+        outs.append((y.detach(), model.a.weight.grad))
+    assert outs[0][0].dtype == outs[1][0].dtype == (outs[0][0].dtype if autocast else torch.float32)
+    torch.testing.assert_close(outs[0], outs[1])  # the same rule casts both
 
 
 def test_torchtitan_and_megatron_say_they_cannot_express_a_per_gemm_mix(tmp_path):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from autoprec.errors import UserError, printable, shown
 from autoprec.files import write_text
-from autoprec.formats import Format, float8_linear_config
+from autoprec.formats import Format, float8_linear_config, fp8_input_dtype
 from autoprec.policy import ROOT, Policy
 
 SUFFIXES = {"torchao": ".py", "torchtitan": ".py", "megatron": ".json"}  # target -> the written file's suffix
@@ -111,7 +111,8 @@ def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
     """The torchao file's text (see the module docstring)."""
     recipes = fp8_layers(policy)
     gemms = fp8_gemms(policy)
-    builder = inspect.getsource(float8_linear_config)  # autoprec's own code: one builder for apply_policy and this file
+    # autoprec's own code: one config builder and one input rule for apply_policy and this file
+    builder = inspect.getsource(fp8_input_dtype) + "\n\n" + inspect.getsource(float8_linear_config)
     last = None if recipes else "The policy has no fp8 layer: convert(model) changes nothing."
     header = _comments(
         source, "not expressed here (torchao's float8 conversion knows fp8 recipes only)", not_expressed(policy), last
@@ -121,7 +122,10 @@ def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
     from this_file import convert
     model = convert(model)   # before torch.compile, after moving the model to its device
 
-The comments below name the policy file and what the file leaves out.
+It runs inside or outside torch.autocast, as apply_policy does: each converted layer runs with autocast off and
+its input cast by the rule apply_policy uses (fp8_input_dtype), so torchao computes the same on a CPU as on CUDA
+and a per-GEMM mix's high-precision GEMMs get operands of one dtype; outside autocast its output comes back in the
+input's dtype. The comments below name the policy file and what the file leaves out.
 """
 
 {header}
@@ -129,17 +133,16 @@ The comments below name the policy file and what the file leaves out.
 from __future__ import annotations
 
 import json
+import types
 from typing import Any
 
+import torch
 from torchao.float8 import convert_to_float8_training
 
 # torchao recipe (or autoprec's name for a per-GEMM mix) -> the fully qualified names of its nn.Linear layers
 FP8_LAYERS = {_json_literal(recipes)}
 
-# the same keys -> which GEMMs run in fp8 (fprop, dgrad, wgrad; the others in high precision) and their scaling.
-# torchao runs a high-precision GEMM on its operands as they come: under torch.autocast with fp32 weights, a mix
-# whose dgrad is high precision (fp8-fwd, fp8-rowwise-fwd) fails on the weight's dtype (autoprec.apply_policy casts
-# such a layer's input to its weight's dtype); keep its weights in the input's dtype, or run it outside autocast.
+# the same keys -> which GEMMs run in fp8 (fprop, dgrad, wgrad; the others in high precision) and their scaling
 FP8_GEMMS = {_json_literal(gemms)}
 
 
@@ -151,10 +154,27 @@ def module_filter_fn(recipe):
     return lambda module, fqn: fqn in names
 
 
+def cast_forward(layer, gemms):
+    """The layer's forward with autocast off and its input cast by fp8_input_dtype (see the docstring)."""
+    inner = layer.forward
+
+    def forward(self, x):
+        dev = x.device.type
+        outer = torch.is_autocast_enabled(dev)
+        dtype = fp8_input_dtype(gemms, self.weight.dtype, torch.get_autocast_dtype(dev) if outer else None)
+        with torch.autocast(dev, enabled=False):
+            out = inner(x.to(dtype))
+        return out if outer else out.to(x.dtype)
+
+    layer.forward = types.MethodType(forward, layer)
+
+
 def convert(model):
     for recipe in FP8_LAYERS:
         config = float8_linear_config(FP8_GEMMS[recipe])
         model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn(recipe))
+        for name in FP8_LAYERS[recipe]:
+            cast_forward(model.get_submodule(name), FP8_GEMMS[recipe])
     return model
 '''
 
