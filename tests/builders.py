@@ -1,6 +1,7 @@
 """Records built by hand for the tests of what reads them (choosing, reporting): only the fields a test is about
 are given, the rest take values of a candidate that ran cleanly. And `small_task`, a model.py around a given model;
-`WithNoFp16Kernel`, a model with a layer type that cannot run in fp16."""
+`WithNoFp16Kernel`, a model with a layer type that cannot run in fp16; `WithLoRA`, one with a Linear subclass fp8 would
+change (`LoRALinear`) and one it would not (`TaggedLinear`)."""
 
 import torch
 
@@ -77,3 +78,38 @@ class WithNoFp16Kernel(torch.nn.Module):
 
     def forward(self, x):
         return self.head(torch.tanh(self.rnn(x)))
+
+
+class LoRALinear(torch.nn.Linear):
+    """A Linear with a low-rank adapter of its own, as LoRA writes it: parameters `lora_a`, `lora_b` and a forward
+    that adds their product. torchao's Float8Linear would replace it by a plain Linear, dropping both (issue 37)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int = 4):
+        super().__init__(in_features, out_features)
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, in_features) / in_features**0.5)
+        self.lora_b = torch.nn.Parameter(torch.randn(out_features, rank) / rank**0.5)  # not zero: the adapter shows
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class TaggedLinear(torch.nn.Linear):
+    """A Linear subclass that is a Linear: no forward, parameters, buffers or children of its own, only a plain
+    attribute; fp8 converts it as it does nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features)
+        self.tag = "mine"
+
+
+class WithLoRA(torch.nn.Module):
+    """32 features in, 16 out: `lora`, a LoRALinear, then `plain`, a TaggedLinear."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lora = LoRALinear(32, 32)
+        self.plain = TaggedLinear(32, 16)
+
+    def forward(self, x):
+        return self.plain(torch.relu(self.lora(x)))

@@ -1,9 +1,11 @@
-"""apply_policy on awkward modules: tied weights, a module used twice, MultiheadAttention, RNNs, norms."""
+"""apply_policy on awkward modules: tied weights, a module used twice, Linear subclasses, MultiheadAttention, RNNs,
+norms."""
 
 import copy
 
 import pytest
 import torch
+from builders import LoRALinear, TaggedLinear, WithLoRA
 from torch import nn
 
 from autoprec import Policy, apply_policy
@@ -115,6 +117,35 @@ def test_a_module_used_at_two_places_in_fp8_stays_one_object_everywhere():
 def test_two_formats_for_one_module_object_are_refused():
     with pytest.raises(ValueError, match=r"'a' and 'b' are the same module object.*bf16 and fp32"):
         apply_policy(Shared(), Policy(layers={"a": "bf16", "b": "fp32"}))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-rowwise", "fp8-fwd-dgrad"])
+def test_a_linear_subclass_with_its_own_forward_and_parameters_is_refused_fp8_and_left_as_it_was(fmt):
+    model = WithLoRA()
+    x = torch.randn(4, 32)
+    before, keys = model(x), list(model.state_dict())
+    refusal = (rf"^layer 'lora' cannot be {fmt} here: {fmt} would replace this LoRALinear by torchao's Float8Linear, "
+               r"a plain Linear of its weight and bias, dropping its own forward and its parameters lora_a, lora_b; "
+               r"give it bf16$")  # fmt: skip
+    with pytest.raises(ValueError, match=refusal):
+        apply_policy(model, Policy(layers={"plain": fmt, "lora": fmt}))
+    assert type(model.lora) is LoRALinear and type(model.plain) is TaggedLinear and applied_summary(model) is None
+    assert list(model.state_dict()) == keys and torch.equal(model(x), before)
+    apply_policy(model, Policy(layers={"lora": "bf16", "plain": fmt}))  # still fresh; autocast keeps its forward
+    assert type(model.lora) is LoRALinear and list(model.state_dict()) == keys
+    assert sqnr_db(before, model(x)) > 20  # the adapter still counts: without it, under 5 dB
+
+
+def test_a_linear_subclass_that_is_a_linear_converts_to_fp8_as_nn_linear_does():
+    torch.manual_seed(0)
+    plain, tagged = nn.Sequential(nn.Linear(32, 16)), nn.Sequential(TaggedLinear(32, 16))
+    tagged.load_state_dict(plain.state_dict())
+    for model in (plain, tagged):
+        apply_policy(model, Policy(layers={"0": "fp8"}))
+    assert type(tagged[0]) is type(plain[0]) and type(tagged[0]).__name__ == "Float8Linear"
+    assert list(tagged.state_dict()) == list(plain.state_dict())
+    x = torch.randn(4, 32)
+    assert torch.equal(tagged(x), plain(x))
 
 
 class Attention(nn.Module):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from builders import LoRALinear, TaggedLinear
 from torch import nn
 
 from autoprec.formats import (
@@ -13,6 +14,7 @@ from autoprec.formats import (
     Fp8Gemms,
     float8_linear_config,
     format_problem,
+    fp8_shape_problem,
     has_fp8_kernels,
     parse_format,
 )
@@ -102,6 +104,32 @@ def test_a_linear_only_format_names_itself_when_the_module_cannot_take_it():
     assert format_problem(Format.FP8_ROWWISE, nn.Conv1d(16, 16, 3), "cpu") == "fp8-rowwise covers nn.Linear only, not Conv1d"
     assert "divisible by 16" in format_problem(Format.FP8, nn.Linear(16, 4), "cpu")
     assert format_problem(Format.BF16, nn.Conv1d(16, 16, 3), "cpu") is None
+
+
+def test_fp8_takes_a_linear_subclass_only_where_torchaos_plain_float8linear_would_lose_nothing_of_it():
+    # torchao's Float8Linear keeps a Linear's weight and bias only: a subclass's own forward and state would vanish
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    masked = TaggedLinear(32, 32)
+    masked.register_buffer("mask", torch.ones(32))
+    gated = TaggedLinear(32, 32)
+    gated.gate = nn.Linear(32, 32)
+    for fmt in FP8_FORMATS:
+        problem = fp8_shape_problem(LoRALinear(32, 32), fmt)
+        assert problem == (
+            f"{fmt} would replace this LoRALinear by torchao's Float8Linear, a plain Linear of its weight and bias, "
+            "dropping its own forward and its parameters lora_a, lora_b"
+        )
+        assert fp8_shape_problem(Scaled(32, 32), fmt).endswith("Scaled by torchao's Float8Linear, a plain Linear of its "
+                                                               "weight and bias, dropping its own forward")  # fmt: skip
+        assert fp8_shape_problem(masked, fmt).endswith("dropping its buffers mask")
+        assert fp8_shape_problem(gated, fmt).endswith("dropping its child modules gate")
+        assert fp8_shape_problem(TaggedLinear(32, 32), fmt) is None  # a plain attribute is not lost: it is a Linear
+        assert fp8_shape_problem(nn.MultiheadAttention(32, 2).out_proj, fmt) is None  # torch's own trivial subclass
+    assert format_problem(Format.FP8, LoRALinear(32, 32), "cpu") == fp8_shape_problem(LoRALinear(32, 32))
+    assert format_problem(Format.BF16, LoRALinear(32, 32), "cpu") is None  # autocast runs its own forward
 
 
 def test_parse_format_lists_every_registered_format_on_a_typo():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import NoFp16Kernel, WithNoFp16Kernel, small_task
+from builders import NoFp16Kernel, WithLoRA, WithNoFp16Kernel, small_task
 from short_timing import TINY, fixed_layer_times
 
 from autoprec import Policy
@@ -737,3 +737,22 @@ def test_a_format_whose_layer_step_cannot_even_be_built_is_ruled_out_for_it_with
     r = table.loc[("rnn", "bf16")]
     assert r["status"] == "unsupported" and "NotImplementedError: cannot convert NoFp16Kernel" in r["reason"]
     assert table.loc[("head", "bf16"), "status"] == "ok"
+
+
+def test_fp8_is_not_offered_to_a_linear_subclass_that_apply_policy_refuses_it_for():
+    from autoprec.tune.choices import build_choices
+
+    workload = prepare(_task_of(WithLoRA), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp8"]}, "prune": {"slower_than": 1e9}})
+    prof = profile(workload, space, FAST, progress=False)
+    table = prof.table.set_index(["layer", "format"])
+    r = table.loc[("lora", "fp8")]
+    assert r["status"] == "unsupported" and math.isnan(r["time_ms"])
+    assert r["reason"] == (
+        "fp8 would replace this LoRALinear by torchao's Float8Linear, a plain Linear of its weight and bias, dropping "
+        "its own forward and its parameters lora_a, lora_b"
+    )
+    assert table.loc[("lora", "bf16"), "status"] == "ok" and table.loc[("plain", "fp8"), "status"] == "ok"
+    choices = build_choices(prof, space, 1.0, workload.device)
+    assert choices.layers["lora"] == ("fp32", "bf16") and "fp8" in choices.layers["plain"]
+    assert choices.excluded["lora"]["fp8"].endswith("lora_a, lora_b")
