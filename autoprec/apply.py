@@ -21,6 +21,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from autoprec.errors import describe
 from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, Fp8Gemms, float8_linear_config, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
 from autoprec.tensors import map_tensors
@@ -130,8 +131,48 @@ def _padded(args: tuple, kwargs: dict, pad: int) -> tuple[tuple, dict]:
     return args, {**kwargs, key: pad_rows(kwargs[key])}
 
 
+class WeightsChangedError(RuntimeError):
+    """A listed layer's forward failed because its weights were cast or moved after apply_policy (see _changed)."""
+
+
+def _changed(module: torch.nn.Module) -> str | None:
+    """What of this layer's parameters changed since apply_policy so that its format cannot run, with what to do,
+    or None. Asked only once its forward has failed, so a working forward pays nothing for it."""
+    kept = getattr(module, _NO_PICKLE_ATTR).low_params
+    for pname, p in module.named_parameters():
+        if p.device.type == "meta":
+            return (
+                f"its parameter {pname!r} is on the meta device, which holds shapes but no values (.to('meta')); "
+                "give it real weights (to_empty, then load_state_dict) before running it"
+            )
+        if p.is_floating_point() and p.dtype != torch.float32 and pname not in kept:
+            return (
+                f"its parameter {pname!r} is {p.dtype}, but the policy was applied to fp32 weights (the model was cast "
+                "after apply_policy: .to(dtype), .half(), .double()); keep the weights fp32: the policy lowers the compute"
+            )
+    return None
+
+
 def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The forward of a module the policy lists: its format inside, the caller's precision outside."""
+    """The forward of a module the policy lists: its format inside, the caller's precision outside. A failure
+    caused by weights cast or moved after apply_policy is said as that, naming the layer, not as torch's dtype or
+    device mismatch from inside this wrapper."""
+    try:
+        return _forward_in_format(self, *args, **kwargs)
+    except WeightsChangedError:
+        raise  # an inner listed layer already said what happened
+    except Exception as exc:
+        what = _changed(self)
+        if what is None:
+            raise
+        name = getattr(self, _NO_PICKLE_ATTR).layer or "<model>"
+        raise WeightsChangedError(
+            f"layer {name!r} ({type(self).__name__}) cannot run in {getattr(self, _FORMAT_ATTR)}: {what} "
+            f"(torch said {describe(exc, 200)})"
+        ) from None
+
+
+def _forward_in_format(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     fmt = Format(getattr(self, _FORMAT_ATTR))
     dev = _first_device_type(self, args, kwargs)
     inner = type(self).forward
@@ -194,8 +235,10 @@ class _NoPickle:
     (see _policy_forward_for), so the file written would only fail later, in torch.load. Copies (deepcopy, as
     the search makes of candidates) are not pickles and keep working."""
 
-    def __init__(self, layer: str):
-        self.layer = layer
+    def __init__(self, layer: str, low_params: frozenset[str] = frozenset()):
+        self.layer = layer  # the name the policy gives it, for messages
+        # its parameters that were not fp32 at apply (a frozen bf16 embedding the root holds): not cast after it
+        self.low_params = low_params
 
     def __reduce_ex__(self, protocol: object) -> Any:
         raise pickle.PicklingError(
@@ -283,6 +326,22 @@ def _check_formats(policy: Policy, paths: Mapping[str, torch.nn.Module], device:
         if problem:
             safer = next((f for f in fmt.fallbacks() if format_problem(f, paths[name], device) is None), None)
             raise ValueError(f"layer {name or '<model>'!r} cannot be {fmt} here: {problem}; give it {safer or Format.FP32}")
+
+
+def _check_weights(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
+    """fp32 weights in each listed layer (its children included: they run in its format) and the root's own: the
+    formats lower the compute of fp32 master weights (autocast per layer, torchao's fp8 casts), and on weights
+    already low, fp32 layers and fp8 casts fail at the first forward with torch's dtype mismatch. Modules the
+    policy does not list (a frozen bf16 embedding) are the user's: they run as the user's code calls them."""
+    for name in dict.fromkeys((ROOT, *policy.layers)):
+        module = paths[name]
+        for pname, p in module.named_parameters(recurse=name != ROOT):
+            if p.is_floating_point() and p.dtype != torch.float32:
+                raise ValueError(
+                    f"layer {name or '<model>'!r} ({type(module).__name__}) has {p.dtype} weights ({pname!r}), but "
+                    "autoprec's formats assume fp32 master weights and lower the compute per layer; keep the "
+                    "parameters fp32 (no .to(torch.bfloat16) or .half() before apply_policy) and let the policy lower the compute"
+                )
 
 
 def _check_forwards(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
@@ -446,7 +505,7 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
     _check_fresh(model)
     paths = dict(model.named_modules(remove_duplicate=False))
     device = _param_device(model)
-    for check in (_check_names, _check_aliases, _check_called, _check_forwards):
+    for check in (_check_names, _check_aliases, _check_called, _check_forwards, _check_weights):
         check(policy, paths)
     _check_formats(policy, paths, device)
     names = _names_by_module(paths)
@@ -480,7 +539,8 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
         setattr(module, _FORMAT_ATTR, fmt.value)
         if wrap and "forward" not in module.__dict__:
             module.forward = types.MethodType(_policy_forward_for(type(module)), module)
-            setattr(module, _NO_PICKLE_ATTR, _NoPickle(name))
+            low = frozenset(n for n, p in module.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
+            setattr(module, _NO_PICKLE_ATTR, _NoPickle(name, low))
         records[name] = LayerRecord(
             name=name, format=fmt, module_type=type(module).__name__, aliases=tuple(n for n in own if n != name),
             fp8_backend=backend if fmt.spec.is_fp8 else None, wrapped=wrap,

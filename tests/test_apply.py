@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from autoprec import Policy, apply_policy, grad_scaler
-from autoprec.apply import applied_policy, applied_summary
+from autoprec.apply import WeightsChangedError, applied_policy, applied_summary
 from autoprec.formats import FP8_FORMATS, Format, Fp8Backend, float8_linear_config, fp8_backend, has_fp8_kernels
 from autoprec.policy import LossScale
 from autoprec.tune.measure import sqnr_db
@@ -244,6 +244,82 @@ def test_autocast_state_is_restored_after_an_exception():
             with pytest.raises(RuntimeError, match="boom"):
                 model(torch.randn(1))
             assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+
+
+# ---- weights that are not fp32 ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
+def test_a_listed_layer_whose_weights_are_not_fp32_is_refused_and_the_model_left_as_it_was(fmt, dtype):
+    model = Net().to(dtype)  # pure-bf16 training: it used to fail at its first forward, in torch's dtype check
+    refusal = (rf"^layer 'a' \(Linear\) has {dtype} weights \('weight'\), but autoprec's formats assume fp32 master "
+               r"weights and lower the compute per layer; keep the parameters fp32 .* let the policy lower the compute$")  # fmt: skip
+    with pytest.raises(ValueError, match=refusal):
+        apply_policy(model, Policy(layers={"a": fmt}))
+    assert type(model.a) is nn.Linear and "forward" not in model.a.__dict__ and applied_summary(model) is None
+    assert all(p.dtype == dtype for p in model.parameters())
+
+
+class WithFrozenEmbedding(nn.Module):
+    """A frozen bf16 embedding of the user's, the model's own fp32 position vector, then Net."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 16).to(torch.bfloat16).requires_grad_(False)
+        self.pos = nn.Parameter(torch.randn(16))
+        self.net = Net()
+
+    def forward(self, tokens):
+        return self.net(self.emb(tokens) + self.pos)
+
+
+def test_the_roots_own_weights_and_a_listed_layers_children_are_checked_and_unlisted_modules_are_the_users():
+    model = WithFrozenEmbedding()
+    model.net.probe.lin.bfloat16()
+    with pytest.raises(ValueError, match=r"^layer 'net' \(Net\) has torch.bfloat16 weights \('probe.lin.weight'\)"):
+        apply_policy(model, Policy(layers={"": "bf16", "net": "fp32"}))  # probe runs in net's format
+    model = WithFrozenEmbedding()
+    model.pos.data = model.pos.data.bfloat16()
+    with pytest.raises(ValueError, match=r"^layer '<model>' \(WithFrozenEmbedding\) has torch.bfloat16 weights \('pos'\)"):
+        apply_policy(model, Policy(layers={"net": "bf16"}))  # the root's own, listed or not
+    assert applied_summary(model) is None
+    # the unlisted frozen embedding runs as the user's code calls it, in the root's format
+    model = apply_policy(WithFrozenEmbedding(), Policy(layers={"": "fp32", "net": "bf16", "net.head": "fp32"}))
+    out = model(torch.tensor([[1, 2], [3, 4]]))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    with pytest.raises(IndexError, match="index out of range"):  # a failure that is not a cast is torch's own
+        model(torch.tensor([[11]]))
+
+
+def _to_meta(model):
+    return model.to("meta")
+
+
+_CAST = r"its parameter 'weight' is {}, but the policy was applied to fp32 weights"
+_META = r"its parameter 'weight' is on the meta device, which holds shapes but no values"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "cast", "what"),
+    [
+        pytest.param("fp32", nn.Module.bfloat16, _CAST.format("torch.bfloat16"), id="fp32-bfloat16"),
+        pytest.param("fp32", nn.Module.double, _CAST.format("torch.float64"), id="fp32-double"),
+        pytest.param("bf16", nn.Module.double, _CAST.format("torch.float64"), id="bf16-double"),
+        pytest.param("fp16", nn.Module.double, _CAST.format("torch.float64"), id="fp16-double"),
+        pytest.param("fp32", _to_meta, _META, id="fp32-meta"),
+        pytest.param("bf16", _to_meta, _META, id="bf16-meta"),
+        pytest.param("fp8", _to_meta, _META, id="fp8-meta"),
+    ],
+)
+def test_weights_cast_or_moved_after_apply_policy_fail_at_the_first_forward_naming_the_layer_and_what_to_do(fmt, cast, what):
+    model = apply_policy(Net(), Policy(layers={"a": fmt}))
+    cast(model)  # it used to fail inside autoprec's wrapper with torch's "mat1 and mat2 must have the same dtype"
+    kind = "Float8Linear" if fmt == "fp8" else "Linear"
+    with pytest.raises(WeightsChangedError, match=rf"^layer 'a' \({kind}\) cannot run in {fmt}: {what}.*; "
+                                                  r"(keep the weights fp32|give it real weights).*\(torch said \w+: .*\)$"):  # fmt: skip
+        model(torch.randn(4, 16))
 
 
 def test_grad_scaler_follows_the_policy():
