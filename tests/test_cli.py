@@ -5,9 +5,12 @@ No test here runs a real search or profile: every case fails before anything is 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -571,14 +574,81 @@ def test_ctrl_c_inside_the_models_code_still_interrupts_with_130(capsys, tmp_pat
     assert err.strip().splitlines()[-1].startswith("autoprec: interrupted")
 
 
-def test_ctrl_c_names_only_the_options_that_were_given_to_resume_with(capsys, tmp_path, write_model, mlp_source):
+INTERRUPT_AT = """
+CALLS = [0]
+
+
+def loss_fn(model, batch):
+    CALLS[0] += 1
+    if CALLS[0] == {at}:
+        raise KeyboardInterrupt
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+"""
+
+
+def test_ctrl_c_says_what_is_stored_and_names_only_the_options_that_were_given_to_resume_with(
+    capsys, tmp_path, write_model, mlp_source
+):
+    """Ctrl-C during the profile said "the trials so far are stored" when there were none (issue 37, 11)."""
     path = write_model(mlp_source + "\n\ndef loss_fn(model, batch):\n    raise KeyboardInterrupt\n")
     code, _, err = run(capsys, "search", path, "--device", "cpu", "--out", tmp_path / "out")
     assert code == 130 and err.strip().splitlines()[-1] == (
-        "autoprec: interrupted; the trials so far are stored: run the same command again (with the same --out) to resume"
+        "autoprec: interrupted; nothing was stored yet (stopped before the profile finished): run the same command "
+        "again (with the same --out) to start"
+    )
+    path = write_model(mlp_source + INTERRUPT_AT.format(at=5), "during_profile.py")  # past prepare's check: the profile
+    code, _, err = run(capsys, "search", path, "--device", "cpu", "--out", tmp_path / "profiling")
+    assert code == 130 and "nothing was stored yet" in err.strip().splitlines()[-1]
+    code, _, err = run(capsys, "search", write_model(mlp_source, "whole.py"), "--device", "cpu", "--out", tmp_path / "o2")
+    assert code == 0
+    path = write_model(mlp_source + INTERRUPT_AT.format(at=1), "again.py")
+    (tmp_path / "o2" / "study.journal").rename(tmp_path / "o2" / "kept.journal")
+    code, _, err = run(capsys, "search", path, "--device", "cpu", "--out", tmp_path / "o2", "--study", "x", "--storage",
+                       str(tmp_path / "o2" / "kept.journal"))  # fmt: skip
+    assert code == 130 and err.strip().splitlines()[-1] == (
+        "autoprec: interrupted; nothing was stored yet (stopped before the profile finished): run the same command "
+        "again (with the same --out, --study, --storage) to start"
     )
     code, _, err = run(capsys, "profile", path, "--device", "cpu", "--out", tmp_path / "p")
     assert code == 130 and err.strip().splitlines()[-1] == "autoprec: interrupted"
+
+
+def test_sigterm_fails_the_running_trial_and_says_how_to_resume(tmp_path, write_model, mlp_source):
+    """A timeout, Slurm or Kubernetes stops a search with SIGTERM: the running trial stayed RUNNING for good and
+    nothing was printed (issue 37, 11). It is taken as Ctrl-C: the trial fails, the study is left to resume."""
+    import optuna
+
+    # training steps (trials) slow, the profile (eval mode) not: a trial is caught running however fast the machine
+    slow = mlp_source.replace(
+        "    x, y = batch\n", "    import time\n    time.sleep(0.05 if model.training else 0)\n    x, y = batch\n"
+    )
+    path = write_model(slow)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autoprec", "search", str(path), "--device", "cpu", "--out", str(out), "--trials", "200"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+    def storage():
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(out / "study.journal")))
+
+    for _ in range(6000):  # a hang guard of 10 minutes: the loop ends as soon as a trial runs, however slow the machine
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if (out / "study.journal").is_file():
+            with contextlib.suppress(KeyError):
+                trials = optuna.load_study(study_name=path.parent.name, storage=storage()).trials  # model.py: its folder
+                if any(t.state is optuna.trial.TrialState.RUNNING for t in trials):
+                    break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "autoprec: stopped (SIGTERM); the trials so far are stored: run the same command again (with the same --out) to resume"
+    )
+    states = [t.state for t in optuna.load_study(study_name=path.parent.name, storage=storage()).trials]
+    assert optuna.trial.TrialState.RUNNING not in states and optuna.trial.TrialState.FAIL in states
 
 
 @pytest.mark.parametrize(

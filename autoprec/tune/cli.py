@@ -12,9 +12,11 @@ import logging
 import math
 import os
 import select
+import signal
 import site
 import sys
 import sysconfig
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -171,7 +173,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UserError(f"--budget {args.budget}: one budget; for several, run autoprec sweep --budgets {args.budget}")
     config = _search_config(args)
     task, space, workload = _prepare(args)
-    out = _out_dir(args, task)
+    out = args.out_dir = _out_dir(args, task)
     (budget,), given = _resolve(args, workload, specs, "--budget")
     config = dataclasses.replace(config, budget=budget)
     result = search_and_report(workload, space, config, out, command=_command("search", config.storage), given=given.get(budget))
@@ -201,7 +203,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     specs = _budgets(args, "--budgets", args.budgets)
     config = _search_config(args)
     task, space, workload = _prepare(args)
-    out = _out_dir(args, task)
+    out = args.out_dir = _out_dir(args, task)
     resolved, given = _resolve(args, workload, specs, "--budgets")
     budgets = parse_budgets(resolved)
     config = dataclasses.replace(config, budget=budgets[-1])
@@ -535,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     to_stderr = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
         with to_stderr, warnings.catch_warnings(), contextlib.ExitStack() as stack:
+            stack.enter_context(_terminate_as_interrupt())
             if not args.debug:  # inductor's notes on the kernels it generates (--compile) say nothing to a user
                 warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._inductor")
                 args.library_noise = stack.enter_context(_LibraryNoise())
@@ -554,18 +557,49 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"autoprec: error: {printable(str(exc))}", file=sys.stderr)  # a path or a value from a file, escaped
         return EXIT_USER_ERROR
+    except _Terminated:
+        print(f"autoprec: stopped (SIGTERM){_resume_hint(args)}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"autoprec: interrupted{_resume_hint(args)}", file=sys.stderr)
         return 130
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a timeout, Slurm, Kubernetes) taken as Ctrl-C is: Optuna fails the running trial instead of leaving it
+    RUNNING for good, the storage is left consistent and the user is told how to resume."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises _Terminated in the main thread while the command runs (process-wide: the CLI owns the process)."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise _Terminated
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def _resume_hint(args: argparse.Namespace) -> str:
-    """How to go on after Ctrl-C: the trials done so far are stored, so the same command resumes a search."""
+    """How to go on after Ctrl-C or SIGTERM: what is stored (a study, a profile, nothing yet), and the command that
+    resumes a search from it."""
     if args.verb not in ("search", "sweep"):
         return ""
     given = [flag for flag, value in (("--out", args.out), ("--study", args.study), ("--storage", args.storage)) if value]
     same = f" (with the same {', '.join(given)})" if given else ""
-    return f"; the trials so far are stored: run the same command again{same} to resume"
+    out = getattr(args, "out_dir", None)  # set once the model is ready and its folder known
+    if out is not None and (args.storage or (out / "study.journal").is_file()):  # a database: it may hold trials
+        return f"; the trials so far are stored: run the same command again{same} to resume"
+    if out is not None and (out / "profile.csv").is_file():
+        return f"; no trial had finished; the profile is stored: run the same command again{same} to go on from it"
+    return f"; nothing was stored yet (stopped before the profile finished): run the same command again{same} to start"
 
 
 if __name__ == "__main__":
