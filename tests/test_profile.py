@@ -756,3 +756,18 @@ def test_fp8_is_not_offered_to_a_linear_subclass_that_apply_policy_refuses_it_fo
     choices = build_choices(prof, space, 1.0, workload.device)
     assert choices.layers["lora"] == ("fp32", "bf16") and "fp8" in choices.layers["plain"]
     assert choices.excluded["lora"]["fp8"].endswith("lora_a, lora_b")
+
+
+def test_an_evaluate_that_moves_on_its_own_is_refused_before_it_rules_formats_out(write_model, mlp_source):
+    """evaluate() on a random eval subset gives another number for the same model: its noise would rule formats out
+    (issue 37, 12). The fp32 model is evaluated twice, and a difference is one line naming both values."""
+    from autoprec.errors import UserError
+    from autoprec.tune import load_task, prepare
+    from autoprec.tune.profiler import checked_fp32_metric
+
+    noisy = mlp_source + "\n\ndef evaluate(model):\n    return float(torch.rand(()))\n"
+    workload = prepare(load_task(write_model(noisy)), "cpu")
+    with pytest.raises(UserError, match=r"evaluate\(\) gave [\d.]+, then [\d.]+ for the same fp32 model: .*deterministic"):
+        checked_fp32_metric(workload)
+    steady = mlp_source + "\n\ndef evaluate(model):\n    return 0.5\n"
+    assert checked_fp32_metric(prepare(load_task(write_model(steady, "steady.py")), "cpu")) == 0.5

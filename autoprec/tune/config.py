@@ -37,6 +37,10 @@ SETTLED_FINAL_ROUNDS = 5
 # step time. Past this many (text of many lengths, where torch.compile goes dynamic after the second) the rest are
 # left to the timing.
 SHAPE_BATCHES = 4
+# The all-fp32 metric is evaluated twice; apart by more than this (relative to it, or absolute below 1) it is not
+# deterministic and the search is refused: GPU reductions differ by float rounding (1e-7), a sampled eval subset
+# by far more.
+METRIC_REPEAT_TOLERANCE = 1e-5
 MEMORY_TRIES = 3  # steps the GradScaler skips before peak memory is given up (None) for a candidate
 
 # A search's profile lowers a format's layers together first and predicts their single-layer drops where the

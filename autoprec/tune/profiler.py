@@ -28,7 +28,7 @@ from autoprec.formats import AUTOCAST_DTYPE, Format, device_name, format_problem
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tensors import map_tensors
 from autoprec.tune import memory
-from autoprec.tune.config import ProfileConfig
+from autoprec.tune.config import METRIC_REPEAT_TOLERANCE, ProfileConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.gradients import LayerGradients, collect, profile_columns, scale_table
 from autoprec.tune.measure import (
@@ -688,15 +688,22 @@ def _reference(workload: Workload, names: list[str], config: ProfileConfig) -> _
 def checked_fp32_metric(workload: Workload) -> float:
     """The all-fp32 model's metric, or one UserError naming the file when the user's evaluate() (or loss_fn on
     the eval batches) fails on it or gives a non-finite number: their bug, not a format's."""
+    what = "evaluate()" if workload.task.evaluate is not None else "loss_fn() on the eval batches"
     try:
-        fp32_metric = evaluate_metric(workload, Policy())
+        # twice: a metric that moves on its own (sampling, a random eval subset) would rule formats out on its noise
+        fp32_metric, again = evaluate_metric(workload, Policy()), evaluate_metric(workload, Policy())
     except UserError:
         raise
     except Exception as exc:
-        what = "evaluate()" if workload.task.evaluate is not None else "loss_fn() on the eval batches"
         raise UserError(f"{workload.task.path}: {what} failed on the fp32 model: {type(exc).__name__}: {exc}") from exc
     if not math.isfinite(fp32_metric):
         raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
+    if abs(again - fp32_metric) > METRIC_REPEAT_TOLERANCE * max(1.0, abs(fp32_metric)):
+        raise UserError(
+            f"{workload.task.path}: {what} gave {fp32_metric:.6g}, then {again:.6g} for the same fp32 model: a budget "
+            "cannot be judged on a metric that moves on its own; make it deterministic (the same eval batches every "
+            "call, no sampling, a fixed seed inside evaluate)"
+        )
     return fp32_metric
 
 
