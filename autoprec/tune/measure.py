@@ -119,12 +119,16 @@ def interleaved_times(
     names = list(work)
     if not names:
         return {}
-    steps: dict[Key, int] = {}
+    slowest = 1e-6
     for name in names:
         for _ in range(0 if name in warmed else config.warmup - 1):
             work[name]()
-        once = max(CLOCK.time(work[name], 1, device), 1e-6)  # the last warm-up call (or one more) sizes the blocks
-        steps[name] = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / once)))
+        slowest = max(slowest, CLOCK.time(work[name], 1, device))  # the last warm-up call (or one more) sizes the blocks
+    # One block size for every callable, from the slowest: each takes the same steps (the same batches) in every
+    # round, so no candidate's median comes from a handful of steps beside another's hundreds (a GradScaler's early
+    # skips, a first batch, weigh alike), and a slow candidate does not stretch the rounds.
+    block = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / slowest)))
+    steps: dict[Key, int] = dict.fromkeys(names, block)
     samples: dict[Key, list[float]] = {name: [] for name in names}
 
     def rounds(first: int, last: int) -> None:
