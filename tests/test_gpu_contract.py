@@ -124,6 +124,25 @@ def test_the_readmes_training_loop_finishes_an_epoch_with_a_ragged_last_batch(gp
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-rowwise", "fp8-fwd-dgrad"])
+def test_the_readmes_compiled_training_loop_finishes_an_epoch_with_a_ragged_last_batch(gpu_contract_on, monkeypatch, fmt):
+    """As the README trains: apply_policy, then compile_model. The ragged batch is a new shape for the compiled graph
+    (and the padding a new branch in it); aot_eager traces what inductor would compile, without its minutes here."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model=None, **kw: real_compile(model, **{**kw, "backend": "aot_eager"}))
+    g = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(n, 64, generator=g), torch.randint(0, 16, (n,), generator=g)) for n in (256, 256, 157)]
+    policy = autoprec.Policy(layers={"": "bf16", "fc1": fmt, "fc2": fmt})
+    model = autoprec.compile_model(autoprec.apply_policy(Mlp(), policy))
+    optimizer = torch.optim.AdamW(model.parameters())
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        assert torch.isfinite(loss)
+
+
 @pytest.mark.parametrize("fmt", FP8)
 def test_a_call_with_no_rows_runs_in_the_fallback(gpu_contract_on, fmt):
     """An MoE expert that got no tokens: torchao's scale of an empty tensor fails; the call gives an empty output."""
