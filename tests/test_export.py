@@ -430,3 +430,69 @@ def test_a_megatron_layer_count_past_any_model_is_refused_not_counted_to(tmp_pat
     extra = [] if num_layers is None else ["--num-layers", str(num_layers)]
     assert main(["export", str(tmp_path / "policy.json"), "--to", "megatron", *extra]) == 2
     assert expected in capsys.readouterr().err and not (tmp_path / "policy_megatron.json").exists()
+
+
+# --- a target is a registered type: one added from outside autoprec is offered, named and written by the verb ---
+
+
+@pytest.fixture
+def csv_target():
+    """A toy `--to csv` target, registered as a user's own module would register it; unregistered after."""
+    from autoprec.tune.export import ExportTarget, Option, register, unregister
+
+    @register
+    class Csv(ExportTarget):
+        name = "csv"
+        suffix = ".csv"
+        summary = "layer,format lines"
+        options = (Option("--sep", help="the separator (default ',')", purpose="it separates a layer from its format"),)
+
+        def write(self, policy, out, *, source="a policy", sep=",", **options):
+            rows = [f"{name}{sep}{fmt.value}" for name, fmt in policy.layers.items() if name]
+            out.write_text("\n".join([f"layer{sep}format", *rows]) + "\n", encoding="utf-8")
+            return ["the model root: a csv has no row for it"] if "" in policy.layers else []
+
+    yield Csv
+    unregister("csv")
+    assert "csv" not in exporting.TARGETS
+
+
+exporting = importlib.import_module("autoprec.tune.export")  # the package (its `export` is the function)
+
+
+def test_a_target_registered_from_outside_autoprec_is_offered_and_written_by_the_export_verb(tmp_path, capsys, csv_target):
+    POLICY.save(tmp_path / "policy.json")
+    assert exporting.TARGETS == ("torchao", "torchtitan", "megatron", "csv") and exporting.SUFFIXES["csv"] == ".csv"
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "--to {torchao,torchtitan,megatron,csv}" in usage and "csv: layer,format lines" in usage
+    assert "or .json for megatron, .csv for csv" in usage and "--sep SEP csv: the separator" in usage
+    assert main(["export", str(tmp_path / "policy.json"), "--to", "csv"]) == 0  # beside the policy, with its suffix
+    assert capsys.readouterr().out.splitlines() == [f"wrote {tmp_path / 'policy_csv.csv'}",
+                                                    "not expressed: the model root: a csv has no row for it"]  # fmt: skip
+    assert (tmp_path / "policy_csv.csv").read_text().splitlines() == [
+        "layer,format", "a,fp8", "b,fp8-rowwise", "c,bf16", "d,fp32", "e.0,fp8"]  # fmt: skip
+    assert main(["export", str(tmp_path / "policy.json"), "--to", "csv", "--sep", ";", "--out", str(tmp_path / "x.csv")]) == 0
+    assert (tmp_path / "x.csv").read_text().splitlines()[1] == "a;fp8"
+    # its option is its own: refused for another target as megatron's --num-layers is for it
+    assert main(["export", str(tmp_path / "policy.json"), "--to", "torchao", "--sep", ";"]) == 2
+    assert "--sep is for --to csv (it separates a layer from its format), not --to torchao" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "policy.json"), "--to", "csv", "--num-layers", "4"]) == 2
+    assert "--num-layers is for --to megatron (it counts the bf16 layers at the end), not --to csv" in capsys.readouterr().err
+
+
+def test_the_registry_refuses_a_name_already_taken_and_keeps_the_first(csv_target):
+    from autoprec.tune.export import get_target, register
+
+    with pytest.raises(ValueError, match=r"export target 'csv' is already registered \(by .*\.Csv\); unregister\('csv'\)"):
+        register(type("OtherCsv", (csv_target,), {}))
+    with pytest.raises(ValueError, match="export target 'torchao' is already registered .*give MyTorchao another name"):
+        register(type("MyTorchao", (csv_target,), {"name": "torchao"}))
+    assert type(get_target("csv")) is csv_target and type(get_target("torchao")).__module__ == "autoprec.tune.export.torchao"
+    with pytest.raises(ValueError, match="name 'CSV!' must be lowercase"):
+        register(type("Bad", (csv_target,), {"name": "CSV!"}))
+    clash = (exporting.Option("--num-layers", help="rows", purpose="mine"),)
+    with pytest.raises(ValueError, match="option --num-layers differs from the one export target 'megatron' takes"):
+        register(type("Rows", (csv_target,), {"name": "rows", "options": clash}))
+    assert exporting.TARGETS == ("torchao", "torchtitan", "megatron", "csv")  # nothing refused was registered

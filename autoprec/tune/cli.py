@@ -19,12 +19,17 @@ import sysconfig
 import threading
 import traceback
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from autoprec.errors import UserError, printable
 from autoprec.formats import default_device
+
+if TYPE_CHECKING:
+    from autoprec.tune.export import ExportTarget
 
 EXIT_USER_ERROR = 2
 # What the shell reports for a Unix tool that SIGPIPE ended (128 + 13): `autoprec show p.json | head` stops as `cat` does
@@ -255,13 +260,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from autoprec.policy import load_policy
-    from autoprec.tune.export import default_path, export
+    from autoprec.tune.export import default_path, export, options
 
     policy = load_policy(args.policy)
     source = Path(args.policy)
     out = Path(args.out) if args.out else default_path(source, args.to)
+    given = {option.dest: getattr(args, option.dest) for option in options()}  # the targets' own options (None: not given)
     try:
-        left_out = export(policy, args.to, out, source=str(source), num_layers=args.num_layers)
+        left_out = export(policy, args.to, out, source=str(source), **given)
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
     if args.json:
@@ -413,6 +419,14 @@ def _silence_stdout() -> None:
         pass
 
 
+def _export_file_names(targets: Sequence[ExportTarget]) -> str:
+    """'<name>_<target>.py, or .json for megatron': the suffix most targets write, then the others'."""
+    suffixes = [t.suffix for t in targets]
+    usual = max(suffixes, key=suffixes.count)
+    others = [f"{t.suffix} for {t.name}" for t in targets if t.suffix != usual]
+    return f"<name>_<target>{usual}" + (f", or {', '.join(others)}" if others else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device."
@@ -499,26 +513,19 @@ def build_parser() -> argparse.ArgumentParser:
     _global_flags(sh)
     sh.set_defaults(func=cmd_show)
 
-    from autoprec.tune.export import TARGETS  # noqa: PLC0415 (light: the policy and formats only)
+    from autoprec.tune.export import options, targets  # noqa: PLC0415 (light: the policy and formats only)
 
+    # every registered target (autoprec.tune.export): its name, its file's suffix and the options it adds
     ex = verbs.add_parser("export", help="write a policy's fp8 layers for another training tool",
                           description="write a policy's fp8 layers for another training tool; what it cannot express is listed")  # fmt: skip
     ex.add_argument("policy", help="path to a policy.json")
-    ex.add_argument(
-        "--to",
-        required=True,
-        choices=TARGETS,
-        help="torchao: a module_filter_fn file for convert_to_float8_training; torchtitan: "
-        "Float8LinearConverter configs whose filter_fqns convert exactly the policy's fp8 layers; megatron: "
-        "TransformerConfig fields and Megatron-LM arguments (fp8 per transformer layer)",
-    )
-    ex.add_argument("--out", help="the file to write (default: beside the policy, <name>_<target>.py, or .json for megatron)")
-    ex.add_argument(
-        "--num-layers",
-        type=int,
-        metavar="N",
-        help="megatron: the model's transformer layers (default: as many as the policy names)",
-    )
+    ex.add_argument("--to", required=True, choices=[t.name for t in targets()],
+                    help="; ".join(f"{t.name}: {t.summary}" for t in targets()))  # fmt: skip
+    ex.add_argument("--out", help=f"the file to write (default: beside the policy, {_export_file_names(targets())})")
+    for option, names in options().items():
+        ex.add_argument(
+            option.flag, dest=option.dest, type=option.type, metavar=option.metavar, help=f"{', '.join(names)}: {option.help}"
+        )
     _global_flags(ex)
     ex.set_defaults(func=cmd_export)
     return parser

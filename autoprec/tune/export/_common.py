@@ -1,0 +1,70 @@
+"""What the export targets share: how an fp8 format's GEMMs are named (recipe_key), the policy's fp8 layers per
+recipe, what an fp8-only target leaves out, and the two ways text from a policy enters a written Python file (an
+escaped comment, JSON string data), so that nothing read from a policy becomes code (see the package docstring)."""
+
+from __future__ import annotations
+
+import json
+
+from autoprec.errors import printable
+from autoprec.formats import Format
+from autoprec.policy import ROOT, Policy
+
+SHOWN = 6  # layer names per line; the rest are counted (the policy file lists them all)
+
+
+def recipe_key(fmt: Format) -> str | None:
+    """How the export names an fp8 format's GEMMs: torchao's recipe name, or the format's own name for a per-GEMM
+    mix torchao has no recipe for; None for a format torchao's float8 training does not run."""
+    gemms = fmt.spec.fp8
+    return None if gemms is None else gemms.recipe or fmt.value
+
+
+def _layers(names: list[str], verb: str = "runs") -> str:
+    """ "layer 'a' runs" or "3 layers ('a', 'b', 'c') run": one line per reason, however many layers."""
+    if len(names) == 1:
+        return f"layer {names[0]!r} {verb}"
+    shown = ", ".join(repr(n) for n in names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+    return f"{len(names)} layers ({shown}) {verb.removesuffix('s')}"
+
+
+def not_expressed(policy: Policy, tool: str = "torchao") -> list[str]:
+    """What an fp8-only target leaves out: a lowered root and the non-fp8, non-fp32 layers per format, as lines."""
+    lines: list[str] = []
+    by_format: dict[Format, list[str]] = {}
+    for name, fmt in policy.layers.items():
+        if recipe_key(fmt) is None and fmt is not Format.FP32:
+            by_format.setdefault(fmt, []).append(name)
+    why = f"not a {tool} float8 recipe, so not in the export; run it with autocast or autoprec.apply_policy"
+    for fmt, names in by_format.items():
+        if ROOT in names:
+            lines.append(f"the model root (every op outside a listed layer) runs in {fmt.value}: {why}")
+            names = [n for n in names if n != ROOT]
+        if names:
+            lines.append(f"{_layers(names)} in {fmt.value}: {why}")
+    return lines
+
+
+def fp8_layers(policy: Policy) -> dict[str, list[str]]:
+    """torchao recipe (recipe_key) -> the policy's layers in it, in the policy's order."""
+    recipes: dict[str, list[str]] = {}
+    for name, fmt in policy.layers.items():
+        key = recipe_key(fmt)
+        if key is not None:
+            recipes.setdefault(key, []).append(name)
+    return recipes
+
+
+def _comments(source: str, title: str, lines: list[str], last: str | None) -> str:
+    """The policy file's name and what is not expressed, as comment lines: escaped (errors.printable), so that
+    no line break or control character from the policy or its file name reaches the code or a terminal."""
+    out = [f"# policy file: {printable(source)}", f"# {title}:"]
+    out += [f"#   - {printable(line)}" for line in lines] or ["#   (nothing: every listed layer is fp8 or fp32)"]
+    return "\n".join(out + (["#", f"# {last}"] if last else []))
+
+
+def _json_literal(value: object) -> str:
+    """Python source for `json.loads(<value as JSON>)`, the JSON text in string literals (repr escapes every quote,
+    backslash and line break; json.dumps writes ASCII): a layer name is data here, whatever it holds."""
+    lines = json.dumps(value, indent=4).splitlines(keepends=True)
+    return "json.loads(\n" + "".join(f"    {line!r}\n" for line in lines) + ")"

@@ -1,0 +1,113 @@
+"""An export target as a type, and the registry the command line reads its choices from.
+
+A target is a subclass of ExportTarget with a name (`--to NAME`), the suffix of the file it writes, one line for
+`--to`'s help, the command-line options it adds (Option), and `write`; `@register` puts one instance in the registry.
+Nothing outside the target's own module names it: `autoprec export` offers, names and writes whatever is registered.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from autoprec.policy import Policy
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")  # a target's name is a `--to` choice and part of a file name
+_FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
+# names an option's value may not take: export()'s own arguments and the export verb's other arguments
+RESERVED = frozenset({"policy", "target", "out", "source", "to", "json", "quiet", "debug", "verb", "func", "help"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A command-line option a target adds to `autoprec export`; its value reaches `write` as the keyword `dest`
+    (`--num-layers` -> num_layers), only when given. `purpose` says what it is for, in the refusal of it for a
+    target that does not take it: "--num-layers is for --to megatron (<purpose>), not --to torchao"."""
+
+    flag: str
+    help: str
+    purpose: str
+    type: Callable[[str], Any] = str
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+class ExportTarget(abc.ABC):
+    """One `--to` choice. Subclass it in a module of its own, set the class attributes, implement `write`, and
+    decorate the class with `@register`."""
+
+    name: ClassVar[str]  # the --to choice; the default file is <policy name>_<name><suffix>
+    suffix: ClassVar[str]  # the written file's suffix, with its dot: ".py", ".json"
+    summary: ClassVar[str]  # what the file is, for --to's help: "<name>: <summary>"
+    options: ClassVar[tuple[Option, ...]] = ()  # the command-line options this target takes
+
+    @abc.abstractmethod
+    def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: Any) -> list[str]:
+        """Write `policy` to `out`; return what the target could not express, one line each (and say when the file
+        converts nothing). `source` names the policy file, for the written file's comments; `options` are this
+        target's Options that were given, by dest."""
+
+
+_REGISTRY: dict[str, ExportTarget] = {}  # name -> target, in registration order (the order --to lists them)
+T = TypeVar("T", bound=type[ExportTarget])
+
+
+def register(cls: T) -> T:
+    """Class decorator: add an instance of `cls` to the registry. Refuses (ValueError) a name already taken, a name
+    or suffix that cannot make a file name, and an option that would clash with another target's or the verb's."""
+    name, suffix = getattr(cls, "name", None), getattr(cls, "suffix", None)
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"export target {cls.__qualname__}: name {name!r} must be lowercase letters, digits, '-' and '_'")
+    if name in _REGISTRY:
+        taken = type(_REGISTRY[name])
+        raise ValueError(f"export target {name!r} is already registered (by {taken.__module__}.{taken.__qualname__}); "
+                         f"unregister({name!r}) first to replace it, or give {cls.__qualname__} another name")  # fmt: skip
+    if not isinstance(suffix, str) or not re.fullmatch(r"\.[A-Za-z0-9]+", suffix):
+        raise ValueError(f"export target {name!r}: suffix {suffix!r} must be a dot and letters or digits ('.py')")
+    if not isinstance(getattr(cls, "summary", None), str):
+        raise ValueError(f"export target {name!r}: summary must be a line for --to's help")
+    for option in cls.options:
+        if not _FLAG.fullmatch(option.flag) or option.dest in RESERVED:
+            raise ValueError(f"export target {name!r}: option {option.flag!r} must be --lowercase-words, not one of "
+                             f"the verb's own ({', '.join(sorted(RESERVED))})")  # fmt: skip
+        for other in _REGISTRY.values():
+            same = [o for o in other.options if o.dest == option.dest]
+            if same and same[0] != option:
+                raise ValueError(f"export target {name!r}: option {option.flag} differs from the one export target "
+                                 f"{other.name!r} takes; share one Option or rename it")  # fmt: skip
+    _REGISTRY[name] = cls()
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Remove the target `name` (KeyError if none is registered)."""
+    del _REGISTRY[name]
+
+
+def targets() -> tuple[ExportTarget, ...]:
+    """The registered targets, in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def get_target(name: str) -> ExportTarget:
+    """The target `name`; ValueError listing the registered ones when there is none."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"--to {name!r}: one of {', '.join(_REGISTRY)}") from None
+
+
+def options() -> dict[Option, tuple[str, ...]]:
+    """Every registered target's options -> the names of the targets that take it, in registration order."""
+    found: dict[Option, tuple[str, ...]] = {}
+    for target in _REGISTRY.values():
+        for option in target.options:
+            found[option] = (*found.get(option, ()), target.name)
+    return found

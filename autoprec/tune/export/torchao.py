@@ -1,0 +1,106 @@
+"""`--to torchao`: a Python file with the fp8 layers per recipe (or per-GEMM mix: its format's name), each one's
+GEMMs as data, the one function that builds their Float8LinearConfig (autoprec.formats.float8_linear_config, its
+source copied), a `module_filter_fn` per recipe for `torchao.float8.convert_to_float8_training`, and `convert(model)`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+from autoprec.files import write_text
+from autoprec.formats import float8_linear_config, fp8_input_dtype
+from autoprec.policy import Policy
+from autoprec.tune.export._common import _comments, _json_literal, fp8_layers, not_expressed, recipe_key
+from autoprec.tune.export.base import ExportTarget, register
+
+
+def fp8_gemms(policy: Policy) -> dict[str, dict[str, object]]:
+    """recipe_key -> its GEMMs as float8_linear_config reads them, for the policy's fp8 formats."""
+    return {key: fmt.spec.fp8.to_json() for fmt in policy.layers.values() if fmt.spec.fp8 and (key := recipe_key(fmt))}
+
+
+def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
+    """The torchao file's text (see the module docstring)."""
+    recipes = fp8_layers(policy)
+    gemms = fp8_gemms(policy)
+    # autoprec's own code: one config builder and one input rule for apply_policy and this file
+    builder = inspect.getsource(fp8_input_dtype) + "\n\n" + inspect.getsource(float8_linear_config)
+    last = None if recipes else "The policy has no fp8 layer: convert(model) changes nothing."
+    header = _comments(
+        source, "not expressed here (torchao's float8 conversion knows fp8 recipes only)", not_expressed(policy), last
+    )
+    return f'''"""torchao float8 training for a policy's fp8 layers (written by `autoprec export --to torchao`).
+
+    from this_file import convert
+    model = convert(model)   # before torch.compile, after moving the model to its device
+
+It runs inside or outside torch.autocast, as apply_policy does: each converted layer runs with autocast off and
+its input cast by the rule apply_policy uses (fp8_input_dtype), so torchao computes the same on a CPU as on CUDA
+and a per-GEMM mix's high-precision GEMMs get operands of one dtype; outside autocast its output comes back in the
+input's dtype. The comments below name the policy file and what the file leaves out.
+"""
+
+{header}
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Any
+
+import torch
+from torchao.float8 import convert_to_float8_training
+
+# torchao recipe (or autoprec's name for a per-GEMM mix) -> the fully qualified names of its nn.Linear layers
+FP8_LAYERS = {_json_literal(recipes)}
+
+# the same keys -> which GEMMs run in fp8 (fprop, dgrad, wgrad; the others in high precision) and their scaling
+FP8_GEMMS = {_json_literal(gemms)}
+
+
+{builder}
+
+def module_filter_fn(recipe):
+    """For convert_to_float8_training: True for the layers this policy runs in `recipe`."""
+    names = frozenset(FP8_LAYERS[recipe])
+    return lambda module, fqn: fqn in names
+
+
+def cast_forward(layer, gemms):
+    """The layer's forward with autocast off and its input cast by fp8_input_dtype (see the docstring)."""
+    inner = layer.forward
+
+    def forward(self, x):
+        dev = x.device.type
+        outer = torch.is_autocast_enabled(dev)
+        dtype = fp8_input_dtype(gemms, self.weight.dtype, torch.get_autocast_dtype(dev) if outer else None)
+        with torch.autocast(dev, enabled=False):
+            out = inner(x.to(dtype))
+        return out if outer else out.to(x.dtype)
+
+    layer.forward = types.MethodType(forward, layer)
+
+
+def convert(model):
+    for recipe in FP8_LAYERS:
+        config = float8_linear_config(FP8_GEMMS[recipe])
+        model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn(recipe))
+        for name in FP8_LAYERS[recipe]:
+            cast_forward(model.get_submodule(name), FP8_GEMMS[recipe])
+    return model
+'''
+
+
+@register
+class Torchao(ExportTarget):
+    name = "torchao"
+    suffix = ".py"
+    summary = "a module_filter_fn file for convert_to_float8_training"
+
+    def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: object) -> list[str]:
+        write_text(out, torchao_source(policy, source=source))
+        left_out = not_expressed(policy)
+        if fp8_layers(policy):
+            return left_out
+        return [*left_out, "the policy has no fp8 layer: the file's convert(model) changes nothing"]
