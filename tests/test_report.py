@@ -237,3 +237,39 @@ def test_a_tie_among_equally_safe_searched_policies_is_not_called_the_safer_one(
     )
     line = headline(types.SimpleNamespace(policy=policy, finals=rows))
     assert "the fastest measured, is chosen" in line and "safer" not in line
+
+
+def test_a_sweeps_table_says_the_tie_its_policy_file_records():
+    """Issue 38, 2: the sweep showed a searched policy at 1.70x beside uniform bf16's 1.22x with no tie line, while the
+    policy file it wrote listed uniform bf16 and fp32 as not separated from it (quiet, it ran at 1.02x of autocast)."""
+    import types
+
+    import pandas as pd
+    from builders import finals
+
+    from autoprec import Policy
+    from autoprec.tune.report import sweep_summary
+    from autoprec.tune.sweeper import BudgetRow
+
+    rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 1.1}, {"candidate": "uniform bf16", "speedup": 1.22, "spread": 1.1},
+                  {"candidate": "profile greedy 0.01", "speedup": 1.75, "spread": 0.9},
+                  {"candidate": "trial 12", "speedup": 1.70, "spread": 0.9})  # fmt: skip
+    measured = {"chosen": "trial 12", "not_separated": ["fp32", "uniform bf16", "profile greedy 0.01"], "budget": 0.01,
+                "greedy": "profile greedy 0.01", "why": "the fastest within budget"}  # fmt: skip
+    row = BudgetRow(
+        budget=0.01, budget_given=None, chosen="trial 12", metric=0.9, metric_drop=0.0, step_ms=10.0, spread=0.9,
+        speedup=1.70, uniform_bf16_speedup=1.22, uniform_bf16_drop=0.0, greedy_speedup=1.75, greedy_drop=0.0,
+        peak_bytes=None, memory_saving=None, formats="bf16 2", root="bf16", policy_file="policy-budget-0.01.json",
+        why="the fastest within budget", not_separated="fp32; uniform bf16; profile greedy 0.01",
+    )  # fmt: skip
+    result = types.SimpleNamespace(
+        table=[row], policies={0.01: Policy(layers={"": "bf16"}, measured=measured)}, finals=rows, trials=pd.DataFrame(),
+        front=pd.DataFrame(), choices=types.SimpleNamespace(describe=lambda: "per layer"), cost=None, saved=None,
+    )  # fmt: skip
+    text = sweep_summary(result)
+    [cells] = [line for line in text.splitlines() if line.lstrip().startswith("0.01 ")]
+    assert "trial 12 (tie)" in cells and "1.220 (tie)" in cells and "1.750 (tie)" in cells
+    assert (
+        "- 0.01: tie with fp32, uniform bf16, profile greedy 0.01 within ±55.0% noise: trial 12, the fastest measured, is written"
+        in text
+    )

@@ -75,7 +75,9 @@ def sweep_and_report(
     command: str,
     given: Mapping[float, str] | None = None,
 ) -> sweeper.SweepResult:
-    """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes)."""
+    """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes): the
+    heat maps beside the profile it measured, or where the one it reused has none; a reused profile's are left as
+    they are (a search's files)."""
     from autoprec.tune.plots import plot_all, plot_pareto
     from autoprec.tune.report import sweep_markdown
 
@@ -83,7 +85,10 @@ def sweep_and_report(
     result = sweeper.sweep(workload, space, budgets, config, out_dir, given=given)
     title = f"{workload.task.name} on {result.profile.device}"
     plot_pareto(result, out_dir / "pareto.png", title=title)
-    plot_all(result.profile, out_dir, title=title)
+    saved = result.saved
+    folder = saved.folder if saved is not None else out_dir
+    if saved is None or saved.measured or not (folder / "profile.png").is_file():
+        plot_all(result.profile, folder, title=title)
     write_text(out_dir / "sweep.md", sweep_markdown(result, command))
     return result
 

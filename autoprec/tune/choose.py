@@ -142,8 +142,10 @@ def choose_per_budget(
     goal: Goal = Goal.SPEED,
 ) -> list[tuple[str, str]]:
     """(candidate, why) per budget, ascending: `choose` (Goal.MEMORY: `choose_smallest`) among the re-measured
-    candidates within it, never below that budget's own profile-greedy policy; where that measured worse than the
-    previous budget's choice (noise, or the safer pick), the previous stands."""
+    candidates within it, never below that budget's own profile-greedy policy, as a search of that budget decides;
+    where that measured worse than the previous budget's choice beyond the noise (a tie is not transitive: a safer
+    pick tied with the fastest may be separated below it), the previous stands. Inside the noise this budget's own
+    choice stands: a sweep decides each budget as a search of it would."""
     picks: list[tuple[str, str]] = []
     for b in budgets:
         floor = [a for a in ALTERNATIVES if a != GREEDY] + [greedy[b]]
@@ -151,13 +153,15 @@ def choose_per_budget(
         name, why = pick(finals.within(b), candidates, floor)
         if picks and _worse(finals.by_name(name), finals.by_name(picks[-1][0]), goal):
             before = picks[-1][0]
-            better = "smaller" if goal is Goal.MEMORY else "faster"
+            better = f"smaller, beyond the {MEMORY_TIE:.0%} tie," if goal is Goal.MEMORY else "faster, beyond the noise,"
             name, why = before, f"kept from the smaller budget: {before} measured {better} than {name}, this budget's pick"
         picks.append((name, why))
     return picks
 
 
 def _worse(a: Measurement, b: Measurement, goal: Goal) -> bool:
-    if goal is Goal.MEMORY:  # beyond the tie choose_smallest allows, or a larger budget would undo its own rule
+    # beyond the tie the choice allows (choose_smallest's, choose's), or a larger budget would undo its own rule and
+    # decide otherwise than a search of that budget on the same measurements
+    if goal is Goal.MEMORY:
         return a.peak_bytes is not None and b.peak_bytes is not None and a.peak_bytes > b.peak_bytes * (1 + MEMORY_TIE)
-    return a.speedup < b.speedup
+    return a.speedup < b.speedup and separated(a, b)

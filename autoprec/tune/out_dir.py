@@ -1,6 +1,6 @@
 """The output folder as a cache: refuse one that holds another model's results or cannot be written, hold it for
 this model while a run writes there, and reuse what an earlier run of the same model left in it: its profile
-(`load_or_profile`, where it serves this search) and a finished study's result (`earlier_result`). A full disk while
+(`reuse_or_profile`, where it serves this run; a sweep measures one of its own beside it, never over it) and a finished study's result (`earlier_result`). A full disk while
 writing there is told apart (`disk_full`): the study resumes from its complete trials.
 """
 
@@ -19,7 +19,7 @@ from autoprec.errors import UserError
 from autoprec.files import OtherVersion, Taken, claim_folder, read_json
 from autoprec.formats import device_name
 from autoprec.policy import Policy, model_fingerprint
-from autoprec.tune.config import GROUP_SHARE, Mode, SearchConfig
+from autoprec.tune.config import GROUP_SHARE, Mode, ProfileConfig, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import NoiseFloor
 from autoprec.tune.profile_data import Profile, ruled_out
@@ -97,6 +97,24 @@ def claim_out_dir(workload: Workload, out_dir: Path) -> Iterator[None]:
         ) from None
 
 
+SWEEP_PROFILE = "sweep_profile"  # a sweep's own profile, where the output folder's does not serve it (docs/sweep.md)
+PROFILE_FILES = ("profile.csv", "profile.json", "grad_ranges.csv", "profile.png", "grad_ranges.png")
+REUSED = "profile: reused the one saved in the output folder"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedProfile:
+    """The profile a run uses, the folder it is saved in (`own`: the run's own subfolder of the output folder),
+    whether this run measured it (else it was reused), and why the output folder's profile did not serve (None: it
+    did, or there was none)."""
+
+    profile: Profile
+    folder: Path
+    measured: bool
+    own: bool = False
+    why_not: str | None = None
+
+
 def load_or_profile(
     workload: Workload,
     space: SearchSpace,
@@ -106,49 +124,90 @@ def load_or_profile(
     watch: Stopwatch | None = None,
     budget: float | None = None,
 ) -> Profile:
-    """Reuse the profile a previous run of the same model on the same device wrote; else measure. `watch`
-    receives the profiling stages, or a count when the saved profile was reused. `budget`: the smallest budget
-    its drops serve (default config.budget), a tenth of which is the group tolerance (GROUP_SHARE)."""
+    """reuse_or_profile's profile, for a run that keeps it in out_dir itself (a search)."""
+    return reuse_or_profile(workload, space, out_dir, config, watch=watch, budget=budget).profile
+
+
+def reuse_or_profile(
+    workload: Workload,
+    space: SearchSpace,
+    out_dir: Path,
+    config: SearchConfig,
+    *,
+    watch: Stopwatch | None = None,
+    budget: float | None = None,
+    own: str | None = None,
+) -> SavedProfile:
+    """Reuse the profile a previous run of the same model on the same device, with settings that serve this one, saved
+    in out_dir (or in out_dir / `own`); else measure, and save it in out_dir, or, with `own` (a sweep), in out_dir /
+    `own` where out_dir holds a profile already: another run's files are never written over. `watch` receives the
+    profiling stages, or a count when a saved profile was reused. `budget`: the smallest budget its drops serve
+    (default config.budget), a tenth of which is the group tolerance (GROUP_SHARE)."""
     watch = watch or Stopwatch()
     settings = config.profile_settings
     if settings.group_tolerance is None and settings.group_testing:
         settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * (config.budget if budget is None else budget))
-    cached = None
-    if (out_dir / "profile.csv").is_file() and (out_dir / "profile.json").is_file():
-        try:
-            cached = Profile.load(out_dir)
-        except OtherVersion as exc:  # its numbers may mean something else here: measured again, not read
-            log.warning("%s; profiling again", exc)
-        except Exception as exc:  # a torn or hand-edited file: measuring again is the repair
-            log.warning("%s: the saved profile cannot be read (%s: %s); profiling again", out_dir, type(exc).__name__, exc)
-    if cached is not None:
-        same = (
-            cached.fingerprint == model_fingerprint(workload.model)
-            and cached.weights == workload.weights  # other weights (a retrained model): other sensitivities
-            and cached.device == device_name(str(workload.device))
-            and cached.compiled == config.compile
-        )
-        tunable = space.tunable_layers(workload.model).items()
-        offered = {(n, f.value) for n, fs in tunable for f in fs if n not in cached.uncalled}
-        # a cell whose metric was skipped as ruled out must still be ruled out under this space's prune rule
-        skipped = cached.table[cached.table["metric_source"].str.startswith("not measured")]
-        still_out = all(ruled_out(row, None, space.prune_slower_than) is not None for _, row in skipped.iterrows())
-        # drops it predicted from groups are as precise as its tolerance: no coarser than this search's
-        predicted = cached.table["metric_source"].str.startswith("predicted").any()
-        wanted = settings.group_tolerance if settings.group_testing else None
-        precise = not predicted or (
-            cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted
-        )
-        # numerics asked of every format: a profile that left some unmeasured ("offered") does not serve
-        numerics = cached.numerics == "all" or settings.numerics == "offered"
-        if same and still_out and precise and numerics and offered == set(zip(cached.table["layer"], cached.table["format"])):
-            log.info("reusing the profile in %s", out_dir)
-            watch.count("profile: reused the one saved in the output folder")
-            return cached
+    held = any((out_dir / name).exists() for name in PROFILE_FILES)
+    why_not = None
+    for folder in [out_dir, *([out_dir / own] if own else [])]:
+        cached = _saved(folder)
+        why = _unfit(cached, workload, space, config, settings) if cached is not None else None
+        if cached is not None and why is None:
+            log.info("reusing the profile in %s", folder)
+            watch.count(REUSED)
+            return SavedProfile(profile=cached, folder=folder, measured=False, own=folder != out_dir, why_not=why_not)
+        if folder == out_dir and held:
+            why_not = why or "unreadable or incomplete"
+    target = out_dir / own if own and held else out_dir
+    if target != out_dir:
+        log.info("the profile in %s does not serve this run (%s): profiling into %s", out_dir, why_not, target)
     prof = profile(workload, space, settings, progress=config.progress)
     watch.merge(prof.cost)
-    prof.save(out_dir)
-    return prof
+    prof.save(target)
+    return SavedProfile(profile=prof, folder=target, measured=True, own=target != out_dir, why_not=why_not)
+
+
+def _saved(folder: Path) -> Profile | None:
+    """The profile saved in `folder`, or None (none there, or unreadable: measuring again is the repair)."""
+    if not ((folder / "profile.csv").is_file() and (folder / "profile.json").is_file()):
+        return None
+    try:
+        return Profile.load(folder)
+    except OtherVersion as exc:  # its numbers may mean something else here: measured again, not read
+        log.warning("%s; profiling again", exc)
+    except Exception as exc:  # a torn or hand-edited file: measuring again is the repair
+        log.warning("%s: the saved profile cannot be read (%s: %s); profiling again", folder, type(exc).__name__, exc)
+    return None
+
+
+def _unfit(cached: Profile, workload: Workload, space: SearchSpace, config: SearchConfig, settings: ProfileConfig) -> str | None:
+    """Why a saved profile does not serve this run, or None where it does."""
+    if cached.fingerprint != model_fingerprint(workload.model):
+        return "another model structure"
+    if cached.weights != workload.weights:  # other weights (a retrained model): other sensitivities
+        return "other weights"
+    if cached.device != device_name(str(workload.device)):
+        return f"measured on {cached.device}"
+    if cached.compiled != config.compile:
+        return f"timed {'compiled' if cached.compiled else 'eager'}"
+    # a cell whose metric was skipped as ruled out must still be ruled out under this space's prune rule
+    skipped = cached.table[cached.table["metric_source"].str.startswith("not measured")]
+    if not all(ruled_out(row, None, space.prune_slower_than) is not None for _, row in skipped.iterrows()):
+        return "a format it ruled out is in play under this space's prune rule"
+    # drops it predicted from groups are as precise as its tolerance: no coarser than this run's
+    predicted = cached.table["metric_source"].str.startswith("predicted").any()
+    wanted = settings.group_tolerance if settings.group_testing else None
+    if predicted and not (cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted):
+        theirs = "from groups" if cached.group_tolerance is None else f"within {cached.group_tolerance:g}"
+        return f"its drops are predicted {theirs}; this run needs {'each layer alone' if wanted is None else f'{wanted:g}'}"
+    # numerics asked of every format: a profile that left some unmeasured ("offered") does not serve
+    if cached.numerics != "all" and settings.numerics != "offered":
+        return "numerics of the offered formats only"
+    tunable = space.tunable_layers(workload.model).items()
+    offered = {(n, f.value) for n, fs in tunable for f in fs if n not in cached.uncalled}
+    if offered != set(zip(cached.table["layer"], cached.table["format"])):
+        return "other layers or formats"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

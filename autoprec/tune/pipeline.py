@@ -67,7 +67,7 @@ from autoprec.tune.measure import (
     more_if_noisy,
 )
 from autoprec.tune.objective import Judge, Objective, run_trials
-from autoprec.tune.out_dir import claim_out_dir, disk_full, earlier_result, load_or_profile
+from autoprec.tune.out_dir import SavedProfile, claim_out_dir, disk_full, earlier_result, reuse_or_profile
 from autoprec.tune.profile_data import Profile
 from autoprec.tune.records import Chosen, Finals, Measured, Measurement, Result, StudyRef, TrialRecord
 from autoprec.tune.space import SearchSpace
@@ -95,6 +95,8 @@ class Plan:
     trials_file: str
     finalists_file: str
     given: Mapping[float, str] = dataclasses.field(default_factory=dict)  # budget -> how the user gave it, if relative
+    # a subfolder for a profile of its own where the output folder's does not serve (a sweep: never over a search's)
+    profile_folder: str | None = None
 
     def __post_init__(self) -> None:
         check_ascending(self.budgets, what="plan.budgets")
@@ -110,13 +112,15 @@ class Plan:
 
 @dataclasses.dataclass
 class Started:
-    """A study ready for trials: the profile, the agreed choices, the study, where it lives, the judge."""
+    """A study ready for trials: the profile (and where it is saved), the agreed choices, the study, where it lives,
+    the judge."""
 
     profile: Profile
     choices: Choices
     study: optuna.Study
     storage: str
     judge: Judge
+    saved: SavedProfile  # where the profile is saved, and whether this run measured it
 
 
 @dataclasses.dataclass
@@ -169,7 +173,10 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     check_storage(config, out_dir)  # before minutes of profiling; opening the study checks it again
     began = time.perf_counter()
     watch = Stopwatch()
-    started = start(workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0])
+    started = start(
+        workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0],
+        profile_folder=plan.profile_folder,
+    )  # fmt: skip
     layer_times = LayerTimes.from_table(started.profile.table.to_dict("records"))
     objective = Objective(
         workload, started.choices, space, started.judge, config, objectives=plan.objectives, layer_times=layer_times
@@ -322,11 +329,14 @@ def start(
     *,
     objectives: int = 1,
     smallest_budget: float | None = None,
+    profile_folder: str | None = None,
 ) -> Started:
     """Profile (or reuse the saved profile; its drops as precise as `smallest_budget` needs, default the
-    config's), derive the choices, create or join the study with its warm starts (all-fp32, then
-    choices.warm_starts), and the judge (whose noise floor, in train mode, is measured when first needed)."""
-    prof = load_or_profile(workload, space, out_dir, config, watch=watch, budget=smallest_budget)
+    config's; `profile_folder`: out_dir.reuse_or_profile's `own`), derive the choices, create or join the study with
+    its warm starts (all-fp32, then choices.warm_starts), and the judge (whose noise floor, in train mode, is measured
+    when first needed)."""
+    saved = reuse_or_profile(workload, space, out_dir, config, watch=watch, budget=smallest_budget, own=profile_folder)
+    prof = saved.profile
     choices = build_choices(prof, space, config.budget, workload.device, judge_drop=config.mode is Mode.WEIGHTS)
 
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
@@ -335,7 +345,7 @@ def start(
     study, choices, where = open_study(workload, space, choices, config, out_dir, known, objectives=objectives)
     log.info("search space: %s", choices.describe())
     judge = Judge(workload, config, prof.fp32_metric, watch=watch)
-    return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge)
+    return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge, saved=saved)
 
 
 def baselines(workload: Workload, space: SearchSpace, prof: Profile, choices: Choices, budget: float) -> Alternatives:

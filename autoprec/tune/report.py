@@ -25,6 +25,7 @@ from autoprec.tune.profile_data import SQNR_COLUMNS, as_float, flag
 from autoprec.tune.records import Finals, Measured, Measurement
 
 if TYPE_CHECKING:  # the results import this module to print themselves
+    from autoprec.tune.out_dir import SavedProfile
     from autoprec.tune.searcher import SearchResult
     from autoprec.tune.sweeper import SweepResult
 
@@ -432,14 +433,12 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
             "rerun on a quieter machine with --remeasure"
         )
     ref = finals.get(BF16)
-    if speed and picked is not None and ref is not None and picked.candidate != BF16:
-        lead = picked.speedup / ref.speedup - 1
-        noise_share = (picked.spread + ref.spread) / 2
-        if 0 <= lead < noise_share:
-            parts.append(
-                f"note: {picked.candidate} leads uniform bf16 by {100 * lead:.1f}%, inside the measured spread "
-                f"({100 * noise_share:.1f}%): on this device the two are not told apart"
-            )
+    # the tie the decision recorded (choose.not_separated), not judged again here
+    if speed and picked is not None and ref is not None and BF16 in m.not_separated and picked.speedup >= ref.speedup:
+        parts.append(
+            f"note: {picked.candidate} leads uniform bf16 by {100 * (picked.speedup / ref.speedup - 1):.1f}%, inside "
+            f"the measured spread ({100 * (picked.spread + ref.spread) / 2:.1f}%): on this device the two are not told apart"
+        )
     overruled = [n for n, f in policy.layers.items() if f.value in m.excluded.get(n, {})]
     if m.chosen == BF16 and overruled:
         parts.append(
@@ -460,31 +459,61 @@ def headline(result: SearchResult) -> str:
     if picked is None or not picked.feasible:
         return f"chosen: {m.chosen} ({m.why or 'nothing else within budget'})"
     speed = f"{picked.speedup:.2f}x fp32's training-step speed ({_spread(picked.spread)})"
-    if m.objective != "speed" or not m.not_separated:
+    tied = tie(m, finals)
+    if tied is None:
         return f"chosen: {m.chosen}, {speed}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}"
-    others = [n for n in m.not_separated if n in finals.names]
-    noise = max([picked.spread] + [finals.by_name(n).spread for n in others])
     return (
-        f"a tie inside the noise: {m.chosen} ({speed}) and {_names(others)} measured within their spread (up to "
-        f"{_spread(noise)}): this machine's timing cannot rank them, so {m.chosen}, the "
-        f"{_kind(m)}, is chosen; to rank them, rerun with --remeasure "
-        "on a quiet machine"
+        f"a tie inside the noise: {m.chosen} ({speed}) and {_names(tied.others)} measured within their spread (up to "
+        f"{_spread(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
+        f"{tied.kind}, is chosen; {RANK_THEM}"
     )
+
+
+RANK_THEM = "to rank them, rerun with --remeasure on a quiet machine"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tie:
+    """A choice the step times could not tell from other candidates within budget: those (`others`), the widest spread
+    among them all, and what the chosen one is among them (`kind`: `_kind`)."""
+
+    chosen: str
+    others: list[str]
+    spread: float
+    kind: str
+
+
+def tie(m: Measured, finals: Finals) -> Tie | None:
+    """The tie a policy's decision recorded (`measured.not_separated`: the pipeline's choose.not_separated at its
+    budget), or None where the choice is clear: what a search's first line and a sweep's table both report, so
+    that neither judges a tie on its own."""
+    picked = finals.get(m.chosen) if m.chosen else None
+    if m.objective != "speed" or picked is None or not picked.feasible:
+        return None
+    others = [n for n in m.not_separated if n in finals.names]
+    if not others:
+        return None
+    spread = max([picked.spread] + [finals.by_name(n).spread for n in others])
+    return Tie(chosen=picked.candidate, others=others, spread=spread, kind=_kind(m))
 
 
 def _kind(m: Measured) -> str:
     """What a choice among ties is, from the decision's own reason (choose.choose's `why`): the alternative the user
-    would run anyway, the one with fewer fp16/fp8 layers, or simply the fastest measured."""
+    would run anyway, the one with fewer fp16/fp8 layers, a smaller budget's choice the step times put above this
+    budget's pick, or simply the fastest measured."""
     why = m.why or ""
     if "the safer one" in why:
         return "safer one"
+    if why.startswith("kept from the smaller budget"):
+        return "smaller budget's choice"
     if m.chosen in {FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY, m.greedy}:
         return "alternative"
     return "fastest measured"
 
 
 def _names(names: Sequence[str]) -> str:
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    sep = "; " if any("," in n for n in names) else ", "  # "trial 5, fp16/fp8 -> bf16" is one name
+    shown = sep.join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return shown
 
 
@@ -548,29 +577,59 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
     table = markdown_table if markdown else text_table
     headers = ["budget", "chosen", "metric", "drop", "speedup", "spread", "peak memory", "vs fp32", "uniform bf16", "profile greedy",
                "formats", "file"]  # fmt: skip
-    rows = []
+    rows, ties = [], []
     for r in result.table:
-        bf16 = f"{r.uniform_bf16_speedup:.3f}" + ("" if r.uniform_bf16_drop <= r.budget else " (over)")
-        greedy = f"{r.greedy_speedup:.3f}" + ("" if r.greedy_drop <= r.budget else " (over)")
-        rows.append([r.budget_given or r.budget, r.chosen, r.metric, r.metric_drop, r.speedup, _spread(r.spread),
-                     human_bytes(r.peak_bytes), _saved(r.memory_saving), bf16, greedy, f"{r.root} root; {r.formats}",
-                     r.policy_file])  # fmt: skip
+        mb = Measured.of(result.policies[r.budget])
+        tied = tie(mb, result.finals)  # the tie its policy file records, as a search's first line reads it
+        others = tied.others if tied else []
+        bf16 = _beside(r.uniform_bf16_speedup, r.uniform_bf16_drop > r.budget, BF16 in others)
+        greedy = _beside(r.greedy_speedup, r.greedy_drop > r.budget, mb.greedy in others)
+        rows.append([r.budget_given or r.budget, r.chosen + (" (tie)" if tied else ""), r.metric, r.metric_drop, r.speedup,
+                     _spread(r.spread), human_bytes(r.peak_bytes), _saved(r.memory_saving), bf16, greedy,
+                     f"{r.root} root; {r.formats}", r.policy_file])  # fmt: skip
+        if tied:
+            ties.append(f"{r.budget_given or f'{r.budget:g}'}: tie with {_names(tied.others)} within {_spread(tied.spread)} "
+                        f"noise: {tied.chosen}, the {tied.kind}, is written")  # fmt: skip
     parts = [table(headers, rows)]
     first = next(iter(result.policies.values()), None)
     m = Measured.of(first) if first else Measured()
     parts.append(
         f"speedup: fp32 step time / effective step time, re-measured together ({m.timing or ''}); uniform bf16 and "
-        f"profile greedy: their speedups, '(over)' where their drop exceeds that budget. Study: {len(result.trials)} trials, "
+        f"profile greedy: their speedups, '(over)' where their drop exceeds that budget; '(tie)': the chosen one and "
+        f"those the step times could not tell from it. Study: {len(result.trials)} trials, "
         f"{len(result.front)} on the Pareto front; {result.choices.describe()}; {mode_text(m)}; device {m.device}"
     )
     parts.append(memory_text(m))
+    if result.saved is not None:
+        parts.append(_profile_line(result.saved))
     parts.extend(_unfit_lines(result.finals, m))
+    if ties:
+        parts.append(f"ties inside the noise (this machine's timing cannot rank them; {RANK_THEM}):\n"
+                     + "\n".join(f"- {t}" for t in ties))  # fmt: skip
     notes = [f"{r.budget:g}: {r.why}" for r in result.table if r.why not in ("the fastest within budget",)]
     if notes:
         parts.append("why:\n" + "\n".join(f"- {n}" for n in notes))
     if result.cost:
         parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(result.cost)))
     return "\n\n".join(parts)
+
+
+def _beside(speedup: float, over: bool, tied: bool) -> str:
+    """An alternative's speedup beside a budget's choice: `(over)` past that budget, `(tie)` not told from the choice."""
+    return f"{speedup:.3f}" + (" (over)" if over else "") + (" (tie)" if tied else "")
+
+
+def _profile_line(saved: SavedProfile) -> str:
+    """Which profile a sweep used: the output folder's (a search's) reused, or its own and why."""
+    where = f"{saved.folder.name}/profile.csv" if saved.own else "profile.csv"
+    if not saved.measured:
+        return f"profile: {where}, reused" + (" (the output folder's own is for other settings)" if saved.own else "")
+    if not saved.own:
+        return f"profile: measured for this sweep, saved as {where}"
+    return (
+        f"profile: measured for this sweep, saved as {where}: the output folder's profile.csv does not serve it "
+        f"({saved.why_not}) and is left as it was"
+    )
 
 
 def front_rows(front: pd.DataFrame) -> list[list[object]]:

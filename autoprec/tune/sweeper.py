@@ -4,9 +4,14 @@ read off its Pareto front.
 The study's constraint is the largest budget (`config.budget`): a trial over it is not timed, as in a
 search. For each budget the fastest trials within it become finalists; all of them, with fp32, uniform
 bf16 and the profile-greedy policy of each budget, are re-measured together, interleaved, and each budget
-takes the fastest re-measured candidate within it (the safer one where the lead is inside the spread).
-A larger budget may choose anything a smaller one could, so its speedup is never lower: where noise
-would say otherwise, the smaller budget's choice stands and the table says so.
+takes what a search of it would (choose.choose_per_budget, the search's own rule: the fastest re-measured candidate
+within it, the safer one where the lead is inside the spread); the table says where that is a tie inside the noise,
+from the tie list its policy file records. A larger budget may choose anything a smaller one could, so its speedup
+is never measurably lower: where its pick measured slower than a smaller budget's choice beyond the noise, that
+choice stands and the table says so.
+
+The profile a search saved in the same folder is reused where it serves the sweep (out_dir.reuse_or_profile); else
+the sweep measures its own into SWEEP_PROFILE there, never over the search's files.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from autoprec.tune.budget import parse_budgets
 from autoprec.tune.choices import Choices
 from autoprec.tune.config import Goal, SearchConfig
 from autoprec.tune.measure import NoiseFloor
+from autoprec.tune.out_dir import SWEEP_PROFILE, SavedProfile
 from autoprec.tune.pipeline import Plan, run
 from autoprec.tune.profile_data import Profile
 from autoprec.tune.records import Chosen, Finals, Measured
@@ -59,6 +65,9 @@ class BudgetRow:
     root: str
     policy_file: str
     why: str
+    # the candidates the step times could not tell from the chosen one ("; "-joined): its policy file's
+    # measured.not_separated, as the search records it (choose.not_separated); "" where the choice is clear
+    not_separated: str = ""
 
 
 @dataclasses.dataclass
@@ -77,6 +86,7 @@ class SweepResult:
     storage: str
     noise: NoiseFloor | None = None
     cost: dict[str, Any] | None = None
+    saved: SavedProfile | None = None  # where the profile is saved, and whether this sweep measured it
 
     def summary(self, *, markdown: bool = False) -> str:
         """The table the command line prints: per budget, the chosen policy beside uniform bf16 and greedy."""
@@ -123,7 +133,7 @@ def sweep_plan(budgets: tuple[float, ...], given: Mapping[float, str] | None = N
     """`given`: budget -> how the user gave it, where it was relative."""
     return Plan(
         budgets=budgets, objectives=OBJECTIVES, policy_file=policy_filename, trials_file="sweep_trials.csv",
-        finalists_file="sweep_finalists.csv", given=dict(given or {}),
+        finalists_file="sweep_finalists.csv", given=dict(given or {}), profile_folder=SWEEP_PROFILE,
     )  # fmt: skip
 
 
@@ -137,8 +147,9 @@ def sweep(
     given: Mapping[float, str] | None = None,
 ) -> SweepResult:
     """Search once for every budget; write sweep.csv, one policy file per budget, sweep_trials.csv and
-    sweep_finalists.csv to out_dir (the CLI adds sweep.md and pareto.png from the result). `config.budget`
-    bounds the study and must be at least the largest budget (the CLI sets it to that)."""
+    sweep_finalists.csv to out_dir (the CLI adds sweep.md and pareto.png from the result), and a profile only where
+    none there serves (into SWEEP_PROFILE where out_dir holds one). `config.budget` bounds the study and must be at
+    least the largest budget (the CLI sets it to that)."""
     done = run(workload, space, config, out_dir, sweep_plan(parse_budgets(budgets), given))
     started = done.started
     table = [_row(c, done.finals) for c in done.chosen]
@@ -148,6 +159,7 @@ def sweep(
         table=table, policies={c.budget: c.policy for c in done.chosen}, front=pareto_front(done.trials, config.objective),
         trials=done.trials, finals=done.finals, profile=started.profile, choices=started.choices,
         study_name=started.study.study_name, storage=started.storage, noise=started.judge.noise, cost=done.cost,
+        saved=started.saved,
     )  # fmt: skip
 
 
@@ -158,5 +170,5 @@ def _row(chosen: Chosen, finals: Finals) -> BudgetRow:
         metric_drop=r.metric_drop, step_ms=r.effective_step_ms, spread=r.spread, speedup=r.speedup,
         uniform_bf16_speedup=bf16.speedup, uniform_bf16_drop=bf16.metric_drop, greedy_speedup=greedy.speedup,
         greedy_drop=greedy.metric_drop, peak_bytes=r.peak_bytes, memory_saving=r.memory_saving, formats=_format_counts(policy), root=policy.layers.get(ROOT, Format.FP32).value,
-        policy_file=chosen.file.name, why=chosen.why,
+        policy_file=chosen.file.name, why=chosen.why, not_separated="; ".join(Measured.of(policy).not_separated),
     )  # fmt: skip
