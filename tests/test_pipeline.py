@@ -188,6 +188,50 @@ def test_a_time_budget_keeps_four_fifths_of_it_for_the_trials(monkeypatch, tmp_p
     assert BUDGET_FINAL_SHARE == 0.25 and before + share <= given.value.args[0] <= after + share
 
 
+def test_on_a_device_the_trials_found_too_noisy_the_final_remeasure_times_no_extra_rounds_and_says_so(monkeypatch, caplog):
+    """A loaded machine's default searches stopped for noise after 6 trials, then sat in 35-60 s re-measure rounds
+    (issue 38, 6): more rounds at that noise separate nothing. Its configured rounds only, and a plain line."""
+    from autoprec.tune.cost import Stopwatch
+
+    loud = {"fp32": [10.0, 10.1, 10.0], "x": [10.0, 20.0, 5.0]}
+    asked = []
+
+    def remeasure(workload, candidates, judge, budget, timing, **kw):
+        asked.append(kw["more"](loud))
+        return finals({"candidate": "fp32", "spread": 0.02}, {"candidate": "x", "spread": 0.6})
+
+    monkeypatch.setattr(pipeline, "remeasure", remeasure)
+    config = SearchConfig(budget=0.1, progress=False)
+    with caplog.at_level("WARNING", logger="autoprec"):
+        pipeline.final_remeasure(None, {}, None, config, Stopwatch(), noisy_device=True)
+    assert asked == [0]
+    assert any("this machine is too noisy to separate these candidates" in r.message for r in caplog.records)
+    asked.clear()
+    pipeline.final_remeasure(None, {}, None, config, Stopwatch(), noisy_device=False)
+    assert asked == [config.final_timing.rounds]  # a device the trials found quiet: a noisy re-measure times on
+
+
+def test_a_time_budget_the_profile_used_up_or_the_search_overran_is_said_with_where_the_time_went(monkeypatch, tmp_path, caplog):
+    """`--time-budget 4 --compile` ran 0 of 30 trials because the profile used it all, and said nothing (issue 38, 5)."""
+    from short_timing import FAST_PROFILE, TINY
+
+    from autoprec.tune.searcher import search
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
+    config = SearchConfig(budget=0.05, time_budget=1e-4, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, progress=False)
+    with caplog.at_level("WARNING", logger="autoprec"):
+        result = search(workload, space, config, tmp_path)
+    said = [r.message for r in caplog.records]
+    assert any("the profile alone took" in m and "no trial runs" in m for m in said), said
+    assert any(m.startswith("--time-budget 0.0 min overrun: the search took") and "profile" in m for m in said), said
+    assert result.policy.measured["chosen"]  # an answer all the same, from the alternatives
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="autoprec"):
+        pipeline._say_if_overrun(60.0, 60.0 * 1.2, pipeline.Stopwatch())  # within the stated tolerance: nothing
+    assert not caplog.records
+
+
 def test_a_full_disk_while_a_database_holds_the_study_names_it_without_its_password(tmp_path, monkeypatch):
     import errno
 

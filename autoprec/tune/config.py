@@ -64,6 +64,9 @@ FINAL_SHARE = 1.0
 # (which never runs past the budget either): a quiet device's settles in a few rounds, and a noisy device's trials
 # stop on their own much sooner (objective.Objective.should_stop), leaving it the rest.
 BUDGET_FINAL_SHARE = 0.25
+# --time-budget is overrun by more than this share only where the profile or the final re-measure's first
+# SETTLED_FINAL_ROUNDS rounds need it (neither is cut short); the search then says so, with where the time went.
+TIME_BUDGET_TOLERANCE = 0.25
 
 RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
 

@@ -51,6 +51,7 @@ from autoprec.tune.config import (
     NOISY_SPREAD,
     SETTLED,
     SETTLED_FINAL_ROUNDS,
+    TIME_BUDGET_TOLERANCE,
     Goal,
     Mode,
     SearchConfig,
@@ -74,7 +75,7 @@ from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes
 from autoprec.tune.storage import check_storage, open_study
 from autoprec.tune.task import Workload
-from autoprec.tune.trials import first_of_run, trial_costs, trials_table
+from autoprec.tune.trials import device_noise, first_of_run, trial_costs, trials_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -187,6 +188,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         started.judge.measure()  # before the trials (its own line in the cost table); a result that stands needs none
     if config.time_budget is not None:  # the trials stop where the final re-measure's share still fits
         objective.deadline = began + config.time_budget / (1 + BUDGET_FINAL_SHARE)
+        _say_if_no_trial_fits(config.time_budget, time.perf_counter() - began, objective.deadline - began)
     ran = run_trials(started.study, objective, target, progress=config.progress)
     stopped = None
     if objective.stopped is not None and _complete(started.study) < target:
@@ -204,7 +206,13 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     else:  # a finished study re-measured (--remeasure): its trials' time was spent by the earlier run, not this one
         watch.count("trials: run earlier, none now (their time is in the earlier run's table)", _complete(started.study))
     candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists, goal=config.objective)
-    finals = final_remeasure(workload, candidates, started.judge, config, watch, cap_s=_final_cap(config, watch, began, ran))
+    noise = device_noise(started.study, since=objective.since)
+    finals = final_remeasure(
+        workload, candidates, started.judge, config, watch, cap_s=_final_cap(config, watch, began, ran),
+        noisy_device=noise is not None and noise > NOISY_SPREAD,
+    )  # fmt: skip
+    if config.time_budget is not None:
+        _say_if_overrun(config.time_budget, time.perf_counter() - began, watch)
     # the tables first, the policy files last: a policy file marks a complete result (see _earlier_result)
     trials = trials_table(started.study, started.choices, started.profile)
     write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
@@ -226,6 +234,30 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         file = policy.save(out_dir / plan.policy_file(b))
         chosen.append(Chosen(budget=b, name=name, why=why, policy=policy, file=file, greedy=greedy[b]))
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
+
+
+def _say_if_no_trial_fits(budget_s: float, spent_s: float, trials_s: float) -> None:
+    """--time-budget: said as soon as the profile (or a reused one's check) has used the trials' share of it."""
+    if spent_s >= trials_s:
+        log.warning(
+            "--time-budget %.1f min: the profile alone took %.1f min, past the %.1f min the trials may use, so no trial "
+            "runs; the answer is chosen among the alternatives and a rerun reuses the profile (give a larger budget)",
+            budget_s / 60, spent_s / 60, trials_s / 60,
+        )  # fmt: skip
+
+
+def _say_if_overrun(budget_s: float, spent_s: float, watch: Stopwatch) -> None:
+    """--time-budget bounds the trials and the final re-measure's extra rounds; the profile and the re-measure's
+    first SETTLED_FINAL_ROUNDS rounds are not cut short (docs/measuring.md). Past TIME_BUDGET_TOLERANCE, say where
+    the time went."""
+    if spent_s <= budget_s * (1 + TIME_BUDGET_TOLERANCE):
+        return
+    stages = sorted(watch.seconds.items(), key=lambda kv: -kv[1])[:2]
+    where = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in stages)
+    log.warning(
+        "--time-budget %.1f min overrun: the search took %.1f min (%s); the profile and the final re-measure's first "
+        "%d rounds are not cut short", budget_s / 60, spent_s / 60, where, SETTLED_FINAL_ROUNDS,
+    )  # fmt: skip
 
 
 def _final_cap(config: SearchConfig, watch: Stopwatch, began: float, ran: int) -> float | None:
@@ -479,16 +511,20 @@ def final_remeasure(
     watch: Stopwatch,
     *,
     cap_s: float | None = None,
+    noisy_device: bool = False,
 ) -> Finals:
     """The finalists and the alternatives re-measured together (remeasure), the compilation timed apart. `cap_s`:
-    seconds of timing after which it stops once SETTLED_FINAL_ROUNDS rounds are in (FINAL_SHARE of the search)."""
+    seconds of timing after which it stops once SETTLED_FINAL_ROUNDS rounds are in (FINAL_SHARE of the search).
+    `noisy_device`: the trials found the device too noisy to rank (trials.device_noise beyond NOISY_SPREAD): its
+    configured rounds only, as a quiet device's, since more rounds at that noise separate nothing, and it says so."""
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     start = time.perf_counter()
     capped: list[int] = []
     noisy = more_if_noisy(config.final_timing.rounds)
 
     def more(samples: Mapping[str, Sequence[float]]) -> int:
-        return 0 if capped else noisy(samples)  # past the cap: no more rounds, and no warning that promises them
+        # past the cap, or on a device the trials found too noisy: no more rounds, and no warning that promises them
+        return 0 if capped or noisy_device else noisy(samples)
 
     def enough(samples: Mapping[str, Sequence[float]]) -> bool:
         # stops early once every candidate's rounds agree (measure.all_settled), or once past the cap: the
@@ -510,7 +546,13 @@ def final_remeasure(
     watch.count("final re-measure: whole-step timings (each round: every candidate's)", sum(r.rounds for r in finals))
     if capped:
         watch.count(f"final re-measure: rounds stopped at its cap ({FINAL_SHARE:.0%} of the search's time before it)", capped[0])
-    if finals.noisiest() > NOISY_SPREAD:
+    if finals.noisiest() > NOISY_SPREAD and noisy_device:
+        log.warning(
+            "this machine is too noisy to separate these candidates (step times spread up to ±%.0f%%, as in the "
+            "trials): candidates closer than that are ties, and the safer one is chosen; rerun on a quieter machine "
+            "with --remeasure for a ranking", 50 * finals.noisiest(),
+        )  # fmt: skip
+    elif finals.noisiest() > NOISY_SPREAD:
         log.warning(
             "step times still spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
             "chosen; rerun on a quieter machine with --remeasure for a ranking", 50 * finals.noisiest(),
