@@ -50,3 +50,182 @@ def test_heat_map_marks_what_went_wrong(prof, tmp_path, monkeypatch):
 
     fc1 = next(line for line in profile_summary(table).splitlines() if line.startswith("fc1"))
     assert "ruled out" in fc1 and "inf/nan" not in fc1
+
+
+# ---- laid out for a screen, and cheap at any size (issues 37 and 38) -----------------------------------------------
+
+ALL_FORMATS = ["fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp", "fp8-fwd", "fp8-fwd-dgrad",
+               "fp8-rowwise-fwd", "fp8-rowwise-fwd-dgrad", "mxfp8"]  # fmt: skip
+
+
+def profile_table(layers, formats, drop=lambda layer, fmt: 0.0):
+    """A profile table as the profiler writes it: every (layer, format) measured, SQNR 30 dB, the drop `drop` gives."""
+    import pandas as pd
+
+    from autoprec.tune.profile_data import COLUMNS
+
+    rows = []
+    for layer in layers:
+        for fmt in formats:
+            ref = fmt == "fp32"
+            rows.append({"layer": layer, "type": "Linear", "shape": "64x64", "format": fmt, "status": "ok", "finite": True,
+                         "overflow": False, "metric_source": "measured", "time_ms": 1.0, "time_vs_fp32": 1.0,
+                         "sqnr_db": math.inf if ref else 30.0, "metric_drop": 0.0 if ref else drop(layer, fmt)})  # fmt: skip
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def blocks(count, roles=("attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.down")):
+    """`count` layer names of a transformer's blocks (blocks.0.attn.q ...), in model order."""
+    return [f"blocks.{i // len(roles)}.{roles[i % len(roles)]}" for i in range(count)]
+
+
+@pytest.fixture
+def laid_out(monkeypatch):
+    """The figures the plots save, laid out but not rendered: what a test of their size and rows needs, cheaply."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: figures.append(self))
+    return figures
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the plots save, rendered as they are saved."""
+    from matplotlib.figure import Figure
+
+    figures, save = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: figures.append(self) or save(self, *args, **kwargs))
+    return figures
+
+
+def test_a_profile_of_every_format_is_laid_out_for_a_screen(tmp_path):
+    """4 layers in 11 formats made a 3080x330 strip, unreadable at a screen's size (issue 38, 9)."""
+    from matplotlib.image import imread
+
+    plot_profile(profile_table(blocks(4), ALL_FORMATS, lambda layer, fmt: 0.001), tmp_path / "p.png")
+    height, width, _ = imread(tmp_path / "p.png").shape
+    assert width <= 1400 and width < 2.5 * height, (width, height)
+
+
+def test_a_drop_colour_bar_says_every_drop_is_0(tmp_path, drawn):
+    """Every drop 0: the colour bar read -1e-12 .. 1e-12 (issue 38, 9)."""
+    plot_profile(profile_table(blocks(3), ["fp32", "bf16", "fp16"]), tmp_path / "p.png")
+    (fig,) = drawn
+    labels = [ax.get_ylabel() for ax in fig.axes] + [ax.get_title() for ax in fig.axes]
+    assert any("all drops 0" in label for label in labels), labels
+    ticks = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels()]
+    offsets = [ax.yaxis.get_offset_text().get_text() for ax in fig.axes]
+    assert not any("e-12" in text.replace("\u2212", "-") or "e\u221212" in text for text in ticks + offsets), (ticks, offsets)
+
+
+@pytest.mark.parametrize("names", ["roles", "flat"])
+def test_a_profile_of_1600_layers_draws_a_screen_of_rows(tmp_path, laid_out, names):
+    """A 1200-Linear model's profile.png took longer than the search and 5 GB (issue 37, 10): one row a layer. Now
+    beyond PROFILE_ROWS the layers of one block role share a row, the worst of them shown, or, where the names have
+    no block roles, the most sensitive layers are drawn and the title says how many were left out."""
+    layers = blocks(1600) if names == "roles" else [f"stage{i // 40}_conv{i % 40}" for i in range(1600)]
+    worst = layers[6 * 100]  # blocks.100.attn.q: its role's row shows its drop
+    table = profile_table(layers, ALL_FORMATS, lambda layer, fmt: 0.5 if layer == worst and fmt == "bf16" else 0.001)
+    plot_profile(table, tmp_path / "p.png", title="big")
+    (fig,) = laid_out
+    heat_maps = [ax for ax in fig.axes if ax.images and ax.get_xticklabels()]
+    rows = {ax.images[0].get_array().shape[0] for ax in heat_maps}
+    assert max(rows) <= 40, rows  # a screen's
+    from autoprec.tune.plots import PROFILE_ROWS
+
+    assert rows == ({6} if names == "roles" else {PROFILE_ROWS}), rows
+    assert sum(len(ax.texts) for ax in heat_maps) <= 2 * PROFILE_ROWS * len(ALL_FORMATS)
+    width, height = fig.get_size_inches()
+    assert width <= 14 and height <= 2 * PROFILE_ROWS * 0.3 + 4, (width, height)
+    labels = [t.get_text() for t in heat_maps[0].get_yticklabels()]
+    title = fig.get_suptitle()
+    if names == "roles":
+        assert labels[0] == "blocks.*.attn.q (267)" and "1600 layers" in title, (labels, title)
+        texts = {(t.get_position(), t.get_text()) for t in heat_maps[1].texts}
+        assert ((1, 0), "0.5") in texts  # bf16, blocks.*.attn.q: the worst of the role
+    else:
+        assert f"{PROFILE_ROWS} most sensitive of 1600" in title and f"{1600 - PROFILE_ROWS} left out" in title, title
+        assert "stage15_conv0" in labels  # the one layer that drops 0.5 is among them
+
+
+def grad_table(layers):
+    """grad_ranges.csv's fp16 rows for `layers`: each underflows below 2^(8 + k % 5) and overflows above 2^20."""
+    import pandas as pd
+
+    rows = [{"layer": name, "tensor": "all", "format": "fp16", "scale_log2": s, "nonzero": 100,
+             "underflow": 1.0 if s < 8 + k % 5 else 0.0, "subnormal": 0.0, "overflow": 0.1 if s > 20 else 0.0}
+            for k, name in enumerate(layers) for s in range(25)]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_grad_ranges_of_1200_layers_draw_a_bounded_number_of_lines(tmp_path, laid_out):
+    """grad_ranges.png drew two lines for every layer of a 1200-Linear model (issue 37, 10): beyond GREY_LINES
+    unnamed layers, the range they span is shaded instead."""
+    from autoprec.tune.gradients import ScaleAdvice
+    from autoprec.tune.plots import LEGEND_LAYERS, plot_grad_ranges
+
+    layers = blocks(1200)
+    advice = ScaleAdvice(low=12, high=20, low_limited_by=(layers[4],), high_limited_by=(layers[7],))
+    plot_grad_ranges(grad_table(layers), advice, tmp_path / "g.png")
+    (fig,) = laid_out
+    ax = fig.axes[0]
+    assert len(ax.lines) <= 2 * LEGEND_LAYERS + 4, len(ax.lines)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:2] == [layers[4], layers[7]] and any(text.startswith("1198 other layers") for text in legend), legend
+
+
+def sweep_result(drops, speedups):
+    """A sweep's result with a trial per drop and speedup, budgets 0 and 0.01, each choosing the fastest trial."""
+    import pandas as pd
+    from builders import finals
+
+    from autoprec import Policy
+    from autoprec.tune.sweeper import BudgetRow, SweepResult
+
+    trials = pd.DataFrame({"trial": range(len(drops)), "metric_drop": drops, "speedup": speedups, "spread": 0.01,
+                           "feasible": True})  # fmt: skip
+    front = trials.sort_values("speedup").tail(1)
+    best = front.iloc[0]
+    table = [BudgetRow(budget=b, budget_given=None, chosen=f"trial {best['trial']}", metric=1.0, metric_drop=best["metric_drop"],
+                       step_ms=10.0, spread=0.01, speedup=best["speedup"], uniform_bf16_speedup=1.5, uniform_bf16_drop=0.0,
+                       greedy_speedup=1.4, greedy_drop=0.0, peak_bytes=None, memory_saving=None, formats="bf16 3",
+                       root="fp32", policy_file=f"policy_{b}.json", why="") for b in (0.0, 0.01)]  # fmt: skip
+    return SweepResult(
+        table=table, policies={r.budget: Policy(layers={"fc1": "bf16"}) for r in table}, front=front, trials=trials,
+        finals=finals({"candidate": "fp32"}, {"candidate": "uniform bf16", "speedup": 1.5}), profile=None, choices=None,
+        study_name="s", storage="s.journal",
+    )  # fmt: skip
+
+
+def test_a_sweep_whose_drops_are_all_0_shows_each_trial_and_says_so(tmp_path, laid_out):
+    """Every drop 0: pareto.png stacked every trial in one column at 0, each hiding the last (issue 38, 9)."""
+    from autoprec.tune.plots import plot_pareto
+
+    plot_pareto(sweep_result([0.0] * 12, [1.0 + k / 20 for k in range(12)]), tmp_path / "pareto.png")
+    (fig,) = laid_out
+    ax = fig.axes[0]
+    trials = ax.collections[0].get_offsets()
+    assert len(set(trials[:, 0])) == 12, trials
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("all drops 0" in text for text in legend), legend
+
+
+def test_no_figure_warns_of_its_layout(tmp_path, drawn):
+    """matplotlib's 'Tight layout not applied' reached the output (issue 37, 17): one layer in every format, a
+    legend of long layer names. Each figure is laid out to fit what it draws."""
+    import warnings
+
+    from autoprec.tune.gradients import ScaleAdvice
+    from autoprec.tune.plots import plot_grad_ranges, plot_pareto
+
+    long = [f"model.encoder.layers.{k}.attention.self.query_key_value_projection" for k in range(20)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plot_profile(profile_table(["head"], ALL_FORMATS, lambda layer, fmt: 0.002), tmp_path / "profile.png")
+        plot_profile(profile_table(blocks(1600), ALL_FORMATS), tmp_path / "big.png", title="x" * 200)
+        plot_grad_ranges(grad_table(long), ScaleAdvice(low=12, high=20, low_limited_by=tuple(long[:12])), tmp_path / "g.png")
+        plot_pareto(sweep_result([0.0, 0.001, 0.004], [1.1, 1.3, 1.6]), tmp_path / "pareto.png", title="y" * 150)
+        plot_pareto(sweep_result([0.0] * 3, [1.1, 1.3, 1.6]), tmp_path / "pareto0.png")
+    assert len(drawn) == 5
+    assert [str(w.message) for w in caught] == []
