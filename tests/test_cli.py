@@ -313,6 +313,29 @@ def test_show_policy_without_fp16(capsys, tmp_path):
     assert code == 0 and "loss scaling: off (no fp16 layer)" in out
 
 
+HOSTILE = "a|b <script>alert(1)</script> `rm -rf` &amp; c\\"  # a cell's end, HTML, a code span, an entity, a backslash
+
+
+def test_show_markdown_shows_recorded_names_and_values_as_text(capsys, tmp_path):
+    """`show --markdown` wrote a recorded name or value as it was: a `|` split its table row and `<script>` went into
+    the markdown as HTML (issue 37, 15)."""
+    import re
+
+    measured = {"device": HOSTILE, "model": HOSTILE, "timing": HOSTILE, "versions": {"torch": HOSTILE},
+                "excluded": {"fc1": {"fp8": HOSTILE}},
+                "results": {HOSTILE: {"speedup": 1.5, "metric_drop": 0.0, "error": HOSTILE}, "fp32": {"speedup": 1.0}}}  # fmt: skip
+    path = Policy(layers={"fc1": "fp16"}, measured=measured).save(tmp_path / "policy.json")
+    code, out, err = run(capsys, "show", path, "--markdown")
+    assert code == 0 and err == ""
+    assert "<" not in out and ">" not in out and re.search(r"(?<!\\)`", out) is None, out
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in out and "&amp;amp;" in out and "a\\|b" in out
+    for table in re.findall(r"(?:^\|.*\n?)+", out, flags=re.M):  # every row has its header's cells
+        cells = {len(re.findall(r"(?<!\\)\|", row)) for row in table.splitlines()}
+        assert len(cells) == 1, table
+    results = next(line for line in out.splitlines() if line.startswith("| a\\|b"))
+    assert results.startswith("| a\\|b &lt;script&gt;alert(1)&lt;/script&gt; \\`rm -rf\\` &amp;amp; c\\\\ | ")
+
+
 # ---- as a process ------------------------------------------------------------------------------
 
 

@@ -273,3 +273,15 @@ def test_a_sweeps_table_says_the_tie_its_policy_file_records():
         "- 0.01: tie with fp32, uniform bf16, profile greedy 0.01 within ±55.0% noise: trial 12, the fastest measured, is written"
         in text
     )
+
+
+def test_a_markdown_table_keeps_each_row_on_its_line():
+    """A recorded value with a line break or a `|` ended its row or split its cell in summary.md (issue 37, 15)."""
+    from autoprec.tune.report import markdown_table
+
+    text = markdown_table(["name", "error"], [["trial 3", "boom\nTraceback | <b>line</b>\r\n`x`"]])
+    assert text.splitlines() == [
+        "| name | error |",
+        "|---|---|",
+        "| trial 3 | boom Traceback \\| &lt;b&gt;line&lt;/b&gt; \\`x\\` |",
+    ]

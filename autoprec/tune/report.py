@@ -64,9 +64,24 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, widt
     return "\n".join(out)
 
 
+# A recorded name or value (a policy's measured block, a candidate's error) is text, never markdown or HTML: `<`, `>` and
+# `&` as entities, backticks (a code span) and `|` (a table's next cell) and `\` (which would escape what follows) escaped
+_MARKDOWN = str.maketrans({"\\": "\\\\", "`": "\\`", "|": "\\|", "<": "&lt;", ">": "&gt;", "&": "&amp;"})
+
+
+def markdown_text(text: str) -> str:
+    """`text` shown as itself in markdown: no HTML, no code span, no table cell ends inside it."""
+    return text.translate(_MARKDOWN)
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    """A markdown table; every cell escaped (markdown_text), its line breaks as spaces (a break would end the row)."""
+
+    def cell(value: object) -> str:
+        return " ".join(markdown_text(_cell(value)).splitlines())
+
+    out = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
     return "\n".join(out)
 
 
@@ -127,7 +142,9 @@ class LayerTable:
         notes = self.notes()
         if not notes:
             return table
-        return "\n".join([table, "", *(f"- {line}" for line in notes)]) if markdown else "\n".join([table, "", *notes])
+        if markdown:
+            return "\n".join([table, "", *(f"- {markdown_text(line)}" for line in notes)])
+        return "\n".join([table, "", *notes])
 
 
 SHARED_ROW_NAMES = 40  # characters of layer names a shared row lists before it counts them instead
@@ -210,8 +227,10 @@ def _printable_tree(value: Any, depth: int = 4) -> Any:
 
 def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     """A policy for a person: each layer's format, the loss scale, and what it was measured on. A received
-    policy's text is printed escaped: a control character in it cannot set the title or clear the screen."""
+    policy's text is printed escaped: a control character in it cannot set the title or clear the screen, and in
+    markdown, no name or value is HTML or markup (markdown_text)."""
     table = markdown_table if markdown else text_table
+    say = markdown_text if markdown else str  # the lines between the tables, which escape their own cells
     if policy.measured:
         policy = Policy(layers=policy.layers, loss_scale=policy.loss_scale, measured=_printable_tree(policy.measured))
     parts = [LayerTable(policy).render(markdown=markdown)]
@@ -224,33 +243,33 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
             f"backoff x{ls.backoff_factor:g}, {'dynamic' if ls.dynamic else 'static'}"
         )
     )
-    parts.append(f"loss scaling: {scaler}")
+    parts.append(say(f"loss scaling: {scaler}"))
     used = sorted(set(policy.layers.values()), key=list(Format).index)
     if used:
-        parts.append("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used))
+        parts.append(say("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used)))
     if policy.measured:
         m = Measured.of(policy)
-        parts.append(
+        parts.append(say(
             f"measured on {m.device or '?'} for {m.model or '?'}; metric {m.metric or '?'}, "
             f"budget {_budget(m)} ({mode_text(m)}); "
             + (f"fp8: {m.fp8 or '?'}; " if any(f.spec.is_fp8 for f in policy.layers.values()) else "")  # only where it runs fp8
             + f"step times {'compiled' if m.compiled else 'eager'}"
-        )
+        ))  # fmt: skip
         if m.not_separated:
-            parts.append(
+            parts.append(say(
                 f"not separated: the step times measured could not tell {m.chosen or 'this policy'} from "
                 f"{_names(list(m.not_separated))} (inside their spread); it was chosen as the {_kind(m)}, and is "
                 "not shown faster than them"
-            )
+            ))  # fmt: skip
         if m.results:
             rows = result_rows(policy)
             parts.append(table(RESULT_HEADERS[: len(rows[0])], rows))
-            parts.extend(f"{n} failed: {r.error}" for n, r in m.results.items() if r.error)
-            parts.append(f"step time: {m.timing or ''}; speedup = fp32 step time / step time")
+            parts.extend(say(f"{n} failed: {r.error}") for n, r in m.results.items() if r.error)
+            parts.append(say(f"step time: {m.timing or ''}; speedup = fp32 step time / step time"))
             if m.memory:
-                parts.append(memory_text(m))
+                parts.append(say(memory_text(m)))
         if m.versions:
-            parts.append("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
+            parts.append(say("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items())))
     return "\n\n".join(parts)
 
 
