@@ -86,6 +86,19 @@ def test_profile_reports_the_same_errors(capsys, tmp_path, write_model, mlp_sour
     assert_user_error(code, err, str(path), "missing required function batches()")
 
 
+def test_an_exclude_that_leaves_no_layer_says_so(capsys, tmp_path, write_model, mlp_source):
+    """--exclude of every Linear said "the model has no layer of the types the search space tunes" (issue 37, 13)."""
+    path = write_model(mlp_source)
+    for verb in ("profile", "search"):
+        code, out, err = run(capsys, verb, path, "--device", "cpu", "--out", tmp_path / "out", "--exclude", "fc*",
+                             "--exclude", "head")  # fmt: skip
+        line = assert_user_error(code, err, "--exclude 'fc*' --exclude 'head' left no layer to tune",
+                                 "excluded all 3 layers of the types the search space tunes")  # fmt: skip
+        assert "the model has no layer" not in line and out == ""
+    code, _, err = run(capsys, "profile", path, "--device", "cpu", "--out", tmp_path / "out", "--exclude", "*")
+    assert_user_error(code, err, "--exclude '*' left no layer to tune: it excluded all 3 layers")
+
+
 # ---- search: option problems -------------------------------------------------------------------
 
 

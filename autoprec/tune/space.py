@@ -135,13 +135,24 @@ class SearchSpace:
 
     def with_excludes(self, patterns: Sequence[str], model: torch.nn.Module) -> SearchSpace:
         """This space with `patterns` (a --exclude option, the Python API's `exclude=`) excluded too. A pattern
-        that matches no module of `model` is a typo that would exclude nothing: refused, naming some names."""
+        that matches no module of `model` is a typo that would exclude nothing: refused, naming some names. Patterns
+        that exclude every layer the space would tune leave nothing to search: refused, saying how many they excluded
+        (not "the model has no layer of the types the search space tunes", which blamed the model)."""
         names = [n for n, _ in model.named_modules() if n]
         for pattern in patterns:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 raise ValueError(f"exclude {pattern!r} matches no module of the model (its modules include "
                                  f"{', '.join(names[:6])}); patterns are fnmatch, e.g. pooler or '*.lm_head'")  # fmt: skip
-        return dataclasses.replace(self, exclude=self.exclude + tuple(patterns)) if patterns else self
+        if not patterns:
+            return self
+        wider = dataclasses.replace(self, exclude=self.exclude + tuple(patterns))
+        before = self._outermost(model)
+        if before and not wider._outermost(model):
+            given = " --exclude ".join(map(repr, patterns))
+            raise ValueError(f"exclude {given} left no layer to tune: {'it' if len(patterns) == 1 else 'together they'} "
+                             f"excluded all {len(before)} layer{'s' if len(before) != 1 else ''} of the types the search "
+                             f"space tunes ({', '.join(self.layers)}); exclude fewer modules")  # fmt: skip
+        return wider
 
     def offered(self, module: torch.nn.Module) -> tuple[Format, ...] | None:
         """Formats offered for a module, or None when its type is not a tunable layer."""
@@ -152,15 +163,21 @@ class SearchSpace:
 
     def tunable_layers(self, model: torch.nn.Module) -> dict[str, tuple[Format, ...]]:
         """Outermost modules of a listed type, by name; modules inside a tunable layer follow it."""
+        found = self._outermost(model)
+        for name in found:
+            if not MODULE_PATH.fullmatch(name):  # torch takes any ModuleDict key; a policy file does not
+                raise UserError(f"module {shown(name)} of the model: a policy names layers by letters, digits, _ and - "
+                                f"joined by dots; rename it, or leave it out of the search with --exclude {shown(name)}")  # fmt: skip
+        return found
+
+    def _outermost(self, model: torch.nn.Module) -> dict[str, tuple[Format, ...]]:
+        """tunable_layers without the check of their names."""
         found: dict[str, tuple[Format, ...]] = {}
         for name, module in model.named_modules():
             if not name or any(name.startswith(prefix + ".") for prefix in found) or self.excluded(name):
                 continue
             formats = self.offered(module)
             if formats is not None:
-                if not MODULE_PATH.fullmatch(name):  # torch takes any ModuleDict key; a policy file does not
-                    raise UserError(f"module {shown(name)} of the model: a policy names layers by letters, digits, _ and - "
-                                    f"joined by dots; rename it, or leave it out of the search with --exclude {shown(name)}")  # fmt: skip
                 found[name] = formats
         return found
 
