@@ -113,3 +113,30 @@ class WithLoRA(torch.nn.Module):
 
     def forward(self, x):
         return self.plain(torch.relu(self.lora(x)))
+
+
+def gemm_sqnrs(fmt: str, root: str) -> dict[str, float]:
+    """A 256x512 Linear in `fmt` (the rest of the model in `root`, as apply_policy puts it) against its fp32
+    control, seeded: the SQNR (dB) of its output (fprop), input gradient (dgrad) and weight gradient (wgrad)."""
+    import copy
+
+    from autoprec import Policy, apply_policy
+    from autoprec.tune.measure import sqnr_db
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(256, 512))
+    low = apply_policy(copy.deepcopy(ref), Policy(layers={"": root, "0": fmt}))
+    x = torch.randn(64, 256)
+    x_ref, x_low = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=root == "bf16"):  # as a training step runs the policy
+        y = low(x_low)
+    grad_out = torch.randn_like(y_ref)
+    y_ref.backward(grad_out)
+    y.float().backward(grad_out)
+    assert low[0].weight.grad.dtype == torch.float32  # the master weight's gradient stays in its dtype
+    return {
+        "fprop": sqnr_db(y_ref, y.float()),
+        "dgrad": sqnr_db(x_ref.grad, x_low.grad.float()),
+        "wgrad": sqnr_db(ref[0].weight.grad, low[0].weight.grad),
+    }

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from builders import gemm_sqnrs
 from torch import nn
 
 from autoprec import Policy, apply_policy, grad_scaler
@@ -376,28 +377,6 @@ def test_each_fp8_recipe_keeps_torchao_sqnr_thresholds_or_says_why_it_cannot_run
 PER_GEMM = [Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD]
 
 
-def _gemm_sqnrs(fmt, root):
-    """A 256x512 Linear in `fmt` (the rest of the model in `root`, as apply_policy puts it) against its fp32
-    control, seeded: the SQNR (dB) of its output (fprop), input gradient (dgrad) and weight gradient (wgrad)."""
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(256, 512))
-    low = apply_policy(copy.deepcopy(ref), Policy(layers={"": root, "0": fmt}))
-    x = torch.randn(64, 256)
-    x_ref, x_low = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_ref = ref(x_ref)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=root == "bf16"):  # as a training step runs the policy
-        y = low(x_low)
-    grad_out = torch.randn_like(y_ref)
-    y_ref.backward(grad_out)
-    y.float().backward(grad_out)
-    assert low[0].weight.grad.dtype == torch.float32  # the master weight's gradient stays in its dtype
-    return {
-        "fprop": sqnr_db(y_ref, y.float()),
-        "dgrad": sqnr_db(x_ref.grad, x_low.grad.float()),
-        "wgrad": sqnr_db(ref[0].weight.grad, low[0].weight.grad),
-    }
-
-
 @pytest.mark.parametrize("root", ["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", [f.value for f in PER_GEMM])
 def test_each_per_gemm_fp8_format_keeps_its_fp8_gemms_above_20_db_and_the_others_as_good_as_bf16(fmt, root):
@@ -407,7 +386,7 @@ def test_each_per_gemm_fp8_format_keeps_its_fp8_gemms_above_20_db_and_the_others
     gemms = Format(fmt).spec.fp8
     problem = Format(fmt).spec.device_problem("cpu")
     assert problem is None  # emulated on a CPU; a GPU without fp8 kernels emulates it too
-    bf16, mine = _gemm_sqnrs("bf16", root), _gemm_sqnrs(fmt, root)
+    bf16, mine = gemm_sqnrs("bf16", root), gemm_sqnrs(fmt, root)
     assert mine["fprop"] >= 20
     for gemm in gemms.high_precision:
         assert mine[gemm] >= bf16[gemm] - 1, (gemm, mine, bf16)

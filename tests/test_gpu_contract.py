@@ -10,13 +10,13 @@ import copy
 
 import pytest
 import torch
+from builders import gemm_sqnrs
 from gpu_contract import ContractError, check_scaled_mm, enforced, lifted
 from torch import nn
 
 import autoprec
 from autoprec.apply import applied_summary
 from autoprec.formats import FP8_FORMATS, Format, Fp8Backend
-from autoprec.tune.measure import sqnr_db
 
 FP8 = [f.value for f in FP8_FORMATS if f.spec.fp8 is not None]  # mxfp8 has no kernel before Blackwell
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -204,36 +204,15 @@ def test_padding_changes_no_number(no_gpu_contract, fmt):
 # Defect 3: every fp8 format's numerics on a CPU are what CUDA's contract computes
 
 
-def _gemm_sqnrs(fmt, root):
-    """A 256x512 Linear in `fmt` inside a `root` model against its fp32 control, seeded: the SQNR (dB) of its output,
-    input gradient and weight gradient."""
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(256, 512))
-    low = autoprec.apply_policy(copy.deepcopy(ref), autoprec.Policy(layers={"": root, "0": fmt}))
-    x = torch.randn(64, 256)
-    x_ref, x_low = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_ref = ref(x_ref)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=root == "bf16"):  # as a training step runs the policy
-        y = low(x_low)
-    grad_out = torch.randn_like(y_ref)
-    y_ref.backward(grad_out)
-    y.float().backward(grad_out)
-    return {
-        "fprop": sqnr_db(y_ref, y.float()),
-        "dgrad": sqnr_db(x_ref.grad, x_low.grad.float()),
-        "wgrad": sqnr_db(ref[0].weight.grad, low[0].weight.grad),
-    }
-
-
 @pytest.mark.parametrize("root", ["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FP8)
 def test_each_fp8_formats_numerics_on_a_cpu_match_cudas_within_half_a_db(fmt, root):
     """Emulated here (torchao's emulate=True) against the kernel path under CUDA's contract, per GEMM."""
     assert Format(fmt).spec.device_problem("cpu") is None  # every fp8 format is measurable on a CPU
     with lifted():
-        emulated = _gemm_sqnrs(fmt, root)
+        emulated = gemm_sqnrs(fmt, root)
     with enforced():
-        contract = _gemm_sqnrs(fmt, root)
+        contract = gemm_sqnrs(fmt, root)
     for gemm, db in emulated.items():
         assert db == contract[gemm] or abs(db - contract[gemm]) <= 0.5, (gemm, emulated, contract)  # inf: exact
     assert emulated["fprop"] >= 20
