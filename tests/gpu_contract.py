@@ -158,9 +158,10 @@ def enforced() -> Iterator[None]:
         return real_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, bias=bias, scale_result=scale_result,
                        out_dtype=out_dtype, use_fast_accum=use_fast_accum)  # fmt: skip
 
-    def is_autocast_enabled(*args, **kwargs):
-        # no argument: CUDA's autocast on a GPU, which is where a CPU model's autocast stands in the contract
-        return real_enabled(*args, **kwargs) if args or kwargs else real_enabled("cpu")
+    def is_autocast_enabled(device_type=None):
+        # no argument: CUDA's autocast on a GPU, which is where a CPU model's autocast stands in the contract. (A
+        # Python stand-in for a torch function: torch.compile breaks its graph here, which CUDA's own does not.)
+        return real_enabled("cpu" if device_type is None else device_type)
 
     def get_autocast_gpu_dtype():
         return torch.get_autocast_dtype("cpu")
