@@ -172,6 +172,14 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         ) from None
 
 
+def _empty_linear(layer: torch.nn.Module, x: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A Linear's output for an input with no rows, in the dtype its fp8 call gives (an MoE's index_add_ needs one
+    dtype from every expert), with gradients to its weight and bias (zero)."""
+    weight, bias = layer.weight, getattr(layer, "bias", None)
+    assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))  # an fp8 layer's
+    return torch.nn.functional.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
 def _forward_in_format(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     fmt = Format(getattr(self, _FORMAT_ATTR))
     dev = _first_device_type(self, args, kwargs)
@@ -184,9 +192,6 @@ def _forward_in_format(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     outer_autocast = torch.is_autocast_enabled(dev)
     weight = getattr(self, "weight", None)
     x = _first_tensor(args, kwargs)
-    if fmt.spec.fp8 is not None and x is not None and x.numel() == 0:
-        # no rows (an MoE expert given no tokens): torchao's dynamic scale, an amax, fails on an empty tensor
-        fmt, inner = fmt.spec.fallback or Format.BF16, torch.nn.Linear.forward
     if fmt.spec.fp8 is not None and isinstance(weight, torch.Tensor) and x is not None:
         # Fp8Gemms.input_dtype: the same dtypes into torchao on every device, whatever autocast torchao can see
         cast = fmt.spec.fp8.input_dtype(weight.dtype, torch.get_autocast_dtype(dev) if outer_autocast else None)
@@ -196,7 +201,10 @@ def _forward_in_format(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if pad:  # a ragged batch (an epoch's last): padded so that CUDA's fp8 GEMMs take it, the padding cut off
             args, kwargs = _padded(args, kwargs, pad)
         with torch.autocast(dev, enabled=False):
-            out = inner(self, *args, **kwargs)
+            if rows == 0:  # no rows (an MoE expert given no tokens): torchao's amax of an empty tensor fails
+                out = _empty_linear(self, _first_tensor(args, kwargs), cast)
+            else:
+                out = inner(self, *args, **kwargs)
         if pad:
             out = out[:rows].reshape(*x.shape[:-1], out.shape[-1])
     else:

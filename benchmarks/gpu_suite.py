@@ -379,7 +379,8 @@ def kept_rows(folder: Path, device: str, fields: list[str]) -> dict[str, dict[st
     if measured_on != device:
         print(f"gpu_suite: {folder.name}: step_times.csv was timed on {measured_on or 'an unrecorded device'}, this is "
               f"{device}: timing every policy again", flush=True)  # fmt: skip
-        return {}
+        path.replace(folder / f"step_times.{measured_on or 'unknown'}.csv".replace(" ", "_").replace("/", "_"))
+        return {}  # moved aside first: a stop before the first new row cannot leave them under this device's name
     with open(path, newline="", encoding="utf-8") as f:
         return {r["policy"]: r for r in csv.DictReader(f) if set(r) == set(fields)}
 

@@ -19,7 +19,9 @@ process look to autoprec and torchao as an H100 does:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -114,20 +116,29 @@ def _set_state(state: dict[str, object]) -> None:
     torch.is_autocast_enabled = state["is_autocast_enabled"]
     torch.get_autocast_gpu_dtype = state["get_autocast_gpu_dtype"]
     formats._has_capability = state["_has_capability"]
-    legacy, new = state["precision"]
+    legacy, values = state["precision"]
     if legacy is not None:
         torch.set_float32_matmul_precision(legacy)  # the legacy setter makes the legacy getter work again
-    else:
-        torch.backends.cuda.matmul.fp32_precision = new
+    for path, value in values.items():  # then every backend's own setting exactly as it was
+        _backend(path).fp32_precision = value
 
 
-def _precision() -> tuple[str | None, str]:
-    """(the legacy API's setting, or None where it raises because the new one set it; the new API's)."""
+# torch.backends' fp32-precision settings (torch >= 2.9), the process-wide one first
+_PRECISION_PATHS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv",
+                    "mkldnn.rnn")  # fmt: skip
+
+
+def _backend(path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), torch.backends) if path else torch.backends
+
+
+def _precision() -> tuple[str | None, dict[str, str]]:
+    """(the legacy API's setting, or None where it raises because the new one set it; every backend's own)."""
     try:
         legacy: str | None = torch.get_float32_matmul_precision()
     except RuntimeError:
         legacy = None
-    return legacy, torch.backends.cuda.matmul.fp32_precision
+    return legacy, {path: _backend(path).fp32_precision for path in _PRECISION_PATHS}
 
 
 # What this process is without the contract, for `lifted`: taken when the suite imports this module, first.

@@ -104,6 +104,23 @@ def test_the_torchao_file_trains_as_its_docstring_says_inside_and_outside_autoca
     torch.testing.assert_close(outs[0], outs[1])  # the same rule casts both
 
 
+def test_a_deep_copy_of_a_converted_model_computes_with_its_own_weights(tmp_path):
+    """An EMA or eval copy: the cast forward called the original layer's bound forward, so the copy computed with the
+    original's weights and its own got no gradient."""
+    export(Policy(layers={"a": "fp8-fwd-dgrad"}), "torchao", tmp_path / "p.py")
+    model = load(tmp_path / "p.py").convert(Net())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.a.weight.zero_()
+    x = torch.randn(16, 32)
+    out = twin.a(x)
+    expected = twin.a.bias.to(torch.bfloat16).float().expand_as(out)  # a zero weight: the bias, as bf16 rounds it
+    assert torch.equal(out, expected) and not torch.equal(out, model.a(x))
+    out.sum().backward()
+    assert twin.a.weight.grad is not None and model.a.weight.grad is None
+    assert twin.a(input=x).shape == (16, 32)  # called by keyword, as nn.Linear allows
+
+
 def test_torchtitan_and_megatron_say_they_cannot_express_a_per_gemm_mix(tmp_path):
     left_out = export(PER_GEMM_POLICY, "torchtitan", tmp_path / "t.py")
     assert "layer 'a' runs in fp8-fwd, fp8 per GEMM (no torchao recipe): torchtitan's float8 converter offers" in left_out[0]

@@ -8,6 +8,7 @@ autocast only).
 
 import copy
 
+import gpu_contract
 import pytest
 import torch
 from builders import gemm_sqnrs
@@ -77,15 +78,21 @@ def test_under_the_contract_torchaos_kernel_path_runs_through_the_checked_gemm(g
         type(layer[0]).forward(layer[0], torch.randn(8, 32)).sum().backward()  # torchao itself, no policy around it
 
 
-def test_the_contract_is_undone_after_its_block(no_gpu_contract):
-    real = torch._scaled_mm
-    with enforced():
-        assert torch._scaled_mm is not real
+def test_the_contract_is_undone_after_its_block_even_when_it_raises(no_gpu_contract):
+    from autoprec import formats
+
+    def state():
+        return (torch._scaled_mm, torch.is_autocast_enabled, torch.get_autocast_gpu_dtype, formats._has_capability,
+                gpu_contract._precision())  # fmt: skip
+
+    before = state()
+    with pytest.raises(KeyError), enforced():
+        assert torch._scaled_mm is not before[0] and formats.has_fp8_kernels("cpu")
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
         with pytest.raises(RuntimeError):
             torch.get_float32_matmul_precision()  # as after a model.py set TF32 through torch's new API
-    assert torch._scaled_mm is real
-    assert torch.get_float32_matmul_precision() in ("highest", "high", "medium")  # the legacy getter works again
+        raise KeyError
+    assert state() == before  # every patch and every backend's fp32 precision, and the legacy getter answers again
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,6 +158,9 @@ def test_a_call_with_no_rows_runs_in_the_fallback(gpu_contract_on, fmt):
     out = model(x)
     out.sum().backward()
     assert out.shape == (0, 16) and x.grad.shape == (0, 64)
+    for dtype in (torch.bfloat16, torch.float16):  # the dtype a call with rows gives: an MoE's index_add_ mixes both
+        with torch.autocast("cpu", dtype=dtype):
+            assert model.fc1(torch.randn(0, 64)).dtype == model.fc1(torch.randn(16, 64)).dtype
 
 
 def _scaled_mm_calls(model, x):

@@ -109,7 +109,11 @@ def test_a_tables_folder_timed_on_another_device_is_timed_again(tmp_path):
         writer.writeheader()
         writer.writerow({"trial": 0, "policy": "fp32", "state": "COMPLETE", "step_ms": 1.5})
     assert suite.kept_rows(tmp_path, "NVIDIA H100 80GB HBM3", fields) == {}  # no device.json: where is unknown
+    assert not (tmp_path / "step_times.csv").exists()  # moved aside, so a stop now cannot leave them to be reused
+    (tmp_path / "step_times.unknown.csv").rename(tmp_path / "step_times.csv")
     (tmp_path / "device.json").write_text(json.dumps({"device": "NVIDIA H200"}))
-    assert suite.kept_rows(tmp_path, "NVIDIA H100 80GB HBM3", fields) == {}
     assert suite.kept_rows(tmp_path, "NVIDIA H200", fields)["fp32"]["step_ms"] == "1.5"
+    assert suite.kept_rows(tmp_path, "NVIDIA H100 80GB HBM3", fields) == {}
+    assert (tmp_path / "step_times.NVIDIA_H200.csv").is_file() and not (tmp_path / "step_times.csv").exists()
+    (tmp_path / "step_times.NVIDIA_H200.csv").rename(tmp_path / "step_times.csv")
     assert suite.kept_rows(tmp_path, "NVIDIA H200", [*fields, "layer"]) == {}  # other columns: other choices

@@ -424,3 +424,29 @@ def test_every_callable_takes_the_same_steps_in_every_round_sized_by_the_slowest
     config = TimingConfig(warmup=1, rounds=4, min_block_s=0.05, max_steps_per_block=50)
     interleaved_times({n: Work(n) for n in seconds}, torch.device("cpu"), config)
     assert calls["fast"][1:] == calls["slow"][1:] == [3] * 4  # ceil(0.05 / 0.02): the fast one's 50 no longer
+
+
+def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(monkeypatch, write_model, mlp_source, tmp_path):
+    """The trials empty the compile caches for each candidate: the ragged batch compiled inside a timed round."""
+    from autoprec.tune import SearchConfig, load_task, measure, prepare
+    from autoprec.tune.searcher import search
+    from autoprec.tune.space import space_from_dict
+
+    source = mlp_source + (
+        "\ndef batches(split):\n    g = torch.Generator().manual_seed(0)\n"
+        "    return [(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in (8, 8, 5)]\n"
+    )
+    workload = prepare(load_task(write_model(source)), "cpu")
+    monkeypatch.setattr(measure, "compile_model", lambda model: model)  # compiled in name: what is stepped is the point
+    seen = []
+    real_time = measure.CLOCK.time
+
+    def time(work, calls, device):
+        seen.append(set(getattr(work, "_stepped", {0, 2})))
+        return real_time(work, calls, device)
+
+    monkeypatch.setattr(measure.CLOCK, "time", time)
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "trials": 3})
+    search(workload, space, SearchConfig(budget=1.0, compile=True, timing=FAST, final_timing=FAST, progress=False,
+                                         predict_speed=False), tmp_path)  # fmt: skip
+    assert seen and all(2 in stepped for stepped in seen)

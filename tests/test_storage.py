@@ -255,6 +255,19 @@ def open_overflow_study(out: Path, **settings):
     return open_study(workload, space, choices, SearchConfig(budget=0.1, **settings), out)
 
 
+def test_a_study_from_before_the_weights_digest_is_refused_as_an_older_autoprecs(tmp_path, monkeypatch):
+    """It recorded no weights: "a different model weights (None, now ...)" would tell a user who changed nothing
+    that they had."""
+    from autoprec.tune import storage as study
+
+    real = study._study_key
+    with monkeypatch.context() as older:
+        older.setattr(study, "_study_key", lambda *a, **kw: {k: v for k, v in real(*a, **kw).items() if k != "model weights"})
+        open_overflow_study(tmp_path)
+    with pytest.raises(UserError, match=r"made by an older autoprec that did not record the model's weights.*--study NEW_NAME"):
+        open_overflow_study(tmp_path)
+
+
 def test_a_study_another_version_made_is_refused_in_one_line_naming_the_journal_and_what_to_do(tmp_path, monkeypatch):
     from autoprec.tune import storage as study
 

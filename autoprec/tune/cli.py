@@ -602,9 +602,11 @@ def _resume_hint(args: argparse.Namespace) -> str:
     given = [flag for flag, value in (("--out", args.out), ("--study", args.study), ("--storage", args.storage)) if value]
     same = f" (with the same {', '.join(given)})" if given else ""
     out = getattr(args, "out_dir", None)  # set once the model is ready and its folder known
-    if out is not None and (args.storage or (out / "study.journal").is_file()):  # a database: it may hold trials
+    if out is not None and args.storage:  # a database or journal elsewhere: whether a trial finished is not known here
+        return f"; any trials that finished are stored in --storage: run the same command again{same} to resume"
+    if out is not None and (out / "study.journal").is_file():
         return f"; the trials so far are stored: run the same command again{same} to resume"
-    if out is not None and (out / "profile.csv").is_file():
+    if out is not None and any((out / d / "profile.csv").is_file() for d in (".", "sweep_profile")):
         return f"; no trial had finished; the profile is stored: run the same command again{same} to go on from it"
     return f"; nothing was stored yet (stopped before the profile finished): run the same command again{same} to start"
 

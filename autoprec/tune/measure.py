@@ -124,9 +124,10 @@ def interleaved_times(
         for _ in range(0 if name in warmed else config.warmup - 1):
             work[name]()
         slowest = max(slowest, CLOCK.time(work[name], 1, device))  # the last warm-up call (or one more) sizes the blocks
-    # One block size for every callable, from the slowest: each takes the same steps (the same batches) in every
-    # round, so no candidate's median comes from a handful of steps beside another's hundreds (a GradScaler's early
-    # skips, a first batch, weigh alike), and a slow candidate does not stretch the rounds.
+    # One block size for every callable, from the slowest: each takes as many steps in every round, so no
+    # candidate's median comes from a handful of steps beside another's hundreds (a GradScaler's early skips weigh
+    # alike), and a slow candidate does not stretch the rounds. (Their batches may differ in position: a warmed
+    # baseline skipped its warm-up calls.)
     block = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / slowest)))
     steps: dict[Key, int] = dict.fromkeys(names, block)
     samples: dict[Key, list[float]] = {name: [] for name in names}
@@ -224,11 +225,19 @@ def _new_precision_api() -> bool:
     return False
 
 
-def float32_matmul_precision() -> str:
-    """The process's fp32 matmul setting, in the legacy API's words ("highest", "high"), whichever API set it."""
+_LEGACY_WORDS = {"ieee": "highest", "tf32": "high", "bf16": "medium"}
+
+
+def float32_matmul_precision(device_type: str = "cuda") -> str:
+    """The process's fp32 matmul setting for a device type's backend (CUDA's cuBLAS, the CPU's oneDNN), in the
+    legacy API's words ("highest", "high", "medium"), whichever API set it."""
     if not _new_precision_api():
         return torch.get_float32_matmul_precision()
-    return "high" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "highest"
+    backend = torch.backends.cuda.matmul if device_type == "cuda" else torch.backends.mkldnn.matmul  # type: ignore[attr-defined]
+    value = backend.fp32_precision
+    if value == "none":  # inherits the process-wide setting
+        value = torch.backends.fp32_precision  # type: ignore[attr-defined]
+    return _LEGACY_WORDS.get(value, "highest")
 
 
 @contextlib.contextmanager

@@ -361,6 +361,10 @@ class Objective:
                         self.workload, "all-fp32 training step", describe(exc), compiled=self.config.compile
                     ) from exc
                 candidate = Trainer(self.workload, policy, compiled=self.config.compile)
+                if self.config.compile:  # each batch shape compiled before the timing, counted as compile time
+                    baseline.warm_shapes()
+                    candidate.step()
+                    candidate.warm_shapes()
                 work = {"fp32": baseline, "policy": candidate}  # Steps: a clock sees each one's model
                 warmed = ("fp32",) if self._baseline_warm else ()
                 t = interleaved_times(work, self.workload.device, self.config.timing, enough=self._settled(trial), warmed=warmed)

@@ -612,7 +612,7 @@ def measured_record(
         compiled=config.compile,
         alternatives_not_measured=dict(notes or {}),
         # on CUDA every candidate but TF32 ran strict (measure.matmul_precision); elsewhere the process's setting
-        float32_matmul_precision="highest" if workload.device.type == "cuda" else float32_matmul_precision(),
+        float32_matmul_precision="highest" if workload.device.type == "cuda" else float32_matmul_precision(workload.device.type),
         timing=(
             (
                 "compiled after apply_policy (each repeated block, else the whole model), compilation excluded (warm-up); "

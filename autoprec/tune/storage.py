@@ -272,7 +272,8 @@ def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, obj
         "budget": repr(float(config.budget)),
         "device": device_name(str(workload.device)),
         "model": model_fingerprint(workload.model),
-        "model weights": workload.weights,  # a rebuilt model with other weights (retrained) is another study
+        # a rebuilt model with other weights (retrained, or build_model() without a seed) is another study
+        "model weights": workload.weights,
         "space": space_hash,
         "mode": config.mode.value if config.mode is Mode.WEIGHTS else f"{config.mode.value}, {config.train_steps} steps",
         "layout": f"{space.layout.value}, max_params {space.max_params}",
@@ -305,6 +306,11 @@ def _check_key(stored: Mapping[str, Any], key: Mapping[str, str], name: str, whe
         raise UserError(
             f"study {name!r} in {where} was made by another autoprec version (study format version {was}; this version "
             f"makes {key['version']}): pass --study NEW_NAME to start another, or {start_over} to start over"
+        )
+    if "model weights" in key and "model weights" not in stored:  # a study from before the weights digest
+        raise UserError(
+            f"study {name!r} in {where} was made by an older autoprec that did not record the model's weights, so it "
+            "cannot be told whether they are these: pass --study NEW_NAME to start another"
         )
     diff = [k for k, v in key.items() if stored.get(k) != v]
     if diff:

@@ -35,10 +35,10 @@ def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
     from this_file import convert
     model = convert(model)   # before torch.compile, after moving the model to its device
 
-It runs inside or outside torch.autocast, as apply_policy does: each converted layer runs with autocast off and
-its input cast by the rule apply_policy uses (fp8_input_dtype), so torchao computes the same on a CPU as on CUDA
-and a per-GEMM mix's high-precision GEMMs get operands of one dtype; outside autocast its output comes back in the
-input's dtype. The comments below name the policy file and what the file leaves out.
+It runs inside or outside torch.autocast: each converted layer runs with autocast off and its input cast by the
+rule apply_policy uses (fp8_input_dtype), so torchao computes the same on a CPU as on CUDA and a per-GEMM mix's
+high-precision GEMMs get operands of one dtype; outside autocast its output comes back in the input's dtype. Unlike
+apply_policy it does not pad: on a GPU, keep every batch's token count divisible by 16 and never empty. The comments below name the policy file and what the file leaves out.
 """
 
 {header}
@@ -68,16 +68,17 @@ def module_filter_fn(recipe):
 
 
 def cast_forward(layer, gemms):
-    """The layer's forward with autocast off and its input cast by fp8_input_dtype (see the docstring)."""
-    inner = layer.forward
+    """The layer's forward with autocast off and its input cast by fp8_input_dtype (see the docstring). The class's
+    forward, called on `self`: a deep copy of the model (an EMA, an eval copy) computes with its own weights."""
+    inner = type(layer).forward
 
-    def forward(self, x):
-        dev = x.device.type
+    def forward(self, input):
+        dev = input.device.type
         outer = torch.is_autocast_enabled(dev)
         dtype = fp8_input_dtype(gemms, self.weight.dtype, torch.get_autocast_dtype(dev) if outer else None)
         with torch.autocast(dev, enabled=False):
-            out = inner(x.to(dtype))
-        return out if outer else out.to(x.dtype)
+            out = inner(self, input.to(dtype))
+        return out if outer else out.to(input.dtype)
 
     layer.forward = types.MethodType(forward, layer)
 
