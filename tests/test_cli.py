@@ -397,6 +397,7 @@ def test_process_console_script_show_bad_policy(tmp_path):
     assert_one_error_line(proc, "policy.json", "layers['fc1']", "'fp4'")
 
 
+@pytest.mark.slow
 def test_a_model_py_that_imports_torchao_first_prints_none_of_its_loader_noise(tmp_path, write_model, mlp_source):
     """transformers imports torchao before autoprec can: its 'Failed to load ..._C_mxfp8.so' and pytree deprecation
     lines must not reach the user's terminal (the CLI imports torchao first, quietly)."""
@@ -650,6 +651,7 @@ def test_ctrl_c_says_what_is_stored_and_names_only_the_options_that_were_given_t
     assert code == 130 and err.strip().splitlines()[-1] == "autoprec: interrupted"
 
 
+@pytest.mark.slow
 def test_sigterm_fails_the_running_trial_and_says_how_to_resume(tmp_path, write_model, mlp_source):
     """A timeout, Slurm or Kubernetes stops a search with SIGTERM: the running trial stayed RUNNING for good and
     nothing was printed (issue 37, 11). It is taken as Ctrl-C: the trial fails, the study is left to resume."""

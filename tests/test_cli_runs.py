@@ -138,6 +138,7 @@ def test_json_prints_the_result_as_one_object_and_quiet_prints_nothing(fast, cap
     assert json.loads(capsys.readouterr().out)["layers"] == result["policy"]["layers"]
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(fast, capsys, tmp_path, monkeypatch):
     pipeline = sys.modules["autoprec.tune.pipeline"]
     real, calls = pipeline.final_remeasure, []
@@ -366,6 +367,7 @@ def build_model():
 """
 
 
+@pytest.mark.slow
 def test_library_warnings_are_kept_out_of_the_output_unless_debug(tmp_path, write_model, mlp_source):
     """torch's pytree deprecation notices reached the terminal for any model.py that imports transformers (issue 38);
     the user's own warnings, and a library's errors, still show."""

@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed"),
+    pytest.mark.slow,  # worker processes, seconds each
+]
 
 
 def free_port():

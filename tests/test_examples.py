@@ -52,6 +52,7 @@ def test_committed_digits_policy_holds_its_budget_on_a_fresh_model(digits, polic
     assert fp32 - lowered <= policy.measured["budget"]
 
 
+@pytest.mark.slow
 def test_moe12_has_109_tunable_linears_in_8_roles_and_keeps_the_contract(monkeypatch):
     # The untrained model (build_model trains for minutes): its structure is what the layouts depend on.
     from autoprec.tune.choices import role
@@ -71,6 +72,7 @@ def test_moe12_has_109_tunable_linears_in_8_roles_and_keeps_the_contract(monkeyp
     assert loss.ndim == 0 and 5.0 < loss.item() < 6.0  # about ln(256) before training
 
 
+@pytest.mark.slow
 def test_minilm_is_the_minilm_l6_shape_with_37_linears_and_keeps_the_contract():
     # The untrained encoder (build_model trains for minutes): its structure is what the search-cost case needs.
     import torch
@@ -122,6 +124,7 @@ def test_gpt2_refuses_an_unknown_size(monkeypatch):
         load_task(GPT2)
 
 
+@pytest.mark.slow
 def test_a_policy_applied_then_compiled_trains_without_recompiling_after_the_first_step(gpt2_tiny):
     """The README's order on the GPT example: apply_policy, torch.compile(model), train; the first step compiles
     and none after it recompiles (lowered layers, an fp8 layer and a bf16 root included)."""
@@ -152,6 +155,7 @@ def test_a_policy_applied_then_compiled_trains_without_recompiling_after_the_fir
 HF_GPT2 = ROOT / "examples" / "hf_gpt2"
 
 
+@pytest.mark.slow
 def test_the_hf_gpt2_example_searches_conv1d_with_the_natural_loss_and_trains_under_trainer(monkeypatch, tmp_path):
     """The untrained model (build_model trains for a minute): the contract, GPT-2's Conv1D layers in the default
     space, and train.py's PolicyTrainer run with an fp16 layer, whose GradScaler is on."""
@@ -221,6 +225,7 @@ def test_the_hf_bert_example_trains_under_hf_trainer_with_default_arguments_and_
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_the_lightning_example_trains_the_digits_model_under_the_plugin(digits, monkeypatch, tmp_path):
     pytest.importorskip("lightning")
     import importlib.util

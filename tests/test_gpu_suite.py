@@ -8,9 +8,12 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_suite_smoke_runs_the_tests_the_benchmarks_and_a_compiled_search_and_writes_the_summary(tmp_path):
     out = tmp_path / "suite"
     env_cache = {"AUTOPREC_CACHE": str(tmp_path / "cache")}

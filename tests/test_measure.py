@@ -193,6 +193,7 @@ def test_measure_steps_reports_each_policy(workload):
     assert all(s.compile_s is None for s in stats.values())  # eager: nothing compiled
 
 
+@pytest.mark.slow
 def test_compiled_measurement_compiles_every_candidate_even_past_dynamos_recompile_limit(workload):
     """Eleven policies of one model class: with torch.compile's default limit of 8 variants per code object the
     last ones would run eagerly; each must run as a compiled graph of its own."""

@@ -358,6 +358,7 @@ def picky_model(tmp_path):
     return tmp_path / "picky.py"
 
 
+@pytest.mark.slow
 def test_offered_fp8_per_gemm_a_search_keeps_the_breaking_weight_gradient_high_precision_and_the_forward_fp8(tmp_path):
     """wgrad_breaks.py: proj's weight gradient breaks in fp8 and fp8-rowwise (the profile rules them out for it), its
     forward does not: with fp8 priced faster, the search gives proj a format that keeps wgrad in high precision and
@@ -611,6 +612,7 @@ def test_memory_settings_are_checked_and_a_new_limit_is_another_study(tmp_path, 
         search(workload, SPACE, SearchConfig(budget=0.05, max_memory=30000, **{**FAST, "trials": 2}), tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10))
 def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_alternative_it_was_not_separated_from(
     tmp_path, timings, seed
@@ -686,6 +688,7 @@ def _seq_task(model: torch.nn.Module, shape: tuple[int, ...]):
     return task_from_objects(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).float(), b[1]), data, data)
 
 
+@pytest.mark.slow
 def test_a_layer_type_with_no_fp16_kernel_here_searches_to_a_policy_that_keeps_it_out_of_fp16(tmp_path):
     workload = prepare(_seq_task(WithNoFp16Kernel(), (8, 32)), "cpu")
     offered = ["fp32", "bf16", "fp16"]
@@ -713,6 +716,7 @@ class _Recurrent(torch.nn.Module):
         return self.head(self.norm(h.mean(1)))
 
 
+@pytest.mark.slow
 def test_an_lstm_a_gru_and_a_batchnorm_search_to_a_policy_in_the_default_space(tmp_path):
     from autoprec.tune.space import load_space
 

@@ -187,6 +187,7 @@ def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_br
     assert pareto_front(pd.DataFrame(rows).drop(columns="peak_bytes"), Goal.MEMORY).empty  # no peak measured: no front
 
 
+@pytest.mark.slow
 def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of_peak_and_drop(tmp_path, monkeypatch):
     from autoprec.tune.measure import Trainer
 
@@ -227,6 +228,7 @@ def test_in_a_memory_sweep_a_peak_within_the_tie_of_the_smaller_budgets_pick_is_
 # ---- the sweep's table says a tie as the search and the policy files do (issue 38, 2) ----------------
 
 
+@pytest.mark.slow
 def test_a_tie_inside_the_noise_is_said_per_budget_as_its_policy_file_records_it(tmp_path, timings):
     """Beside a CPU hog (step times x exp(N(0, 0.8)), spreads of ±30-90%) uniform bf16 and a searched policy are not
     told apart. The sweep's table showed the chosen one's speedup beside the other's with no word of the tie its
@@ -260,6 +262,7 @@ def test_a_tie_inside_the_noise_is_said_per_budget_as_its_policy_file_records_it
 # ---- the search's profile, reused or left alone (issue 38, 3) ------------------------------------
 
 
+@pytest.mark.slow
 def test_a_sweep_reuses_the_searchs_profile_where_it_serves_and_never_writes_over_it(tmp_path, monkeypatch, timings):
     """A sweep into a search's folder re-profiled and wrote over its profile.csv, heat maps and gradient ranges, though
     the profile is shared: now, where the saved one serves the sweep, nothing is measured or written again; where it

@@ -29,6 +29,8 @@ from autoprec.tune.profile_data import Profile
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.storage import CHOICES_ATTR, open_study, study_storage
 
+pytestmark = pytest.mark.slow  # real processes and servers, seconds each
+
 WORKER = Path(__file__).parent / "search_worker.py"
 HOLDING = "test:holding"  # search_worker.py marks a trial it holds with --sleep
 TIMEOUT_S = 900  # per worker process: a hung worker fails the test instead of hanging the suite (load only slows one)
