@@ -129,25 +129,27 @@ class Device:
 
 _REGISTRY: dict[str, Device] = {}  # torch device type -> its Device, in registration order
 _GENERIC = Device()  # what lookup answers for a type nothing is registered for
-D = TypeVar("D", bound=type[Device])
+D = TypeVar("D", bound=type[Device] | Device)
 
 
-def register_device(cls: D) -> D:
-    """Class decorator: register an instance of `cls` for its `type`. Refuses (ValueError) a type torch does not
-    know and one already registered (unregister_device it first to replace it)."""
-    kind = getattr(cls, "type", "")
+def register_device(device: D, *, replace: bool = False) -> D:
+    """Register a Device for its `type`: a class (as a decorator, `@register_device`: one instance of it) or an
+    instance; returns what it was given. Refuses (ValueError) a type torch does not know and, unless `replace`, one
+    already registered; a replaced type keeps its place in the order (registered(), choices())."""
+    kind = getattr(device, "type", "")
+    what = device.__qualname__ if isinstance(device, type) else type(device).__qualname__
     try:
         known = isinstance(kind, str) and bool(kind) and torch.device(kind).type == kind
     except RuntimeError:
         known = False
     if not known:
-        raise ValueError(f"device {cls.__qualname__}: type {kind!r} must be a torch device type (torch.device(type))")
-    if kind in _REGISTRY:
+        raise ValueError(f"device {what}: type {kind!r} must be a torch device type (torch.device(type))")
+    if kind in _REGISTRY and not replace:
         taken = type(_REGISTRY[kind])
         raise ValueError(f"device type {kind!r} is already registered (by {taken.__module__}.{taken.__qualname__}); "
-                         f"unregister_device({kind!r}) first to replace it")  # fmt: skip
-    _REGISTRY[kind] = cls()
-    return cls
+                         f"register_device({what}, replace=True) replaces it")  # fmt: skip
+    _REGISTRY[kind] = device() if isinstance(device, type) else device
+    return device
 
 
 def unregister_device(kind: str) -> Device:
