@@ -137,3 +137,17 @@ def test_the_clock_and_a_training_step_synchronize_through_the_registered_device
     trainer.step()
     assert counting_cpu.synchronized == 2  # later steps return without synchronising
     assert device_name("cpu") == "stand-in device"
+
+
+def test_the_cuda_devices_rise_is_its_allocators_peak_over_the_step_above_the_bytes_at_its_start(monkeypatch):
+    # torch.cuda's calls stood in for (no GPU needed): what the CUDA device asks, in order, and what it makes of it
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: calls.append("allocated") or 1000)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev=None: calls.append("peak") or 1600)
+    assert memory.rise_bytes(torch.device("cuda"), lambda: calls.append("step")) == 600
+    assert calls == ["synchronize", "allocated", "reset", "step", "synchronize", "peak"]
+    assert memory.source(torch.device("cuda")) == memory.CUDA_SOURCE
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert devices.CUDA.rng_devices(torch.device("cuda")) == [3] and devices.CUDA.rng_devices(torch.device("cuda:1")) == [1]
