@@ -21,6 +21,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from autoprec import devices
 from autoprec.errors import describe
 from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, Fp8Gemms, float8_linear_config, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
@@ -140,7 +141,7 @@ def _changed(module: torch.nn.Module) -> str | None:
     or None. Asked only once its forward has failed, so a working forward pays nothing for it."""
     kept = getattr(module, _NO_PICKLE_ATTR).low_params
     for pname, p in module.named_parameters():
-        if p.device.type == "meta":
+        if p.is_meta:
             return (
                 f"its parameter {pname!r} is on the meta device, which holds shapes but no values (.to('meta')); "
                 "give it real weights (to_empty, then load_state_dict) before running it"
@@ -404,10 +405,11 @@ def _convert_fp8(
     `all_gather` with their weights all-gathered in fp8 under FSDP2); restore them all and raise if ties break."""
     float8 = import_float8()
     backend = fp8_backend(device)
-    if backend is Fp8Backend.EMULATION and device.type == "cpu" and torch.cuda.is_available():
+    better = devices.preferred_over(device)
+    if backend is Fp8Backend.EMULATION and better is not None:
         warnings.warn(
-            "apply_policy: the model is on the CPU, so its fp8 layers use torchao's emulation; "
-            "move the model to the GPU before apply_policy to use fp8 kernels",
+            f"apply_policy: the model is on the {devices.device_for(device).unit}, so its fp8 layers use torchao's "
+            f"emulation; move the model to the {better.unit} before apply_policy to use fp8 kernels",
             stacklevel=3,
         )
     modules = [m for group in recipes.values() for m in group]

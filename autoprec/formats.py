@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from autoprec import devices
 
 
 class Format(str, enum.Enum):
@@ -175,10 +176,10 @@ class FormatSpec:
         """Why this format cannot run on `device` at all, or None when it can (maybe emulated)."""
         dev = torch.device(device)
         if self.autocast is not None:
-            if not torch.amp.autocast_mode.is_autocast_available(dev.type):
+            if not devices.lookup(dev).autocast_available(dev):
                 return f"torch.autocast is not available on {dev.type}"
-            if dev.type == "cuda" and self.autocast == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-                return f"{device_name(str(dev))} has no bf16"
+            if not devices.lookup(dev).supports_dtype(dev, self.autocast):
+                return f"{device_name(str(dev))} has no {self.format.value}"
             return None
         if self.min_capability is None:
             return None
@@ -316,12 +317,15 @@ def parse_format(value: object, *, field: str = "format") -> Format:
 
 
 def default_device() -> torch.device:
-    """Where autoprec works unless told: the GPU when there is one."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """Where autoprec works unless told: the GPU when there is one (autoprec.devices.default_device)."""
+    return devices.default_device()
 
 
 def _has_capability(dev: torch.device, need: tuple[int, int]) -> bool:
-    return dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) >= need
+    """Whether `dev`'s kernels are rated `need` or above (CUDA's compute capability): the one place a format's
+    `min_capability` is decided (tests/gpu_contract.py makes the CPU an H100 here)."""
+    have = devices.lookup(dev).capability(dev)
+    return have is not None and have >= need
 
 
 def has_fp8_kernels(device: torch.device | str) -> bool:
@@ -392,21 +396,7 @@ def format_problem(fmt: Format, module: torch.nn.Module, device: torch.device | 
     return problem
 
 
-@functools.lru_cache(maxsize=None)
 def device_name(device: str) -> str:
-    """A readable device name for reports and policy files."""
+    """A readable device name for reports and policy files (the registered device's name, else `device`)."""
     dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(dev)
-    if dev.type == "cpu":
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as fh:
-                for line in fh:
-                    if line.startswith("model name"):
-                        return "cpu: " + line.split(":", 1)[1].strip()
-        except OSError:
-            pass
-        import platform
-
-        return "cpu: " + (platform.processor() or platform.machine())
-    return str(dev)
+    return devices.lookup(dev).name(dev)

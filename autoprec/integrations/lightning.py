@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from autoprec import devices
 from autoprec.apply import applied_policy, apply_policy
 from autoprec.formats import default_device
 from autoprec.policy import Policy, as_policy
@@ -64,7 +65,7 @@ class PolicyPrecision(MixedPrecision):
         try:
             return torch.device(module.trainer.strategy.root_device)  # type: ignore[union-attr,arg-type]
         except (AttributeError, RuntimeError):  # not attached to a Trainer
-            return torch.device(self.device, torch.cuda.current_device()) if self.device == "cuda" else torch.device(self.device)
+            return devices.lookup(self.device).indexed(torch.device(self.device))
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:

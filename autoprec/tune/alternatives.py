@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from autoprec import devices
 from autoprec.formats import Format, Fp8Backend, device_name, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.choices import Choices, greedy_policy
@@ -66,7 +67,7 @@ def alternatives(
     fp32 = Policy(layers=dict.fromkeys(every, Format.FP32))
     out: dict[str, Candidate] = {FP32: Candidate(fp32)}
     notes: dict[str, str] = {}
-    if device.type == "cuda":
+    if devices.lookup(device).has_tf32:
         out[TF32] = Candidate(fp32, tf32=True)
     else:
         notes[TF32] = f"TF32 is a CUDA tensor-core mode; not measured on {device.type}"

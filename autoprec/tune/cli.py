@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from autoprec import devices
 from autoprec.errors import UserError, printable
 from autoprec.formats import default_device
 
@@ -37,17 +38,22 @@ EXIT_BROKEN_PIPE = 141
 
 
 def _device(value: str) -> torch.device:
+    """--device: a registered device type (autoprec.devices), available here, its index one of those present."""
     try:
         dev = torch.device(value)
     except RuntimeError:
-        raise UserError(f"--device: unknown device {value!r}; use cpu or cuda (cuda:N)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {value}: CUDA is not available here; use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        raise UserError(f"--device {value}: this machine has {count} GPU{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"--device {value}: autoprec measures on cpu or cuda, got {dev.type}")
+        numbered = "".join(f" ({t}:N)" for t in devices.registered() if devices.device_for(t).numbered)
+        raise UserError(f"--device: unknown device {value!r}; use {devices.choices()}{numbered}") from None
+    try:
+        kind = devices.device_for(dev)
+    except devices.UnknownDeviceError as exc:
+        raise UserError(f"--device {value}: {exc}") from None
+    if not kind.is_available():
+        raise UserError(f"--device {value}: {kind.label} is not available here; use --device {devices.default_device()}")
+    count = kind.device_count() if kind.numbered else None
+    if count is not None and dev.index is not None and dev.index >= count:
+        raise UserError(f"--device {value}: this machine has {count} {kind.unit}{'s' if count != 1 else ''} "
+                        f"({dev.type}:0 to {dev.type}:{count - 1})")  # fmt: skip
     return dev
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from autoprec import devices
 from autoprec.tune.budget import check_budget
 from autoprec.tune.space import parse_option
 
@@ -249,10 +250,11 @@ class SearchConfig:
 
 
 def default_compile(device: str | torch.device) -> bool:
-    """Whether step times are compiled when the user does not say: on CUDA (how GPU training runs, and where fp8 pays
-    only compiled), not elsewhere (inductor's CPU code is not what a CPU user is likely to train with)."""
+    """Whether step times are compiled when the user does not say: the device's `compile_by_default` (autoprec.devices):
+    on CUDA (how GPU training runs, and where fp8 pays only compiled), not elsewhere (inductor's CPU code is not what a
+    CPU user is likely to train with)."""
     try:
-        return torch.device(device).type == "cuda"
+        return devices.lookup(device).compile_by_default
     except (RuntimeError, TypeError):  # a bad device is reported where it is used, with the choices
         return False
 

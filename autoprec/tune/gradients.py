@@ -20,9 +20,9 @@ from typing import Any
 import pandas as pd
 import torch
 
+from autoprec import devices
 from autoprec.formats import Format
 from autoprec.tensors import map_tensors
-from autoprec.tune.measure import rng_devices
 from autoprec.tune.task import Workload, check_loss
 
 
@@ -200,7 +200,7 @@ def collect(workload: Workload, names: Iterable[str], batches: int | None = None
     records = {n: LayerGradients(n) for n in names}
     handles = [h for n, r in records.items() for h in _hooks(modules[n], r)]
     try:
-        with torch.random.fork_rng(devices=rng_devices(workload.device)):
+        with devices.lookup(workload.device).fork_rng(workload.device):
             torch.manual_seed(0)
             for batch in workload.train[:batches]:
                 model.zero_grad(set_to_none=True)

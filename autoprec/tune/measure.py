@@ -23,7 +23,9 @@ from typing import Protocol, TypeVar
 import torch
 from tqdm.auto import tqdm
 
+from autoprec import devices
 from autoprec.apply import apply_policy, compile_model
+from autoprec.devices import float32_matmul_precision as float32_matmul_precision  # what the tests read
 from autoprec.errors import UserError, describe
 from autoprec.policy import Policy
 from autoprec.scaler import grad_scaler
@@ -59,8 +61,8 @@ class Timing:
 
 
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for the work queued on `device` (its registered Device's synchronize; nothing on the CPU)."""
+    devices.lookup(device).synchronize(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,58 +215,11 @@ def as_candidate(value: Policy | Candidate) -> Candidate:
     return value if isinstance(value, Candidate) else Candidate(value)
 
 
-def _new_precision_api() -> bool:
-    """Whether the process set fp32 precision through torch's per-backend API (torch >= 2.9:
-    `torch.backends.cuda.matmul.fp32_precision = "tf32"`), after which torch's legacy getters raise rather than
-    mix the two; the legacy API (`torch.set_float32_matmul_precision`) is read and set where it still answers."""
-    try:
-        torch.get_float32_matmul_precision()
-        torch.backends.cudnn.allow_tf32  # noqa: B018 (the read is the test: it raises once the APIs are mixed)
-    except RuntimeError:
-        return True
-    return False
-
-
-_LEGACY_WORDS = {"ieee": "highest", "tf32": "high", "bf16": "medium"}
-
-
-def float32_matmul_precision(device_type: str = "cuda") -> str:
-    """The process's fp32 matmul setting for a device type's backend (CUDA's cuBLAS, the CPU's oneDNN), in the
-    legacy API's words ("highest", "high", "medium"), whichever API set it."""
-    if not _new_precision_api():
-        return torch.get_float32_matmul_precision()
-    backend = torch.backends.cuda.matmul if device_type == "cuda" else torch.backends.mkldnn.matmul  # type: ignore[attr-defined]
-    value = backend.fp32_precision
-    if value == "none":  # inherits the process-wide setting
-        value = torch.backends.fp32_precision  # type: ignore[attr-defined]
-    return _LEGACY_WORDS.get(value, "highest")
-
-
-@contextlib.contextmanager
-def matmul_precision(device: torch.device, tf32: bool) -> Iterator[None]:
-    """fp32 matmuls and cuDNN convolutions strict (IEEE) or TF32 for the duration of one step on CUDA, the
-    caller's settings restored after, through the API the caller used (see _new_precision_api); on other devices
-    nothing changes (TF32 is a CUDA tensor-core mode)."""
-    if device.type != "cuda":
-        yield
-        return
-    if _new_precision_api():
-        matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv  # type: ignore[attr-defined]
-        before = matmul.fp32_precision, conv.fp32_precision
-        matmul.fp32_precision = conv.fp32_precision = "tf32" if tf32 else "ieee"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision, conv.fp32_precision = before
-        return
-    legacy = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    torch.backends.cudnn.allow_tf32 = tf32
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(legacy[0])
-        torch.backends.cudnn.allow_tf32 = legacy[1]
+def matmul_precision(device: torch.device, tf32: bool) -> contextlib.AbstractContextManager[None]:
+    """fp32 matmuls and cuDNN convolutions strict (IEEE) or TF32 for the duration of one step on a device with TF32
+    (CUDA), the caller's settings restored after, through the torch API the caller used; on other devices nothing
+    changes (TF32 is a CUDA tensor-core mode). See autoprec.devices: Device.matmul_precision."""
+    return devices.lookup(device).matmul_precision(device, tf32)
 
 
 @contextlib.contextmanager
@@ -562,19 +517,12 @@ class TrainOutcome:
     skipped: int
 
 
-def rng_devices(device: torch.device) -> list[int]:
-    """The CUDA device indices torch.random.fork_rng must save and restore for work on `device`."""
-    if device.type != "cuda":
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]
-
-
 def train_and_evaluate(workload: Workload, policy: Policy | Candidate, steps: int, *, seed: int = 0) -> TrainOutcome:
     """Train a fresh copy of the reference weights `steps` steps with `policy` (and its GradScaler), then
     evaluate it with the policy applied. `seed` fixes the batch order (see batch_order) and torch's RNG
     (dropout), so two policies with the same seed see the same batches and the same masks. The caller's
     RNG state is left as it was."""
-    with torch.random.fork_rng(devices=rng_devices(workload.device)):
+    with devices.lookup(workload.device).fork_rng(workload.device):
         torch.manual_seed(seed)
         trainer = Trainer(workload, policy, order=batch_order(len(workload.train), steps, seed))
         for _ in range(steps):

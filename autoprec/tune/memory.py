@@ -5,7 +5,8 @@
 `state` is what a candidate keeps between steps: its parameters, buffers and optimizer state (counted exactly,
 each storage once). The rise is measured with the gradients freed first, so it holds the gradients, the
 activations saved for backward, the casts to lower formats and every temporary. The batch is the same for every
-candidate and is not counted. How the rise is measured depends on the device (`source` says it in words):
+candidate and is not counted. How the rise is measured depends on the device (`source` says it in words); each
+registered device (autoprec.devices) measures it its own way (Device.memory_rise, Device.memory_source):
 
 - CUDA: the caching allocator's own peak (`torch.cuda.max_memory_allocated`): every tensor on the device,
   compiled kernels' buffers included. Not seen: blocks the allocator caches but no tensor uses
@@ -22,32 +23,23 @@ candidate and is not counted. How the rise is measured depends on the device (`s
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import heapq
 import math
-import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 
+from autoprec import devices
+from autoprec.devices import CPU, CUDA
 from autoprec.errors import UserError
 
-CUDA_SOURCE = "CUDA allocator peak (torch.cuda.max_memory_allocated) over one training step, plus the model and optimizer state"
-CPU_SOURCE = (
-    "CPU tensor allocations traced by the autograd profiler over one training step, plus the model and optimizer "
-    "state (not the process's resident memory)"
-)
+CUDA_SOURCE = CUDA.memory_source
+CPU_SOURCE = CPU.memory_source
 
 
 def source(device: torch.device) -> str | None:
     """How peak memory is measured on `device`, in words; None where it is not (see the module's docstring)."""
-    if device.type == "cuda":
-        return CUDA_SOURCE
-    if device.type == "cpu":
-        return CPU_SOURCE
-    return None
+    return devices.lookup(device).memory_source
 
 
 def not_measured(device: torch.device) -> str:
@@ -73,88 +65,8 @@ def state_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def rise_bytes(device: torch.device, step: Callable[[], object]) -> int | None:
     """The most the live tensor bytes on `device` rose above their level at the start of `step()`; None where
-    this device has no measurement."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        return max(0, torch.cuda.max_memory_allocated(device) - before)
-    if device.type == "cpu":
-        return _traced_rise(step)
-    return None
-
-
-def _traced_rise(step: Callable[[], object]) -> int | None:
-    """The CPU allocator's allocations and frees during `step()`, as the autograd profiler records them (its
-    memory records, each thread's in order, merged by time), summed in order; the highest running total is the
-    rise. None when a profiler is already running (the user's own): one cannot nest, and theirs must not be
-    disturbed. The profiler's CPU-only recorder is used where torch has it: torch.profiler's (Kineto) prints
-    lines to stderr at every start and stop, once per candidate."""
-    if torch.autograd._profiler_enabled():
-        return None
-    enable, disable = (
-        getattr(torch.autograd, "_enable_profiler_legacy", None),
-        getattr(torch.autograd, "_disable_profiler_legacy", None),
-    )
-    try:  # private API: another torch version may lack it or take other arguments
-        config = torch.autograd.ProfilerConfig(
-            torch.autograd.ProfilerState.CPU, False, True, False, False, False, torch._C._profiler._ExperimentalConfig()
-        )  # ProfilerConfig(state, record_shapes, profile_memory, with_stack, with_flops, with_modules, experimental)
-    except (AttributeError, TypeError):
-        config = None
-    if enable is None or disable is None or config is None:
-        return _kineto_rise(step)
-    with _collector_paused():
-        enable(config)
-        try:
-            step()
-        finally:
-            threads = disable()
-    start = next(r for records in threads for r in records if r.name() == "__start_profile")
-    per_thread = [[(r.cpu_elapsed_us(start), r.cpu_memory_usage()) for r in records if r.kind() == "memory_alloc"]
-                  for records in threads]  # fmt: skip
-    return _highest_total(nbytes for _, nbytes in heapq.merge(*per_thread, key=lambda e: e[0]))
-
-
-def _kineto_rise(step: Callable[[], object]) -> int:
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 (costly; only a measurement needs it)
-
-    with _collector_paused(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
-    return _highest_total(nbytes for _, nbytes in events)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused for one recorded step, then resumed as it was. A collection that
-    ran inside the step would free garbage of earlier work (tensors allocated before the recording started): the
-    recorder cannot count those frees, and torch's CPU allocator prints a warning for the first one. Paused, the
-    step's record holds its own allocations only, the same in every run. Explicit gc.collect() calls still run.
-    The collector is process-wide: other threads' automatic collections wait for this one step too, and it is
-    resumed only if it was running (nesting-safe)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _highest_total(changes: Iterable[int]) -> int:
-    """The highest running total of allocations (+) and frees (-), from 0."""
-    level = peak = 0
-    for nbytes in changes:
-        level += nbytes
-        peak = max(peak, level)
-    return peak
+    this device has no measurement (Device.memory_rise)."""
+    return devices.lookup(device).memory_rise(device, step)
 
 
 MIB = 2**20
@@ -166,14 +78,7 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z%]*)\s*$", re
 
 def device_total(device: torch.device) -> int | None:
     """The device's memory in bytes: the GPU's, or the machine's RAM for the CPU; None where unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    if device.type == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return None
-    return None
+    return devices.lookup(device).total_memory(device)
 
 
 def parse_limit(value: str | int | float, device: torch.device) -> int:

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 import optuna
 import torch
 
+from autoprec import devices
 from autoprec.apply import fp8_backend
+from autoprec.devices import float32_matmul_precision
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.formats import Format, device_name
@@ -62,7 +64,6 @@ from autoprec.tune.credentials import hide_credentials
 from autoprec.tune.measure import (
     Candidate,
     all_settled,
-    float32_matmul_precision,
     fp32_step_failed,
     measure_steps_or_fail,
     more_if_noisy,
@@ -611,8 +612,11 @@ def measured_record(
         fp8=fp8_backend(workload.device),
         compiled=config.compile,
         alternatives_not_measured=dict(notes or {}),
-        # on CUDA every candidate but TF32 ran strict (measure.matmul_precision); elsewhere the process's setting
-        float32_matmul_precision="highest" if workload.device.type == "cuda" else float32_matmul_precision(workload.device.type),
+        # on a device with TF32 (CUDA) every candidate but TF32 ran strict (measure.matmul_precision); elsewhere the
+        # process's setting for that device's backend
+        float32_matmul_precision="highest"
+        if devices.lookup(workload.device).has_tf32
+        else float32_matmul_precision(workload.device.type),
         timing=(
             (
                 "compiled after apply_policy (each repeated block, else the whole model), compilation excluded (warm-up); "

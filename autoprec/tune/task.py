@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from autoprec import devices
 from autoprec.errors import UserError, describe
 from autoprec.policy import weights_digest
 from autoprec.tensors import map_tensors
@@ -251,7 +252,7 @@ def prepare(task: Task, device: str | torch.device) -> Workload:
     # The check must leave the model as built: a train-mode pass updates BatchNorm's running statistics (the fp32
     # metric, from which the budget is measured, moved by it) and draws from the random generators (dropout).
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
+    with devices.lookup(device).fork_rng(device), torch.enable_grad():
         loss = check_loss(task, _call(task, "loss_fn(model, batch)", task.loss_fn, model, train[0]))
     with torch.no_grad():
         for buffer, before in buffers:

@@ -1,0 +1,153 @@
+"""The device is a registered type (autoprec/devices.py): a Device registered from outside autoprec is the one its
+callers ask (the clock's synchronisation, a training step, the device's name, peak memory, TF32, --device), and an
+unregistered type is refused naming the registered ones."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoprec import Policy, devices
+from autoprec.devices import CPUDevice, Device, UnknownDeviceError, device_for, register_device, unregister_device
+from autoprec.errors import UserError
+from autoprec.formats import device_name
+from autoprec.tune import load_task, measure, memory, prepare
+from autoprec.tune.cli import _device
+from autoprec.tune.config import TimingConfig, default_compile
+
+MODELS = Path(__file__).parent / "models"
+META = torch.device("meta")
+
+
+class ToyMeta(Device):
+    """A device of torch's meta type, as a user's module would add one: a name, an allocator that keeps a peak,
+    TF32, compiled by default. What it is asked is written down."""
+
+    type = "meta"
+    label = "Meta"
+    unit = "toy"
+    compile_by_default = True
+    has_tf32 = True
+    memory_source = "the toy allocator's peak"
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.allocated = 100
+
+    def name(self, dev: torch.device) -> str:
+        return "toy meta device"
+
+    def matmul_precision(self, dev: torch.device, tf32: bool) -> contextlib.AbstractContextManager[None]:
+        self.asked.append(f"tf32={tf32}")
+        return contextlib.nullcontext()
+
+    def allocated_bytes(self, dev: torch.device) -> int:
+        return self.allocated
+
+    def reset_peak_bytes(self, dev: torch.device) -> None:
+        self.asked.append("reset_peak")
+
+    def peak_bytes(self, dev: torch.device) -> int:
+        return self.allocated + 250
+
+
+@pytest.fixture
+def toy_meta() -> Iterator[ToyMeta]:
+    register_device(ToyMeta)
+    try:
+        toy = device_for("meta")
+        assert isinstance(toy, ToyMeta)
+        yield toy
+    finally:
+        unregister_device("meta")
+    assert devices.registered() == ("cpu", "cuda")
+
+
+class CountingCPU(CPUDevice):
+    """A CPU-backed stand-in for a new device: the CPU, but its synchronisations are counted and it names itself."""
+
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def synchronize(self, dev: torch.device) -> None:
+        self.synchronized += 1
+
+    def name(self, dev: torch.device) -> str:
+        return "stand-in device"
+
+
+@pytest.fixture
+def counting_cpu() -> Iterator[CountingCPU]:
+    original = device_for("cpu")
+    stand_in = CountingCPU()
+    register_device(stand_in, replace=True)
+    try:
+        yield stand_in
+    finally:
+        register_device(original, replace=True)
+    assert devices.registered() == ("cpu", "cuda") and device_for("cpu") is original
+
+
+def test_an_unregistered_device_type_is_refused_naming_the_registered_ones():
+    with pytest.raises(UnknownDeviceError, match=r"autoprec measures on cpu or cuda, got meta \(the registered"):
+        device_for(META)
+    with pytest.raises(UserError, match="--device meta: autoprec measures on cpu or cuda, got meta"):
+        _device("meta")
+    assert devices.lookup(META) is not None and memory.source(META) is None  # the runtime still works on it
+
+
+def test_a_device_registered_from_outside_autoprec_is_the_one_its_callers_ask(toy_meta):
+    assert devices.registered() == ("cpu", "cuda", "meta")
+    assert _device("meta") == META  # --device offers it
+    with pytest.raises(UnknownDeviceError, match="autoprec measures on cpu, cuda or meta, got mps"):
+        device_for("mps")
+    assert device_name("meta") == "toy meta device"
+    assert default_compile("meta") is True
+    assert memory.source(META) == "the toy allocator's peak"
+    ran: list[bool] = []
+    assert memory.rise_bytes(META, lambda: ran.append(True)) == 250 and ran == [True]
+    with measure.matmul_precision(META, tf32=True):
+        pass
+    assert toy_meta.asked == ["reset_peak", "tf32=True"]
+
+
+def test_register_device_refuses_a_taken_type_and_one_torch_does_not_know():
+    with pytest.raises(ValueError, match=r"device type 'cpu' is already registered \(by autoprec\.devices\.CPUDevice\)"):
+        register_device(CountingCPU)
+    with pytest.raises(ValueError, match="type 'toaster' must be a torch device type"):
+        register_device(type("Toaster", (Device,), {"type": "toaster"}))
+    with pytest.raises(ValueError, match="type '' must be a torch device type"):
+        register_device(Device)
+    assert devices.registered() == ("cpu", "cuda")
+
+
+def test_the_clock_and_a_training_step_synchronize_through_the_registered_device(counting_cpu, monkeypatch):
+    monkeypatch.setattr(measure, "CLOCK", measure.DeviceClock())  # the real clock, not the suite's FormatClock
+    work: dict[str, Callable[[], object]] = {"a": lambda: None}
+    measure.interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=1, rounds=2, min_block_s=0.0))
+    assert counting_cpu.synchronized == 2 * 3  # before and after each of the 3 timed blocks (1 sizing + 2 rounds)
+    counting_cpu.synchronized = 0
+    trainer = measure.Trainer(prepare(load_task(MODELS / "overflow_mlp.py"), "cpu"), Policy())
+    trainer.step()  # the first step is timed to its end (a compiled model's compilation)
+    assert counting_cpu.synchronized == 2
+    trainer.step()
+    assert counting_cpu.synchronized == 2  # later steps return without synchronising
+    assert device_name("cpu") == "stand-in device"
+
+
+def test_the_cuda_devices_rise_is_its_allocators_peak_over_the_step_above_the_bytes_at_its_start(monkeypatch):
+    # torch.cuda's calls stood in for (no GPU needed): what the CUDA device asks, in order, and what it makes of it
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: calls.append("allocated") or 1000)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev=None: calls.append("peak") or 1600)
+    assert memory.rise_bytes(torch.device("cuda"), lambda: calls.append("step")) == 600
+    assert calls == ["synchronize", "allocated", "reset", "step", "synchronize", "peak"]
+    assert memory.source(torch.device("cuda")) == memory.CUDA_SOURCE
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert devices.CUDA.rng_devices(torch.device("cuda")) == [3] and devices.CUDA.rng_devices(torch.device("cuda:1")) == [1]
