@@ -657,14 +657,23 @@ def test_sigterm_fails_the_running_trial_and_says_how_to_resume(tmp_path, write_
     nothing was printed (issue 37, 11). It is taken as Ctrl-C: the trial fails, the study is left to resume."""
     import optuna
 
-    # training steps (trials) slow, the profile (eval mode) not: a trial is caught running however fast the machine
+    # The signal must land while a trial's own code runs (inside Optuna's objective), as a timeout's does in practice:
+    # once a trial is seen running, the test leaves a file that makes loss_fn's next training step say so and sleep,
+    # and signals then.
+    go, marker = tmp_path / "go", tmp_path / "in_a_trial"
     slow = mlp_source.replace(
-        "    x, y = batch\n", "    import time\n    time.sleep(0.05 if model.training else 0)\n    x, y = batch\n"
+        "    x, y = batch\n",
+        "    import pathlib, time\n"
+        f"    if model.training and pathlib.Path({str(go)!r}).exists():\n"
+        f"        pathlib.Path({str(marker)!r}).touch()\n"
+        "        time.sleep(5)\n"
+        "    x, y = batch\n",
     )
     path = write_model(slow)
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "autoprec", "search", str(path), "--device", "cpu", "--out", str(out), "--trials", "200"],
+        [sys.executable, "-m", "autoprec", "search", str(path), "--device", "cpu", "--out", str(out), "--trials", "200",
+         "--time-every-trial"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -673,12 +682,14 @@ def test_sigterm_fails_the_running_trial_and_says_how_to_resume(tmp_path, write_
 
     for _ in range(6000):  # a hang guard of 10 minutes: the loop ends as soon as a trial runs, however slow the machine
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if (out / "study.journal").is_file():
+        if not go.exists() and (out / "study.journal").is_file():
             with contextlib.suppress(KeyError):
                 trials = optuna.load_study(study_name=path.parent.name, storage=storage()).trials  # model.py: its folder
                 if any(t.state is optuna.trial.TrialState.RUNNING for t in trials):
-                    break
-        time.sleep(0.1)
+                    go.touch()
+        if marker.exists():
+            break
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
