@@ -731,11 +731,11 @@ def test_show_prints_each_results_peak_memory_and_how_it_was_measured(capsys, tm
 
 def test_valid_memory_options_reach_the_search_settings():
     from autoprec.tune.cli import _search_config, build_parser
-    from autoprec.tune.config import Goal
+    from autoprec.tune.goals import MEMORY
 
     args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--max-memory", "40G", "--objective", "memory"])
     config = _search_config(args)
-    assert config.max_memory == 40 * 2**30 and config.objective is Goal.MEMORY
+    assert config.max_memory == 40 * 2**30 and config.objective is MEMORY
     assert _search_config(build_parser().parse_args(["sweep", "m.py", "--budgets", "0", "--device", "cpu"])).max_memory is None
 
 

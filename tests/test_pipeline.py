@@ -105,7 +105,7 @@ def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
     import optuna
 
     from autoprec.tune.choices import LAYER_PARAM
-    from autoprec.tune.config import Goal
+    from autoprec.tune.goals import MEMORY
     from autoprec.tune.pipeline import finalist_policies
 
     choices = Choices(default=("fp32",), layers={"a": ("fp32", "bf16", "fp16"), "b": ("fp32", "bf16")}, excluded={})
@@ -118,7 +118,7 @@ def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
         study.add_trial(optuna.trial.create_trial(value=speedup, params=params, distributions=dist, user_attrs=attrs))
     # 1.85 * 1.05 reaches 2.0 * 0.95: inside the spreads, re-measured; 1.5 * 1.05 does not
     assert list(finalist_policies(study, choices, 3)) == ["trial 0", "trial 1"]
-    assert list(finalist_policies(study, choices, 3, goal=Goal.MEMORY)) == []  # by memory: no peaks here, none
+    assert list(finalist_policies(study, choices, 3, goal=MEMORY)) == []  # by memory: no peaks here, none
 
 
 def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_times_no_more(monkeypatch):

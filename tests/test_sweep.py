@@ -170,7 +170,7 @@ def test_sweep_refuses_a_study_budget_below_its_largest_budget(swept):
 def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_brute_force(seed):
     import random
 
-    from autoprec.tune.config import Goal
+    from autoprec.tune.goals import MEMORY
 
     rng = random.Random(seed)
     rows = [{"trial": i, "feasible": rng.random() < 0.9, "speedup": rng.choice([1.0, 1.5]), "peak_bytes": rng.choice([100, 200, 300]),
@@ -181,10 +181,10 @@ def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_br
                    and (o["peak_bytes"] < r["peak_bytes"] or o["metric_drop"] < r["metric_drop"]) for o in rows if o["feasible"])  # fmt: skip
 
     expected = {r["trial"] for r in rows if r["feasible"] and not beaten(r)}
-    front = pareto_front(pd.DataFrame(rows), Goal.MEMORY)
+    front = pareto_front(pd.DataFrame(rows), MEMORY)
     assert set(front["trial"]) == expected and front["metric_drop"].is_monotonic_increasing
     assert "_value" not in front
-    assert pareto_front(pd.DataFrame(rows).drop(columns="peak_bytes"), Goal.MEMORY).empty  # no peak measured: no front
+    assert pareto_front(pd.DataFrame(rows).drop(columns="peak_bytes"), MEMORY).empty  # no peak measured: no front
 
 
 @pytest.mark.slow
@@ -208,7 +208,7 @@ def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of
 
 
 def test_in_a_memory_sweep_a_peak_within_the_tie_of_the_smaller_budgets_pick_is_no_worse():
-    from autoprec.tune.config import Goal
+    from autoprec.tune.goals import MEMORY
 
     candidates = {n: Policy(layers={"a": f}) for n, f in (("fp32", "fp32"), ("x", "bf16"), ("y", "fp16"))}
     rows = [
@@ -217,11 +217,11 @@ def test_in_a_memory_sweep_a_peak_within_the_tie_of_the_smaller_budgets_pick_is_
         {"candidate": "y", "peak_bytes": 605, "metric_drop": 0.004, "speedup": 1.5},  # within 1% of x: a tie, faster
     ]
     no_greedy = dict.fromkeys((0.002, 0.01), "profile greedy")
-    picks = choose_per_budget(finals(*rows), candidates, (0.002, 0.01), no_greedy, goal=Goal.MEMORY)
+    picks = choose_per_budget(finals(*rows), candidates, (0.002, 0.01), no_greedy, goal=MEMORY)
     # the tie goes to the faster: 1% more is not "more memory", so the larger budget is not sent back to x
     assert [name for name, _ in picks] == ["x", "y"] and "kept" not in picks[1][1]
     rows[2]["peak_bytes"] = 700  # beyond the tie: y is worse, and the larger budget chooses x itself
-    picks = choose_per_budget(finals(*rows), candidates, (0.002, 0.01), no_greedy, goal=Goal.MEMORY)
+    picks = choose_per_budget(finals(*rows), candidates, (0.002, 0.01), no_greedy, goal=MEMORY)
     assert [name for name, _ in picks] == ["x", "x"]
 
 

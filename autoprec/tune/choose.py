@@ -2,22 +2,27 @@
 
 The fastest within budget, unless the measured spread cannot separate it from an alternative (the alternative is
 chosen: a policy is never written as faster than what the user had) or from a candidate with fewer fp16/fp8 layers
-(the safer one is chosen); never one measured slower than the fastest alternative. Goal.MEMORY: the smallest peak.
+(the safer one is chosen); never one measured slower than the fastest alternative. For the smallest peak memory
+(goals.MEMORY): `choose_smallest`. Each goal (goals.py) calls the rule it chooses by.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import memory
 from autoprec.tune.alternatives import ALTERNATIVES, GREEDY, NOT_A_POLICY
 from autoprec.tune.choices import Choices, fit
-from autoprec.tune.config import MEMORY_TIE, Goal
+from autoprec.tune.config import MEMORY_TIE
 from autoprec.tune.measure import Candidate
 from autoprec.tune.records import Finals, Measurement
+
+if TYPE_CHECKING:
+    from autoprec.tune.goals import Goal
 
 
 def _risk(policy: Policy | Candidate) -> int:
@@ -106,7 +111,7 @@ def not_separated(finals: Finals, name: str) -> list[str]:
 def choose_smallest(
     finals: Finals, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
 ) -> tuple[str, str]:
-    """Goal.MEMORY's choice: the candidate within budget (and --max-memory) with the smallest peak memory; among
+    """goals.MEMORY's choice: the candidate within budget (and --max-memory) with the smallest peak memory; among
     those within MEMORY_TIE of it, `choose`'s (the fastest, or the safer inside the spread). Every alternative
     within budget is a candidate here, so none with a smaller peak is passed over."""
     feasible = [r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY and r.peak_bytes is not None]
@@ -139,29 +144,25 @@ def choose_per_budget(
     budgets: tuple[float, ...],
     greedy: Mapping[float, str],
     *,
-    goal: Goal = Goal.SPEED,
+    goal: Goal | None = None,
 ) -> list[tuple[str, str]]:
-    """(candidate, why) per budget, ascending: `choose` (Goal.MEMORY: `choose_smallest`) among the re-measured
-    candidates within it, never below that budget's own profile-greedy policy, as a search of that budget decides;
-    where that measured worse than the previous budget's choice beyond the noise (a tie is not transitive: a safer
-    pick tied with the fastest may be separated below it), the previous stands. Inside the noise this budget's own
-    choice stands: a sweep decides each budget as a search of it would."""
+    """(candidate, why) per budget, ascending: the goal's choice (`Goal.choose`; None: goals.SPEED's, `choose`) among
+    the re-measured candidates within it, never below that budget's own profile-greedy policy, as a search of that
+    budget decides; where that measured worse than the previous budget's choice beyond the tie the goal's choice
+    allows (`Goal.kept`: a tie is not transitive, a safer pick tied with the fastest may be separated below it), the
+    previous stands. Inside the noise this budget's own choice stands: a sweep decides each budget as a search of it
+    would."""
+    if goal is None:
+        from autoprec.tune.goals import SPEED  # noqa: PLC0415 (goals.py calls this module's rules)
+
+        goal = SPEED
     picks: list[tuple[str, str]] = []
     for b in budgets:
         floor = [a for a in ALTERNATIVES if a != GREEDY] + [greedy[b]]
-        pick = choose_smallest if goal is Goal.MEMORY else choose
-        name, why = pick(finals.within(b), candidates, floor)
-        if picks and _worse(finals.by_name(name), finals.by_name(picks[-1][0]), goal):
+        name, why = goal.choose(finals.within(b), candidates, floor)
+        better = goal.kept(finals.by_name(picks[-1][0]), finals.by_name(name), candidates) if picks else None
+        if better is not None:
             before = picks[-1][0]
-            better = f"smaller, beyond the {MEMORY_TIE:.0%} tie," if goal is Goal.MEMORY else "faster, beyond the noise,"
             name, why = before, f"kept from the smaller budget: {before} measured {better} than {name}, this budget's pick"
         picks.append((name, why))
     return picks
-
-
-def _worse(a: Measurement, b: Measurement, goal: Goal) -> bool:
-    # beyond the tie the choice allows (choose_smallest's, choose's), or a larger budget would undo its own rule and
-    # decide otherwise than a search of that budget on the same measurements
-    if goal is Goal.MEMORY:
-        return a.peak_bytes is not None and b.peak_bytes is not None and a.peak_bytes > b.peak_bytes * (1 + MEMORY_TIE)
-    return a.speedup < b.speedup and separated(a, b)

@@ -440,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autoprec {_version()}")
     for flag, text in GLOBAL_FLAGS:
         parser.add_argument(flag, action="store_true", help=text)
+    from autoprec.tune.goals import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
+
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show,export}")
 
     def model_verb(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -480,9 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the profile's numerics (SQNR, overflow, metric drop) for the formats the timing keeps in "
                             "play (offered, default: minutes saved) or for every format the device can run (all), "
                             "as `autoprec profile` measures them")  # fmt: skip
-        p.add_argument("--objective", default="speed", metavar="{speed,memory}",
-                       help="what to optimise within the budget: training-step speed (default), or the smallest peak "
-                            "memory (for a model or batch that must fit)")  # fmt: skip
+        # every registered goal (autoprec.tune.goals); SearchConfig refuses another name, listing them
+        p.add_argument("--objective", default="speed", metavar=objective_metavar(), help=objective_help())
 
     s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
     s.add_argument("--budget", metavar="B",

@@ -1,6 +1,7 @@
-"""Everything that configures the tuner, in one place: the enums of what a budget is measured on and what a search
-optimises, the dataclasses a timing, a profile and a search take, and the tuning constants, each with why it has its
-value. The command line and the Python API build a SearchConfig through `search_config` alone."""
+"""Everything that configures the tuner, in one place: the enum of what a budget is measured on (what a search
+optimises is a registered goal, goals.py), the dataclasses a timing, a profile and a search take, and the tuning
+constants, each with why it has its value. The command line and the Python API build a SearchConfig through
+`search_config` alone."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import enum
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autoprec import devices
 from autoprec.tune.budget import check_budget
 from autoprec.tune.space import parse_option
+
+if TYPE_CHECKING:
+    from autoprec.tune.goals import Goal
 
 # ---- tuning constants --------------------------------------------------------------------------------------------
 
@@ -81,7 +85,7 @@ BREAK_SQNR_DB_16BIT = 30.0
 BREAK_ROWS = 15  # rows of the "which layer breaks" table shown; the rest are counted ("and N more")
 
 
-# ---- what a budget is measured on, what a search optimises -------------------------------------------------------
+# ---- what a budget is measured on, and a search's goal ------------------------------------------------------------
 
 
 class Mode(str, enum.Enum):
@@ -94,18 +98,15 @@ class Mode(str, enum.Enum):
         return self.value
 
 
-class Goal(str, enum.Enum):
-    """What a search optimises within the budget (and --max-memory)."""
-
-    SPEED = "speed"  # the training-step speedup over fp32, maximised
-    MEMORY = "memory"  # one training step's peak memory, minimised (for a model or batch that must fit)
-
-    def __str__(self) -> str:
-        return self.value
-
-
 def parse_goal(value: object) -> Goal:
-    return parse_option(Goal, value, "objective")
+    """The registered goal `value` names (goals.goal_named; a Goal as it is), or a ValueError listing the names."""
+    from autoprec.tune.goals import goal_named  # noqa: PLC0415 (goals.py calls choose.py's rules, which import this module)
+
+    return goal_named(value)
+
+
+def _speed() -> Goal:
+    return parse_goal("speed")
 
 
 def parse_mode(value: object) -> Mode:
@@ -196,9 +197,10 @@ class SearchConfig:
     # A rerun of a finished study (no trials left to run) keeps the result it wrote; True re-measures its
     # finalists and chooses again, on new timing noise.
     remeasure: bool = False
-    # What the search optimises within the budget: speed, or peak memory (Goal); and the most peak memory a
-    # candidate may need, in bytes (memory.parse_limit reads "40GB", "0.8"): above it, a candidate is infeasible.
-    objective: Goal = Goal.SPEED
+    # What the search optimises within the budget: a registered goal (goals.py), or its name ("speed", the default;
+    # "memory"); and the most peak memory a candidate may need, in bytes (memory.parse_limit reads "40GB", "0.8"):
+    # above it, a candidate is infeasible.
+    objective: Goal = dataclasses.field(default_factory=_speed)
     max_memory: int | None = None
     # Leave untimed a trial whose speedup, predicted from the profile's layer times, cannot make it a finalist
     # (speed.py; a single-objective speed search without --max-memory, once enough trials are timed).

@@ -3,9 +3,9 @@ say: trials.py).
 
 A trial suggests a policy (choices.py), measures its metric against the budget (`Judge`: the given
 weights' metric, or K training steps in train mode) and, when within budget, its training-step speedup
-over fp32, timed interleaved, and its peak memory per step (memory.py). A single-objective study maximises
-the speedup (Goal.MEMORY: minimises the peak) under the budget constraint, and --max-memory's (searcher.py);
-a two-objective one also minimises the metric drop, for a Pareto front (sweeper.py).
+over fp32, timed interleaved, and its peak memory per step (memory.py). A single-objective study optimises the
+search's goal (goals.py: maximises the speedup, or minimises the peak) under the budget constraint, and
+--max-memory's (searcher.py); a two-objective one also minimises the metric drop, for a Pareto front (sweeper.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import memory
 from autoprec.tune.choices import Choices, format_assignments, policy_from_params, suggest
-from autoprec.tune.config import NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Goal, Mode, SearchConfig
+from autoprec.tune.config import NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Mode, SearchConfig
 from autoprec.tune.cost import Stopwatch
+from autoprec.tune.goals import INFEASIBLE
 from autoprec.tune.measure import (
     Candidate,
     NoiseFloor,
@@ -50,21 +51,17 @@ from autoprec.tune.storage import OBJECTIVES
 from autoprec.tune.task import Workload
 from autoprec.tune.trials import (
     NOISE_ROUNDS,
-    best_speedup,
     best_timed,
     device_noise,
     finalist_mark,
     first_of_run,
     formats_key,
-    smallest_peak,
     timed_formats,
     timed_speedups,
     timed_trials,
 )
 
 log = logging.getLogger("autoprec")
-
-INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite
 
 
 def over_budget(drop: float, budget: float) -> float:
@@ -138,11 +135,11 @@ class Judge:
 
 
 class Objective:
-    """What a trial measures. One objective: the speedup (0 when over budget or broken; predicted, not timed, for
-    a trial the profile's layer times put out of the running: _predicted_too_slow). Two: the speedup
-    and the metric drop (INFEASIBLE when not finite), both under the constraint drop <= budget. With
-    Goal.MEMORY, the peak memory in MiB (INFEASIBLE when not measured) takes the speedup's place; with a
-    memory limit, peak <= limit is a second constraint."""
+    """What a trial measures. One objective: the goal's value (Goal.trial_value; the speedup, 0 when over budget
+    or broken, predicted, not timed, for a trial the profile's layer times put out of the running:
+    _predicted_too_slow; the peak memory in MiB, INFEASIBLE when not measured). Two: that and the metric drop
+    (INFEASIBLE when not finite), both under the constraint drop <= budget. With a memory limit, peak <= limit is
+    a second constraint."""
 
     def __init__(
         self,
@@ -159,8 +156,9 @@ class Objective:
             raise ValueError(f"objectives must be one of {sorted(OBJECTIVES)}, but got {objectives!r}")
         self.workload, self.choices, self.space = workload, choices, space
         self.judge, self.config, self.objectives = judge, config, objectives
-        # what predicts a trial's speedup (speed.py): only a speed search without a memory limit may skip timing
-        predicts = config.predict_speed and objectives == 1 and config.objective is Goal.SPEED and config.max_memory is None
+        # what predicts a trial's speedup (speed.py): only a search ranked by speed without a memory limit may skip timing
+        goal = config.objective
+        predicts = config.predict_speed and objectives == 1 and goal.ranks_by_speed and config.max_memory is None
         self.layer_times = layer_times if predicts else None
         # timed beside every eager candidate; a compiled search builds a compiled one per trial instead
         self.baseline = None if config.compile else Trainer(workload, Policy(layers={ROOT: Format.FP32}))
@@ -215,7 +213,7 @@ class Objective:
         earlier = _same_policy(trial, policy, self.choices)
         if earlier is not None and earlier[1].untimed is None:  # samplers propose a policy again: its
             self._reuse(trial, *earlier)  # measurements stand, and cost nothing
-            return self._values(trial)
+            return self._values(trial, policy)
         start = time.perf_counter()
         if earlier is not None:  # left untimed before (so within budget): its metric stands; whether to time it is
             before = earlier[1]  # decided anew
@@ -252,7 +250,7 @@ class Objective:
         trial.set_constraint("metric_drop_over_budget", constraint)
         if self.config.max_memory is not None:
             trial.set_constraint("peak_memory_over_limit", over)
-        return self._values(trial)
+        return self._values(trial, policy)
 
     def fp32_peak(self, baseline: Trainer | None) -> int | None:
         """The all-fp32 model's peak memory per step (measured once): from `baseline` after its timing, or from
@@ -270,11 +268,11 @@ class Objective:
 
     def _over_memory(self, trial: optuna.Trial) -> float:
         """How far the trial's peak is over --max-memory, as a share of it (<= 0: it fits); INFEASIBLE where the peak
-        was not measured but is needed (a limit, or the memory objective)."""
+        was not measured but is needed (a limit, or a goal that needs it: the memory objective)."""
         limit = self.config.max_memory
         peak = TrialRecord.of(trial).peak_bytes
-        if peak is None and (limit is not None or self.config.objective is Goal.MEMORY):
-            needs = "--max-memory" if limit is not None else "--objective memory"
+        if peak is None and (limit is not None or self.config.objective.needs_peak):
+            needs = "--max-memory" if limit is not None else f"--objective {self.config.objective.name}"
             TrialRecord.write(trial, error=f"peak memory not measured, which {needs} needs")
             return INFEASIBLE
         if limit is None or peak is None:
@@ -310,7 +308,7 @@ class Objective:
         unless its rounds (or the device's timings so far: trials.device_noise) spread beyond NOISY_SPREAD after
         NOISE_ROUNDS: there more rounds would not rank it, and NOISE_ROUNDS are enough for the device's noise to be
         read and for the final re-measure to judge it."""
-        ranked_by_speed = self.objectives == 1 and self.config.objective is Goal.SPEED
+        ranked_by_speed = self.objectives == 1 and self.config.objective.ranks_by_speed
         kth = finalist_mark(trial.study, self.config.finalists) if ranked_by_speed else None
         marks = (kth, max(timed_speedups(trial.study))) if kth is not None else None
         noise = device_noise(trial.study, since=self.since)
@@ -328,14 +326,10 @@ class Objective:
 
         return enough
 
-    def _values(self, trial: optuna.Trial) -> float | tuple[float, float]:
+    def _values(self, trial: optuna.Trial, policy: Policy) -> float | tuple[float, float]:
         # Infeasible trials are not timed; the constraint, not this value, keeps them from winning.
         record = TrialRecord.of(trial)
-        if self.config.objective is Goal.MEMORY:
-            peak = record.peak_bytes
-            first = peak / memory.MIB if record.feasible and peak is not None else INFEASIBLE
-        else:  # a trial within budget always has a speedup: measured, predicted, copied, or fp32's 1.0
-            first = record.speedup if record.feasible and record.speedup is not None else 0.0
+        first = self.config.objective.trial_value(record, policy)
         if self.objectives == 1:
             return first
         drop = record.metric_drop
@@ -408,9 +402,10 @@ def _same_policy(trial: optuna.Trial, policy: Policy, choices: Choices) -> tuple
 
 def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:
     """Run trials until the study holds `target` completed ones (every worker's and earlier run's count; one
-    cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the best speedup; fewer
-    where `objective.should_stop` says so (its `stopped` says why). Returns how many trials this call set out to run
-    (0: the study was finished, or stopped, already)."""
+    cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the goal's best so far
+    (Goal.progress: the best speedup, the smallest peak); fewer where `objective.should_stop` says so (its
+    `stopped` says why). Returns how many trials this call set out to run (0: the study was finished, or stopped,
+    already)."""
     complete = (optuna.trial.TrialState.COMPLETE,)
     objective.since = first_of_run(study)  # an earlier run's noise need not be this machine's now
     remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
@@ -419,11 +414,7 @@ def run_trials(study: optuna.Study, objective: Objective, target: int, *, progre
     with tqdm(total=remaining, desc="search trials", unit="trial", disable=not progress) as bar:
 
         def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-            if objective.config.objective is Goal.MEMORY:
-                bar.set_postfix(smallest_peak=memory.human_bytes(smallest_peak(study)))
-            else:
-                # a trial's own short timing: the final re-measure, not this, is what the policy reports
-                bar.set_postfix(best_trial_before_remeasure=f"{best_speedup(study):.3f}x")
+            bar.set_postfix(objective.config.objective.progress(study))
             bar.update(1)
             if objective.should_stop(study):
                 study.stop()

@@ -2,8 +2,8 @@
 the saved profile), run the Optuna study, gather each budget's finalists beside the alternatives, re-measure
 them together, choose per budget, and write a verified policy per budget with the trial and finalist tables.
 
-A search is this pipeline with one budget and one objective (the speedup, or the peak memory with
-`SearchConfig.objective` Goal.MEMORY); a sweep has several budgets and a second objective (the metric drop), so
+A search is this pipeline with one budget and one objective (the goal's value, `SearchConfig.objective`: the
+speedup, or the peak memory; goals.py); a sweep has several budgets and a second objective (the metric drop), so
 the study's Pareto front serves every budget. `Plan` holds what differs: the budgets, the objectives, the file
 names. A memory limit (`SearchConfig.max_memory`) is a second constraint beside the budget.
 
@@ -46,7 +46,7 @@ from autoprec.tune.alternatives import (
 )
 from autoprec.tune.budget import check_ascending
 from autoprec.tune.choices import Choices, build_choices, policy_from_params, warm_starts
-from autoprec.tune.choose import choose_per_budget, not_separated, safer_variant
+from autoprec.tune.choose import choose_per_budget, safer_variant
 from autoprec.tune.config import (
     BUDGET_FINAL_SHARE,
     FINAL_SHARE,
@@ -54,13 +54,13 @@ from autoprec.tune.config import (
     SETTLED,
     SETTLED_FINAL_ROUNDS,
     TIME_BUDGET_TOLERANCE,
-    Goal,
     Mode,
     SearchConfig,
     TimingConfig,
 )
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.credentials import hide_credentials
+from autoprec.tune.goals import SPEED, Goal
 from autoprec.tune.measure import (
     Candidate,
     all_settled,
@@ -87,7 +87,7 @@ log = logging.getLogger("autoprec")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What differs between a search and a sweep. `budgets`: ascending, the largest one bounds the study
-    (`SearchConfig.budget`); `objectives`: 1 (speedup, or peak memory: SearchConfig.objective) or 2 (that and
+    (`SearchConfig.budget`); `objectives`: 1 (the goal's value, SearchConfig.objective) or 2 (that and
     the metric drop, a Pareto front);
     the files written: one policy per budget, the trials table, the re-measured finalists."""
 
@@ -145,8 +145,8 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
             f"config.budget bounds the study and must be >= the largest budget, but got "
             f"config.budget={config.budget!r} and budgets up to {plan.budgets[-1]!r}"
         )
-    if memory.source(workload.device) is None and (config.objective is Goal.MEMORY or config.max_memory is not None):
-        flag = "--objective memory" if config.objective is Goal.MEMORY else "--max-memory"
+    if memory.source(workload.device) is None and (config.objective.needs_peak or config.max_memory is not None):
+        flag = f"--objective {config.objective.name}" if config.objective.needs_peak else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
     out_dir = Path(out_dir)
     with claim_out_dir(workload, out_dir):  # also makes the folder
@@ -227,7 +227,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         measured = dataclasses.replace(
             measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes),
             why=why, cost=watch.to_dict(), greedy=greedy[b], budget_given=plan.given.get(b), stopped=stopped,
-            not_separated=tuple(not_separated(finals.within(b), name)) if config.objective is Goal.SPEED else (),
+            not_separated=config.objective.ties(finals.within(b), name),
             sweep={"budgets": list(plan.budgets), "study_budget": config.budget} if plan.is_sweep else None,
         )  # fmt: skip
         picked = candidates[name].policy
@@ -316,10 +316,10 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
 
 
 def gather_candidates(
-    workload: Workload, space: SearchSpace, started: Started, plan: Plan, k: int, *, goal: Goal = Goal.SPEED
+    workload: Workload, space: SearchSpace, started: Started, plan: Plan, k: int, *, goal: Goal = SPEED
 ) -> tuple[dict[str, Candidate], dict[float, str], dict[str, str]]:
     """What is re-measured: the alternatives (each budget with its own profile-greedy policy), then per budget
-    its k fastest trials within it (Goal.MEMORY: the k smallest in peak memory) and the safer variant of the
+    its k best trials within it by the goal (the fastest; the smallest in peak memory) and the safer variant of the
     first of them (its fp16/fp8 layers in bf16), each policy once, under the first name it came by (a trial
     that is an alternative, the all-fp32 warm start say, is measured as the alternative). Returns the candidates, budget -> its greedy candidate's name, and the
     alternatives not measured with why."""
@@ -394,25 +394,19 @@ def finalist_policies(
     *,
     budget: float | None = None,
     exclude: Collection[Candidate] = (),
-    goal: Goal = Goal.SPEED,
+    goal: Goal = SPEED,
 ) -> dict[str, Candidate]:
-    """The k fastest (Goal.MEMORY: smallest in peak memory) distinct feasible policies of the study (with
-    `budget`: among those whose drop fits it), leaving out those in `exclude` (the alternatives, measured under
-    their own names) and, by speed, those whose timing is separated below the fastest trial's (_beaten)."""
+    """The k best distinct feasible policies of the study in the goal's order (Goal.finalists: the fastest, or the
+    smallest in peak memory; by speed, none whose timing is separated below the fastest trial's), with `budget`
+    among those whose drop fits it, leaving out those in `exclude` (the alternatives, measured under their own
+    names)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     good = [(t, r) for t, r in ((t, TrialRecord.of(t)) for t in done) if r.feasible]
     if budget is not None:
         good = [(t, r) for t, r in good if r.metric_drop is not None and r.metric_drop <= budget]
     picked: dict[str, Candidate] = {}
     seen = {json.dumps(c.policy.to_dict(), sort_keys=True) for c in exclude if not c.tf32}
-    if goal is Goal.MEMORY:
-        order = sorted(
-            [(t, r) for t, r in good if r.peak_bytes is not None], key=lambda tr: (tr[1].peak_bytes or 0, -_speedup(tr[1]))
-        )
-    else:
-        order = sorted(good, key=lambda tr: -_speedup(tr[1]))
-        order = [(t, r) for t, r in order if not _beaten(r, order[0][1])]
-    for t, _ in order:
+    for t, _ in goal.finalists(good):
         policy = policy_from_params(t.params, choices)
         key = json.dumps(policy.to_dict(), sort_keys=True)
         if key not in seen:
@@ -421,24 +415,6 @@ def finalist_policies(
         if len(picked) == k:
             break
     return picked
-
-
-def _speedup(record: TrialRecord) -> float:
-    return record.speedup if record.speedup is not None else 0.0  # every trial within budget has one
-
-
-def _beaten(trial: TrialRecord, best: TrialRecord) -> bool:
-    """Whether the trial's timing is separated below the best's (its fast end under the best's slow end, each by a
-    factor of 1 + half the wider spread, at least SETTLED): it cannot win the final re-measure, so it is not timed
-    there."""
-
-    def spread(r: TrialRecord) -> float:
-        return r.spread if r.spread is not None and math.isfinite(r.spread) else 0.0
-
-    # a few rounds' spread understates the noise: the wider of the two, and at least SETTLED, on both sides; as a
-    # factor each way (a spread past 2 would put 1 - half below zero, and beat nothing however far apart they ran)
-    half = max(spread(trial), spread(best), SETTLED) / 2
-    return _speedup(trial) * (1 + half) < _speedup(best) / (1 + half)
 
 
 def remeasure(
@@ -630,7 +606,7 @@ def measured_record(
         ),
         memory=memory.source(workload.device) or memory.not_measured(workload.device),
         max_memory=config.max_memory,
-        objective=config.objective.value,
+        objective=config.objective.name,
         loss_scale_search=dict(choices.loss_scale or {}),
         search_space=choices.describe(),
         study=StudyRef(name=study.study_name, storage=started.storage, trials=len(study.trials), complete=_complete(study)),

@@ -13,6 +13,7 @@ import pandas as pd
 from autoprec.files import write_atomically
 from autoprec.tune.alternatives import BF16
 from autoprec.tune.choices import role
+from autoprec.tune.goals import SPEED, recorded_goal
 from autoprec.tune.gradients import ScaleAdvice
 from autoprec.tune.memory import MIB
 from autoprec.tune.profile_data import Profile, as_float, flag
@@ -302,30 +303,38 @@ def pareto_figure(result: SweepResult, *, title: str = "") -> Figure:
     trials, front = result.trials, result.front
     table: list[BudgetRow] = result.table
     first = next(iter(result.policies.values()), None)
-    by_memory = first is not None and Measured.of(first).objective == "memory"
+    # the goal's axis (Goal.axis: the speedup, the peak memory); by speed for a goal without one, or not registered here
+    goal = recorded_goal(Measured.of(first).objective) if first is not None else None
+    goal = goal if goal is not None and goal.axis is not None else SPEED
+    axis = goal.axis
+    assert axis is not None  # SPEED's is set
     fig = _figure((8.8, 5))
     ax = fig.subplots()
     timed: pd.DataFrame = (
         trials[trials.get("feasible", pd.Series(dtype=bool)).eq(True)] if "feasible" in trials else trials.iloc[0:0]
     )
-    mib = float(MIB)
     bf16 = result.finals.get(BF16)
     drops = [float(v) for v in (*timed["metric_drop"], *(r.metric_drop for r in table), *([bf16.metric_drop] if bf16 else []))]
     # every drop 0: an axis of drops would stack every trial in one column, each hiding the last; the trials by number
     flat = len(timed) > 0 and all(d == 0 for d in drops if math.isfinite(d))
 
     def y_of(frame: pd.DataFrame) -> Any:
-        return frame["peak_bytes"].astype(float) / mib if by_memory else frame["speedup"]
+        return frame[axis.column].astype(float) / axis.unit
+
+    def value(row: object) -> float:  # a budget's row, a re-measured candidate
+        found = getattr(row, axis.column, None)
+        return math.nan if found is None else float(found) / axis.unit
 
     def x_of(frame: pd.DataFrame) -> Any:
         return (frame["trial"] if "trial" in frame else frame.index) if flat else frame["metric_drop"]
 
-    peaks = timed["peak_bytes"].astype(float) / mib if "peak_bytes" in timed else pd.Series(math.nan, index=timed.index)
-    shown = timed[peaks.notna()] if by_memory else timed  # a memory plot has no place for a trial without a peak
+    peaks = timed["peak_bytes"].astype(float) / MIB if "peak_bytes" in timed else pd.Series(math.nan, index=timed.index)
+    ys = y_of(timed) if axis.column in timed else pd.Series(math.nan, index=timed.index)
+    shown = timed[ys.notna()]  # the axis has no place for a trial without a value (a peak not measured)
     ax.scatter(x_of(shown), y_of(shown) if len(shown) else [], s=14, color="#999999",
                label="trials (timed in the study)" + (": all drops 0" if flat else ""))  # fmt: skip
-    if not by_memory and peaks.notna().any():  # coloured by peak where measured; grey beneath: trials without a measured peak
-        dots = ax.scatter(x_of(timed), timed["speedup"], s=16, c=peaks, cmap="viridis_r", plotnonfinite=False)
+    if axis.column != "peak_bytes" and peaks.notna().any():  # coloured by peak where measured; grey beneath: trials
+        dots = ax.scatter(x_of(timed), ys, s=16, c=peaks, cmap="viridis_r", plotnonfinite=False)  # without one
         bar = fig.colorbar(dots, ax=ax, label="peak memory per step (MiB)", fraction=0.05)
         if peaks.nunique() == 1:  # one peak: a scale around it would show differences there are none of
             bar.set_ticks([float(peaks.dropna().iloc[0])])
@@ -333,31 +342,30 @@ def pareto_figure(result: SweepResult, *, title: str = "") -> Figure:
     if flat:
         best = front if len(front) else timed.iloc[0:0]
         ax.scatter(x_of(best), y_of(best), s=80, facecolors="none", edgecolors="C0", linewidths=1.5, zorder=3,
-                   label="Pareto front: " + ("the smallest peak" if by_memory else "the fastest"))  # fmt: skip
+                   label=f"Pareto front: {axis.best}")  # fmt: skip
         budgets = ", ".join(dict.fromkeys(f"{r.budget:g}" for r in table))
-        chosen = dict.fromkeys(((r.peak_bytes or math.nan) / mib if by_memory else r.speedup) for r in table)
+        chosen = dict.fromkeys(value(r) for r in table)
         for i, y in enumerate(v for v in chosen if math.isfinite(v)):
             ax.axhline(y, color="C3", linestyle=":", linewidth=1.5,
                        label=f"chosen for budgets {budgets} (re-measured)" if i == 0 else None)  # fmt: skip
         if bf16 is not None:
-            y = (bf16.peak_bytes or math.nan) / mib if by_memory else bf16.speedup
-            ax.axhline(y, color="C2", linestyle="--", linewidth=1.2, label="uniform bf16 (re-measured)")
+            ax.axhline(value(bf16), color="C2", linestyle="--", linewidth=1.2, label="uniform bf16 (re-measured)")
     else:
         if len(front):
             ax.step(front["metric_drop"], y_of(front), where="post", color="C0", label="Pareto front (trials)")
         for i, r in enumerate(table):
             ax.axvline(r.budget, color="C3", linestyle=":", linewidth=1, label="budgets" if i == 0 else None)
-        chosen_y = [(r.peak_bytes if r.peak_bytes is not None else math.nan) / mib if by_memory else r.speedup for r in table]
-        ax.scatter([r.metric_drop for r in table], chosen_y, marker="*", s=160, color="C3", zorder=3,
+        ax.scatter([r.metric_drop for r in table], [value(r) for r in table], marker="*", s=160, color="C3", zorder=3,
                    label="chosen per budget (re-measured)")  # fmt: skip
         if bf16 is not None:
-            y = (bf16.peak_bytes or math.nan) / mib if by_memory else bf16.speedup
-            ax.scatter([bf16.metric_drop], [y], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)")
+            ax.scatter(
+                [bf16.metric_drop], [value(bf16)], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)"
+            )
     fp32 = result.finals.get("fp32")
-    if not by_memory:
-        ax.axhline(1.0, color="black", linewidth=0.6)
-    elif fp32 is not None and fp32.peak_bytes:
-        ax.axhline(fp32.peak_bytes / mib, color="black", linewidth=0.6, label="fp32's peak")
+    if axis.fp32 is not None:  # fp32's value by definition (a speedup's 1.0)
+        ax.axhline(axis.fp32, color="black", linewidth=0.6)
+    elif fp32 is not None and math.isfinite(value(fp32)) and value(fp32):  # as re-measured (its peak)
+        ax.axhline(value(fp32), color="black", linewidth=0.6, label=axis.fp32_label)
     # Drops often sit orders of magnitude below the budgets: symlog shows both, and negative drops too.
     values = [
         abs(float(v)) for v in (*timed["metric_drop"], *(r.budget for r in table)) if float(v) != 0 and math.isfinite(float(v))
@@ -372,8 +380,8 @@ def pareto_figure(result: SweepResult, *, title: str = "") -> Figure:
         ax.set_xlabel("metric drop from fp32 (lower is better; symmetric log scale)")
     else:
         ax.set_xlabel("metric drop from fp32 (lower is better)")
-    ax.set_ylabel("peak memory per training step (MiB)" if by_memory else "training-step speedup over fp32")
-    what = "peak memory" if by_memory else "speedup"
+    ax.set_ylabel(axis.title)
+    what = goal.label
     ax.set_title(title or (f"{what} of each trial: all drops 0" if flat else f"{what} against metric drop"), fontsize=10)
     ax.legend(fontsize=8, loc="best")
     return fig

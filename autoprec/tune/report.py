@@ -19,6 +19,7 @@ from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
 from autoprec.tune.cost import cost_rows
+from autoprec.tune.goals import recorded_goal
 from autoprec.tune.gradients import ScaleAdvice
 from autoprec.tune.memory import format_change, human_bytes
 from autoprec.tune.profile_data import SQNR_COLUMNS, as_float, flag
@@ -199,8 +200,16 @@ RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup", "peak me
 def memory_text(m: Measured) -> str:
     """How peak memory was measured, and the limit, for the line under a results table."""
     limit = f"; --max-memory {human_bytes(m.max_memory)} ({m.max_memory:,} bytes)" if m.max_memory else ""
-    goal = "; chosen for the smallest peak memory within budget" if m.objective == "memory" else ""
+    chosen = recorded_goal(m.objective)  # None: a goal not registered here, which a report says nothing about
+    goal = f"; chosen for {chosen.chosen_for}" if chosen is not None and chosen.chosen_for else ""
     return f"peak memory: {m.memory or 'not recorded'}{limit}{goal}; vs fp32: the peak's change from all-fp32's"
+
+
+def _by_speed(m: Measured) -> bool:
+    """Whether the goal a policy was chosen for (measured.objective) ranks by the measured speed (Goal.ranks_by_speed);
+    False for a goal not registered here (goals.recorded_goal)."""
+    goal = recorded_goal(m.objective)
+    return goal is not None and goal.ranks_by_speed
 
 
 def mode_text(m: Measured) -> str:
@@ -438,7 +447,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
         parts.append(f"{name}: {why}")
     parts.extend(f"{r.candidate} failed: {r.error}" for r in finals if r.error)
     tf32, picked = finals.get(TF32), finals.get(m.chosen)
-    speed = m.objective == "speed"  # the notes below are about ranking by speed
+    speed = _by_speed(m)  # the notes below are about ranking by speed
     if speed and tf32 is not None and picked is not None and tf32.feasible and tf32.speedup > picked.speedup:
         parts.append(
             f"note: TF32 measured {tf32.speedup / picked.speedup:.2f}x the chosen policy's speed within budget; it is a "
@@ -507,7 +516,7 @@ def tie(m: Measured, finals: Finals) -> Tie | None:
     budget), or None where the choice is clear: what a search's first line and a sweep's table both report, so
     that neither judges a tie on its own."""
     picked = finals.get(m.chosen) if m.chosen else None
-    if m.objective != "speed" or picked is None or not picked.feasible:
+    if not _by_speed(m) or picked is None or not picked.feasible:
         return None
     others = [n for n in m.not_separated if n in finals.names]
     if not others:

@@ -13,7 +13,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import optuna
 import optuna.storages.journal  # `import optuna` loads it too, but mypy sees a submodule only where it is imported
@@ -22,10 +22,13 @@ from autoprec.errors import UserError, describe, printable
 from autoprec.formats import device_name
 from autoprec.policy import model_fingerprint
 from autoprec.tune.choices import Choices, is_param, uniform_params
-from autoprec.tune.config import RETRIES, Goal, Mode, SearchConfig
+from autoprec.tune.config import RETRIES, Mode, SearchConfig
 from autoprec.tune.credentials import hide_credentials, hide_credentials_in
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload
+
+if TYPE_CHECKING:
+    from autoprec.tune.goals import Goal
 
 log = logging.getLogger("autoprec")
 
@@ -287,13 +290,13 @@ OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}
 
 
 def objective_names(objectives: int, goal: Goal) -> str:
-    """The study's objectives in words: `speedup`, `peak memory, metric drop`."""
-    return OBJECTIVES[objectives].replace("speedup", "peak memory") if goal is Goal.MEMORY else OBJECTIVES[objectives]
+    """The study's objectives in words (the goal's label first): `speedup`, `peak memory, metric drop`."""
+    return OBJECTIVES[objectives].replace("speedup", goal.label)
 
 
 def directions(objectives: int, goal: Goal) -> list[Literal["minimize", "maximize"]]:
-    first: Literal["minimize", "maximize"] = "minimize" if goal is Goal.MEMORY else "maximize"
-    return [first, "minimize"][:objectives]
+    """The study's directions: the goal's, then (a sweep) the metric drop's."""
+    return [goal.direction, "minimize"][:objectives]
 
 
 KEY_ATTR, CHOICES_ATTR, WORKER_ATTR = "autoprec:key", "autoprec:choices", "autoprec:worker"
@@ -339,7 +342,7 @@ def open_study(
     *,
     objectives: int = 1,
 ):
-    """Create or join the study (maximise the speedup, or minimise the peak memory with Goal.MEMORY; with
+    """Create or join the study (the goal's direction: maximise the speedup, minimise the peak memory; with
     `objectives=2`, also minimise the metric drop). Every worker proposes its choices on the all-fp32 warm-start trial; the first
     proposal in the storage wins, and only its worker queues the other warm starts (`warm_starts(choices)`).
     Two workers starting at the same moment may both queue the fp32 trial: it is then measured twice."""

@@ -30,7 +30,8 @@ from autoprec.policy import ROOT, Policy
 from autoprec.tune.alternatives import BF16
 from autoprec.tune.budget import parse_budgets
 from autoprec.tune.choices import Choices
-from autoprec.tune.config import Goal, SearchConfig
+from autoprec.tune.config import SearchConfig
+from autoprec.tune.goals import SPEED, Goal
 from autoprec.tune.measure import NoiseFloor
 from autoprec.tune.out_dir import SWEEP_PROFILE, SavedProfile
 from autoprec.tune.pipeline import Plan, run
@@ -39,7 +40,7 @@ from autoprec.tune.records import Chosen, Finals, Measured
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload
 
-OBJECTIVES = 2  # speedup (maximise; Goal.MEMORY: peak memory, minimise), metric drop (minimise)
+OBJECTIVES = 2  # the goal's value (the speedup, maximised; the peak memory, minimised), metric drop (minimise)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,16 +100,16 @@ def policy_filename(budget: float) -> str:
     return f"policy-budget-{budget:g}.json"
 
 
-def pareto_front(trials: pd.DataFrame, goal: Goal = Goal.SPEED) -> pd.DataFrame:
-    """The timed (feasible) trials no other timed trial beats in both speedup (Goal.MEMORY: peak memory) and
-    metric drop, by drop."""
-    column = "peak_bytes" if goal is Goal.MEMORY else "speedup"
-    if "feasible" not in trials or column not in trials:
+def pareto_front(trials: pd.DataFrame, goal: Goal = SPEED) -> pd.DataFrame:
+    """The timed (feasible) trials no other timed trial beats in both the goal's column (Goal.axis: the speedup, the
+    peak memory) and metric drop, by drop; none for a goal without one."""
+    column = goal.axis.column if goal.axis is not None else None
+    if column is None or "feasible" not in trials or column not in trials:
         return trials.iloc[0:0]
     timed = trials[trials["feasible"].eq(True)].dropna(subset=[column, "metric_drop"])
     # by drop (then the best value first): a trial is on the front when no trial of a smaller drop, or of the
-    # same drop, is better; equal trials all stay (one sort, one pass). Memory is better smaller: negated.
-    sign = -1.0 if goal is Goal.MEMORY else 1.0
+    # same drop, is better; equal trials all stay (one sort, one pass). A minimised value (memory): negated.
+    sign = -1.0 if goal.direction == "minimize" else 1.0
     ordered = timed.assign(_value=sign * timed[column].astype(float))
     ordered = ordered.sort_values(["metric_drop", "_value"], ascending=[True, False], kind="stable")
     keep, best, best_drop = [], -math.inf, math.nan
