@@ -90,7 +90,8 @@ class Device:
     def fork_rng(self, dev: torch.device) -> contextlib.AbstractContextManager[None]:
         """torch.random.fork_rng for work on `dev`: the random generators it draws from are restored after."""
         ids = self.rng_devices(dev)
-        return torch.random.fork_rng(devices=ids, device_type=self.type if ids else None)
+        # no device_type where there are no device generators: torch 2.11 reads None as a device name and fails
+        return torch.random.fork_rng(devices=ids, **({"device_type": self.type} if ids else {}))
 
     # Peak memory. A device with an allocator that keeps a peak implements the three methods below and states its
     # `memory_source`; the base memory_rise reads them. One without overrides memory_rise itself (the CPU traces).

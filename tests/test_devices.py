@@ -151,3 +151,23 @@ def test_the_cuda_devices_rise_is_its_allocators_peak_over_the_step_above_the_by
     assert memory.source(torch.device("cuda")) == memory.CUDA_SOURCE
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert devices.CUDA.rng_devices(torch.device("cuda")) == [3] and devices.CUDA.rng_devices(torch.device("cuda:1")) == [1]
+
+
+def test_the_cpu_forks_the_generators_as_torch_2_11_takes_it(monkeypatch):
+    """torch 2.11's fork_rng reads device_type=None as a device name and fails: every CPU prepare() failed there."""
+    import contextlib
+
+    from autoprec import devices
+
+    seen = {}
+
+    def fork_rng(devices=None, enabled=True, device_type="cuda", **kw):
+        if device_type is None:
+            raise TypeError("device() received an invalid combination of arguments - got (NoneType)")
+        seen.update(devices=list(devices or []), device_type=device_type)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    with devices.device_for("cpu").fork_rng(torch.device("cpu")):
+        pass
+    assert seen == {"devices": [], "device_type": "cuda"}  # torch's own default, untouched
