@@ -139,3 +139,22 @@ def test_the_built_in_goals_answer_as_the_tuner_asked_before():
     over = TrialRecord(feasible=False, speedup=1.5, peak_bytes=2**20)
     assert SPEED.trial_value(over, policy) == 0.0 and MEMORY.trial_value(over, policy) == 1e9
     assert pareto_front(pd.DataFrame(columns=["feasible", "speedup", "metric_drop"]), SPEED).empty
+
+
+def test_a_goal_under_a_label_another_goal_has_is_refused():
+    """The study key records the label: two goals under one label would share, and clash in, one study."""
+    from autoprec.tune.goals import MEMORY, Goal, goal_named, register_goal
+
+    class Twin(Goal):
+        name, label, direction, summary = "twin-memory", MEMORY.label, "maximize", "the largest peak memory"
+
+        def value(self, record, policy):
+            return 0.0
+
+        def choose(self, finals, candidates, alternatives):
+            return "fp32", ""
+
+    with pytest.raises(ValueError, match=r"label 'peak memory' is goal 'memory''s"):
+        register_goal(Twin)
+    with pytest.raises(ValueError):
+        goal_named("twin-memory")

@@ -164,6 +164,9 @@ def register_goal(goal: G) -> G:
     for attr in ("label", "summary"):
         if not isinstance(getattr(instance, attr, None), str):
             raise ValueError(f"goal {name!r}: {attr} must be a few words (see Goal)")
+    same = next((g for g in _REGISTRY.values() if g.label == instance.label), None)
+    if same is not None:  # the study key records the label: two goals under one would share (and clash in) a study
+        raise ValueError(f"goal {name!r}: label {instance.label!r} is goal {same.name!r}'s; give it a label of its own")
     _REGISTRY[name] = instance
     return goal
 
