@@ -771,3 +771,61 @@ def test_an_evaluate_that_moves_on_its_own_is_refused_before_it_rules_formats_ou
         checked_fp32_metric(workload)
     steady = mlp_source + "\n\ndef evaluate(model):\n    return 0.5\n"
     assert checked_fp32_metric(prepare(load_task(write_model(steady, "steady.py")), "cpu")) == 0.5
+
+
+def test_a_profile_past_its_time_budget_share_leaves_the_rest_of_the_layers_in_fp32_and_says_so(caplog):
+    """`--time-budget 4 --compile` ran 0 of 30 trials: the profile used it all (issue 38, 5). With a deadline the
+    layers it does not reach are not profiled, their lowered formats ruled out with that reason, and it says so."""
+    from autoprec.tune import load_task, prepare
+    from autoprec.tune.profile_data import ruled_out
+    from autoprec.tune.profiler import profile
+    from autoprec.tune.space import space_from_dict
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}})
+    with caplog.at_level("WARNING", logger="autoprec"):
+        cut = profile(workload, space, dataclasses.replace(FAST, deadline_s=0.0), progress=False)
+    assert not cut.complete
+    lowered = cut.table[cut.table["format"] == "bf16"]
+    assert len(lowered) == 3 and all(
+        "not profiled: the time budget's share" in ruled_out(r, None, 1e9) for _, r in lowered.iterrows()
+    )
+    assert (cut.table[cut.table["format"] == "fp32"]["status"] == "ok").all()
+    assert any("3 layers left in fp32" in r.message and "spent after 0 of 3 layers" in r.message for r in caplog.records)
+    whole = profile(workload, space, FAST, progress=False)
+    assert whole.complete and (whole.table["status"] == "ok").all()
+
+
+def test_a_search_whose_time_budget_the_profile_would_overrun_still_writes_a_policy(tmp_path):
+    from short_timing import FAST_PROFILE, TINY
+
+    from autoprec.tune import SearchConfig, load_task, prepare
+    from autoprec.tune.out_dir import load_or_profile
+    from autoprec.tune.profile_data import Profile
+    from autoprec.tune.searcher import search
+    from autoprec.tune.space import space_from_dict
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "trials": 4})
+    config = SearchConfig(budget=0.05, time_budget=1e-4, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, progress=False)
+    result = search(workload, space, config, tmp_path)
+    assert result.policy.measured["chosen"] and not Profile.load(tmp_path).complete
+    # a run with time enough does not reuse the cut profile: it profiles every layer
+    again = load_or_profile(workload, space, tmp_path, dataclasses.replace(config, time_budget=None))
+    assert again.complete
+
+
+def test_the_profiles_deadline_says_up_front_when_the_layers_will_not_fit(monkeypatch, caplog):
+    """Once the first layer's time is known, a profile that would overrun its share says so before it is cut."""
+    from autoprec.tune import profiler
+
+    clock = iter(range(100))
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: float(next(clock)))  # one second a reading
+    deadline = profiler.Deadline(2.5, layers=3)  # begins at 0
+    with caplog.at_level("WARNING", logger="autoprec"):
+        assert not deadline.passed()  # 1 s
+        deadline.done_one()  # 2 s for one layer: 6 s for three, past 2.5
+        assert [r.message for r in caplog.records][0].startswith("--time-budget: profiling every one of the 3 layers")
+        assert deadline.passed() and deadline.passed()  # 3 s, 4 s: the other two left out
+    assert deadline.left_out == 2 and "after 1 of 3 layers" in deadline.reason
+    assert not profiler.Deadline(None, layers=3).passed()

@@ -69,6 +69,9 @@ FINAL_SHARE = 1.0
 # (which never runs past the budget either): a quiet device's settles in a few rounds, and a noisy device's trials
 # stop on their own much sooner (objective.Objective.should_stop), leaving it the rest.
 BUDGET_FINAL_SHARE = 0.25
+# With --time-budget, the share of it the profile's per-layer work may take: past it, the layers not yet profiled
+# stay in fp32 (their lowered formats not measured, so never chosen), and the trials get the rest.
+PROFILE_SHARE = 0.5
 # --time-budget is overrun by more than this share only where the profile or the final re-measure's first
 # SETTLED_FINAL_ROUNDS rounds need it (neither is cut short); the search then says so, with where the time went.
 TIME_BUDGET_TOLERANCE = 0.25
@@ -157,6 +160,9 @@ class ProfileConfig:
     # drop), however slow it runs here: they do not depend on the device's speed. "offered": only the formats the
     # timing keeps in play (a search's own profile: minutes saved); the others say "not measured" and why.
     numerics: str | None = None  # None: "all" for a profile on its own, "offered" for a search's (SearchConfig)
+    # Seconds the per-layer profiling may take (a search's --time-budget gives it PROFILE_SHARE of the budget): the
+    # layers not reached by then are not profiled, their lowered formats ruled out with that reason. None: no limit.
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.group_tolerance is not None and not (math.isfinite(self.group_tolerance) and self.group_tolerance >= 0):
@@ -167,6 +173,8 @@ class ProfileConfig:
             raise ValueError(f"max_underflow must be in [0, 1), but got {self.max_underflow!r}")
         if self.numerics is not None and self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, but got {self.numerics!r}")
+        if self.deadline_s is not None and not (math.isfinite(self.deadline_s) and self.deadline_s >= 0):
+            raise ValueError(f"deadline_s must be a number of seconds >= 0 or None, but got {self.deadline_s!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from autoprec.errors import UserError
 from autoprec.files import OtherVersion, Taken, claim_folder, read_json
 from autoprec.formats import device_name
 from autoprec.policy import Policy, model_fingerprint
-from autoprec.tune.config import GROUP_SHARE, Mode, ProfileConfig, SearchConfig
+from autoprec.tune.config import GROUP_SHARE, PROFILE_SHARE, Mode, ProfileConfig, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.measure import NoiseFloor
 from autoprec.tune.profile_data import Profile, ruled_out
@@ -147,6 +147,8 @@ def reuse_or_profile(
     settings = config.profile_settings
     if settings.group_tolerance is None and settings.group_testing:
         settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * (config.budget if budget is None else budget))
+    if config.time_budget is not None and settings.deadline_s is None:  # the profile scaled to fit the budget
+        settings = dataclasses.replace(settings, deadline_s=PROFILE_SHARE * config.time_budget)
     held = any((out_dir / name).exists() for name in PROFILE_FILES)
     why_not = None
     for folder in [out_dir, *([out_dir / own] if own else [])]:
@@ -184,6 +186,8 @@ def _unfit(cached: Profile, workload: Workload, space: SearchSpace, config: Sear
     """Why a saved profile does not serve this run, or None where it does."""
     if cached.fingerprint != model_fingerprint(workload.model):
         return "another model structure"
+    if not cached.complete:  # a time budget cut it short: a run with more time profiles every layer
+        return "cut short by a time budget"
     if cached.weights != workload.weights:  # other weights (a retrained model): other sensitivities
         return "other weights"
     if cached.device != device_name(str(workload.device)):

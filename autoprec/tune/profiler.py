@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import logging
 import math
+import time
 from typing import Any
 
 import pandas as pd
@@ -731,12 +732,19 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
     modules = dict(workload.model.named_modules())
     rows: list[dict] = []
     timed: dict[str, tuple[str, dict, dict]] = {}
+    deadline = Deadline(config.deadline_s, len(layers))
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
         formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
+        if deadline.passed():
+            rows.extend(_unprofiled(name, modules[name], formats, fp32_metric, deadline.reason))
+            continue
         rows.extend(_profile_layer(
             workload, name, modules[name], formats, ref, fp32_metric, config, grads[name], grad_table, watch, timed,
             space.prune_slower_than,
         ))  # fmt: skip
+        deadline.done_one()
+    if deadline.left_out:
+        watch.count("profile: layers not profiled, the time budget's share for it spent (they stay in fp32)", deadline.left_out)
     for fmt in dict.fromkeys(r["format"] for r in rows):
         pending = [r for r in rows if r["format"] == fmt and r["metric_source"] == PENDING]
         if pending:
@@ -757,4 +765,44 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         uncalled=list(ref.uncalled),
         group_tolerance=config.group_tolerance if config.group_testing else None,
         numerics=config.numerics or "all",
+        complete=not deadline.left_out,
     )
+
+
+class Deadline:
+    """ProfileConfig.deadline_s over a profile's layers: says up front (once a layer's time is known) when the rest
+    will not fit, and which layers it leaves out."""
+
+    def __init__(self, seconds: float | None, layers: int):
+        self.seconds, self.layers, self.began = seconds, layers, time.perf_counter()
+        self.profiled = self.left_out = 0
+        self.reason = ""
+
+    def passed(self) -> bool:
+        if self.seconds is None or time.perf_counter() - self.began <= self.seconds:
+            return False
+        if not self.left_out:
+            self.reason = (f"not profiled: the time budget's share for the profile ({self.seconds / 60:.1f} min) was spent "
+                           f"after {self.profiled} of {self.layers} layers; a larger --time-budget profiles it")  # fmt: skip
+            log.warning("--time-budget: %s layers left in fp32 (%s)", self.layers - self.profiled, self.reason)
+        self.left_out += 1
+        return True
+
+    def done_one(self) -> None:
+        self.profiled += 1
+        spent = time.perf_counter() - self.began
+        if self.seconds is not None and self.profiled == 1 and spent * self.layers > self.seconds:
+            log.warning(
+                "--time-budget: profiling every one of the %d layers would take about %.1f min, past the %.1f min the "
+                "budget gives the profile: the layers it does not reach stay in fp32 (a larger --time-budget profiles "
+                "them all)", self.layers, spent * self.layers / 60, self.seconds / 60,
+            )  # fmt: skip
+
+
+def _unprofiled(name: str, module: torch.nn.Module, formats: list[Format], fp32_metric: float, reason: str) -> list[dict]:
+    """A layer the profile's deadline left out: fp32 as measured (the reference), every lowered format ruled out."""
+    base = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "finite": None, "overflow": None}
+    rows = [{**base, "format": "fp32", "status": "ok", "reason": "", "sqnr_db": math.inf, "metric": fp32_metric,
+             "metric_drop": 0.0, "finite": True, "overflow": False, "metric_source": MEASURED}]  # fmt: skip
+    rows += [{**base, "format": f.value, "status": "unsupported", "reason": reason, "metric_source": ""} for f in formats[1:]]
+    return rows
