@@ -235,7 +235,7 @@ def part_search(name: str, out: Path, args: argparse.Namespace, until: float) ->
     # a machine with the same weights resumes it and one with other weights starts its own instead of being refused.
     config = dataclasses.replace(config, study_name=f"{name}-{workload.weights}")
     if not args.smoke:  # the profile may take most of the part (not half of --time-budget): it is kept for the next call
-        config = dataclasses.replace(config, profile=dataclasses.replace(config.profile, deadline_s=0.9 * left(until)))
+        config = dataclasses.replace(config, profile=dataclasses.replace(config.profile, deadline_s=max(0.0, 0.9 * left(until))))
     limit = "no --time-budget (smoke)" if args.smoke else f"--time-budget {budget_s / 60:.1f} min"
     print(f"gpu_suite: {name}: {config.trials} trials, {limit}, {left(until):.0f} s this part's share of the time left",
           flush=True)  # fmt: skip

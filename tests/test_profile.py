@@ -799,6 +799,7 @@ def test_a_profile_past_its_time_budget_share_leaves_the_rest_of_the_layers_in_f
 def test_a_search_whose_time_budget_the_profile_would_overrun_still_writes_a_policy(tmp_path):
     from short_timing import FAST_PROFILE, TINY
 
+    from autoprec.errors import UserError
     from autoprec.tune import SearchConfig, load_task, prepare
     from autoprec.tune.out_dir import load_or_profile
     from autoprec.tune.profile_data import Profile
@@ -809,10 +810,15 @@ def test_a_search_whose_time_budget_the_profile_would_overrun_still_writes_a_pol
     space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "trials": 4})
     config = SearchConfig(budget=0.05, time_budget=1e-4, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, progress=False)
     result = search(workload, space, config, tmp_path)
-    assert result.policy.measured["chosen"] and not Profile.load(tmp_path).complete
-    # a run with time enough does not reuse the cut profile: it profiles every layer
+    cut = Profile.load(tmp_path)
+    assert result.policy.measured["chosen"] and not cut.complete
+    assert not cut.table[cut.table["format"] == "bf16"]["grad_amax"].isna().any()  # the loss-scale advice reads them
+    # a rerun as short reuses it; a run with time enough profiles every layer, and its study is another
+    assert load_or_profile(workload, space, tmp_path, config) is not None
     again = load_or_profile(workload, space, tmp_path, dataclasses.replace(config, time_budget=None))
     assert again.complete
+    with pytest.raises(UserError, match=r"different profile \(profile cut short by a time budget, now none\).*--study"):
+        search(workload, space, dataclasses.replace(config, time_budget=None), tmp_path)
 
 
 def test_the_profiles_deadline_says_up_front_when_the_layers_will_not_fit(monkeypatch, caplog):

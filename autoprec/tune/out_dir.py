@@ -186,8 +186,9 @@ def _unfit(cached: Profile, workload: Workload, space: SearchSpace, config: Sear
     """Why a saved profile does not serve this run, or None where it does."""
     if cached.fingerprint != model_fingerprint(workload.model):
         return "another model structure"
-    if not cached.complete:  # a time budget cut it short: a run with more time profiles every layer
-        return "cut short by a time budget"
+    cut_at = cached.deadline_s if cached.deadline_s is not None else 0.0
+    if not cached.complete and (settings.deadline_s is None or settings.deadline_s > cut_at):
+        return "cut short by a time budget"  # a run with more time profiles every layer; one with as little reuses it
     if cached.weights != workload.weights:  # other weights (a retrained model): other sensitivities
         return "other weights"
     if cached.device != device_name(str(workload.device)):

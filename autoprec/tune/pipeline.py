@@ -242,7 +242,7 @@ def _say_if_no_trial_fits(budget_s: float, spent_s: float, trials_s: float) -> N
     if spent_s >= trials_s:
         log.warning(
             "--time-budget %.1f min: the profile alone took %.1f min, past the %.1f min the trials may use, so no trial "
-            "runs; the answer is chosen among the alternatives and a rerun reuses the profile (give a larger budget)",
+            "runs; the answer is chosen among the alternatives (give a larger --time-budget)",
             budget_s / 60, spent_s / 60, trials_s / 60,
         )  # fmt: skip
 
@@ -375,7 +375,9 @@ def start(
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
         return warm_starts(prof, agreed, config.budget)
 
-    study, choices, where = open_study(workload, space, choices, config, out_dir, known, objectives=objectives)
+    study, choices, where = open_study(
+        workload, space, choices, config, out_dir, known, objectives=objectives, profile_complete=prof.complete
+    )
     log.info("search space: %s", choices.describe())
     judge = Judge(workload, config, prof.fp32_metric, watch=watch)
     return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge, saved=saved)

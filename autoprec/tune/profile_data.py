@@ -69,12 +69,13 @@ class Profile:
     numerics: str = "all"  # ProfileConfig's: "offered" left the numerics of formats its timing ruled out unmeasured
     weights: str | None = None  # policy.weights_digest of the model measured (None: a profile from before it was kept)
     complete: bool = True  # False: a time budget's deadline left layers unprofiled (ProfileConfig.deadline_s)
+    deadline_s: float | None = None  # ProfileConfig's: a run with as little time reuses a profile it cut short
 
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         fields = ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled", "uncalled",
-                  "group_tolerance", "numerics", "weights", "complete")  # fmt: skip
+                  "group_tolerance", "numerics", "weights", "complete", "deadline_s")  # fmt: skip
         meta: dict[str, Any] = {"version": PROFILE_VERSION, **{k: getattr(self, k) for k in fields}}
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None

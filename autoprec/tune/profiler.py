@@ -736,7 +736,10 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
         formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
         if deadline.passed():
-            rows.extend(_unprofiled(name, modules[name], formats, fp32_metric, deadline.reason))
+            unprofiled = _unprofiled(name, modules[name], formats, fp32_metric, deadline.reason)
+            for row in unprofiled:  # its gradient ranges were collected with every layer's: the loss-scale advice reads them
+                row.update(profile_columns(grads[name], row["format"], grad_table, config.max_underflow))
+            rows.extend(unprofiled)
             continue
         rows.extend(_profile_layer(
             workload, name, modules[name], formats, ref, fp32_metric, config, grads[name], grad_table, watch, timed,
@@ -766,6 +769,7 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         group_tolerance=config.group_tolerance if config.group_testing else None,
         numerics=config.numerics or "all",
         complete=not deadline.left_out,
+        deadline_s=config.deadline_s,
     )
 
 
@@ -783,7 +787,7 @@ class Deadline:
             return False
         if not self.left_out:
             self.reason = (f"not profiled: the time budget's share for the profile ({self.seconds / 60:.1f} min) was spent "
-                           f"after {self.profiled} of {self.layers} layers; a larger --time-budget profiles it")  # fmt: skip
+                           f"after {self.profiled} of {self.layers} layers; a larger --time-budget (and --study NEW_NAME) profiles it")  # fmt: skip
             log.warning("--time-budget: %s layers left in fp32 (%s)", self.layers - self.profiled, self.reason)
         self.left_out += 1
         return True

@@ -265,7 +265,9 @@ def sampler_for(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
 STUDY_VERSION = 1
 
 
-def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, objectives: int) -> dict[str, str]:
+def _study_key(
+    workload: Workload, space: SearchSpace, config: SearchConfig, objectives: int, profile_complete: bool = True
+) -> dict[str, str]:
     # What shapes the choices, the measurements and which trials are feasible; not the file's path, sampler or
     # trial count.
     shape = (space.layers, space.default, space.loss_scale, space.prune_slower_than) + ((space.exclude,) if space.exclude else ())
@@ -283,7 +285,7 @@ def _study_key(workload: Workload, space: SearchSpace, config: SearchConfig, obj
         "objectives": objective_names(objectives, config.objective),
         "compile": "compiled" if config.compile else "eager",
         "max_memory": str(config.max_memory) if config.max_memory else "none",
-    }
+    } | ({} if profile_complete else {"profile": "cut short by a time budget"})  # its choices hold layers at fp32
 
 
 OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}
@@ -315,9 +317,9 @@ def _check_key(stored: Mapping[str, Any], key: Mapping[str, str], name: str, whe
             f"study {name!r} in {where} was made by an older autoprec that did not record the model's weights, so it "
             "cannot be told whether they are these: pass --study NEW_NAME to start another"
         )
-    diff = [k for k, v in key.items() if stored.get(k) != v]
+    diff = [k for k in dict.fromkeys([*key, *stored]) if stored.get(k) != key.get(k)]  # a key either side lacks too
     if diff:
-        was = ", ".join(f"{k} {stored.get(k)}, now {key[k]}" for k in diff)
+        was = ", ".join(f"{k} {stored.get(k, 'none')}, now {key.get(k, 'none')}" for k in diff)
         raise UserError(
             f"study {name!r} in {where} was made with a different {' and '.join(diff)} ({was}); "
             "pass --study NEW_NAME to start another"
@@ -341,6 +343,7 @@ def open_study(
     warm_starts: Callable[[Choices], list[dict[str, Any]]] = lambda choices: [],
     *,
     objectives: int = 1,
+    profile_complete: bool = True,
 ):
     """Create or join the study (the goal's direction: maximise the speedup, minimise the peak memory; with
     `objectives=2`, also minimise the metric drop). Every worker proposes its choices on the all-fp32 warm-start trial; the first
@@ -355,7 +358,7 @@ def open_study(
         sampler=sampler_for(space, config.seed),
         load_if_exists=True,
     )
-    key = _study_key(workload, space, config, objectives)
+    key = _study_key(workload, space, config, objectives, profile_complete)
     first = _first_start(study)
     worker = uuid.uuid4().hex
     # Every study this version makes has its key on its first trial: one holding anything but none that carries it
