@@ -24,6 +24,7 @@ from typing import ClassVar, TypeVar
 import torch
 
 from autoprec.errors import UserError
+from autoprec.registry import Registry
 
 
 class UnknownDeviceError(UserError):
@@ -128,7 +129,7 @@ class Device:
 # ---------------------------------------------------------------------------------------------------
 # The registry
 
-_REGISTRY: dict[str, Device] = {}  # torch device type -> its Device, in registration order
+_REGISTRY: Registry[Device] = Registry("device type")  # torch device type -> its Device, in registration order
 _GENERIC = Device()  # what lookup answers for a type nothing is registered for
 D = TypeVar("D", bound=type[Device] | Device)
 
@@ -145,10 +146,8 @@ def register_device(device: D, *, replace: bool = False) -> D:
         known = False
     if not known:
         raise ValueError(f"device {what}: type {kind!r} must be a torch device type (torch.device(type))")
-    if kind in _REGISTRY and not replace:
-        taken = type(_REGISTRY[kind])
-        raise ValueError(f"device type {kind!r} is already registered (by {taken.__module__}.{taken.__qualname__}); "
-                         f"register_device({what}, replace=True) replaces it")  # fmt: skip
+    if not replace:
+        _REGISTRY.refuse_taken(kind, f"register_device({what}, replace=True) replaces it")
     _REGISTRY[kind] = device() if isinstance(device, type) else device
     return device
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import optuna
 
+from autoprec.registry import Registry
 from autoprec.tune import memory
 from autoprec.tune.alternatives import ALTERNATIVES
 from autoprec.tune.choose import choose, choose_smallest, not_separated, separated
@@ -140,7 +141,7 @@ class Goal(abc.ABC):
 # ---- the registry ------------------------------------------------------------------------------------------------
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")  # a goal's name is an --objective value and part of the study key
-_REGISTRY: dict[str, Goal] = {}  # name -> goal, in registration order (the order --objective lists them)
+_REGISTRY: Registry[Goal] = Registry("goal")  # name -> goal, in registration order (the order --objective lists them)
 G = TypeVar("G", bound="Goal | type[Goal]")
 
 
@@ -155,10 +156,7 @@ def register_goal(goal: G) -> G:
     name = getattr(instance, "name", None)
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"goal {what}: name {name!r} must be lowercase letters, digits, '-' and '_'")
-    if name in _REGISTRY:
-        taken = type(_REGISTRY[name])
-        raise ValueError(f"goal {name!r} is already registered (by {taken.__module__}.{taken.__qualname__}); "
-                         f"unregister_goal({name!r}) first to replace it, or give {what} another name")  # fmt: skip
+    _REGISTRY.refuse_taken(name, f"unregister_goal({name!r}) first to replace it, or give {what} another name")
     if getattr(instance, "direction", None) not in ("maximize", "minimize"):
         raise ValueError(f"goal {name!r}: direction must be 'maximize' or 'minimize', but got {instance.direction!r}")
     for attr in ("label", "summary"):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from autoprec.policy import Policy
+from autoprec.registry import Registry
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")  # a target's name is a `--to` choice and part of a file name
 _FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
@@ -55,7 +56,7 @@ class ExportTarget(abc.ABC):
         target's Options that were given, by dest."""
 
 
-_REGISTRY: dict[str, ExportTarget] = {}  # name -> target, in registration order (the order --to lists them)
+_REGISTRY: Registry[ExportTarget] = Registry("export target")  # name -> target, in registration order (--to's)
 T = TypeVar("T", bound=type[ExportTarget])
 
 
@@ -65,10 +66,7 @@ def register(cls: T) -> T:
     name, suffix = getattr(cls, "name", None), getattr(cls, "suffix", None)
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"export target {cls.__qualname__}: name {name!r} must be lowercase letters, digits, '-' and '_'")
-    if name in _REGISTRY:
-        taken = type(_REGISTRY[name])
-        raise ValueError(f"export target {name!r} is already registered (by {taken.__module__}.{taken.__qualname__}); "
-                         f"unregister({name!r}) first to replace it, or give {cls.__qualname__} another name")  # fmt: skip
+    _REGISTRY.refuse_taken(name, f"unregister({name!r}) first to replace it, or give {cls.__qualname__} another name")
     if not isinstance(suffix, str) or not re.fullmatch(r"\.[A-Za-z0-9]+", suffix):
         raise ValueError(f"export target {name!r}: suffix {suffix!r} must be a dot and letters or digits ('.py')")
     if not isinstance(getattr(cls, "summary", None), str):
