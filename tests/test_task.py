@@ -378,3 +378,12 @@ def test_the_recorded_fp32_metric_is_the_users_own_evaluation_of_build_model(wri
     for (name, mine), theirs in zip(workload.model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(mine, theirs), name  # the running statistics too
     assert checked_fp32_metric(workload) == task.evaluate(task.build_model())
+
+
+def test_the_fp32_metric_is_checked_once_for_the_budget_and_the_profile_alike(write_model, mlp_source, tmp_path):
+    """A relative budget resolved it, then the profile measured it again: four evaluations where two check it."""
+    log = tmp_path / "evaluations"
+    source = mlp_source + f"\n\ndef evaluate(model):\n    open({str(log)!r}, 'a').write('.')\n    return 0.5\n"
+    workload = prepare(load_task(write_model(source)), "cpu")
+    assert workload.fp32_metric == workload.fp32_metric == 0.5
+    assert log.read_text() == ".."  # evaluated twice (a metric that moves on its own is refused), then kept

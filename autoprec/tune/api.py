@@ -24,7 +24,6 @@ from autoprec.formats import default_device
 from autoprec.tune import searcher, sweeper
 from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_list
 from autoprec.tune.config import SearchConfig, search_config
-from autoprec.tune.profiler import checked_fp32_metric
 from autoprec.tune.space import SearchSpace, load_space
 from autoprec.tune.task import Task, Workload, guard_exit, prepare
 
@@ -42,7 +41,7 @@ def resolve_budgets(workload: Workload, budgets: Sequence[Budget]) -> tuple[tupl
     same budget, or it would be refused as another study."""
     if not any(b.relative for b in budgets):
         return tuple(b.resolve(0.0) for b in budgets), {}
-    fp32 = checked_fp32_metric(workload)
+    fp32 = workload.fp32_metric
     if fp32 == 0:
         log.warning("the fp32 metric is 0, so a relative budget allows no drop at all; give an absolute budget instead")
     resolved = tuple(float(f"{b.resolve(fp32):.4g}") if b.relative else b.resolve(fp32) for b in budgets)

@@ -717,7 +717,7 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         )
     watch = Stopwatch()
     with watch.section("profile: fp32 metric and the reference pass (each layer's inputs and output gradients)"):
-        fp32_metric = checked_fp32_metric(workload)
+        fp32_metric = workload.fp32_metric  # checked once, with the budget's resolution where that needed it
         _check_fp32_losses(workload)
         ref = _reference(workload, list(layers), config)
         if ref.uncalled:  # unused heads of a pretrained model (a pooler): nothing to measure, nothing to tune

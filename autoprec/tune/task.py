@@ -73,6 +73,14 @@ class Workload:
         return self.train[:batches] + [self.train[i] for i in self.shape_batches if i >= batches]
 
     @functools.cached_property
+    def fp32_metric(self) -> float:
+        """The all-fp32 model's metric, checked (profiler.checked_fp32_metric: evaluated twice), taken once for the
+        budget's resolution and the profile alike: the model is never trained in place."""
+        from autoprec.tune.profiler import checked_fp32_metric  # noqa: PLC0415 (the profiler imports this module)
+
+        return checked_fp32_metric(self)
+
+    @functools.cached_property
     def weights(self) -> str:
         """The reference model's weights digest (policy.weights_digest), taken once: the model is never trained in
         place (every candidate trains a copy)."""
