@@ -602,8 +602,8 @@ def measured_record(
                 else "eager; "
             )
             + f"median of {max((r.rounds for r in finals), default=0)} interleaved rounds (up to {config.final_timing.rounds}, "
-            f"stopped after {SETTLED_FINAL_ROUNDS} once every spread was within {SETTLED:.0%}; up to twice as many on a "
-            f"noisy machine, within {FINAL_SHARE:.0%} of the search's time); spread = interquartile range / median; "
+            f"stopped after {SETTLED_FINAL_ROUNDS} once every spread was within {SETTLED:.0%}; up to twice as many where "
+            f"they stay noisy on a device the trials found quiet, within {FINAL_SHARE:.0%} of the search's time); spread = interquartile range / median; "
             "effective_step_ms = step_ms / (1 - skipped / steps): steps the GradScaler skipped update nothing"
         ),
         memory=memory.source(workload.device) or memory.not_measured(workload.device),
