@@ -400,17 +400,19 @@ def _convert_fp8(
     names: Mapping[int, list[str]],
     device: torch.device,
     all_gather: frozenset[Fp8Gemms] = frozenset(),
+    *,
+    device_hint: bool = True,
 ) -> Fp8Backend:
     """Swap each recipe's modules for torchao Float8Linear of that recipe everywhere they are used (the recipes in
     `all_gather` with their weights all-gathered in fp8 under FSDP2); restore them all and raise if ties break."""
     float8 = import_float8()
     backend = fp8_backend(device)
     better = devices.preferred_over(device)
-    if backend is Fp8Backend.EMULATION and better is not None:
+    if backend is Fp8Backend.EMULATION and better is not None and device_hint:
         warnings.warn(
             f"apply_policy: the model is on the {devices.device_for(device).unit}, so its fp8 layers use torchao's "
             f"emulation; move the model to the {better.unit} before apply_policy to use fp8 kernels",
-            stacklevel=3,
+            stacklevel=4,
         )
     modules = [m for group in recipes.values() for m in group]
     originals = {path: m for m in modules for path in names[id(m)]}
@@ -483,7 +485,7 @@ def _warn_aliases(policy: Policy, names: Mapping[int, list[str]], paths: Mapping
             warnings.warn(
                 f"apply_policy: layer {' / '.join(map(repr, listed))} is also used as {', '.join(map(repr, others))} "
                 f"(the same module object); it runs in {fmt} at every place",
-                stacklevel=3,
+                stacklevel=4,
             )
 
 
@@ -496,7 +498,7 @@ def _warn_other_model(policy: Policy, model: torch.nn.Module) -> None:
             f"apply_policy: this policy was measured on {measured.get('model', 'another model')!r} (fingerprint {expected}), "
             f"and this model's structure differs ({model_fingerprint(model)}): its formats and speedups were not "
             "measured on it",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -511,6 +513,16 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
     `fsdp_fp8_all_gather=True`: under FSDP2, the weights of fp8 layers whose recipe torchao can all-gather in fp8
     (tensorwise: `fp8`, `fp8-fwd-dgrad`) are all-gathered in fp8, a quarter of fp32's traffic; other layers gather in their own dtype.
     """
+    return _apply(model, policy, fsdp_fp8_all_gather=fsdp_fp8_all_gather, device_hint=True)
+
+
+def apply_on_chosen_device(model: ModelT, policy: Policy) -> ModelT:
+    """The tuner's apply_policy: its models are on the device the user chose for the run (`--device cpu` where a GPU
+    is present, say), so the hint to move the model to the GPU first is not for them."""
+    return _apply(model, policy, fsdp_fp8_all_gather=False, device_hint=False)
+
+
+def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool, device_hint: bool) -> ModelT:
     policy = as_policy(policy, caller="apply_policy")
     _check_fresh(model)
     paths = dict(model.named_modules(remove_duplicate=False))
@@ -533,9 +545,9 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
         warnings.warn(
             "apply_policy: fsdp_fp8_all_gather=True, but no layer of this policy runs in fp8 (tensorwise), the recipe "
             "torchao all-gathers in fp8: every weight is all-gathered in its own dtype",
-            stacklevel=2,
+            stacklevel=3,
         )
-    backend = _convert_fp8(model, fp8, names, device, gathered) if fp8 else None
+    backend = _convert_fp8(model, fp8, names, device, gathered, device_hint=device_hint) if fp8 else None
     if fp8:
         paths = dict(model.named_modules(remove_duplicate=False))
         names = _names_by_module(paths)

@@ -2,6 +2,7 @@ import copy
 import dataclasses
 import json
 import logging
+import warnings
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from builders import gemm_sqnrs
 from torch import nn
 
 from autoprec import Policy, apply_policy, grad_scaler
-from autoprec.apply import WeightsChangedError, applied_policy, applied_summary
+from autoprec.apply import WeightsChangedError, applied_policy, applied_summary, apply_on_chosen_device
 from autoprec.formats import FP8_FORMATS, Format, Fp8Backend, float8_linear_config, fp8_backend, has_fp8_kernels
 from autoprec.policy import LossScale
 from autoprec.tune.measure import sqnr_db
@@ -177,8 +178,18 @@ def test_where_fp8_kernels_exist_they_are_chosen_and_recorded(monkeypatch):
 
 def test_fp8_on_the_cpu_with_a_gpu_present_warns_to_move_the_model_first(monkeypatch, no_gpu_contract):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.warns(UserWarning, match="move the model to the GPU before apply_policy"):
+    with pytest.warns(UserWarning, match="move the model to the GPU before apply_policy") as record:
         apply_policy(nn.Sequential(nn.Linear(16, 16)), Policy(layers={"0": "fp8"}))
+    assert [w.filename for w in record] == [__file__]  # the user's line, not autoprec's
+
+
+def test_the_tuner_applies_fp8_on_the_cpu_without_that_hint_since_the_user_chose_the_device(monkeypatch, no_gpu_contract):
+    """`autoprec search --device cpu` on a GPU machine printed the hint once per layer and trial (seen on an H200)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = apply_on_chosen_device(nn.Sequential(nn.Linear(16, 16)), Policy(layers={"0": "fp8"}))
+    assert applied_summary(model).fp8_backends() == {"0": Fp8Backend.EMULATION}
 
 
 def test_the_model_itself_cannot_be_fp8_because_torchao_would_replace_it():

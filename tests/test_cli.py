@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -405,6 +406,46 @@ def test_a_model_py_that_imports_torchao_first_prints_none_of_its_loader_noise(t
     proc = run_process([sys.executable, "-m", "autoprec", "profile", str(path), "--device", "cpu", "--out", str(tmp_path / "out"),
                         "--quiet"], tmp_path)  # fmt: skip
     assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == ""
+
+
+def _noisy_package(folder: Path, *, installed: bool) -> Path:
+    """A package that warns and logs when imported, in `folder` (with its `*.dist-info` when `installed`)."""
+    folder.mkdir()
+    (folder / "noisy_pkg.py").write_text(
+        "import logging, warnings\n"
+        "warnings.warn('noisy_pkg: a note for its maintainers', UserWarning)\n"
+        "logging.getLogger('noisy_pkg').warning('noisy_pkg: loader noise')\n"
+    )
+    if installed:
+        (folder / "noisy_pkg-1.0.dist-info").mkdir()
+    return folder
+
+
+def test_a_library_installed_with_pip_target_on_pythonpath_is_a_library_and_kept_quiet(tmp_path, write_model, mlp_source):
+    """On the H200 the wheels were installed with `pip install --target /tmp/site` and PYTHONPATH: torchao's
+    SyntaxWarnings and Optuna's logged traceback of a trial stopped by SIGTERM reached the user, as if model.py's own."""
+    path = write_model("import noisy_pkg\n" + mlp_source)
+    site_dir = _noisy_package(tmp_path / "site", installed=True)
+    env = {**os.environ, "PYTHONPATH": str(site_dir)}
+    argv = [sys.executable, "-m", "autoprec", "profile", str(path), "--device", "cpu", "--out", str(tmp_path / "out"), "--quiet"]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=1800, env=env)
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == "", proc.stderr[-2000:]
+
+
+def test_a_module_on_pythonpath_without_installed_metadata_is_the_users_and_speaks(tmp_path, monkeypatch):
+    from autoprec.tune import cli
+
+    ours = _noisy_package(tmp_path / "mine", installed=False)
+    theirs = _noisy_package(tmp_path / "site", installed=True)
+    monkeypatch.setattr(sys, "path", [str(ours), str(theirs), *sys.path])
+    cli._from_library.cache_clear()
+    cli._holds_distributions.cache_clear()
+    try:
+        assert not cli._from_library(str(ours / "noisy_pkg.py"))  # the user's helper module: its warnings are shown
+        assert cli._from_library(str(theirs / "noisy_pkg.py"))
+    finally:
+        cli._from_library.cache_clear()
+        cli._holds_distributions.cache_clear()
 
 
 # ---- issue 12: results kept apart, torn files, user code that fails late --------------------------

@@ -348,8 +348,20 @@ def _library_roots() -> tuple[tuple[str, ...], str]:
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
     roots.update(getattr(site, "getsitepackages", list)())
     roots.add(site.getusersitepackages())
+    # Packages installed elsewhere and put on sys.path (`pip install --target DIR` with PYTHONPATH=DIR, as on a cluster
+    # or a container image): a folder that holds installed distributions' metadata is a library folder too.
+    roots.update(entry for entry in sys.path if entry and _holds_distributions(entry))
     own = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     return tuple(os.path.join(os.path.realpath(r), "") for r in roots), os.path.join(own, "")
+
+
+@functools.lru_cache(maxsize=256)
+def _holds_distributions(folder: str) -> bool:
+    """Whether `folder` holds an installed distribution's metadata (`*.dist-info`), as site-packages does."""
+    try:
+        return any(name.endswith(".dist-info") for name in os.listdir(folder))
+    except OSError:
+        return False
 
 
 @functools.lru_cache(maxsize=4096)

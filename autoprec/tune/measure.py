@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from autoprec import devices
-from autoprec.apply import apply_policy, compile_model
+from autoprec.apply import apply_on_chosen_device, compile_model
 from autoprec.devices import float32_matmul_precision as float32_matmul_precision  # what the tests read
 from autoprec.errors import UserError, describe
 from autoprec.policy import Policy
@@ -249,7 +249,7 @@ def compile_scope(compiled: bool, candidates: int) -> Iterator[None]:
 
 def policy_model(workload: Workload, policy: Policy) -> torch.nn.Module:
     """A fresh copy of the fp32 reference model with `policy` applied."""
-    return apply_policy(copy.deepcopy(workload.model), policy)
+    return apply_on_chosen_device(copy.deepcopy(workload.model), policy)
 
 
 def batch_order(n_batches: int, steps: int, seed: int = 0) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from autoprec.apply import apply_policy
+from autoprec.apply import apply_on_chosen_device
 from autoprec.errors import UserError, describe
 from autoprec.formats import AUTOCAST_DTYPE, Format, device_name, format_problem
 from autoprec.policy import Policy, model_fingerprint
@@ -247,7 +247,7 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     timing whole steps, charge the casts where they happen."""
     dtype = AUTOCAST_DTYPE.get(fmt)
     policy = Policy(layers={"": fmt, "layer": fmt} if dtype else {"layer": fmt})
-    holder = apply_policy(_Holder(copy.deepcopy(module)).train(), policy)
+    holder = apply_on_chosen_device(_Holder(copy.deepcopy(module)).train(), policy)
     run = torch.compile(holder) if compiled else holder
     leaves: list[torch.Tensor] = []
 
@@ -533,7 +533,7 @@ def _replay(module: torch.nn.Module, calls: list[_Call], fmt: Format, device: to
     for a layer fed its own output (_Capture.fed_back): a later call sees its own lowered output there, fp32 here (a
     few dB apart), so _in_model_run measures it. One layer step per call instead of a forward and backward
     of the whole model per layer and format. fp32 matmuls are strict (no TF32), as the trials' fp32 baseline's."""
-    holder = apply_policy(_Holder(copy.deepcopy(module)).eval(), Policy(layers={"layer": fmt}))  # eval: as recorded
+    holder = apply_on_chosen_device(_Holder(copy.deepcopy(module)).eval(), Policy(layers={"layer": fmt}))  # eval: as recorded
     with matmul_precision(device, False):
         outputs, grad, dgrad = _replay_calls(holder, calls)
     return _Replay.of(outputs, grad, dgrad)
