@@ -497,7 +497,7 @@ class _Proj(torch.nn.Module):
         return self.head(torch.nn.functional.gelu(self.proj(torch.nn.functional.gelu(self.inp(x)))))
 
 
-GEMM_FORMATS = ["bf16", "fp8", "fp8-rowwise"]  # fp8-rowwise-gw-hp cannot be emulated (formats.py): not on a CPU
+GEMM_FORMATS = ["bf16", "fp8", "fp8-rowwise"]  # fp8-rowwise-gw-hp cannot be emulated (autoprec/formats): not on a CPU
 
 
 @pytest.fixture(scope="module")
