@@ -94,10 +94,10 @@ GPUS = {
 import torch  # noqa: E402
 
 from autoprec.formats import default_device  # noqa: E402
-from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, TF32  # noqa: E402
+from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, TF32  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
 
-COLUMNS = (FP32, TF32, BF16, FP8_EVERYWHERE)
+COLUMNS = (FP32, TF32, BF16, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE)  # the uniform choices a user would otherwise make
 
 
 def left(until: float) -> float:
@@ -388,13 +388,13 @@ def kept_rows(folder: Path, device: str, fields: list[str]) -> dict[str, dict[st
 
 
 def summary(out: Path) -> str:
-    """One row per searched model: step time of each alternative and of the policy, speedup over uniform bf16,
-    the policy's metric drop and the search's wall time."""
+    """One row per searched model: step time of each alternative and of the policy, speedups over uniform bf16 and
+    over the fastest uniform alternative measured, the policy's metric drop and the search's wall time."""
     from autoprec.tune.memory import human_bytes
     from autoprec.tune.report import markdown_table
 
-    headers = ["model", *(f"{c} ms" for c in COLUMNS), "policy ms", *(f"{c} / bf16" for c in ("fp32", "fp8 everywhere", "policy")),
-               "policy drop", "chosen", "search s"]  # fmt: skip
+    headers = ["model", *(f"{c} ms" for c in COLUMNS), "policy ms", "policy / bf16", "fastest alternative",
+               "policy / fastest", "policy drop", "chosen", "search s"]  # fmt: skip
     rows, device = [], "?"
     for path in sorted(out.glob("search-*/result.json")):
         r = json.loads(path.read_text(encoding="utf-8"))
@@ -403,24 +403,28 @@ def summary(out: Path) -> str:
         ms = {f["candidate"]: float("nan") if f["effective_step_ms"] is None else f["effective_step_ms"] for f in r["finals"]}
         bf16 = ms.get(BF16, float("nan"))
         chosen = next(f for f in r["finals"] if f["candidate"] == r["chosen"])
-        ratio = [bf16 / ms.get(c, float("nan")) for c in (FP32, FP8_EVERYWHERE, r["chosen"])]
-        rows.append([r["model"], *(ms.get(c, float("nan")) for c in COLUMNS), ms[r["chosen"]], *ratio,
-                     chosen["metric_drop"], r["chosen"], round(r["wall_s"])])  # fmt: skip
+        timed = {c: ms[c] for c in COLUMNS if c in ms and ms[c] == ms[c]}  # NaN: not measured
+        fastest = min(timed, key=timed.__getitem__) if timed else "-"
+        rows.append([r["model"], *(ms.get(c, float("nan")) for c in COLUMNS), ms[r["chosen"]], bf16 / ms[r["chosen"]], fastest,
+                     timed.get(fastest, float("nan")) / ms[r["chosen"]], chosen["metric_drop"], r["chosen"],
+                     round(r["wall_s"])])  # fmt: skip
     memory_rows = []
     for path in sorted(out.glob("search-*/result.json")):
         r = json.loads(path.read_text(encoding="utf-8"))
         peak = {f["candidate"]: f.get("peak_bytes") for f in r["finals"]}  # absent in results from before memory
-        memory_rows.append([r["model"], *(human_bytes(peak.get(c)) for c in (FP32, BF16, FP8_EVERYWHERE, r["chosen"]))])
+        memory_rows.append([r["model"], *(human_bytes(peak.get(c)) for c in (FP32, BF16, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE,
+                                                                               r["chosen"]))])  # fmt: skip
     text = (
         f"# autoprec GPU suite: {device}\n\n`python benchmarks/gpu_suite.py --out {out}`\n\n"
         + markdown_table(headers, rows)
         + "\n\nPeak memory per training step (the model and optimizer state plus the step's peak above it; "
         "autoprec.tune.memory: the CUDA allocator's peak on a GPU, '-' where not measured):\n\n"
-        + markdown_table(["model", "fp32", "uniform bf16", "fp8 everywhere", "policy"], memory_rows)
+        + markdown_table(["model", "fp32", "uniform bf16", "fp8 everywhere", "fp8 rowwise everywhere", "policy"], memory_rows)
         + f"\n\nStep times are effective training-step milliseconds (compiled, re-measured together, interleaved); "
-        f"x / bf16 is the speedup over uniform bf16 autocast (above 1: faster); a missing alternative (nan) was not "
-        f"measured here (TF32 needs CUDA; fp8 everywhere needs fp8 kernels, tensorwise fp8 in the space and a layer "
-        f"torchao's filter converts) or failed (search-<model>/finalists.csv says why). "
+        f"policy / bf16 and policy / fastest are the policy's speedups over uniform bf16 autocast and over the fastest "
+        f"alternative measured (above 1: faster); a missing alternative (nan) was not measured here (TF32 needs CUDA; "
+        f"fp8 everywhere needs fp8 kernels, that recipe's format in the space and a layer torchao's filter converts) or "
+        f"failed (search-<model>/finalists.csv says why). "
         f"Budget {BUDGET} on -(mean eval loss). Per model: search-<model>/summary.md.\n"
     )
     (out / "summary.md").write_text(text, encoding="utf-8")

@@ -5,8 +5,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from autoprec.formats import Format
 from autoprec.tune import load_task, prepare
-from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32, alternatives, torchao_fp8_layers
+from autoprec.tune.alternatives import (
+    BF16,
+    FP8_EVERYWHERE,
+    FP8_ROWWISE_EVERYWHERE,
+    FP32,
+    GREEDY,
+    TF32,
+    alternatives,
+    torchao_fp8_layers,
+)
 from autoprec.tune.choices import build_choices
 from autoprec.tune.config import ProfileConfig
 from autoprec.tune.profiler import profile
@@ -34,6 +44,15 @@ def test_fp8_everywhere_takes_the_linears_torchaos_own_filter_accepts():
     assert looked_at == 3
 
 
+def test_fp8_rowwise_everywhere_takes_the_linears_torchaos_rowwise_filter_accepts():
+    """torchao's rowwise thresholds are its own (N > 2048, K > 1024, not both N <= 4096 and K <= 2048): `up` (N 2048)
+    passes the tensorwise filter but not this one, which takes only the large square layer."""
+    model = Wide()
+    model.large = nn.Linear(4096, 4096)
+    layers, looked_at = torchao_fp8_layers(model, torch.device("cpu"), "rowwise")
+    assert layers == ["large"] and looked_at == 4
+
+
 def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the_rest(no_gpu_contract):
     """TF32 is CUDA's; fp8 everywhere would run torchao's emulation on a CPU, or the space may offer no fp8."""
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -43,11 +62,10 @@ def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert list(alts.candidates) == [FP32, BF16, GREEDY]
     assert "CUDA" in alts.notes[TF32]
-    assert "no fp8 kernels" in alts.notes[FP8_EVERYWHERE]  # emulation: never worth timing
-    assert (
-        "offers no tensorwise fp8"
-        in alternatives(workload.model, workload.device, prof, choices, 0.05, fp8_offered=False).notes[FP8_EVERYWHERE]
-    )
+    assert "no fp8 kernels" in alts.notes[FP8_EVERYWHERE] and "no fp8 kernels" in alts.notes[FP8_ROWWISE_EVERYWHERE]
+    only_rowwise = alternatives(workload.model, workload.device, prof, choices, 0.05, offered=frozenset({Format.FP8_ROWWISE}))
+    assert "offers no fp8" in only_rowwise.notes[FP8_EVERYWHERE]
+    assert "no fp8 kernels" in only_rowwise.notes[FP8_ROWWISE_EVERYWHERE]  # offered, but emulation here
     fp32 = alts.candidates[FP32]
     assert not fp32.tf32 and {f.value for f in fp32.policy.layers.values()} == {"fp32"}
     assert {f.value for f in alts.candidates[BF16].policy.layers.values()} == {"bf16"}
@@ -59,13 +77,19 @@ def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(mo
     tiny = ProfileConfig(batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0))
     prof = profile(workload, SPACE, tiny, progress=False)
     choices = build_choices(prof, SPACE, 0.05, workload.device)
-    monkeypatch.setattr("autoprec.tune.alternatives.torchao_fp8_layers", lambda model, device: (["fc1", "big"], 3))
+    filtered = {"tensorwise": ["fc1", "big"], "rowwise": ["big"]}  # each recipe's own filter
+    monkeypatch.setattr("autoprec.tune.alternatives.torchao_fp8_layers", lambda model, device, recipe: (filtered[recipe], 3))
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert {n: f.value for n, f in alts.candidates[FP8_EVERYWHERE].policy.layers.items()} == {
         "": "bf16",
         "fc1": "fp8",
         "big": "fp8",
     }
-    monkeypatch.setattr("autoprec.tune.alternatives.torchao_fp8_layers", lambda model, device: ([], 3))
+    assert {n: f.value for n, f in alts.candidates[FP8_ROWWISE_EVERYWHERE].policy.layers.items()} == {
+        "": "bf16",
+        "big": "fp8-rowwise",
+    }
+    monkeypatch.setattr("autoprec.tune.alternatives.torchao_fp8_layers", lambda model, device, recipe: ([], 3))
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert FP8_EVERYWHERE not in alts.candidates and "converts none of the model's 3 Linears" in alts.notes[FP8_EVERYWHERE]
+    assert "rowwise size filter" in alts.notes[FP8_ROWWISE_EVERYWHERE]

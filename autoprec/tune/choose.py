@@ -51,7 +51,7 @@ def choose(
     tell them apart) over an alternative (what the user would run without autoprec: it is chosen, so a policy is
     never written as faster than an alternative it was not separated from) or over one with fewer fp16/fp8 layers
     (the safer one is chosen); and never one measured slower than the fastest of `alternatives` (fp32, uniform
-    bf16, fp8 everywhere, profile greedy; a sweep names each budget's own greedy policy) within budget. TF32 is not
+    bf16, fp8 and fp8 rowwise everywhere, profile greedy; a sweep names each budget's own greedy policy) within budget. TF32 is not
     a policy and is never chosen."""
     feasible = sorted((r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY), key=lambda r: -r.speedup)
     if not feasible:

@@ -34,7 +34,7 @@ from autoprec.apply import fp8_backend
 from autoprec.devices import float32_matmul_precision
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
-from autoprec.formats import Format, device_name
+from autoprec.formats import device_name
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tune import memory
 from autoprec.tune.alternatives import (
@@ -385,8 +385,8 @@ def start(
 
 def baselines(workload: Workload, space: SearchSpace, prof: Profile, choices: Choices, budget: float) -> Alternatives:
     """What every result is compared with, measured in the same run: alternatives.alternatives."""
-    fp8_offered = any(Format.FP8 in formats for formats in space.layers.values())
-    return alternatives(workload.model, workload.device, prof, choices, budget, fp8_offered=fp8_offered)
+    offered = frozenset(f for formats in space.layers.values() for f in formats)
+    return alternatives(workload.model, workload.device, prof, choices, budget, offered=offered)
 
 
 def finalist_policies(

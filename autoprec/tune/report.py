@@ -15,7 +15,7 @@ import pandas as pd
 from autoprec.errors import printable
 from autoprec.formats import FP16_MAX, Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.alternatives import BF16, FP8_EVERYWHERE, FP32, GREEDY, TF32
+from autoprec.tune.alternatives import ALTERNATIVES, BF16, TF32
 from autoprec.tune.choices import role
 from autoprec.tune.config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
 from autoprec.tune.cost import cost_rows
@@ -534,7 +534,7 @@ def _kind(m: Measured) -> str:
         return "safer one"
     if why.startswith("kept from the smaller budget"):
         return "smaller budget's choice"
-    if m.chosen in {FP32, TF32, BF16, FP8_EVERYWHERE, GREEDY, m.greedy}:
+    if m.chosen in {*ALTERNATIVES, m.greedy}:
         return "alternative"
     return "fastest measured"
 
