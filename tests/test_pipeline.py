@@ -11,10 +11,10 @@ from autoprec import Policy
 from autoprec.tune import SearchConfig, load_task, pipeline, prepare
 from autoprec.tune.alternatives import BF16, FP32, GREEDY, Alternatives
 from autoprec.tune.choices import Choices
-from autoprec.tune.measure import Candidate
 from autoprec.tune.searcher import search_plan
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.sweeper import sweep_plan
+from autoprec.tune.trainer import Candidate
 
 MODELS = Path(__file__).parent / "models"
 

@@ -18,8 +18,8 @@ from autoprec.tune import memory
 from autoprec.tune.alternatives import ALTERNATIVES, GREEDY, NOT_A_POLICY
 from autoprec.tune.choices import Choices, fit
 from autoprec.tune.config import MEMORY_TIE
-from autoprec.tune.measure import Candidate
 from autoprec.tune.records import Finals, Measurement
+from autoprec.tune.trainer import Candidate
 
 if TYPE_CHECKING:
     from autoprec.tune.goals import Goal

@@ -31,7 +31,7 @@ from autoprec.tune.trials import best_speedup, smallest_peak
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
-    from autoprec.tune.measure import Candidate
+    from autoprec.tune.trainer import Candidate
 
 INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite; a minimised goal's worst value
 

@@ -61,13 +61,6 @@ from autoprec.tune.config import (
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.credentials import hide_credentials
 from autoprec.tune.goals import SPEED, Goal
-from autoprec.tune.measure import (
-    Candidate,
-    all_settled,
-    fp32_step_failed,
-    measure_steps_or_fail,
-    more_if_noisy,
-)
 from autoprec.tune.objective import Judge, Objective, run_trials
 from autoprec.tune.out_dir import SavedProfile, claim_out_dir, disk_full, earlier_result, reuse_or_profile
 from autoprec.tune.profile_data import Profile
@@ -76,6 +69,8 @@ from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes
 from autoprec.tune.storage import check_storage, open_study
 from autoprec.tune.task import Workload
+from autoprec.tune.timing import all_settled, more_if_noisy
+from autoprec.tune.trainer import Candidate, fp32_step_failed, measure_steps_or_fail
 from autoprec.tune.trials import device_noise, first_of_run, trial_costs, trials_table
 
 if TYPE_CHECKING:
@@ -434,7 +429,7 @@ def remeasure(
 ) -> Finals:
     """Metric, step time and peak memory of each candidate, timed interleaved with the others; speedup vs fp32
     in effective steps (those the GradScaler did not skip), memory saving vs fp32's peak, and whether the peak fits
-    `max_memory` (bytes; None: no limit); see records.Measurement. `enough`, `more`: as measure.interleaved_times'."""
+    `max_memory` (bytes; None: no limit); see records.Measurement. `enough`, `more`: as timing.interleaved_times'."""
     stats, failed = measure_steps_or_fail(
         workload, candidates, timing, progress=progress, compiled=compiled, enough=enough, more=more
     )
@@ -506,7 +501,7 @@ def final_remeasure(
         return 0 if capped or noisy_device else noisy(samples)
 
     def enough(samples: Mapping[str, Sequence[float]]) -> bool:
-        # stops early once every candidate's rounds agree (measure.all_settled), or once past the cap: the
+        # stops early once every candidate's rounds agree (timing.all_settled), or once past the cap: the
         # candidates it has not separated by then are reported as ties, the safer one chosen (choose.py)
         if all_settled(samples):
             return True
@@ -517,7 +512,7 @@ def final_remeasure(
             capped.append(min(map(len, samples.values())))
         return over
 
-    # a loaded machine times on as long again, pooled with the first rounds, within the cap (measure.more_if_noisy)
+    # a loaded machine times on as long again, pooled with the first rounds, within the cap (timing.more_if_noisy)
     finals = remeasure(
         workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile,
         enough=enough, more=more, max_memory=config.max_memory,
@@ -590,7 +585,7 @@ def measured_record(
         fp8=fp8_backend(workload.device),
         compiled=config.compile,
         alternatives_not_measured=dict(notes or {}),
-        # on a device with TF32 (CUDA) every candidate but TF32 ran strict (measure.matmul_precision); elsewhere the
+        # on a device with TF32 (CUDA) every candidate but TF32 ran strict (trainer.matmul_precision); elsewhere the
         # process's setting for that device's backend
         float32_matmul_precision="highest"
         if devices.lookup(workload.device).has_tf32

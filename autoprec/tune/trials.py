@@ -145,7 +145,7 @@ def first_of_run(study: optuna.Study) -> int:
     return max((t.number for t in study.get_trials(deepcopy=False, states=states)), default=-1) + 1
 
 
-NOISE_ROUNDS = 4  # a spread from fewer rounds is their full range (measure.Timing), not an interquartile range
+NOISE_ROUNDS = 4  # a spread from fewer rounds is their full range (timing.Timing), not an interquartile range
 
 
 def device_noise(study: optuna.Study, least: int = 5, *, since: int = 0) -> float | None:
