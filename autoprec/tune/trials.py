@@ -29,6 +29,11 @@ def _complete(study: optuna.Study) -> list[tuple[optuna.trial.FrozenTrial, Trial
     return [(t, TrialRecord.of(t)) for t in done]
 
 
+def complete_count(study: optuna.Study) -> int:
+    """How many of the study's trials are complete (every run's and worker's)."""
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+
+
 def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
     """One row per trial: its formats, loss scale, what it measured, and (with the profile) the drop the
     sum of single-layer drops predicted for it."""
