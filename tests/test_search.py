@@ -624,7 +624,7 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
     import copy
 
     from autoprec.tune.alternatives import BF16, FP32
-    from autoprec.tune.choose import separated
+    from autoprec.tune.separation import separated
 
     clock = timings("faster", noise=0.8, seed=seed)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
