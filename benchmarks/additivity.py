@@ -5,7 +5,7 @@ Regenerates the files in --out (by default the committed folder) (CPU, a few min
     python benchmarks/additivity.py [--out DIR]  (default: results/cpu-xeon-2core/additivity)
 
 For each example: every tunable layer lowered alone to each format it can run (the profile's metric_drop,
-measured the same way: autoprec.tune.measure.evaluate_metric), then 40 seeded random policies (each layer a
+measured the same way: autoprec.tune.metric.evaluate_metric), then 40 seeded random policies (each layer a
 random runnable format, the model root fp32 so that every lowered op belongs to a profiled layer), their
 measured drop against the sum of their layers' single drops. Also the searched studies committed beside
 this folder: their trials, root format included (the profile does not cover the root, so it predicts
@@ -27,7 +27,7 @@ from common import out_folder  # noqa: E402 (beside this script)
 from autoprec import Policy
 from autoprec.formats import Format, format_problem
 from autoprec.tune import load_space, load_task, prepare
-from autoprec.tune.measure import evaluate_metric
+from autoprec.tune.metric import evaluate_metric
 from autoprec.tune.profile_data import Profile
 from autoprec.tune.report import markdown_table
 

@@ -297,8 +297,9 @@ def formats_of(policy) -> str:  # type: ignore[no-untyped-def]
 def part_tables(name: str, out: Path, args: argparse.Namespace, until: float) -> int:
     from autoprec.files import write_text
     from autoprec.tune.choices import build_choices
-    from autoprec.tune.measure import Trainer, compile_scope, interleaved_times, step_stats
     from autoprec.tune.out_dir import load_or_profile
+    from autoprec.tune.timing import interleaved_times
+    from autoprec.tune.trainer import Trainer, compile_scope, step_stats
 
     folder = out / f"tables-{name}"
     folder.mkdir(exist_ok=True)

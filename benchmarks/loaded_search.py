@@ -6,7 +6,7 @@ user had (uniform bf16, fp32) by more than the re-measured spread?
 1. `autoprec search MODEL` runs with one busy process per core beside it (the load issue 31 saw: spreads of ±50%
    and more), writing its policy.json under --out.
 2. The hogs stop; the written policy, uniform bf16 and fp32 are re-measured together, interleaved, on the quiet
-   machine (measure.measure_steps, the search's own final timing).
+   machine (trainer.measure_steps, the search's own final timing).
 3. It prints, and writes to summary.md, each candidate's quiet speedup and spread, and the verdict: the policy's
    quiet speed against the faster alternative's, beside what the loaded search recorded and whether it called the
    answer a tie (measured.not_separated).
@@ -32,7 +32,7 @@ from common import print_header  # noqa: E402
 from autoprec import Policy, load_policy  # noqa: E402
 from autoprec.tune import load_task, prepare  # noqa: E402
 from autoprec.tune.config import TimingConfig  # noqa: E402
-from autoprec.tune.measure import measure_steps  # noqa: E402
+from autoprec.tune.trainer import measure_steps  # noqa: E402
 
 
 def _hog(stop: Any) -> None:

@@ -27,11 +27,12 @@ from common import out_folder  # noqa: E402 (beside this script)
 from autoprec import LossScale, Policy
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.config import TimingConfig
-from autoprec.tune.measure import measure_steps, noise_floor, train_and_evaluate
+from autoprec.tune.metric import noise_floor, train_and_evaluate
 from autoprec.tune.plots import plot_all
 from autoprec.tune.report import gradient_summary, markdown_table
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
+from autoprec.tune.trainer import measure_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/loss-scale"  # where the files are written (and, for a re-check, read): --out

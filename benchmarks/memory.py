@@ -25,8 +25,8 @@ from autoprec import Policy  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.tensors import map_tensors  # noqa: E402
 from autoprec.tune import load_task, memory, prepare  # noqa: E402
-from autoprec.tune.measure import Trainer, compile_scope, largest_batch  # noqa: E402
 from autoprec.tune.report import markdown_table  # noqa: E402
+from autoprec.tune.trainer import Trainer, compile_scope, largest_batch  # noqa: E402
 
 EXAMPLES = ["examples/digits/model.py", "examples/tinylm/model.py", "examples/minilm/model.py"]
 POLICIES = {"fp32": Policy(), "uniform bf16": Policy(layers={"": Format.BF16}), "uniform fp16": Policy(layers={"": Format.FP16})}

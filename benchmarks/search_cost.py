@@ -27,11 +27,11 @@ from autoprec.tune import SearchConfig, load_space, load_task, prepare  # noqa: 
 from autoprec.tune.alternatives import BF16, FP32  # noqa: E402
 from autoprec.tune.api import search_and_report  # noqa: E402
 from autoprec.tune.cost import cost_rows  # noqa: E402
-from autoprec.tune.measure import Candidate  # noqa: E402
+from autoprec.tune.finalists import remeasure  # noqa: E402
 from autoprec.tune.objective import Judge  # noqa: E402
-from autoprec.tune.pipeline import remeasure  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
 from autoprec.tune.report import markdown_table  # noqa: E402
+from autoprec.tune.trainer import Candidate  # noqa: E402
 
 # model -> (model.py, budget, trials): the README's commands
 MODELS = {

@@ -3,7 +3,7 @@ searches against that table.
 
 The model (benchmarks/models/mlp8.py) has 8 Linear layers; each may be fp32, bf16 or fp16 (the root stays
 fp32), so there are 3^8 = 6561 policies. Each one's metric is evaluated and its training step timed against
-fp32 (interleaved, autoprec.tune.measure; a policy that a first probe already finds more than 1.5x slower than fp32
+fp32 (interleaved, autoprec.tune.timing; a policy that a first probe already finds more than 1.5x slower than fp32
 keeps the probe's ratio, as it cannot be near the optimum). The true optimum under a budget is the fastest
 policy in the table within it. Searches then run against the table instead of the device, so many seeds are
 cheap and every method sees the same numbers:
@@ -54,10 +54,12 @@ from autoprec.tune.config import (
     SearchConfig,
     TimingConfig,
 )
-from autoprec.tune.measure import StepStats, Trainer, evaluate_metric, interleaved_times, probe_times  # noqa: E402
+from autoprec.tune.metric import evaluate_metric  # noqa: E402
 from autoprec.tune.space import space_from_dict  # noqa: E402
 from autoprec.tune.speed import LayerTimes, Timed, too_slow  # noqa: E402
 from autoprec.tune.storage import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
+from autoprec.tune.timing import interleaved_times, probe_times  # noqa: E402
+from autoprec.tune.trainer import StepStats, Trainer  # noqa: E402
 
 MODEL = Path(__file__).parent / "models" / "mlp8.py"
 FORMATS = ("fp32", "bf16", "fp16")

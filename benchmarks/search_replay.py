@@ -3,7 +3,7 @@ re-measure, choice) with every step time it reads served from a recorded trace, 
 
 A trace (benchmarks/traces/<device>/<model>/: profile.csv, trials.csv, finalists.csv, policy.json, as a search on that
 device wrote them) holds each layer's step time per format and the whole-step times of the policies it timed. The
-ReplayClock below stands in for autoprec.tune.measure.CLOCK and prices each timed call by what it runs:
+ReplayClock below stands in for autoprec.tune.timing.CLOCK and prices each timed call by what it runs:
 
 - a profile layer step (its model: the profiler's holder of one layer): the trace's time_ms for that layer's shape and
   format, times noise of the row's time_spread;
@@ -70,11 +70,12 @@ from common import print_header  # noqa: E402
 from autoprec.apply import applied_policy  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.policy import ROOT  # noqa: E402
-from autoprec.tune import SearchConfig, load_space, load_task, measure, pipeline, prepare, searcher  # noqa: E402
+from autoprec.tune import SearchConfig, load_space, load_task, pipeline, prepare, searcher, timing  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
 from autoprec.tune.report import markdown_table  # noqa: E402
 from autoprec.tune.space import SearchSpace  # noqa: E402
 from autoprec.tune.speed import format_of  # noqa: E402
+from autoprec.tune.trainer import Trainer, policy_model  # noqa: E402
 
 IQR_PER_SIGMA = 1.349  # a normal's interquartile range in sigmas
 MAX_SPREAD = 1.05  # --max-spread's default: the final re-measure's widest recorded spread (1.03), rounded up
@@ -272,7 +273,7 @@ class Tally:
 
 
 class ReplayClock:
-    """A measure.Clock that runs the work and prices it by the trace (see the module's docstring)."""
+    """A timing.Clock that runs the work and prices it by the trace (see the module's docstring)."""
 
     def __init__(self, truth: Truth, user_model: type, *, seed: int, noise: float = 1.0, max_spread: float = MAX_SPREAD):
         self.truth, self.user_model, self.noise, self.max_spread = truth, user_model, noise, max_spread
@@ -328,7 +329,7 @@ class ReplayClock:
             self.tally.other += calls
         return seconds
 
-    def step_run(self, trainer: measure.Trainer) -> None:
+    def step_run(self, trainer: Trainer) -> None:
         """Trainer.step's count: every whole step; those outside time() are priced noiseless."""
         self.tally.whole_run += 1
         if not self.timing:
@@ -337,11 +338,11 @@ class ReplayClock:
 
 @contextlib.contextmanager
 def replaying(clock: ReplayClock) -> Iterator[None]:
-    """measure.CLOCK is `clock`, every Trainer.step is counted by it, and it knows when the final re-measure runs
+    """timing.CLOCK is `clock`, every Trainer.step is counted by it, and it knows when the final re-measure runs
     (pipeline.final_remeasure), inside; all restored after."""
-    before, step, final = measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure
+    before, step, final = timing.CLOCK, Trainer.step, pipeline.final_remeasure
 
-    def counted(self: measure.Trainer, batch_index: int | None = None) -> torch.Tensor:
+    def counted(self: Trainer, batch_index: int | None = None) -> torch.Tensor:
         clock.step_run(self)
         return step(self, batch_index)
 
@@ -352,11 +353,11 @@ def replaying(clock: ReplayClock) -> Iterator[None]:
         finally:
             clock.final = False
 
-    measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure = clock, counted, final_phase  # type: ignore[method-assign]
+    timing.CLOCK, Trainer.step, pipeline.final_remeasure = clock, counted, final_phase  # type: ignore[method-assign]
     try:
         yield
     finally:
-        measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure = before, step, final  # type: ignore[method-assign]
+        timing.CLOCK, Trainer.step, pipeline.final_remeasure = before, step, final  # type: ignore[method-assign]
 
 
 # ---- the runs -------------------------------------------------------------------------------------------------------
@@ -394,7 +395,7 @@ def run_one(
         result = searcher.search(workload, replay_space(truth.trace), config, keep or folder)
         wall = time.perf_counter() - start
     m = Measured.of(result.policy)
-    key = clock.key(measure.policy_model(workload, result.policy))
+    key = clock.key(policy_model(workload, result.policy))
     t = result.trials
     done = t[t["state"] == "COMPLETE"]
     fresh = done[done["reused_from"].isna()] if "reused_from" in done else done

@@ -121,7 +121,7 @@ def gemm_sqnrs(fmt: str, root: str) -> dict[str, float]:
     import copy
 
     from autoprec import Policy, apply_policy
-    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.metric import sqnr_db
 
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(256, 512))

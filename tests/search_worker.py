@@ -19,7 +19,7 @@ import torch
 from short_timing import FAST_PROFILE, TINY
 from timings import MODES, FormatClock
 
-from autoprec.tune import SearchConfig, load_task, measure, prepare
+from autoprec.tune import SearchConfig, load_task, prepare, timing
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
 
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timings", choices=sorted(MODES), default="faster")  # as the suite's: no step time is the machine's
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    measure.CLOCK = FormatClock(MODES[args.timings])  # this process is the test's, not a library's
+    timing.CLOCK = FormatClock(MODES[args.timings])  # this process is the test's, not a library's
     if args.sleep:
         _slow_trials(args.sleep)
     config = SearchConfig(

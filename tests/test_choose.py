@@ -80,7 +80,7 @@ def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
 
 def test_tf32_is_measured_but_never_chosen_as_the_policy():
     from autoprec.tune.choose import choose
-    from autoprec.tune.measure import Candidate
+    from autoprec.tune.trainer import Candidate
 
     fp32 = Policy(layers={"": "fp32"})
     candidates = {"fp32": Candidate(fp32), "TF32": Candidate(fp32, tf32=True)}

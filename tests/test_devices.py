@@ -15,9 +15,10 @@ from autoprec import Policy, devices
 from autoprec.devices import CPUDevice, Device, UnknownDeviceError, device_for, register_device, unregister_device
 from autoprec.errors import UserError
 from autoprec.formats import device_name
-from autoprec.tune import load_task, measure, memory, prepare
+from autoprec.tune import load_task, memory, prepare, timing
 from autoprec.tune.cli import _device
 from autoprec.tune.config import TimingConfig, default_compile
+from autoprec.tune.trainer import Trainer, matmul_precision
 
 MODELS = Path(__file__).parent / "models"
 META = torch.device("meta")
@@ -110,7 +111,7 @@ def test_a_device_registered_from_outside_autoprec_is_the_one_its_callers_ask(to
     assert memory.source(META) == "the toy allocator's peak"
     ran: list[bool] = []
     assert memory.rise_bytes(META, lambda: ran.append(True)) == 250 and ran == [True]
-    with measure.matmul_precision(META, tf32=True):
+    with matmul_precision(META, tf32=True):
         pass
     assert toy_meta.asked == ["reset_peak", "tf32=True"]
 
@@ -126,12 +127,12 @@ def test_register_device_refuses_a_taken_type_and_one_torch_does_not_know():
 
 
 def test_the_clock_and_a_training_step_synchronize_through_the_registered_device(counting_cpu, monkeypatch):
-    monkeypatch.setattr(measure, "CLOCK", measure.DeviceClock())  # the real clock, not the suite's FormatClock
+    monkeypatch.setattr(timing, "CLOCK", timing.DeviceClock())  # the real clock, not the suite's FormatClock
     work: dict[str, Callable[[], object]] = {"a": lambda: None}
-    measure.interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=1, rounds=2, min_block_s=0.0))
+    timing.interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=1, rounds=2, min_block_s=0.0))
     assert counting_cpu.synchronized == 2 * 3  # before and after each of the 3 timed blocks (1 sizing + 2 rounds)
     counting_cpu.synchronized = 0
-    trainer = measure.Trainer(prepare(load_task(MODELS / "overflow_mlp.py"), "cpu"), Policy())
+    trainer = Trainer(prepare(load_task(MODELS / "overflow_mlp.py"), "cpu"), Policy())
     trainer.step()  # the first step is timed to its end (a compiled model's compilation)
     assert counting_cpu.synchronized == 2
     trainer.step()

@@ -6,7 +6,7 @@ import pytest
 
 from autoprec import apply_policy, load_policy
 from autoprec.tune import load_task, prepare
-from autoprec.tune.measure import metric_of
+from autoprec.tune.metric import metric_of
 
 ROOT = Path(__file__).parents[1]
 DIGITS = ROOT / "examples" / "digits" / "model.py"

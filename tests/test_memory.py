@@ -8,7 +8,7 @@ from autoprec.errors import UserError
 from autoprec.formats import Format
 from autoprec.tune import load_task, memory, prepare
 from autoprec.tune.config import MEMORY_TRIES
-from autoprec.tune.measure import Trainer
+from autoprec.tune.trainer import Trainer
 
 CPU = torch.device("cpu")
 

@@ -333,8 +333,8 @@ class _Twice(torch.nn.Module):
 def _in_model(workload, name, fmt, batches=2):
     """The brute-force measurement the replay stands in for: the whole model with only `name` in `fmt`, forward and
     backward on the first train batches; the layer's outputs and its weight gradient."""
-    from autoprec.tune.measure import policy_model
     from autoprec.tune.profiler import _first_float, _param_grad
+    from autoprec.tune.trainer import policy_model
 
     model = policy_model(workload, Policy(layers={name: fmt})).eval()
     module, outs = dict(model.named_modules())[name], []
@@ -356,7 +356,7 @@ def _task_of(model_fn):
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8"])
 def test_the_layer_replay_gives_the_whole_models_output_and_nearly_its_gradient_sqnr(fmt):
     from autoprec.formats import Format
-    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.metric import sqnr_db
     from autoprec.tune.profiler import _replay, _run
 
     workload = prepare(_task_of(_Twice), "cpu")
@@ -379,7 +379,7 @@ def test_the_layer_replay_gives_the_whole_models_output_and_nearly_its_gradient_
 
 
 def test_a_layer_called_twice_is_measured_in_the_whole_model():
-    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.metric import sqnr_db
 
     workload = prepare(_task_of(_Twice), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
@@ -437,7 +437,7 @@ class _Siamese(torch.nn.Module):
 
 def test_only_a_layer_fed_its_own_output_leaves_the_replay():
     from autoprec.formats import Format
-    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.metric import sqnr_db
     from autoprec.tune.profiler import _replay, _run
 
     assert _run(prepare(_task_of(_Twice), "cpu"), _Twice(), ["fc", "mid", "head"], 2)[0].fed_back == {"fc"}
@@ -453,7 +453,7 @@ def test_only_a_layer_fed_its_own_output_leaves_the_replay():
 
 def test_a_layer_that_cannot_run_alone_is_measured_in_the_whole_model(monkeypatch):
     from autoprec.tune import profiler
-    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.metric import sqnr_db
 
     replay = profiler._replay
 
@@ -532,7 +532,7 @@ def _dgrad_by_hand(workload, fmt):
 
 @pytest.mark.parametrize("fmt", GEMM_FORMATS)
 def test_each_gemms_sqnr_is_measured_against_an_fp32_control(proj_profile, fmt):
-    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.metric import sqnr_db
 
     workload, table = proj_profile
     r = table.loc[("proj", fmt)]
@@ -565,7 +565,7 @@ class _Residual(torch.nn.Module):
 
 def test_the_whole_models_dgrad_is_the_layers_share_of_its_inputs_gradient():
     from autoprec.formats import Format
-    from autoprec.tune.measure import sqnr_db
+    from autoprec.tune.metric import sqnr_db
     from autoprec.tune.profiler import _in_model_run, _replay, _run
 
     workload = prepare(_task_of(_Residual), "cpu")
@@ -585,7 +585,8 @@ def test_the_whole_models_dgrad_is_the_layers_share_of_its_inputs_gradient():
 
 
 def test_a_layer_fed_its_own_output_has_its_dgrad_measured_in_the_whole_model():
-    from autoprec.tune.measure import policy_model, sqnr_db
+    from autoprec.tune.metric import sqnr_db
+    from autoprec.tune.trainer import policy_model
 
     workload = prepare(_task_of(_Twice), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})

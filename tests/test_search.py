@@ -19,7 +19,7 @@ from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
 from autoprec.tune.config import Mode
 from autoprec.tune.gradients import LayerGradients, scale_table
-from autoprec.tune.measure import NoiseFloor, metric_of
+from autoprec.tune.metric import NoiseFloor, metric_of
 from autoprec.tune.objective import INFEASIBLE, over_budget
 from autoprec.tune.profile_data import COLUMNS, Profile
 from autoprec.tune.searcher import search
@@ -552,7 +552,7 @@ def test_every_re_measured_candidate_and_timed_trial_records_its_peak_memory(sea
 
 @pytest.fixture
 def fake_memory(monkeypatch):
-    from autoprec.tune.measure import Trainer
+    from autoprec.tune.trainer import Trainer
 
     monkeypatch.setattr(Trainer, "peak_memory", made_up_peak)
 
@@ -624,7 +624,7 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
     import copy
 
     from autoprec.tune.alternatives import BF16, FP32
-    from autoprec.tune.choose import separated
+    from autoprec.tune.separation import separated
 
     clock = timings("faster", noise=0.8, seed=seed)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -648,8 +648,8 @@ def test_on_a_noisy_device_a_trial_is_timed_the_fewest_rounds_an_interquartile_s
     import optuna
 
     from autoprec.tune.config import NOISY_SPREAD
-    from autoprec.tune.measure import noisiest
     from autoprec.tune.objective import Judge, Objective
+    from autoprec.tune.timing import noisiest
     from autoprec.tune.trials import NOISE_ROUNDS, device_noise
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")

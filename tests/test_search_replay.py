@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from autoprec import Policy, apply_policy
-from autoprec.tune import measure, pipeline
+from autoprec.tune import pipeline, timing
+from autoprec.tune.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -66,9 +67,9 @@ def test_the_clock_runs_the_work_and_prices_whole_steps_by_policy_and_layer_step
     clock = search_replay.ReplayClock(truth, Digits, seed=0, noise=0.0)
     ran = []
     whole = apply_policy(Digits(), Policy(layers={"": "bf16"}))
-    step = measure.Step(lambda: ran.append(1), whole)
+    step = timing.Step(lambda: ran.append(1), whole)
     assert clock.time(step, 3, torch.device("cpu")) == pytest.approx(3 * 0.455295, rel=1e-5)
-    layer = measure.Step(lambda: ran.append(1), apply_policy(Holder(nn.Linear(64, 1024)), Policy(layers={"layer": "bf16"})))
+    layer = timing.Step(lambda: ran.append(1), apply_policy(Holder(nn.Linear(64, 1024)), Policy(layers={"layer": "bf16"})))
     assert clock.time(layer, 2, torch.device("cpu")) == pytest.approx(2 * 8.048715e-3, rel=1e-5)  # fc1's bf16 time
     assert len(ran) == 5
     tally = clock.tally
@@ -79,7 +80,7 @@ def test_the_clock_runs_the_work_and_prices_whole_steps_by_policy_and_layer_step
 def test_noise_is_seeded_and_median_preserving(truth):
     def prices(seed):
         clock = search_replay.ReplayClock(truth, Digits, seed=seed)
-        step = measure.Step(lambda: None, apply_policy(Digits(), Policy(layers={"": "bf16"})))
+        step = timing.Step(lambda: None, apply_policy(Digits(), Policy(layers={"": "bf16"})))
         return [clock.time(step, 1, torch.device("cpu")) for _ in range(401)]
 
     a, b = prices(1), prices(1)
@@ -89,7 +90,7 @@ def test_noise_is_seeded_and_median_preserving(truth):
 
 def test_replaying_swaps_the_clock_the_step_count_and_the_final_phase_and_restores_them(truth):
     clock = search_replay.ReplayClock(truth, Digits, seed=0, noise=0.0)
-    before = measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure
+    before = timing.CLOCK, Trainer.step, pipeline.final_remeasure
     with search_replay.replaying(clock):
-        assert measure.CLOCK is clock and measure.Trainer.step is not before[1] and pipeline.final_remeasure is not before[2]
-    assert (measure.CLOCK, measure.Trainer.step, pipeline.final_remeasure) == before
+        assert timing.CLOCK is clock and Trainer.step is not before[1] and pipeline.final_remeasure is not before[2]
+    assert (timing.CLOCK, Trainer.step, pipeline.final_remeasure) == before

@@ -12,7 +12,7 @@ from short_timing import FAST_PROFILE, TINY
 from autoprec import Policy, apply_policy, load_policy
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choose import choose_per_budget
-from autoprec.tune.measure import metric_of
+from autoprec.tune.metric import metric_of
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.sweeper import pareto_front, policy_filename, sweep
 
@@ -189,7 +189,7 @@ def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_br
 
 @pytest.mark.slow
 def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of_peak_and_drop(tmp_path, monkeypatch):
-    from autoprec.tune.measure import Trainer
+    from autoprec.tune.trainer import Trainer
 
     monkeypatch.setattr(Trainer, "peak_memory", made_up_peak)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")

@@ -40,9 +40,9 @@ COMPLETE = (optuna.trial.TrialState.COMPLETE,)
 def start_worker(out: Path, *args: str) -> subprocess.Popen:
     from timings import MODES
 
-    from autoprec.tune import measure
+    from autoprec.tune import timing
 
-    timings = next((k for k, v in MODES.items() if v == getattr(measure.CLOCK, "factors", None)), "faster")  # the suite's
+    timings = next((k for k, v in MODES.items() if v == getattr(timing.CLOCK, "factors", None)), "faster")  # the suite's
     cmd = [sys.executable, str(WORKER), "--out", str(out), "--timings", timings, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -1,6 +1,6 @@
 """Step times that do not depend on this machine: a clock that prices a step by the formats its model runs in.
 
-autoprec reads every step time through `autoprec.tune.measure.CLOCK`. The test suite puts a `FormatClock` there
+autoprec reads every step time through `autoprec.tune.timing.CLOCK`. The test suite puts a `FormatClock` there
 (conftest.py, `--timings`), so which formats the profile keeps and which policy a search chooses never depend on
 whether this CPU runs bf16 fast (AMX) or a hundred times slower (AVX2 only). A test that needs lowered formats
 to be faster or slower than fp32 says so with the `timings` fixture; every other test passes under both.
@@ -17,7 +17,7 @@ import torch
 
 from autoprec.apply import applied_summary
 from autoprec.formats import Format
-from autoprec.tune import measure
+from autoprec.tune import timing
 
 # The factor on a layer's share of the step time in each kind of format, per named device behaviour.
 FASTER = {"half": 0.5, "fp8": 0.4}  # a GPU, or a CPU with AMX: every lowered format pays
@@ -55,7 +55,7 @@ def formats_of(model: torch.nn.Module) -> dict[str, Format]:
 
 
 class FormatClock:
-    """A measure.Clock that runs the work (so its steps count, its losses are checked, its weights change) and says
+    """A timing.Clock that runs the work (so its steps count, its losses are checked, its weights change) and says
     it took STEP_S times (FIXED + the rest weighted by each parameter's format factor): a device on which every
     format's speed is what `factors` says. `noise`: each call's time times exp(N(0, noise)), seeded."""
 
@@ -90,11 +90,11 @@ class FormatClock:
 
 
 @contextlib.contextmanager
-def using(clock: measure.Clock) -> Iterator[measure.Clock]:
-    """measure.CLOCK is `clock` inside (for fixtures wider than a test, which the `timings` fixture cannot reach)."""
-    before = measure.CLOCK
-    measure.CLOCK = clock
+def using(clock: timing.Clock) -> Iterator[timing.Clock]:
+    """timing.CLOCK is `clock` inside (for fixtures wider than a test, which the `timings` fixture cannot reach)."""
+    before = timing.CLOCK
+    timing.CLOCK = clock
     try:
         yield clock
     finally:
-        measure.CLOCK = before
+        timing.CLOCK = before

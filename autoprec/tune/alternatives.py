@@ -25,8 +25,8 @@ from autoprec import devices
 from autoprec.formats import Format, Fp8Backend, device_name, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.choices import Choices, greedy_policy
-from autoprec.tune.measure import Candidate
 from autoprec.tune.profile_data import Profile
+from autoprec.tune.trainer import Candidate
 
 FP32 = "fp32"
 TF32 = "TF32"

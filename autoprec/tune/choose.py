@@ -2,8 +2,8 @@
 
 The fastest within budget, unless the measured spread cannot separate it from an alternative (the alternative is
 chosen: a policy is never written as faster than what the user had) or from a candidate with fewer fp16/fp8 layers
-(the safer one is chosen); never one measured slower than the fastest alternative. For the smallest peak memory
-(goals.MEMORY): `choose_smallest`. Each goal (goals.py) calls the rule it chooses by.
+(the safer one is chosen; separation.separated); never one measured slower than the fastest alternative. For the
+smallest peak memory (goals.MEMORY): `choose_smallest`. Each goal (goals.py) calls the rule it chooses by.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from autoprec.tune import memory
 from autoprec.tune.alternatives import ALTERNATIVES, GREEDY, NOT_A_POLICY
 from autoprec.tune.choices import Choices, fit
 from autoprec.tune.config import MEMORY_TIE
-from autoprec.tune.measure import Candidate
 from autoprec.tune.records import Finals, Measurement
+from autoprec.tune.separation import separated
+from autoprec.tune.trainer import Candidate
 
 if TYPE_CHECKING:
     from autoprec.tune.goals import Goal
@@ -90,12 +91,6 @@ def _tied_with_alternative(policy: Measurement, alternative: Measurement) -> str
         f"{policy.candidate} measured {lead:.1f}% faster, inside the spread: not separated from the alternative "
         f"{alternative.candidate}, which is chosen"
     )
-
-
-def separated(a: Measurement, b: Measurement) -> bool:
-    """Whether the step times tell a and b apart: the faster one's lead is beyond their mean spread."""
-    fast, slow = (a, b) if a.speedup >= b.speedup else (b, a)
-    return fast.speedup / slow.speedup - 1 > (fast.spread + slow.spread) / 2
 
 
 def not_separated(finals: Finals, name: str) -> list[str]:

@@ -32,7 +32,8 @@ NOISY_SPREAD = 0.25
 
 MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
 # Rounds agreeing within this (relative range or spread) settle a timing: a trial's (objective.Objective) after
-# MIN_ROUNDS, the final re-measure's (every candidate's spread) after SETTLED_FINAL_ROUNDS.
+# MIN_ROUNDS, the final re-measure's (every candidate's spread) after SETTLED_FINAL_ROUNDS. Also the least spread a
+# trial's timing is granted when it is ruled out of the final re-measure (separation.beaten).
 SETTLED = 0.05
 SETTLED_FINAL_ROUNDS = 5
 

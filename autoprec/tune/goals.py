@@ -24,14 +24,15 @@ import optuna
 from autoprec.registry import Registry
 from autoprec.tune import memory
 from autoprec.tune.alternatives import ALTERNATIVES
-from autoprec.tune.choose import choose, choose_smallest, not_separated, separated
-from autoprec.tune.config import MEMORY_TIE, SETTLED
+from autoprec.tune.choose import choose, choose_smallest, not_separated
+from autoprec.tune.config import MEMORY_TIE
 from autoprec.tune.records import Finals, Measurement, TrialRecord
+from autoprec.tune.separation import beaten, separated
 from autoprec.tune.trials import best_speedup, smallest_peak
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
-    from autoprec.tune.measure import Candidate
+    from autoprec.tune.trainer import Candidate
 
 INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite; a minimised goal's worst value
 
@@ -215,17 +216,13 @@ def _speedup(record: TrialRecord) -> float:
 
 
 def _beaten(trial: TrialRecord, best: TrialRecord) -> bool:
-    """Whether the trial's timing is separated below the best's (its fast end under the best's slow end, each by a
-    factor of 1 + half the wider spread, at least SETTLED): it cannot win the final re-measure, so it is not timed
-    there."""
+    """Whether the trial's timing is separated below the best's (separation.beaten): it cannot win the final
+    re-measure, so it is not timed there."""
 
     def spread(r: TrialRecord) -> float:
         return r.spread if r.spread is not None and math.isfinite(r.spread) else 0.0
 
-    # a few rounds' spread understates the noise: the wider of the two, and at least SETTLED, on both sides; as a
-    # factor each way (a spread past 2 would put 1 - half below zero, and beat nothing however far apart they ran)
-    half = max(spread(trial), spread(best), SETTLED) / 2
-    return _speedup(trial) * (1 + half) < _speedup(best) / (1 + half)
+    return beaten(_speedup(trial), spread(trial), _speedup(best), spread(best))
 
 
 class Speed(Goal):

@@ -30,25 +30,14 @@ from autoprec.tune.choices import Choices, format_assignments, policy_from_param
 from autoprec.tune.config import NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Mode, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.goals import INFEASIBLE
-from autoprec.tune.measure import (
-    Candidate,
-    NoiseFloor,
-    Trainer,
-    compile_scope,
-    evaluate_metric,
-    fp32_step_failed,
-    interleaved_times,
-    noise_floor,
-    noisiest,
-    peak_memory_or_none,
-    step_stats,
-    train_and_evaluate,
-)
+from autoprec.tune.metric import NoiseFloor, evaluate_metric, noise_floor, train_and_evaluate
 from autoprec.tune.records import TrialRecord
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune.storage import OBJECTIVES
 from autoprec.tune.task import Workload
+from autoprec.tune.timing import interleaved_times, noisiest
+from autoprec.tune.trainer import Candidate, Trainer, compile_scope, fp32_step_failed, peak_memory_or_none, step_stats
 from autoprec.tune.trials import (
     NOISE_ROUNDS,
     best_timed,

@@ -21,7 +21,7 @@ from autoprec.formats import device_name
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tune.config import GROUP_SHARE, PROFILE_SHARE, Mode, ProfileConfig, SearchConfig
 from autoprec.tune.cost import Stopwatch
-from autoprec.tune.measure import NoiseFloor
+from autoprec.tune.metric import NoiseFloor
 from autoprec.tune.profile_data import Profile, ruled_out
 from autoprec.tune.profiler import profile
 from autoprec.tune.records import Chosen, Finals, Measured, StudyRef

@@ -32,22 +32,12 @@ from autoprec.tune import memory
 from autoprec.tune.config import METRIC_REPEAT_TOLERANCE, ProfileConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.gradients import LayerGradients, collect, profile_columns, scale_table
-from autoprec.tune.measure import (
-    Step,
-    compile_scope,
-    evaluate_metric,
-    fp32_step_failed,
-    interleaved_times,
-    matmul_precision,
-    metric_name,
-    metric_of,
-    policy_model,
-    probe_times,
-    sqnr_db,
-)
+from autoprec.tune.metric import evaluate_metric, metric_name, metric_of, sqnr_db
 from autoprec.tune.profile_data import COLUMNS, SQNR_COLUMNS, Profile, as_float, ruled_out
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload, check_loss
+from autoprec.tune.timing import Step, interleaved_times, probe_times
+from autoprec.tune.trainer import compile_scope, fp32_step_failed, matmul_precision, policy_model
 
 log = logging.getLogger("autoprec")
 

@@ -12,7 +12,7 @@ import pandas as pd
 from autoprec.policy import Policy
 from autoprec.tune.choices import Choices
 from autoprec.tune.config import Mode, SearchConfig, parse_mode
-from autoprec.tune.measure import NoiseFloor
+from autoprec.tune.metric import NoiseFloor
 from autoprec.tune.pipeline import Plan, run
 from autoprec.tune.profile_data import Profile
 from autoprec.tune.records import Finals

@@ -35,6 +35,7 @@ import numpy as np
 
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
+from autoprec.tune.separation import may_beat
 
 MARGIN = 0.10  # the least relative error a prediction is granted, however well the fit went
 MIN_FIT = 4  # timed trials with a layer lowered before a prediction is made
@@ -333,6 +334,6 @@ def ceiling(timed: Sequence[Timed], untried: Iterable[Features | None], best: tu
         if features is None or not speed_fit.covers(features):
             return None
         fastest, count = max(fastest, speed_fit.speedup(features)), count + 1
-    if not count or fastest * (1 + speed_fit.margin) > best_speedup * (1 + noise):
+    if not count or may_beat(fastest, speed_fit.margin, best_speedup, noise):
         return None
     return Ceiling(fastest, speed_fit.margin, best_speedup, noise, count)

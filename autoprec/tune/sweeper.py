@@ -32,7 +32,7 @@ from autoprec.tune.budget import parse_budgets
 from autoprec.tune.choices import Choices
 from autoprec.tune.config import SearchConfig
 from autoprec.tune.goals import SPEED, Goal
-from autoprec.tune.measure import NoiseFloor
+from autoprec.tune.metric import NoiseFloor
 from autoprec.tune.out_dir import SWEEP_PROFILE, SavedProfile
 from autoprec.tune.pipeline import Plan, run
 from autoprec.tune.profile_data import Profile

@@ -29,6 +29,11 @@ def _complete(study: optuna.Study) -> list[tuple[optuna.trial.FrozenTrial, Trial
     return [(t, TrialRecord.of(t)) for t in done]
 
 
+def complete_count(study: optuna.Study) -> int:
+    """How many of the study's trials are complete (every run's and worker's)."""
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+
+
 def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
     """One row per trial: its formats, loss scale, what it measured, and (with the profile) the drop the
     sum of single-layer drops predicted for it."""
@@ -145,7 +150,7 @@ def first_of_run(study: optuna.Study) -> int:
     return max((t.number for t in study.get_trials(deepcopy=False, states=states)), default=-1) + 1
 
 
-NOISE_ROUNDS = 4  # a spread from fewer rounds is their full range (measure.Timing), not an interquartile range
+NOISE_ROUNDS = 4  # a spread from fewer rounds is their full range (timing.Timing), not an interquartile range
 
 
 def device_noise(study: optuna.Study, least: int = 5, *, since: int = 0) -> float | None:

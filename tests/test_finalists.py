@@ -1,0 +1,146 @@
+"""The finalists: every budget gets the same kinds of candidates (its greedy floor, its fastest trials, the safer
+variant of its fastest), and the final re-measure times them on, stops or says so as the noise and its cap allow."""
+
+import types
+
+from builders import finals
+
+from autoprec import Policy
+from autoprec.tune import SearchConfig, finalists
+from autoprec.tune.alternatives import BF16, FP32, GREEDY, Alternatives
+from autoprec.tune.choices import Choices
+from autoprec.tune.searcher import search_plan
+from autoprec.tune.sweeper import sweep_plan
+from autoprec.tune.trainer import Candidate
+
+
+def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_of_its_fastest(monkeypatch):
+    choices = Choices(
+        default=("fp32", "bf16"), layers={"a": ("fp32", "bf16", "fp16"), "b": ("fp32", "bf16", "fp16")}, excluded={}
+    )
+    fp32 = Policy(layers={"": "fp32", "a": "fp32", "b": "fp32"})
+    greedy = {
+        0.0: Policy(layers={"": "fp32", "a": "fp32", "b": "bf16"}),
+        0.1: Policy(layers={"": "fp32", "a": "bf16", "b": "bf16"}),
+    }
+    trials = {  # budget -> its fastest trials, fastest first
+        0.0: {"trial 3": Candidate(Policy(layers={"": "fp32", "a": "fp16", "b": "fp32"}))},
+        0.1: {"trial 7": Candidate(Policy(layers={"": "fp32", "a": "fp16", "b": "fp16"})), "trial 3": Candidate(fp32)},
+    }
+
+    def baselines(workload, space, prof, choices, budget):
+        return Alternatives(candidates={FP32: Candidate(fp32), GREEDY: Candidate(greedy[budget])}, notes={BF16: "left out here"})
+
+    def fastest(study, choices, k, *, budget, exclude, goal):
+        return {n: c for n, c in trials[budget].items() if c not in exclude}
+
+    monkeypatch.setattr(finalists, "baselines", baselines)
+    monkeypatch.setattr(finalists, "finalist_policies", fastest)
+    started = types.SimpleNamespace(profile=None, choices=choices, study=None)
+    candidates, greedy_names, notes = finalists.gather_candidates(None, None, started, sweep_plan((0.0, 0.1)), 2)
+    assert greedy_names == {0.0: "profile greedy 0", 0.1: "profile greedy 0.1"} and notes == {BF16: "left out here"}
+    assert candidates["trial 3, fp16/fp8 -> bf16"].policy.layers["a"].value == "bf16"  # the 0 budget's fastest, made safer
+    # the 0.1 budget's safer variant is its greedy policy, already there: measured once, under that name
+    assert "trial 7, fp16/fp8 -> bf16" not in candidates and "trial 7" in candidates
+    assert list(candidates) == [
+        "fp32",
+        "profile greedy 0",
+        "profile greedy 0.1",
+        "trial 3",
+        "trial 3, fp16/fp8 -> bf16",
+        "trial 7",
+    ]
+    one, _, _ = finalists.gather_candidates(None, None, started, search_plan(0.1), 2)
+    assert list(one) == ["fp32", GREEDY, "trial 7"]  # one budget: the greedy policy keeps its plain name
+
+
+def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_noisy(monkeypatch, caplog):
+    from autoprec.tune.cost import Stopwatch
+
+    def table(spread):
+        return finals({"candidate": "fp32", "spread": 0.02}, {"candidate": "x", "spread": spread},
+                      {"candidate": "broken", "runs": False, "feasible": False, "spread": 3.0})  # fmt: skip
+
+    config = SearchConfig(budget=0.1, progress=False)
+    loud = {"fp32": [10.0, 10.1, 10.0], "x": [10.0, 20.0, 5.0]}
+    for spread, warnings in ((0.1, 0), (0.6, 1)):
+        calls = []
+
+        def remeasure(workload, candidates, judge, budget, timing, calls=calls, spread=spread, **kw):
+            calls.append((timing.rounds, kw["more"](loud)))  # how many rounds more a noisy first pass gets
+            return table(spread)
+
+        monkeypatch.setattr(finalists, "remeasure", remeasure)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="autoprec"):
+            measured = finalists.final_remeasure(None, {}, None, config, Stopwatch())
+        rounds = config.final_timing.rounds
+        assert calls == [(rounds, rounds)] and measured.noisiest() == spread  # one re-measure; a failed run's spread ignored
+        assert len([r for r in caplog.records if "still spread up to" in r.message]) == warnings
+
+
+def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
+    import optuna
+
+    from autoprec.tune.choices import LAYER_PARAM
+    from autoprec.tune.finalists import finalist_policies
+    from autoprec.tune.goals import MEMORY
+
+    choices = Choices(default=("fp32",), layers={"a": ("fp32", "bf16", "fp16"), "b": ("fp32", "bf16")}, excluded={})
+    study = optuna.create_study(direction="maximize")
+    dist = {LAYER_PARAM + "a": optuna.distributions.CategoricalDistribution(["fp32", "bf16", "fp16"]),
+            LAYER_PARAM + "b": optuna.distributions.CategoricalDistribution(["fp32", "bf16"])}  # fmt: skip
+    for (a, b), speedup, spread in [(("bf16", "bf16"), 2.0, 0.10), (("fp16", "bf16"), 1.85, 0.10), (("bf16", "fp32"), 1.5, 0.10)]:
+        attrs = {"feasible": True, "speedup": speedup, "spread": spread, "metric_drop": 0.0, "rounds": 3}
+        params = {LAYER_PARAM + "a": a, LAYER_PARAM + "b": b}
+        study.add_trial(optuna.trial.create_trial(value=speedup, params=params, distributions=dist, user_attrs=attrs))
+    # 1.85 * 1.05 reaches 2.0 * 0.95: inside the spreads, re-measured; 1.5 * 1.05 does not
+    assert list(finalist_policies(study, choices, 3)) == ["trial 0", "trial 1"]
+    assert list(finalist_policies(study, choices, 3, goal=MEMORY)) == []  # by memory: no peaks here, none
+
+
+def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_times_no_more(monkeypatch):
+    from autoprec.tune.config import SETTLED_FINAL_ROUNDS
+    from autoprec.tune.cost import Stopwatch
+
+    loud = {"fp32": [10.0, 10.1, 10.0, 9.0, 12.0], "x": [10.0, 20.0, 5.0, 9.0, 14.0]}  # unsettled: spreads wide
+    asked = []
+
+    def remeasure(workload, candidates, judge, budget, timing, **kw):
+        short = {k: v[: SETTLED_FINAL_ROUNDS - 1] for k, v in loud.items()}
+        asked.append((kw["enough"](short), kw["enough"](loud), kw["more"](loud)))
+        return finals({"candidate": "fp32", "spread": 0.02, "rounds": 5}, {"candidate": "x", "spread": 0.6, "rounds": 5})
+
+    monkeypatch.setattr(finalists, "remeasure", remeasure)
+    config, watch = SearchConfig(budget=0.1, progress=False), Stopwatch()
+    finalists.final_remeasure(None, {}, None, config, watch, cap_s=0.0)  # a cap long spent
+    # fewer rounds than SETTLED_FINAL_ROUNDS: on; then stopped at the cap, and no more rounds (no warning promising them)
+    assert asked == [(False, True, 0)]
+    assert any("stopped at its cap" in name for name in watch.counts)
+    assert watch.counts["final re-measure: whole-step timings (each round: every candidate's)"] == 10
+    asked.clear()
+    finalists.final_remeasure(None, {}, None, config, Stopwatch(), cap_s=None)  # no cap: the noisy machine's rounds
+    assert asked == [(False, False, config.final_timing.rounds)]
+
+
+def test_on_a_device_the_trials_found_too_noisy_the_final_remeasure_times_no_extra_rounds_and_says_so(monkeypatch, caplog):
+    """A loaded machine's default searches stopped for noise after 6 trials, then sat in 35-60 s re-measure rounds
+    (issue 38, 6): more rounds at that noise separate nothing. Its configured rounds only, and a plain line."""
+    from autoprec.tune.cost import Stopwatch
+
+    loud = {"fp32": [10.0, 10.1, 10.0], "x": [10.0, 20.0, 5.0]}
+    asked = []
+
+    def remeasure(workload, candidates, judge, budget, timing, **kw):
+        asked.append(kw["more"](loud))
+        return finals({"candidate": "fp32", "spread": 0.02}, {"candidate": "x", "spread": 0.6})
+
+    monkeypatch.setattr(finalists, "remeasure", remeasure)
+    config = SearchConfig(budget=0.1, progress=False)
+    with caplog.at_level("WARNING", logger="autoprec"):
+        finalists.final_remeasure(None, {}, None, config, Stopwatch(), noisy_device=True)
+    assert asked == [0]
+    assert any("this machine is too noisy to separate these candidates" in r.message for r in caplog.records)
+    asked.clear()
+    finalists.final_remeasure(None, {}, None, config, Stopwatch(), noisy_device=False)
+    assert asked == [config.final_timing.rounds]  # a device the trials found quiet: a noisy re-measure times on
