@@ -49,7 +49,8 @@ def torchao_fp8_layers(model: torch.nn.Module, device: torch.device) -> tuple[li
     """(names of the Linears torchao's tensorwise auto filter converts and autoprec can apply, number of
     Linears looked at). Linears inside a module that never calls them (MultiheadAttention's out_proj) are
     left out, as apply_policy refuses them."""
-    from autoprec.apply import import_float8, uncalled_children  # noqa: PLC0415 (torchao only when needed)
+    from autoprec.apply import uncalled_children  # noqa: PLC0415 (torchao only when needed)
+    from autoprec.formats.float8 import import_float8  # noqa: PLC0415
 
     accept = import_float8()._auto_filter_for_recipe("tensorwise", filter_fqns=[])
     skip = uncalled_children(model)
