@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import pickle
 import types
 import warnings
@@ -21,11 +20,9 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from autoprec import devices
 from autoprec.errors import describe
-from autoprec.formats import AUTOCAST_DTYPE, Format, Fp8Backend, Fp8Gemms, float8_linear_config, format_problem, fp8_backend
+from autoprec.formats import Converted, Format, Fp8Backend, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
-from autoprec.tensors import map_tensors
 
 log = logging.getLogger("autoprec")
 
@@ -86,20 +83,6 @@ class AppliedSummary:
         return "\n".join(lines)
 
 
-def import_float8() -> Any:
-    """torchao.float8, imported with its loader's noise (missing CUDA extensions on CPU) kept out of the logs."""
-    noisy = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in noisy]
-    for lg in noisy:
-        lg.setLevel(logging.ERROR)
-    try:
-        import torchao.float8 as float8
-    finally:
-        for lg, level in zip(noisy, levels):
-            lg.setLevel(level)
-    return float8
-
-
 # ---------------------------------------------------------------------------------------------------
 # The forward of a listed layer
 
@@ -110,26 +93,6 @@ def _first_device_type(module: torch.nn.Module, args: tuple, kwargs: dict) -> st
             return value.device.type
     param = next(module.parameters(), None)
     return param.device.type if param is not None else "cpu"
-
-
-def _to_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in _LOW else t
-
-
-def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    return next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
-
-
-def _padded(args: tuple, kwargs: dict, pad: int) -> tuple[tuple, dict]:
-    """A Linear's call with its input flattened to rows and `pad` zero rows added (Fp8Gemms.rows_to_pad)."""
-
-    def pad_rows(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t.reshape(-1, t.shape[-1]), (0, 0, 0, pad))
-
-    if args:
-        return (pad_rows(args[0]), *args[1:]), kwargs
-    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-    return args, {**kwargs, key: pad_rows(kwargs[key])}
 
 
 class WeightsChangedError(RuntimeError):
@@ -173,46 +136,9 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         ) from None
 
 
-def _empty_linear(layer: torch.nn.Module, x: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A Linear's output for an input with no rows, in the dtype its fp8 call gives (an MoE's index_add_ needs one
-    dtype from every expert), with gradients to its weight and bias (zero)."""
-    weight, bias = layer.weight, getattr(layer, "bias", None)
-    assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))  # an fp8 layer's
-    return torch.nn.functional.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
-
-
 def _forward_in_format(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     fmt = Format(getattr(self, _FORMAT_ATTR))
-    dev = _first_device_type(self, args, kwargs)
-    inner = type(self).forward
-    if fmt is Format.FP32:
-        # Inputs may arrive in bf16/fp16 from a lowered neighbour; autocast-off code needs fp32.
-        args, kwargs = map_tensors((args, kwargs), _to_fp32)
-        with torch.autocast(dev, enabled=False):
-            return inner(self, *args, **kwargs)
-    outer_autocast = torch.is_autocast_enabled(dev)
-    weight = getattr(self, "weight", None)
-    x = _first_tensor(args, kwargs)
-    if fmt.spec.fp8 is not None and isinstance(weight, torch.Tensor) and x is not None:
-        # Fp8Gemms.input_dtype: the same dtypes into torchao on every device, whatever autocast torchao can see
-        cast = fmt.spec.fp8.input_dtype(weight.dtype, torch.get_autocast_dtype(dev) if outer_autocast else None)
-        args, kwargs = map_tensors((args, kwargs), lambda t: t.to(cast) if t.is_floating_point() else t)
-        rows = math.prod(x.shape[:-1])
-        pad = fmt.spec.fp8.rows_to_pad(rows)
-        if pad:  # a ragged batch (an epoch's last): padded so that CUDA's fp8 GEMMs take it, the padding cut off
-            args, kwargs = _padded(args, kwargs, pad)
-        with torch.autocast(dev, enabled=False):
-            if rows == 0:  # no rows (an MoE expert given no tokens): torchao's amax of an empty tensor fails
-                out = _empty_linear(self, _first_tensor(args, kwargs), cast)
-            else:
-                out = inner(self, *args, **kwargs)
-        if pad:
-            out = out[:rows].reshape(*x.shape[:-1], out.shape[-1])
-    else:
-        with torch.autocast(dev, dtype=AUTOCAST_DTYPE[fmt]):
-            out = inner(self, *args, **kwargs)
-    # Outside any autocast the caller's code expects fp32, as it did before the policy.
-    return out if outer_autocast else map_tensors(out, _to_fp32)
+    return fmt.family.forward(fmt, self, type(self).forward, _first_device_type(self, args, kwargs), args, kwargs)
 
 
 _FORWARDS: weakref.WeakKeyDictionary[type[torch.nn.Module], Callable[..., Any]] = weakref.WeakKeyDictionary()
@@ -325,12 +251,9 @@ def _check_called(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
 def _check_formats(policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device) -> None:
     """Each listed format can run on this module and device (fp8 recipes: Linear, shape, kernels or emulation)."""
     for name, fmt in policy.layers.items():
-        if fmt.spec.is_fp8 and name == ROOT:
-            # torchao replaces a root Linear by a new object; apply_policy changes the model in place.
-            raise ValueError(
-                f"the model itself ('') cannot be {fmt}: torchao would replace it by a new module, and apply_policy "
-                "works in place; wrap the Linear in nn.Sequential and name its child"
-            )
+        root = fmt.family.root_problem(fmt) if name == ROOT else None
+        if root:
+            raise ValueError(f"the model itself ('') cannot be {fmt}: {root}")
         problem = format_problem(fmt, paths[name], device)
         if problem:
             safer = next((f for f in fmt.fallbacks() if format_problem(f, paths[name], device) is None), None)
@@ -371,84 +294,6 @@ def _check_fresh(model: torch.nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# fp8: torchao Float8Linear, aliases and tied weights kept
-
-
-def _set_submodule(model: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
-    parent, _, attr = path.rpartition(".")
-    setattr(model.get_submodule(parent), attr, module)
-
-
-def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
-    """Names of parameters that are one Parameter object (tied weights), grouped."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
-
-
-def _untied(model: torch.nn.Module, groups: list[list[str]]) -> list[str] | None:
-    for names in groups:
-        if len({id(model.get_parameter(n)) for n in names}) > 1:
-            return names
-    return None
-
-
-def _convert_fp8(
-    model: torch.nn.Module,
-    recipes: Mapping[Fp8Gemms, list[torch.nn.Module]],
-    names: Mapping[int, list[str]],
-    device: torch.device,
-    all_gather: frozenset[Fp8Gemms] = frozenset(),
-    *,
-    device_hint: bool = True,
-) -> Fp8Backend:
-    """Swap each recipe's modules for torchao Float8Linear of that recipe everywhere they are used (the recipes in
-    `all_gather` with their weights all-gathered in fp8 under FSDP2); restore them all and raise if ties break."""
-    float8 = import_float8()
-    backend = fp8_backend(device)
-    better = devices.preferred_over(device)
-    if backend is Fp8Backend.EMULATION and better is not None and device_hint:
-        warnings.warn(
-            f"apply_policy: the model is on the {devices.device_for(device).unit}, so its fp8 layers use torchao's "
-            f"emulation; move the model to the {better.unit} before apply_policy to use fp8 kernels",
-            stacklevel=4,
-        )
-    modules = [m for group in recipes.values() for m in group]
-    originals = {path: m for m in modules for path in names[id(m)]}
-    ties = _tied_groups(model)
-    try:
-        for recipe, group in recipes.items():
-            ids = {id(m) for m in group}
-            config = dataclasses.replace(
-                float8_linear_config(recipe.to_json()),
-                emulate=backend is Fp8Backend.EMULATION,
-                enable_fsdp_float8_all_gather=recipe in all_gather,
-            )
-            # Filter by object, not name: torchao visits each parent's children once, under one name.
-            float8.convert_to_float8_training(model, module_filter_fn=lambda mod, fqn, ids=ids: id(mod) in ids, config=config)
-        for m in modules:
-            # torchao swaps per parent: a module at two places may become two Float8Linears, or stay a Linear
-            # at the second; put the one Float8Linear at every place so the alias stays one object.
-            paths = names[id(m)]
-            new = next(model.get_submodule(p) for p in paths if model.get_submodule(p) is not m)
-            for path in paths:
-                _set_submodule(model, path, new)
-        broken = _untied(model, ties)
-        if broken:
-            owners = [n.rpartition(".")[0] or "<model>" for n in broken]
-            raise ValueError(
-                f"apply_policy: fp8 would untie the weights that {', '.join(map(repr, owners))} share "
-                f"(torchao's Float8Linear did not keep the shared Parameter); give the fp8 one bf16, fp16 or fp32"
-            )
-    except BaseException:
-        for path, original in originals.items():  # a refused policy leaves the model as it was
-            _set_submodule(model, path, original)
-        raise
-    return backend
-
-
-# ---------------------------------------------------------------------------------------------------
 # apply_policy
 
 
@@ -464,7 +309,7 @@ def _enclosing_format(path: str, paths: Mapping[str, torch.nn.Module], fmts: Map
 
 def _needs_wrapper(fmt: Format, own_names: list[str], paths: Mapping[str, torch.nn.Module], fmts: Mapping[int, Format]) -> bool:
     # A layer in the same format as the listed layer around it, at every place it is used, is covered by it.
-    if fmt.spec.is_fp8:
+    if fmt.family.replaces_modules:
         return True
     return any(_enclosing_format(path, paths, fmts) is not fmt for path in own_names)
 
@@ -522,6 +367,34 @@ def apply_on_chosen_device(model: ModelT, policy: Policy) -> ModelT:
     return _apply(model, policy, fsdp_fp8_all_gather=False, device_hint=False)
 
 
+def _convert(
+    model: torch.nn.Module,
+    policy: Policy,
+    paths: Mapping[str, torch.nn.Module],
+    names: Mapping[int, list[str]],
+    device: torch.device,
+    gathered: frozenset[Format],
+    *,
+    device_hint: bool,
+) -> dict[str, Converted]:
+    """Each family's convert for its listed layers, all or nothing: where one refuses, those before are undone."""
+    by_family: dict[str, dict[str, Format]] = {}
+    for name, fmt in policy.layers.items():
+        by_family.setdefault(fmt.family.name, {})[name] = fmt
+    done: dict[str, Converted] = {}
+    try:
+        for family, listed in by_family.items():
+            own = frozenset(f for f in gathered if f.family.name == family)
+            done[family] = Format(next(iter(listed.values()))).family.convert(
+                model, listed, paths, names, device, all_gather=own, device_hint=device_hint
+            )
+    except BaseException:
+        for conv in reversed(done.values()):
+            conv.undo()
+        raise
+    return done
+
+
 def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool, device_hint: bool) -> ModelT:
     policy = as_policy(policy, caller="apply_policy")
     _check_fresh(model)
@@ -533,26 +406,17 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
     names = _names_by_module(paths)
     _warn_aliases(policy, names, paths)
     _warn_other_model(policy, model)
-    recipes: dict[Fp8Gemms, dict[int, torch.nn.Module]] = {}
-    for n, f in policy.layers.items():
-        if f.spec.fp8 is not None:
-            recipes.setdefault(f.spec.fp8, {})[id(paths[n])] = paths[n]
-    fp8 = {recipe: list(group.values()) for recipe, group in recipes.items()}
-    gathered = frozenset(
-        f.spec.fp8 for f in policy.layers.values() if fsdp_fp8_all_gather and f.spec.fsdp_fp8_all_gather and f.spec.fp8
-    )
+    gathered = frozenset(f for f in policy.layers.values() if fsdp_fp8_all_gather and f.spec.fsdp_fp8_all_gather)
     if fsdp_fp8_all_gather and not gathered:
         warnings.warn(
             "apply_policy: fsdp_fp8_all_gather=True, but no layer of this policy runs in fp8 (tensorwise), the recipe "
             "torchao all-gathers in fp8: every weight is all-gathered in its own dtype",
             stacklevel=3,
         )
-    backend = _convert_fp8(model, fp8, names, device, gathered, device_hint=device_hint) if fp8 else None
-    if fp8:
+    converted = _convert(model, policy, paths, names, device, gathered, device_hint=device_hint)
+    if any(fmt.family.replaces_modules for fmt in policy.layers.values()):
         paths = dict(model.named_modules(remove_duplicate=False))
         names = _names_by_module(paths)
-        fp8_names = sorted(n for n, f in policy.layers.items() if f.spec.is_fp8)
-        log.info("apply_policy: fp8 layers %s use %s", fp8_names, backend)
     fmts = {id(paths[name]): fmt for name, fmt in policy.layers.items()}
     records = {}
     for name, fmt in policy.layers.items():
@@ -565,8 +429,8 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
             setattr(module, _NO_PICKLE_ATTR, _NoPickle(name, low))
         records[name] = LayerRecord(
             name=name, format=fmt, module_type=type(module).__name__, aliases=tuple(n for n in own if n != name),
-            fp8_backend=backend if fmt.spec.is_fp8 else None, wrapped=wrap,
-            fsdp_fp8_all_gather=fmt.spec.fp8 in gathered,
+            fp8_backend=converted[fmt.family.name].backend, wrapped=wrap,
+            fsdp_fp8_all_gather=fmt in gathered,
         )  # fmt: skip
     setattr(model, _SUMMARY_ATTR, AppliedSummary(policy=policy, device=str(device), layers=records))
     _APPLIED_MODELS.add(model)

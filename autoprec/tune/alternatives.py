@@ -61,7 +61,8 @@ def torchao_fp8_layers(model: torch.nn.Module, device: torch.device, recipe: str
     """(names of the Linears torchao's auto filter for `recipe` ("tensorwise" or "rowwise") converts and autoprec
     can apply, number of Linears looked at). Linears inside a module that never calls them (MultiheadAttention's
     out_proj) are left out, as apply_policy refuses them."""
-    from autoprec.apply import import_float8, uncalled_children  # noqa: PLC0415 (torchao only when needed)
+    from autoprec.apply import uncalled_children  # noqa: PLC0415 (torchao only when needed)
+    from autoprec.formats.float8 import import_float8  # noqa: PLC0415
 
     fmt = {name: f for name, f in TORCHAO_RECIPES.values()}[recipe]
     accept = import_float8()._auto_filter_for_recipe(recipe, filter_fqns=[])

@@ -88,7 +88,7 @@ def folder_name(name: str) -> str:
 def _quiet_torchao() -> None:
     """Import torchao before model.py does (through transformers, say), with its loader's noise (CUDA extensions a CPU
     lacks, pytree deprecations) kept out of the output: imported first by the user's libraries, it prints it."""
-    from autoprec.apply import import_float8
+    from autoprec.formats.float8 import import_float8
 
     try:
         import_float8()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autoprec import devices
+from autoprec.formats import AutocastFamily, Float8Family
 from autoprec.tune.budget import check_budget
 from autoprec.tune.space import parse_option
 
@@ -80,12 +81,9 @@ TIME_BUDGET_TOLERANCE = 0.25
 RETRIES = 3  # how often a trial whose worker died is run again before it stays failed
 
 # "Which layer breaks" (report.breaks_summary): a GEMM result (fprop, dgrad, wgrad) whose SQNR against fp32 is below its
-# format's floor. fp8's rounding alone measures about 29 dB (e4m3, 3 mantissa bits) and 24 dB (e5m2, 2 bits): below
-# 20 dB the GEMM lost more than its rounding, values its scaling flushed to zero or saturated.
-BREAK_SQNR_DB_FP8 = 20.0
-# bf16's rounding alone measures about 50 dB, fp16's 69: below 30 dB values were flushed or overflowed, not rounded
-# (fp16 gradients are replayed at loss scale 1; a GradScaler lifts those flushed, the gradient ranges say how far).
-BREAK_SQNR_DB_16BIT = 30.0
+# format's floor, its family's sqnr_floor_db (why each is where it is: autoprec/formats/float8.py and autocast.py)
+BREAK_SQNR_DB_FP8 = Float8Family.sqnr_floor_db
+BREAK_SQNR_DB_16BIT = AutocastFamily.sqnr_floor_db
 BREAK_ROWS = 15  # rows of the "which layer breaks" table shown; the rest are counted ("and N more")
 
 

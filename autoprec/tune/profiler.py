@@ -608,7 +608,7 @@ def _sensitivity(module: torch.nn.Module, calls: list[_Call], fmt: Format, ref: 
 
 def _sensitivity_of(run: _Replay, fmt: Format, ref: _Replay) -> dict:
     # an autocast format with a narrow range (fp16) saturates to inf: fp8's scaled casts do not
-    limit = fmt.spec.max_value if fmt.spec.autocast is not None else None
+    limit = fmt.family.overflow_limit(fmt)
     overflow = limit is not None and (_max_abs(ref.output) > limit or not bool(torch.isfinite(run.output).all()))
     return {
         "sqnr_db": sqnr_db(ref.output, run.output),

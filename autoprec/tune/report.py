@@ -336,7 +336,7 @@ def break_floor(fmt: str) -> float:
         return -math.inf
     if spec.format is Format.FP32:
         return -math.inf
-    return BREAK_SQNR_DB_FP8 if spec.is_fp8 else BREAK_SQNR_DB_16BIT
+    return spec.format.family.sqnr_floor_db
 
 
 def breaks(table: pd.DataFrame, budget: float | None = None) -> list[Break]:

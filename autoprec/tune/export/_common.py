@@ -16,8 +16,7 @@ SHOWN = 6  # layer names per line; the rest are counted (the policy file lists t
 def recipe_key(fmt: Format) -> str | None:
     """How the export names an fp8 format's GEMMs: torchao's recipe name, or the format's own name for a per-GEMM
     mix torchao has no recipe for; None for a format torchao's float8 training does not run."""
-    gemms = fmt.spec.fp8
-    return None if gemms is None else gemms.recipe or fmt.value
+    return fmt.family.export_name(fmt)
 
 
 def _layers(names: list[str], verb: str = "runs") -> str:

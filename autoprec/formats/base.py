@@ -1,0 +1,300 @@
+"""What every format family shares: the `Format` value, its `FormatSpec` facts, the `FormatFamily` a format belongs
+to, and the two registries (families by name, formats by name).
+
+A format family is the runtime of a kind of format (torch.autocast's dtypes, torchao's float8 linears): it knows how
+to put one of its formats on the listed modules of a model, whether a device and a module can run it and why not,
+its numeric limits, and what an export calls it. Callers ask the family (`fmt.family`) and branch on none by name.
+`register_family` adds one, `register_format` a format of it; docs/policy-file.md, "Adding a format family", says
+what a family implements.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from autoprec.registry import Registry
+from autoprec.tensors import map_tensors
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _package() -> Any:
+    """autoprec.formats, read at call time: tests stand in for a GPU by replacing its `_has_capability`."""
+    return sys.modules["autoprec.formats"]
+
+
+class _FormatType(type):
+    """Iterating `Format` gives the registered formats, in registration order (as iterating the enum it was did)."""
+
+    def __iter__(cls) -> Iterator[Format]:
+        return iter([s.format for s in REGISTRY.values()])
+
+    def __len__(cls) -> int:
+        return len(REGISTRY)
+
+
+class Format(str, metaclass=_FormatType):
+    """A registered per-layer precision format: a string equal to its name ("bf16"), which is what policy files,
+    journals and Optuna params hold. `Format("bf16")` is the registered one (the same object each time) and raises
+    ValueError for a name not registered. The built-in ones are class attributes (Format.BF16). What each one means
+    is its `FormatSpec` (`fmt.spec`); how it runs is its family's (`fmt.family`)."""
+
+    FP32: ClassVar[Format]
+    BF16: ClassVar[Format]
+    FP16: ClassVar[Format]
+    FP8: ClassVar[Format]
+    FP8_ROWWISE: ClassVar[Format]
+    FP8_ROWWISE_GW_HP: ClassVar[Format]
+    FP8_FWD: ClassVar[Format]
+    FP8_FWD_DGRAD: ClassVar[Format]
+    FP8_ROWWISE_FWD: ClassVar[Format]
+    FP8_ROWWISE_FWD_DGRAD: ClassVar[Format]
+    MXFP8: ClassVar[Format]
+
+    def __new__(cls, value: object) -> Format:
+        if isinstance(value, Format):
+            return value
+        spec = REGISTRY.get(value) if isinstance(value, str) else None
+        if spec is None:
+            raise ValueError(f"{value!r} is not a registered Format")
+        return spec.format
+
+    @classmethod
+    def _create(cls, name: str) -> Format:
+        return str.__new__(cls, name)
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"<Format {self.value!r}>"
+
+    def __reduce__(self) -> Any:
+        return Format, (self.value,)
+
+    def __copy__(self) -> Format:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Format:
+        return self
+
+    @property
+    def spec(self) -> FormatSpec:
+        return REGISTRY[self]
+
+    @property
+    def family(self) -> FormatFamily:
+        """The family that runs it (apply, device and module checks, limits, export names)."""
+        return _FAMILIES[self.spec.family]
+
+    def fallbacks(self) -> Iterator[Format]:
+        """The safer formats after this one, in order (fp16/fp8 -> bf16 -> fp32)."""
+        current = self.spec.fallback
+        while current is not None:
+            yield current
+            current = current.spec.fallback
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSpec:
+    """Everything autoprec knows about one format; `register_format` makes one.
+
+    `family`: the registered FormatFamily's name that runs it ("autocast", "float8").
+    `autocast`: the dtype the layer's forward runs under torch.autocast (bf16, fp16), or None.
+    `fp8`: the GEMMs torchao's float8 training runs in fp8 and their scaling (a recipe, or a per-GEMM mix).
+    `loss_scale`: whether it needs a GradScaler (gradients that underflow without one).
+    `max_value`: the largest finite value its forward's low-precision values can hold (None: fp32/bf16 range).
+    `fallback`: the next safer format, when a layout or a variant must lower a layer less.
+    `risky`: fewer mantissa bits or a narrow range: worth choosing only for a measured gain.
+    `linear_only`: runs on nn.Linear only (torchao's float8 swaps Linears).
+    `inside`: what the layer computes in, for the README and `autoprec show`.
+    """
+
+    format: Format
+    inside: str
+    family: str = "autocast"
+    autocast: torch.dtype | None = None
+    fp8: Any = None  # float8's Fp8Gemms
+    loss_scale: bool = False
+    max_value: float | None = None
+    fallback: Format | None = None
+    risky: bool = False
+    linear_only: bool = False
+    # the fp8 dtype its gradients are cast to with one dynamic scale per tensor, whose underflow the gradient
+    # histograms can count (None: not such a cast; rowwise scales per row, which a histogram cannot follow)
+    tensorwise_grad_dtype: torch.dtype | None = None
+    # torchao can all-gather its weights in fp8 under FSDP2 (enable_fsdp_float8_all_gather: tensorwise scales only)
+    fsdp_fp8_all_gather: bool = False
+    min_capability: tuple[int, int] | None = None  # CUDA compute capability its kernels need
+    emulation_works: bool = True  # False: no working emulation, so a device without its kernels refuses it
+    why_no_emulation: str = ""
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether its values are 8-bit floats with scales (its family's `fp8`): the fp8 reports read it."""
+        return _FAMILIES[self.family].fp8
+
+    def device_problem(self, device: torch.device | str) -> str | None:
+        """Why this format cannot run on `device` at all, or None when it can (maybe emulated): its family's answer."""
+        return _FAMILIES[self.family].device_problem(self.format, torch.device(device))
+
+
+@dataclasses.dataclass(frozen=True)
+class Converted:
+    """What a family's `convert` did to the model: `backend`, recorded per layer in applied_summary (LayerRecord's
+    fp8_backend: torchao's kernels or emulation); `undo` puts back what it changed, where a later step refuses."""
+
+    backend: Any = None
+    undo: Callable[[], None] = lambda: None
+
+
+class FormatFamily(abc.ABC):
+    """A kind of format and its runtime. Subclass it, set `name`, implement `forward` (and override what else
+    differs), register an instance with `register_family`, then its formats with `register_format(..., family=name)`.
+    """
+
+    name: ClassVar[str]  # FormatSpec.family
+    # convert replaces the listed modules by new objects (torchao's Float8Linear): the model itself cannot be one
+    # (apply_policy works in place), and each such layer keeps its own wrapped forward
+    replaces_modules: ClassVar[bool] = False
+    fp8: ClassVar[bool] = False  # its values are 8-bit floats with scales (the fp8 reports: backend, gradient casts)
+    # the SQNR (dB) against fp32 below which a GEMM result in one of its formats counts as broken (report.breaks)
+    sqnr_floor_db: ClassVar[float] = 30.0
+
+    def device_problem(self, fmt: Format, device: torch.device) -> str | None:
+        """Why `fmt` cannot run on `device` at all, or None (the default: it runs wherever torch does)."""
+        return None
+
+    def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
+        """Why `module` cannot run in `fmt` (its type or shape), or None (the default)."""
+        return None
+
+    def root_problem(self, fmt: Format) -> str | None:
+        """Why the model itself cannot be `fmt`, or None (the default)."""
+        return None
+
+    def overflow_limit(self, fmt: Format) -> float | None:
+        """The value above which its forward saturates to inf (fp16's 65504), or None where nothing does (scaled
+        casts, the fp32 range): the profile counts overflow against it."""
+        return None
+
+    def export_name(self, fmt: Format) -> str | None:
+        """What the export targets call `fmt` (torchao's recipe name), or None where no export target runs it."""
+        return None
+
+    def convert(
+        self,
+        model: torch.nn.Module,
+        listed: Mapping[str, Format],
+        paths: Mapping[str, torch.nn.Module],
+        names: Mapping[int, list[str]],
+        device: torch.device,
+        *,
+        all_gather: frozenset[Format] = frozenset(),
+        device_hint: bool = True,
+    ) -> Converted:
+        """Change the model for its layers `listed` (policy name -> format, all of this family), before apply_policy
+        wraps their forwards: all or nothing (raise with the model as it was). `paths`: every module by name,
+        `names`: every name of a module object. The default changes nothing: `forward` does the work."""
+        return Converted()
+
+    @abc.abstractmethod
+    def forward(
+        self, fmt: Format, module: torch.nn.Module, inner: Callable[..., Any], device_type: str, args: tuple, kwargs: dict
+    ) -> Any:
+        """A listed layer's call in `fmt`: `inner(module, *args, **kwargs)` is its own forward. Outside any autocast
+        the caller's code expects fp32 (`caller_precision`)."""
+
+    def __repr__(self) -> str:
+        return f"<format family {self.name!r}>"
+
+
+def to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in _LOW else t
+
+
+def caller_precision(out: Any, outer_autocast: bool) -> Any:
+    """A lowered layer's output as its caller expects it: as is inside autocast, else fp32 as before the policy."""
+    return out if outer_autocast else map_tensors(out, to_fp32)
+
+
+# ---- the registries ----------------------------------------------------------------------------------------------
+
+_FAMILIES: Registry[FormatFamily] = Registry("format family")  # name -> family
+REGISTRY: Registry[FormatSpec] = Registry("format")  # Format -> its spec, in registration order
+F = TypeVar("F", bound="FormatFamily | type[FormatFamily]")
+
+
+def register_family(family: F) -> F:
+    """Add a format family (an instance, or a class instantiated here; usable as a class decorator)."""
+    instance = family() if isinstance(family, type) else family
+    name = instance.name
+    _FAMILIES.refuse_taken(name, f"unregister_family({name!r}) first to replace it, or give it another name")
+    _FAMILIES[name] = instance
+    return family
+
+
+def unregister_family(name: str) -> FormatFamily:
+    """Remove a family (its formats first: unregister_format)."""
+    used = [s.format.value for s in REGISTRY.values() if s.family == name]
+    if used:
+        raise ValueError(f"format family {name!r} still has formats {', '.join(used)}; unregister_format them first")
+    return _FAMILIES.pop(name)
+
+
+def family_named(name: str) -> FormatFamily:
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"format family must be one of {', '.join(_FAMILIES)}, but got {name!r}") from None
+
+
+def families() -> tuple[FormatFamily, ...]:
+    return tuple(_FAMILIES.values())
+
+
+def register_format(name: str, *, family: str, inside: str, **facts: Any) -> Format:
+    """Add a format of a registered family and return it (a Format equal to `name`); `facts` are FormatSpec's
+    other fields (fallback: a registered Format)."""
+    family_named(family)
+    REGISTRY.refuse_taken(name, f"unregister_format({name!r}) first to replace it, or give it another name")
+    fallback = facts.get("fallback")
+    if fallback is not None:
+        facts["fallback"] = Format(fallback)
+    fmt = Format._create(name)
+    REGISTRY[fmt] = FormatSpec(fmt, inside=inside, family=family, **facts)
+    return fmt
+
+
+def unregister_format(name: str) -> FormatSpec:
+    """Remove a registered format; one that another format falls back to is refused."""
+    fmt = Format(name)
+    after = [s.format.value for s in REGISTRY.values() if s.fallback is fmt]
+    if after:
+        raise ValueError(f"format {name!r} is the fallback of {', '.join(after)}; unregister them first")
+    return REGISTRY.pop(fmt)
+
+
+def format_names() -> tuple[str, ...]:
+    """The registered formats' names, in registration order."""
+    return tuple(s.format.value for s in REGISTRY.values())
+
+
+def parse_format(value: object, *, field: str = "format") -> Format:
+    """Return the Format for a string such as "bf16"; raise ValueError naming the choices."""
+    if isinstance(value, Format):
+        return value
+    try:
+        return Format(str(value).strip().lower())
+    except ValueError:
+        raise ValueError(f"{field} must be one of {', '.join(format_names())}, but got {value!r}") from None

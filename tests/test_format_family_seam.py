@@ -1,0 +1,137 @@
+"""The format-family seam (issue 39): a family and its format registered from a test file, without editing
+autoprec/, and used by apply_policy, the profile and a search as the built-in ones are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import timings as timings_module
+import torch
+from short_timing import TINY
+
+from autoprec import Policy, apply_policy, load_policy
+from autoprec.apply import applied_summary
+from autoprec.formats import (
+    REGISTRY,
+    Format,
+    FormatFamily,
+    caller_precision,
+    families,
+    format_problem,
+    parse_format,
+    register_family,
+    register_format,
+    unregister_family,
+    unregister_format,
+)
+from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, profile
+from autoprec.tune.searcher import search
+from autoprec.tune.space import space_from_dict
+
+MODELS = Path(__file__).parent / "models"
+TOY = "toy-int8-fakequant"
+
+
+def fake_int8(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to int8 with one scale per tensor, kept in its dtype; the gradient passes straight through."""
+    scale = t.detach().abs().amax().clamp(min=1e-12) / 127
+    return t + ((t / scale).round().clamp(-127, 127) * scale - t).detach()
+
+
+class ToyInt8Family(FormatFamily):
+    """A Linear whose forward fake-quantises its weight and input to int8 per tensor, computed in fp32."""
+
+    name = "toy-int8"
+
+    def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
+        if type(module) is not torch.nn.Linear:
+            return f"{fmt} covers nn.Linear only, not {type(module).__name__}"
+        return None
+
+    def forward(self, fmt, module, inner, device_type, args, kwargs):
+        outer = torch.is_autocast_enabled(device_type)
+        (x, *rest) = args
+        with torch.autocast(device_type, enabled=False):
+            out = torch.nn.functional.linear(fake_int8(x.float()), fake_int8(module.weight), module.bias)
+        return caller_precision(out, outer)
+
+
+@pytest.fixture
+def toy():
+    """The toy family and its format registered for one test; the registries as they were after it."""
+    before_formats, before_families = list(REGISTRY), families()
+    register_family(ToyInt8Family)
+    fmt = register_format(TOY, family="toy-int8", inside="int8 weight and input, one scale each (fake)",
+                          fallback=Format.FP32, risky=True, linear_only=True)  # fmt: skip
+    yield fmt
+    unregister_format(TOY)
+    unregister_family("toy-int8")
+    assert list(REGISTRY) == before_formats and families() == before_families
+
+
+def test_a_registered_format_is_a_format_like_the_built_in_ones(toy):
+    assert Format(TOY) is toy and parse_format(TOY.upper()) is toy and toy == TOY and str(toy) == TOY
+    assert list(Format)[-1] is toy and toy.family.name == "toy-int8" and list(toy.fallbacks()) == [Format.FP32]
+    assert format_problem(toy, torch.nn.Conv1d(2, 2, 1), "cpu") == f"{TOY} covers nn.Linear only, not Conv1d"
+    assert format_problem(toy, torch.nn.Linear(3, 5), "cpu") is None
+
+
+def test_unregistered_it_is_no_format_and_the_errors_name_the_choices():
+    assert TOY not in [f.value for f in Format]
+    with pytest.raises(ValueError, match=r"format must be one of fp32, bf16, .*mxfp8, but got 'toy-int8-fakequant'"):
+        parse_format(TOY)
+
+
+def test_a_name_taken_is_refused_with_the_registrys_message(toy):
+    with pytest.raises(ValueError, match=r"format 'bf16' is already registered .*unregister_format\('bf16'\) first"):
+        register_format("bf16", family="toy-int8", inside="again")
+    with pytest.raises(ValueError, match=r"format family 'toy-int8' is already registered \(by .*ToyInt8Family\)"):
+        register_family(ToyInt8Family)
+    with pytest.raises(ValueError, match="still has formats toy-int8-fakequant"):
+        unregister_family("toy-int8")
+
+
+def test_apply_policy_runs_it_and_records_it(toy):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    ref = model(x)
+    apply_policy(model, Policy(layers={"0": TOY, "2": "bf16"}))
+    rec = applied_summary(model).layers["0"]
+    assert rec.format is toy and rec.module_type == "Linear" and rec.fp8_backend is None and rec.wrapped
+    out = model(x)
+    assert out.dtype == torch.float32 and 0 < (out - ref).abs().max() < 0.1
+    out.sum().backward()
+    assert model[0].weight.grad is not None
+    with pytest.raises(ValueError, match=f"cannot be {TOY} here: {TOY} covers nn.Linear only, not ReLU"):
+        apply_policy(torch.nn.Sequential(torch.nn.ReLU()), Policy(layers={"0": TOY}))
+
+
+def test_a_policy_file_with_it_round_trips(toy, tmp_path):
+    Policy(layers={"fc": TOY}).save(tmp_path / "p.json")
+    assert load_policy(tmp_path / "p.json").layers["fc"] is toy
+
+
+def test_the_profile_measures_it(toy):
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", TOY]}, "prune": {"slower_than": 1e9}})
+    table = profile(workload, space, ProfileConfig(batches=2, timing=TINY), progress=False).table
+    rows = table[table["format"] == TOY].set_index("layer")
+    assert set(rows.index) == {"fc1", "big", "head"} and (rows["status"] == "ok").all()
+    assert (rows["sqnr_db"] > 20).all() and (rows["time_ms"] > 0).all()
+
+
+def test_a_search_can_choose_it(toy, timings, tmp_path, monkeypatch):
+    # a device where the toy runs faster than bf16 (the "faster" one's 0.5): it beats the uniform bf16 alternative
+    base = timings_module.factor
+    monkeypatch.setattr(timings_module, "factor", lambda fmt, factors: 0.3 if fmt is toy else base(fmt, factors))
+    timings("faster")
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", TOY]}, "trials": 4})
+    config = SearchConfig(budget=1.0, trials=4, timing=TINY, final_timing=TINY, finalists=2, progress=False,
+                          profile=ProfileConfig(batches=1, timing=TINY), predict_speed=False)  # fmt: skip
+    result = search(workload, space, config, tmp_path)
+    policy = load_policy(tmp_path / "policy.json")
+    assert set(policy.layers.values()) == {Format.FP32, toy} and policy.layers["big"] is toy, policy.layers
+    assert result.policy == policy
