@@ -647,10 +647,10 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
 def test_on_a_noisy_device_a_trial_is_timed_the_fewest_rounds_an_interquartile_spread_needs():
     import optuna
 
-    from autoprec.tune.config import NOISY_SPREAD
+    from autoprec.tune.config import NOISE_ROUNDS, NOISY_SPREAD
     from autoprec.tune.objective import Judge, Objective
     from autoprec.tune.timing import noisiest
-    from autoprec.tune.trials import NOISE_ROUNDS, device_noise
+    from autoprec.tune.trials import device_noise
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})

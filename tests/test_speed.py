@@ -12,11 +12,11 @@ from autoprec import Policy
 from autoprec.formats import Format
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import build_choices, policy_from_params
-from autoprec.tune.config import NOISY_SPREAD
+from autoprec.tune.config import MARGIN, MIN_FIT, NOISE_ROUNDS, NOISY_SPREAD
 from autoprec.tune.objective import Judge, Objective
 from autoprec.tune.space import space_from_dict
-from autoprec.tune.speed import ALL, MARGIN, MIN_FIT, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
-from autoprec.tune.trials import NOISE_ROUNDS, device_noise, first_of_run
+from autoprec.tune.speed import ALL, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
+from autoprec.tune.trials import device_noise, first_of_run
 from autoprec.tune.trials import finalist_mark as _finalist_mark
 
 MODELS = Path(__file__).parent / "models"

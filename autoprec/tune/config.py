@@ -26,10 +26,15 @@ if TYPE_CHECKING:
 
 # A spread (interquartile range / median) beyond which step times cannot rank candidates a few percent apart:
 # a loaded machine, a throttling GPU. A trial whose rounds spread beyond it, or any trial once the trials' timings do
-# (trials.device_noise), is timed trials.NOISE_ROUNDS only; once they do, a search predicting step times stops
+# (trials.device_noise), is timed NOISE_ROUNDS only; once they do, a search predicting step times stops
 # (objective.Objective.should_stop), and the final re-measure times on as long again (within FINAL_SHARE), and says
 # so if it stays.
 NOISY_SPREAD = 0.25
+# The rounds a trial's timing is judged noisy from (objective.Objective's early stop), and the least a trial's
+# timing needs to count towards the device's noise (trials.device_noise): timing.Timing gives the spread of fewer
+# rounds as their full range, which one stalled round widens, and from 4 on as their interquartile range. The fewest
+# that spread needs: on a noisy device more rounds per trial would not rank it, and the final re-measure decides.
+NOISE_ROUNDS = 4
 
 MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
 # Rounds agreeing within this (relative range or spread) settle a timing: a trial's (objective.Objective) after
@@ -62,6 +67,27 @@ MEMORY_TIE = 0.01
 # The search stops early (speed.ceiling) once no untried policy can beat the best timed trial beyond the noise; it
 # checks the untried policies one by one, so only where the layout's format choices number at most this.
 STOP_ENUMERATE = 20_000
+
+# Predicting a trial's speedup from the profile's layer times (speed.py; docs/measuring.md, "Predicted speed"):
+# The least relative error a prediction is granted, however well the fit went (the fit's own error, the most a trial
+# left out of it ran faster than predicted, where larger): a candidate is left untimed only where its prediction,
+# raised by this, is still below the k-th fastest timed trial. A fit that matches its few trials exactly still
+# predicts the policies between them with some error, so a perfect fit must not make the verdict a sure one.
+MARGIN = 0.10
+# Timed trials that lower a layer before a prediction is made: the fit's error is measured by leaving each trial
+# out in turn, which with fewer would rest on two or three trials, about as many as a model has terms.
+MIN_FIT = 4
+# A trial slower than its fit (the best-predicting model, without it) by this many robust standard deviations
+# (1.4826 MAD of the leave-one-out misses) is a load spike, left out of every model: far in the tail of noise that
+# is normal, where a spike of a busy machine lands.
+OUTLIER = 4.0
+# ... but never more than this share of the trials: beyond it the fit itself is in doubt, and they all stay in.
+OUTLIER_SHARE = 0.2
+# A model predicting the trials left out less than this much better than a simpler one is not preferred (as
+# cross-validation's one-standard-error rule prefers the simpler): on a noisy device a term per format follows the
+# noise, and its predictions for the policies between the trials swing far.
+MODEL_TIE = 0.05
+
 # The final re-measure times on past its sequential test no longer than this share of the search's time before it
 # (at least SETTLED_FINAL_ROUNDS rounds): on a noisy machine the candidates it cannot separate are reported as ties.
 # As long as the search before it: where the trials stop early on a noisy device, the final re-measure's rounds are

@@ -27,7 +27,7 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import memory
 from autoprec.tune.choices import Choices, format_assignments, policy_from_params, suggest
-from autoprec.tune.config import NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Mode, SearchConfig
+from autoprec.tune.config import NOISE_ROUNDS, NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Mode, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.goals import INFEASIBLE
 from autoprec.tune.metric import NoiseFloor, evaluate_metric, noise_floor, train_and_evaluate
@@ -39,7 +39,6 @@ from autoprec.tune.task import Workload
 from autoprec.tune.timing import interleaved_times, noisiest
 from autoprec.tune.trainer import Candidate, Trainer, compile_scope, fp32_step_failed, peak_memory_or_none, step_stats
 from autoprec.tune.trials import (
-    NOISE_ROUNDS,
     best_timed,
     device_noise,
     finalist_mark,

@@ -10,11 +10,11 @@ Fitted by least squares on the trials the search has timed so far:
     fp32 step ms - step ms  =  sum over terms t of c[t] * (the policy's summed layer saving in t)  +  r[root]
 
 with one term for every lowered format, one per root format, or one per lowered format (MODELS): the one that
-predicts the trials left out of it best, the simpler on a near tie (MODEL_TIE). A trial far slower than the fit (a
-load spike during its timing) is left out of every model alike (OUTLIER, _outliers). A
+predicts the trials left out of it best, the simpler on a near tie (config.MODEL_TIE). A trial far slower than the fit (a
+load spike during its timing) is left out of every model alike (config.OUTLIER, _outliers). A
 format or lowered root format seen in fewer than two timed trials has its term rest on one: such trials stay out of
 the fit and a policy using it is not predicted (SpeedFit.covers). The fit's error is the most a trial left out of
-the fit ran FASTER than predicted (at least MARGIN): a prediction raised by it is what no candidate is expected to
+the fit ran FASTER than predicted (at least config.MARGIN): a prediction raised by it is what no candidate is expected to
 beat.
 
 A candidate is left untimed (objective.Objective) where, raised by that error, it is still below the k-th fastest
@@ -35,13 +35,9 @@ import numpy as np
 
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
+from autoprec.tune.config import MARGIN, MIN_FIT, MODEL_TIE, OUTLIER, OUTLIER_SHARE
 from autoprec.tune.separation import may_beat
 
-MARGIN = 0.10  # the least relative error a prediction is granted, however well the fit went
-MIN_FIT = 4  # timed trials with a layer lowered before a prediction is made
-OUTLIER = 4.0  # a trial slower than its fit by this many robust standard deviations (1.4826 MAD) is left out
-OUTLIER_SHARE = 0.2  # ... but never more than this share of the trials: beyond it the fit itself is in doubt
-MODEL_TIE = 0.05  # a model predicting the trials left out less than this much better than a simpler one is not preferred
 ALL = "all"  # the one term of Features made without a split per format
 
 

@@ -16,6 +16,7 @@ import pandas as pd
 
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.choices import Choices, policy_from_params
+from autoprec.tune.config import NOISE_ROUNDS
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.profile_data import Profile
 from autoprec.tune.records import TrialRecord
@@ -148,9 +149,6 @@ def first_of_run(study: optuna.Study) -> int:
     starts it enqueued before starting are numbered after them, and count as its own."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
     return max((t.number for t in study.get_trials(deepcopy=False, states=states)), default=-1) + 1
-
-
-NOISE_ROUNDS = 4  # a spread from fewer rounds is their full range (timing.Timing), not an interquartile range
 
 
 def device_noise(study: optuna.Study, least: int = 5, *, since: int = 0) -> float | None:
