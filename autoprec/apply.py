@@ -350,13 +350,49 @@ def _warn_other_model(policy: Policy, model: torch.nn.Module) -> None:
 def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool = False) -> ModelT:
     """Put a policy on a model in place (also accepts a policy file's path) and return the model.
 
-    State-dict keys and dtypes do not change: listed modules keep their parameters and get a forward
-    that runs under their format; fp8 linears become torchao Float8Linear (a subclass of nn.Linear).
-    Apply before torch.compile and before FSDP2's fully_shard. `applied_summary(model)` tells what was done, per
-    layer.
+    Each layer the policy lists runs in its format from then on: its forward runs under the format (per-module
+    autocast for bf16 and fp16), fp8 linears become torchao Float8Linear (a subclass of nn.Linear), and the caller's
+    precision holds outside the listed layers (the policy's root entry "" covers the rest of the model). State-dict
+    keys and dtypes do not change: the weights stay fp32, so checkpoints load either way. Every check runs before
+    the model changes, so a refused policy leaves the model as it was. Apply after moving the model to its device,
+    and before torch.compile (or autoprec.compile_model) and FSDP2's fully_shard; `applied_summary(model)` says
+    what was done, per layer. A model with a policy applied cannot be pickled whole: save its state_dict.
 
-    `fsdp_fp8_all_gather=True`: under FSDP2, the weights of fp8 layers whose recipe torchao can all-gather in fp8
-    (tensorwise: `fp8`, `fp8-fwd-dgrad`) are all-gathered in fp8, a quarter of fp32's traffic; other layers gather in their own dtype.
+    Args:
+        model: The model (a torch.nn.Module), on its device, with fp32 weights, not compiled, no policy applied.
+        policy: An autoprec.Policy, or the path of a policy file (str or Path) as load_policy reads it.
+        fsdp_fp8_all_gather: Under FSDP2, all-gather the weights of the fp8 layers whose recipe torchao can
+            all-gather in fp8 (tensorwise: `fp8`, `fp8-fwd-dgrad`) in fp8, a quarter of fp32's traffic; other
+            layers gather in their own dtype. Default False. True with no such layer warns and changes nothing.
+
+    Returns:
+        The same model object (its own type), with the policy applied.
+
+    Raises:
+        ValueError: The policy names a layer the model lacks; gives one module object (used under two names) two
+            formats; sets a format on a module its parent never calls (MultiheadAttention's out_proj); gives a
+            layer a format it cannot run here (an fp8 recipe on a non-Linear, on shapes or a device without its
+            kernels; the message names the safer format); finds non-fp32 weights in a listed layer or the root;
+            or the model is compiled already, has a policy applied already, or a listed layer has a per-instance
+            forward.
+        TypeError: `policy` is a dict (use Policy.from_dict).
+        autoprec.UserError: `policy` is a path that is not a readable, valid policy file (the message names the
+            file and the field).
+
+    Warns:
+        UserWarning: A listed layer is also used under names the policy does not list (it runs in its format
+            there too), or the policy was measured on a model whose structure differs from this one.
+
+    Example:
+        >>> import torch
+        >>> import autoprec
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        >>> policy = autoprec.Policy(layers={"0": "bf16", "2": "fp32"})  # or autoprec.load_policy("policy.json")
+        >>> model = autoprec.apply_policy(model, policy)
+        >>> str(autoprec.applied_summary(model).layers["0"].format)
+        'bf16'
+        >>> model(torch.randn(8, 16)).shape
+        torch.Size([8, 4])
     """
     return _apply(model, policy, fsdp_fp8_all_gather=fsdp_fp8_all_gather, device_hint=True)
 
@@ -469,7 +505,31 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def applied_summary(model: torch.nn.Module) -> AppliedSummary | None:
-    """What apply_policy did to this model (per layer: format, type, aliases, fp8 backend), or None."""
+    """What apply_policy did to this model, per layer, or None where no policy was applied to it.
+
+    Read-only: it returns the record apply_policy kept on the model, and changes nothing.
+
+    Args:
+        model: A torch.nn.Module, with or without a policy applied.
+
+    Returns:
+        AppliedSummary | None: `.policy` (the Policy applied), `.device` (where the parameters were then),
+        `.layers` (per listed layer name, a LayerRecord: `format`, `module_type` after apply, e.g. Float8Linear,
+        `aliases`, `fp8_backend` for fp8 layers: torchao's kernels or its emulation, `wrapped`,
+        `fsdp_fp8_all_gather`), `.fp8_backends()` and `.aliases()`; `str()` of it is a table, one line per layer.
+        None where apply_policy was never called on this model.
+
+    Example:
+        >>> import torch
+        >>> import autoprec
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        >>> autoprec.applied_summary(model) is None
+        True
+        >>> model = autoprec.apply_policy(model, autoprec.Policy(layers={"0": "bf16"}))
+        >>> print(autoprec.applied_summary(model))
+        policy applied on cpu:
+          0: bf16 (Linear)
+    """
     return getattr(model, _SUMMARY_ATTR, None)
 
 

@@ -98,8 +98,37 @@ class LossScale:
 class Policy:
     """Per-layer formats (module name -> format), loss-scale settings, and what the search measured.
 
-    Layers not listed run in whatever precision surrounds them: the policy's root entry ("") when it
-    has one, else the caller's (fp32 unless the caller uses autocast).
+    The policy file a search writes (policy.json), as a frozen, validated value: the constructor and `from_dict`
+    check every field, so a Policy that exists is a well-formed policy file (whether it fits a model is
+    `autoprec.apply_policy`'s check). Layers not
+    listed run in whatever precision surrounds them: the policy's root entry ("") when it has one, else the
+    caller's (fp32 unless the caller uses autocast). Read one with `autoprec.load_policy(path)`; write one with
+    `save(path)`; `to_dict()` and `from_dict(data)` are the file's JSON.
+
+    Args:
+        layers: Module name -> format. A name is "" (the model root) or a module path as torch's named_modules()
+            gives it ("blocks.3.attn.qkv"); a format is a Format or its name ("fp32", "bf16", "fp16", "fp8",
+            "fp8-rowwise", "fp8-fwd", ...: autoprec.Format lists them). Default {}: nothing lowered.
+        loss_scale: The GradScaler settings (a LossScale, or a mapping with all of its fields), used only where a
+            layer is fp16. Default LossScale(): init_scale 2**16, growth_factor 2, backoff_factor 0.5,
+            growth_interval 2000, dynamic.
+        measured: What the search measured (a mapping: metric, drop, speedup, device, the model's fingerprint,
+            ...), kept as data; apply_policy reads only the fingerprint, to warn on another model. Default None.
+        version: The policy file's format version; only the current one (1) is accepted. Default 1.
+
+    Raises:
+        ValueError: A layer name that is not a module path, an unknown format (the message lists the formats), a
+            loss-scale setting out of range, another version, or a field of the wrong type.
+
+    Example:
+        >>> import autoprec
+        >>> policy = autoprec.Policy(layers={"": "bf16", "head": "fp32", "blocks.0.mlp": "fp16"})
+        >>> policy.uses_fp16
+        True
+        >>> policy.to_dict()["layers"]
+        {'': 'bf16', 'head': 'fp32', 'blocks.0.mlp': 'fp16'}
+        >>> autoprec.Policy.from_dict(policy.to_dict()) == policy
+        True
     """
 
     layers: Mapping[str, Format] = dataclasses.field(default_factory=dict)

@@ -178,11 +178,45 @@ def grad_scaler(
 ) -> PolicyGradScaler:  # fmt: skip
     """A GradScaler with the policy's loss-scale settings; disabled when no layer is fp16.
 
-    `device` defaults to cuda when available, else cpu. Static scaling (`dynamic: false`) never grows
-    the scale; a step with inf/NaN gradients is still skipped and the scale backs off. A scale that
-    collapses (`warn_after_skips` skipped steps in a row, or below 1) warns, naming the layers with
-    non-finite gradients of `model` (or of the one model this policy was applied to); `warn=False` only counts
-    the skipped steps (`skipped_steps`), for a caller that reports them itself.
+    Returns a torch.amp.GradScaler subclass (PolicyGradScaler), used as any GradScaler: `scale(loss).backward()`,
+    `step(optimizer)`, `update()`. It is enabled only where a layer's format needs loss scaling (fp16, the policy's
+    `uses_fp16`); disabled, its calls pass the loss and the step through unchanged, so a training loop can call it
+    whatever the policy. It starts at the policy's `loss_scale.init_scale` with its growth and backoff settings.
+    Static scaling (`dynamic: false`) never grows the scale; a step with inf/NaN gradients is still skipped and the
+    scale backs off. A scale that collapses (`warn_after_skips` skipped steps in a row, or below 1) warns once per
+    run of skipped steps, naming the layers with non-finite gradients of `model` (or of the one model this policy
+    was applied to).
+
+    Args:
+        policy: An autoprec.Policy, or the path of a policy file (str or Path).
+        device: The device type the scaler works on ("cuda", "cpu", or a torch.device, of which the type is
+            used). Default None: cuda when available, else cpu.
+        model: The model the policy was applied to, for naming the layers whose gradients were non-finite. Default
+            None: the one live model this policy (or an equal one) was applied to, if exactly one; else the warning
+            names none and says to pass `model=`.
+        warn_after_skips: Skipped steps in a row before the collapse warning (an integer >= 1). Default 10.
+        warn: False: never warn, only count the skipped steps (`skipped_steps`, `consecutive_skips`), for a caller
+            that reports them itself. Default True.
+
+    Returns:
+        PolicyGradScaler: a torch.amp.GradScaler, enabled where the policy has an fp16 layer.
+
+    Raises:
+        ValueError: `warn_after_skips` is not an integer >= 1.
+        TypeError: `policy` is a dict (use Policy.from_dict).
+        autoprec.UserError: `policy` is a path that is not a readable, valid policy file.
+
+    Example:
+        >>> import torch
+        >>> import autoprec
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        >>> policy = autoprec.Policy(layers={"0": "fp16", "2": "bf16"})
+        >>> model = autoprec.apply_policy(model, policy)
+        >>> scaler = autoprec.grad_scaler(policy, "cpu", model=model)
+        >>> scaler.is_enabled(), scaler.get_scale()
+        (True, 65536.0)
+        >>> autoprec.grad_scaler(autoprec.Policy(layers={"0": "bf16"}), "cpu").is_enabled()
+        False
     """
     policy = as_policy(policy, caller="grad_scaler")
     if device is None:
