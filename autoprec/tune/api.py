@@ -168,20 +168,75 @@ def search(
     name: str | None = None,
     **config: Any,
 ) -> searcher.SearchResult:
-    """Search per-layer formats for `model` (fp32, left untouched) and return the result: `.policy` (an
-    autoprec.Policy to apply), `.summary()` (the CLI's table), `.finals` (records.Finals: every re-measured
-    candidate) and `.trials` (trials.csv's rows, a DataFrame).
+    """Search per-layer formats for a model in memory, within a metric budget, and return the measured result.
 
-    `loss_fn(model, batch)` returns a scalar; `evaluate(model)` returns the metric (higher is better; default
-    -(mean eval loss) over `eval_batches`). `budget`: the largest allowed metric drop from fp32, in the metric's
-    units (0.01) or relative to the fp32 metric ("1%", the default). `trials`: default the search space's.
-    `device`: default cuda when available. `out`: a folder for the files `autoprec search` writes (policy.json,
-    summary.md, the CSVs, the heat maps, the study, which a rerun resumes); None keeps nothing on disk.
-    `space`: a SearchSpace or a space YAML file; `exclude`: module-name patterns kept out of the search (as
-    --exclude). `compile`: time compiled steps (default: on CUDA). Further
-    keywords go to SearchConfig (mode, train_steps, finalists, storage, study_name, objective="memory",
-    max_memory="40GB" (a size as --max-memory takes it, a share of the device's memory such as 0.8 or "80%", or a
-    number of bytes), ...).
+    Runs the command line's own code path (`autoprec search model.py`) on objects instead of a model.py: the same
+    checks on the functions (a mistake in them is one UserError before anything is profiled), the same profile,
+    Optuna study and final re-measure, and, with `out`, the same files, so a rerun with the same `out` and settings
+    resumes the study. The search works on a deep copy of `model`: the caller's model, its device and its weights
+    are left as they were. The chosen policy's speedup and metric drop were measured on `device` in the final
+    re-measure, beside the alternatives (uniform bf16, fp8 everywhere, ...), never predicted; its drop is within
+    `budget`, and where no candidate stayed within it the policy is all-fp32.
+
+    Args:
+        model: The fp32 model (a torch.nn.Module; pretrained weights allowed). Copied, never changed.
+        loss_fn: `loss_fn(model, batch)` returns the scalar training loss of one batch; it must require grad.
+        train_batches: The training batches (an iterable, read once and kept on `device`): the profile, the
+            trials' step times and train mode's steps use them.
+        eval_batches: The batches the default metric, -(mean loss), is taken over. Default (): none, which needs
+            `evaluate`.
+        evaluate: `evaluate(model)` returns the metric, higher is better, deterministic (it is evaluated twice on
+            the fp32 model and must agree). Default None: -(mean `loss_fn` over `eval_batches`).
+        optimizer: `optimizer(model)` returns the optimizer for training steps (train mode, memory). Default None:
+            AdamW.
+        budget: The largest allowed metric drop from fp32: a number in the metric's units (0.01, "0.01"), a
+            percentage of |fp32 metric| ("1%", the default), or a Budget. Must be finite and >= 0.
+        trials: The most trials the study holds (a rerun resumes up to it; the search may stop sooner once no
+            untried policy can win). Default None: the search space's `trials`.
+        device: Where to profile and time, e.g. "cuda", "cuda:1", "cpu". Default None: cuda when available, else
+            cpu.
+        out: A folder for the files `autoprec search` writes (policy.json, summary.md, profile.csv, trials.csv, the
+            heat maps, and the study that a rerun resumes). Default None: a temporary folder, removed at the end
+            (the result's `storage` then says so).
+        space: A SearchSpace, or the path of a search-space YAML file. Default None: the shipped default.yaml.
+        exclude: fnmatch patterns of module names kept out of the search, as --exclude (e.g. "lm_head",
+            "*.pooler"). Default (): none.
+        seed: The Optuna sampler's seed, an integer from 0 to 2**32 - 1 (part of the study's identity). Default 0.
+        compile: Time steps under torch.compile, as users who compile train. Default None: True on CUDA, False
+            elsewhere (the metric is evaluated eagerly either way).
+        progress: Show progress bars. Default True.
+        name: The task's name in the output and the study's name. Default None: the model's class name.
+        **config: Further SearchConfig fields, e.g. mode="train", train_steps=50, finalists=3,
+            storage="sqlite:///study.db", objective="memory", predict_speed=False, time_budget=600.0 (seconds), and
+            max_memory="40GB" (a size as --max-memory takes it, a share of the device's memory such as 0.8 or
+            "80%", or a number of bytes).
+
+    Returns:
+        searcher.SearchResult: `.policy` (the chosen autoprec.Policy, to apply with autoprec.apply_policy),
+        `.summary()` (the table the command line prints), `.finals` (records.Finals: every re-measured candidate,
+        the alternatives among them), `.trials` (trials.csv's rows, a pandas DataFrame) and `.profile`.
+
+    Raises:
+        autoprec.UserError: A mistake in the model or its functions, found before or while profiling (loss_fn
+            fails or gives a non-finite loss, no train batches, a metric that moves between two evaluations, no
+            layer the space tunes, a space file that cannot be read).
+        TypeError: `model` is not a torch.nn.Module, a function argument is not callable, or `**config` names a
+            field SearchConfig does not have.
+        ValueError: A budget or setting out of range (a negative budget, seed, trials < 1, an unknown objective or
+            mode, train_steps in weights mode), or an `exclude` pattern that matches no module.
+
+    Example:
+        >>> import torch
+        >>> import autoprec
+        >>> import autoprec.tune
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        >>> batches = [(torch.randn(32, 64), torch.randint(0, 10, (32,))) for _ in range(4)]
+        >>> def loss_fn(model, batch):
+        ...     x, y = batch
+        ...     return torch.nn.functional.cross_entropy(model(x), y)
+        >>> result = autoprec.tune.search(model, loss_fn, batches, batches, budget="1%", out="results/net")  # doctest: +SKIP
+        >>> print(result.summary())  # doctest: +SKIP
+        >>> model = autoprec.apply_policy(model, result.policy)  # doctest: +SKIP
     """
     spec = parse_budget(budget)
     workload, the_space, base = _setup(
@@ -218,8 +273,56 @@ def sweep(
     name: str | None = None,
     **config: Any,
 ) -> sweeper.SweepResult:
-    """One two-objective study and a verified policy per budget (`budgets`: "0,0.5%,1%" or a list); the
-    other arguments as `search`. The result's `.policies` maps each absolute budget to its policy."""
+    """Search once for several budgets: one two-objective study, then a verified policy per budget.
+
+    The sweep's study optimises the goal (speed by default) and the metric drop together, so one set of trials
+    serves every budget; each budget's policy is chosen from the trials within it and re-measured, as `search`
+    chooses one (`autoprec sweep`'s code path, docs/sweep.md). The model is copied, never changed. With `out`,
+    it writes one policy file per budget, sweep.md and pareto.png, and a rerun resumes the study.
+
+    Args:
+        model: The fp32 model (a torch.nn.Module). Copied, never changed.
+        loss_fn: `loss_fn(model, batch)` returns the scalar training loss of one batch.
+        train_batches: The training batches, as `search` takes them.
+        eval_batches: The batches the default metric is taken over. Default (): none, which needs `evaluate`.
+        budgets: Required. The budgets, each as `search`'s `budget` takes it: "0,0.5%,1%" (commas), a list such as
+            [0, 0.01, "1%"], or one number. Duplicates are dropped and they are sorted. Default None is refused.
+        evaluate: `evaluate(model)` returns the metric, higher is better. Default None: -(mean eval loss).
+        optimizer: `optimizer(model)` returns the optimizer for training steps. Default None: AdamW.
+        trials: The most trials the study holds. Default None: the search space's `trials`.
+        device: Where to profile and time. Default None: cuda when available, else cpu.
+        out: A folder for the files `autoprec sweep` writes. Default None: a temporary folder, removed at the end.
+        space: A SearchSpace or a search-space YAML file's path. Default None: the shipped default.yaml.
+        exclude: fnmatch patterns of module names kept out of the search. Default (): none.
+        seed: The Optuna sampler's seed, from 0 to 2**32 - 1. Default 0.
+        compile: Time steps under torch.compile. Default None: True on CUDA, False elsewhere.
+        progress: Show progress bars. Default True.
+        name: The task's name. Default None: the model's class name (the study is named "<name>-sweep").
+        **config: Further SearchConfig fields, as `search` takes them (mode, finalists, storage, objective, ...).
+
+    Returns:
+        sweeper.SweepResult: `.policies` maps each absolute budget to its autoprec.Policy, `.table` holds a
+        BudgetRow per budget, `.front` the Pareto front of the trials, `.summary()` the table the command line
+        prints.
+
+    Raises:
+        TypeError: `budgets` not given, or an argument of the wrong type, as `search`.
+        ValueError: A budget that is not a number >= 0 or a percentage, an empty list, or another setting out of
+            range, as `search`.
+        autoprec.UserError: A mistake in the model or its functions, as `search`.
+
+    Example:
+        >>> import torch
+        >>> import autoprec.tune
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        >>> batches = [(torch.randn(32, 64), torch.randint(0, 10, (32,))) for _ in range(4)]
+        >>> def loss_fn(model, batch):
+        ...     x, y = batch
+        ...     return torch.nn.functional.cross_entropy(model(x), y)
+        >>> result = autoprec.tune.sweep(model, loss_fn, batches, batches, budgets="0,0.5%,1%")  # doctest: +SKIP
+        >>> for budget, policy in result.policies.items():  # doctest: +SKIP
+        ...     print(budget, dict(policy.layers))
+    """
     if budgets is None:
         raise TypeError("sweep() needs budgets=, e.g. budgets='0,0.5%,1%' or budgets=[0, 0.01]")
     specs = parse_budget_list([budgets] if isinstance(budgets, (int, float)) else budgets)

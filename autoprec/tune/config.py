@@ -204,10 +204,64 @@ class ProfileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SearchConfig:
-    """How to search. `trials` counts every trial in the study, so a rerun resumes up to it.
+    """How to search: the budget, the study, the timing and what the search optimises, validated on construction.
 
-    `mode`: what the budget applies to (see Mode); in train mode, `train_steps` is K and `noise_runs` the
-    number of fp32 seeds whose spread is the noise floor.
+    Frozen; every field but `budget` has a default. The command line and the Python API (autoprec.tune.search,
+    sweep) build one through `search_config`, which also reads --max-memory's forms ("40GB", "80%"), picks the
+    compile default for the device and refuses train-mode settings in weights mode; construct one directly to call
+    `searcher.search` or `sweeper.sweep` yourself. A search's own profile measures the numerics only of the formats
+    its timing keeps in play: `profile.numerics` None becomes "offered".
+
+    Args:
+        budget: The largest allowed metric drop from fp32, absolute, in the metric's units (a finite number >= 0;
+            a relative "1%" is resolved to this by autoprec.tune.search before).
+        trials: The most trials in the study, every run's and worker's counted, so a rerun resumes up to it
+            (>= 1). Default None: the search space's `trials`.
+        seed: The Optuna sampler's seed, an integer from 0 to 2**32 - 1. Default 0.
+        storage: An Optuna storage URL ("sqlite:///study.db", "postgresql://...") or a journal file's path.
+            Default None: study.journal in the output folder.
+        heartbeat_s: Database storages: a trial whose worker is silent for twice this many seconds is failed and
+            run again (an integer >= 1). Default 60.
+        study_name: The study's name in the storage. Default None: the task's name.
+        timing: How each trial's step is timed (TimingConfig). Default TimingConfig(): 3 warm-up calls, up to 7
+            interleaved rounds of at least 0.05 s.
+        final_timing: How the finalists and the alternatives are re-measured together at the end. Default
+            TimingConfig(rounds=11).
+        finalists: How many of the fastest trials within budget are re-measured (k, >= 1). Default 3.
+        profile: How the search's profile measures (ProfileConfig). Default ProfileConfig(), its numerics
+            "offered".
+        progress: Show progress bars. Default True.
+        mode: What the budget is measured on: Mode.WEIGHTS ("weights", the default: the given weights with the
+            policy applied) or Mode.TRAIN ("train": the metric after `train_steps` training steps, against fp32's).
+        train_steps: Train mode: the training steps K before the metric is taken (an integer >= 1). Default 50.
+        noise_runs: Train mode: the fp32 seeds whose spread is the noise floor (an integer >= 1). Default 3.
+        compile: Time the profile's layers, every trial and the re-measure under torch.compile (the metric is
+            evaluated eagerly either way). Default False here; search_config's default is True on CUDA.
+        remeasure: A rerun of a finished study re-measures its finalists and chooses again, on new timing noise,
+            instead of keeping the result it wrote. Default False.
+        objective: What the search optimises within the budget: a registered goal (goals.py) or its name,
+            "speed" (the default: the fastest step) or "memory" (the smallest peak memory).
+        max_memory: The most peak memory a candidate may need, in bytes (an integer >= 1); above it a candidate is
+            infeasible. Default None: no limit.
+        predict_speed: Leave untimed a trial whose speedup, predicted from the profile's layer times, cannot make
+            it a finalist (a single-objective speed search without max_memory, once enough trials are timed).
+            Default True; False times every trial (--time-every-trial).
+        time_budget: Seconds the whole search may take (a number > 0): the trials stop where the final re-measure
+            still fits, and the answer is chosen from what was measured. Default None: no limit but `trials`.
+
+    Raises:
+        ValueError: A field out of range or of the wrong type (the message names it and what it accepts), an
+            unknown `mode` or `objective`, or `profile=ProfileConfig(compile=True)` without `compile=True`.
+
+    Example:
+        >>> from autoprec.tune import Mode, SearchConfig
+        >>> config = SearchConfig(budget=0.01, trials=50, finalists=3)
+        >>> config.profile.numerics
+        'offered'
+        >>> SearchConfig(budget=0.01, mode="train", train_steps=20).mode is Mode.TRAIN
+        True
+        >>> SearchConfig(budget=0.01, objective="memory", max_memory=40 * 2**30).objective.name
+        'memory'
     """
 
     budget: float

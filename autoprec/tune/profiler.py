@@ -699,7 +699,42 @@ def checked_fp32_metric(workload: Workload) -> float:
 
 
 def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = ProfileConfig(), *, progress: bool = True) -> Profile:
-    """Profile every tunable layer of the workload's model in every format the space offers."""
+    """Profile every tunable layer of the workload's model in every format the space offers.
+
+    What `autoprec profile` runs and a search runs first. It checks the fp32 model (a finite loss on every train
+    batch, a metric that repeats), then measures, per layer and format, the cheapest things first: whether the
+    format can run the layer here, the layer's own step time, its gradient ranges per loss scale, its output and
+    gradient SQNR against fp32 and, for the formats still in play, the task metric's drop with the layer lowered
+    (alone, or with the format's layers lowered together first where `config.group_tolerance` allows). A format
+    ruled out on the way (slower than fp32 beyond the space's `prune.slower_than`, overflowing, non-finite) has the
+    reason in its row instead of the rest. Layers that loss_fn never calls are left out, with a warning.
+
+    Args:
+        workload: The task made ready on its device (`prepare(load_task("model.py"), device)`).
+        space: The search space (`load_space()`: the shipped default; a YAML file's path for another): which
+            module types are tuned, which formats each is offered, which modules are excluded.
+        config: How to measure (ProfileConfig): train batches for the SQNR pass, the timing, `compile`,
+            `group_tolerance`, `numerics` ("all": every format's numerics; None counts as "all" here),
+            `deadline_s`. Default ProfileConfig().
+        progress: Show a progress bar over the layers. Default True.
+
+    Returns:
+        Profile: `.table` (one row per layer and format: status, reason, step time, SQNR, metric and drop; the
+        columns of profile.csv), `.fp32_metric`, `.grad_ranges`, `.advice()` (the loss-scale advice), `.cost`;
+        `.save(folder)` writes profile.csv, profile.json and grad_ranges.csv there.
+
+    Raises:
+        autoprec.UserError: The model has no layer of the types the space tunes (or a tunable module's name is not
+            a module path a policy can hold), loss_fn fails or gives a non-finite loss for the fp32 model on a
+            train batch, or the fp32 metric fails, is not finite, or differs between two evaluations.
+
+    Example:
+        >>> import autoprec.tune
+        >>> workload = autoprec.tune.prepare(autoprec.tune.load_task("examples/digits/model.py"), "cpu")  # doctest: +SKIP
+        >>> prof = autoprec.tune.profile(workload, autoprec.tune.load_space(), autoprec.tune.ProfileConfig())  # doctest: +SKIP
+        >>> prof.save("results/digits-profile")  # doctest: +SKIP
+        >>> prof.table[["layer", "format", "metric_drop"]]  # doctest: +SKIP
+    """
     layers = space.tunable_layers(workload.model)
     if not layers:
         raise UserError(

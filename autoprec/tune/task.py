@@ -100,7 +100,35 @@ def batch_shapes(batch: object) -> tuple:
 
 
 def load_task(path: str | Path) -> Task:
-    """Import a model.py and check that it defines the required functions."""
+    """Import a model.py and check that it defines the functions a search needs.
+
+    The file is imported as a fresh module under a unique name (so torch.compile can trace its code), with its
+    folder first on sys.path while it imports, so it can import its neighbours as `python model.py` would. Only
+    the functions' presence is checked here; `prepare` then builds the model and checks the loss and the batches.
+    Nothing is run but the file's top level.
+
+    Args:
+        path: The model.py file (a str or a Path). It must define `build_model()`, `batches(split)` and
+            `loss_fn(model, batch)`, and may define `evaluate(model)` and `optimizer(model)` (README, "Your
+            model: model.py").
+
+    Returns:
+        Task: the file's functions (`evaluate` and `optimizer` None where it does not define them), named after
+        the file (its folder's name for a file called model.py). A SystemExit from any of them, later, is a
+        UserError naming the file and the function.
+
+    Raises:
+        autoprec.UserError: The file does not exist or is not a Python file, importing it raised (its exception is
+            named; a SystemExit at import too), a required function is missing, or one of the names is not a
+            function.
+
+    Example:
+        >>> import autoprec.tune
+        >>> task = autoprec.tune.load_task("examples/digits/model.py")  # doctest: +SKIP
+        >>> workload = autoprec.tune.prepare(task, "cpu")  # doctest: +SKIP
+        >>> task.name  # doctest: +SKIP
+        'digits'
+    """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
