@@ -285,7 +285,9 @@ def _study_key(
         "objectives": objective_names(objectives, config.objective),
         "compile": "compiled" if config.compile else "eager",
         "max_memory": str(config.max_memory) if config.max_memory else "none",
-    } | ({} if profile_complete else {"profile": "cut short by a time budget"})  # its choices hold layers at fp32
+    } | ({} if profile_complete else {"profile": "cut short by a time budget"}) | (  # its choices hold layers at fp32
+        {"target": config.target} if config.target else {}  # a targeted goal's values are the target's
+    )
 
 
 OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}
