@@ -125,10 +125,8 @@ class Flops(Goal):
     targeted = True
 
     def __init__(self, target: Target | None = None, flops: Mapping[str, float] | None = None):
+        # the study key records the target beside the label (SearchConfig.target): one study per target
         self.target, self.flops = target, dict(flops or {})
-        if target is not None:
-            self.label = f"estimated GEMM speedup on {target.name}"  # the study key: one study per target
-            self.chosen_for = f"the largest estimated GEMM speedup on {target.name} within budget (FLOP count, not measured)"
 
     def bound(self, table: pd.DataFrame, config: SearchConfig) -> Flops:
         target = target_named(config.target)
