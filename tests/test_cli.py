@@ -747,7 +747,7 @@ def test_sigterm_fails_the_running_trial_and_says_how_to_resume(tmp_path, write_
         (["--max-memory", "lots"], "--max-memory 'lots': not a size; give a size such as 40GB"),
         (["--max-memory", "40"], "--max-memory 40: a share of the device's memory must be in (0, 1]"),
         (["--max-memory", "0%"], "--max-memory 0%: a share"),
-        (["--objective", "fast"], "objective must be one of speed, memory, but got 'fast'"),
+        (["--objective", "fast"], "objective must be one of speed, memory, flops, but got 'fast'"),
     ],
 )
 def test_bad_memory_options_are_one_line_before_anything_is_measured(capsys, tmp_path, write_model, mlp_source, extra, expected):

@@ -18,6 +18,7 @@ from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.alternatives import ALTERNATIVES, NOT_A_POLICY
 from autoprec.tune.choices import policy_from_params
 from autoprec.tune.choose import choose
+from autoprec.tune.flops import FLOPS
 from autoprec.tune.goals import MEMORY, SPEED, Goal, goal_named, goals, register_goal, unregister_goal
 from autoprec.tune.records import Finals, TrialRecord
 from autoprec.tune.searcher import search
@@ -68,10 +69,10 @@ def most_fp16():
 
 
 def test_a_registered_goal_is_a_choice_of_the_config_and_the_command_line(most_fp16, capsys):
-    assert goals() == (SPEED, MEMORY, most_fp16) and goal_named("Most-FP16") is most_fp16
+    assert goals() == (SPEED, MEMORY, FLOPS, most_fp16) and goal_named("Most-FP16") is most_fp16
     assert SearchConfig(budget=0.1, objective="most-fp16").objective is most_fp16
     assert SearchConfig(budget=0.1, objective=most_fp16).objective is most_fp16
-    with pytest.raises(ValueError, match=r"objective must be one of speed, memory, most-fp16, but got 'fast'"):
+    with pytest.raises(ValueError, match=r"objective must be one of speed, memory, flops, most-fp16, but got 'fast'"):
         SearchConfig(budget=0.1, objective="fast")
     with pytest.raises(ValueError, match=r"goal 'most-fp16' is already registered .*test_goals.MostFp16"):
         register_goal(MostFp16)
@@ -83,19 +84,19 @@ def test_a_registered_goal_is_a_choice_of_the_config_and_the_command_line(most_f
     with pytest.raises(SystemExit):
         build_parser().parse_args(["search", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "--objective {speed,memory,most-fp16}" in help_text
+    assert "--objective {speed,memory,flops,most-fp16}" in help_text
     assert (
-        "training-step speed (default), the smallest peak memory (for a model or batch that must fit), or the most fp16 layers"
-        in help_text
+        "training-step speed (default), the smallest peak memory (for a model or batch that must fit), the most GEMM work "
+        "in the lowest formats on a --target device, an estimate from FLOP counts, or the most fp16 layers" in help_text
     )
 
 
 def test_an_unregistered_goal_is_no_choice_again():
-    with pytest.raises(ValueError, match=r"objective must be one of speed, memory, but got 'most-fp16'"):
+    with pytest.raises(ValueError, match=r"objective must be one of speed, memory, flops, but got 'most-fp16'"):
         SearchConfig(budget=0.1, objective="most-fp16")
     with pytest.raises(ValueError, match=r"direction must be 'maximize' or 'minimize'"):
         register_goal(type("Sideways", (MostFp16,), {"name": "sideways", "direction": "up"}))
-    assert [g.name for g in goals()] == ["speed", "memory"]
+    assert [g.name for g in goals()] == ["speed", "memory", "flops"]
 
 
 def test_a_search_optimises_a_goal_defined_outside_autoprec(tmp_path, most_fp16, timings):

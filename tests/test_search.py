@@ -602,7 +602,7 @@ def load_study(out):
 
 
 def test_memory_settings_are_checked_and_a_new_limit_is_another_study(tmp_path, fake_memory):
-    with pytest.raises(ValueError, match=r"objective must be one of speed, memory, but got 'fast'"):
+    with pytest.raises(ValueError, match=r"objective must be one of speed, memory, flops, but got 'fast'"):
         SearchConfig(budget=0.1, objective="fast")
     with pytest.raises(ValueError, match=r"max_memory must be a number of bytes >= 1.*'40GB'"):
         SearchConfig(budget=0.1, max_memory="40GB")

@@ -12,6 +12,7 @@ import torch
 from autoprec import devices
 from autoprec.formats.autocast import FP16_MAX, AutocastFamily
 from autoprec.formats.base import (
+    GEMM_PRECISIONS,
     REGISTRY,
     Converted,
     Format,
@@ -80,7 +81,8 @@ def device_name(device: str) -> str:
 
 
 __all__ = [
-    "AUTOCAST_DTYPE", "E4M3_MAX", "FORMATS", "FP16_MAX", "FP8_DIM_MULTIPLE", "FP8_FORMATS", "REGISTRY", "RISKY",
+    "AUTOCAST_DTYPE", "E4M3_MAX", "FORMATS", "FP16_MAX", "FP8_DIM_MULTIPLE", "FP8_FORMATS", "GEMM_PRECISIONS", "REGISTRY",
+    "RISKY",
     "AutocastFamily", "Converted", "Float8Family", "Format", "FormatFamily", "FormatSpec", "Fp8Backend", "Fp8Gemms",
     "autocast_supported", "caller_precision", "default_device", "device_name", "families", "family_named",
     "float8_linear_config", "format_names", "format_problem", "fp8_backend", "fp8_input_dtype", "fp8_shape_problem",

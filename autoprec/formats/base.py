@@ -22,6 +22,8 @@ from autoprec.registry import Registry
 from autoprec.tensors import map_tensors
 
 _LOW = (torch.float16, torch.bfloat16)
+# The element formats a GEMM can run in (FormatFamily.gemm_precisions): what a target's throughput table is keyed by.
+GEMM_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
 
 
 def _package() -> Any:
@@ -191,6 +193,16 @@ class FormatFamily(abc.ABC):
     def export_name(self, fmt: Format) -> str | None:
         """What the export targets call `fmt` (torchao's recipe name), or None where no export target runs it."""
         return None
+
+    def gemm_precisions(self, fmt: Format) -> tuple[str, str, str]:
+        """The element format each of an nn.Linear's three GEMMs runs in under `fmt`, as (fprop, dgrad, wgrad): each
+        one of GEMM_PRECISIONS. The FLOP goal (autoprec/tune/flops.py) weights a layer's GEMM work by a target's
+        throughput in these. It answers for the layer as apply_policy runs it called outside any autocast (an fp32
+        root); "fp32" is strict fp32 (no TF32). The default: the spec's autocast dtype for all three (bf16, fp16),
+        else fp32."""
+        dtype = fmt.spec.autocast
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32") if dtype is not None else "fp32"
+        return (name, name, name)
 
     def convert(
         self,

@@ -138,6 +138,7 @@ def _search_config(args: argparse.Namespace, budget: float = 0.0):
             noise_runs=args.noise_runs, max_memory=args.max_memory, numerics=args.numerics,
             spell=lambda name: "--" + name.replace("_", "-"), trials=args.trials, seed=args.seed, storage=args.storage,
             study_name=args.study, progress=not args.quiet, remeasure=args.remeasure, objective=args.objective,
+            target=getattr(args, "target", None),
             predict_speed=not getattr(args, "time_every_trial", False), time_budget=_time_budget(args),
         )  # fmt: skip
     except ValueError as exc:
@@ -195,6 +196,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         print(result.summary())
         print(f"\nwrote {out / 'policy.json'}, profile.csv, grad_ranges.csv, trials.csv, finalists.csv, summary.md, profile.png, "
               f"grad_ranges.png (study {result.study_name!r} in {result.storage})")  # fmt: skip
+        measured = result.policy.measured or {}
+        estimate = measured.get("estimate")
+        if isinstance(estimate, dict) and estimate.get("what"):  # the goal's value is an estimate: said last, as one
+            print(f"{measured.get('chosen')}: {estimate['what']}")
     return 0
 
 
@@ -453,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, text in GLOBAL_FLAGS:
         parser.add_argument(flag, action="store_true", help=text)
     from autoprec.tune.goals import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
+    from autoprec.tune.targets import targets as planned_for  # noqa: PLC0415 (--target's devices, not export's)
 
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show,export}")
 
@@ -496,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "as `autoprec profile` measures them")  # fmt: skip
         # every registered goal (autoprec.tune.goals); SearchConfig refuses another name, listing them
         p.add_argument("--objective", default="speed", metavar=objective_metavar(), help=objective_help())
+        p.add_argument("--target", metavar="{" + ",".join(t.name for t in planned_for()) + "}",
+                       help="with --objective flops: the device to plan for, whose datasheet's nominal dense "
+                            "throughput per format weights each GEMM's FLOPs (an estimate, not a measurement)")  # fmt: skip
 
     s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
     s.add_argument("--budget", metavar="B",

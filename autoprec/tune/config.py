@@ -133,6 +133,26 @@ def parse_goal(value: object) -> Goal:
     return goal_named(value)
 
 
+def check_target(goal: Goal, target: object, spell: Callable[[str], str] = str) -> str | None:
+    """The registered target's name (targets.py) for a goal that plans for one (Goal.targeted), which requires it;
+    None for any other goal, which refuses one. ValueError naming the targets (or the goal) otherwise."""
+    from autoprec.tune.goals import goals  # noqa: PLC0415 (goals.py calls choose.py's rules, which import this module)
+    from autoprec.tune.targets import target_named, targets  # noqa: PLC0415
+
+    names = ", ".join(t.name for t in targets())
+    if not goal.targeted:
+        if target is not None:
+            takes = " or ".join(g.name for g in goals() if g.targeted)
+            raise ValueError(f"{spell('target')} applies only to {spell('objective')} {takes}, not {goal.name}")
+        return None
+    if target is None:
+        raise ValueError(f"{spell('objective')} {goal.name} needs {spell('target')}: one of {names}")
+    try:
+        return target_named(target).name
+    except ValueError:
+        raise ValueError(f"{spell('target')} must be one of {names}, but got {target!r}") from None
+
+
 def _speed() -> Goal:
     return parse_goal("speed")
 
@@ -295,11 +315,17 @@ class SearchConfig:
     # Seconds the whole search may take (--time-budget, in minutes there): the trials stop where the final re-measure
     # still fits (BUDGET_FINAL_SHARE), and the answer is chosen from what was measured. None: no limit but --trials.
     time_budget: float | None = None
+    # The device a targeted goal plans for (targets.py: "b200", "h100"), which needs one; refused with any other goal.
+    target: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", check_budget(self.budget, what="budget"))  # -0.0 would name another study
         object.__setattr__(self, "mode", parse_mode(self.mode))
         object.__setattr__(self, "objective", parse_goal(self.objective))
+        object.__setattr__(self, "target", check_target(self.objective, self.target))
+        if not self.objective.timed and self.max_memory is not None:
+            raise ValueError(f"max_memory needs each trial's peak memory, which objective {self.objective.name} does "
+                             "not measure (its trials are not run on this machine's clock)")  # fmt: skip
         if self.max_memory is not None and (
             isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 1
         ):
@@ -366,6 +392,8 @@ def search_config(
     train-mode settings refused in weights mode. `settings`: SearchConfig's other fields. Raises ValueError naming
     the setting as `spell` writes it (the CLI: its flag) and shows it as one line."""
     the_mode = parse_mode(mode)
+    if "objective" in settings or "target" in settings:  # the flags' own words, before SearchConfig's
+        check_target(parse_goal(settings.get("objective", "speed")), settings.get("target"), spell)
     if the_mode is Mode.WEIGHTS:
         given = [spell(n) for n, value in (("train_steps", train_steps), ("noise_runs", noise_runs)) if value is not None]
         if given:

@@ -184,7 +184,8 @@ def final_remeasure(
 
     def more(samples: Mapping[str, Sequence[float]]) -> int:
         # past the cap, or on a device the trials found too noisy: no more rounds, and no warning that promises them
-        return 0 if capped or noisy_device else noisy(samples)
+        # or under a goal that does not rank by this machine's clock (Goal.timed: an estimate for another device)
+        return 0 if capped or noisy_device or not config.objective.timed else noisy(samples)
 
     def enough(samples: Mapping[str, Sequence[float]]) -> bool:
         # stops early once every candidate's rounds agree (timing.all_settled), or once past the cap: the
@@ -206,7 +207,9 @@ def final_remeasure(
     watch.count("final re-measure: whole-step timings (each round: every candidate's)", sum(r.rounds for r in finals))
     if capped:
         watch.count(f"final re-measure: rounds stopped at its cap ({FINAL_SHARE:.0%} of the search's time before it)", capped[0])
-    if finals.noisiest() > NOISY_SPREAD and noisy_device:
+    if not config.objective.timed:
+        pass  # the step times are this machine's, reported as such; no choice depends on their noise
+    elif finals.noisiest() > NOISY_SPREAD and noisy_device:
         log.warning(
             "this machine is too noisy to separate these candidates (step times spread up to ±%.0f%%, as in the "
             "trials): candidates closer than that are ties, and the safer one is chosen; rerun on a quieter machine "

@@ -5,8 +5,9 @@ A goal is an instance of a Goal subclass, handed to the study as Optuna hands it
 it needs (the study's direction, a trial's value, the order of the finalists, the choice among the re-measured
 candidates, the sweep's Pareto column and plot, words for the study key, the reports and the progress bar) and
 branches on no goal by name. `register_goal` makes one a choice of `--objective`; `goal_named` finds it.
-Two are built in: SPEED (the training-step speedup over fp32, maximised: the default) and MEMORY (one training
-step's peak memory, minimised: for a model or batch that must fit). docs/measuring.md, "Adding a goal", lists what
+Three are built in: SPEED (the training-step speedup over fp32, maximised: the default), MEMORY (one training
+step's peak memory, minimised: for a model or batch that must fit) and flops.FLOPS (the estimated GEMM speedup on a
+named --target device, from FLOP counts: for planning where the formats' kernels are not on this machine). docs/measuring.md, "Adding a goal", lists what
 a goal implements.
 """
 
@@ -31,7 +32,10 @@ from autoprec.tune.separation import beaten, separated
 from autoprec.tune.trials import best_speedup, smallest_peak
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from autoprec.policy import Policy
+    from autoprec.tune.config import SearchConfig
     from autoprec.tune.trainer import Candidate
 
 INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite; a minimised goal's worst value
@@ -74,6 +78,28 @@ class Goal(abc.ABC):
     # the re-measured candidates the timing cannot separate from the choice are recorded as ties and reported.
     ranks_by_speed: ClassVar[bool] = False
     needs_peak: ClassVar[bool] = False  # a trial without a measured peak memory is infeasible (memory.py)
+    # A trial within budget is timed and its peak memory measured. False: its value needs neither (an estimate from
+    # the policy and the profile: flops.py), so a trial is its metric alone, and --max-memory is refused.
+    timed: ClassVar[bool] = True
+    # It plans for a named target device (--target, SearchConfig.target: targets.py), which it then requires.
+    targeted: ClassVar[bool] = False
+
+    def bound(self, table: pd.DataFrame, config: SearchConfig) -> Goal:
+        """The goal for one search, given its profile's table and its config (the pipeline calls it once the profile is
+        measured; the study's trials and the choice then use what it returns): itself by default. A goal whose value
+        is computed from the profile (flops.py: each Linear's FLOPs) returns an instance that holds it; ValueError
+        where the search cannot be planned (a format the target does not run)."""
+        return self
+
+    def estimated(self, policy: Policy) -> float | None:
+        """A candidate's value computed from its policy alone, not measured (the FLOP goal's estimate), or None (the
+        default: the value is measured). The policy file records it beside each result."""
+        return None
+
+    def estimate_record(self, policy: Policy, candidates: Mapping[str, Policy | Candidate]) -> dict[str, Any] | None:
+        """What the policy file's measured.estimate records of the chosen `policy`'s estimate (its goal, target, that
+        it is an estimate, the words reports show, `candidates`' estimates by name), or None: nothing estimated."""
+        return None
 
     @abc.abstractmethod
     def value(self, record: TrialRecord, policy: Policy) -> float | None:
@@ -301,3 +327,6 @@ class Memory(Goal):
 
 SPEED = register_goal(Speed())
 MEMORY = register_goal(Memory())
+
+# the FLOP-count goal for a target device this machine is not (flops.py), registered there after these two
+from autoprec.tune import flops as _flops  # noqa: E402, F401

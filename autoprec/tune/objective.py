@@ -224,6 +224,8 @@ class Objective:
         if feasible and _all_fp32(policy):  # the fp32 baseline itself: 1.0 by definition, nothing to time
             TrialRecord.write(trial, speedup=1.0)
             self._record_memory(trial, self.fp32_peak(None))
+        elif feasible and not self.config.objective.timed:
+            pass  # its value is the goal's estimate from the policy (flops.py): nothing to time on this machine
         elif feasible and self._predicted_too_slow(trial, policy):
             pass  # its predicted speedup is its value (a finalist only where k faster ones are alternatives)
         elif feasible:  # only candidates within budget are worth the time it takes to time them

@@ -51,7 +51,7 @@ from autoprec.tune.objective import Judge, Objective, run_trials
 from autoprec.tune.out_dir import SavedProfile, claim_out_dir, disk_full, earlier_result, reuse_or_profile
 from autoprec.tune.profile_data import Profile
 from autoprec.tune.provenance import measured_record
-from autoprec.tune.records import Chosen, Finals, StudyRef
+from autoprec.tune.records import Chosen, Finals, Measured, StudyRef
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.speed import LayerTimes
 from autoprec.tune.storage import check_storage, open_study
@@ -61,6 +61,8 @@ from autoprec.tune.trials import complete_count, device_noise, first_of_run, tri
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from autoprec.tune.goals import Goal
 
 log = logging.getLogger("autoprec")
 
@@ -119,6 +121,9 @@ class Run:
     cost: dict[str, Any]
 
 
+NO_PRUNE = 1e9  # prune.slower_than under a goal whose trials are not timed (Goal.timed): nothing is pruned by speed
+
+
 def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path, plan: Plan) -> Run:
     """Profile, search, re-measure, choose and write (see the module's docstring)."""
     if plan.budgets[-1] > config.budget:
@@ -129,6 +134,9 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     if memory.source(workload.device) is None and (config.objective.needs_peak or config.max_memory is not None):
         flag = f"--objective {config.objective.name}" if config.objective.needs_peak else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
+    if not config.objective.timed and space.prune_slower_than < NO_PRUNE:
+        # this machine's speed says nothing of the target's: a format slow here (emulated) is no less a candidate
+        space = dataclasses.replace(space, prune_slower_than=NO_PRUNE)
     out_dir = Path(out_dir)
     with claim_out_dir(workload, out_dir):  # also makes the folder
         try:
@@ -160,6 +168,10 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0],
         profile_folder=plan.profile_folder,
     )  # fmt: skip
+    try:  # a goal computed from the profile (the FLOP goal: each Linear's FLOPs) holds it from here on
+        config = dataclasses.replace(config, objective=config.objective.bound(started.profile.table, config))
+    except ValueError as exc:
+        raise UserError(f"--objective {config.objective.name}: {exc}") from None
     layer_times = LayerTimes.from_table(started.profile.table.to_dict("records"))
     objective = Objective(
         workload, started.choices, space, started.judge, config, objectives=plan.objectives, layer_times=layer_times
@@ -212,10 +224,24 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
             sweep={"budgets": list(plan.budgets), "study_budget": config.budget} if plan.is_sweep else None,
         )  # fmt: skip
         picked = candidates[name].policy
+        measured = _with_estimates(measured, config.objective, picked, candidates, compared | {"policy": name})
         policy = Policy(layers=picked.layers, loss_scale=picked.loss_scale, measured=measured.to_dict())
         file = policy.save(out_dir / plan.policy_file(b))
         chosen.append(Chosen(budget=b, name=name, why=why, policy=policy, file=file, greedy=greedy[b]))
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
+
+
+def _with_estimates(
+    measured: Measured, goal: Goal, picked: Policy, candidates: Mapping[str, Candidate], labels: Mapping[str, str]
+) -> Measured:
+    """The goal's estimates (Goal.estimated: the FLOP goal's), where it makes any: measured.estimate and each result's
+    `estimate`, labelled as such, beside what was measured."""
+    record = goal.estimate_record(picked, candidates)
+    if record is None:
+        return measured
+    results = {label: dataclasses.replace(r, estimate=goal.estimated(candidates[labels[label]].policy))
+               if labels.get(label) in candidates else r for label, r in measured.results.items()}  # fmt: skip
+    return dataclasses.replace(measured, estimate=record, results=results)
 
 
 def _say_if_no_trial_fits(budget_s: float, spent_s: float, trials_s: float) -> None:

@@ -25,7 +25,10 @@ COLUMNS = [
     # sqnr_db its output (fprop), grad_sqnr_db its parameters' gradient (wgrad), dgrad_sqnr_db the gradient it sends to
     # its inputs (dgrad; empty where none flows back in the model: a first layer on data). inf: equal; empty with
     # finite False: that result went non-finite
-    "layer", "type", "shape", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "dgrad_sqnr_db", "metric",
+    # tokens: the rows (inputs' leading dimensions) the layer's calls took per training step, the mean over the profiled
+    # train batches: a Linear's GEMMs are 2 * tokens * in * out FLOPs each (flops.py); empty where its calls were not
+    # recorded
+    "layer", "type", "shape", "tokens", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "dgrad_sqnr_db", "metric",
     "metric_drop", "finite", "overflow", "max_abs", "time_ms", "time_spread", "time_vs_fp32",
     # the most the live tensor bytes rose over the layer's isolated forward + backward after its timing (its output,
     # what it saves for backward, its gradients and casts; memory.py; no state, unlike a whole step's peak); empty
@@ -46,7 +49,7 @@ SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqn
 
 # profile.json's "version": the format of profile.json, profile.csv and grad_ranges.csv together. Raise it when any of
 # them changes (a column, a field, what a value means); Profile.load reads no other, and a search measures again.
-PROFILE_VERSION = 2  # 2: dgrad_sqnr_db
+PROFILE_VERSION = 3  # 2: dgrad_sqnr_db; 3: tokens
 
 
 @dataclasses.dataclass

@@ -310,6 +310,17 @@ def _strict(device: torch.device, step: Step) -> Step:
     return Step(run, step.model)
 
 
+def tokens(calls: list[_Call]) -> float | None:
+    """The rows a layer's recorded calls took per training step (a call's first floating input: every dimension but
+    the last), the mean over the train batches recorded; None where none was recorded."""
+    rows: dict[int, int] = {}
+    for call in calls:
+        first = _first_float(call.inputs)
+        if first is not None and first.dim() >= 1:
+            rows[call.batch] = rows.get(call.batch, 0) + math.prod(first.shape[:-1])
+    return sum(rows.values()) / len(rows) if rows else None
+
+
 def _shape(module: torch.nn.Module) -> str:
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor):
@@ -346,7 +357,7 @@ def _profile_layer(
     ruled out on the way (slower than fp32 beyond `slower_than`, fp16 gradients overflowing, non-finite,
     overflowing) is never chosen whatever the rest would say, so the rest is not measured, and `metric_source`
     says why."""
-    base = {"layer": name, "type": type(module).__name__, "shape": _shape(module)}
+    base = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "tokens": tokens(ref.calls[name])}
     rows: dict[Format, dict] = {Format.FP32: {**base, "format": "fp32", "status": "ok", "reason": "",
                                               "sqnr_db": math.inf, "metric": fp32_metric,
                                               "metric_drop": 0.0, "finite": True, "overflow": False,
@@ -761,7 +772,7 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
         formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
         if deadline.passed():
-            unprofiled = _unprofiled(name, modules[name], formats, fp32_metric, deadline.reason)
+            unprofiled = _unprofiled(name, modules[name], formats, fp32_metric, deadline.reason, ref.calls[name])
             for row in unprofiled:  # its gradient ranges were collected with every layer's: the loss-scale advice reads them
                 row.update(profile_columns(grads[name], row["format"], grad_table, config.max_underflow))
             rows.extend(unprofiled)
@@ -828,9 +839,12 @@ class Deadline:
             )  # fmt: skip
 
 
-def _unprofiled(name: str, module: torch.nn.Module, formats: list[Format], fp32_metric: float, reason: str) -> list[dict]:
+def _unprofiled(
+    name: str, module: torch.nn.Module, formats: list[Format], fp32_metric: float, reason: str, calls: list[_Call]
+) -> list[dict]:
     """A layer the profile's deadline left out: fp32 as measured (the reference), every lowered format ruled out."""
-    base = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "finite": None, "overflow": None}
+    base = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "tokens": tokens(calls),
+            "finite": None, "overflow": None}  # fmt: skip
     rows = [{**base, "format": "fp32", "status": "ok", "reason": "", "sqnr_db": math.inf, "metric": fp32_metric,
              "metric_drop": 0.0, "finite": True, "overflow": False, "metric_source": MEASURED}]  # fmt: skip
     rows += [{**base, "format": f.value, "status": "unsupported", "reason": reason, "metric_source": ""} for f in formats[1:]]

@@ -222,6 +222,8 @@ class Result:
     error: str | None = None
     peak_bytes: int | None = None
     memory_saving: float | None = None
+    # the goal's estimate for this candidate, not measured (the FLOP goal's: flops.py); None where the goal measures
+    estimate: float | None = None
 
     @classmethod
     def of(cls, m: Measurement) -> Result:
@@ -237,7 +239,7 @@ class Result:
         return {
             k: v
             for k, v in out.items()
-            if v is not None or k not in ("error", "train_skipped_steps", "peak_bytes", "memory_saving")
+            if v is not None or k not in ("error", "train_skipped_steps", "peak_bytes", "memory_saving", "estimate")
         }
 
     @classmethod
@@ -250,6 +252,7 @@ class Result:
             skipped_steps=_count(data.get("skipped_steps")), steps=_count(data.get("steps")),
             train_skipped_steps=_count(data.get("train_skipped_steps")), error=_text(data.get("error")),
             peak_bytes=_count(data.get("peak_bytes")), memory_saving=_number(data.get("memory_saving")),
+            estimate=_number(data.get("estimate")),
         )  # fmt: skip
 
 
@@ -314,6 +317,9 @@ class Measured:
     memory: str | None = None  # how peak memory was measured (memory.source), or why not
     max_memory: int | None = None  # --max-memory in bytes
     objective: str = "speed"  # what the search optimised within the budget: speed, or memory
+    # a goal's estimate, not a measurement (the FLOP goal's, flops.py: goal, target, "estimate": true, the value and
+    # its words, the FLOP shares, the target's rates and their source, every candidate's estimate); None: none made
+    estimate: Mapping[str, Any] | None = None
     loss_scale_search: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     search_space: str | None = None
     study: StudyRef = StudyRef()
@@ -334,7 +340,7 @@ class Measured:
             if f.name == "extra":
                 continue
             if (
-                f.name in ("budget_given", "why", "greedy", "stopped", "sweep", "created", "memory", "max_memory")
+                f.name in ("budget_given", "why", "greedy", "stopped", "sweep", "created", "memory", "max_memory", "estimate")
                 and value is None
             ):
                 continue
@@ -390,6 +396,7 @@ class Measured:
             memory=_text(data.get("memory")),
             max_memory=_count(data.get("max_memory")),
             objective=_text(data.get("objective")) or "speed",
+            estimate=data.get("estimate") if isinstance(data.get("estimate"), Mapping) else None,
             loss_scale_search=dict(_mapping(data.get("loss_scale_search"))),
             search_space=_text(data.get("search_space")),
             study=StudyRef(

@@ -186,15 +186,51 @@ def _saved(value: float | None) -> str:
 
 
 def result_rows(policy: Policy) -> list[list[object]]:
-    """One row per result; the memory columns only where some result has a measured peak."""
+    """One row per result; the memory columns only where some result has a measured peak; the goal's estimate last,
+    where it made one (result_headers names them)."""
     results = Measured.of(policy).results
     peaks = any(r.peak_bytes is not None for r in results.values())
+    estimates = any(r.estimate is not None for r in results.values())
     return [[name, as_float(r.metric), as_float(r.metric_drop), as_float(r.step_ms), _spread(r.spread), as_float(r.speedup),
-             *((human_bytes(r.peak_bytes), _saved(r.memory_saving)) if peaks else ())]
+             *((human_bytes(r.peak_bytes), _saved(r.memory_saving)) if peaks else ()),
+             *((as_float(r.estimate),) if estimates else ())]
             for name, r in results.items()]  # fmt: skip
 
 
 RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup", "peak memory", "vs fp32"]
+
+
+def result_headers(policy: Policy) -> list[str]:
+    """result_rows' headers: where the goal estimated (measured.estimate), the speedup is this machine's and the
+    estimate's column says on which target, and that it is one."""
+    m = Measured.of(policy)
+    peaks = any(r.peak_bytes is not None for r in m.results.values())
+    headers = RESULT_HEADERS[:6] + (RESULT_HEADERS[6:] if peaks else [])
+    est = estimate_of(m)
+    if est is None:
+        return headers
+    return [*headers[:5], "speedup here", *headers[6:], f"est. {est.get('target', '?')} (FLOPs)"]
+
+
+def estimate_of(m: Measured) -> Mapping[str, Any] | None:
+    """measured.estimate where the policy's goal made one (the FLOP goal's), else None."""
+    return m.estimate if m.estimate and isinstance(m.estimate.get("what"), str) else None
+
+
+def estimate_lines(m: Measured) -> list[str]:
+    """What a report says of an estimate: what it is, what it counts and from where, and that the step times are this
+    machine's, not the target's."""
+    est = estimate_of(m)
+    if est is None:
+        return []
+    rates = est.get("tflops")
+    rated = ", ".join(f"{k} {v:g}" for k, v in rates.items()) if isinstance(rates, Mapping) else "?"
+    return [
+        f"estimate: {m.chosen or 'the policy'}: {est['what']}; 1.0 = {est.get('baseline', 'all-bf16')}'s GEMM time on "
+        f"{est.get('device', est.get('target', '?'))}; counted: {est.get('counted', '?')}; nominal dense TFLOP/s: {rated} "
+        f"({est.get('source', '?')})",
+        f"speedup here: step times measured on this machine ({m.device or '?'}), not on {est.get('target', 'the target')}",
+    ]
 
 
 def memory_text(m: Measured) -> str:
@@ -270,9 +306,10 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
                 f"{_names(list(m.not_separated))} (inside their spread); it was chosen as the {_kind(m)}, and is "
                 "not shown faster than them"
             ))  # fmt: skip
+        parts.extend(say(line) for line in estimate_lines(m))
         if m.results:
             rows = result_rows(policy)
-            parts.append(table(RESULT_HEADERS[: len(rows[0])], rows))
+            parts.append(table(result_headers(policy), rows))
             parts.extend(say(f"{n} failed: {r.error}") for n, r in m.results.items() if r.error)
             parts.append(say(f"step time: {m.timing or ''}; speedup = fp32 step time / step time"))
             if m.memory:
@@ -414,13 +451,20 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
     table = markdown_table if markdown else text_table
     parts = [textwrap.fill(headline(result), WIDTH), LayerTable(policy).render(markdown=markdown)]
     finals: Finals = result.finals
+    m = Measured.of(policy)
+    est = estimate_of(m)
+    estimated = est.get("candidates") if est is not None else None
     rows = [
         [r.candidate, r.metric, r.metric_drop, r.step_ms, _spread(r.spread), f"{r.skipped}/{r.steps}", r.speedup,
-         human_bytes(r.peak_bytes), _saved(r.memory_saving), _verdict(r)]
+         human_bytes(r.peak_bytes), _saved(r.memory_saving), _verdict(r),
+         *((as_float(estimated.get(r.candidate)),) if isinstance(estimated, Mapping) else ())]
         for r in finals
     ]  # fmt: skip
-    parts.append(table(RESULT_HEADERS[:5] + ["skipped", "speedup", "peak memory", "vs fp32", "within budget"], rows))
-    m = Measured.of(policy)
+    headers = RESULT_HEADERS[:5] + ["skipped", "speedup", "peak memory", "vs fp32", "within budget"]
+    if isinstance(estimated, Mapping):  # the goal's value is an estimate: its column says so, the speedup is here
+        headers = [*headers[:6], "speedup here", *headers[7:], f"est. {est.get('target', '?')} (FLOPs)"]  # type: ignore[union-attr]
+    parts.append(table(headers, rows))
+    parts.extend(estimate_lines(m))
     parts.append(
         f"chosen: {m.chosen}{f' ({m.why})' if m.why else ''}; budget {_budget(m)}, "
         f"metric {m.metric}, {mode_text(m)}; search space {m.search_space or 'per layer'}; "
@@ -487,6 +531,10 @@ def headline(result: SearchResult) -> str:
     if picked is None or not picked.feasible:
         return f"chosen: {m.chosen} ({m.why or 'nothing else within budget'})"
     speed = f"{picked.speedup:.2f}x fp32's training-step speed ({_spread(picked.spread)})"
+    est = estimate_of(m)
+    if est is not None:  # the goal's value is an estimate for another device: said as one, the step times as here
+        return (f"chosen: {m.chosen}, {est['what']}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}; "
+                f"on this machine ({m.device}): {speed}")  # fmt: skip
     tied = tie(m, finals)
     if tied is None:
         return f"chosen: {m.chosen}, {speed}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}"

@@ -272,20 +272,25 @@ def _study_key(
     # trial count.
     shape = (space.layers, space.default, space.loss_scale, space.prune_slower_than) + ((space.exclude,) if space.exclude else ())
     space_hash = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
-    return {
-        "version": str(STUDY_VERSION),
-        "budget": repr(float(config.budget)),
-        "device": device_name(str(workload.device)),
-        "model": model_fingerprint(workload.model),
-        # a rebuilt model with other weights (retrained, or build_model() without a seed) is another study
-        "model weights": workload.weights,
-        "space": space_hash,
-        "mode": config.mode.value if config.mode is Mode.WEIGHTS else f"{config.mode.value}, {config.train_steps} steps",
-        "layout": f"{space.layout.value}, max_params {space.max_params}",
-        "objectives": objective_names(objectives, config.objective),
-        "compile": "compiled" if config.compile else "eager",
-        "max_memory": str(config.max_memory) if config.max_memory else "none",
-    } | ({} if profile_complete else {"profile": "cut short by a time budget"})  # its choices hold layers at fp32
+    target = {"target": config.target} if config.target else {}  # a targeted goal's values are the target's
+    return (
+        target
+        | {
+            "version": str(STUDY_VERSION),
+            "budget": repr(float(config.budget)),
+            "device": device_name(str(workload.device)),
+            "model": model_fingerprint(workload.model),
+            # a rebuilt model with other weights (retrained, or build_model() without a seed) is another study
+            "model weights": workload.weights,
+            "space": space_hash,
+            "mode": config.mode.value if config.mode is Mode.WEIGHTS else f"{config.mode.value}, {config.train_steps} steps",
+            "layout": f"{space.layout.value}, max_params {space.max_params}",
+            "objectives": objective_names(objectives, config.objective),
+            "compile": "compiled" if config.compile else "eager",
+            "max_memory": str(config.max_memory) if config.max_memory else "none",
+        }
+        | ({} if profile_complete else {"profile": "cut short by a time budget"})
+    )  # its choices hold layers at fp32
 
 
 OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}

@@ -1,0 +1,185 @@
+"""The FLOP goal (autoprec/tune/flops.py, issue 40): planning for a device this machine is not, by each Linear's GEMM
+FLOPs weighted by a target's nominal dense throughput (targets.py). An estimate, labelled as one everywhere; its
+trials are not timed, so a search on a CPU plans for a B200."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from short_timing import FAST_PROFILE, TINY
+
+from autoprec import load_policy
+from autoprec.formats import (
+    REGISTRY,
+    Format,
+    FormatFamily,
+    caller_precision,
+    families,
+    register_family,
+    register_format,
+    unregister_family,
+    unregister_format,
+)
+from autoprec.policy import ROOT, Policy
+from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune.flops import FLOPS, Flops, estimated_speedup, format_of, gemm_flops
+from autoprec.tune.goals import SPEED
+from autoprec.tune.searcher import search
+from autoprec.tune.space import space_from_dict
+from autoprec.tune.targets import B200, H100
+
+MODELS = Path(__file__).parent / "models"
+FP4 = "toy-fp4"  # a toy format the family says runs its GEMMs in nvfp4 (fprop, dgrad) and bf16 (wgrad)
+
+
+class ToyFp4Family(FormatFamily):
+    """Says its Linears' GEMMs run (nvfp4, nvfp4, bf16); computes them in fp32, exactly, except on a Linear of 4
+    outputs, whose output it zeroes: the one layer whose low format breaks any budget."""
+
+    name = "toy-fp4"
+
+    def gemm_precisions(self, fmt: Format) -> tuple[str, str, str]:
+        return ("nvfp4", "nvfp4", "bf16")
+
+    def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
+        return None if type(module) is torch.nn.Linear else f"{fmt} covers nn.Linear only"
+
+    def forward(self, fmt, module, inner, device_type, args, kwargs):
+        outer = torch.is_autocast_enabled(device_type)
+        (x, *_) = args
+        with torch.autocast(device_type, enabled=False):
+            out = torch.nn.functional.linear(x.float(), module.weight, module.bias)
+        return caller_precision(out * 0 if module.out_features == 4 else out, outer)
+
+
+@pytest.fixture
+def fp4():
+    before_formats, before_families = list(REGISTRY), families()
+    register_family(ToyFp4Family)
+    fmt = register_format(FP4, family="toy-fp4", inside="toy: nvfp4 fprop and dgrad, bf16 wgrad (computed in fp32)",
+                          fallback=Format.FP32, risky=True, linear_only=True)  # fmt: skip
+    yield fmt
+    unregister_format(FP4)
+    unregister_family("toy-fp4")
+    assert list(REGISTRY) == before_formats and families() == before_families
+
+
+def two_layers() -> pd.DataFrame:
+    """A profile's rows for a 2-layer MLP (32 -> 64 -> 4) that saw 16 rows per training step, and a ReLU."""
+    return pd.DataFrame([
+        {"layer": "fc1", "type": "Linear", "shape": "64x32", "tokens": 16.0, "format": "fp32", "status": "ok"},
+        {"layer": "fc1", "type": "Linear", "shape": "64x32", "tokens": 16.0, "format": "bf16", "status": "ok"},
+        {"layer": "head", "type": "Linear", "shape": "4x64", "tokens": 16.0, "format": "fp32", "status": "ok"},
+        {"layer": "act", "type": "ReLU", "shape": "", "tokens": 16.0, "format": "fp32", "status": "ok"},
+    ])  # fmt: skip
+
+
+def test_the_flop_count_and_the_estimate_match_a_hand_computation():
+    flops = gemm_flops(two_layers())
+    assert flops == {"fc1": 2 * 16 * 64 * 32, "head": 2 * 16 * 4 * 64}  # per GEMM; the ReLU counts none
+    f1, f2 = 65536.0, 8192.0
+    bf16, fp8, fp32 = 2250e12, 4500e12, 75e12  # B200's nominal dense rates
+    all_bf16 = 3 * (f1 + f2) / bf16
+    policy = Policy(layers={ROOT: Format.FP32, "fc1": Format.FP8, "head": Format.BF16})
+    assert estimated_speedup(policy, flops, B200) == pytest.approx(all_bf16 / (3 * f1 / fp8 + 3 * f2 / bf16))
+    # fp8-fwd: fprop in fp8, both gradient GEMMs in strict fp32 (the weight's dtype): far slower than bf16
+    fwd = Policy(layers={ROOT: Format.FP32, "fc1": Format.FP8_FWD, "head": Format.BF16})
+    assert estimated_speedup(fwd, flops, B200) == pytest.approx(all_bf16 / (f1 / fp8 + 2 * f1 / fp32 + 3 * f2 / bf16))
+    # an unlisted layer runs in the root's format: a bf16 root is all-bf16, 1.0 by definition
+    assert estimated_speedup(Policy(layers={ROOT: Format.BF16}), flops, B200) == pytest.approx(1.0)
+    assert format_of("head.inner", {ROOT: Format.BF16, "head": Format.FP8}) is Format.FP8
+    assert estimated_speedup(Policy(layers={ROOT: Format.FP32}), flops, H100) == pytest.approx(67 / 989.5)
+
+
+def test_the_families_say_what_each_gemm_runs_in(fp4):
+    assert Format.BF16.family.gemm_precisions(Format.BF16) == ("bf16", "bf16", "bf16")
+    assert Format.FP32.family.gemm_precisions(Format.FP32) == ("fp32", "fp32", "fp32")
+    assert Format.FP8.family.gemm_precisions(Format.FP8) == ("fp8", "fp8", "fp8")
+    assert Format.FP8_FWD_DGRAD.family.gemm_precisions(Format.FP8_FWD_DGRAD) == ("fp8", "fp8", "bf16")
+    assert Format.FP8_FWD.family.gemm_precisions(Format.FP8_FWD) == ("fp8", "fp32", "fp32")
+    # the toy's per-GEMM mix weights its work: two GEMMs at 4x bf16, one at bf16
+    flops = {"fc": 1e12}
+    estimate = estimated_speedup(Policy(layers={ROOT: Format.FP32, "fc": fp4}), flops, B200)
+    assert estimate == pytest.approx(3 / (2 / 4 + 1)) == pytest.approx(2.0)
+
+
+def test_a_target_that_lacks_a_format_refuses_it_naming_what_it_runs(fp4):
+    table = pd.concat([two_layers(), pd.DataFrame([{"layer": "fc1", "type": "Linear", "shape": "64x32", "tokens": 16.0,
+                                                    "format": FP4, "status": "ok"}])])  # fmt: skip
+    config = SearchConfig(budget=0.1, objective="flops", target="h100")
+    with pytest.raises(ValueError, match=r"target h100 \(NVIDIA H100 SXM5\) runs fp32, bf16, fp16, fp8: toy-fp4 needs nvfp4"):
+        FLOPS.bound(table, config)
+    bound = FLOPS.bound(table, SearchConfig(budget=0.1, objective="flops", target="b200"))
+    assert isinstance(bound, Flops) and bound.target is B200 and bound.flops == gemm_flops(table)
+
+
+def test_the_config_needs_a_target_for_flops_and_refuses_one_for_other_goals():
+    assert SearchConfig(budget=0.1, objective="flops", target="B200").target == "b200"
+    with pytest.raises(ValueError, match=r"objective flops needs target: one of b200, h100"):
+        SearchConfig(budget=0.1, objective="flops")
+    with pytest.raises(ValueError, match=r"target must be one of b200, h100, but got 'a100'"):
+        SearchConfig(budget=0.1, objective="flops", target="a100")
+    with pytest.raises(ValueError, match=r"target applies only to objective flops, not speed"):
+        SearchConfig(budget=0.1, target="b200")
+    with pytest.raises(ValueError, match=r"max_memory needs each trial's peak memory"):
+        SearchConfig(budget=0.1, objective="flops", target="b200", max_memory=10**9)
+    assert not FLOPS.timed and FLOPS.targeted and SPEED.timed and not SPEED.targeted
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--objective", "flops"], "autoprec: error: --objective flops needs --target: one of b200, h100"),
+        (["--objective", "flops", "--target", "a100"], "--target must be one of b200, h100, but got 'a100'"),
+        (["--objective", "speed", "--target", "b200"], "--target applies only to --objective flops, not speed"),
+    ],
+)
+def test_the_command_line_refuses_a_missing_unknown_or_unwanted_target(flags, said, capsys):
+    from autoprec.tune.cli import main
+
+    assert main(["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_search_on_a_cpu_plans_the_lowest_formats_the_budget_allows_for_a_b200(fp4, tmp_path, timings):
+    timings("slower")  # this machine's speed: the toy runs slower than fp32 here, and that does not matter
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16", FP4]}, "trials": 10})
+    config = SearchConfig(budget=0.01, objective="flops", target="b200", trials=10, timing=TINY, final_timing=TINY,
+                          finalists=2, progress=False, profile=FAST_PROFILE)  # fmt: skip
+    result = search(workload, space, config, tmp_path)
+
+    policy = load_policy(tmp_path / "policy.json")
+    # the toy on the head zeroes the logits (over budget); fc1 and big take it, the head the next lowest, bf16
+    assert policy.layers["fc1"] is fp4 and policy.layers["big"] is fp4 and policy.layers["head"] is Format.BF16
+    m = policy.measured
+    assert m["objective"] == "flops" and m["estimate"]["goal"] == "flops" and m["estimate"]["target"] == "b200"
+    assert m["estimate"]["estimate"] is True and "(FLOP count, not measured)" in m["estimate"]["what"]
+    flops = {"fc1": 2 * 16 * 64 * 32, "big": 2 * 16 * 64 * 64, "head": 2 * 16 * 4 * 64}
+    assert m["estimate"]["value"] == pytest.approx(estimated_speedup(policy, flops, B200))
+    assert m["results"]["policy"]["estimate"] == pytest.approx(m["estimate"]["value"])
+    assert m["why"].startswith("the largest estimated GEMM speedup on b200 within budget: estimated ")
+    assert json.loads((tmp_path / "policy.json").read_text())["measured"]["estimate"]["target"] == "b200"
+
+    trials = result.trials
+    assert trials["step_ms"].isna().all() or "step_ms" not in trials  # no trial was timed here
+    summary = result.summary()
+    assert summary.startswith(f"chosen: {m['chosen']}, estimated ") and "(FLOP count, not measured)" in summary
+    assert "est. b200 (FLOPs)" in summary and "speedup here" in summary and "not on b200" in summary
+
+    from autoprec.tune.report import show_policy
+
+    shown = show_policy(policy)
+    assert "not measured" in shown and "est. b200 (FLOPs)" in shown and "speedup here" in shown
+
+
+def test_the_estimate_is_never_nan_and_needs_a_bound_goal():
+    with pytest.raises(RuntimeError, match="bound"):
+        FLOPS.estimated(Policy(layers={ROOT: Format.FP32}))
+    assert math.isfinite(estimated_speedup(Policy(layers={ROOT: Format.FP32}), {}, B200))
