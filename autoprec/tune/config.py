@@ -260,7 +260,10 @@ class SearchConfig:
         remeasure: A rerun of a finished study re-measures its finalists and chooses again, on new timing noise,
             instead of keeping the result it wrote. Default False.
         objective: What the search optimises within the budget: a registered goal (goals.py) or its name,
-            "speed" (the default: the fastest step) or "memory" (the smallest peak memory).
+            "speed" (the default: the fastest step), "memory" (the smallest peak memory) or "flops" (the most GEMM
+            work in low formats, weighted by a target device's nominal throughput: an estimate, never measured).
+        target: The device a "flops" search plans for, a registered target's name (targets.py: "b200", "h100");
+            required by that goal and refused by the others. Default None.
         max_memory: The most peak memory a candidate may need, in bytes (an integer >= 1); above it a candidate is
             infeasible. Default None: no limit.
         predict_speed: Leave untimed a trial whose speedup, predicted from the profile's layer times, cannot make
