@@ -1,7 +1,7 @@
 """The precision formats, their numeric limits, and which device supports what.
 
-Formats come in families (base.FormatFamily), each its own module: `autocast` (fp32, bf16, fp16) and `float8`
-(torchao's float8 training and its per-GEMM mixes). A format is a registered `Format` (a string equal to its name);
+Formats come in families (base.FormatFamily), each its own module: `autocast` (fp32, bf16, fp16), `float8`
+(torchao's float8 training and its per-GEMM mixes) and `blockscaled` (MXFP8 and NVFP4 per GEMM, emulated). A format is a registered `Format` (a string equal to its name);
 its facts are its `FormatSpec`, its runtime its family. `register_family` and `register_format` add new ones from
 outside autoprec (docs/policy-file.md, "Adding a format family")."""
 
@@ -39,6 +39,7 @@ from autoprec.formats.float8 import (
     fp8_shape_problem,
     has_fp8_kernels,
 )
+from autoprec.formats.blockscaled import BlockGemms, BlockScaledFamily  # after float8: mxfp8 falls back to bf16
 
 # The built-in formats, as the enum they were listed them (a format registered later is in Format and REGISTRY).
 FORMATS: tuple[str, ...] = tuple(f.value for f in Format)
@@ -81,7 +82,7 @@ def device_name(device: str) -> str:
 
 __all__ = [
     "AUTOCAST_DTYPE", "E4M3_MAX", "FORMATS", "FP16_MAX", "FP8_DIM_MULTIPLE", "FP8_FORMATS", "REGISTRY", "RISKY",
-    "AutocastFamily", "Converted", "Float8Family", "Format", "FormatFamily", "FormatSpec", "Fp8Backend", "Fp8Gemms",
+    "AutocastFamily", "BlockGemms", "BlockScaledFamily", "Converted", "Float8Family", "Format", "FormatFamily", "FormatSpec", "Fp8Backend", "Fp8Gemms",
     "autocast_supported", "caller_precision", "default_device", "device_name", "families", "family_named",
     "float8_linear_config", "format_names", "format_problem", "fp8_backend", "fp8_input_dtype", "fp8_shape_problem",
     "has_fp8_kernels", "parse_format", "register_family", "register_format", "unregister_family", "unregister_format",

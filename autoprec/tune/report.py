@@ -336,7 +336,7 @@ def break_floor(fmt: str) -> float:
         return -math.inf
     if spec.format is Format.FP32:
         return -math.inf
-    return spec.format.family.sqnr_floor_db
+    return spec.format.family.sqnr_floor(spec.format)
 
 
 def breaks(table: pd.DataFrame, budget: float | None = None) -> list[Break]:
