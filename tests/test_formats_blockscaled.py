@@ -215,7 +215,9 @@ def test_refusals_name_the_value_and_the_fix():
     problem = format_problem(Format("nvfp4-fwd"), nn.Linear(32, 40), "cpu")  # 16x16 weight tiles: both dimensions
     assert "out_features divisible by 16" in problem and "out_features 48" in problem
     assert format_problem(Format("mxfp8-fwd"), nn.Linear(32, 40), "cpu") is None  # fprop contracts over in_features only
-    with pytest.raises(ValueError, match=r"layer '0' cannot be mxfp8-fwd-dgrad here: .*out_features divisible by 32.*give it bf16"):
+    with pytest.raises(
+        ValueError, match=r"layer '0' cannot be mxfp8-fwd-dgrad here: .*out_features divisible by 32.*give it bf16"
+    ):
         apply_policy(nn.Sequential(nn.Linear(32, 40)), Policy(layers={"0": "mxfp8-fwd-dgrad"}))
     with pytest.raises(ValueError, match=r"the model itself \(''\) cannot be nvfp4: .*list the Linear layers by name"):
         apply_policy(nn.Sequential(nn.Linear(32, 32)), Policy(layers={"": "nvfp4"}))

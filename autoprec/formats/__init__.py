@@ -27,6 +27,7 @@ from autoprec.formats.base import (
     unregister_family,
     unregister_format,
 )
+from autoprec.formats.blockscaled import BlockGemms, BlockScaledFamily
 from autoprec.formats.float8 import (
     E4M3_MAX,
     FP8_DIM_MULTIPLE,
@@ -39,7 +40,6 @@ from autoprec.formats.float8 import (
     fp8_shape_problem,
     has_fp8_kernels,
 )
-from autoprec.formats.blockscaled import BlockGemms, BlockScaledFamily  # after float8: mxfp8 falls back to bf16
 
 # The built-in formats, as the enum they were listed them (a format registered later is in Format and REGISTRY).
 FORMATS: tuple[str, ...] = tuple(f.value for f in Format)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import autoprec.formats.autocast  # noqa: F401  bf16, the fallback
+import autoprec.formats.float8  # noqa: F401  registered first: the fp8 formats precede these in Format's order
 from autoprec.formats.base import (
     Converted,
     Format,
@@ -124,10 +126,7 @@ def shape_problem(fmt: Format, module: torch.nn.Module) -> str | None:
         return None
     said = " and ".join(f"{dim} divisible by {block}" for dim, block in bad)
     fix = ", ".join(f"{dim} {-(-sizes[dim] // block) * block}" for dim, block in bad)
-    return (
-        f"{fmt.value} needs {said} (its GEMMs' blocks run along them), got Linear({in_f}, {out_f}); "
-        f"pad the layer to {fix}"
-    )
+    return f"{fmt.value} needs {said} (its GEMMs' blocks run along them), got Linear({in_f}, {out_f}); pad the layer to {fix}"
 
 
 class _Route(torch.autograd.Function):
@@ -315,8 +314,7 @@ Format.MXFP8 = _register(
 _register("mxfp8-fwd", f"MXFP8 (emulated) forward only: fprop as mxfp8; dgrad and wgrad {_HP}", BlockGemms(MX))
 _register(
     "mxfp8-fwd-dgrad",
-    f"MXFP8 (emulated) forward and input gradient: fprop and dgrad as mxfp8; wgrad {_HP} (torchao's "
-    "mxfp8_rceil_wgrad_with_hp)",
+    f"MXFP8 (emulated) forward and input gradient: fprop and dgrad as mxfp8; wgrad {_HP} (torchao's mxfp8_rceil_wgrad_with_hp)",
     BlockGemms(MX, MX),
 )
 _register(
