@@ -381,6 +381,13 @@ def breaks_summary(table: pd.DataFrame, *, budget: float | None = None, limit: i
     one line when nothing does."""
     found = breaks(table, budget)
     floors = f"{BREAK_SQNR_DB_FP8:g} dB (fp8) / {BREAK_SQNR_DB_16BIT:g} dB (bf16, fp16)"
+    # the other floors of the formats in the table (the block-scaled ones: 20 dB MXFP8, 10 dB NVFP4)
+    others: dict[float, list[str]] = {}
+    for f in dict.fromkeys(table["format"]):
+        floor = break_floor(f)
+        if math.isfinite(floor) and floor not in (BREAK_SQNR_DB_FP8, BREAK_SQNR_DB_16BIT):
+            others.setdefault(floor, []).append(f)
+    floors += "".join(f" / {floor:g} dB ({', '.join(names)})" for floor, names in others.items())
     over = f", no metric drop over {budget:g}" if budget is not None else ""
     if not found:
         line = f"which layer breaks: none; every GEMM measured is finite, its SQNR against fp32 >= {floors}{over}"
