@@ -79,7 +79,7 @@ def test_a_registered_format_is_a_format_like_the_built_in_ones(toy):
 
 def test_unregistered_it_is_no_format_and_the_errors_name_the_choices():
     assert TOY not in [f.value for f in Format]
-    with pytest.raises(ValueError, match=r"format must be one of fp32, bf16, .*mxfp8, but got 'toy-int8-fakequant'"):
+    with pytest.raises(ValueError, match=r"format must be one of fp32, bf16, .*mxfp8, .*nvfp4, .*, but got 'toy-int8-fakequant'"):
         parse_format(TOY)
 
 

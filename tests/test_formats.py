@@ -26,7 +26,8 @@ def test_every_format_has_exactly_one_registry_entry_keyed_by_itself():
     assert all(spec.format is fmt for fmt, spec in REGISTRY.items())
     assert FORMATS == (
         "fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp",
-        "fp8-fwd", "fp8-fwd-dgrad", "fp8-rowwise-fwd", "fp8-rowwise-fwd-dgrad", "mxfp8",
+        "fp8-fwd", "fp8-fwd-dgrad", "fp8-rowwise-fwd", "fp8-rowwise-fwd-dgrad",
+        "mxfp8", "mxfp8-fwd", "mxfp8-fwd-dgrad", "nvfp4", "nvfp4-fwd", "nvfp4-fwd-dgrad", "mxfp8-fwd-nvfp4-dgrad",
     )  # fmt: skip
 
 
@@ -50,9 +51,12 @@ def test_a_layout_falls_back_along_the_registry(fmt, options, expected):
 
 def test_only_fp16_needs_a_loss_scale_and_the_low_formats_count_as_risky():
     assert [f for f in Format if f.spec.loss_scale] == [Format.FP16]
-    assert set(RISKY) == {Format.FP16, *FP8_FORMATS}
+    blockscaled = {f for f in Format if f.family.name == "blockscaled"}
+    assert Format.MXFP8 in blockscaled and len(blockscaled) == 7
+    assert set(RISKY) == {Format.FP16, *FP8_FORMATS, *blockscaled}
+    # mxfp8 is the blockscaled family's emulation, not torchao's float8
     assert set(FP8_FORMATS) == {
-        Format.FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP, Format.MXFP8,
+        Format.FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP,
         Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD,
     }  # fmt: skip
 
@@ -93,11 +97,11 @@ def test_each_per_gemm_mix_keeps_fp8s_safety_settings():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's refusals")
-def test_on_a_cpu_every_fp8_format_is_emulated_and_mxfp8_says_why_it_is_not(no_gpu_contract):
-    for fmt in FP8_FORMATS:
-        if fmt is not Format.MXFP8:  # apply_policy casts their inputs, so torchao's emulation runs each recipe
-            assert format_problem(fmt, nn.Linear(32, 32), "cpu") is None, fmt
-    assert "10.0+" in format_problem(Format.MXFP8, nn.Linear(32, 32), "cpu")
+def test_on_a_cpu_every_fp8_and_mx_format_runs_emulated(no_gpu_contract):
+    # apply_policy casts their inputs, so torchao's emulation runs each fp8 recipe; mxfp8 and nvfp4 are emulated by
+    # the blockscaled family everywhere (they were refused, "needs CUDA compute capability 10.0+", before it)
+    for fmt in (*FP8_FORMATS, *(f for f in Format if f.family.name == "blockscaled")):
+        assert format_problem(fmt, nn.Linear(32, 32), "cpu") is None, fmt
 
 
 def test_a_linear_only_format_names_itself_when_the_module_cannot_take_it():
@@ -133,14 +137,16 @@ def test_fp8_takes_a_linear_subclass_only_where_torchaos_plain_float8linear_woul
 
 
 def test_parse_format_lists_every_registered_format_on_a_typo():
-    with pytest.raises(ValueError, match="fp8-rowwise-fwd-dgrad, mxfp8, but got 'fp8-row'"):
+    with pytest.raises(ValueError, match="fp8-rowwise-fwd-dgrad, mxfp8, .*, mxfp8-fwd-nvfp4-dgrad, but got 'fp8-row'"):
         parse_format("fp8-row")
 
 
-def test_on_a_blackwell_gpu_mxfp8_is_still_refused_and_says_why(monkeypatch, no_gpu_contract):
+def test_on_a_blackwell_gpu_mxfp8_runs_its_emulation_too(monkeypatch, no_gpu_contract):
+    # autoprec runs no torchao MX kernel: the emulation, and the profile says "no kernel on this device"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    assert "does not yet run mxfp8" in Format.MXFP8.spec.device_problem("cuda")
+    assert Format.MXFP8.spec.device_problem("cuda") is None
+    assert not Format.MXFP8.family.has_kernels(Format.MXFP8, torch.device("cuda"))
     assert Format.FP8_ROWWISE_GW_HP.spec.device_problem("cuda") is None  # fp8 kernels: every torchao recipe runs
 
 

@@ -106,9 +106,10 @@ def test_without_fp16_nothing_is_skipped(workload):
 def test_a_candidate_whose_step_fails_is_reported_and_the_others_are_timed(workload):
     from autoprec.tune.trainer import measure_steps_or_fail
 
-    stats, failed = measure_steps_or_fail(workload, {"fp32": Policy(), "bad": Policy(layers={"fc1": "mxfp8"})}, FAST)
+    # head is Linear(64, 4): mxfp8's dgrad needs out_features in blocks of 32
+    stats, failed = measure_steps_or_fail(workload, {"fp32": Policy(), "bad": Policy(layers={"head": "mxfp8"})}, FAST)
     assert set(stats) == {"fp32"} and set(failed) == {"bad"}
-    assert failed["bad"].startswith("ValueError: layer 'fc1' cannot be mxfp8 here")
+    assert failed["bad"].startswith("ValueError: layer 'head' cannot be mxfp8 here")
 
 
 def test_matmul_precision_sets_strict_or_tf32_on_cuda_and_restores_the_callers_settings(no_gpu_contract):

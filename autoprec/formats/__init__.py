@@ -1,7 +1,7 @@
 """The precision formats, their numeric limits, and which device supports what.
 
-Formats come in families (base.FormatFamily), each its own module: `autocast` (fp32, bf16, fp16) and `float8`
-(torchao's float8 training and its per-GEMM mixes). A format is a registered `Format` (a string equal to its name);
+Formats come in families (base.FormatFamily), each its own module: `autocast` (fp32, bf16, fp16), `float8`
+(torchao's float8 training and its per-GEMM mixes) and `blockscaled` (MXFP8 and NVFP4 per GEMM, emulated). A format is a registered `Format` (a string equal to its name);
 its facts are its `FormatSpec`, its runtime its family. `register_family` and `register_format` add new ones from
 outside autoprec (docs/policy-file.md, "Adding a format family")."""
 
@@ -28,6 +28,7 @@ from autoprec.formats.base import (
     unregister_family,
     unregister_format,
 )
+from autoprec.formats.blockscaled import BlockGemms, BlockScaledFamily
 from autoprec.formats.float8 import (
     E4M3_MAX,
     FP8_DIM_MULTIPLE,
@@ -83,7 +84,8 @@ def device_name(device: str) -> str:
 __all__ = [
     "AUTOCAST_DTYPE", "E4M3_MAX", "FORMATS", "FP16_MAX", "FP8_DIM_MULTIPLE", "FP8_FORMATS", "GEMM_PRECISIONS", "REGISTRY",
     "RISKY",
-    "AutocastFamily", "Converted", "Float8Family", "Format", "FormatFamily", "FormatSpec", "Fp8Backend", "Fp8Gemms",
+    "AutocastFamily", "BlockGemms", "BlockScaledFamily", "Converted", "Float8Family", "Format", "FormatFamily",
+    "FormatSpec", "Fp8Backend", "Fp8Gemms",
     "autocast_supported", "caller_precision", "default_device", "device_name", "families", "family_named",
     "float8_linear_config", "format_names", "format_problem", "fp8_backend", "fp8_input_dtype", "fp8_shape_problem",
     "has_fp8_kernels", "parse_format", "register_family", "register_format", "unregister_family", "unregister_format",

@@ -185,6 +185,17 @@ class FormatFamily(abc.ABC):
         """Why the model itself cannot be `fmt`, or None (the default)."""
         return None
 
+    def has_kernels(self, fmt: Format, device: torch.device) -> bool:
+        """Whether `fmt`'s time on `device` says anything about its speed (True, the default: what runs there is
+        what trains there). False where it runs an emulation only: the profile records its time as "no kernel on
+        this device" instead of measuring it, and a search rules it out (its trials would time the emulation)."""
+        return True
+
+    def sqnr_floor(self, fmt: Format) -> float:
+        """The SQNR (dB) against fp32 below which a GEMM result in `fmt` counts as broken (report.breaks): the
+        family's `sqnr_floor_db` unless its formats differ (one floor per element format)."""
+        return self.sqnr_floor_db
+
     def overflow_limit(self, fmt: Format) -> float | None:
         """The value above which its forward saturates to inf (fp16's 65504), or None where nothing does (scaled
         casts, the fp32 range): the profile counts overflow against it."""

@@ -1,5 +1,5 @@
 """The float8 family: torchao's float8 training (Float8Linear) with a per-GEMM choice of which of a Linear's three
-GEMMs run in fp8 and how their operands are scaled (`Fp8Gemms`), and MX fp8, which autoprec refuses to run yet.
+GEMMs run in fp8 and how their operands are scaled (`Fp8Gemms`). (MX fp8 is the blockscaled family's: blockscaled.py.)
 apply_policy swaps each listed Linear for torchao's Float8Linear of its recipe (`Float8Family.convert`) and casts
 its input by one rule on every device (`fp8_input_dtype`)."""
 
@@ -317,9 +317,6 @@ class Float8Family(FormatFamily):
         if spec.min_capability is None:
             return None
         has = _package()._has_capability(device, spec.min_capability)
-        if fmt is Format.MXFP8 and has:
-            # No session has had a Blackwell GPU to build and test it on; refuse rather than run it untested.
-            return "autoprec does not yet run mxfp8 (torchao's mxfp8 training is a prototype it has not been tested with)"
         if has or spec.emulation_works:
             return None
         need = ".".join(map(str, spec.min_capability))
@@ -344,10 +341,10 @@ class Float8Family(FormatFamily):
         casts the input to, autocast off inside the layer: a per-GEMM mix's by a fixed rule whatever the caller's
         autocast (dgrad high: the weight's dtype, fp32 master weights, so "fp32"; dgrad fp8: bf16); a recipe's in the
         caller's autocast dtype, else the weight's: "fp32" here, as called outside autocast (under a bf16 root
-        rowwise_with_gw_hp's wgrad runs in bf16, which this undercounts). MX fp8 (refused to run yet): "mxfp8"."""
+        rowwise_with_gw_hp's wgrad runs in bf16, which this undercounts)."""
         gemms = fmt.spec.fp8
         if gemms is None:
-            return ("mxfp8", "mxfp8", "mxfp8") if fmt is Format.MXFP8 else super().gemm_precisions(fmt)
+            return super().gemm_precisions(fmt)
         high = "fp32" if gemms.recipe is not None or not gemms.dgrad else "bf16"
         fprop, dgrad, wgrad = ("fp8" if getattr(gemms, g) else high for g in ("fprop", "dgrad", "wgrad"))
         return (fprop, dgrad, wgrad)
@@ -458,11 +455,4 @@ Format.FP8_ROWWISE_FWD_DGRAD = register_format(
     inside="torchao float8, rowwise, forward and input gradient: e4m3, one scale per row; the weight gradient in bf16",
     fp8=Fp8Gemms("rowwise", wgrad=False),
     **_FP8,
-)
-Format.MXFP8 = register_format(
-    "mxfp8",
-    inside="MX fp8: e4m3 with one power-of-two scale per 32 elements (Blackwell tensor cores)",
-    emulation_works=False,
-    why_no_emulation="autoprec does not run torchao's mxfp8 training prototype, which needs that hardware",
-    **{**_FP8, "min_capability": (10, 0)},
 )

@@ -38,12 +38,15 @@ COLUMNS = [
     # layer, the fractions of nonzero gradient elements this format flushes to zero / leaves subnormal /
     # overflows, and (fp16 rows) the layer's own loss-scale range in log2
     "grad_amax", "grad_amin", "grad_underflow", "grad_subnormal", "grad_overflow", "scale_low_log2", "scale_high_log2",
-    # the layer whose timing this row reuses: layers of one type, configuration and input shapes are timed once
+    # the layer whose timing this row reuses: layers of one type, configuration and input shapes are timed once;
+    # NO_KERNEL where the format runs an emulation only on this device (FormatFamily.has_kernels): not timed
     "timed_as",
     # "measured", or why the metric was not evaluated: a format the profile already rules out (slower than
     # fp32 by more than the space's prune.slower_than, non-finite, overflowing) is never chosen, whatever its drop
     "metric_source",
 ]  # fmt: skip
+
+NO_KERNEL = "no kernel on this device"  # timed_as of a format not timed here: its emulation's time is no speed
 
 SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqnr_db"}  # each GEMM's column
 
@@ -133,7 +136,8 @@ class Profile:
 
 def ruled_out(row: Mapping[str, Any], budget: float | None, slower_than: float) -> str | None:
     """Why the profile rules a format out for a layer (a row of the table), or None. `budget` None: do not
-    judge the single-layer drop (train mode, whose budget is on another measurement; or before it is known)."""
+    judge the single-layer drop (train mode, whose budget is on another measurement; or before it is known).
+    `slower_than` inf: do not judge speed (a profile on its own), which also keeps a format with no kernel here."""
     if row["status"] != "ok":
         return str(row["reason"])
     if flag(row.get("finite")) is False:
@@ -153,6 +157,9 @@ def ruled_out(row: Mapping[str, Any], budget: float | None, slower_than: float) 
     drop = as_float(row.get("metric_drop"))
     if budget is not None and drop > budget:
         return f"alone drops the metric by {drop:.4g} > budget {budget:g}"
+    if row.get("timed_as") == NO_KERNEL and math.isfinite(slower_than):
+        # a search weighs each format's speed on this device: one that only runs emulated here has none to weigh
+        return f"{NO_KERNEL}: {row['format']} runs emulated here, so its speed is unknown"
     ratio = as_float(row.get("time_vs_fp32"))
     spread = as_float(row.get("time_spread"))  # NaN where probed only: many times slower, beyond any noise
     # measured inside wide noise (a loaded machine), a slowdown rules nothing out: the search's whole steps judge it

@@ -33,7 +33,7 @@ from autoprec.tune.config import METRIC_REPEAT_TOLERANCE, ProfileConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.gradients import LayerGradients, collect, profile_columns, scale_table
 from autoprec.tune.metric import evaluate_metric, metric_name, metric_of, sqnr_db
-from autoprec.tune.profile_data import COLUMNS, SQNR_COLUMNS, Profile, as_float, ruled_out
+from autoprec.tune.profile_data import COLUMNS, NO_KERNEL, SQNR_COLUMNS, Profile, as_float, ruled_out
 from autoprec.tune.space import SearchSpace
 from autoprec.tune.task import Workload, check_loss
 from autoprec.tune.timing import Step, interleaved_times, probe_times
@@ -390,14 +390,17 @@ def _profile_layer(
         rows[fmt] = {**base, "format": fmt.value, "max_abs": max_abs, "status": "unsupported" if reason else "ok",
                      "reason": reason or "", "finite": None, "overflow": None, "metric_source": ""}  # fmt: skip
     ok = [f for f in formats if rows[f]["status"] == "ok"]
-    key = _timing_key(module, inputs, ok)
+    # a format that runs an emulation only here is not timed: its time would say nothing of its speed (NO_KERNEL)
+    emulated = {f for f in ok if not f.family.has_kernels(f, workload.device)}
+    to_time = [f for f in ok if f not in emulated]
+    key = _timing_key(module, inputs, to_time)
     if key in timed:  # a repeated block's layer: its time is the first one's
         timed_as, times, failed = timed[key]
-        watch.count("profile: layer timings reused (same type, shapes and formats)", len(ok))
+        watch.count("profile: layer timings reused (same type, shapes and formats)", len(to_time))
     else:
         stage = "profile: layer timing (forward + backward per format" + (", compiled)" if config.compile else ")")
         with watch.section(stage):
-            times, failed = _time_layer(workload, name, module, inputs, ok, config)
+            times, failed = _time_layer(workload, name, module, inputs, to_time, config)
         timed_as = name
         timed[key] = (timed_as, times, failed)
     for fmt, reason in failed.items():
@@ -405,7 +408,8 @@ def _profile_layer(
     fp32_ms = times[Format.FP32][0]
     for fmt, row in rows.items():
         ms, spread, peak = times.get(fmt, (math.nan, math.nan, None))
-        row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan, timed_as=timed_as,
+        row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan,
+                   timed_as=NO_KERNEL if fmt in emulated else timed_as,
                    step_rise_bytes=peak if peak is not None else math.nan)  # fmt: skip
         row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
     # numerics do not depend on the device's speed: only a search's own profile ("offered") leaves a slow format's out

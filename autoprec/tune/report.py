@@ -22,7 +22,7 @@ from autoprec.tune.cost import cost_rows
 from autoprec.tune.goals import recorded_goal
 from autoprec.tune.gradients import ScaleAdvice
 from autoprec.tune.memory import format_change, human_bytes
-from autoprec.tune.profile_data import SQNR_COLUMNS, as_float, flag
+from autoprec.tune.profile_data import NO_KERNEL, SQNR_COLUMNS, as_float, flag
 from autoprec.tune.records import Finals, Measured, Measurement
 
 if TYPE_CHECKING:  # the results import this module to print themselves
@@ -336,14 +336,16 @@ def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
             r = by.get(f)
             if r is None or r["status"] != "ok":
                 row += ["n/a", "", ""]
-            elif flag(r["finite"]) is False or flag(r["overflow"]) is True:
-                row += ["inf/nan", "", float(r["time_vs_fp32"])]
+                continue
+            speed: object = NO_KERNEL if r["timed_as"] == NO_KERNEL else float(r["time_vs_fp32"])
+            if flag(r["finite"]) is False or flag(r["overflow"]) is True:
+                row += ["inf/nan", "", speed]
             elif str(r["metric_source"]).startswith("not measured"):
-                row += ["ruled out", "", float(r["time_vs_fp32"])]
+                row += ["ruled out", "", speed]
             elif str(r["metric_source"]).startswith("predicted"):
-                row += [float(r["sqnr_db"]), f"~{float(r['metric_drop']):.3g}", float(r["time_vs_fp32"])]
+                row += [float(r["sqnr_db"]), f"~{float(r['metric_drop']):.3g}", speed]
             else:
-                row += [float(r["sqnr_db"]), float(r["metric_drop"]), float(r["time_vs_fp32"])]
+                row += [float(r["sqnr_db"]), float(r["metric_drop"]), speed]
         rows.append(row)
     return fmt_table(headers, rows)
 
@@ -373,7 +375,7 @@ def break_floor(fmt: str) -> float:
         return -math.inf
     if spec.format is Format.FP32:
         return -math.inf
-    return spec.format.family.sqnr_floor_db
+    return spec.format.family.sqnr_floor(spec.format)
 
 
 def breaks(table: pd.DataFrame, budget: float | None = None) -> list[Break]:
@@ -416,6 +418,13 @@ def breaks_summary(table: pd.DataFrame, *, budget: float | None = None, limit: i
     one line when nothing does."""
     found = breaks(table, budget)
     floors = f"{BREAK_SQNR_DB_FP8:g} dB (fp8) / {BREAK_SQNR_DB_16BIT:g} dB (bf16, fp16)"
+    # the other floors of the formats in the table (the block-scaled ones: 20 dB MXFP8, 10 dB NVFP4)
+    others: dict[float, list[str]] = {}
+    for f in dict.fromkeys(table["format"]):
+        floor = break_floor(f)
+        if math.isfinite(floor) and floor not in (BREAK_SQNR_DB_FP8, BREAK_SQNR_DB_16BIT):
+            others.setdefault(floor, []).append(f)
+    floors += "".join(f" / {floor:g} dB ({', '.join(names)})" for floor, names in others.items())
     over = f", no metric drop over {budget:g}" if budget is not None else ""
     if not found:
         line = f"which layer breaks: none; every GEMM measured is finite, its SQNR against fp32 >= {floors}{over}"
@@ -732,7 +741,7 @@ def search_markdown(result: SearchResult, command: str) -> str:
         f"dB: output SQNR against fp32; drop: metric drop with the layer lowered alone (~: predicted, an equal share "
         f"of its group's drop; `ruled out`: not run, the format already was: slower than fp32 beyond "
         f"prune.slower_than, non-finite or overflowing; profile.csv's metric_source says which); x time: the "
-        f"layer's forward+backward time over fp32's.\n\n"
+        f"layer's forward+backward time over fp32's ({NO_KERNEL}: a format that runs emulated here, not timed).\n\n"
         f"![profile heat map](profile.png)\n\n"
         f"## Gradient ranges\n\n{gradient_summary(prof.table, prof.advice(), markdown=True)}\n\n"
         f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
