@@ -183,3 +183,25 @@ def test_the_estimate_is_never_nan_and_needs_a_bound_goal():
     with pytest.raises(RuntimeError, match="bound"):
         FLOPS.estimated(Policy(layers={ROOT: Format.FP32}))
     assert math.isfinite(estimated_speedup(Policy(layers={ROOT: Format.FP32}), {}, B200))
+
+
+def test_a_flops_search_on_a_cpu_writes_a_policy_with_mxfp8_or_nvfp4_layers_labelled_an_estimate(tmp_path, timings):
+    """Issue 40's "done when": the blockscaled formats have no kernel on a CPU, so a speed search rules them out (their
+    time here is an emulation's); a plan for a B200, which runs them, keeps them and writes them, as an estimate."""
+    timings("slower")
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    lowest = ["fp32", "bf16", "mxfp8", "nvfp4"]
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": lowest}, "trials": 12})
+    config = SearchConfig(budget=0.5, objective="flops", target="b200", trials=12, timing=TINY, final_timing=TINY,
+                          finalists=2, progress=False, profile=FAST_PROFILE)  # fmt: skip
+    result = search(workload, space, config, tmp_path)
+
+    policy = load_policy(tmp_path / "policy.json")
+    blockscaled = {n: f.value for n, f in policy.layers.items() if f.family.name == "blockscaled"}
+    assert blockscaled, {n: f.value for n, f in policy.layers.items()}
+    rows = result.profile.table
+    kept = rows[(rows["layer"] == "big") & rows["format"].isin(["mxfp8", "nvfp4"])]
+    assert set(kept["timed_as"]) == {"no kernel on this device"} and (kept["status"] == "ok").all()
+    m = policy.measured
+    assert m["estimate"]["target"] == "b200" and m["estimate"]["estimate"] is True
+    assert m["estimate"]["value"] > 1.0  # lower than all-bf16 on the B200's throughput table

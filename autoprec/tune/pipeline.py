@@ -49,7 +49,7 @@ from autoprec.tune.credentials import hide_credentials
 from autoprec.tune.finalists import final_remeasure, gather_candidates
 from autoprec.tune.objective import Judge, Objective, run_trials
 from autoprec.tune.out_dir import SavedProfile, claim_out_dir, disk_full, earlier_result, reuse_or_profile
-from autoprec.tune.profile_data import Profile
+from autoprec.tune.profile_data import SPEED_UNJUDGED, Profile
 from autoprec.tune.provenance import measured_record
 from autoprec.tune.records import Chosen, Finals, Measured, StudyRef
 from autoprec.tune.space import SearchSpace
@@ -121,9 +121,6 @@ class Run:
     cost: dict[str, Any]
 
 
-NO_PRUNE = 1e9  # prune.slower_than under a goal whose trials are not timed (Goal.timed): nothing is pruned by speed
-
-
 def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path, plan: Plan) -> Run:
     """Profile, search, re-measure, choose and write (see the module's docstring)."""
     if plan.budgets[-1] > config.budget:
@@ -134,9 +131,9 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     if memory.source(workload.device) is None and (config.objective.needs_peak or config.max_memory is not None):
         flag = f"--objective {config.objective.name}" if config.objective.needs_peak else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
-    if not config.objective.timed and space.prune_slower_than < NO_PRUNE:
+    if not config.objective.timed and space.prune_slower_than < SPEED_UNJUDGED:
         # this machine's speed says nothing of the target's: a format slow here (emulated) is no less a candidate
-        space = dataclasses.replace(space, prune_slower_than=NO_PRUNE)
+        space = dataclasses.replace(space, prune_slower_than=SPEED_UNJUDGED)
     out_dir = Path(out_dir)
     with claim_out_dir(workload, out_dir):  # also makes the folder
         try:

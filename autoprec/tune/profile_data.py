@@ -46,6 +46,9 @@ COLUMNS = [
     "metric_source",
 ]  # fmt: skip
 
+# prune.slower_than at or above which a search does not judge speed at all (a goal whose trials are not timed: an
+# estimate for another device), so a format with no kernel here stays a candidate there
+SPEED_UNJUDGED = 1e9
 NO_KERNEL = "no kernel on this device"  # timed_as of a format not timed here: its emulation's time is no speed
 
 SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqnr_db"}  # each GEMM's column
@@ -137,7 +140,8 @@ class Profile:
 def ruled_out(row: Mapping[str, Any], budget: float | None, slower_than: float) -> str | None:
     """Why the profile rules a format out for a layer (a row of the table), or None. `budget` None: do not
     judge the single-layer drop (train mode, whose budget is on another measurement; or before it is known).
-    `slower_than` inf: do not judge speed (a profile on its own), which also keeps a format with no kernel here."""
+    `slower_than` inf or at least SPEED_UNJUDGED: do not judge speed (a profile on its own; a search for another
+    device's estimate), which also keeps a format with no kernel here."""
     if row["status"] != "ok":
         return str(row["reason"])
     if flag(row.get("finite")) is False:
@@ -157,7 +161,7 @@ def ruled_out(row: Mapping[str, Any], budget: float | None, slower_than: float) 
     drop = as_float(row.get("metric_drop"))
     if budget is not None and drop > budget:
         return f"alone drops the metric by {drop:.4g} > budget {budget:g}"
-    if row.get("timed_as") == NO_KERNEL and math.isfinite(slower_than):
+    if row.get("timed_as") == NO_KERNEL and slower_than < SPEED_UNJUDGED:
         # a search weighs each format's speed on this device: one that only runs emulated here has none to weigh
         return f"{NO_KERNEL}: {row['format']} runs emulated here, so its speed is unknown"
     ratio = as_float(row.get("time_vs_fp32"))
