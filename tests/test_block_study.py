@@ -1,5 +1,5 @@
 """benchmarks/block_study.py (issue 41): its per-GEMM SQNR against a brute-force computation, and its --part sqnr
-run on the tiny GPT-2 example writing every layer x GEMM x format row."""
+and --part drop runs on the tiny GPT-2 example writing every layer x GEMM x format row."""
 
 import csv
 import importlib.util
@@ -126,3 +126,16 @@ def test_part_sqnr_on_the_tiny_gpt_writes_every_layer_gemm_and_format(tmp_path, 
     summary = (out / "summary.md").read_text()
     assert "--part sqnr --size tiny" in summary and "## Findings" in summary and "| lm_head |" in summary
     assert (out / "sqnr_by_depth.png").stat().st_size > 10_000
+
+    try:  # the drop part adds its own section and keeps the SQNR one
+        block_study.main(["--part", "drop", "--size", "tiny", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    drops = list(csv.DictReader(open(out / "drop.csv")))
+    assert sorted((r["layer"], r["format"]) for r in drops) == sorted(
+        (la, f) for la in [*layers, "all"] for f in block_study.DROP_FORMATS
+    )
+    summary = (out / "summary.md").read_text()
+    assert summary.index("<!-- part:sqnr -->") < summary.index("<!-- part:drop -->")
+    assert "--part sqnr --size tiny" in summary and "rank correlation" in summary
+    assert (out / "drop_by_depth.png").stat().st_size > 10_000
