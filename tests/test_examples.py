@@ -120,7 +120,7 @@ def test_gpt2_small_is_the_gpt2_small_architecture_with_a_byte_vocabulary(monkey
 
 def test_gpt2_refuses_an_unknown_size(monkeypatch):
     monkeypatch.setenv("AUTOPREC_GPT2_SIZE", "huge")
-    with pytest.raises(Exception, match=r"AUTOPREC_GPT2_SIZE must be one of tiny, small, 1b, but got 'huge'"):
+    with pytest.raises(Exception, match=r"AUTOPREC_GPT2_SIZE must be one of tiny, mini, small, 1b, but got 'huge'"):
         load_task(GPT2)
 
 

@@ -1,0 +1,696 @@
+"""Issue 41's study: which layers of a decoder LM tolerate which low-precision formats, by block depth.
+
+One command per figure, each writing results/<device>/block-study/ (--out) with its own summary:
+
+    python benchmarks/block_study.py --part sqnr --out results/cpu-epyc-bf16-2core/block-study   # phase 1
+
+Phase 1 (`--part sqnr`, CPU, about a minute once the weights are cached): the `mini` GPT-2 example
+(examples/gpt2/model.py, AUTOPREC_GPT2_SIZE=mini: GPT-2-small's 12 pre-norm blocks and tied head, 128 wide), with
+its trained fp32 weights, runs one training step's worth of real data (--batches train batches, forward and
+backward in fp32); hooks capture every nn.Linear's input x, weight W and output gradient g. For each Linear and
+each of its three GEMMs (fprop x @ W^T contracting K, dgrad g @ W contracting N, wgrad g^T @ x contracting the
+tokens M) the SQNR of the product with both operands quantised and dequantised, against the fp32 product, in each
+format of FORMATS. Writes sqnr.csv, sqnr_by_depth.png and its section of summary.md.
+
+    python benchmarks/block_study.py --part drop --out results/cpu-epyc-bf16-2core/block-study   # phase 1, metric
+
+Each Linear alone with its forward GEMM in fp8 tensorwise, MXFP8 or NVFP4 (every other layer fp32): the eval-loss
+rise (the example's metric drop), and every Linear at once. Writes drop.csv, drop_by_depth.png and its section of
+summary.md (with the rank correlation against the SQNR when sqnr.csv is there).
+
+Phases 2 and 3 (train-mode searches at two or three budgets with a FLOP goal against the hand rules; loss curves
+over 10x the horizon with seeds) become further --part values once the blockscaled format family and the FLOP goal
+land in autoprec; their long runs will resume from what they already wrote in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import math
+import os
+import platform
+import re
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's autoprec, whatever the working directory
+
+from autoprec.formats.mx import MXFP8, NVFP4, blockscaled_linear  # noqa: E402
+
+GPT2 = ROOT / "examples" / "gpt2" / "model.py"
+DEFAULT_OUT = ROOT / "results" / "cpu-epyc-bf16-2core" / "block-study"
+GEMMS = ("fprop", "dgrad", "wgrad")
+ROLES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "lm_head")
+
+
+@dataclass(frozen=True)
+class Float8Tensorwise:
+    """torchao's `tensorwise` float8 training recipe, emulated in plain torch: every operand scaled per tensor
+    (dynamic: scale = max(dtype) / max(amax, 1e-12), computed in fp64 then rounded to fp32), multiplied, saturated to
+    +-max(dtype), cast (round to nearest even) and divided by the scale again. Operand dtypes as torchao 0.18's
+    Float8LinearConfig() (= from_recipe_name("tensorwise")) leaves them: input and weight float8_e4m3fn, grad_output
+    float8_e5m2 (torchao/float8/config.py, Float8LinearConfig.__post_init__: the `default_dtype` of each operand).
+    Per-tensor scaling makes each operand one tensor for both GEMMs it feeds, so no blocking dimension matters."""
+
+    activation: torch.dtype = torch.float8_e4m3fn
+    weight: torch.dtype = torch.float8_e4m3fn
+    gradient: torch.dtype = torch.float8_e5m2
+
+    def quantize(self, t: torch.Tensor, role: str) -> torch.Tensor:
+        dtype = getattr(self, role)
+        fmax = torch.finfo(dtype).max
+        t = t.float()
+        scale = (fmax / t.abs().amax().double().clamp(min=1e-12)).float()
+        return (t * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+
+
+# name -> the format of all three GEMMs. MXFP8: E4M3 elements for all operands, rceil scales (Blackwell's cuBLAS /
+# Transformer Engine rule). NVFP4: weights in 16x16 tiles and a dynamic per-tensor second-level scale throughout;
+# `nvfp4` rounds everything to nearest and has no RHT, `nvfp4-rht` adds the 16x16 random Hadamard transform to the
+# wgrad operands, `nvfp4-rht-sr` also rounds gradients stochastically (NVIDIA's training recipe, NVFP4()'s defaults).
+FORMATS = {
+    "fp8-tensorwise": Float8Tensorwise(),
+    "mxfp8": MXFP8(),
+    "nvfp4": NVFP4(stochastic_gradients=False, rht=False),
+    "nvfp4-rht": NVFP4(stochastic_gradients=False),
+    "nvfp4-rht-sr": NVFP4(),
+}
+
+
+def reference_products(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The three GEMMs of out = x @ W^T in fp32: x [M, K], W [N, K], g = d loss / d out [M, N]."""
+    x, w, g = x.float(), w.float(), g.float()
+    return {"fprop": x @ w.t(), "dgrad": g @ w, "wgrad": g.t() @ x}
+
+
+def quantized_products(x, w, g, fmt, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """The three GEMMs with both operands of each quantised and dequantised in `fmt`, multiplied in fp32.
+
+    Block-scaled formats (MXFP8, NVFP4) go through autoprec's own emulated linear, `blockscaled_linear`, with `fmt`
+    on all three GEMMs: its forward is fprop, and its backward, fed `g`, returns dgrad (grad of x) and wgrad
+    (grad of W), each operand blocked along that GEMM's contraction dimension (docs/block-scaled.md)."""
+    x, w, g = x.float(), w.float(), g.float()
+    if isinstance(fmt, Float8Tensorwise):
+        xq, wq, gq = fmt.quantize(x, "activation"), fmt.quantize(w, "weight"), fmt.quantize(g, "gradient")
+        return {"fprop": xq @ wq.t(), "dgrad": gq @ wq, "wgrad": gq.t() @ xq}
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        out = blockscaled_linear(xr, wr, None, fprop=fmt, dgrad=fmt, wgrad=fmt, generator=generator)
+        dgrad, wgrad = torch.autograd.grad(out, (xr, wr), g)
+    return {"fprop": out.detach(), "dgrad": dgrad, "wgrad": wgrad}
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(|ref|^2 / |ref - q|^2) from the two sums of squares; inf when the product is exact."""
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise)
+
+
+def energies(ref: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
+    """(|ref|^2, |ref - q|^2), summed in fp64."""
+    ref, q = ref.double(), q.double()
+    return float((ref * ref).sum()), float(((ref - q) ** 2).sum())
+
+
+def gemm_sqnr(x, w, g, fmt, generator=None) -> dict[str, float]:
+    """The SQNR (dB) of each GEMM of one linear layer in `fmt` against fp32."""
+    ref, q = reference_products(x, w, g), quantized_products(x, w, g, fmt, generator)
+    return {gemm: sqnr_db(*energies(ref[gemm], q[gemm])) for gemm in GEMMS}
+
+
+def load_example(size: str):
+    """examples/gpt2/model.py imported with AUTOPREC_GPT2_SIZE=size (the module reads it on import)."""
+    old = os.environ.get("AUTOPREC_GPT2_SIZE")
+    os.environ["AUTOPREC_GPT2_SIZE"] = size
+    try:
+        spec = importlib.util.spec_from_file_location(f"gpt2_example_{size}", GPT2)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            del os.environ["AUTOPREC_GPT2_SIZE"]
+        else:
+            os.environ["AUTOPREC_GPT2_SIZE"] = old
+    return module
+
+
+def layer_role(name: str) -> tuple[int, str]:
+    """(block index, role) of a Linear of the GPT example: h.3.attn.c_attn -> (3, attn.c_attn); the MLP's Linears
+    sit on the block itself (h.3.c_fc, h.3.c_proj); lm_head -> (-1, lm_head)."""
+    parts = name.split(".")
+    if parts[0] == "h":
+        rest = ".".join(parts[2:])
+        return int(parts[1]), rest if rest.startswith("attn.") else f"mlp.{rest}"
+    return -1, name
+
+
+def capture(model: nn.Module, loss_fn, batches) -> dict[str, dict]:
+    """Run each batch forward and backward in fp32 with hooks on every nn.Linear; per layer its weight and, per
+    batch, the input x [M, K] and the output gradient g [M, N] (tokens flattened)."""
+    records: dict[str, dict] = {}
+    handles = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        rec = records[name] = {"weight": mod.weight.detach().float().clone(), "x": [], "g": []}
+
+        def hook(mod, args, out, rec=rec):
+            rec["x"].append(args[0].detach().reshape(-1, mod.in_features).float().clone())
+            out.register_hook(lambda g: rec["g"].append(g.detach().reshape(-1, mod.out_features).float().clone()))
+
+        handles.append(mod.register_forward_hook(hook))
+    try:
+        model.train()
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+        model.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return records
+
+
+def part_sqnr(args) -> None:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    example = load_example(args.size)
+    start = time.perf_counter()
+    model = example.build_model()
+    build_s = time.perf_counter() - start
+    train = example.batches("train")[: args.batches]
+    evals = example.batches("eval")
+    with torch.no_grad():
+        eval_loss = sum(example.loss_fn(model.eval(), b).item() for b in evals) / len(evals)
+    records = capture(model, example.loss_fn, train)
+    rows = []
+    start = time.perf_counter()
+    for li, (name, rec) in enumerate(records.items()):
+        block, role = layer_role(name)
+        for fi, (fname, fmt) in enumerate(FORMATS.items()):
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 101 + fi)  # per layer and format
+            sig, noise = defaultdict(float), defaultdict(float)
+            for x, g in zip(rec["x"], rec["g"], strict=True):  # batch by batch: each backward follows its forward
+                ref, q = reference_products(x, rec["weight"], g), quantized_products(x, rec["weight"], g, fmt, gen)
+                for gemm in GEMMS:
+                    s, n = energies(ref[gemm], q[gemm])
+                    sig[gemm] += s
+                    noise[gemm] += n
+            for gemm in GEMMS:
+                rows.append(
+                    {
+                        "layer": name,
+                        "block": block,
+                        "role": role,
+                        "gemm": gemm,
+                        "format": fname,
+                        "sqnr_db": round(sqnr_db(sig[gemm], noise[gemm]), 3),
+                    }
+                )
+    sqnr_s = time.perf_counter() - start
+    with open(out / "sqnr.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    n_layers = len(model.h)
+    plot_sqnr(rows, n_layers, out / "sqnr_by_depth.png", args.size)
+    info = {
+        "size": args.size,
+        "params": sum(p.numel() for p in model.parameters()),
+        "hparams": example.HPARAMS,
+        "eval_loss": eval_loss,
+        "build_s": build_s,
+        "sqnr_s": sqnr_s,
+        "tokens": sum(int(x.shape[0]) for x in next(iter(records.values()))["x"]),
+        "batches": len(train),
+    }
+    update_summary(out, "sqnr", summary(rows, n_layers, info, args))
+    print(f"wrote {out / 'sqnr.csv'} ({len(rows)} rows), sqnr_by_depth.png, summary.md in {sqnr_s:.0f} s")
+
+
+def plot_sqnr(rows, n_layers: int, path: Path, size: str) -> None:
+    """A grid: rows the three GEMMs, columns the four block roles and the LM head; x block depth, one line per
+    format; each GEMM row shares its y axis, so the panels of a row compare at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(zip(FORMATS, ("#1b9e77", "#7570b3", "#d95f02", "#e7298a", "#66a61e"), strict=True))
+    styles = {"nvfp4-rht": (0, (4, 2)), "nvfp4-rht-sr": (0, (1, 1.5))}
+    fig, axes = plt.subplots(
+        len(GEMMS), len(ROLES), figsize=(17, 10), sharey="row", gridspec_kw={"width_ratios": [4, 4, 4, 4, 1]}
+    )
+    table = {(r["block"], r["role"], r["gemm"], r["format"]): r["sqnr_db"] for r in rows}
+    for i, gemm in enumerate(GEMMS):
+        for j, role in enumerate(ROLES):
+            ax = axes[i, j]
+            blocks = [-1] if role == "lm_head" else list(range(n_layers))
+            for k, fname in enumerate(FORMATS):
+                ys = [table[(b, role, gemm, fname)] for b in blocks]
+                xs = [0.12 * (k - 2)] if role == "lm_head" else blocks  # the head's points side by side
+                ax.plot(xs, ys, marker="o", ms=3.5, lw=1.6, color=colors[fname], ls=styles.get(fname, "-"), label=fname)
+            if i == 0:
+                ax.set_title(role)
+            if j == 0:
+                ax.set_ylabel(f"{gemm}\nSQNR (dB)")
+            if role == "lm_head":
+                ax.set_xticks([0], ["head"])
+                ax.set_xlim(-0.6, 0.6)
+            else:
+                ax.set_xticks(range(0, n_layers, max(1, n_layers // 6)))
+                if i == len(GEMMS) - 1:
+                    ax.set_xlabel("block depth")
+            ax.grid(alpha=0.3)
+    axes[0, 0].legend(loc="lower left", fontsize=8)
+    fig.suptitle(
+        f"Per-GEMM SQNR of every Linear of the GPT-2 example ({size}) by block depth: both operands quantised, "
+        "against fp32 (higher is better)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def summary(rows, n_layers: int, info: dict, args) -> str:
+    block_rows = [r for r in rows if r["block"] >= 0]
+    by = defaultdict(list)
+    for r in block_rows:
+        by[(r["block"], r["gemm"], r["format"])].append(r["sqnr_db"])
+    head = {(r["gemm"], r["format"]): r["sqnr_db"] for r in rows if r["role"] == "lm_head"}
+    h = info["hparams"]
+    lines = [
+        "## Per-GEMM SQNR by block depth (`--part sqnr`)",
+        "",
+        "Command (from the repository root):",
+        "",
+        f"    python benchmarks/block_study.py --part sqnr --size {args.size} --batches {args.batches} "
+        f"--seed {args.seed} --out {_rel(args.out)}",
+        "",
+        "Numbers only (no timings): they do not depend on the machine beyond fp32 summation order.",
+        "",
+        f"Model: examples/gpt2/model.py, AUTOPREC_GPT2_SIZE={info['size']}: {len(_blocks(rows))} blocks, d_model "
+        f"{h['d_model']}, {h['n_heads']} heads, seq_len {h['seq_len']}, tied head, {info['params'] / 1e6:.2f}M "
+        f"parameters, trained {h['steps']} steps (cached weights; eval loss {info['eval_loss']:.3f} nats/byte, "
+        f"ln 256 = 5.545 untrained). Data: {info['batches']} train batches, {info['tokens']} tokens, forward and "
+        "backward in fp32; each GEMM's SQNR pools the error energy of the batches: 10 log10(sum |ref|^2 / sum "
+        "|ref - q|^2).",
+        "",
+        "Formats (all three GEMMs in the same one): `fp8-tensorwise` torchao's tensorwise recipe (per-tensor dynamic "
+        "scales; x and W e4m3, gradients e5m2); `mxfp8` E4M3, 1x32 blocks, rceil E8M0 scales; `nvfp4` 1x16 blocks "
+        "(16x16 weight tiles), per-tensor second scale, round-to-nearest, no RHT; `nvfp4-rht` adds the 16x16 random "
+        "Hadamard transform to the wgrad operands; `nvfp4-rht-sr` also rounds gradients stochastically (NVIDIA's "
+        "recipe; one seeded draw). fprop has no gradient operand and no RHT, so its three NVFP4 variants coincide.",
+        "",
+        "![SQNR by depth](sqnr_by_depth.png)",
+        "",
+    ]
+    lines += findings(rows, n_layers)
+    for gemm in GEMMS:
+        lines += [
+            "",
+            f"### {gemm}: SQNR (dB), mean over the block's four Linears (worst of the four)",
+            "",
+            "| block | " + " | ".join(FORMATS) + " |",
+            "|---|" + "---|" * len(FORMATS),
+        ]
+        for b in range(n_layers):
+            cells = [f"{_mean(by[(b, gemm, f)]):.1f} ({min(by[(b, gemm, f)]):.1f})" for f in FORMATS]
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        lines.append("| lm_head | " + " | ".join(f"{head[(gemm, f)]:.1f}" for f in FORMATS) + " |")
+    lines += ["", "Every layer's number: sqnr.csv (layer, block, role, gemm, format, sqnr_db).", ""]
+    return "\n".join(lines)
+
+
+def _blocks(rows) -> set[int]:
+    return {r["block"] for r in rows if r["block"] >= 0}
+
+
+def findings(rows, n_layers: int) -> list[str]:
+    """Plain sentences computed from the numbers, so that a rerun keeps them true."""
+    t = {(r["block"], r["role"], r["gemm"], r["format"]): r["sqnr_db"] for r in rows}
+    blocks = sorted(_blocks(rows))
+    third = max(1, n_layers // 4)
+    first, last = blocks[:third], blocks[-third:]
+    block_roles = ROLES[:-1]
+
+    def avg(bs, gemm, fmt, roles=block_roles):
+        return _mean(t[(b, r, gemm, fmt)] for b in bs for r in roles)
+
+    out = ["### Findings (computed from sqnr.csv)", ""]
+    trend = []
+    for gemm in GEMMS:
+        deltas = [avg(last, gemm, f) - avg(first, gemm, f) for f in FORMATS]
+        lo, hi = min(deltas), max(deltas)
+        trend.append(f"{gemm} {lo:+.1f} dB" if f"{lo:+.1f}" == f"{hi:+.1f}" else f"{gemm} {lo:+.1f} to {hi:+.1f} dB")
+    out.append(
+        f"* Depth: the mean SQNR of the last {third} blocks minus that of the first {third} (the range over the "
+        "formats): " + "; ".join(trend) + "."
+    )
+    shape = []
+    for gemm in GEMMS:
+        means = {b: avg((b,), gemm, "nvfp4") for b in blocks}
+        lo, hi = min(means, key=means.get), max(means, key=means.get)
+        shape.append(f"{gemm} {means[lo]:.1f} (block {lo}) to {means[hi]:.1f} (block {hi})")
+    out.append("* nvfp4's per-block mean SQNR spans, by GEMM: " + "; ".join(shape) + " dB.")
+    per_role = []
+    for gemm in GEMMS:
+        for role in block_roles:
+            deltas = [avg(last, gemm, f, (role,)) - avg(first, gemm, f, (role,)) for f in FORMATS]
+            per_role.append((abs(_mean(deltas)), gemm, role, _mean(deltas)))
+    per_role.sort(reverse=True)
+    out.append(
+        "* The largest depth trends by role (mean over formats, last minus first blocks): "
+        + "; ".join(f"{role} {gemm} {d:+.1f} dB" for _, gemm, role, d in per_role[:3])
+        + "."
+    )
+    for fmt in ("nvfp4", "nvfp4-rht-sr"):
+        means = sorted(
+            ((avg(blocks, gemm, fmt, (role,)), role, gemm) for gemm in GEMMS for role in block_roles),
+        )
+        worst = min(((v, b, r, gm) for (b, r, gm, f), v in t.items() if f == fmt), key=lambda item: item[0])
+        where = "lm_head" if worst[1] < 0 else f"block {worst[1]} {worst[2]}"
+        out.append(
+            f"* {fmt}: worst role x GEMM on average over the blocks {means[0][1]} {means[0][2]} ({means[0][0]:.1f} dB), "
+            f"then {means[1][1]} {means[1][2]} ({means[1][0]:.1f} dB); best {means[-1][1]} {means[-1][2]} "
+            f"({means[-1][0]:.1f} dB). Worst single GEMM: {where} {worst[3]} ({worst[0]:.1f} dB); lm_head "
+            + ", ".join(f"{gm} {t[(-1, 'lm_head', gm, fmt)]:.1f}" for gm in GEMMS)
+            + " dB."
+        )
+    layers = sorted({(b, r) for b, r, _, _ in t})
+    rht = [t[(b, r, "wgrad", "nvfp4-rht")] - t[(b, r, "wgrad", "nvfp4")] for b, r in layers]
+    sr = [t[(b, r, "wgrad", "nvfp4-rht-sr")] - t[(b, r, "wgrad", "nvfp4-rht")] for b, r in layers]
+    sr_d = [t[(b, r, "dgrad", "nvfp4-rht-sr")] - t[(b, r, "dgrad", "nvfp4")] for b, r in layers]
+    both = [t[(b, r, "wgrad", "nvfp4-rht-sr")] - t[(b, r, "wgrad", "nvfp4")] for b, r in layers]
+    out.append(
+        f"* wgrad, all {len(layers)} Linears: the RHT changes NVFP4's SQNR by {_mean(rht):+.2f} dB on average "
+        f"({min(rht):+.2f} to {max(rht):+.2f}; better in {sum(d > 0 for d in rht)} of {len(rht)}); stochastic "
+        f"rounding of the gradient then {_mean(sr):+.2f} dB ({min(sr):+.2f} to {max(sr):+.2f}); the recipe (both) "
+        f"against plain NVFP4 {_mean(both):+.2f} dB. Stochastic rounding on dgrad: {_mean(sr_d):+.2f} dB. SQNR "
+        "scores one draw's error energy: it cannot show that stochastic rounding is unbiased, which is what the "
+        "recipe buys with it."
+    )
+    gaps = []
+    for gemm in GEMMS:
+        gaps.append(
+            f"{gemm}: fp8-tensorwise {avg(blocks, gemm, 'fp8-tensorwise'):.1f}, mxfp8 {avg(blocks, gemm, 'mxfp8'):.1f}, "
+            f"nvfp4 {avg(blocks, gemm, 'nvfp4'):.1f}"
+        )
+    out.append("* Mean over all block Linears (dB): " + "; ".join(gaps) + ".")
+    return out
+
+
+def quantized_fprop(x: torch.Tensor, w: torch.Tensor, fmt) -> torch.Tensor:
+    """x @ W^T with both operands quantised and dequantised in `fmt` (the forward GEMM alone), in fp32."""
+    if isinstance(fmt, Float8Tensorwise):
+        return fmt.quantize(x, "activation") @ fmt.quantize(w, "weight").t()
+    with torch.no_grad():
+        return blockscaled_linear(x.float(), w.float(), None, fprop=fmt)
+
+
+def _fprop_hook(fmt):
+    def hook(mod, args, out):
+        x = args[0].reshape(-1, mod.in_features)
+        y = quantized_fprop(x, mod.weight, fmt)
+        if mod.bias is not None:
+            y = y + mod.bias
+        return y.to(out.dtype).reshape(out.shape)
+
+    return hook
+
+
+def eval_loss(model: nn.Module, loss_fn, batches) -> float:
+    with torch.no_grad():
+        return sum(loss_fn(model, b).item() for b in batches) / len(batches)
+
+
+# fprop alone: the NVFP4 variants differ only in the backward GEMMs (stochastic rounding of gradients, the RHT on
+# wgrad), so the eval drop has one NVFP4 column
+DROP_FORMATS = ("fp8-tensorwise", "mxfp8", "nvfp4")
+
+
+def part_drop(args) -> None:
+    """Each Linear alone with its forward GEMM in each format (all others fp32): the rise of the eval loss (the
+    example's metric is -(mean eval loss), so the rise is the metric drop), and every Linear at once."""
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    example = load_example(args.size)
+    model = example.build_model().eval()
+    evals = example.batches("eval")
+    base = eval_loss(model, example.loss_fn, evals)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    rows = []
+    start = time.perf_counter()
+    for fname in DROP_FORMATS:
+        hook = _fprop_hook(FORMATS[fname])
+        for name, mod in linears:
+            handle = mod.register_forward_hook(hook)
+            try:
+                loss = eval_loss(model, example.loss_fn, evals)
+            finally:
+                handle.remove()
+            block, role = layer_role(name)
+            rows.append(
+                {
+                    "layer": name,
+                    "block": block,
+                    "role": role,
+                    "format": fname,
+                    "eval_loss": round(loss, 6),
+                    "drop": round(loss - base, 6),
+                }
+            )
+        handles = [mod.register_forward_hook(hook) for _, mod in linears]
+        try:
+            loss = eval_loss(model, example.loss_fn, evals)
+        finally:
+            for handle in handles:
+                handle.remove()
+        rows.append(
+            {
+                "layer": "all",
+                "block": -2,
+                "role": "all",
+                "format": fname,
+                "eval_loss": round(loss, 6),
+                "drop": round(loss - base, 6),
+            }
+        )
+    drop_s = time.perf_counter() - start
+    with open(out / "drop.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    n_layers = len(model.h)
+    plot_drop(rows, n_layers, out / "drop_by_depth.png", args.size)
+    sqnr_rows = read_sqnr(out / "sqnr.csv")
+    update_summary(out, "drop", drop_summary(rows, n_layers, base, len(evals), sqnr_rows, args))
+    print(f"wrote {out / 'drop.csv'} ({len(rows)} rows), drop_by_depth.png, summary.md in {drop_s:.0f} s")
+
+
+def read_sqnr(path: Path) -> list[dict] | None:
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return [{**r, "block": int(r["block"]), "sqnr_db": float(r["sqnr_db"])} for r in csv.DictReader(f)]
+
+
+def plot_drop(rows, n_layers: int, path: Path, size: str) -> None:
+    """One panel per role and the LM head; x block depth, one line per format; y the eval-loss rise, symlog."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(zip(FORMATS, ("#1b9e77", "#7570b3", "#d95f02", "#e7298a", "#66a61e"), strict=True))
+    table = {(r["block"], r["role"], r["format"]): r["drop"] for r in rows}
+    fig, axes = plt.subplots(1, len(ROLES), figsize=(17, 4.2), sharey=True, gridspec_kw={"width_ratios": [4, 4, 4, 4, 1]})
+    for j, role in enumerate(ROLES):
+        ax = axes[j]
+        for k, fname in enumerate(DROP_FORMATS):
+            if role == "lm_head":
+                xs, ys = [0.15 * (k - 1)], [table[(-1, role, fname)]]
+            else:
+                xs = list(range(n_layers))
+                ys = [table[(b, role, fname)] for b in xs]
+            ax.plot(xs, ys, marker="o", ms=3.5, lw=1.6, color=colors[fname], label=fname)
+        ax.set_yscale("symlog", linthresh=1e-4)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_title(role)
+        if role == "lm_head":
+            ax.set_xticks([0], ["head"])
+            ax.set_xlim(-0.6, 0.6)
+        else:
+            ax.set_xticks(range(0, n_layers, max(1, n_layers // 6)))
+            ax.set_xlabel("block depth")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("eval-loss rise (nats/byte)")
+    axes[0].legend(loc="upper left", fontsize=8)
+    fig.suptitle(
+        f"One Linear's forward GEMM quantised, all others fp32: the eval-loss rise of the GPT-2 example ({size}), "
+        "by block depth (lower is better; symlog)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        ranks[i] = float(rank)
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = _mean(ra), _mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+
+
+def drop_summary(rows, n_layers: int, base: float, n_eval: int, sqnr_rows, args) -> str:
+    t = {(r["block"], r["role"], r["format"]): r["drop"] for r in rows}
+    block_roles = ROLES[:-1]
+    lines = [
+        "## Each Linear's metric drop by block depth (`--part drop`)",
+        "",
+        f"    python benchmarks/block_study.py --part drop --size {args.size} --out {_rel(args.out)}",
+        "",
+        f"Eval mode, the example's {n_eval} eval batches; fp32 eval loss {base:.4f} nats/byte. Each Linear alone has "
+        "its forward GEMM (x @ W^T, both operands quantised as in the SQNR section) in the format, every other layer "
+        "fp32; the drop is the eval-loss rise (the example's metric is -(mean eval loss)). Deterministic: no "
+        "stochastic rounding in fprop. `all`: every Linear at once.",
+        "",
+        "![drop by depth](drop_by_depth.png)",
+        "",
+        "### Findings (computed from drop.csv)",
+        "",
+    ]
+    k = max(1, round(0.15 * n_layers))
+    for fname in DROP_FORMATS:
+        singles = {(b, r): t[(b, r, fname)] for b in range(n_layers) for r in block_roles}
+        singles[(-1, "lm_head")] = t[(-1, "lm_head", fname)]
+        total = sum(singles.values())
+        pos = {key: max(v, 0.0) for key, v in singles.items()}  # a layer whose rounding happened to help counts 0
+        pos_total = sum(pos.values()) or 1.0
+        worst = sorted(singles.items(), key=lambda item: -item[1])[:3]
+        last = sum(v for (b, _), v in pos.items() if b >= n_layers - k)
+        ends = sum(v for (b, _), v in pos.items() if b in (0, n_layers - 1))
+        first = sum(v for (b, _), v in pos.items() if b == 0)
+        head = pos[(-1, "lm_head")]
+        n_neg = sum(v < 0 for v in singles.values())
+        lines.append(
+            f"* {fname}: all Linears at once {t[(-2, 'all', fname)]:+.4f}; the single-layer drops sum to "
+            f"{total:+.4f} ({n_neg} of {len(singles)} negative: the rounding happened to lower the loss). Largest: "
+            + ", ".join(f"{'lm_head' if b < 0 else f'block {b} {r}'} {v:+.4f}" for (b, r), v in worst)
+            + f". Shares of the positive single drops: last {k} blocks (torchtitan's last ~15%) {last / pos_total:.0%}; "
+            f"first and last block (Megatron's rule) {ends / pos_total:.0%}, of which block 0 {first / pos_total:.0%}; "
+            f"lm_head {head / pos_total:.0%} (an even share would be {1 / len(singles):.0%} a Linear)."
+        )
+    if sqnr_rows is not None:
+        s = {(r["block"], r["role"]): r["sqnr_db"] for r in sqnr_rows if r["gemm"] == "fprop" and r["format"] == "nvfp4"}
+        keys = [(b, r) for b in range(n_layers) for r in block_roles] + [(-1, "lm_head")]
+        rho = spearman([s[key] for key in keys], [t[(*key, "nvfp4")] for key in keys])
+        lines.append(
+            f"* Over the {len(keys)} Linears, the rank correlation of nvfp4's fprop SQNR with its single-layer drop is "
+            f"{rho:+.2f} (Spearman; -1 would mean a lower SQNR always costs more)."
+        )
+    lines += [
+        "",
+        "### Single-layer drop (eval-loss rise, 1e-3 nats/byte): the block's four Linears, mean (largest)",
+        "",
+        "| block | " + " | ".join(DROP_FORMATS) + " |",
+        "|---|" + "---|" * len(DROP_FORMATS),
+    ]
+    for b in range(n_layers):
+        cells = []
+        for fname in DROP_FORMATS:
+            vals = [1e3 * t[(b, r, fname)] for r in block_roles]
+            cells.append(f"{_mean(vals):.2f} ({max(vals):.2f})")
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    lines.append("| lm_head | " + " | ".join(f"{1e3 * t[(-1, 'lm_head', f)]:.2f}" for f in DROP_FORMATS) + " |")
+    lines.append("| all Linears | " + " | ".join(f"{1e3 * t[(-2, 'all', f)]:.2f}" for f in DROP_FORMATS) + " |")
+    lines += ["", "Every layer's number: drop.csv (layer, block, role, format, eval_loss, drop).", ""]
+    return "\n".join(lines)
+
+
+def update_summary(out: Path, part: str, section: str) -> None:
+    """summary.md holds one section per part, in PARTS order; a part rewrites its own and keeps the others."""
+    path = out / "summary.md"
+    sections = {}
+    if path.exists():
+        for m in re.finditer(r"<!-- part:(\w+) -->\n(.*?)<!-- /part:\1 -->\n", path.read_text(), re.DOTALL):
+            sections[m.group(1)] = m.group(2)
+    sections[part] = section.rstrip("\n") + "\n"
+    text = [
+        "# Block study (issue 41): which layers tolerate which low-precision formats, by block depth",
+        "",
+        f"CPU: {_cpu()}; torch threads: {torch.get_num_threads()}; torch {torch.__version__}, python "
+        f"{platform.python_version()}. Each section below says the command that wrote it; docs/block-study.md "
+        "explains the study.",
+        "",
+    ]
+    for name in PARTS:
+        if name in sections:
+            text += [f"<!-- part:{name} -->", sections[name] + f"<!-- /part:{name} -->", ""]
+    path.write_text("\n".join(text))
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+PARTS = {"sqnr": part_sqnr, "drop": part_drop}  # phase 2 (searches with a FLOP goal) and phase 3 (long loss curves) go here
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", required=True, choices=sorted(PARTS), help="which figure to make")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {_rel(DEFAULT_OUT)})")
+    parser.add_argument("--size", default="mini", help="AUTOPREC_GPT2_SIZE of the GPT-2 example (default: mini)")
+    parser.add_argument("--batches", type=int, default=4, help="train batches run through the model (default: 4)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds stochastic rounding (default: 0)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared 2-core machine two threads ran a mini training step 4x slower)",
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    PARTS[args.part](args)
+
+
+if __name__ == "__main__":
+    main()

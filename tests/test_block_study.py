@@ -1,0 +1,141 @@
+"""benchmarks/block_study.py (issue 41): its per-GEMM SQNR against a brute-force computation, and its --part sqnr
+and --part drop runs on the tiny GPT-2 example writing every layer x GEMM x format row."""
+
+import csv
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoprec.formats.mx import mxfp8
+from autoprec.formats.nvfp4 import nvfp4, random_hadamard_transform
+
+ROOT = Path(__file__).parents[1]
+spec = importlib.util.spec_from_file_location("block_study", ROOT / "benchmarks" / "block_study.py")
+block_study = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(block_study)
+
+
+def _fp8_brute(t, dtype):
+    """Per-tensor scaling to the dtype's max, then each element to the nearest of all finite codes of the dtype (ties
+    to the even code), scaled back; element by element."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = sorted({(float(v), i) for i, v in enumerate(codes.tolist()) if math.isfinite(v)})
+    fmax = torch.finfo(dtype).max
+    amax = max(abs(v) for v in t.flatten().tolist())
+    scale = float(torch.tensor(fmax / max(amax, 1e-12), dtype=torch.float64).float())
+    out = torch.empty_like(t)
+    for idx, v in enumerate(t.flatten().tolist()):
+        s = min(max(float(torch.tensor(v * scale, dtype=torch.float32)), -fmax), fmax)
+        best = min(grid, key=lambda gv: (abs(gv[0] - s), gv[1] % 2))
+        out.view(-1)[idx] = best[0] / scale
+    return out
+
+
+def _matmul_brute(a, b):
+    """a [P, R] @ b [R, Q] by explicit sums, in Python floats (fp64)."""
+    a, b = a.tolist(), b.tolist()
+    return [[sum(a[i][r] * b[r][j] for r in range(len(b))) for j in range(len(b[0]))] for i in range(len(a))]
+
+
+def _sqnr_brute(ref, q):
+    sig = sum(v * v for row in ref for v in row)
+    err = sum((v - w) ** 2 for rr, qr in zip(ref, q, strict=True) for v, w in zip(rr, qr, strict=True))
+    return 10 * math.log10(sig / err)
+
+
+def _operands_brute(name, x, w, g, seed):
+    """Each GEMM's two quantised operands as docs/block-scaled.md's per-GEMM table lays them out, with the module's
+    quantisers; the stochastic draws in blockscaled_linear's order (dgrad's gradient, then wgrad's)."""
+    if name == "fp8-tensorwise":
+        xq, wq, gq = _fp8_brute(x, torch.float8_e4m3fn), _fp8_brute(w, torch.float8_e4m3fn), _fp8_brute(g, torch.float8_e5m2)
+        return {"fprop": (xq, wq.t()), "dgrad": (gq, wq), "wgrad": (gq.t(), xq)}
+    if name == "mxfp8":
+        return {
+            "fprop": (mxfp8(x, dim=1), mxfp8(w, dim=1).t()),
+            "dgrad": (mxfp8(g, dim=1), mxfp8(w, dim=0)),
+            "wgrad": (mxfp8(g, dim=0).t(), mxfp8(x, dim=0)),
+        }
+    rht, sr = name in ("nvfp4-rht", "nvfp4-rht-sr"), name == "nvfp4-rht-sr"
+    gen = torch.Generator().manual_seed(seed)
+    rounding = "stochastic" if sr else "nearest"
+    w2d = nvfp4(w, two_d=True)
+    fprop = (nvfp4(x, dim=1), w2d.t())
+    dgrad = (nvfp4(g, dim=1, rounding=rounding, generator=gen), w2d)
+    gw, xw = (random_hadamard_transform(g, dim=0), random_hadamard_transform(x, dim=0)) if rht else (g, x)
+    wgrad = (nvfp4(gw, dim=0, rounding=rounding, generator=gen).t(), nvfp4(xw, dim=0))
+    return {"fprop": fprop, "dgrad": dgrad, "wgrad": wgrad}
+
+
+@pytest.mark.parametrize("name", list(block_study.FORMATS))
+def test_gemm_sqnr_of_a_tiny_linear_equals_a_brute_force_computation(name):
+    torch.manual_seed(0)
+    m, k, n = 32, 32, 32  # every blocked dimension a multiple of 32 (MXFP8) and of 16 (NVFP4 tiles, RHT)
+    lin = torch.nn.Linear(k, n, bias=False)
+    x = torch.randn(m, k) * torch.logspace(-2, 1, k)  # columns of different scales: blocks matter
+    x[3, 5] = 40.0  # an outlier
+    g = torch.randn(m, n) * 1e-4
+    w = lin.weight.detach()
+    seed = 7
+    got = block_study.gemm_sqnr(x, w, g, block_study.FORMATS[name], torch.Generator().manual_seed(seed))
+    ops = _operands_brute(name, x, w, g, seed)
+    refs = {"fprop": (x, w.t()), "dgrad": (g, w), "wgrad": (g.t(), x)}
+    for gemm in block_study.GEMMS:
+        want = _sqnr_brute(_matmul_brute(*refs[gemm]), _matmul_brute(*ops[gemm]))
+        assert 5 < got[gemm] < 60 and got[gemm] == pytest.approx(want, abs=1e-3), (name, gemm, got[gemm], want)
+
+
+def test_a_product_quantised_exactly_has_infinite_sqnr_and_the_roles_follow_the_gpt_names():
+    x, w, g = torch.ones(32, 32), torch.ones(32, 32), torch.ones(32, 32)  # 1 is exact in every format
+    for fmt in block_study.FORMATS.values():
+        assert set(block_study.gemm_sqnr(x, w, g, fmt).values()) == {math.inf}
+    assert block_study.layer_role("h.3.attn.c_attn") == (3, "attn.c_attn")
+    assert block_study.layer_role("h.11.c_proj") == (11, "mlp.c_proj")
+    assert block_study.layer_role("lm_head") == (-1, "lm_head")
+
+
+def test_an_unknown_part_is_refused_with_the_valid_ones(capsys):
+    with pytest.raises(SystemExit):
+        block_study.main(["--part", "loss"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'loss'" in err and "sqnr" in err.split("choose from", 1)[1]
+
+
+@pytest.mark.slow
+def test_part_sqnr_on_the_tiny_gpt_writes_every_layer_gemm_and_format(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPREC_CACHE", str(tmp_path / "cache"))  # trains the tiny example's weights (seconds)
+    out = tmp_path / "study"
+    threads = torch.get_num_threads()
+    try:
+        block_study.main(["--part", "sqnr", "--size", "tiny", "--batches", "2", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    rows = list(csv.DictReader(open(out / "sqnr.csv")))
+    layers = [f"h.{b}.{r}" for b in range(2) for r in ("attn.c_attn", "attn.c_proj", "c_fc", "c_proj")] + ["lm_head"]
+    keys = [(r["layer"], r["gemm"], r["format"]) for r in rows]
+    assert sorted(keys) == sorted((la, gm, f) for la in layers for gm in block_study.GEMMS for f in block_study.FORMATS)
+    assert {(r["layer"], r["block"], r["role"]) for r in rows if r["layer"] in ("h.1.c_fc", "lm_head")} == {
+        ("h.1.c_fc", "1", "mlp.c_fc"),
+        ("lm_head", "-1", "lm_head"),
+    }
+    assert all(0 < float(r["sqnr_db"]) < 80 for r in rows)
+    by = {(r["layer"], r["gemm"], r["format"]): float(r["sqnr_db"]) for r in rows}
+    assert all(by[(la, gm, "mxfp8")] > by[(la, gm, "nvfp4")] + 5 for la in layers for gm in block_study.GEMMS)
+    summary = (out / "summary.md").read_text()
+    assert "--part sqnr --size tiny" in summary and "## Findings" in summary and "| lm_head |" in summary
+    assert (out / "sqnr_by_depth.png").stat().st_size > 10_000
+
+    try:  # the drop part adds its own section and keeps the SQNR one
+        block_study.main(["--part", "drop", "--size", "tiny", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    drops = list(csv.DictReader(open(out / "drop.csv")))
+    assert sorted((r["layer"], r["format"]) for r in drops) == sorted(
+        (la, f) for la in [*layers, "all"] for f in block_study.DROP_FORMATS
+    )
+    summary = (out / "summary.md").read_text()
+    assert summary.index("<!-- part:sqnr -->") < summary.index("<!-- part:drop -->")
+    assert "--part sqnr --size tiny" in summary and "rank correlation" in summary
+    assert (out / "drop_by_depth.png").stat().st_size > 10_000
