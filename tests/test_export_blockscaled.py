@@ -13,12 +13,11 @@ import types
 
 import pytest
 import yaml
+from test_export import HOSTILE, code_shape, printable_lines, sneaked  # noqa: I001  the shared hostile-name checks
 
 from autoprec import Policy
 from autoprec.formats import Format
 from autoprec.tune.export import export
-
-from test_export import HOSTILE, code_shape, printable_lines, sneaked  # noqa: I001  the shared hostile-name checks
 
 
 def load(path, name="exported_blockscaled"):
@@ -38,10 +37,9 @@ def titan12(monkeypatch):
     """torchtitan's llama3 debug model config grown to 12 layers (so that layers.1 and layers.10 both exist), and its
     MXFP8/NVFP4 converters with the capability check answered yes (the conversion itself is of configs)."""
     llama3 = pytest.importorskip("torchtitan.models.llama3", reason="torchtitan needs Python 3.11 (the test extra has it)")
-    from torch._inductor import config as inductor
-
     import torchtitan.components.quantization.mx as mx
     import torchtitan.components.quantization.nvfp4 as nv
+    from torch._inductor import config as inductor
 
     saved = inductor.get_config_copy()
     for module in (mx, nv):
@@ -77,7 +75,9 @@ def test_torchtitans_include_lists_select_exactly_the_policys_layers_layers_1_no
     converted = titan_converted(model, converters, mx, nv)
     assert converted == {n: f for n, f in layers.items() if f in ("mxfp8", "nvfp4")}  # no layers.10.* in mxfp8
     assert exported.float8_converters(model) == []
-    assert "layer 'layers.11.attention.wo' runs in mxfp8-fwd-dgrad (fprop mxfp8, dgrad mxfp8, wgrad high precision)" in left_out[1]
+    assert (
+        "layer 'layers.11.attention.wo' runs in mxfp8-fwd-dgrad (fprop mxfp8, dgrad mxfp8, wgrad high precision)" in left_out[1]
+    )
     assert "no per-GEMM switch" in left_out[1] and "blockscaled_converters() converts" in left_out[-1]
 
 
@@ -190,7 +190,12 @@ def test_the_transformer_engine_factory_gives_each_gemms_operands_its_format(tmp
 
 
 def test_no_text_from_a_policy_becomes_code_in_the_transformer_engine_file(tmp_path, monkeypatch):
-    names = {HOSTILE: "mxfp8", "b\n)\nimport os#": "nvfp4-fwd", "d\u2028e\\": "mxfp8-fwd-nvfp4-dgrad", "\U0001d465\udcff": "nvfp4"}
+    names = {
+        HOSTILE: "mxfp8",
+        "b\n)\nimport os#": "nvfp4-fwd",
+        "d\u2028e\\": "mxfp8-fwd-nvfp4-dgrad",
+        "\U0001d465\udcff": "nvfp4",
+    }
     export(sneaked({**names, "\x1b]0;title\x07": "bf16"}), "transformer-engine", tmp_path / "hostile.py", source=HOSTILE)
     export(sneaked({f"l{i}": f for i, f in enumerate(names.values())} | {"a": "bf16"}), "transformer-engine",
            tmp_path / "plain.py", source="policy.json")  # fmt: skip
@@ -224,7 +229,11 @@ def megatron_formats(path, modules):
 
 def test_the_megatron_precision_yaml_runs_each_linear_in_its_policy_format(tmp_path):
     layers = {f"decoder.layers.{i}.mlp.linear_fc1": f for i, f in enumerate(["mxfp8", "nvfp4", "fp8", "mxfp8-fwd"])}
-    layers |= {"decoder.layers.1.mlp.linear_fc2": "fp8-rowwise", "output_layer": "bf16", "decoder.layers.10.mlp.linear_fc1": "mxfp8"}
+    layers |= {
+        "decoder.layers.1.mlp.linear_fc2": "fp8-rowwise",
+        "output_layer": "bf16",
+        "decoder.layers.10.mlp.linear_fc1": "mxfp8",
+    }
     left_out = export(Policy(layers={"": "bf16", **layers}), "megatron-precision", tmp_path / "m.yaml")
     others = ["decoder.layers.1.mlp.linear_fc10", "decoder.layers.1.self_attention.linear_qkv", "embedding"]
     found = megatron_formats(tmp_path / "m.yaml", [*layers, *others])

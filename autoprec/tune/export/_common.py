@@ -8,6 +8,7 @@ import json
 
 from autoprec.errors import printable
 from autoprec.formats import Format
+from autoprec.formats.blockscaled import BlockScaledFamily
 from autoprec.policy import ROOT, Policy
 
 SHOWN = 6  # layer names per line; the rest are counted (the policy file lists them all)
@@ -34,6 +35,13 @@ def blockscaled_gemms(fmt: Format) -> tuple[str | None, str | None, str | None] 
         return None
     fprop, dgrad, wgrad = (None if g == "fp32" else g for g in fmt.family.gemm_precisions(fmt))
     return fprop, dgrad, wgrad
+
+
+def blockscaled_recipe(fmt: Format) -> str | None:
+    """What the training frameworks call a block-scaled format's recipe (BlockScaledFamily.recipe_name: "mxfp8",
+    "nvfp4", "mxfp8_rceil_wgrad_with_hp"); None for the other per-GEMM mixes and for other families' formats."""
+    family = fmt.family
+    return family.recipe_name(fmt) if isinstance(family, BlockScaledFamily) else None
 
 
 def not_expressed(policy: Policy, tool: str = "torchao", skip: frozenset[Format] = frozenset()) -> list[str]:

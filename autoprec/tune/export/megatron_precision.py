@@ -29,7 +29,7 @@ from autoprec.errors import printable
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import _layers, recipe_key
+from autoprec.tune.export._common import _layers, blockscaled_recipe, recipe_key
 from autoprec.tune.export.base import ExportTarget, register
 
 HIGH_PRECISION = "high_precision"  # the config key of the default matcher's (empty) recipe
@@ -38,7 +38,7 @@ HIGH_PRECISION = "high_precision"  # the config key of the default matcher's (em
 def module_recipe(fmt: Format) -> dict[str, object] | None:
     """The TEQuantizationRecipe fields that run `fmt` in Megatron, or None where none does."""
     if fmt.family.name == "blockscaled":
-        name = fmt.family.recipe_name(fmt)
+        name = blockscaled_recipe(fmt)
         if name == "mxfp8":  # MXFP8BlockScaling, e4m3 for every operand (fp8_format's default), as autoprec's mxfp8
             return {"fp8_quantization_recipe": "mxfp8"}
         if name == "nvfp4":  # NVFP4BlockScaling: NVIDIA's recipe, as autoprec's nvfp4
@@ -67,7 +67,9 @@ def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
                 elif fmt.spec.fp8 is not None:
                     why = "an fp8 recipe Megatron has no twin for (its per-module fp8 recipes: tensorwise, blockwise, mxfp8)"
                 else:
-                    why = "Megatron runs a module without a quantization recipe in the model's dtype, which this file does not set"
+                    why = (
+                        "Megatron runs a module without a quantization recipe in the model's dtype, which this file does not set"
+                    )
                 left_out.setdefault((fmt, why), []).append(name)
             continue
         key = _key(fmt)

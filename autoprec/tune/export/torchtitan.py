@@ -18,13 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from autoprec.files import write_text
-from autoprec.policy import Policy
 from autoprec.formats import Format
+from autoprec.policy import Policy
 from autoprec.tune.export._common import (
     _comments,
     _json_literal,
     _layers,
     blockscaled_gemms,
+    blockscaled_recipe,
     fp8_layers,
     not_expressed,
 )
@@ -36,18 +37,18 @@ BLOCKSCALED_CONVERTERS = {"mxfp8": "MXFP8LinearConverter", "nvfp4": "NVFP4Linear
 
 
 def blockscaled_layers(policy: Policy) -> dict[str, list[str]]:
-    """"mxfp8"/"nvfp4" (the converter's format) -> the policy's layers torchtitan's converter runs in it."""
+    """ "mxfp8"/"nvfp4" (the converter's format) -> the policy's layers torchtitan's converter runs in it."""
     found: dict[str, list[str]] = {}
     for name, fmt in policy.layers.items():
-        if blockscaled_gemms(fmt) is not None and fmt.family.recipe_name(fmt) in BLOCKSCALED_CONVERTERS:
-            found.setdefault(fmt.family.recipe_name(fmt), []).append(name)
+        if (recipe := blockscaled_recipe(fmt)) in BLOCKSCALED_CONVERTERS and recipe is not None:
+            found.setdefault(recipe, []).append(name)
     return found
 
 
 def _blockscaled_not_expressed(policy: Policy) -> list[str]:
     by_format: dict[Format, list[str]] = {}
     for name, fmt in policy.layers.items():
-        if blockscaled_gemms(fmt) is not None and fmt.family.recipe_name(fmt) not in BLOCKSCALED_CONVERTERS:
+        if blockscaled_gemms(fmt) is not None and blockscaled_recipe(fmt) not in BLOCKSCALED_CONVERTERS:
             by_format.setdefault(fmt, []).append(name)
     lines = []
     for fmt, names in by_format.items():
@@ -79,7 +80,7 @@ def torchtitan_source(policy: Policy, *, source: str = "a policy") -> str:
     if not recipes and not blocks:
         last = "No layer of the policy has a torchtitan converter: float8_converters() and blockscaled_converters() return []."
     header = _comments(source, "not expressed here", torchtitan_not_expressed(policy), last)
-    return f'''"""torchtitan float8 training for a policy's fp8 layers (written by `autoprec export --to torchtitan`).
+    return rf'''"""torchtitan float8 training for a policy's fp8 layers (written by `autoprec export --to torchtitan`).
 
 For torchtitan 0.3. In a config function, the model config first, then the converters computed from it:
 
