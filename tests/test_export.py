@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from autoprec import Policy, UserError
@@ -141,8 +142,8 @@ def test_the_export_verb_writes_beside_the_policy_and_lists_what_it_left_out(tmp
     assert main(["export", str(tmp_path / "policy.json"), "--to", "torchao", "--out", str(tmp_path / "x.py"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["file"] == str(tmp_path / "x.py")
     with pytest.raises(SystemExit):  # argparse names the choices
-        main(["export", str(tmp_path / "policy.json"), "--to", "transformer-engine"])
-    assert "invalid choice: 'transformer-engine'" in capsys.readouterr().err
+        main(["export", str(tmp_path / "policy.json"), "--to", "deepspeed"])
+    assert "invalid choice: 'deepspeed'" in capsys.readouterr().err
 
 
 def test_a_policy_without_fp8_layers_says_the_file_converts_nothing(tmp_path):
@@ -417,7 +418,7 @@ def test_a_policy_file_name_becomes_no_code_and_is_printed_escaped(tmp_path, cap
     folder.mkdir()
     path = POLICY.save(folder / HOSTILE_SOURCE)
     for target in TARGETS:
-        written = tmp_path / f"exported_{target}{'.json' if target == 'megatron' else '.py'}"
+        written = tmp_path / f"exported_{target}{exporting.SUFFIXES[target]}"
         assert main(["export", str(path), "--to", target, *(["--out", str(written)] if out else [])]) == 0
         printed = capsys.readouterr()
         assert printable_lines(printed.out + printed.err) and "wrote " in printed.out
@@ -425,6 +426,9 @@ def test_a_policy_file_name_becomes_no_code_and_is_printed_escaped(tmp_path, cap
             written = path.with_name(f"{path.stem}_{target}{written.suffix}")
         if target == "megatron":
             assert json.loads(written.read_text(encoding="utf-8"))["policy"] == str(path)
+        elif written.suffix == ".yaml":
+            assert printable_lines(written.read_text(encoding="utf-8"))
+            assert yaml.safe_load(written.read_text(encoding="utf-8"))["matchers"]  # the name is a comment only
         else:
             assert printable_lines(written.read_text(encoding="utf-8"))
             load(written)
@@ -475,16 +479,17 @@ def csv_target():
 
 
 exporting = importlib.import_module("autoprec.tune.export")  # the package (its `export` is the function)
+BUILT_IN = ("torchao", "torchtitan", "megatron", "megatron-precision", "transformer-engine")
 
 
 def test_a_target_registered_from_outside_autoprec_is_offered_and_written_by_the_export_verb(tmp_path, capsys, csv_target):
     POLICY.save(tmp_path / "policy.json")
-    assert exporting.TARGETS == ("torchao", "torchtitan", "megatron", "csv") and exporting.SUFFIXES["csv"] == ".csv"
+    assert exporting.TARGETS == (*BUILT_IN, "csv") and exporting.SUFFIXES["csv"] == ".csv"
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     usage = " ".join(capsys.readouterr().out.split())
-    assert "--to {torchao,torchtitan,megatron,csv}" in usage and "csv: layer,format lines" in usage
-    assert "or .json for megatron, .csv for csv" in usage and "--sep SEP csv: the separator" in usage
+    assert f"--to {{{','.join(BUILT_IN)},csv}}" in usage and "csv: layer,format lines" in usage
+    assert ".csv for csv" in usage and "--sep SEP csv: the separator" in usage
     assert main(["export", str(tmp_path / "policy.json"), "--to", "csv"]) == 0  # beside the policy, with its suffix
     assert capsys.readouterr().out.splitlines() == [f"wrote {tmp_path / 'policy_csv.csv'}",
                                                     "not expressed: the model root: a csv has no row for it"]  # fmt: skip
@@ -512,4 +517,4 @@ def test_the_registry_refuses_a_name_already_taken_and_keeps_the_first(csv_targe
     clash = (exporting.Option("--num-layers", help="rows", purpose="mine"),)
     with pytest.raises(ValueError, match="option --num-layers differs from the one export target 'megatron' takes"):
         register(type("Rows", (csv_target,), {"name": "rows", "options": clash}))
-    assert exporting.TARGETS == ("torchao", "torchtitan", "megatron", "csv")  # nothing refused was registered
+    assert exporting.TARGETS == (*BUILT_IN, "csv")  # nothing refused was registered

@@ -22,7 +22,13 @@ from autoprec.errors import UserError
 from autoprec.policy import Policy
 from autoprec.tune.export.base import ExportTarget, Option, get_target, options, register, targets, unregister
 
-BUILT_IN = ("torchao", "torchtitan", "megatron")  # modules here that register a target; --to lists them in this order
+BUILT_IN = (
+    "torchao",
+    "torchtitan",
+    "megatron",
+    "megatron_precision",
+    "transformer_engine",
+)  # modules here that register a target; --to lists them in this order
 for _module in BUILT_IN:
     importlib.import_module(f"{__name__}.{_module}")
 

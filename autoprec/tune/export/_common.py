@@ -8,6 +8,7 @@ import json
 
 from autoprec.errors import printable
 from autoprec.formats import Format
+from autoprec.formats.blockscaled import BlockScaledFamily
 from autoprec.policy import ROOT, Policy
 
 SHOWN = 6  # layer names per line; the rest are counted (the policy file lists them all)
@@ -27,12 +28,29 @@ def _layers(names: list[str], verb: str = "runs") -> str:
     return f"{len(names)} layers ({shown}) {verb.removesuffix('s')}"
 
 
-def not_expressed(policy: Policy, tool: str = "torchao") -> list[str]:
-    """What an fp8-only target leaves out: a lowered root and the non-fp8, non-fp32 layers per format, as lines."""
+def blockscaled_gemms(fmt: Format) -> tuple[str | None, str | None, str | None] | None:
+    """A block-scaled format's (fprop, dgrad, wgrad) element formats, "mxfp8", "nvfp4" or None (high precision), as
+    its family says them (gemm_precisions); None for a format of another family."""
+    if fmt.family.name != "blockscaled":
+        return None
+    fprop, dgrad, wgrad = (None if g == "fp32" else g for g in fmt.family.gemm_precisions(fmt))
+    return fprop, dgrad, wgrad
+
+
+def blockscaled_recipe(fmt: Format) -> str | None:
+    """What the training frameworks call a block-scaled format's recipe (BlockScaledFamily.recipe_name: "mxfp8",
+    "nvfp4", "mxfp8_rceil_wgrad_with_hp"); None for the other per-GEMM mixes and for other families' formats."""
+    family = fmt.family
+    return family.recipe_name(fmt) if isinstance(family, BlockScaledFamily) else None
+
+
+def not_expressed(policy: Policy, tool: str = "torchao", skip: frozenset[Format] = frozenset()) -> list[str]:
+    """What an fp8-only target leaves out: a lowered root and the non-fp8, non-fp32 layers per format, as lines.
+    `skip`: formats the target writes, or reports in lines of its own."""
     lines: list[str] = []
     by_format: dict[Format, list[str]] = {}
     for name, fmt in policy.layers.items():
-        if recipe_key(fmt) is None and fmt is not Format.FP32:
+        if recipe_key(fmt) is None and fmt is not Format.FP32 and fmt not in skip:
             by_format.setdefault(fmt, []).append(name)
     why = f"not a {tool} float8 recipe, so not in the export; run it with autocast or autoprec.apply_policy"
     for fmt, names in by_format.items():

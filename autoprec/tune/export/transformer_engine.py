@@ -1,0 +1,142 @@
+"""`--to transformer-engine`: a Python file for Transformer Engine's heterogeneous ("fine-grained") quantization: a
+table of the policy's mxfp8/nvfp4 layers, each with its three GEMMs' formats, and `custom_recipe()`, which builds
+TE's `CustomRecipe` whose quantizer factory gives each tensor slot of those layers its quantizer.
+
+The facts it rests on (NVIDIA/TransformerEngine: docs/features/low_precision_training "Fine-grained quantization
+recipes", transformer_engine/pytorch/custom_recipes/quantizer_factories.py, transformer_engine/pytorch/quantization.py
+QuantizerRole): `CustomRecipe(qfactory=f)` calls `f(role)` once per quantizer slot of a module; `role` (or None) has
+`module_type` ("linear" for te.Linear and the linears of composite modules), `tensor_type` ("input", "weight",
+"grad_output", ...) and `name`, the module's `te.Linear(..., name=...)`. fprop consumes input.rowwise and
+weight.rowwise, dgrad grad_output.rowwise and weight.columnwise, wgrad input.columnwise and grad_output.columnwise;
+`HybridQuantizer(rowwise_quantizer=, columnwise_quantizer=, columnwise_source=)` gives a tensor a different quantizer
+per direction, `IdentityQuantizer()` keeps a direction (or a whole slot) in high precision, and `mxfp8_factory` /
+`nvfp4_factory` give the quantizers of TE's MXFP8BlockScaling and NVFP4BlockScaling recipes.
+
+The table is data: each layer name a string literal written with repr(), read back by `ast.literal_eval`; the
+policy's file name and what is left out are escaped comments. fp8 and high-precision layers are not written (every
+layer the table does not name runs in high precision under the recipe) and are listed as not expressed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autoprec.files import write_text
+from autoprec.formats import Format
+from autoprec.policy import ROOT, Policy
+from autoprec.tune.export._common import _comments, _layers, blockscaled_gemms
+from autoprec.tune.export.base import ExportTarget, register
+
+TABLE = "GEMMS"  # the written file's table: layer -> (fprop, dgrad, wgrad) formats
+NAMES = (TABLE, "quantizer_factory", "custom_recipe")  # every name the written file defines
+
+
+def te_gemms(policy: Policy) -> dict[str, tuple[str | None, str | None, str | None]]:
+    """The policy's block-scaled layers -> (fprop, dgrad, wgrad): "mxfp8", "nvfp4" or None (high precision)."""
+    return {name: gemms for name, fmt in policy.layers.items() if (gemms := blockscaled_gemms(fmt)) is not None}
+
+
+def te_not_expressed(policy: Policy) -> list[str]:
+    """The policy's layers outside the block-scaled formats, per format: the recipe runs them in high precision."""
+    by_format: dict[Format, list[str]] = {}
+    for name, fmt in policy.layers.items():
+        if blockscaled_gemms(fmt) is None and fmt is not Format.FP32:
+            by_format.setdefault(fmt, []).append(name)
+    lines = []
+    for fmt, names in by_format.items():
+        why = (
+            "this file writes the mxfp8/nvfp4 formats only (use --to megatron-precision or --to torchao for fp8); "
+            "the recipe runs it in high precision"
+            if fmt.spec.fp8 is not None
+            else "the recipe runs every layer it does not list in the model's own dtype, which this file does not set"
+        )
+        if ROOT in names:
+            lines.append(f"the model root (every op outside a listed layer) runs in {fmt.value}: {why}")
+            names = [n for n in names if n != ROOT]
+        if names:
+            lines.append(f"{_layers(names)} in {fmt.value}: {why}")
+    return lines
+
+
+def _table_literal(gemms: dict[str, tuple[str | None, str | None, str | None]]) -> str:
+    """A dict display of string and None literals, one layer a line: repr() escapes every quote, backslash, line
+    break and non-printable character of a name, so a name is a literal whatever it holds."""
+    if not gemms:
+        return "{}"
+    rows = "".join(f"    {name!r}: {tuple(g)!r},\n" for name, g in gemms.items())
+    return "{\n" + rows + "}"
+
+
+def te_source(policy: Policy, *, source: str = "a policy") -> str:
+    """The Transformer Engine file's text (see the module docstring)."""
+    gemms = te_gemms(policy)
+    last = None if gemms else "The policy has no mxfp8/nvfp4 layer: the recipe runs every layer in high precision."
+    header = _comments(source, "not expressed here", te_not_expressed(policy), last)
+    return f'''"""Transformer Engine heterogeneous quantization for a policy's mxfp8/nvfp4 layers (written by
+`autoprec export --to transformer-engine`). Build each TE linear with the name the policy gives it, then:
+
+    import transformer_engine.pytorch as te
+    from this_file import custom_recipe
+    layer = te.Linear(4096, 4096, name="layers.0.attention.wo")   # the policy's layer name
+    with te.autocast(enabled=True, recipe=custom_recipe()):
+        out = model(x)
+
+GEMMS maps a layer name to its three GEMMs' formats (fprop, dgrad, wgrad): "mxfp8" (TE's MXFP8BlockScaling
+quantizers), "nvfp4" (NVFP4BlockScaling's) or None (high precision). A layer GEMMS does not name runs in high
+precision. Needs a GPU with MXFP8/NVFP4 kernels (compute capability 10.0) and a TE with CustomRecipe,
+HybridQuantizer and IdentityQuantizer. The comments below name the policy file and what the file leaves out.
+"""
+
+{header}
+
+# layer name -> (fprop, dgrad, wgrad): "mxfp8", "nvfp4" or None (high precision)
+{TABLE} = {_table_literal(gemms)}
+
+
+def quantizer_factory(role):
+    """The quantizer for one slot. A listed linear's input, weight and output gradient each get, per direction, the
+    format of the GEMM that consumes it (rowwise | columnwise): input fprop | wgrad, weight fprop | dgrad,
+    grad_output dgrad | wgrad. Any other slot, and every slot of a module the table does not list: high precision."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.custom_recipes.quantizer_factories import mxfp8_factory, nvfp4_factory
+
+    gemms = {TABLE}.get(role.name) if role is not None and role.module_type == "linear" else None
+    if gemms is None:
+        return te.IdentityQuantizer()
+    fprop, dgrad, wgrad = gemms
+    rowwise, columnwise = {{"input": (fprop, wgrad), "weight": (fprop, dgrad), "grad_output": (dgrad, wgrad)}}.get(
+        role.tensor_type, (None, None)
+    )
+
+    def quantizer(kind):
+        if kind is None:
+            return te.IdentityQuantizer()
+        return {{"mxfp8": mxfp8_factory, "nvfp4": nvfp4_factory}}[kind](role)
+
+    if rowwise == columnwise:
+        return quantizer(rowwise)
+    return te.HybridQuantizer(
+        rowwise_quantizer=quantizer(rowwise), columnwise_quantizer=quantizer(columnwise), columnwise_source="original"
+    )
+
+
+def custom_recipe():
+    """TE's CustomRecipe for this policy: pass it to te.autocast(recipe=...)."""
+    from transformer_engine.common.recipe import CustomRecipe
+
+    return CustomRecipe(qfactory=quantizer_factory)
+'''
+
+
+@register
+class TransformerEngine(ExportTarget):
+    name = "transformer-engine"
+    suffix = ".py"
+    summary = "a CustomRecipe per module and GEMM (HybridQuantizer) for the policy's mxfp8/nvfp4 layers"
+
+    def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: object) -> list[str]:
+        write_text(out, te_source(policy, source=source))
+        left_out = te_not_expressed(policy)
+        if te_gemms(policy):
+            return left_out
+        return [*left_out, "the policy has no mxfp8/nvfp4 layer: the file's recipe runs every layer in high precision"]

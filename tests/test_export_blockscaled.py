@@ -1,0 +1,264 @@
+"""The blockscaled formats (mxfp8, nvfp4 and their per-GEMM mixes) in the exports that configure them (issue 40,
+section 3): torchtitan's MXFP8/NVFP4 converters, Transformer Engine's CustomRecipe, Megatron's per-module
+--te-precision-config-file. Each file is read back by the tool's own parser where it installs on a CPU (torchtitan's
+converters, Megatron-core's RecipeConfig and TEQuantizationParams), else (Transformer Engine: it needs CUDA) by
+reading its table back as a literal and running its factory against stand-ins of TE's quantizer classes."""
+
+import ast
+import copy
+import fnmatch
+import importlib.util
+import sys
+import types
+
+import pytest
+import yaml
+from test_export import HOSTILE, code_shape, printable_lines, sneaked  # noqa: I001  the shared hostile-name checks
+
+from autoprec import Policy
+from autoprec.formats import Format
+from autoprec.tune.export import export
+
+
+def load(path, name="exported_blockscaled"):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- torchtitan: its own converters convert exactly the include list's Linears ---
+
+ROLES = ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+
+
+@pytest.fixture
+def titan12(monkeypatch):
+    """torchtitan's llama3 debug model config grown to 12 layers (so that layers.1 and layers.10 both exist), and its
+    MXFP8/NVFP4 converters with the capability check answered yes (the conversion itself is of configs)."""
+    llama3 = pytest.importorskip("torchtitan.models.llama3", reason="torchtitan needs Python 3.11 (the test extra has it)")
+    import torchtitan.components.quantization.mx as mx
+    import torchtitan.components.quantization.nvfp4 as nv
+    from torch._inductor import config as inductor
+
+    saved = inductor.get_config_copy()
+    for module in (mx, nv):
+        monkeypatch.setattr(module, "has_cuda_capability", lambda *args: True)
+    model = llama3.model_registry("debugmodel").model
+    model.layers = list(model.layers) + [copy.deepcopy(model.layers[0]) for _ in range(12 - len(model.layers))]
+    yield model, mx, nv
+    inductor.load_config(saved)
+
+
+def titan_converted(model_config, converters, mx, nv):
+    """fqn -> "mxfp8"/"nvfp4" for the Linears torchtitan's own converters convert."""
+    from torchtitan.models.common.linear import Linear
+
+    for config in converters:
+        cls = mx.MXFP8LinearConverter if isinstance(config, mx.MXFP8LinearConverter.Config) else nv.NVFP4LinearConverter
+        model_config = cls(config).convert(model_config)
+    kinds = {mx.MXFP8Linear.Config: "mxfp8", nv.NVFP4Linear.Config: "nvfp4"}
+    return {fqn: kinds[type(c)] for fqn, c, _, _ in model_config.traverse(Linear.Config) if type(c) in kinds}
+
+
+def test_torchtitans_include_lists_select_exactly_the_policys_layers_layers_1_not_layers_10(tmp_path, titan12):
+    model, mx, nv = titan12
+    layers = {f"layers.1.{role}": "mxfp8" for role in ROLES}  # a whole block: its prefix, with the trailing dot
+    layers |= {"layers.10.feed_forward.w1": "nvfp4", "layers.10.feed_forward.w3": "nvfp4"}  # part of a block
+    layers |= {"layers.11.attention.wo": "mxfp8-fwd-dgrad", "layers.2.attention.wo": "bf16"}
+    left_out = export(Policy(layers=layers), "torchtitan", tmp_path / "t.py")
+    exported = load(tmp_path / "t.py")
+    assert exported.include_fqns(model, "mxfp8") == ["layers.1."]
+    assert exported.include_fqns(model, "nvfp4") == ["layers.10.feed_forward.w1", "layers.10.feed_forward.w3"]
+    converters = exported.blockscaled_converters(model)
+    assert [type(c) for c in converters] == [mx.MXFP8LinearConverter.Config, nv.NVFP4LinearConverter.Config]
+    converted = titan_converted(model, converters, mx, nv)
+    assert converted == {n: f for n, f in layers.items() if f in ("mxfp8", "nvfp4")}  # no layers.10.* in mxfp8
+    assert exported.float8_converters(model) == []
+    assert (
+        "layer 'layers.11.attention.wo' runs in mxfp8-fwd-dgrad (fprop mxfp8, dgrad mxfp8, wgrad high precision)" in left_out[1]
+    )
+    assert "no per-GEMM switch" in left_out[1] and "blockscaled_converters() converts" in left_out[-1]
+
+
+def test_torchtitans_include_list_is_refused_where_a_name_would_select_another_linear(tmp_path):
+    export(Policy(layers={"e.0": "nvfp4"}), "torchtitan", tmp_path / "t.py")
+    sys.modules.setdefault("torchtitan", pytest.importorskip("torchtitan"))
+    exported = load(tmp_path / "t.py")
+
+    class Config:  # 'e.0' has no block prefix and is a substring of 'e.01'
+        def traverse(self, _cls):
+            return iter([("e.0", None, None, None), ("e.01", None, None, None)])
+
+    with pytest.raises(ValueError, match=r"would also convert \['e.01'\]: this layer set cannot be written"):
+        exported.include_fqns(Config(), "nvfp4")
+
+
+def test_a_policy_without_mxfp8_or_nvfp4_layers_gives_torchtitan_no_blockscaled_converter(tmp_path):
+    pytest.importorskip("torchtitan")
+    left_out = export(Policy(layers={"a": "nvfp4-fwd"}), "torchtitan", tmp_path / "t.py")
+    assert load(tmp_path / "t.py").blockscaled_converters(None) == []  # never an empty include list: it converts all
+    assert "nvfp4-fwd" in left_out[0] and left_out[-1].endswith("returns []")
+
+
+# --- Transformer Engine: the table read back as a literal, the factory run against TE's classes' stand-ins ---
+
+MIXED = {"blocks.0.qkv": "mxfp8", "blocks.0.fc1": "nvfp4", "blocks.1.fc1": "mxfp8-fwd-nvfp4-dgrad",
+         "blocks.1.fc2": "nvfp4-fwd", "blocks.2.fc1": "mxfp8-fwd-dgrad", "blocks.2.fc2": "fp8", "head": "bf16"}  # fmt: skip
+
+
+def te_table(path):
+    """The file's GEMMS table, by ast.literal_eval of its literal (the file is not imported)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    [table] = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "GEMMS"]
+    return ast.literal_eval(table)
+
+
+def test_the_transformer_engine_file_holds_the_table_and_the_builder_only(tmp_path):
+    left_out = export(Policy(layers=MIXED), "transformer-engine", tmp_path / "te.py")
+    tree = ast.parse((tmp_path / "te.py").read_text(encoding="utf-8"))
+    names = [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets]
+    names += [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert names == ["GEMMS", "quantizer_factory", "custom_recipe"]
+    assert all(isinstance(n, (ast.Expr, ast.Assign, ast.FunctionDef)) for n in tree.body)  # no top-level import
+    expected = {name: tuple(None if g == "fp32" else g for g in Format(f).family.gemm_precisions(Format(f)))
+                for name, f in MIXED.items() if Format(f).family.name == "blockscaled"}  # fmt: skip
+    assert te_table(tmp_path / "te.py") == expected
+    assert expected["blocks.1.fc1"] == ("mxfp8", "nvfp4", None) and expected["blocks.1.fc2"] == ("nvfp4", None, None)
+    assert left_out == [
+        "layer 'blocks.2.fc2' runs in fp8: this file writes the mxfp8/nvfp4 formats only (use --to megatron-precision "
+        "or --to torchao for fp8); the recipe runs it in high precision",
+        "layer 'head' runs in bf16: the recipe runs every layer it does not list in the model's own dtype, which this "
+        "file does not set",
+    ]
+
+
+@pytest.fixture
+def te_stub(monkeypatch):
+    """Stand-ins for the TE names the file uses: each quantizer records what it was built with."""
+
+    class Q:
+        def __init__(self, kind, **given):
+            self.kind, self.given = kind, given
+
+        def __eq__(self, other):
+            return (self.kind, self.given) == (other.kind, other.given)
+
+        def __repr__(self):
+            return f"{self.kind}{self.given or ''}"
+
+    modules = {}
+    for path in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.custom_recipes",
+                 "transformer_engine.pytorch.custom_recipes.quantizer_factories", "transformer_engine.common",
+                 "transformer_engine.common.recipe"):  # fmt: skip
+        modules[path] = types.ModuleType(path)
+        monkeypatch.setitem(sys.modules, path, modules[path])
+    te = modules["transformer_engine.pytorch"]
+    te.IdentityQuantizer = lambda: Q("hp")
+    te.HybridQuantizer = lambda **given: Q("hybrid", **given)
+    factories = modules["transformer_engine.pytorch.custom_recipes.quantizer_factories"]
+    factories.mxfp8_factory = lambda role: Q("mxfp8")
+    factories.nvfp4_factory = lambda role: Q("nvfp4")
+    modules["transformer_engine.common.recipe"].CustomRecipe = lambda qfactory: ("CustomRecipe", qfactory)
+    return Q
+
+
+def test_the_transformer_engine_factory_gives_each_gemms_operands_its_format(tmp_path, te_stub):
+    Q = te_stub
+    export(Policy(layers=MIXED), "transformer-engine", tmp_path / "te.py")
+    exported = load(tmp_path / "te.py")
+    role = types.SimpleNamespace
+    hp, mx, nv = Q("hp"), Q("mxfp8"), Q("nvfp4")
+
+    def slots(name):
+        return [exported.quantizer_factory(role(module_type="linear", tensor_type=t, name=name))
+                for t in ("input", "weight", "grad_output")]  # fmt: skip
+
+    def hybrid(row, col):
+        return Q("hybrid", rowwise_quantizer=row, columnwise_quantizer=col, columnwise_source="original")
+
+    assert slots("blocks.0.qkv") == [mx, mx, mx] and slots("blocks.0.fc1") == [nv, nv, nv]
+    # fprop mxfp8, dgrad nvfp4, wgrad high: input fprop|wgrad, weight fprop|dgrad, grad_output dgrad|wgrad
+    assert slots("blocks.1.fc1") == [hybrid(mx, hp), hybrid(mx, nv), hybrid(nv, hp)]
+    assert slots("blocks.1.fc2") == [hybrid(nv, hp), hybrid(nv, hp), hp]  # forward only
+    assert slots("blocks.2.fc1") == [hybrid(mx, hp), mx, hybrid(mx, hp)]  # wgrad high precision
+    assert slots("blocks.2.fc2") == slots("head") == slots("unlisted") == [hp, hp, hp]
+    assert exported.quantizer_factory(None) == hp
+    assert exported.quantizer_factory(role(module_type="linear", tensor_type="output", name="blocks.0.qkv")) == hp
+    assert exported.quantizer_factory(role(module_type="dpa", tensor_type="qkv", name="blocks.0.qkv")) == hp
+    assert exported.custom_recipe() == ("CustomRecipe", exported.quantizer_factory)
+
+
+def test_no_text_from_a_policy_becomes_code_in_the_transformer_engine_file(tmp_path, monkeypatch):
+    names = {
+        HOSTILE: "mxfp8",
+        "b\n)\nimport os#": "nvfp4-fwd",
+        "d\u2028e\\": "mxfp8-fwd-nvfp4-dgrad",
+        "\U0001d465\udcff": "nvfp4",
+    }
+    export(sneaked({**names, "\x1b]0;title\x07": "bf16"}), "transformer-engine", tmp_path / "hostile.py", source=HOSTILE)
+    export(sneaked({f"l{i}": f for i, f in enumerate(names.values())} | {"a": "bf16"}), "transformer-engine",
+           tmp_path / "plain.py", source="policy.json")  # fmt: skip
+    text = (tmp_path / "hostile.py").read_text(encoding="utf-8")
+    assert code_shape(text) == code_shape((tmp_path / "plain.py").read_text(encoding="utf-8"))
+    assert printable_lines(text) and "\\x1b]0;title\\x07" in text
+    assert list(te_table(tmp_path / "hostile.py")) == list(names)  # exactly the names, as data
+    monkeypatch.chdir(tmp_path)
+    load(tmp_path / "hostile.py")
+    assert not (tmp_path / "pwned").exists()
+
+
+# --- Megatron: its own RecipeConfig and TEQuantizationParams read the YAML back into the layer -> format table ---
+
+
+def megatron_formats(path, modules):
+    """module path -> what Megatron-core runs it in under the YAML: "mxfp8", "nvfp4", "fp8" (tensorwise) or "high"."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (the test extra has it)")
+    from megatron.core.extensions.transformer_engine import TEQuantizationParams
+    from megatron.core.quantization.utils import get_quant_config_or_none, load_quantization_recipe
+
+    recipe = load_quantization_recipe(str(path))
+    found = {}
+    for module in modules:
+        training = TEQuantizationParams.parse_from_config(get_quant_config_or_none(module, recipe)).training_recipe
+        fp8, fp4 = training.fp8_quantization_recipe, training.fp4_quantization_recipe
+        found[module] = {"mxfp8": "mxfp8", "tensorwise": "fp8"}.get(fp8, fp4 or "high")
+        assert training.override_nonquantized_autocast == (found[module] != "high") and training.override_quantized_autocast
+    return found
+
+
+def test_the_megatron_precision_yaml_runs_each_linear_in_its_policy_format(tmp_path):
+    layers = {f"decoder.layers.{i}.mlp.linear_fc1": f for i, f in enumerate(["mxfp8", "nvfp4", "fp8", "mxfp8-fwd"])}
+    layers |= {
+        "decoder.layers.1.mlp.linear_fc2": "fp8-rowwise",
+        "output_layer": "bf16",
+        "decoder.layers.10.mlp.linear_fc1": "mxfp8",
+    }
+    left_out = export(Policy(layers={"": "bf16", **layers}), "megatron-precision", tmp_path / "m.yaml")
+    others = ["decoder.layers.1.mlp.linear_fc10", "decoder.layers.1.self_attention.linear_qkv", "embedding"]
+    found = megatron_formats(tmp_path / "m.yaml", [*layers, *others])
+    expected = {name: f if f in ("mxfp8", "nvfp4", "fp8") else "high" for name, f in layers.items()}
+    assert found == {**expected, **dict.fromkeys(others, "high")}
+    content = yaml.safe_load((tmp_path / "m.yaml").read_text())
+    assert all(m["enabled"] is True for m in content["matchers"].values())  # Megatron skips a matcher without it
+    assert list(content["matchers"].values())[-1]["pattern"] == "*"
+    assert [line.split(":")[0] for line in left_out] == [
+        "the model root (every op outside a listed layer) runs in bf16", "layer 'output_layer' runs in bf16",
+        "layer 'decoder.layers.3.mlp.linear_fc1' runs in mxfp8-fwd", "layer 'decoder.layers.1.mlp.linear_fc2' runs in fp8-rowwise"]  # fmt: skip
+    assert "per-GEMM mix" in left_out[2] and all(f"#   - {line}" in (tmp_path / "m.yaml").read_text() for line in left_out)
+
+
+def test_a_megatron_pattern_matches_its_layer_only_whatever_the_name_holds(tmp_path):
+    names = {"a[0]*?.fc": "mxfp8", "b\n#x: 'y'\u2028": "nvfp4", HOSTILE: "mxfp8"}
+    export(sneaked(names), "megatron-precision", tmp_path / "m.yaml", source="p\n- x\x1b[2J.json")
+    text = (tmp_path / "m.yaml").read_text(encoding="utf-8")
+    assert printable_lines(text) and text.isascii()
+    content = yaml.safe_load(text)
+    patterns = [m["pattern"] for m in content["matchers"].values()][:-1]
+    for name, pattern in zip(names, patterns):
+        assert fnmatch.fnmatch(name, pattern) and not fnmatch.fnmatch(name + "x", pattern)
+    assert not fnmatch.fnmatch("a0xy.fc", patterns[0])  # its glob characters are escaped
+    assert [content["configs"][m["config"]]["training_recipe"] for m in content["matchers"].values()][:-1] == [
+        {"fp8_quantization_recipe": "mxfp8", "override_nonquantized_autocast": True},
+        {"fp4_quantization_recipe": "nvfp4", "override_nonquantized_autocast": True},
+        {"fp8_quantization_recipe": "mxfp8", "override_nonquantized_autocast": True}]  # fmt: skip
