@@ -18,9 +18,16 @@ from autoprec.policy import LossScale, Policy, load_policy
 from autoprec.scaler import grad_scaler
 
 __all__ = [
-    "load_policy", "apply_policy", "compile_model", "grad_scaler", "applied_summary", "Policy", "LossScale",
-    "Format", "UserError",
-]  # fmt: skip
+    "load_policy",
+    "apply_policy",
+    "compile_model",
+    "grad_scaler",
+    "applied_summary",
+    "Policy",
+    "LossScale",
+    "Format",
+    "UserError",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -464,10 +464,14 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
             low = frozenset(n for n, p in module.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)
             setattr(module, _NO_PICKLE_ATTR, _NoPickle(name, low))
         records[name] = LayerRecord(
-            name=name, format=fmt, module_type=type(module).__name__, aliases=tuple(n for n in own if n != name),
-            fp8_backend=converted[fmt.family.name].backend, wrapped=wrap,
+            name=name,
+            format=fmt,
+            module_type=type(module).__name__,
+            aliases=tuple(n for n in own if n != name),
+            fp8_backend=converted[fmt.family.name].backend,
+            wrapped=wrap,
             fsdp_fp8_all_gather=fmt in gathered,
-        )  # fmt: skip
+        )
     setattr(model, _SUMMARY_ATTR, AppliedSummary(policy=policy, device=str(device), layers=records))
     _APPLIED_MODELS.add(model)
     return model
@@ -545,6 +549,15 @@ def models_with(policy: Policy) -> list[torch.nn.Module]:
 
 
 __all__ = [
-    "apply_policy", "compile_model", "repeated_blocks", "applied_policy", "applied_summary", "models_with", "AppliedSummary", "LayerRecord",
-    "fp8_backend", "Fp8Backend", "ROOT",
-]  # fmt: skip
+    "apply_policy",
+    "compile_model",
+    "repeated_blocks",
+    "applied_policy",
+    "applied_summary",
+    "models_with",
+    "AppliedSummary",
+    "LayerRecord",
+    "fp8_backend",
+    "Fp8Backend",
+    "ROOT",
+]

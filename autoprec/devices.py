@@ -278,8 +278,9 @@ def _traced_rise(step: Callable[[], object]) -> int | None:
         finally:
             threads = disable()
     start = next(r for records in threads for r in records if r.name() == "__start_profile")
-    per_thread = [[(r.cpu_elapsed_us(start), r.cpu_memory_usage()) for r in records if r.kind() == "memory_alloc"]
-                  for records in threads]  # fmt: skip
+    per_thread = [
+        [(r.cpu_elapsed_us(start), r.cpu_memory_usage()) for r in records if r.kind() == "memory_alloc"] for records in threads
+    ]
     return _highest_total(nbytes for _, nbytes in heapq.merge(*per_thread, key=lambda e: e[0]))
 
 
@@ -436,6 +437,18 @@ CPU = device_for("cpu")
 CUDA = device_for("cuda")
 
 __all__ = [
-    "Device", "CPUDevice", "CUDADevice", "CPU", "CUDA", "UnknownDeviceError", "register_device", "unregister_device",
-    "registered", "device_for", "lookup", "default_device", "preferred_over", "float32_matmul_precision",
-]  # fmt: skip
+    "Device",
+    "CPUDevice",
+    "CUDADevice",
+    "CPU",
+    "CUDA",
+    "UnknownDeviceError",
+    "register_device",
+    "unregister_device",
+    "registered",
+    "device_for",
+    "lookup",
+    "default_device",
+    "preferred_over",
+    "float32_matmul_precision",
+]

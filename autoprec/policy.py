@@ -32,8 +32,10 @@ def check_layer_name(name: object) -> str:
     if not isinstance(name, str):
         raise ValueError(f"layers keys must be module names (str), got {shown(name)}")
     if name != ROOT and not MODULE_PATH.fullmatch(name):
-        raise ValueError(f"layers key {shown(name)} is not a module path: names of letters, digits, _ and - joined by "
-                         "dots, as torch names modules (blocks.3.attn.qkv), or \"\" for the model root")  # fmt: skip
+        raise ValueError(
+            f"layers key {shown(name)} is not a module path: names of letters, digits, _ and - joined by "
+            'dots, as torch names modules (blocks.3.attn.qkv), or "" for the model root'
+        )
     return name
 
 
@@ -89,9 +91,12 @@ class LossScale:
             if not _finite(data[key]):  # an integer past float's range: float() would raise OverflowError
                 raise ValueError(f"{where}.{key} must be a finite number, but got {shown(data[key])}")
         return cls(
-            init_scale=float(data["init_scale"]), growth_factor=float(data["growth_factor"]),
-            backoff_factor=float(data["backoff_factor"]), growth_interval=data["growth_interval"], dynamic=data["dynamic"],
-        )  # fmt: skip
+            init_scale=float(data["init_scale"]),
+            growth_factor=float(data["growth_factor"]),
+            backoff_factor=float(data["backoff_factor"]),
+            growth_interval=data["growth_interval"],
+            dynamic=data["dynamic"],
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,9 +47,10 @@ def nonfinite_layers(model: torch.nn.Module, policy: Policy) -> list[str]:
             continue
         layer = _governing_layer(name, policy.layers)
         label = (
-            f"{layer or '<model>'} ({policy.layers[layer]})" if layer is not None
+            f"{layer or '<model>'} ({policy.layers[layer]})"
+            if layer is not None
             else f"{name.rpartition('.')[0] or '<model>'} (not in the policy)"
-        )  # fmt: skip
+        )
         if label not in out:
             out.append(label)
     return sorted(out, key=lambda label: not label.endswith(f"({Format.FP16})"))
@@ -73,9 +74,15 @@ class PolicyGradScaler(torch.amp.GradScaler):
     """
 
     def __init__(
-        self, device: str, *, policy: Policy, model: torch.nn.Module | None = None,
-        warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS, warn: bool = True, **kwargs: Any,
-    ) -> None:  # fmt: skip
+        self,
+        device: str,
+        *,
+        policy: Policy,
+        model: torch.nn.Module | None = None,
+        warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS,
+        warn: bool = True,
+        **kwargs: Any,
+    ) -> None:
         if isinstance(warn_after_skips, bool) or not isinstance(warn_after_skips, int) or warn_after_skips < 1:
             raise ValueError(f"warn_after_skips must be an integer >= 1, but got {warn_after_skips!r}")
         super().__init__(device, **kwargs)
@@ -173,9 +180,13 @@ class PolicyGradScaler(torch.amp.GradScaler):
 
 
 def grad_scaler(
-    policy: Policy | str | Path, device: str | torch.device | None = None, *,
-    model: torch.nn.Module | None = None, warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS, warn: bool = True,
-) -> PolicyGradScaler:  # fmt: skip
+    policy: Policy | str | Path,
+    device: str | torch.device | None = None,
+    *,
+    model: torch.nn.Module | None = None,
+    warn_after_skips: int = DEFAULT_WARN_AFTER_SKIPS,
+    warn: bool = True,
+) -> PolicyGradScaler:
     """A GradScaler with the policy's loss-scale settings; disabled when no layer is fp16.
 
     Returns a torch.amp.GradScaler subclass (PolicyGradScaler), used as any GradScaler: `scale(loss).backward()`,

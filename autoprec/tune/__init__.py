@@ -18,6 +18,22 @@ from autoprec.tune.sweeper import SweepResult
 from autoprec.tune.task import Task, Workload, load_task, prepare
 
 __all__ = [
-    "search", "sweep", "SearchResult", "SweepResult", "Budget", "parse_budget", "load_task", "prepare", "Task",
-    "Workload", "load_space", "SearchSpace", "Layout", "profile", "Profile", "ProfileConfig", "SearchConfig", "Mode",
-]  # fmt: skip
+    "search",
+    "sweep",
+    "SearchResult",
+    "SweepResult",
+    "Budget",
+    "parse_budget",
+    "load_task",
+    "prepare",
+    "Task",
+    "Workload",
+    "load_space",
+    "SearchSpace",
+    "Layout",
+    "profile",
+    "Profile",
+    "ProfileConfig",
+    "SearchConfig",
+    "Mode",
+]

@@ -115,9 +115,14 @@ def task_from_objects(
     hooks = (("loss_fn", loss_fn), ("evaluate", evaluate), ("optimizer", optimizer))
     guarded = {what: guard_exit(label, what, fn) for what, fn in hooks if fn is not None}
     return Task(
-        path=Path(label), build_model=lambda: copy.deepcopy(model), batches=lambda split: splits[split],
-        loss_fn=guarded["loss_fn"], evaluate=guarded.get("evaluate"), optimizer=guarded.get("optimizer"), label=label,
-    )  # fmt: skip
+        path=Path(label),
+        build_model=lambda: copy.deepcopy(model),
+        batches=lambda split: splits[split],
+        loss_fn=guarded["loss_fn"],
+        evaluate=guarded.get("evaluate"),
+        optimizer=guarded.get("optimizer"),
+        label=label,
+    )
 
 
 def _setup(
@@ -240,9 +245,22 @@ def search(
     """
     spec = parse_budget(budget)
     workload, the_space, base = _setup(
-        model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, device=device,
-        space=space, exclude=exclude, trials=trials, seed=seed, compile=compile, progress=progress, config=config,
-    )  # fmt: skip
+        model,
+        loss_fn,
+        train_batches,
+        eval_batches,
+        evaluate=evaluate,
+        optimizer=optimizer,
+        name=name,
+        device=device,
+        space=space,
+        exclude=exclude,
+        trials=trials,
+        seed=seed,
+        compile=compile,
+        progress=progress,
+        config=config,
+    )
     (absolute,), given = resolve_budgets(workload, [spec])
     settings = dataclasses.replace(base, budget=absolute)
     command = f"autoprec.tune.search({workload.task.name}, budget={str(spec)!r}, seed={seed})"
@@ -327,9 +345,22 @@ def sweep(
         raise TypeError("sweep() needs budgets=, e.g. budgets='0,0.5%,1%' or budgets=[0, 0.01]")
     specs = parse_budget_list([budgets] if isinstance(budgets, (int, float)) else budgets)
     workload, the_space, base = _setup(
-        model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, device=device,
-        space=space, exclude=exclude, trials=trials, seed=seed, compile=compile, progress=progress, config=config,
-    )  # fmt: skip
+        model,
+        loss_fn,
+        train_batches,
+        eval_batches,
+        evaluate=evaluate,
+        optimizer=optimizer,
+        name=name,
+        device=device,
+        space=space,
+        exclude=exclude,
+        trials=trials,
+        seed=seed,
+        compile=compile,
+        progress=progress,
+        config=config,
+    )
     resolved, given = resolve_budgets(workload, specs)
     settings = dataclasses.replace(base, budget=max(resolved), study_name=base.study_name or f"{workload.task.name}-sweep")
     command = f"autoprec.tune.sweep({workload.task.name}, budgets={', '.join(map(str, specs))!r}, seed={seed})"

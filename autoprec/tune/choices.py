@@ -144,8 +144,11 @@ def loss_scale_choice(prof: Profile, choices: Choices, space: SearchSpace) -> di
     if narrowed[0] > narrowed[1]:
         log.warning(
             "the profile recommends loss scales 2^%d..2^%d, outside the search space's init_scale_log2 [%d, %d]; "
-            "searching the recommended range", *recommended, lo, hi,
-        )  # fmt: skip
+            "searching the recommended range",
+            *recommended,
+            lo,
+            hi,
+        )
         narrowed = recommended
     out["init_scale_log2"] = list(narrowed)
     return out
@@ -308,8 +311,12 @@ def suggest(trial: optuna.Trial, choices: Choices, space: SearchSpace) -> Policy
         ls = space.loss_scale
         lo, hi = (choices.loss_scale or {}).get("init_scale_log2", ls.init_scale_log2)
         params[LS_PARAM + "init_scale_log2"] = trial.suggest_int(LS_PARAM + "init_scale_log2", lo, hi)
-        for name, options in (("growth_interval", ls.growth_interval), ("growth_factor", ls.growth_factor),
-                              ("backoff_factor", ls.backoff_factor), ("dynamic", ls.dynamic)):  # fmt: skip
+        for name, options in (
+            ("growth_interval", ls.growth_interval),
+            ("growth_factor", ls.growth_factor),
+            ("backoff_factor", ls.backoff_factor),
+            ("dynamic", ls.dynamic),
+        ):
             params[LS_PARAM + name] = trial.suggest_categorical(LS_PARAM + name, options)
     return policy_from_params(params, choices)
 

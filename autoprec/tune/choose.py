@@ -99,8 +99,15 @@ def not_separated(finals: Finals, name: str) -> list[str]:
     pick = finals.get(name)
     if pick is None or not pick.feasible or not math.isfinite(pick.speedup):
         return []
-    return [r.candidate for r in finals if r.candidate != name and r.feasible and r.candidate not in NOT_A_POLICY
-            and math.isfinite(r.speedup) and not separated(pick, r)]  # fmt: skip
+    return [
+        r.candidate
+        for r in finals
+        if r.candidate != name
+        and r.feasible
+        and r.candidate not in NOT_A_POLICY
+        and math.isfinite(r.speedup)
+        and not separated(pick, r)
+    ]
 
 
 def choose_smallest(

@@ -52,8 +52,10 @@ def _device(value: str) -> torch.device:
         raise UserError(f"--device {value}: {kind.label} is not available here; use --device {devices.default_device()}")
     count = kind.device_count() if kind.numbered else None
     if count is not None and dev.index is not None and dev.index >= count:
-        raise UserError(f"--device {value}: this machine has {count} {kind.unit}{'s' if count != 1 else ''} "
-                        f"({dev.type}:0 to {dev.type}:{count - 1})")  # fmt: skip
+        raise UserError(
+            f"--device {value}: this machine has {count} {kind.unit}{'s' if count != 1 else ''} "
+            f"({dev.type}:0 to {dev.type}:{count - 1})"
+        )
     return dev
 
 
@@ -134,13 +136,26 @@ def _search_config(args: argparse.Namespace, budget: float = 0.0):
 
     try:
         return search_config(
-            device=_device(args.device), budget=budget, compile=args.compile, mode=args.mode, train_steps=args.train_steps,
-            noise_runs=args.noise_runs, max_memory=args.max_memory, numerics=args.numerics,
-            spell=lambda name: "--" + name.replace("_", "-"), trials=args.trials, seed=args.seed, storage=args.storage,
-            study_name=args.study, progress=not args.quiet, remeasure=args.remeasure, objective=args.objective,
+            device=_device(args.device),
+            budget=budget,
+            compile=args.compile,
+            mode=args.mode,
+            train_steps=args.train_steps,
+            noise_runs=args.noise_runs,
+            max_memory=args.max_memory,
+            numerics=args.numerics,
+            spell=lambda name: "--" + name.replace("_", "-"),
+            trials=args.trials,
+            seed=args.seed,
+            storage=args.storage,
+            study_name=args.study,
+            progress=not args.quiet,
+            remeasure=args.remeasure,
+            objective=args.objective,
             target=getattr(args, "target", None),
-            predict_speed=not getattr(args, "time_every_trial", False), time_budget=_time_budget(args),
-        )  # fmt: skip
+            predict_speed=not getattr(args, "time_every_trial", False),
+            time_budget=_time_budget(args),
+        )
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -194,8 +209,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         return 0
     if not args.quiet:
         print(result.summary())
-        print(f"\nwrote {out / 'policy.json'}, profile.csv, grad_ranges.csv, trials.csv, finalists.csv, summary.md, profile.png, "
-              f"grad_ranges.png (study {result.study_name!r} in {result.storage})")  # fmt: skip
+        print(
+            f"\nwrote {out / 'policy.json'}, profile.csv, grad_ranges.csv, trials.csv, finalists.csv, summary.md, profile.png, "
+            f"grad_ranges.png (study {result.study_name!r} in {result.storage})"
+        )
         measured = result.policy.measured or {}
         estimate = measured.get("estimate")
         if isinstance(estimate, dict) and estimate.get("what"):  # the goal's value is an estimate: said last, as one
@@ -227,15 +244,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, study_name=f"{task.name}-sweep")
     result = sweep_and_report(workload, space, budgets, config, out, command=_command("sweep", config.storage), given=given)
     if args.json:
-        rows = [{"budget": b, "budget_given": given.get(b), "policy_file": str(out / name), "policy": p.to_dict()}
-                for (b, p), name in zip(result.policies.items(), (r.policy_file for r in result.table))]  # fmt: skip
+        rows = [
+            {"budget": b, "budget_given": given.get(b), "policy_file": str(out / name), "policy": p.to_dict()}
+            for (b, p), name in zip(result.policies.items(), (r.policy_file for r in result.table))
+        ]
         _print_json(args, {"sweep_csv": str(out / "sweep.csv"), "budgets": rows}, allow_nan=False)
         return 0
     if not args.quiet:
         print(result.summary())
         files = ", ".join(r.policy_file for r in result.table)
-        print(f"\nwrote {out / 'sweep.csv'}, sweep.md, pareto.png, sweep_trials.csv, sweep_finalists.csv, {files} "
-              f"(study {result.study_name!r} in {result.storage})")  # fmt: skip
+        print(
+            f"\nwrote {out / 'sweep.csv'}, sweep.md, pareto.png, sweep_trials.csv, sweep_finalists.csv, {files} "
+            f"(study {result.study_name!r} in {result.storage})"
+        )
     return 0
 
 
@@ -254,8 +275,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
         pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     if args.json:
         found = [b.to_dict() for b in breaks(prof.table)]
-        _print_json(args, {"profile_csv": str(path), "device": prof.device, "fp32_metric": prof.fp32_metric,
-                           "metric": prof.metric_name, "breaks": found})  # fmt: skip
+        _print_json(
+            args,
+            {
+                "profile_csv": str(path),
+                "device": prof.device,
+                "fp32_metric": prof.fp32_metric,
+                "metric": prof.metric_name,
+                "breaks": found,
+            },
+        )
         return 0
     if args.quiet:
         return 0
@@ -470,12 +499,19 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--out", help="output directory (default: results/<model name>)")
         p.add_argument("--space", help="search-space YAML (default: the shipped search_spaces/default.yaml)")
-        p.add_argument("--exclude", action="append", metavar="PATTERN",
-                       help="keep modules whose name matches (fnmatch: pooler, '*.lm_head') out of the search, with "
-                            "everything inside them; repeatable; added to the space file's exclude list")  # fmt: skip
-        p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                       help="time steps with the model under torch.compile, as users who compile train "
-                            "(default: on for cuda, off for cpu)")  # fmt: skip
+        p.add_argument(
+            "--exclude",
+            action="append",
+            metavar="PATTERN",
+            help="keep modules whose name matches (fnmatch: pooler, '*.lm_head') out of the search, with "
+            "everything inside them; repeatable; added to the space file's exclude list",
+        )
+        p.add_argument(
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="time steps with the model under torch.compile, as users who compile train (default: on for cuda, off for cpu)",
+        )
         _global_flags(p)
         return p
 
@@ -484,48 +520,81 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--storage", help="Optuna storage URL or journal file (default: <out>/study.journal)")
         p.add_argument("--study", help=f"study name (default: {default_study}); the same name resumes")
         p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
-        p.add_argument("--remeasure", action="store_true",
-                       help="rerunning a finished study keeps the result it wrote; this re-measures its finalists and "
-                            "chooses again")  # fmt: skip
-        p.add_argument("--mode", default="weights", metavar="{weights,train}",
-                       help="what the budget applies to: the metric of the given weights with the policy (weights, "
-                            "default), or after --train-steps training steps against fp32 trained alike (train)")  # fmt: skip
+        p.add_argument(
+            "--remeasure",
+            action="store_true",
+            help="rerunning a finished study keeps the result it wrote; this re-measures its finalists and chooses again",
+        )
+        p.add_argument(
+            "--mode",
+            default="weights",
+            metavar="{weights,train}",
+            help="what the budget applies to: the metric of the given weights with the policy (weights, "
+            "default), or after --train-steps training steps against fp32 trained alike (train)",
+        )
         p.add_argument("--train-steps", type=int, metavar="K", help="train mode: training steps per candidate (default 50)")
-        p.add_argument("--noise-runs", type=int, metavar="R",
-                       help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)")  # fmt: skip
-        p.add_argument("--max-memory", metavar="SIZE",
-                       help="the most peak memory a training step may need: a size (40GB, 512MiB) or a share of the "
-                            "device's memory (0.8, 80%%); candidates above it are infeasible")  # fmt: skip
-        p.add_argument("--numerics", choices=("offered", "all"), default="offered",
-                       help="the profile's numerics (SQNR, overflow, metric drop) for the formats the timing keeps in "
-                            "play (offered, default: minutes saved) or for every format the device can run (all), "
-                            "as `autoprec profile` measures them")  # fmt: skip
+        p.add_argument(
+            "--noise-runs",
+            type=int,
+            metavar="R",
+            help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)",
+        )
+        p.add_argument(
+            "--max-memory",
+            metavar="SIZE",
+            help="the most peak memory a training step may need: a size (40GB, 512MiB) or a share of the "
+            "device's memory (0.8, 80%%); candidates above it are infeasible",
+        )
+        p.add_argument(
+            "--numerics",
+            choices=("offered", "all"),
+            default="offered",
+            help="the profile's numerics (SQNR, overflow, metric drop) for the formats the timing keeps in "
+            "play (offered, default: minutes saved) or for every format the device can run (all), "
+            "as `autoprec profile` measures them",
+        )
         # every registered goal (autoprec.tune.goals); SearchConfig refuses another name, listing them
         p.add_argument("--objective", default="speed", metavar=objective_metavar(), help=objective_help())
-        p.add_argument("--target", metavar="{" + ",".join(t.name for t in planned_for()) + "}",
-                       help="with --objective flops: the device to plan for, whose datasheet's nominal dense "
-                            "throughput per format weights each GEMM's FLOPs (an estimate, not a measurement)")  # fmt: skip
+        p.add_argument(
+            "--target",
+            metavar="{" + ",".join(t.name for t in planned_for()) + "}",
+            help="with --objective flops: the device to plan for, whose datasheet's nominal dense "
+            "throughput per format weights each GEMM's FLOPs (an estimate, not a measurement)",
+        )
 
     s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
-    s.add_argument("--budget", metavar="B",
-                   help="largest allowed drop of the metric from all-fp32: in the metric's units (0.01) or relative to "
-                        "the fp32 metric's magnitude (1%%); default 1%%")  # fmt: skip
+    s.add_argument(
+        "--budget",
+        metavar="B",
+        help="largest allowed drop of the metric from all-fp32: in the metric's units (0.01) or relative to "
+        "the fp32 metric's magnitude (1%%); default 1%%",
+    )
     study_options(s, "the model's name")
-    s.add_argument("--time-every-trial", action="store_true",
-                   help="time every trial, also one the profile's layer times predict too slow to be a finalist "
-                        "(by default those are left untimed, and the trials stop once none untried can win)")  # fmt: skip
-    s.add_argument("--time-budget", type=float, metavar="MINUTES",
-                   help="minutes the whole search may take: the trials stop where the final re-measure still fits, "
-                        "and the answer is chosen from what was measured (default: no limit but --trials)")  # fmt: skip
+    s.add_argument(
+        "--time-every-trial",
+        action="store_true",
+        help="time every trial, also one the profile's layer times predict too slow to be a finalist "
+        "(by default those are left untimed, and the trials stop once none untried can win)",
+    )
+    s.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="MINUTES",
+        help="minutes the whole search may take: the trials stop where the final re-measure still fits, "
+        "and the answer is chosen from what was measured (default: no limit but --trials)",
+    )
     s.set_defaults(func=cmd_search)
 
     w = model_verb(
         "sweep",
         "one two-objective study (speedup or peak memory, and metric drop) and a verified policy for each of several budgets",
     )
-    w.add_argument("--budgets", required=True, metavar="B1,B2,...",
-                   help="comma-separated budgets, e.g. 0,0.002,0.005,0.01,0.02 (metric units) or 0,0.5%%,1%%,2%% "
-                        "(of the fp32 metric)")  # fmt: skip
+    w.add_argument(
+        "--budgets",
+        required=True,
+        metavar="B1,B2,...",
+        help="comma-separated budgets, e.g. 0,0.002,0.005,0.01,0.02 (metric units) or 0,0.5%%,1%%,2%% (of the fp32 metric)",
+    )
     study_options(w, "the model's name + '-sweep'")
     w.set_defaults(func=cmd_sweep)
 
@@ -544,11 +613,15 @@ def build_parser() -> argparse.ArgumentParser:
     from autoprec.tune.export import options, targets  # noqa: PLC0415 (light: the policy and formats only)
 
     # every registered target (autoprec.tune.export): its name, its file's suffix and the options it adds
-    ex = verbs.add_parser("export", help="write a policy's fp8 layers for another training tool",
-                          description="write a policy's fp8 layers for another training tool; what it cannot express is listed")  # fmt: skip
+    ex = verbs.add_parser(
+        "export",
+        help="write a policy's fp8 layers for another training tool",
+        description="write a policy's fp8 layers for another training tool; what it cannot express is listed",
+    )
     ex.add_argument("policy", help="path to a policy.json")
-    ex.add_argument("--to", required=True, choices=[t.name for t in targets()],
-                    help="; ".join(f"{t.name}: {t.summary}" for t in targets()))  # fmt: skip
+    ex.add_argument(
+        "--to", required=True, choices=[t.name for t in targets()], help="; ".join(f"{t.name}: {t.summary}" for t in targets())
+    )
     ex.add_argument("--out", help=f"the file to write (default: beside the policy, {_export_file_names(targets())})")
     for option, names in options().items():
         ex.add_argument(

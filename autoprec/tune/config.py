@@ -327,8 +327,10 @@ class SearchConfig:
         object.__setattr__(self, "objective", parse_goal(self.objective))
         object.__setattr__(self, "target", check_target(self.objective, self.target))
         if not self.objective.timed and self.max_memory is not None:
-            raise ValueError(f"max_memory needs each trial's peak memory, which objective {self.objective.name} does "
-                             "not measure (its trials are not run on this machine's clock)")  # fmt: skip
+            raise ValueError(
+                f"max_memory needs each trial's peak memory, which objective {self.objective.name} does "
+                "not measure (its trials are not run on this machine's clock)"
+            )
         if self.max_memory is not None and (
             isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 1
         ):
@@ -340,9 +342,11 @@ class SearchConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, but got {value!r}")
         if self.time_budget is not None and not (
-            isinstance(self.time_budget, (int, float)) and not isinstance(self.time_budget, bool)
-            and math.isfinite(self.time_budget) and self.time_budget > 0
-        ):  # fmt: skip
+            isinstance(self.time_budget, (int, float))
+            and not isinstance(self.time_budget, bool)
+            and math.isfinite(self.time_budget)
+            and self.time_budget > 0
+        ):
             raise ValueError(f"time_budget must be a number of seconds > 0 or None, but got {self.time_budget!r}")
         if not isinstance(self.predict_speed, bool):
             raise ValueError(f"predict_speed must be True or False, but got {self.predict_speed!r}")
@@ -355,8 +359,10 @@ class SearchConfig:
         if self.finalists < 1:
             raise ValueError(f"finalists must be >= 1, but got {self.finalists!r}")
         if self.profile.compile and not self.compile:
-            raise ValueError("profile=ProfileConfig(compile=True) needs compile=True: one switch compiles the profile's "
-                             "layer timings, the trials and the re-measure; set SearchConfig(compile=True)")  # fmt: skip
+            raise ValueError(
+                "profile=ProfileConfig(compile=True) needs compile=True: one switch compiles the profile's "
+                "layer timings, the trials and the re-measure; set SearchConfig(compile=True)"
+            )
         if self.profile.numerics is None:  # a search's own profile: the numerics of formats it does not offer wait
             object.__setattr__(self, "profile", dataclasses.replace(self.profile, numerics="offered"))
 

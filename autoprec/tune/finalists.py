@@ -140,26 +140,28 @@ def remeasure(
         s = stats.get(name)
         runs = s is not None and math.isfinite(metric) and s.finite and math.isfinite(s.effective_ms)
         effective_ms = s.effective_ms if s else math.nan
-        rows.append(Measurement(
-            candidate=name,
-            metric=metric,
-            metric_drop=drop,
-            runs=runs,
-            feasible=False,  # judged below, by Measurement.within
-            step_ms=s.timing.median_ms if s else math.nan,
-            skipped=s.skipped if s else 0,
-            steps=s.steps if s else 0,
-            effective_step_ms=effective_ms,
-            spread=s.timing.spread if s else math.nan,
-            compile_s=s.compile_s if s else None,
-            train_skipped=extra.get("train_skipped"),
-            error=failed.get(name) or extra.get("error"),
-            speedup=fp32_ms / effective_ms if effective_ms else math.inf,
-            rounds=len(s.timing.samples_ms) if s else 0,
-            peak_bytes=s.peak_bytes if s else None,
-            memory_saving=memory.saving(s.peak_bytes if s else None, fp32_peak),
-            fits=max_memory is None or (s is not None and s.peak_bytes is not None and s.peak_bytes <= max_memory),
-        ))  # fmt: skip
+        rows.append(
+            Measurement(
+                candidate=name,
+                metric=metric,
+                metric_drop=drop,
+                runs=runs,
+                feasible=False,  # judged below, by Measurement.within
+                step_ms=s.timing.median_ms if s else math.nan,
+                skipped=s.skipped if s else 0,
+                steps=s.steps if s else 0,
+                effective_step_ms=effective_ms,
+                spread=s.timing.spread if s else math.nan,
+                compile_s=s.compile_s if s else None,
+                train_skipped=extra.get("train_skipped"),
+                error=failed.get(name) or extra.get("error"),
+                speedup=fp32_ms / effective_ms if effective_ms else math.inf,
+                rounds=len(s.timing.samples_ms) if s else 0,
+                peak_bytes=s.peak_bytes if s else None,
+                memory_saving=memory.saving(s.peak_bytes if s else None, fp32_peak),
+                fits=max_memory is None or (s is not None and s.peak_bytes is not None and s.peak_bytes <= max_memory),
+            )
+        )
     return Finals(rows).within(budget)
 
 
@@ -201,9 +203,17 @@ def final_remeasure(
 
     # a loaded machine times on as long again, pooled with the first rounds, within the cap (timing.more_if_noisy)
     finals = remeasure(
-        workload, candidates, judge, config.budget, config.final_timing, progress=label, compiled=config.compile,
-        enough=enough, more=more, max_memory=config.max_memory,
-    )  # fmt: skip
+        workload,
+        candidates,
+        judge,
+        config.budget,
+        config.final_timing,
+        progress=label,
+        compiled=config.compile,
+        enough=enough,
+        more=more,
+        max_memory=config.max_memory,
+    )
     watch.count("final re-measure: whole-step timings (each round: every candidate's)", sum(r.rounds for r in finals))
     if capped:
         watch.count(f"final re-measure: rounds stopped at its cap ({FINAL_SHARE:.0%} of the search's time before it)", capped[0])
@@ -213,13 +223,15 @@ def final_remeasure(
         log.warning(
             "this machine is too noisy to separate these candidates (step times spread up to ±%.0f%%, as in the "
             "trials): candidates closer than that are ties, and the safer one is chosen; rerun on a quieter machine "
-            "with --remeasure for a ranking", 50 * finals.noisiest(),
-        )  # fmt: skip
+            "with --remeasure for a ranking",
+            50 * finals.noisiest(),
+        )
     elif finals.noisiest() > NOISY_SPREAD:
         log.warning(
             "step times still spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
-            "chosen; rerun on a quieter machine with --remeasure for a ranking", 50 * finals.noisiest(),
-        )  # fmt: skip
+            "chosen; rerun on a quieter machine with --remeasure for a ranking",
+            50 * finals.noisiest(),
+        )
     seconds = time.perf_counter() - start
     compiling = sum(r.compile_s or 0.0 for r in finals)
     if compiling:

@@ -158,15 +158,23 @@ class Flops(Goal):
         total = sum(by.values())
         value = estimated_speedup(policy, flops, target)
         return {
-            "goal": self.name, "target": target.name, "device": target.device, "estimate": True,
-            "value": value, "baseline": f"all-{BASELINE}", "what": describe(value, target.name),
-            "flops_per_step": total, "flops_share": {p: by[p] / total for p in sorted(by)} if total else {},
-            "tflops": dict(target.tflops), "source": target.source,
+            "goal": self.name,
+            "target": target.name,
+            "device": target.device,
+            "estimate": True,
+            "value": value,
+            "baseline": f"all-{BASELINE}",
+            "what": describe(value, target.name),
+            "flops_per_step": total,
+            "flops_share": {p: by[p] / total for p in sorted(by)} if total else {},
+            "tflops": dict(target.tflops),
+            "source": target.source,
             "counted": "the nn.Linear layers' three GEMMs (2 x tokens x in x out FLOPs each, tokens per training step "
-                       "from the profile); other layers and non-GEMM work are not counted",
-            "candidates": {n: estimated_speedup(_policy(c), flops, target) for n, c in candidates.items()
-                           if n not in NOT_A_POLICY},
-        }  # fmt: skip
+            "from the profile); other layers and non-GEMM work are not counted",
+            "candidates": {
+                n: estimated_speedup(_policy(c), flops, target) for n, c in candidates.items() if n not in NOT_A_POLICY
+            },
+        }
 
     def choose(
         self, finals: Finals, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES

@@ -147,8 +147,11 @@ class Goal(abc.ABC):
 
     def progress(self, study: optuna.Study) -> dict[str, str]:
         """What the progress bar shows after each trial: by default the best feasible trial's value so far."""
-        values = [t.values[0] for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-                  if t.values and TrialRecord.of(t).feasible]  # fmt: skip
+        values = [
+            t.values[0]
+            for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if t.values and TrialRecord.of(t).feasible
+        ]
         best = (max if self.direction == "maximize" else min)(values, default=None)
         return {f"best_{re.sub(r'[^a-z0-9]+', '_', self.label.lower())}": "-" if best is None else f"{best:.4g}"}
 
@@ -298,8 +301,13 @@ class Memory(Goal):
     direction = "minimize"
     summary = "the smallest peak memory (for a model or batch that must fit)"
     infeasible = INFEASIBLE
-    axis = Axis(column="peak_bytes", title="peak memory per training step (MiB)", best="the smallest peak",
-                unit=float(memory.MIB), fp32_label="fp32's peak")  # fmt: skip
+    axis = Axis(
+        column="peak_bytes",
+        title="peak memory per training step (MiB)",
+        best="the smallest peak",
+        unit=float(memory.MIB),
+        fp32_label="fp32's peak",
+    )
     chosen_for = "the smallest peak memory within budget"
     needs_peak = True
 

@@ -225,8 +225,16 @@ def scale_table(records: Mapping[str, LayerGradients]) -> pd.DataFrame:
         for tensor, hist in tensors.items():
             for rng in SCALED:
                 for k in SCALES_LOG2:
-                    rows.append({"layer": name, "tensor": tensor, "format": rng.name, "scale_log2": k,
-                                 "nonzero": hist.nonzero, **hist.fractions(rng, k)})  # fmt: skip
+                    rows.append(
+                        {
+                            "layer": name,
+                            "tensor": tensor,
+                            "format": rng.name,
+                            "scale_log2": k,
+                            "nonzero": hist.nonzero,
+                            **hist.fractions(rng, k),
+                        }
+                    )
     return pd.DataFrame(
         rows, columns=["layer", "tensor", "format", "scale_log2", "nonzero", "underflow", "subnormal", "overflow"]
     )
@@ -326,8 +334,9 @@ def advise(table: pd.DataFrame | None, layers: Iterable[str] | None = None, max_
     low, high = max(lo for lo, _, _ in fit.values()), min(hi for _, hi, _ in fit.values())
     notes = [
         f"{n} flushes {100 * floor:.2g}% of its nonzero gradient elements to zero even at 2^{hi}"
-        for n, (_, hi, floor) in fit.items() if floor > max_underflow
-    ]  # fmt: skip
+        for n, (_, hi, floor) in fit.items()
+        if floor > max_underflow
+    ]
     if low > high:
         notes.append(
             f"no one scale suits every layer (2^{low} > 2^{high}): the search keeps 2^{high} and the budget judges the underflow"
@@ -354,9 +363,12 @@ def profile_columns(record: LayerGradients, fmt: str, table: pd.DataFrame, max_u
     out: dict[str, Any] = {
         "grad_amax": hist.amax if hist.nonzero else math.nan,
         "grad_amin": hist.amin if hist.nonzero else math.nan,
-        "grad_underflow": 0.0, "grad_subnormal": 0.0, "grad_overflow": 0.0,
-        "scale_low_log2": math.nan, "scale_high_log2": math.nan,
-    }  # fmt: skip
+        "grad_underflow": 0.0,
+        "grad_subnormal": 0.0,
+        "grad_overflow": 0.0,
+        "scale_low_log2": math.nan,
+        "scale_high_log2": math.nan,
+    }
     if fmt in ("fp16", "bf16"):
         f = hist.fractions(FP16 if fmt == "fp16" else BF16)
         out.update(grad_underflow=f["underflow"], grad_subnormal=f["subnormal"], grad_overflow=f["overflow"])
@@ -373,6 +385,19 @@ def profile_columns(record: LayerGradients, fmt: str, table: pd.DataFrame, max_u
 
 
 __all__ = [
-    "NumberRange", "FP16", "BF16", "E4M3", "E5M2", "SCALES_LOG2", "TENSORS", "Histogram", "LayerGradients",
-    "collect", "scale_table", "layer_range", "ScaleAdvice", "advise", "profile_columns",
-]  # fmt: skip
+    "NumberRange",
+    "FP16",
+    "BF16",
+    "E4M3",
+    "E5M2",
+    "SCALES_LOG2",
+    "TENSORS",
+    "Histogram",
+    "LayerGradients",
+    "collect",
+    "scale_table",
+    "layer_range",
+    "ScaleAdvice",
+    "advise",
+    "profile_columns",
+]

@@ -91,8 +91,12 @@ class NoiseFloor:
         return max(values) - min(values)
 
     def to_dict(self) -> dict[str, object]:
-        return {"train_steps": self.steps, "spread": self.spread, "fp32_metrics_by_seed": list(self.metrics),
-                "fp32_seed0_repeat": self.repeat}  # fmt: skip
+        return {
+            "train_steps": self.steps,
+            "spread": self.spread,
+            "fp32_metrics_by_seed": list(self.metrics),
+            "fp32_seed0_repeat": self.repeat,
+        }
 
     @classmethod
     def from_dict(cls, data: object) -> NoiseFloor | None:

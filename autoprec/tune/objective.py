@@ -103,8 +103,11 @@ class Judge:
             log.warning(
                 "budget %g is below the noise floor %.4g (the fp32 metric's spread over %d seeds after %d training "
                 "steps): the search cannot tell a real loss from noise there",
-                config.budget, noise.spread, config.noise_runs, config.train_steps,
-            )  # fmt: skip
+                config.budget,
+                noise.spread,
+                config.noise_runs,
+                config.train_steps,
+            )
 
     def metric(self, policy: Policy | Candidate) -> tuple[float, dict[str, Any]]:
         """The candidate's metric (NaN when anything went non-finite) and what else was measured on the way."""
@@ -172,9 +175,11 @@ class Objective:
         if noise is not None and noise > NOISY_SPREAD:
             # a trial's few rounds resolve only what differs by about the noise: more trials buy no ranking, and the
             # final re-measure's many rounds of the few best decide (a tie going to the safer candidate)
-            self.stopped = (f"the trials' step times spread ±{noise / 2:.0%}, too wide for a trial's timing to rank "
-                            f"policies. The final re-measure decides among the fastest timed trials and the "
-                            f"alternatives; a rerun on a quieter machine searches on")  # fmt: skip
+            self.stopped = (
+                f"the trials' step times spread ±{noise / 2:.0%}, too wide for a trial's timing to rank "
+                f"policies. The final re-measure decides among the fastest timed trials and the "
+                f"alternatives; a rerun on a quieter machine searches on"
+            )
             return True
         if self._policies is None:
             assignments = format_assignments(self.choices, STOP_ENUMERATE) or []  # none: too many to check
@@ -284,9 +289,13 @@ class Objective:
         if found is None:
             return False
         predicted, speed_fit = found
-        TrialRecord.write(trial, predicted_speedup=predicted, speedup=predicted,
-                          untimed=f"predicted {predicted:.3f}x (fit error {speed_fit.error:.1%}), below the "
-                                  f"k-th fastest timed trial's {mark:.3f}x")  # fmt: skip
+        TrialRecord.write(
+            trial,
+            predicted_speedup=predicted,
+            speedup=predicted,
+            untimed=f"predicted {predicted:.3f}x (fit error {speed_fit.error:.1%}), below the "
+            f"k-th fastest timed trial's {mark:.3f}x",
+        )
         return True
 
     def _settled(self, trial: optuna.Trial) -> Callable[[Mapping[str, Sequence[float]]], bool]:
@@ -366,8 +375,14 @@ class Objective:
         if candidate.compiled and candidate.first_step_s is not None and baseline.first_step_s is not None:
             # both have a first step by now (the baseline's above, the candidate's in the timing): always true
             TrialRecord.write(trial, compile_s=candidate.first_step_s + baseline.first_step_s)
-        TrialRecord.write(trial, step_ms=t["policy"].median_ms, fp32_step_ms=t["fp32"].median_ms,
-                          spread=max(t["policy"].spread, t["fp32"].spread), skipped=stats.skipped, steps=stats.steps)  # fmt: skip
+        TrialRecord.write(
+            trial,
+            step_ms=t["policy"].median_ms,
+            fp32_step_ms=t["fp32"].median_ms,
+            spread=max(t["policy"].spread, t["fp32"].spread),
+            skipped=stats.skipped,
+            steps=stats.steps,
+        )
         if not stats.finite or not math.isfinite(stats.effective_ms):
             TrialRecord.write(
                 trial, error="non-finite training loss" if not stats.finite else "the GradScaler skipped every step"

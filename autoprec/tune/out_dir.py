@@ -52,8 +52,10 @@ def check_out_dir(workload: Workload, out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir}: a file, not a folder; give a folder for the results")
     mine = (workload.task.name, model_fingerprint(workload.model))
-    for name, read in (("profile.json", lambda d: (d.get("model"), d.get("fingerprint"))),
-                       ("policy.json", lambda d: (d.get("measured", {}).get("model"), d.get("measured", {}).get("fingerprint")))):  # fmt: skip
+    for name, read in (
+        ("profile.json", lambda d: (d.get("model"), d.get("fingerprint"))),
+        ("policy.json", lambda d: (d.get("measured", {}).get("model"), d.get("measured", {}).get("fingerprint"))),
+    ):
         path = out_dir / name
         if path.is_dir():
             raise UserError(f"{path}: a folder is in the way of the results file; move it or pick another --out")

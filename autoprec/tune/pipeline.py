@@ -162,9 +162,15 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     began = time.perf_counter()
     watch = Stopwatch()
     started = start(
-        workload, space, config, out_dir, watch, objectives=plan.objectives, smallest_budget=plan.budgets[0],
+        workload,
+        space,
+        config,
+        out_dir,
+        watch,
+        objectives=plan.objectives,
+        smallest_budget=plan.budgets[0],
         profile_folder=plan.profile_folder,
-    )  # fmt: skip
+    )
     try:  # a goal computed from the profile (the FLOP goal: each Linear's FLOPs) holds it from here on
         config = dataclasses.replace(config, objective=config.objective.bound(started.profile.table, config))
     except ValueError as exc:
@@ -199,9 +205,14 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists, goal=config.objective)
     noise = device_noise(started.study, since=objective.since)
     finals = final_remeasure(
-        workload, candidates, started.judge, config, watch, cap_s=_final_cap(config, watch, began, ran),
+        workload,
+        candidates,
+        started.judge,
+        config,
+        watch,
+        cap_s=_final_cap(config, watch, began, ran),
         noisy_device=noise is not None and noise > NOISY_SPREAD,
-    )  # fmt: skip
+    )
     if config.time_budget is not None:
         _say_if_overrun(config.time_budget, time.perf_counter() - began, watch)
     # the tables first, the policy files last: a policy file marks a complete result (see _earlier_result)
@@ -216,10 +227,14 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
         measured = dataclasses.replace(
             measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes),
-            why=why, cost=watch.to_dict(), greedy=greedy[b], budget_given=plan.given.get(b), stopped=stopped,
+            why=why,
+            cost=watch.to_dict(),
+            greedy=greedy[b],
+            budget_given=plan.given.get(b),
+            stopped=stopped,
             not_separated=config.objective.ties(finals.within(b), name),
             sweep={"budgets": list(plan.budgets), "study_budget": config.budget} if plan.is_sweep else None,
-        )  # fmt: skip
+        )
         picked = candidates[name].policy
         measured = _with_estimates(measured, config.objective, picked, candidates, compared | {"policy": name})
         policy = Policy(layers=picked.layers, loss_scale=picked.loss_scale, measured=measured.to_dict())
@@ -236,8 +251,12 @@ def _with_estimates(
     record = goal.estimate_record(picked, candidates)
     if record is None:
         return measured
-    results = {label: dataclasses.replace(r, estimate=goal.estimated(candidates[labels[label]].policy))
-               if labels.get(label) in candidates else r for label, r in measured.results.items()}  # fmt: skip
+    results = {
+        label: dataclasses.replace(r, estimate=goal.estimated(candidates[labels[label]].policy))
+        if labels.get(label) in candidates
+        else r
+        for label, r in measured.results.items()
+    }
     return dataclasses.replace(measured, estimate=record, results=results)
 
 
@@ -247,8 +266,10 @@ def _say_if_no_trial_fits(budget_s: float, spent_s: float, trials_s: float) -> N
         log.warning(
             "--time-budget %.1f min: the profile alone took %.1f min, past the %.1f min the trials may use, so no trial "
             "runs; the answer is chosen among the alternatives (give a larger --time-budget)",
-            budget_s / 60, spent_s / 60, trials_s / 60,
-        )  # fmt: skip
+            budget_s / 60,
+            spent_s / 60,
+            trials_s / 60,
+        )
 
 
 def _say_if_overrun(budget_s: float, spent_s: float, watch: Stopwatch) -> None:
@@ -261,8 +282,12 @@ def _say_if_overrun(budget_s: float, spent_s: float, watch: Stopwatch) -> None:
     where = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in stages)
     log.warning(
         "--time-budget %.1f min overrun: the search took %.1f min (%s); the profile and the final re-measure's first "
-        "%d rounds are not cut short", budget_s / 60, spent_s / 60, where, SETTLED_FINAL_ROUNDS,
-    )  # fmt: skip
+        "%d rounds are not cut short",
+        budget_s / 60,
+        spent_s / 60,
+        where,
+        SETTLED_FINAL_ROUNDS,
+    )
 
 
 def _final_cap(config: SearchConfig, watch: Stopwatch, began: float, ran: int) -> float | None:
@@ -291,8 +316,13 @@ def _warn_unfit(finals: Finals, name: str, budget: float, limit: int | None) -> 
     why = "whose peak was not measured" if written.peak_bytes is None else "which does not fit either"
     log.warning(
         "no candidate within budget %g fits --max-memory %s%s; the policy written is %s, %s: lower the batch size, "
-        "or raise --max-memory", budget, memory.human_bytes(limit), smallest, name, why,
-    )  # fmt: skip
+        "or raise --max-memory",
+        budget,
+        memory.human_bytes(limit),
+        smallest,
+        name,
+        why,
+    )
 
 
 def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
@@ -309,8 +339,9 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
     log.warning(
         "study %r is finished and its result in %s stands (nothing re-measured); pass --remeasure to re-measure its "
         "finalists and choose again, or --trials N for more trials (--time-every-trial past an early stop)",
-        study.study_name, out_dir,
-    )  # fmt: skip
+        study.study_name,
+        out_dir,
+    )
     trials = trials_table(study, started.choices, started.profile)
     return Run(started=started, candidates={}, finals=earlier.finals, chosen=earlier.chosen, trials=trials, cost=earlier.cost)
 

@@ -127,8 +127,10 @@ def heat_rows(table: pd.DataFrame, limit: int = PROFILE_ROWS) -> HeatRows:
         rows = HeatRows([], formats, [], [], [], f"{len(layers)} layers, a row per block role: the worst of its layers")
         for name, members in roles.items():
             rows.labels.append(layers[members[0]] if len(members) == 1 else f"{name} ({len(members)})")
-            cells = [_merged_cell([sqnr[i][j] for i in members], [drop[i][j] for i in members], [mark[i][j] for i in members])
-                     for j in range(len(formats))]  # fmt: skip
+            cells = [
+                _merged_cell([sqnr[i][j] for i in members], [drop[i][j] for i in members], [mark[i][j] for i in members])
+                for j in range(len(formats))
+            ]
             rows.sqnr.append([c[0] for c in cells])
             rows.drop.append([c[1] for c in cells])
             rows.mark.append([c[2] for c in cells])
@@ -137,8 +139,14 @@ def heat_rows(table: pd.DataFrame, limit: int = PROFILE_ROWS) -> HeatRows:
     ranked = sorted(range(len(layers)), key=lambda i: -_sensitivity(drop[i], mark[i]))
     kept = sorted(ranked[:limit])  # in model order
     note = f"the {limit} most sensitive of {len(layers)} layers ({len(layers) - limit} left out; profile.csv has them all)"
-    return HeatRows(short_names([layers[i] for i in kept]), formats, [sqnr[i] for i in kept], [drop[i] for i in kept],
-                    [mark[i] for i in kept], note)  # fmt: skip
+    return HeatRows(
+        short_names([layers[i] for i in kept]),
+        formats,
+        [sqnr[i] for i in kept],
+        [drop[i] for i in kept],
+        [mark[i] for i in kept],
+        note,
+    )
 
 
 def _merged_cell(sqnr: list[float], drop: list[float], mark: list[str]) -> tuple[float, float, str]:
@@ -250,10 +258,28 @@ def grad_ranges_figure(grad_ranges: pd.DataFrame, advice: ScaleAdvice | None, *,
     if len(layers) - len(named) > GREY_LINES:  # a thousand grey lines cost minutes and show a grey mass: their range
         span = others.groupby("scale_log2")[["underflow", "overflow"]].agg(["min", "max"])
         count = len(layers) - len(named)
-        handles.append(ax.fill_between(span.index, span[("underflow", "min")], span[("underflow", "max")], color="#d0d0d0",
-                                       linewidth=0, label=f"{count} other layers: underflow range"))  # fmt: skip
-        handles.append(ax.fill_between(span.index, span[("overflow", "min")], span[("overflow", "max")], facecolor="none",
-                                       edgecolor="#999999", hatch="///", linewidth=0, label=f"{count} other layers: overflow range"))  # fmt: skip
+        handles.append(
+            ax.fill_between(
+                span.index,
+                span[("underflow", "min")],
+                span[("underflow", "max")],
+                color="#d0d0d0",
+                linewidth=0,
+                label=f"{count} other layers: underflow range",
+            )
+        )
+        handles.append(
+            ax.fill_between(
+                span.index,
+                span[("overflow", "min")],
+                span[("overflow", "max")],
+                facecolor="none",
+                edgecolor="#999999",
+                hatch="///",
+                linewidth=0,
+                label=f"{count} other layers: overflow range",
+            )
+        )
     else:
         for _, group in others.groupby("layer", sort=False):
             ax.plot(group["scale_log2"], group["underflow"], "-", color="#bbbbbb", linewidth=0.6)
@@ -265,8 +291,10 @@ def grad_ranges_figure(grad_ranges: pd.DataFrame, advice: ScaleAdvice | None, *,
         ax.plot(group["scale_log2"], group["underflow"], "-", color=color)
         ax.plot(group["scale_log2"], group["overflow"], "--", color=color)
         handles.insert(i, Line2D([], [], color=color, label=label))  # one entry a layer: its solid and dashed lines
-    handles += [Line2D([], [], color="black", label="underflow (solid)"), Line2D([], [], color="black", linestyle="--",
-                label="overflow (dashed)")]  # fmt: skip
+    handles += [
+        Line2D([], [], color="black", label="underflow (solid)"),
+        Line2D([], [], color="black", linestyle="--", label="overflow (dashed)"),
+    ]
     if advice is not None and advice.search_range:
         lo, hi = advice.search_range
         handles.append(ax.axvspan(lo - 0.5, hi + 0.5, color="green", alpha=0.12, label=f"recommended 2^{lo}..2^{hi}"))
@@ -331,8 +359,13 @@ def pareto_figure(result: SweepResult, *, title: str = "") -> Figure:
     peaks = timed["peak_bytes"].astype(float) / MIB if "peak_bytes" in timed else pd.Series(math.nan, index=timed.index)
     ys = y_of(timed) if axis.column in timed else pd.Series(math.nan, index=timed.index)
     shown = timed[ys.notna()]  # the axis has no place for a trial without a value (a peak not measured)
-    ax.scatter(x_of(shown), y_of(shown) if len(shown) else [], s=14, color="#999999",
-               label="trials (timed in the study)" + (": all drops 0" if flat else ""))  # fmt: skip
+    ax.scatter(
+        x_of(shown),
+        y_of(shown) if len(shown) else [],
+        s=14,
+        color="#999999",
+        label="trials (timed in the study)" + (": all drops 0" if flat else ""),
+    )
     if axis.column != "peak_bytes" and peaks.notna().any():  # coloured by peak where measured; grey beneath: trials
         dots = ax.scatter(x_of(timed), ys, s=16, c=peaks, cmap="viridis_r", plotnonfinite=False)  # without one
         bar = fig.colorbar(dots, ax=ax, label="peak memory per step (MiB)", fraction=0.05)
@@ -341,13 +374,26 @@ def pareto_figure(result: SweepResult, *, title: str = "") -> Figure:
             bar.set_label(f"peak memory per step: all {float(peaks.dropna().iloc[0]):.3g} MiB")
     if flat:
         best = front if len(front) else timed.iloc[0:0]
-        ax.scatter(x_of(best), y_of(best), s=80, facecolors="none", edgecolors="C0", linewidths=1.5, zorder=3,
-                   label=f"Pareto front: {axis.best}")  # fmt: skip
+        ax.scatter(
+            x_of(best),
+            y_of(best),
+            s=80,
+            facecolors="none",
+            edgecolors="C0",
+            linewidths=1.5,
+            zorder=3,
+            label=f"Pareto front: {axis.best}",
+        )
         budgets = ", ".join(dict.fromkeys(f"{r.budget:g}" for r in table))
         chosen = dict.fromkeys(value(r) for r in table)
         for i, y in enumerate(v for v in chosen if math.isfinite(v)):
-            ax.axhline(y, color="C3", linestyle=":", linewidth=1.5,
-                       label=f"chosen for budgets {budgets} (re-measured)" if i == 0 else None)  # fmt: skip
+            ax.axhline(
+                y,
+                color="C3",
+                linestyle=":",
+                linewidth=1.5,
+                label=f"chosen for budgets {budgets} (re-measured)" if i == 0 else None,
+            )
         if bf16 is not None:
             ax.axhline(value(bf16), color="C2", linestyle="--", linewidth=1.2, label="uniform bf16 (re-measured)")
     else:
@@ -355,8 +401,15 @@ def pareto_figure(result: SweepResult, *, title: str = "") -> Figure:
             ax.step(front["metric_drop"], y_of(front), where="post", color="C0", label="Pareto front (trials)")
         for i, r in enumerate(table):
             ax.axvline(r.budget, color="C3", linestyle=":", linewidth=1, label="budgets" if i == 0 else None)
-        ax.scatter([r.metric_drop for r in table], [value(r) for r in table], marker="*", s=160, color="C3", zorder=3,
-                   label="chosen per budget (re-measured)")  # fmt: skip
+        ax.scatter(
+            [r.metric_drop for r in table],
+            [value(r) for r in table],
+            marker="*",
+            s=160,
+            color="C3",
+            zorder=3,
+            label="chosen per budget (re-measured)",
+        )
         if bf16 is not None:
             ax.scatter(
                 [bf16.metric_drop], [value(bf16)], marker="s", s=50, color="C2", zorder=3, label="uniform bf16 (re-measured)"

@@ -28,8 +28,24 @@ COLUMNS = [
     # tokens: the rows (inputs' leading dimensions) the layer's calls took per training step, the mean over the profiled
     # train batches: a Linear's GEMMs are 2 * tokens * in * out FLOPs each (flops.py); empty where its calls were not
     # recorded
-    "layer", "type", "shape", "tokens", "format", "status", "reason", "sqnr_db", "grad_sqnr_db", "dgrad_sqnr_db", "metric",
-    "metric_drop", "finite", "overflow", "max_abs", "time_ms", "time_spread", "time_vs_fp32",
+    "layer",
+    "type",
+    "shape",
+    "tokens",
+    "format",
+    "status",
+    "reason",
+    "sqnr_db",
+    "grad_sqnr_db",
+    "dgrad_sqnr_db",
+    "metric",
+    "metric_drop",
+    "finite",
+    "overflow",
+    "max_abs",
+    "time_ms",
+    "time_spread",
+    "time_vs_fp32",
     # the most the live tensor bytes rose over the layer's isolated forward + backward after its timing (its output,
     # what it saves for backward, its gradients and casts; memory.py; no state, unlike a whole step's peak); empty
     # where the device has no measurement
@@ -37,14 +53,20 @@ COLUMNS = [
     # gradient ranges (gradients.py), without loss scaling: largest and smallest nonzero |gradient| of the
     # layer, the fractions of nonzero gradient elements this format flushes to zero / leaves subnormal /
     # overflows, and (fp16 rows) the layer's own loss-scale range in log2
-    "grad_amax", "grad_amin", "grad_underflow", "grad_subnormal", "grad_overflow", "scale_low_log2", "scale_high_log2",
+    "grad_amax",
+    "grad_amin",
+    "grad_underflow",
+    "grad_subnormal",
+    "grad_overflow",
+    "scale_low_log2",
+    "scale_high_log2",
     # the layer whose timing this row reuses: layers of one type, configuration and input shapes are timed once;
     # NO_KERNEL where the format runs an emulation only on this device (FormatFamily.has_kernels): not timed
     "timed_as",
     # "measured", or why the metric was not evaluated: a format the profile already rules out (slower than
     # fp32 by more than the space's prune.slower_than, non-finite, overflowing) is never chosen, whatever its drop
     "metric_source",
-]  # fmt: skip
+]
 
 # prune.slower_than at or above which a search does not judge speed at all (a goal whose trials are not timed: an
 # estimate for another device), so a format with no kernel here stays a candidate there
@@ -83,8 +105,21 @@ class Profile:
     def save(self, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        fields = ("fp32_metric", "metric_name", "device", "fingerprint", "max_underflow", "cost", "compiled", "uncalled",
-                  "group_tolerance", "numerics", "weights", "complete", "deadline_s")  # fmt: skip
+        fields = (
+            "fp32_metric",
+            "metric_name",
+            "device",
+            "fingerprint",
+            "max_underflow",
+            "cost",
+            "compiled",
+            "uncalled",
+            "group_tolerance",
+            "numerics",
+            "weights",
+            "complete",
+            "deadline_s",
+        )
         meta: dict[str, Any] = {"version": PROFILE_VERSION, **{k: getattr(self, k) for k in fields}}
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None

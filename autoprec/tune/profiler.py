@@ -358,10 +358,20 @@ def _profile_layer(
     overflowing) is never chosen whatever the rest would say, so the rest is not measured, and `metric_source`
     says why."""
     base = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "tokens": tokens(ref.calls[name])}
-    rows: dict[Format, dict] = {Format.FP32: {**base, "format": "fp32", "status": "ok", "reason": "",
-                                              "sqnr_db": math.inf, "metric": fp32_metric,
-                                              "metric_drop": 0.0, "finite": True, "overflow": False,
-                                              "metric_source": MEASURED}}  # fmt: skip
+    rows: dict[Format, dict] = {
+        Format.FP32: {
+            **base,
+            "format": "fp32",
+            "status": "ok",
+            "reason": "",
+            "sqnr_db": math.inf,
+            "metric": fp32_metric,
+            "metric_drop": 0.0,
+            "finite": True,
+            "overflow": False,
+            "metric_source": MEASURED,
+        }
+    }
     calls = ref.calls[name]
     in_model = name in ref.fed_back  # its later calls see its own lowered output: only the whole model has them
     with watch.section("profile: SQNR reference (each layer in fp32, alone on its recorded calls)"):
@@ -378,8 +388,11 @@ def _profile_layer(
             fp32 = _in_model_run(workload, name, Format.FP32, config.batches)
     max_abs = _max_abs(fp32.output)
     # fp32 against itself: inf where the GEMM runs, empty where it does not (no gradient into the inputs, no parameters')
-    rows[Format.FP32].update(max_abs=max_abs, grad_sqnr_db=math.inf if fp32.grad is not None else math.nan,
-                             dgrad_sqnr_db=math.inf if fp32.dgrad is not None else math.nan)  # fmt: skip
+    rows[Format.FP32].update(
+        max_abs=max_abs,
+        grad_sqnr_db=math.inf if fp32.grad is not None else math.nan,
+        dgrad_sqnr_db=math.inf if fp32.dgrad is not None else math.nan,
+    )
     inputs = calls[0].inputs
     for fmt in formats:
         if fmt is Format.FP32:
@@ -387,8 +400,16 @@ def _profile_layer(
         reason = format_problem(fmt, module, workload.device)
         if reason is None and fmt in AUTOCAST_DTYPE:
             reason = _autocast_problem(module, inputs, fmt, workload.device)
-        rows[fmt] = {**base, "format": fmt.value, "max_abs": max_abs, "status": "unsupported" if reason else "ok",
-                     "reason": reason or "", "finite": None, "overflow": None, "metric_source": ""}  # fmt: skip
+        rows[fmt] = {
+            **base,
+            "format": fmt.value,
+            "max_abs": max_abs,
+            "status": "unsupported" if reason else "ok",
+            "reason": reason or "",
+            "finite": None,
+            "overflow": None,
+            "metric_source": "",
+        }
     ok = [f for f in formats if rows[f]["status"] == "ok"]
     # a format that runs an emulation only here is not timed: its time would say nothing of its speed (NO_KERNEL)
     emulated = {f for f in ok if not f.family.has_kernels(f, workload.device)}
@@ -408,9 +429,13 @@ def _profile_layer(
     fp32_ms = times[Format.FP32][0]
     for fmt, row in rows.items():
         ms, spread, peak = times.get(fmt, (math.nan, math.nan, None))
-        row.update(time_ms=ms, time_spread=spread, time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan,
-                   timed_as=NO_KERNEL if fmt in emulated else timed_as,
-                   step_rise_bytes=peak if peak is not None else math.nan)  # fmt: skip
+        row.update(
+            time_ms=ms,
+            time_spread=spread,
+            time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan,
+            timed_as=NO_KERNEL if fmt in emulated else timed_as,
+            step_rise_bytes=peak if peak is not None else math.nan,
+        )
         row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
     # numerics do not depend on the device's speed: only a search's own profile ("offered") leaves a slow format's out
     numerics = config.numerics or "all"  # a profile on its own measures them all (a search's config says "offered")
@@ -468,8 +493,10 @@ def _judge_group(
         if probe["metric_source"] == MEASURED and abs(probed) <= tolerance:
             rest = [r for r in group if r is not probe]
             share = (drop - probed) / len(rest)
-            source = (f"predicted: its {len(group)} layers lowered together dropped the metric by {drop:.4g} (within "
-                      f"{tolerance:.4g}), {probe['layer']} alone by {probed:.4g}; an equal share of the rest")  # fmt: skip
+            source = (
+                f"predicted: its {len(group)} layers lowered together dropped the metric by {drop:.4g} (within "
+                f"{tolerance:.4g}), {probe['layer']} alone by {probed:.4g}; an equal share of the rest"
+            )
             for row in rest:
                 row.update(metric=fp32_metric - share, metric_drop=share, metric_source=source)
             watch.count("profile: single-layer metrics predicted from a group's", len(rest))
@@ -763,8 +790,11 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         if ref.uncalled:  # unused heads of a pretrained model (a pooler): nothing to measure, nothing to tune
             log.warning(
                 "%s: layers %s are not called by loss_fn on the first %d train batches (eval mode); they are left out of "
-                "the search and run in the model's default format", workload.task.path, ", ".join(ref.uncalled), config.batches,
-            )  # fmt: skip
+                "the search and run in the model's default format",
+                workload.task.path,
+                ", ".join(ref.uncalled),
+                config.batches,
+            )
             layers = {n: f for n, f in layers.items() if n not in ref.uncalled}
     with watch.section("profile: gradient ranges"):
         grads = collect(workload, list(layers), config.grad_batches)
@@ -781,10 +811,22 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
                 row.update(profile_columns(grads[name], row["format"], grad_table, config.max_underflow))
             rows.extend(unprofiled)
             continue
-        rows.extend(_profile_layer(
-            workload, name, modules[name], formats, ref, fp32_metric, config, grads[name], grad_table, watch, timed,
-            space.prune_slower_than,
-        ))  # fmt: skip
+        rows.extend(
+            _profile_layer(
+                workload,
+                name,
+                modules[name],
+                formats,
+                ref,
+                fp32_metric,
+                config,
+                grads[name],
+                grad_table,
+                watch,
+                timed,
+                space.prune_slower_than,
+            )
+        )
         deadline.done_one()
     if deadline.left_out:
         watch.count("profile: layers not profiled, the time budget's share for it spent (they stay in fp32)", deadline.left_out)
@@ -826,8 +868,10 @@ class Deadline:
         if self.seconds is None or time.perf_counter() - self.began <= self.seconds:
             return False
         if not self.left_out:
-            self.reason = (f"not profiled: the time budget's share for the profile ({self.seconds / 60:.1f} min) was spent "
-                           f"after {self.profiled} of {self.layers} layers; a larger --time-budget (and --study NEW_NAME) profiles it")  # fmt: skip
+            self.reason = (
+                f"not profiled: the time budget's share for the profile ({self.seconds / 60:.1f} min) was spent "
+                f"after {self.profiled} of {self.layers} layers; a larger --time-budget (and --study NEW_NAME) profiles it"
+            )
             log.warning("--time-budget: %s layers left in fp32 (%s)", self.layers - self.profiled, self.reason)
         self.left_out += 1
         return True
@@ -839,17 +883,38 @@ class Deadline:
             log.warning(
                 "--time-budget: profiling every one of the %d layers would take about %.1f min, past the %.1f min the "
                 "budget gives the profile: the layers it does not reach stay in fp32 (a larger --time-budget profiles "
-                "them all)", self.layers, spent * self.layers / 60, self.seconds / 60,
-            )  # fmt: skip
+                "them all)",
+                self.layers,
+                spent * self.layers / 60,
+                self.seconds / 60,
+            )
 
 
 def _unprofiled(
     name: str, module: torch.nn.Module, formats: list[Format], fp32_metric: float, reason: str, calls: list[_Call]
 ) -> list[dict]:
     """A layer the profile's deadline left out: fp32 as measured (the reference), every lowered format ruled out."""
-    base = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "tokens": tokens(calls),
-            "finite": None, "overflow": None}  # fmt: skip
-    rows = [{**base, "format": "fp32", "status": "ok", "reason": "", "sqnr_db": math.inf, "metric": fp32_metric,
-             "metric_drop": 0.0, "finite": True, "overflow": False, "metric_source": MEASURED}]  # fmt: skip
+    base = {
+        "layer": name,
+        "type": type(module).__name__,
+        "shape": _shape(module),
+        "tokens": tokens(calls),
+        "finite": None,
+        "overflow": None,
+    }
+    rows = [
+        {
+            **base,
+            "format": "fp32",
+            "status": "ok",
+            "reason": "",
+            "sqnr_db": math.inf,
+            "metric": fp32_metric,
+            "metric_drop": 0.0,
+            "finite": True,
+            "overflow": False,
+            "metric_source": MEASURED,
+        }
+    ]
     rows += [{**base, "format": f.value, "status": "unsupported", "reason": reason, "metric_source": ""} for f in formats[1:]]
     return rows

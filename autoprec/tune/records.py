@@ -168,17 +168,28 @@ class Finals(Sequence[Measurement]):
         rows = []
         for i, record in enumerate(frame.to_dict("records")):
             try:
-                rows.append(Measurement(
-                    candidate=str(record["candidate"]), metric=float(record["metric"]),
-                    metric_drop=float(record["metric_drop"]), runs=_flag(record["runs"]),
-                    feasible=_flag(record["feasible"]), step_ms=float(record["step_ms"]),
-                    skipped=int(record["skipped"]), steps=int(record["steps"]),
-                    effective_step_ms=float(record["effective_step_ms"]), spread=float(record["spread"]),
-                    compile_s=_optional(record["compile_s"], float), train_skipped=_optional(record["train_skipped"], int),
-                    error=_optional(record["error"], str), speedup=float(record["speedup"]), rounds=int(record["rounds"]),
-                    peak_bytes=_optional(record["peak_bytes"], int), memory_saving=_optional(record["memory_saving"], float),
-                    fits=_flag(record["fits"]),
-                ))  # fmt: skip
+                rows.append(
+                    Measurement(
+                        candidate=str(record["candidate"]),
+                        metric=float(record["metric"]),
+                        metric_drop=float(record["metric_drop"]),
+                        runs=_flag(record["runs"]),
+                        feasible=_flag(record["feasible"]),
+                        step_ms=float(record["step_ms"]),
+                        skipped=int(record["skipped"]),
+                        steps=int(record["steps"]),
+                        effective_step_ms=float(record["effective_step_ms"]),
+                        spread=float(record["spread"]),
+                        compile_s=_optional(record["compile_s"], float),
+                        train_skipped=_optional(record["train_skipped"], int),
+                        error=_optional(record["error"], str),
+                        speedup=float(record["speedup"]),
+                        rounds=int(record["rounds"]),
+                        peak_bytes=_optional(record["peak_bytes"], int),
+                        memory_saving=_optional(record["memory_saving"], float),
+                        fits=_flag(record["fits"]),
+                    )
+                )
             except KeyError as exc:
                 raise ValueError(f"{path}: no column {exc.args[0]!r}") from None
             except (TypeError, ValueError) as exc:
@@ -228,11 +239,19 @@ class Result:
     @classmethod
     def of(cls, m: Measurement) -> Result:
         return cls(
-            metric=_finite(m.metric), metric_drop=_finite(m.metric_drop), step_ms=_finite(m.step_ms),
-            effective_step_ms=_finite(m.effective_step_ms), spread=_finite(m.spread), speedup=_finite(m.speedup),
-            skipped_steps=m.skipped, steps=m.steps, train_skipped_steps=m.train_skipped, error=m.error,
-            peak_bytes=m.peak_bytes, memory_saving=m.memory_saving,
-        )  # fmt: skip
+            metric=_finite(m.metric),
+            metric_drop=_finite(m.metric_drop),
+            step_ms=_finite(m.step_ms),
+            effective_step_ms=_finite(m.effective_step_ms),
+            spread=_finite(m.spread),
+            speedup=_finite(m.speedup),
+            skipped_steps=m.skipped,
+            steps=m.steps,
+            train_skipped_steps=m.train_skipped,
+            error=m.error,
+            peak_bytes=m.peak_bytes,
+            memory_saving=m.memory_saving,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -246,14 +265,20 @@ class Result:
     def from_dict(cls, data: Any) -> Result:
         data = _mapping(data)
         return cls(
-            metric=_number(data.get("metric")), metric_drop=_number(data.get("metric_drop")),
-            step_ms=_number(data.get("step_ms")), effective_step_ms=_number(data.get("effective_step_ms")),
-            spread=_number(data.get("spread")), speedup=_number(data.get("speedup")),
-            skipped_steps=_count(data.get("skipped_steps")), steps=_count(data.get("steps")),
-            train_skipped_steps=_count(data.get("train_skipped_steps")), error=_text(data.get("error")),
-            peak_bytes=_count(data.get("peak_bytes")), memory_saving=_number(data.get("memory_saving")),
+            metric=_number(data.get("metric")),
+            metric_drop=_number(data.get("metric_drop")),
+            step_ms=_number(data.get("step_ms")),
+            effective_step_ms=_number(data.get("effective_step_ms")),
+            spread=_number(data.get("spread")),
+            speedup=_number(data.get("speedup")),
+            skipped_steps=_count(data.get("skipped_steps")),
+            steps=_count(data.get("steps")),
+            train_skipped_steps=_count(data.get("train_skipped_steps")),
+            error=_text(data.get("error")),
+            peak_bytes=_count(data.get("peak_bytes")),
+            memory_saving=_number(data.get("memory_saving")),
             estimate=_number(data.get("estimate")),
-        )  # fmt: skip
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,8 +138,11 @@ class LayerTable:
         return [textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in ([SLOWER_NOTE] if self.slower else []) + lines]
 
     def render(self, *, markdown: bool = False) -> str:
-        table = markdown_table(["layer", "format", "ruled out by the profile"], self.rows) if markdown else text_table(
-            ["layer", "format", "ruled out by the profile"], self.rows)  # fmt: skip
+        table = (
+            markdown_table(["layer", "format", "ruled out by the profile"], self.rows)
+            if markdown
+            else text_table(["layer", "format", "ruled out by the profile"], self.rows)
+        )
         notes = self.notes()
         if not notes:
             return table
@@ -191,10 +194,19 @@ def result_rows(policy: Policy) -> list[list[object]]:
     results = Measured.of(policy).results
     peaks = any(r.peak_bytes is not None for r in results.values())
     estimates = any(r.estimate is not None for r in results.values())
-    return [[name, as_float(r.metric), as_float(r.metric_drop), as_float(r.step_ms), _spread(r.spread), as_float(r.speedup),
-             *((human_bytes(r.peak_bytes), _saved(r.memory_saving)) if peaks else ()),
-             *((as_float(r.estimate),) if estimates else ())]
-            for name, r in results.items()]  # fmt: skip
+    return [
+        [
+            name,
+            as_float(r.metric),
+            as_float(r.metric_drop),
+            as_float(r.step_ms),
+            _spread(r.spread),
+            as_float(r.speedup),
+            *((human_bytes(r.peak_bytes), _saved(r.memory_saving)) if peaks else ()),
+            *((as_float(r.estimate),) if estimates else ()),
+        ]
+        for name, r in results.items()
+    ]
 
 
 RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup", "peak memory", "vs fp32"]
@@ -294,18 +306,24 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         parts.append(say("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used)))
     if policy.measured:
         m = Measured.of(policy)
-        parts.append(say(
-            f"measured on {m.device or '?'} for {m.model or '?'}; metric {m.metric or '?'}, "
-            f"budget {_budget(m)} ({mode_text(m)}); "
-            + (f"fp8: {m.fp8 or '?'}; " if any(f.spec.is_fp8 for f in policy.layers.values()) else "")  # only where it runs fp8
-            + f"step times {'compiled' if m.compiled else 'eager'}"
-        ))  # fmt: skip
+        parts.append(
+            say(
+                f"measured on {m.device or '?'} for {m.model or '?'}; metric {m.metric or '?'}, "
+                f"budget {_budget(m)} ({mode_text(m)}); "
+                + (
+                    f"fp8: {m.fp8 or '?'}; " if any(f.spec.is_fp8 for f in policy.layers.values()) else ""
+                )  # only where it runs fp8
+                + f"step times {'compiled' if m.compiled else 'eager'}"
+            )
+        )
         if m.not_separated:
-            parts.append(say(
-                f"not separated: the step times measured could not tell {m.chosen or 'this policy'} from "
-                f"{_names(list(m.not_separated))} (inside their spread); it was chosen as the {_kind(m)}, and is "
-                "not shown faster than them"
-            ))  # fmt: skip
+            parts.append(
+                say(
+                    f"not separated: the step times measured could not tell {m.chosen or 'this policy'} from "
+                    f"{_names(list(m.not_separated))} (inside their spread); it was chosen as the {_kind(m)}, and is "
+                    "not shown faster than them"
+                )
+            )
         parts.extend(say(line) for line in estimate_lines(m))
         if m.results:
             rows = result_rows(policy)
@@ -363,8 +381,11 @@ class Break:
     rank: int  # 0 non-finite or overflowing, 1 below its floor, 2 over the budget: worst first
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
-                for k, v in dataclasses.asdict(self).items() if k != "rank"}  # fmt: skip
+        return {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+            for k, v in dataclasses.asdict(self).items()
+            if k != "rank"
+        }
 
 
 def break_floor(fmt: str) -> float:
@@ -430,14 +451,18 @@ def breaks_summary(table: pd.DataFrame, *, budget: float | None = None, limit: i
         line = f"which layer breaks: none; every GEMM measured is finite, its SQNR against fp32 >= {floors}{over}"
         return textwrap.fill(line, WIDTH)
     over = f", or the metric drops over {budget:g}" if budget is not None else ""
-    title = ("which layer breaks, worst first (fprop: the layer's output; dgrad: the gradient it sends to its inputs; "
-             f"wgrad: its weight gradient): a GEMM result non-finite, or its SQNR against fp32 below {floors}{over}")  # fmt: skip
+    title = (
+        "which layer breaks, worst first (fprop: the layer's output; dgrad: the gradient it sends to its inputs; "
+        f"wgrad: its weight gradient): a GEMM result non-finite, or its SQNR against fp32 below {floors}{over}"
+    )
     rows = [[b.layer, b.format, b.gemm, _sqnr_cell(b), _drop_cell(b.metric_drop), b.why] for b in found[:limit]]
     parts = [textwrap.fill(title, WIDTH), text_table(["layer", "format", "GEMM", "SQNR dB", "metric drop", "why"], rows)]
     if len(found) > limit:
         parts.append(f"and {len(found) - limit} more (profile.csv: sqnr_db, dgrad_sqnr_db, grad_sqnr_db per layer and format)")
-    notes = ["metric drop: the layer lowered alone in the given weights, untrained: a broken dgrad or wgrad shows in "
-             "training only (search --mode train)"]  # fmt: skip
+    notes = [
+        "metric drop: the layer lowered alone in the given weights, untrained: a broken dgrad or wgrad shows in "
+        "training only (search --mode train)"
+    ]
     if any(b.format == Format.FP16.value and b.gemm in ("dgrad", "wgrad") for b in found[:limit]):
         notes.append("fp16 gradients are replayed at loss scale 1: a GradScaler lifts those flushed to zero (gradient ranges)")
     parts.extend(textwrap.fill(n, WIDTH) for n in notes)
@@ -464,11 +489,21 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
     est = estimate_of(m)
     estimated = est.get("candidates") if est is not None else None
     rows = [
-        [r.candidate, r.metric, r.metric_drop, r.step_ms, _spread(r.spread), f"{r.skipped}/{r.steps}", r.speedup,
-         human_bytes(r.peak_bytes), _saved(r.memory_saving), _verdict(r),
-         *((as_float(estimated.get(r.candidate)),) if isinstance(estimated, Mapping) else ())]
+        [
+            r.candidate,
+            r.metric,
+            r.metric_drop,
+            r.step_ms,
+            _spread(r.spread),
+            f"{r.skipped}/{r.steps}",
+            r.speedup,
+            human_bytes(r.peak_bytes),
+            _saved(r.memory_saving),
+            _verdict(r),
+            *((as_float(estimated.get(r.candidate)),) if isinstance(estimated, Mapping) else ()),
+        ]
         for r in finals
-    ]  # fmt: skip
+    ]
     headers = RESULT_HEADERS[:5] + ["skipped", "speedup", "peak memory", "vs fp32", "within budget"]
     if isinstance(estimated, Mapping):  # the goal's value is an estimate: its column says so, the speedup is here
         headers = [*headers[:6], "speedup here", *headers[7:], f"est. {est.get('target', '?')} (FLOPs)"]  # type: ignore[union-attr]
@@ -488,9 +523,12 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
         parts.append(
             f"noise floor: the fp32 metric after {noise.steps} training steps spans {noise.spread:.4g} over seeds "
             f"0..{len(noise.metrics) - 1} and a repeat of seed 0 ({', '.join(f'{v:.4g}' for v in (*noise.metrics, noise.repeat))})"
-            + (f"; the budget {m.budget} is below it: the search cannot tell a real loss from noise there"
-               if m.budget is not None and m.budget < noise.spread else "")
-        )  # fmt: skip
+            + (
+                f"; the budget {m.budget} is below it: the search cannot tell a real loss from noise there"
+                if m.budget is not None and m.budget < noise.spread
+                else ""
+            )
+        )
     ls = m.loss_scale_search
     if ls.get("advice"):
         parts.append(
@@ -542,8 +580,10 @@ def headline(result: SearchResult) -> str:
     speed = f"{picked.speedup:.2f}x fp32's training-step speed ({_spread(picked.spread)})"
     est = estimate_of(m)
     if est is not None:  # the goal's value is an estimate for another device: said as one, the step times as here
-        return (f"chosen: {m.chosen}, {est['what']}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}; "
-                f"on this machine ({m.device}): {speed}")  # fmt: skip
+        return (
+            f"chosen: {m.chosen}, {est['what']}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}; "
+            f"on this machine ({m.device}): {speed}"
+        )
     tied = tie(m, finals)
     if tied is None:
         return f"chosen: {m.chosen}, {speed}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}"
@@ -632,13 +672,17 @@ def gradient_summary(table: pd.DataFrame, advice: ScaleAdvice | None = None, *, 
         low = as_float(fp16["scale_low_log2"]) if fp16 is not None else math.nan
         high = as_float(fp16["scale_high_log2"]) if fp16 is not None else math.nan
         scale_range = "-" if fp16 is None else ("overflows at 2^0" if math.isnan(high) else f"2^{low:.0f} .. 2^{high:.0f}")
-        rows.append([
-            name, as_float(first["grad_amax"]), as_float(first["grad_amin"]),
-            _percent(fp16["grad_underflow"]) if fp16 is not None else "-",
-            _percent(fp16["grad_overflow"]) if fp16 is not None else "-",
-            scale_range,
-            _percent(fp8["grad_underflow"]) if fp8 is not None and fp8["status"] == "ok" else "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                as_float(first["grad_amax"]),
+                as_float(first["grad_amin"]),
+                _percent(fp16["grad_underflow"]) if fp16 is not None else "-",
+                _percent(fp16["grad_overflow"]) if fp16 is not None else "-",
+                scale_range,
+                _percent(fp8["grad_underflow"]) if fp8 is not None and fp8["status"] == "ok" else "-",
+            ]
+        )
     headers = ["layer", "max |grad|", "min |grad|", "fp16 underflow", "fp16 overflow", "fp16 loss scale", "fp8 e5m2 underflow"]
     parts = [fmt_table(headers, rows)]
     parts.append(
@@ -660,8 +704,20 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
     """The end-of-sweep report: per budget the chosen policy's measured metric and speedup beside uniform
     bf16 and that budget's profile-greedy policy, all re-measured together."""
     table = markdown_table if markdown else text_table
-    headers = ["budget", "chosen", "metric", "drop", "speedup", "spread", "peak memory", "vs fp32", "uniform bf16", "profile greedy",
-               "formats", "file"]  # fmt: skip
+    headers = [
+        "budget",
+        "chosen",
+        "metric",
+        "drop",
+        "speedup",
+        "spread",
+        "peak memory",
+        "vs fp32",
+        "uniform bf16",
+        "profile greedy",
+        "formats",
+        "file",
+    ]
     rows, ties = [], []
     for r in result.table:
         mb = Measured.of(result.policies[r.budget])
@@ -669,12 +725,27 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
         others = tied.others if tied else []
         bf16 = _beside(r.uniform_bf16_speedup, r.uniform_bf16_drop > r.budget, BF16 in others)
         greedy = _beside(r.greedy_speedup, r.greedy_drop > r.budget, mb.greedy in others)
-        rows.append([r.budget_given or r.budget, r.chosen + (" (tie)" if tied else ""), r.metric, r.metric_drop, r.speedup,
-                     _spread(r.spread), human_bytes(r.peak_bytes), _saved(r.memory_saving), bf16, greedy,
-                     f"{r.root} root; {r.formats}", r.policy_file])  # fmt: skip
+        rows.append(
+            [
+                r.budget_given or r.budget,
+                r.chosen + (" (tie)" if tied else ""),
+                r.metric,
+                r.metric_drop,
+                r.speedup,
+                _spread(r.spread),
+                human_bytes(r.peak_bytes),
+                _saved(r.memory_saving),
+                bf16,
+                greedy,
+                f"{r.root} root; {r.formats}",
+                r.policy_file,
+            ]
+        )
         if tied:
-            ties.append(f"{r.budget_given or f'{r.budget:g}'}: tie with {_names(tied.others)} within {_spread(tied.spread)} "
-                        f"noise: {tied.chosen}, the {tied.kind}, is written")  # fmt: skip
+            ties.append(
+                f"{r.budget_given or f'{r.budget:g}'}: tie with {_names(tied.others)} within {_spread(tied.spread)} "
+                f"noise: {tied.chosen}, the {tied.kind}, is written"
+            )
     parts = [table(headers, rows)]
     first = next(iter(result.policies.values()), None)
     m = Measured.of(first) if first else Measured()
@@ -689,8 +760,9 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
         parts.append(_profile_line(result.saved))
     parts.extend(_unfit_lines(result.finals, m))
     if ties:
-        parts.append(f"ties inside the noise (this machine's timing cannot rank them; {RANK_THEM}):\n"
-                     + "\n".join(f"- {t}" for t in ties))  # fmt: skip
+        parts.append(
+            f"ties inside the noise (this machine's timing cannot rank them; {RANK_THEM}):\n" + "\n".join(f"- {t}" for t in ties)
+        )
     notes = [f"{r.budget:g}: {r.why}" for r in result.table if r.why not in ("the fastest within budget",)]
     if notes:
         parts.append("why:\n" + "\n".join(f"- {n}" for n in notes))
@@ -719,8 +791,10 @@ def _profile_line(saved: SavedProfile) -> str:
 
 def front_rows(front: pd.DataFrame) -> list[list[object]]:
     peaks = front["peak_bytes"] if "peak_bytes" in front else [None] * len(front)
-    return [[int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), _spread(r["spread"]), _bytes_cell(p)]
-            for (_, r), p in zip(front.iterrows(), peaks)]  # fmt: skip
+    return [
+        [int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), _spread(r["spread"]), _bytes_cell(p)]
+        for (_, r), p in zip(front.iterrows(), peaks)
+    ]
 
 
 FRONT_HEADERS = ["trial", "metric drop", "speedup", "spread", "peak memory"]

@@ -44,9 +44,13 @@ class SearchResult:
 def search_plan(budget: float, given: str | None = None) -> Plan:
     """`given`: how the user gave the budget where it was not the absolute number (`1% of |fp32 metric ...|`)."""
     return Plan(
-        budgets=(budget,), objectives=1, policy_file=lambda b: "policy.json", trials_file="trials.csv",
-        finalists_file="finalists.csv", given={budget: given} if given else {},
-    )  # fmt: skip
+        budgets=(budget,),
+        objectives=1,
+        policy_file=lambda b: "policy.json",
+        trials_file="trials.csv",
+        finalists_file="finalists.csv",
+        given={budget: given} if given else {},
+    )
 
 
 def search(
@@ -57,7 +61,13 @@ def search(
     done = run(workload, space, config, out_dir, search_plan(config.budget, given))
     started = done.started
     return SearchResult(
-        policy=done.chosen[0].policy, profile=started.profile, choices=started.choices, trials=done.trials,
-        finals=done.finals, study_name=started.study.study_name, storage=started.storage, noise=started.judge.noise,
+        policy=done.chosen[0].policy,
+        profile=started.profile,
+        choices=started.choices,
+        trials=done.trials,
+        finals=done.finals,
+        study_name=started.study.study_name,
+        storage=started.storage,
+        noise=started.judge.noise,
         cost=done.cost,
-    )  # fmt: skip
+    )

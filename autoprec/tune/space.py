@@ -141,17 +141,21 @@ class SearchSpace:
         names = [n for n, _ in model.named_modules() if n]
         for pattern in patterns:
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                raise ValueError(f"exclude {pattern!r} matches no module of the model (its modules include "
-                                 f"{', '.join(names[:6])}); patterns are fnmatch, e.g. pooler or '*.lm_head'")  # fmt: skip
+                raise ValueError(
+                    f"exclude {pattern!r} matches no module of the model (its modules include "
+                    f"{', '.join(names[:6])}); patterns are fnmatch, e.g. pooler or '*.lm_head'"
+                )
         if not patterns:
             return self
         wider = dataclasses.replace(self, exclude=self.exclude + tuple(patterns))
         before = self._outermost(model)
         if before and not wider._outermost(model):
             given = " --exclude ".join(map(repr, patterns))
-            raise ValueError(f"exclude {given} left no layer to tune: {'it' if len(patterns) == 1 else 'together they'} "
-                             f"excluded all {len(before)} layer{'s' if len(before) != 1 else ''} of the types the search "
-                             f"space tunes ({', '.join(self.layers)}); exclude fewer modules")  # fmt: skip
+            raise ValueError(
+                f"exclude {given} left no layer to tune: {'it' if len(patterns) == 1 else 'together they'} "
+                f"excluded all {len(before)} layer{'s' if len(before) != 1 else ''} of the types the search "
+                f"space tunes ({', '.join(self.layers)}); exclude fewer modules"
+            )
         return wider
 
     def offered(self, module: torch.nn.Module) -> tuple[Format, ...] | None:
@@ -166,8 +170,10 @@ class SearchSpace:
         found = self._outermost(model)
         for name in found:
             if not MODULE_PATH.fullmatch(name):  # torch takes any ModuleDict key; a policy file does not
-                raise UserError(f"module {shown(name)} of the model: a policy names layers by letters, digits, _ and - "
-                                f"joined by dots; rename it, or leave it out of the search with --exclude {shown(name)}")  # fmt: skip
+                raise UserError(
+                    f"module {shown(name)} of the model: a policy names layers by letters, digits, _ and - "
+                    f"joined by dots; rename it, or leave it out of the search with --exclude {shown(name)}"
+                )
         return found
 
     def _outermost(self, model: torch.nn.Module) -> dict[str, tuple[Format, ...]]:

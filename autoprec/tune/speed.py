@@ -130,8 +130,11 @@ class SpeedFit:
         """Whether the fit has seen this root format and every lowered format timed (each twice): it says nothing
         of another."""
         seen = self.seen if self.seen is not None else frozenset(self.per_ms)
-        return (features.root in self.root_ms and all(term in seen for term in features.terms())
-                and all(term in self.per_ms for term in _columns(features, self.model)))  # fmt: skip
+        return (
+            features.root in self.root_ms
+            and all(term in seen for term in features.terms())
+            and all(term in self.per_ms for term in _columns(features, self.model))
+        )
 
     def speedup(self, features: Features, fp32_ms: float | None = None) -> float:
         """The predicted speedup over fp32 (of a step of `fp32_ms`, default the trials' median)."""
@@ -150,8 +153,12 @@ def _covered(points: Sequence[Timed]) -> list[Timed]:
     (leaving one out may leave another term alone)."""
     while True:
         counts = Counter(term for t in points for term in (*t.features.terms(), ("root", t.features.root)))
-        kept = [t for t in points if all(counts[term] >= 2 for term in t.features.terms())
-                and (t.features.root is Format.FP32 or counts[("root", t.features.root)] >= 2)]  # fmt: skip
+        kept = [
+            t
+            for t in points
+            if all(counts[term] >= 2 for term in t.features.terms())
+            and (t.features.root is Format.FP32 or counts[("root", t.features.root)] >= 2)
+        ]
         if len(kept) == len(points):
             return kept
         points = kept
@@ -310,9 +317,11 @@ class Ceiling:
     untried: int
 
     def describe(self) -> str:
-        return (f"none of the {self.untried} untried policies can beat the best timed trial ({self.best:.3f}x, "
-                f"±{self.noise:.0%}) beyond its noise: the fastest is predicted {self.predicted:.3f}x, "
-                f"+{self.margin:.0%} the fit's error")  # fmt: skip
+        return (
+            f"none of the {self.untried} untried policies can beat the best timed trial ({self.best:.3f}x, "
+            f"±{self.noise:.0%}) beyond its noise: the fastest is predicted {self.predicted:.3f}x, "
+            f"+{self.margin:.0%} the fit's error"
+        )
 
 
 def ceiling(timed: Sequence[Timed], untried: Iterable[Features | None], best: tuple[float, float]) -> Ceiling | None:

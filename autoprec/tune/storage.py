@@ -218,8 +218,10 @@ def _drop_torn_tail(path: Path, label: str) -> None:
             fh.truncate(len(data) - torn)
         log.warning(
             "%s: its last line was cut short (%d bytes, a write interrupted by a kill or a full disk) and is dropped; "
-            "every complete trial before it is kept", path, torn,
-        )  # fmt: skip
+            "every complete trial before it is kept",
+            path,
+            torn,
+        )
     finally:
         lock.release()
 

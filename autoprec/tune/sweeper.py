@@ -133,9 +133,14 @@ def _format_counts(policy: Policy) -> str:
 def sweep_plan(budgets: tuple[float, ...], given: Mapping[float, str] | None = None) -> Plan:
     """`given`: budget -> how the user gave it, where it was relative."""
     return Plan(
-        budgets=budgets, objectives=OBJECTIVES, policy_file=policy_filename, trials_file="sweep_trials.csv",
-        finalists_file="sweep_finalists.csv", given=dict(given or {}), profile_folder=SWEEP_PROFILE,
-    )  # fmt: skip
+        budgets=budgets,
+        objectives=OBJECTIVES,
+        policy_file=policy_filename,
+        trials_file="sweep_trials.csv",
+        finalists_file="sweep_finalists.csv",
+        given=dict(given or {}),
+        profile_folder=SWEEP_PROFILE,
+    )
 
 
 def sweep(
@@ -157,19 +162,41 @@ def sweep(
     frame = pd.DataFrame([dataclasses.asdict(r) for r in table])
     write_atomically(Path(out_dir) / "sweep.csv", lambda tmp: frame.to_csv(tmp, index=False))
     return SweepResult(
-        table=table, policies={c.budget: c.policy for c in done.chosen}, front=pareto_front(done.trials, config.objective),
-        trials=done.trials, finals=done.finals, profile=started.profile, choices=started.choices,
-        study_name=started.study.study_name, storage=started.storage, noise=started.judge.noise, cost=done.cost,
+        table=table,
+        policies={c.budget: c.policy for c in done.chosen},
+        front=pareto_front(done.trials, config.objective),
+        trials=done.trials,
+        finals=done.finals,
+        profile=started.profile,
+        choices=started.choices,
+        study_name=started.study.study_name,
+        storage=started.storage,
+        noise=started.judge.noise,
+        cost=done.cost,
         saved=started.saved,
-    )  # fmt: skip
+    )
 
 
 def _row(chosen: Chosen, finals: Finals) -> BudgetRow:
     r, bf16, greedy, policy = finals.by_name(chosen.name), finals.by_name(BF16), finals.by_name(chosen.greedy), chosen.policy
     return BudgetRow(
-        budget=chosen.budget, budget_given=Measured.of(policy).budget_given, chosen=chosen.name, metric=r.metric,
-        metric_drop=r.metric_drop, step_ms=r.effective_step_ms, spread=r.spread, speedup=r.speedup,
-        uniform_bf16_speedup=bf16.speedup, uniform_bf16_drop=bf16.metric_drop, greedy_speedup=greedy.speedup,
-        greedy_drop=greedy.metric_drop, peak_bytes=r.peak_bytes, memory_saving=r.memory_saving, formats=_format_counts(policy), root=policy.layers.get(ROOT, Format.FP32).value,
-        policy_file=chosen.file.name, why=chosen.why, not_separated="; ".join(Measured.of(policy).not_separated),
-    )  # fmt: skip
+        budget=chosen.budget,
+        budget_given=Measured.of(policy).budget_given,
+        chosen=chosen.name,
+        metric=r.metric,
+        metric_drop=r.metric_drop,
+        step_ms=r.effective_step_ms,
+        spread=r.spread,
+        speedup=r.speedup,
+        uniform_bf16_speedup=bf16.speedup,
+        uniform_bf16_drop=bf16.metric_drop,
+        greedy_speedup=greedy.speedup,
+        greedy_drop=greedy.metric_drop,
+        peak_bytes=r.peak_bytes,
+        memory_saving=r.memory_saving,
+        formats=_format_counts(policy),
+        root=policy.layers.get(ROOT, Format.FP32).value,
+        policy_file=chosen.file.name,
+        why=chosen.why,
+        not_separated="; ".join(Measured.of(policy).not_separated),
+    )

@@ -68,21 +68,25 @@ def target_named(value: object) -> Target:
     return found
 
 
-B200 = register_target(Target(
-    name="b200",
-    device="NVIDIA B200 (HGX B200, 1000 W)",
-    # dense: the datasheet's sparse tensor figures halved (FP4 18 -> 9 PFLOPS, FP8/FP6 9 -> 4.5, FP16/BF16 4.5 -> 2.25,
-    # TF32 2.2 -> 1.1); FP8 is the rate of MX fp8 too (the datasheet gives one FP8 figure), FP4 that of NVFP4
-    tflops={"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "nvfp4": 9000.0},
-    source="NVIDIA HGX B200 specifications, per GPU (https://www.nvidia.com/en-us/data-center/hgx/; NVIDIA Blackwell "
-    "datasheet): FP4 Tensor 18 PFLOPS, FP8/FP6 9, FP16/BF16 4.5, TF32 2.2 (with sparsity), FP32 75 TFLOPS",
-))  # fmt: skip
-H100 = register_target(Target(
-    name="h100",
-    device="NVIDIA H100 SXM5",
-    # dense: the datasheet's sparse figures halved; Hopper has no MX or NVFP4 tensor-core formats
-    tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
-    source="NVIDIA H100 Tensor Core GPU datasheet, SXM column "
-    "(https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet): FP8 3,958 TFLOPS, BF16/FP16 "
-    "1,979, TF32 989 (with sparsity), FP32 67 TFLOPS",
-))  # fmt: skip
+B200 = register_target(
+    Target(
+        name="b200",
+        device="NVIDIA B200 (HGX B200, 1000 W)",
+        # dense: the datasheet's sparse tensor figures halved (FP4 18 -> 9 PFLOPS, FP8/FP6 9 -> 4.5, FP16/BF16 4.5 -> 2.25,
+        # TF32 2.2 -> 1.1); FP8 is the rate of MX fp8 too (the datasheet gives one FP8 figure), FP4 that of NVFP4
+        tflops={"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "nvfp4": 9000.0},
+        source="NVIDIA HGX B200 specifications, per GPU (https://www.nvidia.com/en-us/data-center/hgx/; NVIDIA Blackwell "
+        "datasheet): FP4 Tensor 18 PFLOPS, FP8/FP6 9, FP16/BF16 4.5, TF32 2.2 (with sparsity), FP32 75 TFLOPS",
+    )
+)
+H100 = register_target(
+    Target(
+        name="h100",
+        device="NVIDIA H100 SXM5",
+        # dense: the datasheet's sparse figures halved; Hopper has no MX or NVFP4 tensor-core formats
+        tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
+        source="NVIDIA H100 Tensor Core GPU datasheet, SXM column "
+        "(https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet): FP8 3,958 TFLOPS, BF16/FP16 "
+        "1,979, TF32 989 (with sparsity), FP32 67 TFLOPS",
+    )
+)

@@ -150,8 +150,9 @@ def more_if_noisy(rounds: int) -> Callable[[Mapping[str, Sequence[float]]], int]
         spread = noisiest(samples)
         if spread <= NOISY_SPREAD:
             return 0
-        log.warning("step times spread up to ±%.0f%%, too wide to rank the candidates; timing %d rounds more",
-                    50 * spread, rounds)  # fmt: skip
+        log.warning(
+            "step times spread up to ±%.0f%%, too wide to rank the candidates; timing %d rounds more", 50 * spread, rounds
+        )
         return rounds
 
     return more

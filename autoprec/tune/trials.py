@@ -52,8 +52,13 @@ def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = N
         row.update({f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
         if policy.uses_fp16:
             ls = policy.loss_scale
-            row.update(init_scale=ls.init_scale, growth_interval=ls.growth_interval, growth_factor=ls.growth_factor,
-                       backoff_factor=ls.backoff_factor, dynamic=ls.dynamic)  # fmt: skip
+            row.update(
+                init_scale=ls.init_scale,
+                growth_interval=ls.growth_interval,
+                growth_factor=ls.growth_factor,
+                backoff_factor=ls.backoff_factor,
+                dynamic=ls.dynamic,
+            )
         row["duration_s"] = t.duration.total_seconds() if t.duration else None
         rows.append(row)
     return pd.DataFrame(rows)
@@ -70,8 +75,11 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
     wall = sum(t.duration.total_seconds() for t, _ in done if t.duration)
     watch.add("trials: evaluating the metric", evaluate, sum(r.evaluate_s is not None for _, r in fresh))
     if compiling:
-        watch.add("trials: compiling the candidate and the fp32 baseline (first steps)", compiling,
-                  sum(r.compile_s is not None for _, r in fresh))  # fmt: skip
+        watch.add(
+            "trials: compiling the candidate and the fp32 baseline (first steps)",
+            compiling,
+            sum(r.compile_s is not None for _, r in fresh),
+        )
     watch.add("trials: measuring step times", measure - compiling, sum(r.measure_s is not None for _, r in fresh))
     rounds = sum(r.rounds or 0 for _, r in fresh)
     if rounds:
@@ -155,9 +163,11 @@ def device_noise(study: optuna.Study, least: int = 5, *, since: int = 0) -> floa
     """This device's timing noise as the search has seen it: the median spread of its trials (numbered `since` on:
     this run's, where an earlier run's machine may have been busier) timed at least NOISE_ROUNDS rounds (an
     interquartile range: one stalled round does not widen it); None before `least` of them."""
-    spreads = [r.spread for t, r in _complete(study)
-               if t.number >= since and r.timed and (r.rounds or 0) >= NOISE_ROUNDS and r.spread is not None
-               and math.isfinite(r.spread)]  # fmt: skip
+    spreads = [
+        r.spread
+        for t, r in _complete(study)
+        if t.number >= since and r.timed and (r.rounds or 0) >= NOISE_ROUNDS and r.spread is not None and math.isfinite(r.spread)
+    ]
     return statistics.median(spreads) if len(spreads) >= least else None
 
 

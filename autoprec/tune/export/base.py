@@ -73,13 +73,17 @@ def register(cls: T) -> T:
         raise ValueError(f"export target {name!r}: summary must be a line for --to's help")
     for option in cls.options:
         if not _FLAG.fullmatch(option.flag) or option.dest in RESERVED:
-            raise ValueError(f"export target {name!r}: option {option.flag!r} must be --lowercase-words, not one of "
-                             f"the verb's own ({', '.join(sorted(RESERVED))})")  # fmt: skip
+            raise ValueError(
+                f"export target {name!r}: option {option.flag!r} must be --lowercase-words, not one of "
+                f"the verb's own ({', '.join(sorted(RESERVED))})"
+            )
         for other in _REGISTRY.values():
             same = [o for o in other.options if o.dest == option.dest]
             if same and same[0] != option:
-                raise ValueError(f"export target {name!r}: option {option.flag} differs from the one export target "
-                                 f"{other.name!r} takes; share one Option or rename it")  # fmt: skip
+                raise ValueError(
+                    f"export target {name!r}: option {option.flag} differs from the one export target "
+                    f"{other.name!r} takes; share one Option or rename it"
+                )
     _REGISTRY[name] = cls()
     return cls
 

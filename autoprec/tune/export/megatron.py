@@ -41,8 +41,14 @@ class MegatronExport:
     notes: tuple[str, ...] = ()
 
     def to_dict(self, source: str) -> dict[str, object]:
-        return {"written_by": "autoprec export --to megatron", "policy": source, **dataclasses.asdict(self),
-                "fp8_layers": list(self.fp8_layers), "not_expressed": list(self.not_expressed), "notes": list(self.notes)}  # fmt: skip
+        return {
+            "written_by": "autoprec export --to megatron",
+            "policy": source,
+            **dataclasses.asdict(self),
+            "fp8_layers": list(self.fp8_layers),
+            "not_expressed": list(self.not_expressed),
+            "notes": list(self.notes),
+        }
 
 
 def _blocks(policy: Policy) -> tuple[str | None, dict[int, dict[str, Format]], dict[str, Format]]:
@@ -55,8 +61,10 @@ def _blocks(policy: Policy) -> tuple[str | None, dict[int, dict[str, Format]], d
             digits = match["index"].lstrip("0") or "0"
             if len(digits) > len(str(MAX_LAYERS)) or int(digits) >= MAX_LAYERS:  # int() only of a short one
                 index = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
-                raise UserError(f"layer {shown(name)} is transformer layer {index} of {shown(match['stack'])}: a "
-                                f"Megatron export counts at most {MAX_LAYERS} transformer layers")  # fmt: skip
+                raise UserError(
+                    f"layer {shown(name)} is transformer layer {index} of {shown(match['stack'])}: a "
+                    f"Megatron export counts at most {MAX_LAYERS} transformer layers"
+                )
             stacks.setdefault(match["stack"], {}).setdefault(int(digits), {})[match["rest"]] = fmt
     if not stacks:
         return None, {}, {n: f for n, f in policy.layers.items() if n != ROOT}
@@ -103,12 +111,14 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
     if num_layers is not None and num_layers > MAX_LAYERS:
         raise UserError(f"--num-layers {num_layers}: at most {MAX_LAYERS} transformer layers (models have hundreds)")
     if num_layers is not None and num_layers < named:
-        raise UserError(f"--num-layers {num_layers}: the policy names transformer layer {named - 1} of {stack!r}; "
-                        f"give at least {named}")  # fmt: skip
+        raise UserError(
+            f"--num-layers {num_layers}: the policy names transformer layer {named - 1} of {stack!r}; give at least {named}"
+        )
     count = named if num_layers is None else num_layers
     roles = {role for block in blocks.values() for role in block}
-    whole = {i for i, block in blocks.items()
-             if set(block) == roles and all(recipe_key(f) in MEGATRON_RECIPES for f in block.values())}  # fmt: skip
+    whole = {
+        i for i, block in blocks.items() if set(block) == roles and all(recipe_key(f) in MEGATRON_RECIPES for f in block.values())
+    }
     start, stop = _longest_run(whole, count)
     lines = []
     model_dtype = root if root in (Format.BF16, Format.FP16) else Format.FP32
@@ -117,8 +127,10 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
         if recipe_key(fmt) is None and fmt is not model_dtype:
             other_dtype.setdefault(fmt, []).append(name)
     for fmt, names in other_dtype.items():
-        lines.append(f"{_layers(names)} in {fmt.value}: Megatron runs every layer outside fp8 in the model's dtype "
-                     f"({model_dtype.value} here)")  # fmt: skip
+        lines.append(
+            f"{_layers(names)} in {fmt.value}: Megatron runs every layer outside fp8 in the model's dtype "
+            f"({model_dtype.value} here)"
+        )
     fp8_outside = [name for name, fmt in outside.items() if recipe_key(fmt) is not None]
     if fp8_outside:
         where = f"outside the transformer layers ({stack}.N)" if stack else "with no numbered stack of transformer layers"
@@ -128,8 +140,10 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
         block = blocks.get(i, {})
         fp8 = [role for role, f in block.items() if recipe_key(f) is not None]
         if any(recipe_key(block[role]) not in MEGATRON_RECIPES for role in fp8):
-            why = (f"a linear in an fp8 recipe Megatron has no twin for (it has torchao's {', '.join(MEGATRON_RECIPES)} "
-                   "only, and no per-GEMM mix: all three GEMMs of a linear in fp8)")  # fmt: skip
+            why = (
+                f"a linear in an fp8 recipe Megatron has no twin for (it has torchao's {', '.join(MEGATRON_RECIPES)} "
+                "only, and no per-GEMM mix: all three GEMMs of a linear in fp8)"
+            )
         elif fp8 and i not in whole:
             why = "some linears in fp8 and some not, or unlisted (Megatron runs a layer's linears all in fp8 or none)"
         elif i in whole and not start <= i < stop:
@@ -149,25 +163,44 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
         config.update(fp8=fmt_name, fp8_recipe=recipe)
         args += ["--fp8-format", fmt_name, "--fp8-recipe", recipe]
         if start > 0 or stop < count:
-            config.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start,
-                          num_layers_at_end_in_bf16=count - stop)  # fmt: skip
-            args += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
-                     "--num-layers-at-end-in-bf16", str(count - stop)]  # fmt: skip
-            notes.append("with pipeline parallelism, Megatron requires each of the two bf16 counts to be at most "
-                         "num_layers / pipeline stages")  # fmt: skip
+            config.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start, num_layers_at_end_in_bf16=count - stop)
+            args += [
+                "--first-last-layers-bf16",
+                "--num-layers-at-start-in-bf16",
+                str(start),
+                "--num-layers-at-end-in-bf16",
+                str(count - stop),
+            ]
+            notes.append(
+                "with pipeline parallelism, Megatron requires each of the two bf16 counts to be at most "
+                "num_layers / pipeline stages"
+            )
         counted = "given" if num_layers is not None else "taken from the policy's layer names (--num-layers to set it)"
-        notes.insert(0, f"for a model of {count} transformer layers ({counted}): Megatron counts the fp8 layers from "
-                        "num_layers, so with more layers the extra ones would run in fp8")  # fmt: skip
-        notes.append("every linear of a transformer layer is taken to be in the policy: one it does not list runs in "
-                     "the model's dtype under the policy, but in fp8 under Megatron (the policy file does not say "
-                     "which linears a search left out)")  # fmt: skip
-        notes.append("Megatron runs its multi-token-prediction layers and a multimodal projector in fp8 whenever fp8 "
-                     "is on; they are outside this layer count")  # fmt: skip
+        notes.insert(
+            0,
+            f"for a model of {count} transformer layers ({counted}): Megatron counts the fp8 layers from "
+            "num_layers, so with more layers the extra ones would run in fp8",
+        )
+        notes.append(
+            "every linear of a transformer layer is taken to be in the policy: one it does not list runs in "
+            "the model's dtype under the policy, but in fp8 under Megatron (the policy file does not say "
+            "which linears a search left out)"
+        )
+        notes.append(
+            "Megatron runs its multi-token-prediction layers and a multimodal projector in fp8 whenever fp8 "
+            "is on; they are outside this layer count"
+        )
     elif fp8_layers(policy):
         lines.append("no transformer layer runs wholly in Megatron's fp8 under the policy: the export sets no fp8")
-    return MegatronExport(stack=stack, num_layers=count, fp8_layers=tuple(range(start, stop)),
-                          transformer_config=config, arguments=" ".join(args), not_expressed=tuple(lines),
-                          notes=tuple(notes))  # fmt: skip
+    return MegatronExport(
+        stack=stack,
+        num_layers=count,
+        fp8_layers=tuple(range(start, stop)),
+        transformer_config=config,
+        arguments=" ".join(args),
+        not_expressed=tuple(lines),
+        notes=tuple(notes),
+    )
 
 
 NUM_LAYERS = Option(

@@ -73,10 +73,14 @@ def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
                 left_out.setdefault((fmt, why), []).append(name)
             continue
         key = _key(fmt)
-        configs.setdefault(key, {"transformer_engine_config_type": "TEQuantizationParams",
-                                 "training_recipe": {**recipe, "override_nonquantized_autocast": True}})  # fmt: skip
-        matchers[f"layer_{len(matchers)}_{key}"] = {"type": "glob", "enabled": True, "pattern": glob.escape(name),
-                                                    "config": key}  # fmt: skip
+        configs.setdefault(
+            key,
+            {
+                "transformer_engine_config_type": "TEQuantizationParams",
+                "training_recipe": {**recipe, "override_nonquantized_autocast": True},
+            },
+        )
+        matchers[f"layer_{len(matchers)}_{key}"] = {"type": "glob", "enabled": True, "pattern": glob.escape(name), "config": key}
     configs[HIGH_PRECISION] = {"transformer_engine_config_type": "TEQuantizationParams", "training_recipe": {}}
     matchers["every_other_module"] = {"type": "glob", "enabled": True, "pattern": "*", "config": HIGH_PRECISION}
     lines = []
@@ -94,8 +98,11 @@ def precision_yaml(policy: Policy, *, source: str = "a policy") -> tuple[str, li
     content, lines = precision_config(policy)
     if len(content["matchers"]) == 1:  # type: ignore[arg-type]
         lines = [*lines, "the policy has no layer in a recipe Megatron runs per module: every module runs in high precision"]
-    head = ["# Megatron-LM --te-precision-config-file (written by `autoprec export --to megatron-precision`)",
-            f"# policy file: {printable(source)}", "# not expressed here:"]  # fmt: skip
+    head = [
+        "# Megatron-LM --te-precision-config-file (written by `autoprec export --to megatron-precision`)",
+        f"# policy file: {printable(source)}",
+        "# not expressed here:",
+    ]
     head += [f"#   - {printable(line)}" for line in lines] or ["#   (nothing)"]
     body = yaml.safe_dump(content, sort_keys=False, allow_unicode=False, width=1000)
     return "\n".join(head) + "\n" + body, lines

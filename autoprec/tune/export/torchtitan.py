@@ -53,9 +53,11 @@ def _blockscaled_not_expressed(policy: Policy) -> list[str]:
     lines = []
     for fmt, names in by_format.items():
         fprop, dgrad, wgrad = (g or "high precision" for g in blockscaled_gemms(fmt) or ())
-        lines.append(f"{_layers(names)} in {fmt.value} (fprop {fprop}, dgrad {dgrad}, wgrad {wgrad}): torchtitan's "
-                     "MXFP8 and NVFP4 converters run all three GEMMs in their format, with no per-GEMM switch, so "
-                     "not in the export")  # fmt: skip
+        lines.append(
+            f"{_layers(names)} in {fmt.value} (fprop {fprop}, dgrad {dgrad}, wgrad {wgrad}): torchtitan's "
+            "MXFP8 and NVFP4 converters run all three GEMMs in their format, with no per-GEMM switch, so "
+            "not in the export"
+        )
     return lines
 
 
@@ -66,9 +68,11 @@ def torchtitan_not_expressed(policy: Policy) -> list[str]:
     for recipe, names in fp8_layers(policy).items():
         if recipe not in TORCHTITAN_RECIPES:
             what = f"{recipe}, fp8 per GEMM (no torchao recipe)" if recipe in per_gemm else f"fp8 recipe {recipe!r}"
-            lines.append(f"{_layers(names)} in {what}: torchtitan's float8 converter offers "
-                         f"{' and '.join(TORCHTITAN_RECIPES)} only, so not in the export (torchtitan trains in its "
-                         "mixed-precision dtype what it does not convert)")  # fmt: skip
+            lines.append(
+                f"{_layers(names)} in {what}: torchtitan's float8 converter offers "
+                f"{' and '.join(TORCHTITAN_RECIPES)} only, so not in the export (torchtitan trains in its "
+                "mixed-precision dtype what it does not convert)"
+            )
     return lines
 
 
@@ -196,6 +200,9 @@ class Torchtitan(ExportTarget):
         if any(r in TORCHTITAN_RECIPES for r in fp8_layers(policy)):
             return left_out
         if blockscaled_layers(policy):
-            return [*left_out, "the policy has no fp8 layer torchtitan can run: the file's float8_converters() returns "
-                    "[] (its blockscaled_converters() converts the mxfp8/nvfp4 layers)"]  # fmt: skip
+            return [
+                *left_out,
+                "the policy has no fp8 layer torchtitan can run: the file's float8_converters() returns "
+                "[] (its blockscaled_converters() converts the mxfp8/nvfp4 layers)",
+            ]
         return [*left_out, "the policy has no fp8 layer torchtitan can run: the file's float8_converters() returns []"]
