@@ -416,8 +416,9 @@ def _noisy_package(folder: Path, *, installed: bool) -> Path:
         "warnings.warn('noisy_pkg: a note for its maintainers', UserWarning)\n"
         "logging.getLogger('noisy_pkg').warning('noisy_pkg: loader noise')\n"
     )
-    if installed:
+    if installed:  # what pip install --target leaves: the metadata, whose RECORD lists the files it installed
         (folder / "noisy_pkg-1.0.dist-info").mkdir()
+        (folder / "noisy_pkg-1.0.dist-info" / "RECORD").write_text("noisy_pkg.py,,\nnoisy_pkg-1.0.dist-info/RECORD,,\n")
     return folder
 
 
@@ -437,15 +438,17 @@ def test_a_module_on_pythonpath_without_installed_metadata_is_the_users_and_spea
 
     ours = _noisy_package(tmp_path / "mine", installed=False)
     theirs = _noisy_package(tmp_path / "site", installed=True)
+    (theirs / "model.py").write_text("import warnings\n")  # the user's own file beside what pip installed there
     monkeypatch.setattr(sys, "path", [str(ours), str(theirs), *sys.path])
     cli._from_library.cache_clear()
-    cli._holds_distributions.cache_clear()
+    cli._installed_tops.cache_clear()
     try:
         assert not cli._from_library(str(ours / "noisy_pkg.py"))  # the user's helper module: its warnings are shown
         assert cli._from_library(str(theirs / "noisy_pkg.py"))
+        assert not cli._from_library(str(theirs / "model.py"))  # not installed there: the user's, and it speaks
     finally:
         cli._from_library.cache_clear()
-        cli._holds_distributions.cache_clear()
+        cli._installed_tops.cache_clear()
 
 
 # ---- issue 12: results kept apart, torn files, user code that fails late --------------------------

@@ -262,3 +262,12 @@ def test_a_megatron_pattern_matches_its_layer_only_whatever_the_name_holds(tmp_p
         {"fp8_quantization_recipe": "mxfp8", "override_nonquantized_autocast": True},
         {"fp4_quantization_recipe": "nvfp4", "override_nonquantized_autocast": True},
         {"fp8_quantization_recipe": "mxfp8", "override_nonquantized_autocast": True}]  # fmt: skip
+
+
+@pytest.mark.parametrize("target", ["megatron-precision", "transformer-engine"])
+def test_a_layer_kept_in_fp32_inside_a_bf16_root_is_said_not_dropped(tmp_path, target):
+    """Both tools run a module they have no recipe for in the model's dtype: the searched fp32 protection of `output`
+    would be lost without a word (found in review)."""
+    left_out = export(Policy(layers={"": "bf16", "a": "mxfp8", "output": "fp32"}), target, tmp_path / "x")
+    assert any(line.startswith("layer 'output' runs in fp32 inside a bf16 model root") for line in left_out), left_out
+    assert not any("fp32" in line for line in export(Policy(layers={"a": "mxfp8", "b": "fp32"}), target, tmp_path / "y"))

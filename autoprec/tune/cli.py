@@ -382,20 +382,40 @@ def _library_roots() -> tuple[tuple[str, ...], str]:
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
     roots.update(getattr(site, "getsitepackages", list)())
     roots.add(site.getusersitepackages())
-    # Packages installed elsewhere and put on sys.path (`pip install --target DIR` with PYTHONPATH=DIR, as on a cluster
-    # or a container image): a folder that holds installed distributions' metadata is a library folder too.
-    roots.update(entry for entry in sys.path if entry and _holds_distributions(entry))
     own = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     return tuple(os.path.join(os.path.realpath(r), "") for r in roots), os.path.join(own, "")
 
 
 @functools.lru_cache(maxsize=256)
-def _holds_distributions(folder: str) -> bool:
-    """Whether `folder` holds an installed distribution's metadata (`*.dist-info`), as site-packages does."""
+def _installed_tops(folder: str) -> frozenset[str]:
+    """The top-level names (packages, modules) that distributions installed into `folder` put there, from each
+    `*.dist-info`'s RECORD: what `pip install --target DIR` leaves beside the user's own files, if DIR is theirs."""
     try:
-        return any(name.endswith(".dist-info") for name in os.listdir(folder))
+        infos = [n for n in os.listdir(folder) if n.endswith(".dist-info")]
     except OSError:
-        return False
+        return frozenset()
+    tops: set[str] = set()
+    for info in infos:
+        try:
+            with open(os.path.join(folder, info, "RECORD"), encoding="utf-8") as record:
+                for line in record:
+                    top = line.split(",", 1)[0].replace("\\", "/").split("/", 1)[0]
+                    if top and top != ".." and not top.endswith(".dist-info"):
+                        tops.add(top)
+        except OSError:
+            continue
+    return frozenset(tops)
+
+
+def _installed_on_path(real: str) -> bool:
+    """Whether `real` (a resolved path) is a file a distribution installed into a folder on sys.path outside
+    site-packages (`pip install --target DIR` with PYTHONPATH=DIR, as on a cluster or a container image); the
+    user's own files beside it (model.py in that folder, say) are not."""
+    for entry in sys.path:
+        folder = os.path.join(os.path.realpath(entry or "."), "")
+        if real.startswith(folder) and real[len(folder) :].split(os.sep, 1)[0] in _installed_tops(folder):
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=4096)
@@ -406,7 +426,7 @@ def _from_library(path: str) -> bool:
         return path.startswith("<frozen")  # importlib's frames: an extension module's import
     roots, own = _library_roots()
     real = os.path.realpath(path)
-    return not real.startswith(own) and real.startswith(roots)
+    return not real.startswith(own) and (real.startswith(roots) or _installed_on_path(real))
 
 
 class _LibraryNoise(logging.Filter):

@@ -62,6 +62,19 @@ def not_expressed(policy: Policy, tool: str = "torchao", skip: frozenset[Format]
     return lines
 
 
+def fp32_under_a_lowered_root(policy: Policy, tool: str) -> list[str]:
+    """A line for the layers a policy keeps in fp32 inside a lowered model root (the search's protection of them),
+    for a target that runs every module it has no recipe for in the model's dtype; none where the root is fp32."""
+    root = policy.layers.get(ROOT)
+    names = [n for n, f in policy.layers.items() if n != ROOT and f is Format.FP32]
+    if root is None or root is Format.FP32 or not names:
+        return []
+    return [
+        f"{_layers(names)} in fp32 inside a {root.value} model root: {tool} runs a module it has no recipe for in the "
+        f"model's dtype ({root.value} if the model is); keep {'them' if len(names) > 1 else 'it'} in fp32 by hand"
+    ]
+
+
 def fp8_layers(policy: Policy) -> dict[str, list[str]]:
     """torchao recipe (recipe_key) -> the policy's layers in it, in the policy's order."""
     recipes: dict[str, list[str]] = {}

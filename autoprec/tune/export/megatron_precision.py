@@ -29,7 +29,7 @@ from autoprec.errors import printable
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import _layers, blockscaled_recipe, recipe_key
+from autoprec.tune.export._common import _layers, blockscaled_recipe, fp32_under_a_lowered_root, recipe_key
 from autoprec.tune.export.base import ExportTarget, register
 
 HIGH_PRECISION = "high_precision"  # the config key of the default matcher's (empty) recipe
@@ -90,7 +90,7 @@ def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
             names = [n for n in names if n != ROOT]
         if names:
             lines.append(f"{_layers(names)} in {fmt.value}: {why}")
-    return {"configs": configs, "matchers": matchers}, lines
+    return {"configs": configs, "matchers": matchers}, [*lines, *fp32_under_a_lowered_root(policy, "Megatron")]
 
 
 def precision_yaml(policy: Policy, *, source: str = "a policy") -> tuple[str, list[str]]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import _comments, _layers, blockscaled_gemms
+from autoprec.tune.export._common import _comments, _layers, blockscaled_gemms, fp32_under_a_lowered_root
 from autoprec.tune.export.base import ExportTarget, register
 
 TABLE = "GEMMS"  # the written file's table: layer -> (fprop, dgrad, wgrad) formats
@@ -55,7 +55,7 @@ def te_not_expressed(policy: Policy) -> list[str]:
             names = [n for n in names if n != ROOT]
         if names:
             lines.append(f"{_layers(names)} in {fmt.value}: {why}")
-    return lines
+    return [*lines, *fp32_under_a_lowered_root(policy, "Transformer Engine")]
 
 
 def _table_literal(gemms: dict[str, tuple[str | None, str | None, str | None]]) -> str:
