@@ -64,7 +64,7 @@ def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the
     assert "CUDA" in alts.notes[TF32]
     assert "no fp8 kernels" in alts.notes[FP8_EVERYWHERE] and "no fp8 kernels" in alts.notes[FP8_ROWWISE_EVERYWHERE]
     only_rowwise = alternatives(workload.model, workload.device, prof, choices, 0.05, offered=frozenset({Format.FP8_ROWWISE}))
-    assert "offers no fp8" in only_rowwise.notes[FP8_EVERYWHERE]
+    assert "offers no `fp8` layer" in only_rowwise.notes[FP8_EVERYWHERE]
     assert "no fp8 kernels" in only_rowwise.notes[FP8_ROWWISE_EVERYWHERE]  # offered, but emulation here
     fp32 = alts.candidates[FP32]
     assert not fp32.tf32 and {f.value for f in fp32.policy.layers.values()} == {"fp32"}

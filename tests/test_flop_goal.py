@@ -126,7 +126,7 @@ def test_the_config_needs_a_target_for_flops_and_refuses_one_for_other_goals():
         SearchConfig(budget=0.1, objective="flops", target="a100")
     with pytest.raises(ValueError, match=r"target applies only to objective flops, not speed"):
         SearchConfig(budget=0.1, target="b200")
-    with pytest.raises(ValueError, match=r"max_memory needs each trial's peak memory"):
+    with pytest.raises(ValueError, match=r"max_memory \(--max-memory\) needs each trial's peak memory.*leave it out"):
         SearchConfig(budget=0.1, objective="flops", target="b200", max_memory=10**9)
     assert not FLOPS.timed and FLOPS.targeted and SPEED.timed and not SPEED.targeted
 
@@ -205,3 +205,30 @@ def test_a_flops_search_on_a_cpu_writes_a_policy_with_mxfp8_or_nvfp4_layers_labe
     m = policy.measured
     assert m["estimate"]["target"] == "b200" and m["estimate"]["estimate"] is True
     assert m["estimate"]["value"] > 1.0  # lower than all-bf16 on the B200's throughput table
+
+
+def test_a_sweep_refuses_the_flops_goal_with_one_error_line_before_the_profile(capsys, tmp_path):
+    """A sweep draws each budget's choice on its goal's Pareto axis; flops has none, and the sweep ran, then wrote
+    tables without the estimate it optimised (found in review): refused before the profile, pointing at a search per
+    budget."""
+    from autoprec.tune.cli import main
+
+    argv = ["sweep", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--budgets", "0.01,0.05",
+            "--objective", "flops", "--target", "b200", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and [line for line in err.splitlines() if "error" in line] == [err.strip().splitlines()[-1]]
+    assert "autoprec sweep does not take --objective flops" in err and "autoprec search --objective flops" in err
+    assert not (tmp_path / "out" / "profile.csv").exists()
+
+
+def test_a_space_with_formats_the_target_does_not_run_is_refused_before_the_profile(tmp_path, monkeypatch):
+    """An H100 runs no nvfp4: the search said so only after profiling every layer (found in review)."""
+    from autoprec.tune import pipeline
+
+    monkeypatch.setattr(pipeline, "start", lambda *a, **k: pytest.fail("profiled before refusing the space"))
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16", "nvfp4"]}, "trials": 4})
+    config = SearchConfig(budget=0.1, objective="flops", target="h100", trials=4, progress=False, profile=FAST_PROFILE)
+    with pytest.raises(ValueError, match=r"target h100 .* nvfp4 needs nvfp4\. Leave nvfp4 out of the search space"):
+        search(workload, space, config, tmp_path)

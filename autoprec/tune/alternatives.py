@@ -97,7 +97,7 @@ def alternatives(
         layers: list[str] = []
         n_linear = 0
         if offered is not None and fmt not in offered:
-            notes[name] = f"not measured: the search space offers no {fmt}"
+            notes[name] = f"not measured: the search space offers no `{fmt}` layer"
         elif fp8_backend(device) is Fp8Backend.EMULATION:
             notes[name] = (
                 f"not measured: {device_name(str(device))} has no fp8 kernels, and torchao's emulation runs "

@@ -328,8 +328,9 @@ class SearchConfig:
         object.__setattr__(self, "target", check_target(self.objective, self.target))
         if not self.objective.timed and self.max_memory is not None:
             raise ValueError(
-                f"max_memory needs each trial's peak memory, which objective {self.objective.name} does "
-                "not measure (its trials are not run on this machine's clock)"
+                f"max_memory (--max-memory) needs each trial's peak memory, which objective {self.objective.name} does "
+                "not measure (its trials are not run on this machine's clock): leave it out, or search with objective "
+                "speed or memory"
             )
         if self.max_memory is not None and (
             isinstance(self.max_memory, bool) or not isinstance(self.max_memory, int) or self.max_memory < 1

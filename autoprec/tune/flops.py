@@ -128,17 +128,19 @@ class Flops(Goal):
         # the study key records the target beside the label (SearchConfig.target): one study per target
         self.target, self.flops = target, dict(flops or {})
 
-    def bound(self, table: pd.DataFrame, config: SearchConfig) -> Flops:
+    def check_formats(self, formats: Collection[Format], config: SearchConfig) -> None:
         target = target_named(config.target)
-        offered = [parse_format(f) for f in dict.fromkeys(table.loc[table["status"] == "ok", "format"])]
-        missing = lacking(offered, target)
+        missing = lacking(formats, target)
         if missing:
             need = "; ".join(f"{f} needs {', '.join(p)}" for f, p in missing.items())
             raise ValueError(
                 f"target {target.name} ({target.device}) runs {', '.join(target.runs)}: {need}. Leave "
                 f"{', '.join(missing)} out of the search space, or plan for a target that runs them"
             )
-        return Flops(target, gemm_flops(table))
+
+    def bound(self, table: pd.DataFrame, config: SearchConfig) -> Flops:
+        self.check_formats([parse_format(f) for f in dict.fromkeys(table.loc[table["status"] == "ok", "format"])], config)
+        return Flops(target_named(config.target), gemm_flops(table))
 
     def _ready(self) -> tuple[Target, dict[str, float]]:
         if self.target is None:

@@ -34,6 +34,7 @@ from autoprec.tune.trials import best_speedup, smallest_peak
 if TYPE_CHECKING:
     import pandas as pd
 
+    from autoprec.formats import Format
     from autoprec.policy import Policy
     from autoprec.tune.config import SearchConfig
     from autoprec.tune.trainer import Candidate
@@ -83,6 +84,12 @@ class Goal(abc.ABC):
     timed: ClassVar[bool] = True
     # It plans for a named target device (--target, SearchConfig.target: targets.py), which it then requires.
     targeted: ClassVar[bool] = False
+
+    def check_formats(self, formats: Collection[Format], config: SearchConfig) -> None:
+        """Refuse, before any measurement, a search space whose `formats` the goal cannot plan with (ValueError
+        naming them and the fix); the default accepts any. The flops goal refuses formats its target does not run,
+        which it would otherwise find only once the profile is measured."""
+        return None
 
     def bound(self, table: pd.DataFrame, config: SearchConfig) -> Goal:
         """The goal for one search, given its profile's table and its config (the pipeline calls it once the profile is

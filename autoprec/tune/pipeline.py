@@ -131,6 +131,7 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     if memory.source(workload.device) is None and (config.objective.needs_peak or config.max_memory is not None):
         flag = f"--objective {config.objective.name}" if config.objective.needs_peak else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
+    config.objective.check_formats(list(dict.fromkeys(f for fs in (space.default, *space.layers.values()) for f in fs)), config)
     if not config.objective.timed and space.prune_slower_than < SPEED_UNJUDGED:
         # this machine's speed says nothing of the target's: a format slow here (emulated) is no less a candidate
         space = dataclasses.replace(space, prune_slower_than=SPEED_UNJUDGED)

@@ -24,6 +24,7 @@ from typing import Any
 
 import pandas as pd
 
+from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
@@ -156,6 +157,12 @@ def sweep(
     sweep_finalists.csv to out_dir (the CLI adds sweep.md and pareto.png from the result), and a profile only where
     none there serves (into SWEEP_PROFILE where out_dir holds one). `config.budget` bounds the study and must be at
     least the largest budget (the CLI sets it to that)."""
+    if config.objective.axis is None:  # the front, sweep.csv's columns and pareto.png are drawn on the goal's axis
+        raise UserError(
+            f"autoprec sweep does not take --objective {config.objective.name}: a sweep draws every budget's choice on "
+            f"its goal's axis, and {config.objective.name} has none yet; run `autoprec search --objective "
+            f"{config.objective.name} --budget B` for each budget instead"
+        )
     done = run(workload, space, config, out_dir, sweep_plan(parse_budgets(budgets), given))
     started = done.started
     table = [_row(c, done.finals) for c in done.chosen]
