@@ -15,7 +15,7 @@ from torch import nn
 
 from autoprec import Policy, apply_policy, load_policy
 from autoprec.apply import apply_on_chosen_device
-from autoprec.formats import FP8_FORMATS, RISKY, Format, format_problem, parse_format
+from autoprec.formats import Format, format_problem, fp8_formats, parse_format, risky_formats
 from autoprec.formats.blockscaled import GEMM_FORMATS, MX, NV, BlockScaledFamily, seed_of
 from autoprec.formats.mx import MXFP8, NVFP4, blockscaled_linear
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
@@ -45,7 +45,7 @@ def test_every_format_is_registered_with_its_family_and_its_gemms():
         assert (gemms.fprop, gemms.dgrad, gemms.wgrad) == (fprop, dgrad, wgrad)
         spec = fmt.spec
         assert spec.risky and spec.linear_only and spec.fallback is Format.BF16 and not spec.loss_scale
-        assert fmt in RISKY and fmt not in FP8_FORMATS  # not torchao's float8: the fp8 reports do not read it
+        assert fmt in risky_formats() and fmt not in fp8_formats()  # not torchao's float8: the fp8 reports do not read it
         expected = tuple({MX: "mxfp8", NV: "nvfp4", None: "fp32"}[s] for s in (fprop, dgrad, wgrad))
         assert fmt.family.gemm_precisions(fmt) == expected
     assert Format.MXFP8 is Format("mxfp8")
