@@ -78,6 +78,17 @@ class BlockGemms:
     def high_precision(self) -> tuple[str, ...]:
         return tuple(g for g, s in self.settings().items() if s is None)
 
+    @property
+    def elements(self) -> tuple[str, ...]:
+        """The element formats its block-scaled GEMMs run in ('mxfp8', 'nvfp4'), each once, fprop's first."""
+        return tuple(dict.fromkeys(e for e in map(element_name, self.settings().values()) if e is not None))
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether a GEMM rounds stochastically (NVFP4's gradients, in dgrad and wgrad): only then does the layer
+        draw random bits, and need a generator (one made where none is needed breaks torch.compile's graph)."""
+        return any(isinstance(s, NVFP4) and s.stochastic_gradients for s in (self.dgrad, self.wgrad))
+
     def rows_to_pad(self, rows: int) -> int:
         """Zero rows to add to a call of `rows` rows (tokens) so that the wgrad GEMM, which contracts over the rows,
         blocks them (32 for MXFP8, 16 for NVFP4 and its Hadamard transform). A zero row raises no block's amax nor the
@@ -247,6 +258,15 @@ class BlockScaledFamily(FormatFamily):
         all_gather: frozenset[Format] = frozenset(),
         device_hint: bool = True,
     ) -> Converted:
+        if device_hint:  # the tuner's path (apply_on_chosen_device) knows, and records it as the profile's time
+            # warned before anything changes: under warnings-as-errors apply_policy raises with the model as it was
+            used = dict.fromkeys(f.value for f in listed.values())
+            elements = dict.fromkeys(e for f in listed.values() for e in _gemms(f).elements)
+            warnings.warn(
+                f"apply_policy: its {', '.join(used)} layers run emulated (no {'/'.join(elements)} kernel on this "
+                "device): numerics as the reference kernels, speed not representative",
+                stacklevel=5,  # the user's apply_policy call: apply_policy, _apply, _convert, convert
+            )
         seeded = []
         for name in listed:
             module = paths[name]
@@ -254,13 +274,6 @@ class BlockScaledFamily(FormatFamily):
                 module.__dict__[_SEED_ATTR] = seed_of(names[id(module)][0])
                 module.__dict__.pop(_RNG_ATTR, None)
                 seeded.append(module)
-        if device_hint:  # the tuner's path (apply_on_chosen_device) knows, and records it as the profile's time
-            used = ", ".join(dict.fromkeys(f.value for f in listed.values()))
-            warnings.warn(
-                f"apply_policy: its {used} layers run emulated (no mxfp8/nvfp4 kernel on this device): numerics as the "
-                "reference kernels, speed not representative",
-                stacklevel=5,  # the user's apply_policy call: apply_policy, _apply, _convert, convert
-            )
         log.info("apply_policy: block-scaled layers %s run emulated", sorted(listed))
 
         def undo() -> None:
@@ -280,12 +293,13 @@ class BlockScaledFamily(FormatFamily):
         assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))  # a Linear's
         with torch.autocast(device_type, enabled=False):
             # the operands as autocast gives them to a Linear (fp32 outside it), so high precision is the control's
+            gemms = _gemms(fmt)
             out = _linear(
-                _gemms(fmt),
+                gemms,
                 x.to(dtype),
                 weight.to(dtype),
                 None if bias is None else bias.to(dtype),
-                generator_for(module, x.device),
+                generator_for(module, x.device) if gemms.stochastic else None,
             )
         return caller_precision(out, outer_autocast)
 
