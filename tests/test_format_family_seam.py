@@ -210,3 +210,20 @@ def test_the_profile_runs_an_autocast_format_registered_after_the_tuner_was_impo
     bf16 = profile(workload, space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}}),
                    ProfileConfig(batches=1, timing=TINY), progress=False).table  # fmt: skip
     assert list(rows["sqnr_db"]) == list(bf16[bf16["format"] == "bf16"].set_index("layer").loc[rows.index, "sqnr_db"])
+
+
+def test_a_stale_format_object_is_resolved_by_its_name_or_refused():
+    stale = register_format("toy-stale", family="autocast", inside="again", autocast=torch.bfloat16)
+    unregister_format("toy-stale")
+    for make in (Format, parse_format, lambda f: Policy(layers={"0": f})):
+        with pytest.raises(ValueError, match=r"(?s)(?=.*toy-stale).*fp32, bf16, fp16, fp8"):  # names the registered ones
+            make(stale)
+    with pytest.raises(ValueError, match="no longer registered"):
+        stale.spec
+    fresh = register_format("toy-stale", family="autocast", inside="again", autocast=torch.bfloat16)
+    try:
+        assert Format(stale) is fresh and parse_format(stale) is fresh and Policy(layers={"0": stale}).layers["0"] is fresh
+        model = apply_policy(torch.nn.Sequential(torch.nn.Linear(4, 4)), Policy(layers={"0": stale}))
+        assert applied_summary(model).layers["0"].format is fresh
+    finally:
+        unregister_format("toy-stale")

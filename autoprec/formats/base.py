@@ -60,11 +60,11 @@ class Format(str, metaclass=_FormatType):
     MXFP8: ClassVar[Format]
 
     def __new__(cls, value: object) -> Format:
-        if isinstance(value, Format):
-            return value
-        spec = REGISTRY.get(value) if isinstance(value, str) else None
+        # by name, also for a Format: one unregistered since (or replaced by a re-registration) is not taken as is
+        name = str.__str__(value) if isinstance(value, str) else None
+        spec = REGISTRY.get(name) if name is not None else None
         if spec is None:
-            raise ValueError(f"{value!r} is not a registered Format")
+            raise ValueError(f"{name or value!r} is not a registered format; the registered ones: {', '.join(format_names())}")
         return spec.format
 
     @classmethod
@@ -92,7 +92,10 @@ class Format(str, metaclass=_FormatType):
 
     @property
     def spec(self) -> FormatSpec:
-        return REGISTRY[self]
+        spec = REGISTRY.get(self)
+        if spec is None or spec.format is not self:  # unregistered since, or replaced by a re-registration
+            raise ValueError(f"format {self.value!r} is no longer registered as this object; use Format({self.value!r})")
+        return spec
 
     @property
     def family(self) -> FormatFamily:
@@ -314,10 +317,9 @@ def format_names() -> tuple[str, ...]:
 
 
 def parse_format(value: object, *, field: str = "format") -> Format:
-    """Return the Format for a string such as "bf16"; raise ValueError naming the choices."""
-    if isinstance(value, Format):
-        return value
+    """Return the registered Format for a string such as "bf16" (a Format too: the one registered by its name now);
+    raise ValueError naming the choices."""
     try:
-        return Format(str(value).strip().lower())
+        return Format((str.__str__(value) if isinstance(value, str) else str(value)).strip().lower())
     except ValueError:
         raise ValueError(f"{field} must be one of {', '.join(format_names())}, but got {value!r}") from None
