@@ -175,6 +175,10 @@ class FormatFamily(abc.ABC):
     fp8: ClassVar[bool] = False  # its values are 8-bit floats with scales (the fp8 reports: backend, gradient casts)
     # the SQNR (dB) against fp32 below which a GEMM result in one of its formats counts as broken (report.breaks)
     sqnr_floor_db: ClassVar[float] = 30.0
+    # a GEMM measured below `sqnr_floor` rules the format out for that layer (the profile's ruled_out): its scaled
+    # casts flushed or saturated, which a safer format (a per-GEMM mix keeping that GEMM in high precision) avoids.
+    # False for autocast's: fp16's gradients are measured at loss scale 1, whose flushing a GradScaler lifts
+    gemm_floor_rules_out: ClassVar[bool] = False
 
     def device_problem(self, fmt: Format, device: torch.device) -> str | None:
         """Why `fmt` cannot run on `device` at all, or None (the default: it runs wherever torch does)."""

@@ -212,7 +212,7 @@ def generator_for(module: torch.nn.Module, device: torch.device) -> torch.Genera
 @register_family
 class BlockScaledFamily(FormatFamily):
     name = "blockscaled"
-    sqnr_floor_db = min(SQNR_FLOOR_DB.values())
+    gemm_floor_rules_out = True
 
     def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
         return shape_problem(fmt, module)

@@ -311,6 +311,7 @@ class Float8Family(FormatFamily):
     replaces_modules = True
     fp8 = True
     sqnr_floor_db = SQNR_FLOOR_DB
+    gemm_floor_rules_out = True
 
     def device_problem(self, fmt: Format, device: torch.device) -> str | None:
         spec = fmt.spec
