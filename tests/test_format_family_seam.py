@@ -219,7 +219,7 @@ def test_a_stale_format_object_is_resolved_by_its_name_or_refused():
         with pytest.raises(ValueError, match=r"(?s)(?=.*toy-stale).*fp32, bf16, fp16, fp8"):  # names the registered ones
             make(stale)
     with pytest.raises(ValueError, match="no longer registered"):
-        stale.spec
+        _ = stale.spec
     fresh = register_format("toy-stale", family="autocast", inside="again", autocast=torch.bfloat16)
     try:
         assert Format(stale) is fresh and parse_format(stale) is fresh and Policy(layers={"0": stale}).layers["0"] is fresh
