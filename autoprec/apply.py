@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import pickle
 import types
 import warnings
@@ -24,12 +23,9 @@ from autoprec.errors import describe
 from autoprec.formats import Converted, Format, Fp8Backend, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
 
-log = logging.getLogger("autoprec")
-
 _FORMAT_ATTR = "_autoprec_format"
 _NO_PICKLE_ATTR = "_autoprec_no_pickle"
 _SUMMARY_ATTR = "_autoprec_applied"
-_LOW = (torch.float16, torch.bfloat16)
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)  # apply_policy returns the model it was given, of its own type
 
 # Modules that use a child's parameters directly instead of calling the child, so a format set on the

@@ -12,7 +12,10 @@ import torch
 from autoprec import devices
 from autoprec.formats.autocast import FP16_MAX, AutocastFamily
 from autoprec.formats.base import (
+    E4M3_MAX,
     GEMM_PRECISIONS,
+    GEMMS,
+    NO_KERNEL,
     REGISTRY,
     Converted,
     Format,
@@ -30,7 +33,6 @@ from autoprec.formats.base import (
 )
 from autoprec.formats.blockscaled import BlockGemms, BlockScaledFamily
 from autoprec.formats.float8 import (
-    E4M3_MAX,
     FP8_DIM_MULTIPLE,
     Float8Family,
     Fp8Backend,
@@ -94,7 +96,9 @@ __all__ = [
     "E4M3_MAX",
     "FP16_MAX",
     "FP8_DIM_MULTIPLE",
+    "GEMMS",
     "GEMM_PRECISIONS",
+    "NO_KERNEL",
     "REGISTRY",
     "AutocastFamily",
     "BlockGemms",

@@ -24,6 +24,12 @@ from autoprec.tensors import map_tensors
 _LOW = (torch.float16, torch.bfloat16)
 # The element formats a GEMM can run in (FormatFamily.gemm_precisions): what a target's throughput table is keyed by.
 GEMM_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
+# An nn.Linear's three GEMMs: fprop (the output), dgrad (the input's gradient), wgrad (the weight's gradient).
+GEMMS = ("fprop", "dgrad", "wgrad")
+# The largest finite e4m3 value (448): fp8's forward values, MXFP8's elements, NVFP4's block scales.
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+# What the profile records as the time of a format that only runs emulated on a device (FormatFamily.has_kernels).
+NO_KERNEL = "no kernel on this device"
 
 
 def _package() -> Any:
@@ -140,9 +146,7 @@ class FormatSpec:
     tensorwise_grad_dtype: torch.dtype | None = None
     # torchao can all-gather its weights in fp8 under FSDP2 (enable_fsdp_float8_all_gather: tensorwise scales only)
     fsdp_fp8_all_gather: bool = False
-    min_capability: tuple[int, int] | None = None  # CUDA compute capability its kernels need
-    emulation_works: bool = True  # False: no working emulation, so a device without its kernels refuses it
-    why_no_emulation: str = ""
+    min_capability: tuple[int, int] | None = None  # CUDA compute capability its kernels need (has_fp8_kernels)
 
     @property
     def is_fp8(self) -> bool:

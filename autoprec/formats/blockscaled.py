@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import autoprec.formats.autocast  # noqa: F401  bf16, the fallback
 import autoprec.formats.float8  # noqa: F401  registered first: the fp8 formats precede these in Format's order
 from autoprec.formats.base import (
+    GEMMS,
     Converted,
     Format,
     FormatFamily,
@@ -41,8 +42,6 @@ from autoprec.formats.mx import MXFP8, NVFP4, GemmFormat, blockscaled_linear
 
 log = logging.getLogger("autoprec")
 
-GEMMS = ("fprop", "dgrad", "wgrad")
-NO_KERNEL = "no kernel on this device"  # what the profile records as a blockscaled format's time (profile_data)
 
 # The SQNR (dB) against fp32 below which a GEMM in each element format counts as broken, from docs/block-scaled.md's
 # measured table (nn.Linear(512, 256), N(0, 1) inputs): MXFP8 E4M3 measures 28.4-28.6 dB on every GEMM, its 3-bit
@@ -312,7 +311,8 @@ def _register(name: str, inside: str, gemms: BlockGemms) -> Format:
         fallback=Format.BF16,
         risky=True,
         linear_only=True,
-        min_capability=(10, 0),  # torchao's kernels (not run by autoprec: it emulates on every device)
+        # no min_capability: torchao's MX/NVFP4 kernels need compute capability 10.0, but autoprec runs the emulation
+        # on every device (has_kernels is False everywhere), so no device check would read it
     )
     GEMM_FORMATS[name] = gemms
     return fmt

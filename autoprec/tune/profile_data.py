@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from autoprec.files import check_version, write_atomically
-from autoprec.formats import FP16_MAX, Format
+from autoprec.formats import FP16_MAX, NO_KERNEL, Format
 from autoprec.tune.gradients import ScaleAdvice, advise
 
 COLUMNS = [
@@ -70,7 +70,6 @@ COLUMNS = [
 # prune.slower_than at or above which a search does not judge speed at all (a goal whose trials are not timed: an
 # estimate for another device), so a format with no kernel here stays a candidate there
 SPEED_UNJUDGED = 1e9
-NO_KERNEL = "no kernel on this device"  # timed_as of a format not timed here: its emulation's time is no speed
 
 SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqnr_db"}  # each GEMM's column
 
