@@ -368,7 +368,9 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
         ValueError: The policy names a layer the model lacks; gives one module object (used under two names) two
             formats; sets a format on a module its parent never calls (MultiheadAttention's out_proj); gives a
             layer a format it cannot run here (an fp8 recipe on a non-Linear, on shapes or a device without its
-            kernels; the message names the safer format); finds non-fp32 weights in a listed layer or the root;
+            kernels; a block-scaled format (mxfp8, nvfp4, ...) on a module other than a plain nn.Linear, on a
+            Linear whose features do not divide by its blocks, or on the model itself; the message names the safer
+            format); finds non-fp32 weights in a listed layer or the root;
             or the model is compiled already, has a policy applied already, or a listed layer has a per-instance
             forward.
         TypeError: `policy` is a dict (use Policy.from_dict).
@@ -377,7 +379,10 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
 
     Warns:
         UserWarning: A listed layer is also used under names the policy does not list (it runs in its format
-            there too), or the policy was measured on a model whose structure differs from this one.
+            there too), or the policy was measured on a model whose structure differs from this one; or it lists
+            block-scaled layers, which run emulated (no MXFP8/NVFP4 kernel: numerics as the reference kernels,
+            speed not representative). Each is warned before the model changes, so under warnings-as-errors the
+            model stays as it was.
 
     Example:
         >>> import torch

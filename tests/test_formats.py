@@ -31,6 +31,11 @@ def test_every_format_has_exactly_one_registry_entry_keyed_by_itself():
     )  # fmt: skip
 
 
+def test_every_built_in_format_is_a_class_attribute_named_after_it():
+    for fmt in Format:
+        assert getattr(Format, fmt.value.upper().replace("-", "_")) is fmt
+
+
 def test_fallbacks_end_at_fp32_without_cycles():
     for fmt in Format:
         seen, current = [], fmt

@@ -50,7 +50,8 @@ class _FormatType(type):
 class Format(str, metaclass=_FormatType):
     """A registered per-layer precision format: a string equal to its name ("bf16"), which is what policy files,
     journals and Optuna params hold. `Format("bf16")` is the registered one (the same object each time) and raises
-    ValueError for a name not registered. The built-in ones are class attributes (Format.BF16). What each one means
+    ValueError for a name not registered. Each built-in one is a class attribute, its name upper-cased with "_" for
+    "-" (Format.BF16, Format.FP8_FWD_DGRAD, Format.NVFP4); a registered one also by name. What each one means
     is its `FormatSpec` (`fmt.spec`); how it runs is its family's (`fmt.family`)."""
 
     FP32: ClassVar[Format]
@@ -64,6 +65,12 @@ class Format(str, metaclass=_FormatType):
     FP8_ROWWISE_FWD: ClassVar[Format]
     FP8_ROWWISE_FWD_DGRAD: ClassVar[Format]
     MXFP8: ClassVar[Format]
+    MXFP8_FWD: ClassVar[Format]
+    MXFP8_FWD_DGRAD: ClassVar[Format]
+    NVFP4: ClassVar[Format]
+    NVFP4_FWD: ClassVar[Format]
+    NVFP4_FWD_DGRAD: ClassVar[Format]
+    MXFP8_FWD_NVFP4_DGRAD: ClassVar[Format]
 
     def __new__(cls, value: object) -> Format:
         # by name, also for a Format: one unregistered since (or replaced by a re-registration) is not taken as is
@@ -120,9 +127,11 @@ class Format(str, metaclass=_FormatType):
 class FormatSpec:
     """Everything autoprec knows about one format; `register_format` makes one.
 
-    `family`: the registered FormatFamily's name that runs it ("autocast", "float8").
+    `family`: the registered FormatFamily's name that runs it ("autocast", "float8", "blockscaled", or one
+    registered from outside autoprec).
     `autocast`: the dtype the layer's forward runs under torch.autocast (bf16, fp16), or None.
-    `fp8`: the GEMMs torchao's float8 training runs in fp8 and their scaling (a recipe, or a per-GEMM mix).
+    `fp8`: the GEMMs torchao's float8 training runs in fp8 and their scaling (a recipe, or a per-GEMM mix); the
+    blockscaled family keeps its formats' GEMMs in its own table (blockscaled.GEMM_FORMATS), not here.
     `loss_scale`: whether it needs a GradScaler (gradients that underflow without one).
     `max_value`: the largest finite value its forward's low-precision values can hold (None: fp32/bf16 range).
     `fallback`: the next safer format, when a layout or a variant must lower a layer less.
@@ -199,7 +208,9 @@ class FormatFamily(abc.ABC):
     def has_kernels(self, fmt: Format, device: torch.device) -> bool:
         """Whether `fmt`'s time on `device` says anything about its speed (True, the default: what runs there is
         what trains there). False where it runs an emulation only: the profile records its time as "no kernel on
-        this device" instead of measuring it, and a search rules it out (its trials would time the emulation)."""
+        this device" instead of measuring it, and a search that times its trials on this device rules it out (they
+        would time the emulation); one whose goal does not time them (`--objective flops`, planning for another
+        device: profile_data.SPEED_UNJUDGED) keeps it."""
         return True
 
     def sqnr_floor(self, fmt: Format) -> float:

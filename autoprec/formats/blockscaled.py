@@ -6,7 +6,8 @@ precision. The layer runs `blockscaled_linear` (mx.py), the faithful emulation o
 device: autoprec runs no MX/NVFP4 kernel (torchao's need CUDA compute capability 10.0, `is_sm_at_least_100` in
 torchao/utils.py, and are prototypes it has not been run with). So `apply_policy` warns that the layer runs emulated,
 the profile measures its numerics but records its time as "no kernel on this device" (`has_kernels`), and a search
-does not offer it for speed.
+that times its trials here does not offer it (one planning for another device, `--objective flops`, does:
+profile_data.SPEED_UNJUDGED).
 
 Operands and high precision: outside autocast the layer computes from fp32 (inputs arriving in bf16/fp16 are cast, as
 an fp32 layer's are); under an outer autocast from its dtype (the input, weight and bias cast as autocast casts them
@@ -189,8 +190,11 @@ def _linear(
 
 
 def seed_of(layer: str) -> int:
-    """The seed of a layer's stochastic rounding: CRC-32 of the name the policy gives it (stable across runs and
-    processes, unlike hash()), so a layer draws the same random bits in every run and two layers different ones."""
+    """The seed of a layer's stochastic rounding: CRC-32 of its name in the model (apply_policy passes the module's
+    first name in named_modules() order, not the alias a policy lists it by, so it is the same whichever alias is
+    listed); stable across runs and processes, unlike hash(), so a layer draws the same random bits in every run and
+    two layers different ones. The generator is not in the state_dict: a run resumed from a checkpoint replays the
+    draws from step 0 (docs/block-scaled.md)."""
     return zlib.crc32(layer.encode("utf-8"))
 
 
@@ -230,8 +234,9 @@ class BlockScaledFamily(FormatFamily):
         return min(SQNR_FLOOR_DB[e] for e in map(element_name, _gemms(fmt).settings().values()) if e is not None)
 
     def export_name(self, fmt: Format) -> str | None:
-        # The export targets (torchao, torchtitan, Megatron) write torchao float8 recipes for every name given here,
-        # and none writes MX or NVFP4: their names elsewhere are recipe_name's, not an export's.
+        # export_name is a torchao float8 recipe name (the float8 targets write one for every name given here): these
+        # formats have none. The exports that write MX and NVFP4 (torchtitan, megatron-precision, transformer-engine:
+        # autoprec/tune/export/) ask recipe_name and the GEMM table instead.
         return None
 
     def recipe_name(self, fmt: Format) -> str | None:
@@ -325,25 +330,25 @@ Format.MXFP8 = _register(
     "in fprop, dgrad and wgrad (torchao's mxfp8_rceil)",
     BlockGemms(MX, MX, MX),
 )
-_register("mxfp8-fwd", f"MXFP8 (emulated) forward only: fprop as mxfp8; dgrad and wgrad {_HP}", BlockGemms(MX))
-_register(
+Format.MXFP8_FWD = _register("mxfp8-fwd", f"MXFP8 (emulated) forward only: fprop as mxfp8; dgrad and wgrad {_HP}", BlockGemms(MX))
+Format.MXFP8_FWD_DGRAD = _register(
     "mxfp8-fwd-dgrad",
     f"MXFP8 (emulated) forward and input gradient: fprop and dgrad as mxfp8; wgrad {_HP} (torchao's mxfp8_rceil_wgrad_with_hp)",
     BlockGemms(MX, MX),
 )
-_register(
+Format.NVFP4 = _register(
     "nvfp4",
     "NVFP4 (emulated), NVIDIA's recipe: e2m1, an e4m3 scale per 16 elements and a per-tensor fp32 scale; weights in "
     "16x16 tiles, gradients rounded stochastically, a 16x16 random Hadamard transform on wgrad's operands",
     BlockGemms(NV, NV, NV),
 )
-_register("nvfp4-fwd", f"NVFP4 (emulated) forward only: fprop as nvfp4; dgrad and wgrad {_HP}", BlockGemms(NV))
-_register(
+Format.NVFP4_FWD = _register("nvfp4-fwd", f"NVFP4 (emulated) forward only: fprop as nvfp4; dgrad and wgrad {_HP}", BlockGemms(NV))
+Format.NVFP4_FWD_DGRAD = _register(
     "nvfp4-fwd-dgrad",
     f"NVFP4 (emulated) forward and input gradient: fprop and dgrad as nvfp4; wgrad {_HP}",
     BlockGemms(NV, NV),
 )
-_register(
+Format.MXFP8_FWD_NVFP4_DGRAD = _register(
     "mxfp8-fwd-nvfp4-dgrad",
     f"mixed (emulated), as Transformer Engine's heterogeneous recipe: fprop as mxfp8, dgrad as nvfp4, wgrad {_HP}",
     BlockGemms(MX, NV),
