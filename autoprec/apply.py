@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import pickle
 import types
 import warnings
@@ -24,12 +23,9 @@ from autoprec.errors import describe
 from autoprec.formats import Converted, Format, Fp8Backend, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
 
-log = logging.getLogger("autoprec")
-
 _FORMAT_ATTR = "_autoprec_format"
 _NO_PICKLE_ATTR = "_autoprec_no_pickle"
 _SUMMARY_ATTR = "_autoprec_applied"
-_LOW = (torch.float16, torch.bfloat16)
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)  # apply_policy returns the model it was given, of its own type
 
 # Modules that use a child's parameters directly instead of calling the child, so a format set on the
@@ -372,7 +368,9 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
         ValueError: The policy names a layer the model lacks; gives one module object (used under two names) two
             formats; sets a format on a module its parent never calls (MultiheadAttention's out_proj); gives a
             layer a format it cannot run here (an fp8 recipe on a non-Linear, on shapes or a device without its
-            kernels; the message names the safer format); finds non-fp32 weights in a listed layer or the root;
+            kernels; a block-scaled format (mxfp8, nvfp4, ...) on a module other than a plain nn.Linear, on a
+            Linear whose features do not divide by its blocks, or on the model itself; the message names the safer
+            format); finds non-fp32 weights in a listed layer or the root;
             or the model is compiled already, has a policy applied already, or a listed layer has a per-instance
             forward.
         TypeError: `policy` is a dict (use Policy.from_dict).
@@ -381,7 +379,10 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
 
     Warns:
         UserWarning: A listed layer is also used under names the policy does not list (it runs in its format
-            there too), or the policy was measured on a model whose structure differs from this one.
+            there too), or the policy was measured on a model whose structure differs from this one; or it lists
+            block-scaled layers, which run emulated (no MXFP8/NVFP4 kernel: numerics as the reference kernels,
+            speed not representative). Each is warned before the model changes, so under warnings-as-errors the
+            model stays as it was.
 
     Example:
         >>> import torch

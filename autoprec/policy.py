@@ -15,7 +15,7 @@ import torch
 
 from autoprec.errors import UserError, shown
 from autoprec.files import read_json, write_text
-from autoprec.formats import FORMATS, Format, parse_format
+from autoprec.formats import Format, format_names, parse_format
 
 POLICY_VERSION = 1
 ROOT = ""  # the model itself: its format covers every op not inside a listed layer
@@ -194,7 +194,7 @@ class Policy:
             raise ValueError(f"version must be {POLICY_VERSION}, but got {version!r}")
         layers = data["layers"]
         if not isinstance(layers, Mapping):
-            raise ValueError(f"layers must map module names to one of {', '.join(FORMATS)}, got {type(layers).__name__}")
+            raise ValueError(f"layers must map module names to one of {', '.join(format_names())}, got {type(layers).__name__}")
         return cls(
             layers=layers,
             loss_scale=LossScale.from_dict(data["loss_scale"]),

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
 
 from autoprec import Policy, apply_policy  # noqa: E402
-from autoprec.formats import FP8_FORMATS  # noqa: E402
+from autoprec.formats import fp8_formats  # noqa: E402
 from autoprec.tune.config import TimingConfig
 from autoprec.tune.timing import interleaved_times  # noqa: E402
 from autoprec.tune.trainer import compile_scope  # noqa: E402
@@ -74,8 +74,8 @@ def main() -> None:
     shapes = args.shapes or (FULL_SHAPES if args.full or device.type == "cuda" else CPU_SHAPES)
     print_header("fp8_linear: one Linear(n, n) on an (n x n) input, forward + backward, per format", device)
     print(f"shapes: {', '.join(map(str, shapes))}; torch.compile: {'on' if args.compile else 'off'}")
-    fp8 = [f.value for f in FP8_FORMATS if f.spec.device_problem(device) is None]
-    for f in FP8_FORMATS:
+    fp8 = [f.value for f in fp8_formats() if f.spec.device_problem(device) is None]
+    for f in fp8_formats():
         if f.value not in fp8:
             print(f"{f.value}: not run here: {f.spec.device_problem(device)}")
     formats = ("fp32", "bf16", *fp8)

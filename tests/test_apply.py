@@ -11,7 +11,7 @@ from torch import nn
 
 from autoprec import Policy, apply_policy, grad_scaler
 from autoprec.apply import WeightsChangedError, applied_policy, applied_summary, apply_on_chosen_device
-from autoprec.formats import FP8_FORMATS, Format, Fp8Backend, float8_linear_config, fp8_backend, has_fp8_kernels
+from autoprec.formats import Format, Fp8Backend, float8_linear_config, fp8_backend, fp8_formats, has_fp8_kernels
 from autoprec.policy import LossScale
 from autoprec.tune.metric import sqnr_db
 
@@ -358,7 +358,7 @@ requires_fp8_kernels = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("fmt", [f.value for f in FP8_FORMATS])
+@pytest.mark.parametrize("fmt", [f.value for f in fp8_formats()])
 def test_each_fp8_recipe_keeps_torchao_sqnr_thresholds_or_says_why_it_cannot_run_here(fmt):
     """On a 256x512 Linear: output SQNR >= 20 dB and weight-gradient SQNR >= 17 dB against fp32 where this
     device runs the recipe (kernels or torchao's emulation); elsewhere one clear refusal, model untouched."""

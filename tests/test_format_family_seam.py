@@ -3,8 +3,10 @@ autoprec/, and used by apply_policy, the profile and a search as the built-in on
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import timings as timings_module
 import torch
@@ -26,6 +28,9 @@ from autoprec.formats import (
     unregister_format,
 )
 from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, profile
+from autoprec.tune import profiler as profiler_module
+from autoprec.tune.choices import build_choices, format_params, params_for, policy_from_params
+from autoprec.tune.profile_data import COLUMNS, Profile
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
 
@@ -135,3 +140,90 @@ def test_a_search_can_choose_it(toy, timings, tmp_path, monkeypatch):
     policy = load_policy(tmp_path / "policy.json")
     assert set(policy.layers.values()) == {Format.FP32, toy} and policy.layers["big"] is toy, policy.layers
     assert result.policy == policy
+
+
+# ---- registered after autoprec.tune was imported (this file imports it first): nothing there holds a snapshot
+
+
+def profile_with(fmt: str, layers: int) -> Profile:
+    """`layers` repeated blocks' fc (16x16), each measured in fp32, bf16 and `fmt`; `fmt` the fastest (0.3 ms) and
+    the deeper layers the more sensitive to it."""
+    records = []
+    for i in range(layers):
+        for name, drop, sqnr, ms in (("fp32", 0.0, math.inf, 1.0), ("bf16", 0.0, 45.0, 0.6), (fmt, 0.001 * i, 30.0 - i, 0.3)):
+            records.append({
+                "layer": f"blocks.{i}.fc", "type": "Linear", "shape": "16x16", "format": name, "status": "ok",
+                "reason": "", "sqnr_db": sqnr, "grad_sqnr_db": sqnr, "metric": 1 - drop, "metric_drop": drop,
+                "finite": True, "overflow": False, "max_abs": 1.0, "time_ms": ms, "time_spread": 0.01,
+                "time_vs_fp32": ms,
+            })  # fmt: skip
+    return Profile(pd.DataFrame(records, columns=COLUMNS), fp32_metric=1.0, metric_name="m", device="cpu", fingerprint="x")
+
+
+def test_the_grouped_layout_offers_a_format_registered_after_the_tuner_was_imported(toy):
+    prof = profile_with(TOY, 4)
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16", TOY]}, "layout": "grouped"})
+    choices = build_choices(prof, space, 1.0, torch.device("cpu"))
+    assert choices.layout == "grouped" and choices.groups == {"blocks.*.fc": tuple(f"blocks.{i}.fc" for i in range(4))}
+    assert format_params(choices)["group:blocks.*.fc"] == ("fp32", "bf16", TOY)  # the group's options
+    params = params_for("fp32", dict.fromkeys(choices.groups["blocks.*.fc"], TOY), choices)
+    assert params["group:blocks.*.fc"] == TOY
+    policy = policy_from_params(params, choices)
+    assert all(policy.layers[f"blocks.{i}.fc"] is toy for i in range(4)), policy.layers
+
+
+def test_the_ranked_layout_ranks_a_format_registered_after_the_tuner_was_imported(toy):
+    prof = profile_with(TOY, 4)
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16", TOY]}, "layout": "ranked"})
+    choices = build_choices(prof, space, 1.0, torch.device("cpu"))
+    assert choices.ranking[TOY] == tuple(f"blocks.{i}.fc" for i in range(4))  # least sensitive first
+    assert all(p == (TOY, "bf16") for p in choices.preference.values())  # it profiled fastest
+    policy = policy_from_params({f"lowered:{TOY}": 2, "lowered:bf16": 4}, choices)
+    assert [policy.layers[f"blocks.{i}.fc"].value for i in range(4)] == [TOY, TOY, "bf16", "bf16"]
+
+
+@pytest.fixture
+def toy_autocast():
+    """An autocast-family format (bf16 under another name), registered for one test."""
+    fmt = register_format("toy-bf16", family="autocast", inside="torch.autocast(bfloat16), again",
+                          autocast=torch.bfloat16, fallback=Format.FP32)  # fmt: skip
+    yield fmt
+    unregister_format("toy-bf16")
+
+
+def test_the_profile_runs_an_autocast_format_registered_after_the_tuner_was_imported(toy_autocast, monkeypatch):
+    asked = []
+    check = profiler_module._autocast_problem
+
+    def spy(module, inputs, fmt, device):
+        asked.append(fmt.value)
+        return check(module, inputs, fmt, device)
+
+    monkeypatch.setattr(profiler_module, "_autocast_problem", spy)
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "toy-bf16"]}, "prune": {"slower_than": 1e9}})
+    table = profile(workload, space, ProfileConfig(batches=1, timing=TINY), progress=False).table
+    rows = table[table["format"] == "toy-bf16"].set_index("layer")
+    assert set(rows.index) == {"fc1", "big", "head"} and (rows["status"] == "ok").all()
+    assert asked.count("toy-bf16") == 3  # autocast's own check of each layer: it lowers to the format's dtype
+    # as bf16 does: the same dtype, so the same numerics
+    bf16 = profile(workload, space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}}),
+                   ProfileConfig(batches=1, timing=TINY), progress=False).table  # fmt: skip
+    assert list(rows["sqnr_db"]) == list(bf16[bf16["format"] == "bf16"].set_index("layer").loc[rows.index, "sqnr_db"])
+
+
+def test_a_stale_format_object_is_resolved_by_its_name_or_refused():
+    stale = register_format("toy-stale", family="autocast", inside="again", autocast=torch.bfloat16)
+    unregister_format("toy-stale")
+    for make in (Format, parse_format, lambda f: Policy(layers={"0": f})):
+        with pytest.raises(ValueError, match=r"(?s)(?=.*toy-stale).*fp32, bf16, fp16, fp8"):  # names the registered ones
+            make(stale)
+    with pytest.raises(ValueError, match="no longer registered"):
+        _ = stale.spec
+    fresh = register_format("toy-stale", family="autocast", inside="again", autocast=torch.bfloat16)
+    try:
+        assert Format(stale) is fresh and parse_format(stale) is fresh and Policy(layers={"0": stale}).layers["0"] is fresh
+        model = apply_policy(torch.nn.Sequential(torch.nn.Linear(4, 4)), Policy(layers={"0": stale}))
+        assert applied_summary(model).layers["0"].format is fresh
+    finally:
+        unregister_format("toy-stale")

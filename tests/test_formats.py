@@ -6,17 +6,17 @@ from builders import LoRALinear, TaggedLinear
 from torch import nn
 
 from autoprec.formats import (
-    FORMATS,
-    FP8_FORMATS,
     REGISTRY,
-    RISKY,
     Format,
     Fp8Gemms,
     float8_linear_config,
+    format_names,
     format_problem,
+    fp8_formats,
     fp8_shape_problem,
     has_fp8_kernels,
     parse_format,
+    risky_formats,
 )
 from autoprec.tune.choices import fit
 
@@ -24,11 +24,16 @@ from autoprec.tune.choices import fit
 def test_every_format_has_exactly_one_registry_entry_keyed_by_itself():
     assert set(REGISTRY) == set(Format)
     assert all(spec.format is fmt for fmt, spec in REGISTRY.items())
-    assert FORMATS == (
+    assert format_names() == (
         "fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp",
         "fp8-fwd", "fp8-fwd-dgrad", "fp8-rowwise-fwd", "fp8-rowwise-fwd-dgrad",
         "mxfp8", "mxfp8-fwd", "mxfp8-fwd-dgrad", "nvfp4", "nvfp4-fwd", "nvfp4-fwd-dgrad", "mxfp8-fwd-nvfp4-dgrad",
     )  # fmt: skip
+
+
+def test_every_built_in_format_is_a_class_attribute_named_after_it():
+    for fmt in Format:
+        assert getattr(Format, fmt.value.upper().replace("-", "_")) is fmt
 
 
 def test_fallbacks_end_at_fp32_without_cycles():
@@ -53,9 +58,9 @@ def test_only_fp16_needs_a_loss_scale_and_the_low_formats_count_as_risky():
     assert [f for f in Format if f.spec.loss_scale] == [Format.FP16]
     blockscaled = {f for f in Format if f.family.name == "blockscaled"}
     assert Format.MXFP8 in blockscaled and len(blockscaled) == 7
-    assert set(RISKY) == {Format.FP16, *FP8_FORMATS, *blockscaled}
+    assert set(risky_formats()) == {Format.FP16, *fp8_formats(), *blockscaled}
     # mxfp8 is the blockscaled family's emulation, not torchao's float8
-    assert set(FP8_FORMATS) == {
+    assert set(fp8_formats()) == {
         Format.FP8, Format.FP8_ROWWISE, Format.FP8_ROWWISE_GW_HP,
         Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD,
     }  # fmt: skip
@@ -64,7 +69,7 @@ def test_only_fp16_needs_a_loss_scale_and_the_low_formats_count_as_risky():
 def test_fp8_recipes_name_torchao_recipes_that_exist_and_every_per_gemm_mix_is_a_config_torchao_accepts():
     from torchao.float8 import Float8LinearConfig, ScalingType
 
-    for fmt in FP8_FORMATS:
+    for fmt in fp8_formats():
         gemms = fmt.spec.fp8
         if gemms is None:
             continue
@@ -89,7 +94,7 @@ def test_each_per_gemm_mix_keeps_fp8s_safety_settings():
     for fmt in (Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD):
         spec = fmt.spec
         assert spec.risky and spec.linear_only and spec.fallback is Format.BF16 and not spec.loss_scale
-        assert spec.min_capability == (8, 9) and spec.emulation_works
+        assert spec.min_capability == (8, 9)
         tensorwise_grad = spec.fp8.scaling == "tensorwise" and spec.fp8.dgrad  # the gradient is cast per tensor
         assert (spec.tensorwise_grad_dtype is not None) == tensorwise_grad, fmt
         assert spec.fsdp_fp8_all_gather == (spec.fp8.scaling == "tensorwise" and spec.fp8.dgrad), fmt  # hp dgrad reads it
@@ -100,7 +105,7 @@ def test_each_per_gemm_mix_keeps_fp8s_safety_settings():
 def test_on_a_cpu_every_fp8_and_mx_format_runs_emulated(no_gpu_contract):
     # apply_policy casts their inputs, so torchao's emulation runs each fp8 recipe; mxfp8 and nvfp4 are emulated by
     # the blockscaled family everywhere (they were refused, "needs CUDA compute capability 10.0+", before it)
-    for fmt in (*FP8_FORMATS, *(f for f in Format if f.family.name == "blockscaled")):
+    for fmt in (*fp8_formats(), *(f for f in Format if f.family.name == "blockscaled")):
         assert format_problem(fmt, nn.Linear(32, 32), "cpu") is None, fmt
 
 
@@ -120,7 +125,7 @@ def test_fp8_takes_a_linear_subclass_only_where_torchaos_plain_float8linear_woul
     masked.register_buffer("mask", torch.ones(32))
     gated = TaggedLinear(32, 32)
     gated.gate = nn.Linear(32, 32)
-    for fmt in FP8_FORMATS:
+    for fmt in fp8_formats():
         problem = fp8_shape_problem(LoRALinear(32, 32), fmt)
         assert problem == (
             f"{fmt} would replace this LoRALinear by torchao's Float8Linear, a plain Linear of its weight and bias, "

@@ -15,8 +15,8 @@ from torch import nn
 
 from autoprec import Policy, apply_policy, load_policy
 from autoprec.apply import apply_on_chosen_device
-from autoprec.formats import FP8_FORMATS, RISKY, Format, format_problem, parse_format
-from autoprec.formats.blockscaled import GEMM_FORMATS, MX, NV, BlockScaledFamily, seed_of
+from autoprec.formats import Format, format_problem, fp8_formats, parse_format, risky_formats
+from autoprec.formats.blockscaled import _RNG_ATTR, GEMM_FORMATS, MX, NV, BlockScaledFamily, seed_of
 from autoprec.formats.mx import MXFP8, NVFP4, blockscaled_linear
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
 from autoprec.tune.profile_data import NO_KERNEL, ruled_out
@@ -45,7 +45,7 @@ def test_every_format_is_registered_with_its_family_and_its_gemms():
         assert (gemms.fprop, gemms.dgrad, gemms.wgrad) == (fprop, dgrad, wgrad)
         spec = fmt.spec
         assert spec.risky and spec.linear_only and spec.fallback is Format.BF16 and not spec.loss_scale
-        assert fmt in RISKY and fmt not in FP8_FORMATS  # not torchao's float8: the fp8 reports do not read it
+        assert fmt in risky_formats() and fmt not in fp8_formats()  # not torchao's float8: the fp8 reports do not read it
         expected = tuple({MX: "mxfp8", NV: "nvfp4", None: "fp32"}[s] for s in (fprop, dgrad, wgrad))
         assert fmt.family.gemm_precisions(fmt) == expected
     assert Format.MXFP8 is Format("mxfp8")
@@ -205,6 +205,31 @@ def test_stochastic_rounding_is_seeded_by_the_layer_name():
     assert seed_of("0") != seed_of("1")
 
 
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp8-fwd-dgrad", "nvfp4-fwd"])
+def test_a_layer_that_never_rounds_stochastically_makes_no_generator_and_compiles_without_a_graph_break(name):
+    from torch._dynamo.utils import counters
+
+    assert not GEMM_FORMATS[name].stochastic and GEMM_FORMATS["nvfp4"].stochastic
+    torch.manual_seed(7)
+    x = torch.randn(16, 32)
+    base = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    policy = Policy(layers={"0": name, "2": name})
+    eager = apply_on_chosen_device(copy.deepcopy(base), policy)
+    compiled = apply_on_chosen_device(copy.deepcopy(base), policy)
+    eager(x).sum().backward()
+    assert _RNG_ATTR not in eager[0].__dict__  # no generator: nothing draws from one
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(compiled, backend="aot_eager")(x)
+    out.sum().backward()
+    breaks = dict(counters["graph_break"])
+    assert not [b for b in breaks if "Generator" in b or "paque" in b], breaks  # made, seeded: an opaque object
+    if name != "mxfp8-fwd-dgrad":  # its _Route gets the block-scaled output twice (value and source): another break
+        assert not breaks, breaks
+    assert torch.equal(compiled[0].weight.grad, eager[0].weight.grad)
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------- refusals and the warning
 
 
@@ -243,6 +268,26 @@ def test_apply_policy_warns_once_and_the_tuners_path_does_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         apply_on_chosen_device(copy.deepcopy(nn.Sequential(nn.Linear(32, 32))), Policy(layers={"0": "mxfp8"}))
+
+
+def test_the_warning_names_the_element_formats_of_the_layers_it_lists():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_policy(nn.Sequential(nn.Linear(32, 32)), Policy(layers={"0": "mxfp8-fwd"}))
+    assert [str(w.message) for w in caught] == [
+        "apply_policy: its mxfp8-fwd layers run emulated (no mxfp8 kernel on this device): numerics as the "
+        "reference kernels, speed not representative"
+    ]
+
+
+def test_warnings_as_errors_refuse_with_the_model_as_it_was():
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    before = [dict(m.__dict__) for m in model.modules()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="run emulated"):
+            apply_policy(model, Policy(layers={"0": "nvfp4", "2": "mxfp8"}))
+    assert [dict(m.__dict__) for m in model.modules()] == before
 
 
 # ---------------------------------------------------------------- the profile

@@ -12,7 +12,10 @@ import torch
 from autoprec import devices
 from autoprec.formats.autocast import FP16_MAX, AutocastFamily
 from autoprec.formats.base import (
+    E4M3_MAX,
     GEMM_PRECISIONS,
+    GEMMS,
+    NO_KERNEL,
     REGISTRY,
     Converted,
     Format,
@@ -30,7 +33,6 @@ from autoprec.formats.base import (
 )
 from autoprec.formats.blockscaled import BlockGemms, BlockScaledFamily
 from autoprec.formats.float8 import (
-    E4M3_MAX,
     FP8_DIM_MULTIPLE,
     Float8Family,
     Fp8Backend,
@@ -42,13 +44,22 @@ from autoprec.formats.float8 import (
     has_fp8_kernels,
 )
 
-# The built-in formats, as the enum they were listed them (a format registered later is in Format and REGISTRY).
-FORMATS: tuple[str, ...] = tuple(f.value for f in Format)
-FP8_FORMATS: tuple[Format, ...] = tuple(f for f in Format if REGISTRY[f].is_fp8)
-RISKY: tuple[Format, ...] = tuple(f for f in Format if REGISTRY[f].risky)
 
-# Formats that run through torch.autocast and the dtype each one lowers to.
-AUTOCAST_DTYPE: dict[Format, torch.dtype] = {s.format: s.autocast for s in REGISTRY.values() if s.autocast is not None}
+def fp8_formats() -> tuple[Format, ...]:
+    """The registered formats whose values are 8-bit floats with scales (torchao's float8), asked now: a format
+    registered later is among them."""
+    return tuple(f for f in Format if f.spec.is_fp8)
+
+
+def risky_formats() -> tuple[Format, ...]:
+    """The registered formats worth choosing only for a measured gain (`FormatSpec.risky`), asked now."""
+    return tuple(f for f in Format if f.spec.risky)
+
+
+def autocast_dtype(fmt: Format | str) -> torch.dtype | None:
+    """The dtype `fmt`'s forward runs under torch.autocast (bf16, fp16), or None where it does not run through
+    autocast: its spec's answer, so a format registered later has one too."""
+    return Format(fmt).spec.autocast
 
 
 def default_device() -> torch.device:
@@ -82,15 +93,13 @@ def device_name(device: str) -> str:
 
 
 __all__ = [
-    "AUTOCAST_DTYPE",
     "E4M3_MAX",
-    "FORMATS",
     "FP16_MAX",
     "FP8_DIM_MULTIPLE",
-    "FP8_FORMATS",
+    "GEMMS",
     "GEMM_PRECISIONS",
+    "NO_KERNEL",
     "REGISTRY",
-    "RISKY",
     "AutocastFamily",
     "BlockGemms",
     "BlockScaledFamily",
@@ -101,6 +110,7 @@ __all__ = [
     "FormatSpec",
     "Fp8Backend",
     "Fp8Gemms",
+    "autocast_dtype",
     "autocast_supported",
     "caller_precision",
     "default_device",
@@ -110,11 +120,13 @@ __all__ = [
     "float8_linear_config",
     "format_names",
     "format_problem",
+    "fp8_formats",
     "fp8_backend",
     "fp8_input_dtype",
     "fp8_shape_problem",
     "has_fp8_kernels",
     "parse_format",
+    "risky_formats",
     "register_family",
     "register_format",
     "unregister_family",

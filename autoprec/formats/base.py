@@ -24,6 +24,12 @@ from autoprec.tensors import map_tensors
 _LOW = (torch.float16, torch.bfloat16)
 # The element formats a GEMM can run in (FormatFamily.gemm_precisions): what a target's throughput table is keyed by.
 GEMM_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
+# An nn.Linear's three GEMMs: fprop (the output), dgrad (the input's gradient), wgrad (the weight's gradient).
+GEMMS = ("fprop", "dgrad", "wgrad")
+# The largest finite e4m3 value (448): fp8's forward values, MXFP8's elements, NVFP4's block scales.
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+# What the profile records as the time of a format that only runs emulated on a device (FormatFamily.has_kernels).
+NO_KERNEL = "no kernel on this device"
 
 
 def _package() -> Any:
@@ -44,7 +50,8 @@ class _FormatType(type):
 class Format(str, metaclass=_FormatType):
     """A registered per-layer precision format: a string equal to its name ("bf16"), which is what policy files,
     journals and Optuna params hold. `Format("bf16")` is the registered one (the same object each time) and raises
-    ValueError for a name not registered. The built-in ones are class attributes (Format.BF16). What each one means
+    ValueError for a name not registered. Each built-in one is a class attribute, its name upper-cased with "_" for
+    "-" (Format.BF16, Format.FP8_FWD_DGRAD, Format.NVFP4); a registered one also by name. What each one means
     is its `FormatSpec` (`fmt.spec`); how it runs is its family's (`fmt.family`)."""
 
     FP32: ClassVar[Format]
@@ -58,13 +65,19 @@ class Format(str, metaclass=_FormatType):
     FP8_ROWWISE_FWD: ClassVar[Format]
     FP8_ROWWISE_FWD_DGRAD: ClassVar[Format]
     MXFP8: ClassVar[Format]
+    MXFP8_FWD: ClassVar[Format]
+    MXFP8_FWD_DGRAD: ClassVar[Format]
+    NVFP4: ClassVar[Format]
+    NVFP4_FWD: ClassVar[Format]
+    NVFP4_FWD_DGRAD: ClassVar[Format]
+    MXFP8_FWD_NVFP4_DGRAD: ClassVar[Format]
 
     def __new__(cls, value: object) -> Format:
-        if isinstance(value, Format):
-            return value
-        spec = REGISTRY.get(value) if isinstance(value, str) else None
+        # by name, also for a Format: one unregistered since (or replaced by a re-registration) is not taken as is
+        name = str.__str__(value) if isinstance(value, str) else None
+        spec = REGISTRY.get(name) if name is not None else None
         if spec is None:
-            raise ValueError(f"{value!r} is not a registered Format")
+            raise ValueError(f"{name or value!r} is not a registered format; the registered ones: {', '.join(format_names())}")
         return spec.format
 
     @classmethod
@@ -92,7 +105,10 @@ class Format(str, metaclass=_FormatType):
 
     @property
     def spec(self) -> FormatSpec:
-        return REGISTRY[self]
+        spec = REGISTRY.get(self)
+        if spec is None or spec.format is not self:  # unregistered since, or replaced by a re-registration
+            raise ValueError(f"format {self.value!r} is no longer registered as this object; use Format({self.value!r})")
+        return spec
 
     @property
     def family(self) -> FormatFamily:
@@ -111,9 +127,11 @@ class Format(str, metaclass=_FormatType):
 class FormatSpec:
     """Everything autoprec knows about one format; `register_format` makes one.
 
-    `family`: the registered FormatFamily's name that runs it ("autocast", "float8").
+    `family`: the registered FormatFamily's name that runs it ("autocast", "float8", "blockscaled", or one
+    registered from outside autoprec).
     `autocast`: the dtype the layer's forward runs under torch.autocast (bf16, fp16), or None.
-    `fp8`: the GEMMs torchao's float8 training runs in fp8 and their scaling (a recipe, or a per-GEMM mix).
+    `fp8`: the GEMMs torchao's float8 training runs in fp8 and their scaling (a recipe, or a per-GEMM mix); the
+    blockscaled family keeps its formats' GEMMs in its own table (blockscaled.GEMM_FORMATS), not here.
     `loss_scale`: whether it needs a GradScaler (gradients that underflow without one).
     `max_value`: the largest finite value its forward's low-precision values can hold (None: fp32/bf16 range).
     `fallback`: the next safer format, when a layout or a variant must lower a layer less.
@@ -137,9 +155,7 @@ class FormatSpec:
     tensorwise_grad_dtype: torch.dtype | None = None
     # torchao can all-gather its weights in fp8 under FSDP2 (enable_fsdp_float8_all_gather: tensorwise scales only)
     fsdp_fp8_all_gather: bool = False
-    min_capability: tuple[int, int] | None = None  # CUDA compute capability its kernels need
-    emulation_works: bool = True  # False: no working emulation, so a device without its kernels refuses it
-    why_no_emulation: str = ""
+    min_capability: tuple[int, int] | None = None  # CUDA compute capability its kernels need (has_fp8_kernels)
 
     @property
     def is_fp8(self) -> bool:
@@ -172,6 +188,10 @@ class FormatFamily(abc.ABC):
     fp8: ClassVar[bool] = False  # its values are 8-bit floats with scales (the fp8 reports: backend, gradient casts)
     # the SQNR (dB) against fp32 below which a GEMM result in one of its formats counts as broken (report.breaks)
     sqnr_floor_db: ClassVar[float] = 30.0
+    # a GEMM measured below `sqnr_floor` rules the format out for that layer (the profile's ruled_out): its scaled
+    # casts flushed or saturated, which a safer format (a per-GEMM mix keeping that GEMM in high precision) avoids.
+    # False for autocast's: fp16's gradients are measured at loss scale 1, whose flushing a GradScaler lifts
+    gemm_floor_rules_out: ClassVar[bool] = False
 
     def device_problem(self, fmt: Format, device: torch.device) -> str | None:
         """Why `fmt` cannot run on `device` at all, or None (the default: it runs wherever torch does)."""
@@ -188,7 +208,9 @@ class FormatFamily(abc.ABC):
     def has_kernels(self, fmt: Format, device: torch.device) -> bool:
         """Whether `fmt`'s time on `device` says anything about its speed (True, the default: what runs there is
         what trains there). False where it runs an emulation only: the profile records its time as "no kernel on
-        this device" instead of measuring it, and a search rules it out (its trials would time the emulation)."""
+        this device" instead of measuring it, and a search that times its trials on this device rules it out (they
+        would time the emulation); one whose goal does not time them (`--objective flops`, planning for another
+        device: profile_data.SPEED_UNJUDGED) keeps it."""
         return True
 
     def sqnr_floor(self, fmt: Format) -> float:
@@ -314,10 +336,9 @@ def format_names() -> tuple[str, ...]:
 
 
 def parse_format(value: object, *, field: str = "format") -> Format:
-    """Return the Format for a string such as "bf16"; raise ValueError naming the choices."""
-    if isinstance(value, Format):
-        return value
+    """Return the registered Format for a string such as "bf16" (a Format too: the one registered by its name now);
+    raise ValueError naming the choices."""
     try:
-        return Format(str(value).strip().lower())
+        return Format((str.__str__(value) if isinstance(value, str) else str(value)).strip().lower())
     except ValueError:
         raise ValueError(f"{field} must be one of {', '.join(format_names())}, but got {value!r}") from None

@@ -6,7 +6,8 @@ precision. The layer runs `blockscaled_linear` (mx.py), the faithful emulation o
 device: autoprec runs no MX/NVFP4 kernel (torchao's need CUDA compute capability 10.0, `is_sm_at_least_100` in
 torchao/utils.py, and are prototypes it has not been run with). So `apply_policy` warns that the layer runs emulated,
 the profile measures its numerics but records its time as "no kernel on this device" (`has_kernels`), and a search
-does not offer it for speed.
+that times its trials here does not offer it (one planning for another device, `--objective flops`, does:
+profile_data.SPEED_UNJUDGED).
 
 Operands and high precision: outside autocast the layer computes from fp32 (inputs arriving in bf16/fp16 are cast, as
 an fp32 layer's are); under an outer autocast from its dtype (the input, weight and bias cast as autocast casts them
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 import autoprec.formats.autocast  # noqa: F401  bf16, the fallback
 import autoprec.formats.float8  # noqa: F401  registered first: the fp8 formats precede these in Format's order
 from autoprec.formats.base import (
+    GEMMS,
     Converted,
     Format,
     FormatFamily,
@@ -41,8 +43,6 @@ from autoprec.formats.mx import MXFP8, NVFP4, GemmFormat, blockscaled_linear
 
 log = logging.getLogger("autoprec")
 
-GEMMS = ("fprop", "dgrad", "wgrad")
-NO_KERNEL = "no kernel on this device"  # what the profile records as a blockscaled format's time (profile_data)
 
 # The SQNR (dB) against fp32 below which a GEMM in each element format counts as broken, from docs/block-scaled.md's
 # measured table (nn.Linear(512, 256), N(0, 1) inputs): MXFP8 E4M3 measures 28.4-28.6 dB on every GEMM, its 3-bit
@@ -77,6 +77,17 @@ class BlockGemms:
     @property
     def high_precision(self) -> tuple[str, ...]:
         return tuple(g for g, s in self.settings().items() if s is None)
+
+    @property
+    def elements(self) -> tuple[str, ...]:
+        """The element formats its block-scaled GEMMs run in ('mxfp8', 'nvfp4'), each once, fprop's first."""
+        return tuple(dict.fromkeys(e for e in map(element_name, self.settings().values()) if e is not None))
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether a GEMM rounds stochastically (NVFP4's gradients, in dgrad and wgrad): only then does the layer
+        draw random bits, and need a generator (one made where none is needed breaks torch.compile's graph)."""
+        return any(isinstance(s, NVFP4) and s.stochastic_gradients for s in (self.dgrad, self.wgrad))
 
     def rows_to_pad(self, rows: int) -> int:
         """Zero rows to add to a call of `rows` rows (tokens) so that the wgrad GEMM, which contracts over the rows,
@@ -179,8 +190,11 @@ def _linear(
 
 
 def seed_of(layer: str) -> int:
-    """The seed of a layer's stochastic rounding: CRC-32 of the name the policy gives it (stable across runs and
-    processes, unlike hash()), so a layer draws the same random bits in every run and two layers different ones."""
+    """The seed of a layer's stochastic rounding: CRC-32 of its name in the model (apply_policy passes the module's
+    first name in named_modules() order, not the alias a policy lists it by, so it is the same whichever alias is
+    listed); stable across runs and processes, unlike hash(), so a layer draws the same random bits in every run and
+    two layers different ones. The generator is not in the state_dict: a run resumed from a checkpoint replays the
+    draws from step 0 (docs/block-scaled.md)."""
     return zlib.crc32(layer.encode("utf-8"))
 
 
@@ -201,7 +215,7 @@ def generator_for(module: torch.nn.Module, device: torch.device) -> torch.Genera
 @register_family
 class BlockScaledFamily(FormatFamily):
     name = "blockscaled"
-    sqnr_floor_db = min(SQNR_FLOOR_DB.values())
+    gemm_floor_rules_out = True
 
     def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
         return shape_problem(fmt, module)
@@ -220,8 +234,9 @@ class BlockScaledFamily(FormatFamily):
         return min(SQNR_FLOOR_DB[e] for e in map(element_name, _gemms(fmt).settings().values()) if e is not None)
 
     def export_name(self, fmt: Format) -> str | None:
-        # The export targets (torchao, torchtitan, Megatron) write torchao float8 recipes for every name given here,
-        # and none writes MX or NVFP4: their names elsewhere are recipe_name's, not an export's.
+        # export_name is a torchao float8 recipe name (the float8 targets write one for every name given here): these
+        # formats have none. The exports that write MX and NVFP4 (torchtitan, megatron-precision, transformer-engine:
+        # autoprec/tune/export/) ask recipe_name and the GEMM table instead.
         return None
 
     def recipe_name(self, fmt: Format) -> str | None:
@@ -247,6 +262,15 @@ class BlockScaledFamily(FormatFamily):
         all_gather: frozenset[Format] = frozenset(),
         device_hint: bool = True,
     ) -> Converted:
+        if device_hint:  # the tuner's path (apply_on_chosen_device) knows, and records it as the profile's time
+            # warned before anything changes: under warnings-as-errors apply_policy raises with the model as it was
+            used = dict.fromkeys(f.value for f in listed.values())
+            elements = dict.fromkeys(e for f in listed.values() for e in _gemms(f).elements)
+            warnings.warn(
+                f"apply_policy: its {', '.join(used)} layers run emulated (no {'/'.join(elements)} kernel on this "
+                "device): numerics as the reference kernels, speed not representative",
+                stacklevel=5,  # the user's apply_policy call: apply_policy, _apply, _convert, convert
+            )
         seeded = []
         for name in listed:
             module = paths[name]
@@ -254,13 +278,6 @@ class BlockScaledFamily(FormatFamily):
                 module.__dict__[_SEED_ATTR] = seed_of(names[id(module)][0])
                 module.__dict__.pop(_RNG_ATTR, None)
                 seeded.append(module)
-        if device_hint:  # the tuner's path (apply_on_chosen_device) knows, and records it as the profile's time
-            used = ", ".join(dict.fromkeys(f.value for f in listed.values()))
-            warnings.warn(
-                f"apply_policy: its {used} layers run emulated (no mxfp8/nvfp4 kernel on this device): numerics as the "
-                "reference kernels, speed not representative",
-                stacklevel=5,  # the user's apply_policy call: apply_policy, _apply, _convert, convert
-            )
         log.info("apply_policy: block-scaled layers %s run emulated", sorted(listed))
 
         def undo() -> None:
@@ -280,12 +297,13 @@ class BlockScaledFamily(FormatFamily):
         assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))  # a Linear's
         with torch.autocast(device_type, enabled=False):
             # the operands as autocast gives them to a Linear (fp32 outside it), so high precision is the control's
+            gemms = _gemms(fmt)
             out = _linear(
-                _gemms(fmt),
+                gemms,
                 x.to(dtype),
                 weight.to(dtype),
                 None if bias is None else bias.to(dtype),
-                generator_for(module, x.device),
+                generator_for(module, x.device) if gemms.stochastic else None,
             )
         return caller_precision(out, outer_autocast)
 
@@ -298,7 +316,8 @@ def _register(name: str, inside: str, gemms: BlockGemms) -> Format:
         fallback=Format.BF16,
         risky=True,
         linear_only=True,
-        min_capability=(10, 0),  # torchao's kernels (not run by autoprec: it emulates on every device)
+        # no min_capability: torchao's MX/NVFP4 kernels need compute capability 10.0, but autoprec runs the emulation
+        # on every device (has_kernels is False everywhere), so no device check would read it
     )
     GEMM_FORMATS[name] = gemms
     return fmt
@@ -311,25 +330,25 @@ Format.MXFP8 = _register(
     "in fprop, dgrad and wgrad (torchao's mxfp8_rceil)",
     BlockGemms(MX, MX, MX),
 )
-_register("mxfp8-fwd", f"MXFP8 (emulated) forward only: fprop as mxfp8; dgrad and wgrad {_HP}", BlockGemms(MX))
-_register(
+Format.MXFP8_FWD = _register("mxfp8-fwd", f"MXFP8 (emulated) forward only: fprop as mxfp8; dgrad and wgrad {_HP}", BlockGemms(MX))
+Format.MXFP8_FWD_DGRAD = _register(
     "mxfp8-fwd-dgrad",
     f"MXFP8 (emulated) forward and input gradient: fprop and dgrad as mxfp8; wgrad {_HP} (torchao's mxfp8_rceil_wgrad_with_hp)",
     BlockGemms(MX, MX),
 )
-_register(
+Format.NVFP4 = _register(
     "nvfp4",
     "NVFP4 (emulated), NVIDIA's recipe: e2m1, an e4m3 scale per 16 elements and a per-tensor fp32 scale; weights in "
     "16x16 tiles, gradients rounded stochastically, a 16x16 random Hadamard transform on wgrad's operands",
     BlockGemms(NV, NV, NV),
 )
-_register("nvfp4-fwd", f"NVFP4 (emulated) forward only: fprop as nvfp4; dgrad and wgrad {_HP}", BlockGemms(NV))
-_register(
+Format.NVFP4_FWD = _register("nvfp4-fwd", f"NVFP4 (emulated) forward only: fprop as nvfp4; dgrad and wgrad {_HP}", BlockGemms(NV))
+Format.NVFP4_FWD_DGRAD = _register(
     "nvfp4-fwd-dgrad",
     f"NVFP4 (emulated) forward and input gradient: fprop and dgrad as nvfp4; wgrad {_HP}",
     BlockGemms(NV, NV),
 )
-_register(
+Format.MXFP8_FWD_NVFP4_DGRAD = _register(
     "mxfp8-fwd-nvfp4-dgrad",
     f"mixed (emulated), as Transformer Engine's heterogeneous recipe: fprop as mxfp8, dgrad as nvfp4, wgrad {_HP}",
     BlockGemms(MX, NV),

@@ -17,6 +17,8 @@ import torch
 
 from autoprec import devices
 from autoprec.formats.base import (
+    E4M3_MAX,
+    GEMMS,
     REGISTRY,
     Converted,
     Format,
@@ -30,7 +32,6 @@ from autoprec.tensors import map_tensors
 
 log = logging.getLogger("autoprec")
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # fp8's rounding alone measures about 29 dB (e4m3, 3 mantissa bits) and 24 dB (e5m2, 2 bits): below 20 dB the GEMM
 # lost more than its rounding, values its scaling flushed to zero or saturated.
 SQNR_FLOOR_DB = 20.0
@@ -62,7 +63,7 @@ class Fp8Gemms:
     @property
     def high_precision(self) -> tuple[str, ...]:
         """The GEMMs it keeps in high precision, by name."""
-        return tuple(g for g in ("fprop", "dgrad", "wgrad") if not getattr(self, g))
+        return tuple(g for g in GEMMS if not getattr(self, g))
 
     def input_dtype(self, weight_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:
         """What the layer's input is cast to, autocast off inside the layer: fp8_input_dtype."""
@@ -311,16 +312,9 @@ class Float8Family(FormatFamily):
     replaces_modules = True
     fp8 = True
     sqnr_floor_db = SQNR_FLOOR_DB
+    gemm_floor_rules_out = True
 
-    def device_problem(self, fmt: Format, device: torch.device) -> str | None:
-        spec = fmt.spec
-        if spec.min_capability is None:
-            return None
-        has = _package()._has_capability(device, spec.min_capability)
-        if has or spec.emulation_works:
-            return None
-        need = ".".join(map(str, spec.min_capability))
-        return f"{fmt.value} needs CUDA compute capability {need}+ kernels on this device; {spec.why_no_emulation}"
+    # device_problem: the default (None): torchao emulates every one of its formats where the device has no fp8 kernels
 
     def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
         return fp8_shape_problem(module, fmt)
@@ -346,7 +340,7 @@ class Float8Family(FormatFamily):
         if gemms is None:
             return super().gemm_precisions(fmt)
         high = "fp32" if gemms.recipe is not None or not gemms.dgrad else "bf16"
-        fprop, dgrad, wgrad = ("fp8" if getattr(gemms, g) else high for g in ("fprop", "dgrad", "wgrad"))
+        fprop, dgrad, wgrad = ("fp8" if getattr(gemms, g) else high for g in GEMMS)
         return (fprop, dgrad, wgrad)
 
     def convert(

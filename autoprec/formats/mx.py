@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 
+from autoprec.formats.base import E4M3_MAX
 from autoprec.formats.nvfp4 import _check_blocks, nvfp4, random_hadamard_transform
 
 __all__ = [
@@ -49,7 +50,7 @@ ScaleMode = Literal["rceil", "floor"]
 
 # element format -> (largest finite value, exponent of the largest power of two in the format)
 _ELEM = {
-    torch.float8_e4m3fn: (448.0, 8),
+    torch.float8_e4m3fn: (E4M3_MAX, 8),
     torch.float8_e5m2: (57344.0, 15),
 }
 _F32_MIN_NORMAL = 2.0**-126

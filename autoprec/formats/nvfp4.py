@@ -29,6 +29,8 @@ from typing import Literal
 
 import torch
 
+from autoprec.formats.base import E4M3_MAX
+
 __all__ = [
     "E2M1_MAX",
     "E4M3_MAX",
@@ -41,7 +43,6 @@ __all__ = [
 ]
 
 E2M1_MAX = 6.0
-E4M3_MAX = 448.0
 # torch.finfo(torch.float8_e4m3fn).tiny: the smallest normal E4M3 number, the floor torchao clamps block scales to
 E4M3_MIN_NORMAL = 2.0**-6
 NVFP4_BLOCK = 16

@@ -29,7 +29,7 @@ from typing import Any
 import optuna
 import torch
 
-from autoprec.formats import Format, autocast_supported
+from autoprec.formats import Format, autocast_supported, format_names
 from autoprec.policy import ROOT, LossScale, Policy
 from autoprec.tune.profile_data import Profile, as_float, ruled_out
 from autoprec.tune.space import Layout, SearchSpace, parse_layout
@@ -41,7 +41,6 @@ LAYER_PARAM = "layer:"
 GROUP_PARAM = "group:"
 RANK_PARAM = "lowered:"
 LS_PARAM = "loss_scale:"
-ORDER = tuple(f.value for f in Format)  # fp32, bf16, fp16, the fp8s: the order options are listed in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,16 +186,17 @@ def rank_layers(
     metric drop, then output SQNR, highest first); per layer, its allowed formats by profiled time, fastest first."""
     rows = prof.table.set_index(["layer", "format"])
     ranking: dict[str, tuple[str, ...]] = {}
-    for fmt in ORDER[1:]:
+    for fmt in (f for f in format_names() if f != Format.FP32.value):
         allowed = [n for n, options in layers.items() if fmt in options and len(options) > 1]
         if allowed:
             ranking[fmt] = tuple(sorted(allowed, key=lambda n: _sensitivity_key(rows, n, fmt)))
+    order = format_names()  # the order options are listed in (fp32, bf16, fp16, the fp8s, ...), read now
     preference = {}
     for name, options in layers.items():
         lowered = [f for f in options if f != Format.FP32.value]
         times = {f: as_float(rows.loc[(name, f), "time_ms"]) for f in lowered}
         preference[name] = tuple(
-            sorted(lowered, key=lambda f: (times[f] if math.isfinite(times[f]) else math.inf, ORDER.index(f)))
+            sorted(lowered, key=lambda f: (times[f] if math.isfinite(times[f]) else math.inf, order.index(f)))
         )
     return ranking, preference
 
@@ -223,7 +223,7 @@ def with_layout(choices: Choices, prof: Profile, layout: Layout | str, max_param
 
 def _union(options: list[tuple[str, ...]]) -> tuple[str, ...]:
     present = {f for o in options for f in o}
-    return tuple(f for f in ORDER if f in present)
+    return tuple(f for f in format_names() if f in present)
 
 
 def fit(fmt: str, options: tuple[str, ...]) -> str:
@@ -330,7 +330,7 @@ def params_for(root: str, layers: Mapping[str, str], choices: Choices) -> dict[s
     if choices.layout == Layout.GROUPED.value:
         for group, members in choices.groups.items():
             votes = Counter(layers.get(m, Format.FP32.value) for m in members)
-            params[GROUP_PARAM + group] = min(votes, key=lambda f: (-votes[f], ORDER.index(f)))
+            params[GROUP_PARAM + group] = min(votes, key=lambda f: (-votes[f], format_names().index(f)))
     elif choices.layout == Layout.RANKED.value:
         for fmt, order in choices.ranking.items():
             params[RANK_PARAM + fmt] = sum(layers.get(n) == fmt for n in order)

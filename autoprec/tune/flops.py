@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from autoprec.tune.trainer import Candidate
 
 BASELINE = "bf16"  # the estimate's 1.0: the model's Linears all in bf16 on the target
-GEMMS = ("fprop", "dgrad", "wgrad")
 
 
 def gemm_flops(table: pd.DataFrame) -> dict[str, float]:

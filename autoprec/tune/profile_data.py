@@ -16,8 +16,7 @@ import numpy as np
 import pandas as pd
 
 from autoprec.files import check_version, write_atomically
-from autoprec.formats import FP16_MAX, Format
-from autoprec.tune.config import BREAK_SQNR_DB_FP8
+from autoprec.formats import FP16_MAX, NO_KERNEL, Format
 from autoprec.tune.gradients import ScaleAdvice, advise
 
 COLUMNS = [
@@ -71,7 +70,6 @@ COLUMNS = [
 # prune.slower_than at or above which a search does not judge speed at all (a goal whose trials are not timed: an
 # estimate for another device), so a format with no kernel here stays a candidate there
 SPEED_UNJUDGED = 1e9
-NO_KERNEL = "no kernel on this device"  # timed_as of a format not timed here: its emulation's time is no speed
 
 SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqnr_db"}  # each GEMM's column
 
@@ -186,13 +184,16 @@ def ruled_out(row: Mapping[str, Any], budget: float | None, slower_than: float) 
     grad_overflow = as_float(row.get("grad_overflow"))
     if row["format"] == Format.FP16.value and grad_overflow > 0:
         return f"fp16 gradients overflow even at loss scale 1 ({100 * grad_overflow:.2g}% of elements above {FP16_MAX:g})"
-    if Format(row["format"]).spec.is_fp8:
-        # a GEMM whose fp8 scaling flushed or saturated (report.breaks): a per-GEMM format that keeps it in high
-        # precision is the layer's way to keep its other GEMMs in fp8
+    fmt = Format(row["format"])
+    if fmt.family.gemm_floor_rules_out:
+        # a GEMM whose scaling flushed or saturated (report.breaks), below its family's floor for the format: a
+        # per-GEMM format that keeps it in high precision is the layer's way to keep its other GEMMs low
+        floor = fmt.family.sqnr_floor(fmt)
+        whose = "fp8" if fmt.family.fp8 else fmt.value
         for gemm, col in SQNR_COLUMNS.items():
             sqnr = as_float(row.get(col))
-            if sqnr < BREAK_SQNR_DB_FP8:
-                return f"its {gemm} GEMM measures {sqnr:.1f} dB against fp32, below fp8's {BREAK_SQNR_DB_FP8:g} dB floor"
+            if sqnr < floor:
+                return f"its {gemm} GEMM measures {sqnr:.1f} dB against fp32, below {whose}'s {floor:g} dB floor"
     drop = as_float(row.get("metric_drop"))
     if budget is not None and drop > budget:
         return f"alone drops the metric by {drop:.4g} > budget {budget:g}"

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from autoprec.apply import apply_on_chosen_device
 from autoprec.errors import UserError, describe
-from autoprec.formats import AUTOCAST_DTYPE, Format, device_name, format_problem
+from autoprec.formats import Format, autocast_dtype, device_name, format_problem
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tensors import map_tensors
 from autoprec.tune import memory
@@ -217,14 +217,16 @@ def _autocast_problem(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: 
     fails: a CPU without fp16 LSTM kernels, say), or None. A failure is a finding about this layer and format,
     not a crash; a user's mistake (UserError) is not."""
     args, kwargs = inputs
+    dtype = autocast_dtype(fmt)
+    assert dtype is not None, fmt  # asked for autocast formats only
     try:
-        with torch.no_grad(), torch.autocast(device.type, dtype=AUTOCAST_DTYPE[fmt]):
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
             out = _first_float(copy.deepcopy(module)(*args, **kwargs))
     except UserError:
         raise
     except Exception as exc:
         return f"{fmt.value} failed: {describe(exc, 200)}"
-    if out is None or out.dtype != AUTOCAST_DTYPE[fmt]:
+    if out is None or out.dtype != dtype:
         return f"torch.autocast does not lower {type(module).__name__} to {fmt.value} on {device.type}"
     return None
 
@@ -235,7 +237,7 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     it. A lone lowered layer also pays for casting in and out, but a policy that lowers its neighbours does
     not, and pruning on that cost would rule out small layers a lowered model runs faster with; the trials,
     timing whole steps, charge the casts where they happen."""
-    dtype = AUTOCAST_DTYPE.get(fmt)
+    dtype = autocast_dtype(fmt)
     policy = Policy(layers={"": fmt, "layer": fmt} if dtype else {"layer": fmt})
     holder = apply_on_chosen_device(_Holder(copy.deepcopy(module)).train(), policy)
     run = torch.compile(holder) if compiled else holder
@@ -398,7 +400,7 @@ def _profile_layer(
         if fmt is Format.FP32:
             continue
         reason = format_problem(fmt, module, workload.device)
-        if reason is None and fmt in AUTOCAST_DTYPE:
+        if reason is None and autocast_dtype(fmt) is not None:
             reason = _autocast_problem(module, inputs, fmt, workload.device)
         rows[fmt] = {
             **base,
