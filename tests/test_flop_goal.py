@@ -43,7 +43,7 @@ class ToyFp4Family(FormatFamily):
 
     name = "toy-fp4"
 
-    def gemm_precisions(self, fmt: Format) -> tuple[str, str, str]:
+    def gemm_precisions(self, fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
         return ("nvfp4", "nvfp4", "bf16")
 
     def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
@@ -232,3 +232,19 @@ def test_a_space_with_formats_the_target_does_not_run_is_refused_before_the_prof
     config = SearchConfig(budget=0.1, objective="flops", target="h100", trials=4, progress=False, profile=FAST_PROFILE)
     with pytest.raises(ValueError, match=r"target h100 .* nvfp4 needs nvfp4\. Leave nvfp4 out of the search space"):
         search(workload, space, config, tmp_path)
+
+
+def test_a_gemm_left_in_high_precision_counts_in_the_autocast_around_the_layer():
+    """Under a bf16 root, mxfp8-fwd's dgrad and wgrad run in bf16, not fp32: the estimate priced them at fp32's 75
+    TFLOP/s on a B200, so a search never chose a per-GEMM mix there (found in review)."""
+    flops = {"fc1": 1e12}
+    mx, bf16, fp32 = B200.tflops["mxfp8"], B200.tflops["bf16"], B200.tflops["fp32"]
+    under_bf16 = estimated_speedup(Policy(layers={ROOT: Format.BF16, "fc1": Format.MXFP8_FWD}), flops, B200)
+    assert under_bf16 == pytest.approx((3 / bf16) / (1 / mx + 2 / bf16))
+    under_fp32 = estimated_speedup(Policy(layers={ROOT: Format.FP32, "fc1": Format.MXFP8_FWD}), flops, B200)
+    assert under_fp32 == pytest.approx((3 / bf16) / (1 / mx + 2 / fp32))
+    # a torchao recipe's high-precision GEMM follows the caller's autocast too; a per-GEMM fp8 mix keeps its fixed rule
+    assert Format.FP8_ROWWISE_GW_HP.family.gemm_precisions(Format.FP8_ROWWISE_GW_HP, "bf16") == ("fp8", "fp8", "bf16")
+    assert Format.FP8_FWD.family.gemm_precisions(Format.FP8_FWD, "bf16") == ("fp8", "fp32", "fp32")
+    # the layer's own fp32 turns autocast off inside it
+    assert Format.FP32.family.gemm_precisions(Format.FP32, "bf16") == ("fp32", "fp32", "fp32")

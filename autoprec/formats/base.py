@@ -227,14 +227,14 @@ class FormatFamily(abc.ABC):
         """What the export targets call `fmt` (torchao's recipe name), or None where no export target runs it."""
         return None
 
-    def gemm_precisions(self, fmt: Format) -> tuple[str, str, str]:
+    def gemm_precisions(self, fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
         """The element format each of an nn.Linear's three GEMMs runs in under `fmt`, as (fprop, dgrad, wgrad): each
         one of GEMM_PRECISIONS. The FLOP goal (autoprec/tune/flops.py) weights a layer's GEMM work by a target's
-        throughput in these. It answers for the layer as apply_policy runs it called outside any autocast (an fp32
-        root); "fp32" is strict fp32 (no TF32). The default: the spec's autocast dtype for all three (bf16, fp16),
-        else fp32."""
-        dtype = fmt.spec.autocast
-        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32") if dtype is not None else "fp32"
+        throughput in these. `outer`: the autocast the layer is called under ("bf16", "fp16": its parent's or the
+        model root's format), None outside any (an fp32 root); a GEMM the format leaves in high precision may run in
+        it. "fp32" is strict fp32 (no TF32). The default: the spec's autocast dtype for all three (bf16, fp16), else
+        fp32 (autoprec's fp32 turns autocast off inside the layer)."""
+        name = autocast_name(fmt.spec.autocast) or "fp32"
         return (name, name, name)
 
     def convert(
@@ -262,6 +262,11 @@ class FormatFamily(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<format family {self.name!r}>"
+
+
+def autocast_name(dtype: torch.dtype | None) -> str | None:
+    """A GEMM precision's name for an autocast dtype ("bf16", "fp16"), None for none."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype) if dtype is not None else None
 
 
 def to_fp32(t: torch.Tensor) -> torch.Tensor:

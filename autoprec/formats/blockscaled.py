@@ -246,9 +246,10 @@ class BlockScaledFamily(FormatFamily):
         in MXFP8, wgrad in high precision); None for the other per-GEMM mixes."""
         return _RECIPES.get(fmt.value)
 
-    def gemm_precisions(self, fmt: Format) -> tuple[str, str, str]:
-        """Each GEMM's element format; high precision is the caller's autocast dtype, fp32 outside one: "fp32"."""
-        fprop, dgrad, wgrad = (element_name(s) or "fp32" for s in _gemms(fmt).settings().values())
+    def gemm_precisions(self, fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
+        """Each GEMM's element format; a GEMM in high precision runs in the caller's autocast dtype (`outer`: the
+        layer casts its operands to it), fp32 outside one."""
+        fprop, dgrad, wgrad = (element_name(s) or outer or "fp32" for s in _gemms(fmt).settings().values())
         return fprop, dgrad, wgrad
 
     def convert(

@@ -330,16 +330,18 @@ class Float8Family(FormatFamily):
         gemms = fmt.spec.fp8
         return None if gemms is None else gemms.recipe or fmt.value
 
-    def gemm_precisions(self, fmt: Format) -> tuple[str, str, str]:
+    def gemm_precisions(self, fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
         """A GEMM its Fp8Gemms runs in fp8 is "fp8". One left in high precision runs in the dtype fp8_input_dtype
         casts the input to, autocast off inside the layer: a per-GEMM mix's by a fixed rule whatever the caller's
         autocast (dgrad high: the weight's dtype, fp32 master weights, so "fp32"; dgrad fp8: bf16); a recipe's in the
-        caller's autocast dtype, else the weight's: "fp32" here, as called outside autocast (under a bf16 root
-        rowwise_with_gw_hp's wgrad runs in bf16, which this undercounts)."""
+        caller's autocast dtype (`outer`), else the weight's, fp32 (rowwise_with_gw_hp's wgrad)."""
         gemms = fmt.spec.fp8
         if gemms is None:
-            return super().gemm_precisions(fmt)
-        high = "fp32" if gemms.recipe is not None or not gemms.dgrad else "bf16"
+            return super().gemm_precisions(fmt, outer)
+        if gemms.recipe is not None:
+            high = outer or "fp32"
+        else:
+            high = "fp32" if not gemms.dgrad else "bf16"
         fprop, dgrad, wgrad = ("fp8" if getattr(gemms, g) else high for g in GEMMS)
         return (fprop, dgrad, wgrad)
 

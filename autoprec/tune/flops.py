@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from autoprec.formats import Format, parse_format
+from autoprec.formats import Format, autocast_name, parse_format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.alternatives import ALTERNATIVES, NOT_A_POLICY
 from autoprec.tune.goals import Goal, register_goal
@@ -70,9 +70,17 @@ def format_of(name: str, layers: Mapping[str, Format]) -> Format:
     return layers.get(ROOT, Format.FP32)
 
 
-def gemm_precisions(fmt: Format) -> tuple[str, str, str]:
-    """What each GEMM of a Linear in `fmt` runs in (its family's answer)."""
-    return fmt.family.gemm_precisions(fmt)
+def outer_autocast(name: str, layers: Mapping[str, Format]) -> str | None:
+    """The autocast layer `name` is called under: its nearest listed ancestor's (else the root's) format's autocast
+    dtype ("bf16", "fp16"), None where that is fp32 or not an autocast format."""
+    parent = name.rsplit(".", 1)[0] if "." in name else ROOT
+    around = format_of(parent, layers) if parent != ROOT else layers.get(ROOT, Format.FP32)
+    return autocast_name(around.spec.autocast)
+
+
+def gemm_precisions(fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
+    """What each GEMM of a Linear in `fmt` runs in, called under the autocast `outer` (its family's answer)."""
+    return fmt.family.gemm_precisions(fmt, outer)
 
 
 def lacking(formats: Collection[Format], target: Target) -> dict[str, list[str]]:
@@ -91,7 +99,7 @@ def gemm_seconds(policy: Policy, flops: Mapping[str, float], target: Target) -> 
     seconds = 0.0
     by: dict[str, float] = {}
     for name, work in flops.items():
-        for precision in gemm_precisions(format_of(name, policy.layers)):
+        for precision in gemm_precisions(format_of(name, policy.layers), outer_autocast(name, policy.layers)):
             seconds += work / (target.tflops[precision] * 1e12)
             by[precision] = by.get(precision, 0.0) + work
     return seconds, by
