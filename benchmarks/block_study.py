@@ -871,8 +871,8 @@ def search_summary(rows, args) -> str:
         f"--budgets {','.join(f'{b:g}' for b in args.budgets)} --trials {args.trials} --layout {args.layout} "
         f"--noise-runs {args.noise_runs} --search-seconds {args.search_seconds:g} --out {_rel(args.out)}",
         "",
-        f"`autoprec.tune.search(..., mode=\"train\", train_steps={args.steps}, noise_runs={args.noise_runs}, "
-        f"objective=\"flops\", target=\"b200\", time_budget={args.search_seconds:g})` on the CPU, one search per "
+        f'`autoprec.tune.search(..., mode="train", train_steps={args.steps}, noise_runs={args.noise_runs}, '
+        f'objective="flops", target="b200", time_budget={args.search_seconds:g})` on the CPU, one search per '
         f"budget (a sweep ranks by a Pareto front of measured speed against drop; this goal is an estimate, so each "
         f"budget is its own search), each in its own folder under search/ with its policy.json, trials and "
         f"summary.txt. Space: every Linear in {{{', '.join(SEARCH_FORMATS)}}}, the root fp32 or bf16, layout "
@@ -948,7 +948,10 @@ def run_missing(workload, policies: dict, folder: Path, steps: int, every: int, 
             rows = train_curve(workload, policy, steps, every, seed)
             write_run(path, rows)
             ran.append((name, seed))
-            print(f"{name} seed {seed}: {steps} steps in {time.perf_counter() - start:.0f} s, metric {rows[-1]['metric']:.4f}", flush=True)
+            print(
+                f"{name} seed {seed}: {steps} steps in {time.perf_counter() - start:.0f} s, metric {rows[-1]['metric']:.4f}",
+                flush=True,
+            )
     return ran
 
 
@@ -1195,7 +1198,9 @@ def horizon_findings(table) -> list[str]:
         )
         if r["policy"].startswith("searched"):
             budget = float(r["policy"].split("-", 1)[1])
-            line += f" Its budget {budget:g} (against fp32 at K) {'holds' if end <= budget else 'is broken'} at 10 x K against bf16."
+            line += (
+                f" Its budget {budget:g} (against fp32 at K) {'holds' if end <= budget else 'is broken'} at 10 x K against bf16."
+            )
         out.append(line)
     return out
 
@@ -1217,16 +1222,24 @@ def main(argv: list[str] | None = None) -> None:
         help="torch CPU threads (default 1: on a shared 2-core machine two threads ran a mini training step 4x slower)",
     )
     parser.add_argument("--steps", type=int, default=5, help="search, horizon: K, train mode's steps (default: 5)")
-    parser.add_argument("--budgets", type=lambda v: [float(b) for b in v.split(",")], default=[0.005, 0.015],
-                        help="search: the budgets, comma-separated, metric units (default: 0.005,0.015)")
+    parser.add_argument(
+        "--budgets",
+        type=lambda v: [float(b) for b in v.split(",")],
+        default=[0.005, 0.015],
+        help="search: the budgets, comma-separated, metric units (default: 0.005,0.015)",
+    )
     parser.add_argument("--trials", type=int, default=12, help="search: trials per budget (default: 12)")
     parser.add_argument("--layout", default="ranked", help="search: the space's layout (default: ranked)")
     parser.add_argument("--noise-runs", type=int, default=2, help="search: train mode's fp32 seeds (default: 2)")
     parser.add_argument("--search-seconds", type=float, default=300, help="search: time_budget per budget (default 300)")
     parser.add_argument("--horizon", type=int, default=10, help="horizon: the long run in multiples of K (default 10)")
     parser.add_argument("--seeds", type=int, default=2, help="horizon: seeds per policy (default: 2)")
-    parser.add_argument("--only", type=lambda v: v.split(","), default=None,
-                        help="horizon: run only these policies (and bf16) now; the table covers every finished run")
+    parser.add_argument(
+        "--only",
+        type=lambda v: v.split(","),
+        default=None,
+        help="horizon: run only these policies (and bf16) now; the table covers every finished run",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     PARTS[args.part](args)
