@@ -864,11 +864,12 @@ def _format_counts(policy, flops: dict[str, float]) -> str:
 
 
 def search_summary(rows, args) -> str:
+    budgets = ",".join(f"{float(r['budget']):g}" for r in rows)
     lines = [
         "## Train-mode searches with the FLOP goal (`--part search`)",
         "",
         f"    python benchmarks/block_study.py --part search --size {args.size} --steps {args.steps} "
-        f"--budgets {','.join(f'{b:g}' for b in args.budgets)} --trials {args.trials} --layout {args.layout} "
+        f"--budgets {budgets} --trials {args.trials} --layout {args.layout} "
         f"--noise-runs {args.noise_runs} --search-seconds {args.search_seconds:g} --out {_rel(args.out)}",
         "",
         f'`autoprec.tune.search(..., mode="train", train_steps={args.steps}, noise_runs={args.noise_runs}, '
@@ -977,8 +978,19 @@ def all_policies(model: nn.Module, out: Path) -> dict[str, object]:
     folders = sorted((out / "search").glob("budget-*"), key=lambda p: float(p.name.split("-", 1)[1]))
     for folder in folders:
         if (folder / "policy.json").exists():
-            found[f"searched-{folder.name.split('-', 1)[1]}"] = load_policy(folder / "policy.json")
+            found[f"searched-{folder.name.split('-', 1)[1]}"] = bf16_root(load_policy(folder / "policy.json"))
     return found
+
+
+def bf16_root(policy):
+    """The policy with its model root in bf16 and every Linear as the search chose it. A search space's root list must
+    hold fp32 (autoprec's fallback), and the FLOP goal counts Linears only, so the root a FLOP search settles on is
+    whatever the sampler drew; every policy of this study runs its norms, softmax and attention matmuls in bf16,
+    so the searched ones do too (their Linears, all the goal counts, unchanged)."""
+    from autoprec.formats import Format
+    from autoprec.policy import ROOT, Policy
+
+    return Policy(layers={**policy.layers, ROOT: Format.BF16}, loss_scale=policy.loss_scale)
 
 
 def part_horizon(args) -> None:
@@ -1054,7 +1066,7 @@ def horizon_table(policies, folder, args, flops, target, estimated_speedup) -> l
         rows.append(
             {
                 "policy": name,
-                "rule": RULE_TEXT.get(name, f"searched, budget {name.split('-', 1)[1]} at K steps (vs fp32)"),
+                "rule": RULE_TEXT.get(name, f"searched, budget {name.split('-', 1)[1]} at K steps vs fp32 (root set to bf16)"),
                 "low_gemm_share": round(share["low"], 4),
                 "nvfp4_share": round(share.get("nvfp4", 0.0), 4),
                 "mxfp8_share": round(share.get("mxfp8", 0.0), 4),
@@ -1225,8 +1237,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--budgets",
         type=lambda v: [float(b) for b in v.split(",")],
-        default=[0.005, 0.015],
-        help="search: the budgets, comma-separated, metric units (default: 0.005,0.015)",
+        default=[0.005, 0.015, 0.04],
+        help="search: the budgets, comma-separated, metric units (default: 0.005,0.015,0.04: below, 2x and 5x the "
+        "noise floor of 0.0075 measured at K = 5); each budget is its own search, a rerun of some keeps the others' rows",
     )
     parser.add_argument("--trials", type=int, default=12, help="search: trials per budget (default: 12)")
     parser.add_argument("--layout", default="ranked", help="search: the space's layout (default: ranked)")

@@ -227,3 +227,12 @@ def test_drops_are_taken_seed_by_seed_against_bf16_and_the_floor_is_bf16s_spread
     assert block_study.drops(curves, "rule-c", 50) == pytest.approx([0.10, 0.02])
     assert block_study.noise_floor_at(curves, 5) == pytest.approx(0.01)
     assert block_study.noise_floor_at(curves, 50) == pytest.approx(0.06)
+
+
+def test_a_searched_policy_keeps_its_linears_and_gets_a_bf16_root():
+    from autoprec.policy import Policy
+
+    searched = Policy(layers={"": "fp32", "h.0.c_fc": "mxfp8", "lm_head": "bf16", "h.1.c_proj": "fp32"})
+    moved = block_study.bf16_root(searched)
+    assert moved.layers[""].value == "bf16"
+    assert {n: f.value for n, f in moved.layers.items() if n} == {"h.0.c_fc": "mxfp8", "lm_head": "bf16", "h.1.c_proj": "fp32"}
