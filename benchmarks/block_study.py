@@ -785,8 +785,19 @@ def search_space(layout: str, trials: int):
     )
 
 
-def searched_dir(out: Path, budget: float) -> Path:
-    return out / "search" / f"budget-{budget:g}"
+def searched_dir(out: Path, budget: float, layout: str = "ranked") -> Path:
+    """search/budget-<b>/ for the default layout, search/budget-<b>-<layout>/ for another."""
+    return out / "search" / (f"budget-{budget:g}" if layout == "ranked" else f"budget-{budget:g}-{layout}")
+
+
+def searched_label(folder: Path) -> str:
+    """search/budget-0.04-grouped -> searched-0.04-grouped."""
+    return "searched-" + folder.name.split("-", 1)[1]
+
+
+def label_budget(label: str) -> float:
+    """searched-0.04-grouped -> 0.04."""
+    return float(label.split("-")[1])
 
 
 def part_search(args) -> None:
@@ -805,7 +816,7 @@ def part_search(args) -> None:
     target = target_named("b200")
     rows = []
     for budget in args.budgets:
-        folder = searched_dir(out, budget)
+        folder = searched_dir(out, budget, args.layout)
         start = time.perf_counter()
         result = autoprec.tune.search(
             workload.model, example.loss_fn, example.batches("train"), example.batches("eval"), budget=budget,
@@ -820,7 +831,8 @@ def part_search(args) -> None:
         rows.append(
             {
                 "budget": budget,
-                "policy": f"searched-{budget:g}",
+                "layout": args.layout,
+                "policy": searched_label(folder),
                 "wall_s": round(wall, 1),
                 "trials": len(result.trials),
                 "chosen": _chosen_name(result) or "",
@@ -837,8 +849,12 @@ def part_search(args) -> None:
     old = []
     if path.exists():  # keep the rows of budgets not rerun now
         with open(path) as f:
-            old = [r for r in csv.DictReader(f) if float(r["budget"]) not in args.budgets]
-    rows = sorted(old + rows, key=lambda r: float(r["budget"]))
+            old = [
+                {"layout": "ranked", **r}
+                for r in csv.DictReader(f)
+                if (float(r["budget"]), r.get("layout", "ranked")) not in {(b, args.layout) for b in args.budgets}
+            ]
+    rows = sorted(old + rows, key=lambda r: (r["layout"] != "ranked", float(r["budget"])))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -864,30 +880,37 @@ def _format_counts(policy, flops: dict[str, float]) -> str:
 
 
 def search_summary(rows, args) -> str:
-    budgets = ",".join(f"{float(r['budget']):g}" for r in rows)
+    layouts = dict.fromkeys(r["layout"] for r in rows)
+    commands = []
+    for layout in layouts:
+        budgets = ",".join(f"{float(r['budget']):g}" for r in rows if r["layout"] == layout)
+        commands.append(
+            f"    python benchmarks/block_study.py --part search --size {args.size} --steps {args.steps} "
+            f"--budgets {budgets} --trials {args.trials} --layout {layout} --noise-runs {args.noise_runs} "
+            f"--search-seconds {args.search_seconds:g} --out {_rel(args.out)}"
+        )
     lines = [
         "## Train-mode searches with the FLOP goal (`--part search`)",
         "",
-        f"    python benchmarks/block_study.py --part search --size {args.size} --steps {args.steps} "
-        f"--budgets {budgets} --trials {args.trials} --layout {args.layout} "
-        f"--noise-runs {args.noise_runs} --search-seconds {args.search_seconds:g} --out {_rel(args.out)}",
+        *commands,
         "",
         f'`autoprec.tune.search(..., mode="train", train_steps={args.steps}, noise_runs={args.noise_runs}, '
-        f'objective="flops", target="b200", time_budget={args.search_seconds:g})` on the CPU, one search per '
-        f"budget (a sweep ranks by a Pareto front of measured speed against drop; this goal is an estimate, so each "
-        f"budget is its own search), each in its own folder under search/ with its policy.json, trials and "
-        f"summary.txt. Space: every Linear in {{{', '.join(SEARCH_FORMATS)}}}, the root fp32 or bf16, layout "
-        f"`{args.layout}`. The budget is on the metric (-(mean eval loss), nats/byte) after {args.steps} train steps "
-        "against fp32's after the same steps (train mode's own baseline); the noise floor is the spread of "
-        f"{args.noise_runs} fp32 seeds and a repeat of seed 0.",
+        f'objective="flops", target="b200", time_budget=...)` on the CPU, one search per budget (a sweep\'s '
+        "second objective is the drop beside a measured speed; this goal is an estimate, so each budget is its own "
+        "search), each in its own folder under search/ (budget-<b>/, budget-<b>-<layout>/ for a layout other than "
+        f"ranked) with its policy.json, trials.csv and summary.txt. Space: every Linear in {{{', '.join(SEARCH_FORMATS)}}} "
+        "(a space's lists must hold fp32), the root fp32 or bf16. The budget is on the metric (-(mean eval loss), "
+        f"nats/byte) after {args.steps} train steps against fp32's after the same steps (train mode's own "
+        f"baseline); the noise floor is the spread of {args.noise_runs} fp32 seeds and a repeat of seed 0. Wall: "
+        "this command's seconds for that search (a resumed study counts only its new trials).",
         "",
-        "| budget | wall (s) | trials | chosen | low-precision GEMM share | est. b200 GEMM speedup | drop vs fp32 at K | "
-        "noise floor at K | Linears by format |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| budget | layout | wall (s) | trials | chosen | low-precision GEMM share | est. b200 GEMM speedup | "
+        "drop vs fp32 at K | noise floor at K | Linears by format |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {float(r['budget']):g} | {float(r['wall_s']):.0f} | {r['trials']} | {r['chosen']} | "
+            f"| {float(r['budget']):g} | {r['layout']} | {float(r['wall_s']):.0f} | {r['trials']} | {r['chosen']} | "
             f"{float(r['low_gemm_share']):.1%} | {float(r['est_b200_speedup']):.2f}x | {r['drop_vs_fp32_at_K']} | "
             f"{r['noise_floor_fp32_at_K']} | {r['formats']} |"
         )
@@ -975,10 +998,10 @@ def all_policies(model: nn.Module, out: Path) -> dict[str, object]:
     from autoprec.policy import load_policy
 
     found = study_policies(model)
-    folders = sorted((out / "search").glob("budget-*"), key=lambda p: float(p.name.split("-", 1)[1]))
+    folders = sorted((out / "search").glob("budget-*"), key=lambda p: (p.name.count("-"), float(p.name.split("-")[1])))
     for folder in folders:
         if (folder / "policy.json").exists():
-            found[f"searched-{folder.name.split('-', 1)[1]}"] = bf16_root(load_policy(folder / "policy.json"))
+            found[searched_label(folder)] = bf16_root(load_policy(folder / "policy.json"))
     return found
 
 
@@ -1066,7 +1089,7 @@ def horizon_table(policies, folder, args, flops, target, estimated_speedup) -> l
         rows.append(
             {
                 "policy": name,
-                "rule": RULE_TEXT.get(name, f"searched, budget {name.split('-', 1)[1]} at K steps vs fp32 (root set to bf16)"),
+                "rule": RULE_TEXT.get(name, f"searched, budget {label_budget(name):g} at K steps vs fp32 (root set to bf16)"),
                 "low_gemm_share": round(share["low"], 4),
                 "nvfp4_share": round(share.get("nvfp4", 0.0), 4),
                 "mxfp8_share": round(share.get("mxfp8", 0.0), 4),
@@ -1209,7 +1232,7 @@ def horizon_findings(table) -> list[str]:
             f"{'grew' if end > k else 'shrank'} by {abs(end - k):.4f}."
         )
         if r["policy"].startswith("searched"):
-            budget = float(r["policy"].split("-", 1)[1])
+            budget = label_budget(r["policy"])
             line += (
                 f" Its budget {budget:g} (against fp32 at K) {'holds' if end <= budget else 'is broken'} at 10 x K against bf16."
             )
@@ -1237,14 +1260,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--budgets",
         type=lambda v: [float(b) for b in v.split(",")],
-        default=[0.005, 0.015, 0.04],
-        help="search: the budgets, comma-separated, metric units (default: 0.005,0.015,0.04: below, 2x and 5x the "
+        default=[0.015, 0.04],
+        help="search: the budgets, comma-separated, metric units (default: 0.015,0.04: 2x and 5x the "
         "noise floor of 0.0075 measured at K = 5); each budget is its own search, a rerun of some keeps the others' rows",
     )
-    parser.add_argument("--trials", type=int, default=12, help="search: trials per budget (default: 12)")
+    parser.add_argument("--trials", type=int, default=60, help="search: trials per budget (default: 60; a trial costs ~3 s)")
     parser.add_argument("--layout", default="ranked", help="search: the space's layout (default: ranked)")
     parser.add_argument("--noise-runs", type=int, default=2, help="search: train mode's fp32 seeds (default: 2)")
-    parser.add_argument("--search-seconds", type=float, default=300, help="search: time_budget per budget (default 300)")
+    parser.add_argument("--search-seconds", type=float, default=480, help="search: time_budget per budget (default 480)")
     parser.add_argument("--horizon", type=int, default=10, help="horizon: the long run in multiples of K (default 10)")
     parser.add_argument("--seeds", type=int, default=2, help="horizon: seeds per policy (default: 2)")
     parser.add_argument(
