@@ -795,6 +795,11 @@ def searched_label(folder: Path) -> str:
     return "searched-" + folder.name.split("-", 1)[1]
 
 
+def searched_text(label: str) -> str:
+    layout = label.split("-")[2] if label.count("-") > 1 else "ranked"
+    return f"searched ({layout}), budget {label_budget(label):g} at K steps vs fp32; root set to bf16"
+
+
 def label_budget(label: str) -> float:
     """searched-0.04-grouped -> 0.04."""
     return float(label.split("-")[1])
@@ -1089,7 +1094,7 @@ def horizon_table(policies, folder, args, flops, target, estimated_speedup) -> l
         rows.append(
             {
                 "policy": name,
-                "rule": RULE_TEXT.get(name, f"searched, budget {label_budget(name):g} at K steps vs fp32 (root set to bf16)"),
+                "rule": RULE_TEXT[name] if name in RULE_TEXT else searched_text(name),
                 "low_gemm_share": round(share["low"], 4),
                 "nvfp4_share": round(share.get("nvfp4", 0.0), 4),
                 "mxfp8_share": round(share.get("mxfp8", 0.0), 4),

@@ -236,3 +236,30 @@ def test_a_searched_policy_keeps_its_linears_and_gets_a_bf16_root():
     moved = block_study.bf16_root(searched)
     assert moved.layers[""].value == "bf16"
     assert {n: f.value for n, f in moved.layers.items() if n} == {"h.0.c_fc": "mxfp8", "lm_head": "bf16", "h.1.c_proj": "fp32"}
+
+
+def test_the_horizon_table_names_rules_and_searched_policies_and_takes_drops_per_seed(tmp_path):
+    from autoprec.policy import Policy
+    from autoprec.tune.flops import estimated_speedup
+    from autoprec.tune.targets import B200
+
+    def run(name, seed, metrics):
+        rows = [{"step": s, "metric": m, "finite": True, "skipped": 0, "wall_s": 0} for s, m in zip((0, 2, 4), metrics)]
+        block_study.write_run(block_study.run_path(tmp_path, name, seed), rows)
+
+    run("bf16", 0, (-2.0, -2.10, -2.30))
+    run("bf16", 1, (-2.0, -2.12, -2.34))
+    run("searched-0.04-grouped", 0, (-2.0, -2.11, -2.33))
+    run("searched-0.04-grouped", 1, (-2.0, -2.12, -2.32))
+    policies = {"bf16": Policy(layers={"": "bf16"}), "searched-0.04-grouped": Policy(layers={"": "bf16", "a": "nvfp4"})}
+    args = type("Args", (), {"steps": 2, "horizon": 2, "seeds": 2})()
+    table = block_study.horizon_table(policies, tmp_path, args, {"a": 1.0, "b": 1.0}, B200, estimated_speedup)
+    by = {r["policy"]: r for r in table}
+    assert by["bf16"]["rule"].startswith("every Linear bf16") and by["bf16"]["drop_at_10K_mean"] == 0
+    s = by["searched-0.04-grouped"]
+    assert s["rule"].startswith("searched (grouped), budget 0.04")
+    assert s["low_gemm_share"] == 0.5 and s["drop_at_K_by_seed"] == "0.01000 0.00000"
+    assert s["drop_at_10K_by_seed"] == "0.03000 -0.02000" and s["drop_at_10K_mean"] == pytest.approx(0.005)
+    assert s["noise_floor_at_K"] == pytest.approx(0.02)
+    assert s["noise_floor_at_10K"] == pytest.approx(0.04)
+    assert "above" not in " ".join(block_study.horizon_findings(table))
