@@ -837,6 +837,8 @@ def part_search(args) -> None:
             {
                 "budget": budget,
                 "layout": args.layout,
+                "trials_asked": args.trials,
+                "search_seconds": args.search_seconds,
                 "policy": searched_label(folder),
                 "wall_s": round(wall, 1),
                 "trials": len(result.trials),
@@ -885,14 +887,15 @@ def _format_counts(policy, flops: dict[str, float]) -> str:
 
 
 def search_summary(rows, args) -> str:
-    layouts = dict.fromkeys(r["layout"] for r in rows)
     commands = []
-    for layout in layouts:
-        budgets = ",".join(f"{float(r['budget']):g}" for r in rows if r["layout"] == layout)
+    for key in dict.fromkeys((r["layout"], r["trials_asked"], r["search_seconds"]) for r in rows):
+        budgets = ",".join(
+            f"{float(r['budget']):g}" for r in rows if (r["layout"], r["trials_asked"], r["search_seconds"]) == key
+        )
         commands.append(
             f"    python benchmarks/block_study.py --part search --size {args.size} --steps {args.steps} "
-            f"--budgets {budgets} --trials {args.trials} --layout {layout} --noise-runs {args.noise_runs} "
-            f"--search-seconds {args.search_seconds:g} --out {_rel(args.out)}"
+            f"--budgets {budgets} --trials {key[1]} --layout {key[0]} --noise-runs {args.noise_runs} "
+            f"--search-seconds {float(key[2]):g} --out {_rel(args.out)}"
         )
     lines = [
         "## Train-mode searches with the FLOP goal (`--part search`)",
