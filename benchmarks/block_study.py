@@ -1125,7 +1125,7 @@ def plot_curves(curves, args, path: Path) -> None:
 
     base = curves.get("bf16", {})
     steps = sorted(next(iter(base.values())).keys()) if base else []
-    fig, ax = plt.subplots(figsize=(10, 5.5))
+    fig, ax = plt.subplots(figsize=(12, 5.5))
     if len(base) > 1:
         spread = [noise_floor_at(curves, s) for s in steps]
         ax.fill_between(steps, [-v for v in spread], spread, color="0.8", label=f"bf16 noise floor (spread of {len(base)} seeds)")
@@ -1145,7 +1145,7 @@ def plot_curves(curves, args, path: Path) -> None:
     ax.set_title(f"GPT-2 example ({args.size}): each policy's eval-loss rise over bf16 trained alongside, "
                  f"same seeds, K = {args.steps}")  # fmt: skip
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
