@@ -1208,7 +1208,7 @@ def horizon_summary(table, curves, args, steps: int) -> str:
             f"| {r['policy']} | {r['rule']} | {r['low_gemm_share']:.1%} ({r['nvfp4_share']:.1%} / {r['mxfp8_share']:.1%}) | "
             f"{r['est_b200_speedup']:.2f}x | {_num(r['drop_at_K_mean'])} ({r['drop_at_K_by_seed']}) | "
             f"{_num(r['drop_at_10K_mean'])} ({r['drop_at_10K_by_seed']}) | "
-            f"{_num(r['noise_floor_at_K'])} / {_num(r['noise_floor_at_10K'])} |"
+            f"{r['noise_floor_at_K']:.4f} / {r['noise_floor_at_10K']:.4f} |"
         )
     lines += ["", "### Findings (computed from the runs)", ""]
     lines += horizon_findings(table)
@@ -1242,7 +1242,8 @@ def horizon_findings(table) -> list[str]:
         if r["policy"].startswith("searched"):
             budget = label_budget(r["policy"])
             line += (
-                f" Its budget {budget:g} (against fp32 at K) {'holds' if end <= budget else 'is broken'} at 10 x K against bf16."
+                f" Its budget {budget:g} (against fp32 at K) {'holds' if end <= budget else 'is broken'} at 10 x K against bf16 "
+                f"on the mean over the seeds{'' if budget >= f_end else ', inside a noise floor larger than the budget'}."
             )
         out.append(line)
     return out
