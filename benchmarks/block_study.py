@@ -18,9 +18,18 @@ Each Linear alone with its forward GEMM in fp8 tensorwise, MXFP8 or NVFP4 (every
 rise (the example's metric drop), and every Linear at once. Writes drop.csv, drop_by_depth.png and its section of
 summary.md (with the rank correlation against the SQNR when sqnr.csv is there).
 
-Phases 2 and 3 (train-mode searches at two or three budgets with a FLOP goal against the hand rules; loss curves
-over 10x the horizon with seeds) become further --part values once the blockscaled format family and the FLOP goal
-land in autoprec; their long runs will resume from what they already wrote in --out.
+Phase 2 (`--part search`): train-mode searches of the mini model with the FLOP goal on b200 (K = --steps train
+steps, one search per --budgets value, layout --layout), each in search/budget-<b>[-<layout>]/ with its policy.json;
+search.csv and its section of summary.md.
+
+    python benchmarks/block_study.py --part search --out results/cpu-epyc-bf16-2core/block-study
+
+Phase 3 (`--part horizon`): the anchors (bf16, NVFP4 everywhere), the hand rules (a)-(d) (rule_layers) and every
+searched policy found under search/ (root set to bf16), each trained --horizon x K steps from the trained weights with
+seeds 0..--seeds-1, the metric every K steps; each (policy, seed) run in horizon/<policy>-seed<s>.csv as it ends, a
+rerun skipping the finished ones. Writes policies.csv, loss_curves.png, pareto.png and its section of summary.md.
+
+    python benchmarks/block_study.py --part horizon --seeds 3 --out results/cpu-epyc-bf16-2core/block-study
 """
 
 from __future__ import annotations
