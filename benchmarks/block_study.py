@@ -18,9 +18,18 @@ Each Linear alone with its forward GEMM in fp8 tensorwise, MXFP8 or NVFP4 (every
 rise (the example's metric drop), and every Linear at once. Writes drop.csv, drop_by_depth.png and its section of
 summary.md (with the rank correlation against the SQNR when sqnr.csv is there).
 
-Phases 2 and 3 (train-mode searches at two or three budgets with a FLOP goal against the hand rules; loss curves
-over 10x the horizon with seeds) become further --part values once the blockscaled format family and the FLOP goal
-land in autoprec; their long runs will resume from what they already wrote in --out.
+Phase 2 (`--part search`): train-mode searches of the mini model with the FLOP goal on b200 (K = --steps train
+steps, one search per --budgets value, layout --layout), each in search/budget-<b>[-<layout>]/ with its policy.json;
+search.csv and its section of summary.md.
+
+    python benchmarks/block_study.py --part search --out results/cpu-epyc-bf16-2core/block-study
+
+Phase 3 (`--part horizon`): the anchors (bf16, NVFP4 everywhere), the hand rules (a)-(d) (rule_layers) and every
+searched policy found under search/ (root set to bf16), each trained --horizon x K steps from the trained weights with
+seeds 0..--seeds-1, the metric every K steps; each (policy, seed) run in horizon/<policy>-seed<s>.csv as it ends, a
+rerun skipping the finished ones. Writes policies.csv, loss_curves.png, pareto.png and its section of summary.md.
+
+    python benchmarks/block_study.py --part horizon --seeds 3 --out results/cpu-epyc-bf16-2core/block-study
 """
 
 from __future__ import annotations
@@ -671,7 +680,585 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-PARTS = {"sqnr": part_sqnr, "drop": part_drop}  # phase 2 (searches with a FLOP goal) and phase 3 (long loss curves) go here
+# ---------------------------------------------------------------------------------------------------------------------
+# Phases 2 and 3: train-mode searches with the FLOP goal (`--part search`) against the hand rules, and every policy's
+# loss curve over 10x the search's train steps with seeds (`--part horizon`).
+
+BF16_KEPT_SHARE = 0.15  # rule (a): torchtitan's "last ~15% of blocks" kept in high precision
+SEARCH_FORMATS = ("fp32", "bf16", "mxfp8", "nvfp4")  # the space's Linear formats (fp32 is the space's required fallback)
+HIGH = ("fp32", "tf32", "bf16", "fp16")  # GEMM element formats that are not low precision
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def last_blocks(n_blocks: int, share: float = BF16_KEPT_SHARE) -> list[int]:
+    """The last `share` of the blocks: max(1, round(share * n)) of them (12 blocks: round(1.8) = 2, blocks 10-11)."""
+    k = max(1, round(share * n_blocks))
+    return list(range(n_blocks - k, n_blocks))
+
+
+def rule_layers(names: list[str], n_blocks: int) -> dict[str, dict[str, str]]:
+    """Each hand rule as {Linear name: low format} (every Linear not listed stays in the bf16 root):
+    (a) the last 15% of blocks and the head in bf16, the rest NVFP4; (b) the first and the last block in bf16, the rest
+    NVFP4 (the head too: the rule names blocks only); (c) everything NVFP4 but the head; (d) the MLP's Linears NVFP4,
+    attention's MXFP8, the head bf16."""
+    kept_a = set(last_blocks(n_blocks))
+    rules: dict[str, dict[str, str]] = {"rule-a": {}, "rule-b": {}, "rule-c": {}, "rule-d": {}}
+    for name in names:
+        block, role = layer_role(name)
+        if block < 0:  # the head
+            rules["rule-b"][name] = "nvfp4"
+            continue
+        if block not in kept_a:
+            rules["rule-a"][name] = "nvfp4"
+        if block not in (0, n_blocks - 1):
+            rules["rule-b"][name] = "nvfp4"
+        rules["rule-c"][name] = "nvfp4"
+        rules["rule-d"][name] = "mxfp8" if role.startswith("attn.") else "nvfp4"
+    return rules
+
+
+RULE_TEXT = {
+    "bf16": "every Linear bf16 (the baseline)",
+    "nvfp4-all": "every Linear NVFP4 (where the format takes its shape), the rest bf16",
+    "rule-a": "last 15% of blocks and the head bf16, rest NVFP4",
+    "rule-b": "first and last block bf16, rest NVFP4 (head included)",
+    "rule-c": "everything NVFP4 but the head",
+    "rule-d": "MLP NVFP4, attention MXFP8, head bf16",
+}
+
+
+def study_policies(model: nn.Module, device="cpu") -> dict[str, object]:
+    """The anchors (uniform bf16, NVFP4 on every Linear that takes it) and the rules (a)-(d), as autoprec Policies
+    with a bf16 root; a Linear whose shape a format refuses (format_problem) stays bf16."""
+    from autoprec.formats import Format, format_problem, parse_format
+    from autoprec.policy import Policy
+
+    modules = dict(model.named_modules())
+    names = linear_names(model)
+    sets = {"bf16": {}, "nvfp4-all": dict.fromkeys(names, "nvfp4"), **rule_layers(names, len(model.h))}
+    out = {}
+    for label, layers in sets.items():
+        ok = {n: parse_format(f) for n, f in layers.items() if format_problem(parse_format(f), modules[n], device) is None}
+        out[label] = Policy(layers={"": Format.BF16, **ok})
+    return out
+
+
+def flops_table(model: nn.Module, tokens: int):
+    """The profile's columns gemm_flops reads (layer, type, shape "out x in", tokens) for every Linear of `model`,
+    each called on `tokens` rows a training step."""
+    import pandas as pd
+
+    rows = [
+        {"layer": n, "type": type(m).__name__, "shape": f"{m.out_features}x{m.in_features}", "tokens": tokens}
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
+    return pd.DataFrame(rows)
+
+
+def gemm_share(policy, flops: dict[str, float]) -> dict[str, float]:
+    """The FLOP-weighted share of the Linears' GEMMs (three per Linear, each 2 x tokens x in x out) in each element
+    format under `policy`, and `low` the share in a format below bf16 (fp8, mxfp8, nvfp4)."""
+    from autoprec.tune.flops import format_of, gemm_precisions
+
+    by: dict[str, float] = defaultdict(float)
+    for name, work in flops.items():
+        for precision in gemm_precisions(format_of(name, policy.layers)):
+            by[precision] += work
+    total = sum(by.values())
+    share = {p: v / total for p, v in by.items()}
+    share["low"] = sum(v for p, v in share.items() if p not in HIGH)
+    return share
+
+
+def gpt2_workload(size: str):
+    """The example's trained model as an autoprec Workload on the CPU (its train and eval batches, its loss)."""
+    from autoprec.tune import prepare
+    from autoprec.tune.api import task_from_objects
+
+    example = load_example(size)
+    model = example.build_model()
+    task = task_from_objects(model, example.loss_fn, example.batches("train"), example.batches("eval"), name=f"gpt2-{size}")
+    return example, prepare(task, "cpu")
+
+
+def search_space(layout: str, trials: int):
+    from autoprec.tune.space import space_from_dict
+
+    return space_from_dict(
+        {"default": ["fp32", "bf16"], "layers": {"Linear": list(SEARCH_FORMATS)}, "layout": layout, "trials": trials},
+        source="block_study.py",
+    )
+
+
+def searched_dir(out: Path, budget: float, layout: str = "ranked") -> Path:
+    """search/budget-<b>/ for the default layout, search/budget-<b>-<layout>/ for another."""
+    return out / "search" / (f"budget-{budget:g}" if layout == "ranked" else f"budget-{budget:g}-{layout}")
+
+
+def searched_label(folder: Path) -> str:
+    """search/budget-0.04-grouped -> searched-0.04-grouped."""
+    return "searched-" + folder.name.split("-", 1)[1]
+
+
+def searched_text(label: str) -> str:
+    layout = label.split("-")[2] if label.count("-") > 1 else "ranked"
+    return f"searched ({layout}), budget {label_budget(label):g} at K steps vs fp32; root set to bf16"
+
+
+def label_budget(label: str) -> float:
+    """searched-0.04-grouped -> 0.04."""
+    return float(label.split("-")[1])
+
+
+def part_search(args) -> None:
+    """Train-mode searches (K steps, the FLOP goal on b200) at each budget, each in its own folder under search/."""
+    import optuna
+
+    import autoprec.tune
+    from autoprec.tune.flops import estimated_speedup, gemm_flops
+    from autoprec.tune.targets import target_named
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    out: Path = args.out
+    example, workload = gpt2_workload(args.size)
+    tokens = int(example.HPARAMS["batch"] * example.HPARAMS["seq_len"])
+    flops = gemm_flops(flops_table(workload.model, tokens))
+    target = target_named("b200")
+    rows = []
+    for budget in args.budgets:
+        folder = searched_dir(out, budget, args.layout)
+        start = time.perf_counter()
+        result = autoprec.tune.search(
+            workload.model, example.loss_fn, example.batches("train"), example.batches("eval"), budget=budget,
+            trials=args.trials, device="cpu", out=folder, space=search_space(args.layout, args.trials), progress=False,
+            name=f"gpt2-{args.size}", mode="train", train_steps=args.steps, noise_runs=args.noise_runs,
+            objective="flops", target="b200", time_budget=args.search_seconds,
+        )  # fmt: skip
+        wall = time.perf_counter() - start
+        (folder / "summary.txt").write_text(result.summary() + "\n")
+        chosen = result.finals.by_name(_chosen_name(result)) if _chosen_name(result) else None
+        share = gemm_share(result.policy, flops)
+        rows.append(
+            {
+                "budget": budget,
+                "layout": args.layout,
+                "trials_asked": args.trials,
+                "search_seconds": args.search_seconds,
+                "policy": searched_label(folder),
+                "wall_s": round(wall, 1),
+                "trials": len(result.trials),
+                "chosen": _chosen_name(result) or "",
+                "low_gemm_share": round(share["low"], 4),
+                "est_b200_speedup": round(estimated_speedup(result.policy, flops, target), 4),
+                "drop_vs_fp32_at_K": "" if chosen is None else round(chosen.metric_drop, 6),
+                "noise_floor_fp32_at_K": "" if result.noise is None else round(result.noise.spread, 6),
+                "formats": _format_counts(result.policy, flops),
+                "policy_file": _rel(folder / "policy.json"),
+            }
+        )
+        print(f"budget {budget:g}: {rows[-1]} in {wall:.0f} s", flush=True)
+    path = out / "search.csv"
+    old = []
+    if path.exists():  # keep the rows of budgets not rerun now
+        with open(path) as f:
+            old = [
+                {"layout": "ranked", **r}
+                for r in csv.DictReader(f)
+                if (float(r["budget"]), r.get("layout", "ranked")) not in {(b, args.layout) for b in args.budgets}
+            ]
+    rows = sorted(old + rows, key=lambda r: (r["layout"] != "ranked", float(r["budget"])))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    update_summary(out, "search", search_summary(rows, args))
+    print(f"wrote {path}, the policies under {_rel(out / 'search')}, summary.md")
+
+
+def _chosen_name(result) -> str | None:
+    from autoprec.tune.records import Measured
+
+    measured = Measured.of(result.policy)
+    return getattr(measured, "chosen", None) or (result.policy.measured or {}).get("chosen")
+
+
+def _format_counts(policy, flops: dict[str, float]) -> str:
+    from autoprec.tune.flops import format_of
+
+    counts: dict[str, int] = defaultdict(int)
+    for name in flops:
+        counts[format_of(name, policy.layers).value] += 1
+    return " ".join(f"{f}:{n}" for f, n in sorted(counts.items()))
+
+
+def search_summary(rows, args) -> str:
+    commands = []
+    for key in dict.fromkeys((r["layout"], r["trials_asked"], r["search_seconds"]) for r in rows):
+        budgets = ",".join(
+            f"{float(r['budget']):g}" for r in rows if (r["layout"], r["trials_asked"], r["search_seconds"]) == key
+        )
+        commands.append(
+            f"    python benchmarks/block_study.py --part search --size {args.size} --steps {args.steps} "
+            f"--budgets {budgets} --trials {key[1]} --layout {key[0]} --noise-runs {args.noise_runs} "
+            f"--search-seconds {float(key[2]):g} --out {_rel(args.out)}"
+        )
+    lines = [
+        "## Train-mode searches with the FLOP goal (`--part search`)",
+        "",
+        *commands,
+        "",
+        f'`autoprec.tune.search(..., mode="train", train_steps={args.steps}, noise_runs={args.noise_runs}, '
+        f'objective="flops", target="b200", time_budget=...)` on the CPU, one search per budget (a sweep\'s '
+        "second objective is the drop beside a measured speed; this goal is an estimate, so each budget is its own "
+        "search), each in its own folder under search/ (budget-<b>/, budget-<b>-<layout>/ for a layout other than "
+        f"ranked) with its policy.json, trials.csv and summary.txt. Space: every Linear in {{{', '.join(SEARCH_FORMATS)}}} "
+        "(a space's lists must hold fp32), the root fp32 or bf16. The budget is on the metric (-(mean eval loss), "
+        f"nats/byte) after {args.steps} train steps against fp32's after the same steps (train mode's own "
+        f"baseline); the noise floor is the spread of {args.noise_runs} fp32 seeds and a repeat of seed 0. Wall: "
+        "this command's seconds for that search (a resumed study counts only its new trials).",
+        "",
+        "| budget | layout | wall (s) | trials | chosen | low-precision GEMM share | est. b200 GEMM speedup | "
+        "drop vs fp32 at K | noise floor at K | Linears by format |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {float(r['budget']):g} | {r['layout']} | {float(r['wall_s']):.0f} | {r['trials']} | {r['chosen']} | "
+            f"{float(r['low_gemm_share']):.1%} | {float(r['est_b200_speedup']):.2f}x | {r['drop_vs_fp32_at_K']} | "
+            f"{r['noise_floor_fp32_at_K']} | {r['formats']} |"
+        )
+    lines += ["", "The horizon part trains these policies 10x longer beside the hand rules.", ""]
+    return "\n".join(lines)
+
+
+def run_path(folder: Path, policy: str, seed: int) -> Path:
+    return folder / f"{policy}-seed{seed}.csv"
+
+
+def finished(path: Path, steps: int) -> bool:
+    """A run is finished when its csv exists and reached `steps` (written whole, by rename, when it ended)."""
+    if not path.exists():
+        return False
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    return bool(rows) and int(rows[-1]["step"]) >= steps
+
+
+def train_curve(workload, policy, steps: int, every: int, seed: int) -> list[dict]:
+    """Train a fresh copy of the reference weights `steps` steps with `policy` as train mode does
+    (autoprec.tune.metric.train_and_evaluate: the same Trainer, batch order and seed), taking the metric every `every`
+    steps (and at step 0). The model has no dropout and evaluating draws nothing from the RNG, so the metric at step K
+    is train_and_evaluate(workload, policy, K, seed=seed)'s."""
+    from autoprec import devices
+    from autoprec.tune.metric import batch_order, metric_of
+    from autoprec.tune.trainer import Trainer, matmul_precision
+
+    rows = []
+    start = time.perf_counter()
+    with devices.lookup(workload.device).fork_rng(workload.device):
+        torch.manual_seed(seed)
+        trainer = Trainer(workload, policy, order=batch_order(len(workload.train), steps, seed))
+        for step in range(steps + 1):
+            if step % every == 0 or step == steps:
+                finite = trainer.finite
+                with matmul_precision(workload.device, trainer.tf32):
+                    metric = metric_of(workload, trainer.model) if finite else math.nan
+                rows.append(
+                    {"step": step, "metric": metric, "finite": finite, "skipped": trainer.skipped,
+                     "wall_s": round(time.perf_counter() - start, 2)}
+                )  # fmt: skip
+            if step < steps:
+                trainer.step()
+    return rows
+
+
+def run_missing(workload, policies: dict, folder: Path, steps: int, every: int, seeds: int) -> list[tuple[str, int]]:
+    """Train each (policy, seed) whose csv is not finished, seed by seed, writing each csv as its run ends (so an
+    interrupted study resumes at the first unfinished run); returns the runs made."""
+    ran = []
+    for seed in range(seeds):
+        for name, policy in policies.items():
+            path = run_path(folder, name, seed)
+            if finished(path, steps):
+                continue
+            start = time.perf_counter()
+            rows = train_curve(workload, policy, steps, every, seed)
+            write_run(path, rows)
+            ran.append((name, seed))
+            print(
+                f"{name} seed {seed}: {steps} steps in {time.perf_counter() - start:.0f} s, metric {rows[-1]['metric']:.4f}",
+                flush=True,
+            )
+    return ran
+
+
+def write_run(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def read_run(path: Path) -> dict[int, float]:
+    with open(path) as f:
+        return {int(r["step"]): float(r["metric"]) for r in csv.DictReader(f)}
+
+
+def all_policies(model: nn.Module, out: Path) -> dict[str, object]:
+    """The anchors and rules, then each searched policy found under out/search/ (by budget)."""
+    from autoprec.policy import load_policy
+
+    found = study_policies(model)
+    folders = sorted((out / "search").glob("budget-*"), key=lambda p: (p.name.count("-"), float(p.name.split("-")[1])))
+    for folder in folders:
+        if (folder / "policy.json").exists():
+            found[searched_label(folder)] = bf16_root(load_policy(folder / "policy.json"))
+    return found
+
+
+def bf16_root(policy):
+    """The policy with its model root in bf16 and every Linear as the search chose it. A search space's root list must
+    hold fp32 (autoprec's fallback), and the FLOP goal counts Linears only, so the root a FLOP search settles on is
+    whatever the sampler drew; every policy of this study runs its norms, softmax and attention matmuls in bf16,
+    so the searched ones do too (their Linears, all the goal counts, unchanged)."""
+    from autoprec.formats import Format
+    from autoprec.policy import ROOT, Policy
+
+    return Policy(layers={**policy.layers, ROOT: Format.BF16}, loss_scale=policy.loss_scale)
+
+
+def part_horizon(args) -> None:
+    """Every policy trained 10 x K steps from the same weights with seeds 0..S-1, the metric every K steps; each
+    (policy, seed) run in its own csv under horizon/, skipped when already finished."""
+    from autoprec.tune.flops import estimated_speedup, gemm_flops
+    from autoprec.tune.targets import target_named
+
+    out: Path = args.out
+    folder = out / "horizon"
+    folder.mkdir(parents=True, exist_ok=True)
+    example, workload = gpt2_workload(args.size)
+    policies = all_policies(workload.model, out)
+    if args.only:
+        run_names = [n for n in policies if n in args.only or n == "bf16"]
+    else:
+        run_names = list(policies)
+    steps = args.horizon * args.steps
+    start = time.perf_counter()
+    ran = run_missing(workload, {n: policies[n] for n in run_names}, folder, steps, args.steps, args.seeds)
+    spent = time.perf_counter() - start
+    print(f"ran {len(ran)} runs in {spent:.0f} s", flush=True)
+    tokens = int(example.HPARAMS["batch"] * example.HPARAMS["seq_len"])
+    flops = gemm_flops(flops_table(workload.model, tokens))
+    target = target_named("b200")
+    table = horizon_table(policies, folder, args, flops, target, estimated_speedup)
+    if table:
+        with open(out / "policies.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(table[0]))
+            writer.writeheader()
+            writer.writerows(table)
+        curves = load_curves(policies, folder, args.seeds, steps)
+        plot_curves(curves, args, out / "loss_curves.png")
+        plot_pareto(table, args, out / "pareto.png")
+        update_summary(out, "horizon", horizon_summary(table, curves, args, steps))
+    print(f"horizon: {spent:.0f} s of training this run; wrote policies.csv, loss_curves.png, pareto.png, summary.md")
+
+
+def load_curves(policies, folder: Path, seeds: int, steps: int) -> dict[str, dict[int, dict[int, float]]]:
+    """{policy: {seed: {step: metric}}} for the finished runs."""
+    curves: dict[str, dict[int, dict[int, float]]] = {}
+    for name in policies:
+        for seed in range(seeds):
+            path = run_path(folder, name, seed)
+            if finished(path, steps):
+                curves.setdefault(name, {})[seed] = read_run(path)
+    return curves
+
+
+def noise_floor_at(curves, step: int) -> float:
+    """The spread (max - min) of bf16's metric at `step` over its seeds: what a drop must exceed to be told from the
+    batch order alone (train mode's noise floor, taken against bf16 here and without the repeat of seed 0, which on
+    this CPU reproduces seed 0 bit for bit)."""
+    values = [run[step] for run in curves.get("bf16", {}).values() if step in run]
+    return max(values) - min(values) if len(values) > 1 else math.nan
+
+
+def drops(curves, name: str, step: int) -> list[float]:
+    """The policy's drop against bf16 at `step`, seed by seed (same seed: same batch order): bf16 metric - its."""
+    base = curves.get("bf16", {})
+    return [base[s][step] - run[step] for s, run in sorted(curves.get(name, {}).items()) if s in base and step in run]
+
+
+def horizon_table(policies, folder, args, flops, target, estimated_speedup) -> list[dict]:
+    steps = args.horizon * args.steps
+    curves = load_curves(policies, folder, args.seeds, steps)
+    rows = []
+    for name, policy in policies.items():
+        if name not in curves:
+            continue
+        share = gemm_share(policy, flops)
+        at_k, at_end = drops(curves, name, args.steps), drops(curves, name, steps)
+        rows.append(
+            {
+                "policy": name,
+                "rule": RULE_TEXT[name] if name in RULE_TEXT else searched_text(name),
+                "low_gemm_share": round(share["low"], 4),
+                "nvfp4_share": round(share.get("nvfp4", 0.0), 4),
+                "mxfp8_share": round(share.get("mxfp8", 0.0), 4),
+                "est_b200_speedup": round(estimated_speedup(policy, flops, target), 4),
+                "seeds": len(at_end),
+                "drop_at_K_mean": round(_mean(at_k), 6) if at_k else "",
+                "drop_at_10K_mean": round(_mean(at_end), 6) if at_end else "",
+                "drop_at_K_by_seed": " ".join(f"{d:.5f}" for d in at_k),
+                "drop_at_10K_by_seed": " ".join(f"{d:.5f}" for d in at_end),
+                "noise_floor_at_K": round(noise_floor_at(curves, args.steps), 6),
+                "noise_floor_at_10K": round(noise_floor_at(curves, steps), 6),
+            }
+        )
+    return rows
+
+
+COLORS = {"nvfp4-all": "#d95f02", "rule-a": "#1b9e77", "rule-b": "#7570b3", "rule-c": "#e7298a", "rule-d": "#66a61e"}
+
+
+def plot_curves(curves, args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = curves.get("bf16", {})
+    steps = sorted(next(iter(base.values())).keys()) if base else []
+    fig, ax = plt.subplots(figsize=(12, 5.5))
+    if len(base) > 1:
+        spread = [noise_floor_at(curves, s) for s in steps]
+        ax.fill_between(steps, [-v for v in spread], spread, color="0.8", label=f"bf16 noise floor (spread of {len(base)} seeds)")
+    searched = [n for n in curves if n.startswith("searched")]
+    styles = dict(zip(searched, ("-", "--", ":"), strict=False))
+    for name in curves:
+        if name == "bf16":
+            continue
+        ys = [_mean(drops(curves, name, s)) for s in steps]
+        color = COLORS.get(name, "k")
+        ax.plot(steps, ys, marker="o", ms=3, lw=2 if name in styles else 1.4, color=color, ls=styles.get(name, "-"), label=name)
+    ax.axhline(0, color="k", lw=0.6)
+    ax.axvline(args.steps, color="0.5", lw=0.8, ls=":")
+    ax.text(args.steps, ax.get_ylim()[1], " K", va="top", color="0.4")
+    ax.set_xlabel("training steps from the trained weights")
+    ax.set_ylabel("drop vs bf16 (eval-loss rise, nats/byte; mean over seeds)")
+    ax.set_title(f"GPT-2 example ({args.size}): each policy's eval-loss rise over bf16 trained alongside, "
+                 f"same seeds, K = {args.steps}")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_pareto(table, args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    floor = next((r["noise_floor_at_10K"] for r in table if r["policy"] == "bf16"), math.nan)
+    if isinstance(floor, float) and math.isfinite(floor):
+        ax.axhspan(-floor, floor, color="0.85", label="bf16 noise floor at 10K")
+    for r in table:
+        if r["drop_at_10K_mean"] == "":
+            continue
+        searched = r["policy"].startswith("searched")
+        ax.scatter(r["est_b200_speedup"], r["drop_at_10K_mean"], s=70 if searched else 45,
+                   marker="*" if searched else "o", color=COLORS.get(r["policy"], "k"), zorder=3)  # fmt: skip
+        ax.annotate(r["policy"], (r["est_b200_speedup"], r["drop_at_10K_mean"]), textcoords="offset points",
+                    xytext=(5, 4), fontsize=8)  # fmt: skip
+    ax.axhline(0, color="k", lw=0.6)
+    ax.set_xlabel("estimated b200 GEMM speedup over all-bf16 (FLOP count, not measured)")
+    ax.set_ylabel(f"drop vs bf16 after {args.horizon * args.steps} steps (nats/byte, mean over seeds)")
+    ax.set_title("Hand rules (dots) and searched policies (stars): estimate against drop at 10 x K")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def horizon_summary(table, curves, args, steps: int) -> str:
+    lines = [
+        "## Loss curves over 10 x K steps with seeds (`--part horizon`)",
+        "",
+        f"    python benchmarks/block_study.py --part horizon --size {args.size} --steps {args.steps} "
+        f"--horizon {args.horizon} --seeds {args.seeds} --out {_rel(args.out)}",
+        "",
+        f"Each policy (bf16 root) trains a fresh copy of the trained weights {steps} steps (K = {args.steps}, "
+        f"{args.horizon} x K) with seeds 0..{args.seeds - 1}, as train mode trains (autoprec's Trainer: AdamW as the "
+        "example leaves it, the policy's GradScaler; seed 0 the example's 4 train batches in order, other seeds "
+        "reshuffled each pass), the metric -(mean eval loss) over the 4 eval batches every K steps. Drop = bf16's "
+        "metric minus the policy's, same seed; the table gives the mean over seeds and each seed's. Noise floor at a "
+        "step = max - min of bf16's metric over the seeds at that step (with 2 seeds, their difference). Each "
+        "(policy, seed) run is horizon/<policy>-seed<s>.csv; a rerun skips the finished ones. GEMM shares are "
+        "FLOP-weighted over the Linears' three GEMMs (autoprec.tune.flops.gemm_flops; est. speedup: the FLOP goal's "
+        "own estimated_speedup on b200).",
+        "",
+        "![loss curves](loss_curves.png) ![pareto](pareto.png)",
+        "",
+        "| policy | what | low-precision GEMM share (nvfp4 / mxfp8) | est. b200 speedup | drop at K (by seed) | "
+        "drop at 10K (by seed) | noise floor K / 10K |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        lines.append(
+            f"| {r['policy']} | {r['rule']} | {r['low_gemm_share']:.1%} ({r['nvfp4_share']:.1%} / {r['mxfp8_share']:.1%}) | "
+            f"{r['est_b200_speedup']:.2f}x | {_num(r['drop_at_K_mean'])} ({r['drop_at_K_by_seed']}) | "
+            f"{_num(r['drop_at_10K_mean'])} ({r['drop_at_10K_by_seed']}) | "
+            f"{r['noise_floor_at_K']:.4f} / {r['noise_floor_at_10K']:.4f} |"
+        )
+    lines += ["", "### Findings (computed from the runs)", ""]
+    lines += horizon_findings(table)
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _num(value) -> str:
+    return "" if value == "" or (isinstance(value, float) and math.isnan(value)) else f"{float(value):+.4f}"
+
+
+def horizon_findings(table) -> list[str]:
+    out = []
+    by = {r["policy"]: r for r in table}
+    base = by.get("bf16")
+    if base is None:
+        return ["* bf16 has not run yet: no drops."]
+    f_k, f_end = base["noise_floor_at_K"], base["noise_floor_at_10K"]
+    out.append(f"* bf16's own spread over the seeds (the noise floor): {f_k:.4f} at K, {f_end:.4f} at 10 x K.")
+    for r in table:
+        if r["policy"] == "bf16" or r["drop_at_10K_mean"] == "":
+            continue
+        k, end = r["drop_at_K_mean"], r["drop_at_10K_mean"]
+        verdict_k = "within" if abs(k) <= f_k else "above"
+        verdict_end = "within" if abs(end) <= f_end else "above"
+        line = (
+            f"* {r['policy']} ({r['low_gemm_share']:.0%} of the GEMM work low, est. {r['est_b200_speedup']:.2f}x): drop "
+            f"{k:+.4f} at K ({verdict_k} the floor), {end:+.4f} at 10 x K ({verdict_end} it); the drop "
+            f"{'grew' if end > k else 'shrank'} by {abs(end - k):.4f}."
+        )
+        if r["policy"].startswith("searched"):
+            budget = label_budget(r["policy"])
+            line += (
+                f" Its budget {budget:g} (against fp32 at K) {'holds' if end <= budget else 'is broken'} at 10 x K against bf16 "
+                f"on the mean over the seeds{'' if budget >= f_end else ', inside a noise floor larger than the budget'}."
+            )
+        out.append(line)
+    return out
+
+
+PARTS = {"sqnr": part_sqnr, "drop": part_drop, "search": part_search, "horizon": part_horizon}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -686,6 +1273,26 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=1,
         help="torch CPU threads (default 1: on a shared 2-core machine two threads ran a mini training step 4x slower)",
+    )
+    parser.add_argument("--steps", type=int, default=5, help="search, horizon: K, train mode's steps (default: 5)")
+    parser.add_argument(
+        "--budgets",
+        type=lambda v: [float(b) for b in v.split(",")],
+        default=[0.015, 0.04],
+        help="search: the budgets, comma-separated, metric units (default: 0.015,0.04: 2x and 5x the "
+        "noise floor of 0.0075 measured at K = 5); each budget is its own search, a rerun of some keeps the others' rows",
+    )
+    parser.add_argument("--trials", type=int, default=60, help="search: trials per budget (default: 60; a trial costs ~3 s)")
+    parser.add_argument("--layout", default="ranked", help="search: the space's layout (default: ranked)")
+    parser.add_argument("--noise-runs", type=int, default=2, help="search: train mode's fp32 seeds (default: 2)")
+    parser.add_argument("--search-seconds", type=float, default=480, help="search: time_budget per budget (default 480)")
+    parser.add_argument("--horizon", type=int, default=10, help="horizon: the long run in multiples of K (default 10)")
+    parser.add_argument("--seeds", type=int, default=2, help="horizon: seeds per policy (default: 2)")
+    parser.add_argument(
+        "--only",
+        type=lambda v: v.split(","),
+        default=None,
+        help="horizon: run only these policies (and bf16) now; the table covers every finished run",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

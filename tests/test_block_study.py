@@ -139,3 +139,127 @@ def test_part_sqnr_on_the_tiny_gpt_writes_every_layer_gemm_and_format(tmp_path, 
     assert summary.index("<!-- part:sqnr -->") < summary.index("<!-- part:drop -->")
     assert "--part sqnr --size tiny" in summary and "rank correlation" in summary
     assert (out / "drop_by_depth.png").stat().st_size > 10_000
+
+
+def _gpt_names(n_blocks):
+    roles = ("attn.c_attn", "attn.c_proj", "c_fc", "c_proj")
+    return [f"h.{b}.{r}" for b in range(n_blocks) for r in roles] + ["lm_head"]
+
+
+def test_last_fifteen_percent_of_the_blocks_rounds_to_nearest_and_keeps_at_least_one():
+    # max(1, round(0.15 n)): 12 blocks -> round(1.8) = 2; 4 -> round(0.6) = 1; 2 -> round(0.3) = 0 -> 1;
+    # 10 -> round(1.5) = 2 (Python rounds halves to even); 30 -> round(4.5) = 4
+    assert block_study.last_blocks(12) == [10, 11]
+    assert block_study.last_blocks(4) == [3]
+    assert block_study.last_blocks(2) == [1]
+    assert block_study.last_blocks(10) == [8, 9]
+    assert block_study.last_blocks(30) == [26, 27, 28, 29]
+
+
+def test_the_hand_rules_on_twelve_blocks_lower_the_layers_they_say():
+    names = _gpt_names(12)
+    rules = block_study.rule_layers(names, 12)
+    blocks = lambda layers: sorted({block_study.layer_role(n)[0] for n in layers})  # noqa: E731
+    # (a) the last 15% (blocks 10-11) and the head bf16, blocks 0-9 NVFP4
+    assert blocks(rules["rule-a"]) == list(range(10)) and set(rules["rule-a"].values()) == {"nvfp4"}
+    assert len(rules["rule-a"]) == 40
+    # (b) the first and the last block bf16, everything else NVFP4, the head included
+    assert blocks(rules["rule-b"]) == [-1, *range(1, 11)] and len(rules["rule-b"]) == 41
+    # (c) all but the head
+    assert "lm_head" not in rules["rule-c"] and len(rules["rule-c"]) == 48
+    # (d) attention MXFP8, the MLP NVFP4, the head bf16
+    assert rules["rule-d"]["h.5.attn.c_attn"] == rules["rule-d"]["h.5.attn.c_proj"] == "mxfp8"
+    assert rules["rule-d"]["h.5.c_fc"] == rules["rule-d"]["h.5.c_proj"] == "nvfp4"
+    assert "lm_head" not in rules["rule-d"] and len(rules["rule-d"]) == 48
+
+
+def test_gemm_shares_and_the_b200_estimate_match_a_hand_computation():
+    from autoprec.tune.flops import estimated_speedup, gemm_flops
+    from autoprec.tune.targets import B200
+
+    model = block_study.load_example("tiny").GPT()  # 2 blocks, 64 wide, vocab 256: untrained, shapes only
+    policies = block_study.study_policies(model)
+    flops = gemm_flops(block_study.flops_table(model, tokens=100))
+    # per block: c_attn 64x192, attn c_proj 64x64, c_fc 64x256, mlp c_proj 256x64 = 49152 in*out; head 64x256 = 16384
+    attn, mlp, head = 2 * (64 * 192 + 64 * 64), 2 * (64 * 256 + 256 * 64), 64 * 256
+    total = attn + mlp + head
+    assert flops["h.0.c_fc"] == 2 * 100 * 64 * 256
+    assert block_study.gemm_share(policies["bf16"], flops)["low"] == 0
+    assert block_study.gemm_share(policies["nvfp4-all"], flops)["low"] == pytest.approx(1)
+    assert block_study.gemm_share(policies["rule-c"], flops)["low"] == pytest.approx((attn + mlp) / total)  # 6/7
+    d = block_study.gemm_share(policies["rule-d"], flops)
+    assert d["nvfp4"] == pytest.approx(mlp / total) and d["mxfp8"] == pytest.approx(attn / total)
+    assert d["bf16"] == pytest.approx(head / total)
+    # b200 (TFLOP/s): bf16 2250, mxfp8 4500, nvfp4 9000; the estimate is all-bf16's GEMM time over the policy's
+    hand = (total / 2250) / (mlp / 9000 + attn / 4500 + head / 2250)
+    assert estimated_speedup(policies["rule-d"], flops, B200) == pytest.approx(hand)
+    # rule (a) on 2 blocks: round(0.3) = 0, at least one kept -> block 1 and the head bf16, block 0 NVFP4
+    assert sorted(policies["rule-a"].layers) == ["", "h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.c_fc", "h.0.c_proj"]
+    # rule (b) on 2 blocks: both are first or last, so only the head is NVFP4
+    assert sorted(policies["rule-b"].layers) == ["", "lm_head"]
+
+
+def test_a_finished_run_is_skipped_and_an_unfinished_one_is_run_again(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_curve(workload, policy, steps, every, seed):
+        calls.append((policy, seed))
+        return [{"step": s, "metric": -1.0 - s / 100, "finite": True, "skipped": 0, "wall_s": 0.0}
+                for s in range(0, steps + 1, every)]  # fmt: skip
+
+    monkeypatch.setattr(block_study, "train_curve", fake_curve)
+    block_study.write_run(block_study.run_path(tmp_path, "bf16", 0), fake_curve(None, "x", 20, 2, 0))
+    block_study.write_run(block_study.run_path(tmp_path, "rule-a", 0), fake_curve(None, "x", 8, 2, 0))  # stopped at 8
+    calls.clear()
+    ran = block_study.run_missing(None, {"bf16": "bf16", "rule-a": "rule-a"}, tmp_path, 20, 2, seeds=2)
+    assert ran == [("rule-a", 0), ("bf16", 1), ("rule-a", 1)]
+    assert block_study.finished(block_study.run_path(tmp_path, "rule-a", 0), 20)
+    assert block_study.run_missing(None, {"bf16": "bf16", "rule-a": "rule-a"}, tmp_path, 20, 2, seeds=2) == []
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_drops_are_taken_seed_by_seed_against_bf16_and_the_floor_is_bf16s_spread():
+    curves = {
+        "bf16": {0: {5: -2.00, 50: -2.30}, 1: {5: -2.01, 50: -2.36}},
+        "rule-c": {0: {5: -2.03, 50: -2.40}, 1: {5: -2.02, 50: -2.38}},
+    }
+    assert block_study.drops(curves, "rule-c", 5) == pytest.approx([0.03, 0.01])
+    assert block_study.drops(curves, "rule-c", 50) == pytest.approx([0.10, 0.02])
+    assert block_study.noise_floor_at(curves, 5) == pytest.approx(0.01)
+    assert block_study.noise_floor_at(curves, 50) == pytest.approx(0.06)
+
+
+def test_a_searched_policy_keeps_its_linears_and_gets_a_bf16_root():
+    from autoprec.policy import Policy
+
+    searched = Policy(layers={"": "fp32", "h.0.c_fc": "mxfp8", "lm_head": "bf16", "h.1.c_proj": "fp32"})
+    moved = block_study.bf16_root(searched)
+    assert moved.layers[""].value == "bf16"
+    assert {n: f.value for n, f in moved.layers.items() if n} == {"h.0.c_fc": "mxfp8", "lm_head": "bf16", "h.1.c_proj": "fp32"}
+
+
+def test_the_horizon_table_names_rules_and_searched_policies_and_takes_drops_per_seed(tmp_path):
+    from autoprec.policy import Policy
+    from autoprec.tune.flops import estimated_speedup
+    from autoprec.tune.targets import B200
+
+    def run(name, seed, metrics):
+        rows = [{"step": s, "metric": m, "finite": True, "skipped": 0, "wall_s": 0} for s, m in zip((0, 2, 4), metrics)]
+        block_study.write_run(block_study.run_path(tmp_path, name, seed), rows)
+
+    run("bf16", 0, (-2.0, -2.10, -2.30))
+    run("bf16", 1, (-2.0, -2.12, -2.34))
+    run("searched-0.04-grouped", 0, (-2.0, -2.11, -2.33))
+    run("searched-0.04-grouped", 1, (-2.0, -2.12, -2.32))
+    policies = {"bf16": Policy(layers={"": "bf16"}), "searched-0.04-grouped": Policy(layers={"": "bf16", "a": "nvfp4"})}
+    args = type("Args", (), {"steps": 2, "horizon": 2, "seeds": 2})()
+    table = block_study.horizon_table(policies, tmp_path, args, {"a": 1.0, "b": 1.0}, B200, estimated_speedup)
+    by = {r["policy"]: r for r in table}
+    assert by["bf16"]["rule"].startswith("every Linear bf16") and by["bf16"]["drop_at_10K_mean"] == 0
+    s = by["searched-0.04-grouped"]
+    assert s["rule"].startswith("searched (grouped), budget 0.04")
+    assert s["low_gemm_share"] == 0.5 and s["drop_at_K_by_seed"] == "0.01000 0.00000"
+    assert s["drop_at_10K_by_seed"] == "0.03000 -0.02000" and s["drop_at_10K_mean"] == pytest.approx(0.005)
+    assert s["noise_floor_at_K"] == pytest.approx(0.02)
+    assert s["noise_floor_at_10K"] == pytest.approx(0.04)
+    assert "above" not in " ".join(block_study.horizon_findings(table))
