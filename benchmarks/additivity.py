@@ -29,7 +29,7 @@ from autoprec.formats import Format, format_problem
 from autoprec.tune import load_space, load_task, prepare
 from autoprec.tune.metric import evaluate_metric
 from autoprec.tune.profile_data import Profile
-from autoprec.tune.report import markdown_table
+from autoprec.tune.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/additivity"  # where the files are written (and, for a re-check, read): --out

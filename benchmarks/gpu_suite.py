@@ -392,7 +392,7 @@ def summary(out: Path) -> str:
     """One row per searched model: step time of each alternative and of the policy, speedups over uniform bf16 and
     over the fastest uniform alternative measured, the policy's metric drop and the search's wall time."""
     from autoprec.tune.memory import human_bytes
-    from autoprec.tune.report import markdown_table
+    from autoprec.tune.tables import markdown_table
 
     headers = ["model", *(f"{c} ms" for c in COLUMNS), "policy ms", "policy / bf16", "fastest alternative",
                "policy / fastest", "policy drop", "chosen", "search s"]  # fmt: skip

@@ -29,9 +29,10 @@ from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.config import TimingConfig
 from autoprec.tune.metric import noise_floor, train_and_evaluate
 from autoprec.tune.plots import plot_all
-from autoprec.tune.report import gradient_summary, markdown_table
+from autoprec.tune.report import gradient_summary
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
+from autoprec.tune.tables import markdown_table
 from autoprec.tune.trainer import measure_steps
 
 ROOT = Path(__file__).resolve().parents[1]

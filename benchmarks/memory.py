@@ -25,7 +25,7 @@ from autoprec import Policy  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.tensors import map_tensors  # noqa: E402
 from autoprec.tune import load_task, memory, prepare  # noqa: E402
-from autoprec.tune.report import markdown_table  # noqa: E402
+from autoprec.tune.tables import markdown_table  # noqa: E402
 from autoprec.tune.trainer import Trainer, compile_scope, largest_batch  # noqa: E402
 
 EXAMPLES = ["examples/digits/model.py", "examples/tinylm/model.py", "examples/minilm/model.py"]

@@ -30,7 +30,7 @@ from autoprec.tune.cost import cost_rows  # noqa: E402
 from autoprec.tune.finalists import remeasure  # noqa: E402
 from autoprec.tune.objective import Judge  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
-from autoprec.tune.report import markdown_table  # noqa: E402
+from autoprec.tune.tables import markdown_table  # noqa: E402
 from autoprec.tune.trainer import Candidate  # noqa: E402
 
 # model -> (model.py, budget, trials): the README's commands

@@ -72,9 +72,9 @@ from autoprec.formats import Format  # noqa: E402
 from autoprec.policy import ROOT  # noqa: E402
 from autoprec.tune import SearchConfig, load_space, load_task, pipeline, prepare, searcher, timing  # noqa: E402
 from autoprec.tune.records import Measured  # noqa: E402
-from autoprec.tune.report import markdown_table  # noqa: E402
 from autoprec.tune.space import SearchSpace  # noqa: E402
 from autoprec.tune.speed import format_of  # noqa: E402
+from autoprec.tune.tables import markdown_table  # noqa: E402
 from autoprec.tune.trainer import Trainer, policy_model  # noqa: E402
 
 IQR_PER_SIGMA = 1.349  # a normal's interquartile range in sigmas

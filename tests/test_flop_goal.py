@@ -173,7 +173,7 @@ def test_a_search_on_a_cpu_plans_the_lowest_formats_the_budget_allows_for_a_b200
     assert summary.startswith(f"chosen: {m['chosen']}, estimated ") and "(FLOP count, not measured)" in summary
     assert "est. b200 (FLOPs)" in summary and "speedup here" in summary and "not on b200" in summary
 
-    from autoprec.tune.report import show_policy
+    from autoprec.tune.show import show_policy
 
     shown = show_policy(policy)
     assert "not measured" in shown and "est. b200 (FLOPs)" in shown and "speedup here" in shown

@@ -333,7 +333,7 @@ class _Twice(torch.nn.Module):
 def _in_model(workload, name, fmt, batches=2):
     """The brute-force measurement the replay stands in for: the whole model with only `name` in `fmt`, forward and
     backward on the first train batches; the layer's outputs and its weight gradient."""
-    from autoprec.tune.profiler import _first_float, _param_grad
+    from autoprec.tune.sensitivity import _first_float, _param_grad
     from autoprec.tune.trainer import policy_model
 
     model = policy_model(workload, Policy(layers={name: fmt})).eval()
@@ -357,7 +357,7 @@ def _task_of(model_fn):
 def test_the_layer_replay_gives_the_whole_models_output_and_nearly_its_gradient_sqnr(fmt):
     from autoprec.formats import Format
     from autoprec.tune.metric import sqnr_db
-    from autoprec.tune.profiler import _replay, _run
+    from autoprec.tune.sensitivity import _replay, _run
 
     workload = prepare(_task_of(_Twice), "cpu")
     cap, _ = _run(workload, copy.deepcopy(workload.model), ["fc", "mid", "head"], 2)
@@ -411,7 +411,7 @@ class _Recurrent(torch.nn.Module):
 
 def test_the_replay_of_layers_with_several_outputs_is_the_models_own_in_fp32():
     from autoprec.formats import Format
-    from autoprec.tune.profiler import _replay, _run
+    from autoprec.tune.sensitivity import _replay, _run
 
     workload = prepare(_task_of(_Recurrent), "cpu")
     cap, _ = _run(workload, copy.deepcopy(workload.model), ["lstm", "attn"], 2)
@@ -438,7 +438,7 @@ class _Siamese(torch.nn.Module):
 def test_only_a_layer_fed_its_own_output_leaves_the_replay():
     from autoprec.formats import Format
     from autoprec.tune.metric import sqnr_db
-    from autoprec.tune.profiler import _replay, _run
+    from autoprec.tune.sensitivity import _replay, _run
 
     assert _run(prepare(_task_of(_Twice), "cpu"), _Twice(), ["fc", "mid", "head"], 2)[0].fed_back == {"fc"}
     workload = prepare(_task_of(_Siamese), "cpu")
@@ -462,7 +462,7 @@ def test_a_layer_that_cannot_run_alone_is_measured_in_the_whole_model(monkeypatc
             raise RuntimeError("needs its parent")
         return replay(module, calls, fmt, device)
 
-    monkeypatch.setattr(profiler, "_replay", no_mid)
+    monkeypatch.setattr(profiler, "_replay", no_mid)  # the fp32 replay, looked up in profiler, decides "in the model"
     workload = prepare(_task_of(_Twice), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
     table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
@@ -473,7 +473,7 @@ def test_a_layer_that_cannot_run_alone_is_measured_in_the_whole_model(monkeypatc
 
 
 def test_an_earlier_output_autograd_does_not_track_counts_as_fed_back():
-    from autoprec.tune.profiler import _run
+    from autoprec.tune.sensitivity import _run
 
     model = _Siamese()
     model.fc.requires_grad_(False)  # frozen, on data: its outputs carry no graph to search
@@ -566,7 +566,7 @@ class _Residual(torch.nn.Module):
 def test_the_whole_models_dgrad_is_the_layers_share_of_its_inputs_gradient():
     from autoprec.formats import Format
     from autoprec.tune.metric import sqnr_db
-    from autoprec.tune.profiler import _in_model_run, _replay, _run
+    from autoprec.tune.sensitivity import _in_model_run, _replay, _run
 
     workload = prepare(_task_of(_Residual), "cpu")
     cap, _ = _run(workload, copy.deepcopy(workload.model), ["mid"], 2)
@@ -605,7 +605,7 @@ def test_a_layer_fed_its_own_output_has_its_dgrad_measured_in_the_whole_model():
 
 
 def test_a_non_finite_input_gradient_makes_the_row_non_finite():
-    from autoprec.tune.profiler import _Replay
+    from autoprec.tune.sensitivity import _Replay
 
     out, grad = torch.ones(4), torch.ones(4)
     assert _Replay.of(out, grad, torch.ones(4)).finite
@@ -643,7 +643,7 @@ def test_a_per_gemm_format_keeps_the_breaking_weight_gradient_in_high_precision_
     """proj's wgrad breaks in fp8 and fp8-rowwise, so the profile rules both out for it; fp8-fwd-dgrad and
     fp8-rowwise-fwd-dgrad keep that GEMM in bf16 (as good as the bf16 layer's, within 1 dB) and their fp8 forward
     above 20 dB, and stay offered."""
-    from autoprec.tune.profiler import ruled_out
+    from autoprec.tune.profile_data import ruled_out
 
     t = wgrad_table.set_index(["layer", "format"])
     for fmt in ("fp8", "fp8-rowwise"):
@@ -678,7 +678,7 @@ def test_measuring_the_input_gradient_in_the_whole_model_leaves_the_layers_compu
     bit; and attn(h, h, h) still gets one tensor three times (attention checks `query is key` for its packed
     self-attention projection), so its input gradient is h's once a call."""
     from autoprec.formats import Format
-    from autoprec.tune.profiler import _in_model_run
+    from autoprec.tune.sensitivity import _in_model_run
 
     workload = prepare(_task_of(_Recurrent), "cpu")
     out, grad = _in_model(workload, "attn", "fp32")
@@ -689,7 +689,7 @@ def test_measuring_the_input_gradient_in_the_whole_model_leaves_the_layers_compu
 
 def test_a_layer_step_whose_layer_returns_no_floating_tensor_fails_saying_so():
     from autoprec.formats import Format
-    from autoprec.tune.profiler import _layer_step
+    from autoprec.tune.layer_timing import _layer_step
 
     class Argmax(torch.nn.Module):
         def __init__(self):
@@ -722,16 +722,16 @@ def test_a_format_whose_forward_fails_on_a_layer_is_ruled_out_for_it_with_the_er
 
 def test_a_format_whose_layer_step_cannot_even_be_built_is_ruled_out_for_it_with_the_error_as_reason(monkeypatch):
     from autoprec.formats import Format
-    from autoprec.tune import profiler
+    from autoprec.tune import layer_timing
 
-    layer_step = profiler._layer_step
+    layer_step = layer_timing._layer_step
 
     def refusing(module, inputs, fmt, compiled=False):  # as a converter that refuses the layer (torchao, say)
         if fmt is Format.BF16 and isinstance(module, NoFp16Kernel):
             raise NotImplementedError("cannot convert NoFp16Kernel")
         return layer_step(module, inputs, fmt, compiled)
 
-    monkeypatch.setattr(profiler, "_layer_step", refusing)
+    monkeypatch.setattr(layer_timing, "_layer_step", refusing)  # _time_layer looks it up there
     workload = prepare(_task_of(WithNoFp16Kernel), "cpu")
     space = space_from_dict({"layers": {NO_FP16: ["fp32", "bf16"], "Linear": ["fp32", "bf16"]}})
     table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])

@@ -501,7 +501,8 @@ def test_an_alternative_that_cannot_train_is_a_row_with_its_error_not_a_crash(tm
     row = result.finals.by_name("uniform bf16")
     assert not row.runs and "no autocast here" in row.error
     assert "no autocast here" in result.policy.measured["results"]["uniform bf16"]["error"]
-    from autoprec.tune.report import search_summary, show_policy
+    from autoprec.tune.report import search_summary
+    from autoprec.tune.show import show_policy
 
     assert "uniform bf16 failed: RuntimeError: no autocast here" in search_summary(result)
     assert "uniform bf16 failed: RuntimeError: no autocast here" in show_policy(result.policy)

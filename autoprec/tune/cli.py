@@ -322,7 +322,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from autoprec.policy import load_policy
-    from autoprec.tune.report import show_policy
+    from autoprec.tune.show import show_policy
 
     policy = load_policy(args.policy)
     if args.json:

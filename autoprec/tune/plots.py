@@ -1,5 +1,5 @@
 """Figures: the profile's heat maps (profile.png), the fp16 gradient ranges (grad_ranges.png) and a sweep's Pareto
-plot (pareto.png), drawn with matplotlib, imported only where a figure is drawn. The text tables are report.py's."""
+plot (pareto.png), drawn with matplotlib, imported only where a figure is drawn. The text tables are report.py's and show.py's."""
 
 from __future__ import annotations
 

@@ -1,340 +1,45 @@
-"""Tables a person can read: console text and markdown for policies, profiles and search results. The figures are
-plots.py's."""
+"""Tables a person can read: console text and markdown for profiles (the breaking GEMMs, the gradient ranges) and
+search and sweep results. A policy's own are show.py's, the tables' layout tables.py's, the figures plots.py's."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from autoprec.errors import printable
 from autoprec.formats import FP16_MAX, Format
-from autoprec.policy import ROOT, Policy
-from autoprec.tune.alternatives import ALTERNATIVES, BF16, TF32
-from autoprec.tune.choices import role
+from autoprec.tune.alternatives import BF16, TF32
 from autoprec.tune.config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
 from autoprec.tune.cost import cost_rows
-from autoprec.tune.goals import recorded_goal
 from autoprec.tune.gradients import ScaleAdvice
-from autoprec.tune.memory import format_change, human_bytes
+from autoprec.tune.memory import human_bytes
 from autoprec.tune.profile_data import NO_KERNEL, SQNR_COLUMNS, as_float, flag
 from autoprec.tune.records import Finals, Measured, Measurement
+from autoprec.tune.show import (
+    RESULT_HEADERS,
+    LayerTable,
+    _budget,
+    _by_speed,
+    _kind,
+    _layer_name,
+    _names,
+    _saved,
+    _spread,
+    estimate_lines,
+    estimate_of,
+    memory_text,
+    mode_text,
+)
+from autoprec.tune.tables import WIDTH, markdown_table, text_table
 
 if TYPE_CHECKING:  # the results import this module to print themselves
     from autoprec.tune.out_dir import SavedProfile
     from autoprec.tune.searcher import SearchResult
     from autoprec.tune.sweeper import SweepResult
-
-WIDTH = 120  # columns a printed table keeps to (text_table wraps its last column to fit)
-
-
-def _cell(value: object) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        if math.isinf(value):
-            return "inf"
-        return f"{value:.4g}"
-    return str(value)
-
-
-def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, width: int = WIDTH) -> str:
-    """A plain aligned table; numbers right-aligned; a last column of text that would run past `width` columns
-    is wrapped onto continuation lines under itself."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in rows) for i in range(len(headers))]
-    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
-    if headers and not numeric[-1] and indent + widths[-1] > width:
-        widths[-1] = max(len(headers[-1]), width - indent, 20)
-
-    def line(values: Sequence[str]) -> list[str]:
-        *rest, last = values
-        parts = [last] if numeric[-1] else (textwrap.wrap(last, widths[-1], break_on_hyphens=False) or [""])
-        first = "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip([*rest, parts[0]], widths, numeric))
-        return [first.rstrip()] + [(" " * indent + p).rstrip() for p in parts[1:]]
-
-    out = line(headers) + line(["-" * w for w in widths])
-    for r in cells:
-        out += line(r)
-    return "\n".join(out)
-
-
-# A recorded name or value (a policy's measured block, a candidate's error) is text, never markdown or HTML: `<`, `>` and
-# `&` as entities, backticks (a code span) and `|` (a table's next cell) and `\` (which would escape what follows) escaped
-_MARKDOWN = str.maketrans({"\\": "\\\\", "`": "\\`", "|": "\\|", "<": "&lt;", ">": "&gt;", "&": "&amp;"})
-
-
-def markdown_text(text: str) -> str:
-    """`text` shown as itself in markdown: no HTML, no code span, no table cell ends inside it."""
-    return text.translate(_MARKDOWN)
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table; every cell escaped (markdown_text), its line breaks as spaces (a break would end the row)."""
-
-    def cell(value: object) -> str:
-        return " ".join(markdown_text(_cell(value)).splitlines())
-
-    out = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
-    return "\n".join(out)
-
-
-def _layer_name(name: str) -> str:
-    return "(model root: all else)" if name == ROOT else name
-
-
-COMPACT_ABOVE = 24  # layers: beyond this, the layers of one block role that agree share a row
-_SLOWER = re.compile(r"^measured (?P<ratio>[\d.]+)x the layer's fp32 time on this device$")
-SLOWER_NOTE = "Nx: the profile measured the layer N times slower in that format than in fp32 on this device"
-
-
-class LayerTable:
-    """The policy's layers as rows [layer, format, what the profile ruled out] and a legend: each reason is said once,
-    as [k] in the rows, and a slowdown as its factor (fp8 3.2x). Layers with the same format and the same ruled-out
-    cell share a row; in a policy of more than COMPACT_ABOVE layers, so do the layers of one role (`blocks.*.attn.q`)
-    whose cells differ only in numbers, which show as their range (1.31-1.34x)."""
-
-    def __init__(self, policy: Policy):
-        excluded = Measured.of(policy).excluded
-        self.legend: dict[str, int] = {}
-        self.slower = False
-        compact = len(policy.layers) > COMPACT_ABOVE
-        # grouped by the reasons themselves (numbers masked in compact mode), before any legend number is given
-        rows: dict[tuple, list[tuple[str, dict[str, str]]]] = {}
-        for name, fmt in policy.layers.items():
-            # the format a layer runs in is not "ruled out" for it: a whole policy (uniform bf16, an alternative) was
-            # measured and chosen over the profile's single-layer verdict
-            reasons = {f: why for f, why in excluded.get(name, {}).items() if f != fmt.value}
-            label = role(name) if compact and name != ROOT else ""
-            key = tuple((f, _NUMBER.sub("#", why) if compact else why) for f, why in reasons.items())
-            rows.setdefault((label, fmt.value, key), []).append((name, reasons))
-        self.rows = []
-        for (label, value, key), members in rows.items():
-            cell = ", ".join(self._tag(f, [r[f] for _, r in members]) for f, _ in key)
-            self.rows.append([_layers_label(label, [n for n, _ in members]), value, cell])
-
-    def _tag(self, fmt: str, whys: list[str]) -> str:
-        """`fmt`'s cell for a row: its slowdown (a range over the row's layers), or [k] of its reason in the legend."""
-        slower = [_SLOWER.match(why) for why in whys]
-        if all(slower):
-            self.slower = True
-            ratios = sorted(float(m["ratio"]) for m in slower if m)
-            span = f"{ratios[0]:.3g}" if ratios[0] == ratios[-1] else f"{ratios[0]:.3g}-{ratios[-1]:.3g}"
-            return f"{fmt} {span}x"
-        texts = [why[len(fmt) + 1 :] if why.startswith(fmt + " ") else why for why in whys]  # "fp8 needs", "fp8-rowwise needs"
-        text = _number_ranges(texts)
-        return f"{fmt} [{self.legend.setdefault(text, len(self.legend) + 1)}]"
-
-    def notes(self) -> list[str]:
-        """The legend's lines, each reason once."""
-        lines = [f"[{k}] {text}" for text, k in self.legend.items()]
-        return [textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in ([SLOWER_NOTE] if self.slower else []) + lines]
-
-    def render(self, *, markdown: bool = False) -> str:
-        table = (
-            markdown_table(["layer", "format", "ruled out by the profile"], self.rows)
-            if markdown
-            else text_table(["layer", "format", "ruled out by the profile"], self.rows)
-        )
-        notes = self.notes()
-        if not notes:
-            return table
-        if markdown:
-            return "\n".join([table, "", *(f"- {markdown_text(line)}" for line in notes)])
-        return "\n".join([table, "", *notes])
-
-
-SHARED_ROW_NAMES = 40  # characters of layer names a shared row lists before it counts them instead
-
-
-def _layers_label(label: str, names: list[str]) -> str:
-    if len(names) == 1:
-        return _layer_name(names[0])
-    if label:
-        return f"{label} ({len(names)} layers)"
-    listed = ", ".join(_layer_name(n) for n in names)
-    return listed if len(listed) <= SHARED_ROW_NAMES else f"{_layer_name(names[0])} and {len(names) - 1} more like it"
-
-
-def layer_rows(policy: Policy) -> list[list[str]]:
-    """LayerTable's rows (its legend apart)."""
-    return LayerTable(policy).rows
-
-
-def _number_ranges(texts: Sequence[str]) -> str:
-    """Texts equal but for their numbers, as the first one with each number that varies shown as min-max."""
-    columns = list(zip(*(_NUMBER.findall(t) for t in texts)))
-    spans = iter(c[0] if len(set(c)) == 1 else f"{min(c, key=float)}-{max(c, key=float)}" for c in columns)
-    return _NUMBER.sub(lambda _: next(spans), texts[0])
-
-
-_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
-
-
-def _spread(value: float | None) -> str:
-    spread = as_float(value)
-    return "-" if math.isnan(spread) else f"±{100 * spread / 2:.1f}%"
-
-
-def _saved(value: float | None) -> str:
-    saving = as_float(value)
-    return format_change(None if math.isnan(saving) else saving)
-
-
-def result_rows(policy: Policy) -> list[list[object]]:
-    """One row per result; the memory columns only where some result has a measured peak; the goal's estimate last,
-    where it made one (result_headers names them)."""
-    results = Measured.of(policy).results
-    peaks = any(r.peak_bytes is not None for r in results.values())
-    estimates = any(r.estimate is not None for r in results.values())
-    return [
-        [
-            name,
-            as_float(r.metric),
-            as_float(r.metric_drop),
-            as_float(r.step_ms),
-            _spread(r.spread),
-            as_float(r.speedup),
-            *((human_bytes(r.peak_bytes), _saved(r.memory_saving)) if peaks else ()),
-            *((as_float(r.estimate),) if estimates else ()),
-        ]
-        for name, r in results.items()
-    ]
-
-
-RESULT_HEADERS = ["", "metric", "drop", "step ms", "spread", "speedup", "peak memory", "vs fp32"]
-
-
-def result_headers(policy: Policy) -> list[str]:
-    """result_rows' headers: where the goal estimated (measured.estimate), the speedup is this machine's and the
-    estimate's column says on which target, and that it is one."""
-    m = Measured.of(policy)
-    peaks = any(r.peak_bytes is not None for r in m.results.values())
-    headers = RESULT_HEADERS[:6] + (RESULT_HEADERS[6:] if peaks else [])
-    est = estimate_of(m)
-    if est is None:
-        return headers
-    return [*headers[:5], "speedup here", *headers[6:], f"est. {est.get('target', '?')} (FLOPs)"]
-
-
-def estimate_of(m: Measured) -> Mapping[str, Any] | None:
-    """measured.estimate where the policy's goal made one (the FLOP goal's), else None."""
-    return m.estimate if m.estimate and isinstance(m.estimate.get("what"), str) else None
-
-
-def estimate_lines(m: Measured) -> list[str]:
-    """What a report says of an estimate: what it is, what it counts and from where, and that the step times are this
-    machine's, not the target's."""
-    est = estimate_of(m)
-    if est is None:
-        return []
-    rates = est.get("tflops")
-    rated = ", ".join(f"{k} {v:g}" for k, v in rates.items()) if isinstance(rates, Mapping) else "?"
-    return [
-        f"estimate: {m.chosen or 'the policy'}: {est['what']}; 1.0 = {est.get('baseline', 'all-bf16')}'s GEMM time on "
-        f"{est.get('device', est.get('target', '?'))}; counted: {est.get('counted', '?')}; nominal dense TFLOP/s: {rated} "
-        f"({est.get('source', '?')})",
-        f"speedup here: step times measured on this machine ({m.device or '?'}), not on {est.get('target', 'the target')}",
-    ]
-
-
-def memory_text(m: Measured) -> str:
-    """How peak memory was measured, and the limit, for the line under a results table."""
-    limit = f"; --max-memory {human_bytes(m.max_memory)} ({m.max_memory:,} bytes)" if m.max_memory else ""
-    chosen = recorded_goal(m.objective)  # None: a goal not registered here, which a report says nothing about
-    goal = f"; chosen for {chosen.chosen_for}" if chosen is not None and chosen.chosen_for else ""
-    return f"peak memory: {m.memory or 'not recorded'}{limit}{goal}; vs fp32: the peak's change from all-fp32's"
-
-
-def _by_speed(m: Measured) -> bool:
-    """Whether the goal a policy was chosen for (measured.objective) ranks by the measured speed (Goal.ranks_by_speed);
-    False for a goal not registered here (goals.recorded_goal)."""
-    goal = recorded_goal(m.objective)
-    return goal is not None and goal.ranks_by_speed
-
-
-def mode_text(m: Measured) -> str:
-    """`weights mode`, or `train mode: 50 steps, noise floor 0.01` from a policy's `measured` block."""
-    if m.mode != "train":
-        return f"{m.mode} mode"
-    floor = "-" if m.noise_floor is None else f"{m.noise_floor:.4g}"
-    return f"train mode: {m.train_steps if m.train_steps is not None else '?'} steps, noise floor {floor}"
-
-
-def _budget(m: Measured) -> str:
-    return m.budget_given or (f"{m.budget:g}" if m.budget is not None else "?")
-
-
-def _printable_tree(value: Any, depth: int = 4) -> Any:
-    """`value` with every string in it, key or value, escaped (errors.printable), `depth` mappings down: what
-    show prints lies at most three down (results.<name>.error); deeper, nothing is printed."""
-    if isinstance(value, str):
-        return printable(value)
-    if isinstance(value, Mapping) and depth > 0:
-        return {_printable_tree(k, 0): _printable_tree(v, depth - 1) for k, v in value.items()}
-    return value
-
-
-def show_policy(policy: Policy, *, markdown: bool = False) -> str:
-    """A policy for a person: each layer's format, the loss scale, and what it was measured on. A received
-    policy's text is printed escaped: a control character in it cannot set the title or clear the screen, and in
-    markdown, no name or value is HTML or markup (markdown_text)."""
-    table = markdown_table if markdown else text_table
-    say = markdown_text if markdown else str  # the lines between the tables, which escape their own cells
-    if policy.measured:
-        policy = Policy(layers=policy.layers, loss_scale=policy.loss_scale, measured=_printable_tree(policy.measured))
-    parts = [LayerTable(policy).render(markdown=markdown)]
-    ls = policy.loss_scale
-    scaler = (
-        "off (no fp16 layer)"
-        if not policy.uses_fp16
-        else (
-            f"init {ls.init_scale:g}, growth x{ls.growth_factor:g} every {ls.growth_interval} clean steps, "
-            f"backoff x{ls.backoff_factor:g}, {'dynamic' if ls.dynamic else 'static'}"
-        )
-    )
-    parts.append(say(f"loss scaling: {scaler}"))
-    used = sorted(set(policy.layers.values()), key=list(Format).index)
-    if used:
-        parts.append(say("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used)))
-    if policy.measured:
-        m = Measured.of(policy)
-        parts.append(
-            say(
-                f"measured on {m.device or '?'} for {m.model or '?'}; metric {m.metric or '?'}, "
-                f"budget {_budget(m)} ({mode_text(m)}); "
-                + (
-                    f"fp8: {m.fp8 or '?'}; " if any(f.spec.is_fp8 for f in policy.layers.values()) else ""
-                )  # only where it runs fp8
-                + f"step times {'compiled' if m.compiled else 'eager'}"
-            )
-        )
-        if m.not_separated:
-            parts.append(
-                say(
-                    f"not separated: the step times measured could not tell {m.chosen or 'this policy'} from "
-                    f"{_names(list(m.not_separated))} (inside their spread); it was chosen as the {_kind(m)}, and is "
-                    "not shown faster than them"
-                )
-            )
-        parts.extend(say(line) for line in estimate_lines(m))
-        if m.results:
-            rows = result_rows(policy)
-            parts.append(table(result_headers(policy), rows))
-            parts.extend(say(f"{n} failed: {r.error}") for n, r in m.results.items() if r.error)
-            parts.append(say(f"step time: {m.timing or ''}; speedup = fp32 step time / step time"))
-            if m.memory:
-                parts.append(say(memory_text(m)))
-        if m.versions:
-            parts.append(say("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items())))
-    return "\n\n".join(parts)
 
 
 def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
@@ -620,26 +325,6 @@ def tie(m: Measured, finals: Finals) -> Tie | None:
         return None
     spread = max([picked.spread] + [finals.by_name(n).spread for n in others])
     return Tie(chosen=picked.candidate, others=others, spread=spread, kind=_kind(m))
-
-
-def _kind(m: Measured) -> str:
-    """What a choice among ties is, from the decision's own reason (choose.choose's `why`): the alternative the user
-    would run anyway, the one with fewer fp16/fp8 layers, a smaller budget's choice the step times put above this
-    budget's pick, or simply the fastest measured."""
-    why = m.why or ""
-    if "the safer one" in why:
-        return "safer one"
-    if why.startswith("kept from the smaller budget"):
-        return "smaller budget's choice"
-    if m.chosen in {*ALTERNATIVES, m.greedy}:
-        return "alternative"
-    return "fastest measured"
-
-
-def _names(names: Sequence[str]) -> str:
-    sep = "; " if any("," in n for n in names) else ", "  # "trial 5, fp16/fp8 -> bf16" is one name
-    shown = sep.join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return shown
 
 
 def _verdict(r: Measurement) -> str:
