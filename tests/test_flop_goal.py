@@ -248,3 +248,16 @@ def test_a_gemm_left_in_high_precision_counts_in_the_autocast_around_the_layer()
     assert Format.FP8_FWD.family.gemm_precisions(Format.FP8_FWD, "bf16") == ("fp8", "fp32", "fp32")
     # the layer's own fp32 turns autocast off inside it
     assert Format.FP32.family.gemm_precisions(Format.FP32, "bf16") == ("fp32", "fp32", "fp32")
+
+
+def test_show_of_a_hand_edited_estimate_prints_what_it_can_and_never_a_traceback():
+    """A policy file whose measured.estimate lost its results' estimates, or holds a rate that is no number, made
+    `autoprec show` fail with an IndexError or a format error (found in review)."""
+    from autoprec.tune.show import show_policy
+
+    estimate = {"goal": "flops", "target": "b200", "estimate": True, "what": "estimated 2.00x all-bf16 GEMM throughput",
+                "tflops": {"bf16": "fast", "nvfp4": 9000.0}}  # fmt: skip
+    measured = {"chosen": "policy", "objective": "flops", "estimate": estimate,
+                "results": {"policy": {"metric": 1.0, "metric_drop": 0.0, "step_ms": 2.0, "speedup": 1.0}}}  # fmt: skip
+    shown = show_policy(Policy(layers={ROOT: Format.BF16}, measured=measured))
+    assert "est. b200 (FLOPs)" in shown and "bf16 ?, nvfp4 9000" in shown

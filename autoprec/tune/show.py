@@ -131,9 +131,10 @@ def _saved(value: float | None) -> str:
 def result_rows(policy: Policy) -> list[list[object]]:
     """One row per result; the memory columns only where some result has a measured peak; the goal's estimate last,
     where it made one (result_headers names them)."""
-    results = Measured.of(policy).results
+    m = Measured.of(policy)
+    results = m.results
     peaks = any(r.peak_bytes is not None for r in results.values())
-    estimates = any(r.estimate is not None for r in results.values())
+    estimates = estimate_of(m) is not None  # one rule for the column, here and in result_headers
     return [
         [
             name,
@@ -176,13 +177,18 @@ def estimate_lines(m: Measured) -> list[str]:
     if est is None:
         return []
     rates = est.get("tflops")
-    rated = ", ".join(f"{k} {v:g}" for k, v in rates.items()) if isinstance(rates, Mapping) else "?"
+    rated = ", ".join(f"{k} {_rate(v)}" for k, v in rates.items()) if isinstance(rates, Mapping) else "?"
     return [
         f"estimate: {m.chosen or 'the policy'}: {est['what']}; 1.0 = {est.get('baseline', 'all-bf16')}'s GEMM time on "
         f"{est.get('device', est.get('target', '?'))}; counted: {est.get('counted', '?')}; nominal dense TFLOP/s: {rated} "
         f"({est.get('source', '?')})",
         f"speedup here: step times measured on this machine ({m.device or '?'}), not on {est.get('target', 'the target')}",
     ]
+
+
+def _rate(value: object) -> str:
+    """A rate from a policy file, which a hand may have edited: a number as such, anything else as '?'."""
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "?"
 
 
 def memory_text(m: Measured) -> str:
