@@ -769,11 +769,12 @@ def flops_table(model: nn.Module, tokens: int):
 def gemm_share(policy, flops: dict[str, float]) -> dict[str, float]:
     """The FLOP-weighted share of the Linears' GEMMs (three per Linear, each 2 x tokens x in x out) in each element
     format under `policy`, and `low` the share in a format below bf16 (fp8, mxfp8, nvfp4)."""
-    from autoprec.tune.flops import format_of, gemm_precisions
+    from autoprec.tune.flops import format_of, gemm_precisions, outer_autocast
 
     by: dict[str, float] = defaultdict(float)
     for name, work in flops.items():
-        for precision in gemm_precisions(format_of(name, policy.layers)):
+        # a per-GEMM mix's high-precision GEMMs run in the autocast around the layer (bf16 under a bf16 root)
+        for precision in gemm_precisions(format_of(name, policy.layers), outer_autocast(name, policy.layers)):
             by[precision] += work
     total = sum(by.values())
     share = {p: v / total for p, v in by.items()}

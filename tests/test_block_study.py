@@ -297,3 +297,4 @@ def test_a_per_gemm_mix_under_a_bf16_root_is_priced_between_bf16_and_its_low_for
     assert speed["bf16"] < speed["nvfp4-fwd-dgrad"] < speed["nvfp4"]
     share = block_study.gemm_share(Policy(layers={"": "bf16", "a": "nvfp4-fwd-dgrad"}), flops)
     assert share["low"] == pytest.approx(2 / 3)
+    assert share["bf16"] == pytest.approx(1 / 3)  # its wgrad, in the bf16 root's autocast (not fp32)
