@@ -19,8 +19,9 @@ rise (the example's metric drop), and every Linear at once. Writes drop.csv, dro
 summary.md (with the rank correlation against the SQNR when sqnr.csv is there).
 
 Phase 2 (`--part search`): train-mode searches of the mini model with the FLOP goal on b200 (K = --steps train
-steps, one search per --budgets value, layout --layout), each in search/budget-<b>[-<layout>]/ with its policy.json;
-search.csv and its section of summary.md.
+steps, one search per --budgets value, layout --layout), each in search/budget-<b>[-<layout>]/ (with --tag:
+search/budget-<b>-<layout>-<tag>/) with its policy.json; search.csv and its section of summary.md. The untagged
+searches ran before autoprec's e97993f without the per-GEMM formats; `--tag postfix` ran after it, with them.
 
     python benchmarks/block_study.py --part search --out results/cpu-epyc-bf16-2core/block-study
 
@@ -685,7 +686,13 @@ def _cpu() -> str:
 # loss curve over 10x the search's train steps with seeds (`--part horizon`).
 
 BF16_KEPT_SHARE = 0.15  # rule (a): torchtitan's "last ~15% of blocks" kept in high precision
-SEARCH_FORMATS = ("fp32", "bf16", "mxfp8", "nvfp4")  # the space's Linear formats (fp32 is the space's required fallback)
+# The space's Linear formats (fp32 is the space's required fallback): the uniform ones and the per-GEMM mixes that
+# keep the weight gradient (and for *-fwd-dgrad nothing else) in the autocast around the layer. Before autoprec's
+# e97993f the FLOP estimate priced such a high-precision GEMM at fp32 even under a bf16 root, so the first searches
+# (tag "", OLD_SEARCH_FORMATS) left the mixes out; the --tag postfix searches have them.
+SEARCH_FORMATS = ("fp32", "bf16", "mxfp8", "mxfp8-fwd-dgrad", "nvfp4", "nvfp4-fwd-dgrad", "mxfp8-fwd-nvfp4-dgrad")
+OLD_SEARCH_FORMATS = ("fp32", "bf16", "mxfp8", "nvfp4")
+TAG_TEXT = {"": "before e97993f (HP GEMMs priced at fp32)", "postfix": "after e97993f (HP GEMMs in the autocast)"}
 HIGH = ("fp32", "tf32", "bf16", "fp16")  # GEMM element formats that are not low precision
 
 
@@ -762,11 +769,12 @@ def flops_table(model: nn.Module, tokens: int):
 def gemm_share(policy, flops: dict[str, float]) -> dict[str, float]:
     """The FLOP-weighted share of the Linears' GEMMs (three per Linear, each 2 x tokens x in x out) in each element
     format under `policy`, and `low` the share in a format below bf16 (fp8, mxfp8, nvfp4)."""
-    from autoprec.tune.flops import format_of, gemm_precisions
+    from autoprec.tune.flops import format_of, gemm_precisions, outer_autocast
 
     by: dict[str, float] = defaultdict(float)
     for name, work in flops.items():
-        for precision in gemm_precisions(format_of(name, policy.layers)):
+        # a per-GEMM mix's high-precision GEMMs run in the autocast around the layer (bf16 under a bf16 root)
+        for precision in gemm_precisions(format_of(name, policy.layers), outer_autocast(name, policy.layers)):
             by[precision] += work
     total = sum(by.values())
     share = {p: v / total for p, v in by.items()}
@@ -785,17 +793,26 @@ def gpt2_workload(size: str):
     return example, prepare(task, "cpu")
 
 
-def search_space(layout: str, trials: int):
+def search_formats(tag: str = "") -> tuple[str, ...]:
+    """The Linear formats of a search: the first (untagged) searches had no per-GEMM mixes."""
+    return OLD_SEARCH_FORMATS if not tag else SEARCH_FORMATS
+
+
+def search_space(layout: str, trials: int, tag: str = "postfix"):
     from autoprec.tune.space import space_from_dict
 
+    formats = list(search_formats(tag))
     return space_from_dict(
-        {"default": ["fp32", "bf16"], "layers": {"Linear": list(SEARCH_FORMATS)}, "layout": layout, "trials": trials},
+        {"default": ["fp32", "bf16"], "layers": {"Linear": formats}, "layout": layout, "trials": trials},
         source="block_study.py",
     )
 
 
-def searched_dir(out: Path, budget: float, layout: str = "ranked") -> Path:
-    """search/budget-<b>/ for the default layout, search/budget-<b>-<layout>/ for another."""
+def searched_dir(out: Path, budget: float, layout: str = "ranked", tag: str = "") -> Path:
+    """search/budget-<b>/ for the default layout, search/budget-<b>-<layout>/ for another; with a tag always
+    search/budget-<b>-<layout>-<tag>/ (the layout named, so a label reads one way)."""
+    if tag:
+        return out / "search" / f"budget-{budget:g}-{layout}-{tag}"
     return out / "search" / (f"budget-{budget:g}" if layout == "ranked" else f"budget-{budget:g}-{layout}")
 
 
@@ -804,9 +821,18 @@ def searched_label(folder: Path) -> str:
     return "searched-" + folder.name.split("-", 1)[1]
 
 
+def label_tag(label: str) -> str:
+    """searched-0.04-grouped-postfix -> postfix; searched-0.04-grouped, searched-0.04 -> ''."""
+    parts = label.split("-")
+    return parts[3] if len(parts) > 3 else ""
+
+
 def searched_text(label: str) -> str:
     layout = label.split("-")[2] if label.count("-") > 1 else "ranked"
-    return f"searched ({layout}), budget {label_budget(label):g} at K steps vs fp32; root set to bf16"
+    return (
+        f"searched ({layout}), budget {label_budget(label):g} at K steps vs fp32; root set to bf16; "
+        f"{TAG_TEXT.get(label_tag(label), label_tag(label))}"
+    )
 
 
 def label_budget(label: str) -> float:
@@ -830,11 +856,11 @@ def part_search(args) -> None:
     target = target_named("b200")
     rows = []
     for budget in args.budgets:
-        folder = searched_dir(out, budget, args.layout)
+        folder = searched_dir(out, budget, args.layout, args.tag)
         start = time.perf_counter()
         result = autoprec.tune.search(
             workload.model, example.loss_fn, example.batches("train"), example.batches("eval"), budget=budget,
-            trials=args.trials, device="cpu", out=folder, space=search_space(args.layout, args.trials), progress=False,
+            trials=args.trials, device="cpu", out=folder, space=search_space(args.layout, args.trials, args.tag), progress=False,
             name=f"gpt2-{args.size}", mode="train", train_steps=args.steps, noise_runs=args.noise_runs,
             objective="flops", target="b200", time_budget=args.search_seconds,
         )  # fmt: skip
@@ -846,6 +872,7 @@ def part_search(args) -> None:
             {
                 "budget": budget,
                 "layout": args.layout,
+                "estimate": TAG_TEXT.get(args.tag, args.tag),
                 "trials_asked": args.trials,
                 "search_seconds": args.search_seconds,
                 "policy": searched_label(folder),
@@ -866,13 +893,23 @@ def part_search(args) -> None:
     if path.exists():  # keep the rows of budgets not rerun now
         with open(path) as f:
             old = [
-                {"layout": "ranked", **r}
+                {"layout": "ranked", "estimate": TAG_TEXT[""], **r}
                 for r in csv.DictReader(f)
-                if (float(r["budget"]), r.get("layout", "ranked")) not in {(b, args.layout) for b in args.budgets}
+                if (float(r["budget"]), r.get("layout", "ranked"), label_tag(r["policy"]))
+                not in {(b, args.layout, args.tag) for b in args.budgets}
             ]
-    rows = sorted(old + rows, key=lambda r: (r["layout"] != "ranked", float(r["budget"])))
+    order = list(TAG_TEXT.values())
+    rows = sorted(
+        old + rows,
+        key=lambda r: (
+            order.index(r["estimate"]) if r["estimate"] in order else len(order),
+            r["layout"] != "ranked",
+            float(r["budget"]),
+        ),
+    )
+    fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
     update_summary(out, "search", search_summary(rows, args))
@@ -897,14 +934,16 @@ def _format_counts(policy, flops: dict[str, float]) -> str:
 
 def search_summary(rows, args) -> str:
     commands = []
-    for key in dict.fromkeys((r["layout"], r["trials_asked"], r["search_seconds"]) for r in rows):
-        budgets = ",".join(
-            f"{float(r['budget']):g}" for r in rows if (r["layout"], r["trials_asked"], r["search_seconds"]) == key
-        )
+
+    def key_of(r):
+        return r["layout"], r["trials_asked"], r["search_seconds"], label_tag(r["policy"])
+
+    for key in dict.fromkeys(key_of(r) for r in rows):
+        budgets = ",".join(f"{float(r['budget']):g}" for r in rows if key_of(r) == key)
         commands.append(
             f"    python benchmarks/block_study.py --part search --size {args.size} --steps {args.steps} "
             f"--budgets {budgets} --trials {key[1]} --layout {key[0]} --noise-runs {args.noise_runs} "
-            f"--search-seconds {float(key[2]):g} --out {_rel(args.out)}"
+            f"--search-seconds {float(key[2]):g}{f' --tag {key[3]}' if key[3] else ''} --out {_rel(args.out)}"
         )
     lines = [
         "## Train-mode searches with the FLOP goal (`--part search`)",
@@ -915,19 +954,24 @@ def search_summary(rows, args) -> str:
         f'objective="flops", target="b200", time_budget=...)` on the CPU, one search per budget (a sweep\'s '
         "second objective is the drop beside a measured speed; this goal is an estimate, so each budget is its own "
         "search), each in its own folder under search/ (budget-<b>/, budget-<b>-<layout>/ for a layout other than "
-        f"ranked) with its policy.json, trials.csv and summary.txt. Space: every Linear in {{{', '.join(SEARCH_FORMATS)}}} "
-        "(a space's lists must hold fp32), the root fp32 or bf16. The budget is on the metric (-(mean eval loss), "
+        f"ranked, budget-<b>-<layout>-<tag>/ for a tagged one) with its policy.json, trials.csv and summary.txt. "
+        f"Space: every Linear in {{{', '.join(SEARCH_FORMATS)}}} for the postfix searches (the per-GEMM mixes "
+        "keep the GEMMs they leave high in the autocast around the layer, bf16 under a bf16 root), "
+        f"{{{', '.join(OLD_SEARCH_FORMATS)}}} for the untagged ones, which ran before autoprec's e97993f: "
+        "its FLOP estimate priced a GEMM a format leaves in high precision at fp32 (75 TFLOP/s on a B200) even "
+        "under a bf16 root, so a mix could only lose there and the mixes were left out. Every list holds fp32 (a "
+        "space's rule: autoprec's fallback), the root fp32 or bf16 (set to bf16 for the horizon). The budget is on the metric (-(mean eval loss), "
         f"nats/byte) after {args.steps} train steps against fp32's after the same steps (train mode's own "
         f"baseline); the noise floor is the spread of {args.noise_runs} fp32 seeds and a repeat of seed 0. Wall: "
         "this command's seconds for that search (a resumed study counts only its new trials).",
         "",
-        "| budget | layout | wall (s) | trials | chosen | low-precision GEMM share | est. b200 GEMM speedup | "
+        "| estimate | budget | layout | wall (s) | trials | chosen | low-precision GEMM share | est. b200 GEMM speedup | "
         "drop vs fp32 at K | noise floor at K | Linears by format |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {float(r['budget']):g} | {r['layout']} | {float(r['wall_s']):.0f} | {r['trials']} | {r['chosen']} | "
+            f"| {r.get('estimate') or TAG_TEXT['']} | {float(r['budget']):g} | {r['layout']} | {float(r['wall_s']):.0f} | {r['trials']} | {r['chosen']} | "
             f"{float(r['low_gemm_share']):.1%} | {float(r['est_b200_speedup']):.2f}x | {r['drop_vs_fp32_at_K']} | "
             f"{r['noise_floor_fp32_at_K']} | {r['formats']} |"
         )
@@ -1284,6 +1328,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--trials", type=int, default=60, help="search: trials per budget (default: 60; a trial costs ~3 s)")
     parser.add_argument("--layout", default="ranked", help="search: the space's layout (default: ranked)")
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="search: a suffix for the folders and labels (search/budget-<b>-<layout>-<tag>/); a tag's space has the "
+        "per-GEMM formats (postfix: searched after autoprec's e97993f; untagged: the first searches, without them)",
+    )
     parser.add_argument("--noise-runs", type=int, default=2, help="search: train mode's fp32 seeds (default: 2)")
     parser.add_argument("--search-seconds", type=float, default=480, help="search: time_budget per budget (default 480)")
     parser.add_argument("--horizon", type=int, default=10, help="horizon: the long run in multiples of K (default 10)")

@@ -263,3 +263,38 @@ def test_the_horizon_table_names_rules_and_searched_policies_and_takes_drops_per
     assert s["noise_floor_at_K"] == pytest.approx(0.02)
     assert s["noise_floor_at_10K"] == pytest.approx(0.04)
     assert "above" not in " ".join(block_study.horizon_findings(table))
+
+
+def test_tagged_searches_get_their_own_folders_and_labels_and_the_per_gemm_formats(tmp_path):
+    from autoprec.formats import format_names
+
+    assert set(block_study.SEARCH_FORMATS) <= set(format_names())
+    old = block_study.searched_dir(tmp_path, 0.04, "grouped")
+    new = block_study.searched_dir(tmp_path, 0.015, "ranked", "postfix")
+    assert old.name == "budget-0.04-grouped" and new.name == "budget-0.015-ranked-postfix"
+    assert block_study.searched_dir(tmp_path, 0.04).name == "budget-0.04"
+    label = block_study.searched_label(new)
+    assert label == "searched-0.015-ranked-postfix" and block_study.label_budget(label) == 0.015
+    assert block_study.label_tag(label) == "postfix" and block_study.label_tag("searched-0.04-grouped") == ""
+    assert "ranked" in block_study.searched_text(label) and "after e97993f" in block_study.searched_text(label)
+    assert "before e97993f" in block_study.searched_text("searched-0.04")
+    space = block_study.search_space("ranked", 4, "postfix")
+    assert {f.value for f in space.layers["Linear"]} == set(block_study.SEARCH_FORMATS)
+    assert {f.value for f in block_study.search_space("ranked", 4, "").layers["Linear"]} == {"fp32", "bf16", "mxfp8", "nvfp4"}
+
+
+def test_a_per_gemm_mix_under_a_bf16_root_is_priced_between_bf16_and_its_low_format():
+    from autoprec.policy import Policy
+    from autoprec.tune.flops import estimated_speedup
+    from autoprec.tune.targets import B200
+
+    flops = {"a": 1.0}
+    speed = {
+        f: estimated_speedup(Policy(layers={"": "bf16", "a": f}), flops, B200)
+        for f in ("bf16", "mxfp8-fwd-dgrad", "mxfp8", "nvfp4-fwd-dgrad", "nvfp4")
+    }
+    assert speed["bf16"] < speed["mxfp8-fwd-dgrad"] < speed["mxfp8"]
+    assert speed["bf16"] < speed["nvfp4-fwd-dgrad"] < speed["nvfp4"]
+    share = block_study.gemm_share(Policy(layers={"": "bf16", "a": "nvfp4-fwd-dgrad"}), flops)
+    assert share["low"] == pytest.approx(2 / 3)
+    assert share["bf16"] == pytest.approx(1 / 3)  # its wgrad, in the bf16 root's autocast (not fp32)
