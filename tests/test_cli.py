@@ -446,6 +446,13 @@ def test_a_module_on_pythonpath_without_installed_metadata_is_the_users_and_spea
         assert not cli._from_library(str(ours / "noisy_pkg.py"))  # the user's helper module: its warnings are shown
         assert cli._from_library(str(theirs / "noisy_pkg.py"))
         assert not cli._from_library(str(theirs / "model.py"))  # not installed there: the user's, and it speaks
+        # csv-quoted RECORD lines (pip quotes a path holding a comma) and a wheel's scripts, which are no package
+        (theirs / "noisy_pkg-1.0.dist-info" / "RECORD").write_text('"odd,name.py",,\nbin/tool,,\nnoisy_pkg.py,,\n')
+        (theirs / "bin").mkdir()
+        cli._from_library.cache_clear()
+        cli._installed_tops.cache_clear()
+        assert cli._installed_tops(os.path.join(os.path.realpath(theirs), "")) == {"odd,name.py", "noisy_pkg.py"}
+        assert not cli._from_library(str(theirs / "bin" / "helper.py"))  # the user's file in a folder named as scripts
     finally:
         cli._from_library.cache_clear()
         cli._installed_tops.cache_clear()

@@ -261,3 +261,12 @@ def test_show_of_a_hand_edited_estimate_prints_what_it_can_and_never_a_traceback
                 "results": {"policy": {"metric": 1.0, "metric_drop": 0.0, "step_ms": 2.0, "speedup": 1.0}}}  # fmt: skip
     shown = show_policy(Policy(layers={ROOT: Format.BF16}, measured=measured))
     assert "est. b200 (FLOPs)" in shown and "bf16 ?, nvfp4 9000" in shown
+
+
+def test_the_autocast_around_a_layer_skips_an_ancestor_whose_format_sets_none():
+    from autoprec.tune.flops import outer_autocast
+
+    layers = {ROOT: Format.BF16, "x": Format.MXFP8_FWD, "y": Format.FP32, "z": Format.FP16}
+    assert outer_autocast("x.sub", layers) == "bf16"  # mxfp8-fwd leaves the caller's autocast: the root's
+    assert outer_autocast("y.sub", layers) is None and outer_autocast("z.sub", layers) == "fp16"
+    assert outer_autocast("w", layers) == "bf16" and outer_autocast("w", {}) is None

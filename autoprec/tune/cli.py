@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import dataclasses
 import functools
 import importlib.metadata
@@ -397,14 +398,19 @@ def _installed_tops(folder: str) -> frozenset[str]:
     tops: set[str] = set()
     for info in infos:
         try:
-            with open(os.path.join(folder, info, "RECORD"), encoding="utf-8") as record:
-                for line in record:
-                    top = line.split(",", 1)[0].replace("\\", "/").split("/", 1)[0]
-                    if top and top != ".." and not top.endswith(".dist-info"):
+            with open(os.path.join(folder, info, "RECORD"), encoding="utf-8", newline="") as record:
+                for row in csv.reader(record):  # pip writes RECORD with csv, quoting a path that holds a comma
+                    path = row[0].replace("\\", "/") if row else ""
+                    top = path.split("/", 1)[0]
+                    # Python files only: a wheel's scripts (bin/) and data are no package a warning comes from
+                    if path.endswith(_CODE) and top not in ("", "..") and not top.endswith(".dist-info"):
                         tops.add(top)
-        except OSError:
+        except (OSError, csv.Error):
             continue
     return frozenset(tops)
+
+
+_CODE = (".py", ".pyi", ".pyd", ".so")  # what an installed distribution's Python code ends in
 
 
 def _installed_on_path(real: str) -> bool:

@@ -71,11 +71,14 @@ def format_of(name: str, layers: Mapping[str, Format]) -> Format:
 
 
 def outer_autocast(name: str, layers: Mapping[str, Format]) -> str | None:
-    """The autocast layer `name` is called under: its nearest listed ancestor's (else the root's) format's autocast
-    dtype ("bf16", "fp16"), None where that is fp32 or not an autocast format."""
-    parent = name.rsplit(".", 1)[0] if "." in name else ROOT
-    around = format_of(parent, layers) if parent != ROOT else layers.get(ROOT, Format.FP32)
-    return autocast_name(around.spec.autocast)
+    """The autocast layer `name` is called under: that of its nearest listed ancestor whose format sets one (fp32 turns
+    it off; an fp8 or block-scaled layer's leaves the caller's), else the root's: "bf16", "fp16", or None."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):  # the nearest listed ancestor that sets the autocast: fp32 turns it off
+        around = layers.get(".".join(parts[:i]))
+        if around is not None and (around is Format.FP32 or around.spec.autocast is not None):
+            return autocast_name(around.spec.autocast)
+    return autocast_name(layers.get(ROOT, Format.FP32).spec.autocast)
 
 
 def gemm_precisions(fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
