@@ -31,16 +31,18 @@ def test_search_and_sweep_plans_differ_only_in_budgets_objectives_and_file_names
     assert one.greedy_name(0.01) == GREEDY and many.greedy_name(0.01) == f"{GREEDY} 0.01"
 
 
-def test_the_final_cap_is_a_share_of_the_whole_search_and_none_when_only_re_measuring():
+def test_the_final_cap_is_a_share_of_the_whole_search_and_none_when_only_re_measuring(monkeypatch):
     import time
 
     from autoprec.tune.config import FINAL_SHARE
+
+    now = time.perf_counter()
+    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: now)  # the clock stands still: no load moves the answer
     from autoprec.tune.cost import Stopwatch
 
     watch = Stopwatch()
     watch.add("profile: layer timing", 30.0)
     watch.add("trials: measuring step times (an earlier run's trials too)", 50.0)
-    now = time.perf_counter()
     assert pipeline._final_cap(SearchConfig(budget=0.1), watch, now, ran=3) == pytest.approx(FINAL_SHARE * 80.0, rel=1e-3)
     assert pipeline._final_cap(SearchConfig(budget=0.1, remeasure=True), watch, now, ran=0) is None
     within = pipeline._final_cap(SearchConfig(budget=0.1, time_budget=10.0), watch, now - 4.0, ran=3)
