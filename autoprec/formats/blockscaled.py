@@ -107,7 +107,7 @@ GEMM_FORMATS: dict[str, BlockGemms] = {}  # each registered format's GEMMs, by n
 
 
 def _gemms(fmt: Format) -> BlockGemms:
-    return GEMM_FORMATS[fmt.value]
+    return GEMM_FORMATS[fmt]  # keyed by the Format itself: torch.compile cannot trace fmt.value (str.__str__)
 
 
 def shape_problem(fmt: Format, module: torch.nn.Module) -> str | None:
@@ -141,17 +141,21 @@ def shape_problem(fmt: Format, module: torch.nn.Module) -> str | None:
 
 
 class _Route(torch.autograd.Function):
-    """`value` forward; backward, the output's gradient to each of `sources` (the computations whose gradients the
-    layer keeps). So one GEMM's result comes from one computation and another GEMM's from another, each exact."""
+    """Forward, `sources[which]` (or `value` where which is None: a result no gradient flows through); backward, the
+    output's gradient to each of `sources` (the computations whose gradients the layer keeps). So one GEMM's result
+    comes from one computation and another GEMM's from another, each exact. The value is passed by index when it is a
+    source: torch.compile cannot trace an autograd.Function given one tensor twice."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, which: int | None, value: torch.Tensor | None, *sources: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.dtypes = [s.dtype for s in sources]
-        return value.detach().clone()
+        out = sources[which] if which is not None else value
+        assert out is not None
+        return out.detach().clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (None, *(grad.to(dtype) for dtype in ctx.dtypes))
+        return (None, None, *(grad.to(dtype) for dtype in ctx.dtypes))
 
 
 def _linear(
@@ -186,7 +190,8 @@ def _linear(
     sources = [t for t in (torch_out, block_out) if t.requires_grad]
     if not sources:
         return value
-    return _Route.apply(value, *sources)
+    which = next((i for i, s in enumerate(sources) if s is value), None)
+    return _Route.apply(which, None if which is not None else value, *sources)
 
 
 def seed_of(layer: str) -> int:
@@ -304,7 +309,9 @@ class BlockScaledFamily(FormatFamily):
                 x.to(dtype),
                 weight.to(dtype),
                 None if bias is None else bias.to(dtype),
-                generator_for(module, x.device) if gemms.stochastic else None,
+                # compiled, the draws come from torch's global generator (seeded by the user's torch.manual_seed):
+                # torch.compile cannot trace a torch.Generator argument, so a layer's own stream is eager mode's
+                generator_for(module, x.device) if gemms.stochastic and not torch.compiler.is_compiling() else None,
             )
         return caller_precision(out, outer_autocast)
 

@@ -186,9 +186,19 @@ def hadamard_matrix(n: int = NVFP4_BLOCK, *, seed: int = 0, dtype: torch.dtype =
     signs flipped by a sign vector ``s`` drawn from ``seed``.  It is orthogonal: H^T H = I."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    g = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (n,), generator=g).to(torch.float64) * 2 - 1
-    return ((_sylvester(n) * signs) / math.sqrt(n)).to(dtype)
+    return ((_sylvester(n) * _signs(n, seed)) / math.sqrt(n)).to(dtype)
+
+
+_SIGNS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _signs(n: int, seed: int) -> torch.Tensor:
+    """The sign vector of `hadamard_matrix`, drawn once per (n, seed) and kept: torch.compile cannot trace the
+    creation of a Generator, so the recipe's own (16, seed 0) is drawn at import and a compiled step only reads it."""
+    if (n, seed) not in _SIGNS:
+        g = torch.Generator().manual_seed(seed)
+        _SIGNS[(n, seed)] = torch.randint(0, 2, (n,), generator=g).to(torch.float64) * 2 - 1
+    return _SIGNS[(n, seed)]
 
 
 def random_hadamard_transform(
@@ -211,3 +221,6 @@ def random_hadamard_transform(
     # row vector form: (H^T v)^T = v^T H
     out = blocks @ m.t()
     return out.reshape(shape).movedim(-1, dim)
+
+
+_signs(NVFP4_BLOCK, 0)  # the recipe's RHT signs, drawn before any torch.compile traces a step
