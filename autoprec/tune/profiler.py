@@ -8,8 +8,8 @@ would flush to zero or overflow, per loss scale, and from that the loss-scale ra
 
 Here: the order of it all (cheapest first, a format ruled out on the way measured no further) and the metric. The
 numerics (the fp32 reference pass, each GEMM's SQNR) are sensitivity.py's, the layer's own step time layer_timing.py's.
-What it writes (the table, `Profile`) and the rules the rest of the tuner reads it by are profile_data.py's: reading a
-profile needs none of the measuring here.
+What it writes (`Profile`, a `ProfileRow` per layer and format) and the rules the rest of the tuner reads it by are
+profile_data.py's: reading a profile needs none of the measuring here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import logging
 import math
 import time
 
-import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
@@ -31,7 +30,7 @@ from autoprec.tune.cost import Stopwatch
 from autoprec.tune.gradients import LayerGradients, collect, profile_columns, scale_table
 from autoprec.tune.layer_timing import _time_layer, _timing_key
 from autoprec.tune.metric import evaluate_metric, metric_name, metric_of
-from autoprec.tune.profile_data import COLUMNS, NO_KERNEL, SQNR_COLUMNS, Profile, as_float, ruled_out
+from autoprec.tune.profile_data import NO_KERNEL, SQNR_COLUMNS, Profile, ProfileRow, as_float, ruled_out
 from autoprec.tune.sensitivity import (
     _Call,
     _first_float,
@@ -315,7 +314,7 @@ def _measure_alone(workload: Workload, row: dict, fmt: Format, fp32_metric: floa
 
 def _skip(row: dict, slower_than: float, watch: Stopwatch) -> bool:
     """True (and the row says why) when what is known of the format already rules it out."""
-    reason = ruled_out(row, None, slower_than)
+    reason = ruled_out(ProfileRow(**row), None, slower_than)
     if reason is None:
         return False
     row.update(metric=math.nan, metric_drop=math.nan, metric_source=f"not measured: {reason}")
@@ -366,8 +365,8 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         progress: Show a progress bar over the layers. Default True.
 
     Returns:
-        Profile: `.table` (one row per layer and format: status, reason, step time, SQNR, metric and drop; the
-        columns of profile.csv), `.fp32_metric`, `.grad_ranges`, `.advice()` (the loss-scale advice), `.cost`;
+        Profile: `.rows` (one ProfileRow per layer and format: status, reason, step time, SQNR, metric and drop;
+        the columns of profile.csv), `.fp32_metric`, `.grad_ranges`, `.advice()` (the loss-scale advice), `.cost`;
         `.save(folder)` writes profile.csv, profile.json and grad_ranges.csv there.
 
     Raises:
@@ -380,7 +379,7 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         >>> workload = autoprec.tune.prepare(autoprec.tune.load_task("examples/digits/model.py"), "cpu")  # doctest: +SKIP
         >>> prof = autoprec.tune.profile(workload, autoprec.tune.load_space(), autoprec.tune.ProfileConfig())  # doctest: +SKIP
         >>> prof.save("results/digits-profile")  # doctest: +SKIP
-        >>> prof.table[["layer", "format", "metric_drop"]]  # doctest: +SKIP
+        >>> [(r.layer, r.format, r.metric_drop) for r in prof.rows]  # doctest: +SKIP
     """
     layers = space.tunable_layers(workload.model)
     if not layers:
@@ -405,7 +404,7 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         grads = collect(workload, list(layers), config.grad_batches)
         grad_table = scale_table(grads)
     modules = dict(workload.model.named_modules())
-    rows: list[dict] = []
+    rows: list[dict] = []  # each row's fields as measured so far: a format's group judging fills in the metric last
     timed: dict[str, tuple[str, dict, dict]] = {}
     deadline = Deadline(config.deadline_s, len(layers))
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
@@ -440,9 +439,8 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         if pending:
             tolerance = config.group_tolerance if config.group_testing else None
             _judge_group(workload, pending, Format(fmt), fp32_metric, tolerance, watch)
-    table = pd.DataFrame(rows, columns=COLUMNS)
     return Profile(
-        table=table,
+        rows=[ProfileRow(**r) for r in rows],  # a row's fields, filled in as measured: the record takes them as they stand
         fp32_metric=fp32_metric,
         metric_name=metric_name(workload),
         device=device_name(str(workload.device)),
