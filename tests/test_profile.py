@@ -216,19 +216,17 @@ def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found
     drops = {f"l{i}": (0.0001 if i < 4 else 0.0) for i in range(8)}
     drops["l5"] = 0.05
     evaluated = _fake_group_metric(monkeypatch, drops)
-    rows, watch = _pending(drops), Stopwatch()
-    profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, watch)
-    by = {r["layer"]: r for r in rows}
+    watch = Stopwatch()
+    by = profiler._judge_group(None, _pending(drops), Format.BF16, 1.0, 0.001, watch)
     # all 8; l0-3 (within) and its probe l0; l4-7; then pairs, measured alone (as cheap as a pair and its probe)
     assert len(evaluated) == 8
-    assert [n for n in drops if by[n]["metric_source"] == "measured"] == ["l0", "l4", "l5", "l6", "l7"]
-    assert by["l1"]["metric_source"].startswith("predicted: its 4 layers lowered together dropped the metric by 0.0004")
-    assert all(by[n]["metric_drop"] == pytest.approx(drops[n]) for n in drops)  # equal shares: exact here
+    assert [n for n in drops if by[n].metric_source == "measured"] == ["l0", "l4", "l5", "l6", "l7"]
+    assert by["l1"].metric_source.startswith("predicted: its 4 layers lowered together dropped the metric by 0.0004")
+    assert all(by[n].metric_drop == pytest.approx(drops[n]) for n in drops)  # equal shares: exact here
     assert watch.counts["profile: single-layer metrics predicted from a group's"] == 3
     evaluated.clear()
-    rows = _pending(drops)
-    profiler._judge_group(None, rows, Format.BF16, 1.0, None, Stopwatch())  # no tolerance: each alone
-    assert len(evaluated) == 8 and all(r["metric_source"] == "measured" for r in rows)
+    by = profiler._judge_group(None, _pending(drops), Format.BF16, 1.0, None, Stopwatch())  # no tolerance: each alone
+    assert len(evaluated) == 8 and all(by[n].metric_source == "measured" for n in drops)
 
 
 def _fake_group_metric(monkeypatch, drops, fails=()):
@@ -251,8 +249,9 @@ def _fake_group_metric(monkeypatch, drops, fails=()):
 def _pending(drops, sqnr=None):
     from autoprec.tune import profiler
 
-    return [{"layer": n, "format": "bf16", "finite": True, "metric_source": profiler.PENDING,
-             "sqnr_db": (sqnr or {}).get(n, 50.0), "grad_sqnr_db": 50.0} for n in drops]  # fmt: skip
+    return [ProfileRow(layer=n, type="Linear", shape="8x8", format="bf16", status="ok", finite=True,
+                       metric_source=profiler.PENDING, sqnr_db=(sqnr or {}).get(n, 50.0), grad_sqnr_db=50.0)
+            for n in drops]  # fmt: skip
 
 
 def test_a_sensitive_layer_whose_drop_others_cancel_is_caught_by_the_lowest_sqnr_probe(monkeypatch):
@@ -263,11 +262,10 @@ def test_a_sensitive_layer_whose_drop_others_cancel_is_caught_by_the_lowest_sqnr
     drops = {"a": 0.05, "b": -0.05, "c": 0.0, "d": 0.0}  # together: 0, within any tolerance
     _fake_group_metric(monkeypatch, drops)
     rows = _pending(drops, sqnr={"a": 30.0})  # the sensitive layer has the lowest SQNR
-    profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, Stopwatch())
-    by = {r["layer"]: r for r in rows}
-    assert by["a"]["metric_source"] == "measured" and by["a"]["metric_drop"] == pytest.approx(0.05)
-    assert by["b"]["metric_drop"] == pytest.approx(-0.05)  # the rest halved down to b alone, measured
-    assert all(by[n]["metric_drop"] == pytest.approx(drops[n]) for n in drops)
+    by = profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, Stopwatch())
+    assert by["a"].metric_source == "measured" and by["a"].metric_drop == pytest.approx(0.05)
+    assert by["b"].metric_drop == pytest.approx(-0.05)  # the rest halved down to b alone, measured
+    assert all(by[n].metric_drop == pytest.approx(drops[n]) for n in drops)
 
 
 def test_a_group_that_fails_or_goes_non_finite_is_halved_down_to_the_layer_that_cannot_run(monkeypatch):
@@ -277,12 +275,10 @@ def test_a_group_that_fails_or_goes_non_finite_is_halved_down_to_the_layer_that_
 
     drops = {"a": 0.0, "b": 0.0, "c": math.nan, "d": 0.0}
     _fake_group_metric(monkeypatch, drops, fails=("a",))
-    rows = _pending(drops)
-    profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, Stopwatch())
-    by = {r["layer"]: r for r in rows}
-    assert by["a"]["status"] == "unsupported" and "no kernel for that shape" in by["a"]["reason"]
-    assert by["c"]["metric_source"] == "measured" and by["c"]["finite"] is False  # NaN: non-finite, ruled out later
-    assert by["b"]["metric_drop"] == 0 and by["d"]["metric_drop"] == 0
+    by = profiler._judge_group(None, _pending(drops), Format.BF16, 1.0, 0.001, Stopwatch())
+    assert by["a"].status == "unsupported" and "no kernel for that shape" in by["a"].reason
+    assert by["c"].metric_source == "measured" and by["c"].finite is False  # NaN: non-finite, ruled out later
+    assert by["b"].metric_drop == 0 and by["d"].metric_drop == 0
 
 
 def test_a_users_error_in_evaluate_is_raised_at_once_not_halved_through(monkeypatch):
