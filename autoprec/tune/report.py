@@ -376,9 +376,8 @@ def gradient_summary(rows: Sequence[ProfileRow], advice: ScaleAdvice | None = No
     return "\n\n".join(parts)
 
 
-def _percent(value: float | None) -> str:
-    v = as_float(value)
-    return "-" if math.isnan(v) else f"{100 * v:.3g}%"
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:.3g}%"
 
 
 def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
