@@ -28,7 +28,7 @@ from autoprec import Policy
 from autoprec.formats import Format, format_problem
 from autoprec.tune import load_space, load_task, prepare
 from autoprec.tune.metric import evaluate_metric
-from autoprec.tune.profile_data import Profile
+from autoprec.tune.profile_data import Profile, ProfileRow, as_float
 from autoprec.tune.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,8 +96,19 @@ def committed_profile(folder: Path) -> Profile | None:
     path = folder / "profile.csv"
     if not path.is_file():
         return None
-    table = pd.read_csv(path, dtype={"layer": str})
-    return Profile(table=table, fp32_metric=math.nan, metric_name="", device="", fingerprint="")
+    table = pd.read_csv(path, dtype={"layer": str, "type": str, "shape": str, "format": str, "status": str})
+    rows = [  # the columns every profile format had: what predicted_drop reads
+        ProfileRow(
+            layer=r["layer"],
+            type=r["type"],
+            shape=r["shape"],
+            format=r["format"],
+            status=r["status"],
+            metric_drop=as_float(r["metric_drop"]),
+        )
+        for r in table.to_dict("records")
+    ]
+    return Profile(rows=rows, fp32_metric=math.nan, metric_name="", device="", fingerprint="")
 
 
 def searched_trials(model: str, prof: Profile, folder: str) -> pd.DataFrame | None:

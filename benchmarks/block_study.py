@@ -754,16 +754,22 @@ def study_policies(model: nn.Module, device="cpu") -> dict[str, object]:
 
 
 def flops_table(model: nn.Module, tokens: int):
-    """The profile's columns gemm_flops reads (layer, type, shape "out x in", tokens) for every Linear of `model`,
-    each called on `tokens` rows a training step."""
-    import pandas as pd
+    """Profile rows with what gemm_flops reads (layer, type, shape "out x in", tokens) for every Linear of `model`,
+    each called on `tokens` rows a training step (an fp32 row each: nothing else is measured)."""
+    from autoprec.tune.profile_data import ProfileRow
 
-    rows = [
-        {"layer": n, "type": type(m).__name__, "shape": f"{m.out_features}x{m.in_features}", "tokens": tokens}
+    return [
+        ProfileRow(
+            layer=n,
+            type=type(m).__name__,
+            shape=f"{m.out_features}x{m.in_features}",
+            tokens=float(tokens),
+            format="fp32",
+            status="ok",
+        )
         for n, m in model.named_modules()
         if isinstance(m, nn.Linear)
     ]
-    return pd.DataFrame(rows)
 
 
 def gemm_share(policy, flops: dict[str, float]) -> dict[str, float]:

@@ -308,7 +308,7 @@ def part_tables(name: str, out: Path, args: argparse.Namespace, until: float) ->
     start = time.time()  # the search's own profile where it ran; else measured, and saved where the search reuses it
     prof = load_or_profile(workload, space, out / f"search-{name}", config)
     print(f"gpu_suite: tables-{name}: profile ready in {time.time() - start:.0f} s", flush=True)
-    rows = prof.table.to_dict("records")
+    rows = prof.frame().to_dict("records")  # profile.csv's cells, as the table of layer times has always written them
     with open(folder / "layer_times.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=LAYER_FIELDS, extrasaction="ignore")
         writer.writeheader()

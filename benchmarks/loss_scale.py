@@ -101,7 +101,7 @@ def main() -> None:
         "",
         "## What the profile recommends",
         "",
-        gradient_summary(result.profile.table, advice, markdown=True),
+        gradient_summary(result.profile.rows, advice, markdown=True),
         "",
         "## What the train-mode search chose",
         "",

@@ -168,7 +168,7 @@ def methods(prof, names: list[str], budget: float, seed: int, device):
     everything = Choices(default=("fp32",), layers=dict.fromkeys(names, FORMATS), excluded={}, loss_scale=fixed_scale)
     pruned = dataclasses.replace(build_choices(prof, SPACE, budget, device), loss_scale=fixed_scale)
     warm = [uniform_params(pruned, "fp32"), uniform_params(pruned, "bf16"), greedy_params(prof, pruned, budget)]
-    times = LayerTimes.from_table(prof.table.to_dict("records"))
+    times = LayerTimes.from_rows(prof.rows)
     return [
         ("random, all 3^8", everything, optuna.samplers.RandomSampler(seed=seed), [], None),
         ("TPE, all 3^8", everything, sampler_for(SPACE, seed), [], None),
@@ -182,13 +182,12 @@ def marginal(table: pd.DataFrame, prof) -> str:
     """Per layer: what bf16 does to the whole step (mean speedup of the fp16-free policies with it in bf16 over
     those with it in fp32) beside what the profile measured of the layer alone, and its single-layer drop."""
     clean = table[~table["policy"].str.contains("fp16")]
-    rows = prof.table.set_index(["layer", "format"])
     lines = ["| layer | bf16 in the whole step (mean over 128 pairs) | bf16 alone, profiled (x fp32 time) | bf16 alone: metric drop |",
              "|---|---|---|---|"]  # fmt: skip
     for name in sorted(prof.layers()):
         effect = clean.loc[clean[name] == "bf16", "speedup"].mean() / clean.loc[clean[name] == "fp32", "speedup"].mean()
-        alone = rows.loc[(name, "bf16")]
-        lines.append(f"| {name} | {effect:.3f}x | {float(alone['time_vs_fp32']):.2f}x | {float(alone['metric_drop']):.3g} |")
+        alone = prof.row(name, "bf16")
+        lines.append(f"| {name} | {effect:.3f}x | {alone.time_vs_fp32:.2f}x | {alone.metric_drop:.3g} |")
     return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,6 @@
 import math
 
 import optuna
-import pandas as pd
 import pytest
 import torch
 
@@ -23,7 +22,7 @@ from autoprec.tune.choices import (
     warm_starts,
     with_layout,
 )
-from autoprec.tune.profile_data import COLUMNS, Profile
+from autoprec.tune.profile_data import Profile, ProfileRow
 from autoprec.tune.space import Layout, load_space, space_from_dict
 
 CPU = torch.device("cpu")
@@ -39,7 +38,7 @@ def profile_of(layers: dict[str, tuple[str, dict[str, tuple[float, float, float]
                 "sqnr_db": sqnr, "grad_sqnr_db": sqnr, "metric": 1 - drop, "metric_drop": drop, "finite": True,
                 "overflow": False, "max_abs": 1.0, "time_ms": ms, "time_spread": 0.01, "time_vs_fp32": ms,
             })  # fmt: skip
-    return Profile(pd.DataFrame(records, columns=COLUMNS), fp32_metric=1.0, metric_name="m", device="cpu", fingerprint="x")
+    return Profile([ProfileRow(**r) for r in records], fp32_metric=1.0, metric_name="m", device="cpu", fingerprint="x")
 
 
 def blocks(n: int, *, fp16_out: set[int] = frozenset()) -> Profile:

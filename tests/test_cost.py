@@ -69,11 +69,10 @@ def test_layers_of_one_shape_are_timed_once(write_model):
     workload = prepare(load_task(write_model(REPEATED)), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}})
     prof = profile(workload, space, FAST_PROFILE, progress=False)
-    timed_as = prof.table.groupby("layer", sort=False)["timed_as"].first().to_dict()
+    timed_as = {name: rows["fp32"].timed_as for name, rows in prof.by_layer().items()}
     assert timed_as == {"block0": "block0", "block1": "block0", "block2": "block0", "head": "head"}
-    t = prof.table.set_index(["layer", "format"])
-    assert t.loc[("block2", "bf16"), "time_ms"] == t.loc[("block0", "bf16"), "time_ms"]
-    assert t.loc[("block2", "bf16"), "metric_drop"] != t.loc[("block0", "bf16"), "metric_drop"]  # measured per layer
+    assert prof.row("block2", "bf16").time_ms == prof.row("block0", "bf16").time_ms
+    assert prof.row("block2", "bf16").metric_drop != prof.row("block0", "bf16").metric_drop  # measured per layer
     assert prof.cost["counts"]["profile: layer timing (forward + backward per format)"] == 2
     assert prof.cost["counts"]["profile: layer timings reused (same type, shapes and formats)"] == 4
 

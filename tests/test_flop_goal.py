@@ -8,7 +8,6 @@ import json
 import math
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 from short_timing import FAST_PROFILE, TINY
@@ -29,6 +28,7 @@ from autoprec.policy import ROOT, Policy
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.flops import FLOPS, Flops, estimated_speedup, format_of, gemm_flops
 from autoprec.tune.goals import SPEED
+from autoprec.tune.profile_data import ProfileRow
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.targets import B200, H100
@@ -69,14 +69,14 @@ def fp4():
     assert list(REGISTRY) == before_formats and families() == before_families
 
 
-def two_layers() -> pd.DataFrame:
+def two_layers() -> list[ProfileRow]:
     """A profile's rows for a 2-layer MLP (32 -> 64 -> 4) that saw 16 rows per training step, and a ReLU."""
-    return pd.DataFrame([
-        {"layer": "fc1", "type": "Linear", "shape": "64x32", "tokens": 16.0, "format": "fp32", "status": "ok"},
-        {"layer": "fc1", "type": "Linear", "shape": "64x32", "tokens": 16.0, "format": "bf16", "status": "ok"},
-        {"layer": "head", "type": "Linear", "shape": "4x64", "tokens": 16.0, "format": "fp32", "status": "ok"},
-        {"layer": "act", "type": "ReLU", "shape": "", "tokens": 16.0, "format": "fp32", "status": "ok"},
-    ])  # fmt: skip
+    return [
+        ProfileRow(layer="fc1", type="Linear", shape="64x32", tokens=16.0, format="fp32", status="ok"),
+        ProfileRow(layer="fc1", type="Linear", shape="64x32", tokens=16.0, format="bf16", status="ok"),
+        ProfileRow(layer="head", type="Linear", shape="4x64", tokens=16.0, format="fp32", status="ok"),
+        ProfileRow(layer="act", type="ReLU", shape="", tokens=16.0, format="fp32", status="ok"),
+    ]
 
 
 def test_the_flop_count_and_the_estimate_match_a_hand_computation():
@@ -109,8 +109,7 @@ def test_the_families_say_what_each_gemm_runs_in(fp4):
 
 
 def test_a_target_that_lacks_a_format_refuses_it_naming_what_it_runs(fp4):
-    table = pd.concat([two_layers(), pd.DataFrame([{"layer": "fc1", "type": "Linear", "shape": "64x32", "tokens": 16.0,
-                                                    "format": FP4, "status": "ok"}])])  # fmt: skip
+    table = [*two_layers(), ProfileRow(layer="fc1", type="Linear", shape="64x32", tokens=16.0, format=FP4, status="ok")]
     config = SearchConfig(budget=0.1, objective="flops", target="h100")
     with pytest.raises(ValueError, match=r"target h100 \(NVIDIA H100 SXM5\) runs fp32, bf16, fp16, fp8: toy-fp4 needs nvfp4"):
         FLOPS.bound(table, config)
@@ -199,9 +198,8 @@ def test_a_flops_search_on_a_cpu_writes_a_policy_with_mxfp8_or_nvfp4_layers_labe
     policy = load_policy(tmp_path / "policy.json")
     blockscaled = {n: f.value for n, f in policy.layers.items() if f.family.name == "blockscaled"}
     assert blockscaled, {n: f.value for n, f in policy.layers.items()}
-    rows = result.profile.table
-    kept = rows[(rows["layer"] == "big") & rows["format"].isin(["mxfp8", "nvfp4"])]
-    assert set(kept["timed_as"]) == {"no kernel on this device"} and (kept["status"] == "ok").all()
+    kept = [r for r in result.profile.rows if r.layer == "big" and r.format in ("mxfp8", "nvfp4")]
+    assert {r.timed_as for r in kept} == {"no kernel on this device"} and all(r.status == "ok" for r in kept)
     m = policy.measured
     assert m["estimate"]["target"] == "b200" and m["estimate"]["estimate"] is True
     assert m["estimate"]["value"] > 1.0  # lower than all-bf16 on the B200's throughput table

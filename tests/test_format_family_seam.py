@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import timings as timings_module
 import torch
@@ -30,7 +29,7 @@ from autoprec.formats import (
 from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, profile
 from autoprec.tune import profiler as profiler_module
 from autoprec.tune.choices import build_choices, format_params, params_for, policy_from_params
-from autoprec.tune.profile_data import COLUMNS, Profile
+from autoprec.tune.profile_data import Profile, ProfileRow
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
 
@@ -121,10 +120,10 @@ def test_a_policy_file_with_it_round_trips(toy, tmp_path):
 def test_the_profile_measures_it(toy):
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", TOY]}, "prune": {"slower_than": 1e9}})
-    table = profile(workload, space, ProfileConfig(batches=2, timing=TINY), progress=False).table
-    rows = table[table["format"] == TOY].set_index("layer")
-    assert set(rows.index) == {"fc1", "big", "head"} and (rows["status"] == "ok").all()
-    assert (rows["sqnr_db"] > 20).all() and (rows["time_ms"] > 0).all()
+    prof = profile(workload, space, ProfileConfig(batches=2, timing=TINY), progress=False)
+    rows = [r for r in prof.rows if r.format == TOY]
+    assert {r.layer for r in rows} == {"fc1", "big", "head"} and all(r.status == "ok" for r in rows)
+    assert all(r.sqnr_db > 20 and r.time_ms > 0 for r in rows)
 
 
 def test_a_search_can_choose_it(toy, timings, tmp_path, monkeypatch):
@@ -157,7 +156,7 @@ def profile_with(fmt: str, layers: int) -> Profile:
                 "finite": True, "overflow": False, "max_abs": 1.0, "time_ms": ms, "time_spread": 0.01,
                 "time_vs_fp32": ms,
             })  # fmt: skip
-    return Profile(pd.DataFrame(records, columns=COLUMNS), fp32_metric=1.0, metric_name="m", device="cpu", fingerprint="x")
+    return Profile([ProfileRow(**r) for r in records], fp32_metric=1.0, metric_name="m", device="cpu", fingerprint="x")
 
 
 def test_the_grouped_layout_offers_a_format_registered_after_the_tuner_was_imported(toy):
@@ -202,14 +201,14 @@ def test_the_profile_runs_an_autocast_format_registered_after_the_tuner_was_impo
     monkeypatch.setattr(profiler_module, "_autocast_problem", spy)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "toy-bf16"]}, "prune": {"slower_than": 1e9}})
-    table = profile(workload, space, ProfileConfig(batches=1, timing=TINY), progress=False).table
-    rows = table[table["format"] == "toy-bf16"].set_index("layer")
-    assert set(rows.index) == {"fc1", "big", "head"} and (rows["status"] == "ok").all()
+    prof = profile(workload, space, ProfileConfig(batches=1, timing=TINY), progress=False)
+    rows = {r.layer: r for r in prof.rows if r.format == "toy-bf16"}
+    assert set(rows) == {"fc1", "big", "head"} and all(r.status == "ok" for r in rows.values())
     assert asked.count("toy-bf16") == 3  # autocast's own check of each layer: it lowers to the format's dtype
     # as bf16 does: the same dtype, so the same numerics
     bf16 = profile(workload, space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}}),
-                   ProfileConfig(batches=1, timing=TINY), progress=False).table  # fmt: skip
-    assert list(rows["sqnr_db"]) == list(bf16[bf16["format"] == "bf16"].set_index("layer").loc[rows.index, "sqnr_db"])
+                   ProfileConfig(batches=1, timing=TINY), progress=False)  # fmt: skip
+    assert [r.sqnr_db for r in rows.values()] == [bf16.row(name, "bf16").sqnr_db for name in rows]
 
 
 def test_a_stale_format_object_is_resolved_by_its_name_or_refused():

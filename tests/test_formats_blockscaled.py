@@ -310,31 +310,30 @@ def prof():
 
 
 def _row(prof, layer, fmt):
-    t = prof.table
-    return t[(t["layer"] == layer) & (t["format"] == fmt)].iloc[0]
+    return prof.row(layer, fmt)
 
 
 def test_the_profile_reports_per_gemm_sqnr_and_no_kernel_for_the_time(prof):
     for layer in ("fc1", "big"):
         mx, nv, fwd = (_row(prof, layer, f) for f in ("mxfp8", "nvfp4", "nvfp4-fwd"))
         for r in (mx, nv, fwd):
-            assert r["status"] == "ok" and r["timed_as"] == NO_KERNEL and math.isnan(r["time_ms"])
-            assert r["metric_source"] == "measured" and math.isfinite(r["metric_drop"])  # a profile alone measures it
+            assert r.status == "ok" and r.timed_as == NO_KERNEL and math.isnan(r.time_ms)
+            assert r.metric_source == "measured" and math.isfinite(r.metric_drop)  # a profile alone measures it
         # docs/block-scaled.md's ranges: MXFP8 ~28.5 dB, NVFP4's recipe 15-17.5 dB, per GEMM
-        assert 26 < mx["sqnr_db"] < 32 and 26 < mx["grad_sqnr_db"] < 33
-        assert 14 < nv["sqnr_db"] < 19 and 13.5 < nv["grad_sqnr_db"] < 19.5
-        assert fwd["sqnr_db"] == nv["sqnr_db"] and fwd["grad_sqnr_db"] == math.inf  # its wgrad is fp32's
+        assert 26 < mx.sqnr_db < 32 and 26 < mx.grad_sqnr_db < 33
+        assert 14 < nv.sqnr_db < 19 and 13.5 < nv.grad_sqnr_db < 19.5
+        assert fwd.sqnr_db == nv.sqnr_db and fwd.grad_sqnr_db == math.inf  # its wgrad is fp32's
     # dgrad: fc1 sends none back (its input is data); big's
-    assert math.isnan(_row(prof, "fc1", "mxfp8")["dgrad_sqnr_db"])
-    assert 26 < _row(prof, "big", "mxfp8")["dgrad_sqnr_db"] < 32 and 13.5 < _row(prof, "big", "nvfp4")["dgrad_sqnr_db"] < 19
-    assert _row(prof, "big", "nvfp4-fwd")["dgrad_sqnr_db"] == math.inf
+    assert math.isnan(_row(prof, "fc1", "mxfp8").dgrad_sqnr_db)
+    assert 26 < _row(prof, "big", "mxfp8").dgrad_sqnr_db < 32 and 13.5 < _row(prof, "big", "nvfp4").dgrad_sqnr_db < 19
+    assert _row(prof, "big", "nvfp4-fwd").dgrad_sqnr_db == math.inf
     head = _row(prof, "head", "mxfp8")
-    assert head["status"] == "unsupported" and "out_features divisible by 32" in head["reason"]
-    assert _row(prof, "fc1", "bf16")["time_ms"] > 0  # the others are timed as before
+    assert head.status == "unsupported" and "out_features divisible by 32" in head.reason
+    assert _row(prof, "fc1", "bf16").time_ms > 0  # the others are timed as before
 
 
 def test_the_summary_says_no_kernel_and_a_search_rules_it_out(prof):
-    text = profile_summary(prof.table)
+    text = profile_summary(prof.rows)
     assert "mxfp8 x time" in text and NO_KERNEL.split()[0] in text
     line = next(s for s in text.splitlines() if s.startswith("big"))
     assert "no kernel on this" in line

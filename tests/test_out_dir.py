@@ -145,8 +145,8 @@ def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_rul
     watch = Stopwatch()
     again = load_or_profile(workload, lenient, tmp_path, config, watch=watch)  # bf16 is in play now: judged
     assert "profile: reused the one saved in the output folder" not in watch.counts
-    sources = again.table.loc[again.table["format"] == "bf16", "metric_source"]
-    assert not sources.str.startswith("not measured").any() and sources.str.startswith(("measured", "predicted")).all()
+    sources = [r.metric_source for r in again.rows if r.format == "bf16"]
+    assert all(s.startswith(("measured", "predicted")) for s in sources)
 
 
 def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_only_as_precise(tmp_path):
@@ -157,9 +157,9 @@ def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_on
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
     loose = SearchConfig(budget=0.5, progress=False, profile=FAST)
     prof = load_or_profile(workload, space, tmp_path, loose)
-    bf16 = prof.table[prof.table["format"] == "bf16"]
+    bf16 = [r.metric_source for r in prof.rows if r.format == "bf16"]
     assert prof.group_tolerance == pytest.approx(0.05)
-    assert (bf16["metric_source"] == "measured").sum() == 1 and bf16["metric_source"].str.startswith("predicted").sum() == 2
+    assert bf16.count("measured") == 1 and sum(s.startswith("predicted") for s in bf16) == 2
     assert Profile.load(tmp_path).group_tolerance == pytest.approx(0.05)
     watch = Stopwatch()
     load_or_profile(workload, space, tmp_path, loose, watch=watch)
@@ -180,7 +180,7 @@ def test_a_profile_of_autoprec_profile_measured_alone_is_reused_by_any_search(tm
     # group_testing=False wins over a tolerance: every drop measured alone
     alone = SearchConfig(budget=0.5, progress=False, profile=dataclasses.replace(FAST, group_testing=False, group_tolerance=0.1))
     first = load_or_profile(workload, space, tmp_path, alone)
-    assert first.group_tolerance is None and (first.table["metric_source"] == "measured").all()
+    assert first.group_tolerance is None and all(r.metric_source == "measured" for r in first.rows)
     watch = Stopwatch()
     load_or_profile(workload, space, tmp_path, SearchConfig(budget=0.001, progress=False, profile=FAST), watch=watch)
     assert watch.counts == {"profile: reused the one saved in the output folder": 1}  # every drop measured: precise
@@ -200,5 +200,4 @@ def test_a_saved_profile_that_left_numerics_unmeasured_does_not_serve_a_search_t
         workload, space, tmp_path, dataclasses.replace(offered, profile=dataclasses.replace(FAST, numerics="all")), watch=watch
     )
     assert "profile: reused the one saved in the output folder" not in watch.counts and again.numerics == "all"
-    t = again.table.set_index(["layer", "format"])
-    assert not math.isnan(t.loc[("fc1", "bf16"), "sqnr_db"])  # measured now, though slower than fp32 here
+    assert not math.isnan(again.row("fc1", "bf16").sqnr_db)  # measured now, though slower than fp32 here

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -32,13 +33,8 @@ def test_heat_map_marks_what_went_wrong(prof, tmp_path, monkeypatch):
     monkeypatch.setattr(
         matplotlib.axes.Axes, "text", lambda self, x, y, s, **kw: texts.append((x, y, s)) or original(self, x, y, s, **kw)
     )
-    table = prof.table.copy()
-    slow = (table["layer"] == "fc1") & (table["format"] == "bf16")
-    table.loc[slow, ["metric_source", "sqnr_db", "metric_drop"]] = [
-        "not measured: measured 2.00x the layer's fp32 time",
-        math.nan,
-        math.nan,
-    ]
+    slow = dict(metric_source="not measured: measured 2.00x the layer's fp32 time", sqnr_db=math.nan, metric_drop=math.nan)
+    table = [dataclasses.replace(r, **slow) if (r.layer, r.format) == ("fc1", "bf16") else r for r in prof.rows]
     plot_profile(table, tmp_path / "p.png")
     formats, layers = ["fp32", "bf16", "fp16", "fp8"], ["fc1", "big", "head"]
     at = {(layers[y], formats[x]): s for x, y, s in texts}
@@ -59,19 +55,17 @@ ALL_FORMATS = ["fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp"
 
 
 def profile_table(layers, formats, drop=lambda layer, fmt: 0.0):
-    """A profile table as the profiler writes it: every (layer, format) measured, SQNR 30 dB, the drop `drop` gives."""
-    import pandas as pd
-
-    from autoprec.tune.profile_data import COLUMNS
+    """A profile's rows as the profiler writes them: every (layer, format) measured, SQNR 30 dB, the drop `drop` gives."""
+    from autoprec.tune.profile_data import ProfileRow
 
     rows = []
     for layer in layers:
         for fmt in formats:
             ref = fmt == "fp32"
-            rows.append({"layer": layer, "type": "Linear", "shape": "64x64", "format": fmt, "status": "ok", "finite": True,
-                         "overflow": False, "metric_source": "measured", "time_ms": 1.0, "time_vs_fp32": 1.0,
-                         "sqnr_db": math.inf if ref else 30.0, "metric_drop": 0.0 if ref else drop(layer, fmt)})  # fmt: skip
-    return pd.DataFrame(rows, columns=COLUMNS)
+            rows.append(ProfileRow(layer=layer, type="Linear", shape="64x64", format=fmt, status="ok", finite=True,
+                         overflow=False, metric_source="measured", time_ms=1.0, time_vs_fp32=1.0,
+                         sqnr_db=math.inf if ref else 30.0, metric_drop=0.0 if ref else drop(layer, fmt)))  # fmt: skip
+    return rows
 
 
 def blocks(count, roles=("attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.down")):

@@ -11,7 +11,7 @@ from short_timing import TINY, fixed_layer_times
 
 from autoprec import Policy
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
-from autoprec.tune.profile_data import COLUMNS, Profile
+from autoprec.tune.profile_data import COLUMNS, Profile, ProfileRow
 from autoprec.tune.space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
@@ -27,45 +27,48 @@ def prof():
 
 
 def row(prof, layer, fmt):
-    t = prof.table
-    return t[(t["layer"] == layer) & (t["format"] == fmt)].iloc[0]
+    return prof.row(layer, fmt)
+
+
+def keyed(rows):
+    """A profile's rows by (layer, format)."""
+    return {(r.layer, r.format): r for r in rows}
 
 
 def test_one_row_per_layer_and_format(prof):
-    assert list(prof.table.columns) == COLUMNS
+    assert list(prof.frame().columns) == COLUMNS
     assert prof.layers() == ["fc1", "big", "head"]
-    assert len(prof.table) == 12
+    assert len(prof.rows) == 12 and all(isinstance(r, ProfileRow) for r in prof.rows)
 
 
 def test_fp16_overflow_is_found(prof):
     r = row(prof, "big", "fp16")
-    assert bool(r["overflow"]) and not bool(r["finite"]) and r["max_abs"] > 65504
-    assert not bool(row(prof, "big", "bf16")["overflow"])  # bf16 has fp32's range
+    assert bool(r.overflow) and not bool(r.finite) and r.max_abs > 65504
+    assert not bool(row(prof, "big", "bf16").overflow)  # bf16 has fp32's range
 
 
 def test_sqnr_reflects_each_formats_mantissa(prof):
-    bf16, fp16, fp8 = (row(prof, "fc1", f)["sqnr_db"] for f in ("bf16", "fp16", "fp8"))
+    bf16, fp16, fp8 = (row(prof, "fc1", f).sqnr_db for f in ("bf16", "fp16", "fp8"))
     assert 35 < bf16 < 60 and 55 < fp16 < 80 and 20 <= fp8 < 40  # 8, 11 and 4 mantissa bits
-    assert row(prof, "fc1", "fp8")["grad_sqnr_db"] >= 13
-    assert row(prof, "fc1", "fp32")["sqnr_db"] == math.inf and row(prof, "fc1", "fp32")["metric_drop"] == 0
+    assert row(prof, "fc1", "fp8").grad_sqnr_db >= 13
+    assert row(prof, "fc1", "fp32").sqnr_db == math.inf and row(prof, "fc1", "fp32").metric_drop == 0
 
 
 def test_unsupported_formats_carry_a_reason(prof):
     r = row(prof, "head", "fp8")
-    assert r["status"] == "unsupported" and "divisible by 16" in r["reason"] and math.isnan(r["time_ms"])
+    assert r.status == "unsupported" and "divisible by 16" in r.reason and math.isnan(r.time_ms)
 
 
 def test_every_runnable_format_is_timed(prof):
-    ok = prof.table[prof.table["status"] == "ok"]
-    assert (ok["time_ms"] > 0).all()
-    assert (prof.table[prof.table["format"] == "fp32"]["time_vs_fp32"] == 1.0).all()
+    assert all(r.time_ms > 0 for r in prof.rows if r.status == "ok")
+    assert all(r.time_vs_fp32 == 1.0 for r in prof.rows if r.format == "fp32")
 
 
 def test_save_and_load_round_trip(prof, tmp_path):
     prof.save(tmp_path)
     back = Profile.load(tmp_path)
     assert back.fp32_metric == prof.fp32_metric and back.fingerprint == prof.fingerprint
-    assert back.table[["layer", "format", "status"]].equals(prof.table[["layer", "format", "status"]])
+    assert [(r.layer, r.format, r.status) for r in back.rows] == [(r.layer, r.format, r.status) for r in prof.rows]
 
 
 def test_a_module_autocast_does_not_lower_is_reported(tmp_path):
@@ -75,8 +78,8 @@ def test_a_module_autocast_does_not_lower_is_reported(tmp_path):
     (tmp_path / "bilinear.py").write_text(src)
     workload = prepare(load_task(tmp_path / "bilinear.py"), "cpu")
     space = space_from_dict({"layers": {"Bilinear": ["fp32", "bf16"]}})
-    r = profile(workload, space, FAST, progress=False).table.iloc[1]
-    assert r["status"] == "unsupported" and "does not lower Bilinear" in r["reason"]
+    r = profile(workload, space, FAST, progress=False).rows[1]
+    assert r.status == "unsupported" and "does not lower Bilinear" in r.reason
 
 
 # ---- gradient ranges ----------------------------------------------------------------------------
@@ -97,10 +100,10 @@ def test_gradient_columns_sit_beside_the_sensitivity_columns(prof):
     assert {"layer", "format", "sqnr_db", "metric_drop", "finite", "time_ms"} <= set(COLUMNS)
     big = row(prof, "big", "fp16")
     # big's output is divided by 1e5 downstream, so its gradients are tiny: fp16 flushes most of them
-    assert big["grad_underflow"] > 0.5 and big["grad_subnormal"] >= big["grad_underflow"]
-    assert 0 < big["scale_low_log2"] <= big["scale_high_log2"] <= 24
-    assert row(prof, "big", "fp32")["grad_underflow"] == 0 and math.isnan(row(prof, "big", "bf16")["scale_low_log2"])
-    assert row(prof, "fc1", "fp16")["grad_overflow"] == 0
+    assert big.grad_underflow > 0.5 and big.grad_subnormal >= big.grad_underflow
+    assert 0 < big.scale_low_log2 <= big.scale_high_log2 <= 24
+    assert row(prof, "big", "fp32").grad_underflow == 0 and math.isnan(row(prof, "big", "bf16").scale_low_log2)
+    assert row(prof, "fc1", "fp16").grad_overflow == 0
 
 
 def test_the_profile_recommends_a_loss_scale_range(prof):
@@ -120,7 +123,7 @@ def test_gradient_ranges_are_saved_and_loaded(prof, tmp_path):
 
 
 def test_predicted_drop_sums_the_lowered_layers(prof):
-    drops = {f: row(prof, "fc1", f)["metric_drop"] + row(prof, "big", f)["metric_drop"] for f in ("bf16", "fp8")}
+    drops = {f: row(prof, "fc1", f).metric_drop + row(prof, "big", f).metric_drop for f in ("bf16", "fp8")}
     assert prof.predicted_drop({"": "bf16", "fc1": "bf16", "big": "bf16", "head": "fp32"}) == pytest.approx(drops["bf16"])
     assert prof.predicted_drop({"fc1": "fp8", "big": "fp8"}) == pytest.approx(drops["fp8"])
     assert prof.predicted_drop({"fc1": "fp32"}) == 0.0
@@ -167,14 +170,14 @@ def test_the_metric_is_evaluated_only_for_formats_the_profile_has_not_ruled_out(
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1.25}})
     prof = profile(workload, space, dataclasses.replace(FAST, numerics="offered"), progress=False)  # as a search's own
-    t = prof.table.set_index(["layer", "format"])
+    t = keyed(prof.rows)
     # bf16 at 2x fp32's time: ruled out by its timing, neither run nor evaluated; fp16 of `big` overflows when
     # run: ruled out, not evaluated; the rest measured
-    assert t.loc[("fc1", "bf16"), "metric_source"] == "not measured: measured 2.00x the layer's fp32 time on this device"
-    assert math.isnan(t.loc[("fc1", "bf16"), "metric_drop"]) and math.isnan(t.loc[("fc1", "bf16"), "sqnr_db"])  # not run at all
-    assert t.loc[("fc1", "fp16"), "sqnr_db"] > 50 and t.loc[("big", "fp16"), "overflow"] is True  # run, then ruled out
-    assert t.loc[("big", "fp16"), "metric_source"].startswith("not measured: non-finite output")
-    assert t.loc[("fc1", "fp16"), "metric_source"] == "measured" and math.isfinite(t.loc[("fc1", "fp16"), "metric_drop"])
+    assert t[("fc1", "bf16")].metric_source == "not measured: measured 2.00x the layer's fp32 time on this device"
+    assert math.isnan(t[("fc1", "bf16")].metric_drop) and math.isnan(t[("fc1", "bf16")].sqnr_db)  # not run at all
+    assert t[("fc1", "fp16")].sqnr_db > 50 and t[("big", "fp16")].overflow is True  # run, then ruled out
+    assert t[("big", "fp16")].metric_source.startswith("not measured: non-finite output")
+    assert t[("fc1", "fp16")].metric_source == "measured" and math.isfinite(t[("fc1", "fp16")].metric_drop)
     assert len(calls) == 2 == prof.cost["counts"]["profile: metric per format (one layer lowered)"]  # fc1, head in fp16
     assert prof.cost["counts"]["profile: metric not evaluated (format already ruled out)"] == 4
     choices = build_choices(prof, space, 0.05, torch.device("cpu"))
@@ -187,18 +190,17 @@ def test_numerics_are_measured_for_every_format_however_slow_it_runs_here(monkey
     format has its SQNR; speed rules out only what the search offers."""
     from autoprec.tune import profiler
     from autoprec.tune.choices import build_choices
-    from autoprec.tune.profile_data import flag
 
     monkeypatch.setattr(profiler, "_time_layer", fixed_layer_times({"bf16": 0.5, "fp16": 0.5, slow: 300.0}))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16"]}, "prune": {"slower_than": 1.25}})
     prof = profile(workload, space, FAST, progress=False)
-    t = prof.table.set_index(["layer", "format"])
-    assert bool(t.loc[("big", "fp16"), "overflow"]) is True  # flagged whatever fp16's speed here
+    t = keyed(prof.rows)
+    assert bool(t[("big", "fp16")].overflow) is True  # flagged whatever fp16's speed here
     for layer in ("fc1", "big", "head"):  # run and judged: an SQNR, or the finding that it went non-finite
-        row = t.loc[(layer, slow)]
-        assert flag(row["finite"]) is not None and (math.isfinite(row["sqnr_db"]) or not row["finite"]), (layer, slow)
-    assert t.loc[("fc1", slow), "metric_source"] == "measured" and math.isfinite(t.loc[("fc1", slow), "metric_drop"])
+        row = t[(layer, slow)]
+        assert row.finite is not None and (math.isfinite(row.sqnr_db) or not row.finite), (layer, slow)
+    assert t[("fc1", slow)].metric_source == "measured" and math.isfinite(t[("fc1", slow)].metric_drop)
     choices = build_choices(prof, space, 0.05, torch.device("cpu"))
     assert slow not in choices.layers["fc1"] and "300.00x" in choices.excluded["fc1"][slow]  # never offered
 
@@ -214,19 +216,17 @@ def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found
     drops = {f"l{i}": (0.0001 if i < 4 else 0.0) for i in range(8)}
     drops["l5"] = 0.05
     evaluated = _fake_group_metric(monkeypatch, drops)
-    rows, watch = _pending(drops), Stopwatch()
-    profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, watch)
-    by = {r["layer"]: r for r in rows}
+    watch = Stopwatch()
+    by = profiler._judge_group(None, _pending(drops), Format.BF16, 1.0, 0.001, watch)
     # all 8; l0-3 (within) and its probe l0; l4-7; then pairs, measured alone (as cheap as a pair and its probe)
     assert len(evaluated) == 8
-    assert [n for n in drops if by[n]["metric_source"] == "measured"] == ["l0", "l4", "l5", "l6", "l7"]
-    assert by["l1"]["metric_source"].startswith("predicted: its 4 layers lowered together dropped the metric by 0.0004")
-    assert all(by[n]["metric_drop"] == pytest.approx(drops[n]) for n in drops)  # equal shares: exact here
+    assert [n for n in drops if by[n].metric_source == "measured"] == ["l0", "l4", "l5", "l6", "l7"]
+    assert by["l1"].metric_source.startswith("predicted: its 4 layers lowered together dropped the metric by 0.0004")
+    assert all(by[n].metric_drop == pytest.approx(drops[n]) for n in drops)  # equal shares: exact here
     assert watch.counts["profile: single-layer metrics predicted from a group's"] == 3
     evaluated.clear()
-    rows = _pending(drops)
-    profiler._judge_group(None, rows, Format.BF16, 1.0, None, Stopwatch())  # no tolerance: each alone
-    assert len(evaluated) == 8 and all(r["metric_source"] == "measured" for r in rows)
+    by = profiler._judge_group(None, _pending(drops), Format.BF16, 1.0, None, Stopwatch())  # no tolerance: each alone
+    assert len(evaluated) == 8 and all(by[n].metric_source == "measured" for n in drops)
 
 
 def _fake_group_metric(monkeypatch, drops, fails=()):
@@ -249,8 +249,9 @@ def _fake_group_metric(monkeypatch, drops, fails=()):
 def _pending(drops, sqnr=None):
     from autoprec.tune import profiler
 
-    return [{"layer": n, "format": "bf16", "finite": True, "metric_source": profiler.PENDING,
-             "sqnr_db": (sqnr or {}).get(n, 50.0), "grad_sqnr_db": 50.0} for n in drops]  # fmt: skip
+    return [ProfileRow(layer=n, type="Linear", shape="8x8", format="bf16", status="ok", finite=True,
+                       metric_source=profiler.PENDING, sqnr_db=(sqnr or {}).get(n, 50.0), grad_sqnr_db=50.0)
+            for n in drops]  # fmt: skip
 
 
 def test_a_sensitive_layer_whose_drop_others_cancel_is_caught_by_the_lowest_sqnr_probe(monkeypatch):
@@ -261,11 +262,10 @@ def test_a_sensitive_layer_whose_drop_others_cancel_is_caught_by_the_lowest_sqnr
     drops = {"a": 0.05, "b": -0.05, "c": 0.0, "d": 0.0}  # together: 0, within any tolerance
     _fake_group_metric(monkeypatch, drops)
     rows = _pending(drops, sqnr={"a": 30.0})  # the sensitive layer has the lowest SQNR
-    profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, Stopwatch())
-    by = {r["layer"]: r for r in rows}
-    assert by["a"]["metric_source"] == "measured" and by["a"]["metric_drop"] == pytest.approx(0.05)
-    assert by["b"]["metric_drop"] == pytest.approx(-0.05)  # the rest halved down to b alone, measured
-    assert all(by[n]["metric_drop"] == pytest.approx(drops[n]) for n in drops)
+    by = profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, Stopwatch())
+    assert by["a"].metric_source == "measured" and by["a"].metric_drop == pytest.approx(0.05)
+    assert by["b"].metric_drop == pytest.approx(-0.05)  # the rest halved down to b alone, measured
+    assert all(by[n].metric_drop == pytest.approx(drops[n]) for n in drops)
 
 
 def test_a_group_that_fails_or_goes_non_finite_is_halved_down_to_the_layer_that_cannot_run(monkeypatch):
@@ -275,12 +275,10 @@ def test_a_group_that_fails_or_goes_non_finite_is_halved_down_to_the_layer_that_
 
     drops = {"a": 0.0, "b": 0.0, "c": math.nan, "d": 0.0}
     _fake_group_metric(monkeypatch, drops, fails=("a",))
-    rows = _pending(drops)
-    profiler._judge_group(None, rows, Format.BF16, 1.0, 0.001, Stopwatch())
-    by = {r["layer"]: r for r in rows}
-    assert by["a"]["status"] == "unsupported" and "no kernel for that shape" in by["a"]["reason"]
-    assert by["c"]["metric_source"] == "measured" and by["c"]["finite"] is False  # NaN: non-finite, ruled out later
-    assert by["b"]["metric_drop"] == 0 and by["d"]["metric_drop"] == 0
+    by = profiler._judge_group(None, _pending(drops), Format.BF16, 1.0, 0.001, Stopwatch())
+    assert by["a"].status == "unsupported" and "no kernel for that shape" in by["a"].reason
+    assert by["c"].metric_source == "measured" and by["c"].finite is False  # NaN: non-finite, ruled out later
+    assert by["b"].metric_drop == 0 and by["d"].metric_drop == 0
 
 
 def test_a_users_error_in_evaluate_is_raised_at_once_not_halved_through(monkeypatch):
@@ -305,12 +303,12 @@ def test_a_users_error_in_evaluate_is_raised_at_once_not_halved_through(monkeypa
 def test_each_layer_timing_records_how_far_its_isolated_step_rose():
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
-    table = profile(workload, space, ProfileConfig(batches=1, timing=TINY), progress=False).table
-    timed = table[table["time_ms"].notna()]
-    assert len(timed) and (timed["step_rise_bytes"] > 0).all()
-    fc1 = timed[(timed["layer"] == "fc1") & (timed["format"] == "fp32")].iloc[0]
+    prof = profile(workload, space, ProfileConfig(batches=1, timing=TINY), progress=False)
+    timed = [r for r in prof.rows if not math.isnan(r.time_ms)]
+    assert timed and all(r.step_rise_bytes > 0 for r in timed)
+    fc1 = prof.row("fc1", "fp32")
     # at least fc1's fp32 output (8 x 64) and its weight gradient (64 x 32) are alive at once during backward
-    assert fc1["step_rise_bytes"] >= (8 * 64 + 64 * 32) * 4
+    assert fc1.step_rise_bytes >= (8 * 64 + 64 * 32) * 4
 
 
 class _Twice(torch.nn.Module):
@@ -383,14 +381,12 @@ def test_a_layer_called_twice_is_measured_in_the_whole_model():
 
     workload = prepare(_task_of(_Twice), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
-    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+    table = keyed(profile(workload, space, FAST, progress=False).rows)
     for name in ("fc", "mid"):  # fc runs twice a batch: the whole model; mid once: its replay, the same to 0.01 dB
         fp32_out, fp32_grad = _in_model(workload, name, "fp32")
         out, grad = _in_model(workload, name, "bf16")
-        assert table.loc[(name, "bf16"), "sqnr_db"] == pytest.approx(sqnr_db(fp32_out, out), abs=1e-3 if name == "fc" else 0.01)
-        assert table.loc[(name, "bf16"), "grad_sqnr_db"] == pytest.approx(
-            sqnr_db(fp32_grad, grad), abs=1e-3 if name == "fc" else 1.0
-        )
+        assert table[(name, "bf16")].sqnr_db == pytest.approx(sqnr_db(fp32_out, out), abs=1e-3 if name == "fc" else 0.01)
+        assert table[(name, "bf16")].grad_sqnr_db == pytest.approx(sqnr_db(fp32_grad, grad), abs=1e-3 if name == "fc" else 1.0)
 
 
 class _Recurrent(torch.nn.Module):
@@ -465,11 +461,11 @@ def test_a_layer_that_cannot_run_alone_is_measured_in_the_whole_model(monkeypatc
     monkeypatch.setattr(profiler, "_replay", no_mid)  # the fp32 replay, looked up in profiler, decides "in the model"
     workload = prepare(_task_of(_Twice), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
-    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+    table = keyed(profile(workload, space, FAST, progress=False).rows)
     fp32_out, fp32_grad = _in_model(workload, "mid", "fp32")
     out, grad = _in_model(workload, "mid", "bf16")
-    assert table.loc[("mid", "bf16"), "sqnr_db"] == pytest.approx(sqnr_db(fp32_out, out), abs=1e-3)
-    assert table.loc[("mid", "bf16"), "grad_sqnr_db"] == pytest.approx(sqnr_db(fp32_grad, grad), abs=1e-3)
+    assert table[("mid", "bf16")].sqnr_db == pytest.approx(sqnr_db(fp32_out, out), abs=1e-3)
+    assert table[("mid", "bf16")].grad_sqnr_db == pytest.approx(sqnr_db(fp32_grad, grad), abs=1e-3)
 
 
 def test_an_earlier_output_autograd_does_not_track_counts_as_fed_back():
@@ -504,7 +500,7 @@ GEMM_FORMATS = ["bf16", "fp8", "fp8-rowwise"]  # fp8-rowwise-gw-hp cannot be emu
 def proj_profile():
     workload = prepare(_task_of(_Proj), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", *GEMM_FORMATS]}, "prune": {"slower_than": 1e9}})
-    return workload, profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+    return workload, keyed(profile(workload, space, FAST, progress=False).rows)
 
 
 def _dgrad_by_hand(workload, fmt):
@@ -535,17 +531,17 @@ def test_each_gemms_sqnr_is_measured_against_an_fp32_control(proj_profile, fmt):
     from autoprec.tune.metric import sqnr_db
 
     workload, table = proj_profile
-    r = table.loc[("proj", fmt)]
-    assert r["status"] == "ok" and bool(r["finite"])
+    r = table[("proj", fmt)]
+    assert r.status == "ok" and bool(r.finite)
     if fmt == "bf16":  # 8 mantissa bits: all three GEMMs about 50 dB
-        assert min(r["sqnr_db"], r["dgrad_sqnr_db"], r["grad_sqnr_db"]) > 40
+        assert min(r.sqnr_db, r.dgrad_sqnr_db, r.grad_sqnr_db) > 40
     else:  # e4m3 forward (3 bits); gradients e5m2 (tensorwise, 2 bits) or e4m3 (rowwise): finite, measured
-        assert r["sqnr_db"] >= 20 and 15 < r["dgrad_sqnr_db"] < 40 and 15 < r["grad_sqnr_db"] < 40
+        assert r.sqnr_db >= 20 and 15 < r.dgrad_sqnr_db < 40 and 15 < r.grad_sqnr_db < 40
     expected = sqnr_db(_dgrad_by_hand(workload, "fp32"), _dgrad_by_hand(workload, fmt))
-    assert r["dgrad_sqnr_db"] == pytest.approx(expected, abs=1e-3)
-    assert table.loc[("proj", "fp32"), "dgrad_sqnr_db"] == math.inf
+    assert r.dgrad_sqnr_db == pytest.approx(expected, abs=1e-3)
+    assert table[("proj", "fp32")].dgrad_sqnr_db == math.inf
     # the first layer runs on data: no gradient flows into its inputs in the model, so it has no dgrad to judge
-    assert math.isnan(table.loc[("inp", fmt), "dgrad_sqnr_db"]) and math.isnan(table.loc[("inp", "fp32"), "dgrad_sqnr_db"])
+    assert math.isnan(table[("inp", fmt)].dgrad_sqnr_db) and math.isnan(table[("inp", "fp32")].dgrad_sqnr_db)
 
 
 class _Residual(torch.nn.Module):
@@ -590,7 +586,7 @@ def test_a_layer_fed_its_own_output_has_its_dgrad_measured_in_the_whole_model():
 
     workload = prepare(_task_of(_Twice), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
-    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
+    table = keyed(profile(workload, space, FAST, progress=False).rows)
 
     def dgrad(fmt):  # fc's second call reads tanh(fc(x)) (its first reads data): its input gradient by autograd.grad
         model, inputs, out = policy_model(workload, Policy(layers={"fc": fmt})).eval(), [], []
@@ -600,8 +596,8 @@ def test_a_layer_fed_its_own_output_has_its_dgrad_measured_in_the_whole_model():
             out.append(torch.autograd.grad(loss, inputs[-1])[0].float().flatten())
         return torch.cat(out)
 
-    assert table.loc[("fc", "bf16"), "dgrad_sqnr_db"] == pytest.approx(sqnr_db(dgrad("fp32"), dgrad("bf16")), abs=1e-3)
-    assert 35 < table.loc[("fc", "bf16"), "dgrad_sqnr_db"] < 70
+    assert table[("fc", "bf16")].dgrad_sqnr_db == pytest.approx(sqnr_db(dgrad("fp32"), dgrad("bf16")), abs=1e-3)
+    assert 35 < table[("fc", "bf16")].dgrad_sqnr_db < 70
 
 
 def test_a_non_finite_input_gradient_makes_the_row_non_finite():
@@ -621,7 +617,7 @@ WGRAD_FORMATS = ["fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-fwd-dgrad", 
 def _wgrad_profile(path):
     workload = prepare(load_task(path), "cpu")
     space = space_from_dict({"layers": {"Linear": WGRAD_FORMATS}, "prune": {"slower_than": 1e9}})
-    return profile(workload, space, FAST, progress=False).table
+    return profile(workload, space, FAST, progress=False).rows
 
 
 @pytest.fixture(scope="module")
@@ -630,13 +626,13 @@ def wgrad_table():
 
 
 def test_a_weight_gradient_that_breaks_in_fp8_is_found_while_the_forward_is_fine(wgrad_table):
-    t = wgrad_table.set_index(["layer", "format"])
+    t = keyed(wgrad_table)
     for fmt in ("fp8", "fp8-rowwise"):  # the quiet samples' inputs flush to zero: the weight gradient loses their half
-        r = t.loc[("proj", fmt)]
-        assert r["grad_sqnr_db"] < 6 and r["sqnr_db"] >= 20 and r["dgrad_sqnr_db"] >= 20 and bool(r["finite"]), fmt
+        r = t[("proj", fmt)]
+        assert r.grad_sqnr_db < 6 and r.sqnr_db >= 20 and r.dgrad_sqnr_db >= 20 and bool(r.finite), fmt
         for layer in ("inp", "head"):
-            assert t.loc[(layer, fmt), "grad_sqnr_db"] >= 20, (layer, fmt)
-    assert t.loc[("proj", "bf16"), "grad_sqnr_db"] > 40  # bf16 has fp32's range
+            assert t[(layer, fmt)].grad_sqnr_db >= 20, (layer, fmt)
+    assert t[("proj", "bf16")].grad_sqnr_db > 40  # bf16 has fp32's range
 
 
 def test_a_per_gemm_format_keeps_the_breaking_weight_gradient_in_high_precision_and_stays(wgrad_table):
@@ -645,21 +641,21 @@ def test_a_per_gemm_format_keeps_the_breaking_weight_gradient_in_high_precision_
     above 20 dB, and stay offered."""
     from autoprec.tune.profile_data import ruled_out
 
-    t = wgrad_table.set_index(["layer", "format"])
+    t = keyed(wgrad_table)
     for fmt in ("fp8", "fp8-rowwise"):
-        assert "its wgrad GEMM measures" in ruled_out(t.loc[("proj", fmt)].to_dict() | {"format": fmt}, None, 1e9)
+        assert "its wgrad GEMM measures" in ruled_out(t[("proj", fmt)], None, 1e9)
     for fmt in ("fp8-fwd-dgrad", "fp8-rowwise-fwd-dgrad"):
-        r = t.loc[("proj", fmt)]
-        assert r["grad_sqnr_db"] >= t.loc[("proj", "bf16"), "grad_sqnr_db"] - 1 and r["sqnr_db"] >= 20, fmt
-        assert ruled_out(r.to_dict() | {"format": fmt}, None, 1e9) is None, fmt
+        r = t[("proj", fmt)]
+        assert r.grad_sqnr_db >= t[("proj", "bf16")].grad_sqnr_db - 1 and r.sqnr_db >= 20, fmt
+        assert ruled_out(r, None, 1e9) is None, fmt
 
 
 def test_the_weight_gradient_breaks_because_of_the_quiet_samples(tmp_path):
     src = (MODELS / "wgrad_breaks.py").read_text()
     assert "QUIET = 1e-6" in src
     (tmp_path / "loud.py").write_text(src.replace("QUIET = 1e-6", "QUIET = 1.0"))
-    t = _wgrad_profile(tmp_path / "loud.py").set_index(["layer", "format"])
-    assert t.loc[("proj", "fp8"), "grad_sqnr_db"] >= 20 and t.loc[("proj", "fp8-rowwise"), "grad_sqnr_db"] >= 20
+    t = keyed(_wgrad_profile(tmp_path / "loud.py"))
+    assert t[("proj", "fp8")].grad_sqnr_db >= 20 and t[("proj", "fp8-rowwise")].grad_sqnr_db >= 20
 
 
 def test_which_layer_breaks_names_the_layer_and_its_weight_gradient_first(wgrad_table):
@@ -713,11 +709,11 @@ NO_FP16 = f"{NoFp16Kernel.__module__}.{NoFp16Kernel.__qualname__}"  # a layer ty
 def test_a_format_whose_forward_fails_on_a_layer_is_ruled_out_for_it_with_the_error_as_reason():
     workload = prepare(_task_of(WithNoFp16Kernel), "cpu")
     space = space_from_dict({"layers": {NO_FP16: ["fp32", "bf16", "fp16"], "Linear": ["fp32", "fp16"]}})
-    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
-    r = table.loc[("rnn", "fp16")]
-    assert r["status"] == "unsupported" and r["reason"].startswith("fp16 failed: RuntimeError: could not create a primitive")
-    assert math.isnan(r["time_ms"])
-    assert table.loc[("rnn", "bf16"), "status"] == "ok" and table.loc[("head", "fp16"), "status"] == "ok"
+    table = keyed(profile(workload, space, FAST, progress=False).rows)
+    r = table[("rnn", "fp16")]
+    assert r.status == "unsupported" and r.reason.startswith("fp16 failed: RuntimeError: could not create a primitive")
+    assert math.isnan(r.time_ms)
+    assert table[("rnn", "bf16")].status == "ok" and table[("head", "fp16")].status == "ok"
 
 
 def test_a_format_whose_layer_step_cannot_even_be_built_is_ruled_out_for_it_with_the_error_as_reason(monkeypatch):
@@ -734,10 +730,10 @@ def test_a_format_whose_layer_step_cannot_even_be_built_is_ruled_out_for_it_with
     monkeypatch.setattr(layer_timing, "_layer_step", refusing)  # _time_layer looks it up there
     workload = prepare(_task_of(WithNoFp16Kernel), "cpu")
     space = space_from_dict({"layers": {NO_FP16: ["fp32", "bf16"], "Linear": ["fp32", "bf16"]}})
-    table = profile(workload, space, FAST, progress=False).table.set_index(["layer", "format"])
-    r = table.loc[("rnn", "bf16")]
-    assert r["status"] == "unsupported" and "NotImplementedError: cannot convert NoFp16Kernel" in r["reason"]
-    assert table.loc[("head", "bf16"), "status"] == "ok"
+    table = keyed(profile(workload, space, FAST, progress=False).rows)
+    r = table[("rnn", "bf16")]
+    assert r.status == "unsupported" and "NotImplementedError: cannot convert NoFp16Kernel" in r.reason
+    assert table[("head", "bf16")].status == "ok"
 
 
 def test_fp8_is_not_offered_to_a_linear_subclass_that_apply_policy_refuses_it_for():
@@ -746,14 +742,14 @@ def test_fp8_is_not_offered_to_a_linear_subclass_that_apply_policy_refuses_it_fo
     workload = prepare(_task_of(WithLoRA), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp8"]}, "prune": {"slower_than": 1e9}})
     prof = profile(workload, space, FAST, progress=False)
-    table = prof.table.set_index(["layer", "format"])
-    r = table.loc[("lora", "fp8")]
-    assert r["status"] == "unsupported" and math.isnan(r["time_ms"])
-    assert r["reason"] == (
+    table = keyed(prof.rows)
+    r = table[("lora", "fp8")]
+    assert r.status == "unsupported" and math.isnan(r.time_ms)
+    assert r.reason == (
         "fp8 would replace this LoRALinear by torchao's Float8Linear, a plain Linear of its weight and bias, dropping "
         "its own forward and its parameters lora_a, lora_b"
     )
-    assert table.loc[("lora", "bf16"), "status"] == "ok" and table.loc[("plain", "fp8"), "status"] == "ok"
+    assert table[("lora", "bf16")].status == "ok" and table[("plain", "fp8")].status == "ok"
     choices = build_choices(prof, space, 1.0, workload.device)
     assert choices.layers["lora"] == ("fp32", "bf16") and "fp8" in choices.layers["plain"]
     assert choices.excluded["lora"]["fp8"].endswith("lora_a, lora_b")
@@ -787,14 +783,12 @@ def test_a_profile_past_its_time_budget_share_leaves_the_rest_of_the_layers_in_f
     with caplog.at_level("WARNING", logger="autoprec"):
         cut = profile(workload, space, dataclasses.replace(FAST, deadline_s=0.0), progress=False)
     assert not cut.complete
-    lowered = cut.table[cut.table["format"] == "bf16"]
-    assert len(lowered) == 3 and all(
-        "not profiled: the time budget's share" in ruled_out(r, None, 1e9) for _, r in lowered.iterrows()
-    )
-    assert (cut.table[cut.table["format"] == "fp32"]["status"] == "ok").all()
+    lowered = [r for r in cut.rows if r.format == "bf16"]
+    assert len(lowered) == 3 and all("not profiled: the time budget's share" in ruled_out(r, None, 1e9) for r in lowered)
+    assert all(r.status == "ok" for r in cut.rows if r.format == "fp32")
     assert any("3 layers left in fp32" in r.message and "spent after 0 of 3 layers" in r.message for r in caplog.records)
     whole = profile(workload, space, FAST, progress=False)
-    assert whole.complete and (whole.table["status"] == "ok").all()
+    assert whole.complete and all(r.status == "ok" for r in whole.rows)
 
 
 def test_a_search_whose_time_budget_the_profile_would_overrun_still_writes_a_policy(tmp_path):
@@ -813,7 +807,7 @@ def test_a_search_whose_time_budget_the_profile_would_overrun_still_writes_a_pol
     result = search(workload, space, config, tmp_path)
     cut = Profile.load(tmp_path)
     assert result.policy.measured["chosen"] and not cut.complete
-    assert not cut.table[cut.table["format"] == "bf16"]["grad_amax"].isna().any()  # the loss-scale advice reads them
+    assert not any(math.isnan(r.grad_amax) for r in cut.rows if r.format == "bf16")  # the loss-scale advice reads them
     # a rerun as short reuses it; a run with time enough profiles every layer, and its study is another
     assert load_or_profile(workload, space, tmp_path, config) is not None
     again = load_or_profile(workload, space, tmp_path, dataclasses.replace(config, time_budget=None))

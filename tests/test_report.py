@@ -19,7 +19,7 @@ def prof():
 
 
 def test_gradient_summary_names_the_range_and_its_limits(prof):
-    text = gradient_summary(prof.table, prof.advice())
+    text = gradient_summary(prof.rows, prof.advice())
     lines = {line.split()[0]: line for line in text.splitlines() if line.split() and line.split()[0] in ("fc1", "big", "head")}
     assert "2^" in lines["big"] and "%" in lines["big"]
     assert "low end set by big" in text and "high end set by head" in text
@@ -147,17 +147,19 @@ def test_show_speaks_of_the_fp8_backend_only_for_a_policy_that_runs_fp8():
 
 
 def _gemm_table(rows):
-    """A profile table of (layer, format, fprop dB, dgrad dB, wgrad dB, finite, overflow, metric drop); fp32 rows added."""
-    import pandas as pd
+    """A profile's rows of (layer, format, fprop dB, dgrad dB, wgrad dB, finite, overflow, metric drop); fp32 rows added."""
+    from autoprec.tune.profile_data import ProfileRow
 
     out = []
     for layer in dict.fromkeys(r[0] for r in rows):
-        out.append({"layer": layer, "format": "fp32", "status": "ok", "sqnr_db": math.inf, "dgrad_sqnr_db": math.inf,
-                    "grad_sqnr_db": math.inf, "finite": True, "overflow": False, "max_abs": 1.0, "metric_drop": 0.0})  # fmt: skip
+        out.append(ProfileRow(layer=layer, type="Linear", shape="8x8", format="fp32", status="ok", sqnr_db=math.inf,
+                              dgrad_sqnr_db=math.inf, grad_sqnr_db=math.inf, finite=True, overflow=False, max_abs=1.0,
+                              metric_drop=0.0))  # fmt: skip
     for layer, fmt, fprop, dgrad, wgrad, finite, overflow, drop in rows:
-        out.append({"layer": layer, "format": fmt, "status": "ok", "sqnr_db": fprop, "dgrad_sqnr_db": dgrad,
-                    "grad_sqnr_db": wgrad, "finite": finite, "overflow": overflow, "max_abs": 9e4, "metric_drop": drop})  # fmt: skip
-    return pd.DataFrame(out)
+        out.append(ProfileRow(layer=layer, type="Linear", shape="8x8", format=fmt, status="ok", sqnr_db=fprop,
+                              dgrad_sqnr_db=dgrad, grad_sqnr_db=wgrad, finite=finite, overflow=overflow, max_abs=9e4,
+                              metric_drop=drop))  # fmt: skip
+    return out
 
 
 def test_a_profile_where_nothing_breaks_says_so_in_one_line():
@@ -199,10 +201,12 @@ def test_which_layer_breaks_lists_non_finite_first_then_the_lowest_sqnr_within_t
 
 
 def test_a_gemm_the_layer_does_not_run_is_not_judged():
+    import dataclasses
+
     from autoprec.tune.report import breaks
 
     table = _gemm_table([("first", "fp8", 29.0, math.nan, 25.0, False, False, math.nan)])
-    table.loc[table["format"] == "fp32", "dgrad_sqnr_db"] = math.nan  # on data: no gradient into its inputs
+    table[0] = dataclasses.replace(table[0], dgrad_sqnr_db=math.nan)  # its fp32 row, on data: no gradient into its inputs
     assert [(b.gemm, b.why) for b in breaks(table)] == [("-", "non-finite loss or metric")]
 
 

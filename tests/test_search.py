@@ -21,7 +21,7 @@ from autoprec.tune.config import Mode
 from autoprec.tune.gradients import LayerGradients, scale_table
 from autoprec.tune.metric import NoiseFloor, metric_of
 from autoprec.tune.objective import INFEASIBLE, over_budget
-from autoprec.tune.profile_data import COLUMNS, Profile
+from autoprec.tune.profile_data import Profile, ProfileRow
 from autoprec.tune.searcher import search
 from autoprec.tune.space import space_from_dict
 
@@ -44,8 +44,14 @@ def fake_profile(rows: list[tuple], grad_ranges: pd.DataFrame | None = None) -> 
             "overflow": overflow, "max_abs": 1e5 if overflow else 1.0, "time_ms": ms, "time_spread": 0.01,
             "time_vs_fp32": ms / fp32_ms, "grad_overflow": grad[0] if grad else math.nan,
         })  # fmt: skip
-    table = pd.DataFrame(records, columns=COLUMNS)
-    return Profile(table, fp32_metric=1.0, metric_name="m", device="cpu", fingerprint="x", grad_ranges=grad_ranges)
+    return Profile(
+        [ProfileRow(**r) for r in records],
+        fp32_metric=1.0,
+        metric_name="m",
+        device="cpu",
+        fingerprint="x",
+        grad_ranges=grad_ranges,
+    )
 
 
 def test_choices_follow_the_measurements_not_a_rule():
@@ -725,6 +731,5 @@ def test_an_lstm_a_gru_and_a_batchnorm_search_to_a_policy_in_the_default_space(t
     space = dataclasses.replace(load_space(), trials=4)
     result = search(workload, space, SearchConfig(budget=0.05, **{**FAST, "trials": 4}), tmp_path)
     assert (tmp_path / "policy.json").is_file() and {"lstm", "gru", "head"} <= set(result.choices.layers)
-    table = result.profile.table
-    failed = table[(table["status"] == "unsupported") & table["reason"].str.contains("failed", na=False)]
-    assert failed["reason"].str.startswith(tuple(f"{f} failed: " for f in failed["format"])).all()  # its error, one line
+    failed = [r for r in result.profile.rows if r.status == "unsupported" and "failed" in r.reason]
+    assert all(r.reason.startswith(f"{r.format} failed: ") for r in failed)  # its error, one line

@@ -14,6 +14,7 @@ from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune.choices import build_choices, policy_from_params
 from autoprec.tune.config import MARGIN, MIN_FIT, NOISE_ROUNDS, NOISY_SPREAD
 from autoprec.tune.objective import Judge, Objective
+from autoprec.tune.profile_data import ProfileRow
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.speed import ALL, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
 from autoprec.tune.trials import device_noise, first_of_run
@@ -31,10 +32,9 @@ def test_a_layer_runs_in_its_own_format_else_its_nearest_listed_parents_else_the
 
 
 def test_a_policys_features_sum_its_layers_savings_and_name_its_root_format():
-    times = LayerTimes.from_table([
-        {"layer": "a", "format": "fp32", "time_ms": 10.0}, {"layer": "a", "format": "bf16", "time_ms": 4.0},
-        {"layer": "b", "format": "fp32", "time_ms": 6.0}, {"layer": "b", "format": "bf16", "time_ms": 5.0},
-        {"layer": "b", "format": "fp16", "time_ms": math.nan},  # not timed: no prediction for a policy listing it
+    times = LayerTimes.from_rows(ProfileRow(layer=layer, type="Linear", shape="8x8", format=fmt, status="ok", time_ms=ms) for layer, fmt, ms in [
+        ("a", "fp32", 10.0), ("a", "bf16", 4.0), ("b", "fp32", 6.0), ("b", "bf16", 5.0),
+        ("b", "fp16", math.nan),  # not timed: no prediction for a policy listing it
     ])  # fmt: skip
     bf16 = Format.BF16
     assert times.features(Policy(layers={"": "bf16"})) == Features(7.0, bf16, ((bf16, 7.0),))
@@ -181,7 +181,7 @@ def _searched(monkeypatch, *, trials=40, rounds=3, spread=0.0, **config):
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     prof = fake_profile(PROFILE)
     choices = build_choices(prof, SPACE, 1.0, workload.device)
-    times = LayerTimes.from_table(prof.table.to_dict("records"))
+    times = LayerTimes.from_rows(prof.rows)
     timed = []
 
     def fake_time(self, trial, policy, constraint):
@@ -253,7 +253,7 @@ def test_a_sweep_times_every_trial():
     prof = fake_profile(PROFILE)
     config = SearchConfig(budget=1.0, progress=False)
     choices = build_choices(prof, SPACE, 1.0, workload.device)
-    times = LayerTimes.from_table(prof.table.to_dict("records"))
+    times = LayerTimes.from_rows(prof.rows)
     objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, objectives=2, layer_times=times)
     assert objective.layer_times is None  # its front keeps slower trials with smaller drops
     assert Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times).layer_times is times

@@ -94,7 +94,7 @@ def test_two_workers_on_the_default_journal_finish_one_study(tmp_path):
         reports = [finish(p) for p in procs]
     assert reports[0]["storage"] == str(out / "study.journal")
     check_two_workers_share_one_study(journal_study(out / "study.journal", "workers"), reports, target=5)
-    assert Profile.load(out).table["layer"].nunique() == 3  # both saved it, neither left it half-written
+    assert len(Profile.load(out).layers()) == 3  # both saved it, neither left it half-written
     assert not list(out.glob(".*.tmp"))
 
 

@@ -10,7 +10,7 @@ A training script does not need this package: `import autoprec` (the runtime) ap
 from autoprec.tune.api import search, sweep
 from autoprec.tune.budget import Budget, parse_budget
 from autoprec.tune.config import Mode, ProfileConfig, SearchConfig
-from autoprec.tune.profile_data import Profile
+from autoprec.tune.profile_data import Profile, ProfileRow
 from autoprec.tune.profiler import profile
 from autoprec.tune.searcher import SearchResult
 from autoprec.tune.space import Layout, SearchSpace, load_space
@@ -33,6 +33,7 @@ __all__ = [
     "Layout",
     "profile",
     "Profile",
+    "ProfileRow",
     "ProfileConfig",
     "SearchConfig",
     "Mode",

@@ -31,7 +31,7 @@ import torch
 
 from autoprec.formats import Format, autocast_supported, format_names
 from autoprec.policy import ROOT, LossScale, Policy
-from autoprec.tune.profile_data import Profile, as_float, ruled_out
+from autoprec.tune.profile_data import Profile, ProfileRow, ruled_out
 from autoprec.tune.space import Layout, SearchSpace, parse_layout
 
 log = logging.getLogger("autoprec")
@@ -109,19 +109,15 @@ def build_choices(prof: Profile, space: SearchSpace, budget: float, device: torc
     The space's layout is resolved here."""
     layers: dict[str, tuple[str, ...]] = {}
     excluded: dict[str, dict[str, str]] = {}
-    for name, rows in prof.table.groupby("layer", sort=False):
+    for name, rows in prof.by_layer().items():
         allowed = []
-        for _, row in rows.iterrows():
-            reason = (
-                None
-                if row["format"] == Format.FP32.value
-                else ruled_out(row, budget if judge_drop else None, space.prune_slower_than)
-            )
+        for fmt, row in rows.items():
+            reason = None if fmt == Format.FP32.value else ruled_out(row, budget if judge_drop else None, space.prune_slower_than)
             if reason is None:
-                allowed.append(row["format"])
+                allowed.append(fmt)
             else:
-                excluded.setdefault(str(name), {})[row["format"]] = reason
-        layers[str(name)] = tuple(allowed)
+                excluded.setdefault(name, {})[fmt] = reason
+        layers[name] = tuple(allowed)
     default = tuple(f.value for f in space.default if autocast_supported(device, f))
     choices = Choices(default=default, layers=layers, excluded=excluded)
     choices = dataclasses.replace(choices, loss_scale=loss_scale_choice(prof, choices, space))
@@ -164,18 +160,17 @@ def role(name: str) -> str:
 def group_layers(prof: Profile, layers: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
     """Searched layers by role, type and weight shape; a role with layers of several shapes or types gets
     one group per kind, named with the shape (`layers.* [64x32]`)."""
-    kind = prof.table.groupby("layer", sort=False)[["type", "shape"]].first()
+    kind = {name: next(iter(rows.values())) for name, rows in prof.by_layer().items()}
     by_key: dict[tuple[str, str, str], list[str]] = {}
     for name, options in layers.items():
         if len(options) > 1:
-            by_key.setdefault((role(name), str(kind.loc[name, "type"]), str(kind.loc[name, "shape"])), []).append(name)
+            by_key.setdefault((role(name), kind[name].type, kind[name].shape), []).append(name)
     kinds_per_role = Counter(r for r, _, _ in by_key)
     return {(r if kinds_per_role[r] == 1 else f"{r} [{t} {s}]"): tuple(members) for (r, t, s), members in by_key.items()}
 
 
-def _sensitivity_key(rows: Any, name: str, fmt: str) -> tuple[float, float, str]:
-    row = rows.loc[(name, fmt)]
-    drop, sqnr = as_float(row["metric_drop"]), as_float(row["sqnr_db"])
+def _sensitivity_key(row: ProfileRow) -> tuple[float, float, str]:
+    drop, sqnr, name = row.metric_drop, row.sqnr_db, row.layer
     return (drop if math.isfinite(drop) else math.inf, -sqnr if not math.isnan(sqnr) else math.inf, name)
 
 
@@ -184,17 +179,17 @@ def rank_layers(
 ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
     """(ranking, preference): per lowered format, the layers allowed it, least sensitive first (single-layer
     metric drop, then output SQNR, highest first); per layer, its allowed formats by profiled time, fastest first."""
-    rows = prof.table.set_index(["layer", "format"])
+    rows = prof.by_layer()
     ranking: dict[str, tuple[str, ...]] = {}
     for fmt in (f for f in format_names() if f != Format.FP32.value):
         allowed = [n for n, options in layers.items() if fmt in options and len(options) > 1]
         if allowed:
-            ranking[fmt] = tuple(sorted(allowed, key=lambda n: _sensitivity_key(rows, n, fmt)))
+            ranking[fmt] = tuple(sorted(allowed, key=lambda n: _sensitivity_key(rows[n][fmt])))
     order = format_names()  # the order options are listed in (fp32, bf16, fp16, the fp8s, ...), read now
     preference = {}
     for name, options in layers.items():
         lowered = [f for f in options if f != Format.FP32.value]
-        times = {f: as_float(rows.loc[(name, f), "time_ms"]) for f in lowered}
+        times = {f: rows[name][f].time_ms for f in lowered}
         preference[name] = tuple(
             sorted(lowered, key=lambda f: (times[f] if math.isfinite(times[f]) else math.inf, order.index(f)))
         )
@@ -354,13 +349,13 @@ def greedy_layers(prof: Profile, choices: Choices, budget: float) -> dict[str, s
     while the sum of single-layer metric drops stays within the budget (an estimate; trials measure)."""
     layers = dict.fromkeys(choices.layers, Format.FP32.value)
     moves = []
-    for name, rows in prof.table.groupby("layer", sort=False):
-        fp32_ms = float(rows.loc[rows["format"] == "fp32", "time_ms"].iloc[0])
-        allowed = rows[rows["format"].isin(choices.layers[str(name)]) & (rows["format"] != "fp32")]
-        if len(allowed):
-            best = allowed.sort_values("time_ms").iloc[0]
-            if float(best["time_ms"]) < fp32_ms:
-                moves.append((fp32_ms - float(best["time_ms"]), str(name), best["format"], max(0.0, float(best["metric_drop"]))))
+    for name, rows in prof.by_layer().items():
+        fp32_ms = rows["fp32"].time_ms
+        allowed = [r for f, r in rows.items() if f in choices.layers[name] and f != "fp32"]
+        if allowed:  # the fastest; an untimed one (NaN) last
+            best = min(allowed, key=lambda r: (math.isnan(r.time_ms), r.time_ms if not math.isnan(r.time_ms) else 0.0))
+            if best.time_ms < fp32_ms:
+                moves.append((fp32_ms - best.time_ms, name, best.format, max(0.0, best.metric_drop)))
     spent = 0.0
     for _saving, name, fmt, drop in sorted(moves, reverse=True):
         if spent + drop <= budget:

@@ -275,7 +275,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         path = prof.save(out)
         pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     if args.json:
-        found = [b.to_dict() for b in breaks(prof.table)]
+        found = [b.to_dict() for b in breaks(prof.rows)]
         _print_json(
             args,
             {
@@ -289,13 +289,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return 0
     if args.quiet:
         return 0
-    print(profile_summary(prof.table))
+    print(profile_summary(prof.rows))
     print()
-    print(gradient_summary(prof.table, prof.advice()))
+    print(gradient_summary(prof.rows, prof.advice()))
     names = ", ".join(p.name for p in [path.with_name("grad_ranges.csv"), *pngs])
     print(f"\nfp32 metric {prof.fp32_metric:.6g} ({prof.metric_name}) on {prof.device}; wrote {path}, {names}")
     print()
-    print(breaks_summary(prof.table))  # last: the short answer to "which layer breaks?"
+    print(breaks_summary(prof.rows))  # last: the short answer to "which layer breaks?"
     return 0
 
 

@@ -21,10 +21,8 @@ target's, not counted at another format's speed.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-
-import pandas as pd
 
 from autoprec.formats import Format, autocast_name, parse_format
 from autoprec.policy import ROOT, Policy
@@ -35,28 +33,26 @@ from autoprec.tune.targets import Target, target_named
 
 if TYPE_CHECKING:
     from autoprec.tune.config import SearchConfig
+    from autoprec.tune.profile_data import ProfileRow
     from autoprec.tune.records import TrialRecord
     from autoprec.tune.trainer import Candidate
 
 BASELINE = "bf16"  # the estimate's 1.0: the model's Linears all in bf16 on the target
 
 
-def gemm_flops(table: pd.DataFrame) -> dict[str, float]:
+def gemm_flops(rows: Iterable[ProfileRow]) -> dict[str, float]:
     """FLOPs of each of a Linear layer's three GEMMs per training step (2 * tokens * in * out), by layer, from a
-    profile's rows (profile_data.COLUMNS: type, shape "out x in", tokens). A layer whose type is not a Linear (by name:
-    Linear and its subclasses named ...Linear), or whose tokens were not recorded, is not counted."""
+    profile's rows (its first row per layer: type, shape "out x in", tokens). A layer whose type is not a Linear (by
+    name: Linear and its subclasses named ...Linear), or whose tokens were not recorded, is not counted."""
     out: dict[str, float] = {}
-    for row in table.drop_duplicates("layer").to_dict("records"):
-        dims = str(row.get("shape", "")).split("x")
-        tokens = row.get("tokens")
-        if not str(row.get("type", "")).endswith("Linear") or len(dims) != 2 or not _number(tokens):
+    for row in rows:
+        if row.layer in out:
             continue
-        out[str(row["layer"])] = 2.0 * float(tokens) * int(dims[0]) * int(dims[1])
+        dims, tokens = row.shape.split("x"), row.tokens
+        if not row.type.endswith("Linear") or len(dims) != 2 or tokens is None or not (math.isfinite(tokens) and tokens > 0):
+            continue
+        out[row.layer] = 2.0 * float(tokens) * int(dims[0]) * int(dims[1])
     return out
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def format_of(name: str, layers: Mapping[str, Format]) -> Format:
@@ -148,9 +144,9 @@ class Flops(Goal):
                 f"{', '.join(missing)} out of the search space, or plan for a target that runs them"
             )
 
-    def bound(self, table: pd.DataFrame, config: SearchConfig) -> Flops:
-        self.check_formats([parse_format(f) for f in dict.fromkeys(table.loc[table["status"] == "ok", "format"])], config)
-        return Flops(target_named(config.target), gemm_flops(table))
+    def bound(self, rows: Sequence[ProfileRow], config: SearchConfig) -> Flops:
+        self.check_formats([parse_format(f) for f in dict.fromkeys(r.format for r in rows if r.status == "ok")], config)
+        return Flops(target_named(config.target), gemm_flops(rows))
 
     def _ready(self) -> tuple[Target, dict[str, float]]:
         if self.target is None:

@@ -17,7 +17,7 @@ import abc
 import dataclasses
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import optuna
@@ -32,11 +32,10 @@ from autoprec.tune.separation import beaten, separated
 from autoprec.tune.trials import best_speedup, smallest_peak
 
 if TYPE_CHECKING:
-    import pandas as pd
-
     from autoprec.formats import Format
     from autoprec.policy import Policy
     from autoprec.tune.config import SearchConfig
+    from autoprec.tune.profile_data import ProfileRow
     from autoprec.tune.trainer import Candidate
 
 INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite; a minimised goal's worst value
@@ -91,8 +90,8 @@ class Goal(abc.ABC):
         which it would otherwise find only once the profile is measured."""
         return None
 
-    def bound(self, table: pd.DataFrame, config: SearchConfig) -> Goal:
-        """The goal for one search, given its profile's table and its config (the pipeline calls it once the profile is
+    def bound(self, rows: Sequence[ProfileRow], config: SearchConfig) -> Goal:
+        """The goal for one search, given its profile's rows and its config (the pipeline calls it once the profile is
         measured; the study's trials and the choice then use what it returns): itself by default. A goal whose value
         is computed from the profile (flops.py: each Linear's FLOPs) returns an instance that holds it; ValueError
         where the search cannot be planned (a format the target does not run)."""

@@ -198,11 +198,11 @@ def _unfit(cached: Profile, workload: Workload, space: SearchSpace, config: Sear
     if cached.compiled != config.compile:
         return f"timed {'compiled' if cached.compiled else 'eager'}"
     # a cell whose metric was skipped as ruled out must still be ruled out under this space's prune rule
-    skipped = cached.table[cached.table["metric_source"].str.startswith("not measured")]
-    if not all(ruled_out(row, None, space.prune_slower_than) is not None for _, row in skipped.iterrows()):
+    skipped = [r for r in cached.rows if r.metric_source.startswith("not measured")]
+    if not all(ruled_out(row, None, space.prune_slower_than) is not None for row in skipped):
         return "a format it ruled out is in play under this space's prune rule"
     # drops it predicted from groups are as precise as its tolerance: no coarser than this run's
-    predicted = cached.table["metric_source"].str.startswith("predicted").any()
+    predicted = any(r.metric_source.startswith("predicted") for r in cached.rows)
     wanted = settings.group_tolerance if settings.group_testing else None
     if predicted and not (cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted):
         theirs = "from groups" if cached.group_tolerance is None else f"within {cached.group_tolerance:g}"
@@ -212,7 +212,7 @@ def _unfit(cached: Profile, workload: Workload, space: SearchSpace, config: Sear
         return "numerics of the offered formats only"
     tunable = space.tunable_layers(workload.model).items()
     offered = {(n, f.value) for n, fs in tunable for f in fs if n not in cached.uncalled}
-    if offered != set(zip(cached.table["layer"], cached.table["format"])):
+    if offered != {(r.layer, r.format) for r in cached.rows}:
         return "other layers or formats"
     return None
 

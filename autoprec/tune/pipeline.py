@@ -173,10 +173,10 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         profile_folder=plan.profile_folder,
     )
     try:  # a goal computed from the profile (the FLOP goal: each Linear's FLOPs) holds it from here on
-        config = dataclasses.replace(config, objective=config.objective.bound(started.profile.table, config))
+        config = dataclasses.replace(config, objective=config.objective.bound(started.profile.rows, config))
     except ValueError as exc:
         raise UserError(f"--objective {config.objective.name}: {exc}") from None
-    layer_times = LayerTimes.from_table(started.profile.table.to_dict("records"))
+    layer_times = LayerTimes.from_rows(started.profile.rows)
     objective = Objective(
         workload, started.choices, space, started.judge, config, objectives=plan.objectives, layer_times=layer_times
     )

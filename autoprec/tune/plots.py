@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -16,7 +17,7 @@ from autoprec.tune.choices import role
 from autoprec.tune.goals import SPEED, recorded_goal
 from autoprec.tune.gradients import ScaleAdvice
 from autoprec.tune.memory import MIB
-from autoprec.tune.profile_data import Profile, as_float, flag
+from autoprec.tune.profile_data import Profile, ProfileRow
 from autoprec.tune.records import Measured
 
 if TYPE_CHECKING:  # matplotlib only where a plot is drawn
@@ -64,26 +65,25 @@ def short_names(names: list[str], limit: int = NAME_CHARS) -> list[str]:
 
 
 def _heat_cells(
-    table: pd.DataFrame, layers: list[str], formats: list[str]
+    rows: Sequence[ProfileRow], layers: list[str], formats: list[str]
 ) -> tuple[list[list[float]], list[list[float]], list[list[str]]]:
     """Per (layer, format): SQNR (dB), metric drop, and a label of what went wrong, if anything."""
     sqnr = [[math.nan] * len(formats) for _ in layers]
     drop = [[math.nan] * len(formats) for _ in layers]
     mark = [[""] * len(formats) for _ in layers]
     row_of, column_of = {n: i for i, n in enumerate(layers)}, {f: j for j, f in enumerate(formats)}
-    columns = ("layer", "format", "status", "finite", "overflow", "metric_source", "sqnr_db", "metric_drop")
-    for layer, fmt, status, finite, overflow, source, sqnr_db, metric_drop in zip(*(table[c].tolist() for c in columns)):
-        i, j = row_of[layer], column_of[fmt]
-        if status != "ok":
+    for r in rows:
+        i, j = row_of[r.layer], column_of[r.format]
+        if r.status != "ok":
             mark[i][j] = "n/a"
-        elif flag(finite) is False or flag(overflow) is True:
+        elif r.finite is False or r.overflow is True:
             mark[i][j] = "inf/nan"
-        elif str(source).startswith("not measured"):
+        elif r.metric_source.startswith("not measured"):
             mark[i][j] = "ruled out"
-        elif fmt == "fp32":
+        elif r.format == "fp32":
             mark[i][j] = "ref"
         else:
-            sqnr[i][j], drop[i][j] = as_float(sqnr_db), as_float(metric_drop)
+            sqnr[i][j], drop[i][j] = r.sqnr_db, r.metric_drop
     return sqnr, drop, mark
 
 
@@ -111,31 +111,31 @@ def _merged(values: list[float], pick: Any) -> float:
     return pick(finite) if finite else math.nan
 
 
-def heat_rows(table: pd.DataFrame, limit: int = PROFILE_ROWS) -> HeatRows:
+def heat_rows(rows: Sequence[ProfileRow], limit: int = PROFILE_ROWS) -> HeatRows:
     """The heat map's rows. Up to `limit` layers, one each; beyond, one per block role (`blocks.*.attn.q`) with the
     worst of its layers in each cell, where that makes `limit` rows or fewer; else the `limit` most sensitive layers
     (largest drop), in model order. A figure of a 1600-layer model stays a screen's size and draws in seconds."""
-    layers = list(dict.fromkeys(table["layer"]))
-    formats = list(dict.fromkeys(table["format"]))
-    sqnr, drop, mark = _heat_cells(table, layers, formats)
+    layers = list(dict.fromkeys(r.layer for r in rows))
+    formats = list(dict.fromkeys(r.format for r in rows))
+    sqnr, drop, mark = _heat_cells(rows, layers, formats)
     if len(layers) <= limit:
         return HeatRows(short_names(layers), formats, sqnr, drop, mark)
     roles: dict[str, list[int]] = {}
     for i, name in enumerate(layers):
         roles.setdefault(role(name), []).append(i)
     if len(roles) <= limit:
-        rows = HeatRows([], formats, [], [], [], f"{len(layers)} layers, a row per block role: the worst of its layers")
+        heat = HeatRows([], formats, [], [], [], f"{len(layers)} layers, a row per block role: the worst of its layers")
         for name, members in roles.items():
-            rows.labels.append(layers[members[0]] if len(members) == 1 else f"{name} ({len(members)})")
+            heat.labels.append(layers[members[0]] if len(members) == 1 else f"{name} ({len(members)})")
             cells = [
                 _merged_cell([sqnr[i][j] for i in members], [drop[i][j] for i in members], [mark[i][j] for i in members])
                 for j in range(len(formats))
             ]
-            rows.sqnr.append([c[0] for c in cells])
-            rows.drop.append([c[1] for c in cells])
-            rows.mark.append([c[2] for c in cells])
-        rows.labels = short_names(rows.labels)
-        return rows
+            heat.sqnr.append([c[0] for c in cells])
+            heat.drop.append([c[1] for c in cells])
+            heat.mark.append([c[2] for c in cells])
+        heat.labels = short_names(heat.labels)
+        return heat
     ranked = sorted(range(len(layers)), key=lambda i: -_sensitivity(drop[i], mark[i]))
     kept = sorted(ranked[:limit])  # in model order
     note = f"the {limit} most sensitive of {len(layers)} layers ({len(layers) - limit} left out; profile.csv has them all)"
@@ -167,17 +167,17 @@ def _text_colour(image: Any, value: float) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
 
 
-def profile_figure(table: pd.DataFrame, *, title: str = "") -> Figure:
+def profile_figure(rows: Sequence[ProfileRow], *, title: str = "") -> Figure:
     """profile.png's figure (plot_profile)."""
     import numpy as np
     from matplotlib.patches import Rectangle
 
-    heat = heat_rows(table)
-    rows, formats = len(heat.labels), heat.formats
+    heat = heat_rows(rows)
+    n, formats = len(heat.labels), heat.formats
     label_w = 0.3 + 0.062 * max(map(len, heat.labels), default=4)  # inches of y tick labels at 8 points
     tilt = max(map(len, formats), default=4) * 0.062 > CELL[0]  # names wider than a cell are tilted
     format_h = 0.35 + (0.062 * max(map(len, formats), default=4) * 0.5 if tilt else 0.0)
-    panel_w, panel_h = max(len(formats) * CELL[0], 1.8), max(rows * CELL[1], 1.3)
+    panel_w, panel_h = max(len(formats) * CELL[0], 1.8), max(n * CELL[1], 1.3)
     colour_bar_w = 1.0
     side = label_w + 2 * (panel_w + colour_bar_w) <= SIDE_BY_SIDE
     title_h = 0.5 if not heat.note else 0.7
@@ -198,18 +198,18 @@ def profile_figure(table: pd.DataFrame, *, title: str = "") -> Figure:
         (axes[1], heat.drop, "coolwarm", -(span or 1.0), span or 1.0, drop_label, lambda v: f"{v:.2g}"),
     ]
     for k, (ax, values, cmap, vmin, vmax, label, text) in enumerate(panels):
-        data = np.ma.masked_invalid(np.array(values, dtype=float).reshape(rows, len(formats)))
+        data = np.ma.masked_invalid(np.array(values, dtype=float).reshape(n, len(formats)))
         image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
         ax.set_facecolor("white")  # no number: white, apart from the colour of a drop of 0
-        bar = fig.colorbar(image, ax=ax, fraction=0.08, pad=0.02, aspect=max(10, 3 * rows))
+        bar = fig.colorbar(image, ax=ax, fraction=0.08, pad=0.02, aspect=max(10, 3 * n))
         bar.set_label(label, fontsize=8)
         bar.ax.tick_params(labelsize=7)
         if not span and values is heat.drop:
             bar.set_ticks([0.0])
         ax.set_xticks(range(len(formats)), formats, fontsize=8, rotation=30 if tilt else 0, ha="right" if tilt else "center")
-        ax.set_yticks(range(rows), heat.labels if (k == 0 or not side) else [], fontsize=8)
+        ax.set_yticks(range(n), heat.labels if (k == 0 or not side) else [], fontsize=8)
         ax.set_title(label.split(" (")[0] if values is heat.drop else label, fontsize=9)
-        for i in range(rows):
+        for i in range(n):
             for j in range(len(formats)):
                 mark, value = heat.mark[i][j], values[i][j]
                 if mark.endswith("inf/nan"):
@@ -224,13 +224,13 @@ def profile_figure(table: pd.DataFrame, *, title: str = "") -> Figure:
     return fig
 
 
-def plot_profile(table: pd.DataFrame, path: PathT, *, title: str = "") -> PathT:
+def plot_profile(rows: Sequence[ProfileRow], path: PathT, *, title: str = "") -> PathT:
     """A heat map, layers down, formats across: output SQNR (dB) and metric drop, each cell lowered alone, the two
     panels side by side where they fit a screen's width, else one above the other. Cells that went non-finite or
     overflowed fp16 are red, formats a layer cannot run say "n/a", and formats its timing already ruled out (not run,
     so no numbers) say "ruled out". Beyond PROFILE_ROWS layers, rows are block roles or the most sensitive layers
     (heat_rows), said under the title."""
-    return _save(profile_figure(table, title=title), path)
+    return _save(profile_figure(rows, title=title), path)
 
 
 LEGEND_LAYERS = 12  # beyond this, grad_ranges.png names only the layers that bound the recommended range
@@ -318,7 +318,7 @@ def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: ScaleAdvice | None, path
 def plot_all(prof: Profile, out_dir: str | Path, *, title: str = "") -> list[Path]:
     """profile.png (heat map) and, with gradient ranges, grad_ranges.png, under out_dir."""
     folder = Path(out_dir)
-    paths = [plot_profile(prof.table, folder / "profile.png", title=title)]
+    paths = [plot_profile(prof.rows, folder / "profile.png", title=title)]
     if prof.grad_ranges is not None:
         paths.append(plot_grad_ranges(prof.grad_ranges, prof.advice(), folder / "grad_ranges.png", title=title))
     return paths

@@ -1,6 +1,7 @@
 """A profile's data: one row per (layer, format) of what lowering that layer alone measured (the profiler,
 profiler.py, writes it), saved beside the search's results, and the rules the rest of the tuner reads it by
-(`ruled_out`, `flag`, `as_float`). Reading a profile needs no measuring.
+(`ruled_out`). A row is a `ProfileRow`; a DataFrame only where profile.csv is written or read (`rows_frame`,
+`Profile.load`). Reading a profile needs no measuring.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,53 +20,85 @@ from autoprec.files import check_version, write_atomically
 from autoprec.formats import FP16_MAX, NO_KERNEL, Format
 from autoprec.tune.gradients import ScaleAdvice, advise
 
-COLUMNS = [
+NAN = math.nan
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileRow:
+    """What lowering one layer alone to one format measured: a row of profile.csv, its fields the columns in order.
+    NaN (None for `tokens`, `finite`, `overflow`; "" for text) where it was not measured: a format ruled out
+    first, a layer the deadline left out."""
+
+    layer: str
+    type: str  # the module's class name
+    shape: str  # its weight's shape ("64x32"), "-" for none
+    # the rows (inputs' leading dimensions) the layer's calls took per training step, the mean over the profiled
+    # train batches: a Linear's GEMMs are 2 * tokens * in * out FLOPs each (flops.py); None where its calls were not
+    # recorded
+    tokens: float | None = None
+    format: str
+    status: str  # "ok", or "unsupported" (`reason` says why)
+    reason: str = ""
     # SQNR (dB) against fp32 of each GEMM's result, the layer replayed alone (or, fed its own output, in the whole model):
     # sqnr_db its output (fprop), grad_sqnr_db its parameters' gradient (wgrad), dgrad_sqnr_db the gradient it sends to
-    # its inputs (dgrad; empty where none flows back in the model: a first layer on data). inf: equal; empty with
+    # its inputs (dgrad; NaN where none flows back in the model: a first layer on data). inf: equal; NaN with
     # finite False: that result went non-finite
-    # tokens: the rows (inputs' leading dimensions) the layer's calls took per training step, the mean over the profiled
-    # train batches: a Linear's GEMMs are 2 * tokens * in * out FLOPs each (flops.py); empty where its calls were not
-    # recorded
-    "layer",
-    "type",
-    "shape",
-    "tokens",
-    "format",
-    "status",
-    "reason",
-    "sqnr_db",
-    "grad_sqnr_db",
-    "dgrad_sqnr_db",
-    "metric",
-    "metric_drop",
-    "finite",
-    "overflow",
-    "max_abs",
-    "time_ms",
-    "time_spread",
-    "time_vs_fp32",
+    sqnr_db: float = NAN
+    grad_sqnr_db: float = NAN
+    dgrad_sqnr_db: float = NAN
+    metric: float = NAN  # the task metric with this layer alone lowered
+    metric_drop: float = NAN  # the fp32 model's metric minus `metric`
+    finite: bool | None = None  # False: an output, gradient, loss or metric went non-finite; None: not measured
+    overflow: bool | None = None  # True: fp16's output overflows; None: not measured
+    max_abs: float = NAN  # the largest |output| of the layer in fp32
+    time_ms: float = NAN  # the layer's own forward + backward time in this format
+    time_spread: float = NAN  # the spread of its timing rounds relative to their median; NaN where probed only
+    time_vs_fp32: float = NAN  # time_ms over the fp32 row's
     # the most the live tensor bytes rose over the layer's isolated forward + backward after its timing (its output,
-    # what it saves for backward, its gradients and casts; memory.py; no state, unlike a whole step's peak); empty
+    # what it saves for backward, its gradients and casts; memory.py; no state, unlike a whole step's peak); NaN
     # where the device has no measurement
-    "step_rise_bytes",
+    step_rise_bytes: float = NAN
     # gradient ranges (gradients.py), without loss scaling: largest and smallest nonzero |gradient| of the
     # layer, the fractions of nonzero gradient elements this format flushes to zero / leaves subnormal /
     # overflows, and (fp16 rows) the layer's own loss-scale range in log2
-    "grad_amax",
-    "grad_amin",
-    "grad_underflow",
-    "grad_subnormal",
-    "grad_overflow",
-    "scale_low_log2",
-    "scale_high_log2",
+    grad_amax: float = NAN
+    grad_amin: float = NAN
+    grad_underflow: float = NAN
+    grad_subnormal: float = NAN
+    grad_overflow: float = NAN
+    scale_low_log2: float = NAN
+    scale_high_log2: float = NAN
     # the layer whose timing this row reuses: layers of one type, configuration and input shapes are timed once;
-    # NO_KERNEL where the format runs an emulation only on this device (FormatFamily.has_kernels): not timed
-    "timed_as",
+    # NO_KERNEL where the format runs an emulation only on this device (FormatFamily.has_kernels): not timed; ""
+    # where nothing was timed
+    timed_as: str = ""
     # "measured", or why the metric was not evaluated: a format the profile already rules out (slower than
     # fp32 by more than the space's prune.slower_than, non-finite, overflowing) is never chosen, whatever its drop
-    "metric_source",
-]
+    metric_source: str = ""
+
+    def sqnr(self, gemm: str) -> float:
+        """The SQNR (dB) of one GEMM's result: "fprop", "dgrad" or "wgrad" (SQNR_COLUMNS)."""
+        return float(getattr(self, SQNR_COLUMNS[gemm]))
+
+    @classmethod
+    def from_cells(cls, cells: Mapping[str, Any]) -> ProfileRow:
+        """A row from profile.csv's cells as pandas read them (empty: NaN; True/False; numbers as numpy's)."""
+        texts = {"layer", "type", "shape", "format", "status", "reason", "timed_as", "metric_source"}
+        values: dict[str, Any] = {}
+        for name in COLUMNS:
+            cell = cells[name]
+            if name in texts:
+                values[name] = "" if _empty(cell) else str(cell)
+            elif name in ("finite", "overflow"):
+                values[name] = flag(cell)
+            elif name == "tokens":
+                values[name] = None if _empty(cell) else as_float(cell)
+            else:
+                values[name] = as_float(cell)
+        return cls(**values)
+
+
+COLUMNS = [f.name for f in dataclasses.fields(ProfileRow)]  # profile.csv's columns, in its order
 
 # prune.slower_than at or above which a search does not judge speed at all (a goal whose trials are not timed: an
 # estimate for another device), so a format with no kernel here stays a candidate there
@@ -78,13 +111,26 @@ SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqn
 PROFILE_VERSION = 3  # 2: dgrad_sqnr_db; 3: tokens
 
 
+def rows_frame(rows: Iterable[ProfileRow]) -> pd.DataFrame:
+    """The rows as profile.csv's table: one column per field, in COLUMNS' order."""
+    return pd.DataFrame([[getattr(r, c) for c in COLUMNS] for r in rows], columns=COLUMNS)
+
+
+def by_layer(rows: Iterable[ProfileRow]) -> dict[str, dict[str, ProfileRow]]:
+    """Each layer's rows by format, layers and formats in the rows' order."""
+    out: dict[str, dict[str, ProfileRow]] = {}
+    for r in rows:
+        out.setdefault(r.layer, {})[r.format] = r
+    return out
+
+
 @dataclasses.dataclass
 class Profile:
-    """One row per (layer, format); `fp32_metric` is the all-fp32 model's metric. `grad_ranges`: the
-    per-loss-scale gradient table (gradients.scale_table), saved as grad_ranges.csv; `max_underflow`: the
-    tolerance the loss-scale advice uses."""
+    """One row per (layer, format), in the order the profiler measured them; `fp32_metric` is the all-fp32 model's
+    metric. `grad_ranges`: the per-loss-scale gradient table (gradients.scale_table), saved as grad_ranges.csv;
+    `max_underflow`: the tolerance the loss-scale advice uses."""
 
-    table: pd.DataFrame
+    rows: list[ProfileRow]
     fp32_metric: float
     metric_name: str
     device: str
@@ -122,7 +168,8 @@ class Profile:
         advice = self.advice()
         meta["loss_scale_advice"] = advice.to_dict() if advice else None
         text = json.dumps(meta, indent=2) + "\n"
-        write_atomically(out_dir / "profile.csv", lambda tmp: self.table.to_csv(tmp, index=False))
+        table = self.frame()
+        write_atomically(out_dir / "profile.csv", lambda tmp: table.to_csv(tmp, index=False))
         write_atomically(out_dir / "profile.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
         if self.grad_ranges is not None:
             grad_ranges = self.grad_ranges
@@ -137,71 +184,81 @@ class Profile:
         check_version(out_dir / "profile.json", meta.get("version") if isinstance(meta, dict) else None, PROFILE_VERSION)
         del meta["version"]
         meta.pop("loss_scale_advice", None)  # derived from grad_ranges on demand
-        # layer names are strings even when they look like numbers (nn.Sequential's "0", "2")
-        table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True, dtype={"layer": str, "timed_as": str})
+        # names are strings even when they look like numbers (nn.Sequential's "0", "2"; a 1-d weight's shape "64")
+        texts = dict.fromkeys(("layer", "type", "shape", "format", "timed_as"), str)
+        table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True, dtype=texts)
         missing = [c for c in COLUMNS if c not in table]
         if missing:
             raise ValueError(f"{out_dir / 'profile.csv'}: no column {missing[0]!r}")
-        table["reason"] = table["reason"].fillna("")
-        table["metric_source"] = table["metric_source"].fillna("")
+        rows = [ProfileRow.from_cells(cells) for cells in table[COLUMNS].to_dict("records")]
         grad_ranges = pd.read_csv(out_dir / "grad_ranges.csv", dtype={"layer": str})  # profile() always measures them
-        return cls(table=table[COLUMNS], grad_ranges=grad_ranges, **meta)
+        return cls(rows=rows, grad_ranges=grad_ranges, **meta)
+
+    def frame(self) -> pd.DataFrame:
+        """The rows as profile.csv's table (rows_frame): for what writes or draws a table, not for reading rows."""
+        return rows_frame(self.rows)
 
     def layers(self) -> list[str]:
-        return list(dict.fromkeys(self.table["layer"]))
+        return list(dict.fromkeys(r.layer for r in self.rows))
+
+    def by_layer(self) -> dict[str, dict[str, ProfileRow]]:
+        return by_layer(self.rows)
+
+    def row(self, layer: str, fmt: Format | str) -> ProfileRow | None:
+        """The row of one layer in one format; None where the profile has none."""
+        fmt = str(getattr(fmt, "value", fmt))
+        return next((r for r in self.rows if r.layer == layer and r.format == fmt), None)
 
     def advice(self, layers: list[str] | None = None) -> ScaleAdvice | None:
         """The loss-scale range for fp16 in the given layers (None: those the profile ran in fp16)."""
         if self.grad_ranges is None:
             return None
         if layers is None:
-            layers = list(dict.fromkeys(self.table.loc[self.table["format"] == Format.FP16.value, "layer"]))
+            layers = list(dict.fromkeys(r.layer for r in self.rows if r.format == Format.FP16.value))
         return advise(self.grad_ranges, layers, self.max_underflow)
 
     def predicted_drop(self, layers: Mapping[str, Format | str]) -> float:
         """The sum of the single-layer metric drops of a policy's lowered layers: what the profile predicts
         for the policy if the layers' effects add up. Layers it did not profile (the model root) count 0."""
-        drops = self.table.set_index(["layer", "format"])["metric_drop"]
+        drops = {(r.layer, r.format): r.metric_drop for r in self.rows}
         total = 0.0
         for name, fmt in layers.items():
             fmt = str(getattr(fmt, "value", fmt))
-            if fmt != Format.FP32.value and (name, fmt) in drops.index:
-                total += float(drops.loc[(name, fmt)])
+            if fmt != Format.FP32.value and (name, fmt) in drops:
+                total += float(drops[(name, fmt)])
         return total
 
 
-def ruled_out(row: Mapping[str, Any], budget: float | None, slower_than: float) -> str | None:
-    """Why the profile rules a format out for a layer (a row of the table), or None. `budget` None: do not
-    judge the single-layer drop (train mode, whose budget is on another measurement; or before it is known).
+def ruled_out(row: ProfileRow, budget: float | None, slower_than: float) -> str | None:
+    """Why the profile rules a format out for a layer (its row), or None. `budget` None: do not judge the
+    single-layer drop (train mode, whose budget is on another measurement; or before it is known).
     `slower_than` inf or at least SPEED_UNJUDGED: do not judge speed (a profile on its own; a search for another
     device's estimate), which also keeps a format with no kernel here."""
-    if row["status"] != "ok":
-        return str(row["reason"])
-    if flag(row.get("finite")) is False:
+    if row.status != "ok":
+        return row.reason
+    if row.finite is False:
         return "non-finite output, gradient, loss or metric when lowered alone"
-    if flag(row.get("overflow")) is True:
-        return f"fp16 overflows: max |output| {float(row['max_abs']):.4g} > {FP16_MAX:g} or inf when lowered"
-    grad_overflow = as_float(row.get("grad_overflow"))
-    if row["format"] == Format.FP16.value and grad_overflow > 0:
-        return f"fp16 gradients overflow even at loss scale 1 ({100 * grad_overflow:.2g}% of elements above {FP16_MAX:g})"
-    fmt = Format(row["format"])
+    if row.overflow is True:
+        return f"fp16 overflows: max |output| {row.max_abs:.4g} > {FP16_MAX:g} or inf when lowered"
+    if row.format == Format.FP16.value and row.grad_overflow > 0:
+        return f"fp16 gradients overflow even at loss scale 1 ({100 * row.grad_overflow:.2g}% of elements above {FP16_MAX:g})"
+    fmt = Format(row.format)
     if fmt.family.gemm_floor_rules_out:
         # a GEMM whose scaling flushed or saturated (report.breaks), below its family's floor for the format: a
         # per-GEMM format that keeps it in high precision is the layer's way to keep its other GEMMs low
         floor = fmt.family.sqnr_floor(fmt)
         whose = "fp8" if fmt.family.fp8 else fmt.value
-        for gemm, col in SQNR_COLUMNS.items():
-            sqnr = as_float(row.get(col))
+        for gemm in SQNR_COLUMNS:
+            sqnr = row.sqnr(gemm)
             if sqnr < floor:
                 return f"its {gemm} GEMM measures {sqnr:.1f} dB against fp32, below {whose}'s {floor:g} dB floor"
-    drop = as_float(row.get("metric_drop"))
+    drop = row.metric_drop
     if budget is not None and drop > budget:
         return f"alone drops the metric by {drop:.4g} > budget {budget:g}"
-    if row.get("timed_as") == NO_KERNEL and slower_than < SPEED_UNJUDGED:
+    if row.timed_as == NO_KERNEL and slower_than < SPEED_UNJUDGED:
         # a search weighs each format's speed on this device: one that only runs emulated here has none to weigh
-        return f"{NO_KERNEL}: {row['format']} runs emulated here, so its speed is unknown"
-    ratio = as_float(row.get("time_vs_fp32"))
-    spread = as_float(row.get("time_spread"))  # NaN where probed only: many times slower, beyond any noise
+        return f"{NO_KERNEL}: {row.format} runs emulated here, so its speed is unknown"
+    ratio, spread = row.time_vs_fp32, row.time_spread  # spread NaN where probed only: many times slower, beyond any noise
     # measured inside wide noise (a loaded machine), a slowdown rules nothing out: the search's whole steps judge it
     fast_end = ratio * (1 - spread / 2) if math.isfinite(spread) else ratio
     if math.isfinite(ratio) and fast_end > slower_than:
@@ -209,13 +266,17 @@ def ruled_out(row: Mapping[str, Any], budget: float | None, slower_than: float) 
     return None
 
 
+def _empty(cell: Any) -> bool:
+    return cell is None or (isinstance(cell, float) and math.isnan(cell))
+
+
 def flag(value: Any) -> bool | None:
-    """A True/False cell of the table; None where it was not measured (empty)."""
+    """A True/False cell of profile.csv as pandas read it; None where it was not measured (empty)."""
     return bool(value) if isinstance(value, (bool, np.bool_)) else None
 
 
 def as_float(value: Any) -> float:
-    """A table cell as a float; NaN where it holds none (empty, text)."""
+    """A cell as a float; NaN where it holds none (empty, text)."""
     try:
         return float(value)
     except (TypeError, ValueError):

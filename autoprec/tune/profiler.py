@@ -8,8 +8,8 @@ would flush to zero or overflow, per loss scale, and from that the loss-scale ra
 
 Here: the order of it all (cheapest first, a format ruled out on the way measured no further) and the metric. The
 numerics (the fp32 reference pass, each GEMM's SQNR) are sensitivity.py's, the layer's own step time layer_timing.py's.
-What it writes (the table, `Profile`) and the rules the rest of the tuner reads it by are profile_data.py's: reading a
-profile needs none of the measuring here.
+What it writes (`Profile`, a `ProfileRow` per layer and format) and the rules the rest of the tuner reads it by are
+profile_data.py's: reading a profile needs none of the measuring here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import copy
 import logging
 import math
 import time
+from dataclasses import replace
+from typing import Any
 
-import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
@@ -31,7 +32,7 @@ from autoprec.tune.cost import Stopwatch
 from autoprec.tune.gradients import LayerGradients, collect, profile_columns, scale_table
 from autoprec.tune.layer_timing import _time_layer, _timing_key
 from autoprec.tune.metric import evaluate_metric, metric_name, metric_of
-from autoprec.tune.profile_data import COLUMNS, NO_KERNEL, SQNR_COLUMNS, Profile, as_float, ruled_out
+from autoprec.tune.profile_data import NO_KERNEL, SQNR_COLUMNS, Profile, ProfileRow, ruled_out
 from autoprec.tune.sensitivity import (
     _Call,
     _first_float,
@@ -119,20 +120,19 @@ def _shape(module: torch.nn.Module) -> str:
     return "-"
 
 
-def _fp32_row(base: dict, fp32_metric: float) -> dict:
+def _fp32_row(base: dict[str, Any], fp32_metric: float) -> ProfileRow:
     """A layer's fp32 row (`base`: its layer, type, shape and tokens): the reference, measured as the fp32 model."""
-    return {
+    return ProfileRow(
         **base,
-        "format": "fp32",
-        "status": "ok",
-        "reason": "",
-        "sqnr_db": math.inf,
-        "metric": fp32_metric,
-        "metric_drop": 0.0,
-        "finite": True,
-        "overflow": False,
-        "metric_source": MEASURED,
-    }
+        format="fp32",
+        status="ok",
+        sqnr_db=math.inf,
+        metric=fp32_metric,
+        metric_drop=0.0,
+        finite=True,
+        overflow=False,
+        metric_source=MEASURED,
+    )
 
 
 def _profile_layer(
@@ -148,7 +148,7 @@ def _profile_layer(
     watch: Stopwatch,
     timed: dict,
     slower_than: float,
-) -> list[dict]:
+) -> list[ProfileRow]:
     """The layer's rows, cheapest measurement first: what cannot run, the layer's own step time per format
     (shared by layers of one type and shapes), the gradient ranges; then, only for formats still in play, the
     output and gradient SQNR (the layer alone, replayed on its calls in the fp32 model: _replay); formats still in play after that
@@ -157,7 +157,7 @@ def _profile_layer(
     overflowing) is never chosen whatever the rest would say, so the rest is not measured, and `metric_source`
     says why."""
     base = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "tokens": tokens(ref.calls[name])}
-    rows: dict[Format, dict] = {Format.FP32: _fp32_row(base, fp32_metric)}
+    rows: dict[Format, ProfileRow] = {Format.FP32: _fp32_row(base, fp32_metric)}
     calls = ref.calls[name]
     in_model = name in ref.fed_back  # its later calls see its own lowered output: only the whole model has them
     with watch.section("profile: SQNR reference (each layer in fp32, alone on its recorded calls)"):
@@ -174,7 +174,8 @@ def _profile_layer(
             fp32 = _in_model_run(workload, name, Format.FP32, config.batches)
     max_abs = _max_abs(fp32.output)
     # fp32 against itself: inf where the GEMM runs, empty where it does not (no gradient into the inputs, no parameters')
-    rows[Format.FP32].update(
+    rows[Format.FP32] = replace(
+        rows[Format.FP32],
         max_abs=max_abs,
         grad_sqnr_db=math.inf if fp32.grad is not None else math.nan,
         dgrad_sqnr_db=math.inf if fp32.dgrad is not None else math.nan,
@@ -186,17 +187,10 @@ def _profile_layer(
         reason = format_problem(fmt, module, workload.device)
         if reason is None and autocast_dtype(fmt) is not None:
             reason = _autocast_problem(module, inputs, fmt, workload.device)
-        rows[fmt] = {
-            **base,
-            "format": fmt.value,
-            "max_abs": max_abs,
-            "status": "unsupported" if reason else "ok",
-            "reason": reason or "",
-            "finite": None,
-            "overflow": None,
-            "metric_source": "",
-        }
-    ok = [f for f in formats if rows[f]["status"] == "ok"]
+        rows[fmt] = ProfileRow(
+            **base, format=fmt.value, max_abs=max_abs, status="unsupported" if reason else "ok", reason=reason or ""
+        )
+    ok = [f for f in formats if rows[f].status == "ok"]
     # a format that runs an emulation only here is not timed: its time would say nothing of its speed (NO_KERNEL)
     emulated = {f for f in ok if not f.family.has_kernels(f, workload.device)}
     to_time = [f for f in ok if f not in emulated]
@@ -211,47 +205,49 @@ def _profile_layer(
         timed_as = name
         timed[key] = (timed_as, times, failed)
     for fmt, reason in failed.items():
-        rows[fmt].update(status="unsupported", reason=reason)
+        rows[fmt] = replace(rows[fmt], status="unsupported", reason=reason)
     fp32_ms = times[Format.FP32][0]
     for fmt, row in rows.items():
         ms, spread, peak = times.get(fmt, (math.nan, math.nan, None))
-        row.update(
+        rows[fmt] = replace(
+            row,
             time_ms=ms,
             time_spread=spread,
             time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan,
             timed_as=NO_KERNEL if fmt in emulated else timed_as,
             step_rise_bytes=peak if peak is not None else math.nan,
+            **profile_columns(grads, fmt.value, grad_table, config.max_underflow),
         )
-        row.update(profile_columns(grads, fmt.value, grad_table, config.max_underflow))
     # numerics do not depend on the device's speed: only a search's own profile ("offered") leaves a slow format's out
     numerics = config.numerics or "all"  # a profile on its own measures them all (a search's config says "offered")
     numerics_slower_than = slower_than if numerics == "offered" else math.inf
     for fmt, row in rows.items():
-        if fmt is Format.FP32 or row["status"] != "ok":
+        if fmt is Format.FP32 or row.status != "ok":
             continue
         # "all": the SQNR of every format that runs, even one its gradient ranges already rule out (a map, not a choice)
-        if numerics == "offered" and _skip(row, numerics_slower_than, watch):
+        if numerics == "offered" and (skipped := _not_measured(row, numerics_slower_than, watch)) is not None:
+            rows[fmt] = skipped
             continue
         try:
             with watch.section(SQNR_STAGE):
                 if in_model:
-                    row.update(_sensitivity_of(_in_model_run(workload, name, fmt, config.batches), fmt, fp32))
+                    measured = _sensitivity_of(_in_model_run(workload, name, fmt, config.batches), fmt, fp32)
                 else:
-                    row.update(_sensitivity(module, calls, fmt, fp32, workload.device))
+                    measured = _sensitivity(module, calls, fmt, fp32, workload.device)
         except Exception as exc:  # a format a layer cannot run in is a finding, not a crash; the user's mistake is not
             if isinstance(exc, UserError):
                 raise
-            row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
+            rows[fmt] = replace(row, status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}")
             continue
-        if not _skip(row, numerics_slower_than, watch):
-            row["metric_source"] = PENDING
+        row = replace(row, **measured)
+        rows[fmt] = _not_measured(row, numerics_slower_than, watch) or replace(row, metric_source=PENDING)
     return [rows[f] for f in formats if f in rows]
 
 
 def _judge_group(
-    workload: Workload, group: list[dict], fmt: Format, fp32_metric: float, tolerance: float | None, watch: Stopwatch
-) -> None:
-    """Fill in the metric of each row of `group` (one format, layers whose metric is pending). Alone, a layer's
+    workload: Workload, group: list[ProfileRow], fmt: Format, fp32_metric: float, tolerance: float | None, watch: Stopwatch
+) -> dict[str, ProfileRow]:
+    """The rows of `group` (one format, layers whose metric is pending) with their metric, by layer. Alone, a layer's
     is measured. Several are lowered together first: where their drop is within `tolerance`, the member with
     the lowest SQNR (the likeliest to matter) is measured alone too, and if it is within the tolerance as well
     the others take equal shares of the rest of the group's drop (single-layer drops add up closely:
@@ -260,67 +256,63 @@ def _judge_group(
     about 2 log2(n) evaluations and measured alone. The probe guards against the one way a group hides a
     sensitive layer: others whose drops are negative and cancel its own."""
     if len(group) <= 2 or tolerance is None:  # two alone cost what a pair and its probe do, and are exact
-        for row in group:
-            _measure_alone(workload, row, fmt, fp32_metric, watch)
-        return
+        return {r.layer: _measure_alone(workload, r, fmt, fp32_metric, watch) for r in group}
     try:
         with watch.section("profile: metric per format (layers lowered together)"):
-            metric = metric_of(workload, policy_model(workload, Policy(layers={r["layer"]: fmt for r in group})))
+            metric = metric_of(workload, policy_model(workload, Policy(layers={r.layer: fmt for r in group})))
     except UserError:
         raise
     except Exception as exc:  # which layer cannot run it: the halves will say
         log.debug("%s: %d layers lowered together failed (%s); halving", fmt.value, len(group), describe(exc, 200))
         metric = math.nan
     drop = fp32_metric - metric
+    judged: dict[str, ProfileRow] = {}
     if math.isfinite(drop) and abs(drop) <= tolerance:
         probe = min(group, key=_lowest_sqnr)
-        _measure_alone(workload, probe, fmt, fp32_metric, watch)
-        probed = as_float(probe.get("metric_drop"))
-        if probe["metric_source"] == MEASURED and abs(probed) <= tolerance:
-            rest = [r for r in group if r is not probe]
-            share = (drop - probed) / len(rest)
+        alone = judged[probe.layer] = _measure_alone(workload, probe, fmt, fp32_metric, watch)
+        group = [r for r in group if r is not probe]  # the probe is measured: the others are judged without it
+        if alone.metric_source == MEASURED and abs(alone.metric_drop) <= tolerance:
+            share = (drop - alone.metric_drop) / len(group)
             source = (
-                f"predicted: its {len(group)} layers lowered together dropped the metric by {drop:.4g} (within "
-                f"{tolerance:.4g}), {probe['layer']} alone by {probed:.4g}; an equal share of the rest"
+                f"predicted: its {len(group) + 1} layers lowered together dropped the metric by {drop:.4g} (within "
+                f"{tolerance:.4g}), {probe.layer} alone by {alone.metric_drop:.4g}; an equal share of the rest"
             )
-            for row in rest:
-                row.update(metric=fp32_metric - share, metric_drop=share, metric_source=source)
-            watch.count("profile: single-layer metrics predicted from a group's", len(rest))
-            return
-        group = [r for r in group if r is not probe]  # the probe is measured: judge the others without it
+            for row in group:
+                judged[row.layer] = replace(row, metric=fp32_metric - share, metric_drop=share, metric_source=source)
+            watch.count("profile: single-layer metrics predicted from a group's", len(group))
+            return judged
     half = len(group) // 2
-    _judge_group(workload, group[:half], fmt, fp32_metric, tolerance, watch)
-    _judge_group(workload, group[half:], fmt, fp32_metric, tolerance, watch)
+    judged.update(_judge_group(workload, group[:half], fmt, fp32_metric, tolerance, watch))
+    judged.update(_judge_group(workload, group[half:], fmt, fp32_metric, tolerance, watch))
+    return judged
 
 
-def _lowest_sqnr(row: dict) -> float:
+def _lowest_sqnr(row: ProfileRow) -> float:
     """The lowest of a row's SQNRs (fprop, dgrad, wgrad); -inf where none is known (the most suspect)."""
-    known = [v for v in (as_float(row.get(k)) for k in SQNR_COLUMNS.values()) if not math.isnan(v)]
+    known = [v for v in (row.sqnr(g) for g in SQNR_COLUMNS) if not math.isnan(v)]
     return min(known, default=-math.inf)
 
 
-def _measure_alone(workload: Workload, row: dict, fmt: Format, fp32_metric: float, watch: Stopwatch) -> None:
+def _measure_alone(workload: Workload, row: ProfileRow, fmt: Format, fp32_metric: float, watch: Stopwatch) -> ProfileRow:
+    """`row` with its metric measured, the layer lowered alone; unsupported where it cannot run so."""
     try:
         with watch.section("profile: metric per format (one layer lowered)"):
-            metric = metric_of(workload, policy_model(workload, Policy(layers={row["layer"]: fmt})))
+            metric = metric_of(workload, policy_model(workload, Policy(layers={row.layer: fmt})))
     except UserError:
         raise
     except Exception as exc:  # a format a layer cannot run in is a finding, not a crash
-        row.update(status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
-        return
-    row.update(
-        metric=metric, metric_drop=fp32_metric - metric, metric_source=MEASURED, finite=row["finite"] and math.isfinite(metric)
-    )
+        return replace(row, status="unsupported", reason=f"{fmt.value} failed: {describe(exc, 200)}", metric_source="")
+    finite = row.finite and math.isfinite(metric)
+    return replace(row, metric=metric, metric_drop=fp32_metric - metric, metric_source=MEASURED, finite=finite)
 
 
-def _skip(row: dict, slower_than: float, watch: Stopwatch) -> bool:
-    """True (and the row says why) when what is known of the format already rules it out."""
+def _not_measured(row: ProfileRow, slower_than: float, watch: Stopwatch) -> ProfileRow | None:
+    """`row` with its metric left unmeasured and why, when what is known of the format already rules it out; else None."""
     reason = ruled_out(row, None, slower_than)
     if reason is None:
-        return False
-    row.update(metric=math.nan, metric_drop=math.nan, metric_source=f"not measured: {reason}")
+        return None
     watch.count("profile: metric not evaluated (format already ruled out)")
-    return True
+    return replace(row, metric=math.nan, metric_drop=math.nan, metric_source=f"not measured: {reason}")
 
 
 def checked_fp32_metric(workload: Workload) -> float:
@@ -366,8 +358,8 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         progress: Show a progress bar over the layers. Default True.
 
     Returns:
-        Profile: `.table` (one row per layer and format: status, reason, step time, SQNR, metric and drop; the
-        columns of profile.csv), `.fp32_metric`, `.grad_ranges`, `.advice()` (the loss-scale advice), `.cost`;
+        Profile: `.rows` (one ProfileRow per layer and format: status, reason, step time, SQNR, metric and drop;
+        the columns of profile.csv), `.fp32_metric`, `.grad_ranges`, `.advice()` (the loss-scale advice), `.cost`;
         `.save(folder)` writes profile.csv, profile.json and grad_ranges.csv there.
 
     Raises:
@@ -380,7 +372,7 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         >>> workload = autoprec.tune.prepare(autoprec.tune.load_task("examples/digits/model.py"), "cpu")  # doctest: +SKIP
         >>> prof = autoprec.tune.profile(workload, autoprec.tune.load_space(), autoprec.tune.ProfileConfig())  # doctest: +SKIP
         >>> prof.save("results/digits-profile")  # doctest: +SKIP
-        >>> prof.table[["layer", "format", "metric_drop"]]  # doctest: +SKIP
+        >>> [(r.layer, r.format, r.metric_drop) for r in prof.rows]  # doctest: +SKIP
     """
     layers = space.tunable_layers(workload.model)
     if not layers:
@@ -405,16 +397,15 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         grads = collect(workload, list(layers), config.grad_batches)
         grad_table = scale_table(grads)
     modules = dict(workload.model.named_modules())
-    rows: list[dict] = []
+    rows: list[ProfileRow] = []
     timed: dict[str, tuple[str, dict, dict]] = {}
     deadline = Deadline(config.deadline_s, len(layers))
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
         formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
         if deadline.passed():
             unprofiled = _unprofiled(name, modules[name], formats, fp32_metric, deadline.reason, ref.calls[name])
-            for row in unprofiled:  # its gradient ranges were collected with every layer's: the loss-scale advice reads them
-                row.update(profile_columns(grads[name], row["format"], grad_table, config.max_underflow))
-            rows.extend(unprofiled)
+            # its gradient ranges were collected with every layer's: the loss-scale advice reads them
+            rows += [replace(r, **profile_columns(grads[name], r.format, grad_table, config.max_underflow)) for r in unprofiled]
             continue
         rows.extend(
             _profile_layer(
@@ -435,14 +426,14 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
         deadline.done_one()
     if deadline.left_out:
         watch.count("profile: layers not profiled, the time budget's share for it spent (they stay in fp32)", deadline.left_out)
-    for fmt in dict.fromkeys(r["format"] for r in rows):
-        pending = [r for r in rows if r["format"] == fmt and r["metric_source"] == PENDING]
+    for fmt in dict.fromkeys(r.format for r in rows):
+        pending = [r for r in rows if r.format == fmt and r.metric_source == PENDING]
         if pending:
             tolerance = config.group_tolerance if config.group_testing else None
-            _judge_group(workload, pending, Format(fmt), fp32_metric, tolerance, watch)
-    table = pd.DataFrame(rows, columns=COLUMNS)
+            judged = _judge_group(workload, pending, Format(fmt), fp32_metric, tolerance, watch)
+            rows = [judged.get(r.layer, r) if r.format == fmt else r for r in rows]
     return Profile(
-        table=table,
+        rows=rows,
         fp32_metric=fp32_metric,
         metric_name=metric_name(workload),
         device=device_name(str(workload.device)),
@@ -497,16 +488,9 @@ class Deadline:
 
 def _unprofiled(
     name: str, module: torch.nn.Module, formats: list[Format], fp32_metric: float, reason: str, calls: list[_Call]
-) -> list[dict]:
+) -> list[ProfileRow]:
     """A layer the profile's deadline left out: fp32 as measured (the reference), every lowered format ruled out."""
-    base = {
-        "layer": name,
-        "type": type(module).__name__,
-        "shape": _shape(module),
-        "tokens": tokens(calls),
-        "finite": None,
-        "overflow": None,
-    }
+    base: dict[str, Any] = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "tokens": tokens(calls)}
     rows = [_fp32_row(base, fp32_metric)]
-    rows += [{**base, "format": f.value, "status": "unsupported", "reason": reason, "metric_source": ""} for f in formats[1:]]
+    rows += [ProfileRow(**base, format=f.value, status="unsupported", reason=reason) for f in formats[1:]]
     return rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -17,7 +17,7 @@ from autoprec.tune.config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_
 from autoprec.tune.cost import cost_rows
 from autoprec.tune.gradients import ScaleAdvice
 from autoprec.tune.memory import human_bytes
-from autoprec.tune.profile_data import NO_KERNEL, SQNR_COLUMNS, as_float, flag
+from autoprec.tune.profile_data import NO_KERNEL, SQNR_COLUMNS, ProfileRow, as_float, by_layer
 from autoprec.tune.records import Finals, Measured, Measurement
 from autoprec.tune.show import (
     RESULT_HEADERS,
@@ -42,35 +42,34 @@ if TYPE_CHECKING:  # the results import this module to print themselves
     from autoprec.tune.sweeper import SweepResult
 
 
-def profile_summary(table: pd.DataFrame, *, markdown: bool = False) -> str:
+def profile_summary(rows: Sequence[ProfileRow], *, markdown: bool = False) -> str:
     """Per layer: each format's output SQNR, metric drop and time relative to fp32."""
     fmt_table = markdown_table if markdown else text_table
-    formats = list(dict.fromkeys(table["format"]))
+    formats = list(dict.fromkeys(r.format for r in rows))
     headers = ["layer", "type", "shape"] + [f"{f} {k}" for f in formats if f != "fp32" for k in ("dB", "drop", "x time")]
     headers.insert(3, "fp32 ms")
-    rows = []
-    for name, group in table.groupby("layer", sort=False):
-        by = {r["format"]: r for _, r in group.iterrows()}
-        first = group.iloc[0]
-        row: list[object] = [name, first["type"], first["shape"], float(by["fp32"]["time_ms"])]
+    table = []
+    for name, by in by_layer(rows).items():
+        first = next(iter(by.values()))
+        row: list[object] = [name, first.type, first.shape, by["fp32"].time_ms]
         for f in formats:
             if f == "fp32":
                 continue
             r = by.get(f)
-            if r is None or r["status"] != "ok":
+            if r is None or r.status != "ok":
                 row += ["n/a", "", ""]
                 continue
-            speed: object = NO_KERNEL if r["timed_as"] == NO_KERNEL else float(r["time_vs_fp32"])
-            if flag(r["finite"]) is False or flag(r["overflow"]) is True:
+            speed: object = NO_KERNEL if r.timed_as == NO_KERNEL else r.time_vs_fp32
+            if r.finite is False or r.overflow is True:
                 row += ["inf/nan", "", speed]
-            elif str(r["metric_source"]).startswith("not measured"):
+            elif r.metric_source.startswith("not measured"):
                 row += ["ruled out", "", speed]
-            elif str(r["metric_source"]).startswith("predicted"):
-                row += [float(r["sqnr_db"]), f"~{float(r['metric_drop']):.3g}", speed]
+            elif r.metric_source.startswith("predicted"):
+                row += [r.sqnr_db, f"~{r.metric_drop:.3g}", speed]
             else:
-                row += [float(r["sqnr_db"]), float(r["metric_drop"]), speed]
-        rows.append(row)
-    return fmt_table(headers, rows)
+                row += [r.sqnr_db, r.metric_drop, speed]
+        table.append(row)
+    return fmt_table(headers, table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,34 +103,32 @@ def break_floor(fmt: str) -> float:
     return spec.format.family.sqnr_floor(spec.format)
 
 
-def breaks(table: pd.DataFrame, budget: float | None = None) -> list[Break]:
+def breaks(rows: Sequence[ProfileRow], budget: float | None = None) -> list[Break]:
     """The GEMMs of the profile (fprop, dgrad, wgrad per layer and format) that break, worst first: non-finite or
     overflowing fp16, then SQNR against fp32 below the format's floor (break_floor), lowest first, then (with a
     `budget`) a single-layer metric drop over it, largest first. A GEMM the layer does not run in fp32 (no gradient
     into the inputs of a first layer) is not judged."""
-    runs: dict[str, set[str]] = {}
-    for _, r in table[table["format"] == Format.FP32.value].iterrows():
-        runs[r["layer"]] = {g for g, col in SQNR_COLUMNS.items() if not math.isnan(as_float(r.get(col)))}
+    runs = {r.layer: {g for g in SQNR_COLUMNS if not math.isnan(r.sqnr(g))} for r in rows if r.format == Format.FP32.value}
     found: list[Break] = []
-    for _, r in table.iterrows():
-        fmt, layer = str(r["format"]), str(r["layer"])
-        if fmt == Format.FP32.value or r["status"] != "ok":
+    for r in rows:
+        fmt, layer = r.format, r.layer
+        if fmt == Format.FP32.value or r.status != "ok":
             continue
-        drop, floor, finite = as_float(r.get("metric_drop")), break_floor(fmt), flag(r.get("finite"))
+        drop, floor = r.metric_drop, break_floor(fmt)
         mine: list[Break] = []
-        for gemm, col in SQNR_COLUMNS.items():
+        for gemm in SQNR_COLUMNS:
             if gemm not in runs.get(layer, set(SQNR_COLUMNS)):
                 continue
-            sqnr = as_float(r.get(col))
-            if gemm == "fprop" and flag(r.get("overflow")) is True:
-                why = f"fp16 overflow: max |output| {as_float(r.get('max_abs')):.3g} > {FP16_MAX:g}"
+            sqnr = r.sqnr(gemm)
+            if gemm == "fprop" and r.overflow is True:
+                why = f"fp16 overflow: max |output| {r.max_abs:.3g} > {FP16_MAX:g}"
                 mine.append(Break(layer, fmt, gemm, sqnr, drop, why, 0))
             elif math.isnan(sqnr):  # measured and non-finite, or not measured (a format ruled out first)
-                if finite is False:
+                if r.finite is False:
                     mine.append(Break(layer, fmt, gemm, sqnr, drop, "non-finite", 0))
             elif sqnr < floor:
                 mine.append(Break(layer, fmt, gemm, sqnr, drop, f"below {floor:g} dB", 1))
-        if finite is False and not any(b.rank == 0 for b in mine):
+        if r.finite is False and not any(b.rank == 0 for b in mine):
             mine.append(Break(layer, fmt, "-", math.nan, drop, "non-finite loss or metric", 0))
         if budget is not None and drop > budget:
             mine.append(Break(layer, fmt, "-", math.nan, drop, f"metric drop over the budget {budget:g}", 2))
@@ -139,14 +136,14 @@ def breaks(table: pd.DataFrame, budget: float | None = None) -> list[Break]:
     return sorted(found, key=lambda b: (b.rank, b.sqnr_db if b.rank == 1 else 0.0, -b.metric_drop if b.rank == 2 else 0.0))
 
 
-def breaks_summary(table: pd.DataFrame, *, budget: float | None = None, limit: int = BREAK_ROWS) -> str:
+def breaks_summary(rows: Sequence[ProfileRow], *, budget: float | None = None, limit: int = BREAK_ROWS) -> str:
     """The answer to "which layer breaks?" in a few lines: `breaks`, at most `limit` rows and a count of the rest;
     one line when nothing does."""
-    found = breaks(table, budget)
+    found = breaks(rows, budget)
     floors = f"{BREAK_SQNR_DB_FP8:g} dB (fp8) / {BREAK_SQNR_DB_16BIT:g} dB (bf16, fp16)"
     # the other floors of the formats in the table (the block-scaled ones: 20 dB MXFP8, 10 dB NVFP4)
     others: dict[float, list[str]] = {}
-    for f in dict.fromkeys(table["format"]):
+    for f in dict.fromkeys(r.format for r in rows):
         floor = break_floor(f)
         if math.isfinite(floor) and floor not in (BREAK_SQNR_DB_FP8, BREAK_SQNR_DB_16BIT):
             others.setdefault(floor, []).append(f)
@@ -160,8 +157,8 @@ def breaks_summary(table: pd.DataFrame, *, budget: float | None = None, limit: i
         "which layer breaks, worst first (fprop: the layer's output; dgrad: the gradient it sends to its inputs; "
         f"wgrad: its weight gradient): a GEMM result non-finite, or its SQNR against fp32 below {floors}{over}"
     )
-    rows = [[b.layer, b.format, b.gemm, _sqnr_cell(b), _drop_cell(b.metric_drop), b.why] for b in found[:limit]]
-    parts = [textwrap.fill(title, WIDTH), text_table(["layer", "format", "GEMM", "SQNR dB", "metric drop", "why"], rows)]
+    cells = [[b.layer, b.format, b.gemm, _sqnr_cell(b), _drop_cell(b.metric_drop), b.why] for b in found[:limit]]
+    parts = [textwrap.fill(title, WIDTH), text_table(["layer", "format", "GEMM", "SQNR dB", "metric drop", "why"], cells)]
     if len(found) > limit:
         parts.append(f"and {len(found) - limit} more (profile.csv: sqnr_db, dgrad_sqnr_db, grad_sqnr_db per layer and format)")
     notes = [
@@ -345,31 +342,30 @@ def _unfit_lines(finals: Finals, m: Measured) -> list[str]:
     return lines + ([f"peak memory not measured, so not shown to fit: {', '.join(unknown)}"] if unknown else [])
 
 
-def gradient_summary(table: pd.DataFrame, advice: ScaleAdvice | None = None, *, markdown: bool = False) -> str:
+def gradient_summary(rows: Sequence[ProfileRow], advice: ScaleAdvice | None = None, *, markdown: bool = False) -> str:
     """Per layer: its gradient magnitudes, what fp16 (unscaled) and fp8 (dynamic scaling) would lose, and
     the layer's own loss-scale range; then the model's recommended range and the layers that bound it."""
     fmt_table = markdown_table if markdown else text_table
-    rows = []
-    for name, group in table.groupby("layer", sort=False):
-        by = {r["format"]: r for _, r in group.iterrows()}
-        first = group.iloc[0]
+    table = []
+    for name, by in by_layer(rows).items():
+        first = next(iter(by.values()))
         fp16, fp8 = by.get("fp16"), by.get("fp8")
-        low = as_float(fp16["scale_low_log2"]) if fp16 is not None else math.nan
-        high = as_float(fp16["scale_high_log2"]) if fp16 is not None else math.nan
+        low = fp16.scale_low_log2 if fp16 is not None else math.nan
+        high = fp16.scale_high_log2 if fp16 is not None else math.nan
         scale_range = "-" if fp16 is None else ("overflows at 2^0" if math.isnan(high) else f"2^{low:.0f} .. 2^{high:.0f}")
-        rows.append(
+        table.append(
             [
                 name,
-                as_float(first["grad_amax"]),
-                as_float(first["grad_amin"]),
-                _percent(fp16["grad_underflow"]) if fp16 is not None else "-",
-                _percent(fp16["grad_overflow"]) if fp16 is not None else "-",
+                first.grad_amax,
+                first.grad_amin,
+                _percent(fp16.grad_underflow) if fp16 is not None else "-",
+                _percent(fp16.grad_overflow) if fp16 is not None else "-",
                 scale_range,
-                _percent(fp8["grad_underflow"]) if fp8 is not None and fp8["status"] == "ok" else "-",
+                _percent(fp8.grad_underflow) if fp8 is not None and fp8.status == "ok" else "-",
             ]
         )
     headers = ["layer", "max |grad|", "min |grad|", "fp16 underflow", "fp16 overflow", "fp16 loss scale", "fp8 e5m2 underflow"]
-    parts = [fmt_table(headers, rows)]
+    parts = [fmt_table(headers, table)]
     parts.append(
         "underflow / overflow: fraction of the layer's nonzero gradient elements (weight, output and input "
         "gradients) below fp16's smallest subnormal 2^-24 / above 65504 at loss scale 1; fp8: the gradient "
@@ -380,9 +376,8 @@ def gradient_summary(table: pd.DataFrame, advice: ScaleAdvice | None = None, *, 
     return "\n\n".join(parts)
 
 
-def _percent(value: float | None) -> str:
-    v = as_float(value)
-    return "-" if math.isnan(v) else f"{100 * v:.3g}%"
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:.3g}%"
 
 
 def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
@@ -496,13 +491,13 @@ def search_markdown(result: SearchResult, command: str) -> str:
     return (
         f"# autoprec search: {Measured.of(result.policy).model}\n\n`{command}`\n\n"
         f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
-        f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.table, markdown=True)}\n\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.rows, markdown=True)}\n\n"
         f"dB: output SQNR against fp32; drop: metric drop with the layer lowered alone (~: predicted, an equal share "
         f"of its group's drop; `ruled out`: not run, the format already was: slower than fp32 beyond "
         f"prune.slower_than, non-finite or overflowing; profile.csv's metric_source says which); x time: the "
         f"layer's forward+backward time over fp32's ({NO_KERNEL}: a format that runs emulated here, not timed).\n\n"
         f"![profile heat map](profile.png)\n\n"
-        f"## Gradient ranges\n\n{gradient_summary(prof.table, prof.advice(), markdown=True)}\n\n"
+        f"## Gradient ranges\n\n{gradient_summary(prof.rows, prof.advice(), markdown=True)}\n\n"
         f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
     )
 
@@ -515,5 +510,5 @@ def sweep_markdown(result: SweepResult, command: str) -> str:
         f"![the trials against metric drop](pareto.png)\n\n"
         f"## Pareto front of the study (trial measurements)\n\n"
         f"{markdown_table(FRONT_HEADERS, front_rows(result.front))}\n\n"
-        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.table, markdown=True)}\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.rows, markdown=True)}\n"
     )

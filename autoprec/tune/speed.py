@@ -29,7 +29,7 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.config import MARGIN, MIN_FIT, MODEL_TIE, OUTLIER, OUTLIER_SHARE
 from autoprec.tune.separation import may_beat
+
+if TYPE_CHECKING:
+    from autoprec.tune.profile_data import ProfileRow
 
 ALL = "all"  # the one term of Features made without a split per format
 
@@ -65,13 +68,12 @@ class LayerTimes:
     saving_ms: Mapping[str, Mapping[Format, float]]
 
     @classmethod
-    def from_table(cls, rows: Sequence[Mapping[str, object]]) -> LayerTimes:
-        """From the profile table's rows (layer, format, time_ms); a format without a finite time has no entry."""
+    def from_rows(cls, rows: Iterable[ProfileRow]) -> LayerTimes:
+        """From a profile's rows (layer, format, time_ms); a format without a finite time has no entry."""
         times: dict[str, dict[Format, float]] = {}
         for row in rows:
-            ms = row.get("time_ms")
-            if isinstance(ms, (int, float)) and math.isfinite(ms):
-                times.setdefault(str(row["layer"]), {})[Format(str(row["format"]))] = float(ms)
+            if math.isfinite(row.time_ms):
+                times.setdefault(row.layer, {})[Format(row.format)] = float(row.time_ms)
         return cls({name: {f: t[Format.FP32] - ms for f, ms in t.items()} for name, t in times.items() if Format.FP32 in t})
 
     def features(self, policy: Policy) -> Features | None:
