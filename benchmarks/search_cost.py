@@ -26,6 +26,7 @@ from autoprec import Policy, load_policy  # noqa: E402
 from autoprec.tune import SearchConfig, load_space, load_task, prepare  # noqa: E402
 from autoprec.tune.alternatives import BF16, FP32  # noqa: E402
 from autoprec.tune.api import search_and_report  # noqa: E402
+from autoprec.tune.budget import Budgets  # noqa: E402
 from autoprec.tune.cost import cost_rows  # noqa: E402
 from autoprec.tune.finalists import remeasure  # noqa: E402
 from autoprec.tune.objective import Judge  # noqa: E402
@@ -67,7 +68,7 @@ def compare(name: str, device, out: Path, against: Path | None) -> list[list[obj
     fp32_metric = Measured.of(load_policy(out / name / "policy.json")).fp32_metric
     if fp32_metric is None:
         raise SystemExit(f"{out / name / 'policy.json'}: no measured.fp32_metric to compare the drops against")
-    judge = Judge(workload, config, fp32_metric)
+    judge = Judge(workload, config, fp32_metric, budgets=Budgets((budget,)))
     finals = remeasure(workload, candidates, judge, budget, config.final_timing, progress=f"re-measuring {name}")
     return [
         [name, r.candidate, r.metric_drop, r.speedup, f"±{50 * r.spread:.1f}%", "yes" if r.feasible else "no"] for r in finals

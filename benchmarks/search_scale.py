@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import add_device_flag, parse_device, print_header  # noqa: E402
 
 from autoprec.tune import Profile, SearchConfig, load_space, load_task, prepare, profile  # noqa: E402
+from autoprec.tune.budget import Budgets  # noqa: E402
 from autoprec.tune.config import TimingConfig  # noqa: E402
 from autoprec.tune.finalists import baselines, remeasure  # noqa: E402
 from autoprec.tune.objective import Judge  # noqa: E402
@@ -97,7 +98,7 @@ def main() -> None:
     candidates = dict(baselines(workload, space, first.profile, first.choices, args.budget).candidates)
     for name, result in results.items():
         candidates[f"{name} search"] = Candidate(dataclasses.replace(result.policy, measured=None))
-    judge = Judge(workload, config, first.profile.fp32_metric)
+    judge = Judge(workload, config, first.profile.fp32_metric, budgets=Budgets((args.budget,)))
     final = remeasure(workload, candidates, judge, args.budget, TimingConfig(rounds=args.rounds), progress="final re-measure")
     final.to_csv(out / "final.csv")
     rows = ["| candidate | metric drop | within budget | speedup over fp32 | spread |", "|---|---|---|---|---|"]

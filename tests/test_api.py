@@ -106,6 +106,9 @@ def test_a_wrong_argument_is_named():
         autoprec.tune.sweep(task.build_model(), task.loss_fn, task.batches("train"))
     with pytest.raises(TypeError, match="positional arguments"):  # budgets and the rest by keyword only
         autoprec.tune.sweep(task.build_model(), task.loss_fn, task.batches("train"), task.batches("eval"), [0, 0.05])
+    with pytest.raises(ValueError, match=r"budgets are its own list \(0,1%\), so config.budget='0.5' would be a second"):
+        autoprec.tune.sweep(task.build_model(), task.loss_fn, task.batches("train"), task.batches("eval"), budgets="0,1%",
+                            budget=0.5, device="cpu")  # fmt: skip
     with pytest.raises(TypeError, match="evaluate must be a function, got float"):
         autoprec.tune.search(task.build_model(), task.loss_fn, task.batches("train"), evaluate=0.5)
 

@@ -2,7 +2,17 @@
 
 import pytest
 
-from autoprec.tune.budget import DEFAULT, Budget, check_ascending, parse_budget, parse_budget_list, parse_budgets
+from autoprec.tune.budget import (
+    DEFAULT,
+    Budget,
+    Budgets,
+    absolute_budget,
+    check_ascending,
+    parse_budget,
+    parse_budget_list,
+    parse_budgets,
+    resolve_budgets,
+)
 
 
 def test_absolute_and_relative_budgets_parse_and_resolve_against_the_fp32_metric():
@@ -71,3 +81,39 @@ def test_one_rule_says_what_a_budget_is_wherever_it_is_given():
         check_ascending((0.1, 0.0), what="plan.budgets")
     with pytest.raises(ValueError, match="must be ascending and not empty"):
         check_ascending(())
+
+
+def test_budgets_resolve_once_into_one_record_sorted_without_repeats():
+    """The record the pipeline builds: absolute budgets ascending and distinct, the study's bound the largest, and how
+    each relative one was given; the fp32 metric is asked for only where a budget is relative."""
+    asked = []
+
+    def fp32():
+        asked.append(1)
+        return -2.0  # a loss-like metric: |fp32| scales the relative budgets
+
+    absolute = resolve_budgets(parse_budget_list("0.02,0"), fp32)
+    assert absolute == Budgets((0.0, 0.02)) and absolute.bound == 0.02 and absolute.smallest == 0.0 and not asked
+    mixed = resolve_budgets(parse_budget_list("1%,0.02,0.5%,0.01"), fp32)
+    assert len(asked) == 1 and mixed.absolute == (0.01, 0.02) and mixed.bound == 0.02
+    # 0.5% of 2 is 0.01, given as a number too: the number says it; 1% of 2 is 0.02, given absolute too
+    assert mixed.given == {}
+    third = resolve_budgets(parse_budget_list("0,0.3333%"), lambda: 1.0)
+    assert third.absolute == (0.0, 0.003333) and third.given == {0.003333: "0.3333% of |fp32 metric 1| = 0.003333"}
+    with pytest.raises(ValueError, match="resolved budgets must be distinct"):
+        Budgets((0.01, 0.01))
+    with pytest.raises(ValueError, match="resolved budgets must be ascending and not empty"):
+        Budgets(())
+
+
+def test_a_relative_budget_against_an_fp32_metric_of_zero_allows_no_drop_and_says_so(caplog):
+    with caplog.at_level("WARNING", logger="autoprec"):
+        assert resolve_budgets((Budget(0.01, relative=True),), lambda: 0.0).absolute == (0.0,)
+    assert "the fp32 metric is 0" in caplog.text
+
+
+def test_an_absolute_budget_is_read_without_the_fp32_metric_and_a_relative_one_is_refused_there():
+    assert absolute_budget(0.01) == 0.01 and absolute_budget(Budget(0.02)) == 0.02
+    for value in (Budget(0.01, relative=True), None):
+        with pytest.raises(ValueError, match=r"config.budget=.* is no absolute budget here: pass the absolute one"):
+            absolute_budget(value)

@@ -10,6 +10,23 @@ from autoprec.tune import ProfileConfig, SearchConfig
 def test_budget_must_not_be_negative():
     with pytest.raises(ValueError, match=r"budget must be .*>= 0.*-0.5"):
         SearchConfig(budget=-0.5)
+    with pytest.raises(ValueError, match=r"budget must be a finite number >= 0 .*but got '-1%'"):
+        SearchConfig(budget="-1%")
+    with pytest.raises(ValueError, match=r"a budget must be a number in the metric's units \(0.01\) or a percentage .*'x'"):
+        SearchConfig(budget="x")
+
+
+def test_the_budget_is_kept_as_given_a_relative_one_for_the_pipeline_to_resolve():
+    """One place holds a search's budget as the user gave it: a number stays one (a string of one too), a percentage
+    stays relative, and a sweep's config holds none (None, the default)."""
+    from autoprec.tune.budget import Budget
+    from autoprec.tune.config import search_config
+
+    assert SearchConfig(budget=0.01).budget == 0.01 and SearchConfig(budget="0.01").budget == 0.01
+    assert SearchConfig(budget=Budget(0.02)).budget == 0.02 and isinstance(SearchConfig(budget=1).budget, float)
+    assert SearchConfig(budget="1%").budget == Budget(0.01, relative=True) == SearchConfig(budget=Budget(0.01, True)).budget
+    assert SearchConfig().budget is None and search_config(device="cpu").budget is None
+    assert search_config(device="cpu", budget="0.5%").budget == Budget(0.005, relative=True)
 
 
 def test_a_search_profiles_only_the_offered_formats_numerics_and_a_profile_alone_all_of_them():

@@ -8,10 +8,13 @@ from builders import finals
 from autoprec import Policy
 from autoprec.tune import SearchConfig, finalists
 from autoprec.tune.alternatives import BF16, FP32, GREEDY, Alternatives
+from autoprec.tune.budget import Budgets
 from autoprec.tune.choices import Choices
 from autoprec.tune.searcher import search_plan
 from autoprec.tune.sweeper import sweep_plan
 from autoprec.tune.trainer import Candidate
+
+JUDGE = types.SimpleNamespace(budgets=Budgets((0.1,)))  # what final_remeasure reads of the judge: the study's bound
 
 
 def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_of_its_fastest(monkeypatch):
@@ -36,7 +39,7 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
 
     monkeypatch.setattr(finalists, "baselines", baselines)
     monkeypatch.setattr(finalists, "finalist_policies", fastest)
-    started = types.SimpleNamespace(profile=None, choices=choices, study=None)
+    started = types.SimpleNamespace(profile=None, choices=choices, study=None, budgets=Budgets((0.0, 0.1)))
     candidates, greedy_names, notes = finalists.gather_candidates(None, None, started, sweep_plan((0.0, 0.1)), 2)
     assert greedy_names == {0.0: "profile greedy 0", 0.1: "profile greedy 0.1"} and notes == {BF16: "left out here"}
     assert candidates["trial 3, fp16/fp8 -> bf16"].policy.layers["a"].value == "bf16"  # the 0 budget's fastest, made safer
@@ -50,7 +53,8 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
         "trial 3, fp16/fp8 -> bf16",
         "trial 7",
     ]
-    one, _, _ = finalists.gather_candidates(None, None, started, search_plan(0.1), 2)
+    started.budgets = Budgets((0.1,))  # the resolved record, not the plan, says the budgets
+    one, _, _ = finalists.gather_candidates(None, None, started, search_plan(), 2)
     assert list(one) == ["fp32", GREEDY, "trial 7"]  # one budget: the greedy policy keeps its plain name
 
 
@@ -73,7 +77,7 @@ def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_no
         monkeypatch.setattr(finalists, "remeasure", remeasure)
         caplog.clear()
         with caplog.at_level("WARNING", logger="autoprec"):
-            measured = finalists.final_remeasure(None, {}, None, config, Stopwatch())
+            measured = finalists.final_remeasure(None, {}, JUDGE, config, Stopwatch())
         rounds = config.final_timing.rounds
         assert calls == [(rounds, rounds)] and measured.noisiest() == spread  # one re-measure; a failed run's spread ignored
         assert len([r for r in caplog.records if "still spread up to" in r.message]) == warnings
@@ -113,13 +117,13 @@ def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_ti
 
     monkeypatch.setattr(finalists, "remeasure", remeasure)
     config, watch = SearchConfig(budget=0.1, progress=False), Stopwatch()
-    finalists.final_remeasure(None, {}, None, config, watch, cap_s=0.0)  # a cap long spent
+    finalists.final_remeasure(None, {}, JUDGE, config, watch, cap_s=0.0)  # a cap long spent
     # fewer rounds than SETTLED_FINAL_ROUNDS: on; then stopped at the cap, and no more rounds (no warning promising them)
     assert asked == [(False, True, 0)]
     assert any("stopped at its cap" in name for name in watch.counts)
     assert watch.counts["final re-measure: whole-step timings (each round: every candidate's)"] == 10
     asked.clear()
-    finalists.final_remeasure(None, {}, None, config, Stopwatch(), cap_s=None)  # no cap: the noisy machine's rounds
+    finalists.final_remeasure(None, {}, JUDGE, config, Stopwatch(), cap_s=None)  # no cap: the noisy machine's rounds
     assert asked == [(False, False, config.final_timing.rounds)]
 
 
@@ -138,9 +142,9 @@ def test_on_a_device_the_trials_found_too_noisy_the_final_remeasure_times_no_ext
     monkeypatch.setattr(finalists, "remeasure", remeasure)
     config = SearchConfig(budget=0.1, progress=False)
     with caplog.at_level("WARNING", logger="autoprec"):
-        finalists.final_remeasure(None, {}, None, config, Stopwatch(), noisy_device=True)
+        finalists.final_remeasure(None, {}, JUDGE, config, Stopwatch(), noisy_device=True)
     assert asked == [0]
     assert any("this machine is too noisy to separate these candidates" in r.message for r in caplog.records)
     asked.clear()
-    finalists.final_remeasure(None, {}, None, config, Stopwatch(), noisy_device=False)
+    finalists.final_remeasure(None, {}, JUDGE, config, Stopwatch(), noisy_device=False)
     assert asked == [config.final_timing.rounds]  # a device the trials found quiet: a noisy re-measure times on

@@ -1,12 +1,14 @@
 """The pipeline search and sweep share: its plan is checked before anything is written, its time budget is kept
 or said to be overrun, and a full disk is named (its finalists: tests/test_finalists.py)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from autoprec.tune import SearchConfig, load_task, pipeline, prepare
 from autoprec.tune.alternatives import GREEDY
+from autoprec.tune.budget import Budget, Budgets, resolve_budgets
 from autoprec.tune.searcher import search_plan
 from autoprec.tune.space import space_from_dict
 from autoprec.tune.sweeper import sweep_plan
@@ -15,20 +17,78 @@ MODELS = Path(__file__).parent / "models"
 
 
 def test_a_plan_that_cannot_run_is_refused_before_anything_is_written(tmp_path):
+    """A run's budgets live in one place: a sweep's in its plan, a search's in SearchConfig.budget. A sweep given a
+    config budget too (a second, contradictory bound) and a search given none are refused, naming the value and
+    the fix, before the fp32 metric is evaluated or a file written."""
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32"]}})
-    with pytest.raises(ValueError, match=r"ascending and not empty, but got \(0.1, 0.0\)"):
-        pipeline.run(workload, space, SearchConfig(budget=0.1), tmp_path / "a", sweep_plan((0.1, 0.0)))
-    with pytest.raises(ValueError, match=r"config.budget=0.01 and budgets up to 0.5"):
-        pipeline.run(workload, space, SearchConfig(budget=0.01), tmp_path / "b", sweep_plan((0.0, 0.5)))
+    with pytest.raises(
+        ValueError, match=r"budgets are its own list \(0,1%\), so config.budget='0.5' would be a second one: leave it out"
+    ):
+        pipeline.run(workload, space, SearchConfig(budget=0.5), tmp_path / "a", sweep_plan("0,1%"))
+    with pytest.raises(ValueError, match=r"config.budget='2%' would be a second one"):
+        pipeline.run(workload, space, SearchConfig(budget="2%"), tmp_path / "a", sweep_plan([0, "1%"]))
+    with pytest.raises(ValueError, match=r"a search needs config.budget, e.g. SearchConfig\(budget=0.01\)"):
+        pipeline.run(workload, space, SearchConfig(), tmp_path / "b", search_plan())
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert "fp32_metric" not in vars(workload)  # the cached property was never read: nothing evaluated
+    with pytest.raises(ValueError, match="a search's budget is its SearchConfig.budget, not the plan's"):
+        dataclasses.replace(search_plan(), budgets=(Budget(0.1),))
+    with pytest.raises(ValueError, match="a sweep's plan needs its budgets"):
+        dataclasses.replace(sweep_plan("0.1"), budgets=())
 
 
 def test_search_and_sweep_plans_differ_only_in_budgets_objectives_and_file_names():
-    one, many = search_plan(0.01), sweep_plan((0.0, 0.01))
-    assert (one.budgets, one.objectives, one.policy_file(0.01), one.trials_file) == ((0.01,), 1, "policy.json", "trials.csv")
+    one, many = search_plan(), sweep_plan((0.0, "1%"))
+    assert (one.budgets, one.objectives, one.policy_file(0.01), one.trials_file) == ((), 1, "policy.json", "trials.csv")
     assert (many.objectives, many.policy_file(0.01), many.trials_file) == (2, "policy-budget-0.01.json", "sweep_trials.csv")
-    assert one.greedy_name(0.01) == GREEDY and many.greedy_name(0.01) == f"{GREEDY} 0.01"
+    assert many.budgets == (Budget(0.0), Budget(0.01, relative=True))  # as given: resolved by the run, once
+    assert one.given_budgets(SearchConfig(budget="1%")) == (Budget(0.01, relative=True),)
+    assert one.given_budgets(SearchConfig(budget=0.01)) == (Budget(0.01),) and many.given_budgets(SearchConfig()) == many.budgets
+    assert one.greedy_name(0.01, Budgets((0.01,))) == GREEDY and many.greedy_name(0.01, Budgets((0.0, 0.01))) == f"{GREEDY} 0.01"
+    # two budgets the user gave that resolve to one are one budget: one policy file, the greedy policy's plain name
+    assert many.greedy_name(0.01, resolve_budgets(many.budgets, lambda: 0.0)) == GREEDY
+
+
+def test_a_relative_budget_is_resolved_once_from_the_fp32_metric_the_profile_measures(tmp_path, monkeypatch):
+    """SearchConfig keeps "1%" as given; the pipeline resolves it against Workload.fp32_metric, the one (checked)
+    evaluation of the fp32 model the profile reads too, and every stage after reads that record: the study's bound,
+    the policy's budget and how it was given."""
+    from short_timing import FAST_PROFILE, TINY
+
+    from autoprec import load_policy
+    from autoprec.tune import profiler
+    from autoprec.tune.searcher import search
+
+    calls, real = [], profiler.checked_fp32_metric
+    monkeypatch.setattr(profiler, "checked_fp32_metric", lambda workload: calls.append(1) or real(workload))
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
+    config = SearchConfig(
+        budget="1%", trials=2, timing=TINY, final_timing=TINY, finalists=1, progress=False, profile=FAST_PROFILE
+    )
+    assert config.budget == Budget(0.01, relative=True)
+    told = []
+    result = search(workload, space, config, tmp_path, announce=told.append)
+    assert len(calls) == 1  # the budget's resolution and the profile: one fp32 metric, evaluated (twice) once
+    fp32 = result.profile.fp32_metric
+    [budgets] = told
+    assert budgets.absolute == (float(f"{0.01 * abs(fp32):.4g}"),) and budgets.bound == budgets.absolute[0]
+    measured = load_policy(tmp_path / "policy.json").measured
+    assert measured["budget"] == budgets.bound and measured["budget_given"] == budgets.given[budgets.bound]
+    assert measured["budget_given"] == f"1% of |fp32 metric {fp32:.6g}| = {0.01 * abs(fp32):.4g}"
+    assert _study_key(tmp_path)["budget"] == repr(budgets.bound)  # the study is the resolved budget's
+
+
+def _study_key(out):
+    import optuna
+
+    from autoprec.tune.storage import KEY_ATTR
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(out / "study.journal")))
+    [summary] = optuna.get_all_study_summaries(storage)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    return study.trials[0].user_attrs[KEY_ATTR]
 
 
 def test_the_final_cap_is_a_share_of_the_whole_search_and_none_when_only_re_measuring(monkeypatch):
@@ -111,5 +171,5 @@ def test_a_full_disk_while_a_database_holds_the_study_names_it_without_its_passw
 
     monkeypatch.setattr(pipeline, "_run", full)
     with pytest.raises(UserError, match="no space left") as err:
-        pipeline.run(workload, space, SearchConfig(budget=0.1, storage=url), tmp_path / "out", search_plan(0.1))
+        pipeline.run(workload, space, SearchConfig(budget=0.1, storage=url), tmp_path / "out", search_plan())
     assert "s3cret" not in str(err.value) and "alice:***@db.example:5432/autoprec" in str(err.value)

@@ -16,6 +16,7 @@ from timings import FASTER, FormatClock, using
 
 from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, load_policy
 from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune.budget import Budgets
 from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
 from autoprec.tune.config import Mode
 from autoprec.tune.gradients import LayerGradients, scale_table
@@ -390,7 +391,11 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
     prof_space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32"]}})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), prof_space, 0.05, torch.device("cpu"))
     objective = Objective(
-        workload, choices, prof_space, Judge(workload, SearchConfig(budget=0.05, **FAST), 0.0), SearchConfig(budget=0.05, **FAST)
+        workload,
+        choices,
+        prof_space,
+        Judge(workload, SearchConfig(budget=0.05, **FAST), 0.0, budgets=Budgets((0.05,))),
+        SearchConfig(budget=0.05, **FAST),
     )
     import optuna
 
@@ -402,6 +407,30 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
     assert "no autocast here" in trial.user_attrs["error"]
 
 
+def test_the_objective_judges_a_trial_against_the_resolved_budget_not_the_config_budget_as_given(monkeypatch):
+    """The judge holds the record the pipeline resolved once: "10%" of an fp32 metric of 0.5 allows a drop of 0.05,
+    so a trial dropping 0.06 is infeasible (and not timed), though 0.06 is below the 0.1 the config holds as given."""
+    import optuna
+
+    from autoprec.tune.budget import resolve_budgets
+    from autoprec.tune.objective import Judge, Objective
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget="10%", **FAST)
+    budgets = resolve_budgets((config.budget,), lambda: 0.5)
+    assert budgets.absolute == (0.05,) and budgets.given == {0.05: "10% of |fp32 metric 0.5| = 0.05"}
+    choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), SPACE, budgets.bound, torch.device("cpu"))
+    judge = Judge(workload, config, 0.5, budgets=budgets)
+    monkeypatch.setattr(judge, "safe_metric", lambda policy: (0.44, {}))
+    objective = Objective(workload, choices, SPACE, judge, config)
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({"default": "bf16"})
+    study.optimize(objective, n_trials=1)
+    record = study.trials[0].user_attrs
+    assert record["metric_drop"] == pytest.approx(0.06) and record["feasible"] is False and "step_ms" not in record
+    assert study.trials[0].system_attrs["constraints:metric_drop_over_budget"] == pytest.approx(over_budget(0.06, 0.05))
+
+
 @pytest.mark.parametrize("objectives", [1, 2])
 def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finalists_or_settle(objectives):
     import optuna
@@ -411,7 +440,9 @@ def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finali
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), SPACE, 0.05, torch.device("cpu"))
-    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0), config, objectives=objectives)
+    objective = Objective(
+        workload, choices, SPACE, Judge(workload, config, 0.0, budgets=Budgets((config.budget,))), config, objectives=objectives
+    )
     study = optuna.create_study(directions=["maximize"] * objectives)
 
     def timed(speedup, **attrs):
@@ -459,7 +490,7 @@ def test_the_eager_fp32_baseline_is_warmed_up_in_full_once_then_with_one_call(mo
     config = SearchConfig(budget=1e9, **FAST)  # every trial within budget: every one is timed
     prof = fake_profile([("fc1", "fp32", 0, 1.0, True, False), ("fc1", "bf16", 0, 0.5, True, False)])
     choices = build_choices(prof, SPACE, 1e9, torch.device("cpu"))
-    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0), config)
+    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0, budgets=Budgets((config.budget,))), config)
     study = optuna.create_study(direction="maximize")
     for params in ({"default": "fp32", "layer:fc1": "fp32"}, {"default": "bf16", "layer:fc1": "fp32"},
                    {"default": "bf16", "layer:fc1": "bf16"}):  # fmt: skip
@@ -662,7 +693,7 @@ def test_on_a_noisy_device_a_trial_is_timed_the_fewest_rounds_an_interquartile_s
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), SPACE, 0.05, torch.device("cpu"))
-    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0), config)
+    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.0, budgets=Budgets((config.budget,))), config)
 
     def rounds(*speedups):
         return {"fp32": [10.0] * len(speedups), "policy": [10.0 / s for s in speedups]}

@@ -11,6 +11,7 @@ from test_search import fake_profile
 from autoprec import Policy
 from autoprec.formats import Format
 from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune.budget import Budgets
 from autoprec.tune.choices import build_choices, policy_from_params
 from autoprec.tune.config import MARGIN, MIN_FIT, NOISE_ROUNDS, NOISY_SPREAD
 from autoprec.tune.objective import Judge, Objective
@@ -196,7 +197,9 @@ def _searched(monkeypatch, *, trials=40, rounds=3, spread=0.0, **config):
     monkeypatch.setattr(Objective, "_time", fake_time)
     monkeypatch.setattr(Objective, "_over_memory", lambda self, trial: 0.0)  # no peak measured here
     config = SearchConfig(**{"budget": 1.0, "finalists": 2, "progress": False, **config})
-    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
+    objective = Objective(
+        workload, choices, SPACE, Judge(workload, config, 0.5, budgets=Budgets((config.budget,))), config, layer_times=times
+    )
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=3))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study.optimize(objective, n_trials=trials)
@@ -254,9 +257,22 @@ def test_a_sweep_times_every_trial():
     config = SearchConfig(budget=1.0, progress=False)
     choices = build_choices(prof, SPACE, 1.0, workload.device)
     times = LayerTimes.from_rows(prof.rows)
-    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, objectives=2, layer_times=times)
+    objective = Objective(
+        workload,
+        choices,
+        SPACE,
+        Judge(workload, config, 0.5, budgets=Budgets((config.budget,))),
+        config,
+        objectives=2,
+        layer_times=times,
+    )
     assert objective.layer_times is None  # its front keeps slower trials with smaller drops
-    assert Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times).layer_times is times
+    assert (
+        Objective(
+            workload, choices, SPACE, Judge(workload, config, 0.5, budgets=Budgets((config.budget,))), config, layer_times=times
+        ).layer_times
+        is times
+    )
 
 
 def test_predict_speed_must_be_a_bool():
@@ -307,7 +323,9 @@ def test_a_search_stops_once_its_fit_says_no_untried_policy_can_win(monkeypatch)
     study, choices, times, timed = _searched(monkeypatch, trials=0)  # its fake timing, and a study with no trial yet
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=1.0, finalists=2, progress=False, trials=40)
-    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
+    objective = Objective(
+        workload, choices, SPACE, Judge(workload, config, 0.5, budgets=Budgets((config.budget,))), config, layer_times=times
+    )
     run_trials(study, objective, 40, progress=False)
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert objective.stopped is not None and len(done) < 40
@@ -327,7 +345,9 @@ def test_past_its_deadline_a_search_runs_no_more_trials(monkeypatch):
     study, choices, times, timed = _searched(monkeypatch, trials=0)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=1.0, finalists=2, progress=False, trials=10, predict_speed=False)
-    objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
+    objective = Objective(
+        workload, choices, SPACE, Judge(workload, config, 0.5, budgets=Budgets((config.budget,))), config, layer_times=times
+    )
     objective.deadline = 0.0  # long past
     run_trials(study, objective, 10, progress=False)
     assert not study.trials and objective.stopped.startswith("the time budget")  # checked before the first
@@ -340,7 +360,9 @@ def test_on_a_noisy_device_the_search_stops_once_its_noise_is_read(monkeypatch):
         new, choices, times, timed = _searched(monkeypatch, trials=0, rounds=NOISE_ROUNDS, spread=spread)
         workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
         config = SearchConfig(**{"budget": 1.0, "finalists": 2, "progress": False, "trials": trials, **config})
-        objective = Objective(workload, choices, SPACE, Judge(workload, config, 0.5), config, layer_times=times)
+        objective = Objective(
+            workload, choices, SPACE, Judge(workload, config, 0.5, budgets=Budgets((config.budget,))), config, layer_times=times
+        )
         study = study or new
         run_trials(study, objective, trials, progress=False)
         return objective.stopped, timed, study

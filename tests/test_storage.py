@@ -252,7 +252,7 @@ def open_overflow_study(out: Path, **settings):
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
     choices = Choices(default=("fp32",), layers={"fc1": ("fp32", "bf16")}, excluded={})
-    return open_study(workload, space, choices, SearchConfig(budget=0.1, **settings), out)
+    return open_study(workload, space, choices, SearchConfig(budget=0.1, **settings), out, budget=0.1)
 
 
 def test_a_study_from_before_the_weights_digest_is_refused_as_an_older_autoprecs(tmp_path, monkeypatch):

@@ -119,7 +119,7 @@ def swept(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sweep")
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(
-        budget=max(BUDGETS), trials=10, timing=TINY, final_timing=TINY, finalists=2, progress=False,
+        trials=10, timing=TINY, final_timing=TINY, finalists=2, progress=False,
         profile=FAST_PROFILE, study_name="s",
     )  # fmt: skip
     return workload, sweep(workload, SPACE, BUDGETS, config, folder / "out"), folder / "out"
@@ -160,10 +160,14 @@ def test_sweep_study_has_two_objectives_and_a_front_within_the_largest_budget(sw
     assert drops == sorted(drops) and speeds == sorted(speeds)  # along the front, more drop buys more speed
 
 
-def test_sweep_refuses_a_study_budget_below_its_largest_budget(swept):
-    workload, _, out = swept
-    with pytest.raises(ValueError, match=r"config.budget=0.01 and budgets up to 0.5"):
-        sweep(workload, space_from_dict({"layers": {"Linear": ["fp32"]}}), BUDGETS, SearchConfig(budget=0.01), out)
+@pytest.mark.parametrize("budget", [0.01, max(BUDGETS), "1%"])
+def test_a_sweep_refuses_a_config_budget_beside_its_own_budgets(budget, tmp_path):
+    """A sweep's budgets are its own list: a config budget too, below the largest, equal to it or relative, would be a
+    second place saying what bounds the study. Refused, naming it and the fix, before anything is measured."""
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    with pytest.raises(ValueError, match=rf"config.budget='{budget}' would be a second one: leave it out") as info:
+        sweep(workload, space_from_dict({"layers": {"Linear": ["fp32"]}}), BUDGETS, SearchConfig(budget=budget), tmp_path)
+    assert "(0,0.01,0.5)" in str(info.value) and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -196,7 +200,7 @@ def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of
     space = space_from_dict(
         {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100.0}}
     )
-    config = SearchConfig(budget=max(BUDGETS), trials=8, timing=TINY, final_timing=TINY, finalists=2, progress=False,
+    config = SearchConfig(trials=8, timing=TINY, final_timing=TINY, finalists=2, progress=False,
                           profile=FAST_PROFILE, study_name="m", objective="memory")  # fmt: skip
     result = sweep(workload, space, BUDGETS, config, tmp_path / "out")
     for row in result.table:
@@ -238,7 +242,7 @@ def test_a_tie_inside_the_noise_is_said_per_budget_as_its_policy_file_records_it
     timings("faster", noise=0.8, seed=0)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(
-        budget=max(BUDGETS), trials=8, timing=TINY, final_timing=dataclasses.replace(TINY, rounds=5), finalists=2,
+        trials=8, timing=TINY, final_timing=dataclasses.replace(TINY, rounds=5), finalists=2,
         progress=False, profile=FAST_PROFILE, study_name="noisy",
     )  # fmt: skip
     result = sweep(workload, SPACE, BUDGETS, config, tmp_path)
@@ -287,7 +291,7 @@ def test_a_sweep_reuses_the_searchs_profile_where_it_serves_and_never_writes_ove
     assert len(profiled) == 1
 
     def swept(budgets, study):
-        settings = dataclasses.replace(config, budget=max(budgets), study_name=study)
+        settings = dataclasses.replace(config, budget=None, study_name=study)
         return sweep_and_report(workload, SPACE, budgets, settings, tmp_path, command="autoprec sweep")
 
     result = swept((0.01, 0.5), "sweep")  # its smallest budget is the search's: the profile serves it

@@ -3,15 +3,15 @@
     result = autoprec.tune.search(model, loss_fn, train_batches, eval_batches, budget="1%", out="results/net")
     policy = result.policy          # an autoprec.Policy; result.summary() is the table the CLI prints
 
-The command line and these functions are one code path: both resolve the budget with `resolve_budgets` and
-run `search_and_report` / `sweep_and_report`, which write the same files.
+The command line and these functions are one code path: both hand the budget over as the user gave it to
+`search_and_report` / `sweep_and_report`, which write the same files; the pipeline resolves a relative one against
+the fp32 metric its profile measures.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -22,43 +22,31 @@ import torch
 from autoprec.files import write_text
 from autoprec.formats import default_device
 from autoprec.tune import searcher, sweeper
-from autoprec.tune.budget import DEFAULT, Budget, parse_budget, parse_budget_list
+from autoprec.tune.budget import DEFAULT, Budget, Budgets, parse_budget, parse_budget_list
 from autoprec.tune.config import SearchConfig, search_config
 from autoprec.tune.space import SearchSpace, load_space
 from autoprec.tune.task import Task, Workload, guard_exit, prepare
 
-log = logging.getLogger("autoprec")
-
 NOT_KEPT = "not kept (out=None: the study lived in a temporary folder, removed)"
 
-__all__ = ["search", "sweep", "search_and_report", "sweep_and_report", "resolve_budgets", "task_from_objects"]
-
-
-def resolve_budgets(workload: Workload, budgets: Sequence[Budget]) -> tuple[tuple[float, ...], dict[float, str]]:
-    """Each budget as an absolute metric drop, and for the relative ones how it was resolved (for the policy
-    and the output). A relative budget costs one evaluation of the fp32 model, and is rounded to 4 significant
-    digits: a rerun, or a worker on another machine, whose evaluation differs in the last bits must resolve to the
-    same budget, or it would be refused as another study."""
-    if not any(b.relative for b in budgets):
-        return tuple(b.resolve(0.0) for b in budgets), {}
-    fp32 = workload.fp32_metric
-    if fp32 == 0:
-        log.warning("the fp32 metric is 0, so a relative budget allows no drop at all; give an absolute budget instead")
-    resolved = tuple(float(f"{b.resolve(fp32):.4g}") if b.relative else b.resolve(fp32) for b in budgets)
-    absolute = {r for r, b in zip(resolved, budgets) if not b.relative}  # given as a number too: say nothing more
-    given = {r: b.describe(fp32) for r, b in zip(resolved, budgets) if b.relative and r not in absolute}
-    return resolved, given
+__all__ = ["search", "sweep", "search_and_report", "sweep_and_report", "task_from_objects"]
 
 
 def search_and_report(
-    workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path, *, command: str, given: str | None = None
+    workload: Workload,
+    space: SearchSpace,
+    config: SearchConfig,
+    out_dir: str | Path,
+    *,
+    command: str,
+    announce: Callable[[Budgets], None] | None = None,
 ) -> searcher.SearchResult:
     """searcher.search, then summary.md and the heat maps beside its files (what `autoprec search` writes)."""
     from autoprec.tune.plots import plot_all
     from autoprec.tune.report import search_markdown
 
     out_dir = Path(out_dir)
-    result = searcher.search(workload, space, config, out_dir, given=given)
+    result = searcher.search(workload, space, config, out_dir, announce=announce)
     write_text(out_dir / "summary.md", search_markdown(result, command))
     plot_all(result.profile, out_dir, title=f"{workload.task.name} on {result.profile.device}")
     return result
@@ -67,12 +55,12 @@ def search_and_report(
 def sweep_and_report(
     workload: Workload,
     space: SearchSpace,
-    budgets: Sequence[float],
+    budgets: str | float | Sequence[float | str | Budget],
     config: SearchConfig,
     out_dir: str | Path,
     *,
     command: str,
-    given: Mapping[float, str] | None = None,
+    announce: Callable[[Budgets], None] | None = None,
 ) -> sweeper.SweepResult:
     """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes): the
     heat maps beside the profile it measured, or where the one it reused has none; a reused profile's are left as
@@ -81,7 +69,7 @@ def sweep_and_report(
     from autoprec.tune.report import sweep_markdown
 
     out_dir = Path(out_dir)
-    result = sweeper.sweep(workload, space, budgets, config, out_dir, given=given)
+    result = sweeper.sweep(workload, space, budgets, config, out_dir, announce=announce)
     title = f"{workload.task.name} on {result.profile.device}"
     plot_pareto(result, out_dir / "pareto.png", title=title)
     saved = result.saved
@@ -143,8 +131,8 @@ def _setup(
     progress,
     config: Mapping[str, Any],
 ) -> tuple[Workload, SearchSpace, SearchConfig]:
-    """The workload (a copy of the model, its batches on the device), the space, and the settings with the
-    budget still to be resolved; compiled by default on CUDA, as the command line."""
+    """The workload (a copy of the model, its batches on the device), the space, and the settings (a search's
+    budget among them, as the user gave it); compiled by default on CUDA, as the command line."""
     the_space = space if isinstance(space, SearchSpace) else load_space(space)
     task = task_from_objects(model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name)
     workload = prepare(task, torch.device(device) if device is not None else default_device())
@@ -244,7 +232,7 @@ def search(
         >>> model = autoprec.apply_policy(model, result.policy)  # doctest: +SKIP
     """
     spec = parse_budget(budget)
-    workload, the_space, base = _setup(
+    workload, the_space, settings = _setup(
         model,
         loss_fn,
         train_batches,
@@ -259,15 +247,13 @@ def search(
         seed=seed,
         compile=compile,
         progress=progress,
-        config=config,
+        config={**config, "budget": spec},
     )
-    (absolute,), given = resolve_budgets(workload, [spec])
-    settings = dataclasses.replace(base, budget=absolute)
     command = f"autoprec.tune.search({workload.task.name}, budget={str(spec)!r}, seed={seed})"
     if out is not None:
-        return search_and_report(workload, the_space, settings, out, command=command, given=given.get(absolute))
+        return search_and_report(workload, the_space, settings, out, command=command)
     with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
-        result = searcher.search(workload, the_space, settings, folder, given=given.get(absolute))
+        result = searcher.search(workload, the_space, settings, folder)
     return dataclasses.replace(result, storage=NOT_KEPT)
 
 
@@ -361,11 +347,10 @@ def sweep(
         progress=progress,
         config=config,
     )
-    resolved, given = resolve_budgets(workload, specs)
-    settings = dataclasses.replace(base, budget=max(resolved), study_name=base.study_name or f"{workload.task.name}-sweep")
+    settings = dataclasses.replace(base, study_name=base.study_name or f"{workload.task.name}-sweep")
     command = f"autoprec.tune.sweep({workload.task.name}, budgets={', '.join(map(str, specs))!r}, seed={seed})"
     if out is not None:
-        return sweep_and_report(workload, the_space, resolved, settings, out, command=command, given=given)
+        return sweep_and_report(workload, the_space, specs, settings, out, command=command)
     with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
-        result = sweeper.sweep(workload, the_space, resolved, settings, folder, given=given)
+        result = sweeper.sweep(workload, the_space, specs, settings, folder)
     return dataclasses.replace(result, storage=NOT_KEPT)

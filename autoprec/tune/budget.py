@@ -2,13 +2,18 @@
 metric's magnitude (`1%`), resolved to an absolute drop once the fp32 metric is measured.
 
 What a valid budget is, and a valid list of them, is said here only (`check_budget`, `parse_budgets`,
-`check_ascending`): the configuration, the sweep and the pipeline ask this module."""
+`check_ascending`): the configuration, the sweep and the pipeline ask this module. The budgets as the user gave them
+live in one place (a search's `SearchConfig.budget`, a sweep's `Plan.budgets`); the pipeline resolves them once
+(`resolve_budgets`) into the one record (`Budgets`) everything after it reads."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+log = logging.getLogger("autoprec")
 
 DEFAULT = "1%"  # what `autoprec search model.py` uses without --budget: 1% of the fp32 metric's magnitude
 
@@ -93,3 +98,56 @@ def parse_budgets(value: str | Iterable[float]) -> tuple[float, ...]:
     if not budgets:
         raise _none_listed(value)
     return tuple(sorted(set(budgets)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+    """The budgets a run judges against, resolved once (pipeline.run) from what the user gave: `absolute`, ascending
+    and distinct, in the metric's units; `given`: absolute budget -> how the user gave it where relative
+    (Budget.describe), for the policy's `budget_given` and the output. The objective, the choices, the finalists and
+    the reports read this record, never the configuration's budget as given."""
+
+    absolute: tuple[float, ...]
+    given: Mapping[float, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_ascending(self.absolute, what="resolved budgets")
+        if len(set(self.absolute)) != len(self.absolute):  # one policy file per budget: a repeat would overwrite one
+            raise ValueError(f"resolved budgets must be distinct, but got {self.absolute!r}")
+
+    @property
+    def bound(self) -> float:
+        """The study's constraint: a trial over the largest budget is infeasible (and not timed)."""
+        return self.absolute[-1]
+
+    @property
+    def smallest(self) -> float:
+        """What the profile's predicted drops must be precise for (out_dir.reuse_or_profile)."""
+        return self.absolute[0]
+
+
+def resolve_budgets(budgets: Sequence[Budget], fp32_metric: Callable[[], float]) -> Budgets:
+    """The budgets as absolute metric drops, sorted, repeats dropped; `fp32_metric` is called only where one is
+    relative (Workload.fp32_metric: the one evaluation the profile reads too). A relative budget is rounded to 4
+    significant digits: a rerun whose fp32 evaluation differs in the last bits is the same budget, so the same study."""
+    if not any(b.relative for b in budgets):
+        return Budgets(parse_budgets(b.value for b in budgets))
+    fp32 = fp32_metric()
+    if fp32 == 0:
+        log.warning("the fp32 metric is 0, so a relative budget allows no drop at all; give an absolute budget instead")
+    resolved = [float(f"{b.resolve(fp32):.4g}") if b.relative else b.value for b in budgets]
+    absolute = {r for r, b in zip(resolved, budgets) if not b.relative}  # given as a number too: say nothing more
+    given = {r: b.describe(fp32) for r, b in zip(resolved, budgets) if b.relative and r not in absolute}
+    return Budgets(parse_budgets(resolved), given)
+
+
+def absolute_budget(value: float | Budget | None, *, what: str = "config.budget") -> float:
+    """`value` where it needs no fp32 metric (a number, an absolute Budget); else a ValueError naming it and the fix."""
+    if isinstance(value, Budget) and not value.relative:
+        return value.value
+    if isinstance(value, Budget) or value is None:
+        raise ValueError(
+            f"{what}={value if value is None else str(value)!r} is no absolute budget here: pass the absolute one "
+            "(budget=0.01), or resolve it first (budget.resolve_budgets)"
+        )
+    return check_budget(value, what=what)

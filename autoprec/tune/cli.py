@@ -130,9 +130,9 @@ def _say(args: argparse.Namespace, line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _search_config(args: argparse.Namespace, budget: float = 0.0):
-    """The settings, checked before the model is loaded (config.search_config, as the Python API builds them); the
-    budget is filled in once it is resolved."""
+def _search_config(args: argparse.Namespace, budget=None):
+    """The settings, checked before the model is loaded (config.search_config, as the Python API builds them): a
+    search's budget as given (the pipeline resolves it), a sweep's none (its budgets go to the sweep)."""
     from autoprec.tune.config import search_config
 
     try:
@@ -180,16 +180,15 @@ def _budgets(args: argparse.Namespace, flag: str, value: str):
         raise UserError(f"{flag} {value}: {exc}") from None
 
 
-def _resolve(args: argparse.Namespace, workload, specs, flag: str):
-    """Absolute budgets (resolving relative ones against the fp32 metric), said on stderr where not absolute."""
-    from autoprec.tune.api import resolve_budgets
+def _announce(args: argparse.Namespace, flag: str):
+    """pipeline.run's `announce`: each relative budget, once resolved, said on stderr."""
+    default = " (the default; --budget sets another)" if flag == "--budget" and args.budget is None else ""
 
-    resolved, given = resolve_budgets(workload, specs)
-    for b in dict.fromkeys(resolved):
-        if b in given:
-            default = " (the default; --budget sets another)" if flag == "--budget" and args.budget is None else ""
-            _say(args, f"autoprec: budget {given[b]}{default}")
-    return resolved, given
+    def say(budgets) -> None:
+        for given in budgets.given.values():
+            _say(args, f"autoprec: budget {given}{default}")
+
+    return say
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -199,12 +198,11 @@ def cmd_search(args: argparse.Namespace) -> int:
     specs = _budgets(args, "--budget", DEFAULT if args.budget is None else args.budget)
     if len(specs) != 1:
         raise UserError(f"--budget {args.budget}: one budget; for several, run autoprec sweep --budgets {args.budget}")
-    config = _search_config(args)
+    config = _search_config(args, budget=specs[0])
     task, space, workload = _prepare(args)
     out = args.out_dir = _out_dir(args, task)
-    (budget,), given = _resolve(args, workload, specs, "--budget")
-    config = dataclasses.replace(config, budget=budget)
-    result = search_and_report(workload, space, config, out, command=_command("search", config.storage), given=given.get(budget))
+    command = _command("search", config.storage)
+    result = search_and_report(workload, space, config, out, command=command, announce=_announce(args, "--budget"))
     if args.json:
         _print_json(args, {"policy_file": str(out / "policy.json"), "policy": result.policy.to_dict()}, allow_nan=False)
         return 0
@@ -232,22 +230,19 @@ def _command(verb: str, storage: str | None) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from autoprec.tune.api import sweep_and_report
-    from autoprec.tune.budget import parse_budgets
 
     specs = _budgets(args, "--budgets", args.budgets)
     config = _search_config(args)
     task, space, workload = _prepare(args)
     out = args.out_dir = _out_dir(args, task)
-    resolved, given = _resolve(args, workload, specs, "--budgets")
-    budgets = parse_budgets(resolved)
-    config = dataclasses.replace(config, budget=budgets[-1])
     if config.study_name is None:  # beside a search's study in the same storage, not mixed with it
         config = dataclasses.replace(config, study_name=f"{task.name}-sweep")
-    result = sweep_and_report(workload, space, budgets, config, out, command=_command("sweep", config.storage), given=given)
+    command = _command("sweep", config.storage)
+    result = sweep_and_report(workload, space, specs, config, out, command=command, announce=_announce(args, "--budgets"))
     if args.json:
         rows = [
-            {"budget": b, "budget_given": given.get(b), "policy_file": str(out / name), "policy": p.to_dict()}
-            for (b, p), name in zip(result.policies.items(), (r.policy_file for r in result.table))
+            {"budget": b, "budget_given": r.budget_given, "policy_file": str(out / r.policy_file), "policy": p.to_dict()}
+            for (b, p), r in zip(result.policies.items(), result.table)
         ]
         _print_json(args, {"sweep_csv": str(out / "sweep.csv"), "budgets": rows}, allow_nan=False)
         return 0

@@ -16,7 +16,7 @@ import torch
 
 from autoprec import devices
 from autoprec.formats import AutocastFamily, Float8Family
-from autoprec.tune.budget import check_budget
+from autoprec.tune.budget import Budget, check_budget, parse_budget
 from autoprec.tune.space import parse_option
 
 if TYPE_CHECKING:
@@ -226,15 +226,18 @@ class ProfileConfig:
 class SearchConfig:
     """How to search: the budget, the study, the timing and what the search optimises, validated on construction.
 
-    Frozen; every field but `budget` has a default. The command line and the Python API (autoprec.tune.search,
-    sweep) build one through `search_config`, which also reads --max-memory's forms ("40GB", "80%"), picks the
-    compile default for the device and refuses train-mode settings in weights mode; construct one directly to call
-    `searcher.search` or `sweeper.sweep` yourself. A search's own profile measures the numerics only of the formats
-    its timing keeps in play: `profile.numerics` None becomes "offered".
+    Frozen; every field has a default (`budget`'s, None, is a sweep's: its budgets are its own list). The command
+    line and the Python API (autoprec.tune.search, sweep) build one through `search_config`, which also reads
+    --max-memory's forms ("40GB", "80%"), picks the compile default for the device and refuses train-mode settings
+    in weights mode; construct one directly to call `searcher.search` or `sweeper.sweep` yourself. A search's own
+    profile measures the numerics only of the formats its timing keeps in play: `profile.numerics` None becomes
+    "offered".
 
     Args:
-        budget: The largest allowed metric drop from fp32, absolute, in the metric's units (a finite number >= 0;
-            a relative "1%" is resolved to this by autoprec.tune.search before).
+        budget: A search's largest allowed metric drop from fp32, as the user gave it: a number in the metric's
+            units (finite, >= 0), or a percentage of |fp32 metric| ("1%", a Budget), which the search resolves
+            against the fp32 metric its profile measures. Default None: a sweep's (sweeper.sweep's `budgets` are
+            its budgets, and it refuses this one set); a search refuses None.
         trials: The most trials in the study, every run's and worker's counted, so a rerun resumes up to it
             (>= 1). Default None: the search space's `trials`.
         seed: The Optuna sampler's seed, an integer from 0 to 2**32 - 1. Default 0.
@@ -287,7 +290,7 @@ class SearchConfig:
         'memory'
     """
 
-    budget: float
+    budget: float | Budget | None = None  # as given: a number (float), a relative Budget ("1%" parsed), None
     trials: int | None = None  # None: the search space's `trials`
     seed: int = 0
     storage: str | None = None  # an Optuna storage URL or a journal file path; None: out_dir/study.journal
@@ -322,7 +325,7 @@ class SearchConfig:
     target: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", check_budget(self.budget, what="budget"))  # -0.0 would name another study
+        object.__setattr__(self, "budget", _given_budget(self.budget))
         object.__setattr__(self, "mode", parse_mode(self.mode))
         object.__setattr__(self, "objective", parse_goal(self.objective))
         object.__setattr__(self, "target", check_target(self.objective, self.target))
@@ -374,6 +377,17 @@ class SearchConfig:
         return self.profile if self.profile.compile == self.compile else dataclasses.replace(self.profile, compile=self.compile)
 
 
+def _given_budget(value: object) -> float | Budget | None:
+    """SearchConfig.budget as the user gave it, checked: a number as a float (-0.0 as 0.0, which would name another
+    study), "0.01" too; "1%" (or a relative Budget) as a Budget, resolved by the pipeline; None as it is."""
+    if value is None:
+        return None
+    if isinstance(value, (str, Budget)):
+        spec = parse_budget(value)
+        return spec if spec.relative else spec.value
+    return check_budget(value, what="budget")
+
+
 def default_compile(device: str | torch.device) -> bool:
     """Whether step times are compiled when the user does not say: the device's `compile_by_default` (autoprec.devices):
     on CUDA (how GPU training runs, and where fp8 pays only compiled), not elsewhere (inductor's CPU code is not what a
@@ -387,7 +401,7 @@ def default_compile(device: str | torch.device) -> bool:
 def search_config(
     *,
     device: str | torch.device,
-    budget: float = 0.0,
+    budget: float | str | Budget | None = None,
     compile: bool | None = None,
     mode: object = Mode.WEIGHTS,
     train_steps: int | None = None,
@@ -415,7 +429,7 @@ def search_config(
     if numerics is not None:
         settings["profile"] = dataclasses.replace(settings.get("profile", ProfileConfig()), numerics=numerics)
     return SearchConfig(
-        budget=budget,
+        budget=_given_budget(budget),
         mode=the_mode,
         compile=default_compile(device) if compile is None else bool(compile),
         max_memory=_memory_limit(max_memory, device),

@@ -53,16 +53,18 @@ def gather_candidates(
         return same or name
 
     greedy, notes = {}, {}
-    for b in plan.budgets:
+    budgets = started.budgets.absolute
+    for b in budgets:
         alts = baselines(workload, space, started.profile, started.choices, b)
         notes.update(alts.notes)
+        own = plan.greedy_name(b, started.budgets)
         for name, candidate in alts.candidates.items():
-            label = add(plan.greedy_name(b) if name == GREEDY else name, candidate)
+            label = add(own if name == GREEDY else name, candidate)
             if name == GREEDY:
                 greedy[b] = label
-                if label != plan.greedy_name(b):
-                    notes[plan.greedy_name(b)] = f"the same policy as {label}, measured once under that name"
-    for b in plan.budgets:
+                if label != own:
+                    notes[own] = f"the same policy as {label}, measured once under that name"
+    for b in budgets:
         finalists = finalist_policies(started.study, started.choices, k, budget=b, exclude=list(candidates.values()), goal=goal)
         for name, candidate in finalists.items():
             add(name, candidate)
@@ -206,7 +208,7 @@ def final_remeasure(
         workload,
         candidates,
         judge,
-        config.budget,
+        judge.budgets.bound,
         config.final_timing,
         progress=label,
         compiled=config.compile,

@@ -26,6 +26,7 @@ from autoprec.errors import UserError, describe
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import memory
+from autoprec.tune.budget import Budgets
 from autoprec.tune.choices import Choices, format_assignments, policy_from_params, suggest
 from autoprec.tune.config import NOISE_ROUNDS, NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Mode, SearchConfig
 from autoprec.tune.cost import Stopwatch
@@ -63,10 +64,19 @@ class Judge:
     """The metric a candidate is held to and the fp32 result it is compared with: the given weights'
     (weights mode), or after K training steps from them (train mode, with the noise floor measured). In train
     mode the noise floor is measured when first needed (`measure()`, or reading `noise` or `fp32_metric`), so a
-    finished study whose result stands costs none: `known()` takes the one its policy file recorded."""
+    finished study whose result stands costs none: `known()` takes the one its policy file recorded. `budgets`: the
+    run's, resolved once (budget.resolve_budgets); a trial is held to the largest, `budgets.bound`."""
 
-    def __init__(self, workload: Workload, config: SearchConfig, weights_fp32_metric: float, *, watch: Stopwatch | None = None):
-        self.workload, self.config, self._watch = workload, config, watch
+    def __init__(
+        self,
+        workload: Workload,
+        config: SearchConfig,
+        weights_fp32_metric: float,
+        *,
+        budgets: Budgets,
+        watch: Stopwatch | None = None,
+    ):
+        self.workload, self.config, self.budgets, self._watch = workload, config, budgets, watch
         self._weights_metric = weights_fp32_metric
         self._noise: NoiseFloor | None = None
         self._ready = config.mode is not Mode.TRAIN
@@ -99,11 +109,11 @@ class Judge:
                 f"{noise.reference}; train mode needs a finite one"
             )
         self._noise, self._ready = noise, True
-        if config.budget < noise.spread:
+        if self.budgets.bound < noise.spread:
             log.warning(
                 "budget %g is below the noise floor %.4g (the fp32 metric's spread over %d seeds after %d training "
                 "steps): the search cannot tell a real loss from noise there",
-                config.budget,
+                self.budgets.bound,
                 noise.spread,
                 config.noise_runs,
                 config.train_steps,
@@ -221,11 +231,11 @@ class Objective:
             TrialRecord.write(trial, evaluate_s=time.perf_counter() - start)
         TrialRecord.write(trial, **extra)
         drop = self.judge.fp32_metric - metric
-        feasible = math.isfinite(metric) and drop <= self.config.budget
+        feasible = math.isfinite(metric) and drop <= self.judge.budgets.bound
         TrialRecord.write(
             trial, metric=metric if math.isfinite(metric) else None, metric_drop=drop if math.isfinite(drop) else None
         )
-        constraint = over_budget(drop, self.config.budget) if math.isfinite(drop) else INFEASIBLE
+        constraint = over_budget(drop, self.judge.budgets.bound) if math.isfinite(drop) else INFEASIBLE
         if feasible and _all_fp32(policy):  # the fp32 baseline itself: 1.0 by definition, nothing to time
             TrialRecord.write(trial, speedup=1.0)
             self._record_memory(trial, self.fp32_peak(None))

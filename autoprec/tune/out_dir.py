@@ -19,6 +19,7 @@ from autoprec.errors import UserError
 from autoprec.files import OtherVersion, Taken, claim_folder, read_json
 from autoprec.formats import device_name
 from autoprec.policy import Policy, model_fingerprint
+from autoprec.tune.budget import absolute_budget
 from autoprec.tune.config import GROUP_SHARE, PROFILE_SHARE, Mode, ProfileConfig, SearchConfig
 from autoprec.tune.cost import Stopwatch
 from autoprec.tune.metric import NoiseFloor
@@ -144,11 +145,13 @@ def reuse_or_profile(
     in out_dir (or in out_dir / `own`); else measure, and save it in out_dir, or, with `own` (a sweep), in out_dir /
     `own` where out_dir holds a profile already: another run's files are never written over. `watch` receives the
     profiling stages, or a count when a saved profile was reused. `budget`: the smallest budget its drops serve
-    (default config.budget), a tenth of which is the group tolerance (GROUP_SHARE)."""
+    (default config.budget where absolute: the pipeline passes its resolved one), a tenth of which is the group
+    tolerance (GROUP_SHARE)."""
     watch = watch or Stopwatch()
     settings = config.profile_settings
     if settings.group_tolerance is None and settings.group_testing:
-        settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * (config.budget if budget is None else budget))
+        smallest = absolute_budget(config.budget) if budget is None else budget
+        settings = dataclasses.replace(settings, group_tolerance=GROUP_SHARE * smallest)
     if config.time_budget is not None and settings.deadline_s is None:  # the profile scaled to fit the budget
         settings = dataclasses.replace(settings, deadline_s=PROFILE_SHARE * config.time_budget)
     held = any((out_dir / name).exists() for name in PROFILE_FILES)

@@ -4,8 +4,10 @@ them together, choose per budget, and write a verified policy per budget with th
 
 A search is this pipeline with one budget and one objective (the goal's value, `SearchConfig.objective`: the
 speedup, or the peak memory; goals.py); a sweep has several budgets and a second objective (the metric drop), so
-the study's Pareto front serves every budget. `Plan` holds what differs: the budgets, the objectives, the file
-names. A memory limit (`SearchConfig.max_memory`) is a second constraint beside the budget.
+the study's Pareto front serves every budget. `Plan` holds what differs: a sweep's budgets, the objectives, the file
+names. The budgets as the user gave them (a search's `SearchConfig.budget`, a sweep's `Plan.budgets`) are resolved
+once, at the start (`run`), into the `Budgets` record every stage after it reads. A memory limit
+(`SearchConfig.max_memory`) is a second constraint beside the budget.
 
 The budget applies to one of two measurements (`Mode`): the metric of the given weights with the policy
 applied (`weights`, cheap), or the metric after K training steps with the policy and its GradScaler,
@@ -32,7 +34,7 @@ from autoprec.files import write_atomically
 from autoprec.policy import Policy
 from autoprec.tune import memory
 from autoprec.tune.alternatives import ALTERNATIVES, GREEDY
-from autoprec.tune.budget import check_ascending
+from autoprec.tune.budget import Budget, Budgets, resolve_budgets
 from autoprec.tune.choices import Choices, build_choices, warm_starts
 from autoprec.tune.choose import choose_per_budget
 from autoprec.tune.config import (
@@ -69,36 +71,53 @@ log = logging.getLogger("autoprec")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What differs between a search and a sweep. `budgets`: ascending, the largest one bounds the study
-    (`SearchConfig.budget`); `objectives`: 1 (the goal's value, SearchConfig.objective) or 2 (that and
-    the metric drop, a Pareto front);
-    the files written: one policy per budget, the trials table, the re-measured finalists."""
+    """What differs between a search and a sweep. `objectives`: 1 (the goal's value, SearchConfig.objective) or 2
+    (that and the metric drop, a Pareto front); `budgets`: a sweep's, as the user gave them (a search's one budget is
+    its SearchConfig.budget: each run has its budgets in one place, `given_budgets`); the files written: one policy per
+    budget, the trials table, the re-measured finalists."""
 
-    budgets: tuple[float, ...]
     objectives: int
     policy_file: Callable[[float], str]
     trials_file: str
     finalists_file: str
-    given: Mapping[float, str] = dataclasses.field(default_factory=dict)  # budget -> how the user gave it, if relative
+    budgets: tuple[Budget, ...] = ()
     # a subfolder for a profile of its own where the output folder's does not serve (a sweep: never over a search's)
     profile_folder: str | None = None
 
     def __post_init__(self) -> None:
-        check_ascending(self.budgets, what="plan.budgets")
+        if self.is_sweep and not self.budgets:
+            raise ValueError("a sweep's plan needs its budgets, at least one, such as (Budget(0.0), Budget(0.01))")
+        if self.budgets and not self.is_sweep:
+            raise ValueError(f"a search's budget is its SearchConfig.budget, not the plan's, but got {self.budgets!r}")
 
     @property
     def is_sweep(self) -> bool:
         return self.objectives == 2
 
-    def greedy_name(self, budget: float) -> str:
+    def given_budgets(self, config: SearchConfig) -> tuple[Budget, ...]:
+        """The budgets as the user gave them, from their one place: a sweep's plan, a search's config.budget. A
+        ValueError naming the value and the fix where the other place holds one too, or neither holds any."""
+        shown, got = ",".join(map(str, self.budgets)), config.budget
+        if self.is_sweep and got is not None:
+            raise ValueError(
+                f"a sweep's budgets are its own list ({shown}), so config.budget={str(got)!r} would be a second "
+                "one: leave it out (SearchConfig(budget=None), the default), and list every budget in budgets="
+            )
+        if self.is_sweep:
+            return self.budgets
+        if config.budget is None:
+            raise ValueError("a search needs config.budget, e.g. SearchConfig(budget=0.01) or SearchConfig(budget='1%')")
+        return (config.budget if isinstance(config.budget, Budget) else Budget(config.budget),)
+
+    def greedy_name(self, budget: float, budgets: Budgets) -> str:
         """Each budget has its own profile-greedy policy; with one budget it keeps the plain name."""
-        return GREEDY if len(self.budgets) == 1 else f"{GREEDY} {budget:g}"
+        return GREEDY if len(budgets.absolute) == 1 else f"{GREEDY} {budget:g}"
 
 
 @dataclasses.dataclass
 class Started:
     """A study ready for trials: the profile (and where it is saved), the agreed choices, the study, where it lives,
-    the judge."""
+    the judge (holding the resolved budgets, `budgets`)."""
 
     profile: Profile
     choices: Choices
@@ -106,6 +125,10 @@ class Started:
     storage: str
     judge: Judge
     saved: SavedProfile  # where the profile is saved, and whether this run measured it
+
+    @property
+    def budgets(self) -> Budgets:
+        return self.judge.budgets
 
 
 @dataclasses.dataclass
@@ -121,13 +144,18 @@ class Run:
     cost: dict[str, Any]
 
 
-def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path, plan: Plan) -> Run:
-    """Profile, search, re-measure, choose and write (see the module's docstring)."""
-    if plan.budgets[-1] > config.budget:
-        raise ValueError(
-            f"config.budget bounds the study and must be >= the largest budget, but got "
-            f"config.budget={config.budget!r} and budgets up to {plan.budgets[-1]!r}"
-        )
+def run(
+    workload: Workload,
+    space: SearchSpace,
+    config: SearchConfig,
+    out_dir: str | Path,
+    plan: Plan,
+    *,
+    announce: Callable[[Budgets], None] | None = None,
+) -> Run:
+    """Profile, search, re-measure, choose and write (see the module's docstring). `announce` is told the budgets
+    once resolved, before the profile (the command line says a relative one's value on stderr)."""
+    given = plan.given_budgets(config)
     if memory.source(workload.device) is None and (config.objective.needs_peak or config.max_memory is not None):
         flag = f"--objective {config.objective.name}" if config.objective.needs_peak else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
@@ -135,10 +163,14 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
     if not config.objective.timed and space.prune_slower_than < SPEED_UNJUDGED:
         # this machine's speed says nothing of the target's: a format slow here (emulated) is no less a candidate
         space = dataclasses.replace(space, prune_slower_than=SPEED_UNJUDGED)
+    # the fp32 metric is evaluated here only where a budget is relative, and then cached for the profile to read
+    budgets = resolve_budgets(given, lambda: workload.fp32_metric)
+    if announce is not None:
+        announce(budgets)
     out_dir = Path(out_dir)
     with claim_out_dir(workload, out_dir):  # also makes the folder
         try:
-            return _run(workload, space, config, out_dir, plan)
+            return _run(workload, space, config, out_dir, plan, budgets)
         except UserError:
             raise
         except Exception as exc:
@@ -158,7 +190,7 @@ def run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: s
             ) from exc
 
 
-def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, plan: Plan) -> Run:
+def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: Path, plan: Plan, budgets: Budgets) -> Run:
     check_storage(config, out_dir)  # before minutes of profiling; opening the study checks it again
     began = time.perf_counter()
     watch = Stopwatch()
@@ -168,8 +200,8 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         config,
         out_dir,
         watch,
+        budgets,
         objectives=plan.objectives,
-        smallest_budget=plan.budgets[0],
         profile_folder=plan.profile_folder,
     )
     try:  # a goal computed from the profile (the FLOP goal: each Linear's FLOPs) holds it from here on
@@ -221,20 +253,20 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
     finals.to_csv(out_dir / plan.finalists_file)
     chosen = []
-    picks = choose_per_budget(finals, candidates, plan.budgets, greedy, goal=config.objective)
-    for name, b in {name: b for b, (name, _) in reversed(list(zip(plan.budgets, picks)))}.items():
+    picks = choose_per_budget(finals, candidates, budgets.absolute, greedy, goal=config.objective)
+    for name, b in {name: b for b, (name, _) in reversed(list(zip(budgets.absolute, picks)))}.items():
         _warn_unfit(finals.within(b), name, b, config.max_memory)  # once per policy, at its smallest budget
-    for b, (name, why) in zip(plan.budgets, picks):
+    for b, (name, why) in zip(budgets.absolute, picks):
         compared = {a: a for a in ALTERNATIVES if a != GREEDY and a in candidates} | {GREEDY: greedy[b]}
         measured = dataclasses.replace(
             measured_record(workload, started, config, finals, name, b, compared=compared, notes=notes),
             why=why,
             cost=watch.to_dict(),
             greedy=greedy[b],
-            budget_given=plan.given.get(b),
+            budget_given=budgets.given.get(b),
             stopped=stopped,
             not_separated=config.objective.ties(finals.within(b), name),
-            sweep={"budgets": list(plan.budgets), "study_budget": config.budget} if plan.is_sweep else None,
+            sweep={"budgets": list(budgets.absolute), "study_budget": budgets.bound} if plan.is_sweep else None,
         )
         picked = candidates[name].policy
         measured = _with_estimates(measured, config.objective, picked, candidates, compared | {"policy": name})
@@ -330,7 +362,7 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
     """The result an earlier run of this finished study wrote to out_dir, where it stands (out_dir.earlier_result);
     else None, and the finalists are re-measured."""
     study = started.study
-    files = {b: out_dir / plan.policy_file(b) for b in plan.budgets}
+    files = {b: out_dir / plan.policy_file(b) for b in started.budgets.absolute}
     now = StudyRef(name=study.study_name, storage=started.storage, complete=complete_count(study))
     earlier = earlier_result(files, out_dir / plan.finalists_file, now, started.judge.config)
     if earlier is None:
@@ -353,25 +385,33 @@ def start(
     config: SearchConfig,
     out_dir: Path,
     watch: Stopwatch,
+    budgets: Budgets,
     *,
     objectives: int = 1,
-    smallest_budget: float | None = None,
     profile_folder: str | None = None,
 ) -> Started:
-    """Profile (or reuse the saved profile; its drops as precise as `smallest_budget` needs, default the
-    config's; `profile_folder`: out_dir.reuse_or_profile's `own`), derive the choices, create or join the study with
-    its warm starts (all-fp32, then choices.warm_starts), and the judge (whose noise floor, in train mode, is measured
-    when first needed)."""
-    saved = reuse_or_profile(workload, space, out_dir, config, watch=watch, budget=smallest_budget, own=profile_folder)
+    """Profile (or reuse the saved profile; its drops as precise as the smallest of `budgets` needs;
+    `profile_folder`: out_dir.reuse_or_profile's `own`), derive the choices (within the largest), create or join the
+    study with its warm starts (all-fp32, then choices.warm_starts), and the judge of `budgets` (whose noise floor, in
+    train mode, is measured when first needed)."""
+    saved = reuse_or_profile(workload, space, out_dir, config, watch=watch, budget=budgets.smallest, own=profile_folder)
     prof = saved.profile
-    choices = build_choices(prof, space, config.budget, workload.device, judge_drop=config.mode is Mode.WEIGHTS)
+    choices = build_choices(prof, space, budgets.bound, workload.device, judge_drop=config.mode is Mode.WEIGHTS)
 
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
-        return warm_starts(prof, agreed, config.budget)
+        return warm_starts(prof, agreed, budgets.bound)
 
     study, choices, where = open_study(
-        workload, space, choices, config, out_dir, known, objectives=objectives, profile_complete=prof.complete
+        workload,
+        space,
+        choices,
+        config,
+        out_dir,
+        known,
+        budget=budgets.bound,
+        objectives=objectives,
+        profile_complete=prof.complete,
     )
     log.info("search space: %s", choices.describe())
-    judge = Judge(workload, config, prof.fp32_metric, watch=watch)
+    judge = Judge(workload, config, prof.fp32_metric, budgets=budgets, watch=watch)
     return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge, saved=saved)

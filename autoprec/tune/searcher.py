@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from autoprec.policy import Policy
+from autoprec.tune.budget import Budgets
 from autoprec.tune.choices import Choices
 from autoprec.tune.config import Mode, SearchConfig, parse_mode
 from autoprec.tune.metric import NoiseFloor
@@ -41,24 +43,23 @@ class SearchResult:
         return search_summary(self, markdown=markdown)
 
 
-def search_plan(budget: float, given: str | None = None) -> Plan:
-    """`given`: how the user gave the budget where it was not the absolute number (`1% of |fp32 metric ...|`)."""
-    return Plan(
-        budgets=(budget,),
-        objectives=1,
-        policy_file=lambda b: "policy.json",
-        trials_file="trials.csv",
-        finalists_file="finalists.csv",
-        given={budget: given} if given else {},
-    )
+def search_plan() -> Plan:
+    """A search's plan: its one budget is its SearchConfig.budget."""
+    return Plan(objectives=1, policy_file=lambda b: "policy.json", trials_file="trials.csv", finalists_file="finalists.csv")
 
 
 def search(
-    workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: str | Path, *, given: str | None = None
+    workload: Workload,
+    space: SearchSpace,
+    config: SearchConfig,
+    out_dir: str | Path,
+    *,
+    announce: Callable[[Budgets], None] | None = None,
 ) -> SearchResult:
-    """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir.
-    `given`: how the user gave `config.budget`, when relative (recorded in the policy)."""
-    done = run(workload, space, config, out_dir, search_plan(config.budget, given))
+    """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir, within
+    `config.budget` (a relative one resolved against the fp32 metric the profile measures, and recorded as given in
+    the policy). `announce`: pipeline.run's, told the resolved budget."""
+    done = run(workload, space, config, out_dir, search_plan(), announce=announce)
     started = done.started
     return SearchResult(
         policy=done.chosen[0].policy,

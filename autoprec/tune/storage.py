@@ -268,7 +268,7 @@ STUDY_VERSION = 1
 
 
 def _study_key(
-    workload: Workload, space: SearchSpace, config: SearchConfig, objectives: int, profile_complete: bool = True
+    workload: Workload, space: SearchSpace, config: SearchConfig, budget: float, objectives: int, profile_complete: bool = True
 ) -> dict[str, str]:
     # What shapes the choices, the measurements and which trials are feasible; not the file's path, sampler or
     # trial count.
@@ -279,7 +279,7 @@ def _study_key(
         target
         | {
             "version": str(STUDY_VERSION),
-            "budget": repr(float(config.budget)),
+            "budget": repr(float(budget)),  # the resolved bound: a relative budget's study is its absolute one
             "device": device_name(str(workload.device)),
             "model": model_fingerprint(workload.model),
             # a rebuilt model with other weights (retrained, or build_model() without a seed) is another study
@@ -349,13 +349,15 @@ def open_study(
     out_dir: Path,
     warm_starts: Callable[[Choices], list[dict[str, Any]]] = lambda choices: [],
     *,
+    budget: float,
     objectives: int = 1,
     profile_complete: bool = True,
 ):
     """Create or join the study (the goal's direction: maximise the speedup, minimise the peak memory; with
     `objectives=2`, also minimise the metric drop). Every worker proposes its choices on the all-fp32 warm-start trial; the first
     proposal in the storage wins, and only its worker queues the other warm starts (`warm_starts(choices)`).
-    Two workers starting at the same moment may both queue the fp32 trial: it is then measured twice."""
+    Two workers starting at the same moment may both queue the fp32 trial: it is then measured twice. `budget`: the
+    study's constraint, resolved (budget.Budgets.bound), part of its identity."""
     storage, where = study_storage(config, out_dir)
     name = config.study_name or workload.task.name
     study = optuna.create_study(
@@ -365,7 +367,7 @@ def open_study(
         sampler=sampler_for(space, config.seed),
         load_if_exists=True,
     )
-    key = _study_key(workload, space, config, objectives, profile_complete)
+    key = _study_key(workload, space, config, budget, objectives, profile_complete)
     first = _first_start(study)
     worker = uuid.uuid4().hex
     # Every study this version makes has its key on its first trial: one holding anything but none that carries it

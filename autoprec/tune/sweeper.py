@@ -1,8 +1,8 @@
 """Sweep: one two-objective study (training-step speedup up, metric drop down) and every budget's policy
 read off its Pareto front.
 
-The study's constraint is the largest budget (`config.budget`): a trial over it is not timed, as in a
-search. For each budget the fastest trials within it become finalists; all of them, with fp32, uniform
+The budgets are the sweep's own list (its Plan's; SearchConfig.budget stays None), resolved once by the pipeline;
+the study's constraint is the largest (`Budgets.bound`): a trial over it is not timed, as in a search. For each budget the fastest trials within it become finalists; all of them, with fp32, uniform
 bf16 and the profile-greedy policy of each budget, are re-measured together, interleaved, and each budget
 takes what a search of it would (choose.choose_per_budget, the search's own rule: the fastest re-measured candidate
 within it, the safer one where the lead is inside the spread); the table says where that is a tie inside the noise,
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from autoprec.files import write_atomically
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.alternatives import BF16
-from autoprec.tune.budget import parse_budgets
+from autoprec.tune.budget import Budget, Budgets, parse_budget_list
 from autoprec.tune.choices import Choices
 from autoprec.tune.config import SearchConfig
 from autoprec.tune.goals import SPEED, Goal
@@ -131,15 +131,15 @@ def _format_counts(policy: Policy) -> str:
     return ", ".join(f"{f} {counts[f]}" for f in (x.value for x in Format) if f in counts)
 
 
-def sweep_plan(budgets: tuple[float, ...], given: Mapping[float, str] | None = None) -> Plan:
-    """`given`: budget -> how the user gave it, where it was relative."""
+def sweep_plan(budgets: str | float | Sequence[float | str | Budget]) -> Plan:
+    """A sweep's plan, holding its budgets as the user gave them: "0,0.5%,1%" (commas), a number, or a sequence of
+    numbers, strings and Budgets (budget.parse_budget_list)."""
     return Plan(
-        budgets=budgets,
         objectives=OBJECTIVES,
         policy_file=policy_filename,
         trials_file="sweep_trials.csv",
         finalists_file="sweep_finalists.csv",
-        given=dict(given or {}),
+        budgets=parse_budget_list([budgets] if isinstance(budgets, (int, float)) else budgets),
         profile_folder=SWEEP_PROFILE,
     )
 
@@ -147,23 +147,24 @@ def sweep_plan(budgets: tuple[float, ...], given: Mapping[float, str] | None = N
 def sweep(
     workload: Workload,
     space: SearchSpace,
-    budgets: Iterable[float] | str,
+    budgets: str | float | Sequence[float | str | Budget],
     config: SearchConfig,
     out_dir: str | Path,
     *,
-    given: Mapping[float, str] | None = None,
+    announce: Callable[[Budgets], None] | None = None,
 ) -> SweepResult:
     """Search once for every budget; write sweep.csv, one policy file per budget, sweep_trials.csv and
     sweep_finalists.csv to out_dir (the CLI adds sweep.md and pareto.png from the result), and a profile only where
-    none there serves (into SWEEP_PROFILE where out_dir holds one). `config.budget` bounds the study and must be at
-    least the largest budget (the CLI sets it to that)."""
+    none there serves (into SWEEP_PROFILE where out_dir holds one). `budgets` as sweep_plan takes them, relative ones
+    resolved against the fp32 metric the profile measures; `config.budget` must be None (the budgets are this list
+    alone). `announce`: pipeline.run's, told the resolved budgets."""
     if config.objective.axis is None:  # the front, sweep.csv's columns and pareto.png are drawn on the goal's axis
         raise UserError(
             f"autoprec sweep does not take --objective {config.objective.name}: a sweep draws every budget's choice on "
             f"its goal's axis, and {config.objective.name} has none yet; run `autoprec search --objective "
             f"{config.objective.name} --budget B` for each budget instead"
         )
-    done = run(workload, space, config, out_dir, sweep_plan(parse_budgets(budgets), given))
+    done = run(workload, space, config, out_dir, sweep_plan(budgets), announce=announce)
     started = done.started
     table = [_row(c, done.finals) for c in done.chosen]
     frame = pd.DataFrame([dataclasses.asdict(r) for r in table])
