@@ -223,7 +223,10 @@ def test_every_blockscaled_format_compiles_whole_and_matches_eager(name):
         model = apply_on_chosen_device(copy.deepcopy(base), policy)
         torch._dynamo.reset()
         torch.manual_seed(3)
-        (torch.compile(model, backend="aot_eager", fullgraph=True)(x) * weights).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (torch.compile(model, backend="aot_eager", fullgraph=True)(x) * weights).sum().backward()
+        assert not [str(w.message)[:200] for w in caught if "ynamo" in str(w.message)]  # e.g. an lru_cache traced
         return model[0].weight.grad, model[2].weight.grad
 
     first, again = compiled_grads(), compiled_grads()

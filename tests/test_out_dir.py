@@ -146,7 +146,7 @@ def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_rul
     again = load_or_profile(workload, lenient, tmp_path, config, watch=watch)  # bf16 is in play now: judged
     assert "profile: reused the one saved in the output folder" not in watch.counts
     sources = [r.metric_source for r in again.rows if r.format == "bf16"]
-    assert all(s.startswith(("measured", "predicted")) for s in sources)
+    assert sources and all(s.startswith(("measured", "predicted")) for s in sources)
 
 
 def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_only_as_precise(tmp_path):

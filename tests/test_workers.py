@@ -109,7 +109,7 @@ def test_workers_that_start_at_the_same_moment_search_the_first_stored_choices(t
     )
     theirs = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32",), "big": ("fp32",), "head": ("fp32", "bf16")}, excluded={})
     bf16 = [{"default": "bf16", "layer:fc1": "bf16", "layer:head": "bf16"}]
-    study, got_a, _ = open_study(workload, space, mine, config, tmp_path, warm_starts=lambda c: bf16)
+    study, got_a, _ = open_study(workload, space, mine, config, tmp_path, budget=0.1, warm_starts=lambda c: bf16)
     module = importlib.import_module("autoprec.tune.storage")
     real, calls = module._first_start, []
 
@@ -118,7 +118,9 @@ def test_workers_that_start_at_the_same_moment_search_the_first_stored_choices(t
         return None if len(calls) == 1 else real(study)
 
     monkeypatch.setattr(module, "_first_start", stale_first_read)
-    _, got_b, _ = open_study(workload, space, theirs, config, tmp_path, warm_starts=lambda c: pytest.fail("b queued warm starts"))
+    _, got_b, _ = open_study(
+        workload, space, theirs, config, tmp_path, budget=0.1, warm_starts=lambda c: pytest.fail("b queued warm starts")
+    )
     assert got_a == got_b == mine
     trials = journal_study(tmp_path / "study.journal", "race").trials
     assert [t.number for t in trials if CHOICES_ATTR in t.user_attrs] == [0, 2]  # a's fp32, a's bf16, b's fp32
@@ -158,10 +160,12 @@ def test_a_database_password_is_in_neither_the_storage_recorded_nor_any_storage_
     choices = Choices(
         default=("fp32", "bf16"), layers={"fc1": ("fp32", "bf16"), "big": ("fp32",), "head": ("fp32",)}, excluded={}
     )
-    _, _, where = open_study(workload, space, choices, SearchConfig(budget=0.1, storage=url, study_name="s"), tmp_path)
+    _, _, where = open_study(
+        workload, space, choices, SearchConfig(budget=0.1, storage=url, study_name="s"), tmp_path, budget=0.1
+    )
     assert where == shown
     with pytest.raises(UserError) as info:  # the same study with another budget: the refusal names the storage
-        open_study(workload, space, choices, SearchConfig(budget=0.2, storage=url, study_name="s"), tmp_path)
+        open_study(workload, space, choices, SearchConfig(budget=0.2, storage=url, study_name="s"), tmp_path, budget=0.2)
     assert shown in str(info.value) and "s3cret" not in str(info.value)
     errors = [ImportError("No module named 'psycopg2'"), sqlalchemy.exc.ArgumentError(f"Could not parse SQLAlchemy URL from string '{url}'"),
               RuntimeError(f"connection to {url} failed: password s3cret-pw refused")]  # fmt: skip

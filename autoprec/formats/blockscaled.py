@@ -86,7 +86,7 @@ class BlockGemms:
     @property
     def stochastic(self) -> bool:
         """Whether a GEMM rounds stochastically (NVFP4's gradients, in dgrad and wgrad): only then does the layer
-        draw random bits, and need a generator (one made where none is needed breaks torch.compile's graph)."""
+        draw random bits, from its own generator in eager mode (from torch's global one when compiled: forward)."""
         return any(isinstance(s, NVFP4) and s.stochastic_gradients for s in (self.dgrad, self.wgrad))
 
     def rows_to_pad(self, rows: int) -> int:
@@ -103,11 +103,12 @@ def element_name(setting: GemmFormat) -> str | None:
     return "mxfp8" if isinstance(setting, MXFP8) else "nvfp4"
 
 
-GEMM_FORMATS: dict[str, BlockGemms] = {}  # each registered format's GEMMs, by name
+GEMM_FORMATS: dict[str, BlockGemms] = {}  # each registered format's GEMMs, keyed by name
 
 
 def _gemms(fmt: Format) -> BlockGemms:
-    return GEMM_FORMATS[fmt]  # keyed by the Format itself: torch.compile cannot trace fmt.value (str.__str__)
+    # looked up with the Format (a str equal to its name), not fmt.value: torch.compile cannot trace str.__str__
+    return GEMM_FORMATS[fmt]
 
 
 def shape_problem(fmt: Format, module: torch.nn.Module) -> str | None:

@@ -23,7 +23,6 @@ This module imports only torch: it is the runtime.  torchao appears only in the 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Literal
 
@@ -173,7 +172,6 @@ def nvfp4(
     return out.to(out_dtype)
 
 
-@functools.lru_cache(maxsize=8)
 def _sylvester(n: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
@@ -181,24 +179,23 @@ def _sylvester(n: int) -> torch.Tensor:
     return h
 
 
+_HADAMARD: dict[tuple[int, int], torch.Tensor] = {}
+
+
 def hadamard_matrix(n: int = NVFP4_BLOCK, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The n x n random Hadamard matrix (1/sqrt(n)) * H_n @ diag(s): Sylvester's Hadamard matrix with its columns'
-    signs flipped by a sign vector ``s`` drawn from ``seed``.  It is orthogonal: H^T H = I."""
+    signs flipped by a sign vector ``s`` drawn from ``seed``.  It is orthogonal: H^T H = I.
+
+    Built once per (n, seed) and kept in a plain dict: torch.compile cannot trace the making of a Generator (the signs'
+    draw), and warns on an lru_cache, so the recipe's own (16, seed 0) is built at import and a compiled step only
+    reads it."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    return ((_sylvester(n) * _signs(n, seed)) / math.sqrt(n)).to(dtype)
-
-
-_SIGNS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _signs(n: int, seed: int) -> torch.Tensor:
-    """The sign vector of `hadamard_matrix`, drawn once per (n, seed) and kept: torch.compile cannot trace the
-    creation of a Generator, so the recipe's own (16, seed 0) is drawn at import and a compiled step only reads it."""
-    if (n, seed) not in _SIGNS:
+    if (n, seed) not in _HADAMARD:
         g = torch.Generator().manual_seed(seed)
-        _SIGNS[(n, seed)] = torch.randint(0, 2, (n,), generator=g).to(torch.float64) * 2 - 1
-    return _SIGNS[(n, seed)]
+        signs = torch.randint(0, 2, (n,), generator=g).to(torch.float64) * 2 - 1
+        _HADAMARD[(n, seed)] = (_sylvester(n) * signs) / math.sqrt(n)
+    return _HADAMARD[(n, seed)].to(dtype, copy=True)  # a copy: the kept one stays as built
 
 
 def random_hadamard_transform(
@@ -223,4 +220,4 @@ def random_hadamard_transform(
     return out.reshape(shape).movedim(-1, dim)
 
 
-_signs(NVFP4_BLOCK, 0)  # the recipe's RHT signs, drawn before any torch.compile traces a step
+hadamard_matrix(NVFP4_BLOCK, seed=0)  # the recipe's RHT matrix, built before any torch.compile traces a step

@@ -148,6 +148,6 @@ def absolute_budget(value: float | Budget | None, *, what: str = "config.budget"
     if isinstance(value, Budget) or value is None:
         raise ValueError(
             f"{what}={value if value is None else str(value)!r} is no absolute budget here: pass the absolute one "
-            "(budget=0.01), or resolve it first (budget.resolve_budgets)"
+            "(budget=0.01), or the smallest of the resolved record: budget=resolve_budgets(...).smallest"
         )
     return check_budget(value, what=what)

@@ -215,7 +215,7 @@ def _profile_layer(
             time_spread=spread,
             time_vs_fp32=ms / fp32_ms if fp32_ms > 0 else math.nan,
             timed_as=NO_KERNEL if fmt in emulated else timed_as,
-            step_rise_bytes=peak if peak is not None else math.nan,
+            step_rise_bytes=float(peak) if peak is not None else math.nan,  # as loaded back: a float
             **profile_columns(grads, fmt.value, grad_table, config.max_underflow),
         )
     # numerics do not depend on the device's speed: only a search's own profile ("offered") leaves a slow format's out
