@@ -1520,8 +1520,7 @@ def horizon2_table(policies, curves, args, flops, target, estimated_speedup) -> 
                 f"drop_vs_fp32_{tag}_half_width": "" if vs32 is None else round(vs32["half"], 6),
                 f"bf16_spread_{tag}": round(noise_floor_at(curves, step), 6),
             }
-            if row["budget"] != "":
-                row[f"verdict_{tag}"] = budget_verdict(st, row["budget"])
+            row[f"verdict_{tag}"] = budget_verdict(st, row["budget"]) if row["budget"] != "" else ""
         rows.append(row)
     return rows
 
@@ -1559,7 +1558,7 @@ def plot_curves2(curves, args, path: Path) -> None:
         ax.set_xlabel("training steps from the trained weights (a fresh batch each step)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
-    axes[0].set_ylabel("paired drop vs bf16 (eval-loss rise, nats/byte): mean, 95% t interval over seeds")
+    axes[0].set_ylabel("paired drop vs bf16 (nats/byte): mean, 95% t interval")
     fig.suptitle(f"GPT-2 example ({args.size}), K = {args.steps}: each policy against bf16 on the same data stream")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
