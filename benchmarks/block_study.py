@@ -1485,7 +1485,7 @@ def part_horizon2(args) -> None:
     table = horizon2_table(policies, curves, args, flops, target_named("b200"), estimated_speedup)
     if table:
         with open(out / "policies2.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(table[0]))
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in table for k in r)), restval="")
             writer.writeheader()
             writer.writerows(table)
         plot_curves2(curves, args, out / "loss_curves2.png")
@@ -1526,8 +1526,62 @@ def horizon2_table(policies, curves, args, flops, target, estimated_speedup) -> 
                 f"bf16_spread_{tag}": round(noise_floor_at(curves, step), 6),
             }
             row[f"verdict_{tag}"] = budget_verdict(st, row["budget"]) if row["budget"] != "" else ""
+            if vs32 is not None and row["budget"] != "":  # the budget was set against fp32 in the search
+                row[f"verdict_vs_fp32_{tag}"] = budget_verdict(vs32, row["budget"])
+        # how the drop moved from K to 10 x K, seed by seed (each seed's 10 x K drop minus its K drop)
+        k_by = dict(zip(sorted(curves[name]), paired_drops(curves, name, args.steps), strict=False))
+        end_by = dict(zip(sorted(curves[name]), paired_drops(curves, name, steps), strict=False))
+        growth = paired_stats([end_by[s] - k_by[s] for s in sorted(k_by) if s in end_by])
+        row |= {"growth_mean": round(growth["mean"], 6), "growth_half_width": round(growth["half"], 6)}
         rows.append(row)
     return rows
+
+
+def _pm(mean: float, half: float) -> str:
+    return f"{mean:+.4f}" + (f" ± {half:.4f}" if math.isfinite(half) else " (one seed)")
+
+
+def horizon2_findings(table) -> list[str]:
+    """The paired drops in words: each policy's mean ± 95% half-width at K and 10 x K, how it moved, and each searched
+    policy's budget verdicts."""
+    by = {r["policy"]: r for r in table}
+    if "bf16" not in by:
+        return ["* bf16 has not run yet: no drops."]
+    out = []
+    if "fp32" in by:
+        r = by["fp32"]
+        out.append(
+            f"* fp32 against bf16 on the same streams ({r['seeds_10K']} seeds): {_pm(r['drop_K_mean'], r['drop_K_half_width'])} "
+            f"at K, {_pm(r['drop_10K_mean'], r['drop_10K_half_width'])} at 10 x K: bf16's own effect on this model."
+        )
+    others = [r for r in table if r["policy"] not in ("bf16", "fp32")]
+    halves = {t: [r[f"drop_{t}_half_width"] for r in others if math.isfinite(r[f"drop_{t}_half_width"])] for t in ("K", "10K")}
+    if halves["K"] and halves["10K"]:
+        out.append(
+            f"* The noise floor of a mean paired drop (its 95% half-width) spans {min(halves['K']):.4f}-"
+            f"{max(halves['K']):.4f} at K and {min(halves['10K']):.4f}-{max(halves['10K']):.4f} at 10 x K over the "
+            f"policies; bf16's max - min over the seeds (the first attempt's floor) is {by['bf16']['bf16_spread_K']:.4f} "
+            f"and {by['bf16']['bf16_spread_10K']:.4f}."
+        )
+    for r in others:
+        g, gh = r["growth_mean"], r["growth_half_width"]
+        if math.isfinite(gh) and g - gh > 0:
+            moved = f"grew by {_pm(g, gh)}, beyond the noise"
+        elif math.isfinite(gh) and g + gh < 0:
+            moved = f"shrank by {_pm(g, gh)}, beyond the noise"
+        else:
+            moved = f"moved by {_pm(g, gh)}, not told from the noise"
+        line = (
+            f"* {r['policy']} ({r['low_gemm_share']:.0%} of the GEMM work low, est. {r['est_b200_speedup']:.2f}x, "
+            f"{r['seeds_10K']} seed{'s' if r['seeds_10K'] != 1 else ''}): {_pm(r['drop_K_mean'], r['drop_K_half_width'])} at K, "
+            f"{_pm(r['drop_10K_mean'], r['drop_10K_half_width'])} at 10 x K; seed by seed the drop {moved}."
+        )
+        if r["budget"] != "":
+            line += f" Budget {r['budget']:g}: {r['verdict_K']} at K, {r['verdict_10K']} at 10 x K against bf16" + (
+                f" ({r.get('verdict_vs_fp32_10K', '')} against fp32)." if r.get("verdict_vs_fp32_10K") else "."
+            )
+        out.append(line)
+    return out
 
 
 def plot_curves2(curves, args, path: Path) -> None:
@@ -1654,6 +1708,7 @@ def horizon2_summary(table, curves, args, steps: int, example) -> str:
             f"{r['bf16_spread_K']:.4f} / {r['bf16_spread_10K']:.4f} |"
         )
     lines += ["", "Each seed's drop: policies2.csv (drop_K_by_seed, drop_10K_by_seed).", ""]
+    lines += ["### Findings (computed from the runs)", "", *horizon2_findings(table), ""]
     return "\n".join(lines)
 
 
