@@ -399,3 +399,7 @@ def test_the_horizon2_table_pairs_each_seed_and_judges_the_budget_on_the_interva
     assert s["verdict_10K"] == "holds"  # 0.021 + 0.0025 < 0.04
     assert s["drop_vs_fp32_10K_mean"] == pytest.approx(0.022)
     assert s["bf16_spread_10K"] == pytest.approx(0.04)  # the first attempt's max - min, for continuity
+    # each seed's drop moved from 0.01 at K to 0.020, 0.021, 0.022: +0.011 on average, beyond the noise
+    assert s["growth_mean"] == pytest.approx(0.011) and s["verdict_vs_fp32_10K"] == "holds"
+    words = " ".join(block_study.horizon2_findings(table))
+    assert "grew by +0.0110" in words and "Budget 0.04: holds at K, holds at 10 x K" in words
