@@ -1563,6 +1563,17 @@ def horizon2_findings(table) -> list[str]:
             f"policies; bf16's max - min over the seeds (the first attempt's floor) is {by['bf16']['bf16_spread_K']:.4f} "
             f"and {by['bf16']['bf16_spread_10K']:.4f}."
         )
+    pairs = [
+        (float(k), float(e))
+        for r in others
+        for k, e in zip(r["drop_K_by_seed"].split(), r["drop_10K_by_seed"].split(), strict=False)
+    ]
+    if pairs:
+        grew = sum(e > k for k, e in pairs)
+        out.append(
+            f"* Over every low-precision policy and seed, the drop at 10 x K exceeds the drop at K in {grew} of "
+            f"{len(pairs)} runs (mean change {_mean([e - k for k, e in pairs]):+.4f})."
+        )
     for r in others:
         g, gh = r["growth_mean"], r["growth_half_width"]
         if math.isfinite(gh) and g - gh > 0:
