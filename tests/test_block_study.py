@@ -298,3 +298,108 @@ def test_a_per_gemm_mix_under_a_bf16_root_is_priced_between_bf16_and_its_low_for
     share = block_study.gemm_share(Policy(layers={"": "bf16", "a": "nvfp4-fwd-dgrad"}), flops)
     assert share["low"] == pytest.approx(2 / 3)
     assert share["bf16"] == pytest.approx(1 / 3)  # its wgrad, in the bf16 root's autocast (not fp32)
+
+
+def test_paired_drops_and_their_t_interval_match_a_hand_computation():
+    curves = {
+        "bf16": {0: {5: -2.00, 50: -1.90}, 1: {5: -2.01, 50: -1.92}, 2: {5: -2.02, 50: -1.91}},
+        "fp32": {0: {5: -2.00, 50: -1.90}, 1: {5: -2.00, 50: -1.93}, 2: {5: -2.02, 50: -1.90}},
+        "rule-c": {0: {5: -2.01, 50: -1.91}, 1: {5: -2.04, 50: -1.95}, 2: {5: -2.04, 50: -1.93}},
+        "searched-0.015-ranked-postfix": {0: {5: -2.00, 50: -1.90}},  # one seed only: no interval
+    }
+    # seed by seed, bf16's metric minus the policy's on the same stream
+    drops = block_study.paired_drops(curves, "rule-c", 50)
+    assert drops == pytest.approx([0.01, 0.03, 0.02])
+    assert block_study.paired_drops(curves, "rule-c", 50, base="fp32") == pytest.approx([0.01, 0.02, 0.03])
+    st = block_study.paired_stats(drops)
+    # by hand: mean 0.02; sd = sqrt((0.01^2 + 0.01^2 + 0) / 2) = 0.01; t(0.975, 2 dof) = 4.302653 (tables);
+    # half-width = 4.302653 * 0.01 / sqrt(3) = 0.0248414
+    assert st["n"] == 3 and st["mean"] == pytest.approx(0.02) and st["sd"] == pytest.approx(0.01)
+    assert st["half"] == pytest.approx(0.0248414, abs=1e-6)
+    assert (st["lo"], st["hi"]) == pytest.approx((0.02 - 0.0248414, 0.02 + 0.0248414), abs=1e-6)
+    # two seeds: t(0.975, 1) = 12.7062; drops 0.01, 0.02 at K -> mean 0.015, sd 0.0070711, half 12.7062 * 0.005
+    two = block_study.paired_stats([0.01, 0.02])
+    assert two["half"] == pytest.approx(12.7062 * 0.005, rel=1e-4)
+    one = block_study.paired_stats(block_study.paired_drops(curves, "searched-0.015-ranked-postfix", 50))
+    assert one["n"] == 1 and one["mean"] == pytest.approx(-0.0) and math.isnan(one["half"])
+    # the verdicts against a budget: the interval's top under it holds, its bottom above it breaks, else undecided
+    assert block_study.budget_verdict(st, 0.05) == "holds"
+    assert block_study.budget_verdict(st, 0.03) == "undecided"
+    assert block_study.budget_verdict(block_study.paired_stats([0.10, 0.11, 0.12]), 0.04) == "broken"
+    assert block_study.budget_verdict(one, 0.04).startswith("undecided")
+
+
+def _windows(batches) -> list[bytes]:
+    return [bytes(torch.cat([x[i], y[i, -1:]]).to(torch.uint8).tolist()) for x, y in batches for i in range(len(x))]
+
+
+def test_the_fresh_stream_takes_distinct_windows_each_step_and_never_an_eval_window():
+    example = block_study.load_example("mini")  # the text only: no model is built
+    h = example.HPARAMS
+    train, evals = example.stdlib_text.text(h["bytes_per_file"], h["eval_frac"])
+    steps, seq, batch = 50, h["seq_len"], h["batch"]
+    for seed in (0, 1):
+        starts = block_study.train_starts(len(train), seq, batch, steps, seed).flatten().sort().values
+        assert len(starts) == steps * batch and (starts.diff() >= seq + 1).all()  # no two windows overlap
+        assert int(starts[-1]) + seq + 1 <= len(train)
+    ev = block_study.eval_starts(len(evals), seq, batch, block_study.N_EVAL_BATCHES).flatten()
+    assert len(ev) == block_study.N_EVAL_BATCHES * batch and (ev.diff() >= seq + 1).all()
+    # the same seed draws the same stream (every policy trains on it); another seed another one
+    a0, e0 = block_study.fresh_data(example, steps, 0)
+    a0b, e0b = block_study.fresh_data(example, steps, 0)
+    a1, e1 = block_study.fresh_data(example, steps, 1)
+    assert len(a0) == steps and all(torch.equal(x[0], y[0]) for x, y in zip(a0, a0b, strict=True))
+    assert _windows(e0) == _windows(e1) == _windows(e0b)  # one eval set for every seed
+    assert _windows(a0) != _windows(a1)
+    # train windows come from the train split, eval windows from the eval split (other bytes of each file), and no
+    # eval window's bytes equal any train window's, for any seed of the study
+    eval_set = set(_windows(e0))
+    for seed in range(5):
+        assert not eval_set & set(_windows(block_study.fresh_data(example, steps, seed)[0]))
+    with pytest.raises(ValueError, match="the train split holds"):
+        block_study.train_starts(len(train), seq, batch, 10_000, 0)
+    with pytest.raises(ValueError, match="overlap"):
+        block_study.eval_starts(len(evals), seq, batch, 64)
+
+
+def test_eval_steps_take_zero_k_and_the_last():
+    assert block_study.eval_steps(50, 10, 5) == [0, 5, 10, 20, 30, 40, 50]
+    assert block_study.eval_steps(50, 5, 5) == list(range(0, 51, 5))
+
+
+def test_the_horizon2_table_pairs_each_seed_and_judges_the_budget_on_the_interval(tmp_path):
+    from autoprec.policy import Policy
+    from autoprec.tune.flops import estimated_speedup
+    from autoprec.tune.targets import B200
+
+    def run(name, seed, metrics):
+        rows = [{"step": s, "metric": m, "finite": True, "skipped": 0, "wall_s": 0} for s, m in zip((0, 2, 4), metrics)]
+        block_study.write_run(block_study.run_path(tmp_path, name, seed), rows)
+
+    for seed, (k, end) in enumerate(((-2.10, -2.30), (-2.12, -2.34), (-2.11, -2.32))):
+        run("bf16", seed, (-2.0, k, end))
+        run("fp32", seed, (-2.0, k, end + 0.001))
+        run("searched-0.04-grouped-postfix", seed, (-2.0, k - 0.01, end - 0.02 - 0.001 * seed))
+    policies = {
+        "bf16": Policy(layers={"": "bf16"}),
+        "fp32": Policy(layers={"": "fp32"}),
+        "searched-0.04-grouped-postfix": Policy(layers={"": "bf16", "a": "nvfp4"}),
+    }
+    args = type("Args", (), {"steps": 2, "horizon": 2, "seeds": 3})()
+    curves = block_study.load_curves(policies, tmp_path, 3, 4)
+    table = block_study.horizon2_table(policies, curves, args, {"a": 1.0, "b": 1.0}, B200, estimated_speedup)
+    by = {r["policy"]: r for r in table}
+    assert by["bf16"]["drop_10K_mean"] == 0 and by["fp32"]["drop_10K_mean"] == pytest.approx(-0.001)
+    s = by["searched-0.04-grouped-postfix"]
+    assert s["budget"] == 0.04 and s["seeds_10K"] == 3
+    assert s["drop_10K_by_seed"] == "0.02000 0.02100 0.02200"
+    assert s["drop_10K_mean"] == pytest.approx(0.021)
+    assert s["drop_10K_half_width"] == pytest.approx(4.302653 * 0.001 / math.sqrt(3), abs=1e-6)
+    assert s["drop_K_mean"] == pytest.approx(0.01) and s["verdict_K"] == "holds"
+    assert s["verdict_10K"] == "holds"  # 0.021 + 0.0025 < 0.04
+    assert s["drop_vs_fp32_10K_mean"] == pytest.approx(0.022)
+    assert s["bf16_spread_10K"] == pytest.approx(0.04)  # the first attempt's max - min, for continuity
+    # each seed's drop moved from 0.01 at K to 0.020, 0.021, 0.022: +0.011 on average, beyond the noise
+    assert s["growth_mean"] == pytest.approx(0.011) and s["verdict_vs_fp32_10K"] == "holds"
+    words = " ".join(block_study.horizon2_findings(table))
+    assert "grew by +0.0110" in words and "Budget 0.04: holds at K, holds at 10 x K" in words

@@ -268,3 +268,79 @@ def test_the_autocast_around_a_layer_skips_an_ancestor_whose_format_sets_none():
     assert outer_autocast("x.sub", layers) == "bf16"  # mxfp8-fwd leaves the caller's autocast: the root's
     assert outer_autocast("y.sub", layers) is None and outer_autocast("z.sub", layers) == "fp16"
     assert outer_autocast("w", layers) == "bf16" and outer_autocast("w", {}) is None
+
+
+def test_a_flops_search_whose_lists_fall_back_to_bf16_keeps_its_high_layers_in_bf16_not_fp32(tmp_path, timings):
+    """Priced at the target's fp32 rate (75 TFLOP/s on a B200, 30x bf16's), a layer kept in fp32 made every plan that
+    keeps one look far slower than the all-bf16 baseline every hand rule keeps such layers in. The FLOP goal takes bf16
+    as a list's fallback: the search runs without fp32 in its lists and writes bf16 where a layer stays high (here the
+    head, whose 4 outputs NVFP4 refuses)."""
+    timings("slower")
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["bf16", "nvfp4"]}, "trials": 8})
+    config = SearchConfig(budget=0.5, objective="flops", target="b200", trials=8, timing=TINY, final_timing=TINY,
+                          finalists=2, progress=False, profile=FAST_PROFILE)  # fmt: skip
+    result = search(workload, space, config, tmp_path)
+
+    policy = load_policy(tmp_path / "policy.json")
+    formats = {n: f.value for n, f in policy.layers.items()}
+    assert formats[ROOT] == "bf16" and formats["head"] == "bf16" and "fp32" not in formats.values(), formats
+    assert "nvfp4" in formats.values() and policy.measured["chosen"] != "fp32"
+    # no trial was offered fp32 for a layer: the profile measured it as the reference only
+    assert not (result.trials[["fc1", "big", "head"]] == "fp32").any().any()
+    assert set(result.trials["head"]) == {"bf16"}
+
+
+def test_the_greedy_and_uniform_starts_keep_a_layer_in_its_lists_fallback():
+    from types import SimpleNamespace
+
+    from autoprec.tune.choices import Choices, greedy_layers, uniform_layers
+
+    # fc1 may go nvfp4 (its drop fits), head's nvfp4 breaks the budget: it keeps its fallback, bf16 here, fp32 there
+    rows = [("fc1", "fp32", 1.0, 0.0), ("fc1", "bf16", 0.9, 0.0), ("fc1", "nvfp4", 0.5, 0.01),
+            ("head", "fp32", 1.0, 0.0), ("head", "bf16", 0.9, 0.0), ("head", "nvfp4", 0.5, 0.9)]  # fmt: skip
+    table = {}
+    for layer, fmt, ms, drop in rows:
+        table.setdefault(layer, {})[fmt] = SimpleNamespace(format=fmt, time_ms=ms, metric_drop=drop)
+    prof = SimpleNamespace(by_layer=lambda: table)
+    bf16_lists = Choices(default=("bf16",), layers={"fc1": ("bf16", "nvfp4"), "head": ("bf16", "nvfp4")}, excluded={})
+    assert greedy_layers(prof, bf16_lists, 0.1) == {"fc1": "nvfp4", "head": "bf16"}
+    assert uniform_layers(bf16_lists, "fp32") == {"fc1": "bf16", "head": "bf16"}  # the all-fp32 warm start: the fallback
+    fp32_lists = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32", "nvfp4"), "head": ("fp32", "nvfp4")}, excluded={})
+    assert greedy_layers(prof, fp32_lists, 0.1) == {"fc1": "nvfp4", "head": "fp32"}  # as before the FLOP goal's fallback
+
+
+def test_a_speed_search_still_refuses_a_list_without_fp32_naming_it_before_the_profile(tmp_path, monkeypatch):
+    from autoprec.tune import pipeline
+
+    monkeypatch.setattr(pipeline, "start", lambda *a, **k: pytest.fail("profiled before refusing the space"))
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["bf16", "nvfp4"]}, "trials": 4})
+    config = SearchConfig(budget=0.1, trials=4, progress=False, profile=FAST_PROFILE)
+    with pytest.raises(ValueError) as info:
+        search(workload, space, config, tmp_path)
+    assert str(info.value) == "<dict>: layers.Linear must include fp32 (the fallback every layer needs), got ['bf16', 'nvfp4']"
+
+
+def test_the_flop_goals_choice_falls_back_to_uniform_bf16_in_a_space_without_fp32():
+    from autoprec.tune.alternatives import BF16, FP32
+    from autoprec.tune.records import Finals, Measurement
+
+    space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["bf16", "nvfp4"]}})
+    config = SearchConfig(budget=0.1, objective="flops", target="b200", progress=False)
+    goal = FLOPS.check_space(space, config)
+    assert goal.kept_in is Format.BF16 and FLOPS.kept_in is Format.FP32  # the registered instance is left as it was
+    bound = goal.bound(two_layers(), config)
+    assert bound.kept_in is Format.BF16
+    fp32 = Policy(layers={ROOT: Format.FP32})
+    bf16 = Policy(layers={ROOT: Format.BF16})
+
+    def row(name, drop, feasible):
+        return Measurement(candidate=name, metric=-drop, metric_drop=drop, runs=True, feasible=feasible, step_ms=1.0,
+                           skipped=0, steps=1, effective_step_ms=1.0, spread=0.0)  # fmt: skip
+
+    # all-fp32 (the budget's reference, drop 0) is within budget but no policy of this space; uniform bf16 over it
+    finals = Finals([row(FP32, 0.0, True), row(BF16, 0.5, False)])
+    name, why = bound.choose(finals, {FP32: fp32, BF16: bf16})
+    assert name == BF16 and "the search space's fallback" in why
+    assert FLOPS.check_space(space_from_dict({"layers": {"Linear": ["fp32", "nvfp4"]}}), config).kept_in is Format.FP32

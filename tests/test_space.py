@@ -111,7 +111,6 @@ SPACE_ERRORS = {
     "unknown-top-level-key": ("layers: {Linear: [fp32]}\ntrails: 5\n", ["unknown key 'trails'", "allowed keys", "trials"]),
     "unknown-module-type": ("layers: {Linr: [fp32, bf16]}\n", ["unknown module type 'Linr'", "Linear"]),
     "not-a-module": ("layers: {Parameter: [fp32]}\n", ["unknown module type 'Parameter'"]),
-    "no-fp32": ("layers: {Linear: [bf16, fp16]}\n", ["layers.Linear must include fp32"]),
     "unknown-format": ("layers: {Linear: [fp32, fp4]}\n", ["layers.Linear", "'fp4'", "fp32, bf16, fp16, fp8"]),
     "empty-format-list": ("layers: {Linear: []}\n", ["layers.Linear must be a non-empty list"]),
     "format-not-a-list": ("layers: {Linear: fp32}\n", ["layers.Linear must be a non-empty list"]),
@@ -123,7 +122,6 @@ SPACE_ERRORS = {
     "trials-zero": ("layers: {Linear: [fp32]}\ntrials: 0\n", ["trials must be >= 1"]),
     "trials-not-a-number": ("layers: {Linear: [fp32]}\ntrials: many\n", ["many"]),
     "default-fp8": ("layers: {Linear: [fp32]}\ndefault: [fp32, fp8]\n", ["default", "cannot be fp8"]),
-    "default-no-fp32": ("layers: {Linear: [fp32]}\ndefault: [bf16]\n", ["default must include fp32"]),
     "prune-unknown": ("layers: {Linear: [fp32]}\nprune: {slower: 2}\n", ["prune: unknown key", "slower_than"]),
     "prune-below-one": ("layers: {Linear: [fp32]}\nprune: {slower_than: 0.5}\n", ["prune.slower_than must be >= 1.0"]),
     "loss-scale-unknown": (
@@ -167,6 +165,43 @@ def test_load_space_errors(tmp_path, case):
     msg = space_error(write_space(tmp_path, text))
     for part in expected:
         assert part in msg
+
+
+# A list's fallback is the goal's to require, at search time (Goal.check_space): fp32 for the measured goals, fp32 or
+# bf16 for the FLOP goal, whose estimate's baseline is bf16
+NO_FALLBACK = {
+    "no-fp32": ("layers: {Linear: [bf16, fp16]}\n", "layers.Linear must include fp32 (the fallback every layer needs), "
+                "got ['bf16', 'fp16']"),
+    "default-no-fp32": ("layers: {Linear: [fp32]}\ndefault: [bf16]\n", "default must include fp32 (the fallback every "
+                        "layer needs), got ['bf16']"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(NO_FALLBACK))
+def test_a_list_without_fp32_loads_and_a_measured_goal_refuses_it_naming_the_list(tmp_path, case):
+    from autoprec.tune.goals import MEMORY, SPEED
+
+    text, said = NO_FALLBACK[case]
+    path = write_space(tmp_path, text)
+    space = load_space(path)
+    for goal in (SPEED, MEMORY):
+        with pytest.raises(ValueError) as info:
+            space.check_fallbacks(goal)
+        assert str(info.value) == f"{path}: {said}"
+
+
+def test_the_flop_goal_takes_bf16_as_a_lists_fallback_and_names_the_fix_where_neither_is_there(tmp_path):
+    from autoprec.tune.flops import FLOPS
+
+    space = load_space(write_space(tmp_path, "layers: {Linear: [bf16, mxfp8, nvfp4]}\ndefault: [bf16]\n"))
+    space.check_fallbacks(FLOPS)
+    assert FLOPS.fallback(space.layers["Linear"]) is BF16 and FLOPS.fallback((FP32, BF16)) is FP32
+    net = Net()
+    assert set(space.fallbacks(net, FLOPS).values()) == {BF16}
+    bad = load_space(write_space(tmp_path, "layers: {Linear: [fp32, bf16]}\ndefault: [fp16]\n"))
+    with pytest.raises(ValueError, match=r"default must include fp32 or bf16 \(the fallback every layer needs under "
+                       r"--objective flops\), got \['fp16'\]; add fp32 to it"):  # fmt: skip
+        bad.check_fallbacks(FLOPS)
 
 
 def test_load_space_missing_file(tmp_path):

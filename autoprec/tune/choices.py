@@ -103,21 +103,34 @@ class Choices:
 # ------------------------------------------------------------------ what the profile rules out
 
 
-def build_choices(prof: Profile, space: SearchSpace, budget: float, device: torch.device, *, judge_drop: bool = True) -> Choices:
-    """Per-layer choices: the offered formats the profile did not rule out; fp32 always stays. With
-    `judge_drop` False (train mode) a single layer's drop of the given weights' metric rules nothing out.
-    The space's layout is resolved here."""
+def build_choices(
+    prof: Profile,
+    space: SearchSpace,
+    budget: float,
+    device: torch.device,
+    *,
+    judge_drop: bool = True,
+    fallbacks: Mapping[str, Format] | None = None,
+) -> Choices:
+    """Per-layer choices: the offered formats the profile did not rule out; each layer's fallback always stays, first
+    (`fallbacks`: SearchSpace.fallbacks, its list's under the goal; fp32 where None or unlisted). The profile measures
+    fp32 for every layer, as the reference: a layer whose fallback is another format (bf16, under the FLOP goal) is
+    offered fp32 only where its list holds it (`fallbacks` then says fp32). With `judge_drop` False (train mode) a
+    single layer's drop of the given weights' metric rules nothing out. The space's layout is resolved here."""
     layers: dict[str, tuple[str, ...]] = {}
     excluded: dict[str, dict[str, str]] = {}
     for name, rows in prof.by_layer().items():
+        keep = (fallbacks or {}).get(name, Format.FP32).value
         allowed = []
         for fmt, row in rows.items():
-            reason = None if fmt == Format.FP32.value else ruled_out(row, budget if judge_drop else None, space.prune_slower_than)
+            if fmt == Format.FP32.value and keep != fmt:
+                continue  # profiled as the reference, not offered
+            reason = None if fmt == keep else ruled_out(row, budget if judge_drop else None, space.prune_slower_than)
             if reason is None:
                 allowed.append(fmt)
             else:
                 excluded.setdefault(name, {})[fmt] = reason
-        layers[name] = tuple(allowed)
+        layers[name] = tuple(sorted(allowed, key=lambda f: f != keep))  # the fallback first: fallback() reads it
     default = tuple(f.value for f in space.default if autocast_supported(device, f))
     choices = Choices(default=default, layers=layers, excluded=excluded)
     choices = dataclasses.replace(choices, loss_scale=loss_scale_choice(prof, choices, space))
@@ -221,11 +234,22 @@ def _union(options: list[tuple[str, ...]]) -> tuple[str, ...]:
     return tuple(f for f in format_names() if f in present)
 
 
+def fallback(options: tuple[str, ...]) -> str:
+    """A layer's fallback among its choices (build_choices puts it first): fp32, or the format its list holds
+    instead under the goal (bf16 for the FLOP goal)."""
+    return options[0]
+
+
+def root_fallback(default: tuple[str, ...]) -> str:
+    """The root's fallback among its choices: fp32 where offered, else the first (a FLOP goal's space: bf16)."""
+    return Format.FP32.value if Format.FP32.value in default or not default else default[0]
+
+
 def fit(fmt: str, options: tuple[str, ...]) -> str:
     """`fmt` where the layer may take it, else the next safer format it may along the formats' fallbacks
-    (fp16/fp8 -> bf16 -> fp32)."""
+    (fp16/fp8 -> bf16 -> fp32), else the layer's fallback."""
     first = Format(fmt)
-    return next((f.value for f in (first, *first.fallbacks()) if f.value in options), Format.FP32.value)
+    return next((f.value for f in (first, *first.fallbacks()) if f.value in options), fallback(options))
 
 
 def layer_formats(params: Mapping[str, Any], choices: Choices) -> dict[str, str]:
@@ -233,7 +257,7 @@ def layer_formats(params: Mapping[str, Any], choices: Choices) -> dict[str, str]
     out = {name: options[0] for name, options in choices.layers.items()}
     if choices.layout == Layout.GROUPED.value:
         for group, members in choices.groups.items():
-            fmt = params.get(GROUP_PARAM + group, Format.FP32.value)
+            fmt = params.get(GROUP_PARAM + group, Format.FP32.value)  # fit: each member's fallback where not offered
             out.update({m: fit(fmt, choices.layers[m]) for m in members})
     elif choices.layout == Layout.RANKED.value:
         taken: dict[str, set[str]] = {}
@@ -321,23 +345,23 @@ def params_for(root: str, layers: Mapping[str, str], choices: Choices) -> dict[s
     members' most common format (ties: the safer); ranked, per format the number of layers assigned it."""
     params: dict[str, Any] = {}
     if len(choices.default) > 1:
-        params[DEFAULT_PARAM] = root if root in choices.default else Format.FP32.value
+        params[DEFAULT_PARAM] = root if root in choices.default else root_fallback(choices.default)
     if choices.layout == Layout.GROUPED.value:
         for group, members in choices.groups.items():
-            votes = Counter(layers.get(m, Format.FP32.value) for m in members)
+            votes = Counter(layers.get(m, fallback(choices.layers[m])) for m in members)
             params[GROUP_PARAM + group] = min(votes, key=lambda f: (-votes[f], format_names().index(f)))
     elif choices.layout == Layout.RANKED.value:
         for fmt, order in choices.ranking.items():
             params[RANK_PARAM + fmt] = sum(layers.get(n) == fmt for n in order)
     else:
         for name in choices.searched:
-            params[LAYER_PARAM + name] = layers.get(name, Format.FP32.value)
+            params[LAYER_PARAM + name] = layers.get(name, fallback(choices.layers[name]))
     return params
 
 
 def uniform_layers(choices: Choices, fmt: str) -> dict[str, str]:
-    """Every layer in `fmt` where it may take it, else fp32."""
-    return {name: fmt if fmt in options else Format.FP32.value for name, options in choices.layers.items()}
+    """Every layer in `fmt` where it may take it, else in its fallback (fp32, or bf16 in a FLOP goal's space)."""
+    return {name: fmt if fmt in options else fallback(options) for name, options in choices.layers.items()}
 
 
 def uniform_params(choices: Choices, fmt: str) -> dict[str, Any]:
@@ -346,12 +370,14 @@ def uniform_params(choices: Choices, fmt: str) -> dict[str, Any]:
 
 def greedy_layers(prof: Profile, choices: Choices, budget: float) -> dict[str, str]:
     """A policy from the profile alone: each layer's fastest allowed format, biggest time saving first,
-    while the sum of single-layer metric drops stays within the budget (an estimate; trials measure)."""
-    layers = dict.fromkeys(choices.layers, Format.FP32.value)
+    while the sum of single-layer metric drops stays within the budget (an estimate; trials measure). A layer no
+    move fits keeps its fallback (fp32, or bf16 in a FLOP goal's space); the savings are against fp32's time."""
+    layers = {name: fallback(options) for name, options in choices.layers.items()}
     moves = []
     for name, rows in prof.by_layer().items():
         fp32_ms = rows["fp32"].time_ms
-        allowed = [r for f, r in rows.items() if f in choices.layers[name] and f != "fp32"]
+        kept = fallback(choices.layers[name])
+        allowed = [r for f, r in rows.items() if f in choices.layers[name] and f != kept]
         if allowed:  # the fastest; an untimed one (NaN) last
             best = min(allowed, key=lambda r: (math.isnan(r.time_ms), r.time_ms if not math.isnan(r.time_ms) else 0.0))
             if best.time_ms < fp32_ms:
@@ -371,7 +397,7 @@ def greedy_params(prof: Profile, choices: Choices, budget: float, *, root: str =
 def greedy_policy(prof: Profile, choices: Choices, budget: float) -> Policy:
     """The profile-greedy policy itself (a layout may only approximate it), with a bf16 root where allowed,
     as AMP would run the rest of the model."""
-    root = Format.BF16 if Format.BF16.value in choices.default else Format.FP32
+    root = Format.BF16 if Format.BF16.value in choices.default else Format(root_fallback(choices.default))
     return Policy(layers={ROOT: root, **{name: Format(fmt) for name, fmt in greedy_layers(prof, choices, budget).items()}})
 
 

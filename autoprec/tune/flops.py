@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from autoprec.formats import Format, autocast_name, parse_format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.alternatives import ALTERNATIVES, NOT_A_POLICY
+from autoprec.tune.alternatives import ALTERNATIVES, BF16, FP32, NOT_A_POLICY
 from autoprec.tune.goals import Goal, register_goal
 from autoprec.tune.records import Finals
 from autoprec.tune.targets import Target, target_named
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from autoprec.tune.config import SearchConfig
     from autoprec.tune.profile_data import ProfileRow
     from autoprec.tune.records import TrialRecord
+    from autoprec.tune.space import SearchSpace
     from autoprec.tune.trainer import Candidate
 
 BASELINE = "bf16"  # the estimate's 1.0: the model's Linears all in bf16 on the target
@@ -129,10 +130,21 @@ class Flops(Goal):
     chosen_for = "the largest estimated GEMM speedup on the target within budget (FLOP count, not measured)"
     timed = False
     targeted = True
+    # the estimate's baseline is all-bf16, so a list may hold bf16 instead of fp32 as the format a layer keeps: with
+    # fp32 as that, a layer kept high would be priced at the target's fp32 rate (75 TFLOP/s on a B200, 30x bf16's)
+    fallbacks = ("fp32", BASELINE)
 
-    def __init__(self, target: Target | None = None, flops: Mapping[str, float] | None = None):
+    def __init__(self, target: Target | None = None, flops: Mapping[str, float] | None = None, kept_in: Format = Format.FP32):
         # the study key records the target beside the label (SearchConfig.target): one study per target
         self.target, self.flops = target, dict(flops or {})
+        # the search space's fallback (check_space): fp32 where every list holds it, else bf16; the choice falls back
+        # to it, and all-fp32 (measured as the budget's reference) is no policy of a space without fp32
+        self.kept_in = kept_in
+
+    def check_space(self, space: SearchSpace, config: SearchConfig) -> Flops:
+        super().check_space(space, config)
+        fp32_everywhere = all(Format.FP32 in formats for _, formats in space.lists())
+        return Flops(self.target, self.flops, Format.FP32 if fp32_everywhere else Format(BASELINE))
 
     def check_formats(self, formats: Collection[Format], config: SearchConfig) -> None:
         target = target_named(config.target)
@@ -146,7 +158,7 @@ class Flops(Goal):
 
     def bound(self, rows: Sequence[ProfileRow], config: SearchConfig) -> Flops:
         self.check_formats([parse_format(f) for f in dict.fromkeys(r.format for r in rows if r.status == "ok")], config)
-        return Flops(target_named(config.target), gemm_flops(rows))
+        return Flops(target_named(config.target), gemm_flops(rows), self.kept_in)
 
     def _ready(self) -> tuple[Target, dict[str, float]]:
         if self.target is None:
@@ -190,9 +202,12 @@ class Flops(Goal):
         """The re-measured candidate within budget with the largest estimate; among equal estimates the smaller
         metric drop, then the one measured first (the alternatives are measured first)."""
         target, _ = self._ready()
-        feasible = [r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY and r.candidate in candidates]
+        outside = NOT_A_POLICY | ({FP32} if self.kept_in is not Format.FP32 else set())
+        feasible = [r for r in finals if r.feasible and r.candidate not in outside and r.candidate in candidates]
         if not feasible:
-            return "fp32", "nothing else within budget"
+            if self.kept_in is Format.FP32:
+                return FP32, "nothing else within budget"
+            return BF16, f"nothing within budget: {BF16}, the search space's fallback (it offers no fp32), though over budget"
         value = {r.candidate: self.estimated(_policy(candidates[r.candidate])) or 0.0 for r in feasible}
         order = {r.candidate: i for i, r in enumerate(finals)}
         best = max(feasible, key=lambda r: (round(value[r.candidate], 9), -r.metric_drop, -order[r.candidate]))

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import optuna
 
+from autoprec.formats import Format
 from autoprec.registry import Registry
 from autoprec.tune import memory
 from autoprec.tune.alternatives import ALTERNATIVES
@@ -32,10 +33,10 @@ from autoprec.tune.separation import beaten, separated
 from autoprec.tune.trials import best_speedup, smallest_peak
 
 if TYPE_CHECKING:
-    from autoprec.formats import Format
     from autoprec.policy import Policy
     from autoprec.tune.config import SearchConfig
     from autoprec.tune.profile_data import ProfileRow
+    from autoprec.tune.space import SearchSpace
     from autoprec.tune.trainer import Candidate
 
 INFEASIBLE = 1e9  # constraint value of a candidate whose loss or metric is not finite; a minimised goal's worst value
@@ -83,6 +84,25 @@ class Goal(abc.ABC):
     timed: ClassVar[bool] = True
     # It plans for a named target device (--target, SearchConfig.target: targets.py), which it then requires.
     targeted: ClassVar[bool] = False
+    # The formats a search space's list (a layer type's, or `default`, the root's) may hold as its fallback, preferred
+    # first: what a layer keeps where no lower format fits the budget (the profile never rules it out), what the
+    # profile-greedy policy starts from and what the choice falls back to when nothing else is within budget. fp32 for
+    # a measured goal, whose budget and speedups are against all-fp32; the FLOP goal also takes bf16, its estimate's
+    # baseline, so a space for it may list bf16 instead of fp32.
+    fallbacks: ClassVar[tuple[str, ...]] = ("fp32",)
+
+    def fallback(self, formats: Collection[Format]) -> Format | None:
+        """A list's fallback under this goal: the first of `fallbacks` it holds, else None (check_space refuses it)."""
+        return next((Format(f) for f in self.fallbacks if Format(f) in formats), None)
+
+    def check_space(self, space: SearchSpace, config: SearchConfig) -> Goal:
+        """Refuse, before anything is measured, a search space this goal cannot search, and return the goal for it:
+        each list must hold one of `fallbacks` (SearchSpace.check_fallbacks: a ValueError naming the list, what it
+        holds and the fix), and `check_formats` must accept its formats. Returns itself by default; a goal that
+        needs the space's fallback later (the FLOP goal's choice) returns an instance that holds it."""
+        space.check_fallbacks(self)
+        self.check_formats(list(dict.fromkeys(f for fs in (space.default, *space.layers.values()) for f in fs)), config)
+        return self
 
     def check_formats(self, formats: Collection[Format], config: SearchConfig) -> None:
         """Refuse, before any measurement, a search space whose `formats` the goal cannot plan with (ValueError

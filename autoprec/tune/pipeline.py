@@ -159,7 +159,8 @@ def run(
     if memory.source(workload.device) is None and (config.objective.needs_peak or config.max_memory is not None):
         flag = f"--objective {config.objective.name}" if config.objective.needs_peak else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
-    config.objective.check_formats(list(dict.fromkeys(f for fs in (space.default, *space.layers.values()) for f in fs)), config)
+    if (goal := config.objective.check_space(space, config)) is not config.objective:  # one that holds the fallback
+        config = dataclasses.replace(config, objective=goal)
     if not config.objective.timed and space.prune_slower_than < SPEED_UNJUDGED:
         # this machine's speed says nothing of the target's: a format slow here (emulated) is no less a candidate
         space = dataclasses.replace(space, prune_slower_than=SPEED_UNJUDGED)
@@ -396,7 +397,10 @@ def start(
     train mode, is measured when first needed)."""
     saved = reuse_or_profile(workload, space, out_dir, config, watch=watch, budget=budgets.smallest, own=profile_folder)
     prof = saved.profile
-    choices = build_choices(prof, space, budgets.bound, workload.device, judge_drop=config.mode is Mode.WEIGHTS)
+    fallbacks = space.fallbacks(workload.model, config.objective)  # fp32, or a FLOP goal's bf16 where a list has no fp32
+    choices = build_choices(
+        prof, space, budgets.bound, workload.device, judge_drop=config.mode is Mode.WEIGHTS, fallbacks=fallbacks
+    )
 
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
         return warm_starts(prof, agreed, budgets.bound)
