@@ -39,7 +39,8 @@ FP4 = "toy-fp4"  # a toy format the family says runs its GEMMs in nvfp4 (fprop, 
 
 class ToyFp4Family(FormatFamily):
     """Says its Linears' GEMMs run (nvfp4, nvfp4, bf16); computes them in fp32, exactly, except on a Linear of 4
-    outputs, whose output it zeroes: the one layer whose low format breaks any budget."""
+    outputs, whose logits it makes NaN: the one layer that cannot take it (the profile rules it out; changed logits
+    alone can score above this untrained model's own accuracy, below chance)."""
 
     name = "toy-fp4"
 
@@ -54,7 +55,7 @@ class ToyFp4Family(FormatFamily):
         (x, *_) = args
         with torch.autocast(device_type, enabled=False):
             out = torch.nn.functional.linear(x.float(), module.weight, module.bias)
-        return caller_precision(out * 0 if module.out_features == 4 else out, outer)
+        return caller_precision(out * math.nan if module.out_features == 4 else out, outer)
 
 
 @pytest.fixture
@@ -155,7 +156,7 @@ def test_a_search_on_a_cpu_plans_the_lowest_formats_the_budget_allows_for_a_b200
     result = search(workload, space, config, tmp_path)
 
     policy = load_policy(tmp_path / "policy.json")
-    # the toy on the head zeroes the logits (over budget); fc1 and big take it, the head the next lowest, bf16
+    # the toy on the head makes the logits NaN (ruled out); fc1 and big take it, the head the next lowest, bf16
     assert policy.layers["fc1"] is fp4 and policy.layers["big"] is fp4 and policy.layers["head"] is Format.BF16
     m = policy.measured
     assert m["objective"] == "flops" and m["estimate"]["goal"] == "flops" and m["estimate"]["target"] == "b200"
@@ -344,3 +345,29 @@ def test_the_flop_goals_choice_falls_back_to_uniform_bf16_in_a_space_without_fp3
     name, why = bound.choose(finals, {FP32: fp32, BF16: bf16})
     assert name == BF16 and "the search space's fallback" in why
     assert FLOPS.check_space(space_from_dict({"layers": {"Linear": ["fp32", "nvfp4"]}}), config).kept_in is Format.FP32
+
+
+def test_the_profile_greedy_policy_of_a_flop_search_is_priced_on_the_target_not_on_this_machine():
+    """Emulated here, nvfp4 measures slower than fp32 on this machine; on a B200 it is the cheapest. The greedy policy
+    (a warm start and an alternative) of a FLOP search follows the target's price, a speed search this machine's."""
+    from types import SimpleNamespace
+
+    from autoprec.tune.alternatives import GREEDY, alternatives
+    from autoprec.tune.choices import Choices, greedy_layers, warm_starts
+
+    rows = [("fc1", "fp32", 1.0), ("fc1", "bf16", 0.9), ("fc1", "nvfp4", 40.0), ("fc1", "mxfp8", 30.0)]
+    table = {"fc1": {f: SimpleNamespace(layer="fc1", format=f, time_ms=ms, metric_drop=0.0) for _, f, ms in rows}}
+    prof = SimpleNamespace(by_layer=lambda: table)
+    choices = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32", "bf16", "mxfp8", "nvfp4")}, excluded={})
+    goal = Flops(B200, {"fc1": 2.0 * 4096 * 64 * 64})
+    assert greedy_layers(prof, choices, 0.1) == {"fc1": "bf16"}  # this machine: bf16 is the only saving
+    assert greedy_layers(prof, choices, 0.1, cost=goal.layer_cost) == {"fc1": "nvfp4"}  # the B200: FP4 the cheapest
+    assert goal.layer_cost(table["fc1"]["nvfp4"]) < goal.layer_cost(table["fc1"]["mxfp8"]) < goal.layer_cost(table["fc1"]["bf16"])
+    assert math.isnan(goal.layer_cost(SimpleNamespace(layer="other", format="bf16")))  # no FLOP count: unpriced
+    starts = warm_starts(prof, choices, 0.1, cost=goal.layer_cost)
+    assert any(p.get("layer:fc1") == "nvfp4" for p in starts)
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(64, 64))
+    alts = alternatives(model, torch.device("cpu"), prof, choices, 0.1, cost=goal.layer_cost)
+    assert alts.candidates[GREEDY].policy.layers["fc1"] == "nvfp4"
+    assert SPEED.layer_cost(table["fc1"]["nvfp4"]) == 40.0  # a measured goal: this machine's time

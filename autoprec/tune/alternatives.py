@@ -24,7 +24,7 @@ import torch
 from autoprec import devices
 from autoprec.formats import Format, Fp8Backend, device_name, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.choices import Choices, greedy_policy
+from autoprec.tune.choices import Choices, LayerCost, greedy_policy, measured_time
 from autoprec.tune.profile_data import Profile
 from autoprec.tune.trainer import Candidate
 
@@ -80,10 +80,11 @@ def alternatives(
     budget: float,
     *,
     offered: frozenset[Format] | None = None,
+    cost: LayerCost = measured_time,
 ) -> Alternatives:
     """The alternatives every search and sweep result is re-measured beside (see the module's docstring).
     `offered`: the formats the search space offers its layers (None: all); a torchao recipe whose format it does not
-    offer is left out."""
+    offer is left out. `cost`: how the profile-greedy policy prices a layer (the goal's Goal.layer_cost)."""
     every = [ROOT, *choices.layers]
     fp32 = Policy(layers=dict.fromkeys(every, Format.FP32))
     out: dict[str, Candidate] = {FP32: Candidate(fp32)}
@@ -115,5 +116,5 @@ def alternatives(
                 f"same as uniform bf16 here: torchao's {recipe} size filter (H100 thresholds) converts none of the "
                 f"model's {n_linear} Linears"
             )
-    out[GREEDY] = Candidate(greedy_policy(prof, choices, budget))
+    out[GREEDY] = Candidate(greedy_policy(prof, choices, budget, cost=cost))
     return Alternatives(candidates=out, notes=notes)

@@ -23,7 +23,7 @@ import json
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optuna
@@ -98,6 +98,14 @@ class Choices:
             k = len(self.ranking)
             return f"ranked: {k} parameter{'s' if k != 1 else ''} ({counts} least sensitive layers) for {n} searched layers"
         return f"per_layer: one parameter for each of {n} searched layers"
+
+
+LayerCost = Callable[[ProfileRow], float]  # a profile row's cost by the search's goal (Goal.layer_cost)
+
+
+def measured_time(row: ProfileRow) -> float:
+    """The layer's step time in the row's format, as its profile measured it on this device (NaN: not timed)."""
+    return row.time_ms
 
 
 # ------------------------------------------------------------------ what the profile rules out
@@ -368,20 +376,22 @@ def uniform_params(choices: Choices, fmt: str) -> dict[str, Any]:
     return params_for(fmt, uniform_layers(choices, fmt), choices)
 
 
-def greedy_layers(prof: Profile, choices: Choices, budget: float) -> dict[str, str]:
-    """A policy from the profile alone: each layer's fastest allowed format, biggest time saving first,
-    while the sum of single-layer metric drops stays within the budget (an estimate; trials measure). A layer no
-    move fits keeps its fallback (fp32, or bf16 in a FLOP goal's space); the savings are against fp32's time."""
+def greedy_layers(prof: Profile, choices: Choices, budget: float, *, cost: LayerCost = measured_time) -> dict[str, str]:
+    """A policy from the profile alone: each layer's cheapest allowed format, biggest saving over the format it
+    keeps first, while the sum of single-layer metric drops stays within the budget (an estimate; trials measure). A
+    layer no move fits keeps its fallback (fp32, or bf16 in a FLOP goal's space). `cost`: a profile row's cost by the
+    search's goal (Goal.layer_cost): by default the time measured on this device; the FLOP goal's, on its target."""
     layers = {name: fallback(options) for name, options in choices.layers.items()}
     moves = []
     for name, rows in prof.by_layer().items():
-        fp32_ms = rows["fp32"].time_ms
         kept = fallback(choices.layers[name])
-        allowed = [r for f, r in rows.items() if f in choices.layers[name] and f != kept]
-        if allowed:  # the fastest; an untimed one (NaN) last
-            best = min(allowed, key=lambda r: (math.isnan(r.time_ms), r.time_ms if not math.isnan(r.time_ms) else 0.0))
-            if best.time_ms < fp32_ms:
-                moves.append((fp32_ms - best.time_ms, name, best.format, max(0.0, best.metric_drop)))
+        reference = cost(rows.get(kept) or rows[Format.FP32.value])
+        priced = [(cost(r), r) for f, r in rows.items() if f in choices.layers[name] and f != kept]
+        priced = [(c, r) for c, r in priced if not math.isnan(c)]  # unpriced (untimed, or no rate): no move
+        if priced:
+            best_cost, best = min(priced, key=lambda cr: cr[0])
+            if best_cost < reference:
+                moves.append((reference - best_cost, name, best.format, max(0.0, best.metric_drop)))
     spent = 0.0
     for _saving, name, fmt, drop in sorted(moves, reverse=True):
         if spent + drop <= budget:
@@ -390,18 +400,21 @@ def greedy_layers(prof: Profile, choices: Choices, budget: float) -> dict[str, s
     return layers
 
 
-def greedy_params(prof: Profile, choices: Choices, budget: float, *, root: str = Format.BF16.value) -> dict[str, Any]:
-    return params_for(root, greedy_layers(prof, choices, budget), choices)
+def greedy_params(
+    prof: Profile, choices: Choices, budget: float, *, root: str = Format.BF16.value, cost: LayerCost = measured_time
+) -> dict[str, Any]:
+    return params_for(root, greedy_layers(prof, choices, budget, cost=cost), choices)
 
 
-def greedy_policy(prof: Profile, choices: Choices, budget: float) -> Policy:
+def greedy_policy(prof: Profile, choices: Choices, budget: float, *, cost: LayerCost = measured_time) -> Policy:
     """The profile-greedy policy itself (a layout may only approximate it), with a bf16 root where allowed,
     as AMP would run the rest of the model."""
     root = Format.BF16 if Format.BF16.value in choices.default else Format(root_fallback(choices.default))
-    return Policy(layers={ROOT: root, **{name: Format(fmt) for name, fmt in greedy_layers(prof, choices, budget).items()}})
+    layers = greedy_layers(prof, choices, budget, cost=cost)
+    return Policy(layers={ROOT: root, **{name: Format(fmt) for name, fmt in layers.items()}})
 
 
-def warm_starts(prof: Profile, choices: Choices, budget: float) -> list[dict[str, Any]]:
+def warm_starts(prof: Profile, choices: Choices, budget: float, *, cost: LayerCost = measured_time) -> list[dict[str, Any]]:
     """Known points the study measures after all-fp32: uniform bf16 and the profile-greedy layers, each with
     the root (everything outside the layers: norms, softmax, activations) in bf16 and in fp32. The profile
     does not time the root, and the devices differ: on a CPU a bf16 root can cost more than lowered layers
@@ -410,7 +423,7 @@ def warm_starts(prof: Profile, choices: Choices, budget: float) -> list[dict[str
     for root in (Format.BF16.value, Format.FP32.value):
         for params in (
             params_for(root, uniform_layers(choices, Format.BF16.value), choices),
-            greedy_params(prof, choices, budget, root=root),
+            greedy_params(prof, choices, budget, root=root, cost=cost),
         ):
             if params not in out:
                 out.append(params)

@@ -55,7 +55,7 @@ def gather_candidates(
     greedy, notes = {}, {}
     budgets = started.budgets.absolute
     for b in budgets:
-        alts = baselines(workload, space, started.profile, started.choices, b)
+        alts = baselines(workload, space, started.profile, started.choices, b, goal=goal)
         notes.update(alts.notes)
         own = plan.greedy_name(b, started.budgets)
         for name, candidate in alts.candidates.items():
@@ -76,10 +76,13 @@ def gather_candidates(
     return candidates, greedy, notes
 
 
-def baselines(workload: Workload, space: SearchSpace, prof: Profile, choices: Choices, budget: float) -> Alternatives:
-    """What every result is compared with, measured in the same run: alternatives.alternatives."""
+def baselines(
+    workload: Workload, space: SearchSpace, prof: Profile, choices: Choices, budget: float, *, goal: Goal = SPEED
+) -> Alternatives:
+    """What every result is compared with, measured in the same run: alternatives.alternatives (its profile-greedy
+    policy priced by the goal)."""
     offered = frozenset(f for formats in space.layers.values() for f in formats)
-    return alternatives(workload.model, workload.device, prof, choices, budget, offered=offered)
+    return alternatives(workload.model, workload.device, prof, choices, budget, offered=offered, cost=goal.layer_cost)
 
 
 def finalist_policies(

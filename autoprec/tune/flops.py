@@ -160,6 +160,19 @@ class Flops(Goal):
         self.check_formats([parse_format(f) for f in dict.fromkeys(r.format for r in rows if r.status == "ok")], config)
         return Flops(target_named(config.target), gemm_flops(rows), self.kept_in)
 
+    def layer_cost(self, row: ProfileRow) -> float:
+        """The layer's nominal GEMM seconds per step on the target in the row's format, its high-precision GEMMs in
+        bf16 (inside the estimate's all-bf16 baseline); NaN for a layer with no FLOP count or a format the target
+        does not run. This machine's time says nothing of the target's."""
+        target, flops = self._ready()
+        work = flops.get(row.layer)
+        if work is None:
+            return math.nan
+        try:
+            return sum(work / (target.tflops[p] * 1e12) for p in gemm_precisions(Format(row.format), BASELINE))
+        except KeyError:
+            return math.nan
+
     def _ready(self) -> tuple[Target, dict[str, float]]:
         if self.target is None:
             raise RuntimeError("the flops goal computes nothing before it is bound to a search's profile (Goal.bound)")

@@ -117,6 +117,12 @@ class Goal(abc.ABC):
         where the search cannot be planned (a format the target does not run)."""
         return self
 
+    def layer_cost(self, row: ProfileRow) -> float:
+        """One layer in one format (a profile row) by this goal's measure of cost, lower better, NaN where unknown: the
+        order of the profile-greedy policy's moves (choices.greedy_layers). The default: the layer's own step time
+        its profile measured on this device. A goal that plans for another device prices it there."""
+        return row.time_ms
+
     def estimated(self, policy: Policy) -> float | None:
         """A candidate's value computed from its policy alone, not measured (the FLOP goal's estimate), or None (the
         default: the value is measured). The policy file records it beside each result."""

@@ -125,6 +125,7 @@ class Started:
     storage: str
     judge: Judge
     saved: SavedProfile  # where the profile is saved, and whether this run measured it
+    goal: Goal  # the search's goal bound to its profile (Goal.bound)
 
     @property
     def budgets(self) -> Budgets:
@@ -205,10 +206,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         objectives=plan.objectives,
         profile_folder=plan.profile_folder,
     )
-    try:  # a goal computed from the profile (the FLOP goal: each Linear's FLOPs) holds it from here on
-        config = dataclasses.replace(config, objective=config.objective.bound(started.profile.rows, config))
-    except ValueError as exc:
-        raise UserError(f"--objective {config.objective.name}: {exc}") from None
+    config = dataclasses.replace(config, objective=started.goal)
     layer_times = LayerTimes.from_rows(started.profile.rows)
     objective = Objective(
         workload, started.choices, space, started.judge, config, objectives=plan.objectives, layer_times=layer_times
@@ -397,13 +395,17 @@ def start(
     train mode, is measured when first needed)."""
     saved = reuse_or_profile(workload, space, out_dir, config, watch=watch, budget=budgets.smallest, own=profile_folder)
     prof = saved.profile
+    try:  # a goal computed from the profile (the FLOP goal: each Linear's FLOPs) holds it from here on: warm starts too
+        config = dataclasses.replace(config, objective=config.objective.bound(prof.rows, config))
+    except ValueError as exc:
+        raise UserError(f"--objective {config.objective.name}: {exc}") from None
     fallbacks = space.fallbacks(workload.model, config.objective)  # fp32, or a FLOP goal's bf16 where a list has no fp32
     choices = build_choices(
         prof, space, budgets.bound, workload.device, judge_drop=config.mode is Mode.WEIGHTS, fallbacks=fallbacks
     )
 
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
-        return warm_starts(prof, agreed, budgets.bound)
+        return warm_starts(prof, agreed, budgets.bound, cost=config.objective.layer_cost)
 
     study, choices, where = open_study(
         workload,
@@ -418,4 +420,4 @@ def start(
     )
     log.info("search space: %s", choices.describe())
     judge = Judge(workload, config, prof.fp32_metric, budgets=budgets, watch=watch)
-    return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge, saved=saved)
+    return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge, saved=saved, goal=config.objective)
