@@ -2,6 +2,6 @@
 
 import sys
 
-from autoprec.tune.cli import main
+from autoprec.tune._cli import main
 
 sys.exit(main())

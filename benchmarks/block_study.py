@@ -757,7 +757,7 @@ def study_policies(model: nn.Module, device="cpu") -> dict[str, object]:
 def flops_table(model: nn.Module, tokens: int):
     """Profile rows with what gemm_flops reads (layer, type, shape "out x in", tokens) for every Linear of `model`,
     each called on `tokens` rows a training step (an fp32 row each: nothing else is measured)."""
-    from autoprec.tune.profile_data import ProfileRow
+    from autoprec.tune._profile_data import ProfileRow
 
     return [
         ProfileRow(
@@ -776,7 +776,7 @@ def flops_table(model: nn.Module, tokens: int):
 def gemm_share(policy, flops: dict[str, float]) -> dict[str, float]:
     """The FLOP-weighted share of the Linears' GEMMs (three per Linear, each 2 x tokens x in x out) in each element
     format under `policy`, and `low` the share in a format below bf16 (fp8, mxfp8, nvfp4)."""
-    from autoprec.tune.flops import format_of, gemm_precisions, outer_autocast
+    from autoprec.tune._flops import format_of, gemm_precisions, outer_autocast
 
     by: dict[str, float] = defaultdict(float)
     for name, work in flops.items():
@@ -792,7 +792,7 @@ def gemm_share(policy, flops: dict[str, float]) -> dict[str, float]:
 def gpt2_workload(size: str):
     """The example's trained model as an autoprec Workload on the CPU (its train and eval batches, its loss)."""
     from autoprec.tune import prepare
-    from autoprec.tune.api import task_from_objects
+    from autoprec.tune._api import task_from_objects
 
     example = load_example(size)
     model = example.build_model()
@@ -806,7 +806,7 @@ def search_formats(tag: str = "") -> tuple[str, ...]:
 
 
 def search_space(layout: str, trials: int, tag: str = "postfix"):
-    from autoprec.tune.space import space_from_dict
+    from autoprec.tune._space import space_from_dict
 
     formats = list(search_formats(tag))
     return space_from_dict(
@@ -852,8 +852,8 @@ def part_search(args) -> None:
     import optuna
 
     import autoprec.tune
-    from autoprec.tune.flops import estimated_speedup, gemm_flops
-    from autoprec.tune.targets import target_named
+    from autoprec.tune._flops import estimated_speedup, gemm_flops
+    from autoprec.tune._targets import target_named
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out: Path = args.out
@@ -924,14 +924,14 @@ def part_search(args) -> None:
 
 
 def _chosen_name(result) -> str | None:
-    from autoprec.tune.records import Measured
+    from autoprec.tune._records import Measured
 
     measured = Measured.of(result.policy)
     return getattr(measured, "chosen", None) or (result.policy.measured or {}).get("chosen")
 
 
 def _format_counts(policy, flops: dict[str, float]) -> str:
-    from autoprec.tune.flops import format_of
+    from autoprec.tune._flops import format_of
 
     counts: dict[str, int] = defaultdict(int)
     for name in flops:
@@ -1001,13 +1001,13 @@ def finished(path: Path, steps: int) -> bool:
 
 def train_curve(workload, policy, steps: int, every: int, seed: int, order=None, at=None) -> list[dict]:
     """Train a fresh copy of the reference weights `steps` steps with `policy` as train mode does
-    (autoprec.tune.metric.train_and_evaluate: the same Trainer, batch order and seed), taking the metric every `every`
+    (autoprec.tune._metric.train_and_evaluate: the same Trainer, batch order and seed), taking the metric every `every`
     steps (and at step 0). The model has no dropout and evaluating draws nothing from the RNG, so the metric at step K
     is train_and_evaluate(workload, policy, K, seed=seed)'s. `order` replaces train mode's batch order (horizon2: each
     batch once, in turn); `at`, the steps the metric is taken at, replaces `every`."""
     from autoprec import devices
-    from autoprec.tune.metric import batch_order, metric_of
-    from autoprec.tune.trainer import Trainer, matmul_precision
+    from autoprec.tune._metric import batch_order, metric_of
+    from autoprec.tune._trainer import Trainer, matmul_precision
 
     rows = []
     start = time.perf_counter()
@@ -1090,8 +1090,8 @@ def bf16_root(policy):
 def part_horizon(args) -> None:
     """Every policy trained 10 x K steps from the same weights with seeds 0..S-1, the metric every K steps; each
     (policy, seed) run in its own csv under horizon/, skipped when already finished."""
-    from autoprec.tune.flops import estimated_speedup, gemm_flops
-    from autoprec.tune.targets import target_named
+    from autoprec.tune._flops import estimated_speedup, gemm_flops
+    from autoprec.tune._targets import target_named
 
     out: Path = args.out
     folder = out / "horizon"
@@ -1262,7 +1262,7 @@ def horizon_summary(table, curves, args, steps: int) -> str:
         "metric minus the policy's, same seed; the table gives the mean over seeds and each seed's. Noise floor at a "
         "step = max - min of bf16's metric over the seeds at that step (with 2 seeds, their difference). Each "
         "(policy, seed) run is horizon/<policy>-seed<s>.csv; a rerun skips the finished ones. GEMM shares are "
-        "FLOP-weighted over the Linears' three GEMMs (autoprec.tune.flops.gemm_flops; est. speedup: the FLOP goal's "
+        "FLOP-weighted over the Linears' three GEMMs (autoprec.tune._flops.gemm_flops; est. speedup: the FLOP goal's "
         "own estimated_speedup on b200).",
         "",
         "![loss curves](loss_curves.png) ![pareto](pareto.png)",
@@ -1469,8 +1469,8 @@ def run_queue(example, workload, policies: dict, folder: Path, steps: int, at: l
 
 def part_horizon2(args) -> None:
     """Every policy trained 10 x K steps on fresh windows per seed, judged paired against bf16 (see above)."""
-    from autoprec.tune.flops import estimated_speedup, gemm_flops
-    from autoprec.tune.targets import target_named
+    from autoprec.tune._flops import estimated_speedup, gemm_flops
+    from autoprec.tune._targets import target_named
 
     out: Path = args.out
     folder = out / HORIZON2_DIR

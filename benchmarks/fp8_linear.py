@@ -3,7 +3,7 @@
     python benchmarks/fp8_linear.py [--device cuda] [--full] [--shapes 256,1024] [--compile] [--rounds 7]
 
 Each shape n runs an (n x n) input through Linear(n, n) and back (input and weight gradients), with the
-format set by an autoprec policy, timed interleaved by autoprec.tune.timing.interleaved_times. Without fp8
+format set by an autoprec policy, timed interleaved by autoprec.tune._timing.interleaved_times. Without fp8
 kernels (any CPU, GPUs below compute capability 8.9) torchao emulates fp8 and is slow, so on the CPU the
 default shapes are small; --full runs 256 to 8192 anywhere. torchao's fp8 is meant to run under
 torch.compile, which fuses its casts: --compile compiles every candidate (inductor). Every fp8 format the
@@ -27,9 +27,9 @@ from common import add_device_flag, fmt_timing, parse_device, print_header  # no
 
 from autoprec import Policy, apply_policy  # noqa: E402
 from autoprec.formats import fp8_formats  # noqa: E402
-from autoprec.tune.config import TimingConfig
-from autoprec.tune.timing import interleaved_times  # noqa: E402
-from autoprec.tune.trainer import compile_scope  # noqa: E402
+from autoprec.tune._config import TimingConfig
+from autoprec.tune._timing import interleaved_times  # noqa: E402
+from autoprec.tune._trainer import compile_scope  # noqa: E402
 
 FULL_SHAPES = (256, 1024, 2048, 4096, 8192)
 CPU_SHAPES = (256, 1024, 2048)  # emulated fp8 at 4096+ takes minutes per shape on a small CPU

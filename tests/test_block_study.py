@@ -174,8 +174,8 @@ def test_the_hand_rules_on_twelve_blocks_lower_the_layers_they_say():
 
 
 def test_gemm_shares_and_the_b200_estimate_match_a_hand_computation():
-    from autoprec.tune.flops import estimated_speedup, gemm_flops
-    from autoprec.tune.targets import B200
+    from autoprec.tune._flops import estimated_speedup, gemm_flops
+    from autoprec.tune._targets import B200
 
     model = block_study.load_example("tiny").GPT()  # 2 blocks, 64 wide, vocab 256: untrained, shapes only
     policies = block_study.study_policies(model)
@@ -240,8 +240,8 @@ def test_a_searched_policy_keeps_its_linears_and_gets_a_bf16_root():
 
 def test_the_horizon_table_names_rules_and_searched_policies_and_takes_drops_per_seed(tmp_path):
     from autoprec.policy import Policy
-    from autoprec.tune.flops import estimated_speedup
-    from autoprec.tune.targets import B200
+    from autoprec.tune._flops import estimated_speedup
+    from autoprec.tune._targets import B200
 
     def run(name, seed, metrics):
         rows = [{"step": s, "metric": m, "finite": True, "skipped": 0, "wall_s": 0} for s, m in zip((0, 2, 4), metrics)]
@@ -285,8 +285,8 @@ def test_tagged_searches_get_their_own_folders_and_labels_and_the_per_gemm_forma
 
 def test_a_per_gemm_mix_under_a_bf16_root_is_priced_between_bf16_and_its_low_format():
     from autoprec.policy import Policy
-    from autoprec.tune.flops import estimated_speedup
-    from autoprec.tune.targets import B200
+    from autoprec.tune._flops import estimated_speedup
+    from autoprec.tune._targets import B200
 
     flops = {"a": 1.0}
     speed = {
@@ -369,8 +369,8 @@ def test_eval_steps_take_zero_k_and_the_last():
 
 def test_the_horizon2_table_pairs_each_seed_and_judges_the_budget_on_the_interval(tmp_path):
     from autoprec.policy import Policy
-    from autoprec.tune.flops import estimated_speedup
-    from autoprec.tune.targets import B200
+    from autoprec.tune._flops import estimated_speedup
+    from autoprec.tune._targets import B200
 
     def run(name, seed, metrics):
         rows = [{"step": s, "metric": m, "finite": True, "skipped": 0, "wall_s": 0} for s, m in zip((0, 2, 4), metrics)]

@@ -1,16 +1,16 @@
-"""autoprec/tune/choose.py: the decision rule over re-measured candidates (records built by hand, tests/builders.py)."""
+"""autoprec/tune/_choose.py: the decision rule over re-measured candidates (records built by hand, tests/builders.py)."""
 
 import torch
 from builders import finals
 from test_search import SPACE, fake_profile
 
 from autoprec import Policy
-from autoprec.tune.choices import build_choices
+from autoprec.tune._choices import build_choices
 
 
 def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
     from autoprec import Policy
-    from autoprec.tune.choose import choose, safer_variant
+    from autoprec.tune._choose import choose, safer_variant
 
     risky = Policy(layers={"": "fp32", "a": "fp16", "b": "bf16"})
     choices = build_choices(fake_profile([("a", "fp32", 0, 1, True, False), ("a", "bf16", 0, 1, True, False),
@@ -36,7 +36,7 @@ def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
 def test_a_searched_policy_not_separated_from_an_alternative_is_never_chosen_over_it():
     """Under load (spreads ±60%), a bf16/fp32 mix measured 2.15x against uniform bf16's 1.60x is a tie: the alternative
     is chosen and the tie recorded, never the policy written as faster than what the user had."""
-    from autoprec.tune.choose import choose, not_separated
+    from autoprec.tune._choose import choose, not_separated
 
     candidates = {"fp32": Policy(), "uniform bf16": Policy(layers={"": "bf16"}),
                   "trial 7": Policy(layers={"": "bf16", "a": "fp32"})}  # fmt: skip
@@ -55,7 +55,7 @@ def test_a_searched_policy_not_separated_from_an_alternative_is_never_chosen_ove
 
 def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
     """A safer finalist tied with the top one is still refused when an alternative measured faster than it."""
-    from autoprec.tune.choose import choose
+    from autoprec.tune._choose import choose
 
     candidates = {
         "fp32": Policy(),
@@ -79,8 +79,8 @@ def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
 
 
 def test_tf32_is_measured_but_never_chosen_as_the_policy():
-    from autoprec.tune.choose import choose
-    from autoprec.tune.trainer import Candidate
+    from autoprec.tune._choose import choose
+    from autoprec.tune._trainer import Candidate
 
     fp32 = Policy(layers={"": "fp32"})
     candidates = {"fp32": Candidate(fp32), "TF32": Candidate(fp32, tf32=True)}
@@ -92,7 +92,7 @@ def test_tf32_is_measured_but_never_chosen_as_the_policy():
 
 
 def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():
-    from autoprec.tune.choose import choose_smallest
+    from autoprec.tune._choose import choose_smallest
 
     candidates = {
         "fp32": Policy(),
@@ -116,7 +116,7 @@ def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():
 
 def test_among_tied_candidates_the_safer_comes_before_an_alternative_with_fp8_layers():
     """fp8 everywhere (an alternative, all layers fp8) tied with a searched bf16 policy: the bf16 one, safer."""
-    from autoprec.tune.choose import choose
+    from autoprec.tune._choose import choose
 
     candidates = {"fp32": Policy(), "fp8 everywhere (torchao filter)": Policy(layers={"": "bf16", "a": "fp8", "b": "fp8"}),
                   "trial 4": Policy(layers={"": "bf16"})}  # fmt: skip

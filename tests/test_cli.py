@@ -1,4 +1,4 @@
-"""autoprec/tune/cli.py: a user's mistake exits 2 with one `autoprec: error:` line and no traceback.
+"""autoprec/tune/_cli.py: a user's mistake exits 2 with one `autoprec: error:` line and no traceback.
 
 No test here runs a real search or profile: every case fails before anything is measured.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from autoprec import LossScale, Policy
-from autoprec.tune.cli import EXIT_USER_ERROR, main
+from autoprec.tune._cli import EXIT_USER_ERROR, main
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -369,7 +369,7 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, *parts: str) -> Non
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("module", ["autoprec", "autoprec.tune.cli"])
+@pytest.mark.parametrize("module", ["autoprec", "autoprec.tune._cli"])
 def test_process_module_search_missing_model(tmp_path, module):
     proc = run_process([sys.executable, "-m", module, "search", "missing.py", "--budget", "0.1"], tmp_path)
     assert_one_error_line(proc, "missing.py: no such file")
@@ -434,7 +434,7 @@ def test_a_library_installed_with_pip_target_on_pythonpath_is_a_library_and_kept
 
 
 def test_a_module_on_pythonpath_without_installed_metadata_is_the_users_and_speaks(tmp_path, monkeypatch):
-    from autoprec.tune import cli
+    from autoprec.tune import _cli as cli
 
     ours = _noisy_package(tmp_path / "mine", installed=False)
     theirs = _noisy_package(tmp_path / "site", installed=True)
@@ -567,8 +567,8 @@ def test_a_bad_default_journal_in_out_is_refused_before_profiling(capsys, tmp_pa
 def test_the_default_out_folder_never_leaves_results(name, folder):
     import argparse
 
-    from autoprec.tune.cli import _out_dir, folder_name
-    from autoprec.tune.task import Task
+    from autoprec.tune._cli import _out_dir, folder_name
+    from autoprec.tune._task import Task
 
     task = Task(path=Path("/models") / name, build_model=lambda: None, batches=lambda s: [], loss_fn=lambda m, b: None)
     assert _out_dir(argparse.Namespace(out=None), task) == Path("results") / folder
@@ -781,8 +781,8 @@ def test_show_prints_each_results_peak_memory_and_how_it_was_measured(capsys, tm
 
 
 def test_valid_memory_options_reach_the_search_settings():
-    from autoprec.tune.cli import _search_config, build_parser
-    from autoprec.tune.goals import MEMORY
+    from autoprec.tune._cli import _search_config, build_parser
+    from autoprec.tune._goals import MEMORY
 
     args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--max-memory", "40G", "--objective", "memory"])
     config = _search_config(args)
@@ -791,7 +791,7 @@ def test_valid_memory_options_reach_the_search_settings():
 
 
 def test_time_every_trial_turns_the_speed_prediction_off_for_a_search():
-    from autoprec.tune.cli import _search_config, build_parser
+    from autoprec.tune._cli import _search_config, build_parser
 
     parser = build_parser()
     assert _search_config(parser.parse_args(["search", "m.py"])).predict_speed is True
@@ -849,7 +849,7 @@ def test_a_number_too_long_for_python_is_one_line_in_show_and_export(capsys, tmp
 
 @pytest.mark.parametrize("form", ["--storage", "--storage=", "--stor"])
 def test_the_command_written_to_the_reports_hides_the_storage_password(monkeypatch, form):
-    from autoprec.tune.cli import _command
+    from autoprec.tune._cli import _command
 
     url = "postgresql+psycopg2://alice:s3cret-pw@db.example:5432/autoprec"
     given = [f"{form}{url}"] if form.endswith("=") else [form, url]
@@ -885,7 +885,7 @@ def test_search_time_budget_must_be_positive_minutes(capsys, tmp_path, minutes):
 @pytest.mark.parametrize("flags", [(), ("--json",)])
 def test_show_into_a_reader_that_stops_early_ends_quietly_as_unix_tools_do(tmp_path, flags):
     """`autoprec show policy.json | head` ended in a BrokenPipeError traceback (issue 38)."""
-    from autoprec.tune.cli import EXIT_BROKEN_PIPE
+    from autoprec.tune._cli import EXIT_BROKEN_PIPE
 
     # 20,000 layers, no two alike: well over a pipe's buffer (64 KiB), so the writer is still writing when the reader goes
     path = Policy(layers={f"m{i}": ("bf16", "fp16")[i % 2] for i in range(20_000)}).save(tmp_path / "policy.json")

@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 from short_timing import FAST_PROFILE, TINY
 
-import autoprec.tune.sweeper  # noqa: F401  (the fixture patches its module)
+import autoprec.tune._sweeper  # noqa: F401  (the fixture patches its module)
 from autoprec import load_policy
-from autoprec.tune.cli import main
+from autoprec.tune._cli import main
 
 MODELS = Path(__file__).parent / "models"
 
@@ -22,7 +22,7 @@ MODELS = Path(__file__).parent / "models"
 @pytest.fixture
 def fast(monkeypatch):
     """The verbs' own code path, with short timing: profile() and search() get fast configs."""
-    profile_module, search_module = sys.modules["autoprec.tune.profiler"], sys.modules["autoprec.tune.searcher"]
+    profile_module, search_module = sys.modules["autoprec.tune._profiler"], sys.modules["autoprec.tune._searcher"]
     real_profile, real_search = profile_module.profile, search_module.search
 
     def profile(workload, space, config=None, **kw):
@@ -32,7 +32,7 @@ def fast(monkeypatch):
         quick = dataclasses.replace(config, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, finalists=1, progress=False)
         return real_search(workload, space, quick, out, **kw)
 
-    sweep_module = sys.modules["autoprec.tune.sweeper"]
+    sweep_module = sys.modules["autoprec.tune._sweeper"]
     real_sweep = sweep_module.sweep
 
     def sweep(workload, space, budgets, config, out, **kw):
@@ -140,7 +140,7 @@ def test_json_prints_the_result_as_one_object_and_quiet_prints_nothing(fast, cap
 
 @pytest.mark.slow
 def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(fast, capsys, tmp_path, monkeypatch):
-    pipeline = sys.modules["autoprec.tune.pipeline"]
+    pipeline = sys.modules["autoprec.tune._pipeline"]
     real, calls = pipeline.final_remeasure, []
     monkeypatch.setattr(pipeline, "final_remeasure", lambda *a, **k: calls.append(1) or real(*a, **k))
     argv = small_search_argv(tmp_path)
@@ -162,7 +162,7 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
 
 
 def test_a_finished_studys_finalists_file_of_another_version_is_re_measured_with_one_line(fast, capsys, tmp_path, monkeypatch):
-    pipeline = sys.modules["autoprec.tune.pipeline"]
+    pipeline = sys.modules["autoprec.tune._pipeline"]
     real, calls = pipeline.final_remeasure, []
     monkeypatch.setattr(pipeline, "final_remeasure", lambda *a, **k: calls.append(1) or real(*a, **k))
     argv = small_search_argv(tmp_path)
@@ -206,8 +206,8 @@ def test_only_autoprecs_own_log_lines_carry_its_prefix():
     the root logger has no handler there, as in the command line."""
     import subprocess
 
-    code = ("import logging\nfrom autoprec.tune.cli import _log_setup\n_log_setup(False)\n"
-            "logging.getLogger('autoprec.tune.objective').warning('ours')\nlogging.getLogger('torchao.float8').warning('theirs')\n"
+    code = ("import logging\nfrom autoprec.tune._cli import _log_setup\n_log_setup(False)\n"
+            "logging.getLogger('autoprec.tune._objective').warning('ours')\nlogging.getLogger('torchao.float8').warning('theirs')\n"
             "logging.getLogger('autoprec').info('not at the default level')\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stderr.splitlines()[-2:] == ["autoprec: ours", "theirs"], proc.stderr

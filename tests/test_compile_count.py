@@ -13,9 +13,9 @@ import torch
 from short_timing import FAST_PROFILE, TINY
 
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune.out_dir import load_or_profile
-from autoprec.tune.searcher import search
-from autoprec.tune.space import space_from_dict
+from autoprec.tune._out_dir import load_or_profile
+from autoprec.tune._searcher import search
+from autoprec.tune._space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
 FORMATS = ["fp32", "bf16", "fp8"]

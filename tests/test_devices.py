@@ -15,10 +15,12 @@ from autoprec import Policy, devices
 from autoprec.devices import CPUDevice, Device, UnknownDeviceError, device_for, register_device, unregister_device
 from autoprec.errors import UserError
 from autoprec.formats import device_name
-from autoprec.tune import load_task, memory, prepare, timing
-from autoprec.tune.cli import _device
-from autoprec.tune.config import TimingConfig, default_compile
-from autoprec.tune.trainer import Trainer, matmul_precision
+from autoprec.tune import _memory as memory
+from autoprec.tune import _timing as timing
+from autoprec.tune import load_task, prepare
+from autoprec.tune._cli import _device
+from autoprec.tune._config import TimingConfig, default_compile
+from autoprec.tune._trainer import Trainer, matmul_precision
 
 MODELS = Path(__file__).parent / "models"
 META = torch.device("meta")

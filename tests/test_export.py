@@ -16,7 +16,7 @@ from torch import nn
 
 from autoprec import Policy, UserError
 from autoprec.formats import Format, fp8_formats
-from autoprec.tune.cli import main
+from autoprec.tune._cli import main
 from autoprec.tune.export import TARGETS, export
 
 POLICY = Policy(layers={"": "bf16", "a": "fp8", "b": "fp8-rowwise", "c": "bf16", "d": "fp32", "e.0": "fp8"})

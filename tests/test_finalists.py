@@ -6,13 +6,14 @@ import types
 from builders import finals
 
 from autoprec import Policy
-from autoprec.tune import SearchConfig, finalists
-from autoprec.tune.alternatives import BF16, FP32, GREEDY, Alternatives
-from autoprec.tune.budget import Budgets
-from autoprec.tune.choices import Choices
-from autoprec.tune.searcher import search_plan
-from autoprec.tune.sweeper import sweep_plan
-from autoprec.tune.trainer import Candidate
+from autoprec.tune import SearchConfig
+from autoprec.tune import _finalists as finalists
+from autoprec.tune._alternatives import BF16, FP32, GREEDY, Alternatives
+from autoprec.tune._budget import Budgets
+from autoprec.tune._choices import Choices
+from autoprec.tune._searcher import search_plan
+from autoprec.tune._sweeper import sweep_plan
+from autoprec.tune._trainer import Candidate
 
 JUDGE = types.SimpleNamespace(budgets=Budgets((0.1,)))  # what final_remeasure reads of the judge: the study's bound
 
@@ -59,7 +60,7 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
 
 
 def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_noisy(monkeypatch, caplog):
-    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune._cost import Stopwatch
 
     def table(spread):
         return finals({"candidate": "fp32", "spread": 0.02}, {"candidate": "x", "spread": spread},
@@ -86,9 +87,9 @@ def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_no
 def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
     import optuna
 
-    from autoprec.tune.choices import LAYER_PARAM
-    from autoprec.tune.finalists import finalist_policies
-    from autoprec.tune.goals import MEMORY
+    from autoprec.tune._choices import LAYER_PARAM
+    from autoprec.tune._finalists import finalist_policies
+    from autoprec.tune._goals import MEMORY
 
     choices = Choices(default=("fp32",), layers={"a": ("fp32", "bf16", "fp16"), "b": ("fp32", "bf16")}, excluded={})
     study = optuna.create_study(direction="maximize")
@@ -104,8 +105,8 @@ def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
 
 
 def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_times_no_more(monkeypatch):
-    from autoprec.tune.config import SETTLED_FINAL_ROUNDS
-    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune._config import SETTLED_FINAL_ROUNDS
+    from autoprec.tune._cost import Stopwatch
 
     loud = {"fp32": [10.0, 10.1, 10.0, 9.0, 12.0], "x": [10.0, 20.0, 5.0, 9.0, 14.0]}  # unsettled: spreads wide
     asked = []
@@ -130,7 +131,7 @@ def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_ti
 def test_on_a_device_the_trials_found_too_noisy_the_final_remeasure_times_no_extra_rounds_and_says_so(monkeypatch, caplog):
     """A loaded machine's default searches stopped for noise after 6 trials, then sat in 35-60 s re-measure rounds
     (issue 38, 6): more rounds at that noise separate nothing. Its configured rounds only, and a plain line."""
-    from autoprec.tune.cost import Stopwatch
+    from autoprec.tune._cost import Stopwatch
 
     loud = {"fp32": [10.0, 10.1, 10.0], "x": [10.0, 20.0, 5.0]}
     asked = []

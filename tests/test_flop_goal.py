@@ -1,5 +1,5 @@
-"""The FLOP goal (autoprec/tune/flops.py, issue 40): planning for a device this machine is not, by each Linear's GEMM
-FLOPs weighted by a target's nominal dense throughput (targets.py). An estimate, labelled as one everywhere; its
+"""The FLOP goal (autoprec/tune/_flops.py, issue 40): planning for a device this machine is not, by each Linear's GEMM
+FLOPs weighted by a target's nominal dense throughput (_targets.py). An estimate, labelled as one everywhere; its
 trials are not timed, so a search on a CPU plans for a B200."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from autoprec.formats import (
 )
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune.flops import FLOPS, Flops, estimated_speedup, format_of, gemm_flops
-from autoprec.tune.goals import SPEED
-from autoprec.tune.profile_data import ProfileRow
-from autoprec.tune.searcher import search
-from autoprec.tune.space import space_from_dict
-from autoprec.tune.targets import B200, H100
+from autoprec.tune._flops import FLOPS, Flops, estimated_speedup, format_of, gemm_flops
+from autoprec.tune._goals import SPEED
+from autoprec.tune._profile_data import ProfileRow
+from autoprec.tune._searcher import search
+from autoprec.tune._space import space_from_dict
+from autoprec.tune._targets import B200, H100
 
 MODELS = Path(__file__).parent / "models"
 FP4 = "toy-fp4"  # a toy format the family says runs its GEMMs in nvfp4 (fprop, dgrad) and bf16 (wgrad)
@@ -140,7 +140,7 @@ def test_the_config_needs_a_target_for_flops_and_refuses_one_for_other_goals():
     ],
 )
 def test_the_command_line_refuses_a_missing_unknown_or_unwanted_target(flags, said, capsys):
-    from autoprec.tune.cli import main
+    from autoprec.tune._cli import main
 
     assert main(["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", *flags]) == 2
     err = capsys.readouterr().err
@@ -173,7 +173,7 @@ def test_a_search_on_a_cpu_plans_the_lowest_formats_the_budget_allows_for_a_b200
     assert summary.startswith(f"chosen: {m['chosen']}, estimated ") and "(FLOP count, not measured)" in summary
     assert "est. b200 (FLOPs)" in summary and "speedup here" in summary and "not on b200" in summary
 
-    from autoprec.tune.show import show_policy
+    from autoprec.tune._show import show_policy
 
     shown = show_policy(policy)
     assert "not measured" in shown and "est. b200 (FLOPs)" in shown and "speedup here" in shown
@@ -210,7 +210,7 @@ def test_a_sweep_refuses_the_flops_goal_with_one_error_line_before_the_profile(c
     """A sweep draws each budget's choice on its goal's Pareto axis; flops has none, and the sweep ran, then wrote
     tables without the estimate it optimised (found in review): refused before the profile, pointing at a search per
     budget."""
-    from autoprec.tune.cli import main
+    from autoprec.tune._cli import main
 
     argv = ["sweep", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--budgets", "0.01,0.05",
             "--objective", "flops", "--target", "b200", "--out", str(tmp_path / "out")]  # fmt: skip
@@ -223,7 +223,7 @@ def test_a_sweep_refuses_the_flops_goal_with_one_error_line_before_the_profile(c
 
 def test_a_space_with_formats_the_target_does_not_run_is_refused_before_the_profile(tmp_path, monkeypatch):
     """An H100 runs no nvfp4: the search said so only after profiling every layer (found in review)."""
-    from autoprec.tune import pipeline
+    from autoprec.tune import _pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "start", lambda *a, **k: pytest.fail("profiled before refusing the space"))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -252,7 +252,7 @@ def test_a_gemm_left_in_high_precision_counts_in_the_autocast_around_the_layer()
 def test_show_of_a_hand_edited_estimate_prints_what_it_can_and_never_a_traceback():
     """A policy file whose measured.estimate lost its results' estimates, or holds a rate that is no number, made
     `autoprec show` fail with an IndexError or a format error (found in review)."""
-    from autoprec.tune.show import show_policy
+    from autoprec.tune._show import show_policy
 
     estimate = {"goal": "flops", "target": "b200", "estimate": True, "what": "estimated 2.00x all-bf16 GEMM throughput",
                 "tflops": {"bf16": "fast", "nvfp4": 9000.0}}  # fmt: skip
@@ -263,7 +263,7 @@ def test_show_of_a_hand_edited_estimate_prints_what_it_can_and_never_a_traceback
 
 
 def test_the_autocast_around_a_layer_skips_an_ancestor_whose_format_sets_none():
-    from autoprec.tune.flops import outer_autocast
+    from autoprec.tune._flops import outer_autocast
 
     layers = {ROOT: Format.BF16, "x": Format.MXFP8_FWD, "y": Format.FP32, "z": Format.FP16}
     assert outer_autocast("x.sub", layers) == "bf16"  # mxfp8-fwd leaves the caller's autocast: the root's
@@ -295,7 +295,7 @@ def test_a_flops_search_whose_lists_fall_back_to_bf16_keeps_its_high_layers_in_b
 def test_the_greedy_and_uniform_starts_keep_a_layer_in_its_lists_fallback():
     from types import SimpleNamespace
 
-    from autoprec.tune.choices import Choices, greedy_layers, uniform_layers
+    from autoprec.tune._choices import Choices, greedy_layers, uniform_layers
 
     # fc1 may go nvfp4 (its drop fits), head's nvfp4 breaks the budget: it keeps its fallback, bf16 here, fp32 there
     rows = [("fc1", "fp32", 1.0, 0.0), ("fc1", "bf16", 0.9, 0.0), ("fc1", "nvfp4", 0.5, 0.01),
@@ -312,7 +312,7 @@ def test_the_greedy_and_uniform_starts_keep_a_layer_in_its_lists_fallback():
 
 
 def test_a_speed_search_still_refuses_a_list_without_fp32_naming_it_before_the_profile(tmp_path, monkeypatch):
-    from autoprec.tune import pipeline
+    from autoprec.tune import _pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "start", lambda *a, **k: pytest.fail("profiled before refusing the space"))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -324,8 +324,8 @@ def test_a_speed_search_still_refuses_a_list_without_fp32_naming_it_before_the_p
 
 
 def test_the_flop_goals_choice_falls_back_to_uniform_bf16_in_a_space_without_fp32():
-    from autoprec.tune.alternatives import BF16, FP32
-    from autoprec.tune.records import Finals, Measurement
+    from autoprec.tune._alternatives import BF16, FP32
+    from autoprec.tune._records import Finals, Measurement
 
     space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["bf16", "nvfp4"]}})
     config = SearchConfig(budget=0.1, objective="flops", target="b200", progress=False)
@@ -352,8 +352,8 @@ def test_the_profile_greedy_policy_of_a_flop_search_is_priced_on_the_target_not_
     (a warm start and an alternative) of a FLOP search follows the target's price, a speed search this machine's."""
     from types import SimpleNamespace
 
-    from autoprec.tune.alternatives import GREEDY, alternatives
-    from autoprec.tune.choices import Choices, greedy_layers, warm_starts
+    from autoprec.tune._alternatives import GREEDY, alternatives
+    from autoprec.tune._choices import Choices, greedy_layers, warm_starts
 
     rows = [("fc1", "fp32", 1.0), ("fc1", "bf16", 0.9), ("fc1", "nvfp4", 40.0), ("fc1", "mxfp8", 30.0)]
     table = {"fc1": {f: SimpleNamespace(layer="fc1", format=f, time_ms=ms, metric_drop=0.0) for _, f, ms in rows}}

@@ -1,4 +1,4 @@
-"""Goals are registered types (autoprec/tune/goals.py): a goal defined here, outside autoprec/, is a choice of
+"""Goals are registered types (autoprec/tune/_goals.py): a goal defined here, outside autoprec/, is a choice of
 SearchConfig and --objective, and a search optimises it end to end (its direction, its trial values, its finalists,
 its choice among the re-measured, the study key and the report), with nothing in autoprec/ naming it."""
 
@@ -14,16 +14,26 @@ from short_timing import FAST_PROFILE, TINY
 
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune.alternatives import ALTERNATIVES, NOT_A_POLICY
-from autoprec.tune.choices import policy_from_params
-from autoprec.tune.choose import choose
-from autoprec.tune.flops import FLOPS
-from autoprec.tune.goals import MEMORY, SPEED, Goal, goal_named, goals, register_goal, unregister_goal
-from autoprec.tune.records import Finals, TrialRecord
-from autoprec.tune.searcher import search
-from autoprec.tune.space import space_from_dict
-from autoprec.tune.sweeper import pareto_front
+from autoprec.tune import (
+    Finals,
+    Goal,
+    SearchConfig,
+    TrialRecord,
+    goal_named,
+    goals,
+    load_task,
+    prepare,
+    register_goal,
+    unregister_goal,
+)
+from autoprec.tune._alternatives import ALTERNATIVES, NOT_A_POLICY
+from autoprec.tune._choices import policy_from_params
+from autoprec.tune._choose import choose
+from autoprec.tune._flops import FLOPS
+from autoprec.tune._goals import MEMORY, SPEED
+from autoprec.tune._searcher import search
+from autoprec.tune._space import space_from_dict
+from autoprec.tune._sweeper import pareto_front
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "trials": 12})
@@ -77,7 +87,7 @@ def test_a_registered_goal_is_a_choice_of_the_config_and_the_command_line(most_f
     with pytest.raises(ValueError, match=r"goal 'most-fp16' is already registered .*test_goals.MostFp16"):
         register_goal(MostFp16)
 
-    from autoprec.tune.cli import _search_config, build_parser
+    from autoprec.tune._cli import _search_config, build_parser
 
     args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--objective", "most-fp16"])
     assert _search_config(args).objective is most_fp16
@@ -144,7 +154,7 @@ def test_the_built_in_goals_answer_as_the_tuner_asked_before():
 
 def test_a_goal_under_a_label_another_goal_has_is_refused():
     """The study key records the label: two goals under one label would share, and clash in, one study."""
-    from autoprec.tune.goals import MEMORY, Goal, goal_named, register_goal
+    from autoprec.tune._goals import MEMORY, Goal, goal_named, register_goal
 
     class Twin(Goal):
         name, label, direction, summary = "twin-memory", MEMORY.label, "maximize", "the largest peak memory"

@@ -21,9 +21,9 @@ def test_the_tuner_functions_do_not_shadow_their_modules():
     import autoprec.tune
 
     assert callable(autoprec.tune.search) and callable(autoprec.tune.profile) and callable(autoprec.tune.sweep)
-    assert importlib.import_module("autoprec.tune.api").search is autoprec.tune.search
-    assert callable(importlib.import_module("autoprec.tune.searcher").search)
-    assert importlib.import_module("autoprec.tune.profiler").profile is autoprec.tune.profile
+    assert importlib.import_module("autoprec.tune._api").search is autoprec.tune.search
+    assert callable(importlib.import_module("autoprec.tune._searcher").search)
+    assert importlib.import_module("autoprec.tune._profiler").profile is autoprec.tune.profile
 
 
 def test_autoprec_tune_is_reachable_from_a_plain_import_autoprec():
@@ -37,3 +37,23 @@ def test_the_runtime_serves_no_tuner_name_but_autoprec_tune():
 
     with pytest.raises(AttributeError, match="no attribute 'search'"):  # the tuner's functions are autoprec.tune's
         autoprec.search  # noqa: B018
+
+
+def test_the_tuners_api_is_its_all_and_every_stage_module_is_private():
+    """What is API in autoprec.tune is `__all__` (and the export package, a seam of its own); every other module is
+    private (a leading underscore), so a stage can move without breaking a user's import."""
+    import pkgutil
+
+    import autoprec.tune
+
+    modules = {m.name for m in pkgutil.iter_modules(autoprec.tune.__path__)}
+    assert {m for m in modules if not m.startswith("_")} == {"export"}
+    assert len(autoprec.tune.__all__) == len(set(autoprec.tune.__all__))
+    for name in autoprec.tune.__all__:
+        obj = getattr(autoprec.tune, name)
+        assert not name.startswith("_") and obj.__module__.startswith("autoprec.tune"), name
+    # the seams' public faces: a goal and an export target are added through them, not through private modules
+    assert {"Goal", "register_goal", "unregister_goal"} <= set(autoprec.tune.__all__)
+    from autoprec.tune import export
+
+    assert {"ExportTarget", "register", "unregister"} <= set(export.__all__)

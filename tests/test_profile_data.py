@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from autoprec.tune.gradients import LayerGradients, scale_table
-from autoprec.tune.profile_data import COLUMNS, Profile, ProfileRow, ruled_out
+from autoprec.tune._gradients import LayerGradients, scale_table
+from autoprec.tune._profile_data import COLUMNS, Profile, ProfileRow, ruled_out
 
 
 def _row(**fields) -> ProfileRow:

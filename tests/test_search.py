@@ -16,15 +16,15 @@ from timings import FASTER, FormatClock, using
 
 from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, load_policy
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune.budget import Budgets
-from autoprec.tune.choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
-from autoprec.tune.config import Mode
-from autoprec.tune.gradients import LayerGradients, scale_table
-from autoprec.tune.metric import NoiseFloor, metric_of
-from autoprec.tune.objective import INFEASIBLE, over_budget
-from autoprec.tune.profile_data import Profile, ProfileRow
-from autoprec.tune.searcher import search
-from autoprec.tune.space import space_from_dict
+from autoprec.tune._budget import Budgets
+from autoprec.tune._choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
+from autoprec.tune._config import Mode
+from autoprec.tune._gradients import LayerGradients, scale_table
+from autoprec.tune._metric import NoiseFloor, metric_of
+from autoprec.tune._objective import INFEASIBLE, over_budget
+from autoprec.tune._profile_data import Profile, ProfileRow
+from autoprec.tune._searcher import search
+from autoprec.tune._space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "trials": 6})
@@ -321,7 +321,7 @@ def test_resuming_in_another_mode_is_refused(trained):
 
 def test_a_budget_below_the_noise_floor_warns(trained, caplog, monkeypatch):
     workload, result, out = trained
-    module = sys.modules["autoprec.tune.objective"]
+    module = sys.modules["autoprec.tune._objective"]
     monkeypatch.setattr(module, "noise_floor", lambda *a, **k: NoiseFloor(10, (0.5, 0.6), 0.5))
     search(workload, FP16_SPACE, SearchConfig(budget=0.01, **{**TRAIN, "trials": 1}, study_name="low"), out)
     assert "budget 0.01 is below the noise floor 0.1" in caplog.text
@@ -334,7 +334,7 @@ def test_a_finished_train_mode_study_whose_result_stands_measures_no_noise_floor
     def measured_again(*args, **kwargs):
         raise AssertionError("the noise floor was measured again")
 
-    monkeypatch.setattr(sys.modules["autoprec.tune.objective"], "noise_floor", measured_again)
+    monkeypatch.setattr(sys.modules["autoprec.tune._objective"], "noise_floor", measured_again)
     again = search(workload, FP16_SPACE, SearchConfig(budget=0.02, **{**TRAIN, "trials": 2}), tmp_path)
     assert again.noise == result.noise and again.policy.measured["noise"] == result.policy.measured["noise"]
     for edited in ({"train_steps": 10, "fp32_metrics_by_seed": "12", "fp32_seed0_repeat": 1.0},
@@ -386,7 +386,7 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
     # A model that cannot train under autocast (it evaluates fine): the bf16 candidate fails to step,
     # and that trial is infeasible with the reason, while the search goes on.
     workload = prepare(load_task(picky_model(tmp_path)), "cpu")
-    from autoprec.tune.objective import Judge, Objective
+    from autoprec.tune._objective import Judge, Objective
 
     prof_space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32"]}})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), prof_space, 0.05, torch.device("cpu"))
@@ -412,8 +412,8 @@ def test_the_objective_judges_a_trial_against_the_resolved_budget_not_the_config
     so a trial dropping 0.06 is infeasible (and not timed), though 0.06 is below the 0.1 the config holds as given."""
     import optuna
 
-    from autoprec.tune.budget import resolve_budgets
-    from autoprec.tune.objective import Judge, Objective
+    from autoprec.tune._budget import resolve_budgets
+    from autoprec.tune._objective import Judge, Objective
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget="10%", **FAST)
@@ -435,7 +435,7 @@ def test_the_objective_judges_a_trial_against_the_resolved_budget_not_the_config
 def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finalists_or_settle(objectives):
     import optuna
 
-    from autoprec.tune.objective import Judge, Objective
+    from autoprec.tune._objective import Judge, Objective
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})
@@ -476,8 +476,8 @@ def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finali
 def test_the_eager_fp32_baseline_is_warmed_up_in_full_once_then_with_one_call(monkeypatch):
     import optuna
 
-    from autoprec.tune import objective as study_module
-    from autoprec.tune.objective import Judge, Objective
+    from autoprec.tune import _objective as study_module
+    from autoprec.tune._objective import Judge, Objective
 
     real, seen = study_module.interleaved_times, []
 
@@ -538,8 +538,8 @@ def test_an_alternative_that_cannot_train_is_a_row_with_its_error_not_a_crash(tm
     row = result.finals.by_name("uniform bf16")
     assert not row.runs and "no autocast here" in row.error
     assert "no autocast here" in result.policy.measured["results"]["uniform bf16"]["error"]
-    from autoprec.tune.report import search_summary
-    from autoprec.tune.show import show_policy
+    from autoprec.tune._report import search_summary
+    from autoprec.tune._show import show_policy
 
     assert "uniform bf16 failed: RuntimeError: no autocast here" in search_summary(result)
     assert "uniform bf16 failed: RuntimeError: no autocast here" in show_policy(result.policy)
@@ -563,7 +563,7 @@ def test_a_journal_with_a_torn_last_line_keeps_every_complete_trial_and_says_wha
 def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
     import dataclasses
 
-    from autoprec.tune.report import search_summary
+    from autoprec.tune._report import search_summary
 
     _, result, _ = searched
     quiet = dataclasses.replace(result, finals=result.finals.replace(spread=0.01))
@@ -590,7 +590,7 @@ def test_every_re_measured_candidate_and_timed_trial_records_its_peak_memory(sea
 
 @pytest.fixture
 def fake_memory(monkeypatch):
-    from autoprec.tune.trainer import Trainer
+    from autoprec.tune._trainer import Trainer
 
     monkeypatch.setattr(Trainer, "peak_memory", made_up_peak)
 
@@ -661,8 +661,8 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
     uniform bf16 by more than its measured spread."""
     import copy
 
-    from autoprec.tune.alternatives import BF16, FP32
-    from autoprec.tune.separation import separated
+    from autoprec.tune._alternatives import BF16, FP32
+    from autoprec.tune._separation import separated
 
     clock = timings("faster", noise=0.8, seed=seed)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -685,10 +685,10 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
 def test_on_a_noisy_device_a_trial_is_timed_the_fewest_rounds_an_interquartile_spread_needs():
     import optuna
 
-    from autoprec.tune.config import NOISE_ROUNDS, NOISY_SPREAD
-    from autoprec.tune.objective import Judge, Objective
-    from autoprec.tune.timing import noisiest
-    from autoprec.tune.trials import device_noise
+    from autoprec.tune._config import NOISE_ROUNDS, NOISY_SPREAD
+    from autoprec.tune._objective import Judge, Objective
+    from autoprec.tune._timing import noisiest
+    from autoprec.tune._trials import device_noise
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})
@@ -719,7 +719,7 @@ def test_on_a_noisy_device_a_trial_is_timed_the_fewest_rounds_an_interquartile_s
 
 
 def _seq_task(model: torch.nn.Module, shape: tuple[int, ...]):
-    from autoprec.tune.api import task_from_objects
+    from autoprec.tune._api import task_from_objects
 
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(*shape, generator=g), torch.randint(0, 4, (shape[0],), generator=g)) for _ in range(2)]
@@ -756,7 +756,7 @@ class _Recurrent(torch.nn.Module):
 
 @pytest.mark.slow
 def test_an_lstm_a_gru_and_a_batchnorm_search_to_a_policy_in_the_default_space(tmp_path):
-    from autoprec.tune.space import load_space
+    from autoprec.tune._space import load_space
 
     workload = prepare(_seq_task(_Recurrent(), (8, 3, 8)), "cpu")
     space = dataclasses.replace(load_space(), trials=4)

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from autoprec import Policy, apply_policy
-from autoprec.tune import pipeline, timing
-from autoprec.tune.trainer import Trainer
+from autoprec.tune import _pipeline as pipeline
+from autoprec.tune import _timing as timing
+from autoprec.tune._trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,11 +1,11 @@
-"""Step times: the clock, interleaved rounds, their spread and the noise helpers (autoprec/tune/timing.py)."""
+"""Step times: the clock, interleaved rounds, their spread and the noise helpers (autoprec/tune/_timing.py)."""
 
 import pytest
 import torch
 
-from autoprec.tune import timing
-from autoprec.tune.config import TimingConfig
-from autoprec.tune.timing import Timing, interleaved_times, probe_times
+from autoprec.tune import _timing as timing
+from autoprec.tune._config import TimingConfig
+from autoprec.tune._timing import Timing, interleaved_times, probe_times
 
 
 def test_interleaved_times_rotates_and_counts_rounds():
@@ -28,7 +28,7 @@ def test_warmup_counts_every_call_before_the_rounds_and_the_last_one_sizes_the_b
 
 
 def test_a_sequential_test_stops_the_rounds_once_enough_but_never_before_min_rounds():
-    from autoprec.tune.config import MIN_ROUNDS
+    from autoprec.tune._config import MIN_ROUNDS
 
     work = {"a": lambda: None, "b": lambda: None}
     config = TimingConfig(warmup=0, rounds=9, min_block_s=0.0)
@@ -63,8 +63,8 @@ def test_more_rounds_are_pooled_with_the_first_on_the_same_warm_callables_and_ke
 
 
 def test_more_rounds_only_when_a_spread_is_too_wide_to_rank(caplog):
-    from autoprec.tune.config import NOISY_SPREAD
-    from autoprec.tune.timing import more_if_noisy, noisiest
+    from autoprec.tune._config import NOISY_SPREAD
+    from autoprec.tune._timing import more_if_noisy, noisiest
 
     calm = {"a": [10.0, 10.2, 9.9, 10.1, 10.0], "b": [20.0, 20.5, 19.8, 20.1, 20.0]}
     loud = dict(calm, b=[20.0, 35.0, 12.0, 28.0, 20.0])
@@ -89,8 +89,8 @@ def test_a_sequential_test_may_stop_the_extra_rounds_too():
 
 
 def test_the_final_remeasure_is_settled_once_every_candidates_rounds_agree_and_not_before_five():
-    from autoprec.tune.config import SETTLED_FINAL_ROUNDS
-    from autoprec.tune.timing import all_settled
+    from autoprec.tune._config import SETTLED_FINAL_ROUNDS
+    from autoprec.tune._timing import all_settled
 
     tight = [10.0, 10.1, 9.9, 10.05, 10.0]
     assert all_settled({"a": tight, "b": [20.0, 20.1, 19.9, 20.0, 20.2]})
@@ -142,8 +142,8 @@ def test_every_step_time_is_read_through_the_clock(monkeypatch):
 def test_every_callable_takes_the_same_steps_in_every_round_sized_by_the_slowest(monkeypatch):
     """A time budget's re-measure timed fp16 on 9 steps beside fp32's 254 and wrote it 22x faster (issue 37, 5): block
     sizes came from each candidate's own warm-up. One block size now, from the slowest."""
-    from autoprec.tune.config import TimingConfig
-    from autoprec.tune.timing import interleaved_times
+    from autoprec.tune._config import TimingConfig
+    from autoprec.tune._timing import interleaved_times
 
     seconds = {"fast": 0.001, "slow": 0.02}
     calls: dict[str, list[int]] = {"fast": [], "slow": []}

@@ -1,4 +1,4 @@
-"""One candidate's training steps: the Trainer, its GradScaler, compiled steps and their timing (autoprec/tune/trainer.py)."""
+"""One candidate's training steps: the Trainer, its GradScaler, compiled steps and their timing (autoprec/tune/_trainer.py)."""
 
 import math
 from pathlib import Path
@@ -8,8 +8,8 @@ import torch
 
 from autoprec import LossScale, Policy
 from autoprec.tune import load_task, prepare
-from autoprec.tune.config import TimingConfig
-from autoprec.tune.trainer import Trainer, measure_steps
+from autoprec.tune._config import TimingConfig
+from autoprec.tune._trainer import Trainer, measure_steps
 
 MODELS = Path(__file__).parent / "models"
 FAST = TimingConfig(warmup=1, rounds=3, min_block_s=0.0)
@@ -104,7 +104,7 @@ def test_without_fp16_nothing_is_skipped(workload):
 
 
 def test_a_candidate_whose_step_fails_is_reported_and_the_others_are_timed(workload):
-    from autoprec.tune.trainer import measure_steps_or_fail
+    from autoprec.tune._trainer import measure_steps_or_fail
 
     # head is Linear(64, 4): mxfp8's dgrad needs out_features in blocks of 32
     stats, failed = measure_steps_or_fail(workload, {"fp32": Policy(), "bad": Policy(layers={"head": "mxfp8"})}, FAST)
@@ -113,7 +113,7 @@ def test_a_candidate_whose_step_fails_is_reported_and_the_others_are_timed(workl
 
 
 def test_matmul_precision_sets_strict_or_tf32_on_cuda_and_restores_the_callers_settings(no_gpu_contract):
-    from autoprec.tune.trainer import matmul_precision
+    from autoprec.tune._trainer import matmul_precision
 
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
@@ -133,7 +133,7 @@ def test_matmul_precision_set_through_torchs_new_api_is_saved_set_and_restored_t
     """A model.py that sets `torch.backends.cuda.matmul.fp32_precision = "tf32"` (torch's API since 2.9): torch's
     legacy getter then raises, and every CUDA step used to fail on it."""
     from autoprec.devices import float32_matmul_precision
-    from autoprec.tune.trainer import matmul_precision
+    from autoprec.tune._trainer import matmul_precision
 
     legacy = torch.get_float32_matmul_precision()
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
@@ -157,8 +157,9 @@ def test_matmul_precision_set_through_torchs_new_api_is_saved_set_and_restored_t
 def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monkeypatch, write_model, mlp_source):
     """Batches of 8, 8 and 5 rows: under torch.compile the 5-row batch compiles a graph of its own, which inside a
     timed round would be counted as step time; it is taken in the warm-up and counted as compile time."""
-    from autoprec.tune import load_task, prepare, timing
-    from autoprec.tune.trainer import Trainer, measure_steps_or_fail
+    from autoprec.tune import _timing as timing
+    from autoprec.tune import load_task, prepare
+    from autoprec.tune._trainer import Trainer, measure_steps_or_fail
 
     source = mlp_source + (
         "\ndef batches(split):\n    g = torch.Generator().manual_seed(0)\n"
@@ -167,7 +168,7 @@ def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monke
     workload = prepare(load_task(write_model(source)), "cpu")
     assert workload.shape_batches == (0, 2)
     monkeypatch.setattr(
-        "autoprec.tune.trainer.compile_model", lambda model: model
+        "autoprec.tune._trainer.compile_model", lambda model: model
     )  # compiled in name: what is stepped is the point
     seen = []
     real_time = timing.CLOCK.time
@@ -188,9 +189,10 @@ def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monke
 
 def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(monkeypatch, write_model, mlp_source, tmp_path):
     """The trials empty the compile caches for each candidate: the ragged batch compiled inside a timed round."""
-    from autoprec.tune import SearchConfig, load_task, prepare, timing
-    from autoprec.tune.searcher import search
-    from autoprec.tune.space import space_from_dict
+    from autoprec.tune import SearchConfig, load_task, prepare
+    from autoprec.tune import _timing as timing
+    from autoprec.tune._searcher import search
+    from autoprec.tune._space import space_from_dict
 
     source = mlp_source + (
         "\ndef batches(split):\n    g = torch.Generator().manual_seed(0)\n"
@@ -198,7 +200,7 @@ def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(mo
     )
     workload = prepare(load_task(write_model(source)), "cpu")
     monkeypatch.setattr(
-        "autoprec.tune.trainer.compile_model", lambda model: model
+        "autoprec.tune._trainer.compile_model", lambda model: model
     )  # compiled in name: what is stepped is the point
     seen = []
     real_time = timing.CLOCK.time

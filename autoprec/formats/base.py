@@ -229,7 +229,7 @@ class FormatFamily(abc.ABC):
 
     def gemm_precisions(self, fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
         """The element format each of an nn.Linear's three GEMMs runs in under `fmt`, as (fprop, dgrad, wgrad): each
-        one of GEMM_PRECISIONS. The FLOP goal (autoprec/tune/flops.py) weights a layer's GEMM work by a target's
+        one of GEMM_PRECISIONS. The FLOP goal (autoprec/tune/_flops.py) weights a layer's GEMM work by a target's
         throughput in these. `outer`: the autocast the layer is called under ("bf16", "fp16": its parent's or the
         model root's format), None outside any (an fp32 root); a GEMM the format leaves in high precision may run in
         it. "fp32" is strict fp32 (no TF32). The default: the spec's autocast dtype for all three (bf16, fp16), else

@@ -2,20 +2,26 @@
 your device, search per-layer formats and loss-scale settings with Optuna for the fastest training step within
 an accuracy budget (`search`), or one study for several budgets (`sweep`).
 
-`search` and `sweep` take a model and its batches (api.py); the steps behind them, which the command line
-drives from a model.py, are `load_task`, `prepare`, `profile`, `searcher.search` and `sweeper.sweep`.
+What is API: the names in `__all__` below, and the `autoprec.tune.export` package (export targets, a seam of its
+own). `search` and `sweep` take a model and its batches; `load_task`, `prepare` and `profile` are the steps the
+command line drives from a model.py; a goal (`Goal`, `register_goal`) is the seam for what a search optimises, and
+the records its methods read (`TrialRecord`, `Measurement`, `Finals`) come with it. What is not: every module here
+whose name starts with "_" (the stages: `_profiler`, `_pipeline`, `_objective`, ...); their names and signatures
+change without notice, and tests reach into them as torch's tests reach into torch's private modules.
 A training script does not need this package: `import autoprec` (the runtime) applies what it wrote.
 """
 
-from autoprec.tune.api import search, sweep
-from autoprec.tune.budget import Budget, parse_budget
-from autoprec.tune.config import Mode, ProfileConfig, SearchConfig
-from autoprec.tune.profile_data import Profile, ProfileRow
-from autoprec.tune.profiler import profile
-from autoprec.tune.searcher import SearchResult
-from autoprec.tune.space import Layout, SearchSpace, load_space
-from autoprec.tune.sweeper import SweepResult
-from autoprec.tune.task import Task, Workload, load_task, prepare
+from autoprec.tune._api import search, sweep
+from autoprec.tune._budget import Budget, parse_budget
+from autoprec.tune._config import Mode, ProfileConfig, SearchConfig
+from autoprec.tune._goals import Goal, goal_named, goals, register_goal, unregister_goal
+from autoprec.tune._profile_data import Profile, ProfileRow
+from autoprec.tune._profiler import profile
+from autoprec.tune._records import Finals, Measured, Measurement, TrialRecord
+from autoprec.tune._searcher import SearchResult
+from autoprec.tune._space import Layout, SearchSpace, load_space
+from autoprec.tune._sweeper import SweepResult
+from autoprec.tune._task import Task, Workload, load_task, prepare
 
 __all__ = [
     "search",
@@ -37,4 +43,13 @@ __all__ = [
     "ProfileConfig",
     "SearchConfig",
     "Mode",
+    "Goal",
+    "register_goal",
+    "unregister_goal",
+    "goals",
+    "goal_named",
+    "TrialRecord",
+    "Measurement",
+    "Finals",
+    "Measured",
 ]

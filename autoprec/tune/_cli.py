@@ -1,0 +1,737 @@
+"""autoprec's command line: thin verbs over the library. A user's mistake exits 2 with one line."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import functools
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import select
+import signal
+import site
+import sys
+import sysconfig
+import threading
+import traceback
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from autoprec import devices
+from autoprec.errors import UserError, printable
+from autoprec.formats import default_device
+
+if TYPE_CHECKING:
+    from autoprec.tune.export import ExportTarget
+
+EXIT_USER_ERROR = 2
+# What the shell reports for a Unix tool that SIGPIPE ended (128 + 13): `autoprec show p.json | head` stops as `cat` does
+EXIT_BROKEN_PIPE = 141
+
+
+def _device(value: str) -> torch.device:
+    """--device: a registered device type (autoprec.devices), available here, its index one of those present."""
+    try:
+        dev = torch.device(value)
+    except RuntimeError:
+        numbered = "".join(f" ({t}:N)" for t in devices.registered() if devices.device_for(t).numbered)
+        raise UserError(f"--device: unknown device {value!r}; use {devices.choices()}{numbered}") from None
+    try:
+        kind = devices.device_for(dev)
+    except devices.UnknownDeviceError as exc:
+        raise UserError(f"--device {value}: {exc}") from None
+    if not kind.is_available():
+        raise UserError(f"--device {value}: {kind.label} is not available here; use --device {devices.default_device()}")
+    count = kind.device_count() if kind.numbered else None
+    if count is not None and dev.index is not None and dev.index >= count:
+        raise UserError(
+            f"--device {value}: this machine has {count} {kind.unit}{'s' if count != 1 else ''} "
+            f"({dev.type}:0 to {dev.type}:{count - 1})"
+        )
+    return dev
+
+
+def _compile(args: argparse.Namespace) -> bool:
+    """--compile / --no-compile as given, else the device's default (config.default_compile)."""
+    from autoprec.tune._config import default_compile
+
+    return bool(args.compile) if args.compile is not None else default_compile(args.device)
+
+
+def _out_dir(args: argparse.Namespace, task) -> Path:
+    """--out, else results/<the model's name>, a name made safe to stay inside results/ (said when changed)."""
+    if args.out:
+        return Path(args.out)
+    name = folder_name(task.name)
+    if name != task.name:
+        logging.getLogger("autoprec").warning(
+            "the model's name %r is not a folder name inside results/: writing to results/%s (--out sets another)",
+            task.name,
+            name,
+        )
+    return Path("results") / name
+
+
+def folder_name(name: str) -> str:
+    """`name` as one folder name that cannot leave its parent: path separators become "_", and so do the dots
+    of "." and ".." (a model file named "...py" has the stem ".."), and an empty name is "_"."""
+    name = name.replace("/", "_").replace("\\", "_")  # POSIX's and Windows' separators, on either
+    return "_" * max(1, len(name)) if name in ("", ".", "..") else name
+
+
+def _quiet_torchao() -> None:
+    """Import torchao before model.py does (through transformers, say), with its loader's noise (CUDA extensions a CPU
+    lacks, pytree deprecations) kept out of the output: imported first by the user's libraries, it prints it."""
+    from autoprec.formats.float8 import import_float8
+
+    try:
+        import_float8()
+    except Exception:  # a broken torchao install shows where fp8 is used, not in every command here
+        pass
+
+
+def _prepare(args: argparse.Namespace):
+    from autoprec.tune._space import load_space
+    from autoprec.tune._task import load_task, prepare
+
+    _quiet_torchao()
+    task = load_task(args.model)
+    if getattr(args, "library_noise", None) is not None:  # a library model.py imported may have set up its own handler
+        args.library_noise.cover()
+    space = load_space(args.space)
+    device = _device(args.device)
+    workload = prepare(task, device)
+    try:
+        space = space.with_excludes(args.exclude or (), workload.model)
+    except ValueError as exc:
+        raise UserError(f"--{exc}") from None
+    how = "compiled" if _compile(args) else "eager"
+    _say(args, f"autoprec: {task.path} on {device}, {how}")
+    return task, space, workload
+
+
+def _print_json(args: argparse.Namespace, result: object, **options) -> None:
+    """--json's one result object, on the stdout main was given: the user's own prints went to stderr meanwhile."""
+    print(json.dumps(result, **options), file=getattr(args, "result_stdout", None) or sys.stdout)
+
+
+def _say(args: argparse.Namespace, line: str) -> None:
+    """A progress line on stderr, unless --quiet or --json (stdout then holds only the result)."""
+    if not (args.quiet or args.json):
+        print(line, file=sys.stderr)
+
+
+def _search_config(args: argparse.Namespace, budget=None):
+    """The settings, checked before the model is loaded (config.search_config, as the Python API builds them): a
+    search's budget as given (the pipeline resolves it), a sweep's none (its budgets go to the sweep)."""
+    from autoprec.tune._config import search_config
+
+    try:
+        return search_config(
+            device=_device(args.device),
+            budget=budget,
+            compile=args.compile,
+            mode=args.mode,
+            train_steps=args.train_steps,
+            noise_runs=args.noise_runs,
+            max_memory=args.max_memory,
+            numerics=args.numerics,
+            spell=lambda name: "--" + name.replace("_", "-"),
+            trials=args.trials,
+            seed=args.seed,
+            storage=args.storage,
+            study_name=args.study,
+            progress=not args.quiet,
+            remeasure=args.remeasure,
+            objective=args.objective,
+            target=getattr(args, "target", None),
+            predict_speed=not getattr(args, "time_every_trial", False),
+            time_budget=_time_budget(args),
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _time_budget(args: argparse.Namespace) -> float | None:
+    """--time-budget MINUTES as SearchConfig's seconds."""
+    minutes = getattr(args, "time_budget", None)
+    if minutes is None:
+        return None
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise UserError(f"--time-budget {minutes:g}: give the minutes the whole search may take, a number > 0, e.g. 10")
+    return minutes * 60.0
+
+
+def _budgets(args: argparse.Namespace, flag: str, value: str):
+    from autoprec.tune._budget import parse_budget_list
+
+    try:
+        return parse_budget_list(value)
+    except ValueError as exc:
+        raise UserError(f"{flag} {value}: {exc}") from None
+
+
+def _announce(args: argparse.Namespace, flag: str):
+    """pipeline.run's `announce`: each relative budget, once resolved, said on stderr."""
+    default = " (the default; --budget sets another)" if flag == "--budget" and args.budget is None else ""
+
+    def say(budgets) -> None:
+        for given in budgets.given.values():
+            _say(args, f"autoprec: budget {given}{default}")
+
+    return say
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from autoprec.tune._api import search_and_report
+    from autoprec.tune._budget import DEFAULT
+
+    specs = _budgets(args, "--budget", DEFAULT if args.budget is None else args.budget)
+    if len(specs) != 1:
+        raise UserError(f"--budget {args.budget}: one budget; for several, run autoprec sweep --budgets {args.budget}")
+    config = _search_config(args, budget=specs[0])
+    task, space, workload = _prepare(args)
+    out = args.out_dir = _out_dir(args, task)
+    command = _command("search", config.storage)
+    result = search_and_report(workload, space, config, out, command=command, announce=_announce(args, "--budget"))
+    if args.json:
+        _print_json(args, {"policy_file": str(out / "policy.json"), "policy": result.policy.to_dict()}, allow_nan=False)
+        return 0
+    if not args.quiet:
+        print(result.summary())
+        print(
+            f"\nwrote {out / 'policy.json'}, profile.csv, grad_ranges.csv, trials.csv, finalists.csv, summary.md, profile.png, "
+            f"grad_ranges.png (study {result.study_name!r} in {result.storage})"
+        )
+        measured = result.policy.measured or {}
+        estimate = measured.get("estimate")
+        if isinstance(estimate, dict) and estimate.get("what"):  # the goal's value is an estimate: said last, as one
+            print(f"{measured.get('chosen')}: {estimate['what']}")
+    return 0
+
+
+def _command(verb: str, storage: str | None) -> str:
+    """The command line as the user typed it, for the markdown reports; a database password in --storage (in
+    whatever form the option was given: --storage URL, --storage=URL, --stor URL) hidden."""
+    from autoprec.tune._credentials import hide_credentials
+
+    args = sys.argv[2:] if not storage else [arg.replace(storage, hide_credentials(storage)) for arg in sys.argv[2:]]
+    return " ".join(["autoprec", verb, *args])
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from autoprec.tune._api import sweep_and_report
+
+    specs = _budgets(args, "--budgets", args.budgets)
+    config = _search_config(args)
+    task, space, workload = _prepare(args)
+    out = args.out_dir = _out_dir(args, task)
+    if config.study_name is None:  # beside a search's study in the same storage, not mixed with it
+        config = dataclasses.replace(config, study_name=f"{task.name}-sweep")
+    command = _command("sweep", config.storage)
+    result = sweep_and_report(workload, space, specs, config, out, command=command, announce=_announce(args, "--budgets"))
+    if args.json:
+        rows = [
+            {"budget": b, "budget_given": r.budget_given, "policy_file": str(out / r.policy_file), "policy": p.to_dict()}
+            for (b, p), r in zip(result.policies.items(), result.table)
+        ]
+        _print_json(args, {"sweep_csv": str(out / "sweep.csv"), "budgets": rows}, allow_nan=False)
+        return 0
+    if not args.quiet:
+        print(result.summary())
+        files = ", ".join(r.policy_file for r in result.table)
+        print(
+            f"\nwrote {out / 'sweep.csv'}, sweep.md, pareto.png, sweep_trials.csv, sweep_finalists.csv, {files} "
+            f"(study {result.study_name!r} in {result.storage})"
+        )
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from autoprec.tune._config import ProfileConfig
+    from autoprec.tune._out_dir import claim_out_dir
+    from autoprec.tune._plots import plot_all
+    from autoprec.tune._profiler import profile
+    from autoprec.tune._report import breaks, breaks_summary, gradient_summary, profile_summary
+
+    task, space, workload = _prepare(args)
+    out = _out_dir(args, task)
+    with claim_out_dir(workload, out):
+        prof = profile(workload, space, ProfileConfig(compile=_compile(args)), progress=not args.quiet)
+        path = prof.save(out)
+        pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
+    if args.json:
+        found = [b.to_dict() for b in breaks(prof.rows)]
+        _print_json(
+            args,
+            {
+                "profile_csv": str(path),
+                "device": prof.device,
+                "fp32_metric": prof.fp32_metric,
+                "metric": prof.metric_name,
+                "breaks": found,
+            },
+        )
+        return 0
+    if args.quiet:
+        return 0
+    print(profile_summary(prof.rows))
+    print()
+    print(gradient_summary(prof.rows, prof.advice()))
+    names = ", ".join(p.name for p in [path.with_name("grad_ranges.csv"), *pngs])
+    print(f"\nfp32 metric {prof.fp32_metric:.6g} ({prof.metric_name}) on {prof.device}; wrote {path}, {names}")
+    print()
+    print(breaks_summary(prof.rows))  # last: the short answer to "which layer breaks?"
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from autoprec.policy import load_policy
+    from autoprec.tune.export import default_path, export, options
+
+    policy = load_policy(args.policy)
+    source = Path(args.policy)
+    out = Path(args.out) if args.out else default_path(source, args.to)
+    given = {option.dest: getattr(args, option.dest) for option in options()}  # the targets' own options (None: not given)
+    try:
+        left_out = export(policy, args.to, out, source=str(source), **given)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
+    if args.json:
+        _print_json(args, {"file": str(out), "not_expressed": left_out})
+        return 0
+    if not args.quiet:  # the path and the lines name the policy's file and layers: escaped, as show prints them
+        print(f"wrote {printable(str(out))}")
+        for line in left_out:
+            print(f"not expressed: {printable(line)}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from autoprec.policy import load_policy
+    from autoprec.tune._show import show_policy
+
+    policy = load_policy(args.policy)
+    if args.json:
+        _print_json(args, policy.to_dict(), indent=2)
+    else:
+        print(show_policy(policy, markdown=args.markdown))
+    return 0
+
+
+GLOBAL_FLAGS = (
+    ("--debug", "show tracebacks and debug logs"),
+    ("--quiet", "no progress bars and no tables: warnings, errors and the exit code only"),
+    ("--json", "print the result as one JSON object on stdout (progress stays on stderr)"),
+)
+
+
+def _global_flags(p: argparse.ArgumentParser) -> None:
+    """The top-level flags, accepted after the verb too (`autoprec search m.py --json`)."""
+    for flag, _ in GLOBAL_FLAGS:
+        p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("autoprec")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged (as Python's last-resort handler does)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _log_setup(debug: bool) -> None:
+    """autoprec's own log lines, and only those, carry its prefix: torchao's or transformers' lines keep
+    theirs (the root logger gets no handler, so Python's last-resort one prints their warnings as they are).
+    Process-wide, so the CLI's job, not the library's."""
+    logger = logging.getLogger("autoprec")
+    handler = _Stderr()
+    handler.setFormatter(logging.Formatter("autoprec: %(message)s"))
+    logger.handlers[:] = [h for h in logger.handlers if not isinstance(h, _Stderr)] + [handler]
+    logger.setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[tuple[str, ...], str]:
+    """(where installed packages and the standard library live, where autoprec lives), each ending in a separator."""
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.update(getattr(site, "getsitepackages", list)())
+    roots.add(site.getusersitepackages())
+    own = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots), os.path.join(own, "")
+
+
+@functools.lru_cache(maxsize=256)
+def _installed_tops(folder: str) -> frozenset[str]:
+    """The top-level names (packages, modules) that distributions installed into `folder` put there, from each
+    `*.dist-info`'s RECORD: what `pip install --target DIR` leaves beside the user's own files, if DIR is theirs."""
+    try:
+        infos = [n for n in os.listdir(folder) if n.endswith(".dist-info")]
+    except OSError:
+        return frozenset()
+    tops: set[str] = set()
+    for info in infos:
+        try:
+            with open(os.path.join(folder, info, "RECORD"), encoding="utf-8", newline="") as record:
+                for row in csv.reader(record):  # pip writes RECORD with csv, quoting a path that holds a comma
+                    path = row[0].replace("\\", "/") if row else ""
+                    top = path.split("/", 1)[0]
+                    # Python files only: a wheel's scripts (bin/) and data are no package a warning comes from
+                    if path.endswith(_CODE) and top not in ("", "..") and not top.endswith(".dist-info"):
+                        tops.add(top)
+        except (OSError, csv.Error):
+            continue
+    return frozenset(tops)
+
+
+_CODE = (".py", ".pyi", ".pyd", ".so")  # what an installed distribution's Python code ends in
+
+
+def _installed_on_path(real: str) -> bool:
+    """Whether `real` (a resolved path) is a file a distribution installed into a folder on sys.path outside
+    site-packages (`pip install --target DIR` with PYTHONPATH=DIR, as on a cluster or a container image); the
+    user's own files beside it (model.py in that folder, say) are not."""
+    for entry in sys.path:
+        folder = os.path.join(os.path.realpath(entry or "."), "")
+        if real.startswith(folder) and real[len(folder) :].split(os.sep, 1)[0] in _installed_tops(folder):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _from_library(path: str) -> bool:
+    """Whether a warning or log record from the file `path` is a library's: a file of an installed package or of
+    the standard library, not autoprec's own (installed too) and not the user's (model.py and their modules)."""
+    if path.startswith("<"):
+        return path.startswith("<frozen")  # importlib's frames: an extension module's import
+    roots, own = _library_roots()
+    real = os.path.realpath(path)
+    return not real.startswith(own) and (real.startswith(roots) or _installed_on_path(real))
+
+
+class _LibraryNoise(logging.Filter):
+    """Libraries' warnings and log lines below ERROR kept out of the output for the command's duration (--debug shows
+    them): torch's pytree deprecation notices when model.py imports transformers or torchao, say, are for those
+    libraries' maintainers, not about the user's run, and nothing the user can act on. Process-wide, so the CLI's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._covered: list[logging.Handler] = []
+        self._shown = warnings.showwarning
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not _from_library(record.pathname)
+
+    def cover(self) -> None:
+        """Filter every log handler there is now: the last-resort one (the root has none), torch's, and those a
+        library that model.py imported set up (transformers'). One set up later prints as it would."""
+        handlers = [logging.lastResort, *logging.getLogger().handlers]
+        for logger in list(logging.Logger.manager.loggerDict.values()):
+            if isinstance(logger, logging.Logger):
+                handlers.extend(logger.handlers)
+        for handler in handlers:
+            if handler is not None and self not in handler.filters:
+                handler.addFilter(self)
+                self._covered.append(handler)
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if not _from_library(filename):
+            self._shown(message, category, filename, lineno, file, line)
+
+    def __enter__(self) -> _LibraryNoise:
+        self.cover()
+        self._shown = warnings.showwarning  # inside main's warnings.catch_warnings(), which puts it back
+        warnings.showwarning = self._show
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handler in self._covered:
+            handler.removeFilter(self)
+        self._covered.clear()
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it, so a BrokenPipeError is ours to stop on, not one from a
+    pipe or socket the model's own code uses. Where poll cannot tell (Windows), it is taken to be stdout's."""
+    try:
+        poller = select.poll()
+        poller.register(sys.__stdout__.fileno(), select.POLLOUT)  # type: ignore[union-attr]
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return True
+
+
+def _silence_stdout() -> None:
+    """stdout pointed at devnull, so the interpreter's flush of what is still buffered at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno())  # type: ignore[union-attr]
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
+def _export_file_names(targets: Sequence[ExportTarget]) -> str:
+    """'<name>_<target>.py, or .json for megatron': the suffix most targets write, then the others'."""
+    suffixes = [t.suffix for t in targets]
+    usual = max(suffixes, key=suffixes.count)
+    others = [f"{t.suffix} for {t.name}" for t in targets if t.suffix != usual]
+    return f"<name>_<target>{usual}" + (f", or {', '.join(others)}" if others else "")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device."
+    )
+    parser.add_argument("--version", action="version", version=f"autoprec {_version()}")
+    for flag, text in GLOBAL_FLAGS:
+        parser.add_argument(flag, action="store_true", help=text)
+    from autoprec.tune._goals import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
+    from autoprec.tune._targets import targets as planned_for  # noqa: PLC0415 (--target's devices, not export's)
+
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show,export}")
+
+    def model_verb(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = verbs.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("model", help="path to a model.py (build_model, batches, loss_fn; optional evaluate, optimizer)")
+        p.add_argument(
+            "--device", default=str(default_device()), help="where to measure (default: cuda when available, else cpu)"
+        )
+        p.add_argument("--out", help="output directory (default: results/<model name>)")
+        p.add_argument("--space", help="search-space YAML (default: the shipped search_spaces/default.yaml)")
+        p.add_argument(
+            "--exclude",
+            action="append",
+            metavar="PATTERN",
+            help="keep modules whose name matches (fnmatch: pooler, '*.lm_head') out of the search, with "
+            "everything inside them; repeatable; added to the space file's exclude list",
+        )
+        p.add_argument(
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="time steps with the model under torch.compile, as users who compile train (default: on for cuda, off for cpu)",
+        )
+        _global_flags(p)
+        return p
+
+    def study_options(p: argparse.ArgumentParser, default_study: str) -> None:
+        p.add_argument("--trials", type=int, help="trials in the study, counting earlier runs of it (default: the space's)")
+        p.add_argument("--storage", help="Optuna storage URL or journal file (default: <out>/study.journal)")
+        p.add_argument("--study", help=f"study name (default: {default_study}); the same name resumes")
+        p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+        p.add_argument(
+            "--remeasure",
+            action="store_true",
+            help="rerunning a finished study keeps the result it wrote; this re-measures its finalists and chooses again",
+        )
+        p.add_argument(
+            "--mode",
+            default="weights",
+            metavar="{weights,train}",
+            help="what the budget applies to: the metric of the given weights with the policy (weights, "
+            "default), or after --train-steps training steps against fp32 trained alike (train)",
+        )
+        p.add_argument("--train-steps", type=int, metavar="K", help="train mode: training steps per candidate (default 50)")
+        p.add_argument(
+            "--noise-runs",
+            type=int,
+            metavar="R",
+            help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)",
+        )
+        p.add_argument(
+            "--max-memory",
+            metavar="SIZE",
+            help="the most peak memory a training step may need: a size (40GB, 512MiB) or a share of the "
+            "device's memory (0.8, 80%%); candidates above it are infeasible",
+        )
+        p.add_argument(
+            "--numerics",
+            choices=("offered", "all"),
+            default="offered",
+            help="the profile's numerics (SQNR, overflow, metric drop) for the formats the timing keeps in "
+            "play (offered, default: minutes saved) or for every format the device can run (all), "
+            "as `autoprec profile` measures them",
+        )
+        # every registered goal (autoprec.tune._goals); SearchConfig refuses another name, listing them
+        p.add_argument("--objective", default="speed", metavar=objective_metavar(), help=objective_help())
+        p.add_argument(
+            "--target",
+            metavar="{" + ",".join(t.name for t in planned_for()) + "}",
+            help="with --objective flops: the device to plan for, whose datasheet's nominal dense "
+            "throughput per format weights each GEMM's FLOPs (an estimate, not a measurement)",
+        )
+
+    s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
+    s.add_argument(
+        "--budget",
+        metavar="B",
+        help="largest allowed drop of the metric from all-fp32: in the metric's units (0.01) or relative to "
+        "the fp32 metric's magnitude (1%%); default 1%%",
+    )
+    study_options(s, "the model's name")
+    s.add_argument(
+        "--time-every-trial",
+        action="store_true",
+        help="time every trial, also one the profile's layer times predict too slow to be a finalist "
+        "(by default those are left untimed, and the trials stop once none untried can win)",
+    )
+    s.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="MINUTES",
+        help="minutes the whole search may take: the trials stop where the final re-measure still fits, "
+        "and the answer is chosen from what was measured (default: no limit but --trials)",
+    )
+    s.set_defaults(func=cmd_search)
+
+    w = model_verb(
+        "sweep",
+        "one two-objective study (speedup or peak memory, and metric drop) and a verified policy for each of several budgets",
+    )
+    w.add_argument(
+        "--budgets",
+        required=True,
+        metavar="B1,B2,...",
+        help="comma-separated budgets, e.g. 0,0.002,0.005,0.01,0.02 (metric units) or 0,0.5%%,1%%,2%% (of the fp32 metric)",
+    )
+    study_options(w, "the model's name + '-sweep'")
+    w.set_defaults(func=cmd_sweep)
+
+    p = model_verb(
+        "profile",
+        "measure each layer's sensitivity, gradient ranges and speed in each format; write profile.csv, grad_ranges.csv and heat maps",
+    )
+    p.set_defaults(func=cmd_profile)
+
+    sh = verbs.add_parser("show", help="print a policy file for a person", description="print a policy file for a person")
+    sh.add_argument("policy", help="path to a policy.json")
+    sh.add_argument("--markdown", action="store_true", help="markdown tables")
+    _global_flags(sh)
+    sh.set_defaults(func=cmd_show)
+
+    from autoprec.tune.export import options, targets  # noqa: PLC0415 (light: the policy and formats only)
+
+    # every registered target (autoprec.tune.export): its name, its file's suffix and the options it adds
+    ex = verbs.add_parser(
+        "export",
+        help="write a policy's fp8 layers for another training tool",
+        description="write a policy's fp8 layers for another training tool; what it cannot express is listed",
+    )
+    ex.add_argument("policy", help="path to a policy.json")
+    ex.add_argument(
+        "--to", required=True, choices=[t.name for t in targets()], help="; ".join(f"{t.name}: {t.summary}" for t in targets())
+    )
+    ex.add_argument("--out", help=f"the file to write (default: beside the policy, {_export_file_names(targets())})")
+    for option, names in options().items():
+        ex.add_argument(
+            option.flag, dest=option.dest, type=option.type, metavar=option.metavar, help=f"{', '.join(names)}: {option.help}"
+        )
+    _global_flags(ex)
+    ex.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _log_setup(args.debug)
+    if args.verb in ("search", "sweep") and not args.debug:  # process-wide settings belong here, not in the library
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress bar shows the trials
+    args.result_stdout = sys.stdout
+    # Under --json stdout holds the one result object: a model.py that prints (at import, in build_model, in
+    # loss_fn) prints to stderr. Process-wide, so here, in the CLI, which owns the process, not in the library.
+    to_stderr = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    try:
+        with to_stderr, warnings.catch_warnings(), contextlib.ExitStack() as stack:
+            stack.enter_context(_terminate_as_interrupt())
+            if not args.debug:  # inductor's notes on the kernels it generates (--compile) say nothing to a user
+                warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._inductor")
+                args.library_noise = stack.enter_context(_LibraryNoise())
+            code = args.func(args)
+            for stream in (sys.stdout, args.result_stdout):  # here, where a reader that has gone is handled below
+                stream.flush()
+            return code
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise
+        # `autoprec show p.json | head`: the reader has what it wanted. Unix tools die of SIGPIPE there, without a
+        # word, and the shell reports 141; the same here, so `set -o pipefail` sees the output was cut short.
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except UserError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"autoprec: error: {printable(str(exc))}", file=sys.stderr)  # a path or a value from a file, escaped
+        return EXIT_USER_ERROR
+    except _Terminated:
+        print(f"autoprec: stopped (SIGTERM){_resume_hint(args)}", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except KeyboardInterrupt:
+        print(f"autoprec: interrupted{_resume_hint(args)}", file=sys.stderr)
+        return 130
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a timeout, Slurm, Kubernetes) taken as Ctrl-C is: Optuna fails the running trial instead of leaving it
+    RUNNING for good, the storage is left consistent and the user is told how to resume."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises _Terminated in the main thread while the command runs (process-wide: the CLI owns the process)."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise _Terminated
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """How to go on after Ctrl-C or SIGTERM: what is stored (a study, a profile, nothing yet), and the command that
+    resumes a search from it."""
+    if args.verb not in ("search", "sweep"):
+        return ""
+    given = [flag for flag, value in (("--out", args.out), ("--study", args.study), ("--storage", args.storage)) if value]
+    same = f" (with the same {', '.join(given)})" if given else ""
+    out = getattr(args, "out_dir", None)  # set once the model is ready and its folder known
+    if out is not None and args.storage:  # a database or journal elsewhere: whether a trial finished is not known here
+        return f"; any trials that finished are stored in --storage: run the same command again{same} to resume"
+    if out is not None and (out / "study.journal").is_file():
+        return f"; the trials so far are stored: run the same command again{same} to resume"
+    if out is not None and any((out / d / "profile.csv").is_file() for d in (".", "sweep_profile")):
+        return f"; no trial had finished; the profile is stored: run the same command again{same} to go on from it"
+    return f"; nothing was stored yet (stopped before the profile finished): run the same command again{same} to start"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
