@@ -147,7 +147,7 @@ def test_the_command_line_refuses_a_missing_unknown_or_unwanted_target(flags, sa
     assert said in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_search_on_a_cpu_plans_the_lowest_formats_the_budget_allows_for_a_b200(fp4, tmp_path, timings):
+def test_a_search_on_a_cpu_plans_the_lowest_formats_each_layer_can_take_for_a_b200(fp4, tmp_path, timings):
     timings("slower")  # this machine's speed: the toy runs slower than fp32 here, and that does not matter
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16", FP4]}, "trials": 10})
@@ -156,6 +156,7 @@ def test_a_search_on_a_cpu_plans_the_lowest_formats_the_budget_allows_for_a_b200
     result = search(workload, space, config, tmp_path)
 
     policy = load_policy(tmp_path / "policy.json")
+    assert "non-finite" in result.choices.excluded["head"][FP4]
     # the toy on the head makes the logits NaN (ruled out); fc1 and big take it, the head the next lowest, bf16
     assert policy.layers["fc1"] is fp4 and policy.layers["big"] is fp4 and policy.layers["head"] is Format.BF16
     m = policy.measured
@@ -371,3 +372,31 @@ def test_the_profile_greedy_policy_of_a_flop_search_is_priced_on_the_target_not_
     alts = alternatives(model, torch.device("cpu"), prof, choices, 0.1, cost=goal.layer_cost)
     assert alts.candidates[GREEDY].policy.layers["fc1"] == "nvfp4"
     assert SPEED.layer_cost(table["fc1"]["nvfp4"]) == 40.0  # a measured goal: this machine's time
+
+
+def test_a_ranked_layout_keeps_the_flop_goals_fallback_out_of_its_ranks_and_prefers_the_targets_cheapest():
+    """In a space whose lists fall back to bf16, bf16 is no lowered format to rank; and a layer taken for several
+    formats takes the target's cheapest, not this machine's fastest: the greedy start survives the layout (found in
+    review: it decoded to all bf16)."""
+    from types import SimpleNamespace
+
+    from autoprec.tune._choices import Choices, greedy_params, layer_formats, with_layout
+
+    ms = {"bf16": 0.9, "mxfp8": 30.0, "nvfp4": 40.0}  # emulated here: the low formats are slow on this machine
+    table = {
+        n: {
+            f: SimpleNamespace(layer=n, type="Linear", shape="64x64", format=f, time_ms=t, metric_drop=0.001 * i, sqnr_db=30.0)
+            for f, t in ms.items()
+        }
+        for i, n in enumerate(("a", "b", "c"))
+    }
+    prof = SimpleNamespace(by_layer=lambda: table)
+    lists = dict.fromkeys(("a", "b", "c"), ("bf16", "mxfp8", "nvfp4"))
+    goal = Flops(B200, dict.fromkeys(("a", "b", "c"), 2.0 * 4096 * 64 * 64))
+    ranked = with_layout(Choices(default=("bf16",), layers=lists, excluded={}), prof, "ranked", 1, cost=goal.layer_cost)
+    assert set(ranked.ranking) == {"mxfp8", "nvfp4"}  # the fallback is not ranked
+    assert all(p == ("nvfp4", "mxfp8") for p in ranked.preference.values())  # the B200's order, not this CPU's
+    params = greedy_params(prof, ranked, 0.0015, cost=goal.layer_cost)  # a and b fit the budget, c does not
+    assert layer_formats(params, ranked) == {"a": "nvfp4", "b": "nvfp4", "c": "bf16"}
+    by_time = with_layout(Choices(default=("bf16",), layers=lists, excluded={}), prof, "ranked", 1)
+    assert all(p == ("mxfp8", "nvfp4") for p in by_time.preference.values())  # a measured goal: this machine's order

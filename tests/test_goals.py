@@ -15,10 +15,14 @@ from short_timing import FAST_PROFILE, TINY
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import (
+    ALTERNATIVES,
+    MEMORY,
+    SPEED,
     Finals,
     Goal,
     SearchConfig,
     TrialRecord,
+    choose,
     goal_named,
     goals,
     load_task,
@@ -26,11 +30,9 @@ from autoprec.tune import (
     register_goal,
     unregister_goal,
 )
-from autoprec.tune._alternatives import ALTERNATIVES, NOT_A_POLICY
+from autoprec.tune._alternatives import NOT_A_POLICY
 from autoprec.tune._choices import policy_from_params
-from autoprec.tune._choose import choose
 from autoprec.tune._flops import FLOPS
-from autoprec.tune._goals import MEMORY, SPEED
 from autoprec.tune._searcher import search
 from autoprec.tune._space import space_from_dict
 from autoprec.tune._sweeper import pareto_front

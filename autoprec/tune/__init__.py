@@ -5,22 +5,27 @@ an accuracy budget (`search`), or one study for several budgets (`sweep`).
 What is API: the names in `__all__` below, and the `autoprec.tune.export` package (export targets, a seam of its
 own). `search` and `sweep` take a model and its batches; `load_task`, `prepare` and `profile` are the steps the
 command line drives from a model.py; a goal (`Goal`, `register_goal`) is the seam for what a search optimises, and
-the records its methods read (`TrialRecord`, `Measurement`, `Finals`) come with it. What is not: every module here
+what a goal author uses comes with it (the records its methods read, `TrialRecord`, `Measurement`, `Finals`; the
+built-in goals, `SPEED`, `MEMORY`; `Axis`, `INFEASIBLE`, the decision rules `choose`, `choose_smallest` and the
+`ALTERNATIVES` they compare with); a FLOP goal's target device is one more (`Target`, `register_target`). What is not: every module here
 whose name starts with "_" (the stages: `_profiler`, `_pipeline`, `_objective`, ...); their names and signatures
 change without notice, and tests reach into them as torch's tests reach into torch's private modules.
 A training script does not need this package: `import autoprec` (the runtime) applies what it wrote.
 """
 
+from autoprec.tune._alternatives import ALTERNATIVES
 from autoprec.tune._api import search, sweep
 from autoprec.tune._budget import Budget, parse_budget
+from autoprec.tune._choose import choose, choose_smallest
 from autoprec.tune._config import Mode, ProfileConfig, SearchConfig
-from autoprec.tune._goals import Goal, goal_named, goals, register_goal, unregister_goal
+from autoprec.tune._goals import INFEASIBLE, MEMORY, SPEED, Axis, Goal, goal_named, goals, register_goal, unregister_goal
 from autoprec.tune._profile_data import Profile, ProfileRow
 from autoprec.tune._profiler import profile
 from autoprec.tune._records import Finals, Measured, Measurement, TrialRecord
 from autoprec.tune._searcher import SearchResult
 from autoprec.tune._space import Layout, SearchSpace, load_space
 from autoprec.tune._sweeper import SweepResult
+from autoprec.tune._targets import Target, register_target, unregister_target
 from autoprec.tune._task import Task, Workload, load_task, prepare
 
 __all__ = [
@@ -52,4 +57,14 @@ __all__ = [
     "Measurement",
     "Finals",
     "Measured",
+    "SPEED",
+    "MEMORY",
+    "INFEASIBLE",
+    "Axis",
+    "ALTERNATIVES",
+    "choose",
+    "choose_smallest",
+    "Target",
+    "register_target",
+    "unregister_target",
 ]

@@ -90,7 +90,7 @@ class Choices:
         """One line for a person: how many parameters stand for how many layers."""
         n = len(self.searched)
         if n == 0:
-            return "no layer has a format left beside fp32 after the profile: only the model root's format is searched"
+            return "no layer has a format left beside its fallback after the profile: only the model root's format is searched"
         if self.layout == Layout.GROUPED.value:
             return f"grouped: {len(self.groups)} parameters for the roles of {n} searched layers"
         if self.layout == Layout.RANKED.value:
@@ -119,12 +119,14 @@ def build_choices(
     *,
     judge_drop: bool = True,
     fallbacks: Mapping[str, Format] | None = None,
+    cost: LayerCost = measured_time,
 ) -> Choices:
     """Per-layer choices: the offered formats the profile did not rule out; each layer's fallback always stays, first
     (`fallbacks`: SearchSpace.fallbacks, its list's under the goal; fp32 where None or unlisted). The profile measures
     fp32 for every layer, as the reference: a layer whose fallback is another format (bf16, under the FLOP goal) is
     offered fp32 only where its list holds it (`fallbacks` then says fp32). With `judge_drop` False (train mode) a
-    single layer's drop of the given weights' metric rules nothing out. The space's layout is resolved here."""
+    single layer's drop of the given weights' metric rules nothing out. The space's layout is resolved here (a ranked
+    one orders each layer's formats by `cost`, the goal's Goal.layer_cost)."""
     layers: dict[str, tuple[str, ...]] = {}
     excluded: dict[str, dict[str, str]] = {}
     for name, rows in prof.by_layer().items():
@@ -142,7 +144,7 @@ def build_choices(
     default = tuple(f.value for f in space.default if autocast_supported(device, f))
     choices = Choices(default=default, layers=layers, excluded=excluded)
     choices = dataclasses.replace(choices, loss_scale=loss_scale_choice(prof, choices, space))
-    return with_layout(choices, prof, space.layout, space.max_params)
+    return with_layout(choices, prof, space.layout, space.max_params, cost=cost)
 
 
 def loss_scale_choice(prof: Profile, choices: Choices, space: SearchSpace) -> dict[str, Any]:
@@ -196,28 +198,32 @@ def _sensitivity_key(row: ProfileRow) -> tuple[float, float, str]:
 
 
 def rank_layers(
-    prof: Profile, layers: Mapping[str, tuple[str, ...]]
+    prof: Profile, layers: Mapping[str, tuple[str, ...]], *, cost: LayerCost = measured_time
 ) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
-    """(ranking, preference): per lowered format, the layers allowed it, least sensitive first (single-layer
-    metric drop, then output SQNR, highest first); per layer, its allowed formats by profiled time, fastest first."""
+    """(ranking, preference): per lowered format (any but a layer's fallback, its first option: fp32, or bf16 in a
+    FLOP goal's space), the layers allowed it, least sensitive first (single-layer metric drop, then output SQNR,
+    highest first); per layer, its lowered formats by `cost` (the goal's Goal.layer_cost: this device's profiled
+    time, or the target's GEMM time), cheapest first."""
     rows = prof.by_layer()
     ranking: dict[str, tuple[str, ...]] = {}
-    for fmt in (f for f in format_names() if f != Format.FP32.value):
-        allowed = [n for n, options in layers.items() if fmt in options and len(options) > 1]
+    for fmt in format_names():
+        allowed = [n for n, options in layers.items() if fmt in options[1:]]
         if allowed:
             ranking[fmt] = tuple(sorted(allowed, key=lambda n: _sensitivity_key(rows[n][fmt])))
     order = format_names()  # the order options are listed in (fp32, bf16, fp16, the fp8s, ...), read now
     preference = {}
     for name, options in layers.items():
-        lowered = [f for f in options if f != Format.FP32.value]
-        times = {f: rows[name][f].time_ms for f in lowered}
+        lowered = list(options[1:])
+        costs = {f: cost(rows[name][f]) for f in lowered}
         preference[name] = tuple(
-            sorted(lowered, key=lambda f: (times[f] if math.isfinite(times[f]) else math.inf, order.index(f)))
+            sorted(lowered, key=lambda f: (costs[f] if math.isfinite(costs[f]) else math.inf, order.index(f)))
         )
     return ranking, preference
 
 
-def with_layout(choices: Choices, prof: Profile, layout: Layout | str, max_params: int) -> Choices:
+def with_layout(
+    choices: Choices, prof: Profile, layout: Layout | str, max_params: int, *, cost: LayerCost = measured_time
+) -> Choices:
     """`choices` with its layout resolved (auto picks by size) and the groups or ranking it needs."""
     layout = parse_layout(layout)
     searched = choices.searched
@@ -232,7 +238,7 @@ def with_layout(choices: Choices, prof: Profile, layout: Layout | str, max_param
     if layout is Layout.GROUPED:
         return dataclasses.replace(choices, layout=layout.value, groups=groups)
     if layout is Layout.RANKED:
-        ranking, preference = rank_layers(prof, choices.layers)
+        ranking, preference = rank_layers(prof, choices.layers, cost=cost)
         return dataclasses.replace(choices, layout=layout.value, ranking=ranking, preference=preference)
     return dataclasses.replace(choices, layout=Layout.PER_LAYER.value)
 

@@ -163,7 +163,8 @@ class Flops(Goal):
     def layer_cost(self, row: ProfileRow) -> float:
         """The layer's nominal GEMM seconds per step on the target in the row's format, its high-precision GEMMs in
         bf16 (inside the estimate's all-bf16 baseline); NaN for a layer with no FLOP count or a format the target
-        does not run. This machine's time says nothing of the target's."""
+        does not run. This machine's time says nothing of the target's. The bf16 around it is a heuristic for ranking
+        only: under an fp32 root (the other greedy warm start) a per-GEMM format's high-precision GEMMs run in fp32."""
         target, flops = self._ready()
         work = flops.get(row.layer)
         if work is None:

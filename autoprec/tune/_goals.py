@@ -343,6 +343,11 @@ class Memory(Goal):
     chosen_for = "the smallest peak memory within budget"
     needs_peak = True
 
+    def layer_cost(self, row: ProfileRow) -> float:
+        """The most the live bytes rose over the layer's own step in the row's format (its profile's
+        step_rise_bytes; NaN where the device has no measurement): the greedy policy lowers what saves memory."""
+        return row.step_rise_bytes
+
     def value(self, record: TrialRecord, policy: Policy) -> float | None:
         return record.peak_bytes / memory.MIB if record.peak_bytes is not None else None
 

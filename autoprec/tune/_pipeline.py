@@ -401,7 +401,13 @@ def start(
         raise UserError(f"--objective {config.objective.name}: {exc}") from None
     fallbacks = space.fallbacks(workload.model, config.objective)  # fp32, or a FLOP goal's bf16 where a list has no fp32
     choices = build_choices(
-        prof, space, budgets.bound, workload.device, judge_drop=config.mode is Mode.WEIGHTS, fallbacks=fallbacks
+        prof,
+        space,
+        budgets.bound,
+        workload.device,
+        judge_drop=config.mode is Mode.WEIGHTS,
+        fallbacks=fallbacks,
+        cost=config.objective.layer_cost,
     )
 
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
