@@ -162,7 +162,9 @@ def _finalist_key(name: str, layers: tuple[str, ...], by_trial: Mapping[int, tup
         return ("fp32",) * (len(layers) + 1)
     if name == "uniform bf16":
         return ("bf16",) * (len(layers) + 1)
-    if name == "profile greedy":  # _choices.greedy_policy as a speed search prices it: a bf16 root, each layer's fastest format kept (no drop here)
+    if (
+        name == "profile greedy"
+    ):  # _choices.greedy_policy as a speed search prices it: a bf16 root, each layer's fastest format kept (no drop here)
         kept = prof[prof["metric_source"].fillna("").str.match("measured|predicted") & prof["time_ms"].notna()]
         fastest = {layer: str(rows.loc[rows["time_ms"].idxmin(), "format"]) for layer, rows in kept.groupby("layer")}
         return ("bf16", *(fastest.get(n, "fp32") for n in layers))

@@ -169,5 +169,6 @@ def test_describe_says_when_the_profile_left_only_the_root_to_search():
 
     choices = Choices(default=("fp32", "bf16"), layers={"a": ("fp32",), "b": ("fp32",)}, excluded={})
     assert (
-        choices.describe() == "no layer has a format left beside its fallback after the profile: only the model root's format is searched"
+        choices.describe()
+        == "no layer has a format left beside its fallback after the profile: only the model root's format is searched"
     )
