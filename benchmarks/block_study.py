@@ -21,7 +21,8 @@ summary.md (with the rank correlation against the SQNR when sqnr.csv is there).
 Phase 2 (`--part search`): train-mode searches of the mini model with the FLOP goal on b200 (K = --steps train
 steps, one search per --budgets value, layout --layout), each in search/budget-<b>[-<layout>]/ (with --tag:
 search/budget-<b>-<layout>-<tag>/) with its policy.json; search.csv and its section of summary.md. The untagged
-searches ran before autoprec's e97993f without the per-GEMM formats; `--tag postfix` ran after it, with them.
+searches ran before autoprec's e97993f without the per-GEMM formats; `--tag postfix` ran after it, with them;
+`--tag fallback` after the FLOP goal took bf16 as a list's fallback (no fp32 in the space) and priced its greedy start.
 
     python benchmarks/block_study.py --part search --out results/cpu-epyc-bf16-2core/block-study
 
@@ -693,7 +694,15 @@ BF16_KEPT_SHARE = 0.15  # rule (a): torchtitan's "last ~15% of blocks" kept in h
 # (tag "", OLD_SEARCH_FORMATS) left the mixes out; the --tag postfix searches have them.
 SEARCH_FORMATS = ("fp32", "bf16", "mxfp8", "mxfp8-fwd-dgrad", "nvfp4", "nvfp4-fwd-dgrad", "mxfp8-fwd-nvfp4-dgrad")
 OLD_SEARCH_FORMATS = ("fp32", "bf16", "mxfp8", "nvfp4")
-TAG_TEXT = {"": "before e97993f (HP GEMMs priced at fp32)", "postfix": "after e97993f (HP GEMMs in the autocast)"}
+# The --tag fallback searches ran after autoprec let a FLOP goal's lists keep bf16 instead of fp32 (Goal.fallbacks) and
+# priced the greedy start by the goal (the target's GEMM time): no list holds fp32 (which the estimate prices at 30x
+# bf16's time), the root is bf16 already (bf16_root leaves it so), the low formats are the postfix searches'.
+FALLBACK_TAGS = ("fallback",)
+TAG_TEXT = {
+    "": "before e97993f (HP GEMMs priced at fp32)",
+    "postfix": "after e97993f (HP GEMMs in the autocast)",
+    "fallback": "bf16 fallback, goal-priced greedy start (no fp32 in the space)",
+}
 HIGH = ("fp32", "tf32", "bf16", "fp16")  # GEMM element formats that are not low precision
 
 
@@ -801,16 +810,22 @@ def gpt2_workload(size: str):
 
 
 def search_formats(tag: str = "") -> tuple[str, ...]:
-    """The Linear formats of a search: the first (untagged) searches had no per-GEMM mixes."""
-    return OLD_SEARCH_FORMATS if not tag else SEARCH_FORMATS
+    """The Linear formats of a search: the first (untagged) searches had no per-GEMM mixes; the fallback ones have no
+    fp32 (bf16 is their lists' fallback)."""
+    if not tag:
+        return OLD_SEARCH_FORMATS
+    if tag in FALLBACK_TAGS:
+        return tuple(f for f in SEARCH_FORMATS if f != "fp32")
+    return SEARCH_FORMATS
 
 
 def search_space(layout: str, trials: int, tag: str = "postfix"):
     from autoprec.tune._space import space_from_dict
 
     formats = list(search_formats(tag))
+    root = ["bf16"] if tag in FALLBACK_TAGS else ["fp32", "bf16"]
     return space_from_dict(
-        {"default": ["fp32", "bf16"], "layers": {"Linear": formats}, "layout": layout, "trials": trials},
+        {"default": root, "layers": {"Linear": formats}, "layout": layout, "trials": trials},
         source="block_study.py",
     )
 
@@ -836,8 +851,9 @@ def label_tag(label: str) -> str:
 
 def searched_text(label: str) -> str:
     layout = label.split("-")[2] if label.count("-") > 1 else "ranked"
+    root = "root bf16 as searched" if label_tag(label) in FALLBACK_TAGS else "root set to bf16"
     return (
-        f"searched ({layout}), budget {label_budget(label):g} at K steps vs fp32; root set to bf16; "
+        f"searched ({layout}), budget {label_budget(label):g} at K steps vs fp32; {root}; "
         f"{TAG_TEXT.get(label_tag(label), label_tag(label))}"
     )
 
@@ -966,8 +982,11 @@ def search_summary(rows, args) -> str:
         "keep the GEMMs they leave high in the autocast around the layer, bf16 under a bf16 root), "
         f"{{{', '.join(OLD_SEARCH_FORMATS)}}} for the untagged ones, which ran before autoprec's e97993f: "
         "its FLOP estimate priced a GEMM a format leaves in high precision at fp32 (75 TFLOP/s on a B200) even "
-        "under a bf16 root, so a mix could only lose there and the mixes were left out. Every list holds fp32 (a "
-        "space's rule: autoprec's fallback), the root fp32 or bf16 (set to bf16 for the horizon). The budget is on the metric (-(mean eval loss), "
+        "under a bf16 root, so a mix could only lose there and the mixes were left out. Their lists hold fp32 (then a "
+        "space's rule: autoprec's fallback), the root fp32 or bf16 (set to bf16 for the horizon), and the estimate "
+        "prices a layer left in fp32 at 75 TFLOP/s. The fallback searches ran after the FLOP goal let a list keep "
+        f"bf16 instead (Goal.fallbacks) and priced its greedy start at the target's GEMM time: every Linear in "
+        f"{{{', '.join(search_formats('fallback'))}}}, the root bf16, no fp32 anywhere. The budget is on the metric (-(mean eval loss), "
         f"nats/byte) after {args.steps} train steps against fp32's after the same steps (train mode's own "
         f"baseline); the noise floor is the spread of {args.noise_runs} fp32 seeds and a repeat of seed 0. Wall: "
         "this command's seconds for that search (a resumed study counts only its new trials).",
@@ -1077,10 +1096,11 @@ def all_policies(model: nn.Module, out: Path) -> dict[str, object]:
 
 
 def bf16_root(policy):
-    """The policy with its model root in bf16 and every Linear as the search chose it. A search space's root list must
-    hold fp32 (autoprec's fallback), and the FLOP goal counts Linears only, so the root a FLOP search settles on is
-    whatever the sampler drew; every policy of this study runs its norms, softmax and attention matmuls in bf16,
-    so the searched ones do too (their Linears, all the goal counts, unchanged)."""
+    """The policy with its model root in bf16 and every Linear as the search chose it. The untagged and postfix
+    searches' root list had to hold fp32 (then autoprec's fallback), and the FLOP goal counts Linears only, so the root
+    a FLOP search settles on is whatever the sampler drew; every policy of this study runs its norms, softmax and
+    attention matmuls in bf16, so the searched ones do too (their Linears, all the goal counts, unchanged). The
+    fallback searches' root is bf16 already (their root list holds only bf16): for them this changes nothing."""
     from autoprec.formats import Format
     from autoprec.policy import ROOT, Policy
 
@@ -1404,7 +1424,7 @@ def budget_verdict(stats_: dict[str, float], budget: float) -> str:
 
 
 def horizon2_policies(model: nn.Module, out: Path) -> dict[str, object]:
-    """bf16 and fp32 (the references), the postfix searched policies, the rules and NVFP4 everywhere, then the
+    """bf16 and fp32 (the references), the tagged (postfix, fallback) searched policies, the rules and NVFP4 everywhere, then the
     pre-fix searched policies (run last: dropped first when time runs out)."""
     from autoprec.formats import Format
     from autoprec.policy import Policy
@@ -1616,7 +1636,7 @@ def plot_curves2(curves, args, path: Path) -> None:
     searched = [n for n in curves if n.startswith("searched") and label_tag(n)]
     others = [n for n in curves if n != "bf16" and not n.startswith("searched")]
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.5), sharey=True)
-    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf")
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#e377c2", "#bcbd22")
     for ax, names, title in ((axes[0], searched, "searched (after e97993f)"), (axes[1], others, "references and hand rules")):
         for i, name in enumerate(names):
             st = [paired_stats(paired_drops(curves, name, s)) for s in steps]
@@ -1760,7 +1780,8 @@ def main(argv: list[str] | None = None) -> None:
         "--tag",
         default="",
         help="search: a suffix for the folders and labels (search/budget-<b>-<layout>-<tag>/); a tag's space has the "
-        "per-GEMM formats (postfix: searched after autoprec's e97993f; untagged: the first searches, without them)",
+        "per-GEMM formats (postfix: searched after autoprec's e97993f; fallback: bf16 in place of fp32, root bf16, after "
+        "the FLOP goal took bf16 as its fallback; untagged: the first searches, without them)",
     )
     parser.add_argument("--noise-runs", type=int, default=2, help="search: train mode's fp32 seeds (default: 2)")
     parser.add_argument("--search-seconds", type=float, default=480, help="search: time_budget per budget (default 480)")

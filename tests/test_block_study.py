@@ -283,6 +283,50 @@ def test_tagged_searches_get_their_own_folders_and_labels_and_the_per_gemm_forma
     assert {f.value for f in block_study.search_space("ranked", 4, "").layers["Linear"]} == {"fp32", "bf16", "mxfp8", "nvfp4"}
 
 
+def test_the_fallback_tag_searches_without_fp32_under_a_bf16_root_and_its_folders_are_picked_up(tmp_path):
+    from autoprec.policy import Policy
+    from autoprec.tune._goals import goal_named
+
+    space = block_study.search_space("grouped", 4, "fallback")
+    assert [f.value for f in space.default] == ["bf16"]
+    linear = [f.value for f in space.layers["Linear"]]
+    assert "fp32" not in linear and linear[0] == "bf16"
+    assert linear == [f for f in block_study.SEARCH_FORMATS if f != "fp32"]  # the postfix searches' low formats
+    space.check_fallbacks(goal_named("flops"))  # the FLOP goal takes bf16 as the lists' fallback
+    with pytest.raises(ValueError, match="fp32"):
+        space.check_fallbacks(goal_named("speed"))  # a timed goal still needs fp32
+    assert "fp32" in block_study.search_formats("postfix")  # the old tags' spaces are unchanged
+    folder = block_study.searched_dir(tmp_path, 0.04, "grouped", "fallback")
+    assert folder.name == "budget-0.04-grouped-fallback"
+    label = block_study.searched_label(folder)
+    assert block_study.label_tag(label) == "fallback" and block_study.label_budget(label) == 0.04
+    assert "root bf16 as searched" in block_study.searched_text(label)
+    assert "root set to bf16" in block_study.searched_text("searched-0.04-grouped-postfix")
+    folder.mkdir(parents=True)
+    Policy(layers={"": "bf16", "h.0.mlp.c_fc": "nvfp4"}).save(folder / "policy.json")
+    found = block_study.all_policies(_tiny_gpt(), tmp_path)
+    kept = found[label]
+    assert kept.layers[""].value == "bf16" and kept.layers["h.0.mlp.c_fc"].value == "nvfp4"
+    assert block_study.bf16_root(kept).layers == kept.layers  # nothing to rewrite
+    assert label in block_study.horizon2_policies(_tiny_gpt(), tmp_path)
+
+
+def _tiny_gpt(width: int = 32) -> torch.nn.Module:
+    """GPT-2's Linear names (h.<b>.attn.c_attn, ..., lm_head) on two blocks of small Linears, nothing else."""
+
+    def module(**children):
+        m = torch.nn.Module()
+        for name, child in children.items():
+            m.add_module(name, child)
+        return m
+
+    def block():
+        attn = module(c_attn=torch.nn.Linear(width, 3 * width), c_proj=torch.nn.Linear(width, width))
+        return module(attn=attn, mlp=module(c_fc=torch.nn.Linear(width, 4 * width), c_proj=torch.nn.Linear(4 * width, width)))
+
+    return module(h=torch.nn.ModuleList([block(), block()]), lm_head=torch.nn.Linear(width, 64))
+
+
 def test_a_per_gemm_mix_under_a_bf16_root_is_priced_between_bf16_and_its_low_format():
     from autoprec.policy import Policy
     from autoprec.tune._flops import estimated_speedup
