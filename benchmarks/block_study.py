@@ -1431,11 +1431,27 @@ def horizon2_policies(model: nn.Module, out: Path) -> dict[str, object]:
 
     found = all_policies(model, out)
     refs = {"bf16": found["bf16"], "fp32": Policy(layers={"": Format.FP32})}
+    twins = same_as(found)
+    found = {n: p for n, p in found.items() if n not in twins}  # run once, under the first label
     searched = [n for n in found if n.startswith("searched")]
     post = {n: found[n] for n in searched if label_tag(n)}
     rules = {n: p for n, p in found.items() if n not in searched and n != "bf16"}
     pre = {n: found[n] for n in searched if not label_tag(n)}
     return {**refs, **post, **rules, **pre}
+
+
+def same_as(found: dict[str, object]) -> dict[str, str]:
+    """{searched label: the earlier label whose policy it equals} for the searched policies that chose the same
+    Linears and loss scale as one listed before them (two searches may end on one policy, e.g. the profile-greedy
+    start): its runs would repeat the other's bit for bit (this CPU reproduces a seed exactly), so it is run once."""
+    seen: dict[tuple, str] = {}
+    twins = {}
+    for name, policy in found.items():
+        key = (tuple(sorted((n, f.value) for n, f in policy.layers.items())), policy.loss_scale)
+        if name.startswith("searched") and key in seen:
+            twins[name] = seen[key]
+        seen.setdefault(key, name)
+    return twins
 
 
 def _claim(path: Path) -> bool:
@@ -1516,7 +1532,8 @@ def part_horizon2(args) -> None:
             writer.writerows(table)
         plot_curves2(curves, args, out / "loss_curves2.png")
         plot_pareto2(table, args, out / "pareto2.png")
-        update_summary(out, "horizon2", horizon2_summary(table, curves, args, steps, example))
+        twins = same_as(all_policies(workload.model, out))
+        update_summary(out, "horizon2", horizon2_summary(table, curves, args, steps, example, twins))
     print("horizon2: wrote policies2.csv, loss_curves2.png, pareto2.png, summary.md")
 
 
@@ -1696,7 +1713,7 @@ def _ci(row, tag: str) -> str:
     return f"{row[f'drop_{tag}_mean']:+.4f} ± {row[f'drop_{tag}_half_width']:.4f}"
 
 
-def horizon2_summary(table, curves, args, steps: int, example) -> str:
+def horizon2_summary(table, curves, args, steps: int, example, twins: dict[str, str] | None = None) -> str:
     h = example.HPARAMS
     train, evals = example.stdlib_text.text(h["bytes_per_file"], h["eval_frac"])
     n_train = len(grid_starts(len(train), h["seq_len"]))
@@ -1745,6 +1762,13 @@ def horizon2_summary(table, curves, args, steps: int, example) -> str:
             f"{r['bf16_spread_K']:.4f} / {r['bf16_spread_10K']:.4f} |"
         )
     lines += ["", "Each seed's drop: policies2.csv (drop_K_by_seed, drop_10K_by_seed).", ""]
+    if twins:
+        lines += [
+            "Searched policies equal to one listed before them (the same Linears and loss scale), so not run again: "
+            + "; ".join(f"{n} = {first}" for n, first in twins.items())
+            + ".",
+            "",
+        ]
     lines += ["### Findings (computed from the runs)", "", *horizon2_findings(table), ""]
     return "\n".join(lines)
 

@@ -447,3 +447,20 @@ def test_the_horizon2_table_pairs_each_seed_and_judges_the_budget_on_the_interva
     assert s["growth_mean"] == pytest.approx(0.011) and s["verdict_vs_fp32_10K"] == "holds"
     words = " ".join(block_study.horizon2_findings(table))
     assert "grew by +0.0110" in words and "Budget 0.04: holds at K, holds at 10 x K" in words
+
+
+def test_a_searched_policy_equal_to_an_earlier_one_is_named_as_its_twin():
+    from autoprec.policy import Policy
+
+    a = Policy(layers={"": "bf16", "h.0.c_fc": "nvfp4"})
+    found = {
+        "bf16": Policy(layers={"": "bf16"}),
+        "searched-0.015-ranked-fallback": a,
+        "searched-0.015-grouped-fallback": Policy(layers={"h.0.c_fc": "nvfp4", "": "bf16"}),
+        "searched-0.04-ranked-fallback": Policy(layers={"": "bf16", "h.0.c_fc": "mxfp8"}),
+        "searched-0.04-grouped-fallback": Policy(layers={"": "bf16"}),  # all-bf16: named after bf16
+    }
+    assert block_study.same_as(found) == {
+        "searched-0.015-grouped-fallback": "searched-0.015-ranked-fallback",
+        "searched-0.04-grouped-fallback": "bf16",
+    }
