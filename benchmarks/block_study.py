@@ -959,7 +959,8 @@ def search_summary(rows, args) -> str:
     commands = []
 
     def key_of(r):
-        return r["layout"], r["trials_asked"], r["search_seconds"], label_tag(r["policy"])
+        # a row read back from search.csv holds strings, a fresh one numbers: one key for both
+        return r["layout"], int(r["trials_asked"]), float(r["search_seconds"]), label_tag(r["policy"])
 
     for key in dict.fromkeys(key_of(r) for r in rows):
         budgets = ",".join(f"{float(r['budget']):g}" for r in rows if key_of(r) == key)
