@@ -98,6 +98,25 @@ FORMATS = {
 }
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (no display on a server), imported when a figure is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    """Lay the figure out, write it to `path` and free it: every figure of the study the same way."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def reference_products(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
     """The three GEMMs of out = x @ W^T in fp32: x [M, K], W [N, K], g = d loss / d out [M, N]."""
     x, w, g = x.float(), w.float(), g.float()
@@ -253,10 +272,7 @@ def part_sqnr(args) -> None:
 def plot_sqnr(rows, n_layers: int, path: Path, size: str) -> None:
     """A grid: rows the three GEMMs, columns the four block roles and the LM head; x block depth, one line per
     format; each GEMM row shares its y axis, so the panels of a row compare at a glance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     colors = dict(zip(FORMATS, ("#1b9e77", "#7570b3", "#d95f02", "#e7298a", "#66a61e"), strict=True))
     styles = {"nvfp4-rht": (0, (4, 2)), "nvfp4-rht-sr": (0, (1, 1.5))}
@@ -289,9 +305,7 @@ def plot_sqnr(rows, n_layers: int, path: Path, size: str) -> None:
         f"Per-GEMM SQNR of every Linear of the GPT-2 example ({size}) by block depth: both operands quantised, "
         "against fp32 (higher is better)"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _mean(values) -> float:
@@ -524,10 +538,7 @@ def read_sqnr(path: Path) -> list[dict] | None:
 
 def plot_drop(rows, n_layers: int, path: Path, size: str) -> None:
     """One panel per role and the LM head; x block depth, one line per format; y the eval-loss rise, symlog."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     colors = dict(zip(FORMATS, ("#1b9e77", "#7570b3", "#d95f02", "#e7298a", "#66a61e"), strict=True))
     table = {(r["block"], r["role"], r["format"]): r["drop"] for r in rows}
@@ -557,9 +568,7 @@ def plot_drop(rows, n_layers: int, path: Path, size: str) -> None:
         f"One Linear's forward GEMM quantised, all others fp32: the eval-loss rise of the GPT-2 example ({size}), "
         "by block depth (lower is better; symlog)"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -1202,10 +1211,7 @@ COLORS = {"nvfp4-all": "#d95f02", "rule-a": "#1b9e77", "rule-b": "#7570b3", "rul
 
 
 def plot_curves(curves, args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     base = curves.get("bf16", {})
     steps = sorted(next(iter(base.values())).keys()) if base else []
@@ -1230,16 +1236,11 @@ def plot_curves(curves, args, path: Path) -> None:
                  f"same seeds, K = {args.steps}")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_pareto(table, args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     floor = next((r["noise_floor_at_10K"] for r in table if r["policy"] == "bf16"), math.nan)
@@ -1259,9 +1260,7 @@ def plot_pareto(table, args, path: Path) -> None:
     ax.set_title("Hand rules (dots) and searched policies (stars): estimate against drop at 10 x K")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def horizon_summary(table, curves, args, steps: int) -> str:
@@ -1642,10 +1641,7 @@ def horizon2_findings(table) -> list[str]:
 def plot_curves2(curves, args, path: Path) -> None:
     """Each policy's mean paired drop against bf16 over the steps, with its 95% t interval over the seeds: the searched
     policies (with their budgets) on the left, the references, rules and NVFP4 everywhere on the right."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     base = curves.get("bf16", {})
     if not base:
@@ -1674,16 +1670,11 @@ def plot_curves2(curves, args, path: Path) -> None:
         ax.legend(fontsize=7, loc="upper left")
     axes[0].set_ylabel("paired drop vs bf16 (nats/byte): mean, 95% t interval")
     fig.suptitle(f"GPT-2 example ({args.size}), K = {args.steps}: each policy against bf16 on the same data stream")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_pareto2(table, args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 6))
     for r in table:
@@ -1703,9 +1694,7 @@ def plot_pareto2(table, args, path: Path) -> None:
     ax.set_ylabel(f"paired drop vs bf16 after {args.horizon * args.steps} steps (mean, 95% t interval)")
     ax.set_title("Hand rules (dots) and searched policies (stars) at 10 x K, fresh data, paired over seeds")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _ci(row, tag: str) -> str:
