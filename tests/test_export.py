@@ -128,10 +128,10 @@ def test_torchtitan_and_megatron_say_they_cannot_express_a_per_gemm_mix(tmp_path
     assert len(left_out) == 6 and left_out[-1].startswith("the policy has no fp8 layer torchtitan can run")
     blocks = megatron_policy([("fp8",) * 4, ("fp8", "fp8-fwd-dgrad", "fp8", "fp8")])
     left_out = export(Policy(layers=blocks), "megatron", tmp_path / "m.json")
-    assert json.loads((tmp_path / "m.json").read_text())["fp8_layers"] == [0]
-    assert left_out == ["transformer layers decoder.layers.{1}: a linear in an fp8 recipe Megatron has no twin for (it "
-                        "has torchao's tensorwise only, and no per-GEMM mix: all three GEMMs of a linear in fp8); left "
-                        "out of fp8"]  # fmt: skip
+    assert json.loads((tmp_path / "m.json").read_text())["quantized_layers"] == [0]
+    assert left_out == ["transformer layers decoder.layers.{1}: a linear in a quantized format Megatron has no recipe "
+                        "for (it has fp8 tensorwise, fp8 mxfp8, fp4 nvfp4, each running all three GEMMs of a linear: no "
+                        "per-GEMM mix, no rowwise fp8); left in the model's dtype"]  # fmt: skip
 
 
 def test_the_export_verb_writes_beside_the_policy_and_lists_what_it_left_out(tmp_path, capsys):
@@ -253,29 +253,25 @@ def megatron_policy(blocks):
 
 
 def megatron_fp8_layers(exported, count):
-    """Which transformer layers Megatron-core runs in fp8 under the exported TransformerConfig fields."""
+    """Which transformer layers Megatron-core runs in its fp8 or fp4 recipe under the exported TransformerConfig
+    fields (fp4_utils.get_fp4_context counts the first and last bf16 layers as is_first_last_bf16_layer does)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (the test extra has it)")
     from megatron.core.fp8_utils import is_first_last_bf16_layer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(num_layers=count, hidden_size=64, num_attention_heads=4, **exported["transformer_config"])
-    return [i for i in range(count) if config.fp8 and not is_first_last_bf16_layer(config, i)], config
+    quantized = config.fp8 or config.fp4
+    return [i for i in range(count) if quantized and not is_first_last_bf16_layer(config, i)], config
 
 
-def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_layers(tmp_path):
+def megatron_arguments(exported):
+    """The exported Megatron-LM arguments as TransformerConfig fields, each flag named by Megatron's own argparse
+    metadata (`--fp8-format` is the field `fp8`)."""
     import dataclasses as dc
 
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (the test extra has it)")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    t, b, r = "fp8", "bf16", "fp8-rowwise"
-    layers = megatron_policy([(t,) * 4, (b,) * 4, (t,) * 4, (t,) * 4, (t,) * 4, (t, t, t, b), (r,) * 4])
-    left_out = export(Policy(layers={"": "bf16", **layers, "output_layer": "fp8"}), "megatron", tmp_path / "m.json")
-    exported = json.loads((tmp_path / "m.json").read_text())
-    assert exported["stack"] == "decoder.layers" and exported["num_layers"] == 7 and exported["fp8_layers"] == [2, 3, 4]
-    fp8, config = megatron_fp8_layers(exported, 7)
-    assert fp8 == [2, 3, 4] and config.bf16 and (config.fp8, config.fp8_recipe) == ("hybrid", "tensorwise")
-    # every argument names a TransformerConfig field by Megatron's own argparse metadata, with the exported value
     flags = {}
     for field in dc.fields(TransformerConfig):
         names = field.metadata.get("argparse_meta", {}).get("arg_names", ["--" + field.name.replace("_", "-")])
@@ -285,15 +281,27 @@ def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_laye
         if word.startswith("--"):
             value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True
             parsed[flags[word]] = int(value) if isinstance(value, str) and value.isdigit() else value
-    assert parsed == {k: v for k, v in exported["transformer_config"].items() if v is not False}
+    return parsed
+
+
+def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_layers(tmp_path):
+    t, b, r = "fp8", "bf16", "fp8-rowwise"
+    layers = megatron_policy([(t,) * 4, (b,) * 4, (t,) * 4, (t,) * 4, (t,) * 4, (t, t, t, b), (r,) * 4])
+    left_out = export(Policy(layers={"": "bf16", **layers, "output_layer": "fp8"}), "megatron", tmp_path / "m.json")
+    exported = json.loads((tmp_path / "m.json").read_text())
+    assert exported["stack"] == "decoder.layers" and exported["num_layers"] == 7 and exported["quantized_layers"] == [2, 3, 4]
+    fp8, config = megatron_fp8_layers(exported, 7)
+    assert fp8 == [2, 3, 4] and config.bf16 and (config.fp8, config.fp8_recipe) == ("hybrid", "tensorwise")
+    # every argument names a TransformerConfig field by Megatron's own argparse metadata, with the exported value
+    assert megatron_arguments(exported) == {k: v for k, v in exported["transformer_config"].items() if v is not False}
     assert left_out == exported["not_expressed"] and len(left_out) == 4
-    assert "layer 'output_layer' runs in fp8 outside the transformer layers (decoder.layers.N)" in left_out[0]
+    assert "layer 'output_layer' runs in a quantized recipe outside the transformer layers (decoder.layers.N)" in left_out[0]
     assert (
-        left_out[1].startswith("transformer layers decoder.layers.{0}: wholly fp8 in the policy, but")
+        left_out[1].startswith("transformer layers decoder.layers.{0}: wholly tensorwise in the policy, but")
         and "here 2-4" in left_out[1]
     )
-    assert left_out[2].startswith("transformer layers decoder.layers.{5}: some linears in fp8 and some not")
-    assert left_out[3].startswith("transformer layers decoder.layers.{6}: a linear in an fp8 recipe Megatron has no twin")
+    assert left_out[2].startswith("transformer layers decoder.layers.{5}: some linears in a quantized recipe and some not")
+    assert left_out[3].startswith("transformer layers decoder.layers.{6}: a linear in a quantized format Megatron has no recipe")
     assert "for a model of 7 transformer layers (taken from the policy's layer names" in exported["notes"][0]
 
 
@@ -305,9 +313,70 @@ def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_laye
 def test_the_megatron_fp8_layers_are_what_megatron_runs(tmp_path, blocks, root, expected):
     left_out = export(Policy(layers={"": root, **megatron_policy(blocks)}), "megatron", tmp_path / "m.json")
     exported = json.loads((tmp_path / "m.json").read_text())
-    assert megatron_fp8_layers(exported, len(blocks))[0] == expected == exported["fp8_layers"]
+    assert megatron_fp8_layers(exported, len(blocks))[0] == expected == exported["quantized_layers"]
     assert ("first_last_layers_bf16" in exported["transformer_config"]) == (0 < len(expected) < len(blocks))
     assert not left_out if expected in ([0, 1, 2], []) else len(left_out) == 2
+
+
+@pytest.mark.parametrize("fmt, fields", [
+    ("mxfp8", {"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp4": None}),  # MXFP8BlockScaling, e4m3 for every operand
+    ("nvfp4", {"fp4": "e2m1", "fp4_recipe": "nvfp4", "fp8": None}),  # NVFP4BlockScaling
+])  # fmt: skip
+def test_megatron_runs_mxfp8_and_nvfp4_layers_in_its_own_recipes(tmp_path, fmt, fields):
+    """megatron-core 0.16 has --fp8-recipe mxfp8 and --fp4-format e2m1 --fp4-recipe nvfp4, with the same first/last
+    bf16 layers; the export said Megatron could not run either."""
+    layers = megatron_policy([("bf16",) * 4, (fmt,) * 4, (fmt,) * 4, ("bf16",) * 4])
+    left_out = export(Policy(layers={"": "bf16", **layers}), "megatron", tmp_path / "m.json")
+    exported = json.loads((tmp_path / "m.json").read_text())
+    quantized, config = megatron_fp8_layers(exported, 4)
+    assert quantized == [1, 2] == exported["quantized_layers"] and exported["recipe"] == fmt and left_out == []
+    assert {name: getattr(config, name) for name in fields} == fields and config.bf16
+    assert megatron_arguments(exported) == {k: v for k, v in exported["transformer_config"].items() if v is not False}
+
+
+def test_megatron_runs_one_recipe_and_points_the_others_to_megatron_precision(tmp_path):
+    """fp8 and fp4 exclude each other in Megatron (TransformerConfig refuses both): the longest run's recipe is
+    written, a layer wholly in another recipe is said, with the target that gives each linear its own."""
+    m, n = "mxfp8", "nvfp4"
+    layers = megatron_policy([(m,) * 4, (m,) * 4, (n,) * 4, (n,) * 4, (n,) * 4, ("mxfp8-fwd",) * 4, (m, m, n, n)])
+    left_out = export(Policy(layers={"": "bf16", **layers}), "megatron", tmp_path / "m.json")
+    exported = json.loads((tmp_path / "m.json").read_text())
+    assert megatron_fp8_layers(exported, 7)[0] == [2, 3, 4] == exported["quantized_layers"] and exported["recipe"] == n
+    assert [line.split(": ", 1)[0] for line in left_out] == [f"transformer layers decoder.layers.{{{i}}}" for i in ("0-1", 5, 6)]
+    assert "wholly mxfp8 in the policy, but Megatron runs one recipe in all its quantized layers" in left_out[0]
+    assert "here nvfp4 (--to megatron-precision gives each linear its own recipe)" in left_out[0]
+    assert "a linear in a quantized format Megatron has no recipe for" in left_out[1]
+    assert "in two recipes" in left_out[2] and "--to megatron-precision" in left_out[2]
+    assert not any("fp8" in note for note in exported["notes"])  # fp4: Megatron's MTP layers ignore it
+
+
+@pytest.mark.parametrize("index", ["01", "\u0661", "\uff11"], ids=["leading zero", "Arabic-Indic 1", "full-width 1"])
+def test_a_megatron_layer_index_is_read_as_megatrons_module_names_write_one(tmp_path, index):
+    """'decoder.layers.01.fc' was read as layer 1 and, listed after 'decoder.layers.1.fc' (bf16), made it fp8:
+    Megatron names its layers str(int), so no module of it has that name."""
+    names = ["decoder.layers.0.fc", "decoder.layers.1.fc", f"decoder.layers.{index}.fc", "decoder.layers.2.fc"]
+    policy = Policy(layers=dict(zip(names, ["fp8", "bf16", "fp8", "fp8"])))
+    left_out = export(policy, "megatron", tmp_path / "m.json")
+    exported = json.loads((tmp_path / "m.json").read_text())
+    assert megatron_fp8_layers(exported, 3)[0] == [0] == exported["quantized_layers"]
+    said = [line for line in left_out if repr(names[2]) in line]
+    assert len(said) == 1 and said[0].startswith(f"layer {names[2]!r} names a layer by a number Megatron's module names never")
+    assert left_out[-1].startswith("transformer layers decoder.layers.{2}: wholly tensorwise in the policy, but")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_model_root_in_fp8_is_said_and_written_as_no_layer(tmp_path, target):
+    """A model root in fp8 was dropped without a line by --to megatron and --to torchao; torchao's file then wrapped
+    the model itself (model.get_submodule('')) as an fp8 layer. apply_policy refuses such a root too."""
+    policy = Policy(layers={"": "fp8", **megatron_policy([("fp8",) * 4] * 2)})
+    left_out = export(policy, target, tmp_path / "x")
+    assert left_out[0].startswith("the model root (every op outside a listed layer) runs in fp8, a format of named Linear")
+    assert "not in the export" in left_out[0] and not any("layer ''" in line for line in left_out)
+    if target == "megatron":
+        assert json.loads((tmp_path / "x").read_text())["quantized_layers"] == [0, 1]
+    if target == "torchao":
+        exported = load((tmp_path / "x").rename(tmp_path / "x.py"))
+        assert exported.FP8_LAYERS == {"tensorwise": list(megatron_policy([("fp8",) * 4] * 2))}
 
 
 def test_a_layer_missing_a_role_the_others_list_is_not_wholly_fp8(tmp_path):
@@ -315,18 +384,20 @@ def test_a_layer_missing_a_role_the_others_list_is_not_wholly_fp8(tmp_path):
     del layers["decoder.layers.2.mlp.fc1"]  # excluded from the search: it runs in the model's dtype, not fp8
     left_out = export(Policy(layers=layers), "megatron", tmp_path / "m.json")
     exported = json.loads((tmp_path / "m.json").read_text())
-    assert megatron_fp8_layers(exported, 4)[0] == [0, 1] == exported["fp8_layers"]
-    assert left_out == ["transformer layers decoder.layers.{2}: some linears in fp8 and some not, or unlisted (Megatron "
-                        "runs a layer's linears all in fp8 or none); left out of fp8",
-                        "transformer layers decoder.layers.{3}: wholly fp8 in the policy, but Megatron runs fp8 in one "
-                        "contiguous run of layers, here 0-1; left out of fp8"]  # fmt: skip
+    assert megatron_fp8_layers(exported, 4)[0] == [0, 1] == exported["quantized_layers"]
+    assert left_out == ["transformer layers decoder.layers.{2}: some linears in a quantized recipe and some not, in two "
+                        "recipes, or unlisted (Megatron runs a layer's linears all in one recipe or none; --to "
+                        "megatron-precision gives each linear its own recipe); left in the model's dtype",
+                        "transformer layers decoder.layers.{3}: wholly tensorwise in the policy, but Megatron runs its "
+                        "recipe in one contiguous run of layers, here 0-1 (--to megatron-precision gives each linear "
+                        "its own recipe); left in the model's dtype"]  # fmt: skip
 
 
 def test_num_layers_counts_the_models_layers_beyond_the_policys(tmp_path, capsys):
     layers = megatron_policy([("bf16",) * 4] + [("fp8",) * 4] * 5)  # the policy names 6 layers, the model has 9
     export(Policy(layers=layers), "megatron", tmp_path / "m.json", num_layers=9)
     exported = json.loads((tmp_path / "m.json").read_text())
-    assert megatron_fp8_layers(exported, 9)[0] == [1, 2, 3, 4, 5] == exported["fp8_layers"]  # 6-8 stay out of fp8
+    assert megatron_fp8_layers(exported, 9)[0] == [1, 2, 3, 4, 5] == exported["quantized_layers"]  # 6-8 stay out of fp8
     assert exported["transformer_config"]["num_layers_at_end_in_bf16"] == 3
     assert "decoder.layers.{6-8}: not in the policy" in exported["not_expressed"][-1]
     assert "(given)" in exported["notes"][0]
@@ -451,6 +522,22 @@ def test_a_megatron_layer_count_past_any_model_is_refused_not_counted_to(tmp_pat
     extra = [] if num_layers is None else ["--num-layers", str(num_layers)]
     assert main(["export", str(tmp_path / "policy.json"), "--to", "megatron", *extra]) == 2
     assert expected in capsys.readouterr().err and not (tmp_path / "policy_megatron.json").exists()
+
+
+def test_the_export_verb_refuses_to_write_over_its_policy(tmp_path, capsys, monkeypatch):
+    """`export p.json --out p.json` replaced the policy with the export, exit 0."""
+    monkeypatch.chdir(tmp_path)
+    path = POLICY.save(tmp_path / "p.json")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.json").symlink_to(path)
+    before = path.read_bytes()
+    for target in TARGETS:
+        for out in ("p.json", str(path), "sub/../p.json", "link.json"):
+            assert main(["export", "p.json", "--to", target, "--out", out]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"--out {out}: that is the policy file p.json" in err[0], err
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "p.json", "sub"]
+    assert main(["export", "link.json", "--to", "megatron", "--out", "p.json"]) == 2  # the other way round too
 
 
 # --- a target is a registered type: one added from outside autoprec is offered, named and written by the verb ---

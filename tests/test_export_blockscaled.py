@@ -189,6 +189,29 @@ def test_the_transformer_engine_factory_gives_each_gemms_operands_its_format(tmp
     assert exported.custom_recipe() == ("CustomRecipe", exported.quantizer_factory)
 
 
+@pytest.mark.parametrize("root", ["mxfp8", "nvfp4-fwd"])
+def test_a_block_scaled_model_root_is_said_not_written_as_the_name_every_unnamed_te_linear_has(tmp_path, te_stub, root):
+    """TE gives a te.Linear built without name= the role name '': the root written as GEMMS[''] ran every such linear
+    in the root's format."""
+    left_out = export(Policy(layers={"": root, "blocks.0.fc1": "nvfp4"}), "transformer-engine", tmp_path / "te.py")
+    assert te_table(tmp_path / "te.py") == {"blocks.0.fc1": ("nvfp4", "nvfp4", "nvfp4")}
+    exported, hp = load(tmp_path / "te.py"), te_stub("hp")
+    unnamed = [exported.quantizer_factory(types.SimpleNamespace(module_type="linear", tensor_type=t, name=""))
+               for t in ("input", "weight", "grad_output")]  # fmt: skip
+    assert unnamed == [hp, hp, hp]
+    assert len(left_out) == 1 and left_out[0].startswith(f"the model root (every op outside a listed layer) runs in {root}")
+    assert "te.Linear built without name= ''" in left_out[0] and f"#   - {left_out[0]}" in (tmp_path / "te.py").read_text()
+
+
+def test_a_block_scaled_model_root_gives_torchtitan_no_include_name(tmp_path, titan12):
+    """'' in an include list matched every fqn (`'' in fqn`): the root is said, its format converts no other Linear."""
+    model, mx, nv = titan12
+    left_out = export(Policy(layers={"": "mxfp8", "layers.1.attention.wo": "nvfp4"}), "torchtitan", tmp_path / "t.py")
+    exported = load(tmp_path / "t.py")
+    assert titan_converted(model, exported.blockscaled_converters(model), mx, nv) == {"layers.1.attention.wo": "nvfp4"}
+    assert left_out[0].startswith("the model root (every op outside a listed layer) runs in mxfp8, a format of named")
+
+
 def test_no_text_from_a_policy_becomes_code_in_the_transformer_engine_file(tmp_path, monkeypatch):
     names = {
         HOSTILE: "mxfp8",
@@ -259,9 +282,9 @@ def test_a_megatron_pattern_matches_its_layer_only_whatever_the_name_holds(tmp_p
         assert fnmatch.fnmatch(name, pattern) and not fnmatch.fnmatch(name + "x", pattern)
     assert not fnmatch.fnmatch("a0xy.fc", patterns[0])  # its glob characters are escaped
     assert [content["configs"][m["config"]]["training_recipe"] for m in content["matchers"].values()][:-1] == [
-        {"fp8_quantization_recipe": "mxfp8", "override_nonquantized_autocast": True},
+        {"fp8_quantization_recipe": "mxfp8", "fp8_format": "e4m3", "override_nonquantized_autocast": True},
         {"fp4_quantization_recipe": "nvfp4", "override_nonquantized_autocast": True},
-        {"fp8_quantization_recipe": "mxfp8", "override_nonquantized_autocast": True}]  # fmt: skip
+        {"fp8_quantization_recipe": "mxfp8", "fp8_format": "e4m3", "override_nonquantized_autocast": True}]  # fmt: skip
 
 
 @pytest.mark.parametrize("target", ["megatron-precision", "transformer-engine"])

@@ -301,6 +301,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     source = Path(args.policy)
     out = Path(args.out) if args.out else default_path(source, args.to)
+    if out.exists() and out.samefile(source):  # by the file itself: a link or another spelling of its path too
+        raise UserError(f"--out {out}: that is the policy file {source}; give the export another file (or leave out --out)")
     given = {option.dest: getattr(args, option.dest) for option in options()}  # the targets' own options (None: not given)
     try:
         left_out = export(policy, args.to, out, source=str(source), **given)

@@ -44,12 +44,40 @@ def blockscaled_recipe(fmt: Format) -> str | None:
     return family.recipe_name(fmt) if isinstance(family, BlockScaledFamily) else None
 
 
+def layer_only(fmt: Format) -> bool:
+    """Whether `fmt` runs in named Linear layers only, never as a whole model's ops (its family has a root_problem:
+    the fp8 and block-scaled formats, which the export targets call quantized recipes)."""
+    return fmt.family.root_problem(fmt) is not None
+
+
+def layer_only_root(policy: Policy) -> Format | None:
+    """The model root's format where it is layer-only (apply_policy refuses such a root too); None otherwise. No
+    target writes such a root as a layer: it would name the model itself, or, where the tool reads '' as a name,
+    modules the policy never named."""
+    fmt = policy.layers.get(ROOT)
+    return fmt if fmt is not None and layer_only(fmt) else None
+
+
+def root_not_expressed(policy: Policy, why: str = "") -> list[str]:
+    """A line for a model root in a layer-only format (layer_only_root), which every target leaves out of its file;
+    `why` adds what writing it would do in the target's tool. None where the root is in another format."""
+    fmt = layer_only_root(policy)
+    if fmt is None:
+        return []
+    return [
+        f"the model root (every op outside a listed layer) runs in {fmt.value}, a format of named Linear layers only "
+        f"(autoprec.apply_policy refuses such a root too: list the Linear layers by name){why}; not in the export"
+    ]
+
+
 def not_expressed(policy: Policy, tool: str = "torchao", skip: frozenset[Format] = frozenset()) -> list[str]:
     """What an fp8-only target leaves out: a lowered root and the non-fp8, non-fp32 layers per format, as lines.
     `skip`: formats the target writes, or reports in lines of its own."""
-    lines: list[str] = []
+    lines = root_not_expressed(policy)
     by_format: dict[Format, list[str]] = {}
     for name, fmt in policy.layers.items():
+        if name == ROOT and lines:
+            continue
         if recipe_key(fmt) is None and fmt is not Format.FP32 and fmt not in skip:
             by_format.setdefault(fmt, []).append(name)
     why = f"not a {tool} float8 recipe, so not in the export; run it with autocast or autoprec.apply_policy"
@@ -64,10 +92,11 @@ def not_expressed(policy: Policy, tool: str = "torchao", skip: frozenset[Format]
 
 def fp32_under_a_lowered_root(policy: Policy, tool: str) -> list[str]:
     """A line for the layers a policy keeps in fp32 inside a lowered model root (the search's protection of them),
-    for a target that runs every module it has no recipe for in the model's dtype; none where the root is fp32."""
+    for a target that runs every module it has no recipe for in the model's dtype; none where the root is fp32 or
+    a layer-only format (no model dtype: root_not_expressed says it)."""
     root = policy.layers.get(ROOT)
     names = [n for n, f in policy.layers.items() if n != ROOT and f is Format.FP32]
-    if root is None or root is Format.FP32 or not names:
+    if root is None or root is Format.FP32 or layer_only_root(policy) is not None or not names:
         return []
     return [
         f"{_layers(names)} in fp32 inside a {root.value} model root: {tool} runs a module it has no recipe for in the "
@@ -76,11 +105,12 @@ def fp32_under_a_lowered_root(policy: Policy, tool: str) -> list[str]:
 
 
 def fp8_layers(policy: Policy) -> dict[str, list[str]]:
-    """torchao recipe (recipe_key) -> the policy's layers in it, in the policy's order."""
+    """torchao recipe (recipe_key) -> the policy's layers in it, in the policy's order; never the model root (an fp8
+    root is a layer-only root: root_not_expressed says it)."""
     recipes: dict[str, list[str]] = {}
     for name, fmt in policy.layers.items():
         key = recipe_key(fmt)
-        if key is not None:
+        if key is not None and name != ROOT:
             recipes.setdefault(key, []).append(name)
     return recipes
 

@@ -1,9 +1,15 @@
 """`--to megatron`: a JSON file of Megatron-core `TransformerConfig` fields and the Megatron-LM arguments that say
-the same. Megatron (through Transformer Engine) runs fp8 per transformer layer, in one contiguous run: the first and
-last layers may stay in the model's dtype. The export takes the longest run of layers that the policy runs wholly in
-torchao's tensorwise recipe (Megatron's `tensorwise`: dynamic per-tensor scales, e4m3 forward, e5m2 gradients); it
-has no per-GEMM mix (Transformer Engine runs all three GEMMs of a linear in fp8 or none). `--num-layers N` gives the
-model's transformer layers when it has more than the policy names.
+the same. Megatron (through Transformer Engine) runs one quantized recipe per transformer layer, in one contiguous
+run: the first and last layers may stay in the model's dtype. Its recipes with an autoprec twin (RECIPES): fp8
+`tensorwise` (torchao's tensorwise: dynamic per-tensor scales, e4m3 forward, e5m2 gradients), fp8 `mxfp8` with the
+e4m3 format (MXFP8BlockScaling: autoprec's mxfp8) and fp4 `nvfp4` (NVFP4BlockScaling: autoprec's nvfp4); fp8 and fp4
+exclude each other (TransformerConfig refuses both). The export takes, among them, the longest run of layers that the
+policy runs wholly in one recipe; there is no per-GEMM mix (a recipe runs all three GEMMs of a linear). What needs a
+recipe per linear is left to `--to megatron-precision`, which the lines say. `--num-layers N` gives the model's
+transformer layers when it has more than the policy names.
+
+A layer index is read as Megatron's module names write one, str(int) of nn.ModuleList: ASCII digits without a
+leading zero. A name with another number (`layers.01`, a non-ASCII digit) names no Megatron module and is listed.
 """
 
 from __future__ import annotations
@@ -17,24 +23,60 @@ from autoprec.errors import UserError, shown
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import _layers, fp8_layers, recipe_key
+from autoprec.tune.export._common import _layers, blockscaled_recipe, layer_only, recipe_key, root_not_expressed
 from autoprec.tune.export.base import ExportTarget, Option, register
 
-# torchao recipe -> Megatron's (fp8 format, fp8_recipe) that computes the same: only tensorwise has a twin there
-MEGATRON_RECIPES = {"tensorwise": ("hybrid", "tensorwise")}
-_NUMBERED = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")  # 'blocks.3.attn.qkv': block 3 of 'blocks'
+_FP8_NOTES = (  # megatron/core/transformer/multi_token_prediction.py and models/vision/multimodal_projector.py
+    "Megatron runs its multi-token-prediction layers and a multimodal projector in fp8 whenever fp8 is on; they "
+    "are outside this layer count",
+)
+_FP8_SPLIT_NOTES = (  # TransformerConfig.__post_init__ checks the counts when fp8 is set
+    "with pipeline parallelism, Megatron requires each of the two bf16 counts to be at most num_layers / pipeline stages",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronRecipe:
+    """A Megatron-core recipe that computes what an autoprec format computes, all three GEMMs of a linear in it.
+    `precision` names its TransformerConfig fields, `<precision>` (the format: --<precision>-format) and
+    `<precision>_recipe` (--<precision>-recipe), and the per-module YAML's `<precision>_quantization_recipe`."""
+
+    precision: str  # "fp8" or "fp4": Megatron runs one of the two
+    format: str  # TransformerConfig.fp8 ("hybrid": e4m3 forward, e5m2 gradients; "e4m3") or .fp4 ("e2m1")
+    recipe: str
+    notes: tuple[str, ...] = ()  # what Megatron does with it beyond the transformer layers
+    split_notes: tuple[str, ...] = ()  # what it requires of the first/last bf16 counts
+
+
+# autoprec's name for a recipe (recipe_key, blockscaled_recipe) -> Megatron's; the first of equally long runs wins
+RECIPES = {
+    "tensorwise": MegatronRecipe("fp8", "hybrid", "tensorwise", _FP8_NOTES, _FP8_SPLIT_NOTES),
+    "mxfp8": MegatronRecipe("fp8", "e4m3", "mxfp8", _FP8_NOTES, _FP8_SPLIT_NOTES),  # MXFP8: e4m3 for every operand
+    "nvfp4": MegatronRecipe("fp4", "e2m1", "nvfp4"),  # MTP layers: "currently ignoring FP4" (multi_token_prediction.py)
+}
+
+
+def megatron_recipe(fmt: Format) -> MegatronRecipe | None:
+    """The Megatron recipe that runs `fmt`, or None where none does (a per-GEMM mix, rowwise fp8, a dtype)."""
+    return RECIPES.get(recipe_key(fmt) or blockscaled_recipe(fmt) or "")
+
+
+_INDEX = re.compile(r"0|[1-9][0-9]*")  # a layer index as nn.ModuleList names a child (str(int)): 'decoder.layers.3'
+_NUMBER = re.compile(r"\d+")  # a name segment any reader could take for a number ('01', Arabic-Indic digits)
+_NUMBERED = re.compile(r"^(?P<stack>.+?)\.(?P<index>0|[1-9][0-9]*)\.(?P<rest>.+)$")  # 'blocks.3.attn.qkv': block 3
 MAX_LAYERS = 100_000  # transformer layers a megatron export counts: models have hundreds; the export walks them
 
 
 @dataclasses.dataclass(frozen=True)
 class MegatronExport:
-    """What `--to megatron` writes: the block stack found in the policy's layer names, the transformer layers that
-    run in fp8, Megatron-core TransformerConfig fields and the Megatron-LM arguments that say the same, for a model
-    of `num_layers` transformer layers."""
+    """What `--to megatron` writes: the block stack found in the policy's layer names, the recipe (RECIPES' key,
+    None: none), the transformer layers that run in it, Megatron-core TransformerConfig fields and the Megatron-LM
+    arguments that say the same, for a model of `num_layers` transformer layers."""
 
     stack: str | None
     num_layers: int
-    fp8_layers: tuple[int, ...]
+    recipe: str | None
+    quantized_layers: tuple[int, ...]
     transformer_config: dict[str, object]
     arguments: str
     not_expressed: tuple[str, ...]
@@ -45,33 +87,40 @@ class MegatronExport:
             "written_by": "autoprec export --to megatron",
             "policy": source,
             **dataclasses.asdict(self),
-            "fp8_layers": list(self.fp8_layers),
+            "quantized_layers": list(self.quantized_layers),
             "not_expressed": list(self.not_expressed),
             "notes": list(self.notes),
         }
 
 
-def _blocks(policy: Policy) -> tuple[str | None, dict[int, dict[str, Format]], dict[str, Format]]:
+def _misnumbered(name: str) -> bool:
+    """Whether a segment of `name` is a number Megatron's module names never hold (a leading zero, a non-ASCII digit)."""
+    return any(_NUMBER.fullmatch(seg) and not _INDEX.fullmatch(seg) for seg in name.split("."))
+
+
+def _blocks(policy: Policy) -> tuple[str | None, dict[int, dict[str, Format]], dict[str, Format], list[str]]:
     """(the numbered stack with the most blocks, its blocks' listed layers by role (the name after the block's
-    number), the listed layers outside it)."""
+    number), the listed layers outside it, the names no Megatron module has (_misnumbered))."""
     stacks: dict[str, dict[int, dict[str, Format]]] = {}
+    misnumbered = [name for name in policy.layers if _misnumbered(name)]
     for name, fmt in policy.layers.items():
         match = _NUMBERED.match(name)
-        if match:
-            digits = match["index"].lstrip("0") or "0"
-            if len(digits) > len(str(MAX_LAYERS)) or int(digits) >= MAX_LAYERS:  # int() only of a short one
-                index = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
+        if match and name not in misnumbered:
+            index = match["index"]  # ASCII digits, no leading zero: int() of a short one only
+            if len(index) > len(str(MAX_LAYERS)) or int(index) >= MAX_LAYERS:
+                shown_index = index if len(index) <= 20 else f"{index[:20]}... ({len(index)} digits)"
                 raise UserError(
-                    f"layer {shown(name)} is transformer layer {index} of {shown(match['stack'])}: a "
+                    f"layer {shown(name)} is transformer layer {shown_index} of {shown(match['stack'])}: a "
                     f"Megatron export counts at most {MAX_LAYERS} transformer layers"
                 )
-            stacks.setdefault(match["stack"], {}).setdefault(int(digits), {})[match["rest"]] = fmt
+            stacks.setdefault(match["stack"], {}).setdefault(int(index), {})[match["rest"]] = fmt
+    others = {n: f for n, f in policy.layers.items() if n != ROOT and n not in misnumbered}
     if not stacks:
-        return None, {}, {n: f for n, f in policy.layers.items() if n != ROOT}
+        return None, {}, others, misnumbered
     stack = max(stacks, key=lambda s: len(stacks[s]))  # the first among equals: dicts keep the policy's order
     inside = stacks[stack]
     listed = {f"{stack}.{i}.{role}" for i, block in inside.items() for role in block}
-    return stack, inside, {n: f for n, f in policy.layers.items() if n != ROOT and n not in listed}
+    return stack, inside, {n: f for n, f in others.items() if n not in listed}, misnumbered
 
 
 def _longest_run(indices: set[int], count: int) -> tuple[int, int]:
@@ -97,14 +146,17 @@ def _spans(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
+PER_LINEAR = "--to megatron-precision gives each linear its own recipe"
+
+
 def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronExport:
-    """The Megatron settings closest to `policy` that run no layer in fp8 the policy did not (module docstring).
-    A transformer layer runs fp8 only if the policy lists every role any layer of the stack lists (attention and
-    MLP linears, say) and runs each in tensorwise fp8: Megatron would put an unlisted linear in fp8 too.
+    """The Megatron settings closest to `policy` that run no layer in a recipe the policy did not (module
+    docstring). A transformer layer runs a recipe only if the policy lists every role any layer of the stack lists
+    (attention and MLP linears, say) and runs each in that recipe: Megatron would put an unlisted linear in it too.
     `num_layers`: the model's transformer layers (default: as many as the policy names); Megatron counts the
     bf16 layers at the end from it."""
     root = policy.layers.get(ROOT, Format.FP32)
-    stack, blocks, outside = _blocks(policy)
+    stack, blocks, outside, misnumbered = _blocks(policy)
     named = max(blocks, default=-1) + 1
     if num_layers is not None and num_layers < 1:
         raise UserError(f"--num-layers {num_layers}: a count of transformer layers, at least 1")
@@ -116,52 +168,82 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
         )
     count = named if num_layers is None else num_layers
     roles = {role for block in blocks.values() for role in block}
-    whole = {
-        i for i, block in blocks.items() if set(block) == roles and all(recipe_key(f) in MEGATRON_RECIPES for f in block.values())
-    }
-    start, stop = _longest_run(whole, count)
-    lines = []
+    whole: dict[str, set[int]] = {}  # RECIPES' key -> the layers wholly in it
+    for i, block in blocks.items():
+        twins = {megatron_recipe(f) for f in block.values()}
+        if set(block) == roles and len(twins) == 1 and (twin := twins.pop()) is not None:
+            whole.setdefault(twin.recipe, set()).add(i)
+    runs = {key: _longest_run(whole.get(key, set()), count) for key in RECIPES}
+    chosen = max(RECIPES, key=lambda key: runs[key][1] - runs[key][0])  # the first of equally long runs
+    start, stop = runs[chosen]
+    twin = RECIPES[chosen] if stop > start else None
+    lines = root_not_expressed(policy, ": Megatron has no setting for a whole model's ops")
     model_dtype = root if root in (Format.BF16, Format.FP16) else Format.FP32
     other_dtype: dict[Format, list[str]] = {}  # the model root sets the model's dtype, so it is never listed here
     for name, fmt in policy.layers.items():
-        if recipe_key(fmt) is None and fmt is not model_dtype:
+        if name != ROOT and name not in misnumbered and not layer_only(fmt) and fmt is not model_dtype:
             other_dtype.setdefault(fmt, []).append(name)
     for fmt, names in other_dtype.items():
         lines.append(
-            f"{_layers(names)} in {fmt.value}: Megatron runs every layer outside fp8 in the model's dtype "
-            f"({model_dtype.value} here)"
+            f"{_layers(names)} in {fmt.value}: Megatron runs every layer outside its fp8 or fp4 recipe in the model's "
+            f"dtype ({model_dtype.value} here)"
         )
-    fp8_outside = [name for name, fmt in outside.items() if recipe_key(fmt) is not None]
-    if fp8_outside:
+    if misnumbered:
+        lines.append(
+            f"{_layers(misnumbered, 'names')} a layer by a number Megatron's module names never hold (a leading zero "
+            "or a non-ASCII digit: they count 0, 1, 2, ... in ASCII): no Megatron module has that name, so it is "
+            "not read as a layer index; not in the export"
+        )
+    quantized_outside = [name for name, fmt in outside.items() if layer_only(fmt)]
+    if quantized_outside:
         where = f"outside the transformer layers ({stack}.N)" if stack else "with no numbered stack of transformer layers"
-        lines.append(f"{_layers(fp8_outside)} in fp8 {where}, where Megatron runs no fp8; left in the model's dtype")
+        lines.append(
+            f"{_layers(quantized_outside)} in a quantized recipe {where}, where Megatron runs none; left in the "
+            f"model's dtype (--to megatron-precision names modules one by one)"
+        )
+    offered = ", ".join(f"{r.precision} {r.recipe}" for r in RECIPES.values())
     reasons: dict[str, list[int]] = {}
     for i in range(count):
         block = blocks.get(i, {})
-        fp8 = [role for role, f in block.items() if recipe_key(f) is not None]
-        if any(recipe_key(block[role]) not in MEGATRON_RECIPES for role in fp8):
+        quantized = [f for f in block.values() if layer_only(f)]
+        if any(megatron_recipe(f) is None for f in quantized):
             why = (
-                f"a linear in an fp8 recipe Megatron has no twin for (it has torchao's {', '.join(MEGATRON_RECIPES)} "
-                "only, and no per-GEMM mix: all three GEMMs of a linear in fp8)"
+                f"a linear in a quantized format Megatron has no recipe for (it has {offered}, each running all three "
+                "GEMMs of a linear: no per-GEMM mix, no rowwise fp8)"
             )
-        elif fp8 and i not in whole:
-            why = "some linears in fp8 and some not, or unlisted (Megatron runs a layer's linears all in fp8 or none)"
-        elif i in whole and not start <= i < stop:
-            why = f"wholly fp8 in the policy, but Megatron runs fp8 in one contiguous run of layers, here {start}-{stop - 1}"
-        elif i not in blocks and start < stop:
+        elif quantized and not any(i in layers for layers in whole.values()):
+            why = (
+                "some linears in a quantized recipe and some not, in two recipes, or unlisted (Megatron runs a layer's "
+                f"linears all in one recipe or none; {PER_LINEAR})"
+            )
+        elif i in whole.get(chosen, set()) and not start <= i < stop:
+            why = (
+                f"wholly {chosen} in the policy, but Megatron runs its recipe in one contiguous run of layers, here "
+                f"{start}-{stop - 1} ({PER_LINEAR})"
+            )
+        elif (other := next((key for key, layers in whole.items() if i in layers and key != chosen), None)) is not None:
+            why = (
+                f"wholly {other} in the policy, but Megatron runs one recipe in all its quantized layers (fp8 and fp4 "
+                f"exclude each other){f', here {chosen}' if twin else ''} ({PER_LINEAR})"
+            )
+        elif i not in blocks and twin is not None:
             why = "not in the policy"
         else:
             continue
         reasons.setdefault(why, []).append(i)
     for why, indices in reasons.items():
-        lines.append(f"transformer layers {stack}.{{{_spans(indices)}}}: {why}; left out of fp8")
+        lines.append(f"transformer layers {stack}.{{{_spans(indices)}}}: {why}; left in the model's dtype")
     config: dict[str, object] = {"bf16": model_dtype is Format.BF16, "fp16": model_dtype is Format.FP16}
     args = [f"--{model_dtype.value}"] if model_dtype is not Format.FP32 else []
-    notes = []
-    if stop > start:
-        fmt_name, recipe = MEGATRON_RECIPES["tensorwise"]
-        config.update(fp8=fmt_name, fp8_recipe=recipe)
-        args += ["--fp8-format", fmt_name, "--fp8-recipe", recipe]
+    notes: list[str] = []
+    if twin is not None:
+        config.update({twin.precision: twin.format, f"{twin.precision}_recipe": twin.recipe})
+        args += [f"--{twin.precision}-format", twin.format, f"--{twin.precision}-recipe", twin.recipe]
+        counted = "given" if num_layers is not None else "taken from the policy's layer names (--num-layers to set it)"
+        notes.append(
+            f"for a model of {count} transformer layers ({counted}): Megatron counts the {twin.precision} layers "
+            f"from num_layers, so with more layers the extra ones would run in {twin.recipe}"
+        )
         if start > 0 or stop < count:
             config.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start, num_layers_at_end_in_bf16=count - stop)
             args += [
@@ -171,31 +253,22 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
                 "--num-layers-at-end-in-bf16",
                 str(count - stop),
             ]
-            notes.append(
-                "with pipeline parallelism, Megatron requires each of the two bf16 counts to be at most "
-                "num_layers / pipeline stages"
-            )
-        counted = "given" if num_layers is not None else "taken from the policy's layer names (--num-layers to set it)"
-        notes.insert(
-            0,
-            f"for a model of {count} transformer layers ({counted}): Megatron counts the fp8 layers from "
-            "num_layers, so with more layers the extra ones would run in fp8",
-        )
+            notes += twin.split_notes
         notes.append(
-            "every linear of a transformer layer is taken to be in the policy: one it does not list runs in "
-            "the model's dtype under the policy, but in fp8 under Megatron (the policy file does not say "
+            f"every linear of a transformer layer is taken to be in the policy: one it does not list runs in "
+            f"the model's dtype under the policy, but in {twin.recipe} under Megatron (the policy file does not say "
             "which linears a search left out)"
         )
-        notes.append(
-            "Megatron runs its multi-token-prediction layers and a multimodal projector in fp8 whenever fp8 "
-            "is on; they are outside this layer count"
+        notes += twin.notes
+    elif any(layer_only(f) for n, f in policy.layers.items() if n != ROOT):
+        lines.append(
+            "no transformer layer runs wholly in one of Megatron's recipes under the policy: the export sets no fp8 or fp4"
         )
-    elif fp8_layers(policy):
-        lines.append("no transformer layer runs wholly in Megatron's fp8 under the policy: the export sets no fp8")
     return MegatronExport(
         stack=stack,
         num_layers=count,
-        fp8_layers=tuple(range(start, stop)),
+        recipe=chosen if twin is not None else None,
+        quantized_layers=tuple(range(start, stop)),
         transformer_config=config,
         arguments=" ".join(args),
         not_expressed=tuple(lines),
@@ -216,7 +289,7 @@ NUM_LAYERS = Option(
 class Megatron(ExportTarget):
     name = "megatron"
     suffix = ".json"
-    summary = "TransformerConfig fields and Megatron-LM arguments (fp8 per transformer layer)"
+    summary = "TransformerConfig fields and Megatron-LM arguments (fp8 or fp4 per transformer layer)"
     options = (NUM_LAYERS,)
 
     def write(

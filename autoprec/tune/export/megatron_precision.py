@@ -1,6 +1,6 @@
 """`--to megatron-precision`: the YAML file Megatron-LM reads with `--te-precision-config-file`, which gives each
-module its own Transformer Engine recipe: the policy's mxfp8, nvfp4 and tensorwise-fp8 linears by name, every other
-module in high precision.
+module its own Transformer Engine recipe: the policy's mxfp8, nvfp4 and tensorwise-fp8 linears by name (each in the
+recipe megatron.RECIPES gives its format, with its fp8_format), every other module in high precision.
 
 Its schema (NVIDIA/Megatron-LM megatron/core/quantization/quant_config.py, RecipeConfig; and
 megatron/core/extensions/transformer_engine.py, TEQuantizationParams / TEQuantizationRecipe): `configs` maps a key to
@@ -29,24 +29,21 @@ from autoprec.errors import printable
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import _layers, blockscaled_recipe, fp32_under_a_lowered_root, recipe_key
+from autoprec.tune.export._common import _layers, fp32_under_a_lowered_root, root_not_expressed
 from autoprec.tune.export.base import ExportTarget, register
+from autoprec.tune.export.megatron import megatron_recipe
 
 HIGH_PRECISION = "high_precision"  # the config key of the default matcher's (empty) recipe
 
 
 def module_recipe(fmt: Format) -> dict[str, object] | None:
-    """The TEQuantizationRecipe fields that run `fmt` in Megatron, or None where none does."""
-    if fmt.family.name == "blockscaled":
-        name = blockscaled_recipe(fmt)
-        if name == "mxfp8":  # MXFP8BlockScaling, e4m3 for every operand (fp8_format's default), as autoprec's mxfp8
-            return {"fp8_quantization_recipe": "mxfp8"}
-        if name == "nvfp4":  # NVFP4BlockScaling: NVIDIA's recipe, as autoprec's nvfp4
-            return {"fp4_quantization_recipe": "nvfp4"}
+    """The TEQuantizationRecipe fields that run `fmt` in Megatron (its recipe, megatron.RECIPES), or None where none
+    does. TEQuantizationRecipe has no fp4 format field: nvfp4's is e2m1."""
+    twin = megatron_recipe(fmt)
+    if twin is None:
         return None
-    if recipe_key(fmt) == "tensorwise":  # Float8CurrentScaling, e4m3 forward and e5m2 gradients: torchao's tensorwise
-        return {"fp8_quantization_recipe": "tensorwise", "fp8_format": "hybrid"}
-    return None
+    fmt_field = {"fp8_format": twin.format} if twin.precision == "fp8" else {}
+    return {f"{twin.precision}_quantization_recipe": twin.recipe, **fmt_field}
 
 
 def _key(fmt: Format) -> str:
@@ -58,8 +55,11 @@ def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
     configs: dict[str, object] = {}
     matchers: dict[str, object] = {}
     left_out: dict[tuple[Format, str], list[str]] = {}
+    root = root_not_expressed(policy, ": a '*' matcher in its recipe would run every module in it")
     for name, fmt in policy.layers.items():
         recipe = module_recipe(fmt)
+        if name == ROOT and root:
+            continue
         if recipe is None or name == ROOT:
             if fmt is not Format.FP32:
                 if fmt.family.name == "blockscaled":
@@ -90,7 +90,7 @@ def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
             names = [n for n in names if n != ROOT]
         if names:
             lines.append(f"{_layers(names)} in {fmt.value}: {why}")
-    return {"configs": configs, "matchers": matchers}, [*lines, *fp32_under_a_lowered_root(policy, "Megatron")]
+    return {"configs": configs, "matchers": matchers}, [*root, *lines, *fp32_under_a_lowered_root(policy, "Megatron")]
 
 
 def precision_yaml(policy: Policy, *, source: str = "a policy") -> tuple[str, list[str]]:

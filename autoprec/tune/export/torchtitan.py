@@ -19,7 +19,7 @@ from pathlib import Path
 
 from autoprec.files import write_text
 from autoprec.formats import Format
-from autoprec.policy import Policy
+from autoprec.policy import ROOT, Policy
 from autoprec.tune.export._common import (
     _comments,
     _json_literal,
@@ -39,8 +39,8 @@ BLOCKSCALED_CONVERTERS = {"mxfp8": "MXFP8LinearConverter", "nvfp4": "NVFP4Linear
 def blockscaled_layers(policy: Policy) -> dict[str, list[str]]:
     """ "mxfp8"/"nvfp4" (the converter's format) -> the policy's layers torchtitan's converter runs in it."""
     found: dict[str, list[str]] = {}
-    for name, fmt in policy.layers.items():
-        if (recipe := blockscaled_recipe(fmt)) in BLOCKSCALED_CONVERTERS and recipe is not None:
+    for name, fmt in policy.layers.items():  # a block-scaled root: not_expressed says it ('' would select every fqn)
+        if (recipe := blockscaled_recipe(fmt)) in BLOCKSCALED_CONVERTERS and recipe is not None and name != ROOT:
             found.setdefault(recipe, []).append(name)
     return found
 
@@ -48,7 +48,7 @@ def blockscaled_layers(policy: Policy) -> dict[str, list[str]]:
 def _blockscaled_not_expressed(policy: Policy) -> list[str]:
     by_format: dict[Format, list[str]] = {}
     for name, fmt in policy.layers.items():
-        if blockscaled_gemms(fmt) is not None and blockscaled_recipe(fmt) not in BLOCKSCALED_CONVERTERS:
+        if blockscaled_gemms(fmt) is not None and blockscaled_recipe(fmt) not in BLOCKSCALED_CONVERTERS and name != ROOT:
             by_format.setdefault(fmt, []).append(name)
     lines = []
     for fmt, names in by_format.items():

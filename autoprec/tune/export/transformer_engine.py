@@ -24,7 +24,13 @@ from pathlib import Path
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import _comments, _layers, blockscaled_gemms, fp32_under_a_lowered_root
+from autoprec.tune.export._common import (
+    _comments,
+    _layers,
+    blockscaled_gemms,
+    fp32_under_a_lowered_root,
+    root_not_expressed,
+)
 from autoprec.tune.export.base import ExportTarget, register
 
 TABLE = "GEMMS"  # the written file's table: layer -> (fprop, dgrad, wgrad) formats
@@ -32,14 +38,23 @@ NAMES = (TABLE, "quantizer_factory", "custom_recipe")  # every name the written 
 
 
 def te_gemms(policy: Policy) -> dict[str, tuple[str | None, str | None, str | None]]:
-    """The policy's block-scaled layers -> (fprop, dgrad, wgrad): "mxfp8", "nvfp4" or None (high precision)."""
-    return {name: gemms for name, fmt in policy.layers.items() if (gemms := blockscaled_gemms(fmt)) is not None}
+    """The policy's block-scaled layers -> (fprop, dgrad, wgrad): "mxfp8", "nvfp4" or None (high precision). Never the
+    model root: TE's role name of a te.Linear built without name= is '', so an entry '' would select every such linear
+    (te_not_expressed says it)."""
+    return {name: gemms for name, fmt in policy.layers.items() if (gemms := blockscaled_gemms(fmt)) is not None and name != ROOT}
 
 
 def te_not_expressed(policy: Policy) -> list[str]:
-    """The policy's layers outside the block-scaled formats, per format: the recipe runs them in high precision."""
+    """The policy's layers outside the block-scaled formats, per format: the recipe runs them in high precision; and
+    a block-scaled (or fp8) model root, which the table leaves out."""
+    root = root_not_expressed(
+        policy,
+        ": Transformer Engine names every te.Linear built without name= '', so a table entry '' would run each of those in it",
+    )
     by_format: dict[Format, list[str]] = {}
     for name, fmt in policy.layers.items():
+        if name == ROOT and root:
+            continue
         if blockscaled_gemms(fmt) is None and fmt is not Format.FP32:
             by_format.setdefault(fmt, []).append(name)
     lines = []
@@ -55,7 +70,7 @@ def te_not_expressed(policy: Policy) -> list[str]:
             names = [n for n in names if n != ROOT]
         if names:
             lines.append(f"{_layers(names)} in {fmt.value}: {why}")
-    return [*lines, *fp32_under_a_lowered_root(policy, "Transformer Engine")]
+    return [*root, *lines, *fp32_under_a_lowered_root(policy, "Transformer Engine")]
 
 
 def _table_literal(gemms: dict[str, tuple[str | None, str | None, str | None]]) -> str:
@@ -83,7 +98,7 @@ def te_source(policy: Policy, *, source: str = "a policy") -> str:
 
 GEMMS maps a layer name to its three GEMMs' formats (fprop, dgrad, wgrad): "mxfp8" (TE's MXFP8BlockScaling
 quantizers), "nvfp4" (NVFP4BlockScaling's) or None (high precision). A layer GEMMS does not name runs in high
-precision. Needs a GPU with MXFP8/NVFP4 kernels (compute capability 10.0) and a TE with CustomRecipe,
+precision; so does a te.Linear built without name= (TE names it '', which GEMMS never holds). Needs a GPU with MXFP8/NVFP4 kernels (compute capability 10.0) and a TE with CustomRecipe,
 HybridQuantizer and IdentityQuantizer. The comments below name the policy file and what the file leaves out.
 """
 
