@@ -295,7 +295,7 @@ def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_laye
     # every argument names a TransformerConfig field by Megatron's own argparse metadata, with the exported value
     assert megatron_arguments(exported) == {k: v for k, v in exported["transformer_config"].items() if v is not False}
     assert left_out == exported["not_expressed"] and len(left_out) == 4
-    assert "layer 'output_layer' runs in a quantized recipe outside the transformer layers (decoder.layers.N)" in left_out[0]
+    assert "layer 'output_layer' runs in fp8 outside the transformer layers (decoder.layers.N)" in left_out[0]
     assert (
         left_out[1].startswith("transformer layers decoder.layers.{0}: wholly tensorwise in the policy, but")
         and "here 2-4" in left_out[1]

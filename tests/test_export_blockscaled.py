@@ -271,6 +271,21 @@ def test_the_megatron_precision_yaml_runs_each_linear_in_its_policy_format(tmp_p
     assert "per-GEMM mix" in left_out[2] and all(f"#   - {line}" in (tmp_path / "m.yaml").read_text() for line in left_out)
 
 
+def test_a_name_megatron_never_gives_a_module_is_said_not_matched(tmp_path):
+    """'decoder.layers.01.mlp.linear_fc1' (or a non-ASCII digit) names no module of GPTModel.named_modules(), which
+    numbers layers str(int): its matcher selected nothing without a word."""
+    layers = {"decoder.layers.1.mlp.linear_fc1": "mxfp8", "decoder.layers.01.mlp.linear_fc1": "nvfp4",
+              "decoder.layers.\u0662.mlp.linear_fc1": "nvfp4"}  # fmt: skip
+    left_out = export(Policy(layers=layers), "megatron-precision", tmp_path / "m.yaml")
+    content = yaml.safe_load((tmp_path / "m.yaml").read_text())
+    assert [m["pattern"] for m in content["matchers"].values()] == ["decoder.layers.1.mlp.linear_fc1", "*"]
+    assert megatron_formats(tmp_path / "m.yaml", ["decoder.layers.1.mlp.linear_fc1"]) == {
+        "decoder.layers.1.mlp.linear_fc1": "mxfp8"
+    }
+    assert left_out == [line for line in left_out if line.startswith("2 layers ('decoder.layers.01.mlp.linear_fc1'")]
+    assert len(left_out) == 1 and "no Megatron module has that name" in left_out[0]
+
+
 def test_a_megatron_pattern_matches_its_layer_only_whatever_the_name_holds(tmp_path):
     names = {"a[0]*?.fc": "mxfp8", "b\n#x: 'y'\u2028": "nvfp4", HOSTILE: "mxfp8"}
     export(sneaked(names), "megatron-precision", tmp_path / "m.yaml", source="p\n- x\x1b[2J.json")

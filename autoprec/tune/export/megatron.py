@@ -93,19 +93,31 @@ class MegatronExport:
         }
 
 
-def _misnumbered(name: str) -> bool:
-    """Whether a segment of `name` is a number Megatron's module names never hold (a leading zero, a non-ASCII digit)."""
-    return any(_NUMBER.fullmatch(seg) and not _INDEX.fullmatch(seg) for seg in name.split("."))
+def misnumbered(policy: Policy) -> list[str]:
+    """The policy's names with a segment Megatron's module names never hold where a number is (a leading zero, a
+    non-ASCII digit): they name no Megatron module."""
+    return [name for name in policy.layers if any(_NUMBER.fullmatch(s) and not _INDEX.fullmatch(s) for s in name.split("."))]
+
+
+def misnumbered_lines(names: list[str]) -> list[str]:
+    """The line for `names` (misnumbered), none where there are none."""
+    if not names:
+        return []
+    return [
+        f"{_layers(names, 'names')} a layer by a number Megatron's module names never hold (a leading zero or a "
+        "non-ASCII digit: they count 0, 1, 2, ... in ASCII): no Megatron module has that name, so it is not read as "
+        "a layer index; not in the export"
+    ]
 
 
 def _blocks(policy: Policy) -> tuple[str | None, dict[int, dict[str, Format]], dict[str, Format], list[str]]:
     """(the numbered stack with the most blocks, its blocks' listed layers by role (the name after the block's
     number), the listed layers outside it, the names no Megatron module has (_misnumbered))."""
     stacks: dict[str, dict[int, dict[str, Format]]] = {}
-    misnumbered = [name for name in policy.layers if _misnumbered(name)]
+    unnamed = misnumbered(policy)
     for name, fmt in policy.layers.items():
         match = _NUMBERED.match(name)
-        if match and name not in misnumbered:
+        if match and name not in unnamed:
             index = match["index"]  # ASCII digits, no leading zero: int() of a short one only
             if len(index) > len(str(MAX_LAYERS)) or int(index) >= MAX_LAYERS:
                 shown_index = index if len(index) <= 20 else f"{index[:20]}... ({len(index)} digits)"
@@ -114,13 +126,13 @@ def _blocks(policy: Policy) -> tuple[str | None, dict[int, dict[str, Format]], d
                     f"Megatron export counts at most {MAX_LAYERS} transformer layers"
                 )
             stacks.setdefault(match["stack"], {}).setdefault(int(index), {})[match["rest"]] = fmt
-    others = {n: f for n, f in policy.layers.items() if n != ROOT and n not in misnumbered}
+    others = {n: f for n, f in policy.layers.items() if n != ROOT and n not in unnamed}
     if not stacks:
-        return None, {}, others, misnumbered
+        return None, {}, others, unnamed
     stack = max(stacks, key=lambda s: len(stacks[s]))  # the first among equals: dicts keep the policy's order
     inside = stacks[stack]
     listed = {f"{stack}.{i}.{role}" for i, block in inside.items() for role in block}
-    return stack, inside, {n: f for n, f in others.items() if n not in listed}, misnumbered
+    return stack, inside, {n: f for n, f in others.items() if n not in listed}, unnamed
 
 
 def _longest_run(indices: set[int], count: int) -> tuple[int, int]:
@@ -156,7 +168,7 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
     `num_layers`: the model's transformer layers (default: as many as the policy names); Megatron counts the
     bf16 layers at the end from it."""
     root = policy.layers.get(ROOT, Format.FP32)
-    stack, blocks, outside, misnumbered = _blocks(policy)
+    stack, blocks, outside, unnamed = _blocks(policy)
     named = max(blocks, default=-1) + 1
     if num_layers is not None and num_layers < 1:
         raise UserError(f"--num-layers {num_layers}: a count of transformer layers, at least 1")
@@ -181,25 +193,23 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
     model_dtype = root if root in (Format.BF16, Format.FP16) else Format.FP32
     other_dtype: dict[Format, list[str]] = {}  # the model root sets the model's dtype, so it is never listed here
     for name, fmt in policy.layers.items():
-        if name != ROOT and name not in misnumbered and not layer_only(fmt) and fmt is not model_dtype:
+        if name != ROOT and name not in unnamed and not layer_only(fmt) and fmt is not model_dtype:
             other_dtype.setdefault(fmt, []).append(name)
     for fmt, names in other_dtype.items():
         lines.append(
             f"{_layers(names)} in {fmt.value}: Megatron runs every layer outside its fp8 or fp4 recipe in the model's "
             f"dtype ({model_dtype.value} here)"
         )
-    if misnumbered:
+    lines += misnumbered_lines(unnamed)
+    quantized_outside: dict[Format, list[str]] = {}
+    for name, fmt in outside.items():
+        if layer_only(fmt):
+            quantized_outside.setdefault(fmt, []).append(name)
+    where = f"outside the transformer layers ({stack}.N)" if stack else "with no numbered stack of transformer layers"
+    for fmt, names in quantized_outside.items():
         lines.append(
-            f"{_layers(misnumbered, 'names')} a layer by a number Megatron's module names never hold (a leading zero "
-            "or a non-ASCII digit: they count 0, 1, 2, ... in ASCII): no Megatron module has that name, so it is "
-            "not read as a layer index; not in the export"
-        )
-    quantized_outside = [name for name, fmt in outside.items() if layer_only(fmt)]
-    if quantized_outside:
-        where = f"outside the transformer layers ({stack}.N)" if stack else "with no numbered stack of transformer layers"
-        lines.append(
-            f"{_layers(quantized_outside)} in a quantized recipe {where}, where Megatron runs none; left in the "
-            f"model's dtype (--to megatron-precision names modules one by one)"
+            f"{_layers(names)} in {fmt.value} {where}, where Megatron runs no recipe; left in the model's dtype "
+            "(--to megatron-precision names modules one by one)"
         )
     offered = ", ".join(f"{r.precision} {r.recipe}" for r in RECIPES.values())
     reasons: dict[str, list[int]] = {}

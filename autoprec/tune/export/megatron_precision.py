@@ -31,7 +31,7 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.export._common import _layers, fp32_under_a_lowered_root, root_not_expressed
 from autoprec.tune.export.base import ExportTarget, register
-from autoprec.tune.export.megatron import megatron_recipe
+from autoprec.tune.export.megatron import megatron_recipe, misnumbered, misnumbered_lines
 
 HIGH_PRECISION = "high_precision"  # the config key of the default matcher's (empty) recipe
 
@@ -56,9 +56,10 @@ def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
     matchers: dict[str, object] = {}
     left_out: dict[tuple[Format, str], list[str]] = {}
     root = root_not_expressed(policy, ": a '*' matcher in its recipe would run every module in it")
+    unnamed = misnumbered(policy)  # a pattern of one would match no module of GPTModel.named_modules()
     for name, fmt in policy.layers.items():
         recipe = module_recipe(fmt)
-        if name == ROOT and root:
+        if (name == ROOT and root) or name in unnamed:
             continue
         if recipe is None or name == ROOT:
             if fmt is not Format.FP32:
@@ -90,7 +91,12 @@ def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
             names = [n for n in names if n != ROOT]
         if names:
             lines.append(f"{_layers(names)} in {fmt.value}: {why}")
-    return {"configs": configs, "matchers": matchers}, [*root, *lines, *fp32_under_a_lowered_root(policy, "Megatron")]
+    return {"configs": configs, "matchers": matchers}, [
+        *root,
+        *lines,
+        *misnumbered_lines(unnamed),
+        *fp32_under_a_lowered_root(policy, "Megatron"),
+    ]
 
 
 def precision_yaml(policy: Policy, *, source: str = "a policy") -> tuple[str, list[str]]:
