@@ -56,9 +56,17 @@ RECIPES = {
 }
 
 
+def recipe_name(fmt: Format) -> str | None:
+    """RECIPES' key of the Megatron recipe that runs `fmt`, or None where none does (a per-GEMM mix, rowwise fp8, a
+    dtype)."""
+    name = recipe_key(fmt) or blockscaled_recipe(fmt)
+    return name if name in RECIPES else None
+
+
 def megatron_recipe(fmt: Format) -> MegatronRecipe | None:
-    """The Megatron recipe that runs `fmt`, or None where none does (a per-GEMM mix, rowwise fp8, a dtype)."""
-    return RECIPES.get(recipe_key(fmt) or blockscaled_recipe(fmt) or "")
+    """The Megatron recipe that runs `fmt` (recipe_name), or None."""
+    name = recipe_name(fmt)
+    return None if name is None else RECIPES[name]
 
 
 _INDEX = re.compile(r"0|[1-9][0-9]*")  # a layer index as nn.ModuleList names a child (str(int)): 'decoder.layers.3'
@@ -182,9 +190,9 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
     roles = {role for block in blocks.values() for role in block}
     whole: dict[str, set[int]] = {}  # RECIPES' key -> the layers wholly in it
     for i, block in blocks.items():
-        twins = {megatron_recipe(f) for f in block.values()}
-        if set(block) == roles and len(twins) == 1 and (twin := twins.pop()) is not None:
-            whole.setdefault(twin.recipe, set()).add(i)
+        keys = {recipe_name(f) for f in block.values()}
+        if set(block) == roles and len(keys) == 1 and (key := keys.pop()) is not None:
+            whole.setdefault(key, set()).add(i)
     runs = {key: _longest_run(whole.get(key, set()), count) for key in RECIPES}
     chosen = max(RECIPES, key=lambda key: runs[key][1] - runs[key][0])  # the first of equally long runs
     start, stop = runs[chosen]
