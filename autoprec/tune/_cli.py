@@ -308,14 +308,42 @@ def cmd_export(args: argparse.Namespace) -> int:
         left_out = export(policy, args.to, out, source=str(source), **given)
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
-    if args.json:
-        _print_json(args, {"file": str(out), "not_expressed": left_out})
-        return 0
-    if not args.quiet:  # the path and the lines name the policy's file and layers: escaped, as show prints them
+    if not (args.json or args.quiet):  # the path and the lines name the policy's file and layers: escaped
         print(f"wrote {printable(str(out))}")
         for line in left_out:
             print(f"not expressed: {printable(line)}")
-    return 0
+    checked = _verified(args, out, policy, args.check, args.to) if args.check else None
+    if args.json:
+        _print_json(args, {"file": str(out), "not_expressed": left_out, **({"check": checked.to_dict()} if checked else {})})
+    return _verify_code(checked)
+
+
+def _verified(args: argparse.Namespace, exported: Path, policy, model: str, target: str | None):
+    """The verification of `exported` on `model`'s linears (autoprec verify), its table printed unless --json or
+    --quiet."""
+    from autoprec.tune.export.verify import linear_names, table, verify
+
+    result = verify(exported, policy, linear_names(model), target)
+    if not (args.json or args.quiet):
+        print(table(result))
+    return result
+
+
+def _verify_code(result) -> int:
+    """1 when a linear runs otherwise than the policy says under the exported file, naming them on stderr."""
+    if result is None or not result.differing:
+        return 0
+    print(f"autoprec: the export differs from the policy at {', '.join(printable(n) for n in result.differing)}", file=sys.stderr)
+    return 1
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from autoprec.policy import load_policy
+
+    result = _verified(args, Path(args.exported), load_policy(args.policy), args.model, args.to)
+    if args.json:
+        _print_json(args, result.to_dict())
+    return _verify_code(result)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -512,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     from autoprec.tune._goals import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
     from autoprec.tune._targets import targets as planned_for  # noqa: PLC0415 (--target's devices, not export's)
 
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show,export}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show,export,verify}")
 
     def model_verb(name: str, help_text: str) -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=help_text, description=help_text)
@@ -650,8 +678,18 @@ def build_parser() -> argparse.ArgumentParser:
         ex.add_argument(
             option.flag, dest=option.dest, type=option.type, metavar=option.metavar, help=f"{', '.join(names)}: {option.help}"
         )
+    ex.add_argument("--check", metavar="MODEL", help="then verify the file on MODEL's linears (as `autoprec verify`)")
     _global_flags(ex)
     ex.set_defaults(func=cmd_export)
+
+    vf_help = "check that an exported file runs each linear of a model as the policy says, per GEMM, by the framework's rules"
+    vf = verbs.add_parser("verify", help=vf_help, description=f"{vf_help}; exit 1 naming each linear that differs")
+    vf.add_argument("exported", help="a file `autoprec export` wrote")
+    vf.add_argument("--policy", required=True, help="the policy.json it was exported from")
+    vf.add_argument("--model", required=True, help="the model.py (its build_model()'s linears), or a text file of module names")
+    vf.add_argument("--to", choices=[t.name for t in targets()], help="the file's target (default: the one it names)")
+    _global_flags(vf)
+    vf.set_defaults(func=cmd_verify)
     return parser
 
 

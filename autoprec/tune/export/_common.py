@@ -4,12 +4,16 @@ escaped comment, JSON string data), so that nothing read from a policy becomes c
 
 from __future__ import annotations
 
+import ast
 import json
+from collections.abc import Mapping
+from pathlib import Path
 
-from autoprec.errors import printable
+from autoprec.errors import UserError, printable, shown
 from autoprec.formats import Format
 from autoprec.formats.blockscaled import BlockScaledFamily
 from autoprec.policy import ROOT, Policy
+from autoprec.tune.export.base import HIGH, Gemms
 
 SHOWN = 6  # layer names per line; the rest are counted (the policy file lists them all)
 
@@ -128,3 +132,72 @@ def _json_literal(value: object) -> str:
     backslash and line break; json.dumps writes ASCII): a layer name is data here, whatever it holds."""
     lines = json.dumps(value, indent=4).splitlines(keepends=True)
     return "json.loads(\n" + "".join(f"    {line!r}\n" for line in lines) + ")"
+
+
+# --- reading an exported file back as data, for `autoprec verify` (nothing in it is run) ---
+
+GEMM_NAMES = ("fprop", "dgrad", "wgrad")
+
+
+def fp8_gemms(spec: Mapping[str, object]) -> Gemms:
+    """An fp8 spec's JSON (Fp8Spec.to_json, the torchao file's FP8_GEMMS) as per-GEMM labels: "fp8 <scaling>" for a
+    GEMM in fp8, None for one in high precision."""
+    label = f"fp8 {spec.get('scaling')}"
+    fprop, dgrad, wgrad = (label if spec.get(g) is True else None for g in GEMM_NAMES)
+    return fprop, dgrad, wgrad
+
+
+def policy_gemms(fmt: Format) -> Gemms:
+    """What a linear the policy runs in `fmt` computes each GEMM in, in the verifier's labels (base.Gemms): a
+    block-scaled format's element formats, an fp8 format's "fp8 <scaling>", HIGH for a dtype (the exports set no
+    dtype: a framework runs such a layer in the model's)."""
+    if (gemms := blockscaled_gemms(fmt)) is not None:
+        return gemms
+    if fmt.spec.fp8 is not None:
+        return fp8_gemms(fmt.spec.fp8.to_json())
+    return HIGH
+
+
+def read_python(path: Path) -> ast.Module:
+    """An exported Python file's syntax tree, parsed, never imported; UserError naming the file otherwise."""
+    try:
+        return ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as exc:
+        raise UserError(f"{path}: cannot read it as a Python file ({exc})") from None
+
+
+def assigned(tree: ast.Module, name: str, path: Path) -> object:
+    """The value of the file's top-level `name = ...`, read as data: a literal (ast.literal_eval) or
+    json.loads(<string literals>), the two forms the export writes; UserError naming the file otherwise."""
+    found = [n.value for n in tree.body if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == [name]]
+    if len(found) != 1:
+        raise UserError(f"{path}: expected one top-level {name} = ..., found {len(found)}: export the policy again")
+    value = found[0]
+    try:
+        if isinstance(value, ast.Call) and ast.unparse(value.func) == "json.loads" and len(value.args) == 1:
+            return json.loads(ast.literal_eval(value.args[0]))
+        return ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, RecursionError):
+        raise UserError(f"{path}: {name} is not data as `autoprec export` writes it (a literal or JSON text)") from None
+
+
+def same_functions(tree: ast.Module, written: str, path: Path) -> None:
+    """Refuse a file whose functions differ from those `autoprec export` writes (`written`: a file it wrote): the
+    verifier reads the file's tables as data and knows what its functions do with them only for those."""
+    mine = {n.name: ast.dump(n) for n in ast.parse(written).body if isinstance(n, ast.FunctionDef)}
+    theirs = {n.name: ast.dump(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
+    changed = sorted(name for name in mine if theirs.get(name) != mine[name])
+    if changed:
+        raise UserError(
+            f"{path}: its {', '.join(f'{n}()' for n in changed)} differ from what `autoprec export` writes, so what "
+            "they select cannot be read without running them: export the policy again and edit only its tables"
+        )
+
+
+def str_table(value: object, name: str, path: Path) -> dict[str, list[str]]:
+    """`value` checked to be {str: [str, ...]} (a layer table); UserError naming the file otherwise."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v) for k, v in value.items()
+    ):
+        raise UserError(f"{path}: {name} must map a name to a list of layer names, got {shown(value)}")
+    return value

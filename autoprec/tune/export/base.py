@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from autoprec.errors import UserError
 from autoprec.policy import Policy
 from autoprec.registry import Registry
 
@@ -54,6 +55,28 @@ class ExportTarget(abc.ABC):
         """Write `policy` to `out`; return what the target could not express, one line each (and say when the file
         converts nothing). `source` names the policy file, for the written file's comments; `options` are this
         target's Options that were given, by dest."""
+
+    def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+        """Each of `module_names` (a model's linears, by module path) -> what the target's framework runs it in
+        under the file `exported`, by the framework's own matching rules, without running the file's code.
+        `autoprec verify` asks this; a target that does not implement it cannot be verified."""
+        raise UserError(f"--to {self.name}: autoprec cannot verify this target's files (it has no resolve())")
+
+
+# What a linear's three GEMMs (fprop, dgrad, wgrad) run in, each a label ("fp8 tensorwise", "fp8 rowwise", "mxfp8",
+# "nvfp4") or None for high precision: the one vocabulary the verifier compares an export and a policy in.
+Gemms = tuple[str | None, str | None, str | None]
+HIGH: Gemms = (None, None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """What the target's framework runs one linear in under an exported file: its GEMMs (None: the framework
+    refuses the file for this layer, raising when it reads it), and how it decided, in the framework's terms
+    ("matcher 'layer_3_mxfp8'", "converter 2 (MXFP8, fqns ['layers.1.'])")."""
+
+    gemms: Gemms | None
+    via: str = ""
 
 
 _REGISTRY: Registry[ExportTarget] = Registry("export target")  # name -> target, in registration order (--to's)

@@ -18,13 +18,21 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from autoprec.errors import UserError, shown
-from autoprec.files import write_text
+from autoprec.files import read_json, write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import _layers, blockscaled_recipe, layer_only, recipe_key, root_not_expressed
-from autoprec.tune.export.base import ExportTarget, Option, register
+from autoprec.tune.export._common import (
+    _layers,
+    blockscaled_recipe,
+    layer_only,
+    policy_gemms,
+    recipe_key,
+    root_not_expressed,
+)
+from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Option, Resolved, register
 
 _FP8_NOTES = (  # megatron/core/transformer/multi_token_prediction.py and models/vision/multimodal_projector.py
     "Megatron runs its multi-token-prediction layers and a multimodal projector in fp8 whenever fp8 is on; they "
@@ -316,3 +324,77 @@ class Megatron(ExportTarget):
         exported = megatron_export(policy, num_layers)
         write_text(out, json.dumps(exported.to_dict(source), indent=2) + "\n")
         return list(exported.not_expressed)
+
+    def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+        return megatron_resolve(exported, module_names)
+
+
+def recipe_gemms(precision: str, fmt: object, recipe: object) -> Gemms:
+    """What Megatron runs a linear's GEMMs in under a recipe (`precision` "fp8"/"fp4", its format and recipe
+    strings), in the verifier's labels: those of the autoprec format with that recipe (RECIPES), else the recipe
+    as Megatron names it, which no policy format has."""
+    for key, twin in RECIPES.items():
+        if (twin.precision, twin.format, twin.recipe) == (precision, fmt, recipe):
+            return policy_gemms(next(f for f in Format if recipe_name(f) == key))
+    label = f"{precision} {recipe} ({fmt})"
+    return label, label, label
+
+
+def stack_layers(module_names: list[str]) -> tuple[str | None, dict[str, int]]:
+    """The model's transformer layers as Megatron's TransformerBlock numbers them: the numbered stack with the most
+    layers among the module paths ('decoder.layers'), and each linear in it -> its layer index."""
+    stacks: dict[str, dict[str, int]] = {}
+    for name in module_names:
+        if (match := _NUMBERED.match(name)) and len(match["index"]) <= len(str(MAX_LAYERS)):
+            stacks.setdefault(match["stack"], {})[name] = int(match["index"])
+    if not stacks:
+        return None, {}
+    stack = max(stacks, key=lambda s: len(set(stacks[s].values())))
+    return stack, stacks[stack]
+
+
+def _first_last_bf16(config: dict[str, object], num_layers: int, layer: int) -> bool:
+    """Whether Megatron keeps transformer layer `layer` (0-based) of `num_layers` out of its recipe: Megatron-core's
+    own rule where it is installed (megatron/core/fp8_utils.py, is_first_last_bf16_layer; fp4_utils.get_fp4_context
+    counts the same), else that rule: with first_last_layers_bf16, the first num_layers_at_start_in_bf16 and the
+    last num_layers_at_end_in_bf16 layers."""
+    on = bool(config.get("first_last_layers_bf16"))
+    start, end = (config.get(k, 1) if on else 0 for k in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"))
+    if not (isinstance(start, int) and isinstance(end, int)):
+        raise UserError(f"num_layers_at_start_in_bf16 and num_layers_at_end_in_bf16 must be integers, got {start!r}, {end!r}")
+    try:
+        from megatron.core.fp8_utils import is_first_last_bf16_layer
+    except ImportError:
+        return on and (layer < start or layer >= num_layers - end)
+    fields = {"num_layers": num_layers, "first_last_layers_bf16": on, "num_layers_at_start_in_bf16": start}
+    return bool(is_first_last_bf16_layer(SimpleNamespace(**fields, num_layers_at_end_in_bf16=end), layer))
+
+
+def megatron_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+    """What Megatron runs each linear in under the file's transformer_config: its fp8 (or fp4) recipe in every linear
+    of the transformer layers (the model's own count, as Megatron counts num_layers) but the first and last bf16
+    ones, every other linear (embedding, output layer) in the model's dtype."""
+    content = read_json(exported)
+    config = content.get("transformer_config") if isinstance(content, dict) else None
+    if not isinstance(config, dict):
+        raise UserError(f"{exported}: no transformer_config object in it: export the policy again")
+    recipe = None
+    for precision in ("fp8", "fp4"):
+        if config.get(precision):
+            if recipe is not None:
+                raise UserError(f"{exported}: it sets both fp8 and fp4, which Megatron's TransformerConfig refuses")
+            fields = f"{precision}={config[precision]!r}, {precision}_recipe={config.get(f'{precision}_recipe')!r}"
+            recipe = recipe_gemms(precision, config[precision], config.get(f"{precision}_recipe")), fields
+    stack, layers = stack_layers(module_names)
+    count = max(layers.values(), default=-1) + 1
+    found = {}
+    for name in module_names:
+        if recipe is None:
+            found[name] = Resolved(HIGH, "no fp8 or fp4 recipe set")
+        elif name not in layers:
+            found[name] = Resolved(HIGH, f"outside the transformer layers ({stack}.N)")
+        elif _first_last_bf16(config, count, layers[name]):
+            found[name] = Resolved(HIGH, f"a first/last bf16 layer of {count}")
+        else:
+            found[name] = Resolved(recipe[0], recipe[1])
+    return found

@@ -11,27 +11,46 @@ first whose fnmatch pattern matches a module's path (GPTModel.named_modules()) c
 `enabled: true` is skipped silently (`matcher.get("enabled", False)`), so every matcher here sets it. Each pattern is
 a layer name with its glob characters escaped (glob.escape), so it matches that module only.
 
+A per-GEMM mix (mxfp8-fwd, nvfp4-fwd-dgrad, mxfp8-fwd-nvfp4-dgrad) runs Megatron's custom recipe: its config sets
+`fp8_quantization_recipe: custom` and `custom_recipe_factory: "<module>.<mix>"`, which Megatron-core 0.16 imports by
+that dotted path (megatron/core/fp8_utils.py, _resolve_callable_from_python_import_path) and passes to Transformer
+Engine as `CustomRecipe(qfactory=...)` (_get_custom_recipe) for that module alone. The module, `<yaml stem>_qfactory.py`,
+is written beside the YAML (its folder must be on PYTHONPATH); each mix's factory gives the module's quantizer slots
+the formats of its three GEMMs (transformer_engine.QUANTIZER_FOR, the function the TE file holds too).
+
 A quantized config sets `override_nonquantized_autocast: true`, so the module runs its recipe also where no global
 --fp8/--fp4 recipe is on; the last matcher, "*", gives every other module the high-precision config, which overrides
-a global recipe (override_quantized_autocast defaults to true): the modules run as the policy says. Per-GEMM mixes
-(mxfp8-fwd, nvfp4-fwd-dgrad, ...) have no built-in recipe there (one recipe per module) and are listed as not
-expressed; so are rowwise fp8 layers (Megatron has no rowwise recipe) and layers in a dtype other than the model's.
+a global recipe (override_quantized_autocast defaults to true): the modules run as the policy says. Rowwise and per-GEMM
+fp8 layers (Megatron has no rowwise recipe, TE's factories none for them) and layers in a dtype other than the
+model's are listed as not expressed.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
+import re
+import textwrap
 from pathlib import Path
 
 import yaml
 
-from autoprec.errors import printable
+from autoprec.errors import UserError, printable, shown
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import _layers, fp32_under_a_lowered_root, root_not_expressed
-from autoprec.tune.export.base import ExportTarget, register
-from autoprec.tune.export.megatron import megatron_recipe, misnumbered, misnumbered_lines
+from autoprec.tune.export._common import (
+    _layers,
+    assigned,
+    blockscaled_gemms,
+    fp32_under_a_lowered_root,
+    read_python,
+    root_not_expressed,
+    same_functions,
+)
+from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Resolved, register
+from autoprec.tune.export.megatron import megatron_recipe, misnumbered, misnumbered_lines, recipe_gemms
+from autoprec.tune.export.transformer_engine import KINDS, QUANTIZER_FOR, TE_NEEDS
 
 HIGH_PRECISION = "high_precision"  # the config key of the default matcher's (empty) recipe
 
@@ -50,8 +69,41 @@ def _key(fmt: Format) -> str:
     return fmt.value.replace("-", "_")
 
 
-def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
-    """(the YAML's content, what it cannot express)."""
+def factory_module(out: str | Path) -> str:
+    """The factory module's name for the YAML `out`: its stem as a Python identifier, then _qfactory."""
+    stem = re.sub(r"[^A-Za-z0-9_]", "_", Path(out).stem)
+    return f"{'_' if stem[:1].isdigit() else ''}{stem}_qfactory"
+
+
+def factory_source(mixes: dict[str, Gemms], *, yaml_name: str = "the YAML") -> str:
+    """The factory module's text: GEMMS (mix -> (fprop, dgrad, wgrad)), quantizer_for, and one factory per mix.
+    The mixes' names are autoprec's format names (_key), never text from the policy."""
+    rows = "".join(f"    {key!r}: {gemms!r},\n" for key, gemms in mixes.items())
+    factories = "".join(
+        f'\n\ndef {key}(role):\n    """The quantizer for one slot of a module Megatron runs in {key}."""\n'
+        f"    return quantizer_for(role, GEMMS[{key!r}])\n"
+        for key in mixes
+    )
+    needs = textwrap.fill(f"Needs {TE_NEEDS}.", 116)
+    return f'''"""Transformer Engine quantizer factories for the per-GEMM mixes of Megatron-LM's
+--te-precision-config-file {printable(yaml_name)} (written by `autoprec export --to megatron-precision`).
+
+Megatron-core imports each `custom_recipe_factory: "<this module>.<mix>"` by its dotted path and runs the module the
+YAML matches under `CustomRecipe(qfactory=<mix>)`: put this file's folder on PYTHONPATH.
+{needs}
+"""
+
+
+# mix -> (fprop, dgrad, wgrad): "mxfp8", "nvfp4" or None (high precision)
+GEMMS = {{
+{rows}}}
+
+
+{QUANTIZER_FOR}{factories}'''
+
+
+def precision_config(policy: Policy, factory: str = "autoprec_qfactory") -> tuple[dict[str, object], list[str]]:
+    """(the YAML's content, what it cannot express). `factory`: the module the per-GEMM mixes' factories are in."""
     configs: dict[str, object] = {}
     matchers: dict[str, object] = {}
     left_out: dict[tuple[Format, str], list[str]] = {}
@@ -61,11 +113,11 @@ def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
         recipe = module_recipe(fmt)
         if (name == ROOT and root) or name in unnamed:
             continue
+        if recipe is None and name != ROOT and blockscaled_gemms(fmt) is not None:  # a per-GEMM mix
+            recipe = {"fp8_quantization_recipe": "custom", "custom_recipe_factory": f"{factory}.{_key(fmt)}"}
         if recipe is None or name == ROOT:
             if fmt is not Format.FP32:
-                if fmt.family.name == "blockscaled":
-                    why = "a per-GEMM mix: Megatron's per-module config gives a module one recipe for all its GEMMs"
-                elif fmt.spec.fp8 is not None:
+                if fmt.spec.fp8 is not None:
                     why = "an fp8 recipe Megatron has no twin for (its per-module fp8 recipes: tensorwise, blockwise, mxfp8)"
                 else:
                     why = (
@@ -99,9 +151,18 @@ def precision_config(policy: Policy) -> tuple[dict[str, object], list[str]]:
     ]
 
 
-def precision_yaml(policy: Policy, *, source: str = "a policy") -> tuple[str, list[str]]:
+def mixes(policy: Policy) -> dict[str, Gemms]:
+    """The policy's per-GEMM mixes Megatron runs through the factory module: _key -> (fprop, dgrad, wgrad)."""
+    found: dict[str, Gemms] = {}
+    for name, fmt in policy.layers.items():
+        if name != ROOT and module_recipe(fmt) is None and (gemms := blockscaled_gemms(fmt)) is not None:
+            found[_key(fmt)] = gemms
+    return found
+
+
+def precision_yaml(policy: Policy, *, source: str = "a policy", factory: str = "autoprec_qfactory") -> tuple[str, list[str]]:
     """The YAML file's text, and what it cannot express (also its comments, escaped)."""
-    content, lines = precision_config(policy)
+    content, lines = precision_config(policy, factory)
     if len(content["matchers"]) == 1:  # type: ignore[arg-type]
         lines = [*lines, "the policy has no layer in a recipe Megatron runs per module: every module runs in high precision"]
     head = [
@@ -121,6 +182,137 @@ class MegatronPrecision(ExportTarget):
     summary = "Megatron-LM's per-module --te-precision-config-file (mxfp8, nvfp4, tensorwise fp8 per linear)"
 
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: object) -> list[str]:
-        text, lines = precision_yaml(policy, source=source)
+        module = factory_module(out)
+        text, lines = precision_yaml(policy, source=source, factory=module)
+        if found := mixes(policy):
+            text += f"# the per-GEMM mixes' factories: {module}.py beside this file (on PYTHONPATH)\n"
+            write_text(Path(out).with_name(f"{module}.py"), factory_source(found, yaml_name=Path(out).name))
         write_text(out, text)
         return lines
+
+    def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+        return precision_resolve(exported, module_names)
+
+
+def _matcher_order(content: dict) -> tuple[list[tuple[str, str, str]], dict]:
+    """(the enabled glob matchers in order as (name, pattern, config key), the configs), read as Megatron-core's
+    RecipeConfig.from_config_dict reads them (megatron/core/quantization/quant_config.py, _build_matchers: a
+    matcher without `enabled` true is skipped; "glob" is the one type)."""
+    matchers = content.get("matchers") or {}
+    configs = content.get("configs") or {}
+    if not isinstance(matchers, dict) or not isinstance(configs, dict):
+        raise UserError(f"matchers and configs must be mappings, got {shown(matchers)} and {shown(configs)}")
+    order = []
+    for name, m in matchers.items():
+        if not isinstance(m, dict):
+            raise UserError(f"matcher {shown(name)} must be a mapping, got {shown(m)}")
+        if not m.get("enabled", False):
+            continue
+        if m.get("type") != "glob" or not isinstance(m.get("pattern"), str) or m.get("config") is None:
+            raise UserError(f"matcher {shown(name)}: Megatron reads type: glob with a pattern and a config, got {shown(m)}")
+        order.append((str(name), m["pattern"], m["config"]))
+    return order, configs
+
+
+def _config_key(order: list[tuple[str, str, str]], content: dict, module: str) -> tuple[str | None, str]:
+    """(the config key the first enabled matcher matching `module` gives, None: none, that matcher's name): Megatron-
+    core's own RecipeConfig where it is installed (get_quant_config_or_none's MatchContext), else the same rule
+    (fnmatch.fnmatch of the module path against each pattern, in order)."""
+    try:
+        from megatron.core.quantization.quant_config import MatchContext, RecipeConfig
+    except ImportError:
+        return next(((key, name) for name, pattern, key in order if fnmatch.fnmatch(module, pattern)), (None, ""))
+    key = RecipeConfig.from_config_dict(content).match_to_config_key(MatchContext(module_path=module, layer_number=None))
+    return key, next((name for name, pattern, k in order if k == key and fnmatch.fnmatch(module, pattern)), "")
+
+
+def _recipe_fields(recipe: object) -> dict:
+    """A training_recipe's fields, checked as Megatron-core's TEQuantizationRecipe.parse_from_config checks them
+    (megatron/core/extensions/transformer_engine.py) where it is installed, else its defaults and refusals by hand."""
+    if not isinstance(recipe, dict):
+        raise UserError(f"training_recipe must be a mapping, got {shown(recipe)}")
+    defaults = {
+        "fp8_quantization_recipe": None,
+        "fp4_quantization_recipe": None,
+        "custom_recipe_factory": None,
+        "fp8_format": "e4m3",
+        "override_quantized_autocast": True,
+        "override_nonquantized_autocast": False,
+        "tp_only_amax_red": False,
+    }
+    try:
+        from megatron.core.extensions.transformer_engine import TEQuantizationRecipe
+    except ImportError:
+        unknown = sorted(set(recipe) - set(defaults))
+        if unknown:
+            raise UserError(f"training_recipe field {unknown[0]!r} is not one Megatron reads ({', '.join(defaults)})") from None
+        fields = {**defaults, **recipe}
+        if fields["fp8_quantization_recipe"] and fields["fp4_quantization_recipe"]:
+            raise UserError("fp8 and fp4 quantization settings are mutually exclusive (Megatron refuses both)")
+        if "custom" in (fields["fp8_quantization_recipe"], fields["fp4_quantization_recipe"]) and not fields["custom_recipe_factory"]:
+            raise UserError("a custom recipe requires custom_recipe_factory (Megatron refuses it without)")
+        return fields
+    try:
+        parsed = TEQuantizationRecipe.parse_from_config(recipe)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"Megatron refuses training_recipe {shown(recipe)}: {exc}") from None
+    return {k: getattr(getattr(parsed, k), "value", getattr(parsed, k)) for k in defaults}
+
+
+def _factory_gemms(exported: Path, dotted: object) -> Gemms:
+    """The GEMMs a custom_recipe_factory "module.mix" gives, read from the module beside the YAML (as written by
+    this target: its functions checked against factory_source, its GEMMS read as data; nothing is imported)."""
+    if not isinstance(dotted, str) or "." not in dotted:
+        raise UserError(f"custom_recipe_factory must be 'pkg.mod.func', got {shown(dotted)}")
+    module, func = dotted.rsplit(".", 1)
+    path = exported.with_name(f"{module.replace('.', '/')}.py")
+    tree = read_python(path)
+    table = assigned(tree, "GEMMS", path)
+    if not isinstance(table, dict) or not all(
+        isinstance(v, tuple) and len(v) == 3 and all(g is None or g in KINDS for g in v) for v in table.values()
+    ):
+        raise UserError(f"{path}: GEMMS must map a mix to (fprop, dgrad, wgrad), each one of {KINDS} or None")
+    same_functions(tree, factory_source(table), path)
+    if func not in table:
+        raise UserError(f"{path}: no factory {func!r} (it has {', '.join(table)})")
+    return tuple(table[func])  # type: ignore[return-value]
+
+
+def precision_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+    """What Megatron runs each linear in under the YAML, with no global --fp8/--fp4 recipe: the first enabled matcher
+    matching the module path chooses its config (none: the module runs as the global setting, high precision); a
+    quantized config runs only with override_nonquantized_autocast (megatron/core/extensions/transformer_engine.py,
+    _get_fp8_autocast_for_quant_recipe); a custom one in its factory's GEMMs."""
+    try:
+        content = yaml.safe_load(Path(exported).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"{exported}: cannot read it as YAML ({exc})") from None
+    if not isinstance(content, dict):
+        raise UserError(f"{exported}: a --te-precision-config-file is a mapping of configs and matchers")
+    try:
+        order, configs = _matcher_order(content)
+        found = {}
+        for module in module_names:
+            key, matcher = _config_key(order, content, module)
+            if key is None:
+                found[module] = Resolved(HIGH, "no enabled matcher matches it")
+                continue
+            config = configs.get(key)
+            if not isinstance(config, dict) or config.get("transformer_engine_config_type") != "TEQuantizationParams":
+                raise UserError(f"config {shown(key)} (matcher {shown(matcher)}) is not a TEQuantizationParams config")
+            fields = _recipe_fields(config.get("training_recipe"))
+            fp8, fp4 = fields["fp8_quantization_recipe"], fields["fp4_quantization_recipe"]
+            via = f"matcher {matcher!r} -> config {key!r}"
+            if fp8 is None and fp4 is None:
+                found[module] = Resolved(HIGH, via)
+            elif not fields["override_nonquantized_autocast"]:
+                found[module] = Resolved(HIGH, f"{via}, without override_nonquantized_autocast: no recipe runs")
+            elif "custom" in (fp8, fp4):
+                found[module] = Resolved(_factory_gemms(Path(exported), fields["custom_recipe_factory"]), via)
+            elif fp8 is not None:
+                found[module] = Resolved(recipe_gemms("fp8", fields["fp8_format"], fp8), via)
+            else:
+                found[module] = Resolved(recipe_gemms("fp4", "e2m1", fp4), via)
+    except UserError as exc:
+        raise UserError(f"{exported}: {exc}") from None
+    return found

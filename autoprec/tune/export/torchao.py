@@ -11,8 +11,20 @@ from pathlib import Path
 from autoprec.files import write_text
 from autoprec.formats import float8_linear_config, fp8_input_dtype
 from autoprec.policy import Policy
-from autoprec.tune.export._common import _comments, _json_literal, fp8_layers, not_expressed, recipe_key
-from autoprec.tune.export.base import ExportTarget, register
+from autoprec.errors import UserError
+from autoprec.tune.export._common import (
+    _comments,
+    _json_literal,
+    assigned,
+    fp8_gemms,
+    fp8_layers,
+    not_expressed,
+    read_python,
+    recipe_key,
+    same_functions,
+    str_table,
+)
+from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register
 
 
 def fp8_gemms(policy: Policy) -> dict[str, dict[str, object]]:
@@ -105,3 +117,25 @@ class Torchao(ExportTarget):
         if fp8_layers(policy):
             return left_out
         return [*left_out, "the policy has no fp8 layer: the file's convert(model) changes nothing"]
+
+    def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+        return torchao_resolve(exported, module_names)
+
+
+def torchao_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+    """What the file's convert(model) runs each linear in, read from its tables. convert() calls torchao's
+    convert_to_float8_training once per FP8_LAYERS key, in order, with module_filter_fn(recipe) = `fqn in
+    FP8_LAYERS[recipe]`; torchao (torchao/float8/float8_linear_utils.py, swap_linear_layers) swaps every nn.Linear
+    the filter accepts, Float8Linear included, so a layer in two lists ends in the later one's config."""
+    tree = read_python(exported)
+    same_functions(tree, torchao_source(Policy(layers={})), exported)
+    layers = str_table(assigned(tree, "FP8_LAYERS", exported), "FP8_LAYERS", exported)
+    gemms = assigned(tree, "FP8_GEMMS", exported)
+    if not isinstance(gemms, dict) or not all(isinstance(gemms.get(k), dict) for k in layers):
+        raise UserError(f"{exported}: FP8_GEMMS must give each FP8_LAYERS key its GEMMs ({', '.join(layers)})")
+    found = {name: Resolved(HIGH, "no module_filter_fn accepts it") for name in module_names}
+    for recipe, names in layers.items():
+        for name in names:
+            if name in found:
+                found[name] = Resolved(fp8_gemms(gemms[recipe]), f"module_filter_fn({recipe!r})")
+    return found

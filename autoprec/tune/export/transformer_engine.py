@@ -24,17 +24,54 @@ from pathlib import Path
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
+from autoprec.errors import UserError, shown
 from autoprec.tune.export._common import (
     _comments,
     _layers,
+    assigned,
     blockscaled_gemms,
     fp32_under_a_lowered_root,
+    read_python,
     root_not_expressed,
+    same_functions,
 )
-from autoprec.tune.export.base import ExportTarget, register
+from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register
 
 TABLE = "GEMMS"  # the written file's table: layer -> (fprop, dgrad, wgrad) formats
-NAMES = (TABLE, "quantizer_factory", "custom_recipe")  # every name the written file defines
+NAMES = (TABLE, "quantizer_factory", "quantizer_for", "custom_recipe")  # every name the written file defines
+
+# A linear's quantizer for one slot given its (fprop, dgrad, wgrad) formats: the TE file and the factory module
+# `--to megatron-precision` writes for Megatron's custom recipe both hold this function (one source, here).
+QUANTIZER_FOR = '''def quantizer_for(role, gemms):
+    """The quantizer for one slot of a linear whose GEMMs run in `gemms` (fprop, dgrad, wgrad: "mxfp8", "nvfp4" or
+    None, high precision). Its input, weight and output gradient each get, per direction, the format of the GEMM
+    that consumes it (rowwise | columnwise): input fprop | wgrad, weight fprop | dgrad, grad_output dgrad | wgrad;
+    any other slot (an output, a gradient TE asks for, a slot without a role): high precision."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.custom_recipes.quantizer_factories import mxfp8_factory, nvfp4_factory
+
+    fprop, dgrad, wgrad = gemms
+    rowwise, columnwise = {"input": (fprop, wgrad), "weight": (fprop, dgrad), "grad_output": (dgrad, wgrad)}.get(
+        getattr(role, "tensor_type", None), (None, None)
+    )
+
+    def quantizer(kind):
+        if kind is None:
+            return te.IdentityQuantizer()
+        return {"mxfp8": mxfp8_factory, "nvfp4": nvfp4_factory}[kind](role)
+
+    if rowwise == columnwise:
+        return quantizer(rowwise)
+    return te.HybridQuantizer(
+        rowwise_quantizer=quantizer(rowwise), columnwise_quantizer=quantizer(columnwise), columnwise_source="original"
+    )
+'''
+TE_NEEDS = (  # what the written files need of Transformer Engine
+    "Transformer Engine 2.9 or later (CustomRecipe; Megatron-core 0.16 checks for 2.9.0.dev0) with QuantizerRole, "
+    "HybridQuantizer and IdentityQuantizer (transformer_engine.pytorch) and "
+    "transformer_engine.pytorch.custom_recipes.quantizer_factories (mxfp8_factory, nvfp4_factory); a GPU with "
+    "MXFP8/NVFP4 kernels (compute capability 10.0)"
+)
 
 
 def te_gemms(policy: Policy) -> dict[str, tuple[str | None, str | None, str | None]]:
@@ -98,8 +135,14 @@ def te_source(policy: Policy, *, source: str = "a policy") -> str:
 
 GEMMS maps a layer name to its three GEMMs' formats (fprop, dgrad, wgrad): "mxfp8" (TE's MXFP8BlockScaling
 quantizers), "nvfp4" (NVFP4BlockScaling's) or None (high precision). A layer GEMMS does not name runs in high
-precision; so does a te.Linear built without name= (TE names it '', which GEMMS never holds). Needs a GPU with MXFP8/NVFP4 kernels (compute capability 10.0) and a TE with CustomRecipe,
-HybridQuantizer and IdentityQuantizer. The comments below name the policy file and what the file leaves out.
+precision; so does a te.Linear built without name= (TE names it '', which GEMMS never holds).
+
+TE calls quantizer_factory(role) once per quantizer slot of a module, `role` a QuantizerRole (module_type,
+tensor_type, name) or None. Its `name` is the name= the module was built with, so the selection needs every
+listed layer built as te.Linear(..., name=<its module path, exactly as GEMMS writes it>); module_type is "linear" for
+te.Linear, LayerNormLinear and the linears of LayerNormMLP and MultiheadAttention, which take their names from TE.
+`autoprec verify` reads GEMMS under that rule. Needs {TE_NEEDS}.
+The comments below name the policy file and what the file leaves out.
 """
 
 {header}
@@ -109,32 +152,15 @@ HybridQuantizer and IdentityQuantizer. The comments below name the policy file a
 
 
 def quantizer_factory(role):
-    """The quantizer for one slot. A listed linear's input, weight and output gradient each get, per direction, the
-    format of the GEMM that consumes it (rowwise | columnwise): input fprop | wgrad, weight fprop | dgrad,
-    grad_output dgrad | wgrad. Any other slot, and every slot of a module the table does not list: high precision."""
+    """The quantizer for one slot: a listed linear's (by its te.Linear name=) from quantizer_for; any other
+    module's, and a slot without a role, high precision."""
     import transformer_engine.pytorch as te
-    from transformer_engine.pytorch.custom_recipes.quantizer_factories import mxfp8_factory, nvfp4_factory
 
     gemms = {TABLE}.get(role.name) if role is not None and role.module_type == "linear" else None
-    if gemms is None:
-        return te.IdentityQuantizer()
-    fprop, dgrad, wgrad = gemms
-    rowwise, columnwise = {{"input": (fprop, wgrad), "weight": (fprop, dgrad), "grad_output": (dgrad, wgrad)}}.get(
-        role.tensor_type, (None, None)
-    )
-
-    def quantizer(kind):
-        if kind is None:
-            return te.IdentityQuantizer()
-        return {{"mxfp8": mxfp8_factory, "nvfp4": nvfp4_factory}}[kind](role)
-
-    if rowwise == columnwise:
-        return quantizer(rowwise)
-    return te.HybridQuantizer(
-        rowwise_quantizer=quantizer(rowwise), columnwise_quantizer=quantizer(columnwise), columnwise_source="original"
-    )
+    return te.IdentityQuantizer() if gemms is None else quantizer_for(role, gemms)
 
 
+{QUANTIZER_FOR}
 def custom_recipe():
     """TE's CustomRecipe for this policy: pass it to te.autocast(recipe=...)."""
     from transformer_engine.common.recipe import CustomRecipe
@@ -155,3 +181,29 @@ class TransformerEngine(ExportTarget):
         if te_gemms(policy):
             return left_out
         return [*left_out, "the policy has no mxfp8/nvfp4 layer: the file's recipe runs every layer in high precision"]
+
+    def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+        return te_resolve(exported, module_names)
+
+
+KINDS = ("mxfp8", "nvfp4")  # the GEMM formats quantizer_factory has a TE factory for
+
+
+def te_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+    """What CustomRecipe(qfactory=quantizer_factory) runs each linear in, read from the file's GEMMS: TE calls the
+    factory with a QuantizerRole whose `name` is the te.Linear's name= (transformer_engine/pytorch/quantization.py,
+    QuantizerRole), which the file's header asks to be the module path; the factory looks that name up exactly, and
+    gives a name it does not find high precision."""
+    tree = read_python(exported)
+    same_functions(tree, te_source(Policy(layers={})), exported)
+    table = assigned(tree, TABLE, exported)
+    if not isinstance(table, dict) or not all(
+        isinstance(k, str) and isinstance(v, tuple) and len(v) == 3 and all(g is None or g in KINDS for g in v)
+        for k, v in table.items()
+    ):
+        raise UserError(f"{exported}: {TABLE} must map a layer name to (fprop, dgrad, wgrad), each one of {KINDS} or None, got {shown(table)}")
+    found = {}
+    for name in module_names:
+        gemms = table.get(name)
+        found[name] = Resolved(HIGH, "not in GEMMS") if gemms is None else Resolved(tuple(gemms), f"GEMMS[{name!r}] (te.Linear(name={name!r}))")  # type: ignore[arg-type]
+    return found

@@ -1,0 +1,158 @@
+"""`autoprec verify`: what each linear of a model runs in under an exported file, by the target framework's own
+matching rules, against what the policy says, per GEMM (fprop, dgrad, wgrad).
+
+The verifier asks the file's target (ExportTarget.resolve, found from the "autoprec export --to NAME" line every
+exported file holds, or given) and compares; it knows no target by name. Nothing in the file is run: each target
+reads its file as data (ast, JSON, YAML).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from autoprec.errors import UserError, printable
+from autoprec.policy import ROOT, Policy
+from autoprec.tune.export._common import layer_only, policy_gemms
+from autoprec.tune.export.base import HIGH, Gemms, Resolved, get_target
+
+_WRITTEN_BY = re.compile(r"autoprec export --to ([a-z0-9][a-z0-9_-]*)")  # in every exported file's first lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One linear: the policy's format for it ("" where the policy leaves it to the model's dtype), its GEMMs under
+    the policy, and what the framework runs it in under the file."""
+
+    layer: str
+    policy_format: str
+    expected: Gemms
+    resolved: Resolved
+
+    @property
+    def ok(self) -> bool:
+        return self.resolved.gemms == self.expected
+
+
+@dataclasses.dataclass(frozen=True)
+class Verification:
+    target: str
+    rows: tuple[Row, ...]
+
+    @property
+    def differing(self) -> list[str]:
+        return [row.layer for row in self.rows if not row.ok]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "target": self.target,
+            "matches": not self.differing,
+            "differing": self.differing,
+            "layers": [
+                {
+                    "layer": r.layer,
+                    "policy": r.policy_format or None,
+                    "expected": list(r.expected),
+                    "resolved": None if r.resolved.gemms is None else list(r.resolved.gemms),
+                    "via": r.resolved.via,
+                    "ok": r.ok,
+                }
+                for r in self.rows
+            ],
+        }
+
+
+def written_by(exported: Path) -> str:
+    """The target that wrote `exported`, from its "autoprec export --to NAME" line; UserError when none is there."""
+    try:
+        with open(exported, encoding="utf-8", errors="replace") as f:
+            head = f.read(4096)
+    except OSError as exc:
+        raise UserError(f"{exported}: cannot read it ({exc.strerror or exc})") from None
+    found = _WRITTEN_BY.search(head)
+    if found is None:
+        raise UserError(f"{exported}: no 'autoprec export --to NAME' line in it: give --to, or verify a file autoprec exported")
+    return found[1]
+
+
+def linear_names(model: str | Path) -> list[str]:
+    """The module paths of a model's linears (every torch.nn.Linear, subclasses too), from a model.py's
+    build_model(), or read from a text file of module paths, one a line ('#' starts a comment)."""
+    path = Path(model)
+    if path.suffix != ".py":
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"--model {path}: cannot read it as a list of module names ({exc})") from None
+        names = [line.split("#", 1)[0].strip() for line in lines]
+        return [n for n in names if n]
+    import torch
+
+    from autoprec.tune._task import _call, load_task
+
+    task = load_task(path)
+    built = _call(task, "build_model()", task.build_model)
+    if not isinstance(built, torch.nn.Module):
+        raise UserError(f"{path}: build_model() must return a torch.nn.Module, got {type(built).__name__}")
+    return [name for name, m in built.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def verify(exported: str | Path, policy: Policy, module_names: list[str], target: str | None = None) -> Verification:
+    """Resolve `exported` on `module_names` (a model's linears) with its target's rules and compare each linear
+    with `policy`. UserError for a policy layer in a quantized format that is no linear of the model (the policy
+    was searched on another model) and for a file its target cannot read."""
+    exported = Path(exported)
+    name = target or written_by(exported)
+    try:
+        chosen = get_target(name)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if not module_names:
+        raise UserError("the model has no torch.nn.Linear layers: nothing to verify")
+    known = set(module_names)
+    missing = [n for n, f in policy.layers.items() if n != ROOT and layer_only(f) and n not in known]
+    if missing:
+        shown_names = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise UserError(
+            f"the policy's quantized layers {printable(shown_names)} are not linears of this model: it was searched "
+            "on another model (or give the model it was searched on)"
+        )
+    resolved = chosen.resolve(exported, list(module_names))
+    rows = []
+    for layer in module_names:
+        fmt = policy.layers.get(layer) if layer != ROOT else None
+        rows.append(Row(layer, fmt.value if fmt else "", policy_gemms(fmt) if fmt else HIGH, resolved[layer]))
+    return Verification(chosen.name, tuple(rows))
+
+
+def _gemms(gemms: Gemms | None) -> str:
+    if gemms is None:
+        return "refused"
+    return " / ".join(g or "high" for g in gemms)
+
+
+def table(result: Verification) -> str:
+    """The table `autoprec verify` prints: one linear a line, the policy's GEMMs, the file's, and how the framework
+    decided; names escaped (errors.printable)."""
+    head = ("layer", "policy", "policy: fprop / dgrad / wgrad", f"{result.target}: fprop / dgrad / wgrad", "", "via")
+    cells = [
+        (
+            printable(r.layer) or "(root)",
+            r.policy_format or "-",
+            _gemms(r.expected),
+            _gemms(r.resolved.gemms),
+            "ok" if r.ok else "DIFFERS",
+            printable(r.resolved.via),
+        )
+        for r in result.rows
+    ]
+    widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *cells]]
+    differing = result.differing
+    if differing:
+        names = ", ".join(printable(n) for n in differing)
+        lines.append(f"{len(differing)} of {len(result.rows)} linears differ from the policy: {names}")
+    else:
+        lines.append(f"all {len(result.rows)} linears run as the policy says")
+    return "\n".join(lines)
