@@ -119,7 +119,7 @@ def test_the_transformer_engine_file_holds_the_table_and_the_builder_only(tmp_pa
     tree = ast.parse((tmp_path / "te.py").read_text(encoding="utf-8"))
     names = [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets]
     names += [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
-    assert names == ["GEMMS", "quantizer_factory", "custom_recipe"]
+    assert names == ["GEMMS", "quantizer_factory", "quantizer_for", "custom_recipe"]
     assert all(isinstance(n, (ast.Expr, ast.Assign, ast.FunctionDef)) for n in tree.body)  # no top-level import
     expected = {name: tuple(None if g == "fp32" else g for g in Format(f).family.gemm_precisions(Format(f)))
                 for name, f in MIXED.items() if Format(f).family.name == "blockscaled"}  # fmt: skip
@@ -189,6 +189,30 @@ def test_the_transformer_engine_factory_gives_each_gemms_operands_its_format(tmp
     assert exported.custom_recipe() == ("CustomRecipe", exported.quantizer_factory)
 
 
+def test_megatrons_custom_recipe_factory_gives_each_gemms_operands_its_format(tmp_path, te_stub):
+    """The factory module --to megatron-precision writes beside its YAML: Megatron calls one mix's factory for every
+    slot of the module the YAML matched, so it reads no name; a slot without a role is high precision."""
+    Q = te_stub
+    export(
+        Policy(layers={"blocks.1.fc1": "mxfp8-fwd-nvfp4-dgrad", "blocks.2.fc": "nvfp4-fwd"}),
+        "megatron-precision",
+        tmp_path / "m.yaml",
+    )
+    factories = load(tmp_path / "m_qfactory.py", "m_qfactory")
+    role = types.SimpleNamespace
+    hp, mx, nv = Q("hp"), Q("mxfp8"), Q("nvfp4")
+
+    def hybrid(row, col):
+        return Q("hybrid", rowwise_quantizer=row, columnwise_quantizer=col, columnwise_source="original")
+
+    def slots(factory):
+        return [factory(role(module_type="linear", tensor_type=t, name="")) for t in ("input", "weight", "grad_output")]
+
+    assert slots(factories.mxfp8_fwd_nvfp4_dgrad) == [hybrid(mx, hp), hybrid(mx, nv), hybrid(nv, hp)]
+    assert slots(factories.nvfp4_fwd) == [hybrid(nv, hp), hybrid(nv, hp), hp]
+    assert factories.nvfp4_fwd(None) == hp
+
+
 @pytest.mark.parametrize("root", ["mxfp8", "nvfp4-fwd"])
 def test_a_block_scaled_model_root_is_said_not_written_as_the_name_every_unnamed_te_linear_has(tmp_path, te_stub, root):
     """TE gives a te.Linear built without name= the role name '': the root written as GEMMS[''] ran every such linear
@@ -235,7 +259,8 @@ def test_no_text_from_a_policy_becomes_code_in_the_transformer_engine_file(tmp_p
 
 
 def megatron_formats(path, modules):
-    """module path -> what Megatron-core runs it in under the YAML: "mxfp8", "nvfp4", "fp8" (tensorwise) or "high"."""
+    """module path -> what Megatron-core runs it in under the YAML: "mxfp8", "nvfp4", "fp8" (tensorwise), "custom:
+    <factory>" (a per-GEMM mix) or "high"."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (the test extra has it)")
     from megatron.core.extensions.transformer_engine import TEQuantizationParams
     from megatron.core.quantization.utils import get_quant_config_or_none, load_quantization_recipe
@@ -246,6 +271,8 @@ def megatron_formats(path, modules):
         training = TEQuantizationParams.parse_from_config(get_quant_config_or_none(module, recipe)).training_recipe
         fp8, fp4 = training.fp8_quantization_recipe, training.fp4_quantization_recipe
         found[module] = {"mxfp8": "mxfp8", "tensorwise": "fp8"}.get(fp8, fp4 or "high")
+        if fp8 == "custom":
+            found[module] = f"custom: {training.custom_recipe_factory}"
         assert training.override_nonquantized_autocast == (found[module] != "high") and training.override_quantized_autocast
     return found
 
@@ -261,14 +288,17 @@ def test_the_megatron_precision_yaml_runs_each_linear_in_its_policy_format(tmp_p
     others = ["decoder.layers.1.mlp.linear_fc10", "decoder.layers.1.self_attention.linear_qkv", "embedding"]
     found = megatron_formats(tmp_path / "m.yaml", [*layers, *others])
     expected = {name: f if f in ("mxfp8", "nvfp4", "fp8") else "high" for name, f in layers.items()}
+    expected["decoder.layers.3.mlp.linear_fc1"] = "custom: m_qfactory.mxfp8_fwd"  # Megatron's custom recipe
     assert found == {**expected, **dict.fromkeys(others, "high")}
     content = yaml.safe_load((tmp_path / "m.yaml").read_text())
     assert all(m["enabled"] is True for m in content["matchers"].values())  # Megatron skips a matcher without it
     assert list(content["matchers"].values())[-1]["pattern"] == "*"
     assert [line.split(":")[0] for line in left_out] == [
         "the model root (every op outside a listed layer) runs in bf16", "layer 'output_layer' runs in bf16",
-        "layer 'decoder.layers.3.mlp.linear_fc1' runs in mxfp8-fwd", "layer 'decoder.layers.1.mlp.linear_fc2' runs in fp8-rowwise"]  # fmt: skip
-    assert "per-GEMM mix" in left_out[2] and all(f"#   - {line}" in (tmp_path / "m.yaml").read_text() for line in left_out)
+        "layer 'decoder.layers.1.mlp.linear_fc2' runs in fp8-rowwise"]  # fmt: skip
+    assert (tmp_path / "m_qfactory.py").exists() and all(
+        f"#   - {line}" in (tmp_path / "m.yaml").read_text() for line in left_out
+    )
 
 
 def test_a_name_megatron_never_gives_a_module_is_said_not_matched(tmp_path):

@@ -139,7 +139,7 @@ def _json_literal(value: object) -> str:
 GEMM_NAMES = ("fprop", "dgrad", "wgrad")
 
 
-def fp8_gemms(spec: Mapping[str, object]) -> Gemms:
+def fp8_spec_gemms(spec: Mapping[str, object]) -> Gemms:
     """An fp8 spec's JSON (Fp8Spec.to_json, the torchao file's FP8_GEMMS) as per-GEMM labels: "fp8 <scaling>" for a
     GEMM in fp8, None for one in high precision."""
     label = f"fp8 {spec.get('scaling')}"
@@ -154,7 +154,7 @@ def policy_gemms(fmt: Format) -> Gemms:
     if (gemms := blockscaled_gemms(fmt)) is not None:
         return gemms
     if fmt.spec.fp8 is not None:
-        return fp8_gemms(fmt.spec.fp8.to_json())
+        return fp8_spec_gemms(fmt.spec.fp8.to_json())
     return HIGH
 
 
@@ -201,3 +201,41 @@ def str_table(value: object, name: str, path: Path) -> dict[str, list[str]]:
     ):
         raise UserError(f"{path}: {name} must map a name to a list of layer names, got {shown(value)}")
     return value
+
+
+# --- Transformer Engine's quantizer per slot, for the files that build a CustomRecipe ---
+
+KINDS = ("mxfp8", "nvfp4")  # the GEMM formats quantizer_factory has a TE factory for
+
+# A linear's quantizer for one slot given its (fprop, dgrad, wgrad) formats: the TE file and the factory module
+# `--to megatron-precision` writes for Megatron's custom recipe both hold this function (one source, here).
+QUANTIZER_FOR = '''def quantizer_for(role, gemms):
+    """The quantizer for one slot of a linear whose GEMMs run in `gemms` (fprop, dgrad, wgrad: "mxfp8", "nvfp4" or
+    None, high precision). Its input, weight and output gradient each get, per direction, the format of the GEMM
+    that consumes it (rowwise | columnwise): input fprop | wgrad, weight fprop | dgrad, grad_output dgrad | wgrad;
+    any other slot (an output, a gradient TE asks for, a slot without a role): high precision."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.custom_recipes.quantizer_factories import mxfp8_factory, nvfp4_factory
+
+    fprop, dgrad, wgrad = gemms
+    rowwise, columnwise = {"input": (fprop, wgrad), "weight": (fprop, dgrad), "grad_output": (dgrad, wgrad)}.get(
+        getattr(role, "tensor_type", None), (None, None)
+    )
+
+    def quantizer(kind):
+        if kind is None:
+            return te.IdentityQuantizer()
+        return {"mxfp8": mxfp8_factory, "nvfp4": nvfp4_factory}[kind](role)
+
+    if rowwise == columnwise:
+        return quantizer(rowwise)
+    return te.HybridQuantizer(
+        rowwise_quantizer=quantizer(rowwise), columnwise_quantizer=quantizer(columnwise), columnwise_source="original"
+    )
+'''
+TE_NEEDS = (  # what the written files need of Transformer Engine
+    "Transformer Engine 2.9 or later (CustomRecipe; Megatron-core 0.16 checks for 2.9.0.dev0) with QuantizerRole, "
+    "HybridQuantizer and IdentityQuantizer (transformer_engine.pytorch) and "
+    "transformer_engine.pytorch.custom_recipes.quantizer_factories (mxfp8_factory, nvfp4_factory); a GPU with "
+    "MXFP8/NVFP4 kernels (compute capability 10.0)"
+)

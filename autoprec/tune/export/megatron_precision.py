@@ -40,6 +40,9 @@ from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.export._common import (
+    KINDS,
+    QUANTIZER_FOR,
+    TE_NEEDS,
     _layers,
     assigned,
     blockscaled_gemms,
@@ -50,7 +53,6 @@ from autoprec.tune.export._common import (
 )
 from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Resolved, register
 from autoprec.tune.export.megatron import megatron_recipe, misnumbered, misnumbered_lines, recipe_gemms
-from autoprec.tune.export.transformer_engine import KINDS, QUANTIZER_FOR, TE_NEEDS
 
 HIGH_PRECISION = "high_precision"  # the config key of the default matcher's (empty) recipe
 
@@ -243,13 +245,18 @@ def _recipe_fields(recipe: object) -> dict:
     try:
         from megatron.core.extensions.transformer_engine import TEQuantizationRecipe
     except ImportError:
+        TEQuantizationRecipe = None
+    if TEQuantizationRecipe is None:
         unknown = sorted(set(recipe) - set(defaults))
         if unknown:
-            raise UserError(f"training_recipe field {unknown[0]!r} is not one Megatron reads ({', '.join(defaults)})") from None
+            raise UserError(f"training_recipe field {unknown[0]!r} is not one Megatron reads ({', '.join(defaults)})")
         fields = {**defaults, **recipe}
         if fields["fp8_quantization_recipe"] and fields["fp4_quantization_recipe"]:
             raise UserError("fp8 and fp4 quantization settings are mutually exclusive (Megatron refuses both)")
-        if "custom" in (fields["fp8_quantization_recipe"], fields["fp4_quantization_recipe"]) and not fields["custom_recipe_factory"]:
+        if (
+            "custom" in (fields["fp8_quantization_recipe"], fields["fp4_quantization_recipe"])
+            and not fields["custom_recipe_factory"]
+        ):
             raise UserError("a custom recipe requires custom_recipe_factory (Megatron refuses it without)")
         return fields
     try:

@@ -8,16 +8,16 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+from autoprec.errors import UserError
 from autoprec.files import write_text
 from autoprec.formats import float8_linear_config, fp8_input_dtype
 from autoprec.policy import Policy
-from autoprec.errors import UserError
 from autoprec.tune.export._common import (
     _comments,
     _json_literal,
     assigned,
-    fp8_gemms,
     fp8_layers,
+    fp8_spec_gemms,
     not_expressed,
     read_python,
     recipe_key,
@@ -137,5 +137,5 @@ def torchao_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolv
     for recipe, names in layers.items():
         for name in names:
             if name in found:
-                found[name] = Resolved(fp8_gemms(gemms[recipe]), f"module_filter_fn({recipe!r})")
+                found[name] = Resolved(fp8_spec_gemms(gemms[recipe]), f"module_filter_fn({recipe!r})")
     return found

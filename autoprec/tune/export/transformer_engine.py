@@ -21,11 +21,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from autoprec.errors import UserError, shown
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.errors import UserError, shown
 from autoprec.tune.export._common import (
+    KINDS,
+    QUANTIZER_FOR,
+    TE_NEEDS,
     _comments,
     _layers,
     assigned,
@@ -39,39 +42,6 @@ from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register
 
 TABLE = "GEMMS"  # the written file's table: layer -> (fprop, dgrad, wgrad) formats
 NAMES = (TABLE, "quantizer_factory", "quantizer_for", "custom_recipe")  # every name the written file defines
-
-# A linear's quantizer for one slot given its (fprop, dgrad, wgrad) formats: the TE file and the factory module
-# `--to megatron-precision` writes for Megatron's custom recipe both hold this function (one source, here).
-QUANTIZER_FOR = '''def quantizer_for(role, gemms):
-    """The quantizer for one slot of a linear whose GEMMs run in `gemms` (fprop, dgrad, wgrad: "mxfp8", "nvfp4" or
-    None, high precision). Its input, weight and output gradient each get, per direction, the format of the GEMM
-    that consumes it (rowwise | columnwise): input fprop | wgrad, weight fprop | dgrad, grad_output dgrad | wgrad;
-    any other slot (an output, a gradient TE asks for, a slot without a role): high precision."""
-    import transformer_engine.pytorch as te
-    from transformer_engine.pytorch.custom_recipes.quantizer_factories import mxfp8_factory, nvfp4_factory
-
-    fprop, dgrad, wgrad = gemms
-    rowwise, columnwise = {"input": (fprop, wgrad), "weight": (fprop, dgrad), "grad_output": (dgrad, wgrad)}.get(
-        getattr(role, "tensor_type", None), (None, None)
-    )
-
-    def quantizer(kind):
-        if kind is None:
-            return te.IdentityQuantizer()
-        return {"mxfp8": mxfp8_factory, "nvfp4": nvfp4_factory}[kind](role)
-
-    if rowwise == columnwise:
-        return quantizer(rowwise)
-    return te.HybridQuantizer(
-        rowwise_quantizer=quantizer(rowwise), columnwise_quantizer=quantizer(columnwise), columnwise_source="original"
-    )
-'''
-TE_NEEDS = (  # what the written files need of Transformer Engine
-    "Transformer Engine 2.9 or later (CustomRecipe; Megatron-core 0.16 checks for 2.9.0.dev0) with QuantizerRole, "
-    "HybridQuantizer and IdentityQuantizer (transformer_engine.pytorch) and "
-    "transformer_engine.pytorch.custom_recipes.quantizer_factories (mxfp8_factory, nvfp4_factory); a GPU with "
-    "MXFP8/NVFP4 kernels (compute capability 10.0)"
-)
 
 
 def te_gemms(policy: Policy) -> dict[str, tuple[str | None, str | None, str | None]]:
@@ -186,9 +156,6 @@ class TransformerEngine(ExportTarget):
         return te_resolve(exported, module_names)
 
 
-KINDS = ("mxfp8", "nvfp4")  # the GEMM formats quantizer_factory has a TE factory for
-
-
 def te_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
     """What CustomRecipe(qfactory=quantizer_factory) runs each linear in, read from the file's GEMMS: TE calls the
     factory with a QuantizerRole whose `name` is the te.Linear's name= (transformer_engine/pytorch/quantization.py,
@@ -201,9 +168,15 @@ def te_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
         isinstance(k, str) and isinstance(v, tuple) and len(v) == 3 and all(g is None or g in KINDS for g in v)
         for k, v in table.items()
     ):
-        raise UserError(f"{exported}: {TABLE} must map a layer name to (fprop, dgrad, wgrad), each one of {KINDS} or None, got {shown(table)}")
+        raise UserError(
+            f"{exported}: {TABLE} must map a layer name to (fprop, dgrad, wgrad), each one of {KINDS} or None, got {shown(table)}"
+        )
     found = {}
     for name in module_names:
         gemms = table.get(name)
-        found[name] = Resolved(HIGH, "not in GEMMS") if gemms is None else Resolved(tuple(gemms), f"GEMMS[{name!r}] (te.Linear(name={name!r}))")  # type: ignore[arg-type]
+        found[name] = (
+            Resolved(HIGH, "not in GEMMS")
+            if gemms is None
+            else Resolved(tuple(gemms), f"GEMMS[{name!r}] (te.Linear(name={name!r}))")
+        )  # type: ignore[arg-type]
     return found
