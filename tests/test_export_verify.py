@@ -415,3 +415,15 @@ def test_verify_reads_a_model_files_linears(tmp_path, capsys):
     Policy(layers={"blocks.0.proj": "fp8"}).save(tmp_path / "other.json")
     assert main(["verify", str(tmp_path / "policy_torchao.py"), "--policy", str(tmp_path / "other.json"), "--model", model]) == 2
     assert "are not linears of this model" in capsys.readouterr().err
+
+
+def test_the_factory_module_holds_no_code_from_the_yamls_name(tmp_path):
+    """The YAML's name is a comment in the factory module, escaped: a name with quotes and a line break is no code."""
+    import ast
+
+    out = tmp_path / 'm"""\nimport os\n""".yaml'
+    export(Policy(layers={"blocks.1.fc": "mxfp8-fwd"}), "megatron-precision", out)
+    (factory,) = tmp_path.glob("*_qfactory.py")
+    tree = ast.parse(factory.read_text())
+    assert [type(n).__name__ for n in tree.body] == ["Expr", "Assign", "FunctionDef", "FunctionDef"]
+    assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef)] == ["quantizer_for", "mxfp8_fwd"]

@@ -16,7 +16,7 @@ A per-GEMM mix (mxfp8-fwd, nvfp4-fwd-dgrad, mxfp8-fwd-nvfp4-dgrad) runs Megatron
 that dotted path (megatron/core/fp8_utils.py, _resolve_callable_from_python_import_path) and passes to Transformer
 Engine as `CustomRecipe(qfactory=...)` (_get_custom_recipe) for that module alone. The module, `<yaml stem>_qfactory.py`,
 is written beside the YAML (its folder must be on PYTHONPATH); each mix's factory gives the module's quantizer slots
-the formats of its three GEMMs (transformer_engine.QUANTIZER_FOR, the function the TE file holds too).
+the formats of its three GEMMs (_common.QUANTIZER_FOR, the function the TE file holds too).
 
 A quantized config sets `override_nonquantized_autocast: true`, so the module runs its recipe also where no global
 --fp8/--fp4 recipe is on; the last matcher, "*", gives every other module the high-precision config, which overrides
@@ -87,13 +87,15 @@ def factory_source(mixes: dict[str, Gemms], *, yaml_name: str = "the YAML") -> s
         for key in mixes
     )
     needs = textwrap.fill(f"Needs {TE_NEEDS}.", 116)
-    return f'''"""Transformer Engine quantizer factories for the per-GEMM mixes of Megatron-LM's
---te-precision-config-file {printable(yaml_name)} (written by `autoprec export --to megatron-precision`).
+    return f'''"""Transformer Engine quantizer factories for the per-GEMM mixes of a Megatron-LM
+--te-precision-config-file (written by `autoprec export --to megatron-precision`), named in the comment below.
 
 Megatron-core imports each `custom_recipe_factory: "<this module>.<mix>"` by its dotted path and runs the module the
 YAML matches under `CustomRecipe(qfactory=<mix>)`: put this file's folder on PYTHONPATH.
 {needs}
 """
+
+# for --te-precision-config-file {printable(yaml_name)}
 
 
 # mix -> (fprop, dgrad, wgrad): "mxfp8", "nvfp4" or None (high precision)
