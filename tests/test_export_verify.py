@@ -427,3 +427,32 @@ def test_the_factory_module_holds_no_code_from_the_yamls_name(tmp_path):
     tree = ast.parse(factory.read_text())
     assert [type(n).__name__ for n in tree.body] == ["Expr", "Assign", "FunctionDef", "FunctionDef"]
     assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef)] == ["quantizer_for", "mxfp8_fwd"]
+
+
+def test_torchtitan_takes_the_main_branchs_converters_where_installed(tmp_path, titan12, monkeypatch):
+    """torchtitan's main branch moved the converters to torchtitan.config.transform with the same Config fields
+    (MXFP8's adds linears_saving_inputs_for_backward_in_mxfp8): the file takes them from there where that module is,
+    else from 0.3's torchtitan.components.quantization. The main branch is not installable here: a stand-in module
+    records what the file builds."""
+    import dataclasses
+    import types
+
+    import torchtitan.components.quantization.float8 as f8
+    import torchtitan.components.quantization.mx as mx
+
+    path = tmp_path / "p_torchtitan.py"
+    export(Policy(layers={"layers.0.feed_forward.w2": "fp8-rowwise", "layers.10.attention.wo": "mxfp8"}), "torchtitan", path)
+    exported = load(path)
+    assert [type(c) for c in exported.float8_converters(titan12) + exported.blockscaled_converters(titan12)] == [
+        f8.Float8LinearConverter.Config,
+        mx.MXFP8LinearConverter.Config,
+    ]
+    transform = types.ModuleType("torchtitan.config.transform")
+    for name in ("Float8LinearConverter", "MXFP8LinearConverter", "NVFP4LinearConverter"):
+        config = dataclasses.make_dataclass("Config", [("given", dict)])
+        setattr(transform, name, type(name, (), {"Config": staticmethod(lambda _c=config, **given: _c(given))}))
+    monkeypatch.setitem(sys.modules, "torchtitan.config.transform", transform)
+    (float8,) = exported.float8_converters(titan12)
+    assert float8.given["recipe_name"] == "rowwise" and "layers.0.feed_forward.w2" not in float8.given["filter_fqns"]
+    (mxfp8,) = exported.blockscaled_converters(titan12, linears_saving_inputs_for_backward_in_mxfp8=["attention.wo"])
+    assert mxfp8.given == {"fqns": ["layers.10.attention.wo"], "linears_saving_inputs_for_backward_in_mxfp8": ["attention.wo"]}
