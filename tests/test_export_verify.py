@@ -456,3 +456,18 @@ def test_torchtitan_takes_the_main_branchs_converters_where_installed(tmp_path, 
     assert float8.given["recipe_name"] == "rowwise" and "layers.0.feed_forward.w2" not in float8.given["filter_fqns"]
     (mxfp8,) = exported.blockscaled_converters(titan12, linears_saving_inputs_for_backward_in_mxfp8=["attention.wo"])
     assert mxfp8.given == {"fqns": ["layers.10.attention.wo"], "linears_saving_inputs_for_backward_in_mxfp8": ["attention.wo"]}
+
+
+@pytest.mark.parametrize(("target", "name", "text"), [
+    ("megatron-precision", "p.yaml", "# autoprec export --to megatron-precision\n" + "[" * 100_000),
+    ("torchao", "p.py", "# autoprec export --to torchao\nFP8_LAYERS = " + "(" * 100_000),
+    ("megatron", "p.json", '{"written_by": "autoprec export --to megatron", "transformer_config": ' + "[" * 100_000),
+])  # fmt: skip
+def test_a_damaged_export_is_one_line_not_a_traceback(tmp_path, capsys, target, name, text):
+    (tmp_path / name).write_text(text)
+    Policy(layers={"fc": "bf16"}).save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("fc\n")
+    args = ["verify", str(tmp_path / name), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("autoprec: error:") and name in err

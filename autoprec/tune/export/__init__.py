@@ -5,7 +5,8 @@ dropped silently; nothing is put in fp8 that the policy did not measure in that 
 Each target is one module here, an ExportTarget registered by name (base.py): torchao.py, torchtitan.py and
 megatron.py, each describing its file in its docstring; what they share is in _common.py. The command line offers
 whatever is registered, with the options each target adds: adding a target is one module, its tests and its docs
-(docs/export.md, "Adding an export target").
+(docs/export.md, "Adding an export target"). A target's `resolve` reads its file back as its framework would, for
+`autoprec verify` (verify.py), without running it.
 
 Nothing read from a policy becomes code in a written Python file: the layer names are JSON text inside string
 literals (repr), parsed at import; the policy file's name and the lines about what is left out are comments, their
@@ -20,7 +21,18 @@ from typing import Any
 
 from autoprec.errors import UserError
 from autoprec.policy import Policy
-from autoprec.tune.export.base import ExportTarget, Option, get_target, options, register, targets, unregister
+from autoprec.tune.export.base import (
+    HIGH,
+    ExportTarget,
+    Gemms,
+    Option,
+    Resolved,
+    get_target,
+    options,
+    register,
+    targets,
+    unregister,
+)
 
 BUILT_IN = (
     "torchao",
@@ -33,10 +45,13 @@ for _module in BUILT_IN:
     importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = [
+    "HIGH",
     "SUFFIXES",
     "TARGETS",
     "ExportTarget",
+    "Gemms",
     "Option",
+    "Resolved",
     "default_path",
     "export",
     "get_target",

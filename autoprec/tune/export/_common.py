@@ -162,8 +162,8 @@ def read_python(path: Path) -> ast.Module:
     """An exported Python file's syntax tree, parsed, never imported; UserError naming the file otherwise."""
     try:
         return ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as exc:
-        raise UserError(f"{path}: cannot read it as a Python file ({exc})") from None
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise UserError(f"{path}: cannot read it as a Python file ({type(exc).__name__}: {exc})") from None
 
 
 def assigned(tree: ast.Module, name: str, path: Path) -> object:

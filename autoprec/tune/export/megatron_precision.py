@@ -294,7 +294,7 @@ def precision_resolve(exported: Path, module_names: list[str]) -> dict[str, Reso
     _get_fp8_autocast_for_quant_recipe); a custom one in its factory's GEMMs."""
     try:
         content = yaml.safe_load(Path(exported).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:
         raise UserError(f"{exported}: cannot read it as YAML ({exc})") from None
     if not isinstance(content, dict):
         raise UserError(f"{exported}: a --te-precision-config-file is a mapping of configs and matchers")

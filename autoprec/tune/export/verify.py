@@ -122,7 +122,8 @@ def verify(exported: str | Path, policy: Policy, module_names: list[str], target
     rows = []
     for layer in module_names:
         fmt = policy.layers.get(layer) if layer != ROOT else None
-        rows.append(Row(layer, fmt.value if fmt else "", policy_gemms(fmt) if fmt else HIGH, resolved[layer]))
+        found = resolved.get(layer) or Resolved(None, f"--to {chosen.name}'s resolve() gave nothing for it")
+        rows.append(Row(layer, fmt.value if fmt else "", policy_gemms(fmt) if fmt else HIGH, found))
     return Verification(chosen.name, tuple(rows))
 
 
