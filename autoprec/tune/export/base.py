@@ -21,7 +21,7 @@ from autoprec.registry import Registry
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")  # a target's name is a `--to` choice and part of a file name
 _FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
 # names an option's value may not take: export()'s own arguments and the export verb's other arguments
-RESERVED = frozenset({"policy", "target", "out", "source", "to", "json", "quiet", "debug", "verb", "func", "help"})
+RESERVED = frozenset({"policy", "target", "out", "source", "to", "check", "json", "quiet", "debug", "verb", "func", "help"})
 
 
 @dataclasses.dataclass(frozen=True)
