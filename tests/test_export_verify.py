@@ -267,7 +267,7 @@ def resolved(path, names, policy):
     return {r.layer: (r.resolved.gemms, r.ok) for r in verify(path, policy, names).rows}
 
 
-def test_megatron_precision_runs_per_gemm_mixes_through_the_custom_recipe_and_verifies(tmp_path):
+def test_megatron_precision_runs_per_gemm_mixes_through_the_custom_recipe_and_verifies(tmp_path, monkeypatch):
     path = tmp_path / "p_megatron-precision.yaml"
     policy = mp_policy()
     left_out = export(policy, "megatron-precision", path)
@@ -280,6 +280,12 @@ def test_megatron_precision_runs_per_gemm_mixes_through_the_custom_recipe_and_ve
     )
     factory = (tmp_path / "p_megatron_precision_qfactory.py").read_text()
     assert "Transformer Engine 2.9 or later" in factory
+    fp8_utils = pytest.importorskip("megatron.core.fp8_utils", reason="megatron-core is not installed (the test extra has it)")
+    with monkeypatch.context() as m:  # Megatron imports the dotted path from PYTHONPATH: the folder of the YAML
+        m.syspath_prepend(str(tmp_path))
+        resolved_factory = fp8_utils._resolve_callable_from_python_import_path(recipe["custom_recipe_factory"])
+        sys.modules.pop("p_megatron_precision_qfactory", None)  # imported for this test only
+        assert resolved_factory.__name__ == "mxfp8_fwd" and callable(resolved_factory)
     rows = resolved(path, megatron_names(), policy)
     assert rows["decoder.layers.2.mlp.linear_fc1"] == (("mxfp8", None, None), True)
     assert rows["decoder.layers.3.mlp.linear_fc2"] == (("nvfp4", "nvfp4", None), True)
