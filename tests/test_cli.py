@@ -170,6 +170,29 @@ def test_search_bad_space(capsys, tmp_path, write_model, mlp_source):
     assert_user_error(code, err, str(space), "unknown module type 'Linr'")
 
 
+@pytest.mark.parametrize(
+    ("verb", "text", "extra", "expected"),
+    [
+        ("search", "default: [bf16]\nlayers: {Linear: [bf16]}\n", (), "default must include fp32"),
+        ("sweep", "default: [bf16]\nlayers: {Linear: [bf16]}\n", (), "default must include fp32"),
+        ("search", "default: [fp16]\nlayers: {Linear: [fp16]}\n", ("--objective", "flops", "--target", "h100"),
+         "default must include fp32 or bf16"),
+        ("search", "default: [fp32]\nlayers: {Linear: [fp32, bf16, mxfp8, nvfp4]}\n",
+         ("--objective", "flops", "--target", "h100"), "Leave mxfp8, nvfp4 out of the search space"),
+    ],
+)  # fmt: skip
+def test_a_space_the_goal_refuses_is_one_line_before_anything_is_measured(
+    capsys, tmp_path, write_model, mlp_source, verb, text, extra, expected
+):
+    space = tmp_path / "space.yaml"
+    space.write_text(text, encoding="utf-8")
+    budget = ("--budget", "0.1") if verb == "search" else ("--budgets", "0.1")
+    code, _, err = run(capsys, verb, write_model(mlp_source), *budget, "--device", "cpu", "--out", tmp_path / "out",
+                       "--space", space, *extra)  # fmt: skip
+    assert_user_error(code, err, expected)
+    assert not (tmp_path / "out").exists()  # refused before the out folder is made
+
+
 def test_a_space_file_nested_5000_deep_is_one_line_not_a_recursion_error(capsys, tmp_path, write_model, mlp_source):
     space = tmp_path / "space.yaml"
     space.write_text("layers: {Linear: [fp32]}\nexclude: " + "[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")

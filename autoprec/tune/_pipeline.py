@@ -160,7 +160,11 @@ def run(
     if memory.source(workload.device) is None and (config.objective.needs_peak or config.max_memory is not None):
         flag = f"--objective {config.objective.name}" if config.objective.needs_peak else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
-    if (goal := config.objective.check_space(space, config)) is not config.objective:  # one that holds the fallback
+    try:  # each message names the space file's list or the target, and the fix
+        goal = config.objective.check_space(space, config)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if goal is not config.objective:  # one that holds the fallback
         config = dataclasses.replace(config, objective=goal)
     if not config.objective.timed and space.prune_slower_than < SPEED_UNJUDGED:
         # this machine's speed says nothing of the target's: a format slow here (emulated) is no less a candidate
