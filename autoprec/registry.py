@@ -44,10 +44,10 @@ class Registry(dict[str, V]):
             raise ValueError(f"{rule}; register it as {canonical!r}")
         raise ValueError(f"{rule}; give it such a name")
 
-    def refuse_taken(self, name: str, fix: str, owner: str | None = None) -> None:
+    def refuse_taken(self, name: str, fix: str) -> None:
         """ValueError where `name` breaks the rule (check_name) or is registered already, naming the class that holds
         it and `fix` (what to do)."""
-        self.check_name(name, owner)
+        self.check_name(name)
         if name in self:
             taken = type(self[name])
             raise ValueError(f"{self.kind} {name!r} is already registered (by {taken.__module__}.{taken.__qualname__}); {fix}")
