@@ -29,6 +29,7 @@ import torch
 from autoprec import devices
 from autoprec.errors import UserError, printable
 from autoprec.formats import default_device
+from autoprec.tune._numbers import parse_decimal, parse_integer
 
 if TYPE_CHECKING:
     from autoprec.tune.export import ExportTarget
@@ -537,10 +538,12 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     def study_options(p: argparse.ArgumentParser, default_study: str) -> None:
-        p.add_argument("--trials", type=int, help="trials in the study, counting earlier runs of it (default: the space's)")
+        p.add_argument(
+            "--trials", type=parse_integer, help="trials in the study, counting earlier runs of it (default: the space's)"
+        )
         p.add_argument("--storage", help="Optuna storage URL or journal file (default: <out>/study.journal)")
         p.add_argument("--study", help=f"study name (default: {default_study}); the same name resumes")
-        p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+        p.add_argument("--seed", type=parse_integer, default=0, help="sampler seed (default 0)")
         p.add_argument(
             "--remeasure",
             action="store_true",
@@ -553,10 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="what the budget applies to: the metric of the given weights with the policy (weights, "
             "default), or after --train-steps training steps against fp32 trained alike (train)",
         )
-        p.add_argument("--train-steps", type=int, metavar="K", help="train mode: training steps per candidate (default 50)")
+        p.add_argument(
+            "--train-steps", type=parse_integer, metavar="K", help="train mode: training steps per candidate (default 50)"
+        )
         p.add_argument(
             "--noise-runs",
-            type=int,
+            type=parse_integer,
             metavar="R",
             help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)",
         )
@@ -599,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--time-budget",
-        type=float,
+        type=parse_decimal,
         metavar="MINUTES",
         help="minutes the whole search may take: the trials stop where the final re-measure still fits, "
         "and the answer is chosen from what was measured (default: no limit but --trials)",

@@ -17,6 +17,7 @@ from autoprec.errors import UserError, shown
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
+from autoprec.tune._numbers import parse_integer
 from autoprec.tune.export._common import _layers, fp8_layers, recipe_key
 from autoprec.tune.export.base import ExportTarget, Option, register
 
@@ -207,7 +208,7 @@ NUM_LAYERS = Option(
     "--num-layers",
     help="the model's transformer layers (default: as many as the policy names)",
     purpose="it counts the bf16 layers at the end",
-    type=int,
+    type=parse_integer,
     metavar="N",
 )
 
