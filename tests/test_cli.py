@@ -109,6 +109,34 @@ def test_search_bad_budget(capsys, tmp_path, write_model, mlp_source, budget):
     assert_user_error(code, err, "budget must be a finite number >= 0", budget)
 
 
+@pytest.mark.parametrize("budget", ["1_0", "\u0661\u0660", "\uff11\uff10", "1_0%"])
+def test_a_budget_in_other_than_ascii_digits_is_refused_naming_it_and_the_forms(
+    capsys, tmp_path, write_model, mlp_source, budget
+):
+    code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--budget", budget)
+    assert_user_error(code, err, f"but got {budget!r}", "a number in the metric's units (0.01) or a percentage", "ASCII digits")
+    code, _, err = run(capsys, "sweep", write_model(mlp_source), "--budgets", f"0,{budget}", "--device", "cpu", "--out", tmp_path)
+    assert_user_error(code, err, f"but got {budget!r}", "ASCII digits")
+
+
+@pytest.mark.parametrize("flag", ["--trials", "--seed", "--train-steps", "--noise-runs", "--time-budget"])
+def test_a_numeric_option_in_other_than_ascii_digits_is_refused_naming_it_and_the_forms(capsys, tmp_path, flag):
+    with pytest.raises(SystemExit) as info:
+        search(capsys, tmp_path, tmp_path / "model.py", flag, "1_0")
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"argument {flag}: '1_0' is not a " in err and "in ASCII digits, such as " in err.splitlines()[-1]
+
+
+def test_an_export_options_number_in_other_than_ascii_digits_is_refused(capsys, tmp_path):
+    path = Policy(layers={"decoder.layers.0.fc": "fp8"}).save(tmp_path / "policy.json")
+    with pytest.raises(SystemExit) as info:
+        run(capsys, "export", path, "--to", "megatron", "--num-layers", "\u0661\u0660")
+    assert (
+        info.value.code == 2 and "argument --num-layers: '\u0661\u0660' is not a whole number in ASCII" in capsys.readouterr().err
+    )
+
+
 @pytest.mark.parametrize(
     ("budgets", "expected"),
     [("0,x", "--budgets 0,x: a budget must be a number in the metric's units (0.01) or a percentage of the fp32 metric (1%), but got 'x'"),
@@ -168,6 +196,29 @@ def test_search_bad_space(capsys, tmp_path, write_model, mlp_source):
     space.write_text("layers: {Linr: [fp32]}\n", encoding="utf-8")
     code, _, err = search(capsys, tmp_path, write_model(mlp_source), "--space", space)
     assert_user_error(code, err, str(space), "unknown module type 'Linr'")
+
+
+@pytest.mark.parametrize(
+    ("verb", "text", "extra", "expected"),
+    [
+        ("search", "default: [bf16]\nlayers: {Linear: [bf16]}\n", (), "default must include fp32"),
+        ("sweep", "default: [bf16]\nlayers: {Linear: [bf16]}\n", (), "default must include fp32"),
+        ("search", "default: [fp16]\nlayers: {Linear: [fp16]}\n", ("--objective", "flops", "--target", "h100"),
+         "default must include fp32 or bf16"),
+        ("search", "default: [fp32]\nlayers: {Linear: [fp32, bf16, mxfp8, nvfp4]}\n",
+         ("--objective", "flops", "--target", "h100"), "Leave mxfp8, nvfp4 out of the search space"),
+    ],
+)  # fmt: skip
+def test_a_space_the_goal_refuses_is_one_line_before_anything_is_measured(
+    capsys, tmp_path, write_model, mlp_source, verb, text, extra, expected
+):
+    space = tmp_path / "space.yaml"
+    space.write_text(text, encoding="utf-8")
+    budget = ("--budget", "0.1") if verb == "search" else ("--budgets", "0.1")
+    code, _, err = run(capsys, verb, write_model(mlp_source), *budget, "--device", "cpu", "--out", tmp_path / "out",
+                       "--space", space, *extra)  # fmt: skip
+    assert_user_error(code, err, expected)
+    assert not (tmp_path / "out").exists()  # refused before the out folder is made
 
 
 def test_a_space_file_nested_5000_deep_is_one_line_not_a_recursion_error(capsys, tmp_path, write_model, mlp_source):

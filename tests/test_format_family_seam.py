@@ -96,6 +96,21 @@ def test_a_name_taken_is_refused_with_the_registrys_message(toy):
         unregister_family("toy-int8")
 
 
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("INT8FQ", r"format name 'INT8FQ' must be lowercase letters, .*; register it as 'int8fq'$"),
+        (" int8fq", r"format name ' int8fq' must be lowercase .*; register it as 'int8fq'$"),
+        ("Bf16", r"format name 'Bf16' must be .*; as 'bf16' it is the registered format 'bf16' \(by .*FormatSpec\): give it"),
+    ],
+)  # fmt: skip
+def test_a_format_name_no_policy_could_name_or_one_that_is_a_built_in_once_lower_cased_is_refused(toy, name, expected):
+    before = list(REGISTRY)
+    with pytest.raises(ValueError, match=expected):
+        register_format(name, family="toy-int8", inside="again")
+    assert list(REGISTRY) == before and parse_format("bf16").family.name == "autocast"
+
+
 def test_apply_policy_runs_it_and_records_it(toy):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))

@@ -85,6 +85,31 @@ def test_a_saved_profile_of_the_same_structure_with_other_weights_is_measured_ag
     assert Profile.load(tmp_path).weights == other.weights
 
 
+@pytest.mark.parametrize(("column", "value"), [("shape", "16xabc"), ("tokens", "abc")])
+def test_a_hand_edited_profile_cell_is_said_by_file_line_layer_column_and_value_and_measured_again(
+    tmp_path, caplog, column, value
+):
+    """Under --objective flops a bad shape was an error naming neither file nor cell, and bad tokens left every
+    Linear uncounted without a word: the profile was read as it was."""
+    from autoprec.tune import SearchConfig
+    from autoprec.tune._profile_data import COLUMNS
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
+    config = SearchConfig(budget=0.1, progress=False, profile=FAST)
+    load_or_profile(workload, space, tmp_path, config)
+    csv = tmp_path / "profile.csv"
+    lines = csv.read_text().splitlines()
+    cells = lines[1].split(",")
+    cells[COLUMNS.index(column)] = value
+    csv.write_text("\n".join([lines[0], ",".join(cells), *lines[2:]]) + "\n")
+    with caplog.at_level("WARNING", logger="autoprec"):
+        load_or_profile(workload, space, tmp_path, config)
+    assert f"{csv}: line 2 (layer 'fc1'), column {column}: '{value}' is not " in caplog.text
+    assert "profiling again" in caplog.text
+    assert value not in csv.read_text()  # measured again, the file repaired
+
+
 def test_a_corrupt_saved_profile_is_measured_again(tmp_path, caplog):
     from autoprec.tune import SearchConfig
 

@@ -154,7 +154,7 @@ def test_a_time_budget_the_profile_used_up_or_the_search_overran_is_said_with_wh
     assert result.policy.measured["chosen"]  # an answer all the same, from the alternatives
     caplog.clear()
     with caplog.at_level("WARNING", logger="autoprec"):
-        pipeline._say_if_overrun(60.0, 60.0 * 1.2, pipeline.Stopwatch())  # within the stated tolerance: nothing
+        pipeline._say_if_overrun(60.0, 60.0 * 1.2, {"the profile": 60.0})  # within the stated tolerance: nothing
     assert not caplog.records
 
 
@@ -174,3 +174,31 @@ def test_a_full_disk_while_a_database_holds_the_study_names_it_without_its_passw
     with pytest.raises(UserError, match="no space left") as err:
         pipeline.run(workload, space, SearchConfig(budget=0.1, storage=url), tmp_path / "out", search_plan())
     assert "s3cret" not in str(err.value) and "alice:***@db.example:5432/autoprec" in str(err.value)
+
+
+def test_the_overrun_line_after_a_resume_says_this_runs_time_in_parts_that_add_up_to_it(monkeypatch, tmp_path, caplog):
+    """After a resume the line read "took 3.4 min (trials: 4.7 min, ...)": its parts came from the cost table, which
+    counts the earlier runs' trials too. Here an earlier run's trials are 30 min of the cost table."""
+    import re
+
+    from short_timing import FAST_PROFILE, TINY
+
+    from autoprec.tune._searcher import search
+
+    real = pipeline.trial_costs
+
+    def with_an_earlier_run(study, watch):
+        real(study, watch)
+        watch.add("trials: measuring step times", 1800.0)  # what a resumed study's earlier trials add
+
+    monkeypatch.setattr(pipeline, "trial_costs", with_an_earlier_run)
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
+    config = SearchConfig(budget=0.05, time_budget=1e-4, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, progress=False)
+    with caplog.at_level("WARNING", logger="autoprec"):
+        search(workload, space, config, tmp_path)
+    [line] = [r.message for r in caplog.records if " overrun: the search took " in r.message]
+    whole = float(re.search(r"the search took ([0-9.]+) min", line).group(1))
+    parts = [float(m) for m in re.findall(r"([0-9.]+) min", line.split("(", 1)[1].split(")")[0])]
+    assert "the profile" in line and "the trials" in line and "the final re-measure" in line and "the rest" in line
+    assert all(p <= whole for p in parts) and abs(sum(parts) - whole) <= 0.05 * (len(parts) + 1), line  # rounding only

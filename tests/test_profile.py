@@ -830,3 +830,43 @@ def test_the_profiles_deadline_says_up_front_when_the_layers_will_not_fit(monkey
         assert deadline.passed() and deadline.passed()  # 3 s, 4 s: the other two left out
     assert deadline.left_out == 2 and "after 1 of 3 layers" in deadline.reason
     assert not profiler.Deadline(None, layers=3).passed()
+
+
+def test_the_gradient_range_pass_takes_train_batches_only_while_its_share_of_the_profiles_deadline_is_left(caplog):
+    """`--time-budget 2` took 194-256 s: the gradient-range pass took its 8 train batches whatever the budget. It
+    counts from the profile's start and stops once it has spent GRADIENT_SHARE of the profile's share, after one
+    batch at least, and says so; without a deadline (or with time left) it takes every batch."""
+    from autoprec.tune import load_task, prepare
+    from autoprec.tune._profiler import profile
+    from autoprec.tune._space import space_from_dict
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")  # 3 train batches of 16 rows
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}})
+
+    def nonzero(prof):  # the gradient elements the pass saw in fc1's weight: one batch's, or three's
+        table = prof.grad_ranges
+        return int(table[(table["layer"] == "fc1") & (table["tensor"] == "weight_grad")]["nonzero"].iloc[0])
+
+    with caplog.at_level("WARNING", logger="autoprec"):
+        cut = profile(workload, space, dataclasses.replace(FAST, deadline_s=0.0, grad_batches=None), progress=False)
+    said = [r.message for r in caplog.records if "gradient ranges from" in r.message]
+    assert said == [said[0]] and said[0].startswith("--time-budget: gradient ranges from 1 of 3 train batches")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="autoprec"):
+        whole = profile(workload, space, dataclasses.replace(FAST, deadline_s=1e6, grad_batches=None), progress=False)
+    assert not any("gradient ranges from" in r.message for r in caplog.records)
+    assert 0 < nonzero(cut) < nonzero(whole)
+
+
+def test_the_gradient_pass_stops_at_its_share_counted_from_the_profiles_start(monkeypatch):
+    from types import SimpleNamespace
+
+    from autoprec.tune import _profiler as profiler
+
+    clock = iter(range(100))
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: float(next(clock)))  # one second a reading
+    deadline = profiler.Deadline(10.0, layers=3)  # begins at 0; the gradient pass's part: GRADIENT_SHARE of 10 s
+    enough = deadline.gradients_enough(SimpleNamespace(train=[None] * 8), dataclasses.replace(FAST, grad_batches=8))
+    share = profiler.GRADIENT_SHARE * 10.0
+    assert [enough(n) for n in range(1, 8)] == [t > share for t in range(1, 8)]  # asked at 1 s, 2 s, ...: past it, True
+    assert profiler.Deadline(None, layers=3).gradients_enough(SimpleNamespace(train=[]), FAST) is None

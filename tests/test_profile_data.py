@@ -94,3 +94,35 @@ def test_a_row_is_a_frozen_record_of_profile_csvs_columns():
     assert [f.name for f in dataclasses.fields(ProfileRow)] == COLUMNS
     with pytest.raises(dataclasses.FrozenInstanceError):
         _row(format="bf16").status = "unsupported"  # type: ignore[misc]
+
+
+def _edit(tmp_path, column: str, value: str, line: int = 2) -> None:
+    """profile.csv's cell in `column` on `line` (1: the column names) set to `value`, as a person editing it would."""
+    csv = tmp_path / "profile.csv"
+    lines = csv.read_text().splitlines()
+    cells = lines[line - 1].split(",")
+    cells[COLUMNS.index(column)] = value
+    lines[line - 1] = ",".join(cells)
+    csv.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "expected"),
+    [
+        ("shape", "64xabc", r"column shape: '64xabc' is not a weight's sizes joined by x \(a Linear's out x in: 64x32\), or -"),
+        ("shape", "64 x 32", r"column shape: '64 x 32' is not"),
+        ("shape", "\u0666\u0664", r"column shape: '\u0666\u0664' is not"),
+        ("tokens", "abc", r"column tokens: 'abc' is not a number or empty"),
+        ("tokens", "-5", r"column tokens: -5(\.0)? is not a finite number >= 0 \(the rows the layer took per step\), or empty"),
+        ("tokens", "inf", r"column tokens: inf is not a finite number >= 0"),
+        ("time_ms", "fast", r"column time_ms: 'fast' is not a number or empty"),
+        ("finite", "yes", r"column finite: 'yes' is not True, False or empty"),
+    ],
+)  # fmt: skip
+def test_a_hand_edited_cell_is_refused_naming_the_file_the_line_the_layer_the_column_and_the_value(
+    tmp_path, column, value, expected
+):
+    _profile().save(tmp_path)
+    _edit(tmp_path, column, value, line=3)
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'profile.csv'}: line 3 \(layer '0'\), {expected}"):
+        Profile.load(tmp_path)

@@ -16,3 +16,35 @@ def test_a_name_taken_is_refused_naming_its_holder_and_what_to_do_and_the_order_
     with pytest.raises(ValueError, match=r"^widget 'a' is already registered \(by test_registry\.Member\); rename it$"):
         table.refuse_taken("a", "rename it")
     assert list(table) == ["b", "a"] and table.kind == "widget"
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("INT8FQ", r"widget name 'INT8FQ' must be lowercase letters, .*; register it as 'int8fq'$"),
+        (" int8fq", r"widget name ' int8fq' must be lowercase .*lower-case a name, so no other can be chosen; register it as 'int8fq'$"),
+        ("Taken", r"widget name 'Taken' .*; as 'taken' it is the registered widget 'taken' \(by test_registry\.Member\): give it another name$"),
+        ("", r"widget name '' must be .*; give it such a name$"),
+        ("my gpu", r"widget name 'my gpu' must be .*; give it such a name$"),
+        ("int8\u0661", r"widget name 'int8\u0661' must be .*; give it such a name$"),  # ASCII only: no Arabic-Indic digit
+        (None, r"widget name None must be .*; give it such a name$"),
+    ],
+)  # fmt: skip
+def test_a_name_lookups_cannot_find_is_refused_naming_the_value_the_rule_and_the_fix(name, expected):
+    table: Registry[Member] = Registry("widget")
+    table["taken"] = Member()
+    with pytest.raises(ValueError, match=expected):
+        table.refuse_taken(name, "never said")
+    with pytest.raises(ValueError, match=expected):  # and put in directly, as a registry without refuse_taken does
+        table[name] = Member()
+    assert list(table) == ["taken"]
+
+
+@pytest.mark.parametrize("name", ["MyGPU", "", "my gpu", " h200"])
+def test_the_target_registry_refuses_such_a_name_too(name):
+    from autoprec.tune._targets import Target, register_target, targets
+
+    before = targets()
+    with pytest.raises(ValueError, match=rf"^target name {name!r} must be lowercase letters"):
+        register_target(Target(name=name, device="a GPU", tflops={"fp32": 1.0, "bf16": 2.0}, source="made up"))
+    assert targets() == before

@@ -293,3 +293,48 @@ def test_a_study_whose_trials_carry_no_key_is_another_versions_and_refused_in_a_
         UserError, match=rf"made by another autoprec version \(study format version none; .*delete the study from {url} "
     ):
         open_overflow_study(tmp_path, storage=url)
+
+
+def _no_module(name: str):
+    def import_dbapi(cls):
+        raise ImportError(f"No module named {name!r}", name=name)
+
+    return classmethod(import_dbapi)
+
+
+def test_a_database_url_whose_driver_is_missing_names_the_driver_sqlalchemy_resolved_and_the_fix(tmp_path, monkeypatch):
+    """postgresql:// is psycopg2's in SQLAlchemy 2.0 and psycopg's in 2.1: the line said "install psycopg2-binary"
+    where that was installed. No server is reached: the driver's import fails first."""
+    from sqlalchemy.dialects.postgresql import psycopg, psycopg2
+    from sqlalchemy.engine import make_url
+
+    default = make_url("postgresql://").get_dialect()  # what this SQLAlchemy reads a URL without +driver as
+    other = psycopg.dialect if default.driver == "psycopg2" else psycopg2.dialect
+    monkeypatch.setattr(default, "import_dbapi", _no_module(default.driver))
+    monkeypatch.setattr(other, "import_dbapi", classmethod(lambda cls: object()))  # installed, as far as it can tell
+    with pytest.raises(UserError) as info:
+        study_storage(config("postgresql://alice:s3cret@127.0.0.1:1/db"), tmp_path)
+    line = str(info.value)
+    assert line.startswith("--storage postgresql://alice:***@127.0.0.1:1/db: SQLAlchemy ")
+    assert f"reads postgresql:// as postgresql+{default.driver} and needs the {default.driver} driver, which is not " in line
+    assert f"(no module {default.driver!r})" in line and "s3cret" not in line
+    assert f"name an installed one in the URL (postgresql+{other.driver}://..." in line and line.endswith(
+        f"install {default.driver}"
+    )
+
+
+def test_a_url_naming_a_missing_driver_with_none_other_installed_says_to_install_it(tmp_path, monkeypatch):
+    import importlib
+
+    storage_module = importlib.import_module("autoprec.tune._storage")
+    from sqlalchemy.dialects.postgresql import pg8000
+
+    monkeypatch.setattr(pg8000.dialect, "import_dbapi", _no_module("pg8000"))
+    monkeypatch.setattr(storage_module, "_installed_drivers", lambda backend: [])
+    with pytest.raises(UserError) as info:
+        study_storage(config("postgresql+pg8000://u@127.0.0.1:1/db"), tmp_path)
+    assert str(info.value) == (
+        f"--storage postgresql+pg8000://u@127.0.0.1:1/db: SQLAlchemy {__import__('sqlalchemy').__version__} needs the "
+        "pg8000 driver, which is not installed (no module 'pg8000'); install pg8000, or name another driver you have "
+        "installed in the URL (postgresql+DRIVER://...)"
+    )

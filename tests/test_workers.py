@@ -139,7 +139,7 @@ def test_storage_and_heartbeat_mistakes_name_the_value(tmp_path):
     with pytest.raises(UserError, match=r"--storage foo://bar: not a storage URL .* sqlite:///PATH"):
         study_storage(SearchConfig(budget=0.1, storage="foo://bar"), tmp_path)
     if importlib.util.find_spec("pg8000") is None:  # a PostgreSQL driver nobody here installs
-        with pytest.raises(UserError, match="--storage postgresql\\+pg8000://.*driver is not installed"):
+        with pytest.raises(UserError, match="--storage postgresql\\+pg8000://.*the pg8000 driver, which is not installed"):
             study_storage(SearchConfig(budget=0.1, storage="postgresql+pg8000://u@127.0.0.1:1/db"), tmp_path)
     with pytest.raises(ValueError, match="heartbeat_s must be an integer >= 1 .* got 0"):
         SearchConfig(budget=0.1, heartbeat_s=0)

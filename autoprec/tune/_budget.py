@@ -13,6 +13,8 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from autoprec.tune._numbers import parse_decimal
+
 log = logging.getLogger("autoprec")
 
 DEFAULT = "1%"  # what `autoprec search model.py` uses without --budget: 1% of the fp32 metric's magnitude
@@ -68,10 +70,11 @@ def parse_budget(value: object) -> Budget:
     text = str(value).strip()
     relative = text.endswith("%")
     try:
-        number = float(text[:-1] if relative else text) if not isinstance(value, (int, float)) else value
+        number = parse_decimal(text[:-1] if relative else text) if not isinstance(value, (int, float)) else value
     except ValueError:
         raise ValueError(
-            f"a budget must be a number in the metric's units (0.01) or a percentage of the fp32 metric (1%), but got {value!r}"
+            f"a budget must be a number in the metric's units (0.01) or a percentage of the fp32 metric (1%), but got "
+            f"{value!r} (ASCII digits, without '_')"
         ) from None
     number = check_budget(number, shown=value)
     return Budget(number / 100 if relative else number, relative=relative)
@@ -91,9 +94,12 @@ def parse_budgets(value: str | Iterable[float]) -> tuple[float, ...]:
     budgets = []
     for item in items:
         try:
-            number = float(item)
+            number = parse_decimal(item) if isinstance(item, str) else float(item)
         except (TypeError, ValueError):
-            raise ValueError(f"budgets must be numbers separated by commas, but got {item!r} in {value!r}") from None
+            raise ValueError(
+                f"budgets must be numbers separated by commas, but got {item!r} in {value!r} (ASCII digits, such as "
+                "0.01 or 1e-3, without '_')"
+            ) from None
         budgets.append(check_budget(number, what="every budget", shown=item))  # -0.0 is 0.0: one budget, one file name
     if not budgets:
         raise _none_listed(value)

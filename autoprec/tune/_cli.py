@@ -29,6 +29,9 @@ import torch
 from autoprec import devices
 from autoprec.errors import UserError, printable
 from autoprec.formats import default_device
+from autoprec.tune._numbers import parse_decimal, parse_integer
+from autoprec.tune._plugins import GROUP as PLUGIN_GROUP
+from autoprec.tune._plugins import load_plugins
 
 if TYPE_CHECKING:
     from autoprec.tune.export import ExportTarget
@@ -530,6 +533,22 @@ def _export_file_names(targets: Sequence[ExportTarget]) -> str:
     return f"<name>_<target>{usual}" + (f", or {', '.join(others)}" if others else "")
 
 
+def _before_the_verb(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """The --plugin values and whether --debug is given, among the options before the verb (where --plugin goes),
+    read before the parser is built; the parser reads them again and reports a mistake in them."""
+    plugins, debug = [], False
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--plugin":
+            plugins.append(next(tokens, ""))
+        elif token.startswith("--plugin="):
+            plugins.append(token.partition("=")[2])
+        elif not token.startswith("-"):  # the verb
+            break
+        debug = debug or token == "--debug"
+    return [p for p in plugins if p], debug
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device."
@@ -537,6 +556,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autoprec {_version()}")
     for flag, text in GLOBAL_FLAGS:
         parser.add_argument(flag, action="store_true", help=text)
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        metavar="MODULE_OR_FILE",
+        help="import a module (pkg.mod) or a .py file that registers goals, targets, export targets or format "
+        f"families, before the options are read; repeatable (installed packages' {PLUGIN_GROUP} entry points are "
+        "always loaded)",
+    )
     from autoprec.tune._goals import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
     from autoprec.tune._targets import targets as planned_for  # noqa: PLC0415 (--target's devices, not export's)
 
@@ -567,10 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     def study_options(p: argparse.ArgumentParser, default_study: str) -> None:
-        p.add_argument("--trials", type=int, help="trials in the study, counting earlier runs of it (default: the space's)")
+        p.add_argument(
+            "--trials", type=parse_integer, help="trials in the study, counting earlier runs of it (default: the space's)"
+        )
         p.add_argument("--storage", help="Optuna storage URL or journal file (default: <out>/study.journal)")
         p.add_argument("--study", help=f"study name (default: {default_study}); the same name resumes")
-        p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+        p.add_argument("--seed", type=parse_integer, default=0, help="sampler seed (default 0)")
         p.add_argument(
             "--remeasure",
             action="store_true",
@@ -583,10 +612,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="what the budget applies to: the metric of the given weights with the policy (weights, "
             "default), or after --train-steps training steps against fp32 trained alike (train)",
         )
-        p.add_argument("--train-steps", type=int, metavar="K", help="train mode: training steps per candidate (default 50)")
+        p.add_argument(
+            "--train-steps", type=parse_integer, metavar="K", help="train mode: training steps per candidate (default 50)"
+        )
         p.add_argument(
             "--noise-runs",
-            type=int,
+            type=parse_integer,
             metavar="R",
             help="train mode: fp32 runs with seeds 0..R-1 whose spread is the noise floor (default 3)",
         )
@@ -629,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--time-budget",
-        type=float,
+        type=parse_decimal,
         metavar="MINUTES",
         help="minutes the whole search may take: the trials stop where the final re-measure still fits, "
         "and the answer is chosen from what was measured (default: no limit but --trials)",
@@ -694,6 +725,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    plugins, debug = _before_the_verb(argv)
+    try:  # before the parser is built: --objective, --target and --to offer what the plugins register
+        load_plugins(plugins)
+    except UserError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"autoprec: error: {printable(str(exc))}", file=sys.stderr)
+        return EXIT_USER_ERROR
     args = build_parser().parse_args(argv)
     _log_setup(args.debug)
     if args.verb in ("search", "sweep") and not args.debug:  # process-wide settings belong here, not in the library

@@ -202,7 +202,6 @@ class Goal(abc.ABC):
 
 # ---- the registry ------------------------------------------------------------------------------------------------
 
-_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")  # a goal's name is an --objective value and part of the study key
 _REGISTRY: Registry[Goal] = Registry("goal")  # name -> goal, in registration order (the order --objective lists them)
 G = TypeVar("G", bound="Goal | type[Goal]")
 
@@ -215,9 +214,8 @@ def register_goal(goal: G) -> G:
     if not isinstance(instance, Goal):
         raise ValueError(f"register_goal takes a Goal or a Goal subclass, but got {goal!r}")
     what = type(instance).__qualname__
-    name = getattr(instance, "name", None)
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"goal {what}: name {name!r} must be lowercase letters, digits, '-' and '_'")
+    # the name rule (registry.NAME) is every registry's: an --objective value and part of the study key
+    name = _REGISTRY.check_name(getattr(instance, "name", None), what)
     _REGISTRY.refuse_taken(name, f"unregister_goal({name!r}) first to replace it, or give {what} another name")
     if getattr(instance, "direction", None) not in ("maximize", "minimize"):
         raise ValueError(f"goal {name!r}: direction must be 'maximize' or 'minimize', but got {instance.direction!r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pandas as pd
@@ -189,11 +189,14 @@ def _hooks(module: torch.nn.Module, record: LayerGradients) -> list:
     return [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post)]
 
 
-def collect(workload: Workload, names: Iterable[str], batches: int | None = None) -> dict[str, LayerGradients]:
+def collect(
+    workload: Workload, names: Iterable[str], batches: int | None = None, *, enough: Callable[[int], bool] | None = None
+) -> dict[str, LayerGradients]:
     """Gradient histograms of each named layer over the first `batches` train batches (None: all).
 
     The fp32 model in train mode takes loss and backward per batch (no optimizer step), seeded so that
-    dropout draws the same masks every run.
+    dropout draws the same masks every run. `enough`, asked after each batch but the last with the batches taken
+    so far: True ends the pass there (a time budget's share spent); the first batch is always taken.
     """
     model = copy.deepcopy(workload.model).train()
     modules = dict(model.named_modules())
@@ -202,13 +205,16 @@ def collect(workload: Workload, names: Iterable[str], batches: int | None = None
     try:
         with devices.lookup(workload.device).fork_rng(workload.device):
             torch.manual_seed(0)
-            for batch in workload.train[:batches]:
+            taken = workload.train[:batches]
+            for i, batch in enumerate(taken, start=1):
                 model.zero_grad(set_to_none=True)
                 check_loss(workload.task, workload.task.loss_fn(model, batch)).backward()
                 for n, r in records.items():
                     for p in modules[n].parameters():
                         if p.grad is not None:
                             r.tensors["weight_grad"].add(p.grad)
+                if enough is not None and i < len(taken) and enough(i):
+                    break
     finally:
         for h in handles:
             h.remove()

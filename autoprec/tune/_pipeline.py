@@ -160,7 +160,11 @@ def run(
     if memory.source(workload.device) is None and (config.objective.needs_peak or config.max_memory is not None):
         flag = f"--objective {config.objective.name}" if config.objective.needs_peak else "--max-memory"
         raise UserError(f"{flag}: peak memory is {memory.not_measured(workload.device)}; search for speed without a limit")
-    if (goal := config.objective.check_space(space, config)) is not config.objective:  # one that holds the fallback
+    try:  # each message names the space file's list or the target, and the fix
+        goal = config.objective.check_space(space, config)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if goal is not config.objective:  # one that holds the fallback
         config = dataclasses.replace(config, objective=goal)
     if not config.objective.timed and space.prune_slower_than < SPEED_UNJUDGED:
         # this machine's speed says nothing of the target's: a format slow here (emulated) is no less a candidate
@@ -206,6 +210,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         objectives=plan.objectives,
         profile_folder=plan.profile_folder,
     )
+    parts = {"the profile": time.perf_counter() - began}  # this run's own time, for the overrun line
     config = dataclasses.replace(config, objective=started.goal)
     layer_times = LayerTimes.from_rows(started.profile.rows)
     objective = Objective(
@@ -218,7 +223,9 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
     if config.time_budget is not None:  # the trials stop where the final re-measure's share still fits
         objective.deadline = began + config.time_budget / (1 + BUDGET_FINAL_SHARE)
         _say_if_no_trial_fits(config.time_budget, time.perf_counter() - began, objective.deadline - began)
+    mark = time.perf_counter()
     ran = run_trials(started.study, objective, target, progress=config.progress)
+    parts["the trials"] = time.perf_counter() - mark
     stopped = None
     if objective.stopped is not None and complete_count(started.study) < target:
         left = target - complete_count(started.study)
@@ -236,6 +243,7 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         watch.count("trials: run earlier, none now (their time is in the earlier run's table)", complete_count(started.study))
     candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists, goal=config.objective)
     noise = device_noise(started.study, since=objective.since)
+    mark = time.perf_counter()
     finals = final_remeasure(
         workload,
         candidates,
@@ -245,8 +253,9 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         cap_s=_final_cap(config, watch, began, ran),
         noisy_device=noise is not None and noise > NOISY_SPREAD,
     )
+    parts["the final re-measure"] = time.perf_counter() - mark
     if config.time_budget is not None:
-        _say_if_overrun(config.time_budget, time.perf_counter() - began, watch)
+        _say_if_overrun(config.time_budget, time.perf_counter() - began, parts)
     # the tables first, the policy files last: a policy file marks a complete result (see _earlier_result)
     trials = trials_table(started.study, started.choices, started.profile)
     write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
@@ -304,14 +313,15 @@ def _say_if_no_trial_fits(budget_s: float, spent_s: float, trials_s: float) -> N
         )
 
 
-def _say_if_overrun(budget_s: float, spent_s: float, watch: Stopwatch) -> None:
+def _say_if_overrun(budget_s: float, spent_s: float, parts: Mapping[str, float]) -> None:
     """--time-budget bounds the trials and the final re-measure's extra rounds; the profile and the re-measure's
     first SETTLED_FINAL_ROUNDS rounds are not cut short (docs/measuring.md). Past TIME_BUDGET_TOLERANCE, say where
-    the time went."""
+    the time went: `parts`, seconds of this run by stage, and the rest of `spent_s`, so the parts add up to it (the
+    cost table counts a resumed study's earlier trials too, which this run did not spend)."""
     if spent_s <= budget_s * (1 + TIME_BUDGET_TOLERANCE):
         return
-    stages = sorted(watch.seconds.items(), key=lambda kv: -kv[1])[:2]
-    where = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in stages)
+    rest = max(0.0, spent_s - sum(parts.values()))
+    where = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in [*parts.items(), ("the rest", rest)])
     log.warning(
         "--time-budget %.1f min overrun: the search took %.1f min (%s); the profile and the final re-measure's first "
         "%d rounds are not cut short",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from autoprec.errors import shown
 from autoprec.files import check_version, write_atomically
 from autoprec.formats import FP16_MAX, NO_KERNEL, Format
 from autoprec.tune._gradients import ScaleAdvice, advise
+from autoprec.tune._numbers import parse_decimal
 
 NAN = math.nan
 
@@ -82,7 +85,10 @@ class ProfileRow:
 
     @classmethod
     def from_cells(cls, cells: Mapping[str, Any]) -> ProfileRow:
-        """A row from profile.csv's cells as pandas read them (empty: NaN; True/False; numbers as numpy's)."""
+        """A row from profile.csv's cells as pandas read them (empty: NaN; True/False; numbers as numpy's).
+        ValueError naming the column and the value where a cell holds what the profiler never writes (a hand-edited
+        file): a shape that is not sizes joined by "x", tokens that are not a finite number >= 0, text where a
+        number or True/False belongs. Profile.load adds the file and the line."""
         texts = {"layer", "type", "shape", "format", "status", "reason", "timed_as", "metric_source"}
         values: dict[str, Any] = {}
         for name in COLUMNS:
@@ -91,10 +97,17 @@ class ProfileRow:
                 values[name] = "" if _empty(cell) else str(cell)
             elif name in ("finite", "overflow"):
                 values[name] = flag(cell)
-            elif name == "tokens":
-                values[name] = None if _empty(cell) else as_float(cell)
+                if values[name] is None and not _empty(cell):
+                    raise _bad_cell(name, cell, "True, False or empty")
             else:
-                values[name] = as_float(cell)
+                values[name] = _number(name, cell)
+        if not _SHAPE.fullmatch(values["shape"]):
+            raise _bad_cell("shape", values["shape"], "a weight's sizes joined by x (a Linear's out x in: 64x32), or -")
+        tokens = values["tokens"]
+        if math.isnan(tokens):
+            values["tokens"] = None if _empty(cells["tokens"]) else tokens
+        if values["tokens"] is not None and not (math.isfinite(tokens) and tokens >= 0):
+            raise _bad_cell("tokens", cells["tokens"], "a finite number >= 0 (the rows the layer took per step), or empty")
         return cls(**values)
 
 
@@ -190,7 +203,13 @@ class Profile:
         missing = [c for c in COLUMNS if c not in table]
         if missing:
             raise ValueError(f"{out_dir / 'profile.csv'}: no column {missing[0]!r}")
-        rows = [ProfileRow.from_cells(cells) for cells in table[COLUMNS].to_dict("records")]
+        rows = []
+        for line, cells in enumerate(table[COLUMNS].to_dict("records"), start=2):  # line 1: the column names
+            try:
+                rows.append(ProfileRow.from_cells(cells))
+            except ValueError as exc:
+                layer = "" if _empty(cells["layer"]) else f" (layer {cells['layer']!r})"
+                raise ValueError(f"{out_dir / 'profile.csv'}: line {line}{layer}, {exc}") from None
         grad_ranges = pd.read_csv(out_dir / "grad_ranges.csv", dtype={"layer": str})  # profile() always measures them
         return cls(rows=rows, grad_ranges=grad_ranges, **meta)
 
@@ -270,9 +289,31 @@ def _empty(cell: Any) -> bool:
     return cell is None or (isinstance(cell, float) and math.isnan(cell))
 
 
+_SHAPE = re.compile(r"-|[0-9]+(?:x[0-9]+)*", re.ASCII)  # what _profiler._shape writes: "64x32", "64", "-"
+
+
+def _bad_cell(column: str, cell: Any, what: str) -> ValueError:
+    return ValueError(f"column {column}: {shown(cell)} is not {what}")
+
+
+def _number(column: str, cell: Any) -> float:
+    """A number cell as a float, NaN where empty; ValueError (_bad_cell) for anything else: text, True/False."""
+    if _empty(cell):
+        return NAN
+    if isinstance(cell, (int, float, np.integer, np.floating)) and not isinstance(cell, (bool, np.bool_)):
+        return float(cell)
+    try:
+        return parse_decimal(cell)  # a column pandas read as text holds its numbers as text
+    except ValueError:
+        raise _bad_cell(column, cell, "a number or empty") from None
+
+
 def flag(value: Any) -> bool | None:
-    """A True/False cell of profile.csv as pandas read it; None where it was not measured (empty)."""
-    return bool(value) if isinstance(value, (bool, np.bool_)) else None
+    """A True/False cell of profile.csv as pandas read it (text in a column it read as text); None where it was not
+    measured (empty) or holds neither."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    return {"True": True, "False": False}.get(value) if isinstance(value, str) else None
 
 
 def as_float(value: Any) -> float:

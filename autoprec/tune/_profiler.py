@@ -18,6 +18,7 @@ import copy
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -51,6 +52,9 @@ log = logging.getLogger("autoprec")
 
 MEASURED = "measured"
 SQNR_STAGE = "profile: output and gradient SQNR per format"
+# The share of a time-budgeted profile's seconds (counted from its start) after which the gradient-range pass takes
+# no more train batches: a fraction of the whole-model steps the layers' profiling needs, so the layers keep the rest.
+GRADIENT_SHARE = 0.2
 PENDING = "pending"  # in play after the SQNR pass: its metric is judged with the others of its format (_judge_group)
 
 
@@ -380,6 +384,7 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
             f"{workload.task.path}: the model has no layer of the types the search space tunes ({', '.join(space.layers)})"
         )
     watch = Stopwatch()
+    deadline = Deadline(config.deadline_s, len(layers))  # the profile's share counts from here: every pass spends it
     with watch.section("profile: fp32 metric and the reference pass (each layer's inputs and output gradients)"):
         fp32_metric = workload.fp32_metric  # checked once, with the budget's resolution where that needed it
         _check_fp32_losses(workload)
@@ -394,12 +399,12 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
             )
             layers = {n: f for n, f in layers.items() if n not in ref.uncalled}
     with watch.section("profile: gradient ranges"):
-        grads = collect(workload, list(layers), config.grad_batches)
+        grads = collect(workload, list(layers), config.grad_batches, enough=deadline.gradients_enough(workload, config))
         grad_table = scale_table(grads)
     modules = dict(workload.model.named_modules())
     rows: list[ProfileRow] = []
     timed: dict[str, tuple[str, dict, dict]] = {}
-    deadline = Deadline(config.deadline_s, len(layers))
+    deadline.begin_layers(len(layers))
     for name in tqdm(layers, desc="profiling layers", unit="layer", disable=not progress):
         formats = [Format.FP32] + [f for f in layers[name] if f is not Format.FP32]
         if deadline.passed():
@@ -452,13 +457,42 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
 
 
 class Deadline:
-    """ProfileConfig.deadline_s over a profile's layers: says up front (once a layer's time is known) when the rest
-    will not fit, and which layers it leaves out."""
+    """ProfileConfig.deadline_s over a whole profile, from its start: the gradient-range pass takes train batches
+    while GRADIENT_SHARE of it is left (gradients_enough); the layers then go on until it is spent, said up front
+    (once a layer's time is known) when the rest will not fit, and which layers it leaves out."""
 
     def __init__(self, seconds: float | None, layers: int):
         self.seconds, self.layers, self.began = seconds, layers, time.perf_counter()
+        self.layers_began = self.began
         self.profiled = self.left_out = 0
         self.reason = ""
+
+    def gradients_enough(self, workload: Workload, config: ProfileConfig) -> Callable[[int], bool] | None:
+        """gradients.collect's `enough`: True once the pass has spent its share (GRADIENT_SHARE of the profile's,
+        counted from the profile's start), said once; None without a deadline."""
+        seconds = self.seconds
+        if seconds is None:
+            return None
+        total = len(workload.train[: config.grad_batches])
+
+        def enough(taken: int) -> bool:
+            if time.perf_counter() - self.began <= GRADIENT_SHARE * seconds:
+                return False
+            log.warning(
+                "--time-budget: gradient ranges from %d of %d train batches: the profile's share of the budget "
+                "(%.1f min) leaves them %.1f min (a larger --time-budget measures them on every batch)",
+                taken,
+                total,
+                seconds / 60,
+                GRADIENT_SHARE * seconds / 60,
+            )
+            return True
+
+        return enough
+
+    def begin_layers(self, layers: int) -> None:
+        """The per-layer profiling starts now, over `layers` layers (those loss_fn calls)."""
+        self.layers, self.layers_began = layers, time.perf_counter()
 
     def passed(self) -> bool:
         if self.seconds is None or time.perf_counter() - self.began <= self.seconds:
@@ -474,14 +508,16 @@ class Deadline:
 
     def done_one(self) -> None:
         self.profiled += 1
-        spent = time.perf_counter() - self.began
-        if self.seconds is not None and self.profiled == 1 and spent * self.layers > self.seconds:
+        now = time.perf_counter()
+        # the passes before the layers have spent their part; each layer left takes about as long as the first
+        expected = now - self.began + (now - self.layers_began) * (self.layers - 1)
+        if self.seconds is not None and self.profiled == 1 and expected > self.seconds:
             log.warning(
                 "--time-budget: profiling every one of the %d layers would take about %.1f min, past the %.1f min the "
                 "budget gives the profile: the layers it does not reach stay in fp32 (a larger --time-budget profiles "
                 "them all)",
                 self.layers,
-                spent * self.layers / 60,
+                expected / 60,
                 self.seconds / 60,
             )
 

@@ -240,9 +240,8 @@ def _database(url: str, heartbeat_s: int) -> optuna.storages.RDBStorage:
                 return optuna.storages.RDBStorage(
                     url, heartbeat_interval=heartbeat_s, grace_period=2 * heartbeat_s, heartbeat_stale_trial_callback=retry
                 )
-        except ImportError:
-            hint = "PostgreSQL: pip install psycopg2-binary"
-            raise UserError(f"--storage {shown}: its database driver is not installed ({hint})") from None
+        except ImportError as exc:
+            raise UserError(f"--storage {shown}: {_missing_driver(url, exc)}") from None
         except sqlalchemy.exc.ArgumentError as exc:
             raise UserError(
                 f"--storage {shown}: not a storage URL Optuna can open ({hide_credentials_in(str(exc), url)}); use a journal file path, "
@@ -254,6 +253,52 @@ def _database(url: str, heartbeat_s: int) -> optuna.storages.RDBStorage:
                 raise UserError(f"--storage {shown}: cannot open it: {hide_credentials_in(describe(exc, None), url)}") from None
             time.sleep(0.5 + attempt)
     raise AssertionError("unreachable")
+
+
+def _missing_driver(url: str, exc: ImportError) -> str:
+    """Which driver SQLAlchemy looked for, for `url`, and the fix: the drivers of its dialect that are installed
+    (named in the URL, as dialect+driver), or installing this one. A URL without +driver gets the dialect's default,
+    which differs between SQLAlchemy versions (postgresql:// is psycopg2 in 2.0, psycopg in 2.1)."""
+    import sqlalchemy  # optuna's own dependency
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    backend, wanted = parsed.get_backend_name(), parsed.get_dialect().driver
+    how = "" if "+" in parsed.drivername else f"reads {backend}:// as {backend}+{wanted} and "
+    cause: BaseException | None = exc  # optuna re-raises the driver's own ImportError with a message of its own
+    while cause is not None and not (isinstance(cause, ImportError) and cause.name):
+        cause = cause.__cause__ or cause.__context__
+    module = f" (no module {cause.name!r})" if isinstance(cause, ImportError) else ""
+    said = f"SQLAlchemy {sqlalchemy.__version__} {how}needs the {wanted} driver, which is not installed{module}"
+    others = [d for d in _installed_drivers(backend) if d != wanted]
+    if others:
+        urls = " or ".join(f"{backend}+{d}://..." for d in others)
+        return f"{said}; name an installed one in the URL ({urls}) or install {wanted}"
+    return f"{said}; install {wanted}, or name another driver you have installed in the URL ({backend}+DRIVER://...)"
+
+
+def _installed_drivers(backend: str) -> list[str]:
+    """The synchronous drivers SQLAlchemy has for `backend` whose Python module imports here (on the error path
+    only: each one is imported to know)."""
+    import importlib
+    import pkgutil
+
+    try:
+        package = importlib.import_module(f"sqlalchemy.dialects.{backend}")
+    except ImportError:
+        return []
+    found = []
+    for module in pkgutil.iter_modules(getattr(package, "__path__", [])):
+        try:
+            dialect = getattr(importlib.import_module(f"{package.__name__}.{module.name}"), "dialect", None)
+            if dialect is None or getattr(dialect, "is_async", False) or not isinstance(getattr(dialect, "driver", None), str):
+                continue
+            dialect.import_dbapi()
+        except Exception:  # a driver not installed, or a module that is no dialect: not one to name
+            continue
+        if dialect.driver not in found:
+            found.append(dialect.driver)
+    return found
 
 
 def sampler_for(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:

@@ -18,7 +18,6 @@ from autoprec.errors import UserError
 from autoprec.policy import Policy
 from autoprec.registry import Registry
 
-_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")  # a target's name is a `--to` choice and part of a file name
 _FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
 # names an option's value may not take: export()'s own arguments and the export verb's other arguments
 RESERVED = frozenset({"policy", "target", "out", "source", "to", "check", "json", "quiet", "debug", "verb", "func", "help"})
@@ -86,9 +85,9 @@ T = TypeVar("T", bound=type[ExportTarget])
 def register(cls: T) -> T:
     """Class decorator: add an instance of `cls` to the registry. Refuses (ValueError) a name already taken, a name
     or suffix that cannot make a file name, and an option that would clash with another target's or the verb's."""
-    name, suffix = getattr(cls, "name", None), getattr(cls, "suffix", None)
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"export target {cls.__qualname__}: name {name!r} must be lowercase letters, digits, '-' and '_'")
+    suffix = getattr(cls, "suffix", None)
+    # the name rule (registry.NAME) is every registry's: a `--to` choice and part of a file name
+    name = _REGISTRY.check_name(getattr(cls, "name", None), cls.__qualname__)
     _REGISTRY.refuse_taken(name, f"unregister({name!r}) first to replace it, or give {cls.__qualname__} another name")
     if not isinstance(suffix, str) or not re.fullmatch(r"\.[A-Za-z0-9]+", suffix):
         raise ValueError(f"export target {name!r}: suffix {suffix!r} must be a dot and letters or digits ('.py')")

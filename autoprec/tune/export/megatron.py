@@ -24,6 +24,7 @@ from autoprec.errors import UserError, shown
 from autoprec.files import read_json, write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
+from autoprec.tune._numbers import parse_integer
 from autoprec.tune.export._common import (
     _layers,
     blockscaled_recipe,
@@ -306,7 +307,7 @@ NUM_LAYERS = Option(
     "--num-layers",
     help="the model's transformer layers (default: as many as the policy names)",
     purpose="it counts the bf16 layers at the end",
-    type=int,
+    type=parse_integer,
     metavar="N",
 )
 
