@@ -11,7 +11,7 @@ counted at another format's speed.
 
 The step-time predictor (_predict.py) also reads each target's memory bandwidth (the datasheet's HBM figure) and the
 cost of one kernel launch. The launch cost is on no datasheet: LAUNCH_US is a stated assumption, not a measurement,
-and moves none of the predictor's validation points by more than 1% (docs/planning.md).
+and moves no validation point of the predictor by more than 4% when set to 0 or doubled (docs/planning.md).
 """
 
 from __future__ import annotations
