@@ -590,8 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--target",
             metavar="{" + ",".join(t.name for t in planned_for()) + "}",
-            help="with --objective flops: the device to plan for, whose datasheet's nominal dense "
-            "throughput per format weights each GEMM's FLOPs (an estimate, not a measurement)",
+            help="with --objective flops: the device to plan for, whose step time the step-time predictor "
+            "predicts from its datasheet's rates and bandwidth (a prediction, not a measurement: docs/planning.md)",
         )
 
     s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
