@@ -116,6 +116,7 @@ class Flops(Goal):
         # the search space's fallback (check_space): fp32 where every list holds it, else bf16; the choice falls back
         # to it, and all-fp32 (measured as the budget's reference) is no policy of a space without fp32
         self.kept_in = kept_in
+        self._base_ms: float | None = None
 
     def check_space(self, space: SearchSpace, config: SearchConfig) -> Flops:
         super().check_space(space, config)
@@ -158,7 +159,10 @@ class Flops(Goal):
 
     def estimated(self, policy: Policy) -> float | None:
         target, step = self._ready()
-        return predictor.speedup(step, policy, target)
+        if self._base_ms is None:  # uniform bf16's, the same for every trial
+            self._base_ms = predictor.predict(step, predictor.baseline(), target).ms
+        ms = predictor.predict(step, policy, target).ms
+        return self._base_ms / ms if ms > 0 else 1.0
 
     def value(self, record: TrialRecord, policy: Policy) -> float | None:
         return self.estimated(policy)
@@ -190,9 +194,7 @@ class Flops(Goal):
             "tflops": dict(target.tflops),
             "bandwidth_tbs": target.bandwidth_tbs,
             "source": target.source,
-            "candidates": {
-                n: predictor.speedup(step, _policy(c), target) for n, c in candidates.items() if n not in NOT_A_POLICY
-            },
+            "candidates": {n: self.estimated(_policy(c)) for n, c in candidates.items() if n not in NOT_A_POLICY},
         }
 
     def choose(

@@ -51,7 +51,7 @@ BASELINE = "bf16"  # the predicted speedup's 1.0: every layer in bf16 (the model
 
 # Bytes per element of a GEMM's operands in each element format (GEMM_PRECISIONS, and tf32): a tensor held in a
 # high-precision one, or a low-precision GEMM a family prices without casts (FormatFamily.gemm_casts' default).
-HIGH_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "mxfp8": 1.0, "nvfp4": 0.5}
+ELEMENT_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "mxfp8": 1.0, "nvfp4": 0.5}
 # The bytes an AdamW step reads and writes per fp32 parameter: the parameter, its gradient and two moments read,
 # the parameter and the moments written.
 OPTIMIZER_BYTES = 28.0
@@ -243,7 +243,7 @@ def linear_parts(
     m, k, n = shape.tokens, float(shape.in_features), float(shape.out_features)
     if m <= 0:
         return {"gemms": 0.0, "casts": 0.0, "conversions": 0.0}
-    high = HIGH_BYTES[outer or "fp32"]  # what the caller holds the layer's tensors in
+    high = ELEMENT_BYTES[outer or "fp32"]  # what the caller holds the layer's tensors in
     dims = {"x": (m, k), "w": (n, k), "dy": (m, n)}
     precisions = fmt.family.gemm_precisions(fmt, outer)
     casts: tuple[GemmCast | None, ...] = fmt.family.gemm_casts(fmt)
@@ -259,7 +259,7 @@ def linear_parts(
             # a scaled GEMM writes its output in the caller's precision
             gemms += gemm_ms(precision, cast.kernel, gm, gn, gk, (cast.a.bits / 8, cast.b.bits / 8), high, target, cal)
             continue
-        own = HIGH_BYTES[precision]
+        own = ELEMENT_BYTES[precision]
         gemms += gemm_ms(precision, precision, gm, gn, gk, (own, own), own, target, cal)
         if own < high:  # a narrower layer than its caller: its operands converted in, its output out
             for tensor, _ in OPERANDS[gemm]:
@@ -379,7 +379,7 @@ def step_from_rows(rows: Iterable[ProfileRow]) -> Step:
             continue
         out_features, in_features = sizes
         linears.append(LinearShape(row.layer, in_features, out_features, float(tokens)))
-        other += 3 * 2 * HIGH_BYTES[BASELINE] * tokens * (in_features + out_features)
+        other += 3 * 2 * ELEMENT_BYTES[BASELINE] * tokens * (in_features + out_features)
     return Step(tuple(linears), other_bytes=other, params=params)
 
 
@@ -511,7 +511,7 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
         if name in rows
     )
     params = float(sum(p.numel() for p in model.parameters()))
-    elementwise = 3 * 2 * HIGH_BYTES[BASELINE] * totals["elements"]
+    elementwise = 3 * 2 * ELEMENT_BYTES[BASELINE] * totals["elements"]
     modules = tuple(name for name, _ in model.named_modules())
     return Step(
         shapes,
@@ -589,17 +589,20 @@ def command(
             candidate_format = parse_format(fmt, field="--format")
         except ValueError as exc:
             raise UserError(str(exc)) from None
+    given = None
+    if fmt is None:
+        try:
+            given = load_policy(policy or "")
+        except ValueError as exc:
+            raise UserError(f"--policy {policy}: {exc}") from None
     step = meta_step(load_task(model))
     if count is not None:
         step = step.scaled(count)
-    if fmt is not None:
+    if given is None:
         chosen = uniform(candidate_format, step)
         label = f"{candidate_format.value} (every Linear; the rest bf16)"
     else:
-        try:
-            chosen = load_policy(policy or "")
-        except ValueError as exc:
-            raise UserError(f"--policy {policy}: {exc}") from None
+        chosen = given
         unknown = [n for n in chosen.layers if n != ROOT and n not in step.modules]
         if unknown:
             raise UserError(
