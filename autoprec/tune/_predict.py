@@ -358,8 +358,9 @@ def describe(value: float, target: Target) -> str:
 def step_from_rows(rows: Iterable[ProfileRow]) -> Step:
     """What a profile tells of a step: each Linear's shape and tokens (its first row per layer; a Linear by the
     row's `linear` flag, or by a type named ...Linear in a profile from before the flag), its layers' parameters, and
-    each Linear's input and output read and written once, forward and backward, by the elementwise work around it.
-    Attention's matmuls are in no profile: a prediction from one leaves them out."""
+    each Linear's input and output read and written once, forward and backward, by the elementwise work around it
+    (priced as traced bytes are: times Calibration.fusion). Attention's matmuls are in no profile: a prediction from
+    one leaves them out."""
     linears: list[LinearShape] = []
     params = other = 0.0
     seen: set[str] = set()
