@@ -98,8 +98,9 @@ def test_a_registered_goal_is_a_choice_of_the_config_and_the_command_line(most_f
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--objective {speed,memory,flops,most-fp16}" in help_text
     assert (
-        "training-step speed (default), the smallest peak memory (for a model or batch that must fit), the most GEMM work "
-        "in the lowest formats on a --target device, an estimate from FLOP counts, or the most fp16 layers" in help_text
+        "training-step speed (default), the smallest peak memory (for a model or batch that must fit), the largest "
+        "predicted step speedup over bf16 on a --target device (the step-time predictor's, not a measurement), or the "
+        "most fp16 layers" in help_text
     )
 
 

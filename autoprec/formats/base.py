@@ -168,6 +168,34 @@ class FormatSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class OperandCast:
+    """How a low-precision GEMM's operand is made from the high-precision tensor it reads (FormatFamily.gemm_casts):
+    what the step-time predictor (autoprec/tune/_predict.py) prices as bytes read and written. `block`: elements per
+    scale along the GEMM's contraction dimension, 0 for one scale per tensor, -1 for one per row; `scale_bytes`: the
+    bytes of each scale; `tensor_amax`: a pass over the whole tensor for its amax before the cast (a tensorwise scale,
+    NVFP4's second-level scale); `tile`: square blocks (NVFP4's 16x16 weight tiles), so one cast serves both of the
+    tensor's orientations; `rht`: the random Hadamard transform before the cast (NVFP4's wgrad operands)."""
+
+    bits: float
+    block: int = 0
+    scale_bytes: float = 4.0
+    tensor_amax: bool = False
+    tile: bool = False
+    rht: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCast:
+    """One low-precision GEMM of an nn.Linear: the kernel that runs it (a name the predictor's calibration knows:
+    "fp8-tensorwise", "fp8-rowwise", "mxfp8", "nvfp4") and how each of its two operands is cast (`a`: the
+    activation or output gradient, `b`: the weight or, in wgrad, the input)."""
+
+    kernel: str
+    a: OperandCast
+    b: OperandCast
+
+
+@dataclasses.dataclass(frozen=True)
 class Converted:
     """What a family's `convert` did to the model: `backend`, recorded per layer in applied_summary (LayerRecord's
     fp8_backend: torchao's kernels or emulation); `undo` puts back what it changed, where a later step refuses."""
@@ -236,6 +264,12 @@ class FormatFamily(abc.ABC):
         fp32 (autoprec's fp32 turns autocast off inside the layer)."""
         name = autocast_name(fmt.spec.autocast) or "fp32"
         return (name, name, name)
+
+    def gemm_casts(self, fmt: Format) -> tuple[GemmCast | None, GemmCast | None, GemmCast | None]:
+        """What each of an nn.Linear's three GEMMs (fprop, dgrad, wgrad) casts under `fmt` and which kernel runs it;
+        None for a GEMM in high precision (its element format: gemm_precisions). The step-time predictor prices the
+        casts' bytes and the kernel's efficiency from it. The default: every GEMM in high precision."""
+        return (None, None, None)
 
     def convert(
         self,

@@ -35,6 +35,8 @@ from autoprec.formats.base import (
     Converted,
     Format,
     FormatFamily,
+    GemmCast,
+    OperandCast,
     caller_precision,
     register_family,
     register_format,
@@ -257,6 +259,35 @@ class BlockScaledFamily(FormatFamily):
         layer casts its operands to it), fp32 outside one."""
         fprop, dgrad, wgrad = (element_name(s) or outer or "fp32" for s in _gemms(fmt).settings().values())
         return fprop, dgrad, wgrad
+
+    def gemm_casts(self, fmt: Format) -> tuple[GemmCast | None, GemmCast | None, GemmCast | None]:
+        """Each block-scaled GEMM's operands in blocks along its contraction: MXFP8 8-bit elements with a 1-byte
+        E8M0 scale per 32; NVFP4 4-bit elements with a 1-byte E4M3 scale per 16, a per-tensor amax for its second
+        level, the weight in square tiles (one cast for both orientations), the wgrad operands through the RHT."""
+        out: list[GemmCast | None] = []
+        for gemm, setting in _gemms(fmt).settings().items():
+            if setting is None:
+                out.append(None)
+                continue
+            kernel = element_name(setting) or ""
+            if isinstance(setting, NVFP4):
+                rht = gemm == "wgrad" and setting.rht
+
+                def nv(weight: bool, setting: NVFP4 = setting, rht: bool = rht) -> OperandCast:
+                    return OperandCast(
+                        bits=4,
+                        block=setting.block,
+                        scale_bytes=1,
+                        tensor_amax=setting.per_tensor_scale,
+                        tile=weight and setting.two_d_weight,
+                        rht=rht,
+                    )
+
+                out.append(GemmCast(kernel, nv(False), nv(gemm != "wgrad")))  # wgrad's b is the input, not the weight
+            else:
+                operand = OperandCast(bits=8, block=setting.block, scale_bytes=1)
+                out.append(GemmCast(kernel, operand, operand))
+        return out[0], out[1], out[2]
 
     def convert(
         self,

@@ -23,6 +23,8 @@ from autoprec.formats.base import (
     Converted,
     Format,
     FormatFamily,
+    GemmCast,
+    OperandCast,
     _package,
     caller_precision,
     register_family,
@@ -344,6 +346,18 @@ class Float8Family(FormatFamily):
             high = "fp32" if not gemms.dgrad else "bf16"
         fprop, dgrad, wgrad = ("fp8" if getattr(gemms, g) else high for g in GEMMS)
         return (fprop, dgrad, wgrad)
+
+    def gemm_casts(self, fmt: Format) -> tuple[GemmCast | None, GemmCast | None, GemmCast | None]:
+        """Each fp8 GEMM's operands cast to 8 bits: tensorwise with one fp32 scale per tensor from its amax (a pass of
+        its own), rowwise with one per row along the GEMM's contraction (the amax within the cast's pass)."""
+        gemms = fmt.spec.fp8
+        if gemms is None:
+            return super().gemm_casts(fmt)
+        tensorwise = gemms.scaling == "tensorwise"
+        operand = OperandCast(bits=8, block=0 if tensorwise else -1, scale_bytes=4, tensor_amax=tensorwise)
+        cast = GemmCast(f"fp8-{gemms.scaling}", operand, operand)
+        fprop, dgrad, wgrad = (cast if getattr(gemms, g) else None for g in GEMMS)
+        return fprop, dgrad, wgrad
 
     def convert(
         self,

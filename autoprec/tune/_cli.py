@@ -361,6 +361,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from autoprec.tune._predict import command
+
+    result, text = command(args.model, target=args.target, policy=args.policy, fmt=args.format, tokens=args.tokens)
+    if args.json:
+        _print_json(args, result, indent=2)
+    else:
+        print(text)
+    return 0
+
+
 GLOBAL_FLAGS = (
     ("--debug", "show tracebacks and debug logs"),
     ("--quiet", "no progress bars and no tables: warnings, errors and the exit code only"),
@@ -567,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     from autoprec.tune._goals import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
     from autoprec.tune._targets import targets as planned_for  # noqa: PLC0415 (--target's devices, not export's)
 
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,show,export,verify}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,predict,show,export,verify}")
 
     def model_verb(name: str, help_text: str) -> argparse.ArgumentParser:
         p = verbs.add_parser(name, help=help_text, description=help_text)
@@ -640,8 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--target",
             metavar="{" + ",".join(t.name for t in planned_for()) + "}",
-            help="with --objective flops: the device to plan for, whose datasheet's nominal dense "
-            "throughput per format weights each GEMM's FLOPs (an estimate, not a measurement)",
+            help="with --objective flops: the device to plan for, whose step time the step-time predictor "
+            "predicts from its datasheet's rates and bandwidth (a prediction, not a measurement: docs/planning.md)",
         )
 
     s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
@@ -685,6 +696,21 @@ def build_parser() -> argparse.ArgumentParser:
         "measure each layer's sensitivity, gradient ranges and speed in each format; write profile.csv, grad_ranges.csv and heat maps",
     )
     p.set_defaults(func=cmd_profile)
+
+    pr = verbs.add_parser(
+        "predict",
+        help="predict a policy's training-step time on a target GPU from the model's shapes (no GPU needed)",
+        description="predict the training-step time of uniform bf16 and of a policy or format on a target GPU, from "
+        "the model's shapes on the meta device (docs/planning.md); a prediction with its error band, not a measurement",
+    )
+    pr.add_argument("model", help="path to a model.py (build_model, batches, loss_fn)")
+    pr.add_argument("--target", required=True, metavar="{" + ",".join(t.name for t in planned_for()) + "}")
+    which = pr.add_mutually_exclusive_group(required=True)
+    which.add_argument("--policy", help="a policy.json to price")
+    which.add_argument("--format", help="price every Linear in this format, the rest in bf16")
+    pr.add_argument("--tokens", metavar="N", help="tokens (rows) per training step (default: one train batch's)")
+    _global_flags(pr)
+    pr.set_defaults(func=cmd_predict)
 
     sh = verbs.add_parser("show", help="print a policy file for a person", description="print a policy file for a person")
     sh.add_argument("policy", help="path to a policy.json")

@@ -1,15 +1,19 @@
-"""The FLOP goal (`--objective flops --target b200`): for planning where the formats' kernels are not on this machine,
-the most GEMM work in the lowest formats within the budget, weighted by each format's nominal dense throughput on a
-named target (_targets.py). Its value is an estimate from FLOP counts, never a measured speed:
+"""The planning goal (`--objective flops --target b200`; the name kept from its first version): for planning where the
+formats' kernels are not on this machine, the policy with the largest predicted training-step speedup over uniform
+bf16 on a named target (_targets.py) within the budget. Its value is the step-time predictor's (_predict.py), never a
+measured speed, and every report says so with the predictor's error band:
 
-    estimated speedup = sum over GEMMs of FLOPs / rate(bf16)  /  sum over GEMMs of FLOPs / rate(the GEMM's format)
+    predicted speedup = uniform bf16's predicted step time / the policy's
 
-over every nn.Linear's three GEMMs (fprop, dgrad, wgrad: 2 * tokens * in * out FLOPs each, tokens the rows its calls
-took per training step, from the profile) and the target's rates for the element format each GEMM runs in
-(FormatFamily.gemm_precisions). The baseline is the same model all in bf16 on that target: 1.0 is all-bf16's GEMM
-time, 2.0 half of it. Layers that are not Linears, and everything in a step that is not a GEMM (attention's matmuls,
-norms, the optimizer), are counted nowhere: the estimate is of the Linears' GEMM time alone. A layer the policy does
-not list runs in the format of its nearest listed ancestor, else the root's (a bf16 root: its Linears in bf16).
+over the step the profile describes (_predict.step_from_rows): each nn.Linear (by type, any subclass) priced per GEMM
+with its format's casts, the optimizer over the profiled layers' parameters and the elementwise work around each
+Linear. Attention's matmuls are in no profile: for a model with them, `autoprec predict` (which traces the whole step)
+gives the smaller, truer speedup. A layer the policy does not list runs in the format of its nearest listed ancestor,
+else the root's.
+
+The lower layer, kept for the block study's tables: `gemm_flops` and `estimated_speedup`, the Linears' GEMM FLOPs at
+the datasheet's peak rates alone (an upper bound on what any format can gain: no casts, no efficiency, nothing else
+in the step).
 
 A trial under this goal is not timed and its peak memory not measured: its value is arithmetic over its policy, so a
 search on a CPU costs the profile, each trial's metric and the final re-measure of the finalists' metric (whose step
@@ -24,10 +28,12 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from autoprec.formats import Format, autocast_name, parse_format
-from autoprec.policy import ROOT, Policy
+from autoprec.formats import Format, parse_format
+from autoprec.policy import Policy
+from autoprec.tune import _predict as predictor
 from autoprec.tune._alternatives import ALTERNATIVES, BF16, FP32, NOT_A_POLICY
 from autoprec.tune._goals import Goal, register_goal
+from autoprec.tune._predict import Step, format_of, outer_autocast, step_from_rows
 from autoprec.tune._records import Finals
 from autoprec.tune._targets import Target, target_named
 
@@ -38,44 +44,13 @@ if TYPE_CHECKING:
     from autoprec.tune._space import SearchSpace
     from autoprec.tune._trainer import Candidate
 
-BASELINE = "bf16"  # the estimate's 1.0: the model's Linears all in bf16 on the target
+BASELINE = predictor.BASELINE  # the prediction's 1.0: the model all in bf16 on the target
 
 
 def gemm_flops(rows: Iterable[ProfileRow]) -> dict[str, float]:
     """FLOPs of each of a Linear layer's three GEMMs per training step (2 * tokens * in * out), by layer, from a
-    profile's rows (its first row per layer: type, shape "out x in", tokens). A layer whose type is not a Linear (by
-    name: Linear and its subclasses named ...Linear), or whose tokens were not recorded, is not counted."""
-    out: dict[str, float] = {}
-    for row in rows:
-        if row.layer in out:
-            continue
-        dims, tokens = row.shape.split("x"), row.tokens
-        if not row.type.endswith("Linear") or len(dims) != 2 or tokens is None or not (math.isfinite(tokens) and tokens > 0):
-            continue
-        out[row.layer] = 2.0 * float(tokens) * int(dims[0]) * int(dims[1])
-    return out
-
-
-def format_of(name: str, layers: Mapping[str, Format]) -> Format:
-    """The format layer `name` runs in under a policy's `layers`: its own, else its nearest listed ancestor's, else
-    the root's (fp32 where the policy lists no root)."""
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        found = layers.get(".".join(parts[:i]))
-        if found is not None:
-            return found
-    return layers.get(ROOT, Format.FP32)
-
-
-def outer_autocast(name: str, layers: Mapping[str, Format]) -> str | None:
-    """The autocast layer `name` is called under: that of its nearest listed ancestor whose format sets one (fp32 turns
-    it off; an fp8 or block-scaled layer's leaves the caller's), else the root's: "bf16", "fp16", or None."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):  # the nearest listed ancestor that sets the autocast: fp32 turns it off
-        around = layers.get(".".join(parts[:i]))
-        if around is not None and (around is Format.FP32 or around.spec.autocast is not None):
-            return autocast_name(around.spec.autocast)
-    return autocast_name(layers.get(ROOT, Format.FP32).spec.autocast)
+    profile's rows: the Linears step_from_rows finds (by type, any subclass), with their tokens."""
+    return {s.name: 2.0 * s.tokens * s.in_features * s.out_features for s in step_from_rows(rows).linears}
 
 
 def gemm_precisions(fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
@@ -106,45 +81,47 @@ def gemm_seconds(policy: Policy, flops: Mapping[str, float], target: Target) -> 
 
 
 def estimated_speedup(policy: Policy, flops: Mapping[str, float], target: Target) -> float:
-    """All-bf16's nominal GEMM time on `target` over `policy`'s (1.0: as fast as all-bf16; 1.0 too with no Linear)."""
+    """The lower layer: all-bf16's GEMM time at the datasheet's peak rates on `target` over `policy`'s (1.0: as fast
+    as all-bf16; 1.0 too with no Linear). An upper bound on a format's gain, not a prediction: `predicted` is that."""
     seconds, _ = gemm_seconds(policy, flops, target)
     base = 3 * sum(flops.values()) / (target.tflops[BASELINE] * 1e12)
     return base / seconds if seconds > 0 else 1.0
 
 
-def describe(value: float, target: str) -> str:
-    """The estimate in words, as every report shows it."""
-    return f"estimated {value:.2f}x all-{BASELINE} GEMM throughput on {target} (FLOP count, not measured)"
+def describe(value: float, target: Target) -> str:
+    """The prediction in words, as every report shows it: the predictor's, with its error band, never a measurement."""
+    return predictor.describe(value, target)
 
 
 class Flops(Goal):
-    """The estimated GEMM speedup over all-bf16 on a named target (SearchConfig.target), maximised. The registered
-    instance is unbound; the pipeline binds it to a search's profile and target (`bound`), which every method that
-    computes a value needs."""
+    """The predicted training-step speedup over uniform bf16 on a named target (SearchConfig.target), maximised. The
+    registered instance is unbound; the pipeline binds it to a search's profile and target (`bound`), which every
+    method that computes a value needs."""
 
     name = "flops"
-    label = "estimated GEMM speedup"
+    label = "predicted speedup"
     direction = "maximize"
-    summary = "the most GEMM work in the lowest formats on a --target device, an estimate from FLOP counts"
+    summary = "the largest predicted step speedup over bf16 on a --target device (the step-time predictor's, not a measurement)"
     infeasible = 0.0
-    chosen_for = "the largest estimated GEMM speedup on the target within budget (FLOP count, not measured)"
+    chosen_for = "the largest predicted step speedup on the target within budget (predicted, not measured)"
     timed = False
     targeted = True
-    # the estimate's baseline is all-bf16, so a list may hold bf16 instead of fp32 as the format a layer keeps: with
-    # fp32 as that, a layer kept high would be priced at the target's fp32 rate (75 TFLOP/s on a B200, 30x bf16's)
+    # the prediction's baseline is uniform bf16, so a list may hold bf16 instead of fp32 as the format a layer keeps:
+    # with fp32 as that, a layer kept high would be priced at the target's fp32 rate (75 TFLOP/s on a B200, 30x bf16's)
     fallbacks = ("fp32", BASELINE)
 
-    def __init__(self, target: Target | None = None, flops: Mapping[str, float] | None = None, kept_in: Format = Format.FP32):
+    def __init__(self, target: Target | None = None, step: Step | None = None, kept_in: Format = Format.FP32):
         # the study key records the target beside the label (SearchConfig.target): one study per target
-        self.target, self.flops = target, dict(flops or {})
+        self.target, self.step = target, step or Step(())
         # the search space's fallback (check_space): fp32 where every list holds it, else bf16; the choice falls back
         # to it, and all-fp32 (measured as the budget's reference) is no policy of a space without fp32
         self.kept_in = kept_in
+        self._base_ms: float | None = None
 
     def check_space(self, space: SearchSpace, config: SearchConfig) -> Flops:
         super().check_space(space, config)
         fp32_everywhere = all(Format.FP32 in formats for _, formats in space.lists())
-        return Flops(self.target, self.flops, Format.FP32 if fp32_everywhere else Format(BASELINE))
+        return Flops(self.target, self.step, Format.FP32 if fp32_everywhere else Format(BASELINE))
 
     def check_formats(self, formats: Collection[Format], config: SearchConfig) -> None:
         target = target_named(config.target)
@@ -158,56 +135,66 @@ class Flops(Goal):
 
     def bound(self, rows: Sequence[ProfileRow], config: SearchConfig) -> Flops:
         self.check_formats([parse_format(f) for f in dict.fromkeys(r.format for r in rows if r.status == "ok")], config)
-        return Flops(target_named(config.target), gemm_flops(rows), self.kept_in)
+        return Flops(target_named(config.target), step_from_rows(rows), self.kept_in)
 
     def layer_cost(self, row: ProfileRow) -> float:
-        """The layer's nominal GEMM seconds per step on the target in the row's format, its high-precision GEMMs in
-        bf16 (inside the estimate's all-bf16 baseline); NaN for a layer with no FLOP count or a format the target
-        does not run. This machine's time says nothing of the target's. The bf16 around it is a heuristic for ranking
-        only: under an fp32 root (the other greedy warm start) a per-GEMM format's high-precision GEMMs run in fp32."""
-        target, flops = self._ready()
-        work = flops.get(row.layer)
-        if work is None:
+        """The layer's predicted ms per step on the target in the row's format (its GEMMs, casts and conversions),
+        called under bf16 (the prediction's baseline); NaN for a layer that is no Linear of the step or a format the
+        target does not run. This machine's time says nothing of the target's. The bf16 around it is a heuristic for
+        ranking only: under an fp32 root (the other greedy warm start) a per-GEMM format's high-precision GEMMs run
+        in fp32."""
+        target, step = self._ready()
+        shape = next((s for s in step.linears if s.name == row.layer), None)
+        if shape is None:
             return math.nan
         try:
-            return sum(work / (target.tflops[p] * 1e12) for p in gemm_precisions(Format(row.format), BASELINE))
+            return sum(predictor.linear_parts(shape, Format(row.format), BASELINE, target).values())
         except KeyError:
             return math.nan
 
-    def _ready(self) -> tuple[Target, dict[str, float]]:
+    def _ready(self) -> tuple[Target, Step]:
         if self.target is None:
             raise RuntimeError("the flops goal computes nothing before it is bound to a search's profile (Goal.bound)")
-        return self.target, self.flops
+        return self.target, self.step
 
     def estimated(self, policy: Policy) -> float | None:
-        target, flops = self._ready()
-        return estimated_speedup(policy, flops, target)
+        target, step = self._ready()
+        if self._base_ms is None:  # uniform bf16's, the same for every trial
+            self._base_ms = predictor.predict(step, predictor.baseline(), target).ms
+        ms = predictor.predict(step, policy, target).ms
+        return self._base_ms / ms if ms > 0 else 1.0
 
     def value(self, record: TrialRecord, policy: Policy) -> float | None:
         return self.estimated(policy)
 
     def estimate_record(self, policy: Policy, candidates: Mapping[str, Policy | Candidate]) -> dict[str, Any]:
-        target, flops = self._ready()
-        _, by = gemm_seconds(policy, flops, target)
-        total = sum(by.values())
-        value = estimated_speedup(policy, flops, target)
+        target, step = self._ready()
+        base, mine = predictor.predict(step, predictor.baseline(), target), predictor.predict(step, policy, target)
+        value = base.ms / mine.ms if mine.ms > 0 else 1.0
         return {
             "goal": self.name,
             "target": target.name,
             "device": target.device,
             "estimate": True,
+            "predicted": True,
             "value": value,
-            "baseline": f"all-{BASELINE}",
-            "what": describe(value, target.name),
-            "flops_per_step": total,
-            "flops_share": {p: by[p] / total for p in sorted(by)} if total else {},
+            "error": predictor.ERROR,
+            "validation_points": predictor.VALIDATION_POINTS,
+            "baseline": f"uniform {BASELINE}",
+            "what": describe(value, target),
+            "column": f"predicted {target.name}",
+            "detail": (
+                f"1.0 = uniform {BASELINE}'s predicted step time on {target.device} ({base.ms:.4g} ms; this policy "
+                f"{mine.ms:.4g} ms); counted: the profile's nn.Linear layers (by type) per GEMM with their formats' casts, "
+                "the optimizer over the profiled parameters and the elementwise work around each Linear; attention's "
+                "matmuls and communication are not in a profile (`autoprec predict` traces the whole step); "
+                f"the target: {target.source}"
+            ),
+            "parts_ms": {"bf16": dict(base.parts), "policy": dict(mine.parts)},
             "tflops": dict(target.tflops),
+            "bandwidth_tbs": target.bandwidth_tbs,
             "source": target.source,
-            "counted": "the nn.Linear layers' three GEMMs (2 x tokens x in x out FLOPs each, tokens per training step "
-            "from the profile); other layers and non-GEMM work are not counted",
-            "candidates": {
-                n: estimated_speedup(_policy(c), flops, target) for n, c in candidates.items() if n not in NOT_A_POLICY
-            },
+            "candidates": {n: self.estimated(_policy(c)) for n, c in candidates.items() if n not in NOT_A_POLICY},
         }
 
     def choose(
@@ -226,7 +213,7 @@ class Flops(Goal):
         order = {r.candidate: i for i, r in enumerate(finals)}
         best = max(feasible, key=lambda r: (round(value[r.candidate], 9), -r.metric_drop, -order[r.candidate]))
         return best.candidate, (
-            f"the largest estimated GEMM speedup on {target.name} within budget: {describe(value[best.candidate], target.name)}"
+            f"the largest predicted step speedup on {target.name} within budget: {describe(value[best.candidate], target)}"
         )
 
 

@@ -6,8 +6,8 @@ it needs (the study's direction, a trial's value, the order of the finalists, th
 candidates, the sweep's Pareto column and plot, words for the study key, the reports and the progress bar) and
 branches on no goal by name. `register_goal` makes one a choice of `--objective`; `goal_named` finds it.
 Three are built in: SPEED (the training-step speedup over fp32, maximised: the default), MEMORY (one training
-step's peak memory, minimised: for a model or batch that must fit) and flops.FLOPS (the estimated GEMM speedup on a
-named --target device, from FLOP counts: for planning where the formats' kernels are not on this machine). docs/measuring.md, "Adding a goal", lists what
+step's peak memory, minimised: for a model or batch that must fit) and flops.FLOPS (the predicted step speedup on a
+named --target device, the step-time predictor's: for planning where the formats' kernels are not on this machine). docs/measuring.md, "Adding a goal", lists what
 a goal implements.
 """
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
 from autoprec.errors import shown
 from autoprec.files import check_version, write_atomically
@@ -78,6 +79,10 @@ class ProfileRow:
     # "measured", or why the metric was not evaluated: a format the profile already rules out (slower than
     # fp32 by more than the space's prune.slower_than, non-finite, overflowing) is never chosen, whatever its drop
     metric_source: str = ""
+    # whether the layer is an nn.Linear (any subclass, by type, as the search space types it): what the FLOP goal and
+    # the step-time predictor price as GEMMs. None in a profile written before the column (a type named ...Linear
+    # then counts as one)
+    linear: bool | None = None
 
     def sqnr(self, gemm: str) -> float:
         """The SQNR (dB) of one GEMM's result: "fprop", "dgrad" or "wgrad" (SQNR_COLUMNS)."""
@@ -92,10 +97,12 @@ class ProfileRow:
         texts = {"layer", "type", "shape", "format", "status", "reason", "timed_as", "metric_source"}
         values: dict[str, Any] = {}
         for name in COLUMNS:
+            if name in OPTIONAL_COLUMNS and name not in cells:
+                continue  # a profile written before it: the field's default
             cell = cells[name]
             if name in texts:
                 values[name] = "" if _empty(cell) else str(cell)
-            elif name in ("finite", "overflow"):
+            elif name in ("finite", "overflow", "linear"):
                 values[name] = flag(cell)
                 if values[name] is None and not _empty(cell):
                     raise _bad_cell(name, cell, "True, False or empty")
@@ -112,6 +119,7 @@ class ProfileRow:
 
 
 COLUMNS = [f.name for f in dataclasses.fields(ProfileRow)]  # profile.csv's columns, in its order
+OPTIONAL_COLUMNS = frozenset({"linear"})  # added since PROFILE_VERSION 3: a profile without them still reads
 
 # prune.slower_than at or above which a search does not judge speed at all (a goal whose trials are not timed: an
 # estimate for another device), so a format with no kernel here stays a candidate there
@@ -127,6 +135,12 @@ PROFILE_VERSION = 3  # 2: dgrad_sqnr_db; 3: tokens
 def rows_frame(rows: Iterable[ProfileRow]) -> pd.DataFrame:
     """The rows as profile.csv's table: one column per field, in COLUMNS' order."""
     return pd.DataFrame([[getattr(r, c) for c in COLUMNS] for r in rows], columns=COLUMNS)
+
+
+def is_linear(module: object) -> bool:
+    """Whether a module is priced as a Linear's three GEMMs (the FLOP goal, the step-time predictor): by type, nn.Linear
+    and every subclass whatever its name, as the search space types layers."""
+    return isinstance(module, torch.nn.Linear)
 
 
 def by_layer(rows: Iterable[ProfileRow]) -> dict[str, dict[str, ProfileRow]]:
@@ -200,11 +214,13 @@ class Profile:
         # names are strings even when they look like numbers (nn.Sequential's "0", "2"; a 1-d weight's shape "64")
         texts = dict.fromkeys(("layer", "type", "shape", "format", "timed_as"), str)
         table = pd.read_csv(out_dir / "profile.csv", keep_default_na=True, dtype=texts)
-        missing = [c for c in COLUMNS if c not in table]
+        missing = [c for c in COLUMNS if c not in table and c not in OPTIONAL_COLUMNS]
         if missing:
             raise ValueError(f"{out_dir / 'profile.csv'}: no column {missing[0]!r}")
         rows = []
-        for line, cells in enumerate(table[COLUMNS].to_dict("records"), start=2):  # line 1: the column names
+        for line, cells in enumerate(
+            table[[c for c in COLUMNS if c in table]].to_dict("records"), start=2
+        ):  # line 1: the column names
             try:
                 rows.append(ProfileRow.from_cells(cells))
             except ValueError as exc:

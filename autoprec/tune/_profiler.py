@@ -33,7 +33,7 @@ from autoprec.tune._cost import Stopwatch
 from autoprec.tune._gradients import LayerGradients, collect, profile_columns, scale_table
 from autoprec.tune._layer_timing import _time_layer, _timing_key
 from autoprec.tune._metric import evaluate_metric, metric_name, metric_of
-from autoprec.tune._profile_data import NO_KERNEL, SQNR_COLUMNS, Profile, ProfileRow, ruled_out
+from autoprec.tune._profile_data import NO_KERNEL, SQNR_COLUMNS, Profile, ProfileRow, is_linear, ruled_out
 from autoprec.tune._sensitivity import (
     _Call,
     _first_float,
@@ -161,6 +161,7 @@ def _profile_layer(
     overflowing) is never chosen whatever the rest would say, so the rest is not measured, and `metric_source`
     says why."""
     base = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "tokens": tokens(ref.calls[name])}
+    base["linear"] = is_linear(module)
     rows: dict[Format, ProfileRow] = {Format.FP32: _fp32_row(base, fp32_metric)}
     calls = ref.calls[name]
     in_model = name in ref.fed_back  # its later calls see its own lowered output: only the whole model has them
@@ -527,6 +528,7 @@ def _unprofiled(
 ) -> list[ProfileRow]:
     """A layer the profile's deadline left out: fp32 as measured (the reference), every lowered format ruled out."""
     base: dict[str, Any] = {"layer": name, "type": type(module).__name__, "shape": _shape(module), "tokens": tokens(calls)}
+    base["linear"] = is_linear(module)
     rows = [_fp32_row(base, fp32_metric)]
     rows += [ProfileRow(**base, format=f.value, status="unsupported", reason=reason) for f in formats[1:]]
     return rows

@@ -29,6 +29,7 @@ from autoprec.tune._show import (
     _names,
     _saved,
     _spread,
+    estimate_column,
     estimate_lines,
     estimate_of,
     memory_text,
@@ -208,7 +209,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
     ]
     headers = RESULT_HEADERS[:5] + ["skipped", "speedup", "peak memory", "vs fp32", "within budget"]
     if isinstance(estimated, Mapping):  # the goal's value is an estimate: its column says so, the speedup is here
-        headers = [*headers[:6], "speedup here", *headers[7:], f"est. {est.get('target', '?')} (FLOPs)"]  # type: ignore[union-attr]
+        headers = [*headers[:6], "speedup here", *headers[7:], estimate_column(est)]  # type: ignore[arg-type]
     parts.append(table(headers, rows))
     parts.extend(estimate_lines(m))
     parts.append(

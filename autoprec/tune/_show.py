@@ -162,7 +162,13 @@ def result_headers(policy: Policy) -> list[str]:
     est = estimate_of(m)
     if est is None:
         return headers
-    return [*headers[:5], "speedup here", *headers[6:], f"est. {est.get('target', '?')} (FLOPs)"]
+    return [*headers[:5], "speedup here", *headers[6:], estimate_column(est)]
+
+
+def estimate_column(est: Mapping[str, Any]) -> str:
+    """The estimate's column header: the record's own ("predicted b200"), or that of a file from before it had one."""
+    column = est.get("column")
+    return column if isinstance(column, str) else f"est. {est.get('target', '?')} (FLOPs)"
 
 
 def estimate_of(m: Measured) -> Mapping[str, Any] | None:
@@ -178,8 +184,11 @@ def estimate_lines(m: Measured) -> list[str]:
         return []
     rates = est.get("tflops")
     rated = ", ".join(f"{k} {_rate(v)}" for k, v in rates.items()) if isinstance(rates, Mapping) else "?"
+    detail = est.get("detail")
     return [
-        f"estimate: {m.chosen or 'the policy'}: {est['what']}; 1.0 = {est.get('baseline', 'all-bf16')}'s GEMM time on "
+        f"estimate: {m.chosen or 'the policy'}: {est['what']}; {detail}"
+        if isinstance(detail, str)  # the step-time predictor's record says what it priced
+        else f"estimate: {m.chosen or 'the policy'}: {est['what']}; 1.0 = {est.get('baseline', 'all-bf16')}'s GEMM time on "
         f"{est.get('device', est.get('target', '?'))}; counted: {est.get('counted', '?')}; nominal dense TFLOP/s: {rated} "
         f"({est.get('source', '?')})",
         f"speedup here: step times measured on this machine ({m.device or '?'}), not on {est.get('target', 'the target')}",

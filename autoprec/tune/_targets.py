@@ -8,36 +8,71 @@ training GEMM gets and the one listed here. "fp32" is the non-tensor (CUDA-core)
 strict fp32, without TF32 (trainer.matmul_precision); "tf32" is listed as the datasheet gives it, for reference.
 A format whose GEMMs need an element format a target does not list is refused for that target (_flops.py), not
 counted at another format's speed.
+
+The step-time predictor (_predict.py) also reads each target's memory bandwidth (the datasheet's HBM figure) and the
+cost of one kernel launch. The launch cost is on no datasheet: LAUNCH_US is a stated assumption, not a measurement,
+and moves no validation point of the predictor by more than 4% when set to 0 or doubled (docs/planning.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 from autoprec.formats import GEMM_PRECISIONS
 from autoprec.registry import Registry
 
+# The cost of one kernel launch on the device, in microseconds: an assumption, not a datasheet's or a measured figure.
+# Under torch.compile (CUDA graphs aside) a kernel costs a few microseconds to issue; the predictor adds it per GEMM
+# and per cast pass, which matters only for small layers.
+LAUNCH_US = 4.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A device to plan for: `tflops` maps a GEMM element format (formats.GEMM_PRECISIONS, and "tf32") to its
-    nominal dense throughput in TFLOP/s; `source` cites where the numbers come from."""
+    nominal dense throughput in TFLOP/s, bf16 (the baseline every plan is compared with) included; `bandwidth_tbs`
+    is its memory bandwidth in TB/s; `launch_us` the cost of one kernel launch in microseconds; `source` cites where
+    the numbers come from."""
 
     name: str  # --target's value
     device: str  # the device in words
     tflops: Mapping[str, float]
     source: str
+    bandwidth_tbs: float
+    launch_us: float = LAUNCH_US
 
     def __post_init__(self) -> None:
-        unknown = set(self.tflops) - {*GEMM_PRECISIONS, "tf32"}
-        if unknown or not all(v > 0 for v in self.tflops.values()):
-            raise ValueError(f"target {self.name!r}: tflops maps {', '.join(GEMM_PRECISIONS)} (and tf32) to numbers > 0")
+        unknown = sorted(set(self.tflops) - {*GEMM_PRECISIONS, "tf32"}, key=str)
+        bad = [k for k, v in self.tflops.items() if not _positive(v)]
+        fix = f"tflops maps {', '.join(GEMM_PRECISIONS)} (and tf32) to finite numbers > 0, bf16 (the baseline) among them"
+        if unknown:
+            raise ValueError(f"target {self.name!r}: tflops has {', '.join(map(repr, unknown))}; {fix}")
+        if bad:
+            raise ValueError(f"target {self.name!r}: tflops[{bad[0]!r}] is {self.tflops[bad[0]]!r}; {fix}")
+        if "bf16" not in self.tflops:
+            raise ValueError(f"target {self.name!r}: tflops has no 'bf16', the baseline every plan is priced against; {fix}")
+        if not _positive(self.bandwidth_tbs):
+            raise ValueError(
+                f"target {self.name!r}: bandwidth_tbs is {self.bandwidth_tbs!r}; give the memory bandwidth in TB/s, a "
+                "finite number > 0 (the datasheet's HBM figure)"
+            )
+        if not (_positive(self.launch_us) or self.launch_us == 0):
+            raise ValueError(
+                f"target {self.name!r}: launch_us is {self.launch_us!r}; give one kernel launch's cost in microseconds, "
+                f"a finite number >= 0 (default {LAUNCH_US:g})"
+            )
 
     @property
     def runs(self) -> tuple[str, ...]:
         """The GEMM element formats it runs, in GEMM_PRECISIONS order."""
         return tuple(p for p in GEMM_PRECISIONS if p in self.tflops)
+
+
+def _positive(value: object) -> bool:
+    """A finite real number > 0 (no bool, no inf or NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 _TARGETS: Registry[Target] = Registry("target")
@@ -76,7 +111,9 @@ B200 = register_target(
         # TF32 2.2 -> 1.1); FP8 is the rate of MX fp8 too (the datasheet gives one FP8 figure), FP4 that of NVFP4
         tflops={"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "nvfp4": 9000.0},
         source="NVIDIA HGX B200 specifications, per GPU (https://www.nvidia.com/en-us/data-center/hgx/; NVIDIA Blackwell "
-        "datasheet): FP4 Tensor 18 PFLOPS, FP8/FP6 9, FP16/BF16 4.5, TF32 2.2 (with sparsity), FP32 75 TFLOPS",
+        "datasheet): FP4 Tensor 18 PFLOPS, FP8/FP6 9, FP16/BF16 4.5, TF32 2.2 (with sparsity), FP32 75 TFLOPS; HBM3e "
+        "~8 TB/s",
+        bandwidth_tbs=8.0,
     )
 )
 H100 = register_target(
@@ -87,6 +124,30 @@ H100 = register_target(
         tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
         source="NVIDIA H100 Tensor Core GPU datasheet, SXM column "
         "(https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet): FP8 3,958 TFLOPS, BF16/FP16 "
-        "1,979, TF32 989 (with sparsity), FP32 67 TFLOPS",
+        "1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3 3.35 TB/s",
+        bandwidth_tbs=3.35,
+    )
+)
+H200 = register_target(
+    Target(
+        name="h200",
+        device="NVIDIA H200 SXM",
+        # H100's compute (the same dense rates), more and faster memory
+        tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
+        source="NVIDIA H200 Tensor Core GPU datasheet, SXM column: FP8 "
+        "3,958 TFLOPS, BF16/FP16 1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3e 4.8 TB/s",
+        bandwidth_tbs=4.8,
+    )
+)
+GB200 = register_target(
+    Target(
+        name="gb200",
+        device="NVIDIA B200 in a GB200 superchip (1200 W)",
+        # dense: the datasheet's sparse figures halved, per GPU (FP4 20 -> 10 PFLOPS, FP8 10 -> 5, BF16 5 -> 2.5,
+        # TF32 2.5 -> 1.25)
+        tflops={"fp32": 80.0, "tf32": 1250.0, "bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 10000.0},
+        source="NVIDIA GB200 NVL72 specifications, per GPU: FP4 "
+        "Tensor 20 PFLOPS, FP8/FP6 10, FP16/BF16 5, TF32 2.5 (with sparsity), FP32 80 TFLOPS; HBM3e 8 TB/s",
+        bandwidth_tbs=8.0,
     )
 )

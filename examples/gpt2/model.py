@@ -159,6 +159,9 @@ def loss_fn(model, batch):
 
 
 def build_model():
-    """The trained fp32 GPT of the chosen size (trains once, on the GPU when there is one, then loads)."""
+    """The trained fp32 GPT of the chosen size (trains once, on the GPU when there is one, then loads); on the meta
+    device (`autoprec predict`), the untrained architecture: its shapes are all that is wanted there."""
+    if torch.get_default_device().type == "meta":
+        return GPT()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return stdlib_text.trained(f"gpt2-{SIZE}", GPT, loss_fn, HPARAMS, device)

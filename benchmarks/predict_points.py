@@ -1,0 +1,316 @@
+"""The step-time predictor's calibration and validation points (autoprec/tune/_predict.py; docs/planning.md).
+
+    python benchmarks/predict_points.py            # print the validation table (markdown)
+    python benchmarks/predict_points.py --fit      # fit the calibration on the fitted points; print it
+    python benchmarks/predict_points.py --write    # rewrite docs/planning.md's table from the code
+
+Every measured number here comes from /work/shared/anchors/training-speedups.md's rows (with their sources) or from
+results/h200/fp8_linear.txt; nothing else. Each point says whether the calibration was fitted on it. The Llama-3-8B
+points price examples/llama3_8b/model.py's shapes (d_model 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336,
+vocabulary 128,256, sequence 8192, one sequence per GPU per step) with the optimizer's work split over the run's GPUs
+(FSDP); the published runs also communicate (all-gathers, reduce-scatters), which the predictor does not price.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from autoprec.policy import ROOT as MODEL_ROOT  # noqa: E402
+from autoprec.policy import Policy  # noqa: E402
+from autoprec.tune import _predict as predictor  # noqa: E402
+from autoprec.tune._targets import target_named  # noqa: E402
+
+DOC = ROOT / "docs" / "planning.md"
+BEGIN, END = "<!-- validation table: benchmarks/predict_points.py --write -->", "<!-- end of validation table -->"
+LLAMA = ROOT / "examples" / "llama3_8b" / "model.py"
+FP8_LINEAR = "results/h200/fp8_linear.txt"
+ANCHORS = "anchors: training-speedups.md"
+
+
+@functools.cache
+def llama_step() -> predictor.Step:
+    """Llama-3-8B's step on the meta device (examples/llama3_8b/model.py): one sequence of 8192 tokens."""
+    from autoprec.tune._task import load_task
+
+    return predictor.meta_step(load_task(LLAMA))
+
+
+def linear_step(n: int) -> predictor.Step:
+    """results/h200/fp8_linear.txt's workload: one Linear(n, n) on an (n x n) input, forward and backward, nothing
+    else (no optimizer step)."""
+    return predictor.Step((predictor.LinearShape("0", n, n, float(n), produced=False),))
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One measured or published result: `measured` the speedup over bf16 (or, with `ms`, a step time), `fitted`
+    whether the calibration was fitted on it."""
+
+    name: str
+    target: str
+    measured: float
+    source: str
+    fitted: bool
+    compute: Callable[[predictor.Calibration], float]
+    unit: str = "x"  # "x": a speedup over bf16; "ms": a step time
+    note: str = ""
+
+
+def _linear_ratio(fmt: str, n: int = 8192) -> Callable[[predictor.Calibration], float]:
+    def compute(cal: predictor.Calibration) -> float:
+        step, target = linear_step(n), target_named("h200")
+        bf16 = predictor.predict(step, Policy(layers={"0": "bf16"}), target, cal).ms  # an fp32 caller, as the benchmark's
+        return bf16 / predictor.predict(step, Policy(layers={"0": fmt}), target, cal).ms
+
+    return compute
+
+
+def _linear_ms(fmt: str, n: int = 8192) -> Callable[[predictor.Calibration], float]:
+    def compute(cal: predictor.Calibration) -> float:
+        return predictor.predict(linear_step(n), Policy(layers={"0": fmt}), target_named("h200"), cal).ms
+
+    return compute
+
+
+def _llama(fmt: str, target: str, gpus: int) -> Callable[[predictor.Calibration], float]:
+    """Llama-3-8B with every Linear but the output layer in `fmt` (the float8 and MX converters' usual filter), the
+    rest bf16, over uniform bf16, the optimizer split over `gpus`."""
+
+    def compute(cal: predictor.Calibration) -> float:
+        step = dataclasses.replace(llama_step(), shards=gpus)
+        layers: dict[str, str] = {MODEL_ROOT: "bf16"}
+        layers.update({s.name: fmt for s in step.linears if s.name != "output"})
+        return predictor.speedup(step, Policy(layers=layers), target_named(target), cal)
+
+    return compute
+
+
+POINTS = (
+    Point("Linear(8192) fwd+bwd, fp32", "h200", 64.473, FP8_LINEAR, True, _linear_ms("fp32"), unit="ms"),
+    Point("Linear(8192) fwd+bwd, bf16", "h200", 5.252, FP8_LINEAR, True, _linear_ms("bf16"), unit="ms"),
+    Point("Linear(8192), fp8 tensorwise", "h200", 1.51, FP8_LINEAR, True, _linear_ratio("fp8")),
+    Point("Linear(8192), fp8 rowwise", "h200", 1.26, FP8_LINEAR, True, _linear_ratio("fp8-rowwise")),
+    Point(
+        "Llama-3-8B, 8 GPUs, fp8 tensorwise",
+        "h100",
+        1.25,
+        ANCHORS + " (torchao float8 training)",
+        True,
+        _llama("fp8", "h100", 8),
+        note="with fp8 all-gather: less communication, not priced",
+    ),
+    Point(
+        "Llama-3-8B, 4 GPUs, NVFP4",
+        "b200",
+        1.37,
+        ANCHORS + " (torchtitan nvfp4 README)",
+        True,
+        _llama("nvfp4", "b200", 4),
+        note="published with a bf16 tail; priced with every Linear but the output in NVFP4",
+    ),
+    Point("Linear(8192), fp8 rowwise_with_gw_hp", "h200", 0.21, FP8_LINEAR, False, _linear_ratio("fp8-rowwise-gw-hp")),
+    Point("Linear(8192), fp8 fprop only", "h200", 0.12, FP8_LINEAR, False, _linear_ratio("fp8-fwd")),
+    Point("Linear(8192), fp8 fprop+dgrad", "h200", 1.22, FP8_LINEAR, False, _linear_ratio("fp8-fwd-dgrad")),
+    Point("Linear(8192), fp8 rowwise fprop only", "h200", 0.12, FP8_LINEAR, False, _linear_ratio("fp8-rowwise-fwd")),
+    Point("Linear(8192), fp8 rowwise fprop+dgrad", "h200", 1.20, FP8_LINEAR, False, _linear_ratio("fp8-rowwise-fwd-dgrad")),
+    Point(
+        "Llama-3-8B, 8 GPUs, fp8 rowwise",
+        "h100",
+        1.10,
+        ANCHORS + " (torchao float8 training)",
+        False,
+        _llama("fp8-rowwise", "h100", 8),
+    ),
+    Point(
+        "Llama-3-8B, 8 GPUs, fp8 (over compiled bf16)",
+        "h100",
+        1.28,
+        ANCHORS + " (torchtitan llama3_h100_202412)",
+        False,
+        _llama("fp8", "h100", 8),
+    ),
+    Point(
+        "Llama-3-8B, 8 GPUs, fp8 tensorwise",
+        "b200",
+        1.254,
+        ANCHORS + " (torchao float8 training)",
+        False,
+        _llama("fp8", "b200", 8),
+        note="power-limited GPUs: the datasheet's rates are not reached",
+    ),
+    Point(
+        "Llama-3-8B, 8 GPUs, MXFP8",
+        "b200",
+        1.20,
+        ANCHORS + " (torchao float8 training)",
+        False,
+        _llama("mxfp8", "b200", 8),
+        note="power-limited GPUs",
+    ),
+    Point(
+        "Llama-3-8B, 8 GPUs, fp8 rowwise",
+        "b200",
+        1.04,
+        ANCHORS + " (torchao float8 training)",
+        False,
+        _llama("fp8-rowwise", "b200", 8),
+        note="power-limited GPUs",
+    ),
+    Point("Llama-3-8B, 4 GPUs, MXFP8", "b200", 1.28, ANCHORS + " (torchtitan nvfp4 README)", False, _llama("mxfp8", "b200", 4)),
+)
+
+# The parameters fitted (each a Calibration field or gemm key) and those tied to a fitted one (assumed equal: no point
+# measures them apart).
+FITTED = ("fp32", "bf16", "fp8-tensorwise", "fp8-rowwise", "nvfp4", "fusion")
+TIED = {"fp16": "bf16", "mxfp8": "fp8-tensorwise"}
+
+
+def calibration(values: dict[str, float], base: predictor.Calibration = predictor.CALIBRATION) -> predictor.Calibration:
+    gemm = dict(base.gemm)
+    gemm.update({k: v for k, v in values.items() if k in gemm})
+    gemm.update({k: gemm[v] for k, v in TIED.items()})
+    return dataclasses.replace(base, gemm=gemm, fusion=values.get("fusion", base.fusion))
+
+
+def fit() -> predictor.Calibration:
+    """The calibration that fits the fitted points (log error, least squares), from the current one as the start."""
+    from scipy.optimize import least_squares
+
+    fitted = [p for p in POINTS if p.fitted]
+    start = predictor.CALIBRATION
+
+    def unpack(x) -> predictor.Calibration:
+        return calibration(dict(zip(FITTED, map(float, x))), start)
+
+    def residuals(x):
+        cal = unpack(x)
+        return [math.log(p.compute(cal) / p.measured) for p in fitted]
+
+    x0 = [start.gemm[k] if k in start.gemm else getattr(start, k) for k in FITTED]
+    found = least_squares(residuals, x0, bounds=(0.05, 1.0), xtol=1e-12, ftol=1e-12)
+    return unpack([round(v, 3) for v in found.x])
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    point: Point
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.point.measured - 1
+
+
+def table(cal: predictor.Calibration = predictor.CALIBRATION) -> list[Row]:
+    return [Row(p, p.compute(cal)) for p in POINTS]
+
+
+def band(rows: list[Row]) -> tuple[float, int]:
+    """The largest |error| over the points not fitted on, rounded up to a whole percent, and how many there are."""
+    held = [abs(r.error) for r in rows if not r.point.fitted]
+    return math.ceil(100 * max(held) - 1e-9) / 100, len(held)
+
+
+# torchao's _auto_filter_for_recipe (torchao/float8/float8_linear_utils.py; the anchors file): the Linears (K
+# in_features, N out_features) each recipe leaves in high precision because its roofline says fp8 does not pay.
+def torchao_skips(fmt: str, k: int, n: int) -> bool:
+    if fmt == "fp8":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
+FILTER_SIZES = (1024, 2048, 4096, 8192, 16384)
+FILTER_TOKENS = 8192  # M: the rows per step of the Llama-3-8B runs above (one 8192-token sequence per GPU)
+
+
+def filter_grid(cal: predictor.Calibration = predictor.CALIBRATION) -> list[tuple[str, int, int, bool, float]]:
+    """(format, K, N, torchao skips it, the predictor's speedup of that Linear alone over bf16 on an H100), for
+    fp8 tensorwise and rowwise over FILTER_SIZES, M = FILTER_TOKENS, under a bf16 model root."""
+    out = []
+    target = target_named("h100")
+    for fmt in ("fp8", "fp8-rowwise"):
+        for k in FILTER_SIZES:
+            for n in FILTER_SIZES:
+                step = predictor.Step((predictor.LinearShape("l", k, n, float(FILTER_TOKENS)),))
+                value = predictor.speedup(step, Policy(layers={MODEL_ROOT: "bf16", "l": fmt}), target, cal)
+                out.append((fmt, k, n, torchao_skips(fmt, k, n), value))
+    return out
+
+
+def filter_markdown(grid: list[tuple[str, int, int, bool, float]]) -> str:
+    lines = []
+    for fmt in ("fp8", "fp8-rowwise"):
+        cells = [g for g in grid if g[0] == fmt]
+        agree = [g for g in cells if (g[4] <= 1.0) == g[3]]
+        lines.append("")
+        lines.append(
+            f"{fmt} on h100, M = {FILTER_TOKENS} (rows: K in_features; columns: N out_features; the "
+            f"predicted speedup of the Linear alone over bf16, * where torchao's filter skips it): the "
+            f"predictor agrees with the filter on {len(agree)} of {len(cells)} shapes"
+        )
+        lines.append("")
+        lines.append("| K \\ N | " + " | ".join(map(str, FILTER_SIZES)) + " |")
+        lines.append("|---" * (len(FILTER_SIZES) + 1) + "|")
+        for k in FILTER_SIZES:
+            row = [g for g in cells if g[1] == k]
+            lines.append(f"| {k} | " + " | ".join(f"{g[4]:.2f}{'*' if g[3] else ''}" for g in row) + " |")
+    return "\n".join(lines)
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = [
+        "| point | target | measured | predicted | error | fitted / held out | source |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p = r.point
+        value = (lambda v: f"{v:.3f} ms") if p.unit == "ms" else (lambda v: f"{v:.2f}x")
+        note = f" ({p.note})" if p.note else ""
+        lines.append(
+            f"| {p.name}{note} | {p.target} | {value(p.measured)} | {value(r.predicted)} | {100 * r.error:+.1f}% | "
+            f"{'fitted' if p.fitted else 'held out'} | {p.source} |"
+        )
+    err, n = band(rows)
+    lines.append("")
+    lines.append(f"Held out: {n} points, the largest error {100 * err:.0f}% (the band every prediction states).")
+    return "\n".join(lines) + "\n" + filter_markdown(filter_grid())
+
+
+def doc_table(text: str) -> str:
+    found = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    if found is None:
+        raise SystemExit(f"{DOC}: no validation table between {BEGIN!r} and {END!r}")
+    return found.group(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fit", action="store_true", help="fit the calibration on the fitted points and print it")
+    parser.add_argument("--write", action="store_true", help="rewrite docs/planning.md's table")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.fit:
+        print(fit())
+        return
+    text = markdown(table())
+    if args.write:
+        doc = DOC.read_text(encoding="utf-8")
+        DOC.write_text(doc.replace(doc_table(doc), text), encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
