@@ -84,7 +84,12 @@ def round_to_e2m1(x: torch.Tensor, *, rounding: Rounding = "nearest", generator:
         lower_odd = torch.remainder(lower / step, 2.0) == 1.0
         up = (frac > 0.5) | ((frac == 0.5) & lower_odd)
     else:
-        u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+        # without a generator, no generator argument at all: torch.compile cannot trace torch.rand(generator=None)
+        # at a symbolic size (a second batch shape); rand_like draws the same bits from the global generator
+        if generator is None:
+            u = torch.rand_like(a)
+        else:
+            u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
         up = u < frac
     mag = torch.where(up, lower + step, lower).clamp(max=E2M1_MAX)
     out = torch.copysign(mag, x)
