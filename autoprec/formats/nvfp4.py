@@ -48,8 +48,8 @@ E4M3_MIN_NORMAL = 2.0**-6
 NVFP4_BLOCK = 16
 # The per-tensor scale a tiny tensor gets instead of amax / (448 * 6) when that one's element multiplier,
 # 1 / (scale * 2**-6) for a block scale at E4M3's floor, overflows fp32 (an amax below about 1e-33; below 3.8e-42 the
-# scale is 0): the smallest power of two whose multiplier is finite. Transformer Engine's reference quantiser caps its
-# encode scale at fp32's max the same way; torchao's round trip is NaN there (a zero times an infinite multiplier).
+# scale is 0): the smallest power of two whose multiplier is finite. Transformer Engine's reference quantiser guards
+# the same overflow (it caps its encode scale at fp32's max); torchao's round trip is NaN there (0 times inf).
 PER_TENSOR_SCALE_MIN = 2.0**-121
 # the grid of non-negative E2M1 values
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
