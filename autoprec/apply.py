@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from autoprec.errors import describe
-from autoprec.formats import Converted, Format, Fp8Backend, format_problem, fp8_backend
+from autoprec.formats import Converted, Format, Fp8Backend, format_problem, fp8_backend, other_half_to_fp32
 from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
 
 _FORMAT_ATTR = "_autoprec_format"
@@ -134,7 +134,11 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _forward_in_format(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     fmt = Format(getattr(self, _FORMAT_ATTR))
-    return fmt.family.forward(fmt, self, type(self).forward, _first_device_type(self, args, kwargs), args, kwargs)
+    device_type = _first_device_type(self, args, kwargs)
+    out = fmt.family.forward(fmt, self, type(self).forward, device_type, args, kwargs)
+    if torch.is_autocast_enabled(device_type):  # a caller in one half dtype meets a layer in the other (fp16, bf16)
+        return other_half_to_fp32(out, torch.get_autocast_dtype(device_type))
+    return out
 
 
 _FORWARDS: weakref.WeakKeyDictionary[type[torch.nn.Module], Callable[..., Any]] = weakref.WeakKeyDictionary()

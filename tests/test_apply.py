@@ -109,6 +109,62 @@ def test_inside_a_users_autocast_the_policy_still_decides_and_outputs_stay_low()
     assert out.dtype == torch.bfloat16  # the user's region: AMP semantics, no cast back
 
 
+class CatBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.cat([x, self.lin(x)], -1)  # its input with its own result: a residual stream, a cache
+
+
+class TwoPaths(nn.Module):
+    """torch.cat of two Linears' outputs, and a block that cats its input with its own Linear's output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.block = CatBlock()
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.head(torch.cat([torch.cat([h, self.b(x)], -1), self.block(h)], -1))
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        {"": "bf16", "a": "fp16"},
+        {"": "bf16", "a": "fp16", "b": "fp16"},
+        {"": "fp16", "a": "bf16"},
+        {"": "fp16", "a": "fp8-fwd-dgrad"},
+        {"": "bf16", "block": "fp16"},
+        {"": "fp16", "block": "bf16"},
+    ],
+    ids=str,
+)
+def test_fp16_and_bf16_layers_mix_in_one_model(layers):
+    """autocast's promoting ops (torch.cat, torch.stack) refuse to meet fp16 and bf16 ("Unexpected floating
+    ScalarType in at::autocast::prioritize"): a layer's output in the other half dtype than its caller's reaches the
+    caller as fp32, and so do its inputs in the other half dtype than its own, exactly."""
+    model = TwoPaths()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp8 runs emulated on a CPU
+        apply_policy(model, Policy(layers=layers))
+    seen = []
+    model.a.register_forward_hook(lambda mod, args, out: seen.append(out))
+    x = torch.randn(8, 16)
+    out = model(x)
+    out.float().square().mean().backward()
+    assert out.dtype == torch.float32 and out.isfinite().all()
+    assert all(p.grad is not None and p.grad.isfinite().all() and p.grad.any() for p in model.parameters())
+    if "a" in layers:  # what its caller got is what the layer computed, cast exactly
+        assert seen[0].dtype == torch.float32 and torch.equal(seen[0], model.a(x))
+
+
 def test_state_dict_keys_and_dtypes_do_not_change():
     plain = Net()
     before = {k: v.dtype for k, v in plain.state_dict().items()}

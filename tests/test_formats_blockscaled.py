@@ -188,6 +188,19 @@ def test_a_ragged_batch_is_the_zero_padded_batch_cut_back():
     assert _same(out, ref.detach()[:50]) and _same(gx, xp.grad[:50]) and _same(gw, layer.weight.grad)
 
 
+@pytest.mark.parametrize("name", [n for n, s in SETTINGS.items() if NV in s[1:]])
+def test_a_gradient_of_zeros_and_one_denormal_gives_finite_gradients(name):
+    """NVFP4's per-tensor scale of such a gradient underflowed, and its round trip was NaN (zeros included)."""
+    torch.manual_seed(9)
+    model = _applied(nn.Linear(32, 32), name)
+    for tiny in (1e-43, 1e-38, 1e-34):
+        g = torch.zeros(16, 32)
+        g[3, 5] = tiny
+        _, gx, gw, gb = _run(model, torch.randn(16, 32), g)
+        for what, got in (("dX", gx), ("dW", gw), ("db", gb)):
+            assert got.isfinite().all() and got.abs().max() < 1e-30, f"{name} {what} for {tiny}"
+
+
 def test_stochastic_rounding_is_seeded_by_the_layer_name():
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
@@ -206,38 +219,58 @@ def test_stochastic_rounding_is_seeded_by_the_layer_name():
 
 
 @pytest.mark.parametrize("name", sorted(GEMM_FORMATS))
-def test_every_blockscaled_format_compiles_whole_and_matches_eager(name):
+def test_every_blockscaled_format_compiles_whole_for_any_batch_size_and_matches_eager(name):
     """fullgraph: any graph break is an error (the Format's own table lookup, a tensor given twice to an autograd
-    Function and a Generator made or passed in a step each broke it). Deterministic formats match eager bit for bit;
-    one that rounds stochastically draws from torch's global generator when compiled, so its gradients match
-    eager's to the rounding noise, and a rerun from the same torch.manual_seed repeats them."""
+    Function and a Generator made or passed in a step each broke it). The rows are a symbol, as torch.compile makes
+    them at a second batch shape (an epoch's ragged last batch): stochastic rounding's draw and the padding to the
+    wgrad block take a symbolic size (a torch.rand given generator=None did not). Deterministic formats match eager
+    bit for bit at each size; one that rounds stochastically draws from torch's global generator when compiled, so
+    its gradients match eager's to the rounding noise, and a rerun from the same torch.manual_seed repeats them."""
     torch.manual_seed(7)
-    x = torch.randn(16, 32)
+    sizes = (16, 24)  # 24: ragged for both blocks (16, 32)
+    xs = [torch.randn(rows, 32) for rows in sizes]
     base = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
     policy = Policy(layers={"0": name, "2": name})
-    weights = torch.randn(16, 32)  # a loss whose output gradient is not all ones, which every format holds exactly
-    eager = apply_on_chosen_device(copy.deepcopy(base), policy)
-    (eager(x) * weights).sum().backward()
+    # a loss whose output gradient is not all ones, which every format holds exactly
+    weights = [torch.randn(rows, 32) for rows in sizes]
+
+    def grads(model, run):
+        out = []
+        for x, w in zip(xs, weights):
+            model.zero_grad(set_to_none=True)
+            (run(x) * w).sum().backward()
+            out += [model[0].weight.grad, model[2].weight.grad]
+        return out
+
+    eager_model = apply_on_chosen_device(copy.deepcopy(base), policy)
+    eager = grads(eager_model, eager_model)
+
+    model = apply_on_chosen_device(copy.deepcopy(base), policy)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+
+    def run(x):
+        x = x.clone()
+        torch._dynamo.maybe_mark_dynamic(x, 0)  # the rows a symbol, as a second batch size makes them
+        return compiled(x)
 
     def compiled_grads():
-        model = apply_on_chosen_device(copy.deepcopy(base), policy)
-        torch._dynamo.reset()
         torch.manual_seed(3)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            (torch.compile(model, backend="aot_eager", fullgraph=True)(x) * weights).sum().backward()
+            got = grads(model, run)
         assert not [str(w.message)[:200] for w in caught if "ynamo" in str(w.message)]  # e.g. an lru_cache traced
-        return model[0].weight.grad, model[2].weight.grad
+        return got
 
     first = compiled_grads()
     if not GEMM_FORMATS[name].stochastic:  # equal to eager's bits: nothing left to repeat
-        assert _RNG_ATTR not in eager[0].__dict__  # no generator: nothing draws from one
-        assert torch.equal(first[0], eager[0].weight.grad) and torch.equal(first[1], eager[2].weight.grad)
+        assert _RNG_ATTR not in eager_model[0].__dict__  # no generator: nothing draws from one
+        assert all(torch.equal(a, b) for a, b in zip(first, eager))
     else:
         again = compiled_grads()  # the global generator, seeded the same: the same draws
         assert all(torch.equal(a, b) for a, b in zip(first, again))
-        assert not torch.equal(first[0], eager[0].weight.grad)  # other draws (layer 2's dgrad rounds stochastically) ...
-        for got, want in zip(first, (eager[0].weight.grad, eager[2].weight.grad)):
+        assert not torch.equal(first[0], eager[0])  # other draws (layer 2's dgrad rounds stochastically) ...
+        for got, want in zip(first, eager):
             assert got.isfinite().all()
             assert 10 * torch.log10(want.square().sum() / (got - want).square().sum().clamp_min(1e-30)) > 10  # ... alike
     torch._dynamo.reset()

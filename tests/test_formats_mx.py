@@ -98,6 +98,23 @@ def test_all_zero_tensor_nvfp4_gives_zeros() -> None:
     assert torch.equal(nvfp4(x, two_d=True, per_tensor_scale=True), x)
 
 
+@pytest.mark.parametrize("two_d", [False, True])
+def test_nvfp4_of_a_tiny_tensor_is_finite(two_d: bool) -> None:
+    # amax / (448 * 6) underflows to 0 below ~3.8e-42, and its reciprocal over a 2**-6 block scale overflows below
+    # ~1e-33: a zero times that multiplier was NaN. Guarded as Transformer Engine's reference quantiser guards its
+    # encode scale: zeros stay zeros, each tiny value rounds to zero or to an E2M1 multiple of the scale near it
+    for exp in range(-149, -100, 2):
+        x = torch.zeros(32, 32)
+        x[3, 5], x[20, 17] = 2.0**exp, -(2.0 ** (exp + 1))
+        for y in (nvfp4(x, two_d=two_d), nvfp4(x, two_d=two_d, per_tensor_scale=x.abs().max() / 2688)):
+            assert y.isfinite().all(), exp
+            assert (y[x == 0] == 0).all(), exp
+            nonzero = x != 0
+            near = (y[nonzero] - x[nonzero]).abs() <= 0.5 * x[nonzero].abs()
+            assert (near | (y[nonzero] == 0)).all(), (exp, y[nonzero])
+    assert torch.equal(nvfp4(torch.full((1, 16), 1e-43)), torch.zeros(1, 16))  # a denormal-only tensor: zeros
+
+
 def test_rceil_is_exact_where_torchao_cpu_fallback_rounds_log2() -> None:
     """amax / 448 one fp32 ulp above 2**-20: the exact ceil(log2) is -19 (code 108), what the Blackwell instruction
     cvt.rp.satfinite.ue8m0x2.f32 (torchao's compiled path on sm100) and cuBLAS's RCEIL give; torchao's eager fallback

@@ -9,7 +9,15 @@ from typing import Any
 import torch
 
 from autoprec import devices
-from autoprec.formats.base import Format, FormatFamily, caller_precision, register_family, register_format, to_fp32
+from autoprec.formats.base import (
+    Format,
+    FormatFamily,
+    caller_precision,
+    other_half_to_fp32,
+    register_family,
+    register_format,
+    to_fp32,
+)
 from autoprec.tensors import map_tensors
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
@@ -46,6 +54,7 @@ class AutocastFamily(FormatFamily):
             with torch.autocast(device_type, enabled=False):
                 return inner(module, *args, **kwargs)
         outer_autocast = torch.is_autocast_enabled(device_type)
+        args, kwargs = other_half_to_fp32((args, kwargs), dtype)  # a bf16 input of an fp16 block, or the reverse
         with torch.autocast(device_type, dtype=dtype):
             out = inner(module, *args, **kwargs)
         return caller_precision(out, outer_autocast)

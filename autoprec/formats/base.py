@@ -312,6 +312,14 @@ def caller_precision(out: Any, outer_autocast: bool) -> Any:
     return out if outer_autocast else map_tensors(out, to_fp32)
 
 
+def other_half_to_fp32(obj: Any, dtype: torch.dtype) -> Any:
+    """`obj` with its tensors in a half-precision dtype other than `dtype` (fp16 where `dtype` is bf16, and the
+    reverse) cast to fp32, exactly; the rest as it is. Autocast to `dtype` refuses to meet the other one in its
+    promoting ops (torch.cat, torch.stack: "Unexpected floating ScalarType in at::autocast::prioritize"), and an op
+    that mixes fp16 and bf16 computes in fp32 anyway, so the region's values stay what each layer computed."""
+    return map_tensors(obj, lambda t: t.float() if t.dtype in _LOW and t.dtype != dtype else t)
+
+
 # ---- the registries ----------------------------------------------------------------------------------------------
 
 _FAMILIES: Registry[FormatFamily] = Registry("format family")  # name -> family

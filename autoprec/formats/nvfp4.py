@@ -34,6 +34,7 @@ __all__ = [
     "E2M1_MAX",
     "E4M3_MAX",
     "NVFP4_BLOCK",
+    "PER_TENSOR_SCALE_MIN",
     "hadamard_matrix",
     "nvfp4",
     "nvfp4_per_tensor_scale",
@@ -45,6 +46,11 @@ E2M1_MAX = 6.0
 # torch.finfo(torch.float8_e4m3fn).tiny: the smallest normal E4M3 number, the floor torchao clamps block scales to
 E4M3_MIN_NORMAL = 2.0**-6
 NVFP4_BLOCK = 16
+# The per-tensor scale a tiny tensor gets instead of amax / (448 * 6) when that one's element multiplier,
+# 1 / (scale * 2**-6) for a block scale at E4M3's floor, overflows fp32 (an amax below about 1e-33; below 3.8e-42 the
+# scale is 0): the smallest power of two whose multiplier is finite. Transformer Engine's reference quantiser guards
+# the same overflow (it caps its encode scale at fp32's max); torchao's round trip is NaN there (0 times inf).
+PER_TENSOR_SCALE_MIN = 2.0**-121
 # the grid of non-negative E2M1 values
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -84,7 +90,12 @@ def round_to_e2m1(x: torch.Tensor, *, rounding: Rounding = "nearest", generator:
         lower_odd = torch.remainder(lower / step, 2.0) == 1.0
         up = (frac > 0.5) | ((frac == 0.5) & lower_odd)
     else:
-        u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+        # without a generator, no generator argument at all: torch.compile cannot trace torch.rand(generator=None)
+        # at a symbolic size (a second batch shape); rand_like draws the same bits from the global generator
+        if generator is None:
+            u = torch.rand_like(a)
+        else:
+            u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
         up = u < frac
     mag = torch.where(up, lower + step, lower).clamp(max=E2M1_MAX)
     out = torch.copysign(mag, x)
@@ -96,11 +107,20 @@ def nvfp4_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
 
     That is torchao's ``per_tensor_amax_to_scale``: the block with the tensor's amax gets the E4M3 scale 448, the top of
     E4M3's range.  An all-zero tensor (amax 0) gets the scale 1 (NVIDIA's kernels guard amax == 0 the same way; torchao's
-    division would give 0 and then NaN scales).
+    division would give 0 and then NaN scales). A scale too small for fp32 to multiply the elements by its reciprocal
+    (an amax below about 1e-33) is PER_TENSOR_SCALE_MIN (see `_finite_scale`).
     """
     amax = amax.to(torch.float32)
     scale = amax / (E4M3_MAX * E2M1_MAX)
-    return torch.where(amax == 0, torch.ones_like(scale), scale)
+    return _finite_scale(torch.where(amax == 0, torch.ones_like(scale), scale))
+
+
+def _finite_scale(scale: torch.Tensor) -> torch.Tensor:
+    """`scale` where the elements' multiplier (1 / scale) / s8 is finite for every block scale s8 >= 2**-6, else
+    PER_TENSOR_SCALE_MIN: a tiny tensor then rounds to zeros, or to the E2M1 multiples of that scale it is near,
+    never to NaN. Unchanged wherever torchao's round trip is finite (NaN stays NaN, inf stays inf)."""
+    overflows = torch.isinf((1.0 / scale) / E4M3_MIN_NORMAL)
+    return torch.where(overflows, torch.full_like(scale, PER_TENSOR_SCALE_MIN), scale)
 
 
 def nvfp4(
@@ -160,7 +180,7 @@ def nvfp4(
         if per_tensor_scale is True:
             pts = nvfp4_per_tensor_scale(data.abs().amax())
         else:
-            pts = per_tensor_scale.to(device=data.device, dtype=torch.float32)
+            pts = _finite_scale(per_tensor_scale.to(device=data.device, dtype=torch.float32))
         s8 = (block_scale / pts).clamp(min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
         scaled = tiles * ((1.0 / pts) / s8)
         dq_scale = pts * s8
