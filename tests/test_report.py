@@ -125,7 +125,9 @@ def test_the_summarys_first_line_says_plainly_when_the_answer_is_a_tie_inside_th
                   {"candidate": "uniform bf16", "speedup": 1.59, "spread": 1.03, "feasible": True, "metric_drop": 0.0})  # fmt: skip
     tied = Policy(layers={"": "bf16"}, measured={"chosen": "uniform bf16", "not_separated": ["fp32"], "budget": 0.01})
     line = headline(types.SimpleNamespace(policy=tied, finals=rows))
-    assert line.startswith("a tie inside the noise: uniform bf16") and "fp32" in line and "--remeasure" in line
+    # tied with fp32, its 1.59x is noise: never said as a gain
+    assert line.startswith("a tie inside the noise, no gain over fp32 shown: uniform bf16 and fp32") and "--remeasure" in line
+    assert "1.59x" not in line
     assert "±51.5%" in line  # the widest spread of the tied candidates, as the results table writes it
     assert "not separated" in show_policy(tied) and "not shown faster than them" in show_policy(tied)
     clear = Policy(layers={"": "bf16"}, measured={"chosen": "uniform bf16", "budget": 0.01})
@@ -245,6 +247,28 @@ def test_a_tie_among_equally_safe_searched_policies_is_not_called_the_safer_one(
     )
     line = headline(types.SimpleNamespace(policy=policy, finals=rows))
     assert "the fastest measured, is chosen" in line and "safer" not in line
+    assert "1.50x fp32's" in line and "no gain" not in line  # tied with another policy, not with fp32: a gain
+
+
+def test_a_tie_that_fp32_wins_says_no_gain_and_why_fp32():
+    """Tied, fp32 is chosen over uniform bf16 (fewer layers below fp32): the first line says no gain is shown and why
+    fp32, not bf16's measured "1.26x"."""
+    import types
+
+    from builders import finals
+
+    from autoprec import Policy
+    from autoprec.tune._choose import choose
+    from autoprec.tune._report import headline
+
+    candidates = {"fp32": Policy(layers={"": "fp32", "a": "fp32"}), "uniform bf16": Policy(layers={"": "bf16", "a": "bf16"})}
+    rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.6, "feasible": True, "metric_drop": 0.0},
+                  {"candidate": "uniform bf16", "speedup": 1.26, "spread": 0.6, "feasible": True, "metric_drop": 0.0})  # fmt: skip
+    name, why = choose(rows, candidates)
+    policy = Policy(layers={"": "fp32"}, measured={"chosen": name, "why": why, "not_separated": ["uniform bf16"]})
+    line = headline(types.SimpleNamespace(policy=policy, finals=rows))
+    assert line.startswith("a tie inside the noise, no gain over fp32 shown: fp32 and uniform bf16")
+    assert "fp32, the one with fewer layers below fp32, is chosen" in line and "1.26" not in line
 
 
 def test_a_sweeps_table_says_the_tie_its_policy_file_records():

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from autoprec.formats import FP16_MAX, Format
-from autoprec.tune._alternatives import BF16, TF32
+from autoprec.tune._alternatives import BF16, FP32, TF32
 from autoprec.tune._config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
 from autoprec.tune._cost import cost_rows
 from autoprec.tune._gradients import ScaleAdvice
@@ -273,7 +273,8 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
 
 def headline(result: SearchResult) -> str:
     """The summary's first line: what was chosen and how much faster than fp32, or, when the step times could not
-    tell it from other candidates within budget, that the answer is a tie inside the noise and what to do."""
+    tell it from other candidates within budget, that the answer is a tie inside the noise and what to do; a tie
+    with fp32 says no gain is shown, never its speedup."""
     m = Measured.of(result.policy)
     finals: Finals = result.finals
     picked = finals.get(m.chosen)
@@ -289,6 +290,12 @@ def headline(result: SearchResult) -> str:
     tied = tie(m, finals)
     if tied is None:
         return f"chosen: {m.chosen}, {speed}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}"
+    if FP32 in (tied.chosen, *tied.others):  # not told from fp32: its measured speedup is noise, not a gain
+        return (
+            f"a tie inside the noise, no gain over fp32 shown: {m.chosen} and {_names(tied.others)} measured within "
+            f"their spread (up to {_spread(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
+            f"{tied.kind}, is chosen; {RANK_THEM}"
+        )
     return (
         f"a tie inside the noise: {m.chosen} ({speed}) and {_names(tied.others)} measured within their spread (up to "
         f"{_spread(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "

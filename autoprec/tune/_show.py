@@ -15,6 +15,7 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._alternatives import ALTERNATIVES
 from autoprec.tune._choices import role
+from autoprec.tune._choose import FEWER_LOWERED
 from autoprec.tune._goals import recorded_goal
 from autoprec.tune._memory import format_change, human_bytes
 from autoprec.tune._profile_data import as_float
@@ -285,11 +286,13 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
 
 def _kind(m: Measured) -> str:
     """What a choice among ties is, from the decision's own reason (choose.choose's `why`): the alternative the user
-    would run anyway, the one with fewer fp16/fp8 layers, a smaller budget's choice the step times put above this
+    would run anyway, the one with fewer fp16/fp8 layers or fewer layers below fp32, a smaller budget's choice the step times put above this
     budget's pick, or simply the fastest measured."""
     why = m.why or ""
     if "the safer one" in why:
         return "safer one"
+    if why.endswith(FEWER_LOWERED):
+        return f"one with {FEWER_LOWERED}"
     if why.startswith("kept from the smaller budget"):
         return "smaller budget's choice"
     if m.chosen in {*ALTERNATIVES, m.greedy}:
