@@ -28,13 +28,13 @@ from autoprec.tune._show import (
     _layer_name,
     _names,
     _saved,
-    _spread,
     estimate_lines,
     estimate_of,
     memory_text,
     mode_text,
 )
 from autoprec.tune._tables import WIDTH, markdown_table, text_table
+from autoprec.tune._timing import spread_text
 
 if TYPE_CHECKING:  # the results import this module to print themselves
     from autoprec.tune._out_dir import SavedProfile
@@ -196,7 +196,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
             r.metric,
             r.metric_drop,
             r.step_ms,
-            _spread(r.spread),
+            spread_text(r.spread),
             f"{r.skipped}/{r.steps}",
             r.speedup,
             human_bytes(r.peak_bytes),
@@ -249,7 +249,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
         )
     if speed and finals.noisiest() > NOISY_SPREAD:
         parts.append(
-            f"note: step times spread up to {_spread(finals.noisiest())} even over more rounds: too wide to rank "
+            f"note: step times spread up to {spread_text(finals.noisiest())} even over more rounds: too wide to rank "
             "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
             "rerun on a quieter machine with --remeasure"
         )
@@ -258,7 +258,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
     if speed and picked is not None and ref is not None and BF16 in m.not_separated and picked.speedup >= ref.speedup:
         parts.append(
             f"note: {picked.candidate} leads uniform bf16 by {100 * (picked.speedup / ref.speedup - 1):.1f}%, inside "
-            f"the measured spread ({100 * (picked.spread + ref.spread) / 2:.1f}%): on this device the two are not told apart"
+            f"the measured spread ({spread_text((picked.spread + ref.spread) / 2)}): on this device the two are not told apart"
         )
     overruled = [n for n, f in policy.layers.items() if f.value in m.excluded.get(n, {})]
     if m.chosen == BF16 and overruled:
@@ -280,7 +280,7 @@ def headline(result: SearchResult) -> str:
     picked = finals.get(m.chosen)
     if picked is None or not picked.feasible:
         return f"chosen: {m.chosen} ({m.why or 'nothing else within budget'})"
-    speed = f"{picked.speedup:.2f}x fp32's training-step speed ({_spread(picked.spread)})"
+    speed = f"{picked.speedup:.2f}x fp32's training-step speed ({spread_text(picked.spread)})"
     est = estimate_of(m)
     if est is not None:  # the goal's value is an estimate for another device: said as one, the step times as here
         return (
@@ -293,12 +293,12 @@ def headline(result: SearchResult) -> str:
     if FP32 in (tied.chosen, *tied.others):  # not told from fp32: its measured speedup is noise, not a gain
         return (
             f"a tie inside the noise, no gain over fp32 shown: {m.chosen} and {_names(tied.others)} measured within "
-            f"their spread (up to {_spread(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
+            f"their spread (up to {spread_text(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
             f"{tied.kind}, is chosen; {RANK_THEM}"
         )
     return (
         f"a tie inside the noise: {m.chosen} ({speed}) and {_names(tied.others)} measured within their spread (up to "
-        f"{_spread(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
+        f"{spread_text(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
         f"{tied.kind}, is chosen; {RANK_THEM}"
     )
 
@@ -419,7 +419,7 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
                 r.metric,
                 r.metric_drop,
                 r.speedup,
-                _spread(r.spread),
+                spread_text(r.spread),
                 human_bytes(r.peak_bytes),
                 _saved(r.memory_saving),
                 bf16,
@@ -430,7 +430,7 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
         )
         if tied:
             ties.append(
-                f"{r.budget_given or f'{r.budget:g}'}: tie with {_names(tied.others)} within {_spread(tied.spread)} "
+                f"{r.budget_given or f'{r.budget:g}'}: tie with {_names(tied.others)} within {spread_text(tied.spread)} "
                 f"noise: {tied.chosen}, the {tied.kind}, is written"
             )
     parts = [table(headers, rows)]
@@ -479,7 +479,7 @@ def _profile_line(saved: SavedProfile) -> str:
 def front_rows(front: pd.DataFrame) -> list[list[object]]:
     peaks = front["peak_bytes"] if "peak_bytes" in front else [None] * len(front)
     return [
-        [int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), _spread(r["spread"]), _bytes_cell(p)]
+        [int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), spread_text(as_float(r["spread"])), _bytes_cell(p)]
         for (_, r), p in zip(front.iterrows(), peaks)
     ]
 

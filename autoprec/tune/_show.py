@@ -21,6 +21,7 @@ from autoprec.tune._memory import format_change, human_bytes
 from autoprec.tune._profile_data import as_float
 from autoprec.tune._records import Measured
 from autoprec.tune._tables import WIDTH, markdown_table, markdown_text, text_table
+from autoprec.tune._timing import spread_text
 
 
 def _layer_name(name: str) -> str:
@@ -119,11 +120,6 @@ def _number_ranges(texts: Sequence[str]) -> str:
 _NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
-def _spread(value: float | None) -> str:
-    spread = as_float(value)
-    return "-" if math.isnan(spread) else f"±{100 * spread / 2:.1f}%"
-
-
 def _saved(value: float | None) -> str:
     saving = as_float(value)
     return format_change(None if math.isnan(saving) else saving)
@@ -142,7 +138,7 @@ def result_rows(policy: Policy) -> list[list[object]]:
             as_float(r.metric),
             as_float(r.metric_drop),
             as_float(r.step_ms),
-            _spread(r.spread),
+            spread_text(as_float(r.spread)),
             as_float(r.speedup),
             *((human_bytes(r.peak_bytes), _saved(r.memory_saving)) if peaks else ()),
             *((as_float(r.estimate),) if estimates else ()),
