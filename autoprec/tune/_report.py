@@ -17,7 +17,7 @@ from autoprec.tune._config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB
 from autoprec.tune._cost import cost_rows
 from autoprec.tune._gradients import ScaleAdvice
 from autoprec.tune._memory import human_bytes
-from autoprec.tune._profile_data import NO_KERNEL, SQNR_COLUMNS, ProfileRow, as_float, by_layer
+from autoprec.tune._profile_data import NO_KERNEL, PREDICTED, SQNR_COLUMNS, UNRUN, ProfileRow, as_float, by_layer, unrun
 from autoprec.tune._records import Finals, Measured, Measurement
 from autoprec.tune._show import (
     RESULT_HEADERS,
@@ -33,7 +33,7 @@ from autoprec.tune._show import (
     memory_text,
     mode_text,
 )
-from autoprec.tune._tables import WIDTH, markdown_table, text_table
+from autoprec.tune._tables import WIDTH, markdown_table, markdown_text, text_table
 from autoprec.tune._timing import spread_text
 
 if TYPE_CHECKING:  # the results import this module to print themselves
@@ -57,14 +57,14 @@ def profile_summary(rows: Sequence[ProfileRow], *, markdown: bool = False) -> st
                 continue
             r = by.get(f)
             if r is None or r.status != "ok":
-                row += ["n/a", "", ""]
+                row += ["n/a" if r is None else unrun(r), "", ""]
                 continue
             speed: object = NO_KERNEL if r.timed_as == NO_KERNEL else r.time_vs_fp32
             if r.finite is False or r.overflow is True:
                 row += ["inf/nan", "", speed]
             elif r.metric_source.startswith("not measured"):
                 row += ["ruled out", "", speed]
-            elif r.metric_source.startswith("predicted"):
+            elif r.metric_source.startswith(PREDICTED):
                 row += [r.sqnr_db, f"~{r.metric_drop:.3g}", speed]
             else:
                 row += [r.sqnr_db, r.metric_drop, speed]
@@ -402,10 +402,14 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
         "vs fp32",
         "uniform bf16",
         "profile greedy",
-        "formats",
         "file",
+        "formats",
     ]
-    rows, ties = [], []
+    # the formats last, the one column a text table wraps (at its spaces): a file name is never cut; in markdown the
+    # files are a list under the table, a line each, which no viewer breaks at a file name's hyphens
+    if markdown:
+        headers.remove("file")
+    rows, ties, files = [], [], []
     for r in result.table:
         mb = Measured.of(result.policies[r.budget])
         tied = tie(mb, result.finals)  # the tie its policy file records, as a search's first line reads it
@@ -424,16 +428,19 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
                 _saved(r.memory_saving),
                 bf16,
                 greedy,
+                *(() if markdown else (r.policy_file,)),
                 f"{r.root} root; {r.formats}",
-                r.policy_file,
             ]
         )
+        files.append(f"- {markdown_text(r.budget_given or f'{r.budget:g}')}: {markdown_text(r.policy_file)}")
         if tied:
             ties.append(
                 f"{r.budget_given or f'{r.budget:g}'}: tie with {_names(tied.others)} within {spread_text(tied.spread)} "
                 f"noise: {tied.chosen}, the {tied.kind}, is written"
             )
     parts = [table(headers, rows)]
+    if markdown:
+        parts.append("policy files:\n" + "\n".join(files))
     first = next(iter(result.policies.values()), None)
     m = Measured.of(first) if first else Measured()
     parts.append(
@@ -499,13 +506,21 @@ def search_markdown(result: SearchResult, command: str) -> str:
         f"# autoprec search: {Measured.of(result.policy).model}\n\n`{command}`\n\n"
         f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
         f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.rows, markdown=True)}\n\n"
-        f"dB: output SQNR against fp32; drop: metric drop with the layer lowered alone (~: predicted, an equal share "
-        f"of its group's drop; `ruled out`: not run, the format already was: slower than fp32 beyond "
-        f"prune.slower_than, non-finite or overflowing; profile.csv's metric_source says which); x time: the "
-        f"layer's forward+backward time over fp32's ({NO_KERNEL}: a format that runs emulated here, not timed).\n\n"
+        f"{profile_notes()}\n\n"
         f"![profile heat map](profile.png)\n\n"
         f"## Gradient ranges\n\n{gradient_summary(prof.rows, prof.advice(), markdown=True)}\n\n"
         f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
+    )
+
+
+def profile_notes() -> str:
+    """What the profile table's cells mean, under it in summary.md and sweep.md."""
+    unrun = "; ".join(f"`{mark}`: {why}" for mark, why in UNRUN.items())
+    return (
+        f"dB: output SQNR against fp32; drop: metric drop with the layer lowered alone (~: predicted, an equal share "
+        f"of its group's drop; `ruled out`: not run, the format already was: slower than fp32 beyond "
+        f"prune.slower_than, non-finite or overflowing; profile.csv's metric_source says which; {unrun}); x time: the "
+        f"layer's forward+backward time over fp32's ({NO_KERNEL}: a format that runs emulated here, not timed)."
     )
 
 
@@ -517,5 +532,6 @@ def sweep_markdown(result: SweepResult, command: str) -> str:
         f"![the trials against metric drop](pareto.png)\n\n"
         f"## Pareto front of the study (trial measurements)\n\n"
         f"{markdown_table(FRONT_HEADERS, front_rows(result.front))}\n\n"
-        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.rows, markdown=True)}\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.rows, markdown=True)}\n\n"
+        f"{profile_notes()}\n"
     )

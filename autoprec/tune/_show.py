@@ -58,9 +58,14 @@ class LayerTable:
             key = tuple((f, _NUMBER.sub("#", why) if compact else why) for f, why in reasons.items())
             rows.setdefault((label, fmt.value, key), []).append((name, reasons))
         self.rows = []
+        self.named: list[str] = []  # a shared row's layers too many to list in its cell: each named under the table
         for (label, value, key), members in rows.items():
             cell = ", ".join(self._tag(f, [r[f] for _, r in members]) for f, _ in key)
-            self.rows.append([_layers_label(label, [n for n, _ in members]), value, cell])
+            names = [n for n, _ in members]
+            shown, counted = _layers_label(label, names)
+            if counted:
+                self.named.append(f"{shown}: {', '.join(map(_layer_name, names))}")
+            self.rows.append([shown, value, cell])
 
     def _tag(self, fmt: str, whys: list[str]) -> str:
         """`fmt`'s cell for a row: its slowdown (a range over the row's layers), or [k] of its reason in the legend."""
@@ -77,7 +82,8 @@ class LayerTable:
     def notes(self) -> list[str]:
         """The legend's lines, each reason once."""
         lines = [f"[{k}] {text}" for text, k in self.legend.items()]
-        return [textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in ([SLOWER_NOTE] if self.slower else []) + lines]
+        lines = ([SLOWER_NOTE] if self.slower else []) + lines + self.named
+        return [textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in lines]
 
     def render(self, *, markdown: bool = False) -> str:
         table = (
@@ -93,16 +99,19 @@ class LayerTable:
         return "\n".join([table, "", *notes])
 
 
-SHARED_ROW_NAMES = 40  # characters of layer names a shared row lists before it counts them instead
+SHARED_ROW_NAMES = 40  # characters of layer names a shared row lists before it counts them (and names them below)
 
 
-def _layers_label(label: str, names: list[str]) -> str:
+def _layers_label(label: str, names: list[str]) -> tuple[str, bool]:
+    """A row's layer cell, and whether it counts layers it does not name (LayerTable names them under the table)."""
     if len(names) == 1:
-        return _layer_name(names[0])
+        return _layer_name(names[0]), False
     if label:
-        return f"{label} ({len(names)} layers)"
+        return f"{label} ({len(names)} layers)", False
     listed = ", ".join(_layer_name(n) for n in names)
-    return listed if len(listed) <= SHARED_ROW_NAMES else f"{_layer_name(names[0])} and {len(names) - 1} more like it"
+    if len(listed) <= SHARED_ROW_NAMES:
+        return listed, False
+    return f"{_layer_name(names[0])} and {len(names) - 1} more like it", True
 
 
 def layer_rows(policy: Policy) -> list[list[str]]:
