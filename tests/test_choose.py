@@ -173,6 +173,10 @@ def test_among_equally_safe_tied_searched_policies_the_fewest_layers_below_fp32_
     )
     name, why = choose(rows, candidates)
     assert name == "trial 5" and "more layers below fp32 (3 against 1)" in why
+    # a layer a policy does not list runs as its root: a bf16 root lowers every layer it leaves unlisted
+    candidates["trial 3"] = Policy(layers={"": "bf16"})
+    name, why = choose(rows, candidates)
+    assert name == "trial 5" and "more layers below fp32 (4 against 1)" in why
 
 
 def test_fp32_and_a_barely_faster_bf16_timed_through_a_noisy_clock_give_the_same_file_for_every_seed(timings):

@@ -28,10 +28,13 @@ if TYPE_CHECKING:
     from autoprec.tune._goals import Goal
 
 
+def _policy(policy: Policy | Candidate) -> Policy:
+    return policy.policy if isinstance(policy, Candidate) else policy
+
+
 def _risk(policy: Policy | Candidate) -> int:
     """Layers in fp16 (overflow, loss scaling) or fp8 (4 mantissa bits): worth it only for a measured gain."""
-    policy = policy.policy if isinstance(policy, Candidate) else policy
-    return sum(fmt.spec.risky for fmt in policy.layers.values())
+    return sum(fmt.spec.risky for fmt in _policy(policy).layers.values())
 
 
 def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
@@ -47,10 +50,20 @@ def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
     return Policy(layers=layers)
 
 
-def _lowered(policy: Policy | Candidate) -> int:
-    """Layers (the root counted as one) in any format below fp32: among tied candidates, the fewer the better."""
-    policy = policy.policy if isinstance(policy, Candidate) else policy
-    return sum(fmt is not Format.FP32 for fmt in policy.layers.values())
+def _lowered(policy: Policy | Candidate, names: Collection[str]) -> int:
+    """Of `names` (every layer some candidate lists, the root among them), those `policy` runs below fp32: a layer it
+    does not list runs as the nearest enclosing one it lists (the root, "all else"), else fp32. Among tied
+    candidates, the fewer the better."""
+    layers = (policy.policy if isinstance(policy, Candidate) else policy).layers
+
+    def runs_in(name: str) -> Format:
+        while name not in layers:
+            if name == ROOT:
+                return Format.FP32
+            name = name.rpartition(".")[0]
+        return layers[name]
+
+    return sum(runs_in(name) is not Format.FP32 for name in names)
 
 
 def choose(
@@ -77,9 +90,11 @@ def choose(
             return True
         return r.candidate in alternatives and not separated(r, fastest)
 
+    names = {name for r in feasible for name in _policy(candidates[r.candidate]).layers} | {ROOT}
+
     def order(r: Measurement) -> tuple[int, bool, int, float]:
         policy = candidates[r.candidate]
-        return _risk(policy), r.candidate not in alternatives, _lowered(policy), -r.speedup
+        return _risk(policy), r.candidate not in alternatives, _lowered(policy, names), -r.speedup
 
     tied = [r for r in feasible if not separated(top, r) and admissible(r)]
     pick = min(tied, key=order)
@@ -111,7 +126,7 @@ def choose(
             f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
             f"({risk[0]} against {risk[1]}): the safer one"
         )
-    lowered = _lowered(candidates[top.candidate]), _lowered(candidates[pick.candidate])
+    lowered = _lowered(candidates[top.candidate], names), _lowered(candidates[pick.candidate], names)
     return pick.candidate, (
         f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more layers below fp32 "
         f"({lowered[0]} against {lowered[1]}): the one with {FEWER_LOWERED}"
@@ -150,8 +165,9 @@ def choose_smallest(
     finals: Finals, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
 ) -> tuple[str, str]:
     """goals.MEMORY's choice: the candidate within budget (and --max-memory) with the smallest peak memory; among
-    those within MEMORY_TIE of it, `choose`'s (the fastest, or the safer inside the spread). Every alternative
-    within budget is a candidate here, so none with a smaller peak is passed over."""
+    those within MEMORY_TIE of it, `choose`'s (the fastest, or inside the spread the safer, then the one with fewer
+    layers below fp32). Every alternative within budget is a candidate here, so none with a smaller peak is passed
+    over."""
     feasible = [r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY and r.peak_bytes is not None]
     if not feasible:
         return "fp32", _nothing_feasible(finals)
