@@ -947,3 +947,29 @@ def test_show_into_a_reader_that_stops_early_ends_quietly_as_unix_tools_do(tmp_p
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=1800) == EXIT_BROKEN_PIPE == 141 and err == "", err  # as `cat big | head` ends
+
+
+def test_the_quick_starts_output_folder_is_git_ignored_and_the_committed_results_are_not():
+    """The quick start wrote results/digits/, which a clone's `git status` then listed to commit."""
+    import argparse
+    import re
+    import shutil
+
+    from autoprec.tune import load_task
+    from autoprec.tune._cli import _out_dir
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    readme = (root / "README.md").read_text()
+    [model] = re.findall(r"^python3 -m venv .*autoprec search (\S+)", readme, flags=re.MULTILINE)
+    out = _out_dir(argparse.Namespace(out=None), load_task(root / model))
+    assert out == Path("results/digits")
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=root).returncode == 0
+
+    assert ignored(str(out / "policy.json")) and ignored(str(out / "study.journal"))
+    committed = subprocess.run(["git", "ls-files", "results"], cwd=root, capture_output=True, text=True).stdout.split()
+    runs = [path for path in committed if path.count("/") >= 2][::50]  # results/<device>/...
+    assert runs and not any(ignored(f"{path}.new") for path in runs)  # a new file beside a committed run: not ignored

@@ -39,7 +39,7 @@ def test_heat_map_marks_what_went_wrong(prof, tmp_path, monkeypatch):
     formats, layers = ["fp32", "bf16", "fp16", "fp8"], ["fc1", "big", "head"]
     at = {(layers[y], formats[x]): s for x, y, s in texts}
     assert at[("big", "fp16")] == "inf/nan"  # fp16 overflows big's output
-    assert at[("head", "fp8")] == "n/a"  # 4 outputs: no fp8
+    assert at[("head", "fp8")] == "cannot run"  # 4 outputs: no fp8
     assert at[("fc1", "fp32")] == "ref"
     assert at[("fc1", "bf16")] == "ruled out"  # its timing ruled it out: nothing else was measured
     from autoprec.tune._report import profile_summary
@@ -223,3 +223,64 @@ def test_no_figure_warns_of_its_layout(tmp_path, drawn):
         plot_pareto(sweep_result([0.0] * 3, [1.1, 1.3, 1.6]), tmp_path / "pareto0.png")
     assert len(drawn) == 5
     assert [str(w.message) for w in caught] == []
+
+
+# ---- what the figures say: labels told apart, marks told apart, predictions marked, the format named ---------------
+
+
+def heat_maps(fig):
+    return [ax for ax in fig.axes if ax.images and ax.get_xticklabels()]
+
+
+@pytest.mark.parametrize("where", ["middle", "end"])
+def test_long_layer_names_that_differ_only_in_their_middle_or_end_stay_apart(tmp_path, laid_out, where):
+    """profile.png cut long labels in their middle: ResNet's stages (`...stages.0.layers...`, `...stages.1...`) drew
+    as one label. The tick labels drawn stay apart, within NAME_CHARS."""
+    from autoprec.tune._plots import NAME_CHARS
+
+    if where == "middle":
+        layers = [f"model.encoder.stages.{k}.layers.0.layer.1.convolution.projection_weight_norm" for k in range(3)]
+    else:
+        layers = [f"model.encoder.stages.0.layers.0.layer.1.convolution.projection_{k}" for k in range(3)]
+    layers.append("classifier")  # no dotted prefix shared by all
+    plot_profile(profile_table(layers, ["fp32", "bf16"]), tmp_path / "p.png")
+    (fig,) = laid_out
+    labels = [t.get_text() for t in heat_maps(fig)[0].get_yticklabels()]
+    assert len(set(labels)) == len(layers) and all(len(label) <= NAME_CHARS for label in labels), labels
+    for k, label in enumerate(labels[:3]):
+        assert (f".{k}." if where == "middle" else f"_{k}") in label, labels
+
+
+def test_cannot_run_and_not_profiled_are_two_marks_with_a_footnote_and_a_predicted_drop_reads_tilde(tmp_path, laid_out):
+    """ "n/a" meant both a format that cannot run and a layer the time budget left unprofiled; a predicted drop drew as
+    a measured one (the tables write it ~0.01)."""
+    from autoprec.tune._profile_data import NOT_PROFILED
+
+    table = profile_table(["a", "b", "c"], ["fp32", "bf16", "fp16"], lambda layer, fmt: 0.002)
+    changed = {
+        ("a", "fp16"): dict(status="unsupported", reason="fp16 failed: RuntimeError: no kernel"),
+        ("b", "fp16"): dict(status="unsupported", reason=f"{NOT_PROFILED}: the time budget's share ran out"),
+        ("c", "bf16"): dict(metric_source="predicted: its 3 layers lowered together dropped the metric by 0.006"),
+    }
+    table = [dataclasses.replace(r, **changed.get((r.layer, r.format), {})) for r in table]
+    plot_profile(table, tmp_path / "p.png")
+    (fig,) = laid_out
+    sqnr, drop = heat_maps(fig)
+    at = {(int(t.get_position()[1]), int(t.get_position()[0])): t.get_text() for t in drop.texts}
+    assert at[(0, 2)] == "cannot run" and at[(1, 2)] == "not profiled"
+    assert at[(2, 1)] == "~0.002" and at[(0, 1)] == "0.002"  # predicted, measured
+    assert not any(t.get_text().startswith("~") for t in sqnr.texts)  # its SQNR was measured
+    footnote = fig.get_supxlabel()
+    assert "cannot run: " in footnote and "not profiled: " in footnote and "~: a predicted drop" in footnote
+    laid_out.clear()
+    plot_profile(profile_table(["a"], ["fp32", "bf16"]), tmp_path / "q.png")
+    assert laid_out[0].get_supxlabel() == ""  # nothing to explain: no footnote
+
+
+def test_grad_ranges_says_its_ranges_are_fp16s_under_a_given_title(tmp_path, laid_out):
+    from autoprec.tune._plots import plot_grad_ranges
+
+    plot_grad_ranges(grad_table(["a", "b"]), None, tmp_path / "g.png", title="resnet18")
+    (fig,) = laid_out
+    title = fig.axes[0].get_title()
+    assert title.startswith("resnet18\n") and "fp16 gradients" in title, title

@@ -95,6 +95,19 @@ def test_the_layer_table_says_each_reason_once_groups_alike_layers_and_fits_120_
     assert all(len(line) <= WIDTH for line in text.splitlines())
 
 
+def test_a_shared_row_that_counts_its_layers_names_them_under_the_table():
+    """The layers table said "and 2 more like it" without naming them."""
+    from autoprec import Policy
+    from autoprec.tune._show import LayerTable
+
+    names = ["encoder.block.0.attention.query", "encoder.block.1.attention.query", "encoder.block.2.attention.query"]
+    table = LayerTable(Policy(layers={"": "fp32", **dict.fromkeys(names, "bf16")}))
+    assert table.rows[1][0] == "encoder.block.0.attention.query and 2 more like it"
+    for markdown in (False, True):
+        flat = " ".join(table.render(markdown=markdown).split())
+        assert f"encoder.block.0.attention.query and 2 more like it: {', '.join(names)}" in flat
+
+
 def test_a_text_table_wraps_its_last_column_to_the_width_under_itself():
     from autoprec.tune._tables import text_table
 
@@ -125,8 +138,10 @@ def test_the_summarys_first_line_says_plainly_when_the_answer_is_a_tie_inside_th
                   {"candidate": "uniform bf16", "speedup": 1.59, "spread": 1.03, "feasible": True, "metric_drop": 0.0})  # fmt: skip
     tied = Policy(layers={"": "bf16"}, measured={"chosen": "uniform bf16", "not_separated": ["fp32"], "budget": 0.01})
     line = headline(types.SimpleNamespace(policy=tied, finals=rows))
-    assert line.startswith("a tie inside the noise: uniform bf16") and "fp32" in line and "--remeasure" in line
-    assert "±51.5%" in line  # the widest spread of the tied candidates, as the results table writes it
+    # tied with fp32, its 1.59x is noise: never said as a gain
+    assert line.startswith("a tie inside the noise, no gain over fp32 shown: uniform bf16 and fp32") and "--remeasure" in line
+    assert "1.59x" not in line
+    assert "103.0%" in line  # the widest spread of the tied candidates, as the results table writes it
     assert "not separated" in show_policy(tied) and "not shown faster than them" in show_policy(tied)
     clear = Policy(layers={"": "bf16"}, measured={"chosen": "uniform bf16", "budget": 0.01})
     line = headline(types.SimpleNamespace(policy=clear, finals=rows))
@@ -245,6 +260,28 @@ def test_a_tie_among_equally_safe_searched_policies_is_not_called_the_safer_one(
     )
     line = headline(types.SimpleNamespace(policy=policy, finals=rows))
     assert "the fastest measured, is chosen" in line and "safer" not in line
+    assert "1.50x fp32's" in line and "no gain" not in line  # tied with another policy, not with fp32: a gain
+
+
+def test_a_tie_that_fp32_wins_says_no_gain_and_why_fp32():
+    """Tied, fp32 is chosen over uniform bf16 (fewer layers below fp32): the first line says no gain is shown and why
+    fp32, not bf16's measured "1.26x"."""
+    import types
+
+    from builders import finals
+
+    from autoprec import Policy
+    from autoprec.tune._choose import choose
+    from autoprec.tune._report import headline
+
+    candidates = {"fp32": Policy(layers={"": "fp32", "a": "fp32"}), "uniform bf16": Policy(layers={"": "bf16", "a": "bf16"})}
+    rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.6, "feasible": True, "metric_drop": 0.0},
+                  {"candidate": "uniform bf16", "speedup": 1.26, "spread": 0.6, "feasible": True, "metric_drop": 0.0})  # fmt: skip
+    name, why = choose(rows, candidates)
+    policy = Policy(layers={"": "fp32"}, measured={"chosen": name, "why": why, "not_separated": ["uniform bf16"]})
+    line = headline(types.SimpleNamespace(policy=policy, finals=rows))
+    assert line.startswith("a tie inside the noise, no gain over fp32 shown: fp32 and uniform bf16")
+    assert "fp32, the one with fewer layers below fp32, is chosen" in line and "1.26" not in line
 
 
 def test_a_sweeps_table_says_the_tie_its_policy_file_records():
@@ -278,7 +315,7 @@ def test_a_sweeps_table_says_the_tie_its_policy_file_records():
     [cells] = [line for line in text.splitlines() if line.lstrip().startswith("0.01 ")]
     assert "trial 12 (tie)" in cells and "1.220 (tie)" in cells and "1.750 (tie)" in cells
     assert (
-        "- 0.01: tie with fp32, uniform bf16, profile greedy 0.01 within ±55.0% noise: trial 12, the fastest measured, is written"
+        "- 0.01: tie with fp32, uniform bf16, profile greedy 0.01 within 110.0% noise: trial 12, the fastest measured, is written"
         in text
     )
 
@@ -293,3 +330,37 @@ def test_a_markdown_table_keeps_each_row_on_its_line():
         "|---|---|",
         "| trial 3 | boom Traceback \\| &lt;b&gt;line&lt;/b&gt; \\`x\\` |",
     ]
+
+
+def test_a_sweeps_tables_never_break_a_policy_file_name():
+    """sweep.md and the printed sweep table broke file names over lines (`results/digits/polic` / `y-budget-0.01.json`):
+    the text table wraps only its formats column, at spaces; sweep.md lists the files under its table, a line each."""
+    import types
+
+    import pandas as pd
+    from builders import finals
+
+    from autoprec import Policy
+    from autoprec.tune._report import sweep_summary
+    from autoprec.tune._sweeper import BudgetRow
+
+    rows = finals(
+        {"candidate": "fp32", "speedup": 1.0, "spread": 0.02}, {"candidate": "uniform bf16", "speedup": 1.2, "spread": 0.02}
+    )
+    file = "results/digits/policy-budget-0.01.json"
+    row = BudgetRow(
+        budget=0.01, budget_given=None, chosen="uniform bf16", metric=0.9, metric_drop=0.0, step_ms=10.0, spread=0.02,
+        speedup=1.2, uniform_bf16_speedup=1.2, uniform_bf16_drop=0.0, greedy_speedup=1.1, greedy_drop=0.0,
+        peak_bytes=None, memory_saving=None, formats="bf16 2, fp16 3, fp8-rowwise-gw-hp 4", root="bf16", policy_file=file,
+        why="the fastest within budget", not_separated="",
+    )  # fmt: skip
+    result = types.SimpleNamespace(
+        table=[row], policies={0.01: Policy(layers={"": "bf16"}, measured={"chosen": "uniform bf16", "budget": 0.01})},
+        finals=rows, trials=pd.DataFrame(), front=pd.DataFrame(), choices=types.SimpleNamespace(describe=lambda: "x"),
+        cost=None, saved=None,
+    )  # fmt: skip
+    text = sweep_summary(result)
+    assert any(file in line and line.lstrip().startswith("0.01 ") for line in text.splitlines()), text
+    markdown = sweep_summary(result, markdown=True)
+    assert f"- 0.01: {file}" in markdown.splitlines()
+    assert not any(file in line for line in markdown.splitlines() if line.startswith("|"))

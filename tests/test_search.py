@@ -569,7 +569,7 @@ def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
     quiet = dataclasses.replace(result, finals=result.finals.replace(spread=0.01))
     loud = dataclasses.replace(result, finals=result.finals.replace(spread=0.9))
     assert "too wide to rank" not in search_summary(quiet)
-    assert "note: step times spread up to ±45.0% even over more rounds: too wide to rank" in search_summary(loud)
+    assert "note: step times spread up to 90.0% even over more rounds: too wide to rank" in search_summary(loud)
 
 
 # ---- peak memory: measured for every timed candidate, a limit, an objective ----------------------------------
@@ -657,8 +657,9 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
 ):
     """A search beside a CPU hog (step times x exp(N(0, 0.8)): spreads around ±50%) on a device where every bf16 layer
     pays: what it writes is an alternative, or measured faster than the fastest alternative and separated from it by
-    the spread (else, a safer policy than that alternative, with the tie recorded); and its true step time (the clock's, without noise) is never slower than the faster of fp32 and
-    uniform bf16 by more than its measured spread."""
+    the spread (else, a safer policy than that alternative, with the tie recorded); and its true step time (the
+    clock's, without noise) is never slower than the faster of fp32 and uniform bf16 by more than the measured spread
+    of the tie it was chosen in (its own where none)."""
     import copy
 
     from autoprec.tune._alternatives import BF16, FP32
@@ -679,7 +680,10 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
         assert clear or fastest.candidate in m["not_separated"], fastest.candidate
     true_s = {name: clock.seconds(apply_policy(copy.deepcopy(workload.model), policy))
               for name, policy in (("chosen", result.policy), (FP32, Policy()), (BF16, Policy(layers={"": "bf16"})))}  # fmt: skip
-    assert true_s["chosen"] / min(true_s[FP32], true_s[BF16]) - 1 <= picked.spread
+    # inside a tie the written one is the one with the fewest layers below fp32 (fp32 itself, tied with bf16): its
+    # true slowdown is bounded by the widest spread of the tie, the one the summary's first line reports
+    tie = max([picked.spread] + [result.finals.by_name(n).spread for n in m["not_separated"]])
+    assert true_s["chosen"] / min(true_s[FP32], true_s[BF16]) - 1 <= tie
 
 
 def test_on_a_noisy_device_a_trial_is_timed_the_fewest_rounds_an_interquartile_spread_needs():

@@ -373,7 +373,7 @@ def test_on_a_noisy_device_the_search_stops_once_its_noise_is_read(monkeypatch):
     new = _searched(monkeypatch, trials=0)[0]
     new.enqueue_trial({"default": "bf16", "layer:fc1": "bf16", "layer:big": "bf16", "layer:head": "bf16"})
     stopped, timed, study = search(2 * NOISY_SPREAD, new)
-    assert len(timed) == 5 and stopped.startswith("the trials' step times spread ±25%, too wide")
+    assert len(timed) == 5 and stopped.startswith("the trials' step times spread 50.0%, too wide")
     # a rerun reads the noise from its own trials (none yet): the earlier run's noise does not stop it
     assert device_noise(study) > NOISY_SPREAD and device_noise(study, since=first_of_run(study)) is None
     stopped, timed, _ = search(0.0, study)

@@ -164,3 +164,33 @@ def test_every_callable_takes_the_same_steps_in_every_round_sized_by_the_slowest
     config = TimingConfig(warmup=1, rounds=4, min_block_s=0.05, max_steps_per_block=50)
     interleaved_times({n: Work(n) for n in seconds}, torch.device("cpu"), config)
     assert calls["fast"][1:] == calls["slow"][1:] == [3] * 4  # ceil(0.05 / 0.02): the fast one's 50 no longer
+
+
+def test_a_spread_is_written_as_stored_in_the_tables_the_first_line_and_the_warnings(caplog):
+    """A stored spread of 5.12 (interquartile range over the median, as policy.json and the footnote define it) was
+    printed `±256%`, half of it, by `show` and the summaries, and the noise warnings halved it too."""
+    import types
+
+    from builders import finals
+
+    from autoprec import Policy
+    from autoprec.tune._report import headline
+    from autoprec.tune._show import show_policy
+    from autoprec.tune._timing import more_if_noisy, spread_text
+
+    assert spread_text(5.12) == "512.0%" and spread_text(0.04) == "4.0%" and spread_text(None) == spread_text(float("nan")) == "-"
+    measured = {"chosen": "uniform bf16", "budget": 0.01, "not_separated": ["trial 3"],
+                "results": {"fp32": {"speedup": 1.0, "spread": 0.02, "metric_drop": 0.0},
+                            "uniform bf16": {"speedup": 1.4, "spread": 5.12, "metric_drop": 0.0}}}  # fmt: skip
+    policy = Policy(layers={"": "bf16"}, measured=measured)
+    shown = show_policy(policy)
+    assert "512.0%" in shown and "256" not in shown
+    rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.02, "feasible": True},
+                  {"candidate": "uniform bf16", "speedup": 1.4, "spread": 5.12, "feasible": True},
+                  {"candidate": "trial 3", "speedup": 1.5, "spread": 0.3, "feasible": True})  # fmt: skip
+    line = headline(types.SimpleNamespace(policy=policy, finals=rows))
+    assert "512.0%" in line and "256" not in line
+    with caplog.at_level("WARNING", logger="autoprec"):
+        more_if_noisy(3)({"a": [1.0, 1.0, 4.0, 9.0, 9.0]})
+    stored = Timing.from_samples([1.0, 1.0, 4.0, 9.0, 9.0]).spread
+    assert f"spread up to {spread_text(stored)}," in caplog.text and f"{100 * stored:.1f}%" in caplog.text

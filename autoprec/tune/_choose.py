@@ -2,8 +2,10 @@
 
 The fastest within budget, unless the measured spread cannot separate it from an alternative (the alternative is
 chosen: a policy is never written as faster than what the user had) or from a candidate with fewer fp16/fp8 layers
-(the safer one is chosen; separation.separated); never one measured slower than the fastest alternative. For the
-smallest peak memory (goals.MEMORY): `choose_smallest`. Each goal (_goals.py) calls the rule it chooses by.
+(the safer one is chosen; separation.separated), or fewer layers below fp32 (fp32 before uniform bf16): among tied
+candidates the order reads what they run, not their medians, so the same candidates tied give the same file. Never a
+searched policy measured slower than the fastest alternative. For the smallest peak memory (goals.MEMORY):
+`choose_smallest`. Each goal (_goals.py) calls the rule it chooses by.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ if TYPE_CHECKING:
     from autoprec.tune._goals import Goal
 
 
+def _policy(policy: Policy | Candidate) -> Policy:
+    return policy.policy if isinstance(policy, Candidate) else policy
+
+
 def _risk(policy: Policy | Candidate) -> int:
     """Layers in fp16 (overflow, loss scaling) or fp8 (4 mantissa bits): worth it only for a measured gain."""
-    policy = policy.policy if isinstance(policy, Candidate) else policy
-    return sum(fmt.spec.risky for fmt in policy.layers.values())
+    return sum(fmt.spec.risky for fmt in _policy(policy).layers.values())
 
 
 def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
@@ -45,33 +50,69 @@ def safer_variant(policy: Policy, choices: Choices) -> Policy | None:
     return Policy(layers=layers)
 
 
+def _lowered(policy: Policy | Candidate, names: Collection[str]) -> int:
+    """Of `names` (every layer some candidate lists, the root among them), those `policy` runs below fp32: a layer it
+    does not list runs as the nearest enclosing one it lists (the root, "all else"), else fp32. Among tied
+    candidates, the fewer the better."""
+    layers = (policy.policy if isinstance(policy, Candidate) else policy).layers
+
+    def runs_in(name: str) -> Format:
+        while name not in layers:
+            if name == ROOT:
+                return Format.FP32
+            name = name.rpartition(".")[0]
+        return layers[name]
+
+    return sum(runs_in(name) is not Format.FP32 for name in names)
+
+
 def choose(
     finals: Finals, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
 ) -> tuple[str, str]:
     """The fastest candidate within budget, unless its lead is inside the measured spread (the measurement cannot
-    tell them apart) over an alternative (what the user would run without autoprec: it is chosen, so a policy is
-    never written as faster than an alternative it was not separated from) or over one with fewer fp16/fp8 layers
-    (the safer one is chosen); and never one measured slower than the fastest of `alternatives` (fp32, uniform
-    bf16, fp8 and fp8 rowwise everywhere, profile greedy; a sweep names each budget's own greedy policy) within budget. TF32 is not
-    a policy and is never chosen."""
+    tell them apart). Among the candidates tied with the fastest, the order does not read their medians (which
+    inside the spread are noise): the fewest fp16/fp8 layers, then an alternative (what the user would run without
+    autoprec, so a policy is never written as faster than an alternative it was not separated from), then the
+    fewest layers below fp32 (fp32 first, so fp32 and uniform bf16 tied is fp32), and only then the faster median.
+    Never a searched policy measured slower than the fastest of `alternatives` (fp32, uniform bf16, fp8 and fp8
+    rowwise everywhere, profile greedy; a sweep names each budget's own greedy policy) within budget; an
+    alternative not separated from that fastest one counts as tied with it. TF32 is not a policy and is never
+    chosen."""
     feasible = sorted((r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY), key=lambda r: -r.speedup)
     if not feasible:
         return "fp32", _nothing_feasible(finals)
     top = feasible[0]
-    floor = max((r.speedup for r in feasible if r.candidate in alternatives), default=0.0)
-    tied = [r for r in feasible if not separated(top, r) and r.speedup >= floor]
-    # the fewest fp16/fp8 layers first; among equally safe ones, what the user would run anyway (an alternative)
-    pick = min(tied, key=lambda r: (_risk(candidates[r.candidate]), r.candidate not in alternatives, -r.speedup))
     fastest = max((r for r in feasible if r.candidate in alternatives), key=lambda r: r.speedup, default=None)
-    if (
-        pick.candidate not in alternatives
-        and fastest is not None
-        and not separated(pick, fastest)
-        and _risk(candidates[fastest.candidate]) <= _risk(candidates[pick.candidate])
-    ):
-        # separation is not transitive: a safer pick tied with the top may be tied with the alternative too; the
-        # alternative is written then, unless it has more fp16/fp8 layers (the tie is recorded either way)
-        return fastest.candidate, _tied_with_alternative(pick, fastest)
+
+    def admissible(r: Measurement) -> bool:
+        # a searched policy at least as fast as the fastest alternative; an alternative tied with that one
+        if fastest is None or r.speedup >= fastest.speedup:
+            return True
+        return r.candidate in alternatives and not separated(r, fastest)
+
+    names = {name for r in feasible for name in _policy(candidates[r.candidate]).layers} | {ROOT}
+
+    def order(r: Measurement) -> tuple[int, bool, int, float]:
+        policy = candidates[r.candidate]
+        return _risk(policy), r.candidate not in alternatives, _lowered(policy, names), -r.speedup
+
+    tied = [r for r in feasible if not separated(top, r) and admissible(r)]
+    pick = min(tied, key=order)
+    if pick.candidate not in alternatives:
+        # separation is not transitive: a safer pick tied with the top may be tied with an alternative that is not
+        # tied with the top; that alternative is written then, unless it has more fp16/fp8 layers (the tie is
+        # recorded either way)
+        beside = [
+            r
+            for r in feasible
+            if r.candidate in alternatives
+            and admissible(r)
+            and not separated(pick, r)
+            and _risk(candidates[r.candidate]) <= _risk(candidates[pick.candidate])
+        ]
+        if beside:
+            alternative = min(beside, key=order)
+            return alternative.candidate, _tied_with_alternative(pick, alternative)
     if pick is top:
         if top.candidate in alternatives:
             return top.candidate, f"the fastest within budget is an alternative, {top.candidate}: no searched policy beat it"
@@ -79,10 +120,20 @@ def choose(
     if pick.candidate in alternatives and top.candidate not in alternatives:
         return pick.candidate, _tied_with_alternative(top, pick)
     lead = 100 * (top.speedup / pick.speedup - 1)
+    risk = _risk(candidates[top.candidate]), _risk(candidates[pick.candidate])
+    if risk[0] != risk[1]:
+        return pick.candidate, (
+            f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
+            f"({risk[0]} against {risk[1]}): the safer one"
+        )
+    lowered = _lowered(candidates[top.candidate], names), _lowered(candidates[pick.candidate], names)
     return pick.candidate, (
-        f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more fp16/fp8 layers "
-        f"({_risk(candidates[top.candidate])} against {_risk(candidates[pick.candidate])}): the safer one"
+        f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more layers below fp32 "
+        f"({lowered[0]} against {lowered[1]}): the one with {FEWER_LOWERED}"
     )
+
+
+FEWER_LOWERED = "fewer layers below fp32"  # the words of choose's reason, which a report reads back (show._kind)
 
 
 def _tied_with_alternative(policy: Measurement, alternative: Measurement) -> str:
@@ -114,8 +165,9 @@ def choose_smallest(
     finals: Finals, candidates: Mapping[str, Policy | Candidate], alternatives: Collection[str] = ALTERNATIVES
 ) -> tuple[str, str]:
     """goals.MEMORY's choice: the candidate within budget (and --max-memory) with the smallest peak memory; among
-    those within MEMORY_TIE of it, `choose`'s (the fastest, or the safer inside the spread). Every alternative
-    within budget is a candidate here, so none with a smaller peak is passed over."""
+    those within MEMORY_TIE of it, `choose`'s (the fastest, or inside the spread the safer, then the one with fewer
+    layers below fp32). Every alternative within budget is a candidate here, so none with a smaller peak is passed
+    over."""
     feasible = [r for r in finals if r.feasible and r.candidate not in NOT_A_POLICY and r.peak_bytes is not None]
     if not feasible:
         return "fp32", _nothing_feasible(finals)

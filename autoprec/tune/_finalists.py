@@ -27,7 +27,7 @@ from autoprec.tune._profile_data import Profile
 from autoprec.tune._records import Finals, Measurement, TrialRecord
 from autoprec.tune._space import SearchSpace
 from autoprec.tune._task import Workload
-from autoprec.tune._timing import all_settled, more_if_noisy
+from autoprec.tune._timing import all_settled, more_if_noisy, spread_text
 from autoprec.tune._trainer import Candidate, fp32_step_failed, measure_steps_or_fail
 
 if TYPE_CHECKING:
@@ -226,16 +226,16 @@ def final_remeasure(
         pass  # the step times are this machine's, reported as such; no choice depends on their noise
     elif finals.noisiest() > NOISY_SPREAD and noisy_device:
         log.warning(
-            "this machine is too noisy to separate these candidates (step times spread up to ±%.0f%%, as in the "
+            "this machine is too noisy to separate these candidates (step times spread up to %s, as in the "
             "trials): candidates closer than that are ties, and the safer one is chosen; rerun on a quieter machine "
             "with --remeasure for a ranking",
-            50 * finals.noisiest(),
+            spread_text(finals.noisiest()),
         )
     elif finals.noisiest() > NOISY_SPREAD:
         log.warning(
-            "step times still spread up to ±%.0f%%: candidates closer than that are ties, and the safer one is "
+            "step times still spread up to %s: candidates closer than that are ties, and the safer one is "
             "chosen; rerun on a quieter machine with --remeasure for a ranking",
-            50 * finals.noisiest(),
+            spread_text(finals.noisiest()),
         )
     seconds = time.perf_counter() - start
     compiling = sum(r.compile_s or 0.0 for r in finals)

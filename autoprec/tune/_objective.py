@@ -37,7 +37,7 @@ from autoprec.tune._space import SearchSpace
 from autoprec.tune._speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune._storage import OBJECTIVES
 from autoprec.tune._task import Workload
-from autoprec.tune._timing import interleaved_times, noisiest
+from autoprec.tune._timing import interleaved_times, noisiest, spread_text
 from autoprec.tune._trainer import Candidate, Trainer, compile_scope, fp32_step_failed, peak_memory_or_none, step_stats
 from autoprec.tune._trials import (
     best_timed,
@@ -186,7 +186,7 @@ class Objective:
             # a trial's few rounds resolve only what differs by about the noise: more trials buy no ranking, and the
             # final re-measure's many rounds of the few best decide (a tie going to the safer candidate)
             self.stopped = (
-                f"the trials' step times spread ±{noise / 2:.0%}, too wide for a trial's timing to rank "
+                f"the trials' step times spread {spread_text(noise)}, too wide for a trial's timing to rank "
                 f"policies. The final re-measure decides among the fastest timed trials and the "
                 f"alternatives; a rerun on a quieter machine searches on"
             )

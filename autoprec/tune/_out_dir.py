@@ -23,7 +23,7 @@ from autoprec.tune._budget import absolute_budget
 from autoprec.tune._config import GROUP_SHARE, PROFILE_SHARE, Mode, ProfileConfig, SearchConfig
 from autoprec.tune._cost import Stopwatch
 from autoprec.tune._metric import NoiseFloor
-from autoprec.tune._profile_data import Profile, ruled_out
+from autoprec.tune._profile_data import PREDICTED, Profile, ruled_out
 from autoprec.tune._profiler import profile
 from autoprec.tune._records import Chosen, Finals, Measured, StudyRef
 from autoprec.tune._space import SearchSpace
@@ -205,7 +205,7 @@ def _unfit(cached: Profile, workload: Workload, space: SearchSpace, config: Sear
     if not all(ruled_out(row, None, space.prune_slower_than) is not None for row in skipped):
         return "a format it ruled out is in play under this space's prune rule"
     # drops it predicted from groups are as precise as its tolerance: no coarser than this run's
-    predicted = any(r.metric_source.startswith("predicted") for r in cached.rows)
+    predicted = any(r.metric_source.startswith(PREDICTED) for r in cached.rows)
     wanted = settings.group_tolerance if settings.group_testing else None
     if predicted and not (cached.group_tolerance is not None and wanted is not None and cached.group_tolerance <= wanted):
         theirs = "from groups" if cached.group_tolerance is None else f"within {cached.group_tolerance:g}"

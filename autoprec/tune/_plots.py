@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -17,7 +18,7 @@ from autoprec.tune._choices import role
 from autoprec.tune._goals import SPEED, recorded_goal
 from autoprec.tune._gradients import ScaleAdvice
 from autoprec.tune._memory import MIB
-from autoprec.tune._profile_data import Profile, ProfileRow
+from autoprec.tune._profile_data import PREDICTED, UNRUN, Profile, ProfileRow, unrun
 from autoprec.tune._records import Measured
 
 if TYPE_CHECKING:  # matplotlib only where a plot is drawn
@@ -44,14 +45,17 @@ def _save(fig: Figure, path: PathT) -> PathT:
 
 DPI = 110
 PROFILE_ROWS = 32  # rows profile.png draws at most: beyond, layers share a row per block role, or the most sensitive show
-NAME_CHARS = 44  # a longer layer name is shortened in its middle, so that a figure's width stays a screen's
+NAME_CHARS = 44  # a longer layer name is shortened from its front, so that a figure's width stays a screen's
 CELL = (0.72, 0.27)  # inches per heat-map cell (width, height): room for "-0.00026" at 7 points
 SIDE_BY_SIDE = 12.0  # inches: two panels wider than this are drawn one above the other
 
 
 def short_names(names: list[str], limit: int = NAME_CHARS) -> list[str]:
     """`names` fit to `limit` characters where some are longer: first the dotted prefix they all share goes (as "…"),
-    then a name still too long loses its middle. Both ends of a name say which layer it is; profile.csv has it whole."""
+    then a name still too long keeps its tail, the whole dotted parts that fit (what tells layers apart is nearest the
+    end: their stage and block indices, their own name). Where that makes two names one, the parts before a name's
+    last shorten to their first letter instead, front first, and numbers stay whole (stages.1.layers.0 -> s.1.l.0).
+    profile.csv has every name whole."""
     if all(len(n) <= limit for n in names):
         return list(names)
     parts = [n.split(".") for n in names]
@@ -60,22 +64,52 @@ def short_names(names: list[str], limit: int = NAME_CHARS) -> list[str]:
         shared += 1
     if shared:
         names = ["\u2026" + ".".join(p[shared:]) for p in parts]
-    head = (limit - 1) // 2
-    return [n if len(n) <= limit else n[:head] + "\u2026" + n[len(n) - (limit - 1 - head) :] for n in names]
+    tails = [_tail(n, limit) for n in names]
+    if len(set(tails)) == len(set(names)):
+        return tails
+    return [_tail(_initials(n, limit), limit) for n in names]
+
+
+def _tail(name: str, limit: int) -> str:
+    """`name`, or where longer than `limit`, "…" and the most whole dotted parts from its end that fit (the last
+    part's end where even it does not)."""
+    if len(name) <= limit:
+        return name
+    parts = name.split(".")
+    kept = parts[-1]
+    for part in reversed(parts[:-1]):
+        if len(part) + 1 + len(kept) + 1 > limit:
+            break
+        kept = f"{part}.{kept}"
+    return "\u2026" + (kept if len(kept) < limit else kept[len(kept) - (limit - 1) :])
+
+
+def _initials(name: str, limit: int) -> str:
+    """`name` with its parts before the last shortened to their first letter, front first, until it fits `limit`;
+    a number stays whole (it is an index that tells layers apart)."""
+    parts = name.split(".")
+    for k in range(len(parts) - 1):
+        if len(".".join(parts)) <= limit:
+            break
+        if not parts[k].isdigit():
+            parts[k] = parts[k][:1]
+    return ".".join(parts)
 
 
 def _heat_cells(
     rows: Sequence[ProfileRow], layers: list[str], formats: list[str]
-) -> tuple[list[list[float]], list[list[float]], list[list[str]]]:
-    """Per (layer, format): SQNR (dB), metric drop, and a label of what went wrong, if anything."""
+) -> tuple[list[list[float]], list[list[float]], list[list[str]], list[list[bool]]]:
+    """Per (layer, format): SQNR (dB), metric drop, a label of what went wrong, if anything, and whether the drop is
+    predicted (profile.csv's metric_source), not measured."""
     sqnr = [[math.nan] * len(formats) for _ in layers]
     drop = [[math.nan] * len(formats) for _ in layers]
     mark = [[""] * len(formats) for _ in layers]
+    predicted = [[False] * len(formats) for _ in layers]
     row_of, column_of = {n: i for i, n in enumerate(layers)}, {f: j for j, f in enumerate(formats)}
     for r in rows:
         i, j = row_of[r.layer], column_of[r.format]
         if r.status != "ok":
-            mark[i][j] = "n/a"
+            mark[i][j] = unrun(r)
         elif r.finite is False or r.overflow is True:
             mark[i][j] = "inf/nan"
         elif r.metric_source.startswith("not measured"):
@@ -84,7 +118,8 @@ def _heat_cells(
             mark[i][j] = "ref"
         else:
             sqnr[i][j], drop[i][j] = r.sqnr_db, r.metric_drop
-    return sqnr, drop, mark
+            predicted[i][j] = r.metric_source.startswith(PREDICTED)
+    return sqnr, drop, mark, predicted
 
 
 @dataclasses.dataclass
@@ -96,6 +131,7 @@ class HeatRows:
     sqnr: list[list[float]]
     drop: list[list[float]]
     mark: list[list[str]]
+    predicted: list[list[bool]]  # the drop shown is predicted, not measured: drawn as ~0.01
     note: str = ""
 
 
@@ -117,23 +153,29 @@ def heat_rows(rows: Sequence[ProfileRow], limit: int = PROFILE_ROWS) -> HeatRows
     (largest drop), in model order. A figure of a 1600-layer model stays a screen's size and draws in seconds."""
     layers = list(dict.fromkeys(r.layer for r in rows))
     formats = list(dict.fromkeys(r.format for r in rows))
-    sqnr, drop, mark = _heat_cells(rows, layers, formats)
+    sqnr, drop, mark, predicted = _heat_cells(rows, layers, formats)
     if len(layers) <= limit:
-        return HeatRows(short_names(layers), formats, sqnr, drop, mark)
+        return HeatRows(short_names(layers), formats, sqnr, drop, mark, predicted)
     roles: dict[str, list[int]] = {}
     for i, name in enumerate(layers):
         roles.setdefault(role(name), []).append(i)
     if len(roles) <= limit:
-        heat = HeatRows([], formats, [], [], [], f"{len(layers)} layers, a row per block role: the worst of its layers")
+        heat = HeatRows([], formats, [], [], [], [], f"{len(layers)} layers, a row per block role: the worst of its layers")
         for name, members in roles.items():
             heat.labels.append(layers[members[0]] if len(members) == 1 else f"{name} ({len(members)})")
             cells = [
-                _merged_cell([sqnr[i][j] for i in members], [drop[i][j] for i in members], [mark[i][j] for i in members])
+                _merged_cell(
+                    [sqnr[i][j] for i in members],
+                    [drop[i][j] for i in members],
+                    [mark[i][j] for i in members],
+                    [predicted[i][j] for i in members],
+                )
                 for j in range(len(formats))
             ]
             heat.sqnr.append([c[0] for c in cells])
             heat.drop.append([c[1] for c in cells])
             heat.mark.append([c[2] for c in cells])
+            heat.predicted.append([c[3] for c in cells])
         heat.labels = short_names(heat.labels)
         return heat
     ranked = sorted(range(len(layers)), key=lambda i: -_sensitivity(drop[i], mark[i]))
@@ -145,20 +187,23 @@ def heat_rows(rows: Sequence[ProfileRow], limit: int = PROFILE_ROWS) -> HeatRows
         [sqnr[i] for i in kept],
         [drop[i] for i in kept],
         [mark[i] for i in kept],
+        [predicted[i] for i in kept],
         note,
     )
 
 
-def _merged_cell(sqnr: list[float], drop: list[float], mark: list[str]) -> tuple[float, float, str]:
+def _merged_cell(sqnr: list[float], drop: list[float], mark: list[str], predicted: list[bool]) -> tuple[float, float, str, bool]:
     """One block role's cell: any non-finite layer first (how many, where not all), else the worst SQNR and drop
-    measured, else what kept the layers unmeasured."""
+    measured (predicted where the worst drop is), else what kept the layers unmeasured."""
     bad = sum(m == "inf/nan" for m in mark)
     if bad:
-        return math.nan, math.nan, "inf/nan" if bad == len(mark) else f"{bad} inf/nan"
+        return math.nan, math.nan, "inf/nan" if bad == len(mark) else f"{bad} inf/nan", False
     measured = [k for k, m in enumerate(mark) if not m]
     if measured:
-        return _merged([sqnr[k] for k in measured], min), _merged([drop[k] for k in measured], max), ""
-    return math.nan, math.nan, next(m for m in ("ruled out", "n/a", "ref") if m in mark)
+        worst = max((k for k in measured if not math.isnan(drop[k])), key=lambda k: drop[k], default=None)
+        guessed = worst is not None and predicted[worst]
+        return _merged([sqnr[k] for k in measured], min), _merged([drop[k] for k in measured], max), "", guessed
+    return math.nan, math.nan, next(m for m in ("ruled out", *UNRUN, "ref") if m in mark), False
 
 
 def _text_colour(image: Any, value: float) -> str:
@@ -218,21 +263,36 @@ def profile_figure(rows: Sequence[ProfileRow], *, title: str = "") -> Figure:
                     ax.text(j, i, mark, ha="center", va="center", fontsize=7, color="black")
                 elif not math.isnan(value):
                     colour = _text_colour(image, min(max(value, vmin), vmax))
-                    ax.text(j, i, text(value), ha="center", va="center", fontsize=7, color=colour)
+                    guessed = "~" if values is heat.drop and heat.predicted[i][j] else ""
+                    ax.text(j, i, guessed + text(value), ha="center", va="center", fontsize=7, color=colour)
     heading = title or "each layer lowered alone"
     fig.suptitle(f"{heading}\n{heat.note}" if heat.note else heading, fontsize=10)
+    notes = heat_notes(heat)
+    if notes:
+        fig.supxlabel(textwrap.fill("; ".join(notes), max(40, int(size[0] / 0.055))), fontsize=7, ha="center")
     return fig
+
+
+def heat_notes(heat: HeatRows) -> list[str]:
+    """The footnote of profile.png: what each mark drawn means (only those drawn), and ~ where a drop is predicted."""
+    drawn = {m for row in heat.mark for m in row}
+    notes = [f"{mark}: {why}" for mark, why in UNRUN.items() if mark in drawn]
+    if any(p for row in heat.predicted for p in row):
+        notes.append("~: a predicted drop (an equal share of its group's), not measured alone")
+    return notes
 
 
 def plot_profile(rows: Sequence[ProfileRow], path: PathT, *, title: str = "") -> PathT:
     """A heat map, layers down, formats across: output SQNR (dB) and metric drop, each cell lowered alone, the two
     panels side by side where they fit a screen's width, else one above the other. Cells that went non-finite or
-    overflowed fp16 are red, formats a layer cannot run say "n/a", and formats its timing already ruled out (not run,
-    so no numbers) say "ruled out". Beyond PROFILE_ROWS layers, rows are block roles or the most sensitive layers
-    (heat_rows), said under the title."""
+    overflowed fp16 are red; formats a layer cannot run say "cannot run", those of a layer the time budget left out
+    "not profiled", and formats its timing already ruled out (not run, so no numbers) "ruled out"; a predicted drop
+    reads ~0.01; a footnote says what the marks drawn mean. Beyond PROFILE_ROWS layers, rows are block roles or the
+    most sensitive layers (heat_rows), said under the title."""
     return _save(profile_figure(rows, title=title), path)
 
 
+GRAD_TITLE = "fp16 gradients at each loss scale: below 2^-24 (solid), above 65504 (dashed)"
 LEGEND_LAYERS = 12  # beyond this, grad_ranges.png names only the layers that bound the recommended range
 GREY_LINES = 48  # unnamed layers drawn one line each up to this many; beyond, the range they span, shaded
 
@@ -303,7 +363,7 @@ def grad_ranges_figure(grad_ranges: pd.DataFrame, advice: ScaleAdvice | None, *,
     # symlog: a 0.1% underflow or the first overflowing elements matter as much as the bulk
     ax.set_yscale("symlog", linthresh=1e-5)
     ax.set_ylim(0, 1.05)
-    ax.set_title(title or "fp16 gradients: below 2^-24 (solid), above 65504 (dashed)", fontsize=9)
+    ax.set_title(f"{title}\n{GRAD_TITLE}" if title else GRAD_TITLE, fontsize=9)  # a given title names the model only
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 

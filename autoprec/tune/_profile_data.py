@@ -26,6 +26,15 @@ from autoprec.tune._numbers import parse_decimal
 
 NAN = math.nan
 
+# What a report or figure writes for a lowered format the profile has no numbers for, and what each means: two
+# causes, told apart (`unrun`). NOT_PROFILED opens the reason the profiler gives a layer its deadline left out.
+CANNOT_RUN, NOT_PROFILED = "cannot run", "not profiled"
+PREDICTED = "predicted"  # opens metric_source where a row's drop is a share of its group's, not measured alone
+UNRUN = {
+    CANNOT_RUN: "the format fails or is refused for the layer on this device (profile.csv's reason says why)",
+    NOT_PROFILED: "the time budget's share for the profile ran out before the layer (it stays fp32)",
+}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProfileRow:
@@ -41,7 +50,7 @@ class ProfileRow:
     # recorded
     tokens: float | None = None
     format: str
-    status: str  # "ok", or "unsupported" (`reason` says why)
+    status: str  # "ok", or "unsupported" (`reason` says why: `unrun`)
     reason: str = ""
     # SQNR (dB) against fp32 of each GEMM's result, the layer replayed alone (or, fed its own output, in the whole model):
     # sqnr_db its output (fprop), grad_sqnr_db its parameters' gradient (wgrad), dgrad_sqnr_db the gradient it sends to
@@ -130,6 +139,12 @@ SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqn
 # profile.json's "version": the format of profile.json, profile.csv and grad_ranges.csv together. Raise it when any of
 # them changes (a column, a field, what a value means); Profile.load reads no other, and a search measures again.
 PROFILE_VERSION = 3  # 2: dgrad_sqnr_db; 3: tokens
+
+
+def unrun(row: ProfileRow) -> str:
+    """Why a lowered format of a row with no numbers (status not "ok") has none, as UNRUN's key: the profile left its
+    layer out for the time budget (NOT_PROFILED), or the format cannot run there (CANNOT_RUN)."""
+    return NOT_PROFILED if row.reason.startswith(NOT_PROFILED + ":") else CANNOT_RUN
 
 
 def rows_frame(rows: Iterable[ProfileRow]) -> pd.DataFrame:

@@ -33,7 +33,16 @@ from autoprec.tune._cost import Stopwatch
 from autoprec.tune._gradients import LayerGradients, collect, profile_columns, scale_table
 from autoprec.tune._layer_timing import _time_layer, _timing_key
 from autoprec.tune._metric import evaluate_metric, metric_name, metric_of
-from autoprec.tune._profile_data import NO_KERNEL, SQNR_COLUMNS, Profile, ProfileRow, is_linear, ruled_out
+from autoprec.tune._profile_data import (
+    NO_KERNEL,
+    NOT_PROFILED,
+    PREDICTED,
+    SQNR_COLUMNS,
+    Profile,
+    ProfileRow,
+    is_linear,
+    ruled_out,
+)
 from autoprec.tune._sensitivity import (
     _Call,
     _first_float,
@@ -279,7 +288,7 @@ def _judge_group(
         if alone.metric_source == MEASURED and abs(alone.metric_drop) <= tolerance:
             share = (drop - alone.metric_drop) / len(group)
             source = (
-                f"predicted: its {len(group) + 1} layers lowered together dropped the metric by {drop:.4g} (within "
+                f"{PREDICTED}: its {len(group) + 1} layers lowered together dropped the metric by {drop:.4g} (within "
                 f"{tolerance:.4g}), {probe.layer} alone by {alone.metric_drop:.4g}; an equal share of the rest"
             )
             for row in group:
@@ -500,7 +509,7 @@ class Deadline:
             return False
         if not self.left_out:
             self.reason = (
-                f"not profiled: the time budget's share for the profile ({self.seconds / 60:.1f} min) was spent "
+                f"{NOT_PROFILED}: the time budget's share for the profile ({self.seconds / 60:.1f} min) was spent "
                 f"after {self.profiled} of {self.layers} layers; a larger --time-budget (and --study NEW_NAME) profiles it"
             )
             log.warning("--time-budget: %s layers left in fp32 (%s)", self.layers - self.profiled, self.reason)

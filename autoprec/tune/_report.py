@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from autoprec.formats import FP16_MAX, Format
-from autoprec.tune._alternatives import BF16, TF32
+from autoprec.tune._alternatives import BF16, FP32, TF32
 from autoprec.tune._config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
 from autoprec.tune._cost import cost_rows
 from autoprec.tune._gradients import ScaleAdvice
 from autoprec.tune._memory import human_bytes
-from autoprec.tune._profile_data import NO_KERNEL, SQNR_COLUMNS, ProfileRow, as_float, by_layer
+from autoprec.tune._profile_data import NO_KERNEL, PREDICTED, SQNR_COLUMNS, UNRUN, ProfileRow, as_float, by_layer, unrun
 from autoprec.tune._records import Finals, Measured, Measurement
 from autoprec.tune._show import (
     RESULT_HEADERS,
@@ -28,14 +28,14 @@ from autoprec.tune._show import (
     _layer_name,
     _names,
     _saved,
-    _spread,
     estimate_column,
     estimate_lines,
     estimate_of,
     memory_text,
     mode_text,
 )
-from autoprec.tune._tables import WIDTH, markdown_table, text_table
+from autoprec.tune._tables import WIDTH, markdown_table, markdown_text, text_table
+from autoprec.tune._timing import spread_text
 
 if TYPE_CHECKING:  # the results import this module to print themselves
     from autoprec.tune._out_dir import SavedProfile
@@ -58,14 +58,14 @@ def profile_summary(rows: Sequence[ProfileRow], *, markdown: bool = False) -> st
                 continue
             r = by.get(f)
             if r is None or r.status != "ok":
-                row += ["n/a", "", ""]
+                row += ["n/a" if r is None else unrun(r), "", ""]
                 continue
             speed: object = NO_KERNEL if r.timed_as == NO_KERNEL else r.time_vs_fp32
             if r.finite is False or r.overflow is True:
                 row += ["inf/nan", "", speed]
             elif r.metric_source.startswith("not measured"):
                 row += ["ruled out", "", speed]
-            elif r.metric_source.startswith("predicted"):
+            elif r.metric_source.startswith(PREDICTED):
                 row += [r.sqnr_db, f"~{r.metric_drop:.3g}", speed]
             else:
                 row += [r.sqnr_db, r.metric_drop, speed]
@@ -197,7 +197,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
             r.metric,
             r.metric_drop,
             r.step_ms,
-            _spread(r.spread),
+            spread_text(r.spread),
             f"{r.skipped}/{r.steps}",
             r.speedup,
             human_bytes(r.peak_bytes),
@@ -250,7 +250,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
         )
     if speed and finals.noisiest() > NOISY_SPREAD:
         parts.append(
-            f"note: step times spread up to {_spread(finals.noisiest())} even over more rounds: too wide to rank "
+            f"note: step times spread up to {spread_text(finals.noisiest())} even over more rounds: too wide to rank "
             "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
             "rerun on a quieter machine with --remeasure"
         )
@@ -259,7 +259,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
     if speed and picked is not None and ref is not None and BF16 in m.not_separated and picked.speedup >= ref.speedup:
         parts.append(
             f"note: {picked.candidate} leads uniform bf16 by {100 * (picked.speedup / ref.speedup - 1):.1f}%, inside "
-            f"the measured spread ({100 * (picked.spread + ref.spread) / 2:.1f}%): on this device the two are not told apart"
+            f"the measured spread ({spread_text((picked.spread + ref.spread) / 2)}): on this device the two are not told apart"
         )
     overruled = [n for n, f in policy.layers.items() if f.value in m.excluded.get(n, {})]
     if m.chosen == BF16 and overruled:
@@ -274,13 +274,14 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
 
 def headline(result: SearchResult) -> str:
     """The summary's first line: what was chosen and how much faster than fp32, or, when the step times could not
-    tell it from other candidates within budget, that the answer is a tie inside the noise and what to do."""
+    tell it from other candidates within budget, that the answer is a tie inside the noise and what to do; a tie
+    with fp32 says no gain is shown, never its speedup."""
     m = Measured.of(result.policy)
     finals: Finals = result.finals
     picked = finals.get(m.chosen)
     if picked is None or not picked.feasible:
         return f"chosen: {m.chosen} ({m.why or 'nothing else within budget'})"
-    speed = f"{picked.speedup:.2f}x fp32's training-step speed ({_spread(picked.spread)})"
+    speed = f"{picked.speedup:.2f}x fp32's training-step speed ({spread_text(picked.spread)})"
     est = estimate_of(m)
     if est is not None:  # the goal's value is an estimate for another device: said as one, the step times as here
         return (
@@ -290,9 +291,15 @@ def headline(result: SearchResult) -> str:
     tied = tie(m, finals)
     if tied is None:
         return f"chosen: {m.chosen}, {speed}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}"
+    if FP32 in (tied.chosen, *tied.others):  # not told from fp32: its measured speedup is noise, not a gain
+        return (
+            f"a tie inside the noise, no gain over fp32 shown: {m.chosen} and {_names(tied.others)} measured within "
+            f"their spread (up to {spread_text(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
+            f"{tied.kind}, is chosen; {RANK_THEM}"
+        )
     return (
         f"a tie inside the noise: {m.chosen} ({speed}) and {_names(tied.others)} measured within their spread (up to "
-        f"{_spread(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
+        f"{spread_text(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
         f"{tied.kind}, is chosen; {RANK_THEM}"
     )
 
@@ -396,10 +403,14 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
         "vs fp32",
         "uniform bf16",
         "profile greedy",
-        "formats",
         "file",
+        "formats",
     ]
-    rows, ties = [], []
+    # the formats last, the one column a text table wraps (at its spaces): a file name is never cut; in markdown the
+    # files are a list under the table, a line each, which no viewer breaks at a file name's hyphens
+    if markdown:
+        headers.remove("file")
+    rows, ties, files = [], [], []
     for r in result.table:
         mb = Measured.of(result.policies[r.budget])
         tied = tie(mb, result.finals)  # the tie its policy file records, as a search's first line reads it
@@ -413,21 +424,24 @@ def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
                 r.metric,
                 r.metric_drop,
                 r.speedup,
-                _spread(r.spread),
+                spread_text(r.spread),
                 human_bytes(r.peak_bytes),
                 _saved(r.memory_saving),
                 bf16,
                 greedy,
+                *(() if markdown else (r.policy_file,)),
                 f"{r.root} root; {r.formats}",
-                r.policy_file,
             ]
         )
+        files.append(f"- {markdown_text(r.budget_given or f'{r.budget:g}')}: {markdown_text(r.policy_file)}")
         if tied:
             ties.append(
-                f"{r.budget_given or f'{r.budget:g}'}: tie with {_names(tied.others)} within {_spread(tied.spread)} "
+                f"{r.budget_given or f'{r.budget:g}'}: tie with {_names(tied.others)} within {spread_text(tied.spread)} "
                 f"noise: {tied.chosen}, the {tied.kind}, is written"
             )
     parts = [table(headers, rows)]
+    if markdown:
+        parts.append("policy files:\n" + "\n".join(files))
     first = next(iter(result.policies.values()), None)
     m = Measured.of(first) if first else Measured()
     parts.append(
@@ -473,7 +487,7 @@ def _profile_line(saved: SavedProfile) -> str:
 def front_rows(front: pd.DataFrame) -> list[list[object]]:
     peaks = front["peak_bytes"] if "peak_bytes" in front else [None] * len(front)
     return [
-        [int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), _spread(r["spread"]), _bytes_cell(p)]
+        [int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), spread_text(as_float(r["spread"])), _bytes_cell(p)]
         for (_, r), p in zip(front.iterrows(), peaks)
     ]
 
@@ -493,13 +507,21 @@ def search_markdown(result: SearchResult, command: str) -> str:
         f"# autoprec search: {Measured.of(result.policy).model}\n\n`{command}`\n\n"
         f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
         f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.rows, markdown=True)}\n\n"
-        f"dB: output SQNR against fp32; drop: metric drop with the layer lowered alone (~: predicted, an equal share "
-        f"of its group's drop; `ruled out`: not run, the format already was: slower than fp32 beyond "
-        f"prune.slower_than, non-finite or overflowing; profile.csv's metric_source says which); x time: the "
-        f"layer's forward+backward time over fp32's ({NO_KERNEL}: a format that runs emulated here, not timed).\n\n"
+        f"{profile_notes()}\n\n"
         f"![profile heat map](profile.png)\n\n"
         f"## Gradient ranges\n\n{gradient_summary(prof.rows, prof.advice(), markdown=True)}\n\n"
         f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
+    )
+
+
+def profile_notes() -> str:
+    """What the profile table's cells mean, under it in summary.md and sweep.md."""
+    unrun = "; ".join(f"`{mark}`: {why}" for mark, why in UNRUN.items())
+    return (
+        f"dB: output SQNR against fp32; drop: metric drop with the layer lowered alone (~: predicted, an equal share "
+        f"of its group's drop; `ruled out`: not run, the format already was: slower than fp32 beyond "
+        f"prune.slower_than, non-finite or overflowing; profile.csv's metric_source says which; {unrun}); x time: the "
+        f"layer's forward+backward time over fp32's ({NO_KERNEL}: a format that runs emulated here, not timed)."
     )
 
 
@@ -511,5 +533,6 @@ def sweep_markdown(result: SweepResult, command: str) -> str:
         f"![the trials against metric drop](pareto.png)\n\n"
         f"## Pareto front of the study (trial measurements)\n\n"
         f"{markdown_table(FRONT_HEADERS, front_rows(result.front))}\n\n"
-        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.rows, markdown=True)}\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.rows, markdown=True)}\n\n"
+        f"{profile_notes()}\n"
     )

@@ -15,11 +15,13 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._alternatives import ALTERNATIVES
 from autoprec.tune._choices import role
+from autoprec.tune._choose import FEWER_LOWERED
 from autoprec.tune._goals import recorded_goal
 from autoprec.tune._memory import format_change, human_bytes
 from autoprec.tune._profile_data import as_float
 from autoprec.tune._records import Measured
 from autoprec.tune._tables import WIDTH, markdown_table, markdown_text, text_table
+from autoprec.tune._timing import spread_text
 
 
 def _layer_name(name: str) -> str:
@@ -56,9 +58,14 @@ class LayerTable:
             key = tuple((f, _NUMBER.sub("#", why) if compact else why) for f, why in reasons.items())
             rows.setdefault((label, fmt.value, key), []).append((name, reasons))
         self.rows = []
+        self.named: list[str] = []  # a shared row's layers too many to list in its cell: each named under the table
         for (label, value, key), members in rows.items():
             cell = ", ".join(self._tag(f, [r[f] for _, r in members]) for f, _ in key)
-            self.rows.append([_layers_label(label, [n for n, _ in members]), value, cell])
+            names = [n for n, _ in members]
+            shown, counted = _layers_label(label, names)
+            if counted:
+                self.named.append(f"{shown}: {', '.join(map(_layer_name, names))}")
+            self.rows.append([shown, value, cell])
 
     def _tag(self, fmt: str, whys: list[str]) -> str:
         """`fmt`'s cell for a row: its slowdown (a range over the row's layers), or [k] of its reason in the legend."""
@@ -75,7 +82,8 @@ class LayerTable:
     def notes(self) -> list[str]:
         """The legend's lines, each reason once."""
         lines = [f"[{k}] {text}" for text, k in self.legend.items()]
-        return [textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in ([SLOWER_NOTE] if self.slower else []) + lines]
+        lines = ([SLOWER_NOTE] if self.slower else []) + lines + self.named
+        return [textwrap.fill(line, WIDTH, subsequent_indent="    ") for line in lines]
 
     def render(self, *, markdown: bool = False) -> str:
         table = (
@@ -91,16 +99,19 @@ class LayerTable:
         return "\n".join([table, "", *notes])
 
 
-SHARED_ROW_NAMES = 40  # characters of layer names a shared row lists before it counts them instead
+SHARED_ROW_NAMES = 40  # characters of layer names a shared row lists before it counts them (and names them below)
 
 
-def _layers_label(label: str, names: list[str]) -> str:
+def _layers_label(label: str, names: list[str]) -> tuple[str, bool]:
+    """A row's layer cell, and whether it counts layers it does not name (LayerTable names them under the table)."""
     if len(names) == 1:
-        return _layer_name(names[0])
+        return _layer_name(names[0]), False
     if label:
-        return f"{label} ({len(names)} layers)"
+        return f"{label} ({len(names)} layers)", False
     listed = ", ".join(_layer_name(n) for n in names)
-    return listed if len(listed) <= SHARED_ROW_NAMES else f"{_layer_name(names[0])} and {len(names) - 1} more like it"
+    if len(listed) <= SHARED_ROW_NAMES:
+        return listed, False
+    return f"{_layer_name(names[0])} and {len(names) - 1} more like it", True
 
 
 def layer_rows(policy: Policy) -> list[list[str]]:
@@ -116,11 +127,6 @@ def _number_ranges(texts: Sequence[str]) -> str:
 
 
 _NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
-
-
-def _spread(value: float | None) -> str:
-    spread = as_float(value)
-    return "-" if math.isnan(spread) else f"±{100 * spread / 2:.1f}%"
 
 
 def _saved(value: float | None) -> str:
@@ -141,7 +147,7 @@ def result_rows(policy: Policy) -> list[list[object]]:
             as_float(r.metric),
             as_float(r.metric_drop),
             as_float(r.step_ms),
-            _spread(r.spread),
+            spread_text(as_float(r.spread)),
             as_float(r.speedup),
             *((human_bytes(r.peak_bytes), _saved(r.memory_saving)) if peaks else ()),
             *((as_float(r.estimate),) if estimates else ()),
@@ -294,11 +300,13 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
 
 def _kind(m: Measured) -> str:
     """What a choice among ties is, from the decision's own reason (choose.choose's `why`): the alternative the user
-    would run anyway, the one with fewer fp16/fp8 layers, a smaller budget's choice the step times put above this
+    would run anyway, the one with fewer fp16/fp8 layers or fewer layers below fp32, a smaller budget's choice the step times put above this
     budget's pick, or simply the fastest measured."""
     why = m.why or ""
     if "the safer one" in why:
         return "safer one"
+    if why.endswith(FEWER_LOWERED):
+        return f"one with {FEWER_LOWERED}"
     if why.startswith("kept from the smaller budget"):
         return "smaller budget's choice"
     if m.chosen in {*ALTERNATIVES, m.greedy}:

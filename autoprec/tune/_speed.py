@@ -37,6 +37,7 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._config import MARGIN, MIN_FIT, MODEL_TIE, OUTLIER, OUTLIER_SHARE
 from autoprec.tune._separation import may_beat
+from autoprec.tune._timing import spread_text
 
 if TYPE_CHECKING:
     from autoprec.tune._profile_data import ProfileRow
@@ -320,8 +321,8 @@ class Ceiling:
 
     def describe(self) -> str:
         return (
-            f"none of the {self.untried} untried policies can beat the best timed trial ({self.best:.3f}x, "
-            f"±{self.noise:.0%}) beyond its noise: the fastest is predicted {self.predicted:.3f}x, "
+            f"none of the {self.untried} untried policies can beat the best timed trial ({self.best:.3f}x, spread "
+            f"{spread_text(2 * self.noise)}) beyond half its spread: the fastest is predicted {self.predicted:.3f}x, "
             f"+{self.margin:.0%} the fit's error"
         )
 

@@ -46,6 +46,15 @@ class Timing:
         return cls(median_ms=med, spread=spread, samples_ms=tuple(samples))
 
 
+def spread_text(spread: float | None) -> str:
+    """How every table, line and warning writes a spread (Timing.spread, as stored: the interquartile range over the
+    median), in percent; "-" where there is none. Not halved: the spread a tie is judged by (separation.separated) is
+    the one the reader sees."""
+    if spread is None or not math.isfinite(spread):
+        return "-"
+    return f"{100 * spread:.1f}%"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on `device` (its registered Device's synchronize; nothing on the CPU)."""
     devices.lookup(device).synchronize(device)
@@ -151,7 +160,7 @@ def more_if_noisy(rounds: int) -> Callable[[Mapping[str, Sequence[float]]], int]
         if spread <= NOISY_SPREAD:
             return 0
         log.warning(
-            "step times spread up to ±%.0f%%, too wide to rank the candidates; timing %d rounds more", 50 * spread, rounds
+            "step times spread up to %s, too wide to rank the candidates; timing %d rounds more", spread_text(spread), rounds
         )
         return rounds
 

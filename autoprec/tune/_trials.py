@@ -21,6 +21,7 @@ from autoprec.tune._cost import Stopwatch
 from autoprec.tune._profile_data import Profile
 from autoprec.tune._records import TrialRecord
 from autoprec.tune._speed import LayerTimes, Timed
+from autoprec.tune._timing import spread_text
 
 log = logging.getLogger("autoprec")
 
@@ -88,7 +89,7 @@ def trial_costs(study: optuna.Study, watch: Stopwatch) -> None:
         watch.count("trials: whole-step timings (each round: the candidate's and the fp32 baseline's)", 2 * rounds)
         spreads = [r.spread for _, r in fresh if r.spread is not None and math.isfinite(r.spread)]
         if spreads:
-            noise = f"±{50 * statistics.median(spreads):.0f}%"
+            noise = spread_text(statistics.median(spreads))
             watch.count(f"trials: this device's timing noise, the timed trials' median spread {noise}", len(spreads))
     watch.add("trials: sampling, storage, the rest", max(0.0, wall - evaluate - measure), len(done))
     watch.count("trials: a repeated policy, its measurements reused", len(done) - len(fresh))
