@@ -64,6 +64,7 @@ def test_without_out_nothing_is_kept_on_disk_and_the_default_budget_is_relative(
     assert m["budget"] == float(f"{0.01 * abs(m['fp32_metric']):.4g}") and m["budget_given"].startswith("1% of |fp32 metric")
 
 
+@pytest.mark.slow
 def test_the_api_and_the_command_line_run_the_same_study_from_the_same_seed(tmp_path, monkeypatch):
     """One code path: from the same profile (the API reuses the one the CLI saved, as a rerun would: its timings
     shape the greedy warm start) and a seeded random sampler, both propose the same policies in the same order."""
@@ -134,6 +135,7 @@ def test_a_sys_exit_or_a_wrong_optimizer_in_the_functions_given_is_a_user_error_
 
 
 @pytest.mark.parametrize("limit, expected", [("1GB", 10**9), (2e9, 2 * 10**9), (3 * 2**30, 3 * 2**30)])
+@pytest.mark.slow
 def test_max_memory_from_python_takes_a_size_or_a_number_of_bytes(tmp_path, limit, expected):
     task = overflow_task()
     result = autoprec.tune.search(

@@ -1,5 +1,6 @@
-"""benchmarks/block_study.py (issue 41): its per-GEMM SQNR against a brute-force computation, and its --part sqnr
-and --part drop runs on the tiny GPT-2 example writing every layer x GEMM x format row."""
+"""benchmarks/block_study.py and its package benchmarks/blockstudy/ (issue 41): its per-GEMM SQNR against a
+brute-force computation, and its --part sqnr and --part drop runs on the tiny GPT-2 example writing every layer x GEMM x
+format row."""
 
 import csv
 import importlib.util
@@ -16,6 +17,8 @@ ROOT = Path(__file__).parents[1]
 spec = importlib.util.spec_from_file_location("block_study", ROOT / "benchmarks" / "block_study.py")
 block_study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(block_study)
+
+from blockstudy import common, drop, horizon, horizon2, policies, runs, search, sqnr  # noqa: E402 (the package beside the script, which put it on the path)
 
 
 def _fp8_brute(t, dtype):
@@ -69,7 +72,7 @@ def _operands_brute(name, x, w, g, seed):
     return {"fprop": fprop, "dgrad": dgrad, "wgrad": wgrad}
 
 
-@pytest.mark.parametrize("name", list(block_study.FORMATS))
+@pytest.mark.parametrize("name", list(common.FORMATS))
 def test_gemm_sqnr_of_a_tiny_linear_equals_a_brute_force_computation(name):
     torch.manual_seed(0)
     m, k, n = 32, 32, 32  # every blocked dimension a multiple of 32 (MXFP8) and of 16 (NVFP4 tiles, RHT)
@@ -79,21 +82,21 @@ def test_gemm_sqnr_of_a_tiny_linear_equals_a_brute_force_computation(name):
     g = torch.randn(m, n) * 1e-4
     w = lin.weight.detach()
     seed = 7
-    got = block_study.gemm_sqnr(x, w, g, block_study.FORMATS[name], torch.Generator().manual_seed(seed))
+    got = sqnr.gemm_sqnr(x, w, g, common.FORMATS[name], torch.Generator().manual_seed(seed))
     ops = _operands_brute(name, x, w, g, seed)
     refs = {"fprop": (x, w.t()), "dgrad": (g, w), "wgrad": (g.t(), x)}
-    for gemm in block_study.GEMMS:
+    for gemm in common.GEMMS:
         want = _sqnr_brute(_matmul_brute(*refs[gemm]), _matmul_brute(*ops[gemm]))
         assert 5 < got[gemm] < 60 and got[gemm] == pytest.approx(want, abs=1e-3), (name, gemm, got[gemm], want)
 
 
 def test_a_product_quantised_exactly_has_infinite_sqnr_and_the_roles_follow_the_gpt_names():
     x, w, g = torch.ones(32, 32), torch.ones(32, 32), torch.ones(32, 32)  # 1 is exact in every format
-    for fmt in block_study.FORMATS.values():
-        assert set(block_study.gemm_sqnr(x, w, g, fmt).values()) == {math.inf}
-    assert block_study.layer_role("h.3.attn.c_attn") == (3, "attn.c_attn")
-    assert block_study.layer_role("h.11.c_proj") == (11, "mlp.c_proj")
-    assert block_study.layer_role("lm_head") == (-1, "lm_head")
+    for fmt in common.FORMATS.values():
+        assert set(sqnr.gemm_sqnr(x, w, g, fmt).values()) == {math.inf}
+    assert common.layer_role("h.3.attn.c_attn") == (3, "attn.c_attn")
+    assert common.layer_role("h.11.c_proj") == (11, "mlp.c_proj")
+    assert common.layer_role("lm_head") == (-1, "lm_head")
 
 
 def test_an_unknown_part_is_refused_with_the_valid_ones(capsys):
@@ -115,14 +118,14 @@ def test_part_sqnr_on_the_tiny_gpt_writes_every_layer_gemm_and_format(tmp_path, 
     rows = list(csv.DictReader(open(out / "sqnr.csv")))
     layers = [f"h.{b}.{r}" for b in range(2) for r in ("attn.c_attn", "attn.c_proj", "c_fc", "c_proj")] + ["lm_head"]
     keys = [(r["layer"], r["gemm"], r["format"]) for r in rows]
-    assert sorted(keys) == sorted((la, gm, f) for la in layers for gm in block_study.GEMMS for f in block_study.FORMATS)
+    assert sorted(keys) == sorted((la, gm, f) for la in layers for gm in common.GEMMS for f in common.FORMATS)
     assert {(r["layer"], r["block"], r["role"]) for r in rows if r["layer"] in ("h.1.c_fc", "lm_head")} == {
         ("h.1.c_fc", "1", "mlp.c_fc"),
         ("lm_head", "-1", "lm_head"),
     }
     assert all(0 < float(r["sqnr_db"]) < 80 for r in rows)
     by = {(r["layer"], r["gemm"], r["format"]): float(r["sqnr_db"]) for r in rows}
-    assert all(by[(la, gm, "mxfp8")] > by[(la, gm, "nvfp4")] + 5 for la in layers for gm in block_study.GEMMS)
+    assert all(by[(la, gm, "mxfp8")] > by[(la, gm, "nvfp4")] + 5 for la in layers for gm in common.GEMMS)
     summary = (out / "summary.md").read_text()
     assert "--part sqnr --size tiny" in summary and "## Findings" in summary and "| lm_head |" in summary
     assert (out / "sqnr_by_depth.png").stat().st_size > 10_000
@@ -133,7 +136,7 @@ def test_part_sqnr_on_the_tiny_gpt_writes_every_layer_gemm_and_format(tmp_path, 
         torch.set_num_threads(threads)
     drops = list(csv.DictReader(open(out / "drop.csv")))
     assert sorted((r["layer"], r["format"]) for r in drops) == sorted(
-        (la, f) for la in [*layers, "all"] for f in block_study.DROP_FORMATS
+        (la, f) for la in [*layers, "all"] for f in drop.DROP_FORMATS
     )
     summary = (out / "summary.md").read_text()
     assert summary.index("<!-- part:sqnr -->") < summary.index("<!-- part:drop -->")
@@ -149,17 +152,17 @@ def _gpt_names(n_blocks):
 def test_last_fifteen_percent_of_the_blocks_rounds_to_nearest_and_keeps_at_least_one():
     # max(1, round(0.15 n)): 12 blocks -> round(1.8) = 2; 4 -> round(0.6) = 1; 2 -> round(0.3) = 0 -> 1;
     # 10 -> round(1.5) = 2 (Python rounds halves to even); 30 -> round(4.5) = 4
-    assert block_study.last_blocks(12) == [10, 11]
-    assert block_study.last_blocks(4) == [3]
-    assert block_study.last_blocks(2) == [1]
-    assert block_study.last_blocks(10) == [8, 9]
-    assert block_study.last_blocks(30) == [26, 27, 28, 29]
+    assert policies.last_blocks(12) == [10, 11]
+    assert policies.last_blocks(4) == [3]
+    assert policies.last_blocks(2) == [1]
+    assert policies.last_blocks(10) == [8, 9]
+    assert policies.last_blocks(30) == [26, 27, 28, 29]
 
 
 def test_the_hand_rules_on_twelve_blocks_lower_the_layers_they_say():
     names = _gpt_names(12)
-    rules = block_study.rule_layers(names, 12)
-    blocks = lambda layers: sorted({block_study.layer_role(n)[0] for n in layers})  # noqa: E731
+    rules = policies.rule_layers(names, 12)
+    blocks = lambda layers: sorted({common.layer_role(n)[0] for n in layers})  # noqa: E731
     # (a) the last 15% (blocks 10-11) and the head bf16, blocks 0-9 NVFP4
     assert blocks(rules["rule-a"]) == list(range(10)) and set(rules["rule-a"].values()) == {"nvfp4"}
     assert len(rules["rule-a"]) == 40
@@ -177,26 +180,26 @@ def test_gemm_shares_and_the_b200_estimate_match_a_hand_computation():
     from autoprec.tune._flops import estimated_speedup, gemm_flops
     from autoprec.tune._targets import B200
 
-    model = block_study.load_example("tiny").GPT()  # 2 blocks, 64 wide, vocab 256: untrained, shapes only
-    policies = block_study.study_policies(model)
-    flops = gemm_flops(block_study.flops_table(model, tokens=100))
+    model = common.load_example("tiny").GPT()  # 2 blocks, 64 wide, vocab 256: untrained, shapes only
+    named = policies.study_policies(model)
+    flops = gemm_flops(policies.flops_table(model, tokens=100))
     # per block: c_attn 64x192, attn c_proj 64x64, c_fc 64x256, mlp c_proj 256x64 = 49152 in*out; head 64x256 = 16384
     attn, mlp, head = 2 * (64 * 192 + 64 * 64), 2 * (64 * 256 + 256 * 64), 64 * 256
     total = attn + mlp + head
     assert flops["h.0.c_fc"] == 2 * 100 * 64 * 256
-    assert block_study.gemm_share(policies["bf16"], flops)["low"] == 0
-    assert block_study.gemm_share(policies["nvfp4-all"], flops)["low"] == pytest.approx(1)
-    assert block_study.gemm_share(policies["rule-c"], flops)["low"] == pytest.approx((attn + mlp) / total)  # 6/7
-    d = block_study.gemm_share(policies["rule-d"], flops)
+    assert policies.gemm_share(named["bf16"], flops)["low"] == 0
+    assert policies.gemm_share(named["nvfp4-all"], flops)["low"] == pytest.approx(1)
+    assert policies.gemm_share(named["rule-c"], flops)["low"] == pytest.approx((attn + mlp) / total)  # 6/7
+    d = policies.gemm_share(named["rule-d"], flops)
     assert d["nvfp4"] == pytest.approx(mlp / total) and d["mxfp8"] == pytest.approx(attn / total)
     assert d["bf16"] == pytest.approx(head / total)
     # b200 (TFLOP/s): bf16 2250, mxfp8 4500, nvfp4 9000; the estimate is all-bf16's GEMM time over the policy's
     hand = (total / 2250) / (mlp / 9000 + attn / 4500 + head / 2250)
-    assert estimated_speedup(policies["rule-d"], flops, B200) == pytest.approx(hand)
+    assert estimated_speedup(named["rule-d"], flops, B200) == pytest.approx(hand)
     # rule (a) on 2 blocks: round(0.3) = 0, at least one kept -> block 1 and the head bf16, block 0 NVFP4
-    assert sorted(policies["rule-a"].layers) == ["", "h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.c_fc", "h.0.c_proj"]
+    assert sorted(named["rule-a"].layers) == ["", "h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.c_fc", "h.0.c_proj"]
     # rule (b) on 2 blocks: both are first or last, so only the head is NVFP4
-    assert sorted(policies["rule-b"].layers) == ["", "lm_head"]
+    assert sorted(named["rule-b"].layers) == ["", "lm_head"]
 
 
 def test_a_finished_run_is_skipped_and_an_unfinished_one_is_run_again(tmp_path, monkeypatch):
@@ -207,14 +210,14 @@ def test_a_finished_run_is_skipped_and_an_unfinished_one_is_run_again(tmp_path, 
         return [{"step": s, "metric": -1.0 - s / 100, "finite": True, "skipped": 0, "wall_s": 0.0}
                 for s in range(0, steps + 1, every)]  # fmt: skip
 
-    monkeypatch.setattr(block_study, "train_curve", fake_curve)
-    block_study.write_run(block_study.run_path(tmp_path, "bf16", 0), fake_curve(None, "x", 20, 2, 0))
-    block_study.write_run(block_study.run_path(tmp_path, "rule-a", 0), fake_curve(None, "x", 8, 2, 0))  # stopped at 8
+    monkeypatch.setattr(horizon, "train_curve", fake_curve)  # as run_missing finds it
+    runs.write_run(runs.run_path(tmp_path, "bf16", 0), fake_curve(None, "x", 20, 2, 0))
+    runs.write_run(runs.run_path(tmp_path, "rule-a", 0), fake_curve(None, "x", 8, 2, 0))  # stopped at 8
     calls.clear()
-    ran = block_study.run_missing(None, {"bf16": "bf16", "rule-a": "rule-a"}, tmp_path, 20, 2, seeds=2)
+    ran = horizon.run_missing(None, {"bf16": "bf16", "rule-a": "rule-a"}, tmp_path, 20, 2, seeds=2)
     assert ran == [("rule-a", 0), ("bf16", 1), ("rule-a", 1)]
-    assert block_study.finished(block_study.run_path(tmp_path, "rule-a", 0), 20)
-    assert block_study.run_missing(None, {"bf16": "bf16", "rule-a": "rule-a"}, tmp_path, 20, 2, seeds=2) == []
+    assert runs.finished(runs.run_path(tmp_path, "rule-a", 0), 20)
+    assert horizon.run_missing(None, {"bf16": "bf16", "rule-a": "rule-a"}, tmp_path, 20, 2, seeds=2) == []
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -223,17 +226,17 @@ def test_drops_are_taken_seed_by_seed_against_bf16_and_the_floor_is_bf16s_spread
         "bf16": {0: {5: -2.00, 50: -2.30}, 1: {5: -2.01, 50: -2.36}},
         "rule-c": {0: {5: -2.03, 50: -2.40}, 1: {5: -2.02, 50: -2.38}},
     }
-    assert block_study.drops(curves, "rule-c", 5) == pytest.approx([0.03, 0.01])
-    assert block_study.drops(curves, "rule-c", 50) == pytest.approx([0.10, 0.02])
-    assert block_study.noise_floor_at(curves, 5) == pytest.approx(0.01)
-    assert block_study.noise_floor_at(curves, 50) == pytest.approx(0.06)
+    assert horizon.drops(curves, "rule-c", 5) == pytest.approx([0.03, 0.01])
+    assert horizon.drops(curves, "rule-c", 50) == pytest.approx([0.10, 0.02])
+    assert runs.noise_floor_at(curves, 5) == pytest.approx(0.01)
+    assert runs.noise_floor_at(curves, 50) == pytest.approx(0.06)
 
 
 def test_a_searched_policy_keeps_its_linears_and_gets_a_bf16_root():
     from autoprec.policy import Policy
 
     searched = Policy(layers={"": "fp32", "h.0.c_fc": "mxfp8", "lm_head": "bf16", "h.1.c_proj": "fp32"})
-    moved = block_study.bf16_root(searched)
+    moved = policies.bf16_root(searched)
     assert moved.layers[""].value == "bf16"
     assert {n: f.value for n, f in moved.layers.items() if n} == {"h.0.c_fc": "mxfp8", "lm_head": "bf16", "h.1.c_proj": "fp32"}
 
@@ -245,15 +248,15 @@ def test_the_horizon_table_names_rules_and_searched_policies_and_takes_drops_per
 
     def run(name, seed, metrics):
         rows = [{"step": s, "metric": m, "finite": True, "skipped": 0, "wall_s": 0} for s, m in zip((0, 2, 4), metrics)]
-        block_study.write_run(block_study.run_path(tmp_path, name, seed), rows)
+        runs.write_run(runs.run_path(tmp_path, name, seed), rows)
 
     run("bf16", 0, (-2.0, -2.10, -2.30))
     run("bf16", 1, (-2.0, -2.12, -2.34))
     run("searched-0.04-grouped", 0, (-2.0, -2.11, -2.33))
     run("searched-0.04-grouped", 1, (-2.0, -2.12, -2.32))
-    policies = {"bf16": Policy(layers={"": "bf16"}), "searched-0.04-grouped": Policy(layers={"": "bf16", "a": "nvfp4"})}
+    named = {"bf16": Policy(layers={"": "bf16"}), "searched-0.04-grouped": Policy(layers={"": "bf16", "a": "nvfp4"})}
     args = type("Args", (), {"steps": 2, "horizon": 2, "seeds": 2})()
-    table = block_study.horizon_table(policies, tmp_path, args, {"a": 1.0, "b": 1.0}, B200, estimated_speedup)
+    table = horizon.horizon_table(named, tmp_path, args, {"a": 1.0, "b": 1.0}, B200, estimated_speedup)
     by = {r["policy"]: r for r in table}
     assert by["bf16"]["rule"].startswith("every Linear bf16") and by["bf16"]["drop_at_10K_mean"] == 0
     s = by["searched-0.04-grouped"]
@@ -262,53 +265,53 @@ def test_the_horizon_table_names_rules_and_searched_policies_and_takes_drops_per
     assert s["drop_at_10K_by_seed"] == "0.03000 -0.02000" and s["drop_at_10K_mean"] == pytest.approx(0.005)
     assert s["noise_floor_at_K"] == pytest.approx(0.02)
     assert s["noise_floor_at_10K"] == pytest.approx(0.04)
-    assert "above" not in " ".join(block_study.horizon_findings(table))
+    assert "above" not in " ".join(horizon.horizon_findings(table))
 
 
 def test_tagged_searches_get_their_own_folders_and_labels_and_the_per_gemm_formats(tmp_path):
     from autoprec.formats import format_names
 
-    assert set(block_study.SEARCH_FORMATS) <= set(format_names())
-    old = block_study.searched_dir(tmp_path, 0.04, "grouped")
-    new = block_study.searched_dir(tmp_path, 0.015, "ranked", "postfix")
+    assert set(search.SEARCH_FORMATS) <= set(format_names())
+    old = search.searched_dir(tmp_path, 0.04, "grouped")
+    new = search.searched_dir(tmp_path, 0.015, "ranked", "postfix")
     assert old.name == "budget-0.04-grouped" and new.name == "budget-0.015-ranked-postfix"
-    assert block_study.searched_dir(tmp_path, 0.04).name == "budget-0.04"
-    label = block_study.searched_label(new)
-    assert label == "searched-0.015-ranked-postfix" and block_study.label_budget(label) == 0.015
-    assert block_study.label_tag(label) == "postfix" and block_study.label_tag("searched-0.04-grouped") == ""
-    assert "ranked" in block_study.searched_text(label) and "after e97993f" in block_study.searched_text(label)
-    assert "before e97993f" in block_study.searched_text("searched-0.04")
-    space = block_study.search_space("ranked", 4, "postfix")
-    assert {f.value for f in space.layers["Linear"]} == set(block_study.SEARCH_FORMATS)
-    assert {f.value for f in block_study.search_space("ranked", 4, "").layers["Linear"]} == {"fp32", "bf16", "mxfp8", "nvfp4"}
+    assert search.searched_dir(tmp_path, 0.04).name == "budget-0.04"
+    label = policies.searched_label(new)
+    assert label == "searched-0.015-ranked-postfix" and policies.label_budget(label) == 0.015
+    assert policies.label_tag(label) == "postfix" and policies.label_tag("searched-0.04-grouped") == ""
+    assert "ranked" in policies.searched_text(label) and "after e97993f" in policies.searched_text(label)
+    assert "before e97993f" in policies.searched_text("searched-0.04")
+    space = search.search_space("ranked", 4, "postfix")
+    assert {f.value for f in space.layers["Linear"]} == set(search.SEARCH_FORMATS)
+    assert {f.value for f in search.search_space("ranked", 4, "").layers["Linear"]} == {"fp32", "bf16", "mxfp8", "nvfp4"}
 
 
 def test_the_fallback_tag_searches_without_fp32_under_a_bf16_root_and_its_folders_are_picked_up(tmp_path):
     from autoprec.policy import Policy
     from autoprec.tune._goals import goal_named
 
-    space = block_study.search_space("grouped", 4, "fallback")
+    space = search.search_space("grouped", 4, "fallback")
     assert [f.value for f in space.default] == ["bf16"]
     linear = [f.value for f in space.layers["Linear"]]
     assert "fp32" not in linear and linear[0] == "bf16"
-    assert linear == [f for f in block_study.SEARCH_FORMATS if f != "fp32"]  # the postfix searches' low formats
+    assert linear == [f for f in search.SEARCH_FORMATS if f != "fp32"]  # the postfix searches' low formats
     space.check_fallbacks(goal_named("flops"))  # the FLOP goal takes bf16 as the lists' fallback
     with pytest.raises(ValueError, match="fp32"):
         space.check_fallbacks(goal_named("speed"))  # a timed goal still needs fp32
-    assert "fp32" in block_study.search_formats("postfix")  # the old tags' spaces are unchanged
-    folder = block_study.searched_dir(tmp_path, 0.04, "grouped", "fallback")
+    assert "fp32" in search.search_formats("postfix")  # the old tags' spaces are unchanged
+    folder = search.searched_dir(tmp_path, 0.04, "grouped", "fallback")
     assert folder.name == "budget-0.04-grouped-fallback"
-    label = block_study.searched_label(folder)
-    assert block_study.label_tag(label) == "fallback" and block_study.label_budget(label) == 0.04
-    assert "root bf16 as searched" in block_study.searched_text(label)
-    assert "root set to bf16" in block_study.searched_text("searched-0.04-grouped-postfix")
+    label = policies.searched_label(folder)
+    assert policies.label_tag(label) == "fallback" and policies.label_budget(label) == 0.04
+    assert "root bf16 as searched" in policies.searched_text(label)
+    assert "root set to bf16" in policies.searched_text("searched-0.04-grouped-postfix")
     folder.mkdir(parents=True)
     Policy(layers={"": "bf16", "h.0.mlp.c_fc": "nvfp4"}).save(folder / "policy.json")
-    found = block_study.all_policies(_tiny_gpt(), tmp_path)
+    found = policies.all_policies(_tiny_gpt(), tmp_path)
     kept = found[label]
     assert kept.layers[""].value == "bf16" and kept.layers["h.0.mlp.c_fc"].value == "nvfp4"
-    assert block_study.bf16_root(kept).layers == kept.layers  # nothing to rewrite
-    assert label in block_study.horizon2_policies(_tiny_gpt(), tmp_path)
+    assert policies.bf16_root(kept).layers == kept.layers  # nothing to rewrite
+    assert label in horizon2.horizon2_policies(_tiny_gpt(), tmp_path)
 
 
 def _tiny_gpt(width: int = 32) -> torch.nn.Module:
@@ -339,7 +342,7 @@ def test_a_per_gemm_mix_under_a_bf16_root_is_priced_between_bf16_and_its_low_for
     }
     assert speed["bf16"] < speed["mxfp8-fwd-dgrad"] < speed["mxfp8"]
     assert speed["bf16"] < speed["nvfp4-fwd-dgrad"] < speed["nvfp4"]
-    share = block_study.gemm_share(Policy(layers={"": "bf16", "a": "nvfp4-fwd-dgrad"}), flops)
+    share = policies.gemm_share(Policy(layers={"": "bf16", "a": "nvfp4-fwd-dgrad"}), flops)
     assert share["low"] == pytest.approx(2 / 3)
     assert share["bf16"] == pytest.approx(1 / 3)  # its wgrad, in the bf16 root's autocast (not fp32)
 
@@ -352,25 +355,25 @@ def test_paired_drops_and_their_t_interval_match_a_hand_computation():
         "searched-0.015-ranked-postfix": {0: {5: -2.00, 50: -1.90}},  # one seed only: no interval
     }
     # seed by seed, bf16's metric minus the policy's on the same stream
-    drops = block_study.paired_drops(curves, "rule-c", 50)
+    drops = horizon2.paired_drops(curves, "rule-c", 50)
     assert drops == pytest.approx([0.01, 0.03, 0.02])
-    assert block_study.paired_drops(curves, "rule-c", 50, base="fp32") == pytest.approx([0.01, 0.02, 0.03])
-    st = block_study.paired_stats(drops)
+    assert horizon2.paired_drops(curves, "rule-c", 50, base="fp32") == pytest.approx([0.01, 0.02, 0.03])
+    st = horizon2.paired_stats(drops)
     # by hand: mean 0.02; sd = sqrt((0.01^2 + 0.01^2 + 0) / 2) = 0.01; t(0.975, 2 dof) = 4.302653 (tables);
     # half-width = 4.302653 * 0.01 / sqrt(3) = 0.0248414
     assert st["n"] == 3 and st["mean"] == pytest.approx(0.02) and st["sd"] == pytest.approx(0.01)
     assert st["half"] == pytest.approx(0.0248414, abs=1e-6)
     assert (st["lo"], st["hi"]) == pytest.approx((0.02 - 0.0248414, 0.02 + 0.0248414), abs=1e-6)
     # two seeds: t(0.975, 1) = 12.7062; drops 0.01, 0.02 at K -> mean 0.015, sd 0.0070711, half 12.7062 * 0.005
-    two = block_study.paired_stats([0.01, 0.02])
+    two = horizon2.paired_stats([0.01, 0.02])
     assert two["half"] == pytest.approx(12.7062 * 0.005, rel=1e-4)
-    one = block_study.paired_stats(block_study.paired_drops(curves, "searched-0.015-ranked-postfix", 50))
+    one = horizon2.paired_stats(horizon2.paired_drops(curves, "searched-0.015-ranked-postfix", 50))
     assert one["n"] == 1 and one["mean"] == pytest.approx(-0.0) and math.isnan(one["half"])
     # the verdicts against a budget: the interval's top under it holds, its bottom above it breaks, else undecided
-    assert block_study.budget_verdict(st, 0.05) == "holds"
-    assert block_study.budget_verdict(st, 0.03) == "undecided"
-    assert block_study.budget_verdict(block_study.paired_stats([0.10, 0.11, 0.12]), 0.04) == "broken"
-    assert block_study.budget_verdict(one, 0.04).startswith("undecided")
+    assert horizon2.budget_verdict(st, 0.05) == "holds"
+    assert horizon2.budget_verdict(st, 0.03) == "undecided"
+    assert horizon2.budget_verdict(horizon2.paired_stats([0.10, 0.11, 0.12]), 0.04) == "broken"
+    assert horizon2.budget_verdict(one, 0.04).startswith("undecided")
 
 
 def _windows(batches) -> list[bytes]:
@@ -378,20 +381,20 @@ def _windows(batches) -> list[bytes]:
 
 
 def test_the_fresh_stream_takes_distinct_windows_each_step_and_never_an_eval_window():
-    example = block_study.load_example("mini")  # the text only: no model is built
+    example = common.load_example("mini")  # the text only: no model is built
     h = example.HPARAMS
     train, evals = example.stdlib_text.text(h["bytes_per_file"], h["eval_frac"])
     steps, seq, batch = 50, h["seq_len"], h["batch"]
     for seed in (0, 1):
-        starts = block_study.train_starts(len(train), seq, batch, steps, seed).flatten().sort().values
+        starts = horizon2.train_starts(len(train), seq, batch, steps, seed).flatten().sort().values
         assert len(starts) == steps * batch and (starts.diff() >= seq + 1).all()  # no two windows overlap
         assert int(starts[-1]) + seq + 1 <= len(train)
-    ev = block_study.eval_starts(len(evals), seq, batch, block_study.N_EVAL_BATCHES).flatten()
-    assert len(ev) == block_study.N_EVAL_BATCHES * batch and (ev.diff() >= seq + 1).all()
+    ev = horizon2.eval_starts(len(evals), seq, batch, horizon2.N_EVAL_BATCHES).flatten()
+    assert len(ev) == horizon2.N_EVAL_BATCHES * batch and (ev.diff() >= seq + 1).all()
     # the same seed draws the same stream (every policy trains on it); another seed another one
-    a0, e0 = block_study.fresh_data(example, steps, 0)
-    a0b, e0b = block_study.fresh_data(example, steps, 0)
-    a1, e1 = block_study.fresh_data(example, steps, 1)
+    a0, e0 = horizon2.fresh_data(example, steps, 0)
+    a0b, e0b = horizon2.fresh_data(example, steps, 0)
+    a1, e1 = horizon2.fresh_data(example, steps, 1)
     assert len(a0) == steps and all(torch.equal(x[0], y[0]) for x, y in zip(a0, a0b, strict=True))
     assert _windows(e0) == _windows(e1) == _windows(e0b)  # one eval set for every seed
     assert _windows(a0) != _windows(a1)
@@ -399,16 +402,16 @@ def test_the_fresh_stream_takes_distinct_windows_each_step_and_never_an_eval_win
     # eval window's bytes equal any train window's, for any seed of the study
     eval_set = set(_windows(e0))
     for seed in range(5):
-        assert not eval_set & set(_windows(block_study.fresh_data(example, steps, seed)[0]))
+        assert not eval_set & set(_windows(horizon2.fresh_data(example, steps, seed)[0]))
     with pytest.raises(ValueError, match="the train split holds"):
-        block_study.train_starts(len(train), seq, batch, 10_000, 0)
+        horizon2.train_starts(len(train), seq, batch, 10_000, 0)
     with pytest.raises(ValueError, match="overlap"):
-        block_study.eval_starts(len(evals), seq, batch, 64)
+        horizon2.eval_starts(len(evals), seq, batch, 64)
 
 
 def test_eval_steps_take_zero_k_and_the_last():
-    assert block_study.eval_steps(50, 10, 5) == [0, 5, 10, 20, 30, 40, 50]
-    assert block_study.eval_steps(50, 5, 5) == list(range(0, 51, 5))
+    assert horizon2.eval_steps(50, 10, 5) == [0, 5, 10, 20, 30, 40, 50]
+    assert horizon2.eval_steps(50, 5, 5) == list(range(0, 51, 5))
 
 
 def test_the_horizon2_table_pairs_each_seed_and_judges_the_budget_on_the_interval(tmp_path):
@@ -418,20 +421,20 @@ def test_the_horizon2_table_pairs_each_seed_and_judges_the_budget_on_the_interva
 
     def run(name, seed, metrics):
         rows = [{"step": s, "metric": m, "finite": True, "skipped": 0, "wall_s": 0} for s, m in zip((0, 2, 4), metrics)]
-        block_study.write_run(block_study.run_path(tmp_path, name, seed), rows)
+        runs.write_run(runs.run_path(tmp_path, name, seed), rows)
 
     for seed, (k, end) in enumerate(((-2.10, -2.30), (-2.12, -2.34), (-2.11, -2.32))):
         run("bf16", seed, (-2.0, k, end))
         run("fp32", seed, (-2.0, k, end + 0.001))
         run("searched-0.04-grouped-postfix", seed, (-2.0, k - 0.01, end - 0.02 - 0.001 * seed))
-    policies = {
+    named = {
         "bf16": Policy(layers={"": "bf16"}),
         "fp32": Policy(layers={"": "fp32"}),
         "searched-0.04-grouped-postfix": Policy(layers={"": "bf16", "a": "nvfp4"}),
     }
     args = type("Args", (), {"steps": 2, "horizon": 2, "seeds": 3})()
-    curves = block_study.load_curves(policies, tmp_path, 3, 4)
-    table = block_study.horizon2_table(policies, curves, args, {"a": 1.0, "b": 1.0}, B200, estimated_speedup)
+    curves = runs.load_curves(named, tmp_path, 3, 4)
+    table = horizon2.horizon2_table(named, curves, args, {"a": 1.0, "b": 1.0}, B200, estimated_speedup)
     by = {r["policy"]: r for r in table}
     assert by["bf16"]["drop_10K_mean"] == 0 and by["fp32"]["drop_10K_mean"] == pytest.approx(-0.001)
     s = by["searched-0.04-grouped-postfix"]
@@ -445,7 +448,7 @@ def test_the_horizon2_table_pairs_each_seed_and_judges_the_budget_on_the_interva
     assert s["bf16_spread_10K"] == pytest.approx(0.04)  # the first attempt's max - min, for continuity
     # each seed's drop moved from 0.01 at K to 0.020, 0.021, 0.022: +0.011 on average, beyond the noise
     assert s["growth_mean"] == pytest.approx(0.011) and s["verdict_vs_fp32_10K"] == "holds"
-    words = " ".join(block_study.horizon2_findings(table))
+    words = " ".join(horizon2.horizon2_findings(table))
     assert "grew by +0.0110" in words and "Budget 0.04: holds at K, holds at 10 x K" in words
 
 
@@ -460,7 +463,7 @@ def test_a_searched_policy_equal_to_an_earlier_one_is_named_as_its_twin():
         "searched-0.04-ranked-fallback": Policy(layers={"": "bf16", "h.0.c_fc": "mxfp8"}),
         "searched-0.04-grouped-fallback": Policy(layers={"": "bf16"}),  # all-bf16: named after bf16
     }
-    assert block_study.same_as(found) == {
+    assert horizon2.same_as(found) == {
         "searched-0.015-grouped-fallback": "searched-0.015-ranked-fallback",
         "searched-0.04-grouped-fallback": "bf16",
     }

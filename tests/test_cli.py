@@ -421,11 +421,13 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, *parts: str) -> Non
 
 
 @pytest.mark.parametrize("module", ["autoprec", "autoprec.tune._cli"])
+@pytest.mark.slow
 def test_process_module_search_missing_model(tmp_path, module):
     proc = run_process([sys.executable, "-m", module, "search", "missing.py", "--budget", "0.1"], tmp_path)
     assert_one_error_line(proc, "missing.py: no such file")
 
 
+@pytest.mark.slow
 def test_process_model_calling_sys_exit_0_exits_2_with_one_line_not_0(tmp_path, write_model, mlp_source):
     """sys.exit(0) in build_model ended autoprec with exit 0 (success), no policy and no word. Under --json, what
     the model printed first goes to stderr: stdout stays empty on an error."""
@@ -438,6 +440,7 @@ def test_process_model_calling_sys_exit_0_exits_2_with_one_line_not_0(tmp_path, 
                                             "`if __name__ == '__main__':`"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_process_console_script_show_bad_policy(tmp_path):
     script = Path(sys.executable).with_name("autoprec")
     if not script.is_file():
@@ -473,6 +476,7 @@ def _noisy_package(folder: Path, *, installed: bool) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_a_library_installed_with_pip_target_on_pythonpath_is_a_library_and_kept_quiet(tmp_path, write_model, mlp_source):
     """On the H200 the wheels were installed with `pip install --target /tmp/site` and PYTHONPATH: torchao's
     SyntaxWarnings and Optuna's logged traceback of a trial stopped by SIGTERM reached the user, as if model.py's own."""
@@ -726,6 +730,7 @@ def loss_fn(model, batch):
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_what_is_stored_and_names_only_the_options_that_were_given_to_resume_with(
     capsys, tmp_path, write_model, mlp_source
 ):
@@ -909,6 +914,7 @@ def test_the_command_written_to_the_reports_hides_the_storage_password(monkeypat
     assert "s3cret" not in command and "alice:***@db.example:5432/autoprec" in command and command.endswith("--budget 1%")
 
 
+@pytest.mark.slow
 def test_inductors_kernel_notes_are_kept_out_of_the_output_unless_debug(capsys, tmp_path, write_model, mlp_source):
     """--compile made inductor print a dozen 'bf16 and fp16 are mixed in the scheduler node' UserWarnings."""
     body = (
@@ -934,6 +940,7 @@ def test_search_time_budget_must_be_positive_minutes(capsys, tmp_path, minutes):
 
 
 @pytest.mark.parametrize("flags", [(), ("--json",)])
+@pytest.mark.slow
 def test_show_into_a_reader_that_stops_early_ends_quietly_as_unix_tools_do(tmp_path, flags):
     """`autoprec show policy.json | head` ended in a BrokenPipeError traceback (issue 38)."""
     from autoprec.tune._cli import EXIT_BROKEN_PIPE

@@ -65,6 +65,7 @@ def test_profile_writes_csvs_heat_maps_and_a_gradient_summary(fast, capsys, tmp_
     assert found[0]["layer"] == "big" and found[0]["gemm"] == "fprop" and found[0]["sqnr_db"] is None  # non-finite: null
 
 
+@pytest.mark.slow
 def test_train_mode_search_writes_mode_steps_and_noise_floor(fast, capsys, tmp_path):
     space = tmp_path / "space.yaml"
     space.write_text("default: [fp32]\nlayers: {Linear: [fp32, fp16]}\nprune: {slower_than: 100}\n", encoding="utf-8")
@@ -79,6 +80,7 @@ def test_train_mode_search_writes_mode_steps_and_noise_floor(fast, capsys, tmp_p
     assert "## Gradient ranges" in summary and "(profile.png)" in summary
 
 
+@pytest.mark.slow
 def test_sweep_writes_a_table_a_pareto_plot_and_a_policy_per_budget(fast, capsys, tmp_path):
     argv = ["sweep", str(MODELS / "overflow_mlp.py"), "--budgets", "0.3,0,0.05", "--device", "cpu", "--out", str(tmp_path),
             "--trials", "6"]  # fmt: skip
@@ -103,6 +105,7 @@ def test_sweep_writes_a_table_a_pareto_plot_and_a_policy_per_budget(fast, capsys
 # ---- the default and relative budgets, --json, --quiet, autoprec's own log prefix ---------------------------
 
 
+@pytest.mark.slow
 def test_search_without_a_budget_allows_one_percent_of_the_fp32_metric_and_says_so(fast, capsys, tmp_path):
     assert main(["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--trials", "2"]) == 0
     out, err = capsys.readouterr()
@@ -120,6 +123,7 @@ def small_search_argv(out) -> list[str]:
     return ["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(out), "--trials", "2", "--budget", "0.05"]
 
 
+@pytest.mark.slow
 def test_json_prints_the_result_as_one_object_and_quiet_prints_nothing(fast, capsys, tmp_path):
     argv = small_search_argv(tmp_path)
     assert main([*argv, "--json"]) == 0
@@ -161,6 +165,7 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
     assert json.loads((tmp_path / "policy.json").read_text())["measured"]["study"]["complete"] == 3
 
 
+@pytest.mark.slow
 def test_a_finished_studys_finalists_file_of_another_version_is_re_measured_with_one_line(fast, capsys, tmp_path, monkeypatch):
     pipeline = sys.modules["autoprec.tune._pipeline"]
     real, calls = pipeline.final_remeasure, []
@@ -179,6 +184,7 @@ def test_a_finished_studys_finalists_file_of_another_version_is_re_measured_with
     assert "its result in" not in err and pd.read_csv(path)["version"].eq(1).all()
 
 
+@pytest.mark.slow
 def test_a_sweep_takes_relative_budgets_beside_absolute_ones(fast, capsys, tmp_path):
     argv = [
         "sweep",
@@ -213,6 +219,7 @@ def test_only_autoprecs_own_log_lines_carry_its_prefix():
     assert proc.stderr.splitlines()[-2:] == ["autoprec: ours", "theirs"], proc.stderr
 
 
+@pytest.mark.slow
 def test_exclude_keeps_a_layer_out_of_the_profile_and_a_typo_is_one_line(fast, capsys, tmp_path):
     argv = ["profile", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--exclude", "he*"]
     assert main(argv) == 0
@@ -225,6 +232,7 @@ def test_exclude_keeps_a_layer_out_of_the_profile_and_a_typo_is_one_line(fast, c
                    "patterns are fnmatch, e.g. pooler or '*.lm_head'"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_json_stdout_stays_one_object_when_the_model_prints(fast, capsys, tmp_path, write_model, mlp_source):
     """A model.py that prints (at import, in build_model, in loss_fn) under --json: its lines go to stderr, so
     stdout still parses as the one result object."""
@@ -250,6 +258,7 @@ def test_json_stdout_stays_one_object_when_the_model_prints(fast, capsys, tmp_pa
     assert "building" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_budget_minus_zero_is_the_same_study_as_budget_zero(fast, capsys, tmp_path):
     argv = ["search", str(MODELS / "overflow_mlp.py"), "--device", "cpu", "--out", str(tmp_path), "--trials", "1", "--quiet"]
     assert main([*argv, "--budget", "0"]) == 0
@@ -289,6 +298,7 @@ def test_a_full_disk_writing_results_is_one_line_naming_the_file_and_leaves_no_p
 
 
 @pytest.mark.parametrize("room", [0, 20], ids=["its-first-record", "mid-search"])
+@pytest.mark.slow
 def test_a_full_disk_writing_the_study_is_one_line_and_a_rerun_resumes(fast, capsys, tmp_path, monkeypatch, room):
     import optuna
 

@@ -36,6 +36,7 @@ def graphs(monkeypatch):
     return count, stage
 
 
+@pytest.mark.slow
 def test_a_compiled_profile_and_search_build_about_one_graph_per_shape_and_format_and_per_candidate(
     graphs, tmp_path, no_gpu_contract
 ):

@@ -165,6 +165,7 @@ def test_the_command_line_refuses_a_missing_unknown_or_unwanted_target(flags, sa
     assert said in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_search_on_a_cpu_plans_the_lowest_formats_each_layer_can_take_for_a_b200(fp4, compute_only, tmp_path, timings):
     timings("slower")  # this machine's speed: the toy runs slower than fp32 here, and that does not matter
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -209,6 +210,7 @@ def test_the_estimate_is_never_nan_and_needs_a_bound_goal():
     assert math.isfinite(estimated_speedup(Policy(layers={ROOT: Format.FP32}), {}, B200))
 
 
+@pytest.mark.slow
 def test_a_flops_search_on_a_cpu_writes_a_policy_with_mxfp8_or_nvfp4_layers_labelled_an_estimate(compute_only, tmp_path, timings):
     """Issue 40's "done when": the blockscaled formats have no kernel on a CPU, so a speed search rules them out (their
     time here is an emulation's); a plan for a device that runs them, and where they pay, keeps them and writes them,

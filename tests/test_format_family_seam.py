@@ -141,6 +141,7 @@ def test_the_profile_measures_it(toy):
     assert all(r.sqnr_db > 20 and r.time_ms > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_a_search_can_choose_it(toy, timings, tmp_path, monkeypatch):
     # a device where the toy runs faster than bf16 (the "faster" one's 0.5): it beats the uniform bf16 alternative
     base = timings_module.factor

@@ -112,6 +112,7 @@ def test_an_unregistered_goal_is_no_choice_again():
     assert [g.name for g in goals()] == ["speed", "memory", "flops"]
 
 
+@pytest.mark.slow
 def test_a_search_optimises_a_goal_defined_outside_autoprec(tmp_path, most_fp16, timings):
     timings("faster")  # fp16 pays as bf16 does: by speed, the tie goes to the safer bf16 (choose.choose)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")

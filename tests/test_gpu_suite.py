@@ -66,6 +66,7 @@ def test_gpu_suite_smoke_runs_the_tests_the_benchmarks_and_a_compiled_search_and
         assert "suite/tables-gpt2/step_times.csv" in tar.getnames()
 
 
+@pytest.mark.slow
 def test_gpu_suite_refuses_an_unknown_part_and_packs_what_there_is_when_no_time_is_left(tmp_path):
     def suite(*args):
         cmd = [sys.executable, "benchmarks/gpu_suite.py", "--smoke", "--device", "cpu", "--out", str(tmp_path / "out"), *args]

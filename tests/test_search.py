@@ -327,6 +327,7 @@ def test_a_budget_below_the_noise_floor_warns(trained, caplog, monkeypatch):
     assert "budget 0.01 is below the noise floor 0.1" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_finished_train_mode_study_whose_result_stands_measures_no_noise_floor_again(tmp_path, monkeypatch):
     workload = prepare(load_task(MODELS / "underflow_mlp.py"), "cpu")
     result = search(workload, FP16_SPACE, SearchConfig(budget=0.02, **{**TRAIN, "trials": 2}), tmp_path)
@@ -509,6 +510,7 @@ def compiled(tmp_path_factory):
     return workload, search(workload, SPACE, config, out), out
 
 
+@pytest.mark.slow
 def test_a_compiled_search_times_compiled_steps_and_says_so(compiled):
     workload, result, out = compiled
     m = result.policy.measured
@@ -521,6 +523,7 @@ def test_a_compiled_search_times_compiled_steps_and_says_so(compiled):
     assert all(r.compile_s > 0 for r in result.finals)
 
 
+@pytest.mark.slow
 def test_a_compiled_and_an_eager_search_are_different_studies(compiled):
     workload, _, out = compiled
     with pytest.raises(UserError, match=r"compile compiled, now eager"):

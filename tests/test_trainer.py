@@ -187,6 +187,7 @@ def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monke
     assert eager._stepped == {0, 2} and eager.steps == 2
 
 
+@pytest.mark.slow
 def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(monkeypatch, write_model, mlp_source, tmp_path):
     """The trials empty the compile caches for each candidate: the ragged batch compiled inside a timed round."""
     from autoprec.tune import SearchConfig, load_task, prepare
