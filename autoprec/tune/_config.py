@@ -177,8 +177,9 @@ def parse_mode(value: object) -> Mode:
 class TimingConfig:
     """How long to time: `warmup` calls per candidate first, and on until `warmup_s` seconds of them (a GPU's clocks
     and caches settle; the last call sizes the blocks), then `rounds` interleaved rounds. Every candidate takes the
-    same steps in a round: enough that the fastest's block lasts `min_block_s`, at most `max_steps_per_block` and no
-    more than the slowest runs in `max_block_s`, and never fewer than `min_steps` (MIN_STEPS_PER_SAMPLE)."""
+    same steps in a round: enough that the fastest's block lasts `min_block_s`, at most `max_steps_per_block`, never
+    fewer than `min_steps` (MIN_STEPS_PER_SAMPLE), and no more than the slowest runs in `max_block_s` (which alone
+    may cut a block below `min_steps`: a step of seconds has no launch jitter to average)."""
 
     warmup: int = 3
     rounds: int = 7
@@ -222,8 +223,9 @@ class ProfileConfig:
 
     batches: int = 2
     # a layer's step is short and timed in many formats: a fifth of a second warms it (a whole step's second would
-    # cost a second per layer shape and format)
-    timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02, warmup_s=0.2)
+    # cost a second per layer shape and format), and a block of half a second bounds a slow format's (a GPU's layer
+    # takes microseconds to a millisecond: hundreds of steps; a CPU's emulated format a second: one)
+    timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02, warmup_s=0.2, max_block_s=0.5)
     gross_slowdown: float = 4.0
     grad_batches: int | None = 8
     max_underflow: float = 1e-3
@@ -278,7 +280,7 @@ class SearchConfig:
         timing: How each trial's step is timed (TimingConfig). Default TimingConfig(): 3 warm-up calls and at
             least 1 s of them, up to 7 interleaved rounds of at least 0.05 s and MIN_STEPS_PER_SAMPLE steps.
         final_timing: How the finalists and the alternatives are re-measured together at the end. Default
-            TimingConfig(rounds=11, min_block_s=0.25, max_steps_per_block=1000).
+            TimingConfig(rounds=11, min_block_s=0.25, max_steps_per_block=1000, max_block_s=8.0).
         finalists: How many of the fastest trials within budget are re-measured (k, >= 1). Default 3.
         profile: How the search's profile measures (ProfileConfig). Default ProfileConfig(), its numerics
             "offered".
@@ -326,8 +328,9 @@ class SearchConfig:
     heartbeat_s: int = 60  # database storages: a trial whose worker is silent for 2x this is failed and retried
     study_name: str | None = None  # None: the task's name
     timing: TimingConfig = TimingConfig()
-    # blocks of a quarter second at least (a 1 ms GPU step: 250 steps), so a sample carries little of the host's jitter
-    final_timing: TimingConfig = TimingConfig(rounds=11, min_block_s=0.25, max_steps_per_block=1000)
+    # blocks of a quarter second at least (a 1 ms GPU step: 250 steps), so a sample carries little of the host's jitter;
+    # 8 steps of up to a second each (a large model's strict-fp32 step on a GPU) still fit max_block_s
+    final_timing: TimingConfig = TimingConfig(rounds=11, min_block_s=0.25, max_steps_per_block=1000, max_block_s=8.0)
     finalists: int = 3
     profile: ProfileConfig = ProfileConfig()  # numerics None: "offered" (__post_init__)
     progress: bool = True

@@ -155,11 +155,12 @@ def interleaved_times(
         fastest, slowest = min(fastest, max(per_step, 1e-6)), max(slowest, per_step)
     # One block size for every callable: each takes as many steps in every round, so no candidate's median comes
     # from a handful of steps beside another's hundreds (a GradScaler's early skips weigh alike). Enough that the
-    # fastest's block lasts min_block_s, as long as the slowest's stays within max_block_s; never fewer than
-    # min_steps, whatever the slowest costs: a sample of one step carries all the jitter at its ends. (Their batches
-    # may differ in position: a warmed baseline skipped its warm-up calls.)
-    block = min(config.max_steps_per_block, math.ceil(config.min_block_s / fastest))
-    block = max(config.min_steps, min(block, math.floor(config.max_block_s / slowest)))
+    # fastest's block lasts min_block_s, and never fewer than min_steps (a sample of one step carries all the jitter
+    # at its ends), as long as the slowest's block stays within max_block_s: a step of seconds (a CPU's emulated
+    # format) has no such jitter to average, and eight of it per round would multiply the search's time. (Their
+    # batches may differ in position: a warmed baseline skipped its warm-up calls.)
+    block = max(config.min_steps, min(config.max_steps_per_block, math.ceil(config.min_block_s / fastest)))
+    block = min(block, max(1, math.floor(config.max_block_s / slowest)))
     steps: dict[Key, int] = dict.fromkeys(names, block)
     samples: dict[Key, list[float]] = {name: [] for name in names}
     host: dict[Key, list[float]] = {name: [] for name in names}
