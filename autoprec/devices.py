@@ -13,11 +13,13 @@ This module is part of the runtime (`import autoprec`): it imports torch only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import heapq
 import os
 import platform
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar, TypeVar
 
@@ -29,6 +31,17 @@ from autoprec.registry import Registry
 
 class UnknownDeviceError(UserError):
     """A device type no registered Device stands for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTime:
+    """What one timed block of calls took: `seconds`, the device's time from its first call to the end of its last
+    (wall time where the device runs work as it is issued; the device's own markers where it has a queue), and
+    `host_s`, the host's time issuing the calls (None where the device has no queue of its own: there the two are
+    one)."""
+
+    seconds: float
+    host_s: float | None = None
 
 
 class Device:
@@ -43,6 +56,9 @@ class Device:
     auto: ClassVar[bool] = False  # autoprec works on it unless told (default_device) where it is available
     compile_by_default: ClassVar[bool] = False  # step times compiled when the user does not say (--compile)
     has_tf32: ClassVar[bool] = False  # matmul_precision sets fp32 matmuls strict or TF32 (the TF32 alternative)
+    # the default optimizer (a model.py without its own) is torch's fused AdamW: one kernel for every parameter's
+    # update instead of a dozen small ones each, whose launches would otherwise be a large share of a short GPU step
+    fused_adamw: ClassVar[bool] = False
     # how memory_rise measures, in words for reports; None: it does not (memory_rise returns None)
     memory_source: ClassVar[str | None] = None
 
@@ -60,6 +76,19 @@ class Device:
 
     def synchronize(self, dev: torch.device) -> None:
         """Wait until the work queued on `dev` has finished (a clock reads wall time between two of these)."""
+
+    def time_block(self, dev: torch.device, work: Callable[[], object], calls: int, *, kernels: bool = False) -> BlockTime:
+        """Run `work` `calls` times and say what it took (autoprec.tune._timing's DeviceClock reads every step time
+        here). This base, for a device that runs work as it is issued (the CPU): the wall time between two
+        synchronisations. A device with a queue of its own overrides it to time the queue with its own markers and
+        the host's issuing apart. `kernels`: the device's busy time alone, without the gaps where it waited for the
+        host (a layer's kernels, not its launch overhead); here the same wall time."""
+        self.synchronize(dev)
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        self.synchronize(dev)
+        return BlockTime(time.perf_counter() - start)
 
     def name(self, dev: torch.device) -> str:
         """A readable name for reports and policy files: the model of GPU or CPU."""
@@ -271,7 +300,7 @@ def _traced_rise(step: Callable[[], object]) -> int | None:
         config = None
     if enable is None or disable is None or config is None:
         return _kineto_rise(step)
-    with _collector_paused():
+    with collector_paused():
         enable(config)
         try:
             step()
@@ -287,7 +316,7 @@ def _traced_rise(step: Callable[[], object]) -> int | None:
 def _kineto_rise(step: Callable[[], object]) -> int:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 (costly; only a measurement needs it)
 
-    with _collector_paused(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with collector_paused(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted(
         (e.start_ns(), e.nbytes())
@@ -298,7 +327,7 @@ def _kineto_rise(step: Callable[[], object]) -> int:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused for one recorded step, then resumed as it was. A collection that
     ran inside the step would free garbage of earlier work (tensors allocated before the recording started): the
     recorder cannot count those frees, and torch's CPU allocator prints a warning for the first one. Paused, the
@@ -337,6 +366,7 @@ class CUDADevice(Device):
     # how GPU training runs, and where fp8 pays only compiled (inductor's CPU code is not what a CPU user trains with)
     compile_by_default = True
     has_tf32 = True
+    fused_adamw = True
     memory_source = (
         "CUDA allocator peak (torch.cuda.max_memory_allocated) over one training step, plus the model and optimizer state"
     )
@@ -352,6 +382,32 @@ class CUDADevice(Device):
 
     def synchronize(self, dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
+
+    def time_block(self, dev: torch.device, work: Callable[[], object], calls: int, *, kernels: bool = False) -> BlockTime:
+        """CUDA events around the block in the stream (the GPU's time, free of the synchronisation's and the first
+        launch's latency at its ends) and the host's issuing time apart. `kernels`: the stream is first held busy by
+        a spin kernel longer than the host takes to issue the block (measured on one unheld call first), so every
+        kernel of it is queued before the start event runs: the events then bracket the kernels back to back, with
+        none of the gaps where the GPU waits for the host (a lone layer's launch overhead). CUDA's launch queue
+        holds about a thousand kernels: a block of more waits for room, and its time includes some of the host's."""
+        torch.cuda.synchronize(dev)
+        hold_s = 0.0
+        if kernels:
+            start = time.perf_counter()
+            work()
+            hold_s = 2.0 * calls * (time.perf_counter() - start) + 1e-3
+            torch.cuda.synchronize(dev)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hold_s:
+            torch.cuda._sleep(int(hold_s * _spin_cycles_per_s(self.indexed(dev))))
+        begin.record()
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        host_s = time.perf_counter() - start
+        end.record()
+        end.synchronize()
+        return BlockTime(begin.elapsed_time(end) / 1e3, host_s)
 
     def name(self, dev: torch.device) -> str:
         return torch.cuda.get_device_name(dev) if torch.cuda.is_available() else str(dev)
@@ -381,6 +437,20 @@ class CUDADevice(Device):
 
     def total_memory(self, dev: torch.device) -> int:
         return int(torch.cuda.get_device_properties(dev).total_memory)
+
+
+@functools.cache
+def _spin_cycles_per_s(dev: torch.device) -> float:
+    """How many cycles of torch.cuda._sleep's spin kernel run in a second on `dev`, timed once with events."""
+    cycles = 10_000_000
+    with torch.cuda.device(dev):
+        torch.cuda._sleep(cycles)  # the first launch loads the kernel
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+    return cycles / max(begin.elapsed_time(end) / 1e3, 1e-6)
 
 
 def new_precision_api() -> bool:
@@ -437,6 +507,7 @@ CPU = device_for("cpu")
 CUDA = device_for("cuda")
 
 __all__ = [
+    "BlockTime",
     "Device",
     "CPUDevice",
     "CUDADevice",

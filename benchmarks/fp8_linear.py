@@ -1,19 +1,26 @@
-"""fp8 recipes against bf16 (and fp32) for one nn.Linear, forward + backward, at a few square shapes.
+"""fp8 recipes against bf16 for the Linears of real models, forward + backward, in a bf16 root.
 
-    python benchmarks/fp8_linear.py [--device cuda] [--full] [--shapes 256,1024] [--compile] [--rounds 7]
+    python benchmarks/fp8_linear.py [--device cuda] [--compile] [--models gpt2,llama] [--rounds 7] [--csv FILE]
+    python benchmarks/fp8_linear.py --smoke                      # the same path on a CPU, tiny shapes, seconds
 
-Each shape n runs an (n x n) input through Linear(n, n) and back (input and weight gradients), with the
-format set by an autoprec policy, timed interleaved by autoprec.tune._timing.interleaved_times. Without fp8
-kernels (any CPU, GPUs below compute capability 8.9) torchao emulates fp8 and is slow, so on the CPU the
-default shapes are small; --full runs 256 to 8192 anywhere. torchao's fp8 is meant to run under
-torch.compile, which fuses its casts: --compile compiles every candidate (inductor). Every fp8 format the
-registry has (tensorwise, rowwise, rowwise with a high-precision weight gradient, mxfp8) runs where this
-device can run it (mxfp8 nowhere yet); the others are listed with the reason. Printed, not asserted.
+Each row is one nn.Linear(K, N) (no bias) of a model, run forward and backward on an (M x K) input as that model's
+step runs it: GPT-2-small's five Linear shapes at M 4096 (its 16 x 256 tokens) and the Llama example's five
+(examples/llama, full size) at M 16384 (its 8 x 2048 tokens). Every candidate runs in a bf16 root, as a model whose
+other layers are bf16 runs them: the input arrives in bf16, the output stays in it, so a recipe whose high-precision
+GEMM is not fp8 runs it in bf16, never in strict fp32. Formats: bf16 (the baseline), fp8 (tensorwise), fp8-rowwise
+and fp8-fwd-dgrad (fp8 forward and input gradient, the weight gradient in bf16), those this device runs; the others
+are listed with the reason. Timed interleaved by autoprec.tune._timing.interleaved_times, so on a GPU each sample is
+the GPU's time by CUDA events over a block of steps, and the host's time issuing it is printed beside: a row whose
+host time is most of it is host-bound (launch overhead, not the GEMMs). torchao's fp8 is meant to run under
+torch.compile, which fuses its casts: --compile compiles every candidate (on CUDA the default). Without fp8 kernels
+(a CPU, a GPU below compute capability 8.9) torchao emulates fp8: the numbers then say nothing of fp8's speed.
+Printed, and with --csv written one row per shape and format; not asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 
@@ -26,38 +33,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
 
 from autoprec import Policy, apply_policy  # noqa: E402
-from autoprec.formats import fp8_formats  # noqa: E402
-from autoprec.tune._config import TimingConfig
+from autoprec.formats import Format  # noqa: E402
+from autoprec.tune._config import TimingConfig  # noqa: E402
 from autoprec.tune._timing import interleaved_times  # noqa: E402
 from autoprec.tune._trainer import compile_scope  # noqa: E402
 
-FULL_SHAPES = (256, 1024, 2048, 4096, 8192)
-CPU_SHAPES = (256, 1024, 2048)  # emulated fp8 at 4096+ takes minutes per shape on a small CPU
+BASELINE = "bf16"
+FP8 = ("fp8", "fp8-rowwise", "fp8-fwd-dgrad")
+# (name, M, [(layer, K, N)]): each model's Linear shapes at its step's tokens
+MODELS = {
+    "gpt2": (
+        4096,
+        [("c_attn", 768, 2304), ("attn.c_proj", 768, 768), ("c_fc", 768, 3072), ("mlp.c_proj", 3072, 768), ("lm_head", 768, 256)],
+    ),
+    "llama": (
+        16384,
+        [
+            ("q_proj/o_proj", 2048, 2048),
+            ("k_proj/v_proj", 2048, 512),
+            ("gate_proj/up_proj", 2048, 8192),
+            ("down_proj", 8192, 2048),
+            ("lm_head", 2048, 256),
+        ],
+    ),  # fmt: skip
+}
+SMOKE = {"tiny": (64, [("square", 64, 64), ("wide", 64, 128)])}  # --smoke: multiples of 16 (fp8's requirement)
 
 
-def parse_shapes(text: str) -> tuple[int, ...]:
-    try:
-        shapes = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise SystemExit(f"--shapes must be comma-separated integers such as 256,1024, but got {text!r}") from None
-    bad = [n for n in shapes if n <= 0 or n % 16]
-    if not shapes or bad:
-        raise SystemExit(f"--shapes must be positive multiples of 16 (fp8's requirement), but got {text!r}")
-    return shapes
-
-
-def candidate(n: int, fmt: str, device: torch.device, compile_it: bool):
-    """One training-shaped forward + backward of Linear(n, n) in `fmt`."""
+def candidate(m: int, k: int, n: int, fmt: str, device: torch.device, compile_it: bool):
+    """One training-shaped forward + backward of Linear(k, n) in `fmt` inside a bf16 root, on a bf16 (m x k) input."""
     torch.manual_seed(0)
-    model = apply_policy(nn.Sequential(nn.Linear(n, n)).to(device), Policy(layers={"0": fmt}))
+    layers = {"": BASELINE} if fmt == BASELINE else {"": BASELINE, "0": fmt}
+    model = apply_policy(nn.Sequential(nn.Linear(k, n, bias=False)).to(device), Policy(layers=layers))
     run = torch.compile(model) if compile_it else model
-    x = torch.randn(n, n, device=device, requires_grad=True)
-    grad_out = torch.randn(n, n, device=device)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(m, n, device=device, dtype=torch.bfloat16)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         x.grad = None
-        run(x).backward(grad_out)
+        out = run(x)
+        out.backward(grad_out.to(out.dtype))
 
     return step
 
@@ -65,29 +81,61 @@ def candidate(n: int, fmt: str, device: torch.device, compile_it: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_flag(parser)
-    parser.add_argument("--full", action="store_true", help=f"shapes {FULL_SHAPES} even on the CPU")
-    parser.add_argument("--shapes", type=parse_shapes, help="comma-separated sizes n (each a multiple of 16)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile every candidate (inductor)")
+    parser.add_argument("--models", default="gpt2,llama", help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile every candidate (default: on CUDA)"
+    )
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--smoke", action="store_true", help="two tiny shapes, 2 rounds: the path on a CPU in seconds")
+    parser.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     args = parser.parse_args()
     device = parse_device(args.device)
-    shapes = args.shapes or (FULL_SHAPES if args.full or device.type == "cuda" else CPU_SHAPES)
-    print_header("fp8_linear: one Linear(n, n) on an (n x n) input, forward + backward, per format", device)
-    print(f"shapes: {', '.join(map(str, shapes))}; torch.compile: {'on' if args.compile else 'off'}")
-    fp8 = [f.value for f in fp8_formats() if f.spec.device_problem(device) is None]
-    for f in fp8_formats():
-        if f.value not in fp8:
-            print(f"{f.value}: not run here: {f.spec.device_problem(device)}")
-    formats = ("fp32", "bf16", *fp8)
-    print(f"{'n':>6}  " + "  ".join(f"{f:>30s}" for f in formats) + "   speedup over bf16: " + ", ".join(fp8))
-    config = TimingConfig(warmup=2, rounds=args.rounds, min_block_s=0.05, max_steps_per_block=20)
-    for n in shapes:
-        with compile_scope(args.compile, len(formats)):  # every candidate compiled, none left eager
-            work = {fmt: candidate(n, fmt, device, args.compile) for fmt in formats}
-            times = interleaved_times(work, device, config)
-        speedups = ", ".join(f"x{times['bf16'].median_ms / times[f].median_ms:.2f}" for f in fp8)
-        cells = "  ".join(f"{fmt_timing(times[f]):>30s}" for f in formats)
-        print(f"{n:>6}  {cells}   {speedups}", flush=True)
+    compile_it = device.type == "cuda" if args.compile is None else args.compile
+    if args.smoke:
+        models, rounds = SMOKE, min(args.rounds, 2)
+    else:
+        names = [s.strip() for s in args.models.split(",") if s.strip()]
+        unknown = [s for s in names if s not in MODELS]
+        if unknown or not names:
+            raise SystemExit(f"--models must name some of {', '.join(MODELS)}, but got {args.models!r}")
+        models, rounds = {name: MODELS[name] for name in names}, args.rounds
+    print_header("fp8_linear: each model's Linear(K, N) on an (M x K) bf16 input, forward + backward, in a bf16 root", device)
+    fp8 = [f for f in FP8 if Format(f).spec.device_problem(device) is None]
+    for f in FP8:
+        if f not in fp8:
+            print(f"{f}: not run here: {Format(f).spec.device_problem(device)}")
+    formats = (BASELINE, *fp8)
+    print(f"torch.compile: {'on' if compile_it else 'off'}; {rounds} rounds; ms per step on the device (host ms issuing it)")
+    print(f"{'model':>6} {'layer':>18} {'M':>6} {'K':>5} {'N':>5}  " + "  ".join(f"{f:>34s}" for f in formats)
+          + "   speedup over bf16: " + ", ".join(fp8))  # fmt: skip
+    rows = []
+    config = TimingConfig(
+        warmup=2, rounds=rounds, min_block_s=0.05, max_steps_per_block=200, warmup_s=0.5 if not args.smoke else 0.0
+    )
+    for model_name, (m, shapes) in models.items():
+        for layer, k, n in shapes:
+            with compile_scope(compile_it, len(formats)):  # every candidate compiled, none left eager
+                work = {fmt: candidate(m, k, n, fmt, device, compile_it) for fmt in formats}
+                times = interleaved_times(work, device, config)
+            base = times[BASELINE].median_ms
+            cells = "  ".join(
+                f"{fmt_timing(times[f]):>26s} {'' if times[f].host_ms is None else f'({times[f].host_ms:.3f})':>7s}"
+                for f in formats
+            )
+            speedups = ", ".join(f"x{base / times[f].median_ms:.2f}" for f in fp8)
+            print(f"{model_name:>6} {layer:>18} {m:>6} {k:>5} {n:>5}  {cells}   {speedups}", flush=True)
+            for f in formats:
+                t = times[f]
+                rows.append({
+                    "model": model_name, "layer": layer, "m": m, "k": k, "n": n, "format": f,
+                    "device_ms": t.median_ms, "spread": t.spread, "host_ms": t.host_ms, "host_bound": t.host_bound,
+                    "speedup_over_bf16": base / t.median_ms, "rounds": len(t.samples_ms), "device": str(device),
+                })  # fmt: skip
+            if args.csv:  # after every shape: a run stopped at a deadline keeps what it measured
+                with args.csv.open("w", newline="") as fh:
+                    writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                    writer.writeheader()
+                    writer.writerows(rows)
     print("speedup > 1: that fp8 recipe is faster than bf16; inside the spreads, the difference is noise")
 
 

@@ -174,7 +174,7 @@ def part_bench(out: Path, args: argparse.Namespace, until: float) -> int:
     fp8 = [sys.executable, "benchmarks/fp8_linear.py", "--compile", "--device", args.device]
     over = [sys.executable, "benchmarks/overhead.py", "--compile", "--device", args.device]
     if args.smoke:
-        fp8 += ["--shapes", "64", "--rounds", "1"]
+        fp8 += ["--smoke", "--rounds", "1"]
         over += ["--width", "32", "--depth", "1", "--rounds", "1"]
     status, skipped = 0, []
     for name, cmd in (("fp8_linear", fp8), ("overhead", over)):

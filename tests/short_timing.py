@@ -3,7 +3,7 @@ every step of the path runs. One place, so a change to TimingConfig or ProfileCo
 
 from autoprec.tune._config import ProfileConfig, TimingConfig
 
-TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0)
+TINY = TimingConfig(warmup=1, rounds=2, min_block_s=0.0, warmup_s=0.0, min_steps=1)
 FAST_PROFILE = ProfileConfig(batches=1, timing=TINY)
 
 

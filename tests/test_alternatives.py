@@ -56,7 +56,9 @@ def test_fp8_rowwise_everywhere_takes_the_linears_torchaos_rowwise_filter_accept
 def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the_rest(no_gpu_contract):
     """TF32 is CUDA's; fp8 everywhere would run torchao's emulation on a CPU, or the space may offer no fp8."""
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    tiny = ProfileConfig(batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0))
+    tiny = ProfileConfig(
+        batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0, warmup_s=0.0, min_steps=1)
+    )
     prof = profile(workload, SPACE, tiny, progress=False)
     choices = build_choices(prof, SPACE, 0.05, workload.device)
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
@@ -74,7 +76,9 @@ def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the
 def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(monkeypatch):
     monkeypatch.setattr("autoprec.formats.has_fp8_kernels", lambda device: True)  # as on an H100
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
-    tiny = ProfileConfig(batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0))
+    tiny = ProfileConfig(
+        batches=1, timing=ProfileConfig().timing.__class__(warmup=0, rounds=1, min_block_s=0.0, warmup_s=0.0, min_steps=1)
+    )
     prof = profile(workload, SPACE, tiny, progress=False)
     choices = build_choices(prof, SPACE, 0.05, workload.device)
     filtered = {"tensorwise": ["fc1", "big"], "rowwise": ["big"]}  # each recipe's own filter

@@ -131,7 +131,9 @@ def test_register_device_refuses_a_taken_type_and_one_torch_does_not_know():
 def test_the_clock_and_a_training_step_synchronize_through_the_registered_device(counting_cpu, monkeypatch):
     monkeypatch.setattr(timing, "CLOCK", timing.DeviceClock())  # the real clock, not the suite's FormatClock
     work: dict[str, Callable[[], object]] = {"a": lambda: None}
-    timing.interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=1, rounds=2, min_block_s=0.0))
+    timing.interleaved_times(
+        work, torch.device("cpu"), TimingConfig(warmup=1, rounds=2, min_block_s=0.0, warmup_s=0.0, min_steps=1)
+    )
     assert counting_cpu.synchronized == 2 * 3  # before and after each of the 3 timed blocks (1 sizing + 2 rounds)
     counting_cpu.synchronized = 0
     trainer = Trainer(prepare(load_task(MODELS / "overflow_mlp.py"), "cpu"), Policy())

@@ -242,3 +242,49 @@ def test_the_lightning_example_trains_the_digits_model_under_the_plugin(digits, 
     module, plugin = script.fit(Policy(layers={"": "bf16", "fc1": "fp16"}), 2, net=net)
     assert module.net is net and "forward" in net.fc1.__dict__  # the policy is on self.net, as submodule="net" says
     assert plugin.scaler.is_enabled() and all(torch.isfinite(p).all() for p in net.parameters())
+
+
+LLAMA = ROOT / "examples" / "llama" / "model.py"
+
+
+def test_llama_full_is_the_stated_llama_architecture(monkeypatch):
+    import sys
+
+    import torch
+
+    monkeypatch.delenv("AUTOPREC_LLAMA_SIZE", raising=False)
+    task = load_task(LLAMA)  # imports the module; build_model (training) is not called
+    module = sys.modules[task.build_model.__module__]
+    with torch.device("meta"):  # its shapes without 1.5 GB of weights
+        model = module.Llama()
+    h = module.HPARAMS
+    assert module.SIZE == "full" and (h["seq_len"], h["batch"]) == (2048, 8) and len(model.layers) == 6
+    assert 360e6 < sum(p.numel() for p in model.parameters()) < 370e6
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features) == (2048, 512, 512)  # 4 KV heads
+    assert (mlp.gate_proj.out_features, mlp.up_proj.out_features, mlp.down_proj.in_features) == (8192, 8192, 8192)
+    assert isinstance(model.norm, module.RMSNorm) and not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+
+
+def test_llama_tiny_takes_a_training_step_with_a_policy_applied(monkeypatch):
+    import sys
+
+    import torch
+
+    from autoprec import Policy
+
+    monkeypatch.setenv("AUTOPREC_LLAMA_SIZE", "tiny")
+    task = load_task(LLAMA)
+    module = sys.modules[task.build_model.__module__]
+    torch.manual_seed(0)
+    policy = Policy(layers={"": "bf16", "layers.0.mlp.up_proj": "fp8", "lm_head": "fp32"})
+    model = apply_policy(module.Llama(), policy).train()
+    batch = task.batches("train")[0]
+    assert batch[0].shape == (8, 64)
+    loss = task.loss_fn(model, batch)
+    loss.backward()
+    assert torch.isfinite(loss) and 4.0 < loss.item() < 7.0  # about ln(256) before training
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(Exception, match=r"AUTOPREC_LLAMA_SIZE must be one of tiny, full, but got 'huge'"):
+        monkeypatch.setenv("AUTOPREC_LLAMA_SIZE", "huge")
+        load_task(LLAMA)

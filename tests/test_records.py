@@ -101,7 +101,10 @@ def test_a_finalists_file_of_another_version_or_none_is_refused_as_another_versi
     finals({"candidate": "fp32"}).to_csv(path)
     assert path.read_text().splitlines()[0].endswith(",version") and Finals.read_csv(path).names == ["fp32"]
     frame = pd.read_csv(path)
-    for other, shown in ((frame.drop(columns="version"), "none"), (frame.assign(version=2), "2")):
+    for other, shown in (
+        (frame.drop(columns="version"), "none"),
+        (frame.assign(version=FINALS_VERSION + 1), str(FINALS_VERSION + 1)),
+    ):
         other.to_csv(path, index=False)
         with pytest.raises(OtherVersion, match=rf"finalists.csv: written by another autoprec version \(format version {shown}; "):
             Finals.read_csv(path)

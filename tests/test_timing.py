@@ -1,17 +1,22 @@
 """Step times: the clock, interleaved rounds, their spread and the noise helpers (autoprec/tune/_timing.py)."""
 
+import gc
+
 import pytest
+import timings
 import torch
 
 from autoprec.tune import _timing as timing
-from autoprec.tune._config import TimingConfig
+from autoprec.tune._config import MIN_STEPS_PER_SAMPLE, TimingConfig
 from autoprec.tune._timing import Timing, interleaved_times, probe_times
 
 
 def test_interleaved_times_rotates_and_counts_rounds():
     order = []
     work = {name: (lambda n=name: order.append(n)) for name in "abc"}
-    times = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=0, rounds=3, min_block_s=0.0))
+    times = interleaved_times(
+        work, torch.device("cpu"), TimingConfig(warmup=0, rounds=3, min_block_s=0.0, warmup_s=0.0, min_steps=1)
+    )
     assert set(times) == {"a", "b", "c"} and all(len(t.samples_ms) == 3 for t in times.values())
     timed = order[3:]  # after one sizing call each
     assert timed[:3] == ["a", "b", "c"] and timed[3:6] == ["b", "c", "a"] and timed[6:] == ["c", "a", "b"]
@@ -20,10 +25,12 @@ def test_interleaved_times_rotates_and_counts_rounds():
 def test_warmup_counts_every_call_before_the_rounds_and_the_last_one_sizes_the_blocks():
     calls = {"a": 0}
     work = {"a": lambda: calls.__setitem__("a", calls["a"] + 1)}
-    interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=3, rounds=2, min_block_s=0.0))
+    interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=3, rounds=2, min_block_s=0.0, warmup_s=0.0, min_steps=1))
     assert calls["a"] == 3 + 2  # three warm-up calls (no extra sizing call), one step per round
     calls["a"] = 0
-    interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=3, rounds=2, min_block_s=0.0), warmed={"a"})
+    interleaved_times(
+        work, torch.device("cpu"), TimingConfig(warmup=3, rounds=2, min_block_s=0.0, warmup_s=0.0, min_steps=1), warmed={"a"}
+    )
     assert calls["a"] == 1 + 2  # warmed up before: one call to size the blocks
 
 
@@ -31,7 +38,7 @@ def test_a_sequential_test_stops_the_rounds_once_enough_but_never_before_min_rou
     from autoprec.tune._config import MIN_ROUNDS
 
     work = {"a": lambda: None, "b": lambda: None}
-    config = TimingConfig(warmup=0, rounds=9, min_block_s=0.0)
+    config = TimingConfig(warmup=0, rounds=9, min_block_s=0.0, warmup_s=0.0, min_steps=1)
     asked = []
 
     def enough(samples):
@@ -53,12 +60,16 @@ def test_more_rounds_are_pooled_with_the_first_on_the_same_warm_callables_and_ke
         asked.append({n: len(v) for n, v in samples.items()})
         return 3
 
-    times = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=2, rounds=3, min_block_s=0.0), more=more)
+    times = interleaved_times(
+        work, torch.device("cpu"), TimingConfig(warmup=2, rounds=3, min_block_s=0.0, warmup_s=0.0, min_steps=1), more=more
+    )
     assert asked == [{"a": 3, "b": 3}]  # asked once, after the rounds
     assert all(len(t.samples_ms) == 6 for t in times.values())  # the extra rounds pooled with the first three
     assert order[4:] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b", "b", "a"]  # no warm-up again; round 4 rotates on
     assert interleaved_times({}, torch.device("cpu"), TimingConfig(warmup=0, rounds=2), more=more) == {}
-    none = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=0, rounds=2, min_block_s=0.0), more=lambda s: 0)
+    none = interleaved_times(
+        work, torch.device("cpu"), TimingConfig(warmup=0, rounds=2, min_block_s=0.0, warmup_s=0.0, min_steps=1), more=lambda s: 0
+    )
     assert all(len(t.samples_ms) == 2 for t in none.values())
 
 
@@ -83,7 +94,7 @@ def test_a_sequential_test_may_stop_the_extra_rounds_too():
         asked.append(len(samples["a"]))
         return len(samples["a"]) >= 6
 
-    times = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=0, rounds=4, min_block_s=0.0),
+    times = interleaved_times(work, torch.device("cpu"), TimingConfig(warmup=0, rounds=4, min_block_s=0.0, warmup_s=0.0, min_steps=1),
                               enough=lambda s: enough(s) and len(s["a"]) > 4, more=lambda s: 10)  # fmt: skip
     assert len(times["a"].samples_ms) == 6 and asked == [3, 5, 6]  # not asked at the first pass's last round
 
@@ -129,41 +140,153 @@ def test_the_device_clock_runs_the_work_and_reads_the_wall_time_it_took():
 
     calls = []
     seconds = timing.DeviceClock().time(lambda: calls.append(time.sleep(0.01)), 3, torch.device("cpu"))
-    assert len(calls) == 3 and seconds >= 0.03  # a lower bound only: a busy machine takes longer, never shorter
+    assert (
+        len(calls) == 3 and seconds.seconds >= 0.03 and seconds.host_s is None
+    )  # a lower bound only: a busy machine takes longer, never shorter
 
 
 def test_every_step_time_is_read_through_the_clock(monkeypatch):
     # interleaved_times: the sizing call, then a block per round, each priced by the clock and per step
     monkeypatch.setattr(timing, "CLOCK", ScriptedClock([0.001] + [0.004, 0.002, 0.003]))
-    t = interleaved_times({"x": lambda: None}, torch.device("cpu"), TimingConfig(warmup=1, rounds=3, min_block_s=0.0))
+    t = interleaved_times(
+        {"x": lambda: None}, torch.device("cpu"), TimingConfig(warmup=1, rounds=3, min_block_s=0.0, warmup_s=0.0, min_steps=1)
+    )
     assert t["x"].samples_ms == pytest.approx((4.0, 2.0, 3.0)) and t["x"].median_ms == pytest.approx(3.0)
 
 
-def test_every_callable_takes_the_same_steps_in_every_round_sized_by_the_slowest(monkeypatch):
+def test_every_callable_takes_the_same_steps_in_every_round_enough_for_the_fastest_at_least_the_minimum_within_the_cap(
+    monkeypatch,
+):
     """A time budget's re-measure timed fp16 on 9 steps beside fp32's 254 and wrote it 22x faster (issue 37, 5): block
-    sizes came from each candidate's own warm-up. One block size now, from the slowest."""
-    from autoprec.tune._config import TimingConfig
-    from autoprec.tune._timing import interleaved_times
-
-    seconds = {"fast": 0.001, "slow": 0.02}
-    calls: dict[str, list[int]] = {"fast": [], "slow": []}
+    sizes came from each candidate's own warm-up. One block size for all: the fastest's block lasts min_block_s, no
+    sample averages fewer than min_steps, and the slowest's block stays within max_block_s."""
+    calls: dict[str, list[int]] = {}
 
     class Clock:
         def time(self, work, n, device):
             calls[work.name].append(n)
-            return seconds[work.name] * n
+            return work.seconds * n
 
     class Work:
-        def __init__(self, name):
-            self.name = name
+        def __init__(self, name, seconds):
+            self.name, self.seconds = name, seconds
+            calls[name] = []
 
         def __call__(self):
             return None
 
     monkeypatch.setattr(timing, "CLOCK", Clock())
-    config = TimingConfig(warmup=1, rounds=4, min_block_s=0.05, max_steps_per_block=50)
-    interleaved_times({n: Work(n) for n in seconds}, torch.device("cpu"), config)
-    assert calls["fast"][1:] == calls["slow"][1:] == [3] * 4  # ceil(0.05 / 0.02): the fast one's 50 no longer
+    config = TimingConfig(warmup=1, rounds=4, min_block_s=0.05, max_steps_per_block=50, warmup_s=0.0)
+    interleaved_times({"fast": Work("fast", 0.001), "slow": Work("slow", 0.02)}, torch.device("cpu"), config)
+    assert calls["fast"][1:] == calls["slow"][1:] == [50] * 4  # ceil(0.05 / 0.001), within max_block_s (2 s / 0.02)
+    interleaved_times({"fast": Work("fast", 0.001), "slow": Work("slow", 0.1)}, torch.device("cpu"), config)
+    assert calls["fast"][1:] == calls["slow"][1:] == [20] * 4  # the slowest's block within max_block_s: 2 s / 0.1
+    interleaved_times({"fast": Work("fast", 0.1), "slow": Work("slow", 0.2)}, torch.device("cpu"), config)
+    assert calls["fast"][1:] == calls["slow"][1:] == [MIN_STEPS_PER_SAMPLE] * 4  # 0.05 s / 0.1 is 1: the minimum wins
+    interleaved_times({"fast": Work("fast", 0.1), "slow": Work("slow", 0.5)}, torch.device("cpu"), config)
+    assert calls["fast"][1:] == calls["slow"][1:] == [4] * 4  # a step of half a second: 2 s of it, below the minimum
+
+
+class AsyncWork:
+    """A step on a device with a queue of its own: `host_s` to issue it, `device_s` for the device to run it."""
+
+    def __init__(self, host_s, device_s):
+        self.host_s, self.device_s = host_s, device_s
+
+    def __call__(self):
+        return None
+
+
+@pytest.fixture
+def queued_device():
+    with timings.queued_cpu(lambda work: (work.host_s, work.device_s)):
+        yield
+
+
+def test_a_device_with_a_queue_is_timed_by_its_own_clock_and_the_host_apart_and_a_host_bound_step_is_named(queued_device):
+    config = TimingConfig(warmup=1, rounds=3, warmup_s=0.0)
+    # GPT-2-small's bf16 step on an H200: the host issues for longer than the GPU runs it
+    bf16 = interleaved_times({"bf16": AsyncWork(host_s=0.020, device_s=0.008)}, torch.device("cpu"), config)["bf16"]
+    assert bf16.median_ms == pytest.approx(20.0) and bf16.host_ms == pytest.approx(20.0) and bf16.host_bound
+    # a step whose device time dominates (a large model's): the host runs ahead, the device's time is the step's
+    big = interleaved_times({"big": AsyncWork(host_s=0.011, device_s=0.080)}, torch.device("cpu"), config)["big"]
+    assert big.median_ms == pytest.approx(80.0) and big.host_ms == pytest.approx(11.0) and not big.host_bound
+
+
+class PricedClock:
+    """Every call of a work costs its `seconds`; each block's size and the collector's state inside it recorded."""
+
+    def __init__(self):
+        self.blocks: list[tuple[str, int]] = []
+        self.collector: list[tuple[bool, int]] = []
+
+    def time(self, work, calls, device):
+        for _ in range(calls):
+            work()
+        self.blocks.append((work.name, calls))
+        self.collector.append((gc.isenabled(), gc.get_freeze_count()))
+        return work.seconds * calls
+
+
+class Priced:
+    def __init__(self, name, seconds):
+        self.name, self.seconds = name, seconds
+
+    def __call__(self):
+        return None
+
+
+def test_a_60_ms_step_is_sampled_over_at_least_eight_steps_and_the_final_remeasure_over_a_quarter_second(monkeypatch):
+    """The first GPU run's final re-measure sampled one 56 ms fp32 step at a time (block sized from the slowest), so
+    uniform bf16 beside it spread ±10%: every sample now averages MIN_STEPS_PER_SAMPLE steps or more."""
+    from autoprec.tune._config import SearchConfig
+
+    final = SearchConfig(budget=0.01).final_timing
+    for config in (TimingConfig(), final):
+        clock = PricedClock()
+        monkeypatch.setattr(timing, "CLOCK", clock)
+        interleaved_times({"fp32": Priced("fp32", 0.060), "bf16": Priced("bf16", 0.020)}, torch.device("cpu"), config)
+        timed = clock.blocks[-2 * config.rounds :]
+        assert all(steps >= MIN_STEPS_PER_SAMPLE == 8 for _, steps in timed)
+        assert len({steps for _, steps in timed}) == 1  # timed together: the same steps
+    assert all(steps * 0.020 >= final.min_block_s >= 0.25 for _, steps in timed)  # even the fastest's block
+
+
+def test_the_collector_is_frozen_after_the_warm_up_and_off_inside_every_timed_block_and_restored_after(monkeypatch):
+    clock = PricedClock()
+    monkeypatch.setattr(timing, "CLOCK", clock)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    config = TimingConfig(warmup=1, rounds=3, min_block_s=0.0, warmup_s=0.0)
+    interleaved_times({"a": Priced("a", 0.01), "b": Priced("b", 0.01)}, torch.device("cpu"), config)
+    rounds = clock.collector[-6:]
+    assert all(not enabled and frozen > 0 for enabled, frozen in rounds)
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # the process's collector as it was
+
+
+def test_a_call_that_compiles_is_never_a_timed_one(monkeypatch):
+    """torch.compile compiles a function again on its second value of an int (then treats it as dynamic): warm-up
+    goes on past the configured calls while a call still compiles, so no timed block holds a compilation."""
+    from autoprec.tune._timing import compiled_graphs
+
+    @torch.compile(backend="eager")
+    def scale(x, n):
+        return x * n
+
+    x, n = torch.ones(4), iter(range(1, 1000))
+    compiled = []
+
+    class Clock:
+        def time(self, work, calls, device):
+            before = compiled_graphs()
+            for _ in range(calls):
+                work()
+            compiled.append(compiled_graphs() != before)
+            return 0.001 * calls
+
+    monkeypatch.setattr(timing, "CLOCK", Clock())
+    config = TimingConfig(warmup=1, rounds=3, min_block_s=0.0, warmup_s=0.0, min_steps=1)
+    interleaved_times({"step": lambda: scale(x, next(n))}, torch.device("cpu"), config)
+    assert any(compiled) and not any(compiled[-4:])  # the sizing call and the 3 rounds compiled nothing
 
 
 def test_a_spread_is_written_as_stored_in_the_tables_the_first_line_and_the_warnings(caplog):

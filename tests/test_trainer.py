@@ -12,7 +12,7 @@ from autoprec.tune._config import TimingConfig
 from autoprec.tune._trainer import Trainer, measure_steps
 
 MODELS = Path(__file__).parent / "models"
-FAST = TimingConfig(warmup=1, rounds=3, min_block_s=0.0)
+FAST = TimingConfig(warmup=1, rounds=3, min_block_s=0.0, warmup_s=0.0, min_steps=1)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,9 @@ def test_compiled_measurement_compiles_every_candidate_even_past_dynamos_recompi
         policies[f"p{i}"] = Policy(layers={n: ("fp32", "bf16", "fp16")[i // 3**b % 3] for b, n in enumerate(names)})
     assert len({str(p.layers) for p in policies.values()}) == 11
     counters.clear()
-    stats = measure_steps(workload, policies, TimingConfig(warmup=1, rounds=1, min_block_s=0.0), compiled=True)
+    stats = measure_steps(
+        workload, policies, TimingConfig(warmup=1, rounds=1, min_block_s=0.0, warmup_s=0.0, min_steps=1), compiled=True
+    )
     assert counters["stats"]["unique_graphs"] >= 11  # one forward graph per candidate, none run eagerly
     assert all(s.compile_s is not None and s.compile_s > 0 for s in stats.values())
     assert torch._dynamo.config.recompile_limit == 8  # the raised limit was scoped to the measurement

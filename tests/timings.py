@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from autoprec import devices
 from autoprec.apply import applied_summary
 from autoprec.formats import Format
 from autoprec.tune import _timing as timing
@@ -98,3 +99,34 @@ def using(clock: timing.Clock) -> Iterator[timing.Clock]:
         yield clock
     finally:
         timing.CLOCK = before
+
+
+class QueuedDevice(devices.Device):
+    """A device with a queue of its own, as a CUDA GPU, standing in for the CPU (its tensors stay there; only the
+    timing is this device's). `price(work)` says a call's (host seconds, device seconds): a block's time on the device
+    is the later of the host's issuing and the device's running (it waits on a host slower than it), the host's is
+    reported apart, and a `kernels` block (a layer's step alone) reports the device's busy time alone."""
+
+    type = "cpu"
+
+    def __init__(self, price: Callable[[object], tuple[float, float]]):
+        self.price = price
+
+    def time_block(self, dev, work, calls, *, kernels=False):
+        for _ in range(calls):
+            work()
+        host, busy = self.price(work)
+        return devices.BlockTime(calls * (busy if kernels else max(host, busy)), calls * host)
+
+
+@contextlib.contextmanager
+def queued_cpu(price: Callable[[object], tuple[float, float]]) -> Iterator[QueuedDevice]:
+    """Inside: the CPU's registered Device is a QueuedDevice pricing work by `price`, and timing.CLOCK the real clock
+    that asks it; both restored after."""
+    device, cpu = QueuedDevice(price), devices.device_for("cpu")
+    devices.register_device(device, replace=True)
+    try:
+        with using(timing.DeviceClock()):
+            yield device
+    finally:
+        devices.register_device(cpu, replace=True)

@@ -36,6 +36,15 @@ NOISY_SPREAD = 0.25
 # that spread needs: on a noisy device more rounds per trial would not rank it, and the final re-measure decides.
 NOISE_ROUNDS = 4
 
+# The fewest training steps one timed sample averages, on every device and whatever a step costs: a sample of one
+# step starts on an idle GPU and ends when it drains, so it carries all of the host's jitter at both ends (a bf16
+# GPT-2-small step on an H200 spread ±10% sampled one at a time, fp32's ±0.1%); eight share those ends.
+MIN_STEPS_PER_SAMPLE = 8
+# A step whose host issues its work for at least this share of the device's time is host-bound: the device waited on
+# the host, so no format changes that step's time (CUDA graphs or a larger batch would); reported as such rather than
+# as a noisy device. Below it the device had work queued ahead.
+HOST_BOUND = 0.9
+
 MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
 # Rounds agreeing within this (relative range or spread) settle a timing: a trial's (objective.Objective) after
 # MIN_ROUNDS, the final re-measure's (every candidate's spread) after SETTLED_FINAL_ROUNDS. Also the least spread a
@@ -166,17 +175,36 @@ def parse_mode(value: object) -> Mode:
 
 @dataclasses.dataclass(frozen=True)
 class TimingConfig:
-    """How long to time: `warmup` calls per candidate first (the last one sizes the blocks), then `rounds`
-    interleaved rounds of at least `min_block_s` seconds per candidate."""
+    """How long to time: `warmup` calls per candidate first, and on until `warmup_s` seconds of them (a GPU's clocks
+    and caches settle; the last call sizes the blocks), then `rounds` interleaved rounds. Every candidate takes the
+    same steps in a round: enough that the fastest's block lasts `min_block_s`, at most `max_steps_per_block`, never
+    fewer than `min_steps` (MIN_STEPS_PER_SAMPLE), and no more than the slowest runs in `max_block_s` (which alone
+    may cut a block below `min_steps`: a step of seconds has no launch jitter to average)."""
 
     warmup: int = 3
     rounds: int = 7
     min_block_s: float = 0.05
     max_steps_per_block: int = 50
+    warmup_s: float = 1.0
+    max_block_s: float = 2.0
+    # the fewest steps a sample averages: MIN_STEPS_PER_SAMPLE (the test suite's injected clocks run with fewer: their
+    # prices have no jitter to average, and each step they run costs the suite's time)
+    min_steps: int = MIN_STEPS_PER_SAMPLE
 
     def __post_init__(self) -> None:
-        if self.warmup < 0 or self.rounds < 1 or self.min_block_s < 0 or self.max_steps_per_block < 1:
-            raise ValueError(f"TimingConfig needs warmup >= 0, rounds >= 1, min_block_s >= 0, got {self}")
+        if (
+            self.warmup < 0
+            or self.rounds < 1
+            or self.min_block_s < 0
+            or self.min_steps < 1
+            or self.max_steps_per_block < self.min_steps
+            or self.warmup_s < 0
+            or self.max_block_s < 0
+        ):
+            raise ValueError(
+                "TimingConfig needs warmup >= 0, rounds >= 1, min_block_s >= 0, warmup_s >= 0, max_block_s >= 0, "
+                f"min_steps >= 1 and max_steps_per_block >= min_steps, got {self}"
+            )
 
 
 NUMERICS = ("all", "offered")  # ProfileConfig.numerics
@@ -194,7 +222,10 @@ class ProfileConfig:
     measures every drop alone, whatever the tolerance."""
 
     batches: int = 2
-    timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02)
+    # a layer's step is short and timed in many formats: a fifth of a second warms it (a whole step's second would
+    # cost a second per layer shape and format), and a block of half a second bounds a slow format's (a GPU's layer
+    # takes microseconds to a millisecond: hundreds of steps; a CPU's emulated format a second: one)
+    timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02, warmup_s=0.2, max_block_s=0.5)
     gross_slowdown: float = 4.0
     grad_batches: int | None = 8
     max_underflow: float = 1e-3
@@ -246,10 +277,10 @@ class SearchConfig:
         heartbeat_s: Database storages: a trial whose worker is silent for twice this many seconds is failed and
             run again (an integer >= 1). Default 60.
         study_name: The study's name in the storage. Default None: the task's name.
-        timing: How each trial's step is timed (TimingConfig). Default TimingConfig(): 3 warm-up calls, up to 7
-            interleaved rounds of at least 0.05 s.
+        timing: How each trial's step is timed (TimingConfig). Default TimingConfig(): 3 warm-up calls and at
+            least 1 s of them, up to 7 interleaved rounds of at least 0.05 s and MIN_STEPS_PER_SAMPLE steps.
         final_timing: How the finalists and the alternatives are re-measured together at the end. Default
-            TimingConfig(rounds=11).
+            TimingConfig(rounds=11, min_block_s=0.25, max_steps_per_block=1000, max_block_s=8.0).
         finalists: How many of the fastest trials within budget are re-measured (k, >= 1). Default 3.
         profile: How the search's profile measures (ProfileConfig). Default ProfileConfig(), its numerics
             "offered".
@@ -297,7 +328,9 @@ class SearchConfig:
     heartbeat_s: int = 60  # database storages: a trial whose worker is silent for 2x this is failed and retried
     study_name: str | None = None  # None: the task's name
     timing: TimingConfig = TimingConfig()
-    final_timing: TimingConfig = TimingConfig(rounds=11)
+    # blocks of a quarter second at least (a 1 ms GPU step: 250 steps), so a sample carries little of the host's jitter;
+    # 8 steps of up to a second each (a large model's strict-fp32 step on a GPU) still fit max_block_s
+    final_timing: TimingConfig = TimingConfig(rounds=11, min_block_s=0.25, max_steps_per_block=1000, max_block_s=8.0)
     finalists: int = 3
     profile: ProfileConfig = ProfileConfig()  # numerics None: "offered" (__post_init__)
     progress: bool = True

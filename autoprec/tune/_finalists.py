@@ -165,6 +165,8 @@ def remeasure(
                 peak_bytes=s.peak_bytes if s else None,
                 memory_saving=memory.saving(s.peak_bytes if s else None, fp32_peak),
                 fits=max_memory is None or (s is not None and s.peak_bytes is not None and s.peak_bytes <= max_memory),
+                host_ms=s.timing.host_ms if s else None,
+                host_bound=s.timing.host_bound if s else False,
             )
         )
     return Finals(rows).within(budget)

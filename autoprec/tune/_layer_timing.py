@@ -27,7 +27,9 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     as inside a region of that format (a bf16 model root, say): inputs arrive in it and the output stays in
     it. A lone lowered layer also pays for casting in and out, but a policy that lowers its neighbours does
     not, and pruning on that cost would rule out small layers a lowered model runs faster with; the trials,
-    timing whole steps, charge the casts where they happen."""
+    timing whole steps, charge the casts where they happen. Timed by the device's busy time (Step.kernels): on a GPU
+    the host takes longer to issue a lone layer's step than the GPU to run it, and that launch overhead is no cost
+    of its format (inside a whole step the host issues it while the GPU runs the layers before)."""
     dtype = autocast_dtype(fmt)
     policy = Policy(layers={"": fmt, "layer": fmt} if dtype else {"layer": fmt})
     holder = apply_on_chosen_device(_Holder(copy.deepcopy(module)).train(), policy)
@@ -52,7 +54,7 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
         for t in leaves:
             t.grad = None
 
-    return Step(step, holder)
+    return Step(step, holder, kernels=True)
 
 
 def _time_layer(
@@ -100,7 +102,7 @@ def _strict(device: torch.device, step: Step) -> Step:
         with matmul_precision(device, False):
             step()
 
-    return Step(run, step.model)
+    return Step(run, step.model, step.kernels)
 
 
 def _timing_key(module: torch.nn.Module, inputs: tuple[tuple, dict], formats: list[Format]) -> str:

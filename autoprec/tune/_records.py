@@ -41,7 +41,7 @@ class _Attributed(Protocol):
 
 # finalists.csv's last column, `version`, on every row: the format of its columns. Raise it when a column is added,
 # removed or means something else; Finals.read_csv reads no other (the pipeline then re-measures the finalists).
-FINALS_VERSION = 1
+FINALS_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,7 +52,9 @@ class Measurement:
     `skipped` of `steps`: steps the GradScaler skipped while timed; `train_skipped`: while trained (train mode);
     `rounds`: the interleaved timing rounds its median is of (0: not timed); `peak_bytes`: one training step's peak
     memory (_memory.py; None: not measured), `memory_saving` the share of fp32's it saves; `fits`: within
-    --max-memory (always, without one); `feasible` needs it too."""
+    --max-memory (always, without one); `feasible` needs it too. `host_ms`: on a device with a queue of its own,
+    the host's time issuing a step (`step_ms` is then the device's; None elsewhere), and `host_bound` whether it is
+    most of the step (timing.Timing.host_bound: no format changes that step's time)."""
 
     candidate: str
     metric: float
@@ -72,6 +74,8 @@ class Measurement:
     peak_bytes: int | None = None
     memory_saving: float | None = None
     fits: bool = True
+    host_ms: float | None = None
+    host_bound: bool = False
 
     @property
     def over_memory(self) -> bool:
@@ -139,9 +143,10 @@ class Finals(Sequence[Measurement]):
         """Every row with `changes` (tests and what-if reports)."""
         return Finals(dataclasses.replace(r, **changes) for r in self._rows)
 
-    def noisiest(self) -> float:
-        """The widest step-time spread among the candidates that ran (0 when none did)."""
-        spreads = [r.spread for r in self._rows if r.runs and math.isfinite(r.spread)]
+    def noisiest(self, *, device_only: bool = False) -> float:
+        """The widest step-time spread among the candidates that ran (0 when none did); `device_only`: among those
+        not host-bound (a host-bound step's spread is the host's jitter, not a noisy device's)."""
+        spreads = [r.spread for r in self._rows if r.runs and math.isfinite(r.spread) and not (device_only and r.host_bound)]
         return max(spreads, default=0.0)
 
     def to_frame(self) -> pd.DataFrame:
@@ -188,6 +193,8 @@ class Finals(Sequence[Measurement]):
                         peak_bytes=_optional(record["peak_bytes"], int),
                         memory_saving=_optional(record["memory_saving"], float),
                         fits=_flag(record["fits"]),
+                        host_ms=_optional(record["host_ms"], float),
+                        host_bound=_flag(record["host_bound"]),
                     )
                 )
             except KeyError as exc:

@@ -248,11 +248,21 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
             "process-wide setting, not a per-layer format: torch.set_float32_matmul_precision('high') in your script "
             "also speeds the policy's fp32 layers"
         )
-    if speed and finals.noisiest() > NOISY_SPREAD:
+    noisiest = finals.noisiest(device_only=True)  # a host-bound step's jitter is said below
+    if speed and noisiest > NOISY_SPREAD:
         parts.append(
-            f"note: step times spread up to {spread_text(finals.noisiest())} even over more rounds: too wide to rank "
+            f"note: step times spread up to {spread_text(noisiest)} even over more rounds: too wide to rank "
             "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
             "rerun on a quieter machine with --remeasure"
+        )
+    bound = [r for r in finals if r.runs and r.host_bound and r.host_ms is not None]
+    if speed and bound:
+        parts.append(
+            "note: host-bound: "
+            + ", ".join(f"{r.candidate} (host {r.host_ms:.3g} of {r.step_ms:.3g} ms a step)" for r in bound)
+            + ": the host issues these steps' work for most of the device's time on them, so the device waits on it; "
+            "precision cannot change their step time (CUDA graphs or a larger batch can), and their spread is the "
+            "host's jitter, not a noisy device"
         )
     ref = finals.get(BF16)
     # the tie the decision recorded (choose.not_separated), not judged again here

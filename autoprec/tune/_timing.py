@@ -1,24 +1,30 @@
 """Every speed number in autoprec: the clock step times are read through, and `interleaved_times`.
 
 Warmed up, device synchronised, candidates timed in rotating order within each round (so drift hits all alike),
-median of rounds; the noise helpers (`noisiest`, `more_if_noisy`, `all_settled`) read the rounds' spread.
+median of rounds, each round's sample the mean of a block of steps; on a device with a queue of its own the
+device's time and the host's apart (a host-bound step is named as such); the garbage collector frozen after the
+warm-up and paused inside each timed block. The noise helpers (`noisiest`, `more_if_noisy`, `all_settled`) read
+the rounds' spread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import math
 import statistics
-import time
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 import torch
 from tqdm.auto import tqdm
 
 from autoprec import devices
-from autoprec.tune._config import MIN_ROUNDS, NOISY_SPREAD, SETTLED, SETTLED_FINAL_ROUNDS, TimingConfig
+from autoprec.devices import BlockTime
+from autoprec.tune._config import HOST_BOUND, MIN_ROUNDS, NOISY_SPREAD, SETTLED, SETTLED_FINAL_ROUNDS, TimingConfig
 
 log = logging.getLogger("autoprec")
 
@@ -29,21 +35,32 @@ Key = TypeVar("Key", bound=Hashable)
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """Per-step milliseconds: the median over rounds and their relative spread, the interquartile range
-    over the median (robust to the odd stalled round that (max - min) would report as noise)."""
+    over the median (robust to the odd stalled round that (max - min) would report as noise). On a device with a
+    queue of its own the samples are the device's time, and `host_ms` the median of the host's time issuing a step
+    (None elsewhere: there the two are one)."""
 
     median_ms: float
     spread: float
     samples_ms: tuple[float, ...]
+    host_ms: float | None = None
 
     @classmethod
-    def from_samples(cls, samples: list[float]) -> Timing:
+    def from_samples(cls, samples: list[float], host: Sequence[float] = ()) -> Timing:
         med = statistics.median(samples)
         if len(samples) >= 4:
             q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
         else:
             q1, q3 = min(samples), max(samples)
         spread = (q3 - q1) / med if med > 0 else 0.0
-        return cls(median_ms=med, spread=spread, samples_ms=tuple(samples))
+        host_ms = statistics.median(host) if host else None
+        return cls(median_ms=med, spread=spread, samples_ms=tuple(samples), host_ms=host_ms)
+
+    @property
+    def host_bound(self) -> bool:
+        """The host issued the step's work for most of the device's time on it (HOST_BOUND): the device waited on
+        the host, so no format changes this step's time (CUDA graphs or a larger batch would), and its spread is
+        the host's jitter, not the device's."""
+        return self.host_ms is not None and self.median_ms > 0 and self.host_ms >= HOST_BOUND * self.median_ms
 
 
 def spread_text(spread: float | None) -> str:
@@ -63,32 +80,54 @@ def synchronize(device: torch.device) -> None:
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One unit of timed work (a training step, a layer's forward and backward) and the model it runs, so that a
-    clock standing in for a device (tests, replays) can price it by the formats applied to that model."""
+    clock standing in for a device (tests, replays) can price it by the formats applied to that model. `kernels`:
+    time the device's work alone (Device.time_block), as a lone layer's step is: its launch overhead is no cost of
+    its format, and inside a whole step the host issues it while the device runs the layers before."""
 
     run: Callable[[], object]
     model: torch.nn.Module | None = None
+    kernels: bool = False
 
     def __call__(self) -> object:
         return self.run()
 
 
 class Clock(Protocol):
-    """Times `calls` calls of one unit of work on `device`: the seconds they took in all. Every step time in
-    autoprec is read through CLOCK, so nothing that decides on speed reads the machine but through it."""
+    """Times `calls` calls of one unit of work on `device`: the seconds they took in all, or a BlockTime (the
+    device's seconds and the host's apart). Every step time in autoprec is read through CLOCK, so nothing that
+    decides on speed reads the machine but through it."""
 
-    def time(self, work: Callable[[], object], calls: int, device: torch.device) -> float: ...
+    def time(self, work: Callable[[], object], calls: int, device: torch.device) -> float | BlockTime: ...
 
 
 class DeviceClock:
-    """The real clock: wall time between two device synchronisations."""
+    """The real clock: the device's own (Device.time_block): wall time between two synchronisations on the CPU, the
+    GPU's events around the block and the host's issuing time apart on CUDA. Work whose `kernels` attribute is True
+    (a layer's step in the profile) is timed by the device's busy time alone, not the host's launch overhead."""
 
-    def time(self, work: Callable[[], object], calls: int, device: torch.device) -> float:
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            work()
-        synchronize(device)
-        return time.perf_counter() - start
+    def time(self, work: Callable[[], object], calls: int, device: torch.device) -> BlockTime:
+        return devices.lookup(device).time_block(device, work, calls, kernels=bool(getattr(work, "kernels", False)))
+
+
+def as_block(measured: float | BlockTime) -> BlockTime:
+    """A clock's answer as a BlockTime (a plain number of seconds: a device without a queue of its own)."""
+    return measured if isinstance(measured, BlockTime) else BlockTime(float(measured))
+
+
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Inside: what the warm-up left collected once and frozen (gc.freeze), so the collections that still run (between
+    timed blocks) walk only the rounds' own objects, not a model's worth of them; unfrozen after. Left alone where
+    the caller froze objects already (theirs to unfreeze): library code changes no process-wide state for good."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 # The clock step times are read from. Library code never replaces it; the tests put a clock there that prices a
@@ -107,7 +146,8 @@ def interleaved_times(
     more: Callable[[Mapping[Key, Sequence[float]]], int] | None = None,
 ) -> dict[Key, Timing]:
     """Time each callable (one unit of work, e.g. one training step) interleaved with the others.
-    `progress`: a label for a progress bar over the rounds (None: no bar). `enough(samples)`: asked after each
+    Each round's sample is the mean of a block of steps (TimingConfig: the same count for every callable); where
+    the clock says the host's time apart, each Timing's host_ms too. `progress`: a label for a progress bar over the rounds (None: no bar). `enough(samples)`: asked after each
     round from MIN_ROUNDS on, with each callable's per-step milliseconds so far; True stops early (a
     sequential test: the answer is already clear), else the rounds run to `config.rounds`. `warmed`: callables
     warmed up before (a baseline timed again beside each new candidate): one warm-up call each. `more(samples)`:
@@ -116,33 +156,85 @@ def interleaved_times(
     names = list(work)
     if not names:
         return {}
-    slowest = 1e-6
+    fastest, slowest = math.inf, 1e-6
     for name in names:
-        for _ in range(0 if name in warmed else config.warmup - 1):
-            work[name]()
-        slowest = max(slowest, CLOCK.time(work[name], 1, device))  # the last warm-up call (or one more) sizes the blocks
-    # One block size for every callable, from the slowest: each takes as many steps in every round, so no
-    # candidate's median comes from a handful of steps beside another's hundreds (a GradScaler's early skips weigh
-    # alike), and a slow candidate does not stretch the rounds. (Their batches may differ in position: a warmed
-    # baseline skipped its warm-up calls.)
-    block = max(1, min(config.max_steps_per_block, math.ceil(config.min_block_s / slowest)))
+        if name not in warmed:
+            _warm_up(work[name], device, config)
+        per_step = _sizing_call(work[name], device)
+        fastest, slowest = min(fastest, max(per_step, 1e-6)), max(slowest, per_step)
+    # One block size for every callable: each takes as many steps in every round, so no candidate's median comes
+    # from a handful of steps beside another's hundreds (a GradScaler's early skips weigh alike). Enough that the
+    # fastest's block lasts min_block_s, and never fewer than min_steps (a sample of one step carries all the jitter
+    # at its ends), as long as the slowest's block stays within max_block_s: a step of seconds (a CPU's emulated
+    # format) has no such jitter to average, and eight of it per round would multiply the search's time. (Their
+    # batches may differ in position: a warmed baseline skipped its warm-up calls.)
+    block = max(config.min_steps, min(config.max_steps_per_block, math.ceil(config.min_block_s / fastest)))
+    block = min(block, max(1, math.floor(config.max_block_s / slowest)))
     steps: dict[Key, int] = dict.fromkeys(names, block)
     samples: dict[Key, list[float]] = {name: [] for name in names}
+    host: dict[Key, list[float]] = {name: [] for name in names}
 
     def rounds(first: int, last: int) -> None:
         for r in tqdm(range(first, last), desc=progress, unit="round", disable=progress is None, leave=False):
             k = r % len(names)
             for name in names[k:] + names[:k]:  # rotate so no candidate always runs first
-                samples[name].append(CLOCK.time(work[name], steps[name], device) * 1e3 / steps[name])
+                with devices.collector_paused():  # no collection of another's garbage inside this block
+                    measured = as_block(CLOCK.time(work[name], steps[name], device))
+                samples[name].append(measured.seconds * 1e3 / steps[name])
+                if measured.host_s is not None:
+                    host[name].append(measured.host_s * 1e3 / steps[name])
             if enough is not None and r + 1 >= MIN_ROUNDS and r + 1 < last and enough(samples):
                 return
 
-    rounds(0, config.rounds)
-    done = min(map(len, samples.values()))
-    extra = more(samples) if more is not None else 0
-    if extra > 0:  # the same warm models and block sizes: no rebuilding, recompiling or warming again
-        rounds(done, done + extra)
-    return {name: Timing.from_samples(samples[name]) for name in names}
+    with gc_frozen():
+        rounds(0, config.rounds)
+        done = min(map(len, samples.values()))
+        extra = more(samples) if more is not None else 0
+        if extra > 0:  # the same warm models and block sizes: no rebuilding, recompiling or warming again
+            rounds(done, done + extra)
+    return {name: Timing.from_samples(samples[name], host[name]) for name in names}
+
+
+def _warm_up(work: Callable[[], object], device: torch.device, config: TimingConfig) -> None:
+    """`config.warmup` - 1 calls, and on until `config.warmup_s` seconds of them by the clock (a GPU's clocks and
+    caches settle, an allocator reaches its steady state), but no more calls than the first one's time says fill
+    those seconds (a step that speeds up a lot after it does not warm up for ever); and on while a call still
+    compiled a graph (torch.compile recompiles on a second shape or value), up to RECOMPILE_CALLS more, so no
+    timed round holds a compilation. The call after these sizes the blocks (_sizing_call)."""
+    spent, calls, least = 0.0, 0, config.warmup - 1
+    most = max(least, 1 if config.warmup_s > 0 else 0)
+    clean = True
+    while calls < least or (spent < config.warmup_s and calls < most) or (not clean and calls < most + RECOMPILE_CALLS):
+        before = compiled_graphs()
+        seconds = as_block(CLOCK.time(work, 1, device)).seconds
+        if calls == 0:
+            most = max(most, math.ceil(config.warmup_s / max(seconds, 1e-6)))
+        spent += seconds
+        calls += 1
+        clean = compiled_graphs() == before
+
+
+def _sizing_call(work: Callable[[], object], device: torch.device) -> float:
+    """The seconds of one call after the warm-up, which sizes the blocks; taken again while it compiled a graph (up to
+    RECOMPILE_CALLS), so neither the sizes nor the rounds after hold a compilation."""
+    for _ in range(RECOMPILE_CALLS):
+        before = compiled_graphs()
+        seconds = as_block(CLOCK.time(work, 1, device)).seconds
+        if compiled_graphs() == before:
+            break
+    return seconds
+
+
+# Warm-up calls past the configured ones while each still compiles a graph: torch.compile's recompilations of one
+# model settle within a few calls (a second shape marks it dynamic once); past these the timing goes on regardless.
+RECOMPILE_CALLS = 8
+
+
+def compiled_graphs() -> int | None:
+    """How many frames torch.compile has compiled in this process so far; None where it was never imported (nothing
+    compiled, and importing it here would cost seconds)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return None if utils is None else int(utils.counters["frames"]["total"])
 
 
 def noisiest(samples: Mapping[str, Sequence[float]]) -> float:
@@ -183,5 +275,5 @@ def probe_times(
     for name, fn in work.items():
         for _ in range(warmup):
             fn()
-        out[name] = min(CLOCK.time(fn, 1, device) for _ in range(repeats)) * 1e3
+        out[name] = min(as_block(CLOCK.time(fn, 1, device)).seconds for _ in range(repeats)) * 1e3
     return out

@@ -74,6 +74,13 @@ def compile_scope(compiled: bool, candidates: int) -> Iterator[None]:
         yield
 
 
+def default_optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer of a model.py that defines none: AdamW, fused where the device says it pays (Device.fused_adamw:
+    CUDA). A model.py's own optimizer(model) always wins."""
+    fused = devices.lookup(device).fused_adamw or None  # None: torch's own choice (foreach), as before
+    return torch.optim.AdamW(model.parameters(), fused=fused)
+
+
 def policy_model(workload: Workload, policy: Policy) -> torch.nn.Module:
     """A fresh copy of the fp32 reference model with `policy` applied."""
     return apply_on_chosen_device(copy.deepcopy(workload.model), policy)
@@ -106,7 +113,7 @@ class Trainer:
         self._forward_model = compile_model(self.model) if compiled else self.model
         self.first_step_s: float | None = None
         task = workload.task
-        self.optimizer = task.optimizer(self.model) if task.optimizer else torch.optim.AdamW(self.model.parameters())
+        self.optimizer = task.optimizer(self.model) if task.optimizer else default_optimizer(self.model, workload.device)
         # its collapse warning would repeat what the caller counts and reports
         self.scaler = grad_scaler(candidate.policy, workload.device, warn=False)
         self.order = tuple(order) if order is not None else tuple(range(len(workload.train)))

@@ -1,0 +1,32 @@
+"""A layer's own step time in each format (autoprec/tune/_layer_timing.py)."""
+
+from pathlib import Path
+
+import pytest
+import timings
+from short_timing import TINY
+
+from autoprec.tune import ProfileConfig, load_task, prepare, profile
+from autoprec.tune._space import space_from_dict
+
+MODELS = Path(__file__).parent / "models"
+HOST_S = 0.002  # issuing a lone layer's forward and backward: more than its kernels take, as on a GPU
+
+
+def test_on_a_device_with_a_queue_the_profile_times_a_layers_kernels_not_its_launch_overhead():
+    """The first GPU run's profile timed every isolated layer at 0.8-1.5 ms in every format (the host issuing it,
+    the GPU waiting) and ruled fp8 out on that. On a device whose host takes longer to issue a layer's step than the
+    device to run it, the profile's ratios follow the device's cost, so no format is ruled out on launch overhead."""
+    clock = timings.FormatClock(timings.FASTER)  # prices a model by its formats: bf16 0.55 of fp32 here
+
+    def price(work):
+        return HOST_S, clock.seconds(getattr(work, "model", None)) / 100  # the device: 1 ms a layer in fp32
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}})
+    with timings.queued_cpu(price):
+        prof = profile(workload, space, ProfileConfig(batches=1, timing=TINY), progress=False)
+    for layer in ("fc1", "big"):
+        assert prof.row(layer, "bf16").time_vs_fp32 == pytest.approx(0.55)  # the device's ratio, not the host's 1.0
+        assert prof.row(layer, "fp32").time_ms == pytest.approx(1.0)
+        assert "slower" not in prof.row(layer, "bf16").metric_source
