@@ -467,3 +467,26 @@ def test_a_searched_policy_equal_to_an_earlier_one_is_named_as_its_twin():
         "searched-0.015-grouped-fallback": "searched-0.015-ranked-fallback",
         "searched-0.04-grouped-fallback": "bf16",
     }
+
+
+def test_part_reprice_prices_every_policy_at_the_study_width_and_at_a_real_one(tmp_path):
+    block_study.main(["--part", "reprice", "--size", "tiny", "--out", str(tmp_path)])
+    with open(tmp_path / "reprice.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == [
+        "policy",
+        "rule",
+        "same_as",
+        "est_peak_flop_speedup",
+        "predicted_study_width",
+        "predicted_width_2048",
+        "error",
+    ]
+    by = {r["policy"]: r for r in rows}
+    assert {"bf16", "fp32", "nvfp4-all", "rule-a", "rule-b", "rule-c", "rule-d"} <= set(by)
+    assert float(by["bf16"]["predicted_study_width"]) == float(by["bf16"]["predicted_width_2048"]) == 1.0
+    nvfp4 = by["nvfp4-all"]
+    assert float(nvfp4["est_peak_flop_speedup"]) == 4.0  # the peak-FLOP ratio, whatever the width
+    # 64 wide the casts cost more than NVFP4's GEMMs save; 2048 wide the GEMMs dominate the step
+    assert float(nvfp4["predicted_study_width"]) < 1.0 < float(nvfp4["predicted_width_2048"])
+    assert "<!-- part:reprice -->" in (tmp_path / "summary.md").read_text()
