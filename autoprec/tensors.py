@@ -19,7 +19,8 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if type(obj) is dict:
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
+        mapped = {k: map_tensors(v, fn) for k, v in obj.items()}
+        return obj if all(mapped[k] is v for k, v in obj.items()) else mapped
     is_dataclass = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
     if isinstance(obj, Mapping) or is_dataclass:
         fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if hasattr(obj, f.name)} if is_dataclass else {}
@@ -38,8 +39,9 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         except (TypeError, AttributeError):  # a frozen or read-only mapping: a plain dict keeps the values
             return new_items if isinstance(obj, Mapping) else obj
         return new
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
+        values = [map_tensors(v, fn) for v in obj]
+        if all(new is old for new, old in zip(values, obj)):
+            return obj  # the same list: a layer's appends to it reach its caller
+        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
     return obj

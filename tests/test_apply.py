@@ -165,6 +165,40 @@ def test_fp16_and_bf16_layers_mix_in_one_model(layers):
         assert seen[0].dtype == torch.float32 and torch.equal(seen[0], model.a(x))
 
 
+class Caching(nn.Module):
+    """A block that records into a dict and a list its caller passed (a KV cache, a log) and returns them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, cache, log):
+        cache["seen"] = cache.get("seen", 0) + 1
+        log.append(1)
+        return self.lin(x), cache, log
+
+
+class WithCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk = Caching()
+
+    def forward(self, x, cache, log):
+        return self.blk(x, cache, log)[0]
+
+
+@pytest.mark.parametrize(
+    "layers", [{"": "fp32", "blk": "bf16"}, {"": "bf16", "blk": "fp16"}, {"": "bf16", "blk": "fp32"}], ids=str
+)
+def test_a_layer_that_fills_its_callers_dict_and_list_fills_the_callers_own(layers):
+    """A layer in another format than its caller gets its arguments mapped to its dtype: a dict or list in which no
+    tensor changed is passed as it is, so what the layer writes into it (a cache, a log) reaches the caller."""
+    model = apply_policy(WithCache(), Policy(layers=layers))
+    cache, log = {}, []
+    model(torch.randn(2, 4), cache, log)
+    assert cache == {"seen": 1} and log == [1]
+
+
 def test_state_dict_keys_and_dtypes_do_not_change():
     plain = Net()
     before = {k: v.dtype for k, v in plain.state_dict().items()}
