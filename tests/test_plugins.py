@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+import types
 
 import pytest
 
@@ -32,7 +33,7 @@ class Fewest(Goal):
         return choose(finals, candidates, alternatives)
 
 
-register_target(Target(name="{prefix}-gpu", device="a toy GPU", tflops={{"fp32": 1.0, "bf16": 2.0}}, source="made up"))
+register_target(Target(name="{prefix}-gpu", device="a toy GPU", tflops={{"fp32": 1.0, "bf16": 2.0}}, source="made up", bandwidth_tbs=1.0))
 
 
 @register
@@ -102,6 +103,7 @@ def test_a_plugin_module_by_name_and_an_installed_entry_point_are_loaded(tmp_pat
     del sys.modules["toyplug_mod"]  # as in a fresh process: nothing of it imported or registered
     unregister_goal("toyplug-fewest"), unregister_target("toyplug-gpu"), unregister("toyplug-lines")
     entry = importlib.metadata.EntryPoint(name="toy", value="toyplug_mod", group=plugins.GROUP)
+    monkeypatch.setattr(plugins, "_CALLED", set())
     monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [entry] if group == plugins.GROUP else [])
     code, _, err = run(capsys, "export", tmp_path / "policy.json", "--to", "toyplug-lines")  # no --plugin: installed
     assert code == 0, err
@@ -132,8 +134,39 @@ def test_an_entry_point_that_fails_names_itself_its_group_and_the_fix(capsys, mo
     monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [entry])
     code, _, err = run(capsys, "show", "p.json")
     assert code == 2 and err.strip() == (
-        "autoprec: error: plugin entry point bad = no_such_plugin_pkg.mod, group autoprec.plugins: importing it failed: "
+        "autoprec: error: plugin entry point bad = no_such_plugin_pkg.mod, group autoprec.plugins: loading it failed: "
         "ModuleNotFoundError: No module named 'no_such_plugin_pkg'; fix it or uninstall the package"
+    )
+
+
+def test_an_entry_point_naming_a_function_runs_once_per_process_and_its_failure_is_one_line(tmp_path, capsys, monkeypatch):
+    """A function entry point that registers a target: a second main() in one process does not register it again
+    (that was a traceback: already registered), and one that raises is one line, exit 2."""
+    from autoprec.tune import Target, register_target, unregister_target
+
+    calls = []
+    module = types.ModuleType("toyplug_fn")
+    module.register = lambda: calls.append(
+        register_target(Target("toyplug-fn-gpu", "a toy", {"bf16": 1.0, "fp32": 0.5}, "test", 1.0))
+    )  # type: ignore[attr-defined]
+    module.broken = lambda: 1 / 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "toyplug_fn", module)
+    monkeypatch.setattr(plugins, "_CALLED", set())
+    entry = importlib.metadata.EntryPoint(name="fn", value="toyplug_fn:register", group=plugins.GROUP)
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [entry])
+    try:
+        for _ in range(2):
+            code, _, err = run(capsys, "show", tmp_path / "missing.json")
+            assert "Traceback" not in err and "already registered" not in err
+        assert len(calls) == 1
+    finally:
+        unregister_target("toyplug-fn-gpu")
+    bad = importlib.metadata.EntryPoint(name="bad", value="toyplug_fn:broken", group=plugins.GROUP)
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [bad])
+    code, _, err = run(capsys, "show", tmp_path / "missing.json")
+    assert code == 2 and err.strip() == (
+        "autoprec: error: plugin entry point bad = toyplug_fn:broken, group autoprec.plugins: loading it failed: "
+        "ZeroDivisionError: division by zero; fix it or uninstall the package"
     )
 
 

@@ -46,5 +46,5 @@ def test_the_target_registry_refuses_such_a_name_too(name):
 
     before = targets()
     with pytest.raises(ValueError, match=rf"^target name {name!r} must be lowercase letters"):
-        register_target(Target(name=name, device="a GPU", tflops={"fp32": 1.0, "bf16": 2.0}, source="made up"))
+        register_target(Target(name=name, device="a GPU", tflops={"fp32": 1.0, "bf16": 2.0}, source="made up", bandwidth_tbs=1.0))
     assert targets() == before

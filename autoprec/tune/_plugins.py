@@ -20,22 +20,28 @@ from pathlib import Path
 from autoprec.errors import UserError, describe
 
 GROUP = "autoprec.plugins"  # the entry-point group an installed package names its plugin module in
+# The entry points loaded in this process: a module is imported once by Python, but one naming a function would
+# register its names again on a second main() and be refused as already registered.
+_CALLED: set[str] = set()
 
 
 def load_plugins(given: Sequence[str]) -> None:
     """Import the installed entry points of GROUP, then each of `given` (a module name, or a path ending in .py or
     naming a file); UserError naming the plugin, what failed and the fix."""
     for entry in importlib.metadata.entry_points(group=GROUP):
+        if entry.value in _CALLED:
+            continue
         try:
             loaded = entry.load()
+            if callable(loaded) and not isinstance(loaded, type):  # an entry point may name a function that registers
+                loaded()
         except (Exception, SystemExit) as exc:
             where = f" (installed by {entry.dist.name})" if entry.dist is not None else ""
             raise UserError(
-                f"plugin entry point {entry.name} = {entry.value}{where}, group {GROUP}: importing it failed: "
+                f"plugin entry point {entry.name} = {entry.value}{where}, group {GROUP}: loading it failed: "
                 f"{describe(exc)}; fix it or uninstall the package"
             ) from exc
-        if callable(loaded) and not isinstance(loaded, type):  # an entry point may name a function that registers
-            loaded()
+        _CALLED.add(entry.value)
     for plugin in given:
         load_plugin(plugin)
 
