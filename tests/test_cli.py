@@ -137,6 +137,14 @@ def test_an_export_options_number_in_other_than_ascii_digits_is_refused(capsys, 
     )
 
 
+def test_an_export_check_that_cannot_read_its_model_names_the_check_option(capsys, tmp_path):
+    path = Policy(layers={"blocks.0.fc": "fp8"}).save(tmp_path / "policy.json")
+    code, _, err = run(capsys, "export", path, "--to", "torchao", "--out", tmp_path / "fp8.py", "--check", tmp_path / "nope.txt")
+    assert (
+        code == 2 and err.startswith(f"autoprec: error: --check {tmp_path / 'nope.txt'}: cannot read it") and "--model" not in err
+    )
+
+
 @pytest.mark.parametrize(
     ("budgets", "expected"),
     [("0,x", "--budgets 0,x: a budget must be a number in the metric's units (0.01) or a percentage of the fp32 metric (1%), but got 'x'"),

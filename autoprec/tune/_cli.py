@@ -315,18 +315,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"wrote {printable(str(out))}")
         for line in left_out:
             print(f"not expressed: {printable(line)}")
-    checked = _verified(args, out, policy, args.check, args.to) if args.check else None
+    checked = _verified(args, out, policy, args.check, args.to, flag="--check") if args.check else None
     if args.json:
         _print_json(args, {"file": str(out), "not_expressed": left_out, **({"check": checked.to_dict()} if checked else {})})
     return _verify_code(checked)
 
 
-def _verified(args: argparse.Namespace, exported: Path, policy, model: str, target: str | None):
+def _verified(args: argparse.Namespace, exported: Path, policy, model: str, target: str | None, *, flag: str = "--model"):
     """The verification of `exported` on `model`'s linears (autoprec verify), its table printed unless --json or
-    --quiet."""
+    --quiet; `flag` named `model`."""
     from autoprec.tune.export.verify import linear_names, table, verify
 
-    result = verify(exported, policy, linear_names(model), target)
+    result = verify(exported, policy, linear_names(model, flag=flag), target)
     if not (args.json or args.quiet):
         print(table(result))
     return result

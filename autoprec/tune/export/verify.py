@@ -76,15 +76,16 @@ def written_by(exported: Path) -> str:
     return found[1]
 
 
-def linear_names(model: str | Path) -> list[str]:
+def linear_names(model: str | Path, *, flag: str = "--model") -> list[str]:
     """The module paths of a model's linears (every torch.nn.Linear, subclasses too), from a model.py's
-    build_model(), or read from a text file of module paths, one a line ('#' starts a comment)."""
+    build_model(), or read from a text file of module paths, one a line ('#' starts a comment). `flag`: the option
+    that named `model`, for the error."""
     path = Path(model)
     if path.suffix != ".py":
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"--model {path}: cannot read it as a list of module names ({exc})") from None
+            raise UserError(f"{flag} {path}: cannot read it as a list of module names ({exc})") from None
         names = [line.split("#", 1)[0].strip() for line in lines]
         return [n for n in names if n]
     import torch
