@@ -126,3 +126,17 @@ def test_a_hand_edited_cell_is_refused_naming_the_file_the_line_the_layer_the_co
     _edit(tmp_path, column, value, line=3)
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'profile.csv'}: line 3 \(layer '0'\), {expected}"):
         Profile.load(tmp_path)
+
+
+def test_the_shape_the_profiler_writes_for_any_weight_passes_profile_csvs_own_check():
+    """A 0-dim weight (a learned scale) was written as "" and refused when loaded back, so that model was profiled
+    again on every run."""
+    import re
+
+    from autoprec.tune._profile_data import _SHAPE
+    from autoprec.tune._profiler import _shape
+
+    scale = torch.nn.Module()
+    scale.weight = torch.nn.Parameter(torch.tensor(1.0))
+    written = [_shape(m) for m in (scale, torch.nn.Linear(3, 4), torch.nn.LayerNorm(5), torch.nn.ReLU())]
+    assert written == ["-", "4x3", "5", "-"] and all(re.fullmatch(_SHAPE, w) for w in written)

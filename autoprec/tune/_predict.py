@@ -40,6 +40,7 @@ from autoprec.errors import UserError
 from autoprec.errors import describe as describe_error
 from autoprec.formats import GEMMS, Format, GemmCast, OperandCast
 from autoprec.policy import ROOT, Policy
+from autoprec.tune._numbers import NotANumber, parse_integer
 from autoprec.tune._profile_data import is_linear
 from autoprec.tune._targets import Target
 
@@ -563,10 +564,13 @@ def _tokens(value: str | int | None) -> int | None:
     """--tokens: a whole number > 0 in ASCII digits (float() and int() take '1_0' and other scripts' digits)."""
     if value is None:
         return None
-    text = str(value).strip()
-    if not (text.isascii() and text.isdigit()) or int(text) <= 0:
+    try:
+        tokens = parse_integer(str(value))
+    except NotANumber:
+        tokens = 0
+    if tokens <= 0:
         raise UserError(f"--tokens {value}: give the tokens (rows) of one training step, a whole number > 0, e.g. 8192")
-    return int(text)
+    return tokens
 
 
 def command(

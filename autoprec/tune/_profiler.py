@@ -128,9 +128,9 @@ def tokens(calls: list[_Call]) -> float | None:
 
 def _shape(module: torch.nn.Module) -> str:
     weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor):
+    if isinstance(weight, torch.Tensor) and weight.dim() > 0:
         return "x".join(map(str, weight.shape))
-    return "-"
+    return "-"  # no weight, or a 0-dim one (a learned scale): "" would fail profile.csv's own check when loaded
 
 
 def _fp32_row(base: dict[str, Any], fp32_metric: float) -> ProfileRow:
