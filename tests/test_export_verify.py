@@ -6,6 +6,8 @@ Megatron-core) its own code converts or matches the same names, and the resolver
 
 import copy
 import importlib.util
+import os
+import re
 import sys
 
 import pytest
@@ -220,8 +222,64 @@ def test_an_edited_function_is_refused_not_guessed(tmp_path):
     policy = Policy(layers={"layers.2.feed_forward.w1": "fp8-rowwise"})
     export(policy, "torchtitan", path)
     edit(path, "skip = [name for name in names if name not in keep]", "skip = []")
-    with pytest.raises(UserError, match=r"skip_list\(\) differ from what `autoprec export` writes"):
+    with pytest.raises(UserError, match=r"line \d+ \(def skip_list\(names, keep\):\) differs from what `autoprec export`"):
         verify(path, policy, titan_names())
+
+
+BLOCKSCALED_POLICY = Policy(layers={"layers.1.attention.wo": "mxfp8", "layers.10.feed_forward.w1": "nvfp4"})
+EXTRA = "model.layers.1.mlp.gate_proj"  # a linear HF_POLICY leaves in bf16
+
+
+@pytest.mark.parametrize(("target", "policy", "names", "old", "new"), [
+    ("torchao", HF_POLICY, hf_names, "", f'FP8_LAYERS["tensorwise"].append("{EXTRA}")\n'),
+    ("torchao", HF_POLICY, hf_names, "", f'FP8_LAYERS |= {{"rowwise": ["{EXTRA}"]}}\n'),
+    ("torchao", HF_POLICY, hf_names, "", "convert = module_filter_fn\n"),
+    ("torchao", HF_POLICY, hf_names, "import json\n", "import json\nimport os\n"),
+    ("transformer-engine", BLOCKSCALED_POLICY, titan_names, "", 'GEMMS["output"] = ("nvfp4", "nvfp4", "nvfp4")\n'),
+    ("torchtitan", Policy(layers=TITAN_POLICY), titan_names, "", 'BLOCKSCALED_LAYERS |= {"nvfp4": ["output"]}\n'),
+])  # fmt: skip
+def test_any_statement_but_the_tables_data_is_refused_and_comments_and_layout_are_not(tmp_path, target, policy, names, old, new):
+    """The file must be what the export writes but for its tables' values: an appended layer, an `|=`, a rebound
+    name or an extra import would run without the verifier seeing it (nothing is run to
+    find out), so each is refused, naming the file and the line; comments, blank lines and a call's layout are not
+    in the syntax tree and change nothing."""
+    path = tmp_path / "p.py"
+    export(policy, target, path)
+    edit(path, "\n\n\ndef ", "\n\n\n# a hand-written note\n\n\ndef ")
+    path.write_text(path.read_text().replace(" = json.loads(\n", " = json.loads(  # the table\n\n") + "\n# the end\n")
+    assert differing(path, policy, names()) == []
+    if not old:  # appended
+        old, new = "# the end\n", "# the end\n" + new
+    text = path.read_text()
+    line = text[: text.index(old) + len(os.path.commonprefix([old, new]))].count("\n") + 1  # where the edit starts
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}: line {line} \(.+\) differs from what `autoprec export`"):
+        verify(path, policy, names())
+
+
+def test_a_table_read_with_more_than_its_json_text_is_refused(tmp_path):
+    """Only the tables' values may differ from the export, and only as data: json.loads given an object_hook would
+    run it on every object of the table."""
+    path = tmp_path / "p_torchao.py"
+    export(HF_POLICY, "torchao", path)
+    edit(path, ")\n\n# the same keys", ", object_hook=print)\n\n# the same keys")
+    with pytest.raises(UserError, match=r"FP8_LAYERS is not data as `autoprec export` writes it"):
+        verify(path, HF_POLICY, hf_names())
+
+
+def test_the_verify_verb_refuses_a_layer_appended_to_a_torchao_table(tmp_path, capsys):
+    """The reviewer's case: running the file converts the appended layer, so verify must not say exit 0."""
+    HF_POLICY.save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("\n".join(hf_names()) + "\n")
+    exported = tmp_path / "p_torchao.py"
+    export(HF_POLICY, "torchao", exported)
+    args = ["verify", str(exported), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]
+    assert main(args) == 0
+    capsys.readouterr()
+    exported.write_text(exported.read_text() + f'FP8_LAYERS["tensorwise"].append("{EXTRA}")\n')
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(exported) in err and "FP8_LAYERS['tensorwise'].append" in err
 
 
 # --- Megatron: TransformerConfig's recipe and first/last bf16 layers; the per-module YAML's matchers ---

@@ -174,24 +174,47 @@ def assigned(tree: ast.Module, name: str, path: Path) -> object:
         raise UserError(f"{path}: expected one top-level {name} = ..., found {len(found)}: export the policy again")
     value = found[0]
     try:
-        if isinstance(value, ast.Call) and ast.unparse(value.func) == "json.loads" and len(value.args) == 1:
+        if (
+            isinstance(value, ast.Call)
+            and ast.unparse(value.func) == "json.loads"
+            and len(value.args) == 1
+            and not value.keywords
+        ):
             return json.loads(ast.literal_eval(value.args[0]))
         return ast.literal_eval(value)
     except (ValueError, TypeError, SyntaxError, RecursionError):
         raise UserError(f"{path}: {name} is not data as `autoprec export` writes it (a literal or JSON text)") from None
 
 
-def same_functions(tree: ast.Module, written: str, path: Path) -> None:
-    """Refuse a file whose functions differ from those `autoprec export` writes (`written`: a file it wrote): the
-    verifier reads the file's tables as data and knows what its functions do with them only for those."""
-    mine = {n.name: ast.dump(n) for n in ast.parse(written).body if isinstance(n, ast.FunctionDef)}
-    theirs = {n.name: ast.dump(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
-    changed = sorted(name for name in mine if theirs.get(name) != mine[name])
-    if changed:
-        raise UserError(
-            f"{path}: its {', '.join(f'{n}()' for n in changed)} differ from what `autoprec export` writes, so what "
-            "they select cannot be read without running them: export the policy again and edit only its tables"
-        )
+def same_module(tree: ast.Module, written: str, path: Path, tables: tuple[str, ...]) -> None:
+    """Refuse a file that differs from what `autoprec export` writes (`written`: a file it wrote) anywhere but the
+    values of its top-level `tables` assignments, the data the resolver reads (with `assigned`, which refuses any
+    value but data): the verifier knows what the file does only for the export's own statements, so an appended
+    `FP8_LAYERS[...].append(...)`, a rebound name or an extra import would run unseen. Comments, blank lines and
+    layout are not in the syntax tree, so they may change; the first differing top-level statement is named."""
+
+    def masked(stmt: ast.stmt) -> str:
+        (target,) = stmt.targets if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else (None,)
+        if isinstance(target, ast.Name) and target.id in tables:
+            stmt = ast.Assign(targets=[target], value=ast.Constant(None))
+        return ast.dump(stmt)
+
+    mine, theirs = ast.parse(written).body, tree.body
+    try:
+        at = next((i for i, (m, t) in enumerate(zip(mine, theirs)) if masked(m) != masked(t)), min(len(mine), len(theirs)))
+        if at == len(mine) == len(theirs):
+            return
+        if at < len(theirs):
+            line, what = theirs[at].lineno, ast.unparse(theirs[at]).splitlines()[0]
+        else:  # the file stops short
+            line, what = (theirs[-1].end_lineno or 1) if theirs else 1, "the end of the file, where the export writes more"
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply to compare with what `autoprec export` writes") from None
+    raise UserError(
+        f"{path}: line {line} ({printable(what[:60] + ('...' if len(what) > 60 else ''))}) differs from what `autoprec "
+        "export` writes, so what the file runs cannot be read without running it: export the policy again and edit "
+        f"only its tables ({', '.join(tables)})"
+    )
 
 
 def str_table(value: object, name: str, path: Path) -> dict[str, list[str]]:

@@ -49,7 +49,7 @@ from autoprec.tune.export._common import (
     fp32_under_a_lowered_root,
     read_python,
     root_not_expressed,
-    same_functions,
+    same_module,
 )
 from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Resolved, register
 from autoprec.tune.export.megatron import megatron_recipe, misnumbered, misnumbered_lines, recipe_gemms
@@ -270,7 +270,7 @@ def _recipe_fields(recipe: object) -> dict:
 
 def _factory_gemms(exported: Path, dotted: object) -> Gemms:
     """The GEMMs a custom_recipe_factory "module.mix" gives, read from the module beside the YAML (as written by
-    this target: its functions checked against factory_source, its GEMMS read as data; nothing is imported)."""
+    this target: all but its GEMMS checked against factory_source, GEMMS read as data; nothing is imported)."""
     if not isinstance(dotted, str) or "." not in dotted:
         raise UserError(f"custom_recipe_factory must be 'pkg.mod.func', got {shown(dotted)}")
     module, func = dotted.rsplit(".", 1)
@@ -281,7 +281,7 @@ def _factory_gemms(exported: Path, dotted: object) -> Gemms:
         isinstance(v, tuple) and len(v) == 3 and all(g is None or g in KINDS for g in v) for v in table.values()
     ):
         raise UserError(f"{path}: GEMMS must map a mix to (fprop, dgrad, wgrad), each one of {KINDS} or None")
-    same_functions(tree, factory_source(table), path)
+    same_module(tree, factory_source(table), path, ("GEMMS",))
     if func not in table:
         raise UserError(f"{path}: no factory {func!r} (it has {', '.join(table)})")
     return tuple(table[func])  # type: ignore[return-value]

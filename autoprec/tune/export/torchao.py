@@ -21,7 +21,7 @@ from autoprec.tune.export._common import (
     not_expressed,
     read_python,
     recipe_key,
-    same_functions,
+    same_module,
     str_table,
 )
 from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register
@@ -128,7 +128,7 @@ def torchao_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolv
     FP8_LAYERS[recipe]`; torchao (torchao/float8/float8_linear_utils.py, swap_linear_layers) swaps every nn.Linear
     the filter accepts, Float8Linear included, so a layer in two lists ends in the later one's config."""
     tree = read_python(exported)
-    same_functions(tree, torchao_source(Policy(layers={})), exported)
+    same_module(tree, torchao_source(Policy(layers={})), exported, ("FP8_LAYERS", "FP8_GEMMS"))
     layers = str_table(assigned(tree, "FP8_LAYERS", exported), "FP8_LAYERS", exported)
     gemms = assigned(tree, "FP8_GEMMS", exported)
     if not isinstance(gemms, dict) or not all(isinstance(gemms.get(k), dict) for k in layers):

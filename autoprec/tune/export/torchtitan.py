@@ -35,7 +35,7 @@ from autoprec.tune.export._common import (
     policy_gemms,
     read_python,
     recipe_key,
-    same_functions,
+    same_module,
     str_table,
 )
 from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register
@@ -292,7 +292,7 @@ def torchtitan_resolve(exported: Path, module_names: list[str]) -> dict[str, Res
     selects. A selected router gate is refused (the main branch's _validate_quantizable_linear). torchtitan's
     dimension rule for float8 (in and out features divisible by 16) needs the layers' shapes and is not read."""
     tree = read_python(exported)
-    same_functions(tree, torchtitan_source(Policy(layers={})), exported)
+    same_module(tree, torchtitan_source(Policy(layers={})), exported, ("FP8_LAYERS", "BLOCKSCALED_LAYERS"))
     fp8 = str_table(assigned(tree, "FP8_LAYERS", exported), "FP8_LAYERS", exported)
     blocks = str_table(assigned(tree, "BLOCKSCALED_LAYERS", exported), "BLOCKSCALED_LAYERS", exported)
     converters = []  # (how it is named, does it select this fqn, the GEMMs it runs)

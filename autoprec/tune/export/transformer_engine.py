@@ -36,7 +36,7 @@ from autoprec.tune.export._common import (
     fp32_under_a_lowered_root,
     read_python,
     root_not_expressed,
-    same_functions,
+    same_module,
 )
 from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register
 
@@ -162,7 +162,7 @@ def te_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
     QuantizerRole), which the file's header asks to be the module path; the factory looks that name up exactly, and
     gives a name it does not find high precision."""
     tree = read_python(exported)
-    same_functions(tree, te_source(Policy(layers={})), exported)
+    same_module(tree, te_source(Policy(layers={})), exported, (TABLE,))
     table = assigned(tree, TABLE, exported)
     if not isinstance(table, dict) or not all(
         isinstance(k, str) and isinstance(v, tuple) and len(v) == 3 and all(g is None or g in KINDS for g in v)
