@@ -535,3 +535,25 @@ def test_a_damaged_export_is_one_line_not_a_traceback(tmp_path, capsys, target, 
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("autoprec: error:") and name in err
+
+
+def test_verify_builds_the_model_on_the_meta_device_so_a_model_file_that_trains_its_model_does_not_train(tmp_path):
+    """A model file whose build_model() trains (examples/gpt2 does, for an hour on a CPU) is asked for its module
+    names only, under the meta device, as docs/model-file.md says; one that cannot build there is one line."""
+    (tmp_path / "trains.py").write_text(
+        "import torch\n"
+        "def build_model():\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))\n"
+        "    if torch.get_default_device().type != 'meta':\n"
+        "        raise RuntimeError('trained for an hour')\n"
+        "    return model\n"
+        "def batches(split):\n"
+        "    return [torch.randn(2, 4)]\n"
+        "def loss_fn(model, batch):\n"
+        "    return model(batch).sum()\n",
+        encoding="utf-8",
+    )
+    assert linear_names(tmp_path / "trains.py") == ["0", "2"]
+    (tmp_path / "no_meta.py").write_text((tmp_path / "trains.py").read_text().replace("!= 'meta'", "== 'meta'"))
+    with pytest.raises(UserError, match=r"no_meta.py: build_model\(\) failed on the meta device .*verify builds the model"):
+        linear_names(tmp_path / "no_meta.py")

@@ -527,20 +527,10 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
 def meta_step(task: Task) -> Step:
     """A model file's step shapes without its weights: the model built under the meta device (no memory, no values),
     one train batch moved there, its loss traced (trace_step). UserError naming the file where that cannot run."""
-    from autoprec.tune._task import to_device
+    from autoprec.tune._task import meta_model, to_device
 
     meta = torch.device("meta")
-    try:
-        with meta:
-            model = task.build_model()
-    except Exception as exc:
-        raise UserError(
-            f"{task.path}: build_model() failed on the meta device ({type(exc).__name__}: {describe_error(exc, 200)}); predict "
-            "builds the model for its shapes only: a build_model that loads or trains weights can return the bare model "
-            'when torch.get_default_device().type == "meta" (docs/model-file.md)'
-        ) from exc
-    if not isinstance(model, torch.nn.Module):
-        raise UserError(f"{task.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
+    model = meta_model(task, verb="predict")
     try:
         batch = next(iter(task.batches("train")))
     except StopIteration:

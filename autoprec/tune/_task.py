@@ -211,6 +211,24 @@ def _call(task: Task, what: str, fn: Callable, *args: Any, fix: str = "") -> Any
         raise UserError(f"{task.path}: {what} raised {describe(exc)}{fix}") from exc
 
 
+def meta_model(task: Task, *, verb: str) -> torch.nn.Module:
+    """The model of `task` built under the meta device: its modules and shapes, no memory, no values, nothing trained
+    or loaded where build_model() follows docs/model-file.md's meta rule. `verb` (predict, verify) names who needs
+    it in the error. UserError naming the file where build_model() cannot run there or returns no module."""
+    try:
+        with torch.device("meta"):
+            model = task.build_model()
+    except Exception as exc:
+        raise UserError(
+            f"{task.path}: build_model() failed on the meta device ({describe(exc, 200)}); {verb} builds the model for "
+            "its modules and shapes only: a build_model that loads or trains weights can return the bare model when "
+            'torch.get_default_device().type == "meta" (docs/model-file.md)'
+        ) from exc
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"{task.path}: build_model() must return a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
 def _load_split(task: Task, split: str, device: torch.device) -> list:
     data = _call(task, f"batches({split!r})", task.batches, split)
     if data is None or not isinstance(data, Iterable):
