@@ -15,6 +15,7 @@ from short_timing import FAST_PROFILE, TINY
 import autoprec.tune._sweeper  # noqa: F401  (the fixture patches its module)
 from autoprec import load_policy
 from autoprec.tune._cli import main
+from autoprec.tune._records import FINALS_VERSION
 
 MODELS = Path(__file__).parent / "models"
 
@@ -178,10 +179,10 @@ def test_a_finished_studys_finalists_file_of_another_version_is_re_measured_with
     assert main(argv) == 0 and len(calls) == 2  # its result does not stand: the finalists are measured again
     err = capsys.readouterr().err
     assert (
-        f"autoprec: {path}: written by another autoprec version (format version none; this version reads 1); re-measuring the finalists"
+        f"autoprec: {path}: written by another autoprec version (format version none; this version reads {FINALS_VERSION}); re-measuring the finalists"
         in err.splitlines()
     )
-    assert "its result in" not in err and pd.read_csv(path)["version"].eq(1).all()
+    assert "its result in" not in err and pd.read_csv(path)["version"].eq(FINALS_VERSION).all()
 
 
 @pytest.mark.slow
