@@ -245,9 +245,11 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def show(rows: list[dict], log) -> None:  # type: ignore[no-untyped-def]
+    from autoprec.tune._timing import spread_text  # noqa: PLC0415
+
     for r in rows:
         host = "" if r["host_ms"] is None else f", host {r['host_ms']:.3f} ms{' HOST-BOUND' if r['host_bound'] else ''}"
-        log(f"  {r['model']:>6} {r['method']:>10} {r['candidate']:>28}: {r['median_ms']:9.3f} ms ±{50 * r['spread']:.1f}%{host} "
+        log(f"  {r['model']:>6} {r['method']:>10} {r['candidate']:>28}: {r['median_ms']:9.3f} ms spread {spread_text(r['spread'])}{host} "
             f"({r['rounds']} rounds, {r['steps_timed']} steps)")  # fmt: skip
 
 

@@ -49,7 +49,7 @@ SPACE = {
 }  # fmt: skip
 FP16 = {"fc1": "fp16", "fc2": "fp16", "head": "fp16"}
 # one step per block: every policy takes the same 11 timed steps (3 warm-up, 1 calibration, 7 rounds)
-TIMED = TimingConfig(warmup=3, rounds=7, min_block_s=0.0, max_steps_per_block=1)
+TIMED = TimingConfig(warmup=3, rounds=7, min_block_s=0.0, max_steps_per_block=1, min_steps=1)
 
 
 def run_search(workload):

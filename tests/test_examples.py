@@ -288,3 +288,14 @@ def test_llama_tiny_takes_a_training_step_with_a_policy_applied(monkeypatch):
     with pytest.raises(Exception, match=r"AUTOPREC_LLAMA_SIZE must be one of tiny, full, but got 'huge'"):
         monkeypatch.setenv("AUTOPREC_LLAMA_SIZE", "huge")
         load_task(LLAMA)
+
+
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_llama_builds_on_the_meta_device_for_predict_and_verify_without_training(monkeypatch, size):
+    """autoprec predict, verify and export --check build the model under the meta device: the example returns its bare
+    model there (it raised "Cannot copy out of meta tensor", after training, before)."""
+    from autoprec.tune._task import meta_model
+
+    monkeypatch.setenv("AUTOPREC_LLAMA_SIZE", size)
+    model = meta_model(load_task(LLAMA), verb="verify")
+    assert all(p.is_meta for p in model.parameters()) and model.lm_head.out_features == 256

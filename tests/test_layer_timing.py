@@ -30,3 +30,22 @@ def test_on_a_device_with_a_queue_the_profile_times_a_layers_kernels_not_its_lau
         assert prof.row(layer, "bf16").time_vs_fp32 == pytest.approx(0.55)  # the device's ratio, not the host's 1.0
         assert prof.row(layer, "fp32").time_ms == pytest.approx(1.0)
         assert "slower" not in prof.row(layer, "bf16").metric_source
+
+
+def test_a_layers_warm_up_on_a_device_with_a_queue_lasts_its_seconds_of_calls_not_of_the_devices_busy_time():
+    """A layer's kernels take microseconds of the device where the host spends a millisecond issuing them: warm-up
+    counted the device's time into warmup_s, so the profile's 0.2 s of warm-up ran 10,000 calls of one layer."""
+    from autoprec import devices
+    from autoprec.tune._timing import Step, interleaved_times
+
+    calls = []
+
+    def price(work):
+        calls.append(1)
+        return 0.001, 0.00002  # host 1 ms, device 20 us
+
+    config = ProfileConfig().timing
+    with timings.queued_cpu(price):
+        interleaved_times({"layer": Step(lambda: None, kernels=True)}, devices.torch.device("cpu"), config)
+    warm_up = len(calls) - config.rounds  # the rest: one block a round, priced once each
+    assert warm_up <= 2 * config.warmup_s / 0.001 + config.warmup + 8  # about 0.2 s of 1 ms calls, not 10,000

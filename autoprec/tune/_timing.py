@@ -207,7 +207,10 @@ def _warm_up(work: Callable[[], object], device: torch.device, config: TimingCon
     clean = True
     while calls < least or (spent < config.warmup_s and calls < most) or (not clean and calls < most + RECOMPILE_CALLS):
         before = compiled_graphs()
-        seconds = as_block(CLOCK.time(work, 1, device)).seconds
+        block = as_block(CLOCK.time(work, 1, device))
+        # the call's own time: a layer's kernels take microseconds of the device where the host spends a millisecond
+        # issuing them, so the device's time alone would count thousands of calls into warmup_s
+        seconds = max(block.seconds, block.host_s or 0.0)
         if calls == 0:
             most = max(most, math.ceil(config.warmup_s / max(seconds, 1e-6)))
         spent += seconds

@@ -176,6 +176,9 @@ def loss_fn(model, batch):
 
 
 def build_model():
-    """The trained fp32 model of the chosen size (trains once, on the GPU when there is one, then loads)."""
+    """The trained fp32 model of the chosen size (trains once, on the GPU when there is one, then loads); on the meta
+    device (autoprec predict and verify) the bare model, for its shapes and names."""
+    if torch.get_default_device().type == "meta":
+        return Llama()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return stdlib_text.trained(f"llama-{SIZE}", Llama, loss_fn, HPARAMS, device)
