@@ -54,7 +54,10 @@ def test_gpu_suite_smoke_runs_the_tests_the_benchmarks_and_a_compiled_search_and
     layers = list(csv.DictReader(open(out / "tables-gpt2" / "layer_times.csv")))
     assert layers and {"layer", "format", "time_ms", "time_spread"} <= set(layers[0])
     steps = list(csv.DictReader(open(out / "tables-gpt2" / "step_times.csv")))
-    assert [r["policy"] for r in steps] == ["fp32", "uniform bf16", "random 1"]
+    # the random policy is drawn from the profile's choices, which this machine's speed narrows (a format measured
+    # grossly slower here is ruled out, on a loaded CPU fp16 too): where it leaves fp32 and bf16 alone there is none
+    named = [r["policy"] for r in steps]
+    assert named[:2] == ["fp32", "uniform bf16"] and named[2:] in ([], ["random 1"])
     for r in steps:
         assert r["state"] == "COMPLETE" and float(r["step_ms"]) > 0 and float(r["fp32_step_ms"]) > 0, r
         assert len(r["samples_ms"].split()) == int(r["rounds"]) and r["(default)"] in ("fp32", "bf16")
