@@ -132,8 +132,7 @@ H200 = register_target(
     Target(
         name="h200",
         device="NVIDIA H200 SXM",
-        # H100's compute (the same dense rates), more and faster memory
-        tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
+        tflops=H100.tflops,  # H100's compute (the same dense rates), more and faster memory
         source="NVIDIA H200 Tensor Core GPU datasheet, SXM column: FP8 "
         "3,958 TFLOPS, BF16/FP16 1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3e 4.8 TB/s",
         bandwidth_tbs=4.8,
