@@ -385,29 +385,30 @@ class CUDADevice(Device):
 
     def time_block(self, dev: torch.device, work: Callable[[], object], calls: int, *, kernels: bool = False) -> BlockTime:
         """CUDA events around the block in the stream (the GPU's time, free of the synchronisation's and the first
-        launch's latency at its ends) and the host's issuing time apart. `kernels`: the stream is first held busy by
-        a spin kernel longer than the host takes to issue the block (measured on one unheld call first), so every
-        kernel of it is queued before the start event runs: the events then bracket the kernels back to back, with
-        none of the gaps where the GPU waits for the host (a lone layer's launch overhead). CUDA's launch queue
-        holds about a thousand kernels: a block of more waits for room, and its time includes some of the host's."""
-        torch.cuda.synchronize(dev)
-        hold_s = 0.0
-        if kernels:
+        launch's latency at its ends) and the host's issuing time apart, on `dev` whichever device is current.
+        `kernels`: the GPU's busy time alone. The stream is first held by a spin kernel longer than the host takes to
+        issue the calls (one unheld call is timed first), so every kernel is queued before the start event runs and
+        the events bracket them back to back, without the gaps where the GPU waits for the host. CUDA's launch queue
+        holds about a thousand kernels, and a host that waits for room lets those gaps back in: so the calls go in
+        held sub-blocks of at most _HELD_ISSUE_S of issuing each, whose times are summed."""
+        dev = self.indexed(dev)
+        with torch.cuda.device(dev):
+            torch.cuda.synchronize(dev)
+            if not kernels:
+                return _cuda_events_block(work, calls)
             start = time.perf_counter()
             work()
-            hold_s = 2.0 * calls * (time.perf_counter() - start) + 1e-3
+            one_s = time.perf_counter() - start
             torch.cuda.synchronize(dev)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if hold_s:
-            torch.cuda._sleep(int(hold_s * _spin_cycles_per_s(self.indexed(dev))))
-        begin.record()
-        start = time.perf_counter()
-        for _ in range(calls):
-            work()
-        host_s = time.perf_counter() - start
-        end.record()
-        end.synchronize()
-        return BlockTime(begin.elapsed_time(end) / 1e3, host_s)
+            per = max(1, min(calls, int(_HELD_ISSUE_S / max(one_s, 1e-9))))
+            spin = _spin_cycles_per_s(dev)
+            seconds = host_s = 0.0
+            done = 0
+            while done < calls:
+                n = min(per, calls - done)
+                part = _cuda_events_block(work, n, hold_cycles=int((2.0 * n * one_s + 1e-3) * spin))
+                seconds, host_s, done = seconds + part.seconds, host_s + (part.host_s or 0.0), done + n
+            return BlockTime(seconds, host_s)
 
     def name(self, dev: torch.device) -> str:
         return torch.cuda.get_device_name(dev) if torch.cuda.is_available() else str(dev)
@@ -437,6 +438,27 @@ class CUDADevice(Device):
 
     def total_memory(self, dev: torch.device) -> int:
         return int(torch.cuda.get_device_properties(dev).total_memory)
+
+
+# The most issuing time one held sub-block may take (seconds): at the 2-5 us a launch costs, under the ~1000 kernels
+# CUDA's launch queue holds, so the host never waits for room while the spin holds the stream.
+_HELD_ISSUE_S = 2e-3
+
+
+def _cuda_events_block(work: Callable[[], object], calls: int, *, hold_cycles: int = 0) -> BlockTime:
+    """`calls` calls of `work` between two CUDA events on the current stream (after a spin of `hold_cycles` where
+    given); the GPU's seconds between the events and the host's issuing seconds."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if hold_cycles:
+        torch.cuda._sleep(hold_cycles)
+    begin.record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        work()
+    host_s = time.perf_counter() - start
+    end.record()
+    end.synchronize()
+    return BlockTime(begin.elapsed_time(end) / 1e3, host_s)
 
 
 @functools.cache

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
 
-from autoprec import Policy, apply_policy  # noqa: E402
+from autoprec import Policy, apply_policy, devices  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.tune._config import TimingConfig  # noqa: E402
-from autoprec.tune._timing import interleaved_times  # noqa: E402
+from autoprec.tune._timing import Step, interleaved_times  # noqa: E402
 from autoprec.tune._trainer import compile_scope  # noqa: E402
 
 BASELINE = "bf16"
@@ -60,7 +60,7 @@ MODELS = {
 SMOKE = {"tiny": (64, [("square", 64, 64), ("wide", 64, 128)])}  # --smoke: multiples of 16 (fp8's requirement)
 
 
-def candidate(m: int, k: int, n: int, fmt: str, device: torch.device, compile_it: bool):
+def candidate(m: int, k: int, n: int, fmt: str, device: torch.device, compile_it: bool) -> Step:
     """One training-shaped forward + backward of Linear(k, n) in `fmt` inside a bf16 root, on a bf16 (m x k) input."""
     torch.manual_seed(0)
     layers = {"": BASELINE} if fmt == BASELINE else {"": BASELINE, "0": fmt}
@@ -75,7 +75,9 @@ def candidate(m: int, k: int, n: int, fmt: str, device: torch.device, compile_it
         out = run(x)
         out.backward(grad_out.to(out.dtype))
 
-    return step
+    # The layer's kernels alone (the stream held while the host queues each block): a lone layer's launch overhead
+    # is no cost of its format, and inside a model's step the host issues it while the GPU runs the layers before.
+    return Step(step, model, kernels=True)
 
 
 def main() -> None:
@@ -90,7 +92,7 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     args = parser.parse_args()
     device = parse_device(args.device)
-    compile_it = device.type == "cuda" if args.compile is None else args.compile
+    compile_it = devices.lookup(device).compile_by_default if args.compile is None else args.compile
     if args.smoke:
         models, rounds = SMOKE, min(args.rounds, 2)
     else:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
+import gc
 import io
 import json
 import os
@@ -49,7 +51,8 @@ sys.path.insert(0, str(ROOT))  # this checkout's autoprec, whatever the working 
 SITE = Path("/tmp/site")  # where the carried wheels are installed
 DEADLINE_S = 510.0  # the command's share of a 10-minute call limit, the transfers and a margin apart
 # The least time a stage needs to be worth starting (seconds): its compilations mostly (GPU_PLAN.md prices them).
-NEEDS = {"a": 60.0, "b": 45.0, "c": 90.0, "search": 150.0, "d": 30.0}
+NEEDS = {"a": 60.0, "b": 45.0, "c": 150.0, "search": 150.0, "d": 30.0}
+B_MOST_S = 100.0  # the shape sweep's cap: the Llama stage and the search matter more
 
 
 def ensure_packages(log: Callable[[str], None]) -> list[str]:
@@ -59,7 +62,8 @@ def ensure_packages(log: Callable[[str], None]) -> list[str]:
     if missing and wheels:
         log(f"installing {len(wheels)} carried wheels from .whl/ into {SITE} (missing: {', '.join(missing)})")
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir"]
-        subprocess.run([*cmd, "--upgrade", "--target", str(SITE), *map(str, wheels)], check=False)
+        pip = subprocess.run([*cmd, "--upgrade", "--target", str(SITE), *map(str, wheels)], capture_output=True, text=True, check=False)
+        log(f"pip exit {pip.returncode}{': ' + (pip.stdout + pip.stderr)[-2000:] if pip.returncode else ''}")
         sys.path.insert(0, str(SITE))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), str(ROOT), os.environ.get("PYTHONPATH")]))
         missing = [name for name in missing if not _importable(name)]
@@ -201,6 +205,8 @@ def trainers(workload, candidates: dict, compiled: bool, log, graphs: tuple[str,
                 trainer = Trainer(workload, candidate)
                 for block in repeated_blocks(trainer.model):
                     block.compile(mode="reduce-overhead")
+                for _ in range(2):  # CUDA graphs record on a later call than the first: these steps are not timed
+                    trainer.step()
             else:
                 trainer = Trainer(workload, candidate, compiled=compiled)
             trainer.step()
@@ -212,16 +218,19 @@ def trainers(workload, candidates: dict, compiled: bool, log, graphs: tuple[str,
     return out
 
 
-def timed_rows(stage: str, model: str, method: str, work: dict, device, config, clock=None) -> list[dict]:  # type: ignore[no-untyped-def]
-    """Time `work` interleaved (under `clock` where given, else autoprec's) and one row per candidate."""
+def timed_rows(stage: str, model: str, method: str, work: dict, device, config, clock=None, held: bool = False) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Time `work` (warm Trainers) interleaved (under `clock` where given, else autoprec's) and one row per
+    candidate. `held`: the GPU's busy time alone (Step.kernels: the stream held while the host queues each block),
+    against which the unheld time shows how long the GPU waited on the host."""
     from autoprec.tune import _timing as timing  # noqa: PLC0415
 
     before = {name: w.steps for name, w in work.items()}
+    steps = {name: timing.Step(w.step, w.model, kernels=True) for name, w in work.items()} if held else work
     saved = timing.CLOCK
     if clock is not None:
         timing.CLOCK = clock
     try:
-        times = timing.interleaved_times(work, device, config)
+        times = timing.interleaved_times(steps, device, config)
     finally:
         timing.CLOCK = saved
     rows = []
@@ -286,6 +295,12 @@ def stage_a(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
         for method, config, clock in (("old clock", old, WallClock()), ("autoprec", new, None)):
             rows += timed_rows("a", "gpt2", method, warm, device, config, clock)
             write_csv(probe.out / "a_gpt2.csv", rows)
+        if cuda:  # the GPU's busy time: beside the unheld time, how long the GPU waited on the host
+            try:
+                rows += timed_rows("a", "gpt2", "held", warm, device, dataclasses.replace(new, rounds=5), held=True)
+                write_csv(probe.out / "a_gpt2.csv", rows)
+            except Exception:  # a finding; the profiler table below still runs
+                probe.log("held timing FAILED:\n" + traceback.format_exc())
         show(rows, probe.log)
         text = io.StringIO()
         if "uniform bf16" in warm:
@@ -319,17 +334,22 @@ def stage_b(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
         str(device),
         "--csv",
         str(probe.out / "b_fp8_linear.csv"),
+        "--models",
+        "llama,gpt2",  # the headline model's shapes first: the sweep may be stopped at its cap
+        "--rounds",
+        "5",
     ]
     if probe.smoke:
         cmd.append("--smoke")
     probe.log("$ " + " ".join(cmd))
-    timeout = None if probe.smoke else max(5.0, probe.left() - NEEDS["c"])  # leave the Llama stage its time
+    # leave the Llama stage and the search their time
+    timeout = None if probe.smoke else max(5.0, min(B_MOST_S, probe.left() - NEEDS["c"] - NEEDS["search"] - NEEDS["d"]))
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
         probe.log(proc.stdout + proc.stderr)
         return f"exit {proc.returncode}"
     except subprocess.TimeoutExpired:
-        return f"stopped after {timeout:.0f} s to leave the Llama stage its time (the rows measured are in the csv)"
+        return f"stopped after {timeout:.0f} s to leave the Llama stage and the search their time (the rows measured are in the csv)"
 
 
 def stage_c(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
@@ -373,6 +393,8 @@ def stage_search(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     """`autoprec search` on the Llama example within the time left (its weights train first, about a minute)."""
     import torch  # noqa: PLC0415
 
+    gc.collect()  # the Llama stage's four models, their graphs and optimizer states: freed before the search's own
+    torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     from gpu_suite import GPU_SPACE  # noqa: PLC0415 (the GPU suite's space: one place says what a GPU search offers)
