@@ -62,7 +62,9 @@ def ensure_packages(log: Callable[[str], None]) -> list[str]:
     if missing and wheels:
         log(f"installing {len(wheels)} carried wheels from .whl/ into {SITE} (missing: {', '.join(missing)})")
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir"]
-        pip = subprocess.run([*cmd, "--upgrade", "--target", str(SITE), *map(str, wheels)], capture_output=True, text=True, check=False)
+        pip = subprocess.run(
+            [*cmd, "--upgrade", "--target", str(SITE), *map(str, wheels)], capture_output=True, text=True, check=False
+        )
         log(f"pip exit {pip.returncode}{': ' + (pip.stdout + pip.stderr)[-2000:] if pip.returncode else ''}")
         sys.path.insert(0, str(SITE))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -326,6 +328,17 @@ def stage_a(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     return f"{len(rows)} timings; host-bound: {', '.join(bound) or 'none'}"
 
 
+def run_logged(cmd: list[str], timeout: float | None, **kwargs) -> tuple[int | None, str]:  # type: ignore[no-untyped-def]
+    """`cmd`'s exit status (None: stopped at `timeout`) and its output, kept when it is stopped too (the first
+    run's stopped stages lost theirs)."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+        return proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        parts = (exc.stdout, exc.stderr)
+        return None, "".join(p.decode(errors="replace") if isinstance(p, bytes) else (p or "") for p in parts)
+
+
 def stage_b(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     cmd = [
         sys.executable,
@@ -344,12 +357,13 @@ def stage_b(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     probe.log("$ " + " ".join(cmd))
     # leave the Llama stage and the search their time
     timeout = None if probe.smoke else max(5.0, min(B_MOST_S, probe.left() - NEEDS["c"] - NEEDS["search"] - NEEDS["d"]))
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
-        probe.log(proc.stdout + proc.stderr)
-        return f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        return f"stopped after {timeout:.0f} s to leave the Llama stage and the search their time (the rows measured are in the csv)"
+    rc, output = run_logged(cmd, timeout)
+    probe.log(output)
+    if rc is None:
+        return (
+            f"stopped after {timeout:.0f} s to leave the Llama stage and the search their time (the rows measured are in the csv)"
+        )
+    return f"exit {rc}"
 
 
 def stage_c(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
@@ -413,12 +427,10 @@ def stage_search(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
         filter(None, [str(SITE) if SITE.is_dir() else "", str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     probe.log("$ " + " ".join(cmd))
     timeout = None if probe.smoke else max(10.0, probe.left() - NEEDS["d"])
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-        probe.log((proc.stdout + proc.stderr)[-6000:])
-        result = f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        result = f"stopped after {timeout:.0f} s"
+    rc, output = run_logged(cmd, timeout, env=env)
+    # the progress bars' carriage-return frames dropped: their last state and every other line kept
+    probe.log("\n".join(line.rsplit("\r", 1)[-1] for line in output.splitlines())[-8000:])
+    result = f"stopped after {timeout:.0f} s" if rc is None else f"exit {rc}"
     with tarfile.open(probe.out / "c_search.tar.gz", "w:gz") as tar:
         for name in ("summary.md", "finalists.csv", "trials.csv", "profile.csv", "policy.json", "space.yaml"):
             if (folder / name).is_file():
@@ -431,12 +443,13 @@ def stage_d(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
            "tests/test_devices.py", "-k", "cuda or kernels"]  # fmt: skip
     probe.log("$ " + " ".join(cmd))
     timeout = None if probe.smoke else max(5.0, probe.left())
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
-        (probe.out / "d_tests.txt").write_text(proc.stdout + proc.stderr, encoding="utf-8")
-        return f"exit {proc.returncode}: {(proc.stdout.strip().splitlines() or ['no output'])[-1]}"
-    except subprocess.TimeoutExpired:
+    # graph breaks and recompiles named: the first H200 run's compiled fp8 test made 6 graphs where the CPU makes 1
+    env = {**os.environ, "TORCH_LOGS": "graph_breaks,recompiles"}
+    rc, output = run_logged(cmd, timeout, env=env)
+    (probe.out / "d_tests.txt").write_text(output, encoding="utf-8")
+    if rc is None:
         return f"stopped after {timeout:.0f} s"
+    return f"exit {rc}: {(output.strip().splitlines() or ['no output'])[-1]}"
 
 
 def main() -> None:

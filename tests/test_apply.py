@@ -519,13 +519,15 @@ def test_fp8_kernels_on_the_gpu_keep_torchao_sqnr_thresholds():
 
 @requires_cuda
 def test_cuda_autocast_follows_the_policy_per_layer():
+    """Each layer computes in its own dtype (its Linear's output); the fp16 layer's output reaches its bf16 caller as
+    fp32 (the exact cast a bf16/fp16 mix makes at the boundary, as test_fp16_and_bf16_layers_mix_in_one_model checks on the CPU)."""
     model = apply_policy(Net().cuda(), Policy(layers={"": "bf16", "probe": "fp16", "head": "fp32"}))
     seen = {}
-    for name in ("a", "probe", "head"):
-        getattr(model, name).register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out.dtype))
+    for name in ("a", "probe.lin", "probe", "head"):
+        model.get_submodule(name).register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out.dtype))
     out = model(torch.randn(4, 16, device="cuda"))
     out.sum().backward()
-    assert seen == {"a": torch.bfloat16, "probe": torch.float16, "head": torch.float32}
+    assert seen == {"a": torch.bfloat16, "probe.lin": torch.float16, "probe": torch.float32, "head": torch.float32}
     assert out.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")
 
 
