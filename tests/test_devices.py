@@ -5,6 +5,7 @@ unregistered type is refused naming the registered ones."""
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -176,3 +177,48 @@ def test_the_cpu_forks_the_generators_as_torch_2_11_takes_it(monkeypatch):
     with devices.device_for("cpu").fork_rng(torch.device("cpu")):
         pass
     assert seen == {"devices": [], "device_type": "cuda"}  # torch's own default, untouched
+
+
+class FakeEvent:
+    """A CUDA event on a fake clock: each record is one millisecond after the last."""
+
+    now = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        FakeEvent.now += 1.0
+        self.at = FakeEvent.now
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+def test_a_held_cuda_block_goes_in_sub_blocks_the_launch_queue_holds_on_the_named_device(monkeypatch):
+    """A held block (the layer's kernels alone) of many calls would overfill CUDA's launch queue (about a thousand
+    kernels): the host would wait for room while the spin runs out, and the GPU's waits on it would be timed. So each
+    sub-block issues at most _HELD_ISSUE_S of calls, behind its own spin, and their times are summed; all of it on
+    the device named, whichever is current."""
+    entered, spins, calls = [], [], []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", spins.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: entered.append(dev) or contextlib.nullcontext())
+    monkeypatch.setattr(devices, "_spin_cycles_per_s", lambda dev: 1e9)
+    monkeypatch.setattr(devices, "_HELD_ISSUE_S", 3.0)
+    clock = iter(range(10_000))
+    # each call of the work: one second of issuing, on autoprec.devices' clock alone
+    monkeypatch.setattr(devices, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    cuda = devices.CUDADevice()
+    block = cuda.time_block(torch.device("cuda", 1), lambda: calls.append(1), 10, kernels=True)
+    assert entered == [torch.device("cuda", 1)]
+    assert len(calls) == 11  # one unheld call sizes the spin, then the 10 timed
+    # sub-blocks of 3, 3, 3 and 1 calls: each behind a spin of twice its issuing time and a millisecond
+    assert spins == [int((2.0 * n + 1e-3) * 1e9) for n in (3, 3, 3, 1)]
+    assert block.seconds == pytest.approx(4 * 1e-3)  # four sub-blocks of one fake millisecond each, summed
+    unheld = cuda.time_block(torch.device("cuda", 0), lambda: calls.append(1), 5)
+    assert unheld.seconds == pytest.approx(1e-3) and len(spins) == 4  # one block, no spin

@@ -199,18 +199,35 @@ class AsyncWork:
 
 @pytest.fixture
 def queued_device():
-    with timings.queued_cpu(lambda work: (work.host_s, work.device_s)):
+    def price(work):  # the held block (Timing.busy_ms) wraps the work in a Step
+        work = getattr(work, "run", work)
+        return work.host_s, work.device_s
+
+    with timings.queued_cpu(price):
         yield
 
 
 def test_a_device_with_a_queue_is_timed_by_its_own_clock_and_the_host_apart_and_a_host_bound_step_is_named(queued_device):
-    config = TimingConfig(warmup=1, rounds=3, warmup_s=0.0)
-    # GPT-2-small's bf16 step on an H200: the host issues for longer than the GPU runs it
-    bf16 = interleaved_times({"bf16": AsyncWork(host_s=0.020, device_s=0.008)}, torch.device("cpu"), config)["bf16"]
-    assert bf16.median_ms == pytest.approx(20.0) and bf16.host_ms == pytest.approx(20.0) and bf16.host_bound
-    # a step whose device time dominates (a large model's): the host runs ahead, the device's time is the step's
-    big = interleaved_times({"big": AsyncWork(host_s=0.011, device_s=0.080)}, torch.device("cpu"), config)["big"]
-    assert big.median_ms == pytest.approx(80.0) and big.host_ms == pytest.approx(11.0) and not big.host_bound
+    config = TimingConfig(warmup=1, rounds=3, warmup_s=0.0, min_steps=8)
+    # GPT-2-small's bf16 step on an H200 (28.0 ms, the GPU busy 8.5 ms of it): the host issues for longer than the
+    # GPU runs it
+    bf16 = interleaved_times({"bf16": AsyncWork(host_s=0.028, device_s=0.0085)}, torch.device("cpu"), config)["bf16"]
+    assert bf16.median_ms == pytest.approx(28.0) and bf16.host_ms == pytest.approx(28.0) and bf16.host_bound
+    assert bf16.busy_ms == pytest.approx(8.5)
+    # its fp32 step (54.5 ms, the GPU busy all of it): the host waits on the full launch queue for most of the step,
+    # so its time is nearly the device's, and the step is still not host-bound (the host's time alone said it was)
+    fp32 = interleaved_times({"fp32": AsyncWork(host_s=0.011, device_s=0.0545)}, torch.device("cpu"), config)["fp32"]
+    assert fp32.median_ms == pytest.approx(54.5) and fp32.host_ms > 0.9 * fp32.median_ms
+    assert fp32.busy_ms == pytest.approx(54.5) and not fp32.host_bound
+
+
+def test_a_device_without_a_queue_gets_no_held_block_and_no_busy_time():
+    """The CPU's steps run as they are issued: nothing to hold, so no block more is timed for the busy time."""
+    clock = PricedClock()
+    with timings.using(clock):
+        t = interleaved_times({"a": Priced("a", 0.01)}, torch.device("cpu"), TimingConfig(warmup=1, rounds=3, warmup_s=0.0))
+    assert t["a"].busy_ms is None and not t["a"].host_bound
+    assert {name for name, _ in clock.blocks} == {"a"}  # a held Step has no name: PricedClock would fail on it
 
 
 class PricedClock:

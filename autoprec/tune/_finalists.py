@@ -167,6 +167,7 @@ def remeasure(
                 fits=max_memory is None or (s is not None and s.peak_bytes is not None and s.peak_bytes <= max_memory),
                 host_ms=s.timing.host_ms if s else None,
                 host_bound=s.timing.host_bound if s else False,
+                busy_ms=s.timing.busy_ms if s else None,
             )
         )
     return Finals(rows).within(budget)

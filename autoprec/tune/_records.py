@@ -41,7 +41,7 @@ class _Attributed(Protocol):
 
 # finalists.csv's last column, `version`, on every row: the format of its columns. Raise it when a column is added,
 # removed or means something else; Finals.read_csv reads no other (the pipeline then re-measures the finalists).
-FINALS_VERSION = 2
+FINALS_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,8 +53,9 @@ class Measurement:
     `rounds`: the interleaved timing rounds its median is of (0: not timed); `peak_bytes`: one training step's peak
     memory (_memory.py; None: not measured), `memory_saving` the share of fp32's it saves; `fits`: within
     --max-memory (always, without one); `feasible` needs it too. `host_ms`: on a device with a queue of its own,
-    the host's time issuing a step (`step_ms` is then the device's; None elsewhere), and `host_bound` whether it is
-    most of the step (timing.Timing.host_bound: no format changes that step's time)."""
+    the host's time issuing a step (`step_ms` is then the device's; None elsewhere), `busy_ms` the device's busy
+    time a step, and `host_bound` whether the device waited on the host for more than a little of the step
+    (timing.Timing.host_bound: no format changes that step's time)."""
 
     candidate: str
     metric: float
@@ -76,6 +77,7 @@ class Measurement:
     fits: bool = True
     host_ms: float | None = None
     host_bound: bool = False
+    busy_ms: float | None = None
 
     @property
     def over_memory(self) -> bool:
@@ -195,6 +197,7 @@ class Finals(Sequence[Measurement]):
                         fits=_flag(record["fits"]),
                         host_ms=_optional(record["host_ms"], float),
                         host_bound=_flag(record["host_bound"]),
+                        busy_ms=_optional(record["busy_ms"], float),
                     )
                 )
             except KeyError as exc:

@@ -255,12 +255,12 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
             "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
             "rerun on a quieter machine with --remeasure"
         )
-    bound = [r for r in finals if r.runs and r.host_bound and r.host_ms is not None]
+    bound = [r for r in finals if r.runs and r.host_bound and r.busy_ms is not None]
     if speed and bound:
         parts.append(
             "note: host-bound: "
-            + ", ".join(f"{r.candidate} (host {r.host_ms:.3g} of {r.step_ms:.3g} ms a step)" for r in bound)
-            + ": the host issues these steps' work for most of the device's time on them, so the device waits on it; "
+            + ", ".join(f"{r.candidate} (the device busy {r.busy_ms:.3g} of {r.step_ms:.3g} ms a step)" for r in bound)
+            + ": the device waits on the host for the rest of these steps; "
             "precision cannot change their step time (CUDA graphs or a larger batch can), and their spread is the "
             "host's jitter, not a noisy device"
         )

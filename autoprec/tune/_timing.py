@@ -37,15 +37,17 @@ class Timing:
     """Per-step milliseconds: the median over rounds and their relative spread, the interquartile range
     over the median (robust to the odd stalled round that (max - min) would report as noise). On a device with a
     queue of its own the samples are the device's time, and `host_ms` the median of the host's time issuing a step
-    (None elsewhere: there the two are one)."""
+    (None elsewhere: there the two are one), and `busy_ms` the device's busy time a step, from a block timed with
+    the host's issuing kept out of it (Device.time_block's `kernels`; None where the device has no queue)."""
 
     median_ms: float
     spread: float
     samples_ms: tuple[float, ...]
     host_ms: float | None = None
+    busy_ms: float | None = None
 
     @classmethod
-    def from_samples(cls, samples: list[float], host: Sequence[float] = ()) -> Timing:
+    def from_samples(cls, samples: list[float], host: Sequence[float] = (), busy_ms: float | None = None) -> Timing:
         med = statistics.median(samples)
         if len(samples) >= 4:
             q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
@@ -53,14 +55,14 @@ class Timing:
             q1, q3 = min(samples), max(samples)
         spread = (q3 - q1) / med if med > 0 else 0.0
         host_ms = statistics.median(host) if host else None
-        return cls(median_ms=med, spread=spread, samples_ms=tuple(samples), host_ms=host_ms)
+        return cls(median_ms=med, spread=spread, samples_ms=tuple(samples), host_ms=host_ms, busy_ms=busy_ms)
 
     @property
     def host_bound(self) -> bool:
-        """The host issued the step's work for most of the device's time on it (HOST_BOUND): the device waited on
-        the host, so no format changes this step's time (CUDA graphs or a larger batch would), and its spread is
-        the host's jitter, not the device's."""
-        return self.host_ms is not None and self.median_ms > 0 and self.host_ms >= HOST_BOUND * self.median_ms
+        """The device was busy for at most HOST_BOUND of the step's time and waited on the host for the rest, so no
+        format changes this step's time (CUDA graphs or a larger batch would), and its spread is the host's jitter,
+        not the device's. Unknown (False) where the device's busy time was not measured."""
+        return self.busy_ms is not None and self.median_ms > 0 and self.busy_ms <= HOST_BOUND * self.median_ms
 
 
 def spread_text(spread: float | None) -> str:
@@ -193,7 +195,20 @@ def interleaved_times(
         extra = more(samples) if more is not None else 0
         if extra > 0:  # the same warm models and block sizes: no rebuilding, recompiling or warming again
             rounds(done, done + extra)
-    return {name: Timing.from_samples(samples[name], host[name]) for name in names}
+        busy = {name: _busy_ms(work[name], steps[name], samples[name], device) for name in names if host[name]}
+    return {name: Timing.from_samples(samples[name], host[name], busy.get(name)) for name in names}
+
+
+def _busy_ms(work: Callable[[], object], calls: int, samples: Sequence[float], device: torch.device) -> float:
+    """The device's busy time a step, over one block of `calls` timed with the host's issuing kept out of it (a
+    Step's `kernels`): beside the rounds' time, how long the device waited on the host (Timing.host_bound). Work
+    timed held already (a layer's step) is its rounds' median."""
+    if getattr(work, "kernels", False):
+        return statistics.median(samples)
+    held = Step(work, getattr(work, "model", None), kernels=True)
+    with devices.collector_paused():
+        measured = as_block(CLOCK.time(held, calls, device))
+    return measured.seconds * 1e3 / calls
 
 
 def _warm_up(work: Callable[[], object], device: torch.device, config: TimingConfig) -> None:
