@@ -86,8 +86,9 @@ def _importable(name: str) -> bool:
 class Probe:
     """The run's output folder, log, deadline and status."""
 
-    def __init__(self, out: Path, deadline_s: float, smoke: bool):
+    def __init__(self, out: Path, deadline_s: float, smoke: bool, order: list[str] | None = None):
         self.out, self.smoke = out, smoke
+        self.order = order or list(NEEDS)  # the stages this call runs, in order
         self.start = time.time()
         self.until = self.start + deadline_s
         self.status: dict[str, dict] = {}
@@ -102,6 +103,10 @@ class Probe:
 
     def left(self) -> float:
         return self.until - time.time()
+
+    def after(self, name: str) -> float:
+        """The seconds the stages after `name` need: what it leaves them."""
+        return sum(NEEDS[later] for later in self.order[self.order.index(name) + 1 :])
 
     def stage(self, name: str, need: float, fn: Callable[[], str]) -> None:
         """Run stage `name` if at least `need` seconds are left (none needed in a smoke run); its note, time and
@@ -356,7 +361,7 @@ def stage_b(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
         cmd.append("--smoke")
     probe.log("$ " + " ".join(cmd))
     # leave the Llama stage and the search their time
-    timeout = None if probe.smoke else max(5.0, min(B_MOST_S, probe.left() - NEEDS["c"] - NEEDS["search"] - NEEDS["d"]))
+    timeout = None if probe.smoke else max(5.0, min(B_MOST_S, probe.left() - probe.after("b")))
     rc, output = run_logged(cmd, timeout)
     probe.log(output)
     if rc is None:
@@ -417,7 +422,7 @@ def stage_search(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     # the smoke's Linears in fp32 or fp8 only, as the suite's smoke: the path, not the choice
     space = {**GPU_SPACE, "layers": {"Linear": ["fp32", "fp8"]}} if probe.smoke else GPU_SPACE
     (folder / "space.yaml").write_text(json.dumps(space), encoding="utf-8")  # JSON is YAML
-    minutes = 1.0 if probe.smoke else max(1.0, (probe.left() - NEEDS["d"] - 60) / 60 * 0.7)
+    minutes = 1.0 if probe.smoke else max(1.0, (probe.left() - probe.after("search") - 60) / 60 * 0.7)
     cmd = [sys.executable, "-m", "autoprec", "search", str(ROOT / "examples/llama/model.py"), "--budget", "0.02",
            "--time-budget", f"{minutes:.1f}", "--out", str(folder), "--device", str(device),
            "--space", str(folder / "space.yaml")]  # fmt: skip
@@ -426,7 +431,7 @@ def stage_search(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     env = {**os.environ, "AUTOPREC_LLAMA_SIZE": "tiny" if probe.smoke else "full", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(SITE) if SITE.is_dir() else "", str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     probe.log("$ " + " ".join(cmd))
-    timeout = None if probe.smoke else max(10.0, probe.left() - NEEDS["d"])
+    timeout = None if probe.smoke else max(10.0, probe.left() - probe.after("search"))
     rc, output = run_logged(cmd, timeout, env=env)
     # the progress bars' carriage-return frames dropped: their last state and every other line kept
     probe.log("\n".join(line.rsplit("\r", 1)[-1] for line in output.splitlines())[-8000:])
@@ -459,11 +464,22 @@ def main() -> None:
     )
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="seconds the whole command may take")
     parser.add_argument("--smoke", action="store_true", help="every stage tiny, on this machine's CPU (no deadline)")
+    parser.add_argument(
+        "--stages", default=",".join(NEEDS), help=f"the stages to run, in this order (default: {','.join(NEEDS)})"
+    )
     args = parser.parse_args()
     if args.deadline_s <= 0:
         print(f"gpu_probe: --deadline-s must be a number of seconds > 0, got {args.deadline_s}", file=sys.stderr)
         raise SystemExit(2)
-    probe = Probe(args.out, args.deadline_s, args.smoke)
+    order = [name.strip() for name in args.stages.split(",") if name.strip()]
+    wrong = [name for name in order if name not in NEEDS]
+    if not order or wrong or len(set(order)) != len(order):
+        print(
+            f"gpu_probe: --stages must name some of {', '.join(NEEDS)}, each once, got {args.stages!r}; e.g. --stages d,c,search",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    probe = Probe(args.out, args.deadline_s, args.smoke, order)
     missing = ensure_packages(probe.log)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-cache")  # one machine's graphs, reused by stage d
     import torch  # noqa: PLC0415
@@ -474,14 +490,12 @@ def main() -> None:
     probe.status["device"] = {"state": "named", "note": name}
     if not args.smoke and device.type != "cuda":
         probe.log("no GPU here: the stages run on the CPU, and their numbers say nothing of a GPU's (use --smoke)")
-    probe.stage("a", NEEDS["a"], lambda: stage_a(probe, device))
-    probe.stage("b", NEEDS["b"], lambda: stage_b(probe, device))
-    probe.stage("c", NEEDS["c"], lambda: stage_c(probe, device))
-    if "optuna" in missing:
-        probe.note("search", "skipped", "optuna is missing (see MISSING above)")
-    else:
-        probe.stage("search", NEEDS["search"], lambda: stage_search(probe, device))
-    probe.stage("d", NEEDS["d"], lambda: stage_d(probe, device))
+    stages = {"a": stage_a, "b": stage_b, "c": stage_c, "search": stage_search, "d": stage_d}
+    for name in order:
+        if name == "search" and "optuna" in missing:
+            probe.note("search", "skipped", "optuna is missing (see MISSING above)")
+        else:
+            probe.stage(name, NEEDS[name], lambda fn=stages[name]: fn(probe, device))
     probe.log(
         f"done in {time.time() - probe.start:.0f} s; files in {probe.out}: {', '.join(sorted(p.name for p in probe.out.iterdir()))}"
     )
