@@ -499,17 +499,18 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+def compile_model(model: torch.nn.Module, *, mode: str | None = None) -> torch.nn.Module:
     """Compile a model after apply_policy the way autoprec's compiled search measured it, as large models are
     trained (torchtitan compiles each transformer block): each repeated block compiled on its own (in place,
     nn.Module.compile), so a 12-block model compiles one block graph per distinct block policy rather than
     the whole unrolled model; a model without repeated blocks is compiled whole (torch.compile(model),
-    returned). Use the returned model."""
+    returned). Use the returned model. `mode`: torch.compile's (None: its default; "reduce-overhead": CUDA
+    graphs, what `autoprec search --cuda-graphs` measures beside the policies)."""
     blocks = repeated_blocks(model)
     if not blocks:
-        return cast(torch.nn.Module, torch.compile(model))  # an OptimizedModule, typed as a callable by torch
+        return cast(torch.nn.Module, torch.compile(model, mode=mode))  # an OptimizedModule, typed as a callable by torch
     for block in blocks:
-        block.compile()
+        block.compile(mode=mode)
     return model
 
 

@@ -56,6 +56,9 @@ class Device:
     auto: ClassVar[bool] = False  # autoprec works on it unless told (default_device) where it is available
     compile_by_default: ClassVar[bool] = False  # step times compiled when the user does not say (--compile)
     has_tf32: ClassVar[bool] = False  # matmul_precision sets fp32 matmuls strict or TF32 (the TF32 alternative)
+    # torch.compile's mode="reduce-overhead" records CUDA graphs here: a compiled step's launches replayed as one
+    # (--cuda-graphs measures uniform bf16 so)
+    cuda_graphs: ClassVar[bool] = False
     # the default optimizer (a model.py without its own) is torch's fused AdamW: one kernel for every parameter's
     # update instead of a dozen small ones each, whose launches would otherwise be a large share of a short GPU step
     fused_adamw: ClassVar[bool] = False
@@ -366,6 +369,7 @@ class CUDADevice(Device):
     # how GPU training runs, and where fp8 pays only compiled (inductor's CPU code is not what a CPU user trains with)
     compile_by_default = True
     has_tf32 = True
+    cuda_graphs = True
     fused_adamw = True
     memory_source = (
         "CUDA allocator peak (torch.cuda.max_memory_allocated) over one training step, plus the model and optimizer state"

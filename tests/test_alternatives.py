@@ -9,6 +9,7 @@ from autoprec.formats import Format
 from autoprec.tune import load_task, prepare
 from autoprec.tune._alternatives import (
     BF16,
+    BF16_GRAPHS,
     FP8_EVERYWHERE,
     FP8_ROWWISE_EVERYWHERE,
     FP32,
@@ -71,6 +72,11 @@ def test_on_a_cpu_the_alternatives_are_fp32_bf16_and_greedy_with_reasons_for_the
     fp32 = alts.candidates[FP32]
     assert not fp32.tf32 and {f.value for f in fp32.policy.layers.values()} == {"fp32"}
     assert {f.value for f in alts.candidates[BF16].policy.layers.values()} == {"bf16"}
+    assert not any(c.cuda_graphs for c in alts.candidates.values())
+    # --cuda-graphs (its device checked by search_config): uniform bf16 again, compiled with CUDA graphs
+    graphs = alternatives(workload.model, workload.device, prof, choices, 0.05, cuda_graphs=True).candidates
+    assert list(graphs) == [FP32, BF16, BF16_GRAPHS, GREEDY]
+    assert graphs[BF16_GRAPHS].cuda_graphs and graphs[BF16_GRAPHS].policy == graphs[BF16].policy
 
 
 def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(monkeypatch):

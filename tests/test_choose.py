@@ -95,6 +95,22 @@ def test_tf32_is_measured_but_never_chosen_as_the_policy():
     assert choose(measured, candidates)[0] == "fp32"
 
 
+def test_uniform_bf16_under_cuda_graphs_is_measured_but_never_chosen_as_the_policy():
+    """CUDA graphs are a way to compile: the fastest row, but no per-layer policy can be written of it."""
+    from autoprec.tune._alternatives import BF16, BF16_GRAPHS
+    from autoprec.tune._choose import choose
+    from autoprec.tune._trainer import Candidate
+
+    bf16 = Policy(layers={"": "bf16"})
+    candidates = {"fp32": Candidate(Policy()), BF16: Candidate(bf16), BF16_GRAPHS: Candidate(bf16, cuda_graphs=True)}
+    measured = finals(
+        {"candidate": "fp32", "speedup": 1.0, "spread": 0.01, "feasible": True},
+        {"candidate": BF16, "speedup": 2.0, "spread": 0.01, "feasible": True},
+        {"candidate": BF16_GRAPHS, "speedup": 5.2, "spread": 0.01, "feasible": True},
+    )
+    assert choose(measured, candidates)[0] == BF16
+
+
 def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():
     from autoprec.tune._choose import choose_smallest
 

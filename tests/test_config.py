@@ -48,3 +48,20 @@ def test_compile_is_one_switch_the_search_owns_and_its_configs_stay_as_given():
     with pytest.raises(ValueError, match=r"profile=ProfileConfig\(compile=True\) needs compile=True"):
         SearchConfig(budget=0.1, profile=ProfileConfig(compile=True))
     assert SearchConfig(budget=0.1, compile=True, profile=ProfileConfig(compile=True)).profile_settings.compile is True
+
+
+def test_cuda_graphs_are_asked_for_only_on_a_compiled_search_on_a_device_that_records_them(monkeypatch):
+    from autoprec import devices
+    from autoprec.tune._config import search_config
+
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731 (the CLI's spelling)
+    with pytest.raises(
+        ValueError, match=r"^--cuda-graphs needs a device that records CUDA graphs \(cuda\), but the device is cpu"
+    ):
+        search_config(device="cpu", compile=True, cuda_graphs=True, spell=flag)
+    monkeypatch.setattr(devices.lookup("cpu"), "cuda_graphs", True)  # a CPU standing in for a GPU
+    with pytest.raises(ValueError, match=r"^--cuda-graphs needs a compiled search .*drop --no-compile"):
+        search_config(device="cpu", compile=False, cuda_graphs=True, spell=flag)
+    assert search_config(device="cpu", compile=True, cuda_graphs=True).cuda_graphs
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs compile=True"):
+        SearchConfig(budget=0.1, cuda_graphs=True)

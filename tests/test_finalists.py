@@ -32,7 +32,7 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
         0.1: {"trial 7": Candidate(Policy(layers={"": "fp32", "a": "fp16", "b": "fp16"})), "trial 3": Candidate(fp32)},
     }
 
-    def baselines(workload, space, prof, choices, budget, *, goal=None):
+    def baselines(workload, space, prof, choices, budget, *, goal=None, cuda_graphs=False):
         return Alternatives(candidates={FP32: Candidate(fp32), GREEDY: Candidate(greedy[budget])}, notes={BF16: "left out here"})
 
     def fastest(study, choices, k, *, budget, exclude, goal):

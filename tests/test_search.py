@@ -575,6 +575,30 @@ def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
     assert "note: step times spread up to 90.0% even over more rounds: too wide to rank" in search_summary(loud)
 
 
+def test_the_summary_names_a_host_bound_step_by_the_devices_busy_time_and_a_faster_cuda_graphs_row(searched):
+    """As the H200 measured GPT-2-small: uniform bf16 28.0 ms a step with the GPU busy 8.5 ms of it, 10.7 ms under
+    CUDA graphs. The note gives the busy time, and CUDA graphs are said as a way to compile, not chosen."""
+    import dataclasses
+
+    from builders import measurement
+
+    from autoprec.tune._alternatives import BF16_GRAPHS
+    from autoprec.tune._records import Finals
+    from autoprec.tune._report import search_summary
+
+    _, result, _ = searched
+    rows = [
+        dataclasses.replace(r, step_ms=28.0, busy_ms=8.5, host_ms=28.0, host_bound=True) if r.candidate == "uniform bf16" else r
+        for r in result.finals
+    ]
+    top = max(r.speedup for r in rows if r.feasible)
+    rows.append(measurement(BF16_GRAPHS, step_ms=10.7, busy_ms=7.9, speedup=3 * top))
+    text = search_summary(dataclasses.replace(result, finals=Finals(rows)))
+    assert "note: host-bound: uniform bf16 (the device busy 8.5 of 28 ms a step)" in text
+    assert "note: uniform bf16 under CUDA graphs measured 3.00x the chosen policy's speed" in text
+    assert "mode='reduce-overhead'" in text
+
+
 # ---- peak memory: measured for every timed candidate, a limit, an objective ----------------------------------
 
 

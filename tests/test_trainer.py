@@ -170,7 +170,7 @@ def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monke
     workload = prepare(load_task(write_model(source)), "cpu")
     assert workload.shape_batches == (0, 2)
     monkeypatch.setattr(
-        "autoprec.tune._trainer.compile_model", lambda model: model
+        "autoprec.tune._trainer.compile_model", lambda model, mode=None: model
     )  # compiled in name: what is stepped is the point
     seen = []
     real_time = timing.CLOCK.time
@@ -190,6 +190,19 @@ def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monke
 
 
 @pytest.mark.slow
+def test_a_cuda_graphs_candidate_is_compiled_with_reduce_overhead_and_only_compiled(monkeypatch, write_model, mlp_source):
+    from autoprec.tune._trainer import Candidate, Trainer
+
+    workload = prepare(load_task(write_model(mlp_source)), "cpu")
+    modes = []
+    monkeypatch.setattr("autoprec.tune._trainer.compile_model", lambda model, mode=None: modes.append(mode) or model)
+    Trainer(workload, Candidate(Policy(layers={"": "bf16"}), cuda_graphs=True), compiled=True)
+    Trainer(workload, Candidate(Policy(layers={"": "bf16"})), compiled=True)
+    assert modes == ["reduce-overhead", None]
+    with pytest.raises(ValueError, match="CUDA-graphs candidate is a compiled one"):
+        Trainer(workload, Candidate(Policy(layers={"": "bf16"}), cuda_graphs=True))
+
+
 def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(monkeypatch, write_model, mlp_source, tmp_path):
     """The trials empty the compile caches for each candidate: the ragged batch compiled inside a timed round."""
     from autoprec.tune import SearchConfig, load_task, prepare
@@ -203,7 +216,7 @@ def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(mo
     )
     workload = prepare(load_task(write_model(source)), "cpu")
     monkeypatch.setattr(
-        "autoprec.tune._trainer.compile_model", lambda model: model
+        "autoprec.tune._trainer.compile_model", lambda model, mode=None: model
     )  # compiled in name: what is stepped is the point
     seen = []
     real_time = timing.CLOCK.time

@@ -12,7 +12,9 @@
   single-layer drops fit the budget; the search has to beat it to be worth its trials.
 
 TF32 is a process-wide setting, not a per-layer format, so it is measured and shown but never becomes the
-policy: where it wins, the summary says so.
+policy: where it wins, the summary says so. So is `uniform bf16, CUDA graphs` (`--cuda-graphs`, compiled on CUDA):
+uniform bf16 compiled with torch.compile's mode="reduce-overhead", how a host-bound step is made faster; a way to
+compile, not a policy.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ BF16 = "uniform bf16"
 FP8_EVERYWHERE = "fp8 everywhere (torchao filter)"
 FP8_ROWWISE_EVERYWHERE = "fp8 rowwise everywhere (torchao filter)"
 GREEDY = "profile greedy"
+BF16_GRAPHS = "uniform bf16, CUDA graphs"
 ALTERNATIVES = (
     FP32,
     TF32,
     BF16,
+    BF16_GRAPHS,
     FP8_EVERYWHERE,
     FP8_ROWWISE_EVERYWHERE,
     GREEDY,
@@ -46,7 +50,7 @@ ALTERNATIVES = (
 # torchao's recipes a user would turn on everywhere, each with its own size filter: (torchao recipe name, the format)
 TORCHAO_RECIPES = {FP8_EVERYWHERE: ("tensorwise", Format.FP8), FP8_ROWWISE_EVERYWHERE: ("rowwise", Format.FP8_ROWWISE)}
 
-NOT_A_POLICY = frozenset({TF32})  # measured for comparison; cannot be written as a per-layer policy
+NOT_A_POLICY = frozenset({TF32, BF16_GRAPHS})  # measured for comparison; cannot be written as a per-layer policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +85,12 @@ def alternatives(
     *,
     offered: frozenset[Format] | None = None,
     cost: LayerCost = measured_time,
+    cuda_graphs: bool = False,
 ) -> Alternatives:
     """The alternatives every search and sweep result is re-measured beside (see the module's docstring).
     `offered`: the formats the search space offers its layers (None: all); a torchao recipe whose format it does not
-    offer is left out. `cost`: how the profile-greedy policy prices a layer (the goal's Goal.layer_cost)."""
+    offer is left out. `cost`: how the profile-greedy policy prices a layer (the goal's Goal.layer_cost).
+    `cuda_graphs`: uniform bf16 under CUDA graphs too (SearchConfig.cuda_graphs, which checked the device)."""
     every = [ROOT, *choices.layers]
     fp32 = Policy(layers=dict.fromkeys(every, Format.FP32))
     out: dict[str, Candidate] = {FP32: Candidate(fp32)}
@@ -94,6 +100,8 @@ def alternatives(
     else:
         notes[TF32] = f"TF32 is a CUDA tensor-core mode; not measured on {device.type}"
     out[BF16] = Candidate(Policy(layers=dict.fromkeys(every, Format.BF16)))
+    if cuda_graphs:
+        out[BF16_GRAPHS] = Candidate(out[BF16].policy, cuda_graphs=True)
     for name, (recipe, fmt) in TORCHAO_RECIPES.items():
         layers: list[str] = []
         n_linear = 0

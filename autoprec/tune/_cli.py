@@ -155,6 +155,7 @@ def _search_config(args: argparse.Namespace, budget=None):
             study_name=args.study,
             progress=not args.quiet,
             remeasure=args.remeasure,
+            cuda_graphs=args.cuda_graphs,
             objective=args.objective,
             target=getattr(args, "target", None),
             predict_speed=not getattr(args, "time_every_trial", False),
@@ -615,6 +616,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--remeasure",
             action="store_true",
             help="rerunning a finished study keeps the result it wrote; this re-measures its finalists and chooses again",
+        )
+        p.add_argument(
+            "--cuda-graphs",
+            action="store_true",
+            help="also re-measure uniform bf16 compiled with CUDA graphs (torch.compile mode='reduce-overhead'), "
+            "what speeds a host-bound step: a way to compile, shown beside the policies, never chosen (compiled, cuda)",
         )
         p.add_argument(
             "--mode",

@@ -346,6 +346,10 @@ class SearchConfig:
     # A rerun of a finished study (no trials left to run) keeps the result it wrote; True re-measures its
     # finalists and chooses again, on new timing noise.
     remeasure: bool = False
+    # The re-measure times uniform bf16 compiled with CUDA graphs too (torch.compile's mode="reduce-overhead"):
+    # what makes a host-bound step faster, shown beside the policies, never chosen (a way to compile, not a
+    # policy). Needs compile=True on a device with CUDA graphs (Device.cuda_graphs).
+    cuda_graphs: bool = False
     # What the search optimises within the budget: a registered goal (_goals.py), or its name ("speed", the default;
     # "memory"); and the most peak memory a candidate may need, in bytes (memory.parse_limit reads "40GB", "0.8"):
     # above it, a candidate is infeasible.
@@ -398,6 +402,10 @@ class SearchConfig:
             raise ValueError(f"trials must be >= 1, but got {self.trials!r}")
         if self.finalists < 1:
             raise ValueError(f"finalists must be >= 1, but got {self.finalists!r}")
+        if self.cuda_graphs and not self.compile:
+            raise ValueError(
+                "cuda_graphs=True needs compile=True: CUDA graphs are recorded by torch.compile's mode='reduce-overhead'"
+            )
         if self.profile.compile and not self.compile:
             raise ValueError(
                 "profile=ProfileConfig(compile=True) needs compile=True: one switch compiles the profile's "
@@ -452,6 +460,8 @@ def search_config(
     train-mode settings refused in weights mode. `settings`: SearchConfig's other fields. Raises ValueError naming
     the setting as `spell` writes it (the CLI: its flag) and shows it as one line."""
     the_mode = parse_mode(mode)
+    if settings.get("cuda_graphs"):
+        _check_cuda_graphs(device, default_compile(device) if compile is None else bool(compile), spell)
     if "objective" in settings or "target" in settings:  # the flags' own words, before SearchConfig's
         check_target(parse_goal(settings.get("objective", "speed")), settings.get("target"), spell)
     if the_mode is Mode.WEIGHTS:
@@ -471,6 +481,19 @@ def search_config(
         max_memory=_memory_limit(max_memory, device),
         **settings,
     )
+
+
+def _check_cuda_graphs(device: str | torch.device, compiled: bool, spell: Callable[[str], str]) -> None:
+    """CUDA graphs asked for where they can be recorded: a compiled search on a device that has them."""
+    dev = torch.device(device)
+    if not devices.lookup(dev).cuda_graphs:
+        with_graphs = [t for t in devices.registered() if devices.device_for(t).cuda_graphs]
+        raise ValueError(
+            f"{spell('cuda_graphs')} needs a device that records CUDA graphs ({', '.join(with_graphs) or 'none registered'}), "
+            f"but the device is {dev}; leave it out on {dev.type}"
+        )
+    if not compiled:
+        raise ValueError(f"{spell('cuda_graphs')} needs a compiled search (torch.compile records the graphs); drop --no-compile")
 
 
 def _memory_limit(limit: object, device: str | torch.device) -> int | None:

@@ -37,7 +37,14 @@ log = logging.getLogger("autoprec")
 
 
 def gather_candidates(
-    workload: Workload, space: SearchSpace, started: Started, plan: Plan, k: int, *, goal: Goal = SPEED
+    workload: Workload,
+    space: SearchSpace,
+    started: Started,
+    plan: Plan,
+    k: int,
+    *,
+    goal: Goal = SPEED,
+    cuda_graphs: bool = False,
 ) -> tuple[dict[str, Candidate], dict[float, str], dict[str, str]]:
     """What is re-measured: the alternatives (each budget with its own profile-greedy policy), then per budget
     its k best trials within it by the goal (the fastest; the smallest in peak memory) and the safer variant of the
@@ -55,7 +62,7 @@ def gather_candidates(
     greedy, notes = {}, {}
     budgets = started.budgets.absolute
     for b in budgets:
-        alts = baselines(workload, space, started.profile, started.choices, b, goal=goal)
+        alts = baselines(workload, space, started.profile, started.choices, b, goal=goal, cuda_graphs=cuda_graphs)
         notes.update(alts.notes)
         own = plan.greedy_name(b, started.budgets)
         for name, candidate in alts.candidates.items():
@@ -77,12 +84,21 @@ def gather_candidates(
 
 
 def baselines(
-    workload: Workload, space: SearchSpace, prof: Profile, choices: Choices, budget: float, *, goal: Goal = SPEED
+    workload: Workload,
+    space: SearchSpace,
+    prof: Profile,
+    choices: Choices,
+    budget: float,
+    *,
+    goal: Goal = SPEED,
+    cuda_graphs: bool = False,
 ) -> Alternatives:
     """What every result is compared with, measured in the same run: alternatives.alternatives (its profile-greedy
-    policy priced by the goal)."""
+    policy priced by the goal; uniform bf16 under CUDA graphs where `cuda_graphs`)."""
     offered = frozenset(f for formats in space.layers.values() for f in formats)
-    return alternatives(workload.model, workload.device, prof, choices, budget, offered=offered, cost=goal.layer_cost)
+    return alternatives(
+        workload.model, workload.device, prof, choices, budget, offered=offered, cost=goal.layer_cost, cuda_graphs=cuda_graphs
+    )
 
 
 def finalist_policies(

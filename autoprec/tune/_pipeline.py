@@ -241,7 +241,9 @@ def _run(workload: Workload, space: SearchSpace, config: SearchConfig, out_dir: 
         trial_costs(started.study, watch)
     else:  # a finished study re-measured (--remeasure): its trials' time was spent by the earlier run, not this one
         watch.count("trials: run earlier, none now (their time is in the earlier run's table)", complete_count(started.study))
-    candidates, greedy, notes = gather_candidates(workload, space, started, plan, config.finalists, goal=config.objective)
+    candidates, greedy, notes = gather_candidates(
+        workload, space, started, plan, config.finalists, goal=config.objective, cuda_graphs=config.cuda_graphs
+    )
     noise = device_noise(started.study, since=objective.since)
     mark = time.perf_counter()
     finals = final_remeasure(

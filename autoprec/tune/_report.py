@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from autoprec.formats import FP16_MAX, Format
-from autoprec.tune._alternatives import BF16, FP32, TF32
+from autoprec.tune._alternatives import BF16, BF16_GRAPHS, FP32, TF32
 from autoprec.tune._config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
 from autoprec.tune._cost import cost_rows
 from autoprec.tune._gradients import ScaleAdvice
@@ -247,6 +247,13 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
             f"note: TF32 measured {tf32.speedup / picked.speedup:.2f}x the chosen policy's speed within budget; it is a "
             "process-wide setting, not a per-layer format: torch.set_float32_matmul_precision('high') in your script "
             "also speeds the policy's fp32 layers"
+        )
+    graphs = finals.get(BF16_GRAPHS)
+    if speed and graphs is not None and picked is not None and graphs.feasible and graphs.speedup > picked.speedup:
+        parts.append(
+            f"note: uniform bf16 under CUDA graphs measured {graphs.speedup / picked.speedup:.2f}x the chosen policy's "
+            "speed: CUDA graphs are a way to compile, not a policy; compile with "
+            "autoprec.compile_model(model, mode='reduce-overhead') to use them (the policy under them was not measured)"
         )
     noisiest = finals.noisiest(device_only=True)  # a host-bound step's jitter is said below
     if speed and noisiest > NOISY_SPREAD:

@@ -31,11 +31,14 @@ log = logging.getLogger("autoprec")
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """What one timed training step runs: a policy, and whether fp32 matmuls may use TF32 (CUDA only; a
-    process-wide setting, not a per-layer format, so it is set around each of this candidate's steps)."""
+    """What one timed training step runs: a policy, whether fp32 matmuls may use TF32 (CUDA only; a
+    process-wide setting, not a per-layer format, so it is set around each of this candidate's steps), and whether a
+    compiled step runs under CUDA graphs (torch.compile's mode="reduce-overhead": how the model is compiled, not a
+    format)."""
 
     policy: Policy
     tf32: bool = False
+    cuda_graphs: bool = False
 
 
 def as_candidate(value: Policy | Candidate) -> Candidate:
@@ -110,7 +113,10 @@ class Trainer:
         self.policy = candidate.policy
         self.model = policy_model(workload, candidate.policy).train()
         self.compiled = compiled
-        self._forward_model = compile_model(self.model) if compiled else self.model
+        if candidate.cuda_graphs and not compiled:
+            raise ValueError("a CUDA-graphs candidate is a compiled one (torch.compile's mode='reduce-overhead')")
+        mode = "reduce-overhead" if candidate.cuda_graphs else None
+        self._forward_model = compile_model(self.model, mode=mode) if compiled else self.model
         self.first_step_s: float | None = None
         task = workload.task
         self.optimizer = task.optimizer(self.model) if task.optimizer else default_optimizer(self.model, workload.device)
