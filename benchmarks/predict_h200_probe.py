@@ -6,10 +6,10 @@ results/h200/probe/predict_vs_measured.md, computed, never typed.
 Whole steps: examples/llama/model.py at its full size (AUTOPREC_LLAMA_SIZE=full: 16,384 tokens a step), traced on the
 meta device as `autoprec predict` traces it, under the policies in results/h200/probe/predict/ (the candidates of
 results/h200/probe/c_llama.csv, the same layers as benchmarks/gpu_probe.py's stage c chose), against c_llama.csv and
-results/h200/probe-search/finalists.csv; GPT-2-small (examples/gpt2, 4,096 tokens a step) against the GPU busy
+results/h200/probe/search2/finalists.csv; GPT-2-small (examples/gpt2, 4,096 tokens a step) against the GPU busy
 time of results/h200/probe/a_gpt2.csv's `held` rows.
 
-Per layer: the Llama model's Linear shapes at M = 16,384 against results/h200/probe/search-llama/profile.csv, priced
+Per layer: the Llama model's Linear shapes at M = 16,384 against results/h200/probe/search1-stopped/profile.csv, priced
 as the profile times a layer (autoprec/tune/_layer_timing.py): the layer alone, forward and backward, on leaf input
 tensors (no producer kernel computes a tensorwise amax for it); a bf16 layer under a bf16 root, its inputs in bf16;
 fp32 and the fp8 formats with no autocast around them, on the fp32 inputs the profile's fp32 reference pass recorded.
@@ -37,7 +37,7 @@ from autoprec.tune._targets import target_named  # noqa: E402
 from autoprec.tune._task import load_task  # noqa: E402
 
 PROBE = ROOT / "results" / "h200" / "probe"
-SEARCH = ROOT / "results" / "h200" / "probe-search"
+SEARCH = ROOT / "results" / "h200" / "probe" / "search2"
 POLICIES = PROBE / "predict"
 TARGET = target_named("h200")
 
@@ -120,7 +120,7 @@ def layer_ms(k: int, n: int, fmt: str, *, in_step: bool) -> float:
 def per_layer() -> list[str]:
     measured = {
         (r["layer"], r["format"]): float(r["time_ms"])
-        for r in rows(PROBE / "search-llama" / "profile.csv")
+        for r in rows(PROBE / "search1-stopped" / "profile.csv")
         if r["status"] == "ok" and r["time_ms"] and r["layer"] == r["timed_as"]
     }
     out = [
