@@ -49,3 +49,25 @@ def test_a_layers_warm_up_on_a_device_with_a_queue_lasts_its_seconds_of_calls_no
         interleaved_times({"layer": Step(lambda: None, kernels=True)}, devices.torch.device("cpu"), config)
     warm_up = len(calls) - config.rounds  # the rest: one block a round, priced once each
     assert warm_up <= 2 * config.warmup_s / 0.001 + config.warmup + 8  # about 0.2 s of 1 ms calls, not 10,000
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "bf16", "fp32"])
+def test_a_layer_step_runs_where_its_format_runs_in_a_model_fp8_and_block_scaled_in_a_bf16_region(fmt):
+    """Each format's lone layer step is timed on the inputs it gets in a model: bf16 in a bf16 region, fp32 in fp32,
+    and fp8/mxfp8 (no autocast dtype of their own) inside a bf16 region as torchao runs them. Timed on fp32 inputs
+    (the H200 probe's profile did), their casts read and write twice the bytes bf16's do, biasing the ratio."""
+    import warnings
+
+    import torch
+
+    from autoprec.formats import Format
+    from autoprec.tune._layer_timing import _layer_step
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp8 runs emulated on a CPU
+        step = _layer_step(torch.nn.Linear(32, 32), ((torch.randn(16, 32),), {}), Format(fmt))
+        seen = []
+        step.model.layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+        step()
+    assert seen == [torch.float32 if fmt == "fp32" else torch.bfloat16]
