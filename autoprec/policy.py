@@ -186,9 +186,10 @@ class Policy:
         for key in data:
             if key not in allowed:
                 raise ValueError(f"unknown field {key!r}; allowed fields: {', '.join(allowed)}")
-        for key in allowed[:3]:
+        for key in allowed[:2]:
             if key not in data:
-                raise ValueError(f"missing field {key!r}")
+                example = {"version": POLICY_VERSION, "layers": {"": "bf16"}}
+                raise ValueError(f"missing field {key!r}; a policy needs at least {json.dumps(example)}")
         version = data["version"]
         if version != POLICY_VERSION or isinstance(version, bool):
             raise ValueError(f"version must be {POLICY_VERSION}, but got {version!r}")
@@ -197,7 +198,8 @@ class Policy:
             raise ValueError(f"layers must map module names to one of {', '.join(format_names())}, got {type(layers).__name__}")
         return cls(
             layers=layers,
-            loss_scale=LossScale.from_dict(data["loss_scale"]),
+            # a hand-written policy without fp16 layers needs no GradScaler settings: GradScaler's defaults
+            loss_scale=LossScale.from_dict(data["loss_scale"]) if "loss_scale" in data else LossScale(),
             measured=data.get("measured"),
             version=version,
         )

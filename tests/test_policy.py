@@ -149,11 +149,19 @@ def test_load_policy_unknown_top_level_key(tmp_path):
     assert "unknown field 'layer'" in msg and "version, layers, loss_scale, measured" in msg
 
 
-@pytest.mark.parametrize("field", ["version", "layers", "loss_scale"])
+@pytest.mark.parametrize("field", ["version", "layers"])
 def test_load_policy_missing_field(tmp_path, field):
     data = valid()
     del data[field]
-    assert f"missing field {field!r}" in load_error(write(tmp_path, data))
+    msg = load_error(write(tmp_path, data))
+    assert f"missing field {field!r}" in msg and '{"version": 1, "layers": {"": "bf16"}}' in msg
+
+
+def test_a_hand_written_policy_without_loss_scale_gets_gradscalers_defaults(tmp_path):
+    """Only fp16 layers use the GradScaler: a policy written by hand for bf16/fp8 layers need not say its settings."""
+    data = valid()
+    del data["loss_scale"]
+    assert load_policy(write(tmp_path, data)).loss_scale == LossScale()
 
 
 @pytest.mark.parametrize("version", [2, 0, "1", True])

@@ -381,9 +381,11 @@ GLOBAL_FLAGS = (
 
 
 def _global_flags(p: argparse.ArgumentParser) -> None:
-    """The top-level flags, accepted after the verb too (`autoprec search m.py --json`)."""
+    """The top-level flags, accepted after the verb too (`autoprec search m.py --json`), and named under the verb's
+    --help (a user reading `autoprec predict --help` would not find --json otherwise)."""
     for flag, _ in GLOBAL_FLAGS:
         p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.epilog = "also here: " + "; ".join(f"{flag}: {text}" for flag, text in GLOBAL_FLAGS)
 
 
 def _version() -> str:
