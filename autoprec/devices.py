@@ -38,10 +38,13 @@ class BlockTime:
     """What one timed block of calls took: `seconds`, the device's time from its first call to the end of its last
     (wall time where the device runs work as it is issued; the device's own markers where it has a queue), and
     `host_s`, the host's time issuing the calls (None where the device has no queue of its own: there the two are
-    one)."""
+    one). `held`: for a block timed by the device's busy time (Device.time_block's `kernels`), whether every call was
+    queued before the device reached it; False where the host outran the hold (one call issuing for longer than the
+    spin held the stream: its time then includes the device's waits on the host); None for any other block."""
 
     seconds: float
     host_s: float | None = None
+    held: bool | None = None
 
 
 class Device:
@@ -407,12 +410,13 @@ class CUDADevice(Device):
             per = max(1, min(calls, int(_HELD_ISSUE_S / max(one_s, 1e-9))))
             spin = _spin_cycles_per_s(dev)
             seconds = host_s = 0.0
-            done = 0
+            done, held = 0, True
             while done < calls:
                 n = min(per, calls - done)
                 part = _cuda_events_block(work, n, hold_cycles=int((2.0 * n * one_s + 1e-3) * spin))
                 seconds, host_s, done = seconds + part.seconds, host_s + (part.host_s or 0.0), done + n
-            return BlockTime(seconds, host_s)
+                held = held and bool(part.held)
+            return BlockTime(seconds, host_s, held)
 
     def name(self, dev: torch.device) -> str:
         return torch.cuda.get_device_name(dev) if torch.cuda.is_available() else str(dev)
@@ -444,16 +448,19 @@ class CUDADevice(Device):
         return int(torch.cuda.get_device_properties(dev).total_memory)
 
 
-# The most issuing time one held sub-block may take (seconds): at the 2-5 us a launch costs, under the ~1000 kernels
-# CUDA's launch queue holds, so the host never waits for room while the spin holds the stream.
-_HELD_ISSUE_S = 2e-3
+# The most issuing time one held sub-block may take (seconds): at the 2-5 us a launch costs, at most ~200-500 of the
+# ~1000 kernels CUDA's launch queue holds, so the host does not wait for room while the spin holds the stream. One
+# call is never split: a call of more kernels than the queue holds outruns its hold, and its block says so (held).
+_HELD_ISSUE_S = 1e-3
 
 
 def _cuda_events_block(work: Callable[[], object], calls: int, *, hold_cycles: int = 0) -> BlockTime:
     """`calls` calls of `work` between two CUDA events on the current stream (after a spin of `hold_cycles` where
-    given); the GPU's seconds between the events and the host's issuing seconds."""
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    given); the GPU's seconds between the events, the host's issuing seconds and, held, whether the spin outlasted
+    the issuing (a call that issues more kernels than the launch queue holds waits for room, and the spin runs out)."""
+    spun, begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     if hold_cycles:
+        spun.record()
         torch.cuda._sleep(hold_cycles)
     begin.record()
     start = time.perf_counter()
@@ -462,7 +469,8 @@ def _cuda_events_block(work: Callable[[], object], calls: int, *, hold_cycles: i
     host_s = time.perf_counter() - start
     end.record()
     end.synchronize()
-    return BlockTime(begin.elapsed_time(end) / 1e3, host_s)
+    held = spun.elapsed_time(begin) / 1e3 >= host_s if hold_cycles else None
+    return BlockTime(begin.elapsed_time(end) / 1e3, host_s, held)
 
 
 @functools.cache

@@ -9,9 +9,10 @@ step runs it: GPT-2-small's five Linear shapes at M 4096 (its 16 x 256 tokens) a
 other layers are bf16 runs them: the input arrives in bf16, the output stays in it, so a recipe whose high-precision
 GEMM is not fp8 runs it in bf16, never in strict fp32. Formats: bf16 (the baseline), fp8 (tensorwise), fp8-rowwise
 and fp8-fwd-dgrad (fp8 forward and input gradient, the weight gradient in bf16), those this device runs; the others
-are listed with the reason. Timed interleaved by autoprec.tune._timing.interleaved_times, so on a GPU each sample is
-the GPU's time by CUDA events over a block of steps, and the host's time issuing it is printed beside: a row whose
-host time is most of it is host-bound (launch overhead, not the GEMMs). torchao's fp8 is meant to run under
+are listed with the reason. Timed interleaved by autoprec.tune._timing.interleaved_times, each candidate a held step
+(Step.kernels): on a GPU each sample is the GPU's busy time by CUDA events over a block of steps queued behind a
+spin kernel, so a lone layer's launch overhead is not in it (inside a model's step the host issues a layer while the
+GPU runs the ones before); the host's issuing time is printed beside, for reference. torchao's fp8 is meant to run under
 torch.compile, which fuses its casts: --compile compiles every candidate (on CUDA the default). Without fp8 kernels
 (a CPU, a GPU below compute capability 8.9) torchao emulates fp8: the numbers then say nothing of fp8's speed.
 Printed, and with --csv written one row per shape and format; not asserted.
@@ -130,7 +131,7 @@ def main() -> None:
                 t = times[f]
                 rows.append({
                     "model": model_name, "layer": layer, "m": m, "k": k, "n": n, "format": f,
-                    "device_ms": t.median_ms, "spread": t.spread, "host_ms": t.host_ms, "host_bound": t.host_bound,
+                    "device_ms": t.median_ms, "spread": t.spread, "host_ms": t.host_ms,
                     "speedup_over_bf16": base / t.median_ms, "rounds": len(t.samples_ms), "device": str(device),
                 })  # fmt: skip
             if args.csv:  # after every shape: a run stopped at a deadline keeps what it measured

@@ -94,7 +94,7 @@ GPUS = {
 import torch  # noqa: E402
 
 from autoprec.formats import default_device  # noqa: E402
-from autoprec.tune._alternatives import BF16, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, TF32  # noqa: E402
+from autoprec.tune._names import BF16, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, TF32  # noqa: E402
 from autoprec.tune._records import Measured  # noqa: E402
 
 COLUMNS = (FP32, TF32, BF16, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE)  # the uniform choices a user would otherwise make

@@ -7,19 +7,10 @@ from torch import nn
 
 from autoprec.formats import Format
 from autoprec.tune import load_task, prepare
-from autoprec.tune._alternatives import (
-    BF16,
-    BF16_GRAPHS,
-    FP8_EVERYWHERE,
-    FP8_ROWWISE_EVERYWHERE,
-    FP32,
-    GREEDY,
-    TF32,
-    alternatives,
-    torchao_fp8_layers,
-)
+from autoprec.tune._alternatives import alternatives, torchao_fp8_layers
 from autoprec.tune._choices import build_choices
 from autoprec.tune._config import ProfileConfig
+from autoprec.tune._names import BF16, BF16_GRAPHS, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, GREEDY, TF32
 from autoprec.tune._profiler import profile
 from autoprec.tune._space import space_from_dict
 

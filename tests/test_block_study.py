@@ -288,7 +288,7 @@ def test_tagged_searches_get_their_own_folders_and_labels_and_the_per_gemm_forma
 
 def test_the_fallback_tag_searches_without_fp32_under_a_bf16_root_and_its_folders_are_picked_up(tmp_path):
     from autoprec.policy import Policy
-    from autoprec.tune._goals import goal_named
+    from autoprec.tune._goal import goal_named
 
     space = search.search_space("grouped", 4, "fallback")
     assert [f.value for f in space.default] == ["bf16"]

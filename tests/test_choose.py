@@ -97,8 +97,8 @@ def test_tf32_is_measured_but_never_chosen_as_the_policy():
 
 def test_uniform_bf16_under_cuda_graphs_is_measured_but_never_chosen_as_the_policy():
     """CUDA graphs are a way to compile: the fastest row, but no per-layer policy can be written of it."""
-    from autoprec.tune._alternatives import BF16, BF16_GRAPHS
     from autoprec.tune._choose import choose
+    from autoprec.tune._names import BF16, BF16_GRAPHS
     from autoprec.tune._trainer import Candidate
 
     bf16 = Policy(layers={"": "bf16"})

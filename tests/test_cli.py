@@ -988,3 +988,15 @@ def test_the_quick_starts_output_folder_is_git_ignored_and_the_committed_results
     committed = subprocess.run(["git", "ls-files", "results"], cwd=root, capture_output=True, text=True).stdout.split()
     runs = [path for path in committed if path.count("/") >= 2][::50]  # results/<device>/...
     assert runs and not any(ignored(f"{path}.new") for path in runs)  # a new file beside a committed run: not ignored
+
+
+def test_each_verbs_help_names_the_global_flags_it_accepts(capsys):
+    """`autoprec predict --json` works, but the verb's --help did not say so: each verb's help names them now."""
+    from autoprec.tune._cli import GLOBAL_FLAGS, build_parser
+
+    parser = build_parser()
+    for verb in ("search", "predict", "show", "export"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([verb, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(flag in text for flag, _ in GLOBAL_FLAGS), verb

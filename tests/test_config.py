@@ -60,7 +60,7 @@ def test_cuda_graphs_are_asked_for_only_on_a_compiled_search_on_a_device_that_re
     ):
         search_config(device="cpu", compile=True, cuda_graphs=True, spell=flag)
     monkeypatch.setattr(devices.lookup("cpu"), "cuda_graphs", True)  # a CPU standing in for a GPU
-    with pytest.raises(ValueError, match=r"^--cuda-graphs needs a compiled search .*drop --no-compile"):
+    with pytest.raises(ValueError, match=r"^--cuda-graphs needs a compiled search .*leave --compile on"):
         search_config(device="cpu", compile=False, cuda_graphs=True, spell=flag)
     assert search_config(device="cpu", compile=True, cuda_graphs=True).cuda_graphs
     with pytest.raises(ValueError, match=r"cuda_graphs=True needs compile=True"):

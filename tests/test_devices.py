@@ -220,5 +220,11 @@ def test_a_held_cuda_block_goes_in_sub_blocks_the_launch_queue_holds_on_the_name
     # sub-blocks of 3, 3, 3 and 1 calls: each behind a spin of twice its issuing time and a millisecond
     assert spins == [int((2.0 * n + 1e-3) * 1e9) for n in (3, 3, 3, 1)]
     assert block.seconds == pytest.approx(4 * 1e-3)  # four sub-blocks of one fake millisecond each, summed
+    # each sub-block's host issued for a fake second behind a spin the events time at a millisecond: it outran the
+    # hold, so the device's waits on it are in the time, and the block says so
+    assert block.held is False
     unheld = cuda.time_block(torch.device("cuda", 0), lambda: calls.append(1), 5)
-    assert unheld.seconds == pytest.approx(1e-3) and len(spins) == 4  # one block, no spin
+    assert unheld.seconds == pytest.approx(1e-3) and len(spins) == 4 and unheld.held is None  # one block, no spin
+    fast = iter(range(10_000))  # a microsecond a call now: the spin's millisecond outlasts every sub-block's issuing
+    monkeypatch.setattr(devices, "time", types.SimpleNamespace(perf_counter=lambda: next(fast) * 1e-6))
+    assert cuda.time_block(torch.device("cuda", 0), lambda: None, 10, kernels=True).held is True

@@ -8,9 +8,10 @@ from builders import finals
 from autoprec import Policy
 from autoprec.tune import SearchConfig
 from autoprec.tune import _finalists as finalists
-from autoprec.tune._alternatives import BF16, FP32, GREEDY, Alternatives
+from autoprec.tune._alternatives import Alternatives
 from autoprec.tune._budget import Budgets
 from autoprec.tune._choices import Choices
+from autoprec.tune._names import BF16, FP32, GREEDY
 from autoprec.tune._searcher import search_plan
 from autoprec.tune._sweeper import sweep_plan
 from autoprec.tune._trainer import Candidate

@@ -351,7 +351,7 @@ def test_a_speed_search_still_refuses_a_list_without_fp32_naming_it_before_the_p
 
 
 def test_the_flop_goals_choice_falls_back_to_uniform_bf16_in_a_space_without_fp32():
-    from autoprec.tune._alternatives import BF16, FP32
+    from autoprec.tune._names import BF16, FP32
     from autoprec.tune._records import Finals, Measurement
 
     space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["bf16", "nvfp4"]}})
@@ -379,8 +379,9 @@ def test_the_profile_greedy_policy_of_a_flop_search_is_priced_on_the_target_not_
     (a warm start and an alternative) of a FLOP search follows the target's price, a speed search this machine's."""
     from types import SimpleNamespace
 
-    from autoprec.tune._alternatives import GREEDY, alternatives
+    from autoprec.tune._alternatives import alternatives
     from autoprec.tune._choices import Choices, greedy_layers, warm_starts
+    from autoprec.tune._names import GREEDY
 
     rows = [("fc1", "fp32", 1.0), ("fc1", "bf16", 0.9), ("fc1", "nvfp4", 40.0), ("fc1", "mxfp8", 30.0)]
     table = {"fc1": {f: SimpleNamespace(layer="fc1", format=f, time_ms=ms, metric_drop=0.0) for _, f, ms in rows}}

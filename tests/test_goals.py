@@ -30,9 +30,9 @@ from autoprec.tune import (
     register_goal,
     unregister_goal,
 )
-from autoprec.tune._alternatives import NOT_A_POLICY
 from autoprec.tune._choices import policy_from_params
 from autoprec.tune._flops import FLOPS
+from autoprec.tune._names import NOT_A_POLICY
 from autoprec.tune._searcher import search
 from autoprec.tune._space import space_from_dict
 from autoprec.tune._sweeper import pareto_front
@@ -158,7 +158,8 @@ def test_the_built_in_goals_answer_as_the_tuner_asked_before():
 
 def test_a_goal_under_a_label_another_goal_has_is_refused():
     """The study key records the label: two goals under one label would share, and clash in, one study."""
-    from autoprec.tune._goals import MEMORY, Goal, goal_named, register_goal
+    from autoprec.tune._goal import Goal, goal_named, register_goal
+    from autoprec.tune._goals import MEMORY
 
     class Twin(Goal):
         name, label, direction, summary = "twin-memory", MEMORY.label, "maximize", "the largest peak memory"

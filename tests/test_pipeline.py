@@ -8,8 +8,8 @@ import pytest
 
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune import _pipeline as pipeline
-from autoprec.tune._alternatives import GREEDY
 from autoprec.tune._budget import Budget, Budgets, resolve_budgets
+from autoprec.tune._names import GREEDY
 from autoprec.tune._searcher import search_plan
 from autoprec.tune._space import space_from_dict
 from autoprec.tune._sweeper import sweep_plan
@@ -52,17 +52,17 @@ def test_search_and_sweep_plans_differ_only_in_budgets_objectives_and_file_names
 
 
 def test_a_relative_budget_is_resolved_once_from_the_fp32_metric_the_profile_measures(tmp_path, monkeypatch):
-    """SearchConfig keeps "1%" as given; the pipeline resolves it against Workload.fp32_metric, the one (checked)
+    """SearchConfig keeps "1%" as given; the pipeline resolves it against _metric.workload_fp32_metric, the one (checked)
     evaluation of the fp32 model the profile reads too, and every stage after reads that record: the study's bound,
     the policy's budget and how it was given."""
     from short_timing import FAST_PROFILE, TINY
 
     from autoprec import load_policy
-    from autoprec.tune import _profiler as profiler
+    from autoprec.tune import _metric as metric
     from autoprec.tune._searcher import search
 
-    calls, real = [], profiler.checked_fp32_metric
-    monkeypatch.setattr(profiler, "checked_fp32_metric", lambda workload: calls.append(1) or real(workload))
+    calls, real = [], metric.checked_fp32_metric
+    monkeypatch.setattr(metric, "checked_fp32_metric", lambda workload: calls.append(1) or real(workload))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
     config = SearchConfig(

@@ -760,7 +760,7 @@ def test_an_evaluate_that_moves_on_its_own_is_refused_before_it_rules_formats_ou
     (issue 37, 12). The fp32 model is evaluated twice, and a difference is one line naming both values."""
     from autoprec.errors import UserError
     from autoprec.tune import load_task, prepare
-    from autoprec.tune._profiler import checked_fp32_metric
+    from autoprec.tune._metric import checked_fp32_metric
 
     noisy = mlp_source + "\n\ndef evaluate(model):\n    return float(torch.rand(()))\n"
     workload = prepare(load_task(write_model(noisy)), "cpu")

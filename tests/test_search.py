@@ -582,7 +582,7 @@ def test_the_summary_names_a_host_bound_step_by_the_devices_busy_time_and_a_fast
 
     from builders import measurement
 
-    from autoprec.tune._alternatives import BF16_GRAPHS
+    from autoprec.tune._names import BF16_GRAPHS
     from autoprec.tune._records import Finals
     from autoprec.tune._report import search_summary
 
@@ -597,6 +597,27 @@ def test_the_summary_names_a_host_bound_step_by_the_devices_busy_time_and_a_fast
     assert "note: host-bound: uniform bf16 (the device busy 8.5 of 28 ms a step)" in text
     assert "note: uniform bf16 under CUDA graphs measured 3.00x the chosen policy's speed" in text
     assert "mode='reduce-overhead'" in text
+
+
+def test_cuda_graphs_add_uniform_bf16_under_them_to_the_remeasure_never_chosen_and_a_finished_study_measures_it(
+    tmp_path, monkeypatch
+):
+    """--cuda-graphs on a CPU standing in for a GPU (compile_model recorded, not run): the re-measure times uniform
+    bf16 compiled with mode="reduce-overhead" beside the policies, and the choice never takes it; asked for on a
+    finished study that did not measure it, the finalists are measured again rather than the earlier result kept."""
+    from autoprec import devices
+    from autoprec.tune._names import BF16_GRAPHS
+
+    modes = []
+    monkeypatch.setattr("autoprec.tune._trainer.compile_model", lambda model, mode=None: modes.append(mode) or model)
+    monkeypatch.setattr(devices.lookup("cpu"), "cuda_graphs", True)
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    fast = {**FAST, "trials": 2, "compile": True}
+    first = search(workload, SPACE, SearchConfig(budget=0.05, **fast), tmp_path)
+    assert BF16_GRAPHS not in first.finals.names and "reduce-overhead" not in modes
+    again = search(workload, SPACE, SearchConfig(budget=0.05, cuda_graphs=True, **fast), tmp_path)
+    assert BF16_GRAPHS in again.finals.names and "reduce-overhead" in modes
+    assert Policy.from_dict(again.policy.to_dict()).measured["chosen"] != BF16_GRAPHS
 
 
 # ---- peak memory: measured for every timed candidate, a limit, an objective ----------------------------------
@@ -689,7 +710,7 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
     of the tie it was chosen in (its own where none)."""
     import copy
 
-    from autoprec.tune._alternatives import BF16, FP32
+    from autoprec.tune._names import BF16, FP32
     from autoprec.tune._separation import separated
 
     clock = timings("faster", noise=0.8, seed=seed)

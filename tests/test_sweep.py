@@ -237,7 +237,7 @@ def test_a_tie_inside_the_noise_is_said_per_budget_as_its_policy_file_records_it
     """Beside a CPU hog (step times x exp(N(0, 0.8)), spreads of ±30-90%) uniform bf16 and a searched policy are not
     told apart. The sweep's table showed the chosen one's speedup beside the other's with no word of the tie its
     policy file recorded (measured.not_separated); each budget's row and line now say it, from that record."""
-    from autoprec.tune._alternatives import BF16
+    from autoprec.tune._names import BF16
 
     timings("faster", noise=0.8, seed=0)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")

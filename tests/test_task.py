@@ -10,6 +10,7 @@ import torch
 
 from autoprec.errors import UserError
 from autoprec.tensors import map_tensors
+from autoprec.tune._metric import workload_fp32_metric
 from autoprec.tune._task import load_task, prepare, to_device
 
 
@@ -370,7 +371,7 @@ def evaluate(model):
 def test_the_recorded_fp32_metric_is_the_users_own_evaluation_of_build_model(write_model):
     """A BatchNorm model: prepare's check of the loss ran a train-mode pass, which moved the running statistics, so
     the fp32 metric the budget is measured from was not evaluate(build_model())'s (issue 38, a U-Net)."""
-    from autoprec.tune._profiler import checked_fp32_metric
+    from autoprec.tune._metric import checked_fp32_metric
 
     task = load_task(write_model(BATCHNORM_SOURCE))
     workload = prepare(task, "cpu")
@@ -385,5 +386,5 @@ def test_the_fp32_metric_is_checked_once_for_the_budget_and_the_profile_alike(wr
     log = tmp_path / "evaluations"
     source = mlp_source + f"\n\ndef evaluate(model):\n    open({str(log)!r}, 'a').write('.')\n    return 0.5\n"
     workload = prepare(load_task(write_model(source)), "cpu")
-    assert workload.fp32_metric == workload.fp32_metric == 0.5
+    assert workload_fp32_metric(workload) == workload_fp32_metric(workload) == 0.5
     assert log.read_text() == ".."  # evaluated twice (a metric that moves on its own is refused), then kept

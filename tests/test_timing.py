@@ -208,7 +208,12 @@ def queued_device():
 
 
 def test_a_device_with_a_queue_is_timed_by_its_own_clock_and_the_host_apart_and_a_host_bound_step_is_named(queued_device):
-    config = TimingConfig(warmup=1, rounds=3, warmup_s=0.0, min_steps=8)
+    config = TimingConfig(warmup=1, rounds=3, warmup_s=0.0, min_steps=8, busy=True)
+    # a trial's timing (busy=False) pays no held block: its busy time is unknown, and so whether it is host-bound
+    trial = interleaved_times(
+        {"bf16": AsyncWork(host_s=0.028, device_s=0.0085)}, torch.device("cpu"), TimingConfig(warmup=1, rounds=3, warmup_s=0.0)
+    )
+    assert trial["bf16"].busy_ms is None and not trial["bf16"].host_bound
     # GPT-2-small's bf16 step on an H200 (28.0 ms, the GPU busy 8.5 ms of it): the host issues for longer than the
     # GPU runs it
     bf16 = interleaved_times({"bf16": AsyncWork(host_s=0.028, device_s=0.0085)}, torch.device("cpu"), config)["bf16"]
@@ -334,3 +339,21 @@ def test_a_spread_is_written_as_stored_in_the_tables_the_first_line_and_the_warn
         more_if_noisy(3)({"a": [1.0, 1.0, 4.0, 9.0, 9.0]})
     stored = Timing.from_samples([1.0, 1.0, 4.0, 9.0, 9.0]).spread
     assert f"spread up to {spread_text(stored)}," in caplog.text and f"{100 * stored:.1f}%" in caplog.text
+
+
+def test_a_held_block_the_host_outran_leaves_the_busy_time_and_host_bound_unknown():
+    """One call of more kernels than CUDA's launch queue holds outruns its hold (BlockTime.held False): its block's
+    time includes the device's waits on the host, so it says nothing of the device's busy time."""
+    from autoprec.devices import BlockTime
+
+    class Outrun:
+        def time(self, work, calls, device):
+            for _ in range(calls):
+                work()
+            if getattr(work, "kernels", False):
+                return BlockTime(calls * 0.030, calls * 0.029, held=False)
+            return BlockTime(calls * 0.030, calls * 0.029)
+
+    with timings.using(Outrun()):
+        t = interleaved_times({"a": lambda: None}, torch.device("cpu"), TimingConfig(warmup=1, rounds=3, warmup_s=0.0, busy=True))
+    assert t["a"].median_ms == pytest.approx(30.0) and t["a"].busy_ms is None and not t["a"].host_bound

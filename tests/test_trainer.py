@@ -189,7 +189,6 @@ def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monke
     assert eager._stepped == {0, 2} and eager.steps == 2
 
 
-@pytest.mark.slow
 def test_a_cuda_graphs_candidate_is_compiled_with_reduce_overhead_and_only_compiled(monkeypatch, write_model, mlp_source):
     from autoprec.tune._trainer import Candidate, Trainer
 
@@ -203,6 +202,7 @@ def test_a_cuda_graphs_candidate_is_compiled_with_reduce_overhead_and_only_compi
         Trainer(workload, Candidate(Policy(layers={"": "bf16"}), cuda_graphs=True))
 
 
+@pytest.mark.slow
 def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(monkeypatch, write_model, mlp_source, tmp_path):
     """The trials empty the compile caches for each candidate: the ragged batch compiled inside a timed round."""
     from autoprec.tune import SearchConfig, load_task, prepare

@@ -220,6 +220,10 @@ class FormatFamily(abc.ABC):
     # casts flushed or saturated, which a safer format (a per-GEMM mix keeping that GEMM in high precision) avoids.
     # False for autocast's: fp16's gradients are measured at loss scale 1, whose flushing a GradScaler lifts
     gemm_floor_rules_out: ClassVar[bool] = False
+    # the format (a name) of the region a lone layer in one of its formats is timed inside, where the format has no
+    # autocast dtype of its own: torchao and torchtitan run fp8 and MXFP8/NVFP4 layers in a bf16 model, so their
+    # casts read bf16; None: the layer's own dtype (fp32 for autocast's fp32)
+    timed_inside: ClassVar[str | None] = None
 
     def device_problem(self, fmt: Format, device: torch.device) -> str | None:
         """Why `fmt` cannot run on `device` at all, or None (the default: it runs wherever torch does)."""

@@ -224,6 +224,7 @@ def generator_for(module: torch.nn.Module, device: torch.device) -> torch.Genera
 class BlockScaledFamily(FormatFamily):
     name = "blockscaled"
     gemm_floor_rules_out = True
+    timed_inside = "bf16"
 
     def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
         return shape_problem(fmt, module)

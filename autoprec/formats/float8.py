@@ -313,6 +313,7 @@ class Float8Family(FormatFamily):
     name = "float8"
     replaces_modules = True
     fp8 = True
+    timed_inside = "bf16"
     sqnr_floor_db = SQNR_FLOOR_DB
     gemm_floor_rules_out = True
 

@@ -13,12 +13,13 @@ change without notice, and tests reach into them as torch's tests reach into tor
 A training script does not need this package: `import autoprec` (the runtime) applies what it wrote.
 """
 
-from autoprec.tune._alternatives import ALTERNATIVES
 from autoprec.tune._api import search, sweep
 from autoprec.tune._budget import Budget, parse_budget
 from autoprec.tune._choose import choose, choose_smallest
 from autoprec.tune._config import Mode, ProfileConfig, SearchConfig
-from autoprec.tune._goals import INFEASIBLE, MEMORY, SPEED, Axis, Goal, goal_named, goals, register_goal, unregister_goal
+from autoprec.tune._goal import INFEASIBLE, Axis, Goal, goal_named, goals, register_goal, unregister_goal
+from autoprec.tune._goals import MEMORY, SPEED
+from autoprec.tune._names import ALTERNATIVES
 from autoprec.tune._profile_data import Profile, ProfileRow
 from autoprec.tune._profiler import profile
 from autoprec.tune._records import Finals, Measured, Measurement, TrialRecord

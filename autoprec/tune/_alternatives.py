@@ -27,30 +27,12 @@ from autoprec import devices
 from autoprec.formats import Format, Fp8Backend, device_name, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._choices import Choices, LayerCost, greedy_policy, measured_time
+from autoprec.tune._names import BF16, BF16_GRAPHS, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, GREEDY, TF32
 from autoprec.tune._profile_data import Profile
 from autoprec.tune._trainer import Candidate
 
-FP32 = "fp32"
-TF32 = "TF32"
-BF16 = "uniform bf16"
-FP8_EVERYWHERE = "fp8 everywhere (torchao filter)"
-FP8_ROWWISE_EVERYWHERE = "fp8 rowwise everywhere (torchao filter)"
-GREEDY = "profile greedy"
-BF16_GRAPHS = "uniform bf16, CUDA graphs"
-ALTERNATIVES = (
-    FP32,
-    TF32,
-    BF16,
-    BF16_GRAPHS,
-    FP8_EVERYWHERE,
-    FP8_ROWWISE_EVERYWHERE,
-    GREEDY,
-)  # re-measured beside every result, in this order
-
 # torchao's recipes a user would turn on everywhere, each with its own size filter: (torchao recipe name, the format)
 TORCHAO_RECIPES = {FP8_EVERYWHERE: ("tensorwise", Format.FP8), FP8_ROWWISE_EVERYWHERE: ("rowwise", Format.FP8_ROWWISE)}
-
-NOT_A_POLICY = frozenset({TF32, BF16_GRAPHS})  # measured for comparison; cannot be written as a per-layer policy
 
 
 @dataclasses.dataclass(frozen=True)

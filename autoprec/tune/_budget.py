@@ -134,7 +134,7 @@ class Budgets:
 
 def resolve_budgets(budgets: Sequence[Budget], fp32_metric: Callable[[], float]) -> Budgets:
     """The budgets as absolute metric drops, sorted, repeats dropped; `fp32_metric` is called only where one is
-    relative (Workload.fp32_metric: the one evaluation the profile reads too). A relative budget is rounded to 4
+    relative (_metric.workload_fp32_metric: the one evaluation the profile reads too). A relative budget is rounded to 4
     significant digits: a rerun whose fp32 evaluation differs in the last bits is the same budget, so the same study."""
     if not any(b.relative for b in budgets):
         return Budgets(parse_budgets(b.value for b in budgets))

@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING
 
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import _memory as memory
-from autoprec.tune._alternatives import ALTERNATIVES, GREEDY, NOT_A_POLICY
 from autoprec.tune._choices import Choices, fit
 from autoprec.tune._config import MEMORY_TIE
+from autoprec.tune._goal import DEFAULT_GOAL, Goal, goal_named
+from autoprec.tune._names import ALTERNATIVES, GREEDY, NOT_A_POLICY
 from autoprec.tune._records import Finals, Measurement
 from autoprec.tune._separation import separated
 from autoprec.tune._trainer import Candidate
-
-if TYPE_CHECKING:
-    from autoprec.tune._goals import Goal
 
 
 def _policy(policy: Policy | Candidate) -> Policy:
@@ -207,9 +204,7 @@ def choose_per_budget(
     previous stands. Inside the noise this budget's own choice stands: a sweep decides each budget as a search of it
     would."""
     if goal is None:
-        from autoprec.tune._goals import SPEED  # noqa: PLC0415 (_goals.py calls this module's rules)
-
-        goal = SPEED
+        goal = goal_named(DEFAULT_GOAL)
     picks: list[tuple[str, str]] = []
     for b in budgets:
         floor = [a for a in ALTERNATIVES if a != GREEDY] + [greedy[b]]

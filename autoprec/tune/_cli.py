@@ -155,7 +155,7 @@ def _search_config(args: argparse.Namespace, budget=None):
             study_name=args.study,
             progress=not args.quiet,
             remeasure=args.remeasure,
-            cuda_graphs=args.cuda_graphs,
+            cuda_graphs=getattr(args, "cuda_graphs", False),  # search's alone: a sweep's table has no row for it
             objective=args.objective,
             target=getattr(args, "target", None),
             predict_speed=not getattr(args, "time_every_trial", False),
@@ -578,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"families, before the options are read; repeatable (installed packages' {PLUGIN_GROUP} entry points are "
         "always loaded)",
     )
-    from autoprec.tune._goals import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
+    from autoprec.tune._goal import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
     from autoprec.tune._targets import targets as planned_for  # noqa: PLC0415 (--target's devices, not export's)
 
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,predict,show,export,verify}")
@@ -618,12 +618,6 @@ def build_parser() -> argparse.ArgumentParser:
             "--remeasure",
             action="store_true",
             help="rerunning a finished study keeps the result it wrote; this re-measures its finalists and chooses again",
-        )
-        p.add_argument(
-            "--cuda-graphs",
-            action="store_true",
-            help="also re-measure uniform bf16 compiled with CUDA graphs (torch.compile mode='reduce-overhead'), "
-            "what speeds a host-bound step: a way to compile, shown beside the policies, never chosen (compiled, cuda)",
         )
         p.add_argument(
             "--mode",
@@ -684,6 +678,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MINUTES",
         help="minutes the whole search may take: the trials stop where the final re-measure still fits, "
         "and the answer is chosen from what was measured (default: no limit but --trials)",
+    )
+    s.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also re-measure uniform bf16 compiled with CUDA graphs (torch.compile mode='reduce-overhead'), "
+        "what speeds a host-bound step: a way to compile, shown beside the policies, never chosen (compiled, cuda)",
     )
     s.set_defaults(func=cmd_search)
 

@@ -10,17 +10,16 @@ import enum
 import math
 import numbers
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from autoprec import devices
 from autoprec.formats import AutocastFamily, Float8Family
 from autoprec.tune._budget import Budget, check_budget, parse_budget
+from autoprec.tune._goal import DEFAULT_GOAL, Goal, goal_named, goals
 from autoprec.tune._space import parse_option
-
-if TYPE_CHECKING:
-    from autoprec.tune._goals import Goal
+from autoprec.tune._targets import target_named, targets
 
 # ---- tuning constants --------------------------------------------------------------------------------------------
 
@@ -140,16 +139,12 @@ class Mode(str, enum.Enum):
 
 def parse_goal(value: object) -> Goal:
     """The registered goal `value` names (goals.goal_named; a Goal as it is), or a ValueError listing the names."""
-    from autoprec.tune._goals import goal_named  # noqa: PLC0415 (_goals.py calls _choose.py's rules, which import this module)
-
     return goal_named(value)
 
 
 def check_target(goal: Goal, target: object, spell: Callable[[str], str] = str) -> str | None:
     """The registered target's name (_targets.py) for a goal that plans for one (Goal.targeted), which requires it;
     None for any other goal, which refuses one. ValueError naming the targets (or the goal) otherwise."""
-    from autoprec.tune._goals import goals  # noqa: PLC0415 (_goals.py calls _choose.py's rules, which import this module)
-    from autoprec.tune._targets import target_named, targets  # noqa: PLC0415
 
     names = ", ".join(t.name for t in targets())
     if not goal.targeted:
@@ -166,7 +161,7 @@ def check_target(goal: Goal, target: object, spell: Callable[[str], str] = str) 
 
 
 def _speed() -> Goal:
-    return parse_goal("speed")
+    return parse_goal(DEFAULT_GOAL)
 
 
 def parse_mode(value: object) -> Mode:
@@ -182,7 +177,9 @@ class TimingConfig:
     and caches settle; the last call sizes the blocks), then `rounds` interleaved rounds. Every candidate takes the
     same steps in a round: enough that the fastest's block lasts `min_block_s`, at most `max_steps_per_block`, never
     fewer than `min_steps` (MIN_STEPS_PER_SAMPLE), and no more than the slowest runs in `max_block_s` (which alone
-    may cut a block below `min_steps`: a step of seconds has no launch jitter to average)."""
+    may cut a block below `min_steps`: a step of seconds has no launch jitter to average). `busy`: on a device with a
+    queue of its own, one more block of each timed held after the rounds (Timing.busy_ms, host_bound): the final
+    re-measure's, whose table reports it; a trial does not pay it."""
 
     warmup: int = 3
     rounds: int = 7
@@ -193,6 +190,7 @@ class TimingConfig:
     # the fewest steps a sample averages: MIN_STEPS_PER_SAMPLE (the test suite's injected clocks run with fewer: their
     # prices have no jitter to average, and each step they run costs the suite's time)
     min_steps: int = MIN_STEPS_PER_SAMPLE
+    busy: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -296,6 +294,9 @@ class SearchConfig:
             evaluated eagerly either way). Default False here; search_config's default is True on CUDA.
         remeasure: A rerun of a finished study re-measures its finalists and chooses again, on new timing noise,
             instead of keeping the result it wrote. Default False.
+        cuda_graphs: The re-measure also times uniform bf16 compiled with CUDA graphs (torch.compile's
+            mode="reduce-overhead"), beside the policies and never chosen: what speeds a host-bound step. Needs
+            compile=True on a device that records CUDA graphs (search_config checks the device). Default False.
         objective: What the search optimises within the budget: a registered goal (_goals.py) or its name,
             "speed" (the default: the fastest step), "memory" (the smallest peak memory) or "flops" (the most GEMM
             work in low formats, weighted by a target device's nominal throughput: an estimate, never measured).
@@ -493,7 +494,9 @@ def _check_cuda_graphs(device: str | torch.device, compiled: bool, spell: Callab
             f"but the device is {dev}; leave it out on {dev.type}"
         )
     if not compiled:
-        raise ValueError(f"{spell('cuda_graphs')} needs a compiled search (torch.compile records the graphs); drop --no-compile")
+        raise ValueError(
+            f"{spell('cuda_graphs')} needs a compiled search (torch.compile records the graphs); leave {spell('compile')} on"
+        )
 
 
 def _memory_limit(limit: object, device: str | torch.device) -> int | None:

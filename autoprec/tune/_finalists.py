@@ -6,6 +6,7 @@ extra rounds, and more rounds on a noisy machine (`final_remeasure`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -16,12 +17,14 @@ from typing import TYPE_CHECKING
 import optuna
 
 from autoprec.tune import _memory as memory
-from autoprec.tune._alternatives import FP32, GREEDY, Alternatives, alternatives
+from autoprec.tune._alternatives import Alternatives, alternatives
 from autoprec.tune._choices import Choices, policy_from_params
 from autoprec.tune._choose import safer_variant
 from autoprec.tune._config import FINAL_SHARE, NOISY_SPREAD, SETTLED_FINAL_ROUNDS, SearchConfig, TimingConfig
 from autoprec.tune._cost import Stopwatch
-from autoprec.tune._goals import SPEED, Goal
+from autoprec.tune._goal import Goal
+from autoprec.tune._goals import SPEED
+from autoprec.tune._names import FP32, GREEDY
 from autoprec.tune._objective import Judge
 from autoprec.tune._profile_data import Profile
 from autoprec.tune._records import Finals, Measurement, TrialRecord
@@ -231,7 +234,7 @@ def final_remeasure(
         candidates,
         judge,
         judge.budgets.bound,
-        config.final_timing,
+        dataclasses.replace(config.final_timing, busy=True),  # the table says which step is host-bound
         progress=label,
         compiled=config.compile,
         enough=enough,

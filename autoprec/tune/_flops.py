@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 from autoprec.formats import Format, parse_format
 from autoprec.policy import Policy
 from autoprec.tune import _predict as predictor
-from autoprec.tune._alternatives import ALTERNATIVES, BF16, FP32, NOT_A_POLICY
-from autoprec.tune._goals import Goal, register_goal
-from autoprec.tune._predict import Step, format_of, outer_autocast, step_from_rows
+from autoprec.tune._goal import Goal, register_goal
+from autoprec.tune._names import ALTERNATIVES, BF16, FP32, NOT_A_POLICY
+from autoprec.tune._predict import Step, format_of, lacking, outer_autocast, step_from_rows
 from autoprec.tune._records import Finals
 from autoprec.tune._targets import Target, target_named
 
@@ -56,16 +56,6 @@ def gemm_flops(rows: Iterable[ProfileRow]) -> dict[str, float]:
 def gemm_precisions(fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
     """What each GEMM of a Linear in `fmt` runs in, called under the autocast `outer` (its family's answer)."""
     return fmt.family.gemm_precisions(fmt, outer)
-
-
-def lacking(formats: Collection[Format], target: Target) -> dict[str, list[str]]:
-    """The formats among `formats` whose GEMMs need an element format `target` does not run, with those."""
-    out: dict[str, list[str]] = {}
-    for fmt in formats:
-        missing = sorted({p for p in gemm_precisions(fmt) if p not in target.tflops}, key=str)
-        if missing:
-            out[fmt.value] = missing
-    return out
 
 
 def gemm_seconds(policy: Policy, flops: Mapping[str, float], target: Target) -> tuple[float, dict[str, float]]:

@@ -30,13 +30,14 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     timing whole steps, charge the casts where they happen. Timed by the device's busy time (Step.kernels): on a GPU
     the host takes longer to issue a lone layer's step than the GPU to run it, and that launch overhead is no cost
     of its format (inside a whole step the host issues it while the GPU runs the layers before). A format with no
-    autocast dtype of its own but fp32 (fp8, mxfp8, nvfp4: their GEMMs' operands quantised, the rest of the layer in
-    the region around it) is timed inside a bf16 region, as torchao and torchtitan run it and the alternatives
-    measure it: timed on fp32 inputs, its casts would read and write twice the bytes its bf16 rival's do."""
+    autocast dtype of its own is timed inside the region its family names (FormatFamily.timed_inside: bf16 for fp8,
+    mxfp8 and nvfp4, as torchao and torchtitan run them and the alternatives measure them; on fp32 inputs their
+    casts would read and write twice the bytes their bf16 rival's do)."""
     dtype = autocast_dtype(fmt)
-    if dtype is None and fmt is not Format.FP32:
-        dtype = torch.bfloat16
-        policy = Policy(layers={"": Format.BF16, "layer": fmt})
+    inside = fmt.family.timed_inside if dtype is None else None
+    if inside is not None:
+        dtype = autocast_dtype(inside)
+        policy = Policy(layers={"": inside, "layer": fmt})
     else:
         policy = Policy(layers={"": fmt, "layer": fmt} if dtype else {"layer": fmt})
     holder = apply_on_chosen_device(_Holder(copy.deepcopy(module)).train(), policy)

@@ -15,6 +15,7 @@ import torch
 from autoprec import devices
 from autoprec.errors import UserError
 from autoprec.policy import Policy
+from autoprec.tune._config import METRIC_REPEAT_TOLERANCE
 from autoprec.tune._task import Workload, check_loss
 from autoprec.tune._trainer import Candidate, Trainer, as_candidate, matmul_precision, policy_model
 
@@ -169,3 +170,34 @@ def evaluate_metric(workload: Workload, policy: Policy | Candidate) -> float:
 
 def metric_name(workload: Workload) -> str:
     return "evaluate()" if workload.task.evaluate is not None else "-(mean eval loss)"
+
+
+def checked_fp32_metric(workload: Workload) -> float:
+    """The all-fp32 model's metric, or one UserError naming the file when the user's evaluate() (or loss_fn on
+    the eval batches) fails on it or gives a non-finite number: their bug, not a format's."""
+    what = "evaluate()" if workload.task.evaluate is not None else "loss_fn() on the eval batches"
+    try:
+        # twice: a metric that moves on its own (sampling, a random eval subset) would rule formats out on its noise
+        fp32_metric, again = evaluate_metric(workload, Policy()), evaluate_metric(workload, Policy())
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"{workload.task.path}: {what} failed on the fp32 model: {type(exc).__name__}: {exc}") from exc
+    if not math.isfinite(fp32_metric):
+        raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
+    if abs(again - fp32_metric) > METRIC_REPEAT_TOLERANCE * max(1.0, abs(fp32_metric)):
+        raise UserError(
+            f"{workload.task.path}: {what} gave {fp32_metric:.6g}, then {again:.6g} for the same fp32 model: a budget "
+            "cannot be judged on a metric that moves on its own; make it deterministic (the same eval batches every "
+            "call, no sampling, a fixed seed inside evaluate)"
+        )
+    return fp32_metric
+
+
+def workload_fp32_metric(workload: Workload) -> float:
+    """The all-fp32 model's metric, checked (checked_fp32_metric: evaluated twice), taken once per workload for the
+    budget's resolution and the profile alike (kept in Workload.fp32_metric_seen): the model is never trained in
+    place."""
+    if workload.fp32_metric_seen is None:
+        workload.fp32_metric_seen = checked_fp32_metric(workload)
+    return workload.fp32_metric_seen

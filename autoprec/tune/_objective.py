@@ -30,7 +30,7 @@ from autoprec.tune._budget import Budgets
 from autoprec.tune._choices import Choices, format_assignments, policy_from_params, suggest
 from autoprec.tune._config import NOISE_ROUNDS, NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Mode, SearchConfig
 from autoprec.tune._cost import Stopwatch
-from autoprec.tune._goals import INFEASIBLE
+from autoprec.tune._goal import INFEASIBLE
 from autoprec.tune._metric import NoiseFloor, evaluate_metric, noise_floor, train_and_evaluate
 from autoprec.tune._records import TrialRecord
 from autoprec.tune._space import SearchSpace

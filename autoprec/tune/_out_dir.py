@@ -23,6 +23,7 @@ from autoprec.tune._budget import absolute_budget
 from autoprec.tune._config import GROUP_SHARE, PROFILE_SHARE, Mode, ProfileConfig, SearchConfig
 from autoprec.tune._cost import Stopwatch
 from autoprec.tune._metric import NoiseFloor
+from autoprec.tune._names import BF16_GRAPHS
 from autoprec.tune._profile_data import PREDICTED, Profile, ruled_out
 from autoprec.tune._profiler import profile
 from autoprec.tune._records import Chosen, Finals, Measured, StudyRef
@@ -261,5 +262,7 @@ def earlier_result(
     except (OSError, ValueError):
         return None
     if not {c.name for c in chosen} | {c.greedy for c in chosen} <= set(finals.names):
+        return None
+    if config.cuda_graphs and BF16_GRAPHS not in finals.names:  # asked for a row the earlier run did not measure
         return None
     return Earlier(chosen=chosen, finals=finals, noise=noise, cost=dict(Measured.of(chosen[0].policy).cost))

@@ -33,7 +33,6 @@ from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.policy import Policy
 from autoprec.tune import _memory as memory
-from autoprec.tune._alternatives import ALTERNATIVES, GREEDY
 from autoprec.tune._budget import Budget, Budgets, resolve_budgets
 from autoprec.tune._choices import Choices, build_choices, warm_starts
 from autoprec.tune._choose import choose_per_budget
@@ -49,6 +48,8 @@ from autoprec.tune._config import (
 from autoprec.tune._cost import Stopwatch
 from autoprec.tune._credentials import hide_credentials
 from autoprec.tune._finalists import final_remeasure, gather_candidates
+from autoprec.tune._metric import workload_fp32_metric
+from autoprec.tune._names import ALTERNATIVES, GREEDY
 from autoprec.tune._objective import Judge, Objective, run_trials
 from autoprec.tune._out_dir import SavedProfile, claim_out_dir, disk_full, earlier_result, reuse_or_profile
 from autoprec.tune._profile_data import SPEED_UNJUDGED, Profile
@@ -64,7 +65,7 @@ from autoprec.tune._trials import complete_count, device_noise, first_of_run, tr
 if TYPE_CHECKING:
     import pandas as pd
 
-    from autoprec.tune._goals import Goal
+    from autoprec.tune._goal import Goal
 
 log = logging.getLogger("autoprec")
 
@@ -170,7 +171,7 @@ def run(
         # this machine's speed says nothing of the target's: a format slow here (emulated) is no less a candidate
         space = dataclasses.replace(space, prune_slower_than=SPEED_UNJUDGED)
     # the fp32 metric is evaluated here only where a budget is relative, and then cached for the profile to read
-    budgets = resolve_budgets(given, lambda: workload.fp32_metric)
+    budgets = resolve_budgets(given, lambda: workload_fp32_metric(workload))
     if announce is not None:
         announce(budgets)
     out_dir = Path(out_dir)

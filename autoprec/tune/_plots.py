@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pandas as pd
 
 from autoprec.files import write_atomically
-from autoprec.tune._alternatives import BF16
 from autoprec.tune._choices import role
-from autoprec.tune._goals import SPEED, recorded_goal
+from autoprec.tune._goal import recorded_goal
+from autoprec.tune._goals import SPEED
 from autoprec.tune._gradients import ScaleAdvice
 from autoprec.tune._memory import MIB
+from autoprec.tune._names import BF16
 from autoprec.tune._profile_data import PREDICTED, UNRUN, Profile, ProfileRow, unrun
 from autoprec.tune._records import Measured
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -281,6 +281,16 @@ def linear_parts(
     return {"gemms": gemms, "casts": cast_total, "conversions": conversions}
 
 
+def lacking(formats: Collection[Format], target: Target) -> dict[str, list[str]]:
+    """The formats among `formats` whose GEMMs need an element format `target` does not run, with those."""
+    out: dict[str, list[str]] = {}
+    for fmt in formats:
+        missing = sorted({p for p in fmt.family.gemm_precisions(fmt, None) if p not in target.tflops}, key=str)
+        if missing:
+            out[fmt.value] = missing
+    return out
+
+
 def format_of(name: str, layers: Mapping[str, Format]) -> Format:
     """The format layer `name` runs in under a policy's `layers`: its own, else its nearest listed ancestor's, else
     the root's (fp32 where the policy lists no root)."""
@@ -307,7 +317,7 @@ def outer_autocast(name: str, layers: Mapping[str, Format]) -> str | None:
 
 def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIBRATION) -> Prediction:
     """The predicted step time of `step` under `policy` on `target`, by part. KeyError names a GEMM precision the
-    target does not run (the caller refuses those first: _flops.lacking)."""
+    target does not run (the caller refuses those first: lacking)."""
     parts = dict.fromkeys(("gemms", "casts", "conversions"), 0.0)
     done: set[tuple[Any, ...]] = set()
     for shape in step.linears:
@@ -570,7 +580,6 @@ def command(
     `fmt`, every Linear in it) on `target`, as (the --json object, the text). UserError for a user's mistake."""
     from autoprec.formats import parse_format
     from autoprec.policy import load_policy
-    from autoprec.tune._flops import lacking
     from autoprec.tune._targets import target_named
     from autoprec.tune._task import load_task
 

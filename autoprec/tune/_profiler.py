@@ -28,11 +28,11 @@ from tqdm.auto import tqdm
 from autoprec.errors import UserError, describe
 from autoprec.formats import Format, autocast_dtype, device_name, format_problem
 from autoprec.policy import Policy, model_fingerprint
-from autoprec.tune._config import METRIC_REPEAT_TOLERANCE, ProfileConfig
+from autoprec.tune._config import ProfileConfig
 from autoprec.tune._cost import Stopwatch
 from autoprec.tune._gradients import LayerGradients, collect, profile_columns, scale_table
 from autoprec.tune._layer_timing import _time_layer, _timing_key
-from autoprec.tune._metric import evaluate_metric, metric_name, metric_of
+from autoprec.tune._metric import metric_name, metric_of, workload_fp32_metric
 from autoprec.tune._profile_data import (
     NO_KERNEL,
     NOT_PROFILED,
@@ -329,28 +329,6 @@ def _not_measured(row: ProfileRow, slower_than: float, watch: Stopwatch) -> Prof
     return replace(row, metric=math.nan, metric_drop=math.nan, metric_source=f"not measured: {reason}")
 
 
-def checked_fp32_metric(workload: Workload) -> float:
-    """The all-fp32 model's metric, or one UserError naming the file when the user's evaluate() (or loss_fn on
-    the eval batches) fails on it or gives a non-finite number: their bug, not a format's."""
-    what = "evaluate()" if workload.task.evaluate is not None else "loss_fn() on the eval batches"
-    try:
-        # twice: a metric that moves on its own (sampling, a random eval subset) would rule formats out on its noise
-        fp32_metric, again = evaluate_metric(workload, Policy()), evaluate_metric(workload, Policy())
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(f"{workload.task.path}: {what} failed on the fp32 model: {type(exc).__name__}: {exc}") from exc
-    if not math.isfinite(fp32_metric):
-        raise UserError(f"{workload.task.path}: the all-fp32 model's metric is {fp32_metric}; it must be finite")
-    if abs(again - fp32_metric) > METRIC_REPEAT_TOLERANCE * max(1.0, abs(fp32_metric)):
-        raise UserError(
-            f"{workload.task.path}: {what} gave {fp32_metric:.6g}, then {again:.6g} for the same fp32 model: a budget "
-            "cannot be judged on a metric that moves on its own; make it deterministic (the same eval batches every "
-            "call, no sampling, a fixed seed inside evaluate)"
-        )
-    return fp32_metric
-
-
 def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = ProfileConfig(), *, progress: bool = True) -> Profile:
     """Profile every tunable layer of the workload's model in every format the space offers.
 
@@ -396,7 +374,7 @@ def profile(workload: Workload, space: SearchSpace, config: ProfileConfig = Prof
     watch = Stopwatch()
     deadline = Deadline(config.deadline_s, len(layers))  # the profile's share counts from here: every pass spends it
     with watch.section("profile: fp32 metric and the reference pass (each layer's inputs and output gradients)"):
-        fp32_metric = workload.fp32_metric  # checked once, with the budget's resolution where that needed it
+        fp32_metric = workload_fp32_metric(workload)  # checked once, with the budget's resolution where that needed it
         _check_fp32_losses(workload)
         ref = _reference(workload, list(layers), config)
         if ref.uncalled:  # unused heads of a pretrained model (a pooler): nothing to measure, nothing to tune

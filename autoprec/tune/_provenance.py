@@ -20,8 +20,8 @@ from autoprec.devices import float32_matmul_precision
 from autoprec.formats import device_name
 from autoprec.policy import model_fingerprint
 from autoprec.tune import _memory as memory
-from autoprec.tune._alternatives import ALTERNATIVES
 from autoprec.tune._config import FINAL_SHARE, SETTLED, SETTLED_FINAL_ROUNDS, Mode, SearchConfig
+from autoprec.tune._names import ALTERNATIVES
 from autoprec.tune._records import Finals, Measured, Result, StudyRef
 from autoprec.tune._task import Workload
 from autoprec.tune._trials import complete_count

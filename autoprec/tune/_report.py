@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from autoprec.formats import FP16_MAX, Format
-from autoprec.tune._alternatives import BF16, BF16_GRAPHS, FP32, TF32
 from autoprec.tune._config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
 from autoprec.tune._cost import cost_rows
 from autoprec.tune._gradients import ScaleAdvice
 from autoprec.tune._memory import human_bytes
+from autoprec.tune._names import BF16, BF16_GRAPHS, FP32, TF32
 from autoprec.tune._profile_data import NO_KERNEL, PREDICTED, SQNR_COLUMNS, UNRUN, ProfileRow, as_float, by_layer, unrun
 from autoprec.tune._records import Finals, Measured, Measurement
 from autoprec.tune._show import (

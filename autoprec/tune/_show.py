@@ -13,11 +13,11 @@ from typing import Any
 from autoprec.errors import printable
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune._alternatives import ALTERNATIVES
 from autoprec.tune._choices import role
 from autoprec.tune._choose import FEWER_LOWERED
-from autoprec.tune._goals import recorded_goal
+from autoprec.tune._goal import recorded_goal
 from autoprec.tune._memory import format_change, human_bytes
+from autoprec.tune._names import ALTERNATIVES
 from autoprec.tune._profile_data import as_float
 from autoprec.tune._records import Measured
 from autoprec.tune._tables import WIDTH, markdown_table, markdown_text, text_table

@@ -20,7 +20,7 @@ from autoprec.formats import Format, parse_format
 from autoprec.policy import MODULE_PATH
 
 if TYPE_CHECKING:
-    from autoprec.tune._goals import Goal
+    from autoprec.tune._goal import Goal
 
 SAMPLERS = ("tpe", "random")
 _TOP_KEYS = ("default", "layers", "loss_scale", "prune", "sampler", "trials", "layout", "max_params", "exclude")

@@ -28,7 +28,7 @@ from autoprec.tune._space import SearchSpace
 from autoprec.tune._task import Workload
 
 if TYPE_CHECKING:
-    from autoprec.tune._goals import Goal
+    from autoprec.tune._goal import Goal
 
 log = logging.getLogger("autoprec")
 

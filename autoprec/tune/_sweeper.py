@@ -28,12 +28,13 @@ from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune._alternatives import BF16
 from autoprec.tune._budget import Budget, Budgets, parse_budget_list
 from autoprec.tune._choices import Choices
 from autoprec.tune._config import SearchConfig
-from autoprec.tune._goals import SPEED, Goal
+from autoprec.tune._goal import Goal
+from autoprec.tune._goals import SPEED
 from autoprec.tune._metric import NoiseFloor
+from autoprec.tune._names import BF16
 from autoprec.tune._out_dir import SWEEP_PROFILE, SavedProfile
 from autoprec.tune._pipeline import Plan, run
 from autoprec.tune._profile_data import Profile

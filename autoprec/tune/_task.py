@@ -57,6 +57,8 @@ class Workload:
     model: torch.nn.Module
     train: list
     eval: list
+    # the all-fp32 model's checked metric once taken (_metric.workload_fp32_metric, its one reader and writer)
+    fp32_metric_seen: float | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @functools.cached_property
     def shape_batches(self) -> tuple[int, ...]:
@@ -71,14 +73,6 @@ class Workload:
     def profile_batches(self, batches: int) -> list:
         """The first `batches` train batches, then the first of each shape they do not show (shape_batches)."""
         return self.train[:batches] + [self.train[i] for i in self.shape_batches if i >= batches]
-
-    @functools.cached_property
-    def fp32_metric(self) -> float:
-        """The all-fp32 model's metric, checked (profiler.checked_fp32_metric: evaluated twice), taken once for the
-        budget's resolution and the profile alike: the model is never trained in place."""
-        from autoprec.tune._profiler import checked_fp32_metric  # noqa: PLC0415 (the profiler imports this module)
-
-        return checked_fp32_metric(self)
 
     @functools.cached_property
     def weights(self) -> str:

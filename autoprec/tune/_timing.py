@@ -195,19 +195,22 @@ def interleaved_times(
         extra = more(samples) if more is not None else 0
         if extra > 0:  # the same warm models and block sizes: no rebuilding, recompiling or warming again
             rounds(done, done + extra)
-        busy = {name: _busy_ms(work[name], steps[name], samples[name], device) for name in names if host[name]}
+        busy = {name: _busy_ms(work[name], steps[name], samples[name], device) for name in names if config.busy and host[name]}
     return {name: Timing.from_samples(samples[name], host[name], busy.get(name)) for name in names}
 
 
-def _busy_ms(work: Callable[[], object], calls: int, samples: Sequence[float], device: torch.device) -> float:
+def _busy_ms(work: Callable[[], object], calls: int, samples: Sequence[float], device: torch.device) -> float | None:
     """The device's busy time a step, over one block of `calls` timed with the host's issuing kept out of it (a
     Step's `kernels`): beside the rounds' time, how long the device waited on the host (Timing.host_bound). Work
-    timed held already (a layer's step) is its rounds' median."""
+    timed held already (a layer's step) is its rounds' median. None where the host outran the hold (BlockTime.held):
+    then whether the step is host-bound is not known."""
     if getattr(work, "kernels", False):
         return statistics.median(samples)
     held = Step(work, getattr(work, "model", None), kernels=True)
     with devices.collector_paused():
         measured = as_block(CLOCK.time(held, calls, device))
+    if measured.held is False:  # the host outran the hold: the device's waits on it are in the time
+        return None
     return measured.seconds * 1e3 / calls
 
 

@@ -1,0 +1,153 @@
+"""autoprec's imports flow one way: no module imports, at any depth, a module that imports it back, whether the import
+sits at the top of the file or inside a function (a deferred import hides a cycle; it does not remove it).
+docs/architecture.md draws the layers. Imports under `if TYPE_CHECKING:` name types for annotations and never run;
+they are not counted here."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "autoprec"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_only(tree: ast.AST) -> set[int]:
+    """The nodes inside `if TYPE_CHECKING:` blocks."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return inside
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    return imports_in(path.read_text(encoding="utf-8"), module_name(path), path.name == "__init__.py", modules)
+
+
+def imports_in(source: str, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The modules among `modules` that module `name` (of `source`) imports where it runs: `from a.b import c` is
+    a.b.c where that is a module, else a.b (the names come from a.b itself); relative imports resolved."""
+    tree = ast.parse(source)
+    skip = _type_only(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join(package + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import autoprec.tune._x.y` where y is a name
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: imports_of(path, set(paths)) for name, path in paths.items()}
+
+
+def test_no_module_of_autoprec_imports_one_that_imports_it_back():
+    graph = import_graph()
+    assert "autoprec.tune._goal" in graph["autoprec.tune._config"]  # the graph sees what it should
+    found = cycles(graph)
+    assert not found, "import cycles (each line: the modules of one):\n" + "\n".join(
+        "  " + " <-> ".join(c) + "\n    " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a] & set(c))) for c in found
+    )
+
+
+def test_the_check_finds_a_cycle_a_deferred_import_hides():
+    """A function-level import back up is the cycle the flat tuner grew (_task -> _profiler -> _task)."""
+    modules = {"p", "p.task", "p.profiler", "p.types"}
+    task = (
+        "from typing import TYPE_CHECKING\nfrom . import types\n"
+        "if TYPE_CHECKING:\n    from p.profiler import Profile\n"  # a type only: never runs
+        "def metric(w):\n    from p.profiler import checked\n    return checked(w)\n"
+    )
+    assert imports_in(task, "p.task", False, modules) == {"p.types", "p.profiler"}
+    graph = {"p.task": imports_in(task, "p.task", False, modules), "p.profiler": {"p.task"}, "p.types": set(), "p": set()}
+    assert cycles(graph) == [["p.profiler", "p.task"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def documented_stages() -> list[list[str]]:
+    """docs/architecture.md's tuner table: per stage, bottom up, its modules in order (the backticked names of the
+    row's last cell, the leading `_` or `export` ones)."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = doc.split("## The tuner, bottom up", 1)[1].split("\n## ", 1)[0]
+    stages = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0] in ("stage", "---"):
+            continue
+        names = [n for n in re.findall(r"`([^`]+)`", cells[2]) if n.startswith(("_", "export", "autoprec.tune"))]
+        stages.append([n if n.startswith("autoprec.") else f"autoprec.tune.{n}" for n in names])
+    return stages
+
+
+def test_the_tuners_imports_run_down_the_stages_architecture_md_draws():
+    graph = import_graph()
+    place = {name: (i, j) for i, stage in enumerate(documented_stages()) for j, name in enumerate(stage)}
+    tuner = {name for name in graph if name.startswith("autoprec.tune")}
+    assert tuner <= set(place), f"modules docs/architecture.md does not place: {sorted(tuner - set(place))}"
+    assert set(place) <= tuner, f"docs/architecture.md places modules that do not exist: {sorted(set(place) - tuner)}"
+    up = [f"{a} -> {b}" for a in sorted(tuner) for b in sorted(graph[a] & tuner) if place[b] >= place[a]]
+    assert not up, "imports that run up docs/architecture.md's stages (move the name down instead):\n  " + "\n  ".join(up)
