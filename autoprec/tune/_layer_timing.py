@@ -37,7 +37,7 @@ def _layer_step(module: torch.nn.Module, inputs: tuple[tuple, dict], fmt: Format
     inside = fmt.family.timed_inside if dtype is None else None
     if inside is not None:
         dtype = autocast_dtype(inside)
-        policy = Policy(layers={"": inside, "layer": fmt})
+        policy = Policy(layers={"": Format(inside), "layer": fmt})
     else:
         policy = Policy(layers={"": fmt, "layer": fmt} if dtype else {"layer": fmt})
     holder = apply_on_chosen_device(_Holder(copy.deepcopy(module)).train(), policy)
