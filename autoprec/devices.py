@@ -84,7 +84,7 @@ class Device:
         """Wait until the work queued on `dev` has finished (a clock reads wall time between two of these)."""
 
     def time_block(self, dev: torch.device, work: Callable[[], object], calls: int, *, kernels: bool = False) -> BlockTime:
-        """Run `work` `calls` times and say what it took (autoprec.tune._timing's DeviceClock reads every step time
+        """Run `work` `calls` times and say what it took (autoprec.tune._measure._timing's DeviceClock reads every step time
         here). This base, for a device that runs work as it is issued (the CPU): the wall time between two
         synchronisations. A device with a queue of its own overrides it to time the queue with its own markers and
         the host's issuing apart. `kernels`: the device's busy time alone, without the gaps where it waited for the

@@ -5,7 +5,7 @@ Regenerates the files in --out (by default the committed folder) (CPU, a few min
     python benchmarks/additivity.py [--out DIR]  (default: results/cpu-xeon-2core/additivity)
 
 For each example: every tunable layer lowered alone to each format it can run (the profile's metric_drop,
-measured the same way: autoprec.tune._metric.evaluate_metric), then 40 seeded random policies (each layer a
+measured the same way: autoprec.tune._measure._metric.evaluate_metric), then 40 seeded random policies (each layer a
 random runnable format, the model root fp32 so that every lowered op belongs to a profiled layer), their
 measured drop against the sum of their layers' single drops. Also the searched studies committed beside
 this folder: their trials, root format included (the profile does not cover the root, so it predicts
@@ -27,9 +27,9 @@ from common import out_folder  # noqa: E402 (beside this script)
 from autoprec import Policy
 from autoprec.formats import Format, format_problem
 from autoprec.tune import load_space, load_task, prepare
-from autoprec.tune._metric import evaluate_metric
-from autoprec.tune._profile_data import Profile, ProfileRow, as_float
-from autoprec.tune._tables import markdown_table
+from autoprec.tune._core._tables import markdown_table
+from autoprec.tune._measure._metric import evaluate_metric
+from autoprec.tune._measure._profile_data import Profile, ProfileRow, as_float
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/additivity"  # where the files are written (and, for a re-check, read): --out

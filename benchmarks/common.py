@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from autoprec.formats import default_device, device_name, fp8_backend
-from autoprec.tune._timing import Timing
+from autoprec.tune._measure._timing import Timing
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:

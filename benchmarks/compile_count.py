@@ -58,10 +58,10 @@ def main() -> int:
 
     from autoprec.apply import repeated_blocks
     from autoprec.tune import SearchConfig, load_task, prepare
-    from autoprec.tune._config import ProfileConfig, TimingConfig
-    from autoprec.tune._out_dir import load_or_profile
-    from autoprec.tune._searcher import search
-    from autoprec.tune._space import space_from_dict
+    from autoprec.tune._core._config import ProfileConfig, TimingConfig
+    from autoprec.tune._core._space import space_from_dict
+    from autoprec.tune._search._out_dir import load_or_profile
+    from autoprec.tune._search._searcher import search
 
     workload = prepare(load_task(args.model), "cpu")
     space = space_from_dict({**GPU_SPACE, "trials": args.trials})

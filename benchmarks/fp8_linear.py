@@ -9,7 +9,7 @@ step runs it: GPT-2-small's five Linear shapes at M 4096 (its 16 x 256 tokens) a
 other layers are bf16 runs them: the input arrives in bf16, the output stays in it, so a recipe whose high-precision
 GEMM is not fp8 runs it in bf16, never in strict fp32. Formats: bf16 (the baseline), fp8 (tensorwise), fp8-rowwise
 and fp8-fwd-dgrad (fp8 forward and input gradient, the weight gradient in bf16), those this device runs; the others
-are listed with the reason. Timed interleaved by autoprec.tune._timing.interleaved_times, each candidate a held step
+are listed with the reason. Timed interleaved by autoprec.tune._measure._timing.interleaved_times, each candidate a held step
 (Step.kernels): on a GPU each sample is the GPU's busy time by CUDA events over a block of steps queued behind a
 spin kernel, so a lone layer's launch overhead is not in it (inside a model's step the host issues a layer while the
 GPU runs the ones before); the host's issuing time is printed beside, for reference. torchao's fp8 is meant to run under
@@ -35,9 +35,9 @@ from common import add_device_flag, fmt_timing, parse_device, print_header  # no
 
 from autoprec import Policy, apply_policy, devices  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
-from autoprec.tune._config import TimingConfig  # noqa: E402
-from autoprec.tune._timing import Step, interleaved_times  # noqa: E402
-from autoprec.tune._trainer import compile_scope  # noqa: E402
+from autoprec.tune._core._config import TimingConfig  # noqa: E402
+from autoprec.tune._measure._timing import Step, interleaved_times  # noqa: E402
+from autoprec.tune._measure._trainer import compile_scope  # noqa: E402
 
 BASELINE = "bf16"
 FP8 = ("fp8", "fp8-rowwise", "fp8-fwd-dgrad")

@@ -173,7 +173,7 @@ def workload_of(path: Path, variable: str, size: str, model_class: str, device):
 
     from autoprec.tensors import map_tensors  # noqa: PLC0415
     from autoprec.tune import load_task  # noqa: PLC0415
-    from autoprec.tune._task import Workload  # noqa: PLC0415
+    from autoprec.tune._measure._task import Workload  # noqa: PLC0415
 
     with model_size(variable, size):
         task = load_task(path)
@@ -188,7 +188,7 @@ class WallClock:
     """The clock of the first GPU run: wall time between two synchronisations, around the whole block."""
 
     def time(self, work, calls, device):  # type: ignore[no-untyped-def]
-        from autoprec.tune._timing import synchronize  # noqa: PLC0415
+        from autoprec.tune._measure._timing import synchronize  # noqa: PLC0415
 
         synchronize(device)
         start = time.perf_counter()
@@ -202,7 +202,7 @@ def trainers(workload, candidates: dict, compiled: bool, log, graphs: tuple[str,
     """name -> a warm Trainer (built, compiled, stepped on every batch shape); a candidate that fails is logged and
     left out. `graphs`: names whose model is compiled with mode="reduce-overhead" (CUDA graphs) instead."""
     from autoprec.apply import repeated_blocks  # noqa: PLC0415
-    from autoprec.tune._trainer import Trainer  # noqa: PLC0415
+    from autoprec.tune._measure._trainer import Trainer  # noqa: PLC0415
 
     out = {}
     for name, candidate in candidates.items():
@@ -229,7 +229,7 @@ def timed_rows(stage: str, model: str, method: str, work: dict, device, config, 
     """Time `work` (warm Trainers) interleaved (under `clock` where given, else autoprec's) and one row per
     candidate. `held`: the GPU's busy time alone (Step.kernels: the stream held while the host queues each block),
     against which the unheld time shows how long the GPU waited on the host."""
-    from autoprec.tune import _timing as timing  # noqa: PLC0415
+    from autoprec.tune._measure import _timing as timing  # noqa: PLC0415
 
     before = {name: w.steps for name, w in work.items()}
     steps = {name: timing.Step(w.step, w.model, kernels=True) for name, w in work.items()} if held else work
@@ -261,7 +261,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def show(rows: list[dict], log) -> None:  # type: ignore[no-untyped-def]
-    from autoprec.tune._timing import spread_text  # noqa: PLC0415
+    from autoprec.tune._measure._timing import spread_text  # noqa: PLC0415
 
     for r in rows:
         host = "" if r["host_ms"] is None else f", host {r['host_ms']:.3f} ms{' HOST-BOUND' if r['host_bound'] else ''}"
@@ -272,7 +272,7 @@ def show(rows: list[dict], log) -> None:  # type: ignore[no-untyped-def]
 def configs(smoke: bool):  # type: ignore[no-untyped-def]
     """(the old method's TimingConfig, autoprec's): the first H200 run's final re-measure (11 rounds, blocks sized
     from the slowest: one step), and today's final re-measure."""
-    from autoprec.tune._config import SearchConfig, TimingConfig  # noqa: PLC0415
+    from autoprec.tune._core._config import SearchConfig, TimingConfig  # noqa: PLC0415
 
     if smoke:
         tiny = TimingConfig(warmup=1, rounds=2, min_block_s=0.0, warmup_s=0.0, min_steps=1)
@@ -285,7 +285,7 @@ def stage_a(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     import torch  # noqa: PLC0415
 
     from autoprec import Policy  # noqa: PLC0415
-    from autoprec.tune._trainer import Candidate, compile_scope  # noqa: PLC0415
+    from autoprec.tune._measure._trainer import Candidate, compile_scope  # noqa: PLC0415
 
     cuda = device.type == "cuda"
     workload, _ = workload_of(
@@ -373,8 +373,8 @@ def stage_b(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
 
 def stage_c(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     from autoprec import Policy  # noqa: PLC0415
-    from autoprec.tune._alternatives import torchao_fp8_layers  # noqa: PLC0415
-    from autoprec.tune._trainer import Candidate, compile_scope  # noqa: PLC0415
+    from autoprec.tune._decide._alternatives import torchao_fp8_layers  # noqa: PLC0415
+    from autoprec.tune._measure._trainer import Candidate, compile_scope  # noqa: PLC0415
 
     workload, _ = workload_of(
         ROOT / "examples/llama/model.py", "AUTOPREC_LLAMA_SIZE", "tiny" if probe.smoke else "full", "Llama", device

@@ -94,8 +94,8 @@ GPUS = {
 import torch  # noqa: E402
 
 from autoprec.formats import default_device  # noqa: E402
-from autoprec.tune._names import BF16, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, TF32  # noqa: E402
-from autoprec.tune._records import Measured  # noqa: E402
+from autoprec.tune._core._names import BF16, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, TF32  # noqa: E402
+from autoprec.tune._core._records import Measured  # noqa: E402
 
 COLUMNS = (FP32, TF32, BF16, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE)  # the uniform choices a user would otherwise make
 
@@ -196,8 +196,8 @@ def part_bench(out: Path, args: argparse.Namespace, until: float) -> int:
 def search_settings(name: str, args: argparse.Namespace, time_budget: float | None = None):  # type: ignore[no-untyped-def]
     """The search's space and settings, shared by the search part and the tables (whose profile is the search's)."""
     from autoprec.tune import SearchConfig
-    from autoprec.tune._config import ProfileConfig, TimingConfig
-    from autoprec.tune._space import space_from_dict
+    from autoprec.tune._core._config import ProfileConfig, TimingConfig
+    from autoprec.tune._core._space import space_from_dict
 
     trials = args.trials or (2 if args.smoke else TRIALS[name])
     extra: dict[str, object] = {}
@@ -268,7 +268,7 @@ def table_policies(choices, n: int, seed: int = 0) -> dict[str, object]:  # type
     """fp32, uniform bf16 (a bf16 root where the choices allow it) and `n` policies with a random root and random
     per-layer formats from the search's choices, by name; seeded, so a rerun draws the same ones."""
     from autoprec.policy import ROOT, Policy
-    from autoprec.tune._choices import uniform_layers
+    from autoprec.tune._measure._choices import uniform_layers
 
     bf16_root = "bf16" if "bf16" in choices.default else "fp32"
     out = {
@@ -296,10 +296,10 @@ def formats_of(policy) -> str:  # type: ignore[no-untyped-def]
 
 def part_tables(name: str, out: Path, args: argparse.Namespace, until: float) -> int:
     from autoprec.files import write_text
-    from autoprec.tune._choices import build_choices
-    from autoprec.tune._out_dir import load_or_profile
-    from autoprec.tune._timing import interleaved_times
-    from autoprec.tune._trainer import Trainer, compile_scope, step_stats
+    from autoprec.tune._measure._choices import build_choices
+    from autoprec.tune._measure._timing import interleaved_times
+    from autoprec.tune._measure._trainer import Trainer, compile_scope, step_stats
+    from autoprec.tune._search._out_dir import load_or_profile
 
     folder = out / f"tables-{name}"
     folder.mkdir(exist_ok=True)
@@ -391,8 +391,8 @@ def kept_rows(folder: Path, device: str, fields: list[str]) -> dict[str, dict[st
 def summary(out: Path) -> str:
     """One row per searched model: step time of each alternative and of the policy, speedups over uniform bf16 and
     over the fastest uniform alternative measured, the policy's metric drop and the search's wall time."""
-    from autoprec.tune._memory import human_bytes
-    from autoprec.tune._tables import markdown_table
+    from autoprec.tune._core._memory import human_bytes
+    from autoprec.tune._core._tables import markdown_table
 
     headers = ["model", *(f"{c} ms" for c in COLUMNS), "policy ms", "policy / bf16", "fastest alternative",
                "policy / fastest", "policy drop", "chosen", "search s"]  # fmt: skip
@@ -419,7 +419,7 @@ def summary(out: Path) -> str:
         f"# autoprec GPU suite: {device}\n\n`python benchmarks/gpu_suite.py --out {out}`\n\n"
         + markdown_table(headers, rows)
         + "\n\nPeak memory per training step (the model and optimizer state plus the step's peak above it; "
-        "autoprec.tune._memory: the CUDA allocator's peak on a GPU, '-' where not measured):\n\n"
+        "autoprec.tune._core._memory: the CUDA allocator's peak on a GPU, '-' where not measured):\n\n"
         + markdown_table(["model", "fp32", "uniform bf16", "fp8 everywhere", "fp8 rowwise everywhere", "policy"], memory_rows)
         + f"\n\nStep times are effective training-step milliseconds (compiled, re-measured together, interleaved); "
         f"policy / bf16 and policy / fastest are the policy's speedups over uniform bf16 autocast and over the fastest "

@@ -31,8 +31,8 @@ from common import print_header  # noqa: E402
 
 from autoprec import Policy, load_policy  # noqa: E402
 from autoprec.tune import load_task, prepare  # noqa: E402
-from autoprec.tune._config import TimingConfig  # noqa: E402
-from autoprec.tune._trainer import measure_steps  # noqa: E402
+from autoprec.tune._core._config import TimingConfig  # noqa: E402
+from autoprec.tune._measure._trainer import measure_steps  # noqa: E402
 
 
 def _hog(stop: Any) -> None:

@@ -26,14 +26,14 @@ from common import out_folder  # noqa: E402 (beside this script)
 
 from autoprec import LossScale, Policy
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune._config import TimingConfig
-from autoprec.tune._metric import noise_floor, train_and_evaluate
-from autoprec.tune._plots import plot_all
-from autoprec.tune._report import gradient_summary
-from autoprec.tune._searcher import search
-from autoprec.tune._space import space_from_dict
-from autoprec.tune._tables import markdown_table
-from autoprec.tune._trainer import measure_steps
+from autoprec.tune._core._config import TimingConfig
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._core._tables import markdown_table
+from autoprec.tune._measure._metric import noise_floor, train_and_evaluate
+from autoprec.tune._measure._trainer import measure_steps
+from autoprec.tune._report._plots import plot_all
+from autoprec.tune._report._report import gradient_summary
+from autoprec.tune._search._searcher import search
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/loss-scale"  # where the files are written (and, for a re-check, read): --out

@@ -3,7 +3,7 @@
     python benchmarks/memory.py [--device cpu|cuda] [--compile] [MODEL.py ...]   # default: the shipped examples
 
 Each candidate trains a few steps (AdamW, or the model.py's optimizer), then one more step is measured by
-autoprec.tune._memory (the state plus the step's rise; see that module for what each device's measurement sees).
+autoprec.tune._core._memory (the state plus the step's rise; see that module for what each device's measurement sees).
 Printed as a markdown table; results/<device>/memory/summary.md holds a run.
 """
 
@@ -24,10 +24,10 @@ from common import add_device_flag, parse_device, print_header  # noqa: E402
 from autoprec import Policy  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.tensors import map_tensors  # noqa: E402
-from autoprec.tune import _memory as memory  # noqa: E402
 from autoprec.tune import load_task, prepare  # noqa: E402
-from autoprec.tune._tables import markdown_table  # noqa: E402
-from autoprec.tune._trainer import Trainer, compile_scope, largest_batch  # noqa: E402
+from autoprec.tune._core import _memory as memory  # noqa: E402
+from autoprec.tune._core._tables import markdown_table  # noqa: E402
+from autoprec.tune._measure._trainer import Trainer, compile_scope, largest_batch  # noqa: E402
 
 EXAMPLES = ["examples/digits/model.py", "examples/tinylm/model.py", "examples/minilm/model.py"]
 POLICIES = {"fp32": Policy(), "uniform bf16": Policy(layers={"": Format.BF16}), "uniform fp16": Policy(layers={"": Format.FP16})}

@@ -3,7 +3,7 @@
     python benchmarks/overhead.py [--device cuda] [--width 256] [--depth 4] [--batch 64] [--rounds 15] [--compile]
 
 Every candidate takes full training steps (forward, backward, AdamW step) on its own copy of the same
-fp32 model, timed interleaved by autoprec.tune._timing.interleaved_times. Printed, not asserted; the goal is
+fp32 model, timed interleaved by autoprec.tune._measure._timing.interleaved_times. Printed, not asserted; the goal is
 the all-bf16 policy at most 3% slower than torch.autocast around the whole model. --compile: every model
 under torch.compile (applied after the policy), as GPU training runs.
 """
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import add_device_flag, fmt_timing, parse_device, print_header  # noqa: E402
 
 from autoprec import Policy, apply_policy  # noqa: E402
-from autoprec.tune._config import TimingConfig
-from autoprec.tune._timing import interleaved_times  # noqa: E402
-from autoprec.tune._trainer import compile_scope  # noqa: E402
+from autoprec.tune._core._config import TimingConfig
+from autoprec.tune._measure._timing import interleaved_times  # noqa: E402
+from autoprec.tune._measure._trainer import compile_scope  # noqa: E402
 
 
 class Block(nn.Module):

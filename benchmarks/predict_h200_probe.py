@@ -1,4 +1,4 @@
-"""The step-time predictor (autoprec/tune/_predict.py) against the H200 probe's measurements: the tables of
+"""The step-time predictor (autoprec/tune/_measure/_predict.py) against the H200 probe's measurements: the tables of
 results/h200/probe/predict_vs_measured.md, computed, never typed.
 
     python benchmarks/predict_h200_probe.py
@@ -10,7 +10,7 @@ results/h200/probe/search2/finalists.csv; GPT-2-small (examples/gpt2, 4,096 toke
 time of results/h200/probe/a_gpt2.csv's `held` rows.
 
 Per layer: the Llama model's Linear shapes at M = 16,384 against results/h200/probe/search1-stopped/profile.csv, priced
-as the profile times a layer (autoprec/tune/_layer_timing.py): the layer alone, forward and backward, on leaf input
+as the profile times a layer (autoprec/tune/_measure/_layer_timing.py): the layer alone, forward and backward, on leaf input
 tensors (no producer kernel computes a tensorwise amax for it); a bf16 layer under a bf16 root, its inputs in bf16;
 fp32 and the fp8 formats with no autocast around them, on the fp32 inputs the profile's fp32 reference pass recorded.
 A second ratio prices the same layer as the whole step does: under the bf16 root, its input and output gradient
@@ -32,9 +32,9 @@ if str(ROOT) not in sys.path:
 
 from autoprec.policy import ROOT as MODEL_ROOT  # noqa: E402
 from autoprec.policy import Policy, load_policy  # noqa: E402
-from autoprec.tune import _predict as predictor  # noqa: E402
-from autoprec.tune._targets import target_named  # noqa: E402
-from autoprec.tune._task import load_task  # noqa: E402
+from autoprec.tune._core._targets import target_named  # noqa: E402
+from autoprec.tune._measure import _predict as predictor  # noqa: E402
+from autoprec.tune._measure._task import load_task  # noqa: E402
 
 PROBE = ROOT / "results" / "h200" / "probe"
 SEARCH = ROOT / "results" / "h200" / "probe" / "search2"

@@ -1,4 +1,4 @@
-"""The step-time predictor's calibration and validation points (autoprec/tune/_predict.py; docs/planning.md).
+"""The step-time predictor's calibration and validation points (autoprec/tune/_measure/_predict.py; docs/planning.md).
 
     python benchmarks/predict_points.py            # print the validation table (markdown)
     python benchmarks/predict_points.py --fit      # fit the calibration on the fitted points; print it
@@ -30,8 +30,8 @@ if str(ROOT) not in sys.path:
 
 from autoprec.policy import ROOT as MODEL_ROOT  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
-from autoprec.tune import _predict as predictor  # noqa: E402
-from autoprec.tune._targets import target_named  # noqa: E402
+from autoprec.tune._core._targets import target_named  # noqa: E402
+from autoprec.tune._measure import _predict as predictor  # noqa: E402
 
 DOC = ROOT / "docs" / "planning.md"
 BEGIN, END = "<!-- validation table: benchmarks/predict_points.py --write -->", "<!-- end of validation table -->"
@@ -43,7 +43,7 @@ ANCHORS = "anchors: training-speedups.md"
 @functools.cache
 def llama_step() -> predictor.Step:
     """Llama-3-8B's step on the meta device (examples/llama3_8b/model.py): one sequence of 8192 tokens."""
-    from autoprec.tune._task import load_task
+    from autoprec.tune._measure._task import load_task
 
     return predictor.meta_step(load_task(LLAMA))
 

@@ -25,14 +25,14 @@ from common import add_device_flag, parse_device, print_header  # noqa: E402
 from autoprec import Policy, load_policy  # noqa: E402
 from autoprec.tune import SearchConfig, load_space, load_task, prepare  # noqa: E402
 from autoprec.tune._api import search_and_report  # noqa: E402
-from autoprec.tune._budget import Budgets  # noqa: E402
-from autoprec.tune._cost import cost_rows  # noqa: E402
-from autoprec.tune._finalists import remeasure  # noqa: E402
-from autoprec.tune._names import BF16, FP32  # noqa: E402
-from autoprec.tune._objective import Judge  # noqa: E402
-from autoprec.tune._records import Measured  # noqa: E402
-from autoprec.tune._tables import markdown_table  # noqa: E402
-from autoprec.tune._trainer import Candidate  # noqa: E402
+from autoprec.tune._core._budget import Budgets  # noqa: E402
+from autoprec.tune._core._cost import cost_rows  # noqa: E402
+from autoprec.tune._core._names import BF16, FP32  # noqa: E402
+from autoprec.tune._core._records import Measured  # noqa: E402
+from autoprec.tune._core._tables import markdown_table  # noqa: E402
+from autoprec.tune._measure._trainer import Candidate  # noqa: E402
+from autoprec.tune._search._finalists import remeasure  # noqa: E402
+from autoprec.tune._search._objective import Judge  # noqa: E402
 
 # model -> (model.py, budget, trials): the README's commands
 MODELS = {

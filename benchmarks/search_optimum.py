@@ -3,7 +3,7 @@ searches against that table.
 
 The model (benchmarks/models/mlp8.py) has 8 Linear layers; each may be fp32, bf16 or fp16 (the root stays
 fp32), so there are 3^8 = 6561 policies. Each one's metric is evaluated and its training step timed against
-fp32 (interleaved, autoprec.tune._timing; a policy that a first probe already finds more than 1.5x slower than fp32
+fp32 (interleaved, autoprec.tune._measure._timing; a policy that a first probe already finds more than 1.5x slower than fp32
 keeps the probe's ratio, as it cannot be near the optimum). The true optimum under a budget is the fastest
 policy in the table within it. Searches then run against the table instead of the device, so many seeds are
 cheap and every method sees the same numbers:
@@ -48,18 +48,18 @@ from autoprec import Policy
 from autoprec.formats import device_name  # noqa: E402
 from autoprec.policy import ROOT, model_fingerprint  # noqa: E402
 from autoprec.tune import ProfileConfig, load_task, prepare, profile  # noqa: E402
-from autoprec.tune._choices import Choices, build_choices, greedy_params, suggest, uniform_params  # noqa: E402
-from autoprec.tune._config import (
+from autoprec.tune._core._config import (
     GROUP_SHARE,  # noqa: E402
     SearchConfig,
     TimingConfig,
 )
-from autoprec.tune._metric import evaluate_metric  # noqa: E402
-from autoprec.tune._space import space_from_dict  # noqa: E402
-from autoprec.tune._speed import LayerTimes, Timed, too_slow  # noqa: E402
-from autoprec.tune._storage import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
-from autoprec.tune._timing import interleaved_times, probe_times  # noqa: E402
-from autoprec.tune._trainer import StepStats, Trainer  # noqa: E402
+from autoprec.tune._core._space import space_from_dict  # noqa: E402
+from autoprec.tune._measure._choices import Choices, build_choices, greedy_params, suggest, uniform_params  # noqa: E402
+from autoprec.tune._measure._metric import evaluate_metric  # noqa: E402
+from autoprec.tune._measure._speed import LayerTimes, Timed, too_slow  # noqa: E402
+from autoprec.tune._measure._timing import interleaved_times, probe_times  # noqa: E402
+from autoprec.tune._measure._trainer import StepStats, Trainer  # noqa: E402
+from autoprec.tune._search._storage import sampler_for  # noqa: E402  (the search's own sampler, seeded alike)
 
 MODEL = Path(__file__).parent / "models" / "mlp8.py"
 FORMATS = ("fp32", "bf16", "fp16")

@@ -3,7 +3,7 @@ re-measure, choice) with every step time it reads served from a recorded trace, 
 
 A trace (benchmarks/traces/<device>/<model>/: profile.csv, trials.csv, finalists.csv, policy.json, as a search on that
 device wrote them) holds each layer's step time per format and the whole-step times of the policies it timed. The
-ReplayClock below stands in for autoprec.tune._timing.CLOCK and prices each timed call by what it runs:
+ReplayClock below stands in for autoprec.tune._measure._timing.CLOCK and prices each timed call by what it runs:
 
 - a profile layer step (its model: the profiler's holder of one layer): the trace's time_ms for that layer's shape and
   format, times noise of the row's time_spread;
@@ -16,7 +16,7 @@ ReplayClock below stands in for autoprec.tune._timing.CLOCK and prices each time
 
   fitted once by least squares to ALL the recorded timings (every timed trial and every finalist, weighted by their
   rounds). It is the replay's device, fitted to everything recorded, not the search's own prediction
-  (autoprec/tune/_speed.py), which fits only the trials it has timed, and has no e term: the trace shows that on this
+  (autoprec/tune/_measure/_speed.py), which fits only the trials it has timed, and has no e term: the trace shows that on this
   CPU an fp32 root with lowered layers runs slower than fp32 (each lowered layer casts back), however much they save.
   A single trial's median is not served as it is by default (`--recorded all` does): 7 rounds beside an fp32 step
   that moved from 221 to 1113 ms under the load make a jagged device (one trial of 3 rounds would be the optimum,
@@ -71,14 +71,14 @@ from autoprec.apply import applied_policy  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.policy import ROOT  # noqa: E402
 from autoprec.tune import SearchConfig, load_space, load_task, prepare  # noqa: E402
-from autoprec.tune import _pipeline as pipeline  # noqa: E402
-from autoprec.tune import _searcher as searcher  # noqa: E402
-from autoprec.tune import _timing as timing  # noqa: E402
-from autoprec.tune._records import Measured  # noqa: E402
-from autoprec.tune._space import SearchSpace  # noqa: E402
-from autoprec.tune._speed import format_of  # noqa: E402
-from autoprec.tune._tables import markdown_table  # noqa: E402
-from autoprec.tune._trainer import Trainer, policy_model  # noqa: E402
+from autoprec.tune._core._records import Measured  # noqa: E402
+from autoprec.tune._core._space import SearchSpace  # noqa: E402
+from autoprec.tune._core._tables import markdown_table  # noqa: E402
+from autoprec.tune._measure import _timing as timing  # noqa: E402
+from autoprec.tune._measure._speed import format_of  # noqa: E402
+from autoprec.tune._measure._trainer import Trainer, policy_model  # noqa: E402
+from autoprec.tune._search import _pipeline as pipeline  # noqa: E402
+from autoprec.tune._search import _searcher as searcher  # noqa: E402
 
 IQR_PER_SIGMA = 1.349  # a normal's interquartile range in sigmas
 MAX_SPREAD = 1.05  # --max-spread's default: the final re-measure's widest recorded spread (1.03), rounded up

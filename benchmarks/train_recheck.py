@@ -21,8 +21,8 @@ from common import out_folder  # noqa: E402 (beside this script)
 
 from autoprec import LossScale, Policy, apply_policy, grad_scaler, load_policy
 from autoprec.tune import load_task
-from autoprec.tune._records import Measured
-from autoprec.tune._tables import markdown_table
+from autoprec.tune._core._records import Measured
+from autoprec.tune._core._tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/train"  # where the files are written (and, for a re-check, read): --out

@@ -5,7 +5,7 @@ change (`LoRALinear`) and one it would not (`TaggedLinear`)."""
 
 import torch
 
-from autoprec.tune._records import Finals, Measurement
+from autoprec.tune._core._records import Finals, Measurement
 
 
 def measurement(candidate: str, **fields) -> Measurement:
@@ -45,7 +45,7 @@ def every_format_profile():
     from short_timing import FAST_PROFILE
 
     from autoprec.tune import load_task, prepare, profile
-    from autoprec.tune._space import space_from_dict
+    from autoprec.tune._core._space import space_from_dict
 
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp16", "fp8"]}, "prune": {"slower_than": 1e9}})
@@ -121,7 +121,7 @@ def gemm_sqnrs(fmt: str, root: str) -> dict[str, float]:
     import copy
 
     from autoprec import Policy, apply_policy
-    from autoprec.tune._metric import sqnr_db
+    from autoprec.tune._measure._metric import sqnr_db
 
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(256, 512))

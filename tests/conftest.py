@@ -114,7 +114,7 @@ def device_timings(request: pytest.FixtureRequest):
 def timings(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FormatClock]:
     """`timings("faster" | "slower" | factors, noise=0.0, seed=0)` makes this test's step times come from that device:
     for a test whose assertion needs lowered formats faster (or slower) than fp32."""
-    from autoprec.tune import _timing as timing
+    from autoprec.tune._measure import _timing as timing
 
     def use(mode: str | dict[str, float], *, noise: float = 0.0, seed: int = 0) -> FormatClock:
         clock = FormatClock(MODES[mode] if isinstance(mode, str) else mode, noise=noise, seed=seed)

@@ -20,9 +20,9 @@ from short_timing import FAST_PROFILE, TINY
 from timings import MODES, FormatClock
 
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune import _timing as timing
-from autoprec.tune._searcher import search
-from autoprec.tune._space import space_from_dict
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._measure import _timing as timing
+from autoprec.tune._search._searcher import search
 
 MODEL = Path(__file__).parent / "models" / "overflow_mlp.py"
 SPACE = {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100}}
@@ -30,7 +30,7 @@ HOLDING = "test:holding"  # user attr of a trial held by --sleep, its params cho
 
 
 def _slow_trials(seconds: float) -> None:
-    study_module = importlib.import_module("autoprec.tune._objective")
+    study_module = importlib.import_module("autoprec.tune._search._objective")
     real = study_module.suggest
 
     def suggest(trial, choices, space):

@@ -7,12 +7,12 @@ from torch import nn
 
 from autoprec.formats import Format
 from autoprec.tune import load_task, prepare
-from autoprec.tune._alternatives import alternatives, torchao_fp8_layers
-from autoprec.tune._choices import build_choices
-from autoprec.tune._config import ProfileConfig
-from autoprec.tune._names import BF16, BF16_GRAPHS, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, GREEDY, TF32
-from autoprec.tune._profiler import profile
-from autoprec.tune._space import space_from_dict
+from autoprec.tune._core._config import ProfileConfig
+from autoprec.tune._core._names import BF16, BF16_GRAPHS, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, GREEDY, TF32
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._decide._alternatives import alternatives, torchao_fp8_layers
+from autoprec.tune._measure._choices import build_choices
+from autoprec.tune._measure._profiler import profile
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "trials": 3})
@@ -79,7 +79,9 @@ def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(mo
     prof = profile(workload, SPACE, tiny, progress=False)
     choices = build_choices(prof, SPACE, 0.05, workload.device)
     filtered = {"tensorwise": ["fc1", "big"], "rowwise": ["big"]}  # each recipe's own filter
-    monkeypatch.setattr("autoprec.tune._alternatives.torchao_fp8_layers", lambda model, device, recipe: (filtered[recipe], 3))
+    monkeypatch.setattr(
+        "autoprec.tune._decide._alternatives.torchao_fp8_layers", lambda model, device, recipe: (filtered[recipe], 3)
+    )
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert {n: f.value for n, f in alts.candidates[FP8_EVERYWHERE].policy.layers.items()} == {
         "": "bf16",
@@ -90,7 +92,7 @@ def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(mo
         "": "bf16",
         "big": "fp8-rowwise",
     }
-    monkeypatch.setattr("autoprec.tune._alternatives.torchao_fp8_layers", lambda model, device, recipe: ([], 3))
+    monkeypatch.setattr("autoprec.tune._decide._alternatives.torchao_fp8_layers", lambda model, device, recipe: ([], 3))
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert FP8_EVERYWHERE not in alts.candidates and "converts none of the model's 3 Linears" in alts.notes[FP8_EVERYWHERE]
     assert "rowwise size filter" in alts.notes[FP8_ROWWISE_EVERYWHERE]

@@ -13,7 +13,7 @@ import autoprec.tune
 from autoprec import Policy
 from autoprec.tune import load_task
 from autoprec.tune._cli import main
-from autoprec.tune._space import space_from_dict
+from autoprec.tune._core._space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
 FAST = {"timing": TINY, "final_timing": TINY, "profile": FAST_PROFILE, "finalists": 1, "progress": False}
@@ -72,7 +72,7 @@ def test_the_api_and_the_command_line_run_the_same_study_from_the_same_seed(tmp_
 
     space_file = tmp_path / "space.yaml"
     space_file.write_text(json.dumps(SPACE), encoding="utf-8")  # JSON is YAML
-    searcher = sys.modules["autoprec.tune._searcher"]
+    searcher = sys.modules["autoprec.tune._search._searcher"]
     real = searcher.search
 
     def quick(workload, space, config, out, **kw):  # the CLI's settings, with the same short timings as the API's

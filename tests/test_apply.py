@@ -13,7 +13,7 @@ from autoprec import Policy, apply_policy, grad_scaler
 from autoprec.apply import WeightsChangedError, applied_policy, applied_summary, apply_on_chosen_device
 from autoprec.formats import Format, Fp8Backend, float8_linear_config, fp8_backend, fp8_formats, has_fp8_kernels
 from autoprec.policy import LossScale
-from autoprec.tune._metric import sqnr_db
+from autoprec.tune._measure._metric import sqnr_db
 
 
 class Probe(nn.Module):

@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from autoprec import Policy, apply_policy
 from autoprec.apply import applied_summary
 from autoprec.formats import Fp8Backend, has_fp8_kernels
-from autoprec.tune._metric import sqnr_db
+from autoprec.tune._measure._metric import sqnr_db
 
 
 class Net(nn.Module):

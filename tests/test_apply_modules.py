@@ -10,7 +10,7 @@ from torch import nn
 
 from autoprec import Policy, apply_policy
 from autoprec.apply import applied_summary
-from autoprec.tune._metric import sqnr_db
+from autoprec.tune._measure._metric import sqnr_db
 
 
 class TiedLM(nn.Module):

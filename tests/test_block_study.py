@@ -177,8 +177,8 @@ def test_the_hand_rules_on_twelve_blocks_lower_the_layers_they_say():
 
 
 def test_gemm_shares_and_the_b200_estimate_match_a_hand_computation():
-    from autoprec.tune._flops import estimated_speedup, gemm_flops
-    from autoprec.tune._targets import B200
+    from autoprec.tune._core._targets import B200
+    from autoprec.tune._decide._flops import estimated_speedup, gemm_flops
 
     model = common.load_example("tiny").GPT()  # 2 blocks, 64 wide, vocab 256: untrained, shapes only
     named = policies.study_policies(model)
@@ -243,8 +243,8 @@ def test_a_searched_policy_keeps_its_linears_and_gets_a_bf16_root():
 
 def test_the_horizon_table_names_rules_and_searched_policies_and_takes_drops_per_seed(tmp_path):
     from autoprec.policy import Policy
-    from autoprec.tune._flops import estimated_speedup
-    from autoprec.tune._targets import B200
+    from autoprec.tune._core._targets import B200
+    from autoprec.tune._decide._flops import estimated_speedup
 
     def run(name, seed, metrics):
         rows = [{"step": s, "metric": m, "finite": True, "skipped": 0, "wall_s": 0} for s, m in zip((0, 2, 4), metrics)]
@@ -288,7 +288,7 @@ def test_tagged_searches_get_their_own_folders_and_labels_and_the_per_gemm_forma
 
 def test_the_fallback_tag_searches_without_fp32_under_a_bf16_root_and_its_folders_are_picked_up(tmp_path):
     from autoprec.policy import Policy
-    from autoprec.tune._goal import goal_named
+    from autoprec.tune._core._goal import goal_named
 
     space = search.search_space("grouped", 4, "fallback")
     assert [f.value for f in space.default] == ["bf16"]
@@ -332,8 +332,8 @@ def _tiny_gpt(width: int = 32) -> torch.nn.Module:
 
 def test_a_per_gemm_mix_under_a_bf16_root_is_priced_between_bf16_and_its_low_format():
     from autoprec.policy import Policy
-    from autoprec.tune._flops import estimated_speedup
-    from autoprec.tune._targets import B200
+    from autoprec.tune._core._targets import B200
+    from autoprec.tune._decide._flops import estimated_speedup
 
     flops = {"a": 1.0}
     speed = {
@@ -416,8 +416,8 @@ def test_eval_steps_take_zero_k_and_the_last():
 
 def test_the_horizon2_table_pairs_each_seed_and_judges_the_budget_on_the_interval(tmp_path):
     from autoprec.policy import Policy
-    from autoprec.tune._flops import estimated_speedup
-    from autoprec.tune._targets import B200
+    from autoprec.tune._core._targets import B200
+    from autoprec.tune._decide._flops import estimated_speedup
 
     def run(name, seed, metrics):
         rows = [{"step": s, "metric": m, "finite": True, "skipped": 0, "wall_s": 0} for s, m in zip((0, 2, 4), metrics)]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from autoprec.tune._budget import (
+from autoprec.tune._core._budget import (
     DEFAULT,
     Budget,
     Budgets,
@@ -47,7 +47,7 @@ def test_minus_zero_is_the_budget_zero_with_its_sign_dropped(given):
     `--budget 0` (the study records repr(budget))."""
     import math
 
-    from autoprec.tune._config import SearchConfig
+    from autoprec.tune._core._config import SearchConfig
 
     budget = parse_budget(given)
     assert budget.value == 0 and math.copysign(1.0, budget.value) == 1.0
@@ -72,7 +72,7 @@ def test_budgets_parse_sorted_without_repeats_and_refuse_bad_values():
 def test_one_rule_says_what_a_budget_is_wherever_it_is_given():
     """Budget, the configuration and an absolute budget list ask check_budget: True is no budget in any of them (the
     configuration once took it for 1.0), and a plan's budgets must ascend."""
-    from autoprec.tune._config import SearchConfig
+    from autoprec.tune._core._config import SearchConfig
 
     for make in (Budget, lambda v: SearchConfig(budget=v), parse_budget):
         with pytest.raises(ValueError, match=r"budget must be a finite number >= 0 .*but got True"):

@@ -6,7 +6,8 @@ import optuna
 import pytest
 import torch
 
-from autoprec.tune._choices import (
+from autoprec.tune._core._space import Layout, load_space, space_from_dict
+from autoprec.tune._measure._choices import (
     Choices,
     build_choices,
     fit,
@@ -22,8 +23,7 @@ from autoprec.tune._choices import (
     warm_starts,
     with_layout,
 )
-from autoprec.tune._profile_data import Profile, ProfileRow
-from autoprec.tune._space import Layout, load_space, space_from_dict
+from autoprec.tune._measure._profile_data import Profile, ProfileRow
 
 CPU = torch.device("cpu")
 
@@ -165,7 +165,7 @@ def test_warm_starts_try_uniform_bf16_and_the_greedy_layers_with_the_root_in_bf1
 
 
 def test_describe_says_when_the_profile_left_only_the_root_to_search():
-    from autoprec.tune._choices import Choices
+    from autoprec.tune._measure._choices import Choices
 
     choices = Choices(default=("fp32", "bf16"), layers={"a": ("fp32",), "b": ("fp32",)}, excluded={})
     assert (

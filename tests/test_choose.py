@@ -1,4 +1,4 @@
-"""autoprec/tune/_choose.py: the decision rule over re-measured candidates (records built by hand, tests/builders.py)."""
+"""autoprec/tune/_decide/_choose.py: the decision rule over re-measured candidates (records built by hand, tests/builders.py)."""
 
 import dataclasses
 import types
@@ -8,12 +8,12 @@ from builders import finals
 from test_search import SPACE, fake_profile
 
 from autoprec import Policy
-from autoprec.tune._choices import build_choices
+from autoprec.tune._measure._choices import build_choices
 
 
 def test_choose_prefers_fewer_fp16_fp8_layers_when_the_lead_is_noise():
     from autoprec import Policy
-    from autoprec.tune._choose import choose, safer_variant
+    from autoprec.tune._decide._choose import choose, safer_variant
 
     risky = Policy(layers={"": "fp32", "a": "fp16", "b": "bf16"})
     choices = build_choices(fake_profile([("a", "fp32", 0, 1, True, False), ("a", "bf16", 0, 1, True, False),
@@ -40,7 +40,7 @@ def test_a_searched_policy_not_separated_from_an_alternative_is_never_chosen_ove
     """Under load (spreads 120%), a bf16/fp32 mix measured 2.15x against uniform bf16's 1.60x and fp32's 1.00x is a
     tie: an alternative is chosen (fp32, the fewest layers below fp32) and the tie recorded, never the policy written as
     faster than what the user had."""
-    from autoprec.tune._choose import choose, not_separated
+    from autoprec.tune._decide._choose import choose, not_separated
 
     candidates = {"fp32": Policy(), "uniform bf16": Policy(layers={"": "bf16"}),
                   "trial 7": Policy(layers={"": "bf16", "a": "fp32"})}  # fmt: skip
@@ -59,7 +59,7 @@ def test_a_searched_policy_not_separated_from_an_alternative_is_never_chosen_ove
 
 def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
     """A safer finalist tied with the top one is still refused when an alternative measured faster than it."""
-    from autoprec.tune._choose import choose
+    from autoprec.tune._decide._choose import choose
 
     candidates = {
         "fp32": Policy(),
@@ -83,8 +83,8 @@ def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
 
 
 def test_tf32_is_measured_but_never_chosen_as_the_policy():
-    from autoprec.tune._choose import choose
-    from autoprec.tune._trainer import Candidate
+    from autoprec.tune._decide._choose import choose
+    from autoprec.tune._measure._trainer import Candidate
 
     fp32 = Policy(layers={"": "fp32"})
     candidates = {"fp32": Candidate(fp32), "TF32": Candidate(fp32, tf32=True)}
@@ -97,9 +97,9 @@ def test_tf32_is_measured_but_never_chosen_as_the_policy():
 
 def test_uniform_bf16_under_cuda_graphs_is_measured_but_never_chosen_as_the_policy():
     """CUDA graphs are a way to compile: the fastest row, but no per-layer policy can be written of it."""
-    from autoprec.tune._choose import choose
-    from autoprec.tune._names import BF16, BF16_GRAPHS
-    from autoprec.tune._trainer import Candidate
+    from autoprec.tune._core._names import BF16, BF16_GRAPHS
+    from autoprec.tune._decide._choose import choose
+    from autoprec.tune._measure._trainer import Candidate
 
     bf16 = Policy(layers={"": "bf16"})
     candidates = {"fp32": Candidate(Policy()), BF16: Candidate(bf16), BF16_GRAPHS: Candidate(bf16, cuda_graphs=True)}
@@ -112,7 +112,7 @@ def test_uniform_bf16_under_cuda_graphs_is_measured_but_never_chosen_as_the_poli
 
 
 def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():
-    from autoprec.tune._choose import choose_smallest
+    from autoprec.tune._decide._choose import choose_smallest
 
     candidates = {
         "fp32": Policy(),
@@ -136,7 +136,7 @@ def test_choose_smallest_takes_the_least_peak_and_among_near_ties_the_faster():
 
 def test_among_tied_candidates_the_safer_comes_before_an_alternative_with_fp8_layers():
     """fp8 everywhere (an alternative, all layers fp8) tied with a searched bf16 policy: the bf16 one, safer."""
-    from autoprec.tune._choose import choose
+    from autoprec.tune._decide._choose import choose
 
     candidates = {"fp32": Policy(), "fp8 everywhere (torchao filter)": Policy(layers={"": "bf16", "a": "fp8", "b": "fp8"}),
                   "trial 4": Policy(layers={"": "bf16"})}  # fmt: skip
@@ -157,7 +157,7 @@ def test_fp32_and_uniform_bf16_tied_write_fp32_whichever_median_leads():
     """A search wrote uniform bf16 at "1.26x" (a tie), a sweep of the same model and budget fp32, and a re-measure
     gave the bf16 policy 0.88x: which was written hung on medians inside the noise. Tied, the fewest layers below fp32
     wins, so the same candidates tied give the same file, and a searched bf16 policy tied with both is not written."""
-    from autoprec.tune._choose import choose
+    from autoprec.tune._decide._choose import choose
 
     candidates = {"fp32": Policy(layers={"": "fp32", "a": "fp32", "b": "fp32"}),
                   "uniform bf16": Policy(layers={"": "bf16", "a": "bf16", "b": "bf16"}),
@@ -176,7 +176,7 @@ def test_fp32_and_uniform_bf16_tied_write_fp32_whichever_median_leads():
 
 
 def test_among_equally_safe_tied_searched_policies_the_fewest_layers_below_fp32_is_chosen():
-    from autoprec.tune._choose import choose
+    from autoprec.tune._decide._choose import choose
 
     candidates = {"fp32": Policy(), "uniform bf16": Policy(layers={"": "bf16", "a": "bf16", "b": "bf16", "c": "bf16"}),
                   "trial 3": Policy(layers={"": "fp32", "a": "bf16", "b": "bf16", "c": "bf16"}),
@@ -203,10 +203,10 @@ def test_fp32_and_a_barely_faster_bf16_timed_through_a_noisy_clock_give_the_same
     from short_timing import TINY
 
     from autoprec.tune import load_task, prepare
-    from autoprec.tune._choose import choose
-    from autoprec.tune._finalists import remeasure
-    from autoprec.tune._separation import separated
-    from autoprec.tune._trainer import Candidate
+    from autoprec.tune._decide._choose import choose
+    from autoprec.tune._measure._separation import separated
+    from autoprec.tune._measure._trainer import Candidate
+    from autoprec.tune._search._finalists import remeasure
 
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
     every = ["", "fc1", "big", "head"]

@@ -631,7 +631,7 @@ def test_the_default_out_folder_never_leaves_results(name, folder):
     import argparse
 
     from autoprec.tune._cli import _out_dir, folder_name
-    from autoprec.tune._task import Task
+    from autoprec.tune._measure._task import Task
 
     task = Task(path=Path("/models") / name, build_model=lambda: None, batches=lambda s: [], loss_fn=lambda m, b: None)
     assert _out_dir(argparse.Namespace(out=None), task) == Path("results") / folder
@@ -846,7 +846,7 @@ def test_show_prints_each_results_peak_memory_and_how_it_was_measured(capsys, tm
 
 def test_valid_memory_options_reach_the_search_settings():
     from autoprec.tune._cli import _search_config, build_parser
-    from autoprec.tune._goals import MEMORY
+    from autoprec.tune._decide._goals import MEMORY
 
     args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--max-memory", "40G", "--objective", "memory"])
     config = _search_config(args)

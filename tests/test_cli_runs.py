@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 from short_timing import FAST_PROFILE, TINY
 
-import autoprec.tune._sweeper  # noqa: F401  (the fixture patches its module)
+import autoprec.tune._search._sweeper  # noqa: F401  (the fixture patches its module)
 from autoprec import load_policy
 from autoprec.tune._cli import main
-from autoprec.tune._records import FINALS_VERSION
+from autoprec.tune._core._records import FINALS_VERSION
 
 MODELS = Path(__file__).parent / "models"
 
@@ -23,7 +23,10 @@ MODELS = Path(__file__).parent / "models"
 @pytest.fixture
 def fast(monkeypatch):
     """The verbs' own code path, with short timing: profile() and search() get fast configs."""
-    profile_module, search_module = sys.modules["autoprec.tune._profiler"], sys.modules["autoprec.tune._searcher"]
+    profile_module, search_module = (
+        sys.modules["autoprec.tune._measure._profiler"],
+        sys.modules["autoprec.tune._search._searcher"],
+    )
     real_profile, real_search = profile_module.profile, search_module.search
 
     def profile(workload, space, config=None, **kw):
@@ -33,7 +36,7 @@ def fast(monkeypatch):
         quick = dataclasses.replace(config, timing=TINY, final_timing=TINY, profile=FAST_PROFILE, finalists=1, progress=False)
         return real_search(workload, space, quick, out, **kw)
 
-    sweep_module = sys.modules["autoprec.tune._sweeper"]
+    sweep_module = sys.modules["autoprec.tune._search._sweeper"]
     real_sweep = sweep_module.sweep
 
     def sweep(workload, space, budgets, config, out, **kw):
@@ -145,7 +148,7 @@ def test_json_prints_the_result_as_one_object_and_quiet_prints_nothing(fast, cap
 
 @pytest.mark.slow
 def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(fast, capsys, tmp_path, monkeypatch):
-    pipeline = sys.modules["autoprec.tune._pipeline"]
+    pipeline = sys.modules["autoprec.tune._search._pipeline"]
     real, calls = pipeline.final_remeasure, []
     monkeypatch.setattr(pipeline, "final_remeasure", lambda *a, **k: calls.append(1) or real(*a, **k))
     argv = small_search_argv(tmp_path)
@@ -168,7 +171,7 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
 
 @pytest.mark.slow
 def test_a_finished_studys_finalists_file_of_another_version_is_re_measured_with_one_line(fast, capsys, tmp_path, monkeypatch):
-    pipeline = sys.modules["autoprec.tune._pipeline"]
+    pipeline = sys.modules["autoprec.tune._search._pipeline"]
     real, calls = pipeline.final_remeasure, []
     monkeypatch.setattr(pipeline, "final_remeasure", lambda *a, **k: calls.append(1) or real(*a, **k))
     argv = small_search_argv(tmp_path)
@@ -214,7 +217,7 @@ def test_only_autoprecs_own_log_lines_carry_its_prefix():
     import subprocess
 
     code = ("import logging\nfrom autoprec.tune._cli import _log_setup\n_log_setup(False)\n"
-            "logging.getLogger('autoprec.tune._objective').warning('ours')\nlogging.getLogger('torchao.float8').warning('theirs')\n"
+            "logging.getLogger('autoprec.tune._search._objective').warning('ours')\nlogging.getLogger('torchao.float8').warning('theirs')\n"
             "logging.getLogger('autoprec').info('not at the default level')\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stderr.splitlines()[-2:] == ["autoprec: ours", "theirs"], proc.stderr

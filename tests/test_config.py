@@ -1,4 +1,4 @@
-"""autoprec/tune/_config.py: what a search is configured with, and what each setting means for the others."""
+"""autoprec/tune/_core/_config.py: what a search is configured with, and what each setting means for the others."""
 
 import dataclasses
 
@@ -19,8 +19,8 @@ def test_budget_must_not_be_negative():
 def test_the_budget_is_kept_as_given_a_relative_one_for_the_pipeline_to_resolve():
     """One place holds a search's budget as the user gave it: a number stays one (a string of one too), a percentage
     stays relative, and a sweep's config holds none (None, the default)."""
-    from autoprec.tune._budget import Budget
-    from autoprec.tune._config import search_config
+    from autoprec.tune._core._budget import Budget
+    from autoprec.tune._core._config import search_config
 
     assert SearchConfig(budget=0.01).budget == 0.01 and SearchConfig(budget="0.01").budget == 0.01
     assert SearchConfig(budget=Budget(0.02)).budget == 0.02 and isinstance(SearchConfig(budget=1).budget, float)
@@ -52,7 +52,7 @@ def test_compile_is_one_switch_the_search_owns_and_its_configs_stay_as_given():
 
 def test_cuda_graphs_are_asked_for_only_on_a_compiled_search_on_a_device_that_records_them(monkeypatch):
     from autoprec import devices
-    from autoprec.tune._config import search_config
+    from autoprec.tune._core._config import search_config
 
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731 (the CLI's spelling)
     with pytest.raises(

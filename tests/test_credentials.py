@@ -1,8 +1,8 @@
-"""autoprec/tune/_credentials.py: a storage URL as it may be written or printed, its password hidden."""
+"""autoprec/tune/_core/_credentials.py: a storage URL as it may be written or printed, its password hidden."""
 
 import pytest
 
-from autoprec.tune._credentials import hide_credentials, hide_credentials_in
+from autoprec.tune._core._credentials import hide_credentials, hide_credentials_in
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_a_message_quoting_the_url_or_its_password_is_scrubbed():
 
 
 def test_an_at_sign_in_the_path_or_query_is_not_taken_for_the_users():
-    from autoprec.tune._credentials import hide_credentials
+    from autoprec.tune._core._credentials import hide_credentials
 
     assert hide_credentials("postgresql://u:pw@h/db?x=a@b") == "postgresql://u:***@h/db?x=a%40b"  # SQLAlchemy's quoting
     assert hide_credentials("sqlite:////tmp/a:b@c/db") == "sqlite:////tmp/a:b@c/db"

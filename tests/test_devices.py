@@ -16,12 +16,12 @@ from autoprec import Policy, devices
 from autoprec.devices import CPUDevice, Device, UnknownDeviceError, device_for, register_device, unregister_device
 from autoprec.errors import UserError
 from autoprec.formats import device_name
-from autoprec.tune import _memory as memory
-from autoprec.tune import _timing as timing
 from autoprec.tune import load_task, prepare
 from autoprec.tune._cli import _device
-from autoprec.tune._config import TimingConfig, default_compile
-from autoprec.tune._trainer import Trainer, matmul_precision
+from autoprec.tune._core import _memory as memory
+from autoprec.tune._core._config import TimingConfig, default_compile
+from autoprec.tune._measure import _timing as timing
+from autoprec.tune._measure._trainer import Trainer, matmul_precision
 
 MODELS = Path(__file__).parent / "models"
 META = torch.device("meta")

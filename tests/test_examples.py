@@ -6,7 +6,7 @@ import pytest
 
 from autoprec import apply_policy, load_policy
 from autoprec.tune import load_task, prepare
-from autoprec.tune._metric import metric_of
+from autoprec.tune._measure._metric import metric_of
 
 ROOT = Path(__file__).parents[1]
 DIGITS = ROOT / "examples" / "digits" / "model.py"
@@ -55,8 +55,8 @@ def test_committed_digits_policy_holds_its_budget_on_a_fresh_model(digits, polic
 @pytest.mark.slow
 def test_moe12_has_109_tunable_linears_in_8_roles_and_keeps_the_contract(monkeypatch):
     # The untrained model (build_model trains for minutes): its structure is what the layouts depend on.
-    from autoprec.tune._choices import role
-    from autoprec.tune._space import load_space
+    from autoprec.tune._core._space import load_space
+    from autoprec.tune._measure._choices import role
 
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "tinylm"))
     import moe12
@@ -77,7 +77,7 @@ def test_minilm_is_the_minilm_l6_shape_with_37_linears_and_keeps_the_contract():
     # The untrained encoder (build_model trains for minutes): its structure is what the search-cost case needs.
     import torch
 
-    from autoprec.tune._space import load_space
+    from autoprec.tune._core._space import load_space
 
     pytest.importorskip("transformers")
     task = load_task(ROOT / "examples" / "minilm" / "model.py")  # build_model is not called
@@ -164,7 +164,7 @@ def test_the_hf_gpt2_example_searches_conv1d_with_the_natural_loss_and_trains_un
     import torch
 
     from autoprec import Policy
-    from autoprec.tune._space import load_space
+    from autoprec.tune._core._space import load_space
 
     task = load_task(HF_GPT2 / "model.py")
     example = __import__("sys").modules[task.build_model.__module__]
@@ -191,7 +191,7 @@ def test_the_hf_gpt2_example_searches_conv1d_with_the_natural_loss_and_trains_un
 def test_the_hf_bert_example_keeps_the_contract_with_dict_batches_and_an_accuracy():
     """The untrained classifier (build_model trains for a minute): the contract and its layers."""
     pytest.importorskip("transformers")
-    from autoprec.tune._space import load_space
+    from autoprec.tune._core._space import load_space
 
     task = load_task(ROOT / "examples" / "hf_bert" / "model.py")
     example = __import__("sys").modules[task.build_model.__module__]
@@ -294,7 +294,7 @@ def test_llama_tiny_takes_a_training_step_with_a_policy_applied(monkeypatch):
 def test_llama_builds_on_the_meta_device_for_predict_and_verify_without_training(monkeypatch, size):
     """autoprec predict, verify and export --check build the model under the meta device: the example returns its bare
     model there (it raised "Cannot copy out of meta tensor", after training, before)."""
-    from autoprec.tune._task import meta_model
+    from autoprec.tune._measure._task import meta_model
 
     monkeypatch.setenv("AUTOPREC_LLAMA_SIZE", size)
     model = meta_model(load_task(LLAMA), verb="verify")

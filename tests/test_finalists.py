@@ -7,14 +7,14 @@ from builders import finals
 
 from autoprec import Policy
 from autoprec.tune import SearchConfig
-from autoprec.tune import _finalists as finalists
-from autoprec.tune._alternatives import Alternatives
-from autoprec.tune._budget import Budgets
-from autoprec.tune._choices import Choices
-from autoprec.tune._names import BF16, FP32, GREEDY
-from autoprec.tune._searcher import search_plan
-from autoprec.tune._sweeper import sweep_plan
-from autoprec.tune._trainer import Candidate
+from autoprec.tune._core._budget import Budgets
+from autoprec.tune._core._names import BF16, FP32, GREEDY
+from autoprec.tune._decide._alternatives import Alternatives
+from autoprec.tune._measure._choices import Choices
+from autoprec.tune._measure._trainer import Candidate
+from autoprec.tune._search import _finalists as finalists
+from autoprec.tune._search._searcher import search_plan
+from autoprec.tune._search._sweeper import sweep_plan
 
 JUDGE = types.SimpleNamespace(budgets=Budgets((0.1,)))  # what final_remeasure reads of the judge: the study's bound
 
@@ -61,7 +61,7 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
 
 
 def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_noisy(monkeypatch, caplog):
-    from autoprec.tune._cost import Stopwatch
+    from autoprec.tune._core._cost import Stopwatch
 
     def table(spread):
         return finals({"candidate": "fp32", "spread": 0.02}, {"candidate": "x", "spread": spread},
@@ -88,9 +88,9 @@ def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_no
 def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
     import optuna
 
-    from autoprec.tune._choices import LAYER_PARAM
-    from autoprec.tune._finalists import finalist_policies
-    from autoprec.tune._goals import MEMORY
+    from autoprec.tune._decide._goals import MEMORY
+    from autoprec.tune._measure._choices import LAYER_PARAM
+    from autoprec.tune._search._finalists import finalist_policies
 
     choices = Choices(default=("fp32",), layers={"a": ("fp32", "bf16", "fp16"), "b": ("fp32", "bf16")}, excluded={})
     study = optuna.create_study(direction="maximize")
@@ -106,8 +106,8 @@ def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
 
 
 def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_times_no_more(monkeypatch):
-    from autoprec.tune._config import SETTLED_FINAL_ROUNDS
-    from autoprec.tune._cost import Stopwatch
+    from autoprec.tune._core._config import SETTLED_FINAL_ROUNDS
+    from autoprec.tune._core._cost import Stopwatch
 
     loud = {"fp32": [10.0, 10.1, 10.0, 9.0, 12.0], "x": [10.0, 20.0, 5.0, 9.0, 14.0]}  # unsettled: spreads wide
     asked = []
@@ -132,7 +132,7 @@ def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_ti
 def test_on_a_device_the_trials_found_too_noisy_the_final_remeasure_times_no_extra_rounds_and_says_so(monkeypatch, caplog):
     """A loaded machine's default searches stopped for noise after 6 trials, then sat in 35-60 s re-measure rounds
     (issue 38, 6): more rounds at that noise separate nothing. Its configured rounds only, and a plain line."""
-    from autoprec.tune._cost import Stopwatch
+    from autoprec.tune._core._cost import Stopwatch
 
     loud = {"fp32": [10.0, 10.1, 10.0], "x": [10.0, 20.0, 5.0]}
     asked = []

@@ -1,4 +1,4 @@
-"""The FLOP goal (autoprec/tune/_flops.py, issue 40): planning for a device this machine is not, by each Linear's GEMM
+"""The FLOP goal (autoprec/tune/_decide/_flops.py, issue 40): planning for a device this machine is not, by each Linear's GEMM
 FLOPs weighted by a target's nominal dense throughput (_targets.py). An estimate, labelled as one everywhere; its
 trials are not timed, so a search on a CPU plans for a B200."""
 
@@ -26,14 +26,14 @@ from autoprec.formats import (
 )
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune import _predict as predictor
-from autoprec.tune._flops import FLOPS, Flops, estimated_speedup, format_of, gemm_flops
-from autoprec.tune._goals import SPEED
-from autoprec.tune._predict import LinearShape, Step, step_from_rows
-from autoprec.tune._profile_data import ProfileRow
-from autoprec.tune._searcher import search
-from autoprec.tune._space import space_from_dict
-from autoprec.tune._targets import B200, H100, Target, register_target, unregister_target
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._core._targets import B200, H100, Target, register_target, unregister_target
+from autoprec.tune._decide._flops import FLOPS, Flops, estimated_speedup, format_of, gemm_flops
+from autoprec.tune._decide._goals import SPEED
+from autoprec.tune._measure import _predict as predictor
+from autoprec.tune._measure._predict import LinearShape, Step, step_from_rows
+from autoprec.tune._measure._profile_data import ProfileRow
+from autoprec.tune._search._searcher import search
 
 MODELS = Path(__file__).parent / "models"
 FP4 = "toy-fp4"  # a toy format the family says runs its GEMMs in nvfp4 (fprop, dgrad) and bf16 (wgrad)
@@ -198,7 +198,7 @@ def test_a_search_on_a_cpu_plans_the_lowest_formats_each_layer_can_take_for_a_b2
     assert summary.startswith(f"chosen: {m['chosen']}, ") and band in summary
     assert f"predicted {COMPUTE_ONLY}" in summary and "speedup here" in summary and f"not on {COMPUTE_ONLY}" in summary
 
-    from autoprec.tune._show import show_policy
+    from autoprec.tune._report._show import show_policy
 
     shown = show_policy(policy)
     assert band in shown and f"predicted {COMPUTE_ONLY}" in shown and "speedup here" in shown
@@ -250,7 +250,7 @@ def test_a_sweep_refuses_the_flops_goal_with_one_error_line_before_the_profile(c
 
 def test_a_space_with_formats_the_target_does_not_run_is_refused_before_the_profile(tmp_path, monkeypatch):
     """An H100 runs no nvfp4: the search said so only after profiling every layer (found in review)."""
-    from autoprec.tune import _pipeline as pipeline
+    from autoprec.tune._search import _pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "start", lambda *a, **k: pytest.fail("profiled before refusing the space"))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -279,7 +279,7 @@ def test_a_gemm_left_in_high_precision_counts_in_the_autocast_around_the_layer()
 def test_show_of_a_hand_edited_estimate_prints_what_it_can_and_never_a_traceback():
     """A policy file whose measured.estimate lost its results' estimates, or holds a rate that is no number, made
     `autoprec show` fail with an IndexError or a format error (found in review)."""
-    from autoprec.tune._show import show_policy
+    from autoprec.tune._report._show import show_policy
 
     estimate = {"goal": "flops", "target": "b200", "estimate": True, "what": "estimated 2.00x all-bf16 GEMM throughput",
                 "tflops": {"bf16": "fast", "nvfp4": 9000.0}}  # fmt: skip
@@ -290,7 +290,7 @@ def test_show_of_a_hand_edited_estimate_prints_what_it_can_and_never_a_traceback
 
 
 def test_the_autocast_around_a_layer_skips_an_ancestor_whose_format_sets_none():
-    from autoprec.tune._flops import outer_autocast
+    from autoprec.tune._decide._flops import outer_autocast
 
     layers = {ROOT: Format.BF16, "x": Format.MXFP8_FWD, "y": Format.FP32, "z": Format.FP16}
     assert outer_autocast("x.sub", layers) == "bf16"  # mxfp8-fwd leaves the caller's autocast: the root's
@@ -322,7 +322,7 @@ def test_a_flops_search_whose_lists_fall_back_to_bf16_keeps_its_high_layers_in_b
 def test_the_greedy_and_uniform_starts_keep_a_layer_in_its_lists_fallback():
     from types import SimpleNamespace
 
-    from autoprec.tune._choices import Choices, greedy_layers, uniform_layers
+    from autoprec.tune._measure._choices import Choices, greedy_layers, uniform_layers
 
     # fc1 may go nvfp4 (its drop fits), head's nvfp4 breaks the budget: it keeps its fallback, bf16 here, fp32 there
     rows = [("fc1", "fp32", 1.0, 0.0), ("fc1", "bf16", 0.9, 0.0), ("fc1", "nvfp4", 0.5, 0.01),
@@ -339,7 +339,7 @@ def test_the_greedy_and_uniform_starts_keep_a_layer_in_its_lists_fallback():
 
 
 def test_a_speed_search_still_refuses_a_list_without_fp32_naming_it_before_the_profile(tmp_path, monkeypatch):
-    from autoprec.tune import _pipeline as pipeline
+    from autoprec.tune._search import _pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "start", lambda *a, **k: pytest.fail("profiled before refusing the space"))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -351,8 +351,8 @@ def test_a_speed_search_still_refuses_a_list_without_fp32_naming_it_before_the_p
 
 
 def test_the_flop_goals_choice_falls_back_to_uniform_bf16_in_a_space_without_fp32():
-    from autoprec.tune._names import BF16, FP32
-    from autoprec.tune._records import Finals, Measurement
+    from autoprec.tune._core._names import BF16, FP32
+    from autoprec.tune._core._records import Finals, Measurement
 
     space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["bf16", "nvfp4"]}})
     config = SearchConfig(budget=0.1, objective="flops", target="b200", progress=False)
@@ -379,9 +379,9 @@ def test_the_profile_greedy_policy_of_a_flop_search_is_priced_on_the_target_not_
     (a warm start and an alternative) of a FLOP search follows the target's price, a speed search this machine's."""
     from types import SimpleNamespace
 
-    from autoprec.tune._alternatives import alternatives
-    from autoprec.tune._choices import Choices, greedy_layers, warm_starts
-    from autoprec.tune._names import GREEDY
+    from autoprec.tune._core._names import GREEDY
+    from autoprec.tune._decide._alternatives import alternatives
+    from autoprec.tune._measure._choices import Choices, greedy_layers, warm_starts
 
     rows = [("fc1", "fp32", 1.0), ("fc1", "bf16", 0.9), ("fc1", "nvfp4", 40.0), ("fc1", "mxfp8", 30.0)]
     table = {"fc1": {f: SimpleNamespace(layer="fc1", format=f, time_ms=ms, metric_drop=0.0) for _, f, ms in rows}}
@@ -407,7 +407,7 @@ def test_a_ranked_layout_keeps_the_flop_goals_fallback_out_of_its_ranks_and_pref
     review: it decoded to all bf16)."""
     from types import SimpleNamespace
 
-    from autoprec.tune._choices import Choices, greedy_params, layer_formats, with_layout
+    from autoprec.tune._measure._choices import Choices, greedy_params, layer_formats, with_layout
 
     ms = {"bf16": 0.9, "mxfp8": 30.0, "nvfp4": 40.0}  # emulated here: the low formats are slow on this machine
     table = {

@@ -18,7 +18,7 @@ from autoprec.formats import (
     parse_format,
     risky_formats,
 )
-from autoprec.tune._choices import fit
+from autoprec.tune._measure._choices import fit
 
 
 def test_every_format_has_exactly_one_registry_entry_keyed_by_itself():

@@ -19,9 +19,9 @@ from autoprec.formats import Format, format_problem, fp8_formats, parse_format, 
 from autoprec.formats.blockscaled import _RNG_ATTR, GEMM_FORMATS, MX, NV, BlockScaledFamily, seed_of
 from autoprec.formats.mx import MXFP8, NVFP4, blockscaled_linear
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
-from autoprec.tune._profile_data import NO_KERNEL, ruled_out
-from autoprec.tune._report import break_floor, profile_summary
-from autoprec.tune._space import space_from_dict
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._measure._profile_data import NO_KERNEL, ruled_out
+from autoprec.tune._report._report import break_floor, profile_summary
 
 MODELS = Path(__file__).parent / "models"
 # name -> (fprop, dgrad, wgrad): None is high precision

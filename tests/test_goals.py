@@ -1,4 +1,4 @@
-"""Goals are registered types (autoprec/tune/_goals.py): a goal defined here, outside autoprec/, is a choice of
+"""Goals are registered types (autoprec/tune/_decide/_goals.py): a goal defined here, outside autoprec/, is a choice of
 SearchConfig and --objective, and a search optimises it end to end (its direction, its trial values, its finalists,
 its choice among the re-measured, the study key and the report), with nothing in autoprec/ naming it."""
 
@@ -30,12 +30,12 @@ from autoprec.tune import (
     register_goal,
     unregister_goal,
 )
-from autoprec.tune._choices import policy_from_params
-from autoprec.tune._flops import FLOPS
-from autoprec.tune._names import NOT_A_POLICY
-from autoprec.tune._searcher import search
-from autoprec.tune._space import space_from_dict
-from autoprec.tune._sweeper import pareto_front
+from autoprec.tune._core._names import NOT_A_POLICY
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._decide._flops import FLOPS
+from autoprec.tune._measure._choices import policy_from_params
+from autoprec.tune._search._searcher import search
+from autoprec.tune._search._sweeper import pareto_front
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "trials": 12})
@@ -158,8 +158,8 @@ def test_the_built_in_goals_answer_as_the_tuner_asked_before():
 
 def test_a_goal_under_a_label_another_goal_has_is_refused():
     """The study key records the label: two goals under one label would share, and clash in, one study."""
-    from autoprec.tune._goal import Goal, goal_named, register_goal
-    from autoprec.tune._goals import MEMORY
+    from autoprec.tune._core._goal import Goal, goal_named, register_goal
+    from autoprec.tune._decide._goals import MEMORY
 
     class Twin(Goal):
         name, label, direction, summary = "twin-memory", MEMORY.label, "maximize", "the largest peak memory"

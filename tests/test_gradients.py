@@ -1,4 +1,4 @@
-"""autoprec/tune/_gradients.py: exact per-scale underflow/overflow fractions, the hooks, and the loss-scale advice."""
+"""autoprec/tune/_measure/_gradients.py: exact per-scale underflow/overflow fractions, the hooks, and the loss-scale advice."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoprec.tune import load_task, prepare
-from autoprec.tune._gradients import (
+from autoprec.tune._measure._gradients import (
     BF16,
     E4M3,
     E5M2,

@@ -107,7 +107,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_no_module_of_autoprec_imports_one_that_imports_it_back():
     graph = import_graph()
-    assert "autoprec.tune._goal" in graph["autoprec.tune._config"]  # the graph sees what it should
+    assert "autoprec.tune._core._goal" in graph["autoprec.tune._core._config"]  # the graph sees what it should
     found = cycles(graph)
     assert not found, "import cycles (each line: the modules of one):\n" + "\n".join(
         "  " + " <-> ".join(c) + "\n    " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a] & set(c))) for c in found
@@ -129,17 +129,20 @@ def test_the_check_finds_a_cycle_a_deferred_import_hides():
 
 
 def documented_stages() -> list[list[str]]:
-    """docs/architecture.md's tuner table: per stage, bottom up, its modules in order (the backticked names of the
-    row's last cell, the leading `_` or `export` ones)."""
+    """docs/architecture.md's tuner table: per stage (a package, or the front), bottom up, its modules in order (the
+    backticked names of the row's last cell that start with `_` or are a module of its package), then the package."""
     doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
     table = doc.split("## The tuner, bottom up", 1)[1].split("\n## ", 1)[0]
     stages = []
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 3 or cells[0] in ("stage", "---"):
+        if len(cells) != 3 or cells[0] in ("package", "---"):
             continue
-        names = [n for n in re.findall(r"`([^`]+)`", cells[2]) if n.startswith(("_", "export", "autoprec.tune"))]
-        stages.append([n if n.startswith("autoprec.") else f"autoprec.tune.{n}" for n in names])
+        package = re.fullmatch(r"`([a-z_]+)`", cells[0])
+        prefix = f"autoprec.tune.{package.group(1)}" if package else "autoprec.tune"
+        names = re.findall(r"`([^`(]+)`(?:,|$| \()", cells[2])
+        stage = [n if n.startswith("autoprec.") else f"{prefix}.{n}" for n in names]
+        stages.append(stage + ([prefix] if package else []))
     return stages
 
 

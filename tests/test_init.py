@@ -22,8 +22,8 @@ def test_the_tuner_functions_do_not_shadow_their_modules():
 
     assert callable(autoprec.tune.search) and callable(autoprec.tune.profile) and callable(autoprec.tune.sweep)
     assert importlib.import_module("autoprec.tune._api").search is autoprec.tune.search
-    assert callable(importlib.import_module("autoprec.tune._searcher").search)
-    assert importlib.import_module("autoprec.tune._profiler").profile is autoprec.tune.profile
+    assert callable(importlib.import_module("autoprec.tune._search._searcher").search)
+    assert importlib.import_module("autoprec.tune._measure._profiler").profile is autoprec.tune.profile
 
 
 def test_autoprec_tune_is_reachable_from_a_plain_import_autoprec():

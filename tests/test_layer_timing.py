@@ -1,4 +1,4 @@
-"""A layer's own step time in each format (autoprec/tune/_layer_timing.py)."""
+"""A layer's own step time in each format (autoprec/tune/_measure/_layer_timing.py)."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ import timings
 from short_timing import TINY
 
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
-from autoprec.tune._space import space_from_dict
+from autoprec.tune._core._space import space_from_dict
 
 MODELS = Path(__file__).parent / "models"
 HOST_S = 0.002  # issuing a lone layer's forward and backward: more than its kernels take, as on a GPU
@@ -36,7 +36,7 @@ def test_a_layers_warm_up_on_a_device_with_a_queue_lasts_its_seconds_of_calls_no
     """A layer's kernels take microseconds of the device where the host spends a millisecond issuing them: warm-up
     counted the device's time into warmup_s, so the profile's 0.2 s of warm-up ran 10,000 calls of one layer."""
     from autoprec import devices
-    from autoprec.tune._timing import Step, interleaved_times
+    from autoprec.tune._measure._timing import Step, interleaved_times
 
     calls = []
 
@@ -61,7 +61,7 @@ def test_a_layer_step_runs_where_its_format_runs_in_a_model_fp8_and_block_scaled
     import torch
 
     from autoprec.formats import Format
-    from autoprec.tune._layer_timing import _layer_step
+    from autoprec.tune._measure._layer_timing import _layer_step
 
     torch.manual_seed(0)
     with warnings.catch_warnings():

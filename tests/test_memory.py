@@ -6,10 +6,10 @@ import torch
 from autoprec import Policy
 from autoprec.errors import UserError
 from autoprec.formats import Format
-from autoprec.tune import _memory as memory
 from autoprec.tune import load_task, prepare
-from autoprec.tune._config import MEMORY_TRIES
-from autoprec.tune._trainer import Trainer
+from autoprec.tune._core import _memory as memory
+from autoprec.tune._core._config import MEMORY_TRIES
+from autoprec.tune._measure._trainer import Trainer
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The metric of (task, policy): evaluated, after training (train mode), its noise floor, and sqnr_db (autoprec/tune/_metric.py)."""
+"""The metric of (task, policy): evaluated, after training (train mode), its noise floor, and sqnr_db (autoprec/tune/_measure/_metric.py)."""
 
 import math
 from pathlib import Path
@@ -8,7 +8,14 @@ import torch
 
 from autoprec import LossScale, Policy
 from autoprec.tune import load_task, prepare
-from autoprec.tune._metric import batch_order, default_evaluate, evaluate_metric, noise_floor, sqnr_db, train_and_evaluate
+from autoprec.tune._measure._metric import (
+    batch_order,
+    default_evaluate,
+    evaluate_metric,
+    noise_floor,
+    sqnr_db,
+    train_and_evaluate,
+)
 
 MODELS = Path(__file__).parent / "models"
 
@@ -85,7 +92,7 @@ def test_noise_floor_spans_seeds(underflow):
 def test_evaluate_may_return_numpy_scalars_and_one_element_arrays(workload):
     import numpy as np
 
-    from autoprec.tune._metric import _as_metric
+    from autoprec.tune._measure._metric import _as_metric
 
     assert _as_metric(workload, np.float32(0.5)) == 0.5 and _as_metric(workload, np.int64(3)) == 3.0
     assert _as_metric(workload, np.array([0.25])) == 0.25 and _as_metric(workload, torch.tensor(0.75)) == 0.75

@@ -1,10 +1,10 @@
-"""autoprec/tune/_numbers.py: the numbers a person types are ASCII digits, never what else float() and int() read."""
+"""autoprec/tune/_core/_numbers.py: the numbers a person types are ASCII digits, never what else float() and int() read."""
 
 import argparse
 
 import pytest
 
-from autoprec.tune._numbers import NotANumber, parse_decimal, parse_integer
+from autoprec.tune._core._numbers import NotANumber, parse_decimal, parse_integer
 
 # float() and int() read all of these as numbers: "_" between digits, Arabic-Indic, full-width and Devanagari digits,
 # a non-breaking space around them

@@ -1,4 +1,4 @@
-"""autoprec/tune/_plots.py: the heat maps."""
+"""autoprec/tune/_report/_plots.py: the heat maps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 from builders import every_format_profile
 
-from autoprec.tune._plots import plot_all, plot_profile
+from autoprec.tune._report._plots import plot_all, plot_profile
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -42,7 +42,7 @@ def test_heat_map_marks_what_went_wrong(prof, tmp_path, monkeypatch):
     assert at[("head", "fp8")] == "cannot run"  # 4 outputs: no fp8
     assert at[("fc1", "fp32")] == "ref"
     assert at[("fc1", "bf16")] == "ruled out"  # its timing ruled it out: nothing else was measured
-    from autoprec.tune._report import profile_summary
+    from autoprec.tune._report._report import profile_summary
 
     fc1 = next(line for line in profile_summary(table).splitlines() if line.startswith("fc1"))
     assert "ruled out" in fc1 and "inf/nan" not in fc1
@@ -56,7 +56,7 @@ ALL_FORMATS = ["fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp"
 
 def profile_table(layers, formats, drop=lambda layer, fmt: 0.0):
     """A profile's rows as the profiler writes them: every (layer, format) measured, SQNR 30 dB, the drop `drop` gives."""
-    from autoprec.tune._profile_data import ProfileRow
+    from autoprec.tune._measure._profile_data import ProfileRow
 
     rows = []
     for layer in layers:
@@ -126,7 +126,7 @@ def test_a_profile_of_1600_layers_draws_a_screen_of_rows(tmp_path, laid_out, nam
     heat_maps = [ax for ax in fig.axes if ax.images and ax.get_xticklabels()]
     rows = {ax.images[0].get_array().shape[0] for ax in heat_maps}
     assert max(rows) <= 40, rows  # a screen's
-    from autoprec.tune._plots import PROFILE_ROWS
+    from autoprec.tune._report._plots import PROFILE_ROWS
 
     assert rows == ({6} if names == "roles" else {PROFILE_ROWS}), rows
     assert sum(len(ax.texts) for ax in heat_maps) <= 2 * PROFILE_ROWS * len(ALL_FORMATS)
@@ -156,8 +156,8 @@ def grad_table(layers):
 def test_grad_ranges_of_1200_layers_draw_a_bounded_number_of_lines(tmp_path, laid_out):
     """grad_ranges.png drew two lines for every layer of a 1200-Linear model (issue 37, 10): beyond GREY_LINES
     unnamed layers, the range they span is shaded instead."""
-    from autoprec.tune._gradients import ScaleAdvice
-    from autoprec.tune._plots import LEGEND_LAYERS, plot_grad_ranges
+    from autoprec.tune._measure._gradients import ScaleAdvice
+    from autoprec.tune._report._plots import LEGEND_LAYERS, plot_grad_ranges
 
     layers = blocks(1200)
     advice = ScaleAdvice(low=12, high=20, low_limited_by=(layers[4],), high_limited_by=(layers[7],))
@@ -175,7 +175,7 @@ def sweep_result(drops, speedups):
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._sweeper import BudgetRow, SweepResult
+    from autoprec.tune._search._sweeper import BudgetRow, SweepResult
 
     trials = pd.DataFrame({"trial": range(len(drops)), "metric_drop": drops, "speedup": speedups, "spread": 0.01,
                            "feasible": True})  # fmt: skip
@@ -194,7 +194,7 @@ def sweep_result(drops, speedups):
 
 def test_a_sweep_whose_drops_are_all_0_shows_each_trial_and_says_so(tmp_path, laid_out):
     """Every drop 0: pareto.png stacked every trial in one column at 0, each hiding the last (issue 38, 9)."""
-    from autoprec.tune._plots import plot_pareto
+    from autoprec.tune._report._plots import plot_pareto
 
     plot_pareto(sweep_result([0.0] * 12, [1.0 + k / 20 for k in range(12)]), tmp_path / "pareto.png")
     (fig,) = laid_out
@@ -210,8 +210,8 @@ def test_no_figure_warns_of_its_layout(tmp_path, drawn):
     legend of long layer names. Each figure is laid out to fit what it draws."""
     import warnings
 
-    from autoprec.tune._gradients import ScaleAdvice
-    from autoprec.tune._plots import plot_grad_ranges, plot_pareto
+    from autoprec.tune._measure._gradients import ScaleAdvice
+    from autoprec.tune._report._plots import plot_grad_ranges, plot_pareto
 
     long = [f"model.encoder.layers.{k}.attention.self.query_key_value_projection" for k in range(20)]
     with warnings.catch_warnings(record=True) as caught:
@@ -236,7 +236,7 @@ def heat_maps(fig):
 def test_long_layer_names_that_differ_only_in_their_middle_or_end_stay_apart(tmp_path, laid_out, where):
     """profile.png cut long labels in their middle: ResNet's stages (`...stages.0.layers...`, `...stages.1...`) drew
     as one label. The tick labels drawn stay apart, within NAME_CHARS."""
-    from autoprec.tune._plots import NAME_CHARS
+    from autoprec.tune._report._plots import NAME_CHARS
 
     if where == "middle":
         layers = [f"model.encoder.stages.{k}.layers.0.layer.1.convolution.projection_weight_norm" for k in range(3)]
@@ -254,7 +254,7 @@ def test_long_layer_names_that_differ_only_in_their_middle_or_end_stay_apart(tmp
 def test_cannot_run_and_not_profiled_are_two_marks_with_a_footnote_and_a_predicted_drop_reads_tilde(tmp_path, laid_out):
     """ "n/a" meant both a format that cannot run and a layer the time budget left unprofiled; a predicted drop drew as
     a measured one (the tables write it ~0.01)."""
-    from autoprec.tune._profile_data import NOT_PROFILED
+    from autoprec.tune._measure._profile_data import NOT_PROFILED
 
     table = profile_table(["a", "b", "c"], ["fp32", "bf16", "fp16"], lambda layer, fmt: 0.002)
     changed = {
@@ -278,7 +278,7 @@ def test_cannot_run_and_not_profiled_are_two_marks_with_a_footnote_and_a_predict
 
 
 def test_grad_ranges_says_its_ranges_are_fp16s_under_a_given_title(tmp_path, laid_out):
-    from autoprec.tune._plots import plot_grad_ranges
+    from autoprec.tune._report._plots import plot_grad_ranges
 
     plot_grad_ranges(grad_table(["a", "b"]), None, tmp_path / "g.png", title="resnet18")
     (fig,) = laid_out

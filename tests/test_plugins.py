@@ -1,4 +1,4 @@
-"""autoprec/tune/_plugins.py: `autoprec --plugin MODULE_OR_FILE` and the `autoprec.plugins` entry points register goals,
+"""autoprec/tune/_core/_plugins.py: `autoprec --plugin MODULE_OR_FILE` and the `autoprec.plugins` entry points register goals,
 targets and export targets before the parser is built, so --objective, --target and --to offer them."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import types
 import pytest
 
 from autoprec import Policy
-from autoprec.tune import _plugins as plugins
 from autoprec.tune._cli import main
+from autoprec.tune._core import _plugins as plugins
 
 PLUGIN = """
 from autoprec.tune import Goal, Target, register_goal, register_target
-from autoprec.tune._choose import choose
+from autoprec.tune._decide._choose import choose
 from autoprec.tune.export import ExportTarget, register
 
 

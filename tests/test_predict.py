@@ -1,4 +1,4 @@
-"""The step-time predictor (autoprec/tune/_predict.py): its parts against hand computations, the format families'
+"""The step-time predictor (autoprec/tune/_measure/_predict.py): its parts against hand computations, the format families'
 casts it prices, the targets it plans for (and those the registry refuses), the step traced on the meta device,
 Linear subclasses counted by type, and `autoprec predict`."""
 
@@ -15,11 +15,11 @@ from short_timing import FAST_PROFILE
 
 from autoprec.formats import Format, OperandCast
 from autoprec.policy import ROOT, Policy
-from autoprec.tune import _predict as predictor
-from autoprec.tune._flops import gemm_flops
-from autoprec.tune._predict import LinearShape, Step
-from autoprec.tune._profile_data import Profile, ProfileRow
-from autoprec.tune._targets import B200, GB200, H100, H200, Target, targets
+from autoprec.tune._core._targets import B200, GB200, H100, H200, Target, targets
+from autoprec.tune._decide._flops import gemm_flops
+from autoprec.tune._measure import _predict as predictor
+from autoprec.tune._measure._predict import LinearShape, Step
+from autoprec.tune._measure._profile_data import Profile, ProfileRow
 
 ROOT_DIR = Path(__file__).parents[1]
 GPT2 = ROOT_DIR / "examples" / "gpt2" / "model.py"
@@ -35,7 +35,7 @@ def test_the_targets_are_h100_h200_b200_gb200_each_with_rates_bandwidth_and_a_so
 
 
 def predictor_launch() -> float:
-    from autoprec.tune._targets import LAUNCH_US
+    from autoprec.tune._core._targets import LAUNCH_US
 
     return LAUNCH_US
 
@@ -177,7 +177,7 @@ def test_the_traced_step_counts_linear_subclasses_and_fused_attention_on_the_met
 
 def test_a_profile_counts_a_linear_subclass_by_type_and_an_older_profile_still_reads(tmp_path, write_model):
     from autoprec.tune import load_task, prepare, profile
-    from autoprec.tune._space import space_from_dict
+    from autoprec.tune._core._space import space_from_dict
 
     path = write_model(
         small_task(

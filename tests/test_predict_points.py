@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.tune import _predict as predictor
-from autoprec.tune import _targets
+from autoprec.tune._core import _targets
+from autoprec.tune._measure import _predict as predictor
 
 ROOT = Path(__file__).parents[1]
 spec = importlib.util.spec_from_file_location("predict_points", ROOT / "benchmarks" / "predict_points.py")

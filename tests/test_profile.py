@@ -11,8 +11,8 @@ from short_timing import TINY, fixed_layer_times
 
 from autoprec import Policy
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
-from autoprec.tune._profile_data import COLUMNS, Profile, ProfileRow
-from autoprec.tune._space import space_from_dict
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._measure._profile_data import COLUMNS, Profile, ProfileRow
 
 MODELS = Path(__file__).parent / "models"
 FAST = ProfileConfig(batches=2, timing=TINY)
@@ -160,8 +160,8 @@ def test_a_saved_profile_needs_its_gradient_ranges(prof, tmp_path):
 
 
 def test_the_metric_is_evaluated_only_for_formats_the_profile_has_not_ruled_out(monkeypatch):
-    from autoprec.tune import _profiler as profiler
-    from autoprec.tune._choices import build_choices
+    from autoprec.tune._measure import _profiler as profiler
+    from autoprec.tune._measure._choices import build_choices
 
     calls = []
     real = profiler.metric_of
@@ -188,8 +188,8 @@ def test_the_metric_is_evaluated_only_for_formats_the_profile_has_not_ruled_out(
 def test_numerics_are_measured_for_every_format_however_slow_it_runs_here(monkeypatch, slow):
     """A CPU where a format is slower than fp32 still flags the layer whose fp16 output overflows, and every layer x
     format has its SQNR; speed rules out only what the search offers."""
-    from autoprec.tune import _profiler as profiler
-    from autoprec.tune._choices import build_choices
+    from autoprec.tune._measure import _profiler as profiler
+    from autoprec.tune._measure._choices import build_choices
 
     monkeypatch.setattr(profiler, "_time_layer", fixed_layer_times({"bf16": 0.5, "fp16": 0.5, slow: 300.0}))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -210,8 +210,8 @@ def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found
     SQNR; here all tie, so the first) measured alone and the rest predicted as equal shares; a group over it is
     halved, and the one sensitive layer is measured alone."""
     from autoprec.formats import Format
-    from autoprec.tune import _profiler as profiler
-    from autoprec.tune._cost import Stopwatch
+    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure import _profiler as profiler
 
     drops = {f"l{i}": (0.0001 if i < 4 else 0.0) for i in range(8)}
     drops["l5"] = 0.05
@@ -231,7 +231,7 @@ def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found
 
 def _fake_group_metric(monkeypatch, drops, fails=()):
     """profiler's metric_of as the sum of the lowered layers' `drops` (from 1.0), raising for layers in `fails`."""
-    from autoprec.tune import _profiler as profiler
+    from autoprec.tune._measure import _profiler as profiler
 
     evaluated = []
 
@@ -247,7 +247,7 @@ def _fake_group_metric(monkeypatch, drops, fails=()):
 
 
 def _pending(drops, sqnr=None):
-    from autoprec.tune import _profiler as profiler
+    from autoprec.tune._measure import _profiler as profiler
 
     return [ProfileRow(layer=n, type="Linear", shape="8x8", format="bf16", status="ok", finite=True,
                        metric_source=profiler.PENDING, sqnr_db=(sqnr or {}).get(n, 50.0), grad_sqnr_db=50.0)
@@ -256,8 +256,8 @@ def _pending(drops, sqnr=None):
 
 def test_a_sensitive_layer_whose_drop_others_cancel_is_caught_by_the_lowest_sqnr_probe(monkeypatch):
     from autoprec.formats import Format
-    from autoprec.tune import _profiler as profiler
-    from autoprec.tune._cost import Stopwatch
+    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure import _profiler as profiler
 
     drops = {"a": 0.05, "b": -0.05, "c": 0.0, "d": 0.0}  # together: 0, within any tolerance
     _fake_group_metric(monkeypatch, drops)
@@ -270,8 +270,8 @@ def test_a_sensitive_layer_whose_drop_others_cancel_is_caught_by_the_lowest_sqnr
 
 def test_a_group_that_fails_or_goes_non_finite_is_halved_down_to_the_layer_that_cannot_run(monkeypatch):
     from autoprec.formats import Format
-    from autoprec.tune import _profiler as profiler
-    from autoprec.tune._cost import Stopwatch
+    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure import _profiler as profiler
 
     drops = {"a": 0.0, "b": 0.0, "c": math.nan, "d": 0.0}
     _fake_group_metric(monkeypatch, drops, fails=("a",))
@@ -284,8 +284,8 @@ def test_a_group_that_fails_or_goes_non_finite_is_halved_down_to_the_layer_that_
 def test_a_users_error_in_evaluate_is_raised_at_once_not_halved_through(monkeypatch):
     from autoprec import UserError
     from autoprec.formats import Format
-    from autoprec.tune import _profiler as profiler
-    from autoprec.tune._cost import Stopwatch
+    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure import _profiler as profiler
 
     calls = []
 
@@ -331,8 +331,8 @@ class _Twice(torch.nn.Module):
 def _in_model(workload, name, fmt, batches=2):
     """The brute-force measurement the replay stands in for: the whole model with only `name` in `fmt`, forward and
     backward on the first train batches; the layer's outputs and its weight gradient."""
-    from autoprec.tune._sensitivity import _first_float, _param_grad
-    from autoprec.tune._trainer import policy_model
+    from autoprec.tune._measure._sensitivity import _first_float, _param_grad
+    from autoprec.tune._measure._trainer import policy_model
 
     model = policy_model(workload, Policy(layers={name: fmt})).eval()
     module, outs = dict(model.named_modules())[name], []
@@ -354,8 +354,8 @@ def _task_of(model_fn):
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8"])
 def test_the_layer_replay_gives_the_whole_models_output_and_nearly_its_gradient_sqnr(fmt):
     from autoprec.formats import Format
-    from autoprec.tune._metric import sqnr_db
-    from autoprec.tune._sensitivity import _replay, _run
+    from autoprec.tune._measure._metric import sqnr_db
+    from autoprec.tune._measure._sensitivity import _replay, _run
 
     workload = prepare(_task_of(_Twice), "cpu")
     cap, _ = _run(workload, copy.deepcopy(workload.model), ["fc", "mid", "head"], 2)
@@ -377,7 +377,7 @@ def test_the_layer_replay_gives_the_whole_models_output_and_nearly_its_gradient_
 
 
 def test_a_layer_called_twice_is_measured_in_the_whole_model():
-    from autoprec.tune._metric import sqnr_db
+    from autoprec.tune._measure._metric import sqnr_db
 
     workload = prepare(_task_of(_Twice), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
@@ -407,7 +407,7 @@ class _Recurrent(torch.nn.Module):
 
 def test_the_replay_of_layers_with_several_outputs_is_the_models_own_in_fp32():
     from autoprec.formats import Format
-    from autoprec.tune._sensitivity import _replay, _run
+    from autoprec.tune._measure._sensitivity import _replay, _run
 
     workload = prepare(_task_of(_Recurrent), "cpu")
     cap, _ = _run(workload, copy.deepcopy(workload.model), ["lstm", "attn"], 2)
@@ -433,8 +433,8 @@ class _Siamese(torch.nn.Module):
 
 def test_only_a_layer_fed_its_own_output_leaves_the_replay():
     from autoprec.formats import Format
-    from autoprec.tune._metric import sqnr_db
-    from autoprec.tune._sensitivity import _replay, _run
+    from autoprec.tune._measure._metric import sqnr_db
+    from autoprec.tune._measure._sensitivity import _replay, _run
 
     assert _run(prepare(_task_of(_Twice), "cpu"), _Twice(), ["fc", "mid", "head"], 2)[0].fed_back == {"fc"}
     workload = prepare(_task_of(_Siamese), "cpu")
@@ -448,8 +448,8 @@ def test_only_a_layer_fed_its_own_output_leaves_the_replay():
 
 
 def test_a_layer_that_cannot_run_alone_is_measured_in_the_whole_model(monkeypatch):
-    from autoprec.tune import _profiler as profiler
-    from autoprec.tune._metric import sqnr_db
+    from autoprec.tune._measure import _profiler as profiler
+    from autoprec.tune._measure._metric import sqnr_db
 
     replay = profiler._replay
 
@@ -469,7 +469,7 @@ def test_a_layer_that_cannot_run_alone_is_measured_in_the_whole_model(monkeypatc
 
 
 def test_an_earlier_output_autograd_does_not_track_counts_as_fed_back():
-    from autoprec.tune._sensitivity import _run
+    from autoprec.tune._measure._sensitivity import _run
 
     model = _Siamese()
     model.fc.requires_grad_(False)  # frozen, on data: its outputs carry no graph to search
@@ -528,7 +528,7 @@ def _dgrad_by_hand(workload, fmt):
 
 @pytest.mark.parametrize("fmt", GEMM_FORMATS)
 def test_each_gemms_sqnr_is_measured_against_an_fp32_control(proj_profile, fmt):
-    from autoprec.tune._metric import sqnr_db
+    from autoprec.tune._measure._metric import sqnr_db
 
     workload, table = proj_profile
     r = table[("proj", fmt)]
@@ -561,8 +561,8 @@ class _Residual(torch.nn.Module):
 
 def test_the_whole_models_dgrad_is_the_layers_share_of_its_inputs_gradient():
     from autoprec.formats import Format
-    from autoprec.tune._metric import sqnr_db
-    from autoprec.tune._sensitivity import _in_model_run, _replay, _run
+    from autoprec.tune._measure._metric import sqnr_db
+    from autoprec.tune._measure._sensitivity import _in_model_run, _replay, _run
 
     workload = prepare(_task_of(_Residual), "cpu")
     cap, _ = _run(workload, copy.deepcopy(workload.model), ["mid"], 2)
@@ -581,8 +581,8 @@ def test_the_whole_models_dgrad_is_the_layers_share_of_its_inputs_gradient():
 
 
 def test_a_layer_fed_its_own_output_has_its_dgrad_measured_in_the_whole_model():
-    from autoprec.tune._metric import sqnr_db
-    from autoprec.tune._trainer import policy_model
+    from autoprec.tune._measure._metric import sqnr_db
+    from autoprec.tune._measure._trainer import policy_model
 
     workload = prepare(_task_of(_Twice), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
@@ -601,7 +601,7 @@ def test_a_layer_fed_its_own_output_has_its_dgrad_measured_in_the_whole_model():
 
 
 def test_a_non_finite_input_gradient_makes_the_row_non_finite():
-    from autoprec.tune._sensitivity import _Replay
+    from autoprec.tune._measure._sensitivity import _Replay
 
     out, grad = torch.ones(4), torch.ones(4)
     assert _Replay.of(out, grad, torch.ones(4)).finite
@@ -639,7 +639,7 @@ def test_a_per_gemm_format_keeps_the_breaking_weight_gradient_in_high_precision_
     """proj's wgrad breaks in fp8 and fp8-rowwise, so the profile rules both out for it; fp8-fwd-dgrad and
     fp8-rowwise-fwd-dgrad keep that GEMM in bf16 (as good as the bf16 layer's, within 1 dB) and their fp8 forward
     above 20 dB, and stay offered."""
-    from autoprec.tune._profile_data import ruled_out
+    from autoprec.tune._measure._profile_data import ruled_out
 
     t = keyed(wgrad_table)
     for fmt in ("fp8", "fp8-rowwise"):
@@ -659,7 +659,7 @@ def test_the_weight_gradient_breaks_because_of_the_quiet_samples(tmp_path):
 
 
 def test_which_layer_breaks_names_the_layer_and_its_weight_gradient_first(wgrad_table):
-    from autoprec.tune._report import breaks, breaks_summary
+    from autoprec.tune._report._report import breaks, breaks_summary
 
     found = breaks(wgrad_table)
     assert [(b.layer, b.format, b.gemm) for b in found] == [("proj", "fp8-rowwise", "wgrad"), ("proj", "fp8", "wgrad")]
@@ -674,7 +674,7 @@ def test_measuring_the_input_gradient_in_the_whole_model_leaves_the_layers_compu
     bit; and attn(h, h, h) still gets one tensor three times (attention checks `query is key` for its packed
     self-attention projection), so its input gradient is h's once a call."""
     from autoprec.formats import Format
-    from autoprec.tune._sensitivity import _in_model_run
+    from autoprec.tune._measure._sensitivity import _in_model_run
 
     workload = prepare(_task_of(_Recurrent), "cpu")
     out, grad = _in_model(workload, "attn", "fp32")
@@ -685,7 +685,7 @@ def test_measuring_the_input_gradient_in_the_whole_model_leaves_the_layers_compu
 
 def test_a_layer_step_whose_layer_returns_no_floating_tensor_fails_saying_so():
     from autoprec.formats import Format
-    from autoprec.tune._layer_timing import _layer_step
+    from autoprec.tune._measure._layer_timing import _layer_step
 
     class Argmax(torch.nn.Module):
         def __init__(self):
@@ -718,7 +718,7 @@ def test_a_format_whose_forward_fails_on_a_layer_is_ruled_out_for_it_with_the_er
 
 def test_a_format_whose_layer_step_cannot_even_be_built_is_ruled_out_for_it_with_the_error_as_reason(monkeypatch):
     from autoprec.formats import Format
-    from autoprec.tune import _layer_timing as layer_timing
+    from autoprec.tune._measure import _layer_timing as layer_timing
 
     layer_step = layer_timing._layer_step
 
@@ -737,7 +737,7 @@ def test_a_format_whose_layer_step_cannot_even_be_built_is_ruled_out_for_it_with
 
 
 def test_fp8_is_not_offered_to_a_linear_subclass_that_apply_policy_refuses_it_for():
-    from autoprec.tune._choices import build_choices
+    from autoprec.tune._measure._choices import build_choices
 
     workload = prepare(_task_of(WithLoRA), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16", "fp8"]}, "prune": {"slower_than": 1e9}})
@@ -760,7 +760,7 @@ def test_an_evaluate_that_moves_on_its_own_is_refused_before_it_rules_formats_ou
     (issue 37, 12). The fp32 model is evaluated twice, and a difference is one line naming both values."""
     from autoprec.errors import UserError
     from autoprec.tune import load_task, prepare
-    from autoprec.tune._metric import checked_fp32_metric
+    from autoprec.tune._measure._metric import checked_fp32_metric
 
     noisy = mlp_source + "\n\ndef evaluate(model):\n    return float(torch.rand(()))\n"
     workload = prepare(load_task(write_model(noisy)), "cpu")
@@ -774,9 +774,9 @@ def test_a_profile_past_its_time_budget_share_leaves_the_rest_of_the_layers_in_f
     """`--time-budget 4 --compile` ran 0 of 30 trials: the profile used it all (issue 38, 5). With a deadline the
     layers it does not reach are not profiled, their lowered formats ruled out with that reason, and it says so."""
     from autoprec.tune import load_task, prepare
-    from autoprec.tune._profile_data import ruled_out
-    from autoprec.tune._profiler import profile
-    from autoprec.tune._space import space_from_dict
+    from autoprec.tune._core._space import space_from_dict
+    from autoprec.tune._measure._profile_data import ruled_out
+    from autoprec.tune._measure._profiler import profile
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}})
@@ -796,10 +796,10 @@ def test_a_search_whose_time_budget_the_profile_would_overrun_still_writes_a_pol
 
     from autoprec.errors import UserError
     from autoprec.tune import SearchConfig, load_task, prepare
-    from autoprec.tune._out_dir import load_or_profile
-    from autoprec.tune._profile_data import Profile
-    from autoprec.tune._searcher import search
-    from autoprec.tune._space import space_from_dict
+    from autoprec.tune._core._space import space_from_dict
+    from autoprec.tune._measure._profile_data import Profile
+    from autoprec.tune._search._out_dir import load_or_profile
+    from autoprec.tune._search._searcher import search
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "trials": 4})
@@ -818,7 +818,7 @@ def test_a_search_whose_time_budget_the_profile_would_overrun_still_writes_a_pol
 
 def test_the_profiles_deadline_says_up_front_when_the_layers_will_not_fit(monkeypatch, caplog):
     """Once the first layer's time is known, a profile that would overrun its share says so before it is cut."""
-    from autoprec.tune import _profiler as profiler
+    from autoprec.tune._measure import _profiler as profiler
 
     clock = iter(range(100))
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: float(next(clock)))  # one second a reading
@@ -837,8 +837,8 @@ def test_the_gradient_range_pass_takes_train_batches_only_while_its_share_of_the
     counts from the profile's start and stops once it has spent GRADIENT_SHARE of the profile's share, after one
     batch at least, and says so; without a deadline (or with time left) it takes every batch."""
     from autoprec.tune import load_task, prepare
-    from autoprec.tune._profiler import profile
-    from autoprec.tune._space import space_from_dict
+    from autoprec.tune._core._space import space_from_dict
+    from autoprec.tune._measure._profiler import profile
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")  # 3 train batches of 16 rows
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}})
@@ -861,7 +861,7 @@ def test_the_gradient_range_pass_takes_train_batches_only_while_its_share_of_the
 def test_the_gradient_pass_stops_at_its_share_counted_from_the_profiles_start(monkeypatch):
     from types import SimpleNamespace
 
-    from autoprec.tune import _profiler as profiler
+    from autoprec.tune._measure import _profiler as profiler
 
     clock = iter(range(100))
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: float(next(clock)))  # one second a reading

@@ -9,7 +9,7 @@ from builders import finals, measurement
 
 from autoprec import Policy, load_policy
 from autoprec.files import OtherVersion
-from autoprec.tune._records import FINALS_VERSION, Finals, Measured, Measurement, Result, StudyRef, TrialRecord
+from autoprec.tune._core._records import FINALS_VERSION, Finals, Measured, Measurement, Result, StudyRef, TrialRecord
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -221,8 +221,8 @@ def test_every_committed_studys_trials_read_back_as_records_with_every_measureme
 def test_trials_csv_has_a_column_per_trial_record_field_in_the_order_committed_tables_have():
     import optuna
 
-    from autoprec.tune._choices import LAYER_PARAM, Choices
-    from autoprec.tune._trials import trials_table
+    from autoprec.tune._decide._trials import trials_table
+    from autoprec.tune._measure._choices import LAYER_PARAM, Choices
 
     committed = pd.read_csv(RESULTS / "cpu-epyc-avx2-2core/search-cost/digits/trials.csv", nrows=0).columns.tolist()
     measured = committed[committed.index("metric") : committed.index("reevaluated_from") + 1]

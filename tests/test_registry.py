@@ -42,7 +42,7 @@ def test_a_name_lookups_cannot_find_is_refused_naming_the_value_the_rule_and_the
 
 @pytest.mark.parametrize("name", ["MyGPU", "", "my gpu", " h200"])
 def test_the_target_registry_refuses_such_a_name_too(name):
-    from autoprec.tune._targets import Target, register_target, targets
+    from autoprec.tune._core._targets import Target, register_target, targets
 
     before = targets()
     with pytest.raises(ValueError, match=rf"^target name {name!r} must be lowercase letters"):

@@ -1,4 +1,4 @@
-"""autoprec/tune/_report.py, _show.py and _tables.py: the gradient summary, how a policy is shown (its mode, its layers), tables."""
+"""autoprec/tune/_report/_report.py, _show.py and _tables.py: the gradient summary, how a policy is shown (its mode, its layers), tables."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 from builders import every_format_profile
 
-from autoprec.tune._report import gradient_summary
-from autoprec.tune._show import mode_text
+from autoprec.tune._report._report import gradient_summary
+from autoprec.tune._report._show import mode_text
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -26,7 +26,7 @@ def test_gradient_summary_names_the_range_and_its_limits(prof):
 
 
 def test_mode_text():
-    from autoprec.tune._records import Measured
+    from autoprec.tune._core._records import Measured
 
     assert mode_text(Measured.from_dict({})) == "weights mode"
     train = Measured.from_dict({"mode": "train", "train_steps": 20, "noise_floor": 0.0117})
@@ -36,7 +36,7 @@ def test_mode_text():
 
 def test_a_policy_of_many_layers_shows_one_row_per_role_and_format():
     from autoprec import Policy
-    from autoprec.tune._show import layer_rows
+    from autoprec.tune._report._show import layer_rows
 
     layers = {"": "bf16", **{f"blocks.{i}.q": ("fp32" if i == 3 else "bf16") for i in range(30)}, "head": "fp32"}
     excluded = {f"blocks.{i}.q": {"fp8": f"measured {1.3 + i / 100:.2f}x the layer's fp32 time on this device",
@@ -58,7 +58,7 @@ def test_a_layer_never_lists_the_format_it_runs_in_as_ruled_out():
     """Uniform bf16 chosen as a whole, where the profile measured one layer slower in bf16 alone: the table showed
     that layer as `bf16` with "bf16 2.67x" ruled out (issue 38)."""
     from autoprec import Policy
-    from autoprec.tune._show import LayerTable
+    from autoprec.tune._report._show import LayerTable
 
     slow = "measured 2.67x the layer's fp32 time on this device"
     excluded = {"fc1": {"bf16": slow, "fp8": "measured 3.1x the layer's fp32 time on this device"}}
@@ -68,8 +68,8 @@ def test_a_layer_never_lists_the_format_it_runs_in_as_ruled_out():
 
 def test_the_layer_table_says_each_reason_once_groups_alike_layers_and_fits_120_columns():
     from autoprec import Policy
-    from autoprec.tune._show import LayerTable
-    from autoprec.tune._tables import WIDTH
+    from autoprec.tune._core._tables import WIDTH
+    from autoprec.tune._report._show import LayerTable
 
     layers = {"": "bf16", "fc1": "bf16", "fc2": "bf16", "fc3": "bf16", "head": "bf16"}
     excluded = {
@@ -98,7 +98,7 @@ def test_the_layer_table_says_each_reason_once_groups_alike_layers_and_fits_120_
 def test_a_shared_row_that_counts_its_layers_names_them_under_the_table():
     """The layers table said "and 2 more like it" without naming them."""
     from autoprec import Policy
-    from autoprec.tune._show import LayerTable
+    from autoprec.tune._report._show import LayerTable
 
     names = ["encoder.block.0.attention.query", "encoder.block.1.attention.query", "encoder.block.2.attention.query"]
     table = LayerTable(Policy(layers={"": "fp32", **dict.fromkeys(names, "bf16")}))
@@ -109,7 +109,7 @@ def test_a_shared_row_that_counts_its_layers_names_them_under_the_table():
 
 
 def test_a_text_table_wraps_its_last_column_to_the_width_under_itself():
-    from autoprec.tune._tables import text_table
+    from autoprec.tune._core._tables import text_table
 
     text = text_table(["layer", "reason"], [["fc1", "word " * 60], ["fc2", "short"]], width=60)
     lines = text.splitlines()
@@ -119,7 +119,7 @@ def test_a_text_table_wraps_its_last_column_to_the_width_under_itself():
 
 def test_show_says_what_each_format_in_the_policy_means():
     from autoprec import Policy
-    from autoprec.tune._show import show_policy
+    from autoprec.tune._report._show import show_policy
 
     text = show_policy(Policy(layers={"": "bf16", "fc": "fp8-rowwise"}))
     assert "formats: bf16 = torch.autocast(bfloat16); fp8-rowwise = torchao float8 training, rowwise" in text
@@ -131,8 +131,8 @@ def test_the_summarys_first_line_says_plainly_when_the_answer_is_a_tie_inside_th
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._report import headline
-    from autoprec.tune._show import show_policy
+    from autoprec.tune._report._report import headline
+    from autoprec.tune._report._show import show_policy
 
     rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.7, "feasible": True, "metric_drop": 0.0},
                   {"candidate": "uniform bf16", "speedup": 1.59, "spread": 1.03, "feasible": True, "metric_drop": 0.0})  # fmt: skip
@@ -151,7 +151,7 @@ def test_the_summarys_first_line_says_plainly_when_the_answer_is_a_tie_inside_th
 
 def test_show_speaks_of_the_fp8_backend_only_for_a_policy_that_runs_fp8():
     from autoprec import Policy
-    from autoprec.tune._show import show_policy
+    from autoprec.tune._report._show import show_policy
 
     measured = {"device": "cpu", "fp8": "emulation", "chosen": "uniform bf16"}
     assert "fp8: emulation" not in show_policy(Policy(layers={"": "bf16"}, measured=measured))
@@ -163,7 +163,7 @@ def test_show_speaks_of_the_fp8_backend_only_for_a_policy_that_runs_fp8():
 
 def _gemm_table(rows):
     """A profile's rows of (layer, format, fprop dB, dgrad dB, wgrad dB, finite, overflow, metric drop); fp32 rows added."""
-    from autoprec.tune._profile_data import ProfileRow
+    from autoprec.tune._measure._profile_data import ProfileRow
 
     out = []
     for layer in dict.fromkeys(r[0] for r in rows):
@@ -178,7 +178,7 @@ def _gemm_table(rows):
 
 
 def test_a_profile_where_nothing_breaks_says_so_in_one_line():
-    from autoprec.tune._report import breaks_summary
+    from autoprec.tune._report._report import breaks_summary
 
     table = _gemm_table([("fc1", "bf16", 50.0, 50.0, 50.0, True, False, 0.0), ("fc1", "fp8", 29.0, 24.0, 20.0, True, False, 0.01),
                          ("fc1", "fp16", 69.0, 30.0, 69.0, True, False, 0.0)])  # fmt: skip
@@ -190,8 +190,8 @@ def test_a_profile_where_nothing_breaks_says_so_in_one_line():
 
 
 def test_which_layer_breaks_lists_non_finite_first_then_the_lowest_sqnr_within_the_width():
-    from autoprec.tune._report import breaks, breaks_summary
-    from autoprec.tune._tables import WIDTH
+    from autoprec.tune._core._tables import WIDTH
+    from autoprec.tune._report._report import breaks, breaks_summary
 
     table = _gemm_table([
         ("fc1", "fp8", 28.0, 12.0, 19.9, True, False, 0.001),  # dgrad and wgrad under fp8's 20 dB
@@ -218,7 +218,7 @@ def test_which_layer_breaks_lists_non_finite_first_then_the_lowest_sqnr_within_t
 def test_a_gemm_the_layer_does_not_run_is_not_judged():
     import dataclasses
 
-    from autoprec.tune._report import breaks
+    from autoprec.tune._report._report import breaks
 
     table = _gemm_table([("first", "fp8", 29.0, math.nan, 25.0, False, False, math.nan)])
     table[0] = dataclasses.replace(table[0], dgrad_sqnr_db=math.nan)  # its fp32 row, on data: no gradient into its inputs
@@ -229,7 +229,7 @@ def test_a_compact_table_keeps_each_formats_reasons_apart_and_says_each_once():
     """30 layers of one role whose reasons differ only in numbers share a row; one format's reason never lands under
     another's, and the legend has one line per reason, its numbers as ranges."""
     from autoprec import Policy
-    from autoprec.tune._show import LayerTable
+    from autoprec.tune._report._show import LayerTable
 
     layers = {"": "bf16", **{f"blocks.{i}.fc": "bf16" for i in range(30)}}
     excluded = {
@@ -250,7 +250,7 @@ def test_a_tie_among_equally_safe_searched_policies_is_not_called_the_safer_one(
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._report import headline
+    from autoprec.tune._report._report import headline
 
     rows = finals(
         {"candidate": "trial 3", "speedup": 1.50, "spread": 0.04}, {"candidate": "trial 5", "speedup": 1.48, "spread": 0.04}
@@ -271,8 +271,8 @@ def test_a_tie_that_fp32_wins_says_no_gain_and_why_fp32():
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._choose import choose
-    from autoprec.tune._report import headline
+    from autoprec.tune._decide._choose import choose
+    from autoprec.tune._report._report import headline
 
     candidates = {"fp32": Policy(layers={"": "fp32", "a": "fp32"}), "uniform bf16": Policy(layers={"": "bf16", "a": "bf16"})}
     rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.6, "feasible": True, "metric_drop": 0.0},
@@ -293,8 +293,8 @@ def test_a_sweeps_table_says_the_tie_its_policy_file_records():
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._report import sweep_summary
-    from autoprec.tune._sweeper import BudgetRow
+    from autoprec.tune._report._report import sweep_summary
+    from autoprec.tune._search._sweeper import BudgetRow
 
     rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 1.1}, {"candidate": "uniform bf16", "speedup": 1.22, "spread": 1.1},
                   {"candidate": "profile greedy 0.01", "speedup": 1.75, "spread": 0.9},
@@ -322,7 +322,7 @@ def test_a_sweeps_table_says_the_tie_its_policy_file_records():
 
 def test_a_markdown_table_keeps_each_row_on_its_line():
     """A recorded value with a line break or a `|` ended its row or split its cell in summary.md (issue 37, 15)."""
-    from autoprec.tune._tables import markdown_table
+    from autoprec.tune._core._tables import markdown_table
 
     text = markdown_table(["name", "error"], [["trial 3", "boom\nTraceback | <b>line</b>\r\n`x`"]])
     assert text.splitlines() == [
@@ -341,8 +341,8 @@ def test_a_sweeps_tables_never_break_a_policy_file_name():
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._report import sweep_summary
-    from autoprec.tune._sweeper import BudgetRow
+    from autoprec.tune._report._report import sweep_summary
+    from autoprec.tune._search._sweeper import BudgetRow
 
     rows = finals(
         {"candidate": "fp32", "speedup": 1.0, "spread": 0.02}, {"candidate": "uniform bf16", "speedup": 1.2, "spread": 0.02}

@@ -16,15 +16,15 @@ from timings import FASTER, FormatClock, using
 
 from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, load_policy
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune._budget import Budgets
-from autoprec.tune._choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
-from autoprec.tune._config import Mode
-from autoprec.tune._gradients import LayerGradients, scale_table
-from autoprec.tune._metric import NoiseFloor, metric_of
-from autoprec.tune._objective import INFEASIBLE, over_budget
-from autoprec.tune._profile_data import Profile, ProfileRow
-from autoprec.tune._searcher import search
-from autoprec.tune._space import space_from_dict
+from autoprec.tune._core._budget import Budgets
+from autoprec.tune._core._config import Mode
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._measure._choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
+from autoprec.tune._measure._gradients import LayerGradients, scale_table
+from autoprec.tune._measure._metric import NoiseFloor, metric_of
+from autoprec.tune._measure._profile_data import Profile, ProfileRow
+from autoprec.tune._search._objective import INFEASIBLE, over_budget
+from autoprec.tune._search._searcher import search
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "trials": 6})
@@ -321,7 +321,7 @@ def test_resuming_in_another_mode_is_refused(trained):
 
 def test_a_budget_below_the_noise_floor_warns(trained, caplog, monkeypatch):
     workload, result, out = trained
-    module = sys.modules["autoprec.tune._objective"]
+    module = sys.modules["autoprec.tune._search._objective"]
     monkeypatch.setattr(module, "noise_floor", lambda *a, **k: NoiseFloor(10, (0.5, 0.6), 0.5))
     search(workload, FP16_SPACE, SearchConfig(budget=0.01, **{**TRAIN, "trials": 1}, study_name="low"), out)
     assert "budget 0.01 is below the noise floor 0.1" in caplog.text
@@ -335,7 +335,7 @@ def test_a_finished_train_mode_study_whose_result_stands_measures_no_noise_floor
     def measured_again(*args, **kwargs):
         raise AssertionError("the noise floor was measured again")
 
-    monkeypatch.setattr(sys.modules["autoprec.tune._objective"], "noise_floor", measured_again)
+    monkeypatch.setattr(sys.modules["autoprec.tune._search._objective"], "noise_floor", measured_again)
     again = search(workload, FP16_SPACE, SearchConfig(budget=0.02, **{**TRAIN, "trials": 2}), tmp_path)
     assert again.noise == result.noise and again.policy.measured["noise"] == result.policy.measured["noise"]
     for edited in ({"train_steps": 10, "fp32_metrics_by_seed": "12", "fp32_seed0_repeat": 1.0},
@@ -387,7 +387,7 @@ def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_se
     # A model that cannot train under autocast (it evaluates fine): the bf16 candidate fails to step,
     # and that trial is infeasible with the reason, while the search goes on.
     workload = prepare(load_task(picky_model(tmp_path)), "cpu")
-    from autoprec.tune._objective import Judge, Objective
+    from autoprec.tune._search._objective import Judge, Objective
 
     prof_space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32"]}})
     choices = build_choices(fake_profile([("fc1", "fp32", 0, 1.0, True, False)]), prof_space, 0.05, torch.device("cpu"))
@@ -413,8 +413,8 @@ def test_the_objective_judges_a_trial_against_the_resolved_budget_not_the_config
     so a trial dropping 0.06 is infeasible (and not timed), though 0.06 is below the 0.1 the config holds as given."""
     import optuna
 
-    from autoprec.tune._budget import resolve_budgets
-    from autoprec.tune._objective import Judge, Objective
+    from autoprec.tune._core._budget import resolve_budgets
+    from autoprec.tune._search._objective import Judge, Objective
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget="10%", **FAST)
@@ -436,7 +436,7 @@ def test_the_objective_judges_a_trial_against_the_resolved_budget_not_the_config
 def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finalists_or_settle(objectives):
     import optuna
 
-    from autoprec.tune._objective import Judge, Objective
+    from autoprec.tune._search._objective import Judge, Objective
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})
@@ -477,8 +477,8 @@ def test_a_trials_timing_stops_early_when_its_rounds_place_it_against_the_finali
 def test_the_eager_fp32_baseline_is_warmed_up_in_full_once_then_with_one_call(monkeypatch):
     import optuna
 
-    from autoprec.tune import _objective as study_module
-    from autoprec.tune._objective import Judge, Objective
+    from autoprec.tune._search import _objective as study_module
+    from autoprec.tune._search._objective import Judge, Objective
 
     real, seen = study_module.interleaved_times, []
 
@@ -541,8 +541,8 @@ def test_an_alternative_that_cannot_train_is_a_row_with_its_error_not_a_crash(tm
     row = result.finals.by_name("uniform bf16")
     assert not row.runs and "no autocast here" in row.error
     assert "no autocast here" in result.policy.measured["results"]["uniform bf16"]["error"]
-    from autoprec.tune._report import search_summary
-    from autoprec.tune._show import show_policy
+    from autoprec.tune._report._report import search_summary
+    from autoprec.tune._report._show import show_policy
 
     assert "uniform bf16 failed: RuntimeError: no autocast here" in search_summary(result)
     assert "uniform bf16 failed: RuntimeError: no autocast here" in show_policy(result.policy)
@@ -566,7 +566,7 @@ def test_a_journal_with_a_torn_last_line_keeps_every_complete_trial_and_says_wha
 def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
     import dataclasses
 
-    from autoprec.tune._report import search_summary
+    from autoprec.tune._report._report import search_summary
 
     _, result, _ = searched
     quiet = dataclasses.replace(result, finals=result.finals.replace(spread=0.01))
@@ -582,9 +582,9 @@ def test_the_summary_names_a_host_bound_step_by_the_devices_busy_time_and_a_fast
 
     from builders import measurement
 
-    from autoprec.tune._names import BF16_GRAPHS
-    from autoprec.tune._records import Finals
-    from autoprec.tune._report import search_summary
+    from autoprec.tune._core._names import BF16_GRAPHS
+    from autoprec.tune._core._records import Finals
+    from autoprec.tune._report._report import search_summary
 
     _, result, _ = searched
     rows = [
@@ -606,10 +606,10 @@ def test_cuda_graphs_add_uniform_bf16_under_them_to_the_remeasure_never_chosen_a
     bf16 compiled with mode="reduce-overhead" beside the policies, and the choice never takes it; asked for on a
     finished study that did not measure it, the finalists are measured again rather than the earlier result kept."""
     from autoprec import devices
-    from autoprec.tune._names import BF16_GRAPHS
+    from autoprec.tune._core._names import BF16_GRAPHS
 
     modes = []
-    monkeypatch.setattr("autoprec.tune._trainer.compile_model", lambda model, mode=None: modes.append(mode) or model)
+    monkeypatch.setattr("autoprec.tune._measure._trainer.compile_model", lambda model, mode=None: modes.append(mode) or model)
     monkeypatch.setattr(devices.lookup("cpu"), "cuda_graphs", True)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     fast = {**FAST, "trials": 2, "compile": True}
@@ -638,7 +638,7 @@ def test_every_re_measured_candidate_and_timed_trial_records_its_peak_memory(sea
 
 @pytest.fixture
 def fake_memory(monkeypatch):
-    from autoprec.tune._trainer import Trainer
+    from autoprec.tune._measure._trainer import Trainer
 
     monkeypatch.setattr(Trainer, "peak_memory", made_up_peak)
 
@@ -710,8 +710,8 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
     of the tie it was chosen in (its own where none)."""
     import copy
 
-    from autoprec.tune._names import BF16, FP32
-    from autoprec.tune._separation import separated
+    from autoprec.tune._core._names import BF16, FP32
+    from autoprec.tune._measure._separation import separated
 
     clock = timings("faster", noise=0.8, seed=seed)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -737,10 +737,10 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
 def test_on_a_noisy_device_a_trial_is_timed_the_fewest_rounds_an_interquartile_spread_needs():
     import optuna
 
-    from autoprec.tune._config import NOISE_ROUNDS, NOISY_SPREAD
-    from autoprec.tune._objective import Judge, Objective
-    from autoprec.tune._timing import noisiest
-    from autoprec.tune._trials import device_noise
+    from autoprec.tune._core._config import NOISE_ROUNDS, NOISY_SPREAD
+    from autoprec.tune._decide._trials import device_noise
+    from autoprec.tune._measure._timing import noisiest
+    from autoprec.tune._search._objective import Judge, Objective
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     config = SearchConfig(budget=0.05, **{**FAST, "finalists": 2})
@@ -808,7 +808,7 @@ class _Recurrent(torch.nn.Module):
 
 @pytest.mark.slow
 def test_an_lstm_a_gru_and_a_batchnorm_search_to_a_policy_in_the_default_space(tmp_path):
-    from autoprec.tune._space import load_space
+    from autoprec.tune._core._space import load_space
 
     workload = prepare(_seq_task(_Recurrent(), (8, 3, 8)), "cpu")
     space = dataclasses.replace(load_space(), trials=4)

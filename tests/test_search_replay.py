@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from autoprec import Policy, apply_policy
-from autoprec.tune import _pipeline as pipeline
-from autoprec.tune import _timing as timing
-from autoprec.tune._trainer import Trainer
+from autoprec.tune._measure import _timing as timing
+from autoprec.tune._measure._trainer import Trainer
+from autoprec.tune._search import _pipeline as pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,9 +1,9 @@
-"""The three noise rules (autoprec/tune/_separation.py): each tells one speedup from another at its own mark."""
+"""The three noise rules (autoprec/tune/_measure/_separation.py): each tells one speedup from another at its own mark."""
 
 import types
 
-from autoprec.tune._config import SETTLED
-from autoprec.tune._separation import beaten, may_beat, separated
+from autoprec.tune._core._config import SETTLED
+from autoprec.tune._measure._separation import beaten, may_beat, separated
 
 
 def rated(speedup, spread):

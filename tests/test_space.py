@@ -1,4 +1,4 @@
-"""autoprec/tune/_space.py: the search-space YAML, its errors, and which modules are tunable layers."""
+"""autoprec/tune/_core/_space.py: the search-space YAML, its errors, and which modules are tunable layers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from autoprec.errors import UserError
 from autoprec.formats import Format
 from autoprec.tune._cli import build_parser
-from autoprec.tune._space import LossScaleRange, SearchSpace, load_space, space_from_dict
+from autoprec.tune._core._space import LossScaleRange, SearchSpace, load_space, space_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "search_spaces").glob("*.y*ml"))
@@ -179,7 +179,7 @@ NO_FALLBACK = {
 
 @pytest.mark.parametrize("case", list(NO_FALLBACK))
 def test_a_list_without_fp32_loads_and_a_measured_goal_refuses_it_naming_the_list(tmp_path, case):
-    from autoprec.tune._goals import MEMORY, SPEED
+    from autoprec.tune._decide._goals import MEMORY, SPEED
 
     text, said = NO_FALLBACK[case]
     path = write_space(tmp_path, text)
@@ -191,7 +191,7 @@ def test_a_list_without_fp32_loads_and_a_measured_goal_refuses_it_naming_the_lis
 
 
 def test_the_flop_goal_takes_bf16_as_a_lists_fallback_and_names_the_fix_where_neither_is_there(tmp_path):
-    from autoprec.tune._flops import FLOPS
+    from autoprec.tune._decide._flops import FLOPS
 
     space = load_space(write_space(tmp_path, "layers: {Linear: [bf16, mxfp8, nvfp4]}\ndefault: [bf16]\n"))
     space.check_fallbacks(FLOPS)
@@ -272,7 +272,7 @@ def test_shipped_space_starts_with_its_command_and_loads(path):
 def test_a_class_by_import_path_matches_where_it_is_defined_or_re_exported_and_subclasses_too():
     from torch import nn
 
-    from autoprec.tune._space import is_instance
+    from autoprec.tune._core._space import is_instance
 
     class Custom(nn.Linear):  # a subclass of a listed class is that type
         pass
@@ -332,7 +332,7 @@ def billion_laughs(levels: int = 9) -> str:
 
 @pytest.mark.parametrize("levels", [6, 9])
 def test_a_yaml_alias_bomb_is_one_line_before_anything_is_built(tmp_path, monkeypatch, levels):
-    import autoprec.tune._space as space_module
+    import autoprec.tune._core._space as space_module
 
     def built(*args, **kwargs):
         raise AssertionError("a space was built from the bomb")  # before: every walk over it took gigabytes and hours

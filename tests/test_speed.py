@@ -11,15 +11,15 @@ from test_search import fake_profile
 from autoprec import Policy
 from autoprec.formats import Format
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune._budget import Budgets
-from autoprec.tune._choices import build_choices, policy_from_params
-from autoprec.tune._config import MARGIN, MIN_FIT, NOISE_ROUNDS, NOISY_SPREAD
-from autoprec.tune._objective import Judge, Objective
-from autoprec.tune._profile_data import ProfileRow
-from autoprec.tune._space import space_from_dict
-from autoprec.tune._speed import ALL, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
-from autoprec.tune._trials import device_noise, first_of_run
-from autoprec.tune._trials import finalist_mark as _finalist_mark
+from autoprec.tune._core._budget import Budgets
+from autoprec.tune._core._config import MARGIN, MIN_FIT, NOISE_ROUNDS, NOISY_SPREAD
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._decide._trials import device_noise, first_of_run
+from autoprec.tune._decide._trials import finalist_mark as _finalist_mark
+from autoprec.tune._measure._choices import build_choices, policy_from_params
+from autoprec.tune._measure._profile_data import ProfileRow
+from autoprec.tune._measure._speed import ALL, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
+from autoprec.tune._search._objective import Judge, Objective
 
 MODELS = Path(__file__).parent / "models"
 
@@ -318,7 +318,7 @@ def test_a_root_format_is_counted_apart_from_the_same_format_in_layers():
 
 
 def test_a_search_stops_once_its_fit_says_no_untried_policy_can_win(monkeypatch):
-    from autoprec.tune._objective import run_trials
+    from autoprec.tune._search._objective import run_trials
 
     study, choices, times, timed = _searched(monkeypatch, trials=0)  # its fake timing, and a study with no trial yet
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -340,7 +340,7 @@ def test_a_time_budget_must_be_positive_seconds():
 
 
 def test_past_its_deadline_a_search_runs_no_more_trials(monkeypatch):
-    from autoprec.tune._objective import run_trials
+    from autoprec.tune._search._objective import run_trials
 
     study, choices, times, timed = _searched(monkeypatch, trials=0)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -354,7 +354,7 @@ def test_past_its_deadline_a_search_runs_no_more_trials(monkeypatch):
 
 
 def test_on_a_noisy_device_the_search_stops_once_its_noise_is_read(monkeypatch):
-    from autoprec.tune._objective import run_trials
+    from autoprec.tune._search._objective import run_trials
 
     def search(spread, study=None, trials=40, **config):
         new, choices, times, timed = _searched(monkeypatch, trials=0, rounds=NOISE_ROUNDS, spread=spread)
@@ -462,7 +462,7 @@ def test_where_lowering_under_an_fp32_root_costs_what_it_saves_under_a_lowered_o
 
 def test_the_progress_bars_best_speedup_is_a_timed_trials_never_a_prediction(monkeypatch):
     """The bar showed 1.93x where no re-measured candidate reached 1.54x (issue 38): a prediction is not a timing."""
-    from autoprec.tune._trials import best_speedup
+    from autoprec.tune._decide._trials import best_speedup
 
     study, *_ = _searched(monkeypatch)
     untimed = next(t for t in study.trials if "untimed" in t.user_attrs)

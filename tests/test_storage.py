@@ -1,4 +1,4 @@
-"""autoprec/tune/_storage.py: opening --storage. A file that is not an Optuna journal is refused with its bytes unchanged;
+"""autoprec/tune/_search/_storage.py: opening --storage. A file that is not an Optuna journal is refused with its bytes unchanged;
 a journal's torn last line is the only thing ever cut, and every record Optuna wrote before it stays."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import optuna
 import pytest
 
 from autoprec import UserError
-from autoprec.tune._config import SearchConfig
-from autoprec.tune._storage import check_storage, study_storage
+from autoprec.tune._core._config import SearchConfig
+from autoprec.tune._search._storage import check_storage, study_storage
 
 
 def config(path: Path | str) -> SearchConfig:
@@ -229,7 +229,7 @@ def test_a_valid_record_line_is_accepted_as_optuna_writes_it(tmp_path):
 
 def test_a_journal_nested_deeper_than_python_reads_is_refused_in_one_line_unchanged(tmp_path):
     from autoprec.tune import SearchConfig
-    from autoprec.tune._storage import check_storage
+    from autoprec.tune._search._storage import check_storage
 
     path = tmp_path / "study.journal"
     path.write_text("[" * 5000 + "\n", encoding="utf-8")
@@ -245,9 +245,9 @@ def test_a_journal_nested_deeper_than_python_reads_is_refused_in_one_line_unchan
 def open_overflow_study(out: Path, **settings):
     """open_study on a tiny model (no profile needed: the choices are given), as the pipeline calls it."""
     from autoprec.tune import load_task, prepare
-    from autoprec.tune._choices import Choices
-    from autoprec.tune._space import space_from_dict
-    from autoprec.tune._storage import open_study
+    from autoprec.tune._core._space import space_from_dict
+    from autoprec.tune._measure._choices import Choices
+    from autoprec.tune._search._storage import open_study
 
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
@@ -258,7 +258,7 @@ def open_overflow_study(out: Path, **settings):
 def test_a_study_from_before_the_weights_digest_is_refused_as_an_older_autoprecs(tmp_path, monkeypatch):
     """It recorded no weights: "a different model weights (None, now ...)" would tell a user who changed nothing
     that they had."""
-    from autoprec.tune import _storage as study
+    from autoprec.tune._search import _storage as study
 
     real = study._study_key
     with monkeypatch.context() as older:
@@ -269,7 +269,7 @@ def test_a_study_from_before_the_weights_digest_is_refused_as_an_older_autoprecs
 
 
 def test_a_study_another_version_made_is_refused_in_one_line_naming_the_journal_and_what_to_do(tmp_path, monkeypatch):
-    from autoprec.tune import _storage as study
+    from autoprec.tune._search import _storage as study
 
     with monkeypatch.context() as other:
         other.setattr(study, "STUDY_VERSION", study.STUDY_VERSION + 1)
@@ -326,7 +326,7 @@ def test_a_database_url_whose_driver_is_missing_names_the_driver_sqlalchemy_reso
 def test_a_url_naming_a_missing_driver_with_none_other_installed_says_to_install_it(tmp_path, monkeypatch):
     import importlib
 
-    storage_module = importlib.import_module("autoprec.tune._storage")
+    storage_module = importlib.import_module("autoprec.tune._search._storage")
     from sqlalchemy.dialects.postgresql import pg8000
 
     monkeypatch.setattr(pg8000.dialect, "import_dbapi", _no_module("pg8000"))

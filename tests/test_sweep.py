@@ -11,10 +11,10 @@ from short_timing import FAST_PROFILE, TINY
 
 from autoprec import Policy, apply_policy, load_policy
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune._choose import choose_per_budget
-from autoprec.tune._metric import metric_of
-from autoprec.tune._space import space_from_dict
-from autoprec.tune._sweeper import pareto_front, policy_filename, sweep
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._decide._choose import choose_per_budget
+from autoprec.tune._measure._metric import metric_of
+from autoprec.tune._search._sweeper import pareto_front, policy_filename, sweep
 
 MODELS = Path(__file__).parent / "models"
 BUDGETS = (0.0, 0.01, 0.5)
@@ -174,7 +174,7 @@ def test_a_sweep_refuses_a_config_budget_beside_its_own_budgets(budget, tmp_path
 def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_brute_force(seed):
     import random
 
-    from autoprec.tune._goals import MEMORY
+    from autoprec.tune._decide._goals import MEMORY
 
     rng = random.Random(seed)
     rows = [{"trial": i, "feasible": rng.random() < 0.9, "speedup": rng.choice([1.0, 1.5]), "peak_bytes": rng.choice([100, 200, 300]),
@@ -193,7 +193,7 @@ def test_a_memory_front_keeps_what_no_trial_beats_on_smaller_peak_and_drop_by_br
 
 @pytest.mark.slow
 def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of_peak_and_drop(tmp_path, monkeypatch):
-    from autoprec.tune._trainer import Trainer
+    from autoprec.tune._measure._trainer import Trainer
 
     monkeypatch.setattr(Trainer, "peak_memory", made_up_peak)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -212,7 +212,7 @@ def test_a_memory_sweep_chooses_per_budget_the_smallest_peak_and_its_front_is_of
 
 
 def test_in_a_memory_sweep_a_peak_within_the_tie_of_the_smaller_budgets_pick_is_no_worse():
-    from autoprec.tune._goals import MEMORY
+    from autoprec.tune._decide._goals import MEMORY
 
     candidates = {n: Policy(layers={"a": f}) for n, f in (("fp32", "fp32"), ("x", "bf16"), ("y", "fp16"))}
     rows = [
@@ -237,7 +237,7 @@ def test_a_tie_inside_the_noise_is_said_per_budget_as_its_policy_file_records_it
     """Beside a CPU hog (step times x exp(N(0, 0.8)), spreads of ±30-90%) uniform bf16 and a searched policy are not
     told apart. The sweep's table showed the chosen one's speedup beside the other's with no word of the tie its
     policy file recorded (measured.not_separated); each budget's row and line now say it, from that record."""
-    from autoprec.tune._names import BF16
+    from autoprec.tune._core._names import BF16
 
     timings("faster", noise=0.8, seed=0)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -271,9 +271,9 @@ def test_a_sweep_reuses_the_searchs_profile_where_it_serves_and_never_writes_ove
     """A sweep into a search's folder re-profiled and wrote over its profile.csv, heat maps and gradient ranges, though
     the profile is shared: now, where the saved one serves the sweep, nothing is measured or written again; where it
     does not (a smaller budget needs finer drops), the sweep's own goes beside it, in sweep_profile/."""
-    from autoprec.tune import _out_dir as out_dir
     from autoprec.tune._api import search_and_report, sweep_and_report
-    from autoprec.tune._out_dir import PROFILE_FILES, SWEEP_PROFILE
+    from autoprec.tune._search import _out_dir as out_dir
+    from autoprec.tune._search._out_dir import PROFILE_FILES, SWEEP_PROFILE
 
     timings("faster")  # lowered formats pay, so drops are predicted from groups (ruled out for speed, none would be)
     profiled = []

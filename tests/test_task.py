@@ -1,4 +1,4 @@
-"""autoprec/tune/_task.py: loading a model.py, the protocol checks and their messages, batch-to-device."""
+"""autoprec/tune/_measure/_task.py: loading a model.py, the protocol checks and their messages, batch-to-device."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 from autoprec.errors import UserError
 from autoprec.tensors import map_tensors
-from autoprec.tune._metric import workload_fp32_metric
-from autoprec.tune._task import load_task, prepare, to_device
+from autoprec.tune._measure._metric import workload_fp32_metric
+from autoprec.tune._measure._task import load_task, prepare, to_device
 
 
 def user_error(fn, *args) -> str:
@@ -371,7 +371,7 @@ def evaluate(model):
 def test_the_recorded_fp32_metric_is_the_users_own_evaluation_of_build_model(write_model):
     """A BatchNorm model: prepare's check of the loss ran a train-mode pass, which moved the running statistics, so
     the fp32 metric the budget is measured from was not evaluate(build_model())'s (issue 38, a U-Net)."""
-    from autoprec.tune._metric import checked_fp32_metric
+    from autoprec.tune._measure._metric import checked_fp32_metric
 
     task = load_task(write_model(BATCHNORM_SOURCE))
     workload = prepare(task, "cpu")

@@ -1,4 +1,4 @@
-"""Step times: the clock, interleaved rounds, their spread and the noise helpers (autoprec/tune/_timing.py)."""
+"""Step times: the clock, interleaved rounds, their spread and the noise helpers (autoprec/tune/_measure/_timing.py)."""
 
 import gc
 
@@ -6,9 +6,9 @@ import pytest
 import timings
 import torch
 
-from autoprec.tune import _timing as timing
-from autoprec.tune._config import MIN_STEPS_PER_SAMPLE, TimingConfig
-from autoprec.tune._timing import Timing, interleaved_times, probe_times
+from autoprec.tune._core._config import MIN_STEPS_PER_SAMPLE, TimingConfig
+from autoprec.tune._measure import _timing as timing
+from autoprec.tune._measure._timing import Timing, interleaved_times, probe_times
 
 
 def test_interleaved_times_rotates_and_counts_rounds():
@@ -35,7 +35,7 @@ def test_warmup_counts_every_call_before_the_rounds_and_the_last_one_sizes_the_b
 
 
 def test_a_sequential_test_stops_the_rounds_once_enough_but_never_before_min_rounds():
-    from autoprec.tune._config import MIN_ROUNDS
+    from autoprec.tune._core._config import MIN_ROUNDS
 
     work = {"a": lambda: None, "b": lambda: None}
     config = TimingConfig(warmup=0, rounds=9, min_block_s=0.0, warmup_s=0.0, min_steps=1)
@@ -74,8 +74,8 @@ def test_more_rounds_are_pooled_with_the_first_on_the_same_warm_callables_and_ke
 
 
 def test_more_rounds_only_when_a_spread_is_too_wide_to_rank(caplog):
-    from autoprec.tune._config import NOISY_SPREAD
-    from autoprec.tune._timing import more_if_noisy, noisiest
+    from autoprec.tune._core._config import NOISY_SPREAD
+    from autoprec.tune._measure._timing import more_if_noisy, noisiest
 
     calm = {"a": [10.0, 10.2, 9.9, 10.1, 10.0], "b": [20.0, 20.5, 19.8, 20.1, 20.0]}
     loud = dict(calm, b=[20.0, 35.0, 12.0, 28.0, 20.0])
@@ -100,8 +100,8 @@ def test_a_sequential_test_may_stop_the_extra_rounds_too():
 
 
 def test_the_final_remeasure_is_settled_once_every_candidates_rounds_agree_and_not_before_five():
-    from autoprec.tune._config import SETTLED_FINAL_ROUNDS
-    from autoprec.tune._timing import all_settled
+    from autoprec.tune._core._config import SETTLED_FINAL_ROUNDS
+    from autoprec.tune._measure._timing import all_settled
 
     tight = [10.0, 10.1, 9.9, 10.05, 10.0]
     assert all_settled({"a": tight, "b": [20.0, 20.1, 19.9, 20.0, 20.2]})
@@ -261,7 +261,7 @@ class Priced:
 def test_a_60_ms_step_is_sampled_over_at_least_eight_steps_and_the_final_remeasure_over_a_quarter_second(monkeypatch):
     """The first GPU run's final re-measure sampled one 56 ms fp32 step at a time (block sized from the slowest), so
     uniform bf16 beside it spread ±10%: every sample now averages MIN_STEPS_PER_SAMPLE steps or more."""
-    from autoprec.tune._config import SearchConfig
+    from autoprec.tune._core._config import SearchConfig
 
     final = SearchConfig(budget=0.01).final_timing
     for config in (TimingConfig(), final):
@@ -288,7 +288,7 @@ def test_the_collector_is_frozen_after_the_warm_up_and_off_inside_every_timed_bl
 def test_a_call_that_compiles_is_never_a_timed_one(monkeypatch):
     """torch.compile compiles a function again on its second value of an int (then treats it as dynamic): warm-up
     goes on past the configured calls while a call still compiles, so no timed block holds a compilation."""
-    from autoprec.tune._timing import compiled_graphs
+    from autoprec.tune._measure._timing import compiled_graphs
 
     @torch.compile(backend="eager")
     def scale(x, n):
@@ -319,9 +319,9 @@ def test_a_spread_is_written_as_stored_in_the_tables_the_first_line_and_the_warn
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._report import headline
-    from autoprec.tune._show import show_policy
-    from autoprec.tune._timing import more_if_noisy, spread_text
+    from autoprec.tune._measure._timing import more_if_noisy, spread_text
+    from autoprec.tune._report._report import headline
+    from autoprec.tune._report._show import show_policy
 
     assert spread_text(5.12) == "512.0%" and spread_text(0.04) == "4.0%" and spread_text(None) == spread_text(float("nan")) == "-"
     measured = {"chosen": "uniform bf16", "budget": 0.01, "not_separated": ["trial 3"],

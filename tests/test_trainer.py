@@ -1,4 +1,4 @@
-"""One candidate's training steps: the Trainer, its GradScaler, compiled steps and their timing (autoprec/tune/_trainer.py)."""
+"""One candidate's training steps: the Trainer, its GradScaler, compiled steps and their timing (autoprec/tune/_measure/_trainer.py)."""
 
 import math
 from pathlib import Path
@@ -8,8 +8,8 @@ import torch
 
 from autoprec import LossScale, Policy
 from autoprec.tune import load_task, prepare
-from autoprec.tune._config import TimingConfig
-from autoprec.tune._trainer import Trainer, measure_steps
+from autoprec.tune._core._config import TimingConfig
+from autoprec.tune._measure._trainer import Trainer, measure_steps
 
 MODELS = Path(__file__).parent / "models"
 FAST = TimingConfig(warmup=1, rounds=3, min_block_s=0.0, warmup_s=0.0, min_steps=1)
@@ -106,7 +106,7 @@ def test_without_fp16_nothing_is_skipped(workload):
 
 
 def test_a_candidate_whose_step_fails_is_reported_and_the_others_are_timed(workload):
-    from autoprec.tune._trainer import measure_steps_or_fail
+    from autoprec.tune._measure._trainer import measure_steps_or_fail
 
     # head is Linear(64, 4): mxfp8's dgrad needs out_features in blocks of 32
     stats, failed = measure_steps_or_fail(workload, {"fp32": Policy(), "bad": Policy(layers={"head": "mxfp8"})}, FAST)
@@ -115,7 +115,7 @@ def test_a_candidate_whose_step_fails_is_reported_and_the_others_are_timed(workl
 
 
 def test_matmul_precision_sets_strict_or_tf32_on_cuda_and_restores_the_callers_settings(no_gpu_contract):
-    from autoprec.tune._trainer import matmul_precision
+    from autoprec.tune._measure._trainer import matmul_precision
 
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
@@ -135,7 +135,7 @@ def test_matmul_precision_set_through_torchs_new_api_is_saved_set_and_restored_t
     """A model.py that sets `torch.backends.cuda.matmul.fp32_precision = "tf32"` (torch's API since 2.9): torch's
     legacy getter then raises, and every CUDA step used to fail on it."""
     from autoprec.devices import float32_matmul_precision
-    from autoprec.tune._trainer import matmul_precision
+    from autoprec.tune._measure._trainer import matmul_precision
 
     legacy = torch.get_float32_matmul_precision()
     matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
@@ -159,9 +159,9 @@ def test_matmul_precision_set_through_torchs_new_api_is_saved_set_and_restored_t
 def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monkeypatch, write_model, mlp_source):
     """Batches of 8, 8 and 5 rows: under torch.compile the 5-row batch compiles a graph of its own, which inside a
     timed round would be counted as step time; it is taken in the warm-up and counted as compile time."""
-    from autoprec.tune import _timing as timing
     from autoprec.tune import load_task, prepare
-    from autoprec.tune._trainer import Trainer, measure_steps_or_fail
+    from autoprec.tune._measure import _timing as timing
+    from autoprec.tune._measure._trainer import Trainer, measure_steps_or_fail
 
     source = mlp_source + (
         "\ndef batches(split):\n    g = torch.Generator().manual_seed(0)\n"
@@ -170,7 +170,7 @@ def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monke
     workload = prepare(load_task(write_model(source)), "cpu")
     assert workload.shape_batches == (0, 2)
     monkeypatch.setattr(
-        "autoprec.tune._trainer.compile_model", lambda model, mode=None: model
+        "autoprec.tune._measure._trainer.compile_model", lambda model, mode=None: model
     )  # compiled in name: what is stepped is the point
     seen = []
     real_time = timing.CLOCK.time
@@ -190,11 +190,11 @@ def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monke
 
 
 def test_a_cuda_graphs_candidate_is_compiled_with_reduce_overhead_and_only_compiled(monkeypatch, write_model, mlp_source):
-    from autoprec.tune._trainer import Candidate, Trainer
+    from autoprec.tune._measure._trainer import Candidate, Trainer
 
     workload = prepare(load_task(write_model(mlp_source)), "cpu")
     modes = []
-    monkeypatch.setattr("autoprec.tune._trainer.compile_model", lambda model, mode=None: modes.append(mode) or model)
+    monkeypatch.setattr("autoprec.tune._measure._trainer.compile_model", lambda model, mode=None: modes.append(mode) or model)
     Trainer(workload, Candidate(Policy(layers={"": "bf16"}), cuda_graphs=True), compiled=True)
     Trainer(workload, Candidate(Policy(layers={"": "bf16"})), compiled=True)
     assert modes == ["reduce-overhead", None]
@@ -206,9 +206,9 @@ def test_a_cuda_graphs_candidate_is_compiled_with_reduce_overhead_and_only_compi
 def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(monkeypatch, write_model, mlp_source, tmp_path):
     """The trials empty the compile caches for each candidate: the ragged batch compiled inside a timed round."""
     from autoprec.tune import SearchConfig, load_task, prepare
-    from autoprec.tune import _timing as timing
-    from autoprec.tune._searcher import search
-    from autoprec.tune._space import space_from_dict
+    from autoprec.tune._core._space import space_from_dict
+    from autoprec.tune._measure import _timing as timing
+    from autoprec.tune._search._searcher import search
 
     source = mlp_source + (
         "\ndef batches(split):\n    g = torch.Generator().manual_seed(0)\n"
@@ -216,7 +216,7 @@ def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(mo
     )
     workload = prepare(load_task(write_model(source)), "cpu")
     monkeypatch.setattr(
-        "autoprec.tune._trainer.compile_model", lambda model, mode=None: model
+        "autoprec.tune._measure._trainer.compile_model", lambda model, mode=None: model
     )  # compiled in name: what is stepped is the point
     seen = []
     real_time = timing.CLOCK.time

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autoprec import Policy, apply_policy, compile_model
-from autoprec.tune._space import load_space, space_from_dict
+from autoprec.tune._core._space import load_space, space_from_dict
 
 transformers = pytest.importorskip("transformers")
 

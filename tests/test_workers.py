@@ -23,11 +23,11 @@ import torch
 
 from autoprec import UserError
 from autoprec.tune import SearchConfig, load_task, prepare
-from autoprec.tune._choices import Choices
-from autoprec.tune._config import RETRIES
-from autoprec.tune._profile_data import Profile
-from autoprec.tune._space import space_from_dict
-from autoprec.tune._storage import CHOICES_ATTR, open_study, study_storage
+from autoprec.tune._core._config import RETRIES
+from autoprec.tune._core._space import space_from_dict
+from autoprec.tune._measure._choices import Choices
+from autoprec.tune._measure._profile_data import Profile
+from autoprec.tune._search._storage import CHOICES_ATTR, open_study, study_storage
 
 pytestmark = pytest.mark.slow  # real processes and servers, seconds each
 
@@ -40,7 +40,7 @@ COMPLETE = (optuna.trial.TrialState.COMPLETE,)
 def start_worker(out: Path, *args: str) -> subprocess.Popen:
     from timings import MODES
 
-    from autoprec.tune import _timing as timing
+    from autoprec.tune._measure import _timing as timing
 
     timings = next((k for k, v in MODES.items() if v == getattr(timing.CLOCK, "factors", None)), "faster")  # the suite's
     cmd = [sys.executable, str(WORKER), "--out", str(out), "--timings", timings, *args]
@@ -110,7 +110,7 @@ def test_workers_that_start_at_the_same_moment_search_the_first_stored_choices(t
     theirs = Choices(default=("fp32", "bf16"), layers={"fc1": ("fp32",), "big": ("fp32",), "head": ("fp32", "bf16")}, excluded={})
     bf16 = [{"default": "bf16", "layer:fc1": "bf16", "layer:head": "bf16"}]
     study, got_a, _ = open_study(workload, space, mine, config, tmp_path, budget=0.1, warm_starts=lambda c: bf16)
-    module = importlib.import_module("autoprec.tune._storage")
+    module = importlib.import_module("autoprec.tune._search._storage")
     real, calls = module._first_start, []
 
     def stale_first_read(study):
@@ -151,7 +151,7 @@ def test_a_database_password_is_in_neither_the_storage_recorded_nor_any_storage_
 
     url = "postgresql+psycopg2://alice:s3cret-pw@db.example:5432/autoprec"
     shown = "postgresql+psycopg2://alice:***@db.example:5432/autoprec"
-    study_module = importlib.import_module("autoprec.tune._storage")
+    study_module = importlib.import_module("autoprec.tune._search._storage")
     monkeypatch.setattr(study_module.time, "sleep", lambda s: None)
     memory = optuna.storages.InMemoryStorage()
     monkeypatch.setattr(study_module, "_database", lambda *args: memory)
@@ -303,7 +303,7 @@ def test_a_study_on_postgresql_refuses_another_budget_model_or_memory_limit_befo
     from search_worker import MODEL, SPACE
     from short_timing import FAST_PROFILE, TINY
 
-    from autoprec.tune._searcher import search
+    from autoprec.tune._search._searcher import search
 
     fast = dict(trials=2, storage=postgres_url, study_name="pg-key", timing=TINY, final_timing=TINY, finalists=1,
                 progress=False, profile=FAST_PROFILE)  # fmt: skip

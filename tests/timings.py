@@ -1,6 +1,6 @@
 """Step times that do not depend on this machine: a clock that prices a step by the formats its model runs in.
 
-autoprec reads every step time through `autoprec.tune._timing.CLOCK`. The test suite puts a `FormatClock` there
+autoprec reads every step time through `autoprec.tune._measure._timing.CLOCK`. The test suite puts a `FormatClock` there
 (conftest.py, `--timings`), so which formats the profile keeps and which policy a search chooses never depend on
 whether this CPU runs bf16 fast (AMX) or a hundred times slower (AVX2 only). A test that needs lowered formats
 to be faster or slower than fp32 says so with the `timings` fixture; every other test passes under both.
@@ -18,7 +18,7 @@ import torch
 from autoprec import devices
 from autoprec.apply import applied_summary
 from autoprec.formats import Format
-from autoprec.tune import _timing as timing
+from autoprec.tune._measure import _timing as timing
 
 # The factor on a layer's share of the step time in each kind of format, per named device behaviour.
 FASTER = {"half": 0.5, "fp8": 0.4}  # a GPU, or a CPU with AMX: every lowered format pays

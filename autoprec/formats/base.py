@@ -170,7 +170,7 @@ class FormatSpec:
 @dataclasses.dataclass(frozen=True)
 class OperandCast:
     """How a low-precision GEMM's operand is made from the high-precision tensor it reads (FormatFamily.gemm_casts):
-    what the step-time predictor (autoprec/tune/_predict.py) prices as bytes read and written. `block`: elements per
+    what the step-time predictor (autoprec/tune/_measure/_predict.py) prices as bytes read and written. `block`: elements per
     scale along the GEMM's contraction dimension, 0 for one scale per tensor, -1 for one per row; `scale_bytes`: the
     bytes of each scale; `tensor_amax`: a pass over the whole tensor for its amax before the cast (a tensorwise scale,
     NVFP4's second-level scale); `tile`: square blocks (NVFP4's 16x16 weight tiles), so one cast serves both of the
@@ -261,7 +261,7 @@ class FormatFamily(abc.ABC):
 
     def gemm_precisions(self, fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
         """The element format each of an nn.Linear's three GEMMs runs in under `fmt`, as (fprop, dgrad, wgrad): each
-        one of GEMM_PRECISIONS. The FLOP goal (autoprec/tune/_flops.py) weights a layer's GEMM work by a target's
+        one of GEMM_PRECISIONS. The FLOP goal (autoprec/tune/_decide/_flops.py) weights a layer's GEMM work by a target's
         throughput in these. `outer`: the autocast the layer is called under ("bf16", "fp16": its parent's or the
         model root's format), None outside any (an fp32 root); a GEMM the format leaves in high precision may run in
         it. "fp32" is strict fp32 (no TF32). The default: the spec's autocast dtype for all three (bf16, fp16), else

@@ -14,20 +14,20 @@ A training script does not need this package: `import autoprec` (the runtime) ap
 """
 
 from autoprec.tune._api import search, sweep
-from autoprec.tune._budget import Budget, parse_budget
-from autoprec.tune._choose import choose, choose_smallest
-from autoprec.tune._config import Mode, ProfileConfig, SearchConfig
-from autoprec.tune._goal import INFEASIBLE, Axis, Goal, goal_named, goals, register_goal, unregister_goal
-from autoprec.tune._goals import MEMORY, SPEED
-from autoprec.tune._names import ALTERNATIVES
-from autoprec.tune._profile_data import Profile, ProfileRow
-from autoprec.tune._profiler import profile
-from autoprec.tune._records import Finals, Measured, Measurement, TrialRecord
-from autoprec.tune._searcher import SearchResult
-from autoprec.tune._space import Layout, SearchSpace, load_space
-from autoprec.tune._sweeper import SweepResult
-from autoprec.tune._targets import Target, register_target, unregister_target
-from autoprec.tune._task import Task, Workload, load_task, prepare
+from autoprec.tune._core._budget import Budget, parse_budget
+from autoprec.tune._core._config import Mode, ProfileConfig, SearchConfig
+from autoprec.tune._core._goal import INFEASIBLE, Axis, Goal, goal_named, goals, register_goal, unregister_goal
+from autoprec.tune._core._names import ALTERNATIVES
+from autoprec.tune._core._records import Finals, Measured, Measurement, TrialRecord
+from autoprec.tune._core._space import Layout, SearchSpace, load_space
+from autoprec.tune._core._targets import Target, register_target, unregister_target
+from autoprec.tune._decide._choose import choose, choose_smallest
+from autoprec.tune._decide._goals import MEMORY, SPEED
+from autoprec.tune._measure._profile_data import Profile, ProfileRow
+from autoprec.tune._measure._profiler import profile
+from autoprec.tune._measure._task import Task, Workload, load_task, prepare
+from autoprec.tune._search._searcher import SearchResult
+from autoprec.tune._search._sweeper import SweepResult
 
 __all__ = [
     "search",

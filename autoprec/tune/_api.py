@@ -21,12 +21,12 @@ import torch
 
 from autoprec.files import write_text
 from autoprec.formats import default_device
-from autoprec.tune import _searcher as searcher
-from autoprec.tune import _sweeper as sweeper
-from autoprec.tune._budget import DEFAULT, Budget, Budgets, parse_budget, parse_budget_list
-from autoprec.tune._config import SearchConfig, search_config
-from autoprec.tune._space import SearchSpace, load_space
-from autoprec.tune._task import Task, Workload, guard_exit, prepare
+from autoprec.tune._core._budget import DEFAULT, Budget, Budgets, parse_budget, parse_budget_list
+from autoprec.tune._core._config import SearchConfig, search_config
+from autoprec.tune._core._space import SearchSpace, load_space
+from autoprec.tune._measure._task import Task, Workload, guard_exit, prepare
+from autoprec.tune._search import _searcher as searcher
+from autoprec.tune._search import _sweeper as sweeper
 
 NOT_KEPT = "not kept (out=None: the study lived in a temporary folder, removed)"
 
@@ -43,8 +43,8 @@ def search_and_report(
     announce: Callable[[Budgets], None] | None = None,
 ) -> searcher.SearchResult:
     """searcher.search, then summary.md and the heat maps beside its files (what `autoprec search` writes)."""
-    from autoprec.tune._plots import plot_all
-    from autoprec.tune._report import search_markdown
+    from autoprec.tune._report._plots import plot_all
+    from autoprec.tune._report._report import search_markdown
 
     out_dir = Path(out_dir)
     result = searcher.search(workload, space, config, out_dir, announce=announce)
@@ -66,8 +66,8 @@ def sweep_and_report(
     """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes): the
     heat maps beside the profile it measured, or where the one it reused has none; a reused profile's are left as
     they are (a search's files)."""
-    from autoprec.tune._plots import plot_all, plot_pareto
-    from autoprec.tune._report import sweep_markdown
+    from autoprec.tune._report._plots import plot_all, plot_pareto
+    from autoprec.tune._report._report import sweep_markdown
 
     out_dir = Path(out_dir)
     result = sweeper.sweep(workload, space, budgets, config, out_dir, announce=announce)

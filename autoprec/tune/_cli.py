@@ -29,9 +29,9 @@ import torch
 from autoprec import devices
 from autoprec.errors import UserError, printable
 from autoprec.formats import default_device
-from autoprec.tune._numbers import parse_decimal, parse_integer
-from autoprec.tune._plugins import GROUP as PLUGIN_GROUP
-from autoprec.tune._plugins import load_plugins
+from autoprec.tune._core._numbers import parse_decimal, parse_integer
+from autoprec.tune._core._plugins import GROUP as PLUGIN_GROUP
+from autoprec.tune._core._plugins import load_plugins
 
 if TYPE_CHECKING:
     from autoprec.tune.export import ExportTarget
@@ -65,7 +65,7 @@ def _device(value: str) -> torch.device:
 
 def _compile(args: argparse.Namespace) -> bool:
     """--compile / --no-compile as given, else the device's default (config.default_compile)."""
-    from autoprec.tune._config import default_compile
+    from autoprec.tune._core._config import default_compile
 
     return bool(args.compile) if args.compile is not None else default_compile(args.device)
 
@@ -103,8 +103,8 @@ def _quiet_torchao() -> None:
 
 
 def _prepare(args: argparse.Namespace):
-    from autoprec.tune._space import load_space
-    from autoprec.tune._task import load_task, prepare
+    from autoprec.tune._core._space import load_space
+    from autoprec.tune._measure._task import load_task, prepare
 
     _quiet_torchao()
     task = load_task(args.model)
@@ -136,7 +136,7 @@ def _say(args: argparse.Namespace, line: str) -> None:
 def _search_config(args: argparse.Namespace, budget=None):
     """The settings, checked before the model is loaded (config.search_config, as the Python API builds them): a
     search's budget as given (the pipeline resolves it), a sweep's none (its budgets go to the sweep)."""
-    from autoprec.tune._config import search_config
+    from autoprec.tune._core._config import search_config
 
     try:
         return search_config(
@@ -176,7 +176,7 @@ def _time_budget(args: argparse.Namespace) -> float | None:
 
 
 def _budgets(args: argparse.Namespace, flag: str, value: str):
-    from autoprec.tune._budget import parse_budget_list
+    from autoprec.tune._core._budget import parse_budget_list
 
     try:
         return parse_budget_list(value)
@@ -197,7 +197,7 @@ def _announce(args: argparse.Namespace, flag: str):
 
 def cmd_search(args: argparse.Namespace) -> int:
     from autoprec.tune._api import search_and_report
-    from autoprec.tune._budget import DEFAULT
+    from autoprec.tune._core._budget import DEFAULT
 
     specs = _budgets(args, "--budget", DEFAULT if args.budget is None else args.budget)
     if len(specs) != 1:
@@ -226,7 +226,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 def _command(verb: str, storage: str | None) -> str:
     """The command line as the user typed it, for the markdown reports; a database password in --storage (in
     whatever form the option was given: --storage URL, --storage=URL, --stor URL) hidden."""
-    from autoprec.tune._credentials import hide_credentials
+    from autoprec.tune._core._credentials import hide_credentials
 
     args = sys.argv[2:] if not storage else [arg.replace(storage, hide_credentials(storage)) for arg in sys.argv[2:]]
     return " ".join(["autoprec", verb, *args])
@@ -261,11 +261,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autoprec.tune._config import ProfileConfig
-    from autoprec.tune._out_dir import claim_out_dir
-    from autoprec.tune._plots import plot_all
-    from autoprec.tune._profiler import profile
-    from autoprec.tune._report import breaks, breaks_summary, gradient_summary, profile_summary
+    from autoprec.tune._core._config import ProfileConfig
+    from autoprec.tune._measure._profiler import profile
+    from autoprec.tune._report._plots import plot_all
+    from autoprec.tune._report._report import breaks, breaks_summary, gradient_summary, profile_summary
+    from autoprec.tune._search._out_dir import claim_out_dir
 
     task, space, workload = _prepare(args)
     out = _out_dir(args, task)
@@ -352,7 +352,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from autoprec.policy import load_policy
-    from autoprec.tune._show import show_policy
+    from autoprec.tune._report._show import show_policy
 
     policy = load_policy(args.policy)
     if args.json:
@@ -363,7 +363,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from autoprec.tune._predict import command
+    from autoprec.tune._measure._predict import command
 
     result, text = command(args.model, target=args.target, policy=args.policy, fmt=args.format, tokens=args.tokens)
     if args.json:
@@ -578,8 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"families, before the options are read; repeatable (installed packages' {PLUGIN_GROUP} entry points are "
         "always loaded)",
     )
-    from autoprec.tune._goal import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
-    from autoprec.tune._targets import targets as planned_for  # noqa: PLC0415 (--target's devices, not export's)
+    from autoprec.tune._core._goal import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
+    from autoprec.tune._core._targets import targets as planned_for  # noqa: PLC0415 (--target's devices, not export's)
 
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,predict,show,export,verify}")
 
@@ -649,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
             "play (offered, default: minutes saved) or for every format the device can run (all), "
             "as `autoprec profile` measures them",
         )
-        # every registered goal (autoprec.tune._goals); SearchConfig refuses another name, listing them
+        # every registered goal (autoprec.tune._decide._goals); SearchConfig refuses another name, listing them
         p.add_argument("--objective", default="speed", metavar=objective_metavar(), help=objective_help())
         p.add_argument(
             "--target",

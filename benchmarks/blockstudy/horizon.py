@@ -42,8 +42,8 @@ def run_missing(workload, policies: dict, folder: Path, steps: int, every: int, 
 def run(args) -> None:
     """Every policy trained 10 x K steps from the same weights with seeds 0..S-1, the metric every K steps; each
     (policy, seed) run in its own csv under horizon/, skipped when already finished."""
-    from autoprec.tune._flops import estimated_speedup, gemm_flops
-    from autoprec.tune._targets import target_named
+    from autoprec.tune._core._targets import target_named
+    from autoprec.tune._decide._flops import estimated_speedup, gemm_flops
 
     out: Path = args.out
     folder = out / "horizon"
@@ -179,7 +179,7 @@ def horizon_summary(table, curves, args, steps: int) -> str:
         "metric minus the policy's, same seed; the table gives the mean over seeds and each seed's. Noise floor at a "
         "step = max - min of bf16's metric over the seeds at that step (with 2 seeds, their difference). Each "
         "(policy, seed) run is horizon/<policy>-seed<s>.csv; a rerun skips the finished ones. GEMM shares are "
-        "FLOP-weighted over the Linears' three GEMMs (autoprec.tune._flops.gemm_flops; est. speedup: the FLOP goal's "
+        "FLOP-weighted over the Linears' three GEMMs (autoprec.tune._decide._flops.gemm_flops; est. speedup: the FLOP goal's "
         "own estimated_speedup on b200).",
         "",
         "![loss curves](loss_curves.png) ![pareto](pareto.png)",

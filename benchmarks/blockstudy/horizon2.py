@@ -187,8 +187,8 @@ def run_queue(example, workload, policies: dict, folder: Path, steps: int, at: l
 
 def run(args) -> None:
     """Every policy trained 10 x K steps on fresh windows per seed, judged paired against bf16 (see above)."""
-    from autoprec.tune._flops import estimated_speedup, gemm_flops
-    from autoprec.tune._targets import target_named
+    from autoprec.tune._core._targets import target_named
+    from autoprec.tune._decide._flops import estimated_speedup, gemm_flops
 
     out: Path = args.out
     folder = out / HORIZON2_DIR

@@ -85,7 +85,7 @@ def study_policies(model: nn.Module, device="cpu") -> dict[str, object]:
 def flops_table(model: nn.Module, tokens: int):
     """Profile rows with what gemm_flops reads (layer, type, shape "out x in", tokens) for every Linear of `model`,
     each called on `tokens` rows a training step (an fp32 row each: nothing else is measured)."""
-    from autoprec.tune._profile_data import ProfileRow
+    from autoprec.tune._measure._profile_data import ProfileRow
 
     return [
         ProfileRow(
@@ -104,7 +104,7 @@ def flops_table(model: nn.Module, tokens: int):
 def gemm_share(policy, flops: dict[str, float]) -> dict[str, float]:
     """The FLOP-weighted share of the Linears' GEMMs (three per Linear, each 2 x tokens x in x out) in each element
     format under `policy`, and `low` the share in a format below bf16 (fp8, mxfp8, nvfp4)."""
-    from autoprec.tune._flops import format_of, gemm_precisions, outer_autocast
+    from autoprec.tune._decide._flops import format_of, gemm_precisions, outer_autocast
 
     by: dict[str, float] = defaultdict(float)
     for name, work in flops.items():

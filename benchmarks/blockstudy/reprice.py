@@ -31,7 +31,7 @@ TARGET = "b200"
 def step_of(example, hparams: dict, batch: int, seq: int):
     """The predictor's Step of one training step of the example's GPT built with `hparams`, on the meta device, for a
     batch of `batch` sequences of `seq` tokens."""
-    from autoprec.tune._predict import trace_step
+    from autoprec.tune._measure._predict import trace_step
 
     with torch.device("meta"):
         model = example.GPT({**hparams, "seq_len": seq})
@@ -50,8 +50,8 @@ def repriced_policies(model, out: Path) -> dict[str, object]:
 
 
 def reprice_table(policies: dict, study, real, flops, target) -> list[dict]:
-    from autoprec.tune._flops import estimated_speedup
-    from autoprec.tune._predict import ERROR, speedup
+    from autoprec.tune._decide._flops import estimated_speedup
+    from autoprec.tune._measure._predict import ERROR, speedup
 
     twins = same_as(policies)
     rows = []
@@ -73,8 +73,8 @@ def reprice_table(policies: dict, study, real, flops, target) -> list[dict]:
 
 def run(args) -> None:
     """Each policy's peak-FLOP estimate and its predicted speedups at the study's width and at REAL_WIDTH."""
-    from autoprec.tune._flops import gemm_flops
-    from autoprec.tune._targets import target_named
+    from autoprec.tune._core._targets import target_named
+    from autoprec.tune._decide._flops import gemm_flops
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,7 @@ def run(args) -> None:
 
 
 def _parts(step, target) -> tuple[float, dict[str, float]]:
-    from autoprec.tune._predict import baseline, predict
+    from autoprec.tune._measure._predict import baseline, predict
 
     p = predict(step, baseline(), target)
     return p.ms, {k: v / p.ms for k, v in p.parts.items()}
@@ -103,7 +103,7 @@ def _parts(step, target) -> tuple[float, dict[str, float]]:
 
 def _nvfp4(step, target) -> str:
     """NVFP4 everywhere against uniform bf16 on `step`, in words: what its GEMMs save and what its casts cost."""
-    from autoprec.tune._predict import baseline, predict, uniform
+    from autoprec.tune._measure._predict import baseline, predict, uniform
 
     base, mine = predict(step, baseline(), target).parts, predict(step, uniform("nvfp4", step), target).parts
     return (
@@ -113,7 +113,7 @@ def _nvfp4(step, target) -> str:
 
 
 def reprice_summary(table, args, h, study, real, narrow_tokens, target) -> str:
-    from autoprec.tune._predict import band, speedup, uniform
+    from autoprec.tune._measure._predict import band, speedup, uniform
 
     col = f"predicted_width_{REAL_WIDTH}"
     s_ms, s_parts = _parts(study, target)

@@ -29,13 +29,13 @@ def finished(path: Path, steps: int) -> bool:
 
 def train_curve(workload, policy, steps: int, every: int, seed: int, order=None, at=None) -> list[dict]:
     """Train a fresh copy of the reference weights `steps` steps with `policy` as train mode does
-    (autoprec.tune._metric.train_and_evaluate: the same Trainer, batch order and seed), taking the metric every `every`
+    (autoprec.tune._measure._metric.train_and_evaluate: the same Trainer, batch order and seed), taking the metric every `every`
     steps (and at step 0). The model has no dropout and evaluating draws nothing from the RNG, so the metric at step K
     is train_and_evaluate(workload, policy, K, seed=seed)'s. `order` replaces train mode's batch order (horizon2: each
     batch once, in turn); `at`, the steps the metric is taken at, replaces `every`."""
     from autoprec import devices
-    from autoprec.tune._metric import batch_order, metric_of
-    from autoprec.tune._trainer import Trainer, matmul_precision
+    from autoprec.tune._measure._metric import batch_order, metric_of
+    from autoprec.tune._measure._trainer import Trainer, matmul_precision
 
     rows = []
     start = time.perf_counter()

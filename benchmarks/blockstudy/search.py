@@ -37,7 +37,7 @@ def search_formats(tag: str = "") -> tuple[str, ...]:
 
 
 def search_space(layout: str, trials: int, tag: str = "postfix"):
-    from autoprec.tune._space import space_from_dict
+    from autoprec.tune._core._space import space_from_dict
 
     formats = list(search_formats(tag))
     root = ["bf16"] if tag in FALLBACK_TAGS else ["fp32", "bf16"]
@@ -60,8 +60,8 @@ def run(args) -> None:
     import optuna
 
     import autoprec.tune
-    from autoprec.tune._flops import estimated_speedup, gemm_flops
-    from autoprec.tune._targets import target_named
+    from autoprec.tune._core._targets import target_named
+    from autoprec.tune._decide._flops import estimated_speedup, gemm_flops
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out: Path = args.out
@@ -128,14 +128,14 @@ def run(args) -> None:
 
 
 def _chosen_name(result) -> str | None:
-    from autoprec.tune._records import Measured
+    from autoprec.tune._core._records import Measured
 
     measured = Measured.of(result.policy)
     return getattr(measured, "chosen", None) or (result.policy.measured or {}).get("chosen")
 
 
 def _format_counts(policy, flops: dict[str, float]) -> str:
-    from autoprec.tune._flops import format_of
+    from autoprec.tune._decide._flops import format_of
 
     counts: dict[str, int] = defaultdict(int)
     for name in flops:

@@ -24,7 +24,7 @@ from autoprec.errors import UserError, shown
 from autoprec.files import read_json, write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune._numbers import parse_integer
+from autoprec.tune._core._numbers import parse_integer
 from autoprec.tune.export._common import (
     _layers,
     blockscaled_recipe,

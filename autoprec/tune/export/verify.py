@@ -90,7 +90,7 @@ def linear_names(model: str | Path, *, flag: str = "--model") -> list[str]:
         return [n for n in names if n]
     import torch
 
-    from autoprec.tune._task import load_task, meta_model
+    from autoprec.tune._measure._task import load_task, meta_model
 
     built = meta_model(load_task(path), verb="verify")  # names only: a model file that trains its model never does here
     return [name for name, m in built.named_modules() if isinstance(m, torch.nn.Linear)]

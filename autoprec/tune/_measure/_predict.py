@@ -1,0 +1,651 @@
+"""The step-time predictor: a training step's time on a named target device (_targets.py) under a policy, from the
+model's shapes alone, for planning where the formats' kernels are not on this machine. A prediction, never a
+measurement: calibrated on a stated few published and measured points and validated on others (docs/planning.md).
+
+A step is priced in parts:
+
+- each nn.Linear's three GEMMs (fprop M x N x K, dgrad M x K x N, wgrad N x K x M; M the rows its calls took per
+  step, K its in_features, N its out_features), each
+      max(FLOPs / (peak(precision) x efficiency(kernel, M, N, K)), bytes moved / bandwidth) + launch
+  where the precision is what the format's family says the GEMM runs in (FormatFamily.gemm_precisions) and the
+  kernel is its low-precision kernel where it has one (FormatFamily.gemm_casts), else the precision;
+  efficiency = Calibration.gemm[kernel] x d / (d + RAMP), d = min(M, N, K);
+- the casts each low-precision GEMM needs (FormatFamily.gemm_casts), from the bytes they read and write at the
+  target's bandwidth (Calibration.memory of it) plus a launch per pass. The fusion assumed is what torch.compile
+  gives torchao's recipes: a tensorwise scale's amax is a pass of its own, then one pass casts the tensor for every
+  orientation its GEMMs need (the transpose fused into the cast); a rowwise or block-scaled cast is one pass per
+  orientation with the amax of each row or block inside it; square tiles (NVFP4's weight) serve both orientations
+  from one pass; NVFP4's per-tensor scale is one amax pass per tensor and one more for the RHT'd operands of wgrad
+  (the amax of the transformed tensor), the transform itself fused into the cast;
+- the dtype conversions of a layer that computes in a narrower precision than its caller (a bf16 layer under an fp32
+  caller: its input, weight and output gradient in, its output and gradients out);
+- the rest of the step, which precision does not speed up (Step): matmuls outside the Linears (attention) in bf16
+  at Calibration.attention of the bf16 peak; the other ops' bytes (norms, elementwise, the loss) at the bandwidth; an
+  AdamW update over the parameters (OPTIMIZER_BYTES each, split over `shards` data-parallel ranks).
+
+What it leaves out: communication (FSDP's all-gathers and reduce-scatters, tensor parallelism), host overhead, power
+and clock limits, and kernels' behaviour beyond this roofline. Published runs include all of these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from autoprec.errors import UserError
+from autoprec.errors import describe as describe_error
+from autoprec.formats import GEMMS, Format, GemmCast, OperandCast
+from autoprec.policy import ROOT, Policy
+from autoprec.tune._core._numbers import NotANumber, parse_integer
+from autoprec.tune._core._targets import Target
+from autoprec.tune._measure._profile_data import is_linear
+
+if TYPE_CHECKING:
+    from autoprec.tune._measure._profile_data import ProfileRow
+    from autoprec.tune._measure._task import Task
+
+BASELINE = "bf16"  # the predicted speedup's 1.0: every layer in bf16 (the model root in bf16)
+
+# Bytes per element of a GEMM's operands in each element format (GEMM_PRECISIONS, and tf32): a tensor held in a
+# high-precision one, or a low-precision GEMM a family prices without casts (FormatFamily.gemm_casts' default).
+ELEMENT_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "mxfp8": 1.0, "nvfp4": 0.5}
+# The bytes an AdamW step reads and writes per fp32 parameter: the parameter, its gradient and two moments read,
+# the parameter and the moments written.
+OPTIMIZER_BYTES = 28.0
+# A GEMM with a dimension of RAMP elements reaches half its kernel's efficiency (one 128-wide tile of the tensor
+# cores' GEMM kernels across that dimension): efficiency x d / (d + RAMP), d the smallest of M, N, K. An assumption,
+# not a fitted parameter.
+RAMP = 128.0
+# How a Linear's three GEMMs read their operands: (tensor, orientation) of operand a and b. "row": contracted over
+# the tensor's last dimension as stored; "col": over its first (a transposed copy, or a cast along columns).
+OPERANDS = {
+    "fprop": (("x", "row"), ("w", "row")),
+    "dgrad": (("dy", "row"), ("w", "col")),
+    "wgrad": (("dy", "col"), ("x", "col")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The predictor's fitted and assumed parameters (docs/planning.md says which is which): `gemm`, each kernel's
+    fraction of its precision's peak at large shapes (the matmuls outside the Linears, attention's, reach bf16's);
+    `memory`, the fraction of the bandwidth memory-bound passes reach; `fusion`, the share of the bytes the traced
+    step's other ops write and read that a compiled step still moves (torch.compile fuses chains of them)."""
+
+    gemm: Mapping[str, float]
+    memory: float
+    fusion: float
+
+
+# Fitted on the calibration points of docs/planning.md (benchmarks/predict_points.py, `fit`), never on the points it
+# is validated on.
+CALIBRATION = Calibration(
+    gemm={
+        "fp32": 0.776,
+        "bf16": 0.738,
+        "fp16": 0.738,  # bf16's: no point measures fp16 apart
+        "fp8-tensorwise": 0.58,
+        "fp8-rowwise": 0.469,
+        "mxfp8": 0.58,  # fp8 tensorwise's: no point measures an MX GEMM alone
+        "nvfp4": 0.384,
+    },
+    memory=0.80,  # assumed, not fitted
+    fusion=0.319,
+)
+# The predictor's error band: the largest |error| over its validation points (not fitted on), and how many there are.
+# tests/test_predict_points.py recomputes both from the table.
+ERROR = 0.07
+VALIDATION_POINTS = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearShape:
+    """One nn.Linear of a step: `tokens` the rows its calls took per training step (M), `in_features` K, `out_features` N."""
+
+    name: str
+    in_features: int
+    out_features: int
+    tokens: float
+    # the Linear whose input this one's is (the same tensor: q, k and v read one): compiled, its casts are made once
+    reads: str | None = None
+    # its input and output gradient are written by other kernels of the step, which compute a tensorwise amax as
+    # they write them (inductor fuses the reduction into its producer); False where they are given (a benchmark's
+    # leaf tensors): each amax is then a pass of its own
+    produced: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A training step's shapes: its Linears, and the rest that precision does not speed up. `other_flops`: the
+    FLOPs of matmuls outside any Linear per step, forward and backward (attention's); `other_bytes`: the bytes the
+    other ops read and write per step, forward and backward, activations in bf16; `params`: the parameters the
+    optimizer updates; `shards`: the data-parallel ranks the optimizer's work is split over (FSDP)."""
+
+    linears: tuple[LinearShape, ...]
+    other_flops: float = 0.0
+    other_bytes: float = 0.0
+    params: float = 0.0
+    shards: int = 1
+    modules: tuple[str, ...] = ()  # every module's name (named_modules), where the step was traced from a model
+
+    @property
+    def tokens(self) -> float:
+        """The most rows any Linear took per step: the tokens of the step."""
+        return max((s.tokens for s in self.linears), default=0.0)
+
+    def scaled(self, tokens: float) -> Step:
+        """The same model at `tokens` per step: every per-token count scaled (more sequences of the same length)."""
+        k = tokens / self.tokens if self.tokens else 1.0
+        linears = tuple(dataclasses.replace(s, tokens=s.tokens * k) for s in self.linears)
+        return dataclasses.replace(self, linears=linears, other_flops=self.other_flops * k, other_bytes=self.other_bytes * k)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A predicted step time (ms) on a target, by part: gemms, casts, conversions, attention, elementwise, optimizer."""
+
+    target: str
+    parts: Mapping[str, float]
+
+    @property
+    def ms(self) -> float:
+        return sum(self.parts.values())
+
+
+# ---- the parts --------------------------------------------------------------------------------------------------
+
+
+def efficiency(kernel: str, m: float, n: float, k: float, cal: Calibration = CALIBRATION) -> float:
+    """The fraction of its precision's peak a GEMM (m x n, contracting k) reaches in `kernel`."""
+    d = min(m, n, k)
+    # a kernel the calibration does not know (a registered family's own) runs at bf16's share of its peak
+    return cal.gemm.get(kernel, cal.gemm[BASELINE]) * d / (d + RAMP)
+
+
+def gemm_ms(
+    precision: str,
+    kernel: str,
+    m: float,
+    n: float,
+    k: float,
+    operand_bytes: tuple[float, float],
+    out_bytes: float,
+    target: Target,
+    cal: Calibration = CALIBRATION,
+) -> float:
+    """One GEMM's time: the slower of its compute and its memory traffic, plus a launch. `operand_bytes`: bytes per
+    element of operand a (m x k) and b (n x k); `out_bytes`: of the output (m x n)."""
+    flops = 2.0 * m * n * k
+    compute = flops / (target.tflops[precision] * 1e12 * efficiency(kernel, m, n, k, cal))
+    moved = m * k * operand_bytes[0] + n * k * operand_bytes[1] + m * n * out_bytes
+    return 1e3 * max(compute, moved / _bandwidth(target, cal)) + target.launch_us * 1e-3
+
+
+def _bandwidth(target: Target, cal: Calibration) -> float:
+    return target.bandwidth_tbs * 1e12 * cal.memory
+
+
+def _pass_ms(nbytes: float, target: Target, cal: Calibration) -> float:
+    """One memory-bound kernel moving `nbytes`."""
+    return 1e3 * nbytes / _bandwidth(target, cal) + target.launch_us * 1e-3
+
+
+def cast_ms(
+    uses: Sequence[tuple[OperandCast, str]],
+    elements: float,
+    rows: float,
+    cols: float,
+    high: float,
+    target: Target,
+    cal: Calibration,
+    produced: bool = False,
+) -> float:
+    """The passes that cast one tensor (`rows` x `cols`, `high` bytes an element) for its low-precision `uses` (each
+    an OperandCast and the orientation a GEMM reads it in), under the fusion the module's docstring states;
+    `produced`: the tensor's amax comes with the kernel that writes it."""
+    total = 0.0
+    read = elements * high
+    if not produced and any(c.tensor_amax and not c.rht for c, _ in uses):
+        total += _pass_ms(read, target, cal)
+    if any(c.tensor_amax and c.rht for c, _ in uses):
+        total += _pass_ms(read, target, cal)
+    passes: dict[tuple[OperandCast, str], set[str]] = {}
+    for cast, orientation in uses:
+        # one pass per cast serves every orientation where the scale does not depend on it (one per tensor, square
+        # tiles); a row or block scale runs along the contraction, so each orientation is a pass of its own
+        key = (cast, "any") if cast.block == 0 or cast.tile else (cast, orientation)
+        passes.setdefault(key, set()).add(orientation)
+    for (cast, _), orientations in passes.items():
+        written = 0.0
+        for orientation in orientations:
+            along = cols if orientation == "row" else rows  # the contraction runs along it
+            block = along if cast.block < 0 else (elements if cast.block == 0 else cast.block)
+            written += elements * (cast.bits / 8 + cast.scale_bytes / block)
+        total += _pass_ms(read + written, target, cal)
+    return total
+
+
+def linear_parts(
+    shape: LinearShape,
+    fmt: Format,
+    outer: str | None,
+    target: Target,
+    cal: Calibration = CALIBRATION,
+    done: set[tuple[Any, ...]] | None = None,
+) -> dict[str, float]:
+    """One Linear's predicted ms in `fmt` called under the autocast `outer` (None: an fp32 caller), by part: gemms,
+    casts, conversions. `done`: the casts of shared inputs already priced (predict's, across Linears: a compiled
+    step computes the same cast of one tensor once); this Linear's input casts are added to it. KeyError names a GEMM
+    precision the target does not run."""
+    m, k, n = shape.tokens, float(shape.in_features), float(shape.out_features)
+    if m <= 0:
+        return {"gemms": 0.0, "casts": 0.0, "conversions": 0.0}
+    high = ELEMENT_BYTES[outer or "fp32"]  # what the caller holds the layer's tensors in
+    dims = {"x": (m, k), "w": (n, k), "dy": (m, n)}
+    precisions = fmt.family.gemm_precisions(fmt, outer)
+    casts: tuple[GemmCast | None, ...] = fmt.family.gemm_casts(fmt)
+    sizes = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (n, k, m)}
+    gemms = conversions = 0.0
+    uses: dict[str, list[tuple[OperandCast, str]]] = {}
+    converted: set[tuple[str, str]] = set()
+    for gemm, precision, cast in zip(GEMMS, precisions, casts):
+        gm, gn, gk = sizes[gemm]
+        if cast is not None:
+            for (tensor, orientation), op in zip(OPERANDS[gemm], (cast.a, cast.b)):
+                uses.setdefault(tensor, []).append((op, orientation))
+            # a scaled GEMM writes its output in the caller's precision
+            gemms += gemm_ms(precision, cast.kernel, gm, gn, gk, (cast.a.bits / 8, cast.b.bits / 8), high, target, cal)
+            continue
+        own = ELEMENT_BYTES[precision]
+        gemms += gemm_ms(precision, precision, gm, gn, gk, (own, own), own, target, cal)
+        if own < high:  # a narrower layer than its caller: its operands converted in, its output out
+            for tensor, _ in OPERANDS[gemm]:
+                if (tensor, precision) not in converted:
+                    converted.add((tensor, precision))
+                    rows, cols = dims[tensor]
+                    conversions += _pass_ms(rows * cols * (high + own), target, cal)
+            conversions += _pass_ms(gm * gn * (high + own), target, cal)
+    if done is not None and "x" in uses:  # the input's casts, once per tensor and cast
+        key = (shape.reads or shape.name, high, tuple(sorted(set(uses["x"]), key=repr)))
+        if key in done:
+            del uses["x"]
+        done.add(key)
+    cast_total = sum(
+        cast_ms(u, dims[t][0] * dims[t][1], *dims[t], high, target, cal, produced=shape.produced and t != "w")
+        for t, u in uses.items()
+    )
+    return {"gemms": gemms, "casts": cast_total, "conversions": conversions}
+
+
+def lacking(formats: Collection[Format], target: Target) -> dict[str, list[str]]:
+    """The formats among `formats` whose GEMMs need an element format `target` does not run, with those."""
+    out: dict[str, list[str]] = {}
+    for fmt in formats:
+        missing = sorted({p for p in fmt.family.gemm_precisions(fmt, None) if p not in target.tflops}, key=str)
+        if missing:
+            out[fmt.value] = missing
+    return out
+
+
+def format_of(name: str, layers: Mapping[str, Format]) -> Format:
+    """The format layer `name` runs in under a policy's `layers`: its own, else its nearest listed ancestor's, else
+    the root's (fp32 where the policy lists no root)."""
+    parts = name.split(".") if name else []
+    for i in range(len(parts), 0, -1):
+        found = layers.get(".".join(parts[:i]))
+        if found is not None:
+            return found
+    return layers.get(ROOT, Format.FP32)
+
+
+def outer_autocast(name: str, layers: Mapping[str, Format]) -> str | None:
+    """The autocast layer `name` is called under: that of its nearest listed ancestor whose format sets one (fp32 turns
+    it off; an fp8 or block-scaled layer's leaves the caller's), else the root's: "bf16", "fp16", or None."""
+    from autoprec.formats import autocast_name
+
+    parts = name.split(".") if name else []
+    for i in range(len(parts) - 1, 0, -1):
+        around = layers.get(".".join(parts[:i]))
+        if around is not None and (around is Format.FP32 or around.spec.autocast is not None):
+            return autocast_name(around.spec.autocast)
+    return autocast_name(layers.get(ROOT, Format.FP32).spec.autocast)
+
+
+def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIBRATION) -> Prediction:
+    """The predicted step time of `step` under `policy` on `target`, by part. KeyError names a GEMM precision the
+    target does not run (the caller refuses those first: lacking)."""
+    parts = dict.fromkeys(("gemms", "casts", "conversions"), 0.0)
+    done: set[tuple[Any, ...]] = set()
+    for shape in step.linears:
+        fmt, outer = format_of(shape.name, policy.layers), outer_autocast(shape.name, policy.layers)
+        got = linear_parts(shape, fmt, outer, target, cal, done)
+        for part, ms in got.items():
+            parts[part] += ms
+    peak = target.tflops[BASELINE] * 1e12
+    parts["attention"] = 1e3 * step.other_flops / (peak * cal.gemm[BASELINE])
+    parts["elementwise"] = 1e3 * step.other_bytes * cal.fusion / _bandwidth(target, cal)
+    parts["optimizer"] = 1e3 * step.params * OPTIMIZER_BYTES / max(step.shards, 1) / _bandwidth(target, cal)
+    return Prediction(target.name, parts)
+
+
+def uniform(fmt: Format | str, step: Step) -> Policy:
+    """Every Linear of `step` in `fmt`, the rest (the model root) in bf16: `autoprec predict --format`."""
+    fmt = Format(fmt)
+    layers: dict[str, Format] = {ROOT: Format(BASELINE)}
+    for shape in step.linears:
+        if shape.name != ROOT:
+            layers[shape.name] = fmt
+    return Policy(layers=layers)
+
+
+def baseline() -> Policy:
+    """Uniform bf16: the model root in bf16, every layer in it."""
+    return Policy(layers={ROOT: Format(BASELINE)})
+
+
+def speedup(step: Step, policy: Policy, target: Target, cal: Calibration = CALIBRATION) -> float:
+    """Uniform bf16's predicted step time over `policy`'s (1.0: as fast)."""
+    ms = predict(step, policy, target, cal).ms
+    return predict(step, baseline(), target, cal).ms / ms if ms > 0 else 1.0
+
+
+def band() -> str:
+    """The predictor's error band in words, as every output says it."""
+    return f"error +-{100 * ERROR:.0f}% over {VALIDATION_POINTS} validation points"
+
+
+def describe(value: float, target: Target) -> str:
+    """A predicted speedup in words, as every report shows it: never a measurement."""
+    return f"{value:.2f}x uniform {BASELINE}, predicted for {target.name.upper()} by autoprec's step-time predictor ({band()})"
+
+
+# ---- a step's shapes ----------------------------------------------------------------------------------------------
+
+
+def step_from_rows(rows: Iterable[ProfileRow]) -> Step:
+    """What a profile tells of a step: each Linear's shape and tokens (its first row per layer; a Linear by the
+    row's `linear` flag, or by a type named ...Linear in a profile from before the flag), its layers' parameters, and
+    each Linear's input and output read and written once, forward and backward, by the elementwise work around it
+    (priced as traced bytes are: times Calibration.fusion). Attention's matmuls are in no profile: a prediction from
+    one leaves them out."""
+    linears: list[LinearShape] = []
+    params = other = 0.0
+    seen: set[str] = set()
+    for row in rows:
+        if row.layer in seen:
+            continue
+        seen.add(row.layer)
+        dims = row.shape.split("x") if row.shape and row.shape != "-" else []
+        try:
+            sizes = [int(d) for d in dims]
+        except ValueError:
+            continue
+        params += math.prod(sizes) if sizes else 0
+        tokens = row.tokens
+        linear = row.linear if row.linear is not None else row.type.endswith("Linear")
+        if not linear or len(sizes) != 2 or tokens is None or not (math.isfinite(tokens) and tokens > 0):
+            continue
+        out_features, in_features = sizes
+        linears.append(LinearShape(row.layer, in_features, out_features, float(tokens)))
+        other += 3 * 2 * ELEMENT_BYTES[BASELINE] * tokens * (in_features + out_features)
+    return Step(tuple(linears), other_bytes=other, params=params)
+
+
+# ops that move no data (views, metadata) or make it (factories): not counted as the step's elementwise bytes
+_NO_BYTES = frozenset(
+    (
+        "view",
+        "reshape",
+        "expand",
+        "permute",
+        "transpose",
+        "t",
+        "detach",
+        "alias",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "unbind",
+        "as_strided",
+        "_unsafe_view",
+        "lift_fresh",
+        "arange",
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "scalar_tensor",
+        "_to_copy",
+        "clone",
+        "contiguous",
+        "split_with_sizes",
+        "chunk",
+        "lift",
+    )
+)
+
+
+def trace_step(model: torch.nn.Module, run: Any) -> Step:
+    """The step's shapes from one forward of `model` (`run()` calls the loss on a batch), on any device, the meta
+    device included: each Linear's (by type) rows, the FLOPs of every other matmul (attention) and the elements the
+    other ops write, then the backward as twice the forward's matmul FLOPs and bytes (the backward of a matmul is two
+    matmuls; of an elementwise op, about a read of its input and its output gradient and a write of its input
+    gradient). Bytes count each op's output in bf16, written once and read once (compiled: fused chains move less)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+    rows: dict[str, float] = {}
+    linears: dict[int, tuple[str, torch.nn.Linear]] = {}
+    for name, module in model.named_modules():
+        if is_linear(module) and id(module) not in linears:
+            linears[id(module)] = (name, module)  # type: ignore[assignment]
+    depth = [0]
+    totals = {"flops": 0.0, "attention": 0.0, "elements": 0.0}
+
+    readers: dict[int, tuple[str, torch.Tensor]] = {}  # an input tensor (kept alive: its id stays its own) -> first reader
+    reads: dict[str, str] = {}
+
+    def pre(module: torch.nn.Module, args: tuple) -> None:
+        name, linear = linears[id(module)]
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is not None and linear.in_features:
+            rows[name] = rows.get(name, 0.0) + x.numel() / linear.in_features
+            first = readers.setdefault(id(x), (name, x))[0]
+            if first != name:
+                reads.setdefault(name, first)
+        depth[0] += 1
+
+    def post(module: torch.nn.Module, args: tuple, out: Any) -> None:
+        depth[0] -= 1
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if depth[0]:
+                return out  # inside a Linear: priced as its GEMMs
+            packet = func._overloadpacket
+            if packet in flop_registry:
+                totals["flops"] += float(flop_registry[packet](*args, **kwargs, out_val=out))
+            elif packet.__name__.rstrip("_") not in _NO_BYTES:
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        totals["elements"] += t.numel()
+            return out
+
+    class Attention(TorchFunctionMode):
+        """Fused attention (F.scaled_dot_product_attention) as one op: its matmuls' FLOPs, its output's elements;
+        the math path it decomposes into on a CPU or the meta device (the scores materialised) is not what a GPU
+        runs."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func is not torch.nn.functional.scaled_dot_product_attention or depth[0]:
+                return func(*args, **kwargs)
+            q, k, v = (kwargs[n] if n in kwargs else args[i] for i, n in enumerate(("query", "key", "value")))
+            heads = q.shape[-3]
+            # grouped-query attention: the flop count wants one head count (each query head reads a key head)
+            k_shape = (*k.shape[:-3], heads, *k.shape[-2:])
+            v_shape = (*v.shape[:-3], heads, *v.shape[-2:])
+            flops = float(sdpa_flop_count(q.shape, k_shape, v_shape))
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            # a causal mask skips half the scores (flash attention's tiles above the diagonal); the backward is five
+            # matmuls to the forward's two (S recomputed, dV, dP, dQ, dK)
+            totals["attention"] += (flops / 2 if causal else flops) * 3.5
+            depth[0] += 1
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+            totals["elements"] += out.numel()
+            return out
+
+    handles = []
+    for _, module in linears.values():
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        with Count(), Attention():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    shapes = tuple(
+        LinearShape(name, module.in_features, module.out_features, rows[name], reads.get(name))
+        for name, module in linears.values()
+        if name in rows
+    )
+    params = float(sum(p.numel() for p in model.parameters()))
+    elementwise = 3 * 2 * ELEMENT_BYTES[BASELINE] * totals["elements"]
+    modules = tuple(name for name, _ in model.named_modules())
+    return Step(
+        shapes,
+        other_flops=3 * totals["flops"] + totals["attention"],
+        other_bytes=elementwise,
+        params=params,
+        modules=modules,
+    )
+
+
+def meta_step(task: Task) -> Step:
+    """A model file's step shapes without its weights: the model built under the meta device (no memory, no values),
+    one train batch moved there, its loss traced (trace_step). UserError naming the file where that cannot run."""
+    from autoprec.tune._measure._task import meta_model, to_device
+
+    meta = torch.device("meta")
+    model = meta_model(task, verb="predict")
+    try:
+        batch = next(iter(task.batches("train")))
+    except StopIteration:
+        raise UserError(f"{task.path}: batches('train') gave no batch; predict takes the tokens of a step from one") from None
+    except Exception as exc:
+        raise UserError(f"{task.path}: batches('train') failed: {type(exc).__name__}: {describe_error(exc, 200)}") from exc
+    batch = to_device(batch, meta)
+    try:
+        step = trace_step(model, lambda: task.loss_fn(model, batch))
+    except Exception as exc:
+        raise UserError(
+            f"{task.path}: loss_fn could not run on the meta device ({type(exc).__name__}: {describe_error(exc, 200)}); give "
+            "--tokens and a loss that runs without values, or check that the model computes nothing from its values"
+        ) from exc
+    if not step.linears:
+        raise UserError(f"{task.path}: the model calls no nn.Linear in loss_fn: nothing for a format to speed up")
+    return step
+
+
+def _tokens(value: str | int | None) -> int | None:
+    """--tokens: a whole number > 0 in ASCII digits (float() and int() take '1_0' and other scripts' digits)."""
+    if value is None:
+        return None
+    try:
+        tokens = parse_integer(str(value))
+    except NotANumber:
+        tokens = 0
+    if tokens <= 0:
+        raise UserError(f"--tokens {value}: give the tokens (rows) of one training step, a whole number > 0, e.g. 8192")
+    return tokens
+
+
+def command(
+    model: str, *, target: str, policy: str | None = None, fmt: str | None = None, tokens: str | int | None = None
+) -> tuple[dict[str, Any], str]:
+    """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
+    `fmt`, every Linear in it) on `target`, as (the --json object, the text). UserError for a user's mistake."""
+    from autoprec.formats import parse_format
+    from autoprec.policy import load_policy
+    from autoprec.tune._core._targets import target_named
+    from autoprec.tune._measure._task import load_task
+
+    try:
+        device = target_named(target)
+    except ValueError as exc:
+        raise UserError(f"--{exc}") from None
+    count = _tokens(tokens)
+    if fmt is not None:
+        try:
+            candidate_format = parse_format(fmt, field="--format")
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    given = None
+    if fmt is None:
+        try:
+            given = load_policy(policy or "")
+        except ValueError as exc:
+            raise UserError(f"--policy {policy}: {exc}") from None
+    step = meta_step(load_task(model))
+    if count is not None:
+        step = step.scaled(count)
+    if given is None:
+        chosen = uniform(candidate_format, step)
+        label = f"{candidate_format.value} (every Linear; the rest bf16)"
+    else:
+        chosen = given
+        unknown = [n for n in chosen.layers if n != ROOT and n not in step.modules]
+        if unknown:
+            raise UserError(
+                f"--policy {policy}: names {unknown[0]!r}, which is no module of {model}; its modules are named as "
+                "named_modules() gives them (e.g. "
+                f"{', '.join(repr(n) for n in list(step.modules)[1:3])})"
+            )
+        label = str(policy)
+    missing = lacking(set(chosen.layers.values()), device)
+    if missing:
+        need = "; ".join(f"{f} needs {', '.join(p)}" for f, p in missing.items())
+        raise UserError(
+            f"target {device.name} ({device.device}) runs {', '.join(device.runs)}: {need}; predict a format it runs, "
+            "or another --target"
+        )
+    base, mine = predict(step, baseline(), device), predict(step, chosen, device)
+    value = base.ms / mine.ms if mine.ms > 0 else 1.0
+    result = {
+        "model": str(model),
+        "target": device.name,
+        "device": device.device,
+        "tokens": step.tokens,
+        "candidate": label,
+        "bf16_ms": base.ms,
+        "candidate_ms": mine.ms,
+        "speedup": value,
+        "error": ERROR,
+        "validation_points": VALIDATION_POINTS,
+        "predicted": True,
+        "what": describe(value, device),
+        "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
+        "left_out": "communication (FSDP, tensor parallelism), host overhead, power and clock limits",
+    }
+    lines = [
+        f"{model}: {step.tokens:,.0f} tokens per step, {len(step.linears)} Linear layers, on {device.name} ({device.device})",
+        f"  uniform bf16: {base.ms:.4g} ms per step (predicted)",
+        f"  {label}: {mine.ms:.4g} ms per step (predicted)",
+        f"  speedup: {describe(value, device)}; not a measurement",
+        "  parts (ms, bf16 -> candidate): " + ", ".join(f"{k} {base.parts[k]:.3g} -> {mine.parts[k]:.3g}" for k in base.parts),
+        f"  left out: {result['left_out']}",
+    ]
+    return result, "\n".join(lines)

@@ -1,0 +1,555 @@
+"""Tables a person can read: console text and markdown for profiles (the breaking GEMMs, the gradient ranges) and
+search and sweep results. A policy's own are _show.py's, the tables' layout _tables.py's, the figures _plots.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from autoprec.formats import FP16_MAX, Format
+from autoprec.tune._core._config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
+from autoprec.tune._core._cost import cost_rows
+from autoprec.tune._core._memory import human_bytes
+from autoprec.tune._core._names import BF16, BF16_GRAPHS, FP32, TF32
+from autoprec.tune._core._records import Finals, Measured, Measurement
+from autoprec.tune._core._tables import WIDTH, markdown_table, markdown_text, text_table
+from autoprec.tune._measure._gradients import ScaleAdvice
+from autoprec.tune._measure._profile_data import NO_KERNEL, PREDICTED, SQNR_COLUMNS, UNRUN, ProfileRow, as_float, by_layer, unrun
+from autoprec.tune._measure._timing import spread_text
+from autoprec.tune._report._show import (
+    RESULT_HEADERS,
+    LayerTable,
+    _budget,
+    _by_speed,
+    _kind,
+    _layer_name,
+    _names,
+    _saved,
+    estimate_column,
+    estimate_lines,
+    estimate_of,
+    memory_text,
+    mode_text,
+)
+
+if TYPE_CHECKING:  # the results import this module to print themselves
+    from autoprec.tune._search._out_dir import SavedProfile
+    from autoprec.tune._search._searcher import SearchResult
+    from autoprec.tune._search._sweeper import SweepResult
+
+
+def profile_summary(rows: Sequence[ProfileRow], *, markdown: bool = False) -> str:
+    """Per layer: each format's output SQNR, metric drop and time relative to fp32."""
+    fmt_table = markdown_table if markdown else text_table
+    formats = list(dict.fromkeys(r.format for r in rows))
+    headers = ["layer", "type", "shape"] + [f"{f} {k}" for f in formats if f != "fp32" for k in ("dB", "drop", "x time")]
+    headers.insert(3, "fp32 ms")
+    table = []
+    for name, by in by_layer(rows).items():
+        first = next(iter(by.values()))
+        row: list[object] = [name, first.type, first.shape, by["fp32"].time_ms]
+        for f in formats:
+            if f == "fp32":
+                continue
+            r = by.get(f)
+            if r is None or r.status != "ok":
+                row += ["n/a" if r is None else unrun(r), "", ""]
+                continue
+            speed: object = NO_KERNEL if r.timed_as == NO_KERNEL else r.time_vs_fp32
+            if r.finite is False or r.overflow is True:
+                row += ["inf/nan", "", speed]
+            elif r.metric_source.startswith("not measured"):
+                row += ["ruled out", "", speed]
+            elif r.metric_source.startswith(PREDICTED):
+                row += [r.sqnr_db, f"~{r.metric_drop:.3g}", speed]
+            else:
+                row += [r.sqnr_db, r.metric_drop, speed]
+        table.append(row)
+    return fmt_table(headers, table)
+
+
+@dataclasses.dataclass(frozen=True)
+class Break:
+    """One GEMM of one layer in one format that breaks (`breaks`); gemm "-": the row as a whole (its loss or metric)."""
+
+    layer: str
+    format: str
+    gemm: str  # fprop, dgrad, wgrad (profile_data.SQNR_COLUMNS) or "-"
+    sqnr_db: float  # NaN: non-finite, or no GEMM
+    metric_drop: float
+    why: str
+    rank: int  # 0 non-finite or overflowing, 1 below its floor, 2 over the budget: worst first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+            for k, v in dataclasses.asdict(self).items()
+            if k != "rank"
+        }
+
+
+def break_floor(fmt: str) -> float:
+    """The SQNR (dB) below which a GEMM result in `fmt` counts as broken (config.BREAK_SQNR_DB_*); -inf for fp32."""
+    try:
+        spec = Format(fmt).spec
+    except ValueError:
+        return -math.inf
+    if spec.format is Format.FP32:
+        return -math.inf
+    return spec.format.family.sqnr_floor(spec.format)
+
+
+def breaks(rows: Sequence[ProfileRow], budget: float | None = None) -> list[Break]:
+    """The GEMMs of the profile (fprop, dgrad, wgrad per layer and format) that break, worst first: non-finite or
+    overflowing fp16, then SQNR against fp32 below the format's floor (break_floor), lowest first, then (with a
+    `budget`) a single-layer metric drop over it, largest first. A GEMM the layer does not run in fp32 (no gradient
+    into the inputs of a first layer) is not judged."""
+    runs = {r.layer: {g for g in SQNR_COLUMNS if not math.isnan(r.sqnr(g))} for r in rows if r.format == Format.FP32.value}
+    found: list[Break] = []
+    for r in rows:
+        fmt, layer = r.format, r.layer
+        if fmt == Format.FP32.value or r.status != "ok":
+            continue
+        drop, floor = r.metric_drop, break_floor(fmt)
+        mine: list[Break] = []
+        for gemm in SQNR_COLUMNS:
+            if gemm not in runs.get(layer, set(SQNR_COLUMNS)):
+                continue
+            sqnr = r.sqnr(gemm)
+            if gemm == "fprop" and r.overflow is True:
+                why = f"fp16 overflow: max |output| {r.max_abs:.3g} > {FP16_MAX:g}"
+                mine.append(Break(layer, fmt, gemm, sqnr, drop, why, 0))
+            elif math.isnan(sqnr):  # measured and non-finite, or not measured (a format ruled out first)
+                if r.finite is False:
+                    mine.append(Break(layer, fmt, gemm, sqnr, drop, "non-finite", 0))
+            elif sqnr < floor:
+                mine.append(Break(layer, fmt, gemm, sqnr, drop, f"below {floor:g} dB", 1))
+        if r.finite is False and not any(b.rank == 0 for b in mine):
+            mine.append(Break(layer, fmt, "-", math.nan, drop, "non-finite loss or metric", 0))
+        if budget is not None and drop > budget:
+            mine.append(Break(layer, fmt, "-", math.nan, drop, f"metric drop over the budget {budget:g}", 2))
+        found.extend(mine)
+    return sorted(found, key=lambda b: (b.rank, b.sqnr_db if b.rank == 1 else 0.0, -b.metric_drop if b.rank == 2 else 0.0))
+
+
+def breaks_summary(rows: Sequence[ProfileRow], *, budget: float | None = None, limit: int = BREAK_ROWS) -> str:
+    """The answer to "which layer breaks?" in a few lines: `breaks`, at most `limit` rows and a count of the rest;
+    one line when nothing does."""
+    found = breaks(rows, budget)
+    floors = f"{BREAK_SQNR_DB_FP8:g} dB (fp8) / {BREAK_SQNR_DB_16BIT:g} dB (bf16, fp16)"
+    # the other floors of the formats in the table (the block-scaled ones: 20 dB MXFP8, 10 dB NVFP4)
+    others: dict[float, list[str]] = {}
+    for f in dict.fromkeys(r.format for r in rows):
+        floor = break_floor(f)
+        if math.isfinite(floor) and floor not in (BREAK_SQNR_DB_FP8, BREAK_SQNR_DB_16BIT):
+            others.setdefault(floor, []).append(f)
+    floors += "".join(f" / {floor:g} dB ({', '.join(names)})" for floor, names in others.items())
+    over = f", no metric drop over {budget:g}" if budget is not None else ""
+    if not found:
+        line = f"which layer breaks: none; every GEMM measured is finite, its SQNR against fp32 >= {floors}{over}"
+        return textwrap.fill(line, WIDTH)
+    over = f", or the metric drops over {budget:g}" if budget is not None else ""
+    title = (
+        "which layer breaks, worst first (fprop: the layer's output; dgrad: the gradient it sends to its inputs; "
+        f"wgrad: its weight gradient): a GEMM result non-finite, or its SQNR against fp32 below {floors}{over}"
+    )
+    cells = [[b.layer, b.format, b.gemm, _sqnr_cell(b), _drop_cell(b.metric_drop), b.why] for b in found[:limit]]
+    parts = [textwrap.fill(title, WIDTH), text_table(["layer", "format", "GEMM", "SQNR dB", "metric drop", "why"], cells)]
+    if len(found) > limit:
+        parts.append(f"and {len(found) - limit} more (profile.csv: sqnr_db, dgrad_sqnr_db, grad_sqnr_db per layer and format)")
+    notes = [
+        "metric drop: the layer lowered alone in the given weights, untrained: a broken dgrad or wgrad shows in "
+        "training only (search --mode train)"
+    ]
+    if any(b.format == Format.FP16.value and b.gemm in ("dgrad", "wgrad") for b in found[:limit]):
+        notes.append("fp16 gradients are replayed at loss scale 1: a GradScaler lifts those flushed to zero (gradient ranges)")
+    parts.extend(textwrap.fill(n, WIDTH) for n in notes)
+    return "\n".join(parts)
+
+
+def _sqnr_cell(b: Break) -> str:
+    if math.isnan(b.sqnr_db):
+        return "-" if b.gemm == "-" else "nan"
+    return f"{b.sqnr_db:.1f}"
+
+
+def _drop_cell(drop: float) -> str:
+    return "-" if math.isnan(drop) else f"{drop:.3g}"
+
+
+def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
+    """The end-of-search report: layer formats, then fp32 / uniform bf16 / policy measured side by side."""
+    policy = result.policy
+    table = markdown_table if markdown else text_table
+    parts = [textwrap.fill(headline(result), WIDTH), LayerTable(policy).render(markdown=markdown)]
+    finals: Finals = result.finals
+    m = Measured.of(policy)
+    est = estimate_of(m)
+    estimated = est.get("candidates") if est is not None else None
+    rows = [
+        [
+            r.candidate,
+            r.metric,
+            r.metric_drop,
+            r.step_ms,
+            spread_text(r.spread),
+            f"{r.skipped}/{r.steps}",
+            r.speedup,
+            human_bytes(r.peak_bytes),
+            _saved(r.memory_saving),
+            _verdict(r),
+            *((as_float(estimated.get(r.candidate)),) if isinstance(estimated, Mapping) else ()),
+        ]
+        for r in finals
+    ]
+    headers = RESULT_HEADERS[:5] + ["skipped", "speedup", "peak memory", "vs fp32", "within budget"]
+    if isinstance(estimated, Mapping):  # the goal's value is an estimate: its column says so, the speedup is here
+        headers = [*headers[:6], "speedup here", *headers[7:], estimate_column(est)]  # type: ignore[arg-type]
+    parts.append(table(headers, rows))
+    parts.extend(estimate_lines(m))
+    parts.append(
+        f"chosen: {m.chosen}{f' ({m.why})' if m.why else ''}; budget {_budget(m)}, "
+        f"metric {m.metric}, {mode_text(m)}; search space {m.search_space or 'per layer'}; "
+        f"device: {m.device}; {m.timing}; speedup = fp32 step time / effective step time"
+    )
+    parts.append(memory_text(m))
+    if m.stopped:
+        parts.append(f"trials: {m.stopped}")
+    parts.extend(_unfit_lines(finals, m))
+    noise = result.noise
+    if noise is not None:
+        parts.append(
+            f"noise floor: the fp32 metric after {noise.steps} training steps spans {noise.spread:.4g} over seeds "
+            f"0..{len(noise.metrics) - 1} and a repeat of seed 0 ({', '.join(f'{v:.4g}' for v in (*noise.metrics, noise.repeat))})"
+            + (
+                f"; the budget {m.budget} is below it: the search cannot tell a real loss from noise there"
+                if m.budget is not None and m.budget < noise.spread
+                else ""
+            )
+        )
+    ls = m.loss_scale_search
+    if ls.get("advice"):
+        parts.append(
+            f"loss scale: {ls['advice']}; searched init scales 2^{ls['init_scale_log2'][0]} .. 2^{ls['init_scale_log2'][1]}"
+        )
+    for name, why in m.alternatives_not_measured.items():
+        parts.append(f"{name}: {why}")
+    parts.extend(f"{r.candidate} failed: {r.error}" for r in finals if r.error)
+    tf32, picked = finals.get(TF32), finals.get(m.chosen)
+    speed = _by_speed(m)  # the notes below are about ranking by speed
+    if speed and tf32 is not None and picked is not None and tf32.feasible and tf32.speedup > picked.speedup:
+        parts.append(
+            f"note: TF32 measured {tf32.speedup / picked.speedup:.2f}x the chosen policy's speed within budget; it is a "
+            "process-wide setting, not a per-layer format: torch.set_float32_matmul_precision('high') in your script "
+            "also speeds the policy's fp32 layers"
+        )
+    graphs = finals.get(BF16_GRAPHS)
+    if speed and graphs is not None and picked is not None and graphs.feasible and graphs.speedup > picked.speedup:
+        parts.append(
+            f"note: uniform bf16 under CUDA graphs measured {graphs.speedup / picked.speedup:.2f}x the chosen policy's "
+            "speed: CUDA graphs are a way to compile, not a policy; compile with "
+            "autoprec.compile_model(model, mode='reduce-overhead') to use them (the policy under them was not measured)"
+        )
+    noisiest = finals.noisiest(device_only=True)  # a host-bound step's jitter is said below
+    if speed and noisiest > NOISY_SPREAD:
+        parts.append(
+            f"note: step times spread up to {spread_text(noisiest)} even over more rounds: too wide to rank "
+            "candidates closer than that (they count as ties, and the one with fewer fp16/fp8 layers is chosen); "
+            "rerun on a quieter machine with --remeasure"
+        )
+    bound = [r for r in finals if r.runs and r.host_bound and r.busy_ms is not None]
+    if speed and bound:
+        parts.append(
+            "note: host-bound: "
+            + ", ".join(f"{r.candidate} (the device busy {r.busy_ms:.3g} of {r.step_ms:.3g} ms a step)" for r in bound)
+            + ": the device waits on the host for the rest of these steps; "
+            "precision cannot change their step time (CUDA graphs or a larger batch can), and their spread is the "
+            "host's jitter, not a noisy device"
+        )
+    ref = finals.get(BF16)
+    # the tie the decision recorded (choose.not_separated), not judged again here
+    if speed and picked is not None and ref is not None and BF16 in m.not_separated and picked.speedup >= ref.speedup:
+        parts.append(
+            f"note: {picked.candidate} leads uniform bf16 by {100 * (picked.speedup / ref.speedup - 1):.1f}%, inside "
+            f"the measured spread ({spread_text((picked.spread + ref.spread) / 2)}): on this device the two are not told apart"
+        )
+    overruled = [n for n, f in policy.layers.items() if f.value in m.excluded.get(n, {})]
+    if m.chosen == BF16 and overruled:
+        parts.append(
+            f"note: the policy is the uniform-bf16 baseline, measured as a whole step, though the profile ruled "
+            f"out bf16 for {', '.join(map(_layer_name, overruled))} on its own (a layer timed alone is not the whole step)"
+        )
+    if result.cost:
+        parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(result.cost)))
+    return "\n\n".join(parts)
+
+
+def headline(result: SearchResult) -> str:
+    """The summary's first line: what was chosen and how much faster than fp32, or, when the step times could not
+    tell it from other candidates within budget, that the answer is a tie inside the noise and what to do; a tie
+    with fp32 says no gain is shown, never its speedup."""
+    m = Measured.of(result.policy)
+    finals: Finals = result.finals
+    picked = finals.get(m.chosen)
+    if picked is None or not picked.feasible:
+        return f"chosen: {m.chosen} ({m.why or 'nothing else within budget'})"
+    speed = f"{picked.speedup:.2f}x fp32's training-step speed ({spread_text(picked.spread)})"
+    est = estimate_of(m)
+    if est is not None:  # the goal's value is an estimate for another device: said as one, the step times as here
+        return (
+            f"chosen: {m.chosen}, {est['what']}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}; "
+            f"on this machine ({m.device}): {speed}"
+        )
+    tied = tie(m, finals)
+    if tied is None:
+        return f"chosen: {m.chosen}, {speed}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}"
+    if FP32 in (tied.chosen, *tied.others):  # not told from fp32: its measured speedup is noise, not a gain
+        return (
+            f"a tie inside the noise, no gain over fp32 shown: {m.chosen} and {_names(tied.others)} measured within "
+            f"their spread (up to {spread_text(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
+            f"{tied.kind}, is chosen; {RANK_THEM}"
+        )
+    return (
+        f"a tie inside the noise: {m.chosen} ({speed}) and {_names(tied.others)} measured within their spread (up to "
+        f"{spread_text(tied.spread)}): this machine's timing cannot rank them, so {m.chosen}, the "
+        f"{tied.kind}, is chosen; {RANK_THEM}"
+    )
+
+
+RANK_THEM = "to rank them, rerun with --remeasure on a quiet machine"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tie:
+    """A choice the step times could not tell from other candidates within budget: those (`others`), the widest spread
+    among them all, and what the chosen one is among them (`kind`: `_kind`)."""
+
+    chosen: str
+    others: list[str]
+    spread: float
+    kind: str
+
+
+def tie(m: Measured, finals: Finals) -> Tie | None:
+    """The tie a policy's decision recorded (`measured.not_separated`: the pipeline's choose.not_separated at its
+    budget), or None where the choice is clear: what a search's first line and a sweep's table both report, so
+    that neither judges a tie on its own."""
+    picked = finals.get(m.chosen) if m.chosen else None
+    if not _by_speed(m) or picked is None or not picked.feasible:
+        return None
+    others = [n for n in m.not_separated if n in finals.names]
+    if not others:
+        return None
+    spread = max([picked.spread] + [finals.by_name(n).spread for n in others])
+    return Tie(chosen=picked.candidate, others=others, spread=spread, kind=_kind(m))
+
+
+def _verdict(r: Measurement) -> str:
+    if r.feasible:
+        return "yes"
+    if r.over_memory or r.unshown_to_fit:
+        return "no: over --max-memory" if r.over_memory else "no: peak not measured"
+    return "no"
+
+
+def _unfit_lines(finals: Finals, m: Measured) -> list[str]:
+    """Which re-measured candidates (the alternatives among them) --max-memory refused, and why."""
+    if not m.max_memory:
+        return []
+    over = [r.candidate for r in finals if r.over_memory]
+    unknown = [r.candidate for r in finals if r.unshown_to_fit]
+    lines = [f"would not fit --max-memory {human_bytes(m.max_memory)}: {', '.join(over)}"] if over else []
+    return lines + ([f"peak memory not measured, so not shown to fit: {', '.join(unknown)}"] if unknown else [])
+
+
+def gradient_summary(rows: Sequence[ProfileRow], advice: ScaleAdvice | None = None, *, markdown: bool = False) -> str:
+    """Per layer: its gradient magnitudes, what fp16 (unscaled) and fp8 (dynamic scaling) would lose, and
+    the layer's own loss-scale range; then the model's recommended range and the layers that bound it."""
+    fmt_table = markdown_table if markdown else text_table
+    table = []
+    for name, by in by_layer(rows).items():
+        first = next(iter(by.values()))
+        fp16, fp8 = by.get("fp16"), by.get("fp8")
+        low = fp16.scale_low_log2 if fp16 is not None else math.nan
+        high = fp16.scale_high_log2 if fp16 is not None else math.nan
+        scale_range = "-" if fp16 is None else ("overflows at 2^0" if math.isnan(high) else f"2^{low:.0f} .. 2^{high:.0f}")
+        table.append(
+            [
+                name,
+                first.grad_amax,
+                first.grad_amin,
+                _percent(fp16.grad_underflow) if fp16 is not None else "-",
+                _percent(fp16.grad_overflow) if fp16 is not None else "-",
+                scale_range,
+                _percent(fp8.grad_underflow) if fp8 is not None and fp8.status == "ok" else "-",
+            ]
+        )
+    headers = ["layer", "max |grad|", "min |grad|", "fp16 underflow", "fp16 overflow", "fp16 loss scale", "fp8 e5m2 underflow"]
+    parts = [fmt_table(headers, table)]
+    parts.append(
+        "underflow / overflow: fraction of the layer's nonzero gradient elements (weight, output and input "
+        "gradients) below fp16's smallest subnormal 2^-24 / above 65504 at loss scale 1; fp8: the gradient "
+        "entering the layer cast to e5m2 with per-tensor dynamic scaling. fp16 loss scale: the layer's range."
+    )
+    if advice is not None:
+        parts.append("loss scale: " + advice.describe())
+    return "\n\n".join(parts)
+
+
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:.3g}%"
+
+
+def sweep_summary(result: SweepResult, *, markdown: bool = False) -> str:
+    """The end-of-sweep report: per budget the chosen policy's measured metric and speedup beside uniform
+    bf16 and that budget's profile-greedy policy, all re-measured together."""
+    table = markdown_table if markdown else text_table
+    headers = [
+        "budget",
+        "chosen",
+        "metric",
+        "drop",
+        "speedup",
+        "spread",
+        "peak memory",
+        "vs fp32",
+        "uniform bf16",
+        "profile greedy",
+        "file",
+        "formats",
+    ]
+    # the formats last, the one column a text table wraps (at its spaces): a file name is never cut; in markdown the
+    # files are a list under the table, a line each, which no viewer breaks at a file name's hyphens
+    if markdown:
+        headers.remove("file")
+    rows, ties, files = [], [], []
+    for r in result.table:
+        mb = Measured.of(result.policies[r.budget])
+        tied = tie(mb, result.finals)  # the tie its policy file records, as a search's first line reads it
+        others = tied.others if tied else []
+        bf16 = _beside(r.uniform_bf16_speedup, r.uniform_bf16_drop > r.budget, BF16 in others)
+        greedy = _beside(r.greedy_speedup, r.greedy_drop > r.budget, mb.greedy in others)
+        rows.append(
+            [
+                r.budget_given or r.budget,
+                r.chosen + (" (tie)" if tied else ""),
+                r.metric,
+                r.metric_drop,
+                r.speedup,
+                spread_text(r.spread),
+                human_bytes(r.peak_bytes),
+                _saved(r.memory_saving),
+                bf16,
+                greedy,
+                *(() if markdown else (r.policy_file,)),
+                f"{r.root} root; {r.formats}",
+            ]
+        )
+        files.append(f"- {markdown_text(r.budget_given or f'{r.budget:g}')}: {markdown_text(r.policy_file)}")
+        if tied:
+            ties.append(
+                f"{r.budget_given or f'{r.budget:g}'}: tie with {_names(tied.others)} within {spread_text(tied.spread)} "
+                f"noise: {tied.chosen}, the {tied.kind}, is written"
+            )
+    parts = [table(headers, rows)]
+    if markdown:
+        parts.append("policy files:\n" + "\n".join(files))
+    first = next(iter(result.policies.values()), None)
+    m = Measured.of(first) if first else Measured()
+    parts.append(
+        f"speedup: fp32 step time / effective step time, re-measured together ({m.timing or ''}); uniform bf16 and "
+        f"profile greedy: their speedups, '(over)' where their drop exceeds that budget; '(tie)': the chosen one and "
+        f"those the step times could not tell from it. Study: {len(result.trials)} trials, "
+        f"{len(result.front)} on the Pareto front; {result.choices.describe()}; {mode_text(m)}; device {m.device}"
+    )
+    parts.append(memory_text(m))
+    if result.saved is not None:
+        parts.append(_profile_line(result.saved))
+    parts.extend(_unfit_lines(result.finals, m))
+    if ties:
+        parts.append(
+            f"ties inside the noise (this machine's timing cannot rank them; {RANK_THEM}):\n" + "\n".join(f"- {t}" for t in ties)
+        )
+    notes = [f"{r.budget:g}: {r.why}" for r in result.table if r.why not in ("the fastest within budget",)]
+    if notes:
+        parts.append("why:\n" + "\n".join(f"- {n}" for n in notes))
+    if result.cost:
+        parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(result.cost)))
+    return "\n\n".join(parts)
+
+
+def _beside(speedup: float, over: bool, tied: bool) -> str:
+    """An alternative's speedup beside a budget's choice: `(over)` past that budget, `(tie)` not told from the choice."""
+    return f"{speedup:.3f}" + (" (over)" if over else "") + (" (tie)" if tied else "")
+
+
+def _profile_line(saved: SavedProfile) -> str:
+    """Which profile a sweep used: the output folder's (a search's) reused, or its own and why."""
+    where = f"{saved.folder.name}/profile.csv" if saved.own else "profile.csv"
+    if not saved.measured:
+        return f"profile: {where}, reused" + (" (the output folder's own is for other settings)" if saved.own else "")
+    if not saved.own:
+        return f"profile: measured for this sweep, saved as {where}"
+    return (
+        f"profile: measured for this sweep, saved as {where}: the output folder's profile.csv does not serve it "
+        f"({saved.why_not}) and is left as it was"
+    )
+
+
+def front_rows(front: pd.DataFrame) -> list[list[object]]:
+    peaks = front["peak_bytes"] if "peak_bytes" in front else [None] * len(front)
+    return [
+        [int(r["trial"]), as_float(r["metric_drop"]), as_float(r["speedup"]), spread_text(as_float(r["spread"])), _bytes_cell(p)]
+        for (_, r), p in zip(front.iterrows(), peaks)
+    ]
+
+
+FRONT_HEADERS = ["trial", "metric drop", "speedup", "spread", "peak memory"]
+
+
+def _bytes_cell(value: float | None) -> str:
+    n = as_float(value)
+    return human_bytes(None if math.isnan(n) else n)
+
+
+def search_markdown(result: SearchResult, command: str) -> str:
+    """summary.md of a search: the command, the policy and every measured candidate, the profile, the gradients."""
+    prof = result.profile
+    return (
+        f"# autoprec search: {Measured.of(result.policy).model}\n\n`{command}`\n\n"
+        f"## Policy and measurements\n\n{search_summary(result, markdown=True)}\n\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(prof.rows, markdown=True)}\n\n"
+        f"{profile_notes()}\n\n"
+        f"![profile heat map](profile.png)\n\n"
+        f"## Gradient ranges\n\n{gradient_summary(prof.rows, prof.advice(), markdown=True)}\n\n"
+        f"![fp16 gradient underflow and overflow per loss scale](grad_ranges.png)\n"
+    )
+
+
+def profile_notes() -> str:
+    """What the profile table's cells mean, under it in summary.md and sweep.md."""
+    unrun = "; ".join(f"`{mark}`: {why}" for mark, why in UNRUN.items())
+    return (
+        f"dB: output SQNR against fp32; drop: metric drop with the layer lowered alone (~: predicted, an equal share "
+        f"of its group's drop; `ruled out`: not run, the format already was: slower than fp32 beyond "
+        f"prune.slower_than, non-finite or overflowing; profile.csv's metric_source says which; {unrun}); x time: the "
+        f"layer's forward+backward time over fp32's ({NO_KERNEL}: a format that runs emulated here, not timed)."
+    )
+
+
+def sweep_markdown(result: SweepResult, command: str) -> str:
+    """sweep.md: the command, the policy per budget, the Pareto plot and front, the profile."""
+    name = Measured.of(next(iter(result.policies.values()))).model
+    return (
+        f"# autoprec sweep: {name}\n\n`{command}`\n\n## Policy per budget\n\n{sweep_summary(result, markdown=True)}\n\n"
+        f"![the trials against metric drop](pareto.png)\n\n"
+        f"## Pareto front of the study (trial measurements)\n\n"
+        f"{markdown_table(FRONT_HEADERS, front_rows(result.front))}\n\n"
+        f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.rows, markdown=True)}\n\n"
+        f"{profile_notes()}\n"
+    )
