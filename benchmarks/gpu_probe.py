@@ -447,7 +447,7 @@ def stage_d(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_apply.py", "tests/test_apply_compile.py",
            "tests/test_devices.py", "-k", "cuda or kernels"]  # fmt: skip
     probe.log("$ " + " ".join(cmd))
-    timeout = None if probe.smoke else max(5.0, probe.left())
+    timeout = None if probe.smoke else max(5.0, probe.left() - probe.after("d"))
     # graph breaks and recompiles named: the first H200 run's compiled fp8 test made 6 graphs where the CPU makes 1
     env = {**os.environ, "TORCH_LOGS": "graph_breaks,recompiles"}
     rc, output = run_logged(cmd, timeout, env=env)

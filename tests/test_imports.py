@@ -154,3 +154,17 @@ def test_the_tuners_imports_run_down_the_stages_architecture_md_draws():
     assert set(place) <= tuner, f"docs/architecture.md places modules that do not exist: {sorted(set(place) - tuner)}"
     up = [f"{a} -> {b}" for a in sorted(tuner) for b in sorted(graph[a] & tuner) if place[b] >= place[a]]
     assert not up, "imports that run up docs/architecture.md's stages (move the name down instead):\n  " + "\n  ".join(up)
+
+
+def test_a_configuration_built_in_a_fresh_process_finds_the_default_goal():
+    """The goal registry is at the bottom (_core._goal) and the built-in goals register from above it: importing the
+    configuration's module alone must still leave them registered (autoprec.tune's __init__ runs first)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from autoprec.tune._core._config import SearchConfig\n"
+        "print(SearchConfig(budget=0.1).objective.name, SearchConfig(budget=0.1, objective='memory').objective.name)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.split() == ["speed", "memory"]

@@ -57,3 +57,17 @@ def test_the_tuners_api_is_its_all_and_every_stage_module_is_private():
     from autoprec.tune import export
 
     assert {"ExportTarget", "register", "unregister"} <= set(export.__all__)
+
+
+def test_every_package_of_autoprec_is_listed_for_installation():
+    """pyproject's package list is what a wheel holds: a package left out of it imports from a checkout and an
+    editable install, but is missing after `pip install .` (the tuner's stage packages once were)."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "autoprec").rglob("__init__.py")}
+    assert found <= listed, f"packages pyproject.toml does not install: {sorted(found - listed)}"
+    assert listed - found == {"autoprec.search_spaces"}  # package data from search_spaces/, mapped in package-dir

@@ -1,4 +1,4 @@
-"""autoprec/tune/_report/_report.py, _show.py and _tables.py: the gradient summary, how a policy is shown (its mode, its layers), tables."""
+"""autoprec/tune/_report/_report.py and _show.py, autoprec/tune/_core/_tables.py: the gradient summary, how a policy is shown (its mode, its layers), tables."""
 
 from __future__ import annotations
 

@@ -578,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"families, before the options are read; repeatable (installed packages' {PLUGIN_GROUP} entry points are "
         "always loaded)",
     )
-    from autoprec.tune._core._goal import objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
+    from autoprec.tune._core._goal import DEFAULT_GOAL, objective_help, objective_metavar  # noqa: PLC0415 (loaded with autoprec.tune)
     from autoprec.tune._core._targets import targets as planned_for  # noqa: PLC0415 (--target's devices, not export's)
 
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{search,sweep,profile,predict,show,export,verify}")
@@ -649,8 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
             "play (offered, default: minutes saved) or for every format the device can run (all), "
             "as `autoprec profile` measures them",
         )
-        # every registered goal (autoprec.tune._decide._goals); SearchConfig refuses another name, listing them
-        p.add_argument("--objective", default="speed", metavar=objective_metavar(), help=objective_help())
+        # every registered goal (autoprec.tune._core._goal's registry); SearchConfig refuses another name, listing them
+        p.add_argument("--objective", default=DEFAULT_GOAL, metavar=objective_metavar(), help=objective_help())
         p.add_argument(
             "--target",
             metavar="{" + ",".join(t.name for t in planned_for()) + "}",

@@ -138,7 +138,7 @@ class Mode(str, enum.Enum):
 
 
 def parse_goal(value: object) -> Goal:
-    """The registered goal `value` names (goals.goal_named; a Goal as it is), or a ValueError listing the names."""
+    """The registered goal `value` names (_goal.goal_named; a Goal as it is), or a ValueError listing the names."""
     return goal_named(value)
 
 
@@ -464,7 +464,7 @@ def search_config(
     if settings.get("cuda_graphs"):
         _check_cuda_graphs(device, default_compile(device) if compile is None else bool(compile), spell)
     if "objective" in settings or "target" in settings:  # the flags' own words, before SearchConfig's
-        check_target(parse_goal(settings.get("objective", "speed")), settings.get("target"), spell)
+        check_target(parse_goal(settings.get("objective", DEFAULT_GOAL)), settings.get("target"), spell)
     if the_mode is Mode.WEIGHTS:
         given = [spell(n) for n, value in (("train_steps", train_steps), ("noise_runs", noise_runs)) if value is not None]
         if given:

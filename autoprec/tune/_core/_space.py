@@ -376,7 +376,9 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         try:
             resource = importlib.resources.files("autoprec.search_spaces") / "default.yaml"
         except ModuleNotFoundError:  # uninstalled, run from a checkout on PYTHONPATH: the package is its search_spaces/
-            resource = Path(__file__).resolve().parents[2] / "search_spaces" / "default.yaml"
+            import autoprec  # noqa: PLC0415 (the checkout's root is the runtime package's parent)
+
+            resource = Path(autoprec.__file__).resolve().parents[1] / "search_spaces" / "default.yaml"
         text, source = resource.read_text(encoding="utf-8"), "default.yaml"
     else:
         path = Path(path)

@@ -400,7 +400,7 @@ def start(
     watch: Stopwatch,
     budgets: Budgets,
     *,
-    goal: Goal | None = None,
+    goal: Goal,
     objectives: int = 1,
     profile_folder: str | None = None,
 ) -> Started:
@@ -412,7 +412,7 @@ def start(
     prof = saved.profile
     try:  # the one binding: the goal checked against the space (`goal`, run's) and computed from the profile (the
         # FLOP goal: each Linear's FLOPs) holds it from here on, warm starts, trials and the choice too
-        config = dataclasses.replace(config, objective=(goal or config.objective).bound(prof.rows, config))
+        config = dataclasses.replace(config, objective=goal.bound(prof.rows, config))
     except ValueError as exc:
         raise UserError(f"--objective {config.objective.name}: {exc}") from None
     fallbacks = space.fallbacks(workload.model, config.objective)  # fp32, or a FLOP goal's bf16 where a list has no fp32
