@@ -497,28 +497,28 @@ def test_a_library_installed_with_pip_target_on_pythonpath_is_a_library_and_kept
 
 
 def test_a_module_on_pythonpath_without_installed_metadata_is_the_users_and_speaks(tmp_path, monkeypatch):
-    from autoprec.tune import _cli as cli
+    from autoprec.tune import _log_noise as noise
 
     ours = _noisy_package(tmp_path / "mine", installed=False)
     theirs = _noisy_package(tmp_path / "site", installed=True)
     (theirs / "model.py").write_text("import warnings\n")  # the user's own file beside what pip installed there
     monkeypatch.setattr(sys, "path", [str(ours), str(theirs), *sys.path])
-    cli._from_library.cache_clear()
-    cli._installed_tops.cache_clear()
+    noise.from_library.cache_clear()
+    noise.installed_tops.cache_clear()
     try:
-        assert not cli._from_library(str(ours / "noisy_pkg.py"))  # the user's helper module: its warnings are shown
-        assert cli._from_library(str(theirs / "noisy_pkg.py"))
-        assert not cli._from_library(str(theirs / "model.py"))  # not installed there: the user's, and it speaks
+        assert not noise.from_library(str(ours / "noisy_pkg.py"))  # the user's helper module: its warnings are shown
+        assert noise.from_library(str(theirs / "noisy_pkg.py"))
+        assert not noise.from_library(str(theirs / "model.py"))  # not installed there: the user's, and it speaks
         # csv-quoted RECORD lines (pip quotes a path holding a comma) and a wheel's scripts, which are no package
         (theirs / "noisy_pkg-1.0.dist-info" / "RECORD").write_text('"odd,name.py",,\nbin/tool,,\nnoisy_pkg.py,,\n')
         (theirs / "bin").mkdir()
-        cli._from_library.cache_clear()
-        cli._installed_tops.cache_clear()
-        assert cli._installed_tops(os.path.join(os.path.realpath(theirs), "")) == {"odd,name.py", "noisy_pkg.py"}
-        assert not cli._from_library(str(theirs / "bin" / "helper.py"))  # the user's file in a folder named as scripts
+        noise.from_library.cache_clear()
+        noise.installed_tops.cache_clear()
+        assert noise.installed_tops(os.path.join(os.path.realpath(theirs), "")) == {"odd,name.py", "noisy_pkg.py"}
+        assert not noise.from_library(str(theirs / "bin" / "helper.py"))  # the user's file in a folder named as scripts
     finally:
-        cli._from_library.cache_clear()
-        cli._installed_tops.cache_clear()
+        noise.from_library.cache_clear()
+        noise.installed_tops.cache_clear()
 
 
 # ---- issue 12: results kept apart, torn files, user code that fails late --------------------------

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
-import functools
 import importlib.metadata
 import json
 import logging
@@ -14,9 +12,7 @@ import math
 import os
 import select
 import signal
-import site
 import sys
-import sysconfig
 import threading
 import traceback
 import warnings
@@ -32,6 +28,7 @@ from autoprec.formats import default_device
 from autoprec.tune._core._numbers import parse_decimal, parse_integer
 from autoprec.tune._core._plugins import GROUP as PLUGIN_GROUP
 from autoprec.tune._core._plugins import load_plugins
+from autoprec.tune._log_noise import LibraryNoise, log_setup
 
 if TYPE_CHECKING:
     from autoprec.tune.export import ExportTarget
@@ -395,129 +392,6 @@ def _version() -> str:
         return "(not installed)"
 
 
-class _Stderr(logging.StreamHandler):
-    """Writes to whatever sys.stderr is when a line is logged (as Python's last-resort handler does)."""
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-def _log_setup(debug: bool) -> None:
-    """autoprec's own log lines, and only those, carry its prefix: torchao's or transformers' lines keep
-    theirs (the root logger gets no handler, so Python's last-resort one prints their warnings as they are).
-    Process-wide, so the CLI's job, not the library's."""
-    logger = logging.getLogger("autoprec")
-    handler = _Stderr()
-    handler.setFormatter(logging.Formatter("autoprec: %(message)s"))
-    logger.handlers[:] = [h for h in logger.handlers if not isinstance(h, _Stderr)] + [handler]
-    logger.setLevel(logging.DEBUG if debug else logging.WARNING)
-
-
-@functools.lru_cache(maxsize=1)
-def _library_roots() -> tuple[tuple[str, ...], str]:
-    """(where installed packages and the standard library live, where autoprec lives), each ending in a separator."""
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.update(getattr(site, "getsitepackages", list)())
-    roots.add(site.getusersitepackages())
-    own = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    return tuple(os.path.join(os.path.realpath(r), "") for r in roots), os.path.join(own, "")
-
-
-@functools.lru_cache(maxsize=256)
-def _installed_tops(folder: str) -> frozenset[str]:
-    """The top-level names (packages, modules) that distributions installed into `folder` put there, from each
-    `*.dist-info`'s RECORD: what `pip install --target DIR` leaves beside the user's own files, if DIR is theirs."""
-    try:
-        infos = [n for n in os.listdir(folder) if n.endswith(".dist-info")]
-    except OSError:
-        return frozenset()
-    tops: set[str] = set()
-    for info in infos:
-        try:
-            with open(os.path.join(folder, info, "RECORD"), encoding="utf-8", newline="") as record:
-                for row in csv.reader(record):  # pip writes RECORD with csv, quoting a path that holds a comma
-                    path = row[0].replace("\\", "/") if row else ""
-                    top = path.split("/", 1)[0]
-                    # Python files only: a wheel's scripts (bin/) and data are no package a warning comes from
-                    if path.endswith(_CODE) and top not in ("", "..") and not top.endswith(".dist-info"):
-                        tops.add(top)
-        except (OSError, csv.Error):
-            continue
-    return frozenset(tops)
-
-
-_CODE = (".py", ".pyi", ".pyd", ".so")  # what an installed distribution's Python code ends in
-
-
-def _installed_on_path(real: str) -> bool:
-    """Whether `real` (a resolved path) is a file a distribution installed into a folder on sys.path outside
-    site-packages (`pip install --target DIR` with PYTHONPATH=DIR, as on a cluster or a container image); the
-    user's own files beside it (model.py in that folder, say) are not."""
-    for entry in sys.path:
-        folder = os.path.join(os.path.realpath(entry or "."), "")
-        if real.startswith(folder) and real[len(folder) :].split(os.sep, 1)[0] in _installed_tops(folder):
-            return True
-    return False
-
-
-@functools.lru_cache(maxsize=4096)
-def _from_library(path: str) -> bool:
-    """Whether a warning or log record from the file `path` is a library's: a file of an installed package or of
-    the standard library, not autoprec's own (installed too) and not the user's (model.py and their modules)."""
-    if path.startswith("<"):
-        return path.startswith("<frozen")  # importlib's frames: an extension module's import
-    roots, own = _library_roots()
-    real = os.path.realpath(path)
-    return not real.startswith(own) and (real.startswith(roots) or _installed_on_path(real))
-
-
-class _LibraryNoise(logging.Filter):
-    """Libraries' warnings and log lines below ERROR kept out of the output for the command's duration (--debug shows
-    them): torch's pytree deprecation notices when model.py imports transformers or torchao, say, are for those
-    libraries' maintainers, not about the user's run, and nothing the user can act on. Process-wide, so the CLI's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._covered: list[logging.Handler] = []
-        self._shown = warnings.showwarning
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or not _from_library(record.pathname)
-
-    def cover(self) -> None:
-        """Filter every log handler there is now: the last-resort one (the root has none), torch's, and those a
-        library that model.py imported set up (transformers'). One set up later prints as it would."""
-        handlers = [logging.lastResort, *logging.getLogger().handlers]
-        for logger in list(logging.Logger.manager.loggerDict.values()):
-            if isinstance(logger, logging.Logger):
-                handlers.extend(logger.handlers)
-        for handler in handlers:
-            if handler is not None and self not in handler.filters:
-                handler.addFilter(self)
-                self._covered.append(handler)
-
-    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
-        if not _from_library(filename):
-            self._shown(message, category, filename, lineno, file, line)
-
-    def __enter__(self) -> _LibraryNoise:
-        self.cover()
-        self._shown = warnings.showwarning  # inside main's warnings.catch_warnings(), which puts it back
-        warnings.showwarning = self._show
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handler in self._covered:
-            handler.removeFilter(self)
-        self._covered.clear()
-
-
 def _reader_gone() -> bool:
     """Whether stdout is a pipe whose reader has closed it, so a BrokenPipeError is ours to stop on, not one from a
     pipe or socket the model's own code uses. Where poll cannot tell (Windows), it is taken to be stdout's."""
@@ -770,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autoprec: error: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR
     args = build_parser().parse_args(argv)
-    _log_setup(args.debug)
+    log_setup(args.debug)
     if args.verb in ("search", "sweep") and not args.debug:  # process-wide settings belong here, not in the library
         import optuna
 
@@ -784,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.enter_context(_terminate_as_interrupt())
             if not args.debug:  # inductor's notes on the kernels it generates (--compile) say nothing to a user
                 warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._inductor")
-                args.library_noise = stack.enter_context(_LibraryNoise())
+                args.library_noise = stack.enter_context(LibraryNoise())
             code = args.func(args)
             for stream in (sys.stdout, args.result_stdout):  # here, where a reader that has gone is handled below
                 stream.flush()
