@@ -216,7 +216,7 @@ def test_only_autoprecs_own_log_lines_carry_its_prefix():
     the root logger has no handler there, as in the command line."""
     import subprocess
 
-    code = ("import logging\nfrom autoprec.tune._cli import _log_setup\n_log_setup(False)\n"
+    code = ("import logging\nfrom autoprec.tune._log_noise import log_setup\nlog_setup(False)\n"
             "logging.getLogger('autoprec.tune._search._objective').warning('ours')\nlogging.getLogger('torchao.float8').warning('theirs')\n"
             "logging.getLogger('autoprec').info('not at the default level')\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
