@@ -545,10 +545,10 @@ def test_the_export_verb_refuses_to_write_over_its_policy(tmp_path, capsys, monk
 
 @pytest.fixture
 def csv_target():
-    """A toy `--to csv` target, registered as a user's own module would register it; unregistered after."""
-    from autoprec.tune.export import ExportTarget, Option, register, unregister
+    """A toy `--to csv` target, registered as a user's own module would register_export_target it; unregistered after."""
+    from autoprec.tune.export import ExportTarget, Option, register_export_target, unregister_export_target
 
-    @register
+    @register_export_target
     class Csv(ExportTarget):
         name = "csv"
         suffix = ".csv"
@@ -561,7 +561,7 @@ def csv_target():
             return ["the model root: a csv has no row for it"] if "" in policy.layers else []
 
     yield Csv
-    unregister("csv")
+    unregister_export_target("csv")
     assert "csv" not in exporting.TARGETS
 
 
@@ -592,16 +592,21 @@ def test_a_target_registered_from_outside_autoprec_is_offered_and_written_by_the
 
 
 def test_the_registry_refuses_a_name_already_taken_and_keeps_the_first(csv_target):
-    from autoprec.tune.export import get_target, register
+    from autoprec.tune.export import export_target_named, register_export_target
 
-    with pytest.raises(ValueError, match=r"export target 'csv' is already registered \(by .*\.Csv\); unregister\('csv'\)"):
-        register(type("OtherCsv", (csv_target,), {}))
+    with pytest.raises(
+        ValueError, match=r"export target 'csv' is already registered \(by .*\.Csv\); unregister_export_target\('csv'\)"
+    ):
+        register_export_target(type("OtherCsv", (csv_target,), {}))
     with pytest.raises(ValueError, match="export target 'torchao' is already registered .*give MyTorchao another name"):
-        register(type("MyTorchao", (csv_target,), {"name": "torchao"}))
-    assert type(get_target("csv")) is csv_target and type(get_target("torchao")).__module__ == "autoprec.tune.export.torchao"
+        register_export_target(type("MyTorchao", (csv_target,), {"name": "torchao"}))
+    assert (
+        type(export_target_named("csv")) is csv_target
+        and type(export_target_named("torchao")).__module__ == "autoprec.tune.export.torchao"
+    )
     with pytest.raises(ValueError, match="name 'CSV!' must be lowercase"):
-        register(type("Bad", (csv_target,), {"name": "CSV!"}))
+        register_export_target(type("Bad", (csv_target,), {"name": "CSV!"}))
     clash = (exporting.Option("--num-layers", help="rows", purpose="mine"),)
     with pytest.raises(ValueError, match="option --num-layers differs from the one export target 'megatron' takes"):
-        register(type("Rows", (csv_target,), {"name": "rows", "options": clash}))
+        register_export_target(type("Rows", (csv_target,), {"name": "rows", "options": clash}))
     assert exporting.TARGETS == (*BUILT_IN, "csv")  # nothing refused was registered

@@ -56,7 +56,7 @@ def test_the_tuners_api_is_its_all_and_every_stage_module_is_private():
     assert {"Goal", "register_goal", "unregister_goal"} <= set(autoprec.tune.__all__)
     from autoprec.tune import export
 
-    assert {"ExportTarget", "register", "unregister"} <= set(export.__all__)
+    assert {"ExportTarget", "register_export_target", "unregister_export_target"} <= set(export.__all__)
 
 
 def test_every_package_of_autoprec_is_listed_for_installation():

@@ -1,4 +1,4 @@
-"""autoprec/tune/_core/_plugins.py: `autoprec --plugin MODULE_OR_FILE` and the `autoprec.plugins` entry points register goals,
+"""autoprec/tune/_core/_plugins.py: `autoprec --plugin MODULE_OR_FILE` and the `autoprec.plugins` entry points register_export_target goals,
 targets and export targets before the parser is built, so --objective, --target and --to offer them."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from autoprec.tune._core import _plugins as plugins
 PLUGIN = """
 from autoprec.tune import Goal, Target, register_goal, register_target
 from autoprec.tune._decide._choose import choose
-from autoprec.tune.export import ExportTarget, register
+from autoprec.tune.export import ExportTarget, register_export_target
 
 
 @register_goal
@@ -36,7 +36,7 @@ class Fewest(Goal):
 register_target(Target(name="{prefix}-gpu", device="a toy GPU", tflops={{"fp32": 1.0, "bf16": 2.0}}, source="made up", bandwidth_tbs=1.0))
 
 
-@register
+@register_export_target
 class Lines(ExportTarget):
     name = "{prefix}-lines"
     suffix = ".txt"
@@ -52,11 +52,15 @@ class Lines(ExportTarget):
 def unregistered():
     """What a test's plugin registers under `prefix`, gone after it, and its module forgotten (imported again)."""
     from autoprec.tune import unregister_goal, unregister_target
-    from autoprec.tune.export import unregister
+    from autoprec.tune.export import unregister_export_target
 
     before = set(sys.modules)
     yield "toyplug"
-    for undo, name in ((unregister_goal, "toyplug-fewest"), (unregister_target, "toyplug-gpu"), (unregister, "toyplug-lines")):
+    for undo, name in (
+        (unregister_goal, "toyplug-fewest"),
+        (unregister_target, "toyplug-gpu"),
+        (unregister_export_target, "toyplug-lines"),
+    ):
         try:
             undo(name)
         except KeyError:
@@ -98,10 +102,10 @@ def test_a_plugin_module_by_name_and_an_installed_entry_point_are_loaded(tmp_pat
     code, _, err = run(capsys, "--plugin", "toyplug_mod", "export", tmp_path / "policy.json", "--to", "toyplug-lines")
     assert code == 0, err
     from autoprec.tune import unregister_goal, unregister_target
-    from autoprec.tune.export import unregister
+    from autoprec.tune.export import unregister_export_target
 
     del sys.modules["toyplug_mod"]  # as in a fresh process: nothing of it imported or registered
-    unregister_goal("toyplug-fewest"), unregister_target("toyplug-gpu"), unregister("toyplug-lines")
+    unregister_goal("toyplug-fewest"), unregister_target("toyplug-gpu"), unregister_export_target("toyplug-lines")
     entry = importlib.metadata.EntryPoint(name="toy", value="toyplug_mod", group=plugins.GROUP)
     monkeypatch.setattr(plugins, "_CALLED", set())
     monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [entry] if group == plugins.GROUP else [])
@@ -140,19 +144,19 @@ def test_an_entry_point_that_fails_names_itself_its_group_and_the_fix(capsys, mo
 
 
 def test_an_entry_point_naming_a_function_runs_once_per_process_and_its_failure_is_one_line(tmp_path, capsys, monkeypatch):
-    """A function entry point that registers a target: a second main() in one process does not register it again
+    """A function entry point that registers a target: a second main() in one process does not register_export_target it again
     (that was a traceback: already registered), and one that raises is one line, exit 2."""
     from autoprec.tune import Target, register_target, unregister_target
 
     calls = []
     module = types.ModuleType("toyplug_fn")
-    module.register = lambda: calls.append(
+    module.register_export_target = lambda: calls.append(
         register_target(Target("toyplug-fn-gpu", "a toy", {"bf16": 1.0, "fp32": 0.5}, "test", 1.0))
     )  # type: ignore[attr-defined]
     module.broken = lambda: 1 / 0  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "toyplug_fn", module)
     monkeypatch.setattr(plugins, "_CALLED", set())
-    entry = importlib.metadata.EntryPoint(name="fn", value="toyplug_fn:register", group=plugins.GROUP)
+    entry = importlib.metadata.EntryPoint(name="fn", value="toyplug_fn:register_export_target", group=plugins.GROUP)
     monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [entry])
     try:
         for _ in range(2):

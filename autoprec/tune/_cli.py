@@ -601,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     _global_flags(sh)
     sh.set_defaults(func=cmd_show)
 
-    from autoprec.tune.export import options, targets  # noqa: PLC0415 (light: the policy and formats only)
+    from autoprec.tune.export import export_targets, options  # noqa: PLC0415 (light: the policy and formats only)
 
     # every registered target (autoprec.tune.export): its name, its file's suffix and the options it adds
     ex = verbs.add_parser(
@@ -611,9 +611,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("policy", help="path to a policy.json")
     ex.add_argument(
-        "--to", required=True, choices=[t.name for t in targets()], help="; ".join(f"{t.name}: {t.summary}" for t in targets())
+        "--to",
+        required=True,
+        choices=[t.name for t in export_targets()],
+        help="; ".join(f"{t.name}: {t.summary}" for t in export_targets()),
     )
-    ex.add_argument("--out", help=f"the file to write (default: beside the policy, {_export_file_names(targets())})")
+    ex.add_argument("--out", help=f"the file to write (default: beside the policy, {_export_file_names(export_targets())})")
     for option, names in options().items():
         ex.add_argument(
             option.flag, dest=option.dest, type=option.type, metavar=option.metavar, help=f"{', '.join(names)}: {option.help}"
@@ -627,7 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("exported", help="a file `autoprec export` wrote")
     vf.add_argument("--policy", required=True, help="the policy.json it was exported from")
     vf.add_argument("--model", required=True, help="the model.py (its build_model()'s linears), or a text file of module names")
-    vf.add_argument("--to", choices=[t.name for t in targets()], help="the file's target (default: the one it names)")
+    vf.add_argument("--to", choices=[t.name for t in export_targets()], help="the file's target (default: the one it names)")
     _global_flags(vf)
     vf.set_defaults(func=cmd_verify)
     return parser

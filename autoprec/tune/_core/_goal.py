@@ -218,9 +218,9 @@ def register_goal(goal: G) -> G:
     return goal
 
 
-def unregister_goal(name: str) -> None:
-    """Remove the goal `name` (KeyError if none is registered)."""
-    del _REGISTRY[name]
+def unregister_goal(name: str) -> Goal:
+    """Remove the goal `name` and return it (KeyError if none is registered)."""
+    return _REGISTRY.pop(name)
 
 
 def goals() -> tuple[Goal, ...]:

@@ -27,11 +27,11 @@ from autoprec.tune.export.base import (
     Gemms,
     Option,
     Resolved,
-    get_target,
+    export_target_named,
+    export_targets,
     options,
-    register,
-    targets,
-    unregister,
+    register_export_target,
+    unregister_export_target,
 )
 
 BUILT_IN = (
@@ -54,11 +54,11 @@ __all__ = [
     "Resolved",
     "default_path",
     "export",
-    "get_target",
+    "export_target_named",
     "options",
-    "register",
-    "targets",
-    "unregister",
+    "register_export_target",
+    "export_targets",
+    "unregister_export_target",
 ]
 
 # Read from the registry when asked for (PEP 562), so that a target registered later is in them too.
@@ -68,22 +68,22 @@ SUFFIXES: dict[str, str]  # target -> the written file's suffix
 
 def __getattr__(name: str) -> Any:
     if name == "TARGETS":
-        return tuple(t.name for t in targets())
+        return tuple(t.name for t in export_targets())
     if name == "SUFFIXES":
-        return {t.name: t.suffix for t in targets()}
+        return {t.name: t.suffix for t in export_targets()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_path(policy_path: Path, target: str) -> Path:
     """Beside the policy: <name>_<target><suffix>."""
-    return policy_path.with_name(f"{policy_path.stem}_{target}{get_target(target).suffix}")
+    return policy_path.with_name(f"{policy_path.stem}_{target}{export_target_named(target).suffix}")
 
 
 def export(policy: Policy, target: str, out: str | Path, *, source: str = "a policy", **given: Any) -> list[str]:
     """Write `policy` for `target` to `out`; returns what the target could not express (and says when nothing
     is left to convert). `given`: target options by dest (num_layers=N: the model's transformer layers, for
     megatron only); None is not given. An option of another target is refused, naming that target."""
-    chosen = get_target(target)
+    chosen = export_target_named(target)
     given = {dest: value for dest, value in given.items() if value is not None}
     for dest in given:
         if any(option.dest == dest for option in chosen.options):

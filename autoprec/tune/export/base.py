@@ -1,7 +1,7 @@
 """An export target as a type, and the registry the command line reads its choices from.
 
 A target is a subclass of ExportTarget with a name (`--to NAME`), the suffix of the file it writes, one line for
-`--to`'s help, the command-line options it adds (Option), and `write`; `@register` puts one instance in the registry.
+`--to`'s help, the command-line options it adds (Option), and `write`; `@register_export_target` puts one instance in the registry.
 Nothing outside the target's own module names it: `autoprec export` offers, names and writes whatever is registered.
 """
 
@@ -42,7 +42,7 @@ class Option:
 
 class ExportTarget(abc.ABC):
     """One `--to` choice. Subclass it in a module of its own, set the class attributes, implement `write`, and
-    decorate the class with `@register`."""
+    decorate the class with `@register_export_target`."""
 
     name: ClassVar[str]  # the --to choice; the default file is <policy name>_<name><suffix>
     suffix: ClassVar[str]  # the written file's suffix, with its dot: ".py", ".json"
@@ -82,13 +82,15 @@ _REGISTRY: Registry[ExportTarget] = Registry("export target")  # name -> target,
 T = TypeVar("T", bound=type[ExportTarget])
 
 
-def register(cls: T) -> T:
+def register_export_target(cls: T) -> T:
     """Class decorator: add an instance of `cls` to the registry. Refuses (ValueError) a name already taken, a name
     or suffix that cannot make a file name, and an option that would clash with another target's or the verb's."""
     suffix = getattr(cls, "suffix", None)
     # the name rule (registry.NAME) is every registry's: a `--to` choice and part of a file name
     name = _REGISTRY.check_name(getattr(cls, "name", None), cls.__qualname__)
-    _REGISTRY.refuse_taken(name, f"unregister({name!r}) first to replace it, or give {cls.__qualname__} another name")
+    _REGISTRY.refuse_taken(
+        name, f"unregister_export_target({name!r}) first to replace it, or give {cls.__qualname__} another name"
+    )
     if not isinstance(suffix, str) or not re.fullmatch(r"\.[A-Za-z0-9]+", suffix):
         raise ValueError(f"export target {name!r}: suffix {suffix!r} must be a dot and letters or digits ('.py')")
     if not isinstance(getattr(cls, "summary", None), str):
@@ -110,17 +112,17 @@ def register(cls: T) -> T:
     return cls
 
 
-def unregister(name: str) -> None:
-    """Remove the target `name` (KeyError if none is registered)."""
-    del _REGISTRY[name]
+def unregister_export_target(name: str) -> ExportTarget:
+    """Remove the target `name` and return it (KeyError if none is registered)."""
+    return _REGISTRY.pop(name)
 
 
-def targets() -> tuple[ExportTarget, ...]:
+def export_targets() -> tuple[ExportTarget, ...]:
     """The registered targets, in registration order."""
     return tuple(_REGISTRY.values())
 
 
-def get_target(name: str) -> ExportTarget:
+def export_target_named(name: str) -> ExportTarget:
     """The target `name`; ValueError listing the registered ones when there is none."""
     try:
         return _REGISTRY[name]

@@ -33,7 +33,7 @@ from autoprec.tune.export._common import (
     recipe_key,
     root_not_expressed,
 )
-from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Option, Resolved, register
+from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Option, Resolved, register_export_target
 
 _FP8_NOTES = (  # megatron/core/transformer/multi_token_prediction.py and models/vision/multimodal_projector.py
     "Megatron runs its multi-token-prediction layers and a multimodal projector in fp8 whenever fp8 is on; they "
@@ -312,7 +312,7 @@ NUM_LAYERS = Option(
 )
 
 
-@register
+@register_export_target
 class Megatron(ExportTarget):
     name = "megatron"
     suffix = ".json"

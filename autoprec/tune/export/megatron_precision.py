@@ -51,7 +51,7 @@ from autoprec.tune.export._common import (
     root_not_expressed,
     same_module,
 )
-from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Resolved, register
+from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Resolved, register_export_target
 from autoprec.tune.export.megatron import megatron_recipe, misnumbered, misnumbered_lines, recipe_gemms
 
 HIGH_PRECISION = "high_precision"  # the config key of the default matcher's (empty) recipe
@@ -179,7 +179,7 @@ def precision_yaml(policy: Policy, *, source: str = "a policy", factory: str = "
     return "\n".join(head) + "\n" + body, lines
 
 
-@register
+@register_export_target
 class MegatronPrecision(ExportTarget):
     name = "megatron-precision"
     suffix = ".yaml"

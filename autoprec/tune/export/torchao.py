@@ -24,7 +24,7 @@ from autoprec.tune.export._common import (
     same_module,
     str_table,
 )
-from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register
+from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register_export_target
 
 
 def fp8_gemms(policy: Policy) -> dict[str, dict[str, object]]:
@@ -105,7 +105,7 @@ def convert(model):
 '''
 
 
-@register
+@register_export_target
 class Torchao(ExportTarget):
     name = "torchao"
     suffix = ".py"

@@ -38,7 +38,7 @@ from autoprec.tune.export._common import (
     same_module,
     str_table,
 )
-from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register
+from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register_export_target
 
 TORCHTITAN_RECIPES = ("rowwise", "rowwise_with_gw_hp")  # Float8LinearConverter.Config.recipe_name in torchtitan 0.3
 # the blockscaled formats' recipe_name -> torchtitan's converter that runs it: both convert a Linear's three GEMMs
@@ -258,7 +258,7 @@ def blockscaled_converters(model_config, **options):
 '''
 
 
-@register
+@register_export_target
 class Torchtitan(ExportTarget):
     name = "torchtitan"
     suffix = ".py"

@@ -38,7 +38,7 @@ from autoprec.tune.export._common import (
     root_not_expressed,
     same_module,
 )
-from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register
+from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register_export_target
 
 TABLE = "GEMMS"  # the written file's table: layer -> (fprop, dgrad, wgrad) formats
 NAMES = (TABLE, "quantizer_factory", "quantizer_for", "custom_recipe")  # every name the written file defines
@@ -139,7 +139,7 @@ def custom_recipe():
 '''
 
 
-@register
+@register_export_target
 class TransformerEngine(ExportTarget):
     name = "transformer-engine"
     suffix = ".py"

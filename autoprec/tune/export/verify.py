@@ -15,7 +15,7 @@ from pathlib import Path
 from autoprec.errors import UserError, printable
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.export._common import layer_only, policy_gemms
-from autoprec.tune.export.base import HIGH, Gemms, Resolved, get_target
+from autoprec.tune.export.base import HIGH, Gemms, Resolved, export_target_named
 
 _WRITTEN_BY = re.compile(r"autoprec export --to ([a-z0-9][a-z0-9_-]*)")  # in every exported file's first lines
 
@@ -103,7 +103,7 @@ def verify(exported: str | Path, policy: Policy, module_names: list[str], target
     exported = Path(exported)
     name = target or written_by(exported)
     try:
-        chosen = get_target(name)
+        chosen = export_target_named(name)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if not module_names:
