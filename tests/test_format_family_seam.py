@@ -242,3 +242,15 @@ def test_a_stale_format_object_is_resolved_by_its_name_or_refused():
         assert applied_summary(model).layers["0"].format is fresh
     finally:
         unregister_format("toy-stale")
+
+
+def test_the_exporters_ask_the_family_for_block_scaled_gemms_and_recipes_not_its_name(toy, monkeypatch):
+    """A family from outside autoprec that quantises in blocks says so by its own answer; the export targets read
+    that, and a family that does not is no block-scaled one (the name "blockscaled" is never compared)."""
+    from autoprec.tune.export._common import blockscaled_gemms, blockscaled_recipe
+
+    assert blockscaled_gemms(toy) is None and blockscaled_recipe(toy) is None
+    monkeypatch.setattr(ToyInt8Family, "block_scaled_gemms", lambda self, fmt: ("mxfp8", None, None))
+    monkeypatch.setattr(ToyInt8Family, "recipe_name", lambda self, fmt: "toy_recipe")
+    assert blockscaled_gemms(toy) == ("mxfp8", None, None) and blockscaled_recipe(toy) == "toy_recipe"
+    assert blockscaled_gemms(Format("mxfp8")) == ("mxfp8", "mxfp8", "mxfp8") and blockscaled_recipe(Format("mxfp8")) == "mxfp8"

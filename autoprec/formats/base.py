@@ -259,6 +259,16 @@ class FormatFamily(abc.ABC):
         """What the export targets call `fmt` (torchao's recipe name), or None where no export target runs it."""
         return None
 
+    def block_scaled_gemms(self, fmt: Format) -> tuple[str | None, str | None, str | None] | None:
+        """Where `fmt` quantises a GEMM in blocks (MXFP8, NVFP4), each GEMM's (fprop, dgrad, wgrad) block format
+        ("mxfp8", "nvfp4") or None (high precision), as the export targets write them; None (the default) for a family
+        that quantises in no blocks."""
+        return None
+
+    def recipe_name(self, fmt: Format) -> str | None:
+        """What the training frameworks call `fmt`'s block-scaled recipe, where they have one; None by default."""
+        return None
+
     def gemm_precisions(self, fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
         """The element format each of an nn.Linear's three GEMMs runs in under `fmt`, as (fprop, dgrad, wgrad): each
         one of GEMM_PRECISIONS. The FLOP goal (autoprec/tune/_decide/_flops.py) weights a layer's GEMM work by a target's

@@ -255,6 +255,10 @@ class BlockScaledFamily(FormatFamily):
         in MXFP8, wgrad in high precision); None for the other per-GEMM mixes."""
         return _RECIPES.get(fmt.value)
 
+    def block_scaled_gemms(self, fmt: Format) -> tuple[str | None, str | None, str | None]:
+        fprop, dgrad, wgrad = (None if g == "fp32" else g for g in self.gemm_precisions(fmt))
+        return fprop, dgrad, wgrad
+
     def gemm_precisions(self, fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
         """Each GEMM's element format; a GEMM in high precision runs in the caller's autocast dtype (`outer`: the
         layer casts its operands to it), fp32 outside one."""

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from autoprec.errors import UserError, printable, shown
 from autoprec.formats import Format
-from autoprec.formats.blockscaled import BlockScaledFamily
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.export.base import HIGH, Gemms
 
@@ -34,18 +33,14 @@ def _layers(names: list[str], verb: str = "runs") -> str:
 
 def blockscaled_gemms(fmt: Format) -> tuple[str | None, str | None, str | None] | None:
     """A block-scaled format's (fprop, dgrad, wgrad) element formats, "mxfp8", "nvfp4" or None (high precision), as
-    its family says them (gemm_precisions); None for a format of another family."""
-    if fmt.family.name != "blockscaled":
-        return None
-    fprop, dgrad, wgrad = (None if g == "fp32" else g for g in fmt.family.gemm_precisions(fmt))
-    return fprop, dgrad, wgrad
+    its family says them (FormatFamily.block_scaled_gemms); None for a format of a family that quantises in no blocks."""
+    return fmt.family.block_scaled_gemms(fmt)
 
 
 def blockscaled_recipe(fmt: Format) -> str | None:
     """What the training frameworks call a block-scaled format's recipe (BlockScaledFamily.recipe_name: "mxfp8",
     "nvfp4", "mxfp8_rceil_wgrad_with_hp"); None for the other per-GEMM mixes and for other families' formats."""
-    family = fmt.family
-    return family.recipe_name(fmt) if isinstance(family, BlockScaledFamily) else None
+    return fmt.family.recipe_name(fmt)
 
 
 def layer_only(fmt: Format) -> bool:
