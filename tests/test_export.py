@@ -545,7 +545,7 @@ def test_the_export_verb_refuses_to_write_over_its_policy(tmp_path, capsys, monk
 
 @pytest.fixture
 def csv_target():
-    """A toy `--to csv` target, registered as a user's own module would register_export_target it; unregistered after."""
+    """A toy `--to csv` target, registered as a user's own module would register it; unregistered after."""
     from autoprec.tune.export import ExportTarget, Option, register_export_target, unregister_export_target
 
     @register_export_target

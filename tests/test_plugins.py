@@ -1,4 +1,4 @@
-"""autoprec/tune/_core/_plugins.py: `autoprec --plugin MODULE_OR_FILE` and the `autoprec.plugins` entry points register_export_target goals,
+"""autoprec/tune/_core/_plugins.py: `autoprec --plugin MODULE_OR_FILE` and the `autoprec.plugins` entry points register goals,
 targets and export targets before the parser is built, so --objective, --target and --to offer them."""
 
 from __future__ import annotations
@@ -144,19 +144,19 @@ def test_an_entry_point_that_fails_names_itself_its_group_and_the_fix(capsys, mo
 
 
 def test_an_entry_point_naming_a_function_runs_once_per_process_and_its_failure_is_one_line(tmp_path, capsys, monkeypatch):
-    """A function entry point that registers a target: a second main() in one process does not register_export_target it again
+    """A function entry point that registers a target: a second main() in one process does not register it again
     (that was a traceback: already registered), and one that raises is one line, exit 2."""
     from autoprec.tune import Target, register_target, unregister_target
 
     calls = []
     module = types.ModuleType("toyplug_fn")
-    module.register_export_target = lambda: calls.append(
+    module.register = lambda: calls.append(
         register_target(Target("toyplug-fn-gpu", "a toy", {"bf16": 1.0, "fp32": 0.5}, "test", 1.0))
     )  # type: ignore[attr-defined]
     module.broken = lambda: 1 / 0  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "toyplug_fn", module)
     monkeypatch.setattr(plugins, "_CALLED", set())
-    entry = importlib.metadata.EntryPoint(name="fn", value="toyplug_fn:register_export_target", group=plugins.GROUP)
+    entry = importlib.metadata.EntryPoint(name="fn", value="toyplug_fn:register", group=plugins.GROUP)
     monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [entry])
     try:
         for _ in range(2):

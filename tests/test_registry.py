@@ -53,15 +53,15 @@ def test_the_target_registry_refuses_such_a_name_too(name):
 @pytest.mark.parametrize(
     "module, kind, plural",
     [
-        ("autoprec.tune._core._goal", "goal", "goals"),
-        ("autoprec.tune._core._targets", "target", "targets"),
-        ("autoprec.formats.base", "family", "families"),
-        ("autoprec.tune.export.base", "export_target", "export_targets"),
+        ("autoprec.tune", "goal", "goals"),
+        ("autoprec.tune", "target", "targets"),
+        ("autoprec.formats", "family", "families"),
+        ("autoprec.tune.export", "export_target", "export_targets"),
     ],
 )
 def test_every_named_registry_speaks_the_same_four_verbs(module, kind, plural):
-    """register_X, unregister_X (which returns what it removed), Xs() (the members, in order) and X_named(name): one
-    spelling for every registry a user adds to by name. (Devices are found by a torch device, not a name:
+    """register_X, unregister_X (which returns what it removed), Xs() (the members, in order) and X_named(name),
+    public where users add: one spelling for every registry a user adds to by name. (Devices are found by a torch device, not a name:
     autoprec.devices.device_for and lookup.)"""
     import importlib
     import inspect
@@ -69,4 +69,8 @@ def test_every_named_registry_speaks_the_same_four_verbs(module, kind, plural):
     found = importlib.import_module(module)
     for verb in (f"register_{kind}", f"unregister_{kind}", plural, f"{kind}_named"):
         assert callable(getattr(found, verb, None)), f"{module} has no {verb}"
-    assert inspect.signature(getattr(found, f"unregister_{kind}")).return_annotation not in ("None", None)
+    assert inspect.signature(getattr(found, f"unregister_{kind}")).return_annotation not in (
+        "None",
+        None,
+        inspect.Signature.empty,
+    )

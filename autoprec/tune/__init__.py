@@ -20,7 +20,7 @@ from autoprec.tune._core._goal import INFEASIBLE, Axis, Goal, goal_named, goals,
 from autoprec.tune._core._names import ALTERNATIVES
 from autoprec.tune._core._records import Finals, Measured, Measurement, TrialRecord
 from autoprec.tune._core._space import Layout, SearchSpace, load_space
-from autoprec.tune._core._targets import Target, register_target, unregister_target
+from autoprec.tune._core._targets import Target, register_target, target_named, targets, unregister_target
 from autoprec.tune._decide._choose import choose, choose_smallest
 from autoprec.tune._decide._goals import MEMORY, SPEED
 from autoprec.tune._measure._profile_data import Profile, ProfileRow
@@ -67,5 +67,7 @@ __all__ = [
     "choose_smallest",
     "Target",
     "register_target",
+    "targets",
+    "target_named",
     "unregister_target",
 ]
