@@ -8,6 +8,11 @@ class UserError(ValueError):
     """A problem with what the user gave us (a model.py, a policy file, an option), not a bug."""
 
 
+class RankFailed(RuntimeError):
+    """Another rank of a job working together (a sharded search under torchrun) failed, or did not answer: the
+    message names it. The CLI prints it as one line."""
+
+
 def describe(exc: BaseException, limit: int | None = 300) -> str:
     """`Type: first line of the message`, cut at `limit` characters: another library's error inside one of ours."""
     first = (str(exc).strip().splitlines() or [""])[0]

@@ -42,15 +42,19 @@ def search_and_report(
     command: str,
     announce: Callable[[Budgets], None] | None = None,
 ) -> searcher.SearchResult:
-    """searcher.search, then summary.md and the heat maps beside its files (what `autoprec search` writes)."""
+    """searcher.search, then summary.md and the heat maps beside its files (what `autoprec search` writes). On a
+    sharded workload (under torchrun), rank 0 searches and writes, and returns the result; the other ranks take their
+    part in every measurement and return None (Workload.sharding.run)."""
     from autoprec.tune._report._plots import plot_all
     from autoprec.tune._report._report import search_markdown
 
-    out_dir = Path(out_dir)
-    result = searcher.search(workload, space, config, out_dir, announce=announce)
-    write_text(out_dir / "summary.md", search_markdown(result, command))
-    plot_all(result.profile, out_dir, title=f"{workload.task.name} on {result.profile.device}")
-    return result
+    def run() -> searcher.SearchResult:
+        result = searcher.search(workload, space, config, Path(out_dir), announce=announce)
+        write_text(Path(out_dir) / "summary.md", search_markdown(result, command))
+        plot_all(result.profile, Path(out_dir), title=f"{workload.task.name} on {result.profile.device}")
+        return result
+
+    return run() if workload.sharding is None else workload.sharding.run(workload, run)
 
 
 def sweep_and_report(
@@ -65,20 +69,23 @@ def sweep_and_report(
 ) -> sweeper.SweepResult:
     """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes): the
     heat maps beside the profile it measured, or where the one it reused has none; a reused profile's are left as
-    they are (a search's files)."""
+    they are (a search's files). Sharded: as search_and_report."""
     from autoprec.tune._report._plots import plot_all, plot_pareto
     from autoprec.tune._report._report import sweep_markdown
 
-    out_dir = Path(out_dir)
-    result = sweeper.sweep(workload, space, budgets, config, out_dir, announce=announce)
-    title = f"{workload.task.name} on {result.profile.device}"
-    plot_pareto(result, out_dir / "pareto.png", title=title)
-    saved = result.saved
-    folder = saved.folder if saved is not None else out_dir
-    if saved is None or saved.measured or not (folder / "profile.png").is_file():
-        plot_all(result.profile, folder, title=title)
-    write_text(out_dir / "sweep.md", sweep_markdown(result, command))
-    return result
+    def run() -> sweeper.SweepResult:
+        out = Path(out_dir)
+        result = sweeper.sweep(workload, space, budgets, config, out, announce=announce)
+        title = f"{workload.task.name} on {result.profile.device}"
+        plot_pareto(result, out / "pareto.png", title=title)
+        saved = result.saved
+        folder = saved.folder if saved is not None else out
+        if saved is None or saved.measured or not (folder / "profile.png").is_file():
+            plot_all(result.profile, folder, title=title)
+        write_text(out / "sweep.md", sweep_markdown(result, command))
+        return result
+
+    return run() if workload.sharding is None else workload.sharding.run(workload, run)
 
 
 def task_from_objects(

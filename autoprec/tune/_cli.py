@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from autoprec import devices
-from autoprec.errors import UserError, printable
+from autoprec.errors import RankFailed, UserError, printable
 from autoprec.formats import default_device
 from autoprec.tune._core._numbers import parse_decimal, parse_integer
 from autoprec.tune._core._plugins import GROUP as PLUGIN_GROUP
@@ -108,15 +108,72 @@ def _prepare(args: argparse.Namespace):
     if getattr(args, "library_noise", None) is not None:  # a library model.py imported may have set up its own handler
         args.library_noise.cover()
     space = load_space(args.space)
-    device = _device(args.device)
+    device = _rank_device(args, _device(args.device))
     workload = prepare(task, device)
     try:
         space = space.with_excludes(args.exclude or (), workload.model)
     except ValueError as exc:
         raise UserError(f"--{exc}") from None
     how = "compiled" if _compile(args) else "eager"
+    ranks = getattr(args, "ranks", None)
+    if ranks is not None:
+        workload = _sharded(args, task, workload)
+        how += f", sharded over {ranks[1]} ranks by {task.path.name}'s parallelize"
     _say(args, f"autoprec: {task.path} on {device}, {how}")
     return task, space, workload
+
+
+def _rank_device(args: argparse.Namespace, device: torch.device) -> torch.device:
+    """Under torchrun, each rank's own GPU (cuda -> cuda:LOCAL_RANK), as torchrun's workers train."""
+    ranks = getattr(args, "ranks", None)
+    if ranks is None or device.index is not None or not devices.device_for(device).numbered:
+        return device
+    return torch.device(device.type, ranks[2])
+
+
+def _sharded(args: argparse.Namespace, task, workload):
+    """The workload, run on every rank of this torchrun job together (_ranks.Ranks), sharded by model.py's
+    parallelize(model, mesh)."""
+    from autoprec.tune._measure._ranks import Ranks
+
+    if task.parallelize is None:
+        raise UserError(
+            f"{task.path}: torchrun started {args.ranks[1]} ranks, but the file defines no parallelize(model, mesh) to "
+            "shard the model over them; define one (fully_shard each block, then the model: docs/sharded.md), or "
+            "run autoprec without torchrun"
+        )
+    ranks = Ranks(workload.device, task.parallelize, where=f"{task.path.name}:parallelize", timeout_s=60 * args.rank_timeout)
+    return dataclasses.replace(workload, sharding=ranks)
+
+
+@contextlib.contextmanager
+def _torchrun(args: argparse.Namespace):
+    """Under torchrun with more than one rank: torch.distributed's default group for the command (process-wide, so
+    here, where the process is the CLI's), destroyed after; `args.ranks` = (rank, world size, local rank), else None."""
+    from autoprec.tune._measure._ranks import torchrun_ranks
+
+    args.ranks = torchrun_ranks(os.environ)
+    if args.ranks is None:
+        yield
+        return
+    if args.ranks[0]:  # rank 0 reports; the others' lines would repeat it
+        args.quiet = True
+    if args.verb not in ("search", "sweep"):
+        raise UserError(
+            f"autoprec {args.verb} runs in one process: run it without torchrun (under torchrun, autoprec searches "
+            "and sweeps a model that trains sharded)"
+        )
+    import datetime
+
+    import torch.distributed as dist
+
+    if args.device.startswith("cuda") and torch.cuda.is_available():  # NCCL's collectives run on the rank's own GPU
+        torch.cuda.set_device(args.ranks[2])
+    dist.init_process_group(timeout=datetime.timedelta(minutes=args.rank_timeout))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _print_json(args: argparse.Namespace, result: object, **options) -> None:
@@ -204,6 +261,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     out = args.out_dir = _out_dir(args, task)
     command = _command("search", config.storage)
     result = search_and_report(workload, space, config, out, command=command, announce=_announce(args, "--budget"))
+    if result is None:  # a rank that took its part in a sharded search; rank 0 reports it
+        return 0
     if args.json:
         _print_json(args, {"policy_file": str(out / "policy.json"), "policy": result.policy.to_dict()}, allow_nan=False)
         return 0
@@ -240,6 +299,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, study_name=f"{task.name}-sweep")
     command = _command("sweep", config.storage)
     result = sweep_and_report(workload, space, specs, config, out, command=command, announce=_announce(args, "--budgets"))
+    if result is None:  # a rank that took its part in a sharded sweep; rank 0 reports it
+        return 0
     if args.json:
         rows = [
             {"budget": b, "budget_given": r.budget_given, "policy_file": str(out / r.policy_file), "policy": p.to_dict()}
@@ -531,6 +592,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="with --objective flops: the device to plan for, whose step time the step-time predictor "
             "predicts from its datasheet's rates and bandwidth (a prediction, not a measurement: docs/planning.md)",
         )
+        p.add_argument(
+            "--rank-timeout",
+            type=parse_decimal,
+            default=60.0,
+            metavar="MINUTES",
+            help="under torchrun: how long a rank waits for the others at any one point (rank 0's profile, which "
+            "the others wait for, included) before the run ends naming the wait (default 60)",
+        )
 
     s = model_verb("search", "profile the model, search per-layer formats, write a verified policy.json")
     s.add_argument(
@@ -659,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with to_stderr, warnings.catch_warnings(), contextlib.ExitStack() as stack:
             stack.enter_context(_terminate_as_interrupt())
+            stack.enter_context(_torchrun(args))
             if not args.debug:  # inductor's notes on the kernels it generates (--compile) say nothing to a user
                 warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._inductor")
                 args.library_noise = stack.enter_context(LibraryNoise())
@@ -676,14 +746,26 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"autoprec: error: {printable(str(exc))}", file=sys.stderr)  # a path or a value from a file, escaped
+        # a path or a value from a file, escaped
+        print(f"autoprec: error{_which_rank(args)}: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except RankFailed as exc:  # another rank's failure, or a wait past --rank-timeout: named in its one line
+        if args.debug:
+            traceback.print_exc()
+        print(f"autoprec: error{_which_rank(args)}: {printable(str(exc))}", file=sys.stderr)
+        return 1
     except _Terminated:
         print(f"autoprec: stopped (SIGTERM){_resume_hint(args)}", file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"autoprec: interrupted{_resume_hint(args)}", file=sys.stderr)
         return 130
+
+
+def _which_rank(args: argparse.Namespace) -> str:
+    """' (rank N)' on a rank other than 0 of a torchrun job: every rank prints its own errors to the same terminal."""
+    ranks = getattr(args, "ranks", None)
+    return f" (rank {ranks[0]})" if ranks is not None and ranks[0] else ""
 
 
 class _Terminated(KeyboardInterrupt):

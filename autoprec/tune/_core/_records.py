@@ -359,6 +359,8 @@ class Measured:
     search_space: str | None = None
     study: StudyRef = StudyRef()
     sweep: Mapping[str, Any] | None = None
+    # the layout a sharded search measured on (world_size, mesh, parallelize: _ranks.Layout); None: one device
+    layout: Mapping[str, Any] | None = None
     cost: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     created: str | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -375,7 +377,8 @@ class Measured:
             if f.name == "extra":
                 continue
             if (
-                f.name in ("budget_given", "why", "greedy", "stopped", "sweep", "created", "memory", "max_memory", "estimate")
+                f.name
+                in ("budget_given", "why", "greedy", "stopped", "sweep", "layout", "created", "memory", "max_memory", "estimate")
                 and value is None
             ):
                 continue
@@ -441,6 +444,7 @@ class Measured:
                 complete=_count(study.get("complete")),
             ),
             sweep=sweep if isinstance(sweep, Mapping) else None,
+            layout=data.get("layout") if isinstance(data.get("layout"), Mapping) else None,
             cost=dict(_mapping(data.get("cost"))),
             created=_text(data.get("created")),
             extra={k: v for k, v in data.items() if k not in known},

@@ -17,7 +17,7 @@ from autoprec.errors import UserError
 from autoprec.policy import Policy
 from autoprec.tune._core._config import METRIC_REPEAT_TOLERANCE
 from autoprec.tune._measure._task import Workload, check_loss
-from autoprec.tune._measure._trainer import Candidate, Trainer, as_candidate, matmul_precision, policy_model
+from autoprec.tune._measure._trainer import Candidate, Trainer, as_candidate, matmul_precision, new_trainer, trained_model
 
 
 def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -60,12 +60,11 @@ def train_and_evaluate(workload: Workload, policy: Policy | Candidate, steps: in
     RNG state is left as it was."""
     with devices.lookup(workload.device).fork_rng(workload.device):
         torch.manual_seed(seed)
-        trainer = Trainer(workload, policy, order=batch_order(len(workload.train), steps, seed))
+        trainer = new_trainer(workload, policy, order=batch_order(len(workload.train), steps, seed))
         for _ in range(steps):
             trainer.step()
         finite = trainer.finite
-        with matmul_precision(workload.device, trainer.tf32):
-            metric = metric_of(workload, trainer.model) if finite else math.nan
+        metric = trained_metric(workload, trainer) if finite else math.nan
     return TrainOutcome(metric=metric, finite=finite and math.isfinite(metric), steps=steps, skipped=trainer.skipped)
 
 
@@ -162,10 +161,25 @@ def metric_of(workload: Workload, model: torch.nn.Module) -> float:
 def evaluate_metric(workload: Workload, policy: Policy | Candidate) -> float:
     """The metric of the reference weights with `policy` applied, eagerly: compilation fuses kernels for speed
     and moves the numbers only at rounding level, and compiling every candidate's evaluation would double the
-    compilations a search pays."""
+    compilations a search pays. On a sharded workload, evaluated on every rank together (Workload.sharding)."""
     candidate = as_candidate(policy)
+    if workload.sharding is not None:
+        return workload.sharding.metric(workload, candidate)
+    return evaluate_here(workload, candidate)
+
+
+def evaluate_here(workload: Workload, candidate: Candidate) -> float:
+    """evaluate_metric on this process alone (a rank's part of a sharded evaluation: its model sharded too)."""
     with matmul_precision(workload.device, candidate.tf32):
-        return metric_of(workload, policy_model(workload, candidate.policy))
+        return metric_of(workload, trained_model(workload, candidate.policy))
+
+
+def trained_metric(workload: Workload, trainer: Trainer) -> float:
+    """The metric of the model `trainer` trained (its TF32 setting kept), on every rank together where sharded."""
+    if workload.sharding is not None:
+        return workload.sharding.trained_metric(trainer)
+    with matmul_precision(workload.device, trainer.tf32):
+        return metric_of(workload, trainer.model)
 
 
 def metric_name(workload: Workload) -> str:

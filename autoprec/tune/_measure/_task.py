@@ -10,7 +10,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,7 +21,7 @@ from autoprec.tensors import map_tensors
 from autoprec.tune._core._config import SHAPE_BATCHES
 
 REQUIRED = ("build_model", "batches", "loss_fn")
-OPTIONAL = ("evaluate", "optimizer")
+OPTIONAL = ("evaluate", "optimizer", "parallelize")
 SPLITS = ("train", "eval")
 
 
@@ -36,6 +36,9 @@ class Task:
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     evaluate: Callable[[torch.nn.Module], float] | None = None
     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None
+    # parallelize(model, mesh): shards the built model (FSDP2's fully_shard per block) for a search under torchrun
+    # (_ranks.py); a policy is applied before it, to the user's unsharded module names
+    parallelize: Callable[[torch.nn.Module, Any], torch.nn.Module | None] | None = None
     label: str | None = None  # the name of a task built in Python (api.task_from_objects), which has no file
 
     @property
@@ -48,15 +51,46 @@ class Task:
         return folder if stem == "model" and folder else stem
 
 
+class Sharding(Protocol):
+    """How a workload's candidates run when the model trains sharded over the ranks of one torchrun job
+    (_ranks.Ranks): every rank builds, steps and evaluates each candidate together, led by rank 0."""
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A candidate's model (the policy applied) sharded as the user trains it (model.py's parallelize)."""
+        ...
+
+    def trainer(self, workload: Workload, policy: Any, *, order: Any = None, compiled: bool = False) -> Any:
+        """The leader's handle on one candidate's Trainer, built on every rank."""
+        ...
+
+    def metric(self, workload: Workload, candidate: Any) -> float:
+        """A candidate's metric (the reference weights, its policy applied), evaluated on every rank together."""
+        ...
+
+    def trained_metric(self, trainer: Any) -> float:
+        """The metric of the model a `trainer` (this sharding's handle) has trained, evaluated on every rank together."""
+        ...
+
+    def layout(self) -> dict[str, Any]:
+        """What the policy file records of the layout it was measured on."""
+        ...
+
+    def run(self, workload: Workload, search: Callable[[], Any]) -> Any:
+        """`search()` on the leader (rank 0), its result returned; on the other ranks, their part of it, and None."""
+        ...
+
+
 @dataclasses.dataclass
 class Workload:
-    """A task made ready on one device: the fp32 reference model and the batches, already moved."""
+    """A task made ready on one device: the fp32 reference model and the batches, already moved. `sharding`: None
+    on one device; under torchrun, the ranks every candidate runs on together (_ranks.Ranks)."""
 
     task: Task
     device: torch.device
     model: torch.nn.Module
     train: list
     eval: list
+    sharding: Sharding | None = dataclasses.field(default=None, repr=False, compare=False)
     # the all-fp32 model's checked metric once taken (_metric.workload_fp32_metric, its one reader and writer)
     fp32_metric_seen: float | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -169,6 +203,7 @@ def load_task(path: str | Path) -> Task:
         loss_fn=required("loss_fn"),
         evaluate=optional("evaluate"),
         optimizer=optional("optimizer"),
+        parallelize=optional("parallelize"),
     )
 
 

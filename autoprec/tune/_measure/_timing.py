@@ -108,7 +108,13 @@ class DeviceClock:
     (a layer's step in the profile) is timed by the device's busy time alone, not the host's launch overhead."""
 
     def time(self, work: Callable[[], object], calls: int, device: torch.device) -> BlockTime:
-        return devices.lookup(device).time_block(device, work, calls, kernels=bool(getattr(work, "kernels", False)))
+        kernels = bool(getattr(work, "kernels", False))
+        # work that runs on every rank of a sharded search (_ranks.py) is told the block once and times it on each
+        # rank, the slowest rank's time its time: a message per step would be inside the time
+        on_ranks = getattr(work.run if isinstance(work, Step) else work, "time_on_ranks", None)
+        if on_ranks is not None:
+            return on_ranks(calls, kernels=kernels)  # type: ignore[no-any-return]
+        return devices.lookup(device).time_block(device, work, calls, kernels=kernels)
 
 
 def as_block(measured: float | BlockTime) -> BlockTime:

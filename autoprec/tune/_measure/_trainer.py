@@ -89,6 +89,25 @@ def policy_model(workload: Workload, policy: Policy) -> torch.nn.Module:
     return apply_on_chosen_device(copy.deepcopy(workload.model), policy)
 
 
+def trained_model(workload: Workload, policy: Policy) -> torch.nn.Module:
+    """policy_model, then sharded as the user trains it where the workload is (Workload.sharding: model.py's
+    parallelize after the policy, which names the unsharded modules): what a candidate's steps and metric run on.
+    Every candidate starts from a fresh copy of the reference weights, so no trial trains the model the next starts
+    from, sharded or not."""
+    model = policy_model(workload, policy)
+    return workload.sharding.shard(model) if workload.sharding is not None else model
+
+
+def new_trainer(
+    workload: Workload, policy: Policy | Candidate, *, order: Sequence[int] | None = None, compiled: bool = False
+) -> Trainer:
+    """A Trainer for `policy`, or, on a sharded workload, the leader's handle on one built on every rank together
+    (Workload.sharding.trainer), which answers as a Trainer does."""
+    if workload.sharding is not None:
+        return workload.sharding.trainer(workload, policy, order=order, compiled=compiled)  # type: ignore[no-any-return]
+    return Trainer(workload, policy, order=order, compiled=compiled)
+
+
 class Trainer:
     """One candidate's model, optimizer and GradScaler, taking training steps over the train batches.
 
@@ -111,7 +130,7 @@ class Trainer:
         self.workload = workload
         self.tf32 = candidate.tf32
         self.policy = candidate.policy
-        self.model = policy_model(workload, candidate.policy).train()
+        self.model = trained_model(workload, candidate.policy).train()
         self.compiled = compiled
         if candidate.cuda_graphs and not compiled:
             raise ValueError("a CUDA-graphs candidate is a compiled one (torch.compile's mode='reduce-overhead')")
@@ -279,7 +298,7 @@ def measure_steps_or_fail(
         trainers = {}
         for name, policy in policies.items():
             try:
-                trainer = Trainer(workload, policy, compiled=compiled)
+                trainer = new_trainer(workload, policy, compiled=compiled)
                 trainer.step()  # builds (and compiles) now, so a failure is this candidate's alone
                 if compiled:
                     trainer.warm_shapes()  # and for every batch shape, outside the timed rounds

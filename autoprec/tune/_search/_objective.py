@@ -47,7 +47,15 @@ from autoprec.tune._measure._metric import NoiseFloor, evaluate_metric, noise_fl
 from autoprec.tune._measure._speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune._measure._task import Workload
 from autoprec.tune._measure._timing import interleaved_times, noisiest, spread_text
-from autoprec.tune._measure._trainer import Candidate, Trainer, compile_scope, fp32_step_failed, peak_memory_or_none, step_stats
+from autoprec.tune._measure._trainer import (
+    Candidate,
+    Trainer,
+    compile_scope,
+    fp32_step_failed,
+    new_trainer,
+    peak_memory_or_none,
+    step_stats,
+)
 from autoprec.tune._search._storage import OBJECTIVES
 
 log = logging.getLogger("autoprec")
@@ -162,7 +170,7 @@ class Objective:
         predicts = config.predict_speed and objectives == 1 and goal.ranks_by_speed and config.max_memory is None
         self.layer_times = layer_times if predicts else None
         # timed beside every eager candidate; a compiled search builds a compiled one per trial instead
-        self.baseline = None if config.compile else Trainer(workload, Policy(layers={ROOT: Format.FP32}))
+        self.baseline = None if config.compile else new_trainer(workload, Policy(layers={ROOT: Format.FP32}))
         self._baseline_warm = False  # after its first timing, the baseline needs one warm-up call, not config.warmup
         self._fp32_peak: int | None = None
         self._fp32_peak_known = False  # measured once: the same fp32 model needs the same memory every time
@@ -263,7 +271,7 @@ class Objective:
         if not self._fp32_peak_known:
             trainer = baseline or self.baseline
             with compile_scope(self.config.compile, 1) if trainer is None else contextlib.nullcontext():
-                trainer = trainer or Trainer(self.workload, Policy(layers={ROOT: Format.FP32}), compiled=self.config.compile)
+                trainer = trainer or new_trainer(self.workload, Policy(layers={ROOT: Format.FP32}), compiled=self.config.compile)
                 self._fp32_peak = peak_memory_or_none(trainer, "the fp32 baseline")
             self._fp32_peak_known = True
         return self._fp32_peak
@@ -356,14 +364,14 @@ class Objective:
                 # compile_scope empties the compile caches, so a compiled fp32 baseline is built (mostly from
                 # inductor's on-disk cache) in every trial, and its compilation counted with the candidate's
                 fp32 = Policy(layers={ROOT: Format.FP32})
-                baseline = Trainer(self.workload, fp32, compiled=True) if self.baseline is None else self.baseline
+                baseline = new_trainer(self.workload, fp32, compiled=True) if self.baseline is None else self.baseline
                 try:
                     baseline.step()  # the fp32 baseline failing is no fault of the candidate's
                 except Exception as exc:
                     raise fp32_step_failed(
                         self.workload, "all-fp32 training step", describe(exc), compiled=self.config.compile
                     ) from exc
-                candidate = Trainer(self.workload, policy, compiled=self.config.compile)
+                candidate = new_trainer(self.workload, policy, compiled=self.config.compile)
                 if self.config.compile:  # each batch shape compiled before the timing, counted as compile time
                     baseline.warm_shapes()
                     candidate.step()
