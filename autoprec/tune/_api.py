@@ -97,18 +97,19 @@ def task_from_objects(
     evaluate: Callable[[torch.nn.Module], float] | None = None,
     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
     name: str | None = None,
+    parallelize: Callable[[torch.nn.Module, Any], torch.nn.Module | None] | None = None,
 ) -> Task:
     """A Task from objects in memory, checked as a model.py is. The search works on a copy of `model`: the
     caller's model, its device and its weights are left as they were."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for what, fn in (("loss_fn", loss_fn), ("evaluate", evaluate), ("optimizer", optimizer)):
+    for what, fn in (("loss_fn", loss_fn), ("evaluate", evaluate), ("optimizer", optimizer), ("parallelize", parallelize)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{what} must be a function, got {type(fn).__name__}")
     splits = {"train": train_batches, "eval": eval_batches}
     label = name or type(model).__name__
     # A SystemExit inside them is a UserError, as from a model.py: it would end the caller's script with no result
-    hooks = (("loss_fn", loss_fn), ("evaluate", evaluate), ("optimizer", optimizer))
+    hooks = (("loss_fn", loss_fn), ("evaluate", evaluate), ("optimizer", optimizer), ("parallelize", parallelize))
     guarded = {what: guard_exit(label, what, fn) for what, fn in hooks if fn is not None}
     return Task(
         path=Path(label),
@@ -117,6 +118,7 @@ def task_from_objects(
         loss_fn=guarded["loss_fn"],
         evaluate=guarded.get("evaluate"),
         optimizer=guarded.get("optimizer"),
+        parallelize=guarded.get("parallelize"),
         label=label,
     )
 
@@ -137,13 +139,22 @@ def _setup(
     seed,
     compile,
     progress,
+    parallelize,
     config: Mapping[str, Any],
 ) -> tuple[Workload, SearchSpace, SearchConfig]:
-    """The workload (a copy of the model, its batches on the device), the space, and the settings (a search's
-    budget among them, as the user gave it); compiled by default on CUDA, as the command line."""
+    """The workload (a copy of the model, its batches on the device; with `parallelize`, sharded over the ranks of
+    the caller's torch.distributed job: _ranks.Ranks), the space, and the settings (a search's budget among them, as
+    the user gave it); compiled by default on CUDA, as the command line."""
     the_space = space if isinstance(space, SearchSpace) else load_space(space)
-    task = task_from_objects(model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name)
+    task = task_from_objects(
+        model, loss_fn, train_batches, eval_batches, evaluate=evaluate, optimizer=optimizer, name=name, parallelize=parallelize
+    )
     workload = prepare(task, torch.device(device) if device is not None else default_device())
+    if task.parallelize is not None:
+        from autoprec.tune._measure._ranks import Ranks  # noqa: PLC0415 (torch.distributed: a sharded search's alone)
+
+        ranks = Ranks(workload.device, task.parallelize, where=f"{task.name}:parallelize")
+        workload = dataclasses.replace(workload, sharding=ranks)
     the_space = the_space.with_excludes(tuple(exclude), workload.model)
     settings = search_config(device=workload.device, compile=compile, trials=trials, seed=seed, progress=progress, **config)
     return workload, the_space, settings
@@ -167,8 +178,9 @@ def search(
     compile: bool | None = None,
     progress: bool = True,
     name: str | None = None,
+    parallelize: Callable[[torch.nn.Module, Any], torch.nn.Module | None] | None = None,
     **config: Any,
-) -> searcher.SearchResult:
+) -> searcher.SearchResult | None:
     """Search per-layer formats for a model in memory, within a metric budget, and return the measured result.
 
     Runs the command line's own code path (`autoprec search model.py`) on objects instead of a model.py: the same
@@ -207,13 +219,18 @@ def search(
             elsewhere (the metric is evaluated eagerly either way).
         progress: Show progress bars. Default True.
         name: The task's name in the output and the study's name. Default None: the model's class name.
+        parallelize: `parallelize(model, mesh)` shards a candidate's model (its policy applied) over a device mesh
+            of every rank, in place or returning it (FSDP2's fully_shard per block): a search of a model that trains
+            sharded, called on every rank of an initialised torch.distributed job (torchrun), rank 0 leading
+            (docs/sharded.md). Default None: one device.
         **config: Further SearchConfig fields, e.g. mode="train", train_steps=50, finalists=3,
             storage="sqlite:///study.db", objective="memory", predict_speed=False, time_budget=600.0 (seconds), and
             max_memory="40GB" (a size as --max-memory takes it, a share of the device's memory such as 0.8 or
             "80%", or a number of bytes).
 
     Returns:
-        searcher.SearchResult: `.policy` (the chosen autoprec.Policy, to apply with autoprec.apply_policy),
+        searcher.SearchResult | None: None on a rank other than 0 of a sharded search (rank 0 returns the result).
+        `.policy` (the chosen autoprec.Policy, to apply with autoprec.apply_policy),
         `.summary()` (the table the command line prints), `.finals` (records.Finals: every re-measured candidate,
         the alternatives among them), `.trials` (trials.csv's rows, a pandas DataFrame) and `.profile`.
 
@@ -255,14 +272,19 @@ def search(
         seed=seed,
         compile=compile,
         progress=progress,
+        parallelize=parallelize,
         config={**config, "budget": spec},
     )
     command = f"autoprec.tune.search({workload.task.name}, budget={str(spec)!r}, seed={seed})"
     if out is not None:
         return search_and_report(workload, the_space, settings, out, command=command)
-    with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
-        result = searcher.search(workload, the_space, settings, folder)
-    return dataclasses.replace(result, storage=NOT_KEPT)
+
+    def in_a_temporary_folder() -> searcher.SearchResult:
+        with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
+            result = searcher.search(workload, the_space, settings, folder)
+        return dataclasses.replace(result, storage=NOT_KEPT)
+
+    return in_a_temporary_folder() if workload.sharding is None else workload.sharding.run(workload, in_a_temporary_folder)
 
 
 def sweep(
@@ -283,8 +305,9 @@ def sweep(
     compile: bool | None = None,
     progress: bool = True,
     name: str | None = None,
+    parallelize: Callable[[torch.nn.Module, Any], torch.nn.Module | None] | None = None,
     **config: Any,
-) -> sweeper.SweepResult:
+) -> sweeper.SweepResult | None:
     """Search once for several budgets: one two-objective study, then a verified policy per budget.
 
     The sweep's study optimises the goal (speed by default) and the metric drop together, so one set of trials
@@ -310,10 +333,11 @@ def sweep(
         compile: Time steps under torch.compile. Default None: True on CUDA, False elsewhere.
         progress: Show progress bars. Default True.
         name: The task's name. Default None: the model's class name (the study is named "<name>-sweep").
+        parallelize: As `search` takes it: a sweep of a model that trains sharded, on every rank. Default None.
         **config: Further SearchConfig fields, as `search` takes them (mode, finalists, storage, objective, ...).
 
     Returns:
-        sweeper.SweepResult: `.policies` maps each absolute budget to its autoprec.Policy, `.table` holds a
+        sweeper.SweepResult | None: None on a rank other than 0 of a sharded sweep. `.policies` maps each absolute budget to its autoprec.Policy, `.table` holds a
         BudgetRow per budget, `.front` the Pareto front of the trials, `.summary()` the table the command line
         prints.
 
@@ -353,12 +377,17 @@ def sweep(
         seed=seed,
         compile=compile,
         progress=progress,
+        parallelize=parallelize,
         config=config,
     )
     settings = dataclasses.replace(base, study_name=base.study_name or f"{workload.task.name}-sweep")
     command = f"autoprec.tune.sweep({workload.task.name}, budgets={', '.join(map(str, specs))!r}, seed={seed})"
     if out is not None:
         return sweep_and_report(workload, the_space, specs, settings, out, command=command)
-    with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
-        result = sweeper.sweep(workload, the_space, specs, settings, folder)
-    return dataclasses.replace(result, storage=NOT_KEPT)
+
+    def in_a_temporary_folder() -> sweeper.SweepResult:
+        with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
+            result = sweeper.sweep(workload, the_space, specs, settings, folder)
+        return dataclasses.replace(result, storage=NOT_KEPT)
+
+    return in_a_temporary_folder() if workload.sharding is None else workload.sharding.run(workload, in_a_temporary_folder)

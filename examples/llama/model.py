@@ -182,3 +182,14 @@ def build_model():
         return Llama()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return stdlib_text.trained(f"llama-{SIZE}", Llama, loss_fn, HPARAMS, device)
+
+
+def parallelize(model, mesh):
+    """FSDP2 as torchtitan shards a Llama: each block, then the model (its embedding, final norm and head), over the
+    mesh of every rank. A search under torchrun (`torchrun --nproc_per_node N -m autoprec search
+    examples/llama/model.py`) measures each candidate so, its policy applied first (docs/sharded.md)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)

@@ -1,0 +1,145 @@
+"""A search of a model that trains sharded (FSDP2's fully_shard) under torchrun, on 2 CPU processes (gloo): one policy
+recording the layout, ranks that never disagree on a candidate, a rank's failure named without a hang, a rerun that
+resumes the study; and the rules by which the ranks agree on what each measured."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoprec.devices import BlockTime
+from autoprec.errors import UserError
+from autoprec.tune._measure import _ranks
+from autoprec.tune._measure._timing import DeviceClock, Step
+
+MODEL = Path(__file__).parent / "models" / "sharded_decoder.py"
+SPACE = """\
+default: [fp32, bf16]
+layers:
+  Linear: [fp32, bf16]
+prune:
+  slower_than: 1000   # bf16 is kept in play whatever this CPU runs it at: the tests check the ranks, not a speed
+sampler: random
+"""
+
+
+def torchrun(tmp_path, *args, fail=None, timeout=240):
+    """`torchrun --nproc_per_node 2 -m autoprec search` of the sharded decoder; (exit code, stdout, stderr)."""
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    (tmp_path / "log").mkdir(exist_ok=True)
+    env = {**os.environ, "AUTOPREC_TEST_LOG": str(tmp_path / "log"), "OMP_NUM_THREADS": "1"}
+    env.pop("AUTOPREC_TEST_FAIL", None)
+    if fail:
+        env["AUTOPREC_TEST_FAIL"] = fail
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += ["-m", "autoprec", "search", str(MODEL), "--space", str(space), "--out", str(tmp_path / "out")]
+    command += ["--device", "cpu", "--no-compile", "--budget", "0.05", "--time-every-trial", *args]
+    # its own session: a hang is killed whole (torchrun and its workers), never left running past the test
+    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+        pytest.fail(f"the sharded search hung past {timeout} s: {err[-2000:]}")
+    return job.returncode, out, err
+
+
+def complete(tmp_path):
+    """The study's complete trials, from trials.csv (which lists the warm starts still waiting too)."""
+    with open(tmp_path / "out" / "trials.csv", newline="") as f:
+        return [row for row in csv.DictReader(f) if row["state"] == "COMPLETE"]
+
+
+def built(tmp_path, rank):
+    """The policies rank `rank` sharded a model for, in order (the test model logs each)."""
+    return (tmp_path / "log" / f"rank{rank}.log").read_text().splitlines()
+
+
+@pytest.mark.slow  # two torchrun jobs of two processes, about 30 s each
+def test_a_sharded_search_writes_one_policy_with_its_layout_the_ranks_agree_and_a_rerun_resumes(tmp_path):
+    code, out, err = torchrun(tmp_path, "--trials", "3")
+    assert code == 0, err[-3000:]
+    policy = json.loads((tmp_path / "out" / "policy.json").read_text())
+    assert policy["measured"]["layout"] == {"world_size": 2, "mesh": [2], "parallelize": "sharded_decoder.py:parallelize"}
+    assert out.count("chosen:") == 1  # rank 0 reports; rank 1 took its part quietly
+    # every candidate rank 0 measured, rank 1 built too, in the same order: only rank 0 decides one
+    assert len(built(tmp_path, 0)) > 3 and built(tmp_path, 0) == built(tmp_path, 1)
+    assert any('"bf16"' in line for line in built(tmp_path, 0))  # trials beyond the all-fp32 start
+    first = complete(tmp_path)
+    assert len(first) == 3
+    code, out, err = torchrun(tmp_path, "--trials", "5")
+    assert code == 0, err[-3000:]
+    again = complete(tmp_path)
+    assert len(again) == 5 and again[:3] == first  # the study went on from its 3 trials, as they were: 2 more
+    assert built(tmp_path, 0) == built(tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_on_a_candidate_ends_that_trial_naming_the_rank_and_the_search_goes_on(tmp_path):
+    code, out, err = torchrun(tmp_path, "--trials", "3", fail="1:lowered")
+    assert code == 0, err[-3000:]
+    trials = (tmp_path / "out" / "trials.csv").read_text()
+    assert "rank 1 of 2" in trials and "cannot shard a lowered Linear" in trials
+    assert json.loads((tmp_path / "out" / "policy.json").read_text())["measured"]["layout"]["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_on_every_metric_ends_the_run_on_every_rank_naming_it(tmp_path):
+    code, out, err = torchrun(tmp_path, "--trials", "3", fail="1:evaluate", timeout=120)  # no hang: well within
+    assert code != 0
+    assert "rank 1 of 2" in err and "evaluate broke on this rank" in err
+    assert "autoprec: error (rank 1): rank 0 ended the search" in err  # the follower says why it stopped
+    assert not (tmp_path / "out" / "policy.json").exists()
+
+
+def test_torchrun_ranks_reads_torchruns_environment():
+    assert _ranks.torchrun_ranks({}) is None
+    assert _ranks.torchrun_ranks({"WORLD_SIZE": "1", "RANK": "0"}) is None  # one rank: a search as on one device
+    assert _ranks.torchrun_ranks({"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "0"}) == (2, 4, 0)
+    with pytest.raises(UserError, match="WORLD_SIZE='two'.*whole numbers"):
+        _ranks.torchrun_ranks({"WORLD_SIZE": "two"})
+
+
+def test_the_ranks_agree_on_the_slowest_block_the_largest_peak_and_the_mean_metric():
+    blocks = [BlockTime(0.010, host_s=0.004, held=True), BlockTime(0.012, host_s=0.003, held=False)]
+    assert _ranks._slowest(blocks) == BlockTime(0.012, host_s=0.004, held=False)  # a step is as slow as its slowest rank
+    assert _ranks._slowest([BlockTime(0.5), BlockTime(0.7)]) == BlockTime(0.7)
+    assert _ranks._largest([3, 7]) == 7 and _ranks._largest([3, None]) is None  # unmeasured on a rank: unknown
+    assert _ranks._mean([1.0, 2.0]) == 1.5
+    assert torch.isnan(torch.tensor(_ranks._mean([1.0, float("nan")])))  # non-finite on any rank: the candidate's
+
+
+def test_layout_is_what_the_policy_file_records():
+    layout = _ranks.Layout(world_size=8, mesh=(2, 4), parallelize="model.py:parallelize")
+    assert layout.to_dict() == {"world_size": 8, "mesh": [2, 4], "parallelize": "model.py:parallelize"}
+
+
+def test_the_clock_times_work_that_runs_on_every_rank_there_once_per_block():
+    told = []
+
+    class OnRanks:
+        def __call__(self):
+            raise AssertionError("stepped one call at a time by the leader's clock")
+
+        def time_on_ranks(self, calls, *, kernels=False):
+            told.append((calls, kernels))
+            return BlockTime(0.25)
+
+    work = OnRanks()
+    assert DeviceClock().time(work, 8, torch.device("cpu")) == BlockTime(0.25)
+    assert DeviceClock().time(Step(work, None, kernels=True), 4, torch.device("cpu")) == BlockTime(0.25)
+    assert told == [(8, False), (4, True)]
+
+
+def test_a_sharded_search_needs_an_initialised_job():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(UserError, match="run it under torchrun"):
+        _ranks.Ranks(torch.device("cpu"), lambda model, mesh: None, where="model.py:parallelize")
