@@ -150,3 +150,25 @@ def test_on_a_device_the_trials_found_too_noisy_the_final_remeasure_times_no_ext
     asked.clear()
     finalists.final_remeasure(None, {}, JUDGE, config, Stopwatch(), noisy_device=False)
     assert asked == [config.final_timing.rounds]  # a device the trials found quiet: a noisy re-measure times on
+
+
+def test_the_final_remeasure_times_no_more_a_candidate_every_step_of_which_was_grossly_slower_than_fp32s(monkeypatch):
+    from autoprec.tune._core._config import GROSS_SLOWDOWN
+    from autoprec.tune._core._cost import Stopwatch
+
+    asked = []
+
+    def remeasure(workload, candidates, judge, budget, timing, **kw):
+        asked.append(kw["retire"])
+        return finals({"candidate": "fp32", "rounds": 5}, {"candidate": "uniform bf16", "rounds": 1})
+
+    monkeypatch.setattr(finalists, "remeasure", remeasure)
+    finalists.final_remeasure(None, {}, JUDGE, SearchConfig(budget=0.1, progress=False), Stopwatch())
+    retire = asked[0]
+    fp32 = [44.0, 46.0]
+    # an AVX2 CPU's uniform bf16: every step 30x fp32's; its one round is its row, and fp32 always beats it
+    assert retire({"fp32": fp32, "uniform bf16": [1373.0]}) == {"uniform bf16"}
+    edge = GROSS_SLOWDOWN * max(fp32)
+    assert retire({"fp32": fp32, "slow": [edge * 1.01, edge * 0.99]}) == set()  # one step within the factor: timed on
+    assert retire({"fp32": fp32, "trial 3": [40.0]}) == set()
+    assert retire({"uniform bf16": [1373.0]}) == set()  # no fp32 to hold it against: timed on

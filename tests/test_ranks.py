@@ -78,7 +78,9 @@ def test_a_sharded_search_writes_one_policy_with_its_layout_the_ranks_agree_and_
     code, out, err = torchrun(tmp_path, "--trials", "5")
     assert code == 0, err[-3000:]
     again = complete(tmp_path)
-    assert len(again) == 5 and again[:3] == first  # the study went on from its 3 trials, as they were: 2 more
+    measured = ("trial", "metric", "step_ms", "fp32_step_ms", "speedup")
+    kept = [{k: row[k] for k in measured} for row in again[:3]]
+    assert len(again) == 5 and kept == [{k: row[k] for k in measured} for row in first]  # its 3 trials as measured: 2 more
     assert built(tmp_path, 0) == built(tmp_path, 1)
 
 
@@ -143,3 +145,56 @@ def test_a_sharded_search_needs_an_initialised_job():
     assert not torch.distributed.is_initialized()
     with pytest.raises(UserError, match="run it under torchrun"):
         _ranks.Ranks(torch.device("cpu"), lambda model, mesh: None, where="model.py:parallelize")
+
+
+def _search_from_python(rank, world, port, folder):
+    """One rank of a script that calls autoprec.tune.search under its own torch.distributed job (gloo)."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    import autoprec.tune
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOPREC_TEST_LOG=str(Path(folder) / "log"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        spec = importlib.util.spec_from_file_location("sharded_decoder", MODEL)
+        model_py = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(model_py)
+        result = autoprec.tune.search(
+            model_py.build_model(),
+            model_py.loss_fn,
+            model_py.batches("train"),
+            evaluate=model_py.evaluate,
+            parallelize=model_py.parallelize,
+            budget=0.05,
+            trials=2,
+            device="cpu",
+            compile=False,
+            progress=False,
+            space=str(Path(folder) / "space.yaml"),
+            predict_speed=False,
+        )
+        said = None if result is None else {"layout": result.policy.measured["layout"]}
+        Path(folder, f"result{rank}.json").write_text(json.dumps(said))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes, about 30 s
+def test_a_script_calling_search_on_every_rank_gets_the_result_on_rank_0_and_none_elsewhere(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    (tmp_path / "space.yaml").write_text(SPACE)
+    (tmp_path / "log").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_search_from_python, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    assert json.loads((tmp_path / "result0.json").read_text()) == {
+        "layout": {"world_size": 2, "mesh": [2], "parallelize": "Decoder:parallelize"}
+    }
+    assert json.loads((tmp_path / "result1.json").read_text()) is None  # rank 1 took its part; rank 0 holds the result
+    assert built(tmp_path, 0) == built(tmp_path, 1)

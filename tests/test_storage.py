@@ -242,7 +242,7 @@ def test_a_journal_nested_deeper_than_python_reads_is_refused_in_one_line_unchan
 # ---- a study another autoprec version made ---------------------------------------------------------------------------
 
 
-def open_overflow_study(out: Path, **settings):
+def open_overflow_study(out: Path, sharding=None, **settings):
     """open_study on a tiny model (no profile needed: the choices are given), as the pipeline calls it."""
     from autoprec.tune import load_task, prepare
     from autoprec.tune._core._space import space_from_dict
@@ -250,6 +250,7 @@ def open_overflow_study(out: Path, **settings):
     from autoprec.tune._search._storage import open_study
 
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
+    workload.sharding = sharding
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
     choices = Choices(default=("fp32",), layers={"fc1": ("fp32", "bf16")}, excluded={})
     return open_study(workload, space, choices, SearchConfig(budget=0.1, **settings), out, budget=0.1)
@@ -265,6 +266,27 @@ def test_a_study_from_before_the_weights_digest_is_refused_as_an_older_autoprecs
         older.setattr(study, "_study_key", lambda *a, **kw: {k: v for k, v in real(*a, **kw).items() if k != "model weights"})
         open_overflow_study(tmp_path)
     with pytest.raises(UserError, match=r"made by an older autoprec that did not record the model's weights.*--study NEW_NAME"):
+        open_overflow_study(tmp_path)
+
+
+class Layout:
+    """A sharded workload's layout as the study key reads it (_ranks.Ranks.layout); nothing else is asked of it."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+
+    def layout(self):
+        return {"world_size": self.world_size, "mesh": [self.world_size], "parallelize": "model.py:parallelize"}
+
+
+def test_a_sharded_study_is_resumed_on_its_own_layout_and_refused_on_another_or_unsharded(tmp_path):
+    open_overflow_study(tmp_path, sharding=Layout(2))
+    assert open_overflow_study(tmp_path, sharding=Layout(2))[0].study_name == "overflow_mlp"  # resumed
+    with pytest.raises(
+        UserError, match=r"different sharding \(sharding over 2 ranks, mesh \[2\], model.py:parallelize, now over 4 ranks"
+    ):
+        open_overflow_study(tmp_path, sharding=Layout(4))  # its trials were timed on 2 ranks
+    with pytest.raises(UserError, match=r"different sharding \(sharding over 2 ranks.*, now none\)"):
         open_overflow_study(tmp_path)
 
 

@@ -51,6 +51,24 @@ def test_a_sequential_test_stops_the_rounds_once_enough_but_never_before_min_rou
     assert all(len(t.samples_ms) == 9 for t in never.values())
 
 
+def test_a_retired_callable_is_timed_no_more_its_rounds_stand_and_the_tests_see_the_others():
+    order = []
+    work = {name: (lambda n=name: order.append(n)) for name in "abc"}
+    config = TimingConfig(warmup=0, rounds=6, min_block_s=0.0, warmup_s=0.0, min_steps=1)
+    seen = []
+
+    def enough(samples):
+        seen.append(sorted(samples))
+        return False
+
+    times = interleaved_times(work, torch.device("cpu"), config, enough=enough, retire=lambda samples: {"b"})
+    assert [len(times[n].samples_ms) for n in "abc"] == [6, 1, 6]  # b's one round stands beside the others' six
+    assert order.count("b") == 1 + 1  # its sizing call and one round
+    assert seen and all(names == ["a", "c"] for names in seen)  # the sequential test is about those still timed
+    last = interleaved_times({"a": lambda: None}, torch.device("cpu"), config, retire=lambda samples: {"a"})
+    assert len(last["a"].samples_ms) == 6  # never the last one: something is always timed to the end
+
+
 def test_more_rounds_are_pooled_with_the_first_on_the_same_warm_callables_and_keep_the_rotation():
     order = []
     work = {name: (lambda n=name: order.append(n)) for name in "ab"}

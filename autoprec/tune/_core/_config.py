@@ -53,6 +53,11 @@ MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a s
 # trial's timing is granted when it is ruled out of the final re-measure (separation.beaten).
 SETTLED = 0.05
 SETTLED_FINAL_ROUNDS = 5
+# Slower than fp32 by this much, a candidate is out of the running whatever the noise: the profile probes such a
+# format once instead of timing it (ProfileConfig.gross_slowdown), and the final re-measure times such a candidate
+# no more once a round shows it every step slower (fp32's slowest step times this below its fastest): on a CPU
+# without bf16, uniform bf16's step takes 30x fp32's, and its further rounds would be most of the search's time.
+GROSS_SLOWDOWN = 4.0
 
 # The train batches of shapes the first ones do not show (an epoch's ragged last batch, another sequence length),
 # the first of each: the profile runs them too, so a format that fails on a shape fails there, not in a trial; and a
@@ -227,7 +232,7 @@ class ProfileConfig:
     # cost a second per layer shape and format), and a block of half a second bounds a slow format's (a GPU's layer
     # takes microseconds to a millisecond: hundreds of steps; a CPU's emulated format a second: one)
     timing: TimingConfig = TimingConfig(warmup=2, rounds=5, min_block_s=0.02, warmup_s=0.2, max_block_s=0.5)
-    gross_slowdown: float = 4.0
+    gross_slowdown: float = GROSS_SLOWDOWN
     grad_batches: int | None = 8
     max_underflow: float = 1e-3
     compile: bool = False  # time each layer's step under torch.compile (in a search: SearchConfig.compile)

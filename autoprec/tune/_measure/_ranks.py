@@ -21,6 +21,7 @@ the followers' wait while the leader profiles alone included; a rank that dies e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -112,6 +113,8 @@ class Ranks:
         self._keys = itertools.count()
         self._released: list[int] = []  # handles the leader dropped: their Trainers go on every rank with the next message
         self.workload: Workload | None = None  # this rank's, while it leads or follows: what operations run on
+        self._broken = False  # a wait failed: the group cannot carry another message
+        self._compiling: contextlib.ExitStack | None = None  # a follower's room for compiled candidates, once needed
 
     @property
     def leader(self) -> bool:
@@ -168,7 +171,9 @@ class Ranks:
         try:
             result = run()
         except BaseException as exc:
-            self._tell(("fail", isinstance(exc, UserError), _said(exc)))
+            if not self._broken:  # else no message can reach them: torchrun, or their own timeout, ends them
+                with contextlib.suppress(RankFailed):  # a follower gone already (Ctrl-C reaches every rank)
+                    self._tell(("fail", isinstance(exc, UserError), _said(exc)))
             raise
         self._tell(("done",))
         return result
@@ -179,9 +184,7 @@ class Ranks:
         if self.leader:
             raise RuntimeError("rank 0 leads (Ranks.lead); the other ranks follow")
         self.workload = workload
-        # the leader empties its compile caches around each set of compiled candidates (compile_scope); a follower,
-        # told no such sets, keeps room for every candidate of a search instead
-        with compile_scope(True, 64):
+        with contextlib.ExitStack() as self._compiling:
             while True:
                 message = self._receive()
                 if message[0] == "done":
@@ -195,6 +198,14 @@ class Ranks:
                     self._do(op, args, released)
                 except Exception:  # the leader decides what it ends (a trial, or the run) and says so
                     continue
+
+    def compiling(self) -> None:
+        """Before a follower builds its first compiled candidate: the leader empties its compile caches around each
+        set of compiled candidates (compile_scope); a follower, told no such sets, keeps room for every candidate
+        of a search instead, for the rest of it."""
+        if self._compiling is not None and not self.leader:
+            self._compiling.enter_context(compile_scope(True, 64))
+            self._compiling = None  # entered: once
 
     def together(self, op: str, *args: Any) -> Any:
         """On the leader: `op` run on every rank at once (the followers told first), its results agreed (_OPS)."""
@@ -249,6 +260,7 @@ class Ranks:
         try:
             call()
         except RuntimeError as exc:  # gloo's timeout, or a peer gone: the job cannot go on
+            self._broken = True
             raise RankFailed(
                 f"rank {self.rank} of {self.world}: no answer waiting for {what} within {self.timeout_s:g} s, or a rank "
                 f"is gone ({describe(exc, limit=200)}); a rerun resumes the study"
@@ -331,6 +343,8 @@ def _said(exc: BaseException) -> str:
 
 
 def _build(ranks: Ranks, workload: Workload, key: int, candidate: Candidate, order: Any, compiled: bool) -> None:
+    if compiled:
+        ranks.compiling()
     ranks._trainers[key] = Trainer(workload, candidate, order=order, compiled=compiled)
 
 

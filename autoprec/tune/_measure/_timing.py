@@ -153,6 +153,7 @@ def interleaved_times(
     enough: Callable[[Mapping[Key, Sequence[float]]], bool] | None = None,
     warmed: Collection[Key] = (),
     more: Callable[[Mapping[Key, Sequence[float]]], int] | None = None,
+    retire: Callable[[Mapping[Key, Sequence[float]]], Collection[Key]] | None = None,
 ) -> dict[Key, Timing]:
     """Time each callable (one unit of work, e.g. one training step) interleaved with the others.
     Each round's sample is the mean of a block of steps (TimingConfig: the same count for every callable); where
@@ -161,7 +162,9 @@ def interleaved_times(
     sequential test: the answer is already clear), else the rounds run to `config.rounds`. `warmed`: callables
     warmed up before (a baseline timed again beside each new candidate): one warm-up call each. `more(samples)`:
     asked once when the rounds end, how many rounds to time on, pooled with these (more_if_noisy), `enough`
-    still asked after each; 0: none."""
+    still asked after each; 0: none. `retire(samples)`: asked after every round, the callables to time no more
+    (their rounds so far stand; `enough` and `more` then see the others'): one the rounds put out of the running
+    by a gross factor, whose every further step would cost seconds and change no ranking. Never the last one."""
     names = list(work)
     if not names:
         return {}
@@ -183,22 +186,31 @@ def interleaved_times(
     samples: dict[Key, list[float]] = {name: [] for name in names}
     host: dict[Key, list[float]] = {name: [] for name in names}
 
+    retired: set[Key] = set()
+
+    def timed() -> dict[Key, list[float]]:
+        return {name: samples[name] for name in names if name not in retired}
+
     def rounds(first: int, last: int) -> None:
         for r in tqdm(range(first, last), desc=progress, unit="round", disable=progress is None, leave=False):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:  # rotate so no candidate always runs first
+            active = [name for name in names if name not in retired]
+            k = r % len(active)
+            for name in active[k:] + active[:k]:  # rotate so no candidate always runs first
                 with devices.collector_paused():  # no collection of another's garbage inside this block
                     measured = as_block(CLOCK.time(work[name], steps[name], device))
                 samples[name].append(measured.seconds * 1e3 / steps[name])
                 if measured.host_s is not None:
                     host[name].append(measured.host_s * 1e3 / steps[name])
-            if enough is not None and r + 1 >= MIN_ROUNDS and r + 1 < last and enough(samples):
+            if retire is not None:
+                out = set(retire(timed())) & set(active)
+                retired.update(out if len(out) < len(active) else ())
+            if enough is not None and r + 1 >= MIN_ROUNDS and r + 1 < last and enough(timed()):
                 return
 
     with gc_frozen():
         rounds(0, config.rounds)
-        done = min(map(len, samples.values()))
-        extra = more(samples) if more is not None else 0
+        done = min(map(len, timed().values()))
+        extra = more(timed()) if more is not None else 0
         if extra > 0:  # the same warm models and block sizes: no rebuilding, recompiling or warming again
             rounds(done, done + extra)
         busy = {name: _busy_ms(work[name], steps[name], samples[name], device) for name in names if config.busy and host[name]}

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 
@@ -287,11 +287,12 @@ def measure_steps_or_fail(
     compiled: bool = False,
     enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
     more: Callable[[Mapping[str, Sequence[float]]], int] | None = None,
+    retire: Callable[[Mapping[str, Sequence[float]]], Collection[str]] | None = None,
     peak_memory: bool = True,
 ) -> tuple[dict[str, StepStats], dict[str, str]]:
     """measure_steps, and (name -> "Error: message") for the candidates whose model or first step failed (the
     user's code in a format it cannot run, a compiler error): a finding about that candidate, not a crash.
-    `enough`, `more`: as interleaved_times'. `peak_memory`: each candidate's peak memory, from one more step after the
+    `enough`, `more`, `retire`: as interleaved_times'. `peak_memory`: each candidate's peak memory, from one more step after the
     timing (StepStats.peak_bytes)."""
     failed: dict[str, str] = {}
     with compile_scope(compiled, len(policies)):
@@ -309,7 +310,11 @@ def measure_steps_or_fail(
                 continue
             trainers[name] = trainer
         work: dict[str, Callable[[], object]] = dict(trainers)  # a Trainer is a Step: its call, its model
-        timings = interleaved_times(work, workload.device, config, progress=progress, enough=enough, more=more) if work else {}
+        timings = (
+            interleaved_times(work, workload.device, config, progress=progress, enough=enough, more=more, retire=retire)
+            if work
+            else {}
+        )
         stats = step_stats(trainers, timings)  # the timed steps' counts, before the memory's extra step
         if not peak_memory:
             return stats, failed

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING
 import optuna
 
 from autoprec.tune._core import _memory as memory
-from autoprec.tune._core._config import FINAL_SHARE, NOISY_SPREAD, SETTLED_FINAL_ROUNDS, SearchConfig, TimingConfig
+from autoprec.tune._core._config import (
+    FINAL_SHARE,
+    GROSS_SLOWDOWN,
+    NOISY_SPREAD,
+    SETTLED_FINAL_ROUNDS,
+    SearchConfig,
+    TimingConfig,
+)
 from autoprec.tune._core._cost import Stopwatch
 from autoprec.tune._core._goal import Goal
 from autoprec.tune._core._names import FP32, GREEDY
@@ -145,13 +152,15 @@ def remeasure(
     compiled: bool = False,
     enough: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
     more: Callable[[Mapping[str, Sequence[float]]], int] | None = None,
+    retire: Callable[[Mapping[str, Sequence[float]]], Collection[str]] | None = None,
     max_memory: int | None = None,
 ) -> Finals:
     """Metric, step time and peak memory of each candidate, timed interleaved with the others; speedup vs fp32
     in effective steps (those the GradScaler did not skip), memory saving vs fp32's peak, and whether the peak fits
-    `max_memory` (bytes; None: no limit); see records.Measurement. `enough`, `more`: as timing.interleaved_times'."""
+    `max_memory` (bytes; None: no limit); see records.Measurement. `enough`, `more`, `retire`: as
+    timing.interleaved_times'."""
     stats, failed = measure_steps_or_fail(
-        workload, candidates, timing, progress=progress, compiled=compiled, enough=enough, more=more
+        workload, candidates, timing, progress=progress, compiled=compiled, enough=enough, more=more, retire=retire
     )
     if FP32 in failed:
         raise fp32_step_failed(workload, "all-fp32 training step", failed[FP32], compiled=compiled)
@@ -190,6 +199,16 @@ def remeasure(
             )
         )
     return Finals(rows).within(budget)
+
+
+def grossly_slower(samples: Mapping[str, Sequence[float]]) -> set[str]:
+    """The candidates every one of whose rounds so far was slower than GROSS_SLOWDOWN x fp32's slowest: out of the
+    running whatever the noise (all-fp32 is always within budget, and faster), timed no more (interleaved_times'
+    `retire`), their rounds so far their row of the table."""
+    base = samples.get(FP32)
+    if not base:
+        return set()
+    return {name for name, v in samples.items() if name != FP32 and v and min(v) > GROSS_SLOWDOWN * max(base)}
 
 
 def final_remeasure(
@@ -239,6 +258,7 @@ def final_remeasure(
         compiled=config.compile,
         enough=enough,
         more=more,
+        retire=grossly_slower,
         max_memory=config.max_memory,
     )
     watch.count("final re-measure: whole-step timings (each round: every candidate's)", sum(r.rounds for r in finals))

@@ -336,8 +336,18 @@ def _study_key(
             "compile": "compiled" if config.compile else "eager",
             "max_memory": str(config.max_memory) if config.max_memory else "none",
         }
-        | ({} if profile_complete else {"profile": "cut short by a time budget"})
-    )  # its choices hold layers at fp32
+        | ({} if profile_complete else {"profile": "cut short by a time budget"})  # its choices hold layers at fp32
+        | _sharded_key(workload)
+    )
+
+
+def _sharded_key(workload: Workload) -> dict[str, str]:
+    """A sharded search's layout (_ranks.Layout), part of its study's identity: its trials were timed on it, so a
+    rerun on another world size or mesh is another study. Nothing on one device (as in a study from before)."""
+    if workload.sharding is None:
+        return {}
+    layout = workload.sharding.layout()
+    return {"sharding": f"over {layout['world_size']} ranks, mesh {layout['mesh']}, {layout['parallelize']}"}
 
 
 OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}
