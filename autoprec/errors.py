@@ -8,9 +8,12 @@ class UserError(ValueError):
     """A problem with what the user gave us (a model.py, a policy file, an option), not a bug."""
 
 
-class RankFailed(RuntimeError):
-    """Another rank of a job working together (a sharded search under torchrun) failed, or did not answer: the
-    message names it. The CLI prints it as one line."""
+class RankFailed(KeyboardInterrupt):
+    """A job of ranks working together (a sharded search under torchrun) cannot go on: a rank did not answer within
+    the timeout, or a collective broke (the message names the ranks and what they said). A KeyboardInterrupt, as
+    SIGTERM's is in the CLI: it passes every handler of a candidate's failure (`except Exception`), since no trial
+    can follow, and Optuna marks the running trial failed before it re-raises one, so the study stays consistent
+    and a rerun resumes. The CLI prints it as one line."""
 
 
 def describe(exc: BaseException, limit: int | None = 300) -> str:

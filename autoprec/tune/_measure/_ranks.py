@@ -29,7 +29,7 @@ import logging
 import math
 import statistics
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -37,9 +37,9 @@ import torch
 from autoprec import devices
 from autoprec.devices import BlockTime
 from autoprec.errors import RankFailed, UserError, describe
-from autoprec.tune._measure._metric import evaluate_here, metric_of
+from autoprec.tune._measure._metric import metric_of
 from autoprec.tune._measure._task import Workload
-from autoprec.tune._measure._trainer import Candidate, Trainer, as_candidate, compile_scope, matmul_precision
+from autoprec.tune._measure._trainer import Candidate, Trainer, as_candidate, compile_scope, matmul_precision, trained_model
 
 log = logging.getLogger("autoprec")
 
@@ -123,12 +123,9 @@ class Ranks:
     # ------------------------------------------------------------------ Workload.sharding
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        try:
-            sharded = self._parallelize(model, self.mesh)
-        except UserError:
-            raise
-        except Exception as exc:
-            raise UserError(f"{self._where}(model, mesh) failed on rank {self.rank}: {describe(exc)}") from exc
+        # a failure is the candidate's, as a format's in the user's loss_fn is on one device (the all-fp32 model's is
+        # the user's mistake, said as such where the fp32 metric and step are checked)
+        sharded = self._parallelize(model, self.mesh)
         if sharded is not None and not isinstance(sharded, torch.nn.Module):
             raise UserError(
                 f"{self._where}(model, mesh) returned {type(sharded).__name__}; return the sharded module, or None "
@@ -171,7 +168,8 @@ class Ranks:
         try:
             result = run()
         except BaseException as exc:
-            if not self._broken:  # else no message can reach them: torchrun, or their own timeout, ends them
+            # a RankFailed every rank raised together, or a group that carries no message: nothing to tell them
+            if not self._broken and not isinstance(exc, RankFailed):
                 with contextlib.suppress(RankFailed):  # a follower gone already (Ctrl-C reaches every rank)
                     self._tell(("fail", isinstance(exc, UserError), _said(exc)))
             raise
@@ -216,27 +214,41 @@ class Ranks:
         return self._do(op, args, released)
 
     def _do(self, op: str, args: tuple, released: Sequence[int]) -> Any:
+        """`op` on this rank, its phases agreed with every rank's (_OPS: an operation is one phase, or a generator
+        whose every `yield` is a point where the ranks agree before any collective of the next phase: a candidate
+        that cannot be built on one rank fails on every rank there, before another rank waits in FSDP's all-gather
+        for it). A failure on any rank raises on every rank (_failure); else the results, agreed."""
         for key in released:
             self._trainers.pop(key, None)
         run, agree = _OPS[op]
-        value: Any = None
-        error: BaseException | None = None
-        try:
-            if self.workload is None:
-                raise RuntimeError("operations run while a rank leads (Ranks.lead) or follows (Ranks.follow)")
-            value = run(self, self.workload, *args)
-        except Exception as exc:
-            error = exc
-        said = None if error is None else (isinstance(error, UserError), _said(error))
-        outcomes = self._gather((said, value if agree is not None and error is None else None))
-        failed = [(rank, s) for rank, (s, _) in enumerate(outcomes) if s is not None]
-        if error is not None:
-            raise error  # this rank's own, as it was: a candidate's error reads as on one device
-        if failed:
-            rank, (users, text) = failed[0]
-            said_text = f"rank {rank} of {self.world}: {text}"
-            raise UserError(said_text) if users else RankFailed(said_text)
-        return value if agree is None else agree([v for _, v in outcomes])
+        phases: Any = None
+        while True:
+            value: Any = None
+            error: BaseException | None = None
+            done = True
+            try:
+                if self.workload is None:
+                    raise RuntimeError("operations run while a rank leads (Ranks.lead) or follows (Ranks.follow)")
+                if phases is None:
+                    phases = run(self, self.workload, *args)
+                    if not isinstance(phases, Generator):  # one phase: its value
+                        value, phases = phases, ()
+                        raise StopIteration(value)
+                next(phases)
+                done = False
+            except StopIteration as stop:
+                value = stop.value
+            except Exception as exc:
+                error = exc
+                if not self.leader:  # said at once: the other ranks may be waiting on this one in a collective
+                    log.warning("rank %d: %s failed here: %s", self.rank, op, _said(exc))
+            said = None if error is None else _Failure.of(error)
+            outcomes = self._gather((said, done, value if agree is not None and done and error is None else None))
+            failed = [(rank, f) for rank, (f, _, _) in enumerate(outcomes) if f is not None]
+            if failed:
+                raise _failure(failed, self.world, error)
+            if done:
+                return value if agree is None else agree([v for _, _, v in outcomes])
 
     def release(self, key: int) -> None:
         """A handle the leader no longer holds: its Trainer goes on every rank with the next message."""
@@ -334,6 +346,41 @@ class RankedTrainer:
         return int(self.ranks.together("skipped", self.key))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """One rank's failure as the others learn it: the user's mistake, the job's (a collective that broke: no
+    operation can follow), or a candidate's (what cannot run in a format: a trial's end, as on one device)."""
+
+    users: bool
+    fatal: bool
+    text: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> _Failure:
+        import torch.distributed as dist  # noqa: PLC0415 (loaded already: a rank runs inside a job)
+
+        return cls(isinstance(exc, UserError), isinstance(exc, (RankFailed, dist.DistError)), _said(exc))
+
+
+class OnRankError(RuntimeError):
+    """An operation failed on another rank, as a candidate fails on one device (a format its code cannot run): the
+    trial ends, the search goes on. The message names the rank."""
+
+
+def _failure(failed: Sequence[tuple[int, _Failure]], world: int, mine: BaseException | None) -> BaseException:
+    """What every rank raises when an operation failed on some: the job's end where a collective broke anywhere
+    (RankFailed, naming every failure, the ranks' own first: a rank that broke in user code leaves the others
+    waiting in FSDP's collectives until the timeout); the user's mistake as one UserError; else this rank's own
+    error as it was (a candidate's error reads as on one device), or one naming the rank it came from."""
+    named = [f"rank {rank} of {world}: {f.text}" for rank, f in sorted(failed, key=lambda rf: rf[1].fatal)]
+    if any(f.fatal for _, f in failed):
+        return RankFailed("; ".join(named))
+    users = [n for n, (_, f) in zip(named, sorted(failed, key=lambda rf: rf[1].fatal)) if f.users]
+    if users:
+        return UserError(users[0])
+    return mine if mine is not None else OnRankError(named[0])
+
+
 def _said(exc: BaseException) -> str:
     """An error as another rank's message tells it: a user's mistake as its one line, anything else with its type."""
     return str(exc) if isinstance(exc, UserError) else describe(exc, limit=None)
@@ -394,8 +441,11 @@ def _trained_metric(ranks: Ranks, workload: Workload, key: int) -> float:
         return metric_of(trainer.workload, trainer.model)
 
 
-def _metric(ranks: Ranks, workload: Workload, candidate: Candidate) -> float:
-    return evaluate_here(workload, candidate)
+def _metric(ranks: Ranks, workload: Workload, candidate: Candidate) -> Generator[None, None, float]:
+    model = trained_model(workload, candidate.policy)  # built and sharded on every rank before any collective
+    yield
+    with matmul_precision(workload.device, candidate.tf32):
+        return metric_of(workload, model)
 
 
 def _mean(values: list[float]) -> float:
