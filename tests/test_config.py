@@ -65,3 +65,10 @@ def test_cuda_graphs_are_asked_for_only_on_a_compiled_search_on_a_device_that_re
     assert search_config(device="cpu", compile=True, cuda_graphs=True).cuda_graphs
     with pytest.raises(ValueError, match=r"cuda_graphs=True needs compile=True"):
         SearchConfig(budget=0.1, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "1000"])
+def test_run_steps_is_a_whole_number_of_training_steps(bad):
+    assert SearchConfig(budget=0.01, run_steps=200_000).run_steps == 200_000
+    with pytest.raises(ValueError, match=rf"run_steps must be an integer >= 1 .*but got {bad!r}"):
+        SearchConfig(budget=0.01, run_steps=bad)

@@ -22,9 +22,11 @@ def test_a_measured_block_reads_back_as_the_record_that_wrote_it():
         results={"fp32": Result(speedup=1.0, steps=10, skipped_steps=0), "policy": Result(speedup=1.4, error="x")},
         excluded={"head": {"fp8": "too small"}}, study=StudyRef(name="s", storage="journal", trials=5, complete=4),
         cost={"seconds": {"profile": 1.5}, "counts": {"profile": 1}},
+        layout={"world_size": 2, "mesh": [2], "parallelize": "model.py:parallelize"}, run_steps=100_000,
     )  # fmt: skip
     data = json.loads(json.dumps(m.to_dict()))  # through JSON, as a policy file holds it
     assert Measured.from_dict(data) == m
+    assert "layout" not in Measured().to_dict() and "run_steps" not in Measured().to_dict()  # one device, no run given
     assert Measured.of(Policy(measured=data)).policy_result == Result(speedup=1.4, error="x")
 
 

@@ -364,3 +364,16 @@ def test_a_sweeps_tables_never_break_a_policy_file_name():
     markdown = sweep_summary(result, markdown=True)
     assert f"- 0.01: {file}" in markdown.splitlines()
     assert not any(file in line for line in markdown.splitlines() if line.startswith("|"))
+
+
+def test_the_search_cost_is_priced_in_the_chosen_policys_steps_and_as_a_share_of_the_run_it_tunes():
+    from autoprec.tune._report._report import search_cost
+
+    cost = {"seconds": {"profile": 20.0, "trials": 70.0, "final re-measure": 30.0}, "counts": {}}
+    assert search_cost(cost, 60.0, None) == (
+        "search cost: 120 s, the time of 2,000 training steps of the chosen policy (60 ms each); --run-steps N prices "
+        "it as a share of the training run it tunes"
+    )
+    assert search_cost(cost, 60.0, 200_000).endswith(": 1.00% of a 200,000-step run, within the 2% a search should cost")
+    assert search_cost(cost, 60.0, 50_000).endswith(": 4.00% of a 50,000-step run, over the 2% a search should cost")
+    assert search_cost(cost, float("nan"), 1000) == "" and search_cost({"seconds": {}}, 60.0, None) == ""

@@ -214,6 +214,7 @@ def _search_config(args: argparse.Namespace, budget=None):
             target=getattr(args, "target", None),
             predict_speed=not getattr(args, "time_every_trial", False),
             time_budget=_time_budget(args),
+            run_steps=args.run_steps,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -591,6 +592,13 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="{" + ",".join(t.name for t in planned_for()) + "}",
             help="with --objective flops: the device to plan for, whose step time the step-time predictor "
             "predicts from its datasheet's rates and bandwidth (a prediction, not a measurement: docs/planning.md)",
+        )
+        p.add_argument(
+            "--run-steps",
+            type=parse_integer,
+            metavar="N",
+            help="the training run the search tunes, in steps: the summary says the search's own time as a share of "
+            "it (the goal: at most 2%%)",
         )
         p.add_argument(
             "--rank-timeout",

@@ -53,6 +53,8 @@ MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a s
 # trial's timing is granted when it is ruled out of the final re-measure (separation.beaten).
 SETTLED = 0.05
 SETTLED_FINAL_ROUNDS = 5
+# A search worth its time costs at most this share of the training run it tunes (SearchConfig.run_steps)
+SEARCH_SHARE_GOAL = 0.02
 # Slower than fp32 by this much, a candidate is out of the running whatever the noise: the profile probes such a
 # format once instead of timing it (ProfileConfig.gross_slowdown), and the final re-measure times such a candidate
 # no more once a round shows it every step slower (fp32's slowest step times this below its fastest): on a CPU
@@ -314,6 +316,8 @@ class SearchConfig:
             Default True; False times every trial (--time-every-trial).
         time_budget: Seconds the whole search may take (a number > 0): the trials stop where the final re-measure
             still fits, and the answer is chosen from what was measured. Default None: no limit but `trials`.
+        run_steps: The training run the search tunes, in steps: the summary says the search's own time as a share of
+            it. Default None: in steps of the chosen policy alone.
 
     Raises:
         ValueError: A field out of range or of the wrong type (the message names it and what it accepts), an
@@ -367,6 +371,9 @@ class SearchConfig:
     # Seconds the whole search may take (--time-budget, in minutes there): the trials stop where the final re-measure
     # still fits (BUDGET_FINAL_SHARE), and the answer is chosen from what was measured. None: no limit but --trials.
     time_budget: float | None = None
+    # The training run the search tunes, in steps (--run-steps): the summary prices the search's own time against it
+    # (the goal: at most SEARCH_SHARE_GOAL of the run). None: priced in steps of the chosen policy alone.
+    run_steps: int | None = None
     # The device a targeted goal plans for (_targets.py: "b200", "h100"), which needs one; refused with any other goal.
     target: str | None = None
 
@@ -398,6 +405,10 @@ class SearchConfig:
             and self.time_budget > 0
         ):
             raise ValueError(f"time_budget must be a number of seconds > 0 or None, but got {self.time_budget!r}")
+        if self.run_steps is not None and (
+            isinstance(self.run_steps, bool) or not isinstance(self.run_steps, int) or self.run_steps < 1
+        ):
+            raise ValueError(f"run_steps must be an integer >= 1 (the training run's steps) or None, but got {self.run_steps!r}")
         if not isinstance(self.predict_speed, bool):
             raise ValueError(f"predict_speed must be True or False, but got {self.predict_speed!r}")
         if isinstance(self.heartbeat_s, bool) or not isinstance(self.heartbeat_s, int) or self.heartbeat_s < 1:

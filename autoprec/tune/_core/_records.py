@@ -361,6 +361,7 @@ class Measured:
     sweep: Mapping[str, Any] | None = None
     # the layout a sharded search measured on (world_size, mesh, parallelize: _ranks.Layout); None: one device
     layout: Mapping[str, Any] | None = None
+    run_steps: int | None = None  # the training run the search was priced against (SearchConfig.run_steps)
     cost: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     created: str | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -378,7 +379,19 @@ class Measured:
                 continue
             if (
                 f.name
-                in ("budget_given", "why", "greedy", "stopped", "sweep", "layout", "created", "memory", "max_memory", "estimate")
+                in (
+                    "budget_given",
+                    "why",
+                    "greedy",
+                    "stopped",
+                    "sweep",
+                    "layout",
+                    "run_steps",
+                    "created",
+                    "memory",
+                    "max_memory",
+                    "estimate",
+                )
                 and value is None
             ):
                 continue
@@ -445,6 +458,7 @@ class Measured:
             ),
             sweep=sweep if isinstance(sweep, Mapping) else None,
             layout=data.get("layout") if isinstance(data.get("layout"), Mapping) else None,
+            run_steps=_count(data.get("run_steps")),
             cost=dict(_mapping(data.get("cost"))),
             created=_text(data.get("created")),
             extra={k: v for k, v in data.items() if k not in known},

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from autoprec.formats import FP16_MAX, Format
-from autoprec.tune._core._config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD
+from autoprec.tune._core._config import BREAK_ROWS, BREAK_SQNR_DB_16BIT, BREAK_SQNR_DB_FP8, NOISY_SPREAD, SEARCH_SHARE_GOAL
 from autoprec.tune._core._cost import cost_rows
 from autoprec.tune._core._memory import human_bytes
 from autoprec.tune._core._names import BF16, BF16_GRAPHS, FP32, TF32
@@ -286,7 +286,25 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
         )
     if result.cost:
         parts.append(table(["where the time went", "seconds", "share", "count"], cost_rows(result.cost)))
+        priced = search_cost(result.cost, picked.effective_step_ms if picked is not None else math.nan, m.run_steps)
+        if priced:
+            parts.append(priced)
     return "\n\n".join(parts)
+
+
+def search_cost(cost: Mapping[str, Any], step_ms: float, run_steps: int | None) -> str:
+    """The search's own time (the cost table's stages, an earlier run's trials included) in training steps of the
+    chosen policy, and, given the run it tunes (--run-steps), as a share of that run beside SEARCH_SHARE_GOAL."""
+    seconds = sum(cost.get("seconds", {}).values())
+    if seconds <= 0 or not (math.isfinite(step_ms) and step_ms > 0):
+        return ""
+    steps = seconds * 1e3 / step_ms
+    line = f"search cost: {seconds:.0f} s, the time of {steps:,.0f} training steps of the chosen policy ({step_ms:.4g} ms each)"
+    if run_steps is None:
+        return line + "; --run-steps N prices it as a share of the training run it tunes"
+    share = steps / run_steps
+    verdict = "within" if share <= SEARCH_SHARE_GOAL else "over"
+    return line + f": {share:.2%} of a {run_steps:,}-step run, {verdict} the {SEARCH_SHARE_GOAL:.0%} a search should cost"
 
 
 def headline(result: SearchResult) -> str:

@@ -279,6 +279,7 @@ def _run(
             stopped=stopped,
             not_separated=config.objective.ties(finals.within(b), name),
             sweep={"budgets": list(budgets.absolute), "study_budget": budgets.bound} if plan.is_sweep else None,
+            run_steps=config.run_steps,
         )
         picked = candidates[name].policy
         measured = _with_estimates(measured, config.objective, picked, candidates, compared | {"policy": name})
