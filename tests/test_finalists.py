@@ -160,15 +160,16 @@ def test_the_final_remeasure_times_no_more_a_candidate_every_step_of_which_was_g
 
     def remeasure(workload, candidates, judge, budget, timing, **kw):
         asked.append(kw["retire"])
-        return finals({"candidate": "fp32", "rounds": 5}, {"candidate": "uniform bf16", "rounds": 1})
+        return finals({"candidate": "fp32", "rounds": 5}, {"candidate": "uniform bf16", "rounds": 2})
 
     monkeypatch.setattr(finalists, "remeasure", remeasure)
     finalists.final_remeasure(None, {}, JUDGE, SearchConfig(budget=0.1, progress=False), Stopwatch())
     retire = asked[0]
     fp32 = [44.0, 46.0]
-    # an AVX2 CPU's uniform bf16: every step 30x fp32's; its one round is its row, and fp32 always beats it
-    assert retire({"fp32": fp32, "uniform bf16": [1373.0]}) == {"uniform bf16"}
+    # an AVX2 CPU's uniform bf16: every step 30x fp32's; its two rounds are its row, and fp32 always beats it
+    assert retire({"fp32": fp32, "uniform bf16": [1373.0, 1380.0]}) == {"uniform bf16"}
+    assert retire({"fp32": fp32[:1], "uniform bf16": [1373.0]}) == set()  # one round's stall is not a verdict
     edge = GROSS_SLOWDOWN * max(fp32)
-    assert retire({"fp32": fp32, "slow": [edge * 1.01, edge * 0.99]}) == set()  # one step within the factor: timed on
-    assert retire({"fp32": fp32, "trial 3": [40.0]}) == set()
-    assert retire({"uniform bf16": [1373.0]}) == set()  # no fp32 to hold it against: timed on
+    assert retire({"fp32": fp32, "slow": [edge * 1.01, edge * 0.99]}) == set()  # a round within the factor: timed on
+    assert retire({"fp32": fp32, "trial 3": [40.0, 41.0]}) == set()
+    assert retire({"uniform bf16": [1373.0, 1380.0]}) == set()  # no fp32 to hold it against: timed on

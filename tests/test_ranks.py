@@ -201,3 +201,64 @@ def test_a_script_calling_search_on_every_rank_gets_the_result_on_rank_0_and_non
     }
     assert json.loads((tmp_path / "result1.json").read_text()) is None  # rank 1 took its part; rank 0 holds the result
     assert built(tmp_path, 0) == built(tmp_path, 1)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """torch.distributed's default group of one rank in this process (gloo, a file store): a Ranks of one, the
+    leader, to run the operations' bookkeeping in-process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def leading(parallelize):
+    """A Ranks of one leading a small workload, as Ranks.lead sets it up."""
+    import dataclasses
+
+    from autoprec.tune import load_task, prepare
+
+    ranks = _ranks.Ranks(torch.device("cpu"), parallelize, where="overflow_mlp.py:parallelize")
+    workload = dataclasses.replace(
+        prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu"), sharding=ranks
+    )
+    ranks.workload = workload
+    return ranks, workload
+
+
+def test_a_dropped_handle_and_a_candidate_that_could_not_be_built_leave_no_trainer_behind(one_rank):
+    import gc
+
+    from autoprec import Policy
+    from autoprec.apply import applied_policy
+    from autoprec.tune._measure._trainer import Candidate, new_trainer
+
+    def parallelize(model, mesh):
+        if any(str(f) != "fp32" for f in applied_policy(model).layers.values()):
+            raise RuntimeError("cannot shard a lowered layer")
+
+    ranks, workload = leading(parallelize)
+    handle = new_trainer(workload, Policy())
+    assert isinstance(handle, _ranks.RankedTrainer) and list(ranks._trainers) == [handle.key]
+    handle.step()
+    assert handle.steps == 1 and handle.finite and handle.skipped == 0
+    assert handle.time_on_ranks(2).seconds > 0
+    with pytest.raises(RuntimeError, match="cannot shard a lowered layer"):
+        new_trainer(workload, Policy(layers={"": "bf16"}))  # built nowhere here, its key released all the same
+    del handle
+    gc.collect()
+    assert ranks.metric(workload, Candidate(Policy())) == pytest.approx(ranks.metric(workload, Candidate(Policy())))
+    assert ranks._trainers == {}  # both went with that message
+
+
+def test_the_ranks_check_their_weights_and_batches_are_the_same_before_searching(one_rank, monkeypatch):
+    ranks, workload = leading(lambda model, mesh: None)
+    ranks._check_same(workload)  # one rank: the same as itself
+    other = {"weights": "0" * 16, "batches": _ranks._digest([*workload.train, *workload.eval])}
+    monkeypatch.setattr(ranks, "_gather", lambda mine: [mine, other])  # as a second rank with other weights answers
+    with pytest.raises(UserError, match=r"rank 1's weights differ from rank 0's.*seed build_model"):
+        ranks._check_same(workload)

@@ -163,6 +163,8 @@ def _torchrun(args: argparse.Namespace):
             f"autoprec {args.verb} runs in one process: run it without torchrun (under torchrun, autoprec searches "
             "and sweeps a model that trains sharded)"
         )
+    if not (math.isfinite(args.rank_timeout) and args.rank_timeout > 0):
+        raise UserError(f"--rank-timeout {args.rank_timeout:g}: give the minutes a rank may wait, a number > 0, e.g. 60")
     import datetime
 
     import torch.distributed as dist

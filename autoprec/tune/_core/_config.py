@@ -56,9 +56,9 @@ SETTLED_FINAL_ROUNDS = 5
 # A search worth its time costs at most this share of the training run it tunes (SearchConfig.run_steps)
 SEARCH_SHARE_GOAL = 0.02
 # Slower than fp32 by this much, a candidate is out of the running whatever the noise: the profile probes such a
-# format once instead of timing it (ProfileConfig.gross_slowdown), and the final re-measure times such a candidate
-# no more once a round shows it every step slower (fp32's slowest step times this below its fastest): on a CPU
-# without bf16, uniform bf16's step takes 30x fp32's, and its further rounds would be most of the search's time.
+# format once instead of timing it (ProfileConfig.gross_slowdown), and the final re-measure times no more a candidate
+# whose every round so far was this much slower a step than fp32's slowest round (_finalists.grossly_slower): on a
+# CPU without bf16, uniform bf16's step takes 30x fp32's, and its further rounds would be most of a search's time.
 GROSS_SLOWDOWN = 4.0
 
 # The train batches of shapes the first ones do not show (an epoch's ragged last batch, another sequence length),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import itertools
 import logging
 import math
@@ -37,6 +38,7 @@ import torch
 from autoprec import devices
 from autoprec.devices import BlockTime
 from autoprec.errors import RankFailed, UserError, describe
+from autoprec.tensors import map_tensors
 from autoprec.tune._measure._metric import metric_of
 from autoprec.tune._measure._task import Workload
 from autoprec.tune._measure._trainer import Candidate, Trainer, as_candidate, compile_scope, matmul_precision, trained_model
@@ -137,7 +139,11 @@ class Ranks:
         self, workload: Workload, policy: Any, *, order: Sequence[int] | None = None, compiled: bool = False
     ) -> RankedTrainer:
         key = next(self._keys)
-        self.together("trainer", key, as_candidate(policy), None if order is None else tuple(order), compiled)
+        try:
+            self.together("trainer", key, as_candidate(policy), None if order is None else tuple(order), compiled)
+        except BaseException:
+            self.release(key)  # built on the ranks where it could be: dropped there with the next message
+            raise
         return RankedTrainer(self, key)
 
     def metric(self, workload: Workload, candidate: Any) -> float:
@@ -154,10 +160,29 @@ class Ranks:
     # ------------------------------------------------------------------ leading and following
 
     def run(self, workload: Workload, search: Callable[[], T]) -> T | None:
-        if self.leader:
-            return self.lead(workload, search)
-        self.follow(workload)
-        return None
+        try:
+            self._check_same(workload)
+            if self.leader:
+                return self.lead(workload, search)
+            self.follow(workload)
+            return None
+        finally:
+            if not self._broken:  # the message group is this search's: a script may search again in its job
+                self._dist.destroy_process_group(self._group)
+
+    def _check_same(self, workload: Workload) -> None:
+        """Every rank's reference weights and batches the same, so that the ranks take the same steps (a batch's
+        shapes decide a compiled step's warm-up and the batch peak memory is measured on) and rank 0's profile, on
+        its own data, measures what the ranks' mean metric does: else one line naming the rank and what differs."""
+        mine = {"weights": workload.weights, "batches": _digest([*workload.train, *workload.eval])}
+        for rank, theirs in enumerate(self._gather(mine)):
+            differs = [what for what in mine if theirs[what] != mine[what]]
+            if differs:
+                raise UserError(
+                    f"{workload.task.path}: rank {rank}'s {' and '.join(differs)} differ from rank {self.rank}'s; a "
+                    "sharded search measures every rank on the same ones: build the same weights on every rank (seed "
+                    "build_model) and give every rank the same batches (the search's sample, not a rank's shard)"
+                )
 
     def lead(self, workload: Workload, run: Callable[[], T]) -> T:
         """On the leader: `run()` (the search of `workload`, whose sharding this is), then tell the followers it is
@@ -249,6 +274,10 @@ class Ranks:
                 raise _failure(failed, self.world, error)
             if done:
                 return value if agree is None else agree([v for _, _, v in outcomes])
+
+    def barrier(self) -> None:
+        """Every rank here before any goes on (the message group's: no GPU synchronised)."""
+        self._wait("every rank at the block's start", lambda: self._dist.barrier(group=self._group))
 
     def release(self, key: int) -> None:
         """A handle the leader no longer holds: its Trainer goes on every rank with the next message."""
@@ -381,6 +410,21 @@ def _failure(failed: Sequence[tuple[int, _Failure]], world: int, mine: BaseExcep
     return mine if mine is not None else OnRankError(named[0])
 
 
+def _digest(batches: Sequence[object]) -> str:
+    """A short hash of every tensor of the batches, in order (shapes, dtypes and values)."""
+    h = hashlib.sha256()
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        data = t.detach().to("cpu").contiguous()
+        h.update(f"{data.dtype}:{tuple(data.shape)};".encode())
+        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        return t
+
+    for batch in batches:
+        map_tensors(batch, note)
+    return h.hexdigest()[:16]
+
+
 def _said(exc: BaseException) -> str:
     """An error as another rank's message tells it: a user's mistake as its one line, anything else with its type."""
     return str(exc) if isinstance(exc, UserError) else describe(exc, limit=None)
@@ -406,7 +450,11 @@ def _warm(ranks: Ranks, workload: Workload, key: int) -> None:
 def _time(ranks: Ranks, workload: Workload, key: int, calls: int, kernels: bool) -> BlockTime:
     trainer = ranks._trainers[key]
     device = trainer.workload.device
-    return devices.lookup(device).time_block(device, trainer, calls, kernels=kernels)
+    # every rank's clock starts together (rank 0's would otherwise hold the others' wait for its message), and no
+    # collection of earlier garbage inside the block, on any rank (the leader's clock pauses its own: interleaved_times)
+    ranks.barrier()
+    with devices.collector_paused():
+        return devices.lookup(device).time_block(device, trainer, calls, kernels=kernels)
 
 
 def _slowest(blocks: list[BlockTime]) -> BlockTime:

@@ -202,13 +202,18 @@ def remeasure(
 
 
 def grossly_slower(samples: Mapping[str, Sequence[float]]) -> set[str]:
-    """The candidates every one of whose rounds so far was slower than GROSS_SLOWDOWN x fp32's slowest: out of the
-    running whatever the noise (all-fp32 is always within budget, and faster), timed no more (interleaved_times'
-    `retire`), their rounds so far their row of the table."""
+    """The candidates each of whose rounds so far (RETIRE_ROUNDS at least: one round's stall is not a verdict) was
+    slower a step than GROSS_SLOWDOWN x fp32's slowest round: out of the running whatever the noise (all-fp32 is
+    within every budget, and faster), timed no more (interleaved_times' `retire`), their rounds their row."""
     base = samples.get(FP32)
     if not base:
         return set()
-    return {name for name, v in samples.items() if name != FP32 and v and min(v) > GROSS_SLOWDOWN * max(base)}
+    return {
+        name for name, v in samples.items() if name != FP32 and len(v) >= RETIRE_ROUNDS and min(v) > GROSS_SLOWDOWN * max(base)
+    }
+
+
+RETIRE_ROUNDS = 2  # a spread needs two rounds, and a load spike on a shared machine lasts one
 
 
 def final_remeasure(
