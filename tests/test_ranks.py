@@ -255,10 +255,29 @@ def test_a_dropped_handle_and_a_candidate_that_could_not_be_built_leave_no_train
     assert ranks._trainers == {}  # both went with that message
 
 
+def test_a_candidate_built_here_but_not_on_another_rank_is_released_here_with_the_next_message(one_rank, monkeypatch):
+    from autoprec import Policy
+    from autoprec.tune._measure._trainer import new_trainer
+
+    ranks, workload = leading(lambda model, mesh: None)
+    gather = ranks._gather
+    # the trainer op as a second rank answers it: built here, not there
+    monkeypatch.setattr(ranks, "world", 2)
+    monkeypatch.setattr(ranks, "_gather", lambda mine: [mine, (_ranks._Failure(False, False, "RuntimeError: boom"), True, None)])
+    with pytest.raises(_ranks.OnRankError, match=r"^rank 1 of 2: RuntimeError: boom$"):
+        new_trainer(workload, Policy())
+    assert len(ranks._trainers) == 1 and ranks._released == list(ranks._trainers)  # built here, to go
+    monkeypatch.setattr(ranks, "_gather", gather)
+    monkeypatch.setattr(ranks, "world", 1)
+    ranks.metric(workload, Policy())
+    assert ranks._trainers == {}
+
+
 def test_the_ranks_check_their_weights_and_batches_are_the_same_before_searching(one_rank, monkeypatch):
     ranks, workload = leading(lambda model, mesh: None)
     ranks._check_same(workload)  # one rank: the same as itself
-    other = {"weights": "0" * 16, "batches": _ranks._digest([*workload.train, *workload.eval])}
+    other = {"weights": "0" * 16, "batches": f"{_ranks._digest(workload.train)} {_ranks._digest(workload.eval)}"}
     monkeypatch.setattr(ranks, "_gather", lambda mine: [mine, other])  # as a second rank with other weights answers
     with pytest.raises(UserError, match=r"rank 1's weights differ from rank 0's.*seed build_model"):
         ranks._check_same(workload)
+    assert _ranks._digest(workload.train) != _ranks._digest(workload.train[:-1])  # one batch fewer: other batches

@@ -163,8 +163,11 @@ def _torchrun(args: argparse.Namespace):
             f"autoprec {args.verb} runs in one process: run it without torchrun (under torchrun, autoprec searches "
             "and sweeps a model that trains sharded)"
         )
-    if not (math.isfinite(args.rank_timeout) and args.rank_timeout > 0):
-        raise UserError(f"--rank-timeout {args.rank_timeout:g}: give the minutes a rank may wait, a number > 0, e.g. 60")
+    if not (0 < args.rank_timeout <= 7 * 24 * 60):  # NaN too
+        raise UserError(
+            f"--rank-timeout {args.rank_timeout:g}: give the minutes a rank may wait, a number > 0 and at most a "
+            "week (10080), e.g. 60"
+        )
     import datetime
 
     import torch.distributed as dist

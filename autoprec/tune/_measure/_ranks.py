@@ -174,7 +174,7 @@ class Ranks:
         """Every rank's reference weights and batches the same, so that the ranks take the same steps (a batch's
         shapes decide a compiled step's warm-up and the batch peak memory is measured on) and rank 0's profile, on
         its own data, measures what the ranks' mean metric does: else one line naming the rank and what differs."""
-        mine = {"weights": workload.weights, "batches": _digest([*workload.train, *workload.eval])}
+        mine = {"weights": workload.weights, "batches": f"{_digest(workload.train)} {_digest(workload.eval)}"}
         for rank, theirs in enumerate(self._gather(mine)):
             differs = [what for what in mine if theirs[what] != mine[what]]
             if differs:
@@ -267,17 +267,17 @@ class Ranks:
                 error = exc
                 if not self.leader:  # said at once: the other ranks may be waiting on this one in a collective
                     log.warning("rank %d: %s failed here: %s", self.rank, op, _said(exc))
+            except RankFailed:  # this group carries no more messages: nothing to agree
+                _close(phases)
+                raise
             said = None if error is None else _Failure.of(error)
             outcomes = self._gather((said, done, value if agree is not None and done and error is None else None))
             failed = [(rank, f) for rank, (f, _, _) in enumerate(outcomes) if f is not None]
             if failed:
+                _close(phases)  # its `finally`s now, not whenever the collector finds it (a paused collector)
                 raise _failure(failed, self.world, error)
             if done:
                 return value if agree is None else agree([v for _, _, v in outcomes])
-
-    def barrier(self) -> None:
-        """Every rank here before any goes on (the message group's: no GPU synchronised)."""
-        self._wait("every rank at the block's start", lambda: self._dist.barrier(group=self._group))
 
     def release(self, key: int) -> None:
         """A handle the leader no longer holds: its Trainer goes on every rank with the next message."""
@@ -410,9 +410,14 @@ def _failure(failed: Sequence[tuple[int, _Failure]], world: int, mine: BaseExcep
     return mine if mine is not None else OnRankError(named[0])
 
 
+def _close(phases: Any) -> None:
+    if isinstance(phases, Generator):
+        phases.close()
+
+
 def _digest(batches: Sequence[object]) -> str:
-    """A short hash of every tensor of the batches, in order (shapes, dtypes and values)."""
-    h = hashlib.sha256()
+    """A short hash of every tensor of the batches, in order (shapes, dtypes and values), and of their count."""
+    h = hashlib.sha256(f"{len(batches)} batches;".encode())
 
     def note(t: torch.Tensor) -> torch.Tensor:
         data = t.detach().to("cpu").contiguous()
@@ -447,13 +452,14 @@ def _warm(ranks: Ranks, workload: Workload, key: int) -> None:
     ranks._trainers[key].warm_shapes()
 
 
-def _time(ranks: Ranks, workload: Workload, key: int, calls: int, kernels: bool) -> BlockTime:
+def _time(ranks: Ranks, workload: Workload, key: int, calls: int, kernels: bool) -> Generator[None, None, BlockTime]:
     trainer = ranks._trainers[key]
     device = trainer.workload.device
-    # every rank's clock starts together (rank 0's would otherwise hold the others' wait for its message), and no
-    # collection of earlier garbage inside the block, on any rank (the leader's clock pauses its own: interleaved_times)
-    ranks.barrier()
+    # no collection of earlier garbage from here to the block's end, on any rank (the leader's clock pauses its own:
+    # interleaved_times); the agreement at the yield lines the ranks' clocks up (rank 0's would otherwise hold the
+    # others' wait for its message)
     with devices.collector_paused():
+        yield
         return devices.lookup(device).time_block(device, trainer, calls, kernels=kernels)
 
 
