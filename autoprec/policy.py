@@ -16,6 +16,7 @@ import torch
 from autoprec.errors import UserError, shown
 from autoprec.files import read_json, write_text
 from autoprec.formats import Format, format_names, parse_format
+from autoprec.tensors import hash_tensor
 
 POLICY_VERSION = 1
 ROOT = ""  # the model itself: its format covers every op not inside a listed layer
@@ -242,9 +243,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     weights (retrained, another seed) differ, so a profile or study measured on one is not reused for the other."""
     h = hashlib.sha256()
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        data = t.detach().to("cpu").contiguous()
-        h.update(f"{name}:{data.dtype}:{tuple(data.shape)};".encode())
-        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        hash_tensor(h, t, f"{name}:")
     return h.hexdigest()[:16]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,3 +56,11 @@ def _mapped(obj: Any, fn: Callable[[torch.Tensor], Any]) -> tuple[Any, bool]:
         values = [v for v, _ in pairs_]
         return (type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)), True
     return obj, False
+
+
+def hash_tensor(h: hashlib._Hash, t: torch.Tensor, label: str = "") -> None:
+    """Feed `t` into the hash `h`: `label`, its dtype and shape, then its bytes (on the CPU, contiguous), so two
+    tensors of equal bytes but another dtype or shape hash apart."""
+    data = t.detach().to("cpu").contiguous()
+    h.update(f"{label}{data.dtype}:{tuple(data.shape)};".encode())
+    h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")

@@ -15,7 +15,7 @@ import dataclasses
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,6 +27,8 @@ from autoprec.tune._core._space import SearchSpace, load_space
 from autoprec.tune._measure._task import Task, Workload, guard_exit, prepare
 from autoprec.tune._search import _searcher as searcher
 from autoprec.tune._search import _sweeper as sweeper
+
+T = TypeVar("T")
 
 NOT_KEPT = "not kept (out=None: the study lived in a temporary folder, removed)"
 
@@ -41,7 +43,7 @@ def search_and_report(
     *,
     command: str,
     announce: Callable[[Budgets], None] | None = None,
-) -> searcher.SearchResult:
+) -> searcher.SearchResult | None:
     """searcher.search, then summary.md and the heat maps beside its files (what `autoprec search` writes). On a
     sharded workload (under torchrun), rank 0 searches and writes, and returns the result; the other ranks take their
     part in every measurement and return None (Workload.sharding.run)."""
@@ -54,7 +56,7 @@ def search_and_report(
         plot_all(result.profile, Path(out_dir), title=f"{workload.task.name} on {result.profile.device}")
         return result
 
-    return run() if workload.sharding is None else workload.sharding.run(workload, run)
+    return _on_ranks(workload, run)
 
 
 def sweep_and_report(
@@ -66,7 +68,7 @@ def sweep_and_report(
     *,
     command: str,
     announce: Callable[[Budgets], None] | None = None,
-) -> sweeper.SweepResult:
+) -> sweeper.SweepResult | None:
     """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes): the
     heat maps beside the profile it measured, or where the one it reused has none; a reused profile's are left as
     they are (a search's files). Sharded: as search_and_report."""
@@ -85,6 +87,11 @@ def sweep_and_report(
         write_text(out / "sweep.md", sweep_markdown(result, command))
         return result
 
+    return _on_ranks(workload, run)
+
+
+def _on_ranks(workload: Workload, run: Callable[[], T]) -> T | None:
+    """`run()` here, or on a sharded workload led by rank 0 with the other ranks taking their part (None there)."""
     return run() if workload.sharding is None else workload.sharding.run(workload, run)
 
 
@@ -151,10 +158,9 @@ def _setup(
     )
     workload = prepare(task, torch.device(device) if device is not None else default_device())
     if task.parallelize is not None:
-        from autoprec.tune._measure._ranks import Ranks  # noqa: PLC0415 (torch.distributed: a sharded search's alone)
+        from autoprec.tune._measure._ranks import sharded  # noqa: PLC0415 (torch.distributed: a sharded search's alone)
 
-        ranks = Ranks(workload.device, task.parallelize, where=f"{task.name}:parallelize")
-        workload = dataclasses.replace(workload, sharding=ranks)
+        workload = sharded(workload)
     the_space = the_space.with_excludes(tuple(exclude), workload.model)
     settings = search_config(device=workload.device, compile=compile, trials=trials, seed=seed, progress=progress, **config)
     return workload, the_space, settings
@@ -284,7 +290,7 @@ def search(
             result = searcher.search(workload, the_space, settings, folder)
         return dataclasses.replace(result, storage=NOT_KEPT)
 
-    return in_a_temporary_folder() if workload.sharding is None else workload.sharding.run(workload, in_a_temporary_folder)
+    return _on_ranks(workload, in_a_temporary_folder)
 
 
 def sweep(
@@ -390,4 +396,4 @@ def sweep(
             result = sweeper.sweep(workload, the_space, specs, settings, folder)
         return dataclasses.replace(result, storage=NOT_KEPT)
 
-    return in_a_temporary_folder() if workload.sharding is None else workload.sharding.run(workload, in_a_temporary_folder)
+    return _on_ranks(workload, in_a_temporary_folder)

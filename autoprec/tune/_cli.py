@@ -134,7 +134,7 @@ def _rank_device(args: argparse.Namespace, device: torch.device) -> torch.device
 def _sharded(args: argparse.Namespace, task, workload):
     """The workload, run on every rank of this torchrun job together (_ranks.Ranks), sharded by model.py's
     parallelize(model, mesh)."""
-    from autoprec.tune._measure._ranks import Ranks
+    from autoprec.tune._measure._ranks import sharded
 
     if task.parallelize is None:
         raise UserError(
@@ -142,8 +142,7 @@ def _sharded(args: argparse.Namespace, task, workload):
             "shard the model over them; define one (fully_shard each block, then the model: docs/sharded.md), or "
             "run autoprec without torchrun"
         )
-    ranks = Ranks(workload.device, task.parallelize, where=f"{task.path.name}:parallelize", timeout_s=60 * args.rank_timeout)
-    return dataclasses.replace(workload, sharding=ranks)
+    return sharded(workload, timeout_s=60 * args.rank_timeout)
 
 
 @contextlib.contextmanager

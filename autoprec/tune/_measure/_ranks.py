@@ -38,7 +38,7 @@ import torch
 from autoprec import devices
 from autoprec.devices import BlockTime
 from autoprec.errors import RankFailed, UserError, describe
-from autoprec.tensors import map_tensors
+from autoprec.tensors import hash_tensor, map_tensors
 from autoprec.tune._measure._metric import metric_of
 from autoprec.tune._measure._task import Workload
 from autoprec.tune._measure._trainer import Candidate, Trainer, as_candidate, compile_scope, matmul_precision, trained_model
@@ -308,6 +308,16 @@ class Ranks:
             ) from exc
 
 
+def sharded(workload: Workload, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Workload:
+    """`workload` measured on every rank of the caller's job together, sharded by its task's parallelize (which it
+    must have), named in the policy file by the task's file (or a Python task's label)."""
+    parallelize = workload.task.parallelize
+    if parallelize is None:
+        raise ValueError(f"{workload.task.path}: a sharded workload needs its task's parallelize(model, mesh)")
+    where = f"{workload.task.path.name}:parallelize"
+    return dataclasses.replace(workload, sharding=Ranks(workload.device, parallelize, where=where, timeout_s=timeout_s))
+
+
 class RankedTrainer:
     """The leader's handle on one candidate's Trainer, built on every rank: it answers as a Trainer does, each call
     run on every rank together. Dropped, its Trainers go on every rank (with the next message: never from inside the
@@ -420,9 +430,7 @@ def _digest(batches: Sequence[object]) -> str:
     h = hashlib.sha256(f"{len(batches)} batches;".encode())
 
     def note(t: torch.Tensor) -> torch.Tensor:
-        data = t.detach().to("cpu").contiguous()
-        h.update(f"{data.dtype}:{tuple(data.shape)};".encode())
-        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        hash_tensor(h, t)
         return t
 
     for batch in batches:
