@@ -849,17 +849,22 @@ def test_valid_memory_options_reach_the_search_settings():
     from autoprec.tune._decide._goals import MEMORY
 
     args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--max-memory", "40G", "--objective", "memory"])
-    config = _search_config(args)
+    config = _search_config(args, torch.device("cpu"))
     assert config.max_memory == 40 * 2**30 and config.objective is MEMORY
-    assert _search_config(build_parser().parse_args(["sweep", "m.py", "--budgets", "0", "--device", "cpu"])).max_memory is None
+    assert (
+        _search_config(
+            build_parser().parse_args(["sweep", "m.py", "--budgets", "0", "--device", "cpu"]), torch.device("cpu")
+        ).max_memory
+        is None
+    )
 
 
 def test_time_every_trial_turns_the_speed_prediction_off_for_a_search():
     from autoprec.tune._cli import _search_config, build_parser
 
     parser = build_parser()
-    assert _search_config(parser.parse_args(["search", "m.py"])).predict_speed is True
-    assert _search_config(parser.parse_args(["search", "m.py", "--time-every-trial"])).predict_speed is False
+    assert _search_config(parser.parse_args(["search", "m.py"]), torch.device("cpu")).predict_speed is True
+    assert _search_config(parser.parse_args(["search", "m.py", "--time-every-trial"]), torch.device("cpu")).predict_speed is False
     with pytest.raises(SystemExit):  # a sweep never predicts (its front keeps slower trials): no such flag there
         parser.parse_args(["sweep", "m.py", "--budgets", "0.1", "--time-every-trial"])
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import optuna
 import pandas as pd
 import pytest
+import torch
 from short_timing import FAST_PROFILE, TINY
 
 from autoprec.formats import Format
@@ -92,7 +93,7 @@ def test_a_registered_goal_is_a_choice_of_the_config_and_the_command_line(most_f
     from autoprec.tune._cli import _search_config, build_parser
 
     args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--objective", "most-fp16"])
-    assert _search_config(args).objective is most_fp16
+    assert _search_config(args, torch.device("cpu")).objective is most_fp16
     with pytest.raises(SystemExit):
         build_parser().parse_args(["search", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())

@@ -60,11 +60,11 @@ def _device(value: str) -> torch.device:
     return dev
 
 
-def _compile(args: argparse.Namespace) -> bool:
+def _compile(args: argparse.Namespace, device: torch.device) -> bool:
     """--compile / --no-compile as given, else the device's default (config.default_compile)."""
     from autoprec.tune._core._config import default_compile
 
-    return bool(args.compile) if args.compile is not None else default_compile(args.device)
+    return bool(args.compile) if args.compile is not None else default_compile(device)
 
 
 def _out_dir(args: argparse.Namespace, task) -> Path:
@@ -99,7 +99,9 @@ def _quiet_torchao() -> None:
         pass
 
 
-def _prepare(args: argparse.Namespace):
+def _prepare(args: argparse.Namespace, device: torch.device, *, compiled: bool):
+    """model.py loaded and prepared on `device` (_model_device's), the search space with --exclude applied, and the
+    workload, sharded under torchrun; one line says where it runs and how (`compiled`: as the config decided)."""
     from autoprec.tune._core._space import load_space
     from autoprec.tune._measure._task import load_task, prepare
 
@@ -108,13 +110,12 @@ def _prepare(args: argparse.Namespace):
     if getattr(args, "library_noise", None) is not None:  # a library model.py imported may have set up its own handler
         args.library_noise.cover()
     space = load_space(args.space)
-    device = _rank_device(args, _device(args.device))
     workload = prepare(task, device)
     try:
         space = space.with_excludes(args.exclude or (), workload.model)
     except ValueError as exc:
         raise UserError(f"--{exc}") from None
-    how = "compiled" if _compile(args) else "eager"
+    how = "compiled" if compiled else "eager"
     ranks = getattr(args, "ranks", None)
     if ranks is not None:
         workload = _sharded(args, task, workload)
@@ -123,8 +124,10 @@ def _prepare(args: argparse.Namespace):
     return task, space, workload
 
 
-def _rank_device(args: argparse.Namespace, device: torch.device) -> torch.device:
-    """Under torchrun, each rank's own GPU (cuda -> cuda:LOCAL_RANK), as torchrun's workers train."""
+def _model_device(args: argparse.Namespace) -> torch.device:
+    """--device, checked once (_device) for everything the command does with it; under torchrun each rank's own GPU
+    (cuda -> cuda:LOCAL_RANK), as torchrun's workers train."""
+    device = _device(args.device)
     ranks = getattr(args, "ranks", None)
     if ranks is None or device.index is not None or not devices.device_for(device).numbered:
         return device
@@ -191,14 +194,14 @@ def _say(args: argparse.Namespace, line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _search_config(args: argparse.Namespace, budget=None):
+def _search_config(args: argparse.Namespace, device: torch.device, budget=None):
     """The settings, checked before the model is loaded (config.search_config, as the Python API builds them): a
     search's budget as given (the pipeline resolves it), a sweep's none (its budgets go to the sweep)."""
     from autoprec.tune._core._config import search_config
 
     try:
         return search_config(
-            device=_device(args.device),
+            device=device,
             budget=budget,
             compile=args.compile,
             mode=args.mode,
@@ -261,8 +264,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     specs = _budgets(args, "--budget", DEFAULT if args.budget is None else args.budget)
     if len(specs) != 1:
         raise UserError(f"--budget {args.budget}: one budget; for several, run autoprec sweep --budgets {args.budget}")
-    config = _search_config(args, budget=specs[0])
-    task, space, workload = _prepare(args)
+    device = _model_device(args)
+    config = _search_config(args, device, budget=specs[0])
+    task, space, workload = _prepare(args, device, compiled=config.compile)
     out = args.out_dir = _out_dir(args, task)
     command = _command("search", config.storage)
     result = search_and_report(workload, space, config, out, command=command, announce=_announce(args, "--budget"))
@@ -297,8 +301,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from autoprec.tune._api import sweep_and_report
 
     specs = _budgets(args, "--budgets", args.budgets)
-    config = _search_config(args)
-    task, space, workload = _prepare(args)
+    device = _model_device(args)
+    config = _search_config(args, device)
+    task, space, workload = _prepare(args, device, compiled=config.compile)
     out = args.out_dir = _out_dir(args, task)
     if config.study_name is None:  # beside a search's study in the same storage, not mixed with it
         config = dataclasses.replace(config, study_name=f"{task.name}-sweep")
@@ -330,10 +335,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from autoprec.tune._report._report import breaks, breaks_summary, gradient_summary, profile_summary
     from autoprec.tune._search._out_dir import claim_out_dir
 
-    task, space, workload = _prepare(args)
+    device = _model_device(args)
+    compiled = _compile(args, device)
+    task, space, workload = _prepare(args, device, compiled=compiled)
     out = _out_dir(args, task)
     with claim_out_dir(workload, out):
-        prof = profile(workload, space, ProfileConfig(compile=_compile(args)), progress=not args.quiet)
+        prof = profile(workload, space, ProfileConfig(compile=compiled), progress=not args.quiet)
         path = prof.save(out)
         pngs = plot_all(prof, out, title=f"{task.name} on {prof.device}")
     if args.json:

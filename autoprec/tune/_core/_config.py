@@ -18,7 +18,7 @@ from autoprec import devices
 from autoprec.formats import AutocastFamily, Float8Family
 from autoprec.tune._core._budget import Budget, check_budget, parse_budget
 from autoprec.tune._core._goal import DEFAULT_GOAL, Goal, goal_named, goals
-from autoprec.tune._core._space import parse_option
+from autoprec.tune._core._numbers import parse_option
 from autoprec.tune._core._targets import target_named, targets
 
 # ---- tuning constants --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Numbers as a person types them (a command-line option, a budget string): ASCII only.
+"""Numbers and choices as a person types them (a command-line option, a budget string): numbers in ASCII only, a
+choice of words in any case.
 
 Python's float() and int() also read "1_0" as 10 and Arabic-Indic or full-width digits as numbers, so a typo or a
 pasted value could run as a number nobody meant. The forms accepted here are the ones the help and the docs show;
@@ -8,7 +9,9 @@ what is read from a file keeps its own format's rules (YAML, JSON, CSV).
 from __future__ import annotations
 
 import argparse
+import enum
 import re
+from typing import TypeVar
 
 DECIMAL_FORMS = "a number in ASCII digits, such as 0.01, 5, -2 or 1e-3 (inf and nan are words, not digits)"
 INTEGER_FORMS = "a whole number in ASCII digits, such as 20 or -1"
@@ -41,3 +44,14 @@ def parse_integer(text: str) -> int:
         return int(stripped)
     except ValueError:  # past sys.get_int_max_str_digits()
         raise NotANumber(f"{text[:20]!r}... ({len(text)} characters) is too long a number") from None
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def parse_option(kind: type[E], value: object, name: str) -> E:
+    """One of a string enum's values (a member, or its text in any case), or a ValueError naming the choices."""
+    try:
+        return kind(str(getattr(value, "value", value)).strip().lower())
+    except ValueError:
+        raise ValueError(f"{name} must be one of {', '.join(x.value for x in kind)}, but got {value!r}") from None

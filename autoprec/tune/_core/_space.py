@@ -10,7 +10,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -18,6 +18,7 @@ import yaml
 from autoprec.errors import UserError, shown
 from autoprec.formats import Format, parse_format
 from autoprec.policy import MODULE_PATH
+from autoprec.tune._core._numbers import parse_option
 
 if TYPE_CHECKING:
     from autoprec.tune._core._goal import Goal
@@ -36,17 +37,6 @@ class Layout(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-E = TypeVar("E", bound=enum.Enum)
-
-
-def parse_option(kind: type[E], value: object, name: str) -> E:
-    """One of a string enum's values (a member, or its text in any case), or a ValueError naming the choices."""
-    try:
-        return kind(str(getattr(value, "value", value)).strip().lower())
-    except ValueError:
-        raise ValueError(f"{name} must be one of {', '.join(x.value for x in kind)}, but got {value!r}") from None
 
 
 def parse_layout(value: object) -> Layout:
