@@ -447,7 +447,7 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
     names = _names_by_module(paths)
     _warn_aliases(policy, names, paths)
     _warn_other_model(policy, model)
-    gathered = frozenset(f for f in policy.layers.values() if fsdp_fp8_all_gather and f.spec.fsdp_fp8_all_gather)
+    gathered = frozenset(f for f in policy.layers.values() if fsdp_fp8_all_gather and f.family.fsdp_fp8_all_gather(f))
     if fsdp_fp8_all_gather and not gathered:
         warnings.warn(
             "apply_policy: fsdp_fp8_all_gather=True, but no layer of this policy runs in fp8 (tensorwise), the recipe "

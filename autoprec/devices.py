@@ -102,7 +102,7 @@ class Device:
 
     def capability(self, dev: torch.device) -> tuple[int, int] | None:
         """The compute capability its kernels are rated by (CUDA's (major, minor)); None where there is none. A
-        format's `min_capability` is compared with it (autoprec.formats._has_capability): fp8 kernels need 8.9."""
+        float8 family's `MIN_CAPABILITY` is compared with it (autoprec.formats._has_capability): fp8 kernels need 8.9."""
         return None
 
     def autocast_available(self, dev: torch.device) -> bool:

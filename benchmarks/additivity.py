@@ -27,9 +27,10 @@ from common import out_folder  # noqa: E402 (beside this script)
 from autoprec import Policy
 from autoprec.formats import Format, format_problem
 from autoprec.tune import load_space, load_task, prepare
+from autoprec.tune._core._profile_row import ProfileRow, as_float
 from autoprec.tune._core._tables import markdown_table
 from autoprec.tune._measure._metric import evaluate_metric
-from autoprec.tune._measure._profile_data import Profile, ProfileRow, as_float
+from autoprec.tune._measure._profile_data import Profile
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/additivity"  # where the files are written (and, for a re-check, read): --out

@@ -34,7 +34,7 @@ from autoprec.formats import fp8_formats  # noqa: E402
 from autoprec.tune._measure._metric import sqnr_db  # noqa: E402
 from autoprec.tune._measure._trainer import matmul_precision  # noqa: E402
 
-FP8 = [f.value for f in fp8_formats() if f.spec.fp8 is not None]
+FP8 = [f.value for f in fp8_formats() if f.family.fp8_gemms(f) is not None]
 
 
 class Mlp(nn.Module):

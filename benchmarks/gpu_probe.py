@@ -285,7 +285,8 @@ def stage_a(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     import torch  # noqa: PLC0415
 
     from autoprec import Policy  # noqa: PLC0415
-    from autoprec.tune._measure._trainer import Candidate, compile_scope  # noqa: PLC0415
+    from autoprec.tune._core._records import Candidate  # noqa: PLC0415
+    from autoprec.tune._measure._trainer import compile_scope  # noqa: PLC0415
 
     cuda = device.type == "cuda"
     workload, _ = workload_of(
@@ -373,8 +374,9 @@ def stage_b(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
 
 def stage_c(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     from autoprec import Policy  # noqa: PLC0415
+    from autoprec.tune._core._records import Candidate  # noqa: PLC0415
     from autoprec.tune._decide._alternatives import torchao_fp8_layers  # noqa: PLC0415
-    from autoprec.tune._measure._trainer import Candidate, compile_scope  # noqa: PLC0415
+    from autoprec.tune._measure._trainer import compile_scope  # noqa: PLC0415
 
     workload, _ = workload_of(
         ROOT / "examples/llama/model.py", "AUTOPREC_LLAMA_SIZE", "tiny" if probe.smoke else "full", "Llama", device

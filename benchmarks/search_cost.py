@@ -28,9 +28,8 @@ from autoprec.tune._api import search_and_report  # noqa: E402
 from autoprec.tune._core._budget import Budgets  # noqa: E402
 from autoprec.tune._core._cost import cost_rows  # noqa: E402
 from autoprec.tune._core._names import BF16, FP32  # noqa: E402
-from autoprec.tune._core._records import Measured  # noqa: E402
+from autoprec.tune._core._records import Candidate, Measured  # noqa: E402
 from autoprec.tune._core._tables import markdown_table  # noqa: E402
-from autoprec.tune._measure._trainer import Candidate  # noqa: E402
 from autoprec.tune._search._finalists import remeasure  # noqa: E402
 from autoprec.tune._search._objective import Judge  # noqa: E402
 

@@ -30,9 +30,8 @@ from common import add_device_flag, parse_device, print_header  # noqa: E402
 from autoprec.tune import Profile, SearchConfig, load_space, load_task, prepare, profile  # noqa: E402
 from autoprec.tune._core._budget import Budgets  # noqa: E402
 from autoprec.tune._core._config import TimingConfig  # noqa: E402
-from autoprec.tune._core._records import Measured  # noqa: E402
+from autoprec.tune._core._records import Candidate, Measured  # noqa: E402
 from autoprec.tune._core._space import Layout  # noqa: E402
-from autoprec.tune._measure._trainer import Candidate  # noqa: E402
 from autoprec.tune._search._finalists import baselines, remeasure  # noqa: E402
 from autoprec.tune._search._objective import Judge  # noqa: E402
 from autoprec.tune._search._searcher import search  # noqa: E402

@@ -464,7 +464,7 @@ def test_each_fp8_recipe_keeps_torchao_sqnr_thresholds_or_says_why_it_cannot_run
         return
     apply_policy(low, Policy(layers={"0": fmt}))
     assert low[0].config == dataclasses.replace(
-        float8_linear_config(Format(fmt).spec.fp8.to_json()), emulate=low[0].config.emulate
+        float8_linear_config(Format(fmt).family.fp8_gemms(Format(fmt)).to_json()), emulate=low[0].config.emulate
     )
     x = torch.randn(64, 256, device=device)
     y_ref, y = ref(x), low(x)
@@ -484,7 +484,7 @@ def test_each_per_gemm_fp8_format_keeps_its_fp8_gemms_above_20_db_and_the_others
     """fprop SQNR >= 20 dB where the format runs it in fp8; each GEMM it keeps in high precision at least the bf16
     layer's SQNR less 1 dB, inside an fp32 model and inside a bf16 one (torchao's own high-precision GEMMs fail
     there on fp32 master weights: apply_policy casts the layer's input so that they do not)."""
-    gemms = Format(fmt).spec.fp8
+    gemms = Format(fmt).family.fp8_gemms(Format(fmt))
     problem = Format(fmt).spec.device_problem("cpu")
     assert problem is None  # emulated on a CPU; a GPU without fp8 kernels emulates it too
     bf16, mine = gemm_sqnrs("bf16", root), gemm_sqnrs(fmt, root)

@@ -295,9 +295,9 @@ def test_the_fallback_tag_searches_without_fp32_under_a_bf16_root_and_its_folder
     linear = [f.value for f in space.layers["Linear"]]
     assert "fp32" not in linear and linear[0] == "bf16"
     assert linear == [f for f in search.SEARCH_FORMATS if f != "fp32"]  # the postfix searches' low formats
-    space.check_fallbacks(goal_named("flops"))  # the FLOP goal takes bf16 as the lists' fallback
+    goal_named("flops").check_fallbacks(space)  # the FLOP goal takes bf16 as the lists' fallback
     with pytest.raises(ValueError, match="fp32"):
-        space.check_fallbacks(goal_named("speed"))  # a timed goal still needs fp32
+        goal_named("speed").check_fallbacks(space)  # a timed goal still needs fp32
     assert "fp32" in search.search_formats("postfix")  # the old tags' spaces are unchanged
     folder = search.searched_dir(tmp_path, 0.04, "grouped", "fallback")
     assert folder.name == "budget-0.04-grouped-fallback"

@@ -6,6 +6,7 @@ import optuna
 import pytest
 import torch
 
+from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._space import Layout, load_space, space_from_dict
 from autoprec.tune._measure._choices import (
     Choices,
@@ -23,7 +24,7 @@ from autoprec.tune._measure._choices import (
     warm_starts,
     with_layout,
 )
-from autoprec.tune._measure._profile_data import Profile, ProfileRow
+from autoprec.tune._measure._profile_data import Profile
 
 CPU = torch.device("cpu")
 

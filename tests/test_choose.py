@@ -83,8 +83,8 @@ def test_choose_is_never_slower_than_the_fastest_alternative_within_budget():
 
 
 def test_tf32_is_measured_but_never_chosen_as_the_policy():
+    from autoprec.tune._core._records import Candidate
     from autoprec.tune._decide._choose import choose
-    from autoprec.tune._measure._trainer import Candidate
 
     fp32 = Policy(layers={"": "fp32"})
     candidates = {"fp32": Candidate(fp32), "TF32": Candidate(fp32, tf32=True)}
@@ -98,8 +98,8 @@ def test_tf32_is_measured_but_never_chosen_as_the_policy():
 def test_uniform_bf16_under_cuda_graphs_is_measured_but_never_chosen_as_the_policy():
     """CUDA graphs are a way to compile: the fastest row, but no per-layer policy can be written of it."""
     from autoprec.tune._core._names import BF16, BF16_GRAPHS
+    from autoprec.tune._core._records import Candidate
     from autoprec.tune._decide._choose import choose
-    from autoprec.tune._measure._trainer import Candidate
 
     bf16 = Policy(layers={"": "bf16"})
     candidates = {"fp32": Candidate(Policy()), BF16: Candidate(bf16), BF16_GRAPHS: Candidate(bf16, cuda_graphs=True)}
@@ -203,9 +203,9 @@ def test_fp32_and_a_barely_faster_bf16_timed_through_a_noisy_clock_give_the_same
     from short_timing import TINY
 
     from autoprec.tune import load_task, prepare
+    from autoprec.tune._core._records import Candidate
     from autoprec.tune._decide._choose import choose
     from autoprec.tune._measure._separation import separated
-    from autoprec.tune._measure._trainer import Candidate
     from autoprec.tune._search._finalists import remeasure
 
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")

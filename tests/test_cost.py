@@ -12,7 +12,7 @@ from autoprec.tune import SearchConfig, load_task, prepare, profile
 from autoprec.tune._core._cost import Stopwatch, cost_rows
 from autoprec.tune._core._records import Measured
 from autoprec.tune._core._space import space_from_dict
-from autoprec.tune._report._report import search_summary
+from autoprec.tune._report._results import search_summary
 from autoprec.tune._search._objective import Judge
 from autoprec.tune._search._searcher import search
 

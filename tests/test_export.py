@@ -75,7 +75,7 @@ def test_the_torchao_file_gives_each_per_gemm_layer_the_config_apply_policy_give
     assert converted["b"].cast_config_input_for_grad_weight.scaling_type.value == "disabled"  # wgrad high precision
 
 
-ALL_FP8 = [f.value for f in fp8_formats() if f.spec.fp8 is not None]
+ALL_FP8 = [f.value for f in fp8_formats() if f.family.fp8_gemms(f) is not None]
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["outside autocast", "under bf16 autocast"])

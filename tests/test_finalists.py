@@ -9,9 +9,9 @@ from autoprec import Policy
 from autoprec.tune import SearchConfig
 from autoprec.tune._core._budget import Budgets
 from autoprec.tune._core._names import BF16, FP32, GREEDY
+from autoprec.tune._core._records import Candidate
 from autoprec.tune._decide._alternatives import Alternatives
 from autoprec.tune._measure._choices import Choices
-from autoprec.tune._measure._trainer import Candidate
 from autoprec.tune._search import _finalists as finalists
 from autoprec.tune._search._searcher import search_plan
 from autoprec.tune._search._sweeper import sweep_plan

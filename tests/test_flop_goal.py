@@ -26,13 +26,13 @@ from autoprec.formats import (
 )
 from autoprec.policy import ROOT, Policy
 from autoprec.tune import SearchConfig, load_task, prepare
+from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._space import space_from_dict
 from autoprec.tune._core._targets import B200, H100, Target, register_target, unregister_target
 from autoprec.tune._decide._flops import FLOPS, Flops, estimated_speedup, format_of, gemm_flops
 from autoprec.tune._decide._goals import SPEED
 from autoprec.tune._measure import _predict as predictor
 from autoprec.tune._measure._predict import LinearShape, Step, step_from_rows
-from autoprec.tune._measure._profile_data import ProfileRow
 from autoprec.tune._search._searcher import search
 
 MODELS = Path(__file__).parent / "models"

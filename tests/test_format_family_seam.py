@@ -27,10 +27,11 @@ from autoprec.formats import (
     unregister_format,
 )
 from autoprec.tune import ProfileConfig, SearchConfig, load_task, prepare, profile
+from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._space import space_from_dict
 from autoprec.tune._measure import _profiler as profiler_module
 from autoprec.tune._measure._choices import build_choices, format_params, params_for, policy_from_params
-from autoprec.tune._measure._profile_data import Profile, ProfileRow
+from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._search._searcher import search
 
 MODELS = Path(__file__).parent / "models"
@@ -94,6 +95,42 @@ def test_a_name_taken_is_refused_with_the_registrys_message(toy):
         register_family(ToyInt8Family)
     with pytest.raises(ValueError, match="still has formats toy-int8-fakequant"):
         unregister_family("toy-int8")
+
+
+def test_what_only_a_family_reads_is_the_familys_and_a_fact_it_does_not_take_registers_nothing(toy):
+    from autoprec.formats.float8 import Fp8Gemms
+
+    before = list(REGISTRY)
+    with pytest.raises(
+        ValueError,
+        match=r"format family 'toy-int8' takes no autocast: give register_format FormatSpec's fields \(loss_scale, max_value",
+    ):
+        register_format("toy-int8-bf16", family="toy-int8", inside="again", autocast=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"format family 'autocast' takes no gemms"):
+        register_format(
+            "toy-bf16-gemms", family="autocast", inside="again", autocast=torch.bfloat16, gemms=Fp8Gemms("tensorwise")
+        )
+    with pytest.raises(
+        ValueError, match=r"format 'toy-fp8': gemms must be an Fp8Gemms, such as Fp8Gemms\('tensorwise'\), but got None"
+    ):
+        register_format("toy-fp8", family="float8", inside="again")
+    assert list(REGISTRY) == before  # refused whole: neither the spec nor the family's record
+    # the family answers for its own formats, and forgets one unregistered; the other families answer None
+    fmt = register_format("toy-fp8", family="float8", inside="again", gemms=Fp8Gemms("rowwise", wgrad=False))
+    family = fmt.family
+    try:
+        assert fmt.family.fp8_gemms(fmt) == Fp8Gemms("rowwise", wgrad=False) and not fmt.family.fsdp_fp8_all_gather(fmt)
+        assert fmt.family.tensorwise_grad_dtype(fmt) is None and fmt.family.autocast_dtype(fmt) is None
+        assert fmt.family.gemm_precisions(fmt) == ("fp8", "fp8", "bf16") and toy.family.fp8_gemms(toy) is None
+    finally:
+        unregister_format("toy-fp8")
+    with pytest.raises(KeyError):
+        family.fp8_gemms(fmt)
+    assert Format.FP8.family.fp8_gemms(Format.FP8) == Fp8Gemms("tensorwise", recipe="tensorwise")
+    assert (
+        Format.FP8.family.tensorwise_grad_dtype(Format.FP8) is torch.float8_e5m2
+        and Format.BF16.family.autocast_dtype(Format.BF16) is torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ def test_fp8_recipes_name_torchao_recipes_that_exist_and_every_per_gemm_mix_is_a
     from torchao.float8 import Float8LinearConfig, ScalingType
 
     for fmt in fp8_formats():
-        gemms = fmt.spec.fp8
+        gemms = fmt.family.fp8_gemms(fmt)
         if gemms is None:
             continue
         if gemms.recipe is not None:
@@ -94,10 +94,10 @@ def test_each_per_gemm_mix_keeps_fp8s_safety_settings():
     for fmt in (Format.FP8_FWD, Format.FP8_FWD_DGRAD, Format.FP8_ROWWISE_FWD, Format.FP8_ROWWISE_FWD_DGRAD):
         spec = fmt.spec
         assert spec.risky and spec.linear_only and spec.fallback is Format.BF16 and not spec.loss_scale
-        assert spec.min_capability == (8, 9)
-        tensorwise_grad = spec.fp8.scaling == "tensorwise" and spec.fp8.dgrad  # the gradient is cast per tensor
-        assert (spec.tensorwise_grad_dtype is not None) == tensorwise_grad, fmt
-        assert spec.fsdp_fp8_all_gather == (spec.fp8.scaling == "tensorwise" and spec.fp8.dgrad), fmt  # hp dgrad reads it
+        family, gemms = fmt.family, fmt.family.fp8_gemms(fmt)
+        tensorwise_grad = gemms.scaling == "tensorwise" and gemms.dgrad  # the gradient is cast per tensor
+        assert (family.tensorwise_grad_dtype(fmt) is not None) == tensorwise_grad, fmt
+        assert family.fsdp_fp8_all_gather(fmt) == (gemms.scaling == "tensorwise" and gemms.dgrad), fmt  # hp dgrad reads it
         assert "divisible by 16" in format_problem(fmt, nn.Linear(16, 4), "cpu")
 
 

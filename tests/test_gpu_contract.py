@@ -19,7 +19,7 @@ import autoprec
 from autoprec.apply import applied_summary
 from autoprec.formats import Format, Fp8Backend, fp8_formats
 
-FP8 = [f.value for f in fp8_formats() if f.spec.fp8 is not None]  # torchao's float8 recipes
+FP8 = [f.value for f in fp8_formats() if f.family.fp8_gemms(f) is not None]  # torchao's float8 recipes
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ONE = torch.tensor(1.0)
 

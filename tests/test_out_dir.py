@@ -92,7 +92,7 @@ def test_a_hand_edited_profile_cell_is_said_by_file_line_layer_column_and_value_
     """Under --objective flops a bad shape was an error naming neither file nor cell, and bad tokens left every
     Linear uncounted without a word: the profile was read as it was."""
     from autoprec.tune import SearchConfig
-    from autoprec.tune._measure._profile_data import COLUMNS
+    from autoprec.tune._core._profile_row import COLUMNS
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})

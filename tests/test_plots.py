@@ -56,7 +56,7 @@ ALL_FORMATS = ["fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp"
 
 def profile_table(layers, formats, drop=lambda layer, fmt: 0.0):
     """A profile's rows as the profiler writes them: every (layer, format) measured, SQNR 30 dB, the drop `drop` gives."""
-    from autoprec.tune._measure._profile_data import ProfileRow
+    from autoprec.tune._core._profile_row import ProfileRow
 
     rows = []
     for layer in layers:
@@ -175,7 +175,7 @@ def sweep_result(drops, speedups):
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._search._sweeper import BudgetRow, SweepResult
+    from autoprec.tune._report._results import BudgetRow, SweepResult
 
     trials = pd.DataFrame({"trial": range(len(drops)), "metric_drop": drops, "speedup": speedups, "spread": 0.01,
                            "feasible": True})  # fmt: skip

@@ -15,11 +15,12 @@ from short_timing import FAST_PROFILE
 
 from autoprec.formats import Format, OperandCast
 from autoprec.policy import ROOT, Policy
+from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._targets import B200, GB200, H100, H200, Target, targets
 from autoprec.tune._decide._flops import gemm_flops
 from autoprec.tune._measure import _predict as predictor
 from autoprec.tune._measure._predict import LinearShape, Step
-from autoprec.tune._measure._profile_data import Profile, ProfileRow
+from autoprec.tune._measure._profile_data import Profile
 
 ROOT_DIR = Path(__file__).parents[1]
 GPT2 = ROOT_DIR / "examples" / "gpt2" / "model.py"

@@ -11,8 +11,9 @@ from short_timing import TINY, fixed_layer_times
 
 from autoprec import Policy
 from autoprec.tune import ProfileConfig, load_task, prepare, profile
+from autoprec.tune._core._profile_row import COLUMNS, ProfileRow
 from autoprec.tune._core._space import space_from_dict
-from autoprec.tune._measure._profile_data import COLUMNS, Profile, ProfileRow
+from autoprec.tune._measure._profile_data import Profile
 
 MODELS = Path(__file__).parent / "models"
 FAST = ProfileConfig(batches=2, timing=TINY)

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
+from autoprec.tune._core._profile_row import COLUMNS, ProfileRow
 from autoprec.tune._measure._gradients import LayerGradients, scale_table
-from autoprec.tune._measure._profile_data import COLUMNS, Profile, ProfileRow, ruled_out
+from autoprec.tune._measure._profile_data import Profile, ruled_out
 
 
 def _row(**fields) -> ProfileRow:
@@ -133,7 +134,7 @@ def test_the_shape_the_profiler_writes_for_any_weight_passes_profile_csvs_own_ch
     again on every run."""
     import re
 
-    from autoprec.tune._measure._profile_data import _SHAPE
+    from autoprec.tune._core._profile_row import _SHAPE
     from autoprec.tune._measure._profiler import _shape
 
     scale = torch.nn.Module()

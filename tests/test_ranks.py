@@ -235,7 +235,8 @@ def test_a_dropped_handle_and_a_candidate_that_could_not_be_built_leave_no_train
 
     from autoprec import Policy
     from autoprec.apply import applied_policy
-    from autoprec.tune._measure._trainer import Candidate, new_trainer
+    from autoprec.tune._core._records import Candidate
+    from autoprec.tune._measure._trainer import new_trainer
 
     def parallelize(model, mesh):
         if any(str(f) != "fp32" for f in applied_policy(model).layers.values()):

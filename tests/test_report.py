@@ -131,7 +131,7 @@ def test_the_summarys_first_line_says_plainly_when_the_answer_is_a_tie_inside_th
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._report._report import headline
+    from autoprec.tune._report._results import headline
     from autoprec.tune._report._show import show_policy
 
     rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.7, "feasible": True, "metric_drop": 0.0},
@@ -163,7 +163,7 @@ def test_show_speaks_of_the_fp8_backend_only_for_a_policy_that_runs_fp8():
 
 def _gemm_table(rows):
     """A profile's rows of (layer, format, fprop dB, dgrad dB, wgrad dB, finite, overflow, metric drop); fp32 rows added."""
-    from autoprec.tune._measure._profile_data import ProfileRow
+    from autoprec.tune._core._profile_row import ProfileRow
 
     out = []
     for layer in dict.fromkeys(r[0] for r in rows):
@@ -250,7 +250,7 @@ def test_a_tie_among_equally_safe_searched_policies_is_not_called_the_safer_one(
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._report._report import headline
+    from autoprec.tune._report._results import headline
 
     rows = finals(
         {"candidate": "trial 3", "speedup": 1.50, "spread": 0.04}, {"candidate": "trial 5", "speedup": 1.48, "spread": 0.04}
@@ -272,7 +272,7 @@ def test_a_tie_that_fp32_wins_says_no_gain_and_why_fp32():
 
     from autoprec import Policy
     from autoprec.tune._decide._choose import choose
-    from autoprec.tune._report._report import headline
+    from autoprec.tune._report._results import headline
 
     candidates = {"fp32": Policy(layers={"": "fp32", "a": "fp32"}), "uniform bf16": Policy(layers={"": "bf16", "a": "bf16"})}
     rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.6, "feasible": True, "metric_drop": 0.0},
@@ -293,8 +293,7 @@ def test_a_sweeps_table_says_the_tie_its_policy_file_records():
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._report._report import sweep_summary
-    from autoprec.tune._search._sweeper import BudgetRow
+    from autoprec.tune._report._results import BudgetRow, sweep_summary
 
     rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 1.1}, {"candidate": "uniform bf16", "speedup": 1.22, "spread": 1.1},
                   {"candidate": "profile greedy 0.01", "speedup": 1.75, "spread": 0.9},
@@ -341,8 +340,7 @@ def test_a_sweeps_tables_never_break_a_policy_file_name():
     from builders import finals
 
     from autoprec import Policy
-    from autoprec.tune._report._report import sweep_summary
-    from autoprec.tune._search._sweeper import BudgetRow
+    from autoprec.tune._report._results import BudgetRow, sweep_summary
 
     rows = finals(
         {"candidate": "fp32", "speedup": 1.0, "spread": 0.02}, {"candidate": "uniform bf16", "speedup": 1.2, "spread": 0.02}
@@ -367,7 +365,7 @@ def test_a_sweeps_tables_never_break_a_policy_file_name():
 
 
 def test_the_search_cost_is_priced_in_the_chosen_policys_steps_and_as_a_share_of_the_run_it_tunes():
-    from autoprec.tune._report._report import search_cost
+    from autoprec.tune._report._results import search_cost
 
     cost = {"seconds": {"profile": 20.0, "trials": 70.0, "final re-measure": 30.0}, "counts": {}}
     assert search_cost(cost, 60.0, None) == (

@@ -18,11 +18,12 @@ from autoprec import LossScale, Policy, UserError, apply_policy, grad_scaler, lo
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune._core._budget import Budgets
 from autoprec.tune._core._config import Mode
+from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._space import space_from_dict
 from autoprec.tune._measure._choices import build_choices, greedy_params, loss_scale_choice, policy_from_params
 from autoprec.tune._measure._gradients import LayerGradients, scale_table
 from autoprec.tune._measure._metric import NoiseFloor, metric_of
-from autoprec.tune._measure._profile_data import Profile, ProfileRow
+from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._search._objective import INFEASIBLE, over_budget
 from autoprec.tune._search._searcher import search
 
@@ -378,9 +379,10 @@ def test_offered_fp8_per_gemm_a_search_keeps_the_breaking_weight_gradient_high_p
         result = search(workload, space, SearchConfig(budget=0.05, **FAST), tmp_path)
     assert {"fp8", "fp8-rowwise"}.isdisjoint(result.choices.layers["proj"])
     assert "its wgrad GEMM measures" in result.choices.excluded["proj"]["fp8"]
-    gemms = result.policy.layers["proj"].spec.fp8
+    proj, inp = result.policy.layers["proj"], result.policy.layers["inp"]
+    gemms = proj.family.fp8_gemms(proj)
     assert gemms is not None and gemms.fprop and "wgrad" in gemms.high_precision, result.policy.layers
-    assert result.policy.layers["inp"].spec.fp8 is not None and not result.policy.layers["inp"].spec.fp8.high_precision
+    assert inp.family.fp8_gemms(inp) is not None and not inp.family.fp8_gemms(inp).high_precision
 
 
 def test_a_step_that_fails_in_some_format_makes_that_trial_infeasible_not_the_search(tmp_path):
@@ -541,7 +543,7 @@ def test_an_alternative_that_cannot_train_is_a_row_with_its_error_not_a_crash(tm
     row = result.finals.by_name("uniform bf16")
     assert not row.runs and "no autocast here" in row.error
     assert "no autocast here" in result.policy.measured["results"]["uniform bf16"]["error"]
-    from autoprec.tune._report._report import search_summary
+    from autoprec.tune._report._results import search_summary
     from autoprec.tune._report._show import show_policy
 
     assert "uniform bf16 failed: RuntimeError: no autocast here" in search_summary(result)
@@ -566,7 +568,7 @@ def test_a_journal_with_a_torn_last_line_keeps_every_complete_trial_and_says_wha
 def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
     import dataclasses
 
-    from autoprec.tune._report._report import search_summary
+    from autoprec.tune._report._results import search_summary
 
     _, result, _ = searched
     quiet = dataclasses.replace(result, finals=result.finals.replace(spread=0.01))
@@ -584,7 +586,7 @@ def test_the_summary_names_a_host_bound_step_by_the_devices_busy_time_and_a_fast
 
     from autoprec.tune._core._names import BF16_GRAPHS
     from autoprec.tune._core._records import Finals
-    from autoprec.tune._report._report import search_summary
+    from autoprec.tune._report._results import search_summary
 
     _, result, _ = searched
     rows = [

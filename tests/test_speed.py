@@ -13,11 +13,11 @@ from autoprec.formats import Format
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune._core._budget import Budgets
 from autoprec.tune._core._config import MARGIN, MIN_FIT, NOISE_ROUNDS, NOISY_SPREAD
+from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._space import space_from_dict
 from autoprec.tune._decide._trials import device_noise, first_of_run
 from autoprec.tune._decide._trials import finalist_mark as _finalist_mark
 from autoprec.tune._measure._choices import build_choices, policy_from_params
-from autoprec.tune._measure._profile_data import ProfileRow
 from autoprec.tune._measure._speed import ALL, Features, LayerTimes, Timed, ceiling, fit, format_of, too_slow
 from autoprec.tune._search._objective import Judge, Objective
 

@@ -338,7 +338,7 @@ def test_a_spread_is_written_as_stored_in_the_tables_the_first_line_and_the_warn
 
     from autoprec import Policy
     from autoprec.tune._measure._timing import more_if_noisy, spread_text
-    from autoprec.tune._report._report import headline
+    from autoprec.tune._report._results import headline
     from autoprec.tune._report._show import show_policy
 
     assert spread_text(5.12) == "512.0%" and spread_text(0.04) == "4.0%" and spread_text(None) == spread_text(float("nan")) == "-"

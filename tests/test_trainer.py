@@ -190,7 +190,8 @@ def test_a_compiled_candidate_steps_on_every_batch_shape_before_its_timing(monke
 
 
 def test_a_cuda_graphs_candidate_is_compiled_with_reduce_overhead_and_only_compiled(monkeypatch, write_model, mlp_source):
-    from autoprec.tune._measure._trainer import Candidate, Trainer
+    from autoprec.tune._core._records import Candidate
+    from autoprec.tune._measure._trainer import Trainer
 
     workload = prepare(load_task(write_model(mlp_source)), "cpu")
     modes = []

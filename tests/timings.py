@@ -34,7 +34,7 @@ def factor(fmt: Format, factors: Mapping[str, float]) -> float:
     its fp8 GEMMs, and for the others bf16's ("half") or, where they run in the weight's fp32, fp32's (1)."""
     if fmt is Format.FP32:
         return 1.0
-    gemms = fmt.spec.fp8
+    gemms = fmt.family.fp8_gemms(fmt)
     if gemms is not None and gemms.high_precision:
         hp = factors["half"] if gemms.input_dtype(torch.float32, None) == torch.bfloat16 else 1.0
         return sum(hp if g in gemms.high_precision else factors["fp8"] for g in ("fprop", "dgrad", "wgrad")) / 3

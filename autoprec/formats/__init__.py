@@ -63,7 +63,8 @@ def risky_formats() -> tuple[Format, ...]:
 def autocast_dtype(fmt: Format | str) -> torch.dtype | None:
     """The dtype `fmt`'s forward runs under torch.autocast (bf16, fp16), or None where it does not run through
     autocast: its spec's answer, so a format registered later has one too."""
-    return Format(fmt).spec.autocast
+    found = Format(fmt)
+    return found.family.autocast_dtype(found)
 
 
 def default_device() -> torch.device:
@@ -73,14 +74,14 @@ def default_device() -> torch.device:
 
 def _has_capability(dev: torch.device, need: tuple[int, int]) -> bool:
     """Whether `dev`'s kernels are rated `need` or above (CUDA's compute capability): the one place a format's
-    `min_capability` is decided (tests/gpu_contract.py makes the CPU an H100 here)."""
+    kernels' capability (float8's MIN_CAPABILITY) is decided (tests/gpu_contract.py makes the CPU an H100 here)."""
     have = devices.lookup(dev).capability(dev)
     return have is not None and have >= need
 
 
 def autocast_supported(device: torch.device | str, fmt: Format) -> bool:
     """Whether torch.autocast accepts this format's dtype on this device type."""
-    return fmt.spec.autocast is None or REGISTRY[fmt].device_problem(device) is None
+    return fmt.family.autocast_dtype(fmt) is None or REGISTRY[fmt].device_problem(device) is None
 
 
 def format_problem(fmt: Format, module: torch.nn.Module, device: torch.device | str) -> str | None:

@@ -25,14 +25,33 @@ FP16_MAX = torch.finfo(torch.float16).max  # 65504
 # (fp16 gradients are replayed at loss scale 1; a GradScaler lifts those flushed, the gradient ranges say how far).
 SQNR_FLOOR_DB = 30.0
 
+# each autocast format's dtype (None: fp32, autocast off inside the layer), keyed by the Format (a str equal to its
+# name): a plain dict lookup, which torch.compile traces
+_DTYPES: dict[str, torch.dtype | None] = {}
+
 
 @register_family
 class AutocastFamily(FormatFamily):
     name = "autocast"
     sqnr_floor_db = SQNR_FLOOR_DB
 
+    def add_format(self, fmt: Format, *, autocast: torch.dtype | None = None, **facts: Any) -> None:
+        """`autocast`: the dtype the layer's forward runs under torch.autocast (bf16, fp16); None: fp32."""
+        super().add_format(fmt, **facts)  # refuses any other
+        if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
+            raise ValueError(
+                f"format {fmt.value!r}: autocast must be a floating torch.dtype, such as torch.bfloat16, but got {autocast!r}"
+            )
+        _DTYPES[fmt] = autocast
+
+    def remove_format(self, fmt: Format) -> None:
+        _DTYPES.pop(fmt, None)
+
+    def autocast_dtype(self, fmt: Format) -> torch.dtype | None:
+        return _DTYPES[fmt]
+
     def device_problem(self, fmt: Format, device: torch.device) -> str | None:
-        dtype = fmt.spec.autocast
+        dtype = _DTYPES[fmt]
         if dtype is None:
             return None
         if not devices.lookup(device).autocast_available(device):
@@ -42,12 +61,12 @@ class AutocastFamily(FormatFamily):
         return None
 
     def overflow_limit(self, fmt: Format) -> float | None:
-        return fmt.spec.max_value if fmt.spec.autocast is not None else None
+        return fmt.spec.max_value if _DTYPES[fmt] is not None else None
 
     def forward(
         self, fmt: Format, module: torch.nn.Module, inner: Callable[..., Any], device_type: str, args: tuple, kwargs: dict
     ) -> Any:
-        dtype = fmt.spec.autocast
+        dtype = _DTYPES[fmt]
         if dtype is None:
             # Inputs may arrive in bf16/fp16 from a lowered neighbour; autocast-off code needs fp32.
             args, kwargs = map_tensors((args, kwargs), to_fp32)

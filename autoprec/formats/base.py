@@ -128,10 +128,8 @@ class FormatSpec:
     """Everything autoprec knows about one format; `register_format` makes one.
 
     `family`: the registered FormatFamily's name that runs it ("autocast", "float8", "blockscaled", or one
-    registered from outside autoprec).
-    `autocast`: the dtype the layer's forward runs under torch.autocast (bf16, fp16), or None.
-    `fp8`: the GEMMs torchao's float8 training runs in fp8 and their scaling (a recipe, or a per-GEMM mix); the
-    blockscaled family keeps its formats' GEMMs in its own table (blockscaled.GEMM_FORMATS), not here.
+    registered from outside autoprec). What only its family needs of it (autocast's dtype, float8's GEMMs and their
+    scaling, blockscaled's per-GEMM element formats) the family keeps (FormatFamily.add_format), and answers for.
     `loss_scale`: whether it needs a GradScaler (gradients that underflow without one).
     `max_value`: the largest finite value its forward's low-precision values can hold (None: fp32/bf16 range).
     `fallback`: the next safer format, when a layout or a variant must lower a layer less.
@@ -143,19 +141,11 @@ class FormatSpec:
     format: Format
     inside: str
     family: str = "autocast"
-    autocast: torch.dtype | None = None
-    fp8: Any = None  # float8's Fp8Gemms
     loss_scale: bool = False
     max_value: float | None = None
     fallback: Format | None = None
     risky: bool = False
     linear_only: bool = False
-    # the fp8 dtype its gradients are cast to with one dynamic scale per tensor, whose underflow the gradient
-    # histograms can count (None: not such a cast; rowwise scales per row, which a histogram cannot follow)
-    tensorwise_grad_dtype: torch.dtype | None = None
-    # torchao can all-gather its weights in fp8 under FSDP2 (enable_fsdp_float8_all_gather: tensorwise scales only)
-    fsdp_fp8_all_gather: bool = False
-    min_capability: tuple[int, int] | None = None  # CUDA compute capability its kernels need (has_fp8_kernels)
 
     @property
     def is_fp8(self) -> bool:
@@ -225,6 +215,40 @@ class FormatFamily(abc.ABC):
     # casts read bf16; None: the layer's own dtype (fp32 for autocast's fp32)
     timed_inside: ClassVar[str | None] = None
 
+    def add_format(self, fmt: Format, **facts: Any) -> None:
+        """Keep what this family alone needs of `fmt`, being registered with it: register_format's facts that are
+        not FormatSpec's fields (autocast's `autocast` dtype, float8's `gemms`, blockscaled's `gemms`), read back by
+        the family's own answers. The default takes none: a ValueError naming them. Raise to refuse the format (it is
+        then not registered)."""
+        if facts:
+            raise ValueError(
+                f"format family {self.name!r} takes no {', '.join(sorted(facts))}: give register_format FormatSpec's "
+                f"fields ({', '.join(SPEC_FACTS)}) and what the family's add_format takes"
+            )
+
+    def remove_format(self, fmt: Format) -> None:
+        """Forget what add_format kept of `fmt` (unregister_format); the default keeps nothing."""
+        return None
+
+    def autocast_dtype(self, fmt: Format) -> torch.dtype | None:
+        """The dtype `fmt`'s forward runs under torch.autocast (bf16, fp16), or None (the default): autocast's."""
+        return None
+
+    def fp8_gemms(self, fmt: Format) -> Any:
+        """Where `fmt` runs torchao's float8 training, its GEMMs and their scaling (float8.Fp8Gemms: a recipe, or a
+        per-GEMM mix), as the export targets write them; None (the default) for a family that does not."""
+        return None
+
+    def tensorwise_grad_dtype(self, fmt: Format) -> torch.dtype | None:
+        """The fp8 dtype `fmt` casts its gradients to with one dynamic scale per tensor, whose underflow the gradient
+        histograms can count; None (the default) for no such cast (rowwise scales per row: no histogram follows)."""
+        return None
+
+    def fsdp_fp8_all_gather(self, fmt: Format) -> bool:
+        """Whether FSDP2 can all-gather `fmt`'s weights in fp8 (torchao's enable_fsdp_float8_all_gather: tensorwise
+        scales only); False by default."""
+        return False
+
     def device_problem(self, fmt: Format, device: torch.device) -> str | None:
         """Why `fmt` cannot run on `device` at all, or None (the default: it runs wherever torch does)."""
         return None
@@ -274,9 +298,9 @@ class FormatFamily(abc.ABC):
         one of GEMM_PRECISIONS. The FLOP goal (autoprec/tune/_decide/_flops.py) weights a layer's GEMM work by a target's
         throughput in these. `outer`: the autocast the layer is called under ("bf16", "fp16": its parent's or the
         model root's format), None outside any (an fp32 root); a GEMM the format leaves in high precision may run in
-        it. "fp32" is strict fp32 (no TF32). The default: the spec's autocast dtype for all three (bf16, fp16), else
+        it. "fp32" is strict fp32 (no TF32). The default: its autocast dtype (autocast_dtype) for all three (bf16, fp16), else
         fp32 (autoprec's fp32 turns autocast off inside the layer)."""
-        name = autocast_name(fmt.spec.autocast) or "fp32"
+        name = autocast_name(self.autocast_dtype(fmt)) or "fp32"
         return (name, name, name)
 
     def gemm_casts(self, fmt: Format) -> tuple[GemmCast | None, GemmCast | None, GemmCast | None]:
@@ -369,25 +393,33 @@ def families() -> tuple[FormatFamily, ...]:
     return tuple(_FAMILIES.values())
 
 
+# register_format's facts that are FormatSpec's own fields; any other fact is its family's (FormatFamily.add_format)
+SPEC_FACTS = tuple(f.name for f in dataclasses.fields(FormatSpec) if f.name not in ("format", "inside", "family"))
+
+
 def register_format(name: str, *, family: str, inside: str, **facts: Any) -> Format:
-    """Add a format of a registered family and return it (a Format equal to `name`); `facts` are FormatSpec's
-    other fields (fallback: a registered Format)."""
-    family_named(family)
+    """Add a format of a registered family and return it (a Format equal to `name`). `facts`: FormatSpec's other
+    fields (SPEC_FACTS; fallback: a registered Format), and what the family keeps of it (its add_format's keywords,
+    such as autocast's `autocast=torch.bfloat16`). Nothing is registered where the family refuses it."""
+    owner = family_named(family)
     REGISTRY.refuse_taken(name, f"unregister_format({name!r}) first to replace it, or give it another name")
-    fallback = facts.get("fallback")
-    if fallback is not None:
-        facts["fallback"] = Format(fallback)
+    own = {k: facts.pop(k) for k in list(facts) if k not in SPEC_FACTS}
+    if facts.get("fallback") is not None:
+        facts["fallback"] = Format(facts["fallback"])
     fmt = Format._create(name)
-    REGISTRY[fmt] = FormatSpec(fmt, inside=inside, family=family, **facts)
+    spec = FormatSpec(fmt, inside=inside, family=family, **facts)
+    owner.add_format(fmt, **own)
+    REGISTRY[fmt] = spec
     return fmt
 
 
 def unregister_format(name: str) -> FormatSpec:
-    """Remove a registered format; one that another format falls back to is refused."""
+    """Remove a registered format, and what its family kept of it; one that another format falls back to is refused."""
     fmt = Format(name)
     after = [s.format.value for s in REGISTRY.values() if s.fallback is fmt]
     if after:
         raise ValueError(f"format {name!r} is the fallback of {', '.join(after)}; unregister them first")
+    fmt.family.remove_format(fmt)
     return REGISTRY.pop(fmt)
 
 

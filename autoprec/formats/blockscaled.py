@@ -105,7 +105,7 @@ def element_name(setting: GemmFormat) -> str | None:
     return "mxfp8" if isinstance(setting, MXFP8) else "nvfp4"
 
 
-GEMM_FORMATS: dict[str, BlockGemms] = {}  # each registered format's GEMMs, keyed by name
+GEMM_FORMATS: dict[str, BlockGemms] = {}  # each registered format's GEMMs, keyed by name (add_format)
 
 
 def _gemms(fmt: Format) -> BlockGemms:
@@ -225,6 +225,17 @@ class BlockScaledFamily(FormatFamily):
     name = "blockscaled"
     gemm_floor_rules_out = True
     timed_inside = "bf16"
+
+    def add_format(self, fmt: Format, *, gemms: BlockGemms | None = None, **facts: Any) -> None:
+        """`gemms` (required): each of a Linear's three GEMMs' element format (MXFP8, NVFP4, or None: high
+        precision)."""
+        super().add_format(fmt, **facts)  # refuses any other
+        if not isinstance(gemms, BlockGemms):
+            raise ValueError(f"format {fmt.value!r}: gemms must be a BlockGemms, but got {gemms!r}")
+        GEMM_FORMATS[fmt] = gemms
+
+    def remove_format(self, fmt: Format) -> None:
+        GEMM_FORMATS.pop(fmt, None)
 
     def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
         return shape_problem(fmt, module)
@@ -361,10 +372,10 @@ def _register(name: str, inside: str, gemms: BlockGemms) -> Format:
         fallback=Format.BF16,
         risky=True,
         linear_only=True,
-        # no min_capability: torchao's MX/NVFP4 kernels need compute capability 10.0, but autoprec runs the emulation
-        # on every device (has_kernels is False everywhere), so no device check would read it
+        gemms=gemms,
+        # no capability check: torchao's MX/NVFP4 kernels need compute capability 10.0, but autoprec runs the
+        # emulation on every device (has_kernels is False everywhere), so no device check would read it
     )
-    GEMM_FORMATS[name] = gemms
     return fmt
 
 

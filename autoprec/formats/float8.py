@@ -19,7 +19,6 @@ from autoprec import devices
 from autoprec.formats.base import (
     E4M3_MAX,
     GEMMS,
-    REGISTRY,
     Converted,
     Format,
     FormatFamily,
@@ -77,6 +76,25 @@ class Fp8Gemms:
         the weight's gradient, so the numerics are the unpadded call's; only a ragged call (an epoch's last batch)
         pays the copy."""
         return -rows % FP8_DIM_MULTIPLE if self.wgrad else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Format:
+    """What the float8 family keeps of one of its formats (Float8Family.add_format)."""
+
+    gemms: Fp8Gemms
+    # the fp8 dtype its gradients are cast to with one dynamic scale per tensor, whose underflow the gradient
+    # histograms can count (None: not such a cast; rowwise scales per row, which a histogram cannot follow)
+    tensorwise_grad_dtype: torch.dtype | None = None
+    # torchao can all-gather its weights in fp8 under FSDP2 (enable_fsdp_float8_all_gather: tensorwise scales only)
+    fsdp_fp8_all_gather: bool = False
+
+
+# each float8 format's, keyed by the Format (a str equal to its name): a plain dict lookup, which torch.compile traces
+_FORMATS: dict[str, Float8Format] = {}
+
+# the CUDA compute capability torch._scaled_mm's fp8 kernels need (has_fp8_kernels): Ada and Hopper on
+MIN_CAPABILITY = (8, 9)
 
 
 def fp8_input_dtype(gemms: dict, weight_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> torch.dtype:
@@ -140,8 +158,7 @@ class Fp8Backend(str, enum.Enum):
 
 def has_fp8_kernels(device: torch.device | str) -> bool:
     """True where torch._scaled_mm has real fp8 kernels: CUDA devices of compute capability 8.9+."""
-    need = REGISTRY[Format.FP8].min_capability
-    return need is not None and _package()._has_capability(torch.device(device), need)
+    return _package()._has_capability(torch.device(device), MIN_CAPABILITY)
 
 
 def fp8_backend(device: torch.device | str) -> Fp8Backend:
@@ -319,6 +336,36 @@ class Float8Family(FormatFamily):
 
     # device_problem: the default (None): torchao emulates every one of its formats where the device has no fp8 kernels
 
+    def add_format(
+        self,
+        fmt: Format,
+        *,
+        gemms: Fp8Gemms | None = None,
+        tensorwise_grad_dtype: torch.dtype | None = None,
+        fsdp_fp8_all_gather: bool = False,
+        **facts: Any,
+    ) -> None:
+        """`gemms` (required): the GEMMs torchao's float8 training runs in fp8 and their scaling (a recipe, or a
+        per-GEMM mix); `tensorwise_grad_dtype`, `fsdp_fp8_all_gather`: Float8Format's."""
+        super().add_format(fmt, **facts)  # refuses any other
+        if not isinstance(gemms, Fp8Gemms):
+            raise ValueError(
+                f"format {fmt.value!r}: gemms must be an Fp8Gemms, such as Fp8Gemms('tensorwise'), but got {gemms!r}"
+            )
+        _FORMATS[fmt] = Float8Format(gemms, tensorwise_grad_dtype, bool(fsdp_fp8_all_gather))
+
+    def remove_format(self, fmt: Format) -> None:
+        _FORMATS.pop(fmt, None)
+
+    def fp8_gemms(self, fmt: Format) -> Fp8Gemms:
+        return _FORMATS[fmt].gemms
+
+    def tensorwise_grad_dtype(self, fmt: Format) -> torch.dtype | None:
+        return _FORMATS[fmt].tensorwise_grad_dtype
+
+    def fsdp_fp8_all_gather(self, fmt: Format) -> bool:
+        return _FORMATS[fmt].fsdp_fp8_all_gather
+
     def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
         return fp8_shape_problem(module, fmt)
 
@@ -330,17 +377,14 @@ class Float8Family(FormatFamily):
         )
 
     def export_name(self, fmt: Format) -> str | None:
-        gemms = fmt.spec.fp8
-        return None if gemms is None else gemms.recipe or fmt.value
+        return _FORMATS[fmt].gemms.recipe or fmt.value
 
     def gemm_precisions(self, fmt: Format, outer: str | None = None) -> tuple[str, str, str]:
         """A GEMM its Fp8Gemms runs in fp8 is "fp8". One left in high precision runs in the dtype fp8_input_dtype
         casts the input to, autocast off inside the layer: a per-GEMM mix's by a fixed rule whatever the caller's
         autocast (dgrad high: the weight's dtype, fp32 master weights, so "fp32"; dgrad fp8: bf16); a recipe's in the
         caller's autocast dtype (`outer`), else the weight's, fp32 (rowwise_with_gw_hp's wgrad)."""
-        gemms = fmt.spec.fp8
-        if gemms is None:
-            return super().gemm_precisions(fmt, outer)
+        gemms = _FORMATS[fmt].gemms
         if gemms.recipe is not None:
             high = outer or "fp32"
         else:
@@ -351,9 +395,7 @@ class Float8Family(FormatFamily):
     def gemm_casts(self, fmt: Format) -> tuple[GemmCast | None, GemmCast | None, GemmCast | None]:
         """Each fp8 GEMM's operands cast to 8 bits: tensorwise with one fp32 scale per tensor from its amax (a pass of
         its own), rowwise with one per row along the GEMM's contraction (the amax within the cast's pass)."""
-        gemms = fmt.spec.fp8
-        if gemms is None:
-            return super().gemm_casts(fmt)
+        gemms = _FORMATS[fmt].gemms
         tensorwise = gemms.scaling == "tensorwise"
         operand = OperandCast(bits=8, block=0 if tensorwise else -1, scale_bytes=4, tensor_amax=tensorwise)
         cast = GemmCast(f"fp8-{gemms.scaling}", operand, operand)
@@ -373,12 +415,11 @@ class Float8Family(FormatFamily):
     ) -> Converted:
         recipes: dict[Fp8Gemms, dict[int, torch.nn.Module]] = {}
         for n, f in listed.items():
-            if f.spec.fp8 is not None:
-                recipes.setdefault(f.spec.fp8, {})[id(paths[n])] = paths[n]
+            recipes.setdefault(_FORMATS[f].gemms, {})[id(paths[n])] = paths[n]
         if not recipes:
             return Converted()
         fp8 = {recipe: list(group.values()) for recipe, group in recipes.items()}
-        gathered = frozenset(f.spec.fp8 for f in all_gather if f.spec.fp8 is not None)
+        gathered = frozenset(_FORMATS[f].gemms for f in all_gather if f in _FORMATS)
         backend, originals = _convert_fp8(model, fp8, names, device, gathered, device_hint=device_hint)
         log.info("apply_policy: fp8 layers %s use %s", sorted(listed), backend)
         return Converted(backend=backend, undo=lambda: _restore(model, originals))
@@ -390,9 +431,9 @@ class Float8Family(FormatFamily):
         outer_autocast = torch.is_autocast_enabled(dev)
         weight = getattr(module, "weight", None)
         x = _first_tensor(args, kwargs)
-        gemms = fmt.spec.fp8
-        if gemms is None or not isinstance(weight, torch.Tensor) or x is None:
-            with torch.autocast(dev, dtype=fmt.spec.autocast or torch.bfloat16):
+        gemms = _FORMATS[fmt].gemms
+        if not isinstance(weight, torch.Tensor) or x is None:
+            with torch.autocast(dev, dtype=torch.bfloat16):
                 return caller_precision(inner(module, *args, **kwargs), outer_autocast)
         # Fp8Gemms.input_dtype: the same dtypes into torchao on every device, whatever autocast torchao can see
         cast = gemms.input_dtype(weight.dtype, torch.get_autocast_dtype(dev) if outer_autocast else None)
@@ -417,12 +458,11 @@ _FP8: dict[str, Any] = {
     "fallback": Format.BF16,
     "risky": True,
     "linear_only": True,
-    "min_capability": (8, 9),
 }
 Format.FP8 = register_format(
     "fp8",
     inside="torchao float8 training, tensorwise: e4m3 forward, e5m2 gradients, one dynamic scale per tensor",
-    fp8=Fp8Gemms("tensorwise", recipe="tensorwise"),
+    gemms=Fp8Gemms("tensorwise", recipe="tensorwise"),
     tensorwise_grad_dtype=torch.float8_e5m2,
     fsdp_fp8_all_gather=True,
     **_FP8,
@@ -430,26 +470,26 @@ Format.FP8 = register_format(
 Format.FP8_ROWWISE = register_format(
     "fp8-rowwise",
     inside="torchao float8 training, rowwise: e4m3 everywhere, one scale per row (more accurate, slower)",
-    fp8=Fp8Gemms("rowwise", recipe="rowwise"),
+    gemms=Fp8Gemms("rowwise", recipe="rowwise"),
     **_FP8,
 )
 Format.FP8_ROWWISE_GW_HP = register_format(
     "fp8-rowwise-gw-hp",
     inside="torchao float8 training, rowwise_with_gw_hp: rowwise, the weight gradient in high precision",
-    fp8=Fp8Gemms("rowwise", wgrad=False, recipe="rowwise_with_gw_hp"),
+    gemms=Fp8Gemms("rowwise", wgrad=False, recipe="rowwise_with_gw_hp"),
     **_FP8,
 )
 Format.FP8_FWD = register_format(
     "fp8-fwd",
     inside="torchao float8, tensorwise, forward only: e4m3 output GEMM; both gradient GEMMs in the weight's "
     "dtype (fp32 master weights: fp32)",
-    fp8=Fp8Gemms("tensorwise", dgrad=False, wgrad=False),
+    gemms=Fp8Gemms("tensorwise", dgrad=False, wgrad=False),
     **_FP8,
 )
 Format.FP8_FWD_DGRAD = register_format(
     "fp8-fwd-dgrad",
     inside="torchao float8, tensorwise, forward and input gradient: e4m3 forward, e5m2 gradient; the weight gradient in bf16",
-    fp8=Fp8Gemms("tensorwise", wgrad=False),
+    gemms=Fp8Gemms("tensorwise", wgrad=False),
     tensorwise_grad_dtype=torch.float8_e5m2,  # cast once per tensor for dgrad
     fsdp_fp8_all_gather=True,  # the weight is cast tensorwise wherever it is fp8, and wgrad never reads it
     **_FP8,
@@ -458,12 +498,12 @@ Format.FP8_ROWWISE_FWD = register_format(
     "fp8-rowwise-fwd",
     inside="torchao float8, rowwise, forward only: e4m3 output GEMM, one scale per row; both gradient GEMMs "
     "in the weight's dtype (fp32 master weights: fp32)",
-    fp8=Fp8Gemms("rowwise", dgrad=False, wgrad=False),
+    gemms=Fp8Gemms("rowwise", dgrad=False, wgrad=False),
     **_FP8,
 )
 Format.FP8_ROWWISE_FWD_DGRAD = register_format(
     "fp8-rowwise-fwd-dgrad",
     inside="torchao float8, rowwise, forward and input gradient: e4m3, one scale per row; the weight gradient in bf16",
-    fp8=Fp8Gemms("rowwise", wgrad=False),
+    gemms=Fp8Gemms("rowwise", wgrad=False),
     **_FP8,
 )

@@ -18,16 +18,16 @@ from autoprec.tune._core._budget import Budget, parse_budget
 from autoprec.tune._core._config import Mode, ProfileConfig, SearchConfig
 from autoprec.tune._core._goal import INFEASIBLE, Axis, Goal, goal_named, goals, register_goal, unregister_goal
 from autoprec.tune._core._names import ALTERNATIVES
+from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._records import Finals, Measured, Measurement, TrialRecord
 from autoprec.tune._core._space import Layout, SearchSpace, load_space
 from autoprec.tune._core._targets import Target, register_target, target_named, targets, unregister_target
 from autoprec.tune._decide._choose import choose, choose_smallest
 from autoprec.tune._decide._goals import MEMORY, SPEED
-from autoprec.tune._measure._profile_data import Profile, ProfileRow
+from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._measure._profiler import profile
 from autoprec.tune._measure._task import Task, Workload, load_task, prepare
-from autoprec.tune._search._searcher import SearchResult
-from autoprec.tune._search._sweeper import SweepResult
+from autoprec.tune._report._results import SearchResult, SweepResult
 
 __all__ = [
     "search",

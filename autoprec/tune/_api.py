@@ -25,6 +25,7 @@ from autoprec.tune._core._budget import DEFAULT, Budget, Budgets, parse_budget, 
 from autoprec.tune._core._config import SearchConfig, search_config
 from autoprec.tune._core._space import SearchSpace, load_space
 from autoprec.tune._measure._task import Task, Workload, guard_exit, prepare
+from autoprec.tune._report._results import SearchResult, SweepResult
 from autoprec.tune._search import _searcher as searcher
 from autoprec.tune._search import _sweeper as sweeper
 
@@ -43,14 +44,14 @@ def search_and_report(
     *,
     command: str,
     announce: Callable[[Budgets], None] | None = None,
-) -> searcher.SearchResult | None:
+) -> SearchResult | None:
     """searcher.search, then summary.md and the heat maps beside its files (what `autoprec search` writes). On a
     sharded workload (under torchrun), rank 0 searches and writes, and returns the result; the other ranks take their
     part in every measurement and return None (Workload.sharding.run)."""
     from autoprec.tune._report._plots import plot_all
-    from autoprec.tune._report._report import search_markdown
+    from autoprec.tune._report._results import search_markdown
 
-    def run() -> searcher.SearchResult:
+    def run() -> SearchResult:
         result = searcher.search(workload, space, config, Path(out_dir), announce=announce)
         write_text(Path(out_dir) / "summary.md", search_markdown(result, command))
         plot_all(result.profile, Path(out_dir), title=f"{workload.task.name} on {result.profile.device}")
@@ -68,14 +69,14 @@ def sweep_and_report(
     *,
     command: str,
     announce: Callable[[Budgets], None] | None = None,
-) -> sweeper.SweepResult | None:
+) -> SweepResult | None:
     """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes): the
     heat maps beside the profile it measured, or where the one it reused has none; a reused profile's are left as
     they are (a search's files). Sharded: as search_and_report."""
     from autoprec.tune._report._plots import plot_all, plot_pareto
-    from autoprec.tune._report._report import sweep_markdown
+    from autoprec.tune._report._results import sweep_markdown
 
-    def run() -> sweeper.SweepResult:
+    def run() -> SweepResult:
         out = Path(out_dir)
         result = sweeper.sweep(workload, space, budgets, config, out, announce=announce)
         title = f"{workload.task.name} on {result.profile.device}"
@@ -186,7 +187,7 @@ def search(
     name: str | None = None,
     parallelize: Callable[[torch.nn.Module, Any], torch.nn.Module | None] | None = None,
     **config: Any,
-) -> searcher.SearchResult | None:
+) -> SearchResult | None:
     """Search per-layer formats for a model in memory, within a metric budget, and return the measured result.
 
     Runs the command line's own code path (`autoprec search model.py`) on objects instead of a model.py: the same
@@ -235,7 +236,7 @@ def search(
             "80%", or a number of bytes).
 
     Returns:
-        searcher.SearchResult | None: None on a rank other than 0 of a sharded search (rank 0 returns the result).
+        SearchResult | None: None on a rank other than 0 of a sharded search (rank 0 returns the result).
         `.policy` (the chosen autoprec.Policy, to apply with autoprec.apply_policy),
         `.summary()` (the table the command line prints), `.finals` (records.Finals: every re-measured candidate,
         the alternatives among them), `.trials` (trials.csv's rows, a pandas DataFrame) and `.profile`.
@@ -285,7 +286,7 @@ def search(
     if out is not None:
         return search_and_report(workload, the_space, settings, out, command=command)
 
-    def in_a_temporary_folder() -> searcher.SearchResult:
+    def in_a_temporary_folder() -> SearchResult:
         with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
             result = searcher.search(workload, the_space, settings, folder)
         return dataclasses.replace(result, storage=NOT_KEPT)
@@ -313,7 +314,7 @@ def sweep(
     name: str | None = None,
     parallelize: Callable[[torch.nn.Module, Any], torch.nn.Module | None] | None = None,
     **config: Any,
-) -> sweeper.SweepResult | None:
+) -> SweepResult | None:
     """Search once for several budgets: one two-objective study, then a verified policy per budget.
 
     The sweep's study optimises the goal (speed by default) and the metric drop together, so one set of trials
@@ -343,7 +344,7 @@ def sweep(
         **config: Further SearchConfig fields, as `search` takes them (mode, finalists, storage, objective, ...).
 
     Returns:
-        sweeper.SweepResult | None: None on a rank other than 0 of a sharded sweep. `.policies` maps each absolute budget to its autoprec.Policy, `.table` holds a
+        SweepResult | None: None on a rank other than 0 of a sharded sweep. `.policies` maps each absolute budget to its autoprec.Policy, `.table` holds a
         BudgetRow per budget, `.front` the Pareto front of the trials, `.summary()` the table the command line
         prints.
 
@@ -391,7 +392,7 @@ def sweep(
     if out is not None:
         return sweep_and_report(workload, the_space, specs, settings, out, command=command)
 
-    def in_a_temporary_folder() -> sweeper.SweepResult:
+    def in_a_temporary_folder() -> SweepResult:
         with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
             result = sweeper.sweep(workload, the_space, specs, settings, folder)
         return dataclasses.replace(result, storage=NOT_KEPT)

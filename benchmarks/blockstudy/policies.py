@@ -85,7 +85,7 @@ def study_policies(model: nn.Module, device="cpu") -> dict[str, object]:
 def flops_table(model: nn.Module, tokens: int):
     """Profile rows with what gemm_flops reads (layer, type, shape "out x in", tokens) for every Linear of `model`,
     each called on `tokens` rows a training step (an fp32 row each: nothing else is measured)."""
-    from autoprec.tune._measure._profile_data import ProfileRow
+    from autoprec.tune._core._profile_row import ProfileRow
 
     return [
         ProfileRow(

@@ -13,18 +13,18 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import optuna
+import torch
 
 from autoprec.formats import Format
+from autoprec.policy import Policy
 from autoprec.registry import Registry
 from autoprec.tune._core._names import ALTERNATIVES
-from autoprec.tune._core._records import Finals, Measurement, TrialRecord
+from autoprec.tune._core._profile_row import ProfileRow
+from autoprec.tune._core._records import Candidate, Finals, Measurement, TrialRecord
+from autoprec.tune._core._space import SearchSpace
 
-if TYPE_CHECKING:
-    from autoprec.policy import Policy
+if TYPE_CHECKING:  # a SearchConfig holds its goal, and a goal's checks read the config (_config.py imports this)
     from autoprec.tune._core._config import SearchConfig
-    from autoprec.tune._core._space import SearchSpace
-    from autoprec.tune._measure._profile_data import ProfileRow
-    from autoprec.tune._measure._trainer import Candidate
 
 DEFAULT_GOAL = "speed"  # SearchConfig's objective when none is given, listed first by --objective's help
 
@@ -86,12 +86,36 @@ class Goal(abc.ABC):
 
     def check_space(self, space: SearchSpace, config: SearchConfig) -> Goal:
         """Refuse, before anything is measured, a search space this goal cannot search, and return the goal for it:
-        each list must hold one of `fallbacks` (SearchSpace.check_fallbacks: a ValueError naming the list, what it
-        holds and the fix), and `check_formats` must accept its formats. Returns itself by default; a goal that
-        needs the space's fallback later (the FLOP goal's choice) returns an instance that holds it."""
-        space.check_fallbacks(self)
+        each list must hold one of `fallbacks` (check_fallbacks: a ValueError naming the list, what it holds and the
+        fix), and `check_formats` must accept its formats. Returns itself by default; a goal that needs the space's
+        fallback later (the FLOP goal's choice) returns an instance that holds it."""
+        self.check_fallbacks(space)
         self.check_formats(list(dict.fromkeys(f for fs in (space.default, *space.layers.values()) for f in fs)), config)
         return self
+
+    def check_fallbacks(self, space: SearchSpace) -> None:
+        """Refuse (ValueError naming the list, what it holds and the fix) a list of `space` without one of
+        `fallbacks` (fp32; for the FLOP goal fp32 or bf16): the format a layer keeps where nothing lower fits."""
+        for field, formats in space.lists():
+            if self.fallback(formats) is None:
+                names = [f.value for f in formats]
+                if self.fallbacks == ("fp32",):  # as space files were refused before goals chose their fallbacks
+                    raise ValueError(f"{space.source}: {field} must include fp32 (the fallback every layer needs), got {names}")
+                raise ValueError(
+                    f"{space.source}: {field} must include {' or '.join(self.fallbacks)} (the fallback every layer "
+                    f"needs under --objective {self.name}), got {names}; add {self.fallbacks[0]} to it"
+                )
+
+    def layer_fallbacks(self, space: SearchSpace, model: torch.nn.Module) -> dict[str, Format]:
+        """Each of `model`'s tunable layers under `space`, by name, with its fallback under this goal (`fallback` of
+        its list): the format it keeps where nothing lower fits the budget."""
+        out: dict[str, Format] = {}
+        for name, formats in space.tunable_layers(model).items():
+            found = self.fallback(formats)
+            if found is None:
+                self.check_fallbacks(space)  # names the list
+            out[name] = found or Format.FP32
+        return out
 
     def check_formats(self, formats: Collection[Format], config: SearchConfig) -> None:
         """Refuse, before any measurement, a search space whose `formats` the goal cannot plan with (ValueError

@@ -5,7 +5,8 @@
 - `Result`: what a policy file keeps of one measurement (`measured.results[label]`);
 - `Measured`: a policy file's `measured` block, written by the pipeline and read by the reports;
 - `Chosen`: one budget's result, the policy file written for it;
-- `TrialRecord`: what one search trial measured, as its Optuna user attributes hold it (trials.csv's columns).
+- `TrialRecord`: what one search trial measured, as its Optuna user attributes hold it (trials.csv's columns);
+- `Candidate`: what one timed training step runs: a policy and the step's own settings (TF32, CUDA graphs).
 
 The runtime's `Policy.measured` stays a plain mapping (it is provenance, and a training script needs none of
 this); `Measured.of(policy)` is its typed view, lenient: a policy edited or written by hand reads as far as it is
@@ -599,3 +600,19 @@ _TRIAL_KINDS: dict[str, type] = {name: _kind(hint) for name, hint in get_type_hi
 _TRIAL_READERS: dict[str, Callable[[Any], Any]] = {
     name: {bool: _flag_or_none, int: _count, float: _real, str: _text}[kind] for name, kind in _TRIAL_KINDS.items()
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """What one timed training step runs: a policy, whether fp32 matmuls may use TF32 (CUDA only; a
+    process-wide setting, not a per-layer format, so it is set around each of this candidate's steps), and whether a
+    compiled step runs under CUDA graphs (torch.compile's mode="reduce-overhead": how the model is compiled, not a
+    format)."""
+
+    policy: Policy
+    tf32: bool = False
+    cuda_graphs: bool = False
+
+
+def as_candidate(value: Policy | Candidate) -> Candidate:
+    return value if isinstance(value, Candidate) else Candidate(value)

@@ -10,7 +10,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import yaml
@@ -19,9 +19,6 @@ from autoprec.errors import UserError, shown
 from autoprec.formats import Format, parse_format
 from autoprec.policy import MODULE_PATH
 from autoprec.tune._core._numbers import parse_option
-
-if TYPE_CHECKING:
-    from autoprec.tune._core._goal import Goal
 
 SAMPLERS = ("tpe", "random")
 _TOP_KEYS = ("default", "layers", "loss_scale", "prune", "sampler", "trials", "layout", "max_params", "exclude")
@@ -122,30 +119,6 @@ class SearchSpace:
     def lists(self) -> list[tuple[str, tuple[Format, ...]]]:
         """(field, formats) of every format list: `default` (the root's), then `layers.<type>`."""
         return [("default", self.default), *((f"layers.{k}", v) for k, v in self.layers.items())]
-
-    def check_fallbacks(self, goal: Goal) -> None:
-        """Refuse (ValueError naming the list, what it holds and the fix) a list without a fallback `goal` takes
-        (Goal.fallbacks: fp32; for the FLOP goal fp32 or bf16): the format a layer keeps where nothing lower fits."""
-        for field, formats in self.lists():
-            if goal.fallback(formats) is None:
-                names = [f.value for f in formats]
-                if goal.fallbacks == ("fp32",):  # as space files were refused before goals chose their fallbacks
-                    raise ValueError(f"{self.source}: {field} must include fp32 (the fallback every layer needs), got {names}")
-                raise ValueError(
-                    f"{self.source}: {field} must include {' or '.join(goal.fallbacks)} (the fallback every layer "
-                    f"needs under --objective {goal.name}), got {names}; add {goal.fallbacks[0]} to it"
-                )
-
-    def fallbacks(self, model: torch.nn.Module, goal: Goal) -> dict[str, Format]:
-        """Each tunable layer's fallback under `goal` (Goal.fallback of its list): the format it keeps where nothing
-        lower fits the budget."""
-        out: dict[str, Format] = {}
-        for name, formats in self._outermost(model).items():
-            found = goal.fallback(formats)
-            if found is None:
-                self.check_fallbacks(goal)  # names the list
-            out[name] = found or Format.FP32
-        return out
 
     def excluded(self, name: str) -> bool:
         """Whether a module, or a module it sits inside, matches an `exclude` pattern."""
@@ -254,7 +227,7 @@ def _loaded_class(path: str) -> type | None:
 def _formats(value: Any, field: str) -> tuple[Format, ...]:
     if not isinstance(value, list) or not value:
         raise ValueError(f"{field} must be a non-empty list of formats, got {value!r}")
-    # the list's fallback (fp32; bf16 too for the FLOP goal) is the goal's to require: SearchSpace.check_fallbacks, at
+    # the list's fallback (fp32; bf16 too for the FLOP goal) is the goal's to require: Goal.check_fallbacks, at
     # search time
     return tuple(parse_format(v, field=field) for v in value)
 

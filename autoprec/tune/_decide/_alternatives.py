@@ -27,9 +27,9 @@ from autoprec import devices
 from autoprec.formats import Format, Fp8Backend, device_name, format_problem, fp8_backend
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._core._names import BF16, BF16_GRAPHS, FP8_EVERYWHERE, FP8_ROWWISE_EVERYWHERE, FP32, GREEDY, TF32
+from autoprec.tune._core._records import Candidate
 from autoprec.tune._measure._choices import Choices, LayerCost, greedy_policy, measured_time
 from autoprec.tune._measure._profile_data import Profile
-from autoprec.tune._measure._trainer import Candidate
 
 # torchao's recipes a user would turn on everywhere, each with its own size filter: (torchao recipe name, the format)
 TORCHAO_RECIPES = {FP8_EVERYWHERE: ("tensorwise", Format.FP8), FP8_ROWWISE_EVERYWHERE: ("rowwise", Format.FP8_ROWWISE)}

@@ -19,10 +19,9 @@ from autoprec.tune._core import _memory as memory
 from autoprec.tune._core._config import MEMORY_TIE
 from autoprec.tune._core._goal import DEFAULT_GOAL, Goal, goal_named
 from autoprec.tune._core._names import ALTERNATIVES, GREEDY, NOT_A_POLICY
-from autoprec.tune._core._records import Finals, Measurement
+from autoprec.tune._core._records import Candidate, Finals, Measurement
 from autoprec.tune._measure._choices import Choices, fit
 from autoprec.tune._measure._separation import separated
-from autoprec.tune._measure._trainer import Candidate
 
 
 def _policy(policy: Policy | Candidate) -> Policy:

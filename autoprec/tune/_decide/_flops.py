@@ -39,10 +39,9 @@ from autoprec.tune._measure._predict import Step, format_of, lacking, outer_auto
 
 if TYPE_CHECKING:
     from autoprec.tune._core._config import SearchConfig
-    from autoprec.tune._core._records import TrialRecord
+    from autoprec.tune._core._profile_row import ProfileRow
+    from autoprec.tune._core._records import Candidate, TrialRecord
     from autoprec.tune._core._space import SearchSpace
-    from autoprec.tune._measure._profile_data import ProfileRow
-    from autoprec.tune._measure._trainer import Candidate
 
 BASELINE = predictor.BASELINE  # the prediction's 1.0: the model all in bf16 on the target
 

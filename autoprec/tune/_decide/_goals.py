@@ -30,8 +30,8 @@ from autoprec.tune._measure._separation import beaten, separated
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy
-    from autoprec.tune._measure._profile_data import ProfileRow
-    from autoprec.tune._measure._trainer import Candidate
+    from autoprec.tune._core._profile_row import ProfileRow
+    from autoprec.tune._core._records import Candidate
 
 # ---- the built-in goals ------------------------------------------------------------------------------------------
 

@@ -31,8 +31,9 @@ import torch
 
 from autoprec.formats import Format, autocast_supported, format_names
 from autoprec.policy import ROOT, LossScale, Policy
+from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._space import Layout, SearchSpace, parse_layout
-from autoprec.tune._measure._profile_data import Profile, ProfileRow, ruled_out
+from autoprec.tune._measure._profile_data import Profile, ruled_out
 
 log = logging.getLogger("autoprec")
 

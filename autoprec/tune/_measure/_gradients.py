@@ -378,9 +378,9 @@ def profile_columns(record: LayerGradients, fmt: str, table: pd.DataFrame, max_u
     if fmt in ("fp16", "bf16"):
         f = hist.fractions(FP16 if fmt == "fp16" else BF16)
         out.update(grad_underflow=f["underflow"], grad_subnormal=f["subnormal"], grad_overflow=f["overflow"])
-    elif (spec := Format(fmt).spec).is_fp8:
+    elif (lowered := Format(fmt)).spec.is_fp8:
         g = record.tensors["output_grad"]
-        grad_dtype = spec.tensorwise_grad_dtype
+        grad_dtype = lowered.family.tensorwise_grad_dtype(lowered)
         dyn = None if grad_dtype is None else {torch.float8_e5m2: E5M2.name, torch.float8_e4m3fn: E4M3.name}.get(grad_dtype)
         under = (g.dynamic_underflow[dyn] / g.nonzero if g.nonzero else 0.0) if dyn else math.nan
         out.update(grad_underflow=under, grad_subnormal=math.nan, grad_overflow=0.0 if dyn else math.nan)

@@ -16,8 +16,9 @@ from autoprec import devices
 from autoprec.errors import UserError
 from autoprec.policy import Policy
 from autoprec.tune._core._config import METRIC_REPEAT_TOLERANCE
+from autoprec.tune._core._records import Candidate, as_candidate
 from autoprec.tune._measure._task import Workload, check_loss
-from autoprec.tune._measure._trainer import Candidate, Trainer, as_candidate, matmul_precision, new_trainer, trained_model
+from autoprec.tune._measure._trainer import Trainer, matmul_precision, new_trainer, trained_model
 
 
 def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:

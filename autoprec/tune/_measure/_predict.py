@@ -45,7 +45,7 @@ from autoprec.tune._core._targets import Target
 from autoprec.tune._measure._profile_data import is_linear
 
 if TYPE_CHECKING:
-    from autoprec.tune._measure._profile_data import ProfileRow
+    from autoprec.tune._core._profile_row import ProfileRow
     from autoprec.tune._measure._task import Task
 
 BASELINE = "bf16"  # the predicted speedup's 1.0: every layer in bf16 (the model root in bf16)
@@ -310,9 +310,10 @@ def outer_autocast(name: str, layers: Mapping[str, Format]) -> str | None:
     parts = name.split(".") if name else []
     for i in range(len(parts) - 1, 0, -1):
         around = layers.get(".".join(parts[:i]))
-        if around is not None and (around is Format.FP32 or around.spec.autocast is not None):
-            return autocast_name(around.spec.autocast)
-    return autocast_name(layers.get(ROOT, Format.FP32).spec.autocast)
+        if around is not None and (around is Format.FP32 or around.family.autocast_dtype(around) is not None):
+            return autocast_name(around.family.autocast_dtype(around))
+    root = layers.get(ROOT, Format.FP32)
+    return autocast_name(root.family.autocast_dtype(root))
 
 
 def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIBRATION) -> Prediction:

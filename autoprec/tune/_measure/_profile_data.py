@@ -9,22 +9,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 
-from autoprec.errors import shown
 from autoprec.files import check_version, write_atomically
 from autoprec.formats import FP16_MAX, NO_KERNEL, Format
-from autoprec.tune._core._numbers import parse_decimal
+from autoprec.tune._core._profile_row import COLUMNS, OPTIONAL_COLUMNS, SQNR_COLUMNS, ProfileRow, empty_cell
 from autoprec.tune._measure._gradients import ScaleAdvice, advise
-
-NAN = math.nan
 
 # What a report or figure writes for a lowered format the profile has no numbers for, and what each means: two
 # causes, told apart (`unrun`). NOT_PROFILED opens the reason the profiler gives a layer its deadline left out.
@@ -36,105 +31,9 @@ UNRUN = {
 }
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ProfileRow:
-    """What lowering one layer alone to one format measured: a row of profile.csv, its fields the columns in order.
-    NaN (None for `tokens`, `finite`, `overflow`; "" for text) where it was not measured: a format ruled out
-    first, a layer the deadline left out."""
-
-    layer: str
-    type: str  # the module's class name
-    shape: str  # its weight's shape ("64x32"), "-" for none
-    # the rows (inputs' leading dimensions) the layer's calls took per training step, the mean over the profiled
-    # train batches: a Linear's GEMMs are 2 * tokens * in * out FLOPs each (_flops.py); None where its calls were not
-    # recorded
-    tokens: float | None = None
-    format: str
-    status: str  # "ok", or "unsupported" (`reason` says why: `unrun`)
-    reason: str = ""
-    # SQNR (dB) against fp32 of each GEMM's result, the layer replayed alone (or, fed its own output, in the whole model):
-    # sqnr_db its output (fprop), grad_sqnr_db its parameters' gradient (wgrad), dgrad_sqnr_db the gradient it sends to
-    # its inputs (dgrad; NaN where none flows back in the model: a first layer on data). inf: equal; NaN with
-    # finite False: that result went non-finite
-    sqnr_db: float = NAN
-    grad_sqnr_db: float = NAN
-    dgrad_sqnr_db: float = NAN
-    metric: float = NAN  # the task metric with this layer alone lowered
-    metric_drop: float = NAN  # the fp32 model's metric minus `metric`
-    finite: bool | None = None  # False: an output, gradient, loss or metric went non-finite; None: not measured
-    overflow: bool | None = None  # True: fp16's output overflows; None: not measured
-    max_abs: float = NAN  # the largest |output| of the layer in fp32
-    time_ms: float = NAN  # the layer's own forward + backward time in this format
-    time_spread: float = NAN  # the spread of its timing rounds relative to their median; NaN where probed only
-    time_vs_fp32: float = NAN  # time_ms over the fp32 row's
-    # the most the live tensor bytes rose over the layer's isolated forward + backward after its timing (its output,
-    # what it saves for backward, its gradients and casts; _memory.py; no state, unlike a whole step's peak); NaN
-    # where the device has no measurement
-    step_rise_bytes: float = NAN
-    # gradient ranges (_gradients.py), without loss scaling: largest and smallest nonzero |gradient| of the
-    # layer, the fractions of nonzero gradient elements this format flushes to zero / leaves subnormal /
-    # overflows, and (fp16 rows) the layer's own loss-scale range in log2
-    grad_amax: float = NAN
-    grad_amin: float = NAN
-    grad_underflow: float = NAN
-    grad_subnormal: float = NAN
-    grad_overflow: float = NAN
-    scale_low_log2: float = NAN
-    scale_high_log2: float = NAN
-    # the layer whose timing this row reuses: layers of one type, configuration and input shapes are timed once;
-    # NO_KERNEL where the format runs an emulation only on this device (FormatFamily.has_kernels): not timed; ""
-    # where nothing was timed
-    timed_as: str = ""
-    # "measured", or why the metric was not evaluated: a format the profile already rules out (slower than
-    # fp32 by more than the space's prune.slower_than, non-finite, overflowing) is never chosen, whatever its drop
-    metric_source: str = ""
-    # whether the layer is an nn.Linear (any subclass, by type, as the search space types it): what the FLOP goal and
-    # the step-time predictor price as GEMMs. None in a profile written before the column (a type named ...Linear
-    # then counts as one)
-    linear: bool | None = None
-
-    def sqnr(self, gemm: str) -> float:
-        """The SQNR (dB) of one GEMM's result: "fprop", "dgrad" or "wgrad" (SQNR_COLUMNS)."""
-        return float(getattr(self, SQNR_COLUMNS[gemm]))
-
-    @classmethod
-    def from_cells(cls, cells: Mapping[str, Any]) -> ProfileRow:
-        """A row from profile.csv's cells as pandas read them (empty: NaN; True/False; numbers as numpy's).
-        ValueError naming the column and the value where a cell holds what the profiler never writes (a hand-edited
-        file): a shape that is not sizes joined by "x", tokens that are not a finite number >= 0, text where a
-        number or True/False belongs. Profile.load adds the file and the line."""
-        texts = {"layer", "type", "shape", "format", "status", "reason", "timed_as", "metric_source"}
-        values: dict[str, Any] = {}
-        for name in COLUMNS:
-            if name in OPTIONAL_COLUMNS and name not in cells:
-                continue  # a profile written before it: the field's default
-            cell = cells[name]
-            if name in texts:
-                values[name] = "" if _empty(cell) else str(cell)
-            elif name in ("finite", "overflow", "linear"):
-                values[name] = flag(cell)
-                if values[name] is None and not _empty(cell):
-                    raise _bad_cell(name, cell, "True, False or empty")
-            else:
-                values[name] = _number(name, cell)
-        if not _SHAPE.fullmatch(values["shape"]):
-            raise _bad_cell("shape", values["shape"], "a weight's sizes joined by x (a Linear's out x in: 64x32), or -")
-        tokens = values["tokens"]
-        if math.isnan(tokens):
-            values["tokens"] = None if _empty(cells["tokens"]) else tokens
-        if values["tokens"] is not None and not (math.isfinite(tokens) and tokens >= 0):
-            raise _bad_cell("tokens", cells["tokens"], "a finite number >= 0 (the rows the layer took per step), or empty")
-        return cls(**values)
-
-
-COLUMNS = [f.name for f in dataclasses.fields(ProfileRow)]  # profile.csv's columns, in its order
-OPTIONAL_COLUMNS = frozenset({"linear"})  # added since PROFILE_VERSION 3: a profile without them still reads
-
 # prune.slower_than at or above which a search does not judge speed at all (a goal whose trials are not timed: an
 # estimate for another device), so a format with no kernel here stays a candidate there
 SPEED_UNJUDGED = 1e9
-
-SQNR_COLUMNS = {"fprop": "sqnr_db", "dgrad": "dgrad_sqnr_db", "wgrad": "grad_sqnr_db"}  # each GEMM's column
 
 # profile.json's "version": the format of profile.json, profile.csv and grad_ranges.csv together. Raise it when any of
 # them changes (a column, a field, what a value means); Profile.load reads no other, and a search measures again.
@@ -239,7 +138,7 @@ class Profile:
             try:
                 rows.append(ProfileRow.from_cells(cells))
             except ValueError as exc:
-                layer = "" if _empty(cells["layer"]) else f" (layer {cells['layer']!r})"
+                layer = "" if empty_cell(cells["layer"]) else f" (layer {cells['layer']!r})"
                 raise ValueError(f"{out_dir / 'profile.csv'}: line {line}{layer}, {exc}") from None
         grad_ranges = pd.read_csv(out_dir / "grad_ranges.csv", dtype={"layer": str})  # profile() always measures them
         return cls(rows=rows, grad_ranges=grad_ranges, **meta)
@@ -314,42 +213,3 @@ def ruled_out(row: ProfileRow, budget: float | None, slower_than: float) -> str 
     if math.isfinite(ratio) and fast_end > slower_than:
         return f"measured {ratio:.2f}x the layer's fp32 time on this device"
     return None
-
-
-def _empty(cell: Any) -> bool:
-    return cell is None or (isinstance(cell, float) and math.isnan(cell))
-
-
-_SHAPE = re.compile(r"-|[0-9]+(?:x[0-9]+)*", re.ASCII)  # what _profiler._shape writes: "64x32", "64", "-"
-
-
-def _bad_cell(column: str, cell: Any, what: str) -> ValueError:
-    return ValueError(f"column {column}: {shown(cell)} is not {what}")
-
-
-def _number(column: str, cell: Any) -> float:
-    """A number cell as a float, NaN where empty; ValueError (_bad_cell) for anything else: text, True/False."""
-    if _empty(cell):
-        return NAN
-    if isinstance(cell, (int, float, np.integer, np.floating)) and not isinstance(cell, (bool, np.bool_)):
-        return float(cell)
-    try:
-        return parse_decimal(cell)  # a column pandas read as text holds its numbers as text
-    except ValueError:
-        raise _bad_cell(column, cell, "a number or empty") from None
-
-
-def flag(value: Any) -> bool | None:
-    """A True/False cell of profile.csv as pandas read it (text in a column it read as text); None where it was not
-    measured (empty) or holds neither."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    return {"True": True, "False": False}.get(value) if isinstance(value, str) else None
-
-
-def as_float(value: Any) -> float:
-    """A cell as a float; NaN where it holds none (empty, text)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan

@@ -30,20 +30,12 @@ from autoprec.formats import Format, autocast_dtype, device_name, format_problem
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tune._core._config import ProfileConfig
 from autoprec.tune._core._cost import Stopwatch
+from autoprec.tune._core._profile_row import SQNR_COLUMNS, ProfileRow
 from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._measure._gradients import LayerGradients, collect, profile_columns, scale_table
 from autoprec.tune._measure._layer_timing import _time_layer, _timing_key
 from autoprec.tune._measure._metric import metric_name, metric_of, workload_fp32_metric
-from autoprec.tune._measure._profile_data import (
-    NO_KERNEL,
-    NOT_PROFILED,
-    PREDICTED,
-    SQNR_COLUMNS,
-    Profile,
-    ProfileRow,
-    is_linear,
-    ruled_out,
-)
+from autoprec.tune._measure._profile_data import NO_KERNEL, NOT_PROFILED, PREDICTED, Profile, is_linear, ruled_out
 from autoprec.tune._measure._sensitivity import (
     _Call,
     _first_float,

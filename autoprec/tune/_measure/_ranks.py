@@ -39,9 +39,10 @@ from autoprec import devices
 from autoprec.devices import BlockTime
 from autoprec.errors import RankFailed, UserError, describe
 from autoprec.tensors import hash_tensor, map_tensors
+from autoprec.tune._core._records import Candidate, as_candidate
 from autoprec.tune._measure._metric import metric_of
 from autoprec.tune._measure._task import Workload
-from autoprec.tune._measure._trainer import Candidate, Trainer, as_candidate, compile_scope, matmul_precision, trained_model
+from autoprec.tune._measure._trainer import Trainer, compile_scope, matmul_precision, trained_model
 
 log = logging.getLogger("autoprec")
 

@@ -40,7 +40,7 @@ from autoprec.tune._measure._separation import may_beat
 from autoprec.tune._measure._timing import spread_text
 
 if TYPE_CHECKING:
-    from autoprec.tune._measure._profile_data import ProfileRow
+    from autoprec.tune._core._profile_row import ProfileRow
 
 ALL = "all"  # the one term of Features made without a split per format
 

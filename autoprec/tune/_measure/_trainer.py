@@ -23,26 +23,11 @@ from autoprec.scaler import grad_scaler
 from autoprec.tensors import map_tensors
 from autoprec.tune._core import _memory as memory
 from autoprec.tune._core._config import MEMORY_TRIES, TimingConfig
+from autoprec.tune._core._records import Candidate, as_candidate
 from autoprec.tune._measure._task import Workload, check_loss
 from autoprec.tune._measure._timing import Timing, interleaved_times, synchronize
 
 log = logging.getLogger("autoprec")
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """What one timed training step runs: a policy, whether fp32 matmuls may use TF32 (CUDA only; a
-    process-wide setting, not a per-layer format, so it is set around each of this candidate's steps), and whether a
-    compiled step runs under CUDA graphs (torch.compile's mode="reduce-overhead": how the model is compiled, not a
-    format)."""
-
-    policy: Policy
-    tf32: bool = False
-    cuda_graphs: bool = False
-
-
-def as_candidate(value: Policy | Candidate) -> Candidate:
-    return value if isinstance(value, Candidate) else Candidate(value)
 
 
 def matmul_precision(device: torch.device, tf32: bool) -> contextlib.AbstractContextManager[None]:

@@ -16,16 +16,16 @@ from autoprec.files import write_atomically
 from autoprec.tune._core._goal import recorded_goal
 from autoprec.tune._core._memory import MIB
 from autoprec.tune._core._names import BF16
+from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._records import Measured
 from autoprec.tune._decide._goals import SPEED
 from autoprec.tune._measure._choices import role
 from autoprec.tune._measure._gradients import ScaleAdvice
-from autoprec.tune._measure._profile_data import PREDICTED, UNRUN, Profile, ProfileRow, unrun
+from autoprec.tune._measure._profile_data import PREDICTED, UNRUN, Profile, unrun
+from autoprec.tune._report._results import BudgetRow, SweepResult
 
 if TYPE_CHECKING:  # matplotlib only where a plot is drawn
     from matplotlib.figure import Figure
-
-    from autoprec.tune._search._sweeper import BudgetRow, SweepResult
 
 PathT = TypeVar("PathT", str, Path)  # a plot returns the path it was given
 

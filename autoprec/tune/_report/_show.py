@@ -16,11 +16,11 @@ from autoprec.policy import ROOT, Policy
 from autoprec.tune._core._goal import recorded_goal
 from autoprec.tune._core._memory import format_change, human_bytes
 from autoprec.tune._core._names import ALTERNATIVES
+from autoprec.tune._core._profile_row import as_float
 from autoprec.tune._core._records import Measured
 from autoprec.tune._core._tables import WIDTH, markdown_table, markdown_text, text_table
 from autoprec.tune._decide._choose import FEWER_LOWERED
 from autoprec.tune._measure._choices import role
-from autoprec.tune._measure._profile_data import as_float
 from autoprec.tune._measure._timing import spread_text
 
 

@@ -12,7 +12,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import optuna
 
@@ -28,7 +27,7 @@ from autoprec.tune._core._config import (
 from autoprec.tune._core._cost import Stopwatch
 from autoprec.tune._core._goal import Goal
 from autoprec.tune._core._names import FP32, GREEDY
-from autoprec.tune._core._records import Finals, Measurement, TrialRecord
+from autoprec.tune._core._records import Candidate, Finals, Measurement, TrialRecord
 from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._decide._alternatives import Alternatives, alternatives
 from autoprec.tune._decide._choose import safer_variant
@@ -37,11 +36,9 @@ from autoprec.tune._measure._choices import Choices, policy_from_params
 from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._measure._task import Workload
 from autoprec.tune._measure._timing import all_settled, more_if_noisy, spread_text
-from autoprec.tune._measure._trainer import Candidate, fp32_step_failed, measure_steps_or_fail
+from autoprec.tune._measure._trainer import fp32_step_failed, measure_steps_or_fail
 from autoprec.tune._search._objective import Judge
-
-if TYPE_CHECKING:
-    from autoprec.tune._search._pipeline import Plan, Started
+from autoprec.tune._search._plan import Plan, Started
 
 log = logging.getLogger("autoprec")
 

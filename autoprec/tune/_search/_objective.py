@@ -30,7 +30,7 @@ from autoprec.tune._core._budget import Budgets
 from autoprec.tune._core._config import NOISE_ROUNDS, NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Mode, SearchConfig
 from autoprec.tune._core._cost import Stopwatch
 from autoprec.tune._core._goal import INFEASIBLE
-from autoprec.tune._core._records import TrialRecord
+from autoprec.tune._core._records import Candidate, TrialRecord
 from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._decide._trials import (
     best_timed,
@@ -47,15 +47,7 @@ from autoprec.tune._measure._metric import NoiseFloor, evaluate_metric, noise_fl
 from autoprec.tune._measure._speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune._measure._task import Workload
 from autoprec.tune._measure._timing import interleaved_times, noisiest, spread_text
-from autoprec.tune._measure._trainer import (
-    Candidate,
-    Trainer,
-    compile_scope,
-    fp32_step_failed,
-    new_trainer,
-    peak_memory_or_none,
-    step_stats,
-)
+from autoprec.tune._measure._trainer import Trainer, compile_scope, fp32_step_failed, new_trainer, peak_memory_or_none, step_stats
 from autoprec.tune._search._storage import OBJECTIVES
 
 log = logging.getLogger("autoprec")

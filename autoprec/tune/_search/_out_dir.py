@@ -29,6 +29,7 @@ from autoprec.tune._measure._metric import NoiseFloor
 from autoprec.tune._measure._profile_data import PREDICTED, Profile, ruled_out
 from autoprec.tune._measure._profiler import profile
 from autoprec.tune._measure._task import Workload
+from autoprec.tune._report._results import SavedProfile
 
 log = logging.getLogger("autoprec")
 
@@ -104,19 +105,6 @@ def claim_out_dir(workload: Workload, out_dir: Path) -> Iterator[None]:
 SWEEP_PROFILE = "sweep_profile"  # a sweep's own profile, where the output folder's does not serve it (docs/sweep.md)
 PROFILE_FILES = ("profile.csv", "profile.json", "grad_ranges.csv", "profile.png", "grad_ranges.png")
 REUSED = "profile: reused the one saved in the output folder"
-
-
-@dataclasses.dataclass(frozen=True)
-class SavedProfile:
-    """The profile a run uses, the folder it is saved in (`own`: the run's own subfolder of the output folder),
-    whether this run measured it (else it was reused), and why the output folder's profile did not serve (None: it
-    did, or there was none)."""
-
-    profile: Profile
-    folder: Path
-    measured: bool
-    own: bool = False
-    why_not: str | None = None
 
 
 def load_or_profile(

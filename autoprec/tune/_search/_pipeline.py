@@ -27,13 +27,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import optuna
-
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.policy import Policy
 from autoprec.tune._core import _memory as memory
-from autoprec.tune._core._budget import Budget, Budgets, resolve_budgets
+from autoprec.tune._core._budget import Budgets, resolve_budgets
 from autoprec.tune._core._config import (
     BUDGET_FINAL_SHARE,
     FINAL_SHARE,
@@ -46,104 +44,26 @@ from autoprec.tune._core._config import (
 from autoprec.tune._core._cost import Stopwatch
 from autoprec.tune._core._credentials import hide_credentials
 from autoprec.tune._core._names import ALTERNATIVES, GREEDY
-from autoprec.tune._core._records import Chosen, Finals, Measured, StudyRef
+from autoprec.tune._core._records import Candidate, Chosen, Finals, Measured, StudyRef
 from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._decide._choose import choose_per_budget
 from autoprec.tune._decide._trials import complete_count, device_noise, first_of_run, trial_costs, trials_table
 from autoprec.tune._measure._choices import Choices, build_choices, warm_starts
 from autoprec.tune._measure._metric import workload_fp32_metric
-from autoprec.tune._measure._profile_data import SPEED_UNJUDGED, Profile
+from autoprec.tune._measure._profile_data import SPEED_UNJUDGED
 from autoprec.tune._measure._speed import LayerTimes
 from autoprec.tune._measure._task import Workload
-from autoprec.tune._measure._trainer import Candidate
 from autoprec.tune._search._finalists import final_remeasure, gather_candidates
 from autoprec.tune._search._objective import Judge, Objective, run_trials
-from autoprec.tune._search._out_dir import SavedProfile, claim_out_dir, disk_full, earlier_result, reuse_or_profile
+from autoprec.tune._search._out_dir import claim_out_dir, disk_full, earlier_result, reuse_or_profile
+from autoprec.tune._search._plan import Plan, Run, Started
 from autoprec.tune._search._provenance import measured_record
 from autoprec.tune._search._storage import check_storage, open_study
 
 if TYPE_CHECKING:
-    import pandas as pd
-
     from autoprec.tune._core._goal import Goal
 
 log = logging.getLogger("autoprec")
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What differs between a search and a sweep. `objectives`: 1 (the goal's value, SearchConfig.objective) or 2
-    (that and the metric drop, a Pareto front); `budgets`: a sweep's, as the user gave them (a search's one budget is
-    its SearchConfig.budget: each run has its budgets in one place, `given_budgets`); the files written: one policy per
-    budget, the trials table, the re-measured finalists."""
-
-    objectives: int
-    policy_file: Callable[[float], str]
-    trials_file: str
-    finalists_file: str
-    budgets: tuple[Budget, ...] = ()
-    # a subfolder for a profile of its own where the output folder's does not serve (a sweep: never over a search's)
-    profile_folder: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.is_sweep and not self.budgets:
-            raise ValueError("a sweep's plan needs its budgets, at least one, such as (Budget(0.0), Budget(0.01))")
-        if self.budgets and not self.is_sweep:
-            raise ValueError(f"a search's budget is its SearchConfig.budget, not the plan's, but got {self.budgets!r}")
-
-    @property
-    def is_sweep(self) -> bool:
-        return self.objectives == 2
-
-    def given_budgets(self, config: SearchConfig) -> tuple[Budget, ...]:
-        """The budgets as the user gave them, from their one place: a sweep's plan, a search's config.budget. A
-        ValueError naming the value and the fix where the other place holds one too, or neither holds any."""
-        shown, got = ",".join(map(str, self.budgets)), config.budget
-        if self.is_sweep and got is not None:
-            raise ValueError(
-                f"a sweep's budgets are its own list ({shown}), so config.budget={str(got)!r} would be a second "
-                "one: leave it out (SearchConfig(budget=None), the default), and list every budget in budgets="
-            )
-        if self.is_sweep:
-            return self.budgets
-        if config.budget is None:
-            raise ValueError("a search needs config.budget, e.g. SearchConfig(budget=0.01) or SearchConfig(budget='1%')")
-        return (config.budget if isinstance(config.budget, Budget) else Budget(config.budget),)
-
-    def greedy_name(self, budget: float, budgets: Budgets) -> str:
-        """Each budget has its own profile-greedy policy; with one budget it keeps the plain name."""
-        return GREEDY if len(budgets.absolute) == 1 else f"{GREEDY} {budget:g}"
-
-
-@dataclasses.dataclass
-class Started:
-    """A study ready for trials: the profile (and where it is saved), the agreed choices, the study, where it lives,
-    the judge (holding the resolved budgets, `budgets`)."""
-
-    profile: Profile
-    choices: Choices
-    study: optuna.Study
-    storage: str
-    judge: Judge
-    saved: SavedProfile  # where the profile is saved, and whether this run measured it
-    config: SearchConfig  # the search's settings, its goal bound to the space and the profile (Goal.bound): once
-
-    @property
-    def budgets(self) -> Budgets:
-        return self.judge.budgets
-
-
-@dataclasses.dataclass
-class Run:
-    """What the pipeline measured: the study's start, every re-measured candidate (`finals`), each budget's
-    choice, the trials table, and where the time went."""
-
-    started: Started
-    candidates: dict[str, Candidate]
-    finals: Finals
-    chosen: list[Chosen]
-    trials: pd.DataFrame  # trials.csv's rows
-    cost: dict[str, Any]
 
 
 def run(
@@ -416,7 +336,7 @@ def start(
         config = dataclasses.replace(config, objective=goal.bound(prof.rows, config))
     except ValueError as exc:
         raise UserError(f"--objective {config.objective.name}: {exc}") from None
-    fallbacks = space.fallbacks(workload.model, config.objective)  # fp32, or a FLOP goal's bf16 where a list has no fp32
+    fallbacks = config.objective.layer_fallbacks(space, workload.model)  # fp32, or a FLOP goal's bf16 where a list has no fp32
     choices = build_choices(
         prof,
         space,

@@ -9,7 +9,6 @@ import dataclasses
 import datetime
 import importlib.metadata
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import optuna
 import torch
@@ -25,9 +24,7 @@ from autoprec.tune._core._names import ALTERNATIVES
 from autoprec.tune._core._records import Finals, Measured, Result, StudyRef
 from autoprec.tune._decide._trials import complete_count
 from autoprec.tune._measure._task import Workload
-
-if TYPE_CHECKING:
-    from autoprec.tune._search._pipeline import Started
+from autoprec.tune._search._plan import Started
 
 
 def _versions() -> dict[str, str]:

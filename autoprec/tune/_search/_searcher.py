@@ -3,44 +3,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import pandas as pd
-
-from autoprec.policy import Policy
 from autoprec.tune._core._budget import Budgets
 from autoprec.tune._core._config import Mode, SearchConfig, parse_mode
-from autoprec.tune._core._records import Finals
 from autoprec.tune._core._space import SearchSpace
-from autoprec.tune._measure._choices import Choices
-from autoprec.tune._measure._metric import NoiseFloor
-from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._measure._task import Workload
-from autoprec.tune._search._pipeline import Plan, run
+from autoprec.tune._report._results import SearchResult
+from autoprec.tune._search._pipeline import run
+from autoprec.tune._search._plan import Plan
 
 __all__ = ["Mode", "SearchConfig", "SearchResult", "parse_mode", "search", "search_plan"]
-
-
-@dataclasses.dataclass
-class SearchResult:
-    policy: Policy
-    profile: Profile
-    choices: Choices
-    trials: pd.DataFrame
-    finals: Finals  # every re-measured candidate: the alternatives and the finalists (finals.to_frame(): a DataFrame)
-    study_name: str
-    storage: str
-    noise: NoiseFloor | None = None  # train mode: the fp32 result's spread over seeds
-    cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict(): where this search's time went
-
-    def summary(self, *, markdown: bool = False) -> str:
-        """The table the command line prints: each layer's format, then every re-measured candidate."""
-        from autoprec.tune._report._report import search_summary
-
-        return search_summary(self, markdown=markdown)
 
 
 def search_plan() -> Plan:

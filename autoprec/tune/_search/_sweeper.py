@@ -20,7 +20,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
@@ -35,67 +34,13 @@ from autoprec.tune._core._names import BF16
 from autoprec.tune._core._records import Chosen, Finals, Measured
 from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._decide._goals import SPEED
-from autoprec.tune._measure._choices import Choices
-from autoprec.tune._measure._metric import NoiseFloor
-from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._measure._task import Workload
-from autoprec.tune._search._out_dir import SWEEP_PROFILE, SavedProfile
-from autoprec.tune._search._pipeline import Plan, run
+from autoprec.tune._report._results import BudgetRow, SweepResult
+from autoprec.tune._search._out_dir import SWEEP_PROFILE
+from autoprec.tune._search._pipeline import run
+from autoprec.tune._search._plan import Plan
 
 OBJECTIVES = 2  # the goal's value (the speedup, maximised; the peak memory, minimised), metric drop (minimise)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BudgetRow:
-    """One budget's result, a row of sweep.csv: the chosen candidate's re-measured numbers beside uniform
-    bf16's and this budget's profile-greedy policy's, from the same re-measure."""
-
-    budget: float
-    budget_given: str | None  # how the user gave it, where relative
-    chosen: str
-    metric: float
-    metric_drop: float
-    step_ms: float  # effective: skipped steps count as time without progress
-    spread: float
-    speedup: float
-    uniform_bf16_speedup: float
-    uniform_bf16_drop: float
-    greedy_speedup: float
-    greedy_drop: float
-    peak_bytes: int | None  # the chosen policy's peak memory per step (None: not measured on this device)
-    memory_saving: float | None  # the share of fp32's peak it saves
-    formats: str  # "bf16 100, fp32 9": the listed layers' formats, the root not counted
-    root: str
-    policy_file: str
-    why: str
-    # the candidates the step times could not tell from the chosen one ("; "-joined): its policy file's
-    # measured.not_separated, as the search records it (choose.not_separated); "" where the choice is clear
-    not_separated: str = ""
-
-
-@dataclasses.dataclass
-class SweepResult:
-    """`table`: one row per budget (sweep.csv); `policies`: budget -> its policy; `front`: the study's
-    Pareto-optimal trials; `finals`: every re-measured candidate."""
-
-    table: list[BudgetRow]
-    policies: dict[float, Policy]
-    front: pd.DataFrame
-    trials: pd.DataFrame
-    finals: Finals
-    profile: Profile
-    choices: Choices
-    study_name: str
-    storage: str
-    noise: NoiseFloor | None = None
-    cost: dict[str, Any] | None = None
-    saved: SavedProfile | None = None  # where the profile is saved, and whether this sweep measured it
-
-    def summary(self, *, markdown: bool = False) -> str:
-        """The table the command line prints: per budget, the chosen policy beside uniform bf16 and greedy."""
-        from autoprec.tune._report._report import sweep_summary
-
-        return sweep_summary(self, markdown=markdown)
 
 
 def policy_filename(budget: float) -> str:

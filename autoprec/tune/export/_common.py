@@ -148,8 +148,8 @@ def policy_gemms(fmt: Format) -> Gemms:
     dtype: a framework runs such a layer in the model's)."""
     if (gemms := blockscaled_gemms(fmt)) is not None:
         return gemms
-    if fmt.spec.fp8 is not None:
-        return fp8_spec_gemms(fmt.spec.fp8.to_json())
+    if (fp8 := fmt.family.fp8_gemms(fmt)) is not None:
+        return fp8_spec_gemms(fp8.to_json())
     return HIGH
 
 

@@ -121,7 +121,7 @@ def precision_config(policy: Policy, factory: str = "autoprec_qfactory") -> tupl
             recipe = {"fp8_quantization_recipe": "custom", "custom_recipe_factory": f"{factory}.{_key(fmt)}"}
         if recipe is None or name == ROOT:
             if fmt is not Format.FP32:
-                if fmt.spec.fp8 is not None:
+                if fmt.family.fp8_gemms(fmt) is not None:
                     why = "an fp8 recipe Megatron has no twin for (its per-module fp8 recipes: tensorwise, blockwise, mxfp8)"
                 else:
                     why = (

@@ -29,7 +29,11 @@ from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register_exp
 
 def fp8_gemms(policy: Policy) -> dict[str, dict[str, object]]:
     """recipe_key -> its GEMMs as float8_linear_config reads them, for the policy's fp8 formats."""
-    return {key: fmt.spec.fp8.to_json() for fmt in policy.layers.values() if fmt.spec.fp8 and (key := recipe_key(fmt))}
+    return {
+        key: gemms.to_json()
+        for fmt in policy.layers.values()
+        if (gemms := fmt.family.fp8_gemms(fmt)) and (key := recipe_key(fmt))
+    }
 
 
 def torchao_source(policy: Policy, *, source: str = "a policy") -> str:

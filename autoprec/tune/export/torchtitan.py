@@ -133,7 +133,9 @@ def torchtitan_not_expressed(policy: Policy) -> list[str]:
             f"{_layers(gates, 'is')} a router gate in a quantized format: torchtitan refuses to convert one "
             "(RouterGateLinear on its main branch), so not in the export"
         )
-    per_gemm = {fmt.value for fmt in policy.layers.values() if fmt.spec.fp8 is not None and fmt.spec.fp8.recipe is None}
+    per_gemm = {
+        fmt.value for fmt in policy.layers.values() if (gemms := fmt.family.fp8_gemms(fmt)) is not None and gemms.recipe is None
+    }
     for recipe, names in fp8_layers(policy).items():
         if recipe not in TORCHTITAN_RECIPES:
             what = f"{recipe}, fp8 per GEMM (no torchao recipe)" if recipe in per_gemm else f"fp8 recipe {recipe!r}"

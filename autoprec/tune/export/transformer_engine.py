@@ -69,7 +69,7 @@ def te_not_expressed(policy: Policy) -> list[str]:
         why = (
             "this file writes the mxfp8/nvfp4 formats only (use --to megatron-precision or --to torchao for fp8); "
             "the recipe runs it in high precision"
-            if fmt.spec.fp8 is not None
+            if fmt.family.fp8_gemms(fmt) is not None
             else "the recipe runs every layer it does not list in the model's own dtype, which this file does not set"
         )
         if ROOT in names:
