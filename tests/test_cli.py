@@ -630,12 +630,12 @@ def test_a_bad_default_journal_in_out_is_refused_before_profiling(capsys, tmp_pa
 def test_the_default_out_folder_never_leaves_results(name, folder):
     import argparse
 
-    from autoprec.tune._cli import _out_dir, folder_name
+    from autoprec.tune._commands._model import folder_name, out_dir
     from autoprec.tune._measure._task import Task
 
     task = Task(path=Path("/models") / name, build_model=lambda: None, batches=lambda s: [], loss_fn=lambda m, b: None)
-    assert _out_dir(argparse.Namespace(out=None), task) == Path("results") / folder
-    assert _out_dir(argparse.Namespace(out="mine"), task) == Path("mine")
+    assert out_dir(argparse.Namespace(out=None), task) == Path("results") / folder
+    assert out_dir(argparse.Namespace(out="mine"), task) == Path("mine")
     assert folder_name("") == "_" and folder_name(".") == "_" and folder_name("a/../b") == "a_.._b"
 
 
@@ -845,14 +845,15 @@ def test_show_prints_each_results_peak_memory_and_how_it_was_measured(capsys, tm
 
 
 def test_valid_memory_options_reach_the_search_settings():
-    from autoprec.tune._cli import _search_config, build_parser
+    from autoprec.tune._cli import build_parser
+    from autoprec.tune._commands.search import search_settings
     from autoprec.tune._decide._goals import MEMORY
 
     args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--max-memory", "40G", "--objective", "memory"])
-    config = _search_config(args, torch.device("cpu"))
+    config = search_settings(args, torch.device("cpu"))
     assert config.max_memory == 40 * 2**30 and config.objective is MEMORY
     assert (
-        _search_config(
+        search_settings(
             build_parser().parse_args(["sweep", "m.py", "--budgets", "0", "--device", "cpu"]), torch.device("cpu")
         ).max_memory
         is None
@@ -860,11 +861,14 @@ def test_valid_memory_options_reach_the_search_settings():
 
 
 def test_time_every_trial_turns_the_speed_prediction_off_for_a_search():
-    from autoprec.tune._cli import _search_config, build_parser
+    from autoprec.tune._cli import build_parser
+    from autoprec.tune._commands.search import search_settings
 
     parser = build_parser()
-    assert _search_config(parser.parse_args(["search", "m.py"]), torch.device("cpu")).predict_speed is True
-    assert _search_config(parser.parse_args(["search", "m.py", "--time-every-trial"]), torch.device("cpu")).predict_speed is False
+    assert search_settings(parser.parse_args(["search", "m.py"]), torch.device("cpu")).predict_speed is True
+    assert (
+        search_settings(parser.parse_args(["search", "m.py", "--time-every-trial"]), torch.device("cpu")).predict_speed is False
+    )
     with pytest.raises(SystemExit):  # a sweep never predicts (its front keeps slower trials): no such flag there
         parser.parse_args(["sweep", "m.py", "--budgets", "0.1", "--time-every-trial"])
 
@@ -918,12 +922,12 @@ def test_a_number_too_long_for_python_is_one_line_in_show_and_export(capsys, tmp
 
 @pytest.mark.parametrize("form", ["--storage", "--storage=", "--stor"])
 def test_the_command_written_to_the_reports_hides_the_storage_password(monkeypatch, form):
-    from autoprec.tune._cli import _command
+    from autoprec.tune._commands.search import command_line
 
     url = "postgresql+psycopg2://alice:s3cret-pw@db.example:5432/autoprec"
     given = [f"{form}{url}"] if form.endswith("=") else [form, url]
     monkeypatch.setattr(sys, "argv", ["autoprec", "search", "model.py", *given, "--budget", "1%"])
-    command = _command("search", url)
+    command = command_line("search", url)
     assert "s3cret" not in command and "alice:***@db.example:5432/autoprec" in command and command.endswith("--budget 1%")
 
 
@@ -976,14 +980,14 @@ def test_the_quick_starts_output_folder_is_git_ignored_and_the_committed_results
     import shutil
 
     from autoprec.tune import load_task
-    from autoprec.tune._cli import _out_dir
+    from autoprec.tune._commands._model import out_dir
 
     root = Path(__file__).resolve().parents[1]
     if shutil.which("git") is None or not (root / ".git").exists():
         pytest.skip("not a git checkout")
     readme = (root / "README.md").read_text()
     [model] = re.findall(r"^python3 -m venv .*autoprec search (\S+)", readme, flags=re.MULTILINE)
-    out = _out_dir(argparse.Namespace(out=None), load_task(root / model))
+    out = out_dir(argparse.Namespace(out=None), load_task(root / model))
     assert out == Path("results/digits")
 
     def ignored(path: str) -> bool:

@@ -17,7 +17,7 @@ from autoprec.devices import CPUDevice, Device, UnknownDeviceError, device_for, 
 from autoprec.errors import UserError
 from autoprec.formats import device_name
 from autoprec.tune import load_task, prepare
-from autoprec.tune._cli import _device
+from autoprec.tune._commands._model import check_device
 from autoprec.tune._core import _memory as memory
 from autoprec.tune._core._config import TimingConfig, default_compile
 from autoprec.tune._measure import _timing as timing
@@ -100,13 +100,13 @@ def test_an_unregistered_device_type_is_refused_naming_the_registered_ones():
     with pytest.raises(UnknownDeviceError, match=r"autoprec measures on cpu or cuda, got meta \(the registered"):
         device_for(META)
     with pytest.raises(UserError, match="--device meta: autoprec measures on cpu or cuda, got meta"):
-        _device("meta")
+        check_device("meta")
     assert devices.lookup(META) is not None and memory.source(META) is None  # the runtime still works on it
 
 
 def test_a_device_registered_from_outside_autoprec_is_the_one_its_callers_ask(toy_meta):
     assert devices.registered() == ("cpu", "cuda", "meta")
-    assert _device("meta") == META  # --device offers it
+    assert check_device("meta") == META  # --device offers it
     with pytest.raises(UnknownDeviceError, match="autoprec measures on cpu, cuda or meta, got mps"):
         device_for("mps")
     assert device_name("meta") == "toy meta device"

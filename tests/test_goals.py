@@ -90,10 +90,11 @@ def test_a_registered_goal_is_a_choice_of_the_config_and_the_command_line(most_f
     with pytest.raises(ValueError, match=r"goal 'most-fp16' is already registered .*test_goals.MostFp16"):
         register_goal(MostFp16)
 
-    from autoprec.tune._cli import _search_config, build_parser
+    from autoprec.tune._cli import build_parser
+    from autoprec.tune._commands.search import search_settings
 
     args = build_parser().parse_args(["search", "m.py", "--device", "cpu", "--objective", "most-fp16"])
-    assert _search_config(args, torch.device("cpu")).objective is most_fp16
+    assert search_settings(args, torch.device("cpu")).objective is most_fp16
     with pytest.raises(SystemExit):
         build_parser().parse_args(["search", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())

@@ -1,0 +1,146 @@
+"""What the verbs that load a model.py share (search, sweep, profile): their arguments, --device checked once, the
+model prepared on it (sharded under torchrun), where its results go."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from autoprec import devices
+from autoprec.errors import UserError
+from autoprec.formats import default_device
+from autoprec.tune._commands._verb import say
+
+
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model.py and the options every model verb takes."""
+    p.add_argument("model", help="path to a model.py (build_model, batches, loss_fn; optional evaluate, optimizer)")
+    p.add_argument("--device", default=str(default_device()), help="where to measure (default: cuda when available, else cpu)")
+    p.add_argument("--out", help="output directory (default: results/<model name>)")
+    p.add_argument("--space", help="search-space YAML (default: the shipped search_spaces/default.yaml)")
+    p.add_argument(
+        "--exclude",
+        action="append",
+        metavar="PATTERN",
+        help="keep modules whose name matches (fnmatch: pooler, '*.lm_head') out of the search, with "
+        "everything inside them; repeatable; added to the space file's exclude list",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time steps with the model under torch.compile, as users who compile train (default: on for cuda, off for cpu)",
+    )
+
+
+def check_device(value: str) -> torch.device:
+    """--device: a registered device type (autoprec.devices), available here, its index one of those present."""
+    try:
+        dev = torch.device(value)
+    except RuntimeError:
+        numbered = "".join(f" ({t}:N)" for t in devices.registered() if devices.device_for(t).numbered)
+        raise UserError(f"--device: unknown device {value!r}; use {devices.choices()}{numbered}") from None
+    try:
+        kind = devices.device_for(dev)
+    except devices.UnknownDeviceError as exc:
+        raise UserError(f"--device {value}: {exc}") from None
+    if not kind.is_available():
+        raise UserError(f"--device {value}: {kind.label} is not available here; use --device {devices.default_device()}")
+    count = kind.device_count() if kind.numbered else None
+    if count is not None and dev.index is not None and dev.index >= count:
+        raise UserError(
+            f"--device {value}: this machine has {count} {kind.unit}{'s' if count != 1 else ''} "
+            f"({dev.type}:0 to {dev.type}:{count - 1})"
+        )
+    return dev
+
+
+def compile_choice(args: argparse.Namespace, device: torch.device) -> bool:
+    """--compile / --no-compile as given, else the device's default (config.default_compile)."""
+    from autoprec.tune._core._config import default_compile
+
+    return bool(args.compile) if args.compile is not None else default_compile(device)
+
+
+def out_dir(args: argparse.Namespace, task) -> Path:
+    """--out, else results/<the model's name>, a name made safe to stay inside results/ (said when changed)."""
+    if args.out:
+        return Path(args.out)
+    name = folder_name(task.name)
+    if name != task.name:
+        logging.getLogger("autoprec").warning(
+            "the model's name %r is not a folder name inside results/: writing to results/%s (--out sets another)",
+            task.name,
+            name,
+        )
+    return Path("results") / name
+
+
+def folder_name(name: str) -> str:
+    """`name` as one folder name that cannot leave its parent: path separators become "_", and so do the dots
+    of "." and ".." (a model file named "...py" has the stem ".."), and an empty name is "_"."""
+    name = name.replace("/", "_").replace("\\", "_")  # POSIX's and Windows' separators, on either
+    return "_" * max(1, len(name)) if name in ("", ".", "..") else name
+
+
+def _quiet_torchao() -> None:
+    """Import torchao before model.py does (through transformers, say), with its loader's noise (CUDA extensions a CPU
+    lacks, pytree deprecations) kept out of the output: imported first by the user's libraries, it prints it."""
+    from autoprec.formats.float8 import import_float8
+
+    try:
+        import_float8()
+    except Exception:  # a broken torchao install shows where fp8 is used, not in every command here
+        pass
+
+
+def prepare_model(args: argparse.Namespace, device: torch.device, *, compiled: bool):
+    """model.py loaded and prepared on `device` (model_device's), the search space with --exclude applied, and the
+    workload, sharded under torchrun; one line says where it runs and how (`compiled`: as the config decided)."""
+    from autoprec.tune._core._space import load_space
+    from autoprec.tune._measure._task import load_task, prepare
+
+    _quiet_torchao()
+    task = load_task(args.model)
+    if getattr(args, "library_noise", None) is not None:  # a library model.py imported may have set up its own handler
+        args.library_noise.cover()
+    space = load_space(args.space)
+    workload = prepare(task, device)
+    try:
+        space = space.with_excludes(args.exclude or (), workload.model)
+    except ValueError as exc:
+        raise UserError(f"--{exc}") from None
+    how = "compiled" if compiled else "eager"
+    ranks = getattr(args, "ranks", None)
+    if ranks is not None:
+        workload = _sharded(args, task, workload)
+        how += f", sharded over {ranks[1]} ranks by {task.path.name}'s parallelize"
+    say(args, f"autoprec: {task.path} on {device}, {how}")
+    return task, space, workload
+
+
+def model_device(args: argparse.Namespace) -> torch.device:
+    """--device, checked once (check_device) for everything the command does with it; under torchrun each rank's own GPU
+    (cuda -> cuda:LOCAL_RANK), as torchrun's workers train."""
+    device = check_device(args.device)
+    ranks = getattr(args, "ranks", None)
+    if ranks is None or device.index is not None or not devices.device_for(device).numbered:
+        return device
+    return torch.device(device.type, ranks[2])
+
+
+def _sharded(args: argparse.Namespace, task, workload):
+    """The workload, run on every rank of this torchrun job together (_ranks.Ranks), sharded by model.py's
+    parallelize(model, mesh)."""
+    from autoprec.tune._measure._ranks import sharded
+
+    if task.parallelize is None:
+        raise UserError(
+            f"{task.path}: torchrun started {args.ranks[1]} ranks, but the file defines no parallelize(model, mesh) to "
+            "shard the model over them; define one (fully_shard each block, then the model: docs/sharded.md), or "
+            "run autoprec without torchrun"
+        )
+    return sharded(workload, timeout_s=60 * args.rank_timeout)

@@ -1,0 +1,108 @@
+"""`autoprec export` and `autoprec verify`: a policy written for another training tool (every registered export
+target, with the options it adds), and the check that such a file runs each linear as the policy says."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from autoprec.errors import UserError, printable
+from autoprec.tune._commands._verb import Verb, print_json
+from autoprec.tune.export import ExportTarget, export_targets, options
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    # every registered target (autoprec.tune.export): its name, its file's suffix and the options it adds
+    p.add_argument("policy", help="path to a policy.json")
+    p.add_argument(
+        "--to",
+        required=True,
+        choices=[t.name for t in export_targets()],
+        help="; ".join(f"{t.name}: {t.summary}" for t in export_targets()),
+    )
+    p.add_argument("--out", help=f"the file to write (default: beside the policy, {_export_file_names(export_targets())})")
+    for option, names in options().items():
+        p.add_argument(
+            option.flag, dest=option.dest, type=option.type, metavar=option.metavar, help=f"{', '.join(names)}: {option.help}"
+        )
+    p.add_argument("--check", metavar="MODEL", help="then verify the file on MODEL's linears (as `autoprec verify`)")
+
+
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("exported", help="a file `autoprec export` wrote")
+    p.add_argument("--policy", required=True, help="the policy.json it was exported from")
+    p.add_argument("--model", required=True, help="the model.py (its build_model()'s linears), or a text file of module names")
+    p.add_argument("--to", choices=[t.name for t in export_targets()], help="the file's target (default: the one it names)")
+
+
+def _export_file_names(targets: Sequence[ExportTarget]) -> str:
+    """'<name>_<target>.py, or .json for megatron': the suffix most targets write, then the others'."""
+    suffixes = [t.suffix for t in targets]
+    usual = max(suffixes, key=suffixes.count)
+    others = [f"{t.suffix} for {t.name}" for t in targets if t.suffix != usual]
+    return f"<name>_<target>{usual}" + (f", or {', '.join(others)}" if others else "")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from autoprec.policy import load_policy
+    from autoprec.tune.export import default_path, export, options
+
+    policy = load_policy(args.policy)
+    source = Path(args.policy)
+    out = Path(args.out) if args.out else default_path(source, args.to)
+    if out.exists() and out.samefile(source):  # by the file itself: a link or another spelling of its path too
+        raise UserError(f"--out {out}: that is the policy file {source}; give the export another file (or leave out --out)")
+    given = {option.dest: getattr(args, option.dest) for option in options()}  # the targets' own options (None: not given)
+    try:
+        left_out = export(policy, args.to, out, source=str(source), **given)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
+    if not (args.json or args.quiet):  # the path and the lines name the policy's file and layers: escaped
+        print(f"wrote {printable(str(out))}")
+        for line in left_out:
+            print(f"not expressed: {printable(line)}")
+    checked = _verified(args, out, policy, args.check, args.to, flag="--check") if args.check else None
+    if args.json:
+        print_json(args, {"file": str(out), "not_expressed": left_out, **({"check": checked.to_dict()} if checked else {})})
+    return _verify_code(checked)
+
+
+def _verified(args: argparse.Namespace, exported: Path, policy, model: str, target: str | None, *, flag: str = "--model"):
+    """The verification of `exported` on `model`'s linears (autoprec verify), its table printed unless --json or
+    --quiet; `flag` named `model`."""
+    from autoprec.tune.export.verify import linear_names, table, verify
+
+    result = verify(exported, policy, linear_names(model, flag=flag), target)
+    if not (args.json or args.quiet):
+        print(table(result))
+    return result
+
+
+def _verify_code(result) -> int:
+    """1 when a linear runs otherwise than the policy says under the exported file, naming them on stderr."""
+    if result is None or not result.differing:
+        return 0
+    print(f"autoprec: the export differs from the policy at {', '.join(printable(n) for n in result.differing)}", file=sys.stderr)
+    return 1
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from autoprec.policy import load_policy
+
+    result = _verified(args, Path(args.exported), load_policy(args.policy), args.model, args.to)
+    if args.json:
+        print_json(args, result.to_dict())
+    return _verify_code(result)
+
+
+EXPORT = Verb(
+    "export",
+    "write a policy's fp8 layers for another training tool",
+    _export_arguments,
+    cmd_export,
+    description="write a policy's fp8 layers for another training tool; what it cannot express is listed",
+)
+_VERIFY = "check that an exported file runs each linear of a model as the policy says, per GEMM, by the framework's rules"
+VERIFY = Verb("verify", _VERIFY, _verify_arguments, cmd_verify, description=f"{_VERIFY}; exit 1 naming each linear that differs")

@@ -1,0 +1,38 @@
+"""`autoprec predict`: a policy's training-step time on a target GPU, from the model's shapes (no GPU needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+from autoprec.tune._commands._verb import Verb, print_json
+from autoprec.tune._core._targets import targets as planned_for
+
+
+def _predict_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="path to a model.py (build_model, batches, loss_fn)")
+    p.add_argument("--target", required=True, metavar="{" + ",".join(t.name for t in planned_for()) + "}")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--policy", help="a policy.json to price")
+    which.add_argument("--format", help="price every Linear in this format, the rest in bf16")
+    p.add_argument("--tokens", metavar="N", help="tokens (rows) per training step (default: one train batch's)")
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from autoprec.tune._measure._predict import command
+
+    result, text = command(args.model, target=args.target, policy=args.policy, fmt=args.format, tokens=args.tokens)
+    if args.json:
+        print_json(args, result, indent=2)
+    else:
+        print(text)
+    return 0
+
+
+PREDICT = Verb(
+    "predict",
+    "predict a policy's training-step time on a target GPU from the model's shapes (no GPU needed)",
+    _predict_arguments,
+    cmd_predict,
+    description="predict the training-step time of uniform bf16 and of a policy or format on a target GPU, from "
+    "the model's shapes on the meta device (docs/planning.md); a prediction with its error band, not a measurement",
+)
