@@ -376,5 +376,5 @@ def test_the_summary_says_no_kernel_and_a_search_rules_it_out(prof):
     assert "no kernel on this" in line
     r = _row(prof, "big", "mxfp8")
     assert ruled_out(r, None, math.inf) is None  # a profile on its own judges no speed
-    assert ruled_out(r, None, 1.25) == "no kernel on this device: mxfp8 runs emulated here, so its speed is unknown"
+    assert ruled_out(r, None, 1.25) == "no kernel on this device: the format runs emulated here, so its speed is unknown"
     assert ruled_out(_row(prof, "big", "bf16"), None, 1e9) is None

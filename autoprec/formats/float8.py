@@ -336,6 +336,11 @@ class Float8Family(FormatFamily):
 
     # device_problem: the default (None): torchao emulates every one of its formats where the device has no fp8 kernels
 
+    def has_kernels(self, fmt: Format, device: torch.device) -> bool:
+        # where torchao emulates fp8 (no fp8 kernels: a CPU, a GPU below MIN_CAPABILITY), its time is that of
+        # high-precision matmuls plus the casts: nothing of fp8's speed, as the alternatives already say
+        return _package().has_fp8_kernels(device)
+
     def add_format(
         self,
         fmt: Format,

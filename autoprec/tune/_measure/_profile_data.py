@@ -206,7 +206,7 @@ def ruled_out(row: ProfileRow, budget: float | None, slower_than: float) -> str 
         return f"alone drops the metric by {drop:.4g} > budget {budget:g}"
     if row.timed_as == NO_KERNEL and slower_than < SPEED_UNJUDGED:
         # a search weighs each format's speed on this device: one that only runs emulated here has none to weigh
-        return f"{NO_KERNEL}: {row.format} runs emulated here, so its speed is unknown"
+        return f"{NO_KERNEL}: the format runs emulated here, so its speed is unknown"  # one footnote for them all
     ratio, spread = row.time_vs_fp32, row.time_spread  # spread NaN where probed only: many times slower, beyond any noise
     # measured inside wide noise (a loaded machine), a slowdown rules nothing out: the search's whole steps judge it
     fast_end = ratio * (1 - spread / 2) if math.isfinite(spread) else ratio
