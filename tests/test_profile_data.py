@@ -1,4 +1,3 @@
-import dataclasses
 import math
 
 import pytest
@@ -91,12 +90,6 @@ def test_a_profile_csv_missing_a_column_is_refused_naming_it(tmp_path):
         Profile.load(tmp_path)
 
 
-def test_a_row_is_a_frozen_record_of_profile_csvs_columns():
-    assert [f.name for f in dataclasses.fields(ProfileRow)] == COLUMNS
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        _row(format="bf16").status = "unsupported"  # type: ignore[misc]
-
-
 def _edit(tmp_path, column: str, value: str, line: int = 2) -> None:
     """profile.csv's cell in `column` on `line` (1: the column names) set to `value`, as a person editing it would."""
     csv = tmp_path / "profile.csv"
@@ -127,17 +120,3 @@ def test_a_hand_edited_cell_is_refused_naming_the_file_the_line_the_layer_the_co
     _edit(tmp_path, column, value, line=3)
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'profile.csv'}: line 3 \(layer '0'\), {expected}"):
         Profile.load(tmp_path)
-
-
-def test_the_shape_the_profiler_writes_for_any_weight_passes_profile_csvs_own_check():
-    """A 0-dim weight (a learned scale) was written as "" and refused when loaded back, so that model was profiled
-    again on every run."""
-    import re
-
-    from autoprec.tune._core._profile_row import _SHAPE
-    from autoprec.tune._measure._profiler import _shape
-
-    scale = torch.nn.Module()
-    scale.weight = torch.nn.Parameter(torch.tensor(1.0))
-    written = [_shape(m) for m in (scale, torch.nn.Linear(3, 4), torch.nn.LayerNorm(5), torch.nn.ReLU())]
-    assert written == ["-", "4x3", "5", "-"] and all(re.fullmatch(_SHAPE, w) for w in written)
