@@ -114,7 +114,10 @@ def test_what_only_a_family_reads_is_the_familys_and_a_fact_it_does_not_take_reg
         ValueError, match=r"format 'toy-fp8': gemms must be an Fp8Gemms, such as Fp8Gemms\('tensorwise'\), but got None"
     ):
         register_format("toy-fp8", family="float8", inside="again")
+    from autoprec.formats import autocast, float8
+
     assert list(REGISTRY) == before  # refused whole: neither the spec nor the family's record
+    assert "toy-bf16-gemms" not in autocast._DTYPES and "toy-fp8" not in float8._FORMATS
     # the family answers for its own formats, and forgets one unregistered; the other families answer None
     fmt = register_format("toy-fp8", family="float8", inside="again", gemms=Fp8Gemms("rowwise", wgrad=False))
     family = fmt.family

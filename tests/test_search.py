@@ -368,10 +368,13 @@ def picky_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_offered_fp8_per_gemm_a_search_keeps_the_breaking_weight_gradient_high_precision_and_the_forward_fp8(tmp_path):
+def test_offered_fp8_per_gemm_a_search_keeps_the_breaking_weight_gradient_high_precision_and_the_forward_fp8(
+    tmp_path, gpu_contract_on
+):
     """wgrad_breaks.py: proj's weight gradient breaks in fp8 and fp8-rowwise (the profile rules them out for it), its
     forward does not: with fp8 priced faster, the search gives proj a format that keeps wgrad in high precision and
-    runs its forward in fp8, and the other layers plain fp8."""
+    runs its forward in fp8, and the other layers plain fp8. On an H100's rules: where torchao only emulates fp8 (a
+    CPU's own), the profile does not time it and a timed search does not offer it."""
     workload = prepare(load_task(MODELS / "wgrad_breaks.py"), "cpu")
     offered = ["fp32", "bf16", "fp8", "fp8-rowwise", "fp8-fwd-dgrad", "fp8-rowwise-fwd-dgrad"]
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": offered}, "trials": 6})

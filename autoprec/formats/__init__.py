@@ -62,7 +62,7 @@ def risky_formats() -> tuple[Format, ...]:
 
 def autocast_dtype(fmt: Format | str) -> torch.dtype | None:
     """The dtype `fmt`'s forward runs under torch.autocast (bf16, fp16), or None where it does not run through
-    autocast: its spec's answer, so a format registered later has one too."""
+    autocast: its family's answer (FormatFamily.autocast_dtype), so a format registered later has one too."""
     found = Format(fmt)
     return found.family.autocast_dtype(found)
 

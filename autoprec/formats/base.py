@@ -219,7 +219,7 @@ class FormatFamily(abc.ABC):
         """Keep what this family alone needs of `fmt`, being registered with it: register_format's facts that are
         not FormatSpec's fields (autocast's `autocast` dtype, float8's `gemms`, blockscaled's `gemms`), read back by
         the family's own answers. The default takes none: a ValueError naming them. Raise to refuse the format (it is
-        then not registered)."""
+        then not registered, and remove_format is called). `fmt` is not registered yet: read no `fmt.spec` here."""
         if facts:
             raise ValueError(
                 f"format family {self.name!r} takes no {', '.join(sorted(facts))}: give register_format FormatSpec's "
@@ -408,7 +408,11 @@ def register_format(name: str, *, family: str, inside: str, **facts: Any) -> For
         facts["fallback"] = Format(facts["fallback"])
     fmt = Format._create(name)
     spec = FormatSpec(fmt, inside=inside, family=family, **facts)
-    owner.add_format(fmt, **own)
+    try:
+        owner.add_format(fmt, **own)
+    except BaseException:
+        owner.remove_format(fmt)  # what it kept before it refused: all or nothing
+        raise
     REGISTRY[fmt] = spec
     return fmt
 

@@ -93,6 +93,8 @@ class Float8Format:
 # each float8 format's, keyed by the Format (a str equal to its name): a plain dict lookup, which torch.compile traces
 _FORMATS: dict[str, Float8Format] = {}
 
+_FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)  # what a gradient is cast to per tensor
+
 # the CUDA compute capability torch._scaled_mm's fp8 kernels need (has_fp8_kernels): Ada and Hopper on
 MIN_CAPABILITY = (8, 9)
 
@@ -356,6 +358,11 @@ class Float8Family(FormatFamily):
         if not isinstance(gemms, Fp8Gemms):
             raise ValueError(
                 f"format {fmt.value!r}: gemms must be an Fp8Gemms, such as Fp8Gemms('tensorwise'), but got {gemms!r}"
+            )
+        if tensorwise_grad_dtype not in (None, *_FP8_DTYPES):
+            raise ValueError(
+                f"format {fmt.value!r}: tensorwise_grad_dtype must be None or an fp8 dtype "
+                f"(torch.float8_e5m2, torch.float8_e4m3fn), but got {tensorwise_grad_dtype!r}"
             )
         _FORMATS[fmt] = Float8Format(gemms, tensorwise_grad_dtype, bool(fsdp_fp8_all_gather))
 

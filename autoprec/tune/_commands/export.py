@@ -47,7 +47,7 @@ def _export_file_names(targets: Sequence[ExportTarget]) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from autoprec.policy import load_policy
-    from autoprec.tune.export import default_path, export, options
+    from autoprec.tune.export import default_path, export
 
     policy = load_policy(args.policy)
     source = Path(args.policy)

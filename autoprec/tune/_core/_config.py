@@ -221,7 +221,8 @@ NUMERICS = ("all", "offered")  # ProfileConfig.numerics
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
     """`batches`: train batches for the SQNR pass; a format slower than fp32 by `gross_slowdown` in a
-    single probe is timed once rather than interleaved (fp8 emulation on a CPU costs seconds a call).
+    single probe is timed once rather than interleaved (bf16 and fp16 on a CPU without their kernels cost many
+    times fp32 a call).
     `grad_batches`: train batches for the gradient ranges (None: all); `max_underflow`: the fraction of a
     layer's nonzero gradient elements fp16 may flush to zero at the low end of the loss-scale range.
     `group_tolerance`: None evaluates the metric with each layer lowered alone; a number first lowers a format's

@@ -36,7 +36,7 @@ Ranked = list[tuple[optuna.trial.FrozenTrial, TrialRecord]]  # completed trials 
 @dataclasses.dataclass(frozen=True)
 class Axis:
     """Where a goal's value is a column of the trials table (trials.csv, sweep_trials.csv) and a field of each
-    re-measured candidate (records.Measurement) and budget row (sweeper.BudgetRow): the sweep's Pareto front over it
+    re-measured candidate (records.Measurement) and budget row (_results.BudgetRow): the sweep's Pareto front over it
     and metric drop (sweeper.pareto_front), and pareto.png's y axis (plots.pareto_figure)."""
 
     column: str  # "speedup", "peak_bytes"

@@ -123,7 +123,7 @@ def build_choices(
     cost: LayerCost = measured_time,
 ) -> Choices:
     """Per-layer choices: the offered formats the profile did not rule out; each layer's fallback always stays, first
-    (`fallbacks`: SearchSpace.fallbacks, its list's under the goal; fp32 where None or unlisted). The profile measures
+    (`fallbacks`: Goal.layer_fallbacks, its list's under the goal; fp32 where None or unlisted). The profile measures
     fp32 for every layer, as the reference: a layer whose fallback is another format (bf16, under the FLOP goal) is
     offered fp32 only where its list holds it (`fallbacks` then says fp32). With `judge_drop` False (train mode) a
     single layer's drop of the given weights' metric rules nothing out. The space's layout is resolved here (a ranked

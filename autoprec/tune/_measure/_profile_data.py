@@ -37,7 +37,7 @@ SPEED_UNJUDGED = 1e9
 
 # profile.json's "version": the format of profile.json, profile.csv and grad_ranges.csv together. Raise it when any of
 # them changes (a column, a field, what a value means); Profile.load reads no other, and a search measures again.
-PROFILE_VERSION = 3  # 2: dgrad_sqnr_db; 3: tokens
+PROFILE_VERSION = 4  # 2: dgrad_sqnr_db; 3: tokens; 4: fp8 where torchao emulates it is not timed (no kernel)
 
 
 def unrun(row: ProfileRow) -> str:

@@ -3,8 +3,8 @@ among its answers, and knows when no untried policy can be.
 
 The profile times each layer alone in each format. On one device, what a whole step saves over fp32 follows the
 sum of its layers' savings, but not one to one and not alike for every format (the casts between formats, what
-autocast lowers outside the layers, the optimizer's share; torchao's fp8 emulation, whose cost an isolated layer
-shows badly), and lowering the model root (everything outside the layers) to a format adds about a constant.
+autocast lowers outside the layers, the optimizer's share; a layer's casts, whose cost an isolated layer shows
+badly), and lowering the model root (everything outside the layers) to a format adds about a constant.
 Fitted by least squares on the trials the search has timed so far:
 
     fp32 step ms - step ms  =  sum over terms t of c[t] * (the policy's summed layer saving in t)  +  r[root]
