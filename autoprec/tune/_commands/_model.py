@@ -86,24 +86,12 @@ def folder_name(name: str) -> str:
     return "_" * max(1, len(name)) if name in ("", ".", "..") else name
 
 
-def _quiet_torchao() -> None:
-    """Import torchao before model.py does (through transformers, say), with its loader's noise (CUDA extensions a CPU
-    lacks, pytree deprecations) kept out of the output: imported first by the user's libraries, it prints it."""
-    from autoprec.formats.float8 import import_float8
-
-    try:
-        import_float8()
-    except Exception:  # a broken torchao install shows where fp8 is used, not in every command here
-        pass
-
-
 def prepare_model(args: argparse.Namespace, device: torch.device, *, compiled: bool):
     """model.py loaded and prepared on `device` (model_device's), the search space with --exclude applied, and the
     workload, sharded under torchrun; one line says where it runs and how (`compiled`: as the config decided)."""
     from autoprec.tune._core._space import load_space
     from autoprec.tune._measure._task import load_task, prepare
 
-    _quiet_torchao()
     task = load_task(args.model)
     if getattr(args, "library_noise", None) is not None:  # a library model.py imported may have set up its own handler
         args.library_noise.cover()
