@@ -39,7 +39,7 @@ def small_task(model_code: str) -> str:
 
 def every_format_profile():
     """A profile of tests/models/overflow_mlp.py in fp32, bf16, fp16 and fp8 with nothing ruled out for its speed
-    (fp16 is slow on CPUs; fp8, with no kernel there, is not timed): every measurement is there for a report or a figure to show."""
+    (fp16 is slow on CPUs; fp8 is timed only where it has kernels): every measurement is there for a report or a figure to show."""
     from pathlib import Path
 
     from short_timing import FAST_PROFILE

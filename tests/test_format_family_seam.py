@@ -118,6 +118,41 @@ def test_what_only_a_family_reads_is_the_familys_and_a_fact_it_does_not_take_reg
 
     assert list(REGISTRY) == before  # refused whole: neither the spec nor the family's record
     assert "toy-bf16-gemms" not in autocast._DTYPES and "toy-fp8" not in float8._FORMATS
+    # a family that kept something before it refused: taken back, and its refusal is the error seen
+    kept: dict[str, int] = {}
+
+    class Keeps(ToyInt8Family):
+        name = "toy-keeps"
+
+        def add_format(self, fmt, *, bits=8, **facts):
+            if bits < 4:  # refused before it kept anything
+                raise ValueError(f"{fmt.value}: bits must be 8, not below 4")
+            kept[fmt] = bits
+            if bits != 8:
+                raise ValueError(f"{fmt.value}: bits must be 8")
+
+        def remove_format(self, fmt):
+            del kept[fmt]  # a family that forgets only what it kept: the cleanup of a refusal must not mask it
+
+    register_family(Keeps)
+    try:
+        with pytest.raises(ValueError, match="toy-keeps-4: bits must be 8"):
+            register_format("toy-keeps-4", family="toy-keeps", inside="again", bits=4)
+        with pytest.raises(ValueError, match="toy-keeps-2: bits must be 8, not below 4"):  # not remove's KeyError
+            register_format("toy-keeps-2", family="toy-keeps", inside="again", bits=2)
+        assert kept == {} and "toy-keeps-4" not in REGISTRY and "toy-keeps-2" not in REGISTRY
+    finally:
+        unregister_family("toy-keeps")
+    # float8's gradient cast is a tensorwise fp8 GEMM's: refused where none casts the gradient
+    with pytest.raises(ValueError, match=r"tensorwise_grad_dtype must be None \(its gradient is cast by no tensorwise"):
+        register_format(
+            "toy-fp8", family="float8", inside="again", gemms=Fp8Gemms("rowwise"), tensorwise_grad_dtype=torch.float8_e5m2
+        )
+    with pytest.raises(ValueError, match=r"must be None or an fp8 dtype .*but got torch.bfloat16"):
+        register_format(
+            "toy-fp8", family="float8", inside="again", gemms=Fp8Gemms("tensorwise"), tensorwise_grad_dtype=torch.bfloat16
+        )
+    assert list(REGISTRY) == before
     # the family answers for its own formats, and forgets one unregistered; the other families answer None
     fmt = register_format("toy-fp8", family="float8", inside="again", gemms=Fp8Gemms("rowwise", wgrad=False))
     family = fmt.family

@@ -76,6 +76,13 @@ def test_every_runnable_format_is_timed_but_one_torchao_emulates_here(prof):
     assert all(r.time_vs_fp32 == 1.0 for r in prof.rows if r.format == "fp32")
 
 
+def test_a_cpu_without_fp8_kernels_does_not_time_fp8_but_measures_its_numerics(no_gpu_contract):
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "fp8"]}, "prune": {"slower_than": 1e9}})
+    rows = [r for r in profile(workload, space, FAST, progress=False).rows if r.format == "fp8" and r.status == "ok"]
+    assert rows and all(r.timed_as == NO_KERNEL and math.isnan(r.time_ms) and math.isfinite(r.sqnr_db) for r in rows)
+
+
 def test_the_profile_times_fp8_where_the_device_has_fp8_kernels(gpu_contract_on):
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "fp8"]}, "prune": {"slower_than": 1e9}})

@@ -11,6 +11,7 @@ what a family implements.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -227,7 +228,8 @@ class FormatFamily(abc.ABC):
             )
 
     def remove_format(self, fmt: Format) -> None:
-        """Forget what add_format kept of `fmt` (unregister_format); the default keeps nothing."""
+        """Forget what add_format kept of `fmt` (unregister_format, and register_format where add_format refused it,
+        so a format it kept nothing of too); the default keeps nothing."""
         return None
 
     def autocast_dtype(self, fmt: Format) -> torch.dtype | None:
@@ -411,7 +413,8 @@ def register_format(name: str, *, family: str, inside: str, **facts: Any) -> For
     try:
         owner.add_format(fmt, **own)
     except BaseException:
-        owner.remove_format(fmt)  # what it kept before it refused: all or nothing
+        with contextlib.suppress(Exception):  # the family's refusal is the error to see, not its cleanup's
+            owner.remove_format(fmt)  # what it kept before it refused: all or nothing
         raise
     REGISTRY[fmt] = spec
     return fmt

@@ -5,12 +5,13 @@ its input by one rule on every device (`fp8_input_dtype`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -204,17 +205,25 @@ def fp8_shape_problem(module: torch.nn.Module, fmt: Format | None = None) -> str
     return None
 
 
-def import_float8() -> Any:
-    """torchao.float8, imported with its loader's noise (missing CUDA extensions on CPU) kept out of the logs."""
+@contextlib.contextmanager
+def torchao_loading_quietly() -> Iterator[None]:
+    """While torchao may be imported (here, or by model.py through transformers), its loader's noise (CUDA extensions
+    a CPU lacks, torch's pytree deprecations) kept out of the logs, whatever handlers are set up meanwhile."""
     noisy = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in noisy]
     for lg in noisy:
         lg.setLevel(logging.ERROR)
     try:
-        import torchao.float8 as float8
+        yield
     finally:
         for lg, level in zip(noisy, levels):
             lg.setLevel(level)
+
+
+def import_float8() -> Any:
+    """torchao.float8, imported with its loader's noise kept out of the logs (torchao_loading_quietly)."""
+    with torchao_loading_quietly():
+        import torchao.float8 as float8
     return float8
 
 
@@ -359,10 +368,13 @@ class Float8Family(FormatFamily):
             raise ValueError(
                 f"format {fmt.value!r}: gemms must be an Fp8Gemms, such as Fp8Gemms('tensorwise'), but got {gemms!r}"
             )
-        if tensorwise_grad_dtype not in (None, *_FP8_DTYPES):
+        casts_grad = gemms.scaling == "tensorwise" and (gemms.dgrad or gemms.wgrad)  # a gradient GEMM in fp8
+        if tensorwise_grad_dtype not in ((None, *_FP8_DTYPES) if casts_grad else (None,)):
             raise ValueError(
-                f"format {fmt.value!r}: tensorwise_grad_dtype must be None or an fp8 dtype "
-                f"(torch.float8_e5m2, torch.float8_e4m3fn), but got {tensorwise_grad_dtype!r}"
+                f"format {fmt.value!r}: tensorwise_grad_dtype must be "
+                + ("None or an fp8 dtype (torch.float8_e5m2, torch.float8_e4m3fn)" if casts_grad else "None")
+                + f" (its gradient is {'cast per tensor' if casts_grad else 'cast by no tensorwise fp8 GEMM'}), "
+                f"but got {tensorwise_grad_dtype!r}"
             )
         _FORMATS[fmt] = Float8Format(gemms, tensorwise_grad_dtype, bool(fsdp_fp8_all_gather))
 

@@ -4,6 +4,7 @@ model prepared on it (sharded under torchrun), where its results go."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from autoprec import devices
 from autoprec.errors import UserError
 from autoprec.formats import default_device
+from autoprec.formats.float8 import torchao_loading_quietly
 from autoprec.tune._commands._verb import say
 
 
@@ -92,9 +94,13 @@ def prepare_model(args: argparse.Namespace, device: torch.device, *, compiled: b
     from autoprec.tune._core._space import load_space
     from autoprec.tune._measure._task import load_task, prepare
 
-    task = load_task(args.model)
-    if getattr(args, "library_noise", None) is not None:  # a library model.py imported may have set up its own handler
-        args.library_noise.cover()
+    noise = getattr(args, "library_noise", None)  # None under --debug, which shows libraries' lines
+    # torchao imported by model.py (through transformers, say) logs its loader's noise while model.py may be setting
+    # up handlers of its own (logging.basicConfig) that LibraryNoise has not covered yet; torchao is not imported here
+    with torchao_loading_quietly() if noise is not None else contextlib.nullcontext():
+        task = load_task(args.model)
+    if noise is not None:  # a library model.py imported may have set up its own handler
+        noise.cover()
     space = load_space(args.space)
     workload = prepare(task, device)
     try:
