@@ -35,7 +35,7 @@ from common import add_device_flag, fmt_timing, parse_device, print_header  # no
 
 from autoprec import Policy, apply_policy  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
-from autoprec.tune._core._config import TimingConfig, default_compile  # noqa: E402
+from autoprec.tune._core._config import TimingConfig, compile_setting  # noqa: E402
 from autoprec.tune._measure._timing import Step, interleaved_times  # noqa: E402
 from autoprec.tune._measure._trainer import compile_scope  # noqa: E402
 
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     args = parser.parse_args()
     device = parse_device(args.device)
-    compile_it = default_compile(device) if args.compile is None else args.compile
+    compile_it = compile_setting(args.compile, device)
     if args.smoke:
         models, rounds = SMOKE, min(args.rounds, 2)
     else:

@@ -15,6 +15,9 @@ from autoprec.errors import UserError
 from autoprec.formats import default_device
 from autoprec.formats.float8 import torchao_loading_quietly
 from autoprec.tune._commands._verb import say
+from autoprec.tune._core._space import load_space
+from autoprec.tune._measure._ranks import sharded
+from autoprec.tune._measure._task import load_task, prepare
 
 
 def model_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,13 +63,6 @@ def check_device(value: str) -> torch.device:
     return dev
 
 
-def compile_choice(args: argparse.Namespace, device: torch.device) -> bool:
-    """--compile / --no-compile as given, else the device's default (config.default_compile)."""
-    from autoprec.tune._core._config import default_compile
-
-    return bool(args.compile) if args.compile is not None else default_compile(device)
-
-
 def out_dir(args: argparse.Namespace, task) -> Path:
     """--out, else results/<the model's name>, a name made safe to stay inside results/ (said when changed)."""
     if args.out:
@@ -91,9 +87,6 @@ def folder_name(name: str) -> str:
 def prepare_model(args: argparse.Namespace, device: torch.device, *, compiled: bool):
     """model.py loaded and prepared on `device` (model_device's), the search space with --exclude applied, and the
     workload, sharded under torchrun; one line says where it runs and how (`compiled`: as the config decided)."""
-    from autoprec.tune._core._space import load_space
-    from autoprec.tune._measure._task import load_task, prepare
-
     noise = getattr(args, "library_noise", None)  # None under --debug, which shows libraries' lines
     # torchao imported by model.py (through transformers, say) logs its loader's noise while model.py may be setting
     # up handlers of its own (logging.basicConfig) that LibraryNoise has not covered yet; torchao is not imported here
@@ -129,8 +122,6 @@ def model_device(args: argparse.Namespace) -> torch.device:
 def _sharded(args: argparse.Namespace, task, workload):
     """The workload, run on every rank of this torchrun job together (_ranks.Ranks), sharded by model.py's
     parallelize(model, mesh)."""
-    from autoprec.tune._measure._ranks import sharded
-
     if task.parallelize is None:
         raise UserError(
             f"{task.path}: torchrun started {args.ranks[1]} ranks, but the file defines no parallelize(model, mesh) to "

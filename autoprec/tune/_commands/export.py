@@ -9,8 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from autoprec.errors import UserError, printable
+from autoprec.policy import load_policy
 from autoprec.tune._commands._verb import Verb, print_json
-from autoprec.tune.export import ExportTarget, export_targets, options
+from autoprec.tune.export import ExportTarget, default_path, export, export_targets, options
+from autoprec.tune.export.verify import linear_names, table, verify
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,9 +48,6 @@ def _export_file_names(targets: Sequence[ExportTarget]) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from autoprec.policy import load_policy
-    from autoprec.tune.export import default_path, export
-
     policy = load_policy(args.policy)
     source = Path(args.policy)
     out = Path(args.out) if args.out else default_path(source, args.to)
@@ -72,8 +71,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _verified(args: argparse.Namespace, exported: Path, policy, model: str, target: str | None, *, flag: str = "--model"):
     """The verification of `exported` on `model`'s linears (autoprec verify), its table printed unless --json or
     --quiet; `flag` named `model`."""
-    from autoprec.tune.export.verify import linear_names, table, verify
-
     result = verify(exported, policy, linear_names(model, flag=flag), target)
     if not (args.json or args.quiet):
         print(table(result))
@@ -89,8 +86,6 @@ def _verify_code(result) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from autoprec.policy import load_policy
-
     result = _verified(args, Path(args.exported), load_policy(args.policy), args.model, args.to)
     if args.json:
         print_json(args, result.to_dict())

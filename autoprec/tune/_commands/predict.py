@@ -6,6 +6,7 @@ import argparse
 
 from autoprec.tune._commands._verb import Verb, print_json
 from autoprec.tune._core._targets import targets as planned_for
+from autoprec.tune._measure._predict import command
 
 
 def _predict_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,8 +19,6 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from autoprec.tune._measure._predict import command
-
     result, text = command(args.model, target=args.target, policy=args.policy, fmt=args.format, tokens=args.tokens)
     if args.json:
         print_json(args, result, indent=2)

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from autoprec.tune._commands._model import compile_choice, model_arguments, model_device, out_dir, prepare_model
+from autoprec.tune._commands._model import model_arguments, model_device, out_dir, prepare_model
 from autoprec.tune._commands._verb import Verb, print_json
+from autoprec.tune._core._config import ProfileConfig, compile_setting
+from autoprec.tune._measure._profiler import profile
+from autoprec.tune._report._plots import plot_all
+from autoprec.tune._report._report import breaks, breaks_summary, gradient_summary, profile_summary
+from autoprec.tune._search._out_dir import claim_out_dir
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autoprec.tune._core._config import ProfileConfig
-    from autoprec.tune._measure._profiler import profile
-    from autoprec.tune._report._plots import plot_all
-    from autoprec.tune._report._report import breaks, breaks_summary, gradient_summary, profile_summary
-    from autoprec.tune._search._out_dir import claim_out_dir
-
     device = model_device(args)
-    compiled = compile_choice(args, device)
+    compiled = compile_setting(args.compile, device)
     task, space, workload = prepare_model(args, device, compiled=compiled)
     out = out_dir(args, task)
     with claim_out_dir(workload, out):

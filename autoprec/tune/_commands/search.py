@@ -11,8 +11,12 @@ import sys
 import torch
 
 from autoprec.errors import UserError
+from autoprec.tune._api import search_and_report, sweep_and_report
 from autoprec.tune._commands._model import model_arguments, model_device, out_dir, prepare_model
 from autoprec.tune._commands._verb import Verb, print_json, say
+from autoprec.tune._core._budget import DEFAULT, parse_budget_list
+from autoprec.tune._core._config import search_config
+from autoprec.tune._core._credentials import hide_credentials
 from autoprec.tune._core._goal import DEFAULT_GOAL, objective_help, objective_metavar
 from autoprec.tune._core._numbers import parse_decimal, parse_integer
 from autoprec.tune._core._targets import targets as planned_for
@@ -126,8 +130,6 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
 def search_settings(args: argparse.Namespace, device: torch.device, budget=None):
     """The settings, checked before the model is loaded (config.search_config, as the Python API builds them): a
     search's budget as given (the pipeline resolves it), a sweep's none (its budgets go to the sweep)."""
-    from autoprec.tune._core._config import search_config
-
     try:
         return search_config(
             device=device,
@@ -167,8 +169,6 @@ def _time_budget(args: argparse.Namespace) -> float | None:
 
 
 def _budgets(args: argparse.Namespace, flag: str, value: str):
-    from autoprec.tune._core._budget import parse_budget_list
-
     try:
         return parse_budget_list(value)
     except ValueError as exc:
@@ -187,9 +187,6 @@ def _announce(args: argparse.Namespace, flag: str):
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from autoprec.tune._api import search_and_report
-    from autoprec.tune._core._budget import DEFAULT
-
     specs = _budgets(args, "--budget", DEFAULT if args.budget is None else args.budget)
     if len(specs) != 1:
         raise UserError(f"--budget {args.budget}: one budget; for several, run autoprec sweep --budgets {args.budget}")
@@ -220,15 +217,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 def command_line(verb: str, storage: str | None) -> str:
     """The command line as the user typed it, for the markdown reports; a database password in --storage (in
     whatever form the option was given: --storage URL, --storage=URL, --stor URL) hidden."""
-    from autoprec.tune._core._credentials import hide_credentials
-
     args = sys.argv[2:] if not storage else [arg.replace(storage, hide_credentials(storage)) for arg in sys.argv[2:]]
     return " ".join(["autoprec", verb, *args])
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from autoprec.tune._api import sweep_and_report
-
     specs = _budgets(args, "--budgets", args.budgets)
     device = model_device(args)
     config = search_settings(args, device)

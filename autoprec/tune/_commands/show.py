@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from autoprec.policy import load_policy
 from autoprec.tune._commands._verb import Verb, print_json
+from autoprec.tune._report._show import show_policy
 
 
 def _show_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,9 +15,6 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from autoprec.policy import load_policy
-    from autoprec.tune._report._show import show_policy
-
     policy = load_policy(args.policy)
     if args.json:
         print_json(args, policy.to_dict(), indent=2)

@@ -460,6 +460,11 @@ def default_compile(device: str | torch.device) -> bool:
         return False
 
 
+def compile_setting(given: bool | None, device: str | torch.device) -> bool:
+    """--compile / compile= as given, else the device's default (default_compile)."""
+    return default_compile(device) if given is None else bool(given)
+
+
 def search_config(
     *,
     device: str | torch.device,
@@ -478,8 +483,9 @@ def search_config(
     train-mode settings refused in weights mode. `settings`: SearchConfig's other fields. Raises ValueError naming
     the setting as `spell` writes it (the CLI: its flag) and shows it as one line."""
     the_mode = parse_mode(mode)
+    compiled = compile_setting(compile, device)
     if settings.get("cuda_graphs"):
-        _check_cuda_graphs(device, default_compile(device) if compile is None else bool(compile), spell)
+        _check_cuda_graphs(device, compiled, spell)
     if "objective" in settings or "target" in settings:  # the flags' own words, before SearchConfig's
         check_target(parse_goal(settings.get("objective", DEFAULT_GOAL)), settings.get("target"), spell)
     if the_mode is Mode.WEIGHTS:
@@ -495,7 +501,7 @@ def search_config(
     return SearchConfig(
         budget=_given_budget(budget),
         mode=the_mode,
-        compile=default_compile(device) if compile is None else bool(compile),
+        compile=compiled,
         max_memory=_memory_limit(max_memory, device),
         **settings,
     )
