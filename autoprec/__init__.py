@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from autoprec.apply import applied_summary, apply_policy, compile_model
+from autoprec.apply import after_optimizer_step, applied_summary, apply_policy, compile_model
 from autoprec.errors import UserError
 from autoprec.formats import Format
 from autoprec.policy import LossScale, Policy, load_policy
@@ -20,6 +20,7 @@ from autoprec.scaler import grad_scaler
 __all__ = [
     "load_policy",
     "apply_policy",
+    "after_optimizer_step",
     "compile_model",
     "grad_scaler",
     "applied_summary",

@@ -347,7 +347,7 @@ def _warn_other_model(policy: Policy, model: torch.nn.Module) -> None:
         )
 
 
-def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool = False) -> ModelT:
+def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool | None = None) -> ModelT:
     """Put a policy on a model in place (also accepts a policy file's path) and return the model.
 
     Each layer the policy lists runs in its format from then on: its forward runs under the format (per-module
@@ -363,7 +363,9 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
         policy: An autoprec.Policy, or the path of a policy file (str or Path) as load_policy reads it.
         fsdp_fp8_all_gather: Under FSDP2, all-gather the weights of the fp8 layers whose recipe torchao can
             all-gather in fp8 (tensorwise: `fp8`, `fp8-fwd-dgrad`) in fp8, a quarter of fp32's traffic; other
-            layers gather in their own dtype. Default False. True with no such layer warns and changes nothing.
+            layers gather in their own dtype. Default None: the policy's own setting (`Policy.fsdp_fp8_all_gather`,
+            what a sharded search measured). True with no such layer warns and changes nothing. With it on, call
+            `after_optimizer_step(model)` after each optimizer step (one reduction for every fp8 weight's scale).
 
     Returns:
         The same model object (its own type), with the policy applied.
@@ -403,9 +405,27 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
 
 
 def apply_on_chosen_device(model: ModelT, policy: Policy) -> ModelT:
-    """The tuner's apply_policy: its models are on the device the user chose for the run (`--device cpu` where a GPU
-    is present, say), so the hint to move the model to the GPU first is not for them."""
-    return _apply(model, policy, fsdp_fp8_all_gather=False, device_hint=False)
+    """The tuner's apply_policy (the policy's own FSDP2 setting): its models are on the device the user chose for the
+    run (`--device cpu` where a GPU is present, say), so the hint to move the model to the GPU first is not for them."""
+    return _apply(model, policy, fsdp_fp8_all_gather=None, device_hint=False)
+
+
+def after_optimizer_step(model: torch.nn.Module) -> None:
+    """What the policy on `model` needs after each optimizer step, if anything; call it there in a training loop.
+
+    Where the policy all-gathers fp8 weights under FSDP2 (`fsdp_fp8_all_gather`), torchao's
+    precompute_float8_dynamic_scale_for_fsdp: every fp8 weight's scale in one reduction, instead of one per layer in
+    the next forward. Otherwise, and on a model without a policy, nothing. Cheap to call every step.
+
+    Args:
+        model: The model the policy was applied to (sharded or not, compiled in place or not).
+    """
+    summary = applied_summary(model)
+    if summary is None:
+        return
+    gathered = {rec.format for rec in summary.layers.values() if rec.fsdp_fp8_all_gather}
+    for family in {fmt.family.name: fmt.family for fmt in gathered}.values():
+        family.after_optimizer_step(model)
 
 
 def _convert(
@@ -436,7 +456,7 @@ def _convert(
     return done
 
 
-def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool, device_hint: bool) -> ModelT:
+def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool | None, device_hint: bool) -> ModelT:
     policy = as_policy(policy, caller="apply_policy")
     _check_fresh(model)
     paths = dict(model.named_modules(remove_duplicate=False))
@@ -447,7 +467,9 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
     names = _names_by_module(paths)
     _warn_aliases(policy, names, paths)
     _warn_other_model(policy, model)
-    gathered = frozenset(f for f in policy.layers.values() if fsdp_fp8_all_gather and f.family.fsdp_fp8_all_gather(f))
+    if fsdp_fp8_all_gather is None:
+        fsdp_fp8_all_gather = policy.fsdp_fp8_all_gather
+    gathered = policy.fp8_gathered if fsdp_fp8_all_gather else frozenset()
     if fsdp_fp8_all_gather and not gathered:
         warnings.warn(
             "apply_policy: fsdp_fp8_all_gather=True, but no layer of this policy runs in fp8 (tensorwise), the recipe "
@@ -556,6 +578,7 @@ def models_with(policy: Policy) -> list[torch.nn.Module]:
 
 __all__ = [
     "apply_policy",
+    "after_optimizer_step",
     "compile_model",
     "repeated_blocks",
     "applied_policy",

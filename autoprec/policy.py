@@ -121,10 +121,15 @@ class Policy:
         measured: What the search measured (a mapping: metric, drop, speedup, device, the model's fingerprint,
             ...), kept as data; apply_policy reads only the fingerprint, to warn on another model. Default None.
         version: The policy file's format version; only the current one (1) is accepted. Default 1.
+        fsdp_fp8_all_gather: Under FSDP2, all-gather the weights of the layers whose format FSDP2 can gather in fp8
+            (torchao's tensorwise recipe: `fp8`, `fp8-fwd-dgrad`) in fp8, a quarter of fp32's traffic: a setting a
+            sharded search measures beside the formats. apply_policy applies it (its own argument overrides it);
+            the file has the field only where it is true. Default False.
 
     Raises:
         ValueError: A layer name that is not a module path, an unknown format (the message lists the formats), a
-            loss-scale setting out of range, another version, or a field of the wrong type.
+            loss-scale setting out of range, another version, a field of the wrong type, or fsdp_fp8_all_gather
+            true with no layer in a format FSDP2 can gather in fp8.
 
     Example:
         >>> import autoprec
@@ -141,6 +146,7 @@ class Policy:
     loss_scale: LossScale = dataclasses.field(default_factory=LossScale)
     measured: Mapping[str, Any] | None = None
     version: int = POLICY_VERSION
+    fsdp_fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, Mapping):
@@ -158,11 +164,24 @@ class Policy:
             raise ValueError(f"version must be {POLICY_VERSION}, but got {self.version!r}")
         if self.measured is not None and not isinstance(self.measured, Mapping):
             raise ValueError(f"measured must be an object, got {type(self.measured).__name__}")
+        if not isinstance(self.fsdp_fp8_all_gather, bool):
+            raise ValueError(f"fsdp_fp8_all_gather must be true or false, but got {shown(self.fsdp_fp8_all_gather)}")
+        if self.fsdp_fp8_all_gather and not self.fp8_gathered:
+            can = [f for f in Format if f.family.fsdp_fp8_all_gather(f)]
+            raise ValueError(
+                "fsdp_fp8_all_gather is true, but no layer runs in a format FSDP2 can all-gather in fp8 "
+                f"({', '.join(map(str, can)) or 'none registered'}): set it false, or give a layer one of those"
+            )
 
     @property
     def uses_fp16(self) -> bool:
         """Whether any layer's format needs loss scaling (fp16): then the GradScaler is on."""
         return any(f.spec.loss_scale for f in self.layers.values())
+
+    @property
+    def fp8_gathered(self) -> frozenset[Format]:
+        """The policy's formats whose weights FSDP2 can all-gather in fp8 (their family's fsdp_fp8_all_gather)."""
+        return frozenset(f for f in self.layers.values() if f.family.fsdp_fp8_all_gather(f))
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -170,6 +189,8 @@ class Policy:
             "layers": {name: fmt.value for name, fmt in self.layers.items()},
             "loss_scale": self.loss_scale.to_dict(),
         }
+        if self.fsdp_fp8_all_gather:  # only where set: a policy without it reads as before, in any version
+            data["fsdp_fp8_all_gather"] = True
         if self.measured is not None:
             data["measured"] = dict(self.measured)
         return data
@@ -181,7 +202,7 @@ class Policy:
 
     @classmethod
     def from_dict(cls, data: object) -> Policy:
-        allowed = ("version", "layers", "loss_scale", "measured")
+        allowed = ("version", "layers", "loss_scale", "measured", "fsdp_fp8_all_gather")
         if not isinstance(data, Mapping):
             raise ValueError(f"a policy must be a JSON object with fields {', '.join(allowed)}, got {type(data).__name__}")
         for key in data:
@@ -203,6 +224,7 @@ class Policy:
             loss_scale=LossScale.from_dict(data["loss_scale"]) if "loss_scale" in data else LossScale(),
             measured=data.get("measured"),
             version=version,
+            fsdp_fp8_all_gather=data.get("fsdp_fp8_all_gather", False),
         )
 
 

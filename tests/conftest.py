@@ -122,3 +122,16 @@ def timings(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FormatClock]:
         return clock
 
     return use
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """torch.distributed's default group of one rank in this process (gloo, a file store): a Ranks of one, the
+    leader, to run the operations' bookkeeping in-process; a mesh of one for FSDP2."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -92,6 +92,11 @@ def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(mo
         "": "bf16",
         "big": "fp8-rowwise",
     }
+    assert not alts.candidates[FP8_EVERYWHERE].policy.fsdp_fp8_all_gather  # one device: nothing to all-gather
+    # trained sharded: torchao's tensorwise recipe all-gathers in fp8, as torchtitan's float8 guide runs it; rowwise cannot
+    sharded = alternatives(workload.model, workload.device, prof, choices, 0.05, sharded=True).candidates
+    assert sharded[FP8_EVERYWHERE].policy.fsdp_fp8_all_gather and not sharded[FP8_ROWWISE_EVERYWHERE].policy.fsdp_fp8_all_gather
+    assert sharded[FP8_EVERYWHERE].policy.layers == alts.candidates[FP8_EVERYWHERE].policy.layers
     monkeypatch.setattr("autoprec.tune._decide._alternatives.torchao_fp8_layers", lambda model, device, recipe: ([], 3))
     alts = alternatives(workload.model, workload.device, prof, choices, 0.05)
     assert FP8_EVERYWHERE not in alts.candidates and "converts none of the model's 3 Linears" in alts.notes[FP8_EVERYWHERE]

@@ -3,12 +3,14 @@ import dataclasses
 import json
 import logging
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 from builders import gemm_sqnrs
 from torch import nn
 
+import autoprec
 from autoprec import Policy, apply_policy, grad_scaler
 from autoprec.apply import WeightsChangedError, applied_policy, applied_summary, apply_on_chosen_device
 from autoprec.formats import Format, Fp8Backend, float8_linear_config, fp8_backend, fp8_formats, has_fp8_kernels
@@ -252,6 +254,27 @@ def test_fsdp_fp8_all_gather_is_set_on_the_tensorwise_fp8_layers_only():
     plain = nn.Sequential(nn.Linear(16, 32))
     apply_policy(plain, Policy(layers={"0": "fp8"}))  # off unless asked: a plain weight
     assert not plain[0].config.enable_fsdp_float8_all_gather and type(plain[0].weight) is nn.Parameter
+
+
+def test_apply_policy_follows_the_policys_fp8_all_gather_unless_told_otherwise():
+    policy = Policy(layers={"0": "fp8"}, fsdp_fp8_all_gather=True)  # what a sharded search measured
+    gathered = apply_policy(nn.Sequential(nn.Linear(16, 32)), policy)
+    assert gathered[0].config.enable_fsdp_float8_all_gather and applied_summary(gathered).layers["0"].fsdp_fp8_all_gather
+    plain = apply_policy(nn.Sequential(nn.Linear(16, 32)), policy, fsdp_fp8_all_gather=False)
+    assert not plain[0].config.enable_fsdp_float8_all_gather and type(plain[0].weight) is nn.Parameter
+
+
+def test_after_optimizer_step_precomputes_the_fp8_scales_only_where_weights_gather_in_fp8(monkeypatch):
+    from autoprec.formats import float8
+
+    policy = Policy(layers={"0": "fp8", "1": "bf16"}, fsdp_fp8_all_gather=True)
+    gathered = apply_policy(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), policy)
+    plain = apply_policy(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), policy, fsdp_fp8_all_gather=False)
+    calls = []  # torchao's precompute, as it is called (an unsharded model's fp8 weights it would skip)
+    monkeypatch.setattr(float8, "import_float8", lambda: SimpleNamespace(precompute_float8_dynamic_scale_for_fsdp=calls.append))
+    for model in (gathered, plain, nn.Linear(4, 4)):  # the last without a policy: nothing to do
+        autoprec.after_optimizer_step(model)
+    assert calls == [gathered]
 
 
 def test_fsdp_fp8_all_gather_without_a_tensorwise_layer_warns_that_nothing_gathers_in_fp8():

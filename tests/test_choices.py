@@ -173,3 +173,41 @@ def test_describe_says_when_the_profile_left_only_the_root_to_search():
         choices.describe()
         == "no layer has a format left beside its fallback after the profile: only the model root's format is searched"
     )
+
+
+def fp8_profile(tensorwise: bool = True) -> Profile:
+    """Two layers profiled in fp8 (tensorwise: FSDP2 gathers it in fp8, where `tensorwise`) and fp8-rowwise (it does
+    not), as a profile of a space offering them."""
+    formats = {"bf16": (0.0, 45.0, 0.6), "fp8": (0.0, 30.0, 0.4), "fp8-rowwise": (0.0, 32.0, 0.45)}
+    if not tensorwise:
+        del formats["fp8"]
+    return profile_of({"up": ("256x64", formats), "down": ("64x256", formats)})
+
+
+def test_a_sharded_search_offers_the_fp8_all_gather_where_a_layer_may_take_a_format_fsdp2_gathers_in_fp8():
+    fp8_space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["fp32", "bf16", "fp8", "fp8-rowwise"]}})
+    assert build_choices(fp8_profile(), fp8_space, 1.0, CPU, sharded=True).fp8_all_gather
+    assert not build_choices(fp8_profile(), fp8_space, 1.0, CPU).fp8_all_gather  # one device: no FSDP2 to gather
+    rowwise = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["fp32", "bf16", "fp8-rowwise"]}})
+    assert not build_choices(fp8_profile(tensorwise=False), rowwise, 1.0, CPU, sharded=True).fp8_all_gather  # nor rowwise
+    old = build_choices(fp8_profile(), fp8_space, 1.0, CPU).to_json().replace(', "fp8_all_gather": false', "")
+    assert "fp8_all_gather" not in old and not Choices.from_json(old).fp8_all_gather  # a study begun before
+
+
+def test_the_fp8_all_gather_is_asked_only_of_trials_with_a_layer_fsdp2_gathers_in_fp8_and_reaches_their_policy():
+    fp8_space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["fp32", "bf16", "fp8", "fp8-rowwise"]}})
+    choices = build_choices(fp8_profile(), fp8_space, 1.0, CPU, sharded=True)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    asked = {True: 0, False: 0}
+    for _ in range(40):
+        trial = study.ask()
+        policy = suggest(trial, choices, fp8_space)
+        assert ("fsdp:fp8_all_gather" in trial.params) is bool(policy.fp8_gathered)
+        assert policy.fsdp_fp8_all_gather is trial.params.get("fsdp:fp8_all_gather", False)
+        assert policy_from_params(trial.params, choices) == policy
+        asked[policy.fsdp_fp8_all_gather] += "fsdp:fp8_all_gather" in trial.params
+        study.tell(trial, 0.0)
+    assert asked[True] and asked[False]  # both settings are tried
+    # a trial without such a layer never carries it, whatever its params say (a study's older trial, say)
+    params = {"layer:up": "fp8-rowwise", "layer:down": "bf16", "fsdp:fp8_all_gather": True}
+    assert not policy_from_params(params, choices).fsdp_fp8_all_gather

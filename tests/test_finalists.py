@@ -1,6 +1,7 @@
 """The finalists: every budget gets the same kinds of candidates (its greedy floor, its fastest trials, the safer
 variant of its fastest), and the final re-measure times them on, stops or says so as the noise and its cap allow."""
 
+import dataclasses
 import types
 
 from builders import finals
@@ -58,6 +59,25 @@ def test_every_budget_gets_its_greedy_floor_its_finalists_and_the_safer_variant_
     started.budgets = Budgets((0.1,))  # the resolved record, not the plan, says the budgets
     one, _, _ = finalists.gather_candidates(None, None, started, search_plan(), 2)
     assert list(one) == ["fp32", GREEDY, "trial 7"]  # one budget: the greedy policy keeps its plain name
+
+
+def test_where_the_search_tries_the_fp8_all_gather_its_fastest_is_remeasured_with_that_setting_the_other_way(monkeypatch):
+    choices = Choices(default=("bf16",), layers={"a": ("fp32", "bf16", "fp8"), "b": ("fp32", "bf16", "fp8")}, excluded={})
+    choices = dataclasses.replace(choices, fp8_all_gather=True)  # a sharded search offering fp8 (tensorwise)
+    fastest = Policy(layers={"": "bf16", "a": "fp8", "b": "bf16"}, fsdp_fp8_all_gather=True)
+    trials = {"trial 4": Candidate(fastest), "trial 2": Candidate(Policy(layers={"": "bf16", "a": "bf16", "b": "fp8"}))}
+    alts = Alternatives(candidates={FP32: Candidate(Policy(layers={"": "fp32", "a": "fp32", "b": "fp32"}))}, notes={})
+    monkeypatch.setattr(finalists, "baselines", lambda *a, **kw: alts)
+    monkeypatch.setattr(finalists, "finalist_policies", lambda *a, **kw: trials)
+    started = types.SimpleNamespace(profile=None, choices=choices, study=None, budgets=Budgets((0.1,)))
+    candidates, _, _ = finalists.gather_candidates(None, None, started, search_plan(), 2)
+    assert list(candidates) == [FP32, "trial 4", "trial 2", "trial 4, fp16/fp8 -> bf16", "trial 4, fp8 all-gather off"]
+    assert candidates["trial 4, fp8 all-gather off"].policy == dataclasses.replace(fastest, fsdp_fp8_all_gather=False)
+    trials = {"trial 2": trials["trial 2"]}  # its fastest gathers in its own dtype: the other way is on
+    candidates, _, _ = finalists.gather_candidates(None, None, started, search_plan(), 2)
+    assert candidates["trial 2, fp8 all-gather on"].policy.fsdp_fp8_all_gather
+    started.choices = dataclasses.replace(choices, fp8_all_gather=False)  # one device: no such variant
+    assert not any("all-gather" in n for n in finalists.gather_candidates(None, None, started, search_plan(), 2)[0])
 
 
 def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_noisy(monkeypatch, caplog):

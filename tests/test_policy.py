@@ -100,6 +100,22 @@ def test_to_dict_is_plain_json():
     assert type(data["layers"]["fc1"]) is str and json.loads(json.dumps(data)) == data
 
 
+def test_fsdp_fp8_all_gather_is_a_policy_setting_written_only_where_it_is_on(tmp_path):
+    on = Policy(layers={ROOT: "bf16", "fc1": "fp8", "fc2": "fp8-rowwise"}, fsdp_fp8_all_gather=True)
+    assert on.fp8_gathered == {Format.FP8}  # torchao all-gathers the tensorwise recipe only
+    assert on.to_dict()["fsdp_fp8_all_gather"] is True and load_policy(on.save(tmp_path / "on.json")) == on
+    off = dataclasses.replace(on, fsdp_fp8_all_gather=False)
+    assert "fsdp_fp8_all_gather" not in off.to_dict()  # a file without it reads as before
+    assert Policy.from_dict({**off.to_dict(), "fsdp_fp8_all_gather": False}) == off
+
+
+def test_fsdp_fp8_all_gather_without_a_layer_fsdp2_gathers_in_fp8_is_refused_naming_the_formats(tmp_path):
+    with pytest.raises(ValueError, match=r"no layer runs in a format FSDP2 can all-gather in fp8 \(fp8, fp8-fwd-dgrad\)"):
+        Policy(layers={"fc1": "fp8-rowwise"}, fsdp_fp8_all_gather=True)
+    msg = load_error(write(tmp_path, {**valid(), "fsdp_fp8_all_gather": "yes"}))
+    assert "fsdp_fp8_all_gather must be true or false, but got 'yes'" in msg
+
+
 # ---- load_policy errors ------------------------------------------------------------------------
 
 

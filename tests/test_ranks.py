@@ -205,19 +205,6 @@ def test_a_script_calling_search_on_every_rank_gets_the_result_on_rank_0_and_non
     assert built(tmp_path, 0) == built(tmp_path, 1)
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """torch.distributed's default group of one rank in this process (gloo, a file store): a Ranks of one, the
-    leader, to run the operations' bookkeeping in-process."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def leading(parallelize):
     """A Ranks of one leading a small workload, as Ranks.lead sets it up."""
     import dataclasses

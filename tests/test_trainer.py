@@ -231,3 +231,34 @@ def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(mo
     search(workload, space, SearchConfig(budget=1.0, compile=True, timing=FAST, final_timing=FAST, progress=False,
                                          predict_speed=False), tmp_path)  # fmt: skip
     assert seen and all(2 in stepped for stepped in seen)
+
+
+def test_a_sharded_policy_gathering_fp8_weights_has_their_scales_precomputed_after_each_step(one_rank):
+    """Under FSDP2 (a mesh of one), a candidate whose policy all-gathers fp8 weights trains as a user's loop does:
+    torchao's fp8 weight subclass, and every fp8 weight's scale precomputed after the optimizer's step."""
+    import dataclasses
+    import types
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    mesh = init_device_mesh("cpu", (1,))
+
+    def shard(model):
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    workload = prepare(load_task(MODELS / "sharded_decoder.py"), "cpu")
+    workload = dataclasses.replace(workload, sharding=types.SimpleNamespace(shard=shard))
+    layers = {"": "bf16", "blocks.0.up": "fp8", "blocks.0.down": "fp8-rowwise"}
+    for gather in (False, True):
+        trainer = Trainer(workload, Policy(layers=layers, fsdp_fp8_all_gather=gather))
+        trainer.step()
+        up, down = (trainer.model.blocks[0].up.weight._local_tensor, trainer.model.blocks[0].down.weight._local_tensor)
+        assert isinstance(up, WeightWithDynamicFloat8CastTensor) is gather and type(down) is torch.Tensor
+        if gather:  # the scale of the weights the step just updated: max|w| over them, to e4m3's range
+            amax = trainer.model.blocks[0].up.weight.full_tensor().abs().max()
+            torch.testing.assert_close(up._precomputed_scale, torch.finfo(torch.float8_e4m3fn).max / amax.double().float())
+        assert math.isfinite(trainer.step().item())

@@ -327,6 +327,11 @@ class FormatFamily(abc.ABC):
         `names`: every name of a module object. The default changes nothing: `forward` does the work."""
         return Converted()
 
+    def after_optimizer_step(self, model: torch.nn.Module) -> None:
+        """What `model`'s layers of this family need after each optimizer step where their weights are all-gathered
+        in fp8 under FSDP2 (autoprec.apply.after_optimizer_step asks only then); the default: nothing."""
+        return None
+
     @abc.abstractmethod
     def forward(
         self, fmt: Format, module: torch.nn.Module, inner: Callable[..., Any], device_type: str, args: tuple, kwargs: dict

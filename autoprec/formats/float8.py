@@ -390,6 +390,10 @@ class Float8Family(FormatFamily):
     def fsdp_fp8_all_gather(self, fmt: Format) -> bool:
         return _FORMATS[fmt].fsdp_fp8_all_gather
 
+    def after_optimizer_step(self, model: torch.nn.Module) -> None:
+        # every sharded fp8-gathered weight's scale in one all-reduce (torchao skips weights that are not sharded)
+        import_float8().precompute_float8_dynamic_scale_for_fsdp(model)
+
     def module_problem(self, fmt: Format, module: torch.nn.Module) -> str | None:
         return fp8_shape_problem(module, fmt)
 

@@ -12,6 +12,9 @@ were), the root's formats, and the loss-scale range. A `Layout` turns them into 
   formats' sets takes the one it profiled fastest in. A handful of integers whatever the model's size.
 - `auto`: per_layer up to `max_params` searched layers, else grouped up to `max_params` groups, else ranked.
 
+Beside the formats: the loss scale where a trial has fp16 layers, and, in a sharded search (FSDP2), whether a trial
+with layers in a format FSDP2 can gather in fp8 all-gathers their weights in fp8 (`fsdp:fp8_all_gather`).
+
 Choices travel with the study (the first trial's attributes), so every worker decodes params alike.
 """
 
@@ -42,6 +45,7 @@ LAYER_PARAM = "layer:"
 GROUP_PARAM = "group:"
 RANK_PARAM = "lowered:"
 LS_PARAM = "loss_scale:"
+FSDP_PARAM = "fsdp:fp8_all_gather"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +54,8 @@ class Choices:
     `loss_scale`: the initial-scale range (log2) searched for fp16 trials and where it came from.
     `layout`: how params name the choices (never auto here); `groups`: role -> member layers (grouped);
     `ranking`: format -> layers allowed it, least sensitive first, and `preference`: layer -> its formats,
-    fastest profiled first (ranked)."""
+    fastest profiled first (ranked). `fp8_all_gather`: whether a trial may all-gather its fp8 weights in fp8 under
+    FSDP2 (a sharded search whose layers may take a format FSDP2 gathers in fp8)."""
 
     default: tuple[str, ...]
     layers: Mapping[str, tuple[str, ...]]
@@ -60,6 +65,7 @@ class Choices:
     groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     ranking: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     preference: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    fp8_all_gather: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -76,6 +82,7 @@ class Choices:
             groups={k: tuple(v) for k, v in data["groups"].items()},
             ranking={k: tuple(v) for k, v in data["ranking"].items()},
             preference={k: tuple(v) for k, v in data["preference"].items()},
+            fp8_all_gather=data.get("fp8_all_gather", False),  # a study begun before the setting was searched
         )
 
     @property
@@ -121,13 +128,15 @@ def build_choices(
     judge_drop: bool = True,
     fallbacks: Mapping[str, Format] | None = None,
     cost: LayerCost = measured_time,
+    sharded: bool = False,
 ) -> Choices:
     """Per-layer choices: the offered formats the profile did not rule out; each layer's fallback always stays, first
     (`fallbacks`: Goal.layer_fallbacks, its list's under the goal; fp32 where None or unlisted). The profile measures
     fp32 for every layer, as the reference: a layer whose fallback is another format (bf16, under the FLOP goal) is
     offered fp32 only where its list holds it (`fallbacks` then says fp32). With `judge_drop` False (train mode) a
     single layer's drop of the given weights' metric rules nothing out. The space's layout is resolved here (a ranked
-    one orders each layer's formats by `cost`, the goal's Goal.layer_cost)."""
+    one orders each layer's formats by `cost`, the goal's Goal.layer_cost). `sharded`: the candidates train under
+    FSDP2, so where a layer may take a format FSDP2 gathers in fp8, the fp8 all-gather is searched too."""
     layers: dict[str, tuple[str, ...]] = {}
     excluded: dict[str, dict[str, str]] = {}
     for name, rows in prof.by_layer().items():
@@ -143,7 +152,8 @@ def build_choices(
                 excluded.setdefault(name, {})[fmt] = reason
         layers[name] = tuple(sorted(allowed, key=lambda f: f != keep))  # the fallback first: fallback() reads it
     default = tuple(f.value for f in space.default if autocast_supported(device, f))
-    choices = Choices(default=default, layers=layers, excluded=excluded)
+    gatherable = any(Format(f).family.fsdp_fp8_all_gather(Format(f)) for options in layers.values() for f in options)
+    choices = Choices(default=default, layers=layers, excluded=excluded, fp8_all_gather=sharded and gatherable)
     choices = dataclasses.replace(choices, loss_scale=loss_scale_choice(prof, choices, space))
     return with_layout(choices, prof, space.layout, space.max_params, cost=cost)
 
@@ -300,7 +310,10 @@ def policy_from_params(params: Mapping[str, Any], choices: Choices) -> Policy:
             backoff_factor=float(params.get(LS_PARAM + "backoff_factor", defaults.backoff_factor)),
             dynamic=bool(params[LS_PARAM + "dynamic"]),
         )
-    return Policy(layers=layers, loss_scale=loss_scale)
+    policy = Policy(layers=layers, loss_scale=loss_scale)
+    if params.get(FSDP_PARAM) and policy.fp8_gathered:  # asked only where the trial has such a layer (suggest)
+        policy = dataclasses.replace(policy, fsdp_fp8_all_gather=True)
+    return policy
 
 
 def format_params(choices: Choices) -> dict[str, tuple]:
@@ -334,7 +347,8 @@ def format_assignments(choices: Choices, limit: int) -> list[dict[str, Any]] | N
 
 
 def suggest(trial: optuna.Trial, choices: Choices, space: SearchSpace) -> Policy:
-    """Ask the trial for every parameter of the layout (and the loss scale when a layer came out fp16)."""
+    """Ask the trial for every parameter of the layout (and the loss scale when a layer came out fp16, and the fp8
+    all-gather when the search offers it and a layer came out in a format FSDP2 gathers in fp8)."""
     params: dict[str, Any] = {}
     for key, options in format_params(choices).items():
         if key.startswith(RANK_PARAM):
@@ -352,6 +366,8 @@ def suggest(trial: optuna.Trial, choices: Choices, space: SearchSpace) -> Policy
             ("dynamic", ls.dynamic),
         ):
             params[LS_PARAM + name] = trial.suggest_categorical(LS_PARAM + name, options)
+    if choices.fp8_all_gather and policy_from_params(params, choices).fp8_gathered:
+        params[FSDP_PARAM] = trial.suggest_categorical(FSDP_PARAM, (False, True))
     return policy_from_params(params, choices)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 import torch
 
 from autoprec import devices
-from autoprec.apply import apply_on_chosen_device, compile_model
+from autoprec.apply import after_optimizer_step, apply_on_chosen_device, compile_model
 from autoprec.errors import UserError, describe
 from autoprec.policy import Policy
 from autoprec.scaler import grad_scaler
@@ -152,6 +152,8 @@ class Trainer:
             self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self.policy.fsdp_fp8_all_gather:  # as a user's loop does: fp8 weights' scales precomputed after the step
+            after_optimizer_step(self.model)
         self.steps += 1
         if first:
             synchronize(self.workload.device)

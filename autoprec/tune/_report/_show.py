@@ -4,6 +4,7 @@ of it the search and sweep summaries (_report.py) show too."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import textwrap
@@ -250,7 +251,7 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     table = markdown_table if markdown else text_table
     say = markdown_text if markdown else str  # the lines between the tables, which escape their own cells
     if policy.measured:
-        policy = Policy(layers=policy.layers, loss_scale=policy.loss_scale, measured=_printable_tree(policy.measured))
+        policy = dataclasses.replace(policy, measured=_printable_tree(policy.measured))
     parts = [LayerTable(policy).render(markdown=markdown)]
     ls = policy.loss_scale
     scaler = (
@@ -262,6 +263,13 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         )
     )
     parts.append(say(f"loss scaling: {scaler}"))
+    if policy.fsdp_fp8_all_gather:
+        gathered = ", ".join(sorted(map(str, policy.fp8_gathered)))
+        parts.append(
+            say(
+                f"FSDP2: the weights of the {gathered} layers all-gathered in fp8 (autoprec.after_optimizer_step after each optimizer step)"
+            )
+        )
     used = sorted(set(policy.layers.values()), key=list(Format).index)
     if used:
         parts.append(say("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used)))

@@ -55,7 +55,8 @@ def gather_candidates(
 ) -> tuple[dict[str, Candidate], dict[float, str], dict[str, str]]:
     """What is re-measured: the alternatives (each budget with its own profile-greedy policy), then per budget
     its k best trials within it by the goal (the fastest; the smallest in peak memory) and the safer variant of the
-    first of them (its fp16/fp8 layers in bf16), each policy once, under the first name it came by (a trial
+    first of them (its fp16/fp8 layers in bf16), and, in a search of the fp8 all-gather, the first with that setting
+    the other way, each policy once, under the first name it came by (a trial
     that is an alternative, the all-fp32 warm start say, is measured as the alternative). Returns the candidates, budget -> its greedy candidate's name, and the
     alternatives not measured with why."""
     candidates: dict[str, Candidate] = {}
@@ -87,6 +88,11 @@ def gather_candidates(
             safer = safer_variant(top.policy, started.choices)
             if safer is not None:
                 add(f"{top_name}, fp16/fp8 -> bf16", Candidate(safer))
+            if started.choices.fp8_all_gather and top.policy.fp8_gathered:
+                # the setting's own effect on step time and memory, measured beside it in the same rounds
+                gather = not top.policy.fsdp_fp8_all_gather
+                flipped = dataclasses.replace(top.policy, fsdp_fp8_all_gather=gather)
+                add(f"{top_name}, fp8 all-gather {'on' if gather else 'off'}", Candidate(flipped))
     return candidates, greedy, notes
 
 
@@ -101,10 +107,19 @@ def baselines(
     cuda_graphs: bool = False,
 ) -> Alternatives:
     """What every result is compared with, measured in the same run: alternatives.alternatives (its profile-greedy
-    policy priced by the goal; uniform bf16 under CUDA graphs where `cuda_graphs`)."""
+    policy priced by the goal; uniform bf16 under CUDA graphs where `cuda_graphs`; torchao's tensorwise recipe with
+    its fp8 all-gather where the workload trains sharded)."""
     offered = frozenset(f for formats in space.layers.values() for f in formats)
     return alternatives(
-        workload.model, workload.device, prof, choices, budget, offered=offered, cost=goal.layer_cost, cuda_graphs=cuda_graphs
+        workload.model,
+        workload.device,
+        prof,
+        choices,
+        budget,
+        offered=offered,
+        cost=goal.layer_cost,
+        cuda_graphs=cuda_graphs,
+        sharded=workload.sharding is not None,
     )
 
 

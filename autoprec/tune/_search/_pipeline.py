@@ -203,7 +203,7 @@ def _run(
         )
         picked = candidates[name].policy
         measured = _with_estimates(measured, config.objective, picked, candidates, compared | {"policy": name})
-        policy = Policy(layers=picked.layers, loss_scale=picked.loss_scale, measured=measured.to_dict())
+        policy = dataclasses.replace(picked, measured=measured.to_dict())  # every setting the candidate ran with
         file = policy.save(out_dir / plan.policy_file(b))
         chosen.append(Chosen(budget=b, name=name, why=why, policy=policy, file=file, greedy=greedy[b]))
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
@@ -345,6 +345,7 @@ def start(
         judge_drop=config.mode is Mode.WEIGHTS,
         fallbacks=fallbacks,
         cost=config.objective.layer_cost,
+        sharded=workload.sharding is not None,
     )
 
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first
