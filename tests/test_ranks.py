@@ -15,6 +15,7 @@ import torch
 
 from autoprec.devices import BlockTime
 from autoprec.errors import UserError
+from autoprec.policy import load_policy
 from autoprec.tune._measure import _ranks
 from autoprec.tune._measure._timing import DeviceClock, Step
 
@@ -29,10 +30,21 @@ sampler: random
 """
 
 
-def torchrun(tmp_path, *args, fail=None, timeout=240):
+# fp8 kept in play on this CPU (torchao's emulation, whose time says nothing of fp8's): the setting beside the formats
+FP8_SPACE = """\
+default: [fp32, bf16]
+layers:
+  Linear: [fp32, fp8]
+prune:
+  slower_than: 1000000000   # no speed judged: a format that only runs emulated here stays offered
+sampler: random
+"""
+
+
+def torchrun(tmp_path, *args, fail=None, timeout=240, space_text=SPACE):
     """`torchrun --nproc_per_node 2 -m autoprec search` of the sharded decoder; (exit code, stdout, stderr)."""
     space = tmp_path / "space.yaml"
-    space.write_text(SPACE)
+    space.write_text(space_text)
     (tmp_path / "log").mkdir(exist_ok=True)
     env = {**os.environ, "AUTOPREC_TEST_LOG": str(tmp_path / "log"), "OMP_NUM_THREADS": "1"}
     env.pop("AUTOPREC_TEST_FAIL", None)
@@ -84,6 +96,24 @@ def test_a_sharded_search_writes_one_policy_with_its_layout_the_ranks_agree_and_
     kept = [{k: row[k] for k in measured} for row in again[:3]]
     assert len(again) == 5 and kept == [{k: row[k] for k in measured} for row in first]  # its 3 trials as measured: 2 more
     assert built(tmp_path, 0) == built(tmp_path, 1)
+
+
+@pytest.mark.slow  # a torchrun job of two processes, about 80 s
+def test_a_sharded_search_tries_the_fp8_all_gather_beside_the_formats_and_every_rank_gathers_alike(tmp_path):
+    code, out, err = torchrun(tmp_path, "--trials", "8", "--seed", "3", space_text=FP8_SPACE)
+    assert code == 0, err[-3000:]
+    rows = complete(tmp_path)
+    assert all(row["fp8_all_gather"] in ("True", "False") for row in rows)  # trials.csv shows the setting
+    linears = ("blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "head")
+    lowered = [row for row in rows if "fp8" in {row[name] for name in linears}]
+    assert {row["fp8_all_gather"] for row in lowered} == {"True", "False"}, rows  # both tried (seeded draws)
+    assert all(row["fp8_all_gather"] == "False" for row in rows if row not in lowered)  # none to gather: never on
+    logged = [json.loads(line) for line in built(tmp_path, 0)]
+    assert built(tmp_path, 0) == built(tmp_path, 1)  # the same candidates, the same layers gathered in fp8, on each rank
+    gathering = [entry for entry in logged if entry["fp8_all_gather"]]
+    assert gathering and all({entry["layers"][n] for n in entry["fp8_all_gather"]} == {"fp8"} for entry in gathering)
+    policy = load_policy(tmp_path / "out" / "policy.json")  # valid: on only with an fp8 layer to gather
+    assert policy.measured["layout"]["world_size"] == 2
 
 
 @pytest.mark.slow

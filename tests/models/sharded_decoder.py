@@ -3,7 +3,7 @@ its models), for tests/test_ranks.py's searches under torchrun on 2 CPU processe
 
 For the tests, by environment variable:
 - AUTOPREC_TEST_LOG=<folder>: each rank appends, for every model it shards, the formats its policy gave the Linears
-  (rank<N>.log), so a test can compare what each rank built;
+  and the layers whose weights it all-gathers in fp8 (rank<N>.log), so a test can compare what each rank built;
 - AUTOPREC_TEST_FAIL=<rank>:<where>: that rank raises in parallelize when the policy lowers any Linear
   (`lowered`: one candidate fails there), or in evaluate (`evaluate`: every metric fails there).
 """
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 
-from autoprec.apply import applied_policy
+from autoprec.apply import applied_summary
 
 D, VOCAB, SEQ, BATCH = 32, 64, 16, 16
 
@@ -79,12 +79,14 @@ def evaluate(model):
 
 
 def parallelize(model, mesh):
-    policy = applied_policy(model)  # applied before this call, to the unsharded names
-    layers = {name: str(fmt) for name, fmt in (policy.layers.items() if policy is not None else ())}
+    summary = applied_summary(model)  # applied before this call, to the unsharded names
+    records = summary.layers.values() if summary is not None else ()
+    layers = {rec.name: str(rec.format) for rec in records}
+    gathered = sorted(rec.name for rec in records if rec.fsdp_fp8_all_gather)
     folder = os.environ.get("AUTOPREC_TEST_LOG")
     if folder:
         with open(os.path.join(folder, f"rank{dist.get_rank()}.log"), "a") as log:
-            log.write(json.dumps(layers, sort_keys=True) + "\n")
+            log.write(json.dumps({"layers": layers, "fp8_all_gather": gathered}, sort_keys=True) + "\n")
     if _fails("lowered") and any(fmt != "fp32" for fmt in layers.values()):
         raise RuntimeError("this rank cannot shard a lowered Linear")
     for block in model.blocks:

@@ -37,7 +37,7 @@ def complete_count(study: optuna.Study) -> int:
 
 
 def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
-    """One row per trial: its formats, loss scale, what it measured, and (with the profile) the drop the
+    """One row per trial: its formats (and fp8 all-gather where searched), loss scale, what it measured, and (with the profile) the drop the
     sum of single-layer drops predicted for it."""
     rows = []
     for t in study.get_trials(deepcopy=False):
@@ -47,6 +47,8 @@ def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = N
         policy = policy_from_params(t.params, choices)
         row = {"trial": t.number, "state": t.state.name}
         row.update({("(default)" if n == ROOT else n): f.value for n, f in policy.layers.items()})
+        if choices.fp8_all_gather:  # a sharded search's setting beside the formats
+            row["fp8_all_gather"] = policy.fsdp_fp8_all_gather
         if prof is not None:
             row["predicted_drop"] = prof.predicted_drop(policy.layers)
         record = TrialRecord.of(t)
