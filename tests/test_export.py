@@ -54,6 +54,23 @@ def test_the_torchao_file_converts_exactly_the_policys_fp8_layers_with_their_rec
     assert all(line in (tmp_path / "policy_torchao.py").read_text() for line in left_out)  # in the file, too
 
 
+def test_the_torchao_file_all_gathers_in_fp8_the_tensorwise_layers_where_the_policy_does(tmp_path):
+    gathered = dataclasses.replace(POLICY, fsdp_fp8_all_gather=True)  # a sharded search's choice
+    for policy, expected in ((gathered, {"a": True, "b": False, "e.0": True}), (POLICY, dict.fromkeys(("a", "b", "e.0"), False))):
+        assert export(policy, "torchao", tmp_path / "p.py") == export(POLICY, "torchao", tmp_path / "q.py")  # nothing lost
+        model = load(tmp_path / "p.py").convert(Net())
+        assert {n: model.get_submodule(n).config.enable_fsdp_float8_all_gather for n in expected} == expected
+
+
+def test_a_target_without_the_fp8_all_gather_says_it_leaves_it_out(tmp_path):
+    gathered = dataclasses.replace(POLICY, fsdp_fp8_all_gather=True)
+    for target in ("torchtitan", "megatron", "transformer-engine"):
+        left_out = export(gathered, target, tmp_path / f"p{target}")
+        assert left_out[:-1] == export(POLICY, target, tmp_path / f"q{target}")
+        assert left_out[-1].startswith("fsdp_fp8_all_gather: the policy all-gathers its fp8 (tensorwise) weights in fp8")
+        assert f"--to {target}'s file has no setting for it" in left_out[-1]
+
+
 PER_GEMM_POLICY = Policy(layers={"a": "fp8-fwd", "b": "fp8-fwd-dgrad", "c": "fp8-rowwise-fwd",
                                  "d": "fp8-rowwise-fwd-dgrad", "e.0": "fp8-fwd-dgrad", "f": "fp8"})  # fmt: skip
 

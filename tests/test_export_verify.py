@@ -16,7 +16,7 @@ import yaml
 from autoprec import Policy, UserError
 from autoprec.tune._cli import main
 from autoprec.tune.export import export
-from autoprec.tune.export.verify import linear_names, verify
+from autoprec.tune.export.verify import linear_names, table, verify
 
 TITAN_ROLES = ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 MEGATRON_ROLES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -77,6 +77,22 @@ def test_torchao_export_verifies_and_a_moved_layer_is_caught_by_name(tmp_path):
     assert rows["model.layers.1.mlp.up_proj"].resolved.gemms == ("fp8 rowwise",) * 3
     edit(path, '"model.layers.1.mlp.down_proj"', '"model.layers.10.mlp.down_proj"')  # layers.1 -> layers.10
     assert differing(path, HF_POLICY, hf_names()) == ["model.layers.1.mlp.down_proj", "model.layers.10.mlp.down_proj"]
+
+
+def test_torchao_verify_checks_the_fp8_all_gather_layer_by_layer(tmp_path):
+    import dataclasses
+
+    path = tmp_path / "p_torchao.py"
+    gathered = dataclasses.replace(HF_POLICY, fsdp_fp8_all_gather=True)  # fp8 (tensorwise) and fp8-fwd gather in fp8?
+    export(gathered, "torchao", path)
+    rows = {r.layer: r for r in verify(path, gathered, hf_names()).rows}
+    assert all(r.ok for r in rows.values())
+    assert rows["model.layers.1.mlp.down_proj"].resolved.fp8_all_gather  # tensorwise: gathered in fp8
+    assert not rows["model.layers.1.mlp.up_proj"].resolved.fp8_all_gather  # rowwise: in its own dtype
+    assert differing(path, HF_POLICY, hf_names()) == ["model.layers.1.mlp.down_proj"]  # the file gathers, the policy not
+    edit(path, """'    "tensorwise"\\n'""", "")  # the table emptied by hand
+    assert differing(path, gathered, hf_names()) == ["model.layers.1.mlp.down_proj"]  # the policy gathers, the file not
+    assert "fp8 tensorwise / fp8 tensorwise / fp8 tensorwise, fp8 all-gather" in table(verify(path, gathered, hf_names()))
 
 
 def test_torchao_resolve_agrees_with_torchaos_own_conversion_where_a_layer_is_in_two_recipes(tmp_path):

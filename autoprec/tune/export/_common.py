@@ -114,6 +114,22 @@ def fp8_layers(policy: Policy) -> dict[str, list[str]]:
     return recipes
 
 
+def gathered_recipes(policy: Policy) -> list[str]:
+    """The recipe keys (recipe_key) whose layers the policy all-gathers in fp8 under FSDP2 (its fsdp_fp8_all_gather,
+    for the formats whose family gathers in fp8: torchao's tensorwise recipe), in the policy's order; [] where off."""
+    if not policy.fsdp_fp8_all_gather:
+        return []
+    keys = [recipe_key(f) for f in policy.layers.values() if f in policy.fp8_gathered]
+    return list(dict.fromkeys(k for k in keys if k is not None))
+
+
+def str_list(value: object, name: str, path: Path) -> list[str]:
+    """`value` (a file's `name` table) as a list of strings; UserError naming the file otherwise."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UserError(f"{path}: {name} must be a list of recipe names (strings): export the policy again")
+    return value
+
+
 def _comments(source: str, title: str, lines: list[str], last: str | None) -> str:
     """The policy file's name and what is not expressed, as comment lines: escaped (errors.printable), so that
     no line break or control character from the policy or its file name reaches the code or a terminal."""

@@ -48,6 +48,9 @@ class ExportTarget(abc.ABC):
     suffix: ClassVar[str]  # the written file's suffix, with its dot: ".py", ".json"
     summary: ClassVar[str]  # what the file is, for --to's help: "<name>: <summary>"
     options: ClassVar[tuple[Option, ...]] = ()  # the command-line options this target takes
+    # whether its file carries the policy's FSDP2 fp8 all-gather (Policy.fsdp_fp8_all_gather); where not, `export`
+    # says so beside what write() returns
+    fsdp_fp8_all_gather: ClassVar[bool] = False
 
     @abc.abstractmethod
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: Any) -> list[str]:
@@ -72,10 +75,12 @@ HIGH: Gemms = (None, None, None)
 class Resolved:
     """What the target's framework runs one linear in under an exported file: its GEMMs (None: the framework
     refuses the file for this layer, raising when it reads it), and how it decided, in the framework's terms
-    ("matcher 'layer_3_mxfp8'", "converter 2 (MXFP8, fqns ['layers.1.'])")."""
+    ("matcher 'layer_3_mxfp8'", "converter 2 (MXFP8, fqns ['layers.1.'])"). `fp8_all_gather`: the framework
+    all-gathers its weight in fp8 under FSDP2 (False where the file says nothing of it)."""
 
     gemms: Gemms | None
     via: str = ""
+    fp8_all_gather: bool = False
 
 
 _REGISTRY: Registry[ExportTarget] = Registry("export target")  # name -> target, in registration order (--to's)

@@ -1,6 +1,7 @@
 """`--to torchao`: a Python file with the fp8 layers per recipe (or per-GEMM mix: its format's name), each one's
-GEMMs as data, the one function that builds their Float8LinearConfig (autoprec.formats.float8_linear_config, its
-source copied), a `module_filter_fn` per recipe for `torchao.float8.convert_to_float8_training`, and `convert(model)`.
+GEMMs as data, the recipes whose weights FSDP2 all-gathers in fp8 (the policy's fsdp_fp8_all_gather), the one
+function that builds their Float8LinearConfig (autoprec.formats.float8_linear_config, its source copied), a
+`module_filter_fn` per recipe for `torchao.float8.convert_to_float8_training`, and `convert(model)`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from autoprec.tune.export._common import (
     assigned,
     fp8_layers,
     fp8_spec_gemms,
+    gathered_recipes,
     not_expressed,
     read_python,
     recipe_key,
     same_module,
+    str_list,
     str_table,
 )
 from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register_export_target
@@ -54,13 +57,17 @@ def torchao_source(policy: Policy, *, source: str = "a policy") -> str:
 It runs inside or outside torch.autocast: each converted layer runs with autocast off and its input cast by the
 rule apply_policy uses (fp8_input_dtype), so torchao computes the same on a CPU as on CUDA and a per-GEMM mix's
 high-precision GEMMs get operands of one dtype; outside autocast its output comes back in the input's dtype. Unlike
-apply_policy it does not pad: on a GPU, keep every batch's token count divisible by 16 and never empty. The comments below name the policy file and what the file leaves out.
+apply_policy it does not pad: on a GPU, keep every batch's token count divisible by 16 and never empty. Where
+FSDP_FP8_ALL_GATHER names a recipe, FSDP2 (fully_shard after convert) all-gathers its layers' weights in fp8: call
+torchao.float8.precompute_float8_dynamic_scale_for_fsdp(model) after each optimizer step, as the search did. The
+comments below name the policy file and what the file leaves out.
 """
 
 {header}
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from typing import Any
@@ -73,6 +80,9 @@ FP8_LAYERS = {_json_literal(recipes)}
 
 # the same keys -> which GEMMs run in fp8 (fprop, dgrad, wgrad; the others in high precision) and their scaling
 FP8_GEMMS = {_json_literal(gemms)}
+
+# the FP8_LAYERS keys whose weights FSDP2 all-gathers in fp8 (torchao's enable_fsdp_float8_all_gather)
+FSDP_FP8_ALL_GATHER = {_json_literal(gathered_recipes(policy))}
 
 
 {builder}
@@ -102,6 +112,7 @@ def cast_forward(layer, gemms):
 def convert(model):
     for recipe in FP8_LAYERS:
         config = float8_linear_config(FP8_GEMMS[recipe])
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=recipe in FSDP_FP8_ALL_GATHER)
         model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn(recipe))
         for name in FP8_LAYERS[recipe]:
             cast_forward(model.get_submodule(name), FP8_GEMMS[recipe])
@@ -114,6 +125,7 @@ class Torchao(ExportTarget):
     name = "torchao"
     suffix = ".py"
     summary = "a module_filter_fn file for convert_to_float8_training"
+    fsdp_fp8_all_gather = True
 
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: object) -> list[str]:
         write_text(out, torchao_source(policy, source=source))
@@ -130,9 +142,12 @@ def torchao_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolv
     """What the file's convert(model) runs each linear in, read from its tables. convert() calls torchao's
     convert_to_float8_training once per FP8_LAYERS key, in order, with module_filter_fn(recipe) = `fqn in
     FP8_LAYERS[recipe]`; torchao (torchao/float8/float8_linear_utils.py, swap_linear_layers) swaps every nn.Linear
-    the filter accepts, Float8Linear included, so a layer in two lists ends in the later one's config."""
+    the filter accepts, Float8Linear included, so a layer in two lists ends in the later one's config, whose
+    enable_fsdp_float8_all_gather is `recipe in FSDP_FP8_ALL_GATHER`."""
     tree = read_python(exported)
-    same_module(tree, torchao_source(Policy(layers={})), exported, ("FP8_LAYERS", "FP8_GEMMS"))
+    tables = ("FP8_LAYERS", "FP8_GEMMS", "FSDP_FP8_ALL_GATHER")
+    same_module(tree, torchao_source(Policy(layers={})), exported, tables)
+    gathered = str_list(assigned(tree, "FSDP_FP8_ALL_GATHER", exported), "FSDP_FP8_ALL_GATHER", exported)
     layers = str_table(assigned(tree, "FP8_LAYERS", exported), "FP8_LAYERS", exported)
     gemms = assigned(tree, "FP8_GEMMS", exported)
     if not isinstance(gemms, dict) or not all(isinstance(gemms.get(k), dict) for k in layers):
@@ -141,5 +156,7 @@ def torchao_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolv
     for recipe, names in layers.items():
         for name in names:
             if name in found:
-                found[name] = Resolved(fp8_spec_gemms(gemms[recipe]), f"module_filter_fn({recipe!r})")
+                gather = recipe in gathered
+                via = f"module_filter_fn({recipe!r})" + (", fp8 all-gather" if gather else "")
+                found[name] = Resolved(fp8_spec_gemms(gemms[recipe]), via, fp8_all_gather=gather)
     return found

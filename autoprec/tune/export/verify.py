@@ -1,5 +1,6 @@
 """`autoprec verify`: what each linear of a model runs in under an exported file, by the target framework's own
-matching rules, against what the policy says, per GEMM (fprop, dgrad, wgrad).
+matching rules, against what the policy says, per GEMM (fprop, dgrad, wgrad), and whether FSDP2 all-gathers its
+weight in fp8 (the policy's fsdp_fp8_all_gather).
 
 The verifier asks the file's target (ExportTarget.resolve, found from the "autoprec export --to NAME" line every
 exported file holds, or given) and compares; it knows no target by name. Nothing in the file is run: each target
@@ -23,16 +24,18 @@ _WRITTEN_BY = re.compile(r"autoprec export --to ([a-z0-9][a-z0-9_-]*)")  # in ev
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One linear: the policy's format for it ("" where the policy leaves it to the model's dtype), its GEMMs under
-    the policy, and what the framework runs it in under the file."""
+    the policy, whether the policy all-gathers its weight in fp8 under FSDP2, and what the framework runs it in
+    under the file."""
 
     layer: str
     policy_format: str
     expected: Gemms
     resolved: Resolved
+    expected_fp8_all_gather: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.resolved.gemms == self.expected
+        return self.resolved.gemms == self.expected and self.resolved.fp8_all_gather == self.expected_fp8_all_gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,8 @@ class Verification:
                     "policy": r.policy_format or None,
                     "expected": list(r.expected),
                     "resolved": None if r.resolved.gemms is None else list(r.resolved.gemms),
+                    "expected_fp8_all_gather": r.expected_fp8_all_gather,
+                    "resolved_fp8_all_gather": r.resolved.fp8_all_gather,
                     "via": r.resolved.via,
                     "ok": r.ok,
                 }
@@ -121,14 +126,15 @@ def verify(exported: str | Path, policy: Policy, module_names: list[str], target
     for layer in module_names:
         fmt = policy.layers.get(layer) if layer != ROOT else None
         found = resolved.get(layer) or Resolved(None, f"--to {chosen.name}'s resolve() gave nothing for it")
-        rows.append(Row(layer, fmt.value if fmt else "", policy_gemms(fmt) if fmt else HIGH, found))
+        gather = policy.fsdp_fp8_all_gather and fmt in policy.fp8_gathered
+        rows.append(Row(layer, fmt.value if fmt else "", policy_gemms(fmt) if fmt else HIGH, found, gather))
     return Verification(chosen.name, tuple(rows))
 
 
-def _gemms(gemms: Gemms | None) -> str:
+def _gemms(gemms: Gemms | None, gather: bool = False) -> str:
     if gemms is None:
         return "refused"
-    return " / ".join(g or "high" for g in gemms)
+    return " / ".join(g or "high" for g in gemms) + (", fp8 all-gather" if gather else "")
 
 
 def table(result: Verification) -> str:
@@ -139,8 +145,8 @@ def table(result: Verification) -> str:
         (
             printable(r.layer) or "(root)",
             r.policy_format or "-",
-            _gemms(r.expected),
-            _gemms(r.resolved.gemms),
+            _gemms(r.expected, r.expected_fp8_all_gather),
+            _gemms(r.resolved.gemms, r.resolved.fp8_all_gather),
             "ok" if r.ok else "DIFFERS",
             printable(r.resolved.via),
         )
