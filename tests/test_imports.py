@@ -1,7 +1,8 @@
 """autoprec's imports flow one way: no module imports, at any depth, a module that imports it back, whether the import
 sits at the top of the file or inside a function (a deferred import hides a cycle; it does not remove it).
 docs/architecture.md draws the layers. Imports under `if TYPE_CHECKING:` name types for annotations and never run;
-they are not counted here."""
+they are not counted as running, and they close no loop either: two modules that name each other's types are one
+module split in two, or hold what a protocol should name."""
 
 from __future__ import annotations
 
@@ -26,15 +27,17 @@ def _type_only(tree: ast.AST) -> set[int]:
     return inside
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    return imports_in(path.read_text(encoding="utf-8"), module_name(path), path.name == "__init__.py", modules)
+def imports_of(path: Path, modules: set[str], *, types: bool = False) -> set[str]:
+    source = path.read_text(encoding="utf-8")
+    return imports_in(source, module_name(path), path.name == "__init__.py", modules, types=types)
 
 
-def imports_in(source: str, name: str, is_package: bool, modules: set[str]) -> set[str]:
-    """The modules among `modules` that module `name` (of `source`) imports where it runs: `from a.b import c` is
-    a.b.c where that is a module, else a.b (the names come from a.b itself); relative imports resolved."""
+def imports_in(source: str, name: str, is_package: bool, modules: set[str], *, types: bool = False) -> set[str]:
+    """The modules among `modules` that module `name` (of `source`) imports where it runs (with `types`, also those
+    it imports under `if TYPE_CHECKING:`): `from a.b import c` is a.b.c where that is a module, else a.b (the names
+    come from a.b itself); relative imports resolved."""
     tree = ast.parse(source)
-    skip = _type_only(tree)
+    skip = set() if types else _type_only(tree)
     found: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -100,9 +103,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, types: bool = False) -> dict[str, set[str]]:
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: imports_of(path, set(paths)) for name, path in paths.items()}
+    return {name: imports_of(path, set(paths), types=types) for name, path in paths.items()}
 
 
 def test_no_module_of_autoprec_imports_one_that_imports_it_back():
@@ -112,6 +115,13 @@ def test_no_module_of_autoprec_imports_one_that_imports_it_back():
     assert not found, "import cycles (each line: the modules of one):\n" + "\n".join(
         "  " + " <-> ".join(c) + "\n    " + "; ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a] & set(c))) for c in found
     )
+
+
+def test_no_two_modules_name_each_others_types_either():
+    graph = import_graph(types=True)
+    assert "autoprec.tune._core._space" in graph["autoprec.tune._decide._flops"]  # a type-only import is in it
+    found = cycles(graph)
+    assert not found, "type-only import loops:\n" + "\n".join("  " + " <-> ".join(c) for c in found)
 
 
 def test_the_check_finds_a_cycle_a_deferred_import_hides():

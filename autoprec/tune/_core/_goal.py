@@ -10,7 +10,7 @@ import abc
 import dataclasses
 import re
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import optuna
 import torch
@@ -23,8 +23,16 @@ from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._records import Candidate, Finals, Measurement, TrialRecord
 from autoprec.tune._core._space import SearchSpace
 
-if TYPE_CHECKING:  # a SearchConfig holds its goal, and a goal's checks read the config (_config.py imports this)
-    from autoprec.tune._core._config import SearchConfig
+
+class GoalSettings(Protocol):
+    """What a goal's checks (check_space, check_formats, bound) read of the search's settings: a SearchConfig is one.
+    Named by what it holds, not by the config's type, which holds its goal: so this module imports no config."""
+
+    @property
+    def target(self) -> str | None:
+        """The registered target (_targets.py) a goal that plans for a named device requires (Goal.targeted)."""
+        ...
+
 
 DEFAULT_GOAL = "speed"  # SearchConfig's objective when none is given, listed first by --objective's help
 
@@ -84,7 +92,7 @@ class Goal(abc.ABC):
         """A list's fallback under this goal: the first of `fallbacks` it holds, else None (check_space refuses it)."""
         return next((Format(f) for f in self.fallbacks if Format(f) in formats), None)
 
-    def check_space(self, space: SearchSpace, config: SearchConfig) -> Goal:
+    def check_space(self, space: SearchSpace, config: GoalSettings) -> Goal:
         """Refuse, before anything is measured, a search space this goal cannot search, and return the goal for it:
         each list must hold one of `fallbacks` (check_fallbacks: a ValueError naming the list, what it holds and the
         fix), and `check_formats` must accept its formats. Returns itself by default; a goal that needs the space's
@@ -117,13 +125,13 @@ class Goal(abc.ABC):
             out[name] = found or Format.FP32
         return out
 
-    def check_formats(self, formats: Collection[Format], config: SearchConfig) -> None:
+    def check_formats(self, formats: Collection[Format], config: GoalSettings) -> None:
         """Refuse, before any measurement, a search space whose `formats` the goal cannot plan with (ValueError
         naming them and the fix); the default accepts any. The flops goal refuses formats its target does not run,
         which it would otherwise find only once the profile is measured."""
         return None
 
-    def bound(self, rows: Sequence[ProfileRow], config: SearchConfig) -> Goal:
+    def bound(self, rows: Sequence[ProfileRow], config: GoalSettings) -> Goal:
         """The goal for one search, given its profile's rows and its config (the pipeline calls it once the profile is
         measured; the study's trials and the choice then use what it returns): itself by default. A goal whose value
         is computed from the profile (_flops.py: each Linear's FLOPs) returns an instance that holds it; ValueError

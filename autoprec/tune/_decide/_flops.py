@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from autoprec.formats import Format, parse_format
 from autoprec.policy import Policy
-from autoprec.tune._core._goal import Goal, register_goal
+from autoprec.tune._core._goal import Goal, GoalSettings, register_goal
 from autoprec.tune._core._names import ALTERNATIVES, BF16, FP32, NOT_A_POLICY
 from autoprec.tune._core._records import Finals
 from autoprec.tune._core._targets import Target, target_named
@@ -38,7 +38,6 @@ from autoprec.tune._measure import _predict as predictor
 from autoprec.tune._measure._predict import Step, format_of, lacking, outer_autocast, step_from_rows
 
 if TYPE_CHECKING:
-    from autoprec.tune._core._config import SearchConfig
     from autoprec.tune._core._profile_row import ProfileRow
     from autoprec.tune._core._records import Candidate, TrialRecord
     from autoprec.tune._core._space import SearchSpace
@@ -107,12 +106,12 @@ class Flops(Goal):
         self.kept_in = kept_in
         self._base_ms: float | None = None
 
-    def check_space(self, space: SearchSpace, config: SearchConfig) -> Flops:
+    def check_space(self, space: SearchSpace, config: GoalSettings) -> Flops:
         super().check_space(space, config)
         fp32_everywhere = all(Format.FP32 in formats for _, formats in space.lists())
         return Flops(self.target, self.step, Format.FP32 if fp32_everywhere else Format(BASELINE))
 
-    def check_formats(self, formats: Collection[Format], config: SearchConfig) -> None:
+    def check_formats(self, formats: Collection[Format], config: GoalSettings) -> None:
         target = target_named(config.target)
         missing = lacking(formats, target)
         if missing:
@@ -122,7 +121,7 @@ class Flops(Goal):
                 f"{', '.join(missing)} out of the search space, or plan for a target that runs them"
             )
 
-    def bound(self, rows: Sequence[ProfileRow], config: SearchConfig) -> Flops:
+    def bound(self, rows: Sequence[ProfileRow], config: GoalSettings) -> Flops:
         self.check_formats([parse_format(f) for f in dict.fromkeys(r.format for r in rows if r.status == "ok")], config)
         return Flops(target_named(config.target), step_from_rows(rows), self.kept_in)
 
