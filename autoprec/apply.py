@@ -21,7 +21,7 @@ import torch
 
 from autoprec.errors import describe
 from autoprec.formats import Converted, Format, Fp8Backend, format_problem, fp8_backend, other_half_to_fp32
-from autoprec.policy import ROOT, Policy, as_policy, model_fingerprint
+from autoprec.policy import ROOT, Policy, as_policy, gatherable_text, model_fingerprint
 
 _FORMAT_ATTR = "_autoprec_format"
 _NO_PICKLE_ATTR = "_autoprec_no_pickle"
@@ -46,7 +46,7 @@ class LayerRecord:
     aliases: tuple[str, ...] = ()  # the module object's other names: it runs in this format there too
     fp8_backend: Fp8Backend | None = None  # kernels or emulation, for fp8 layers
     wrapped: bool = True  # False when an enclosing listed layer already runs it in this format
-    fsdp_fp8_all_gather: bool = False  # its weight is all-gathered in fp8 under FSDP2 (apply_policy's option)
+    fsdp_fp8_all_gather: bool = False  # its weight is all-gathered in fp8 under FSDP2 (the policy's or apply's setting)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,9 +418,12 @@ def after_optimizer_step(model: torch.nn.Module) -> None:
     the next forward. Otherwise, and on a model without a policy, nothing. Cheap to call every step.
 
     Args:
-        model: The model the policy was applied to (sharded or not, compiled in place or not).
+        model: The model the policy was applied to, or a module holding it (a LightningModule, a wrapper), sharded
+            or not, compiled in place or not.
     """
-    summary = applied_summary(model)
+    # the policy's model may sit inside a wrapper (a LightningModule's submodule, a module parallelize returned)
+    found = (applied_summary(m) for m in model.modules())
+    summary = next((s for s in found if s is not None), None)
     if summary is None:
         return
     gathered = {rec.format for rec in summary.layers.values() if rec.fsdp_fp8_all_gather}
@@ -469,11 +472,11 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
     _warn_other_model(policy, model)
     if fsdp_fp8_all_gather is None:
         fsdp_fp8_all_gather = policy.fsdp_fp8_all_gather
-    gathered = policy.fp8_gathered if fsdp_fp8_all_gather else frozenset()
+    gathered = policy.fp8_gatherable if fsdp_fp8_all_gather else frozenset()  # the argument may override the policy's
     if fsdp_fp8_all_gather and not gathered:
         warnings.warn(
-            "apply_policy: fsdp_fp8_all_gather=True, but no layer of this policy runs in fp8 (tensorwise), the recipe "
-            "torchao all-gathers in fp8: every weight is all-gathered in its own dtype",
+            "apply_policy: fsdp_fp8_all_gather=True, but no layer of this policy runs in a format torchao all-gathers "
+            f"in fp8 ({gatherable_text()}): every weight is all-gathered in its own dtype",
             stacklevel=3,
         )
     converted = _convert(model, policy, paths, names, device, gathered, device_hint=device_hint)

@@ -166,11 +166,10 @@ class Policy:
             raise ValueError(f"measured must be an object, got {type(self.measured).__name__}")
         if not isinstance(self.fsdp_fp8_all_gather, bool):
             raise ValueError(f"fsdp_fp8_all_gather must be true or false, but got {shown(self.fsdp_fp8_all_gather)}")
-        if self.fsdp_fp8_all_gather and not self.fp8_gathered:
-            can = [f for f in Format if f.family.fsdp_fp8_all_gather(f)]
+        if self.fsdp_fp8_all_gather and not self.fp8_gatherable:
             raise ValueError(
                 "fsdp_fp8_all_gather is true, but no layer runs in a format FSDP2 can all-gather in fp8 "
-                f"({', '.join(map(str, can)) or 'none registered'}): set it false, or give a layer one of those"
+                f"({gatherable_text()}): set it false, or give a layer one of those"
             )
 
     @property
@@ -179,9 +178,15 @@ class Policy:
         return any(f.spec.loss_scale for f in self.layers.values())
 
     @property
-    def fp8_gathered(self) -> frozenset[Format]:
+    def fp8_gatherable(self) -> frozenset[Format]:
         """The policy's formats whose weights FSDP2 can all-gather in fp8 (their family's fsdp_fp8_all_gather)."""
         return frozenset(f for f in self.layers.values() if f.family.fsdp_fp8_all_gather(f))
+
+    @property
+    def fp8_all_gathered(self) -> frozenset[Format]:
+        """The formats whose layers this policy all-gathers in fp8 under FSDP2: fp8_gatherable where
+        fsdp_fp8_all_gather is on, else none."""
+        return self.fp8_gatherable if self.fsdp_fp8_all_gather else frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -226,6 +231,11 @@ class Policy:
             version=version,
             fsdp_fp8_all_gather=data.get("fsdp_fp8_all_gather", False),
         )
+
+
+def gatherable_text() -> str:
+    """The registered formats whose weights FSDP2 can all-gather in fp8, as a message names them."""
+    return ", ".join(str(f) for f in Format if f.family.fsdp_fp8_all_gather(f)) or "none registered"
 
 
 def _finite(value: int | float) -> bool:

@@ -272,13 +272,16 @@ def test_after_optimizer_step_precomputes_the_fp8_scales_only_where_weights_gath
     plain = apply_policy(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), policy, fsdp_fp8_all_gather=False)
     calls = []  # torchao's precompute, as it is called (an unsharded model's fp8 weights it would skip)
     monkeypatch.setattr(float8, "import_float8", lambda: SimpleNamespace(precompute_float8_dynamic_scale_for_fsdp=calls.append))
-    for model in (gathered, plain, nn.Linear(4, 4)):  # the last without a policy: nothing to do
+    holder = nn.ModuleDict({"net": gathered})  # a LightningModule's submodule, a wrapper parallelize returned
+    for model in (gathered, holder, plain, nn.Linear(4, 4)):  # the last without a policy: nothing to do
         autoprec.after_optimizer_step(model)
-    assert calls == [gathered]
+    assert calls == [gathered, holder]
 
 
 def test_fsdp_fp8_all_gather_without_a_tensorwise_layer_warns_that_nothing_gathers_in_fp8():
-    with pytest.warns(UserWarning, match="no layer of this policy runs in fp8 \\(tensorwise\\)"):
+    with pytest.warns(
+        UserWarning, match="no layer of this policy runs in a format torchao all-gathers in fp8 \\(fp8, fp8-fwd-dgrad\\)"
+    ):
         apply_policy(nn.Sequential(nn.Linear(16, 32)), Policy(layers={"0": "fp8-rowwise"}), fsdp_fp8_all_gather=True)
 
 

@@ -186,23 +186,26 @@ def fp8_profile(tensorwise: bool = True) -> Profile:
 
 def test_a_sharded_search_offers_the_fp8_all_gather_where_a_layer_may_take_a_format_fsdp2_gathers_in_fp8():
     fp8_space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["fp32", "bf16", "fp8", "fp8-rowwise"]}})
-    assert build_choices(fp8_profile(), fp8_space, 1.0, CPU, sharded=True).fp8_all_gather
+    offered = build_choices(fp8_profile(), fp8_space, 1.0, CPU, fp8_all_gather=True)
+    assert offered.fp8_all_gather and offered.describe().endswith(
+        "; and FSDP2's fp8 all-gather, where a trial has a layer to gather in fp8"
+    )
     assert not build_choices(fp8_profile(), fp8_space, 1.0, CPU).fp8_all_gather  # one device: no FSDP2 to gather
     rowwise = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["fp32", "bf16", "fp8-rowwise"]}})
-    assert not build_choices(fp8_profile(tensorwise=False), rowwise, 1.0, CPU, sharded=True).fp8_all_gather  # nor rowwise
+    assert not build_choices(fp8_profile(tensorwise=False), rowwise, 1.0, CPU, fp8_all_gather=True).fp8_all_gather  # nor rowwise
     old = build_choices(fp8_profile(), fp8_space, 1.0, CPU).to_json().replace(', "fp8_all_gather": false', "")
     assert "fp8_all_gather" not in old and not Choices.from_json(old).fp8_all_gather  # a study begun before
 
 
 def test_the_fp8_all_gather_is_asked_only_of_trials_with_a_layer_fsdp2_gathers_in_fp8_and_reaches_their_policy():
     fp8_space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["fp32", "bf16", "fp8", "fp8-rowwise"]}})
-    choices = build_choices(fp8_profile(), fp8_space, 1.0, CPU, sharded=True)
+    choices = build_choices(fp8_profile(), fp8_space, 1.0, CPU, fp8_all_gather=True)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     asked = {True: 0, False: 0}
     for _ in range(40):
         trial = study.ask()
         policy = suggest(trial, choices, fp8_space)
-        assert ("fsdp:fp8_all_gather" in trial.params) is bool(policy.fp8_gathered)
+        assert ("fsdp:fp8_all_gather" in trial.params) is bool(policy.fp8_gatherable)
         assert policy.fsdp_fp8_all_gather is trial.params.get("fsdp:fp8_all_gather", False)
         assert policy_from_params(trial.params, choices) == policy
         asked[policy.fsdp_fp8_all_gather] += "fsdp:fp8_all_gather" in trial.params
@@ -211,3 +214,28 @@ def test_the_fp8_all_gather_is_asked_only_of_trials_with_a_layer_fsdp2_gathers_i
     # a trial without such a layer never carries it, whatever its params say (a study's older trial, say)
     params = {"layer:up": "fp8-rowwise", "layer:down": "bf16", "fsdp:fp8_all_gather": True}
     assert not policy_from_params(params, choices).fsdp_fp8_all_gather
+
+
+def test_one_format_assignment_stands_for_both_settings_of_the_fp8_all_gather_where_the_search_offers_it():
+    from autoprec.tune._decide._trials import formats_key
+    from autoprec.tune._measure._choices import setting_variants
+
+    fp8_space = space_from_dict({"default": ["bf16"], "layers": {"Linear": ["fp32", "bf16", "fp8"]}})
+    choices = build_choices(fp8_profile(), fp8_space, 1.0, CPU, fp8_all_gather=True)
+    off = policy_from_params({"layer:up": "fp8", "layer:down": "bf16"}, choices)
+    variants = setting_variants(off, choices)
+    assert [p.fsdp_fp8_all_gather for p in variants] == [False, True] and variants[1].layers == off.layers
+    assert len({formats_key(p) for p in variants}) == 2  # timed apart: the stopping rule never takes one for both
+    plain = policy_from_params({"layer:up": "bf16", "layer:down": "bf16"}, choices)
+    assert setting_variants(plain, choices) == [plain]  # nothing to gather
+    one_device = build_choices(fp8_profile(), fp8_space, 1.0, CPU)
+    assert setting_variants(off, one_device) == [off]
+
+
+def test_the_fp8_all_gather_is_searched_where_the_candidates_train_sharded_and_the_goal_measures_them():
+    from autoprec.tune._core._goal import goal_named
+    from autoprec.tune._measure._choices import searches_fp8_all_gather
+
+    assert searches_fp8_all_gather(True, goal_named("speed")) and searches_fp8_all_gather(True, goal_named("memory"))
+    assert not searches_fp8_all_gather(False, goal_named("speed"))  # one device: nothing to all-gather
+    assert not searches_fp8_all_gather(True, goal_named("flops"))  # an estimate that prices no communication

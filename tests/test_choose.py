@@ -224,3 +224,29 @@ def test_fp32_and_a_barely_faster_bf16_timed_through_a_noisy_clock_give_the_same
         picks.add(choose(rows, candidates)[0])
     assert leads == {True, False}  # among the ties, the medians landed both ways
     assert picks == {"fp32"}
+
+
+def test_the_fp8_all_gather_tied_inside_the_spread_is_left_off():
+    """A sharded search re-measures its fastest with the setting the other way: a lead inside the spread is noise,
+    and the policy without the setting (nothing more to train with) is written."""
+    from autoprec.tune._decide._choose import choose
+
+    on = Policy(layers={"": "bf16", "a": "fp8", "b": "bf16"}, fsdp_fp8_all_gather=True)
+    candidates = {
+        "fp32": Policy(),
+        "trial 4": on,
+        "trial 4, fp8 all-gather off": dataclasses.replace(on, fsdp_fp8_all_gather=False),
+    }
+    rows = finals(
+        {"candidate": "fp32", "speedup": 1.0, "spread": 0.02, "feasible": True},
+        {"candidate": "trial 4", "speedup": 1.31, "spread": 0.04, "feasible": True},
+        {"candidate": "trial 4, fp8 all-gather off", "speedup": 1.30, "spread": 0.04, "feasible": True},
+    )
+    name, why = choose(rows, candidates)
+    assert name == "trial 4, fp8 all-gather off" and "the one without that setting" in why
+    rows = finals(
+        {"candidate": "fp32", "speedup": 1.0, "spread": 0.02, "feasible": True},
+        {"candidate": "trial 4", "speedup": 1.45, "spread": 0.01, "feasible": True},  # separated: the setting pays
+        {"candidate": "trial 4, fp8 all-gather off", "speedup": 1.30, "spread": 0.01, "feasible": True},
+    )
+    assert choose(rows, candidates)[0] == "trial 4"

@@ -54,6 +54,16 @@ def test_the_torchao_file_converts_exactly_the_policys_fp8_layers_with_their_rec
     assert all(line in (tmp_path / "policy_torchao.py").read_text() for line in left_out)  # in the file, too
 
 
+def test_the_torchao_file_all_gathers_in_fp8_every_format_the_policy_gathers(tmp_path):
+    """fp8-fwd-dgrad (tensorwise, per GEMM) gathers in fp8 too, under its own key; fp8-fwd does not."""
+    policy = Policy(layers={"a": "fp8-fwd-dgrad", "b": "fp8-fwd", "e.0": "fp8"}, fsdp_fp8_all_gather=True)
+    export(policy, "torchao", tmp_path / "p.py")
+    exported = load(tmp_path / "p.py")
+    assert exported.FSDP_FP8_ALL_GATHER == ["fp8-fwd-dgrad", "tensorwise"]
+    model = exported.convert(Net())
+    assert [model.get_submodule(n).config.enable_fsdp_float8_all_gather for n in ("a", "b", "e.0")] == [True, False, True]
+
+
 def test_the_torchao_file_all_gathers_in_fp8_the_tensorwise_layers_where_the_policy_does(tmp_path):
     gathered = dataclasses.replace(POLICY, fsdp_fp8_all_gather=True)  # a sharded search's choice
     for policy, expected in ((gathered, {"a": True, "b": False, "e.0": True}), (POLICY, dict.fromkeys(("a", "b", "e.0"), False))):
@@ -64,11 +74,14 @@ def test_the_torchao_file_all_gathers_in_fp8_the_tensorwise_layers_where_the_pol
 
 def test_a_target_without_the_fp8_all_gather_says_it_leaves_it_out(tmp_path):
     gathered = dataclasses.replace(POLICY, fsdp_fp8_all_gather=True)
-    for target in ("torchtitan", "megatron", "transformer-engine"):
+    for target in ("torchtitan", "megatron", "megatron-precision", "transformer-engine"):
         left_out = export(gathered, target, tmp_path / f"p{target}")
-        assert left_out[:-1] == export(POLICY, target, tmp_path / f"q{target}")
-        assert left_out[-1].startswith("fsdp_fp8_all_gather: the policy all-gathers its fp8 (tensorwise) weights in fp8")
-        assert f"--to {target}'s file has no setting for it" in left_out[-1]
+        said = [line for line in left_out if line.startswith("fsdp_fp8_all_gather:")]
+        assert [line for line in left_out if line not in said] == export(POLICY, target, tmp_path / f"q{target}")
+        assert len(said) == 1 and "the weights of its fp8 layers in fp8 under FSDP2" in said[0]
+        assert "file has no setting for it, so they gather in their own dtype there" in said[0]
+        written = (tmp_path / f"p{target}").read_text()
+        assert "fsdp_fp8_all_gather" in written  # in the file's own list of what it leaves out, too
 
 
 PER_GEMM_POLICY = Policy(layers={"a": "fp8-fwd", "b": "fp8-fwd-dgrad", "c": "fp8-rowwise-fwd",

@@ -83,16 +83,24 @@ def test_torchao_verify_checks_the_fp8_all_gather_layer_by_layer(tmp_path):
     import dataclasses
 
     path = tmp_path / "p_torchao.py"
-    gathered = dataclasses.replace(HF_POLICY, fsdp_fp8_all_gather=True)  # fp8 (tensorwise) and fp8-fwd gather in fp8?
+    gathered = dataclasses.replace(HF_POLICY, fsdp_fp8_all_gather=True)
     export(gathered, "torchao", path)
     rows = {r.layer: r for r in verify(path, gathered, hf_names()).rows}
     assert all(r.ok for r in rows.values())
-    assert rows["model.layers.1.mlp.down_proj"].resolved.fp8_all_gather  # tensorwise: gathered in fp8
+    assert rows["model.layers.1.mlp.down_proj"].resolved.fp8_all_gather  # fp8, tensorwise: gathered in fp8
     assert not rows["model.layers.1.mlp.up_proj"].resolved.fp8_all_gather  # rowwise: in its own dtype
+    assert not rows["model.layers.10.self_attn.o_proj"].resolved.fp8_all_gather  # fp8-fwd: torchao does not gather it
     assert differing(path, HF_POLICY, hf_names()) == ["model.layers.1.mlp.down_proj"]  # the file gathers, the policy not
     edit(path, """'    "tensorwise"\\n'""", "")  # the table emptied by hand
     assert differing(path, gathered, hf_names()) == ["model.layers.1.mlp.down_proj"]  # the policy gathers, the file not
     assert "fp8 tensorwise / fp8 tensorwise / fp8 tensorwise, fp8 all-gather" in table(verify(path, gathered, hf_names()))
+    # a rowwise recipe listed by hand: torchao's config refuses to all-gather it in fp8
+    edit(path, """'[\\n'""", """'["rowwise"\\n'""")  # the emptied table's opening line
+    refused = {r.layer: r for r in verify(path, gathered, hf_names()).rows}["model.layers.1.mlp.up_proj"]
+    assert refused.resolved.gemms is None and "tensorwise scaling only" in refused.resolved.via
+    edit(path, """'["rowwise"\\n'""", """'[1\\n'""")
+    with pytest.raises(UserError, match=r"FSDP_FP8_ALL_GATHER must be a list of recipe names \(strings\), got \[1\]"):
+        verify(path, gathered, hf_names())
 
 
 def test_torchao_resolve_agrees_with_torchaos_own_conversion_where_a_layer_is_in_two_recipes(tmp_path):

@@ -102,3 +102,14 @@ def test_fit_then_validate_converts_once_and_keeps_the_scaler():
     scaler = plugin.scaler
     trainer.validate(module, loader())
     assert plugin.scaler is scaler and scaler.skipped_steps == 1
+
+
+def test_after_each_optimizer_step_the_plugin_does_what_the_policy_needs_there(monkeypatch):
+    """Under FSDP2 with the fp8 all-gather, torchao's scale precompute (autoprec.after_optimizer_step), on the model
+    that holds the policy, once per optimizer step, as the search measured it."""
+    import autoprec.integrations.lightning as plugin_module
+
+    calls = []
+    monkeypatch.setattr(plugin_module, "after_optimizer_step", calls.append)
+    module = fit(Module(), plugins=[PolicyPrecision(POLICY, device="cpu")])
+    assert calls == [module] * 4  # max_steps=4

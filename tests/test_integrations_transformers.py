@@ -126,3 +126,15 @@ def test_scaled_training_matches_unscaled_training_step_for_step(tmp_path):
     assert max(moved) > 1e-3  # it trained
     for (name, a), b in zip(scaled.state_dict().items(), control.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_after_each_optimizer_step_the_trainer_does_what_the_policy_needs_there(tmp_path, monkeypatch):
+    """Under FSDP2 with the fp8 all-gather, torchao's scale precompute (autoprec.after_optimizer_step), once per
+    optimizer step, as the search measured it."""
+    import autoprec.integrations.transformers as integration
+
+    calls = []
+    monkeypatch.setattr(integration, "after_optimizer_step", calls.append)
+    model = gpt2()
+    PolicyTrainer(policy=POLICY, model=model, args=arguments(tmp_path), train_dataset=data()).train()
+    assert calls == [model] * 4  # max_steps=4

@@ -102,7 +102,7 @@ def test_to_dict_is_plain_json():
 
 def test_fsdp_fp8_all_gather_is_a_policy_setting_written_only_where_it_is_on(tmp_path):
     on = Policy(layers={ROOT: "bf16", "fc1": "fp8", "fc2": "fp8-rowwise"}, fsdp_fp8_all_gather=True)
-    assert on.fp8_gathered == {Format.FP8}  # torchao all-gathers the tensorwise recipe only
+    assert on.fp8_gatherable == {Format.FP8}  # torchao all-gathers the tensorwise recipe only
     assert on.to_dict()["fsdp_fp8_all_gather"] is True and load_policy(on.save(tmp_path / "on.json")) == on
     off = dataclasses.replace(on, fsdp_fp8_all_gather=False)
     assert "fsdp_fp8_all_gather" not in off.to_dict()  # a file without it reads as before

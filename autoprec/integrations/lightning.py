@@ -8,20 +8,22 @@
 The plugin applies the policy to the LightningModule when the strategy converts it (on its device, before any
 DDP wrapper), runs the forward as the policy says (no whole-model autocast around it) and, for fp16 layers,
 scales the loss with the policy's GradScaler: gradients unscaled before clipping, a step with inf/NaN gradients
-skipped, the scale updated. Pass it instead of Trainer's `precision=`.
+skipped, the scale updated; after each optimizer step, what the policy needs there (autoprec.after_optimizer_step:
+its fp8 weights' scales where FSDP2 all-gathers them in fp8). Pass it instead of Trainer's `precision=`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from autoprec import devices
-from autoprec.apply import applied_policy, apply_policy
+from autoprec.apply import after_optimizer_step, applied_policy, apply_policy
 from autoprec.formats import default_device
 from autoprec.policy import Policy, as_policy
 from autoprec.scaler import grad_scaler
@@ -66,6 +68,12 @@ class PolicyPrecision(MixedPrecision):
             return torch.device(module.trainer.strategy.root_device)  # type: ignore[union-attr,arg-type]
         except (AttributeError, RuntimeError):  # not attached to a Trainer
             return devices.lookup(self.device).indexed(torch.device(self.device))
+
+    # Lightning's MixedPrecision.optimizer_step, whose signature mypy compares with fabric's Precision's
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]
+        out = super().optimizer_step(optimizer, model, closure, **kwargs)
+        after_optimizer_step(model)  # the LightningModule holds the policy's model (`submodule`)
+        return out
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:

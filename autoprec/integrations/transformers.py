@@ -8,7 +8,9 @@
 PolicyTrainer is a `transformers.Trainer` that moves the model to the training device and applies the policy
 before Trainer sees it, and, when the policy has fp16 layers, hands the policy's GradScaler (its loss-scale
 settings) to Trainer's accelerator: the loss is scaled before backward, gradients unscaled before clipping, a
-step with inf/NaN gradients skipped (the learning-rate schedule with it) and the scale updated. Leave
+step with inf/NaN gradients skipped (the learning-rate schedule with it) and the scale updated. After each
+optimizer step it does what the policy needs there (autoprec.after_optimizer_step: its fp8 weights' scales where
+FSDP2 all-gathers them in fp8). Leave
 TrainingArguments' `bf16`/`fp16` off: they put the model under one autocast, around the policy, which changes the
 layers the policy does not name (none, when it names the model itself, as a searched policy does).
 """
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import transformers
 
-from autoprec.apply import apply_policy
+from autoprec.apply import after_optimizer_step, apply_policy
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy, as_policy
 from autoprec.scaler import PolicyGradScaler, grad_scaler
@@ -49,6 +51,7 @@ class PolicyTrainer(transformers.Trainer):
             model = model.to(args.device)
         model = apply_policy(model, policy)  # on its device first, as apply_policy asks
         super().__init__(model=model, args=args, **kwargs)
+        self.add_callback(_AfterOptimizerStep())
         self.autoprec_scaler: PolicyGradScaler = grad_scaler(policy, args.device, model=model)
         if self.autoprec_scaler.is_enabled():
             # accelerate scales the loss in backward and steps, skips and updates through its scaler
@@ -64,6 +67,14 @@ class PolicyTrainer(transformers.Trainer):
             assert inner is not None, "Trainer steps with an optimizer"
             self.autoprec_scaler.unscale_(inner)
         return loss
+
+
+class _AfterOptimizerStep(transformers.TrainerCallback):
+    """What the policy needs after each optimizer step (autoprec.after_optimizer_step), where Trainer steps."""
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            after_optimizer_step(model)
 
 
 def _warn_conflicts(policy: Policy, args: transformers.TrainingArguments) -> None:

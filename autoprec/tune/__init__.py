@@ -16,7 +16,7 @@ A training script does not need this package: `import autoprec` (the runtime) ap
 from autoprec.tune._api import search, sweep
 from autoprec.tune._core._budget import Budget, parse_budget
 from autoprec.tune._core._config import Mode, ProfileConfig, SearchConfig
-from autoprec.tune._core._goal import INFEASIBLE, Axis, Goal, goal_named, goals, register_goal, unregister_goal
+from autoprec.tune._core._goal import INFEASIBLE, Axis, Goal, GoalSettings, goal_named, goals, register_goal, unregister_goal
 from autoprec.tune._core._names import ALTERNATIVES
 from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._records import Finals, Measured, Measurement, TrialRecord
@@ -50,6 +50,7 @@ __all__ = [
     "SearchConfig",
     "Mode",
     "Goal",
+    "GoalSettings",
     "register_goal",
     "unregister_goal",
     "goals",

@@ -103,9 +103,8 @@ def alternatives(
             except (ImportError, AttributeError) as exc:  # a torchao without the filter: say so, do not guess its thresholds
                 notes[name] = f"not measured: this torchao has no _auto_filter_for_recipe ({type(exc).__name__}: {exc})"
         if layers:
-            policy = Policy(layers={ROOT: Format.BF16, **dict.fromkeys(layers, fmt)})
-            gather = sharded and bool(policy.fp8_gathered)
-            out[name] = Candidate(Policy(layers=policy.layers, fsdp_fp8_all_gather=gather))
+            gather = sharded and fmt.family.fsdp_fp8_all_gather(fmt)
+            out[name] = Candidate(Policy(layers={ROOT: Format.BF16, **dict.fromkeys(layers, fmt)}, fsdp_fp8_all_gather=gather))
         elif name not in notes:
             notes[name] = (
                 f"same as uniform bf16 here: torchao's {recipe} size filter (H100 thresholds) converts none of the "

@@ -69,7 +69,8 @@ def choose(
     tell them apart). Among the candidates tied with the fastest, the order does not read their medians (which
     inside the spread are noise): the fewest fp16/fp8 layers, then an alternative (what the user would run without
     autoprec, so a policy is never written as faster than an alternative it was not separated from), then the
-    fewest layers below fp32 (fp32 first, so fp32 and uniform bf16 tied is fp32), and only then the faster median.
+    fewest layers below fp32 (fp32 first, so fp32 and uniform bf16 tied is fp32), then without FSDP2's fp8
+    all-gather (one setting fewer to train with), and only then the faster median.
     Never a searched policy measured slower than the fastest of `alternatives` (fp32, uniform bf16, fp8 and fp8
     rowwise everywhere, profile greedy; a sweep names each budget's own greedy policy) within budget; an
     alternative not separated from that fastest one counts as tied with it. TF32 is not a policy and is never
@@ -88,9 +89,10 @@ def choose(
 
     names = {name for r in feasible for name in _policy(candidates[r.candidate]).layers} | {ROOT}
 
-    def order(r: Measurement) -> tuple[int, bool, int, float]:
+    def order(r: Measurement) -> tuple[int, bool, int, bool, float]:
         policy = candidates[r.candidate]
-        return _risk(policy), r.candidate not in alternatives, _lowered(policy, names), -r.speedup
+        gathers = _policy(policy).fsdp_fp8_all_gather
+        return _risk(policy), r.candidate not in alternatives, _lowered(policy, names), gathers, -r.speedup
 
     tied = [r for r in feasible if not separated(top, r) and admissible(r)]
     pick = min(tied, key=order)
@@ -123,6 +125,11 @@ def choose(
             f"({risk[0]} against {risk[1]}): the safer one"
         )
     lowered = _lowered(candidates[top.candidate], names), _lowered(candidates[pick.candidate], names)
+    if lowered[0] == lowered[1]:  # the same layers lowered: it differs in its FSDP2 setting
+        return pick.candidate, (
+            f"{top.candidate} measured {lead:.1f}% faster, inside the spread, all-gathering its fp8 weights in fp8 under "
+            "FSDP2: the one without that setting"
+        )
     return pick.candidate, (
         f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more layers below fp32 "
         f"({lowered[0]} against {lowered[1]}): the one with {FEWER_LOWERED}"

@@ -137,8 +137,12 @@ def timed_trials(study: optuna.Study, choices: Choices, layer_times: LayerTimes)
 
 
 def formats_key(policy: Policy) -> str:
-    """What a speed prediction tells policies apart by: their formats (not their loss scale)."""
-    return json.dumps({name: fmt.value for name, fmt in policy.layers.items()}, sort_keys=True)
+    """What tells policies apart for a speed prediction and the stopping rule: their formats and, where on, their fp8
+    all-gather under FSDP2 (a step time of its own), not their loss scale."""
+    key: dict[str, object] = {name: fmt.value for name, fmt in policy.layers.items()}
+    if policy.fsdp_fp8_all_gather:
+        key = {"layers": key, "fsdp_fp8_all_gather": True}
+    return json.dumps(key, sort_keys=True)
 
 
 def timed_formats(study: optuna.Study, choices: Choices) -> set[str]:

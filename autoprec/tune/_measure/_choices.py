@@ -34,6 +34,7 @@ import torch
 
 from autoprec.formats import Format, autocast_supported, format_names
 from autoprec.policy import ROOT, LossScale, Policy
+from autoprec.tune._core._goal import Goal
 from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._space import Layout, SearchSpace, parse_layout
 from autoprec.tune._measure._profile_data import Profile, ruled_out
@@ -95,7 +96,11 @@ class Choices:
         return [name for name, options in self.layers.items() if len(options) > 1]
 
     def describe(self) -> str:
-        """One line for a person: how many parameters stand for how many layers."""
+        """One line for a person: how many parameters stand for how many layers (and the fp8 all-gather, searched)."""
+        gather = "; and FSDP2's fp8 all-gather, where a trial has a layer to gather in fp8" if self.fp8_all_gather else ""
+        return self._describe_layers() + gather
+
+    def _describe_layers(self) -> str:
         n = len(self.searched)
         if n == 0:
             return "no layer has a format left beside its fallback after the profile: only the model root's format is searched"
@@ -116,6 +121,13 @@ def measured_time(row: ProfileRow) -> float:
     return row.time_ms
 
 
+def searches_fp8_all_gather(sharded: bool, goal: Goal) -> bool:
+    """Whether a search offers FSDP2's fp8 all-gather beside the formats (where a layer may take a format FSDP2
+    gathers in fp8): its candidates train sharded, and its goal measures them (the setting moves communication,
+    which the FLOP goal's estimate does not price)."""
+    return sharded and goal.timed
+
+
 # ------------------------------------------------------------------ what the profile rules out
 
 
@@ -128,15 +140,16 @@ def build_choices(
     judge_drop: bool = True,
     fallbacks: Mapping[str, Format] | None = None,
     cost: LayerCost = measured_time,
-    sharded: bool = False,
+    fp8_all_gather: bool = False,
 ) -> Choices:
     """Per-layer choices: the offered formats the profile did not rule out; each layer's fallback always stays, first
     (`fallbacks`: Goal.layer_fallbacks, its list's under the goal; fp32 where None or unlisted). The profile measures
     fp32 for every layer, as the reference: a layer whose fallback is another format (bf16, under the FLOP goal) is
     offered fp32 only where its list holds it (`fallbacks` then says fp32). With `judge_drop` False (train mode) a
     single layer's drop of the given weights' metric rules nothing out. The space's layout is resolved here (a ranked
-    one orders each layer's formats by `cost`, the goal's Goal.layer_cost). `sharded`: the candidates train under
-    FSDP2, so where a layer may take a format FSDP2 gathers in fp8, the fp8 all-gather is searched too."""
+    one orders each layer's formats by `cost`, the goal's Goal.layer_cost). `fp8_all_gather`: the candidates train
+    under FSDP2 and the goal measures them, so where a layer may take a format FSDP2 gathers in fp8, the fp8
+    all-gather is searched too."""
     layers: dict[str, tuple[str, ...]] = {}
     excluded: dict[str, dict[str, str]] = {}
     for name, rows in prof.by_layer().items():
@@ -153,7 +166,7 @@ def build_choices(
         layers[name] = tuple(sorted(allowed, key=lambda f: f != keep))  # the fallback first: fallback() reads it
     default = tuple(f.value for f in space.default if autocast_supported(device, f))
     gatherable = any(Format(f).family.fsdp_fp8_all_gather(Format(f)) for options in layers.values() for f in options)
-    choices = Choices(default=default, layers=layers, excluded=excluded, fp8_all_gather=sharded and gatherable)
+    choices = Choices(default=default, layers=layers, excluded=excluded, fp8_all_gather=fp8_all_gather and gatherable)
     choices = dataclasses.replace(choices, loss_scale=loss_scale_choice(prof, choices, space))
     return with_layout(choices, prof, space.layout, space.max_params, cost=cost)
 
@@ -311,7 +324,7 @@ def policy_from_params(params: Mapping[str, Any], choices: Choices) -> Policy:
             dynamic=bool(params[LS_PARAM + "dynamic"]),
         )
     policy = Policy(layers=layers, loss_scale=loss_scale)
-    if params.get(FSDP_PARAM) and policy.fp8_gathered:  # asked only where the trial has such a layer (suggest)
+    if params.get(FSDP_PARAM) and policy.fp8_gatherable:  # asked only where the trial has such a layer (suggest)
         policy = dataclasses.replace(policy, fsdp_fp8_all_gather=True)
     return policy
 
@@ -331,6 +344,14 @@ def format_params(choices: Choices) -> dict[str, tuple]:
         for name in choices.searched:
             out[LAYER_PARAM + name] = choices.layers[name]
     return out
+
+
+def setting_variants(policy: Policy, choices: Choices) -> list[Policy]:
+    """`policy` and, where the search offers the fp8 all-gather and the policy has a layer FSDP2 gathers in fp8, the
+    same formats with it on: the distinct policies one format assignment stands for."""
+    if choices.fp8_all_gather and policy.fp8_gatherable:
+        return [policy, dataclasses.replace(policy, fsdp_fp8_all_gather=True)]
+    return [policy]
 
 
 def format_assignments(choices: Choices, limit: int) -> list[dict[str, Any]] | None:
@@ -366,7 +387,7 @@ def suggest(trial: optuna.Trial, choices: Choices, space: SearchSpace) -> Policy
             ("dynamic", ls.dynamic),
         ):
             params[LS_PARAM + name] = trial.suggest_categorical(LS_PARAM + name, options)
-    if choices.fp8_all_gather and policy_from_params(params, choices).fp8_gathered:
+    if choices.fp8_all_gather and policy_from_params(params, choices).fp8_gatherable:
         params[FSDP_PARAM] = trial.suggest_categorical(FSDP_PARAM, (False, True))
     return policy_from_params(params, choices)
 

@@ -264,7 +264,7 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     )
     parts.append(say(f"loss scaling: {scaler}"))
     if policy.fsdp_fp8_all_gather:
-        gathered = ", ".join(sorted(map(str, policy.fp8_gathered)))
+        gathered = ", ".join(sorted(map(str, policy.fp8_all_gathered)))
         parts.append(
             say(
                 f"FSDP2: the weights of the {gathered} layers all-gathered in fp8 (autoprec.after_optimizer_step after each optimizer step)"

@@ -88,7 +88,7 @@ def gather_candidates(
             safer = safer_variant(top.policy, started.choices)
             if safer is not None:
                 add(f"{top_name}, fp16/fp8 -> bf16", Candidate(safer))
-            if started.choices.fp8_all_gather and top.policy.fp8_gathered:
+            if started.choices.fp8_all_gather and top.policy.fp8_gatherable:
                 # the setting's own effect on step time and memory, measured beside it in the same rounds
                 gather = not top.policy.fsdp_fp8_all_gather
                 flipped = dataclasses.replace(top.policy, fsdp_fp8_all_gather=gather)

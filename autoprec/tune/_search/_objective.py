@@ -42,7 +42,7 @@ from autoprec.tune._decide._trials import (
     timed_speedups,
     timed_trials,
 )
-from autoprec.tune._measure._choices import Choices, format_assignments, policy_from_params, suggest
+from autoprec.tune._measure._choices import Choices, format_assignments, policy_from_params, setting_variants, suggest
 from autoprec.tune._measure._metric import NoiseFloor, evaluate_metric, noise_floor, train_and_evaluate
 from autoprec.tune._measure._speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune._measure._task import Workload
@@ -193,9 +193,9 @@ class Objective:
             return True
         if self._policies is None:
             assignments = format_assignments(self.choices, STOP_ENUMERATE) or []  # none: too many to check
-            policies = {
-                formats_key(p): self.layer_times.features(p) for p in (policy_from_params(a, self.choices) for a in assignments)
-            }
+            # each setting its own point; the layer times price formats only (the fp8 all-gather's alike)
+            every = (v for a in assignments for v in setting_variants(policy_from_params(a, self.choices), self.choices))
+            policies = {formats_key(p): self.layer_times.features(p) for p in every}
             self._policies = list(policies.items())
         if not self._policies:
             return False

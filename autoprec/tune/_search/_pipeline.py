@@ -48,7 +48,7 @@ from autoprec.tune._core._records import Candidate, Chosen, Finals, Measured, St
 from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._decide._choose import choose_per_budget
 from autoprec.tune._decide._trials import complete_count, device_noise, first_of_run, trial_costs, trials_table
-from autoprec.tune._measure._choices import Choices, build_choices, warm_starts
+from autoprec.tune._measure._choices import Choices, build_choices, searches_fp8_all_gather, warm_starts
 from autoprec.tune._measure._metric import workload_fp32_metric
 from autoprec.tune._measure._profile_data import SPEED_UNJUDGED
 from autoprec.tune._measure._speed import LayerTimes
@@ -345,7 +345,7 @@ def start(
         judge_drop=config.mode is Mode.WEIGHTS,
         fallbacks=fallbacks,
         cost=config.objective.layer_cost,
-        sharded=workload.sharding is not None,
+        fp8_all_gather=searches_fp8_all_gather(workload.sharding is not None, config.objective),
     )
 
     def known(agreed: Choices) -> list[dict[str, Any]]:  # after all-fp32: known points first

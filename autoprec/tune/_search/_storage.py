@@ -24,7 +24,7 @@ from autoprec.policy import model_fingerprint
 from autoprec.tune._core._config import RETRIES, Mode, SearchConfig
 from autoprec.tune._core._credentials import hide_credentials, hide_credentials_in
 from autoprec.tune._core._space import SearchSpace
-from autoprec.tune._measure._choices import Choices, is_param, uniform_params
+from autoprec.tune._measure._choices import Choices, is_param, searches_fp8_all_gather, uniform_params
 from autoprec.tune._measure._task import Workload
 
 if TYPE_CHECKING:
@@ -337,17 +337,21 @@ def _study_key(
             "max_memory": str(config.max_memory) if config.max_memory else "none",
         }
         | ({} if profile_complete else {"profile": "cut short by a time budget"})  # its choices hold layers at fp32
-        | _sharded_key(workload)
+        | _sharded_key(workload, config.objective)
     )
 
 
-def _sharded_key(workload: Workload) -> dict[str, str]:
+def _sharded_key(workload: Workload, goal: Goal) -> dict[str, str]:
     """A sharded search's layout (_ranks.Layout), part of its study's identity: its trials were timed on it, so a
-    rerun on another world size or mesh is another study. Nothing on one device (as in a study from before)."""
+    rerun on another world size or mesh is another study; and whether its trials hold the fp8 all-gather (an autoprec
+    that does not search it would read their policies without it). Nothing on one device (as in a study from before)."""
     if workload.sharding is None:
         return {}
     layout = workload.sharding.layout()
-    return {"sharding": f"over {layout['world_size']} ranks, mesh {layout['mesh']}, {layout['parallelize']}"}
+    key = {"sharding": f"over {layout['world_size']} ranks, mesh {layout['mesh']}, {layout['parallelize']}"}
+    if searches_fp8_all_gather(True, goal):
+        key["fp8 all-gather"] = "searched"
+    return key
 
 
 OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}

@@ -93,10 +93,4 @@ def export(policy: Policy, target: str, out: str | Path, *, source: str = "a pol
             raise TypeError(f"export() got an unexpected keyword argument {dest!r}")
         option, names = owners[0]
         raise UserError(f"{option.flag} is for --to {' or --to '.join(names)} ({option.purpose}), not --to {target}")
-    left_out = chosen.write(policy, out, source=source, **given)
-    if policy.fsdp_fp8_all_gather and not chosen.fsdp_fp8_all_gather:
-        left_out.append(
-            "fsdp_fp8_all_gather: the policy all-gathers its fp8 (tensorwise) weights in fp8 under FSDP2; "
-            f"--to {chosen.name}'s file has no setting for it, so they gather in their own dtype there"
-        )
-    return left_out
+    return chosen.write(policy, out, source=source, **given)

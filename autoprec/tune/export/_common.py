@@ -89,6 +89,18 @@ def not_expressed(policy: Policy, tool: str = "torchao", skip: frozenset[Format]
     return lines
 
 
+def gather_not_expressed(policy: Policy, tool: str) -> list[str]:
+    """A line for the policy's fp8 all-gather under FSDP2 (Policy.fsdp_fp8_all_gather), for a target whose file has
+    no setting for it; none where the policy does not set it."""
+    gathered = sorted(str(f) for f in policy.fp8_all_gathered)
+    if not gathered:
+        return []
+    return [
+        f"fsdp_fp8_all_gather: the policy all-gathers the weights of its {', '.join(gathered)} layers in fp8 under "
+        f"FSDP2; this {tool} file has no setting for it, so they gather in their own dtype there"
+    ]
+
+
 def fp32_under_a_lowered_root(policy: Policy, tool: str) -> list[str]:
     """A line for the layers a policy keeps in fp32 inside a lowered model root (the search's protection of them),
     for a target that runs every module it has no recipe for in the model's dtype; none where the root is fp32 or
@@ -117,16 +129,15 @@ def fp8_layers(policy: Policy) -> dict[str, list[str]]:
 def gathered_recipes(policy: Policy) -> list[str]:
     """The recipe keys (recipe_key) whose layers the policy all-gathers in fp8 under FSDP2 (its fsdp_fp8_all_gather,
     for the formats whose family gathers in fp8: torchao's tensorwise recipe), in the policy's order; [] where off."""
-    if not policy.fsdp_fp8_all_gather:
-        return []
-    keys = [recipe_key(f) for f in policy.layers.values() if f in policy.fp8_gathered]
+    keys = [recipe_key(f) for f in policy.layers.values() if f in policy.fp8_all_gathered]
     return list(dict.fromkeys(k for k in keys if k is not None))
 
 
 def str_list(value: object, name: str, path: Path) -> list[str]:
     """`value` (a file's `name` table) as a list of strings; UserError naming the file otherwise."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise UserError(f"{path}: {name} must be a list of recipe names (strings): export the policy again")
+        got = printable(repr(value))[:80]
+        raise UserError(f"{path}: {name} must be a list of recipe names (strings), got {got}: export the policy again")
     return value
 
 

@@ -48,9 +48,6 @@ class ExportTarget(abc.ABC):
     suffix: ClassVar[str]  # the written file's suffix, with its dot: ".py", ".json"
     summary: ClassVar[str]  # what the file is, for --to's help: "<name>: <summary>"
     options: ClassVar[tuple[Option, ...]] = ()  # the command-line options this target takes
-    # whether its file carries the policy's FSDP2 fp8 all-gather (Policy.fsdp_fp8_all_gather); where not, `export`
-    # says so beside what write() returns
-    fsdp_fp8_all_gather: ClassVar[bool] = False
 
     @abc.abstractmethod
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: Any) -> list[str]:

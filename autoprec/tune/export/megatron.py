@@ -28,6 +28,7 @@ from autoprec.tune._core._numbers import parse_integer
 from autoprec.tune.export._common import (
     _layers,
     blockscaled_recipe,
+    gather_not_expressed,
     layer_only,
     policy_gemms,
     recipe_key,
@@ -291,6 +292,7 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
         lines.append(
             "no transformer layer runs wholly in one of Megatron's recipes under the policy: the export sets no fp8 or fp4"
         )
+    lines += gather_not_expressed(policy, "Megatron")
     return MegatronExport(
         stack=stack,
         num_layers=count,

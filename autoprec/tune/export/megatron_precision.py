@@ -47,6 +47,7 @@ from autoprec.tune.export._common import (
     assigned,
     blockscaled_gemms,
     fp32_under_a_lowered_root,
+    gather_not_expressed,
     read_python,
     root_not_expressed,
     same_module,
@@ -152,6 +153,7 @@ def precision_config(policy: Policy, factory: str = "autoprec_qfactory") -> tupl
         *lines,
         *misnumbered_lines(unnamed),
         *fp32_under_a_lowered_root(policy, "Megatron"),
+        *gather_not_expressed(policy, "Megatron"),
     ]
 
 

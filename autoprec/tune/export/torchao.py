@@ -125,7 +125,6 @@ class Torchao(ExportTarget):
     name = "torchao"
     suffix = ".py"
     summary = "a module_filter_fn file for convert_to_float8_training"
-    fsdp_fp8_all_gather = True
 
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: object) -> list[str]:
         write_text(out, torchao_source(policy, source=source))
@@ -158,5 +157,8 @@ def torchao_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolv
             if name in found:
                 gather = recipe in gathered
                 via = f"module_filter_fn({recipe!r})" + (", fp8 all-gather" if gather else "")
+                if gather and gemms[recipe].get("scaling") != "tensorwise":  # torchao's Float8LinearConfig asserts it
+                    found[name] = Resolved(None, f"{via}: torchao all-gathers in fp8 with tensorwise scaling only")
+                    continue
                 found[name] = Resolved(fp8_spec_gemms(gemms[recipe]), via, fp8_all_gather=gather)
     return found

@@ -31,6 +31,7 @@ from autoprec.tune.export._common import (
     blockscaled_gemms,
     blockscaled_recipe,
     fp8_layers,
+    gather_not_expressed,
     not_expressed,
     policy_gemms,
     read_python,
@@ -144,7 +145,7 @@ def torchtitan_not_expressed(policy: Policy) -> list[str]:
                 f"{' and '.join(TORCHTITAN_RECIPES)} only, so not in the export (torchtitan trains in its "
                 "mixed-precision dtype what it does not convert)"
             )
-    return lines
+    return lines + gather_not_expressed(policy, "torchtitan")
 
 
 def torchtitan_source(policy: Policy, *, source: str = "a policy") -> str:

@@ -34,6 +34,7 @@ from autoprec.tune.export._common import (
     assigned,
     blockscaled_gemms,
     fp32_under_a_lowered_root,
+    gather_not_expressed,
     read_python,
     root_not_expressed,
     same_module,
@@ -77,7 +78,12 @@ def te_not_expressed(policy: Policy) -> list[str]:
             names = [n for n in names if n != ROOT]
         if names:
             lines.append(f"{_layers(names)} in {fmt.value}: {why}")
-    return [*root, *lines, *fp32_under_a_lowered_root(policy, "Transformer Engine")]
+    return [
+        *root,
+        *lines,
+        *fp32_under_a_lowered_root(policy, "Transformer Engine"),
+        *gather_not_expressed(policy, "Transformer Engine"),
+    ]
 
 
 def _table_literal(gemms: dict[str, tuple[str | None, str | None, str | None]]) -> str:

@@ -126,7 +126,7 @@ def verify(exported: str | Path, policy: Policy, module_names: list[str], target
     for layer in module_names:
         fmt = policy.layers.get(layer) if layer != ROOT else None
         found = resolved.get(layer) or Resolved(None, f"--to {chosen.name}'s resolve() gave nothing for it")
-        gather = policy.fsdp_fp8_all_gather and fmt in policy.fp8_gathered
+        gather = fmt in policy.fp8_all_gathered
         rows.append(Row(layer, fmt.value if fmt else "", policy_gemms(fmt) if fmt else HIGH, found, gather))
     return Verification(chosen.name, tuple(rows))
 
