@@ -415,18 +415,17 @@ def after_optimizer_step(model: torch.nn.Module) -> None:
 
     Where the policy all-gathers fp8 weights under FSDP2 (`fsdp_fp8_all_gather`), torchao's
     precompute_float8_dynamic_scale_for_fsdp: every fp8 weight's scale in one reduction, instead of one per layer in
-    the next forward. Otherwise, and on a model without a policy, nothing. Cheap to call every step.
+    the next forward. Otherwise, and on a model without a policy, nothing. Called once, it must be called after every
+    step from then on (torchao keeps the precomputed scale until the next).
 
     Args:
         model: The model the policy was applied to, or a module holding it (a LightningModule, a wrapper), sharded
             or not, compiled in place or not.
     """
-    # the policy's model may sit inside a wrapper (a LightningModule's submodule, a module parallelize returned)
-    found = (applied_summary(m) for m in model.modules())
-    summary = next((s for s in found if s is not None), None)
-    if summary is None:
-        return
-    gathered = {rec.format for rec in summary.layers.values() if rec.fsdp_fp8_all_gather}
+    # a policy's model may sit inside a wrapper (a LightningModule's submodule, a module parallelize returned), and
+    # one module may hold several (a teacher and a student): each family's step once, over the whole of `model`
+    summaries = [s for s in map(applied_summary, model.modules()) if s is not None]
+    gathered = {rec.format for s in summaries for rec in s.layers.values() if rec.fsdp_fp8_all_gather}
     for family in {fmt.family.name: fmt.family for fmt in gathered}.values():
         family.after_optimizer_step(model)
 

@@ -94,7 +94,7 @@ def test_with_fp8_kernels_fp8_everywhere_is_torchaos_layers_under_a_bf16_root(mo
     }
     assert not alts.candidates[FP8_EVERYWHERE].policy.fsdp_fp8_all_gather  # one device: nothing to all-gather
     # trained sharded: torchao's tensorwise recipe all-gathers in fp8, as torchtitan's float8 guide runs it; rowwise cannot
-    sharded = alternatives(workload.model, workload.device, prof, choices, 0.05, sharded=True).candidates
+    sharded = alternatives(workload.model, workload.device, prof, choices, 0.05, fp8_all_gather=True).candidates
     assert sharded[FP8_EVERYWHERE].policy.fsdp_fp8_all_gather and not sharded[FP8_ROWWISE_EVERYWHERE].policy.fsdp_fp8_all_gather
     assert sharded[FP8_EVERYWHERE].policy.layers == alts.candidates[FP8_EVERYWHERE].policy.layers
     monkeypatch.setattr("autoprec.tune._decide._alternatives.torchao_fp8_layers", lambda model, device, recipe: ([], 3))

@@ -273,9 +273,10 @@ def test_after_optimizer_step_precomputes_the_fp8_scales_only_where_weights_gath
     calls = []  # torchao's precompute, as it is called (an unsharded model's fp8 weights it would skip)
     monkeypatch.setattr(float8, "import_float8", lambda: SimpleNamespace(precompute_float8_dynamic_scale_for_fsdp=calls.append))
     holder = nn.ModuleDict({"net": gathered})  # a LightningModule's submodule, a wrapper parallelize returned
-    for model in (gathered, holder, plain, nn.Linear(4, 4)):  # the last without a policy: nothing to do
+    both = nn.ModuleDict({"teacher": plain, "student": gathered})  # the first policy found gathers nothing
+    for model in (gathered, holder, both, plain, nn.Linear(4, 4)):  # the last without a policy: nothing to do
         autoprec.after_optimizer_step(model)
-    assert calls == [gathered, holder]
+    assert calls == [gathered, holder, both]
 
 
 def test_fsdp_fp8_all_gather_without_a_tensorwise_layer_warns_that_nothing_gathers_in_fp8():

@@ -243,7 +243,16 @@ def test_the_fp8_all_gather_tied_inside_the_spread_is_left_off():
         {"candidate": "trial 4, fp8 all-gather off", "speedup": 1.30, "spread": 0.04, "feasible": True},
     )
     name, why = choose(rows, candidates)
-    assert name == "trial 4, fp8 all-gather off" and "the one without that setting" in why
+    assert name == "trial 4, fp8 all-gather off" and why.endswith(
+        "with the same formats, all-gathering its fp8 weights in fp8 under FSDP2: the one without that setting"
+    )
+    # two policies of other layers, as many of each kind: the reason does not call them the same formats
+    candidates["trial 4, fp8 all-gather off"] = Policy(layers={"": "bf16", "a": "bf16", "b": "fp8"})
+    assert "with as many fp16/fp8 layers and layers below fp32 (3)" in choose(rows, candidates)[1]
+    from autoprec.tune._report._show import _kind
+
+    measured = types.SimpleNamespace(why=why, chosen=name, greedy=None)
+    assert _kind(measured) == "one without FSDP2's fp8 all-gather"  # what show and the summary's tie line say of it
     rows = finals(
         {"candidate": "fp32", "speedup": 1.0, "spread": 0.02, "feasible": True},
         {"candidate": "trial 4", "speedup": 1.45, "spread": 0.01, "feasible": True},  # separated: the setting pays

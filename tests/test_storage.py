@@ -242,7 +242,7 @@ def test_a_journal_nested_deeper_than_python_reads_is_refused_in_one_line_unchan
 # ---- a study another autoprec version made ---------------------------------------------------------------------------
 
 
-def open_overflow_study(out: Path, sharding=None, **settings):
+def open_overflow_study(out: Path, sharding=None, choices=None, **settings):
     """open_study on a tiny model (no profile needed: the choices are given), as the pipeline calls it."""
     from autoprec.tune import load_task, prepare
     from autoprec.tune._core._space import space_from_dict
@@ -252,7 +252,7 @@ def open_overflow_study(out: Path, sharding=None, **settings):
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
     workload.sharding = sharding
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
-    choices = Choices(default=("fp32",), layers={"fc1": ("fp32", "bf16")}, excluded={})
+    choices = choices or Choices(default=("fp32",), layers={"fc1": ("fp32", "bf16")}, excluded={})
     return open_study(workload, space, choices, SearchConfig(budget=0.1, **settings), out, budget=0.1)
 
 
@@ -286,12 +286,24 @@ def test_a_sharded_study_is_resumed_on_its_own_layout_and_refused_on_another_or_
         UserError, match=r"different sharding \(sharding over 2 ranks, mesh \[2\], model.py:parallelize, now over 4 ranks"
     ):
         open_overflow_study(tmp_path, sharding=Layout(4))  # its trials were timed on 2 ranks
-    # its trials may hold the fp8 all-gather, which a search on one device does not read
-    with pytest.raises(
-        UserError,
-        match=r"different sharding and fp8 all-gather \(sharding over 2 ranks.*, now none, fp8 all-gather searched, now none\)",
-    ):
+    with pytest.raises(UserError, match=r"different sharding \(sharding over 2 ranks.*, now none\)"):
         open_overflow_study(tmp_path)
+
+
+def test_a_study_whose_trials_hold_the_fp8_all_gather_is_refused_where_they_could_not_and_a_study_from_before_by_name(tmp_path):
+    import dataclasses
+
+    from autoprec.tune._measure._choices import Choices
+
+    fp8 = Choices(default=("fp32",), layers={"fc1": ("fp32", "fp8")}, excluded={})
+    gathering = dataclasses.replace(fp8, fp8_all_gather=True)  # a sharded search offering it
+    open_overflow_study(tmp_path / "a", sharding=Layout(2), choices=gathering)
+    assert open_overflow_study(tmp_path / "a", sharding=Layout(2), choices=gathering)[1] == gathering  # resumed
+    with pytest.raises(UserError, match=r"different fp8 all-gather \(fp8 all-gather searched, now none\)"):
+        open_overflow_study(tmp_path / "a", sharding=Layout(2), choices=fp8)  # its trials hold it: not read without
+    open_overflow_study(tmp_path / "b", sharding=Layout(2), choices=fp8)  # as an autoprec before the setting made it
+    with pytest.raises(UserError, match=r"made by an autoprec that did not search FSDP2's fp8 all-gather.*--study NEW_NAME"):
+        open_overflow_study(tmp_path / "b", sharding=Layout(2), choices=gathering)
 
 
 def test_a_study_another_version_made_is_refused_in_one_line_naming_the_journal_and_what_to_do(tmp_path, monkeypatch):

@@ -7,8 +7,8 @@
   recipe) on every Linear torchao's own size filter for that recipe accepts (`_auto_filter_for_recipe`: fixed
   thresholds from H100 benchmarks, not measured on this model or device), the rest under bf16 autocast, as
   torchao's README recommends; each measured only where fp8 has kernels (emulation is never faster) and the search
-  space offers that recipe's format (`fp8`, `fp8-rowwise`); in a sharded search the tensorwise one all-gathers its
-  weights in fp8 under FSDP2, as torchtitan's float8 guide runs it;
+  space offers that recipe's format (`fp8`, `fp8-rowwise`); in a sharded search of a measured goal the tensorwise one
+  all-gathers its weights in fp8 under FSDP2, as torchtitan's float8 guide runs it;
 - `profile greedy`: autoprec's own shortcut, each layer's fastest allowed format while the summed
   single-layer drops fit the budget; the search has to beat it to be worth its trials.
 
@@ -69,13 +69,14 @@ def alternatives(
     offered: frozenset[Format] | None = None,
     cost: LayerCost = measured_time,
     cuda_graphs: bool = False,
-    sharded: bool = False,
+    fp8_all_gather: bool = False,
 ) -> Alternatives:
     """The alternatives every search and sweep result is re-measured beside (see the module's docstring).
     `offered`: the formats the search space offers its layers (None: all); a torchao recipe whose format it does not
     offer is left out. `cost`: how the profile-greedy policy prices a layer (the goal's Goal.layer_cost).
     `cuda_graphs`: uniform bf16 under CUDA graphs too (SearchConfig.cuda_graphs, which checked the device).
-    `sharded`: the candidates train under FSDP2 (torchao's tensorwise recipe then all-gathers in fp8)."""
+    `fp8_all_gather`: the candidates train under FSDP2 and the search measures FSDP2's fp8 all-gather (torchao's
+    tensorwise recipe then all-gathers in fp8)."""
     every = [ROOT, *choices.layers]
     fp32 = Policy(layers=dict.fromkeys(every, Format.FP32))
     out: dict[str, Candidate] = {FP32: Candidate(fp32)}
@@ -103,7 +104,7 @@ def alternatives(
             except (ImportError, AttributeError) as exc:  # a torchao without the filter: say so, do not guess its thresholds
                 notes[name] = f"not measured: this torchao has no _auto_filter_for_recipe ({type(exc).__name__}: {exc})"
         if layers:
-            gather = sharded and fmt.family.fsdp_fp8_all_gather(fmt)
+            gather = fp8_all_gather and fmt.family.fsdp_fp8_all_gather(fmt)
             out[name] = Candidate(Policy(layers={ROOT: Format.BF16, **dict.fromkeys(layers, fmt)}, fsdp_fp8_all_gather=gather))
         elif name not in notes:
             notes[name] = (

@@ -2,14 +2,15 @@
 
 The fastest within budget, unless the measured spread cannot separate it from an alternative (the alternative is
 chosen: a policy is never written as faster than what the user had) or from a candidate with fewer fp16/fp8 layers
-(the safer one is chosen; separation.separated), or fewer layers below fp32 (fp32 before uniform bf16): among tied
-candidates the order reads what they run, not their medians, so the same candidates tied give the same file. Never a
+(the safer one is chosen; separation.separated), or fewer layers below fp32 (fp32 before uniform bf16), or one
+without FSDP2's fp8 all-gather: among tied candidates the order reads what they run, not their medians, so the same candidates tied give the same file. Never a
 searched policy measured slower than the fastest alternative. For the smallest peak memory (goals.MEMORY):
 `choose_smallest`. Each goal (_goals.py) calls the rule it chooses by.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Mapping
 
@@ -125,10 +126,13 @@ def choose(
             f"({risk[0]} against {risk[1]}): the safer one"
         )
     lowered = _lowered(candidates[top.candidate], names), _lowered(candidates[pick.candidate], names)
-    if lowered[0] == lowered[1]:  # the same layers lowered: it differs in its FSDP2 setting
+    top_policy, pick_policy = _policy(candidates[top.candidate]), _policy(candidates[pick.candidate])
+    if lowered[0] == lowered[1] and top_policy.fsdp_fp8_all_gather and not pick_policy.fsdp_fp8_all_gather:
+        same = dataclasses.replace(top_policy, fsdp_fp8_all_gather=False) == pick_policy
+        what = "the same formats" if same else f"as many fp16/fp8 layers and layers below fp32 ({lowered[0]})"
         return pick.candidate, (
-            f"{top.candidate} measured {lead:.1f}% faster, inside the spread, all-gathering its fp8 weights in fp8 under "
-            "FSDP2: the one without that setting"
+            f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with {what}, all-gathering its fp8 "
+            f"weights in fp8 under FSDP2: {WITHOUT_GATHER}"
         )
     return pick.candidate, (
         f"{top.candidate} measured {lead:.1f}% faster, inside the spread, with more layers below fp32 "
@@ -137,6 +141,7 @@ def choose(
 
 
 FEWER_LOWERED = "fewer layers below fp32"  # the words of choose's reason, which a report reads back (show._kind)
+WITHOUT_GATHER = "the one without that setting"  # likewise, for a tie broken by FSDP2's fp8 all-gather
 
 
 def _tied_with_alternative(policy: Measurement, alternative: Measurement) -> str:

@@ -20,7 +20,7 @@ from autoprec.tune._core._names import ALTERNATIVES
 from autoprec.tune._core._profile_row import as_float
 from autoprec.tune._core._records import Measured
 from autoprec.tune._core._tables import WIDTH, markdown_table, markdown_text, text_table
-from autoprec.tune._decide._choose import FEWER_LOWERED
+from autoprec.tune._decide._choose import FEWER_LOWERED, WITHOUT_GATHER
 from autoprec.tune._measure._choices import role
 from autoprec.tune._measure._timing import spread_text
 
@@ -308,13 +308,15 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
 
 def _kind(m: Measured) -> str:
     """What a choice among ties is, from the decision's own reason (choose.choose's `why`): the alternative the user
-    would run anyway, the one with fewer fp16/fp8 layers or fewer layers below fp32, a smaller budget's choice the step times put above this
-    budget's pick, or simply the fastest measured."""
+    would run anyway, the one with fewer fp16/fp8 layers or fewer layers below fp32 or without FSDP2's fp8 all-gather, a
+    smaller budget's choice the step times put above this budget's pick, or simply the fastest measured."""
     why = m.why or ""
     if "the safer one" in why:
         return "safer one"
     if why.endswith(FEWER_LOWERED):
         return f"one with {FEWER_LOWERED}"
+    if why.endswith(WITHOUT_GATHER):
+        return "one without FSDP2's fp8 all-gather"
     if why.startswith("kept from the smaller budget"):
         return "smaller budget's choice"
     if m.chosen in {*ALTERNATIVES, m.greedy}:

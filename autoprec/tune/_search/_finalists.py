@@ -32,7 +32,7 @@ from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._decide._alternatives import Alternatives, alternatives
 from autoprec.tune._decide._choose import safer_variant
 from autoprec.tune._decide._goals import SPEED
-from autoprec.tune._measure._choices import Choices, policy_from_params
+from autoprec.tune._measure._choices import Choices, policy_from_params, searches_fp8_all_gather
 from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._measure._task import Workload
 from autoprec.tune._measure._timing import all_settled, more_if_noisy, spread_text
@@ -108,7 +108,7 @@ def baselines(
 ) -> Alternatives:
     """What every result is compared with, measured in the same run: alternatives.alternatives (its profile-greedy
     policy priced by the goal; uniform bf16 under CUDA graphs where `cuda_graphs`; torchao's tensorwise recipe with
-    its fp8 all-gather where the workload trains sharded)."""
+    its fp8 all-gather where the search measures that setting: searches_fp8_all_gather)."""
     offered = frozenset(f for formats in space.layers.values() for f in formats)
     return alternatives(
         workload.model,
@@ -119,7 +119,7 @@ def baselines(
         offered=offered,
         cost=goal.layer_cost,
         cuda_graphs=cuda_graphs,
-        sharded=workload.sharding is not None,
+        fp8_all_gather=searches_fp8_all_gather(workload.sharding is not None, goal),
     )
 
 

@@ -24,7 +24,7 @@ from autoprec.policy import model_fingerprint
 from autoprec.tune._core._config import RETRIES, Mode, SearchConfig
 from autoprec.tune._core._credentials import hide_credentials, hide_credentials_in
 from autoprec.tune._core._space import SearchSpace
-from autoprec.tune._measure._choices import Choices, is_param, searches_fp8_all_gather, uniform_params
+from autoprec.tune._measure._choices import Choices, is_param, uniform_params
 from autoprec.tune._measure._task import Workload
 
 if TYPE_CHECKING:
@@ -308,12 +308,21 @@ def sampler_for(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
 
 
 # The study key's "version": the format of what a study holds (its key, the choices on its first trial, the parameters
-# and user attributes of its trials). Raise it when any of them changes; a study of another version is refused.
+# and user attributes of its trials). Raise it when any of them changes; a study of another version is refused. A
+# parameter only new studies may hold adds an entry to the key where they hold it instead (FP8_ALL_GATHER_KEY): a
+# study from before reads as it did, and one that would now hold it is refused by name (_check_key).
 STUDY_VERSION = 1
+FP8_ALL_GATHER_KEY = "fp8 all-gather"  # the study's trials may hold FSDP2's fp8 all-gather (Choices.fp8_all_gather)
 
 
 def _study_key(
-    workload: Workload, space: SearchSpace, config: SearchConfig, budget: float, objectives: int, profile_complete: bool = True
+    workload: Workload,
+    space: SearchSpace,
+    config: SearchConfig,
+    budget: float,
+    objectives: int,
+    profile_complete: bool = True,
+    fp8_all_gather: bool = False,
 ) -> dict[str, str]:
     # What shapes the choices, the measurements and which trials are feasible; not the file's path, sampler or
     # trial count.
@@ -337,21 +346,18 @@ def _study_key(
             "max_memory": str(config.max_memory) if config.max_memory else "none",
         }
         | ({} if profile_complete else {"profile": "cut short by a time budget"})  # its choices hold layers at fp32
-        | _sharded_key(workload, config.objective)
+        | _sharded_key(workload)
+        | ({FP8_ALL_GATHER_KEY: "searched"} if fp8_all_gather else {})
     )
 
 
-def _sharded_key(workload: Workload, goal: Goal) -> dict[str, str]:
+def _sharded_key(workload: Workload) -> dict[str, str]:
     """A sharded search's layout (_ranks.Layout), part of its study's identity: its trials were timed on it, so a
-    rerun on another world size or mesh is another study; and whether its trials hold the fp8 all-gather (an autoprec
-    that does not search it would read their policies without it). Nothing on one device (as in a study from before)."""
+    rerun on another world size or mesh is another study. Nothing on one device (as in a study from before)."""
     if workload.sharding is None:
         return {}
     layout = workload.sharding.layout()
-    key = {"sharding": f"over {layout['world_size']} ranks, mesh {layout['mesh']}, {layout['parallelize']}"}
-    if searches_fp8_all_gather(True, goal):
-        key["fp8 all-gather"] = "searched"
-    return key
+    return {"sharding": f"over {layout['world_size']} ranks, mesh {layout['mesh']}, {layout['parallelize']}"}
 
 
 OBJECTIVES = {1: "speedup", 2: "speedup, metric drop"}
@@ -382,6 +388,11 @@ def _check_key(stored: Mapping[str, Any], key: Mapping[str, str], name: str, whe
         raise UserError(
             f"study {name!r} in {where} was made by an older autoprec that did not record the model's weights, so it "
             "cannot be told whether they are these: pass --study NEW_NAME to start another"
+        )
+    if FP8_ALL_GATHER_KEY in key and FP8_ALL_GATHER_KEY not in stored:  # its trials never held it: not resumed as if
+        raise UserError(
+            f"study {name!r} in {where} was made by an autoprec that did not search FSDP2's fp8 all-gather beside the "
+            "formats, which this search does: pass --study NEW_NAME to start another"
         )
     diff = [k for k in dict.fromkeys([*key, *stored]) if stored.get(k) != key.get(k)]  # a key either side lacks too
     if diff:
@@ -426,7 +437,7 @@ def open_study(
         sampler=sampler_for(space, config.seed),
         load_if_exists=True,
     )
-    key = _study_key(workload, space, config, budget, objectives, profile_complete)
+    key = _study_key(workload, space, config, budget, objectives, profile_complete, choices.fp8_all_gather)
     first = _first_start(study)
     worker = uuid.uuid4().hex
     # Every study this version makes has its key on its first trial: one holding anything but none that carries it
