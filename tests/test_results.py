@@ -147,3 +147,23 @@ def test_the_search_cost_is_priced_in_the_chosen_policys_steps_and_as_a_share_of
     assert search_cost(cost, 60.0, 200_000).endswith(": 1.00% of a 200,000-step run, within the 2% a search should cost")
     assert search_cost(cost, 60.0, 50_000).endswith(": 4.00% of a 50,000-step run, over the 2% a search should cost")
     assert search_cost(cost, float("nan"), 1000) == "" and search_cost({"seconds": {}}, 60.0, None) == ""
+
+
+def test_a_policy_that_all_gathers_fp8_weights_says_so_in_the_search_summary_and_in_show():
+    """The layer table shows formats only: a sharded search's fp8 all-gather is said beside it, with the call it needs."""
+    import types
+
+    from builders import finals
+
+    from autoprec import Policy
+    from autoprec.tune._report._results import search_summary
+    from autoprec.tune._report._show import show_policy
+
+    rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.01}, {"candidate": "trial 4", "speedup": 1.3, "spread": 0.01})
+    measured = {"chosen": "trial 4", "budget": 0.01}
+    gathering = Policy(layers={"": "bf16", "a": "fp8", "b": "fp8-rowwise"}, measured=measured, fsdp_fp8_all_gather=True)
+    line = "FSDP2: the weights of the fp8 layers all-gathered in fp8"
+    for policy, said in ((gathering, True), (Policy(layers=gathering.layers, measured=measured), False)):
+        result = types.SimpleNamespace(policy=policy, finals=rows, noise=None, cost=None, run_steps=None)
+        assert (line in search_summary(result)) is said and (line in show_policy(policy)) is said
+    assert "autoprec.after_optimizer_step(model) after each optimizer step" in show_policy(gathering)

@@ -39,6 +39,7 @@ from autoprec.tune._report._show import (
     estimate_column,
     estimate_lines,
     estimate_of,
+    gather_line,
     memory_text,
     mode_text,
 )
@@ -130,6 +131,9 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
     policy = result.policy
     table = markdown_table if markdown else text_table
     parts = [textwrap.fill(headline(result), WIDTH), LayerTable(policy).render(markdown=markdown)]
+    gather = gather_line(policy)
+    if gather:  # a sharded search's setting beside the formats, which the layer table does not show
+        parts.append(gather)
     finals: Finals = result.finals
     m = Measured.of(policy)
     est = estimate_of(m)

@@ -263,13 +263,9 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         )
     )
     parts.append(say(f"loss scaling: {scaler}"))
-    if policy.fsdp_fp8_all_gather:
-        gathered = ", ".join(sorted(map(str, policy.fp8_all_gathered)))
-        parts.append(
-            say(
-                f"FSDP2: the weights of the {gathered} layers all-gathered in fp8 (autoprec.after_optimizer_step after each optimizer step)"
-            )
-        )
+    gather = gather_line(policy)
+    if gather:
+        parts.append(say(gather))
     used = sorted(set(policy.layers.values()), key=list(Format).index)
     if used:
         parts.append(say("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used)))
@@ -304,6 +300,17 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         if m.versions:
             parts.append(say("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items())))
     return "\n\n".join(parts)
+
+
+def gather_line(policy: Policy) -> str | None:
+    """The policy's FSDP2 fp8 all-gather in a line for a person, or None where it does not gather in fp8."""
+    if not policy.fp8_all_gathered:
+        return None
+    gathered = ", ".join(sorted(map(str, policy.fp8_all_gathered)))
+    return (
+        f"FSDP2: the weights of the {gathered} layers all-gathered in fp8 (apply_policy does it; call "
+        "autoprec.after_optimizer_step(model) after each optimizer step)"
+    )
 
 
 def _kind(m: Measured) -> str:
