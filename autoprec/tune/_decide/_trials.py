@@ -37,8 +37,8 @@ def complete_count(study: optuna.Study) -> int:
 
 
 def trials_table(study: optuna.Study, choices: Choices, prof: Profile | None = None) -> pd.DataFrame:
-    """One row per trial: its formats (and fp8 all-gather where searched), loss scale, what it measured, and (with the profile) the drop the
-    sum of single-layer drops predicted for it."""
+    """One row per trial: its formats (and the fp8 all-gather where searched), loss scale, what it measured, and (with
+    the profile) the drop the sum of single-layer drops predicted for it."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         if t.state != optuna.trial.TrialState.COMPLETE:
