@@ -193,3 +193,51 @@ def test_the_final_remeasure_times_no_more_a_candidate_every_step_of_which_was_g
     assert retire({"fp32": fp32, "slow": [edge * 1.01, edge * 0.99]}) == set()  # a round within the factor: timed on
     assert retire({"fp32": fp32, "trial 3": [40.0, 41.0]}) == set()
     assert retire({"uniform bf16": [1373.0, 1380.0]}) == set()  # no fp32 to hold it against: timed on
+    # nothing else was within budget: fp32 is held against no one, however slow
+    assert retire({"fp32": [839.0, 840.0], "uniform bf16": [79.0, 80.0]}) == set()
+
+
+def test_a_candidate_within_budget_puts_a_grossly_slower_one_out_of_the_running_fp32_too():
+    """On a GPU fp32's step takes 10x a bf16 one's: once a candidate within budget is that much faster, fp32 cannot
+    win and is timed no more (its rounds stand, the speedups' denominator); one over budget puts no one out."""
+    fp32, bf16 = [839.0, 840.0], [79.0, 80.0]
+    retire = finalists.out_of_the_running({"uniform bf16"})
+    assert retire({"fp32": fp32, "uniform bf16": bf16, "trial 2": [310.0, 311.0]}) == {"fp32"}  # 3.9x: timed on
+    assert retire({"fp32": fp32, "uniform bf16": bf16, "trial 2": [330.0, 331.0]}) == {"fp32", "trial 2"}
+    assert retire({"fp32": fp32[:1], "uniform bf16": bf16[:1]}) == set()  # one round is no verdict
+    assert finalists.out_of_the_running(set())({"fp32": fp32, "uniform bf16": bf16}) == set()  # bf16 over budget
+
+
+def test_the_final_remeasure_judges_the_metrics_first_and_retires_fp32_behind_a_gross_lead_within_the_smallest_budget(timings):
+    """The re-measure itself on a device where bf16 steps are 7x faster than fp32's: within budget, uniform bf16 puts
+    fp32 out of the running after two rounds; over the smallest budget (a sweep's), or with a memory limit (a faster
+    candidate may not fit it), fp32 is timed every round. Each candidate's metric is evaluated once."""
+    from pathlib import Path
+
+    from short_timing import TINY
+
+    from autoprec.tune import load_task, prepare
+    from autoprec.tune._core._cost import Stopwatch
+
+    workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
+    every = ["", "fc1", "big", "head"]
+    candidates = {"fp32": Candidate(Policy(layers=dict.fromkeys(every, "fp32"))),
+                  "uniform bf16": Candidate(Policy(layers=dict.fromkeys(every, "bf16")))}  # fmt: skip
+    config = SearchConfig(budget=0.1, progress=False, final_timing=dataclasses.replace(TINY, rounds=6))
+
+    def rounds(drop, budgets=(0.01,), **changes):
+        judged = []
+
+        def safe_metric(candidate):
+            judged.append(candidate)
+            return (0.5 if candidate is candidates["fp32"] else 0.5 - drop), {}
+
+        judge = types.SimpleNamespace(fp32_metric=0.5, safe_metric=safe_metric, budgets=Budgets(budgets))
+        timings({"half": 0.05, "fp8": 0.05})
+        rows = finalists.final_remeasure(workload, candidates, judge, dataclasses.replace(config, **changes), Stopwatch())
+        assert judged == list(candidates.values())  # once each, the timing's rows reuse them
+        return rows.by_name("fp32").rounds, rows.by_name("uniform bf16").rounds
+
+    assert rounds(0.0) == (2, 5)  # bf16's rounds agree by the 5th (all_settled)
+    assert rounds(0.005, budgets=(0.001, 0.01)) == (5, 5)  # within the larger budget only
+    assert rounds(0.0, max_memory=2**40) == (5, 5)

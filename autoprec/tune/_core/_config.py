@@ -57,8 +57,9 @@ SETTLED_FINAL_ROUNDS = 5
 SEARCH_SHARE_GOAL = 0.02
 # Slower than fp32 by this much, a candidate is out of the running whatever the noise: the profile probes such a
 # format once instead of timing it (ProfileConfig.gross_slowdown), and the final re-measure times no more a candidate
-# whose every round so far, two at least, was this much slower a step than fp32's slowest (_finalists.grossly_slower): on a
-# CPU without bf16, uniform bf16's step takes 30x fp32's, and its further rounds would be most of a search's time.
+# whose every round so far, two at least, was this much slower a step than the slowest round of fp32 or of another
+# candidate within budget (_finalists.out_of_the_running): on a CPU without bf16, uniform bf16's step takes 30x
+# fp32's; on a GPU, fp32's takes 10x a bf16 one's; their further rounds would be most of a search's time.
 GROSS_SLOWDOWN = 4.0
 
 # The train batches of shapes the first ones do not show (an epoch's ragged last batch, another sequence length),

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import optuna
 
@@ -166,11 +167,13 @@ def remeasure(
     more: Callable[[Mapping[str, Sequence[float]]], int] | None = None,
     retire: Callable[[Mapping[str, Sequence[float]]], Collection[str]] | None = None,
     max_memory: int | None = None,
+    judged: Mapping[str, tuple[float, dict[str, Any]]] | None = None,
 ) -> Finals:
     """Metric, step time and peak memory of each candidate, timed interleaved with the others; speedup vs fp32
     in effective steps (those the GradScaler did not skip), memory saving vs fp32's peak, and whether the peak fits
     `max_memory` (bytes; None: no limit); see records.Measurement. `enough`, `more`, `retire`: as
-    timing.interleaved_times'."""
+    timing.interleaved_times'. `judged`: each candidate's metric (judge_metrics), where the caller needed it before
+    the timing; else measured after it."""
     stats, failed = measure_steps_or_fail(
         workload, candidates, timing, progress=progress, compiled=compiled, enough=enough, more=more, retire=retire
     )
@@ -178,9 +181,10 @@ def remeasure(
         raise fp32_step_failed(workload, "all-fp32 training step", failed[FP32], compiled=compiled)
     fp32_ms = stats[FP32].effective_ms
     fp32_peak = stats[FP32].peak_bytes
+    metrics = judged if judged is not None else judge_metrics(judge, candidates)
     rows = []
-    for name, candidate in candidates.items():
-        metric, extra = judge.safe_metric(candidate)
+    for name in candidates:
+        metric, extra = metrics[name]
         drop = judge.fp32_metric - metric
         s = stats.get(name)
         runs = s is not None and math.isfinite(metric) and s.finite and math.isfinite(s.effective_ms)
@@ -213,16 +217,28 @@ def remeasure(
     return Finals(rows).within(budget)
 
 
-def grossly_slower(samples: Mapping[str, Sequence[float]]) -> set[str]:
-    """The candidates each of whose rounds so far (RETIRE_ROUNDS at least: one round's stall is not a verdict) was
-    slower a step than GROSS_SLOWDOWN x fp32's slowest round: out of the running whatever the noise (all-fp32 is
-    within every budget, and faster), timed no more (interleaved_times' `retire`), their rounds their row."""
-    base = samples.get(FP32)
-    if not base:
-        return set()
-    return {
-        name for name, v in samples.items() if name != FP32 and len(v) >= RETIRE_ROUNDS and min(v) > GROSS_SLOWDOWN * max(base)
-    }
+def judge_metrics(judge: Judge, candidates: Mapping[str, Candidate]) -> dict[str, tuple[float, dict[str, Any]]]:
+    """Each candidate's metric and what else its evaluation measured (Judge.safe_metric), by name."""
+    return {name: judge.safe_metric(candidate) for name, candidate in candidates.items()}
+
+
+def out_of_the_running(within: Collection[str]) -> Callable[[Mapping[str, Sequence[float]]], set[str]]:
+    """interleaved_times' `retire` for the final re-measure: the candidates each of whose rounds so far (RETIRE_ROUNDS
+    at least: one round's stall is not a verdict) was slower a step than GROSS_SLOWDOWN x the slowest round of a
+    candidate in `within` (fp32 always: its drop is 0): out of the running whatever the noise, since that one is
+    within every budget and faster. They are timed no more, and their rounds so far are their row. On a CPU without
+    fast bf16 that is uniform bf16 (30x fp32's step); on a GPU, fp32 itself (10x a bf16 step of seconds)."""
+    fair = {FP32, *within}
+
+    def retire(samples: Mapping[str, Sequence[float]]) -> set[str]:
+        bars = [max(v) for name, v in samples.items() if name in fair and len(v) >= RETIRE_ROUNDS]
+        return {
+            name
+            for name, v in samples.items()
+            if len(v) >= RETIRE_ROUNDS and any(min(v) > GROSS_SLOWDOWN * bar for bar in bars)
+        }
+
+    return retire
 
 
 RETIRE_ROUNDS = 2  # a spread needs two rounds, and a load spike on a shared machine lasts one
@@ -243,6 +259,18 @@ def final_remeasure(
     `noisy_device`: the trials found the device too noisy to rank (trials.device_noise beyond NOISY_SPREAD): its
     configured rounds only, as a quiet device's, since more rounds at that noise separate nothing, and it says so."""
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
+    # the metrics first: a candidate within budget may put another out of the running while the rounds go on. Within
+    # the smallest budget (a sweep's), so a candidate retired is out of the running for every budget; with a memory
+    # limit, fp32 alone, since a faster candidate may not fit it
+    start = time.perf_counter()
+    judged = judge_metrics(judge, candidates)
+    smallest = judge.budgets.smallest
+    within = (
+        {n for n, (metric, _) in judged.items() if judge.fp32_metric - metric <= smallest}  # NaN: never within
+        if config.max_memory is None
+        else set()
+    )
+    metrics_s = time.perf_counter() - start
     start = time.perf_counter()
     capped: list[int] = []
     noisy = more_if_noisy(config.final_timing.rounds)
@@ -275,8 +303,9 @@ def final_remeasure(
         compiled=config.compile,
         enough=enough,
         more=more,
-        retire=grossly_slower,
+        retire=out_of_the_running(within),
         max_memory=config.max_memory,
+        judged=judged,
     )
     watch.count("final re-measure: whole-step timings (each round: every candidate's)", sum(r.rounds for r in finals))
     if capped:
@@ -300,5 +329,5 @@ def final_remeasure(
     compiling = sum(r.compile_s or 0.0 for r in finals)
     if compiling:
         watch.add(f"final re-measure: compiling {len(candidates)} candidates (first step)", compiling)
-    watch.add(f"final re-measure of {len(candidates)} candidates", seconds - compiling)
+    watch.add(f"final re-measure of {len(candidates)} candidates", seconds - compiling + metrics_s)
     return finals
