@@ -233,9 +233,7 @@ def out_of_the_running(within: Collection[str]) -> Callable[[Mapping[str, Sequen
     def retire(samples: Mapping[str, Sequence[float]]) -> set[str]:
         bars = [max(v) for name, v in samples.items() if name in fair and len(v) >= RETIRE_ROUNDS]
         return {
-            name
-            for name, v in samples.items()
-            if len(v) >= RETIRE_ROUNDS and any(min(v) > GROSS_SLOWDOWN * bar for bar in bars)
+            name for name, v in samples.items() if len(v) >= RETIRE_ROUNDS and any(min(v) > GROSS_SLOWDOWN * bar for bar in bars)
         }
 
     return retire
