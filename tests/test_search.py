@@ -574,8 +574,8 @@ def test_the_summary_says_when_step_times_were_too_noisy_to_rank(searched):
     from autoprec.tune._report._results import search_summary
 
     _, result, _ = searched
-    quiet = dataclasses.replace(result, finals=result.finals.replace(spread=0.01))
-    loud = dataclasses.replace(result, finals=result.finals.replace(spread=0.9))
+    quiet = dataclasses.replace(result, finals=result.finals.with_each(spread=0.01))
+    loud = dataclasses.replace(result, finals=result.finals.with_each(spread=0.9))
     assert "too wide to rank" not in search_summary(quiet)
     assert "note: step times spread up to 90.0% even over more rounds: too wide to rank" in search_summary(loud)
 

@@ -142,7 +142,7 @@ class Finals(Sequence[Measurement]):
         """Every measurement judged against `budget` (a sweep judges one re-measure against each of its budgets)."""
         return Finals(r.within(budget) for r in self._rows)
 
-    def replace(self, **changes: Any) -> Finals:
+    def with_each(self, **changes: Any) -> Finals:
         """Every row with `changes` (tests and what-if reports)."""
         return Finals(dataclasses.replace(r, **changes) for r in self._rows)
 
