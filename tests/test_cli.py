@@ -128,6 +128,23 @@ def test_a_numeric_option_in_other_than_ascii_digits_is_refused_naming_it_and_th
     assert f"argument {flag}: '1_0' is not a " in err and "in ASCII digits, such as " in err.splitlines()[-1]
 
 
+@pytest.mark.parametrize(
+    ("argv", "part"),
+    [
+        (["frobnicate"], "autoprec: error: argument {search,"),
+        (["search"], "autoprec search: error: the following arguments are required: model"),
+        (["export", "policy.json", "--to", "onnx"], "autoprec export: error: argument --to: invalid choice: 'onnx'"),
+        (["predict", "model.py", "--target", "h100"], "autoprec predict: error: "),
+    ],
+)
+def test_a_mistake_the_option_parser_finds_is_one_line_naming_where_the_options_are_listed(capsys, argv, part):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith(part) and err.rstrip().endswith("--help lists the options)"), err
+
+
 def test_an_export_options_number_in_other_than_ascii_digits_is_refused(capsys, tmp_path):
     path = Policy(layers={"decoder.layers.0.fc": "fp8"}).save(tmp_path / "policy.json")
     with pytest.raises(SystemExit) as info:

@@ -15,6 +15,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
@@ -120,10 +121,17 @@ def _before_the_verb(argv: Sequence[str]) -> tuple[list[str], bool]:
     return [p for p in plugins if p], debug
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose mistakes (an unknown verb or option, a missing argument, a value it refuses) are one
+    line, as every other user error is, with where the options are listed instead of the whole usage block. Its
+    subparsers are of this class too (add_subparsers' default)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {printable(message)} ({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device."
-    )
+    parser = _Parser(prog="autoprec", description="Per-layer precision tuning for PyTorch training, measured on your device.")
     parser.add_argument("--version", action="version", version=f"autoprec {_version()}")
     for flag, text in GLOBAL_FLAGS:
         parser.add_argument(flag, action="store_true", help=text)
