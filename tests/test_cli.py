@@ -57,6 +57,14 @@ def test_search_missing_model(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_search_of_a_folder_names_its_model_py(capsys, tmp_path, write_model, mlp_source):
+    code, _, err = search(capsys, tmp_path, tmp_path)
+    assert_user_error(code, err, f"{tmp_path}: a folder, not a model.py; give the path of the model.py inside it")
+    write_model(mlp_source)
+    code, _, err = search(capsys, tmp_path, tmp_path)
+    assert_user_error(code, err, f"{tmp_path}: a folder, not a model.py; give its model.py: {tmp_path / 'model.py'}")
+
+
 def test_search_model_import_fails(capsys, tmp_path, write_model):
     path = write_model('raise RuntimeError("boom")\n')
     code, _, err = search(capsys, tmp_path, path)

@@ -158,6 +158,10 @@ def load_task(path: str | Path) -> Task:
         'digits'
     """
     path = Path(path)
+    if path.is_dir():
+        inside = path / "model.py"
+        fix = f"give its model.py: {inside}" if inside.is_file() else "give the path of the model.py inside it"
+        raise UserError(f"{path}: a folder, not a model.py; {fix}")
     if not path.is_file():
         raise UserError(f"{path}: no such file")
     module_name = f"_autoprec_model_{uuid.uuid4().hex[:8]}"
