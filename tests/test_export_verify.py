@@ -493,6 +493,23 @@ def test_the_verify_verb_exits_0_1_and_2(tmp_path, capsys):
     assert err.count("\n") == 1 and "no 'autoprec export --to NAME' line" in err
 
 
+def test_verify_with_a_to_other_than_the_one_that_wrote_the_file_names_both(tmp_path, capsys):
+    """A torchao file verified as Megatron's would be read as JSON and fail on its first line: the file names the
+    target that wrote it, and the error says which and how to go on."""
+    HF_POLICY.save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("\n".join(hf_names()) + "\n")
+    assert main(["export", str(tmp_path / "policy.json"), "--to", "torchao"]) == 0
+    exported = tmp_path / "policy_torchao.py"
+    assert exported.is_file()
+    capsys.readouterr()
+    args = ["verify", str(exported), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]
+    assert main([*args, "--to", "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "written by 'autoprec export --to torchao', not --to megatron" in err, err
+    assert "give --to torchao" in err
+    assert main([*args, "--to", "torchao"]) == 0  # the right one, given, is taken
+
+
 def test_verify_reads_a_model_files_linears(tmp_path, capsys):
     """--model model.py: build_model()'s nn.Linear layers by module path."""
     model = "tests/models/wgrad_breaks.py"

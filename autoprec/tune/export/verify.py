@@ -70,15 +70,20 @@ class Verification:
 
 def written_by(exported: Path) -> str:
     """The target that wrote `exported`, from its "autoprec export --to NAME" line; UserError when none is there."""
+    found = _written_by(exported)
+    if found is None:
+        raise UserError(f"{exported}: no 'autoprec export --to NAME' line in it: give --to, or verify a file autoprec exported")
+    return found
+
+
+def _written_by(exported: Path) -> str | None:
     try:
         with open(exported, encoding="utf-8", errors="replace") as f:
             head = f.read(4096)
     except OSError as exc:
         raise UserError(f"{exported}: cannot read it ({exc.strerror or exc})") from None
     found = _WRITTEN_BY.search(head)
-    if found is None:
-        raise UserError(f"{exported}: no 'autoprec export --to NAME' line in it: give --to, or verify a file autoprec exported")
-    return found[1]
+    return None if found is None else found[1]
 
 
 def linear_names(model: str | Path, *, flag: str = "--model") -> list[str]:
@@ -107,6 +112,12 @@ def verify(exported: str | Path, policy: Policy, module_names: list[str], target
     was searched on another model) and for a file its target cannot read."""
     exported = Path(exported)
     name = target or written_by(exported)
+    wrote = _written_by(exported) if target is not None else None
+    if wrote is not None and wrote != target:  # its own reader would misread it (a Python file read as JSON)
+        raise UserError(
+            f"{exported}: written by 'autoprec export --to {printable(wrote)}', not --to {printable(target)}: leave "
+            f"--to out (the file names its target) or give --to {printable(wrote)}"
+        )
     try:
         chosen = export_target_named(name)
     except ValueError as exc:
