@@ -169,6 +169,9 @@ def test_the_export_verb_writes_beside_the_policy_and_lists_what_it_left_out(tmp
     assert main(["export", str(tmp_path / "policy.json"), "--to", "torchao"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"wrote {tmp_path / 'policy_torchao.py'}" and len(out) == 3 and out[2].startswith("not expressed: layer 'c'")
+    assert main(["--quiet", "export", str(tmp_path / "policy.json"), "--to", "torchao"]) == 0
+    quiet = capsys.readouterr()  # what the file leaves out stays a warning under --quiet
+    assert quiet.out == "" and quiet.err.splitlines()[-1].startswith("not expressed: layer 'c'")
     assert main(["export", str(tmp_path / "policy.json"), "--to", "torchao", "--out", str(tmp_path / "x.py"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["file"] == str(tmp_path / "x.py")
     with pytest.raises(SystemExit):  # argparse names the choices

@@ -60,8 +60,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
     if not (args.json or args.quiet):  # the path and the lines name the policy's file and layers: escaped
         print(f"wrote {printable(str(out))}")
+    if not args.json:  # what the file leaves out is never dropped silently: under --quiet a warning, on stderr
         for line in left_out:
-            print(f"not expressed: {printable(line)}")
+            print(f"not expressed: {printable(line)}", file=sys.stderr if args.quiet else sys.stdout)
     checked = _verified(args, out, policy, args.check, args.to, flag="--check") if args.check else None
     if args.json:
         print_json(args, {"file": str(out), "not_expressed": left_out, **({"check": checked.to_dict()} if checked else {})})
