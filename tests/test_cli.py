@@ -285,11 +285,13 @@ def test_a_non_finite_number_in_the_space_is_refused_before_profiling(capsys, tm
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (["--mode", "bogus"], "mode must be one of weights, train, but got 'bogus'"),
+        (["--mode", "bogus"], "error: --mode must be one of weights, train, but got 'bogus'"),
         (["--train-steps", "5"], "--train-steps applies only to --mode train"),
         (["--noise-runs", "2"], "--noise-runs applies only to --mode train"),
-        (["--mode", "train", "--train-steps", "0"], "train_steps must be an integer >= 1, but got 0"),
-        (["--mode", "train", "--noise-runs", "-1"], "noise_runs must be an integer >= 1, but got -1"),
+        (["--mode", "train", "--train-steps", "0"], "error: --train-steps must be an integer >= 1, but got 0"),
+        (["--mode", "train", "--noise-runs", "-1"], "error: --noise-runs must be an integer >= 1, but got -1"),
+        (["--trials", "0"], "error: --trials must be >= 1, but got 0"),  # a setting's own check, named by its flag
+        (["--objective", "latency"], "error: --objective must be one of speed, memory, flops, but got 'latency'"),
     ],
 )
 def test_search_bad_mode_options(capsys, tmp_path, write_model, mlp_source, extra, expected):

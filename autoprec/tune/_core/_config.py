@@ -483,6 +483,28 @@ def search_config(
     device, `max_memory` as --max-memory reads it (a size "40GB", a share 0.8 or "80%", or a number of bytes), and
     train-mode settings refused in weights mode. `settings`: SearchConfig's other fields. Raises ValueError naming
     the setting as `spell` writes it (the CLI: its flag) and shows it as one line."""
+    try:
+        return _search_config(device, budget, compile, mode, train_steps, noise_runs, max_memory, numerics, spell, settings)
+    except ValueError as exc:  # a setting's own check names its field: named as `spell` writes it (the CLI: its flag)
+        text = str(exc)
+        field = text.split(" ", 1)[0]
+        if field in settings or field in ("mode", "budget", "compile", "max_memory", "numerics"):
+            raise ValueError(spell(field) + text[len(field) :]) from None
+        raise
+
+
+def _search_config(
+    device: str | torch.device,
+    budget: float | str | Budget | None,
+    compile: bool | None,
+    mode: object,
+    train_steps: int | None,
+    noise_runs: int | None,
+    max_memory: object,
+    numerics: str | None,
+    spell: Callable[[str], str],
+    settings: dict[str, Any],
+) -> SearchConfig:
     the_mode = parse_mode(mode)
     compiled = compile_setting(compile, device)
     if settings.get("cuda_graphs"):

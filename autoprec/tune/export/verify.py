@@ -115,7 +115,7 @@ def verify(exported: str | Path, policy: Policy, module_names: list[str], target
     wrote = _written_by(exported) if target is not None else None
     if wrote is not None and wrote != target:  # its own reader would misread it (a Python file read as JSON)
         raise UserError(
-            f"{exported}: written by 'autoprec export --to {printable(wrote)}', not --to {printable(target)}: leave "
+            f"{exported}: written by 'autoprec export --to {printable(wrote)}', not --to {printable(name)}: leave "
             f"--to out (the file names its target) or give --to {printable(wrote)}"
         )
     try:
