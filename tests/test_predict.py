@@ -269,8 +269,10 @@ def test_predict_scales_to_the_given_tokens_and_prices_a_policy_file(capsys, tmp
         (["--target", "a100", "--format", "fp8"], "--target must be one of b200, h100, h200, gb200, but got 'a100'"),
         (
             ["--target", "h100", "--format", "nvfp4"],
-            "target h100 (NVIDIA H100 SXM5) runs fp32, bf16, fp16, fp8: nvfp4 needs nvfp4",
+            "target h100 (NVIDIA H100 SXM5) runs fp32, bf16, fp16, fp8, not the nvfp4 GEMMs nvfp4 needs: --target b200 "
+            "or gb200 runs it; or predict a format h100 runs",
         ),
+        (["--target", "h100", "--policy", "missing.json"], "error: --policy missing.json: no such policy file\n"),
         (["--target", "h100", "--format", "int3"], "--format must be one of"),
         (["--target", "h100", "--format", "fp8", "--tokens", "1_0"], "--tokens 1_0: give the tokens (rows) of one training step"),
         (["--target", "h100", "--format", "fp8", "--tokens", "0"], "a whole number > 0"),
@@ -280,6 +282,17 @@ def test_predict_refuses_a_mistake_in_one_line_with_exit_code_2(args, said, caps
     path = write_model(small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"))
     code, out, err = run([str(path), *args], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and said in err, err
+
+
+def test_predict_of_a_buggy_loss_names_its_error_once_and_points_at_the_loss(capsys, write_model):
+    source = small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n")
+    source = source.replace(
+        "    return nn.functional.cross_entropy(", "    raise RuntimeError('shapes do not match')\n    return ("
+    )
+    code, out, err = run([str(write_model(source)), "--target", "h100", "--format", "fp8"], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "(RuntimeError: shapes do not match)" in err and "RuntimeError: RuntimeError" not in err
+    assert "check that it runs on a real batch" in err and "--tokens" not in err
 
 
 def test_predict_refuses_a_policy_naming_no_module_and_a_model_that_cannot_be_built_on_meta(capsys, tmp_path, write_model):

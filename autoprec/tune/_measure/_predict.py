@@ -547,14 +547,15 @@ def meta_step(task: Task) -> Step:
     except StopIteration:
         raise UserError(f"{task.path}: batches('train') gave no batch; predict takes the tokens of a step from one") from None
     except Exception as exc:
-        raise UserError(f"{task.path}: batches('train') failed: {type(exc).__name__}: {describe_error(exc, 200)}") from exc
+        raise UserError(f"{task.path}: batches('train') failed: {describe_error(exc, 200)}") from exc
     batch = to_device(batch, meta)
     try:
         step = trace_step(model, lambda: task.loss_fn(model, batch))
     except Exception as exc:
         raise UserError(
-            f"{task.path}: loss_fn could not run on the meta device ({type(exc).__name__}: {describe_error(exc, 200)}); give "
-            "--tokens and a loss that runs without values, or check that the model computes nothing from its values"
+            f"{task.path}: loss_fn could not run on the meta device ({describe_error(exc, 200)}): predict runs it on "
+            "shapes without values; check that it runs on a real batch (a bug there shows here too) and reads no "
+            "tensor's value (.item(), a shape computed from values)"
         ) from exc
     if not step.linears:
         raise UserError(f"{task.path}: the model calls no nn.Linear in loss_fn: nothing for a format to speed up")
@@ -581,7 +582,7 @@ def command(
     `fmt`, every Linear in it) on `target`, as (the --json object, the text). UserError for a user's mistake."""
     from autoprec.formats import parse_format
     from autoprec.policy import load_policy
-    from autoprec.tune._core._targets import target_named
+    from autoprec.tune._core._targets import target_named, targets
     from autoprec.tune._measure._task import load_task
 
     try:
@@ -598,6 +599,8 @@ def command(
     if fmt is None:
         try:
             given = load_policy(policy or "")
+        except UserError as exc:  # it names the file already
+            raise UserError(f"--policy {exc}") from None
         except ValueError as exc:
             raise UserError(f"--policy {policy}: {exc}") from None
     step = meta_step(load_task(model))
@@ -618,10 +621,12 @@ def command(
         label = str(policy)
     missing = lacking(set(chosen.layers.values()), device)
     if missing:
-        need = "; ".join(f"{f} needs {', '.join(p)}" for f, p in missing.items())
+        fmt_name, needs = next(iter(sorted(missing.items())))
+        able = [t.name for t in targets() if not lacking({Format(fmt_name)}, t)]
+        where = f"--target {' or '.join(able)} runs it" if able else "no registered target runs it"
         raise UserError(
-            f"target {device.name} ({device.device}) runs {', '.join(device.runs)}: {need}; predict a format it runs, "
-            "or another --target"
+            f"target {device.name} ({device.device}) runs {', '.join(device.runs)}, not the {', '.join(needs)} GEMMs "
+            f"{fmt_name} needs: {where}; or predict a format {device.name} runs"
         )
     base, mine = predict(step, baseline(), device), predict(step, chosen, device)
     value = base.ms / mine.ms if mine.ms > 0 else 1.0
