@@ -77,6 +77,11 @@ def parse_budget(value: object) -> Budget:
             f"{value!r} (ASCII digits, without '_')"
         ) from None
     number = check_budget(number, shown=value)
+    if relative and number > 100:  # a drop larger than the metric itself lets every policy pass: a slip for 1.5%
+        raise ValueError(
+            f"a relative budget is at most 100% (a drop of the whole fp32 metric), but got {value!r}; for a drop "
+            f"of {number / 100:g}% write {number / 100:g}%, and for no limit an absolute number in the metric's units"
+        )
     return Budget(number / 100 if relative else number, relative=relative)
 
 
