@@ -117,7 +117,10 @@ SPACE_ERRORS = {
     "no-layers": ("trials: 3\n", ["layers must map torch.nn class names"]),
     "empty-file": ("", ["must be a mapping"]),
     "not-a-mapping": ("- Linear\n", ["must be a mapping"]),
-    "invalid-yaml": ("layers:\n  Linear: [fp32, bf16\n", ["not valid YAML"]),
+    "invalid-yaml": (  # one line, where and what, not PyYAML's lines quoting "<unicode string>"
+        "layers:\n  Linear: [fp32, bf16\n",
+        ["not valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)"],
+    ),
     "bad-sampler": ("layers: {Linear: [fp32]}\nsampler: grid\n", ["sampler must be one of tpe, random", "'grid'"]),
     "trials-zero": ("layers: {Linear: [fp32]}\ntrials: 0\n", ["trials must be >= 1"]),
     "trials-not-a-number": ("layers: {Linear: [fp32]}\ntrials: many\n", ["many"]),
@@ -163,6 +166,7 @@ SPACE_ERRORS = {
 def test_load_space_errors(tmp_path, case):
     text, expected = SPACE_ERRORS[case]
     msg = space_error(write_space(tmp_path, text))
+    assert "\n" not in msg  # the CLI prints it as one line
     for part in expected:
         assert part in msg
 

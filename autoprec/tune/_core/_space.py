@@ -362,6 +362,17 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         _check_bounds(text)
         return space_from_dict(yaml.safe_load(text), source)
     except yaml.YAMLError as exc:
-        raise UserError(f"{source}: not valid YAML: {exc}") from None
+        raise UserError(f"{source}: not valid YAML{_yaml_problem(exc)}") from None
     except (ValueError, TypeError) as exc:
         raise UserError(f"{source}: {exc}") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error as one line: where (line and column, counted from 1) and what, with what it was reading; its
+    own text spans several lines and quotes the source as "<unicode string>"."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return f": {' '.join(str(exc).split())}"
+    context = getattr(exc, "context", None)
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
