@@ -40,7 +40,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(profile_summary(prof.rows))
     print()
     print(gradient_summary(prof.rows, prof.advice()))
-    names = ", ".join(p.name for p in [path.with_name("grad_ranges.csv"), *pngs])
+    names = ", ".join(p.name for p in [path.with_name("profile.json"), path.with_name("grad_ranges.csv"), *pngs])
     print(f"\nfp32 metric {prof.fp32_metric:.6g} ({prof.metric_name}) on {prof.device}; wrote {path}, {names}")
     print()
     print(breaks_summary(prof.rows))  # last: the short answer to "which layer breaks?"

@@ -204,7 +204,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(result.summary())
         print(
-            f"\nwrote {out / 'policy.json'}, profile.csv, grad_ranges.csv, trials.csv, finalists.csv, summary.md, profile.png, "
+            f"\nwrote {out / 'policy.json'}, profile.csv, profile.json, grad_ranges.csv, trials.csv, finalists.csv, summary.md, profile.png, "
             f"grad_ranges.png (study {result.study_name!r} in {result.storage})"
         )
         measured = result.policy.measured or {}
