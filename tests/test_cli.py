@@ -65,6 +65,22 @@ def test_search_of_a_folder_names_its_model_py(capsys, tmp_path, write_model, ml
     assert_user_error(code, err, f"{tmp_path}: a folder, not a model.py; give its model.py: {tmp_path / 'model.py'}")
 
 
+def test_a_space_the_goal_refuses_and_an_out_that_is_a_file_are_refused_before_model_py_is_built(capsys, tmp_path, write_model):
+    """Building a large model takes minutes: what can be refused without it is refused first (here build_model would
+    fail, and its error is not the one shown)."""
+    path = write_model("def build_model():\n    raise RuntimeError('built')\n\ndef batches(split):\n    return []\n\n"
+                       "def loss_fn(model, batch):\n    return 0\n")  # fmt: skip
+    space = tmp_path / "space.yaml"
+    space.write_text("layers:\n  Linear: [bf16, fp8]\n")
+    code, _, err = search(capsys, tmp_path, path, "--space", space)
+    assert_user_error(code, err, "layers.Linear must include fp32")
+    (tmp_path / "afile").write_text("")
+    code, _, err = search(capsys, tmp_path, path, "--out", tmp_path / "afile")
+    assert_user_error(code, err, "a file, not a folder")
+    code, _, err = search(capsys, tmp_path, path)
+    assert_user_error(code, err, "built")  # and with neither, build_model's own error
+
+
 def test_search_model_import_fails(capsys, tmp_path, write_model):
     path = write_model('raise RuntimeError("boom")\n')
     code, _, err = search(capsys, tmp_path, path)

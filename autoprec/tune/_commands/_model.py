@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,9 +16,10 @@ from autoprec.errors import UserError
 from autoprec.formats import default_device
 from autoprec.formats.float8 import torchao_loading_quietly
 from autoprec.tune._commands._verb import say
-from autoprec.tune._core._space import load_space
+from autoprec.tune._core._space import SearchSpace, load_space
 from autoprec.tune._measure._ranks import sharded
 from autoprec.tune._measure._task import load_task, prepare
+from autoprec.tune._search._out_dir import check_not_a_file
 
 
 def model_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,9 +86,25 @@ def folder_name(name: str) -> str:
     return "_" * max(1, len(name)) if name in ("", ".", "..") else name
 
 
-def prepare_model(args: argparse.Namespace, device: torch.device, *, compiled: bool):
+def prepare_model(
+    args: argparse.Namespace,
+    device: torch.device,
+    *,
+    compiled: bool,
+    check_space: Callable[[SearchSpace], object] | None = None,
+):
     """model.py loaded and prepared on `device` (model_device's), the search space with --exclude applied, and the
-    workload, sharded under torchrun; one line says where it runs and how (`compiled`: as the config decided)."""
+    workload, sharded under torchrun; one line says where it runs and how (`compiled`: as the config decided).
+    Refused first, before model.py is built (which may take minutes): --out naming a file, and a space file that
+    `check_space` (a goal's Goal.check_space, ValueError naming the list) refuses."""
+    if args.out:
+        check_not_a_file(Path(args.out))
+    space = load_space(args.space)
+    if check_space is not None:
+        try:
+            check_space(space)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     noise = getattr(args, "library_noise", None)  # None under --debug, which shows libraries' lines
     # torchao imported by model.py (through transformers, say) logs its loader's noise while model.py may be setting
     # up handlers of its own (logging.basicConfig) that LibraryNoise has not covered yet; torchao is not imported here
@@ -94,7 +112,6 @@ def prepare_model(args: argparse.Namespace, device: torch.device, *, compiled: b
         task = load_task(args.model)
     if noise is not None:  # a library model.py imported may have set up its own handler
         noise.cover()
-    space = load_space(args.space)
     workload = prepare(task, device)
     try:
         space = space.with_excludes(args.exclude or (), workload.model)

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import math
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -15,10 +16,11 @@ from autoprec.tune._api import search_and_report, sweep_and_report
 from autoprec.tune._commands._model import model_arguments, model_device, out_dir, prepare_model
 from autoprec.tune._commands._verb import Verb, print_json, say
 from autoprec.tune._core._budget import DEFAULT, parse_budget_list
-from autoprec.tune._core._config import search_config
+from autoprec.tune._core._config import SearchConfig, search_config
 from autoprec.tune._core._credentials import hide_credentials
 from autoprec.tune._core._goal import DEFAULT_GOAL, objective_help, objective_metavar
 from autoprec.tune._core._numbers import parse_decimal, parse_integer
+from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._core._targets import targets as planned_for
 
 
@@ -158,6 +160,12 @@ def search_settings(args: argparse.Namespace, device: torch.device, budget=None)
         raise UserError(str(exc)) from None
 
 
+def _space_check(config: SearchConfig) -> Callable[[SearchSpace], object]:
+    """The goal's check of the space file (Goal.check_space, which the pipeline asks again), for prepare_model to
+    ask before model.py is built."""
+    return lambda space: config.objective.check_space(space, config)
+
+
 def _time_budget(args: argparse.Namespace) -> float | None:
     """--time-budget MINUTES as SearchConfig's seconds."""
     minutes = getattr(args, "time_budget", None)
@@ -192,7 +200,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UserError(f"--budget {args.budget}: one budget; for several, run autoprec sweep --budgets {args.budget}")
     device = model_device(args)
     config = search_settings(args, device, budget=specs[0])
-    task, space, workload = prepare_model(args, device, compiled=config.compile)
+    task, space, workload = prepare_model(args, device, compiled=config.compile, check_space=_space_check(config))
     out = args.out_dir = out_dir(args, task)
     command = command_line("search", config.storage)
     result = search_and_report(workload, space, config, out, command=command, announce=_announce(args, "--budget"))
@@ -225,7 +233,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     specs = _budgets(args, "--budgets", args.budgets)
     device = model_device(args)
     config = search_settings(args, device)
-    task, space, workload = prepare_model(args, device, compiled=config.compile)
+    task, space, workload = prepare_model(args, device, compiled=config.compile, check_space=_space_check(config))
     out = args.out_dir = out_dir(args, task)
     if config.study_name is None:  # beside a search's study in the same storage, not mixed with it
         config = dataclasses.replace(config, study_name=f"{task.name}-sweep")

@@ -48,12 +48,17 @@ def disk_full(exc: BaseException | None) -> OSError | None:
     return None
 
 
+def check_not_a_file(out_dir: Path) -> None:
+    """Refuse an output folder that is a file (the command line asks before model.py is built)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir}: a file, not a folder; give a folder for the results")
+
+
 def check_out_dir(workload: Workload, out_dir: Path) -> None:
     """Refuse, before anything is written, an output folder that holds another model's results (its saved
     profile or policy file names another model or structure), or whose policy.json cannot be written."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir}: a file, not a folder; give a folder for the results")
+    check_not_a_file(out_dir)
     mine = (workload.task.name, model_fingerprint(workload.model))
     for name, read in (
         ("profile.json", lambda d: (d.get("model"), d.get("fingerprint"))),
