@@ -83,6 +83,10 @@ def test_finals_judged_against_another_budget_and_their_noisiest_spread():
     assert [r.feasible for r in f.within(0.005)] == [True, False, False]
     assert [r.feasible for r in f.within(0.05)] == [True, True, False]  # a candidate that did not run never fits
     assert f.noisiest() == 0.2 and Finals().noisiest() == 0.0  # the failed run's spread is not the machine's
+    # fp32 put out of the running after 2 of 7 rounds (a GPU's bf16 10x faster): its range is no ranking's noise
+    retired = finals({"candidate": "fp32", "spread": 0.4, "rounds": 2}, {"candidate": "uniform bf16", "spread": 0.01, "rounds": 7},
+                     {"candidate": "trial 3", "spread": 0.02, "rounds": 7})  # fmt: skip
+    assert retired.noisiest() == 0.02
 
 
 def test_finals_round_trip_through_csv_with_empty_cells_and_errors(tmp_path):

@@ -147,9 +147,16 @@ class Finals(Sequence[Measurement]):
         return Finals(dataclasses.replace(r, **changes) for r in self._rows)
 
     def noisiest(self, *, device_only: bool = False) -> float:
-        """The widest step-time spread among the candidates that ran (0 when none did); `device_only`: among those
-        not host-bound (a host-bound step's spread is the host's jitter, not a noisy device's)."""
-        spreads = [r.spread for r in self._rows if r.runs and math.isfinite(r.spread) and not (device_only and r.host_bound)]
+        """The widest step-time spread among the candidates that ran (0 when none did), leaving out a candidate timed
+        fewer rounds than the most (put out of the running early: its few rounds' spread is their range, and it ranks
+        nothing); `device_only`: among those not host-bound (a host-bound step's spread is the host's jitter, not a
+        noisy device's)."""
+        most = max((r.rounds for r in self._rows if r.runs), default=0)
+        spreads = [
+            r.spread
+            for r in self._rows
+            if r.runs and r.rounds == most and math.isfinite(r.spread) and not (device_only and r.host_bound)
+        ]
         return max(spreads, default=0.0)
 
     def to_frame(self) -> pd.DataFrame:

@@ -300,7 +300,9 @@ def measure_steps_or_fail(
             trainers[name] = trainer
         work: dict[str, Callable[[], object]] = dict(trainers)  # a Trainer is a Step: its call, its model
         timings = (
-            interleaved_times(work, workload.device, config, progress=progress, enough=enough, more=more, retire=retire)
+            interleaved_times(
+                work, workload.device, config, progress=progress, enough=enough, more=more, retire=_sound(retire, trainers)
+            )
             if work
             else {}
         )
@@ -309,6 +311,20 @@ def measure_steps_or_fail(
             return stats, failed
         # after the timing, never inside it
         return {n: dataclasses.replace(s, peak_bytes=peak_memory_or_none(trainers[n], n)) for n, s in stats.items()}, failed
+
+
+def _sound(
+    retire: Callable[[Mapping[str, Sequence[float]]], Collection[str]] | None, trainers: Mapping[str, Trainer]
+) -> Callable[[Mapping[str, Sequence[float]]], Collection[str]] | None:
+    """`retire` shown only the candidates whose steps so far were all finite and taken (none the GradScaler skipped):
+    another's raw step time is not what it would cost to train with, so it puts no one out of the running."""
+    if retire is None:
+        return None
+
+    def sound(samples: Mapping[str, Sequence[float]]) -> Collection[str]:
+        return retire({n: v for n, v in samples.items() if trainers[n].finite and not trainers[n].skipped})
+
+    return sound
 
 
 def largest_batch(workload: Workload) -> int:

@@ -226,7 +226,8 @@ def out_of_the_running(within: Collection[str]) -> Callable[[Mapping[str, Sequen
     """interleaved_times' `retire` for the final re-measure: the candidates each of whose rounds so far (RETIRE_ROUNDS
     at least: one round's stall is not a verdict) was slower a step than GROSS_SLOWDOWN x the slowest round of a
     candidate in `within` (fp32 always: its drop is 0): out of the running whatever the noise, since that one is
-    within every budget and faster. They are timed no more, and their rounds so far are their row. On a CPU without
+    within every budget and faster (measure_steps_or_fail shows it only the candidates whose steps so far were finite
+    and taken). They are timed no more, and their rounds so far are their row. On a CPU without
     fast bf16 that is uniform bf16 (30x fp32's step); on a GPU, fp32 itself (10x a bf16 step of seconds)."""
     fair = {FP32, *within}
 
@@ -259,7 +260,7 @@ def final_remeasure(
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     # the metrics first: a candidate within budget may put another out of the running while the rounds go on. Within
     # the smallest budget (a sweep's), so a candidate retired is out of the running for every budget; with a memory
-    # limit, fp32 alone, since a faster candidate may not fit it
+    # limit, fp32 alone (as before the other bars), since a faster candidate may not fit it
     start = time.perf_counter()
     judged = judge_metrics(judge, candidates)
     smallest = judge.budgets.smallest
