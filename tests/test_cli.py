@@ -159,6 +159,7 @@ def test_a_numeric_option_in_other_than_ascii_digits_is_refused_naming_it_and_th
         (["search"], "autoprec search: error: the following arguments are required: model"),
         (["export", "policy.json", "--to", "onnx"], "autoprec export: error: argument --to: invalid choice: 'onnx'"),
         (["predict", "model.py", "--target", "h100"], "autoprec predict: error: "),
+        (["search", "model.py", "--bogus"], "autoprec search: error: unrecognized arguments: --bogus"),  # a typo
     ],
 )
 def test_a_mistake_the_option_parser_finds_is_one_line_naming_where_the_options_are_listed(capsys, argv, part):

@@ -284,6 +284,17 @@ def test_predict_refuses_a_mistake_in_one_line_with_exit_code_2(args, said, caps
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and said in err, err
 
 
+def test_predict_of_a_policy_with_two_formats_the_target_lacks_names_both_and_targets_that_run_both(
+    capsys, tmp_path, write_model
+):
+    path = write_model(small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 4))\n"))
+    policy = tmp_path / "p.json"
+    Policy(layers={ROOT: Format.BF16, "0": Format.MXFP8, "1": Format.NVFP4}).save(policy)
+    code, _, err = run([str(path), "--target", "h100", "--policy", str(policy)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "not the mxfp8 GEMMs mxfp8 needs, the nvfp4 GEMMs nvfp4 needs: --target b200 or gb200 runs them" in err
+
+
 def test_predict_of_a_buggy_loss_names_its_error_once_and_points_at_the_loss(capsys, write_model):
     source = small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n")
     source = source.replace(

@@ -121,6 +121,10 @@ SPACE_ERRORS = {
         "layers:\n  Linear: [fp32, bf16\n",
         ["not valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)"],
     ),
+    "yaml-control-character": (
+        "layers:\n  Linear: [fp32\x07]\n",
+        ["not valid YAML at line 2, column 16: character #x0007 (special characters are not allowed)"],
+    ),
     "bad-sampler": ("layers: {Linear: [fp32]}\nsampler: grid\n", ["sampler must be one of tpe, random", "'grid'"]),
     "trials-zero": ("layers: {Linear: [fp32]}\ntrials: 0\n", ["trials must be >= 1"]),
     "trials-not-a-number": ("layers: {Linear: [fp32]}\ntrials: many\n", ["many"]),

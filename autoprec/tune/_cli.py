@@ -127,7 +127,19 @@ class _Parser(argparse.ArgumentParser):
     subparsers are of this class too (add_subparsers' default)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {printable(message)} ({self.prog} --help lists the options)\n")
+        self._refuse(self.prog, message)
+
+    def _refuse(self, prog: str, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"{prog}: error: {printable(message)} ({prog} --help lists the options)\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def, override]
+        # a verb's parser hands the options it does not know up to this one: named with the verb whose --help lists
+        # the right ones (`autoprec search m.py --bogus`), not with the top level's
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            verb = getattr(parsed, "verb", None)
+            self._refuse(f"{self.prog} {verb}" if verb else self.prog, f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:

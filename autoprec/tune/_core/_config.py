@@ -488,7 +488,8 @@ def search_config(
     except ValueError as exc:  # a setting's own check names its field: named as `spell` writes it (the CLI: its flag)
         text = str(exc)
         field = text.split(" ", 1)[0]
-        if field in settings or field in ("mode", "budget", "compile", "max_memory", "numerics"):
+        named = field in settings or field in ("mode", "budget", "compile", "max_memory", "numerics")
+        if named and spell(field) not in text:  # a message that names the flag itself already is left as it is
             raise ValueError(spell(field) + text[len(field) :]) from None
         raise
 

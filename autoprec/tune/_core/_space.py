@@ -362,17 +362,22 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         _check_bounds(text)
         return space_from_dict(yaml.safe_load(text), source)
     except yaml.YAMLError as exc:
-        raise UserError(f"{source}: not valid YAML{_yaml_problem(exc)}") from None
+        raise UserError(f"{source}: not valid YAML{_yaml_problem(exc, text)}") from None
     except (ValueError, TypeError) as exc:
         raise UserError(f"{source}: {exc}") from None
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
+def _yaml_problem(exc: yaml.YAMLError, text: str) -> str:
     """PyYAML's error as one line: where (line and column, counted from 1) and what, with what it was reading; its
     own text spans several lines and quotes the source as "<unicode string>"."""
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None)
-    if mark is None or problem is None:
-        return f": {' '.join(str(exc).split())}"
-    context = getattr(exc, "context", None)
-    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+    if mark is not None and problem is not None:
+        context = getattr(exc, "context", None)
+        return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+    if isinstance(exc, yaml.reader.ReaderError) and isinstance(exc.position, int):  # a character YAML refuses
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        shown = f"#x{exc.character:04x}" if isinstance(exc.character, int) else repr(exc.character)
+        return f" at line {line}, column {column}: character {shown} ({exc.reason})"
+    return f": {' '.join(str(exc).split())}"

@@ -619,14 +619,16 @@ def command(
                 f"{', '.join(repr(n) for n in list(step.modules)[1:3])})"
             )
         label = str(policy)
-    missing = lacking(set(chosen.layers.values()), device)
+    formats = set(chosen.layers.values())
+    missing = lacking(formats, device)
     if missing:
-        fmt_name, needs = next(iter(sorted(missing.items())))
-        able = [t.name for t in targets() if not lacking({Format(fmt_name)}, t)]
-        where = f"--target {' or '.join(able)} runs it" if able else "no registered target runs it"
+        needs = ", ".join(f"the {', '.join(p)} GEMMs {f} needs" for f, p in sorted(missing.items()))
+        able = [t.name for t in targets() if not lacking(formats, t)]  # every format the candidate has, not just these
+        it = "it" if len(missing) == 1 else "them"
+        where = f"--target {' or '.join(able)} runs {it}" if able else f"no registered target runs {it} all"
         raise UserError(
-            f"target {device.name} ({device.device}) runs {', '.join(device.runs)}, not the {', '.join(needs)} GEMMs "
-            f"{fmt_name} needs: {where}; or predict a format {device.name} runs"
+            f"target {device.name} ({device.device}) runs {', '.join(device.runs)}, not {needs}: {where}; or predict "
+            f"a format {device.name} runs"
         )
     base, mine = predict(step, baseline(), device), predict(step, chosen, device)
     value = base.ms / mine.ms if mine.ms > 0 else 1.0
