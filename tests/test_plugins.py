@@ -83,10 +83,15 @@ def test_a_plugin_file_given_before_the_verb_offers_its_export_target_goal_and_t
     code, out, err = run(capsys, "--plugin", plugin, "export", tmp_path / "policy.json", "--to", "toyplug-lines")
     assert code == 0, err
     assert (tmp_path / "policy_toyplug-lines.txt").read_text().splitlines() == ["a bf16", "b fp32"]
-    # a goal and a target: accepted by search's options, which are checked before model.py is read (here, none)
+    # a goal and a target: accepted by search's options and by the goal's check of the space (a space of formats the
+    # toy target runs), which come before model.py is read (here, none)
     model = tmp_path / "nope.py"
+    space = tmp_path / "space.yaml"
+    space.write_text("default: [fp32, bf16]\nlayers: {Linear: [fp32, bf16]}\n", encoding="utf-8")
     for extra in (("--objective", "toyplug-fewest"), ("--objective", "flops", "--target", "toyplug-gpu")):
-        code, _, err = run(capsys, f"--plugin={plugin}", "search", model, "--budget", "0.1", "--device", "cpu", *extra)
+        code, _, err = run(
+            capsys, f"--plugin={plugin}", "search", model, "--budget", "0.1", "--device", "cpu", "--space", space, *extra
+        )
         assert code == 2 and err.strip().splitlines()[-1] == f"autoprec: error: {model}: no such file", err
     # given twice in one process (main() runs again): imported once, nothing registered twice
     code, _, err = run(
