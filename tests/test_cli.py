@@ -160,6 +160,7 @@ def test_a_numeric_option_in_other_than_ascii_digits_is_refused_naming_it_and_th
         (["export", "policy.json", "--to", "onnx"], "autoprec export: error: argument --to: invalid choice: 'onnx'"),
         (["predict", "model.py", "--target", "h100"], "autoprec predict: error: "),
         (["search", "model.py", "--bogus"], "autoprec search: error: unrecognized arguments: --bogus"),  # a typo
+        (["--pluginn=x.py", "search", "model.py"], "autoprec: error: unrecognized arguments: --pluginn=x.py"),  # before it
     ],
 )
 def test_a_mistake_the_option_parser_finds_is_one_line_naming_where_the_options_are_listed(capsys, argv, part):
@@ -309,6 +310,8 @@ def test_a_non_finite_number_in_the_space_is_refused_before_profiling(capsys, tm
         (["--mode", "train", "--noise-runs", "-1"], "error: --noise-runs must be an integer >= 1, but got -1"),
         (["--trials", "0"], "error: --trials must be >= 1, but got 0"),  # a setting's own check, named by its flag
         (["--objective", "latency"], "error: --objective must be one of speed, memory, flops, but got 'latency'"),
+        # a message that names the flag already is left as written
+        (["--objective", "flops", "--target", "h100", "--max-memory", "40GB"], "error: max_memory (--max-memory) needs"),
     ],
 )
 def test_search_bad_mode_options(capsys, tmp_path, write_model, mlp_source, extra, expected):

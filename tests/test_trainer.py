@@ -98,20 +98,21 @@ def test_a_too_high_loss_scale_skips_steps_and_costs_throughput(workload):
     assert stats["fp32"].effective_ms == stats["fp32"].timing.median_ms
 
 
-def test_a_candidate_whose_steps_the_scaler_skipped_puts_no_one_out_of_the_running(workload):
-    """The retire rule sees only candidates whose steps were all finite and taken: one whose GradScaler skips updates
-    nothing, so its fast raw steps are no bar for the others (its effective step time is infinite)."""
+def test_the_retire_rule_judges_effective_step_times_so_a_candidate_whose_steps_are_all_skipped_is_infinitely_slow(workload):
+    """A step the GradScaler skips updates nothing: a candidate skipping every step is no bar for the others, however
+    fast its raw steps, and is itself out of the running (its effective step time is infinite)."""
     from autoprec.tune._measure._trainer import measure_steps_or_fail
 
     high = Policy(layers={"head": "fp16"}, loss_scale=LossScale(init_scale=2.0**30))  # every step skipped
     seen = []
 
     def retire(samples):
-        seen.append(set(samples))
+        seen.append({name: list(v) for name, v in samples.items()})
         return set()
 
     measure_steps_or_fail(workload, {"high": high, "fp32": Policy()}, FAST, retire=retire, peak_memory=False)
-    assert seen and all(names == {"fp32"} for names in seen)
+    assert seen and all(set(s) == {"high", "fp32"} for s in seen)
+    assert all(math.isinf(x) for s in seen for x in s["high"]) and all(math.isfinite(x) for s in seen for x in s["fp32"])
 
 
 def test_without_fp16_nothing_is_skipped(workload):

@@ -137,8 +137,10 @@ class _Parser(argparse.ArgumentParser):
         # the right ones (`autoprec search m.py --bogus`), not with the top level's
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
+            argv = list(sys.argv[1:] if args is None else args)
             verb = getattr(parsed, "verb", None)
-            self._refuse(f"{self.prog} {verb}" if verb else self.prog, f"unrecognized arguments: {' '.join(extras)}")
+            after = verb in argv and extras[0] in argv and argv.index(extras[0]) > argv.index(verb)
+            self._refuse(f"{self.prog} {verb}" if after else self.prog, f"unrecognized arguments: {' '.join(extras)}")
         return parsed
 
 

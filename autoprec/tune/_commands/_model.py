@@ -97,7 +97,8 @@ def prepare_model(
     workload, sharded under torchrun; one line says where it runs and how (`compiled`: as the config decided).
     Refused first, before model.py is built (which may take minutes): --out naming a file, and a space file that
     `check_space` (a goal's Goal.check_space, ValueError naming the list) refuses."""
-    if args.out:
+    ranks = getattr(args, "ranks", None)
+    if args.out and not (ranks is not None and ranks[0]):  # rank 0 writes the results: its disk is the one asked
         check_not_a_file(Path(args.out))
     space = load_space(args.space)
     if check_space is not None:
@@ -118,7 +119,6 @@ def prepare_model(
     except ValueError as exc:
         raise UserError(f"--{exc}") from None
     how = "compiled" if compiled else "eager"
-    ranks = getattr(args, "ranks", None)
     if ranks is not None:
         workload = _sharded(args, task, workload)
         how += f", sharded over {ranks[1]} ranks by {task.path.name}'s parallelize"

@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import math
 import numbers
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -489,7 +490,8 @@ def search_config(
         text = str(exc)
         field = text.split(" ", 1)[0]
         named = field in settings or field in ("mode", "budget", "compile", "max_memory", "numerics")
-        if named and spell(field) not in text:  # a message that names the flag itself already is left as it is
+        flag = re.compile(rf"(?<![\w-]){re.escape(spell(field))}(?![\w-])")
+        if named and not flag.search(text):  # a message that names the flag itself already is left as it is
             raise ValueError(spell(field) + text[len(field) :]) from None
         raise
 

@@ -625,7 +625,7 @@ def command(
         needs = ", ".join(f"the {', '.join(p)} GEMMs {f} needs" for f, p in sorted(missing.items()))
         able = [t.name for t in targets() if not lacking(formats, t)]  # every format the candidate has, not just these
         it = "it" if len(missing) == 1 else "them"
-        where = f"--target {' or '.join(able)} runs {it}" if able else f"no registered target runs {it} all"
+        where = f"--target {' or '.join(able)} runs {it}" if able else "no registered target runs every format it holds"
         raise UserError(
             f"target {device.name} ({device.device}) runs {', '.join(device.runs)}, not {needs}: {where}; or predict "
             f"a format {device.name} runs"

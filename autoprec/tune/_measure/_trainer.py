@@ -301,7 +301,7 @@ def measure_steps_or_fail(
         work: dict[str, Callable[[], object]] = dict(trainers)  # a Trainer is a Step: its call, its model
         timings = (
             interleaved_times(
-                work, workload.device, config, progress=progress, enough=enough, more=more, retire=_sound(retire, trainers)
+                work, workload.device, config, progress=progress, enough=enough, more=more, retire=_effective(retire, trainers)
             )
             if work
             else {}
@@ -313,18 +313,24 @@ def measure_steps_or_fail(
         return {n: dataclasses.replace(s, peak_bytes=peak_memory_or_none(trainers[n], n)) for n, s in stats.items()}, failed
 
 
-def _sound(
+def _effective(
     retire: Callable[[Mapping[str, Sequence[float]]], Collection[str]] | None, trainers: Mapping[str, Trainer]
 ) -> Callable[[Mapping[str, Sequence[float]]], Collection[str]] | None:
-    """`retire` shown only the candidates whose steps so far were all finite and taken (none the GradScaler skipped):
-    another's raw step time is not what it would cost to train with, so it puts no one out of the running."""
+    """`retire` shown each candidate's effective step times so far (StepStats.effective_ms: a step its GradScaler
+    skipped updates nothing, so the time counts for the steps taken; inf where a loss went non-finite or every step
+    was skipped), so a candidate is put out of the running, and puts others out, by what training with it costs."""
     if retire is None:
         return None
 
-    def sound(samples: Mapping[str, Sequence[float]]) -> Collection[str]:
-        return retire({n: v for n, v in samples.items() if trainers[n].finite and not trainers[n].skipped})
+    def effective(samples: Mapping[str, Sequence[float]]) -> Collection[str]:
+        shown = {}
+        for name, ms in samples.items():
+            trainer = trainers[name]
+            taken = 1 - trainer.skipped / trainer.steps if trainer.steps else 1.0
+            shown[name] = [x / taken for x in ms] if trainer.finite and taken > 0 else [math.inf] * len(ms)
+        return retire(shown)
 
-    return sound
+    return effective
 
 
 def largest_batch(workload: Workload) -> int:
