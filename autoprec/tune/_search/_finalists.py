@@ -226,9 +226,10 @@ def out_of_the_running(within: Collection[str]) -> Callable[[Mapping[str, Sequen
     """interleaved_times' `retire` for the final re-measure: the candidates each of whose rounds so far (RETIRE_ROUNDS
     at least: one round's stall is not a verdict) was slower a step than GROSS_SLOWDOWN x the slowest round of a
     candidate in `within` (fp32 always: its drop is 0): out of the running whatever the noise, since that one is
-    within every budget and faster (measure_steps_or_fail shows it effective step times: a skipped step's time counts
-    for the steps taken, a non-finite loss as infinitely slow). They are timed no more, and their rounds so far are their row. On a CPU without
-    fast bf16 that is uniform bf16 (30x fp32's step); on a GPU, fp32 itself (10x a bf16 step of seconds)."""
+    within every budget and faster (measure_steps_or_fail shows it effective step times: a skipped step's time
+    counts for the steps taken, a non-finite loss as infinitely slow). They are timed no more, and their rounds so
+    far are their row. On a CPU without fast bf16 that is uniform bf16 (its step 30x fp32's); on a GPU, fp32 itself
+    (its step 10x a bf16 one's)."""
     fair = {FP32, *within}
 
     def retire(samples: Mapping[str, Sequence[float]]) -> set[str]:
