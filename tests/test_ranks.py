@@ -83,7 +83,7 @@ def test_a_sharded_search_writes_one_policy_with_its_layout_the_ranks_agree_and_
     assert policy["measured"]["layout"] == {"world_size": 2, "mesh": [2], "parallelize": "sharded_decoder.py:parallelize"}
     # rank 0 reports, once; rank 1 took its part quietly. Counted by the summary's last line, which every outcome
     # prints once (a policy that wins also names itself in the headline: "chosen:" would count the outcome)
-    assert out.count("policy.json, profile.csv, grad_ranges.csv") == 1, out
+    assert out.count("policy.json, profile.csv, profile.json, grad_ranges.csv") == 1, out
     # every candidate rank 0 measured, rank 1 built too, in the same order: only rank 0 decides one
     assert len(built(tmp_path, 0)) > 3 and built(tmp_path, 0) == built(tmp_path, 1)
     assert any('"bf16"' in line for line in built(tmp_path, 0))  # trials beyond the all-fp32 start
