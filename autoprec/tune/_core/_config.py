@@ -485,52 +485,42 @@ def search_config(
     train-mode settings refused in weights mode. `settings`: SearchConfig's other fields. Raises ValueError naming
     the setting as `spell` writes it (the CLI: its flag) and shows it as one line."""
     try:
-        return _search_config(device, budget, compile, mode, train_steps, noise_runs, max_memory, numerics, spell, settings)
-    except ValueError as exc:  # a setting's own check names its field: named as `spell` writes it (the CLI: its flag)
-        text = str(exc)
-        field = text.split(" ", 1)[0]
-        named = field in settings or field in ("mode", "budget", "compile", "max_memory", "numerics")
-        flag = re.compile(rf"(?<![\w-]){re.escape(spell(field))}(?![\w-])")
-        if named and not flag.search(text):  # a message that names the flag itself already is left as it is
-            raise ValueError(spell(field) + text[len(field) :]) from None
-        raise
+        the_mode = parse_mode(mode)
+        compiled = compile_setting(compile, device)
+        if settings.get("cuda_graphs"):
+            _check_cuda_graphs(device, compiled, spell)
+        if "objective" in settings or "target" in settings:  # the flags' own words, before SearchConfig's
+            check_target(parse_goal(settings.get("objective", DEFAULT_GOAL)), settings.get("target"), spell)
+        if the_mode is Mode.WEIGHTS:
+            given = [spell(n) for n, value in (("train_steps", train_steps), ("noise_runs", noise_runs)) if value is not None]
+            if given:
+                verb = "apply" if len(given) > 1 else "applies"
+                raise ValueError(f"{' and '.join(given)} {verb} only to {spell('mode')} train (the mode is {the_mode.value})")
+        for name, value in (("train_steps", train_steps), ("noise_runs", noise_runs)):
+            if value is not None:  # None: SearchConfig's default
+                settings[name] = value
+        if numerics is not None:
+            settings["profile"] = dataclasses.replace(settings.get("profile", ProfileConfig()), numerics=numerics)
+        return SearchConfig(
+            budget=_given_budget(budget),
+            mode=the_mode,
+            compile=compiled,
+            max_memory=_memory_limit(max_memory, device),
+            **settings,
+        )
+    except ValueError as exc:
+        raise _spelled(exc, spell, settings) from None
 
 
-def _search_config(
-    device: str | torch.device,
-    budget: float | str | Budget | None,
-    compile: bool | None,
-    mode: object,
-    train_steps: int | None,
-    noise_runs: int | None,
-    max_memory: object,
-    numerics: str | None,
-    spell: Callable[[str], str],
-    settings: dict[str, Any],
-) -> SearchConfig:
-    the_mode = parse_mode(mode)
-    compiled = compile_setting(compile, device)
-    if settings.get("cuda_graphs"):
-        _check_cuda_graphs(device, compiled, spell)
-    if "objective" in settings or "target" in settings:  # the flags' own words, before SearchConfig's
-        check_target(parse_goal(settings.get("objective", DEFAULT_GOAL)), settings.get("target"), spell)
-    if the_mode is Mode.WEIGHTS:
-        given = [spell(n) for n, value in (("train_steps", train_steps), ("noise_runs", noise_runs)) if value is not None]
-        if given:
-            verb = "apply" if len(given) > 1 else "applies"
-            raise ValueError(f"{' and '.join(given)} {verb} only to {spell('mode')} train (the mode is {the_mode.value})")
-    for name, value in (("train_steps", train_steps), ("noise_runs", noise_runs)):
-        if value is not None:  # None: SearchConfig's default
-            settings[name] = value
-    if numerics is not None:
-        settings["profile"] = dataclasses.replace(settings.get("profile", ProfileConfig()), numerics=numerics)
-    return SearchConfig(
-        budget=_given_budget(budget),
-        mode=the_mode,
-        compile=compiled,
-        max_memory=_memory_limit(max_memory, device),
-        **settings,
-    )
+def _spelled(exc: ValueError, spell: Callable[[str], str], settings: dict[str, Any]) -> ValueError:
+    """A setting's own check names its field (SearchConfig's "trials must be ..."): named as `spell` writes it (the
+    CLI: its flag); a message that names the flag itself already is left as it is."""
+    text = str(exc)
+    field = text.split(" ", 1)[0]
+    named = field in settings or field in ("mode", "budget", "compile", "max_memory", "numerics")
+    if named and not re.search(rf"(?<![\w-]){re.escape(spell(field))}(?![\w-])", text):
+        return type(exc)(spell(field) + text[len(field) :])  # a UserError stays one
+    return exc
 
 
 def _check_cuda_graphs(device: str | torch.device, compiled: bool, spell: Callable[[str], str]) -> None:

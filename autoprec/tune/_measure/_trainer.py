@@ -239,8 +239,14 @@ class StepStats:
     @property
     def effective_ms(self) -> float:
         """Milliseconds per step that updated the weights: skipped steps are wasted work."""
-        kept = 1.0 - self.skip_fraction
-        return self.timing.median_ms / kept if kept > 0 else math.inf
+        return effective_ms(self.timing.median_ms, self.steps, self.skipped)
+
+
+def effective_ms(ms: float, steps: int, skipped: int) -> float:
+    """A step's `ms` counted for the steps that updated the weights (`skipped` of `steps` by the GradScaler: wasted
+    work); inf where every one was skipped."""
+    kept = 1.0 - (skipped / steps if steps else 0.0)
+    return ms / kept if kept > 0 else math.inf
 
 
 def fp32_step_failed(workload: Workload, what: str, detail: str, *, compiled: bool) -> UserError:
@@ -325,9 +331,8 @@ def _effective(
     def effective(samples: Mapping[str, Sequence[float]]) -> Collection[str]:
         shown = {}
         for name, ms in samples.items():
-            trainer = trainers[name]
-            taken = 1 - trainer.skipped / trainer.steps if trainer.steps else 1.0
-            shown[name] = [x / taken for x in ms] if trainer.finite and taken > 0 else [math.inf] * len(ms)
+            t = trainers[name]
+            shown[name] = [effective_ms(x, t.steps, t.skipped) if t.finite else math.inf for x in ms]
         return retire(shown)
 
     return effective

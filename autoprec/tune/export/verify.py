@@ -68,15 +68,8 @@ class Verification:
         }
 
 
-def written_by(exported: Path) -> str:
-    """The target that wrote `exported`, from its "autoprec export --to NAME" line; UserError when none is there."""
-    found = _written_by(exported)
-    if found is None:
-        raise UserError(f"{exported}: no 'autoprec export --to NAME' line in it: give --to, or verify a file autoprec exported")
-    return found
-
-
-def _written_by(exported: Path) -> str | None:
+def written_by(exported: Path) -> str | None:
+    """The target that wrote `exported`, from its "autoprec export --to NAME" line; None when none is there."""
     try:
         with open(exported, encoding="utf-8", errors="replace") as f:
             head = f.read(4096)
@@ -111,9 +104,11 @@ def verify(exported: str | Path, policy: Policy, module_names: list[str], target
     with `policy`. UserError for a policy layer in a quantized format that is no linear of the model (the policy
     was searched on another model) and for a file its target cannot read."""
     exported = Path(exported)
-    name = target or written_by(exported)
-    wrote = _written_by(exported) if target is not None else None
-    if wrote is not None and wrote != target:  # its own reader would misread it (a Python file read as JSON)
+    wrote = written_by(exported)
+    name = target or wrote
+    if name is None:
+        raise UserError(f"{exported}: no 'autoprec export --to NAME' line in it: give --to, or verify a file autoprec exported")
+    if wrote is not None and wrote != name:  # its own reader would misread it (a Python file read as JSON)
         raise UserError(
             f"{exported}: written by 'autoprec export --to {printable(wrote)}', not --to {printable(name)}: leave "
             f"--to out (the file names its target) or give --to {printable(wrote)}"
