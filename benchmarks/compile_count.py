@@ -61,7 +61,7 @@ def main() -> int:
     from autoprec.tune._core._config import ProfileConfig, TimingConfig
     from autoprec.tune._core._space import space_from_dict
     from autoprec.tune._search._out_dir import load_or_profile
-    from autoprec.tune._search._searcher import search
+    from autoprec.tune._search._pipeline import search
 
     workload = prepare(load_task(args.model), "cpu")
     space = space_from_dict({**GPU_SPACE, "trials": args.trials})

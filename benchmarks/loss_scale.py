@@ -33,7 +33,7 @@ from autoprec.tune._measure._metric import noise_floor, train_and_evaluate
 from autoprec.tune._measure._trainer import measure_steps
 from autoprec.tune._report._plots import plot_all
 from autoprec.tune._report._report import gradient_summary
-from autoprec.tune._search._searcher import search
+from autoprec.tune._search._pipeline import search
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "results/cpu-xeon-2core/loss-scale"  # where the files are written (and, for a re-check, read): --out

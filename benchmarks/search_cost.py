@@ -26,10 +26,10 @@ from autoprec import Policy, load_policy  # noqa: E402
 from autoprec.tune import SearchConfig, load_space, load_task, prepare  # noqa: E402
 from autoprec.tune._api import search_and_report  # noqa: E402
 from autoprec.tune._core._budget import Budgets  # noqa: E402
-from autoprec.tune._core._cost import cost_rows  # noqa: E402
 from autoprec.tune._core._names import BF16, FP32  # noqa: E402
 from autoprec.tune._core._records import Candidate, Measured  # noqa: E402
 from autoprec.tune._core._tables import markdown_table  # noqa: E402
+from autoprec.tune._report._results import cost_rows  # noqa: E402
 from autoprec.tune._search._finalists import remeasure  # noqa: E402
 from autoprec.tune._search._objective import Judge  # noqa: E402
 

@@ -78,7 +78,6 @@ from autoprec.tune._measure import _timing as timing  # noqa: E402
 from autoprec.tune._measure._speed import format_of  # noqa: E402
 from autoprec.tune._measure._trainer import Trainer, policy_model  # noqa: E402
 from autoprec.tune._search import _pipeline as pipeline  # noqa: E402
-from autoprec.tune._search import _searcher as searcher  # noqa: E402
 
 IQR_PER_SIGMA = 1.349  # a normal's interquartile range in sigmas
 MAX_SPREAD = 1.05  # --max-spread's default: the final re-measure's widest recorded spread (1.03), rounded up
@@ -397,7 +396,7 @@ def run_one(
     config = SearchConfig(budget=truth.trace.budget, trials=trials, seed=seed, progress=False, predict_speed=not every)
     with tempfile.TemporaryDirectory(prefix="autoprec-replay-") as folder, replaying(clock):
         start = time.perf_counter()
-        result = searcher.search(workload, replay_space(truth.trace), config, keep or folder)
+        result = pipeline.search(workload, replay_space(truth.trace), config, keep or folder)
         wall = time.perf_counter() - start
     m = Measured.of(result.policy)
     key = clock.key(policy_model(workload, result.policy))

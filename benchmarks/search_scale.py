@@ -34,7 +34,7 @@ from autoprec.tune._core._records import Candidate, Measured  # noqa: E402
 from autoprec.tune._core._space import Layout  # noqa: E402
 from autoprec.tune._search._finalists import baselines, remeasure  # noqa: E402
 from autoprec.tune._search._objective import Judge  # noqa: E402
-from autoprec.tune._search._searcher import search  # noqa: E402
+from autoprec.tune._search._pipeline import search  # noqa: E402
 
 MODEL = Path(__file__).parents[1] / "examples" / "tinylm" / "moe12.py"
 LAYOUTS = (Layout.PER_LAYER, Layout.GROUPED, Layout.RANKED)

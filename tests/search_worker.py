@@ -22,7 +22,7 @@ from timings import MODES, FormatClock
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune._core._space import space_from_dict
 from autoprec.tune._measure import _timing as timing
-from autoprec.tune._search._searcher import search
+from autoprec.tune._search._pipeline import search
 
 MODEL = Path(__file__).parent / "models" / "overflow_mlp.py"
 SPACE = {"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 100}}

@@ -72,19 +72,19 @@ def test_the_api_and_the_command_line_run_the_same_study_from_the_same_seed(tmp_
 
     space_file = tmp_path / "space.yaml"
     space_file.write_text(json.dumps(SPACE), encoding="utf-8")  # JSON is YAML
-    searcher = sys.modules["autoprec.tune._search._searcher"]
-    real = searcher.search
+    pipeline = sys.modules["autoprec.tune._search._pipeline"]
+    real = pipeline.search
 
     def quick(workload, space, config, out, **kw):  # the CLI's settings, with the same short timings as the API's
         import dataclasses
 
         return real(workload, space, dataclasses.replace(config, **FAST), out, **kw)
 
-    monkeypatch.setattr(searcher, "search", quick)
+    monkeypatch.setattr(pipeline, "search", quick)
     argv = ["search", str(MODELS / "overflow_mlp.py"), "--budget", "0.05", "--trials", "5", "--seed", "7", "--device", "cpu",
             "--out", str(tmp_path / "cli"), "--space", str(space_file), "--quiet"]  # fmt: skip
     assert main(argv) == 0
-    monkeypatch.setattr(searcher, "search", real)
+    monkeypatch.setattr(pipeline, "search", real)
     (tmp_path / "api").mkdir()
     for name in ("profile.csv", "profile.json", "grad_ranges.csv"):
         shutil.copy(tmp_path / "cli" / name, tmp_path / "api" / name)

@@ -205,7 +205,7 @@ def test_fp32_and_a_barely_faster_bf16_timed_through_a_noisy_clock_give_the_same
     from autoprec.tune import load_task, prepare
     from autoprec.tune._core._records import Candidate
     from autoprec.tune._decide._choose import choose
-    from autoprec.tune._measure._separation import separated
+    from autoprec.tune._measure._timing import separated
     from autoprec.tune._search._finalists import remeasure
 
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")

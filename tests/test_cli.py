@@ -680,7 +680,7 @@ def test_a_bad_default_journal_in_out_is_refused_before_profiling(capsys, tmp_pa
 def test_the_default_out_folder_never_leaves_results(name, folder):
     import argparse
 
-    from autoprec.tune._commands._model import folder_name, out_dir
+    from autoprec.tune._commands._shared import folder_name, out_dir
     from autoprec.tune._measure._task import Task
 
     task = Task(path=Path("/models") / name, build_model=lambda: None, batches=lambda s: [], loss_fn=lambda m, b: None)
@@ -1030,7 +1030,7 @@ def test_the_quick_starts_output_folder_is_git_ignored_and_the_committed_results
     import shutil
 
     from autoprec.tune import load_task
-    from autoprec.tune._commands._model import out_dir
+    from autoprec.tune._commands._shared import out_dir
 
     root = Path(__file__).resolve().parents[1]
     if shutil.which("git") is None or not (root / ".git").exists():

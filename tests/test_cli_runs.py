@@ -25,7 +25,7 @@ def fast(monkeypatch):
     """The verbs' own code path, with short timing: profile() and search() get fast configs."""
     profile_module, search_module = (
         sys.modules["autoprec.tune._measure._profiler"],
-        sys.modules["autoprec.tune._search._searcher"],
+        sys.modules["autoprec.tune._search._pipeline"],
     )
     real_profile, real_search = profile_module.profile, search_module.search
 

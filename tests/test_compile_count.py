@@ -15,7 +15,7 @@ from short_timing import FAST_PROFILE, TINY
 from autoprec.tune import SearchConfig, load_task, prepare
 from autoprec.tune._core._space import space_from_dict
 from autoprec.tune._search._out_dir import load_or_profile
-from autoprec.tune._search._searcher import search
+from autoprec.tune._search._pipeline import search
 
 MODELS = Path(__file__).parent / "models"
 FORMATS = ["fp32", "bf16", "fp8"]

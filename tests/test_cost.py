@@ -9,12 +9,12 @@ from timings import FASTER, FormatClock, using
 
 from autoprec import Policy
 from autoprec.tune import SearchConfig, load_task, prepare, profile
-from autoprec.tune._core._cost import Stopwatch, cost_rows
 from autoprec.tune._core._records import Measured
 from autoprec.tune._core._space import space_from_dict
-from autoprec.tune._report._results import search_summary
+from autoprec.tune._measure._timing import Stopwatch
+from autoprec.tune._report._results import cost_rows, search_summary
 from autoprec.tune._search._objective import Judge
-from autoprec.tune._search._searcher import search
+from autoprec.tune._search._pipeline import search
 
 # Three blocks of the same shape, and a head of another: the blocks are timed once, the head apart.
 REPEATED = """

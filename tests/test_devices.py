@@ -17,7 +17,7 @@ from autoprec.devices import CPUDevice, Device, UnknownDeviceError, device_for, 
 from autoprec.errors import UserError
 from autoprec.formats import device_name
 from autoprec.tune import load_task, prepare
-from autoprec.tune._commands._model import check_device
+from autoprec.tune._commands._shared import check_device
 from autoprec.tune._core import _memory as memory
 from autoprec.tune._core._config import TimingConfig, default_compile
 from autoprec.tune._measure import _timing as timing

@@ -113,7 +113,7 @@ def example_problems(source: str, documented: object, shown_as: str) -> list[str
             try:
                 value = getattr(value, attr)
             except AttributeError:
-                try:  # a submodule not imported yet by the package (autoprec.tune._search._searcher)
+                try:  # a submodule not imported yet by the package (autoprec.tune._search._pipeline)
                     value = importlib.import_module(".".join([value.__name__, attr]))
                 except (AttributeError, ImportError):
                     problems.append(f"Example: {inner.id}.{'.'.join(chain[: i + 1])} does not exist")

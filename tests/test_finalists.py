@@ -14,7 +14,7 @@ from autoprec.tune._core._records import Candidate
 from autoprec.tune._decide._alternatives import Alternatives
 from autoprec.tune._measure._choices import Choices
 from autoprec.tune._search import _finalists as finalists
-from autoprec.tune._search._searcher import search_plan
+from autoprec.tune._search._pipeline import search_plan
 from autoprec.tune._search._sweeper import sweep_plan
 
 JUDGE = types.SimpleNamespace(budgets=Budgets((0.1,)))  # what final_remeasure reads of the judge: the study's bound
@@ -81,7 +81,7 @@ def test_where_the_search_tries_the_fp8_all_gather_its_fastest_is_remeasured_wit
 
 
 def test_a_noisy_final_remeasure_times_on_once_pooled_and_says_so_if_it_stays_noisy(monkeypatch, caplog):
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     def table(spread):
         return finals({"candidate": "fp32", "spread": 0.02}, {"candidate": "x", "spread": spread},
@@ -127,7 +127,7 @@ def test_a_trial_timed_clearly_slower_than_the_fastest_is_not_re_measured():
 
 def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_times_no_more(monkeypatch):
     from autoprec.tune._core._config import SETTLED_FINAL_ROUNDS
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     loud = {"fp32": [10.0, 10.1, 10.0, 9.0, 12.0], "x": [10.0, 20.0, 5.0, 9.0, 14.0]}  # unsettled: spreads wide
     asked = []
@@ -152,7 +152,7 @@ def test_past_its_cap_the_final_remeasure_stops_once_it_has_enough_rounds_and_ti
 def test_on_a_device_the_trials_found_too_noisy_the_final_remeasure_times_no_extra_rounds_and_says_so(monkeypatch, caplog):
     """A loaded machine's default searches stopped for noise after 6 trials, then sat in 35-60 s re-measure rounds
     (issue 38, 6): more rounds at that noise separate nothing. Its configured rounds only, and a plain line."""
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     loud = {"fp32": [10.0, 10.1, 10.0], "x": [10.0, 20.0, 5.0]}
     asked = []
@@ -174,7 +174,7 @@ def test_on_a_device_the_trials_found_too_noisy_the_final_remeasure_times_no_ext
 
 def test_the_final_remeasure_times_no_more_a_candidate_every_step_of_which_was_grossly_slower_than_fp32s(monkeypatch):
     from autoprec.tune._core._config import GROSS_SLOWDOWN
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     asked = []
 
@@ -217,7 +217,7 @@ def test_the_final_remeasure_judges_the_metrics_first_and_retires_fp32_behind_a_
     from short_timing import TINY
 
     from autoprec.tune import load_task, prepare
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
     every = ["", "fc1", "big", "head"]

@@ -33,7 +33,7 @@ from autoprec.tune._decide._flops import FLOPS, Flops, estimated_speedup, format
 from autoprec.tune._decide._goals import SPEED
 from autoprec.tune._measure import _predict as predictor
 from autoprec.tune._measure._predict import LinearShape, Step, step_from_rows
-from autoprec.tune._search._searcher import search
+from autoprec.tune._search._pipeline import search
 
 MODELS = Path(__file__).parent / "models"
 FP4 = "toy-fp4"  # a toy format the family says runs its GEMMs in nvfp4 (fprop, dgrad) and bf16 (wgrad)

@@ -32,7 +32,7 @@ from autoprec.tune._core._space import space_from_dict
 from autoprec.tune._measure import _profiler as profiler_module
 from autoprec.tune._measure._choices import build_choices, format_params, params_for, policy_from_params
 from autoprec.tune._measure._profile_data import Profile
-from autoprec.tune._search._searcher import search
+from autoprec.tune._search._pipeline import search
 
 MODELS = Path(__file__).parent / "models"
 TOY = "toy-int8-fakequant"

@@ -35,7 +35,7 @@ from autoprec.tune._core._names import NOT_A_POLICY
 from autoprec.tune._core._space import space_from_dict
 from autoprec.tune._decide._flops import FLOPS
 from autoprec.tune._measure._choices import policy_from_params
-from autoprec.tune._search._searcher import search
+from autoprec.tune._search._pipeline import search
 from autoprec.tune._search._sweeper import pareto_front
 
 MODELS = Path(__file__).parent / "models"

@@ -22,7 +22,7 @@ def test_the_tuner_functions_do_not_shadow_their_modules():
 
     assert callable(autoprec.tune.search) and callable(autoprec.tune.profile) and callable(autoprec.tune.sweep)
     assert importlib.import_module("autoprec.tune._api").search is autoprec.tune.search
-    assert callable(importlib.import_module("autoprec.tune._search._searcher").search)
+    assert callable(importlib.import_module("autoprec.tune._search._pipeline").search)
     assert importlib.import_module("autoprec.tune._measure._profiler").profile is autoprec.tune.profile
 
 

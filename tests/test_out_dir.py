@@ -47,7 +47,7 @@ def test_a_sequential_models_numeric_layer_names_load_back_as_names_and_the_save
     """nn.Sequential names its layers "0", "2": read back as integers they never matched, so every rerun and
     every worker profiled again and rewrote the shared profile."""
     from autoprec.tune import SearchConfig
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     path = write_model(
         small_task(
@@ -69,7 +69,7 @@ def test_a_saved_profile_of_the_same_structure_with_other_weights_is_measured_ag
     """A GPU machine retrains the GPT-2 example on every fresh start: same structure, other weights, other
     sensitivities; the profile of the old weights must not be read as this model's."""
     from autoprec.tune import SearchConfig
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     source = "def build_model():\n    torch.manual_seed({seed})\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
@@ -126,8 +126,8 @@ def test_a_corrupt_saved_profile_is_measured_again(tmp_path, caplog):
 def test_a_saved_profile_of_another_version_or_none_is_measured_again_with_one_warning(tmp_path, caplog):
     """Its numbers may mean something else in this version: never read, measured again, and the line says why."""
     from autoprec.tune import SearchConfig
-    from autoprec.tune._core._cost import Stopwatch
     from autoprec.tune._measure._profile_data import PROFILE_VERSION
+    from autoprec.tune._measure._timing import Stopwatch
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
@@ -156,8 +156,8 @@ def test_a_saved_profile_of_another_version_or_none_is_measured_again_with_one_w
 
 def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_ruled_out(tmp_path, monkeypatch):
     from autoprec.tune import SearchConfig
-    from autoprec.tune._core._cost import Stopwatch
     from autoprec.tune._measure import _profiler as profiler
+    from autoprec.tune._measure._timing import Stopwatch
 
     monkeypatch.setattr(profiler, "_time_layer", fixed_layer_times({"bf16": 2.0}))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
@@ -177,7 +177,7 @@ def test_a_saved_profile_with_skipped_metrics_is_reused_only_where_they_stay_rul
 
 def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_only_as_precise(tmp_path):
     from autoprec.tune import SearchConfig
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
@@ -199,7 +199,7 @@ def test_a_search_profile_predicts_within_a_tenth_of_its_budget_and_is_reused_on
 
 def test_a_profile_of_autoprec_profile_measured_alone_is_reused_by_any_search(tmp_path):
     from autoprec.tune import SearchConfig
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}, "prune": {"slower_than": 1e9}})
@@ -214,8 +214,8 @@ def test_a_profile_of_autoprec_profile_measured_alone_is_reused_by_any_search(tm
 
 def test_a_saved_profile_that_left_numerics_unmeasured_does_not_serve_a_search_that_asks_for_all(tmp_path, monkeypatch):
     from autoprec.tune import SearchConfig
-    from autoprec.tune._core._cost import Stopwatch
     from autoprec.tune._measure import _profiler as profiler
+    from autoprec.tune._measure._timing import Stopwatch
 
     monkeypatch.setattr(profiler, "_time_layer", fixed_layer_times({"bf16": 2.0}))
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")

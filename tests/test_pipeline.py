@@ -11,7 +11,7 @@ from autoprec.tune._core._budget import Budget, Budgets, resolve_budgets
 from autoprec.tune._core._names import GREEDY
 from autoprec.tune._core._space import space_from_dict
 from autoprec.tune._search import _pipeline as pipeline
-from autoprec.tune._search._searcher import search_plan
+from autoprec.tune._search._pipeline import search_plan
 from autoprec.tune._search._sweeper import sweep_plan
 
 MODELS = Path(__file__).parent / "models"
@@ -59,7 +59,7 @@ def test_a_relative_budget_is_resolved_once_from_the_fp32_metric_the_profile_mea
 
     from autoprec import load_policy
     from autoprec.tune._measure import _metric as metric
-    from autoprec.tune._search._searcher import search
+    from autoprec.tune._search._pipeline import search
 
     calls, real = [], metric.checked_fp32_metric
     monkeypatch.setattr(metric, "checked_fp32_metric", lambda workload: calls.append(1) or real(workload))
@@ -99,7 +99,7 @@ def test_the_final_cap_is_a_share_of_the_whole_search_and_none_when_only_re_meas
 
     now = time.perf_counter()
     monkeypatch.setattr(pipeline.time, "perf_counter", lambda: now)  # the clock stands still: no load moves the answer
-    from autoprec.tune._core._cost import Stopwatch
+    from autoprec.tune._measure._timing import Stopwatch
 
     watch = Stopwatch()
     watch.add("profile: layer timing", 30.0)
@@ -116,7 +116,7 @@ def test_a_time_budget_keeps_four_fifths_of_it_for_the_trials(monkeypatch, tmp_p
     from short_timing import FAST_PROFILE, TINY
 
     from autoprec.tune._core._config import BUDGET_FINAL_SHARE
-    from autoprec.tune._search._searcher import search
+    from autoprec.tune._search._pipeline import search
 
     class Deadline(Exception):
         pass
@@ -141,7 +141,7 @@ def test_a_time_budget_the_profile_used_up_or_the_search_overran_is_said_with_wh
     """`--time-budget 4 --compile` ran 0 of 30 trials because the profile used it all, and said nothing (issue 38, 5)."""
     from short_timing import FAST_PROFILE, TINY
 
-    from autoprec.tune._search._searcher import search
+    from autoprec.tune._search._pipeline import search
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
@@ -183,7 +183,7 @@ def test_the_overrun_line_after_a_resume_says_this_runs_time_in_parts_that_add_u
 
     from short_timing import FAST_PROFILE, TINY
 
-    from autoprec.tune._search._searcher import search
+    from autoprec.tune._search._pipeline import search
 
     real = pipeline.trial_costs
 

@@ -1,3 +1,6 @@
+"""The profile (autoprec/tune/_measure/_profiler.py): what it measures per layer and format, what it rules out and why,
+and a layer's own step time in each format."""
+
 import copy
 import dataclasses
 import json
@@ -5,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import timings
 import torch
 from builders import NoFp16Kernel, WithLoRA, WithNoFp16Kernel, small_task
 from short_timing import TINY, fixed_layer_times
@@ -236,8 +240,8 @@ def test_a_formats_layers_are_judged_together_first_and_a_sensitive_one_is_found
     SQNR; here all tie, so the first) measured alone and the rest predicted as equal shares; a group over it is
     halved, and the one sensitive layer is measured alone."""
     from autoprec.formats import Format
-    from autoprec.tune._core._cost import Stopwatch
     from autoprec.tune._measure import _profiler as profiler
+    from autoprec.tune._measure._timing import Stopwatch
 
     drops = {f"l{i}": (0.0001 if i < 4 else 0.0) for i in range(8)}
     drops["l5"] = 0.05
@@ -282,8 +286,8 @@ def _pending(drops, sqnr=None):
 
 def test_a_sensitive_layer_whose_drop_others_cancel_is_caught_by_the_lowest_sqnr_probe(monkeypatch):
     from autoprec.formats import Format
-    from autoprec.tune._core._cost import Stopwatch
     from autoprec.tune._measure import _profiler as profiler
+    from autoprec.tune._measure._timing import Stopwatch
 
     drops = {"a": 0.05, "b": -0.05, "c": 0.0, "d": 0.0}  # together: 0, within any tolerance
     _fake_group_metric(monkeypatch, drops)
@@ -296,8 +300,8 @@ def test_a_sensitive_layer_whose_drop_others_cancel_is_caught_by_the_lowest_sqnr
 
 def test_a_group_that_fails_or_goes_non_finite_is_halved_down_to_the_layer_that_cannot_run(monkeypatch):
     from autoprec.formats import Format
-    from autoprec.tune._core._cost import Stopwatch
     from autoprec.tune._measure import _profiler as profiler
+    from autoprec.tune._measure._timing import Stopwatch
 
     drops = {"a": 0.0, "b": 0.0, "c": math.nan, "d": 0.0}
     _fake_group_metric(monkeypatch, drops, fails=("a",))
@@ -310,8 +314,8 @@ def test_a_group_that_fails_or_goes_non_finite_is_halved_down_to_the_layer_that_
 def test_a_users_error_in_evaluate_is_raised_at_once_not_halved_through(monkeypatch):
     from autoprec import UserError
     from autoprec.formats import Format
-    from autoprec.tune._core._cost import Stopwatch
     from autoprec.tune._measure import _profiler as profiler
+    from autoprec.tune._measure._timing import Stopwatch
 
     calls = []
 
@@ -711,7 +715,7 @@ def test_measuring_the_input_gradient_in_the_whole_model_leaves_the_layers_compu
 
 def test_a_layer_step_whose_layer_returns_no_floating_tensor_fails_saying_so():
     from autoprec.formats import Format
-    from autoprec.tune._measure._layer_timing import _layer_step
+    from autoprec.tune._measure._profiler import _layer_step
 
     class Argmax(torch.nn.Module):
         def __init__(self):
@@ -744,16 +748,16 @@ def test_a_format_whose_forward_fails_on_a_layer_is_ruled_out_for_it_with_the_er
 
 def test_a_format_whose_layer_step_cannot_even_be_built_is_ruled_out_for_it_with_the_error_as_reason(monkeypatch):
     from autoprec.formats import Format
-    from autoprec.tune._measure import _layer_timing as layer_timing
+    from autoprec.tune._measure import _profiler as profiler
 
-    layer_step = layer_timing._layer_step
+    layer_step = profiler._layer_step
 
     def refusing(module, inputs, fmt, compiled=False):  # as a converter that refuses the layer (torchao, say)
         if fmt is Format.BF16 and isinstance(module, NoFp16Kernel):
             raise NotImplementedError("cannot convert NoFp16Kernel")
         return layer_step(module, inputs, fmt, compiled)
 
-    monkeypatch.setattr(layer_timing, "_layer_step", refusing)  # _time_layer looks it up there
+    monkeypatch.setattr(profiler, "_layer_step", refusing)  # _time_layer looks it up there
     workload = prepare(_task_of(WithNoFp16Kernel), "cpu")
     space = space_from_dict({"layers": {NO_FP16: ["fp32", "bf16"], "Linear": ["fp32", "bf16"]}})
     table = keyed(profile(workload, space, FAST, progress=False).rows)
@@ -825,7 +829,7 @@ def test_a_search_whose_time_budget_the_profile_would_overrun_still_writes_a_pol
     from autoprec.tune._core._space import space_from_dict
     from autoprec.tune._measure._profile_data import Profile
     from autoprec.tune._search._out_dir import load_or_profile
-    from autoprec.tune._search._searcher import search
+    from autoprec.tune._search._pipeline import search
 
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
     space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}, "trials": 4})
@@ -896,3 +900,67 @@ def test_the_gradient_pass_stops_at_its_share_counted_from_the_profiles_start(mo
     share = profiler.GRADIENT_SHARE * 10.0
     assert [enough(n) for n in range(1, 8)] == [t > share for t in range(1, 8)]  # asked at 1 s, 2 s, ...: past it, True
     assert profiler.Deadline(None, layers=3).gradients_enough(SimpleNamespace(train=[]), FAST) is None
+
+
+MODELS = Path(__file__).parent / "models"
+HOST_S = 0.002  # issuing a lone layer's forward and backward: more than its kernels take, as on a GPU
+
+
+def test_on_a_device_with_a_queue_the_profile_times_a_layers_kernels_not_its_launch_overhead():
+    """The first GPU run's profile timed every isolated layer at 0.8-1.5 ms in every format (the host issuing it,
+    the GPU waiting) and ruled fp8 out on that. On a device whose host takes longer to issue a layer's step than the
+    device to run it, the profile's ratios follow the device's cost, so no format is ruled out on launch overhead."""
+    clock = timings.FormatClock(timings.FASTER)  # prices a model by its formats: bf16 0.55 of fp32 here
+
+    def price(work):
+        return HOST_S, clock.seconds(getattr(work, "model", None)) / 100  # the device: 1 ms a layer in fp32
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"layers": {"Linear": ["fp32", "bf16"]}})
+    with timings.queued_cpu(price):
+        prof = profile(workload, space, ProfileConfig(batches=1, timing=TINY), progress=False)
+    for layer in ("fc1", "big"):
+        assert prof.row(layer, "bf16").time_vs_fp32 == pytest.approx(0.55)  # the device's ratio, not the host's 1.0
+        assert prof.row(layer, "fp32").time_ms == pytest.approx(1.0)
+        assert "slower" not in prof.row(layer, "bf16").metric_source
+
+
+def test_a_layers_warm_up_on_a_device_with_a_queue_lasts_its_seconds_of_calls_not_of_the_devices_busy_time():
+    """A layer's kernels take microseconds of the device where the host spends a millisecond issuing them: warm-up
+    counted the device's time into warmup_s, so the profile's 0.2 s of warm-up ran 10,000 calls of one layer."""
+    from autoprec import devices
+    from autoprec.tune._measure._timing import Step, interleaved_times
+
+    calls = []
+
+    def price(work):
+        calls.append(1)
+        return 0.001, 0.00002  # host 1 ms, device 20 us
+
+    config = ProfileConfig().timing
+    with timings.queued_cpu(price):
+        interleaved_times({"layer": Step(lambda: None, kernels=True)}, devices.torch.device("cpu"), config)
+    warm_up = len(calls) - config.rounds  # the rest: one block a round, priced once each
+    assert warm_up <= 2 * config.warmup_s / 0.001 + config.warmup + 8  # about 0.2 s of 1 ms calls, not 10,000
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "bf16", "fp32"])
+def test_a_layer_step_runs_where_its_format_runs_in_a_model_fp8_and_block_scaled_in_a_bf16_region(fmt):
+    """Each format's lone layer step is timed on the inputs it gets in a model: bf16 in a bf16 region, fp32 in fp32,
+    and fp8/mxfp8 (no autocast dtype of their own) inside a bf16 region as torchao runs them. Timed on fp32 inputs
+    (the H200 probe's profile did), their casts read and write twice the bytes bf16's do, biasing the ratio."""
+    import warnings
+
+    import torch
+
+    from autoprec.formats import Format
+    from autoprec.tune._measure._profiler import _layer_step
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp8 runs emulated on a CPU
+        step = _layer_step(torch.nn.Linear(32, 32), ((torch.randn(16, 32),), {}), Format(fmt))
+        seen = []
+        step.model.layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+        step()
+    assert seen == [torch.float32 if fmt == "fp32" else torch.bfloat16]

@@ -25,7 +25,7 @@ from autoprec.tune._measure._gradients import LayerGradients, scale_table
 from autoprec.tune._measure._metric import NoiseFloor, metric_of
 from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._search._objective import INFEASIBLE, over_budget
-from autoprec.tune._search._searcher import search
+from autoprec.tune._search._pipeline import search
 
 MODELS = Path(__file__).parent / "models"
 SPACE = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16", "fp16"]}, "trials": 6})
@@ -716,7 +716,7 @@ def test_under_heavy_timing_noise_the_written_policy_is_never_ranked_above_an_al
     import copy
 
     from autoprec.tune._core._names import BF16, FP32
-    from autoprec.tune._measure._separation import separated
+    from autoprec.tune._measure._timing import separated
 
     clock = timings("faster", noise=0.8, seed=seed)
     workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")

@@ -1,14 +1,16 @@
-"""Step times: the clock, interleaved rounds, their spread and the noise helpers (autoprec/tune/_measure/_timing.py)."""
+"""Step times: the clock, interleaved rounds, their spread, the noise helpers and the three rules that tell one speedup
+from another beyond the noise (autoprec/tune/_measure/_timing.py)."""
 
 import gc
+import types
 
 import pytest
 import timings
 import torch
 
-from autoprec.tune._core._config import MIN_STEPS_PER_SAMPLE, TimingConfig
+from autoprec.tune._core._config import MIN_STEPS_PER_SAMPLE, SETTLED, TimingConfig
 from autoprec.tune._measure import _timing as timing
-from autoprec.tune._measure._timing import Timing, interleaved_times, probe_times
+from autoprec.tune._measure._timing import Timing, beaten, interleaved_times, may_beat, probe_times, separated
 
 
 def test_interleaved_times_rotates_and_counts_rounds():
@@ -375,3 +377,22 @@ def test_a_held_block_the_host_outran_leaves_the_busy_time_and_host_bound_unknow
     with timings.using(Outrun()):
         t = interleaved_times({"a": lambda: None}, torch.device("cpu"), TimingConfig(warmup=1, rounds=3, warmup_s=0.0, busy=True))
     assert t["a"].median_ms == pytest.approx(30.0) and t["a"].busy_ms is None and not t["a"].host_bound
+
+
+def rated(speedup, spread):
+    return types.SimpleNamespace(speedup=speedup, spread=spread)
+
+
+def test_separated_needs_a_lead_beyond_the_mean_spread_whichever_comes_first():
+    assert separated(rated(1.2, 0.1), rated(1.0, 0.1)) and separated(rated(1.0, 0.1), rated(1.2, 0.1))
+    assert not separated(rated(1.05, 0.1), rated(1.0, 0.1))
+
+
+def test_beaten_grants_each_side_half_the_wider_spread_and_at_least_settled():
+    assert not beaten(1.85, 0.10, 2.0, 0.10)  # 1.85 * 1.05 reaches 2.0 / 1.05
+    assert beaten(1.5, 0.10, 2.0, 0.10)
+    assert not beaten(2.0 / (1 + SETTLED / 2) ** 2 + 1e-9, 0.0, 2.0, 0.0)  # a spread of 0 still counts as SETTLED
+
+
+def test_may_beat_raises_the_prediction_by_the_fits_error_and_the_best_by_its_noise():
+    assert may_beat(1.0, 0.10, 1.05, 0.04) and not may_beat(1.0, 0.10, 1.05, 0.05)

@@ -226,7 +226,7 @@ def test_a_compiled_search_trial_steps_on_every_batch_shape_before_its_timing(mo
     from autoprec.tune import SearchConfig, load_task, prepare
     from autoprec.tune._core._space import space_from_dict
     from autoprec.tune._measure import _timing as timing
-    from autoprec.tune._search._searcher import search
+    from autoprec.tune._search._pipeline import search
 
     source = mlp_source + (
         "\ndef batches(split):\n    g = torch.Generator().manual_seed(0)\n"

@@ -303,7 +303,7 @@ def test_a_study_on_postgresql_refuses_another_budget_model_or_memory_limit_befo
     from search_worker import MODEL, SPACE
     from short_timing import FAST_PROFILE, TINY
 
-    from autoprec.tune._search._searcher import search
+    from autoprec.tune._search._pipeline import search
 
     fast = dict(trials=2, storage=postgres_url, study_name="pg-key", timing=TINY, final_timing=TINY, finalists=1,
                 progress=False, profile=FAST_PROFILE)  # fmt: skip

@@ -26,7 +26,7 @@ from autoprec.tune._core._config import SearchConfig, search_config
 from autoprec.tune._core._space import SearchSpace, load_space
 from autoprec.tune._measure._task import Task, Workload, guard_exit, prepare
 from autoprec.tune._report._results import SearchResult, SweepResult
-from autoprec.tune._search import _searcher as searcher
+from autoprec.tune._search import _pipeline as pipeline
 from autoprec.tune._search import _sweeper as sweeper
 
 T = TypeVar("T")
@@ -45,14 +45,14 @@ def search_and_report(
     command: str,
     announce: Callable[[Budgets], None] | None = None,
 ) -> SearchResult | None:
-    """searcher.search, then summary.md and the heat maps beside its files (what `autoprec search` writes). On a
+    """pipeline.search, then summary.md and the heat maps beside its files (what `autoprec search` writes). On a
     sharded workload (under torchrun), rank 0 searches and writes, and returns the result; the other ranks take their
     part in every measurement and return None (Workload.sharding.run)."""
     from autoprec.tune._report._plots import plot_all
     from autoprec.tune._report._results import search_markdown
 
     def run() -> SearchResult:
-        result = searcher.search(workload, space, config, Path(out_dir), announce=announce)
+        result = pipeline.search(workload, space, config, Path(out_dir), announce=announce)
         write_text(Path(out_dir) / "summary.md", search_markdown(result, command))
         plot_all(result.profile, Path(out_dir), title=f"{workload.task.name} on {result.profile.device}")
         return result
@@ -288,7 +288,7 @@ def search(
 
     def in_a_temporary_folder() -> SearchResult:
         with tempfile.TemporaryDirectory(prefix="autoprec-") as folder:
-            result = searcher.search(workload, the_space, settings, folder)
+            result = pipeline.search(workload, the_space, settings, folder)
         return dataclasses.replace(result, storage=NOT_KEPT)
 
     return _on_ranks(workload, in_a_temporary_folder)

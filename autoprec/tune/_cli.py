@@ -21,7 +21,7 @@ import torch
 
 from autoprec.errors import RankFailed, UserError, printable
 from autoprec.tune._commands import export, predict, profile, search, show
-from autoprec.tune._commands._verb import GLOBAL_FLAGS, Verb
+from autoprec.tune._commands._shared import GLOBAL_FLAGS, Verb
 from autoprec.tune._core._plugins import GROUP as PLUGIN_GROUP
 from autoprec.tune._core._plugins import load_plugins
 from autoprec.tune._log_noise import LibraryNoise, log_setup

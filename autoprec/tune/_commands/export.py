@@ -10,7 +10,7 @@ from pathlib import Path
 
 from autoprec.errors import UserError, printable
 from autoprec.policy import load_policy
-from autoprec.tune._commands._verb import Verb, print_json
+from autoprec.tune._commands._shared import Verb, print_json
 from autoprec.tune.export import ExportTarget, default_path, export, export_targets, options
 from autoprec.tune.export.verify import linear_names, table, verify
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from autoprec.tune._commands._verb import Verb, print_json
+from autoprec.tune._commands._shared import Verb, print_json
 from autoprec.tune._core._targets import targets as planned_for
 from autoprec.tune._measure._predict import command
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from autoprec.tune._commands._model import model_arguments, model_device, out_dir, prepare_model
-from autoprec.tune._commands._verb import Verb, print_json
+from autoprec.tune._commands._shared import Verb, model_arguments, model_device, out_dir, prepare_model, print_json
 from autoprec.tune._core._config import ProfileConfig, compile_setting
 from autoprec.tune._measure._profiler import profile
 from autoprec.tune._report._plots import plot_all

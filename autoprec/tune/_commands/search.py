@@ -13,15 +13,14 @@ import torch
 
 from autoprec.errors import UserError
 from autoprec.tune._api import search_and_report, sweep_and_report
-from autoprec.tune._commands._model import model_arguments, model_device, out_dir, prepare_model
-from autoprec.tune._commands._verb import Verb, print_json, say
+from autoprec.tune._commands._shared import Verb, model_arguments, model_device, out_dir, prepare_model, print_json, say
 from autoprec.tune._core._budget import DEFAULT, parse_budget_list
 from autoprec.tune._core._config import SearchConfig, search_config
-from autoprec.tune._core._credentials import hide_credentials
 from autoprec.tune._core._goal import DEFAULT_GOAL, objective_help, objective_metavar
 from autoprec.tune._core._numbers import parse_decimal, parse_integer
 from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._core._targets import targets as planned_for
+from autoprec.tune._search._storage import hide_credentials
 
 
 def study_arguments(p: argparse.ArgumentParser, default_study: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from autoprec.policy import load_policy
-from autoprec.tune._commands._verb import Verb, print_json
+from autoprec.tune._commands._shared import Verb, print_json
 from autoprec.tune._report._show import show_policy
 
 

@@ -22,7 +22,7 @@ from autoprec.tune._core._goal import DEFAULT_GOAL, Goal, goal_named
 from autoprec.tune._core._names import ALTERNATIVES, GREEDY, NOT_A_POLICY
 from autoprec.tune._core._records import Candidate, Finals, Measurement
 from autoprec.tune._measure._choices import Choices, fit
-from autoprec.tune._measure._separation import separated
+from autoprec.tune._measure._timing import separated
 
 
 def _policy(policy: Policy | Candidate) -> Policy:

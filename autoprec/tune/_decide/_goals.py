@@ -26,7 +26,7 @@ from autoprec.tune._core._names import ALTERNATIVES
 from autoprec.tune._core._records import Finals, Measurement, TrialRecord
 from autoprec.tune._decide._choose import choose, choose_smallest, not_separated
 from autoprec.tune._decide._trials import best_speedup, smallest_peak
-from autoprec.tune._measure._separation import beaten, separated
+from autoprec.tune._measure._timing import beaten, separated
 
 if TYPE_CHECKING:
     from autoprec.policy import Policy

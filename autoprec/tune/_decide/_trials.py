@@ -16,12 +16,11 @@ import pandas as pd
 
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._core._config import NOISE_ROUNDS
-from autoprec.tune._core._cost import Stopwatch
 from autoprec.tune._core._records import TrialRecord
 from autoprec.tune._measure._choices import Choices, policy_from_params
 from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._measure._speed import LayerTimes, Timed
-from autoprec.tune._measure._timing import spread_text
+from autoprec.tune._measure._timing import Stopwatch, spread_text
 
 log = logging.getLogger("autoprec")
 

@@ -36,8 +36,7 @@ import numpy as np
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._core._config import MARGIN, MIN_FIT, MODEL_TIE, OUTLIER, OUTLIER_SHARE
-from autoprec.tune._measure._separation import may_beat
-from autoprec.tune._measure._timing import spread_text
+from autoprec.tune._measure._timing import may_beat, spread_text
 
 if TYPE_CHECKING:
     from autoprec.tune._core._profile_row import ProfileRow

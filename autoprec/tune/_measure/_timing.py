@@ -4,7 +4,8 @@ Warmed up, device synchronised, candidates timed in rotating order within each r
 median of rounds, each round's sample the mean of a block of steps; on a device with a queue of its own the
 device's time and the host's apart (a host-bound step is named as such); the garbage collector frozen after the
 warm-up and paused inside each timed block. The noise helpers (`noisiest`, `more_if_noisy`, `all_settled`) read
-the rounds' spread.
+the rounds' spread, and three rules (`separated`, `beaten`, `may_beat`, at the bottom) tell one speedup from another
+beyond it. `Stopwatch` times the search itself: where its time goes, stage by stage.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Protocol, TypeVar
 
@@ -317,3 +319,90 @@ def probe_times(
             fn()
         out[name] = min(as_block(CLOCK.time(fn, 1, device)).seconds for _ in range(repeats)) * 1e3
     return out
+
+
+# When one speedup is told apart from another beyond the timing noise: the three rules, named apart and kept together.
+#
+# Three decisions ask it, of numbers measured with different care, and err on different sides:
+#
+# - `separated` (the final re-measure; _choose.py): two candidates timed interleaved over many rounds, each with its
+#   spread (timing.Timing.spread). Told apart where the faster one's lead is beyond their mean spread. Candidates not
+#   told apart are ties: the safer is chosen, and the policy file lists them (choose.not_separated).
+# - `beaten` (which trials the final re-measure times; goals.Speed.finalists): a trial's few rounds understate the
+#   noise, so the wider of the two spreads counts, at least SETTLED, as a factor on both sides. Only a trial whose fast
+#   end is under the best trial's slow end is left out: leaving out one that might win would cost the answer,
+#   re-measuring one too many costs only rounds.
+# - `may_beat` (when the search stops; speed.ceiling): a predicted speedup, raised by the fit's error, against the best
+#   timed trial's, raised by its half-spread; the search goes on while an untried policy may beat it.
+
+
+class Rated(Protocol):
+    """A re-measured candidate's speedup and its spread (records.Measurement)."""
+
+    @property
+    def speedup(self) -> float: ...
+
+    @property
+    def spread(self) -> float: ...
+
+
+def separated(a: Rated, b: Rated) -> bool:
+    """Whether the step times tell a and b apart: the faster one's lead is beyond their mean spread."""
+    fast, slow = (a, b) if a.speedup >= b.speedup else (b, a)
+    return fast.speedup / slow.speedup - 1 > (fast.spread + slow.spread) / 2
+
+
+def beaten(speedup: float, spread: float, best: float, best_spread: float) -> bool:
+    """Whether a trial's timing (`speedup`, `spread`) is separated below the best trial's: its fast end under the
+    best's slow end, each by a factor of 1 + half the wider spread, at least SETTLED."""
+    # a few rounds' spread understates the noise: the wider of the two, and at least SETTLED, on both sides; as a
+    # factor each way (a spread past 2 would put 1 - half below zero, and beat nothing however far apart they ran)
+    half = max(spread, best_spread, SETTLED) / 2
+    return speedup * (1 + half) < best / (1 + half)
+
+
+def may_beat(predicted: float, margin: float, best: float, noise: float) -> bool:
+    """Whether a `predicted` speedup, raised by the fit's `margin`, is beyond `best` raised by its `noise` (the best
+    timed trial's half-spread)."""
+    return predicted * (1 + margin) > best * (1 + noise)
+
+
+# Where a search's time goes: named stages timed with a wall clock, so a user can see what to cut (fewer layers to
+# profile, fewer trials, shorter timing) and we can see which repeated work to keep out (results.cost_rows shows it).
+
+
+class Stopwatch:
+    """Seconds and counts per named stage, accumulated over any number of `section` blocks."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float, count: int = 1) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.counts[name] = self.counts.get(name, 0) + count
+
+    def count(self, name: str, n: int = 1) -> None:
+        """A count with no time of its own (work avoided, for example)."""
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def merge(self, other: Mapping[str, Mapping[str, float]] | None) -> None:
+        """Add another stopwatch's `to_dict()` (the profile's, for example) to this one."""
+        other = other or {}
+        seconds, counts = other.get("seconds", {}), other.get("counts", {})
+        for name, s in seconds.items():
+            self.add(name, float(s), int(counts.get(name, 1)))
+        for name, n in counts.items():
+            if name not in seconds:
+                self.count(name, int(n))
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return {"seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "counts": dict(self.counts)}

@@ -16,7 +16,6 @@ import pandas as pd
 
 from autoprec.policy import Policy
 from autoprec.tune._core._config import NOISY_SPREAD, SEARCH_SHARE_GOAL
-from autoprec.tune._core._cost import cost_rows
 from autoprec.tune._core._memory import human_bytes
 from autoprec.tune._core._names import BF16, BF16_GRAPHS, FP32, TF32
 from autoprec.tune._core._profile_row import as_float
@@ -469,3 +468,19 @@ def sweep_markdown(result: SweepResult, command: str) -> str:
         f"## Profile (one layer lowered at a time)\n\n{profile_summary(result.profile.rows, markdown=True)}\n\n"
         f"{profile_notes()}\n"
     )
+
+
+def cost_rows(cost: Mapping[str, Mapping[str, float]]) -> list[list[object]]:
+    """[stage, seconds, share of the total, count] rows, in the order the stages ran, then their total, then
+    what was counted but took no time of its own (work avoided)."""
+    seconds, counts = cost.get("seconds", {}), cost.get("counts", {})
+    total = sum(seconds.values())
+    rows: list[list[object]] = []
+    for name, s in seconds.items():
+        rows.append([name, f"{s:.1f}", f"{100 * s / total:.0f}%" if total > 0 else "-", counts.get(name, "")])
+    if seconds:
+        rows.append(["total of the stages above", f"{total:.1f}", "100%", ""])
+    for name, n in counts.items():
+        if name not in seconds:
+            rows.append([name, "-", "-", n])
+    return rows

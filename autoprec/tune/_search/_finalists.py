@@ -25,7 +25,6 @@ from autoprec.tune._core._config import (
     SearchConfig,
     TimingConfig,
 )
-from autoprec.tune._core._cost import Stopwatch
 from autoprec.tune._core._goal import Goal
 from autoprec.tune._core._names import FP32, GREEDY
 from autoprec.tune._core._records import Candidate, Finals, Measurement, TrialRecord
@@ -36,7 +35,7 @@ from autoprec.tune._decide._goals import SPEED
 from autoprec.tune._measure._choices import Choices, policy_from_params, searches_fp8_all_gather
 from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._measure._task import Workload
-from autoprec.tune._measure._timing import all_settled, more_if_noisy, spread_text
+from autoprec.tune._measure._timing import Stopwatch, all_settled, more_if_noisy, spread_text
 from autoprec.tune._measure._trainer import fp32_step_failed, measure_steps_or_fail
 from autoprec.tune._search._objective import Judge
 from autoprec.tune._search._plan import Plan, Started

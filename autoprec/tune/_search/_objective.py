@@ -5,7 +5,7 @@ A trial suggests a policy (_choices.py), measures its metric against the budget 
 weights' metric, or K training steps in train mode) and, when within budget, its training-step speedup
 over fp32, timed interleaved, and its peak memory per step (_memory.py). A single-objective study optimises the
 search's goal (_goals.py: maximises the speedup, or minimises the peak) under the budget constraint, and
---max-memory's (_searcher.py); a two-objective one also minimises the metric drop, for a Pareto front (_sweeper.py).
+--max-memory's (_pipeline.py); a two-objective one also minimises the metric drop, for a Pareto front (_sweeper.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from autoprec.policy import ROOT, Policy
 from autoprec.tune._core import _memory as memory
 from autoprec.tune._core._budget import Budgets
 from autoprec.tune._core._config import NOISE_ROUNDS, NOISY_SPREAD, SETTLED, STOP_ENUMERATE, Mode, SearchConfig
-from autoprec.tune._core._cost import Stopwatch
 from autoprec.tune._core._goal import INFEASIBLE
 from autoprec.tune._core._records import Candidate, TrialRecord
 from autoprec.tune._core._space import SearchSpace
@@ -46,7 +45,7 @@ from autoprec.tune._measure._choices import Choices, format_assignments, policy_
 from autoprec.tune._measure._metric import NoiseFloor, evaluate_metric, noise_floor, train_and_evaluate
 from autoprec.tune._measure._speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune._measure._task import Workload
-from autoprec.tune._measure._timing import interleaved_times, noisiest, spread_text
+from autoprec.tune._measure._timing import Stopwatch, interleaved_times, noisiest, spread_text
 from autoprec.tune._measure._trainer import Trainer, compile_scope, fp32_step_failed, new_trainer, peak_memory_or_none, step_stats
 from autoprec.tune._search._storage import OBJECTIVES
 

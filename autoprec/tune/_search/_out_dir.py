@@ -21,7 +21,6 @@ from autoprec.formats import device_name
 from autoprec.policy import Policy, model_fingerprint
 from autoprec.tune._core._budget import absolute_budget
 from autoprec.tune._core._config import GROUP_SHARE, PROFILE_SHARE, Mode, ProfileConfig, SearchConfig
-from autoprec.tune._core._cost import Stopwatch
 from autoprec.tune._core._names import BF16_GRAPHS
 from autoprec.tune._core._records import Chosen, Finals, Measured, StudyRef
 from autoprec.tune._core._space import SearchSpace
@@ -29,6 +28,7 @@ from autoprec.tune._measure._metric import NoiseFloor
 from autoprec.tune._measure._profile_data import PREDICTED, Profile, ruled_out
 from autoprec.tune._measure._profiler import profile
 from autoprec.tune._measure._task import Workload
+from autoprec.tune._measure._timing import Stopwatch
 from autoprec.tune._report._results import SavedProfile
 
 log = logging.getLogger("autoprec")

@@ -14,8 +14,9 @@ applied (`weights`, cheap), or the metric after K training steps with the policy
 against K steps of fp32 from the same weights in the same batch order (`train`), whose noise floor (the
 fp32 result's own spread over seeds) is measured and reported beside the budget.
 
-The stages are this module's (`start`, then `_run`); the finalists, gathered and re-measured together, are
-_finalists.py's, and the policy file's `measured` record is _provenance.py's.
+`search` runs it with one budget (`search_plan`); a sweep's plan is _sweeper.py's. The stages are this module's
+(`start`, then `_run`); the finalists, gathered and re-measured together, are _finalists.py's, and the policy file's
+`measured` record is _provenance.py's.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ from autoprec.tune._core._config import (
     Mode,
     SearchConfig,
 )
-from autoprec.tune._core._cost import Stopwatch
-from autoprec.tune._core._credentials import hide_credentials
 from autoprec.tune._core._names import ALTERNATIVES, GREEDY
 from autoprec.tune._core._records import Candidate, Chosen, Finals, Measured, StudyRef
 from autoprec.tune._core._space import SearchSpace
@@ -53,12 +52,14 @@ from autoprec.tune._measure._metric import workload_fp32_metric
 from autoprec.tune._measure._profile_data import SPEED_UNJUDGED
 from autoprec.tune._measure._speed import LayerTimes
 from autoprec.tune._measure._task import Workload
+from autoprec.tune._measure._timing import Stopwatch
+from autoprec.tune._report._results import SearchResult
 from autoprec.tune._search._finalists import final_remeasure, gather_candidates
 from autoprec.tune._search._objective import Judge, Objective, run_trials
 from autoprec.tune._search._out_dir import claim_out_dir, disk_full, earlier_result, reuse_or_profile
 from autoprec.tune._search._plan import Plan, Run, Started
 from autoprec.tune._search._provenance import measured_record
-from autoprec.tune._search._storage import check_storage, open_study
+from autoprec.tune._search._storage import check_storage, hide_credentials, open_study
 
 if TYPE_CHECKING:
     from autoprec.tune._core._goal import Goal
@@ -365,3 +366,38 @@ def start(
     log.info("search space: %s", choices.describe())
     judge = Judge(workload, config, prof.fp32_metric, budgets=budgets, watch=watch)
     return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge, saved=saved, config=config)
+
+
+# A search: the pipeline with one budget and one objective, the training-step speedup (or, with `--objective memory`,
+# the peak memory); writes policy.json, trials.csv and finalists.csv.
+
+
+def search_plan() -> Plan:
+    """A search's plan: its one budget is its SearchConfig.budget."""
+    return Plan(objectives=1, policy_file=lambda b: "policy.json", trials_file="trials.csv", finalists_file="finalists.csv")
+
+
+def search(
+    workload: Workload,
+    space: SearchSpace,
+    config: SearchConfig,
+    out_dir: str | Path,
+    *,
+    announce: Callable[[Budgets], None] | None = None,
+) -> SearchResult:
+    """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir, within
+    `config.budget` (a relative one resolved against the fp32 metric the profile measures, and recorded as given in
+    the policy). `announce`: pipeline.run's, told the resolved budget."""
+    done = run(workload, space, config, out_dir, search_plan(), announce=announce)
+    started = done.started
+    return SearchResult(
+        policy=done.chosen[0].policy,
+        profile=started.profile,
+        choices=started.choices,
+        trials=done.trials,
+        finals=done.finals,
+        study_name=started.study.study_name,
+        storage=started.storage,
+        noise=started.judge.noise,
+        cost=done.cost,
+    )

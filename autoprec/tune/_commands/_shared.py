@@ -1,11 +1,16 @@
-"""What the verbs that load a model.py share (search, sweep, profile): their arguments, --device checked once, the
-model prepared on it (sharded under torchrun), where its results go."""
+"""What the command line's verbs share. Every verb: what a verb is (`Verb`: its name, its help, its own arguments and
+what runs it), the global flags named under it, a progress line (`say`), the --json result. The verbs that load a
+model.py (search, sweep, profile): their arguments, --device checked once, the model prepared on it (sharded under
+torchrun), where its results go."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,11 +20,59 @@ from autoprec import devices
 from autoprec.errors import UserError
 from autoprec.formats import default_device
 from autoprec.formats.float8 import torchao_loading_quietly
-from autoprec.tune._commands._verb import say
 from autoprec.tune._core._space import SearchSpace, load_space
 from autoprec.tune._measure._ranks import sharded
 from autoprec.tune._measure._task import load_task, prepare
 from autoprec.tune._search._out_dir import check_not_a_file
+
+# What every verb is and shares.
+
+GLOBAL_FLAGS = (
+    ("--debug", "show tracebacks and debug logs"),
+    ("--quiet", "no progress bars and no tables: warnings, errors and the exit code only"),
+    ("--json", "print the result as one JSON object on stdout (progress stays on stderr)"),
+)
+
+
+def global_flags(p: argparse.ArgumentParser) -> None:
+    """The top-level flags, accepted after the verb too (`autoprec search m.py --json`), and named under the verb's
+    --help (a user reading `autoprec predict --help` would not find --json otherwise)."""
+    for flag, _ in GLOBAL_FLAGS:
+        p.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.epilog = "also here: " + "; ".join(f"{flag}: {text}" for flag, text in GLOBAL_FLAGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verb:
+    """One verb: `arguments` adds its own options to its parser, `run` does it and returns the exit code."""
+
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    description: str | None = None  # its --help's text (default: `help`)
+
+    def add_to(self, verbs: argparse._SubParsersAction) -> argparse.ArgumentParser:
+        """Its parser among the command line's verbs, with the global flags named under it."""
+        p = verbs.add_parser(self.name, help=self.help, description=self.description or self.help)
+        self.arguments(p)
+        global_flags(p)
+        p.set_defaults(func=self.run)
+        return p
+
+
+def say(args: argparse.Namespace, line: str) -> None:
+    """A progress line on stderr, unless --quiet or --json (stdout then holds only the result)."""
+    if not (args.quiet or args.json):
+        print(line, file=sys.stderr)
+
+
+def print_json(args: argparse.Namespace, result: object, **options) -> None:
+    """--json's one result object, on the stdout main was given: the user's own prints went to stderr meanwhile."""
+    print(json.dumps(result, **options), file=getattr(args, "result_stdout", None) or sys.stdout)
+
+
+# What the verbs that load a model.py share.
 
 
 def model_arguments(p: argparse.ArgumentParser) -> None:
