@@ -9,10 +9,11 @@ results/h200/probe/c_llama.csv, the same layers as benchmarks/gpu_probe.py's sta
 results/h200/probe/search2/finalists.csv; GPT-2-small (examples/gpt2, 4,096 tokens a step) against the GPU busy
 time of results/h200/probe/a_gpt2.csv's `held` rows.
 
-Per layer: the Llama model's Linear shapes at M = 16,384 against results/h200/probe/search1-stopped/profile.csv, priced
-as the profile times a layer (autoprec/tune/_measure/_profiler.py, `_time_layer`): the layer alone, forward and
-backward, on leaf input tensors (no producer kernel computes a tensorwise amax for it); a bf16 layer under a bf16 root, its inputs in bf16;
-fp32 and the fp8 formats with no autocast around them, on the fp32 inputs the profile's fp32 reference pass recorded.
+Per layer: the Llama model's Linear shapes at M = 16,384 against results/h200/probe/search1-stopped/profile.csv,
+priced as the profile times a layer (autoprec/tune/_measure/_profiler.py, `_time_layer`): the layer alone, forward and
+backward, on leaf input tensors (no producer kernel computes a tensorwise amax for it); a bf16 layer under a bf16
+root, its inputs in bf16; fp32 and the fp8 formats with no autocast around them, on the fp32 inputs the profile's fp32
+reference pass recorded.
 A second ratio prices the same layer as the whole step does: under the bf16 root, its input and output gradient
 written by other kernels of the step.
 """

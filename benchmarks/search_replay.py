@@ -30,7 +30,7 @@ A policy with no recorded spread takes the median of the recorded whole-step spr
 
 The clock runs the work before pricing it (the model trains, its losses are checked, the GradScaler counts skipped
 steps: step_stats needs them), so the real part (metric evaluations, numerics, Optuna) costs this CPU's time, and
-the replayed part is summed here: autoprec's "where the time went" (cost.Stopwatch) reads the real perf_counter.
+the replayed part is summed here: autoprec's "where the time went" (timing.Stopwatch) reads the real perf_counter.
 Counted per run: whole steps the clock timed and their replayed seconds; every whole training step run
 (Trainer.step, warm-ups, builds and the peak-memory steps included, priced noiseless); profile layer steps timed.
 

@@ -902,7 +902,6 @@ def test_the_gradient_pass_stops_at_its_share_counted_from_the_profiles_start(mo
     assert profiler.Deadline(None, layers=3).gradients_enough(SimpleNamespace(train=[]), FAST) is None
 
 
-MODELS = Path(__file__).parent / "models"
 HOST_S = 0.002  # issuing a lone layer's forward and backward: more than its kernels take, as on a GPU
 
 

@@ -51,7 +51,7 @@ HOST_BOUND = 0.9
 MIN_ROUNDS = 3  # before a sequential test may stop the timing: a median and a spread need a few rounds
 # Rounds agreeing within this (relative range or spread) settle a timing: a trial's (objective.Objective) after
 # MIN_ROUNDS, the final re-measure's (every candidate's spread) after SETTLED_FINAL_ROUNDS. Also the least spread a
-# trial's timing is granted when it is ruled out of the final re-measure (separation.beaten).
+# trial's timing is granted when it is ruled out of the final re-measure (timing.beaten).
 SETTLED = 0.05
 SETTLED_FINAL_ROUNDS = 5
 # A search worth its time costs at most this share of the training run it tunes (SearchConfig.run_steps)
@@ -271,7 +271,7 @@ class SearchConfig:
     Frozen; every field has a default (`budget`'s, None, is a sweep's: its budgets are its own list). The command
     line and the Python API (autoprec.tune.search, sweep) build one through `search_config`, which also reads
     --max-memory's forms ("40GB", "80%"), picks the compile default for the device and refuses train-mode settings
-    in weights mode; construct one directly to call `searcher.search` or `sweeper.sweep` yourself. A search's own
+    in weights mode; construct one directly to call `pipeline.search` or `sweeper.sweep` yourself. A search's own
     profile measures the numerics only of the formats its timing keeps in play: `profile.numerics` None becomes
     "offered".
 

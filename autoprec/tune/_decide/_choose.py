@@ -2,7 +2,7 @@
 
 The fastest within budget, unless the measured spread cannot separate it from an alternative (the alternative is
 chosen: a policy is never written as faster than what the user had) or from a candidate with fewer fp16/fp8 layers
-(the safer one is chosen; separation.separated), or fewer layers below fp32 (fp32 before uniform bf16), or one
+(the safer one is chosen; timing.separated), or fewer layers below fp32 (fp32 before uniform bf16), or one
 without FSDP2's fp8 all-gather: among tied candidates the order reads what they run, not their medians, so the same
 candidates tied give the same file. Never a searched policy measured slower than the fastest alternative. For the smallest peak memory (goals.MEMORY):
 `choose_smallest`. Each goal (_goals.py) calls the rule it chooses by.

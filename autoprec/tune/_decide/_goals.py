@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 def _beaten(trial: TrialRecord, best: TrialRecord) -> bool:
-    """Whether the trial's timing is separated below the best's (separation.beaten): it cannot win the final
+    """Whether the trial's timing is separated below the best's (timing.beaten): it cannot win the final
     re-measure, so it is not timed there."""
 
     def spread(r: TrialRecord) -> float:

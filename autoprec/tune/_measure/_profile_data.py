@@ -78,7 +78,7 @@ class Profile:
     fingerprint: str
     grad_ranges: pd.DataFrame | None = None
     max_underflow: float = 1e-3
-    cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict() of the profiling run
+    cost: dict[str, Any] | None = None  # timing.Stopwatch.to_dict() of the profiling run
     compiled: bool = False  # layer times measured under torch.compile
     uncalled: list[str] = dataclasses.field(default_factory=list)  # tunable layers loss_fn never calls: left out
     group_tolerance: float | None = None  # ProfileConfig's: the drops it predicted are that precise

@@ -1,4 +1,5 @@
-"""Every speed number in autoprec: the clock step times are read through, and `interleaved_times`.
+"""Every speed number in autoprec: the clock step times are read through, `interleaved_times`, the rules that tell
+one speedup from another, and the search's own stopwatch.
 
 Warmed up, device synchronised, candidates timed in rotating order within each round (so drift hits all alike),
 median of rounds, each round's sample the mean of a block of steps; on a device with a queue of its own the
@@ -69,7 +70,7 @@ class Timing:
 
 def spread_text(spread: float | None) -> str:
     """How every table, line and warning writes a spread (Timing.spread, as stored: the interquartile range over the
-    median), in percent; "-" where there is none. Not halved: the spread a tie is judged by (separation.separated) is
+    median), in percent; "-" where there is none. Not halved: the spread a tie is judged by (`separated`, below) is
     the one the reader sees."""
     if spread is None or not math.isfinite(spread):
         return "-"
@@ -326,7 +327,7 @@ def probe_times(
 # Three decisions ask it, of numbers measured with different care, and err on different sides:
 #
 # - `separated` (the final re-measure; _choose.py): two candidates timed interleaved over many rounds, each with its
-#   spread (timing.Timing.spread). Told apart where the faster one's lead is beyond their mean spread. Candidates not
+#   spread (Timing.spread). Told apart where the faster one's lead is beyond their mean spread. Candidates not
 #   told apart are ties: the safer is chosen, and the policy file lists them (choose.not_separated).
 # - `beaten` (which trials the final re-measure times; goals.Speed.finalists): a trial's few rounds understate the
 #   noise, so the wider of the two spreads counts, at least SETTLED, as a factor on both sides. Only a trial whose fast

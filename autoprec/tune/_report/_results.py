@@ -67,7 +67,7 @@ class SearchResult:
     study_name: str
     storage: str
     noise: NoiseFloor | None = None  # train mode: the fp32 result's spread over seeds
-    cost: dict[str, Any] | None = None  # cost.Stopwatch.to_dict(): where this search's time went
+    cost: dict[str, Any] | None = None  # timing.Stopwatch.to_dict(): where this search's time went
 
     def summary(self, *, markdown: bool = False) -> str:
         """The table the command line prints: each layer's format, then every re-measured candidate."""

@@ -387,7 +387,7 @@ def search(
 ) -> SearchResult:
     """Profile, search, re-measure the finalists, and write policy.json, profile.csv, trials.csv to out_dir, within
     `config.budget` (a relative one resolved against the fp32 metric the profile measures, and recorded as given in
-    the policy). `announce`: pipeline.run's, told the resolved budget."""
+    the policy). `announce`: run's, told the resolved budget."""
     done = run(workload, space, config, out_dir, search_plan(), announce=announce)
     started = done.started
     return SearchResult(
