@@ -260,7 +260,7 @@ def final_remeasure(
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     # the metrics first: a candidate within budget may put another out of the running while the rounds go on. Within
     # the smallest budget (a sweep's), so a candidate retired is out of the running for every budget; with a memory
-    # limit, fp32 alone (as before the other bars), since a faster candidate may not fit it
+    # limit, fp32 alone, since a faster candidate may not fit it
     start = time.perf_counter()
     judged = judge_metrics(judge, candidates)
     smallest = judge.budgets.smallest
