@@ -96,3 +96,44 @@ def test_evaluate_may_return_numpy_scalars_and_one_element_arrays(workload):
 
     assert _as_metric(workload, np.float32(0.5)) == 0.5 and _as_metric(workload, np.int64(3)) == 3.0
     assert _as_metric(workload, np.array([0.25])) == 0.25 and _as_metric(workload, torch.tensor(0.75)) == 0.75
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        "torch.randperm(4, generator=torch.Generator().manual_seed(torch.initial_seed()))[:2].tolist()",
+        "random.Random(torch.initial_seed()).sample(range(4), 2)",
+    ],
+    ids=["torch", "python"],
+)
+def test_an_eval_subset_drawn_from_the_process_seed_is_refused(write_model, mlp_source, draw):
+    """A random eval subset seeded by the process's seed is the same twice in one process, so evaluating twice
+    passed it (issue 60, 7), yet another run or rank scores other batches. The two evaluations start from two
+    random states, and the difference is one line."""
+    from autoprec.errors import UserError
+    from autoprec.tune._measure._metric import checked_fp32_metric
+
+    source = mlp_source + (
+        "\n\nimport random\n\n\ndef evaluate(model):\n"
+        f"    picked = {draw}\n"
+        "    return float(sum(model(torch.full((1, 16), float(i))).sum() for i in picked))\n"
+    )
+    workload = prepare(load_task(write_model(source)), "cpu")
+    with pytest.raises(UserError, match=r"for the same fp32 model: .*a fixed seed inside evaluate"):
+        checked_fp32_metric(workload)
+
+
+def test_the_determinism_check_leaves_the_callers_random_states_alone(write_model, mlp_source):
+    import random
+
+    import numpy
+
+    from autoprec.tune._measure._metric import checked_fp32_metric
+
+    source = mlp_source + "\n\ndef evaluate(model):\n    torch.manual_seed(5)\n    return float(torch.rand(()))\n"
+    workload = prepare(load_task(write_model(source)), "cpu")
+    torch.manual_seed(123), random.seed(123), numpy.random.seed(123)
+    expected = (torch.rand(1), random.random(), numpy.random.rand())
+    torch.manual_seed(123), random.seed(123), numpy.random.seed(123)
+    checked_fp32_metric(workload)  # a fixed seed inside evaluate passes
+    assert (torch.rand(1), random.random(), numpy.random.rand()) == expected

@@ -5,10 +5,13 @@ much the fp32 result moves by chance (`noise_floor`); `sqnr_db`, how far one out
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping
+import random
+import sys
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -187,13 +190,37 @@ def metric_name(workload: Workload) -> str:
     return "evaluate()" if workload.task.evaluate is not None else "-(mean eval loss)"
 
 
+@contextlib.contextmanager
+def _random_state(workload: Workload, seed: int) -> Iterator[None]:
+    """Seed torch's, Python's and (where imported) NumPy's global generators with `seed` for the block, and give
+    the caller back the states it had: the determinism check draws from two states without moving the user's."""
+    numpy = sys.modules.get("numpy")
+    saved_python = random.getstate()
+    saved_numpy = numpy.random.get_state() if numpy is not None else None
+    try:
+        with devices.lookup(workload.device).fork_rng(workload.device):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            if numpy is not None:
+                numpy.random.seed(seed)
+            yield
+    finally:
+        random.setstate(saved_python)
+        if numpy is not None:
+            numpy.random.set_state(saved_numpy)
+
+
 def checked_fp32_metric(workload: Workload) -> float:
     """The all-fp32 model's metric, or one UserError naming the file when the user's evaluate() (or loss_fn on
     the eval batches) fails on it or gives a non-finite number: their bug, not a format's."""
     what = "evaluate()" if workload.task.evaluate is not None else "loss_fn() on the eval batches"
     try:
-        # twice: a metric that moves on its own (sampling, a random eval subset) would rule formats out on its noise
-        fp32_metric, again = evaluate_metric(workload, Policy()), evaluate_metric(workload, Policy())
+        # twice, from two different random states: a metric that moves on its own (sampling, a random eval subset,
+        # even one drawn from a generator seeded by the process's seed) would rule formats out on its noise
+        with _random_state(workload, 1):
+            fp32_metric = evaluate_metric(workload, Policy())
+        with _random_state(workload, 2):
+            again = evaluate_metric(workload, Policy())
     except UserError:
         raise
     except Exception as exc:
@@ -204,7 +231,7 @@ def checked_fp32_metric(workload: Workload) -> float:
         raise UserError(
             f"{workload.task.path}: {what} gave {fp32_metric:.6g}, then {again:.6g} for the same fp32 model: a budget "
             "cannot be judged on a metric that moves on its own; make it deterministic (the same eval batches every "
-            "call, no sampling, a fixed seed inside evaluate)"
+            "call, no sampling, a fixed seed inside evaluate rather than the process's)"
         )
     return fp32_metric
 
