@@ -156,6 +156,10 @@ def test_rerunning_a_finished_study_keeps_its_result_unless_asked_to_remeasure(f
     first = (tmp_path / "policy.json").read_text()
     assert main(argv) == 0 and (tmp_path / "policy.json").read_text() == first  # byte for byte: not even rewritten
     assert len(calls) == 1 and "its result in" in capsys.readouterr().err
+    # the summary's hint, followed: the standing result is priced against the run, nothing re-measured (issue 60, 10)
+    assert main([*argv, "--run-steps", "1000"]) == 0 and len(calls) == 1
+    assert "of a 1,000-step run" in capsys.readouterr().out and "of a 1,000-step run" in (tmp_path / "summary.md").read_text()
+    assert json.loads((tmp_path / "policy.json").read_text())["measured"]["run_steps"] == 1000
     assert main([*argv, "--remeasure"]) == 0 and len(calls) == 2
     assert "its result in" not in capsys.readouterr().err
     cost = json.loads((tmp_path / "policy.json").read_text())["measured"]["cost"]  # no trial ran: none is charged to it

@@ -311,7 +311,20 @@ def _earlier_result(out_dir: Path, plan: Plan, started: Started) -> Run | None:
         out_dir,
     )
     trials = trials_table(study, started.choices, started.profile)
-    return Run(started=started, candidates={}, finals=earlier.finals, chosen=earlier.chosen, trials=trials, cost=earlier.cost)
+    run_steps = started.judge.config.run_steps
+    chosen = [_priced_against(c, run_steps) for c in earlier.chosen] if run_steps is not None else earlier.chosen
+    return Run(started=started, candidates={}, finals=earlier.finals, chosen=chosen, trials=trials, cost=earlier.cost)
+
+
+def _priced_against(chosen: Chosen, run_steps: int) -> Chosen:
+    """A standing result priced against the training run this rerun names (--run-steps, as the summary suggests):
+    the run's length prices the search's cost and changes no measurement, so the policy file is written again with
+    it instead of the earlier run's."""
+    measured = Measured.of(chosen.policy)
+    if measured.run_steps == run_steps:
+        return chosen  # the file stays byte for byte
+    policy = dataclasses.replace(chosen.policy, measured=dataclasses.replace(measured, run_steps=run_steps).to_dict())
+    return dataclasses.replace(chosen, policy=policy, file=policy.save(chosen.file))
 
 
 def start(
