@@ -184,3 +184,30 @@ def test_the_help_names_the_option():
 
     text = " ".join(build_parser().format_help().split())
     assert "--plugin MODULE_OR_FILE" in text and "autoprec.plugins entry points" in text
+
+
+def test_a_plugin_that_prints_on_import_leaves_json_stdout_one_object(tmp_path, capsys, unregistered):
+    """A plugin's print at import went to stdout before --json was read, in front of the result object (issue 60, 10):
+    it goes to stderr."""
+    import json
+
+    plugin = tmp_path / "chatty.py"
+    plugin.write_text("print('chatty plugin loaded')\n" + PLUGIN.format(prefix=unregistered), encoding="utf-8")
+    Policy(layers={"a": "bf16"}).save(tmp_path / "policy.json")
+    code, out, err = run(capsys, "--plugin", plugin, "show", tmp_path / "policy.json", "--json")
+    assert code == 0, err
+    assert json.loads(out)["layers"] == {"a": "bf16"} and "chatty plugin loaded" in err
+
+
+@pytest.mark.parametrize("flag", ["--plug", "--plugi", "--plug=FILE"])
+def test_an_abbreviated_plugin_flag_is_refused_rather_than_taken_and_never_loaded(tmp_path, capsys, flag):
+    """`--plug FILE` was read by argparse as --plugin, but the plugins load before the parser by their whole name, so
+    the file was never imported and the command ran without it (issue 60, 10). Abbreviations are off."""
+    plugin = tmp_path / "p.py"
+    plugin.write_text("", encoding="utf-8")
+    argv = [flag.replace("FILE", str(plugin))] if "=" in flag else [flag, plugin]
+    with pytest.raises(SystemExit) as exited:  # the parser's refusal: one line, exit 2
+        main([str(a) for a in [*argv, "show", tmp_path / "policy.json"]])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "unrecognized arguments: --plug" in err and "did you mean --plugin?" in err

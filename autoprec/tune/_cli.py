@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib.metadata
 import os
 import select
@@ -15,7 +16,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -126,6 +127,12 @@ class _Parser(argparse.ArgumentParser):
     line, as every other user error is, with where the options are listed instead of the whole usage block. Its
     subparsers are of this class too (add_subparsers' default)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # no abbreviations: `--plug FILE` was read as --plugin by the parser but never loaded (plugins are loaded
+        # before it, by their whole name), and an option added later would change what an abbreviation means
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         self._refuse(self.prog, message)
 
@@ -135,13 +142,30 @@ class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def, override]
         # a verb's parser hands the options it does not know up to this one: named with the verb whose --help lists
         # the right ones (`autoprec search m.py --bogus`), not with the top level's
+        argv = list(sys.argv[1:] if args is None else args)
+        if self._subparsers is not None:  # the top level: an unknown option before the verb would take the next word as
+            self._refuse_unknown_before_the_verb(argv)  # the verb (`--plug FILE`: "invalid choice: FILE")
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            argv = list(sys.argv[1:] if args is None else args)
             verb = getattr(parsed, "verb", None)
             after = verb in argv and extras[0] in argv and argv.index(extras[0]) > argv.index(verb)
             self._refuse(f"{self.prog} {verb}" if after else self.prog, f"unrecognized arguments: {' '.join(extras)}")
         return parsed
+
+
+    def _refuse_unknown_before_the_verb(self, argv: Sequence[str]) -> None:
+        known = self._option_string_actions
+        tokens = iter(argv)
+        for token in tokens:
+            if not token.startswith("-"):  # the verb
+                return
+            option = token.partition("=")[0]
+            if option not in known:
+                close = [o for o in known if o.startswith(option)] or difflib.get_close_matches(option, list(known), n=1)
+                hint = f"; did you mean {close[0]}? (options are not abbreviated)" if close else ""
+                self._refuse(self.prog, f"unrecognized arguments: {token}{hint}")
+            if token == option and known[option].nargs is None:  # `--plugin X`: X is its value, not the verb
+                next(tokens, None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     plugins, debug = _before_the_verb(argv)
     try:  # before the parser is built: --objective, --target and --to offer what the plugins register
-        load_plugins(plugins)
+        # a plugin's prints go to stderr: stdout is the result's alone (--json's one object), and --json is not read yet
+        with contextlib.redirect_stdout(sys.stderr):
+            load_plugins(plugins)
     except UserError as exc:
         if debug:
             traceback.print_exc()
