@@ -167,3 +167,33 @@ def test_a_policy_that_all_gathers_fp8_weights_says_so_in_the_search_summary_and
         result = types.SimpleNamespace(policy=policy, finals=rows, noise=None, cost=None, run_steps=None)
         assert (line in search_summary(result)) is said and (line in show_policy(policy)) is said
     assert "autoprec.after_optimizer_step(model) after each optimizer step" in show_policy(gathering)
+
+
+def test_a_policy_tied_with_fp32_and_with_a_faster_one_is_not_said_to_show_no_gain():
+    """Separation is not transitive: uniform bf16 is tied with trial 3 (the fastest, told from fp32) and with fp32, and
+    is chosen as the alternative. "no gain over fp32 shown" beside a bf16 policy read as a reason to run fp32 (issue 60,
+    10): the line names the candidate measured ahead of fp32 that the choice is tied with."""
+    import types
+
+    from builders import finals
+
+    from autoprec import Policy
+    from autoprec.tune._decide._choose import choose, not_separated
+    from autoprec.tune._report._results import headline
+
+    candidates = {
+        "fp32": Policy(layers={"": "fp32"}),
+        "uniform bf16": Policy(layers={"": "bf16"}),
+        "trial 3": Policy(layers={"": "bf16", "head": "fp32"}),
+    }
+    rows = finals({"candidate": "fp32", "speedup": 1.0, "spread": 0.10, "feasible": True, "metric_drop": 0.0},
+                  {"candidate": "uniform bf16", "speedup": 1.08, "spread": 0.10, "feasible": True, "metric_drop": 0.0},
+                  {"candidate": "trial 3", "speedup": 1.16, "spread": 0.10, "feasible": True, "metric_drop": 0.0})  # fmt: skip
+    name, why = choose(rows, candidates)
+    tied = not_separated(rows, name)
+    assert name == "uniform bf16" and "fp32" in tied and "trial 3" in tied  # the case, as the choice makes it
+    policy = Policy(layers={"": "bf16"}, measured={"chosen": name, "why": why, "not_separated": tied, "budget": 0.01})
+    line = headline(types.SimpleNamespace(policy=policy, finals=rows))
+    assert "no gain over fp32" not in line
+    assert line.startswith("a tie inside the noise: uniform bf16 (1.08x fp32's")
+    assert "trial 3 measured faster than fp32 beyond the spread" in line and "is chosen as the alternative" in line

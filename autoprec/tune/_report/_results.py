@@ -24,7 +24,7 @@ from autoprec.tune._core._tables import WIDTH, markdown_table, markdown_text, te
 from autoprec.tune._measure._choices import Choices
 from autoprec.tune._measure._metric import NoiseFloor
 from autoprec.tune._measure._profile_data import Profile
-from autoprec.tune._measure._timing import spread_text
+from autoprec.tune._measure._timing import separated, spread_text
 from autoprec.tune._report._report import gradient_summary, profile_notes, profile_summary
 from autoprec.tune._report._show import (
     RESULT_HEADERS,
@@ -272,6 +272,14 @@ def headline(result: SearchResult) -> str:
     tied = tie(m, finals)
     if tied is None:
         return f"chosen: {m.chosen}, {speed}, metric drop {picked.metric_drop:.4g} within budget {_budget(m)}"
+    ahead = _shown_ahead_of_fp32(m, finals) if tied.chosen != FP32 else []
+    if FP32 in tied.others and ahead:  # separation is not transitive: tied with fp32 and with one faster than it
+        return (
+            f"a tie inside the noise: {m.chosen} ({speed}) and {_names(tied.others)} measured within their spread (up "
+            f"to {spread_text(tied.spread)}); {_names(ahead)} measured faster than fp32 beyond the spread and "
+            f"{m.chosen}, tied with it, is chosen as the {tied.kind}, though its own lead over fp32 is inside the "
+            f"spread; {RANK_THEM}"
+        )
     if FP32 in (tied.chosen, *tied.others):  # not told from fp32: its measured speedup is noise, not a gain
         return (
             f"a tie inside the noise, no gain over fp32 shown: {m.chosen} and {_names(tied.others)} measured within "
@@ -286,6 +294,23 @@ def headline(result: SearchResult) -> str:
 
 
 RANK_THEM = "to rank them, rerun with --remeasure on a quiet machine"
+
+
+def _shown_ahead_of_fp32(m: Measured, finals: Finals) -> list[str]:
+    """The candidates tied with the chosen one that the step times put ahead of fp32 beyond the spread (within budget):
+    why a policy not itself told from fp32 was chosen over it (choose ties it with the fastest, which fp32 is not)."""
+    fp32, picked = finals.get(FP32), finals.get(m.chosen)
+    if fp32 is None or picked is None or m.budget is None:
+        return []
+    return [
+        r.candidate
+        for r in finals.within(m.budget)
+        if r.feasible
+        and r.candidate not in (FP32, m.chosen)
+        and r.speedup > fp32.speedup
+        and separated(r, fp32)
+        and not separated(r, picked)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
