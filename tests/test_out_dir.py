@@ -228,3 +228,20 @@ def test_a_saved_profile_that_left_numerics_unmeasured_does_not_serve_a_search_t
     )
     assert "profile: reused the one saved in the output folder" not in watch.counts and again.numerics == "all"
     assert not math.isnan(again.row("fc1", "bf16").sqnr_db)  # measured now, though slower than fp32 here
+
+
+def test_a_profile_measured_again_takes_the_old_profiles_figures_with_it(tmp_path):
+    """A sweep measured a new profile over an old one, then was refused its study before drawing: the old heat maps
+    stood beside the new profile's files (issue 60, 10). They go when the profile they were drawn from is replaced, and
+    a reused profile keeps its own."""
+    from autoprec.tune import SearchConfig
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    config = SearchConfig(budget=0.1, progress=False, profile=FAST)
+    load_or_profile(workload, space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32"]}}), tmp_path, config)
+    for name in ("profile.png", "grad_ranges.png"):
+        (tmp_path / name).write_bytes(b"the old profile's figure")
+    load_or_profile(workload, space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32"]}}), tmp_path, config)
+    assert (tmp_path / "profile.png").is_file()  # reused: its figures are its own
+    load_or_profile(workload, space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}}), tmp_path, config)
+    assert not (tmp_path / "profile.png").exists() and not (tmp_path / "grad_ranges.png").exists()

@@ -73,7 +73,7 @@ def sweep_and_report(
     """sweeper.sweep, then sweep.md, pareto.png and the heat maps beside its files (what `autoprec sweep` writes): the
     heat maps beside the profile it measured, or where the one it reused has none; a reused profile's are left as
     they are (a search's files). Sharded: as search_and_report."""
-    from autoprec.tune._report._plots import plot_all, plot_pareto
+    from autoprec.tune._report._plots import PROFILE_FIGURE, plot_all, plot_pareto
     from autoprec.tune._report._results import sweep_markdown
 
     def run() -> SweepResult:
@@ -83,7 +83,7 @@ def sweep_and_report(
         plot_pareto(result, out / "pareto.png", title=title)
         saved = result.saved
         folder = saved.folder if saved is not None else out
-        if saved is None or saved.measured or not (folder / "profile.png").is_file():
+        if saved is None or saved.measured or not (folder / PROFILE_FIGURE).is_file():
             plot_all(result.profile, folder, title=title)
         write_text(out / "sweep.md", sweep_markdown(result, command))
         return result

@@ -376,12 +376,17 @@ def plot_grad_ranges(grad_ranges: pd.DataFrame, advice: ScaleAdvice | None, path
     return _save(grad_ranges_figure(grad_ranges, advice, title=title), path)
 
 
+# The figures drawn from a saved profile, beside its files: the heat map, and the gradient ranges where measured
+PROFILE_FIGURE, GRAD_RANGES_FIGURE = "profile.png", "grad_ranges.png"
+PROFILE_FIGURES = (PROFILE_FIGURE, GRAD_RANGES_FIGURE)
+
+
 def plot_all(prof: Profile, out_dir: str | Path, *, title: str = "") -> list[Path]:
     """profile.png (heat map) and, with gradient ranges, grad_ranges.png, under out_dir."""
     folder = Path(out_dir)
-    paths = [plot_profile(prof.rows, folder / "profile.png", title=title)]
+    paths = [plot_profile(prof.rows, folder / PROFILE_FIGURE, title=title)]
     if prof.grad_ranges is not None:
-        paths.append(plot_grad_ranges(prof.grad_ranges, prof.advice(), folder / "grad_ranges.png", title=title))
+        paths.append(plot_grad_ranges(prof.grad_ranges, prof.advice(), folder / GRAD_RANGES_FIGURE, title=title))
     return paths
 
 

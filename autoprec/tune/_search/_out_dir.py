@@ -29,6 +29,7 @@ from autoprec.tune._measure._profile_data import PREDICTED, Profile, ruled_out
 from autoprec.tune._measure._profiler import profile
 from autoprec.tune._measure._task import Workload
 from autoprec.tune._measure._timing import Stopwatch
+from autoprec.tune._report._plots import PROFILE_FIGURES
 from autoprec.tune._report._results import SavedProfile
 
 log = logging.getLogger("autoprec")
@@ -164,6 +165,10 @@ def reuse_or_profile(
         log.info("the profile in %s does not serve this run (%s): profiling into %s", out_dir, why_not, target)
     prof = profile(workload, space, settings, progress=config.progress)
     watch.merge(prof.cost)
+    # the figures drawn from the profile this one replaces go with it: a run refused or stopped before it draws its
+    # own (a study of other settings, Ctrl-C) left the old heat maps beside the new profile's files
+    for name in PROFILE_FIGURES:
+        (target / name).unlink(missing_ok=True)
     prof.save(target)
     return SavedProfile(profile=prof, folder=target, measured=True, own=target != out_dir, why_not=why_not)
 
