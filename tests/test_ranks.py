@@ -137,6 +137,37 @@ def test_a_rank_that_fails_inside_fsdps_collectives_ends_the_run_on_every_rank_n
     assert not (tmp_path / "out" / "policy.json").exists()
 
 
+@pytest.mark.slow
+def test_a_rank_whose_model_py_checks_fail_is_named_by_rank_0_at_once(tmp_path):
+    """Rank 1's build_model raised: rank 1 said so, rank 0 said nothing and waited in the mesh for it until the
+    timeout (issue 60, 8). Every rank's checks are agreed first, so rank 0 names rank 1 and its error, exit 2."""
+    code, out, err = torchrun(tmp_path, "--trials", "1", "--rank-timeout", "2", fail="1:build", timeout=100)
+    assert code != 0  # (torchrun's own report of its failed workers follows the ranks' lines)
+    assert "autoprec: error (rank 1):" in err and "build_model broke on this rank" in err
+    assert "autoprec: error: rank 1 of 2: " in err  # rank 0's one line, naming rank 1's error
+    assert err.count("build_model broke on this rank") == 2 and "no answer" not in err
+
+
+def test_a_sharded_search_leaves_fp16_out_of_the_default_space_and_refuses_a_space_file_offering_it(capsys):
+    """The sharded search offered fp16 without a word though docs/sharded.md says to search bf16 and fp8: each rank's
+    GradScaler skips steps on its own, and 3 of 6 trials skipped steps (issue 60, 8)."""
+    import argparse
+
+    from autoprec.tune._commands._shared import _without_fp16
+    from autoprec.tune._core._space import load_space
+
+    default = load_space()
+    assert "layers.Linear" in default.loss_scaled()  # the case: the default space offers fp16
+    args = argparse.Namespace(space=None, quiet=False, json=False)
+    space = _without_fp16(args, default)
+    assert space.loss_scaled() == [] and "fp16 left out of the default space" in capsys.readouterr().err
+    assert [f.value for f in space.layers["Linear"]] == [f.value for f in default.layers["Linear"] if f.value != "fp16"]
+    with pytest.raises(UserError, match=r"space.yaml: layers.Linear.* offer.* fp16.*take fp16 out of the space file"):
+        _without_fp16(argparse.Namespace(space="space.yaml", quiet=False, json=False), default)
+    no_fp16 = default.without_loss_scaled()
+    assert _without_fp16(argparse.Namespace(space="space.yaml", quiet=False, json=False), no_fp16) is no_fp16
+
+
 def test_torchrun_ranks_reads_torchruns_environment():
     assert _ranks.torchrun_ranks({}) is None
     assert _ranks.torchrun_ranks({"WORLD_SIZE": "1", "RANK": "0"}) is None  # one rank: a search as on one device

@@ -5,7 +5,8 @@ For the tests, by environment variable:
 - AUTOPREC_TEST_LOG=<folder>: each rank appends, for every model it shards, the formats its policy gave the Linears
   and the layers whose weights it all-gathers in fp8 (rank<N>.log), so a test can compare what each rank built;
 - AUTOPREC_TEST_FAIL=<rank>:<where>: that rank raises in parallelize when the policy lowers any Linear
-  (`lowered`: one candidate fails there), or in evaluate (`evaluate`: every metric fails there).
+  (`lowered`: one candidate fails there), in evaluate (`evaluate`: every metric fails there), or in build_model
+  (`build`: its model.py checks fail on that rank alone).
 """
 
 import json
@@ -48,6 +49,8 @@ class Decoder(nn.Module):
 
 
 def build_model():
+    if _fails("build"):
+        raise RuntimeError("build_model broke on this rank")
     torch.manual_seed(0)
     return Decoder()
 

@@ -21,7 +21,7 @@ from autoprec.errors import UserError
 from autoprec.formats import default_device
 from autoprec.formats.float8 import torchao_loading_quietly
 from autoprec.tune._core._space import SearchSpace, load_space
-from autoprec.tune._measure._ranks import sharded
+from autoprec.tune._measure._ranks import agree_ready, sharded
 from autoprec.tune._measure._task import load_task, prepare
 from autoprec.tune._search._out_dir import check_not_a_file
 
@@ -162,11 +162,19 @@ def prepare_model(
     noise = getattr(args, "library_noise", None)  # None under --debug, which shows libraries' lines
     # torchao imported by model.py (through transformers, say) logs its loader's noise while model.py may be setting
     # up handlers of its own (logging.basicConfig) that LibraryNoise has not covered yet; torchao is not imported here
-    with torchao_loading_quietly() if noise is not None else contextlib.nullcontext():
-        task = load_task(args.model)
-    if noise is not None:  # a library model.py imported may have set up its own handler
-        noise.cover()
-    workload = prepare(task, device)
+    failed = None
+    try:
+        with torchao_loading_quietly() if noise is not None else contextlib.nullcontext():
+            task = load_task(args.model)
+        if noise is not None:  # a library model.py imported may have set up its own handler
+            noise.cover()
+        workload = prepare(task, device)
+    except UserError as exc:
+        if ranks is None:
+            raise
+        failed = exc
+    if ranks is not None:  # every rank's checks agreed first: one that failed names itself on every rank
+        agree_ready(failed, timeout_s=60 * args.rank_timeout)
     try:
         space = space.with_excludes(args.exclude or (), workload.model)
     except ValueError as exc:
@@ -175,6 +183,7 @@ def prepare_model(
     if ranks is not None:
         workload = _sharded(args, task, workload)
         how += f", sharded over {ranks[1]} ranks by {task.path.name}'s parallelize"
+        space = _without_fp16(args, space)
     say(args, f"autoprec: {task.path} on {device}, {how}")
     return task, space, workload
 
@@ -187,6 +196,27 @@ def model_device(args: argparse.Namespace) -> torch.device:
     if ranks is None or device.index is not None or not devices.device_for(device).numbered:
         return device
     return torch.device(device.type, ranks[2])
+
+
+def _without_fp16(args: argparse.Namespace, space: SearchSpace) -> SearchSpace:
+    """A sharded search's space without fp16 (docs/sharded.md, "Not yet"): each rank's GradScaler decides on its own
+    whether a step's gradients overflowed, so ranks skip different steps. Taken out of the default space with a line
+    saying so; a space file that offers it is refused, naming its lists."""
+    lists = space.loss_scaled()
+    if not lists:
+        return space
+    if args.space is not None:
+        raise UserError(
+            f"{args.space}: {', '.join(lists)} offer{'s' if len(lists) == 1 else ''} fp16, which a sharded search does "
+            "not search yet (each rank's GradScaler skips steps on its own: docs/sharded.md); take fp16 out of the "
+            "space file and search bf16 and fp8"
+        )
+    say(
+        args,
+        "autoprec: fp16 left out of the default space: a sharded search does not search it yet (each rank's "
+        "GradScaler skips steps on its own: docs/sharded.md); bf16 and fp8 are searched",
+    )
+    return space.without_loss_scaled()
 
 
 def _sharded(args: argparse.Namespace, task, workload):

@@ -152,6 +152,20 @@ class SearchSpace:
             )
         return wider
 
+    def loss_scaled(self) -> list[str]:
+        """The lists (`default`, `layers.<type>`) that offer a format needing a GradScaler (fp16)."""
+        return [field for field, formats in self.lists() if any(f.spec.loss_scale for f in formats)]
+
+    def without_loss_scaled(self) -> SearchSpace:
+        """This space with every format that needs a GradScaler (fp16) taken out of each list."""
+
+        def keep(formats: tuple[Format, ...]) -> tuple[Format, ...]:
+            return tuple(f for f in formats if not f.spec.loss_scale)
+
+        return dataclasses.replace(
+            self, default=keep(self.default), layers={name: keep(formats) for name, formats in self.layers.items()}
+        )
+
     def offered(self, module: torch.nn.Module) -> tuple[Format, ...] | None:
         """Formats offered for a module, or None when its type is not a tunable layer."""
         for type_name, formats in self.layers.items():

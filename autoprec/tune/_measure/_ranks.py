@@ -309,6 +309,33 @@ class Ranks:
             ) from exc
 
 
+def agree_ready(mine: UserError | None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Every rank's outcome of loading and checking model.py, agreed before anything that waits for every rank (the
+    mesh, the message group): a rank whose checks failed would never reach those, and the others would wait for it
+    until the timeout, saying nothing of why. Raises on every rank where any failed: this rank's own error, or one
+    naming the first rank that failed and its error."""
+    import torch.distributed as dist  # noqa: PLC0415 (only a sharded search needs it)
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    said: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(said, None if mine is None else str(mine), group=group)
+    except RuntimeError as exc:
+        raise RankFailed(
+            f"no answer from every rank after loading model.py within {timeout_s:g} s ({describe(exc, limit=200)})"
+        ) from exc
+    finally:
+        dist.destroy_process_group(group)
+    if mine is not None:
+        raise mine
+    failed = [(rank, text) for rank, text in enumerate(said) if text is not None]
+    if failed:
+        rank, text = failed[0]
+        raise UserError(
+            f"rank {rank} of {len(said)}: {text}" + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else "")
+        )
+
+
 def sharded(workload: Workload, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Workload:
     """`workload` measured on every rank of the caller's job together, sharded by its task's parallelize (which it
     must have), named in the policy file by the task's file (or a Python task's label)."""
