@@ -81,6 +81,8 @@ def test_a_sharded_search_writes_one_policy_with_its_layout_the_ranks_agree_and_
     assert code == 0, err[-3000:]
     policy = json.loads((tmp_path / "out" / "policy.json").read_text())
     assert policy["measured"]["layout"] == {"world_size": 2, "mesh": [2], "parallelize": "sharded_decoder.py:parallelize"}
+    said = "sharded over 2 ranks (mesh 2, by sharded_decoder.py:parallelize)"  # the summary says it (issue 60, 9)
+    assert said in " ".join(out.split()) and said in " ".join((tmp_path / "out" / "summary.md").read_text().split())
     # rank 0 reports, once; rank 1 took its part quietly. Counted by the summary's last line, which every outcome
     # prints once (a policy that wins also names itself in the headline: "chosen:" would count the outcome)
     assert out.count("policy.json, profile.csv, profile.json, grad_ranges.csv") == 1, out

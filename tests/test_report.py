@@ -230,3 +230,15 @@ def test_a_markdown_table_keeps_each_row_on_its_line():
         "|---|---|",
         "| trial 3 | boom Traceback \\| &lt;b&gt;line&lt;/b&gt; \\`x\\` |",
     ]
+
+
+def test_show_says_the_layout_a_sharded_search_measured_on():
+    """The sharded policy recorded its world size and mesh, but neither `show` nor the summary said them (issue 60, 9):
+    a policy measured on 8 ranks read as one measured on one device."""
+    from autoprec import Policy
+    from autoprec.tune._report._show import show_policy
+
+    layout = {"world_size": 8, "mesh": [2, 4], "parallelize": "model.py:parallelize"}
+    text = " ".join(show_policy(Policy(layers={"": "bf16"}, measured={"device": "cuda", "layout": layout})).split())
+    assert "sharded over 8 ranks (mesh 2x4, by model.py:parallelize)" in text
+    assert "sharded" not in show_policy(Policy(layers={"": "bf16"}, measured={"device": "cuda"}))

@@ -39,6 +39,7 @@ from autoprec.tune._report._show import (
     estimate_lines,
     estimate_of,
     gather_line,
+    layout_text,
     memory_text,
     mode_text,
 )
@@ -161,7 +162,8 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
     parts.append(
         f"chosen: {m.chosen}{f' ({m.why})' if m.why else ''}; budget {_budget(m)}, "
         f"metric {m.metric}, {mode_text(m)}; search space {m.search_space or 'per layer'}; "
-        f"device: {m.device}; {m.timing}; speedup = fp32 step time / effective step time"
+        f"device: {m.device}{f', {layout_text(m)}' if layout_text(m) else ''}; {m.timing}; "
+        "speedup = fp32 step time / effective step time"
     )
     parts.append(memory_text(m))
     if m.stopped:

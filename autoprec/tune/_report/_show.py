@@ -279,6 +279,7 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
                     f"fp8: {m.fp8 or '?'}; " if any(f.spec.is_fp8 for f in policy.layers.values()) else ""
                 )  # only where it runs fp8
                 + f"step times {'compiled' if m.compiled else 'eager'}"
+                + (f"; {layout_text(m)}" if layout_text(m) else "")
             )
         )
         if m.not_separated:
@@ -300,6 +301,16 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         if m.versions:
             parts.append(say("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items())))
     return "\n\n".join(parts)
+
+
+def layout_text(m: Measured) -> str | None:
+    """The layout a sharded search measured on (`measured.layout`), in words; None where it measured on one device."""
+    layout = m.layout
+    if not layout:
+        return None
+    mesh = layout.get("mesh")
+    shape = "x".join(map(str, mesh)) if isinstance(mesh, (list, tuple)) else "?"
+    return f"sharded over {layout.get('world_size', '?')} ranks (mesh {shape}, by {layout.get('parallelize', '?')})"
 
 
 def gather_line(policy: Policy) -> str | None:
