@@ -369,6 +369,9 @@ class Measured:
     sweep: Mapping[str, Any] | None = None
     # the layout a sharded search measured on (world_size, mesh, parallelize: _ranks.Layout); None: one device
     layout: Mapping[str, Any] | None = None
+    # the tuned layers' share of the step's matmul FLOPs and of the parameters, the rest by module class
+    # (_coverage.Coverage: a MoE's fused experts are no Linear); None: not measured
+    coverage: Mapping[str, Any] | None = None
     run_steps: int | None = None  # the training run the search was priced against (SearchConfig.run_steps)
     cost: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     created: str | None = None
@@ -394,6 +397,7 @@ class Measured:
                     "stopped",
                     "sweep",
                     "layout",
+                    "coverage",
                     "run_steps",
                     "created",
                     "memory",
@@ -466,6 +470,7 @@ class Measured:
             ),
             sweep=sweep if isinstance(sweep, Mapping) else None,
             layout=data.get("layout") if isinstance(data.get("layout"), Mapping) else None,
+            coverage=data.get("coverage") if isinstance(data.get("coverage"), Mapping) else None,
             run_steps=_count(data.get("run_steps")),
             cost=dict(_mapping(data.get("cost"))),
             created=_text(data.get("created")),

@@ -35,6 +35,7 @@ from autoprec.tune._report._show import (
     _layer_name,
     _names,
     _saved,
+    coverage_line,
     estimate_column,
     estimate_lines,
     estimate_of,
@@ -165,6 +166,7 @@ def search_summary(result: SearchResult, *, markdown: bool = False) -> str:
         f"device: {m.device}{f', {layout_text(m)}' if layout_text(m) else ''}; {m.timing}; "
         "speedup = fp32 step time / effective step time"
     )
+    parts.extend(line for line in [coverage_line(m)] if line)
     parts.append(memory_text(m))
     if m.stopped:
         parts.append(f"trials: {m.stopped}")

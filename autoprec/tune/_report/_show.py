@@ -22,6 +22,7 @@ from autoprec.tune._core._records import Measured
 from autoprec.tune._core._tables import WIDTH, markdown_table, markdown_text, text_table
 from autoprec.tune._decide._choose import FEWER_LOWERED, WITHOUT_GATHER
 from autoprec.tune._measure._choices import role
+from autoprec.tune._measure._coverage import Coverage
 from autoprec.tune._measure._timing import spread_text
 
 
@@ -282,6 +283,8 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
                 + (f"; {layout_text(m)}" if layout_text(m) else "")
             )
         )
+        if coverage_line(m):
+            parts.append(say(coverage_line(m) or ""))
         if m.not_separated:
             parts.append(
                 say(
@@ -301,6 +304,13 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         if m.versions:
             parts.append(say("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items())))
     return "\n\n".join(parts)
+
+
+def coverage_line(m: Measured) -> str | None:
+    """What the search left in the model root's format (`measured.coverage`), where that is much of the step (a MoE's
+    fused experts); None otherwise."""
+    cover = Coverage.from_dict(m.coverage)
+    return f"outside the search: {cover.sentence()}" if cover is not None and cover.worth_saying else None
 
 
 def layout_text(m: Measured) -> str | None:

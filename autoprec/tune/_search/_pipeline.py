@@ -48,6 +48,7 @@ from autoprec.tune._core._space import SearchSpace
 from autoprec.tune._decide._choose import choose_per_budget
 from autoprec.tune._decide._trials import complete_count, device_noise, first_of_run, trial_costs, trials_table
 from autoprec.tune._measure._choices import Choices, build_choices, searches_fp8_all_gather, warm_starts
+from autoprec.tune._measure._coverage import Coverage, coverage
 from autoprec.tune._measure._metric import workload_fp32_metric
 from autoprec.tune._measure._profile_data import SPEED_UNJUDGED
 from autoprec.tune._measure._speed import LayerTimes
@@ -378,7 +379,23 @@ def start(
     )
     log.info("search space: %s", choices.describe())
     judge = Judge(workload, config, prof.fp32_metric, budgets=budgets, watch=watch)
-    return Started(profile=prof, choices=choices, study=study, storage=where, judge=judge, saved=saved, config=config)
+    cover = _coverage(workload, space)
+    return Started(
+        profile=prof, choices=choices, study=study, storage=where, judge=judge, saved=saved, config=config, coverage=cover
+    )
+
+
+def _coverage(workload: Workload, space: SearchSpace) -> Coverage | None:
+    """The tuned layers' share of the step's matmuls, said where much runs outside them (a MoE's fused experts); None
+    where the count fails (an op the counting mode cannot pass through): it reports, it never stops a search."""
+    try:
+        cover = coverage(workload, space)
+    except Exception as exc:
+        log.debug("the tuned layers' share of the matmuls could not be counted: %s: %s", type(exc).__name__, exc)
+        return None
+    if cover.worth_saying:
+        log.warning("%s", cover.sentence())
+    return cover
 
 
 # A search: the pipeline with one budget and one objective, the training-step speedup (or, with `--objective memory`,

@@ -16,6 +16,7 @@ from autoprec.tune._core._config import SearchConfig
 from autoprec.tune._core._names import GREEDY
 from autoprec.tune._core._records import Candidate, Chosen, Finals
 from autoprec.tune._measure._choices import Choices
+from autoprec.tune._measure._coverage import Coverage
 from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._report._results import SavedProfile
 from autoprec.tune._search._objective import Judge
@@ -81,6 +82,7 @@ class Started:
     judge: Judge
     saved: SavedProfile  # where the profile is saved, and whether this run measured it
     config: SearchConfig  # the search's settings, its goal bound to the space and the profile (Goal.bound): once
+    coverage: Coverage | None = None  # the tuned layers' share of the step's matmuls (None: it could not be counted)
 
     @property
     def budgets(self) -> Budgets:

@@ -106,5 +106,6 @@ def measured_record(
         search_space=choices.describe(),
         study=StudyRef(name=study.study_name, storage=started.storage, trials=len(study.trials), complete=complete_count(study)),
         layout=workload.sharding.layout() if workload.sharding is not None else None,
+        coverage=started.coverage.to_dict() if started.coverage is not None else None,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )

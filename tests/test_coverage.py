@@ -1,0 +1,110 @@
+"""autoprec/tune/_measure/_coverage.py: the tuned layers' share of a step's matmul FLOPs and of the parameters, and what
+runs outside them (a Mixtral-style MoE's fused experts, which are no nn.Linear)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from autoprec import Policy
+from autoprec.tune import load_task, prepare
+from autoprec.tune._core._records import Measured
+from autoprec.tune._core._space import load_space
+from autoprec.tune._measure._coverage import Coverage, coverage, grouped_mm_flops, matmul_flop_registry
+
+HIDDEN, INTER, EXPERTS, TOP_K, LAYERS, TOKENS = 32, 64, 4, 2, 2, 4 * 16
+
+MIXTRAL = f"""
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+def build_model():
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        hidden_size={HIDDEN}, intermediate_size={INTER}, num_hidden_layers={LAYERS}, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts={EXPERTS}, num_experts_per_tok={TOP_K}, vocab_size=128,
+        max_position_embeddings=64,
+    ))
+
+
+def batches(split):
+    g = torch.Generator().manual_seed(0 if split == "train" else 1)
+    return [torch.randint(0, 128, (4, 16), generator=g)]
+
+
+def loss_fn(model, batch):
+    return model(input_ids=batch, labels=batch).loss
+"""
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("mixtral") / "model.py"
+    path.write_text(MIXTRAL, encoding="utf-8")
+    return prepare(load_task(path), "cpu")
+
+
+def test_a_mixtral_moes_experts_are_counted_outside_the_tuned_linears(mixtral):
+    """Issue 60, 5: the experts hold most of the parameters and the matmul work, as fused 3-D weights run by grouped
+    matmuls, and a search reported "all 9 linears". Checked against the FLOPs written out by hand."""
+    cover = coverage(mixtral, load_space())
+    linear = 2 * TOKENS * (HIDDEN * HIDDEN * 2 + HIDDEN * HIDDEN // 2 * 2)  # q and o (32x32), k and v (32x16): per layer
+    experts = 2 * TOKENS * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)  # each token's experts: gate_up, then down
+    router = 2 * TOKENS * HIDDEN * EXPERTS
+    head = 2 * TOKENS * HIDDEN * 128
+    total = LAYERS * (linear + experts + router) + head
+    assert cover.tuned_layers == 4 * LAYERS + 1  # q, k, v, o per layer and lm_head
+    assert cover.flops_share == pytest.approx((LAYERS * linear + head) / total, rel=1e-6)
+    [moe, gate] = cover.outside
+    assert (moe.type, moe.modules) == ("MixtralExperts", LAYERS)
+    assert moe.flops_share == pytest.approx(LAYERS * experts / total, rel=1e-6)
+    assert moe.params_share > 0.5 and gate.type == "MixtralTopKRouter"
+    assert cover.worth_saying
+    text = cover.sentence()
+    assert "the 9 layers the search tunes do" in text and f"2 MixtralExperts ({moe.flops_share:.0%} of the FLOPs" in text
+
+
+def test_a_model_of_linears_alone_is_all_tuned_and_nothing_is_said(write_model, mlp_source):
+    cover = coverage(prepare(load_task(write_model(mlp_source)), "cpu"), load_space())
+    assert cover.flops_share == 1.0 and cover.params_share == pytest.approx(1.0) and cover.outside == ()
+    assert not cover.worth_saying
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "offsets", "out"),
+    [((10, 8), (3, 8, 6), (4, 7, 10), (10, 6)), ((6, 10), (10, 5), (4, 7, 10), (3, 6, 5))],
+    ids=["rows split (forward)", "contraction split (weight gradient)"],
+)
+def test_grouped_mm_flops_against_each_groups_own_matmul(a, b, offsets, out):
+    """torch's flop_registry has no formula for torch._grouped_mm: the experts' work vanished from every count."""
+    starts = (0, *offsets[:-1])
+    if len(b) == 3:  # group g: rows starts[g]:offsets[g] of a times b[g]
+        brute = sum(2 * (end - start) * a[1] * b[2] for start, end in zip(starts, offsets))
+    else:  # group g: columns starts[g]:offsets[g] of a times rows of b
+        brute = sum(2 * a[0] * (end - start) * b[1] for start, end in zip(starts, offsets))
+    assert grouped_mm_flops(a, b, out_shape=out) == brute
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        assert torch.ops.aten._grouped_mm in matmul_flop_registry()
+
+
+def test_the_coverage_round_trips_through_the_policy_file_and_show_says_it():
+    from autoprec.tune._report._show import coverage_line, show_policy
+
+    cover = Coverage(tuned_layers=9, flops_share=0.21, params_share=0.12, outside=(), elsewhere_share=0.0)
+    measured = Measured(device="cpu", coverage=cover.to_dict())
+    assert Coverage.from_dict(Measured.from_dict(measured.to_dict()).coverage) == cover
+    policy = Policy(layers={"": "bf16"}, measured=measured.to_dict())
+    assert coverage_line(Measured.of(policy)) in " ".join(show_policy(policy).split())
+    assert Coverage.from_dict({"tuned_layers": "x"}) is None and Coverage.from_dict(None) is None
+
+
+def test_the_search_says_it_at_its_start(mixtral, caplog):
+    from autoprec.tune._search._pipeline import _coverage
+
+    with caplog.at_level(logging.WARNING, logger="autoprec"):
+        cover = _coverage(mixtral, load_space())
+    assert cover is not None and "MixtralExperts" in caplog.text
