@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import torch
 
 from autoprec.errors import RankFailed, UserError, printable
-from autoprec.tune._commands import export, predict, profile, search, show
+from autoprec.tune._commands import export, predict, profile, search, show, validate
 from autoprec.tune._commands._shared import GLOBAL_FLAGS, Verb
 from autoprec.tune._core._plugins import GROUP as PLUGIN_GROUP
 from autoprec.tune._core._plugins import load_plugins
@@ -40,6 +40,7 @@ VERBS: tuple[Verb, ...] = (
     show.SHOW,
     export.EXPORT,
     export.VERIFY,
+    validate.VALIDATE,
 )
 
 

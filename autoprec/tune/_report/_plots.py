@@ -22,6 +22,7 @@ from autoprec.tune._decide._goals import SPEED
 from autoprec.tune._measure._choices import role
 from autoprec.tune._measure._gradients import ScaleAdvice
 from autoprec.tune._measure._profile_data import PREDICTED, UNRUN, Profile, unrun
+from autoprec.tune._measure._validate import Validation
 from autoprec.tune._report._results import BudgetRow, SweepResult
 
 if TYPE_CHECKING:  # matplotlib only where a plot is drawn
@@ -511,3 +512,38 @@ def plot_pareto(result: SweepResult, path: PathT, *, title: str = "") -> PathT:
     the budgets, and each budget's re-measured choice beside uniform bf16. Where peak memory was measured, the
     trials are coloured by it. Where every drop is 0, the trials are shown by number, and the legend says so."""
     return _save(pareto_figure(result, title=title), path)
+
+
+def validation_figure(v: Validation, *, title: str = "") -> Figure:
+    """validate.png's figure (plot_validation)."""
+    fig = _figure((8.8, 6))
+    gap, drop = fig.subplots(2, 1, sharex=True)
+    steps = [p.step for p in v.curve]
+    gap.plot(steps, [p.policy_loss - p.baseline_loss for p in v.curve], color="tab:blue", label="policy")
+    switched = [(p.step, p.switched_loss - p.baseline_loss) for p in v.curve if p.switched_loss is not None]
+    if switched:
+        gap.plot(*zip(*switched), color="tab:green", label="with the switch")
+    gap.axhline(0.0, color="0.6", linewidth=0.8)
+    gap.set_ylabel(f"training loss - {v.baseline}'s")
+    gap.legend(loc="best", fontsize=8)
+    evaluated = [(p.step, p.drop) for p in v.curve if p.drop is not None]
+    drop.plot(*zip(*evaluated), "o-", color="tab:blue", label="policy")
+    after = [(p.step, p.switched_drop) for p in v.curve if p.switched_drop is not None]
+    if after:
+        drop.plot(*zip(*after), "o-", color="tab:green", label="with the switch")
+    if v.budget is not None:
+        drop.axhline(v.budget, color="tab:red", linestyle="--", linewidth=1, label=f"budget {v.budget:.4g}")
+    if v.switch is not None:
+        for ax in (gap, drop):
+            ax.axvline(v.switch.step, color="tab:green", linestyle=":", linewidth=1)
+    drop.set_xlabel("training step")
+    drop.set_ylabel(f"metric drop from {v.baseline}")
+    drop.legend(loc="best", fontsize=8)
+    if title:
+        fig.suptitle(textwrap.shorten(title, 110), fontsize=10)
+    return fig
+
+
+def plot_validation(v: Validation, path: PathT, *, title: str = "") -> PathT:
+    """The loss gap per step and the metric drop at each evaluation, the budget and, where measured, the switch."""
+    return _save(validation_figure(v, title=title), path)

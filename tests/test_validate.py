@@ -1,0 +1,91 @@
+"""autoprec/tune/_measure/_validate.py and `autoprec validate`: a policy trained beside its baseline over a horizon, and
+the phase switch measured where the budget does not hold at the end (tests/models/drifting_mlp.py's arithmetic: each
+training step adds the number of layers below bf16 to a drift its metric reads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autoprec import Policy
+from autoprec.tune import load_task, prepare
+from autoprec.tune._cli import main
+from autoprec.tune._core._budget import Budget
+from autoprec.tune._measure._validate import raised, validate
+
+MODELS = Path(__file__).parent / "models"
+
+
+@pytest.fixture(scope="module")
+def drifting():
+    return prepare(load_task(MODELS / "drifting_mlp.py"), "cpu")
+
+
+def test_the_baseline_beside_itself_is_the_same_run_step_for_step(drifting):
+    """Both arms start from the same weights and take the same batches with the same random draws: the fp32 policy
+    beside the fp32 baseline is the same run, bit for bit (the brute-force reference)."""
+    v = validate(drifting, Policy(), 6, every=2, budget=0.0)
+    assert [p.policy_loss for p in v.curve] == [p.baseline_loss for p in v.curve]
+    assert [p.step for p in v.curve if p.drop is not None] == [2, 4, 6] and v.final_drop == 0.0
+    assert v.holds and v.switch is None
+
+
+def test_a_drop_past_the_budget_at_the_end_gets_a_measured_switch_from_before_it_grew(drifting):
+    policy = Policy(layers={"fc1": "fp16", "fc2": "bf16"})
+    v = validate(drifting, policy, 20, every=2, budget=0.1)
+    drops = {p.step: p.drop for p in v.curve if p.drop is not None}
+    assert drops == {s: pytest.approx(s / 100) for s in range(2, 21, 2)}  # one layer below bf16: 0.01 a step
+    assert v.final_drop == pytest.approx(0.2) and v.holds is False
+    # past half the budget at step 6: raised from the last evaluation before, step 4; the drift stops there
+    assert v.switch is not None and (v.switch.step, v.switch.from_fraction) == (4, 0.2)
+    assert v.switch.layers == {"fc1": "bf16"} and v.switch.drop == pytest.approx(0.04)
+    assert v.switch.phase() == {"from_fraction": 0.2, "layers": {"fc1": "bf16"}}
+    assert all(p.switched_loss is None for p in v.curve[:4]) and all(p.switched_loss is not None for p in v.curve[4:])
+
+
+def test_a_relative_budget_is_resolved_against_the_baselines_final_metric(drifting):
+    v = validate(drifting, Policy(layers={"fc1": "fp16"}), 4, every=2, budget=Budget(0.5, relative=True))
+    assert v.budget == 0.0  # the baseline's metric is 0 here: half of it is 0
+    assert raised(Policy(layers={"": "bf16", "a": "fp8", "b": "fp32", "c": "nvfp4"})) == {"a": "bf16", "c": "bf16"}
+
+
+@pytest.mark.parametrize(("steps", "every"), [(0, None), (True, None), (4, 0)])
+def test_validate_refuses_steps_it_cannot_take(drifting, steps, every):
+    with pytest.raises(ValueError, match="must be a whole number >= 1"):
+        validate(drifting, Policy(), steps, every=every)
+
+
+def test_the_command_writes_the_curve_says_the_verdict_and_the_switch(tmp_path, capsys):
+    policy = tmp_path / "policy.json"
+    Policy(layers={"fc1": "fp16"}, measured={"budget": 0.1}).save(policy)
+    argv = ["validate", str(MODELS / "drifting_mlp.py"), str(policy), "--steps", "20", "--every", "2", "--device", "cpu"]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--quiet"]) == 0  # the recorded budget, 0.1
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the budget does not hold: metric drop 0.2 > 0.1 after 20 steps" in out
+    assert (
+        'measured switch: 1 layer raised to bf16 from step 4 (20% of the run): drop 0.04, the budget holds; as a phase: {"from_fraction": 0.2, "layers": {"fc1": "bf16"}}'
+        in out
+    )
+    for name in ("validate.csv", "validate.json", "validate.png"):
+        assert (tmp_path / "out" / name).is_file(), name
+    rows = (tmp_path / "out" / "validate.csv").read_text().splitlines()
+    assert rows[0].startswith("step,baseline_loss,policy_loss") and len(rows) == 21
+    assert main([*argv, "--out", str(tmp_path / "json"), "--budget", "0.5", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["holds"] is True and record["switch"] is None and record["final_drop"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [(["--steps", "0"], "--steps 0: give the training steps"), (["--steps", "4", "--every", "9"], "--every 9: give a whole"),
+     (["--steps", "4", "--budget", "lots"], "--budget lots: a budget must be a number")],
+)  # fmt: skip
+def test_a_mistake_is_one_line_and_exit_2(tmp_path, capsys, extra, said):
+    policy = tmp_path / "policy.json"
+    Policy(layers={"fc1": "fp16"}).save(policy)
+    code = main(["validate", str(MODELS / "drifting_mlp.py"), str(policy), *extra, "--device", "cpu", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and said in err, err
