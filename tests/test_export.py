@@ -49,8 +49,9 @@ def test_the_torchao_file_converts_exactly_the_policys_fp8_layers_with_their_rec
     assert converted["b"] == Float8LinearConfig.from_recipe_name("rowwise")
     assert [type(m) for m in (model.c, model.d, model.f)] == [nn.Linear] * 3
     assert (
-        len(left_out) == 2 and "model root" in left_out[0] and "bf16" in left_out[0] and "layer 'c' runs in bf16" in left_out[1]
+        len(left_out) == 3 and "model root" in left_out[0] and "bf16" in left_out[0] and "layer 'c' runs in bf16" in left_out[1]
     )
+    assert left_out[2].startswith("layer 'd' runs in fp32 inside a bf16 model root")  # autocast would lower it
     assert all(line in (tmp_path / "policy_torchao.py").read_text() for line in left_out)  # in the file, too
 
 
@@ -168,10 +169,10 @@ def test_the_export_verb_writes_beside_the_policy_and_lists_what_it_left_out(tmp
     POLICY.save(tmp_path / "policy.json")
     assert main(["export", str(tmp_path / "policy.json"), "--to", "torchao"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"wrote {tmp_path / 'policy_torchao.py'}" and len(out) == 3 and out[2].startswith("not expressed: layer 'c'")
+    assert out[0] == f"wrote {tmp_path / 'policy_torchao.py'}" and len(out) == 4 and out[2].startswith("not expressed: layer 'c'")
     assert main(["--quiet", "export", str(tmp_path / "policy.json"), "--to", "torchao"]) == 0
     quiet = capsys.readouterr()  # what the file leaves out stays a warning under --quiet
-    assert quiet.out == "" and quiet.err.splitlines()[-1].startswith("not expressed: layer 'c'")
+    assert quiet.out == "" and quiet.err.splitlines()[-2].startswith("not expressed: layer 'c'")
     assert main(["export", str(tmp_path / "policy.json"), "--to", "torchao", "--out", str(tmp_path / "x.py"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["file"] == str(tmp_path / "x.py")
     with pytest.raises(SystemExit):  # argparse names the choices
@@ -248,8 +249,9 @@ def test_the_torchtitan_file_converts_exactly_the_policys_rowwise_layers_with_th
         "layers.0.feed_forward.w1": rowwise, "layers.0.feed_forward.w3": rowwise, "layers.1.feed_forward.w2": gw_hp}  # fmt: skip
     with pytest.raises(ValueError, match="emulate=True makes torchtitan convert with torchao's default"):
         exported.float8_converters(config, emulate=True)  # it would drop the recipe: refused
-    assert len(left_out) == 3 and "model root" in left_out[0] and "'lm_head' runs in bf16" in left_out[1]
-    assert "layer 'layers.1.attention.wo' runs in fp8 recipe 'tensorwise'" in left_out[2]
+    assert len(left_out) == 4 and "model root" in left_out[0] and "'lm_head' runs in bf16" in left_out[1]
+    assert left_out[2].startswith("layer 'layers.0.attention.wo' runs in fp32 inside a bf16 model root")
+    assert "layer 'layers.1.attention.wo' runs in fp8 recipe 'tensorwise'" in left_out[3]
     assert all(line in (tmp_path / "p_torchtitan.py").read_text() for line in left_out)
 
 
@@ -643,3 +645,12 @@ def test_the_registry_refuses_a_name_already_taken_and_keeps_the_first(csv_targe
     with pytest.raises(ValueError, match="option --num-layers differs from the one export target 'megatron' takes"):
         register_export_target(type("Rows", (csv_target,), {"name": "rows", "options": clash}))
     assert exporting.TARGETS == (*BUILT_IN, "csv")  # nothing refused was registered
+
+
+@pytest.mark.parametrize("target", ["torchao", "torchtitan"])
+def test_a_layer_kept_in_fp32_inside_a_bf16_root_is_said_by_the_fp8_only_targets_too(tmp_path, target):
+    """torchao's and torchtitan's files leave the bf16 root to autocast (or torchtitan's mixed-precision dtype),
+    which runs an unconverted fp32 layer in bf16 too: said, as the other targets say it, and as verify reports it."""
+    left_out = export(Policy(layers={"": "bf16", "a": "fp8-rowwise", "output": "fp32"}), target, tmp_path / "x.py")
+    assert any(line.startswith("layer 'output' runs in fp32 inside a bf16 model root") for line in left_out), left_out
+    assert not any("fp32" in line for line in export(Policy(layers={"a": "fp8-rowwise", "b": "fp32"}), target, tmp_path / "y"))

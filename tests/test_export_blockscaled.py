@@ -339,3 +339,27 @@ def test_a_layer_kept_in_fp32_inside_a_bf16_root_is_said_not_dropped(tmp_path, t
     left_out = export(Policy(layers={"": "bf16", "a": "mxfp8", "output": "fp32"}), target, tmp_path / "x")
     assert any(line.startswith("layer 'output' runs in fp32 inside a bf16 model root") for line in left_out), left_out
     assert not any("fp32" in line for line in export(Policy(layers={"a": "mxfp8", "b": "fp32"}), target, tmp_path / "y"))
+
+
+def test_the_megatron_precision_export_never_overwrites_a_factory_module_it_did_not_write(tmp_path, capsys):
+    """The factory module's name comes from the YAML's (`x.yaml` -> `x_qfactory.py`), not from an option: a file of
+    the user's by that name was replaced without a word. Refused, one line naming it and the fix, nothing written; a
+    module an earlier export wrote is replaced as the YAML is."""
+    from autoprec.tune._cli import main
+
+    policy = Policy(layers={"decoder.layers.1.mlp.linear_fc1": "mxfp8-fwd"})
+    policy.save(tmp_path / "policy.json")
+    mine = tmp_path / "x_qfactory.py"
+    mine.write_text("def my_work():\n    return 42\n")
+    args = ["export", str(tmp_path / "policy.json"), "--to", "megatron-precision", "--out", str(tmp_path / "x.yaml")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(mine) in err and "autoprec did not write it" in err and "--out" in err, err
+    assert mine.read_text() == "def my_work():\n    return 42\n" and not (tmp_path / "x.yaml").exists()
+    mine.unlink()
+    assert main(args) == 0 and "def mxfp8_fwd(role)" in mine.read_text()
+    capsys.readouterr()
+    assert main(args) == 0  # its own module, written again
+    (tmp_path / "y_qfactory.py").mkdir()  # not a file at all
+    assert main([*args[:-1], str(tmp_path / "y.yaml")]) == 2
+    assert "y_qfactory.py" in capsys.readouterr().err and not (tmp_path / "y.yaml").exists()

@@ -439,7 +439,8 @@ def test_megatron_precision_default_matcher_quantizing_a_renamed_head_is_caught(
     }
     path.write_text("# autoprec export --to megatron-precision\n" + yaml.safe_dump(content, sort_keys=False))
     assert differing(path, policy, megatron_names()) == []
-    assert differing(path, policy, megatron_names(head="lm_head")) == ["lm_head"]
+    # the head quantized, and the matcher meant to exclude it named as naming no linear of the model
+    assert differing(path, policy, megatron_names(head="lm_head")) == ["lm_head", "output_layer"]
 
 
 # --- Transformer Engine: QuantizerRole.name is the te.Linear's name=, looked up exactly ---
@@ -455,7 +456,7 @@ def test_transformer_engine_export_verifies_and_a_renamed_entry_is_caught(tmp_pa
     rows = resolved(path, titan_names(), policy)
     assert rows["layers.1.attention.wo"] == (("mxfp8", "nvfp4", None), True) and all(ok for _, ok in rows.values())
     edit(path, "'layers.1.attention.wo':", "'layers.1.attention.wo ':")  # a name no te.Linear has
-    assert differing(path, policy, titan_names()) == ["layers.1.attention.wo"]
+    assert differing(path, policy, titan_names()) == ["layers.1.attention.wo", "layers.1.attention.wo "]  # and named
 
 
 # --- the verb ---
@@ -598,3 +599,357 @@ def test_verify_builds_the_model_on_the_meta_device_so_a_model_file_that_trains_
     (tmp_path / "no_meta.py").write_text((tmp_path / "trains.py").read_text().replace("!= 'meta'", "== 'meta'"))
     with pytest.raises(UserError, match=r"no_meta.py: build_model\(\) failed on the meta device .*verify builds the model"):
         linear_names(tmp_path / "no_meta.py")
+
+
+# --- issue 60: what verify reads is what the framework runs, and a hostile file is one line ---
+
+
+def replace_table(path, name, source):
+    """Replace the file's top-level `name = ...` statement (its lines) with `source`."""
+    import ast
+
+    text = path.read_text(encoding="utf-8")
+    (node,) = [n for n in ast.parse(text).body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == name]
+    lines = text.splitlines(keepends=True)
+    path.write_text("".join([*lines[: node.lineno - 1], source, *lines[node.end_lineno :]]), encoding="utf-8")
+
+
+# A table entry that is one string when the file is read as UTF-8, but under `# coding: gbk` its U+4E2D's last byte
+# and the backslash after it are one GBK character, so the quote closes the string and the call runs on import.
+SMUGGLED = 'x\u4e2d\\\', __import__("os").getcwd(), #'
+GBK_TABLES = {
+    "torchao": (
+        "FP8_LAYERS",
+        "FP8_LAYERS = {\n    'tensorwise': ['model.layers.1.mlp.down_proj', '" + SMUGGLED + "',\n    ],\n"
+        "    'rowwise': ['model.layers.1.mlp.up_proj'],\n    'fp8-fwd': ['model.layers.10.self_attn.o_proj'],\n}\n",
+    ),
+    "transformer-engine": (
+        "GEMMS",
+        "GEMMS = {\n    'layers.9.attention.wo\u4e2d\\': 0, __import__(\"os\").getcwd(): 0, #': ('mxfp8', 'mxfp8', 'mxfp8'),\n"
+        "    'layers.1.attention.wo': ('mxfp8', 'mxfp8', 'mxfp8'),\n    'layers.10.feed_forward.w1': ('nvfp4', 'nvfp4', 'nvfp4'),\n}\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("target", ["torchao", "transformer-engine"])
+def test_a_coding_line_other_than_utf8_is_refused_since_python_would_read_other_code(tmp_path, capsys, target):
+    """Python decodes a file by its coding line (PEP 263): verify read the bytes as UTF-8, so a table entry that is
+    a string in UTF-8 but code in GBK verified clean and ran on import. A BOM or a utf-8 coding line is how Python
+    reads it anyway: verified as before."""
+    import ast
+
+    policy, names = (HF_POLICY, hf_names) if target == "torchao" else (BLOCKSCALED_POLICY, titan_names)
+    path = tmp_path / "p.py"
+    export(policy, target, path)
+    clean = path.read_text(encoding="utf-8")
+    for head in ("\ufeff", "# -*- coding: utf-8 -*-\n", "\ufeff# vim: set fileencoding=utf-8 :\n"):
+        path.write_text(head + clean, encoding="utf-8")
+        assert differing(path, policy, names()) == [], head
+    table, source = GBK_TABLES[target]
+    path.write_text(clean, encoding="utf-8")
+    replace_table(path, table, source)
+    path.write_bytes(b"# -*- coding: gbk -*-\n" + path.read_bytes())
+    value = next(n.value for n in ast.parse(path.read_bytes()).body if isinstance(n, ast.Assign) and n.targets[0].id == table)
+    assert any(isinstance(n, ast.Call) for n in ast.walk(value))  # what Python runs: a call, not a string
+    policy.save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("\n".join(names()) + "\n")
+    args = ["verify", str(path), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "coding 'gbk'" in err and "utf-8" in err, err
+
+
+def converted_gemms(model):
+    """fqn -> (fprop, dgrad, wgrad) as torchao's converted Float8Linear runs them: a GEMM is in fp8 unless its
+    operands' casts are disabled, scaled as its first operand is (axiswise: rowwise)."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+
+    def label(cast):
+        if cast.scaling_type is ScalingType.DISABLED:
+            return None
+        return "fp8 " + ("rowwise" if cast.scaling_granularity is ScalingGranularity.AXISWISE else "tensorwise")
+
+    return {
+        n: (
+            label(m.config.cast_config_input),
+            label(m.config.cast_config_grad_output),
+            label(m.config.cast_config_input_for_grad_weight),
+        )
+        for n, m in model.named_modules()
+        if isinstance(m, Float8Linear)
+    }
+
+
+@pytest.mark.parametrize(("old", "new", "differs"), [
+    ('"recipe": null', '"recipe": "tensorwise"', True),  # a recipe name wins over the flags: all three in fp8
+    ('"dgrad": false', '"dgrad": 1', True),  # truthy: dgrad in fp8
+    ('"dgrad": false', '"dgrad": "yes"', True),
+    ('"wgrad": false', '"wgrad": [0]', True),
+    ('"recipe": null', '"recipe": "rowwise_with_gw_hp"', True),
+    ('"scaling": "tensorwise"', '"scaling": "TENSORWISE"', False),  # anything but "rowwise" scales per tensor
+    ('"dgrad": false', '"dgrad": 0', False),  # falsy: high precision, as written
+])  # fmt: skip
+def test_torchao_fp8_gemms_are_read_as_the_files_convert_reads_them(tmp_path, old, new, differs):
+    """An fp8-fwd entry edited to a recipe name or a truthy flag verified clean, while convert() ran dgrad (and
+    wgrad) in fp8: verify reads each entry with the file's own rules, checked against torchao's conversion."""
+    from torch import nn
+
+    path = tmp_path / "p_torchao.py"
+    policy = Policy(layers={"blocks.1.fc": "fp8-fwd", "blocks.10.fc": "fp8"})
+    export(policy, "torchao", path)
+    text = path.read_text()
+    assert text.count(old) >= 1
+    path.write_text(text.replace(old, new, 1))  # the first entry: fp8-fwd's
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Module() for _ in range(11))
+    for block in model.blocks:
+        block.fc = nn.Linear(32, 32)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    real = converted_gemms(load(path).convert(model))
+    rows = {r.layer: r for r in verify(path, policy, names).rows}
+    assert {n: rows[n].resolved.gemms for n in real} == real
+    assert (rows["blocks.1.fc"].ok, rows["blocks.10.fc"].ok) == (not differs, True)
+
+
+def test_torchao_fp8_gemms_that_torchao_refuses_are_said_per_layer(tmp_path):
+    path = tmp_path / "p_torchao.py"
+    policy = Policy(layers={"blocks.1.fc": "fp8-fwd"})
+    export(policy, "torchao", path)
+    edit(path, '"recipe": null', '"recipe": "rowwize"')  # torchao's from_recipe_name asserts it is one of its names
+    with pytest.raises(AssertionError, match="rowwize"):
+        from torch import nn
+
+        load(path).convert(nn.ModuleDict({"blocks": nn.ModuleList([nn.Identity(), nn.ModuleDict({"fc": nn.Linear(16, 16)})])}))
+    (row,) = [r for r in verify(path, policy, ["blocks.1.fc"]).rows]
+    assert row.resolved.gemms is None and "rowwize" in row.resolved.via and "tensorwise, rowwise" in row.resolved.via
+    edit(path, '"recipe": "rowwize"', '"recipe": null')
+    edit(path, '"dgrad": false,\\n', "")  # convert() reads gemms["dgrad"]: a KeyError
+    (row,) = [r for r in verify(path, policy, ["blocks.1.fc"]).rows]
+    assert row.resolved.gemms is None and "'dgrad'" in row.resolved.via
+
+
+def arguments_edit(path, old, new):
+    import json
+
+    content = json.loads(path.read_text())
+    assert old in content["arguments"], content["arguments"]
+    content["arguments"] = content["arguments"].replace(old, new)
+    path.write_text(json.dumps(content, indent=2))
+
+
+@pytest.mark.parametrize(("old", "new", "layers"), [
+    ("--fp8-recipe tensorwise", "--fp8-recipe mxfp8", range(1, 11)),  # the recipe
+    ("--num-layers-at-end-in-bf16 1", "--num-layers-at-end-in-bf16 0", [11]),  # the last layer quantized
+    ("--first-last-layers-bf16 ", "", [0, 11]),  # the counts without their switch: every layer quantized
+    ("--fp8-format hybrid --fp8-recipe tensorwise", "", range(1, 11)),  # no recipe at all
+    ("--fp8-format hybrid", "--fp8-format 'hybrid'", []),  # a shell reads the quotes away
+    ("--num-layers-at-start-in-bf16 1", "--num-layers-at-start-in-bf16=1", []),  # argparse's = form
+])  # fmt: skip
+def test_megatron_verify_reads_the_arguments_as_megatron_lm_parses_them(tmp_path, old, new, layers):
+    """The Megatron-LM command line (`arguments`) is what most users run: edited, it quantized other layers than
+    transformer_config while verify read transformer_config only. A layer runs as the policy says only if both do."""
+    path = tmp_path / "p_megatron.json"
+    policy = megatron_policy("fp8")
+    export(policy, "megatron", path)
+    arguments_edit(path, old, new)
+    expected = [f"decoder.layers.{i}.{r}" for i in layers for r in MEGATRON_ROLES]
+    result = verify(path, policy, megatron_names())
+    assert result.differing == expected
+    for row in result.rows:
+        if row.layer in expected:
+            assert row.resolved.gemms is None and "arguments" in row.resolved.via and "transformer_config" in row.resolved.via
+
+
+@pytest.mark.parametrize(("old", "new", "said"), [
+    ("--fp8-format hybrid", "--fp8-format e5m2", "--fp8-format 'e5m2': one of e4m3, hybrid"),
+    ("--bf16", "--bf16 --fp8-param-gather", "'--fp8-param-gather', which `autoprec export` never writes"),
+    ("--fp8-format hybrid", "--fp8-form hybrid", "'--fp8-form', which `autoprec export` never writes"),  # no abbreviation
+    ("--num-layers-at-end-in-bf16 1", "--num-layers-at-end-in-bf16 one", "--num-layers-at-end-in-bf16 'one': an integer"),
+    ("--fp8-format hybrid", "--fp8-format 'hybrid", "cannot be split as a shell splits it"),
+    ("--num-layers-at-end-in-bf16 1", "--num-layers-at-end-in-bf16", "--num-layers-at-end-in-bf16: it takes a value"),
+])  # fmt: skip
+def test_megatron_arguments_megatron_lm_would_refuse_are_one_line(tmp_path, capsys, old, new, said):
+    path = tmp_path / "p_megatron.json"
+    policy = megatron_policy("fp8")
+    export(policy, "megatron", path)
+    arguments_edit(path, old, new)
+    policy.save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("\n".join(megatron_names()) + "\n")
+    assert main(["verify", str(path), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "arguments" in err and said in err, err
+
+
+BILLION_LAUGHS = """# autoprec export --to megatron-precision
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
+configs: {}
+matchers:
+  m: {type: glob, enabled: true, pattern: *e, config: x}
+"""
+
+
+@pytest.mark.parametrize("text", [
+    BILLION_LAUGHS,  # 10^5 strings here; three lines more make 10^8, which exhausted memory quoting the pattern
+    "# autoprec export --to megatron-precision\nconfigs: &c {}\nmatchers: {}\n",  # an anchor alone
+])  # fmt: skip
+def test_a_yaml_alias_or_anchor_is_refused_before_it_expands(tmp_path, capsys, text):
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    Policy(layers={"fc": "bf16"}).save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("fc\n")
+    assert main(["verify", str(path), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "anchor" in err and "lol" not in err, err
+    assert len(err) < len(str(path)) + 300
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("pattern: decoder.layers.1.mlp.linear_fc1", "pattern: [" + "x, " * 5000 + "x]"),  # the matcher quoted
+    ("config: mxfp8\n", "config: [" + "x, " * 5000 + "x]\n"),  # the config's name
+    ("matchers:", "matchers: [" + "x, " * 5000 + "x]\nother:"),
+])  # fmt: skip
+def test_a_long_yaml_value_is_quoted_a_few_dozen_characters(tmp_path, capsys, old, new):
+    """A value from the YAML in a message is cut to a few dozen characters, however long (80 were quoted)."""
+    path = tmp_path / "p.yaml"
+    policy = Policy(layers={"decoder.layers.2.mlp.linear_fc1": "mxfp8-fwd", "decoder.layers.1.mlp.linear_fc1": "mxfp8"})
+    export(policy, "megatron-precision", path)
+    edit(path, old, new)
+    policy.save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("\n".join(megatron_names()) + "\n")
+    assert main(["verify", str(path), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]) == 2
+    err = capsys.readouterr().err
+    quoted = re.findall(r"(?:\{'type'|\['x').*?\.\.\.", err)  # each value as quoted, up to its cut
+    assert err.count("\n") == 1 and quoted and all(len(q) <= 45 for q in quoted), err
+
+
+@pytest.mark.parametrize("fifo", ["exported", "names", "policy", "factory"])
+def test_verify_refuses_a_fifo_without_waiting_for_a_writer(tmp_path, capsys, fifo):
+    """A named pipe given as a file: opening it to read waited for a writer, forever."""
+    import threading
+
+    policy = Policy(layers={"decoder.layers.2.mlp.linear_fc1": "mxfp8-fwd"})
+    files = {"exported": tmp_path / "p.yaml", "names": tmp_path / "names.txt", "policy": tmp_path / "policy.json"}
+    files["factory"] = tmp_path / "p_qfactory.py"
+    export(policy, "megatron-precision", files["exported"])
+    policy.save(files["policy"])
+    files["names"].write_text("\n".join(megatron_names()) + "\n")
+    files[fifo].unlink()
+    os.mkfifo(files[fifo])
+    args = ["verify", str(files["exported"]), "--policy", str(files["policy"]), "--model", str(files["names"])]
+    done = []
+    thread = threading.Thread(target=lambda: done.append(main(args)), daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():  # let the waiting open go on, so that the thread ends
+        os.close(os.open(files[fifo], os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(5)
+    assert done == [2]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(files[fifo]) in err and "not a regular file" in err, err
+
+
+@pytest.mark.parametrize(("old", "new", "said"), [
+    ("custom_recipe_factory: p_qfactory.mxfp8_fwd", "custom_recipe_factory: pkg.mod.mix",
+     "custom_recipe_factory 'pkg.mod.mix'"),
+    ("custom_recipe_factory: p_qfactory.mxfp8_fwd", "custom_recipe_factory: ../p_qfactory.mxfp8_fwd",
+     "custom_recipe_factory '../p_qfactory.mxfp8_fwd'"),
+    ("config: mxfp8_fwd", "config: [mxfp8_fwd]", "matcher 'layer_0_mxfp8_fwd': config ['mxfp8_fwd']"),
+    ("matchers:", "matchers: []\nother:", "matchers []"),
+    ("configs:", "configs: [1]\nother:", "configs [1]"),
+    ("training_recipe: {}", "training_recipe: [1]", "training_recipe [1]"),
+])  # fmt: skip
+@pytest.mark.parametrize("with_megatron", [True, False], ids=["megatron-core", "without"])
+def test_megatron_precision_hand_edits_are_one_line_naming_the_key_and_value(
+    tmp_path, capsys, monkeypatch, old, new, said, with_megatron
+):
+    if with_megatron:
+        pytest.importorskip("megatron.core.quantization.quant_config", reason="megatron-core is not installed")
+    else:
+        for module in ("megatron.core.quantization.quant_config", "megatron.core.extensions.transformer_engine"):
+            monkeypatch.setitem(sys.modules, module, None)
+    path = tmp_path / "p.yaml"
+    policy = Policy(layers={"decoder.layers.2.mlp.linear_fc1": "mxfp8-fwd", "decoder.layers.1.mlp.linear_fc1": "mxfp8"})
+    export(policy, "megatron-precision", path)
+    edit(path, old, new)
+    policy.save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("\n".join(megatron_names()) + "\n")
+    assert main(["verify", str(path), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("autoprec: error:") and str(path) in err and said in err, err
+
+
+def test_a_table_entry_naming_no_linear_of_the_model_is_said_with_its_close_matches(tmp_path, capsys):
+    """A mistyped layer name in a table selects nothing, silently: verify names the entry and what it resembles,
+    exit 1, for each target whose file names layers."""
+    path = tmp_path / "p_torchao.py"
+    export(HF_POLICY, "torchao", path)
+    edit(path, '"model.layers.1.mlp.down_proj"', '"model.layers.1.mlp.down_prj"')
+    result = verify(path, HF_POLICY, hf_names())
+    assert result.differing == ["model.layers.1.mlp.down_proj", "model.layers.1.mlp.down_prj"]
+    stray = result.rows[-1]
+    assert stray.layer == "model.layers.1.mlp.down_prj" and not stray.ok and "model.layers.1.mlp.down_proj" in stray.close
+    text = table(result)
+    assert "names no linear of the model" in text
+    last = text.splitlines()[-1]
+    assert "the file names a layer the model does not have: 'model.layers.1.mlp.down_prj'" in last
+    assert "(close: 'model.layers.1.mlp.down_proj'" in last
+    HF_POLICY.save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("\n".join(hf_names()) + "\n")
+    args = ["verify", str(path), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]
+    assert main([*args, "--json"]) == 1
+    import json
+
+    found = json.loads(capsys.readouterr().out)
+    (unknown,) = found["unknown"]
+    assert unknown["entry"] == "model.layers.1.mlp.down_prj" and unknown["close_matches"][0] == "model.layers.1.mlp.down_proj"
+    # Transformer Engine's GEMMS and Megatron's per-module matchers
+    te = tmp_path / "p_te.py"
+    export(BLOCKSCALED_POLICY, "transformer-engine", te)
+    edit(te, "'layers.10.feed_forward.w1':", "'layers.10.feed_forwrd.w1':")
+    result = verify(te, BLOCKSCALED_POLICY, titan_names())
+    assert result.differing == ["layers.10.feed_forward.w1", "layers.10.feed_forwrd.w1"]
+    assert result.rows[-1].close[0] == "layers.10.feed_forward.w1"
+    mp = tmp_path / "p.yaml"
+    export(mp_policy(), "megatron-precision", mp)
+    edit(mp, "pattern: decoder.layers.10.mlp.linear_fc1", "pattern: decoder.layer.10.mlp.linear_fc1")
+    result = verify(mp, mp_policy(), megatron_names())
+    assert result.differing == ["decoder.layers.10.mlp.linear_fc1", "decoder.layer.10.mlp.linear_fc1"]
+    assert result.rows[-1].close[0] == "decoder.layers.10.mlp.linear_fc1"
+    # torchtitan's file refuses a name its model config lacks (linear_names raises): a refused file, exit 2, named
+    tt = tmp_path / "p_torchtitan.py"
+    titan = Policy(layers={"layers.2.feed_forward.w1": "fp8-rowwise"})
+    export(titan, "torchtitan", tt)
+    edit(tt, '"layers.2.feed_forward.w1"', '"layers.2.feed_forwad.w1"')
+    with pytest.raises(UserError, match=r"'layers.2.feed_forwad.w1' is close to 'layers.2.feed_forward.w1'"):
+        verify(tt, titan, titan_names())
+
+
+FP32_HEAD = {  # target -> a quantized format it writes; the head kept in fp32 inside a bf16 model
+    "torchao": "fp8", "torchtitan": "fp8-rowwise", "megatron": "fp8", "megatron-precision": "mxfp8",
+    "transformer-engine": "mxfp8",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("target", list(FP32_HEAD))
+def test_a_layer_kept_in_fp32_inside_a_bf16_model_differs_where_the_export_said_it_runs_in_bf16(tmp_path, target):
+    """Every target runs a module it has no recipe for in the model's dtype, and its export says so of a layer the
+    policy keeps in fp32 inside a bf16 model; verify said "ok" for it."""
+    names = [*(f"blocks.{i}.fc" for i in range(3)), "output"]
+    fmt = FP32_HEAD[target]
+    policy = Policy(layers={"": "bf16", "blocks.0.fc": "bf16", "blocks.1.fc": fmt, "blocks.2.fc": "bf16", "output": "fp32"})
+    path = tmp_path / "p.out"
+    left_out = export(policy, target, path)
+    assert any(line.startswith("layer 'output' runs in fp32") for line in left_out), left_out
+    result = verify(path, policy, names, target)
+    assert result.differing == ["output"]
+    (row,) = [r for r in result.rows if r.layer == "output"]
+    assert row.expected == ("fp32",) * 3 and row.resolved.gemms == ("bf16",) * 3 and "bf16" in row.resolved.via
+    assert "fp32 / fp32 / fp32" in table(result) and "bf16 / bf16 / bf16" in table(result)
+    fp32 = Policy(layers={"blocks.0.fc": "fp32", "blocks.1.fc": fmt, "blocks.2.fc": "fp32", "output": "fp32"})  # an fp32 model
+    export(fp32, target, path)
+    assert verify(path, fp32, names, target).differing == []

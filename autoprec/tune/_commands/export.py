@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from autoprec.errors import UserError, printable
-from autoprec.policy import load_policy
+from autoprec.policy import Policy, load_policy
 from autoprec.tune._commands._shared import Verb, print_json
 from autoprec.tune.export import ExportTarget, default_path, export, export_targets, options
+from autoprec.tune.export._common import regular_file
 from autoprec.tune.export.verify import linear_names, table, verify
 
 
@@ -47,8 +48,13 @@ def _export_file_names(targets: Sequence[ExportTarget]) -> str:
     return f"<name>_<target>{usual}" + (f", or {', '.join(others)}" if others else "")
 
 
+def _policy(path: str) -> Policy:
+    """The policy file, refused in one line if it is not a regular file (reading a FIFO waits for a writer)."""
+    return load_policy(regular_file(path, "give the policy.json a search wrote"))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    policy = load_policy(args.policy)
+    policy = _policy(args.policy)
     source = Path(args.policy)
     out = Path(args.out) if args.out else default_path(source, args.to)
     if out.exists() and out.samefile(source):  # by the file itself: a link or another spelling of its path too
@@ -82,12 +88,13 @@ def _verify_code(result) -> int:
     """1 when a linear runs otherwise than the policy says under the exported file, naming them on stderr."""
     if result is None or not result.differing:
         return 0
-    print(f"autoprec: the export differs from the policy at {', '.join(printable(n) for n in result.differing)}", file=sys.stderr)
+    names = ", ".join(printable(n if len(n) <= 80 else f"{n[:80]}...") for n in result.differing)  # an entry can be long
+    print(f"autoprec: the export differs from the policy at {names}", file=sys.stderr)
     return 1
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    result = _verified(args, Path(args.exported), load_policy(args.policy), args.model, args.to)
+    result = _verified(args, Path(args.exported), _policy(args.policy), args.model, args.to)
     if args.json:
         print_json(args, result.to_dict())
     return _verify_code(result)

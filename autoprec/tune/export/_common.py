@@ -5,7 +5,11 @@ escaped comment, JSON string data), so that nothing read from a policy becomes c
 from __future__ import annotations
 
 import ast
+import io
 import json
+import os
+import stat
+import tokenize
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -70,8 +74,9 @@ def root_not_expressed(policy: Policy, why: str = "") -> list[str]:
 
 
 def not_expressed(policy: Policy, tool: str = "torchao", skip: frozenset[Format] = frozenset()) -> list[str]:
-    """What an fp8-only target leaves out: a lowered root and the non-fp8, non-fp32 layers per format, as lines.
-    `skip`: formats the target writes, or reports in lines of its own."""
+    """What an fp8-only target leaves out: a lowered root and the non-fp8, non-fp32 layers per format, and fp32
+    layers inside a lowered root (fp32_under_a_lowered_root), as lines. `skip`: formats the target writes, or
+    reports in lines of its own."""
     lines = root_not_expressed(policy)
     by_format: dict[Format, list[str]] = {}
     for name, fmt in policy.layers.items():
@@ -86,7 +91,7 @@ def not_expressed(policy: Policy, tool: str = "torchao", skip: frozenset[Format]
             names = [n for n in names if n != ROOT]
         if names:
             lines.append(f"{_layers(names)} in {fmt.value}: {why}")
-    return lines
+    return lines + fp32_under_a_lowered_root(policy, tool)  # autocast runs an unconverted fp32 layer lowered too
 
 
 def gather_not_expressed(policy: Policy, tool: str) -> list[str]:
@@ -180,11 +185,62 @@ def policy_gemms(fmt: Format) -> Gemms:
     return HIGH
 
 
-def read_python(path: Path) -> ast.Module:
-    """An exported Python file's syntax tree, parsed, never imported; UserError naming the file otherwise."""
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, for the message."""
+    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO, a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a plain file"
+
+
+def regular_file(path: str | Path, fix: str = "give the file `autoprec export` wrote") -> Path:
+    """`path`, refused (UserError naming it and `fix`) unless it is a regular file (a link to one is one), checked
+    with os.stat before anything opens it: opening a FIFO to read waits for a writer, forever, and a device such as
+    /dev/zero never ends."""
+    path = Path(path)
     try:
-        return ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise UserError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    if not stat.S_ISREG(mode):
+        raise UserError(f"{path}: not a regular file ({_kind(mode)}): {fix}")
+    return path
+
+
+def read_regular(path: str | Path, fix: str = "give the file `autoprec export` wrote", limit: int = -1) -> bytes:
+    """A regular file's bytes (regular_file), its first `limit` only where given, opened non-blocking and checked
+    again on the open descriptor, so a file swapped for a FIFO after the check is refused too, never waited on."""
+    path = regular_file(path, fix)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # Windows has no FIFOs to wait on
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise UserError(f"{path}: not a regular file ({_kind(mode)}): {fix}")
+            return f.read(limit)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def read_python(path: Path) -> ast.Module:
+    """An exported Python file's syntax tree, parsed from its bytes by Python's own decoding rules (PEP 263: a BOM
+    or a coding line), never imported; UserError naming the file otherwise. A coding line other than UTF-8 is
+    refused: the export writes UTF-8, and a file Python decodes otherwise can hold, in the bytes of what reads as a
+    table's string in UTF-8, code that runs on import (in GBK, a character's last byte and a backslash after it are
+    one character, so a quote the backslash escaped in UTF-8 closes the string)."""
+    data = read_regular(path)
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)  # what Python's import reads it as
+    except SyntaxError as exc:  # a BOM with another coding line, an encoding Python does not know
+        raise UserError(f"{path}: cannot read it as a Python file ({exc}): remove its coding line") from None
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise UserError(
+            f"{path}: its coding line says coding {shown(encoding, 40)}, so Python would decode it as {printable(encoding[:40])}, "
+            "not as the utf-8 `autoprec export` writes and verify reads: remove that line (or export the policy again)"
+        )
+    try:
+        return ast.parse(data, filename=str(path))  # bytes: decoded as the import decodes them (a BOM dropped)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise UserError(f"{path}: cannot read it as a Python file ({type(exc).__name__}: {exc})") from None
 
 

@@ -57,8 +57,10 @@ class ExportTarget(abc.ABC):
 
     def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
         """Each of `module_names` (a model's linears, by module path) -> what the target's framework runs it in
-        under the file `exported`, by the framework's own matching rules, without running the file's code.
-        `autoprec verify` asks this; a target that does not implement it cannot be verified."""
+        under the file `exported`, by the framework's own matching rules, without running the file's code; and
+        each entry of the file that names none of them (a mistyped name), by that name, which verify reports with
+        its close matches. HIGH is the model's own dtype. `autoprec verify` asks this; a target that does not
+        implement it cannot be verified."""
         raise UserError(f"--to {self.name}: autoprec cannot verify this target's files (it has no resolve())")
 
 
@@ -71,7 +73,7 @@ HIGH: Gemms = (None, None, None)
 @dataclasses.dataclass(frozen=True)
 class Resolved:
     """What the target's framework runs one linear in under an exported file: its GEMMs (None: the framework
-    refuses the file for this layer, raising when it reads it), and how it decided, in the framework's terms
+    refuses the file for this layer, raising when it reads it, or the file says two things of it), and how it decided, in the framework's terms
     ("matcher 'layer_3_mxfp8'", "converter 2 (MXFP8, fqns ['layers.1.'])"). `fp8_all_gather`: the framework
     all-gathers its weight in fp8 under FSDP2 (False where the file says nothing of it)."""
 

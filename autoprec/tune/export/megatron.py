@@ -14,9 +14,11 @@ leading zero. A name with another number (`layers.01`, a non-ASCII digit) names 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +34,7 @@ from autoprec.tune.export._common import (
     layer_only,
     policy_gemms,
     recipe_key,
+    regular_file,
     root_not_expressed,
 )
 from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Option, Resolved, register_export_target
@@ -356,15 +359,18 @@ def stack_layers(module_names: list[str]) -> tuple[str | None, dict[str, int]]:
     return stack, stacks[stack]
 
 
-def _first_last_bf16(config: dict[str, object], num_layers: int, layer: int) -> bool:
+def _first_last_bf16(config: dict[str, object], num_layers: int, layer: int, said: str = "the file") -> bool:
     """Whether Megatron keeps transformer layer `layer` (0-based) of `num_layers` out of its recipe: Megatron-core's
     own rule where it is installed (megatron/core/fp8_utils.py, is_first_last_bf16_layer; fp4_utils.get_fp4_context
     counts the same), else that rule: with first_last_layers_bf16, the first num_layers_at_start_in_bf16 and the
-    last num_layers_at_end_in_bf16 layers."""
+    last num_layers_at_end_in_bf16 layers. `said` names the settings, for the error."""
     on = bool(config.get("first_last_layers_bf16"))
     start, end = (config.get(k, 1) if on else 0 for k in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"))
     if not (isinstance(start, int) and isinstance(end, int)):
-        raise UserError(f"num_layers_at_start_in_bf16 and num_layers_at_end_in_bf16 must be integers, got {start!r}, {end!r}")
+        raise UserError(
+            f"{said}: num_layers_at_start_in_bf16 and num_layers_at_end_in_bf16 must be integers, got {shown(start, 40)}, "
+            f"{shown(end, 40)}: export the policy again"
+        )
     try:
         from megatron.core.fp8_utils import is_first_last_bf16_layer
     except ImportError:
@@ -373,21 +379,110 @@ def _first_last_bf16(config: dict[str, object], num_layers: int, layer: int) -> 
     return bool(is_first_last_bf16_layer(SimpleNamespace(**fields, num_layers_at_end_in_bf16=end), layer))
 
 
-def megatron_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
-    """What Megatron runs each linear in under the file's transformer_config: its fp8 (or fp4) recipe in every linear
-    of the transformer layers (the model's own count, as Megatron counts num_layers) but the first and last bf16
-    ones, every other linear (embedding, output layer) in the model's dtype."""
-    content = read_json(exported)
-    config = content.get("transformer_config") if isinstance(content, dict) else None
-    if not isinstance(config, dict):
-        raise UserError(f"{exported}: no transformer_config object in it: export the policy again")
+# TransformerConfig's fields the file sets, with their defaults (megatron/core/transformer/transformer_config.py)
+SETTINGS: dict[str, object] = {
+    "fp16": False,
+    "bf16": False,
+    "fp8": None,
+    "fp8_recipe": "delayed",
+    "fp4": None,
+    "fp4_recipe": "nvfp4",
+    "first_last_layers_bf16": False,
+    "num_layers_at_start_in_bf16": 1,
+    "num_layers_at_end_in_bf16": 1,
+}
+
+
+class _ArgumentsRefused(Exception):
+    """What Megatron-LM's parser refuses in the file's arguments (argparse's own error, which would exit)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]  # argparse exits; verify says it in one line
+        raise _ArgumentsRefused(message)
+
+
+def _choice(flag: str, choices: tuple[str, ...]):
+    def parse(value: str) -> str:
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"{flag} {shown(value, 40)}: one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _integer(flag: str):
+    def parse(value: str) -> int:
+        try:
+            return int(value)  # Megatron-LM's type=int
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {shown(value, 40)}: an integer") from None
+
+    return parse
+
+
+def arguments_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's options for what the file sets, as megatron/training/arguments.py defines them
+    (_add_mixed_precision_args, _add_transformer_engine_args: dests, defaults, type=int; its parser takes no
+    abbreviations), with megatron-core 0.16 TransformerConfig's choices."""
+    p = _Parser(prog="Megatron-LM", allow_abbrev=False, add_help=False, exit_on_error=False)
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp8-format", dest="fp8", default=None, type=_choice("--fp8-format", ("e4m3", "hybrid")))
+    recipes = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+    p.add_argument("--fp8-recipe", dest="fp8_recipe", default="delayed", type=_choice("--fp8-recipe", recipes))
+    p.add_argument("--fp4-format", dest="fp4", default=None, type=_choice("--fp4-format", ("e2m1",)))
+    p.add_argument("--fp4-recipe", dest="fp4_recipe", default="nvfp4", type=_choice("--fp4-recipe", ("nvfp4", "custom")))
+    p.add_argument("--first-last-layers-bf16", action="store_true")
+    for end in ("start", "end"):
+        flag = f"--num-layers-at-{end}-in-bf16"
+        p.add_argument(flag, type=_integer(flag), default=1)
+    return p
+
+
+def parse_arguments(text: object, exported: Path) -> dict[str, object]:
+    """The file's `arguments` (the Megatron-LM command line a user runs) as the TransformerConfig fields Megatron-LM
+    copies them to (core_transformer_config_from_args: same names): split as a shell splits them (shlex), parsed
+    by Megatron-LM's own options (arguments_parser). UserError for what Megatron-LM refuses, and for an option the
+    export never writes: one that is not a precision setting verify reads (--fp8-param-gather,
+    --te-precision-config-file) would change what runs unseen."""
+    where = f"{exported}: arguments"
+    if not isinstance(text, str):
+        raise UserError(f"{where} must be a string of Megatron-LM options, got {shown(text, 40)}: export the policy again")
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise UserError(
+            f"{where} {shown(text, 60)} cannot be split as a shell splits it ({exc}): export the policy again"
+        ) from None
+    try:
+        parsed, extra = arguments_parser().parse_known_args(words)
+    except argparse.ArgumentError as exc:
+        message = exc.message if "expected" not in exc.message else "it takes a value"
+        said = message if message.startswith(exc.argument_name or "-") else f"{exc.argument_name}: {message}"
+        raise UserError(f"{where}: Megatron-LM refuses {said}: export the policy again") from None
+    except _ArgumentsRefused as exc:
+        raise UserError(f"{where}: Megatron-LM refuses them ({exc}): export the policy again") from None
+    if extra:
+        raise UserError(
+            f"{where} hold {shown(extra[0], 40)}, which `autoprec export` never writes: verify reads only the options it "
+            f"writes ({', '.join(a.option_strings[0] for a in arguments_parser()._actions)}); remove it or export the "
+            "policy again"
+        )
+    return vars(parsed)
+
+
+def _resolved_under(settings: dict[str, object], said: str, module_names: list[str]) -> dict[str, tuple[Resolved, str]]:
+    """Each linear -> (what Megatron runs it in under `settings` (TransformerConfig fields), the model's dtype there);
+    `said` names where the settings come from, for the errors."""
     recipe = None
     for precision in ("fp8", "fp4"):
-        if config.get(precision):
+        if settings[precision]:
             if recipe is not None:
-                raise UserError(f"{exported}: it sets both fp8 and fp4, which Megatron's TransformerConfig refuses")
-            fields = f"{precision}={config[precision]!r}, {precision}_recipe={config.get(f'{precision}_recipe')!r}"
-            recipe = recipe_gemms(precision, config[precision], config.get(f"{precision}_recipe")), fields
+                raise UserError(f"{said} sets both fp8 and fp4, which Megatron's TransformerConfig refuses")
+            fields = f"{precision}={settings[precision]!r}, {precision}_recipe={settings[f'{precision}_recipe']!r}"
+            recipe = recipe_gemms(precision, settings[precision], settings[f"{precision}_recipe"]), fields
+    dtype = "fp16" if settings["fp16"] else "bf16" if settings["bf16"] else "fp32"
     stack, layers = stack_layers(module_names)
     count = max(layers.values(), default=-1) + 1
     found = {}
@@ -396,8 +491,40 @@ def megatron_resolve(exported: Path, module_names: list[str]) -> dict[str, Resol
             found[name] = Resolved(HIGH, "no fp8 or fp4 recipe set")
         elif name not in layers:
             found[name] = Resolved(HIGH, f"outside the transformer layers ({stack}.N)")
-        elif _first_last_bf16(config, count, layers[name]):
+        elif _first_last_bf16(settings, count, layers[name], said):
             found[name] = Resolved(HIGH, f"a first/last bf16 layer of {count}")
         else:
             found[name] = Resolved(recipe[0], recipe[1])
+    return {name: (r, dtype) for name, r in found.items()}
+
+
+def _said(resolved: Resolved, dtype: str) -> str:
+    return " / ".join(g or dtype for g in resolved.gemms or ()) + f" ({resolved.via})"
+
+
+def megatron_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
+    """What Megatron runs each linear in under the file: its fp8 (or fp4) recipe in every linear of the transformer
+    layers (the model's own count, as Megatron counts num_layers) but the first and last bf16 ones, every other
+    linear (embedding, output layer) in the model's dtype. The file says it twice, as `transformer_config` (for
+    Megatron-core) and as `arguments` (the Megatron-LM command line, parse_arguments): a linear the two run
+    differently has no one answer (None, both said)."""
+    content = read_json(regular_file(exported))
+    config = content.get("transformer_config") if isinstance(content, dict) else None
+    if not isinstance(config, dict):
+        raise UserError(f"{exported}: no transformer_config object in it: export the policy again")
+    from_config = _resolved_under(
+        {k: config.get(k, v) for k, v in SETTINGS.items()}, f"{exported}: transformer_config", module_names
+    )
+    arguments = parse_arguments(content.get("arguments"), exported)  # type: ignore[attr-defined]  # a dict here
+    from_arguments = _resolved_under(arguments, f"{exported}: arguments", module_names)
+    found = {}
+    for name in module_names:
+        (a, a_dtype), (b, b_dtype) = from_config[name], from_arguments[name]
+        if a.gemms == b.gemms and (a.gemms != HIGH or a_dtype == b_dtype):
+            found[name] = a
+        else:
+            found[name] = Resolved(
+                None,
+                f"transformer_config runs it in {_said(a, a_dtype)}, arguments in {_said(b, b_dtype)}: export the policy again",
+            )
     return found

@@ -14,9 +14,10 @@ a layer name with its glob characters escaped (glob.escape), so it matches that 
 A per-GEMM mix (mxfp8-fwd, nvfp4-fwd-dgrad, mxfp8-fwd-nvfp4-dgrad) runs Megatron's custom recipe: its config sets
 `fp8_quantization_recipe: custom` and `custom_recipe_factory: "<module>.<mix>"`, which Megatron-core 0.16 imports by
 that dotted path (megatron/core/fp8_utils.py, _resolve_callable_from_python_import_path) and passes to Transformer
-Engine as `CustomRecipe(qfactory=...)` (_get_custom_recipe) for that module alone. The module, `<yaml stem>_qfactory.py`,
-is written beside the YAML (its folder must be on PYTHONPATH); each mix's factory gives the module's quantizer slots
-the formats of its three GEMMs (_common.QUANTIZER_FOR, the function the TE file holds too).
+Engine as `CustomRecipe(qfactory=...)` (_get_custom_recipe) for that module alone. The module,
+`<yaml stem>_qfactory.py`, is written beside the YAML (its folder must be on PYTHONPATH), never over a file autoprec
+did not write (ours_or_absent); each mix's factory gives the module's quantizer slots the formats of its three
+GEMMs (_common.QUANTIZER_FOR, the function the TE file holds too).
 
 A quantized config sets `override_nonquantized_autocast: true`, so the module runs its recipe also where no global
 --fp8/--fp4 recipe is on; the last matcher, "*", gives every other module the high-precision config, which overrides
@@ -28,6 +29,7 @@ model's are listed as not expressed.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import glob
 import re
 import textwrap
@@ -35,7 +37,8 @@ from pathlib import Path
 
 import yaml
 
-from autoprec.errors import UserError, printable, shown
+from autoprec.errors import UserError, printable
+from autoprec.errors import shown as _shown
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
@@ -49,6 +52,7 @@ from autoprec.tune.export._common import (
     fp32_under_a_lowered_root,
     gather_not_expressed,
     read_python,
+    read_regular,
     root_not_expressed,
     same_module,
 )
@@ -56,6 +60,8 @@ from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Resolved, regis
 from autoprec.tune.export.megatron import megatron_recipe, misnumbered, misnumbered_lines, recipe_gemms
 
 HIGH_PRECISION = "high_precision"  # the config key of the default matcher's (empty) recipe
+shown = functools.partial(_shown, limit=40)  # a value read from the YAML, quoted a few dozen characters at most
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a module or function name as the export writes it
 
 
 def module_recipe(fmt: Format) -> dict[str, object] | None:
@@ -105,6 +111,27 @@ GEMMS = {{
 
 
 {QUANTIZER_FOR}{factories}'''
+
+
+_FACTORY_HEAD = "(written by `autoprec export --to megatron-precision`)"  # in every factory module's docstring
+
+
+def ours_or_absent(factory: Path, out: str | Path) -> None:
+    """Refuse to write the factory module over a file autoprec did not write: its name comes from the YAML's
+    (`x.yaml` -> `x_qfactory.py`), not from an option the user gave, so a file of theirs by that name would be
+    replaced without a word. An earlier export's module (its docstring names the export) is replaced, as --out is."""
+    if not (factory.exists() or factory.is_symlink()):
+        return
+    fix = f"move or remove it, or give --out another name than {printable(str(out))}"
+    try:
+        head = read_regular(factory, fix, limit=1024).decode("utf-8", errors="replace")
+    except UserError as exc:
+        raise UserError(f"{exc} (the per-GEMM mixes' factory module goes there)") from None
+    if _FACTORY_HEAD not in head:
+        raise UserError(
+            f"{factory}: exists and autoprec did not write it; the export writes the per-GEMM mixes' factory module "
+            f"there, beside the YAML: {fix}"
+        )
 
 
 def precision_config(policy: Policy, factory: str = "autoprec_qfactory") -> tuple[dict[str, object], list[str]]:
@@ -191,8 +218,10 @@ class MegatronPrecision(ExportTarget):
         module = factory_module(out)
         text, lines = precision_yaml(policy, source=source, factory=module)
         if found := mixes(policy):
+            factory = Path(out).with_name(f"{module}.py")
+            ours_or_absent(factory, out)  # before anything is written
             text += f"# the per-GEMM mixes' factories: {module}.py beside this file (on PYTHONPATH)\n"
-            write_text(Path(out).with_name(f"{module}.py"), factory_source(found, yaml_name=Path(out).name))
+            write_text(factory, factory_source(found, yaml_name=Path(out).name))
         write_text(out, text)
         return lines
 
@@ -203,11 +232,14 @@ class MegatronPrecision(ExportTarget):
 def _matcher_order(content: dict) -> tuple[list[tuple[str, str, str]], dict]:
     """(the enabled glob matchers in order as (name, pattern, config key), the configs), read as Megatron-core's
     RecipeConfig.from_config_dict reads them (megatron/core/quantization/quant_config.py, _build_matchers: a
-    matcher without `enabled` true is skipped; "glob" is the one type)."""
-    matchers = content.get("matchers") or {}
-    configs = content.get("configs") or {}
-    if not isinstance(matchers, dict) or not isinstance(configs, dict):
-        raise UserError(f"matchers and configs must be mappings, got {shown(matchers)} and {shown(configs)}")
+    matcher without `enabled` true is skipped; "glob" is the one type); UserError, naming the key and the value,
+    for what Megatron-core would fail on with a traceback (a list where a mapping or a config's name belongs)."""
+    matchers, configs = content.get("matchers"), content.get("configs")
+    for key, value in (("matchers", matchers), ("configs", configs)):
+        if value is not None and not isinstance(value, dict):
+            raise UserError(f"{key} {shown(value)} must be a mapping (name -> settings), as the export writes it")
+    matchers, configs = matchers or {}, configs or {}
+    choices = ", ".join(shown(k) for k in list(configs)[:6]) or "none: configs is empty"
     order = []
     for name, m in matchers.items():
         if not isinstance(m, dict):
@@ -216,6 +248,8 @@ def _matcher_order(content: dict) -> tuple[list[tuple[str, str, str]], dict]:
             continue
         if m.get("type") != "glob" or not isinstance(m.get("pattern"), str) or m.get("config") is None:
             raise UserError(f"matcher {shown(name)}: Megatron reads type: glob with a pattern and a config, got {shown(m)}")
+        if not isinstance(m["config"], str):
+            raise UserError(f"matcher {shown(name)}: config {shown(m['config'])} must name one of configs' keys ({choices})")
         order.append((str(name), m["pattern"], m["config"]))
     return order, configs
 
@@ -236,7 +270,7 @@ def _recipe_fields(recipe: object) -> dict:
     """A training_recipe's fields, checked as Megatron-core's TEQuantizationRecipe.parse_from_config checks them
     (megatron/core/extensions/transformer_engine.py) where it is installed, else its defaults and refusals by hand."""
     if not isinstance(recipe, dict):
-        raise UserError(f"training_recipe must be a mapping, got {shown(recipe)}")
+        raise UserError(f"training_recipe {shown(recipe)} must be a mapping of TEQuantizationRecipe fields")
     defaults = {
         "fp8_quantization_recipe": None,
         "fp4_quantization_recipe": None,
@@ -270,13 +304,20 @@ def _recipe_fields(recipe: object) -> dict:
     return {k: getattr(getattr(parsed, k), "value", getattr(parsed, k)) for k in defaults}
 
 
-def _factory_gemms(exported: Path, dotted: object) -> Gemms:
-    """The GEMMs a custom_recipe_factory "module.mix" gives, read from the module beside the YAML (as written by
-    this target: all but its GEMMS checked against factory_source, GEMMS read as data; nothing is imported)."""
-    if not isinstance(dotted, str) or "." not in dotted:
-        raise UserError(f"custom_recipe_factory must be 'pkg.mod.func', got {shown(dotted)}")
-    module, func = dotted.rsplit(".", 1)
-    path = exported.with_name(f"{module.replace('.', '/')}.py")
+def _factory_gemms(exported: Path, dotted: object, key: str) -> Gemms:
+    """The GEMMs a custom_recipe_factory "module.mix" (of config `key`) gives, read from the module beside the YAML
+    (as written by this target: all but its GEMMS checked against factory_source, GEMMS read as data; nothing is
+    imported). Only "<module>.<function>", two Python names, is read: a package path ('pkg.mod.mix') is imported from
+    wherever PYTHONPATH finds it, which verify cannot know without importing it."""
+    parts = dotted.split(".") if isinstance(dotted, str) else []
+    if len(parts) != 2 or not all(_IDENTIFIER.fullmatch(part) for part in parts):
+        raise UserError(
+            f"config {shown(key)}: custom_recipe_factory {shown(dotted)} is not '<module>.<function>' (two Python names, "
+            f"as `autoprec export` writes it, '{Path(exported).stem}_qfactory.mxfp8_fwd'): verify reads that module beside "
+            "the YAML and imports nothing; export the policy again"
+        )
+    module, func = parts
+    path = exported.with_name(f"{module}.py")
     tree = read_python(path)
     table = assigned(tree, "GEMMS", path)
     if not isinstance(table, dict) or not all(
@@ -285,45 +326,87 @@ def _factory_gemms(exported: Path, dotted: object) -> Gemms:
         raise UserError(f"{path}: GEMMS must map a mix to (fprop, dgrad, wgrad), each one of {KINDS} or None")
     same_module(tree, factory_source(table), path, ("GEMMS",))
     if func not in table:
-        raise UserError(f"{path}: no factory {func!r} (it has {', '.join(table)})")
+        raise UserError(f"{path}: no factory {func!r} (it has {', '.join(map(str, table))})")
     return tuple(table[func])  # type: ignore[return-value]
+
+
+class _DataLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing anchors and aliases, which `autoprec export` never writes: a few nested aliases make
+    a 1 KB file stand for billions of values, which every reader of them walks (a message quoting one too)."""
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]  # PyYAML's own signature
+        event = self.peek_event()
+        alias = isinstance(event, yaml.AliasEvent)
+        if alias or getattr(event, "anchor", None) is not None:
+            what = f"{'alias *' if alias else 'anchor &'}{printable(str(event.anchor)[:40])}"
+            raise _NotData(
+                f"line {event.start_mark.line + 1}: a YAML {what}: `autoprec export` writes no anchor or alias, and nested "
+                "aliases make a small file stand for billions of values; write each value out (or export the policy again)"
+            )
+        return super().compose_node(parent, index)
+
+
+class _NotData(yaml.YAMLError):
+    """What _DataLoader refuses."""
+
+
+def read_yaml(path: Path) -> object:
+    """The YAML file's content, read by _DataLoader; UserError naming the file for anything else."""
+    try:
+        return yaml.load(read_regular(path).decode("utf-8"), Loader=_DataLoader)  # noqa: S506  a SafeLoader
+    except _NotData as exc:
+        raise UserError(f"{path}: {exc}") from None
+    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:
+        raise UserError(f"{path}: cannot read it as YAML ({exc})") from None
+
+
+def _literal(pattern: str) -> str | None:
+    """The one module path a glob pattern matches, as the export writes one (glob.escape: '[*]' for '*'); None for
+    a pattern with wildcards, which may match modules that are not linears (verify knows the linears only)."""
+    name = re.sub(r"\[([*?[])\]", r"\1", pattern)
+    return None if re.search(r"[*?[]", re.sub(r"\[[*?[]\]", "", pattern)) else name
 
 
 def precision_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
     """What Megatron runs each linear in under the YAML, with no global --fp8/--fp4 recipe: the first enabled matcher
     matching the module path chooses its config (none: the module runs as the global setting, high precision); a
     quantized config runs only with override_nonquantized_autocast (megatron/core/extensions/transformer_engine.py,
-    _get_fp8_autocast_for_quant_recipe); a custom one in its factory's GEMMs."""
-    try:
-        content = yaml.safe_load(Path(exported).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:
-        raise UserError(f"{exported}: cannot read it as YAML ({exc})") from None
+    _get_fp8_autocast_for_quant_recipe); a custom one in its factory's GEMMs. An enabled matcher whose pattern names
+    one module (as the export writes them) that no linear of the model is, is given too, by that name."""
+    content = read_yaml(Path(exported))
     if not isinstance(content, dict):
         raise UserError(f"{exported}: a --te-precision-config-file is a mapping of configs and matchers")
     try:
         order, configs = _matcher_order(content)
-        found = {}
-        for module in module_names:
-            key, matcher = _config_key(order, content, module)
-            if key is None:
-                found[module] = Resolved(HIGH, "no enabled matcher matches it")
-                continue
+
+        def under(key: str, matcher: str) -> Resolved:
             config = configs.get(key)
             if not isinstance(config, dict) or config.get("transformer_engine_config_type") != "TEQuantizationParams":
                 raise UserError(f"config {shown(key)} (matcher {shown(matcher)}) is not a TEQuantizationParams config")
-            fields = _recipe_fields(config.get("training_recipe"))
+            try:
+                fields = _recipe_fields(config.get("training_recipe"))
+            except UserError as exc:
+                raise UserError(f"config {shown(key)}: {exc}") from None
             fp8, fp4 = fields["fp8_quantization_recipe"], fields["fp4_quantization_recipe"]
             via = f"matcher {matcher!r} -> config {key!r}"
             if fp8 is None and fp4 is None:
-                found[module] = Resolved(HIGH, via)
-            elif not fields["override_nonquantized_autocast"]:
-                found[module] = Resolved(HIGH, f"{via}, without override_nonquantized_autocast: no recipe runs")
-            elif "custom" in (fp8, fp4):
-                found[module] = Resolved(_factory_gemms(Path(exported), fields["custom_recipe_factory"]), via)
-            elif fp8 is not None:
-                found[module] = Resolved(recipe_gemms("fp8", fields["fp8_format"], fp8), via)
-            else:
-                found[module] = Resolved(recipe_gemms("fp4", "e2m1", fp4), via)
+                return Resolved(HIGH, via)
+            if not fields["override_nonquantized_autocast"]:
+                return Resolved(HIGH, f"{via}, without override_nonquantized_autocast: no recipe runs")
+            if "custom" in (fp8, fp4):
+                return Resolved(_factory_gemms(Path(exported), fields["custom_recipe_factory"], key), via)
+            if fp8 is not None:
+                return Resolved(recipe_gemms("fp8", fields["fp8_format"], fp8), via)
+            return Resolved(recipe_gemms("fp4", "e2m1", fp4), via)
+
+        found = {}
+        for module in module_names:
+            key, matcher = _config_key(order, content, module)
+            found[module] = Resolved(HIGH, "no enabled matcher matches it") if key is None else under(key, matcher)
+        for matcher, pattern, key in order:  # a mistyped name: its matcher selects nothing
+            name = _literal(pattern)
+            if name is not None and name not in found and not any(fnmatch.fnmatch(m, pattern) for m in module_names):
+                found[name] = under(key, matcher)
     except UserError as exc:
         raise UserError(f"{exported}: {exc}") from None
     return found

@@ -9,16 +9,16 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from autoprec.errors import UserError
+from autoprec.errors import UserError, shown
 from autoprec.files import write_text
 from autoprec.formats import float8_linear_config, fp8_input_dtype
 from autoprec.policy import Policy
 from autoprec.tune.export._common import (
+    GEMM_NAMES,
     _comments,
     _json_literal,
     assigned,
     fp8_layers,
-    fp8_spec_gemms,
     gathered_recipes,
     not_expressed,
     read_python,
@@ -27,7 +27,15 @@ from autoprec.tune.export._common import (
     str_list,
     str_table,
 )
-from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register_export_target
+from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Resolved, register_export_target
+
+# torchao's Float8LinearRecipeName values -> (their scaling, which GEMMs run in fp8), as
+# Float8LinearConfig.from_recipe_name builds them (torchao/float8/config.py): rowwise_with_gw_hp keeps wgrad high
+TORCHAO_RECIPES = {
+    "tensorwise": ("tensorwise", (True, True, True)),
+    "rowwise": ("rowwise", (True, True, True)),
+    "rowwise_with_gw_hp": ("rowwise", (True, True, False)),
+}
 
 
 def fp8_gemms(policy: Policy) -> dict[str, dict[str, object]]:
@@ -137,12 +145,40 @@ class Torchao(ExportTarget):
         return torchao_resolve(exported, module_names)
 
 
+def converted(spec: dict, key: str) -> tuple[Gemms, bool] | str:
+    """What the file's convert() runs a layer of FP8_GEMMS[key] (`spec`) in, read by the rules of the code it holds
+    (float8_linear_config, fp8_input_dtype): (its GEMMs, whether its weight is scaled rowwise); a string saying why
+    torchao refuses it. A `recipe` that is not None is a torchao recipe name, whatever the flags say
+    (Float8LinearConfig.from_recipe_name, which asserts a name it has); else `scaling` == "rowwise" scales rowwise
+    and anything else per tensor, and a GEMM runs in fp8 where its flag is truthy (`if not gemms[gemm]`), 1 or
+    "yes" as well as true."""
+    try:
+        recipe = spec["recipe"]
+        if recipe is not None:
+            if type(recipe) is not str or recipe not in TORCHAO_RECIPES:
+                return (
+                    f"FP8_GEMMS[{key!r}]['recipe'] {shown(recipe, 40)} is no torchao recipe "
+                    f"({', '.join(TORCHAO_RECIPES)}): torchao's Float8LinearConfig.from_recipe_name refuses it"
+                )
+            scaling, on = TORCHAO_RECIPES[recipe]
+        else:
+            scaling = "rowwise" if spec["scaling"] == "rowwise" else "tensorwise"
+            fprop, dgrad, wgrad = (bool(spec[gemm]) for gemm in GEMM_NAMES)
+            on = fprop, dgrad, wgrad
+    except KeyError as exc:  # the file's code reads each of them with []
+        return f"FP8_GEMMS[{key!r}] has no {shown(exc.args[0], 40)}: the file's convert() raises KeyError"
+    gemms = tuple(f"fp8 {scaling}" if fp8 else None for fp8 in on)
+    return (gemms[0], gemms[1], gemms[2]), scaling == "rowwise" and on[0]
+
+
 def torchao_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
     """What the file's convert(model) runs each linear in, read from its tables. convert() calls torchao's
     convert_to_float8_training once per FP8_LAYERS key, in order, with module_filter_fn(recipe) = `fqn in
-    FP8_LAYERS[recipe]`; torchao (torchao/float8/float8_linear_utils.py, swap_linear_layers) swaps every nn.Linear
-    the filter accepts, Float8Linear included, so a layer in two lists ends in the later one's config, whose
-    enable_fsdp_float8_all_gather is `recipe in FSDP_FP8_ALL_GATHER`."""
+    FP8_LAYERS[recipe]` and the config float8_linear_config(FP8_GEMMS[recipe]) (read by `converted`); torchao
+    (torchao/float8/float8_linear_utils.py, swap_linear_layers) swaps every nn.Linear the filter accepts,
+    Float8Linear included, so a layer in two lists ends in the later one's config, whose
+    enable_fsdp_float8_all_gather is `recipe in FSDP_FP8_ALL_GATHER`. A listed name no linear of the model has is
+    given too: convert() looks every listed name up (get_submodule), so nothing of the file runs as it says."""
     tree = read_python(exported)
     tables = ("FP8_LAYERS", "FP8_GEMMS", "FSDP_FP8_ALL_GATHER")
     same_module(tree, torchao_source(Policy(layers={})), exported, tables)
@@ -152,13 +188,18 @@ def torchao_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolv
     if not isinstance(gemms, dict) or not all(isinstance(gemms.get(k), dict) for k in layers):
         raise UserError(f"{exported}: FP8_GEMMS must give each FP8_LAYERS key its GEMMs ({', '.join(layers)})")
     found = {name: Resolved(HIGH, "no module_filter_fn accepts it") for name in module_names}
+    known = set(module_names)
     for recipe, names in layers.items():
+        runs = converted(gemms[recipe], recipe)
+        gather = recipe in gathered
+        via = f"module_filter_fn({recipe!r})" + (", fp8 all-gather" if gather else "")
         for name in names:
-            if name in found:
-                gather = recipe in gathered
-                via = f"module_filter_fn({recipe!r})" + (", fp8 all-gather" if gather else "")
-                if gather and gemms[recipe].get("scaling") != "tensorwise":  # torchao's Float8LinearConfig asserts it
-                    found[name] = Resolved(None, f"{via}: torchao all-gathers in fp8 with tensorwise scaling only")
-                    continue
-                found[name] = Resolved(fp8_spec_gemms(gemms[recipe]), via, fp8_all_gather=gather)
+            if name not in known:
+                found[name] = Resolved(None, f"{via}: convert() looks it up by name (get_submodule)")
+            elif isinstance(runs, str):
+                found[name] = Resolved(None, f"{via}: {runs}")
+            elif gather and runs[1]:  # torchao's Float8LinearConfig asserts a tensorwise weight to all-gather
+                found[name] = Resolved(None, f"{via}: torchao all-gathers in fp8 with tensorwise scaling only")
+            else:
+                found[name] = Resolved(runs[0], via, fp8_all_gather=gather)
     return found

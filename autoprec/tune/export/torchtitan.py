@@ -15,6 +15,7 @@ nvfp4-fwd, ...) are listed as not expressed.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 from pathlib import Path
@@ -337,6 +338,8 @@ def torchtitan_resolve(exported: Path, module_names: list[str]) -> dict[str, Res
 def _names(module_names: list[str], keep: list[str]) -> list[str]:
     """The file's linear_names(): the model's Linears, refusing a listed layer the model lacks."""
     missing = sorted(set(keep) - set(module_names))
-    if missing:
-        raise ValueError(f"policy layers {missing[:5]} are not Linear layers of this model")
+    if missing:  # a mistyped name: torchtitan's linear_names() raises, so the file converts nothing
+        close = difflib.get_close_matches(missing[0], module_names, n=3)
+        resembles = f" ({missing[0]!r} is close to {', '.join(map(repr, close))})" if close else ""
+        raise ValueError(f"policy layers {missing[:5]} are not Linear layers of this model{resembles}")
     return module_names

@@ -166,7 +166,7 @@ def te_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
     """What CustomRecipe(qfactory=quantizer_factory) runs each linear in, read from the file's GEMMS: TE calls the
     factory with a QuantizerRole whose `name` is the te.Linear's name= (transformer_engine/pytorch/quantization.py,
     QuantizerRole), which the file's header asks to be the module path; the factory looks that name up exactly, and
-    gives a name it does not find high precision."""
+    gives a name it does not find high precision. An entry that names no linear of the model is given too."""
     tree = read_python(exported)
     same_module(tree, te_source(Policy(layers={})), exported, (TABLE,))
     table = assigned(tree, TABLE, exported)
@@ -185,4 +185,7 @@ def te_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
             if gemms is None
             else Resolved(tuple(gemms), f"GEMMS[{name!r}] (te.Linear(name={name!r}))")
         )  # type: ignore[arg-type]
+    for name, gemms in table.items():  # an entry no linear is named by (a typo): it selects nothing
+        if name not in found:
+            found[name] = Resolved(tuple(gemms), f"GEMMS[{name!r}]")  # type: ignore[arg-type]
     return found

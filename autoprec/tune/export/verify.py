@@ -10,12 +10,14 @@ reads its file as data (ast, JSON, YAML).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from pathlib import Path
 
 from autoprec.errors import UserError, printable
+from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import layer_only, policy_gemms
+from autoprec.tune.export._common import layer_only, policy_gemms, read_regular, regular_file
 from autoprec.tune.export.base import HIGH, Gemms, Resolved, export_target_named
 
 _WRITTEN_BY = re.compile(r"autoprec export --to ([a-z0-9][a-z0-9_-]*)")  # in every exported file's first lines
@@ -25,17 +27,23 @@ _WRITTEN_BY = re.compile(r"autoprec export --to ([a-z0-9][a-z0-9_-]*)")  # in ev
 class Row:
     """One linear: the policy's format for it ("" where the policy leaves it to the model's dtype), its GEMMs under
     the policy, whether the policy all-gathers its weight in fp8 under FSDP2, and what the framework runs it in
-    under the file."""
+    under the file. `close`: None for a linear of the model; for a file's entry that names none (a mistyped name,
+    which selects nothing), the model's linears it resembles, and the row never matches."""
 
     layer: str
     policy_format: str
     expected: Gemms
     resolved: Resolved
     expected_fp8_all_gather: bool = False
+    close: tuple[str, ...] | None = None
 
     @property
     def ok(self) -> bool:
-        return self.resolved.gemms == self.expected and self.resolved.fp8_all_gather == self.expected_fp8_all_gather
+        return (
+            self.close is None
+            and self.resolved.gemms == self.expected
+            and self.resolved.fp8_all_gather == self.expected_fp8_all_gather
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +53,20 @@ class Verification:
 
     @property
     def differing(self) -> list[str]:
+        """The linears that run otherwise than the policy says, then the file's entries that name no linear."""
         return [row.layer for row in self.rows if not row.ok]
+
+    @property
+    def unknown(self) -> list[Row]:
+        """The rows of the file's entries that name no linear of the model."""
+        return [row for row in self.rows if row.close is not None]
 
     def to_dict(self) -> dict[str, object]:
         return {
             "target": self.target,
             "matches": not self.differing,
             "differing": self.differing,
+            "unknown": [{"entry": r.layer, "close_matches": list(r.close or ())} for r in self.unknown],
             "layers": [
                 {
                     "layer": r.layer,
@@ -70,11 +85,7 @@ class Verification:
 
 def written_by(exported: Path) -> str | None:
     """The target that wrote `exported`, from its "autoprec export --to NAME" line; None when none is there."""
-    try:
-        with open(exported, encoding="utf-8", errors="replace") as f:
-            head = f.read(4096)
-    except OSError as exc:
-        raise UserError(f"{exported}: cannot read it ({exc.strerror or exc})") from None
+    head = read_regular(exported, limit=4096).decode("utf-8", errors="replace")  # never waits on a FIFO
     found = _WRITTEN_BY.search(head)
     return None if found is None else found[1]
 
@@ -84,10 +95,15 @@ def linear_names(model: str | Path, *, flag: str = "--model") -> list[str]:
     build_model(), or read from a text file of module paths, one a line ('#' starts a comment). `flag`: the option
     that named `model`, for the error."""
     path = Path(model)
+    fix = f"give {flag} a model.py or a text file of module names"
+    try:
+        data = read_regular(path, fix, limit=0 if path.suffix == ".py" else -1)  # a FIFO would hang the read or import
+    except UserError as exc:
+        raise UserError(f"{flag} {exc}") from None
     if path.suffix != ".py":
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
+            lines = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
             raise UserError(f"{flag} {path}: cannot read it as a list of module names ({exc})") from None
         names = [line.split("#", 1)[0].strip() for line in lines]
         return [n for n in names if n]
@@ -101,9 +117,12 @@ def linear_names(model: str | Path, *, flag: str = "--model") -> list[str]:
 
 def verify(exported: str | Path, policy: Policy, module_names: list[str], target: str | None = None) -> Verification:
     """Resolve `exported` on `module_names` (a model's linears) with its target's rules and compare each linear
-    with `policy`. UserError for a policy layer in a quantized format that is no linear of the model (the policy
-    was searched on another model) and for a file its target cannot read."""
-    exported = Path(exported)
+    with `policy`; then a row for each entry of the file that names no linear (Row.close). A layer the policy keeps
+    in fp32 inside a bf16/fp16 root is expected in fp32, and where the file gives it no recipe (HIGH: the model's
+    dtype) it runs in the root's. UserError for a path that is not a regular file, for a policy layer in a quantized
+    format that is no linear of the model (the policy was searched on another model) and for a file its target
+    cannot read."""
+    exported = regular_file(exported)
     wrote = written_by(exported)
     name = target or wrote
     if name is None:
@@ -128,19 +147,44 @@ def verify(exported: str | Path, policy: Policy, module_names: list[str], target
             "on another model (or give the model it was searched on)"
         )
     resolved = chosen.resolve(exported, list(module_names))
+    root = policy.layers.get(ROOT)
     rows = []
     for layer in module_names:
         fmt = policy.layers.get(layer) if layer != ROOT else None
         found = resolved.get(layer) or Resolved(None, f"--to {chosen.name}'s resolve() gave nothing for it")
-        gather = fmt in policy.fp8_all_gathered
-        rows.append(Row(layer, fmt.value if fmt else "", policy_gemms(fmt) if fmt else HIGH, found, gather))
+        expected = policy_gemms(fmt) if fmt else HIGH
+        if fmt is Format.FP32 and root in (Format.BF16, Format.FP16):
+            # The policy keeps it in fp32 inside a lowered model, which no file's recipe says: every framework runs a
+            # module it has no recipe for in the model's dtype (autocast's), as the export said when it wrote the file.
+            expected = ("fp32", "fp32", "fp32")
+            if found.gemms == HIGH:
+                dtype = root.value
+                found = dataclasses.replace(
+                    found, gemms=(dtype, dtype, dtype), via=f"{found.via}; in the model's dtype, {dtype} under the policy's root"
+                )
+        rows.append(Row(layer, fmt.value if fmt else "", expected, found, fmt in policy.fp8_all_gathered))
+    for entry, found in resolved.items():  # what the file names that the model does not have: it selects nothing
+        if entry not in known:
+            close = tuple(difflib.get_close_matches(entry[:200], module_names, n=3))  # a long entry: its start
+            fmt = policy.layers.get(entry)
+            found = dataclasses.replace(found, via=f"{found.via}; names no linear of the model")
+            rows.append(Row(entry, fmt.value if fmt else "", HIGH, found, close=close))
     return Verification(chosen.name, tuple(rows))
 
 
 def _gemms(gemms: Gemms | None, gather: bool = False) -> str:
-    if gemms is None:
-        return "refused"
+    if gemms is None:  # the framework refuses the file there, or the file says two things of it
+        return "unresolved"
     return " / ".join(g or "high" for g in gemms) + (", fp8 all-gather" if gather else "")
+
+
+def _cut(layer: str) -> str:
+    """A file's entry cut to 80 characters for printing: an entry can be any length."""
+    return layer if len(layer) <= 80 else f"{layer[:80]}... ({len(layer)} characters)"
+
+
+def _name(layer: str) -> str:
+    return printable(_cut(layer))
 
 
 def table(result: Verification) -> str:
@@ -149,7 +193,7 @@ def table(result: Verification) -> str:
     head = ("layer", "policy", "policy: fprop / dgrad / wgrad", f"{result.target}: fprop / dgrad / wgrad", "", "via")
     cells = [
         (
-            printable(r.layer) or "(root)",
+            _name(r.layer) or "(root)",
             r.policy_format or "-",
             _gemms(r.expected, r.expected_fp8_all_gather),
             _gemms(r.resolved.gemms, r.resolved.fp8_all_gather),
@@ -160,10 +204,19 @@ def table(result: Verification) -> str:
     ]
     widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *cells]]
-    differing = result.differing
+    linears = [r for r in result.rows if r.close is None]
+    differing = [r.layer for r in linears if not r.ok]
     if differing:
-        names = ", ".join(printable(n) for n in differing)
-        lines.append(f"{len(differing)} of {len(result.rows)} linears differ from the policy: {names}")
+        names = ", ".join(_name(n) for n in differing)
+        summary = f"{len(differing)} of {len(linears)} linears differ from the policy: {names}"
     else:
-        lines.append(f"all {len(result.rows)} linears run as the policy says")
+        summary = f"all {len(linears)} linears run as the policy says"
+    if unknown := result.unknown:
+        entries = ", ".join(
+            printable(repr(_cut(r.layer))) + (f" (close: {printable(', '.join(map(repr, r.close)))})" if r.close else "")
+            for r in unknown
+        )
+        layers = "a layer" if len(unknown) == 1 else f"{len(unknown)} layers"
+        summary += f"{'; and' if differing else ', but'} the file names {layers} the model does not have: {entries}"
+    lines.append(summary)
     return "\n".join(lines)
