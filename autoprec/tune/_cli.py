@@ -153,7 +153,6 @@ class _Parser(argparse.ArgumentParser):
             self._refuse(f"{self.prog} {verb}" if after else self.prog, f"unrecognized arguments: {' '.join(extras)}")
         return parsed
 
-
     def _refuse_unknown_before_the_verb(self, argv: Sequence[str]) -> None:
         known = self._option_string_actions
         tokens = iter(argv)
