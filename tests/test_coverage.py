@@ -108,3 +108,17 @@ def test_the_search_says_it_at_its_start(mixtral, caplog):
     with caplog.at_level(logging.WARNING, logger="autoprec"):
         cover = _coverage(mixtral, load_space())
     assert cover is not None and "MixtralExperts" in caplog.text
+
+
+def test_export_and_verify_say_what_the_search_left_outside_the_linears(tmp_path, capsys):
+    """Issue 60, 5: export and verify said "all 9 linears" of a model whose experts do most of the work."""
+    from autoprec.tune._cli import main
+
+    cover = Coverage(tuned_layers=9, flops_share=0.21, params_share=0.12, outside=(), elsewhere_share=0.0)
+    policy = tmp_path / "policy.json"
+    Policy(layers={"": "bf16"}, measured={"coverage": cover.to_dict()}).save(policy)
+    assert main(["export", str(policy), "--to", "torchao", "--out", str(tmp_path / "fp8.py")]) == 0
+    assert "outside the search: the 9 layers the search tunes do 21% of the step's matmul FLOPs" in capsys.readouterr().out
+    Policy(layers={"": "bf16"}).save(policy)  # nothing recorded: nothing said
+    assert main(["export", str(policy), "--to", "torchao", "--out", str(tmp_path / "fp8.py")]) == 0
+    assert "outside the search" not in capsys.readouterr().out

@@ -11,6 +11,8 @@ from pathlib import Path
 from autoprec.errors import UserError, printable
 from autoprec.policy import Policy, load_policy
 from autoprec.tune._commands._shared import Verb, print_json
+from autoprec.tune._core._records import Measured
+from autoprec.tune._report._show import coverage_line
 from autoprec.tune.export import ExportTarget, default_path, export, export_targets, options
 from autoprec.tune.export._common import regular_file
 from autoprec.tune.export.verify import linear_names, table, verify
@@ -69,6 +71,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.json:  # what the file leaves out is never dropped silently: under --quiet a warning, on stderr
         for line in left_out:
             print(f"not expressed: {printable(line)}", file=sys.stderr if args.quiet else sys.stdout)
+    if not args.check:  # with --check, said under verify's table
+        _say_outside(args, policy)
     checked = _verified(args, out, policy, args.check, args.to, flag="--check") if args.check else None
     if args.json:
         print_json(args, {"file": str(out), "not_expressed": left_out, **({"check": checked.to_dict()} if checked else {})})
@@ -81,7 +85,16 @@ def _verified(args: argparse.Namespace, exported: Path, policy, model: str, targ
     result = verify(exported, policy, linear_names(model, flag=flag), target)
     if not (args.json or args.quiet):
         print(table(result))
+        _say_outside(args, policy)
     return result
+
+
+def _say_outside(args: argparse.Namespace, policy: Policy) -> None:
+    """What the policy's search left in the model root's format (measured.coverage: a MoE's fused experts), where that
+    is much of the step: "all 9 linears" is not the model."""
+    line = coverage_line(Measured.of(policy))
+    if line and not (args.json or args.quiet):
+        print(printable(line))
 
 
 def _verify_code(result) -> int:
