@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from autoprec.errors import describe
-from autoprec.formats import Converted, Format, Fp8Backend, format_problem, fp8_backend, other_half_to_fp32
+from autoprec.formats import Converted, Format, FormatFamily, Fp8Backend, format_problem, fp8_backend, other_half_to_fp32
 from autoprec.policy import ROOT, Policy, as_policy, gatherable_text, model_fingerprint
 
 _FORMAT_ATTR = "_autoprec_format"
@@ -31,6 +31,14 @@ ModelT = TypeVar("ModelT", bound=torch.nn.Module)  # apply_policy returns the mo
 # Modules that use a child's parameters directly instead of calling the child, so a format set on the
 # child would silently do nothing: nn.MultiheadAttention passes out_proj.weight to a functional kernel.
 _UNCALLED_CHILDREN: tuple[type[torch.nn.Module], ...] = (torch.nn.MultiheadAttention,)
+
+# Each format applied, and its family, by its plain name, resolved once at apply time. A policy layer's forward finds
+# them here by the name it keeps: constructing a Format there (Format(name)) reads the name with str.__str__, which
+# torch 2.11's dynamo cannot trace (every layer in a format other than the root's split its compiled block), and a
+# Format object kept on the module is a str subclass that dynamo's guards do not tell apart between models (one ran
+# another's graph), where the plain name is guarded by its value. The family resolved too: no registry lookup is
+# traced, nor guarded on every call.
+_RESOLVED: dict[str, tuple[Format, FormatFamily]] = {}
 
 # Models with a policy applied, so grad_scaler(policy) can name their layers without being given the model.
 _APPLIED_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -133,9 +141,9 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _forward_in_format(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    fmt = Format(getattr(self, _FORMAT_ATTR))
+    fmt, family = _RESOLVED[getattr(self, _FORMAT_ATTR)]
     device_type = _first_device_type(self, args, kwargs)
-    out = fmt.family.forward(fmt, self, type(self).forward, device_type, args, kwargs)
+    out = family.forward(fmt, self, type(self).forward, device_type, args, kwargs)
     if torch.is_autocast_enabled(device_type):  # a caller in one half dtype meets a layer in the other (fp16, bf16)
         return other_half_to_fp32(out, torch.get_autocast_dtype(device_type))
     return out
@@ -488,6 +496,7 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
         module, own = paths[name], names[id(paths[name])]
         wrap = _needs_wrapper(fmt, own, paths, fmts)
         setattr(module, _FORMAT_ATTR, fmt.value)
+        _RESOLVED[fmt.value] = (fmt, fmt.family)
         if wrap and "forward" not in module.__dict__:
             module.forward = types.MethodType(_policy_forward_for(type(module)), module)
             low = frozenset(n for n, p in module.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)

@@ -1,26 +1,32 @@
-"""One device call: what the GPU's step times are made of, the fp8 shape sweep, and the Llama model's whole step.
+"""A GPU session's device calls: the Llama model searched, the CUDA tests, what GPT-2-small's step times are made of.
 
-    python3 benchmarks/gpu_probe.py --out $OUT [--deadline-s 510]      # on the device machine, one call
+    python3 benchmarks/gpu_probe.py --out $OUT --stages search,d       # on the device machine: GPU_PLAN's first call
+    python3 benchmarks/gpu_probe.py --out $OUT --stages a --deadline-s 160   # its second call, on the warm machine
     python3 benchmarks/gpu_probe.py --out /tmp/probe --smoke           # the same path on a CPU, tiny, minutes
 
-Made for a device session of 15 minutes in all (a bare machine's start included): one `run` of at most about 9
-minutes (benchmarks/GPU_PLAN.md has the exact command). Each stage checks the deadline before it starts and is
-given what is left; each result is written under --out as soon as it is measured, so a call stopped at its limit
-still returns what it had. The GPU is named from nvidia-smi and torch (an H100 or an H200: either is measured, the
-name goes with every number). Stages, in order:
+Made for a device session of 15 minutes in all (a bare machine's start included): calls of at most about 9 minutes
+(benchmarks/GPU_PLAN.md has the exact commands). Each stage checks the deadline before it starts and is given what
+is left; each result is written under --out as soon as it is measured, so a call stopped at its limit still returns
+what it had. The GPU is named from nvidia-smi and torch (an H100 or an H200: either is measured, the name goes with
+every number). `--stages` picks the stages and their order (default: search, d, a, b; stage c only by name, and
+never beside the search, whose final re-measure times the same candidates):
 
+search. `autoprec search` on the Llama example (examples/llama, full size, its weights trained first) within the
+   time left (--time-budget), whose finalists.csv holds its chosen policy beside uniform bf16, torchao's tensorwise
+   and rowwise filters and the rest of the alternatives. c_search.tar.gz: its files, the trial log and the final
+   re-measure's rounds so far among them, written as it goes, so a search stopped at the deadline keeps them.
+d. The CUDA-only tests. d_tests.txt.
 a. GPT-2-small (examples/gpt2, untrained weights: timing only), compiled fp32 and uniform bf16 (and, on CUDA, bf16
    under CUDA graphs, torch.compile's mode="reduce-overhead"): timed by the old clock (wall time between two
    synchronisations, one step a sample, as the first H200 run) and by autoprec's (the GPU's events over blocks of
-   at least 8 steps, the host's issuing time apart), with each method's spread and whether the step is host-bound;
-   then a torch.profiler table of 3 uniform-bf16 steps. a_gpt2.csv, a_gpt2.txt.
+   at least 8 steps, the host's issuing time apart, then one held block: the GPU's busy time), with each method's
+   spread and whether the step is host-bound; then a torch.profiler table of 3 uniform-bf16 steps. a_gpt2.csv,
+   a_gpt2.txt.
 b. The fp8 shape sweep: benchmarks/fp8_linear.py, every Linear shape of GPT-2-small (M 4096) and of the Llama
    example (M 16384) in a bf16 root, bf16 against fp8, fp8-rowwise, fp8-fwd-dgrad. b_fp8_linear.csv.
-c. The Llama example (examples/llama, full size, untrained: timing only), compiled whole steps: uniform bf16,
-   torchao's tensorwise fp8 on the Linears its size filter takes, the same for rowwise, fp8 on the FFN alone
-   (gate, up and down projections), then, with the time left, `autoprec search` on it (--time-budget), whose
-   finalists.csv holds its chosen policy beside the same alternatives. c_llama.csv, c_search.tar.gz.
-d. The CUDA-only tests, if time remains. d_tests.txt.
+c. The Llama example (untrained: timing only), compiled whole steps: uniform bf16, torchao's tensorwise fp8 on the
+   Linears its size filter takes, the same for rowwise, fp8 on the FFN alone (gate, up and down projections).
+   c_llama.csv.
 
 status.json says which stages finished, and the log (probe.log) holds everything printed. The wheels optuna and
 torchao need (../shared/tools/device-wheels.sh fills .whl/ before the call) are installed from .whl/ when they are
@@ -50,8 +56,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's autoprec, whatever the working directory
 SITE = Path("/tmp/site")  # where the carried wheels are installed
 DEADLINE_S = 510.0  # the command's share of a 10-minute call limit, the transfers and a margin apart
-# The least time a stage needs to be worth starting (seconds): its compilations mostly (GPU_PLAN.md prices them).
-NEEDS = {"a": 60.0, "b": 45.0, "c": 150.0, "search": 150.0, "d": 30.0}
+# The least time a stage needs to be worth starting (seconds): its compilations mostly (GPU_PLAN.md prices them;
+# stage a measured 105-120 s on the H200)
+NEEDS = {"a": 125.0, "b": 45.0, "c": 150.0, "search": 150.0, "d": 30.0}
+# GPU_PLAN's first call, then what time is left for: stage a is its second call (--stages a). Stage c only by name:
+# its candidates (uniform bf16, torchao's filters) are the search's alternatives, timed in its final re-measure
+DEFAULT_STAGES = ("search", "d", "a", "b")
 B_MOST_S = 100.0  # the shape sweep's cap: the Llama stage and the search matter more
 
 
@@ -88,7 +98,7 @@ class Probe:
 
     def __init__(self, out: Path, deadline_s: float, smoke: bool, order: list[str] | None = None):
         self.out, self.smoke = out, smoke
-        self.order = order or list(NEEDS)  # the stages this call runs, in order
+        self.order = order or list(DEFAULT_STAGES)  # the stages this call runs, in order
         self.start = time.time()
         self.until = self.start + deadline_s
         self.status: dict[str, dict] = {}
@@ -246,6 +256,7 @@ def timed_rows(stage: str, model: str, method: str, work: dict, device, config, 
         rows.append({
             "stage": stage, "model": model, "candidate": name, "method": method, "median_ms": round(t.median_ms, 4),
             "spread": round(t.spread, 4), "host_ms": None if t.host_ms is None else round(t.host_ms, 4),
+            "busy_ms": None if t.busy_ms is None else round(t.busy_ms, 4),
             "host_bound": t.host_bound, "rounds": rounds, "steps_timed": work[name].steps - before[name],
             "samples_ms": " ".join(f"{s:.4f}" for s in t.samples_ms),
         })  # fmt: skip
@@ -271,14 +282,15 @@ def show(rows: list[dict], log) -> None:  # type: ignore[no-untyped-def]
 
 def configs(smoke: bool):  # type: ignore[no-untyped-def]
     """(the old method's TimingConfig, autoprec's): the first H200 run's final re-measure (11 rounds, blocks sized
-    from the slowest: one step), and today's final re-measure."""
+    from the slowest: one step), and today's final re-measure with the GPU's busy time measured after its rounds, as
+    the search's is (TimingConfig.busy), so a row says whether its step is host-bound."""
     from autoprec.tune._core._config import SearchConfig, TimingConfig  # noqa: PLC0415
 
     if smoke:
         tiny = TimingConfig(warmup=1, rounds=2, min_block_s=0.0, warmup_s=0.0, min_steps=1)
-        return tiny, tiny
+        return tiny, dataclasses.replace(tiny, busy=True)
     old = TimingConfig(warmup=3, rounds=11, min_block_s=0.05, max_block_s=0.05, min_steps=1, warmup_s=0.0)
-    return old, SearchConfig(budget=0.02).final_timing
+    return old, dataclasses.replace(SearchConfig(budget=0.02).final_timing, busy=True)
 
 
 def stage_a(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
@@ -438,11 +450,22 @@ def stage_search(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     # the progress bars' carriage-return frames dropped: their last state and every other line kept
     probe.log("\n".join(line.rsplit("\r", 1)[-1] for line in output.splitlines())[-8000:])
     result = f"stopped after {timeout:.0f} s" if rc is None else f"exit {rc}"
-    with tarfile.open(probe.out / "c_search.tar.gz", "w:gz") as tar:
-        for name in ("summary.md", "finalists.csv", "trials.csv", "profile.csv", "policy.json", "space.yaml"):
+    pack_search(folder, probe.out / "c_search.tar.gz")
+    return result
+
+
+# What a search writes that the probe brings back; a search stopped at the deadline has written its profile, its
+# trial log (trials.csv after each trial, the study's journal) and its final re-measure's rounds so far
+SEARCH_FILES = ("summary.md", "finalists.csv", "finalists.partial.csv", "trials.csv", "study.journal", "profile.csv",
+                "profile.json", "policy.json", "space.yaml")  # fmt: skip
+
+
+def pack_search(folder: Path, tar_path: Path) -> None:
+    """The search's files in `folder` (SEARCH_FILES, those there) into `tar_path`, under search-llama/."""
+    with tarfile.open(tar_path, "w:gz") as tar:
+        for name in SEARCH_FILES:
             if (folder / name).is_file():
                 tar.add(folder / name, arcname=f"search-llama/{name}")
-    return result
 
 
 def stage_d(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
@@ -459,6 +482,23 @@ def stage_d(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     return f"exit {rc}: {(output.strip().splitlines() or ['no output'])[-1]}"
 
 
+def stages_named(text: str) -> list[str]:
+    """--stages as the stages to run, in order; a ValueError saying why not (none, unknown, twice, or stage c beside
+    the search, whose final re-measure times c's candidates)."""
+    order = [name.strip() for name in text.split(",") if name.strip()]
+    wrong = [name for name in order if name not in NEEDS]
+    if not order or wrong:
+        raise ValueError(f"--stages must name some of {', '.join(NEEDS)}, got {text!r}; e.g. --stages search,d")
+    if len(set(order)) != len(order):
+        raise ValueError(f"--stages must name each stage once, got {text!r}")
+    if "c" in order and "search" in order:
+        raise ValueError(
+            "--stages: stage c times uniform bf16 and torchao's filters on the Llama model, which the search's final "
+            "re-measure times beside its policy (finalists.csv): name one of them"
+        )
+    return order
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -467,20 +507,19 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="seconds the whole command may take")
     parser.add_argument("--smoke", action="store_true", help="every stage tiny, on this machine's CPU (no deadline)")
     parser.add_argument(
-        "--stages", default=",".join(NEEDS), help=f"the stages to run, in this order (default: {','.join(NEEDS)})"
+        "--stages",
+        default=",".join(DEFAULT_STAGES),
+        help=f"the stages to run, in this order, of {', '.join(NEEDS)} (default: {','.join(DEFAULT_STAGES)})",
     )
     args = parser.parse_args()
     if args.deadline_s <= 0:
         print(f"gpu_probe: --deadline-s must be a number of seconds > 0, got {args.deadline_s}", file=sys.stderr)
         raise SystemExit(2)
-    order = [name.strip() for name in args.stages.split(",") if name.strip()]
-    wrong = [name for name in order if name not in NEEDS]
-    if not order or wrong or len(set(order)) != len(order):
-        print(
-            f"gpu_probe: --stages must name some of {', '.join(NEEDS)}, each once, got {args.stages!r}; e.g. --stages d,c,search",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
+    try:
+        order = stages_named(args.stages)
+    except ValueError as exc:
+        print(f"gpu_probe: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     probe = Probe(args.out, args.deadline_s, args.smoke, order)
     missing = ensure_packages(probe.log)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor-cache")  # one machine's graphs, reused by stage d

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from autoprec import Policy, apply_policy
 from autoprec.apply import applied_summary
-from autoprec.formats import Fp8Backend, has_fp8_kernels
+from autoprec.formats import Format, Fp8Backend, has_fp8_kernels
 from autoprec.tune._measure._metric import sqnr_db
 
 
@@ -177,3 +177,31 @@ def test_repeated_blocks_are_compiled_one_by_one_and_other_models_whole():
     assert compile_model(model) is model and all(b._compiled_call_impl is not None for b in blocks)
     flat = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     assert repeated_blocks(flat) == [] and compile_model(flat) is not flat  # whole-model torch.compile
+
+
+def test_a_compiled_forward_never_constructs_a_format_so_per_layer_policies_stay_one_graph(monkeypatch):
+    """Format(name) reads its name with str.__str__, which torch 2.11's dynamo cannot trace: every layer in a format
+    other than the root's split the compiled block (6 graphs where 1 on the H200), so searches were biased towards
+    uniform policies. The format is resolved once, at apply time; the forward must never construct one (2.13 traces
+    the call, so a counted graph alone would not show it here: the construction is made to raise)."""
+    model = apply_policy(Net(), MIXED)
+    expected = model(_batches(1)[0])
+
+    def constructed(cls, value):
+        raise AssertionError(f"Format({value!r}) constructed inside a policy layer's forward")
+
+    monkeypatch.setattr(Format, "__new__", constructed)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=counting)
+    x = _batches(1)[0]
+    assert torch.equal(model(x), expected)  # eager, the same forward
+    out = compiled(x)
+    out.square().mean().backward()
+    assert len(graphs) == 1
+    assert not counters["graph_break"]
+    assert sqnr_db(expected, out.detach()) > 40

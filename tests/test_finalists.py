@@ -241,3 +241,82 @@ def test_the_final_remeasure_judges_the_metrics_first_and_retires_fp32_behind_a_
     assert rounds(0.0) == (2, 5)  # bf16's rounds agree by the 5th (all_settled)
     assert rounds(0.005, budgets=(0.001, 0.01)) == (5, 5)  # within the larger budget only
     assert rounds(0.0, max_memory=2**40) == (5, 5)
+
+
+def _remeasure_with_trainers_watched(monkeypatch, timings, oom_after=None):
+    """The final re-measure of four candidates of overflow_mlp on a device where bf16 steps are 7x faster than fp32's
+    (fp32 out of the running after two rounds), `oom_after`: "trial 2"'s step raising CUDA's out-of-memory error from
+    its nth step on (in its timed rounds). Returns the finals and, per timed block, the Trainers alive that still hold
+    state on the device (weakly referenced: counting them keeps none alive) and the candidates still timed."""
+    import weakref
+    from pathlib import Path
+
+    import torch
+    from short_timing import TINY
+
+    from autoprec.tune import load_task, prepare
+    from autoprec.tune._core import _memory as memory
+    from autoprec.tune._measure import _timing as timing
+    from autoprec.tune._measure import _trainer as trainer_module
+    from autoprec.tune._measure._timing import Stopwatch
+
+    workload = prepare(load_task(Path(__file__).parent / "models" / "overflow_mlp.py"), "cpu")
+    every = ["", "fc1", "big", "head"]
+    candidates = {
+        "fp32": Candidate(Policy(layers=dict.fromkeys(every, "fp32"))),
+        "uniform bf16": Candidate(Policy(layers=dict.fromkeys(every, "bf16"))),
+        "trial 2": Candidate(Policy(layers={**dict.fromkeys(every, "bf16"), "head": "fp32"})),
+        "trial 5": Candidate(Policy(layers={**dict.fromkeys(every, "bf16"), "fc1": "fp32"})),
+    }
+    built = weakref.WeakSet()
+    real_init, real_step = trainer_module.Trainer.__init__, trainer_module.Trainer.step
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.add(self)
+
+    def step(self, batch_index=None):
+        if oom_after is not None and self.policy == candidates["trial 2"].policy and self.steps >= oom_after:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.40 GiB")
+        return real_step(self, batch_index)
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", init)
+    monkeypatch.setattr(trainer_module.Trainer, "step", step)
+    clock = timings({"half": 1 / 7, "fp8": 1 / 7})
+    blocks = []
+
+    class Watching:
+        def time(self, work, calls, device):
+            holding = [t for t in list(built) if memory.state_bytes(t.state()) > 0]
+            blocks.append(len(holding))
+            return clock.time(work, calls, device)
+
+    monkeypatch.setattr(timing, "CLOCK", Watching())
+    judge = types.SimpleNamespace(fp32_metric=0.5, safe_metric=lambda c: (0.5, {}), budgets=Budgets((0.01,)))
+    config = SearchConfig(budget=0.1, progress=False, final_timing=dataclasses.replace(TINY, rounds=6))
+    rows = finalists.final_remeasure(workload, candidates, judge, config, Stopwatch())
+    left = [t for t in list(built) if memory.state_bytes(t.state()) > 0]
+    return rows, blocks, left
+
+
+def test_a_candidate_out_of_memory_in_its_timed_rounds_is_infeasible_and_the_re_measure_goes_on(monkeypatch, timings):
+    """At 9 or more candidates an H100 ran out of memory inside a timed round, uncaught: the search ended. The
+    candidate that runs out is a finding about it (infeasible, its error said), never the end of the search."""
+    rows, _, _ = _remeasure_with_trainers_watched(monkeypatch, timings, oom_after=4)  # built, warm, then a round in
+    oom = rows.by_name("trial 2")
+    assert not oom.runs and not oom.feasible and oom.rounds == 0
+    assert "OutOfMemoryError: CUDA out of memory" in oom.error
+    for name in ("uniform bf16", "trial 5"):
+        assert rows.by_name(name).runs and rows.by_name(name).feasible and rows.by_name(name).rounds >= 2, name
+    assert rows.by_name("fp32").rounds == 2  # out of the running all the same: the others' rounds go on
+
+
+def test_only_the_candidates_still_timed_hold_their_state_on_the_device_during_the_re_measure(monkeypatch, timings):
+    """Every candidate's trainer stayed alive through the final re-measure (about 5.4 GiB each on the Llama example):
+    one put out of the running or out of memory frees its model and optimizer state at once (a policy model is
+    freed by no reference count alone: its forward is bound to it), and none holds any once the re-measure ends."""
+    rows, blocks, left = _remeasure_with_trainers_watched(monkeypatch, timings)
+    assert max(blocks) <= 4 and blocks[-1] <= 3 and left == []  # fp32 out of the running after two rounds
+    rows, blocks, left = _remeasure_with_trainers_watched(monkeypatch, timings, oom_after=4)
+    assert max(blocks) <= 4 and blocks[-1] <= 2 and left == []  # and trial 2 out of memory: two still timed
+    assert rows.by_name("uniform bf16").peak_bytes is not None and rows.by_name("fp32").peak_bytes is not None

@@ -121,7 +121,7 @@ def test_a_time_budget_keeps_four_fifths_of_it_for_the_trials(monkeypatch, tmp_p
     class Deadline(Exception):
         pass
 
-    def trials(study, objective, target, *, progress=True):
+    def trials(study, objective, target, *, progress=True, after_trial=None):
         raise Deadline(objective.deadline)  # what the trials were given, and nothing run
 
     monkeypatch.setattr(pipeline, "run_trials", trials)
@@ -202,3 +202,92 @@ def test_the_overrun_line_after_a_resume_says_this_runs_time_in_parts_that_add_u
     parts = [float(m) for m in re.findall(r"([0-9.]+) min", line.split("(", 1)[1].split(")")[0])]
     assert "the profile" in line and "the trials" in line and "the final re-measure" in line and "the rest" in line
     assert all(p <= whole for p in parts) and abs(sum(parts) - whole) <= 0.05 * (len(parts) + 1), line  # rounding only
+
+
+def _small_search(tmp_path, **changes):
+    from short_timing import FAST_PROFILE, TINY
+
+    from autoprec.tune._search._pipeline import search
+
+    workload = prepare(load_task(MODELS / "overflow_mlp.py"), "cpu")
+    space = space_from_dict({"default": ["fp32", "bf16"], "layers": {"Linear": ["fp32", "bf16"]}})
+    config = SearchConfig(budget=0.05, trials=4, timing=TINY, final_timing=TINY, finalists=1, profile=FAST_PROFILE,
+                          progress=False, **changes)  # fmt: skip
+    return search(workload, space, config, tmp_path)
+
+
+def test_a_search_stopped_in_its_trials_leaves_every_trial_it_finished_in_the_trial_log(tmp_path, monkeypatch):
+    """A probe stopped at its deadline lost its trials: trials.csv was written at the end only. It is written after
+    each trial (whole, renamed into place), and the final re-measure's rounds so far after each round."""
+    import csv
+
+    from autoprec.tune._search import _objective as objective_module
+
+    class Stopped(BaseException):  # a deadline's kill, Ctrl-C: no handler of a trial's failure takes it
+        pass
+
+    real = objective_module.Objective.__call__
+    ran = []
+
+    def stopped_after_one(self, trial):  # one: on a device where bf16 is far slower, the search stops after two
+        if len(ran) == 1:
+            raise Stopped
+        ran.append(trial.number)
+        return real(self, trial)
+
+    monkeypatch.setattr(objective_module.Objective, "__call__", stopped_after_one)
+    with pytest.raises(Stopped):
+        _small_search(tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "trials.csv")))
+    assert [(int(r["trial"]), r["(default)"]) for r in rows if r["state"] == "COMPLETE"] == [(0, "fp32")]
+    assert not list(tmp_path.glob(".trials.csv.*"))  # no temporary file left beside it
+
+    monkeypatch.setattr(objective_module.Objective, "__call__", real)
+    written = []
+    real_write = pipeline.write_atomically
+
+    def watch(path, write):
+        written.append(path.name)
+        if path.name == "finalists.partial.csv" and written.count(path.name) == 2:
+            real_write(path, write)
+            raise Stopped  # killed after the second round's rows were written
+        return real_write(path, write)
+
+    monkeypatch.setattr(pipeline, "write_atomically", watch)
+    with pytest.raises(Stopped):
+        _small_search(tmp_path / "again")
+    partial = list(csv.DictReader(open(tmp_path / "again" / "finalists.partial.csv")))
+    assert {"fp32", "uniform bf16"} <= {r["candidate"] for r in partial}
+    assert all(int(r["rounds"]) == 2 and float(r["step_ms"]) > 0 for r in partial)
+    assert float(next(r for r in partial if r["candidate"] == "fp32")["speedup"]) == 1.0
+    assert not (tmp_path / "again" / "finalists.csv").exists()  # a result, written only as a whole
+    assert written.count("trials.csv") >= 2  # after each of its trials
+
+
+def test_no_trial_s_trainer_holds_its_state_on_the_device_into_the_final_re_measure(tmp_path, monkeypatch):
+    """The trials' eager fp32 baseline and each trial's candidate stayed on the device (a policy model is freed by
+    no reference count: its forward is bound to it) beside every candidate the final re-measure builds."""
+    import weakref
+
+    from autoprec.tune._core import _memory as memory
+    from autoprec.tune._measure import _trainer as trainer_module
+
+    built = weakref.WeakSet()
+    real_init = trainer_module.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.add(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", init)
+    holding = []
+    real_final = pipeline.final_remeasure
+
+    def final(*args, **kwargs):
+        holding.append(sum(memory.state_bytes(t.state()) > 0 for t in list(built)))
+        return real_final(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "final_remeasure", final)
+    result = _small_search(tmp_path)
+    assert len(result.trials) >= 2 and holding == [0]
+    assert sum(memory.state_bytes(t.state()) > 0 for t in list(built)) == 0

@@ -71,6 +71,31 @@ def test_a_retired_callable_is_timed_no_more_its_rounds_stand_and_the_tests_see_
     assert len(last["a"].samples_ms) == 6  # never the last one: something is always timed to the end
 
 
+def test_a_callable_that_raises_in_its_rounds_is_dropped_when_the_caller_takes_it_and_the_others_are_timed_on():
+    """An out-of-memory error inside a timed round ended the whole search (issue 62, 3): with `drop`, the callable
+    is timed no more (no Timing), the caller told with the error, and told of one retired too (to free it); `idle`
+    after each block. Without `drop` the error ends the timing, as before."""
+    calls = dict.fromkeys("abc", 0)
+
+    def step(name):
+        calls[name] += 1
+        if name == "b" and calls[name] > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.40 GiB")
+
+    work = {name: (lambda n=name: step(n)) for name in "abc"}
+    config = TimingConfig(warmup=0, rounds=6, min_block_s=0.0, warmup_s=0.0, min_steps=1)
+    told, idle = [], []
+    retire = lambda samples: {"c"} if len(samples["a"]) >= 2 else set()  # noqa: E731
+    times = interleaved_times(work, torch.device("cpu"), config, retire=retire, idle=idle.append,
+                              drop=lambda name, exc: told.append((name, type(exc).__name__ if exc else None)))  # fmt: skip
+    assert sorted(times) == ["a", "c"] and len(times["a"].samples_ms) == 6 and len(times["c"].samples_ms) == 2
+    assert told == [("c", None), ("b", "OutOfMemoryError")]  # c out of the running after two rounds; b's third raised
+    assert idle.count("b") == 1 + 2 and idle.count("a") == 1 + 6  # after its sizing call and each block it finished
+    calls["b"] = 0
+    with pytest.raises(torch.OutOfMemoryError):
+        interleaved_times(work, torch.device("cpu"), config)
+
+
 def test_more_rounds_are_pooled_with_the_first_on_the_same_warm_callables_and_keep_the_rotation():
     order = []
     work = {name: (lambda n=name: order.append(n)) for name in "ab"}

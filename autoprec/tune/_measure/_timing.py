@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from autoprec import devices
 from autoprec.devices import BlockTime
+from autoprec.errors import UserError
 from autoprec.tune._core._config import HOST_BOUND, MIN_ROUNDS, NOISY_SPREAD, SETTLED, SETTLED_FINAL_ROUNDS, TimingConfig
 
 log = logging.getLogger("autoprec")
@@ -157,6 +158,9 @@ def interleaved_times(
     warmed: Collection[Key] = (),
     more: Callable[[Mapping[Key, Sequence[float]]], int] | None = None,
     retire: Callable[[Mapping[Key, Sequence[float]]], Collection[Key]] | None = None,
+    idle: Callable[[Key], None] | None = None,
+    drop: Callable[[Key, Exception | None], None] | None = None,
+    each_round: Callable[[Mapping[Key, Sequence[float]]], None] | None = None,
 ) -> dict[Key, Timing]:
     """Time each callable (one unit of work, e.g. one training step) interleaved with the others.
     Each round's sample is the mean of a block of steps (TimingConfig: the same count for every callable); where
@@ -167,16 +171,42 @@ def interleaved_times(
     asked once when the rounds end, how many rounds to time on, pooled with these (more_if_noisy), `enough`
     still asked after each; 0: none. `retire(samples)`: asked after every round, the callables to time no more
     (their rounds so far stand; `enough` and `more` then see the others'): one the rounds put out of the running
-    by a gross factor, whose every further step would cost seconds and change no ranking. Never the last one."""
+    by a gross factor, whose every further step would cost seconds and change no ranking. Never the last one.
+    `idle(key)`: told after each of its blocks, outside the time: what it keeps only while stepping can go (a
+    trainer's gradients), so the device holds each idle candidate's state alone. `drop(key, error)`: where given, a
+    callable that raises in its warm-up or its block (anything but a UserError or an interrupt: out of the device's
+    memory, say) is timed no more, its rounds discarded and no Timing returned for it, and `drop` is told with the
+    error; one retired is told with None (its rounds so far are its Timing). Either way it is held here no more, and
+    the caller may free it; without `drop`, an error ends the timing. `each_round(samples)`: told after every
+    round, each callable's per-step milliseconds so far (retired ones' too, dropped ones' not): what a run stopped
+    before the end would otherwise lose."""
+    work = dict(work)  # this timing's own: a callable dropped or retired is let go from here
     names = list(work)
     if not names:
         return {}
+    gone: set[Key] = set()  # raised: no Timing
+
+    def failed(name: Key, exc: Exception) -> None:
+        if drop is None or isinstance(exc, UserError):
+            raise exc
+        gone.add(name)
+        del work[name]
+        drop(name, exc)
+
     fastest, slowest = math.inf, 1e-6
     for name in names:
-        if name not in warmed:
-            _warm_up(work[name], device, config)
-        per_step = _sizing_call(work[name], device)
+        try:
+            if name not in warmed:
+                _warm_up(work[name], device, config)
+            per_step = _sizing_call(work[name], device)
+        except Exception as exc:
+            failed(name, exc)
+            continue
+        if idle is not None:
+            idle(name)
         fastest, slowest = min(fastest, max(per_step, 1e-6)), max(slowest, per_step)
+    if not work:
+        return {}
     # One block size for every callable: each takes as many steps in every round, so no candidate's median comes
     # from a handful of steps beside another's hundreds (a GradScaler's early skips weigh alike). Enough that the
     # fastest's block lasts min_block_s, and never fewer than min_steps (a sample of one step carries all the jitter
@@ -192,32 +222,56 @@ def interleaved_times(
     retired: set[Key] = set()
 
     def timed() -> dict[Key, list[float]]:
-        return {name: samples[name] for name in names if name not in retired}
+        return {name: samples[name] for name in names if name not in retired and name not in gone}
 
     def rounds(first: int, last: int) -> None:
         for r in tqdm(range(first, last), desc=progress, unit="round", disable=progress is None, leave=False):
-            active = [name for name in names if name not in retired]
+            active = list(timed())
+            if not active:
+                return
             k = r % len(active)
             for name in active[k:] + active[:k]:  # rotate so no candidate always runs first
-                with devices.collector_paused():  # no collection of another's garbage inside this block
-                    measured = as_block(CLOCK.time(work[name], steps[name], device))
+                try:
+                    with devices.collector_paused():  # no collection of another's garbage inside this block
+                        measured = as_block(CLOCK.time(work[name], steps[name], device))
+                except Exception as exc:
+                    failed(name, exc)
+                    continue
                 samples[name].append(measured.seconds * 1e3 / steps[name])
                 if measured.host_s is not None:
                     host[name].append(measured.host_s * 1e3 / steps[name])
-            if retire is not None:
+                if idle is not None:
+                    idle(name)
+            active = list(timed())
+            if retire is not None and active:
                 out = set(retire(timed())) & set(active)
-                retired.update(out if len(out) < len(active) else ())
-            if enough is not None and r + 1 >= MIN_ROUNDS and r + 1 < last and enough(timed()):
+                if len(out) < len(active):
+                    retired.update(out)
+                    if drop is not None:  # its rounds stand; the caller may free it now
+                        for name in [n for n in names if n in out]:  # in their order, not a set's
+                            del work[name]
+                            drop(name, None)
+            if each_round is not None:
+                each_round({name: samples[name] for name in names if name not in gone})
+            if not active or enough is not None and r + 1 >= MIN_ROUNDS and r + 1 < last and enough(timed()):
                 return
 
     with gc_frozen():
         rounds(0, config.rounds)
+        if not timed():
+            return {name: Timing.from_samples(samples[name], host[name]) for name in names if name not in gone and samples[name]}
         done = min(map(len, timed().values()))
         extra = more(timed()) if more is not None else 0
         if extra > 0:  # the same warm models and block sizes: no rebuilding, recompiling or warming again
             rounds(done, done + extra)
-        busy = {name: _busy_ms(work[name], steps[name], samples[name], device) for name in names if config.busy and host[name]}
-    return {name: Timing.from_samples(samples[name], host[name], busy.get(name)) for name in names}
+        busy = {}
+        for name in [n for n in names if n in work and config.busy and host[n]]:
+            try:
+                busy[name] = _busy_ms(work[name], steps[name], samples[name], device)
+            except Exception as exc:  # its rounds stand; only whether it is host-bound is unknown
+                if drop is None or isinstance(exc, UserError):
+                    raise
+    return {name: Timing.from_samples(samples[name], host[name], busy.get(name)) for name in names if name not in gone}
 
 
 def _busy_ms(work: Callable[[], object], calls: int, samples: Sequence[float], device: torch.device) -> float | None:

@@ -178,6 +178,21 @@ class Trainer:
         """A Step (what a Clock times): the next training step; `model` is the model it trains."""
         return self.step()
 
+    def idle(self) -> None:
+        """Between its timed blocks: the gradients go (the next step's zero_grad would drop them anyway), so an idle
+        candidate holds its weights and optimizer state alone while the others are timed."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def release(self) -> None:
+        """Free what this candidate holds on its device now: its optimizer state, gradients, weights and buffers (left
+        empty; it takes no step after this). Dropping the Trainer is not enough: a policy model's forward is bound to
+        it (a reference cycle), so its tensors would wait for the cyclic collector, which the timing holds off."""
+        self.optimizer.state.clear()
+        with torch.no_grad():
+            for t in (*self.model.parameters(), *self.model.buffers()):
+                t.grad = None
+                t.data = t.data.new_empty(0)
+
     def state(self) -> Iterator[torch.Tensor]:
         """What the candidate keeps between steps: parameters, buffers, optimizer state."""
         yield from self.model.parameters()
@@ -284,39 +299,107 @@ def measure_steps_or_fail(
     more: Callable[[Mapping[str, Sequence[float]]], int] | None = None,
     retire: Callable[[Mapping[str, Sequence[float]]], Collection[str]] | None = None,
     peak_memory: bool = True,
+    each_round: Callable[[Mapping[str, Sequence[float]]], None] | None = None,
 ) -> tuple[dict[str, StepStats], dict[str, str]]:
     """measure_steps, and (name -> "Error: message") for the candidates whose model or first step failed (the
     user's code in a format it cannot run, a compiler error): a finding about that candidate, not a crash.
-    `enough`, `more`, `retire`: as interleaved_times'. `peak_memory`: each candidate's peak memory, from one more step after the
-    timing (StepStats.peak_bytes)."""
+    `enough`, `more`, `retire`, `each_round`: as interleaved_times'. `peak_memory`: each candidate's peak memory, from
+    one more step after the timing (StepStats.peak_bytes). A candidate that fails in its timed rounds (out of the
+    device's memory, say) is among the failed, and the others are timed on; one retired or failed frees its device
+    memory at once (Trainer.release), the others once the timing ends."""
     failed: dict[str, str] = {}
     with compile_scope(compiled, len(policies)):
-        trainers = {}
+        trainers: dict[str, Trainer] = {}
         for name, policy in policies.items():
+            built: Trainer | None = None
             try:
-                trainer = new_trainer(workload, policy, compiled=compiled)
-                trainer.step()  # builds (and compiles) now, so a failure is this candidate's alone
+                built = new_trainer(workload, policy, compiled=compiled)
+                built.step()  # builds (and compiles) now, so a failure is this candidate's alone
                 if compiled:
-                    trainer.warm_shapes()  # and for every batch shape, outside the timed rounds
+                    built.warm_shapes()  # and for every batch shape, outside the timed rounds
             except Exception as exc:
                 if isinstance(exc, UserError):
                     raise
                 failed[name] = describe(exc)
+                release_trainer(built)  # what it built before it failed: freed before the next one is built
                 continue
-            trainers[name] = trainer
-        work: dict[str, Callable[[], object]] = dict(trainers)  # a Trainer is a Step: its call, its model
-        timings = (
-            interleaved_times(
-                work, workload.device, config, progress=progress, enough=enough, more=more, retire=_effective(retire, trainers)
+            trainers[name] = built
+        # a candidate timed no more (out of the running, or failed in its rounds: out of the device's memory, say) lets
+        # go of its model and optimizer state at once, its counts and peak kept; the others go once the timing ends
+        done: dict[str, tuple[_Counts, int | None]] = {}
+
+        def drop(name: str, exc: Exception | None) -> None:
+            trainer = trainers.pop(name)
+            if exc is not None:
+                failed[name] = f"failed in its timed rounds: {describe(exc)}"
+            else:
+                done[name] = (_Counts.of(trainer), peak_memory_or_none(trainer, name) if peak_memory else None)
+            _release(trainer)
+
+        try:
+            timings = (
+                interleaved_times(
+                    dict(trainers),  # a Trainer is a Step: its call, its model
+                    workload.device,
+                    config,
+                    progress=progress,
+                    enough=enough,
+                    more=more,
+                    retire=_effective(retire, trainers),
+                    idle=lambda name: _idle(trainers[name]),
+                    drop=drop,
+                    each_round=each_round,
+                )
+                if trainers
+                else {}
             )
-            if work
-            else {}
-        )
-        stats = step_stats(trainers, timings)  # the timed steps' counts, before the memory's extra step
-        if not peak_memory:
-            return stats, failed
-        # after the timing, never inside it
-        return {n: dataclasses.replace(s, peak_bytes=peak_memory_or_none(trainers[n], n)) for n, s in stats.items()}, failed
+            for name, trainer in trainers.items():  # the timed steps' counts, before the memory's extra step
+                done[name] = (_Counts.of(trainer), None)
+            if peak_memory:  # after the timing, never inside it
+                for name, trainer in trainers.items():
+                    done[name] = (done[name][0], peak_memory_or_none(trainer, name))
+        finally:
+            for trainer in trainers.values():
+                _release(trainer)
+            trainers.clear()
+        stats = {n: done[n][0].stats(timings[n], done[n][1]) for n in timings}
+        return stats, failed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counts:
+    """What a candidate's StepStats reads of its trainer, kept when the trainer is released."""
+
+    finite: bool
+    steps: int
+    skipped: int
+    compile_s: float | None
+
+    @classmethod
+    def of(cls, trainer: Trainer) -> _Counts:
+        return cls(trainer.finite, trainer.steps, trainer.skipped, trainer.first_step_s if trainer.compiled else None)
+
+    def stats(self, timing: Timing, peak_bytes: int | None) -> StepStats:
+        return StepStats(timing, self.finite, self.steps, self.skipped, self.compile_s, peak_bytes)
+
+
+def _idle(trainer: Trainer) -> None:
+    idle = getattr(trainer, "idle", None)  # a sharded search's handle has none: its ranks hold their own
+    if idle is not None:
+        idle()
+
+
+def _release(trainer: Trainer) -> None:
+    """trainer.release(), where it has one (a sharded search's handle frees its ranks' trainers once dropped)."""
+    release = getattr(trainer, "release", None)
+    if release is not None:
+        release()
+
+
+def release_trainer(trainer: Trainer | None) -> None:
+    """Free a trainer's device memory now (Trainer.release), where there is one: what a caller no longer needs."""
+    if trainer is not None:
+        _release(trainer)
 
 
 def _effective(

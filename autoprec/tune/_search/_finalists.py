@@ -35,7 +35,7 @@ from autoprec.tune._decide._goals import SPEED
 from autoprec.tune._measure._choices import Choices, policy_from_params, searches_fp8_all_gather
 from autoprec.tune._measure._profile_data import Profile
 from autoprec.tune._measure._task import Workload
-from autoprec.tune._measure._timing import Stopwatch, all_settled, more_if_noisy, spread_text
+from autoprec.tune._measure._timing import Stopwatch, Timing, all_settled, more_if_noisy, spread_text
 from autoprec.tune._measure._trainer import fp32_step_failed, measure_steps_or_fail
 from autoprec.tune._search._objective import Judge
 from autoprec.tune._search._plan import Plan, Started
@@ -167,14 +167,24 @@ def remeasure(
     retire: Callable[[Mapping[str, Sequence[float]]], Collection[str]] | None = None,
     max_memory: int | None = None,
     judged: Mapping[str, tuple[float, dict[str, Any]]] | None = None,
+    each_round: Callable[[Mapping[str, Sequence[float]]], None] | None = None,
 ) -> Finals:
     """Metric, step time and peak memory of each candidate, timed interleaved with the others; speedup vs fp32
     in effective steps (those the GradScaler did not skip), memory saving vs fp32's peak, and whether the peak fits
-    `max_memory` (bytes; None: no limit); see records.Measurement. `enough`, `more`, `retire`: as
-    timing.interleaved_times'. `judged`: each candidate's metric (judge_metrics), where the caller needed it before
-    the timing; else measured after it."""
+    `max_memory` (bytes; None: no limit); see records.Measurement. `enough`, `more`, `retire`, `each_round`: as
+    timing.interleaved_times'. A candidate that fails to build or in its rounds (out of the device's memory) is a row
+    that does not run, its error said; the others are timed on. `judged`: each candidate's metric (judge_metrics),
+    where the caller needed it before the timing; else measured after it."""
     stats, failed = measure_steps_or_fail(
-        workload, candidates, timing, progress=progress, compiled=compiled, enough=enough, more=more, retire=retire
+        workload,
+        candidates,
+        timing,
+        progress=progress,
+        compiled=compiled,
+        enough=enough,
+        more=more,
+        retire=retire,
+        each_round=each_round,
     )
     if FP32 in failed:
         raise fp32_step_failed(workload, "all-fp32 training step", failed[FP32], compiled=compiled)
@@ -216,6 +226,28 @@ def remeasure(
     return Finals(rows).within(budget)
 
 
+def rounds_so_far(
+    samples: Mapping[str, Sequence[float]], judged: Mapping[str, tuple[float, dict[str, Any]]], fp32_metric: float
+) -> list[dict[str, Any]]:
+    """The final re-measure's rows as its rounds stand: each candidate timed so far, its metric and drop, rounds, the
+    median step so far, its spread and speedup over fp32's median so far (raw steps: skipped ones are counted once
+    the timing ends), and its samples. Not a result: finalists.csv is, written when the re-measure ends."""
+    fp32 = samples.get(FP32)
+    fp32_ms = Timing.from_samples(list(fp32)).median_ms if fp32 else math.nan
+    rows = []
+    for name, ms in samples.items():
+        if not ms:
+            continue
+        metric = judged[name][0] if name in judged else math.nan
+        t = Timing.from_samples(list(ms))
+        rows.append({
+            "candidate": name, "metric": metric, "metric_drop": fp32_metric - metric, "rounds": len(ms),
+            "step_ms": t.median_ms, "spread": t.spread, "speedup": fp32_ms / t.median_ms if t.median_ms > 0 else math.nan,
+            "samples_ms": " ".join(f"{x:.4f}" for x in ms),
+        })  # fmt: skip
+    return rows
+
+
 def judge_metrics(judge: Judge, candidates: Mapping[str, Candidate]) -> dict[str, tuple[float, dict[str, Any]]]:
     """Each candidate's metric and what else its evaluation measured (Judge.safe_metric), by name."""
     return {name: judge.safe_metric(candidate) for name, candidate in candidates.items()}
@@ -252,11 +284,14 @@ def final_remeasure(
     *,
     cap_s: float | None = None,
     noisy_device: bool = False,
+    each_round: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> Finals:
     """The finalists and the alternatives re-measured together (remeasure), the compilation timed apart. `cap_s`:
     seconds of timing after which it stops once SETTLED_FINAL_ROUNDS rounds are in (FINAL_SHARE of the search).
     `noisy_device`: the trials found the device too noisy to rank (trials.device_noise beyond NOISY_SPREAD): its
-    configured rounds only, as a quiet device's, since more rounds at that noise separate nothing, and it says so."""
+    configured rounds only, as a quiet device's, since more rounds at that noise separate nothing, and it says so.
+    `each_round(rows)`: told after every round the rows so far (rounds_so_far), for a file a run stopped before
+    the end leaves behind."""
     label = f"re-measuring {len(candidates)} candidates" if config.progress else None
     # the metrics first: a candidate within budget may put another out of the running while the rounds go on. Within
     # the smallest budget (a sweep's), so a candidate retired is out of the running for every budget; with a memory
@@ -305,6 +340,7 @@ def final_remeasure(
         retire=out_of_the_running(within),
         max_memory=config.max_memory,
         judged=judged,
+        each_round=None if each_round is None else lambda samples: each_round(rounds_so_far(samples, judged, judge.fp32_metric)),
     )
     watch.count("final re-measure: whole-step timings (each round: every candidate's)", sum(r.rounds for r in finals))
     if capped:

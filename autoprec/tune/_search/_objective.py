@@ -46,7 +46,15 @@ from autoprec.tune._measure._metric import NoiseFloor, evaluate_metric, noise_fl
 from autoprec.tune._measure._speed import Features, LayerTimes, ceiling, too_slow
 from autoprec.tune._measure._task import Workload
 from autoprec.tune._measure._timing import Stopwatch, interleaved_times, noisiest, spread_text
-from autoprec.tune._measure._trainer import Trainer, compile_scope, fp32_step_failed, new_trainer, peak_memory_or_none, step_stats
+from autoprec.tune._measure._trainer import (
+    Trainer,
+    compile_scope,
+    fp32_step_failed,
+    new_trainer,
+    peak_memory_or_none,
+    release_trainer,
+    step_stats,
+)
 from autoprec.tune._search._storage import OBJECTIVES
 
 log = logging.getLogger("autoprec")
@@ -262,10 +270,20 @@ class Objective:
         if not self._fp32_peak_known:
             trainer = baseline or self.baseline
             with compile_scope(self.config.compile, 1) if trainer is None else contextlib.nullcontext():
-                trainer = trainer or new_trainer(self.workload, Policy(layers={ROOT: Format.FP32}), compiled=self.config.compile)
-                self._fp32_peak = peak_memory_or_none(trainer, "the fp32 baseline")
+                fp32 = Policy(layers={ROOT: Format.FP32})
+                own = new_trainer(self.workload, fp32, compiled=self.config.compile) if trainer is None else None
+                try:
+                    self._fp32_peak = peak_memory_or_none(own or trainer, "the fp32 baseline")  # type: ignore[arg-type]
+                finally:
+                    release_trainer(own)  # built for this alone
             self._fp32_peak_known = True
         return self._fp32_peak
+
+    def close(self) -> None:
+        """After its trials: the eager fp32 baseline's model and optimizer state leave the device (Trainer.release),
+        so the final re-measure's candidates have it to themselves."""
+        release_trainer(self.baseline)
+        self.baseline = None
 
     def _record_memory(self, trial: optuna.Trial, peak: int | None) -> None:
         TrialRecord.write(trial, peak_bytes=peak, memory_saving=memory.saving(peak, self.fp32_peak(None)))
@@ -350,12 +368,22 @@ class Objective:
                 trial.set_constraint(key.split(":", 1)[1], value)
 
     def _time(self, trial: optuna.Trial, policy: Policy, constraint: float) -> tuple[bool, float]:
+        built: list[Trainer] = []  # this trial's own trainers: their device memory freed when it ends, whatever happens
+        try:
+            return self._timed(trial, policy, constraint, built)
+        finally:
+            for trainer in built:
+                release_trainer(trainer)
+
+    def _timed(self, trial: optuna.Trial, policy: Policy, constraint: float, built: list[Trainer]) -> tuple[bool, float]:
         try:
             with compile_scope(self.config.compile, 2):
                 # compile_scope empties the compile caches, so a compiled fp32 baseline is built (mostly from
                 # inductor's on-disk cache) in every trial, and its compilation counted with the candidate's
                 fp32 = Policy(layers={ROOT: Format.FP32})
-                baseline = new_trainer(self.workload, fp32, compiled=True) if self.baseline is None else self.baseline
+                if self.baseline is None:
+                    built.append(new_trainer(self.workload, fp32, compiled=True))
+                baseline = built[-1] if self.baseline is None else self.baseline
                 try:
                     baseline.step()  # the fp32 baseline failing is no fault of the candidate's
                 except Exception as exc:
@@ -363,6 +391,7 @@ class Objective:
                         self.workload, "all-fp32 training step", describe(exc), compiled=self.config.compile
                     ) from exc
                 candidate = new_trainer(self.workload, policy, compiled=self.config.compile)
+                built.append(candidate)
                 if self.config.compile:  # each batch shape compiled before the timing, counted as compile time
                     baseline.warm_shapes()
                     candidate.step()
@@ -414,12 +443,19 @@ def _same_policy(trial: optuna.Trial, policy: Policy, choices: Choices) -> tuple
     return next((found for found in same if found[1].untimed is None), same[0] if same else None)  # a timed one first
 
 
-def run_trials(study: optuna.Study, objective: Objective, target: int, *, progress: bool = True) -> int:
+def run_trials(
+    study: optuna.Study,
+    objective: Objective,
+    target: int,
+    *,
+    progress: bool = True,
+    after_trial: Callable[[optuna.Study], None] | None = None,
+) -> int:
     """Run trials until the study holds `target` completed ones (every worker's and earlier run's count; one
     cut short by Ctrl-C or a crash is run again on resume), with a progress bar showing the goal's best so far
     (Goal.progress: the best speedup, the smallest peak); fewer where `objective.should_stop` says so (its
-    `stopped` says why). Returns how many trials this call set out to run (0: the study was finished, or stopped,
-    already)."""
+    `stopped` says why). `after_trial(study)`: told after each trial this call completes (the trial log written as
+    it goes). Returns how many trials this call set out to run (0: the study was finished, or stopped, already)."""
     complete = (optuna.trial.TrialState.COMPLETE,)
     objective.since = first_of_run(study)  # an earlier run's noise need not be this machine's now
     remaining = max(0, target - len(study.get_trials(deepcopy=False, states=complete)))
@@ -430,6 +466,8 @@ def run_trials(study: optuna.Study, objective: Objective, target: int, *, progre
         def callback(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
             bar.set_postfix(objective.config.objective.progress(study))
             bar.update(1)
+            if after_trial is not None:
+                after_trial(study)
             if objective.should_stop(study):
                 study.stop()
 

@@ -28,6 +28,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import optuna
+import pandas as pd
+
 from autoprec.errors import UserError
 from autoprec.files import write_atomically
 from autoprec.policy import Policy
@@ -148,7 +151,16 @@ def _run(
         objective.deadline = began + config.time_budget / (1 + BUDGET_FINAL_SHARE)
         _say_if_no_trial_fits(config.time_budget, time.perf_counter() - began, objective.deadline - began)
     mark = time.perf_counter()
-    ran = run_trials(started.study, objective, target, progress=config.progress)
+    trials_file = out_dir / plan.trials_file
+
+    def write_trials(study: optuna.Study) -> None:  # after each trial: a run stopped at a deadline keeps them
+        table = trials_table(study, started.choices, started.profile)
+        _write_as_it_goes(trials_file, lambda tmp: table.to_csv(tmp, index=False))
+
+    try:
+        ran = run_trials(started.study, objective, target, progress=config.progress, after_trial=write_trials)
+    finally:
+        objective.close()  # its eager fp32 baseline leaves the device to the final re-measure's candidates
     parts["the trials"] = time.perf_counter() - mark
     stopped = None
     if objective.stopped is not None and complete_count(started.study) < target:
@@ -170,6 +182,11 @@ def _run(
     )
     noise = device_noise(started.study, since=objective.since)
     mark = time.perf_counter()
+    partial = out_dir / partial_file(plan.finalists_file)
+
+    def write_rounds(rows: list[dict[str, Any]]) -> None:  # after each round: what a stopped run leaves
+        _write_as_it_goes(partial, lambda tmp: pd.DataFrame(rows).to_csv(tmp, index=False))
+
     finals = final_remeasure(
         workload,
         candidates,
@@ -178,6 +195,7 @@ def _run(
         watch,
         cap_s=_final_cap(config, watch, began, ran),
         noisy_device=noise is not None and noise > NOISY_SPREAD,
+        each_round=write_rounds,
     )
     parts["the final re-measure"] = time.perf_counter() - mark
     if config.time_budget is not None:
@@ -186,6 +204,7 @@ def _run(
     trials = trials_table(started.study, started.choices, started.profile)
     write_atomically(out_dir / plan.trials_file, lambda tmp: trials.to_csv(tmp, index=False))
     finals.to_csv(out_dir / plan.finalists_file)
+    partial.unlink(missing_ok=True)  # the rounds so far: finalists.csv holds them all now
     chosen = []
     picks = choose_per_budget(finals, candidates, budgets.absolute, greedy, goal=config.objective)
     for name, b in {name: b for b, (name, _) in reversed(list(zip(budgets.absolute, picks)))}.items():
@@ -209,6 +228,22 @@ def _run(
         file = policy.save(out_dir / plan.policy_file(b))
         chosen.append(Chosen(budget=b, name=name, why=why, policy=policy, file=file, greedy=greedy[b]))
     return Run(started=started, candidates=candidates, finals=finals, chosen=chosen, trials=trials, cost=watch.to_dict())
+
+
+def partial_file(finalists_file: str) -> str:
+    """Where the final re-measure's rounds so far are written after each round (finalists.partial.csv), removed once
+    the finalists file is written: a run stopped before then leaves them there."""
+    stem, dot, suffix = finalists_file.rpartition(".")
+    return f"{stem}.partial.{suffix}" if dot else f"{finalists_file}.partial"
+
+
+def _write_as_it_goes(path: Path, write: Callable[[Path], object]) -> None:
+    """A table written while the run goes on (whole, renamed into place): one that cannot be written is said and
+    the run goes on (the study's journal holds the trials; the tables at the end are written or the run fails)."""
+    try:
+        write_atomically(path, write)
+    except UserError as exc:
+        log.warning("%s", exc)
 
 
 def _with_estimates(
