@@ -808,6 +808,17 @@ def test_a_yaml_alias_or_anchor_is_refused_before_it_expands(tmp_path, capsys, t
     assert len(err) < len(str(path)) + 300
 
 
+def verify_edited(tmp_path, old: str, new: str) -> int:
+    """`autoprec verify` of a megatron-precision export (two mxfp8 linears, one per GEMM) with `old` edited to `new`."""
+    path = tmp_path / "p.yaml"
+    policy = Policy(layers={"decoder.layers.2.mlp.linear_fc1": "mxfp8-fwd", "decoder.layers.1.mlp.linear_fc1": "mxfp8"})
+    export(policy, "megatron-precision", path)
+    edit(path, old, new)
+    policy.save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("\n".join(megatron_names()) + "\n")
+    return main(["verify", str(path), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")])
+
+
 @pytest.mark.parametrize(("old", "new"), [
     ("pattern: decoder.layers.1.mlp.linear_fc1", "pattern: [" + "x, " * 5000 + "x]"),  # the matcher quoted
     ("config: mxfp8\n", "config: [" + "x, " * 5000 + "x]\n"),  # the config's name
@@ -815,13 +826,7 @@ def test_a_yaml_alias_or_anchor_is_refused_before_it_expands(tmp_path, capsys, t
 ])  # fmt: skip
 def test_a_long_yaml_value_is_quoted_a_few_dozen_characters(tmp_path, capsys, old, new):
     """A value from the YAML in a message is cut to a few dozen characters, however long (80 were quoted)."""
-    path = tmp_path / "p.yaml"
-    policy = Policy(layers={"decoder.layers.2.mlp.linear_fc1": "mxfp8-fwd", "decoder.layers.1.mlp.linear_fc1": "mxfp8"})
-    export(policy, "megatron-precision", path)
-    edit(path, old, new)
-    policy.save(tmp_path / "policy.json")
-    (tmp_path / "names.txt").write_text("\n".join(megatron_names()) + "\n")
-    assert main(["verify", str(path), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]) == 2
+    assert verify_edited(tmp_path, old, new) == 2
     err = capsys.readouterr().err
     quoted = re.findall(r"(?:\{'type'|\['x').*?\.\.\.", err)  # each value as quoted, up to its cut
     assert err.count("\n") == 1 and quoted and all(len(q) <= 45 for q in quoted), err
@@ -873,12 +878,7 @@ def test_megatron_precision_hand_edits_are_one_line_naming_the_key_and_value(
         for module in ("megatron.core.quantization.quant_config", "megatron.core.extensions.transformer_engine"):
             monkeypatch.setitem(sys.modules, module, None)
     path = tmp_path / "p.yaml"
-    policy = Policy(layers={"decoder.layers.2.mlp.linear_fc1": "mxfp8-fwd", "decoder.layers.1.mlp.linear_fc1": "mxfp8"})
-    export(policy, "megatron-precision", path)
-    edit(path, old, new)
-    policy.save(tmp_path / "policy.json")
-    (tmp_path / "names.txt").write_text("\n".join(megatron_names()) + "\n")
-    assert main(["verify", str(path), "--policy", str(tmp_path / "policy.json"), "--model", str(tmp_path / "names.txt")]) == 2
+    assert verify_edited(tmp_path, old, new) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("autoprec: error:") and str(path) in err and said in err, err
 
