@@ -49,6 +49,7 @@ def test_a_relative_budget_is_resolved_against_the_baselines_final_metric(drifti
     v = validate(drifting, Policy(layers={"fc1": "fp16"}), 4, every=2, budget=Budget(0.5, relative=True))
     assert v.budget == 0.0  # the baseline's metric is 0 here: half of it is 0
     assert raised(Policy(layers={"": "bf16", "a": "fp8", "b": "fp32", "c": "nvfp4"})) == {"a": "bf16", "c": "bf16"}
+    assert raised(Policy(layers={"": "fp16", "b": "fp32"})) == {"": "bf16"}  # an fp16 root is raised too
 
 
 @pytest.mark.parametrize(("steps", "every"), [(0, None), (True, None), (4, 0)])

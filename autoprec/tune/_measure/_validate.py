@@ -97,7 +97,7 @@ def raised(policy: Policy) -> dict[str, str]:
     """The policy's layers below bf16 (fp8, MXFP8, NVFP4, fp16: narrower or scaled) and the format each is raised to:
     bf16, the format a late phase trains them in (Megatron's NVFP4 healing raises a whole model so)."""
     keep = {Format.FP32, Format.BF16}
-    return {name: Format.BF16.value for name, fmt in policy.layers.items() if fmt not in keep and name != ROOT}
+    return {name: Format.BF16.value for name, fmt in policy.layers.items() if fmt not in keep}  # an fp16 root too
 
 
 def validate(
@@ -141,7 +141,9 @@ def validate(
     at = _switch_step(curve, budget)
     if more is not None:
         more(steps)
-    switched = dataclasses.replace(policy, layers={**policy.layers, **{n: Format(f) for n, f in up.items()}}, measured={})
+    layers = {**policy.layers, **{n: Format(f) for n, f in up.items()}}
+    # no layer is left in fp8 to all-gather so (the policy file refuses the setting without one)
+    switched = dataclasses.replace(policy, layers=layers, measured={}, fsdp_fp8_all_gather=False)
     after = _arm(workload, policy, order, evaluated, seed, progress, switch=(at, switched))
     curve = tuple(
         dataclasses.replace(p, switched_loss=a[0], switched_metric=a[1]) if p.step > at else p for p, a in zip(curve, after)
