@@ -256,15 +256,20 @@ def _check_called(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
                 )
 
 
-def _check_formats(policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device) -> None:
-    """Each listed format can run on this module and device (fp8 recipes: Linear, shape, kernels or emulation)."""
+def _check_formats(policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device | None) -> None:
+    """Each listed format can run on this module and device (fp8 recipes: Linear, shape, kernels or emulation); on
+    any device where `device` is None (a device planned for, not this one)."""
+
+    def problem_of(fmt: Format, module: torch.nn.Module) -> str | None:
+        return fmt.family.module_problem(fmt, module) if device is None else format_problem(fmt, module, device)
+
     for name, fmt in policy.layers.items():
         root = fmt.family.root_problem(fmt) if name == ROOT else None
         if root:
             raise ValueError(f"the model itself ('') cannot be {fmt}: {root}")
-        problem = format_problem(fmt, paths[name], device)
+        problem = problem_of(fmt, paths[name])
         if problem:
-            safer = next((f for f in fmt.fallbacks() if format_problem(f, paths[name], device) is None), None)
+            safer = next((f for f in fmt.fallbacks() if problem_of(f, paths[name]) is None), None)
             raise ValueError(f"layer {name or '<model>'!r} cannot be {fmt} here: {problem}; give it {safer or Format.FP32}")
 
 
@@ -288,6 +293,22 @@ def _check_forwards(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> Non
     for name in policy.layers:
         if "forward" in paths[name].__dict__:
             raise ValueError(f"apply_policy: layer {name!r} already has a per-instance forward; autoprec cannot wrap it")
+
+
+def _check_policy(policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device | None) -> None:
+    for check in (_check_names, _check_aliases, _check_called, _check_forwards, _check_weights):
+        check(policy, paths)
+    _check_formats(policy, paths, device)
+
+
+def policy_problem(policy: Policy, model: torch.nn.Module) -> str | None:
+    """Why apply_policy would refuse `policy` for `model` on any device (its names, and each format's rules for the
+    module and the root), or None; nothing changes. For those who price a policy for a device planned for (predict)."""
+    try:
+        _check_policy(policy, dict(model.named_modules(remove_duplicate=False)), None)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _check_fresh(model: torch.nn.Module) -> None:
@@ -471,9 +492,7 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
     _check_fresh(model)
     paths = dict(model.named_modules(remove_duplicate=False))
     device = _param_device(model)
-    for check in (_check_names, _check_aliases, _check_called, _check_forwards, _check_weights):
-        check(policy, paths)
-    _check_formats(policy, paths, device)
+    _check_policy(policy, paths, device)
     names = _names_by_module(paths)
     _warn_aliases(policy, names, paths)
     _warn_other_model(policy, model)

@@ -62,7 +62,7 @@ TOKENS = 16384.0
 def example_step(path: str, variable: str, size: str) -> predictor.Step:
     """The example's step on the meta device at `size`, as `autoprec predict` traces it."""
     os.environ[variable] = size
-    return predictor.meta_step(load_task(ROOT / path))
+    return predictor.traced(load_task(ROOT / path)).step
 
 
 def rows(path: Path) -> list[dict[str, str]]:

@@ -45,7 +45,7 @@ def llama_step() -> predictor.Step:
     """Llama-3-8B's step on the meta device (examples/llama3_8b/model.py): one sequence of 8192 tokens."""
     from autoprec.tune._measure._task import load_task
 
-    return predictor.meta_step(load_task(LLAMA))
+    return predictor.traced(load_task(LLAMA)).step
 
 
 def linear_step(n: int) -> predictor.Step:

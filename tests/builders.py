@@ -1,7 +1,7 @@
 """Records built by hand for the tests of what reads them (choosing, reporting): only the fields a test is about
 are given, the rest take values of a candidate that ran cleanly. And `small_task`, a model.py around a given model;
 `WithNoFp16Kernel`, a model with a layer type that cannot run in fp16; `WithLoRA`, one with a Linear subclass fp8 would
-change (`LoRALinear`) and one it would not (`TaggedLinear`)."""
+change (`LoRALinear`) and one it would not (`TaggedLinear`); `tiny_mixtral`, a model.py of a Hugging Face Mixtral MoE."""
 
 import torch
 
@@ -35,6 +35,33 @@ def small_task(model_code: str) -> str:
         "    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]\n\n"
         "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
     )
+
+
+def tiny_mixtral(hidden: int, inter: int, layers: int, experts: int, top_k: int) -> str:
+    """A model.py of a tiny transformers Mixtral (4 heads, 2 key-value heads, vocabulary 128), one train batch of 4 x 16
+    tokens: its experts are fused 3-D weights run by torch._grouped_mm, no nn.Linear."""
+    return f"""
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+def build_model():
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        hidden_size={hidden}, intermediate_size={inter}, num_hidden_layers={layers}, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts={experts}, num_experts_per_tok={top_k}, vocab_size=128,
+        max_position_embeddings=64,
+    ))
+
+
+def batches(split):
+    g = torch.Generator().manual_seed(0 if split == "train" else 1)
+    return [torch.randint(0, 128, (4, 16), generator=g)]
+
+
+def loss_fn(model, batch):
+    return model(input_ids=batch, labels=batch).loss
+"""
 
 
 def every_format_profile():

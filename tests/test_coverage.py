@@ -7,44 +7,22 @@ import logging
 
 import pytest
 import torch
+from builders import tiny_mixtral
 
 from autoprec import Policy
 from autoprec.tune import load_task, prepare
 from autoprec.tune._core._records import Measured
 from autoprec.tune._core._space import load_space
-from autoprec.tune._measure._coverage import Coverage, coverage, grouped_mm_flops, matmul_flop_registry
+from autoprec.tune._measure._coverage import Coverage, coverage, grouped_mm_flops, matmul_flop_registry, run_op
 
 HIDDEN, INTER, EXPERTS, TOP_K, LAYERS, TOKENS = 32, 64, 4, 2, 2, 4 * 16
-
-MIXTRAL = f"""
-import torch
-from transformers import MixtralConfig, MixtralForCausalLM
-
-
-def build_model():
-    torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(
-        hidden_size={HIDDEN}, intermediate_size={INTER}, num_hidden_layers={LAYERS}, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts={EXPERTS}, num_experts_per_tok={TOP_K}, vocab_size=128,
-        max_position_embeddings=64,
-    ))
-
-
-def batches(split):
-    g = torch.Generator().manual_seed(0 if split == "train" else 1)
-    return [torch.randint(0, 128, (4, 16), generator=g)]
-
-
-def loss_fn(model, batch):
-    return model(input_ids=batch, labels=batch).loss
-"""
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("mixtral") / "model.py"
-    path.write_text(MIXTRAL, encoding="utf-8")
+    path.write_text(tiny_mixtral(HIDDEN, INTER, LAYERS, EXPERTS, TOP_K), encoding="utf-8")
     return prepare(load_task(path), "cpu")
 
 
@@ -122,3 +100,19 @@ def test_export_and_verify_say_what_the_search_left_outside_the_linears(tmp_path
     Policy(layers={"": "bf16"}).save(policy)  # nothing recorded: nothing said
     assert main(["export", str(policy), "--to", "torchao", "--out", str(tmp_path / "fp8.py")]) == 0
     assert "outside the search" not in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_a_grouped_matmul_of_fp32_experts_runs_on_the_meta_device_as_on_the_cpu():
+    """Issue 60, 6: torch._grouped_mm's meta kernel takes bf16 only, so predict failed on a Mixtral with "check your
+    loss_fn". On the meta device it gives the CPU's shape and dtype; elsewhere (and for other ops) the op as called."""
+    op = torch.ops.aten._grouped_mm.default
+    offs = torch.tensor([4, 7, 10], dtype=torch.int32)
+    a, b = torch.randn(10, 8, generator=torch.Generator().manual_seed(0)), torch.randn(3, 8, 16)
+    on_cpu = run_op(op, (a, b), {"offs": offs})
+    with pytest.raises(RuntimeError, match="BF16"):
+        op(a.to("meta"), b.to("meta"), offs=offs.to("meta"))
+    on_meta = run_op(op, (a.to("meta"), b.to("meta")), {"offs": offs.to("meta")})
+    assert (on_meta.shape, on_meta.dtype, on_meta.is_meta) == (on_cpu.shape, torch.float32, True)
+    assert torch.equal(on_cpu, op(a, b, offs=offs))
+    assert run_op(torch.ops.aten.mm.default, (a.to("meta"), b[0].to("meta")), {}).shape == (10, 16)

@@ -299,3 +299,14 @@ def test_llama_builds_on_the_meta_device_for_predict_and_verify_without_training
     monkeypatch.setenv("AUTOPREC_LLAMA_SIZE", size)
     model = meta_model(load_task(LLAMA), verb="verify")
     assert all(p.is_meta for p in model.parameters()) and model.lm_head.out_features == 256
+
+
+@pytest.mark.parametrize("example", sorted(p.parent.name for p in (ROOT / "examples").glob("*/model.py")))
+def test_every_example_builds_on_the_meta_device_without_training_or_loading(example, monkeypatch, tmp_path):
+    """`autoprec predict examples/tinylm/model.py` (hf_gpt2, hf_bert) failed: build_model trained on the meta device
+    ("Cannot copy out of meta tensor"), against docs/model-file.md's meta rule. An empty cache: nothing to load."""
+    from autoprec.tune._measure._task import meta_model
+
+    monkeypatch.setenv("AUTOPREC_CACHE", str(tmp_path))
+    model = meta_model(load_task(ROOT / "examples" / example / "model.py"), verb="predict")
+    assert all(p.is_meta for p in model.parameters()) and list(tmp_path.iterdir()) == []

@@ -77,6 +77,8 @@ def cache_path(name, hparams):
 
 
 def save_atomic(state, path):
+    if any(t.is_meta for t in state.values()):  # built under the meta device: no values, never cached
+        raise ValueError(f"{path}: refusing to cache weights on the meta device (they hold no values)")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
     try:
@@ -119,7 +121,10 @@ def train(make_model, loss_fn, h, device="cpu"):
 def trained(name, make_model, loss_fn, h, device="cpu"):
     """The model trained by `train` (on `device`), from the cache under $AUTOPREC_CACHE (default
     ~/.cache/autoprec/examples) when there, keyed by a hash of the hyper-parameters, the text and, for weights
-    trained off the CPU, the device type; on the CPU, in eval mode."""
+    trained off the CPU, the device type; on the CPU, in eval mode. Under the meta device (autoprec predict and
+    verify want shapes and names only), the bare model: nothing trained or loaded."""
+    if torch.get_default_device().type == "meta":
+        return make_model().eval()
     kind = torch.device(device).type
     key = {**h, "text": digest(text(h["bytes_per_file"], h["eval_frac"]))}
     path = cache_path(name, key if kind == "cpu" else {**key, "trained_on": kind})

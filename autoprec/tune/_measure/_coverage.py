@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -70,8 +70,13 @@ class Coverage:
     def worth_saying(self) -> bool:
         return 1.0 - self.flops_share >= SAY_FROM
 
-    def sentence(self) -> str:
-        """One line for a person: what the search leaves in the model root's format, and how much."""
+    def sentence(
+        self,
+        *,
+        tuned: str = "layers the search tunes",
+        rest: str = "runs in the model root's format, never in fp8 or a format of its own",
+    ) -> str:
+        """One line for a person: what the search (or who else chose the `tuned` layers) leaves out, and how much."""
         parts = [
             f"{o.modules} {o.type} ({o.flops_share:.0%} of the FLOPs, {o.params_share:.0%} of the parameters)"
             for o in self.outside
@@ -80,9 +85,8 @@ class Coverage:
         if self.elsewhere_share >= 0.005:
             parts.append(f"attention scores and other functional matmuls ({self.elsewhere_share:.0%})")
         return (
-            f"the {self.tuned_layers} layers the search tunes do {self.flops_share:.0%} of the step's matmul FLOPs and "
-            f"hold {self.params_share:.0%} of the parameters; the rest runs in the model root's format, never in fp8 "
-            f"or a format of its own: {'; '.join(parts) or 'nothing named'}"
+            f"the {self.tuned_layers} {tuned} do {self.flops_share:.0%} of the step's matmul FLOPs and hold "
+            f"{self.params_share:.0%} of the parameters; the rest {rest}: {'; '.join(parts) or 'nothing named'}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,13 +121,33 @@ class Coverage:
             return None
 
 
+def run_op(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """Call an aten op as a dispatch mode does, where the meta device's kernel is narrower than the real ones:
+    torch._grouped_mm's meta kernel takes bf16 operands only (transformers' fp32 experts on the meta device), so there
+    it runs in bf16 and gives the dtype the real kernel would. Only shapes come out of the meta device, so nothing is lost."""
+    grouped = getattr(torch.ops.aten, "_grouped_mm", None)
+    if grouped is None or func._overloadpacket is not grouped:
+        return func(*args, **kwargs)
+    tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    if not tensors or not all(t.is_meta for t in tensors) or all(t.dtype == torch.bfloat16 for t in tensors):
+        return func(*args, **kwargs)
+    low = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    return func(*low, **kwargs).to(kwargs.get("out_dtype") or tensors[0].dtype)
+
+
 def coverage(workload: Workload, space: SearchSpace) -> Coverage:
     """The tuned layers' share of one forward of the loss on the first train batch (without gradients, the model as
     built) and of the parameters, with the matmul work outside them by module class."""
+    model = workload.model
+    return count(model, lambda: workload.task.loss_fn(model, workload.train[0]), space.tunable_layers(model))
+
+
+def count(model: torch.nn.Module, run: Any, tuned: Collection[str]) -> Coverage:
+    """The `tuned` layers' (names of `model`'s modules) share of the matmul FLOPs of `run()` (one forward of the loss,
+    run without gradients, on any device, the meta device included) and of the parameters, with the matmul work
+    outside them by module class."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    model = workload.model
-    tuned = space.tunable_layers(model)
     inside_tuned = {id(m) for name, m in model.named_modules() if name in tuned}
     weighted: dict[int, str] = {}  # modules outside the tuned layers that hold matmul weights: id -> class name
     for name, module in model.named_modules():
@@ -138,7 +162,7 @@ def coverage(workload: Workload, space: SearchSpace) -> Coverage:
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
-            out = func(*args, **kwargs)
+            out = run_op(func, args, kwargs)
             packet = func._overloadpacket
             formula = registry.get(packet, registry.get(func))
             if formula is not None:
@@ -160,7 +184,7 @@ def coverage(workload: Workload, space: SearchSpace) -> Coverage:
             handles.append(module.register_forward_hook(leave))
     try:
         with torch.no_grad(), Count():
-            workload.task.loss_fn(model, workload.train[0])
+            run()
     finally:
         for handle in handles:
             handle.remove()

@@ -19,8 +19,9 @@ A step is priced in parts:
   (the amax of the transformed tensor), the transform itself fused into the cast;
 - the dtype conversions of a layer that computes in a narrower precision than its caller (a bf16 layer under an fp32
   caller: its input, weight and output gradient in, its output and gradients out);
-- the rest of the step, which precision does not speed up (Step): matmuls outside the Linears (attention) in bf16
-  at Calibration.attention of the bf16 peak; the other ops' bytes (norms, elementwise, the loss) at the bandwidth; an
+- the rest of the step, which a policy does not lower (Step): the matmuls outside the Linears (attention's, a
+  Mixture-of-Experts' grouped experts, convolutions) in bf16 at Calibration.gemm's bf16 share of its peak, whatever
+  the policy; the other ops' bytes (norms, elementwise, the loss) at the bandwidth; an
   AdamW update over the parameters (OPTIMIZER_BYTES each, split over `shards` data-parallel ranks).
 
 What it leaves out: communication (FSDP's all-gathers and reduce-scatters, tensor parallelism), host overhead, power
@@ -36,12 +37,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from autoprec.apply import policy_problem
 from autoprec.errors import UserError
 from autoprec.errors import describe as describe_error
 from autoprec.formats import GEMMS, Format, GemmCast, OperandCast
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._core._numbers import NotANumber, parse_integer
 from autoprec.tune._core._targets import Target
+from autoprec.tune._measure._coverage import Coverage, count, matmul_flop_registry, run_op
 from autoprec.tune._measure._profile_data import is_linear
 
 if TYPE_CHECKING:
@@ -121,7 +124,7 @@ class LinearShape:
 @dataclasses.dataclass(frozen=True)
 class Step:
     """A training step's shapes: its Linears, and the rest that precision does not speed up. `other_flops`: the
-    FLOPs of matmuls outside any Linear per step, forward and backward (attention's); `other_bytes`: the bytes the
+    FLOPs of matmuls outside any Linear per step, forward and backward (attention's, experts', convolutions'); `other_bytes`: the bytes the
     other ops read and write per step, forward and backward, activations in bf16; `params`: the parameters the
     optimizer updates; `shards`: the data-parallel ranks the optimizer's work is split over (FSDP)."""
 
@@ -146,7 +149,8 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-    """A predicted step time (ms) on a target, by part: gemms, casts, conversions, attention, elementwise, optimizer."""
+    """A predicted step time (ms) on a target, by part: gemms, casts, conversions, other_matmuls, elementwise,
+    optimizer."""
 
     target: str
     parts: Mapping[str, float]
@@ -327,18 +331,19 @@ def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIB
         for part, ms in got.items():
             parts[part] += ms
     peak = target.tflops[BASELINE] * 1e12
-    parts["attention"] = 1e3 * step.other_flops / (peak * cal.gemm[BASELINE])
+    parts["other_matmuls"] = 1e3 * step.other_flops / (peak * cal.gemm[BASELINE])
     parts["elementwise"] = 1e3 * step.other_bytes * cal.fusion / _bandwidth(target, cal)
     parts["optimizer"] = 1e3 * step.params * OPTIMIZER_BYTES / max(step.shards, 1) / _bandwidth(target, cal)
     return Prediction(target.name, parts)
 
 
-def uniform(fmt: Format | str, step: Step) -> Policy:
-    """Every Linear of `step` in `fmt`, the rest (the model root) in bf16: `autoprec predict --format`."""
+def uniform(fmt: Format | str, step: Step, *, keep: Collection[str] = ()) -> Policy:
+    """Every Linear of `step` in `fmt` but those in `keep` (which `fmt` cannot run), the rest (the model root) in bf16:
+    `autoprec predict --format`."""
     fmt = Format(fmt)
     layers: dict[str, Format] = {ROOT: Format(BASELINE)}
     for shape in step.linears:
-        if shape.name != ROOT:
+        if shape.name != ROOT and shape.name not in keep:
             layers[shape.name] = fmt
     return Policy(layers=layers)
 
@@ -434,13 +439,15 @@ _NO_BYTES = frozenset(
 
 def trace_step(model: torch.nn.Module, run: Any) -> Step:
     """The step's shapes from one forward of `model` (`run()` calls the loss on a batch), on any device, the meta
-    device included: each Linear's (by type) rows, the FLOPs of every other matmul (attention) and the elements the
-    other ops write, then the backward as twice the forward's matmul FLOPs and bytes (the backward of a matmul is two
-    matmuls; of an elementwise op, about a read of its input and its output gradient and a write of its input
-    gradient). Bytes count each op's output in bf16, written once and read once (compiled: fused chains move less)."""
+    device included: each Linear's (by type) rows, the FLOPs of every other matmul (attention, grouped experts,
+    convolutions) and the elements the other ops write, then the backward as twice the forward's matmul FLOPs and
+    bytes (the backward of a matmul is two matmuls; of an elementwise op, about a read of its input and its output
+    gradient and a write of its input gradient). Bytes count each op's output in bf16, written once and read once (compiled: fused chains move less)."""
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    flop_registry = matmul_flop_registry()  # torch's, with the grouped matmuls of MoE experts
 
     rows: dict[str, float] = {}
     linears: dict[int, tuple[str, torch.nn.Linear]] = {}
@@ -469,7 +476,7 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
-            out = func(*args, **kwargs)
+            out = run_op(func, args, kwargs)
             if depth[0]:
                 return out  # inside a Linear: priced as its GEMMs
             packet = func._overloadpacket
@@ -535,12 +542,33 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
     )
 
 
-def meta_step(task: Task) -> Step:
-    """A model file's step shapes without its weights: the model built under the meta device (no memory, no values),
-    one train batch moved there, its loss traced (trace_step). UserError naming the file where that cannot run."""
-    from autoprec.tune._measure._task import meta_model, to_device
+# The largest model predict builds with its weights, on the CPU, where the meta device cannot run its loss (4 GB of
+# fp32 parameters): past it, the cause is named instead.
+REAL_TRACE_PARAMS = 10**9
+# The most tokens per step --tokens takes: a thousand times the largest published pre-training batches (16M tokens)
+MAX_TOKENS = 10**12
 
-    meta = torch.device("meta")
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A model file's step as predict prices it: its shapes, the model they were traced from, the traced Linears'
+    share of the step's matmul work (the rest is priced in bf16 whatever the policy), and the device it ran on: the
+    meta device, or the CPU with the model's weights where the meta device could not run the loss (`meta_failure`)."""
+
+    step: Step
+    model: torch.nn.Module
+    coverage: Coverage
+    device: str = "meta"
+    meta_failure: str | None = None
+
+
+def traced(task: Task) -> Traced:
+    """A model file's step shapes without its weights: the model built under the meta device (no memory, no values),
+    one train batch moved there, its loss traced (trace_step). Where the meta device cannot run it (a kernel whose
+    meta version is narrower than the real one, a value read), the same on the CPU with the model's weights, for a
+    model of up to REAL_TRACE_PARAMS parameters. UserError naming the file and the cause where neither runs."""
+    from autoprec.tune._measure._task import built, meta_model, to_device
+
     model = meta_model(task, verb="predict")
     try:
         batch = next(iter(task.batches("train")))
@@ -548,30 +576,58 @@ def meta_step(task: Task) -> Step:
         raise UserError(f"{task.path}: batches('train') gave no batch; predict takes the tokens of a step from one") from None
     except Exception as exc:
         raise UserError(f"{task.path}: batches('train') failed: {describe_error(exc, 200)}") from exc
-    batch = to_device(batch, meta)
     try:
-        step = trace_step(model, lambda: task.loss_fn(model, batch))
+        return _with_linears(_trace(model, to_device(batch, torch.device("meta")), task), task)
+    except UserError:
+        raise
     except Exception as exc:
+        meta_failure = describe_error(exc, 200)
+    params = sum(p.numel() for p in model.parameters())
+    check = "check that loss_fn runs on a real batch (a bug there shows here too) and reads no tensor's value (.item(), a shape computed from values)"
+    if params > REAL_TRACE_PARAMS:
         raise UserError(
-            f"{task.path}: loss_fn could not run on the meta device ({describe_error(exc, 200)}): predict runs it on "
-            "shapes without values; check that it runs on a real batch (a bug there shows here too) and reads no "
-            "tensor's value (.item(), a shape computed from values)"
-        ) from exc
-    if not step.linears:
+            f"{task.path}: loss_fn could not run on the meta device ({meta_failure}), and the model's {params:,} "
+            f"parameters are more than predict builds on the CPU to trace it there ({REAL_TRACE_PARAMS:,}); {check}"
+        )
+    real = built(task)
+    try:
+        with torch.no_grad():
+            found = _trace(real, to_device(batch, torch.device("cpu")), task)
+    except Exception as exc:
+        on_cpu = describe_error(exc, 200)
+        both = f"({on_cpu})" if on_cpu == meta_failure else f"on the CPU ({on_cpu}; on the meta device: {meta_failure})"
+        raise UserError(f"{task.path}: loss_fn could not run {both}; {check}") from exc
+    return _with_linears(dataclasses.replace(found, device="cpu", meta_failure=meta_failure), task)
+
+
+def _trace(model: torch.nn.Module, batch: Any, task: Task) -> Traced:
+    def run() -> Any:
+        return task.loss_fn(model, batch)
+
+    step = trace_step(model, run)
+    return Traced(step, model, count(model, run, [s.name for s in step.linears]))
+
+
+def _with_linears(found: Traced, task: Task) -> Traced:
+    if not found.step.linears:
         raise UserError(f"{task.path}: the model calls no nn.Linear in loss_fn: nothing for a format to speed up")
-    return step
+    return found
 
 
 def _tokens(value: str | int | None) -> int | None:
-    """--tokens: a whole number > 0 in ASCII digits (float() and int() take '1_0' and other scripts' digits)."""
+    """--tokens: a whole number from 1 to MAX_TOKENS in ASCII digits (float() and int() take '1_0' and other scripts'
+    digits)."""
     if value is None:
         return None
     try:
         tokens = parse_integer(str(value))
     except NotANumber:
         tokens = 0
-    if tokens <= 0:
-        raise UserError(f"--tokens {value}: give the tokens (rows) of one training step, a whole number > 0, e.g. 8192")
+    if not 0 < tokens <= MAX_TOKENS:
+        shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}... ({len(str(value))} characters)"
+        raise UserError(
+            f"--tokens {shown}: give the tokens (rows) of one training step, a whole number from 1 to {MAX_TOKENS:.0e}, e.g. 8192"
+        )
     return tokens
 
 
@@ -589,7 +645,7 @@ def command(
         device = target_named(target)
     except ValueError as exc:
         raise UserError(f"--{exc}") from None
-    count = _tokens(tokens)
+    wanted = _tokens(tokens)
     if fmt is not None:
         try:
             candidate_format = parse_format(fmt, field="--format")
@@ -603,12 +659,16 @@ def command(
             raise UserError(f"--policy {exc}") from None
         except ValueError as exc:
             raise UserError(f"--policy {policy}: {exc}") from None
-    step = meta_step(load_task(model))
-    if count is not None:
-        step = step.scaled(count)
+    found = traced(load_task(model))
+    step = found.step if wanted is None else found.step.scaled(wanted)
+    kept: dict[str, str] = {}  # the Linears the format cannot run (apply_policy would refuse them): priced in bf16
     if given is None:
-        chosen = uniform(candidate_format, step)
-        label = f"{candidate_format.value} (every Linear; the rest bf16)"
+        for shape in step.linears:
+            problem = candidate_format.family.module_problem(candidate_format, found.model.get_submodule(shape.name))
+            if problem:
+                kept[shape.name] = problem
+        chosen = uniform(candidate_format, step, keep=kept)
+        label = f"{candidate_format.value} (every Linear it runs; the rest bf16)"
     else:
         chosen = given
         unknown = [n for n in chosen.layers if n != ROOT and n not in step.modules]
@@ -618,8 +678,13 @@ def command(
                 "named_modules() gives them (e.g. "
                 f"{', '.join(repr(n) for n in list(step.modules)[1:3])})"
             )
+        refused = policy_problem(chosen, found.model)
+        if refused:
+            raise UserError(
+                f"--policy {policy}: apply_policy refuses this policy for {model}, so predict does not price it: {refused}"
+            )
         label = str(policy)
-    formats = set(chosen.layers.values())
+    formats = set(chosen.layers.values()) | ({candidate_format} if given is None else set())
     missing = lacking(formats, device)
     if missing:
         needs = ", ".join(f"the {', '.join(p)} GEMMs {f} needs" for f, p in sorted(missing.items()))
@@ -646,6 +711,9 @@ def command(
         "predicted": True,
         "what": describe(value, device),
         "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
+        "kept_bf16": kept,
+        "coverage": found.coverage.to_dict(),
+        "traced_on": found.device,
         "left_out": "communication (FSDP, tensor parallelism), host overhead, power and clock limits",
     }
     lines = [
@@ -656,4 +724,21 @@ def command(
         "  parts (ms, bf16 -> candidate): " + ", ".join(f"{k} {base.parts[k]:.3g} -> {mine.parts[k]:.3g}" for k in base.parts),
         f"  left out: {result['left_out']}",
     ]
+    if kept:
+        first, why = next(iter(kept.items()))
+        lines.insert(
+            3,
+            f"  {len(kept)} Linear(s) {candidate_format.value} cannot run, priced in bf16: {first!r} ({why}){', ...' if len(kept) > 1 else ''}",
+        )
+    if found.coverage.worth_saying:
+        lines.append(
+            "  outside the Linears: "
+            + found.coverage.sentence(
+                tuned="Linears priced in the policy's formats", rest="is priced in bf16 whatever the policy"
+            )
+        )
+    if found.meta_failure:
+        lines.append(
+            f"  traced on the CPU with the model's weights: the meta device could not run loss_fn ({found.meta_failure})"
+        )
     return result, "\n".join(lines)

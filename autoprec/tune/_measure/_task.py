@@ -262,6 +262,14 @@ def meta_model(task: Task, *, verb: str) -> torch.nn.Module:
     return model
 
 
+def built(task: Task) -> torch.nn.Module:
+    """The fp32 model build_model() gives, on the device it builds it on. UserError naming the file where it fails,
+    returns no module, or gives weights that are not fp32 values."""
+    model = _call(task, "build_model()", task.build_model)
+    _check_weights(task, model)
+    return model
+
+
 def _load_split(task: Task, split: str, device: torch.device) -> list:
     data = _call(task, f"batches({split!r})", task.batches, split)
     if data is None or not isinstance(data, Iterable):
@@ -327,9 +335,7 @@ def prepare(task: Task, device: str | torch.device) -> Workload:
     """Build the fp32 model on `device`, load both splits, and check the loss on the first train batch and the
     optimizer: a mistake there is found now, before anything is profiled."""
     device = torch.device(device)
-    model = _call(task, "build_model()", task.build_model)
-    _check_weights(task, model)
-    model = model.to(device)
+    model = built(task).to(device)
     train = _load_split(task, "train", device)
     if not train:
         raise UserError(f"{task.path}: batches('train') yields no batches")
