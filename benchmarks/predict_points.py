@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import math
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ from autoprec.policy import ROOT as MODEL_ROOT  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
 from autoprec.tune._core._targets import target_named  # noqa: E402
 from autoprec.tune._measure import _predict as predictor  # noqa: E402
+from benchmarks.models import decoder  # noqa: E402
 
 DOC = ROOT / "docs" / "planning.md"
 BEGIN, END = "<!-- validation table: benchmarks/predict_points.py --write -->", "<!-- end of validation table -->"
@@ -65,6 +67,8 @@ class Point:
     source: str
     fitted: bool
     compute: Callable[[predictor.Calibration], float]
+    fmt: str  # the format the point lowers its Linears to: its kernels are its regime's (predictor.regime)
+    width: int  # the model's width (d_model; a lone Linear's features): its regime's
     unit: str = "x"  # "x": a speedup over bf16; "ms": a step time
     note: str = ""
     # the fitted point it computes exactly as (another publication of the same run): shown, but no test of the
@@ -88,54 +92,109 @@ def _linear_ms(fmt: str, n: int = 8192) -> Callable[[predictor.Calibration], flo
     return compute
 
 
-def _llama(fmt: str, target: str, gpus: int) -> Callable[[predictor.Calibration], float]:
-    """Llama-3-8B with every Linear but the output layer in `fmt` (the float8 and MX converters' usual filter), the
-    rest bf16, over uniform bf16, the optimizer split over `gpus`."""
+def _decoder(
+    fmt: str, target: str, gpus: int, shape: decoder.Shape = decoder.LLAMA3_8B, tail: int = 0
+) -> Callable[[predictor.Calibration], float]:
+    """A decoder (benchmarks/models/decoder.py; Llama-3-8B's by default) with every Linear but the output layer in
+    `fmt` (the float8 and MX converters' usual filter) but the last `tail` blocks', the rest bf16, over uniform bf16,
+    the optimizer split over `gpus`."""
 
     def compute(cal: predictor.Calibration) -> float:
-        step = dataclasses.replace(llama_step(), shards=gpus)
+        step = dataclasses.replace(decoder_step(shape), shards=gpus)
         layers: dict[str, str] = {MODEL_ROOT: "bf16"}
-        layers.update({s.name: fmt for s in step.linears if s.name != "output"})
+        first_bf16 = shape.layers - tail
+        for s in step.linears:
+            block = s.name.split(".")[1] if s.name.startswith("layers.") else None
+            if s.name != "output" and (block is None or int(block) < first_bf16):
+                layers[s.name] = fmt
         return predictor.speedup(step, Policy(layers=layers), target_named(target), cal)
 
     return compute
 
 
+@functools.cache
+def decoder_step(shape: decoder.Shape) -> predictor.Step:
+    return decoder.step(shape)
+
+
+# GB200 runs of torchtitan's NVFP4 converter (PR #3914, nvfp4.md): sequences of 2048, 32 per GPU
+LLAMA3_8B_GB200 = dataclasses.replace(decoder.LLAMA3_8B, seq=2048, batch=32)
+TITAN_NVFP4 = "torchtitan PR #3914 / nvfp4.md (4x GB200; published_points.md A44-A48)"
+AO_PR940 = "pytorch/ao PR #940 message (8x H100, no fp8 all-gather; published_points.md A14-A16)"
+NANOCHAT = "karpathy/nanochat dev/LOG.md 2026-02-02 (8x H100; published_points.md A21-A22)"
+
+
+L8 = decoder.LLAMA3_8B
 POINTS = (
-    Point("Linear(8192) fwd+bwd, fp32", "h200", 64.473, FP8_LINEAR, True, _linear_ms("fp32"), unit="ms"),
-    Point("Linear(8192) fwd+bwd, bf16", "h200", 5.252, FP8_LINEAR, True, _linear_ms("bf16"), unit="ms"),
-    Point("Linear(8192), fp8 tensorwise", "h200", 1.51, FP8_LINEAR, True, _linear_ratio("fp8")),
-    Point("Linear(8192), fp8 rowwise", "h200", 1.26, FP8_LINEAR, True, _linear_ratio("fp8-rowwise")),
+    Point("Linear(8192) fwd+bwd, fp32", "h200", 64.473, FP8_LINEAR, True, _linear_ms("fp32"), "fp32", 8192, unit="ms"),
+    Point("Linear(8192) fwd+bwd, bf16", "h200", 5.252, FP8_LINEAR, True, _linear_ms("bf16"), "bf16", 8192, unit="ms"),
+    Point("Linear(8192), fp8 tensorwise", "h200", 1.51, FP8_LINEAR, True, _linear_ratio("fp8"), "fp8", 8192),
+    Point("Linear(8192), fp8 rowwise", "h200", 1.26, FP8_LINEAR, True, _linear_ratio("fp8-rowwise"), "fp8-rowwise", 8192),
     Point(
         "Llama-3-8B, 8 GPUs, fp8 tensorwise",
         "h100",
         1.25,
         ANCHORS + " (torchao float8 training)",
         True,
-        _llama("fp8", "h100", 8),
+        _decoder("fp8", "h100", 8),
+        "fp8",
+        L8.dim,
         note="with fp8 all-gather: less communication, not priced",
     ),
     Point(
-        "Llama-3-8B, 4 GPUs, NVFP4",
-        "b200",
+        "Llama-3-8B, 4 GPUs, NVFP4 with a bf16 tail (blocks 27-31)",
+        "gb200",
         1.37,
-        ANCHORS + " (torchtitan nvfp4 README)",
+        TITAN_NVFP4,
         True,
-        _llama("nvfp4", "b200", 4),
-        note="published with a bf16 tail; priced with every Linear but the output in NVFP4",
+        _decoder("nvfp4", "gb200", 4, LLAMA3_8B_GB200, tail=5),
+        "nvfp4",
+        L8.dim,
+        note="sequences of 2048, 32 a GPU",
     ),
-    Point("Linear(8192), fp8 rowwise_with_gw_hp", "h200", 0.21, FP8_LINEAR, False, _linear_ratio("fp8-rowwise-gw-hp")),
-    Point("Linear(8192), fp8 fprop only", "h200", 0.12, FP8_LINEAR, False, _linear_ratio("fp8-fwd")),
-    Point("Linear(8192), fp8 fprop+dgrad", "h200", 1.22, FP8_LINEAR, False, _linear_ratio("fp8-fwd-dgrad")),
-    Point("Linear(8192), fp8 rowwise fprop only", "h200", 0.12, FP8_LINEAR, False, _linear_ratio("fp8-rowwise-fwd")),
-    Point("Linear(8192), fp8 rowwise fprop+dgrad", "h200", 1.20, FP8_LINEAR, False, _linear_ratio("fp8-rowwise-fwd-dgrad")),
+    Point(
+        "Linear(8192), fp8 rowwise_with_gw_hp",
+        "h200",
+        0.21,
+        FP8_LINEAR,
+        False,
+        _linear_ratio("fp8-rowwise-gw-hp"),
+        "fp8-rowwise-gw-hp",
+        8192,
+    ),
+    Point("Linear(8192), fp8 fprop only", "h200", 0.12, FP8_LINEAR, False, _linear_ratio("fp8-fwd"), "fp8-fwd", 8192),
+    Point(
+        "Linear(8192), fp8 fprop+dgrad", "h200", 1.22, FP8_LINEAR, False, _linear_ratio("fp8-fwd-dgrad"), "fp8-fwd-dgrad", 8192
+    ),
+    Point(
+        "Linear(8192), fp8 rowwise fprop only",
+        "h200",
+        0.12,
+        FP8_LINEAR,
+        False,
+        _linear_ratio("fp8-rowwise-fwd"),
+        "fp8-rowwise-fwd",
+        8192,
+    ),
+    Point(
+        "Linear(8192), fp8 rowwise fprop+dgrad",
+        "h200",
+        1.20,
+        FP8_LINEAR,
+        False,
+        _linear_ratio("fp8-rowwise-fwd-dgrad"),
+        "fp8-rowwise-fwd-dgrad",
+        8192,
+    ),
     Point(
         "Llama-3-8B, 8 GPUs, fp8 rowwise",
         "h100",
         1.10,
         ANCHORS + " (torchao float8 training)",
         False,
-        _llama("fp8-rowwise", "h100", 8),
+        _decoder("fp8-rowwise", "h100", 8),
+        "fp8-rowwise",
+        L8.dim,
     ),
     Point(
         "Llama-3-8B, 8 GPUs, fp8 (over compiled bf16)",
@@ -143,8 +202,41 @@ POINTS = (
         1.28,
         ANCHORS + " (torchtitan llama3_h100_202412)",
         False,
-        _llama("fp8", "h100", 8),
+        _decoder("fp8", "h100", 8),
+        "fp8",
+        L8.dim,
         repeats="Llama-3-8B, 8 GPUs, fp8 tensorwise (h100)",
+    ),
+    Point(
+        "Llama-3-8B, 8 GPUs, fp8 tensorwise (no fp8 all-gather)",
+        "h100",
+        1.17,
+        AO_PR940,
+        False,
+        _decoder("fp8", "h100", 8),
+        "fp8",
+        L8.dim,
+        note="an older torchao than the fitted point's; the same prediction",
+    ),
+    Point(
+        "Llama-3-8B, 8 GPUs, fp8 rowwise (axiswise)",
+        "h100",
+        1.13,
+        AO_PR940,
+        False,
+        _decoder("fp8-rowwise", "h100", 8),
+        "fp8-rowwise",
+        L8.dim,
+    ),
+    Point(
+        "Llama-3-8B, 8 GPUs, fp8 rowwise_with_gw_hp",
+        "h100",
+        1.03,
+        AO_PR940,
+        False,
+        _decoder("fp8-rowwise-gw-hp", "h100", 8),
+        "fp8-rowwise-gw-hp",
+        L8.dim,
     ),
     Point(
         "Llama-3-8B, 8 GPUs, fp8 tensorwise",
@@ -152,7 +244,9 @@ POINTS = (
         1.254,
         ANCHORS + " (torchao float8 training)",
         False,
-        _llama("fp8", "b200", 8),
+        _decoder("fp8", "b200", 8),
+        "fp8",
+        L8.dim,
         note="power-limited GPUs: the datasheet's rates are not reached",
     ),
     Point(
@@ -161,7 +255,9 @@ POINTS = (
         1.20,
         ANCHORS + " (torchao float8 training)",
         False,
-        _llama("mxfp8", "b200", 8),
+        _decoder("mxfp8", "b200", 8),
+        "mxfp8",
+        L8.dim,
         note="power-limited GPUs",
     ),
     Point(
@@ -170,10 +266,75 @@ POINTS = (
         1.04,
         ANCHORS + " (torchao float8 training)",
         False,
-        _llama("fp8-rowwise", "b200", 8),
+        _decoder("fp8-rowwise", "b200", 8),
+        "fp8-rowwise",
+        L8.dim,
         note="power-limited GPUs",
     ),
-    Point("Llama-3-8B, 4 GPUs, MXFP8", "b200", 1.28, ANCHORS + " (torchtitan nvfp4 README)", False, _llama("mxfp8", "b200", 4)),
+    Point(
+        "Llama-3-8B, 4 GPUs, MXFP8",
+        "gb200",
+        1.281,
+        TITAN_NVFP4,
+        False,
+        _decoder("mxfp8", "gb200", 4, LLAMA3_8B_GB200),
+        "mxfp8",
+        L8.dim,
+        note="sequences of 2048, 32 a GPU",
+    ),
+    Point(
+        "Llama-3-8B, 4 GPUs, NVFP4 (every block)",
+        "gb200",
+        1.449,
+        TITAN_NVFP4,
+        False,
+        _decoder("nvfp4", "gb200", 4, LLAMA3_8B_GB200),
+        "nvfp4",
+        L8.dim,
+        note="sequences of 2048, 32 a GPU",
+    ),
+    Point(
+        "Qwen3-8B, 4 GPUs, MXFP8",
+        "gb200",
+        1.319,
+        TITAN_NVFP4,
+        False,
+        _decoder("mxfp8", "gb200", 4, decoder.QWEN3_8B),
+        "mxfp8",
+        4096,
+    ),
+    Point(
+        "Qwen3-8B, 4 GPUs, NVFP4 with a bf16 tail (blocks 30-35)",
+        "gb200",
+        1.278,
+        TITAN_NVFP4,
+        False,
+        _decoder("nvfp4", "gb200", 4, decoder.QWEN3_8B, tail=6),
+        "nvfp4",
+        4096,
+    ),
+    Point(
+        "nanochat d26 (1664 wide), 8 GPUs, fp8 tensorwise",
+        "h100",
+        1.17,
+        NANOCHAT,
+        False,
+        _decoder("fp8", "h100", 8, decoder.NANOCHAT_D26),
+        "fp8",
+        decoder.NANOCHAT_D26.dim,
+        note="sliding-window attention priced as full causal",
+    ),
+    Point(
+        "nanochat d26 (1664 wide), 8 GPUs, fp8 rowwise",
+        "h100",
+        0.90,
+        NANOCHAT,
+        False,
+        _decoder("fp8-rowwise", "h100", 8, decoder.NANOCHAT_D26),
+        "fp8-rowwise",
+        decoder.NANOCHAT_D26.dim,
+        note="sliding-window attention priced as full causal",
+    ),
 )
 
 # The parameters fitted (each a Calibration field or gemm key) and those tied to a fitted one (assumed equal: no point
@@ -275,6 +436,22 @@ def filter_markdown(grid: list[tuple[str, int, int, bool, float]]) -> str:
     return "\n".join(lines)
 
 
+def regime_bands(rows: list[Row]) -> dict[tuple[int, str], tuple[float, int]]:
+    """Each regime's band (predictor.BANDS): the largest |error| over the held-out points of a width class that run a
+    kernel, rounded up to a whole percent, and how many there are."""
+    from autoprec.formats import Format
+
+    errors: dict[tuple[int, str], list[float]] = {}
+    for r in rows:
+        if r.point.fitted or r.point.repeats:
+            continue
+        low = next(lo for lo, hi in predictor.WIDTH_CLASSES if lo <= r.point.width <= hi)
+        fmt = Format(r.point.fmt)
+        for kernel in {c.kernel for c in fmt.family.gemm_casts(fmt) if c is not None}:
+            errors.setdefault((low, kernel), []).append(abs(r.error))
+    return {key: (math.ceil(100 * max(e) - 1e-9) / 100, len(e)) for key, e in sorted(errors.items())}
+
+
 def markdown(rows: list[Row]) -> str:
     lines = [
         "| point | target | measured | predicted | error | fitted / held out | source |",
@@ -289,8 +466,18 @@ def markdown(rows: list[Row]) -> str:
             f"{'fitted' if p.fitted else f'repeats {p.repeats}' if p.repeats else 'held out'} | {p.source} |"
         )
     err, n = band(rows)
+    held = [abs(r.error) for r in rows if not r.point.fitted and not r.point.repeats]
     lines.append("")
-    lines.append(f"Held out: {n} points, the largest error {100 * err:.0f}% (the band every prediction states).")
+    lines.append(
+        f"Held out: {n} points, median |error| {100 * statistics.median(held):.1f}%, the largest {100 * err:.0f}%. Each "
+        "prediction states its regime's band (the model's width class and the kernels its policy runs):"
+    )
+    lines.append("")
+    lines.append("| width | kernel | band | held-out points |")
+    lines.append("|---|---|---|---|")
+    for (low, kernel), (e, count) in regime_bands(rows).items():
+        high = dict(predictor.WIDTH_CLASSES)[low]
+        lines.append(f"| {low}-{high} | {kernel} | +-{100 * e:.0f}% | {count} |")
     return "\n".join(lines) + "\n" + filter_markdown(filter_grid())
 
 

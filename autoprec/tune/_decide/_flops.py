@@ -76,9 +76,9 @@ def estimated_speedup(policy: Policy, flops: Mapping[str, float], target: Target
     return base / seconds if seconds > 0 else 1.0
 
 
-def describe(value: float, target: Target) -> str:
+def describe(value: float, target: Target, band_text: str | None = None) -> str:
     """The prediction in words, as every report shows it: the predictor's, with its error band, never a measurement."""
-    return predictor.describe(value, target)
+    return predictor.describe(value, target, band_text)
 
 
 class Flops(Goal):
@@ -169,7 +169,7 @@ class Flops(Goal):
             "error": predictor.ERROR,
             "validation_points": predictor.VALIDATION_POINTS,
             "baseline": f"uniform {BASELINE}",
-            "what": describe(value, target),
+            "what": describe(value, target, predictor.regime_band(step, policy)),
             "column": f"predicted {target.name}",
             "detail": (
                 f"1.0 = uniform {BASELINE}'s predicted step time on {target.device} ({base.ms:.4g} ms; this policy "

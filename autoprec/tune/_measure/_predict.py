@@ -94,15 +94,28 @@ CALIBRATION = Calibration(
         "fp8-tensorwise": 0.58,
         "fp8-rowwise": 0.469,
         "mxfp8": 0.58,  # fp8 tensorwise's: no point measures an MX GEMM alone
-        "nvfp4": 0.384,
+        "nvfp4": 0.367,
     },
     memory=0.80,  # assumed, not fitted
     fusion=0.319,
 )
 # The predictor's error band: the largest |error| over its validation points (not fitted on), and how many there are.
 # tests/test_predict_points.py recomputes both from the table.
-ERROR = 0.07
-VALIDATION_POINTS = 10
+ERROR = 0.12
+VALIDATION_POINTS = 18
+# The regimes a prediction's band is stated in: the model's width class (width()) and a low-precision GEMM kernel.
+# Each validated regime's band is the largest |error| over the held-out points in it, and how many there are
+# (benchmarks/predict_points.py; tests/test_predict_points.py recomputes them); a model in no validated regime is
+# "outside the validated range". MoE experts' grouped GEMMs are no validated regime: they are priced as bf16 matmuls.
+WIDTH_CLASSES = ((1024, 2047), (2048, 16384))
+BANDS: Mapping[tuple[int, str], tuple[float, int]] = {
+    (1024, "fp8-rowwise"): (0.12, 1),
+    (1024, "fp8-tensorwise"): (0.02, 1),
+    (2048, "fp8-rowwise"): (0.06, 7),
+    (2048, "fp8-tensorwise"): (0.07, 4),
+    (2048, "mxfp8"): (0.05, 3),
+    (2048, "nvfp4"): (0.05, 2),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,13 +373,57 @@ def speedup(step: Step, policy: Policy, target: Target, cal: Calibration = CALIB
 
 
 def band() -> str:
-    """The predictor's error band in words, as every output says it."""
+    """The predictor's error band over every held-out point, in words."""
     return f"error +-{100 * ERROR:.0f}% over {VALIDATION_POINTS} validation points"
 
 
-def describe(value: float, target: Target) -> str:
-    """A predicted speedup in words, as every report shows it: never a measurement."""
-    return f"{value:.2f}x uniform {BASELINE}, predicted for {target.name.upper()} by autoprec's step-time predictor ({band()})"
+def width(step: Step) -> int:
+    """A model's width as the regimes count it: the smaller dimension of its Linears, their median weighted by FLOPs
+    (a transformer's d_model; 0 with no Linear)."""
+    pairs = sorted((min(s.in_features, s.out_features), s.tokens * s.in_features * s.out_features) for s in step.linears)
+    half, acc = sum(w for _, w in pairs) / 2, 0.0
+    for dim, weight in pairs:
+        acc += weight
+        if acc >= half:
+            return dim
+    return 0
+
+
+def kernels(step: Step, policy: Policy) -> set[str]:
+    """The low-precision GEMM kernels `policy` runs `step`'s Linears in (FormatFamily.gemm_casts)."""
+    found: set[str] = set()
+    for shape in step.linears:
+        fmt = format_of(shape.name, policy.layers)
+        found.update(c.kernel for c in fmt.family.gemm_casts(fmt) if c is not None)
+    return found
+
+
+def regime_band(step: Step, policy: Policy) -> str:
+    """The band of `policy`'s prediction on `step` in words: its regime's (the largest over the kernels it runs), or
+    why it is outside the validated range."""
+    dim, used = width(step), sorted(kernels(step, policy))
+    low = next((lo for lo, hi in WIDTH_CLASSES if lo <= dim <= hi), None)
+    ranges = ", ".join(f"{lo}-{hi}" for lo, hi in WIDTH_CLASSES)
+    if low is None:
+        return f"outside the validated range: {dim} wide, where held-out points are {ranges} wide"
+    if not used:
+        return "outside the validated range: no held-out point prices a policy without a low-precision GEMM"
+    missing = [k for k in used if (low, k) not in BANDS]
+    if missing:
+        return f"outside the validated range: no held-out point runs {', '.join(missing)} at {dim} wide"
+    error = max(BANDS[low, k][0] for k in used)
+    points = sum(BANDS[low, k][1] for k in used)
+    hi = dict(WIDTH_CLASSES)[low]
+    return f"error +-{100 * error:.0f}% over {points} held-out points {low}-{hi} wide in {', '.join(used)}"
+
+
+def describe(value: float, target: Target, band_text: str | None = None) -> str:
+    """A predicted speedup in words, as every report shows it: never a measurement. `band_text`: the regime's band
+    (regime_band), else the band over every held-out point."""
+    return (
+        f"{value:.2f}x uniform {BASELINE}, predicted for {target.name.upper()} by autoprec's step-time predictor "
+        f"({band_text or band()})"
+    )
 
 
 # ---- a step's shapes ----------------------------------------------------------------------------------------------
@@ -697,6 +754,7 @@ def command(
         )
     base, mine = predict(step, baseline(), device), predict(step, chosen, device)
     value = base.ms / mine.ms if mine.ms > 0 else 1.0
+    stated = regime_band(step, chosen)
     result = {
         "model": str(model),
         "target": device.name,
@@ -709,7 +767,8 @@ def command(
         "error": ERROR,
         "validation_points": VALIDATION_POINTS,
         "predicted": True,
-        "what": describe(value, device),
+        "what": describe(value, device, stated),
+        "band": stated,
         "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
         "kept_bf16": kept,
         "coverage": found.coverage.to_dict(),
@@ -720,7 +779,7 @@ def command(
         f"{model}: {step.tokens:,.0f} tokens per step, {len(step.linears)} Linear layers, on {device.name} ({device.device})",
         f"  uniform bf16: {base.ms:.4g} ms per step (predicted)",
         f"  {label}: {mine.ms:.4g} ms per step (predicted)",
-        f"  speedup: {describe(value, device)}; not a measurement",
+        f"  speedup: {describe(value, device, stated)}; not a measurement",
         "  parts (ms, bf16 -> candidate): " + ", ".join(f"{k} {base.parts[k]:.3g} -> {mine.parts[k]:.3g}" for k in base.parts),
         f"  left out: {result['left_out']}",
     ]

@@ -1,0 +1,112 @@
+"""A Llama-style decoder of any published shape, for the step-time predictor's validation points
+(benchmarks/predict_points.py): built on the meta device for its shapes (no weights, no memory) and traced as
+`autoprec predict` traces a model file. examples/llama3_8b/model.py is one of these shapes as a model file; this one
+takes the shape as an argument (Qwen3-8B, nanochat d26, Llama-3-8B at another sequence length).
+
+The blocks: RMSNorm, rotary embedding, grouped-query attention (fused, causal), and either SwiGLU (w1, w3 -> w2) or,
+with `gated=False`, nanochat's relu^2 MLP (c_fc -> c_proj); an untied output layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A decoder's published shape and the tokens one GPU takes per step (`batch` sequences of `seq`)."""
+
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    batch: int = 1
+    gated: bool = True  # SwiGLU; False: relu^2 (nanochat)
+
+
+LLAMA3_8B = Shape(dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
+QWEN3_8B = Shape(dim=4096, layers=36, heads=32, kv_heads=8, ffn=12288, vocab=151936, seq=2048, batch=16)
+NANOCHAT_D26 = Shape(dim=1664, layers=26, heads=13, kv_heads=13, ffn=6656, vocab=32768, seq=2048, batch=32, gated=False)
+
+
+class _Attention(nn.Module):
+    def __init__(self, s: Shape):
+        super().__init__()
+        self.s, self.head_dim = s, s.dim // s.heads
+        self.wq = nn.Linear(s.dim, s.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(s.dim, s.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(s.dim, s.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(s.heads * self.head_dim, s.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.s.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.s.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.s.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.s.dim))
+
+
+def _rotate(x, cos, sin):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+
+
+class _Block(nn.Module):
+    def __init__(self, s: Shape):
+        super().__init__()
+        self.gated = s.gated
+        self.attention_norm = nn.RMSNorm(s.dim)
+        self.attention = _Attention(s)
+        self.ffn_norm = nn.RMSNorm(s.dim)
+        self.w1 = nn.Linear(s.dim, s.ffn, bias=False)
+        self.w3 = nn.Linear(s.dim, s.ffn, bias=False) if s.gated else None
+        self.w2 = nn.Linear(s.ffn, s.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        h = self.ffn_norm(x)
+        inner = F.silu(self.w1(h)) * self.w3(h) if self.w3 is not None else F.relu(self.w1(h)).square()
+        return x + self.w2(inner)
+
+
+class Decoder(nn.Module):
+    def __init__(self, s: Shape):
+        super().__init__()
+        self.s = s
+        self.tok_embeddings = nn.Embedding(s.vocab, s.dim)
+        self.layers = nn.ModuleList(_Block(s) for _ in range(s.layers))
+        self.norm = nn.RMSNorm(s.dim)
+        self.output = nn.Linear(s.dim, s.vocab, bias=False)
+
+    def forward(self, ids):
+        half = self.s.dim // self.s.heads // 2
+        freqs = torch.outer(torch.arange(ids.shape[1], device=ids.device).float(), torch.ones(half, device=ids.device))
+        cos, sin = freqs.cos(), freqs.sin()
+        x = self.tok_embeddings(ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+
+def step(s: Shape):
+    """The predictor's Step of one GPU's training step of `s` (autoprec/tune/_measure/_predict.py's trace_step)."""
+    from autoprec.tune._measure._predict import trace_step
+
+    with torch.device("meta"):
+        model = Decoder(s)
+        ids = torch.zeros(s.batch, s.seq, dtype=torch.long)
+
+    def run():
+        logits = model(ids).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), ids.reshape(-1))
+
+    return trace_step(model, run)
