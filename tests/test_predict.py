@@ -4,6 +4,7 @@ Linear subclasses counted by type, and `autoprec predict`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -474,3 +475,31 @@ def test_predict_of_a_narrow_mlp_says_it_is_outside_the_validated_range(capsys, 
     assert code == 0, err
     result = json.loads(out)
     assert result["band"].startswith("outside the validated range: 8 wide") and "+-" not in result["what"]
+
+
+def test_gradient_accumulation_runs_all_but_the_optimizer_per_micro_batch_and_sharding_splits_the_optimizer():
+    """Issue 61, 2: a 70B model was charged its whole optimizer per GPU per step."""
+    step = Step((LinearShape("fc", 4096, 4096, 8192.0),), other_flops=1e12, other_bytes=1e9, params=1e9)
+    one = predictor.predict(step, predictor.baseline(), H100).parts
+    four = predictor.predict(dataclasses.replace(step, micro_steps=4, shards=8), predictor.baseline(), H100).parts
+    assert all(four[p] == pytest.approx(4 * one[p]) for p in one if p != "optimizer")
+    assert four["optimizer"] == pytest.approx(one["optimizer"] / 8)
+
+
+def test_predict_takes_the_data_parallel_shards_and_micro_batches_of_a_step(capsys, write_model):
+    path = write_model(small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 4))\n"))
+    code, out, err = run([str(path), "--target", "h100", "--format", "bf16", "--json"], capsys)
+    assert code == 0, err
+    plain = json.loads(out)
+    argv = [str(path), "--target", "h100", "--format", "bf16", "--dp-shard", "8", "--grad-accum", "4", "--json"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    laid = json.loads(out)
+    assert laid["layout"] == {"dp_shard": 8, "grad_accum": 4}
+    assert laid["parts_ms"]["bf16"]["gemms"] == pytest.approx(4 * plain["parts_ms"]["bf16"]["gemms"])
+    assert laid["parts_ms"]["bf16"]["optimizer"] == pytest.approx(plain["parts_ms"]["bf16"]["optimizer"] / 8)
+    code, out, _ = run(argv[:-1], capsys)
+    assert "16 tokens per step (4 micro-batches of 4)" in out and "the optimizer's work on 8 data-parallel ranks" in out
+    for flag in ("--dp-shard", "--grad-accum"):
+        code, out, err = run([str(path), "--target", "h100", "--format", "bf16", flag, "0"], capsys)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and f"{flag} 0: give" in err, err

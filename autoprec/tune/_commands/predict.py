@@ -15,11 +15,21 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--policy", help="a policy.json to price")
     which.add_argument("--format", help="price every Linear in this format, the rest in bf16")
-    p.add_argument("--tokens", metavar="N", help="tokens (rows) per training step (default: one train batch's)")
+    p.add_argument("--tokens", metavar="N", help="tokens (rows) per micro-batch (default: one train batch's)")
+    p.add_argument("--dp-shard", metavar="N", help="data-parallel ranks the optimizer's state is sharded over (FSDP; default 1)")
+    p.add_argument("--grad-accum", metavar="N", help="micro-batches per optimizer step (default 1)")
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    result, text = command(args.model, target=args.target, policy=args.policy, fmt=args.format, tokens=args.tokens)
+    result, text = command(
+        args.model,
+        target=args.target,
+        policy=args.policy,
+        fmt=args.format,
+        tokens=args.tokens,
+        dp_shard=args.dp_shard,
+        grad_accum=args.grad_accum,
+    )
     if args.json:
         print_json(args, result, indent=2)
     else:

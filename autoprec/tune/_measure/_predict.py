@@ -139,13 +139,15 @@ class Step:
     """A training step's shapes: its Linears, and the rest that precision does not speed up. `other_flops`: the
     FLOPs of matmuls outside any Linear per step, forward and backward (attention's, experts', convolutions'); `other_bytes`: the bytes the
     other ops read and write per step, forward and backward, activations in bf16; `params`: the parameters the
-    optimizer updates; `shards`: the data-parallel ranks the optimizer's work is split over (FSDP)."""
+    optimizer updates; `shards`: the data-parallel ranks the optimizer's work is split over (FSDP); `micro_steps`: the
+    micro-batches of one optimizer step (gradient accumulation), each running all but the optimizer."""
 
     linears: tuple[LinearShape, ...]
     other_flops: float = 0.0
     other_bytes: float = 0.0
     params: float = 0.0
     shards: int = 1
+    micro_steps: int = 1
     modules: tuple[str, ...] = ()  # every module's name (named_modules), where the step was traced from a model
 
     @property
@@ -346,6 +348,8 @@ def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIB
     peak = target.tflops[BASELINE] * 1e12
     parts["other_matmuls"] = 1e3 * step.other_flops / (peak * cal.gemm[BASELINE])
     parts["elementwise"] = 1e3 * step.other_bytes * cal.fusion / _bandwidth(target, cal)
+    for part in parts:  # every micro-batch runs these; the optimizer, once a step
+        parts[part] *= max(step.micro_steps, 1)
     parts["optimizer"] = 1e3 * step.params * OPTIMIZER_BYTES / max(step.shards, 1) / _bandwidth(target, cal)
     return Prediction(target.name, parts)
 
@@ -671,6 +675,24 @@ def _with_linears(found: Traced, task: Task) -> Traced:
     return found
 
 
+# The most data-parallel ranks --dp-shard takes, and micro-batches --grad-accum takes
+MAX_RANKS = 1 << 20
+
+
+def _count(value: str | int | None, flag: str, what: str) -> int:
+    """--dp-shard, --grad-accum: a whole number from 1 to MAX_RANKS in ASCII digits (1 where not given)."""
+    if value is None:
+        return 1
+    try:
+        count = parse_integer(str(value))
+    except NotANumber:
+        count = 0
+    if not 0 < count <= MAX_RANKS:
+        shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}... ({len(str(value))} characters)"
+        raise UserError(f"{flag} {shown}: give {what}, a whole number from 1 to {MAX_RANKS}, e.g. 8")
+    return count
+
+
 def _tokens(value: str | int | None) -> int | None:
     """--tokens: a whole number from 1 to MAX_TOKENS in ASCII digits (float() and int() take '1_0' and other scripts'
     digits)."""
@@ -689,10 +711,18 @@ def _tokens(value: str | int | None) -> int | None:
 
 
 def command(
-    model: str, *, target: str, policy: str | None = None, fmt: str | None = None, tokens: str | int | None = None
+    model: str,
+    *,
+    target: str,
+    policy: str | None = None,
+    fmt: str | None = None,
+    tokens: str | int | None = None,
+    dp_shard: str | int | None = None,
+    grad_accum: str | int | None = None,
 ) -> tuple[dict[str, Any], str]:
     """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
-    `fmt`, every Linear in it) on `target`, as (the --json object, the text). UserError for a user's mistake."""
+    `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
+    the optimizer's work (FSDP), `grad_accum` micro-batches a step. UserError for a user's mistake."""
     from autoprec.formats import parse_format
     from autoprec.policy import load_policy
     from autoprec.tune._core._targets import target_named, targets
@@ -703,6 +733,8 @@ def command(
     except ValueError as exc:
         raise UserError(f"--{exc}") from None
     wanted = _tokens(tokens)
+    shards = _count(dp_shard, "--dp-shard", "the data-parallel ranks the optimizer's state is sharded over (FSDP)")
+    micro = _count(grad_accum, "--grad-accum", "the micro-batches of one optimizer step")
     if fmt is not None:
         try:
             candidate_format = parse_format(fmt, field="--format")
@@ -718,6 +750,7 @@ def command(
             raise UserError(f"--policy {policy}: {exc}") from None
     found = traced(load_task(model))
     step = found.step if wanted is None else found.step.scaled(wanted)
+    step = dataclasses.replace(step, shards=shards, micro_steps=micro)
     kept: dict[str, str] = {}  # the Linears the format cannot run (apply_policy would refuse them): priced in bf16
     if given is None:
         for shape in step.linears:
@@ -771,12 +804,17 @@ def command(
         "band": stated,
         "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
         "kept_bf16": kept,
+        "layout": {"dp_shard": shards, "grad_accum": micro},
         "coverage": found.coverage.to_dict(),
         "traced_on": found.device,
-        "left_out": "communication (FSDP, tensor parallelism), host overhead, power and clock limits",
+        "left_out": "communication (FSDP, tensor parallelism), tensor-parallel shards, activation checkpointing's "
+        "recompute, host overhead, power and clock limits",
     }
     lines = [
-        f"{model}: {step.tokens:,.0f} tokens per step, {len(step.linears)} Linear layers, on {device.name} ({device.device})",
+        f"{model}: {step.tokens * micro:,.0f} tokens per step"
+        + (f" ({micro} micro-batches of {step.tokens:,.0f})" if micro > 1 else "")
+        + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); the optimizer's work on "
+        + (f"{shards} data-parallel ranks" if shards > 1 else "one rank (--dp-shard N: FSDP over N)"),
         f"  uniform bf16: {base.ms:.4g} ms per step (predicted)",
         f"  {label}: {mine.ms:.4g} ms per step (predicted)",
         f"  speedup: {describe(value, device, stated)}; not a measurement",
