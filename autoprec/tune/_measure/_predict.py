@@ -676,38 +676,32 @@ def _with_linears(found: Traced, task: Task) -> Traced:
 
 
 # The most data-parallel ranks --dp-shard takes, and micro-batches --grad-accum takes
-MAX_RANKS = 1 << 20
+MAX_RANKS = 10**6
 
 
-def _count(value: str | int | None, flag: str, what: str) -> int:
-    """--dp-shard, --grad-accum: a whole number from 1 to MAX_RANKS in ASCII digits (1 where not given)."""
-    if value is None:
-        return 1
+def _whole(value: str | int, flag: str, what: str, most: int, example: int) -> int:
+    """A flag's whole number from 1 to `most` in ASCII digits (float() and int() take '1_0' and other scripts'
+    digits); UserError naming the flag, what it counts and the range."""
     try:
         count = parse_integer(str(value))
     except NotANumber:
         count = 0
-    if not 0 < count <= MAX_RANKS:
+    if not 0 < count <= most:
         shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}... ({len(str(value))} characters)"
-        raise UserError(f"{flag} {shown}: give {what}, a whole number from 1 to {MAX_RANKS}, e.g. 8")
+        raise UserError(f"{flag} {shown}: give {what}, a whole number from 1 to {most:.0e}, e.g. {example}")
     return count
 
 
+def _count(value: str | int | None, flag: str, what: str) -> int:
+    """--dp-shard, --grad-accum (1 where not given)."""
+    return 1 if value is None else _whole(value, flag, what, MAX_RANKS, 8)
+
+
 def _tokens(value: str | int | None) -> int | None:
-    """--tokens: a whole number from 1 to MAX_TOKENS in ASCII digits (float() and int() take '1_0' and other scripts'
-    digits)."""
+    """--tokens."""
     if value is None:
         return None
-    try:
-        tokens = parse_integer(str(value))
-    except NotANumber:
-        tokens = 0
-    if not 0 < tokens <= MAX_TOKENS:
-        shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}... ({len(str(value))} characters)"
-        raise UserError(
-            f"--tokens {shown}: give the tokens (rows) of one training step, a whole number from 1 to {MAX_TOKENS:.0e}, e.g. 8192"
-        )
-    return tokens
+    return _whole(value, "--tokens", "the tokens (rows) of one training step", MAX_TOKENS, 8192)
 
 
 def command(
