@@ -67,8 +67,9 @@ class Point:
     source: str
     fitted: bool
     compute: Callable[[predictor.Calibration], float]
-    fmt: str  # the format the point lowers its Linears to: its kernels are its regime's (predictor.regime)
+    fmt: str  # the format the point lowers its Linears to: its kernels are its regime's (predictor.regime_band)
     width: int  # the model's width (d_model; a lone Linear's features): its regime's
+    tp: bool = False  # trained with tensor parallelism: its regime's
     unit: str = "x"  # "x": a speedup over bf16; "ms": a step time
     note: str = ""
     # the fitted point it computes exactly as (another publication of the same run): shown, but no test of the
@@ -93,14 +94,20 @@ def _linear_ms(fmt: str, n: int = 8192) -> Callable[[predictor.Calibration], flo
 
 
 def _decoder(
-    fmt: str, target: str, gpus: int, shape: decoder.Shape = decoder.LLAMA3_8B, tail: int = 0
+    fmt: str,
+    target: str,
+    gpus: int,
+    shape: decoder.Shape = decoder.LLAMA3_8B,
+    tail: int = 0,
+    tp: int = 1,
+    checkpointing: bool = False,
 ) -> Callable[[predictor.Calibration], float]:
     """A decoder (benchmarks/models/decoder.py; Llama-3-8B's by default) with every Linear but the output layer in
     `fmt` (the float8 and MX converters' usual filter) but the last `tail` blocks', the rest bf16, over uniform bf16,
-    the optimizer split over `gpus`."""
+    the optimizer split over `gpus` data-parallel ranks (and `tp` tensor-parallel ones)."""
 
     def compute(cal: predictor.Calibration) -> float:
-        step = dataclasses.replace(decoder_step(shape), shards=gpus)
+        step = dataclasses.replace(decoder_step(shape), shards=gpus, tensor_parallel=tp, checkpointing=checkpointing)
         layers: dict[str, str] = {MODEL_ROOT: "bf16"}
         first_bf16 = shape.layers - tail
         for s in step.linears:
@@ -122,6 +129,9 @@ LLAMA3_8B_GB200 = dataclasses.replace(decoder.LLAMA3_8B, seq=2048, batch=32)
 TITAN_NVFP4 = "torchtitan PR #3914 / nvfp4.md (4x GB200; published_points.md A44-A48)"
 AO_PR940 = "pytorch/ao PR #940 message (8x H100, no fp8 all-gather; published_points.md A14-A16)"
 NANOCHAT = "karpathy/nanochat dev/LOG.md 2026-02-02 (8x H100; published_points.md A21-A22)"
+ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP rows (published_points.md A5-A10)"
+# Llama-3-70B at torchtitan's TP benchmark: 16 sequences of 8192 a data-parallel rank (its tensor-parallel group)
+LLAMA3_70B = decoder.Shape(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192, batch=16)
 
 
 L8 = decoder.LLAMA3_8B
@@ -335,6 +345,65 @@ POINTS = (
         decoder.NANOCHAT_D26.dim,
         note="sliding-window attention priced as full causal",
     ),
+    Point(
+        "Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise",
+        "h100",
+        1.160,
+        ASYNC_TP,
+        False,
+        _decoder("fp8", "h100", 8, dataclasses.replace(L8, batch=12), tp=8),
+        "fp8",
+        L8.dim,
+        tp=True,
+        note="12 sequences a data-parallel rank; selective checkpointing priced as none",
+    ),
+    Point(
+        "Llama-3-8B, FSDP 8 x TP 8, fp8 rowwise",
+        "h100",
+        0.847,
+        ASYNC_TP,
+        False,
+        _decoder("fp8-rowwise", "h100", 8, dataclasses.replace(L8, batch=12), tp=8),
+        "fp8-rowwise",
+        L8.dim,
+        tp=True,
+        note="rowwise with TP is slow in torchtitan (its issue #1207), not in the predictor",
+    ),
+    Point(
+        "Llama-3-8B, FSDP 2 x TP 2, fp8 rowwise",
+        "h100",
+        0.965,
+        "pytorch/torchtitan#1207 (4x H100; published_points.md A13)",
+        False,
+        _decoder("fp8-rowwise", "h100", 2, tp=2),
+        "fp8-rowwise",
+        L8.dim,
+        tp=True,
+    ),
+    Point(
+        "Llama-3-70B, FSDP 32 x TP 8, fp8 tensorwise",
+        "h100",
+        1.356,
+        ASYNC_TP,
+        False,
+        _decoder("fp8", "h100", 32, LLAMA3_70B, tp=8, checkpointing=True),
+        "fp8",
+        LLAMA3_70B.dim,
+        tp=True,
+        note="full checkpointing",
+    ),
+    Point(
+        "Llama-3-70B, FSDP 32 x TP 8, fp8 rowwise",
+        "h100",
+        1.004,
+        ASYNC_TP,
+        False,
+        _decoder("fp8-rowwise", "h100", 32, LLAMA3_70B, tp=8, checkpointing=True),
+        "fp8-rowwise",
+        LLAMA3_70B.dim,
+        tp=True,
+        note="full checkpointing",
+    ),
 )
 
 # The parameters fitted (each a Calibration field or gemm key) and those tied to a fitted one (assumed equal: no point
@@ -447,8 +516,9 @@ def regime_bands(rows: list[Row]) -> dict[tuple[int, str], tuple[float, int]]:
             continue
         low = next(lo for lo, hi in predictor.WIDTH_CLASSES if lo <= r.point.width <= hi)
         fmt = Format(r.point.fmt)
+        layout = "tp" if r.point.tp else "dp"
         for kernel in {c.kernel for c in fmt.family.gemm_casts(fmt) if c is not None}:
-            errors.setdefault((low, kernel), []).append(abs(r.error))
+            errors.setdefault((low, kernel, layout), []).append(abs(r.error))
     return {key: (math.ceil(100 * max(e) - 1e-9) / 100, len(e)) for key, e in sorted(errors.items())}
 
 
@@ -470,14 +540,15 @@ def markdown(rows: list[Row]) -> str:
     lines.append("")
     lines.append(
         f"Held out: {n} points, median |error| {100 * statistics.median(held):.1f}%, the largest {100 * err:.0f}%. Each "
-        "prediction states its regime's band (the model's width class and the kernels its policy runs):"
+        "prediction states its regime's band (the model's width class, the kernels its policy runs, and whether it trains "
+        "tensor-parallel):"
     )
     lines.append("")
-    lines.append("| width | kernel | band | held-out points |")
-    lines.append("|---|---|---|---|")
-    for (low, kernel), (e, count) in regime_bands(rows).items():
+    lines.append("| width | kernel | layout | band | held-out points |")
+    lines.append("|---|---|---|---|---|")
+    for (low, kernel, layout), (e, count) in regime_bands(rows).items():
         high = dict(predictor.WIDTH_CLASSES)[low]
-        lines.append(f"| {low}-{high} | {kernel} | +-{100 * e:.0f}% | {count} |")
+        lines.append(f"| {low}-{high} | {kernel} | {predictor.LAYOUTS[layout]} | +-{100 * e:.0f}% | {count} |")
     return "\n".join(lines) + "\n" + filter_markdown(filter_grid())
 
 

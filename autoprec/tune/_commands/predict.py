@@ -18,6 +18,8 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", metavar="N", help="tokens (rows) per micro-batch (default: one train batch's)")
     p.add_argument("--dp-shard", metavar="N", help="data-parallel ranks the optimizer's state is sharded over (FSDP; default 1)")
     p.add_argument("--grad-accum", metavar="N", help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--tp", metavar="N", help="tensor-parallel ranks each Linear is sharded over (sequence-parallel; default 1)")
+    p.add_argument("--checkpointing", metavar="{none,full}", help="activation checkpointing (default none)")
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -29,6 +31,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         dp_shard=args.dp_shard,
         grad_accum=args.grad_accum,
+        tp=args.tp,
+        checkpointing=args.checkpointing,
     )
     if args.json:
         print_json(args, result, indent=2)

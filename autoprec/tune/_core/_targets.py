@@ -42,6 +42,9 @@ class Target:
     source: str
     bandwidth_tbs: float
     launch_us: float = LAUNCH_US
+    # the GPU's NVLink bandwidth, both directions together (the datasheet's figure), in GB/s: tensor parallelism's
+    # collectives run at half of it each way; 0 where the datasheet gives none
+    link_gbs: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tflops) - {*GEMM_PRECISIONS, "tf32"}, key=str)
@@ -57,6 +60,11 @@ class Target:
             raise ValueError(
                 f"target {self.name!r}: bandwidth_tbs is {self.bandwidth_tbs!r}; give the memory bandwidth in TB/s, a "
                 "finite number > 0 (the datasheet's HBM figure)"
+            )
+        if not (_positive(self.link_gbs) or self.link_gbs == 0):
+            raise ValueError(
+                f"target {self.name!r}: link_gbs is {self.link_gbs!r}; give the NVLink bandwidth in GB/s (both "
+                "directions), a finite number >= 0 (0: none)"
             )
         if not (_positive(self.launch_us) or self.launch_us == 0):
             raise ValueError(
@@ -112,8 +120,9 @@ B200 = register_target(
         tflops={"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "nvfp4": 9000.0},
         source="NVIDIA HGX B200 specifications, per GPU (https://www.nvidia.com/en-us/data-center/hgx/; NVIDIA Blackwell "
         "datasheet): FP4 Tensor 18 PFLOPS, FP8/FP6 9, FP16/BF16 4.5, TF32 2.2 (with sparsity), FP32 75 TFLOPS; HBM3e "
-        "~8 TB/s",
+        "~8 TB/s; NVLink 1.8 TB/s",
         bandwidth_tbs=8.0,
+        link_gbs=1800.0,
     )
 )
 H100 = register_target(
@@ -124,8 +133,9 @@ H100 = register_target(
         tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
         source="NVIDIA H100 Tensor Core GPU datasheet, SXM column "
         "(https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet): FP8 3,958 TFLOPS, BF16/FP16 "
-        "1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3 3.35 TB/s",
+        "1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3 3.35 TB/s; NVLink 900 GB/s",
         bandwidth_tbs=3.35,
+        link_gbs=900.0,
     )
 )
 H200 = register_target(
@@ -134,8 +144,9 @@ H200 = register_target(
         device="NVIDIA H200 SXM",
         tflops=H100.tflops,  # H100's compute (the same dense rates), more and faster memory
         source="NVIDIA H200 Tensor Core GPU datasheet, SXM column: FP8 "
-        "3,958 TFLOPS, BF16/FP16 1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3e 4.8 TB/s",
+        "3,958 TFLOPS, BF16/FP16 1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3e 4.8 TB/s; NVLink 900 GB/s",
         bandwidth_tbs=4.8,
+        link_gbs=900.0,
     )
 )
 GB200 = register_target(
@@ -146,7 +157,9 @@ GB200 = register_target(
         # TF32 2.5 -> 1.25)
         tflops={"fp32": 80.0, "tf32": 1250.0, "bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 10000.0},
         source="NVIDIA GB200 NVL72 specifications, per GPU: FP4 "
-        "Tensor 20 PFLOPS, FP8/FP6 10, FP16/BF16 5, TF32 2.5 (with sparsity), FP32 80 TFLOPS; HBM3e 8 TB/s",
+        "Tensor 20 PFLOPS, FP8/FP6 10, FP16/BF16 5, TF32 2.5 (with sparsity), FP32 80 TFLOPS; HBM3e 8 TB/s; NVLink "
+        "1.8 TB/s",
         bandwidth_tbs=8.0,
+        link_gbs=1800.0,
     )
 )

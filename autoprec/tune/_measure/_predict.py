@@ -101,20 +101,24 @@ CALIBRATION = Calibration(
 )
 # The predictor's error band: the largest |error| over its validation points (not fitted on), and how many there are.
 # tests/test_predict_points.py recomputes both from the table.
-ERROR = 0.12
-VALIDATION_POINTS = 18
-# The regimes a prediction's band is stated in: the model's width class (width()) and a low-precision GEMM kernel.
+ERROR = 0.19
+VALIDATION_POINTS = 23
+# The regimes a prediction's band is stated in: the model's width class (width()), a low-precision GEMM kernel and the
+# layout (tensor-parallel or not).
 # Each validated regime's band is the largest |error| over the held-out points in it, and how many there are
 # (benchmarks/predict_points.py; tests/test_predict_points.py recomputes them); a model in no validated regime is
 # "outside the validated range". MoE experts' grouped GEMMs are no validated regime: they are priced as bf16 matmuls.
 WIDTH_CLASSES = ((1024, 2047), (2048, 16384))
-BANDS: Mapping[tuple[int, str], tuple[float, int]] = {
-    (1024, "fp8-rowwise"): (0.12, 1),
-    (1024, "fp8-tensorwise"): (0.02, 1),
-    (2048, "fp8-rowwise"): (0.06, 7),
-    (2048, "fp8-tensorwise"): (0.07, 4),
-    (2048, "mxfp8"): (0.05, 3),
-    (2048, "nvfp4"): (0.05, 2),
+LAYOUTS = {"dp": "data-parallel", "tp": "tensor-parallel"}  # a regime's layout: with --tp or without
+BANDS: Mapping[tuple[int, str, str], tuple[float, int]] = {
+    (1024, "fp8-rowwise", "dp"): (0.12, 1),
+    (1024, "fp8-tensorwise", "dp"): (0.02, 1),
+    (2048, "fp8-rowwise", "dp"): (0.06, 7),
+    (2048, "fp8-rowwise", "tp"): (0.19, 3),
+    (2048, "fp8-tensorwise", "dp"): (0.07, 4),
+    (2048, "fp8-tensorwise", "tp"): (0.06, 2),
+    (2048, "mxfp8", "dp"): (0.05, 3),
+    (2048, "nvfp4", "dp"): (0.05, 2),
 }
 
 
@@ -148,6 +152,11 @@ class Step:
     params: float = 0.0
     shards: int = 1
     micro_steps: int = 1
+    # Megatron-style tensor parallelism with sequence parallelism over this many ranks (tp_roles: which Linears are
+    # column- and row-parallel); each rank prices its shard, plus the collectives of each residual branch
+    tensor_parallel: int = 1
+    checkpointing: bool = False  # full activation checkpointing: the forward runs again in the backward
+    forward_other_flops: float | None = None  # other_flops' forward share (None: a third, a matmul's)
     modules: tuple[str, ...] = ()  # every module's name (named_modules), where the step was traced from a model
 
     @property
@@ -159,7 +168,10 @@ class Step:
         """The same model at `tokens` per step: every per-token count scaled (more sequences of the same length)."""
         k = tokens / self.tokens if self.tokens else 1.0
         linears = tuple(dataclasses.replace(s, tokens=s.tokens * k) for s in self.linears)
-        return dataclasses.replace(self, linears=linears, other_flops=self.other_flops * k, other_bytes=self.other_bytes * k)
+        forward = None if self.forward_other_flops is None else self.forward_other_flops * k
+        return dataclasses.replace(
+            self, linears=linears, other_flops=self.other_flops * k, other_bytes=self.other_bytes * k, forward_other_flops=forward
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +267,7 @@ def linear_parts(
     target: Target,
     cal: Calibration = CALIBRATION,
     done: set[tuple[Any, ...]] | None = None,
+    only: Collection[str] = GEMMS,
 ) -> dict[str, float]:
     """One Linear's predicted ms in `fmt` called under the autocast `outer` (None: an fp32 caller), by part: gemms,
     casts, conversions. `done`: the casts of shared inputs already priced (predict's, across Linears: a compiled
@@ -272,6 +285,8 @@ def linear_parts(
     uses: dict[str, list[tuple[OperandCast, str]]] = {}
     converted: set[tuple[str, str]] = set()
     for gemm, precision, cast in zip(GEMMS, precisions, casts):
+        if gemm not in only:  # a recomputed forward runs fprop alone
+            continue
         gm, gn, gk = sizes[gemm]
         if cast is not None:
             for (tensor, orientation), op in zip(OPERANDS[gemm], (cast.a, cast.b)):
@@ -338,20 +353,75 @@ def outer_autocast(name: str, layers: Mapping[str, Format]) -> str | None:
 def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIBRATION) -> Prediction:
     """The predicted step time of `step` under `policy` on `target`, by part. KeyError names a GEMM precision the
     target does not run (the caller refuses those first: lacking)."""
+    tp = max(step.tensor_parallel, 1)
+    roles = tp_roles(step) if tp > 1 else {}
     parts = dict.fromkeys(("gemms", "casts", "conversions"), 0.0)
     done: set[tuple[Any, ...]] = set()
     for shape in step.linears:
         fmt, outer = format_of(shape.name, policy.layers), outer_autocast(shape.name, policy.layers)
-        got = linear_parts(shape, fmt, outer, target, cal, done)
+        mine = _shard(shape, roles[shape.name], tp) if tp > 1 else shape
+        got = linear_parts(mine, fmt, outer, target, cal, done)
+        if step.checkpointing:  # the forward again: fprop and its casts (the shared input's too: the saved cast is gone)
+            again = linear_parts(mine, fmt, outer, target, cal, None, only=("fprop",))
+            got = {part: ms + again[part] for part, ms in got.items()}
         for part, ms in got.items():
             parts[part] += ms
     peak = target.tflops[BASELINE] * 1e12
-    parts["other_matmuls"] = 1e3 * step.other_flops / (peak * cal.gemm[BASELINE])
-    parts["elementwise"] = 1e3 * step.other_bytes * cal.fusion / _bandwidth(target, cal)
+    forward = step.other_flops / 3 if step.forward_other_flops is None else step.forward_other_flops
+    recompute = 1.0 if step.checkpointing else 0.0
+    # attention's heads and the elementwise work's tokens (sequence parallelism) are split over the tensor-parallel ranks
+    parts["other_matmuls"] = 1e3 * (step.other_flops + recompute * forward) / tp / (peak * cal.gemm[BASELINE])
+    parts["elementwise"] = 1e3 * step.other_bytes * (1 + recompute / 3) * cal.fusion / tp / _bandwidth(target, cal)
+    if tp > 1:
+        parts["communication"] = tp_communication_ms(step, policy, target, cal, roles)
     for part in parts:  # every micro-batch runs these; the optimizer, once a step
         parts[part] *= max(step.micro_steps, 1)
-    parts["optimizer"] = 1e3 * step.params * OPTIMIZER_BYTES / max(step.shards, 1) / _bandwidth(target, cal)
+    ranks = max(step.shards, 1) * tp
+    parts["optimizer"] = 1e3 * step.params * OPTIMIZER_BYTES / ranks / _bandwidth(target, cal)
     return Prediction(target.name, parts)
+
+
+def tp_roles(step: Step) -> dict[str, str]:
+    """Each Linear's tensor-parallel role, as Megatron and torchtitan shard a transformer: "column" (out_features
+    split) for a Linear that shares its input with another (q, k and v; gate and up) or does not return to the
+    model's width (an up-projection, the output layer); "row" (in_features split) for one that returns to the width
+    alone (the attention's output, the down-projection), which closes a residual branch."""
+    shared = {s.reads for s in step.linears if s.reads}
+    dim = width(step)
+    return {s.name: "column" if (s.reads or s.name in shared or s.out_features != dim) else "row" for s in step.linears}
+
+
+def _shard(shape: LinearShape, role: str, tp: int) -> LinearShape:
+    if role == "row":
+        return dataclasses.replace(shape, in_features=max(1, shape.in_features // tp))
+    return dataclasses.replace(shape, out_features=max(1, shape.out_features // tp))
+
+
+def tp_communication_ms(step: Step, policy: Policy, target: Target, cal: Calibration, roles: Mapping[str, str]) -> float:
+    """Sequence-parallel tensor parallelism's collectives, not overlapped (vanilla TP): each residual branch (closed by
+    a row-parallel Linear) all-gathers its input and reduce-scatters its output in the forward and the reverse in the
+    backward (the forward's again under checkpointing), each of the branch's tokens x the model's width, in a ring at
+    half the NVLink bandwidth (one direction) times Calibration.memory. In bf16, but for the forward's all-gather of a
+    branch whose row-parallel Linear runs a tensorwise fp8 kernel: torchao's float8 tensor parallelism casts the
+    input before it gathers, so that moves fp8 (the branch's column-parallel Linears are taken to share the format)."""
+    tp, dim = max(step.tensor_parallel, 1), width(step)
+    per_direction = target.link_gbs / 2 * 1e9 * cal.memory
+    passes = 3 if step.checkpointing else 2  # forward, backward, and the forward again
+
+    def collective(nbytes: float) -> float:
+        return 1e3 * (tp - 1) / tp * nbytes / per_direction + target.launch_us * 1e-3
+
+    total = 0.0
+    for shape in step.linears:
+        if roles.get(shape.name) != "row":
+            continue
+        fmt = format_of(shape.name, policy.layers)
+        fprop = fmt.family.gemm_casts(fmt)[0]
+        gathered = ELEMENT_BYTES["fp8"] if fprop is not None and fprop.kernel == "fp8-tensorwise" else ELEMENT_BYTES[BASELINE]
+        high = shape.tokens * dim * ELEMENT_BYTES[BASELINE]
+        forward_gather = (passes - 1) * collective(shape.tokens * dim * gathered)  # the forward's, and its recompute
+        total += forward_gather + (2 * passes - (passes - 1)) * collective(high)
+    return total
 
 
 def uniform(fmt: Format | str, step: Step, *, keep: Collection[str] = ()) -> Policy:
@@ -406,19 +476,20 @@ def regime_band(step: Step, policy: Policy) -> str:
     """The band of `policy`'s prediction on `step` in words: its regime's (the largest over the kernels it runs), or
     why it is outside the validated range."""
     dim, used = width(step), sorted(kernels(step, policy))
+    layout = "tp" if step.tensor_parallel > 1 else "dp"
     low = next((lo for lo, hi in WIDTH_CLASSES if lo <= dim <= hi), None)
     ranges = ", ".join(f"{lo}-{hi}" for lo, hi in WIDTH_CLASSES)
     if low is None:
         return f"outside the validated range: {dim} wide, where held-out points are {ranges} wide"
     if not used:
         return "outside the validated range: no held-out point prices a policy without a low-precision GEMM"
-    missing = [k for k in used if (low, k) not in BANDS]
+    missing = [k for k in used if (low, k, layout) not in BANDS]
     if missing:
-        return f"outside the validated range: no held-out point runs {', '.join(missing)} at {dim} wide"
-    error = max(BANDS[low, k][0] for k in used)
-    points = sum(BANDS[low, k][1] for k in used)
+        return f"outside the validated range: no held-out point runs {', '.join(missing)} at {dim} wide {LAYOUTS[layout]}"
+    error = max(BANDS[low, k, layout][0] for k in used)
+    points = sum(BANDS[low, k, layout][1] for k in used)
     hi = dict(WIDTH_CLASSES)[low]
-    return f"error +-{100 * error:.0f}% over {points} held-out points {low}-{hi} wide in {', '.join(used)}"
+    return f"error +-{100 * error:.0f}% over {points} held-out points {low}-{hi} wide {LAYOUTS[layout]} in {', '.join(used)}"
 
 
 def describe(value: float, target: Target, band_text: str | None = None) -> str:
@@ -600,6 +671,7 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
         other_bytes=elementwise,
         params=params,
         modules=modules,
+        forward_other_flops=totals["flops"] + totals["attention"] / 3.5,
     )
 
 
@@ -675,6 +747,8 @@ def _with_linears(found: Traced, task: Task) -> Traced:
     return found
 
 
+# --checkpointing's choices: none, or the whole forward recomputed in the backward
+CHECKPOINTING = ("none", "full")
 # The most data-parallel ranks --dp-shard takes, and micro-batches --grad-accum takes
 MAX_RANKS = 10**6
 
@@ -713,10 +787,13 @@ def command(
     tokens: str | int | None = None,
     dp_shard: str | int | None = None,
     grad_accum: str | int | None = None,
+    tp: str | int | None = None,
+    checkpointing: str | None = None,
 ) -> tuple[dict[str, Any], str]:
     """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
     `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
-    the optimizer's work (FSDP), `grad_accum` micro-batches a step. UserError for a user's mistake."""
+    the optimizer's work (FSDP), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `checkpointing`
+    "full" or "none". UserError for a user's mistake."""
     from autoprec.formats import parse_format
     from autoprec.policy import load_policy
     from autoprec.tune._core._targets import target_named, targets
@@ -729,6 +806,12 @@ def command(
     wanted = _tokens(tokens)
     shards = _count(dp_shard, "--dp-shard", "the data-parallel ranks the optimizer's state is sharded over (FSDP)")
     micro = _count(grad_accum, "--grad-accum", "the micro-batches of one optimizer step")
+    tensor = _count(tp, "--tp", "the tensor-parallel ranks each Linear is sharded over")
+    if tensor > 1 and device.link_gbs <= 0:
+        raise UserError(f"--tp {tensor}: target {device.name} has no NVLink bandwidth to price its collectives; --tp 1")
+    recompute = (checkpointing or "none").strip().lower()
+    if recompute not in CHECKPOINTING:
+        raise UserError(f"--checkpointing {checkpointing!r}: give one of {', '.join(CHECKPOINTING)}")
     if fmt is not None:
         try:
             candidate_format = parse_format(fmt, field="--format")
@@ -744,7 +827,7 @@ def command(
             raise UserError(f"--policy {policy}: {exc}") from None
     found = traced(load_task(model))
     step = found.step if wanted is None else found.step.scaled(wanted)
-    step = dataclasses.replace(step, shards=shards, micro_steps=micro)
+    step = dataclasses.replace(step, shards=shards, micro_steps=micro, tensor_parallel=tensor, checkpointing=recompute == "full")
     kept: dict[str, str] = {}  # the Linears the format cannot run (apply_policy would refuse them): priced in bf16
     if given is None:
         for shape in step.linears:
@@ -798,17 +881,18 @@ def command(
         "band": stated,
         "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
         "kept_bf16": kept,
-        "layout": {"dp_shard": shards, "grad_accum": micro},
+        "layout": {"dp_shard": shards, "grad_accum": micro, "tp": tensor, "checkpointing": recompute},
         "coverage": found.coverage.to_dict(),
         "traced_on": found.device,
-        "left_out": "communication (FSDP, tensor parallelism), tensor-parallel shards, activation checkpointing's "
-        "recompute, host overhead, power and clock limits",
+        "left_out": "FSDP's communication, asynchronous tensor parallelism's overlap, host overhead, power and clock limits",
     }
     lines = [
         f"{model}: {step.tokens * micro:,.0f} tokens per step"
         + (f" ({micro} micro-batches of {step.tokens:,.0f})" if micro > 1 else "")
         + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); the optimizer's work on "
-        + (f"{shards} data-parallel ranks" if shards > 1 else "one rank (--dp-shard N: FSDP over N)"),
+        + (f"{shards} data-parallel ranks" if shards > 1 else "one rank (--dp-shard N: FSDP over N)")
+        + (f"; tensor parallel over {tensor} ranks (sequence-parallel, collectives not overlapped)" if tensor > 1 else "")
+        + ("; full activation checkpointing" if recompute == "full" else ""),
         f"  uniform bf16: {base.ms:.4g} ms per step (predicted)",
         f"  {label}: {mine.ms:.4g} ms per step (predicted)",
         f"  speedup: {describe(value, device, stated)}; not a measurement",
