@@ -406,36 +406,81 @@ POINTS = (
     ),
 )
 
-# The parameters fitted (each a Calibration field or gemm key) and those tied to a fitted one (assumed equal: no point
-# measures them apart).
-FITTED = ("fp32", "bf16", "fp8-tensorwise", "fp8-rowwise", "nvfp4", "fusion")
+# The parameters fitted (a gemm key, a Calibration field, or "casts.<kind>") with their bounds, and those tied to a
+# fitted one (assumed equal: no point measures them apart).
+FITTED = {
+    "fp32": (0.05, 1.0),
+    "bf16": (0.05, 1.0),
+    "fp8-tensorwise": (0.05, 1.0),
+    "fp8-rowwise": (0.05, 1.0),
+    "nvfp4": (0.05, 1.0),
+    "fusion": (0.05, 1.0),
+    "tiles": (0.0, 500.0),
+    "contraction": (0.0, 8192.0),
+    "casts.tensorwise": (0.05, 1.0),
+    "casts.rowwise": (0.05, 1.0),
+}
 TIED = {"fp16": "bf16", "mxfp8": "fp8-tensorwise"}
+# The end-to-end points weigh this many GEMM-level shapes each in the fit (there are 6 against 108 + 6 shapes)
+E2E_WEIGHT = 3.0
 
 
 def calibration(values: dict[str, float], base: predictor.Calibration = predictor.CALIBRATION) -> predictor.Calibration:
     gemm = dict(base.gemm)
     gemm.update({k: v for k, v in values.items() if k in gemm})
     gemm.update({k: gemm[v] for k, v in TIED.items()})
-    return dataclasses.replace(base, gemm=gemm, fusion=values.get("fusion", base.fusion))
+    casts = dict(base.casts)
+    casts.update({k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("casts.")})
+    fields = {k: v for k, v in values.items() if k in ("fusion", "tiles", "contraction")}
+    return dataclasses.replace(base, gemm=gemm, casts=casts, **fields)
+
+
+def shapes_fitted() -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The GEMM-level shapes the fit reads (benchmarks/predict_shapes.py `fitted`): half of torchao's H100 rowwise heat
+    map and half of the squares (their indices in SQUARES); the other halves are held out."""
+    from benchmarks import predict_shapes as ps
+
+    return [k for k in sorted(ps.heat_map()) if ps.fitted(k)], [ps.SQUARES.index(s) for s in ps.FITTED_SQUARES]
 
 
 def fit() -> predictor.Calibration:
-    """The calibration that fits the fitted points (log error, least squares), from the current one as the start."""
+    """The calibration that fits the fitted points and shapes (log error, least squares; each end-to-end point weighs
+    E2E_WEIGHT shapes), from the current one as the start."""
     from scipy.optimize import least_squares
 
+    from benchmarks import predict_shapes as ps
+
     fitted = [p for p in POINTS if p.fitted]
+    heat, squares = shapes_fitted()
+    measured = ps.heat_map()
+    steps = {k: ps.layer_step(*k) for k in heat} | {(s, s, s): ps.layer_step(s, s, s) for s in (ps.SQUARES[i] for i in squares)}
     start = predictor.CALIBRATION
+    names = list(FITTED)
 
     def unpack(x) -> predictor.Calibration:
-        return calibration(dict(zip(FITTED, map(float, x))), start)
+        return calibration(dict(zip(names, map(float, x))), start)
+
+    def layer(step: predictor.Step, fmt: str, cal: predictor.Calibration) -> float:
+        return predictor.speedup(step, Policy(layers={MODEL_ROOT: "bf16", "1": fmt}), target_named("h100"), cal)
 
     def residuals(x):
         cal = unpack(x)
-        return [math.log(p.compute(cal) / p.measured) for p in fitted]
+        out = [E2E_WEIGHT * math.log(p.compute(cal) / p.measured) for p in fitted]
+        out += [math.log(layer(steps[k], "fp8-rowwise", cal) / measured[k]) for k in heat]
+        for i in squares:
+            s = ps.SQUARES[i]
+            out.append(math.log(layer(steps[s, s, s], "fp8", cal) / ps.SQUARE_TENSORWISE[i]))
+            out.append(math.log(layer(steps[s, s, s], "fp8-rowwise", cal) / ps.SQUARE_ROWWISE[i]))
+        return out
 
-    x0 = [start.gemm[k] if k in start.gemm else getattr(start, k) for k in FITTED]
-    found = least_squares(residuals, x0, bounds=(0.05, 1.0), xtol=1e-12, ftol=1e-12)
-    return unpack([round(v, 3) for v in found.x])
+    def now(name: str) -> float:
+        if name.startswith("casts."):
+            return start.casts[name.split(".", 1)[1]]
+        return start.gemm[name] if name in start.gemm else getattr(start, name)
+
+    lower, upper = zip(*FITTED.values())
+    found = least_squares(residuals, [now(k) for k in names], bounds=(lower, upper), xtol=1e-10, ftol=1e-10)
+    return unpack([round(v, 3) if v < 10 else round(v, 1) for v in found.x])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,8 @@ The sets (benchmarks/anchors/published_points.md, with their sources):
 - B3-B10: the same microbenchmark at square shapes 256 to 32768, fp8 tensorwise and rowwise (PR #940).
 
 Each shape is priced as the predictor prices a model: the module traced on the meta device (trace_step), the Linear in
-the format, LayerNorm and Sigmoid in bf16, no optimizer. This prints errors; it fits nothing.
+the format, LayerNorm and Sigmoid in bf16, no optimizer. The calibration is fitted on half of each set (`fitted`:
+benchmarks/predict_points.py --fit) and this prints the errors of each half apart; it fits nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ SQUARES = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # B3-B10 (PR #940's message): the same microbenchmark at M = K = N, over bf16
 SQUARE_TENSORWISE = (0.466, 0.490, 0.734, 0.816, 1.236, 1.432, 1.803, 1.696)
 SQUARE_ROWWISE = (0.398, 0.433, 0.706, 0.740, 1.222, 1.161, 1.440, 1.339)
+
+
+FITTED_SQUARES = (1024, 4096, 16384)  # the squares the calibration is fitted on; 2048, 8192 and 32768 are held out
+
+
+def fitted(shape: tuple[int, int, int]) -> bool:
+    """Whether the calibration is fitted on this shape: a square of FITTED_SQUARES, or a heat-map cell whose size
+    indices sum to an even number (a checkerboard: every row, column and size has fitted and held-out cells)."""
+    m, k, n = shape
+    if m == k == n and m in SQUARES:
+        return m in FITTED_SQUARES
+    return sum(SIZES.index(v) for v in shape) % 2 == 0
 
 
 def heat_map() -> dict[tuple[int, int, int], float]:
@@ -108,7 +121,10 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     results = {name: errors(points, fmt) for name, (points, fmt) in sets.items()}
     for name, rows in results.items():
-        print(summary(name, rows))
+        for half, keep in (("fitted", True), ("held out", False)):
+            part = [r for r in rows if fitted(r[0]) == keep]
+            if part:
+                print(summary(f"{name}, {half}", part))
     for name, rows in results.items():
         print(f"\n{name}, the worst {args.worst}: M x K x N, measured, predicted, error")
         for shape, measured, guess, err in sorted(rows, key=lambda r: -abs(r[3]))[: args.worst]:

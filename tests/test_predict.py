@@ -80,8 +80,13 @@ def test_the_families_say_what_each_gemm_casts():
 def test_a_gemm_is_the_slower_of_its_compute_and_its_memory_plus_a_launch():
     cal = predictor.CALIBRATION
     big = predictor.gemm_ms("bf16", "bf16", 8192, 8192, 8192, (2, 2), 2, H100)
-    eff = cal.gemm["bf16"] * 8192 / (8192 + predictor.RAMP)
+    tiles = (8192 / 128) ** 2  # 4096 output tiles of 128 x 128
+    eff = cal.gemm["bf16"] * tiles / (tiles + cal.tiles) * 8192 / (8192 + cal.contraction)
     assert big == pytest.approx(1e3 * 2 * 8192**3 / (989.5e12 * eff) + H100.launch_us * 1e-3)
+    # few output tiles (M = N = 256: 4 tiles) leave most SMs idle; a short contraction starves each
+    assert predictor.efficiency("bf16", 256, 256, 8192) == pytest.approx(
+        cal.gemm["bf16"] * 4 / (4 + cal.tiles) * 8192 / (8192 + cal.contraction)
+    )
     # a GEMM with 16 rows is memory-bound: its operands and output over the bandwidth
     thin = predictor.gemm_ms("bf16", "bf16", 16, 8192, 8192, (2, 2), 2, H100)
     moved = 16 * 8192 * 2 + 8192 * 8192 * 2 + 16 * 8192 * 2
@@ -89,23 +94,30 @@ def test_a_gemm_is_the_slower_of_its_compute_and_its_memory_plus_a_launch():
 
 
 def test_the_casts_follow_the_stated_fusion():
-    cal, e, bw = predictor.CALIBRATION, 1024.0 * 4096, 3.35e12 * predictor.CALIBRATION.memory
+    cal, e = predictor.CALIBRATION, 1024.0 * 4096
+    kind = {"bw": 0.0}
 
-    def passes(*nbytes):
-        return sum(1e3 * b / bw + H100.launch_us * 1e-3 for b in nbytes)
+    def passes(*nbytes):  # at the bandwidth share of the cast's kind (Calibration.casts)
+        return sum(1e3 * b / kind["bw"] + H100.launch_us * 1e-3 for b in nbytes)
+
+    def at(name):
+        kind["bw"] = 3.35e12 * cal.casts[name]
 
     tensorwise = OperandCast(8, 0, 4, tensor_amax=True)
     uses = [(tensorwise, "row"), (tensorwise, "col")]
+    at("tensorwise")
     # a given tensor: its amax a pass, then one pass writing both orientations
     assert predictor.cast_ms(uses, e, 1024, 4096, 2, H100, cal) == pytest.approx(passes(2 * e, 2 * e + 2 * (e + 4 / e * e)))
     # one written by the step's own kernels: the amax comes with them
     assert predictor.cast_ms(uses, e, 1024, 4096, 2, H100, cal, produced=True) == pytest.approx(passes(2 * e + 2 * (e + 4)))
     rowwise = OperandCast(8, -1, 4)
     both = [(rowwise, "row"), (rowwise, "col")]  # a scale per row along each contraction: a pass per orientation
+    at("rowwise")
     assert predictor.cast_ms(both, e, 1024, 4096, 2, H100, cal) == pytest.approx(
         passes(2 * e + e + 4 * e / 4096, 2 * e + e + 4 * e / 1024)
     )
     tile = OperandCast(4, 16, 1, tensor_amax=True, tile=True)
+    at("block")
     assert predictor.cast_ms([(tile, "row"), (tile, "col")], e, 1024, 4096, 2, H100, cal) == pytest.approx(
         passes(2 * e, 2 * e + 2 * (0.5 * e + e / 16))
     )

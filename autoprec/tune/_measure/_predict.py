@@ -9,9 +9,10 @@ A step is priced in parts:
       max(FLOPs / (peak(precision) x efficiency(kernel, M, N, K)), bytes moved / bandwidth) + launch
   where the precision is what the format's family says the GEMM runs in (FormatFamily.gemm_precisions) and the
   kernel is its low-precision kernel where it has one (FormatFamily.gemm_casts), else the precision;
-  efficiency = Calibration.gemm[kernel] x d / (d + RAMP), d = min(M, N, K);
+  efficiency = Calibration.gemm[kernel] x tiles / (tiles + Calibration.tiles) x K / (K + Calibration.contraction),
+  tiles = ceil(M / 128) x ceil(N / 128), the output tiles a GEMM kernel spreads over the GPU's SMs;
 - the casts each low-precision GEMM needs (FormatFamily.gemm_casts), from the bytes they read and write at the
-  target's bandwidth (Calibration.memory of it) plus a launch per pass. The fusion assumed is what torch.compile
+  target's bandwidth (Calibration.casts' share of it by the scale's kind) plus a launch per pass. The fusion assumed is what torch.compile
   gives torchao's recipes: a tensorwise scale's amax is a pass of its own, then one pass casts the tensor for every
   orientation its GEMMs need (the transpose fused into the cast); a rowwise or block-scaled cast is one pass per
   orientation with the amax of each row or block inside it; square tiles (NVFP4's weight) serve both orientations
@@ -59,10 +60,8 @@ ELEMENT_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0,
 # The bytes an AdamW step reads and writes per fp32 parameter: the parameter, its gradient and two moments read,
 # the parameter and the moments written.
 OPTIMIZER_BYTES = 28.0
-# A GEMM with a dimension of RAMP elements reaches half its kernel's efficiency (one 128-wide tile of the tensor
-# cores' GEMM kernels across that dimension): efficiency x d / (d + RAMP), d the smallest of M, N, K. An assumption,
-# not a fitted parameter.
-RAMP = 128.0
+# The side of a GEMM kernel's output tile: a GEMM of fewer tiles than the GPU has SMs leaves some idle
+TILE = 128
 # How a Linear's three GEMMs read their operands: (tensor, orientation) of operand a and b. "row": contracted over
 # the tensor's last dimension as stored; "col": over its first (a transposed copy, or a cast along columns).
 OPERANDS = {
@@ -76,32 +75,41 @@ OPERANDS = {
 class Calibration:
     """The predictor's fitted and assumed parameters (docs/planning.md says which is which): `gemm`, each kernel's
     fraction of its precision's peak at large shapes (the matmuls outside the Linears, attention's, reach bf16's);
-    `memory`, the fraction of the bandwidth memory-bound passes reach; `fusion`, the share of the bytes the traced
-    step's other ops write and read that a compiled step still moves (torch.compile fuses chains of them)."""
+    `tiles`, the output tiles at which a GEMM reaches half of it, and `contraction`, the K at which it does (the
+    per-shape curve); `memory`, the fraction of the bandwidth memory-bound passes reach; `casts`, that of a cast's
+    passes by its scale's kind (cast_kind); `fusion`, the share of the bytes the traced step's other ops write and
+    read that a compiled step still moves (torch.compile fuses chains of them)."""
 
     gemm: Mapping[str, float]
     memory: float
     fusion: float
+    tiles: float
+    contraction: float
+    casts: Mapping[str, float]
 
 
 # Fitted on the calibration points of docs/planning.md (benchmarks/predict_points.py, `fit`), never on the points it
 # is validated on.
 CALIBRATION = Calibration(
     gemm={
-        "fp32": 0.776,
-        "bf16": 0.738,
-        "fp16": 0.738,  # bf16's: no point measures fp16 apart
-        "fp8-tensorwise": 0.58,
-        "fp8-rowwise": 0.469,
-        "mxfp8": 0.58,  # fp8 tensorwise's: no point measures an MX GEMM alone
-        "nvfp4": 0.367,
+        "fp32": 0.777,
+        "bf16": 0.737,
+        "fp16": 0.737,  # bf16's: no point measures fp16 apart
+        "fp8-tensorwise": 0.641,
+        "fp8-rowwise": 0.817,
+        "mxfp8": 0.641,  # fp8 tensorwise's: no point measures an MX GEMM alone
+        "nvfp4": 0.369,
     },
     memory=0.80,  # assumed, not fitted
-    fusion=0.319,
+    fusion=0.33,
+    tiles=39.6,
+    contraction=61.6,
+    # a block-scaled cast's passes run at `memory`'s share: no point measures them apart from the GEMM
+    casts={"tensorwise": 0.551, "rowwise": 0.202, "block": 0.80},
 )
 # The predictor's error band: the largest |error| over its validation points (not fitted on), and how many there are.
 # tests/test_predict_points.py recomputes both from the table.
-ERROR = 0.19
+ERROR = 0.09
 VALIDATION_POINTS = 23
 # The regimes a prediction's band is stated in: the model's width class (width()), a low-precision GEMM kernel and the
 # layout (tensor-parallel or not).
@@ -111,13 +119,13 @@ VALIDATION_POINTS = 23
 WIDTH_CLASSES = ((1024, 2047), (2048, 16384))
 LAYOUTS = {"dp": "data-parallel", "tp": "tensor-parallel"}  # a regime's layout: with --tp or without
 BANDS: Mapping[tuple[int, str, str], tuple[float, int]] = {
-    (1024, "fp8-rowwise", "dp"): (0.12, 1),
+    (1024, "fp8-rowwise", "dp"): (0.08, 1),
     (1024, "fp8-tensorwise", "dp"): (0.02, 1),
-    (2048, "fp8-rowwise", "dp"): (0.06, 7),
-    (2048, "fp8-rowwise", "tp"): (0.19, 3),
-    (2048, "fp8-tensorwise", "dp"): (0.07, 4),
+    (2048, "fp8-rowwise", "dp"): (0.07, 7),
+    (2048, "fp8-rowwise", "tp"): (0.04, 3),
+    (2048, "fp8-tensorwise", "dp"): (0.09, 4),
     (2048, "fp8-tensorwise", "tp"): (0.06, 2),
-    (2048, "mxfp8", "dp"): (0.05, 3),
+    (2048, "mxfp8", "dp"): (0.08, 3),
     (2048, "nvfp4", "dp"): (0.05, 2),
 }
 
@@ -191,10 +199,12 @@ class Prediction:
 
 
 def efficiency(kernel: str, m: float, n: float, k: float, cal: Calibration = CALIBRATION) -> float:
-    """The fraction of its precision's peak a GEMM (m x n, contracting k) reaches in `kernel`."""
-    d = min(m, n, k)
+    """The fraction of its precision's peak a GEMM (m x n, contracting k) reaches in `kernel`: its share at large
+    shapes, less where its output has few tiles to spread over the SMs or its contraction is short."""
+    tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
     # a kernel the calibration does not know (a registered family's own) runs at bf16's share of its peak
-    return cal.gemm.get(kernel, cal.gemm[BASELINE]) * d / (d + RAMP)
+    share = cal.gemm.get(kernel, cal.gemm[BASELINE])
+    return share * tiles / (tiles + cal.tiles) * k / (k + cal.contraction)
 
 
 def gemm_ms(
@@ -220,9 +230,14 @@ def _bandwidth(target: Target, cal: Calibration) -> float:
     return target.bandwidth_tbs * 1e12 * cal.memory
 
 
-def _pass_ms(nbytes: float, target: Target, cal: Calibration) -> float:
-    """One memory-bound kernel moving `nbytes`."""
-    return 1e3 * nbytes / _bandwidth(target, cal) + target.launch_us * 1e-3
+def _pass_ms(nbytes: float, target: Target, cal: Calibration, share: float | None = None) -> float:
+    """One memory-bound kernel moving `nbytes`, at `share` of the bandwidth (Calibration.memory by default)."""
+    return 1e3 * nbytes / (target.bandwidth_tbs * 1e12 * (cal.memory if share is None else share)) + target.launch_us * 1e-3
+
+
+def cast_kind(cast: OperandCast) -> str:
+    """A cast's kind, as Calibration.casts prices its passes: one scale a tensor, one a row, or one a block."""
+    return "tensorwise" if cast.block == 0 else ("rowwise" if cast.block < 0 else "block")
 
 
 def cast_ms(
@@ -240,10 +255,11 @@ def cast_ms(
     `produced`: the tensor's amax comes with the kernel that writes it."""
     total = 0.0
     read = elements * high
+    share = cal.casts[cast_kind(uses[0][0])]  # one tensor's casts are of one kind in every registered family
     if not produced and any(c.tensor_amax and not c.rht for c, _ in uses):
-        total += _pass_ms(read, target, cal)
+        total += _pass_ms(read, target, cal, share)
     if any(c.tensor_amax and c.rht for c, _ in uses):
-        total += _pass_ms(read, target, cal)
+        total += _pass_ms(read, target, cal, share)
     passes: dict[tuple[OperandCast, str], set[str]] = {}
     for cast, orientation in uses:
         # one pass per cast serves every orientation where the scale does not depend on it (one per tensor, square
@@ -256,7 +272,7 @@ def cast_ms(
             along = cols if orientation == "row" else rows  # the contraction runs along it
             block = along if cast.block < 0 else (elements if cast.block == 0 else cast.block)
             written += elements * (cast.bits / 8 + cast.scale_bytes / block)
-        total += _pass_ms(read + written, target, cal)
+        total += _pass_ms(read + written, target, cal, share)
     return total
 
 
