@@ -37,17 +37,8 @@ from benchmarks.models import decoder  # noqa: E402
 
 DOC = ROOT / "docs" / "planning.md"
 BEGIN, END = "<!-- validation table: benchmarks/predict_points.py --write -->", "<!-- end of validation table -->"
-LLAMA = ROOT / "examples" / "llama3_8b" / "model.py"
 FP8_LINEAR = "results/h200/fp8_linear.txt"
 ANCHORS = "anchors: training-speedups.md"
-
-
-@functools.cache
-def llama_step() -> predictor.Step:
-    """Llama-3-8B's step on the meta device (examples/llama3_8b/model.py): one sequence of 8192 tokens."""
-    from autoprec.tune._measure._task import load_task
-
-    return predictor.traced(load_task(LLAMA)).step
 
 
 def linear_step(n: int) -> predictor.Step:
@@ -559,7 +550,9 @@ def regime_bands(rows: list[Row]) -> dict[tuple[int, str], tuple[float, int]]:
     for r in rows:
         if r.point.fitted or r.point.repeats:
             continue
-        low = next(lo for lo, hi in predictor.WIDTH_CLASSES if lo <= r.point.width <= hi)
+        low = next((lo for lo, hi in predictor.WIDTH_CLASSES if lo <= r.point.width <= hi), None)
+        if low is None:
+            raise ValueError(f"{r.point.name}: {r.point.width} wide is in no width class {predictor.WIDTH_CLASSES}")
         fmt = Format(r.point.fmt)
         layout = "tp" if r.point.tp else "dp"
         for kernel in {c.kernel for c in fmt.family.gemm_casts(fmt) if c is not None}:

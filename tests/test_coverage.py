@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from builders import tiny_mixtral
+from builders import small_task, tiny_mixtral
 
 from autoprec import Policy
 from autoprec.tune import load_task, prepare
@@ -116,3 +116,45 @@ def test_a_grouped_matmul_of_fp32_experts_runs_on_the_meta_device_as_on_the_cpu(
     assert (on_meta.shape, on_meta.dtype, on_meta.is_meta) == (on_cpu.shape, torch.float32, True)
     assert torch.equal(on_cpu, op(a, b, offs=offs))
     assert run_op(torch.ops.aten.mm.default, (a.to("meta"), b[0].to("meta")), {}).shape == (10, 16)
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_a_grouped_matmul_with_its_out_dtype_is_counted_on_the_meta_device_as_the_dispatcher_passes_it():
+    """The dispatcher passes offs and out_dtype by position (a review found run_op read them as keywords only)."""
+    from autoprec.tune._measure._coverage import count
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(3, 8, 16))
+
+        def forward(self, x):
+            offs = torch.tensor([4, 7, 10], dtype=torch.int32, device=x.device)
+            return torch._grouped_mm(x, self.w, offs=offs, out_dtype=torch.float32)
+
+    with torch.device("meta"):
+        model, x = Experts(), torch.empty(10, 8)
+    cover = count(model, lambda: model(x).sum(), [])
+    assert [(o.type, o.flops_share) for o in cover.outside] == [("Experts", 1.0)]
+
+
+def test_counting_leaves_the_models_buffers_and_the_random_generators_as_they_were(write_model):
+    """A review found coverage() ran the loss in train mode on the search's reference model: a BatchNorm's running
+    statistics moved and torch's generator advanced, so even fp32 showed a metric drop against the fp32 metric
+    measured before it."""
+    source = small_task(
+        "def build_model():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))\n"
+    )
+    workload = prepare(load_task(write_model(source)), "cpu")
+    model = workload.model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    cover = coverage(workload, load_space())
+    assert cover.tuned_layers == 2 and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_nothing_counted_is_nothing_to_say():
+    assert not Coverage(tuned_layers=0, flops_share=0.0, params_share=0.0).worth_saying

@@ -122,3 +122,13 @@ def test_torchaos_float8_filter_is_reproduced_where_clear_and_missed_only_near_b
     value = {(f, k, n): v for f, k, n, _, v in grid}
     assert value[("fp8", 1024, 1024)] < 0.9 and value[("fp8", 8192, 8192)] > 1.3  # the clear ends
     assert value[("fp8-rowwise", 1024, 16384)] < 1.0  # rowwise skips K <= 1024 whatever N
+
+
+@pytest.mark.slow
+def test_the_decoder_at_llama_3_8bs_shape_is_the_examples_step():
+    """The table's Llama-3-8B points price benchmarks/models/decoder.py; `autoprec predict` prices the example file."""
+    from autoprec.tune._measure._task import load_task
+
+    ours = points.decoder_step(points.decoder.LLAMA3_8B)
+    example = predictor.traced(load_task(ROOT / "examples" / "llama3_8b" / "model.py")).step
+    assert dataclasses.replace(ours, modules=()) == dataclasses.replace(example, modules=())

@@ -159,6 +159,7 @@ class Flops(Goal):
         target, step = self._ready()
         base, mine = predictor.predict(step, predictor.baseline(), target), predictor.predict(step, policy, target)
         value = base.ms / mine.ms if mine.ms > 0 else 1.0
+        stated = predictor.regime_band(step, policy)  # a profile's step: no count of the matmuls outside the Linears
         return {
             "goal": self.name,
             "target": target.name,
@@ -166,10 +167,10 @@ class Flops(Goal):
             "estimate": True,
             "predicted": True,
             "value": value,
-            "error": predictor.ERROR,
-            "validation_points": predictor.VALIDATION_POINTS,
+            "error": stated.error,
+            "validation_points": stated.points,
             "baseline": f"uniform {BASELINE}",
-            "what": describe(value, target, predictor.regime_band(step, policy)),
+            "what": describe(value, target, stated.text),
             "column": f"predicted {target.name}",
             "detail": (
                 f"1.0 = uniform {BASELINE}'s predicted step time on {target.device} ({base.ms:.4g} ms; this policy "

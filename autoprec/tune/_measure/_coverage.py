@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from autoprec.tune._core._space import SearchSpace
-from autoprec.tune._measure._task import Workload
+from autoprec.tune._measure._task import Workload, random_state
 
 # A share of the step's matmul FLOPs outside the tuned layers below which nothing is said (attention's scores alone are
 # a few percent of a small transformer's)
@@ -68,7 +68,14 @@ class Coverage:
 
     @property
     def worth_saying(self) -> bool:
-        return 1.0 - self.flops_share >= SAY_FROM
+        # nothing counted (no matmul ran) is nothing to say, not "0% of the FLOPs"
+        counted = self.flops_share > 0 or bool(self.outside) or self.elsewhere_share > 0
+        return counted and 1.0 - self.flops_share >= SAY_FROM
+
+    @property
+    def weighted_outside_share(self) -> float:
+        """The matmul FLOPs in modules outside the tuned layers that hold their own weights (experts, convolutions)."""
+        return sum(o.flops_share for o in self.outside)
 
     def sentence(
         self,
@@ -124,22 +131,36 @@ class Coverage:
 def run_op(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> Any:
     """Call an aten op as a dispatch mode does, where the meta device's kernel is narrower than the real ones:
     torch._grouped_mm's meta kernel takes bf16 operands only (transformers' fp32 experts on the meta device), so there
-    it runs in bf16 and gives the dtype the real kernel would. Only shapes come out of the meta device, so nothing is lost."""
+    it runs in bf16 and gives the dtype the real kernel would (out_dtype, else the operands'). Only shapes come out of
+    the meta device, so nothing is lost. Operands of two dtypes are left to fail as on a real device."""
     grouped = getattr(torch.ops.aten, "_grouped_mm", None)
     if grouped is None or func._overloadpacket is not grouped:
         return func(*args, **kwargs)
-    tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
-    if not tensors or not all(t.is_meta for t in tensors) or all(t.dtype == torch.bfloat16 for t in tensors):
+    a, b = args[0], args[1]
+    if not (a.is_meta and b.is_meta) or a.dtype != b.dtype or a.dtype == torch.bfloat16:
         return func(*args, **kwargs)
-    low = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-    return func(*low, **kwargs).to(kwargs.get("out_dtype") or tensors[0].dtype)
+    # _grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None): the dispatcher passes them by position
+    rest = {**dict(zip(("offs", "bias", "out_dtype"), args[2:])), **kwargs}
+    out_dtype = rest.pop("out_dtype", None) or a.dtype
+    if isinstance(rest.get("bias"), torch.Tensor):
+        rest["bias"] = rest["bias"].to(torch.bfloat16)
+    return func(a.to(torch.bfloat16), b.to(torch.bfloat16), **rest).to(out_dtype)
 
 
 def coverage(workload: Workload, space: SearchSpace) -> Coverage:
     """The tuned layers' share of one forward of the loss on the first train batch (without gradients, the model as
-    built) and of the parameters, with the matmul work outside them by module class."""
+    built) and of the parameters, with the matmul work outside them by module class. The model's buffers (a
+    BatchNorm's running statistics) and the random generators are as they were after it: every candidate is copied
+    from this model and judged against the fp32 metric measured before."""
     model = workload.model
-    return count(model, lambda: workload.task.loss_fn(model, workload.train[0]), space.tunable_layers(model))
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with random_state(workload, 0):
+            return count(model, lambda: workload.task.loss_fn(model, workload.train[0]), space.tunable_layers(model))
+    finally:
+        with torch.no_grad():
+            for buffer, before in buffers:
+                buffer.copy_(before)
 
 
 def count(model: torch.nn.Module, run: Any, tuned: Collection[str]) -> Coverage:

@@ -5,13 +5,10 @@ much the fp32 result moves by chance (`noise_floor`); `sqnr_db`, how far one out
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import numbers
-import random
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -20,7 +17,7 @@ from autoprec.errors import UserError
 from autoprec.policy import Policy
 from autoprec.tune._core._config import METRIC_REPEAT_TOLERANCE
 from autoprec.tune._core._records import Candidate, as_candidate
-from autoprec.tune._measure._task import Workload, check_loss
+from autoprec.tune._measure._task import Workload, check_loss, random_state
 from autoprec.tune._measure._trainer import Trainer, matmul_precision, new_trainer, trained_model
 
 
@@ -190,26 +187,6 @@ def metric_name(workload: Workload) -> str:
     return "evaluate()" if workload.task.evaluate is not None else "-(mean eval loss)"
 
 
-@contextlib.contextmanager
-def _random_state(workload: Workload, seed: int) -> Iterator[None]:
-    """Seed torch's, Python's and (where imported) NumPy's global generators with `seed` for the block, and give
-    the caller back the states it had: the determinism check draws from two states without moving the user's."""
-    numpy = sys.modules.get("numpy")
-    saved_python = random.getstate()
-    saved_numpy = numpy.random.get_state() if numpy is not None else None
-    try:
-        with devices.lookup(workload.device).fork_rng(workload.device):
-            torch.manual_seed(seed)
-            random.seed(seed)
-            if numpy is not None:
-                numpy.random.seed(seed)
-            yield
-    finally:
-        random.setstate(saved_python)
-        if numpy is not None:
-            numpy.random.set_state(saved_numpy)
-
-
 def checked_fp32_metric(workload: Workload) -> float:
     """The all-fp32 model's metric, or one UserError naming the file when the user's evaluate() (or loss_fn on
     the eval batches) fails on it or gives a non-finite number: their bug, not a format's."""
@@ -217,9 +194,9 @@ def checked_fp32_metric(workload: Workload) -> float:
     try:
         # twice, from two different random states: a metric that moves on its own (sampling, a random eval subset,
         # even one drawn from a generator seeded by the process's seed) would rule formats out on its noise
-        with _random_state(workload, 1):
+        with random_state(workload, 1):
             fp32_metric = evaluate_metric(workload, Policy())
-        with _random_state(workload, 2):
+        with random_state(workload, 2):
             again = evaluate_metric(workload, Policy())
     except UserError:
         raise

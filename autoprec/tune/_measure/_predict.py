@@ -115,8 +115,12 @@ VALIDATION_POINTS = 23
 # layout (tensor-parallel or not).
 # Each validated regime's band is the largest |error| over the held-out points in it, and how many there are
 # (benchmarks/predict_points.py; tests/test_predict_points.py recomputes them); a model in no validated regime is
-# "outside the validated range". MoE experts' grouped GEMMs are no validated regime: they are priced as bf16 matmuls.
-WIDTH_CLASSES = ((1024, 2047), (2048, 16384))
+# "outside the validated range", as is a model where much of the matmul work runs in modules of their own outside the
+# Linears (MoE experts, convolutions: priced as bf16 matmuls, by no held-out point). The widest class ends at the
+# widest held-out model (Llama-3-70B, a lone Linear(8192)).
+WIDTH_CLASSES = ((1024, 2047), (2048, 8192))
+# The share of the step's matmul FLOPs in weighted modules outside the Linears past which no regime is validated
+OUTSIDE_LIMIT = 0.10
 LAYOUTS = {"dp": "data-parallel", "tp": "tensor-parallel"}  # a regime's layout: with --tp or without
 BANDS: Mapping[tuple[int, str, str], tuple[float, int]] = {
     (1024, "fp8-rowwise", "dp"): (0.08, 1),
@@ -483,29 +487,51 @@ def kernels(step: Step, policy: Policy) -> set[str]:
     """The low-precision GEMM kernels `policy` runs `step`'s Linears in (FormatFamily.gemm_casts)."""
     found: set[str] = set()
     for shape in step.linears:
-        fmt = format_of(shape.name, policy.layers)
-        found.update(c.kernel for c in fmt.family.gemm_casts(fmt) if c is not None)
+        found |= _kernels(format_of(shape.name, policy.layers))
     return found
 
 
-def regime_band(step: Step, policy: Policy) -> str:
-    """The band of `policy`'s prediction on `step` in words: its regime's (the largest over the kernels it runs), or
-    why it is outside the validated range."""
-    dim, used = width(step), sorted(kernels(step, policy))
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """A prediction's error band: its regime's largest held-out |error| and how many held-out points are in it, in
+    words; `error` None where the prediction is outside the validated range (`text` says why)."""
+
+    text: str
+    error: float | None = None
+    points: int = 0
+
+
+def regime_band(step: Step, policy: Policy, *, outside_share: float = 0.0) -> Band:
+    """The band of `policy`'s prediction on `step`: its regime's (the width of the Linears it lowers, the kernels it
+    runs them in, the layout; the largest band over its kernels), or why it is outside the validated range.
+    `outside_share`: the step's matmul FLOPs in weighted modules outside the Linears (Coverage)."""
+    lowered = Step(tuple(s for s in step.linears if _kernels(format_of(s.name, policy.layers))))
+    dim, used = width(lowered), sorted(kernels(step, policy))
     layout = "tp" if step.tensor_parallel > 1 else "dp"
     low = next((lo for lo, hi in WIDTH_CLASSES if lo <= dim <= hi), None)
     ranges = ", ".join(f"{lo}-{hi}" for lo, hi in WIDTH_CLASSES)
-    if low is None:
-        return f"outside the validated range: {dim} wide, where held-out points are {ranges} wide"
+    outside = "outside the validated range: "
     if not used:
-        return "outside the validated range: no held-out point prices a policy without a low-precision GEMM"
+        return Band(outside + "no held-out point prices a policy without a low-precision GEMM")
+    if outside_share >= OUTSIDE_LIMIT:
+        return Band(
+            outside + f"{outside_share:.0%} of the step's matmul FLOPs run outside the Linears (experts, convolutions), "
+            "priced in bf16, which no held-out point tests"
+        )
+    if low is None:
+        return Band(outside + f"the lowered Linears are {dim} wide, where held-out points are {ranges} wide")
     missing = [k for k in used if (low, k, layout) not in BANDS]
     if missing:
-        return f"outside the validated range: no held-out point runs {', '.join(missing)} at {dim} wide {LAYOUTS[layout]}"
+        return Band(outside + f"no held-out point runs {', '.join(missing)} at {dim} wide {LAYOUTS[layout]}")
     error = max(BANDS[low, k, layout][0] for k in used)
     points = sum(BANDS[low, k, layout][1] for k in used)
     hi = dict(WIDTH_CLASSES)[low]
-    return f"error +-{100 * error:.0f}% over {points} held-out points {low}-{hi} wide {LAYOUTS[layout]} in {', '.join(used)}"
+    text = f"error +-{100 * error:.0f}% over {points} held-out points {low}-{hi} wide {LAYOUTS[layout]} in {', '.join(used)}"
+    return Band(text, error, points)
+
+
+def _kernels(fmt: Format) -> set[str]:
+    return {c.kernel for c in fmt.family.gemm_casts(fmt) if c is not None}
 
 
 def describe(value: float, target: Target, band_text: str | None = None) -> str:
@@ -691,9 +717,10 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
     )
 
 
-# The largest model predict builds with its weights, on the CPU, where the meta device cannot run its loss (4 GB of
-# fp32 parameters): past it, the cause is named instead.
-REAL_TRACE_PARAMS = 10**9
+# The most work predict does on the CPU with the model's weights where the meta device cannot run its loss: twice
+# the parameters times the batch's largest tensor (about a forward's FLOPs), a few seconds of a small CPU; past it,
+# the cause is named instead.
+REAL_TRACE_WORK = 10**12
 # The most tokens per step --tokens takes: a thousand times the largest published pre-training batches (16M tokens)
 MAX_TOKENS = 10**12
 
@@ -714,8 +741,9 @@ class Traced:
 def traced(task: Task) -> Traced:
     """A model file's step shapes without its weights: the model built under the meta device (no memory, no values),
     one train batch moved there, its loss traced (trace_step). Where the meta device cannot run it (a kernel whose
-    meta version is narrower than the real one, a value read), the same on the CPU with the model's weights, for a
-    model of up to REAL_TRACE_PARAMS parameters. UserError naming the file and the cause where neither runs."""
+    meta version is narrower than the real one, a value read), the same on the CPU with the model's weights, up to
+    REAL_TRACE_WORK. UserError naming the file and the cause where neither runs, or where the loss's own bug shows on
+    the meta device."""
     from autoprec.tune._measure._task import built, meta_model, to_device
 
     model = meta_model(task, verb="predict")
@@ -731,22 +759,48 @@ def traced(task: Task) -> Traced:
         raise
     except Exception as exc:
         meta_failure = describe_error(exc, 200)
-    params = sum(p.numel() for p in model.parameters())
-    check = "check that loss_fn runs on a real batch (a bug there shows here too) and reads no tensor's value (.item(), a shape computed from values)"
-    if params > REAL_TRACE_PARAMS:
+        if not _meta_limit(exc):  # the loss's own bug: the CPU would only build the model (train, download) to say it
+            raise UserError(f"{task.path}: loss_fn could not run on the meta device ({meta_failure}); {_CHECK}") from exc
+    work = 2 * sum(p.numel() for p in model.parameters()) * _largest(batch)
+    if work > REAL_TRACE_WORK:
         raise UserError(
-            f"{task.path}: loss_fn could not run on the meta device ({meta_failure}), and the model's {params:,} "
-            f"parameters are more than predict builds on the CPU to trace it there ({REAL_TRACE_PARAMS:,}); {check}"
+            f"{task.path}: loss_fn could not run on the meta device ({meta_failure}), and tracing it on the CPU with the "
+            f"model's weights is more work than predict does there ({work:.1e} > {REAL_TRACE_WORK:.0e}: twice the "
+            f"parameters times the batch's largest tensor); {_CHECK}"
         )
-    real = built(task)
+    try:
+        real = built(task)
+    except UserError as exc:
+        raise UserError(
+            f"{task.path}: loss_fn could not run on the meta device ({meta_failure}), and building the model to trace "
+            f"it on the CPU failed: {exc}"
+        ) from exc
     try:
         with torch.no_grad():
             found = _trace(real, to_device(batch, torch.device("cpu")), task)
     except Exception as exc:
         on_cpu = describe_error(exc, 200)
         both = f"({on_cpu})" if on_cpu == meta_failure else f"on the CPU ({on_cpu}; on the meta device: {meta_failure})"
-        raise UserError(f"{task.path}: loss_fn could not run {both}; {check}") from exc
+        raise UserError(f"{task.path}: loss_fn could not run {both}; {_CHECK}") from exc
     return _with_linears(dataclasses.replace(found, device="cpu", meta_failure=meta_failure), task)
+
+
+_CHECK = (
+    "check that loss_fn runs on a real batch (a bug there shows here too) and reads no tensor's value (.item(), a "
+    "shape computed from values)"
+)
+
+
+def _meta_limit(exc: BaseException) -> bool:
+    """Whether an error is the meta device's, not the loss's: a value read (.item(), a data-dependent shape) or an op
+    without a meta kernel. torch names the meta device in each ("meta tensors", "the 'Meta' backend")."""
+    return "meta" in str(exc).lower()
+
+
+def _largest(batch: Any) -> int:
+    from torch.utils._pytree import tree_leaves
+
+    return max((t.numel() for t in tree_leaves(batch) if isinstance(t, torch.Tensor)), default=1)
 
 
 def _trace(model: torch.nn.Module, batch: Any, task: Task) -> Traced:
@@ -880,7 +934,7 @@ def command(
         )
     base, mine = predict(step, baseline(), device), predict(step, chosen, device)
     value = base.ms / mine.ms if mine.ms > 0 else 1.0
-    stated = regime_band(step, chosen)
+    stated = regime_band(step, chosen, outside_share=found.coverage.weighted_outside_share)
     result = {
         "model": str(model),
         "target": device.name,
@@ -890,11 +944,11 @@ def command(
         "bf16_ms": base.ms,
         "candidate_ms": mine.ms,
         "speedup": value,
-        "error": ERROR,
-        "validation_points": VALIDATION_POINTS,
+        "error": stated.error,
+        "validation_points": stated.points,
         "predicted": True,
-        "what": describe(value, device, stated),
-        "band": stated,
+        "what": describe(value, device, stated.text),
+        "band": stated.text,
         "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
         "kept_bf16": kept,
         "layout": {"dp_shard": shards, "grad_accum": micro, "tp": tensor, "checkpointing": recompute},
@@ -911,7 +965,7 @@ def command(
         + ("; full activation checkpointing" if recompute == "full" else ""),
         f"  uniform bf16: {base.ms:.4g} ms per step (predicted)",
         f"  {label}: {mine.ms:.4g} ms per step (predicted)",
-        f"  speedup: {describe(value, device, stated)}; not a measurement",
+        f"  speedup: {describe(value, device, stated.text)}; not a measurement",
         "  parts (ms, bf16 -> candidate): " + ", ".join(f"{k} {base.parts[k]:.3g} -> {mine.parts[k]:.3g}" for k in base.parts),
         f"  left out: {result['left_out']}",
     ]

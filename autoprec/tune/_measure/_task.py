@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import math
+import random
 import sys
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -361,3 +363,24 @@ def prepare(task: Task, device: str | torch.device) -> Workload:
     _check_optimizer(task, model)
     model.zero_grad(set_to_none=True)
     return Workload(task=task, device=device, model=model, train=train, eval=evals)
+
+
+@contextlib.contextmanager
+def random_state(workload: Workload, seed: int) -> Iterator[None]:
+    """Seed torch's, Python's and (where imported) NumPy's global generators with `seed` for the block, and give
+    the caller back the states it had: the determinism check draws from two states without moving the user's, and
+    counting the matmuls (_coverage) leaves them where they were."""
+    numpy = sys.modules.get("numpy")
+    saved_python = random.getstate()
+    saved_numpy = numpy.random.get_state() if numpy is not None else None
+    try:
+        with devices.lookup(workload.device).fork_rng(workload.device):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            if numpy is not None:
+                numpy.random.seed(seed)
+            yield
+    finally:
+        random.setstate(saved_python)
+        if numpy is not None:
+            numpy.random.set_state(saved_numpy)
