@@ -90,3 +90,76 @@ def test_a_mistake_is_one_line_and_exit_2(tmp_path, capsys, extra, said):
     code = main(["validate", str(MODELS / "drifting_mlp.py"), str(policy), *extra, "--device", "cpu", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and said in err, err
+
+
+NAN_FP16 = """
+import math
+import random
+
+import torch
+from torch import nn
+
+from autoprec.apply import applied_summary
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def batches(split):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    x = x * random.uniform(0.5, 1.5)  # an augmentation drawn from Python's generator
+    return nn.functional.cross_entropy(model(x).float(), y)
+
+
+def evaluate(model):
+    summary = applied_summary(model)
+    lowered = summary is not None and any(str(r.format) == "fp16" for r in summary.layers.values())
+    return math.nan if lowered else -random.random()  # an evaluation that draws too
+"""
+
+
+def test_an_augmentation_and_an_evaluation_drawn_from_pythons_generator_are_the_same_in_both_arms(tmp_path):
+    """A review found only torch's generator seeded per step: fp32 beside fp32 differed with random.uniform."""
+    path = tmp_path / "model.py"
+    path.write_text(NAN_FP16, encoding="utf-8")
+    v = validate(prepare(load_task(path), "cpu"), Policy(), 4, every=2, budget=0.0)
+    assert [p.policy_loss for p in v.curve] == [p.baseline_loss for p in v.curve] and v.final_drop == 0.0
+
+
+def test_a_metric_that_goes_non_finite_is_past_the_budget_and_written_as_null(tmp_path, capsys):
+    """A review found a NaN drop took no switch step (NaN > x is False) and json.dumps(allow_nan=False) raised."""
+    path = tmp_path / "model.py"
+    path.write_text(NAN_FP16, encoding="utf-8")
+    v = validate(prepare(load_task(path), "cpu"), Policy(layers={"0": "fp16"}), 4, every=2, budget=0.1)
+    assert v.holds is False and v.switch is not None and v.switch.step == 0  # raised from the start
+    policy = tmp_path / "policy.json"
+    Policy(layers={"0": "fp16"}).save(policy)
+    argv = ["validate", str(path), str(policy), "--steps", "4", "--every", "2", "--budget", "0.1", "--device", "cpu"]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--json"]) == 0  # the switch (all bf16) holds
+    record = json.loads(capsys.readouterr().out)
+    assert record["final_drop"] is None and record["holds"] is False
+
+
+@pytest.mark.parametrize(
+    ("layers", "extra", "said"),
+    [
+        ({"nope": "bf16"}, [], "apply_policy refuses this policy for"),
+        ({"fc1": "fp16"}, ["--seed", str(10**14)], "--seed 100000000000000: give"),
+    ],
+    ids=["a policy of another model", "a seed past NumPy's"],
+)
+def test_a_policy_of_another_model_and_a_seed_too_large_are_one_line(tmp_path, capsys, layers, extra, said):
+    policy = tmp_path / "policy.json"
+    Policy(layers=layers).save(policy)
+    argv = ["validate", str(MODELS / "drifting_mlp.py"), str(policy), "--steps", "2", *extra, "--device", "cpu"]
+    code = main([*argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("autoprec: error")]
+    assert code == 2 and len(errors) == 1 and said in errors[0] and "Traceback" not in err, err

@@ -9,6 +9,7 @@ import math
 
 from tqdm.auto import tqdm
 
+from autoprec.apply import policy_problem
 from autoprec.errors import UserError
 from autoprec.files import write_text
 from autoprec.policy import load_policy
@@ -16,7 +17,7 @@ from autoprec.tune._commands._shared import Verb, model_device, out_dir, prepare
 from autoprec.tune._core._budget import parse_budget
 from autoprec.tune._core._numbers import parse_integer
 from autoprec.tune._core._tables import text_table
-from autoprec.tune._measure._validate import BASELINES, Validation, validate
+from autoprec.tune._measure._validate import BASELINES, SEEDS, Validation, validate
 from autoprec.tune._report._plots import plot_validation
 from autoprec.tune.export._common import regular_file
 
@@ -42,6 +43,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise UserError(f"--steps {args.steps}: give the training steps of each arm, a whole number >= 1")
     if args.every is not None and not 1 <= args.every <= args.steps:
         raise UserError(f"--every {args.every}: give a whole number from 1 to --steps ({args.steps})")
+    if not 0 <= args.seed < SEEDS:
+        raise UserError(f"--seed {args.seed}: give a whole number from 0 to {SEEDS - 1}")
     given = None
     if args.budget is not None:
         try:
@@ -55,6 +58,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         args.device = str(default_device())
     device = model_device(args)
     task, _, workload = prepare_model(args, device, compiled=False)
+    refused = policy_problem(policy, workload.model)
+    if refused:
+        raise UserError(f"{args.policy}: apply_policy refuses this policy for {args.model}: {refused}")
     out = out_dir(args, task)
     budget = given if given is not None else _recorded_budget(policy)
     with tqdm(total=2 * args.steps, desc="training side by side", unit="step", disable=args.quiet or args.json) as bar:
@@ -147,12 +153,21 @@ def _record(v: Validation, args: argparse.Namespace) -> dict:
         "baseline": v.baseline,
         "steps": v.steps,
         "budget": v.budget,
-        "final_drop": v.final_drop,
+        "final_drop": _finite(v.final_drop),  # null where a metric went non-finite (the policy diverged)
         "holds": v.holds,
         "switch": None
         if v.switch is None
-        else {**v.switch.phase(), "step": v.switch.step, "drop": v.switch.drop, "holds": v.switch.drop <= (v.budget or 0)},
+        else {
+            **v.switch.phase(),
+            "step": v.switch.step,
+            "drop": _finite(v.switch.drop),
+            "holds": v.switch.drop <= (v.budget or 0),
+        },
     }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 VALIDATE = Verb(

@@ -832,7 +832,7 @@ def _whole(value: str | int, flag: str, what: str, most: int, example: int) -> i
         count = 0
     if not 0 < count <= most:
         shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}... ({len(str(value))} characters)"
-        raise UserError(f"{flag} {shown}: give {what}, a whole number from 1 to {most:.0e}, e.g. {example}")
+        raise UserError(f"{flag} {shown}: give {what}, a whole number from 1 to {most}, e.g. {example}")
     return count
 
 
@@ -845,7 +845,7 @@ def _tokens(value: str | int | None) -> int | None:
     """--tokens."""
     if value is None:
         return None
-    return _whole(value, "--tokens", "the tokens (rows) of one training step", MAX_TOKENS, 8192)
+    return _whole(value, "--tokens", "the tokens (rows) of one micro-batch", MAX_TOKENS, 8192)
 
 
 def command(
@@ -906,6 +906,9 @@ def command(
                 kept[shape.name] = problem
         chosen = uniform(candidate_format, step, keep=kept)
         label = f"{candidate_format.value} (every Linear it runs; the rest bf16)"
+        refused = policy_problem(chosen, found.model)  # the rest of apply_policy's rules: fp32 weights, names
+        if refused:
+            raise UserError(f"--format {fmt}: apply_policy refuses it for {model}, so predict does not price it: {refused}")
     else:
         chosen = given
         unknown = [n for n in chosen.layers if n != ROOT and n not in step.modules]

@@ -15,20 +15,19 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
-
-from autoprec import devices
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._core._budget import Budget
-from autoprec.tune._measure._metric import batch_order, metric_of
-from autoprec.tune._measure._task import Workload
-from autoprec.tune._measure._trainer import Trainer, matmul_precision
+from autoprec.tune._measure._metric import batch_order, trained_metric
+from autoprec.tune._measure._task import Workload, random_state
+from autoprec.tune._measure._trainer import Trainer, release_trainer
 
 BASELINES = ("fp32", "bf16")
 # the share of the budget the drop may reach before the switch: the layers are raised there, and the drop still grows a
 # little while the raised layers settle
 SWITCH_SHARE = 0.5
+# --seed's range: each step's and each evaluation's draws are seeded from it, within NumPy's seeds (below 2**32)
+SEEDS = 2**32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +88,8 @@ class Validation:
 
     @property
     def holds(self) -> bool | None:
-        """Whether the policy's drop at the end is within the budget; None without a budget."""
+        """Whether the policy's drop at the end is within the budget (never where it is not a number: a metric went
+        non-finite); None without a budget."""
         return None if self.budget is None else self.final_drop <= self.budget
 
 
@@ -160,7 +160,7 @@ def _switch_step(curve: Sequence[CurvePoint], budget: float) -> int:
         drop = point.drop
         if drop is None:
             continue
-        if drop > SWITCH_SHARE * budget:
+        if not math.isfinite(drop) or drop > SWITCH_SHARE * budget:  # a diverged metric is past every share
             return at
         at = point.step
     return at
@@ -178,30 +178,46 @@ def _arm(
 ) -> list[tuple[float, float | None]]:
     """One arm's (loss, metric or None) per step. `switch` (step, policy): from after that step the run goes on in the
     other policy, from this one's weights, optimizer state and loss scale (a checkpoint loads so: apply_policy keeps
-    the fp32 parameter names)."""
+    the fp32 parameter names). Each step and each evaluation draws from torch's, Python's and NumPy's generators
+    seeded by (seed, step), the same in every arm; the caller's states are given back. The arm's trainers are released
+    as it ends."""
     trainer = Trainer(workload, policy, order=order)
     out: list[tuple[float, float | None]] = []
-    for step in range(1, len(order) + 1):
-        if switch is not None and step == switch[0] + 1:
-            trainer = _carried(trainer, switch[1], order[switch[0] :])
-        with devices.lookup(workload.device).fork_rng(workload.device):
-            torch.manual_seed(seed * 1_000_003 + step)  # both arms draw the same dropout masks at each step
-            loss = float(trainer.step().detach())
-        metric = None
-        if step in evaluated:
-            with matmul_precision(workload.device, trainer.tf32):
-                metric = metric_of(workload, trainer.model)
-        out.append((loss, metric))
-        if progress is not None:
-            progress(1)
+    try:
+        for step in range(1, len(order) + 1):
+            if switch is not None and step == switch[0] + 1:
+                trainer = _carried(trainer, switch[1], order[switch[0] :])
+            with random_state(workload, _seed(seed, step, 0)):  # the same dropout masks, augmentations in every arm
+                loss = float(trainer.step().detach())
+            metric = None
+            if step in evaluated:
+                with random_state(workload, _seed(seed, step, 1)):
+                    metric = trained_metric(workload, trainer)
+            out.append((loss, metric))
+            if progress is not None:
+                progress(1)
+    finally:
+        release_trainer(trainer)
     return out
 
 
+def _seed(seed: int, step: int, kind: int) -> int:
+    """The draws of one step's training (kind 0) or evaluation (1): a seed below SEEDS, as NumPy takes."""
+    return (seed * 1_000_003 + 2 * step + kind) % SEEDS
+
+
 def _carried(trainer: Trainer, policy: Policy, order: Sequence[int]) -> Trainer:
-    """A Trainer of `policy` that goes on where `trainer` stands: its weights, optimizer state and loss scale."""
+    """A Trainer of `policy` that goes on where `trainer` stands: its weights, optimizer state and loss scale; the old
+    one is released (both on the device at once only while the state is copied)."""
     after = Trainer(trainer.workload, policy, order=order)
-    after.model.load_state_dict(trainer.model.state_dict())
-    after.optimizer.load_state_dict(trainer.optimizer.state_dict())
-    if trainer.scaler.is_enabled() and after.scaler.is_enabled():
-        after.scaler.load_state_dict(trainer.scaler.state_dict())
+    try:
+        after.model.load_state_dict(trainer.model.state_dict())
+        after.optimizer.load_state_dict(trainer.optimizer.state_dict())
+        if trainer.scaler.is_enabled() and after.scaler.is_enabled():
+            after.scaler.load_state_dict(trainer.scaler.state_dict())
+    except BaseException:
+        release_trainer(after)
+        raise
+    finally:
+        release_trainer(trainer)
     return after
