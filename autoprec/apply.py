@@ -38,7 +38,11 @@ _UNCALLED_CHILDREN: tuple[type[torch.nn.Module], ...] = (torch.nn.MultiheadAtten
 # Format object kept on the module is a str subclass that dynamo's guards do not tell apart between models (one ran
 # another's graph), where the plain name is guarded by its value. The family resolved too: no registry lookup is
 # traced, nor guarded on every call.
-_RESOLVED: dict[str, tuple[Format, FormatFamily]] = {}
+# Keyed by (name, family) as a plain int, so that a plugin's format unregistered and registered again under the same
+# name leaves the models applied before it on the family they were applied with.
+_RESOLVED: dict[int, tuple[Format, FormatFamily]] = {}
+_RESOLVED_KEYS: dict[tuple[str, int], int] = {}
+_RESOLVED_ATTR = "_autoprec_resolved"
 
 # Models with a policy applied, so grad_scaler(policy) can name their layers without being given the model.
 _APPLIED_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -141,7 +145,7 @@ def _policy_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _forward_in_format(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    fmt, family = _RESOLVED[getattr(self, _FORMAT_ATTR)]
+    fmt, family = _RESOLVED[getattr(self, _RESOLVED_ATTR)]
     device_type = _first_device_type(self, args, kwargs)
     out = family.forward(fmt, self, type(self).forward, device_type, args, kwargs)
     if torch.is_autocast_enabled(device_type):  # a caller in one half dtype meets a layer in the other (fp16, bf16)
@@ -515,7 +519,9 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
         module, own = paths[name], names[id(paths[name])]
         wrap = _needs_wrapper(fmt, own, paths, fmts)
         setattr(module, _FORMAT_ATTR, fmt.value)
-        _RESOLVED[fmt.value] = (fmt, fmt.family)
+        key = _RESOLVED_KEYS.setdefault((fmt.value, id(fmt.family)), len(_RESOLVED_KEYS))
+        _RESOLVED[key] = (fmt, fmt.family)  # the family held here: its id is not reused while the key stands
+        setattr(module, _RESOLVED_ATTR, key)
         if wrap and "forward" not in module.__dict__:
             module.forward = types.MethodType(_policy_forward_for(type(module)), module)
             low = frozenset(n for n, p in module.named_parameters() if p.is_floating_point() and p.dtype != torch.float32)

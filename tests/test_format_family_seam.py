@@ -329,3 +329,34 @@ def test_the_exporters_ask_the_family_for_block_scaled_gemms_and_recipes_not_its
     monkeypatch.setattr(ToyInt8Family, "recipe_name", lambda self, fmt: "toy_recipe")
     assert blockscaled_gemms(toy) == ("mxfp8", None, None) and blockscaled_recipe(toy) == "toy_recipe"
     assert blockscaled_gemms(Format("mxfp8")) == ("mxfp8", "mxfp8", "mxfp8") and blockscaled_recipe(Format("mxfp8")) == "mxfp8"
+
+
+class ZeroFamily(ToyInt8Family):
+    """Another family to register the toy format's name under: every output zero."""
+
+    name = "toy-zero"
+
+    def forward(self, fmt, module, inner, device_type, args, kwargs):
+        return torch.zeros(*args[0].shape[:-1], module.out_features)
+
+
+def test_a_model_keeps_the_family_it_was_applied_with_when_its_formats_name_is_registered_again(toy):
+    """A review found the applied layers found their family by the format's name alone: a plugin's format registered
+    again under that name moved every model applied before it to the new family."""
+    torch.manual_seed(0)
+    model, x = apply_policy(torch.nn.Sequential(torch.nn.Linear(4, 3)), Policy(layers={"0": TOY})), torch.randn(2, 4)
+    before = model(x)
+    unregister_format(TOY)
+    unregister_family("toy-int8")
+    register_family(ZeroFamily)
+    try:
+        register_format(TOY, family="toy-zero", inside="zeros", fallback=Format.FP32, risky=True, linear_only=True)
+        again = apply_policy(torch.nn.Sequential(torch.nn.Linear(4, 3)), Policy(layers={"0": TOY}))
+        assert again(x).abs().sum() == 0  # a model applied now gets the new family, and the first keeps its own
+        assert torch.equal(model(x), before) and before.abs().sum() > 0
+    finally:
+        unregister_format(TOY)
+        unregister_family("toy-zero")
+        register_family(ToyInt8Family)  # as the fixture left it, for its teardown
+        register_format(TOY, family="toy-int8", inside="int8 weight and input, one scale each (fake)",
+                        fallback=Format.FP32, risky=True, linear_only=True)  # fmt: skip

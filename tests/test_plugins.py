@@ -211,3 +211,11 @@ def test_an_abbreviated_plugin_flag_is_refused_rather_than_taken_and_never_loade
     out, err = capsys.readouterr()
     assert exited.value.code == 2 and out == "" and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and "unrecognized arguments: --plug" in err and "did you mean --plugin?" in err
+
+
+def test_a_bare_dash_before_the_verb_resembles_no_option(tmp_path, capsys):
+    """A review found `autoprec - show ...` answered "did you mean -h?": every option starts with "-"."""
+    with pytest.raises(SystemExit) as exited:
+        main(["-", "show", str(tmp_path / "policy.json")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "unrecognized arguments: -" in err and "did you mean" not in err, err

@@ -161,7 +161,13 @@ class _Parser(argparse.ArgumentParser):
                 return
             option = token.partition("=")[0]
             if option not in known:
-                close = [o for o in known if o.startswith(option)] or difflib.get_close_matches(option, list(known), n=1)
+                # a bare "-" or "--" resembles no option in particular
+                typed = len(option.lstrip("-")) >= 2
+                close = (
+                    ([o for o in known if o.startswith(option)] or difflib.get_close_matches(option, list(known), n=1))
+                    if typed
+                    else []
+                )
                 hint = f"; did you mean {close[0]}? (options are not abbreviated)" if close else ""
                 self._refuse(self.prog, f"unrecognized arguments: {token}{hint}")
             if token == option and known[option].nargs is None:  # `--plugin X`: X is its value, not the verb

@@ -151,19 +151,19 @@ def prepare_model(
     Refused first, before model.py is built (which may take minutes): --out naming a file, and a space file that
     `check_space` (a goal's Goal.check_space, ValueError naming the list) refuses."""
     ranks = getattr(args, "ranks", None)
-    if args.out and not (ranks is not None and ranks[0]):  # rank 0 writes the results: its disk is the one asked
-        check_not_a_file(Path(args.out))
-    space = load_space(args.space)
-    if check_space is not None:
-        try:
-            check_space(space)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
     noise = getattr(args, "library_noise", None)  # None under --debug, which shows libraries' lines
     # torchao imported by model.py (through transformers, say) logs its loader's noise while model.py may be setting
     # up handlers of its own (logging.basicConfig) that LibraryNoise has not covered yet; torchao is not imported here
     failed = None
-    try:
+    try:  # under torchrun a rank's failure, rank 0's --out among them, is every rank's to say (agree_ready)
+        if args.out and not (ranks is not None and ranks[0]):  # rank 0 writes the results: its disk is the one asked
+            check_not_a_file(Path(args.out))
+        space = load_space(args.space)
+        if check_space is not None:
+            try:
+                check_space(space)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
         with torchao_loading_quietly() if noise is not None else contextlib.nullcontext():
             task = load_task(args.model)
         if noise is not None:  # a library model.py imported may have set up its own handler

@@ -15,7 +15,7 @@ from autoprec.tune._core._records import Measured
 from autoprec.tune._report._show import coverage_line
 from autoprec.tune.export import ExportTarget, default_path, export, export_targets, options
 from autoprec.tune.export._common import regular_file
-from autoprec.tune.export.verify import linear_names, table, verify
+from autoprec.tune.export.verify import linear_names, shown_entry, table, verify
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,13 +50,13 @@ def _export_file_names(targets: Sequence[ExportTarget]) -> str:
     return f"<name>_<target>{usual}" + (f", or {', '.join(others)}" if others else "")
 
 
-def _policy(path: str) -> Policy:
+def searched_policy(path: str) -> Policy:
     """The policy file, refused in one line if it is not a regular file (reading a FIFO waits for a writer)."""
     return load_policy(regular_file(path, "give the policy.json a search wrote"))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    policy = _policy(args.policy)
+    policy = searched_policy(args.policy)
     source = Path(args.policy)
     out = Path(args.out) if args.out else default_path(source, args.to)
     if out.exists() and out.samefile(source):  # by the file itself: a link or another spelling of its path too
@@ -101,13 +101,13 @@ def _verify_code(result) -> int:
     """1 when a linear runs otherwise than the policy says under the exported file, naming them on stderr."""
     if result is None or not result.differing:
         return 0
-    names = ", ".join(printable(n if len(n) <= 80 else f"{n[:80]}...") for n in result.differing)  # an entry can be long
+    names = ", ".join(shown_entry(n) for n in result.differing)
     print(f"autoprec: the export differs from the policy at {names}", file=sys.stderr)
     return 1
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    result = _verified(args, Path(args.exported), _policy(args.policy), args.model, args.to)
+    result = _verified(args, Path(args.exported), searched_policy(args.policy), args.model, args.to)
     if args.json:
         print_json(args, result.to_dict())
     return _verify_code(result)

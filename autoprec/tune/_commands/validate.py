@@ -12,14 +12,13 @@ from tqdm.auto import tqdm
 from autoprec.apply import policy_problem
 from autoprec.errors import UserError
 from autoprec.files import write_text
-from autoprec.policy import load_policy
 from autoprec.tune._commands._shared import Verb, model_device, out_dir, prepare_model, print_json
+from autoprec.tune._commands.export import searched_policy
 from autoprec.tune._core._budget import parse_budget
 from autoprec.tune._core._numbers import parse_integer
 from autoprec.tune._core._tables import text_table
 from autoprec.tune._measure._validate import BASELINES, SEEDS, Validation, validate
 from autoprec.tune._report._plots import plot_validation
-from autoprec.tune.export._common import regular_file
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +50,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             given = parse_budget(args.budget)
         except ValueError as exc:
             raise UserError(f"--budget {args.budget}: {exc}") from None
-    policy = load_policy(regular_file(args.policy, "give the policy.json a search wrote"))
+    policy = searched_policy(args.policy)
     if args.device is None:
         from autoprec.devices import default_device
 

@@ -304,7 +304,8 @@ def measure_steps_or_fail(
     """measure_steps, and (name -> "Error: message") for the candidates whose model or first step failed (the
     user's code in a format it cannot run, a compiler error): a finding about that candidate, not a crash.
     `enough`, `more`, `retire`, `each_round`: as interleaved_times'. `peak_memory`: each candidate's peak memory, from
-    one more step after the timing (StepStats.peak_bytes). A candidate that fails in its timed rounds (out of the
+    one more step after its timing (StepStats.peak_bytes): after the last round, or, for one retired early, as it
+    retires, between two rounds (outside every round's clock), so that its memory is freed then. A candidate that fails in its timed rounds (out of the
     device's memory, say) is among the failed, and the others are timed on; one retired or failed frees its device
     memory at once (Trainer.release), the others once the timing ends."""
     failed: dict[str, str] = {}
@@ -355,7 +356,7 @@ def measure_steps_or_fail(
             )
             for name, trainer in trainers.items():  # the timed steps' counts, before the memory's extra step
                 done[name] = (_Counts.of(trainer), None)
-            if peak_memory:  # after the timing, never inside it
+            if peak_memory:  # after the last round (a retired candidate's was taken between rounds, as it retired)
                 for name, trainer in trainers.items():
                     done[name] = (done[name][0], peak_memory_or_none(trainer, name))
         finally:

@@ -22,11 +22,12 @@ from autoprec.tune._decide._goals import SPEED
 from autoprec.tune._measure._choices import role
 from autoprec.tune._measure._gradients import ScaleAdvice
 from autoprec.tune._measure._profile_data import PREDICTED, UNRUN, Profile, unrun
-from autoprec.tune._measure._validate import Validation
 from autoprec.tune._report._results import BudgetRow, SweepResult
 
 if TYPE_CHECKING:  # matplotlib only where a plot is drawn
     from matplotlib.figure import Figure
+
+    from autoprec.tune._measure._validate import Validation
 
 PathT = TypeVar("PathT", str, Path)  # a plot returns the path it was given
 

@@ -183,7 +183,8 @@ def _cut(layer: str) -> str:
     return layer if len(layer) <= 80 else f"{layer[:80]}... ({len(layer)} characters)"
 
 
-def _name(layer: str) -> str:
+def shown_entry(layer: str) -> str:
+    """A file's entry as every message prints it: cut to 80 characters, its control characters escaped."""
     return printable(_cut(layer))
 
 
@@ -193,7 +194,7 @@ def table(result: Verification) -> str:
     head = ("layer", "policy", "policy: fprop / dgrad / wgrad", f"{result.target}: fprop / dgrad / wgrad", "", "via")
     cells = [
         (
-            _name(r.layer) or "(root)",
+            shown_entry(r.layer) or "(root)",
             r.policy_format or "-",
             _gemms(r.expected, r.expected_fp8_all_gather),
             _gemms(r.resolved.gemms, r.resolved.fp8_all_gather),
@@ -207,7 +208,7 @@ def table(result: Verification) -> str:
     linears = [r for r in result.rows if r.close is None]
     differing = [r.layer for r in linears if not r.ok]
     if differing:
-        names = ", ".join(_name(n) for n in differing)
+        names = ", ".join(shown_entry(n) for n in differing)
         summary = f"{len(differing)} of {len(linears)} linears differ from the policy: {names}"
     else:
         summary = f"all {len(linears)} linears run as the policy says"
