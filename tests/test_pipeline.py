@@ -258,8 +258,10 @@ def test_a_search_stopped_in_its_trials_leaves_every_trial_it_finished_in_the_tr
         _small_search(tmp_path / "again")
     partial = list(csv.DictReader(open(tmp_path / "again" / "finalists.partial.csv")))
     assert {"fp32", "uniform bf16"} <= {r["candidate"] for r in partial}
-    assert all(int(r["rounds"]) == 2 and float(r["step_ms"]) > 0 for r in partial)
-    assert float(next(r for r in partial if r["candidate"] == "fp32")["speedup"]) == 1.0
+    # the rounds so far: two, or one for a candidate retired after the first (where bf16 is far slower, it may be)
+    assert all(int(r["rounds"]) in (1, 2) and float(r["step_ms"]) > 0 for r in partial)
+    fp32 = next(r for r in partial if r["candidate"] == "fp32")  # the baseline is timed in every round
+    assert float(fp32["speedup"]) == 1.0 and int(fp32["rounds"]) == 2
     assert not (tmp_path / "again" / "finalists.csv").exists()  # a result, written only as a whole
     assert written.count("trials.csv") >= 2  # after each of its trials
 

@@ -249,6 +249,7 @@ def test_predict_on_gpt2_smalls_shapes_with_fp8_on_an_h100_gives_no_real_gain(ca
     assert {"target", "bf16_ms", "candidate_ms", "speedup", "error"} <= set(result)
     assert result["target"] == "h100" and result["tokens"] == 16 * 256 and result["predicted"] is True
     assert result["speedup"] == pytest.approx(result["bf16_ms"] / result["candidate_ms"]) and result["speedup"] <= 1.05
+    assert result["absolute_validated"] is False  # issue 61, 4: a step time is not a capacity number
     # 768 wide: narrower than every held-out model, so no band is stated
     assert result["error"] is None and result["validation_points"] == 0
     assert result["band"].startswith("outside the validated range: the lowered Linears are 768 wide")
@@ -281,6 +282,7 @@ def test_predict_scales_to_the_given_tokens_and_prices_a_policy_file(capsys, tmp
     result = json.loads(out)
     assert result["tokens"] == 8192 and result["candidate"] == str(policy) and result["speedup"] > 0
     code, out, _ = run([str(path), "--target", "b200", "--format", "bf16"], capsys)
+    assert "ms per step (predicted; a step time, not a capacity plan: only the ratio of two is validated" in out
     assert code == 0 and "4 tokens per step" in out and "speedup: 1.00x uniform bf16, predicted for B200" in out
 
 

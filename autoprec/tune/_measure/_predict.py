@@ -957,6 +957,7 @@ def command(
         "layout": {"dp_shard": shards, "grad_accum": micro, "tp": tensor, "checkpointing": recompute},
         "coverage": found.coverage.to_dict(),
         "traced_on": found.device,
+        "absolute_validated": False,  # the times are the predictor's parts; only their ratio is checked against runs
         "left_out": "FSDP's communication, asynchronous tensor parallelism's overlap, host overhead, power and clock limits",
     }
     lines = [
@@ -966,7 +967,8 @@ def command(
         + (f"{shards} data-parallel ranks" if shards > 1 else "one rank (--dp-shard N: FSDP over N)")
         + (f"; tensor parallel over {tensor} ranks (sequence-parallel, collectives not overlapped)" if tensor > 1 else "")
         + ("; full activation checkpointing" if recompute == "full" else ""),
-        f"  uniform bf16: {base.ms:.4g} ms per step (predicted)",
+        f"  uniform bf16: {base.ms:.4g} ms per step (predicted; a step time, not a capacity plan: only the ratio of two "
+        "is validated, and communication, host time and the published runs' clocks are not in it)",
         f"  {label}: {mine.ms:.4g} ms per step (predicted)",
         f"  speedup: {describe(value, device, stated.text)}; not a measurement",
         "  parts (ms, bf16 -> candidate): " + ", ".join(f"{k} {base.parts[k]:.3g} -> {mine.parts[k]:.3g}" for k in base.parts),

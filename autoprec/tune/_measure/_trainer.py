@@ -453,7 +453,4 @@ def peak_memory_or_none(trainer: Trainer, name: str = "a candidate") -> int | No
 
 
 def step_stats(trainers: Mapping[str, Trainer], timings: Mapping[str, Timing]) -> dict[str, StepStats]:
-    return {
-        n: StepStats(timings[n], t.finite, t.steps, t.skipped, t.first_step_s if t.compiled else None)
-        for n, t in trainers.items()
-    }
+    return {n: _Counts.of(t).stats(timings[n], None) for n, t in trainers.items()}

@@ -365,7 +365,7 @@ def _first_last_bf16(config: dict[str, object], num_layers: int, layer: int, sai
     counts the same), else that rule: with first_last_layers_bf16, the first num_layers_at_start_in_bf16 and the
     last num_layers_at_end_in_bf16 layers. `said` names the settings, for the error."""
     on = bool(config.get("first_last_layers_bf16"))
-    start, end = (config.get(k, 1) if on else 0 for k in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"))
+    start, end = (config.get(k, SETTINGS[k]) if on else 0 for k in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"))
     if not (isinstance(start, int) and isinstance(end, int)):
         raise UserError(
             f"{said}: num_layers_at_start_in_bf16 and num_layers_at_end_in_bf16 must be integers, got {shown(start, 40)}, "
@@ -428,15 +428,16 @@ def arguments_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="Megatron-LM", allow_abbrev=False, add_help=False, exit_on_error=False)
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--fp8-format", dest="fp8", default=None, type=_choice("--fp8-format", ("e4m3", "hybrid")))
+    p.add_argument("--fp8-format", dest="fp8", default=SETTINGS["fp8"], type=_choice("--fp8-format", ("e4m3", "hybrid")))
     recipes = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
-    p.add_argument("--fp8-recipe", dest="fp8_recipe", default="delayed", type=_choice("--fp8-recipe", recipes))
-    p.add_argument("--fp4-format", dest="fp4", default=None, type=_choice("--fp4-format", ("e2m1",)))
-    p.add_argument("--fp4-recipe", dest="fp4_recipe", default="nvfp4", type=_choice("--fp4-recipe", ("nvfp4", "custom")))
+    p.add_argument("--fp8-recipe", dest="fp8_recipe", default=SETTINGS["fp8_recipe"], type=_choice("--fp8-recipe", recipes))
+    p.add_argument("--fp4-format", dest="fp4", default=SETTINGS["fp4"], type=_choice("--fp4-format", ("e2m1",)))
+    fp4_recipes = ("nvfp4", "custom")
+    p.add_argument("--fp4-recipe", dest="fp4_recipe", default=SETTINGS["fp4_recipe"], type=_choice("--fp4-recipe", fp4_recipes))
     p.add_argument("--first-last-layers-bf16", action="store_true")
     for end in ("start", "end"):
         flag = f"--num-layers-at-{end}-in-bf16"
-        p.add_argument(flag, type=_integer(flag), default=1)
+        p.add_argument(flag, type=_integer(flag), default=SETTINGS[f"num_layers_at_{end}_in_bf16"])
     return p
 
 
