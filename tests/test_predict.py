@@ -364,8 +364,14 @@ def test_predict_prices_a_mixtrals_experts_in_bf16_and_says_their_share(capsys, 
     found = predictor.traced(__import__("autoprec.tune", fromlist=["load_task"]).load_task(path))
     assert found.device == "meta" and found.meta_failure is None
     expert_flops = 2 * tokens * top_k * (hidden * 2 * inter + inter * hidden)  # each token's experts: gate_up, down
-    # forward and backward (3x) of the experts and the router, and attention's matmuls besides
-    assert found.step.other_flops > 3 * layers * (expert_flops + 2 * tokens * hidden * experts)
+    # the experts' grouped GEMMs, forward and backward (3x), apart from the other matmuls (the router's among them):
+    # priced at the grouped share of the bf16 peak (Calibration.grouped), about half a dense GEMM's
+    assert found.step.grouped_flops == 3 * layers * expert_flops
+    assert found.step.other_flops > 3 * layers * 2 * tokens * hidden * experts
+    parts = predictor.predict(found.step, predictor.baseline(), H100).parts
+    dense = found.step.other_flops / (989.5e12 * predictor.CALIBRATION.gemm["bf16"])
+    grouped = found.step.grouped_flops / (989.5e12 * predictor.CALIBRATION.grouped)
+    assert parts["other_matmuls"] == pytest.approx(1e3 * (dense + grouped))
     code, out, err = run([str(path), "--target", "h100", "--format", "fp8", "--json"], capsys)
     assert code == 0, err
     result = json.loads(out)

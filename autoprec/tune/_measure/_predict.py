@@ -76,7 +76,7 @@ class Calibration:
     """The predictor's fitted and assumed parameters (docs/planning.md says which is which): `gemm`, each kernel's
     fraction of its precision's peak at large shapes (the matmuls outside the Linears, attention's, reach bf16's);
     `tiles`, the output tiles at which a GEMM reaches half of it, and `contraction`, the K at which it does (the
-    per-shape curve); `memory`, the fraction of the bandwidth memory-bound passes reach; `casts`, that of a cast's
+    per-shape curve); `grouped`, the share of the bf16 peak a grouped GEMM (an MoE's experts) reaches; `memory`, the fraction of the bandwidth memory-bound passes reach; `casts`, that of a cast's
     passes by its scale's kind (cast_kind); `fusion`, the share of the bytes the traced step's other ops write and
     read that a compiled step still moves (torch.compile fuses chains of them)."""
 
@@ -86,6 +86,7 @@ class Calibration:
     tiles: float
     contraction: float
     casts: Mapping[str, float]
+    grouped: float = 0.349
 
 
 # Fitted on the calibration points of docs/planning.md (benchmarks/predict_points.py, `fit`), never on the points it
@@ -106,6 +107,10 @@ CALIBRATION = Calibration(
     contraction=61.6,
     # a block-scaled cast's passes run at `memory`'s share: no point measures them apart from the GEMM
     casts={"tensorwise": 0.551, "rowwise": 0.202, "block": 0.80},
+    # measured, not fitted: bf16 torch._grouped_mm forward and backward on a B200 at Llama-4-Scout's and DeepSeek-V3's
+    # expert shapes, 1 to 8 experts (torchao's moe_training README; published_points.md B33-B40), the median share of
+    # the bf16 peak, about half a dense GEMM's
+    grouped=0.349,
 )
 # The predictor's error band: the largest |error| over its validation points (not fitted on), and how many there are.
 # tests/test_predict_points.py recomputes both from the table.
@@ -169,6 +174,7 @@ class Step:
     tensor_parallel: int = 1
     checkpointing: bool = False  # full activation checkpointing: the forward runs again in the backward
     forward_other_flops: float | None = None  # other_flops' forward share (None: a third, a matmul's)
+    grouped_flops: float = 0.0  # grouped GEMMs' (torch._grouped_mm: an MoE's experts), forward and backward
     modules: tuple[str, ...] = ()  # every module's name (named_modules), where the step was traced from a model
 
     @property
@@ -182,7 +188,12 @@ class Step:
         linears = tuple(dataclasses.replace(s, tokens=s.tokens * k) for s in self.linears)
         forward = None if self.forward_other_flops is None else self.forward_other_flops * k
         return dataclasses.replace(
-            self, linears=linears, other_flops=self.other_flops * k, other_bytes=self.other_bytes * k, forward_other_flops=forward
+            self,
+            linears=linears,
+            other_flops=self.other_flops * k,
+            other_bytes=self.other_bytes * k,
+            forward_other_flops=forward,
+            grouped_flops=self.grouped_flops * k,
         )
 
 
@@ -390,7 +401,10 @@ def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIB
     forward = step.other_flops / 3 if step.forward_other_flops is None else step.forward_other_flops
     recompute = 1.0 if step.checkpointing else 0.0
     # attention's heads and the elementwise work's tokens (sequence parallelism) are split over the tensor-parallel ranks
-    parts["other_matmuls"] = 1e3 * (step.other_flops + recompute * forward) / tp / (peak * cal.gemm[BASELINE])
+    grouped = step.grouped_flops * (1 + recompute / 3)
+    parts["other_matmuls"] = (
+        1e3 * ((step.other_flops + recompute * forward) / (peak * cal.gemm[BASELINE]) + grouped / (peak * cal.grouped)) / tp
+    )
     parts["elementwise"] = 1e3 * step.other_bytes * (1 + recompute / 3) * cal.fusion / tp / _bandwidth(target, cal)
     if tp > 1:
         parts["communication"] = tp_communication_ms(step, policy, target, cal, roles)
@@ -629,7 +643,8 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
         if is_linear(module) and id(module) not in linears:
             linears[id(module)] = (name, module)  # type: ignore[assignment]
     depth = [0]
-    totals = {"flops": 0.0, "attention": 0.0, "elements": 0.0}
+    totals = {"flops": 0.0, "attention": 0.0, "elements": 0.0, "grouped": 0.0}
+    grouped_mm = getattr(torch.ops.aten, "_grouped_mm", None)
 
     readers: dict[int, tuple[str, torch.Tensor]] = {}  # an input tensor (kept alive: its id stays its own) -> first reader
     reads: dict[str, str] = {}
@@ -655,7 +670,8 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
                 return out  # inside a Linear: priced as its GEMMs
             packet = func._overloadpacket
             if packet in flop_registry:
-                totals["flops"] += float(flop_registry[packet](*args, **kwargs, out_val=out))
+                key = "grouped" if packet is grouped_mm else "flops"
+                totals[key] += float(flop_registry[packet](*args, **kwargs, out_val=out))
             elif packet.__name__.rstrip("_") not in _NO_BYTES:
                 for t in torch.utils._pytree.tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -714,6 +730,7 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
         params=params,
         modules=modules,
         forward_other_flops=totals["flops"] + totals["attention"] / 3.5,
+        grouped_flops=3 * totals["grouped"],
     )
 
 
