@@ -370,8 +370,19 @@ def test_predict_prices_a_mixtrals_experts_in_bf16_and_says_their_share(capsys, 
     assert found.step.other_flops > 3 * layers * 2 * tokens * hidden * experts
     parts = predictor.predict(found.step, predictor.baseline(), H100).parts
     dense = found.step.other_flops / (989.5e12 * predictor.CALIBRATION.gemm["bf16"])
-    grouped = found.step.grouped_flops / (989.5e12 * predictor.CALIBRATION.grouped)
-    assert parts["other_matmuls"] == pytest.approx(1e3 * (dense + grouped))
+    grouped = found.step.grouped_flops / (989.5e12 * predictor.CALIBRATION.grouped["bf16"])
+    assert parts["other_matmuls"] == pytest.approx(1e3 * dense) and parts["experts"] == pytest.approx(1e3 * grouped)
+    # priced in MXFP8 (a plan, --experts): at MXFP8's peak times its measured grouped share, quantisation included
+    mx = predictor.predict(found.step, predictor.baseline(), B200, experts=Format.MXFP8).parts["experts"]
+    assert mx == pytest.approx(1e3 * found.step.grouped_flops / (4500e12 * predictor.CALIBRATION.grouped["mxfp8"]))
+    code, out, err = run([str(path), "--target", "b200", "--format", "mxfp8", "--experts", "mxfp8", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["experts"] == "mxfp8" and result["parts_ms"]["candidate"]["experts"] < result["parts_ms"]["bf16"]["experts"]
+    for flag, said in ((["--experts", "nvfp4"], "no grouped GEMM timing of nvfp4 is known"),
+                       (["--experts", "mxfp8", "--target", "h100"], "--experts mxfp8: target h100 runs")):  # fmt: skip
+        code, out, err = run([str(path), "--target", "b200", "--format", "bf16", *flag], capsys)
+        assert code == 2 and out == "" and said in err, err
     code, out, err = run([str(path), "--target", "h100", "--format", "fp8", "--json"], capsys)
     assert code == 0, err
     result = json.loads(out)

@@ -20,6 +20,7 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", metavar="N", help="micro-batches per optimizer step (default 1)")
     p.add_argument("--tp", metavar="N", help="tensor-parallel ranks each Linear is sharded over (sequence-parallel; default 1)")
     p.add_argument("--checkpointing", metavar="{none,full}", help="activation checkpointing (default none)")
+    p.add_argument("--experts", metavar="F", help="price an MoE's grouped expert GEMMs in F (bf16 or mxfp8; a plan)")
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -33,6 +34,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum,
         tp=args.tp,
         checkpointing=args.checkpointing,
+        experts=args.experts,
     )
     if args.json:
         print_json(args, result, indent=2)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autoprec.apply import policy_problem
-from autoprec.errors import UserError
+from autoprec.errors import UserError, shown
 from autoprec.errors import describe as describe_error
 from autoprec.formats import GEMMS, Format, GemmCast, OperandCast
 from autoprec.policy import ROOT, Policy
@@ -71,12 +71,19 @@ OPERANDS = {
 }
 
 
+# Measured, not fitted: torch._grouped_mm forward and backward on a B200 at Llama-4-Scout's and DeepSeek-V3's expert
+# shapes, 1 to 8 experts (torchao's moe_training README; published_points.md B33-B40), the median share of the peak of
+# the kernel's precision: bf16's (about half a dense GEMM's), and MXFP8's with its quantisation included
+GROUPED = {"bf16": 0.349, "mxfp8": 0.276}
+
+
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """The predictor's fitted and assumed parameters (docs/planning.md says which is which): `gemm`, each kernel's
     fraction of its precision's peak at large shapes (the matmuls outside the Linears, attention's, reach bf16's);
     `tiles`, the output tiles at which a GEMM reaches half of it, and `contraction`, the K at which it does (the
-    per-shape curve); `grouped`, the share of the bf16 peak a grouped GEMM (an MoE's experts) reaches; `memory`, the fraction of the bandwidth memory-bound passes reach; `casts`, that of a cast's
+    per-shape curve); `grouped`, the share of its precision's peak a grouped GEMM (an MoE's experts) reaches by
+    kernel, its casts included; `memory`, the fraction of the bandwidth memory-bound passes reach; `casts`, that of a cast's
     passes by its scale's kind (cast_kind); `fusion`, the share of the bytes the traced step's other ops write and
     read that a compiled step still moves (torch.compile fuses chains of them)."""
 
@@ -86,7 +93,7 @@ class Calibration:
     tiles: float
     contraction: float
     casts: Mapping[str, float]
-    grouped: float = 0.349
+    grouped: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(GROUPED))
 
 
 # Fitted on the calibration points of docs/planning.md (benchmarks/predict_points.py, `fit`), never on the points it
@@ -107,10 +114,7 @@ CALIBRATION = Calibration(
     contraction=61.6,
     # a block-scaled cast's passes run at `memory`'s share: no point measures them apart from the GEMM
     casts={"tensorwise": 0.551, "rowwise": 0.202, "block": 0.80},
-    # measured, not fitted: bf16 torch._grouped_mm forward and backward on a B200 at Llama-4-Scout's and DeepSeek-V3's
-    # expert shapes, 1 to 8 experts (torchao's moe_training README; published_points.md B33-B40), the median share of
-    # the bf16 peak, about half a dense GEMM's
-    grouped=0.349,
+    grouped=GROUPED,
 )
 # The predictor's error band: the largest |error| over its validation points (not fitted on), and how many there are.
 # tests/test_predict_points.py recomputes both from the table.
@@ -381,9 +385,12 @@ def outer_autocast(name: str, layers: Mapping[str, Format]) -> str | None:
     return autocast_name(root.family.autocast_dtype(root))
 
 
-def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIBRATION) -> Prediction:
-    """The predicted step time of `step` under `policy` on `target`, by part. KeyError names a GEMM precision the
-    target does not run (the caller refuses those first: lacking)."""
+def predict(
+    step: Step, policy: Policy, target: Target, cal: Calibration = CALIBRATION, *, experts: Format | None = None
+) -> Prediction:
+    """The predicted step time of `step` under `policy` on `target`, by part; `experts`: the format an MoE's grouped
+    GEMMs run in (None: bf16; grouped_kernel says which it prices). KeyError names a GEMM precision the target does
+    not run (the caller refuses those first: lacking)."""
     tp = max(step.tensor_parallel, 1)
     roles = tp_roles(step) if tp > 1 else {}
     parts = dict.fromkeys(("gemms", "casts", "conversions"), 0.0)
@@ -402,9 +409,10 @@ def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIB
     recompute = 1.0 if step.checkpointing else 0.0
     # attention's heads and the elementwise work's tokens (sequence parallelism) are split over the tensor-parallel ranks
     grouped = step.grouped_flops * (1 + recompute / 3)
-    parts["other_matmuls"] = (
-        1e3 * ((step.other_flops + recompute * forward) / (peak * cal.gemm[BASELINE]) + grouped / (peak * cal.grouped)) / tp
-    )
+    parts["other_matmuls"] = 1e3 * (step.other_flops + recompute * forward) / (peak * cal.gemm[BASELINE]) / tp
+    if step.grouped_flops:  # an MoE's experts, at a grouped GEMM's measured share of its precision's peak
+        precision, kernel = grouped_kernel(experts or Format(BASELINE))
+        parts["experts"] = 1e3 * grouped / (target.tflops[precision] * 1e12 * cal.grouped[kernel]) / tp
     parts["elementwise"] = 1e3 * step.other_bytes * (1 + recompute / 3) * cal.fusion / tp / _bandwidth(target, cal)
     if tp > 1:
         parts["communication"] = tp_communication_ms(step, policy, target, cal, roles)
@@ -413,6 +421,20 @@ def predict(step: Step, policy: Policy, target: Target, cal: Calibration = CALIB
     ranks = max(step.shards, 1) * tp
     parts["optimizer"] = 1e3 * step.params * OPTIMIZER_BYTES / ranks / _bandwidth(target, cal)
     return Prediction(target.name, parts)
+
+
+def grouped_kernel(fmt: Format) -> tuple[str, str]:
+    """(precision, kernel) of an MoE's grouped GEMMs in `fmt`: one of GROUPED's kernels, the same for the three GEMMs.
+    ValueError naming the formats that have one."""
+    casts = fmt.family.gemm_casts(fmt)
+    precisions = fmt.family.gemm_precisions(fmt, BASELINE)
+    kernels = {c.kernel if c is not None else p for c, p in zip(casts, precisions)}
+    if len(kernels) != 1 or len(set(precisions)) != 1 or next(iter(kernels)) not in GROUPED:
+        raise ValueError(
+            f"no grouped GEMM timing of {fmt.value} is known: the experts can be priced in "
+            f"{' or '.join(GROUPED)} (their measured grouped GEMMs, published_points.md B33-B40)"
+        )
+    return precisions[0], next(iter(kernels))
 
 
 def tp_roles(step: Step) -> dict[str, str]:
@@ -530,7 +552,7 @@ def regime_band(step: Step, policy: Policy, *, outside_share: float = 0.0) -> Ba
     if outside_share >= OUTSIDE_LIMIT:
         return Band(
             outside + f"{outside_share:.0%} of the step's matmul FLOPs run outside the Linears (experts, convolutions), "
-            "priced in bf16, which no held-out point tests"
+            "which no held-out point tests"
         )
     if low is None:
         return Band(outside + f"the lowered Linears are {dim} wide, where held-out points are {ranges} wide")
@@ -876,11 +898,13 @@ def command(
     grad_accum: str | int | None = None,
     tp: str | int | None = None,
     checkpointing: str | None = None,
+    experts: str | None = None,
 ) -> tuple[dict[str, Any], str]:
     """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
     `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
     the optimizer's work (FSDP), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `checkpointing`
-    "full" or "none". UserError for a user's mistake."""
+    "full" or "none", `experts` the format an MoE's grouped GEMMs are priced in (a plan: apply_policy runs them in
+    the model root's). UserError for a user's mistake."""
     from autoprec.formats import parse_format
     from autoprec.policy import load_policy
     from autoprec.tune._core._targets import target_named, targets
@@ -896,6 +920,15 @@ def command(
     tensor = _count(tp, "--tp", "the tensor-parallel ranks each Linear is sharded over")
     if tensor > 1 and device.link_gbs <= 0:
         raise UserError(f"--tp {tensor}: target {device.name} has no NVLink bandwidth to price its collectives; --tp 1")
+    grouped_format = None
+    if experts is not None:
+        try:
+            grouped_format = parse_format(experts, field="--experts")
+            grouped_kernel(grouped_format)
+        except ValueError as exc:
+            raise UserError(f"--experts {shown(experts, 40)}: {exc}") from None
+        if lacking({grouped_format}, device):
+            raise UserError(f"--experts {grouped_format.value}: target {device.name} runs {', '.join(device.runs)}, not it")
     recompute = (checkpointing or "none").strip().lower()
     if recompute not in CHECKPOINTING:
         raise UserError(f"--checkpointing {checkpointing!r}: give one of {', '.join(CHECKPOINTING)}")
@@ -952,7 +985,7 @@ def command(
             f"target {device.name} ({device.device}) runs {', '.join(device.runs)}, not {needs}: {where}; or predict "
             f"a format {device.name} runs"
         )
-    base, mine = predict(step, baseline(), device), predict(step, chosen, device)
+    base, mine = predict(step, baseline(), device), predict(step, chosen, device, experts=grouped_format)
     value = base.ms / mine.ms if mine.ms > 0 else 1.0
     stated = regime_band(step, chosen, outside_share=found.coverage.weighted_outside_share)
     result = {
@@ -971,6 +1004,7 @@ def command(
         "band": stated.text,
         "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
         "kept_bf16": kept,
+        "experts": None if grouped_format is None else grouped_format.value,
         "layout": {"dp_shard": shards, "grad_accum": micro, "tp": tensor, "checkpointing": recompute},
         "coverage": found.coverage.to_dict(),
         "traced_on": found.device,
@@ -997,11 +1031,18 @@ def command(
             3,
             f"  {len(kept)} Linear(s) {candidate_format.value} cannot run, priced in bf16: {first!r} ({why}){', ...' if len(kept) > 1 else ''}",
         )
+    if grouped_format is not None:
+        lines.append(
+            f"  experts: their grouped GEMMs priced in {grouped_format.value}, a plan: apply_policy runs an MoE's "
+            "grouped experts in the model root's format, and no end-to-end MoE point validates this"
+        )
     if found.coverage.worth_saying:
         lines.append(
             "  outside the Linears: "
             + found.coverage.sentence(
-                tuned="Linears priced in the policy's formats", rest="is priced in bf16 whatever the policy"
+                tuned="Linears priced in the policy's formats",
+                rest="is priced in bf16 whatever the policy"
+                + (f" (but the grouped experts, in {grouped_format.value} by --experts)" if grouped_format else ""),
             )
         )
     if found.meta_failure:
