@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from autoprec.formats import Format  # noqa: E402
 from autoprec.policy import ROOT as MODEL_ROOT  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
 from autoprec.tune._core._targets import target_named  # noqa: E402
@@ -61,6 +62,7 @@ class Point:
     fmt: str  # the format the point lowers its Linears to: its kernels are its regime's (predictor.regime_band)
     width: int  # the model's width (d_model; a lone Linear's features): its regime's
     tp: bool = False  # trained with tensor parallelism: its regime's
+    moe: bool = False  # an MoE whose grouped experts do much of the matmul work: its regime's
     unit: str = "x"  # "x": a speedup over bf16; "ms": a step time
     note: str = ""
     # the fitted point it computes exactly as (another publication of the same run): shown, but no test of the
@@ -92,10 +94,12 @@ def _decoder(
     tail: int = 0,
     tp: int = 1,
     checkpointing: bool = False,
+    experts: str | None = None,
 ) -> Callable[[predictor.Calibration], float]:
-    """A decoder (benchmarks/models/decoder.py; Llama-3-8B's by default) with every Linear but the output layer in
-    `fmt` (the float8 and MX converters' usual filter) but the last `tail` blocks', the rest bf16, over uniform bf16,
-    the optimizer split over `gpus` data-parallel ranks (and `tp` tensor-parallel ones)."""
+    """A decoder (benchmarks/models/decoder.py; Llama-3-8B's by default) with every Linear but the output layer and an
+    MoE's router in `fmt` (the float8 and MX converters' usual filter; `fmt` "bf16": none) but the last `tail`
+    blocks', the rest bf16, over uniform bf16, the optimizer split over `gpus` data-parallel ranks (and `tp`
+    tensor-parallel ones); an MoE's grouped experts in `experts` (None: bf16)."""
 
     def compute(cal: predictor.Calibration) -> float:
         step = dataclasses.replace(decoder_step(shape), shards=gpus, tensor_parallel=tp, checkpointing=checkpointing)
@@ -103,9 +107,10 @@ def _decoder(
         first_bf16 = shape.layers - tail
         for s in step.linears:
             block = s.name.split(".")[1] if s.name.startswith("layers.") else None
-            if s.name != "output" and (block is None or int(block) < first_bf16):
+            if s.name != "output" and not s.name.endswith(".router") and (block is None or int(block) < first_bf16):
                 layers[s.name] = fmt
-        return predictor.speedup(step, Policy(layers=layers), target_named(target), cal)
+        grouped = None if experts is None else Format(experts)
+        return predictor.speedup(step, Policy(layers=layers), target_named(target), cal, experts=grouped)
 
     return compute
 
@@ -120,6 +125,9 @@ LLAMA3_8B_GB200 = dataclasses.replace(decoder.LLAMA3_8B, seq=2048, batch=32)
 TITAN_NVFP4 = "torchtitan PR #3914 / nvfp4.md (4x GB200; published_points.md A44-A48)"
 AO_PR940 = "pytorch/ao PR #940 message (8x H100, no fp8 all-gather; published_points.md A14-A16)"
 NANOCHAT = "karpathy/nanochat dev/LOG.md 2026-02-02 (8x H100; published_points.md A21-A22)"
+SCOUT = "torchao moe_training README, Llama4 Scout end-to-end with torchtitan (4x B200; published_points.md A38-A40)"
+# Llama-4-Scout cut to 2 blocks, 8 sequences of 8192 a GPU (FSDP 4, expert parallelism 4: its all-to-alls not priced)
+SCOUT_2 = dataclasses.replace(decoder.LLAMA4_SCOUT, layers=2, batch=8)
 ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP rows (published_points.md A5-A10)"
 # Llama-3-70B at torchtitan's TP benchmark: 16 sequences of 8192 a data-parallel rank (its tensor-parallel group)
 LLAMA3_70B = decoder.Shape(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192, batch=16)
@@ -337,6 +345,41 @@ POINTS = (
         note="sliding-window attention priced as full causal",
     ),
     Point(
+        "Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 Linears",
+        "b200",
+        1.053,
+        SCOUT,
+        False,
+        _decoder("mxfp8", "b200", 4, SCOUT_2),
+        "mxfp8",
+        SCOUT_2.dim,
+        moe=True,
+        note="the router and output in bf16; the experts' all-to-alls not priced",
+    ),
+    Point(
+        "Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 experts",
+        "b200",
+        1.404,
+        SCOUT,
+        False,
+        _decoder("bf16", "b200", 4, SCOUT_2, experts="mxfp8"),
+        "mxfp8",
+        SCOUT_2.dim,
+        moe=True,
+        note="the grouped GEMMs at their measured share",
+    ),
+    Point(
+        "Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 Linears and experts",
+        "b200",
+        1.433,
+        SCOUT,
+        False,
+        _decoder("mxfp8", "b200", 4, SCOUT_2, experts="mxfp8"),
+        "mxfp8",
+        SCOUT_2.dim,
+        moe=True,
+    ),
+    Point(
         "Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise",
         "h100",
         1.160,
@@ -544,8 +587,6 @@ def filter_markdown(grid: list[tuple[str, int, int, bool, float]]) -> str:
 def regime_bands(rows: list[Row]) -> dict[tuple[int, str], tuple[float, int]]:
     """Each regime's band (predictor.BANDS): the largest |error| over the held-out points of a width class that run a
     kernel, rounded up to a whole percent, and how many there are."""
-    from autoprec.formats import Format
-
     errors: dict[tuple[int, str], list[float]] = {}
     for r in rows:
         if r.point.fitted or r.point.repeats:
@@ -554,7 +595,7 @@ def regime_bands(rows: list[Row]) -> dict[tuple[int, str], tuple[float, int]]:
         if low is None:
             raise ValueError(f"{r.point.name}: {r.point.width} wide is in no width class {predictor.WIDTH_CLASSES}")
         fmt = Format(r.point.fmt)
-        layout = "tp" if r.point.tp else "dp"
+        layout = "moe" if r.point.moe else "tp" if r.point.tp else "dp"
         for kernel in {c.kernel for c in fmt.family.gemm_casts(fmt) if c is not None}:
             errors.setdefault((low, kernel, layout), []).append(abs(r.error))
     return {key: (math.ceil(100 * max(e) - 1e-9) / 100, len(e)) for key, e in sorted(errors.items())}
@@ -578,8 +619,8 @@ def markdown(rows: list[Row]) -> str:
     lines.append("")
     lines.append(
         f"Held out: {n} points, median |error| {100 * statistics.median(held):.1f}%, the largest {100 * err:.0f}%. Each "
-        "prediction states its regime's band (the model's width class, the kernels its policy runs, and whether it trains "
-        "tensor-parallel):"
+        "prediction states its regime's band (the model's width class, the kernels its policy runs, and the layout: "
+        "data-parallel, tensor-parallel, or an MoE):"
     )
     lines.append("")
     lines.append("| width | kernel | layout | band | held-out points |")

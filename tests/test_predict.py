@@ -625,3 +625,14 @@ def test_predict_of_a_format_refuses_what_apply_policy_refuses_for_the_model(cap
     code, out, err = run([str(path), "--target", "h100", "--format", "fp8"], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "--format fp8: apply_policy refuses it for" in err and "torch.bfloat16 weights" in err
+
+
+def test_an_moe_whose_grouped_experts_do_much_of_the_work_is_in_the_moe_regime():
+    """Llama-4-Scout's points validate the MoE regime (its band, with the experts priced in MXFP8 or not); a step
+    whose matmuls outside the Linears are not grouped experts (convolutions) stays outside the validated range."""
+    linear = LinearShape("fc", 4096, 4096, 8192.0)
+    step = Step((linear,), grouped_flops=predictor.linear_flops(Step((linear,))))  # the experts do half the work
+    band = predictor.regime_band(step, predictor.baseline(), outside_share=0.5, experts=Format.MXFP8)
+    assert band.error == predictor.BANDS[2048, "mxfp8", "moe"][0] and "wide MoE in mxfp8" in band.text
+    dense = Step((linear,))
+    assert predictor.regime_band(dense, predictor.uniform("mxfp8", dense), outside_share=0.5).error is None

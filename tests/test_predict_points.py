@@ -52,6 +52,9 @@ PINNED = {
     ("Qwen3-8B, 4 GPUs, NVFP4 with a bf16 tail (blocks 30-35)", "gb200"): 4.7,
     ("nanochat d26 (1664 wide), 8 GPUs, fp8 tensorwise", "h100"): 1.2,
     ("nanochat d26 (1664 wide), 8 GPUs, fp8 rowwise", "h100"): 8.0,
+    ("Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 Linears", "b200"): 1.2,
+    ("Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 experts", "b200"): 21.9,
+    ("Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 Linears and experts", "b200"): 18.0,
     ("Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise", "h100"): 1.3,
     ("Llama-3-8B, FSDP 8 x TP 8, fp8 rowwise", "h100"): 2.1,
     ("Llama-3-8B, FSDP 2 x TP 2, fp8 rowwise", "h100"): 3.4,
@@ -67,7 +70,7 @@ def test_no_held_out_point_is_worse_than_pinned_and_the_stated_bands_are_the_tab
     assert not worse, worse
     assert points.band(rows) == (predictor.ERROR, predictor.VALIDATION_POINTS)
     assert points.regime_bands(rows) == predictor.BANDS
-    # four families of models (a lone Linear, Llama-3, Qwen3, nanochat), four GPUs
+    # five families of models (a lone Linear, Llama-3, Qwen3, nanochat, Llama-4-Scout's MoE), four GPUs
     assert {r.point.target for r in rows} == {"h100", "h200", "b200", "gb200"}
     assert predictor.band() == f"error +-{100 * predictor.ERROR:.0f}% over {predictor.VALIDATION_POINTS} validation points"
     # fitted points are few, and fit (within 3%: the fit also reads half of the GEMM-level shapes)

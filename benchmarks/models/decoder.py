@@ -4,7 +4,8 @@
 takes the shape as an argument (Qwen3-8B, nanochat d26, Llama-3-8B at another sequence length).
 
 The blocks: RMSNorm, rotary embedding, grouped-query attention (fused, causal), and either SwiGLU (w1, w3 -> w2) or,
-with `gated=False`, nanochat's relu^2 MLP (c_fc -> c_proj); an untied output layer.
+with `gated=False`, nanochat's relu^2 MLP (c_fc -> c_proj), or, with `experts`, a Mixture-of-Experts FFN (a router
+Linear, routed experts run by torch._grouped_mm, a shared SwiGLU expert); an untied output layer.
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ class Shape:
     seq: int
     batch: int = 1
     gated: bool = True  # SwiGLU; False: relu^2 (nanochat)
+    experts: int = 0  # routed experts of a Mixture-of-Experts FFN (0: a dense FFN), each `ffn` wide
+    top_k: int = 1
+    shared_ffn: int = 0  # a shared expert's width beside the routed ones (0: none)
 
 
+# Llama-4-Scout (17B active, 16 experts): every block an MoE of 16 experts, top-1, and a shared expert, 8192 wide
+LLAMA4_SCOUT = Shape(
+    dim=5120, layers=48, heads=40, kv_heads=8, ffn=8192, vocab=202048, seq=8192, experts=16, top_k=1, shared_ffn=8192
+)
 LLAMA3_8B = Shape(dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
 QWEN3_8B = Shape(dim=4096, layers=36, heads=32, kv_heads=8, ffn=12288, vocab=151936, seq=2048, batch=16)
 NANOCHAT_D26 = Shape(dim=1664, layers=26, heads=13, kv_heads=13, ffn=6656, vocab=32768, seq=2048, batch=32, gated=False)
@@ -60,20 +68,73 @@ def _rotate(x, cos, sin):
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
+class _Experts(nn.Module):
+    """The routed experts as torchtitan and transformers 5 run them: fused 3-D weights, torch._grouped_mm over the
+    tokens sorted by expert. The routing is balanced (each expert takes an equal share), as the published MoE runs
+    force it or near enough: the trace needs shapes, not the router's values."""
+
+    def __init__(self, s: Shape):
+        super().__init__()
+        self.s = s
+        self.w13 = nn.Parameter(torch.empty(s.experts, s.dim, 2 * s.ffn))
+        self.w2 = nn.Parameter(torch.empty(s.experts, s.ffn, s.dim))
+
+    def forward(self, tokens):
+        rows = tokens.shape[0] * self.s.top_k
+        routed = tokens.repeat(self.s.top_k, 1)
+        offs = torch.arange(1, self.s.experts + 1, device=tokens.device, dtype=torch.int32) * (rows // self.s.experts)
+        gate, up = torch._grouped_mm(routed, self.w13, offs=offs).chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(gate) * up, self.w2, offs=offs)
+        return out.view(self.s.top_k, tokens.shape[0], -1).sum(0)
+
+
+class _MoE(nn.Module):
+    def __init__(self, s: Shape):
+        super().__init__()
+        self.router = nn.Linear(s.dim, s.experts, bias=False)
+        self.experts = _Experts(s)
+        self.shared = _FFN(s.dim, s.shared_ffn, gated=True) if s.shared_ffn else None
+
+    def forward(self, h):
+        b, t, d = h.shape
+        tokens = h.reshape(b * t, d)
+        weight = torch.sigmoid(self.router(tokens).amax(-1, keepdim=True))  # the top-1 score, as Llama-4 scales it
+        out = self.experts(tokens * weight)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.view(b, t, d)
+
+
+class _FFN(nn.Module):
+    def __init__(self, dim: int, ffn: int, gated: bool):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn, bias=False)
+        self.w3 = nn.Linear(dim, ffn, bias=False) if gated else None
+        self.w2 = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, h):
+        inner = F.silu(self.w1(h)) * self.w3(h) if self.w3 is not None else F.relu(self.w1(h)).square()
+        return self.w2(inner)
+
+
 class _Block(nn.Module):
     def __init__(self, s: Shape):
         super().__init__()
-        self.gated = s.gated
         self.attention_norm = nn.RMSNorm(s.dim)
         self.attention = _Attention(s)
         self.ffn_norm = nn.RMSNorm(s.dim)
-        self.w1 = nn.Linear(s.dim, s.ffn, bias=False)
-        self.w3 = nn.Linear(s.dim, s.ffn, bias=False) if s.gated else None
-        self.w2 = nn.Linear(s.ffn, s.dim, bias=False)
+        if s.experts:
+            self.moe = _MoE(s)
+        else:  # the dense FFN's Linears directly under the block, as examples/llama3_8b names them
+            self.w1 = nn.Linear(s.dim, s.ffn, bias=False)
+            self.w3 = nn.Linear(s.dim, s.ffn, bias=False) if s.gated else None
+            self.w2 = nn.Linear(s.ffn, s.dim, bias=False)
 
     def forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
         h = self.ffn_norm(x)
+        if hasattr(self, "moe"):
+            return x + self.moe(h)
         inner = F.silu(self.w1(h)) * self.w3(h) if self.w3 is not None else F.relu(self.w1(h)).square()
         return x + self.w2(inner)
 
