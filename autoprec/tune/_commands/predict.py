@@ -1,12 +1,227 @@
-"""`autoprec predict`: a policy's training-step time on a target GPU, from the model's shapes (no GPU needed)."""
+"""`autoprec predict`: a policy's training-step time on a target GPU, from the model's shapes (no GPU needed). The
+predictor is autoprec/tune/_measure/_predict.py; this reads the flags, refuses mistakes in one line, and says the
+prediction (text and --json)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Any
 
+from autoprec.apply import policy_problem
+from autoprec.errors import UserError, shown
+from autoprec.policy import ROOT
 from autoprec.tune._commands._shared import Verb, print_json
+from autoprec.tune._core._numbers import NotANumber, parse_integer
 from autoprec.tune._core._targets import targets as planned_for
-from autoprec.tune._measure._predict import command
+from autoprec.tune._measure._predict import (
+    baseline,
+    describe,
+    grouped_kernel,
+    lacking,
+    predict,
+    regime_band,
+    traced,
+    uniform,
+)
+
+# The most tokens per step --tokens takes: a thousand times the largest published pre-training batches (16M tokens)
+MAX_TOKENS = 10**12
+
+# --checkpointing's choices: none, or the whole forward recomputed in the backward
+CHECKPOINTING = ("none", "full")
+# The most data-parallel ranks --dp-shard takes, and micro-batches --grad-accum takes
+MAX_RANKS = 10**6
+
+
+def _whole(value: str | int, flag: str, what: str, most: int, example: int) -> int:
+    """A flag's whole number from 1 to `most` in ASCII digits (float() and int() take '1_0' and other scripts'
+    digits); UserError naming the flag, what it counts and the range."""
+    try:
+        count = parse_integer(str(value))
+    except NotANumber:
+        count = 0
+    if not 0 < count <= most:
+        text = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}... ({len(str(value))} characters)"
+        raise UserError(f"{flag} {text}: give {what}, a whole number from 1 to {most}, e.g. {example}")
+    return count
+
+
+def _count(value: str | int | None, flag: str, what: str) -> int:
+    """--dp-shard, --grad-accum (1 where not given)."""
+    return 1 if value is None else _whole(value, flag, what, MAX_RANKS, 8)
+
+
+def _tokens(value: str | int | None) -> int | None:
+    """--tokens."""
+    if value is None:
+        return None
+    return _whole(value, "--tokens", "the tokens (rows) of one micro-batch", MAX_TOKENS, 8192)
+
+
+def command(
+    model: str,
+    *,
+    target: str,
+    policy: str | None = None,
+    fmt: str | None = None,
+    tokens: str | int | None = None,
+    dp_shard: str | int | None = None,
+    grad_accum: str | int | None = None,
+    tp: str | int | None = None,
+    checkpointing: str | None = None,
+    experts: str | None = None,
+) -> tuple[dict[str, Any], str]:
+    """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
+    `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
+    the optimizer's work (FSDP), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `checkpointing`
+    "full" or "none", `experts` the format an MoE's grouped GEMMs are priced in (a plan: apply_policy runs them in
+    the model root's). UserError for a user's mistake."""
+    from autoprec.formats import parse_format
+    from autoprec.policy import load_policy
+    from autoprec.tune._core._targets import target_named, targets
+    from autoprec.tune._measure._task import load_task
+
+    try:
+        device = target_named(target)
+    except ValueError as exc:
+        raise UserError(f"--{exc}") from None
+    wanted = _tokens(tokens)
+    shards = _count(dp_shard, "--dp-shard", "the data-parallel ranks the optimizer's state is sharded over (FSDP)")
+    micro = _count(grad_accum, "--grad-accum", "the micro-batches of one optimizer step")
+    tensor = _count(tp, "--tp", "the tensor-parallel ranks each Linear is sharded over")
+    if tensor > 1 and device.link_gbs <= 0:
+        raise UserError(f"--tp {tensor}: target {device.name} has no NVLink bandwidth to price its collectives; --tp 1")
+    grouped_format = None
+    if experts is not None:
+        try:
+            grouped_format = parse_format(experts, field="--experts")
+            grouped_kernel(grouped_format)
+        except ValueError as exc:
+            raise UserError(f"--experts {shown(experts, 40)}: {exc}") from None
+        if lacking({grouped_format}, device):
+            raise UserError(f"--experts {grouped_format.value}: target {device.name} runs {', '.join(device.runs)}, not it")
+    recompute = (checkpointing or "none").strip().lower()
+    if recompute not in CHECKPOINTING:
+        raise UserError(f"--checkpointing {checkpointing!r}: give one of {', '.join(CHECKPOINTING)}")
+    if fmt is not None:
+        try:
+            candidate_format = parse_format(fmt, field="--format")
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    given = None
+    if fmt is None:
+        try:
+            given = load_policy(policy or "")
+        except UserError as exc:  # it names the file already
+            raise UserError(f"--policy {exc}") from None
+        except ValueError as exc:
+            raise UserError(f"--policy {policy}: {exc}") from None
+    found = traced(load_task(model))
+    step = found.step if wanted is None else found.step.scaled(wanted)
+    step = dataclasses.replace(step, shards=shards, micro_steps=micro, tensor_parallel=tensor, checkpointing=recompute == "full")
+    kept: dict[str, str] = {}  # the Linears the format cannot run (apply_policy would refuse them): priced in bf16
+    if given is None:
+        for shape in step.linears:
+            problem = candidate_format.family.module_problem(candidate_format, found.model.get_submodule(shape.name))
+            if problem:
+                kept[shape.name] = problem
+        chosen = uniform(candidate_format, step, keep=kept)
+        label = f"{candidate_format.value} (every Linear it runs; the rest bf16)"
+        refused = policy_problem(chosen, found.model)  # the rest of apply_policy's rules: fp32 weights, names
+        if refused:
+            raise UserError(f"--format {fmt}: apply_policy refuses it for {model}, so predict does not price it: {refused}")
+    else:
+        chosen = given
+        unknown = [n for n in chosen.layers if n != ROOT and n not in step.modules]
+        if unknown:
+            raise UserError(
+                f"--policy {policy}: names {unknown[0]!r}, which is no module of {model}; its modules are named as "
+                "named_modules() gives them (e.g. "
+                f"{', '.join(repr(n) for n in list(step.modules)[1:3])})"
+            )
+        refused = policy_problem(chosen, found.model)
+        if refused:
+            raise UserError(
+                f"--policy {policy}: apply_policy refuses this policy for {model}, so predict does not price it: {refused}"
+            )
+        label = str(policy)
+    formats = set(chosen.layers.values()) | ({candidate_format} if given is None else set())
+    missing = lacking(formats, device)
+    if missing:
+        needs = ", ".join(f"the {', '.join(p)} GEMMs {f} needs" for f, p in sorted(missing.items()))
+        able = [t.name for t in targets() if not lacking(formats, t)]  # every format the candidate has, not just these
+        it = "it" if len(missing) == 1 else "them"
+        where = f"--target {' or '.join(able)} runs {it}" if able else "no registered target runs every format it holds"
+        raise UserError(
+            f"target {device.name} ({device.device}) runs {', '.join(device.runs)}, not {needs}: {where}; or predict "
+            f"a format {device.name} runs"
+        )
+    base, mine = predict(step, baseline(), device), predict(step, chosen, device, experts=grouped_format)
+    value = base.ms / mine.ms if mine.ms > 0 else 1.0
+    stated = regime_band(step, chosen, outside_share=found.coverage.weighted_outside_share, experts=grouped_format)
+    result = {
+        "model": str(model),
+        "target": device.name,
+        "device": device.device,
+        "tokens": step.tokens,
+        "candidate": label,
+        "bf16_ms": base.ms,
+        "candidate_ms": mine.ms,
+        "speedup": value,
+        "error": stated.error,
+        "validation_points": stated.points,
+        "predicted": True,
+        "what": describe(value, device, stated.text),
+        "band": stated.text,
+        "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
+        "kept_bf16": kept,
+        "experts": None if grouped_format is None else grouped_format.value,
+        "layout": {"dp_shard": shards, "grad_accum": micro, "tp": tensor, "checkpointing": recompute},
+        "coverage": found.coverage.to_dict(),
+        "traced_on": found.device,
+        "absolute_validated": False,  # the times are the predictor's parts; only their ratio is checked against runs
+        "left_out": "FSDP's communication, asynchronous tensor parallelism's overlap, host overhead, power and clock limits",
+    }
+    lines = [
+        f"{model}: {step.tokens * micro:,.0f} tokens per step"
+        + (f" ({micro} micro-batches of {step.tokens:,.0f})" if micro > 1 else "")
+        + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); the optimizer's work on "
+        + (f"{shards} data-parallel ranks" if shards > 1 else "one rank (--dp-shard N: FSDP over N)")
+        + (f"; tensor parallel over {tensor} ranks (sequence-parallel, collectives not overlapped)" if tensor > 1 else "")
+        + ("; full activation checkpointing" if recompute == "full" else ""),
+        f"  uniform bf16: {base.ms:.4g} ms per step (predicted; a step time, not a capacity plan: only the ratio of two "
+        "is validated, and communication, host time and the published runs' clocks are not in it)",
+        f"  {label}: {mine.ms:.4g} ms per step (predicted)",
+        f"  speedup: {describe(value, device, stated.text)}; not a measurement",
+        "  parts (ms, bf16 -> candidate): " + ", ".join(f"{k} {base.parts[k]:.3g} -> {mine.parts[k]:.3g}" for k in base.parts),
+        f"  left out: {result['left_out']}",
+    ]
+    if kept:
+        first, why = next(iter(kept.items()))
+        lines.insert(
+            3,
+            f"  {len(kept)} Linear(s) {candidate_format.value} cannot run, priced in bf16: {first!r} ({why}){', ...' if len(kept) > 1 else ''}",
+        )
+    if grouped_format is not None:
+        lines.append(
+            f"  experts: their grouped GEMMs priced in {grouped_format.value}, a plan: apply_policy runs an MoE's "
+            "grouped experts in the model root's format, and no end-to-end MoE point validates this"
+        )
+    if found.coverage.worth_saying:
+        lines.append(
+            "  outside the Linears: "
+            + found.coverage.sentence(
+                tuned="Linears priced in the policy's formats",
+                rest="is priced in bf16 whatever the policy"
+                + (f" (but the grouped experts, in {grouped_format.value} by --experts)" if grouped_format else ""),
+            )
+        )
+    if found.meta_failure:
+        lines.append(
+            f"  traced on the CPU with the model's weights: the meta device could not run loss_fn ({found.meta_failure})"
+        )
+    return result, "\n".join(lines)
 
 
 def _predict_arguments(p: argparse.ArgumentParser) -> None:
