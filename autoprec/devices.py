@@ -123,6 +123,11 @@ class Device:
         is always saved)."""
         return []
 
+    def manual_seed(self, dev: torch.device, seed: int) -> None:
+        """Seed the generators work on `dev` draws from (the CPU's, and the device's own: rng_devices), and no
+        other: torch.manual_seed would reseed every GPU, which fork_rng(dev) does not restore."""
+        torch.default_generator.manual_seed(seed)
+
     def fork_rng(self, dev: torch.device) -> contextlib.AbstractContextManager[None]:
         """torch.random.fork_rng for work on `dev`: the random generators it draws from are restored after."""
         ids = self.rng_devices(dev)
@@ -434,6 +439,11 @@ class CUDADevice(Device):
         index = self.indexed(dev).index
         assert index is not None
         return [index]
+
+    def manual_seed(self, dev: torch.device, seed: int) -> None:
+        super().manual_seed(dev, seed)
+        for index in self.rng_devices(dev):
+            torch.cuda.default_generators[index].manual_seed(seed)
 
     def allocated_bytes(self, dev: torch.device) -> int:
         return torch.cuda.memory_allocated(dev)

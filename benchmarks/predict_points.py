@@ -584,19 +584,18 @@ def filter_markdown(grid: list[tuple[str, int, int, bool, float]]) -> str:
     return "\n".join(lines)
 
 
-def regime_bands(rows: list[Row]) -> dict[tuple[int, str], tuple[float, int]]:
+def regime_bands(rows: list[Row]) -> dict[tuple[int, str, str], tuple[float, int]]:
     """Each regime's band (predictor.BANDS): the largest |error| over the held-out points of a width class that run a
     kernel, rounded up to a whole percent, and how many there are."""
-    errors: dict[tuple[int, str], list[float]] = {}
+    errors: dict[tuple[int, str, str], list[float]] = {}
     for r in rows:
         if r.point.fitted or r.point.repeats:
             continue
         low = next((lo for lo, hi in predictor.WIDTH_CLASSES if lo <= r.point.width <= hi), None)
         if low is None:
             raise ValueError(f"{r.point.name}: {r.point.width} wide is in no width class {predictor.WIDTH_CLASSES}")
-        fmt = Format(r.point.fmt)
         layout = "moe" if r.point.moe else "tp" if r.point.tp else "dp"
-        for kernel in {c.kernel for c in fmt.family.gemm_casts(fmt) if c is not None}:
+        for kernel in predictor.format_kernels(Format(r.point.fmt)):
             errors.setdefault((low, kernel, layout), []).append(abs(r.error))
     return {key: (math.ceil(100 * max(e) - 1e-9) / 100, len(e)) for key, e in sorted(errors.items())}
 

@@ -480,7 +480,7 @@ def test_part_reprice_prices_every_policy_at_the_study_width_and_at_a_real_one(t
         "est_peak_flop_speedup",
         "predicted_study_width",
         "predicted_width_2048",
-        "error",
+        "band_width_2048",
     ]
     by = {r["policy"]: r for r in rows}
     assert {"bf16", "fp32", "nvfp4-all", "rule-a", "rule-b", "rule-c", "rule-d"} <= set(by)
@@ -489,4 +489,5 @@ def test_part_reprice_prices_every_policy_at_the_study_width_and_at_a_real_one(t
     assert float(nvfp4["est_peak_flop_speedup"]) == 4.0  # the peak-FLOP ratio, whatever the width
     # 64 wide the casts cost more than NVFP4's GEMMs save; 2048 wide the GEMMs dominate the step
     assert float(nvfp4["predicted_study_width"]) < 1.0 < float(nvfp4["predicted_width_2048"])
+    assert by["bf16"]["band_width_2048"] == ""  # no low-precision GEMM: outside the validated range, no band
     assert "<!-- part:reprice -->" in (tmp_path / "summary.md").read_text()

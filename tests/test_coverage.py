@@ -143,8 +143,13 @@ def test_counting_leaves_the_models_buffers_and_the_random_generators_as_they_we
     statistics moved and torch's generator advanced, so even fp32 showed a metric drop against the fp32 metric
     measured before it."""
     source = small_task(
+        "class EMA(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.register_buffer('mean', torch.zeros(16))\n\n"
+        "    def forward(self, x):\n        if self.training:\n"
+        "            self.mean = 0.9 * self.mean + 0.1 * x.mean(0).detach()  # a new tensor, not an in-place update\n"
+        "        return x - self.mean\n\n"
         "def build_model():\n    torch.manual_seed(0)\n"
-        "    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))\n"
+        "    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), EMA(), nn.Dropout(0.5), nn.Linear(16, 4))\n"
     )
     workload = prepare(load_task(write_model(source)), "cpu")
     model = workload.model.train()

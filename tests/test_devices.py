@@ -228,3 +228,25 @@ def test_a_held_cuda_block_goes_in_sub_blocks_the_launch_queue_holds_on_the_name
     fast = iter(range(10_000))  # a microsecond a call now: the spin's millisecond outlasts every sub-block's issuing
     monkeypatch.setattr(devices, "time", types.SimpleNamespace(perf_counter=lambda: next(fast) * 1e-6))
     assert cuda.time_block(torch.device("cuda", 0), lambda: None, 10, kernels=True).held is True
+
+
+def test_seeding_for_a_device_seeds_the_cpus_generator_and_that_devices_own_alone(monkeypatch):
+    """A review found random_state's torch.manual_seed reseeded every GPU while fork_rng restored the workload's
+    device alone: a search on cuda:0 moved the other GPUs' generators."""
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    devices.lookup(torch.device("cpu")).manual_seed(torch.device("cpu"), 1)
+    assert torch.equal(torch.rand(3), expected)
+
+    class Generator:
+        def __init__(self):
+            self.seeds = []
+
+        def manual_seed(self, seed):
+            self.seeds.append(seed)
+
+    fake = (Generator(), Generator())
+    monkeypatch.setattr(torch.cuda, "default_generators", fake)
+    cuda = devices.lookup(torch.device("cuda", 1))
+    cuda.manual_seed(torch.device("cuda", 1), 7)
+    assert (fake[0].seeds, fake[1].seeds) == ([], [7])

@@ -219,3 +219,6 @@ def test_a_bare_dash_before_the_verb_resembles_no_option(tmp_path, capsys):
         main(["-", "show", str(tmp_path / "policy.json")])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "unrecognized arguments: -" in err and "did you mean" not in err, err
+    with pytest.raises(SystemExit):  # one letter typed is enough to name the option it starts
+        main(["--p", "x", "show", str(tmp_path / "policy.json")])
+    assert "did you mean --plugin?" in capsys.readouterr().err

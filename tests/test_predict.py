@@ -101,7 +101,7 @@ def test_the_casts_follow_the_stated_fusion():
         return sum(1e3 * b / kind["bw"] + H100.launch_us * 1e-3 for b in nbytes)
 
     def at(name):
-        kind["bw"] = 3.35e12 * cal.casts[name]
+        kind["bw"] = 3.35e12 * cal.casts.get(name, cal.memory)
 
     tensorwise = OperandCast(8, 0, 4, tensor_amax=True)
     uses = [(tensorwise, "row"), (tensorwise, "col")]
@@ -379,6 +379,10 @@ def test_predict_prices_a_mixtrals_experts_in_bf16_and_says_their_share(capsys, 
     assert code == 0, err
     result = json.loads(out)
     assert result["experts"] == "mxfp8" and result["parts_ms"]["candidate"]["experts"] < result["parts_ms"]["bf16"]["experts"]
+    dense = tmp_path / "dense.py"
+    dense.write_text(small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"), encoding="utf-8")
+    code, out, err = run([str(dense), "--target", "b200", "--format", "bf16", "--experts", "mxfp8"], capsys)
+    assert code == 2 and "runs no grouped experts (torch._grouped_mm) to price" in err, err
     for flag, said in ((["--experts", "nvfp4"], "no grouped GEMM timing of nvfp4 is known"),
                        (["--experts", "mxfp8", "--target", "h100"], "--experts mxfp8: target h100 runs")):  # fmt: skip
         code, out, err = run([str(path), "--target", "b200", "--format", "bf16", *flag], capsys)
@@ -430,11 +434,29 @@ def test_predict_traces_on_the_cpu_where_the_meta_device_cannot_run_the_loss_and
     assert "traced on the CPU with the model's weights: the meta device could not run loss_fn (" in out
 
 
+def test_a_loss_that_formats_a_tensor_into_a_string_is_traced_on_the_cpu(capsys, write_model):
+    """A review found a loss logging f"{loss:.4f}" (Tensor.__format__ on the meta device, no "meta" in torch's message)
+    refused as the loss's own bug."""
+    source = small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n")
+    source = source.replace(
+        "def loss_fn(model, batch):\n    return nn.functional.cross_entropy(model(batch[0]), batch[1])\n",
+        "def loss_fn(model, batch):\n    loss = nn.functional.cross_entropy(model(batch[0]), batch[1])\n"
+        "    _ = f'loss {loss:.4f}'\n    return loss\n",
+    )
+    code, out, err = run([str(write_model(source)), "--target", "h100", "--format", "fp8", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["traced_on"] == "cpu"
+
+
 def test_predict_names_the_meta_devices_failure_for_a_model_too_large_to_trace_on_the_cpu(capsys, write_model, monkeypatch):
     monkeypatch.setattr(predictor, "REAL_TRACE_WORK", 100)
     code, out, err = run([str(write_model(VALUE_READ)), "--target", "h100", "--format", "fp8"], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "loss_fn could not run on the meta device (" in err and "is more work than predict does there (1.4e+04 > 1e+02" in err
+    monkeypatch.setattr(predictor, "REAL_TRACE_WORK", 10**12)
+    monkeypatch.setattr(predictor, "REAL_TRACE_PARAMS", 100)  # a large model with a small batch: the parameters' cap
+    code, out, err = run([str(write_model(VALUE_READ)), "--target", "h100", "--format", "fp8"], capsys)
+    assert code == 2 and "the model's 212 parameters are more than predict builds on the CPU" in err, err
 
 
 def test_predict_never_builds_the_real_model_for_a_losss_own_bug_and_names_the_build_where_it_fails(capsys, write_model):

@@ -162,7 +162,7 @@ class _Parser(argparse.ArgumentParser):
             option = token.partition("=")[0]
             if option not in known:
                 # a bare "-" or "--" resembles no option in particular
-                typed = len(option.lstrip("-")) >= 2
+                typed = bool(option.lstrip("-"))
                 close = (
                     ([o for o in known if o.startswith(option)] or difflib.get_close_matches(option, list(known), n=1))
                     if typed

@@ -51,7 +51,7 @@ def repriced_policies(model, out: Path) -> dict[str, object]:
 
 def reprice_table(policies: dict, study, real, flops, target) -> list[dict]:
     from autoprec.tune._decide._flops import estimated_speedup
-    from autoprec.tune._measure._predict import ERROR, speedup
+    from autoprec.tune._measure._predict import regime_band, speedup
 
     twins = same_as(policies)
     rows = []
@@ -65,7 +65,8 @@ def reprice_table(policies: dict, study, real, flops, target) -> list[dict]:
                 "est_peak_flop_speedup": round(estimated_speedup(policy, flops, target), 4),
                 "predicted_study_width": round(speedup(study, policy, target), 4),
                 f"predicted_width_{REAL_WIDTH}": round(speedup(real, policy, target), 4),
-                "error": ERROR,
+                # the band of its regime at the real width (none: outside the validated range)
+                f"band_width_{REAL_WIDTH}": regime_band(real, policy).error,
             }
         )
     return rows
@@ -113,7 +114,7 @@ def _nvfp4(step, target) -> str:
 
 
 def reprice_summary(table, args, h, study, real, narrow_tokens, target) -> str:
-    from autoprec.tune._measure._predict import band, speedup, uniform
+    from autoprec.tune._measure._predict import regime_band, speedup, uniform
 
     col = f"predicted_width_{REAL_WIDTH}"
     s_ms, s_parts = _parts(study, target)
@@ -126,7 +127,8 @@ def reprice_summary(table, args, h, study, real, narrow_tokens, target) -> str:
         "",
         f"No training, no device: each policy of the tables above (the rules, the anchors and every search under "
         f"search/, roots bf16 as the horizons run them; fp32 as the reference) priced against uniform bf16 on a "
-        f"{target.name.upper()} by autoprec's step-time predictor ({band()}; docs/planning.md), from the models' shapes "
+        f"{target.name.upper()} by autoprec's step-time predictor (docs/planning.md; NVFP4 everywhere at width "
+        f"{REAL_WIDTH}: {regime_band(real, uniform('nvfp4', real)).text}), from the models' shapes "
         f"on the meta device. `est.`: the peak-FLOP ratio the study reports (the Linears' GEMMs at the datasheet's "
         f"peak, nothing else). Two shapes, the same {h['n_layers']} blocks and module names, so every policy applies "
         "unchanged:",
@@ -160,7 +162,7 @@ def reprice_summary(table, args, h, study, real, narrow_tokens, target) -> str:
             f"{max(r['predicted_study_width'] for r in low):.2f}x where the peak-FLOP ratio says "
             f"{min(r['est_peak_flop_speedup'] for r in low):.2f}x-{max(r['est_peak_flop_speedup'] for r in low):.2f}x.",
             f"* At width {REAL_WIDTH} they span {min(r[col] for r in low):.2f}x-{max(r[col] for r in low):.2f}x "
-            f"({band()}); the fastest is {best_real['policy']} ({best_real[col]:.2f}x; est. "
+            f"(each with its regime's band: band_width_{REAL_WIDTH} in reprice.csv); the fastest is {best_real['policy']} ({best_real[col]:.2f}x; est. "
             f"{best_real['est_peak_flop_speedup']:.2f}x), the highest peak-FLOP estimate {best_est['policy']} "
             f"({best_est['est_peak_flop_speedup']:.2f}x est., {best_est[col]:.2f}x predicted). Policies within the "
             "error band of each other are not told apart by the predictor.",

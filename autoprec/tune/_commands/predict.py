@@ -118,6 +118,10 @@ def command(
         except ValueError as exc:
             raise UserError(f"--policy {policy}: {exc}") from None
     found = traced(load_task(model))
+    if grouped_format is not None and not found.step.grouped_flops:
+        raise UserError(
+            f"--experts {grouped_format.value}: {model} runs no grouped experts (torch._grouped_mm) to price; leave it out"
+        )
     step = found.step if wanted is None else found.step.scaled(wanted)
     step = dataclasses.replace(step, shards=shards, micro_steps=micro, tensor_parallel=tensor, checkpointing=recompute == "full")
     kept: dict[str, str] = {}  # the Linears the format cannot run (apply_policy would refuse them): priced in bf16

@@ -153,14 +153,17 @@ def coverage(workload: Workload, space: SearchSpace) -> Coverage:
     BatchNorm's running statistics) and the random generators are as they were after it: every candidate is copied
     from this model and judged against the fp32 metric measured before."""
     model = workload.model
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # each buffer as its module holds it: a forward may assign a new tensor (an EMA: self.mean = 0.9 * self.mean + ...)
+    # as well as update one in place (a BatchNorm's running statistics)
+    buffers = [(m, n, b, b.detach().clone()) for m in model.modules() for n, b in m._buffers.items() if b is not None]
     try:
         with random_state(workload, 0):
             return count(model, lambda: workload.task.loss_fn(model, workload.train[0]), space.tunable_layers(model))
     finally:
         with torch.no_grad():
-            for buffer, before in buffers:
+            for module, name, buffer, before in buffers:
                 buffer.copy_(before)
+                module._buffers[name] = buffer
 
 
 def count(model: torch.nn.Module, run: Any, tuned: Collection[str]) -> Coverage:

@@ -203,8 +203,9 @@ def collect(
     records = {n: LayerGradients(n) for n in names}
     handles = [h for n, r in records.items() for h in _hooks(modules[n], r)]
     try:
-        with devices.lookup(workload.device).fork_rng(workload.device):
-            torch.manual_seed(0)
+        device = devices.lookup(workload.device)
+        with device.fork_rng(workload.device):
+            device.manual_seed(workload.device, 0)
             taken = workload.train[:batches]
             for i, batch in enumerate(taken, start=1):
                 model.zero_grad(set_to_none=True)

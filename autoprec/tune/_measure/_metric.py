@@ -59,8 +59,9 @@ def train_and_evaluate(workload: Workload, policy: Policy | Candidate, steps: in
     evaluate it with the policy applied. `seed` fixes the batch order (see batch_order) and torch's RNG
     (dropout), so two policies with the same seed see the same batches and the same masks. The caller's
     RNG state is left as it was."""
-    with devices.lookup(workload.device).fork_rng(workload.device):
-        torch.manual_seed(seed)
+    device = devices.lookup(workload.device)
+    with device.fork_rng(workload.device):
+        device.manual_seed(workload.device, seed)
         trainer = new_trainer(workload, policy, order=batch_order(len(workload.train), steps, seed))
         for _ in range(steps):
             trainer.step()

@@ -43,7 +43,7 @@ from autoprec.errors import describe as describe_error
 from autoprec.formats import GEMMS, Format, GemmCast, OperandCast
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._core._targets import Target
-from autoprec.tune._measure._coverage import Coverage, count, matmul_flop_registry, run_op
+from autoprec.tune._measure._coverage import SAY_FROM, Coverage, count, matmul_flop_registry, run_op
 from autoprec.tune._measure._profile_data import is_linear
 
 if TYPE_CHECKING:
@@ -110,8 +110,8 @@ CALIBRATION = Calibration(
     fusion=0.33,
     tiles=39.6,
     contraction=61.6,
-    # a block-scaled cast's passes run at `memory`'s share: no point measures them apart from the GEMM
-    casts={"tensorwise": 0.551, "rowwise": 0.202, "block": 0.80},
+    # a block-scaled cast's passes run at `memory`'s share (none listed): no point measures them apart from the GEMM
+    casts={"tensorwise": 0.551, "rowwise": 0.202},
     grouped=GROUPED,
 )
 # The predictor's error band: the largest |error| over its validation points (not fitted on), and how many there are.
@@ -126,8 +126,9 @@ VALIDATION_POINTS = 26
 # Linears (MoE experts, convolutions: priced as bf16 matmuls, by no held-out point). The widest class ends at the
 # widest held-out model (Llama-3-70B, a lone Linear(8192)).
 WIDTH_CLASSES = ((1024, 2047), (2048, 8192))
-# The share of the step's matmul FLOPs in weighted modules outside the Linears past which no regime is validated
-OUTSIDE_LIMIT = 0.10
+# The share of the step's matmul FLOPs in weighted modules outside the Linears past which no dense regime is
+# validated: the share past which the coverage is said (a step the validated dense models do not resemble)
+OUTSIDE_LIMIT = SAY_FROM
 # a regime's layout: with --tp or without, or an MoE (grouped experts doing OUTSIDE_LIMIT of the matmul work)
 LAYOUTS = {"dp": "data-parallel", "tp": "tensor-parallel", "moe": "MoE"}
 BANDS: Mapping[tuple[int, str, str], tuple[float, int]] = {
@@ -245,13 +246,13 @@ def gemm_ms(
     return 1e3 * max(compute, moved / _bandwidth(target, cal)) + target.launch_us * 1e-3
 
 
-def _bandwidth(target: Target, cal: Calibration) -> float:
-    return target.bandwidth_tbs * 1e12 * cal.memory
+def _bandwidth(target: Target, cal: Calibration, share: float | None = None) -> float:
+    return target.bandwidth_tbs * 1e12 * (cal.memory if share is None else share)
 
 
 def _pass_ms(nbytes: float, target: Target, cal: Calibration, share: float | None = None) -> float:
     """One memory-bound kernel moving `nbytes`, at `share` of the bandwidth (Calibration.memory by default)."""
-    return 1e3 * nbytes / (target.bandwidth_tbs * 1e12 * (cal.memory if share is None else share)) + target.launch_us * 1e-3
+    return 1e3 * nbytes / _bandwidth(target, cal, share) + target.launch_us * 1e-3
 
 
 def cast_kind(cast: OperandCast) -> str:
@@ -274,7 +275,10 @@ def cast_ms(
     `produced`: the tensor's amax comes with the kernel that writes it."""
     total = 0.0
     read = elements * high
-    share = cal.casts[cast_kind(uses[0][0])]  # one tensor's casts are of one kind in every registered family
+    kinds = {cast_kind(c) for c, _ in uses}
+    if len(kinds) != 1:  # a scale per tensor and per row on one tensor: no fusion this prices
+        raise ValueError(f"one tensor cast with scales of kinds {sorted(kinds)}: cast_ms prices one kind a tensor")
+    share = cal.casts.get(kinds.pop(), cal.memory)
     if not produced and any(c.tensor_amax and not c.rht for c, _ in uses):
         total += _pass_ms(read, target, cal, share)
     if any(c.tensor_amax and c.rht for c, _ in uses):
@@ -525,7 +529,7 @@ def kernels(step: Step, policy: Policy) -> set[str]:
     """The low-precision GEMM kernels `policy` runs `step`'s Linears in (FormatFamily.gemm_casts)."""
     found: set[str] = set()
     for shape in step.linears:
-        found |= _kernels(format_of(shape.name, policy.layers))
+        found |= format_kernels(format_of(shape.name, policy.layers))
     return found
 
 
@@ -545,7 +549,7 @@ def regime_band(step: Step, policy: Policy, *, outside_share: float = 0.0, exper
     work, else tensor- or data-parallel; the largest band over its kernels), or why it is outside the validated range.
     `outside_share`: the step's matmul FLOPs in weighted modules outside the Linears (Coverage); `experts`: the format
     the grouped experts are priced in (predict's experts)."""
-    lowered = Step(tuple(s for s in step.linears if _kernels(format_of(s.name, policy.layers))))
+    lowered = Step(tuple(s for s in step.linears if format_kernels(format_of(s.name, policy.layers))))
     dim = width(lowered) or width(step)
     used = sorted(kernels(step, policy) | ({grouped_kernel(experts)[1]} - {BASELINE} if experts is not None else set()))
     moe = step.grouped_flops >= OUTSIDE_LIMIT * (step.grouped_flops + step.other_flops + linear_flops(step))
@@ -577,7 +581,8 @@ def linear_flops(step: Step) -> float:
     return sum(6.0 * s.tokens * s.in_features * s.out_features for s in step.linears)
 
 
-def _kernels(fmt: Format) -> set[str]:
+def format_kernels(fmt: Format) -> set[str]:
+    """The low-precision GEMM kernels `fmt` runs a Linear's GEMMs in (FormatFamily.gemm_casts)."""
     return {c.kernel for c in fmt.family.gemm_casts(fmt) if c is not None}
 
 
@@ -771,6 +776,8 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
 # the parameters times the batch's largest tensor (about a forward's FLOPs), a few seconds of a small CPU; past it,
 # the cause is named instead.
 REAL_TRACE_WORK = 10**12
+# and the most parameters it builds there (4 GB in fp32), whatever the batch
+REAL_TRACE_PARAMS = 10**9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -809,7 +816,13 @@ def traced(task: Task) -> Traced:
         meta_failure = describe_error(exc, 200)
         if not _meta_limit(exc):  # the loss's own bug: the CPU would only build the model (train, download) to say it
             raise UserError(f"{task.path}: loss_fn could not run on the meta device ({meta_failure}); {_CHECK}") from exc
-    work = 2 * sum(p.numel() for p in model.parameters()) * _largest(batch)
+    params = sum(p.numel() for p in model.parameters())
+    if params > REAL_TRACE_PARAMS:
+        raise UserError(
+            f"{task.path}: loss_fn could not run on the meta device ({meta_failure}), and the model's {params:,} "
+            f"parameters are more than predict builds on the CPU to trace it there ({REAL_TRACE_PARAMS:,}); {_CHECK}"
+        )
+    work = 2 * params * _largest(batch)
     if work > REAL_TRACE_WORK:
         raise UserError(
             f"{task.path}: loss_fn could not run on the meta device ({meta_failure}), and tracing it on the CPU with the "
@@ -839,10 +852,15 @@ _CHECK = (
 )
 
 
+# What the meta device's own limits say: a value read (.item(), a tensor formatted into a string, a data-dependent
+# shape) or an op without a meta kernel ("meta tensors", "the 'Meta' backend")
+_META_LIMITS = ("meta", "__format__", "item()", "data-dependent", "data dependent")
+
+
 def _meta_limit(exc: BaseException) -> bool:
-    """Whether an error is the meta device's, not the loss's: a value read (.item(), a data-dependent shape) or an op
-    without a meta kernel. torch names the meta device in each ("meta tensors", "the 'Meta' backend")."""
-    return "meta" in str(exc).lower()
+    """Whether an error is the meta device's, not the loss's (_META_LIMITS)."""
+    text = str(exc).lower()
+    return any(limit in text for limit in _META_LIMITS)
 
 
 def _largest(batch: Any) -> int:

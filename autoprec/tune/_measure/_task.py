@@ -374,8 +374,9 @@ def random_state(workload: Workload, seed: int) -> Iterator[None]:
     saved_python = random.getstate()
     saved_numpy = numpy.random.get_state() if numpy is not None else None
     try:
-        with devices.lookup(workload.device).fork_rng(workload.device):
-            torch.manual_seed(seed)
+        device = devices.lookup(workload.device)
+        with device.fork_rng(workload.device):
+            device.manual_seed(workload.device, seed)
             random.seed(seed)
             if numpy is not None:
                 numpy.random.seed(seed)
