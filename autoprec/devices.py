@@ -442,6 +442,7 @@ class CUDADevice(Device):
 
     def manual_seed(self, dev: torch.device, seed: int) -> None:
         super().manual_seed(dev, seed)
+        torch.cuda.init()  # the generators exist once CUDA has started (torch.cuda.manual_seed defers for it)
         for index in self.rng_devices(dev):
             torch.cuda.default_generators[index].manual_seed(seed)
 

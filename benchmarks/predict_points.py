@@ -63,6 +63,7 @@ class Point:
     width: int  # the model's width (d_model; a lone Linear's features): its regime's
     tp: bool = False  # trained with tensor parallelism: its regime's
     moe: bool = False  # an MoE whose grouped experts do much of the matmul work: its regime's
+    experts: bool = False  # the MoE's grouped experts lowered: its regime's
     unit: str = "x"  # "x": a speedup over bf16; "ms": a step time
     note: str = ""
     # the fitted point it computes exactly as (another publication of the same run): shown, but no test of the
@@ -366,6 +367,7 @@ POINTS = (
         "mxfp8",
         SCOUT_2.dim,
         moe=True,
+        experts=True,
         note="the grouped GEMMs at their measured share",
     ),
     Point(
@@ -378,6 +380,7 @@ POINTS = (
         "mxfp8",
         SCOUT_2.dim,
         moe=True,
+        experts=True,
     ),
     Point(
         "Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise",
@@ -594,7 +597,7 @@ def regime_bands(rows: list[Row]) -> dict[tuple[int, str, str], tuple[float, int
         low = next((lo for lo, hi in predictor.WIDTH_CLASSES if lo <= r.point.width <= hi), None)
         if low is None:
             raise ValueError(f"{r.point.name}: {r.point.width} wide is in no width class {predictor.WIDTH_CLASSES}")
-        layout = "moe" if r.point.moe else "tp" if r.point.tp else "dp"
+        layout = ("moe-experts" if r.point.experts else "moe") if r.point.moe else "tp" if r.point.tp else "dp"
         for kernel in predictor.format_kernels(Format(r.point.fmt)):
             errors.setdefault((low, kernel, layout), []).append(abs(r.error))
     return {key: (math.ceil(100 * max(e) - 1e-9) / 100, len(e)) for key, e in sorted(errors.items())}

@@ -147,6 +147,8 @@ def test_counting_leaves_the_models_buffers_and_the_random_generators_as_they_we
         "        self.register_buffer('mean', torch.zeros(16))\n\n"
         "    def forward(self, x):\n        if self.training:\n"
         "            self.mean = 0.9 * self.mean + 0.1 * x.mean(0).detach()  # a new tensor, not an in-place update\n"
+        "            self.calls = getattr(self, 'calls', 0) + 1  # a buffer of a new name each forward\n"
+        "            self.register_buffer(f'seen{self.calls}', x.detach(), persistent=False)\n"
         "        return x - self.mean\n\n"
         "def build_model():\n    torch.manual_seed(0)\n"
         "    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), EMA(), nn.Dropout(0.5), nn.Linear(16, 4))\n"
@@ -154,11 +156,13 @@ def test_counting_leaves_the_models_buffers_and_the_random_generators_as_they_we
     workload = prepare(load_task(write_model(source)), "cpu")
     model = workload.model.train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = [(sorted(m._buffers), sorted(m._non_persistent_buffers_set)) for m in model.modules()]
     torch.manual_seed(123)
     rng = torch.get_rng_state()
     cover = coverage(workload, load_space())
     assert cover.tuned_layers == 2 and torch.equal(torch.get_rng_state(), rng)
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and set(model.state_dict()) == set(before)
+    assert [(sorted(m._buffers), sorted(m._non_persistent_buffers_set)) for m in model.modules()] == names
 
 
 def test_nothing_counted_is_nothing_to_say():

@@ -246,7 +246,9 @@ def test_seeding_for_a_device_seeds_the_cpus_generator_and_that_devices_own_alon
             self.seeds.append(seed)
 
     fake = (Generator(), Generator())
+    started = []
     monkeypatch.setattr(torch.cuda, "default_generators", fake)
+    monkeypatch.setattr(torch.cuda, "init", lambda: started.append(True))  # no CUDA here
     cuda = devices.lookup(torch.device("cuda", 1))
     cuda.manual_seed(torch.device("cuda", 1), 7)
-    assert (fake[0].seeds, fake[1].seeds) == ([], [7])
+    assert (fake[0].seeds, fake[1].seeds) == ([], [7]) and started  # CUDA started before its generators are read

@@ -655,6 +655,10 @@ def test_an_moe_whose_grouped_experts_do_much_of_the_work_is_in_the_moe_regime()
     linear = LinearShape("fc", 4096, 4096, 8192.0)
     step = Step((linear,), grouped_flops=predictor.linear_flops(Step((linear,))))  # the experts do half the work
     band = predictor.regime_band(step, predictor.baseline(), outside_share=0.5, experts=Format.MXFP8)
-    assert band.error == predictor.BANDS[2048, "mxfp8", "moe"][0] and "wide MoE in mxfp8" in band.text
+    assert band.error == predictor.BANDS[2048, "mxfp8", "moe-experts"][0] and "wide MoE with its experts lowered" in band.text
+    only_linears = predictor.regime_band(step, predictor.uniform("mxfp8", step), outside_share=0.5)
+    assert only_linears.error == predictor.BANDS[2048, "mxfp8", "moe"][0] and "wide MoE in mxfp8" in only_linears.text
+    tp = dataclasses.replace(step, tensor_parallel=2)  # no held-out MoE trains tensor-parallel
+    assert predictor.regime_band(tp, predictor.uniform("mxfp8", tp), outside_share=0.5).error is None
     dense = Step((linear,))
     assert predictor.regime_band(dense, predictor.uniform("mxfp8", dense), outside_share=0.5).error is None

@@ -135,3 +135,17 @@ def test_the_decoder_at_llama_3_8bs_shape_is_the_examples_step():
     ours = points.decoder_step(points.decoder.LLAMA3_8B)
     example = predictor.traced(load_task(ROOT / "examples" / "llama3_8b" / "model.py")).step
     assert dataclasses.replace(ours, modules=()) == dataclasses.replace(example, modules=())
+
+
+def test_the_regime_each_decoder_point_is_filed_under_is_the_one_predict_finds_for_its_step():
+    """The table files points by hand (Point.moe, .tp, .width); predict finds the regime from the step. A change to the
+    decoder that moved the Scout experts' share under the MoE limit would file them apart."""
+    from autoprec.formats import Format
+
+    scout = points.decoder_step(points.SCOUT_2)
+    linears = predictor.uniform("mxfp8", scout)
+    assert "2048-8192 wide MoE in mxfp8" in predictor.regime_band(scout, linears).text
+    lowered = predictor.regime_band(scout, predictor.baseline(), experts=Format.MXFP8).text
+    assert "2048-8192 wide MoE with its experts lowered in mxfp8" in lowered
+    dense = dataclasses.replace(points.decoder_step(points.decoder.NANOCHAT_D26), shards=8)
+    assert "1024-2047 wide data-parallel in fp8-tensorwise" in predictor.regime_band(dense, predictor.uniform("fp8", dense)).text

@@ -185,7 +185,8 @@ def command(
         "coverage": found.coverage.to_dict(),
         "traced_on": found.device,
         "absolute_validated": False,  # the times are the predictor's parts; only their ratio is checked against runs
-        "left_out": "FSDP's communication, asynchronous tensor parallelism's overlap, host overhead, power and clock limits",
+        "left_out": "FSDP's communication, asynchronous tensor parallelism's overlap, an MoE's all-to-alls and token "
+        "permutation, host overhead, power and clock limits",
     }
     lines = [
         f"{model}: {step.tokens * micro:,.0f} tokens per step"
@@ -210,7 +211,8 @@ def command(
     if grouped_format is not None:
         lines.append(
             f"  experts: their grouped GEMMs priced in {grouped_format.value}, a plan: apply_policy runs an MoE's "
-            "grouped experts in the model root's format, and no end-to-end MoE point validates this"
+            "grouped experts in the model root's format (the held-out MoE points with lowered experts ran slower in "
+            "the prediction than measured: the all-to-alls and permutation are not priced)"
         )
     if found.coverage.worth_saying:
         lines.append(

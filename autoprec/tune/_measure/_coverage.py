@@ -153,17 +153,30 @@ def coverage(workload: Workload, space: SearchSpace) -> Coverage:
     BatchNorm's running statistics) and the random generators are as they were after it: every candidate is copied
     from this model and judged against the fp32 metric measured before."""
     model = workload.model
-    # each buffer as its module holds it: a forward may assign a new tensor (an EMA: self.mean = 0.9 * self.mean + ...)
-    # as well as update one in place (a BatchNorm's running statistics)
-    buffers = [(m, n, b, b.detach().clone()) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    # each module's buffers as it holds them, which persist, and their values: a forward may update a buffer in place
+    # (a BatchNorm's running statistics), assign a new tensor (an EMA: self.mean = 0.9 * self.mean + ...), or register
+    # or delete one
+    saved = [
+        (
+            m,
+            dict(m._buffers),
+            set(m._non_persistent_buffers_set),
+            [(b, b.detach().clone()) for b in m._buffers.values() if b is not None],
+        )
+        for m in model.modules()
+    ]
     try:
         with random_state(workload, 0):
             return count(model, lambda: workload.task.loss_fn(model, workload.train[0]), space.tunable_layers(model))
     finally:
         with torch.no_grad():
-            for module, name, buffer, before in buffers:
-                buffer.copy_(before)
-                module._buffers[name] = buffer
+            for module, buffers, non_persistent, values in saved:
+                for buffer, before in values:
+                    buffer.copy_(before)
+                module._buffers.clear()
+                module._buffers.update(buffers)
+                module._non_persistent_buffers_set.clear()
+                module._non_persistent_buffers_set.update(non_persistent)
 
 
 def count(model: torch.nn.Module, run: Any, tuned: Collection[str]) -> Coverage:

@@ -20,9 +20,9 @@ A step is priced in parts:
   (the amax of the transformed tensor), the transform itself fused into the cast;
 - the dtype conversions of a layer that computes in a narrower precision than its caller (a bf16 layer under an fp32
   caller: its input, weight and output gradient in, its output and gradients out);
-- the rest of the step, which a policy does not lower (Step): the matmuls outside the Linears (attention's, a
-  Mixture-of-Experts' grouped experts, convolutions) in bf16 at Calibration.gemm's bf16 share of its peak, whatever
-  the policy; the other ops' bytes (norms, elementwise, the loss) at the bandwidth; an
+- the rest of the step, which a policy does not lower (Step): the matmuls outside the Linears (attention's,
+  convolutions) in bf16 at Calibration.gemm's bf16 share of its peak, whatever the policy, and a Mixture-of-Experts'
+  grouped experts at Calibration.grouped's share (in bf16, or in the format predict's --experts names); the other ops' bytes (norms, elementwise, the loss) at the bandwidth; an
   AdamW update over the parameters (OPTIMIZER_BYTES each, split over `shards` data-parallel ranks).
 
 What it leaves out: communication (FSDP's all-gathers and reduce-scatters, tensor parallelism), host overhead, power
@@ -129,8 +129,9 @@ WIDTH_CLASSES = ((1024, 2047), (2048, 8192))
 # The share of the step's matmul FLOPs in weighted modules outside the Linears past which no dense regime is
 # validated: the share past which the coverage is said (a step the validated dense models do not resemble)
 OUTSIDE_LIMIT = SAY_FROM
-# a regime's layout: with --tp or without, or an MoE (grouped experts doing OUTSIDE_LIMIT of the matmul work)
-LAYOUTS = {"dp": "data-parallel", "tp": "tensor-parallel", "moe": "MoE"}
+# a regime's layout: with --tp or without, or an MoE (grouped experts doing OUTSIDE_LIMIT of the matmul work), its
+# experts in bf16 or lowered (--experts): the points of the two err on different sides
+LAYOUTS = {"dp": "data-parallel", "tp": "tensor-parallel", "moe": "MoE", "moe-experts": "MoE with its experts lowered"}
 BANDS: Mapping[tuple[int, str, str], tuple[float, int]] = {
     (1024, "fp8-rowwise", "dp"): (0.08, 1),
     (1024, "fp8-tensorwise", "dp"): (0.02, 1),
@@ -139,7 +140,8 @@ BANDS: Mapping[tuple[int, str, str], tuple[float, int]] = {
     (2048, "fp8-tensorwise", "dp"): (0.09, 4),
     (2048, "fp8-tensorwise", "tp"): (0.06, 2),
     (2048, "mxfp8", "dp"): (0.08, 3),
-    (2048, "mxfp8", "moe"): (0.22, 3),
+    (2048, "mxfp8", "moe"): (0.02, 1),
+    (2048, "mxfp8", "moe-experts"): (0.22, 2),
     (2048, "nvfp4", "dp"): (0.05, 2),
 }
 
@@ -551,18 +553,23 @@ def regime_band(step: Step, policy: Policy, *, outside_share: float = 0.0, exper
     the grouped experts are priced in (predict's experts)."""
     lowered = Step(tuple(s for s in step.linears if format_kernels(format_of(s.name, policy.layers))))
     dim = width(lowered) or width(step)
-    used = sorted(kernels(step, policy) | ({grouped_kernel(experts)[1]} - {BASELINE} if experts is not None else set()))
-    moe = step.grouped_flops >= OUTSIDE_LIMIT * (step.grouped_flops + step.other_flops + linear_flops(step))
-    layout = "moe" if moe else "tp" if step.tensor_parallel > 1 else "dp"
+    experts_kernel = grouped_kernel(experts)[1] if experts is not None else BASELINE
+    used = sorted(kernels(step, policy) | ({experts_kernel} - {BASELINE}))
+    total = step.grouped_flops + step.other_flops + linear_flops(step)
+    grouped_share = step.grouped_flops / total if total else 0.0
+    moe = step.grouped_flops > 0 and grouped_share >= OUTSIDE_LIMIT
+    layout = ("moe-experts" if experts_kernel != BASELINE else "moe") if moe else "tp" if step.tensor_parallel > 1 else "dp"
     low = next((lo for lo, hi in WIDTH_CLASSES if lo <= dim <= hi), None)
     ranges = ", ".join(f"{lo}-{hi}" for lo, hi in WIDTH_CLASSES)
     outside = "outside the validated range: "
     if not used:
         return Band(outside + "no held-out point prices a policy without a low-precision GEMM")
-    if outside_share >= OUTSIDE_LIMIT and not moe:
+    if moe and step.tensor_parallel > 1:
+        return Band(outside + "no held-out point is an MoE trained with tensor parallelism")
+    if outside_share - grouped_share >= OUTSIDE_LIMIT:
         return Band(
-            outside + f"{outside_share:.0%} of the step's matmul FLOPs run outside the Linears (convolutions, experts "
-            "of no grouped GEMM), which no held-out point tests"
+            outside + f"{outside_share - grouped_share:.0%} of the step's matmul FLOPs run outside the Linears and the "
+            "grouped experts (convolutions, experts of no grouped GEMM), which no held-out point tests"
         )
     if low is None:
         return Band(outside + f"the lowered Linears are {dim} wide, where held-out points are {ranges} wide")
