@@ -103,7 +103,7 @@ def command(
             raise UserError(f"--experts {grouped_format.value}: target {device.name} runs {', '.join(device.runs)}, not it")
     recompute = (checkpointing or "none").strip().lower()
     if recompute not in CHECKPOINTING:
-        raise UserError(f"--checkpointing {checkpointing!r}: give one of {', '.join(CHECKPOINTING)}")
+        raise UserError(f"--checkpointing {shown(checkpointing, 40)}: give one of {', '.join(CHECKPOINTING)}")
     if fmt is not None:
         try:
             candidate_format = parse_format(fmt, field="--format")
