@@ -121,11 +121,56 @@ def decoder_step(shape: decoder.Shape) -> predictor.Step:
     return decoder.step(shape)
 
 
+H200_PROBE = ROOT / "results" / "h200" / "probe"
+
+
+@functools.cache
+def probe_llama_step() -> predictor.Step:
+    """examples/llama/model.py at its full size (2048 wide, 16,384 tokens a step), as the H200 probe trained it and as
+    `autoprec predict` traces it; one GPU."""
+    import os
+
+    from autoprec.tune._measure._task import load_task
+
+    before = os.environ.get("AUTOPREC_LLAMA_SIZE")
+    os.environ["AUTOPREC_LLAMA_SIZE"] = "full"
+    try:
+        return predictor.traced(load_task(ROOT / "examples" / "llama" / "model.py")).step
+    finally:
+        if before is None:
+            del os.environ["AUTOPREC_LLAMA_SIZE"]
+        else:
+            os.environ["AUTOPREC_LLAMA_SIZE"] = before
+
+
+def _probe_ratio(policy_file: str) -> Callable[[predictor.Calibration], float]:
+    """The probe's Llama under results/h200/probe/predict/`policy_file` (c_llama.csv's candidate) over uniform bf16."""
+
+    def compute(cal: predictor.Calibration) -> float:
+        from autoprec.policy import load_policy
+
+        policy = load_policy(H200_PROBE / "predict" / policy_file)
+        return predictor.speedup(probe_llama_step(), policy, target_named("h200"), cal)
+
+    return compute
+
+
+def _probe_measured(candidate: str) -> float:
+    """c_llama.csv's uniform bf16 median step over `candidate`'s (the H200 probe, compiled, 11 interleaved rounds)."""
+    import csv
+
+    with (H200_PROBE / "c_llama.csv").open(newline="", encoding="utf-8") as fh:
+        ms = {r["candidate"]: float(r["median_ms"]) for r in csv.DictReader(fh)}
+    return round(ms["uniform bf16"] / ms[candidate], 3)
+
+
 # GB200 runs of torchtitan's NVFP4 converter (PR #3914, nvfp4.md): sequences of 2048, 32 per GPU
 LLAMA3_8B_GB200 = dataclasses.replace(decoder.LLAMA3_8B, seq=2048, batch=32)
 TITAN_NVFP4 = "torchtitan PR #3914 / nvfp4.md (4x GB200; published_points.md A44-A48)"
 AO_PR940 = "pytorch/ao PR #940 message (8x H100, no fp8 all-gather; published_points.md A14-A16)"
 NANOCHAT = "karpathy/nanochat dev/LOG.md 2026-02-02 (8x H100; published_points.md A21-A22)"
+PROBE_C = "results/h200/probe/c_llama.csv (this project's H200 run, compiled, 11 interleaved rounds)"
+PROBE_NOTE = "the host issues a step in 55-59 ms beside the GPU's 65-74: near host-bound"
 SCOUT = "torchao moe_training README, Llama4 Scout end-to-end with torchtitan (4x B200; published_points.md A38-A40)"
 # Llama-4-Scout cut to 2 blocks, 8 sequences of 8192 a GPU (FSDP 4, expert parallelism 4: its all-to-alls not priced)
 SCOUT_2 = dataclasses.replace(decoder.LLAMA4_SCOUT, layers=2, batch=8)
@@ -344,6 +389,39 @@ POINTS = (
         "fp8-rowwise",
         decoder.NANOCHAT_D26.dim,
         note="sliding-window attention priced as full causal",
+    ),
+    Point(
+        "Llama (examples/llama, 2048 wide), 1 GPU, torchao tensorwise filter",
+        "h200",
+        _probe_measured("torchao tensorwise (filter)"),
+        PROBE_C,
+        False,
+        _probe_ratio("torchao_tensorwise_filter.json"),
+        "fp8",
+        2048,
+        note=PROBE_NOTE,
+    ),
+    Point(
+        "Llama (examples/llama, 2048 wide), 1 GPU, torchao rowwise filter",
+        "h200",
+        _probe_measured("torchao rowwise (filter)"),
+        PROBE_C,
+        False,
+        _probe_ratio("torchao_rowwise_filter.json"),
+        "fp8-rowwise",
+        2048,
+        note=PROBE_NOTE,
+    ),
+    Point(
+        "Llama (examples/llama, 2048 wide), 1 GPU, fp8 FFN only",
+        "h200",
+        _probe_measured("fp8 FFN only"),
+        PROBE_C,
+        False,
+        _probe_ratio("fp8_ffn_only.json"),
+        "fp8",
+        2048,
+        note=PROBE_NOTE,
     ),
     Point(
         "Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 Linears",

@@ -117,7 +117,7 @@ CALIBRATION = Calibration(
 # The predictor's error band: the largest |error| over its validation points (not fitted on), and how many there are.
 # tests/test_predict_points.py recomputes both from the table.
 ERROR = 0.22
-VALIDATION_POINTS = 26
+VALIDATION_POINTS = 29
 # The regimes a prediction's band is stated in: the model's width class (width()), a low-precision GEMM kernel and the
 # layout (tensor-parallel or not).
 # Each validated regime's band is the largest |error| over the held-out points in it, and how many there are
@@ -135,9 +135,9 @@ LAYOUTS = {"dp": "data-parallel", "tp": "tensor-parallel", "moe": "MoE", "moe-ex
 BANDS: Mapping[tuple[int, str, str], tuple[float, int]] = {
     (1024, "fp8-rowwise", "dp"): (0.08, 1),
     (1024, "fp8-tensorwise", "dp"): (0.02, 1),
-    (2048, "fp8-rowwise", "dp"): (0.07, 7),
+    (2048, "fp8-rowwise", "dp"): (0.07, 8),
     (2048, "fp8-rowwise", "tp"): (0.04, 3),
-    (2048, "fp8-tensorwise", "dp"): (0.09, 4),
+    (2048, "fp8-tensorwise", "dp"): (0.15, 6),
     (2048, "fp8-tensorwise", "tp"): (0.06, 2),
     (2048, "mxfp8", "dp"): (0.08, 3),
     (2048, "mxfp8", "moe"): (0.02, 1),
