@@ -75,6 +75,9 @@ def _torchrun(args: argparse.Namespace):
     dist.init_process_group(timeout=datetime.timedelta(minutes=args.rank_timeout))
     try:
         yield
+        # every rank done talking before any tears the group down: a rank destroying gloo while its peer still
+        # talked aborted the peer (SIGABRT, "terminate called without an active exception") after a finished search
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -163,10 +163,14 @@ class Ranks:
     def run(self, workload: Workload, search: Callable[[], T]) -> T | None:
         try:
             self._check_same(workload)
+            result = None
             if self.leader:
-                return self.lead(workload, search)
-            self.follow(workload)
-            return None
+                result = self.lead(workload, search)
+            else:
+                self.follow(workload)
+            if not self._broken:  # every rank done with the message group before any destroys it
+                self._dist.barrier(group=self._group)
+            return result
         finally:
             if not self._broken:  # the message group is this search's: a script may search again in its job
                 self._dist.destroy_process_group(self._group)
