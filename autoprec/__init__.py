@@ -11,20 +11,22 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from autoprec.apply import after_optimizer_step, applied_summary, apply_policy, compile_model
+from autoprec.apply import after_optimizer_step, applied_summary, apply_policy, compile_model, follow_schedule
 from autoprec.errors import UserError
 from autoprec.formats import Format
-from autoprec.policy import LossScale, Policy, load_policy
+from autoprec.policy import LossScale, Phase, Policy, load_policy
 from autoprec.scaler import grad_scaler
 
 __all__ = [
     "load_policy",
     "apply_policy",
+    "follow_schedule",
     "after_optimizer_step",
     "compile_model",
     "grad_scaler",
     "applied_summary",
     "Policy",
+    "Phase",
     "LossScale",
     "Format",
     "UserError",

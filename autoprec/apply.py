@@ -26,6 +26,7 @@ from autoprec.policy import ROOT, Policy, as_policy, gatherable_text, model_fing
 _FORMAT_ATTR = "_autoprec_format"
 _NO_PICKLE_ATTR = "_autoprec_no_pickle"
 _SUMMARY_ATTR = "_autoprec_applied"
+_SCHEDULE_ATTR = "_autoprec_schedule"
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)  # apply_policy returns the model it was given, of its own type
 
 # Modules that use a child's parameters directly instead of calling the child, so a format set on the
@@ -67,7 +68,8 @@ class AppliedSummary:
 
     policy: Policy
     device: str  # where the parameters were when the policy was applied
-    layers: Mapping[str, LayerRecord]
+    layers: Mapping[str, LayerRecord]  # the phase the model runs now: its layers
+    phase: int = 0  # which part of the policy's schedule the model runs now (0: the first; see follow_schedule)
 
     def fp8_backends(self) -> dict[str, Fp8Backend]:
         """Each fp8 layer's backend: torchao's kernels or its emulation."""
@@ -78,7 +80,8 @@ class AppliedSummary:
         return {name: rec.aliases for name, rec in self.layers.items() if rec.aliases}
 
     def __str__(self) -> str:
-        lines = [f"policy applied on {self.device}:"]
+        where = f", phase {self.phase} of {len(self.policy.phases)}" if self.policy.phases else ""
+        lines = [f"policy applied on {self.device}{where}:"]
         for name, rec in self.layers.items():
             extra = [rec.module_type]
             if rec.fp8_backend is not None:
@@ -309,7 +312,7 @@ def policy_problem(policy: Policy, model: torch.nn.Module) -> str | None:
     """Why apply_policy would refuse `policy` for `model` on any device (its names, and each format's rules for the
     module and the root), or None; nothing changes. For those who price a policy for a device planned for (predict)."""
     try:
-        _check_policy(policy, dict(model.named_modules(remove_duplicate=False)), None)
+        _checked_phases(policy, dict(model.named_modules(remove_duplicate=False)), None)
     except ValueError as exc:
         return str(exc)
     return None
@@ -390,6 +393,8 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
     the model changes, so a refused policy leaves the model as it was. Apply after moving the model to its device,
     and before torch.compile (or autoprec.compile_model) and FSDP2's fully_shard; `applied_summary(model)` says
     what was done, per layer. A model with a policy applied cannot be pickled whole: save its state_dict.
+    A policy with phases (a schedule) goes on in its first phase, every phase checked first; call
+    `follow_schedule(model, step=..., total_steps=...)` in the training loop to switch as the run goes on.
 
     Args:
         model: The model (a torch.nn.Module), on its device, with fp32 weights, not compiled, no policy applied.
@@ -411,7 +416,8 @@ def apply_policy(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gat
             Linear whose features do not divide by its blocks, or on the model itself; the message names the safer
             format); finds non-fp32 weights in a listed layer or the root;
             or the model is compiled already, has a policy applied already, or a listed layer has a per-instance
-            forward.
+            forward. For a policy with phases, any phase's problem, the message naming the phase; or
+            fsdp_fp8_all_gather=True with phases.
         TypeError: `policy` is a dict (use Policy.from_dict).
         autoprec.UserError: `policy` is a path that is not a readable, valid policy file (the message names the
             file and the field).
@@ -491,14 +497,47 @@ def _convert(
     return done
 
 
+class _Schedule:
+    """Kept on a model whose policy has phases: the modules a family swapped out for the phase it runs (torchao's
+    Float8Linear for the fp8 layers), by path, put back before the next phase goes on. Plain data, so a deepcopy of
+    the model (the search copies candidates) copies them with it, sharing its Parameters as the model's do."""
+
+    def __init__(self, replaced: Mapping[str, torch.nn.Module]):
+        self.replaced = dict(replaced)
+
+
+def _checked_phases(policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device | None) -> None:
+    """_check_policy for every phase of the schedule, each naming its phase: a switch mid-run finds nothing new."""
+    if not policy.phases:
+        _check_policy(policy, paths, device)
+        return
+    for index in range(len(policy.phases) + 1):
+        try:
+            _check_policy(policy.in_phase(index), paths, device)
+        except ValueError as exc:
+            when = (
+                "in the first phase"
+                if index == 0
+                else f"in phase {index} (from_fraction {policy.phases[index - 1].from_fraction:g})"
+            )
+            raise ValueError(f"{when}: {exc}") from None
+
+
 def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: bool | None, device_hint: bool) -> ModelT:
     policy = as_policy(policy, caller="apply_policy")
     _check_fresh(model)
     paths = dict(model.named_modules(remove_duplicate=False))
     device = _param_device(model)
-    _check_policy(policy, paths, device)
+    _checked_phases(policy, paths, device)
+    if fsdp_fp8_all_gather and policy.phases:
+        raise ValueError(
+            "apply_policy(fsdp_fp8_all_gather=True) with a policy that has phases: a phase switches layers' formats in "
+            "place, and FSDP2's fp8 all-gather wraps the weights once, at fully_shard; leave it off, or apply one "
+            "policy per phase"
+        )
+    first = policy.in_phase(0)
     names = _names_by_module(paths)
-    _warn_aliases(policy, names, paths)
+    _warn_aliases(first, names, paths)
     _warn_other_model(policy, model)
     if fsdp_fp8_all_gather is None:
         fsdp_fp8_all_gather = policy.fsdp_fp8_all_gather
@@ -509,6 +548,26 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
             f"in fp8 ({gatherable_text()}): every weight is all-gathered in its own dtype",
             stacklevel=3,
         )
+    records, replaced = _put(model, first, paths, names, device, gathered, device_hint=device_hint)
+    setattr(model, _SUMMARY_ATTR, AppliedSummary(policy=policy, device=str(device), layers=records))
+    if policy.phases:
+        setattr(model, _SCHEDULE_ATTR, _Schedule(replaced))
+    _APPLIED_MODELS.add(model)
+    return model
+
+
+def _put(
+    model: torch.nn.Module,
+    policy: Policy,
+    paths: Mapping[str, torch.nn.Module],
+    names: Mapping[int, list[str]],
+    device: torch.device,
+    gathered: frozenset[Format],
+    *,
+    device_hint: bool,
+) -> tuple[dict[str, LayerRecord], dict[str, torch.nn.Module]]:
+    """Put one phase's layers (`policy`, checked) on the model: each family's convert, then each listed layer's
+    format and wrapper. Returns the records and the modules the families swapped out."""
     converted = _convert(model, policy, paths, names, device, gathered, device_hint=device_hint)
     if any(fmt.family.replaces_modules for fmt in policy.layers.values()):
         paths = dict(model.named_modules(remove_duplicate=False))
@@ -535,9 +594,123 @@ def _apply(model: ModelT, policy: Policy | str | Path, *, fsdp_fp8_all_gather: b
             wrapped=wrap,
             fsdp_fp8_all_gather=fmt in gathered,
         )
-    setattr(model, _SUMMARY_ATTR, AppliedSummary(policy=policy, device=str(device), layers=records))
-    _APPLIED_MODELS.add(model)
-    return model
+    replaced = {path: module for conv in converted.values() for path, module in conv.replaced.items()}
+    return records, replaced
+
+
+# ---------------------------------------------------------------------------------------------------
+# A schedule: switching phases in place
+
+
+def follow_schedule(model: torch.nn.Module, *, step: int, total_steps: int) -> bool:
+    """Put each scheduled policy on `model` in the phase that step `step` of the run is in; call it before each
+    optimizer step (the trainer integrations do). Returns whether a layer changed format on this call.
+
+    A policy with phases (`Policy.phases`) starts in its first phase at apply_policy; as `step` passes a phase's
+    start (`Phase.start_step(total_steps)`), the layers it lists switch format in place: the same module objects and
+    Parameters (an optimizer's state and a checkpoint's keys stay valid), fp8 layers swapped to and from torchao's
+    Float8Linear with the Linear's own weight. A compiled model recompiles once at the switch (the formats are part
+    of what torch.compile guards on, so no graph of the old phase runs again; CUDA graphs are recorded anew). A
+    model with no schedule, or already in that phase, is left as it is: calling it every step costs one lookup.
+
+    Args:
+        model: The model the policy was applied to, or a module holding it (a LightningModule, a compiled wrapper).
+        step: The optimizer steps taken so far (0 before the first), a whole number >= 0. Resuming from a
+            checkpoint, pass the step the run resumes at: the phase follows from it, not from the calls before.
+        total_steps: The run's length in optimizer steps, >= 1: the phases' from_fraction are shares of it.
+
+    Raises:
+        ValueError: `step` or `total_steps` out of range; a switch that swaps an fp8 layer's module on a model sharded
+            by FSDP2 (whose parameter groups hold the modules: under FSDP2 a schedule switches bf16, fp16, fp32 and
+            block-scaled layers); a phase's format that cannot run on the device the model has moved to since
+            apply_policy (the model stays in its phase).
+
+    Example:
+        >>> import torch
+        >>> import autoprec
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        >>> policy = autoprec.Policy(layers={"": "bf16", "2": "fp16"}, phases=[{"from_fraction": 0.8, "layers": {"2": "bf16"}}])
+        >>> model = autoprec.apply_policy(model, policy)
+        >>> autoprec.follow_schedule(model, step=79, total_steps=100), autoprec.follow_schedule(model, step=80, total_steps=100)
+        (False, True)
+        >>> str(autoprec.applied_summary(model).layers["2"].format)
+        'bf16'
+    """
+    switched = False
+    for root in [m for m in model.modules() if hasattr(m, _SCHEDULE_ATTR)]:
+        summary = applied_summary(root)
+        assert summary is not None  # the schedule is kept beside the summary
+        index = summary.policy.phase_at(step, total_steps)
+        if index != summary.phase:
+            _switch(root, summary, index)
+            switched = True
+    if not switched:  # still check the arguments where nothing is scheduled: a loop's mistake shows on the first call
+        Policy().phase_at(step, total_steps)
+    return switched
+
+
+def _switch(root: torch.nn.Module, summary: AppliedSummary, index: int) -> None:
+    """The model in phase `index`: the current phase taken off (wrappers, formats, swapped modules put back), the
+    next put on; where the next cannot go on here, the current one goes back on and the error is raised."""
+    schedule: _Schedule = getattr(root, _SCHEDULE_ATTR)
+    policy = summary.policy
+    current, target = policy.in_phase(summary.phase), policy.in_phase(index)
+    _refuse_sharded_swap(root, current, target)
+    device = _param_device(root)
+    _take_off(root, schedule)
+    paths = dict(root.named_modules(remove_duplicate=False))
+    names = _names_by_module(paths)
+    try:
+        _check_policy(target, paths, device)
+        records, replaced = _put(root, target, paths, names, device, frozenset(), device_hint=False)
+    except BaseException:
+        _take_off(root, _Schedule({}))
+        _, schedule.replaced = _put(root, current, paths, names, device, frozenset(), device_hint=False)
+        raise
+    schedule.replaced = replaced
+    setattr(root, _SUMMARY_ATTR, dataclasses.replace(summary, layers=records, phase=index))
+
+
+def _refuse_sharded_swap(root: torch.nn.Module, current: Policy, target: Policy) -> None:
+    """FSDP2 holds each sharded module in its parameter group: a module swapped (fp8 <-> not) would train a copy."""
+    for name in dict.fromkeys((*current.layers, *target.layers)):
+        was, will = current.layers.get(name), target.layers.get(name)
+        if was is will or not any(f is not None and f.family.replaces_modules for f in (was, will)):
+            continue
+        sharded = [n for n, p in root.get_submodule(name).named_parameters() if type(p).__name__ == "DTensor"]
+        if sharded:
+            raise ValueError(
+                f"follow_schedule: layer {name!r} switches from {was or 'the surrounding precision'} to "
+                f"{will or 'the surrounding precision'}, which swaps its module (torchao's Float8Linear), but its "
+                "parameters are sharded by FSDP2, which holds the module; under FSDP2 a schedule can switch bf16, fp16, "
+                "fp32 and block-scaled layers: give this layer one of those in both phases, or train each phase as its "
+                "own run from a checkpoint (the checkpoint's keys are the same in every phase)"
+            )
+
+
+def _take_off(root: torch.nn.Module, schedule: _Schedule) -> None:
+    """The model as before apply_policy: no format or wrapper on any module, the swapped-out modules back, each with
+    the Parameters its replacement holds now (the ones an optimizer steps) and its train/eval mode."""
+    for module in root.modules():
+        if not hasattr(module, _FORMAT_ATTR):
+            continue
+        delattr(module, _FORMAT_ATTR)
+        delattr(module, _RESOLVED_ATTR)
+        forward = module.__dict__.get("forward")
+        # by the function, not the module's class: FSDP2's fully_shard gives a sharded module a class of its own
+        if getattr(forward, "__func__", None) in set(_FORWARDS.values()):
+            del module.__dict__["forward"]
+            delattr(module, _NO_PICKLE_ATTR)
+    for path, original in schedule.replaced.items():
+        now = root.get_submodule(path)
+        if now is original:
+            continue
+        for key in original._parameters:
+            original._parameters[key] = now._parameters.get(key)
+        original.train(now.training)
+        parent, _, attr = path.rpartition(".")
+        setattr(root.get_submodule(parent), attr, original)
+    schedule.replaced = {}
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -614,6 +787,7 @@ def models_with(policy: Policy) -> list[torch.nn.Module]:
 
 __all__ = [
     "apply_policy",
+    "follow_schedule",
     "after_optimizer_step",
     "compile_model",
     "repeated_blocks",

@@ -7,7 +7,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,65 @@ class LossScale:
 
 
 @dataclasses.dataclass(frozen=True)
+class Phase:
+    """A later part of the training run: from `from_fraction` of its steps on, the `layers` listed run in these
+    formats (the policy's other layers keep theirs). A schedule raises late the layers whose low precision harms
+    only late (NVFP4's, fp8's damage shows over the run's last part), or lowers others once training has settled.
+
+    Args:
+        from_fraction: Where the phase starts, as a share of the run's optimizer steps: a number in (0, 1). A run of
+            N steps enters it at step ceil(from_fraction * N) (`start_step`), counting from 0.
+        layers: Module name -> format, as `Policy.layers`: the layers whose format changes from here on; at least one.
+    """
+
+    from_fraction: float
+    layers: Mapping[str, Format]
+
+    def __post_init__(self) -> None:
+        f = self.from_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not _finite(f) or not 0 < f < 1:
+            raise ValueError(
+                f"a phase's from_fraction must be a number between 0 and 1 (exclusive): the share of the run's steps "
+                f"after which it starts, e.g. 0.8; got {shown(f)}"
+            )
+        if not isinstance(self.layers, Mapping) or not self.layers:
+            raise ValueError(
+                "a phase's layers must map at least one module name to a format (the layers that change from "
+                f"from_fraction on), got {shown(self.layers) if isinstance(self.layers, Mapping) else type(self.layers).__name__}"
+            )
+        layers = {}
+        for name, fmt in self.layers.items():
+            check_layer_name(name)
+            layers[name] = parse_format(fmt, field=f"the phase's layers[{name!r}]")
+        object.__setattr__(self, "from_fraction", float(f))
+        object.__setattr__(self, "layers", layers)
+
+    def start_step(self, total_steps: int) -> int:
+        """The first step (counted from 0) of a run of `total_steps` optimizer steps that this phase covers. The
+        product is rounded to 6 decimals first, so a fraction written as step/steps (7/30) starts at that step."""
+        return math.ceil(round(self.from_fraction * total_steps, 6))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"from_fraction": self.from_fraction, "layers": {name: fmt.value for name, fmt in self.layers.items()}}
+
+    @classmethod
+    def from_dict(cls, data: object, *, index: int = 0) -> Phase:
+        where = f"phases[{index}]"
+        if not isinstance(data, Mapping):
+            raise ValueError(f'{where} must be an object {{"from_fraction": F, "layers": {{...}}}}, got {type(data).__name__}')
+        for key in data:
+            if key not in ("from_fraction", "layers"):
+                raise ValueError(f"{where}: unknown field {key!r}; allowed fields: from_fraction, layers")
+        for key in ("from_fraction", "layers"):
+            if key not in data:
+                raise ValueError(f"{where}: missing field {key!r}")
+        try:
+            return cls(from_fraction=data["from_fraction"], layers=data["layers"])
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class Policy:
     """Per-layer formats (module name -> format), loss-scale settings, and what the search measured.
 
@@ -125,11 +184,17 @@ class Policy:
             (torchao's tensorwise recipe: `fp8`, `fp8-fwd-dgrad`) in fp8, a quarter of fp32's traffic: a setting a
             sharded search measures beside the formats. apply_policy applies it (its own argument overrides it);
             the file has the field only where it is true. Default False.
+        phases: A schedule: later parts of the run in which some layers change format (Phase, or a mapping
+            {"from_fraction": F, "layers": {...}}), in order of from_fraction. Each phase lists only what changes;
+            `layers` is the first part's. apply_policy puts the first part on the model and `autoprec.follow_schedule`
+            switches it in place as the step counter passes each phase. Default (): one format per layer for the
+            whole run; the file has the field only where there is a schedule.
 
     Raises:
         ValueError: A layer name that is not a module path, an unknown format (the message lists the formats), a
             loss-scale setting out of range, another version, a field of the wrong type, or fsdp_fp8_all_gather
-            true with no layer in a format FSDP2 can gather in fp8.
+            true with no layer in a format FSDP2 can gather in fp8, or with a schedule; phases out of order, or one
+            that changes no layer's format.
 
     Example:
         >>> import autoprec
@@ -147,6 +212,7 @@ class Policy:
     measured: Mapping[str, Any] | None = None
     version: int = POLICY_VERSION
     fsdp_fp8_all_gather: bool = False
+    phases: Sequence[Phase] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, Mapping):
@@ -171,11 +237,69 @@ class Policy:
                 "fsdp_fp8_all_gather is true, but no layer runs in a format FSDP2 can all-gather in fp8 "
                 f"({gatherable_text()}): set it false, or give a layer one of those"
             )
+        self._check_phases()
+
+    def _check_phases(self) -> None:
+        if isinstance(self.phases, (str, bytes, Mapping)) or not isinstance(self.phases, Sequence):
+            raise ValueError(
+                f'phases must be a list of phases ({{"from_fraction": F, "layers": {{...}}}}), got {shown(self.phases)}'
+            )
+        phases = tuple(p if isinstance(p, Phase) else Phase.from_dict(p, index=i) for i, p in enumerate(self.phases))
+        object.__setattr__(self, "phases", phases)
+        if phases and self.fsdp_fp8_all_gather:
+            raise ValueError(
+                "fsdp_fp8_all_gather is true in a policy with phases: a phase switches layers' formats in place, and "
+                "FSDP2's fp8 all-gather wraps the weights once, at fully_shard, so a switch could not follow it; set it "
+                "false, or write one policy per phase"
+            )
+        current = dict(self.layers)
+        for i, phase in enumerate(phases):
+            if i and phase.from_fraction <= phases[i - 1].from_fraction:
+                raise ValueError(
+                    f"phases[{i}] starts at from_fraction {phase.from_fraction:g}, not after phases[{i - 1}] "
+                    f"({phases[i - 1].from_fraction:g}): list the phases in the order they start"
+                )
+            changed = {name: fmt for name, fmt in phase.layers.items() if current.get(name) is not fmt}
+            if not changed:
+                raise ValueError(
+                    f"phases[{i}] (from_fraction {phase.from_fraction:g}) changes no layer's format: each layer it "
+                    "lists has that format already; drop the phase, or give a layer another format"
+                )
+            current.update(phase.layers)
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether some layers change format during the run (the policy has phases)."""
+        return bool(self.phases)
+
+    def phase_layers(self, index: int) -> dict[str, Format]:
+        """Module name -> format in phase `index`: 0 is the run's first part (`layers`), i the one `phases[i - 1]`
+        starts; each phase's changes on top of those before it."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= len(self.phases):
+            raise ValueError(f"phase index must be a whole number from 0 to {len(self.phases)}, but got {shown(index)}")
+        layers = dict(self.layers)
+        for phase in self.phases[:index]:
+            layers.update(phase.layers)
+        return layers
+
+    def in_phase(self, index: int) -> Policy:
+        """Phase `index` as a policy of its own (no schedule): its layers, this policy's loss scale and record."""
+        return dataclasses.replace(self, layers=self.phase_layers(index), phases=())
+
+    def phase_at(self, step: int, total_steps: int) -> int:
+        """The phase (0: the first part) that step `step` (from 0) of a run of `total_steps` optimizer steps is in."""
+        for name, value, low in (("total_steps", total_steps, 1), ("step", step, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be a whole number >= {low}, but got {shown(value)}")
+        return sum(1 for phase in self.phases if step >= phase.start_step(total_steps))
 
     @property
     def uses_fp16(self) -> bool:
-        """Whether any layer's format needs loss scaling (fp16): then the GradScaler is on."""
-        return any(f.spec.loss_scale for f in self.layers.values())
+        """Whether any layer's format, in any phase, needs loss scaling (fp16): then the GradScaler is on (from the
+        start: an fp16 phase later goes on with the scale the run has kept)."""
+        return any(f.spec.loss_scale for f in self.layers.values()) or any(
+            f.spec.loss_scale for phase in self.phases for f in phase.layers.values()
+        )
 
     @property
     def fp8_gatherable(self) -> frozenset[Format]:
@@ -196,6 +320,8 @@ class Policy:
         }
         if self.fsdp_fp8_all_gather:  # only where set: a policy without it reads as before, in any version
             data["fsdp_fp8_all_gather"] = True
+        if self.phases:  # only where there is a schedule: a policy without one reads as before
+            data["phases"] = [phase.to_dict() for phase in self.phases]
         if self.measured is not None:
             data["measured"] = dict(self.measured)
         return data
@@ -207,7 +333,7 @@ class Policy:
 
     @classmethod
     def from_dict(cls, data: object) -> Policy:
-        allowed = ("version", "layers", "loss_scale", "measured", "fsdp_fp8_all_gather")
+        allowed = ("version", "layers", "loss_scale", "measured", "fsdp_fp8_all_gather", "phases")
         if not isinstance(data, Mapping):
             raise ValueError(f"a policy must be a JSON object with fields {', '.join(allowed)}, got {type(data).__name__}")
         for key in data:
@@ -230,7 +356,15 @@ class Policy:
             measured=data.get("measured"),
             version=version,
             fsdp_fp8_all_gather=data.get("fsdp_fp8_all_gather", False),
+            phases=_phase_list(data.get("phases", [])),
         )
+
+
+def _phase_list(data: object) -> tuple[Phase, ...]:
+    """The file's phases: a JSON list of phase objects, each read by Phase.from_dict."""
+    if not isinstance(data, list):
+        raise ValueError(f'phases must be a list of {{"from_fraction": F, "layers": {{...}}}} objects, got {type(data).__name__}')
+    return tuple(Phase.from_dict(item, index=i) for i, item in enumerate(data))
 
 
 def gatherable_text() -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from autoprec.apply import models_with
+from autoprec.apply import applied_summary, models_with
 from autoprec.formats import Format, default_device
 from autoprec.policy import Policy, as_policy
 
@@ -28,6 +28,14 @@ def _governing_layer(param_name: str, layers: Mapping[str, Format]) -> str | Non
     return None
 
 
+def _layers_now(model: torch.nn.Module, policy: Policy) -> Mapping[str, Format]:
+    """The layers of the phase the model runs now, where it runs this policy's schedule; else the policy's layers."""
+    summary = applied_summary(model)
+    if summary is not None and summary.policy == policy:
+        return policy.phase_layers(summary.phase)
+    return policy.layers
+
+
 def nonfinite_layers(model: torch.nn.Module, policy: Policy) -> list[str]:
     """The layers whose parameters hold non-finite gradients, as "name (format)": fp16 layers first (an
     overflow there is the usual cause, and it spreads to every layer before it), then in model order.
@@ -36,6 +44,7 @@ def nonfinite_layers(model: torch.nn.Module, policy: Policy) -> list[str]:
     One device sync for the whole model.
     """
     model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper prefixes every name with _orig_mod
+    layers = _layers_now(model, policy)
     named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
     if not named:
         return []
@@ -45,9 +54,9 @@ def nonfinite_layers(model: torch.nn.Module, policy: Policy) -> list[str]:
     for (name, _), ok in zip(named, finite):
         if ok:
             continue
-        layer = _governing_layer(name, policy.layers)
+        layer = _governing_layer(name, layers)
         label = (
-            f"{layer or '<model>'} ({policy.layers[layer]})"
+            f"{layer or '<model>'} ({layers[layer]})"
             if layer is not None
             else f"{name.rpartition('.')[0] or '<model>'} (not in the policy)"
         )

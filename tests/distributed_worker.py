@@ -8,15 +8,34 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoprec import Policy, apply_policy, grad_scaler
+from autoprec import Policy, apply_policy, follow_schedule, grad_scaler
 
 POLICY = Policy(layers={"": "bf16", "0": "fp32", "2": "fp16"})
 # fsdp2-fp8: FSDP2 all-gathering the fp8 layers' weights in fp8 (torchao's tensorwise recipe, emulated on a CPU)
 FP8_POLICY = Policy(layers={"": "bf16", "0": "fp8", "2": "fp8"})
 
 
+# fsdp2-schedule: a schedule under FSDP2, switching autocast formats in place from the third of three steps
+SCHEDULE = Policy(layers=POLICY.layers, phases=[{"from_fraction": 0.5, "layers": {"0": "bf16", "2": "fp32"}}])
+STEPS = 3
+
+
 def policy_of(wrap):
-    return FP8_POLICY if wrap == "fsdp2-fp8" else POLICY
+    return {"fsdp2-fp8": FP8_POLICY, "fsdp2-schedule": SCHEDULE}.get(wrap, POLICY)
+
+
+def refused_swap():
+    """What follow_schedule says where a switch would swap a sharded layer's module for torchao's Float8Linear."""
+    from torch.distributed.fsdp import fully_shard
+
+    swap = Policy(layers={"": "bf16", "0": "fp8"}, phases=[{"from_fraction": 0.5, "layers": {"0": "bf16"}}])
+    model = apply_policy(build(), swap)
+    fully_shard(model)
+    try:
+        follow_schedule(model, step=2, total_steps=STEPS)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 BATCH = 16  # fp8 kernels need the weight-gradient matmul's inner dimension (the batch) divisible by 16
@@ -70,7 +89,8 @@ def run(rank, world, wrap, out, port, device="cpu"):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         scaler = grad_scaler(policy, device)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-        for _ in range(3):
+        for step in range(STEPS):
+            follow_schedule(model, step=step, total_steps=STEPS)  # a no-op but under fsdp2-schedule
             x, y = torch.randn(BATCH, 16, generator=g).to(device), torch.randn(BATCH, 4, generator=g).to(device)
             opt.zero_grad(set_to_none=True)
             scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
@@ -79,7 +99,8 @@ def run(rank, world, wrap, out, port, device="cpu"):
         state = model.module.state_dict() if wrap == "ddp" else {k: plain(v.full_tensor()) for k, v in model.state_dict().items()}
         state = {k: v.cpu() for k, v in state.items()}
         torch.save({"state": state, "dtypes": {k: str(v.dtype) for k, v in state.items()}, "skipped": scaler.skipped_steps,
-                    "all_gathered": gathered}, os.path.join(out, f"rank{rank}.pt"))  # fmt: skip
+                    "all_gathered": gathered, "refused": refused_swap() if wrap == "fsdp2-schedule" else None},
+                   os.path.join(out, f"rank{rank}.pt"))  # fmt: skip
     finally:
         # every rank done before any tears gloo down: a rank leaving while its peer still talks aborts the peer
         # ("terminate called without an active exception", SIGABRT), about one run in five without this barrier

@@ -21,7 +21,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2", "fsdp2-fp8"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2", "fsdp2-fp8", "fsdp2-schedule"])
 def test_a_policy_applied_model_trains_under_data_parallelism_with_ranks_agreeing_and_fp32_checkpoints(tmp_path, wrap):
     mp.spawn(worker.run, args=(2, wrap, str(tmp_path), free_port()), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
@@ -34,6 +34,8 @@ def test_a_policy_applied_model_trains_under_data_parallelism_with_ranks_agreein
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == 0
     gathered = ranks[0]["all_gathered"]  # fsdp2-fp8: each fp8 layer's weight, every forward (and backward), in fp8
     assert gathered == [] if wrap != "fsdp2-fp8" else len(gathered) >= 2 * 3 and set(gathered) == {"torch.float8_e4m3fn"}
+    if wrap == "fsdp2-schedule":  # its autocast layers switched in place; an fp8 layer's module swap is refused
+        assert "switches from fp8 to bf16, which swaps its module" in ranks[0]["refused"]
     control = single_process_control(wrap)
     for name, value in ranks[0]["state"].items():
         torch.testing.assert_close(value, control[name], rtol=1e-3, atol=1e-4, msg=name)
@@ -44,14 +46,15 @@ def single_process_control(wrap):
     are per batch), their gradients averaged, as data parallelism averages them."""
     from torch import nn
 
-    from autoprec import apply_policy, grad_scaler
+    from autoprec import apply_policy, follow_schedule, grad_scaler
 
     policy = worker.policy_of(wrap)
     model = apply_policy(worker.build(), policy)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = grad_scaler(policy, "cpu")
     gens = [torch.Generator().manual_seed(100 + rank) for rank in range(2)]
-    for _ in range(3):
+    for step in range(worker.STEPS):
+        follow_schedule(model, step=step, total_steps=worker.STEPS)
         opt.zero_grad(set_to_none=True)
         for g in gens:
             x, y = torch.randn(worker.BATCH, 16, generator=g), torch.randn(worker.BATCH, 4, generator=g)

@@ -113,3 +113,44 @@ def test_after_each_optimizer_step_the_plugin_does_what_the_policy_needs_there(m
     monkeypatch.setattr(plugin_module, "after_optimizer_step", calls.append)
     module = fit(Module(), plugins=[PolicyPrecision(POLICY, device="cpu")])
     assert calls == [module] * 4  # max_steps=4
+
+
+class Formats(L.LightningModule):
+    """Records, at each training step, the format the policy's schedule gives body.0 then."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.seen = []
+
+    def training_step(self, batch, i):
+        from autoprec.apply import applied_summary
+
+        self.seen.append(str(applied_summary(self).layers["body.0"].format))
+        x, y = batch
+        return nn.functional.mse_loss(self.body(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+SCHEDULE = Policy(layers={"": "fp32", "body.0": "fp16"}, phases=[{"from_fraction": 0.5, "layers": {"body.0": "bf16"}}])
+
+
+@pytest.mark.parametrize(("trainer", "seen"), [
+    ({"max_steps": 4}, ["fp16"] * 2 + ["bf16"] * 2),
+    # 4 batches an epoch, two epochs, two micro-batches a step: 4 optimizer steps, the switch at the third
+    ({"max_steps": -1, "max_epochs": 2, "accumulate_grad_batches": 2}, ["fp16"] * 4 + ["bf16"] * 4),
+])  # fmt: skip
+def test_a_schedule_switches_at_its_share_of_the_fits_optimizer_steps(trainer, seen):
+    module = fit(Formats(), plugins=[PolicyPrecision(SCHEDULE, device="cpu")], **trainer)
+    assert module.seen == seen
+
+
+def test_a_schedule_in_a_fit_of_no_known_length_is_one_error_saying_what_to_give():
+    with pytest.raises(
+        ValueError,
+        match="the policy has phases .* this fit's length is inf optimizer steps; give the Trainer max_steps or max_epochs",
+    ):
+        fit(Formats(), plugins=[PolicyPrecision(SCHEDULE, device="cpu")], max_steps=-1, max_epochs=-1)

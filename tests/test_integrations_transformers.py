@@ -138,3 +138,16 @@ def test_after_each_optimizer_step_the_trainer_does_what_the_policy_needs_there(
     model = gpt2()
     PolicyTrainer(policy=POLICY, model=model, args=arguments(tmp_path), train_dataset=data()).train()
     assert calls == [model] * 4  # max_steps=4
+
+
+def test_a_schedule_switches_at_its_share_of_max_steps(tmp_path):
+    """The fp16 layer raised to bf16 from step 2 of 4: the format the model holds at each optimizer step."""
+    from autoprec.apply import applied_summary
+
+    schedule = Policy(layers=POLICY.layers, phases=[{"from_fraction": 0.5, "layers": {"transformer.h.0.mlp.c_fc": "bf16"}}])
+    model, seen = gpt2(), []
+    model.transformer.h[0].register_forward_pre_hook(
+        lambda *_: seen.append(str(applied_summary(model).layers["transformer.h.0.mlp.c_fc"].format))
+    )
+    PolicyTrainer(policy=schedule, model=model, args=arguments(tmp_path), train_dataset=data()).train()
+    assert seen == ["fp16", "fp16", "bf16", "bf16"]

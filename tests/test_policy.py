@@ -397,3 +397,93 @@ def test_fingerprint_same_architecture_same_hash():
 )
 def test_fingerprint_changes_with_structure(other):
     assert model_fingerprint(other()) != model_fingerprint(mlp())
+
+
+# ---- a schedule: phases ------------------------------------------------------------------------------------------
+
+
+def scheduled() -> dict:
+    return {
+        **valid(),
+        "phases": [{"from_fraction": 0.8, "layers": {"fc2": "bf16"}}, {"from_fraction": 0.9, "layers": {"fc1": "bf16"}}],
+    }
+
+
+def test_a_schedule_round_trips_through_the_file_and_a_policy_without_one_writes_no_phases(tmp_path):
+    policy = Policy.from_dict(scheduled())
+    assert load_policy(policy.save(tmp_path / "p.json")) == policy and policy.scheduled
+    assert policy.to_dict()["phases"] == scheduled()["phases"]
+    assert "phases" not in Policy.from_dict(valid()).to_dict()
+    assert policy.phase_layers(0) == policy.layers
+    assert policy.phase_layers(1) == {**policy.layers, "fc2": Format.BF16}
+    assert policy.in_phase(2) == Policy(layers={"": "bf16", "fc1": "bf16", "fc2": "bf16", "head": "fp32"},
+                                        loss_scale=policy.loss_scale)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("step", "total", "phase"),
+    [
+        (0, 100, 0),
+        (79, 100, 0),
+        (80, 100, 1),
+        (89, 100, 1),
+        (90, 100, 2),
+        (99, 100, 2),
+        (7, 10, 0),
+        (8, 10, 1),
+        (1, 3, 0),
+        (2, 3, 1),
+    ],
+)
+def test_the_phase_of_a_step_starts_at_ceil_of_the_fraction_of_the_run(step, total, phase):
+    # 0.8 of 3 steps is 2.4: the phase starts at step 3 (counted from 0), after the share is passed; 0.9 of 3 is 2.7
+    assert Policy.from_dict(scheduled()).phase_at(step, total) == (phase if total != 3 else 0)
+
+
+def test_a_fraction_written_as_step_over_steps_starts_at_that_step_for_any_run_length():
+    for steps in (3, 7, 30, 999, 10**6 + 3, 10**9 + 7):
+        for step in (1, steps // 3, steps - 1):
+            policy = Policy(layers={"a": "fp8"}, phases=[{"from_fraction": step / steps, "layers": {"a": "bf16"}}])
+            assert policy.phases[0].start_step(steps) == step, (step, steps)
+
+
+def test_a_phase_with_fp16_turns_the_grad_scaler_on_from_the_start():
+    assert Policy(layers={"a": "bf16"}, phases=[{"from_fraction": 0.5, "layers": {"a": "fp16"}}]).uses_fp16
+    assert not Policy(layers={"a": "bf16"}, phases=[{"from_fraction": 0.5, "layers": {"a": "fp32"}}]).uses_fp16
+
+
+@pytest.mark.parametrize(
+    ("phases", "message"),
+    [
+        ({"from_fraction": 0.5}, "phases must be a list"),
+        ([{"from_fraction": 0, "layers": {"fc1": "bf16"}}], r"phases\[0\]: a phase's from_fraction must be a number between 0 and 1 \(exclusive\).*got 0"),
+        ([{"from_fraction": 1.0, "layers": {"fc1": "bf16"}}], "between 0 and 1"),
+        ([{"from_fraction": True, "layers": {"fc1": "bf16"}}], "between 0 and 1.*got True"),
+        ([{"from_fraction": "0.5", "layers": {"fc1": "bf16"}}], "between 0 and 1.*got '0.5'"),
+        ([{"from_fraction": 0.5, "layers": {}}], "at least one module name"),
+        ([{"from_fraction": 0.5, "layers": {"fc1": "fp7"}}], r"phases\[0\]: the phase's layers\['fc1'\] must be one of fp32, bf16, .*but got 'fp7'"),
+        ([{"from_fraction": 0.5, "layers": {"a b": "bf16"}}], "is not a module path"),
+        ([{"from_fraction": 0.5, "layers": {"fc1": "bf16"}, "until": 0.9}], r"phases\[0\]: unknown field 'until'"),
+        ([{"layers": {"fc1": "bf16"}}], r"phases\[0\]: missing field 'from_fraction'"),
+        ([{"from_fraction": 0.5, "layers": {"fc1": "fp16"}}], r"phases\[0\] \(from_fraction 0.5\) changes no layer's format"),
+        ([{"from_fraction": 0.6, "layers": {"fc1": "bf16"}}, {"from_fraction": 0.6, "layers": {"fc2": "bf16"}}],
+         r"phases\[1\] starts at from_fraction 0.6, not after phases\[0\] \(0.6\): list the phases in the order they start"),
+    ],
+)  # fmt: skip
+def test_a_bad_phase_is_one_error_naming_the_file_the_phase_and_the_rule(tmp_path, phases, message):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**valid(), "phases": phases}))
+    with pytest.raises(UserError, match=message) as caught:
+        load_policy(path)
+    assert str(caught.value).startswith(f"{path}: ")
+
+
+def test_fp8_all_gather_with_a_schedule_is_refused_since_a_switch_cannot_follow_it():
+    with pytest.raises(ValueError, match="fsdp_fp8_all_gather is true in a policy with phases.*write one policy per phase"):
+        Policy(layers={"fc1": "fp8"}, fsdp_fp8_all_gather=True, phases=[{"from_fraction": 0.5, "layers": {"fc1": "bf16"}}])
+
+
+@pytest.mark.parametrize(("step", "total"), [(-1, 10), (0, 0), (True, 10), (1.0, 10)])
+def test_phase_at_refuses_a_step_or_run_length_out_of_range(step, total):
+    with pytest.raises(ValueError, match="must be a whole number"):
+        Policy.from_dict(scheduled()).phase_at(step, total)

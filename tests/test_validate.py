@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from autoprec import Policy
+from autoprec import Policy, load_policy
 from autoprec.tune import load_task, prepare
 from autoprec.tune._cli import main
 from autoprec.tune._core._budget import Budget
-from autoprec.tune._measure._validate import raised, validate
+from autoprec.tune._measure._validate import raised, validate, with_switch
 
 MODELS = Path(__file__).parent / "models"
 
@@ -43,13 +43,44 @@ def test_a_drop_past_the_budget_at_the_end_gets_a_measured_switch_from_before_it
     assert v.switch.layers == {"fc1": "bf16"} and v.switch.drop == pytest.approx(0.04)
     assert v.switch.phase() == {"from_fraction": 0.2, "layers": {"fc1": "bf16"}}
     assert all(p.switched_loss is None for p in v.curve[:4]) and all(p.switched_loss is not None for p in v.curve[4:])
+    # what was trained is the schedule written: the policy with that phase, switched in place by follow_schedule
+    assert v.switch.policy == Policy(
+        layers={"fc1": "fp16", "fc2": "bf16"}, phases=[{"from_fraction": 0.2, "layers": {"fc1": "bf16"}}]
+    )
+
+
+def test_a_scheduled_policy_trains_following_its_schedule(drifting):
+    """The schedule validate proposed, validated itself: one layer below bf16 for its first 6 of 20 steps, so the drift
+    stops at 0.06 (each step the model reads the formats apply_policy's switch left on it)."""
+    policy = Policy(layers={"fc1": "fp16", "fc2": "fp8"}, phases=[{"from_fraction": 0.15, "layers": {"fc2": "bf16"}},
+                                                                  {"from_fraction": 0.3, "layers": {"fc1": "bf16"}}])  # fmt: skip
+    v = validate(drifting, policy, 20, every=2, budget=0.1)
+    drops = {p.step: p.drop for p in v.curve if p.drop is not None}
+    # steps 0-2: two layers below bf16, 3-5: one, from step 6 (0.3 of 20) none
+    assert drops[2] == pytest.approx(0.04) and drops[6] == pytest.approx(0.09) and drops[20] == pytest.approx(0.09)
+    assert v.holds and v.switch is None
+
+
+def test_with_switch_raises_from_the_step_on_in_every_later_phase_and_merges_phases():
+    layers = {"": "bf16", "a": "nvfp4", "b": "fp8", "c": "fp32"}
+    policy = Policy(layers=layers, phases=[{"from_fraction": 0.5, "layers": {"b": "bf16"}},
+                                           {"from_fraction": 0.75, "layers": {"c": "fp8"}}])  # fmt: skip
+    # from step 5 of 20: a and b raised there; the 0.5 phase (b to bf16) is then a no-op, gone; c's fp8 raised
+    assert with_switch(policy, 5, 20) == Policy(layers=layers, phases=[{"from_fraction": 0.25, "layers": {"a": "bf16", "b": "bf16"}},
+                                                                       {"from_fraction": 0.75, "layers": {"c": "bf16"}}])  # fmt: skip
+    # at a phase's own start: merged into it; from step 0: the first part itself
+    assert with_switch(policy, 10, 20).phases[0].layers == {"a": "bf16", "b": "bf16"}
+    raised_c = [{"from_fraction": 0.75, "layers": {"c": "bf16"}}]  # c leaves fp32 there as the policy says, to bf16
+    assert with_switch(policy, 0, 20) == Policy(layers={**layers, "a": "bf16", "b": "bf16"}, phases=raised_c)
+    # a step that is not a round share (7 of 30) starts the phase at that step for the run it was measured on
+    assert with_switch(Policy(layers={"a": "fp8"}), 7, 30).phases[0].start_step(30) == 7
 
 
 def test_a_relative_budget_is_resolved_against_the_baselines_final_metric(drifting):
     v = validate(drifting, Policy(layers={"fc1": "fp16"}), 4, every=2, budget=Budget(0.5, relative=True))
     assert v.budget == 0.0  # the baseline's metric is 0 here: half of it is 0
-    assert raised(Policy(layers={"": "bf16", "a": "fp8", "b": "fp32", "c": "nvfp4"})) == {"a": "bf16", "c": "bf16"}
-    assert raised(Policy(layers={"": "fp16", "b": "fp32"})) == {"": "bf16"}  # an fp16 root is raised too
+    assert raised(Policy(layers={"": "bf16", "a": "fp8", "b": "fp32", "c": "nvfp4"}).layers) == {"a": "bf16", "c": "bf16"}
+    assert raised(Policy(layers={"": "fp16", "b": "fp32"}).layers) == {"": "bf16"}  # an fp16 root is raised too
 
 
 @pytest.mark.parametrize(("steps", "every"), [(0, None), (True, None), (4, 0)])
@@ -72,6 +103,13 @@ def test_the_command_writes_the_curve_says_the_verdict_and_the_switch(tmp_path, 
     )
     for name in ("validate.csv", "validate.json", "validate.png"):
         assert (tmp_path / "out" / name).is_file(), name
+    assert "policy_scheduled.json: the policy with the switch as a phase" in out
+    scheduled = load_policy(tmp_path / "out" / "policy_scheduled.json")
+    assert scheduled.in_phase(1).layers == {"fc1": "bf16"} and scheduled.phases[0].start_step(20) == 4
+    assert scheduled.measured == {
+        "budget": 0.1,
+        "validated": {"steps": 20, "baseline": "fp32", "budget": 0.1, "drop": pytest.approx(0.04)},
+    }
     rows = (tmp_path / "out" / "validate.csv").read_text().splitlines()
     assert rows[0].startswith("step,baseline_loss,policy_loss") and len(rows) == 21
     assert main([*argv, "--out", str(tmp_path / "json"), "--budget", "0.5", "--json"]) == 0

@@ -189,10 +189,13 @@ class GemmCast:
 @dataclasses.dataclass(frozen=True)
 class Converted:
     """What a family's `convert` did to the model: `backend`, recorded per layer in applied_summary (LayerRecord's
-    fp8_backend: torchao's kernels or emulation); `undo` puts back what it changed, where a later step refuses."""
+    fp8_backend: torchao's kernels or emulation); `undo` puts back what it changed, where a later step refuses;
+    `replaced`: the model's modules it swapped out, by path (a family whose `replaces_modules`), which a schedule's
+    switch puts back before the next phase is applied."""
 
     backend: Any = None
     undo: Callable[[], None] = lambda: None
+    replaced: Mapping[str, torch.nn.Module] = dataclasses.field(default_factory=dict)
 
 
 class FormatFamily(abc.ABC):

@@ -450,7 +450,7 @@ class Float8Family(FormatFamily):
         gathered = frozenset(_FORMATS[f].gemms for f in all_gather if f in _FORMATS)
         backend, originals = _convert_fp8(model, fp8, names, device, gathered, device_hint=device_hint)
         log.info("apply_policy: fp8 layers %s use %s", sorted(listed), backend)
-        return Converted(backend=backend, undo=lambda: _restore(model, originals))
+        return Converted(backend=backend, undo=lambda: _restore(model, originals), replaced=originals)
 
     def forward(
         self, fmt: Format, module: torch.nn.Module, inner: Callable[..., Any], device_type: str, args: tuple, kwargs: dict

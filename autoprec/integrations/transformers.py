@@ -10,7 +10,8 @@ before Trainer sees it, and, when the policy has fp16 layers, hands the policy's
 settings) to Trainer's accelerator: the loss is scaled before backward, gradients unscaled before clipping, a
 step with inf/NaN gradients skipped (the learning-rate schedule with it) and the scale updated. After each
 optimizer step it does what the policy needs there (autoprec.after_optimizer_step: its fp8 weights' scales where
-FSDP2 all-gathers them in fp8). Leave
+FSDP2 all-gathers them in fp8). A policy with phases follows its schedule: before each step, autoprec.follow_schedule
+with Trainer's step counter and its max_steps (a resumed run switches from where it resumes). Leave
 TrainingArguments' `bf16`/`fp16` off: they put the model under one autocast, around the policy, which changes the
 layers the policy does not name (none, when it names the model itself, as a searched policy does).
 """
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import transformers
 
-from autoprec.apply import after_optimizer_step, apply_policy
+from autoprec.apply import after_optimizer_step, apply_policy, follow_schedule
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy, as_policy
 from autoprec.scaler import PolicyGradScaler, grad_scaler
@@ -52,6 +53,8 @@ class PolicyTrainer(transformers.Trainer):
         model = apply_policy(model, policy)  # on its device first, as apply_policy asks
         super().__init__(model=model, args=args, **kwargs)
         self.add_callback(_AfterOptimizerStep())
+        if policy.phases:
+            self.add_callback(_FollowSchedule())
         self.autoprec_scaler: PolicyGradScaler = grad_scaler(policy, args.device, model=model)
         if self.autoprec_scaler.is_enabled():
             # accelerate scales the loss in backward and steps, skips and updates through its scaler
@@ -75,6 +78,14 @@ class _AfterOptimizerStep(transformers.TrainerCallback):
     def on_optimizer_step(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         if model is not None:
             after_optimizer_step(model)
+
+
+class _FollowSchedule(transformers.TrainerCallback):
+    """The policy's schedule followed by Trainer's step counter: each step in the phase its share of max_steps says."""
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            follow_schedule(model, step=state.global_step, total_steps=state.max_steps)
 
 
 def _warn_conflicts(policy: Policy, args: transformers.TrainingArguments) -> None:

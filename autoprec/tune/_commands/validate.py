@@ -4,6 +4,7 @@ budget does not hold at the end."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -12,6 +13,7 @@ from tqdm.auto import tqdm
 from autoprec.apply import policy_problem
 from autoprec.errors import UserError
 from autoprec.files import write_text
+from autoprec.policy import Policy
 from autoprec.tune._commands._shared import Verb, model_device, out_dir, prepare_model, print_json
 from autoprec.tune._commands.export import searched_policy
 from autoprec.tune._core._budget import parse_budget
@@ -72,6 +74,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
                           budget=budget, progress=bar.update, more=more)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "validate.csv", _csv(result))
+    written = ["validate.csv", "validate.json"]
+    if result.switch is not None:
+        _scheduled(result).save(out / SCHEDULED)
+        written.append(SCHEDULED)
     record = _record(result, args)
     write_text(out / "validate.json", json.dumps(record, indent=2, allow_nan=False) + "\n")
     png = plot_validation(result, out / "validate.png", title=f"{task.name}: {args.policy} beside {args.baseline}")
@@ -80,10 +86,27 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return 0
     if not args.quiet:
         print(summary(result))
-        print(f"\nwrote {out / 'validate.csv'}, validate.json, {png.name}")
+        print(f"\nwrote {out / written[0]}, {', '.join([*written[1:], png.name])}")
+        if result.switch is not None:
+            print(
+                f"{SCHEDULED}: the policy with the switch as a phase, as it was trained here; apply it as any policy and "
+                "call autoprec.follow_schedule(model, step=..., total_steps=...) each step (the trainer integrations do)"
+            )
     # 1, as verify's mismatch: the budget does not hold at the end, and no measured switch keeps it
     switch_holds = result.switch is not None and result.budget is not None and result.switch.drop <= result.budget
     return 0 if result.holds is not False or switch_holds else 1
+
+
+SCHEDULED = "policy_scheduled.json"  # the measured switch written as a schedule, beside validate.json
+
+
+def _scheduled(v: Validation) -> Policy:
+    """The switch's schedule, its record saying what this run measured of it (beside what the search measured)."""
+    assert v.switch is not None
+    policy = v.switch.policy
+    measured = dict(policy.measured or {})
+    measured["validated"] = {"steps": v.steps, "baseline": v.baseline, "budget": v.budget, "drop": _finite(v.switch.drop)}
+    return dataclasses.replace(policy, measured=measured)
 
 
 def _recorded_budget(policy) -> float | None:
@@ -161,6 +184,7 @@ def _record(v: Validation, args: argparse.Namespace) -> dict:
             "step": v.switch.step,
             "drop": _finite(v.switch.drop),
             "holds": v.switch.drop <= (v.budget or 0),
+            "policy": SCHEDULED,
         },
     }
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 import torch
 
 from autoprec import devices
-from autoprec.apply import after_optimizer_step, apply_on_chosen_device, compile_model
+from autoprec.apply import after_optimizer_step, apply_on_chosen_device, compile_model, follow_schedule
 from autoprec.errors import UserError, describe
 from autoprec.policy import Policy
 from autoprec.scaler import grad_scaler
@@ -101,6 +101,8 @@ class Trainer:
     the loss sees `torch.compile(model)` after the policy is applied, as a user who compiles trains;
     `first_step_s` is then the first step's wall time, which holds the compilation. `tf32`: fp32 matmuls
     may use TF32 (CUDA); otherwise they are strict IEEE fp32 on CUDA, whatever the process's setting.
+    `total_steps`: the run's length, which a policy with phases needs (each step follows its schedule, as a user's
+    loop does with autoprec.follow_schedule).
     """
 
     def __init__(
@@ -110,8 +112,12 @@ class Trainer:
         *,
         order: Sequence[int] | None = None,
         compiled: bool = False,
+        total_steps: int | None = None,
     ):
         candidate = as_candidate(policy)
+        if candidate.policy.phases and total_steps is None:
+            raise ValueError("a policy with phases trains over a known run: give Trainer its total_steps")
+        self.total_steps = total_steps
         self.workload = workload
         self.tf32 = candidate.tf32
         self.policy = candidate.policy
@@ -145,6 +151,8 @@ class Trainer:
             self._next += 1
         batch = self.workload.train[batch_index]
         self._stepped.add(batch_index)
+        if self.total_steps is not None and self.policy.phases:
+            follow_schedule(self.model, step=self.steps, total_steps=self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
         with matmul_precision(self.workload.device, self.tf32):
             loss = check_loss(self.workload.task, self.workload.task.loss_fn(self._forward_model, batch))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from autoprec.formats import Format
-from autoprec.policy import ROOT, Policy
+from autoprec.policy import ROOT, Phase, Policy
 from autoprec.tune._core._budget import Budget
 from autoprec.tune._measure._metric import batch_order, trained_metric
 from autoprec.tune._measure._task import Workload, random_state
@@ -59,16 +59,18 @@ class CurvePoint:
 @dataclasses.dataclass(frozen=True)
 class Switch:
     """A phase switch: from `step` (`from_fraction` of the run) the `layers` run in these formats; `drop` the metric
-    drop it measured at the end."""
+    drop it measured at the end; `policy` the schedule trained (the policy with the switch as a phase), which
+    apply_policy and autoprec.follow_schedule run as it was measured."""
 
     step: int
     from_fraction: float
     layers: Mapping[str, str]
     drop: float
+    policy: Policy
 
     def phase(self) -> dict[str, Any]:
         """The switch as a schedule's phase: from which share of the run, which layers in which format."""
-        return {"from_fraction": round(self.from_fraction, 4), "layers": dict(self.layers)}
+        return {"from_fraction": self.from_fraction, "layers": dict(self.layers)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +95,36 @@ class Validation:
         return None if self.budget is None else self.final_drop <= self.budget
 
 
-def raised(policy: Policy) -> dict[str, str]:
-    """The policy's layers below bf16 (fp8, MXFP8, NVFP4, fp16: narrower or scaled) and the format each is raised to:
-    bf16, the format a late phase trains them in (Megatron's NVFP4 healing raises a whole model so)."""
+def raised(layers: Mapping[str, Format]) -> dict[str, str]:
+    """The layers below bf16 (fp8, MXFP8, NVFP4, fp16: narrower or scaled) and the format each is raised to: bf16,
+    the format a late phase trains them in (Megatron's NVFP4 healing raises a whole model so)."""
     keep = {Format.FP32, Format.BF16}
-    return {name: Format.BF16.value for name, fmt in policy.layers.items() if fmt not in keep}  # an fp16 root too
+    return {name: Format.BF16.value for name, fmt in layers.items() if fmt not in keep}  # an fp16 root too
+
+
+def with_switch(policy: Policy, step: int, steps: int) -> Policy:
+    """`policy` with its layers below bf16 raised to bf16 from step `step` of a run of `steps` to its end: a phase
+    starting there (merged into one that starts at the same step; the first part itself where `step` is 0), and the
+    same layers kept raised in its later phases. Layers at fp32 or bf16 stay as they are."""
+    starts = [0, *(p.start_step(steps) for p in policy.phases)]
+    fractions = [0.0, *(p.from_fraction for p in policy.phases)]
+    parts = [(start, fraction, policy.phase_layers(i)) for i, (start, fraction) in enumerate(zip(starts, fractions))]
+    here = policy.phase_layers(policy.phase_at(step, steps))
+
+    def up(layers: dict[str, Format]) -> dict[str, Format]:
+        return {**layers, **{name: Format(fmt) for name, fmt in raised(layers).items()}}
+
+    timeline = [(f, layers) for start, f, layers in parts if start < step]
+    # step / steps unrounded: Phase.start_step gives `step` back for any run length
+    at = next((f for start, f, _ in parts if start == step), step / steps)
+    timeline.append((at, up(here)))
+    timeline += [(f, up(layers)) for start, f, layers in parts if start > step]
+    phases = []
+    for (_, before), (f, after) in zip(timeline, timeline[1:]):
+        changed = {name: fmt for name, fmt in after.items() if before.get(name) is not fmt}
+        if changed:
+            phases.append(Phase(from_fraction=f, layers=changed))
+    return dataclasses.replace(policy, layers=timeline[0][1], phases=tuple(phases), fsdp_fp8_all_gather=False)
 
 
 def validate(
@@ -135,21 +162,22 @@ def validate(
     if isinstance(budget, Budget):
         budget = budget.resolve(next(p.baseline_metric for p in reversed(curve) if p.baseline_metric is not None))
     result = Validation(steps=steps, baseline=baseline, curve=curve, budget=budget)
-    up = raised(policy)
-    if result.holds is not False or not up or budget is None:
+    if result.holds is not False or budget is None:
         return result
     at = _switch_step(curve, budget)
+    # the schedule trained is the one written: no layer is left in fp8 to all-gather (with_switch turns that off)
+    scheduled = with_switch(policy, at, steps)
+    up = raised(policy.phase_layers(policy.phase_at(at, steps)))
+    if scheduled == dataclasses.replace(policy, fsdp_fp8_all_gather=False):
+        return result  # no layer below bf16 at or after the switch: nothing to raise
     if more is not None:
         more(steps)
-    layers = {**policy.layers, **{n: Format(f) for n, f in up.items()}}
-    # no layer is left in fp8 to all-gather so (the policy file refuses the setting without one)
-    switched = dataclasses.replace(policy, layers=layers, measured={}, fsdp_fp8_all_gather=False)
-    after = _arm(workload, policy, order, evaluated, seed, progress, switch=(at, switched))
+    after = _arm(workload, scheduled, order, evaluated, seed, progress)
     curve = tuple(
         dataclasses.replace(p, switched_loss=a[0], switched_metric=a[1]) if p.step > at else p for p, a in zip(curve, after)
     )
     drop = curve[-1].switched_drop
-    switch = Switch(step=at, from_fraction=at / steps, layers=up, drop=drop if drop is not None else math.nan)
+    switch = Switch(step=at, from_fraction=at / steps, layers=up, drop=drop if drop is not None else math.nan, policy=scheduled)
     return dataclasses.replace(result, curve=curve, switch=switch)
 
 
@@ -173,20 +201,15 @@ def _arm(
     evaluated: set[int],
     seed: int,
     progress: Callable[[int], None] | None,
-    *,
-    switch: tuple[int, Policy] | None = None,
 ) -> list[tuple[float, float | None]]:
-    """One arm's (loss, metric or None) per step. `switch` (step, policy): from after that step the run goes on in the
-    other policy, from this one's weights, optimizer state and loss scale (a checkpoint loads so: apply_policy keeps
-    the fp32 parameter names). Each step and each evaluation draws from torch's, Python's and NumPy's generators
-    seeded by (seed, step), the same in every arm; the caller's states are given back. The arm's trainers are released
-    as it ends."""
-    trainer = Trainer(workload, policy, order=order)
+    """One arm's (loss, metric or None) per step. A policy with phases switches in place as the run passes each
+    (autoprec.follow_schedule, as a user's loop does): the same weights, optimizer state and loss scale go on. Each
+    step and each evaluation draws from torch's, Python's and NumPy's generators seeded by (seed, step), the same in
+    every arm; the caller's states are given back. The arm's trainer is released as it ends."""
+    trainer = Trainer(workload, policy, order=order, total_steps=len(order))
     out: list[tuple[float, float | None]] = []
     try:
         for step in range(1, len(order) + 1):
-            if switch is not None and step == switch[0] + 1:
-                trainer = _carried(trainer, switch[1], order[switch[0] :])
             with random_state(workload, _seed(seed, step, 0)):  # the same dropout masks, augmentations in every arm
                 loss = float(trainer.step().detach())
             metric = None
@@ -204,20 +227,3 @@ def _arm(
 def _seed(seed: int, step: int, kind: int) -> int:
     """The draws of one step's training (kind 0) or evaluation (1): a seed below SEEDS, as NumPy takes."""
     return (seed * 1_000_003 + 2 * step + kind) % SEEDS
-
-
-def _carried(trainer: Trainer, policy: Policy, order: Sequence[int]) -> Trainer:
-    """A Trainer of `policy` that goes on where `trainer` stands: its weights, optimizer state and loss scale; the old
-    one is released (both on the device at once only while the state is copied)."""
-    after = Trainer(trainer.workload, policy, order=order)
-    try:
-        after.model.load_state_dict(trainer.model.state_dict())
-        after.optimizer.load_state_dict(trainer.optimizer.state_dict())
-        if trainer.scaler.is_enabled() and after.scaler.is_enabled():
-            after.scaler.load_state_dict(trainer.scaler.state_dict())
-    except BaseException:
-        release_trainer(after)
-        raise
-    finally:
-        release_trainer(trainer)
-    return after

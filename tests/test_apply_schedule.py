@@ -1,0 +1,191 @@
+"""A schedule in apply (autoprec/apply.py: follow_schedule): a policy with phases goes on in its first phase, every
+phase checked first, and switches in place as the step counter passes each phase. Each phase is checked against a
+fresh model with that phase applied alone (the reference), eager and compiled; the Parameters an optimizer holds and
+the modules swapped for fp8 come back as they were."""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+import autoprec
+from autoprec import Policy, apply_policy, follow_schedule
+from autoprec.apply import applied_summary
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+# fp8 on a Linear (torchao's Float8Linear swapped in), fp16 elsewhere; then raised in two steps
+SCHEDULE = Policy(
+    layers={"": "bf16", "blocks.0.fc1": "fp8", "blocks.1.fc2": "fp16"},
+    phases=[
+        {"from_fraction": 0.5, "layers": {"blocks.0.fc1": "bf16"}},
+        {"from_fraction": 0.75, "layers": {"blocks.1.fc2": "fp32"}},
+    ],
+)
+X = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def quiet_emulation(recwarn):
+    """fp8 runs emulated on a CPU (apply_policy warns so): the warning is not what these tests are about."""
+
+
+def reference(phase: int) -> nn.Module:
+    return apply_policy(Net(), SCHEDULE.in_phase(phase))
+
+
+def test_each_phase_runs_as_that_phase_applied_alone_and_the_parameters_stay_the_optimizers():
+    model = apply_policy(Net(), SCHEDULE)
+    params = {name: p for name, p in model.named_parameters()}
+    first_fc1 = model.blocks[0].fc1
+    assert applied_summary(model).phase == 0 and type(first_fc1).__name__ == "Float8Linear"
+    for step, phase in [(0, 0), (3, 0), (4, 1), (5, 1), (6, 2), (7, 2)]:
+        switched = follow_schedule(model, step=step, total_steps=8)
+        assert switched == (step in (4, 6)), step
+        assert applied_summary(model).phase == phase
+        torch.testing.assert_close(model(X), reference(phase)(X), rtol=0, atol=0)
+    assert {name: p for name, p in model.named_parameters()} == params  # the same Parameter objects throughout
+    assert type(model.blocks[0].fc1) is nn.Linear and model.blocks[0].fc1.weight is params["blocks.0.fc1.weight"]
+    assert str(applied_summary(model).layers["blocks.1.fc2"].format) == "fp32"
+    # back to the start (a run resumed from step 0): the fp8 layer is a Float8Linear again, on the same weight
+    assert follow_schedule(model, step=0, total_steps=8)
+    assert type(model.blocks[0].fc1).__name__ == "Float8Linear" and model.blocks[0].fc1.weight is params["blocks.0.fc1.weight"]
+    torch.testing.assert_close(model(X), reference(0)(X), rtol=0, atol=0)
+
+
+def test_training_goes_on_across_a_switch_as_one_run_with_a_checkpoint_taken_at_it():
+    """Training through the switch in place is the run that trains phase 0, saves a checkpoint at the switch, and
+    loads it into a fresh model with phase 1 applied: the optimizer's state and the keys carry over."""
+    torch.manual_seed(2)
+    batches = [(torch.randn(16, 32), torch.randn(16, 4)) for _ in range(4)]
+
+    def steps(model, opt, chunk):
+        for x, y in chunk:
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x).float(), y).backward()
+            opt.step()
+
+    scheduled = apply_policy(Net(), SCHEDULE)
+    opt = torch.optim.AdamW(scheduled.parameters(), lr=1e-2)
+    for i, batch in enumerate(batches):
+        follow_schedule(scheduled, step=i, total_steps=5)  # 0.5 of 5: phase 1 from step 3
+        steps(scheduled, opt, [batch])
+    first = apply_policy(Net(), SCHEDULE.in_phase(0))
+    opt0 = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    steps(first, opt0, batches[:3])
+    second = apply_policy(Net(), SCHEDULE.in_phase(1))
+    second.load_state_dict(first.state_dict())
+    opt1 = torch.optim.AdamW(second.parameters(), lr=1e-2)
+    opt1.load_state_dict(opt0.state_dict())
+    steps(second, opt1, batches[3:])
+    for (name, a), b in zip(scheduled.state_dict().items(), second.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_compiled_model_recompiles_at_the_switch_and_never_runs_the_old_phases_graph():
+    torch._dynamo.reset()
+    model = autoprec.compile_model(apply_policy(Net(), SCHEDULE))  # each block compiled in place
+    refs = [autoprec.compile_model(reference(p)) for p in range(3)]
+    for step, phase in [(0, 0), (4, 1), (6, 2), (0, 0)]:
+        follow_schedule(model, step=step, total_steps=8)
+        out = model(X)
+        out.sum().backward()
+        torch.testing.assert_close(out, refs[phase](X), rtol=0, atol=0, msg=f"phase {phase}")
+
+
+def test_every_phase_is_checked_before_the_model_changes():
+    bad = Policy(layers={"": "bf16"}, phases=[{"from_fraction": 0.5, "layers": {"blocks.0": "fp8"}}])  # fp8 on a block
+    model = Net()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"^in phase 1 \(from_fraction 0.5\): layer 'blocks.0' cannot be fp8"):
+        apply_policy(model, bad)
+    assert applied_summary(model) is None and all(not hasattr(m, "_autoprec_format") for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    missing = Policy(layers={"": "bf16"}, phases=[{"from_fraction": 0.5, "layers": {"blocks.9": "fp32"}}])
+    with pytest.raises(ValueError, match=r"in phase 1 .*names layers the model lacks: 'blocks.9'"):
+        apply_policy(Net(), missing)
+
+
+def test_a_switch_that_cannot_go_on_leaves_the_model_in_its_phase(monkeypatch):
+    model = apply_policy(Net(), SCHEDULE)
+    before = model(X)
+    real = autoprec.apply._check_policy
+
+    def refuse(policy, paths, device):
+        if policy.layers.get("blocks.0.fc1") is autoprec.Format.BF16:
+            raise ValueError("layer 'blocks.0.fc1' cannot be bf16 here: made up")
+        real(policy, paths, device)
+
+    monkeypatch.setattr(autoprec.apply, "_check_policy", refuse)
+    with pytest.raises(ValueError, match="made up"):
+        follow_schedule(model, step=4, total_steps=8)
+    assert applied_summary(model).phase == 0 and type(model.blocks[0].fc1).__name__ == "Float8Linear"
+    torch.testing.assert_close(model(X), before, rtol=0, atol=0)
+
+
+def test_a_copy_switches_on_its_own():
+    """The search deep-copies models: a copy's switch puts back its own copies of the swapped-out modules."""
+    model = apply_policy(Net(), SCHEDULE)
+    twin = copy.deepcopy(model)
+    follow_schedule(twin, step=7, total_steps=8)
+    assert applied_summary(model).phase == 0 and type(model.blocks[0].fc1).__name__ == "Float8Linear"
+    assert applied_summary(twin).phase == 2 and type(twin.blocks[0].fc1) is nn.Linear
+    assert twin.blocks[0].fc1.weight is not model.blocks[0].fc1.weight
+    assert twin.blocks[0].fc1.weight is dict(twin.named_parameters())["blocks.0.fc1.weight"]
+
+
+def test_follow_schedule_finds_the_policy_inside_a_wrapper_and_leaves_unscheduled_models_alone():
+    holder = nn.Module()
+    holder.net = apply_policy(Net(), SCHEDULE)
+    holder.other = apply_policy(Net(), Policy(layers={"": "bf16"}))
+    assert follow_schedule(holder, step=5, total_steps=8) and applied_summary(holder.net).phase == 1
+    assert not follow_schedule(holder.other, step=5, total_steps=8)
+    assert not follow_schedule(nn.Linear(2, 2), step=5, total_steps=8)  # no policy at all: nothing to do
+    with pytest.raises(ValueError, match="total_steps must be a whole number >= 1"):
+        follow_schedule(nn.Linear(2, 2), step=5, total_steps=0)
+
+
+def test_the_grad_scaler_names_the_format_a_layer_has_now():
+    policy = Policy(layers={"blocks.1.fc2": "fp16"}, phases=[{"from_fraction": 0.5, "layers": {"blocks.1.fc2": "fp32"}}])
+    model = apply_policy(Net(), policy)
+    follow_schedule(model, step=1, total_steps=2)
+    model(X).sum().backward()
+    model.blocks[1].fc2.weight.grad.fill_(float("inf"))
+    assert autoprec.scaler.nonfinite_layers(model, policy) == ["blocks.1.fc2 (fp32)"]
+    assert autoprec.grad_scaler(policy, "cpu").is_enabled()  # an fp16 phase: on from the start
+
+
+def test_a_module_swap_on_parameters_fsdp2_shards_is_refused_before_anything_changes():
+    """FSDP2 keeps each sharded module in its parameter group: a Float8Linear swapped in would train a copy. (The real
+    FSDP2 run is tests/test_distributed.py's fsdp2-schedule; this one stands a Parameter in for a DTensor.)"""
+    model = apply_policy(Net(), SCHEDULE)
+    fc1 = model.blocks[0].fc1
+    fake = type("DTensor", (nn.Parameter,), {})
+    fc1.weight = fake(fc1.weight.detach())
+    with pytest.raises(ValueError, match=r"layer 'blocks.0.fc1' switches from fp8 to bf16, which swaps its module .*FSDP2"):
+        follow_schedule(model, step=4, total_steps=8)
+    assert model.blocks[0].fc1 is fc1 and applied_summary(model).phase == 0
