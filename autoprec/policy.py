@@ -286,6 +286,12 @@ class Policy:
         """Phase `index` as a policy of its own (no schedule): its layers, this policy's loss scale and record."""
         return dataclasses.replace(self, layers=self.phase_layers(index), phases=())
 
+    def phase_shares(self) -> tuple[float, ...]:
+        """Each phase's share of the run (the first part's, then each phase's), summing to 1: what a run's time or
+        cost averages the phases by."""
+        edges = [0.0, *(p.from_fraction for p in self.phases), 1.0]
+        return tuple(b - a for a, b in zip(edges, edges[1:]))
+
     def phase_at(self, step: int, total_steps: int) -> int:
         """The phase (0: the first part) that step `step` (from 0) of a run of `total_steps` optimizer steps is in."""
         for name, value, low in (("total_steps", total_steps, 1), ("step", step, 0)):

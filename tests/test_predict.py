@@ -662,3 +662,34 @@ def test_an_moe_whose_grouped_experts_do_much_of_the_work_is_in_the_moe_regime()
     assert predictor.regime_band(tp, predictor.uniform("mxfp8", tp), outside_share=0.5).error is None
     dense = Step((linear,))
     assert predictor.regime_band(dense, predictor.uniform("mxfp8", dense), outside_share=0.5).error is None
+
+
+def test_a_schedule_is_priced_as_its_phases_averaged_by_their_shares_of_the_run(capsys, tmp_path):
+    """80% of the run in fp8, the last 20% in bf16: the run's step time is 0.8 of the fp8 one and 0.2 of bf16's (the
+    brute-force reference: each phase predicted alone); the band is the fp8 phase's, bf16's being the baseline."""
+    fp8 = Policy(layers={ROOT: Format.BF16, **{f"layers.{i}.mlp.{n}": Format.FP8 for i in range(2) for n in ("up", "down")}})
+    raised = {name: Format.BF16 for name in fp8.layers if name}
+    schedule = dataclasses.replace(fp8, phases=[{"from_fraction": 0.8, "layers": raised}])
+    step = Step(tuple(LinearShape(f"layers.{i}.mlp.{n}", 8192, 4096, 4096) for i in range(2) for n in ("up", "down")))
+    each = [predictor.predict(step, p, H100) for p in (fp8, schedule.in_phase(1))]
+    whole = predictor.predict(step, schedule, H100)
+    assert whole.ms == pytest.approx(0.8 * each[0].ms + 0.2 * each[1].ms)
+    assert each[0].ms < whole.ms < each[1].ms
+    assert predictor.regime_band(step, schedule) == predictor.regime_band(step, fp8)
+    # every phase in bf16 or fp32 but the first too: the first's band, as a policy without a low GEMM is said
+    plain = Policy(layers={ROOT: Format.BF16}, phases=[{"from_fraction": 0.5, "layers": {ROOT: Format.FP32}}])
+    assert predictor.regime_band(step, plain) == predictor.regime_band(step, plain.in_phase(0))
+
+
+def test_predict_prices_a_scheduled_policy_file_and_checks_every_phases_names(capsys, tmp_path, write_model):
+    path = write_model(
+        small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 64))\n")
+    )
+    policy = tmp_path / "p.json"
+    Policy(layers={ROOT: Format.BF16, "2": Format.FP8}, phases=[{"from_fraction": 0.75, "layers": {"2": "bf16"}}]).save(policy)
+    code, out, err = run([str(path), "--target", "h100", "--policy", str(policy)], capsys)
+    assert code == 0, err
+    assert f"{policy} (a schedule: 2 phases priced alone, averaged by their shares of the run, 75%, 25%)" in out
+    Policy(layers={ROOT: Format.BF16}, phases=[{"from_fraction": 0.75, "layers": {"7": "bf16"}}]).save(policy)
+    code, _, err = run([str(path), "--target", "h100", "--policy", str(policy)], capsys)
+    assert code == 2 and "names '7', which is no module of" in err

@@ -125,6 +125,16 @@ def test_show_says_what_each_format_in_the_policy_means():
     assert "formats: bf16 = torch.autocast(bfloat16); fp8-rowwise = torchao float8 training, rowwise" in text
 
 
+def test_show_says_each_phase_of_a_schedule_and_the_formats_of_every_phase():
+    from autoprec import Policy
+    from autoprec.tune._report._show import show_policy
+
+    policy = Policy(layers={"": "bf16", "fc": "nvfp4"}, phases=[{"from_fraction": 0.8, "layers": {"fc": "mxfp8", "": "fp32"}}])
+    text = show_policy(policy)
+    assert "from 0.8 of the run: fc mxfp8, <model> fp32" in text
+    assert "formats: fp32 = " in text and "mxfp8 = " in text and "nvfp4 = " in text
+
+
 def test_show_speaks_of_the_fp8_backend_only_for_a_policy_that_runs_fp8():
     from autoprec import Policy
     from autoprec.tune._report._show import show_policy

@@ -137,7 +137,8 @@ def command(
             raise UserError(f"--format {fmt}: apply_policy refuses it for {model}, so predict does not price it: {refused}")
     else:
         chosen = given
-        unknown = [n for n in chosen.layers if n != ROOT and n not in step.modules]
+        # every name any phase lists: the last phase's layers hold them all (each phase adds to those before)
+        unknown = [n for n in chosen.phase_layers(len(chosen.phases)) if n != ROOT and n not in step.modules]
         if unknown:
             raise UserError(
                 f"--policy {policy}: names {unknown[0]!r}, which is no module of {model}; its modules are named as "
@@ -150,7 +151,11 @@ def command(
                 f"--policy {policy}: apply_policy refuses this policy for {model}, so predict does not price it: {refused}"
             )
         label = str(policy)
-    formats = set(chosen.layers.values()) | ({candidate_format} if given is None else set())
+        if chosen.phases:
+            shares = ", ".join(f"{share:.0%}" for share in chosen.phase_shares())
+            label += f" (a schedule: {len(chosen.phases) + 1} phases priced alone, averaged by their shares of the run, {shares})"
+    formats = {f for i in range(len(chosen.phases) + 1) for f in chosen.phase_layers(i).values()}
+    formats |= {candidate_format} if given is None else set()
     missing = lacking(formats, device)
     if missing:
         needs = ", ".join(f"the {', '.join(p)} GEMMs {f} needs" for f, p in sorted(missing.items()))

@@ -396,7 +396,12 @@ def predict(
 ) -> Prediction:
     """The predicted step time of `step` under `policy` on `target`, by part; `experts`: the format an MoE's grouped
     GEMMs run in (None: bf16; grouped_kernel says which it prices). KeyError names a GEMM precision the target does
-    not run (the caller refuses those first: lacking)."""
+    not run (the caller refuses those first: lacking). A policy with phases: each phase priced alone, the parts
+    averaged by the phases' shares of the run (the step time of the run as a whole)."""
+    if policy.phases:
+        each = [predict(step, policy.in_phase(i), target, cal, experts=experts) for i in range(len(policy.phases) + 1)]
+        shares = policy.phase_shares()
+        return Prediction(target.name, {k: sum(w * p.parts[k] for w, p in zip(shares, each)) for k in each[0].parts})
     tp = max(step.tensor_parallel, 1)
     roles = tp_roles(step) if tp > 1 else {}
     parts = dict.fromkeys(("gemms", "casts", "conversions"), 0.0)
@@ -550,7 +555,14 @@ def regime_band(step: Step, policy: Policy, *, outside_share: float = 0.0, exper
     kernels it runs them and the experts in, the layout: MoE where grouped experts do OUTSIDE_LIMIT of the matmul
     work, else tensor- or data-parallel; the largest band over its kernels), or why it is outside the validated range.
     `outside_share`: the step's matmul FLOPs in weighted modules outside the Linears (Coverage); `experts`: the format
-    the grouped experts are priced in (predict's experts)."""
+    the grouped experts are priced in (predict's experts). A policy with phases: the widest band of its phases that
+    run a low-precision GEMM (a phase of bf16 and fp32 only is priced as the baseline is), outside where one is."""
+    if policy.phases:
+        phases = [policy.in_phase(i) for i in range(len(policy.phases) + 1)]
+        bands = [regime_band(step, p, outside_share=outside_share, experts=experts) for p in phases if kernels(step, p)]
+        if not bands:
+            return regime_band(step, phases[0], outside_share=outside_share, experts=experts)
+        return next((b for b in bands if b.error is None), max(bands, key=lambda b: b.error or 0.0))
     lowered = Step(tuple(s for s in step.linears if format_kernels(format_of(s.name, policy.layers))))
     dim = width(lowered) or width(step)
     experts_kernel = grouped_kernel(experts)[1] if experts is not None else BASELINE

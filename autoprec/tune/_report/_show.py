@@ -264,10 +264,13 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
         )
     )
     parts.append(say(f"loss scaling: {scaler}"))
+    for phase in policy.phases:  # the table above is the run's first part; each phase what changes from its share on
+        changed = ", ".join(f"{name or '<model>'} {fmt}" for name, fmt in phase.layers.items())
+        parts.append(say(f"from {phase.from_fraction:.4g} of the run: {changed}"))
     gather = gather_line(policy)
     if gather:
         parts.append(say(gather))
-    used = sorted(set(policy.layers.values()), key=list(Format).index)
+    used = sorted({f for i in range(len(policy.phases) + 1) for f in policy.phase_layers(i).values()}, key=list(Format).index)
     if used:
         parts.append(say("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used)))
     if policy.measured:
