@@ -189,3 +189,33 @@ def test_a_module_swap_on_parameters_fsdp2_shards_is_refused_before_anything_cha
     with pytest.raises(ValueError, match=r"layer 'blocks.0.fc1' switches from fp8 to bf16, which swaps its module .*FSDP2"):
         follow_schedule(model, step=4, total_steps=8)
     assert model.blocks[0].fc1 is fc1 and applied_summary(model).phase == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_switch_on_cuda_under_cuda_graphs_runs_the_new_phase_not_a_recorded_graph_of_the_old():
+    """On the GPU, fp8 on torchao's kernels (16-divisible shapes), each block compiled with CUDA graphs
+    (mode="reduce-overhead", what `autoprec search --cuda-graphs` measures): after the switch the replayed graphs are the
+    new phase's. The GPU probe's stage d runs this (benchmarks/gpu_probe.py)."""
+    torch._dynamo.reset()
+    device = torch.device("cuda")
+    x = X.to(device)
+
+    def built(policy):
+        return autoprec.compile_model(apply_policy(Net().to(device), policy), mode="reduce-overhead")
+
+    model, refs = built(SCHEDULE), [built(SCHEDULE.in_phase(p)) for p in range(2)]
+    outs = {}
+    for step in (0, 1, 4, 5):  # two steps a phase: CUDA graphs record on a later call than the first
+        follow_schedule(model, step=step, total_steps=8)
+        phase = applied_summary(model).phase
+        torch.compiler.cudagraph_mark_step_begin()
+        outs[step] = (phase, model(x).detach().clone())
+    for phase_ref in (0, 1):
+        torch.compiler.cudagraph_mark_step_begin()
+        expected = refs[phase_ref](x).detach().clone()
+        torch.compiler.cudagraph_mark_step_begin()
+        expected = refs[phase_ref](x).detach().clone()
+        for step, (phase, out) in outs.items():
+            if phase == phase_ref:
+                torch.testing.assert_close(out, expected, msg=f"step {step}, phase {phase}")
+    assert not torch.equal(outs[0][1], outs[5][1])  # the phases differ (fp8 against bf16): the switch is seen
