@@ -1,7 +1,8 @@
 """Records built by hand for the tests of what reads them (choosing, reporting): only the fields a test is about
 are given, the rest take values of a candidate that ran cleanly. And `small_task`, a model.py around a given model;
 `WithNoFp16Kernel`, a model with a layer type that cannot run in fp16; `WithLoRA`, one with a Linear subclass fp8 would
-change (`LoRALinear`) and one it would not (`TaggedLinear`); `tiny_mixtral`, a model.py of a Hugging Face Mixtral MoE."""
+change (`LoRALinear`) and one it would not (`TaggedLinear`); `tiny_mixtral`, a model.py of a Hugging Face Mixtral MoE;
+`te_installed`, the Transformer Engine version importlib.metadata reports (it does not install on a CPU)."""
 
 import torch
 
@@ -167,3 +168,20 @@ def gemm_sqnrs(fmt: str, root: str) -> dict[str, float]:
         "dgrad": sqnr_db(x_ref.grad, x_low.grad.float()),
         "wgrad": sqnr_db(ref[0].weight.grad, low[0].weight.grad),
     }
+
+
+def te_installed(monkeypatch, version: str | None) -> None:
+    """importlib.metadata.version reports Transformer Engine `version` (None: not installed) for the rest of the test:
+    the exported files read its version there before they import anything of it."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version_of(name: str) -> str:
+        if name != "transformer_engine":
+            return real(name)
+        if version is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version
+
+    monkeypatch.setattr(importlib.metadata, "version", version_of)

@@ -30,6 +30,11 @@ class Net(nn.Module):
         self.f = nn.Linear(32, 32)  # not in the policy
 
 
+def left(lines):
+    """The export's lines less its notes ("note: ": the Transformer Engine version and environment a file needs)."""
+    return [line for line in lines if not line.startswith("note: ")]
+
+
 def load(path):
     spec = importlib.util.spec_from_file_location(f"exported_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -53,6 +58,39 @@ def test_the_torchao_file_converts_exactly_the_policys_fp8_layers_with_their_rec
     )
     assert left_out[2].startswith("layer 'd' runs in fp32 inside a bf16 model root")  # autocast would lower it
     assert all(line in (tmp_path / "policy_torchao.py").read_text() for line in left_out)  # in the file, too
+
+
+def mx_configs(model):
+    """Each module whose weight torchao's MX training conversion wrapped -> its MXFP8TrainingOpConfig."""
+    from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
+
+    return {
+        name: module.weight.data.config
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "weight", None), torch.Tensor)
+        and isinstance(module.weight.data, MXFP8TrainingWeightWrapperTensor)
+    }
+
+
+def test_the_torchao_file_converts_the_policys_mxfp8_layers_with_torchaos_mx_training_config(tmp_path):
+    """Issue 63, 4: mxfp8 layers were listed as not a torchao recipe; torchao 0.18's MXFP8TrainingOpConfig runs them
+    ("mxfp8_rceil"; mxfp8-fwd-dgrad: "mxfp8_rceil_wgrad_with_hp"), per layer, beside the float8 ones."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+
+    policy = Policy(layers={"a": "mxfp8", "b": "fp8-rowwise", "c": "mxfp8-fwd-dgrad", "d": "nvfp4", "e.0": "mxfp8"})
+    left_out = export(policy, "torchao", tmp_path / "p.py")
+    model = load(tmp_path / "p.py").convert(Net())
+    rceil, with_hp = (
+        MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(r)) for r in ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp")
+    )
+    assert mx_configs(model) == {"a": rceil, "c": with_hp, "e.0": rceil} and rceil != with_hp
+    assert isinstance(model.b, Float8Linear) and [type(m) for m in (model.d, model.f)] == [nn.Linear] * 2
+    assert left_out == ["layer 'd' runs in nvfp4: not a torchao float8 recipe, so not in the export; run it with autocast "
+                        "or autoprec.apply_policy"]  # fmt: skip
+    # a policy of MXFP8 layers only converts them: the file says it changes nothing only where it does
+    left_out = export(Policy(layers={"a": "mxfp8"}), "torchao", tmp_path / "q.py")
+    assert left_out == [] and mx_configs(load(tmp_path / "q.py").convert(Net())) == {"a": rceil}
 
 
 def test_the_torchao_file_all_gathers_in_fp8_every_format_the_policy_gathers(tmp_path):
@@ -158,7 +196,7 @@ def test_torchtitan_and_megatron_say_they_cannot_express_a_per_gemm_mix(tmp_path
     assert "layer 'a' runs in fp8-fwd, fp8 per GEMM (no torchao recipe): torchtitan's float8 converter offers" in left_out[0]
     assert len(left_out) == 6 and left_out[-1].startswith("the policy has no fp8 layer torchtitan can run")
     blocks = megatron_policy([("fp8",) * 4, ("fp8", "fp8-fwd-dgrad", "fp8", "fp8")])
-    left_out = export(Policy(layers=blocks), "megatron", tmp_path / "m.json")
+    left_out = left(export(Policy(layers=blocks), "megatron", tmp_path / "m.json"))
     assert json.loads((tmp_path / "m.json").read_text())["quantized_layers"] == [0]
     assert left_out == ["transformer layers decoder.layers.{1}: a linear in a quantized format Megatron has no recipe "
                         "for (it has fp8 tensorwise, fp8 mxfp8, fp4 nvfp4, each running all three GEMMs of a linear: no "
@@ -185,7 +223,7 @@ def test_a_policy_without_fp8_layers_says_the_file_converts_nothing(tmp_path):
     assert left_out[0].startswith("2 layers ('a', 'b') run in bf16: not a torchao float8 recipe")  # one line per reason
     many = export(Policy(layers={f"l{i}": "bf16" for i in range(9)}), "torchao", tmp_path / "q.py")
     assert many[0].startswith("9 layers ('l0', 'l1', 'l2', 'l3', 'l4', 'l5' and 3 more) run in bf16")
-    assert left_out[-1] == "the policy has no fp8 layer: the file's convert(model) changes nothing"
+    assert left_out[-1] == "the policy has no fp8 or MXFP8 layer: the file's convert(model) changes nothing"
     model = load(tmp_path / "p.py").convert(Net())
     assert all(type(m) in (nn.Linear, nn.Sequential, Net) for m in model.modules())
 
@@ -322,7 +360,7 @@ def megatron_arguments(exported):
 def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_layers(tmp_path):
     t, b, r = "fp8", "bf16", "fp8-rowwise"
     layers = megatron_policy([(t,) * 4, (b,) * 4, (t,) * 4, (t,) * 4, (t,) * 4, (t, t, t, b), (r,) * 4])
-    left_out = export(Policy(layers={"": "bf16", **layers, "output_layer": "fp8"}), "megatron", tmp_path / "m.json")
+    left_out = left(export(Policy(layers={"": "bf16", **layers, "output_layer": "fp8"}), "megatron", tmp_path / "m.json"))
     exported = json.loads((tmp_path / "m.json").read_text())
     assert exported["stack"] == "decoder.layers" and exported["num_layers"] == 7 and exported["quantized_layers"] == [2, 3, 4]
     fp8, config = megatron_fp8_layers(exported, 7)
@@ -346,7 +384,7 @@ def test_the_megatron_file_runs_fp8_in_the_longest_run_of_wholly_tensorwise_laye
     ([("fp8",) * 4, ("fp8", "fp8", "fp8", "fp32"), ("fp8",) * 4, ("fp8",) * 4], "fp32", [2, 3]),
 ], ids=["all", "none", "end"])  # fmt: skip
 def test_the_megatron_fp8_layers_are_what_megatron_runs(tmp_path, blocks, root, expected):
-    left_out = export(Policy(layers={"": root, **megatron_policy(blocks)}), "megatron", tmp_path / "m.json")
+    left_out = left(export(Policy(layers={"": root, **megatron_policy(blocks)}), "megatron", tmp_path / "m.json"))
     exported = json.loads((tmp_path / "m.json").read_text())
     assert megatron_fp8_layers(exported, len(blocks))[0] == expected == exported["quantized_layers"]
     assert ("first_last_layers_bf16" in exported["transformer_config"]) == (0 < len(expected) < len(blocks))
@@ -361,7 +399,7 @@ def test_megatron_runs_mxfp8_and_nvfp4_layers_in_its_own_recipes(tmp_path, fmt, 
     """megatron-core 0.16 has --fp8-recipe mxfp8 and --fp4-format e2m1 --fp4-recipe nvfp4, with the same first/last
     bf16 layers; the export said Megatron could not run either."""
     layers = megatron_policy([("bf16",) * 4, (fmt,) * 4, (fmt,) * 4, ("bf16",) * 4])
-    left_out = export(Policy(layers={"": "bf16", **layers}), "megatron", tmp_path / "m.json")
+    left_out = left(export(Policy(layers={"": "bf16", **layers}), "megatron", tmp_path / "m.json"))
     exported = json.loads((tmp_path / "m.json").read_text())
     quantized, config = megatron_fp8_layers(exported, 4)
     assert quantized == [1, 2] == exported["quantized_layers"] and exported["recipe"] == fmt and left_out == []
@@ -374,15 +412,21 @@ def test_megatron_runs_one_recipe_and_points_the_others_to_megatron_precision(tm
     written, a layer wholly in another recipe is said, with the target that gives each linear its own."""
     m, n = "mxfp8", "nvfp4"
     layers = megatron_policy([(m,) * 4, (m,) * 4, (n,) * 4, (n,) * 4, (n,) * 4, ("mxfp8-fwd",) * 4, (m, m, n, n)])
-    left_out = export(Policy(layers={"": "bf16", **layers}), "megatron", tmp_path / "m.json")
+    lines = export(Policy(layers={"": "bf16", **layers}), "megatron", tmp_path / "m.json")
+    left_out = left(lines)
     exported = json.loads((tmp_path / "m.json").read_text())
+    # the per-GEMM mix runs only through megatron-precision's HybridQuantizer: TE 2.19, newer than Megatron-Core 0.19's
+    mixes = [line for line in lines if line.startswith("note: the per-GEMM mixes (mxfp8-fwd)")]
+    assert len(mixes) == 1 and "Transformer Engine 2.19 or later" in mixes[0]
+    assert "Megatron-Core 0.19 pins Transformer Engine 2.18" in mixes[0] and mixes[0][len("note: ") :] in exported["notes"]
     assert megatron_fp8_layers(exported, 7)[0] == [2, 3, 4] == exported["quantized_layers"] and exported["recipe"] == n
     assert [line.split(": ", 1)[0] for line in left_out] == [f"transformer layers decoder.layers.{{{i}}}" for i in ("0-1", 5, 6)]
     assert "wholly mxfp8 in the policy, but Megatron runs one recipe in all its quantized layers" in left_out[0]
     assert "here nvfp4 (--to megatron-precision gives each linear its own recipe)" in left_out[0]
     assert "a linear in a quantized format Megatron has no recipe for" in left_out[1]
     assert "in two recipes" in left_out[2] and "--to megatron-precision" in left_out[2]
-    assert not any("fp8" in note for note in exported["notes"])  # fp4: Megatron's MTP layers ignore it
+    fp8_notes = [note for note in exported["notes"] if "fp8" in note and not note.startswith("the per-GEMM mixes")]
+    assert not fp8_notes  # fp4: Megatron's MTP layers ignore it
 
 
 @pytest.mark.parametrize("index", ["01", "\u0661", "\uff11"], ids=["leading zero", "Arabic-Indic 1", "full-width 1"])
@@ -391,7 +435,7 @@ def test_a_megatron_layer_index_is_read_as_megatrons_module_names_write_one(tmp_
     Megatron names its layers str(int), so no module of it has that name."""
     names = ["decoder.layers.0.fc", "decoder.layers.1.fc", f"decoder.layers.{index}.fc", "decoder.layers.2.fc"]
     policy = Policy(layers=dict(zip(names, ["fp8", "bf16", "fp8", "fp8"])))
-    left_out = export(policy, "megatron", tmp_path / "m.json")
+    left_out = left(export(policy, "megatron", tmp_path / "m.json"))
     exported = json.loads((tmp_path / "m.json").read_text())
     assert megatron_fp8_layers(exported, 3)[0] == [0] == exported["quantized_layers"]
     said = [line for line in left_out if repr(names[2]) in line]
@@ -417,7 +461,7 @@ def test_a_model_root_in_fp8_is_said_and_written_as_no_layer(tmp_path, target):
 def test_a_layer_missing_a_role_the_others_list_is_not_wholly_fp8(tmp_path):
     layers = megatron_policy([("fp8",) * 4] * 4)
     del layers["decoder.layers.2.mlp.fc1"]  # excluded from the search: it runs in the model's dtype, not fp8
-    left_out = export(Policy(layers=layers), "megatron", tmp_path / "m.json")
+    left_out = left(export(Policy(layers=layers), "megatron", tmp_path / "m.json"))
     exported = json.loads((tmp_path / "m.json").read_text())
     assert megatron_fp8_layers(exported, 4)[0] == [0, 1] == exported["quantized_layers"]
     assert left_out == ["transformer layers decoder.layers.{2}: some linears in a quantized recipe and some not, in two "
@@ -492,8 +536,9 @@ def titan_stub(monkeypatch):
 def test_no_text_from_a_policy_becomes_code_in_an_exported_file(tmp_path, monkeypatch, titan_stub, target):
     fp8 = {'y"""+str(__import__("os").system("touch pwned"))+"""': "fp8-rowwise", "b\n)\nimport os#": "fp8-rowwise",
            "d\u2028e\\": "fp8-rowwise-gw-hp", "\U0001d465\udcff": "fp8-rowwise"}  # fmt: skip
-    hostile = {HOSTILE: "bf16", "\x1b]0;title\x07": "fp16", **fp8}
-    plain = {"a": "bf16", "c": "fp16", **{f"l{i}": fmt for i, fmt in enumerate(fp8.values())}}
+    mx = {'m"""\nimport os#': "mxfp8"}  # torchao's MX_LAYERS, torchtitan's MXFP8 include list
+    hostile = {HOSTILE: "bf16", "\x1b]0;title\x07": "fp16", **fp8, **mx}
+    plain = {"a": "bf16", "c": "fp16", **{f"l{i}": fmt for i, fmt in enumerate(fp8.values())}, "m": "mxfp8"}
     export(sneaked(hostile), target, tmp_path / "hostile.py", source=HOSTILE_SOURCE)
     export(sneaked(plain), target, tmp_path / "plain.py", source="policy.json")
     text = (tmp_path / "hostile.py").read_text(encoding="utf-8")
@@ -504,6 +549,7 @@ def test_no_text_from_a_policy_becomes_code_in_an_exported_file(tmp_path, monkey
     assert not (tmp_path / "pwned").exists()
     recipes = {"fp8-rowwise": "rowwise", "fp8-rowwise-gw-hp": "rowwise_with_gw_hp"}
     assert module.FP8_LAYERS == {r: [n for n, f in fp8.items() if recipes[f] == r] for r in recipes.values()}  # exactly
+    assert target != "torchao" or module.MX_LAYERS == {"mxfp8_rceil": list(mx)}
 
 
 def test_the_export_verb_refuses_a_policy_whose_layer_name_is_not_a_module_path(tmp_path, capsys):

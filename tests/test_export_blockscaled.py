@@ -13,11 +13,17 @@ import types
 
 import pytest
 import yaml
+from builders import te_installed
 from test_export import HOSTILE, code_shape, printable_lines, sneaked  # noqa: I001  the shared hostile-name checks
 
 from autoprec import Policy
 from autoprec.formats import Format
 from autoprec.tune.export import export
+
+
+def left(lines):
+    """The export's lines less its notes ("note: ": the Transformer Engine version and environment a file needs)."""
+    return [line for line in lines if not line.startswith("note: ")]
 
 
 def load(path, name="exported_blockscaled"):
@@ -115,11 +121,12 @@ def te_table(path):
 
 
 def test_the_transformer_engine_file_holds_the_table_and_the_builder_only(tmp_path):
-    left_out = export(Policy(layers=MIXED), "transformer-engine", tmp_path / "te.py")
+    lines = export(Policy(layers=MIXED), "transformer-engine", tmp_path / "te.py")
+    left_out = left(lines)
     tree = ast.parse((tmp_path / "te.py").read_text(encoding="utf-8"))
     names = [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets]
     names += [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
-    assert names == ["GEMMS", "quantizer_factory", "quantizer_for", "custom_recipe"]
+    assert names == ["GEMMS", "ENVIRONMENT", "quantizer_factory", "quantizer_for", "require_transformer_engine", "custom_recipe"]
     assert all(isinstance(n, (ast.Expr, ast.Assign, ast.FunctionDef)) for n in tree.body)  # no top-level import
     expected = {name: tuple(None if g == "fp32" else g for g in Format(f).family.gemm_precisions(Format(f)))
                 for name, f in MIXED.items() if Format(f).family.name == "blockscaled"}  # fmt: skip
@@ -131,6 +138,13 @@ def test_the_transformer_engine_file_holds_the_table_and_the_builder_only(tmp_pa
         "layer 'head' runs in bf16: the recipe runs every layer it does not list in the model's own dtype, which this "
         "file does not set",
     ]
+    # what the file needs, said in its comments and the export's lines: TE 2.19 (HybridQuantizer), its environment
+    text = (tmp_path / "te.py").read_text(encoding="utf-8")
+    assert lines[len(left_out)].startswith("note: needs Transformer Engine 2.19 or later (HybridQuantizer, IdentityQuantizer")
+    assert lines[-1].endswith("checked by `autoprec verify`: NVTE_BACKWARD_OVERRIDE unset") and len(lines) == len(left_out) + 2
+    assert "# needs Transformer Engine 2.19 or later" in text and "#   - NVTE_BACKWARD_OVERRIDE: unset (" in text
+    [environment] = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "ENVIRONMENT"]
+    assert ast.literal_eval(environment) == {"NVTE_BACKWARD_OVERRIDE": None}
 
 
 @pytest.fixture
@@ -160,6 +174,7 @@ def te_stub(monkeypatch):
     factories.mxfp8_factory = lambda role: Q("mxfp8")
     factories.nvfp4_factory = lambda role: Q("nvfp4")
     modules["transformer_engine.common.recipe"].CustomRecipe = lambda qfactory: ("CustomRecipe", qfactory)
+    te_installed(monkeypatch, "2.19.0")
     return Q
 
 
@@ -213,11 +228,50 @@ def test_megatrons_custom_recipe_factory_gives_each_gemms_operands_its_format(tm
     assert factories.nvfp4_fwd(None) == hp
 
 
+@pytest.mark.parametrize(("version", "said"), [("2.18.0", "Transformer Engine 2.18.0:"), ("1.99", "Transformer Engine 1.99:"),
+                                             (None, "Transformer Engine is not installed:")])  # fmt: skip
+def test_the_files_refuse_a_transformer_engine_older_than_2_19_naming_the_version_needed(
+    tmp_path, te_stub, monkeypatch, version, said
+):
+    """TE 2.18 (Megatron-Core 0.19's pin) has no HybridQuantizer, IdentityQuantizer or quantizer_factories: the files
+    failed on the first slot with an AttributeError or ImportError. The TE file checks in custom_recipe(), the factory
+    module when Megatron imports it; both read the version from importlib.metadata only."""
+    export(Policy(layers=MIXED), "transformer-engine", tmp_path / "te.py")
+    export(Policy(layers={"blocks.1.fc1": "mxfp8-fwd-nvfp4-dgrad"}), "megatron-precision", tmp_path / "m.yaml")
+    exported = load(tmp_path / "te.py")
+    assert exported.custom_recipe() == ("CustomRecipe", exported.quantizer_factory)  # 2.19.0, from te_stub
+    te_installed(monkeypatch, "2.20.2+6ea2a74")
+    assert exported.custom_recipe()[0] == "CustomRecipe"
+    te_installed(monkeypatch, version)
+    with pytest.raises(RuntimeError, match="needs Transformer Engine 2.19 or later") as raised:
+        exported.custom_recipe()
+    assert str(raised.value).startswith(said) and "Megatron-Core 0.19 pins Transformer Engine 2.18" in str(raised.value)
+    with pytest.raises(RuntimeError, match="needs Transformer Engine 2.19 or later"):
+        load(tmp_path / "m_qfactory.py", "m_qfactory")
+
+
+def test_megatron_imports_the_factory_module_only_with_transformer_engine_2_19(tmp_path, monkeypatch):
+    """Megatron-Core imports the custom_recipe_factory's module by its dotted path and wraps what the import raises:
+    under Megatron-Core 0.19's TE 2.18 its error names the version needed; under 2.19 it resolves."""
+    fp8_utils = pytest.importorskip("megatron.core.fp8_utils", reason="megatron-core is not installed (the test extra has it)")
+    export(Policy(layers={"blocks.1.fc1": "mxfp8-fwd-nvfp4-dgrad"}), "megatron-precision", tmp_path / "m.yaml")
+    monkeypatch.syspath_prepend(str(tmp_path))  # Megatron imports the dotted path from PYTHONPATH
+    for version in ("2.18.0", "2.19.0"):
+        te_installed(monkeypatch, version)
+        sys.modules.pop("m_qfactory", None)  # imported for this test only
+        if version == "2.18.0":
+            with pytest.raises(ValueError, match="Transformer Engine 2.18.0: this file .* needs Transformer Engine 2.19 or"):
+                fp8_utils._resolve_callable_from_python_import_path("m_qfactory.mxfp8_fwd_nvfp4_dgrad")
+        else:
+            assert callable(fp8_utils._resolve_callable_from_python_import_path("m_qfactory.mxfp8_fwd_nvfp4_dgrad"))
+    sys.modules.pop("m_qfactory", None)
+
+
 @pytest.mark.parametrize("root", ["mxfp8", "nvfp4-fwd"])
 def test_a_block_scaled_model_root_is_said_not_written_as_the_name_every_unnamed_te_linear_has(tmp_path, te_stub, root):
     """TE gives a te.Linear built without name= the role name '': the root written as GEMMS[''] ran every such linear
     in the root's format."""
-    left_out = export(Policy(layers={"": root, "blocks.0.fc1": "nvfp4"}), "transformer-engine", tmp_path / "te.py")
+    left_out = left(export(Policy(layers={"": root, "blocks.0.fc1": "nvfp4"}), "transformer-engine", tmp_path / "te.py"))
     assert te_table(tmp_path / "te.py") == {"blocks.0.fc1": ("nvfp4", "nvfp4", "nvfp4")}
     exported, hp = load(tmp_path / "te.py"), te_stub("hp")
     unnamed = [exported.quantizer_factory(types.SimpleNamespace(module_type="linear", tensor_type=t, name=""))
@@ -284,7 +338,8 @@ def test_the_megatron_precision_yaml_runs_each_linear_in_its_policy_format(tmp_p
         "output_layer": "bf16",
         "decoder.layers.10.mlp.linear_fc1": "mxfp8",
     }
-    left_out = export(Policy(layers={"": "bf16", **layers}), "megatron-precision", tmp_path / "m.yaml")
+    lines = export(Policy(layers={"": "bf16", **layers}), "megatron-precision", tmp_path / "m.yaml")
+    left_out = left(lines)
     others = ["decoder.layers.1.mlp.linear_fc10", "decoder.layers.1.self_attention.linear_qkv", "embedding"]
     found = megatron_formats(tmp_path / "m.yaml", [*layers, *others])
     expected = {name: f if f in ("mxfp8", "nvfp4", "fp8") else "high" for name, f in layers.items()}
@@ -299,6 +354,20 @@ def test_the_megatron_precision_yaml_runs_each_linear_in_its_policy_format(tmp_p
     assert (tmp_path / "m_qfactory.py").exists() and all(
         f"#   - {line}" in (tmp_path / "m.yaml").read_text() for line in left_out
     )
+    # the per-GEMM mix needs TE 2.19's HybridQuantizer, which Megatron-Core 0.19's pinned TE 2.18 lacks: said in the
+    # YAML's header and the export's lines; the environment its recipes read (tensorwise, mxfp8, nvfp4, custom) recorded
+    text = (tmp_path / "m.yaml").read_text()
+    notes = lines[len(left_out) :]
+    assert notes[0].startswith("note: needs Transformer Engine 2.19 or later") and "Megatron-Core 0.19 pins" in notes[0]
+    assert "# Megatron-Core 0.19 pins Transformer Engine 2.18, which has no HybridQuantizer" in text
+    assert content["environment"] == {"NVTE_BACKWARD_OVERRIDE": None, "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES": "0",
+        "NVTE_NVFP4_DISABLE_RHT": "0", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "0",
+        "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0", "NVTE_NVFP4_ROW_SCALED_ACTIVATION": "0", "NVTE_NVFP4_4OVER6": "none"}  # fmt: skip
+    assert len(notes) == 2 and all(name in notes[1] for name in content["environment"])
+    # without a per-GEMM mix, Megatron's own recipes run: nothing of TE 2.19 is needed, only mxfp8's environment
+    lines = export(Policy(layers={"decoder.layers.0.mlp.linear_fc1": "mxfp8"}), "megatron-precision", tmp_path / "n.yaml")
+    assert [line for line in lines if "2.19" in line] == [] and not (tmp_path / "n_qfactory.py").exists()
+    assert yaml.safe_load((tmp_path / "n.yaml").read_text())["environment"] == {"NVTE_BACKWARD_OVERRIDE": None}
 
 
 def test_a_name_megatron_never_gives_a_module_is_said_not_matched(tmp_path):
@@ -306,7 +375,7 @@ def test_a_name_megatron_never_gives_a_module_is_said_not_matched(tmp_path):
     numbers layers str(int): its matcher selected nothing without a word."""
     layers = {"decoder.layers.1.mlp.linear_fc1": "mxfp8", "decoder.layers.01.mlp.linear_fc1": "nvfp4",
               "decoder.layers.\u0662.mlp.linear_fc1": "nvfp4"}  # fmt: skip
-    left_out = export(Policy(layers=layers), "megatron-precision", tmp_path / "m.yaml")
+    left_out = left(export(Policy(layers=layers), "megatron-precision", tmp_path / "m.yaml"))
     content = yaml.safe_load((tmp_path / "m.yaml").read_text())
     assert [m["pattern"] for m in content["matchers"].values()] == ["decoder.layers.1.mlp.linear_fc1", "*"]
     assert megatron_formats(tmp_path / "m.yaml", ["decoder.layers.1.mlp.linear_fc1"]) == {

@@ -6,12 +6,14 @@ Megatron-core) its own code converts or matches the same names, and the resolver
 
 import copy
 import importlib.util
+import json
 import os
 import re
 import sys
 
 import pytest
 import yaml
+from builders import te_installed
 
 from autoprec import Policy, UserError
 from autoprec.tune._cli import main
@@ -127,6 +129,42 @@ def test_torchao_resolve_agrees_with_torchaos_own_conversion_where_a_layer_is_in
     rows = {r.layer: r.resolved.gemms for r in verify(path, policy, names).rows}
     assert rows["blocks.1.fc"] == rows["blocks.10.fc"] == ("fp8 rowwise",) * 3
     assert differing(path, policy, names) == ["blocks.1.fc"]
+
+
+def test_torchao_resolve_reads_back_which_layer_torchaos_mx_conversion_runs_in_mxfp8(tmp_path):
+    """Issue 63, 4: the MXFP8 layers, read as torchao's quantize_ converts them: the first MX recipe that lists a
+    layer wraps its parameters (_swap_params skips a wrapped one), and a layer a float8 list converts too runs neither
+    as written (unresolved); a mistyped name is said with its close matches."""
+    from test_export import mx_configs
+    from torch import nn
+
+    path = tmp_path / "p_torchao.py"
+    policy = Policy(layers={"blocks.1.fc": "mxfp8", "blocks.10.fc": "mxfp8-fwd-dgrad", "blocks.2.fc": "fp8"})
+    export(policy, "torchao", path)
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Module() for _ in range(11))
+    for block in model.blocks:
+        block.fc = nn.Linear(32, 32)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    rows = {r.layer: r.resolved for r in verify(path, policy, names).rows}
+    assert rows["blocks.1.fc"].gemms == ("mxfp8",) * 3 and rows["blocks.10.fc"].gemms == ("mxfp8", "mxfp8", None)
+    assert "MXFP8TrainingOpConfig.from_recipe('mxfp8_rceil')" in rows["blocks.1.fc"].via
+    assert differing(path, policy, names) == []
+    # blocks.1.fc listed under the wgrad_with_hp recipe too, after its own: torchao keeps the first, as resolve reads it
+    edit(path, '"blocks.10.fc"', '"blocks.10.fc",\\n\'\n    \'        "blocks.1.fc"')
+    wgrad_hp = {n: c.wgrad_with_hp for n, c in mx_configs(load(path).convert(copy.deepcopy(model))).items()}
+    assert wgrad_hp == {"blocks.1.fc": False, "blocks.10.fc": True}
+    assert differing(path, policy, names) == [] and "kept out" in table(verify(path, policy, names))
+    # the MX layer moved by hand to blocks.3: both differ, by name; in a float8 list too: unresolved; a typo: said
+    export(policy, "torchao", path)
+    edit(path, '"blocks.1.fc"', '"blocks.3.fc"')
+    assert differing(path, policy, names) == ["blocks.1.fc", "blocks.3.fc"]
+    edit(path, '"blocks.3.fc"', '"blocks.2.fc"')
+    both = {r.layer: r.resolved for r in verify(path, policy, names).rows}["blocks.2.fc"]
+    assert both.gemms is None and "after convert_to_float8_training converted it: both convert it" in both.via
+    edit(path, "\"blocks.2.fc\"\\n'\n    '    ],", "\"blocks.1.fcx\"\\n'\n    '    ],")
+    unknown = verify(path, policy, names).unknown
+    assert [(r.layer, r.close[0]) for r in unknown] == [("blocks.1.fcx", "blocks.1.fc")]
 
 
 # --- torchtitan: its converters, in order, each converting what it selects (converted configs too) ---
@@ -361,10 +399,11 @@ def test_megatron_precision_runs_per_gemm_mixes_through_the_custom_recipe_and_ve
         and recipe["custom_recipe_factory"] == "p_megatron_precision_qfactory.mxfp8_fwd"
     )
     factory = (tmp_path / "p_megatron_precision_qfactory.py").read_text()
-    assert "Transformer Engine 2.9 or later" in factory
+    assert "Transformer Engine 2.19 or later" in factory
     fp8_utils = pytest.importorskip("megatron.core.fp8_utils", reason="megatron-core is not installed (the test extra has it)")
     with monkeypatch.context() as m:  # Megatron imports the dotted path from PYTHONPATH: the folder of the YAML
         m.syspath_prepend(str(tmp_path))
+        te_installed(m, "2.19.0")  # the module checks it when imported
         resolved_factory = fp8_utils._resolve_callable_from_python_import_path(recipe["custom_recipe_factory"])
         sys.modules.pop("p_megatron_precision_qfactory", None)  # imported for this test only
         assert resolved_factory.__name__ == "mxfp8_fwd" and callable(resolved_factory)
@@ -459,6 +498,72 @@ def test_transformer_engine_export_verifies_and_a_renamed_entry_is_caught(tmp_pa
     assert differing(path, policy, titan_names()) == ["layers.1.attention.wo", "layers.1.attention.wo "]  # and named
 
 
+# --- the environment: Transformer Engine's NVTE_* variables, recorded by the export, checked by verify ---
+
+NVFP4_ENVIRONMENT = {"NVTE_BACKWARD_OVERRIDE": None, "NVTE_NVFP4_DISABLE_RHT": "0",
+                     "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "0", "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0",
+                     "NVTE_NVFP4_ROW_SCALED_ACTIVATION": "0", "NVTE_NVFP4_4OVER6": "none"}  # fmt: skip
+
+
+@pytest.mark.parametrize(("target", "recorded"), [
+    ("megatron", NVFP4_ENVIRONMENT),  # NVFP4BlockScaling
+    ("megatron-precision", NVFP4_ENVIRONMENT),  # its nvfp4 config
+    ("transformer-engine", {"NVTE_BACKWARD_OVERRIDE": None}),  # CustomRecipe: its factories set the rest
+    ("torchao", {}),  # no Transformer Engine
+])  # fmt: skip
+def test_verify_checks_the_environment_the_export_records(tmp_path, target, recorded):
+    """Issue 63, 4: Transformer Engine reads NVTE_* variables into its recipes when it is imported (NVTE_BACKWARD_OVERRIDE
+    runs dgrad and wgrad in high precision under every recipe; NVTE_NVFP4_DISABLE_RHT drops NVFP4's Hadamard
+    transform): verify passed a file that ran otherwise. Read as TE reads them ("1" only turns a flag on)."""
+    path = tmp_path / f"p_{target}"
+    policy = megatron_policy("nvfp4")
+    export(policy, target, path)
+    result = verify(path, policy, megatron_names(), environ={})
+    assert result.environment == recorded and result.environment_mismatches == ()
+    read_as_te = {"NVTE_NVFP4_DISABLE_RHT": "0", "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "true", "NVTE_NVFP4_4OVER6": "none"}
+    assert verify(path, policy, megatron_names(), environ=read_as_te).environment_mismatches == ()
+    changed = {"NVTE_BACKWARD_OVERRIDE": "dequantized", "NVTE_NVFP4_DISABLE_RHT": "1", "NVTE_FLASH_ATTN": "0"}
+    result = verify(path, policy, megatron_names(), environ=changed)
+    expected = [
+        "NVTE_BACKWARD_OVERRIDE is 'dequantized' here, the export expects unset: Transformer Engine reads it when "
+        "imported; 'high_precision' or 'dequantized' runs dgrad and wgrad in high precision, whatever the recipe says",
+        "NVTE_NVFP4_DISABLE_RHT is '1' here, the export expects unset or 0: Transformer Engine reads it when imported; 1 "
+        "drops the random Hadamard transform on wgrad's operands",
+    ]
+    assert list(result.environment_mismatches) == [line for line in expected if line.split()[0] in recorded]
+    assert not recorded or (result.differing == [] and not result.ok and not result.to_dict()["matches"])  # fails on it
+    assert result.to_dict()["environment"] == {"expected": recorded, "mismatches": list(result.environment_mismatches)}
+
+
+def test_the_verify_verb_fails_on_an_environment_the_export_does_not_expect(tmp_path, capsys, monkeypatch):
+    policy = megatron_policy("mxfp8")
+    policy.save(tmp_path / "policy.json")
+    (tmp_path / "names.txt").write_text("\n".join(megatron_names()) + "\n")
+    monkeypatch.delenv("NVTE_BACKWARD_OVERRIDE", raising=False)
+    assert (
+        main(["export", str(tmp_path / "policy.json"), "--to", "megatron-precision", "--check", str(tmp_path / "names.txt")]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "note: Transformer Engine's environment, recorded in the file and checked by `autoprec verify`" in out
+    assert "environment: as the file records (NVTE_BACKWARD_OVERRIDE)" in out and "not expressed: note" not in out
+    args = ["verify", str(tmp_path / "policy_megatron-precision.yaml"), "--policy", str(tmp_path / "policy.json")]
+    args += ["--model", str(tmp_path / "names.txt")]
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "high_precision")
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    said = "NVTE_BACKWARD_OVERRIDE is 'high_precision' here, the export expects unset: Transformer Engine reads it"
+    assert "all 49 linears run as the policy says" in captured.out and f"environment differs: {said}" in captured.out
+    assert captured.err.splitlines() == [line for line in captured.err.splitlines() if said in line] != []
+    assert main([*args, "--json"]) == 1
+    printed = json.loads(capsys.readouterr().out)
+    assert not printed["matches"] and printed["differing"] == [] and said in printed["environment"]["mismatches"][0]
+    # a hand-edited record is data or refused, one line naming the file
+    edit(tmp_path / "policy_megatron-precision.yaml", "NVTE_BACKWARD_OVERRIDE: null", "NVTE_BACKWARD_OVERRIDE: [1]")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "environment must map an NVTE_ variable to its value" in err
+
+
 # --- the verb ---
 
 
@@ -531,8 +636,13 @@ def test_the_factory_module_holds_no_code_from_the_yamls_name(tmp_path):
     export(Policy(layers={"blocks.1.fc": "mxfp8-fwd"}), "megatron-precision", out)
     (factory,) = tmp_path.glob("*_qfactory.py")
     tree = ast.parse(factory.read_text())
-    assert [type(n).__name__ for n in tree.body] == ["Expr", "Assign", "FunctionDef", "FunctionDef"]
-    assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef)] == ["quantizer_for", "mxfp8_fwd"]
+    assert [type(n).__name__ for n in tree.body] == ["Expr", "Assign", "FunctionDef", "Expr", "FunctionDef", "FunctionDef"]
+    assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef)] == [
+        "require_transformer_engine",
+        "quantizer_for",
+        "mxfp8_fwd",
+    ]
+    assert ast.unparse(tree.body[3]) == "require_transformer_engine()"  # at import: Megatron imports the module
 
 
 def test_torchtitan_takes_the_main_branchs_converters_where_installed(tmp_path, titan12, monkeypatch):

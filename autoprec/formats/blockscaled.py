@@ -323,7 +323,7 @@ class BlockScaledFamily(FormatFamily):
             warnings.warn(
                 f"apply_policy: its {', '.join(used)} layers run emulated (no {'/'.join(elements)} kernel on this "
                 "device): numerics as the reference kernels, speed not representative",
-                stacklevel=5,  # the user's apply_policy call: apply_policy, _apply, _convert, convert
+                stacklevel=6,  # the user's apply_policy call: apply_policy, _apply, _put, _convert, convert
             )
         seeded = []
         for name in listed:

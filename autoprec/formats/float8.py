@@ -269,7 +269,7 @@ def _convert_fp8(
         warnings.warn(
             f"apply_policy: the model is on the {devices.device_for(device).unit}, so its fp8 layers use torchao's "
             f"emulation; move the model to the {better.unit} before apply_policy to use fp8 kernels",
-            stacklevel=6,  # the user's apply_policy call: apply_policy, _apply, _convert, convert, _convert_fp8
+            stacklevel=7,  # the user's apply_policy call: apply_policy, _apply, _put, _convert, convert, _convert_fp8
         )
     modules = [m for group in recipes.values() for m in group]
     originals = {path: m for m in modules for path in names[id(m)]}

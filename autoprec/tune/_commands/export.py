@@ -69,8 +69,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not (args.json or args.quiet):  # the path and the lines name the policy's file and layers: escaped
         print(f"wrote {printable(str(out))}")
     if not args.json:  # what the file leaves out is never dropped silently: under --quiet a warning, on stderr
-        for line in left_out:
-            print(f"not expressed: {printable(line)}", file=sys.stderr if args.quiet else sys.stdout)
+        for line in left_out:  # a "note: " line is what the file needs (a framework's version, its environment)
+            said = printable(line) if line.startswith("note: ") else f"not expressed: {printable(line)}"
+            print(said, file=sys.stderr if args.quiet else sys.stdout)
     if not args.check:  # with --check, said under verify's table
         _say_outside(args, policy)
     checked = _verified(args, out, policy, args.check, args.to, flag="--check") if args.check else None
@@ -98,11 +99,15 @@ def _say_outside(args: argparse.Namespace, policy: Policy) -> None:
 
 
 def _verify_code(result) -> int:
-    """1 when a linear runs otherwise than the policy says under the exported file, naming them on stderr."""
-    if result is None or not result.differing:
+    """1 when a linear runs otherwise than the policy says under the exported file, or the environment differs from
+    the one the file records, naming them on stderr."""
+    if result is None or result.ok:
         return 0
-    names = ", ".join(shown_entry(n) for n in result.differing)
-    print(f"autoprec: the export differs from the policy at {names}", file=sys.stderr)
+    if result.differing:
+        names = ", ".join(shown_entry(n) for n in result.differing)
+        print(f"autoprec: the export differs from the policy at {names}", file=sys.stderr)
+    for line in result.environment_mismatches:
+        print(f"autoprec: the environment differs from the export's: {line}", file=sys.stderr)
     return 1
 
 

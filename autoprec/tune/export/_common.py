@@ -5,12 +5,13 @@ escaped comment, JSON string data), so that nothing read from a policy becomes c
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import json
 import os
 import stat
 import tokenize
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from autoprec.errors import UserError, printable, shown
@@ -150,7 +151,7 @@ def _comments(source: str, title: str, lines: list[str], last: str | None) -> st
     """The policy file's name and what is not expressed, as comment lines: escaped (errors.printable), so that
     no line break or control character from the policy or its file name reaches the code or a terminal."""
     out = [f"# policy file: {printable(source)}", f"# {title}:"]
-    out += [f"#   - {printable(line)}" for line in lines] or ["#   (nothing: every listed layer is fp8 or fp32)"]
+    out += [f"#   - {printable(line)}" for line in lines] or ["#   (nothing: every listed layer is in the file or fp32)"]
     return "\n".join(out + (["#", f"# {last}"] if last else []))
 
 
@@ -334,9 +335,151 @@ QUANTIZER_FOR = '''def quantizer_for(role, gemms):
         rowwise_quantizer=quantizer(rowwise), columnwise_quantizer=quantizer(columnwise), columnwise_source="original"
     )
 '''
+# The Transformer Engine the written files need: HybridQuantizer and IdentityQuantizer (transformer_engine.pytorch) and
+# transformer_engine.pytorch.custom_recipes.quantizer_factories (mxfp8_factory, nvfp4_factory) came in TE 2.19 ("per-
+# direction hybrid quantization through CustomRecipe", its release notes; TE 2.18's wheel has none of the three).
+TE_VERSION = (2, 19)
+TE_MIN = ".".join(map(str, TE_VERSION))
 TE_NEEDS = (  # what the written files need of Transformer Engine
-    "Transformer Engine 2.9 or later (CustomRecipe; Megatron-core 0.16 checks for 2.9.0.dev0) with QuantizerRole, "
-    "HybridQuantizer and IdentityQuantizer (transformer_engine.pytorch) and "
-    "transformer_engine.pytorch.custom_recipes.quantizer_factories (mxfp8_factory, nvfp4_factory); a GPU with "
-    "MXFP8/NVFP4 kernels (compute capability 10.0)"
+    f"Transformer Engine {TE_MIN} or later (HybridQuantizer, IdentityQuantizer and "
+    "transformer_engine.pytorch.custom_recipes.quantizer_factories came in 2.19; CustomRecipe and QuantizerRole are "
+    "older); a GPU with MXFP8/NVFP4 kernels (compute capability 10.0)"
 )
+# Megatron-Core 0.19's pinned Transformer Engine is older than the per-GEMM files need
+MEGATRON_TE = (
+    f"Megatron-Core 0.19 pins Transformer Engine 2.18, which has no HybridQuantizer: install Transformer Engine "
+    f"{TE_MIN} or later over its pin"
+)
+
+# The written file's check of the installed Transformer Engine, by its distribution's version (importlib.metadata: the
+# version is read, nothing of TE runs), before anything of TE is imported.
+REQUIRE_TE = f'''def require_transformer_engine():
+    """Raise RuntimeError unless the installed Transformer Engine is {TE_MIN} or later (its version read, nothing
+    of it run): this file's HybridQuantizer, IdentityQuantizer and quantizer factories came in {TE_MIN}."""
+    import importlib.metadata
+    import re
+
+    try:
+        found = importlib.metadata.version("transformer_engine")
+    except importlib.metadata.PackageNotFoundError:
+        found = None
+    numbers = re.match(r"(\\d+)\\.(\\d+)", found or "")
+    if numbers is None or (int(numbers[1]), int(numbers[2])) < {TE_VERSION!r}:
+        raise RuntimeError(
+            f"Transformer Engine {{found or 'is not installed'}}: this file (written by `autoprec export`) needs "
+            "Transformer Engine {TE_MIN} or later for its per-GEMM quantizers (HybridQuantizer, IdentityQuantizer, "
+            "quantizer_factories); "
+            "{MEGATRON_TE}"
+        )
+'''
+
+
+# --- Transformer Engine's environment: the NVTE_* variables that change what a recipe computes ---
+
+
+@dataclasses.dataclass(frozen=True)
+class NvteVariable:
+    """An environment variable Transformer Engine reads into a recipe's field default when it is imported
+    (transformer_engine/common/recipe/__init__.py, TE 2.19), and the value the recipe autoprec measured needs it read
+    as (`expected`; None: unset). `flag`: TE reads it as `== "1"`, so unset and any other value read as "0"."""
+
+    name: str
+    expected: str | None
+    flag: bool
+    recipes: tuple[str, ...]  # the exports' recipe names (Megatron's, "custom" for CustomRecipe) whose TE recipe reads it
+    changes: str  # what another value does
+
+    def read(self, environ: Mapping[str, str]) -> str | None:
+        """The value TE reads from `environ` (flags as "1" or "0", the others as set, None where unset)."""
+        value = environ.get(self.name)
+        if self.flag:
+            return "1" if value == "1" else "0"
+        return value if value is not None or self.expected is None else self.expected
+
+
+_EVERY = ("tensorwise", "mxfp8", "nvfp4", "custom")  # DelayedScaling's too, which no export writes
+NVTE = (
+    NvteVariable(
+        "NVTE_BACKWARD_OVERRIDE",
+        None,
+        False,
+        _EVERY,
+        "'high_precision' or 'dequantized' runs dgrad and wgrad in high precision, whatever the recipe says",
+    ),
+    NvteVariable("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "0", True, ("tensorwise",), "1 rounds each scale to a power of 2"),
+    NvteVariable("NVTE_NVFP4_DISABLE_RHT", "0", True, ("nvfp4",), "1 drops the random Hadamard transform on wgrad's operands"),
+    NvteVariable("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING", "0", True, ("nvfp4",), "1 rounds the gradients to nearest"),
+    NvteVariable(
+        "NVTE_NVFP4_DISABLE_2D_QUANTIZATION", "0", True, ("nvfp4",), "1 scales the weight in 1x16 blocks, not 16x16 tiles"
+    ),
+    NvteVariable("NVTE_NVFP4_ROW_SCALED_ACTIVATION", "0", True, ("nvfp4",), "1 scales the forward activations per row"),
+    NvteVariable("NVTE_NVFP4_4OVER6", "none", False, ("nvfp4",), "another scope chooses each block's scale by 4over6"),
+)
+_NVTE_BY_NAME = {v.name: v for v in NVTE}
+
+
+def nvte_environment(recipes: Iterable[str]) -> dict[str, str | None]:
+    """What an export records of the environment for the TE recipes it runs (`recipes`: "tensorwise", "mxfp8",
+    "nvfp4", "custom"): each variable those recipes read -> the value they need read (None: unset); {} for none."""
+    used = set(recipes)
+    return {v.name: v.expected for v in NVTE if used & set(v.recipes)}
+
+
+def _wanted(name: str, expected: str | None) -> str:
+    """'unset', 'unset or 0' (where unset reads as the value TE needs) or the value: what the export expects."""
+    known = _NVTE_BY_NAME.get(name)
+    if expected is None:
+        return "unset"
+    return f"unset or {expected}" if known is not None and known.read({}) == expected else expected
+
+
+def environment_lines(environment: Mapping[str, str | None]) -> list[str]:
+    """The recorded environment, one variable a line with what another value does, for a file's comments."""
+    return [
+        f"{name}: {_wanted(name, expected)}" + (f" ({_NVTE_BY_NAME[name].changes})" if name in _NVTE_BY_NAME else "")
+        for name, expected in environment.items()
+    ]
+
+
+def environment_note(environment: Mapping[str, str | None]) -> list[str]:
+    """The export's line for the environment it recorded (none where it recorded none)."""
+    if not environment:
+        return []
+    said = "; ".join(f"{name} {_wanted(name, expected)}" for name, expected in environment.items())
+    return [f"note: Transformer Engine's environment, recorded in the file and checked by `autoprec verify`: {said}"]
+
+
+def te_version_note(megatron: bool = False) -> str:
+    """The export's line for the Transformer Engine a file with HybridQuantizer needs; `megatron`: the file runs under
+    Megatron-Core, whose 0.19 pins an older one."""
+    return f"note: needs {TE_NEEDS}" + (f"; {MEGATRON_TE}" if megatron else "")
+
+
+def environment_table(value: object, name: str, path: Path) -> dict[str, str | None]:
+    """`value` (a file's recorded environment) checked to be {NVTE_NAME: str or None}; UserError naming the file."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and k.startswith("NVTE_") and (v is None or isinstance(v, str)) for k, v in value.items()
+    ):
+        raise UserError(
+            f"{path}: {name} must map an NVTE_ variable to its value (a string, or null: unset), got {shown(value)}: "
+            "export the policy again"
+        )
+    return value
+
+
+def environment_mismatches(environment: Mapping[str, str | None], environ: Mapping[str, str]) -> list[str]:
+    """One line per recorded variable that `environ` (a process's environment) gives another value than the export
+    recorded, read as TE reads it (NvteVariable.read; a variable autoprec does not know: as set), naming it, its
+    value and the expected one; [] where each matches."""
+    lines = []
+    for name, expected in environment.items():
+        known = _NVTE_BY_NAME.get(name)
+        found = known.read(environ) if known else environ.get(name)
+        if found == expected:
+            continue
+        value = environ.get(name)
+        here = "unset" if value is None else shown(value, 40)
+        want = printable(_wanted(name, expected)[:60])
+        why = f": Transformer Engine reads it when imported; {known.changes}" if known else ""
+        lines.append(f"{printable(name[:60])} is {here} here, the export expects {want}{why}")
+    return lines

@@ -52,7 +52,8 @@ class ExportTarget(abc.ABC):
     @abc.abstractmethod
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: Any) -> list[str]:
         """Write `policy` to `out`; return what the target could not express, one line each (and say when the file
-        converts nothing). `source` names the policy file, for the written file's comments; `options` are this
+        converts nothing); a line starting "note: " is what the file needs to run as written (a framework's version,
+        its environment), printed as such. `source` names the policy file, for the written file's comments; `options` are this
         target's Options that were given, by dest."""
 
     def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
@@ -62,6 +63,13 @@ class ExportTarget(abc.ABC):
         its close matches. HIGH is the model's own dtype. `autoprec verify` asks this; a target that does not
         implement it cannot be verified."""
         raise UserError(f"--to {self.name}: autoprec cannot verify this target's files (it has no resolve())")
+
+    def environment(self, exported: Path) -> dict[str, str | None]:
+        """The environment the file `exported` records for its framework (Transformer Engine's NVTE_* variables that
+        change what its recipes compute): each variable -> the value the framework must read, None where it must be
+        unset; read as data, without running the file. `autoprec verify` checks the process's environment against it.
+        A target whose framework reads no such variable records none: {}."""
+        return {}
 
 
 # What a linear's three GEMMs (fprop, dgrad, wgrad) run in, each a label ("fp8 tensorwise", "fp8 rowwise", "mxfp8",

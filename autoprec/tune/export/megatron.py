@@ -10,6 +10,9 @@ transformer layers when it has more than the policy names.
 
 A layer index is read as Megatron's module names write one, str(int) of nn.ModuleList: ASCII digits without a
 leading zero. A name with another number (`layers.01`, a non-ASCII digit) names no Megatron module and is listed.
+
+The file records, under `environment`, the NVTE_* variables its recipe's Transformer Engine class reads
+(_common.NVTE): each -> the value TE must read, null for unset; `autoprec verify` checks the process's environment.
 """
 
 from __future__ import annotations
@@ -28,10 +31,16 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune._core._numbers import parse_integer
 from autoprec.tune.export._common import (
+    MEGATRON_TE,
+    TE_MIN,
     _layers,
+    blockscaled_gemms,
     blockscaled_recipe,
+    environment_note,
+    environment_table,
     gather_not_expressed,
     layer_only,
+    nvte_environment,
     policy_gemms,
     recipe_key,
     regular_file,
@@ -102,6 +111,7 @@ class MegatronExport:
     arguments: str
     not_expressed: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    environment: dict[str, str | None] = dataclasses.field(default_factory=dict)  # NVTE_* -> value (None: unset)
 
     def to_dict(self, source: str) -> dict[str, object]:
         return {
@@ -180,6 +190,18 @@ def _spans(indices: list[int]) -> str:
 
 
 PER_LINEAR = "--to megatron-precision gives each linear its own recipe"
+
+
+def mixes_note(policy: Policy) -> list[str]:
+    """The note for the policy's block-scaled per-GEMM mixes, which only --to megatron-precision writes, through
+    Transformer Engine's HybridQuantizer: newer than the TE Megatron-Core 0.19 pins. None where it has none."""
+    mixed = [f.value for n, f in policy.layers.items() if n != ROOT and blockscaled_gemms(f) and megatron_recipe(f) is None]
+    if not mixed:
+        return []
+    return [
+        f"the per-GEMM mixes ({', '.join(dict.fromkeys(mixed))}) run in Megatron only as --to megatron-precision's "
+        f"custom recipes, whose HybridQuantizer needs Transformer Engine {TE_MIN} or later; {MEGATRON_TE}"
+    ]
 
 
 def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronExport:
@@ -296,6 +318,7 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
             "no transformer layer runs wholly in one of Megatron's recipes under the policy: the export sets no fp8 or fp4"
         )
     lines += gather_not_expressed(policy, "Megatron")
+    notes += mixes_note(policy)
     return MegatronExport(
         stack=stack,
         num_layers=count,
@@ -305,6 +328,7 @@ def megatron_export(policy: Policy, num_layers: int | None = None) -> MegatronEx
         arguments=" ".join(args),
         not_expressed=tuple(lines),
         notes=tuple(notes),
+        environment=nvte_environment([twin.recipe] if twin is not None else []),
     )
 
 
@@ -329,10 +353,16 @@ class Megatron(ExportTarget):
     ) -> list[str]:
         exported = megatron_export(policy, num_layers)
         write_text(out, json.dumps(exported.to_dict(source), indent=2) + "\n")
-        return list(exported.not_expressed)
+        mixes = [f"note: {line}" for line in mixes_note(policy)]
+        return [*exported.not_expressed, *mixes, *environment_note(exported.environment)]
 
     def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
         return megatron_resolve(exported, module_names)
+
+    def environment(self, exported: Path) -> dict[str, str | None]:
+        content = read_json(regular_file(exported))
+        recorded = content.get("environment", {}) if isinstance(content, dict) else {}
+        return environment_table(recorded, "environment", exported)
 
 
 def recipe_gemms(precision: str, fmt: object, recipe: object) -> Gemms:

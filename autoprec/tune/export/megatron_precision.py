@@ -17,7 +17,13 @@ that dotted path (megatron/core/fp8_utils.py, _resolve_callable_from_python_impo
 Engine as `CustomRecipe(qfactory=...)` (_get_custom_recipe) for that module alone. The module,
 `<yaml stem>_qfactory.py`, is written beside the YAML (its folder must be on PYTHONPATH), never over a file autoprec
 did not write (ours_or_absent); each mix's factory gives the module's quantizer slots the formats of its three
-GEMMs (_common.QUANTIZER_FOR, the function the TE file holds too).
+GEMMs (_common.QUANTIZER_FOR, the function the TE file holds too). Its HybridQuantizer needs Transformer Engine 2.19,
+newer than the 2.18 Megatron-Core 0.19 pins: the module checks the installed version when Megatron imports it
+(require_transformer_engine), and the YAML's header and the export's lines say the conflict.
+
+The YAML records, under `environment` (a key Megatron-Core's RecipeConfig does not read), the NVTE_* variables the
+TE recipes of its configs read (_common.NVTE): each -> the value TE must read, null for unset; `autoprec verify`
+checks the process's environment against it.
 
 A quantized config sets `override_nonquantized_autocast: true`, so the module runs its recipe also where no global
 --fp8/--fp4 recipe is on; the last matcher, "*", gives every other module the high-precision config, which overrides
@@ -44,17 +50,24 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.export._common import (
     KINDS,
+    MEGATRON_TE,
     QUANTIZER_FOR,
+    REQUIRE_TE,
     TE_NEEDS,
     _layers,
     assigned,
     blockscaled_gemms,
+    environment_lines,
+    environment_note,
+    environment_table,
     fp32_under_a_lowered_root,
     gather_not_expressed,
+    nvte_environment,
     read_python,
     read_regular,
     root_not_expressed,
     same_module,
+    te_version_note,
 )
 from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Resolved, register_export_target
 from autoprec.tune.export.megatron import megatron_recipe, misnumbered, misnumbered_lines, recipe_gemms
@@ -93,7 +106,7 @@ def factory_source(mixes: dict[str, Gemms], *, yaml_name: str = "the YAML") -> s
         f"    return quantizer_for(role, GEMMS[{key!r}])\n"
         for key in mixes
     )
-    needs = textwrap.fill(f"Needs {TE_NEEDS}.", 116)
+    needs = textwrap.fill(f"Needs {TE_NEEDS}; {MEGATRON_TE}. The module checks the version when it is imported.", 116)
     return f'''"""Transformer Engine quantizer factories for the per-GEMM mixes of a Megatron-LM
 --te-precision-config-file (written by `autoprec export --to megatron-precision`), named in the comment below.
 
@@ -108,6 +121,11 @@ YAML matches under `CustomRecipe(qfactory=<mix>)`: put this file's folder on PYT
 # mix -> (fprop, dgrad, wgrad): "mxfp8", "nvfp4" or None (high precision)
 GEMMS = {{
 {rows}}}
+
+
+{REQUIRE_TE}
+
+require_transformer_engine()
 
 
 {QUANTIZER_FOR}{factories}'''
@@ -168,6 +186,7 @@ def precision_config(policy: Policy, factory: str = "autoprec_qfactory") -> tupl
         matchers[f"layer_{len(matchers)}_{key}"] = {"type": "glob", "enabled": True, "pattern": glob.escape(name), "config": key}
     configs[HIGH_PRECISION] = {"transformer_engine_config_type": "TEQuantizationParams", "training_recipe": {}}
     matchers["every_other_module"] = {"type": "glob", "enabled": True, "pattern": "*", "config": HIGH_PRECISION}
+    recipes = [r.get("fp8_quantization_recipe") or r.get("fp4_quantization_recipe") for r in _training_recipes(configs)]
     lines = []
     for (fmt, why), names in left_out.items():
         if ROOT in names:
@@ -175,13 +194,18 @@ def precision_config(policy: Policy, factory: str = "autoprec_qfactory") -> tupl
             names = [n for n in names if n != ROOT]
         if names:
             lines.append(f"{_layers(names)} in {fmt.value}: {why}")
-    return {"configs": configs, "matchers": matchers}, [
+    return {"configs": configs, "matchers": matchers, "environment": nvte_environment(filter(None, recipes))}, [
         *root,
         *lines,
         *misnumbered_lines(unnamed),
         *fp32_under_a_lowered_root(policy, "Megatron"),
         *gather_not_expressed(policy, "Megatron"),
     ]
+
+
+def _training_recipes(configs: dict[str, object]) -> list[dict]:
+    """The configs' training_recipe mappings (as the export writes them)."""
+    return [c["training_recipe"] for c in configs.values() if isinstance(c, dict) and isinstance(c.get("training_recipe"), dict)]
 
 
 def mixes(policy: Policy) -> dict[str, Gemms]:
@@ -194,7 +218,8 @@ def mixes(policy: Policy) -> dict[str, Gemms]:
 
 
 def precision_yaml(policy: Policy, *, source: str = "a policy", factory: str = "autoprec_qfactory") -> tuple[str, list[str]]:
-    """The YAML file's text, and what it cannot express (also its comments, escaped)."""
+    """The YAML file's text, and what it cannot express (also its comments, escaped), then what it needs (the
+    export's "note: " lines: the Transformer Engine its per-GEMM mixes need, the environment it records)."""
     content, lines = precision_config(policy, factory)
     if len(content["matchers"]) == 1:  # type: ignore[arg-type]
         lines = [*lines, "the policy has no layer in a recipe Megatron runs per module: every module runs in high precision"]
@@ -204,8 +229,18 @@ def precision_yaml(policy: Policy, *, source: str = "a policy", factory: str = "
         "# not expressed here:",
     ]
     head += [f"#   - {printable(line)}" for line in lines] or ["#   (nothing)"]
+    environment = content["environment"]
+    notes = environment_note(environment)  # type: ignore[arg-type]
+    if mixes(policy):
+        notes.insert(0, te_version_note(megatron=True))
+        head += [f"# the per-GEMM mixes (custom recipes) need {printable(TE_NEEDS)}", f"# {MEGATRON_TE}"]
+    if environment:
+        head.append(
+            "# environment: the NVTE_* variables Transformer Engine must read (null: unset; `autoprec verify` checks them):"
+        )
+        head += [f"#   - {printable(line)}" for line in environment_lines(environment)]  # type: ignore[arg-type]
     body = yaml.safe_dump(content, sort_keys=False, allow_unicode=False, width=1000)
-    return "\n".join(head) + "\n" + body, lines
+    return "\n".join(head) + "\n" + body, [*lines, *notes]
 
 
 @register_export_target
@@ -227,6 +262,11 @@ class MegatronPrecision(ExportTarget):
 
     def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
         return precision_resolve(exported, module_names)
+
+    def environment(self, exported: Path) -> dict[str, str | None]:
+        content = read_yaml(Path(exported))
+        recorded = content.get("environment", {}) if isinstance(content, dict) else {}
+        return environment_table(recorded, "environment", exported)
 
 
 def _matcher_order(content: dict) -> tuple[list[tuple[str, str, str]], dict]:

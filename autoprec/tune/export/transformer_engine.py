@@ -15,34 +15,46 @@ per direction, `IdentityQuantizer()` keeps a direction (or a whole slot) in high
 The table is data: each layer name a string literal written with repr(), read back by `ast.literal_eval`; the
 policy's file name and what is left out are escaped comments. fp8 and high-precision layers are not written (every
 layer the table does not name runs in high precision under the recipe) and are listed as not expressed.
+
+HybridQuantizer, IdentityQuantizer and the quantizer factories came in TE 2.19 (_common.TE_NEEDS): `custom_recipe()`
+checks the installed version first (require_transformer_engine), and the file records the NVTE_* environment its
+CustomRecipe reads (ENVIRONMENT: NVTE_BACKWARD_OVERRIDE unset), which `autoprec verify` checks.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from autoprec.errors import UserError, shown
+from autoprec.errors import UserError, printable, shown
 from autoprec.files import write_text
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.export._common import (
     KINDS,
     QUANTIZER_FOR,
+    REQUIRE_TE,
     TE_NEEDS,
     _comments,
     _layers,
     assigned,
     blockscaled_gemms,
+    environment_lines,
+    environment_note,
+    environment_table,
     fp32_under_a_lowered_root,
     gather_not_expressed,
+    nvte_environment,
     read_python,
     root_not_expressed,
     same_module,
+    te_version_note,
 )
 from autoprec.tune.export.base import HIGH, ExportTarget, Resolved, register_export_target
 
 TABLE = "GEMMS"  # the written file's table: layer -> (fprop, dgrad, wgrad) formats
-NAMES = (TABLE, "quantizer_factory", "quantizer_for", "custom_recipe")  # every name the written file defines
+ENVIRONMENT = "ENVIRONMENT"  # the written file's NVTE_* variables -> the value TE must read (None: unset)
+NAMES = (TABLE, ENVIRONMENT, "quantizer_factory", "quantizer_for", "require_transformer_engine", "custom_recipe")
+ENVIRONMENT_RECORDED = nvte_environment(["custom"])  # CustomRecipe's: the same for every policy
 
 
 def te_gemms(policy: Policy) -> dict[str, tuple[str | None, str | None, str | None]]:
@@ -100,6 +112,9 @@ def te_source(policy: Policy, *, source: str = "a policy") -> str:
     gemms = te_gemms(policy)
     last = None if gemms else "The policy has no mxfp8/nvfp4 layer: the recipe runs every layer in high precision."
     header = _comments(source, "not expressed here", te_not_expressed(policy), last)
+    needs = [f"# needs {TE_NEEDS}", "# the environment Transformer Engine must read (ENVIRONMENT; `autoprec verify` checks it):"]
+    needs += [f"#   - {printable(line)}" for line in environment_lines(ENVIRONMENT_RECORDED)]
+    header = "\n".join([header, *needs])
     return f'''"""Transformer Engine heterogeneous quantization for a policy's mxfp8/nvfp4 layers (written by
 `autoprec export --to transformer-engine`). Build each TE linear with the name the policy gives it, then:
 
@@ -117,14 +132,19 @@ TE calls quantizer_factory(role) once per quantizer slot of a module, `role` a Q
 tensor_type, name) or None. Its `name` is the name= the module was built with, so the selection needs every
 listed layer built as te.Linear(..., name=<its module path, exactly as GEMMS writes it>); module_type is "linear" for
 te.Linear, LayerNormLinear and the linears of LayerNormMLP and MultiheadAttention, which take their names from TE.
-`autoprec verify` reads GEMMS under that rule. Needs {TE_NEEDS}.
-The comments below name the policy file and what the file leaves out.
+`autoprec verify` reads GEMMS under that rule. custom_recipe() first checks that the installed Transformer Engine is
+one this file runs on (require_transformer_engine). ENVIRONMENT is the environment TE must read: TE reads these
+NVTE_* variables into its recipes when it is imported, and `autoprec verify` checks the process's against it.
+The comments below name the policy file, what the file leaves out and what it needs.
 """
 
 {header}
 
 # layer name -> (fprop, dgrad, wgrad): "mxfp8", "nvfp4" or None (high precision)
 {TABLE} = {_table_literal(gemms)}
+
+# NVTE_* variable -> the value Transformer Engine must read for this recipe (None: unset)
+{ENVIRONMENT} = {ENVIRONMENT_RECORDED!r}
 
 
 def quantizer_factory(role):
@@ -137,8 +157,12 @@ def quantizer_factory(role):
 
 
 {QUANTIZER_FOR}
+
+{REQUIRE_TE}
+
 def custom_recipe():
     """TE's CustomRecipe for this policy: pass it to te.autocast(recipe=...)."""
+    require_transformer_engine()
     from transformer_engine.common.recipe import CustomRecipe
 
     return CustomRecipe(qfactory=quantizer_factory)
@@ -154,12 +178,17 @@ class TransformerEngine(ExportTarget):
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: object) -> list[str]:
         write_text(out, te_source(policy, source=source))
         left_out = te_not_expressed(policy)
-        if te_gemms(policy):
-            return left_out
-        return [*left_out, "the policy has no mxfp8/nvfp4 layer: the file's recipe runs every layer in high precision"]
+        if not te_gemms(policy):
+            left_out.append("the policy has no mxfp8/nvfp4 layer: the file's recipe runs every layer in high precision")
+        return [*left_out, te_version_note(), *environment_note(ENVIRONMENT_RECORDED)]
 
     def resolve(self, exported: Path, module_names: list[str]) -> dict[str, Resolved]:
         return te_resolve(exported, module_names)
+
+    def environment(self, exported: Path) -> dict[str, str | None]:
+        tree = read_python(exported)
+        same_module(tree, te_source(Policy(layers={})), exported, (TABLE, ENVIRONMENT))
+        return environment_table(assigned(tree, ENVIRONMENT, exported), ENVIRONMENT, exported)
 
 
 def te_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
@@ -168,7 +197,7 @@ def te_resolve(exported: Path, module_names: list[str]) -> dict[str, Resolved]:
     QuantizerRole), which the file's header asks to be the module path; the factory looks that name up exactly, and
     gives a name it does not find high precision. An entry that names no linear of the model is given too."""
     tree = read_python(exported)
-    same_module(tree, te_source(Policy(layers={})), exported, (TABLE,))
+    same_module(tree, te_source(Policy(layers={})), exported, (TABLE, ENVIRONMENT))
     table = assigned(tree, TABLE, exported)
     if not isinstance(table, dict) or not all(
         isinstance(k, str) and isinstance(v, tuple) and len(v) == 3 and all(g is None or g in KINDS for g in v)

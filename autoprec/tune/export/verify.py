@@ -4,20 +4,23 @@ weight in fp8 (the policy's fsdp_fp8_all_gather).
 
 The verifier asks the file's target (ExportTarget.resolve, found from the "autoprec export --to NAME" line every
 exported file holds, or given) and compares; it knows no target by name. Nothing in the file is run: each target
-reads its file as data (ast, JSON, YAML).
+reads its file as data (ast, JSON, YAML). It also checks the process's environment against the one the file records
+(ExportTarget.environment: Transformer Engine's NVTE_* variables), a failed check per variable that differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from autoprec.errors import UserError, printable
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
-from autoprec.tune.export._common import layer_only, policy_gemms, read_regular, regular_file
+from autoprec.tune.export._common import environment_mismatches, layer_only, policy_gemms, read_regular, regular_file
 from autoprec.tune.export.base import HIGH, Gemms, Resolved, export_target_named
 
 _WRITTEN_BY = re.compile(r"autoprec export --to ([a-z0-9][a-z0-9_-]*)")  # in every exported file's first lines
@@ -48,8 +51,18 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Verification:
+    """The rows, and the environment check: what the file records of its framework's environment (variable -> the
+    value it must read, None: unset) and one line per variable the process gives another value."""
+
     target: str
     rows: tuple[Row, ...]
+    environment: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    environment_mismatches: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Every linear runs as the policy says, the file names none the model lacks, and the environment matches."""
+        return not self.differing and not self.environment_mismatches
 
     @property
     def differing(self) -> list[str]:
@@ -64,8 +77,9 @@ class Verification:
     def to_dict(self) -> dict[str, object]:
         return {
             "target": self.target,
-            "matches": not self.differing,
+            "matches": self.ok,
             "differing": self.differing,
+            "environment": {"expected": dict(self.environment), "mismatches": list(self.environment_mismatches)},
             "unknown": [{"entry": r.layer, "close_matches": list(r.close or ())} for r in self.unknown],
             "layers": [
                 {
@@ -115,9 +129,16 @@ def linear_names(model: str | Path, *, flag: str = "--model") -> list[str]:
     return [name for name, m in built.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
-def verify(exported: str | Path, policy: Policy, module_names: list[str], target: str | None = None) -> Verification:
+def verify(
+    exported: str | Path,
+    policy: Policy,
+    module_names: list[str],
+    target: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Verification:
     """Resolve `exported` on `module_names` (a model's linears) with its target's rules and compare each linear
-    with `policy`; then a row for each entry of the file that names no linear (Row.close). A layer the policy keeps
+    with `policy`; then a row for each entry of the file that names no linear (Row.close); then `environ` (default:
+    this process's environment) against the environment the file records. A layer the policy keeps
     in fp32 inside a bf16/fp16 root is expected in fp32, and where the file gives it no recipe (HIGH: the model's
     dtype) it runs in the root's. UserError for a path that is not a regular file, for a policy layer in a quantized
     format that is no linear of the model (the policy was searched on another model) and for a file its target
@@ -169,7 +190,9 @@ def verify(exported: str | Path, policy: Policy, module_names: list[str], target
             fmt = policy.layers.get(entry)
             found = dataclasses.replace(found, via=f"{found.via}; names no linear of the model")
             rows.append(Row(entry, fmt.value if fmt else "", HIGH, found, close=close))
-    return Verification(chosen.name, tuple(rows))
+    recorded = chosen.environment(exported)
+    mismatches = environment_mismatches(recorded, os.environ if environ is None else environ)
+    return Verification(chosen.name, tuple(rows), recorded, tuple(mismatches))
 
 
 def _gemms(gemms: Gemms | None, gather: bool = False) -> str:
@@ -220,4 +243,8 @@ def table(result: Verification) -> str:
         layers = "a layer" if len(unknown) == 1 else f"{len(unknown)} layers"
         summary += f"{'; and' if differing else ', but'} the file names {layers} the model does not have: {entries}"
     lines.append(summary)
+    if result.environment_mismatches:  # one line each: the variable, its value here, the value the file records
+        lines += [f"environment differs: {line}" for line in result.environment_mismatches]
+    elif result.environment:
+        lines.append(f"environment: as the file records ({', '.join(map(printable, result.environment))})")
     return "\n".join(lines)
