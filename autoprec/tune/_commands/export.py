@@ -15,7 +15,7 @@ from autoprec.tune._core._records import Measured
 from autoprec.tune._report._show import coverage_line
 from autoprec.tune.export import ExportTarget, default_path, export, export_targets, options
 from autoprec.tune.export._common import regular_file
-from autoprec.tune.export.verify import linear_names, shown_entry, table, verify
+from autoprec.tune.export.verify import Verification, linear_names, shown_entry, table, verify_phases
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,18 +76,30 @@ def cmd_export(args: argparse.Namespace) -> int:
         _say_outside(args, policy)
     checked = _verified(args, out, policy, args.check, args.to, flag="--check") if args.check else None
     if args.json:
-        print_json(args, {"file": str(out), "not_expressed": left_out, **({"check": checked.to_dict()} if checked else {})})
+        print_json(args, {"file": str(out), "not_expressed": left_out, **({"check": _as_json(checked)} if checked else {})})
     return _verify_code(checked)
 
 
-def _verified(args: argparse.Namespace, exported: Path, policy, model: str, target: str | None, *, flag: str = "--model"):
-    """The verification of `exported` on `model`'s linears (autoprec verify), its table printed unless --json or
-    --quiet; `flag` named `model`."""
-    result = verify(exported, policy, linear_names(model, flag=flag), target)
+def _verified(
+    args: argparse.Namespace, exported: Path, policy, model: str, target: str | None, *, flag: str = "--model"
+) -> list[tuple[str, Verification]]:
+    """The verification of `exported` on `model`'s linears (autoprec verify), each phase's of a schedule, its tables
+    printed unless --json or --quiet (a schedule's under each phase's heading); `flag` named `model`."""
+    results = verify_phases(exported, policy, linear_names(model, flag=flag), target)
     if not (args.json or args.quiet):
-        print(table(result))
+        for heading, result in results:
+            if heading:
+                print(f"\n{heading}")
+            print(table(result))
         _say_outside(args, policy)
-    return result
+    return results
+
+
+def _as_json(results: list[tuple[str, Verification]]) -> dict:
+    """One verification's record; a schedule's as {"matches", "phases": [each phase's, with its heading]}."""
+    if len(results) == 1 and not results[0][0]:
+        return results[0][1].to_dict()
+    return {"matches": all(r.ok for _, r in results), "phases": [{"phase": h, **r.to_dict()} for h, r in results]}
 
 
 def _say_outside(args: argparse.Namespace, policy: Policy) -> None:
@@ -98,24 +110,26 @@ def _say_outside(args: argparse.Namespace, policy: Policy) -> None:
         print(printable(line))
 
 
-def _verify_code(result) -> int:
-    """1 when a linear runs otherwise than the policy says under the exported file, or the environment differs from
-    the one the file records, naming them on stderr."""
-    if result is None or result.ok:
+def _verify_code(results: list[tuple[str, Verification]] | None) -> int:
+    """1 when a linear runs otherwise than the policy says under an exported file (a schedule's: any phase's), or the
+    environment differs from the one the file records, naming them on stderr."""
+    if results is None or all(result.ok for _, result in results):
         return 0
-    if result.differing:
-        names = ", ".join(shown_entry(n) for n in result.differing)
-        print(f"autoprec: the export differs from the policy at {names}", file=sys.stderr)
-    for line in result.environment_mismatches:
-        print(f"autoprec: the environment differs from the export's: {line}", file=sys.stderr)
+    for heading, result in results:
+        where = f" in {heading.split(' (')[0]}" if heading else ""  # "phase 1"
+        if result.differing:
+            names = ", ".join(shown_entry(n) for n in result.differing)
+            print(f"autoprec: the export differs from the policy at {names}{where}", file=sys.stderr)
+        for line in result.environment_mismatches:
+            print(f"autoprec: the environment differs from the export's: {line}{where}", file=sys.stderr)
     return 1
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    result = _verified(args, Path(args.exported), searched_policy(args.policy), args.model, args.to)
+    results = _verified(args, Path(args.exported), searched_policy(args.policy), args.model, args.to)
     if args.json:
-        print_json(args, result.to_dict())
-    return _verify_code(result)
+        print_json(args, _as_json(results))
+    return _verify_code(results)
 
 
 EXPORT = Verb(

@@ -21,6 +21,7 @@ from typing import Any
 
 from autoprec.errors import UserError
 from autoprec.policy import Policy
+from autoprec.tune.export._schedule import write_schedule
 from autoprec.tune.export.base import (
     HIGH,
     ExportTarget,
@@ -82,7 +83,8 @@ def default_path(policy_path: Path, target: str) -> Path:
 def export(policy: Policy, target: str, out: str | Path, *, source: str = "a policy", **given: Any) -> list[str]:
     """Write `policy` for `target` to `out`; returns what the target could not express (and says when nothing
     is left to convert). `given`: target options by dest (num_layers=N: the model's transformer layers, for
-    megatron only); None is not given. An option of another target is refused, naming that target."""
+    megatron only); None is not given. An option of another target is refused, naming that target. A policy with
+    phases writes one file per phase (`out` the first) and `<name>_schedule.json` listing them (_schedule.py)."""
     chosen = export_target_named(target)
     given = {dest: value for dest, value in given.items() if value is not None}
     for dest in given:
@@ -93,4 +95,6 @@ def export(policy: Policy, target: str, out: str | Path, *, source: str = "a pol
             raise TypeError(f"export() got an unexpected keyword argument {dest!r}")
         option, names = owners[0]
         raise UserError(f"{option.flag} is for --to {' or --to '.join(names)} ({option.purpose}), not --to {target}")
+    if policy.phases:  # a schedule: one file per phase and the list of them (_schedule.py)
+        return write_schedule(chosen, policy, Path(out), source=source, **given)
     return chosen.write(policy, out, source=source, **given)

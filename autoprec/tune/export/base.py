@@ -48,6 +48,13 @@ class ExportTarget(abc.ABC):
     suffix: ClassVar[str]  # the written file's suffix, with its dot: ".py", ".json"
     summary: ClassVar[str]  # what the file is, for --to's help: "<name>: <summary>"
     options: ClassVar[tuple[Option, ...]] = ()  # the command-line options this target takes
+    # How the target's framework goes from one phase's file to the next, for a policy with phases (a schedule):
+    # the export writes one file per phase and says this. A framework that converts a model once, when it builds it,
+    # switches by a restart from the run's checkpoint at the phase's first step (the checkpoint's keys are the same).
+    switch: ClassVar[str] = (
+        "at each phase's first step, save a checkpoint, build a fresh model converted with that phase's file, load "
+        "the checkpoint and go on (the framework converts a model when it builds it)"
+    )
 
     @abc.abstractmethod
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: Any) -> list[str]:

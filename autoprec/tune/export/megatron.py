@@ -346,6 +346,10 @@ class Megatron(ExportTarget):
     name = "megatron"
     suffix = ".json"
     summary = "TransformerConfig fields and Megatron-LM arguments (fp8 or fp4 per transformer layer)"
+    switch = (
+        "in the healing style (Megatron-Bridge's NVFP4 healing changes the recipe at a set step): at each phase's first "
+        "step, resume from the checkpoint with that phase's file's fields and arguments"
+    )
     options = (NUM_LAYERS,)
 
     def write(

@@ -248,6 +248,10 @@ class MegatronPrecision(ExportTarget):
     name = "megatron-precision"
     suffix = ".yaml"
     summary = "Megatron-LM's per-module --te-precision-config-file (mxfp8, nvfp4, tensorwise fp8 per linear)"
+    switch = (
+        "in the healing style (Megatron-Bridge's NVFP4 healing changes the recipe at a set step): at each phase's first "
+        "step, resume from the checkpoint with --te-precision-config-file set to that phase's file"
+    )
 
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: object) -> list[str]:
         module = factory_module(out)

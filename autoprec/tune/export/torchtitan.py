@@ -267,6 +267,10 @@ class Torchtitan(ExportTarget):
     name = "torchtitan"
     suffix = ".py"
     summary = "Float8/MXFP8/NVFP4 converter configs that convert exactly the policy's fp8, mxfp8 and nvfp4 layers"
+    switch = (
+        "a second converter set: at each phase's first step, resume the run from its checkpoint with that phase's "
+        "file as the model's converters (torchtitan applies them when it builds the model)"
+    )
 
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: object) -> list[str]:
         write_text(out, torchtitan_source(policy, source=source))

@@ -174,6 +174,11 @@ class TransformerEngine(ExportTarget):
     name = "transformer-engine"
     suffix = ".py"
     summary = "a CustomRecipe per module and GEMM (HybridQuantizer) for the policy's mxfp8/nvfp4 layers"
+    switch = (
+        "a recipe swap, no restart: Transformer Engine takes its recipe at every forward, so from each phase's first "
+        "step pass that phase's file's custom_recipe() to te.autocast (its modules rebuild their quantizers when the "
+        "recipe changes)"
+    )
 
     def write(self, policy: Policy, out: str | Path, *, source: str = "a policy", **options: object) -> list[str]:
         write_text(out, te_source(policy, source=source))

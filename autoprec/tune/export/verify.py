@@ -21,6 +21,7 @@ from autoprec.errors import UserError, printable
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.export._common import environment_mismatches, layer_only, policy_gemms, read_regular, regular_file
+from autoprec.tune.export._schedule import read_schedule
 from autoprec.tune.export.base import HIGH, Gemms, Resolved, export_target_named
 
 _WRITTEN_BY = re.compile(r"autoprec export --to ([a-z0-9][a-z0-9_-]*)")  # in every exported file's first lines
@@ -143,6 +144,8 @@ def verify(
     dtype) it runs in the root's. UserError for a path that is not a regular file, for a policy layer in a quantized
     format that is no linear of the model (the policy was searched on another model) and for a file its target
     cannot read."""
+    if policy.phases:
+        raise ValueError("verify() checks one phase's file against one phase: use verify_phases for a schedule")
     exported = regular_file(exported)
     wrote = written_by(exported)
     name = target or wrote
@@ -193,6 +196,22 @@ def verify(
     recorded = chosen.environment(exported)
     mismatches = environment_mismatches(recorded, os.environ if environ is None else environ)
     return Verification(chosen.name, tuple(rows), recorded, tuple(mismatches))
+
+
+def verify_phases(
+    exported: str | Path, policy: Policy, module_names: list[str], target: str | None = None
+) -> list[tuple[str, Verification]]:
+    """verify() for each phase of `policy`: (heading, verification) for each phase's file, as the manifest beside
+    `exported` (the first phase's file) lists them; a policy without phases: one, with no heading."""
+    if not policy.phases:
+        return [("", verify(exported, policy, module_names, target))]
+    return [
+        (
+            f"phase {index} (from {start:g} of the run): {printable(str(path))}",
+            verify(path, policy.in_phase(index), module_names, target),
+        )
+        for index, start, path in read_schedule(regular_file(exported), policy)
+    ]
 
 
 def _gemms(gemms: Gemms | None, gather: bool = False) -> str:
