@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pickle
+import sys
 import types
 import warnings
 import weakref
@@ -263,9 +264,12 @@ def _check_called(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> None:
                 )
 
 
-def _check_formats(policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device | None) -> None:
+def _check_formats(
+    policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device | None, kept: frozenset[str] = frozenset()
+) -> None:
     """Each listed format can run on this module and device (fp8 recipes: Linear, shape, kernels or emulation); on
-    any device where `device` is None (a device planned for, not this one)."""
+    any device where `device` is None (a device planned for, not this one). `kept`: layers a switch leaves converted
+    to their format already (checked when they were converted)."""
 
     def problem_of(fmt: Format, module: torch.nn.Module) -> str | None:
         return fmt.family.module_problem(fmt, module) if device is None else format_problem(fmt, module, device)
@@ -274,6 +278,8 @@ def _check_formats(policy: Policy, paths: Mapping[str, torch.nn.Module], device:
         root = fmt.family.root_problem(fmt) if name == ROOT else None
         if root:
             raise ValueError(f"the model itself ('') cannot be {fmt}: {root}")
+        if name in kept:
+            continue
         problem = problem_of(fmt, paths[name])
         if problem:
             safer = next((f for f in fmt.fallbacks() if problem_of(f, paths[name]) is None), None)
@@ -302,10 +308,12 @@ def _check_forwards(policy: Policy, paths: Mapping[str, torch.nn.Module]) -> Non
             raise ValueError(f"apply_policy: layer {name!r} already has a per-instance forward; autoprec cannot wrap it")
 
 
-def _check_policy(policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device | None) -> None:
+def _check_policy(
+    policy: Policy, paths: Mapping[str, torch.nn.Module], device: torch.device | None, kept: frozenset[str] = frozenset()
+) -> None:
     for check in (_check_names, _check_aliases, _check_called, _check_forwards, _check_weights):
         check(policy, paths)
-    _check_formats(policy, paths, device)
+    _check_formats(policy, paths, device, kept)
 
 
 def policy_problem(policy: Policy, model: torch.nn.Module) -> str | None:
@@ -478,11 +486,14 @@ def _convert(
     gathered: frozenset[Format],
     *,
     device_hint: bool,
+    kept: frozenset[str] = frozenset(),
 ) -> dict[str, Converted]:
-    """Each family's convert for its listed layers, all or nothing: where one refuses, those before are undone."""
+    """Each family's convert for its listed layers, all or nothing: where one refuses, those before are undone.
+    `kept`: layers a switch left converted (a swapped module whose format does not change), converted again by none."""
     by_family: dict[str, dict[str, Format]] = {}
     for name, fmt in policy.layers.items():
-        by_family.setdefault(fmt.family.name, {})[name] = fmt
+        if name not in kept:
+            by_family.setdefault(fmt.family.name, {})[name] = fmt
     done: dict[str, Converted] = {}
     try:
         for family, listed in by_family.items():
@@ -565,13 +576,20 @@ def _put(
     gathered: frozenset[Format],
     *,
     device_hint: bool,
+    kept: Mapping[str, LayerRecord] | None = None,
 ) -> tuple[dict[str, LayerRecord], dict[str, torch.nn.Module]]:
     """Put one phase's layers (`policy`, checked) on the model: each family's convert, then each listed layer's
-    format and wrapper. Returns the records and the modules the families swapped out."""
-    converted = _convert(model, policy, paths, names, device, gathered, device_hint=device_hint)
-    if any(fmt.family.replaces_modules for fmt in policy.layers.values()):
+    format and wrapper. Returns the records and the modules the families swapped out (each swapped-in module given
+    the original's train/eval mode and hooks). `kept`: the records of layers a switch left converted (their swapped
+    module stays, not converted again)."""
+    kept = kept or {}
+    converted = _convert(model, policy, paths, names, device, gathered, device_hint=device_hint, kept=frozenset(kept))
+    replaced = {path: module for conv in converted.values() for path, module in conv.replaced.items()}
+    if replaced:
         paths = dict(model.named_modules(remove_duplicate=False))
         names = _names_by_module(paths)
+        for path, original in replaced.items():
+            _carry(original, paths[path])
     fmts = {id(paths[name]): fmt for name, fmt in policy.layers.items()}
     records = {}
     for name, fmt in policy.layers.items():
@@ -590,12 +608,32 @@ def _put(
             format=fmt,
             module_type=type(module).__name__,
             aliases=tuple(n for n in own if n != name),
-            fp8_backend=converted[fmt.family.name].backend,
+            fp8_backend=kept[name].fp8_backend if name in kept else converted[fmt.family.name].backend,
             wrapped=wrap,
             fsdp_fp8_all_gather=fmt in gathered,
         )
-    replaced = {path: module for conv in converted.values() for path, module in conv.replaced.items()}
     return records, replaced
+
+
+# What a module holds of its callers' own: the hooks registered on it (torch.nn.Module's dictionaries of them)
+_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def _carry(original: torch.nn.Module, new: torch.nn.Module) -> None:
+    """A module swapped in for `original` (torchao's Float8Linear for a Linear) runs as it was set up: its train/eval
+    mode, and the hooks registered on it, by the same dictionaries, so a hook's handle still removes it."""
+    new.train(original.training)
+    for name in _HOOKS:
+        if name in original.__dict__ and name in new.__dict__:
+            new.__dict__[name] = original.__dict__[name]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -637,7 +675,9 @@ def follow_schedule(model: torch.nn.Module, *, step: int, total_steps: int) -> b
         'bf16'
     """
     switched = False
-    for root in [m for m in model.modules() if hasattr(m, _SCHEDULE_ATTR)]:
+    # by the module's own attribute: a wrapper that forwards attributes (torch.compile's OptimizedModule) is no root
+    roots = {id(m): m for m in model.modules() if _SCHEDULE_ATTR in m.__dict__}
+    for root in roots.values():
         summary = applied_summary(root)
         assert summary is not None  # the schedule is kept beside the summary
         index = summary.policy.phase_at(step, total_steps)
@@ -650,50 +690,103 @@ def follow_schedule(model: torch.nn.Module, *, step: int, total_steps: int) -> b
 
 
 def _switch(root: torch.nn.Module, summary: AppliedSummary, index: int) -> None:
-    """The model in phase `index`: the current phase taken off (wrappers, formats, swapped modules put back), the
-    next put on; where the next cannot go on here, the current one goes back on and the error is raised."""
-    schedule: _Schedule = getattr(root, _SCHEDULE_ATTR)
+    """The model in phase `index`: the current phase taken off (its formats and wrappers, the modules swapped for a
+    layer whose format changes put back), the next put on; every check first, and where the next phase cannot go
+    on, the current one goes back on and the error is raised."""
+    schedule: _Schedule = root.__dict__[_SCHEDULE_ATTR]
     policy = summary.policy
     current, target = policy.in_phase(summary.phase), policy.in_phase(index)
-    _refuse_sharded_swap(root, current, target)
+    paths = dict(root.named_modules(remove_duplicate=False))
+    _refuse_moved(paths, current, target, schedule)
+    # a swapped module whose format does not change stays as it is: its hooks, its compiled code, FSDP2's hold on it
+    kept = {
+        name: summary.layers[name]
+        for name, fmt in current.layers.items()
+        if fmt.family.replaces_modules and target.layers.get(name) is fmt
+    }
+    kept_modules = {id(paths[name]) for name in kept}
+    restore = {p: m for p, m in schedule.replaced.items() if id(paths[p]) not in kept_modules}
+    _refuse_sharded_swap(paths, current, target)
+    _refuse_lost_parameters(paths, restore)
     device = _param_device(root)
-    _take_off(root, schedule)
+    _take_off(paths, current, restore)
+    schedule.replaced = {p: m for p, m in schedule.replaced.items() if p not in restore}
     paths = dict(root.named_modules(remove_duplicate=False))
     names = _names_by_module(paths)
     try:
-        _check_policy(target, paths, device)
-        records, replaced = _put(root, target, paths, names, device, frozenset(), device_hint=False)
+        _check_policy(target, paths, device, frozenset(kept))
+        records, replaced = _put(root, target, paths, names, device, frozenset(), device_hint=False, kept=kept)
     except BaseException:
-        _take_off(root, _Schedule({}))
-        _, schedule.replaced = _put(root, current, paths, names, device, frozenset(), device_hint=False)
+        _, back = _put(root, current, paths, names, device, frozenset(), device_hint=False, kept=kept)
+        schedule.replaced.update(back)
         raise
-    schedule.replaced = replaced
+    schedule.replaced.update(replaced)
     setattr(root, _SUMMARY_ATTR, dataclasses.replace(summary, layers=records, phase=index))
 
 
-def _refuse_sharded_swap(root: torch.nn.Module, current: Policy, target: Policy) -> None:
-    """FSDP2 holds each sharded module in its parameter group: a module swapped (fp8 <-> not) would train a copy."""
+def _refuse_moved(paths: Mapping[str, torch.nn.Module], current: Policy, target: Policy, schedule: _Schedule) -> None:
+    """Every layer of both phases, and every swapped module, where apply_policy found it: a wrapper inserted since
+    (torch's apply_activation_checkpointing) renames the modules under it, and a switch by the old names would set a
+    stray child on the wrapper and leave the module that runs in its old format."""
+    moved = [n for n in dict.fromkeys((*current.layers, *target.layers, *schedule.replaced)) if n not in paths]
+    if moved:
+        raise ValueError(
+            f"follow_schedule: layer {moved[0]!r} is no longer at that path in the model (a module wrapped since "
+            "apply_policy, as torch's apply_activation_checkpointing wraps blocks), so the switch cannot find it; wrap "
+            "nothing between apply_policy and training (checkpoint inside the block's forward, with "
+            "torch.utils.checkpoint, or a Hugging Face model's gradient_checkpointing_enable()), or train each phase as "
+            "its own run from a checkpoint"
+        )
+
+
+def _refuse_sharded_swap(paths: Mapping[str, torch.nn.Module], current: Policy, target: Policy) -> None:
+    """FSDP2 holds each sharded module in its parameter group: a module swapped in or out would train a copy."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return
     for name in dict.fromkeys((*current.layers, *target.layers)):
         was, will = current.layers.get(name), target.layers.get(name)
-        if was is will or not any(f is not None and f.family.replaces_modules for f in (was, will)):
+        swapping = [f for f in (was, will) if f is not None and f.family.replaces_modules]
+        if was is will or not swapping:
             continue
-        sharded = [n for n, p in root.get_submodule(name).named_parameters() if type(p).__name__ == "DTensor"]
-        if sharded:
+        if any(isinstance(p, dtensor) for p in paths[name].parameters()):
             raise ValueError(
                 f"follow_schedule: layer {name!r} switches from {was or 'the surrounding precision'} to "
-                f"{will or 'the surrounding precision'}, which swaps its module (torchao's Float8Linear), but its "
-                "parameters are sharded by FSDP2, which holds the module; under FSDP2 a schedule can switch bf16, fp16, "
-                "fp32 and block-scaled layers: give this layer one of those in both phases, or train each phase as its "
-                "own run from a checkpoint (the checkpoint's keys are the same in every phase)"
+                f"{will or 'the surrounding precision'}, and {swapping[0]}'s family ({swapping[0].family.name}) runs a "
+                "layer by swapping its module, but its parameters are sharded by FSDP2, which holds the module; under "
+                "FSDP2 give this layer formats in both phases that swap no module (or the same format), or train each "
+                "phase as its own run from a checkpoint (the checkpoint's keys are the same in every phase)"
             )
 
 
-def _take_off(root: torch.nn.Module, schedule: _Schedule) -> None:
-    """The model as before apply_policy: no format or wrapper on any module, the swapped-out modules back, each with
-    the Parameters its replacement holds now (the ones an optimizer steps) and its train/eval mode."""
-    for module in root.modules():
+def _dtensor_type() -> type | None:
+    """torch's DTensor (what FSDP2 shards parameters into), where torch.distributed is built and loaded; a model
+    sharded by FSDP2 has imported it already, so a process that did not has no DTensor to find."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _refuse_lost_parameters(paths: Mapping[str, torch.nn.Module], restore: Mapping[str, torch.nn.Module]) -> None:
+    """Each module to put back finds its Parameters in its replacement (the ones the optimizer steps)."""
+    for path, original in restore.items():
+        now = paths[path]
+        missing = [key for key in original._parameters if original._parameters[key] is not None and key not in now._parameters]
+        if now is not original and missing:
+            raise ValueError(
+                f"follow_schedule: layer {path!r} ({type(now).__name__}) no longer holds its parameter {missing[0]!r} "
+                "(a wrapper flattened or moved it since apply_policy), so its module cannot be put back with the "
+                "weights the optimizer steps; train each phase as its own run from a checkpoint"
+            )
+
+
+def _take_off(paths: Mapping[str, torch.nn.Module], current: Policy, restore: Mapping[str, torch.nn.Module]) -> None:
+    """The current phase's formats and wrappers off its layers (only its own: a policy applied to a module inside
+    keeps its), and the modules in `restore` put back, each with the Parameters its replacement holds now (the ones
+    an optimizer steps) and its train/eval mode (its hooks are the same dictionaries: _carry)."""
+    for name in current.layers:
+        module = paths[name]
         if not hasattr(module, _FORMAT_ATTR):
-            continue
+            continue  # an alias of a layer done already
         delattr(module, _FORMAT_ATTR)
         delattr(module, _RESOLVED_ATTR)
         forward = module.__dict__.get("forward")
@@ -701,16 +794,15 @@ def _take_off(root: torch.nn.Module, schedule: _Schedule) -> None:
         if getattr(forward, "__func__", None) in set(_FORWARDS.values()):
             del module.__dict__["forward"]
             delattr(module, _NO_PICKLE_ATTR)
-    for path, original in schedule.replaced.items():
-        now = root.get_submodule(path)
+    for path, original in restore.items():
+        now = paths[path]
         if now is original:
             continue
         for key in original._parameters:
-            original._parameters[key] = now._parameters.get(key)
+            original._parameters[key] = now._parameters[key]
         original.train(now.training)
         parent, _, attr = path.rpartition(".")
-        setattr(root.get_submodule(parent), attr, original)
-    schedule.replaced = {}
+        setattr(paths[parent], attr, original)
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

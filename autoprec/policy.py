@@ -19,6 +19,9 @@ from autoprec.formats import Format, format_names, parse_format
 from autoprec.tensors import hash_tensor
 
 POLICY_VERSION = 1
+# Where a phase starts in a run of N optimizer steps (Phase.start_step), said the same way wherever it is written for
+# a person or a framework (the docs, an export's schedule list)
+START_STEP_RULE = "ceil(round(from_fraction * total_steps, 6)), counting steps from 0"
 ROOT = ""  # the model itself: its format covers every op not inside a listed layer
 # A layer's name as torch's named_modules() gives it: attribute names, ModuleList indices and ModuleDict keys
 # (letters, digits, _ and -) joined by dots. Nothing else: a name is printed, exported and matched, never code,
@@ -108,7 +111,8 @@ class Phase:
 
     Args:
         from_fraction: Where the phase starts, as a share of the run's optimizer steps: a number in (0, 1). A run of
-            N steps enters it at step ceil(from_fraction * N) (`start_step`), counting from 0.
+            N steps enters it at step ceil(round(from_fraction * N, 6)) (`start_step`, START_STEP_RULE), counting
+            from 0: the product rounded first, so that a fraction written as step / steps gives that step back.
         layers: Module name -> format, as `Policy.layers`: the layers whose format changes from here on; at least one.
     """
 
@@ -286,6 +290,11 @@ class Policy:
         """Phase `index` as a policy of its own (no schedule): its layers, this policy's loss scale and record."""
         return dataclasses.replace(self, layers=self.phase_layers(index), phases=())
 
+    @property
+    def formats(self) -> frozenset[Format]:
+        """Every format a layer has in some phase of the run (its first part's and each phase's)."""
+        return frozenset(self.layers.values()) | frozenset(f for phase in self.phases for f in phase.layers.values())
+
     def phase_shares(self) -> tuple[float, ...]:
         """Each phase's share of the run (the first part's, then each phase's), summing to 1: what a run's time or
         cost averages the phases by."""
@@ -303,9 +312,7 @@ class Policy:
     def uses_fp16(self) -> bool:
         """Whether any layer's format, in any phase, needs loss scaling (fp16): then the GradScaler is on (from the
         start: an fp16 phase later goes on with the scale the run has kept)."""
-        return any(f.spec.loss_scale for f in self.layers.values()) or any(
-            f.spec.loss_scale for phase in self.phases for f in phase.layers.values()
-        )
+        return any(f.spec.loss_scale for f in self.formats)
 
     @property
     def fp8_gatherable(self) -> frozenset[Format]:

@@ -15,8 +15,9 @@ POLICY = Policy(layers={"": "bf16", "0": "fp32", "2": "fp16"})
 FP8_POLICY = Policy(layers={"": "bf16", "0": "fp8", "2": "fp8"})
 
 
-# fsdp2-schedule: a schedule under FSDP2, switching autocast formats in place from the third of three steps
-SCHEDULE = Policy(layers=POLICY.layers, phases=[{"from_fraction": 0.5, "layers": {"0": "bf16", "2": "fp32"}}])
+# fsdp2-schedule: a schedule under FSDP2, switching an autocast format in place from the second of three steps while
+# an fp8 layer stays fp8 (its Float8Linear, which FSDP2 holds, kept: a review found it swapped again and the step failing)
+SCHEDULE = Policy(layers={"": "bf16", "0": "fp32", "2": "fp8"}, phases=[{"from_fraction": 0.5, "layers": {"0": "bf16"}}])
 STEPS = 3
 
 

@@ -135,10 +135,10 @@ def test_a_switch_that_cannot_go_on_leaves_the_model_in_its_phase(monkeypatch):
     before = model(X)
     real = autoprec.apply._check_policy
 
-    def refuse(policy, paths, device):
+    def refuse(policy, paths, device, kept=frozenset()):
         if policy.layers.get("blocks.0.fc1") is autoprec.Format.BF16:
             raise ValueError("layer 'blocks.0.fc1' cannot be bf16 here: made up")
-        real(policy, paths, device)
+        real(policy, paths, device, kept)
 
     monkeypatch.setattr(autoprec.apply, "_check_policy", refuse)
     with pytest.raises(ValueError, match="made up"):
@@ -179,16 +179,22 @@ def test_the_grad_scaler_names_the_format_a_layer_has_now():
     assert autoprec.grad_scaler(policy, "cpu").is_enabled()  # an fp16 phase: on from the start
 
 
-def test_a_module_swap_on_parameters_fsdp2_shards_is_refused_before_anything_changes():
+def test_a_module_swap_on_parameters_fsdp2_shards_is_refused_before_anything_changes(monkeypatch):
     """FSDP2 keeps each sharded module in its parameter group: a Float8Linear swapped in would train a copy. (The real
-    FSDP2 run is tests/test_distributed.py's fsdp2-schedule; this one stands a Parameter in for a DTensor.)"""
+    FSDP2 run, two gloo processes, is tests/test_distributed.py's fsdp2-schedule; here a Parameter subclass stands in
+    for torch's DTensor.)"""
     model = apply_policy(Net(), SCHEDULE)
     fc1 = model.blocks[0].fc1
-    fake = type("DTensor", (nn.Parameter,), {})
-    fc1.weight = fake(fc1.weight.detach())
-    with pytest.raises(ValueError, match=r"layer 'blocks.0.fc1' switches from fp8 to bf16, which swaps its module .*FSDP2"):
+    sharded = type("Sharded", (nn.Parameter,), {})
+    monkeypatch.setattr(autoprec.apply, "_dtensor_type", lambda: sharded)
+    fc1.weight = sharded(fc1.weight.detach())
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'blocks.0.fc1' switches from fp8 to bf16, and fp8's family \(float8\) runs a layer by swapping its module.*FSDP2",
+    ):
         follow_schedule(model, step=4, total_steps=8)
     assert model.blocks[0].fc1 is fc1 and applied_summary(model).phase == 0
+    torch.testing.assert_close(model(X), reference(0)(X), rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -219,3 +225,71 @@ def test_a_switch_on_cuda_under_cuda_graphs_runs_the_new_phase_not_a_recorded_gr
             if phase == phase_ref:
                 torch.testing.assert_close(out, expected, msg=f"step {step}, phase {phase}")
     assert not torch.equal(outs[0][1], outs[5][1])  # the phases differ (fp8 against bf16): the switch is seen
+
+
+def test_a_model_compiled_whole_switches_through_the_compiled_wrapper():
+    """compile_model compiles a model without repeated blocks whole: the OptimizedModule it returns forwards its
+    attributes to the model, and must not be taken for a second scheduled model (a review found the switch then
+    stripped the model and raised KeyError)."""
+    torch._dynamo.reset()
+    policy = Policy(
+        layers={"": "bf16", "0": "fp16", "2": "fp8"}, phases=[{"from_fraction": 0.5, "layers": {"0": "fp32", "2": "bf16"}}]
+    )
+    plain = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    compiled = autoprec.compile_model(apply_policy(copy.deepcopy(plain), policy))
+    assert compiled is not plain and isinstance(compiled._orig_mod, nn.Sequential)
+    refs = [autoprec.compile_model(apply_policy(copy.deepcopy(plain), policy.in_phase(p))) for p in range(2)]
+    for step, phase in [(0, 0), (5, 1), (0, 0)]:
+        follow_schedule(compiled, step=step, total_steps=10)
+        assert applied_summary(compiled._orig_mod).phase == phase
+        torch.testing.assert_close(compiled(X), refs[phase](X), rtol=0, atol=0, msg=f"phase {phase}")
+
+
+def test_a_wrapper_inserted_after_apply_is_refused_before_the_switch_changes_anything():
+    """torch's apply_activation_checkpointing wraps each block after apply_policy: the layers are no longer at their
+    paths, and a switch by the old names would leave the fp8 module running while the summary said otherwise."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    model = apply_policy(Net(), SCHEDULE)
+    before = model(X)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    with pytest.raises(ValueError, match=r"layer 'blocks.0.fc1' is no longer at that path .*apply_activation_checkpointing"):
+        follow_schedule(model, step=4, total_steps=8)
+    assert applied_summary(model).phase == 0
+    torch.testing.assert_close(model(X), before, rtol=0, atol=0)
+
+
+def test_an_fp8_layer_whose_format_does_not_change_keeps_its_module_and_hooks_and_mode_carry_over_a_swap():
+    """Only the layers whose format changes are taken off and put back on: an fp8 layer that stays fp8 keeps its
+    Float8Linear (what FSDP2 and a compiled block hold); a Linear swapped for Float8Linear keeps its hooks and the
+    model's eval mode (a review found the hook silent in the fp8 phase and the mode lost)."""
+    policy = Policy(
+        layers={"": "bf16", "blocks.0.fc1": "fp8", "blocks.1.fc1": "bf16", "head": "fp16"},
+        phases=[{"from_fraction": 0.5, "layers": {"head": "fp32", "blocks.1.fc1": "fp8"}}],
+    )
+    net = Net()
+    calls = []
+    handle = net.blocks[1].fc1.register_forward_hook(lambda *_: calls.append(1))
+    model = apply_policy(net, policy)
+    kept = model.blocks[0].fc1
+    model.eval()
+    follow_schedule(model, step=1, total_steps=2)
+    assert model.blocks[0].fc1 is kept  # unchanged: not swapped again
+    swapped = model.blocks[1].fc1
+    assert type(swapped).__name__ == "Float8Linear" and not swapped.training  # the model's eval mode
+    model(X)
+    assert calls == [1]  # the hook registered on the Linear fires in its fp8 phase
+    handle.remove()  # and its handle still removes it
+    model(X)
+    assert calls == [1]
+    torch.testing.assert_close(model(X), apply_policy(Net().eval(), policy.in_phase(1))(X), rtol=0, atol=0)
+    follow_schedule(model, step=0, total_steps=2)
+    assert type(model.blocks[1].fc1) is nn.Linear and not model.blocks[1].fc1.training
+
+
+def test_a_switch_leaves_a_policy_applied_to_a_module_inside_alone():
+    outer = nn.Sequential(nn.Linear(32, 32), nn.Sequential(nn.Linear(32, 32)))
+    apply_policy(outer, Policy(layers={"0": "fp16"}, phases=[{"from_fraction": 0.5, "layers": {"0": "bf16"}}]))
+    apply_policy(outer[1], Policy(layers={"0": "fp16"}))
+    follow_schedule(outer, step=1, total_steps=2)
+    assert str(applied_summary(outer[1]).layers["0"].format) == "fp16" and "forward" in outer[1][0].__dict__

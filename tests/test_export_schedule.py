@@ -120,3 +120,27 @@ def test_the_commands_export_a_schedule_check_it_and_fail_on_a_wrong_phase_namin
     assert main([*verify, "--json"]) == 1
     record = json.loads(capsys.readouterr().out)
     assert record["matches"] is False and [p["matches"] for p in record["phases"]] == [True, False]
+
+
+def test_verify_checks_the_file_it_is_given_as_the_first_phase_and_refuses_an_empty_name(tmp_path):
+    """A review found a manifest listing another file as the first phase made verify check that file, never the one
+    named, and an empty name a pathlib traceback."""
+    out, _ = written(tmp_path, "torchao")
+    manifest = out.with_name(f"{out.stem}_schedule.json")
+    data = json.loads(manifest.read_text())
+    data["phases"][0]["file"] = data["phases"][1]["file"]
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="its first phase is p_torchao_phase1.py, not p_torchao.py"):
+        verify_phases(out, SCHEDULE, NAMES)
+    data["phases"][0]["file"] = ""
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="phase 0's file must be a file name beside it, got ''"):
+        verify_phases(out, SCHEDULE, NAMES)
+    assert json.loads(manifest.read_text())["start_step"] == "ceil(round(from_fraction * total_steps, 6)), counting steps from 0"
+
+
+def test_a_policy_without_phases_written_over_a_schedule_removes_its_list_and_says_so(tmp_path):
+    out, _ = written(tmp_path, "torchao")
+    lines = export(SCHEDULE.in_phase(0), "torchao", out, source="p.json")
+    assert not out.with_name("p_torchao_schedule.json").exists() and out.with_name("p_torchao_phase1.py").exists()
+    assert lines[-1].startswith("note: removed p_torchao_schedule.json, an earlier export's list of a schedule's phases")

@@ -535,6 +535,23 @@ def test_verify_checks_the_environment_the_export_records(tmp_path, target, reco
     assert result.to_dict()["environment"] == {"expected": recorded, "mismatches": list(result.environment_mismatches)}
 
 
+def test_an_edited_environment_record_is_caught_not_trusted(tmp_path):
+    """A review found verify took the file's own record as the expectation: a record edited to expect
+    NVTE_BACKWARD_OVERRIDE=high_precision passed with the variable set, though TE then runs dgrad and wgrad in high
+    precision. The expectation is the policy's export's record."""
+    path = tmp_path / "p_megatron-precision.yaml"
+    policy = megatron_policy("mxfp8")
+    export(policy, "megatron-precision", path)
+    edit(path, "NVTE_BACKWARD_OVERRIDE: null", "NVTE_BACKWARD_OVERRIDE: high_precision")  # the record, by hand
+    result = verify(path, policy, megatron_names(), environ={"NVTE_BACKWARD_OVERRIDE": "high_precision"})
+    assert not result.ok and result.differing == []
+    said = " ".join(result.environment_mismatches)
+    assert (
+        "the file records the environment {'NVTE_BACKWARD_OVERRIDE': 'high_precision'}, but this policy's export records" in said
+    )
+    assert "NVTE_BACKWARD_OVERRIDE is 'high_precision' here, the export expects unset" in said
+
+
 def test_the_verify_verb_fails_on_an_environment_the_export_does_not_expect(tmp_path, capsys, monkeypatch):
     policy = megatron_policy("mxfp8")
     policy.save(tmp_path / "policy.json")

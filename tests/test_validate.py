@@ -112,6 +112,8 @@ def test_the_command_writes_the_curve_says_the_verdict_and_the_switch(tmp_path, 
     }
     rows = (tmp_path / "out" / "validate.csv").read_text().splitlines()
     assert rows[0].startswith("step,baseline_loss,policy_loss") and len(rows) == 21
+    assert main([*argv, "--out", str(tmp_path / "out"), "--budget", "0.5", "--quiet"]) == 0  # holds: no switch
+    assert not (tmp_path / "out" / "policy_scheduled.json").exists()  # the earlier run's, not this one's answer
     assert main([*argv, "--out", str(tmp_path / "json"), "--budget", "0.5", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["holds"] is True and record["switch"] is None and record["final_drop"] == pytest.approx(0.2)

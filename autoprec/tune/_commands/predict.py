@@ -154,8 +154,7 @@ def command(
         if chosen.phases:
             shares = ", ".join(f"{share:.0%}" for share in chosen.phase_shares())
             label += f" (a schedule: {len(chosen.phases) + 1} phases priced alone, averaged by their shares of the run, {shares})"
-    formats = {f for i in range(len(chosen.phases) + 1) for f in chosen.phase_layers(i).values()}
-    formats |= {candidate_format} if given is None else set()
+    formats = set(chosen.formats) | ({candidate_format} if given is None else set())
     missing = lacking(formats, device)
     if missing:
         needs = ", ".join(f"the {', '.join(p)} GEMMs {f} needs" for f, p in sorted(missing.items()))

@@ -78,6 +78,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if result.switch is not None:
         _scheduled(result).save(out / SCHEDULED)
         written.append(SCHEDULED)
+    elif (out / SCHEDULED).is_file():  # an earlier run's switch: not this run's answer
+        (out / SCHEDULED).unlink()
     record = _record(result, args)
     write_text(out / "validate.json", json.dumps(record, indent=2, allow_nan=False) + "\n")
     png = plot_validation(result, out / "validate.png", title=f"{task.name}: {args.policy} beside {args.baseline}")

@@ -270,7 +270,7 @@ def show_policy(policy: Policy, *, markdown: bool = False) -> str:
     gather = gather_line(policy)
     if gather:
         parts.append(say(gather))
-    used = sorted({f for i in range(len(policy.phases) + 1) for f in policy.phase_layers(i).values()}, key=list(Format).index)
+    used = sorted(policy.formats, key=list(Format).index)
     if used:
         parts.append(say("formats: " + "; ".join(f"{f} = {f.spec.inside}" for f in used)))
     if policy.measured:

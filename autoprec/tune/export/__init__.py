@@ -21,7 +21,7 @@ from typing import Any
 
 from autoprec.errors import UserError
 from autoprec.policy import Policy
-from autoprec.tune.export._schedule import write_schedule
+from autoprec.tune.export._schedule import forget_schedule, write_schedule
 from autoprec.tune.export.base import (
     HIGH,
     ExportTarget,
@@ -97,4 +97,4 @@ def export(policy: Policy, target: str, out: str | Path, *, source: str = "a pol
         raise UserError(f"{option.flag} is for --to {' or --to '.join(names)} ({option.purpose}), not --to {target}")
     if policy.phases:  # a schedule: one file per phase and the list of them (_schedule.py)
         return write_schedule(chosen, policy, Path(out), source=source, **given)
-    return chosen.write(policy, out, source=source, **given)
+    return chosen.write(policy, out, source=source, **given) + forget_schedule(Path(out))

@@ -16,10 +16,8 @@ from typing import Any
 
 from autoprec.errors import UserError, printable
 from autoprec.files import read_json, write_text
-from autoprec.policy import Policy
+from autoprec.policy import START_STEP_RULE, Policy
 from autoprec.tune.export.base import ExportTarget
-
-START_STEP = "ceil(from_fraction * total_steps), counting steps from 0"  # Phase.start_step's rule, for a person
 
 
 def manifest_path(out: Path) -> Path:
@@ -46,7 +44,7 @@ def write_schedule(chosen: ExportTarget, policy: Policy, out: Path, *, source: s
     manifest = {
         "written_by": f"autoprec export --to {chosen.name}",
         "policy": source,
-        "start_step": START_STEP,
+        "start_step": START_STEP_RULE,
         "switch": chosen.switch,
         "phases": [
             {
@@ -65,6 +63,19 @@ def write_schedule(chosen: ExportTarget, policy: Policy, out: Path, *, source: s
         f"framework applies one at a time: {chosen.switch}"
     )
     return lines
+
+
+def forget_schedule(out: Path) -> list[str]:
+    """A policy without phases written over an earlier schedule's first file: its list is removed (verify would read
+    the other phases' files as this policy's), and said; the old phases' files are left, named."""
+    path = manifest_path(out)
+    if not path.is_file():
+        return []
+    path.unlink()
+    return [
+        f"note: removed {path.name}, an earlier export's list of a schedule's phases (this policy has none); its phase "
+        f"files ({out.stem}_phase1{out.suffix}, ...) are left as they were"
+    ]
 
 
 def read_schedule(exported: Path, policy: Policy) -> list[tuple[int, float, Path]]:
@@ -89,9 +100,15 @@ def read_schedule(exported: Path, policy: Policy) -> list[tuple[int, float, Path
     out = []
     for index, (entry, start) in enumerate(zip(phases, starts)):
         name = entry.get("file")
-        if not isinstance(name, str) or Path(name).name != name:  # a file beside the manifest, by its bare name
+        # a file beside the manifest, by its bare name
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
             raise UserError(
                 f"{printable(str(path))}: phase {index}'s file must be a file name beside it, got {printable(repr(name))}"
             )
         out.append((index, start, path.with_name(name)))
+    if out[0][2].name != exported.name:  # the file the user named is the one checked as the first phase
+        raise UserError(
+            f"{printable(str(path))}: its first phase is {printable(out[0][2].name)}, not {printable(exported.name)}: "
+            "verify the first phase's file, or export the policy again"
+        )
     return out

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy
 from autoprec.tune.export._common import environment_mismatches, layer_only, policy_gemms, read_regular, regular_file
 from autoprec.tune.export._schedule import read_schedule
-from autoprec.tune.export.base import HIGH, Gemms, Resolved, export_target_named
+from autoprec.tune.export.base import HIGH, ExportTarget, Gemms, Resolved, export_target_named
 
 _WRITTEN_BY = re.compile(r"autoprec export --to ([a-z0-9][a-z0-9_-]*)")  # in every exported file's first lines
 
@@ -194,8 +195,25 @@ def verify(
             found = dataclasses.replace(found, via=f"{found.via}; names no linear of the model")
             rows.append(Row(entry, fmt.value if fmt else "", HIGH, found, close=close))
     recorded = chosen.environment(exported)
-    mismatches = environment_mismatches(recorded, os.environ if environ is None else environ)
+    needed = _needed_environment(chosen, policy, exported.suffix)
+    mismatches = []
+    if needed != recorded:  # the file's own record was edited: what the policy's recipes need is checked, not it
+        mismatches.append(
+            f"the file records the environment {printable(str(recorded))[:200]}, but this policy's export records "
+            f"{printable(str(needed))[:200]}: the file's record was edited, or it was exported from another policy; "
+            "export it again"
+        )
+    mismatches += environment_mismatches(needed, os.environ if environ is None else environ)
     return Verification(chosen.name, tuple(rows), recorded, tuple(mismatches))
+
+
+def _needed_environment(chosen: ExportTarget, policy: Policy, suffix: str) -> dict[str, str | None]:
+    """The environment the target records for `policy`'s recipes: the policy exported afresh (into a folder of its
+    own, removed after) and its record read back, so the expectation is the target's own, not the checked file's."""
+    with tempfile.TemporaryDirectory() as folder:
+        fresh = Path(folder) / f"policy{suffix}"
+        chosen.write(policy, fresh, source="autoprec verify")
+        return chosen.environment(fresh)
 
 
 def verify_phases(
