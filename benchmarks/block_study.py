@@ -1,6 +1,6 @@
 """The block study's command: which layers of a decoder LM tolerate which low-precision formats, by block depth.
 
-    python benchmarks/block_study.py --part {sqnr,drop,search,horizon2,horizon} --out results/cpu-epyc-bf16-2core/block-study
+    python benchmarks/block_study.py --part {sqnr,drop,search,horizon2,reprice,schedule,horizon} --out results/cpu-epyc-bf16-2core/block-study
 
 Its code is the package beside this file, benchmarks/blockstudy/: one module a part (each module's docstring says what
 its part runs and writes) and the small ones they share.

@@ -18,7 +18,7 @@ spec = importlib.util.spec_from_file_location("block_study", ROOT / "benchmarks"
 block_study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(block_study)
 
-from blockstudy import common, drop, horizon, horizon2, policies, runs, search, sqnr  # noqa: E402 (the package beside the script, which put it on the path)
+from blockstudy import common, drop, horizon, horizon2, policies, runs, schedule, search, sqnr  # noqa: E402 (the package beside the script, which put it on the path)
 
 
 def _fp8_brute(t, dtype):
@@ -491,3 +491,97 @@ def test_part_reprice_prices_every_policy_at_the_study_width_and_at_a_real_one(t
     assert float(nvfp4["predicted_study_width"]) < 1.0 < float(nvfp4["predicted_width_2048"])
     assert by["bf16"]["band_width_2048"] == ""  # no low-precision GEMM: outside the validated range, no band
     assert "<!-- part:reprice -->" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_raised_set_takes_the_highest_drop_per_flop_until_its_share_reaches_the_goal():
+    flops = {"a": 100.0, "b": 10.0, "c": 50.0, "d": 40.0, "e": 0.0 + 20.0}  # e has no drop: never ranked
+    drops = {"a": 0.05, "b": 0.002, "c": 0.04, "d": -0.01}  # per FLOP: c 8e-4, a 5e-4, b 2e-4, d < 0
+    assert schedule.raised_set(drops, flops, 0.2) == ["c"]  # 50 / 220 = 0.227 reaches 0.2
+    assert schedule.raised_set(drops, flops, 0.3) == ["c", "a"]  # 150 / 220
+    assert schedule.raised_set(drops, flops, 0.75) == ["c", "a", "b", "d"]  # 160 / 220 = 0.727 < 0.75 <= 200 / 220
+    assert schedule.raised_set(drops, flops, 0.95) == ["c", "a", "b", "d"]  # never reached: every ranked Linear
+    # a seeded made-up table: S is the shortest prefix of the ranking by drop per FLOP whose share reaches the goal
+    g = torch.Generator().manual_seed(63)
+    names = [f"l{i}" for i in range(30)]
+    flops = dict(zip(names, (torch.randint(1, 100, (30,), generator=g).double() * 1e6).tolist(), strict=True))
+    drops = dict(zip(names, (torch.randn(30, generator=g, dtype=torch.float64) * 1e-3).tolist(), strict=True))
+    total = sum(flops.values())
+    for goal in (0.1, 0.356, 0.8):
+        chosen = schedule.raised_set(drops, flops, goal)
+        share = sum(flops[n] for n in chosen) / total
+        assert share >= goal > share - flops[chosen[-1]] / total
+        left = [drops[n] / flops[n] for n in names if n not in chosen]
+        assert min(drops[n] / flops[n] for n in chosen) >= max(left)
+
+
+def test_the_switch_step_gives_rule_as_predicted_time_within_one_steps_rounding():
+    from autoprec.tune._core._targets import B200
+    from autoprec.tune._measure._predict import predict
+
+    example = common.load_example("tiny")  # 2 blocks; its pattern at the real width, on the meta device
+    h = example.HPARAMS
+    real = schedule.step_of(example, {**h, "d_model": 2048, "n_heads": 16}, h["batch"], 1024)
+    named = policies.study_policies(example.GPT())
+    start, everything = named["nvfp4-all"], [n for n in named["nvfp4-all"].layers if n]
+    goal = predict(real, named["rule-a"], B200).ms
+    # raising every Linear: feasible; raising block 0's attention alone or the head alone is not (at this width
+    # either phase is already faster than rule-a): then the step closest to rule-a's time is used
+    for raised, steps, feasible in ((everything, 50, True), (everything, 37, True), (everything[:2], 40, False),
+                                    (["lm_head"], 200, False)):  # fmt: skip
+        s = schedule.equal_time(real, start, raised, goal, steps, B200)
+        f = s["exact"]
+        # the exact fraction prices the schedule at rule-a's time: f t_low + (1 - f) t_raised
+        assert f * s["t_low"] + (1 - f) * s["t_raised"] == pytest.approx(goal, rel=1e-12)
+        assert s["feasible"] is feasible and (0 <= f <= 1) is feasible
+        policy = schedule.scheduled(start, raised, s["fraction"])
+        assert policy.phases[0].start_step(steps) == s["step"] and s["fraction"] == s["step"] / steps
+        assert predict(real, policy, B200).ms == pytest.approx(s["ms"], rel=1e-12)
+        assert s["residual"] == pytest.approx(s["ms"] / goal - 1)
+        # the chosen step is the closest to rule-a's time of every step inside the run (brute force)
+        gaps = {k: abs(predict(real, schedule.scheduled(start, raised, k / steps), B200).ms - goal) for k in range(1, steps)}
+        assert gaps[s["step"]] == pytest.approx(min(gaps.values()), rel=1e-9, abs=1e-12)
+        if feasible:  # the nearest step: within half a step's time
+            assert abs(s["ms"] - goal) <= abs(s["t_raised"] - s["t_low"]) / steps / 2 * (1 + 1e-9)
+    # a goal faster than nvfp4-all everywhere: no switch step reaches it; the latest step is the closest
+    fast = schedule.equal_time(real, start, everything, 0.5 * predict(real, start, B200).ms, 50, B200)
+    assert not fast["feasible"] and fast["step"] == 49
+    # a goal at bf16's time: f* = 0, the first step inside the run is the closest
+    slow = schedule.equal_time(real, start, everything, predict(real, named["bf16"], B200).ms, 50, B200)
+    assert slow["exact"] == pytest.approx(0, abs=1e-12) and slow["step"] == 1
+
+
+def test_a_schedule_round_trips_and_switches_at_its_step_in_a_training_run(tmp_path):
+    import dataclasses
+
+    from autoprec.policy import Policy, load_policy
+    from autoprec.tune import prepare
+    from autoprec.tune._api import task_from_objects
+
+    example = common.load_example("tiny")
+    torch.manual_seed(0)
+    model = example.GPT()
+    named = policies.study_policies(model)
+    raised = ["h.0.attn.c_attn", "lm_head"]
+    policy = schedule.scheduled(named["nvfp4-all"], raised, 2 / 4)
+    assert Policy.from_dict(policy.to_dict()) == policy
+    assert load_policy(policy.save(tmp_path / "p.json")) == policy
+    assert {n: f.value for n, f in policy.phase_layers(1).items() if f.value == "bf16"} == dict.fromkeys(["", *raised], "bf16")
+    assert policy.phase_shares() == (0.5, 0.5) and policy.in_phase(0) == named["nvfp4-all"]
+    assert policy.phases[0].start_step(4) == 2
+    g = torch.Generator().manual_seed(1)
+    seq = example.HPARAMS["seq_len"]
+    data = [(torch.randint(0, 256, (1, seq), generator=g),) * 2 for _ in range(4)]
+    task = task_from_objects(model, example.loss_fn, data, data[:1], name="tiny-schedule")
+    workload = prepare(task, "cpu")
+    # the metric at step 2 is taken before step 2 is trained: the model is still in the first phase there
+    rows = runs.train_curve(workload, policy, 4, 0, 0, order=range(4), at=[0, 2, 3, 4])
+    assert [r["phase"] for r in rows] == [0, 0, 1, 1] and rows[-1]["switched_at"] == 2
+    runs.write_run(runs.run_path(tmp_path, "s", 0), rows)
+    schedule.check_phases({"s": policy}, tmp_path, 1, 4)
+    # a run that never switched is refused
+    runs.write_run(runs.run_path(tmp_path, "s", 0), [{**r, "phase": 0} for r in rows])
+    with pytest.raises(RuntimeError, match="did not switch"):
+        schedule.check_phases({"s": policy}, tmp_path, 1, 4)
+    # an unscheduled policy's rows have no phase columns
+    plain = runs.train_curve(workload, dataclasses.replace(policy, phases=()), 1, 0, 0, order=range(1), at=[0, 1])
+    assert "phase" not in plain[-1] and "switched_at" not in plain[-1]

@@ -2,7 +2,7 @@
 
 One command per figure, each writing results/<device>/block-study/ (--out) with its own section of summary.md:
 
-    python benchmarks/block_study.py --part {sqnr,drop,search,horizon2,reprice,horizon} --out results/cpu-epyc-bf16-2core/block-study
+    python benchmarks/block_study.py --part {sqnr,drop,search,horizon2,reprice,schedule,horizon} --out results/cpu-epyc-bf16-2core/block-study
 
 One module a part, named after it, whose docstring says what the part runs and writes; `common` holds what every part
 shares (the GPT-2 example, the formats, the paths, the figures, summary.md), `policies` the policies that the search

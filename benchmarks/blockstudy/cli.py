@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="torch CPU threads (default 1: on a shared 2-core machine two threads ran a mini training step 4x slower)",
     )
-    parser.add_argument("--steps", type=int, default=5, help="search, horizon: K, train mode's steps (default: 5)")
+    parser.add_argument("--steps", type=int, default=5, help="search, horizon, schedule: K, train mode's steps (default: 5)")
     parser.add_argument(
         "--budgets",
         type=lambda v: [float(b) for b in v.split(",")],
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--noise-runs", type=int, default=2, help="search: train mode's fp32 seeds (default: 2)")
     parser.add_argument("--search-seconds", type=float, default=480, help="search: time_budget per budget (default 480)")
-    parser.add_argument("--horizon", type=int, default=10, help="horizon: the long run in multiples of K (default 10)")
-    parser.add_argument("--seeds", type=int, default=2, help="horizon: seeds per policy (default: 2)")
+    parser.add_argument("--horizon", type=int, default=10, help="horizon, schedule: the long run in multiples of K (default 10)")
+    parser.add_argument("--seeds", type=int, default=2, help="horizon, schedule: seeds per policy (default: 2)")
     parser.add_argument(
         "--only",
         type=lambda v: v.split(","),
@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> None:
         "--eval-every",
         type=int,
         default=0,
-        help="horizon2: take the metric every this many steps, besides 0, K and the last (default: K)",
+        help="horizon2, schedule: take the metric every this many steps, besides 0, K and the last (default: K)",
     )
     parser.add_argument(
-        "--report-only", action="store_true", help="horizon2: run nothing, write the table from the finished runs"
+        "--report-only", action="store_true", help="horizon2, schedule: run nothing, write the table from the finished runs"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

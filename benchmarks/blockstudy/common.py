@@ -23,8 +23,8 @@ DEFAULT_OUT = ROOT / "results" / "cpu-epyc-bf16-2core" / "block-study"
 GEMMS = ("fprop", "dgrad", "wgrad")
 ROLES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "lm_head")
 # the parts, each a module of this package with its run(args), in the order of their sections in summary.md: the
-# second horizon attempt and the re-pricing of its policies before the first, retired horizon
-PARTS = ("sqnr", "drop", "search", "horizon2", "reprice", "horizon")
+# second horizon attempt, the re-pricing of its policies and the schedules (issue 63) before the first, retired horizon
+PARTS = ("sqnr", "drop", "search", "horizon2", "reprice", "schedule", "horizon")
 
 
 @dataclass(frozen=True)

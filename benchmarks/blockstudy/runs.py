@@ -32,8 +32,12 @@ def train_curve(workload, policy, steps: int, every: int, seed: int, order=None,
     (autoprec.tune._measure._metric.train_and_evaluate: the same Trainer, batch order and seed), taking the metric every `every`
     steps (and at step 0). The model has no dropout and evaluating draws nothing from the RNG, so the metric at step K
     is train_and_evaluate(workload, policy, K, seed=seed)'s. `order` replaces train mode's batch order (horizon2: each
-    batch once, in turn); `at`, the steps the metric is taken at, replaces `every`."""
+    batch once, in turn); `at`, the steps the metric is taken at, replaces `every`. The Trainer is given the run's
+    length (total_steps), so a policy with phases switches in place at its steps (autoprec.follow_schedule); for such a
+    policy each row also says the phase the model was in when the metric was taken (`phase`) and the last row the
+    step the last switch took effect at (`switched_at`: the first step trained in the last phase)."""
     from autoprec import devices
+    from autoprec.apply import applied_summary
     from autoprec.tune._measure._metric import batch_order, metric_of
     from autoprec.tune._measure._trainer import Trainer, matmul_precision
 
@@ -42,7 +46,9 @@ def train_curve(workload, policy, steps: int, every: int, seed: int, order=None,
     with devices.lookup(workload.device).fork_rng(workload.device):
         torch.manual_seed(seed)
         order = batch_order(len(workload.train), steps, seed) if order is None else order
-        trainer = Trainer(workload, policy, order=order)
+        trainer = Trainer(workload, policy, order=order, total_steps=steps)
+        phased = bool(getattr(trainer.policy, "phases", ()))
+        switched_at = None
         take = set(at) if at is not None else {s for s in range(steps + 1) if s % every == 0 or s == steps}
         for step in range(steps + 1):
             if step in take:
@@ -53,8 +59,15 @@ def train_curve(workload, policy, steps: int, every: int, seed: int, order=None,
                     {"step": step, "metric": metric, "finite": finite, "skipped": trainer.skipped,
                      "wall_s": round(time.perf_counter() - start, 2)}
                 )  # fmt: skip
+                if phased:
+                    rows[-1]["phase"] = applied_summary(trainer.model).phase
             if step < steps:
+                before = applied_summary(trainer.model).phase if phased else 0
                 trainer.step()
+                if phased and applied_summary(trainer.model).phase != before:
+                    switched_at = step
+        if phased:
+            rows[-1]["switched_at"] = switched_at
     return rows
 
 
