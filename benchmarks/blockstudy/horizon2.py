@@ -94,6 +94,20 @@ def paired_drops(curves, name: str, step: int, base: str = "bf16") -> list[float
     return [ref[s][step] - run[step] for s, run in sorted(curves.get(name, {}).items()) if s in ref and step in run]
 
 
+def drop_columns(tag: str, drops: list[float]) -> dict[str, object]:
+    """A table row's columns for the paired drops at one step (`tag`: "K", "10K"): seeds, mean, the 95% interval's
+    ends, its half-width, and each seed's drop."""
+    st = paired_stats(drops)
+    return {
+        f"seeds_{tag}": st["n"],
+        f"drop_{tag}_mean": round(st["mean"], 6),
+        f"drop_{tag}_ci_lo": round(st["lo"], 6),
+        f"drop_{tag}_ci_hi": round(st["hi"], 6),
+        f"drop_{tag}_half_width": round(st["half"], 6),
+        f"drop_{tag}_by_seed": " ".join(f"{v:.5f}" for v in drops),
+    }
+
+
 def budget_verdict(stats_: dict[str, float], budget: float) -> str:
     """holds (the interval's top at or under the budget), broken (its bottom above it), or undecided."""
     if not math.isfinite(stats_["half"]):
@@ -236,13 +250,8 @@ def horizon2_table(policies, curves, args, flops, target, estimated_speedup) -> 
             d = paired_drops(curves, name, step)
             st = paired_stats(d)
             vs32 = paired_stats(paired_drops(curves, name, step, base="fp32")) if "fp32" in curves else None
+            row |= drop_columns(tag, d)
             row |= {
-                f"seeds_{tag}": st["n"],
-                f"drop_{tag}_mean": round(st["mean"], 6),
-                f"drop_{tag}_ci_lo": round(st["lo"], 6),
-                f"drop_{tag}_ci_hi": round(st["hi"], 6),
-                f"drop_{tag}_half_width": round(st["half"], 6),
-                f"drop_{tag}_by_seed": " ".join(f"{v:.5f}" for v in d),
                 f"drop_vs_fp32_{tag}_mean": "" if vs32 is None else round(vs32["mean"], 6),
                 f"drop_vs_fp32_{tag}_half_width": "" if vs32 is None else round(vs32["half"], 6),
                 f"bf16_spread_{tag}": round(noise_floor_at(curves, step), 6),

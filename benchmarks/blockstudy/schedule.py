@@ -44,7 +44,7 @@ from pathlib import Path
 
 from . import ROOT
 from .common import _pyplot, _rel, _save, load_example, update_summary, write_csv
-from .horizon2 import eval_steps, fresh_data, paired_drops, paired_stats, run_queue
+from .horizon2 import drop_columns, eval_steps, fresh_data, paired_drops, paired_stats, run_queue
 from .policies import RULE_TEXT, flops_table, gemm_share, gpt2_workload, study_policies
 from .reprice import REAL_HEADS, REAL_SEQ, REAL_WIDTH, TARGET, step_of
 from .runs import COLORS, load_curves, run_path
@@ -250,16 +250,7 @@ def schedule_table(policies, solved, curves, args, flops, study, real, target, s
         }
         if name in curves and "bf16" in curves:
             for tag, step in (("K", args.steps), ("10K", steps)):
-                d = paired_drops(curves, name, step)
-                st = paired_stats(d)
-                row |= {
-                    f"seeds_{tag}": st["n"],
-                    f"drop_{tag}_mean": round(st["mean"], 6),
-                    f"drop_{tag}_half_width": round(st["half"], 6),
-                    f"drop_{tag}_ci_lo": round(st["lo"], 6),
-                    f"drop_{tag}_ci_hi": round(st["hi"], 6),
-                    f"drop_{tag}_by_seed": " ".join(f"{v:.5f}" for v in d),
-                }
+                row |= drop_columns(tag, paired_drops(curves, name, step))
             taken = sorted(next(iter(curves["bf16"].values())))
             row["drop_curve_mean"] = " ".join(f"{t}:{paired_stats(paired_drops(curves, name, t))['mean']:+.5f}" for t in taken)
         rows.append(row)
