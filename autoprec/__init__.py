@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from autoprec.apply import after_optimizer_step, applied_summary, apply_policy, compile_model, follow_schedule
+from autoprec.apply import after_optimizer_step, applied_summary, apply_policy, compile_model
 from autoprec.errors import UserError
 from autoprec.formats import Format
 from autoprec.policy import LossScale, Phase, Policy, load_policy
 from autoprec.scaler import grad_scaler
+from autoprec.schedule import follow_schedule
 
 __all__ = [
     "load_policy",

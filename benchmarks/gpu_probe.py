@@ -470,7 +470,7 @@ def pack_search(folder: Path, tar_path: Path) -> None:
 
 def stage_d(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_apply.py", "tests/test_apply_compile.py",
-           "tests/test_apply_schedule.py", "tests/test_devices.py", "-k", "cuda or kernels"]  # fmt: skip
+           "tests/test_schedule.py", "tests/test_devices.py", "-k", "cuda or kernels"]  # fmt: skip
     probe.log("$ " + " ".join(cmd))
     timeout = None if probe.smoke else max(5.0, probe.left() - probe.after("d"))
     # graph breaks and recompiles named: the first H200 run's compiled fp8 test made 6 graphs where the CPU makes 1

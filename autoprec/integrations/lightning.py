@@ -25,10 +25,11 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from autoprec import devices
-from autoprec.apply import after_optimizer_step, applied_policy, apply_policy, follow_schedule
+from autoprec.apply import after_optimizer_step, applied_policy, apply_policy
 from autoprec.formats import default_device
 from autoprec.policy import Policy, as_policy
 from autoprec.scaler import grad_scaler
+from autoprec.schedule import follow_schedule
 
 __all__ = ["PolicyPrecision"]
 

@@ -25,10 +25,11 @@ from typing import Any
 import torch
 import transformers
 
-from autoprec.apply import after_optimizer_step, apply_policy, follow_schedule
+from autoprec.apply import after_optimizer_step, apply_policy
 from autoprec.formats import Format
 from autoprec.policy import ROOT, Policy, as_policy
 from autoprec.scaler import PolicyGradScaler, grad_scaler
+from autoprec.schedule import follow_schedule
 
 __all__ = ["PolicyTrainer"]
 

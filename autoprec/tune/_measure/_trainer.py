@@ -16,10 +16,11 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 import torch
 
 from autoprec import devices
-from autoprec.apply import after_optimizer_step, apply_on_chosen_device, compile_model, follow_schedule
+from autoprec.apply import after_optimizer_step, apply_on_chosen_device, compile_model
 from autoprec.errors import UserError, describe
 from autoprec.policy import Policy
 from autoprec.scaler import grad_scaler
+from autoprec.schedule import follow_schedule
 from autoprec.tensors import map_tensors
 from autoprec.tune._core import _memory as memory
 from autoprec.tune._core._config import MEMORY_TRIES, TimingConfig

@@ -1,4 +1,4 @@
-"""A schedule in apply (autoprec/apply.py: follow_schedule): a policy with phases goes on in its first phase, every
+"""A schedule followed (autoprec/schedule.py: follow_schedule): a policy with phases goes on in its first phase, every
 phase checked first, and switches in place as the step counter passes each phase. Each phase is checked against a
 fresh model with that phase applied alone (the reference), eager and compiled; the Parameters an optimizer holds and
 the modules swapped for fp8 come back as they were."""
@@ -133,14 +133,14 @@ def test_every_phase_is_checked_before_the_model_changes():
 def test_a_switch_that_cannot_go_on_leaves_the_model_in_its_phase(monkeypatch):
     model = apply_policy(Net(), SCHEDULE)
     before = model(X)
-    real = autoprec.apply._check_policy
+    real = autoprec.schedule._check_policy
 
     def refuse(policy, paths, device, kept=frozenset()):
         if policy.layers.get("blocks.0.fc1") is autoprec.Format.BF16:
             raise ValueError("layer 'blocks.0.fc1' cannot be bf16 here: made up")
         real(policy, paths, device, kept)
 
-    monkeypatch.setattr(autoprec.apply, "_check_policy", refuse)
+    monkeypatch.setattr(autoprec.schedule, "_check_policy", refuse)
     with pytest.raises(ValueError, match="made up"):
         follow_schedule(model, step=4, total_steps=8)
     assert applied_summary(model).phase == 0 and type(model.blocks[0].fc1).__name__ == "Float8Linear"
@@ -186,7 +186,7 @@ def test_a_module_swap_on_parameters_fsdp2_shards_is_refused_before_anything_cha
     model = apply_policy(Net(), SCHEDULE)
     fc1 = model.blocks[0].fc1
     sharded = type("Sharded", (nn.Parameter,), {})
-    monkeypatch.setattr(autoprec.apply, "_dtensor_type", lambda: sharded)
+    monkeypatch.setattr(autoprec.schedule, "_dtensor_type", lambda: sharded)
     fc1.weight = sharded(fc1.weight.detach())
     with pytest.raises(
         ValueError,
