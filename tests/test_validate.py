@@ -185,6 +185,12 @@ def test_a_metric_that_goes_non_finite_is_past_the_budget_and_written_as_null(tm
     assert main([*argv, "--out", str(tmp_path / "out"), "--json"]) == 0  # the switch (all bf16) holds
     record = json.loads(capsys.readouterr().out)
     assert record["final_drop"] is None and record["holds"] is False
+    # said as the policy raised throughout, not as a phase from 0 (which no policy file can hold)
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 layer raised to bf16 from the start (the drop passed half the budget at the first evaluation, step 2)" in out
+    assert "as a phase" not in out and "call autoprec.follow_schedule" not in out
+    assert load_policy(tmp_path / "out" / "policy_scheduled.json").layers == {"0": "bf16"}
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(summary(result))
         print(f"\nwrote {out / written[0]}, {', '.join([*written[1:], png.name])}")
-        if result.switch is not None:
+        if result.switch is not None and result.switch.step > 0:
             print(
                 f"{SCHEDULED}: the policy with the switch as a phase, as it was trained here; apply it as any policy and "
                 "call autoprec.follow_schedule(model, step=..., total_steps=...) each step (the trainer integrations do)"
@@ -144,11 +144,20 @@ def summary(v: Validation) -> str:
             lines.append("no layer of the policy is below bf16 to raise: search again with a smaller budget")
         else:
             verdict = "holds" if v.switch.drop <= v.budget else "does not hold either"
-            lines.append(
-                f"measured switch: {_layers(len(v.switch.layers))} raised to bf16 from step {v.switch.step} "
-                f"({v.switch.from_fraction:.0%} of the run): drop {v.switch.drop:.4g}, the budget {verdict}; as a phase: "
-                + json.dumps(v.switch.phase())
-            )
+            if v.switch.step == 0:  # past half the budget at the first evaluation: no phase, the policy raised throughout
+                first = next(p.step for p in v.curve if p.drop is not None)
+                lines.append(
+                    f"measured switch: {_layers(len(v.switch.layers))} raised to bf16 from the start (the drop passed half "
+                    f"the budget at the first evaluation, step {first}): drop {v.switch.drop:.4g}, the budget {verdict}; "
+                    f"that is no schedule but the policy with them in bf16 ({SCHEDULED}): search again with this budget, "
+                    "or evaluate more often (--every) to find a later switch"
+                )
+            else:
+                lines.append(
+                    f"measured switch: {_layers(len(v.switch.layers))} raised to bf16 from step {v.switch.step} "
+                    f"({v.switch.from_fraction:.0%} of the run): drop {v.switch.drop:.4g}, the budget {verdict}; as a phase: "
+                    + json.dumps(v.switch.phase())
+                )
     return "\n".join(lines)
 
 
