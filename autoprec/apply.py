@@ -623,6 +623,10 @@ _HOOKS = (
     "_forward_pre_hooks_with_kwargs",
     "_backward_hooks",
     "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
 )
 
 
@@ -633,6 +637,8 @@ def _carry(original: torch.nn.Module, new: torch.nn.Module) -> None:
     for name in _HOOKS:
         if name in original.__dict__ and name in new.__dict__:
             new.__dict__[name] = original.__dict__[name]
+    # whether its backward hooks are full ones (register_full_backward_hook): a flag, not a dictionary, read per call
+    new._is_full_backward_hook = original._is_full_backward_hook
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

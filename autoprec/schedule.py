@@ -27,6 +27,7 @@ from autoprec.apply import (
     _Schedule,
     applied_summary,
 )
+from autoprec.formats import Format
 from autoprec.policy import Policy
 
 
@@ -88,15 +89,14 @@ def _switch(root: torch.nn.Module, summary: AppliedSummary, index: int) -> None:
     current, target = policy.in_phase(summary.phase), policy.in_phase(index)
     paths = dict(root.named_modules(remove_duplicate=False))
     _refuse_moved(paths, current, target, schedule)
+    # each module's format in either phase, by the module object (one module may be listed under two names)
+    was = {id(paths[n]): (n, f) for n, f in current.layers.items()}
+    will = {id(paths[n]): f for n, f in target.layers.items()}
     # a swapped module whose format does not change stays as it is: its hooks, its compiled code, FSDP2's hold on it
-    kept = {
-        name: summary.layers[name]
-        for name, fmt in current.layers.items()
-        if fmt.family.replaces_modules and target.layers.get(name) is fmt
-    }
-    kept_modules = {id(paths[name]) for name in kept}
+    kept_modules = {m for m, (_, f) in was.items() if f.family.replaces_modules and will.get(m) is f}
+    kept = {n: summary.layers[was[id(paths[n])][0]] for n in target.layers if id(paths[n]) in kept_modules}
     restore = {p: m for p, m in schedule.replaced.items() if id(paths[p]) not in kept_modules}
-    _refuse_sharded_swap(paths, current, target)
+    _refuse_sharded_swap(paths, was, will, kept_modules)
     _refuse_lost_parameters(paths, restore)
     device = _param_device(root)
     _take_off(paths, current, restore)
@@ -119,30 +119,42 @@ def _refuse_moved(paths: Mapping[str, torch.nn.Module], current: Policy, target:
     (torch's apply_activation_checkpointing) renames the modules under it, and a switch by the old names would set a
     stray child on the wrapper and leave the module that runs in its old format."""
     moved = [n for n in dict.fromkeys((*current.layers, *target.layers, *schedule.replaced)) if n not in paths]
+    # a listed module replaced at its own path since (a wrapper put there, a module recompiled and put back): the one
+    # there now does not carry the format apply_policy put on, and the one that does runs on unseen
+    moved += [n for n in current.layers if n in paths and _FORMAT_ATTR not in paths[n].__dict__]
     if moved:
         raise ValueError(
-            f"follow_schedule: layer {moved[0]!r} is no longer at that path in the model (a module wrapped since "
-            "apply_policy, as torch's apply_activation_checkpointing wraps blocks), so the switch cannot find it; wrap "
+            f"follow_schedule: layer {moved[0]!r} is no longer at that path in the model, or another module stands there "
+            "(a module wrapped since apply_policy, as torch's apply_activation_checkpointing wraps blocks), so the "
+            "switch cannot find it; wrap "
             "nothing between apply_policy and training (checkpoint inside the block's forward, with "
             "torch.utils.checkpoint, or a Hugging Face model's gradient_checkpointing_enable()), or train each phase as "
             "its own run from a checkpoint"
         )
 
 
-def _refuse_sharded_swap(paths: Mapping[str, torch.nn.Module], current: Policy, target: Policy) -> None:
-    """FSDP2 holds each sharded module in its parameter group: a module swapped in or out would train a copy."""
+def _refuse_sharded_swap(
+    paths: Mapping[str, torch.nn.Module],
+    was: Mapping[int, tuple[str, Format]],
+    will: Mapping[int, Format],
+    kept: set[int],
+) -> None:
+    """FSDP2 holds each sharded module in its parameter group: a module swapped in or out would train a copy. `was`,
+    `will`: each module's format in the current and the next phase, by module id; `kept`: those left as they are."""
     dtensor = _dtensor_type()
     if dtensor is None:
         return
-    for name in dict.fromkeys((*current.layers, *target.layers)):
-        was, will = current.layers.get(name), target.layers.get(name)
-        swapping = [f for f in (was, will) if f is not None and f.family.replaces_modules]
-        if was is will or not swapping:
+    modules = {id(m): (name, m) for name, m in paths.items()}
+    for key in dict.fromkeys((*was, *will)):
+        before, after = was[key][1] if key in was else None, will.get(key)
+        swapping = [f for f in (before, after) if f is not None and f.family.replaces_modules]
+        if key in kept or before is after or not swapping:
             continue
-        if any(isinstance(p, dtensor) for p in paths[name].parameters()):
+        name, module = modules[key]
+        if any(isinstance(p, dtensor) for p in module.parameters()):
             raise ValueError(
-                f"follow_schedule: layer {name!r} switches from {was or 'the surrounding precision'} to "
-                f"{will or 'the surrounding precision'}, and {swapping[0]}'s family ({swapping[0].family.name}) runs a "
+                f"follow_schedule: layer {name!r} switches from {before or 'the surrounding precision'} to "
+                f"{after or 'the surrounding precision'}, and {swapping[0]}'s family ({swapping[0].family.name}) runs a "
                 "layer by swapping its module, but its parameters are sharded by FSDP2, which holds the module; under "
                 "FSDP2 give this layer formats in both phases that swap no module (or the same format), or train each "
                 "phase as its own run from a checkpoint (the checkpoint's keys are the same in every phase)"
@@ -175,7 +187,7 @@ def _take_off(paths: Mapping[str, torch.nn.Module], current: Policy, restore: Ma
     an optimizer steps) and its train/eval mode (its hooks are the same dictionaries: _carry)."""
     for name in current.layers:
         module = paths[name]
-        if not hasattr(module, _FORMAT_ATTR):
+        if _FORMAT_ATTR not in module.__dict__:  # its own attribute, not one a wrapper forwards
             continue  # an alias of a layer done already
         delattr(module, _FORMAT_ATTR)
         delattr(module, _RESOLVED_ATTR)
@@ -191,6 +203,7 @@ def _take_off(paths: Mapping[str, torch.nn.Module], current: Policy, restore: Ma
         for key in original._parameters:
             original._parameters[key] = now._parameters[key]
         original.train(now.training)
+        original._is_full_backward_hook = now._is_full_backward_hook  # a full backward hook registered since
         parent, _, attr = path.rpartition(".")
         setattr(paths[parent], attr, original)
 

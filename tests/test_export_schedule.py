@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from autoprec import Policy, UserError
+from autoprec import Policy, UserError, load_policy
 from autoprec.tune._cli import main
 from autoprec.tune.export import SUFFIXES, TARGETS, export, export_target_named
 from autoprec.tune.export.verify import verify_phases
@@ -144,3 +144,24 @@ def test_a_policy_without_phases_written_over_a_schedule_removes_its_list_and_sa
     lines = export(SCHEDULE.in_phase(0), "torchao", out, source="p.json")
     assert not out.with_name("p_torchao_schedule.json").exists() and out.with_name("p_torchao_phase1.py").exists()
     assert lines[-1].startswith("note: removed p_torchao_schedule.json, an earlier export's list of a schedule's phases")
+
+
+def test_a_schedules_export_never_replaces_or_removes_a_file_it_did_not_write(tmp_path):
+    """A review found the export deleted a user's `train_schedule.json` (an LR schedule) when writing `train.py`, and
+    the policy itself when it was named like the list, and overwrote a policy named like a phase's file."""
+    theirs = tmp_path / "p_torchao_schedule.json"
+    theirs.write_text('{"lr": [0.1, 0.01]}')
+    export(SCHEDULE.in_phase(0), "torchao", tmp_path / "p_torchao.py", source="p.json")  # no phases: the list stays
+    assert theirs.read_text() == '{"lr": [0.1, 0.01]}'
+    with pytest.raises(UserError, match="p_torchao_schedule.json: exists and autoprec did not write it"):
+        written(tmp_path, "torchao")
+    assert theirs.read_text() == '{"lr": [0.1, 0.01]}'
+    policy = tmp_path / "q_torchao_phase1.py"
+    SCHEDULE.save(policy)
+    with pytest.raises(
+        UserError, match="q_torchao_phase1.py: the export of the schedule writes one of its files there, and it is the policy"
+    ):
+        export(SCHEDULE, "torchao", tmp_path / "q_torchao.py", source=str(policy))
+    assert load_policy(policy) == SCHEDULE
+    out, _ = written(tmp_path, "torchao", name="r")  # its own earlier files are replaced, as --out is
+    written(tmp_path, "torchao", name="r")

@@ -293,3 +293,53 @@ def test_a_switch_leaves_a_policy_applied_to_a_module_inside_alone():
     apply_policy(outer[1], Policy(layers={"0": "fp16"}))
     follow_schedule(outer, step=1, total_steps=2)
     assert str(applied_summary(outer[1]).layers["0"].format) == "fp16" and "forward" in outer[1][0].__dict__
+
+
+def test_a_listed_block_wrapped_at_its_own_path_is_refused_and_the_model_keeps_its_phase():
+    """A second review: with the blocks themselves listed, apply_activation_checkpointing puts a wrapper at each block's
+    path; the switch stripped the root's format, then raised AttributeError on the wrapper, half-switched."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    policy = Policy(
+        layers={"": "bf16", "blocks.0": "fp16", "blocks.1": "bf16"},
+        phases=[{"from_fraction": 0.5, "layers": {"blocks.0": "fp32"}}],
+    )
+    model = apply_policy(Net(), policy)
+    before = model(X)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    with pytest.raises(
+        ValueError, match=r"layer 'blocks.0' is no longer at that path in the model, or another module stands there"
+    ):
+        follow_schedule(model, step=1, total_steps=2)
+    assert applied_summary(model).phase == 0 and "_autoprec_format" in model.__dict__
+    torch.testing.assert_close(model(X), before, rtol=0, atol=0)
+
+
+def test_full_backward_and_state_dict_hooks_carry_over_an_fp8_swap():
+    policy = Policy(
+        layers={"": "bf16", "blocks.0.fc1": "bf16"}, phases=[{"from_fraction": 0.5, "layers": {"blocks.0.fc1": "fp8"}}]
+    )
+    net, fired = Net(), []
+    fc1 = net.blocks[0].fc1
+    fc1.register_full_backward_hook(lambda *_: fired.append("backward"))
+    fc1.register_state_dict_post_hook(lambda *_: fired.append("state_dict"))
+    model = apply_policy(net, policy)
+    follow_schedule(model, step=1, total_steps=2)
+    assert type(model.blocks[0].fc1).__name__ == "Float8Linear"
+    model(X).sum().backward()
+    model.state_dict()
+    assert fired == ["backward", "state_dict"]
+
+
+def test_a_module_listed_under_another_name_in_the_next_phase_keeps_its_fp8_module():
+    """One module, two names (`blocks.0.fc1` and an alias): fp8 under one name, then under the other, is no change."""
+    net = Net()
+    net.alias = net.blocks[0].fc1  # the same module object at a second path
+    policy = Policy(
+        layers={"": "bf16", "blocks.0.fc1": "fp8", "head": "fp16"},
+        phases=[{"from_fraction": 0.5, "layers": {"alias": "fp8", "head": "fp32"}}],
+    )
+    model = apply_policy(net, policy)
+    fp8 = model.blocks[0].fc1
+    follow_schedule(model, step=1, total_steps=2)
+    assert model.blocks[0].fc1 is fp8 and model.alias is fp8

@@ -12,6 +12,7 @@ import pytest
 from autoprec import Policy, load_policy
 from autoprec.tune import load_task, prepare
 from autoprec.tune._cli import main
+from autoprec.tune._commands.validate import summary
 from autoprec.tune._core._budget import Budget
 from autoprec.tune._measure._validate import raised, validate, with_switch
 
@@ -61,6 +62,27 @@ def test_a_scheduled_policy_trains_following_its_schedule(drifting):
     assert v.holds and v.switch is None
 
 
+def test_a_switch_merged_into_a_phase_is_said_as_written_and_a_schedule_with_nothing_to_raise_gets_none(drifting):
+    """A second review: a phase that lowers fc1 later (the switch's step holding nothing below bf16) was said as '0
+    layers raised' with an empty phase; a switch merged into an existing phase was said with another fraction."""
+    lowers = Policy(layers={"fc1": "bf16"}, phases=[{"from_fraction": 0.5, "layers": {"fc1": "fp16"}}])
+    v = validate(drifting, lowers, 20, every=4, budget=0.001)
+    assert v.holds is False and v.switch is not None and v.switch.layers == {"fc1": "bf16"}
+    # the phase at 0.5 is where fc1 went fp16: raised there, so the schedule is bf16 throughout
+    assert v.switch.policy.phase_layers(len(v.switch.policy.phases)) == {"fc1": "bf16"} and v.switch.phase() is None
+    assert "1 layer kept at bf16 from step 8 on, where later phases lowered them" in " ".join(summary(v).split())
+    at_phase = Policy(layers={"fc1": "fp16", "fc2": "fp16"}, phases=[{"from_fraction": 0.2, "layers": {"fc2": "bf16"}}])
+    v = validate(drifting, at_phase, 20, every=4, budget=0.2)  # 0.08 at step 4, past half (0.1) at 8: switch at 4
+    assert (
+        v.switch is not None
+        and v.switch.step == 4
+        and v.switch.phase() == {"from_fraction": 0.2, "layers": {"fc2": "bf16", "fc1": "bf16"}}
+    )
+    assert v.switch.from_fraction == 0.2
+    high = Policy(layers={"fc1": "fp32"}, phases=[{"from_fraction": 0.5, "layers": {"fc1": "bf16"}}])
+    assert validate(drifting, high, 4, every=2, budget=0.0).switch is None  # nothing below bf16 anywhere
+
+
 def test_with_switch_raises_from_the_step_on_in_every_later_phase_and_merges_phases():
     layers = {"": "bf16", "a": "nvfp4", "b": "fp8", "c": "fp32"}
     policy = Policy(layers=layers, phases=[{"from_fraction": 0.5, "layers": {"b": "bf16"}},
@@ -98,7 +120,7 @@ def test_the_command_writes_the_curve_says_the_verdict_and_the_switch(tmp_path, 
     out = " ".join(capsys.readouterr().out.split())
     assert "the budget does not hold: metric drop 0.2 > 0.1 after 20 steps" in out
     assert (
-        'measured switch: 1 layer raised to bf16 from step 4 (20% of the run): drop 0.04, the budget holds; as a phase: {"from_fraction": 0.2, "layers": {"fc1": "bf16"}}'
+        'measured switch: 1 layer raised to bf16 from step 4 (20% of the run, later phases too): drop 0.04, the budget holds; its phase in policy_scheduled.json: {"from_fraction": 0.2, "layers": {"fc1": "bf16"}}'
         in out
     )
     for name in ("validate.csv", "validate.json", "validate.png"):
@@ -112,8 +134,15 @@ def test_the_command_writes_the_curve_says_the_verdict_and_the_switch(tmp_path, 
     }
     rows = (tmp_path / "out" / "validate.csv").read_text().splitlines()
     assert rows[0].startswith("step,baseline_loss,policy_loss") and len(rows) == 21
+    scheduled = tmp_path / "out" / "policy_scheduled.json"
+    # validating the proposed schedule where it lies would replace it: refused (a review found it deleted)
+    again = ["validate", str(MODELS / "drifting_mlp.py"), str(scheduled), "--steps", "20", "--device", "cpu"]
+    assert main([*again, "--out", str(tmp_path / "out")]) == 2
+    assert "which is the policy given; give --out another folder" in capsys.readouterr().err and scheduled.is_file()
     assert main([*argv, "--out", str(tmp_path / "out"), "--budget", "0.5", "--quiet"]) == 0  # holds: no switch
-    assert not (tmp_path / "out" / "policy_scheduled.json").exists()  # the earlier run's, not this one's answer
+    assert not scheduled.exists()  # the earlier run's, not this one's answer
+    scheduled.write_text('{"version": 1, "layers": {}}')  # a policy validate did not write stays
+    assert main([*argv, "--out", str(tmp_path / "out"), "--budget", "0.5", "--quiet"]) == 0 and scheduled.exists()
     assert main([*argv, "--out", str(tmp_path / "json"), "--budget", "0.5", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["holds"] is True and record["switch"] is None and record["final_drop"] == pytest.approx(0.2)
@@ -189,7 +218,7 @@ def test_a_metric_that_goes_non_finite_is_past_the_budget_and_written_as_null(tm
     assert main([*argv, "--out", str(tmp_path / "out")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "1 layer raised to bf16 from the start (the drop passed half the budget at the first evaluation, step 2)" in out
-    assert "as a phase" not in out and "call autoprec.follow_schedule" not in out
+    assert "its phase in" not in out and "call autoprec.follow_schedule" not in out
     assert load_policy(tmp_path / "out" / "policy_scheduled.json").layers == {"0": "bf16"}
 
 

@@ -7,13 +7,14 @@ import argparse
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from autoprec.apply import policy_problem
 from autoprec.errors import UserError
 from autoprec.files import write_text
-from autoprec.policy import Policy
+from autoprec.policy import Policy, load_policy
 from autoprec.tune._commands._shared import Verb, model_device, out_dir, prepare_model, print_json
 from autoprec.tune._commands.export import searched_policy
 from autoprec.tune._core._budget import parse_budget
@@ -63,6 +64,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if refused:
         raise UserError(f"{args.policy}: apply_policy refuses this policy for {args.model}: {refused}")
     out = out_dir(args, task)
+    written_to = out / SCHEDULED
+    if written_to.exists() and Path(args.policy).exists() and written_to.resolve() == Path(args.policy).resolve():
+        raise UserError(
+            f"{args.policy}: this run writes its measured switch to {written_to} (or removes an earlier run's there), "
+            "which is the policy given; give --out another folder, or copy the policy elsewhere first"
+        )
     budget = given if given is not None else _recorded_budget(policy)
     with tqdm(total=2 * args.steps, desc="training side by side", unit="step", disable=args.quiet or args.json) as bar:
 
@@ -78,7 +85,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if result.switch is not None:
         _scheduled(result).save(out / SCHEDULED)
         written.append(SCHEDULED)
-    elif (out / SCHEDULED).is_file():  # an earlier run's switch: not this run's answer
+    elif _validated(out / SCHEDULED):  # an earlier run's switch, which this run did not measure: not its answer
         (out / SCHEDULED).unlink()
     record = _record(result, args)
     write_text(out / "validate.json", json.dumps(record, indent=2, allow_nan=False) + "\n")
@@ -100,6 +107,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 SCHEDULED = "policy_scheduled.json"  # the measured switch written as a schedule, beside validate.json
+
+
+def _validated(path: Path) -> bool:
+    """Whether `path` is a policy file a validate run wrote (its record's `validated`), which a later run may remove."""
+    if not path.is_file() or path.is_symlink():
+        return False
+    try:
+        policy = load_policy(path)
+    except UserError:
+        return False
+    return isinstance((policy.measured or {}).get("validated"), dict)
 
 
 def _scheduled(v: Validation) -> Policy:
@@ -146,17 +164,24 @@ def summary(v: Validation) -> str:
             verdict = "holds" if v.switch.drop <= v.budget else "does not hold either"
             if v.switch.step == 0:  # past half the budget at the first evaluation: no phase, the policy raised throughout
                 first = next(p.step for p in v.curve if p.drop is not None)
+                kept = f", its {len(v.switch.policy.phases)} later phase(s) kept" if v.switch.policy.phases else ""
                 lines.append(
                     f"measured switch: {_layers(len(v.switch.layers))} raised to bf16 from the start (the drop passed half "
                     f"the budget at the first evaluation, step {first}): drop {v.switch.drop:.4g}, the budget {verdict}; "
-                    f"that is no schedule but the policy with them in bf16 ({SCHEDULED}): search again with this budget, "
-                    "or evaluate more often (--every) to find a later switch"
+                    f"that is no new phase but the policy with them in bf16 from its start{kept} ({SCHEDULED}): search "
+                    "again with this budget, or evaluate more often (--every) to find a later switch"
+                )
+            elif v.switch.phase() is None:  # nothing below bf16 at the step: later phases kept from lowering them
+                lines.append(
+                    f"measured switch: {_layers(len(v.switch.layers))} kept at bf16 from step {v.switch.step} on, where "
+                    f"later phases lowered them: drop {v.switch.drop:.4g}, the budget {verdict}; {SCHEDULED} is the "
+                    "policy without those lowerings"
                 )
             else:
                 lines.append(
                     f"measured switch: {_layers(len(v.switch.layers))} raised to bf16 from step {v.switch.step} "
-                    f"({v.switch.from_fraction:.0%} of the run): drop {v.switch.drop:.4g}, the budget {verdict}; as a phase: "
-                    + json.dumps(v.switch.phase())
+                    f"({v.switch.from_fraction:.0%} of the run, later phases too): drop {v.switch.drop:.4g}, the budget "
+                    f"{verdict}; its phase in {SCHEDULED}: " + json.dumps(v.switch.phase())
                 )
     return "\n".join(lines)
 
@@ -191,7 +216,7 @@ def _record(v: Validation, args: argparse.Namespace) -> dict:
         "switch": None
         if v.switch is None
         else {
-            **v.switch.phase(),
+            **(v.switch.phase() or {"from_fraction": v.switch.from_fraction, "layers": dict(v.switch.layers)}),
             "step": v.switch.step,
             "drop": _finite(v.switch.drop),
             "holds": v.switch.drop <= (v.budget or 0),

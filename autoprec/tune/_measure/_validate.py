@@ -67,10 +67,16 @@ class Switch:
     layers: Mapping[str, str]
     drop: float
     policy: Policy
+    steps: int = 0  # the run's length, which the schedule's phases are shares of
 
-    def phase(self) -> dict[str, Any]:
-        """The switch as a schedule's phase: from which share of the run, which layers in which format."""
-        return {"from_fraction": self.from_fraction, "layers": dict(self.layers)}
+    def phase(self) -> dict[str, Any] | None:
+        """The switch as the schedule written holds it: its phase starting at `step` (merged with one the policy had
+        there); None where it holds none there (from the start, step 0: the policy itself raised; or where nothing
+        is below bf16 at the step and the switch only keeps later phases from lowering `layers`)."""
+        for phase in self.policy.phases:
+            if phase.start_step(self.steps) == self.step:
+                return phase.to_dict()
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +171,14 @@ def validate(
     if result.holds is not False or budget is None:
         return result
     at = _switch_step(curve, budget)
+    # what is below bf16 in the phase the switch falls in or any later one: raised from there on
+    up = {
+        n: f for i in range(policy.phase_at(at, steps), len(policy.phases) + 1) for n, f in raised(policy.phase_layers(i)).items()
+    }
+    if not up:
+        return result  # nothing to raise
     # the schedule trained is the one written: no layer is left in fp8 to all-gather (with_switch turns that off)
     scheduled = with_switch(policy, at, steps)
-    up = raised(policy.phase_layers(policy.phase_at(at, steps)))
-    if scheduled == dataclasses.replace(policy, fsdp_fp8_all_gather=False):
-        return result  # no layer below bf16 at or after the switch: nothing to raise
     if more is not None:
         more(steps)
     after = _arm(workload, scheduled, order, evaluated, seed, progress)
@@ -177,7 +186,8 @@ def validate(
         dataclasses.replace(p, switched_loss=a[0], switched_metric=a[1]) if p.step > at else p for p, a in zip(curve, after)
     )
     drop = curve[-1].switched_drop
-    switch = Switch(step=at, from_fraction=at / steps, layers=up, drop=drop if drop is not None else math.nan, policy=scheduled)
+    started = next((p.from_fraction for p in scheduled.phases if p.start_step(steps) == at), 0.0)  # as written
+    switch = Switch(at, started, up, drop if drop is not None else math.nan, scheduled, steps)
     return dataclasses.replace(result, curve=curve, switch=switch)
 
 

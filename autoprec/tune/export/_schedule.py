@@ -30,10 +30,39 @@ def phase_paths(out: Path, phases: int) -> list[Path]:
     return [out, *(out.with_name(f"{out.stem}_phase{i}{out.suffix}") for i in range(1, phases + 1))]
 
 
+def _ours(path: Path) -> bool:
+    """Whether `path` is a file an `autoprec export` wrote (its first lines name the command), never read past 4 KiB."""
+    try:
+        with open(path, "rb") as f:
+            return b"autoprec export --to " in f.read(4096)
+    except OSError:
+        return False
+
+
+def _refuse_theirs(paths: list[Path], source: str) -> None:
+    """The files a schedule's export writes besides --out (the other phases' files, the list) are named from --out,
+    not given: refuse one that is the policy itself, or a file autoprec did not write, rather than replace it."""
+    for path in paths:
+        if not (path.exists() or path.is_symlink()):
+            continue
+        if Path(source).exists() and path.resolve() == Path(source).resolve():
+            raise UserError(
+                f"{printable(str(path))}: the export of the schedule writes one of its files there, and it is the policy "
+                "file itself; give --out another name"
+            )
+        if not _ours(path):
+            raise UserError(
+                f"{printable(str(path))}: exists and autoprec did not write it; the export of a schedule writes a phase's "
+                f"file or the list of them there (named from --out): move it, or give --out another name"
+            )
+
+
 def write_schedule(chosen: ExportTarget, policy: Policy, out: Path, *, source: str, **given: Any) -> list[str]:
     """Each phase's file and the manifest; returns the phases' lines (what each cannot express, "phase i: ..."; each
-    requirement once) and, as a note, the files and how to switch."""
+    requirement once) and, as a note, the files and how to switch. Refuses, before writing, to replace the policy
+    or a file autoprec did not write with a file whose name comes from --out."""
     paths = phase_paths(out, len(policy.phases))
+    _refuse_theirs([*paths[1:], manifest_path(out)], source)
     lines: list[str] = []
     for index, path in enumerate(paths):
         for line in chosen.write(policy.in_phase(index), path, source=f"{source}, phase {index} of its schedule", **given):
@@ -42,7 +71,7 @@ def write_schedule(chosen: ExportTarget, policy: Policy, out: Path, *, source: s
                 lines.append(said)
     starts = [0.0, *(phase.from_fraction for phase in policy.phases)]
     manifest = {
-        "written_by": f"autoprec export --to {chosen.name}",
+        "written_by": f"autoprec export --to {chosen.name}",  # what _ours finds in the first lines
         "policy": source,
         "start_step": START_STEP_RULE,
         "switch": chosen.switch,
@@ -69,7 +98,7 @@ def forget_schedule(out: Path) -> list[str]:
     """A policy without phases written over an earlier schedule's first file: its list is removed (verify would read
     the other phases' files as this policy's), and said; the old phases' files are left, named."""
     path = manifest_path(out)
-    if not path.is_file():
+    if not path.is_file() or path.is_symlink() or not _ours(path):  # a file of the user's by that name stays
         return []
     path.unlink()
     return [
