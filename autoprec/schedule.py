@@ -51,8 +51,9 @@ def follow_schedule(model: torch.nn.Module, *, step: int, total_steps: int) -> b
     Raises:
         ValueError: `step` or `total_steps` out of range; a switch that swaps an fp8 layer's module on a model sharded
             by FSDP2 (whose parameter groups hold the modules: under FSDP2 a schedule switches bf16, fp16, fp32 and
-            block-scaled layers); a phase's format that cannot run on the device the model has moved to since
-            apply_policy (the model stays in its phase).
+            block-scaled layers); a listed layer wrapped or replaced since apply_policy (activation checkpointing's
+            wrapper); a phase's format that cannot run on the device the model has moved to since apply_policy. The
+            model stays in its phase.
 
     Example:
         >>> import torch
@@ -95,6 +96,7 @@ def _switch(root: torch.nn.Module, summary: AppliedSummary, index: int) -> None:
     # a swapped module whose format does not change stays as it is: its hooks, its compiled code, FSDP2's hold on it
     kept_modules = {m for m, (_, f) in was.items() if f.family.replaces_modules and will.get(m) is f}
     kept = {n: summary.layers[was[id(paths[n])][0]] for n in target.layers if id(paths[n]) in kept_modules}
+    kept_now = {n: summary.layers[n] for n in current.layers if id(paths[n]) in kept_modules}  # for a way back
     restore = {p: m for p, m in schedule.replaced.items() if id(paths[p]) not in kept_modules}
     _refuse_sharded_swap(paths, was, will, kept_modules)
     _refuse_lost_parameters(paths, restore)
@@ -107,7 +109,7 @@ def _switch(root: torch.nn.Module, summary: AppliedSummary, index: int) -> None:
         _check_policy(target, paths, device, frozenset(kept))
         records, replaced = _put(root, target, paths, names, device, frozenset(), device_hint=False, kept=kept)
     except BaseException:
-        _, back = _put(root, current, paths, names, device, frozenset(), device_hint=False, kept=kept)
+        _, back = _put(root, current, paths, names, device, frozenset(), device_hint=False, kept=kept_now)
         schedule.replaced.update(back)
         raise
     schedule.replaced.update(replaced)
