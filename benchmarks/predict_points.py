@@ -69,6 +69,12 @@ class Point:
     # the fitted point it computes exactly as (another publication of the same run): shown, but no test of the
     # predictor, so neither held out nor in the band
     repeats: str = ""
+    # why the run is outside what the predictor prices (its routing unbalanced): shown with its error, not held out
+    excluded: str = ""
+
+    @property
+    def held_out(self) -> bool:
+        return not (self.fitted or self.repeats or self.excluded)
 
 
 def _linear_ratio(fmt: str, n: int = 8192) -> Callable[[predictor.Calibration], float]:
@@ -96,19 +102,25 @@ def _decoder(
     tp: int = 1,
     checkpointing: bool = False,
     experts: str | None = None,
+    ep: int = 1,
+    skip: tuple[str, ...] = (),
 ) -> Callable[[predictor.Calibration], float]:
-    """A decoder (benchmarks/models/decoder.py; Llama-3-8B's by default) with every Linear but the output layer and an
-    MoE's router in `fmt` (the float8 and MX converters' usual filter; `fmt` "bf16": none) but the last `tail`
-    blocks', the rest bf16, over uniform bf16, the optimizer split over `gpus` data-parallel ranks (and `tp`
-    tensor-parallel ones); an MoE's grouped experts in `experts` (None: bf16)."""
+    """A decoder (benchmarks/models/decoder.py; Llama-3-8B's by default) with every Linear but the output layer, an
+    MoE's router and those named `skip` (by their last name: "wk") in `fmt` (the float8 and MX converters' usual
+    filter; `fmt` "bf16": none) but the last `tail` blocks', the rest bf16, over uniform bf16, the optimizer split
+    over `gpus` data-parallel ranks (and `tp` tensor-parallel ones); an MoE's grouped experts in `experts` (None:
+    bf16), spread over `ep` expert-parallel ranks."""
 
     def compute(cal: predictor.Calibration) -> float:
-        step = dataclasses.replace(decoder_step(shape), shards=gpus, tensor_parallel=tp, checkpointing=checkpointing)
+        step = dataclasses.replace(
+            decoder_step(shape), shards=gpus, tensor_parallel=tp, checkpointing=checkpointing, expert_parallel=ep
+        )
         layers: dict[str, str] = {MODEL_ROOT: "bf16"}
         first_bf16 = shape.layers - tail
+        kept = ("router", *skip)
         for s in step.linears:
             block = s.name.split(".")[1] if s.name.startswith("layers.") else None
-            if s.name != "output" and not s.name.endswith(".router") and (block is None or int(block) < first_bf16):
+            if s.name != "output" and s.name.rsplit(".", 1)[-1] not in kept and (block is None or int(block) < first_bf16):
                 layers[s.name] = fmt
         grouped = None if experts is None else Format(experts)
         return predictor.speedup(step, Policy(layers=layers), target_named(target), cal, experts=grouped)
@@ -172,8 +184,21 @@ NANOCHAT = "karpathy/nanochat dev/LOG.md 2026-02-02 (8x H100; published_points.m
 PROBE_C = "results/h200/probe/c_llama.csv (this project's H200 run, compiled, 11 interleaved rounds)"
 PROBE_NOTE = "the host issues a step in 55-59 ms beside the GPU's 65-74: near host-bound"
 SCOUT = "torchao moe_training README, Llama4 Scout end-to-end with torchtitan (4x B200; published_points.md A38-A40)"
-# Llama-4-Scout cut to 2 blocks, 8 sequences of 8192 a GPU (FSDP 4, expert parallelism 4: its all-to-alls not priced)
+# Llama-4-Scout cut to 2 blocks, 8 sequences of 8192 a GPU (FSDP 4, expert parallelism 4)
 SCOUT_2 = dataclasses.replace(decoder.LLAMA4_SCOUT, layers=2, batch=8)
+# Why the 2-block runs test nothing the predictor prices: their router was never made to balance (torchtitan's
+# _debug_force_load_balance defaults to False, and the commands set no flag; torchao re-ran its MoE benchmarks with
+# forced balance three days later, PR #3193), and lowering the experts saved 0.38 s of the bf16 run's 1.33 s step
+# (49,381 tokens a second a GPU, 65,536 a step), about 8x what the experts' grouped GEMMs take balanced at their
+# measured rate (2 layers x 3 GEMMs of 65,536 rows at B35's 39.2 ms for 128,000: 0.12 s in bf16, 0.05 s saved)
+UNBALANCED = "routing not balanced: the experts took about 8x their balanced time"
+SCOUT_GB200 = (
+    "torchao moe_training README case study / pytorch.org MXFP8 MoE blog (256 GB200; published_points.md A49-A50)"
+)
+# Llama-4-Scout's 48 blocks trained on 256 GB200s, 1 sequence of 8192 a GPU, expert parallelism 16, MXFP8 on the
+# experts and every Linear but the output, the router, wk and wv (the runs' filter)
+SCOUT_48 = dataclasses.replace(decoder.LLAMA4_SCOUT, batch=1)
+SCOUT_SKIP = ("wk", "wv")
 ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP rows (published_points.md A5-A10)"
 # Llama-3-70B at torchtitan's TP benchmark: 16 sequences of 8192 a data-parallel rank (its tensor-parallel group)
 LLAMA3_70B = decoder.Shape(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192, batch=16)
@@ -429,11 +454,12 @@ POINTS = (
         1.053,
         SCOUT,
         False,
-        _decoder("mxfp8", "b200", 4, SCOUT_2),
+        _decoder("mxfp8", "b200", 4, SCOUT_2, ep=4),
         "mxfp8",
         SCOUT_2.dim,
         moe=True,
-        note="the router and output in bf16; the experts' all-to-alls not priced",
+        note="the router and output in bf16",
+        excluded=UNBALANCED,
     ),
     Point(
         "Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 experts",
@@ -441,12 +467,13 @@ POINTS = (
         1.404,
         SCOUT,
         False,
-        _decoder("bf16", "b200", 4, SCOUT_2, experts="mxfp8"),
+        _decoder("bf16", "b200", 4, SCOUT_2, experts="mxfp8", ep=4),
         "mxfp8",
         SCOUT_2.dim,
         moe=True,
         experts=True,
         note="the grouped GEMMs at their measured share",
+        excluded=UNBALANCED,
     ),
     Point(
         "Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 Linears and experts",
@@ -454,11 +481,38 @@ POINTS = (
         1.433,
         SCOUT,
         False,
-        _decoder("mxfp8", "b200", 4, SCOUT_2, experts="mxfp8"),
+        _decoder("mxfp8", "b200", 4, SCOUT_2, experts="mxfp8", ep=4),
         "mxfp8",
         SCOUT_2.dim,
         moe=True,
         experts=True,
+        excluded=UNBALANCED,
+    ),
+    Point(
+        "Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears",
+        "gb200",
+        1.20,
+        SCOUT_GB200,
+        False,
+        _decoder("mxfp8", "gb200", 256, SCOUT_48, experts="mxfp8", ep=16, skip=SCOUT_SKIP),
+        "mxfp8",
+        SCOUT_48.dim,
+        moe=True,
+        experts=True,
+        note="1 sequence a GPU, as torchao's table says; torchtitan's mxfp8.md says 10",
+    ),
+    Point(
+        "Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears, full checkpointing",
+        "gb200",
+        1.302,
+        SCOUT_GB200,
+        False,
+        _decoder("mxfp8", "gb200", 256, SCOUT_48, checkpointing=True, experts="mxfp8", ep=16, skip=SCOUT_SKIP),
+        "mxfp8",
+        SCOUT_48.dim,
+        moe=True,
+        experts=True,
+        note="a newer torch and torchao than the row above",
     ),
     Point(
         "Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise",
@@ -615,7 +669,7 @@ def table(cal: predictor.Calibration = predictor.CALIBRATION) -> list[Row]:
 def band(rows: list[Row]) -> tuple[float, int]:
     """The largest |error| over the points held out (neither fitted on nor repeating a fitted point's computation),
     rounded up to a whole percent, and how many there are."""
-    held = [abs(r.error) for r in rows if not r.point.fitted and not r.point.repeats]
+    held = [abs(r.error) for r in rows if r.point.held_out]
     return math.ceil(100 * max(held) - 1e-9) / 100, len(held)
 
 
@@ -670,7 +724,7 @@ def regime_bands(rows: list[Row]) -> dict[tuple[int, str, str], tuple[float, int
     kernel, rounded up to a whole percent, and how many there are."""
     errors: dict[tuple[int, str, str], list[float]] = {}
     for r in rows:
-        if r.point.fitted or r.point.repeats:
+        if not r.point.held_out:
             continue
         low = next((lo for lo, hi in predictor.WIDTH_CLASSES if lo <= r.point.width <= hi), None)
         if low is None:
@@ -679,6 +733,14 @@ def regime_bands(rows: list[Row]) -> dict[tuple[int, str, str], tuple[float, int
         for kernel in predictor.format_kernels(Format(r.point.fmt)):
             errors.setdefault((low, kernel, layout), []).append(abs(r.error))
     return {key: (math.ceil(100 * max(e) - 1e-9) / 100, len(e)) for key, e in sorted(errors.items())}
+
+
+def _kind(p: Point) -> str:
+    if p.fitted:
+        return "fitted"
+    if p.repeats:
+        return f"repeats {p.repeats}"
+    return f"shown, not counted: {p.excluded}" if p.excluded else "held out"
 
 
 def markdown(rows: list[Row]) -> str:
@@ -692,10 +754,10 @@ def markdown(rows: list[Row]) -> str:
         note = f" ({p.note})" if p.note else ""
         lines.append(
             f"| {p.name}{note} | {p.target} | {value(p.measured)} | {value(r.predicted)} | {100 * r.error:+.1f}% | "
-            f"{'fitted' if p.fitted else f'repeats {p.repeats}' if p.repeats else 'held out'} | {p.source} |"
+            f"{_kind(p)} | {p.source} |"
         )
     err, n = band(rows)
-    held = [abs(r.error) for r in rows if not r.point.fitted and not r.point.repeats]
+    held = [abs(r.error) for r in rows if r.point.held_out]
     lines.append("")
     lines.append(
         f"Held out: {n} points, median |error| {100 * statistics.median(held):.1f}%, the largest {100 * err:.0f}%. Each "

@@ -55,9 +55,8 @@ PINNED = {
     ("Llama (examples/llama, 2048 wide), 1 GPU, torchao tensorwise filter", "h200"): 14.2,
     ("Llama (examples/llama, 2048 wide), 1 GPU, torchao rowwise filter", "h200"): 1.2,
     ("Llama (examples/llama, 2048 wide), 1 GPU, fp8 FFN only", "h200"): 11.5,
-    ("Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 Linears", "b200"): 1.2,
-    ("Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 experts", "b200"): 21.9,
-    ("Llama-4-Scout (2 blocks), 4 GPUs, MXFP8 Linears and experts", "b200"): 18.0,
+    ("Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears", "gb200"): 12.2,
+    ("Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears, full checkpointing", "gb200"): 3.4,
     ("Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise", "h100"): 1.3,
     ("Llama-3-8B, FSDP 8 x TP 8, fp8 rowwise", "h100"): 2.1,
     ("Llama-3-8B, FSDP 2 x TP 2, fp8 rowwise", "h100"): 3.4,
@@ -67,7 +66,7 @@ PINNED = {
 
 
 def test_no_held_out_point_is_worse_than_pinned_and_the_stated_bands_are_the_tables(rows):
-    held = {(r.point.name, r.point.target): abs(r.error) for r in rows if not r.point.fitted and not r.point.repeats}
+    held = {(r.point.name, r.point.target): abs(r.error) for r in rows if r.point.held_out}
     assert set(held) == set(PINNED)
     worse = {k: round(100 * v, 2) for k, v in held.items() if 100 * v > PINNED[k]}
     assert not worse, worse
@@ -145,10 +144,13 @@ def test_the_regime_each_decoder_point_is_filed_under_is_the_one_predict_finds_f
     decoder that moved the Scout experts' share under the MoE limit would file them apart."""
     from autoprec.formats import Format
 
-    scout = points.decoder_step(points.SCOUT_2)
+    scout = points.decoder_step(points.SCOUT_48)
     linears = predictor.uniform("mxfp8", scout)
-    assert "2048-8192 wide MoE in mxfp8" in predictor.regime_band(scout, linears).text
-    lowered = predictor.regime_band(scout, predictor.baseline(), experts=Format.MXFP8).text
+    # the one MoE point with its experts in bf16 ran with its routing unbalanced: no held-out point is left there
+    assert "outside the validated range: no held-out point runs mxfp8 at 5120 wide MoE" in (
+        predictor.regime_band(scout, linears).text
+    )
+    lowered = predictor.regime_band(scout, linears, experts=Format.MXFP8).text
     assert "2048-8192 wide MoE with its experts lowered in mxfp8" in lowered
     dense = dataclasses.replace(points.decoder_step(points.decoder.NANOCHAT_D26), shards=8)
     assert "1024-2047 wide data-parallel in fp8-tensorwise" in predictor.regime_band(dense, predictor.uniform("fp8", dense)).text

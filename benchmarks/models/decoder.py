@@ -70,8 +70,8 @@ def _rotate(x, cos, sin):
 
 class _Experts(nn.Module):
     """The routed experts as torchtitan and transformers 5 run them: fused 3-D weights, torch._grouped_mm over the
-    tokens sorted by expert. The routing is balanced (each expert takes an equal share), as the published MoE runs
-    force it or near enough: the trace needs shapes, not the router's values."""
+    tokens sorted by expert. The routing is balanced (each expert takes an equal share), as a trained router's load
+    balancing or a benchmark's forced balance makes it: the trace needs shapes, not the router's values."""
 
     def __init__(self, s: Shape):
         super().__init__()
@@ -79,13 +79,12 @@ class _Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(s.experts, s.dim, 2 * s.ffn))
         self.w2 = nn.Parameter(torch.empty(s.experts, s.ffn, s.dim))
 
-    def forward(self, tokens):
-        rows = tokens.shape[0] * self.s.top_k
-        routed = tokens.repeat(self.s.top_k, 1)
-        offs = torch.arange(1, self.s.experts + 1, device=tokens.device, dtype=torch.int32) * (rows // self.s.experts)
+    def forward(self, routed):
+        """`routed`: the tokens sorted by expert (top-k: each token once per expert it goes to)."""
+        rows = routed.shape[0]
+        offs = torch.arange(1, self.s.experts + 1, device=routed.device, dtype=torch.int32) * (rows // self.s.experts)
         gate, up = torch._grouped_mm(routed, self.w13, offs=offs).chunk(2, dim=-1)
-        out = torch._grouped_mm(F.silu(gate) * up, self.w2, offs=offs)
-        return out.view(self.s.top_k, tokens.shape[0], -1).sum(0)
+        return torch._grouped_mm(F.silu(gate) * up, self.w2, offs=offs)
 
 
 class _MoE(nn.Module):
@@ -97,9 +96,15 @@ class _MoE(nn.Module):
 
     def forward(self, h):
         b, t, d = h.shape
+        k = self.experts.s.top_k
         tokens = h.reshape(b * t, d)
-        weight = torch.sigmoid(self.router(tokens).amax(-1, keepdim=True))  # the top-1 score, as Llama-4 scales it
-        out = self.experts(tokens * weight)
+        # as torchtitan routes: the top-k experts by sigmoid score, the tokens permuted into expert order (a gather),
+        # scaled by their scores before the experts (Llama-4), and scattered back (an index_add)
+        scores, chosen = torch.sigmoid(self.router(tokens)).topk(k, dim=-1)
+        order = chosen.reshape(-1).argsort(stable=True)
+        source = order // k
+        routed = tokens.index_select(0, source) * scores.reshape(-1, 1).index_select(0, order)
+        out = torch.zeros_like(tokens).index_add(0, source, self.experts(routed))
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.view(b, t, d)

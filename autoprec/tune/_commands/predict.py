@@ -59,6 +59,18 @@ def _tokens(value: str | int | None) -> int | None:
     return _whole(value, "--tokens", "the tokens (rows) of one micro-batch", MAX_TOKENS, 8192)
 
 
+def _check_experts(model: str, step: Any, ranks: int) -> None:
+    """--ep N: the model runs grouped experts, each MoE layer's split evenly over the N ranks; UserError if not."""
+    if not step.grouped:
+        raise UserError(f"--ep {ranks}: {model} runs no grouped experts (torch._grouped_mm) to spread; leave it out")
+    uneven = sorted({g.groups for g in step.grouped if g.groups % ranks})
+    if uneven:
+        raise UserError(
+            f"--ep {ranks}: {model}'s MoE layers have {uneven[0]} experts, which {ranks} ranks cannot share evenly; "
+            f"give a divisor of {uneven[0]}"
+        )
+
+
 def command(
     model: str,
     *,
@@ -71,12 +83,14 @@ def command(
     tp: str | int | None = None,
     checkpointing: str | None = None,
     experts: str | None = None,
+    ep: str | int | None = None,
 ) -> tuple[dict[str, Any], str]:
     """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
     `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
     the optimizer's work (FSDP), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `checkpointing`
     "full" or "none", `experts` the format an MoE's grouped GEMMs are priced in (a plan: apply_policy runs them in
-    the model root's). UserError for a user's mistake."""
+    the model root's), `ep` the expert-parallel ranks an MoE's experts are spread over. UserError for a user's
+    mistake."""
     from autoprec.formats import parse_format
     from autoprec.policy import load_policy
     from autoprec.tune._core._targets import target_named, targets
@@ -92,6 +106,9 @@ def command(
     tensor = _count(tp, "--tp", "the tensor-parallel ranks each Linear is sharded over")
     if tensor > 1 and device.link_gbs <= 0:
         raise UserError(f"--tp {tensor}: target {device.name} has no NVLink bandwidth to price its collectives; --tp 1")
+    spread = _count(ep, "--ep", "the expert-parallel ranks an MoE's experts are spread over")
+    if spread > 1 and device.link_gbs <= 0:
+        raise UserError(f"--ep {spread}: target {device.name} has no NVLink bandwidth to price its all-to-alls; --ep 1")
     grouped_format = None
     if experts is not None:
         try:
@@ -122,8 +139,17 @@ def command(
         raise UserError(
             f"--experts {grouped_format.value}: {model} runs no grouped experts (torch._grouped_mm) to price; leave it out"
         )
+    if spread > 1:
+        _check_experts(model, found.step, spread)
     step = found.step if wanted is None else found.step.scaled(wanted)
-    step = dataclasses.replace(step, shards=shards, micro_steps=micro, tensor_parallel=tensor, checkpointing=recompute == "full")
+    step = dataclasses.replace(
+        step,
+        shards=shards,
+        micro_steps=micro,
+        tensor_parallel=tensor,
+        checkpointing=recompute == "full",
+        expert_parallel=spread,
+    )
     kept: dict[str, str] = {}  # the Linears the format cannot run (apply_policy would refuse them): priced in bf16
     if given is None:
         for shape in step.linears:
@@ -185,12 +211,14 @@ def command(
         "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
         "kept_bf16": kept,
         "experts": None if grouped_format is None else grouped_format.value,
-        "layout": {"dp_shard": shards, "grad_accum": micro, "tp": tensor, "checkpointing": recompute},
+        "layout": {"dp_shard": shards, "grad_accum": micro, "tp": tensor, "checkpointing": recompute, "ep": spread},
         "coverage": found.coverage.to_dict(),
         "traced_on": found.device,
         "absolute_validated": False,  # the times are the predictor's parts; only their ratio is checked against runs
-        "left_out": "FSDP's communication, asynchronous tensor parallelism's overlap, an MoE's all-to-alls and token "
-        "permutation, host overhead, power and clock limits",
+        "left_out": "FSDP's communication, asynchronous tensor parallelism's overlap, an MoE's unbalanced routing "
+        "(balanced assumed)"
+        + ("" if spread > 1 or not step.grouped else " and its all-to-alls (--ep N prices them)")
+        + ", host overhead, power and clock limits",
     }
     lines = [
         f"{model}: {step.tokens * micro:,.0f} tokens per step"
@@ -198,6 +226,7 @@ def command(
         + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); the optimizer's work on "
         + (f"{shards} data-parallel ranks" if shards > 1 else "one rank (--dp-shard N: FSDP over N)")
         + (f"; tensor parallel over {tensor} ranks (sequence-parallel, collectives not overlapped)" if tensor > 1 else "")
+        + (f"; experts over {spread} expert-parallel ranks (all-to-alls not overlapped)" if spread > 1 else "")
         + ("; full activation checkpointing" if recompute == "full" else ""),
         f"  uniform bf16: {base.ms:.4g} ms per step (predicted; a step time, not a capacity plan: only the ratio of two "
         "is validated, and communication, host time and the published runs' clocks are not in it)",
@@ -215,8 +244,7 @@ def command(
     if grouped_format is not None:
         lines.append(
             f"  experts: their grouped GEMMs priced in {grouped_format.value}, a plan: apply_policy runs an MoE's "
-            "grouped experts in the model root's format (the held-out MoE points with lowered experts ran slower in "
-            "the prediction than measured: the all-to-alls and permutation are not priced)"
+            "grouped experts in the model root's format"
         )
     if found.coverage.worth_saying:
         lines.append(
@@ -246,6 +274,7 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", metavar="N", help="tensor-parallel ranks each Linear is sharded over (sequence-parallel; default 1)")
     p.add_argument("--checkpointing", metavar="{none,full}", help="activation checkpointing (default none)")
     p.add_argument("--experts", metavar="F", help="price an MoE's grouped expert GEMMs in F (bf16 or mxfp8; a plan)")
+    p.add_argument("--ep", metavar="N", help="expert-parallel ranks an MoE's experts are spread over (default 1)")
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -260,6 +289,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         tp=args.tp,
         checkpointing=args.checkpointing,
         experts=args.experts,
+        ep=args.ep,
     )
     if args.json:
         print_json(args, result, indent=2)
