@@ -1,7 +1,7 @@
 """A GPU session's device calls: the Llama model searched, the CUDA tests, what GPT-2-small's step times are made of.
 
     python3 benchmarks/gpu_probe.py --out $OUT --stages search,d       # on the device machine: GPU_PLAN's first call
-    python3 benchmarks/gpu_probe.py --out $OUT --stages a --deadline-s 160   # its second call, on the warm machine
+    python3 benchmarks/gpu_probe.py --out $OUT --stages c --deadline-s 185   # its second call, on the warm machine
     python3 benchmarks/gpu_probe.py --out /tmp/probe --smoke           # the same path on a CPU, tiny, minutes
 
 Made for a device session of 15 minutes in all (a bare machine's start included): calls of at most about 9 minutes
@@ -25,8 +25,8 @@ a. GPT-2-small (examples/gpt2, untrained weights: timing only), compiled fp32 an
 b. The fp8 shape sweep: benchmarks/fp8_linear.py, every Linear shape of GPT-2-small (M 4096) and of the Llama
    example (M 16384) in a bf16 root, bf16 against fp8, fp8-rowwise, fp8-fwd-dgrad. b_fp8_linear.csv.
 c. The Llama example (untrained: timing only), compiled whole steps: uniform bf16, torchao's tensorwise fp8 on the
-   Linears its size filter takes, the same for rowwise, fp8 on the FFN alone (gate, up and down projections).
-   c_llama.csv.
+   Linears its size filter takes, the same for rowwise, fp8 on the FFN alone (gate, up and down projections), by
+   autoprec's clock and, on CUDA, held (the GPU's busy time). c_llama.csv.
 
 status.json says which stages finished, and the log (probe.log) holds everything printed. The wheels optuna and
 torchao need (../shared/tools/device-wheels.sh fills .whl/ before the call) are installed from .whl/ when they are
@@ -59,8 +59,8 @@ DEADLINE_S = 510.0  # the command's share of a 10-minute call limit, the transfe
 # The least time a stage needs to be worth starting (seconds): its compilations mostly (GPU_PLAN.md prices them;
 # stage a measured 105-120 s on the H200)
 NEEDS = {"a": 125.0, "b": 45.0, "c": 150.0, "search": 150.0, "d": 30.0}
-# GPU_PLAN's first call, then what time is left for: stage a is its second call (--stages a). Stage c only by name:
-# its candidates (uniform bf16, torchao's filters) are the search's alternatives, timed in its final re-measure
+# GPU_PLAN's first call, then what time is left for. Stage c only by name (GPU_PLAN's second call, --stages c): its
+# candidates are the search's alternatives, timed in its final re-measure; alone, it also times their GPU busy time
 DEFAULT_STAGES = ("search", "d", "a", "b")
 B_MOST_S = 100.0  # the shape sweep's cap: the Llama stage and the search matter more
 
@@ -422,9 +422,10 @@ def stage_c(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     write_csv(probe.out / "c_llama.csv", rows)
     show(rows, probe.log)
     del warm  # the search below builds its own models: free these first
-    base = next((r["median_ms"] for r in rows if r["candidate"] == "uniform bf16"), None)
-    best = min(rows, key=lambda r: r["median_ms"]) if rows else None
-    text = f"{len(rows)} candidates timed" + (
+    timed = [r for r in rows if r["method"] == "autoprec"]  # the steps as training runs them, not the busy times
+    base = next((r["median_ms"] for r in timed if r["candidate"] == "uniform bf16"), None)
+    best = min(timed, key=lambda r: r["median_ms"]) if timed else None
+    text = f"{len(timed)} candidates timed" + (
         f"; fastest {best['candidate']}, {base / best['median_ms']:.3f}x uniform bf16" if best and base else ""
     )
     return text

@@ -187,12 +187,14 @@ PROBE_NOTE = "the host issues a step in 55-59 ms beside the GPU's 65-74: near ho
 SCOUT = "torchao moe_training README, Llama4 Scout end-to-end with torchtitan (4x B200; published_points.md A38-A40)"
 # Llama-4-Scout cut to 2 blocks, 8 sequences of 8192 a GPU (FSDP 4, expert parallelism 4)
 SCOUT_2 = dataclasses.replace(decoder.LLAMA4_SCOUT, layers=2, batch=8)
-# Why the 2-block runs test nothing the predictor prices: their router was never made to balance (torchtitan's
-# _debug_force_load_balance defaults to False, and the commands set no flag; torchao re-ran its MoE benchmarks with
-# forced balance three days later, PR #3193), and lowering the experts saved 0.38 s of the bf16 run's 1.33 s step
+# Why the 2-block runs are shown but not counted: lowering the experts saved 0.38 s of the bf16 run's 1.33 s step
 # (49,381 tokens a second a GPU, 65,536 a step), about 8x what the experts' grouped GEMMs take balanced at their
-# measured rate (2 layers x 3 GEMMs of 65,536 rows at B35's 39.2 ms for 128,000: 0.12 s in bf16, 0.05 s saved)
-UNBALANCED = "routing not balanced: the experts took about 8x their balanced time"
+# measured rate (2 layers x 3 GEMMs of 65,536 rows at B35's 39.2 ms for 128,000: 0.12 s in bf16, 0.05 s saved). The
+# cause is not confirmed. The routing was not forced to balance (torchtitan's _debug_force_load_balance defaulted to
+# False and the commands set no flag; its bias-based balancing starts from a new router), but with expert
+# parallelism 4 an imbalance alone can make a rank's experts at most 4x as busy: slow grouped GEMMs on skewed groups
+# (pytorch/pytorch#163425) or the kernels of the time may add the rest
+UNBALANCED = "the experts took about 8x their balanced time (a new, unforced router suspected; the cause unconfirmed)"
 SCOUT_GB200 = "torchao moe_training README case study / pytorch.org MXFP8 MoE blog (256 GB200; published_points.md A49-A50)"
 # Llama-4-Scout's 48 blocks trained on 256 GB200s, 1 sequence of 8192 a GPU, expert parallelism 16, MXFP8 on the
 # experts and every Linear but the output, the router, wk and wv (the runs' filter)

@@ -20,7 +20,7 @@ from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._targets import B200, GB200, H100, H200, Target, targets
 from autoprec.tune._decide._flops import gemm_flops
 from autoprec.tune._measure import _predict as predictor
-from autoprec.tune._measure._predict import LinearShape, Step
+from autoprec.tune._measure._predict import GroupedShape, LinearShape, Step
 from autoprec.tune._measure._profile_data import Profile
 
 ROOT_DIR = Path(__file__).parents[1]
@@ -637,23 +637,45 @@ def test_expert_parallelism_prices_each_moe_layers_all_to_alls_from_the_traced_g
     again = predictor.predict(dataclasses.replace(four, checkpointing=True), predictor.baseline(), B200).parts
     assert again["all_to_all"] == pytest.approx(layers * 6 * each)  # and the forward's again
     assert "all_to_all" not in predictor.predict(step, predictor.baseline(), B200).parts
-    code, out, err = run([str(path), "--target", "b200", "--format", "mxfp8", "--ep", "4", "--json"], capsys)
+    code, out, err = run([str(path), "--target", "b200", "--format", "mxfp8", "--ep", "4", "--dp-shard", "4", "--json"], capsys)
     assert code == 0, err
     result = json.loads(out)
     assert result["layout"]["ep"] == 4 and "all-to-alls" not in result["left_out"]
     assert result["parts_ms"]["bf16"]["all_to_all"] == result["parts_ms"]["candidate"]["all_to_all"] > 0
     code, out, err = run([str(path), "--target", "b200", "--format", "mxfp8"], capsys)
-    assert code == 0 and "its all-to-alls (--ep N prices them)" in out, err
+    assert code == 0 and "if it trains expert-parallel, its all-to-alls (--ep N prices them)" in out, err
     for argv, said in (
-        (["--ep", "3"], "--ep 3: " + str(path) + "'s MoE layers have 4 experts, which 3 ranks cannot share evenly"),
+        (
+            ["--ep", "3", "--dp-shard", "3"],
+            f"--ep 3: {path}'s MoE layers have 4 experts, which 3 ranks cannot share evenly; give one of 2, 4",
+        ),
         (["--ep", "0"], "--ep 0: give the expert-parallel ranks"),
+        (
+            ["--ep", "4", "--dp-shard", "2"],
+            "--ep 4: expert parallelism spreads the experts over data-parallel (and "
+            "tensor-parallel) ranks, and 2 of them (--dp-shard 2 x --tp 1) cannot hold 4; give --dp-shard a multiple of 4",
+        ),
     ):
         code, out, err = run([str(path), "--target", "b200", "--format", "bf16", *argv], capsys)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and said in err, err
     dense = tmp_path / "dense.py"
     dense.write_text(small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"), encoding="utf-8")
-    code, out, err = run([str(dense), "--target", "b200", "--format", "bf16", "--ep", "2"], capsys)
+    code, out, err = run([str(dense), "--target", "b200", "--format", "bf16", "--ep", "2", "--dp-shard", "2"], capsys)
     assert code == 2 and "--ep 2: " in err and "runs no grouped experts (torch._grouped_mm) to spread" in err, err
+
+
+def test_each_moe_layers_all_to_alls_follow_its_own_grouped_gemms_whatever_the_models_width():
+    """A review found the all-to-alls counted from the grouped GEMMs that return to width(step): three times over for
+    unfused w1, w3, w2 with ffn == dim, and not at all where the Linears set another width."""
+    rows, dim, groups = 1024.0, 256, 8
+    unfused = tuple(GroupedShape(rows, dim, dim, groups, layer) for layer in (0, 1) for _ in range(3))  # w1, w3, w2
+    narrow = (LinearShape("proj", 64, 64, rows),)  # Linears of another width than the experts'
+    for linears in ((), narrow):
+        step = Step(linears, grouped=unfused, expert_parallel=2)
+        assert predictor.routed_tokens(step) == 2 * rows
+        one_way = B200.link_gbs / 2 * 1e9 * predictor.CALIBRATION.memory
+        each = 1e3 * rows * dim * 2 / 2 / one_way + B200.launch_us * 1e-3
+        assert predictor.ep_communication_ms(step, B200) == pytest.approx(2 * 2 * 2 * each)
 
 
 def test_predict_refuses_a_bad_layout_in_one_line(capsys, write_model):

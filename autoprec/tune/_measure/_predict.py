@@ -165,13 +165,15 @@ class LinearShape:
 
 @dataclasses.dataclass(frozen=True)
 class GroupedShape:
-    """One grouped GEMM call of a step's forward (torch._grouped_mm: an MoE's experts): `rows` the tokens it took
-    (every group's together), `in_features` K, `out_features` N, `groups` the experts it ran."""
+    """One grouped GEMM call of a step's forward (torch._grouped_mm of 2-D tokens and 3-D expert weights: an MoE's
+    experts): `rows` the tokens it took (every group's together), `in_features` K, `out_features` N, `groups` the
+    experts it ran, `layer` which MoE layer of the forward it belongs to (the calls that share one offsets tensor)."""
 
     rows: float
     in_features: int
     out_features: int
     groups: int
+    layer: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,11 +512,19 @@ def tp_communication_ms(step: Step, policy: Policy, target: Target, cal: Calibra
     return total
 
 
+def moe_layers(step: Step) -> list[tuple[GroupedShape, GroupedShape]]:
+    """Each MoE layer's first and last grouped GEMM call, in the forward's order: the first takes the routed tokens
+    (its K, the width they arrive in), the last gives them back (its N, the width they leave in)."""
+    layers: dict[int, list[GroupedShape]] = {}
+    for g in step.grouped:
+        layers.setdefault(g.layer, []).append(g)
+    return [(calls[0], calls[-1]) for calls in layers.values()]
+
+
 def routed_tokens(step: Step) -> float:
-    """The tokens an MoE's experts take per step, all its MoE layers together (top-k counts a token k times): the rows
-    of the grouped GEMMs that return to the model's width (each MoE layer's down-projection, one call a layer)."""
-    dim = width(step)
-    return sum(g.rows for g in step.grouped if g.out_features == dim)
+    """The tokens an MoE's experts take per step, all its MoE layers together (top-k counts a token k times): the
+    rows of each layer's first grouped GEMM."""
+    return sum(first.rows for first, _ in moe_layers(step))
 
 
 def ep_communication_ms(step: Step, target: Target, cal: Calibration = CALIBRATION) -> float:
@@ -522,13 +532,16 @@ def ep_communication_ms(step: Step, target: Target, cal: Calibration = CALIBRATI
     and back (dispatch and combine) in the forward, and their gradients the same ways in the backward (the forward's
     again under checkpointing), each the layer's routed tokens x the model's width in bf16, of which (ep - 1) / ep
     leaves the rank, at half the NVLink bandwidth (one direction) times Calibration.memory, as tp_communication_ms
-    prices a collective. Balanced routing: every rank sends and receives as many tokens (a busier rank waits longer)."""
-    ep, dim = max(step.expert_parallel, 1), width(step)
+    prices a collective. Balanced routing: every rank sends and receives as many tokens (a busier rank waits longer);
+    a top-k token is sent once per expert it goes to (no per-rank deduplication)."""
+    ep = max(step.expert_parallel, 1)
     per_direction = target.link_gbs / 2 * 1e9 * cal.memory
     passes = 3 if step.checkpointing else 2  # forward, backward, and the forward again
-    layers = sum(1 for g in step.grouped if g.out_features == dim)
-    nbytes = routed_tokens(step) * dim * ELEMENT_BYTES[BASELINE] * (ep - 1) / ep
-    return passes * 2 * (1e3 * nbytes / per_direction + layers * target.launch_us * 1e-3)
+    layers = moe_layers(step)
+    # each layer's dispatch (the routed tokens at the first GEMM's K) and combine (at the last GEMM's N)
+    elements = sum(first.rows * first.in_features + last.rows * last.out_features for first, last in layers)
+    nbytes = elements * ELEMENT_BYTES[BASELINE] * (ep - 1) / ep
+    return passes * (1e3 * nbytes / per_direction + 2 * len(layers) * target.launch_us * 1e-3)
 
 
 def uniform(fmt: Format | str, step: Step, *, keep: Collection[str] = ()) -> Policy:
@@ -744,6 +757,7 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
     grouped_mm = getattr(torch.ops.aten, "_grouped_mm", None)
 
     calls: list[GroupedShape] = []
+    offsets: list[Any] = []  # each MoE layer's offsets tensor (kept alive: its id stays its own), in order
     readers: dict[int, tuple[str, torch.Tensor]] = {}  # an input tensor (kept alive: its id stays its own) -> first reader
     reads: dict[str, str] = {}
 
@@ -771,7 +785,9 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
                 key = "grouped" if packet is grouped_mm else "flops"
                 totals[key] += float(flop_registry[packet](*args, **kwargs, out_val=out))
                 if packet is grouped_mm:
-                    calls.append(_grouped_shape(args, kwargs, out))
+                    found = _grouped_shape(args, kwargs, out, offsets)
+                    if found is not None:
+                        calls.append(found)
             elif packet.__name__.rstrip("_") not in _NO_BYTES:
                 for t in torch.utils._pytree.tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -835,15 +851,19 @@ def trace_step(model: torch.nn.Module, run: Any) -> Step:
     )
 
 
-def _grouped_shape(args: Sequence[Any], kwargs: Mapping[str, Any], out: torch.Tensor) -> GroupedShape:
-    """A torch._grouped_mm call's shape: its output's rows and width, its operand's K, its groups (a 3-D operand's
-    first dimension, else the offsets')."""
+def _grouped_shape(args: Sequence[Any], kwargs: Mapping[str, Any], out: torch.Tensor, offsets: list[Any]) -> GroupedShape | None:
+    """A torch._grouped_mm call of 2-D tokens and 3-D expert weights (an MoE's experts in the forward): its rows,
+    K, N, experts and MoE layer (the index of its offsets tensor in `offsets`, which it joins if new); None for the
+    other layouts (no expert-parallel traffic of theirs is priced)."""
     a, b = args[0], args[1]
+    if a.dim() != 2 or b.dim() != 3:
+        return None
     offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
-    offs = offs if isinstance(offs, torch.Tensor) else None
-    groups = b.shape[0] if b.dim() == 3 else (a.shape[0] if a.dim() == 3 else (offs.numel() if offs is not None else 1))
-    width = out.shape[-1]
-    return GroupedShape(out.numel() / width if width else 0.0, int(a.shape[-1]), int(width), int(groups))
+    layer = next((i for i, o in enumerate(offsets) if o is offs), None) if offs is not None else None
+    if layer is None:
+        offsets.append(offs if offs is not None else object())
+        layer = len(offsets) - 1
+    return GroupedShape(float(a.shape[0]), int(a.shape[-1]), int(out.shape[-1]), int(b.shape[0]), layer)
 
 
 # The most work predict does on the CPU with the model's weights where the meta device cannot run its loss: twice
