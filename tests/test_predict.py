@@ -637,6 +637,15 @@ def test_expert_parallelism_prices_each_moe_layers_all_to_alls_from_the_traced_g
     again = predictor.predict(dataclasses.replace(four, checkpointing=True), predictor.baseline(), B200).parts
     assert again["all_to_all"] == pytest.approx(layers * 6 * each)  # and the forward's again
     assert "all_to_all" not in predictor.predict(step, predictor.baseline(), B200).parts
+    # the optimizer: the experts' parameters split over the expert-parallel ranks, the rest over the shards
+    experts_params = layers * experts * 3 * hidden * inter
+    assert predictor.expert_params(step) == experts_params
+    assert predictor.optimizer_params(four) == pytest.approx(step.params - experts_params + experts_params / 4)
+    sharded = dataclasses.replace(four, shards=8)
+    assert predictor.optimizer_params(sharded) == pytest.approx(step.params / 8)
+    # shards 2 x TP 4 with EP 8 (EP borrowing the TP ranks, as torchtitan lets it): every parameter over 8 ranks
+    borrowed = dataclasses.replace(step, shards=2, tensor_parallel=4, expert_parallel=8)
+    assert predictor.optimizer_params(borrowed) == pytest.approx(step.params / 8)
     code, out, err = run([str(path), "--target", "b200", "--format", "mxfp8", "--ep", "4", "--dp-shard", "4", "--json"], capsys)
     assert code == 0, err
     result = json.loads(out)
@@ -650,11 +659,6 @@ def test_expert_parallelism_prices_each_moe_layers_all_to_alls_from_the_traced_g
             f"--ep 3: {path}'s MoE layers have 4 experts, which 3 ranks cannot share evenly; give one of 2, 4",
         ),
         (["--ep", "0"], "--ep 0: give the expert-parallel ranks"),
-        (
-            ["--ep", "4", "--dp-shard", "2"],
-            "--ep 4: expert parallelism spreads the experts over data-parallel (and "
-            "tensor-parallel) ranks, and 2 of them (--dp-shard 2 x --tp 1) cannot hold 4; give --dp-shard a multiple of 4",
-        ),
     ):
         code, out, err = run([str(path), "--target", "b200", "--format", "bf16", *argv], capsys)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and said in err, err
@@ -676,6 +680,17 @@ def test_each_moe_layers_all_to_alls_follow_its_own_grouped_gemms_whatever_the_m
         one_way = B200.link_gbs / 2 * 1e9 * predictor.CALIBRATION.memory
         each = 1e3 * rows * dim * 2 / 2 / one_way + B200.launch_us * 1e-3
         assert predictor.ep_communication_ms(step, B200) == pytest.approx(2 * 2 * 2 * each)
+
+
+def test_a_target_without_nvlink_bandwidth_cannot_price_tensor_or_expert_parallelism(capsys, write_model, monkeypatch):
+    from autoprec.tune._core import _targets
+
+    monkeypatch.setitem(_targets._TARGETS, "b200", dataclasses.replace(B200, link_gbs=0.0))
+    path = write_model(small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 4))\n"))
+    for flag in ("--tp", "--ep"):
+        code, out, err = run([str(path), "--target", "b200", "--format", "bf16", flag, "2"], capsys)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert f"{flag} 2: target b200 has no NVLink bandwidth to price its" in err and f"{flag} 1" in err
 
 
 def test_predict_refuses_a_bad_layout_in_one_line(capsys, write_model):

@@ -245,6 +245,10 @@ def _search_from_python(rank, world, port, folder):
         )
         said = None if result is None else {"layout": result.policy.measured["layout"]}
         Path(folder, f"result{rank}.json").write_text(json.dumps(said))
+        # every rank done before any tears gloo down, as the CLI's torchrun job does: a rank leaving while its peer
+        # still talks aborts the peer (SIGABRT, "terminate called without an active exception", seen in CI); on
+        # success only, so a rank that raised is not left waiting for one that never comes
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -60,8 +60,37 @@ def _tokens(value: str | int | None) -> int | None:
     return _whole(value, "--tokens", "the tokens (rows) of one micro-batch", MAX_TOKENS, 8192)
 
 
-def _check_experts(model: str, step: Any, ranks: int) -> None:
-    """--ep N: the model runs grouped experts, each MoE layer's split evenly over the N ranks; UserError if not."""
+def _with_layout(layout: str, given: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """`given` (predict's layout flags, None where not given) completed from the file `layout` (_layout.py), and what
+    the file said; UserError where the file leaves a value to the launch that no flag gives, or a flag overrides one
+    the file derives others from (they would be stale)."""
+    from autoprec.tune._measure._layout import read_layout
+
+    read = read_layout(layout)
+    flags = {"--dp-shard": "dp_shard", "--grad-accum": "grad_accum", "--tp": "tp"}
+    unsaid = [(flag, why) for flag, why in read.needs if given[flags[flag]] is None]
+    if unsaid:
+        raise UserError(
+            f"--layout {shown(layout, 80)}: {'; '.join(why for _, why in unsaid)}; give "
+            + " and ".join(f"{flag} N" for flag, _ in unsaid)
+        )
+    taken = read.as_flags()
+    for field, sources in read.derived:
+        for flag in sources:
+            mine, theirs = given[flags[flag]], taken.get(flags[flag], 1)
+            if mine is not None and str(mine) != str(theirs):
+                raise UserError(
+                    f"{flag} {str(mine)[:24]} beside --layout {shown(layout, 80)}, which derives its "
+                    f"{field.replace('_', '-')} ({taken[field]}) from its own {flag} {theirs}: edit the file, or leave "
+                    "--layout out and give every flag"
+                )
+    merged = {k: (v if v is not None else taken.get(k)) for k, v in given.items()}
+    return merged, read
+
+
+def _check_experts(model: str, step: Any, ranks: int, source: str = "") -> None:
+    """--ep N: the model runs grouped experts, each MoE layer's split evenly over the N ranks; UserError if not
+    (`source`: where N came from, where not typed)."""
     if not step.grouped:
         raise UserError(f"--ep {ranks}: {model} runs no grouped experts (torch._grouped_mm) to spread; leave it out")
     counts = sorted({g.groups for g in step.grouped})
@@ -69,7 +98,7 @@ def _check_experts(model: str, step: Any, ranks: int) -> None:
         shared = math.gcd(*counts)
         able = [str(d) for d in range(2, shared + 1) if shared % d == 0][:12]
         raise UserError(
-            f"--ep {ranks}: {model}'s MoE layers have {' or '.join(map(str, counts))} experts, which {ranks} ranks "
+            f"--ep {ranks}{source}: {model}'s MoE layers have {' or '.join(map(str, counts))} experts, which {ranks} ranks "
             f"cannot share evenly; give "
             + (f"one of {', '.join(able)}" if able else "--ep 1 (no count of ranks but 1 divides them all)")
         )
@@ -88,13 +117,15 @@ def command(
     checkpointing: str | None = None,
     experts: str | None = None,
     ep: str | int | None = None,
+    layout: str | None = None,
 ) -> tuple[dict[str, Any], str]:
     """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
     `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
     the optimizer's work (FSDP), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `checkpointing`
     "full" or "none", `experts` the format an MoE's grouped GEMMs are priced in (a plan: apply_policy runs them in
-    the model root's), `ep` the expert-parallel ranks an MoE's experts are spread over. UserError for a user's
-    mistake."""
+    the model root's), `ep` the expert-parallel ranks an MoE's experts are spread over, `layout` a file to read the
+    layout from (a torchtitan TOML or a launch's arguments: _layout.py), whose values a flag given here overrides.
+    UserError for a user's mistake."""
     from autoprec.formats import parse_format
     from autoprec.policy import load_policy
     from autoprec.tune._core._targets import target_named, targets
@@ -104,6 +135,13 @@ def command(
         device = target_named(target)
     except ValueError as exc:
         raise UserError(f"--{exc}") from None
+    read, from_file = None, False
+    if layout is not None:
+        typed = {"dp_shard": dp_shard, "grad_accum": grad_accum, "tp": tp, "ep": ep, "checkpointing": checkpointing}
+        merged, read = _with_layout(layout, {**typed, "tokens": tokens})
+        dp_shard, grad_accum, tp, ep = merged["dp_shard"], merged["grad_accum"], merged["tp"], merged["ep"]
+        checkpointing, tokens = merged["checkpointing"], merged["tokens"]
+        from_file = typed["ep"] is None and read.ep is not None
     wanted = _tokens(tokens)
     shards = _count(dp_shard, "--dp-shard", "the data-parallel ranks the optimizer's state is sharded over (FSDP)")
     micro = _count(grad_accum, "--grad-accum", "the micro-batches of one optimizer step")
@@ -113,12 +151,6 @@ def command(
     spread = _count(ep, "--ep", "the expert-parallel ranks an MoE's experts are spread over")
     if spread > 1 and device.link_gbs <= 0:
         raise UserError(f"--ep {spread}: target {device.name} has no NVLink bandwidth to price its all-to-alls; --ep 1")
-    if (shards * tensor) % spread:  # the expert-parallel ranks are data-parallel (or tensor-parallel) ones, as torchtitan's
-        raise UserError(
-            f"--ep {spread}: expert parallelism spreads the experts over data-parallel (and tensor-parallel) ranks, and "
-            f"{shards * tensor} of them (--dp-shard {shards} x --tp {tensor}) cannot hold {spread}; give --dp-shard a "
-            f"multiple of {spread}"
-        )
     grouped_format = None
     if experts is not None:
         try:
@@ -149,8 +181,12 @@ def command(
         raise UserError(
             f"--experts {grouped_format.value}: {model} runs no grouped experts (torch._grouped_mm) to price; leave it out"
         )
+    said = list(read.said) if read is not None else []
+    if spread > 1 and from_file and not found.step.grouped:  # a run's config names it; this model has no experts
+        said.append(f"expert parallelism {spread} left out: {model} runs no grouped experts")
+        spread = 1
     if spread > 1:
-        _check_experts(model, found.step, spread)
+        _check_experts(model, found.step, spread, f" (from --layout {layout})" if from_file else "")
     step = found.step if wanted is None else found.step.scaled(wanted)
     step = dataclasses.replace(
         step,
@@ -221,7 +257,14 @@ def command(
         "parts_ms": {"bf16": dict(base.parts), "candidate": dict(mine.parts)},
         "kept_bf16": kept,
         "experts": None if grouped_format is None else grouped_format.value,
-        "layout": {"dp_shard": shards, "grad_accum": micro, "tp": tensor, "checkpointing": recompute, "ep": spread},
+        "layout": {
+            "dp_shard": shards,
+            "grad_accum": micro,
+            "tp": tensor,
+            "checkpointing": recompute,
+            "ep": spread,
+            **({"from": str(layout), "said": said} if read is not None else {}),
+        },
         "coverage": found.coverage.to_dict(),
         "traced_on": found.device,
         "absolute_validated": False,  # the times are the predictor's parts; only their ratio is checked against runs
@@ -237,7 +280,8 @@ def command(
         + (f"{shards} data-parallel ranks" if shards > 1 else "one rank (--dp-shard N: FSDP over N)")
         + (f"; tensor parallel over {tensor} ranks (sequence-parallel, collectives not overlapped)" if tensor > 1 else "")
         + (f"; experts over {spread} expert-parallel ranks (all-to-alls not overlapped)" if spread > 1 else "")
-        + ("; full activation checkpointing" if recompute == "full" else ""),
+        + ("; full activation checkpointing" if recompute == "full" else "")
+        + (f"; the layout read from {layout} (a flag given overrides it)" if read is not None else ""),
         f"  uniform bf16: {base.ms:.4g} ms per step (predicted; a step time, not a capacity plan: only the ratio of two "
         "is validated, and FSDP's communication, host time and the published runs' clocks are not in it)",
         f"  {label}: {mine.ms:.4g} ms per step (predicted)",
@@ -245,6 +289,8 @@ def command(
         "  parts (ms, bf16 -> candidate): " + ", ".join(f"{k} {base.parts[k]:.3g} -> {mine.parts[k]:.3g}" for k in base.parts),
         f"  left out: {result['left_out']}",
     ]
+    if said:
+        lines.append(f"  layout: {'; '.join(said)}")
     if kept:
         first, why = next(iter(kept.items()))
         lines.insert(
@@ -286,6 +332,11 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpointing", metavar="{none,full}", help="activation checkpointing (default none)")
     p.add_argument("--experts", metavar="F", help="price an MoE's grouped expert GEMMs in F (bf16 or mxfp8; a plan)")
     p.add_argument("--ep", metavar="N", help="expert-parallel ranks an MoE's experts are spread over (default 1)")
+    p.add_argument(
+        "--layout",
+        metavar="FILE",
+        help="read the layout from a torchtitan .toml or a launch's arguments (torchtitan's or Megatron-LM's flags)",
+    )
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -301,6 +352,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         checkpointing=args.checkpointing,
         experts=args.experts,
         ep=args.ep,
+        layout=args.layout,
     )
     if args.json:
         print_json(args, result, indent=2)

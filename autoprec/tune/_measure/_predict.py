@@ -23,7 +23,7 @@ A step is priced in parts:
 - the rest of the step, which a policy does not lower (Step): the matmuls outside the Linears (attention's,
   convolutions) in bf16 at Calibration.gemm's bf16 share of its peak, whatever the policy, and a Mixture-of-Experts'
   grouped experts at Calibration.grouped's share (in bf16, or in the format predict's --experts names); the other ops' bytes (norms, elementwise, the loss) at the bandwidth; an
-  AdamW update over the parameters (OPTIMIZER_BYTES each, split over `shards` data-parallel ranks).
+  AdamW update over the parameters (OPTIMIZER_BYTES each, split over the ranks: optimizer_params).
 
 With a layout: tensor parallelism's collectives (tp_communication_ms) and expert parallelism's all-to-alls
 (ep_communication_ms), not overlapped. What it leaves out: FSDP's all-gathers and reduce-scatters, an MoE's routing
@@ -450,9 +450,23 @@ def predict(
         parts["all_to_all"] = ep_communication_ms(step, target, cal)
     for part in parts:  # every micro-batch runs these; the optimizer, once a step
         parts[part] *= max(step.micro_steps, 1)
-    ranks = max(step.shards, 1) * tp
-    parts["optimizer"] = 1e3 * step.params * OPTIMIZER_BYTES / ranks / _bandwidth(target, cal)
+    parts["optimizer"] = 1e3 * optimizer_params(step) * OPTIMIZER_BYTES / _bandwidth(target, cal)
     return Prediction(target.name, parts)
+
+
+def expert_params(step: Step) -> float:
+    """The parameters of an MoE's grouped experts: each grouped GEMM call's 3-D weight (experts x K x N)."""
+    return float(sum(g.groups * g.in_features * g.out_features for g in step.grouped))
+
+
+def optimizer_params(step: Step) -> float:
+    """The parameters one rank's optimizer updates: the others split over the data-parallel shards times the
+    tensor-parallel ranks, the experts' over those or over the expert-parallel ranks, whichever are more (torchtitan's
+    FSDP shards an expert-parallel rank's experts further over the ranks it leaves; without a sharded optimizer each
+    rank updates its own experts). Expert tensor parallelism is taken as 1 (torchtitan's default)."""
+    tp, shards = max(step.tensor_parallel, 1), max(step.shards, 1)
+    experts = min(expert_params(step), step.params)
+    return (step.params - experts) / (shards * tp) + experts / max(shards * tp, step.expert_parallel)
 
 
 def grouped_kernel(fmt: Format) -> tuple[str, str]:
