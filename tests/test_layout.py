@@ -87,6 +87,11 @@ def test_what_a_toml_leaves_out_takes_torchtitans_defaults_and_the_shards_are_as
         (("[job]", "x = " + "[" * 5000 + "]" * 5000 + "\n[job]"), ": not TOML"),
         (("[training]", "[training]\nbatch_size = 8"), "[training] batch_size is an older torchtitan config's layout key"),
         (("[job]", "[experimental]\npipeline_parallel_degree = 4\n[job]"), "[experimental] pipeline_parallel_degree is an older"),
+        (("[training]", "[training]\ndata_parallel_replicate_degree = 2"), "[training] data_parallel_replicate_degree is an older"),
+        (("tensor_parallel_degree = 1", "tensor_paralel_degree = 2"), "[parallelism] tensor_paralel_degree is no parallelism degree"),
+        (("tensor_parallel_degree = 1", "expert_tensor_parallel_degree = 2"), "expert tensor parallelism over 2 ranks"),
+        (("tensor_parallel_degree = 1", "tensor_parallel_degree = 0x" + "f" * 4000), "past any bound; give a whole number from 1"),
+        (("expert_parallel_degree = 4", "expert_parallel_degree = 3"), "expert parallelism 3 does not divide the data-parallel shards x tensor-parallel ranks (4 x 1)"),
     ],
 )  # fmt: skip
 def test_a_toml_predict_cannot_price_or_read_is_refused_in_one_line_naming_the_key(tmp_path, change, said):
@@ -94,6 +99,12 @@ def test_a_toml_predict_cannot_price_or_read_is_refused_in_one_line_naming_the_k
         read_layout(write(tmp_path, "bad.toml", SCOUT_TOML.replace(*change)))
     assert said in str(caught.value) and "--layout " in str(caught.value) and "bad.toml" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_a_layout_section_that_is_no_table_is_refused(tmp_path):
+    for text in ("parallelism = 3\n", "[[parallelism]]\ntensor_parallel_degree = 2\n"):
+        with pytest.raises(UserError, match=r"\[parallelism\] is not a table of keys"):
+            read_layout(write(tmp_path, "odd.toml", text))
 
 
 def test_a_megatron_launch_gives_the_data_parallel_ranks_from_torchruns_world_size(tmp_path):
@@ -135,6 +146,15 @@ def test_torchtitans_command_line_flags_are_read_in_either_spelling(tmp_path):
     # what its Python config sets is not in the file: the shards are asked for
     shardless = read_layout(write(tmp_path, "tp.sh", "./run_train.sh --parallelism.tensor_parallel_degree=2\n"))
     assert shardless.tp == 2 and [flag for flag, _ in shardless.needs] == ["--dp-shard"]
+    # what its Python config sets is said, not guessed
+    assert any("activation checkpointing not in the flags" in s for s in shardless.said)
+    assert any("the micro-batch not in the flags" in s for s in shardless.said)
+    half = read_layout(write(tmp_path, "half.sh", "x --parallelism.data_parallel_shard_degree=2 --training.seq_len=8192\n"))
+    assert [flag for flag, _ in half.needs] == ["--tokens"]
+    unsized = read_layout(
+        write(tmp_path, "g.sh", "x --parallelism.data_parallel_shard_degree=2 --training.global_batch_size=8\n")
+    )
+    assert [flag for flag, _ in unsized.needs] == ["--grad-accum"]
 
 
 @pytest.mark.parametrize(
@@ -150,6 +170,20 @@ def test_torchtitans_command_line_flags_are_read_in_either_spelling(tmp_path):
         ("x --micro-batch-size 'one\n", "cannot split it into arguments"),
         ("torchrun --nproc_per_node 3 x --tensor-model-parallel-size 2 --use-distributed-optimizer\n", "3 GPUs"),
         ("x --tensor-model-parallel-size 2 --micro-batch-size 1000000000 --seq-length 1000000000\n", "past 1000000000000"),
+        (
+            "torchrun --nproc_per_node 1000000 --nnodes 1000000 x --tensor-model-parallel-size 1\n",
+            "data-parallel ranks (the world over TP) are past",
+        ),
+        ("x --tensor-model-parallel-size 2 --recompute-granularity $G\n", "'$G' is a shell variable"),
+        (
+            'GPT_ARGS="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"\ntorchrun x.py $GPT_ARGS --use-distributed-optimizer\n',
+            "the shell variable GPT_ARGS holds layout flags (--pipeline-model-parallel-size)",
+        ),
+        (
+            "x --training.tensor_parallel_degree=2\n",
+            "--training.tensor_parallel_degree is an older torchtitan config's layout key",
+        ),
+        ("x --experimental.pipeline_parallel_degree=2\n", "--experimental.pipeline_parallel_degree is an older"),
     ],
 )
 def test_a_launch_predict_cannot_read_is_refused_in_one_line(tmp_path, text, said):
@@ -229,11 +263,33 @@ def test_predict_asks_for_what_the_file_leaves_to_the_launch_and_refuses_a_flag_
     assert code == 0 and json.loads(out)["layout"]["grad_accum"] == 8, err
     code, out, err = run([*base, "--layout", str(megatron), "--tp", "4"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "--tp 4 beside --layout" in err and "derives its dp-shard (8) from its own --tp 2: edit the file" in err
-    code, out, err = run([*base, "--layout", str(megatron), "--tp", "2"], capsys)  # the file's own value: no conflict
+    assert "--tp 4 beside --layout" in err and "derives its dp-shard (8) from its own tp of 2: edit the file" in err
+    code, out, err = run([*base, "--layout", str(megatron), "--tp", "02"], capsys)  # the file's own value: no conflict
     assert code == 0, err
+    code, out, err = run([*base, "--layout", str(megatron), "--dp-shard", "4"], capsys)  # its grad-accum came from 8
+    assert code == 2 and "--dp-shard 4 beside --layout" in err and "derives its grad-accum (8)" in err, err
+    titan = write(tmp_path, "accum.toml", SCOUT_TOML.replace("seq_len = 8192", "seq_len = 8192\nglobal_batch_size = 96"))
+    code, out, err = run([*base, "--layout", str(titan), "--dp-shard", "2"], capsys)
+    assert code == 2 and "derives its grad-accum (3) from its own dp-shard of 4" in err, err
     alone = write(tmp_path, "alone.sh", MEGATRON.replace("torchrun --nproc_per_node 8 --nnodes 2 ", ""))
     code, out, err = run([*base, "--layout", str(alone), "--dp-shard", "8"], capsys)
     assert code == 2 and "a global batch with no data-parallel ranks to divide it by; give --grad-accum N" in err, err
     code, out, err = run([*base, "--layout", str(alone), "--dp-shard", "8", "--grad-accum", "8"], capsys)
     assert code == 0, err
+
+
+def test_a_files_expert_parallelism_that_the_models_experts_cannot_share_names_the_file(capsys, tmp_path):
+    pytest.importorskip("transformers", minversion="5.0")  # fused experts (torch._grouped_mm) from transformers 5
+    from builders import tiny_mixtral
+
+    model = write(tmp_path, "model.py", tiny_mixtral(32, 64, 2, 4, 2))
+    toml = write(
+        tmp_path,
+        "moe.toml",
+        SCOUT_TOML.replace("data_parallel_shard_degree = 4", "data_parallel_shard_degree = 3").replace(
+            "expert_parallel_degree = 4", "expert_parallel_degree = 3"
+        ),
+    )
+    code, out, err = run([str(model), "--target", "b200", "--format", "bf16", "--layout", str(toml)], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"--ep 3 (from --layout {toml}): " in err and "have 4 experts, which 3 ranks cannot share evenly" in err

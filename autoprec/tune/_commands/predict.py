@@ -78,14 +78,22 @@ def _with_layout(layout: str, given: dict[str, Any]) -> tuple[dict[str, Any], An
     for field, sources in read.derived:
         for flag in sources:
             mine, theirs = given[flags[flag]], taken.get(flags[flag], 1)
-            if mine is not None and str(mine) != str(theirs):
+            if mine is not None and _number(mine) != theirs:
                 raise UserError(
                     f"{flag} {str(mine)[:24]} beside --layout {shown(layout, 80)}, which derives its "
-                    f"{field.replace('_', '-')} ({taken[field]}) from its own {flag} {theirs}: edit the file, or leave "
-                    "--layout out and give every flag"
+                    f"{field.replace('_', '-')} ({taken[field]}) from its own {flag[2:]} of {theirs}: edit the file, "
+                    "or leave --layout out and give every flag"
                 )
     merged = {k: (v if v is not None else taken.get(k)) for k, v in given.items()}
     return merged, read
+
+
+def _number(value: Any) -> int | None:
+    """A flag's whole number, None where it is none (its own check says why later)."""
+    try:
+        return parse_integer(str(value))
+    except NotANumber:
+        return None
 
 
 def _check_experts(model: str, step: Any, ranks: int, source: str = "") -> None:

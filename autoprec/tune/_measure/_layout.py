@@ -99,8 +99,8 @@ def read_layout(path: str | Path) -> Layout:
             raise UserError(f"{where}: not a regular file; give the run's config or launch script")
         with path.open("rb") as fh:
             data = fh.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise UserError(f"{where}: cannot read it ({exc.strerror or exc}); give a readable file") from None
+    except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
+        raise UserError(f"{where}: cannot read it ({getattr(exc, 'strerror', None) or exc}); give a readable file") from None
     if len(data) > MAX_BYTES:
         raise UserError(f"{where}: over 1 MiB; a layout file (a config or a launch script) is smaller")
     try:
@@ -112,11 +112,7 @@ def read_layout(path: str | Path) -> Layout:
 
 def _whole(value: Any, where: str, key: str, *, least: int = 1, most: int = MAX_RANKS) -> int:
     """A whole number of the file's, from `least` to `most`; UserError naming the key otherwise."""
-    if isinstance(value, str) and "$" in value:
-        raise UserError(
-            f"{where}: {key} {shown(value, 40)} is a shell variable; give the expanded command (bash -x prints it), "
-            "or the value as predict's own flag"
-        )
+    _shell_variable(value, where, key)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise UserError(f"{where}: {key} = {shown(str(value), 40)} is not a whole number; give one, e.g. 4")
     try:
@@ -124,8 +120,17 @@ def _whole(value: Any, where: str, key: str, *, least: int = 1, most: int = MAX_
     except NotANumber:
         raise UserError(f"{where}: {key} = {shown(value, 40)} is not a whole number; give one, e.g. 4") from None
     if not least <= number <= most:
-        raise UserError(f"{where}: {key} = {shown(str(number), 24)}; give a whole number from {least} to {most}")
+        said = f"= {number}" if number.bit_length() < 64 else "is past any bound"  # str() of a huge int raises
+        raise UserError(f"{where}: {key} {said}; give a whole number from {least} to {most}")
     return number
+
+
+def _shell_variable(value: Any, where: str, key: str) -> None:
+    if isinstance(value, str) and "$" in value:
+        raise UserError(
+            f"{where}: {key} {shown(value, 40)} is a shell variable; give the expanded command (bash -x prints it), "
+            "or the value as predict's own flag"
+        )
 
 
 def _unpriced(where: str, what: str, ranks: int, why: str) -> UserError:
@@ -167,6 +172,11 @@ class _Read:
         if self.distributed_optimizer is None:  # torchtitan: FSDP shards the optimizer over the shard degree
             if self.shard is not None and self.shard > 0:
                 data, dp_shard = self.shard * self.replicate, self.shard
+                if self.ep and (self.shard * tp) % self.ep:  # torchtitan's own rule: EP borrows shard and TP ranks
+                    raise UserError(
+                        f"{self.where}: expert parallelism {self.ep} does not divide the data-parallel shards x "
+                        f"tensor-parallel ranks ({self.shard} x {tp}), which torchtitan refuses too; give a divisor"
+                    )
             else:
                 why = (
                     "data_parallel_shard_degree -1 takes every GPU the launch gives"
@@ -182,6 +192,8 @@ class _Read:
                         f"--tensor-model-parallel-size {tp}; give a world size it divides"
                     )
                 data = self.world // (tp * self.pp * self.cp)
+                if data > MAX_RANKS:
+                    raise UserError(f"{self.where}: {data} data-parallel ranks (the world over TP) are past {MAX_RANKS}")
                 if self.distributed_optimizer:
                     derived.append(("dp_shard", ("--tp",)))
             if not self.distributed_optimizer:
@@ -203,7 +215,21 @@ class _Read:
                         f"a micro-step takes ({self.local_batch} a rank x {data} data-parallel ranks); give one that is"
                     )
                 accum = self.global_batch // per_step
-                derived.append(("grad_accum", ("--tp",) if self.distributed_optimizer is not None else ("--dp-shard",)))
+                if accum > MAX_RANKS:
+                    raise UserError(
+                        f"{self.where}: {accum} micro-batches a step (the global batch over a micro-step's) are past {MAX_RANKS}"
+                    )
+                # Megatron's ranks come from TP (and, with its distributed optimizer, are the shards); torchtitan's shards are the file's
+                sources = (
+                    ("--dp-shard",)
+                    if self.distributed_optimizer is None
+                    else (("--tp", "--dp-shard") if self.distributed_optimizer else ("--tp",))
+                )
+                derived.append(("grad_accum", sources))
+        elif self.global_batch is not None and self.global_batch != -1:
+            needs.append(("--grad-accum", "a global batch with no micro-batch size beside it"))
+        if bool(self.local_batch) != bool(self.seq):
+            needs.append(("--tokens", "a micro-batch's sequences or their length, not both"))
         tokens = self.local_batch * self.seq if self.local_batch and self.seq else None
         if tokens is not None and tokens > MAX_TOKENS:
             raise UserError(f"{self.where}: {self.local_batch} sequences of {self.seq} tokens are past {MAX_TOKENS} a rank")
@@ -221,6 +247,7 @@ class _Read:
 
 
 def _checkpointing(read: _Read, key: str, mode: Any) -> str:
+    _shell_variable(mode, read.where, key)
     value = str(mode).strip().lower()
     if value in ("none", "full"):
         return value
@@ -254,20 +281,45 @@ def _from_toml(text: str, where: str) -> Layout:
     return read.layout()
 
 
+# the [parallelism] keys predict reads; any other *_degree there is a layout it would silently leave out
+_PARALLELISM = frozenset(
+    (
+        "data_parallel_shard_degree",
+        "data_parallel_replicate_degree",
+        "tensor_parallel_degree",
+        "expert_parallel_degree",
+        "pipeline_parallel_degree",
+        "context_parallel_degree",
+        "expert_tensor_parallel_degree",
+    )
+)
+
+
+def _refuse_unread(section: str, key: str, where: str, key_shown: str) -> None:
+    """A layout key predict would otherwise read as nothing: an older torchtitan config's ([training]
+    data_parallel_degree and batch_size, [experimental] pipeline_parallel_degree), or a [parallelism] degree it does not
+    know. Refused by name."""
+    older = section in ("training", "experimental") and (key.endswith("_degree") or key == "batch_size")
+    if older:
+        raise UserError(
+            f"{where}: {key_shown} is an older torchtitan config's layout key; predict reads [parallelism] and "
+            "[training] local_batch_size (torchtitan's 2025 configs): give the layout with --dp-shard, --tp, --ep and "
+            "--tokens instead"
+        )
+    if section == "parallelism" and key.endswith("_degree") and key not in _PARALLELISM:
+        raise UserError(
+            f"{where}: {key_shown} is no parallelism degree predict knows ({', '.join(sorted(_PARALLELISM))}); "
+            "correct it, or leave --layout out and give the flags"
+        )
+
+
 def _refuse_older_keys(config: Mapping[str, Any], where: str) -> None:
-    """An older torchtitan config's layout keys ([training] data_parallel_degree, batch_size; [experimental]
-    pipeline_parallel_degree): refused by name, never read as nothing."""
-    for section in ("training", "experimental"):
+    for section in ("parallelism", "training", "activation_checkpoint", "experimental"):
         table = config.get(section)
-        if not isinstance(table, Mapping):
-            continue
-        for key in table:
-            if key.endswith("_parallel_degree") or key.endswith("_parallel_shard_degree") or key == "batch_size":
-                raise UserError(
-                    f"{where}: [{section}] {key} is an older torchtitan config's layout key; predict reads "
-                    "[parallelism] and [training] local_batch_size (torchtitan's 2025 configs): give the layout with "
-                    "--dp-shard, --tp, --ep and --tokens instead"
-                )
+        if section in config and not isinstance(table, Mapping):
+            raise UserError(f"{where}: [{section}] is not a table of keys; write it as torchtitan's configs do")
+        for key in table or ():
+            _refuse_unread(section, key, where, f"[{section}] {key}")
 
 
 def _titan_items(config: Mapping[str, Any]):  # type: ignore[no-untyped-def]
@@ -297,6 +349,8 @@ def _titan_key(read: _Read, key_shown: str, section: str, key: str, value: Any) 
             read.pp = _whole(value, read.where, key_shown)
         elif key == "context_parallel_degree":
             read.cp = _whole(value, read.where, key_shown)
+        elif key == "expert_tensor_parallel_degree" and _whole(value, read.where, key_shown) != 1:
+            raise _unpriced(read.where, "expert tensor parallelism", int(value), "the experts' own TP collectives")
     elif section == "training":
         if key == "local_batch_size":
             read.local_batch = _whole(value, read.where, key_shown, most=MAX_COUNT)
@@ -320,6 +374,7 @@ def _from_arguments(text: str, where: str) -> Layout:
         raise UserError(f"{where}: cannot split it into arguments as a shell would ({exc}); close its quotes") from None
     flags: dict[str, str | None] = {}
     for i, word in enumerate(words):
+        _refuse_hidden_flags(word, where)
         if not word.startswith("--"):
             continue
         key, eq, given = word[2:].partition("=")
@@ -330,7 +385,11 @@ def _from_arguments(text: str, where: str) -> Layout:
         flags[key.replace("-", "_")] = value  # torchrun and Megatron spell words with - or _, tyro's flags too
     read = _Read(where)
     megatron = {k for k in flags if k in _MEGATRON} if _MEGATRON_OWN & set(flags) else set()
-    titan = {k for k in flags if "." in k and k.split(".", 1)[0] in ("parallelism", "training", "activation_checkpoint")}
+    sections = ("parallelism", "training", "activation_checkpoint", "experimental")
+    titan = {k for k in flags if "." in k and k.split(".", 1)[0] in sections}
+    for key in titan:
+        section, name = key.split(".", 1)
+        _refuse_unread(section, name, where, f"--{key}")
     if megatron and titan:
         raise UserError(
             f"{where}: holds both torchtitan's (--{sorted(titan)[0]}) and Megatron-LM's "
@@ -345,6 +404,11 @@ def _from_arguments(text: str, where: str) -> Layout:
     for key in sorted(titan):
         section, name = key.split(".", 1)
         _titan_key(read, f"--{key}", section, name, flags[key])
+    if titan:  # what torchtitan's Python config sets is not in the file
+        if read.checkpointing is None:
+            read.said.append("activation checkpointing not in the flags (torchtitan's config sets it): priced as none")
+        if read.local_batch is None and read.seq is None:
+            read.said.append("the micro-batch not in the flags (torchtitan's config sets it): model.py's batch")
     if megatron:
         read.distributed_optimizer = "use_distributed_optimizer" in flags
         for key in sorted(megatron):
@@ -360,6 +424,21 @@ def _from_arguments(text: str, where: str) -> Layout:
                 _whole(nodes, where, "--nnodes") if nodes is not None else 1
             )
     return read.layout()
+
+
+def _refuse_hidden_flags(word: str, where: str) -> None:
+    """A shell variable assigned layout flags (GPT_ARGS="--tensor-model-parallel-size 2 ...", then $GPT_ARGS on the
+    command line: older Megatron examples): its flags would be read as nothing, so it is refused."""
+    name, eq, value = word.partition("=")
+    if not eq or not name.isidentifier() or "--" not in value:
+        return
+    inner = {w[2:].partition("=")[0].replace("-", "_") for w in value.split() if w.startswith("--")}
+    hidden = sorted(k for k in inner if k in _MEGATRON or k.split(".", 1)[0] in ("parallelism", "training"))
+    if hidden:
+        raise UserError(
+            f"{where}: the shell variable {name} holds layout flags (--{hidden[0].replace('_', '-')}), which predict "
+            "does not expand; give the expanded command (bash -x prints it)"
+        )
 
 
 def _set(field: str, most: int = MAX_RANKS) -> Callable[[_Read, str, str | None], None]:
