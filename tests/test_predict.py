@@ -379,6 +379,9 @@ def test_predict_prices_a_mixtrals_experts_in_bf16_and_says_their_share(capsys, 
     assert code == 0, err
     result = json.loads(out)
     assert result["experts"] == "mxfp8" and result["parts_ms"]["candidate"]["experts"] < result["parts_ms"]["bf16"]["experts"]
+    code, out, err = run([str(path), "--target", "b200", "--format", "mxfp8", "--experts", "mxfp8"], capsys)
+    assert code == 0 and "a plan: apply_policy runs an MoE's grouped experts in the model root's format" in out, err
+    assert "routing priced as balanced" in out
     dense = tmp_path / "dense.py"
     dense.write_text(small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 4))\n"), encoding="utf-8")
     code, out, err = run([str(dense), "--target", "b200", "--format", "bf16", "--experts", "mxfp8"], capsys)

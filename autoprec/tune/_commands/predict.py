@@ -308,8 +308,8 @@ def command(
     if grouped_format is not None:
         lines.append(
             f"  experts: their grouped GEMMs priced in {grouped_format.value}, a plan: apply_policy runs an MoE's "
-            "grouped experts in the model root's format; routing priced as balanced (a new, unforced router's run "
-            "gained 1.40x from MXFP8 experts where 1.10x was predicted: docs/planning.md)"
+            "grouped experts in the model root's format; routing priced as balanced (a run with a new, unforced router "
+            "gained far more from MXFP8 experts than predicted: docs/planning.md)"
         )
     if found.coverage.worth_saying:
         lines.append(
