@@ -136,7 +136,7 @@ def _shell_variable(value: Any, where: str, key: str) -> None:
 def _unpriced(where: str, what: str, ranks: int, why: str) -> UserError:
     return UserError(
         f"{where}: {what} over {ranks} ranks, which predict does not price ({why}); leave --layout out and give the "
-        "layout of one stage with --dp-shard, --tp, --ep and --tokens"
+        "nearest layout it prices with --dp-shard, --tp, --ep and --tokens"
     )
 
 
