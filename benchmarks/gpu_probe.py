@@ -411,7 +411,7 @@ def stage_c(probe: Probe, device) -> str:  # type: ignore[no-untyped-def]
     with compile_scope(True, len(candidates)):
         warm = trainers(workload, candidates, compiled=not probe.smoke, log=probe.log)
         rows = timed_rows("c", "llama", "autoprec", warm, device, new)
-        write_csv(probe.out / "c_llama.csv", rows)
+        write_csv(probe.out / "c_llama.csv", rows)  # saved before the held rounds, which a deadline may cut
         # the GPU's busy time of each candidate: the predictor prices the GPU's work, and its largest held-out error
         # (issue 61, the tensorwise filter here) is against steps whose host issues them in nearly as long
         if device.type == "cuda":

@@ -15,6 +15,7 @@ from autoprec.policy import ROOT
 from autoprec.tune._commands._shared import Verb, print_json
 from autoprec.tune._core._numbers import NotANumber, parse_integer
 from autoprec.tune._core._targets import targets as planned_for
+from autoprec.tune._measure._layout import MAX_RANKS, MAX_TOKENS, Layout, read_layout
 from autoprec.tune._measure._predict import (
     baseline,
     describe,
@@ -26,13 +27,8 @@ from autoprec.tune._measure._predict import (
     uniform,
 )
 
-# The most tokens per step --tokens takes: a thousand times the largest published pre-training batches (16M tokens)
-MAX_TOKENS = 10**12
-
 # --checkpointing's choices: none, or the whole forward recomputed in the backward
 CHECKPOINTING = ("none", "full")
-# The most data-parallel ranks --dp-shard takes, and micro-batches --grad-accum takes
-MAX_RANKS = 10**6
 
 
 def _whole(value: str | int, flag: str, what: str, most: int, example: int) -> int:
@@ -60,12 +56,10 @@ def _tokens(value: str | int | None) -> int | None:
     return _whole(value, "--tokens", "the tokens (rows) of one micro-batch", MAX_TOKENS, 8192)
 
 
-def _with_layout(layout: str, given: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+def _with_layout(layout: str, given: dict[str, Any]) -> tuple[dict[str, Any], Layout]:
     """`given` (predict's layout flags, None where not given) completed from the file `layout` (_layout.py), and what
     the file said; UserError where the file leaves a value to the launch that no flag gives, or a flag overrides one
     the file derives others from (they would be stale)."""
-    from autoprec.tune._measure._layout import read_layout
-
     read = read_layout(layout)
     flags = {"--dp-shard": "dp_shard", "--grad-accum": "grad_accum", "--tp": "tp"}
     unsaid = [(flag, why) for flag, why in read.needs if given[flags[flag]] is None]

@@ -34,10 +34,12 @@ from autoprec.tune._core._numbers import NotANumber, parse_integer
 
 # The most a file predict reads a layout from may hold: a config or a launch script, never a data file
 MAX_BYTES = 1 << 20
-# The most ranks of any kind, and the most sequences or tokens a sequence, a file may name: predict's own bounds
+# The most ranks of any kind (and micro-batches a step) a layout may have, from a file or predict's flags alike
 MAX_RANKS = 10**6
+# The most sequences, or tokens a sequence, a file may name
 MAX_COUNT = 10**9
-# The most tokens of one micro-batch (predict's --tokens)
+# The most tokens of one micro-batch (predict's --tokens too): a thousand times the largest published pre-training
+# batches (16M tokens)
 MAX_TOKENS = 10**12
 
 # torchtitan's defaults for what a TOML leaves out (its JobConfig: Parallelism, Training; ActivationCheckpoint's mode
@@ -272,7 +274,7 @@ def _from_toml(text: str, where: str) -> Layout:
             f"{where}: not TOML ({str(exc)[:120]}); give a torchtitan .toml, or the launch's arguments in a file of "
             "another suffix"
         ) from None
-    _refuse_older_keys(config, where)
+    _check_sections(config, where)
     read = _Read(where, shard=_TITAN_SHARD, local_batch=_TITAN_LOCAL_BATCH, seq=_TITAN_SEQ)
     for section, key, value in _titan_items(config):
         _titan_key(read, f"[{section}] {key}", section, key, value)
@@ -313,7 +315,8 @@ def _refuse_unread(section: str, key: str, where: str, key_shown: str) -> None:
         )
 
 
-def _refuse_older_keys(config: Mapping[str, Any], where: str) -> None:
+def _check_sections(config: Mapping[str, Any], where: str) -> None:
+    """Each layout section a table, and no key in it that predict would read as nothing (_refuse_unread)."""
     for section in ("parallelism", "training", "activation_checkpoint", "experimental"):
         table = config.get(section)
         if section in config and not isinstance(table, Mapping):

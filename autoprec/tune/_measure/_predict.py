@@ -544,7 +544,8 @@ def routed_tokens(step: Step) -> float:
 def ep_communication_ms(step: Step, target: Target, cal: Calibration = CALIBRATION) -> float:
     """Expert parallelism's all-to-alls, not overlapped: each MoE layer sends its routed tokens to their experts' ranks
     and back (dispatch and combine) in the forward, and their gradients the same ways in the backward (the forward's
-    again under checkpointing), each the layer's routed tokens x the model's width in bf16, of which (ep - 1) / ep
+    again under checkpointing), each the layer's routed tokens x the width they travel in (the first grouped GEMM's K
+    going, the last one's N coming back; moe_layers) in bf16, of which (ep - 1) / ep
     leaves the rank, at half the NVLink bandwidth (one direction) times Calibration.memory, as tp_communication_ms
     prices a collective. Balanced routing: every rank sends and receives as many tokens (a busier rank waits longer);
     a top-k token is sent once per expert it goes to (no per-rank deduplication)."""
