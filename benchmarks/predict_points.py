@@ -104,16 +104,22 @@ def _decoder(
     experts: str | None = None,
     ep: int = 1,
     skip: tuple[str, ...] = (),
+    async_tp: bool = False,
 ) -> Callable[[predictor.Calibration], float]:
     """A decoder (benchmarks/models/decoder.py; Llama-3-8B's by default) with every Linear but the output layer, an
     MoE's router and those named `skip` (by their last name: "wk") in `fmt` (the float8 and MX converters' usual
     filter; `fmt` "bf16": none) but the last `tail` blocks', the rest bf16, over uniform bf16, the optimizer split
-    over `gpus` data-parallel ranks (and `tp` tensor-parallel ones); an MoE's grouped experts in `experts` (None:
-    bf16), spread over `ep` expert-parallel ranks."""
+    over `gpus` data-parallel ranks (and `tp` tensor-parallel ones, asynchronous where `async_tp`); an MoE's grouped
+    experts in `experts` (None: bf16), spread over `ep` expert-parallel ranks."""
 
     def compute(cal: predictor.Calibration) -> float:
         step = dataclasses.replace(
-            decoder_step(shape), shards=gpus, tensor_parallel=tp, checkpointing=checkpointing, expert_parallel=ep
+            decoder_step(shape),
+            shards=gpus,
+            tensor_parallel=tp,
+            async_tp=async_tp,
+            checkpointing=checkpointing,
+            expert_parallel=ep,
         )
         layers: dict[str, str] = {MODEL_ROOT: "bf16"}
         first_bf16 = shape.layers - tail
@@ -201,6 +207,9 @@ SCOUT_GB200 = "torchao moe_training README case study / pytorch.org MXFP8 MoE bl
 SCOUT_48 = dataclasses.replace(decoder.LLAMA4_SCOUT, batch=1)
 SCOUT_SKIP = ("wk", "wv")
 ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP rows (published_points.md A5-A10)"
+ASYNC_TP_ON = (
+    "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, async TP rows (published_points.md A7-A8, A11-A12)"
+)
 # Llama-3-70B at torchtitan's TP benchmark: 16 sequences of 8192 a data-parallel rank (its tensor-parallel group)
 LLAMA3_70B = decoder.Shape(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192, batch=16)
 
@@ -574,7 +583,85 @@ POINTS = (
         tp=True,
         note="full checkpointing",
     ),
+    Point(
+        "Llama-3-8B, FSDP 8 x async TP 8, fp8 tensorwise",
+        "h100",
+        1.158,
+        ASYNC_TP_ON,
+        False,
+        _decoder("fp8", "h100", 8, dataclasses.replace(L8, batch=12), tp=8, async_tp=True),
+        "fp8",
+        L8.dim,
+        tp=True,
+        note="over async TP's bf16; selective checkpointing priced as none",
+    ),
+    Point(
+        "Llama-3-8B, FSDP 8 x async TP 8, fp8 rowwise",
+        "h100",
+        0.814,
+        ASYNC_TP_ON,
+        False,
+        _decoder("fp8-rowwise", "h100", 8, dataclasses.replace(L8, batch=12), tp=8, async_tp=True),
+        "fp8-rowwise",
+        L8.dim,
+        tp=True,
+        note="over async TP's bf16",
+    ),
+    Point(
+        "Llama-3-70B, FSDP 32 x async TP 8, fp8 tensorwise",
+        "h100",
+        1.445,
+        ASYNC_TP_ON,
+        False,
+        _decoder("fp8", "h100", 32, LLAMA3_70B, tp=8, checkpointing=True, async_tp=True),
+        "fp8",
+        LLAMA3_70B.dim,
+        tp=True,
+        note="over async TP's bf16; full checkpointing",
+    ),
+    Point(
+        "Llama-3-70B, FSDP 32 x async TP 8, fp8 rowwise",
+        "h100",
+        0.958,
+        ASYNC_TP_ON,
+        False,
+        _decoder("fp8-rowwise", "h100", 32, LLAMA3_70B, tp=8, checkpointing=True, async_tp=True),
+        "fp8-rowwise",
+        LLAMA3_70B.dim,
+        tp=True,
+        note="over async TP's bf16; full checkpointing",
+    ),
 )
+
+
+# torchtitan's async TP over its vanilla TP, each format's own (asyncTP_llama3_h100_2025-06: A5-A12's TPS per GPU)
+ASYNC_GAINS = {
+    ("8B", "bf16"): 4809.4 / 4378,
+    ("8B", "fp8"): 5570.1 / 5078.1,
+    ("8B", "fp8-rowwise"): 3914.9 / 3708.5,
+    ("70B", "bf16"): 652.4 / 597.3,
+    ("70B", "fp8"): 942.4 / 809.8,
+    ("70B", "fp8-rowwise"): 624.8 / 599.6,
+}
+
+
+def async_gains(cal: predictor.Calibration = predictor.CALIBRATION) -> dict[tuple[str, str], tuple[float, float]]:
+    """Each (model, format) of torchtitan's TP benchmark: the predicted step-time gain of async TP over vanilla TP and
+    the measured one (docs/planning.md says where they part)."""
+    runs = {"8B": (dataclasses.replace(L8, batch=12), 8, False), "70B": (LLAMA3_70B, 32, True)}
+    out = {}
+    for (model, fmt), measured in ASYNC_GAINS.items():
+        shape, gpus, checkpointing = runs[model]
+        step = dataclasses.replace(decoder_step(shape), shards=gpus, tensor_parallel=8, checkpointing=checkpointing)
+        layers: dict[str, str] = {MODEL_ROOT: "bf16"}
+        layers.update({s.name: fmt for s in step.linears if s.name != "output"})
+        policy, target = Policy(layers=layers), target_named("h100")
+        vanilla, overlapped = (
+            predictor.predict(dataclasses.replace(step, async_tp=a), policy, target, cal).ms for a in (False, True)
+        )
+        out[model, fmt] = (vanilla / overlapped, measured)
+    return out
+
 
 # The parameters fitted (a gemm key, a Calibration field, or "casts.<kind>") with their bounds, and those tied to a
 # fitted one (assumed equal: no point measures them apart).

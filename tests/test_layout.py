@@ -157,6 +157,21 @@ def test_torchtitans_command_line_flags_are_read_in_either_spelling(tmp_path):
     assert [flag for flag, _ in unsized.needs] == ["--grad-accum"]
 
 
+def test_async_tensor_parallelism_is_read_from_torchtitans_key_or_flag_and_megatrons_overlap_is_said(tmp_path):
+    toml = SCOUT_TOML.replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2\nenable_async_tensor_parallel = true")
+    assert read_layout(write(tmp_path, "a.toml", toml)).as_flags()["async_tp"] is True
+    assert "async_tp" not in read_layout(write(tmp_path, "b.toml", SCOUT_TOML)).as_flags()  # unsaid: predict's default
+    flags = "x --parallelism.data_parallel_shard_degree=2 --parallelism.tensor_parallel_degree=2 "
+    assert read_layout(write(tmp_path, "on.sh", flags + "--parallelism.enable_async_tensor_parallel\n")).async_tp is True
+    off = flags + "--parallelism.no-enable-async-tensor-parallel --compile.enable\n"
+    assert read_layout(write(tmp_path, "off.sh", off)).async_tp is False
+    assert read_layout(write(tmp_path, "f.sh", flags + "--parallelism.enable_async_tensor_parallel=False\n")).async_tp is False
+    with pytest.raises(UserError, match="enable_async_tensor_parallel = '1'; give true or false"):
+        read_layout(write(tmp_path, "c.toml", toml.replace("= true", "= 1")))
+    megatron = read_layout(write(tmp_path, "m.sh", MEGATRON.replace("--use-distributed-optimizer", "--tp-comm-overlap")))
+    assert megatron.async_tp is None and any("Transformer Engine's overlap" in s for s in megatron.said)
+
+
 @pytest.mark.parametrize(
     ("text", "said"),
     [

@@ -581,7 +581,7 @@ def test_predict_takes_the_data_parallel_shards_and_micro_batches_of_a_step(caps
     code, out, err = run(argv, capsys)
     assert code == 0, err
     laid = json.loads(out)
-    assert laid["layout"] == {"dp_shard": 8, "grad_accum": 4, "tp": 1, "checkpointing": "none", "ep": 1}
+    assert laid["layout"] == {"dp_shard": 8, "grad_accum": 4, "tp": 1, "async_tp": False, "checkpointing": "none", "ep": 1}
     assert laid["parts_ms"]["bf16"]["gemms"] == pytest.approx(4 * plain["parts_ms"]["bf16"]["gemms"])
     assert laid["parts_ms"]["bf16"]["optimizer"] == pytest.approx(plain["parts_ms"]["bf16"]["optimizer"] / 8)
     code, out, _ = run(argv[:-1], capsys)
@@ -616,6 +616,73 @@ def test_tensor_parallelism_shards_each_linear_by_its_role_and_prices_each_branc
     again = predictor.predict(dataclasses.replace(step, tensor_parallel=8, checkpointing=True), predictor.baseline(), H100)
     assert again.parts["communication"] == pytest.approx(2 * 6 * collective)
     assert again.parts["gemms"] > eight["gemms"] and again.parts["other_matmuls"] > eight["other_matmuls"]
+
+
+def test_async_tensor_parallelism_fuses_a_collective_with_its_gemm_only_where_torch_fuses_them():
+    """Issue 61: torchtitan's async TP rows had no price. torch's micro-pipeline TP fuses an all-gather into the
+    matmuls that read it and a reduce-scatter into the matmul that writes it, the pair running in tp chunks (max +
+    min / tp); a gathered operand cast first (rowwise) or a reduce-scatter of dgrads summed (q's and k's) is not
+    fused. Tensorwise fp8 gathers the forward's input and the backward's gradient in fp8 (Float8RowwiseParallel)."""
+    d, tokens, tp = 1024, 4096.0, 8
+    shapes = (LinearShape("q", d, d, tokens), LinearShape("k", d, 256, tokens, reads="q"), LinearShape("o", d, d, tokens))
+    step = Step(shapes, other_flops=1e12, other_bytes=1e9, params=1e8, tensor_parallel=tp)
+    assert predictor.tp_branches(step, predictor.tp_roles(step)) == [(shapes[:2], shapes[2])]
+    # each rank's shards, written out: q and k split along N (column-parallel), o along K (row-parallel)
+    shards = {"q": LinearShape("q", d, d // tp, tokens), "k": LinearShape("k", d, 256 // tp, tokens, reads="q"),
+              "o": LinearShape("o", d // tp, d, tokens)}  # fmt: skip
+    cal = predictor.CALIBRATION
+
+    def collective(width_bytes):
+        return 1e3 * (tp - 1) / tp * tokens * d * width_bytes / (H100.link_gbs / 2 * 1e9 * cal.memory) + H100.launch_us * 1e-3
+
+    def gemm(name, fmt, which):
+        return predictor.linear_parts(shards[name], Format(fmt), "bf16", H100, cal, None, only=(which,))["gemms"]
+
+    def fused(comm, gemms):
+        return max(comm, gemms) + min(comm, gemms) / tp - gemms
+
+    high, low = collective(2), collective(1)
+    want = {
+        "bf16": fused(high, gemm("q", "bf16", "fprop") + gemm("k", "bf16", "fprop"))
+        + fused(high, gemm("o", "bf16", "fprop"))
+        + fused(high, gemm("o", "bf16", "dgrad"))
+        + high,
+        "fp8": fused(low, gemm("q", "fp8", "fprop") + gemm("k", "fp8", "fprop"))
+        + fused(high, gemm("o", "fp8", "fprop"))
+        + fused(low, gemm("o", "fp8", "dgrad"))
+        + high,
+        # rowwise casts the gathered input and gradient after the gather: only o's reduce-scatter is fused
+        "fp8-rowwise": high + fused(high, gemm("o", "fp8-rowwise", "fprop")) + high + high,
+    }
+    vanilla = {"bf16": 4 * high, "fp8": 2 * low + 2 * high, "fp8-rowwise": 4 * high}
+    overlapped = dataclasses.replace(step, async_tp=True)
+    for fmt in want:
+        policy = predictor.baseline() if fmt == "bf16" else predictor.uniform(fmt, step)
+        assert predictor.predict(overlapped, policy, H100).parts["communication"] == pytest.approx(want[fmt]), fmt
+        assert predictor.predict(step, policy, H100).parts["communication"] == pytest.approx(vanilla[fmt]), fmt
+        assert want[fmt] < vanilla[fmt]
+    # the GEMMs themselves are the same either way: only the time the collectives add changes
+    assert predictor.predict(overlapped, predictor.baseline(), H100).parts["gemms"] == pytest.approx(
+        predictor.predict(step, predictor.baseline(), H100).parts["gemms"]
+    )
+
+
+def test_predict_prices_async_tensor_parallelism_and_refuses_it_without_tensor_parallelism(capsys, write_model):
+    model = write_model(small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 8))\n"))
+    base = [str(model), "--target", "h100", "--format", "fp8", "--tokens", "65536", "--tp", "2", "--json"]
+    code, out, err = run(base, capsys)
+    assert code == 0, err
+    vanilla = json.loads(out)
+    code, out, err = run([*base, "--async-tp"], capsys)
+    assert code == 0, err
+    overlapped = json.loads(out)
+    assert (vanilla["layout"]["async_tp"], overlapped["layout"]["async_tp"]) == (False, True)
+    assert overlapped["parts_ms"]["bf16"]["communication"] < vanilla["parts_ms"]["bf16"]["communication"]
+    assert "asynchronous tensor parallelism" not in overlapped["left_out"]
+    code, out, err = run([*base[:-1], "--async-tp"], capsys)
+    assert code == 0 and "asynchronous: collectives fused with their GEMMs where torch fuses them" in out, err
+    code, out, err = run([str(model), "--target", "h100", "--format", "fp8", "--async-tp"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--async-tp: there is no tensor parallelism" in err, err
 
 
 def test_expert_parallelism_prices_each_moe_layers_all_to_alls_from_the_traced_grouped_gemms(capsys, tmp_path):

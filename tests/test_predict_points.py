@@ -57,11 +57,16 @@ PINNED = {
     ("Llama (examples/llama, 2048 wide), 1 GPU, fp8 FFN only", "h200"): 11.5,
     ("Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears", "gb200"): 12.2,
     ("Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears, full checkpointing", "gb200"): 3.4,
-    ("Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise", "h100"): 1.3,
+    # 1.3 before the backward's gradient all-gather was priced in fp8, as torchao's Float8RowwiseParallel casts it
+    ("Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise", "h100"): 6.5,
     ("Llama-3-8B, FSDP 8 x TP 8, fp8 rowwise", "h100"): 2.1,
     ("Llama-3-8B, FSDP 2 x TP 2, fp8 rowwise", "h100"): 3.4,
-    ("Llama-3-70B, FSDP 32 x TP 8, fp8 tensorwise", "h100"): 5.2,
+    ("Llama-3-70B, FSDP 32 x TP 8, fp8 tensorwise", "h100"): 2.5,
     ("Llama-3-70B, FSDP 32 x TP 8, fp8 rowwise", "h100"): 2.0,
+    ("Llama-3-8B, FSDP 8 x async TP 8, fp8 tensorwise", "h100"): 0.7,
+    ("Llama-3-8B, FSDP 8 x async TP 8, fp8 rowwise", "h100"): 8.5,
+    ("Llama-3-70B, FSDP 32 x async TP 8, fp8 tensorwise", "h100"): 11.0,
+    ("Llama-3-70B, FSDP 32 x async TP 8, fp8 rowwise", "h100"): 6.2,
 }
 
 
@@ -78,6 +83,19 @@ def test_no_held_out_point_is_worse_than_pinned_and_the_stated_bands_are_the_tab
     # fitted points are few, and fit (within 3%: the fit also reads half of the GEMM-level shapes)
     fitted = [r for r in rows if r.point.fitted]
     assert len(fitted) < len(held) and all(abs(r.error) <= 0.03 for r in fitted)
+
+
+def test_async_tps_gain_over_vanilla_is_as_the_docs_say_near_torchtitans_for_fp8_and_twice_it_for_bf16():
+    """docs/planning.md: tensorwise's and rowwise's gains from async TP within 3.5% of torchtitan's, bf16's about twice
+    its 9-10%, which is why fp8 over async TP's bf16 is predicted short."""
+    gains = points.async_gains()
+    stated = {("8B", "fp8"): 1.114, ("70B", "fp8"): 1.159, ("8B", "fp8-rowwise"): 1.020, ("70B", "fp8-rowwise"): 1.048}
+    for key, value in stated.items():
+        assert gains[key][0] == pytest.approx(value, abs=5e-4), key
+        assert abs(gains[key][0] / gains[key][1] - 1) < 0.035, key
+    for model in ("8B", "70B"):
+        predicted, measured = gains[model, "bf16"]
+        assert 1.17 < predicted < 1.20 and 1.09 < measured < 1.10
 
 
 @pytest.mark.slow

@@ -116,6 +116,7 @@ def command(
     dp_shard: str | int | None = None,
     grad_accum: str | int | None = None,
     tp: str | int | None = None,
+    async_tp: bool | None = None,
     checkpointing: str | None = None,
     experts: str | None = None,
     ep: str | int | None = None,
@@ -123,7 +124,9 @@ def command(
 ) -> tuple[dict[str, Any], str]:
     """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
     `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
-    the optimizer's work (FSDP), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `checkpointing`
+    the optimizer's work (FSDP), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `async_tp` whether
+    their collectives overlap as torch's asynchronous TP overlaps them (None: as the layout file says, else not),
+    `checkpointing`
     "full" or "none", `experts` the format an MoE's grouped GEMMs are priced in (a plan: apply_policy runs them in
     the model root's), `ep` the expert-parallel ranks an MoE's experts are spread over, `layout` a file to read the
     layout from (a torchtitan TOML or a launch's arguments: _layout.py), whose values a flag given here overrides.
@@ -140,9 +143,9 @@ def command(
     read, from_file = None, False
     if layout is not None:
         typed = {"dp_shard": dp_shard, "grad_accum": grad_accum, "tp": tp, "ep": ep, "checkpointing": checkpointing}
-        merged, read = _with_layout(layout, {**typed, "tokens": tokens})
+        merged, read = _with_layout(layout, {**typed, "tokens": tokens, "async_tp": async_tp})
         dp_shard, grad_accum, tp, ep = merged["dp_shard"], merged["grad_accum"], merged["tp"], merged["ep"]
-        checkpointing, tokens = merged["checkpointing"], merged["tokens"]
+        checkpointing, tokens, async_tp = merged["checkpointing"], merged["tokens"], merged["async_tp"]
         from_file = typed["ep"] is None and read.ep is not None
     wanted = _tokens(tokens)
     shards = _count(dp_shard, "--dp-shard", "the data-parallel ranks the optimizer's state is sharded over (FSDP)")
@@ -150,6 +153,10 @@ def command(
     tensor = _count(tp, "--tp", "the tensor-parallel ranks each Linear is sharded over")
     if tensor > 1 and device.link_gbs <= 0:
         raise UserError(f"--tp {tensor}: target {device.name} has no NVLink bandwidth to price its collectives; --tp 1")
+    overlapped = bool(async_tp) and tensor > 1
+    if async_tp and tensor == 1:
+        if read is None or read.async_tp is None:  # typed: a mistake; from a run's config: nothing to overlap
+            raise UserError("--async-tp: there is no tensor parallelism to overlap; give --tp N (N above 1) or leave it out")
     spread = _count(ep, "--ep", "the expert-parallel ranks an MoE's experts are spread over")
     if spread > 1 and device.link_gbs <= 0:
         raise UserError(f"--ep {spread}: target {device.name} has no NVLink bandwidth to price its all-to-alls; --ep 1")
@@ -184,6 +191,8 @@ def command(
             f"--experts {grouped_format.value}: {model} runs no grouped experts (torch._grouped_mm) to price; leave it out"
         )
     said = list(read.said) if read is not None else []
+    if async_tp and tensor == 1:
+        said.append("asynchronous tensor parallelism left out: the layout has no tensor parallelism")
     if spread > 1 and from_file and not found.step.grouped:  # a run's config names it; this model has no experts
         said.append(f"expert parallelism {spread} left out: {model} runs no grouped experts")
         spread = 1
@@ -195,6 +204,7 @@ def command(
         shards=shards,
         micro_steps=micro,
         tensor_parallel=tensor,
+        async_tp=overlapped,
         checkpointing=recompute == "full",
         expert_parallel=spread,
     )
@@ -263,6 +273,7 @@ def command(
             "dp_shard": shards,
             "grad_accum": micro,
             "tp": tensor,
+            "async_tp": overlapped,
             "checkpointing": recompute,
             "ep": spread,
             **({"from": str(layout), "said": said} if read is not None else {}),
@@ -270,7 +281,7 @@ def command(
         "coverage": found.coverage.to_dict(),
         "traced_on": found.device,
         "absolute_validated": False,  # the times are the predictor's parts; only their ratio is checked against runs
-        "left_out": "FSDP's communication, asynchronous tensor parallelism's overlap, an MoE's unbalanced routing "
+        "left_out": "FSDP's communication, an MoE's unbalanced routing "
         "(balanced assumed)"
         + ("" if spread > 1 or not step.grouped else " and, if it trains expert-parallel, its all-to-alls (--ep N prices them)")
         + ", host overhead, power and clock limits",
@@ -280,7 +291,16 @@ def command(
         + (f" ({micro} micro-batches of {step.tokens:,.0f})" if micro > 1 else "")
         + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); the optimizer's work on "
         + (f"{shards} data-parallel ranks" if shards > 1 else "one rank (--dp-shard N: FSDP over N)")
-        + (f"; tensor parallel over {tensor} ranks (sequence-parallel, collectives not overlapped)" if tensor > 1 else "")
+        + (
+            f"; tensor parallel over {tensor} ranks (sequence-parallel, "
+            + (
+                "asynchronous: collectives fused with their GEMMs where torch fuses them)"
+                if overlapped
+                else "collectives not overlapped)"
+            )
+            if tensor > 1
+            else ""
+        )
         + (f"; experts over {spread} expert-parallel ranks (all-to-alls not overlapped)" if spread > 1 else "")
         + ("; full activation checkpointing" if recompute == "full" else "")
         + (f"; the layout read from {layout} (a flag given overrides it)" if read is not None else ""),
@@ -331,6 +351,13 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-shard", metavar="N", help="data-parallel ranks the optimizer's state is sharded over (FSDP; default 1)")
     p.add_argument("--grad-accum", metavar="N", help="micro-batches per optimizer step (default 1)")
     p.add_argument("--tp", metavar="N", help="tensor-parallel ranks each Linear is sharded over (sequence-parallel; default 1)")
+    p.add_argument(
+        "--async-tp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tensor parallelism's collectives overlapped with their GEMMs, as torch's asynchronous TP (torchtitan's "
+        "enable_async_tensor_parallel) runs them (default: as --layout says, else not)",
+    )
     p.add_argument("--checkpointing", metavar="{none,full}", help="activation checkpointing (default none)")
     p.add_argument("--experts", metavar="F", help="price an MoE's grouped expert GEMMs in F (bf16 or mxfp8; a plan)")
     p.add_argument("--ep", metavar="N", help="expert-parallel ranks an MoE's experts are spread over (default 1)")
@@ -351,6 +378,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         dp_shard=args.dp_shard,
         grad_accum=args.grad_accum,
         tp=args.tp,
+        async_tp=args.async_tp,
         checkpointing=args.checkpointing,
         experts=args.experts,
         ep=args.ep,

@@ -3,7 +3,7 @@
 
 - a torchtitan job config (`.toml`, as torchtitan's train_configs were written in 2025): [parallelism]
   data_parallel_shard_degree, data_parallel_replicate_degree, tensor_parallel_degree, expert_parallel_degree,
-  pipeline_parallel_degree, context_parallel_degree; [activation_checkpoint] mode; [training] local_batch_size,
+  pipeline_parallel_degree, context_parallel_degree, enable_async_tensor_parallel; [activation_checkpoint] mode; [training] local_batch_size,
   seq_len, global_batch_size. A key the file leaves out takes torchtitan's default (shards -1: every GPU left, which
   the launch decides; 8 sequences of 2048; selective checkpointing). An older config's layout keys (under [training]
   or [experimental]) are refused by name.
@@ -12,8 +12,9 @@
   sets is not in the file, so the data-parallel ranks must be said) or a Megatron-LM one (--tensor-model-parallel-size,
   --expert-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size, --micro-batch-size,
   --global-batch-size, --seq-length, --recompute-granularity, --recompute-activations, --recompute-method,
-  --use-distributed-optimizer), with torchrun's --nproc-per-node and --nnodes for the world size. The flags of every
-  command in the file are read together.
+  --use-distributed-optimizer; --tp-comm-overlap, Transformer Engine's own overlap, is said and priced as none), with
+  torchrun's --nproc-per-node and --nnodes for the world size. The flags of every command in the file are read
+  together.
 
 The file is read as data: at most MAX_BYTES of a regular file, TOML parsed, arguments split as a shell splits words;
 nothing in it is run or imported. What predict cannot price is refused with the key and value that ask for it
@@ -63,7 +64,8 @@ _MEGATRON_OWN = frozenset(
 class Layout:
     """A run's layout as predict prices it; None where the file does not say (predict's default then holds).
     `dp_shard`: the data-parallel ranks the optimizer's state is sharded over; `grad_accum`: micro-batches per
-    optimizer step; `tp`, `ep`: tensor- and expert-parallel ranks; `checkpointing`: "none" or "full"; `tokens`: one
+    optimizer step; `tp`, `ep`: tensor- and expert-parallel ranks; `async_tp`: torch's asynchronous tensor
+    parallelism on; `checkpointing`: "none" or "full"; `tokens`: one
     rank's micro-batch in tokens; `needs`: each flag that must be given (the file leaves it to the launch) with why;
     `derived`: the values derived from others of the file (a flag that overrides the others would leave them stale);
     `said`: how a value was taken where predict prices it otherwise than the framework runs it."""
@@ -72,6 +74,7 @@ class Layout:
     grad_accum: int | None = None
     tp: int | None = None
     ep: int | None = None
+    async_tp: bool | None = None
     checkpointing: str | None = None
     tokens: int | None = None
     needs: tuple[tuple[str, str], ...] = ()
@@ -85,6 +88,7 @@ class Layout:
             "grad_accum": self.grad_accum,
             "tp": self.tp,
             "ep": self.ep,
+            "async_tp": self.async_tp,
             "checkpointing": self.checkpointing,
             "tokens": self.tokens,
         }
@@ -151,6 +155,7 @@ class _Read:
     replicate: int = 1
     tp: int | None = None
     ep: int | None = None
+    async_tp: bool | None = None
     pp: int = 1
     cp: int = 1
     local_batch: int | None = None
@@ -240,12 +245,26 @@ class _Read:
             grad_accum=accum,
             tp=self.tp,
             ep=self.ep,
+            async_tp=self.async_tp,
             checkpointing=self.checkpointing,
             tokens=tokens,
             needs=tuple(needs),
             derived=tuple(derived),
             said=tuple(self.said),
         )
+
+
+def _switch(value: Any, where: str, key: str) -> bool:
+    """A yes-or-no key: a TOML boolean, or a flag's word (a flag with no word after it is on)."""
+    _shell_variable(value, where, key)
+    if isinstance(value, bool):
+        return value
+    word = "true" if value is None else (value.strip().lower() if isinstance(value, str) else "")
+    if word in ("true", "1", "yes", "on"):
+        return True
+    if word in ("false", "0", "no", "off"):
+        return False
+    raise UserError(f"{where}: {key} = {shown(str(value), 40)}; give true or false")
 
 
 def _checkpointing(read: _Read, key: str, mode: Any) -> str:
@@ -333,9 +352,13 @@ def _titan_items(config: Mapping[str, Any]):  # type: ignore[no-untyped-def]
                 yield section, key, value
 
 
+# torchtitan's yes-or-no [parallelism] keys predict reads (as a flag: on alone, or its no_ spelling off)
+_SWITCHES = frozenset(("enable_async_tensor_parallel", "no_enable_async_tensor_parallel"))
+
+
 def _titan_key(read: _Read, key_shown: str, section: str, key: str, value: Any) -> None:
     """One torchtitan key (a TOML entry or a --section.key flag) into `read`; others are not the layout's."""
-    if value is None:
+    if value is None and not (section == "parallelism" and key in _SWITCHES):
         raise UserError(f"{read.where}: {key_shown} has no value; give it one")
     if section == "parallelism":
         if key == "data_parallel_shard_degree":
@@ -352,6 +375,9 @@ def _titan_key(read: _Read, key_shown: str, section: str, key: str, value: Any) 
             read.pp = _whole(value, read.where, key_shown)
         elif key == "context_parallel_degree":
             read.cp = _whole(value, read.where, key_shown)
+        elif key in _SWITCHES:
+            on = _switch(value, read.where, key_shown)
+            read.async_tp = on if key.startswith("enable") else not on
         elif key == "expert_tensor_parallel_degree" and _whole(value, read.where, key_shown) != 1:
             raise _unpriced(read.where, "expert tensor parallelism", int(value), "the experts' own TP collectives")
     elif section == "training":
@@ -467,5 +493,9 @@ _MEGATRON: dict[str, Callable[[_Read, str, str | None], None]] = {
     "seq_length": _set("seq", MAX_COUNT),
     "recompute_granularity": _granularity,
     "recompute_activations": lambda read, key, value: None,  # read after the others: it decides
+    # Transformer Engine's userbuffer overlap of TP's collectives: not torch's asynchronous TP, which is all predict prices
+    "tp_comm_overlap": lambda read, key, value: read.said.append(
+        f"{key}: Transformer Engine's overlap of the tensor-parallel collectives priced as none (--async-tp prices torch's)"
+    ),
     "use_distributed_optimizer": lambda read, key, value: None,  # read above
 }

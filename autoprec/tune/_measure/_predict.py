@@ -119,7 +119,7 @@ CALIBRATION = Calibration(
 # The predictor's error band: the largest |error| over its validation points (not fitted on), and how many there are.
 # tests/test_predict_points.py recomputes both from the table.
 ERROR = 0.15
-VALIDATION_POINTS = 28
+VALIDATION_POINTS = 32
 # The regimes a prediction's band is stated in: the model's width class (width()), a low-precision GEMM kernel and the
 # layout (tensor-parallel or not).
 # Each validated regime's band is the largest |error| over the held-out points in it, and how many there are
@@ -138,9 +138,9 @@ BANDS: Mapping[tuple[int, str, str], tuple[float, int]] = {
     (1024, "fp8-rowwise", "dp"): (0.08, 1),
     (1024, "fp8-tensorwise", "dp"): (0.02, 1),
     (2048, "fp8-rowwise", "dp"): (0.07, 8),
-    (2048, "fp8-rowwise", "tp"): (0.04, 3),
+    (2048, "fp8-rowwise", "tp"): (0.09, 5),
     (2048, "fp8-tensorwise", "dp"): (0.15, 6),
-    (2048, "fp8-tensorwise", "tp"): (0.06, 2),
+    (2048, "fp8-tensorwise", "tp"): (0.11, 4),
     (2048, "mxfp8", "dp"): (0.08, 3),
     (2048, "mxfp8", "moe-experts"): (0.13, 2),
     (2048, "nvfp4", "dp"): (0.05, 2),
@@ -194,6 +194,9 @@ class Step:
     # column- and row-parallel); each rank prices its shard, plus the collectives of each residual branch
     tensor_parallel: int = 1
     checkpointing: bool = False  # full activation checkpointing: the forward runs again in the backward
+    # asynchronous tensor parallelism (torch's micro-pipeline TP): collectives fused with their GEMMs where torch
+    # fuses them (tp_communication_ms)
+    async_tp: bool = False
     forward_other_flops: float | None = None  # other_flops' forward share (None: a third, a matmul's)
     grouped_flops: float = 0.0  # grouped GEMMs' (torch._grouped_mm: an MoE's experts), forward and backward
     modules: tuple[str, ...] = ()  # every module's name (named_modules), where the step was traced from a model
@@ -499,30 +502,80 @@ def _shard(shape: LinearShape, role: str, tp: int) -> LinearShape:
     return dataclasses.replace(shape, out_features=max(1, shape.out_features // tp))
 
 
+def tp_branches(step: Step, roles: Mapping[str, str]) -> list[tuple[tuple[LinearShape, ...], LinearShape]]:
+    """Each residual branch of a tensor-parallel step: the column-parallel Linears called since the previous
+    row-parallel one (in the forward's order: q, k and v; gate and up) and the row-parallel Linear that closes it
+    (the attention's output, the down-projection). Column-parallel Linears no row-parallel one follows (the output
+    layer) close no branch."""
+    branches: list[tuple[tuple[LinearShape, ...], LinearShape]] = []
+    columns: list[LinearShape] = []
+    for shape in step.linears:
+        if roles.get(shape.name) == "row":
+            branches.append((tuple(columns), shape))
+            columns = []
+        else:
+            columns.append(shape)
+    return branches
+
+
+def _reads_gathered(fmt: Format, gemm: int, gathered: float) -> bool:
+    """Whether GEMM `gemm` (0 fprop, 1 dgrad) of a Linear in `fmt` reads its gathered operand as the collective
+    leaves it (bf16 with no cast, or fp8 cast before the gather), which torch's micro-pipeline TP needs to fuse the
+    two: an all-gather whose consumer is a cast first is not fused."""
+    cast = fmt.family.gemm_casts(fmt)[gemm]
+    if cast is None:
+        return fmt.family.gemm_precisions(fmt, BASELINE)[gemm] == BASELINE and gathered == ELEMENT_BYTES[BASELINE]
+    return cast.kernel == "fp8-tensorwise" and gathered == ELEMENT_BYTES["fp8"]
+
+
 def tp_communication_ms(step: Step, policy: Policy, target: Target, cal: Calibration, roles: Mapping[str, str]) -> float:
-    """Sequence-parallel tensor parallelism's collectives, not overlapped (vanilla TP): each residual branch (closed by
-    a row-parallel Linear) all-gathers its input and reduce-scatters its output in the forward and the reverse in the
-    backward (the forward's again under checkpointing), each of the branch's tokens x the model's width, in a ring at
-    half the NVLink bandwidth (one direction) times Calibration.memory. In bf16, but for the forward's all-gather of a
-    branch whose row-parallel Linear runs a tensorwise fp8 kernel: torchao's float8 tensor parallelism casts the
-    input before it gathers, so that moves fp8 (the branch's column-parallel Linears are taken to share the format)."""
+    """Sequence-parallel tensor parallelism's collectives: each residual branch (tp_branches) all-gathers its input
+    and reduce-scatters its output in the forward and the reverse in the backward (the forward's again under
+    checkpointing), each of the branch's tokens x the model's width, in a ring at half the NVLink bandwidth (one
+    direction) times Calibration.memory. In bf16, but where the branch's row-parallel Linear runs a tensorwise fp8
+    kernel: torchao's float8 tensor parallelism casts the input before the forward's all-gather (its fprop's, the
+    branch's column-parallel Linears taken to share the format) and the output's gradient before the backward's (its
+    dgrad's), so those move fp8.
+
+    Vanilla TP (Step.async_tp False): no collective overlapped. Asynchronous TP (torch's micro-pipeline TP, as
+    torchtitan enables it): a collective fused with the GEMM next to it runs in pipelined chunks, the pair taking
+    max(collective, GEMM) + min(collective, GEMM) / tp rather than their sum; fused are the forward's all-gather with
+    the column-parallel fprops that read it, the forward's reduce-scatter with the row-parallel fprop that writes it,
+    and the backward's all-gather with the row-parallel dgrad, each only where the GEMM reads the gathered tensor
+    uncast (_reads_gathered; torch fuses an all-gather into the matmuls that consume it, a reduce-scatter into the
+    matmul that produces it). The backward's reduce-scatter sums the column-parallel dgrads first, so it is not fused.
+    Returns the time the collectives add to the step."""
     tp, dim = max(step.tensor_parallel, 1), width(step)
     per_direction = target.link_gbs / 2 * 1e9 * cal.memory
     passes = 3 if step.checkpointing else 2  # forward, backward, and the forward again
+    high = ELEMENT_BYTES[BASELINE]
 
     def collective(nbytes: float) -> float:
         return 1e3 * (tp - 1) / tp * nbytes / per_direction + target.launch_us * 1e-3
 
+    def added(comm: float, gemms: float, fused: bool) -> float:
+        return max(comm, gemms) + min(comm, gemms) / tp - gemms if fused and step.async_tp else comm
+
+    def gemm(shape: LinearShape, which: str) -> float:
+        fmt, outer = format_of(shape.name, policy.layers), outer_autocast(shape.name, policy.layers)
+        return linear_parts(_shard(shape, roles[shape.name], tp), fmt, outer, target, cal, None, only=(which,))["gemms"]
+
     total = 0.0
-    for shape in step.linears:
-        if roles.get(shape.name) != "row":
-            continue
-        fmt = format_of(shape.name, policy.layers)
-        fprop = fmt.family.gemm_casts(fmt)[0]
-        gathered = ELEMENT_BYTES["fp8"] if fprop is not None and fprop.kernel == "fp8-tensorwise" else ELEMENT_BYTES[BASELINE]
-        high = shape.tokens * dim * ELEMENT_BYTES[BASELINE]
-        forward_gather = (passes - 1) * collective(shape.tokens * dim * gathered)  # the forward's, and its recompute
-        total += forward_gather + (2 * passes - (passes - 1)) * collective(high)
+    for columns, row in tp_branches(step, roles):
+        fmt = format_of(row.name, policy.layers)
+        fprop, dgrad = fmt.family.gemm_casts(fmt)[:2]
+        gathered, grad_gathered = (
+            ELEMENT_BYTES["fp8"] if cast is not None and cast.kernel == "fp8-tensorwise" else high for cast in (fprop, dgrad)
+        )
+        elements = row.tokens * dim
+        gather = added(
+            collective(elements * gathered),
+            sum(gemm(c, "fprop") for c in columns),
+            bool(columns) and all(_reads_gathered(format_of(c.name, policy.layers), 0, gathered) for c in columns),
+        )
+        scatter = added(collective(elements * high), gemm(row, "fprop"), True)
+        grad_gather = added(collective(elements * grad_gathered), gemm(row, "dgrad"), _reads_gathered(fmt, 1, grad_gathered))
+        total += (passes - 1) * (gather + scatter) + grad_gather + collective(elements * high)
     return total
 
 
