@@ -21,6 +21,7 @@ import re
 import statistics
 import sys
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -663,6 +664,102 @@ def async_gains(cal: predictor.Calibration = predictor.CALIBRATION) -> dict[tupl
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Absolute:
+    """A published or measured bf16 step beside the predictor's absolute time for it: `tokens` one GPU's per step,
+    `rate` its tokens a second (a published tokens-per-second per GPU; for this project's run, tokens over the
+    measured step)."""
+
+    name: str
+    target: str
+    step: Callable[[], predictor.Step]
+    tokens: float
+    rate: float
+    source: str
+
+    @property
+    def measured_ms(self) -> float:
+        return 1e3 * self.tokens / self.rate
+
+    def predicted_ms(self, cal: predictor.Calibration = predictor.CALIBRATION) -> float:
+        return predictor.predict(self.step(), predictor.baseline(), target_named(self.target), cal).ms
+
+
+def _laid(shape: decoder.Shape, gpus: int, **layout: Any) -> Callable[[], predictor.Step]:
+    return lambda: dataclasses.replace(decoder_step(shape), shards=gpus, **layout)
+
+
+_PROBE_BF16_MS = 73.7095  # c_llama.csv's uniform bf16 median (read and checked by the test)
+ABSOLUTE = (
+    Absolute("Llama-3-8B, 8 GPUs (FSDP)", "h100", _laid(L8, 8), 8192, 6150, "published_points.md A1"),
+    Absolute("Llama-3-8B, 8 GPUs (FSDP), an older torchao", "h100", _laid(L8, 8), 8192, 6294, "published_points.md A14"),
+    Absolute("Llama-3-8B, 8 GPUs (FSDP), power-limited", "b200", _laid(L8, 8), 8192, 8307.5, "published_points.md A34"),
+    Absolute(
+        "Llama-3-8B, 4 GPUs, sequences of 2048", "gb200", _laid(LLAMA3_8B_GB200, 4), 65536, 21919, "published_points.md A44"
+    ),
+    Absolute("Qwen3-8B, 4 GPUs", "gb200", _laid(decoder.QWEN3_8B, 4), 32768, 20913, "published_points.md A47"),
+    Absolute("nanochat d26, 8 GPUs", "h100", _laid(decoder.NANOCHAT_D26, 8), 65536, 630_000 / 8, "published_points.md A21"),
+    Absolute(
+        "Llama-3-8B, FSDP 8 x TP 8",
+        "h100",
+        _laid(dataclasses.replace(L8, batch=12), 8, tensor_parallel=8),
+        12 * 8192 / 8,
+        4378,
+        "published_points.md A9",
+    ),
+    Absolute(
+        "Llama-3-8B, FSDP 8 x async TP 8",
+        "h100",
+        _laid(dataclasses.replace(L8, batch=12), 8, tensor_parallel=8, async_tp=True),
+        12 * 8192 / 8,
+        4809.4,
+        "published_points.md A11",
+    ),
+    Absolute(
+        "Llama-3-70B, FSDP 32 x TP 8, full checkpointing",
+        "h100",
+        _laid(LLAMA3_70B, 32, tensor_parallel=8, checkpointing=True),
+        16 * 8192 / 8,
+        597.3,
+        "published_points.md A5",
+    ),
+    Absolute(
+        "Llama-4-Scout, 256 GPUs (FSDP, EP 16)",
+        "gb200",
+        _laid(SCOUT_48, 256, expert_parallel=16),
+        8192,
+        6169,
+        "published_points.md A49 (1 sequence a GPU)",
+    ),
+    Absolute(
+        "Llama (examples/llama, 2048 wide), 1 GPU",
+        "h200",
+        probe_llama_step,
+        16384,
+        16384 / (_PROBE_BF16_MS / 1e3),
+        "results/h200/probe/c_llama.csv",
+    ),
+)
+
+
+def absolute_markdown(cal: predictor.Calibration = predictor.CALIBRATION) -> str:
+    """The bf16 step as published or measured beside the predictor's absolute time for it."""
+    lines = [
+        "",
+        "Absolute bf16 step times (one GPU's step; the published tokens a second a GPU turned into it), which no "
+        "point above tests:",
+        "",
+        "| run | target | measured ms | predicted ms | measured / predicted | source |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in ABSOLUTE:
+        predicted = a.predicted_ms(cal)
+        lines.append(
+            f"| {a.name} | {a.target} | {a.measured_ms:,.0f} | {predicted:,.0f} | {a.measured_ms / predicted:.2f}x | {a.source} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # The parameters fitted (a gemm key, a Calibration field, or "casts.<kind>") with their bounds, and those tied to a
 # fitted one (assumed equal: no point measures them apart).
 FITTED = {
@@ -858,7 +955,7 @@ def markdown(rows: list[Row]) -> str:
     for (low, kernel, layout), (e, count) in regime_bands(rows).items():
         high = dict(predictor.WIDTH_CLASSES)[low]
         lines.append(f"| {low}-{high} | {kernel} | {predictor.LAYOUTS[layout]} | +-{100 * e:.0f}% | {count} |")
-    return "\n".join(lines) + "\n" + filter_markdown(filter_grid())
+    return "\n".join(lines) + "\n" + filter_markdown(filter_grid()) + absolute_markdown()
 
 
 def doc_table(text: str) -> str:

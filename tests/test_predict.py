@@ -250,6 +250,7 @@ def test_predict_on_gpt2_smalls_shapes_with_fp8_on_an_h100_gives_no_real_gain(ca
     assert result["target"] == "h100" and result["tokens"] == 16 * 256 and result["predicted"] is True
     assert result["speedup"] == pytest.approx(result["bf16_ms"] / result["candidate_ms"]) and result["speedup"] <= 1.05
     assert result["absolute_validated"] is False  # issue 61, 4: a step time is not a capacity number
+    assert result["absolute_measured_over_predicted"] == list(predictor.ABSOLUTE_SHORT)
     # 768 wide: narrower than every held-out model, so no band is stated
     assert result["error"] is None and result["validation_points"] == 0
     assert result["band"].startswith("outside the validated range: the lowered Linears are 768 wide")
