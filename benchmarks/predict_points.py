@@ -21,8 +21,8 @@ import re
 import statistics
 import sys
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
