@@ -256,6 +256,27 @@ def test_predict_prices_the_files_layout_as_the_same_flags_and_a_flag_overrides_
     assert code == 0 and f"the layout read from {toml} (a flag given overrides it)" in out, err
 
 
+def test_a_files_async_tensor_parallelism_is_priced_overridden_by_a_flag_and_said_where_there_is_no_tp(
+    capsys, tmp_path, write_model
+):
+    model = write_model(small_task("def build_model():\n    return nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 4))\n"))
+    on = "tensor_parallel_degree = 2\nenable_async_tensor_parallel = true"
+    toml = write(
+        tmp_path, "tp.toml", SCOUT_TOML.replace("expert_parallel_degree = 4\n", "").replace("tensor_parallel_degree = 1", on)
+    )
+    base = [str(model), "--target", "h100", "--format", "fp8", "--json", "--layout", str(toml)]
+    code, out, err = run(base, capsys)
+    assert code == 0 and json.loads(out)["layout"]["async_tp"] is True, err
+    code, out, err = run([*base, "--no-async-tp"], capsys)
+    assert code == 0 and json.loads(out)["layout"]["async_tp"] is False, err
+    # a config that turns it on without tensor parallelism: nothing to overlap, said rather than refused
+    alone = write(tmp_path, "alone.toml", toml.read_text().replace("tensor_parallel_degree = 2", "tensor_parallel_degree = 1"))
+    code, out, err = run([*base[:-1], str(alone)], capsys)
+    assert code == 0, err
+    laid = json.loads(out)["layout"]
+    assert laid["async_tp"] is False and any("asynchronous tensor parallelism left out" in s for s in laid["said"])
+
+
 def test_predict_asks_for_what_the_file_leaves_to_the_launch_and_refuses_a_flag_that_would_leave_values_stale(
     capsys, tmp_path, write_model
 ):
