@@ -215,6 +215,37 @@ ASYNC_TP_ON = (
 LLAMA3_70B = decoder.Shape(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192, batch=16)
 
 
+# torchtitan's H100 TP benchmark (asyncTP_llama3_h100_2025-06; published_points.md A5-A12): each run's tokens a
+# second a GPU, by model, async TP or vanilla, and format; and each model's shape, data-parallel ranks and checkpointing
+TITAN_TP_TPS = {
+    ("8B", False): {"bf16": 4378, "fp8": 5078.1, "fp8-rowwise": 3708.5},
+    ("8B", True): {"bf16": 4809.4, "fp8": 5570.1, "fp8-rowwise": 3914.9},
+    ("70B", False): {"bf16": 597.3, "fp8": 809.8, "fp8-rowwise": 599.6},
+    ("70B", True): {"bf16": 652.4, "fp8": 942.4, "fp8-rowwise": 624.8},
+}
+TITAN_TP_RUNS = {"8B": (dataclasses.replace(decoder.LLAMA3_8B, batch=12), 8, False), "70B": (LLAMA3_70B, 32, True)}
+_FORMAT_NAMES = {"fp8": "fp8 tensorwise", "fp8-rowwise": "fp8 rowwise"}
+
+
+def _titan_tp(model: str, fmt: str, overlapped: bool, note: str) -> Point:
+    """A point of torchtitan's TP benchmark: `fmt` over the same run's bf16, FSDP x 8 tensor-parallel ranks, async TP
+    where `overlapped`."""
+    shape, gpus, checkpointing = TITAN_TP_RUNS[model]
+    tps = TITAN_TP_TPS[model, overlapped]
+    return Point(
+        f"Llama-3-{model}, FSDP {gpus} x {'async ' if overlapped else ''}TP 8, {_FORMAT_NAMES[fmt]}",
+        "h100",
+        round(tps[fmt] / tps["bf16"], 3),
+        ASYNC_TP_ON if overlapped else ASYNC_TP,
+        False,
+        _decoder(fmt, "h100", gpus, shape, tp=8, checkpointing=checkpointing, async_tp=overlapped),
+        fmt,
+        shape.dim,
+        tp=True,
+        note=note,
+    )
+
+
 L8 = decoder.LLAMA3_8B
 POINTS = (
     Point("Linear(8192) fwd+bwd, fp32", "h200", 64.473, FP8_LINEAR, True, _linear_ms("fp32"), "fp32", 8192, unit="ms"),
@@ -525,30 +556,8 @@ POINTS = (
         experts=True,
         note="a newer torch and torchao than the row above",
     ),
-    Point(
-        "Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise",
-        "h100",
-        1.160,
-        ASYNC_TP,
-        False,
-        _decoder("fp8", "h100", 8, dataclasses.replace(L8, batch=12), tp=8),
-        "fp8",
-        L8.dim,
-        tp=True,
-        note="12 sequences a data-parallel rank; selective checkpointing priced as none",
-    ),
-    Point(
-        "Llama-3-8B, FSDP 8 x TP 8, fp8 rowwise",
-        "h100",
-        0.847,
-        ASYNC_TP,
-        False,
-        _decoder("fp8-rowwise", "h100", 8, dataclasses.replace(L8, batch=12), tp=8),
-        "fp8-rowwise",
-        L8.dim,
-        tp=True,
-        note="rowwise with TP is slow in torchtitan (its issue #1207), not in the predictor",
-    ),
+    _titan_tp("8B", "fp8", False, "12 sequences a data-parallel rank; selective checkpointing priced as none"),
+    _titan_tp("8B", "fp8-rowwise", False, "rowwise with TP is slow in torchtitan (its issue #1207), not in the predictor"),
     Point(
         "Llama-3-8B, FSDP 2 x TP 2, fp8 rowwise",
         "h100",
@@ -560,107 +569,29 @@ POINTS = (
         L8.dim,
         tp=True,
     ),
-    Point(
-        "Llama-3-70B, FSDP 32 x TP 8, fp8 tensorwise",
-        "h100",
-        1.356,
-        ASYNC_TP,
-        False,
-        _decoder("fp8", "h100", 32, LLAMA3_70B, tp=8, checkpointing=True),
-        "fp8",
-        LLAMA3_70B.dim,
-        tp=True,
-        note="full checkpointing",
-    ),
-    Point(
-        "Llama-3-70B, FSDP 32 x TP 8, fp8 rowwise",
-        "h100",
-        1.004,
-        ASYNC_TP,
-        False,
-        _decoder("fp8-rowwise", "h100", 32, LLAMA3_70B, tp=8, checkpointing=True),
-        "fp8-rowwise",
-        LLAMA3_70B.dim,
-        tp=True,
-        note="full checkpointing",
-    ),
-    Point(
-        "Llama-3-8B, FSDP 8 x async TP 8, fp8 tensorwise",
-        "h100",
-        1.158,
-        ASYNC_TP_ON,
-        False,
-        _decoder("fp8", "h100", 8, dataclasses.replace(L8, batch=12), tp=8, async_tp=True),
-        "fp8",
-        L8.dim,
-        tp=True,
-        note="over async TP's bf16; selective checkpointing priced as none",
-    ),
-    Point(
-        "Llama-3-8B, FSDP 8 x async TP 8, fp8 rowwise",
-        "h100",
-        0.814,
-        ASYNC_TP_ON,
-        False,
-        _decoder("fp8-rowwise", "h100", 8, dataclasses.replace(L8, batch=12), tp=8, async_tp=True),
-        "fp8-rowwise",
-        L8.dim,
-        tp=True,
-        note="over async TP's bf16",
-    ),
-    Point(
-        "Llama-3-70B, FSDP 32 x async TP 8, fp8 tensorwise",
-        "h100",
-        1.445,
-        ASYNC_TP_ON,
-        False,
-        _decoder("fp8", "h100", 32, LLAMA3_70B, tp=8, checkpointing=True, async_tp=True),
-        "fp8",
-        LLAMA3_70B.dim,
-        tp=True,
-        note="over async TP's bf16; full checkpointing",
-    ),
-    Point(
-        "Llama-3-70B, FSDP 32 x async TP 8, fp8 rowwise",
-        "h100",
-        0.958,
-        ASYNC_TP_ON,
-        False,
-        _decoder("fp8-rowwise", "h100", 32, LLAMA3_70B, tp=8, checkpointing=True, async_tp=True),
-        "fp8-rowwise",
-        LLAMA3_70B.dim,
-        tp=True,
-        note="over async TP's bf16; full checkpointing",
-    ),
+    _titan_tp("70B", "fp8", False, "full checkpointing"),
+    _titan_tp("70B", "fp8-rowwise", False, "full checkpointing"),
+    _titan_tp("8B", "fp8", True, "over async TP's bf16; selective checkpointing priced as none"),
+    _titan_tp("8B", "fp8-rowwise", True, "over async TP's bf16"),
+    _titan_tp("70B", "fp8", True, "over async TP's bf16; full checkpointing"),
+    _titan_tp("70B", "fp8-rowwise", True, "over async TP's bf16; full checkpointing"),
 )
-
-
-# torchtitan's async TP over its vanilla TP, each format's own (asyncTP_llama3_h100_2025-06: A5-A12's TPS per GPU)
-ASYNC_GAINS = {
-    ("8B", "bf16"): 4809.4 / 4378,
-    ("8B", "fp8"): 5570.1 / 5078.1,
-    ("8B", "fp8-rowwise"): 3914.9 / 3708.5,
-    ("70B", "bf16"): 652.4 / 597.3,
-    ("70B", "fp8"): 942.4 / 809.8,
-    ("70B", "fp8-rowwise"): 624.8 / 599.6,
-}
 
 
 def async_gains(cal: predictor.Calibration = predictor.CALIBRATION) -> dict[tuple[str, str], tuple[float, float]]:
     """Each (model, format) of torchtitan's TP benchmark: the predicted step-time gain of async TP over vanilla TP and
     the measured one (docs/planning.md says where they part)."""
-    runs = {"8B": (dataclasses.replace(L8, batch=12), 8, False), "70B": (LLAMA3_70B, 32, True)}
     out = {}
-    for (model, fmt), measured in ASYNC_GAINS.items():
-        shape, gpus, checkpointing = runs[model]
+    for model, (shape, gpus, checkpointing) in TITAN_TP_RUNS.items():
         step = dataclasses.replace(decoder_step(shape), shards=gpus, tensor_parallel=8, checkpointing=checkpointing)
-        layers: dict[str, str] = {MODEL_ROOT: "bf16"}
-        layers.update({s.name: fmt for s in step.linears if s.name != "output"})
-        policy, target = Policy(layers=layers), target_named("h100")
-        vanilla, overlapped = (
-            predictor.predict(dataclasses.replace(step, async_tp=a), policy, target, cal).ms for a in (False, True)
-        )
-        out[model, fmt] = (vanilla / overlapped, measured)
+        for fmt in TITAN_TP_TPS[model, False]:
+            layers: dict[str, str] = {MODEL_ROOT: "bf16"}
+            layers.update({s.name: fmt for s in step.linears if s.name != "output"})
+            policy, target = Policy(layers=layers), target_named("h100")
+            vanilla, overlapped = (
+                predictor.predict(dataclasses.replace(step, async_tp=a), policy, target, cal).ms for a in (False, True)
+            )
+            out[model, fmt] = (vanilla / overlapped, TITAN_TP_TPS[model, True][fmt] / TITAN_TP_TPS[model, False][fmt])
     return out
 
 
@@ -689,6 +620,21 @@ def _laid(shape: decoder.Shape, gpus: int, **layout: Any) -> Callable[[], predic
     return lambda: dataclasses.replace(decoder_step(shape), shards=gpus, **layout)
 
 
+def _titan_tp_bf16(model: str, overlapped: bool, source: str) -> Absolute:
+    """torchtitan's TP benchmark's bf16 run: one GPU's share of its data-parallel rank's tokens (TPS per GPU counts
+    them over the tensor-parallel ranks)."""
+    shape, gpus, checkpointing = TITAN_TP_RUNS[model]
+    layout = "FSDP {} x {}TP 8{}".format(gpus, "async " if overlapped else "", ", full checkpointing" if checkpointing else "")
+    return Absolute(
+        f"Llama-3-{model}, {layout}",
+        "h100",
+        _laid(shape, gpus, tensor_parallel=8, checkpointing=checkpointing, async_tp=overlapped),
+        shape.batch * shape.seq / 8,
+        TITAN_TP_TPS[model, overlapped]["bf16"],
+        source,
+    )
+
+
 _PROBE_BF16_MS = 73.7095  # c_llama.csv's uniform bf16 median (read and checked by the test)
 ABSOLUTE = (
     Absolute("Llama-3-8B, 8 GPUs (FSDP)", "h100", _laid(L8, 8), 8192, 6150, "published_points.md A1"),
@@ -699,30 +645,9 @@ ABSOLUTE = (
     ),
     Absolute("Qwen3-8B, 4 GPUs", "gb200", _laid(decoder.QWEN3_8B, 4), 32768, 20913, "published_points.md A47"),
     Absolute("nanochat d26, 8 GPUs", "h100", _laid(decoder.NANOCHAT_D26, 8), 65536, 630_000 / 8, "published_points.md A21"),
-    Absolute(
-        "Llama-3-8B, FSDP 8 x TP 8",
-        "h100",
-        _laid(dataclasses.replace(L8, batch=12), 8, tensor_parallel=8),
-        12 * 8192 / 8,
-        4378,
-        "published_points.md A9",
-    ),
-    Absolute(
-        "Llama-3-8B, FSDP 8 x async TP 8",
-        "h100",
-        _laid(dataclasses.replace(L8, batch=12), 8, tensor_parallel=8, async_tp=True),
-        12 * 8192 / 8,
-        4809.4,
-        "published_points.md A11",
-    ),
-    Absolute(
-        "Llama-3-70B, FSDP 32 x TP 8, full checkpointing",
-        "h100",
-        _laid(LLAMA3_70B, 32, tensor_parallel=8, checkpointing=True),
-        16 * 8192 / 8,
-        597.3,
-        "published_points.md A5",
-    ),
+    _titan_tp_bf16("8B", False, "published_points.md A9"),
+    _titan_tp_bf16("8B", True, "published_points.md A11"),
+    _titan_tp_bf16("70B", False, "published_points.md A5"),
     Absolute(
         "Llama-4-Scout, 256 GPUs (FSDP, EP 16)",
         "gb200",
