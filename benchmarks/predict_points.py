@@ -63,6 +63,7 @@ class Point:
     fmt: str  # the format the point lowers its Linears to: its kernels are its regime's (predictor.regime_band)
     width: int  # the model's width (d_model; a lone Linear's features): its regime's
     tp: bool = False  # trained with tensor parallelism: its regime's
+    async_tp: bool = False  # and asynchronous TP: its regime's
     moe: bool = False  # an MoE whose grouped experts do much of the matmul work: its regime's
     experts: bool = False  # the MoE's grouped experts lowered: its regime's
     unit: str = "x"  # "x": a speedup over bf16; "ms": a step time
@@ -242,6 +243,7 @@ def _titan_tp(model: str, fmt: str, overlapped: bool, note: str) -> Point:
         fmt,
         shape.dim,
         tp=True,
+        async_tp=overlapped,
         note=note,
     )
 
@@ -839,7 +841,8 @@ def regime_bands(rows: list[Row]) -> dict[tuple[int, str, str], tuple[float, int
         low = next((lo for lo, hi in predictor.WIDTH_CLASSES if lo <= r.point.width <= hi), None)
         if low is None:
             raise ValueError(f"{r.point.name}: {r.point.width} wide is in no width class {predictor.WIDTH_CLASSES}")
-        layout = ("moe-experts" if r.point.experts else "moe") if r.point.moe else "tp" if r.point.tp else "dp"
+        parallel = ("tp-async" if r.point.async_tp else "tp") if r.point.tp else "dp"
+        layout = ("moe-experts" if r.point.experts else "moe") if r.point.moe else parallel
         for kernel in predictor.format_kernels(Format(r.point.fmt)):
             errors.setdefault((low, kernel, layout), []).append(abs(r.error))
     return {key: (math.ceil(100 * max(e) - 1e-9) / 100, len(e)) for key, e in sorted(errors.items())}
@@ -872,7 +875,7 @@ def markdown(rows: list[Row]) -> str:
     lines.append(
         f"Held out: {n} points, median |error| {100 * statistics.median(held):.1f}%, the largest {100 * err:.0f}%. Each "
         "prediction states its regime's band (the model's width class, the kernels its policy runs, and the layout: "
-        "data-parallel, tensor-parallel, or an MoE):"
+        "data-parallel, tensor-parallel (vanilla or asynchronous), or an MoE):"
     )
     lines.append("")
     lines.append("| width | kernel | layout | band | held-out points |")
@@ -880,7 +883,7 @@ def markdown(rows: list[Row]) -> str:
     for (low, kernel, layout), (e, count) in regime_bands(rows).items():
         high = dict(predictor.WIDTH_CLASSES)[low]
         lines.append(f"| {low}-{high} | {kernel} | {predictor.LAYOUTS[layout]} | +-{100 * e:.0f}% | {count} |")
-    return "\n".join(lines) + "\n" + filter_markdown(filter_grid()) + absolute_markdown()
+    return "\n".join(lines) + "\n" + filter_markdown(filter_grid()) + "\n" + absolute_markdown()
 
 
 def doc_table(text: str) -> str:

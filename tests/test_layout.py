@@ -166,10 +166,19 @@ def test_async_tensor_parallelism_is_read_from_torchtitans_key_or_flag_and_megat
     off = flags + "--parallelism.no-enable-async-tensor-parallel --compile.enable\n"
     assert read_layout(write(tmp_path, "off.sh", off)).async_tp is False
     assert read_layout(write(tmp_path, "f.sh", flags + "--parallelism.enable_async_tensor_parallel=False\n")).async_tp is False
-    with pytest.raises(UserError, match="enable_async_tensor_parallel = '1'; give true or false"):
+    with pytest.raises(UserError, match="enable_async_tensor_parallel = 1; give true or false"):
         read_layout(write(tmp_path, "c.toml", toml.replace("= true", "= 1")))
+    # torchtitan's CompileConfig holds it since 2026-08 (its #4045): [compile] and --compile.*
+    moved = SCOUT_TOML.replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2")
+    moved += "\n[compile]\nenable = true\nenable_async_tensor_parallel = true\n"
+    assert read_layout(write(tmp_path, "d.toml", moved)).async_tp is True
+    assert read_layout(write(tmp_path, "c.sh", flags + "--compile.enable --compile.enable_async_tensor_parallel\n")).async_tp
+    alone = read_layout(write(tmp_path, "alone.sh", "x --compile.enable-async-tensor-parallel\n"))
+    assert alone.async_tp is True and [flag for flag, _ in alone.needs] == ["--dp-shard"]
+    with pytest.raises(UserError, match="no layout flag found"):  # compile's other flags are no layout
+        read_layout(write(tmp_path, "nothing.sh", "x --compile.enable\n"))
     megatron = read_layout(write(tmp_path, "m.sh", MEGATRON.replace("--use-distributed-optimizer", "--tp-comm-overlap")))
-    assert megatron.async_tp is None and any("Transformer Engine's overlap" in s for s in megatron.said)
+    assert megatron.async_tp is None and any(s.startswith("--tp-comm-overlap: Transformer Engine's") for s in megatron.said)
 
 
 @pytest.mark.parametrize(

@@ -662,6 +662,20 @@ def test_async_tensor_parallelism_fuses_a_collective_with_its_gemm_only_where_to
         assert predictor.predict(overlapped, policy, H100).parts["communication"] == pytest.approx(want[fmt]), fmt
         assert predictor.predict(step, policy, H100).parts["communication"] == pytest.approx(vanilla[fmt]), fmt
         assert want[fmt] < vanilla[fmt]
+    # a mixed branch (q tensorwise, k bf16): gathered in bf16, fused with k's fprop alone, whatever q's cast does
+    mixed = Policy(layers={ROOT: Format.BF16, "q": Format.FP8})
+    got = predictor.predict(overlapped, mixed, H100).parts["communication"]
+    bf16_rest = fused(high, gemm("o", "bf16", "fprop")) + fused(high, gemm("o", "bf16", "dgrad")) + high
+    assert got == pytest.approx(fused(high, gemm("k", "bf16", "fprop")) + bf16_rest)
+    # full checkpointing runs the forward's two collectives again, fused again
+    again = predictor.predict(dataclasses.replace(overlapped, checkpointing=True), predictor.baseline(), H100)
+    forward = want["bf16"] - fused(high, gemm("o", "bf16", "dgrad")) - high
+    assert again.parts["communication"] == pytest.approx(want["bf16"] + forward)
+    # MX's block-scaled GEMMs: torch fuses no collective with them, so async TP saves nothing
+    mx = predictor.uniform("mxfp8", step)
+    assert predictor.predict(overlapped, mx, B200).parts["communication"] == pytest.approx(
+        predictor.predict(step, mx, B200).parts["communication"]
+    )
     # the GEMMs themselves are the same either way: only the time the collectives add changes
     assert predictor.predict(overlapped, predictor.baseline(), H100).parts["gemms"] == pytest.approx(
         predictor.predict(step, predictor.baseline(), H100).parts["gemms"]

@@ -3,7 +3,8 @@
 
 - a torchtitan job config (`.toml`, as torchtitan's train_configs were written in 2025): [parallelism]
   data_parallel_shard_degree, data_parallel_replicate_degree, tensor_parallel_degree, expert_parallel_degree,
-  pipeline_parallel_degree, context_parallel_degree, enable_async_tensor_parallel; [activation_checkpoint] mode; [training] local_batch_size,
+  pipeline_parallel_degree, context_parallel_degree, enable_async_tensor_parallel (or [compile]'s, where torchtitan
+  moved it); [activation_checkpoint] mode; [training] local_batch_size,
   seq_len, global_batch_size. A key the file leaves out takes torchtitan's default (shards -1: every GPU left, which
   the launch decides; 8 sequences of 2048; selective checkpointing). An older config's layout keys (under [training]
   or [experimental]) are refused by name.
@@ -264,7 +265,8 @@ def _switch(value: Any, where: str, key: str) -> bool:
         return True
     if word in ("false", "0", "no", "off"):
         return False
-    raise UserError(f"{where}: {key} = {shown(str(value), 40)}; give true or false")
+    said = shown(value, 40) if isinstance(value, str) else str(value)[:40]  # a TOML number as the file writes it
+    raise UserError(f"{where}: {key} = {said}; give true or false")
 
 
 def _checkpointing(read: _Read, key: str, mode: Any) -> str:
@@ -336,7 +338,7 @@ def _refuse_unread(section: str, key: str, where: str, key_shown: str) -> None:
 
 def _check_sections(config: Mapping[str, Any], where: str) -> None:
     """Each layout section a table, and no key in it that predict would read as nothing (_refuse_unread)."""
-    for section in ("parallelism", "training", "activation_checkpoint", "experimental"):
+    for section in ("parallelism", "training", "activation_checkpoint", "experimental", "compile"):
         table = config.get(section)
         if section in config and not isinstance(table, Mapping):
             raise UserError(f"{where}: [{section}] is not a table of keys; write it as torchtitan's configs do")
@@ -345,22 +347,27 @@ def _check_sections(config: Mapping[str, Any], where: str) -> None:
 
 
 def _titan_items(config: Mapping[str, Any]):  # type: ignore[no-untyped-def]
-    for section in ("parallelism", "training", "activation_checkpoint"):
+    for section in ("parallelism", "training", "activation_checkpoint", "compile"):
         table = config.get(section)
         if isinstance(table, Mapping):
             for key, value in table.items():
                 yield section, key, value
 
 
-# torchtitan's yes-or-no [parallelism] keys predict reads (as a flag: on alone, or its no_ spelling off)
+# torchtitan's yes-or-no keys predict reads (as a flag: on alone, or its no_ spelling off): async TP's, under
+# [parallelism] in its 2025 configs and under [compile] since its 2026-08 CompileConfig (torchtitan #4045)
 _SWITCHES = frozenset(("enable_async_tensor_parallel", "no_enable_async_tensor_parallel"))
+_SWITCH_SECTIONS = ("parallelism", "compile")
 
 
 def _titan_key(read: _Read, key_shown: str, section: str, key: str, value: Any) -> None:
     """One torchtitan key (a TOML entry or a --section.key flag) into `read`; others are not the layout's."""
-    if value is None and not (section == "parallelism" and key in _SWITCHES):
+    if value is None and not (section in _SWITCH_SECTIONS and key in _SWITCHES):
         raise UserError(f"{read.where}: {key_shown} has no value; give it one")
-    if section == "parallelism":
+    if section in _SWITCH_SECTIONS and key in _SWITCHES:
+        on = _switch(value, read.where, key_shown)
+        read.async_tp = on if key.startswith("enable") else not on
+    elif section == "parallelism":
         if key == "data_parallel_shard_degree":
             read.shard = _whole(value, read.where, key_shown, least=-1)
             if read.shard == 0:
@@ -375,9 +382,6 @@ def _titan_key(read: _Read, key_shown: str, section: str, key: str, value: Any) 
             read.pp = _whole(value, read.where, key_shown)
         elif key == "context_parallel_degree":
             read.cp = _whole(value, read.where, key_shown)
-        elif key in _SWITCHES:
-            on = _switch(value, read.where, key_shown)
-            read.async_tp = on if key.startswith("enable") else not on
         elif key == "expert_tensor_parallel_degree" and _whole(value, read.where, key_shown) != 1:
             raise _unpriced(read.where, "expert tensor parallelism", int(value), "the experts' own TP collectives")
     elif section == "training":
@@ -416,6 +420,7 @@ def _from_arguments(text: str, where: str) -> Layout:
     megatron = {k for k in flags if k in _MEGATRON} if _MEGATRON_OWN & set(flags) else set()
     sections = ("parallelism", "training", "activation_checkpoint", "experimental")
     titan = {k for k in flags if "." in k and k.split(".", 1)[0] in sections}
+    titan |= {k for k in flags if k.startswith("compile.") and k.split(".", 1)[1] in _SWITCHES}
     for key in titan:
         section, name = key.split(".", 1)
         _refuse_unread(section, name, where, f"--{key}")

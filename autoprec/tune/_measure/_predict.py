@@ -25,8 +25,9 @@ A step is priced in parts:
   grouped experts at Calibration.grouped's share (in bf16, or in the format predict's --experts names); the other ops' bytes (norms, elementwise, the loss) at the bandwidth; an
   AdamW update over the parameters (OPTIMIZER_BYTES each, split over the ranks: optimizer_params).
 
-With a layout: tensor parallelism's collectives (tp_communication_ms) and expert parallelism's all-to-alls
-(ep_communication_ms), not overlapped. What it leaves out: FSDP's all-gathers and reduce-scatters, an MoE's routing
+With a layout: tensor parallelism's collectives (tp_communication_ms: not overlapped, or under asynchronous TP
+fused with their GEMMs where torch fuses them) and expert parallelism's all-to-alls (ep_communication_ms), not
+overlapped. What it leaves out: FSDP's all-gathers and reduce-scatters, an MoE's routing
 imbalance (balanced routing assumed), host overhead, power and clock limits, and kernels' behaviour beyond this
 roofline. Published runs include all of these.
 """
@@ -125,7 +126,7 @@ VALIDATION_POINTS = 32
 # fitted shares of peak, without FSDP's communication, host gaps or clock limits, so only ratios are validated
 ABSOLUTE_SHORT = (1.16, 3.43)
 # The regimes a prediction's band is stated in: the model's width class (width()), a low-precision GEMM kernel and the
-# layout (tensor-parallel or not).
+# layout (tensor-parallel, vanilla or asynchronous, or not).
 # Each validated regime's band is the largest |error| over the held-out points in it, and how many there are
 # (benchmarks/predict_points.py; tests/test_predict_points.py recomputes them); a model in no validated regime is
 # "outside the validated range", as is a model where much of the matmul work runs in modules of their own outside the
@@ -137,14 +138,22 @@ WIDTH_CLASSES = ((1024, 2047), (2048, 8192))
 OUTSIDE_LIMIT = SAY_FROM
 # a regime's layout: with --tp or without, or an MoE (grouped experts doing OUTSIDE_LIMIT of the matmul work), its
 # experts in bf16 or lowered (--experts): the points of the two err on different sides
-LAYOUTS = {"dp": "data-parallel", "tp": "tensor-parallel", "moe": "MoE", "moe-experts": "MoE with its experts lowered"}
+LAYOUTS = {
+    "dp": "data-parallel",
+    "tp": "tensor-parallel",
+    "tp-async": "asynchronous tensor-parallel",
+    "moe": "MoE",
+    "moe-experts": "MoE with its experts lowered",
+}
 BANDS: Mapping[tuple[int, str, str], tuple[float, int]] = {
     (1024, "fp8-rowwise", "dp"): (0.08, 1),
     (1024, "fp8-tensorwise", "dp"): (0.02, 1),
     (2048, "fp8-rowwise", "dp"): (0.07, 8),
-    (2048, "fp8-rowwise", "tp"): (0.09, 5),
+    (2048, "fp8-rowwise", "tp"): (0.04, 3),
+    (2048, "fp8-rowwise", "tp-async"): (0.09, 2),
     (2048, "fp8-tensorwise", "dp"): (0.15, 6),
-    (2048, "fp8-tensorwise", "tp"): (0.11, 4),
+    (2048, "fp8-tensorwise", "tp"): (0.07, 2),
+    (2048, "fp8-tensorwise", "tp-async"): (0.11, 2),
     (2048, "mxfp8", "dp"): (0.08, 3),
     (2048, "mxfp8", "moe-experts"): (0.13, 2),
     (2048, "nvfp4", "dp"): (0.05, 2),
@@ -522,6 +531,17 @@ def tp_branches(step: Step, roles: Mapping[str, str]) -> list[tuple[tuple[Linear
     return branches
 
 
+# the scaled GEMM kernels torch's micro-pipeline TP fuses with a collective (its fused ops take a scale per tensor or
+# per row; MX and NVFP4 block scales, and NVFP4's scaled_mm, are not matched: pytorch/pytorch#194518, #183509)
+_FUSED_SCALED = frozenset(("fp8-tensorwise", "fp8-rowwise"))
+
+
+def _gathered_bytes(cast: GemmCast | None) -> float:
+    """The bytes an element of a collective moves for a GEMM operand cast by `cast`: fp8 where it is a tensorwise fp8
+    cast, which torchao's float8 tensor parallelism makes before the collective; bf16 otherwise."""
+    return ELEMENT_BYTES["fp8"] if cast is not None and cast.kernel == "fp8-tensorwise" else ELEMENT_BYTES[BASELINE]
+
+
 def _reads_gathered(fmt: Format, gemm: int, gathered: float) -> bool:
     """Whether GEMM `gemm` (0 fprop, 1 dgrad) of a Linear in `fmt` reads its gathered operand as the collective
     leaves it (bf16 with no cast, or fp8 cast before the gather), which torch's micro-pipeline TP needs to fuse the
@@ -532,23 +552,33 @@ def _reads_gathered(fmt: Format, gemm: int, gathered: float) -> bool:
     return cast.kernel == "fp8-tensorwise" and gathered == ELEMENT_BYTES["fp8"]
 
 
+def _writes_scattered(fmt: Format) -> bool:
+    """Whether the fprop of a Linear in `fmt` is a matmul torch's micro-pipeline TP fuses with the reduce-scatter of
+    its output: a plain bf16 one, or a scaled one of _FUSED_SCALED."""
+    cast = fmt.family.gemm_casts(fmt)[0]
+    if cast is None:
+        return fmt.family.gemm_precisions(fmt, BASELINE)[0] == BASELINE
+    return cast.kernel in _FUSED_SCALED
+
+
 def tp_communication_ms(step: Step, policy: Policy, target: Target, cal: Calibration, roles: Mapping[str, str]) -> float:
     """Sequence-parallel tensor parallelism's collectives: each residual branch (tp_branches) all-gathers its input
     and reduce-scatters its output in the forward and the reverse in the backward (the forward's again under
     checkpointing), each of the branch's tokens x the model's width, in a ring at half the NVLink bandwidth (one
-    direction) times Calibration.memory. In bf16, but where the branch's row-parallel Linear runs a tensorwise fp8
-    kernel: torchao's float8 tensor parallelism casts the input before the forward's all-gather (its fprop's, the
-    branch's column-parallel Linears taken to share the format) and the output's gradient before the backward's (its
-    dgrad's), so those move fp8.
+    direction) times Calibration.memory. In bf16, but where torchao's float8 tensor parallelism casts to tensorwise
+    fp8 before it gathers: the forward's input where every column-parallel Linear of the branch runs a tensorwise fp8
+    fprop (torchtitan's float8 TP styles take no other), the output's gradient where the row-parallel Linear runs a
+    tensorwise fp8 dgrad.
 
     Vanilla TP (Step.async_tp False): no collective overlapped. Asynchronous TP (torch's micro-pipeline TP, as
-    torchtitan enables it): a collective fused with the GEMM next to it runs in pipelined chunks, the pair taking
-    max(collective, GEMM) + min(collective, GEMM) / tp rather than their sum; fused are the forward's all-gather with
-    the column-parallel fprops that read it, the forward's reduce-scatter with the row-parallel fprop that writes it,
-    and the backward's all-gather with the row-parallel dgrad, each only where the GEMM reads the gathered tensor
-    uncast (_reads_gathered; torch fuses an all-gather into the matmuls that consume it, a reduce-scatter into the
-    matmul that produces it). The backward's reduce-scatter sums the column-parallel dgrads first, so it is not fused.
-    Returns the time the collectives add to the step."""
+    torchtitan enables it): a collective fused with the GEMMs next to it runs in pipelined chunks, the pair taking
+    max(collective, GEMMs) + min(collective, GEMMs) / tp rather than their sum (the chunked GEMMs' own loss of
+    efficiency is not priced); fused are the forward's all-gather with the column-parallel fprops that read it uncast
+    (_reads_gathered: torch fuses an all-gather into the matmuls that consume it directly, whatever its other users),
+    the forward's reduce-scatter with the row-parallel fprop that writes it where torch matches that matmul
+    (_writes_scattered), and the backward's all-gather with the row-parallel dgrad where it reads it uncast. The
+    backward's reduce-scatter sums the column-parallel dgrads first, so it is not fused. Returns the time the
+    collectives add to the step."""
     tp, dim = max(step.tensor_parallel, 1), width(step)
     per_direction = target.link_gbs / 2 * 1e9 * cal.memory
     passes = 3 if step.checkpointing else 2  # forward, backward, and the forward again
@@ -567,17 +597,14 @@ def tp_communication_ms(step: Step, policy: Policy, target: Target, cal: Calibra
     total = 0.0
     for columns, row in tp_branches(step, roles):
         fmt = format_of(row.name, policy.layers)
-        fprop, dgrad = fmt.family.gemm_casts(fmt)[:2]
-        gathered, grad_gathered = (
-            ELEMENT_BYTES["fp8"] if cast is not None and cast.kernel == "fp8-tensorwise" else high for cast in (fprop, dgrad)
-        )
+        formats = [format_of(c.name, policy.layers) for c in columns]
+        fprops = {_gathered_bytes(f.family.gemm_casts(f)[0]) for f in formats}
+        gathered = fprops.pop() if len(fprops) == 1 else high  # a mixed branch gathers in bf16
+        grad_gathered = _gathered_bytes(fmt.family.gemm_casts(fmt)[1])
         elements = row.tokens * dim
-        gather = added(
-            collective(elements * gathered),
-            sum(gemm(c, "fprop") for c in columns),
-            bool(columns) and all(_reads_gathered(format_of(c.name, policy.layers), 0, gathered) for c in columns),
-        )
-        scatter = added(collective(elements * high), gemm(row, "fprop"), True)
+        readers = [c for c, f in zip(columns, formats) if _reads_gathered(f, 0, gathered)]
+        gather = added(collective(elements * gathered), sum(gemm(c, "fprop") for c in readers), bool(readers))
+        scatter = added(collective(elements * high), gemm(row, "fprop"), _writes_scattered(fmt))
         grad_gather = added(collective(elements * grad_gathered), gemm(row, "dgrad"), _reads_gathered(fmt, 1, grad_gathered))
         total += (passes - 1) * (gather + scatter) + grad_gather + collective(elements * high)
     return total
@@ -695,7 +722,8 @@ def regime_band(step: Step, policy: Policy, *, outside_share: float = 0.0, exper
     total = step.grouped_flops + step.other_flops + linear_flops(step)
     grouped_share = step.grouped_flops / total if total else 0.0
     moe = step.grouped_flops > 0 and grouped_share >= OUTSIDE_LIMIT
-    layout = ("moe-experts" if experts_kernel != BASELINE else "moe") if moe else "tp" if step.tensor_parallel > 1 else "dp"
+    parallel = ("tp-async" if step.async_tp else "tp") if step.tensor_parallel > 1 else "dp"
+    layout = ("moe-experts" if experts_kernel != BASELINE else "moe") if moe else parallel
     low = next((lo for lo, hi in WIDTH_CLASSES if lo <= dim <= hi), None)
     ranges = ", ".join(f"{lo}-{hi}" for lo, hi in WIDTH_CLASSES)
     outside = "outside the validated range: "
