@@ -127,8 +127,7 @@ def command(
     `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
     the optimizer's work (FSDP), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `async_tp` whether
     their collectives overlap as torch's asynchronous TP overlaps them (None: as the layout file says, else not),
-    `checkpointing`
-    "full" or "none", `experts` the format an MoE's grouped GEMMs are priced in (a plan: apply_policy runs them in
+    `checkpointing` "full" or "none", `experts` the format an MoE's grouped GEMMs are priced in (a plan: apply_policy runs them in
     the model root's), `ep` the expert-parallel ranks an MoE's experts are spread over, `layout` a file to read the
     layout from (a torchtitan TOML or a launch's arguments: _layout.py), whose values a flag given here overrides.
     UserError for a user's mistake."""

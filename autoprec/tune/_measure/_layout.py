@@ -4,10 +4,9 @@
 - a torchtitan job config (`.toml`, as torchtitan's train_configs were written in 2025): [parallelism]
   data_parallel_shard_degree, data_parallel_replicate_degree, tensor_parallel_degree, expert_parallel_degree,
   pipeline_parallel_degree, context_parallel_degree, enable_async_tensor_parallel (or [compile]'s, where torchtitan
-  moved it); [activation_checkpoint] mode; [training] local_batch_size,
-  seq_len, global_batch_size. A key the file leaves out takes torchtitan's default (shards -1: every GPU left, which
-  the launch decides; 8 sequences of 2048; selective checkpointing). An older config's layout keys (under [training]
-  or [experimental]) are refused by name.
+  moved it); [activation_checkpoint] mode; [training] local_batch_size, seq_len, global_batch_size. A key the file
+  leaves out takes torchtitan's default (shards -1: every GPU left, which the launch decides; 8 sequences of 2048;
+  selective checkpointing). An older config's layout keys (under [training] or [experimental]) are refused by name.
 - a launch's arguments (any other file: a shell script, or a list of arguments), for a torchtitan run configured on
   its command line (--parallelism.tensor_parallel_degree=2 and the other keys above as flags; what its Python config
   sets is not in the file, so the data-parallel ranks must be said) or a Megatron-LM one (--tensor-model-parallel-size,
