@@ -361,9 +361,10 @@ _SWITCH_SECTIONS = ("parallelism", "compile")
 
 def _titan_key(read: _Read, key_shown: str, section: str, key: str, value: Any) -> None:
     """One torchtitan key (a TOML entry or a --section.key flag) into `read`; others are not the layout's."""
-    if value is None and not (section in _SWITCH_SECTIONS and key in _SWITCHES):
+    switch = section in _SWITCH_SECTIONS and key in _SWITCHES  # a flag of its own is on
+    if value is None and not switch:
         raise UserError(f"{read.where}: {key_shown} has no value; give it one")
-    if section in _SWITCH_SECTIONS and key in _SWITCHES:
+    if switch:
         on = _switch(value, read.where, key_shown)
         read.async_tp = on if key.startswith("enable") else not on
     elif section == "parallelism":
