@@ -8,7 +8,7 @@ Every measured number here comes from /work/shared/anchors/training-speedups.md'
 results/h200/fp8_linear.txt; nothing else. Each point says whether the calibration was fitted on it. The Llama-3-8B
 points price examples/llama3_8b/model.py's shapes (d_model 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336,
 vocabulary 128,256, sequence 8192, one sequence per GPU per step) with the optimizer's work split over the run's GPUs
-(FSDP); the published runs also communicate (all-gathers, reduce-scatters), which the predictor does not price.
+(FSDP, whose all-gathers and reduce-scatters the predictor prices where the compute does not hide them).
 """
 
 from __future__ import annotations
@@ -107,12 +107,14 @@ def _decoder(
     ep: int = 1,
     skip: tuple[str, ...] = (),
     async_tp: bool = False,
+    fp8_all_gather: bool = False,
 ) -> Callable[[predictor.Calibration], float]:
     """A decoder (benchmarks/models/decoder.py; Llama-3-8B's by default) with every Linear but the output layer, an
     MoE's router and those named `skip` (by their last name: "wk") in `fmt` (the float8 and MX converters' usual
     filter; `fmt` "bf16": none) but the last `tail` blocks', the rest bf16, over uniform bf16, the optimizer split
     over `gpus` data-parallel ranks (and `tp` tensor-parallel ones, asynchronous where `async_tp`); an MoE's grouped
-    experts in `experts` (None: bf16), spread over `ep` expert-parallel ranks."""
+    experts in `experts` (None: bf16), spread over `ep` expert-parallel ranks; tensorwise-fp8 weights gathered in fp8
+    where `fp8_all_gather`."""
 
     def compute(cal: predictor.Calibration) -> float:
         step = dataclasses.replace(
@@ -122,6 +124,7 @@ def _decoder(
             async_tp=async_tp,
             checkpointing=checkpointing,
             expert_parallel=ep,
+            fp8_all_gather=fp8_all_gather,
         )
         layers: dict[str, str] = {MODEL_ROOT: "bf16"}
         first_bf16 = shape.layers - tail
@@ -260,10 +263,10 @@ POINTS = (
         1.25,
         ANCHORS + " (torchao float8 training)",
         True,
-        _decoder("fp8", "h100", 8),
+        _decoder("fp8", "h100", 8, fp8_all_gather=True),
         "fp8",
         L8.dim,
-        note="with fp8 all-gather: less communication, not priced",
+        note="with fp8 all-gather",
     ),
     Point(
         "Llama-3-8B, 4 GPUs, NVFP4 with a bf16 tail (blocks 27-31)",
@@ -340,7 +343,7 @@ POINTS = (
         _decoder("fp8", "h100", 8),
         "fp8",
         L8.dim,
-        note="an older torchao than the fitted point's; the same prediction",
+        note="an older torchao than the fitted point's, gathering in bf16",
     ),
     Point(
         "Llama-3-8B, 8 GPUs, fp8 rowwise (axiswise)",

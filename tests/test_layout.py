@@ -48,13 +48,14 @@ def write(tmp_path, name: str, text: str):
 
 def test_a_torchtitan_toml_gives_its_shards_experts_checkpointing_and_tokens(tmp_path):
     got = read_layout(write(tmp_path, "train.toml", SCOUT_TOML))
-    assert got.as_flags() == {"dp_shard": 4, "tp": 1, "ep": 4, "checkpointing": "none", "tokens": 8 * 8192}
+    want = {"dp_shard": 4, "dp_replicate": 1, "tp": 1, "ep": 4, "checkpointing": "none", "tokens": 8 * 8192}
+    assert got.as_flags() == want and got.fsdp is None  # FSDP2's collectives priced
     accum = SCOUT_TOML.replace("seq_len = 8192", "seq_len = 8192\nglobal_batch_size = 96")  # 8 a rank x 4 ranks x 3
     assert read_layout(write(tmp_path, "accum.toml", accum)).grad_accum == 3
     # HSDP: the optimizer sharded over the shards alone, a micro-step over shards x replicas
     hsdp = accum.replace("tensor_parallel_degree = 1", "data_parallel_replicate_degree = 3")
     got = read_layout(write(tmp_path, "hsdp.toml", hsdp))
-    assert (got.dp_shard, got.grad_accum) == (4, 1)
+    assert (got.dp_shard, got.dp_replicate, got.grad_accum) == (4, 3, 1)
     selective = SCOUT_TOML.replace('mode = "none"', 'mode = "selective"')
     got = read_layout(write(tmp_path, "sac.toml", selective))
     assert got.checkpointing == "none" and "selective checkpointing priced as none" in got.said[0]
@@ -63,7 +64,7 @@ def test_a_torchtitan_toml_gives_its_shards_experts_checkpointing_and_tokens(tmp
 def test_what_a_toml_leaves_out_takes_torchtitans_defaults_and_the_shards_are_asked_for(tmp_path):
     got = read_layout(write(tmp_path, "tp.toml", "[parallelism]\ntensor_parallel_degree = 2\n"))
     # torchtitan's defaults: every GPU left as shards (the launch's), 8 sequences of 2048, selective checkpointing
-    assert got.as_flags() == {"tp": 2, "checkpointing": "none", "tokens": 8 * 2048}
+    assert got.as_flags() == {"dp_replicate": 1, "tp": 2, "checkpointing": "none", "tokens": 8 * 2048}
     assert [flag for flag, _ in got.needs] == ["--dp-shard"] and "every GPU the launch gives" in got.needs[0][1]
     assert "(torchtitan's default) selective" in got.said[0]
     batch = read_layout(write(tmp_path, "batch.toml", "[training]\nglobal_batch_size = 64\n"))
@@ -112,8 +113,11 @@ def test_a_megatron_launch_gives_the_data_parallel_ranks_from_torchruns_world_si
     # 16 GPUs over TP 2: 8 data-parallel ranks, the distributed optimizer sharded over them, 64 / (1 x 8) micro-steps
     want = {"dp_shard": 8, "grad_accum": 8, "tp": 2, "ep": 4, "checkpointing": "full", "tokens": 8192}
     assert got.as_flags() == want
+    # Megatron's DDP is not FSDP2: its collectives are said to be left out, not priced as FSDP2's
+    assert got.fsdp is False and any("Megatron's data-parallel gradient reduce" in s for s in got.said)
     plain = read_layout(write(tmp_path, "plain.sh", MEGATRON.replace("--use-distributed-optimizer ", "")))
-    assert (plain.dp_shard, plain.grad_accum) == (1, 8) and "every rank updates its whole optimizer" in plain.said[0]
+    assert (plain.dp_shard, plain.grad_accum) == (1, 8)
+    assert any("every rank updates its whole optimizer" in s for s in plain.said)
     one_node = read_layout(write(tmp_path, "one.sh", MEGATRON.replace(" --nnodes 2", "")))
     assert (one_node.dp_shard, one_node.grad_accum) == (4, 16)  # 8 GPUs
     alone = read_layout(write(tmp_path, "alone.sh", MEGATRON.replace("torchrun --nproc_per_node 8 --nnodes 2 ", "")))
@@ -142,7 +146,7 @@ def test_torchtitans_command_line_flags_are_read_in_either_spelling(tmp_path):
         "--training.seq_len=8192 --training.local_batch_size 8 --activation_checkpoint.mode=full --compile.enable\n"
     )
     got = read_layout(write(tmp_path, "run.sh", text))
-    assert got.as_flags() == {"dp_shard": 4, "ep": 4, "checkpointing": "full", "tokens": 8 * 8192}
+    assert got.as_flags() == {"dp_shard": 4, "dp_replicate": 1, "ep": 4, "checkpointing": "full", "tokens": 8 * 8192}
     # what its Python config sets is not in the file: the shards are asked for
     shardless = read_layout(write(tmp_path, "tp.sh", "./run_train.sh --parallelism.tensor_parallel_degree=2\n"))
     assert shardless.tp == 2 and [flag for flag, _ in shardless.needs] == ["--dp-shard"]

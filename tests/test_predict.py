@@ -582,7 +582,16 @@ def test_predict_takes_the_data_parallel_shards_and_micro_batches_of_a_step(caps
     code, out, err = run(argv, capsys)
     assert code == 0, err
     laid = json.loads(out)
-    assert laid["layout"] == {"dp_shard": 8, "grad_accum": 4, "tp": 1, "async_tp": False, "checkpointing": "none", "ep": 1}
+    assert laid["layout"] == {
+        "dp_shard": 8,
+        "dp_replicate": 1,
+        "fp8_all_gather": False,
+        "grad_accum": 4,
+        "tp": 1,
+        "async_tp": False,
+        "checkpointing": "none",
+        "ep": 1,
+    }
     assert laid["parts_ms"]["bf16"]["gemms"] == pytest.approx(4 * plain["parts_ms"]["bf16"]["gemms"])
     assert laid["parts_ms"]["bf16"]["optimizer"] == pytest.approx(plain["parts_ms"]["bf16"]["optimizer"] / 8)
     code, out, _ = run(argv[:-1], capsys)

@@ -37,26 +37,26 @@ PINNED = {
     ("Linear(8192), fp8 rowwise_with_gw_hp", "h200"): 3.4,
     ("Linear(8192), fp8 fprop only", "h200"): 1.2,
     ("Linear(8192), fp8 fprop+dgrad", "h200"): 1.4,
-    ("Linear(8192), fp8 rowwise fprop only", "h200"): 1.2,
+    ("Linear(8192), fp8 rowwise fprop only", "h200"): 1.3,  # 1.2 before the refit with FSDP's collectives priced
     ("Linear(8192), fp8 rowwise fprop+dgrad", "h200"): 5.9,
     ("Llama-3-8B, 8 GPUs, fp8 rowwise", "h100"): 3.8,
     ("Llama-3-8B, 8 GPUs, fp8 tensorwise (no fp8 all-gather)", "h100"): 9.0,
-    ("Llama-3-8B, 8 GPUs, fp8 rowwise (axiswise)", "h100"): 6.3,
+    ("Llama-3-8B, 8 GPUs, fp8 rowwise (axiswise)", "h100"): 6.4,  # 6.3 before the refit with FSDP's collectives priced
     ("Llama-3-8B, 8 GPUs, fp8 rowwise_with_gw_hp", "h100"): 2.0,
     ("Llama-3-8B, 8 GPUs, fp8 tensorwise", "b200"): 1.4,
     ("Llama-3-8B, 8 GPUs, MXFP8", "b200"): 6.3,
     ("Llama-3-8B, 8 GPUs, fp8 rowwise", "b200"): 2.9,
-    ("Llama-3-8B, 4 GPUs, MXFP8", "gb200"): 7.2,
+    ("Llama-3-8B, 4 GPUs, MXFP8", "gb200"): 7.4,  # 7.2 before the refit with FSDP's collectives priced
     ("Llama-3-8B, 4 GPUs, NVFP4 (every block)", "gb200"): 1.7,
-    ("Qwen3-8B, 4 GPUs, MXFP8", "gb200"): 1.9,
+    ("Qwen3-8B, 4 GPUs, MXFP8", "gb200"): 2.0,  # 1.9 before the refit with FSDP's collectives priced
     ("Qwen3-8B, 4 GPUs, NVFP4 with a bf16 tail (blocks 30-35)", "gb200"): 4.7,
     ("nanochat d26 (1664 wide), 8 GPUs, fp8 tensorwise", "h100"): 1.2,
     ("nanochat d26 (1664 wide), 8 GPUs, fp8 rowwise", "h100"): 8.0,
     ("Llama (examples/llama, 2048 wide), 1 GPU, torchao tensorwise filter", "h200"): 14.2,
     ("Llama (examples/llama, 2048 wide), 1 GPU, torchao rowwise filter", "h200"): 1.2,
     ("Llama (examples/llama, 2048 wide), 1 GPU, fp8 FFN only", "h200"): 11.5,
-    ("Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears", "gb200"): 12.2,
-    ("Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears, full checkpointing", "gb200"): 3.4,
+    ("Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears", "gb200"): 11.8,
+    ("Llama-4-Scout, 256 GPUs (FSDP, EP 16), MXFP8 experts and Linears, full checkpointing", "gb200"): 3.2,
     # 1.3 before the backward's gradient all-gather was priced in fp8, as torchao's Float8RowwiseParallel casts it
     ("Llama-3-8B, FSDP 8 x TP 8, fp8 tensorwise", "h100"): 6.5,
     ("Llama-3-8B, FSDP 8 x TP 8, fp8 rowwise", "h100"): 2.1,
@@ -89,7 +89,7 @@ def test_async_tps_gain_over_vanilla_is_as_the_docs_say_near_torchtitans_for_fp8
     """docs/planning.md: tensorwise's and rowwise's gains from async TP within 3.5% of torchtitan's, bf16's about twice
     its 9-10%, which is why fp8 over async TP's bf16 is predicted short."""
     gains = points.async_gains()
-    stated = {("8B", "fp8"): 1.114, ("70B", "fp8"): 1.159, ("8B", "fp8-rowwise"): 1.020, ("70B", "fp8-rowwise"): 1.048}
+    stated = {("8B", "fp8"): 1.113, ("70B", "fp8"): 1.158, ("8B", "fp8-rowwise"): 1.020, ("70B", "fp8-rowwise"): 1.048}
     for key, value in stated.items():
         assert gains[key][0] == pytest.approx(value, abs=5e-4), key
         assert abs(gains[key][0] / gains[key][1] - 1) < 0.035, key

@@ -18,6 +18,7 @@ from autoprec.tune._core._targets import targets as planned_for
 from autoprec.tune._measure._layout import MAX_RANKS, MAX_TOKENS, Layout, read_layout
 from autoprec.tune._measure._predict import (
     ABSOLUTE_SHORT,
+    prices_data_parallel,
     baseline,
     describe,
     grouped_kernel,
@@ -62,7 +63,7 @@ def _with_layout(layout: str, given: dict[str, Any]) -> tuple[dict[str, Any], La
     the file said; UserError where the file leaves a value to the launch that no flag gives, or a flag overrides one
     the file derives others from (they would be stale)."""
     read = read_layout(layout)
-    flags = {"--dp-shard": "dp_shard", "--grad-accum": "grad_accum", "--tp": "tp"}
+    flags = {"--dp-shard": "dp_shard", "--dp-replicate": "dp_replicate", "--grad-accum": "grad_accum", "--tp": "tp"}
     unsaid = [(flag, why) for flag, why in read.needs if given[flags[flag]] is None]
     if unsaid:
         raise UserError(
@@ -115,6 +116,8 @@ def command(
     fmt: str | None = None,
     tokens: str | int | None = None,
     dp_shard: str | int | None = None,
+    dp_replicate: str | int | None = None,
+    fp8_all_gather: bool | None = None,
     grad_accum: str | int | None = None,
     tp: str | int | None = None,
     async_tp: bool | None = None,
@@ -125,7 +128,8 @@ def command(
 ) -> tuple[dict[str, Any], str]:
     """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
     `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
-    the optimizer's work (FSDP), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `async_tp` whether
+    the optimizer's work (FSDP), `dp_replicate` replicas beside them (HSDP), `fp8_all_gather` whether tensorwise-fp8
+    weights are gathered in fp8 (None: as the layout file says, else not), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `async_tp` whether
     their collectives overlap as torch's asynchronous TP overlaps them (None: as the layout file says, else not),
     `checkpointing` "full" or "none", `experts` the format an MoE's grouped GEMMs are priced in (a plan: apply_policy runs them in
     the model root's), `ep` the expert-parallel ranks an MoE's experts are spread over, `layout` a file to read the
@@ -142,13 +146,33 @@ def command(
         raise UserError(f"--{exc}") from None
     read, from_file = None, False
     if layout is not None:
-        typed = {"dp_shard": dp_shard, "grad_accum": grad_accum, "tp": tp, "ep": ep, "checkpointing": checkpointing}
-        merged, read = _with_layout(layout, {**typed, "tokens": tokens, "async_tp": async_tp})
+        typed = {
+            "dp_shard": dp_shard,
+            "dp_replicate": dp_replicate,
+            "grad_accum": grad_accum,
+            "tp": tp,
+            "ep": ep,
+            "checkpointing": checkpointing,
+        }
+        merged, read = _with_layout(
+            layout, {**typed, "tokens": tokens, "async_tp": async_tp, "fp8_all_gather": fp8_all_gather}
+        )
         dp_shard, grad_accum, tp, ep = merged["dp_shard"], merged["grad_accum"], merged["tp"], merged["ep"]
+        dp_replicate, fp8_all_gather = merged["dp_replicate"], merged["fp8_all_gather"]
         checkpointing, tokens, async_tp = merged["checkpointing"], merged["tokens"], merged["async_tp"]
         from_file = typed["ep"] is None and read.ep is not None
     wanted = _tokens(tokens)
     shards = _count(dp_shard, "--dp-shard", "the data-parallel ranks the optimizer's state is sharded over (FSDP)")
+    replicas = _count(dp_replicate, "--dp-replicate", "the data-parallel replicas beside the shards (HSDP)")
+    fsdp = read is None or read.fsdp is not False  # Megatron's data parallelism: its communication not priced
+    gathers_fp8 = bool(fp8_all_gather) and shards > 1 and fsdp
+    if fp8_all_gather and shards == 1 and (read is None or read.fp8_all_gather is None):
+        raise UserError("--fp8-all-gather: there is no FSDP sharding to gather over; give --dp-shard N (N above 1) or leave it out")
+    if (shards > 1 or replicas > 1) and fsdp and not prices_data_parallel(device):
+        raise UserError(
+            f"--dp-shard {shards} --dp-replicate {replicas}: target {device.name} gives no NVLink and NIC bandwidths to "
+            "price FSDP's collectives; --dp-shard 1 --dp-replicate 1"
+        )
     micro = _count(grad_accum, "--grad-accum", "the micro-batches of one optimizer step")
     tensor = _count(tp, "--tp", "the tensor-parallel ranks each Linear is sharded over")
     if tensor > 1 and device.link_gbs <= 0:
@@ -191,6 +215,8 @@ def command(
             f"--experts {grouped_format.value}: {model} runs no grouped experts (torch._grouped_mm) to price; leave it out"
         )
     said = list(read.said) if read is not None else []
+    if fp8_all_gather and not gathers_fp8 and fsdp:
+        said.append("torchao's fp8 all-gather left out: the layout shards no weights over data-parallel ranks")
     if async_tp and tensor == 1:
         said.append("asynchronous tensor parallelism left out: the layout has no tensor parallelism")
     if spread > 1 and from_file and not found.step.grouped:  # a run's config names it; this model has no experts
@@ -202,6 +228,9 @@ def command(
     step = dataclasses.replace(
         step,
         shards=shards,
+        replicas=replicas,
+        fp8_all_gather=gathers_fp8,
+        fsdp=fsdp,
         micro_steps=micro,
         tensor_parallel=tensor,
         async_tp=overlapped,
@@ -271,6 +300,8 @@ def command(
         "experts": None if grouped_format is None else grouped_format.value,
         "layout": {
             "dp_shard": shards,
+            "dp_replicate": replicas,
+            "fp8_all_gather": gathers_fp8,
             "grad_accum": micro,
             "tp": tensor,
             "async_tp": overlapped,
@@ -283,16 +314,16 @@ def command(
         "absolute_validated": False,  # the times are the predictor's parts; only their ratio is checked against runs
         # published and measured bf16 steps took this many times the predicted one (docs/planning.md)
         "absolute_measured_over_predicted": list(ABSOLUTE_SHORT),
-        "left_out": "FSDP's communication, an MoE's unbalanced routing "
-        "(balanced assumed)"
+        "left_out": ("" if fsdp else "Megatron's data-parallel communication, ")
+        + "an MoE's unbalanced routing (balanced assumed)"
         + ("" if spread > 1 or not step.grouped else " and, if it trains expert-parallel, its all-to-alls (--ep N prices them)")
         + ", host overhead, power and clock limits",
     }
     lines = [
         f"{model}: {step.tokens * micro:,.0f} tokens per step"
         + (f" ({micro} micro-batches of {step.tokens:,.0f})" if micro > 1 else "")
-        + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); the optimizer's work on "
-        + (f"{shards} data-parallel ranks" if shards > 1 else "one rank (--dp-shard N: FSDP over N)")
+        + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); "
+        + _data_parallel_words(shards, replicas, fsdp, gathers_fp8)
         + (
             f"; tensor parallel over {tensor} ranks (sequence-parallel, "
             + (
@@ -308,7 +339,7 @@ def command(
         + (f"; the layout read from {layout} (a flag given overrides it)" if read is not None else ""),
         f"  uniform bf16: {base.ms:.4g} ms per step (predicted; a step time, not a capacity plan: only the ratio of two "
         f"is validated; published bf16 steps took {ABSOLUTE_SHORT[0]:.1f}-{ABSOLUTE_SHORT[1]:.1f}x the predicted one, "
-        "FSDP's communication, host time and the runs' clocks not being in it)",
+        "host time and the runs' clocks not being in it)",
         f"  {label}: {mine.ms:.4g} ms per step (predicted)",
         f"  speedup: {describe(value, device, stated.text)}; not a measurement",
         "  parts (ms, bf16 -> candidate): " + ", ".join(f"{k} {base.parts[k]:.3g} -> {mine.parts[k]:.3g}" for k in base.parts),
@@ -344,6 +375,18 @@ def command(
     return result, "\n".join(lines)
 
 
+def _data_parallel_words(shards: int, replicas: int, fsdp: bool, fp8: bool) -> str:
+    """The data-parallel layout in words, as the text's first line says it."""
+    if shards == 1 and replicas == 1:
+        return "the optimizer's work on one rank (--dp-shard N: FSDP over N)"
+    words = f"the optimizer's work on {shards} data-parallel ranks" if shards > 1 else "no optimizer sharding"
+    if replicas > 1:
+        words += f", {replicas} replicas"
+    if not fsdp:
+        return words + " (their communication not priced)"
+    return words + " (FSDP2's collectives overlapped as it overlaps them" + (", weights gathered in fp8)" if fp8 else ")")
+
+
 def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="path to a model.py (build_model, batches, loss_fn)")
     p.add_argument("--target", required=True, metavar="{" + ",".join(t.name for t in planned_for()) + "}")
@@ -352,6 +395,14 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--format", help="price every Linear in this format, the rest in bf16")
     p.add_argument("--tokens", metavar="N", help="tokens (rows) per micro-batch (default: one train batch's)")
     p.add_argument("--dp-shard", metavar="N", help="data-parallel ranks the optimizer's state is sharded over (FSDP; default 1)")
+    p.add_argument("--dp-replicate", metavar="N", help="data-parallel replicas beside the shards (HSDP; default 1)")
+    p.add_argument(
+        "--fp8-all-gather",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="FSDP gathers tensorwise-fp8 Linears' weights in fp8, as torchao's enable_fsdp_float8_all_gather does "
+        "(default: as --layout says, else not)",
+    )
     p.add_argument("--grad-accum", metavar="N", help="micro-batches per optimizer step (default 1)")
     p.add_argument("--tp", metavar="N", help="tensor-parallel ranks each Linear is sharded over (sequence-parallel; default 1)")
     p.add_argument(
@@ -379,6 +430,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         fmt=args.format,
         tokens=args.tokens,
         dp_shard=args.dp_shard,
+        dp_replicate=args.dp_replicate,
+        fp8_all_gather=args.fp8_all_gather,
         grad_accum=args.grad_accum,
         tp=args.tp,
         async_tp=args.async_tp,

@@ -9,8 +9,9 @@ strict fp32, without TF32 (trainer.matmul_precision); "tf32" is listed as the da
 A format whose GEMMs need an element format a target does not list is refused for that target (_flops.py), not
 counted at another format's speed.
 
-The step-time predictor (_predict.py) also reads each target's memory bandwidth (the datasheet's HBM figure) and the
-cost of one kernel launch. The launch cost is on no datasheet: LAUNCH_US is a stated assumption, not a measurement,
+The step-time predictor (_predict.py) also reads each target's memory bandwidth (the datasheet's HBM figure), its
+NVLink bandwidth, NVLink domain and scale-out NIC (the system's datasheet: the collectives of a parallel layout) and
+the cost of one kernel launch. The launch cost is on no datasheet: LAUNCH_US is a stated assumption, not a measurement,
 and moves no validation point of the predictor by more than 4% when set to 0 or doubled (docs/planning.md).
 """
 
@@ -45,6 +46,11 @@ class Target:
     # the GPU's NVLink bandwidth, both directions together (the datasheet's figure), in GB/s: tensor parallelism's
     # collectives run at half of it each way; 0 where the datasheet gives none
     link_gbs: float = 0.0
+    # the GPUs one NVLink domain joins (a server's 8, an NVL72 rack's 72): a collective over more leaves it through
+    # the scale-out NICs
+    domain: int = 1
+    # each GPU's scale-out NIC, one direction, in GB/s (a 400 Gb/s ConnectX-7: 50); 0 where the datasheet gives none
+    nic_gbs: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tflops) - {*GEMM_PRECISIONS, "tf32"}, key=str)
@@ -65,6 +71,16 @@ class Target:
             raise ValueError(
                 f"target {self.name!r}: link_gbs is {self.link_gbs!r}; give the NVLink bandwidth in GB/s (both "
                 "directions), a finite number >= 0 (0: none)"
+            )
+        if isinstance(self.domain, bool) or not isinstance(self.domain, int) or self.domain < 1:
+            raise ValueError(
+                f"target {self.name!r}: domain is {self.domain!r}; give the GPUs one NVLink domain joins, a whole "
+                "number >= 1 (8 for an 8-GPU server)"
+            )
+        if not (_positive(self.nic_gbs) or self.nic_gbs == 0):
+            raise ValueError(
+                f"target {self.name!r}: nic_gbs is {self.nic_gbs!r}; give each GPU's scale-out NIC bandwidth in GB/s "
+                "(one direction), a finite number >= 0 (0: none)"
             )
         if not (_positive(self.launch_us) or self.launch_us == 0):
             raise ValueError(
@@ -120,9 +136,11 @@ B200 = register_target(
         tflops={"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "nvfp4": 9000.0},
         source="NVIDIA HGX B200 specifications, per GPU (https://www.nvidia.com/en-us/data-center/hgx/; NVIDIA Blackwell "
         "datasheet): FP4 Tensor 18 PFLOPS, FP8/FP6 9, FP16/BF16 4.5, TF32 2.2 (with sparsity), FP32 75 TFLOPS; HBM3e "
-        "~8 TB/s; NVLink 1.8 TB/s",
+        "~8 TB/s; NVLink 1.8 TB/s. NVIDIA DGX B200 datasheet: 8 GPUs a server, 8x single-port ConnectX-7 400 Gb/s",
         bandwidth_tbs=8.0,
         link_gbs=1800.0,
+        domain=8,
+        nic_gbs=50.0,
     )
 )
 H100 = register_target(
@@ -133,9 +151,12 @@ H100 = register_target(
         tflops={"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
         source="NVIDIA H100 Tensor Core GPU datasheet, SXM column "
         "(https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet): FP8 3,958 TFLOPS, BF16/FP16 "
-        "1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3 3.35 TB/s; NVLink 900 GB/s",
+        "1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3 3.35 TB/s; NVLink 900 GB/s. NVIDIA DGX H100 datasheet: "
+        "8 GPUs a server, 8x single-port ConnectX-7 400 Gb/s",
         bandwidth_tbs=3.35,
         link_gbs=900.0,
+        domain=8,
+        nic_gbs=50.0,
     )
 )
 H200 = register_target(
@@ -144,9 +165,12 @@ H200 = register_target(
         device="NVIDIA H200 SXM",
         tflops=H100.tflops,  # H100's compute (the same dense rates), more and faster memory
         source="NVIDIA H200 Tensor Core GPU datasheet, SXM column: FP8 "
-        "3,958 TFLOPS, BF16/FP16 1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3e 4.8 TB/s; NVLink 900 GB/s",
+        "3,958 TFLOPS, BF16/FP16 1,979, TF32 989 (with sparsity), FP32 67 TFLOPS; HBM3e 4.8 TB/s; NVLink 900 GB/s. "
+        "NVIDIA DGX H200 datasheet: 8 GPUs a server, 8x single-port ConnectX-7 400 Gb/s",
         bandwidth_tbs=4.8,
         link_gbs=900.0,
+        domain=8,
+        nic_gbs=50.0,
     )
 )
 GB200 = register_target(
@@ -158,8 +182,11 @@ GB200 = register_target(
         tflops={"fp32": 80.0, "tf32": 1250.0, "bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 10000.0},
         source="NVIDIA GB200 NVL72 specifications, per GPU: FP4 "
         "Tensor 20 PFLOPS, FP8/FP6 10, FP16/BF16 5, TF32 2.5 (with sparsity), FP32 80 TFLOPS; HBM3e 8 TB/s; NVLink "
-        "1.8 TB/s",
+        "1.8 TB/s; 72 GPUs an NVLink domain. NVIDIA's multi-node NVLink tuning guide (GB200 NVL72 72x1): a compute "
+        "tray's 4 GPUs with their ConnectX-7 (400 Gb/s each)",
         bandwidth_tbs=8.0,
         link_gbs=1800.0,
+        domain=72,
+        nic_gbs=50.0,
     )
 )

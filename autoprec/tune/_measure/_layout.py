@@ -4,7 +4,8 @@
 - a torchtitan job config (`.toml`, as torchtitan's train_configs were written in 2025): [parallelism]
   data_parallel_shard_degree, data_parallel_replicate_degree, tensor_parallel_degree, expert_parallel_degree,
   pipeline_parallel_degree, context_parallel_degree, enable_async_tensor_parallel (or [compile]'s, where torchtitan
-  moved it); [activation_checkpoint] mode; [training] local_batch_size, seq_len, global_batch_size. A key the file
+  moved it); [activation_checkpoint] mode; [training] local_batch_size, seq_len, global_batch_size; torchao's
+  enable_fsdp_float8_all_gather ([quantize.linear.float8], or an older config's [float8]). A key the file
   leaves out takes torchtitan's default (shards -1: every GPU left, which the launch decides; 8 sequences of 2048;
   selective checkpointing). An older config's layout keys (under [training] or [experimental]) are refused by name.
 - a launch's arguments (any other file: a shell script, or a list of arguments), for a torchtitan run configured on
@@ -12,7 +13,8 @@
   sets is not in the file, so the data-parallel ranks must be said) or a Megatron-LM one (--tensor-model-parallel-size,
   --expert-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size, --micro-batch-size,
   --global-batch-size, --seq-length, --recompute-granularity, --recompute-activations, --recompute-method,
-  --use-distributed-optimizer; --tp-comm-overlap, Transformer Engine's own overlap, is said and priced as none), with
+  --use-distributed-optimizer; --tp-comm-overlap, Transformer Engine's own overlap, is said and priced as none, as
+  Megatron's data-parallel communication is: predict prices FSDP2's), with
   torchrun's --nproc-per-node and --nnodes for the world size. The flags of every command in the file are read
   together.
 
@@ -63,7 +65,9 @@ _MEGATRON_OWN = frozenset(
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A run's layout as predict prices it; None where the file does not say (predict's default then holds).
-    `dp_shard`: the data-parallel ranks the optimizer's state is sharded over; `grad_accum`: micro-batches per
+    `dp_shard`: the data-parallel ranks the optimizer's state is sharded over; `dp_replicate`: the replicas beside
+    them (HSDP); `fp8_all_gather`: torchao's float8 all-gather on; `fsdp`: False where the data parallelism is not
+    FSDP2's (Megatron's), whose communication predict does not price; `grad_accum`: micro-batches per
     optimizer step; `tp`, `ep`: tensor- and expert-parallel ranks; `async_tp`: torch's asynchronous tensor
     parallelism on; `checkpointing`: "none" or "full"; `tokens`: one
     rank's micro-batch in tokens; `needs`: each flag that must be given (the file leaves it to the launch) with why;
@@ -71,6 +75,9 @@ class Layout:
     `said`: how a value was taken where predict prices it otherwise than the framework runs it."""
 
     dp_shard: int | None = None
+    dp_replicate: int | None = None
+    fp8_all_gather: bool | None = None
+    fsdp: bool | None = None
     grad_accum: int | None = None
     tp: int | None = None
     ep: int | None = None
@@ -85,6 +92,8 @@ class Layout:
         """The values the file gives, by predict's flag name."""
         values = {
             "dp_shard": self.dp_shard,
+            "dp_replicate": self.dp_replicate,
+            "fp8_all_gather": self.fp8_all_gather,
             "grad_accum": self.grad_accum,
             "tp": self.tp,
             "ep": self.ep,
@@ -156,6 +165,7 @@ class _Read:
     tp: int | None = None
     ep: int | None = None
     async_tp: bool | None = None
+    fp8_all_gather: bool | None = None
     pp: int = 1
     cp: int = 1
     local_batch: int | None = None
@@ -192,6 +202,9 @@ class _Read:
                 )
                 needs.append(("--dp-shard", why))
         else:  # Megatron: the ranks left by TP, PP and CP are data-parallel; the optimizer shards only when asked
+            self.said.append(
+                "Megatron's data-parallel gradient reduce and parameter gather not priced (predict prices FSDP2's)"
+            )
             if self.world is not None:
                 if self.world % (tp * self.pp * self.cp):
                     raise UserError(
@@ -226,9 +239,10 @@ class _Read:
                     raise UserError(
                         f"{self.where}: {accum} micro-batches a step (the global batch over a micro-step's) are past {MAX_RANKS}"
                     )
-                # Megatron's ranks come from TP (and, with its distributed optimizer, are the shards); torchtitan's shards are the file's
+                # Megatron's ranks come from TP (and, with its distributed optimizer, are the shards); torchtitan's
+                # are the file's shards and replicas
                 sources = (
-                    ("--dp-shard",)
+                    ("--dp-shard", "--dp-replicate")
                     if self.distributed_optimizer is None
                     else (("--tp", "--dp-shard") if self.distributed_optimizer else ("--tp",))
                 )
@@ -240,8 +254,12 @@ class _Read:
         tokens = self.local_batch * self.seq if self.local_batch and self.seq else None
         if tokens is not None and tokens > MAX_TOKENS:
             raise UserError(f"{self.where}: {self.local_batch} sequences of {self.seq} tokens are past {MAX_TOKENS} a rank")
+        titan = self.distributed_optimizer is None
         return Layout(
             dp_shard=dp_shard,
+            dp_replicate=self.replicate if titan else None,
+            fp8_all_gather=self.fp8_all_gather,
+            fsdp=None if titan else False,
             grad_accum=accum,
             tp=self.tp,
             ep=self.ep,
@@ -351,22 +369,41 @@ def _titan_items(config: Mapping[str, Any]):  # type: ignore[no-untyped-def]
         if isinstance(table, Mapping):
             for key, value in table.items():
                 yield section, key, value
+    for section, key in sorted(_FP8_GATHER):  # nested tables: [quantize.linear.float8]
+        *path, last = [section, *key.split(".")]
+        table = config
+        for name in path:
+            table = table.get(name) if isinstance(table, Mapping) else None
+        if isinstance(table, Mapping) and last in table:
+            yield section, key, table[last]
 
 
 # torchtitan's yes-or-no keys predict reads (as a flag: on alone, or its no_ spelling off): async TP's, under
 # [parallelism] in its 2025 configs and under [compile] since its 2026-08 CompileConfig (torchtitan #4045)
 _SWITCHES = frozenset(("enable_async_tensor_parallel", "no_enable_async_tensor_parallel"))
 _SWITCH_SECTIONS = ("parallelism", "compile")
+# torchao's float8 all-gather under FSDP, where torchtitan's 2025 configs put it ([quantize.linear.float8]) and where
+# its older ones did ([float8]): (section, the key under it)
+_FP8_GATHER = frozenset(
+    (section, prefix + word)
+    for section, prefix in (("quantize", "linear.float8."), ("float8", ""))
+    for word in ("enable_fsdp_float8_all_gather", "no_enable_fsdp_float8_all_gather")
+)
 
 
 def _titan_key(read: _Read, key_shown: str, section: str, key: str, value: Any) -> None:
     """One torchtitan key (a TOML entry or a --section.key flag) into `read`; others are not the layout's."""
     switch = section in _SWITCH_SECTIONS and key in _SWITCHES  # a flag of its own is on
-    if value is None and not switch:
+    gather = (section, key) in _FP8_GATHER
+    if value is None and not (switch or gather):
         raise UserError(f"{read.where}: {key_shown} has no value; give it one")
-    if switch:
+    if switch or gather:
         on = _switch(value, read.where, key_shown)
-        read.async_tp = on if key.startswith("enable") else not on
+        on = on if key.rsplit(".", 1)[-1].startswith("enable") else not on
+        if switch:
+            read.async_tp = on
+        else:
+            read.fp8_all_gather = on
     elif section == "parallelism":
         if key == "data_parallel_shard_degree":
             read.shard = _whole(value, read.where, key_shown, least=-1)
@@ -421,6 +458,7 @@ def _from_arguments(text: str, where: str) -> Layout:
     sections = ("parallelism", "training", "activation_checkpoint", "experimental")
     titan = {k for k in flags if "." in k and k.split(".", 1)[0] in sections}
     titan |= {k for k in flags if k.startswith("compile.") and k.split(".", 1)[1] in _SWITCHES}
+    titan |= {k for k in flags if tuple(k.split(".", 1)) in _FP8_GATHER}
     for key in titan:
         section, name = key.split(".", 1)
         _refuse_unread(section, name, where, f"--{key}")
