@@ -185,6 +185,63 @@ def test_async_tensor_parallelism_is_read_from_torchtitans_key_or_flag_and_megat
     assert megatron.async_tp is None and any(s.startswith("--tp-comm-overlap: Transformer Engine's") for s in megatron.said)
 
 
+def test_torchaos_fp8_all_gather_is_read_from_either_configs_table_or_flag(tmp_path):
+    """FSDP's fp8 all-gather: torchtitan's 2025 configs ([quantize.linear.float8]), its older ones ([float8]), and
+    the flags; left out where the file does not say (predict's default, off)."""
+    assert read_layout(write(tmp_path, "none.toml", SCOUT_TOML)).fp8_all_gather is None
+    for table in ("quantize.linear.float8", "float8"):
+        on = SCOUT_TOML + f"\n[{table}]\nenable_fsdp_float8_all_gather = true\n"
+        assert read_layout(write(tmp_path, "on.toml", on)).as_flags()["fp8_all_gather"] is True
+        off = on.replace("= true", "= false")
+        assert read_layout(write(tmp_path, "off.toml", off)).fp8_all_gather is False
+        with pytest.raises(UserError, match="enable_fsdp_float8_all_gather = 1; give true or false"):
+            read_layout(write(tmp_path, "bad.toml", on.replace("= true", "= 1")))
+    flags = "x --parallelism.data_parallel_shard_degree=8 "
+    assert read_layout(write(tmp_path, "q.sh", flags + "--quantize.linear.float8.enable-fsdp-float8-all-gather\n")).fp8_all_gather
+    older = read_layout(write(tmp_path, "o.sh", flags + "--float8.no_enable_fsdp_float8_all_gather\n"))
+    assert older.fp8_all_gather is False and older.dp_shard == 8
+    # a [quantize] table that is not torchtitan's nesting is not read as the key
+    odd = SCOUT_TOML + "\n[quantize]\nlinear = 3\n"
+    assert read_layout(write(tmp_path, "odd.toml", odd)).fp8_all_gather is None
+
+
+def test_predict_reads_fp8_all_gather_and_replicas_from_a_layout_and_a_flag_overrides_them(tmp_path, capsys):
+    model = tmp_path / "model.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))\n\n"
+        "def batches(split):\n    return [torch.randn(32, 64, generator=torch.Generator().manual_seed(0))]\n\n"
+        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n",
+        encoding="utf-8",
+    )
+    toml = write(
+        tmp_path,
+        "run.toml",
+        "[parallelism]\ndata_parallel_shard_degree = 4\ndata_parallel_replicate_degree = 2\n"
+        "[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n",
+    )
+    argv = ["predict", str(model), "--target", "h100", "--format", "fp8", "--layout", str(toml), "--json"]
+    assert main(argv) == 0
+    laid = json.loads(capsys.readouterr().out)["layout"]
+    assert (laid["dp_shard"], laid["dp_replicate"], laid["fp8_all_gather"]) == (4, 2, True)
+    assert main([*argv, "--no-fp8-all-gather", "--dp-replicate", "1"]) == 0
+    laid = json.loads(capsys.readouterr().out)["layout"]
+    assert (laid["dp_replicate"], laid["fp8_all_gather"]) == (1, False)
+    # a run's config with fp8 all-gather on but no sharding: said, not refused
+    alone = write(
+        tmp_path, "one.toml", "[parallelism]\ndata_parallel_shard_degree = 1\n[float8]\nenable_fsdp_float8_all_gather = true\n"
+    )
+    assert main(["predict", str(model), "--target", "h100", "--format", "fp8", "--layout", str(alone), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["layout"]["fp8_all_gather"] is False and any("fp8 all-gather left out" in s for s in result["layout"]["said"])
+    # Megatron's data parallelism is not FSDP2's: left out and said, not priced as FSDP2's
+    megatron = write(tmp_path, "launch.sh", MEGATRON)
+    assert main(["predict", str(model), "--target", "h100", "--format", "bf16", "--layout", str(megatron), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["layout"]["dp_shard"] == 8 and "data_parallel" not in result["parts_ms"]["bf16"]
+    assert result["left_out"].startswith("Megatron's data-parallel communication")
+
+
 @pytest.mark.parametrize(
     ("text", "said"),
     [

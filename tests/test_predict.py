@@ -34,6 +34,8 @@ def test_the_targets_are_h100_h200_b200_gb200_each_with_rates_bandwidth_and_a_so
     assert H200.tflops == H100.tflops and GB200.tflops["nvfp4"] == 10000.0 and GB200.tflops["bf16"] == 2500.0
     for t in targets():
         assert "TB/s" in t.source and t.launch_us == predictor_launch() and "bf16" in t.tflops
+        assert "ConnectX-7" in t.source and t.nic_gbs == 50.0  # 400 Gb/s a GPU
+    assert (H100.domain, H200.domain, B200.domain, GB200.domain) == (8, 8, 8, 72)
 
 
 def predictor_launch() -> float:
@@ -53,6 +55,9 @@ def predictor_launch() -> float:
         ({"bandwidth_tbs": math.inf}, r"bandwidth_tbs is inf"),
         ({"launch_us": -1.0}, r"launch_us is -1.0"),
         ({"link_gbs": math.nan}, r"link_gbs is nan; give the NVLink bandwidth"),
+        ({"domain": 0}, r"domain is 0; give the GPUs one NVLink domain joins"),
+        ({"domain": True}, r"domain is True"),
+        ({"nic_gbs": -50.0}, r"nic_gbs is -50.0; give each GPU's scale-out NIC bandwidth"),
     ],
 )
 def test_a_target_with_an_infinite_rate_no_bf16_or_no_bandwidth_is_refused(change, said):
@@ -866,3 +871,119 @@ def test_predict_prices_a_scheduled_policy_file_and_checks_every_phases_names(ca
     Policy(layers={ROOT: Format.BF16}, phases=[{"from_fraction": 0.75, "layers": {"7": "bf16"}}]).save(policy)
     code, _, err = run([str(path), "--target", "h100", "--policy", str(policy)], capsys)
     assert code == 2 and "names '7', which is no module of" in err
+
+
+def test_a_ring_collective_runs_at_the_nvlink_inside_a_domain_and_at_the_groups_nics_past_it():
+    """Issue 61, 2: FSDP's collectives. A ring over ranks placed `stride` apart: within one NVLink domain at half the
+    link; across domains at the slower of that and the NICs of the group's ranks in one domain."""
+    memory, launch = predictor.CALIBRATION.memory, H100.launch_us * 1e-3
+    nbytes = 8e9
+
+    def at(gbs: float, ranks: int) -> float:
+        return 1e3 * (ranks - 1) / ranks * nbytes / (gbs * 1e9 * memory) + launch
+
+    assert predictor.ring_ms(nbytes, 8, 1, H100) == pytest.approx(at(450.0, 8))  # one server: NVLink
+    assert predictor.ring_ms(nbytes, 16, 1, H100) == pytest.approx(at(400.0, 16))  # 8 NICs of 50 GB/s a server
+    assert predictor.ring_ms(nbytes, 8, 8, H100) == pytest.approx(at(50.0, 8))  # TP 8 inside: one NIC a server
+    assert predictor.ring_ms(nbytes, 2, 4, H100) == pytest.approx(at(450.0, 2))  # TP 4 x 2 fits one server
+    assert predictor.ring_ms(nbytes, 64, 1, GB200) == pytest.approx(at(900.0, 64))  # an NVL72 rack
+    assert predictor.ring_ms(nbytes, 256, 1, GB200) == pytest.approx(at(900.0, 256))  # 72 NICs a rack outrun NVLink
+    assert predictor.ring_ms(nbytes, 1, 1, H100) == 0.0 and predictor.ring_ms(0.0, 8, 1, H100) == 0.0
+
+
+def _blocks(d: int, tokens: float, blocks: int = 4, vocab: int = 1000) -> Step:
+    """A transformer's Linears by block (layers.N.*) and an output layer, with an embedding's parameters beside them."""
+    shapes = []
+    for i in range(blocks):
+        shapes += [
+            LinearShape(f"layers.{i}.attn.qkv", d, 3 * d, tokens),
+            LinearShape(f"layers.{i}.attn.o", d, d, tokens),
+            LinearShape(f"layers.{i}.mlp.up", d, 4 * d, tokens),
+            LinearShape(f"layers.{i}.mlp.down", 4 * d, d, tokens),
+        ]
+    shapes.append(LinearShape("output", d, vocab, tokens))
+    linear = sum(s.in_features * s.out_features for s in shapes)
+    return Step(tuple(shapes), other_bytes=tokens * d * 40, params=linear + vocab * d)
+
+
+def test_fsdp_pays_its_first_units_collectives_where_the_compute_hides_the_rest_and_all_where_it_does_not():
+    """The embeddings' and the first block's gathers and reductions are exposed (nothing computes before or after
+    them); the others hide under the forward's third and the backward's two thirds of the step while they fit."""
+    d = 1024
+    long = dataclasses.replace(_blocks(d, 2**20), shards=8)
+    short = dataclasses.replace(_blocks(d, 64.0), shards=8)
+    embed, block, out = 1000 * d, 12 * d * d, 1000 * d
+
+    def ring(elements: float, nbytes: float) -> float:
+        return predictor.ring_ms(elements * nbytes, 8, 1, H100)
+
+    ends = ring(embed, 2) + ring(block, 2) + ring(embed, 4) + ring(block, 4)
+    parts = predictor.predict(long, predictor.baseline(), H100).parts
+    assert parts["data_parallel"] == pytest.approx(ends)
+    # a few tokens: nothing hides; the blocks and the embeddings gathered twice (resharded), the output layer once
+    few = predictor.predict(short, predictor.baseline(), H100).parts
+    compute = sum(v for k, v in few.items() if k not in ("data_parallel", "optimizer"))
+    forward = 3 * ring(block, 2) + ring(out, 2)  # blocks 1-3 and the output layer (the first two units are the ends)
+    backward = ring(embed, 2) + 4 * ring(block, 2) + 3 * ring(block, 4) + ring(out, 4)
+    assert few["data_parallel"] == pytest.approx(ends + forward - compute / 3 + backward - 2 * compute / 3)
+    # every micro-batch gathers and reduces again; one rank, or Megatron's data parallelism, prices none
+    four = predictor.predict(dataclasses.replace(short, micro_steps=4), predictor.baseline(), H100).parts
+    assert four["data_parallel"] == pytest.approx(4 * few["data_parallel"])
+    assert "data_parallel" not in predictor.predict(dataclasses.replace(short, shards=1), predictor.baseline(), H100).parts
+    assert "data_parallel" not in predictor.predict(dataclasses.replace(short, fsdp=False), predictor.baseline(), H100).parts
+
+
+def test_fp8_all_gather_halves_only_tensorwise_weights_and_replicas_add_their_all_reduce():
+    d = 1024
+    step = dataclasses.replace(_blocks(d, 64.0), shards=8)
+    gathered = dataclasses.replace(step, fp8_all_gather=True)
+
+    def comm(s: Step, fmt: str) -> float:
+        return predictor.predict(s, predictor.uniform(fmt, s), B200).parts["data_parallel"]
+
+    assert comm(gathered, "fp8") < comm(step, "fp8")  # the tensorwise weights move in fp8
+    for fmt in ("fp8-rowwise", "mxfp8", "bf16"):  # torchao gathers only tensorwise float8 weights in fp8
+        assert comm(gathered, fmt) == pytest.approx(comm(step, fmt))
+    hsdp = dataclasses.replace(step, replicas=2)
+    assert comm(hsdp, "bf16") > comm(step, "bf16")
+    ddp = dataclasses.replace(step, shards=1, replicas=4)  # no sharding: the gradients all-reduced, nothing gathered
+    assert 0 < comm(ddp, "bf16") < comm(step, "bf16")
+
+
+def test_predict_prices_fsdp_says_fp8_all_gather_and_refuses_it_without_sharding(capsys, write_model, monkeypatch):
+    path = write_model(
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))\n\n"
+        "def batches(split):\n    return [torch.randn(32, 64, generator=torch.Generator().manual_seed(0))]\n\n"
+        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n"
+    )
+    base = [str(path), "--target", "h100", "--format", "fp8", "--dp-shard", "8", "--json"]
+    results = {}
+    for extra in ([], ["--fp8-all-gather"], ["--dp-replicate", "2"]):
+        code, out, err = run([*base, *extra], capsys)
+        assert code == 0, err
+        results[tuple(extra)] = json.loads(out)
+    plain, fp8, hsdp = results.values()
+    assert "FSDP" not in plain["left_out"] and plain["parts_ms"]["bf16"]["data_parallel"] > 0
+    assert (plain["layout"]["fp8_all_gather"], fp8["layout"]["fp8_all_gather"]) == (False, True)
+    assert fp8["parts_ms"]["candidate"]["data_parallel"] < plain["parts_ms"]["candidate"]["data_parallel"]
+    assert fp8["parts_ms"]["bf16"]["data_parallel"] == pytest.approx(plain["parts_ms"]["bf16"]["data_parallel"])
+    assert hsdp["layout"]["dp_replicate"] == 2
+    assert hsdp["parts_ms"]["bf16"]["data_parallel"] > plain["parts_ms"]["bf16"]["data_parallel"]
+    code, out, err = run([*base[:-1], "--fp8-all-gather"], capsys)
+    assert code == 0 and "(FSDP2's collectives overlapped as it overlaps them, weights gathered in fp8)" in out, err
+    for argv, said in (
+        (["--fp8-all-gather"], "--fp8-all-gather: there is no FSDP sharding to gather over; give --dp-shard N"),
+        (["--dp-replicate", "0"], "--dp-replicate 0: give the data-parallel replicas beside the shards"),
+    ):
+        code, out, err = run([str(path), "--target", "h100", "--format", "fp8", *argv], capsys)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and said in err, err
+    # a target that gives no link and NIC bandwidths: the optimizer split, the collectives said, not priced
+    from autoprec.tune._core import _targets
+
+    monkeypatch.setitem(_targets._TARGETS, "h100", dataclasses.replace(H100, link_gbs=0.0, nic_gbs=0.0, domain=1))
+    code, out, err = run(base, capsys)
+    assert code == 0, err
+    bare = json.loads(out)
+    assert "data_parallel" not in bare["parts_ms"]["bf16"]
+    assert bare["left_out"].startswith("FSDP's communication (target h100 gives no NVLink and NIC bandwidths)")

@@ -18,12 +18,12 @@ from autoprec.tune._core._targets import targets as planned_for
 from autoprec.tune._measure._layout import MAX_RANKS, MAX_TOKENS, Layout, read_layout
 from autoprec.tune._measure._predict import (
     ABSOLUTE_SHORT,
-    prices_data_parallel,
     baseline,
     describe,
     grouped_kernel,
     lacking,
     predict,
+    prices_data_parallel,
     regime_band,
     traced,
     uniform,
@@ -154,9 +154,7 @@ def command(
             "ep": ep,
             "checkpointing": checkpointing,
         }
-        merged, read = _with_layout(
-            layout, {**typed, "tokens": tokens, "async_tp": async_tp, "fp8_all_gather": fp8_all_gather}
-        )
+        merged, read = _with_layout(layout, {**typed, "tokens": tokens, "async_tp": async_tp, "fp8_all_gather": fp8_all_gather})
         dp_shard, grad_accum, tp, ep = merged["dp_shard"], merged["grad_accum"], merged["tp"], merged["ep"]
         dp_replicate, fp8_all_gather = merged["dp_replicate"], merged["fp8_all_gather"]
         checkpointing, tokens, async_tp = merged["checkpointing"], merged["tokens"], merged["async_tp"]
@@ -167,12 +165,13 @@ def command(
     fsdp = read is None or read.fsdp is not False  # Megatron's data parallelism: its communication not priced
     gathers_fp8 = bool(fp8_all_gather) and shards > 1 and fsdp
     if fp8_all_gather and shards == 1 and (read is None or read.fp8_all_gather is None):
-        raise UserError("--fp8-all-gather: there is no FSDP sharding to gather over; give --dp-shard N (N above 1) or leave it out")
-    if (shards > 1 or replicas > 1) and fsdp and not prices_data_parallel(device):
         raise UserError(
-            f"--dp-shard {shards} --dp-replicate {replicas}: target {device.name} gives no NVLink and NIC bandwidths to "
-            "price FSDP's collectives; --dp-shard 1 --dp-replicate 1"
+            "--fp8-all-gather: there is no FSDP sharding to gather over; give --dp-shard N (N above 1) or leave it out"
         )
+    # what the data-parallel collectives leave out, where they are not priced
+    unpriced = "" if fsdp else "Megatron's data-parallel communication, "
+    if fsdp and (shards > 1 or replicas > 1) and not prices_data_parallel(device):
+        unpriced = f"FSDP's communication (target {device.name} gives no NVLink and NIC bandwidths), "
     micro = _count(grad_accum, "--grad-accum", "the micro-batches of one optimizer step")
     tensor = _count(tp, "--tp", "the tensor-parallel ranks each Linear is sharded over")
     if tensor > 1 and device.link_gbs <= 0:
@@ -314,7 +313,7 @@ def command(
         "absolute_validated": False,  # the times are the predictor's parts; only their ratio is checked against runs
         # published and measured bf16 steps took this many times the predicted one (docs/planning.md)
         "absolute_measured_over_predicted": list(ABSOLUTE_SHORT),
-        "left_out": ("" if fsdp else "Megatron's data-parallel communication, ")
+        "left_out": unpriced
         + "an MoE's unbalanced routing (balanced assumed)"
         + ("" if spread > 1 or not step.grouped else " and, if it trains expert-parallel, its all-to-alls (--ep N prices them)")
         + ", host overhead, power and clock limits",
@@ -323,7 +322,7 @@ def command(
         f"{model}: {step.tokens * micro:,.0f} tokens per step"
         + (f" ({micro} micro-batches of {step.tokens:,.0f})" if micro > 1 else "")
         + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); "
-        + _data_parallel_words(shards, replicas, fsdp, gathers_fp8)
+        + _data_parallel_words(shards, replicas, fsdp and not unpriced, gathers_fp8)
         + (
             f"; tensor parallel over {tensor} ranks (sequence-parallel, "
             + (

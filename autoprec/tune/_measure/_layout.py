@@ -202,9 +202,7 @@ class _Read:
                 )
                 needs.append(("--dp-shard", why))
         else:  # Megatron: the ranks left by TP, PP and CP are data-parallel; the optimizer shards only when asked
-            self.said.append(
-                "Megatron's data-parallel gradient reduce and parameter gather not priced (predict prices FSDP2's)"
-            )
+            self.said.append("Megatron's data-parallel gradient reduce and parameter gather not priced (predict prices FSDP2's)")
             if self.world is not None:
                 if self.world % (tp * self.pp * self.cp):
                     raise UserError(
