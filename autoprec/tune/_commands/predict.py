@@ -386,6 +386,13 @@ def _data_parallel_words(shards: int, replicas: int, fsdp: bool, fp8: bool) -> s
     return words + " (FSDP2's collectives overlapped as it overlaps them" + (", weights gathered in fp8)" if fp8 else ")")
 
 
+def _switch(p: argparse.ArgumentParser, flag: str, what: str) -> None:
+    """A yes-or-no flag with its --no- form, unset (None) where not given: --layout's value, else off, then holds."""
+    p.add_argument(
+        flag, action=argparse.BooleanOptionalAction, default=None, help=f"{what} (default: as --layout says, else not)"
+    )
+
+
 def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="path to a model.py (build_model, batches, loss_fn)")
     p.add_argument("--target", required=True, metavar="{" + ",".join(t.name for t in planned_for()) + "}")
@@ -395,21 +402,18 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", metavar="N", help="tokens (rows) per micro-batch (default: one train batch's)")
     p.add_argument("--dp-shard", metavar="N", help="data-parallel ranks the optimizer's state is sharded over (FSDP; default 1)")
     p.add_argument("--dp-replicate", metavar="N", help="data-parallel replicas beside the shards (HSDP; default 1)")
-    p.add_argument(
+    _switch(
+        p,
         "--fp8-all-gather",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="FSDP gathers tensorwise-fp8 Linears' weights in fp8, as torchao's enable_fsdp_float8_all_gather does "
-        "(default: as --layout says, else not)",
+        "FSDP gathers tensorwise-fp8 Linears' weights in fp8, as torchao's enable_fsdp_float8_all_gather does",
     )
     p.add_argument("--grad-accum", metavar="N", help="micro-batches per optimizer step (default 1)")
     p.add_argument("--tp", metavar="N", help="tensor-parallel ranks each Linear is sharded over (sequence-parallel; default 1)")
-    p.add_argument(
+    _switch(
+        p,
         "--async-tp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="tensor parallelism's collectives overlapped with their GEMMs, as torch's asynchronous TP (torchtitan's "
-        "enable_async_tensor_parallel) runs them (default: as --layout says, else not)",
+        "tensor parallelism's collectives overlapped with their GEMMs, as torch's asynchronous TP (torchtitan's "
+        "enable_async_tensor_parallel) runs them",
     )
     p.add_argument("--checkpointing", metavar="{none,full}", help="activation checkpointing (default none)")
     p.add_argument("--experts", metavar="F", help="price an MoE's grouped expert GEMMs in F (bf16 or mxfp8; a plan)")

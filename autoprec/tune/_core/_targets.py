@@ -67,26 +67,19 @@ class Target:
                 f"target {self.name!r}: bandwidth_tbs is {self.bandwidth_tbs!r}; give the memory bandwidth in TB/s, a "
                 "finite number > 0 (the datasheet's HBM figure)"
             )
-        if not (_positive(self.link_gbs) or self.link_gbs == 0):
-            raise ValueError(
-                f"target {self.name!r}: link_gbs is {self.link_gbs!r}; give the NVLink bandwidth in GB/s (both "
-                "directions), a finite number >= 0 (0: none)"
-            )
         if isinstance(self.domain, bool) or not isinstance(self.domain, int) or self.domain < 1:
             raise ValueError(
                 f"target {self.name!r}: domain is {self.domain!r}; give the GPUs one NVLink domain joins, a whole "
                 "number >= 1 (8 for an 8-GPU server)"
             )
-        if not (_positive(self.nic_gbs) or self.nic_gbs == 0):
-            raise ValueError(
-                f"target {self.name!r}: nic_gbs is {self.nic_gbs!r}; give each GPU's scale-out NIC bandwidth in GB/s "
-                "(one direction), a finite number >= 0 (0: none)"
-            )
-        if not (_positive(self.launch_us) or self.launch_us == 0):
-            raise ValueError(
-                f"target {self.name!r}: launch_us is {self.launch_us!r}; give one kernel launch's cost in microseconds, "
-                f"a finite number >= 0 (default {LAUNCH_US:g})"
-            )
+        for field, what in (
+            ("link_gbs", "the NVLink bandwidth in GB/s (both directions), a finite number >= 0 (0: none)"),
+            ("nic_gbs", "each GPU's scale-out NIC bandwidth in GB/s (one direction), a finite number >= 0 (0: none)"),
+            ("launch_us", f"one kernel launch's cost in microseconds, a finite number >= 0 (default {LAUNCH_US:g})"),
+        ):
+            value = getattr(self, field)
+            if not (_positive(value) or value == 0):
+                raise ValueError(f"target {self.name!r}: {field} is {value!r}; give {what}")
 
     @property
     def runs(self) -> tuple[str, ...]:
