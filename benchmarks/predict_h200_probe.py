@@ -35,6 +35,7 @@ from autoprec.policy import ROOT as MODEL_ROOT  # noqa: E402
 from autoprec.policy import Policy, load_policy  # noqa: E402
 from autoprec.tune._core._targets import target_named  # noqa: E402
 from autoprec.tune._measure import _predict as predictor  # noqa: E402
+from autoprec.tune._measure._step_shapes import traced  # noqa: E402
 from autoprec.tune._measure._task import load_task  # noqa: E402
 
 PROBE = ROOT / "results" / "h200" / "probe"
@@ -62,7 +63,7 @@ TOKENS = 16384.0
 def example_step(path: str, variable: str, size: str) -> predictor.Step:
     """The example's step on the meta device at `size`, as `autoprec predict` traces it."""
     os.environ[variable] = size
-    return predictor.traced(load_task(ROOT / path)).step
+    return traced(load_task(ROOT / path)).step
 
 
 def rows(path: Path) -> list[dict[str, str]]:

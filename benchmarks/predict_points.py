@@ -35,6 +35,7 @@ from autoprec.policy import ROOT as MODEL_ROOT  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
 from autoprec.tune._core._targets import target_named  # noqa: E402
 from autoprec.tune._measure import _predict as predictor  # noqa: E402
+from autoprec.tune._measure._step_shapes import traced  # noqa: E402
 from benchmarks.models import decoder  # noqa: E402
 
 DOC = ROOT / "docs" / "planning.md"
@@ -158,7 +159,7 @@ def probe_llama_step() -> predictor.Step:
     before = os.environ.get("AUTOPREC_LLAMA_SIZE")
     os.environ["AUTOPREC_LLAMA_SIZE"] = "full"
     try:
-        return predictor.traced(load_task(ROOT / "examples" / "llama" / "model.py")).step
+        return traced(load_task(ROOT / "examples" / "llama" / "model.py")).step
     finally:
         if before is None:
             del os.environ["AUTOPREC_LLAMA_SIZE"]

@@ -29,6 +29,7 @@ from autoprec.policy import ROOT as MODEL_ROOT  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
 from autoprec.tune._core._targets import target_named  # noqa: E402
 from autoprec.tune._measure import _predict as predictor  # noqa: E402
+from autoprec.tune._measure._step_shapes import trace_step  # noqa: E402
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 # B-1, rows M then K, columns N = SIZES: torchao docs/static/fp8-rowwise-perf.png (transcribed; published_points.md)
@@ -79,7 +80,7 @@ def layer_step(m: int, k: int, n: int) -> predictor.Step:
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.LayerNorm(k), torch.nn.Linear(k, n), torch.nn.Sigmoid())
         x = torch.empty(m, k)
-    step = predictor.trace_step(model, lambda: model(x).sum())
+    step = trace_step(model, lambda: model(x).sum())
     return predictor.Step(step.linears, other_flops=step.other_flops, other_bytes=step.other_bytes, params=0.0)
 
 

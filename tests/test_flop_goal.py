@@ -32,7 +32,8 @@ from autoprec.tune._core._targets import B200, H100, Target, register_target, un
 from autoprec.tune._decide._flops import FLOPS, Flops, estimated_speedup, format_of, gemm_flops
 from autoprec.tune._decide._goals import SPEED
 from autoprec.tune._measure import _predict as predictor
-from autoprec.tune._measure._predict import LinearShape, Step, step_from_rows
+from autoprec.tune._measure._predict import LinearShape, Step
+from autoprec.tune._measure._step_shapes import step_from_rows
 from autoprec.tune._search._pipeline import search
 
 MODELS = Path(__file__).parent / "models"

@@ -1,6 +1,6 @@
 """The step-time predictor (autoprec/tune/_measure/_predict.py): its parts against hand computations, the format families'
-casts it prices, the targets it plans for (and those the registry refuses), the step traced on the meta device,
-Linear subclasses counted by type, and `autoprec predict`."""
+casts it prices, the targets it plans for (and those the registry refuses), and `autoprec predict` (the step's shapes
+it reads: tests/test_step_shapes.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,14 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 from builders import small_task, tiny_mixtral
-from short_timing import FAST_PROFILE
 
 from autoprec.formats import Format, OperandCast
 from autoprec.policy import ROOT, Policy
-from autoprec.tune._core._profile_row import ProfileRow
 from autoprec.tune._core._targets import B200, GB200, H100, H200, Target, targets
-from autoprec.tune._decide._flops import gemm_flops
 from autoprec.tune._measure import _predict as predictor
+from autoprec.tune._measure import _step_shapes as step_shapes
 from autoprec.tune._measure._predict import GroupedShape, LinearShape, Step
-from autoprec.tune._measure._profile_data import Profile
 
 ROOT_DIR = Path(__file__).parents[1]
 GPT2 = ROOT_DIR / "examples" / "gpt2" / "model.py"
@@ -166,74 +162,6 @@ def test_the_rest_of_the_step_does_not_speed_up_with_the_linears_formats():
     assert predictor.speedup(step, predictor.baseline(), H100) == pytest.approx(1.0)
 
 
-class Proj(torch.nn.Linear):
-    """A Linear subclass whose name does not end in Linear: a Linear all the same."""
-
-
-class Attn(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.o = Proj(64, 64), Proj(64, 64), Proj(64, 64), Proj(64, 64)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (m(x).view(b, t, 4, 16).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(torch.relu(y.transpose(1, 2).reshape(b, t, d)))
-
-
-def test_the_traced_step_counts_linear_subclasses_and_fused_attention_on_the_meta_device():
-    with torch.device("meta"):
-        model = Attn()
-        x = torch.empty(2, 32, 64)
-    step = predictor.trace_step(model, lambda: model(x).sum())
-    assert [(s.name, s.tokens, s.reads) for s in step.linears] == [
-        ("q", 64.0, None), ("k", 64.0, "q"), ("v", 64.0, "q"), ("o", 64.0, None)
-    ]  # fmt: skip
-    # attention: QK^T and PV (2 x 2 x b x h x t x t x d), causal half, backward 2.5x the forward
-    assert step.other_flops == pytest.approx(4 * 2 * 4 * 32 * 32 * 16 / 2 * 3.5)
-    assert step.params == 4 * (64 * 64 + 64) and step.other_bytes > 0 and "q" in step.modules
-
-
-def test_a_profile_counts_a_linear_subclass_by_type_and_an_older_profile_still_reads(tmp_path, write_model):
-    from autoprec.tune import load_task, prepare, profile
-    from autoprec.tune._core._space import space_from_dict
-
-    path = write_model(
-        small_task(
-            "class Proj(nn.Linear):\n    pass\n\n"
-            "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
-            "        self.inp = Proj(8, 16)\n        self.out = nn.Linear(16, 4)\n\n"
-            "    def forward(self, x):\n        return self.out(torch.relu(self.inp(x)))\n\n"
-            "def build_model():\n    torch.manual_seed(0)\n    return Net()\n"
-        )
-    )
-    space = space_from_dict({"default": ["fp32"], "layers": {"Linear": ["fp32", "bf16"]}})
-    prof = profile(prepare(load_task(path), "cpu"), space, FAST_PROFILE, progress=False)
-    assert {r.layer: (r.type, r.linear) for r in prof.rows} == {"inp": ("Proj", True), "out": ("Linear", True)}
-    assert gemm_flops(prof.rows) == {"inp": 2 * 4 * 8 * 16, "out": 2 * 4 * 16 * 4}  # Proj was 0 FLOPs before
-    prof.save(tmp_path / "new")
-    assert [(r.layer, r.linear) for r in Profile.load(tmp_path / "new").rows] == [(r.layer, r.linear) for r in prof.rows]
-    # a profile written before the column: it reads, and a type named ...Linear counts as before
-    prof.save(tmp_path / "old")
-    table = (tmp_path / "old" / "profile.csv").read_text().splitlines()
-    drop = table[0].split(",").index("linear")
-    (tmp_path / "old" / "profile.csv").write_text(
-        "\n".join(",".join(c for i, c in enumerate(line.split(",")) if i != drop) for line in table) + "\n"
-    )
-    old = Profile.load(tmp_path / "old")
-    assert {r.linear for r in old.rows} == {None} and gemm_flops(old.rows) == {"out": 2 * 4 * 16 * 4}
-
-
-def test_rows_from_a_hand_made_profile_count_by_the_flag_else_by_name():
-    rows = [
-        ProfileRow(layer="a", type="Proj", shape="16x8", tokens=4.0, format="fp32", status="ok", linear=True),
-        ProfileRow(layer="b", type="Conv", shape="16x8", tokens=4.0, format="fp32", status="ok", linear=False),
-        ProfileRow(layer="c", type="MyLinear", shape="16x8", tokens=4.0, format="fp32", status="ok"),
-    ]
-    assert [s.name for s in predictor.step_from_rows(rows).linears] == ["a", "c"]
-
-
 # ---- autoprec predict ------------------------------------------------------------------------------------------
 
 
@@ -367,7 +295,7 @@ def test_predict_prices_a_mixtrals_experts_in_bf16_and_says_their_share(capsys, 
     hidden, inter, layers, experts, top_k, tokens = 32, 64, 2, 4, 2, 4 * 16
     path = tmp_path / "model.py"
     path.write_text(tiny_mixtral(hidden, inter, layers, experts, top_k), encoding="utf-8")
-    found = predictor.traced(__import__("autoprec.tune", fromlist=["load_task"]).load_task(path))
+    found = step_shapes.traced(__import__("autoprec.tune", fromlist=["load_task"]).load_task(path))
     assert found.device == "meta" and found.meta_failure is None
     expert_flops = 2 * tokens * top_k * (hidden * 2 * inter + inter * hidden)  # each token's experts: gate_up, down
     # the experts' grouped GEMMs, forward and backward (3x), apart from the other matmuls (the router's among them):
@@ -458,12 +386,12 @@ def test_a_loss_that_formats_a_tensor_into_a_string_is_traced_on_the_cpu(capsys,
 
 
 def test_predict_names_the_meta_devices_failure_for_a_model_too_large_to_trace_on_the_cpu(capsys, write_model, monkeypatch):
-    monkeypatch.setattr(predictor, "REAL_TRACE_WORK", 100)
+    monkeypatch.setattr(step_shapes, "REAL_TRACE_WORK", 100)
     code, out, err = run([str(write_model(VALUE_READ)), "--target", "h100", "--format", "fp8"], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "loss_fn could not run on the meta device (" in err and "is more work than predict does there (1.4e+04 > 1e+02" in err
-    monkeypatch.setattr(predictor, "REAL_TRACE_WORK", 10**12)
-    monkeypatch.setattr(predictor, "REAL_TRACE_PARAMS", 100)  # a large model with a small batch: the parameters' cap
+    monkeypatch.setattr(step_shapes, "REAL_TRACE_WORK", 10**12)
+    monkeypatch.setattr(step_shapes, "REAL_TRACE_PARAMS", 100)  # a large model with a small batch: the parameters' cap
     code, out, err = run([str(write_model(VALUE_READ)), "--target", "h100", "--format", "fp8"], capsys)
     assert code == 2 and "the model's 212 parameters are more than predict builds on the CPU" in err, err
 
@@ -721,7 +649,7 @@ def test_expert_parallelism_prices_each_moe_layers_all_to_alls_from_the_traced_g
     hidden, inter, layers, experts, top_k, tokens = 32, 64, 2, 4, 2, 4 * 16
     path = tmp_path / "model.py"
     path.write_text(tiny_mixtral(hidden, inter, layers, experts, top_k), encoding="utf-8")
-    step = predictor.traced(__import__("autoprec.tune", fromlist=["load_task"]).load_task(path)).step
+    step = step_shapes.traced(__import__("autoprec.tune", fromlist=["load_task"]).load_task(path)).step
     # each layer's grouped GEMMs: gate_up (hidden -> 2 inter) and down (inter -> hidden), every routed token
     assert sorted((g.rows, g.in_features, g.out_features, g.groups) for g in step.grouped) == sorted(
         [(tokens * top_k, hidden, 2 * inter, experts), (tokens * top_k, inter, hidden, experts)] * layers

@@ -165,7 +165,9 @@ def test_the_decoder_at_llama_3_8bs_shape_is_the_examples_step():
     from autoprec.tune._measure._task import load_task
 
     ours = points.decoder_step(points.decoder.LLAMA3_8B)
-    example = predictor.traced(load_task(ROOT / "examples" / "llama3_8b" / "model.py")).step
+    from autoprec.tune._measure._step_shapes import traced
+
+    example = traced(load_task(ROOT / "examples" / "llama3_8b" / "model.py")).step
     assert dataclasses.replace(ours, modules=()) == dataclasses.replace(example, modules=())
 
 

@@ -31,7 +31,7 @@ TARGET = "b200"
 def step_of(example, hparams: dict, batch: int, seq: int):
     """The predictor's Step of one training step of the example's GPT built with `hparams`, on the meta device, for a
     batch of `batch` sequences of `seq` tokens."""
-    from autoprec.tune._measure._predict import trace_step
+    from autoprec.tune._measure._step_shapes import trace_step
 
     with torch.device("meta"):
         model = example.GPT({**hparams, "seq_len": seq})

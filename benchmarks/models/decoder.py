@@ -164,8 +164,8 @@ class Decoder(nn.Module):
 
 
 def step(s: Shape):
-    """The predictor's Step of one GPU's training step of `s` (autoprec/tune/_measure/_predict.py's trace_step)."""
-    from autoprec.tune._measure._predict import trace_step
+    """The predictor's Step of one GPU's training step of `s` (autoprec/tune/_measure/_step_shapes.py's trace_step)."""
+    from autoprec.tune._measure._step_shapes import trace_step
 
     with torch.device("meta"):
         model = Decoder(s)

@@ -25,9 +25,9 @@ from autoprec.tune._measure._predict import (
     predict,
     prices_data_parallel,
     regime_band,
-    traced,
     uniform,
 )
+from autoprec.tune._measure._step_shapes import traced
 
 # --checkpointing's choices: none, or the whole forward recomputed in the backward
 CHECKPOINTING = ("none", "full")

@@ -5,7 +5,7 @@ measured speed, and every report says so with the predictor's error band:
 
     predicted speedup = uniform bf16's predicted step time / the policy's
 
-over the step the profile describes (_predict.step_from_rows): each nn.Linear (by type, any subclass) priced per GEMM
+over the step the profile describes (_step_shapes.step_from_rows): each nn.Linear (by type, any subclass) priced per GEMM
 with its format's casts, the optimizer over the profiled layers' parameters and the elementwise work around each
 Linear. Attention's matmuls are in no profile: for a model with them, `autoprec predict` (which traces the whole step)
 gives the smaller, truer speedup. A layer the policy does not list runs in the format of its nearest listed ancestor,
@@ -35,7 +35,8 @@ from autoprec.tune._core._names import ALTERNATIVES, BF16, FP32, NOT_A_POLICY
 from autoprec.tune._core._records import Finals
 from autoprec.tune._core._targets import Target, target_named
 from autoprec.tune._measure import _predict as predictor
-from autoprec.tune._measure._predict import Step, format_of, lacking, outer_autocast, step_from_rows
+from autoprec.tune._measure._predict import Step, format_of, lacking, outer_autocast
+from autoprec.tune._measure._step_shapes import step_from_rows
 
 if TYPE_CHECKING:
     from autoprec.tune._core._profile_row import ProfileRow
