@@ -200,6 +200,14 @@ def test_torchaos_fp8_all_gather_is_read_from_either_configs_table_or_flag(tmp_p
     assert read_layout(write(tmp_path, "q.sh", flags + "--quantize.linear.float8.enable-fsdp-float8-all-gather\n")).fp8_all_gather
     older = read_layout(write(tmp_path, "o.sh", flags + "--float8.no_enable_fsdp_float8_all_gather\n"))
     assert older.fp8_all_gather is False and older.dp_shard == 8
+    # torchtitan's spelling for a few days of 2025-09
+    dense = SCOUT_TOML + "\n[quantize.dense.float8]\nenable_fsdp_float8_all_gather = true\n"
+    assert read_layout(write(tmp_path, "dense.toml", dense)).fp8_all_gather is True
+    # a switch written last on its line takes no value from the next line's command (a review found it refused)
+    script = flags + "--quantize.linear.float8.enable_fsdp_float8_all_gather\necho done\n"
+    assert read_layout(write(tmp_path, "two.sh", script)).fp8_all_gather is True
+    script = flags + "--parallelism.tensor_parallel_degree 2 --compile.enable_async_tensor_parallel\necho done\n"
+    assert read_layout(write(tmp_path, "tp.sh", script)).async_tp is True
     # a [quantize] table that is not torchtitan's nesting is not read as the key
     odd = SCOUT_TOML + "\n[quantize]\nlinear = 3\n"
     assert read_layout(write(tmp_path, "odd.toml", odd)).fp8_all_gather is None
@@ -318,7 +326,7 @@ def test_predict_prices_the_files_layout_as_the_same_flags_and_a_flag_overrides_
     code, out, err = run([*base, *flags], capsys)
     assert code == 0, err
     typed = json.loads(out)
-    assert read["layout"].pop("from") == str(toml) and read["layout"].pop("said") == []
+    assert read["layout"].pop("from") == str(toml) and read["layout"]["said"] == []
     assert read == typed
     code, out, err = run([*base, "--layout", str(toml), "--dp-shard", "2"], capsys)
     assert code == 0 and json.loads(out)["layout"]["dp_shard"] == 2, err

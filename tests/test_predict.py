@@ -524,6 +524,7 @@ def test_predict_takes_the_data_parallel_shards_and_micro_batches_of_a_step(caps
         "async_tp": False,
         "checkpointing": "none",
         "ep": 1,
+        "said": [],
     }
     assert laid["parts_ms"]["bf16"]["gemms"] == pytest.approx(4 * plain["parts_ms"]["bf16"]["gemms"])
     assert laid["parts_ms"]["bf16"]["optimizer"] == pytest.approx(plain["parts_ms"]["bf16"]["optimizer"] / 8)
@@ -869,9 +870,12 @@ def test_fp8_all_gather_halves_only_tensorwise_weights_and_replicas_add_their_al
     def comm(s: Step, fmt: str) -> float:
         return predictor.predict(s, predictor.uniform(fmt, s), B200).parts["data_parallel"]
 
-    assert comm(gathered, "fp8") < comm(step, "fp8")  # the tensorwise weights move in fp8
-    for fmt in ("fp8-rowwise", "mxfp8", "bf16"):  # torchao gathers only tensorwise float8 weights in fp8
-        assert comm(gathered, fmt) == pytest.approx(comm(step, fmt))
+    # the weights of the formats apply_policy gathers in fp8 (their family's fsdp_fp8_all_gather) move in fp8
+    for fmt in ("fp8", "fp8-fwd-dgrad"):
+        assert comm(gathered, fmt) < comm(step, fmt), fmt
+    # torchao gathers only tensorwise float8 weights in fp8; fp8-fwd's wgrad reads the bf16 weight, so it is not
+    for fmt in ("fp8-fwd", "fp8-rowwise", "mxfp8", "bf16"):
+        assert comm(gathered, fmt) == pytest.approx(comm(step, fmt)), fmt
     hsdp = dataclasses.replace(step, replicas=2)
     assert comm(hsdp, "bf16") > comm(step, "bf16")
     ddp = dataclasses.replace(step, shards=1, replicas=4)  # no sharding: the gradients all-reduced, nothing gathered
@@ -915,3 +919,49 @@ def test_predict_prices_fsdp_says_fp8_all_gather_and_refuses_it_without_sharding
     bare = json.loads(out)
     assert "data_parallel" not in bare["parts_ms"]["bf16"]
     assert bare["left_out"].startswith("FSDP's communication (target h100 gives no NVLink and NIC bandwidths)")
+    with pytest.raises(ValueError, match="gives no NVLink or NIC bandwidth for a ring over 16 ranks"):
+        predictor.ring_ms(1e9, 16, 1, dataclasses.replace(H100, nic_gbs=0.0))
+
+
+def test_predict_gathers_in_fp8_as_apply_policy_would_and_says_where_it_cannot(capsys, tmp_path, write_model):
+    """A review found --fp8-all-gather reported on for a policy with nothing torchao gathers in fp8, and a policy
+    file's own fsdp_fp8_all_gather ignored."""
+    path = write_model(
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))\n\n"
+        "def batches(split):\n    return [torch.randn(32, 64, generator=torch.Generator().manual_seed(0))]\n\n"
+        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n"
+    )
+    own = tmp_path / "gathers.json"
+    Policy(layers={ROOT: "bf16", "0": "fp8", "1": "fp8"}, fsdp_fp8_all_gather=True).save(own)
+    base = [str(path), "--target", "h100", "--dp-shard", "8", "--json"]
+    code, out, err = run([*base, "--policy", str(own)], capsys)
+    assert code == 0, err
+    assert json.loads(out)["layout"]["fp8_all_gather"] is True  # the policy's own setting
+    code, out, err = run([*base, "--policy", str(own), "--no-fp8-all-gather"], capsys)
+    assert code == 0 and json.loads(out)["layout"]["fp8_all_gather"] is False, err  # the flag overrides it
+    code, out, err = run([*base, "--format", "fp8-rowwise", "--fp8-all-gather"], capsys)
+    assert code == 0, err
+    layout = json.loads(out)["layout"]
+    assert layout["fp8_all_gather"] is False
+    assert layout["said"] == [
+        "torchao's fp8 all-gather left out: no Linear runs a format FSDP2 gathers in fp8 (fp8, fp8-fwd-dgrad)"
+    ]
+
+
+def test_fsdp_collectives_the_compute_does_not_hide_put_a_prediction_outside_the_validated_range(capsys):
+    """A review found 1,024 tokens a GPU over 64 shards priced FSDP at half the step and still stated the dense band:
+    no held-out point has collectives that outlast the compute."""
+    code, out, err = run(
+        [str(LLAMA), "--target", "h100", "--format", "fp8", "--tokens", "1024", "--dp-shard", "64", "--json"], capsys
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    share = result["parts_ms"]["bf16"]["data_parallel"] / result["bf16_ms"]
+    assert share > 0.3 and result["error"] is None
+    assert result["band"].startswith("outside the validated range: the compute does not hide ")
+    assert "of the step's FSDP collectives" in result["band"]
+    code, out, err = run([str(LLAMA), "--target", "h100", "--format", "fp8", "--dp-shard", "8", "--json"], capsys)
+    assert code == 0 and json.loads(out)["error"] is not None, err  # one sequence of 8192 a GPU: they hide
+    ddp = run([str(LLAMA), "--target", "h100", "--format", "fp8", "--dp-replicate", "8"], capsys)[1]
+    assert "the optimizer's work on every one of 8 data-parallel replicas (their gradients all-reduced" in ddp

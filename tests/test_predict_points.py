@@ -201,5 +201,6 @@ def test_fsdps_collectives_hide_at_every_published_layout_but_for_the_first_unit
         ends = predictor.dp_communication_ms(step, predictor.baseline(), target, predictor.CALIBRATION, 1e15)
         exposed = predictor.dp_communication_ms(step, predictor.baseline(), target, predictor.CALIBRATION, 0.0)
         assert parts["data_parallel"] == pytest.approx(ends) and exposed > 10 * ends
+        assert predictor.predict(step, predictor.baseline(), target).unhidden_ms == 0.0  # the band's condition
         assert 0.0015 <= parts["data_parallel"] / sum(parts.values()) <= 0.0195  # 0.2-1.9%, rounded
     assert seen == 10

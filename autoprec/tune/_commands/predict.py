@@ -163,8 +163,8 @@ def command(
     shards = _count(dp_shard, "--dp-shard", "the data-parallel ranks the optimizer's state is sharded over (FSDP)")
     replicas = _count(dp_replicate, "--dp-replicate", "the data-parallel replicas beside the shards (HSDP)")
     fsdp = read is None or read.fsdp is not False  # Megatron's data parallelism: its communication not priced
-    gathers_fp8 = bool(fp8_all_gather) and shards > 1 and fsdp
-    if fp8_all_gather and shards == 1 and (read is None or read.fp8_all_gather is None):
+    typed_gather = fp8_all_gather and (read is None or read.fp8_all_gather is None)
+    if typed_gather and fsdp and shards == 1:
         raise UserError(
             "--fp8-all-gather: there is no FSDP sharding to gather over; give --dp-shard N (N above 1) or leave it out"
         )
@@ -214,8 +214,8 @@ def command(
             f"--experts {grouped_format.value}: {model} runs no grouped experts (torch._grouped_mm) to price; leave it out"
         )
     said = list(read.said) if read is not None else []
-    if fp8_all_gather and not gathers_fp8 and fsdp:
-        said.append("torchao's fp8 all-gather left out: the layout shards no weights over data-parallel ranks")
+    if replicas > 1 and not fsdp:
+        said.append(f"--dp-replicate {replicas}: Megatron's data-parallel communication is not priced")
     if async_tp and tensor == 1:
         said.append("asynchronous tensor parallelism left out: the layout has no tensor parallelism")
     if spread > 1 and from_file and not found.step.grouped:  # a run's config names it; this model has no experts
@@ -228,7 +228,6 @@ def command(
         step,
         shards=shards,
         replicas=replicas,
-        fp8_all_gather=gathers_fp8,
         fsdp=fsdp,
         micro_steps=micro,
         tensor_parallel=tensor,
@@ -266,6 +265,10 @@ def command(
         if chosen.phases:
             shares = ", ".join(f"{share:.0%}" for share in chosen.phase_shares())
             label += f" (a schedule: {len(chosen.phases) + 1} phases priced alone, averaged by their shares of the run, {shares})"
+    if fp8_all_gather is None and given is not None:  # neither the flag nor the layout says: the policy's own
+        fp8_all_gather = given.fsdp_fp8_all_gather
+    gathers_fp8 = bool(fp8_all_gather) and _gathers_fp8(chosen, shards, fsdp, said)
+    step = dataclasses.replace(step, fp8_all_gather=gathers_fp8)
     formats = set(chosen.formats) | ({candidate_format} if given is None else set())
     missing = lacking(formats, device)
     if missing:
@@ -279,7 +282,10 @@ def command(
         )
     base, mine = predict(step, baseline(), device), predict(step, chosen, device, experts=grouped_format)
     value = base.ms / mine.ms if mine.ms > 0 else 1.0
-    stated = regime_band(step, chosen, outside_share=found.coverage.weighted_outside_share, experts=grouped_format)
+    unhidden = max(p.unhidden_ms / p.ms if p.ms > 0 else 0.0 for p in (base, mine))
+    stated = regime_band(
+        step, chosen, outside_share=found.coverage.weighted_outside_share, experts=grouped_format, unhidden=unhidden
+    )
     result = {
         "model": str(model),
         "target": device.name,
@@ -306,7 +312,8 @@ def command(
             "async_tp": overlapped,
             "checkpointing": recompute,
             "ep": spread,
-            **({"from": str(layout), "said": said} if read is not None else {}),
+            "said": said,
+            **({"from": str(layout)} if read is not None else {}),
         },
         "coverage": found.coverage.to_dict(),
         "traced_on": found.device,
@@ -374,16 +381,36 @@ def command(
     return result, "\n".join(lines)
 
 
+def _gathers_fp8(policy: Any, shards: int, fsdp: bool, said: list[str]) -> bool:
+    """Whether FSDP gathers some of `policy`'s weights in fp8, asked to; where it cannot, why is added to `said`, as
+    apply_policy warns where no layer's format gathers in fp8."""
+    from autoprec.policy import gatherable_text
+
+    why = None
+    if not fsdp:
+        why = "Megatron's data-parallel communication is not priced"
+    elif shards == 1:
+        why = "the layout shards no weights over data-parallel ranks"
+    elif policy.phases:
+        why = "the policy has phases, and apply_policy refuses an fp8 all-gather with them"
+    elif not policy.fp8_gatherable:
+        why = f"no Linear runs a format FSDP2 gathers in fp8 ({gatherable_text()})"
+    if why:
+        said.append(f"torchao's fp8 all-gather left out: {why}")
+    return why is None
+
+
 def _data_parallel_words(shards: int, replicas: int, fsdp: bool, fp8: bool) -> str:
     """The data-parallel layout in words, as the text's first line says it."""
     if shards == 1 and replicas == 1:
         return "the optimizer's work on one rank (--dp-shard N: FSDP over N)"
-    words = f"the optimizer's work on {shards} data-parallel ranks" if shards > 1 else "no optimizer sharding"
-    if replicas > 1:
-        words += f", {replicas} replicas"
-    if not fsdp:
-        return words + " (their communication not priced)"
-    return words + " (FSDP2's collectives overlapped as it overlaps them" + (", weights gathered in fp8)" if fp8 else ")")
+    if shards == 1:
+        words = f"the optimizer's work on every one of {replicas} data-parallel replicas"
+        how = " (their gradients all-reduced, overlapped with the backward)"
+    else:
+        words = f"the optimizer's work on {shards} data-parallel ranks" + (f", {replicas} replicas" if replicas > 1 else "")
+        how = " (FSDP2's collectives overlapped as it overlaps them" + (", weights gathered in fp8)" if fp8 else ")")
+    return words + (how if fsdp else " (their communication not priced)")
 
 
 def _switch(p: argparse.ArgumentParser, flag: str, what: str) -> None:

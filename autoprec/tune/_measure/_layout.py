@@ -5,9 +5,9 @@
   data_parallel_shard_degree, data_parallel_replicate_degree, tensor_parallel_degree, expert_parallel_degree,
   pipeline_parallel_degree, context_parallel_degree, enable_async_tensor_parallel (or [compile]'s, where torchtitan
   moved it); [activation_checkpoint] mode; [training] local_batch_size, seq_len, global_batch_size; torchao's
-  enable_fsdp_float8_all_gather ([quantize.linear.float8], or an older config's [float8]). A key the file
-  leaves out takes torchtitan's default (shards -1: every GPU left, which the launch decides; 8 sequences of 2048;
-  selective checkpointing). An older config's layout keys (under [training] or [experimental]) are refused by name.
+  enable_fsdp_float8_all_gather ([quantize.linear.float8], or an older config's [quantize.dense.float8] or [float8]).
+  A key the file leaves out takes torchtitan's default (shards -1: every GPU left, which the launch decides; 8
+  sequences of 2048; selective checkpointing). An older config's layout keys (under [training] or [experimental]) are refused by name.
 - a launch's arguments (any other file: a shell script, or a list of arguments), for a torchtitan run configured on
   its command line (--parallelism.tensor_parallel_degree=2 and the other keys above as flags; what its Python config
   sets is not in the file, so the data-parallel ranks must be said) or a Megatron-LM one (--tensor-model-parallel-size,
@@ -270,15 +270,18 @@ class _Read:
         )
 
 
+_YES, _NO = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
 def _switch(value: Any, where: str, key: str) -> bool:
     """A yes-or-no key: a TOML boolean, or a flag's word (a flag with no word after it is on)."""
     _shell_variable(value, where, key)
     if isinstance(value, bool):
         return value
     word = "true" if value is None else (value.strip().lower() if isinstance(value, str) else "")
-    if word in ("true", "1", "yes", "on"):
+    if word in _YES:
         return True
-    if word in ("false", "0", "no", "off"):
+    if word in _NO:
         return False
     said = shown(value, 40) if isinstance(value, str) else str(value)[:40]  # a TOML number as the file writes it
     raise UserError(f"{where}: {key} = {said}; give true or false")
@@ -380,11 +383,11 @@ def _titan_items(config: Mapping[str, Any]):  # type: ignore[no-untyped-def]
 # [parallelism] in its 2025 configs and under [compile] since its 2026-08 CompileConfig (torchtitan #4045)
 _SWITCHES = frozenset(("enable_async_tensor_parallel", "no_enable_async_tensor_parallel"))
 _SWITCH_SECTIONS = ("parallelism", "compile")
-# torchao's float8 all-gather under FSDP, where torchtitan's 2025 configs put it ([quantize.linear.float8]) and where
-# its older ones did ([float8]): (section, the key under it)
+# torchao's float8 all-gather under FSDP, where torchtitan's 2025 configs put it ([quantize.linear.float8]; for a few
+# days of 2025-09, [quantize.dense.float8]) and where its older ones did ([float8]): (section, the key under it)
 _FP8_GATHER = frozenset(
     (section, prefix + word)
-    for section, prefix in (("quantize", "linear.float8."), ("float8", ""))
+    for section, prefix in (("quantize", "linear.float8."), ("quantize", "dense.float8."), ("float8", ""))
     for word in ("enable_fsdp_float8_all_gather", "no_enable_fsdp_float8_all_gather")
 )
 
@@ -447,10 +450,13 @@ def _from_arguments(text: str, where: str) -> Layout:
             continue
         key, eq, given = word[2:].partition("=")
         value: str | None = given
+        name = key.replace("-", "_")
         if not eq:  # --key value, or a switch (--use-distributed-optimizer) followed by the next flag
             following = words[i + 1] if i + 1 < len(words) else None
             value = following if following is not None and not following.startswith("--") else None
-        flags[key.replace("-", "_")] = value  # torchrun and Megatron spell words with - or _, tyro's flags too
+            if value is not None and _is_switch(name) and value.strip().lower() not in (*_YES, *_NO):
+                value = None  # a switch alone, the next word another command's (the file's lines are read as one)
+        flags[name] = value  # torchrun and Megatron spell words with - or _, tyro's flags too
     read = _Read(where)
     megatron = {k for k in flags if k in _MEGATRON} if _MEGATRON_OWN & set(flags) else set()
     sections = ("parallelism", "training", "activation_checkpoint", "experimental")
@@ -494,6 +500,12 @@ def _from_arguments(text: str, where: str) -> Layout:
                 _whole(nodes, where, "--nnodes") if nodes is not None else 1
             )
     return read.layout()
+
+
+def _is_switch(name: str) -> bool:
+    """Whether a flag (its --section.key name, - read as _) is one of torchtitan's yes-or-no keys predict reads."""
+    section, _, key = name.partition(".")
+    return (section in _SWITCH_SECTIONS and key in _SWITCHES) or (section, key) in _FP8_GATHER
 
 
 def _refuse_hidden_flags(word: str, where: str) -> None:
