@@ -918,7 +918,13 @@ def test_predict_prices_fsdp_says_fp8_all_gather_and_refuses_it_without_sharding
     assert code == 0, err
     bare = json.loads(out)
     assert "data_parallel" not in bare["parts_ms"]["bf16"]
-    assert bare["left_out"].startswith("FSDP's communication (target h100 gives no NVLink and NIC bandwidths)")
+    assert bare["left_out"].startswith("data-parallel communication (target h100 does not give both its NVLink and NIC")
+    # NVLink without a NIC figure: not priced either, so no fp8 all-gather is said to be priced
+    monkeypatch.setitem(_targets._TARGETS, "h100", dataclasses.replace(H100, nic_gbs=0.0))
+    code, out, err = run([*base, "--fp8-all-gather"], capsys)
+    assert code == 0, err
+    layout = json.loads(out)["layout"]
+    assert layout["fp8_all_gather"] is False and "not priced" in layout["said"][0]
     with pytest.raises(ValueError, match="gives no NVLink or NIC bandwidth for a ring over 16 ranks"):
         predictor.ring_ms(1e9, 16, 1, dataclasses.replace(H100, nic_gbs=0.0))
 
@@ -959,9 +965,68 @@ def test_fsdp_collectives_the_compute_does_not_hide_put_a_prediction_outside_the
     result = json.loads(out)
     share = result["parts_ms"]["bf16"]["data_parallel"] / result["bf16_ms"]
     assert share > 0.3 and result["error"] is None
-    assert result["band"].startswith("outside the validated range: the compute does not hide ")
-    assert "of the step's FSDP collectives" in result["band"]
+    assert result["band"].startswith("outside the validated range: FSDP's collectives the compute does not hide take ")
     code, out, err = run([str(LLAMA), "--target", "h100", "--format", "fp8", "--dp-shard", "8", "--json"], capsys)
     assert code == 0 and json.loads(out)["error"] is not None, err  # one sequence of 8192 a GPU: they hide
     ddp = run([str(LLAMA), "--target", "h100", "--format", "fp8", "--dp-replicate", "8"], capsys)[1]
     assert "the optimizer's work on every one of 8 data-parallel replicas (their gradients all-reduced" in ddp
+
+
+def test_fsdps_first_units_past_what_any_held_out_point_pays_put_a_prediction_outside_the_validated_range(capsys, write_model):
+    """A second review: two 4096-wide blocks of 8,192 tokens over 8 shards hide all but their first units'
+    collectives, yet those are a tenth of the step, where no held-out point pays more than 2.4%."""
+    path = write_model(
+        "import torch\nfrom torch import nn\n\n"
+        "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4096)) for _ in range(2))\n\n"
+        "    def forward(self, x):\n        for layer in self.layers:\n            x = layer(x)\n        return x\n\n"
+        "def build_model():\n    return Net()\n\n"
+        "def batches(split):\n    return [torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))]\n\n"
+        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n"
+    )
+    argv = [str(path), "--target", "h100", "--format", "fp8", "--tokens", "8192", "--json"]
+    code, out, err = run([*argv, "--dp-shard", "8"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    share = max(result["parts_ms"][k]["data_parallel"] / result[f"{k}_ms"] for k in ("bf16", "candidate"))
+    assert share > predictor.DATA_PARALLEL_LIMIT and result["error"] is None
+    assert result["band"] == (
+        f"outside the validated range: FSDP's collectives take {share:.1%} of the step, more than the 2.5% they take "
+        "at most at a held-out point"
+    )
+    code, out, err = run(argv, capsys)  # one GPU: the dense band
+    assert code == 0 and json.loads(out)["error"] is not None, err
+
+
+def test_predict_refuses_what_apply_policy_or_megatron_would_and_says_megatrons_data_parallelism(capsys, tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))\n\n"
+        "def batches(split):\n    return [torch.randn(32, 64, generator=torch.Generator().manual_seed(0))]\n\n"
+        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n",
+        encoding="utf-8",
+    )
+    phased = tmp_path / "phased.json"
+    Policy(layers={ROOT: "bf16", "0": "fp8"}, phases=[{"from_fraction": 0.5, "layers": {"0": "bf16"}}]).save(phased)
+    launch = tmp_path / "launch.sh"
+    launch.write_text(
+        "torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py --tensor-model-parallel-size 2 "
+        "--micro-batch-size 1 --global-batch-size 64 --seq-length 32\n",
+        encoding="utf-8",
+    )
+    for argv, said in (
+        (
+            ["--policy", str(phased), "--dp-shard", "8", "--fp8-all-gather"],
+            f"--fp8-all-gather: --policy {phased} has phases, and apply_policy refuses an fp8 all-gather with them",
+        ),
+        (
+            ["--format", "bf16", "--layout", str(launch), "--dp-replicate", "2"],
+            "a Megatron-LM launch, whose data-parallel ranks are the world over its TP; leave --dp-replicate out",
+        ),
+    ):
+        code, out, err = run([str(path), "--target", "h100", *argv], capsys)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and said in err, err
+    code, out, err = run([str(path), "--target", "h100", "--format", "bf16", "--layout", str(launch)], capsys)
+    assert code == 0, err
+    assert "the optimizer's work on every rank (Megatron)" in out and "left out: Megatron's data-parallel communication" in out

@@ -204,3 +204,22 @@ def test_fsdps_collectives_hide_at_every_published_layout_but_for_the_first_unit
         assert predictor.predict(step, predictor.baseline(), target).unhidden_ms == 0.0  # the band's condition
         assert 0.0015 <= parts["data_parallel"] / sum(parts.values()) <= 0.0195  # 0.2-1.9%, rounded
     assert seen == 10
+
+
+def test_no_validation_point_pays_fsdp_past_the_bands_limits(monkeypatch):
+    """The band holds where FSDP's collectives take at most DATA_PARALLEL_LIMIT of the step and the compute hides all
+    but their first units': the largest share at a validation point, bf16's step or the candidate's."""
+    seen = []
+    predict = predictor.predict
+
+    def recorded(*args, **kwargs):
+        found = predict(*args, **kwargs)
+        seen.append(found)
+        return found
+
+    monkeypatch.setattr(predictor, "predict", recorded)
+    points.table()
+    sharded = [p for p in seen if "data_parallel" in p.parts]
+    assert len(sharded) >= 60 and all(p.unhidden_ms == 0.0 for p in sharded)
+    largest = max(p.parts["data_parallel"] / p.ms for p in sharded)
+    assert 0.02 < largest <= predictor.DATA_PARALLEL_LIMIT  # 2.4%, rounded up to the limit

@@ -128,8 +128,9 @@ def command(
 ) -> tuple[dict[str, Any], str]:
     """`autoprec predict`: the predicted step times of uniform bf16 and of the candidate (`policy`, a policy file, or
     `fmt`, every Linear in it) on `target`, as (the --json object, the text); `dp_shard` data-parallel ranks sharing
-    the optimizer's work (FSDP), `dp_replicate` replicas beside them (HSDP), `fp8_all_gather` whether tensorwise-fp8
-    weights are gathered in fp8 (None: as the layout file says, else not), `grad_accum` micro-batches a step, `tp` tensor-parallel ranks, `async_tp` whether
+    the optimizer's work (FSDP), `dp_replicate` replicas beside them (HSDP), `fp8_all_gather` whether the weights
+    FSDP2 can gather in fp8 are (None: as the layout file says, else as the policy file does, else not), `grad_accum`
+    micro-batches a step, `tp` tensor-parallel ranks, `async_tp` whether
     their collectives overlap as torch's asynchronous TP overlaps them (None: as the layout file says, else not),
     `checkpointing` "full" or "none", `experts` the format an MoE's grouped GEMMs are priced in (a plan: apply_policy runs them in
     the model root's), `ep` the expert-parallel ranks an MoE's experts are spread over, `layout` a file to read the
@@ -144,7 +145,7 @@ def command(
         device = target_named(target)
     except ValueError as exc:
         raise UserError(f"--{exc}") from None
-    read, from_file = None, False
+    read, from_file, typed_replicate = None, False, dp_replicate
     if layout is not None:
         typed = {
             "dp_shard": dp_shard,
@@ -163,7 +164,12 @@ def command(
     shards = _count(dp_shard, "--dp-shard", "the data-parallel ranks the optimizer's state is sharded over (FSDP)")
     replicas = _count(dp_replicate, "--dp-replicate", "the data-parallel replicas beside the shards (HSDP)")
     fsdp = read is None or read.fsdp is not False  # Megatron's data parallelism: its communication not priced
-    typed_gather = fp8_all_gather and (read is None or read.fp8_all_gather is None)
+    if not fsdp and typed_replicate is not None:
+        raise UserError(
+            f"--dp-replicate {shown(str(dp_replicate), 24)} beside --layout {shown(str(layout), 80)}, a Megatron-LM launch, "
+            "whose data-parallel ranks are the world over its TP; leave --dp-replicate out"
+        )
+    typed_gather = bool(fp8_all_gather) and (read is None or read.fp8_all_gather is None)
     if typed_gather and fsdp and shards == 1:
         raise UserError(
             "--fp8-all-gather: there is no FSDP sharding to gather over; give --dp-shard N (N above 1) or leave it out"
@@ -171,7 +177,7 @@ def command(
     # what the data-parallel collectives leave out, where they are not priced
     unpriced = "" if fsdp else "Megatron's data-parallel communication, "
     if fsdp and (shards > 1 or replicas > 1) and not prices_data_parallel(device):
-        unpriced = f"FSDP's communication (target {device.name} gives no NVLink and NIC bandwidths), "
+        unpriced = f"data-parallel communication (target {device.name} does not give both its NVLink and NIC bandwidths), "
     micro = _count(grad_accum, "--grad-accum", "the micro-batches of one optimizer step")
     tensor = _count(tp, "--tp", "the tensor-parallel ranks each Linear is sharded over")
     if tensor > 1 and device.link_gbs <= 0:
@@ -267,7 +273,12 @@ def command(
             label += f" (a schedule: {len(chosen.phases) + 1} phases priced alone, averaged by their shares of the run, {shares})"
     if fp8_all_gather is None and given is not None:  # neither the flag nor the layout says: the policy's own
         fp8_all_gather = given.fsdp_fp8_all_gather
-    gathers_fp8 = bool(fp8_all_gather) and _gathers_fp8(chosen, shards, fsdp, said)
+    if typed_gather and chosen.phases:
+        raise UserError(
+            f"--fp8-all-gather: --policy {policy} has phases, and apply_policy refuses an fp8 all-gather with them (a "
+            "phase switches formats in place; FSDP2 wraps the weights once); leave it out"
+        )
+    gathers_fp8 = bool(fp8_all_gather) and _gathers_fp8(chosen, shards, fsdp and not unpriced, said)
     step = dataclasses.replace(step, fp8_all_gather=gathers_fp8)
     formats = set(chosen.formats) | ({candidate_format} if given is None else set())
     missing = lacking(formats, device)
@@ -282,9 +293,13 @@ def command(
         )
     base, mine = predict(step, baseline(), device), predict(step, chosen, device, experts=grouped_format)
     value = base.ms / mine.ms if mine.ms > 0 else 1.0
-    unhidden = max(p.unhidden_ms / p.ms if p.ms > 0 else 0.0 for p in (base, mine))
     stated = regime_band(
-        step, chosen, outside_share=found.coverage.weighted_outside_share, experts=grouped_format, unhidden=unhidden
+        step,
+        chosen,
+        outside_share=found.coverage.weighted_outside_share,
+        experts=grouped_format,
+        data_parallel=max(p.parts.get("data_parallel", 0.0) / p.ms if p.ms > 0 else 0.0 for p in (base, mine)),
+        unhidden=max(p.unhidden_ms / p.ms if p.ms > 0 else 0.0 for p in (base, mine)),
     )
     result = {
         "model": str(model),
@@ -329,7 +344,7 @@ def command(
         f"{model}: {step.tokens * micro:,.0f} tokens per step"
         + (f" ({micro} micro-batches of {step.tokens:,.0f})" if micro > 1 else "")
         + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); "
-        + _data_parallel_words(shards, replicas, fsdp and not unpriced, gathers_fp8)
+        + _data_parallel_words(shards, replicas, fsdp, fsdp and not unpriced, gathers_fp8)
         + (
             f"; tensor parallel over {tensor} ranks (sequence-parallel, "
             + (
@@ -381,14 +396,14 @@ def command(
     return result, "\n".join(lines)
 
 
-def _gathers_fp8(policy: Any, shards: int, fsdp: bool, said: list[str]) -> bool:
+def _gathers_fp8(policy: Any, shards: int, priced: bool, said: list[str]) -> bool:
     """Whether FSDP gathers some of `policy`'s weights in fp8, asked to; where it cannot, why is added to `said`, as
-    apply_policy warns where no layer's format gathers in fp8."""
+    apply_policy warns where no layer's format gathers in fp8. `priced`: the data-parallel communication is."""
     from autoprec.policy import gatherable_text
 
     why = None
-    if not fsdp:
-        why = "Megatron's data-parallel communication is not priced"
+    if not priced:
+        why = "the data-parallel communication is not priced"
     elif shards == 1:
         why = "the layout shards no weights over data-parallel ranks"
     elif policy.phases:
@@ -400,8 +415,12 @@ def _gathers_fp8(policy: Any, shards: int, fsdp: bool, said: list[str]) -> bool:
     return why is None
 
 
-def _data_parallel_words(shards: int, replicas: int, fsdp: bool, fp8: bool) -> str:
-    """The data-parallel layout in words, as the text's first line says it."""
+def _data_parallel_words(shards: int, replicas: int, fsdp: bool, priced: bool, fp8: bool) -> str:
+    """The data-parallel layout in words, as the text's first line says it; `fsdp` False: Megatron's."""
+    if not fsdp:
+        return "the optimizer's work on " + (
+            f"{shards} data-parallel ranks (Megatron's distributed optimizer)" if shards > 1 else "every rank (Megatron)"
+        )
     if shards == 1 and replicas == 1:
         return "the optimizer's work on one rank (--dp-shard N: FSDP over N)"
     if shards == 1:
@@ -410,14 +429,12 @@ def _data_parallel_words(shards: int, replicas: int, fsdp: bool, fp8: bool) -> s
     else:
         words = f"the optimizer's work on {shards} data-parallel ranks" + (f", {replicas} replicas" if replicas > 1 else "")
         how = " (FSDP2's collectives overlapped as it overlaps them" + (", weights gathered in fp8)" if fp8 else ")")
-    return words + (how if fsdp else " (their communication not priced)")
+    return words + (how if priced else " (their communication not priced)")
 
 
-def _switch(p: argparse.ArgumentParser, flag: str, what: str) -> None:
-    """A yes-or-no flag with its --no- form, unset (None) where not given: --layout's value, else off, then holds."""
-    p.add_argument(
-        flag, action=argparse.BooleanOptionalAction, default=None, help=f"{what} (default: as --layout says, else not)"
-    )
+def _switch(p: argparse.ArgumentParser, flag: str, what: str, default: str = "as --layout says, else not") -> None:
+    """A yes-or-no flag with its --no- form, unset (None) where not given, so that `default` (its help's words) holds."""
+    p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"{what} (default: {default})")
 
 
 def _predict_arguments(p: argparse.ArgumentParser) -> None:
@@ -433,6 +450,7 @@ def _predict_arguments(p: argparse.ArgumentParser) -> None:
         p,
         "--fp8-all-gather",
         "FSDP gathers tensorwise-fp8 Linears' weights in fp8, as torchao's enable_fsdp_float8_all_gather does",
+        "as --layout says, else as the policy file does, else not",
     )
     p.add_argument("--grad-accum", metavar="N", help="micro-batches per optimizer step (default 1)")
     p.add_argument("--tp", metavar="N", help="tensor-parallel ranks each Linear is sharded over (sequence-parallel; default 1)")
