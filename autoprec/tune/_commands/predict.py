@@ -11,7 +11,7 @@ from typing import Any
 
 from autoprec.apply import policy_problem
 from autoprec.errors import UserError, shown
-from autoprec.policy import ROOT
+from autoprec.policy import ROOT, Policy
 from autoprec.tune._commands._shared import Verb, print_json
 from autoprec.tune._core._numbers import NotANumber, parse_integer
 from autoprec.tune._core._targets import targets as planned_for
@@ -220,8 +220,6 @@ def command(
             f"--experts {grouped_format.value}: {model} runs no grouped experts (torch._grouped_mm) to price; leave it out"
         )
     said = list(read.said) if read is not None else []
-    if replicas > 1 and not fsdp:
-        said.append(f"--dp-replicate {replicas}: Megatron's data-parallel communication is not priced")
     if async_tp and tensor == 1:
         said.append("asynchronous tensor parallelism left out: the layout has no tensor parallelism")
     if spread > 1 and from_file and not found.step.grouped:  # a run's config names it; this model has no experts
@@ -396,7 +394,7 @@ def command(
     return result, "\n".join(lines)
 
 
-def _gathers_fp8(policy: Any, shards: int, priced: bool, said: list[str]) -> bool:
+def _gathers_fp8(policy: Policy, shards: int, priced: bool, said: list[str]) -> bool:
     """Whether FSDP gathers some of `policy`'s weights in fp8, asked to; where it cannot, why is added to `said`, as
     apply_policy warns where no layer's format gathers in fp8. `priced`: the data-parallel communication is."""
     from autoprec.policy import gatherable_text

@@ -7,7 +7,8 @@
   moved it); [activation_checkpoint] mode; [training] local_batch_size, seq_len, global_batch_size; torchao's
   enable_fsdp_float8_all_gather ([quantize.linear.float8], or an older config's [quantize.dense.float8] or [float8]).
   A key the file leaves out takes torchtitan's default (shards -1: every GPU left, which the launch decides; 8
-  sequences of 2048; selective checkpointing). An older config's layout keys (under [training] or [experimental]) are refused by name.
+  sequences of 2048; selective checkpointing). An older config's layout keys (under [training] or [experimental])
+  are refused by name.
 - a launch's arguments (any other file: a shell script, or a list of arguments), for a torchtitan run configured on
   its command line (--parallelism.tensor_parallel_degree=2 and the other keys above as flags; what its Python config
   sets is not in the file, so the data-parallel ranks must be said) or a Megatron-LM one (--tensor-model-parallel-size,
