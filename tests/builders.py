@@ -38,6 +38,17 @@ def small_task(model_code: str) -> str:
     )
 
 
+def fp8_mlp_task() -> str:
+    """A model.py whose Linears fp8 runs (64 -> 256 -> 64, dimensions that are multiples of 16), one seeded batch of
+    32 rows: the predictor's layout tests."""
+    return (
+        "import torch\nfrom torch import nn\n\n"
+        "def build_model():\n    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))\n\n"
+        "def batches(split):\n    return [torch.randn(32, 64, generator=torch.Generator().manual_seed(0))]\n\n"
+        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n"
+    )
+
+
 def tiny_mixtral(hidden: int, inter: int, layers: int, experts: int, top_k: int) -> str:
     """A model.py of a tiny transformers Mixtral (4 heads, 2 key-value heads, vocabulary 128), one train batch of 4 x 16
     tokens: its experts are fused 3-D weights run by torch._grouped_mm, no nn.Linear."""

@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from builders import small_task
+from builders import fp8_mlp_task, small_task
 
 from autoprec.errors import UserError
 from autoprec.tune._cli import main
@@ -215,13 +215,7 @@ def test_torchaos_fp8_all_gather_is_read_from_either_configs_table_or_flag(tmp_p
 
 def test_predict_reads_fp8_all_gather_and_replicas_from_a_layout_and_a_flag_overrides_them(tmp_path, capsys):
     model = tmp_path / "model.py"
-    model.write_text(
-        "import torch\nfrom torch import nn\n\n"
-        "def build_model():\n    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))\n\n"
-        "def batches(split):\n    return [torch.randn(32, 64, generator=torch.Generator().manual_seed(0))]\n\n"
-        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n",
-        encoding="utf-8",
-    )
+    model.write_text(fp8_mlp_task(), encoding="utf-8")
     toml = write(
         tmp_path,
         "run.toml",

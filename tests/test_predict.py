@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-from builders import small_task, tiny_mixtral
+from builders import fp8_mlp_task, small_task, tiny_mixtral
 
 from autoprec.formats import Format, OperandCast
 from autoprec.policy import ROOT, Policy
@@ -883,12 +883,7 @@ def test_fp8_all_gather_halves_only_tensorwise_weights_and_replicas_add_their_al
 
 
 def test_predict_prices_fsdp_says_fp8_all_gather_and_refuses_it_without_sharding(capsys, write_model, monkeypatch):
-    path = write_model(
-        "import torch\nfrom torch import nn\n\n"
-        "def build_model():\n    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))\n\n"
-        "def batches(split):\n    return [torch.randn(32, 64, generator=torch.Generator().manual_seed(0))]\n\n"
-        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n"
-    )
+    path = write_model(fp8_mlp_task())
     base = [str(path), "--target", "h100", "--format", "fp8", "--dp-shard", "8", "--json"]
     results = {}
     for extra in ([], ["--fp8-all-gather"], ["--dp-replicate", "2"]):
@@ -932,12 +927,7 @@ def test_predict_prices_fsdp_says_fp8_all_gather_and_refuses_it_without_sharding
 def test_predict_gathers_in_fp8_as_apply_policy_would_and_says_where_it_cannot(capsys, tmp_path, write_model):
     """A review found --fp8-all-gather reported on for a policy with nothing torchao gathers in fp8, and a policy
     file's own fsdp_fp8_all_gather ignored."""
-    path = write_model(
-        "import torch\nfrom torch import nn\n\n"
-        "def build_model():\n    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))\n\n"
-        "def batches(split):\n    return [torch.randn(32, 64, generator=torch.Generator().manual_seed(0))]\n\n"
-        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n"
-    )
+    path = write_model(fp8_mlp_task())
     own = tmp_path / "gathers.json"
     Policy(layers={ROOT: "bf16", "0": "fp8", "1": "fp8"}, fsdp_fp8_all_gather=True).save(own)
     base = [str(path), "--target", "h100", "--dp-shard", "8", "--json"]
@@ -1000,13 +990,7 @@ def test_fsdps_first_units_past_what_any_held_out_point_pays_put_a_prediction_ou
 
 def test_predict_refuses_what_apply_policy_or_megatron_would_and_says_megatrons_data_parallelism(capsys, tmp_path):
     path = tmp_path / "model.py"
-    path.write_text(
-        "import torch\nfrom torch import nn\n\n"
-        "def build_model():\n    return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))\n\n"
-        "def batches(split):\n    return [torch.randn(32, 64, generator=torch.Generator().manual_seed(0))]\n\n"
-        "def loss_fn(model, batch):\n    return model(batch).square().mean()\n",
-        encoding="utf-8",
-    )
+    path.write_text(fp8_mlp_task(), encoding="utf-8")
     phased = tmp_path / "phased.json"
     Policy(layers={ROOT: "bf16", "0": "fp8"}, phases=[{"from_fraction": 0.5, "layers": {"0": "bf16"}}]).save(phased)
     launch = tmp_path / "launch.sh"

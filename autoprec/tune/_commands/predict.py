@@ -178,6 +178,7 @@ def command(
     unpriced = "" if fsdp else "Megatron's data-parallel communication, "
     if fsdp and (shards > 1 or replicas > 1) and not prices_data_parallel(device):
         unpriced = f"data-parallel communication (target {device.name} does not give both its NVLink and NIC bandwidths), "
+    priced = not unpriced
     micro = _count(grad_accum, "--grad-accum", "the micro-batches of one optimizer step")
     tensor = _count(tp, "--tp", "the tensor-parallel ranks each Linear is sharded over")
     if tensor > 1 and device.link_gbs <= 0:
@@ -276,7 +277,7 @@ def command(
             f"--fp8-all-gather: --policy {policy} has phases, and apply_policy refuses an fp8 all-gather with them (a "
             "phase switches formats in place; FSDP2 wraps the weights once); leave it out"
         )
-    gathers_fp8 = bool(fp8_all_gather) and _gathers_fp8(chosen, shards, fsdp and not unpriced, said)
+    gathers_fp8 = bool(fp8_all_gather) and _gathers_fp8(chosen, shards, priced, said)
     step = dataclasses.replace(step, fp8_all_gather=gathers_fp8)
     formats = set(chosen.formats) | ({candidate_format} if given is None else set())
     missing = lacking(formats, device)
@@ -342,7 +343,7 @@ def command(
         f"{model}: {step.tokens * micro:,.0f} tokens per step"
         + (f" ({micro} micro-batches of {step.tokens:,.0f})" if micro > 1 else "")
         + f", {len(step.linears)} Linear layers, on {device.name} ({device.device}); "
-        + _data_parallel_words(shards, replicas, fsdp, fsdp and not unpriced, gathers_fp8)
+        + _data_parallel_words(shards, replicas, fsdp, priced, gathers_fp8)
         + (
             f"; tensor parallel over {tensor} ranks (sequence-parallel, "
             + (

@@ -395,17 +395,16 @@ _FP8_GATHER = frozenset(
 
 def _titan_key(read: _Read, key_shown: str, section: str, key: str, value: Any) -> None:
     """One torchtitan key (a TOML entry or a --section.key flag) into `read`; others are not the layout's."""
-    switch = section in _SWITCH_SECTIONS and key in _SWITCHES  # a flag of its own is on
-    gather = (section, key) in _FP8_GATHER
-    if value is None and not (switch or gather):
+    switch = _is_switch(section, key)  # a flag of its own is on
+    if value is None and not switch:
         raise UserError(f"{read.where}: {key_shown} has no value; give it one")
-    if switch or gather:
+    if switch:
         on = _switch(value, read.where, key_shown)
         on = on if key.rsplit(".", 1)[-1].startswith("enable") else not on
-        if switch:
-            read.async_tp = on
-        else:
+        if (section, key) in _FP8_GATHER:
             read.fp8_all_gather = on
+        else:
+            read.async_tp = on
     elif section == "parallelism":
         if key == "data_parallel_shard_degree":
             read.shard = _whole(value, read.where, key_shown, least=-1)
@@ -455,7 +454,8 @@ def _from_arguments(text: str, where: str) -> Layout:
         if not eq:  # --key value, or a switch (--use-distributed-optimizer) followed by the next flag
             following = words[i + 1] if i + 1 < len(words) else None
             value = following if following is not None and not following.startswith("--") else None
-            if value is not None and _is_switch(name) and value.strip().lower() not in (*_YES, *_NO):
+            section, _, rest = name.partition(".")
+            if value is not None and _is_switch(section, rest) and value.strip().lower() not in (*_YES, *_NO):
                 value = None  # a switch alone, the next word another command's (the file's lines are read as one)
         flags[name] = value  # torchrun and Megatron spell words with - or _, tyro's flags too
     read = _Read(where)
@@ -503,9 +503,9 @@ def _from_arguments(text: str, where: str) -> Layout:
     return read.layout()
 
 
-def _is_switch(name: str) -> bool:
-    """Whether a flag (its --section.key name, - read as _) is one of torchtitan's yes-or-no keys predict reads."""
-    section, _, key = name.partition(".")
+def _is_switch(section: str, key: str) -> bool:
+    """Whether a torchtitan key (under `section`; a flag's words with - read as _) is one of its yes-or-no keys predict
+    reads."""
     return (section in _SWITCH_SECTIONS and key in _SWITCHES) or (section, key) in _FP8_GATHER
 
 

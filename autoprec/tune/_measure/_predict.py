@@ -594,7 +594,7 @@ def tp_communication_ms(step: Step, policy: Policy, target: Target, cal: Calibra
     backward's reduce-scatter sums the column-parallel dgrads first, so it is not fused. Returns the time the
     collectives add to the step."""
     tp, dim = max(step.tensor_parallel, 1), width(step)
-    per_direction = target.link_gbs / 2 * 1e9 * cal.memory
+    per_direction = _one_way(target.link_gbs / 2, cal)
     passes = 3 if step.checkpointing else 2  # forward, backward, and the forward again
     high = ELEMENT_BYTES[BASELINE]
 
@@ -624,6 +624,12 @@ def tp_communication_ms(step: Step, policy: Policy, target: Target, cal: Calibra
     return total
 
 
+def _one_way(gbs: float, cal: Calibration) -> float:
+    """The bytes a second a collective moves each way over a link of `gbs` GB/s one way: Calibration.memory's share
+    of it, as every collective here is priced."""
+    return gbs * 1e9 * cal.memory
+
+
 def prices_data_parallel(target: Target) -> bool:
     """Whether `target` says the bandwidths a data-parallel collective runs at: its NVLink's and its NICs'."""
     return target.link_gbs > 0 and target.nic_gbs > 0
@@ -642,7 +648,7 @@ def ring_ms(nbytes: float, ranks: int, stride: int, target: Target, cal: Calibra
     gbs = link if ranks <= members else min(link, members * target.nic_gbs)
     if gbs <= 0:
         raise ValueError(f"target {target.name!r} gives no NVLink or NIC bandwidth for a ring over {ranks} ranks")
-    return 1e3 * (ranks - 1) / ranks * nbytes / (gbs * 1e9 * cal.memory) + target.launch_us * 1e-3
+    return 1e3 * (ranks - 1) / ranks * nbytes / _one_way(gbs, cal) + target.launch_us * 1e-3
 
 
 def fsdp_unit(name: str) -> str:
@@ -733,7 +739,7 @@ def ep_communication_ms(step: Step, target: Target, cal: Calibration = CALIBRATI
     prices a collective. Balanced routing: every rank sends and receives as many tokens (a busier rank waits longer);
     a top-k token is sent once per expert it goes to (no per-rank deduplication)."""
     ep = max(step.expert_parallel, 1)
-    per_direction = target.link_gbs / 2 * 1e9 * cal.memory
+    per_direction = _one_way(target.link_gbs / 2, cal)
     passes = 3 if step.checkpointing else 2  # forward, backward, and the forward again
     layers = moe_layers(step)
     # each layer's dispatch (the routed tokens at the first GEMM's K) and combine (at the last GEMM's N)
