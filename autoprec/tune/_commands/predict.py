@@ -11,7 +11,7 @@ from typing import Any
 
 from autoprec.apply import policy_problem
 from autoprec.errors import UserError, shown
-from autoprec.policy import ROOT, Policy
+from autoprec.policy import ROOT, Policy, gatherable_text
 from autoprec.tune._commands._shared import Verb, print_json
 from autoprec.tune._core._numbers import NotANumber, parse_integer
 from autoprec.tune._core._targets import targets as planned_for
@@ -398,8 +398,6 @@ def command(
 def _gathers_fp8(policy: Policy, shards: int, priced: bool, said: list[str]) -> bool:
     """Whether FSDP gathers some of `policy`'s weights in fp8, asked to; where it cannot, why is added to `said`, as
     apply_policy warns where no layer's format gathers in fp8. `priced`: the data-parallel communication is."""
-    from autoprec.policy import gatherable_text
-
     why = None
     if not priced:
         why = "the data-parallel communication is not priced"
